@@ -1,0 +1,3 @@
+from k3rocm.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,68 @@
+"""``k3rocm config``: the resolved serving settings, where each came from, and the settings list."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from k3rocm.config import ENV_NAME, FIELDS, KNOWN_OTHER, PROFILES, redact_env, render
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--env-file", default=".env", help="optional KEY=VALUE file (default .env)")
+    parser.add_argument("--list", action="store_true", help="list every K3_* setting and exit")
+    parser.add_argument("--markdown", action="store_true",
+                        help="print the settings table in markdown (the README's table)")
+    parser.add_argument("--json", action="store_true", help="print settings and sources as JSON")
+    parser.add_argument("--host-paths", action="store_true",
+                        help="check /models/... paths against K3_MODELS_DIR on this host "
+                        "(what `make config` does before compose mounts it)")
+
+
+def settings_table() -> str:
+    rows = ["| Setting | Default | Profile `cpu-smoke` | Description |",
+            "|---|---|---|---|"]
+    smoke = PROFILES["cpu-smoke"]["settings"]
+    for name, f in FIELDS.items():
+        default = "" if f.default is None else f.default
+        if isinstance(default, bool):
+            default = int(default)
+        prof = smoke.get(name, "")
+        prof = "(unset)" if name in smoke and prof is None else \
+            (int(prof) if isinstance(prof, bool) else prof)
+        rows.append(f"| `{ENV_NAME[name]}` | `{default}` | {f'`{prof}`' if prof != '' else ''} "
+                    f"| {f.description} |")
+    return "\n".join(rows) + "\n"
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.markdown:
+        sys.stdout.write(settings_table())
+        return 0
+    if args.list:
+        for name, f in FIELDS.items():
+            print(f"{ENV_NAME[name]:<30} {f.description}")
+        for key, text in KNOWN_OTHER.items():
+            print(f"{key:<30} {text}")
+        return 0
+    rendered = render(dotenv=args.env_file, host_paths=args.host_paths)
+    s = rendered.settings.model_dump()
+    if args.json:
+        json.dump({"settings": s, "sources": rendered.sources, **rendered.to_json()},
+                  sys.stdout, indent=2, default=str)
+        sys.stdout.write("\n")
+        return 0
+    env = redact_env(rendered.env)
+    print(f"profile: {rendered.settings.profile}")
+    for name, value in s.items():
+        key = ENV_NAME[name]
+        if key == "K3_API_KEY" and value:
+            value = "***"
+        print(f"  {key:<30} {value!s:<40} [{rendered.sources.get(key, 'default')}]")
+    print("vLLM environment:")
+    for key, value in env.items():
+        print(f"  {key:<30} {value!s:<40} [{rendered.sources.get(key, '')}]")
+    print("argv:")
+    print("  " + " \\\n    ".join(rendered.argv))
+    return 0

