@@ -1,0 +1,124 @@
+"""Rendering of the serving configuration: golden env/argv, precedence, sources, redaction."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from conftest import REPO, run_cli
+
+from k3rocm.config import ENV_NAME, FIELDS, render
+
+GOLDEN = Path(__file__).parent / "golden"
+CASES = {
+    # name: environment (nothing else is read: no .env)
+    "default": {},
+    "tp4-mtp-off": {"K3_TP": "4", "K3_MTP_K": "0"},
+    "user-overrides": {"VLLM_ROCM_USE_AITER_MLA": "0", "K3_KV_CACHE_DTYPE": "auto",
+                       "K3_MAX_NUM_SEQS": "8", "K3_FUSE_DECODE_QPREP": "0"},
+    "cpu-smoke": {"K3_PROFILE": "cpu-smoke", "K3_MODEL": "/tmp", "K3_MAX_MODEL_LEN": "1024"},
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_golden(case):
+    got = render(environ=CASES[case], dotenv=None).to_json()
+    path = GOLDEN / f"render-{case}.json"
+    if os.environ.get("UPDATE_GOLDEN") == "1":
+        path.write_text(json.dumps(got, indent=2) + "\n")
+    assert got == json.loads(path.read_text())
+
+
+def test_default_profile_sets_the_aiter_environment():
+    r = render(environ={}, dotenv=None)
+    env = r.env
+    for key, value in {"VLLM_ROCM_USE_AITER": "1", "VLLM_ROCM_USE_AITER_MLA": "1",
+                       "VLLM_ROCM_USE_AITER_MOE": "1", "VLLM_USE_BREAKABLE_CUDAGRAPH": "0",
+                       "SAFETENSORS_FAST_GPU": "1", "AITER_SITUV2_A8W4": "1",
+                       "VLLM_ROCM_USE_AITER_MOE_SITUV2_A8W4": "1",
+                       "AITER_BF16_FP8_MOE_BOUND": "0", "HSA_NO_SCRATCH_RECLAIM": "1"}.items():
+        assert env[key] == value, key
+    assert env["HF_HOME"].startswith("/cache/") and env["AITER_JIT_DIR"].startswith("/cache/")
+    argv = r.argv
+    assert argv[:3] == ["vllm", "serve", "moonshotai/Kimi-K3"]
+    assert argv[argv.index("--tensor-parallel-size") + 1] == "8"
+    spec = json.loads(argv[argv.index("--speculative-config") + 1])
+    assert spec == {"method": "mtp", "num_speculative_tokens": 2}
+
+
+def test_user_value_beats_profile_and_sources_say_so(tmp_path):
+    dotenv = tmp_path / ".env"
+    dotenv.write_text("K3_TP=4\nK3_MAX_NUM_SEQS=16  # comment\nVLLM_ROCM_USE_AITER_MOE=0\n")
+    r = render(environ={"K3_TP": "2", "VLLM_ROCM_USE_AITER_MLA": "0"}, dotenv=dotenv)
+    assert r.settings.tp == 2 and r.sources["K3_TP"] == "env"
+    assert r.settings.max_num_seqs == 16 and r.sources["K3_MAX_NUM_SEQS"] == ".env"
+    assert r.env["VLLM_ROCM_USE_AITER_MLA"] == "0" and r.sources["VLLM_ROCM_USE_AITER_MLA"] == "env"
+    assert r.env["VLLM_ROCM_USE_AITER_MOE"] == "0" and r.sources["VLLM_ROCM_USE_AITER_MOE"] == ".env"
+    assert r.sources["VLLM_ROCM_USE_AITER"] == "profile:mi355x-tp8"
+    assert r.sources["K3_KV_CACHE_DTYPE"] == "default"
+    smoke = render(environ={"K3_PROFILE": "cpu-smoke", "K3_MODEL": "/tmp"}, dotenv=None)
+    assert smoke.sources["K3_TP"] == "profile:cpu-smoke" and smoke.settings.tp == 1
+
+
+def test_empty_values_count_as_unset():
+    r = render(environ={"K3_TP": "", "K3_MODEL": ""}, dotenv=None)
+    assert r.settings.tp == 8 and r.sources["K3_TP"] == "default"
+
+
+def test_passthrough_and_extra_args_come_last():
+    r = render(environ={"K3_EXTRA_ARGS": "--seed 7 --disable-log-requests"}, dotenv=None,
+               passthrough=["--max-logprobs", "5"])
+    assert r.argv[-5:] == ["--max-logprobs", "5", "--seed", "7", "--disable-log-requests"]
+
+
+def test_profiler_renders_config_and_rpc_timeout():
+    r = render(environ={"K3_PROFILER_DIR": "/results/traces"}, dotenv=None)
+    prof = json.loads(r.argv[r.argv.index("--profiler-config") + 1])
+    assert prof["torch_profiler_dir"] == "/results/traces" and prof["torch_profiler_use_gzip"]
+    assert prof["max_iterations"] == 6 and prof["torch_profiler_with_stack"] is False
+    assert int(r.env["VLLM_RPC_TIMEOUT"]) >= 600000
+    old = render(environ={"K3_PROFILER_DIR": "/t", "K3_PROFILER_STYLE": "env"}, dotenv=None)
+    assert "--profiler-config" not in old.argv and old.env["VLLM_TORCH_PROFILER_DIR"] == "/t"
+
+
+def test_secrets_are_redacted_in_print_and_never_in_argv():
+    env = {"K3_API_KEY": "sekrit-123", "HF_TOKEN": "hf_sekrit"}
+    proc = run_cli("render", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "sekrit" not in proc.stdout
+    out = json.loads(proc.stdout)
+    assert out["env"]["VLLM_API_KEY"] == "***"
+    assert not any("sekrit" in a for a in out["argv"])
+    cfg = run_cli("config", env=env)
+    assert cfg.returncode == 0 and "sekrit" not in cfg.stdout + cfg.stderr
+
+
+def test_entrypoint_print_on_the_host():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("K3_")}
+    env.update({"K3_TP": "4", "PYTHONPATH": ""})
+    import subprocess
+
+    proc = subprocess.run([str(REPO / "entrypoint.sh"), "--print", "--seed", "1"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert set(out) >= {"env", "argv"}
+    assert out["argv"][out["argv"].index("--tensor-parallel-size") + 1] == "4"
+    assert out["argv"][-2:] == ["--seed", "1"]
+
+
+def test_readme_settings_table_is_in_sync():
+    from k3rocm.commands.config_cmd import settings_table
+
+    readme = (REPO / "README.md").read_text()
+    assert settings_table() in readme, "README settings table is stale: paste " \
+        "`k3rocm config --markdown` between the settings markers"
+
+
+def test_compose_passes_every_container_setting():
+    text = (REPO / "compose.yaml").read_text()
+    for name, f in FIELDS.items():
+        listed = f"      - {ENV_NAME[name]}\n" in text
+        assert listed == (f.json_schema_extra["group"] != "deployment"), ENV_NAME[name]
