@@ -11,7 +11,7 @@ GIT_REV ?= $(shell git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)
 export GIT_REV
 CONFIG_ENV := $(if $(filter 1,$(CPU)),K3_PROFILE=$${K3_PROFILE:-cpu-smoke})
 
-.PHONY: help venv config build up down logs test lint
+.PHONY: help venv config build up down logs test lint smoke
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | sort -u | \
@@ -48,5 +48,8 @@ lint: $(PY) ## ruff, hadolint, shellcheck
 	$(PY) -m ruff check .
 	.venv/bin/hadolint Dockerfile $(wildcard docker/*/Dockerfile)
 	.venv/bin/shellcheck entrypoint.sh .ci/run .ci/*.sh
+
+smoke: $(PY) ## build FROM the stand-in (or BASE_IMAGE=<ROCm image> GPU=1), serve the tiny model, one request
+	$(PY) -m k3rocm smoke $(if $(BASE_IMAGE),--base-image $(BASE_IMAGE)) $(if $(filter 1,$(GPU)),--gpu --profile $${K3_PROFILE:-cpu-smoke})
 
 -include mk/*.mk

