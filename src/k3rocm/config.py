@@ -156,8 +156,11 @@ FIELD_BY_ENV = {env: name for name, env in ENV_NAME.items()}
 # K3_* variables that are not serving settings but are known (tests, tooling).
 KNOWN_OTHER = {
     "K3_SERVER_IMAGE": "tests: the serving image the stand-in fixture runs",
-    "K3_TEST_REFERENCE_OPS": "tests: register torch reference ops for the AITER kernels (CPU only)",
+    "K3_TORCH_WHEELS": "stand-in build: directory with the torch 2.13.0+cpu wheel",
+    "K3_EXPECT_WIRING": "tests: which wrapper the in-image wiring check expects",
 }
+# Families of K3_* variables owned by tests (K3_TEST_*) and the client container (K3_GSM8K_*).
+KNOWN_PREFIXES = ("K3_TEST_", "K3_GSM8K_")
 
 # Per profile: defaults for settings, and the vendor environment rendered for vLLM.
 PROFILES: dict[str, dict[str, dict[str, Any]]] = {
@@ -295,7 +298,8 @@ def load_settings(environ: Mapping[str, str] | None = None,
         for key, raw in vals.items():
             if not key.startswith(PREFIX):
                 continue
-            if key not in FIELD_BY_ENV and key not in KNOWN_OTHER:
+            if key not in FIELD_BY_ENV and key not in KNOWN_OTHER and \
+                    not key.startswith(KNOWN_PREFIXES):
                 raise UsageError(
                     f"{key} is not a known setting (from {src_name}); check the spelling: "
                     f"valid names are listed by `k3rocm config --list`")

@@ -6,7 +6,15 @@ import argparse
 import json
 import sys
 
-from k3rocm.config import ENV_NAME, FIELDS, KNOWN_OTHER, PROFILES, redact_env, render
+from k3rocm.config import (
+    ENV_NAME,
+    FIELDS,
+    KNOWN_OTHER,
+    KNOWN_PREFIXES,
+    PROFILES,
+    redact_env,
+    render,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,6 +53,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"{ENV_NAME[name]:<30} {f.description}")
         for key, text in KNOWN_OTHER.items():
             print(f"{key:<30} {text}")
+        for prefix in KNOWN_PREFIXES:
+            print(f"{prefix + '*':<30} reserved (tests and the client container)")
         return 0
     rendered = render(dotenv=args.env_file, host_paths=args.host_paths)
     s = rendered.settings.model_dump()
