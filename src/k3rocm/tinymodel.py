@@ -1,0 +1,357 @@
+"""`k3rocm tinymodel --out DIR`: generate the tiny random-weight MLA smoke model, offline.
+
+The model is defined here (``DEFINITION``): DeepSeek-V3 architecture with the Kimi-K3/DeepSeek
+MLA shapes (kv_lora_rank 512, qk_rope 64, qk_nope 128, v_head 128), a small q_lora_rank, 4 heads,
+hidden 256, 2 dense layers (no MoE layer: first_k_dense_replace >= num layers) and a small
+byte-level BPE tokenizer trained in code on a fixed embedded corpus. Weights are random from a
+fixed seed, saved as safetensors. Nothing is downloaded.
+
+The output directory loads with vLLM (``vllm serve DIR``), transformers ``AutoTokenizer`` (aiperf)
+and lm-eval. A ``k3rocm-tinymodel.json`` file records the definition hash; when it matches, the
+directory is left as it is (no regeneration).
+
+Needs torch + transformers + tokenizers + safetensors: run it inside the serving image, e.g.
+``docker run --rm -v HOSTDIR:/models --entrypoint python3 IMAGE -m k3rocm tinymodel
+--out /models/k3-smoke``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from k3rocm.errors import UsageError
+
+GENERATOR_VERSION = 3
+STAMP_FILE = "k3rocm-tinymodel.json"
+DEFAULT_NAME = "k3-smoke"
+
+SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|im_start|>", "<|im_end|>"]
+
+# A ChatML-style template; string content or OpenAI content-part lists both render.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+DEFINITION: dict = {
+    "name": DEFAULT_NAME,
+    "seed": 20260,
+    "dtype": "bfloat16",
+    "tokenizer": {
+        "kind": "byte-level-bpe",
+        "vocab_size": 1024,
+        "min_frequency": 2,
+        "special_tokens": SPECIAL_TOKENS,
+        "bos_token": "<|bos|>",
+        "eos_token": "<|eos|>",
+        "pad_token": "<|pad|>",
+        "chat_template": CHAT_TEMPLATE,
+        "model_max_length": 4096,
+    },
+    "config": {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "moe_intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "q_lora_rank": 128,
+        "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 128,
+        "v_head_dim": 128,
+        # MoE fields are required by the config class but unused: every layer is dense.
+        "first_k_dense_replace": 2,
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "n_group": 1,
+        "topk_group": 1,
+        "num_mtp_layers": 0,
+        "max_position_embeddings": 4096,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6,
+        "initializer_range": 0.02,
+        "tie_word_embeddings": False,
+    },
+}
+
+# Fixed training text for the tokenizer (ASCII; mixes prose, chat-like text, numbers and
+# arithmetic so prompts of the bench/gsm8k tests tokenize into plausible pieces).
+CORPUS = """\
+The quick brown fox jumps over the lazy dog. A tiny model answers questions about numbers.
+Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.
+How many clips did Natalia sell altogether in April and May? The answer is 72.
+Weng earns 12 dollars an hour for babysitting. Yesterday, she just did 50 minutes of babysitting.
+How much did she earn? She earned 10 dollars. Let us think step by step.
+Betty is saving money for a new wallet which costs 100 dollars. Betty has only half of the money.
+The server streams tokens to the client. Each request has a prompt and a completion.
+Time to first token, inter token latency, request throughput and output token throughput.
+You are a helpful assistant. Please answer the question. What is the capital of France?
+The capital of France is Paris. What is two plus two? Two plus two is four.
+In the beginning the engine loads the model, allocates the cache and warms up the kernels.
+Attention uses queries, keys and values; multi-head latent attention compresses the cache.
+1 + 1 = 2. 2 + 3 = 5. 7 * 8 = 56. 144 / 12 = 12. 15 - 9 = 6. 1000 - 1 = 999.
+Shall I compare thee to a summer's day? Thou art more lovely and more temperate.
+To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer.
+All the world's a stage, and all the men and women merely players.
+The weather today is sunny with a light breeze from the west. Tomorrow it may rain.
+Once upon a time there was a little robot who liked to count the stars at night.
+"""
+
+
+def definition_hash(defn: dict | None = None) -> str:
+    payload = {"generator": GENERATOR_VERSION, "definition": defn or DEFINITION, "corpus": CORPUS}
+    blob = json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()
+
+
+def _log(msg: str) -> None:
+    print(f"[tinymodel] {msg}", file=sys.stderr, flush=True)
+
+
+def is_current(out: Path) -> bool:
+    stamp = out / STAMP_FILE
+    try:
+        data = json.loads(stamp.read_text())
+    except (OSError, ValueError):
+        return False
+    return data.get("definition_sha256") == definition_hash() and all(
+        (out / f).is_file() for f in data.get("files", [])
+    )
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+
+
+def _ascii_alphabet() -> list[str]:
+    """The byte-level (GPT-2 byte-to-unicode) symbols of printable ASCII, tab and newline.
+
+    Only these bytes are in the vocabulary, so every token decodes to complete text and a
+    streamed completion gets one delta per token (random weights never emit half a UTF-8
+    character). Input bytes outside this set are dropped by the tokenizer.
+    """
+    keep = [9, 10, *range(32, 127)]
+    printable = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    mapping, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            mapping[b] = chr(b)
+        else:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return [mapping[b] for b in keep]
+
+
+def build_tokenizer(tdef: dict):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=tdef["vocab_size"],
+        min_frequency=tdef["min_frequency"],
+        special_tokens=list(tdef["special_tokens"]),
+        initial_alphabet=_ascii_alphabet(),
+        show_progress=False,
+    )
+    lines = [ln for ln in CORPUS.splitlines() if ln.strip()]
+    tok.train_from_iterator(lines, trainer=trainer)
+    return tok
+
+
+def generate(out: Path, force: bool = False) -> Path:
+    """Write the smoke model into ``out`` (atomically: a temp dir renamed into place)."""
+    out = out.resolve()
+    if not force and is_current(out):
+        _log(f"{out} already holds definition {definition_hash()[:12]}; nothing to do")
+        return out
+    if out.exists() and any(out.iterdir()) and not (out / STAMP_FILE).exists():
+        raise UsageError(
+            f"--out {out} is a non-empty directory that was not made by "
+            "`k3rocm tinymodel`; choose an empty or new directory"
+        )
+    try:
+        import torch
+        import transformers
+        from transformers import AutoModelForCausalLM, DeepseekV3Config, PreTrainedTokenizerFast
+    except ImportError as exc:
+        raise UsageError(
+            f"tinymodel needs torch and transformers ({exc}); run it inside the "
+            "serving image (see docs/standin.md)",
+            exit_code=1,
+        ) from exc
+
+    t0 = time.monotonic()
+    defn = DEFINITION
+    tdef = defn["tokenizer"]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        tok = build_tokenizer(tdef)
+        vocab_size = tok.get_vocab_size()
+        ids = {t: tok.token_to_id(t) for t in tdef["special_tokens"]}
+        # Tokenizer files written directly (not via save_pretrained) so that transformers 4.x
+        # and 5.x both load them with AutoTokenizer: tokenizer_class PreTrainedTokenizerFast,
+        # additional_special_tokens as a list, chat template in tokenizer_config.json and in
+        # chat_template.jinja.
+        tok.save(str(tmp / "tokenizer.json"))
+        specials = {
+            "bos_token": tdef["bos_token"],
+            "eos_token": tdef["eos_token"],
+            "pad_token": tdef["pad_token"],
+        }
+        extra = [t for t in tdef["special_tokens"] if t not in specials.values()]
+        added = {
+            str(ids[t]): {
+                "content": t,
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+                "special": True,
+            }
+            for t in tdef["special_tokens"]
+        }
+        tok_cfg = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            **specials,
+            "additional_special_tokens": extra,
+            "added_tokens_decoder": added,
+            "model_max_length": tdef["model_max_length"],
+            "clean_up_tokenization_spaces": False,
+            "add_bos_token": False,
+            "add_eos_token": False,
+            "chat_template": tdef["chat_template"],
+        }
+        _write_json(tmp / "tokenizer_config.json", tok_cfg)
+        _write_json(
+            tmp / "special_tokens_map.json", {**specials, "additional_special_tokens": extra}
+        )
+        (tmp / "chat_template.jinja").write_text(tdef["chat_template"])
+        # Check that transformers reads back what was written (and the template renders).
+        fast = PreTrainedTokenizerFast.from_pretrained(str(tmp))
+        if (
+            fast.eos_token_id != ids[tdef["eos_token"]]
+            or fast.bos_token_id != ids[tdef["bos_token"]]
+        ):
+            raise RuntimeError("tokenizer round trip lost the bos/eos tokens")
+        fast.apply_chat_template(
+            [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+        )
+        _log(f"tokenizer: byte-level BPE, {vocab_size} tokens")
+
+        cfg = dict(defn["config"])
+        cfg.pop("architectures")
+        cfg.pop("model_type")
+        rope_theta = cfg.pop("rope_theta")
+        config = DeepseekV3Config(
+            vocab_size=vocab_size,
+            bos_token_id=ids[tdef["bos_token"]],
+            eos_token_id=ids[tdef["eos_token"]],
+            pad_token_id=ids[tdef["pad_token"]],
+            rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+            **cfg,
+        )
+        config.architectures = list(defn["config"]["architectures"])
+        torch.manual_seed(defn["seed"])
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = model.to(getattr(torch, defn["dtype"]))
+        model.eval()
+        nparams = sum(p.numel() for p in model.parameters())
+        model.save_pretrained(tmp, safe_serialization=True)
+        model.generation_config.save_pretrained(tmp)
+        files = sorted(p.name for p in tmp.iterdir() if p.is_file())
+        stamp = {
+            "definition_sha256": definition_hash(),
+            "generator_version": GENERATOR_VERSION,
+            "name": defn["name"],
+            "parameters": nparams,
+            "vocab_size": vocab_size,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "files": files,
+        }
+        (tmp / STAMP_FILE).write_text(json.dumps(stamp, indent=2) + "\n")
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out)
+        os.chmod(out, 0o755)
+        for f in out.iterdir():
+            os.chmod(f, 0o644)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _log(
+        f"wrote {out} ({nparams / 1e6:.1f} M parameters, vocab {vocab_size}) in "
+        f"{time.monotonic() - t0:.1f} s"
+    )
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Generate the tiny random-weight MLA smoke model (DeepSeek-V3 "
+        "architecture) and its tokenizer, offline and deterministically."
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        required=True,
+        help="output directory (e.g. /models/k3-smoke); left alone when it "
+        "already holds the same definition",
+    )
+    parser.add_argument("--force", action="store_true", help="regenerate even if up to date")
+    parser.add_argument(
+        "--print-hash",
+        action="store_true",
+        help="print the definition hash and exit (no torch needed)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.print_hash:
+        print(definition_hash())
+        return 0
+    generate(args.out, force=args.force)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="k3rocm tinymodel")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except UsageError as exc:
+        print(f"k3rocm: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

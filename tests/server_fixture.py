@@ -1,0 +1,264 @@
+"""The CPU stand-in vLLM server for tests: one real server container per test session.
+
+``standin_server`` (session fixture) yields a :class:`StandinServer` with ``base_url``, ``model``
+(served name), ``tokenizer_path`` (host path of the smoke model directory: a tokenizer that
+transformers/aiperf/lm-eval load) and ``container`` (docker-py object). It runs our serving
+image (``$K3_SERVER_IMAGE``; by default the ``server_image`` fixture builds
+``k3rocm/server:cpu-0.32.0`` from this tree) through its real entrypoint with
+``K3_PROFILE=cpu-smoke``, the smoke model mounted at /models and the port published on
+127.0.0.1 (a free port chosen by Docker).
+
+:func:`start_server` starts another server with extra env (bench A/B, census, profiler runs);
+call ``.stop()`` on the result (or use it as a context manager).
+
+The smoke model is generated once into ``$K3_TEST_CACHE/models/k3-smoke`` (default
+/tmp/k3rocm-cache) by ``k3rocm tinymodel`` inside the image, from this tree's definition.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from conftest import REPO, need
+
+SMOKE_MODEL = "k3-smoke"
+CACHE_DIR = Path(os.environ.get("K3_TEST_CACHE", "/tmp/k3rocm-cache"))
+MODELS_DIR = CACHE_DIR / "models"
+DEFAULT_SERVER_IMAGE = "k3rocm/server:cpu-0.32.0"
+CONTAINER_PORT = 8000
+LABEL = "org.k3rocm.test"
+HEALTH_TIMEOUT = float(os.environ.get("K3_TEST_SERVER_TIMEOUT", "420"))
+
+__all__ = [
+    "StandinServer",
+    "ServerStartError",
+    "ensure_smoke_model",
+    "start_server",
+    "standin_server",
+    "SMOKE_MODEL",
+    "MODELS_DIR",
+]
+
+
+class ServerStartError(RuntimeError):
+    """The server container exited or did not become healthy; the message has the log tail."""
+
+
+def _progress(msg: str, end: str = "\n") -> None:
+    # Straight to the terminal: pytest captures sys.stderr during fixtures.
+    stream = sys.__stderr__ or sys.stderr
+    stream.write(msg + end)
+    stream.flush()
+
+
+@dataclass
+class StandinServer:
+    base_url: str
+    model: str
+    tokenizer_path: Path
+    container: object
+    image: str
+    port: int
+    env: dict = field(default_factory=dict)
+    ready_seconds: float = 0.0
+
+    def logs(self, tail: int = 200) -> str:
+        try:
+            return self.container.logs(tail=tail).decode(errors="replace")
+        except Exception as exc:  # noqa: BLE001 - best effort
+            return f"<no logs: {exc}>"
+
+    def stop(self, timeout: int = 10) -> None:
+        with contextlib.suppress(Exception):  # already gone
+            self.container.stop(timeout=timeout)
+        with contextlib.suppress(Exception):
+            self.container.remove(force=True)
+
+    def __enter__(self) -> StandinServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # Mapping-style access for tests that take (base_url, model) generically.
+    def __getitem__(self, key: str):
+        return getattr(self, key)
+
+
+def _image_exists(client, ref: str) -> bool:
+    import docker
+
+    try:
+        client.images.get(ref)
+        return True
+    except docker.errors.ImageNotFound:
+        return False
+
+
+def ensure_smoke_model(client, image: str, models_dir: Path = MODELS_DIR) -> Path:
+    """Generate the smoke model into ``models_dir/k3-smoke`` unless it is already current.
+
+    Runs ``k3rocm tinymodel`` from this tree's src/ inside ``image`` (torch + transformers are
+    there); the generator itself skips the work when the definition hash matches. A file lock
+    keeps concurrent sessions from generating it twice.
+    """
+    models_dir.mkdir(parents=True, exist_ok=True)
+    out = models_dir / SMOKE_MODEL
+    with open(models_dir / ".tinymodel.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        t0 = time.monotonic()
+        container = client.containers.run(
+            image,
+            entrypoint=["python3", "-m", "k3rocm.tinymodel", "--out", f"/models/{SMOKE_MODEL}"],
+            command=[],
+            volumes={
+                str(models_dir.resolve()): {"bind": "/models", "mode": "rw"},
+                str(REPO / "src"): {"bind": "/k3rocm-src", "mode": "ro"},
+            },
+            environment={"PYTHONPATH": "/k3rocm-src"},
+            labels={LABEL: "tinymodel"},
+            detach=True,
+        )
+        try:
+            rc = container.wait(timeout=600).get("StatusCode")
+            log = container.logs().decode(errors="replace")
+        finally:
+            container.remove(force=True)
+        if rc != 0 or not (out / "config.json").is_file():
+            raise ServerStartError(
+                f"k3rocm tinymodel failed in {image} (exit {rc}):\n"
+                + "\n".join(log.splitlines()[-20:])
+            )
+        _progress(f"[standin_server] smoke model ready in {out} ({time.monotonic() - t0:.1f} s)")
+    return out
+
+
+def _remove_stale(client) -> None:
+    """Remove test server containers whose pytest process is gone (killed sessions)."""
+    for c in client.containers.list(all=True, filters={"label": f"{LABEL}=standin-server"}):
+        pid = c.labels.get(f"{LABEL}.pid", "")
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            c.remove(force=True)
+
+
+def start_server(
+    client,
+    image: str | None = None,
+    env: dict | None = None,
+    timeout: float = HEALTH_TIMEOUT,
+    models_dir: Path = MODELS_DIR,
+    name: str | None = None,
+    volumes: dict | None = None,
+    served_model_name: str = SMOKE_MODEL,
+) -> StandinServer:
+    """Start our server image with the cpu-smoke profile (plus ``env``) and wait for /health.
+
+    Raises :class:`ServerStartError` (with the container's log tail) if the container exits or
+    is not healthy within ``timeout`` seconds; the container is removed in that case.
+    """
+    import requests
+
+    image = image or os.environ.get("K3_SERVER_IMAGE") or DEFAULT_SERVER_IMAGE
+    if not _image_exists(client, image):
+        raise ServerStartError(
+            f"server image {image} does not exist: build it (make image "
+            "with BASE_IMAGE=k3rocm/standin:vllm-cpu-0.32.0)"
+        )
+    _remove_stale(client)
+    model_dir = ensure_smoke_model(client, image, models_dir)
+    full_env = {
+        "K3_PROFILE": "cpu-smoke",
+        "K3_MODEL": f"/models/{SMOKE_MODEL}",
+        "K3_SERVED_MODEL_NAME": served_model_name,
+        "K3_PORT": str(CONTAINER_PORT),
+        **(env or {}),
+    }
+    vols = {str(models_dir.resolve()): {"bind": "/models", "mode": "ro"}, **(volumes or {})}
+    name = name or f"k3rocm-test-server-{os.getpid()}-{int(time.time() * 1000) % 10**8}"
+    t0 = time.monotonic()
+    container = client.containers.run(
+        image,
+        detach=True,
+        name=name,
+        environment=full_env,
+        volumes=vols,
+        ports={f"{CONTAINER_PORT}/tcp": ("127.0.0.1", None)},
+        shm_size="2g",
+        labels={LABEL: "standin-server", f"{LABEL}.pid": str(os.getpid())},
+    )
+    server = None
+    try:
+        container.reload()
+        binding = container.attrs["NetworkSettings"]["Ports"][f"{CONTAINER_PORT}/tcp"]
+        port = int(binding[0]["HostPort"])
+        base_url = f"http://127.0.0.1:{port}"
+        server = StandinServer(
+            base_url=base_url,
+            model=served_model_name,
+            tokenizer_path=model_dir,
+            container=container,
+            image=image,
+            port=port,
+            env=full_env,
+        )
+        last = -10.0
+        while True:
+            elapsed = time.monotonic() - t0
+            container.reload()
+            if container.status in ("exited", "dead"):
+                code = container.attrs["State"]["ExitCode"]
+                raise ServerStartError(
+                    f"server container {name} exited with code {code} "
+                    f"after {elapsed:.0f} s; log tail:\n{server.logs(40)}"
+                )
+            try:
+                if requests.get(f"{base_url}/health", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            if elapsed > timeout:
+                raise ServerStartError(
+                    f"server container {name} not healthy after "
+                    f"{timeout:.0f} s; log tail:\n{server.logs(40)}"
+                )
+            if elapsed - last >= 10:
+                _progress(
+                    f"[standin_server] waiting for {base_url}/health ({image}): {elapsed:.0f} s"
+                )
+                last = elapsed
+            time.sleep(1)
+        server.ready_seconds = time.monotonic() - t0
+        _progress(
+            f"[standin_server] {base_url} healthy after {server.ready_seconds:.0f} s "
+            f"(container {name})"
+        )
+        return server
+    except BaseException:
+        with contextlib.suppress(Exception):  # already gone
+            container.remove(force=True)
+        raise
+
+
+@pytest.fixture(scope="session")
+def standin_server(request, docker_client):
+    """One stand-in server for the whole session (cpu-smoke profile, smoke model)."""
+    image = os.environ.get("K3_SERVER_IMAGE")
+    if image:
+        need(_image_exists(docker_client, image), f"K3_SERVER_IMAGE={image} does not exist")
+    else:
+        image = request.getfixturevalue("server_image")
+    try:
+        server = start_server(docker_client, image=image)
+    except ServerStartError as exc:
+        pytest.fail(f"stand-in server did not start: {exc}", pytrace=False)
+    try:
+        yield server
+    finally:
+        server.stop()

