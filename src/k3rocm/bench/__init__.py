@@ -1,0 +1,1 @@
+"""Latency/throughput measurement with aiperf in the client container, and fusion A/B runs."""

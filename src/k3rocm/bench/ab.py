@@ -1,0 +1,431 @@
+"""Fusion off (A) vs on (B) under one protocol, or A/A for the noise floor.
+
+Protocol (the same for every slot, stated in every report): the slots run in the interleaved
+order A B B A A B B A ...; each slot starts a fresh server container (docker-py) with the arm's
+fusion toggles, waits for /health, then runs the whole workload (its own warmups, the same
+seed and request counts) in the client container, then stops the server. Nothing is shared
+between slots, so no arm gets a warmer server or a different position in a longer sweep.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from k3rocm.bench import runner, server, stats, summary
+from k3rocm.bench.run import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, check_tokenizer, run_bench
+from k3rocm.bench.workloads import Workload, shell_line
+from k3rocm.errors import UsageError
+from k3rocm.rundir import create_run_dir, write_json_atomic, write_text_atomic
+
+FUSIONS_OFF = {"K3_FUSE_QK_NORM": "0", "K3_FUSE_DECODE_QPREP": "0"}
+FUSIONS_ON = {"K3_FUSE_QK_NORM": "1", "K3_FUSE_DECODE_QPREP": "1"}
+
+
+def _log(msg: str) -> None:
+    print(f"[bench-ab] {msg}", file=sys.stderr, flush=True)
+
+
+def sequence(repeats: int) -> list[str]:
+    """A B B A A B B A ... with ``repeats`` slots per arm."""
+    out: list[str] = []
+    for i in range(repeats):
+        out += ["A", "B"] if i % 2 == 0 else ["B", "A"]
+    return out
+
+
+@dataclass
+class ABPlan:
+    workload: Workload
+    mode: str  # "ab" | "aa"
+    repeats: int
+    spec: server.ServerSpec
+    arm_env: dict[str, dict[str, str]]
+    results: Path
+    client_image: str
+    server_timeout: float
+    pin_engine_core: bool = False
+    runs_per_server: int = 1
+    noise_floor_dir: Path | None = None
+    n_boot: int = 2000
+    progress: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def slots(self) -> list[str]:
+        return sequence(self.repeats)
+
+    def protocol_key(self, image_id: str | None) -> str:
+        """Same key <=> same protocol: workload protocol, server image, server env minus the
+        fusion toggles, repeats and order."""
+        base_env = {k: v for k, v in self.spec.env.items()
+                    if k not in FUSIONS_ON and k != "K3_PORT"}
+        blob = json.dumps({"workload": self.workload.protocol(), "image_id": image_id,
+                           "server_env": base_env, "gpu": self.spec.gpu,
+                           "pin_engine_core": self.pin_engine_core,
+                           "runs_per_server": self.runs_per_server}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def describe(self) -> list[str]:
+        w = self.workload
+        arms = ("A/A: both arms identical (" + _env_str(self.arm_env["A"]) + ")"
+                if self.mode == "aa" else
+                f"A = fusions off ({_env_str(self.arm_env['A'])}), B = fusions on "
+                f"({_env_str(self.arm_env['B'])})")
+        k = self.runs_per_server
+        runs = ("the complete workload" if k == 1 else
+                f"the complete workload {k} times back to back (run 1 on the fresh server, "
+                f"run 2.. on the same server: identical for both arms)")
+        return [
+            f"mode {self.mode.upper()}: {arms}",
+            f"order {' '.join(self.slots())} ({self.repeats} server(s) per arm, interleaved; "
+            f"{self.repeats * k} run(s) per arm)",
+            "every slot: a freshly started server container "
+            f"({self.spec.image}), wait for /health, {runs} `{w.name}` with its "
+            f"own {w.warmup_request_count} warmup requests per point, then the server is stopped",
+            "statistic: per arm the median over repeats of the per-run value (computed from the "
+            "run's per-request records); effect d = (B - A) / A; 95% CI from a two-level "
+            "bootstrap (repeats, then requests within each repeat)",
+            f"server env (both arms): {_env_str(self.spec.env)}"
+            + ("; EngineCore pinned to the worker's cores (CPU stand-in)"
+               if self.pin_engine_core else ""),
+        ]
+
+
+def _env_str(env: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in sorted(env.items())) or "(none)"
+
+
+def _run_name(slot: int, arm: str, k: int) -> str:
+    return f"{slot:02d}-{arm}-{k}"
+
+
+def dry_run_lines(plan: ABPlan) -> list[str]:
+    from k3rocm.bench.run import planned_command
+    from k3rocm.rundir import utc_stamp
+
+    lines = [f"# {x}" for x in plan.describe()]
+    run_dir = plan.results.resolve() / f"{utc_stamp()}-{plan.workload.name}-{plan.mode}"
+    for i, arm in enumerate(plan.slots()):
+        env = {**plan.spec.env, **plan.arm_env[arm], "K3_PORT": str(plan.spec.port)}
+        lines.append(f"# slot {i} arm {arm}: server {plan.spec.image} env {_env_str(env)}")
+        for k in range(plan.runs_per_server):
+            lines.append(shell_line(planned_command(plan.workload,
+                                                    run_dir / "runs" / _run_name(i, arm, k))))
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def run_ab(plan: ABPlan, docker=None) -> int:
+    w = plan.workload
+    check_tokenizer(w.tokenizer)
+    if plan.repeats < 1:
+        raise UsageError(f"--repeats {plan.repeats}: must be >= 1", 2)
+    client = docker or runner.docker_client()
+    runner.check_client_image(client, plan.client_image)
+    import docker as docker_mod
+
+    try:
+        image_id = client.images.get(plan.spec.image).id
+    except docker_mod.errors.ImageNotFound:
+        raise UsageError(f"server image {plan.spec.image!r} not found: build it (make build) "
+                         f"or pass --image", 2) from None
+    if server.answers(w.url):
+        raise UsageError(f"something already serves {w.url}: bench-ab starts its own servers on "
+                         f"port {plan.spec.port}; stop it (make down) or pass --port", 2)
+    key = plan.protocol_key(image_id)
+    ab_dir = create_run_dir(plan.results, f"{w.name}-{plan.mode}")
+    _log(f"{plan.mode.upper()} run directory {ab_dir} (protocol {key})")
+    plan_doc = {"mode": plan.mode, "protocol_key": key, "protocol": plan.describe(),
+                "workload": w.model_dump(mode="json"), "slots": plan.slots(),
+                "arm_env": plan.arm_env, "server_image": plan.spec.image,
+                "server_image_id": image_id, "server_env": plan.spec.env, **plan.extra}
+    write_json_atomic(ab_dir / "plan.json", plan_doc)
+
+    runs: list[dict[str, Any]] = []
+    slots_info: list[dict[str, Any]] = []
+    interrupted = False
+    stamp = ab_dir.name.split("-")[0].lower()
+    t_all = time.time()
+    for i, arm in enumerate(plan.slots()):
+        slot_dir = ab_dir / "runs"
+        slot_dir.mkdir(parents=True, exist_ok=True)
+        env = {**plan.spec.env, **plan.arm_env[arm]}
+        spec = server.ServerSpec(**{**plan.spec.__dict__, "env": env})
+        name = f"k3bench-{plan.mode}-{stamp}-{i:02d}{arm.lower()}"
+        _log(f"slot {i + 1}/{len(plan.slots())} arm {arm}: starting a fresh server "
+             f"({_env_str(plan.arm_env[arm])})")
+        container = None
+        slot_failed = None
+        ready_s = None
+        pin = None
+        t0 = time.time()
+        try:
+            container = server.start_server(client, spec, name, {"k3rocm.bench.ab": key})
+
+            def state(c=container):
+                try:
+                    c.reload()
+                    return c.status
+                except Exception:  # noqa: BLE001
+                    return "gone"
+
+            ready_s = round(server.wait_ready(w.url, w.model, plan.server_timeout,
+                                              is_alive=state), 1)
+            if plan.pin_engine_core:
+                pin = server.pin_engine_core(container)
+                _log(pin)
+            for k in range(plan.runs_per_server):
+                run_dir = slot_dir / _run_name(i, arm, k)
+                run_dir.mkdir()
+                entry: dict[str, Any] = {"slot": i, "arm": arm, "run": k, "server": name,
+                                         "run_dir": str(run_dir), "status": "failed",
+                                         "env": plan.arm_env[arm], "server_ready_s": ready_s,
+                                         "pin": pin}
+                runs.append(entry)
+                t1 = time.time()
+                res = run_bench(w, results=plan.results, client_image=plan.client_image,
+                                server_timeout=30, progress=plan.progress,
+                                server_container=container, docker=client, run_dir=run_dir,
+                                extra_provenance={"ab": {"mode": plan.mode, "slot": i,
+                                                         "arm": arm, "run": k,
+                                                         "protocol_key": key}})
+                entry.update(status=res.status, message=res.message,
+                             seconds=round(time.time() - t1, 1))
+                write_json_atomic(ab_dir / "runs.json", runs)
+                if res.status == "interrupted":
+                    interrupted = True
+                if res.status != "ok":
+                    break
+        except KeyboardInterrupt:
+            interrupted = True
+            slot_failed = "interrupted"
+        except UsageError as exc:
+            slot_failed = str(exc)
+            _log(f"slot {i} failed: {exc}")
+        finally:
+            server.stop_server(container, slot_dir / f"{i:02d}-{arm}-server.log")
+        slots_info.append({"slot": i, "arm": arm, "server": name, "server_ready_s": ready_s,
+                           "seconds": round(time.time() - t0, 1), "error": slot_failed})
+        if slot_failed and not any(r["slot"] == i for r in runs):
+            runs.append({"slot": i, "arm": arm, "run": 0, "server": name, "run_dir": None,
+                         "status": "interrupted" if interrupted else "failed",
+                         "message": slot_failed, "env": plan.arm_env[arm]})
+        write_json_atomic(ab_dir / "runs.json", runs)
+        if interrupted or slot_failed or any(r["status"] != "ok" for r in runs):
+            break
+
+    floor_doc = None if plan.mode == "aa" else find_noise_floor(plan, key)
+    comp = compare(w, runs, plan, key, floor_doc)
+    comp["slots"] = slots_info
+    comp["wall_seconds"] = round(time.time() - t_all, 1)
+    comp["interrupted"] = interrupted
+    write_json_atomic(ab_dir / "comparison.json", comp)
+    write_text_atomic(ab_dir / "comparison.md", comparison_markdown(comp))
+    _plot(comp, runs, ab_dir)
+    n_ok = sum(r["status"] == "ok" for r in runs)
+    total = len(plan.slots()) * plan.runs_per_server
+    if interrupted:
+        print(f"k3rocm: error: bench-ab interrupted after {n_ok} of {total} runs; what finished "
+              f"is compared in {ab_dir}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    if n_ok < total:
+        bad = next((r for r in runs if r["status"] != "ok"),
+                   {"slot": len(slots_info), "arm": "?", "message": "not run"})
+        print(f"k3rocm: error: bench-ab: slot {bad['slot']} (arm {bad['arm']}) failed: "
+              f"{bad.get('message')}; {n_ok} of {total} runs kept in {ab_dir}", file=sys.stderr)
+        return EXIT_FAILED
+    head = comp["headline"]
+    print(f"bench-ab {plan.mode.upper()} {w.name}: {head}; report {ab_dir / 'comparison.md'}")
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _run_values(run_dir: Path, c: int, n: int) -> dict[str, Any] | None:
+    """Per-request arrays of one run's point (and run-level output tokens/s), if it is ok."""
+    try:
+        doc = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    point = next((p for p in doc.get("points", []) if p["concurrency"] == c
+                  and p["request_count"] == n), None)
+    if not point or point["status"] != "ok" or not point.get("dir"):
+        return None
+    ok, _ = summary.profiling_records(summary.read_records(Path(point["dir"])))
+    out: dict[str, Any] = {"output_tps": point.get("output_tps")}
+    for key in ("itl", "ttft", "e2el"):
+        out[key] = summary.request_values(ok, summary.LATENCY_METRICS[key][0])
+    return out
+
+
+def compare(w: Workload, runs: Sequence[dict], plan: ABPlan, key: str,
+            floor_doc: dict | None) -> dict[str, Any]:
+    rows = []
+    for c, n in w.points():
+        # arm -> server -> [run values]
+        per_arm: dict[str, dict[str, list[dict]]] = {"A": {}, "B": {}}
+        for r in runs:
+            if r["status"] == "ok" and r.get("run_dir"):
+                v = _run_values(Path(r["run_dir"]), c, n)
+                if v is not None:
+                    per_arm[r["arm"]].setdefault(r.get("server", r["slot"]), []).append(v)
+        for mkey, stat, label, lower in stats.AB_METRICS:
+            a = [g for g in ([v[mkey] for v in runs_ if v.get(mkey)]
+                             for runs_ in per_arm["A"].values()) if g]
+            b = [g for g in ([v[mkey] for v in runs_ if v.get(mkey)]
+                             for runs_ in per_arm["B"].values()) if g]
+            res = stats.bootstrap_diff(a, b, stat, n_boot=plan.n_boot)
+            floor = _floor_for(floor_doc, c, label)
+            row = {"concurrency": c, "metric": label, "key": mkey, "stat": stat,
+                   "lower_is_better": lower, **res, "noise_floor": floor,
+                   "verdict": stats.verdict(res, lower, floor)}
+            hw = res.get("halfwidth")
+            n_arm = min(res.get("n_a") or 0, res.get("n_b") or 0)
+            row["repeats_for_1pct"] = stats.repeats_needed(hw, n_arm, 0.01)
+            row["repeats_for_1pct_80power"] = stats.repeats_needed(hw, n_arm, 0.01, power=0.8)
+            rows.append(row)
+    itl = [r for r in rows if r["metric"] == "ITL p50"]
+    head = "; ".join(f"c={r['concurrency']} ITL p50 {_pct(r['d'])} "
+                     f"[{_pct(r['lo'])}, {_pct(r['hi'])}] {r['verdict']}" for r in itl)
+    return {"mode": plan.mode, "protocol_key": key, "protocol": plan.describe(),
+            "workload": w.name, "command": _first_command(runs),
+            "runs": list(runs), "rows": rows, "headline": head or "no comparable runs",
+            "noise_floor_from": floor_doc.get("dir") if floor_doc else None}
+
+
+def _first_command(runs: Sequence[dict]) -> str | None:
+    for r in runs:
+        path = Path(r["run_dir"]) / "command.txt"
+        if path.is_file():
+            return path.read_text().strip()
+    return None
+
+
+def _floor_for(floor_doc: dict | None, c: int, label: str) -> float | None:
+    if not floor_doc:
+        return None
+    for r in floor_doc.get("rows", []):
+        if r["concurrency"] == c and r["metric"] == label and r.get("d") is not None:
+            vals = [abs(r["d"]), r.get("halfwidth") or 0.0]
+            vals = [v for v in vals if not math.isnan(v)]
+            return max(vals) if vals else None
+    return None
+
+
+def find_noise_floor(plan: ABPlan, key: str) -> dict | None:
+    """The A/A comparison to report beside this A/B: --noise-floor DIR, else the newest A/A
+    under the results root with the same protocol key."""
+    cands: list[Path] = []
+    if plan.noise_floor_dir:
+        cands = [plan.noise_floor_dir]
+    elif plan.results.is_dir():
+        cands = sorted(plan.results.glob(f"*-{plan.workload.name}-aa*/comparison.json"),
+                       reverse=True)
+        cands = [p.parent for p in cands]
+    for d in cands:
+        try:
+            doc = json.loads((Path(d) / "comparison.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            if plan.noise_floor_dir:
+                raise UsageError(f"--noise-floor {d}: no readable comparison.json there", 2) \
+                    from None
+            continue
+        if doc.get("mode") != "aa":
+            if plan.noise_floor_dir:
+                raise UsageError(f"--noise-floor {d} is not an A/A run", 2)
+            continue
+        if plan.noise_floor_dir or doc.get("protocol_key") == key:
+            doc["dir"] = str(d)
+            doc["same_protocol"] = doc.get("protocol_key") == key
+            return doc
+    return None
+
+
+def _pct(v: float | None) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "n/a"
+    return f"{v * 100:+.2f}%"
+
+
+def _num(v: float | None) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "n/a"
+    return f"{v:.4g}"
+
+
+def comparison_markdown(comp: dict) -> str:
+    mode = comp["mode"].upper()
+    lines = [f"# bench-ab {mode}: {comp['workload']}", "", "## Protocol (identical for every "
+             "run; numbers from another protocol are not comparable)", ""]
+    lines += [f"- {x}" for x in comp["protocol"]]
+    lines += [f"- protocol key `{comp['protocol_key']}`"]
+    if comp.get("command"):
+        lines += [f"- aiperf command (slot 0; only the artifact dir differs per slot): "
+                  f"`{comp['command']}`"]
+    lines += [""]
+    if comp["mode"] == "ab":
+        src = comp.get("noise_floor_from")
+        lines += [f"Noise floor (A/A, same protocol): {src}" if src else
+                  "Noise floor: **no A/A run with this protocol yet** - run `make bench-ab "
+                  "AA=1` with the same settings; verdicts below rest on the CI alone.", ""]
+    lines += ["## Runs", "", "| slot | arm | run | status | server ready s | run s |",
+              "|---:|---|---:|---|---:|---:|"]
+    for r in comp["runs"]:
+        lines.append(f"| {r['slot']} | {r['arm']} | {r.get('run', 0)} | {r['status']} | "
+                     f"{r.get('server_ready_s', 'n/a')} | {r.get('seconds', 'n/a')} |")
+    lines += ["", "## Comparison (B vs A)", "",
+              "| c | metric | A (median) | B (median) | d = (B-A)/A | 95% CI | A/A floor | "
+              "verdict | repeats/arm for 1% (80% power) |",
+              "|---:|---|---:|---:|---:|---|---:|---|---:|"]
+    for r in comp["rows"]:
+        floor = "n/a" if r.get("noise_floor") is None else f"±{r['noise_floor'] * 100:.2f}%"
+        lines.append(
+            f"| {r['concurrency']} | {r['metric']} | {_num(r.get('a'))} | {_num(r.get('b'))} | "
+            f"{_pct(r.get('d'))} | [{_pct(r.get('lo'))}, {_pct(r.get('hi'))}] | {floor} | "
+            f"{r['verdict']} | {r.get('repeats_for_1pct') or 'n/a'} "
+            f"({r.get('repeats_for_1pct_80power') or 'n/a'}) |")
+    lines += ["", f"Headline: {comp['headline']}", "",
+              "Latency in ms (lower is faster), output tokens/s (higher is faster). "
+              "'within noise' = the CI contains 0 (or the effect is inside the A/A floor)."]
+    return "\n".join(lines) + "\n"
+
+
+def _plot(comp: dict, runs: Sequence[dict], out: Path) -> None:
+    """ab_itl.png: per-run ITL p50 in slot order, per concurrency, colored by arm."""
+    from k3rocm.bench.plots import _pyplot, _save
+
+    plt = _pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for idx, r in enumerate(runs):
+        if r["status"] != "ok" or not r.get("run_dir"):
+            continue
+        try:
+            doc = json.loads((Path(r["run_dir"]) / "summary.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        for p in doc["points"]:
+            v = summary._m(p, "itl", "p50")
+            if v is not None:
+                ax.scatter(idx, v, color="tab:blue" if r["arm"] == "A" else "tab:orange",
+                           marker="o" if p["concurrency"] == doc["points"][0]["concurrency"]
+                           else "s")
+                ax.annotate(f"c={p['concurrency']}", (idx, v), fontsize=7,
+                            textcoords="offset points", xytext=(3, 3))
+    ax.set_xlabel("run (in order); blue = A, orange = B")
+    ax.set_ylabel("ITL p50 (ms)")
+    ax.set_title(f"bench-ab {comp['mode'].upper()} {comp['workload']}: ITL p50 per run")
+    ax.grid(alpha=0.3)
+    _save(fig, out / "ab_itl.png")
+    plt.close(fig)

@@ -1,0 +1,320 @@
+"""Read aiperf's artifacts into one summary per sweep point, check it against the per-request
+records, and render perf.csv (ROCm/MAD columns) and markdown tables.
+
+Where the numbers come from (aiperf 0.13.0, one directory per sweep point
+``concurrency_<c>__requests_<n>/``, or the artifact dir itself for a single point):
+
+* latency statistics: ``profile_export_aiperf.json`` (aiperf's own aggregate), cross-checked
+  against a recomputation from ``profile_export.jsonl`` (profiling-phase records without error;
+  percentiles by linear interpolation, as aiperf and numpy compute them);
+* throughput: total output tokens / the profiling phase's duration from ``phase_manifest.json``.
+
+Metric meanings: ``itl`` is aiperf's ``inter_token_latency`` = per request
+(latency - TTFT) / (output tokens - 1), i.e. vLLM bench's TPOT; ``icl`` is aiperf's
+``inter_chunk_latency`` (every gap between streamed chunks pooled), i.e. vLLM bench's ITL.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import re
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+# our name -> (aiperf tag, label, unit)
+LATENCY_METRICS: dict[str, tuple[str, str, str]] = {
+    "ttft": ("time_to_first_token", "TTFT", "ms"),
+    "itl": ("inter_token_latency", "ITL (TPOT)", "ms"),
+    "e2el": ("request_latency", "E2E latency", "ms"),
+    "icl": ("inter_chunk_latency", "inter-chunk latency", "ms"),
+    "tps_user": ("output_token_throughput_per_user", "tokens/s per user", "tokens/s/user"),
+}
+STATS = ("avg", "p50", "p90", "p99")
+PCT = {"p1": 1, "p5": 5, "p10": 10, "p25": 25, "p50": 50, "p75": 75, "p90": 90, "p95": 95,
+       "p99": 99}
+MAD_COLUMNS = ["model", "benchmark", "tp", "inp", "out", "num_prompts", "max_concurrency", "cmd",
+               "performance", "metric", "unit"]
+_POINT_RE = re.compile(r"^concurrency_(\d+)__requests_(\d+)$")
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default, aiperf's method)."""
+    xs = sorted(values)
+    if not xs:
+        return math.nan
+    idx = q / 100.0 * (len(xs) - 1)
+    lo = int(idx)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (idx - lo) * (xs[hi] - xs[lo])
+
+
+def stat_of(values: Sequence[float], stat: str) -> float:
+    if not values:
+        return math.nan
+    if stat == "avg":
+        return sum(values) / len(values)
+    return percentile(values, PCT[stat])
+
+
+# ---------------------------------------------------------------------------------------------
+# per-request records
+
+
+def read_records(point_dir: Path) -> list[dict]:
+    path = point_dir / "profile_export.jsonl"
+    if not path.is_file():
+        return []
+    out = []
+    with path.open() as fh:
+        for line in fh:
+            line = line.strip()
+            if line:
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue  # a record cut short by an interrupt
+    return out
+
+
+def profiling_records(records: Iterable[dict]) -> tuple[list[dict], list[dict]]:
+    """(successful, failed) records of the profiling phase."""
+    ok, bad = [], []
+    for r in records:
+        md = r.get("metadata") or {}
+        if md.get("benchmark_phase", md.get("phase_kind")) != "profiling":
+            continue
+        (bad if r.get("error") else ok).append(r)
+    return ok, bad
+
+
+def request_values(records: Iterable[dict], tag: str) -> list[float]:
+    """Per-request values of a metric (lists, e.g. inter_chunk_latency, are pooled)."""
+    out: list[float] = []
+    for r in records:
+        m = (r.get("metrics") or {}).get(tag)
+        if not isinstance(m, dict):
+            continue
+        v = m.get("value")
+        if isinstance(v, list):
+            out.extend(float(x) for x in v)
+        elif isinstance(v, (int, float)):
+            out.append(float(v))
+    return out
+
+
+def profiling_duration_s(point_dir: Path) -> float | None:
+    try:
+        manifest = json.loads((point_dir / "phase_manifest.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    for ph in manifest.get("phases", []):
+        if ph.get("phase_kind") == "profiling" and ph.get("end_ns") and ph.get("start_ns"):
+            return (ph["end_ns"] - ph["start_ns"]) / 1e9
+    return None
+
+
+def recompute_from_records(point_dir: Path) -> dict[str, Any]:
+    """Every summary number, recomputed from profile_export.jsonl (+ the phase duration)."""
+    ok, bad = profiling_records(read_records(point_dir))
+    out: dict[str, Any] = {"requests_ok": len(ok), "requests_failed": len(bad), "metrics": {}}
+    for key, (tag, _, _) in LATENCY_METRICS.items():
+        vals = request_values(ok, tag)
+        if vals:
+            out["metrics"][key] = {s: stat_of(vals, s) for s in STATS}
+    dur = profiling_duration_s(point_dir)
+    osl = sum(request_values(ok, "output_sequence_length"))
+    isl = sum(request_values(ok, "input_sequence_length"))
+    out["duration_s"] = dur
+    out["output_tps"] = osl / dur if dur else None
+    out["total_tps"] = (osl + isl) / dur if dur else None
+    out["request_tps"] = len(ok) / dur if dur else None
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# sweep points
+
+
+def find_point_dirs(artifact_dir: Path) -> dict[tuple[int, int], Path]:
+    found: dict[tuple[int, int], Path] = {}
+    if not artifact_dir.is_dir():
+        return found
+    for child in artifact_dir.iterdir():
+        m = _POINT_RE.match(child.name)
+        if m and child.is_dir():
+            found[(int(m.group(1)), int(m.group(2)))] = child
+    return found
+
+
+def _agg(d: dict, tag: str, stat: str) -> float | None:
+    v = (d.get(tag) or {}).get(stat)
+    return float(v) if isinstance(v, (int, float)) else None
+
+
+def summarize_point(point_dir: Path | None, concurrency: int, request_count: int,
+                    rel_tol: float = 1e-6) -> dict[str, Any]:
+    """One sweep point: status ok/failed (with the reason), metrics, and the jsonl check."""
+    point: dict[str, Any] = {"concurrency": concurrency, "request_count": request_count,
+                             "status": "failed", "reason": None,
+                             "dir": str(point_dir) if point_dir else None}
+    if point_dir is None or not point_dir.is_dir():
+        point["reason"] = "not run (aiperf stopped before this point)"
+        return point
+    agg_path = point_dir / "profile_export_aiperf.json"
+    rec = recompute_from_records(point_dir)
+    point["requests_ok"] = rec["requests_ok"]
+    point["requests_failed"] = rec["requests_failed"]
+    if not agg_path.is_file():
+        point["reason"] = (f"incomplete: aiperf wrote no summary ({rec['requests_ok']} of "
+                           f"{request_count} requests finished)")
+        point["partial"] = rec
+        return point
+    try:
+        agg = json.loads(agg_path.read_text())
+    except json.JSONDecodeError as exc:
+        point["reason"] = f"unreadable {agg_path.name}: {exc}"
+        return point
+    metrics: dict[str, dict[str, float | None]] = {}
+    for key, (tag, _, _) in LATENCY_METRICS.items():
+        if tag in agg:
+            metrics[key] = {s: _agg(agg, tag, s) for s in STATS}
+    point["metrics"] = metrics
+    point["output_tps"] = _agg(agg, "output_token_throughput", "avg")
+    point["total_tps"] = _agg(agg, "total_token_throughput", "avg")
+    point["request_tps"] = _agg(agg, "request_throughput", "avg")
+    point["duration_s"] = _agg(agg, "benchmark_duration", "avg")
+    point["isl_avg"] = _agg(agg, "input_sequence_length", "avg")
+    point["osl_avg"] = _agg(agg, "output_sequence_length", "avg")
+    errors = agg.get("error_summary") or []
+    n_err = sum(int(e.get("count", 1)) for e in errors if isinstance(e, dict)) or len(errors)
+    completed = _agg(agg, "request_count", "avg") or 0
+    point["errors"] = errors
+    point["jsonl_check"] = check_against_records(point, rec, rel_tol)
+    if agg.get("was_cancelled"):
+        point["reason"] = "cancelled (interrupted or aborted by aiperf)"
+    elif n_err or rec["requests_failed"]:
+        first = errors[0] if errors else {}
+        detail = (first.get("error_details") or {}) if isinstance(first, dict) else {}
+        msg = detail.get("message") or detail.get("type") or str(first)[:160]
+        point["reason"] = f"{max(n_err, rec['requests_failed'])} request error(s): {msg}"
+    elif completed < request_count:
+        point["reason"] = f"only {completed:.0f} of {request_count} requests completed"
+    elif agg.get("is_complete") is False:
+        point["reason"] = "aiperf marked the point incomplete"
+    else:
+        point["status"] = "ok"
+    return point
+
+
+def check_against_records(point: dict, rec: dict, rel_tol: float) -> dict[str, Any]:
+    """Compare the summary's numbers with the per-request recomputation."""
+    mismatches = []
+
+    def close(a, b) -> bool:
+        if a is None or b is None:
+            return a is None and b is None
+        return math.isclose(a, b, rel_tol=rel_tol, abs_tol=1e-9)
+
+    n = 0
+    for key, stats in point.get("metrics", {}).items():
+        for s, v in stats.items():
+            r = rec["metrics"].get(key, {}).get(s)
+            n += 1
+            if not close(v, r):
+                mismatches.append(f"{key}.{s}: summary {v} vs records {r}")
+    for key in ("output_tps", "total_tps"):
+        n += 1
+        if not close(point.get(key), rec.get(key)):
+            mismatches.append(f"{key}: summary {point.get(key)} vs records {rec.get(key)}")
+    return {"compared": n, "ok": not mismatches, "mismatches": mismatches}
+
+
+def summarize(artifact_dir: Path, points: Sequence[tuple[int, int]]) -> list[dict[str, Any]]:
+    """Every expected point, in order; a missing or broken one is recorded as failed."""
+    dirs = find_point_dirs(artifact_dir)
+    if len(points) == 1 and not dirs and (artifact_dir / "profile_export.jsonl").exists():
+        dirs = {points[0]: artifact_dir}  # single-point runs write straight into artifact_dir
+    elif len(points) == 1 and not dirs and (artifact_dir / "profile_export_aiperf.json").exists():
+        dirs = {points[0]: artifact_dir}
+    return [summarize_point(dirs.get((c, n)), c, n) for c, n in points]
+
+
+# ---------------------------------------------------------------------------------------------
+# perf.csv (ROCm/MAD columns) and markdown
+
+MAD_METRICS = [  # (MAD metric, how to get it from a point, unit)
+    ("throughput_tot", lambda p: p.get("total_tps"), "tokens/s"),
+    ("throughput_gen", lambda p: p.get("output_tps"), "tokens/s"),
+    ("median_ttft", lambda p: _m(p, "ttft", "p50"), "ms"),
+    ("median_tpot", lambda p: _m(p, "itl", "p50"), "ms"),
+    ("median_itl", lambda p: _m(p, "icl", "p50"), "ms"),
+    ("median_e2el", lambda p: _m(p, "e2el", "p50"), "ms"),
+]
+
+
+def _m(point: dict, key: str, stat: str) -> float | None:
+    return ((point.get("metrics") or {}).get(key) or {}).get(stat)
+
+
+def perf_csv(points: Sequence[dict], *, model: str, benchmark: str, tp: Any, inp: int, out: int,
+             cmd: str) -> str:
+    """MAD's columns plus a trailing ``status``; a failed point keeps its rows with an empty
+    performance and status ``failed: <reason>`` (never dropped)."""
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow([*MAD_COLUMNS, "status"])
+    for p in points:
+        ok = p["status"] == "ok"
+        for metric, get, unit in MAD_METRICS:
+            v = get(p) if ok else None
+            w.writerow([model, benchmark, tp if tp is not None else "", inp, out,
+                        p["request_count"], p["concurrency"], cmd,
+                        "" if v is None else f"{v:.6g}", metric, unit,
+                        "ok" if ok else f"failed: {p.get('reason')}"])
+    return buf.getvalue()
+
+
+def _fmt(v: float | None, digits: int = 2) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "n/a"
+    return f"{v:.{digits}f}"
+
+
+def markdown_report(points: Sequence[dict], title: str, protocol_lines: Sequence[str]) -> str:
+    lines = [f"# {title}", ""]
+    lines += [f"- {x}" for x in protocol_lines]
+    lines += ["", "| concurrency | requests | status | TTFT p50 ms | ITL p50 ms | E2E p50 ms | "
+              "output tok/s | tok/s/user p50 |", "|---:|---:|---|---:|---:|---:|---:|---:|"]
+    for p in points:
+        lines.append(f"| {p['concurrency']} | {p['request_count']} | {p['status']} | "
+                     f"{_fmt(_m(p, 'ttft', 'p50'))} | {_fmt(_m(p, 'itl', 'p50'), 3)} | "
+                     f"{_fmt(_m(p, 'e2el', 'p50'))} | {_fmt(p.get('output_tps'))} | "
+                     f"{_fmt(_m(p, 'tps_user', 'p50'))} |")
+    for p in points:
+        lines += ["", f"## concurrency {p['concurrency']} ({p['request_count']} requests): "
+                      f"{p['status']}", ""]
+        if p["status"] != "ok":
+            lines += [f"**FAILED**: {p.get('reason')}", ""]
+            if not p.get("metrics"):
+                continue
+        lines += ["| metric | p50 | p90 | p99 | avg |", "|---|---:|---:|---:|---:|"]
+        for key in ("ttft", "itl", "e2el"):
+            _, label, unit = LATENCY_METRICS[key]
+            s = (p.get("metrics") or {}).get(key) or {}
+            lines.append(f"| {label} ({unit}) | {_fmt(s.get('p50'), 3)} | {_fmt(s.get('p90'), 3)}"
+                         f" | {_fmt(s.get('p99'), 3)} | {_fmt(s.get('avg'), 3)} |")
+        s = (p.get("metrics") or {}).get("tps_user") or {}
+        lines.append(f"| tokens/s per user | {_fmt(s.get('p50'))} | {_fmt(s.get('p90'))} | "
+                     f"{_fmt(s.get('p99'))} | {_fmt(s.get('avg'))} |")
+        lines.append(f"| output tokens/s (all users) | | | | {_fmt(p.get('output_tps'))} |")
+        chk = p.get("jsonl_check") or {}
+        if chk:
+            verdict = ("all equal" if chk.get("ok")
+                       else "MISMATCH: " + "; ".join(chk["mismatches"][:3]))
+            lines += ["", f"Checked against profile_export.jsonl: {chk.get('compared')} "
+                          f"numbers, {verdict}."]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,409 @@
+"""Bench end to end: real aiperf (client image) against real vLLM (the CPU stand-in server).
+
+- `make bench` with the scaled-down workload: complete run directory, summary numbers equal
+  to a recomputation from aiperf's per-request profile_export.jsonl, perf.csv with the MAD
+  columns, valid PNGs, provenance.
+- Ctrl-C keeps the finished point; a server stopped mid-run gives a one-line failure, exit 1,
+  the finished point kept and the failed point recorded as failed.
+- bench-ab: A/B on two freshly started servers with two runs per arm writes the comparison;
+  an A/A run says "within noise" for ITL.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import pytest
+from conftest import REPO, need
+from server_fixture import (
+    MODELS_DIR,
+    SMOKE_MODEL,
+    ensure_smoke_model,
+    standin_server,  # noqa: F401 - the shared session fixture
+    start_server,
+)
+
+pytestmark = [pytest.mark.docker, pytest.mark.server]
+
+CLIENT_IMAGE = os.environ.get("BENCH_CLIENT_IMAGE") or "k3rocm/clients:0.1.0"
+MAD = ["model", "benchmark", "tp", "inp", "out", "num_prompts", "max_concurrency", "cmd",
+       "performance", "metric", "unit"]
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("K3_", "BENCH_"))}
+    env["PYTHONPATH"] = str(REPO / "src")
+    env.update(extra)
+    return env
+
+
+@pytest.fixture(scope="module")
+def client_image(docker_client):
+    try:
+        docker_client.images.get(CLIENT_IMAGE)
+    except Exception:  # noqa: BLE001
+        need(False, f"client image {CLIENT_IMAGE} missing (make clients-image)")
+    return CLIENT_IMAGE
+
+
+def only_run_dir(root: Path) -> Path:
+    dirs = [d for d in root.iterdir() if d.is_dir()]
+    assert len(dirs) == 1, dirs
+    return dirs[0]
+
+
+def png_ok(path: Path) -> tuple[int, int]:
+    """A structurally valid PNG (signature, IHDR, every chunk CRC, IEND); returns its size."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", path
+    pos, chunks, size = 8, [], None
+    while pos < len(data):
+        (length,) = struct.unpack(">I", data[pos:pos + 4])
+        ctype = data[pos + 4:pos + 8]
+        body = data[pos + 8:pos + 8 + length]
+        (crc,) = struct.unpack(">I", data[pos + 8 + length:pos + 12 + length])
+        assert zlib.crc32(ctype + body) == crc, f"{path}: bad CRC in {ctype!r}"
+        if ctype == b"IHDR":
+            size = struct.unpack(">II", body[:8])
+        chunks.append(ctype)
+        pos += 12 + length
+    assert chunks[0] == b"IHDR" and chunks[-1] == b"IEND" and b"IDAT" in chunks
+    assert size and size[0] > 200 and size[1] > 150
+    return size
+
+
+# --- an independent recomputation from aiperf's per-request records -----------------------
+
+def _pct(xs, q):
+    import numpy as np
+
+    return float(np.percentile(np.asarray(xs, float), q))
+
+
+def recompute(point_dir: Path) -> dict:
+    recs = [json.loads(ln) for ln in (point_dir / "profile_export.jsonl").read_text().splitlines()
+            if ln.strip()]
+    prof = [r for r in recs if r["metadata"]["benchmark_phase"] == "profiling"
+            and not r.get("error")]
+    out = {"n": len(prof)}
+    for key, tag in (("ttft", "time_to_first_token"), ("itl", "inter_token_latency"),
+                     ("e2el", "request_latency"), ("tps_user", "output_token_throughput_per_user")):
+        vals = [r["metrics"][tag]["value"] for r in prof if tag in r["metrics"]]
+        if not vals:  # e.g. tokens/s per user needs ITL > 0 (a response sent in one burst)
+            continue
+        out[key] = {"avg": sum(vals) / len(vals), "p50": _pct(vals, 50), "p90": _pct(vals, 90),
+                    "p99": _pct(vals, 99)}
+    icl = [x for r in prof for x in r["metrics"]["inter_chunk_latency"]["value"]]
+    out["icl"] = {"avg": sum(icl) / len(icl), "p50": _pct(icl, 50), "p90": _pct(icl, 90),
+                  "p99": _pct(icl, 99)}
+    phases = json.loads((point_dir / "phase_manifest.json").read_text())["phases"]
+    ph = next(p for p in phases if p["phase_kind"] == "profiling")
+    dur = (ph["end_ns"] - ph["start_ns"]) / 1e9
+    osl = sum(r["metrics"]["output_sequence_length"]["value"] for r in prof)
+    isl = sum(r["metrics"]["input_sequence_length"]["value"] for r in prof)
+    out["output_tps"], out["total_tps"] = osl / dur, (osl + isl) / dur
+    return out
+
+
+def test_make_bench_scaled_down_against_the_standin(standin_server, client_image,  # noqa: F811
+                                                    tmp_path):
+    s = standin_server
+    args = (f"--url {s.base_url} --model {s.model} --tokenizer {s.tokenizer_path} "
+            f"--results {tmp_path} --server-timeout 120")
+    t0 = time.monotonic()
+    p = subprocess.run(["make", "-s", "-o", sys.executable, "bench", f"PY={sys.executable}",
+                        "WORKLOAD=ci-tiny", f"BENCH_ARGS={args}"], cwd=REPO, env=_env(),
+                       capture_output=True, text=True, timeout=600)
+    wall = time.monotonic() - t0
+    print(f"\nscaled-down bench (ci-tiny) wall time: {wall:.1f} s", file=sys.stderr)
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert "Traceback" not in p.stderr
+    run = only_run_dir(tmp_path)
+    assert p.stdout.strip().splitlines()[-1] == (
+        f"bench ci-tiny: 2 of 2 points ok; results in {run}")
+
+    for rel in ("summary.json", "perf.csv", "report.md", "provenance.json", "command.txt",
+                "workload.json", "aiperf.log", "latency_vs_concurrency.png",
+                "throughput_vs_interactivity.png"):
+        assert (run / rel).is_file(), rel
+    for point in ("concurrency_1__requests_8", "concurrency_2__requests_12"):
+        for rel in ("profile_export.jsonl", "profile_export_aiperf.json",
+                    "profile_export_aiperf.csv", "inputs.json", "phase_manifest.json"):
+            assert (run / "aiperf" / point / rel).is_file(), f"{point}/{rel}"
+
+    doc = json.loads((run / "summary.json").read_text())
+    assert doc["status"] == "ok" and doc["aiperf_exit_code"] == 0
+    assert [(q["concurrency"], q["request_count"], q["status"]) for q in doc["points"]] == [
+        (1, 8, "ok"), (2, 12, "ok")]
+    for q in doc["points"]:
+        ref = recompute(Path(q["dir"]))
+        assert ref["n"] == q["request_count"] == q["requests_ok"]
+        assert set(q["metrics"]) == set(ref) & {"ttft", "itl", "e2el", "icl", "tps_user"}
+        assert {"ttft", "itl", "e2el", "icl"} <= set(q["metrics"])
+        for key in q["metrics"]:
+            for stat in ("avg", "p50", "p90", "p99"):
+                assert q["metrics"][key][stat] == pytest.approx(ref[key][stat], rel=1e-9,
+                                                                abs=1e-9), (key, stat)
+        assert q["output_tps"] == pytest.approx(ref["output_tps"], rel=1e-9)
+        assert q["total_tps"] == pytest.approx(ref["total_tps"], rel=1e-9)
+        assert q["jsonl_check"]["ok"]
+        assert q["jsonl_check"]["compared"] == 4 * len(q["metrics"]) + 2
+        assert q["osl_avg"] == 32  # ignore_eos + min/max tokens, counted by the server
+
+    with (run / "perf.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert list(rows[0])[:len(MAD)] == MAD
+    assert len(rows) == 12 and {r["status"] for r in rows} == {"ok"}
+    by = {(r["max_concurrency"], r["metric"]): r for r in rows}
+    assert float(by[("1", "median_tpot")]["performance"]) == pytest.approx(
+        doc["points"][0]["metrics"]["itl"]["p50"], rel=1e-5)
+    assert float(by[("2", "throughput_gen")]["performance"]) == pytest.approx(
+        doc["points"][1]["output_tps"], rel=1e-5)
+    assert by[("1", "median_ttft")]["unit"] == "ms"
+    assert {(r["inp"], r["out"]) for r in rows} == {("64", "32")}
+    assert {r["benchmark"] for r in rows} == {"ci-tiny"} and {r["model"] for r in rows} == {
+        s.model}
+    assert all(r["cmd"] == (run / "command.txt").read_text().strip() for r in rows)
+
+    for png in ("latency_vs_concurrency.png", "throughput_vs_interactivity.png"):
+        png_ok(run / png)
+
+    prov = json.loads((run / "provenance.json").read_text())
+    srv = prov["server"]
+    assert srv["vllm_version"] and srv["container"]["image_id"].startswith("sha256:")
+    assert srv["container"]["env"]["K3_PROFILE"] == "cpu-smoke"
+    assert srv["server_argv"] and "serve" in " ".join(srv["server_argv"])
+    assert srv["overlay_manifest"] is not None, srv.get("overlay_manifest_note")
+    assert set(srv["fusion_toggles"]) == {"K3_FUSE_QK_NORM", "K3_FUSE_DECODE_QPREP"}
+    assert prov["client"]["aiperf_version"] == "0.13.0"
+    assert prov["client"]["image_id"].startswith("sha256:")
+    assert prov["client"]["command_line"] == (run / "command.txt").read_text().strip()
+    md = (run / "report.md").read_text()
+    assert "## concurrency 1 (8 requests): ok" in md and "| ITL (TPOT) (ms) |" in md
+    assert "all equal" in md
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float) -> None:
+    t0 = time.monotonic()
+    while not path.exists():
+        assert proc.poll() is None, f"bench ended early: {proc.communicate()}"
+        assert time.monotonic() - t0 < timeout, f"{path} did not appear"
+        time.sleep(0.5)
+
+
+def test_interrupt_and_stopped_server_keep_finished_points(docker_client, client_image,
+                                                           tmp_path):
+    """One fresh server: Ctrl-C after the first point, then a stopped server mid-run."""
+    srv = start_server(docker_client, name=f"k3bench-test-fail-{os.getpid()}")
+    try:
+        base = [sys.executable, "-m", "k3rocm", "bench", "--workload", "ci-tiny", "--quiet",
+                "--url", srv.base_url, "--model", srv.model, "--tokenizer",
+                str(srv.tokenizer_path), "--set", "concurrency=1,2",
+                "--set", "request_count=4,400", "--set", "warmup_request_count=1",
+                "--server-timeout", "30"]
+
+        # 1) Ctrl-C during the second point: exit 130, first point kept and ok.
+        res1 = tmp_path / "interrupt"
+        proc = subprocess.Popen([*base, "--results", str(res1)], cwd=REPO, env=_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        _wait_for(res1, proc, 60)
+        run1 = only_run_dir(res1)
+        _wait_for(run1 / "aiperf" / "concurrency_1__requests_4" / "profile_export_aiperf.json",
+                  proc, 240)
+        time.sleep(3)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=180)
+        assert proc.returncode == 130, err[-3000:]
+        assert "Traceback" not in err
+        last = err.strip().splitlines()[-1]
+        assert last.startswith("k3rocm: error: bench ci-tiny: interrupted; 1 of 2 points "
+                               "finished and kept in"), last
+        doc = json.loads((run1 / "summary.json").read_text())
+        assert doc["status"] == "interrupted"
+        assert [q["status"] for q in doc["points"]] == ["ok", "failed"]
+        assert doc["points"][0]["jsonl_check"]["ok"]
+        assert (run1 / "perf.csv").is_file() and (run1 / "aiperf.log").stat().st_size > 0
+        assert not docker_client.containers.list(filters={"label": "k3rocm.bench=client"})
+
+        # 2) The server stops during the second point: exit 1, one line, point 2 failed.
+        res2 = tmp_path / "stopped"
+        proc = subprocess.Popen([*base, "--results", str(res2)], cwd=REPO, env=_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        _wait_for(res2, proc, 60)
+        run2 = only_run_dir(res2)
+        _wait_for(run2 / "aiperf" / "concurrency_1__requests_4" / "profile_export_aiperf.json",
+                  proc, 240)
+        time.sleep(3)
+        srv.container.stop(timeout=10)
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 1, err[-3000:]
+        assert "Traceback" not in err
+        errs = [ln for ln in err.splitlines() if ln.startswith("k3rocm: error:")]
+        assert len(errs) == 1, err[-3000:]
+        assert errs[0].startswith("k3rocm: error: bench ci-tiny: 1 of 2 points failed (c=2: ")
+        assert "the server is no longer reachable" in errs[0]
+        assert f"raw logs and finished points kept in {run2}" in errs[0]
+        doc = json.loads((run2 / "summary.json").read_text())
+        assert doc["status"] == "failed" and doc["server_reachable_after"] is False
+        p1, p2 = doc["points"]
+        assert p1["status"] == "ok" and p1["jsonl_check"]["ok"]
+        assert p2["status"] == "failed" and p2["reason"]
+        with (run2 / "perf.csv").open() as fh:
+            rows = list(csv.DictReader(fh))
+        failed = [r for r in rows if r["max_concurrency"] == "2"]
+        assert len(failed) == 6 and all(r["status"].startswith("failed") for r in failed)
+        assert all(r["performance"] == "" for r in failed)
+        assert (run2 / "aiperf.log").stat().st_size > 0
+        md = (run2 / "report.md").read_text()
+        assert "**FAILED**" in md
+    finally:
+        srv.stop()
+
+
+def _bench_ab(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
+    ensure_smoke_model(__import__("docker").from_env(), os.environ.get("K3_SERVER_IMAGE")
+                       or "k3rocm/server:cpu-0.32.0")
+    ab_args = (f"--no-gpu --server-env K3_PROFILE=cpu-smoke --models-dir {MODELS_DIR} "
+               f"--tokenizer {MODELS_DIR / SMOKE_MODEL} --results {tmp_path} --pin-engine-core "
+               f"--runs-per-server 2 --port {_free_port()} --server-timeout 420 --quiet "
+               f"--set concurrency=1 --set request_count=16 {' '.join(extra)}")
+    image = os.environ.get("K3_SERVER_IMAGE") or "k3rocm/server:cpu-0.32.0"
+    return subprocess.run(["make", "-s", "-o", sys.executable, "bench-ab", f"PY={sys.executable}",
+                           "WORKLOAD=ci-tiny", "REPEATS=1", f"BENCH_IMAGE={image}",
+                           f"AB_ARGS={ab_args}"], cwd=REPO, env=_env(), capture_output=True,
+                          text=True, timeout=1500)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server_image_ready(docker_client, request):
+    image = os.environ.get("K3_SERVER_IMAGE")
+    if image:
+        return image
+    return request.getfixturevalue("server_image")
+
+
+def test_bench_ab_two_fresh_servers_and_aa_noise_floor(docker_client, client_image,
+                                                       server_image_ready, tmp_path):
+    # A/A first: the noise floor for this protocol, which the A/B then reports beside itself.
+    t0 = time.monotonic()
+    p = _bench_ab(tmp_path, "--aa")
+    aa_wall = time.monotonic() - t0
+    assert p.returncode == 0, p.stderr[-4000:]
+    aa_dir = next(tmp_path.glob("*-ci-tiny-aa"))
+    aa = json.loads((aa_dir / "comparison.json").read_text())
+    itl = next(r for r in aa["rows"] if r["metric"] == "ITL p50")
+    print(f"\nA/A wall {aa_wall:.0f} s; ITL p50 d={itl['d']:+.4f} CI [{itl['lo']:+.4f}, "
+          f"{itl['hi']:+.4f}] halfwidth {itl['halfwidth']:.4f}; repeats/arm for 1%: "
+          f"{itl['repeats_for_1pct']} (80% power {itl['repeats_for_1pct_80power']})",
+          file=sys.stderr)
+    assert itl["verdict"] == "within noise", itl
+    assert aa["mode"] == "aa" and len(aa["runs"]) == 4
+    assert {r["arm"] for r in aa["runs"]} == {"A", "B"}
+    assert all(r["env"] == {"K3_FUSE_QK_NORM": "1", "K3_FUSE_DECODE_QPREP": "1"}
+               for r in aa["runs"])
+    assert "within noise" in p.stdout
+
+    t0 = time.monotonic()
+    p = _bench_ab(tmp_path)
+    ab_wall = time.monotonic() - t0
+    print(f"A/B wall {ab_wall:.0f} s", file=sys.stderr)
+    assert p.returncode == 0, p.stderr[-4000:]
+    ab_dir = next(tmp_path.glob("*-ci-tiny-ab"))
+    comp = json.loads((ab_dir / "comparison.json").read_text())
+    assert comp["mode"] == "ab" and comp["noise_floor_from"] == str(aa_dir)
+    runs = comp["runs"]
+    assert [(r["slot"], r["arm"], r["run"], r["status"]) for r in runs] == [
+        (0, "A", 0, "ok"), (0, "A", 1, "ok"), (1, "B", 0, "ok"), (1, "B", 1, "ok")]
+    assert len({r["server"] for r in runs}) == 2  # two freshly started servers
+    assert runs[0]["env"] == {"K3_FUSE_QK_NORM": "0", "K3_FUSE_DECODE_QPREP": "0"}
+    assert runs[2]["env"] == {"K3_FUSE_QK_NORM": "1", "K3_FUSE_DECODE_QPREP": "1"}
+    # each arm's server really had its toggles (docker inspect recorded in provenance)
+    for r in runs:
+        prov = json.loads((Path(r["run_dir"]) / "provenance.json").read_text())
+        env = prov["server"]["container"]["env"]
+        assert {k: env[k] for k in r["env"]} == r["env"]
+        assert prov["ab"]["protocol_key"] == comp["protocol_key"]
+    metrics = {(row["concurrency"], row["metric"]) for row in comp["rows"]}
+    assert (1, "ITL p50") in metrics and (1, "output tokens/s") in metrics
+    for row in comp["rows"]:
+        assert row["verdict"] in ("within noise", "B faster", "B slower")
+        assert row["noise_floor"] is not None
+    md = (ab_dir / "comparison.md").read_text()
+    assert "## Protocol" in md and "freshly started server" in md and "Noise floor (A/A" in md
+    png_ok(ab_dir / "ab_itl.png")
+    assert not docker_client.containers.list(all=True, filters={"label": "k3rocm.bench=server"})
+
+
+def _bench_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "k3rocm", "bench", "--quiet", *args], cwd=REPO,
+                          env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def test_unreachable_server_is_one_line_exit_3(docker_client, client_image, tmp_path):
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text("{}")
+    p = _bench_cli("--workload", "ci-tiny", "--url", f"http://127.0.0.1:{_free_port()}",
+                   "--tokenizer", str(tok), "--results", str(tmp_path / "r"),
+                   "--server-timeout", "2")
+    assert p.returncode == 3, p.stderr
+    err = p.stderr.strip().splitlines()
+    assert err[-1].startswith("k3rocm: error: server at http://127.0.0.1:") and \
+        "not healthy within 2s" in err[-1], err
+    assert "Traceback" not in p.stderr
+    assert not (tmp_path / "r").exists()  # nothing measured, nothing written
+
+
+def test_missing_client_image_is_one_line_exit_2(standin_server, tmp_path):  # noqa: F811
+    s = standin_server
+    p = _bench_cli("--workload", "ci-tiny", "--url", s.base_url, "--model", s.model,
+                   "--tokenizer", str(s.tokenizer_path), "--results", str(tmp_path),
+                   "--client-image", "k3rocm/clients:does-not-exist")
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines()[-1] == (
+        "k3rocm: error: client image 'k3rocm/clients:does-not-exist' not found: build it with "
+        "`make clients-image` (or pass --client-image)")
+
+
+def test_wrong_model_is_one_line_exit_3(standin_server, client_image, tmp_path):  # noqa: F811
+    s = standin_server
+    p = _bench_cli("--workload", "ci-tiny", "--url", s.base_url, "--model", "nope",
+                   "--tokenizer", str(s.tokenizer_path), "--results", str(tmp_path))
+    assert p.returncode == 3
+    assert p.stderr.strip().splitlines()[-1].startswith(
+        f"k3rocm: error: server at {s.base_url} does not serve model 'nope'; it serves "
+        f"{s.model}")
+
+
+def test_aiperf_error_is_one_line_exit_1_and_keeps_the_log(standin_server, client_image,  # noqa: F811
+                                                           tmp_path):
+    s = standin_server
+    p = _bench_cli("--workload", "ci-tiny", "--url", s.base_url, "--model", s.model,
+                   "--tokenizer", str(s.tokenizer_path), "--results", str(tmp_path),
+                   "--set", "extra_args=--no-such-aiperf-flag")
+    assert p.returncode == 1, p.stderr[-2000:]
+    errs = [ln for ln in p.stderr.splitlines() if ln.startswith("k3rocm: error:")]
+    assert len(errs) == 1 and "2 of 2 points failed (aiperf exited with" in errs[0], errs
+    assert "Unknown option: --no-such-aiperf-flag" in errs[0]
+    run = only_run_dir(tmp_path)
+    assert (run / "aiperf.log").stat().st_size > 0
+    doc = json.loads((run / "summary.json").read_text())
+    assert doc["status"] == "failed" and doc["aiperf_exit_code"] != 0
+    assert [q["status"] for q in doc["points"]] == ["failed", "failed"]
