@@ -1,0 +1,315 @@
+"""``k3rocm gsm8k``: GSM8K 5-shot accuracy gate, lm-eval in the client container.
+
+Exit codes: 0 pass, 1 below the gate (or a partial run that is not allowed to pass),
+2 could not run (settings, data, server, client image, lm-eval error). One line each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from k3rocm.errors import UsageError
+from k3rocm.gsm8k import command, data, results
+from k3rocm.gsm8k.command import Gsm8kSettings
+from k3rocm.rundir import create_run_dir, write_json_atomic, write_text_atomic
+
+LAUNCHER_SRC = Path(__file__).with_name("lmeval_launch.py")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.epilog = ("Exit codes: 0 pass, 1 below the gate (or a --limit/partial run without "
+                "--allow-limit), 2 could not run. Data: --data-dir, else the HF cache "
+                "(openai/gsm8k). See docs/gsm8k.md.")
+    g = p.add_argument_group("server")
+    g.add_argument("--url", help="server root URL (default http://127.0.0.1:$K3_PORT)")
+    g.add_argument("--model", help="served model name (default $K3_SERVED_MODEL_NAME, or the "
+                   "only model the server lists)")
+    g.add_argument("--server-container", metavar="NAME",
+                   help="local server container for provenance (default: the one on the URL's "
+                   "port)")
+    g = p.add_argument_group("evaluation")
+    g.add_argument("--mode", choices=("chat", "completions"), default="chat",
+                   help="chat: /v1/chat/completions with the chat template (reasoning fallback); "
+                   "completions: /v1/completions with the raw 5-shot prompt")
+    g.add_argument("--concurrency", type=int, default=32,
+                   help="requests in flight (default %(default)s)")
+    g.add_argument("--max-gen-tokens", type=int, default=4096,
+                   help="max generated tokens per answer; reasoning models need many "
+                   "(default %(default)s)")
+    g.add_argument("--timeout", type=int, default=1800,
+                   help="per-request timeout, seconds (default %(default)s)")
+    g.add_argument("--max-retries", type=int, default=3,
+                   help="per-request retries (default %(default)s)")
+    g.add_argument("--limit", type=int, help="evaluate only the first N test items (marks the "
+                   "run not comparable)")
+    g.add_argument("--threshold", type=float, default=command.DEFAULT_THRESHOLD,
+                   help="gate on exact_match of both strict-match and flexible-extract "
+                   "(default %(default)s)")
+    g.add_argument("--allow-limit", action="store_true",
+                   help="let a --limit run (or a test set other than GSM8K's 1319 items) pass")
+    g = p.add_argument_group("data and output")
+    g.add_argument("--data-dir", help="directory with train.jsonl and test.jsonl "
+                   "(question, answer ending '#### N')")
+    g.add_argument("--hf-home", help="HF cache holding openai/gsm8k (default $HF_HOME, "
+                   "$K3_CACHE_DIR/huggingface, ~/.cache/huggingface)")
+    g.add_argument("--results-dir", default="results",
+                   help="run directories go here (default %(default)s)")
+    g.add_argument("--client-image", default=command.DEFAULT_CLIENT_IMAGE,
+                   help="image with lm-eval in /opt/clients (default %(default)s)")
+    g.add_argument("--dry-run", action="store_true",
+                   help="print the exact lm_eval command line and exit 0 (no server contact)")
+    g.add_argument("--rescore", metavar="RUN_DIR",
+                   help="re-apply the gate to a stored run directory and print the verdict")
+
+
+def _serving_defaults() -> dict:
+    """Port, served name and API key from the serving configuration (env + .env)."""
+    from k3rocm.config import load_settings
+
+    s, _ = load_settings()
+    return {"port": s.port, "model": s.served_model_name, "api_key": s.api_key}
+
+
+def _settings(args: argparse.Namespace, model: str, url: str) -> Gsm8kSettings:
+    s = Gsm8kSettings(url=url, model=model, mode=args.mode, concurrency=args.concurrency,
+                      max_gen_tokens=args.max_gen_tokens, timeout=args.timeout,
+                      max_retries=args.max_retries, threshold=args.threshold, limit=args.limit,
+                      allow_limit=args.allow_limit, client_image=args.client_image)
+    command.validate(s)
+    return s
+
+
+def _progress(msg: str) -> None:
+    print(f"gsm8k: {msg}", file=sys.stderr, flush=True)
+
+
+def _check_server(url: str, model: str, explicit: bool, api_key: str | None) -> str:
+    """The server answers /v1/models and serves ``model``; returns the model name to use.
+
+    A default (not explicit) name that the server does not serve is replaced by the server's
+    only model."""
+    import requests
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    try:
+        r = requests.get(url.rstrip("/") + "/v1/models", headers=headers, timeout=10)
+    except requests.RequestException as exc:
+        raise UsageError(f"server not reachable at {url} ({exc.__class__.__name__}); start it "
+                         "(`make up`) or pass --url") from None
+    if r.status_code in (401, 403):
+        raise UsageError(f"server at {url} refused /v1/models (HTTP {r.status_code}); set "
+                         "K3_API_KEY to the server's key")
+    if not r.ok:
+        raise UsageError(f"server at {url} answered /v1/models with HTTP {r.status_code}; is it "
+                         "a vLLM OpenAI server and healthy?")
+    try:
+        served = [m["id"] for m in r.json().get("data", [])]
+    except (ValueError, AttributeError, KeyError, TypeError):
+        raise UsageError(f"server at {url}: /v1/models is not an OpenAI model list") from None
+    if model in served:
+        return model
+    if not explicit and len(served) == 1:
+        return served[0]
+    raise UsageError(f"model {model!r} is not served at {url} (served: "
+                     f"{', '.join(served) or 'none'}); pass --model")
+
+
+def _docker():
+    try:
+        import docker
+
+        client = docker.from_env(timeout=120)
+        client.ping()
+        return client
+    except Exception as exc:  # noqa: BLE001 - any failure means no engine
+        raise UsageError(f"Docker engine not reachable ({exc.__class__.__name__}); the client "
+                         "container needs it (set DOCKER_HOST or start dockerd)") from None
+
+
+def _rescore(args: argparse.Namespace) -> int:
+    run_dir = Path(args.rescore)
+    if not run_dir.is_dir():
+        raise UsageError(f"--rescore {run_dir} is not a directory")
+    res, samples, fallbacks, _, _ = results.load_run(run_dir)
+    verdict = results.evaluate(res, samples, fallbacks, threshold=args.threshold,
+                               allow_limit=args.allow_limit)
+    print(json.dumps(verdict, indent=2), file=sys.stdout)
+    print(verdict["message"], file=sys.stderr)
+    return verdict["exit_code"]
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.rescore:
+        command.validate(_settings(args, "x", "http://x"))
+        return _rescore(args)
+    defaults = _serving_defaults()
+    url = args.url or f"http://127.0.0.1:{defaults['port']}"
+    api_key = defaults.get("api_key") or None
+    # Everything checkable without a server, before anything expensive.
+    s = _settings(args, args.model or defaults["model"], url)
+    src = data.resolve(args.data_dir, args.hf_home)
+    argv = command.lm_eval_argv(s, src)
+    if args.dry_run:
+        print(command.shell_line(argv))
+        print(f"# in {s.client_image}, --network host, run dir mounted at {command.OUT_MOUNT}, "
+              f"data: {src.describe()} mounted at {src.mount}", file=sys.stderr)
+        return 0
+
+    model = _check_server(url, s.model, explicit=args.model is not None, api_key=api_key)
+    if model != s.model:
+        _progress(f"the server serves only {model!r}; using it (--model to insist on a name)")
+        s = _settings(args, model, url)
+        argv = command.lm_eval_argv(s, src)
+    client = _docker()
+    try:
+        client.images.get(s.client_image)
+    except Exception:  # noqa: BLE001 - docker.errors.ImageNotFound
+        raise UsageError(f"client image {s.client_image} not found; build it with "
+                         "`make clients-image` (or pass --client-image)") from None
+    return _execute(client, s, src, argv, api_key, args)
+
+
+def _execute(client, s: Gsm8kSettings, src: data.DataSource, argv: list[str],
+             api_key: str | None, args: argparse.Namespace) -> int:
+    from k3rocm.gsm8k import provenance
+
+    run_dir = create_run_dir(args.results_dir, "gsm8k")
+    _progress(f"run directory {run_dir}")
+    (run_dir / "lmeval_plugin").mkdir()
+    shutil.copyfile(LAUNCHER_SRC, run_dir / "lmeval_plugin" / command.LAUNCHER_NAME)
+    if src.needs_task_file:
+        write_text_atomic(run_dir / "tasks" / "gsm8k.yaml", data.task_yaml(src))
+    (run_dir / "lm_eval").mkdir()
+    line = command.shell_line(argv)
+    write_text_atomic(run_dir / "command.txt", line + "\n")
+    env = command.container_env(s, src)
+    env_logged = dict(env)
+    if api_key:
+        env["OPENAI_API_KEY"] = api_key
+        env_logged["OPENAI_API_KEY"] = "***"
+    volumes = {str(run_dir.resolve()): {"bind": command.OUT_MOUNT, "mode": "rw"},
+               str(src.host_dir): {"bind": src.mount,
+                                   "mode": "rw" if src.kind == "hf-datasets-cache" else "ro"}}
+    user = f"{os.getuid()}:{os.getgid()}"
+    prov = {
+        "command": line, "argv": argv,
+        "container": {"image": s.client_image, "network_mode": "host", "user": user,
+                      "volumes": volumes, "env": env_logged},
+        "settings": s.as_dict(), "data": src.provenance(),
+        "server": provenance.server(client, s.url, api_key, args.server_container),
+        "client_image": provenance.client_image(client, s.client_image),
+        "host": provenance.host(), "k3rocm_argv": sys.argv,
+    }
+    write_json_atomic(run_dir / "provenance.json", prov)
+    _progress(f"server {s.url} model {s.model} (vLLM {prov['server'].get('vllm_version')}); "
+              f"data {src.describe()}; lm-eval in {s.client_image}")
+    _progress(line)
+
+    name = f"k3rocm-gsm8k-{run_dir.name}".replace(":", "")[:120]
+    t0 = time.monotonic()
+    try:
+        container = client.containers.run(
+            s.client_image, command=argv, detach=True, network_mode="host", environment=env,
+            volumes=volumes, user=user, name=name, working_dir="/tmp",
+            labels={"k3rocm.role": "gsm8k-client", "k3rocm.run_dir": str(run_dir)})
+    except Exception as exc:  # noqa: BLE001 - docker.errors.APIError and friends
+        detail = f"could not start the client container: {exc.__class__.__name__}: {exc}"[:300]
+        _finish(run_dir, s, src, prov, 0.0, status="error", detail=detail)
+        raise UsageError(detail) from None
+    status = None
+    try:
+        with open(run_dir / "lm_eval.log", "wb") as log:
+            for chunk in container.logs(stream=True, follow=True):
+                log.write(chunk)
+                log.flush()
+                sys.stderr.buffer.write(chunk)
+                sys.stderr.flush()
+        status = container.wait().get("StatusCode")
+    except KeyboardInterrupt:
+        _stop(container)
+        _finish(run_dir, s, src, prov, time.monotonic() - t0, status="interrupted")
+        raise
+    finally:
+        _remove(container)
+    wall = time.monotonic() - t0
+    if status != 0:
+        last = _last_error_line(run_dir / "lm_eval.log")
+        _finish(run_dir, s, src, prov, wall, status="error", detail=last, exit_status=status)
+        raise UsageError(f"lm-eval failed (exit {status}): {last}; log: "
+                         f"{run_dir / 'lm_eval.log'}")
+    summary = _finish(run_dir, s, src, prov, wall)
+    print(summary["message"] + f"; run dir {run_dir}", file=sys.stderr)
+    return summary["exit_code"]
+
+
+def _finish(run_dir: Path, s: Gsm8kSettings, src: data.DataSource, prov: dict, wall: float,
+            status: str | None = None, detail: str | None = None,
+            exit_status: int | None = None) -> dict:
+    client_info = run_dir / "client_info.json"
+    if client_info.is_file():
+        try:
+            prov["client"] = json.loads(client_info.read_text())
+            write_json_atomic(run_dir / "provenance.json", prov)
+        except ValueError:
+            pass
+    run = {"server_url": s.url, "model": s.model, "mode": s.mode, "concurrency": s.concurrency,
+           "max_gen_tokens": s.max_gen_tokens, "data": src.describe(),
+           "client_image": s.client_image, "wall_seconds": round(wall, 1),
+           "command": prov["command"], "run_dir": str(run_dir)}
+    if status is None:
+        try:
+            res, samples, fallbacks, rfile, sfile = results.load_run(run_dir)
+            summary = results.evaluate(res, samples, fallbacks, threshold=s.threshold,
+                                       allow_limit=s.allow_limit)
+            summary["files"] = {"results": str(rfile.relative_to(run_dir)),
+                                "samples": str(sfile.relative_to(run_dir)) if sfile else None}
+        except UsageError as exc:
+            status, detail = "error", str(exc)
+    if status is not None:
+        summary = {"status": status, "passed": False, "exit_code": 2 if status == "error" else 130,
+                   "message": f"gsm8k: {status.upper()}: {detail or 'no result'}",
+                   "lm_eval_exit_status": exit_status}
+    summary["run"] = run
+    write_json_atomic(run_dir / "summary.json", summary)
+    if "metrics" in summary:
+        write_text_atomic(run_dir / "summary.md", results.markdown(summary))
+    else:
+        write_text_atomic(run_dir / "summary.md", f"# GSM8K accuracy gate\n\n"
+                          f"**{status.upper()}** - {summary['message']}\n\n```\n"
+                          f"{prov['command']}\n```\n")
+    return summary
+
+
+def _last_error_line(log: Path) -> str:
+    """The first error lm-eval logged (the cause; later ones are usually its fallout), else the
+    last error-looking line."""
+    try:
+        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return "no log"
+    for ln in lines:
+        m = re.search(r"\bERROR\s+\[[^\]]*\]\s*(.*)", ln)
+        if m:
+            return m.group(1)[:300]
+    for ln in reversed(lines):
+        if any(k in ln for k in ("Error", "error", "Exception", "refused", "Traceback")):
+            return ln[:300]
+    return lines[-1][:300] if lines else "no output"
+
+
+def _stop(container) -> None:
+    with contextlib.suppress(Exception):
+        container.stop(timeout=5)
+
+
+def _remove(container) -> None:
+    with contextlib.suppress(Exception):
+        container.remove(force=True)

@@ -1,0 +1,111 @@
+"""Runs *inside the client container*: lm-eval's own CLI plus one model class.
+
+``python k3rocm_lmeval.py run --model k3-chat-completions ...`` is ``lm-eval run ...`` with one
+extra registered model, ``k3-chat-completions``: lm-eval's ``local-chat-completions`` unchanged,
+except that a response whose ``message.content`` is empty while the reasoning field
+(``reasoning_content``, or ``reasoning`` in newer vLLM) holds text is scored on that text.
+Every such fallback is appended as one JSON line to ``$K3_GSM8K_FALLBACK_LOG`` so the summary
+can say how many answers needed it. Before evaluating, the versions of lm-eval and its data
+stack are written to ``$K3_GSM8K_CLIENT_INFO``.
+
+Only the standard library and lm-eval are imported here: this file is copied into each run
+directory (so the exact code that produced a result is kept with it) and run by the client
+image's Python.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import platform
+import sys
+import threading
+from importlib import metadata
+
+MODEL_NAME = "k3-chat-completions"
+REASONING_KEYS = ("reasoning_content", "reasoning")
+
+_lock = threading.Lock()
+
+
+def _append_jsonl(path: str | None, record: dict) -> None:
+    if not path:
+        return
+    line = json.dumps(record, ensure_ascii=False) + "\n"
+    with _lock, open(path, "a", encoding="utf-8") as fh:
+        fh.write(line)
+        fh.flush()
+
+
+def apply_reasoning_fallback(outputs, log_path: str | None = None):
+    """Return ``outputs`` with empty contents replaced by the reasoning text (a deep copy).
+
+    Pure function over the OpenAI chat-completions response shape; logs one line per fallback.
+    """
+    batch = outputs if isinstance(outputs, list) else [outputs]
+    fixed = []
+    for out in batch:
+        choices = out.get("choices") if isinstance(out, dict) else None
+        if not choices:
+            fixed.append(out)
+            continue
+        out = copy.deepcopy(out)
+        for choice in out["choices"]:
+            msg = choice.get("message") or {}
+            content = msg.get("content")
+            if content is not None and content.strip():
+                continue
+            for key in REASONING_KEYS:
+                text = msg.get(key)
+                if isinstance(text, str) and text.strip():
+                    msg["content"] = text
+                    _append_jsonl(log_path, {
+                        "id": out.get("id"), "index": choice.get("index"),
+                        "content": content, "field": key,
+                        "finish_reason": choice.get("finish_reason"), "text": text,
+                    })
+                    break
+        fixed.append(out)
+    return fixed if isinstance(outputs, list) else fixed[0]
+
+
+def client_info() -> dict:
+    versions = {}
+    for dist in ("lm_eval", "datasets", "huggingface_hub", "aiohttp", "transformers"):
+        try:
+            versions[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            versions[dist] = None
+    return {"python": platform.python_version(), "executable": sys.executable,
+            "versions": versions, "argv": sys.argv}
+
+
+def register() -> None:
+    from lm_eval.api.registry import register_model
+    from lm_eval.models.openai_completions import LocalChatCompletion
+
+    class ChatCompletionsWithReasoningFallback(LocalChatCompletion):
+        """``local-chat-completions`` + scoring the reasoning text when the content is empty."""
+
+        def parse_generations(self, outputs, **kwargs):
+            fixed = apply_reasoning_fallback(outputs, os.environ.get("K3_GSM8K_FALLBACK_LOG"))
+            return super().parse_generations(fixed, **kwargs)
+
+    register_model(MODEL_NAME)(ChatCompletionsWithReasoningFallback)
+
+
+def main() -> None:
+    info_path = os.environ.get("K3_GSM8K_CLIENT_INFO")
+    if info_path:
+        with open(info_path, "w", encoding="utf-8") as fh:
+            json.dump(client_info(), fh, indent=2)
+    register()
+    from lm_eval.__main__ import cli_evaluate
+
+    sys.argv[0] = "lm-eval"
+    cli_evaluate()
+
+
+if __name__ == "__main__":
+    main()

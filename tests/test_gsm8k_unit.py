@@ -1,0 +1,352 @@
+"""gsm8k without a server: data checks, the lm-eval command line, and the gate on stored results.
+
+The stored results below have the shape lm-eval 0.4.13 writes (captured from a real run against
+the CPU stand-in: results_<ts>.json + samples_gsm8k_<ts>.jsonl under lm_eval/<model>/); the
+verdicts are checked through the real CLI (`k3rocm gsm8k --rescore RUN_DIR`).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO, run_cli
+
+from k3rocm.errors import UsageError
+from k3rocm.gsm8k import command, data, results
+from k3rocm.gsm8k.lmeval_launch import apply_reasoning_fallback
+
+
+def write_items(path: Path, n: int, offset: int = 0) -> None:
+    with open(path, "w") as fh:
+        for i in range(offset, offset + n):
+            a, b = i + 2, 3 * i + 1
+            fh.write(json.dumps({
+                "question": f"Tom has {a} apples and buys {b} more. How many apples now?",
+                "answer": f"Tom has {a}+{b}=<<{a}+{b}={a + b}>>{a + b} apples.\n#### {a + b}",
+            }) + "\n")
+
+
+@pytest.fixture
+def data_dir(tmp_path) -> Path:
+    d = tmp_path / "gsm8k"
+    d.mkdir()
+    write_items(d / "train.jsonl", 8)
+    write_items(d / "test.jsonl", 4, offset=100)
+    return d
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------------- data
+
+
+def test_local_data_dir_is_checked_and_described(data_dir):
+    src = data.resolve(str(data_dir), None)
+    assert src.kind == "local-jsonl" and src.builder == "json" and src.test_items == 4
+    assert src.files == {"train": "/data/gsm8k/train.jsonl", "test": "/data/gsm8k/test.jsonl"}
+    prov = src.provenance()
+    assert prov["files"]["test"]["sha256"] == data.sha256_file(data_dir / "test.jsonl")
+
+
+@pytest.mark.parametrize("line, fragment", [
+    ("not json", "is not JSON"),
+    (json.dumps({"question": "q"}), "needs string fields question and answer"),
+    (json.dumps({"question": "q", "answer": "no marker 4"}), "does not end in '#### <number>'"),
+])
+def test_bad_item_names_file_and_line(data_dir, line, fragment):
+    with open(data_dir / "test.jsonl", "a") as fh:
+        fh.write(line + "\n")
+    with pytest.raises(UsageError, match=fragment) as exc:
+        data.resolve(str(data_dir), None)
+    assert "test.jsonl:5" in str(exc.value)
+
+
+def test_too_few_fewshot_items(data_dir):
+    write_items(data_dir / "train.jsonl", 3)
+    with pytest.raises(UsageError, match="5-shot needs at least 5"):
+        data.resolve(str(data_dir), None)
+
+
+def test_no_data_anywhere_says_how_to_provide_it(tmp_path, monkeypatch):
+    monkeypatch.delenv("HF_DATASETS_CACHE", raising=False)
+    with pytest.raises(UsageError) as exc:
+        data.resolve(None, str(tmp_path / "empty-hf"))
+    msg = str(exc.value)
+    assert "\n" not in msg and "--data-dir" in msg and "huggingface-cli download openai/gsm8k" \
+        in msg
+
+
+def test_hf_hub_snapshot_is_used_offline(tmp_path):
+    repo = tmp_path / "hf" / "hub" / data.HF_REPO_DIR
+    rev = "e53f048856ff4f594e959d75785d2c2d37b678ee"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(rev)
+    snap = repo / "snapshots" / rev / "main"
+    snap.mkdir(parents=True)
+    blobs = repo / "blobs"
+    blobs.mkdir()
+    for split in ("train", "test"):  # the hub cache layout: snapshot links into blobs/
+        (blobs / split).write_bytes(b"PAR1")
+        (snap / f"{split}-00000-of-00001.parquet").symlink_to(f"../../../blobs/{split}")
+    src = data.resolve(None, str(tmp_path / "hf"))
+    assert src.kind == "hf-hub-parquet" and src.builder == "parquet"
+    assert src.host_dir == repo.resolve()
+    assert src.files["test"] == f"/hf/hub/{data.HF_REPO_DIR}/snapshots/{rev}/main/" \
+        "test-00000-of-00001.parquet"
+    assert "dataset_path: parquet" in data.task_yaml(src)
+
+
+def test_datasets_arrow_cache_uses_the_builtin_task(tmp_path, monkeypatch):
+    monkeypatch.delenv("HF_DATASETS_CACHE", raising=False)
+    d = tmp_path / "hf" / "datasets" / data.ARROW_DIR / "main" / "0.0.0" / "abc"
+    d.mkdir(parents=True)
+    (d / "gsm8k-test.arrow").write_bytes(b"x")
+    src = data.resolve(None, str(tmp_path / "hf"))
+    assert src.kind == "hf-datasets-cache" and not src.needs_task_file
+    s = command.Gsm8kSettings()
+    argv = command.lm_eval_argv(s, src)
+    assert "--include_path" not in argv
+    assert command.container_env(s, src)["HF_HOME"] == "/hf"
+    assert command.container_env(s, src)["HF_DATASETS_OFFLINE"] == "1"
+
+
+# ------------------------------------------------------------------------------- command
+
+
+def test_chat_command_line(data_dir):
+    src = data.resolve(str(data_dir), None)
+    s = command.Gsm8kSettings(url="http://10.0.0.5:8000", model="moonshotai/Kimi-K3",
+                              concurrency=32, max_gen_tokens=8192, limit=50)
+    argv = command.lm_eval_argv(s, src)
+    assert argv[:3] == ["/opt/clients/bin/python", "/out/lmeval_plugin/k3rocm_lmeval.py", "run"]
+    opts = dict(zip(argv[3::2], argv[4::2], strict=False))
+    assert argv[argv.index("--model") + 1] == "k3-chat-completions"
+    margs = dict(kv.split("=", 1) for kv in argv[argv.index("--model_args") + 1].split(","))
+    assert margs == {"model": "moonshotai/Kimi-K3",
+                     "base_url": "http://10.0.0.5:8000/v1/chat/completions",
+                     "num_concurrent": "32", "max_retries": "3", "timeout": "1800",
+                     "tokenized_requests": "False"}
+    assert opts["--tasks"] == "gsm8k" and opts["--num_fewshot"] == "5"
+    assert "max_gen_toks=8192" in argv[argv.index("--gen_kwargs") + 1]
+    assert "temperature=0" in argv[argv.index("--gen_kwargs") + 1]
+    assert "--apply_chat_template" in argv
+    assert argv[argv.index("--include_path") + 1] == "/out/tasks"
+    assert argv[argv.index("--limit") + 1] == "50"
+    assert "--log_samples" in argv
+
+
+def test_completions_command_line(data_dir):
+    src = data.resolve(str(data_dir), None)
+    s = command.Gsm8kSettings(mode="completions")
+    argv = command.lm_eval_argv(s, src)
+    assert argv[argv.index("--model") + 1] == "local-completions"
+    margs = argv[argv.index("--model_args") + 1]
+    assert "base_url=http://127.0.0.1:8000/v1/completions" in margs
+    assert "tokenizer_backend=None" in margs and "tokenized_requests=False" in margs
+    assert "--apply_chat_template" not in argv and "--limit" not in argv
+
+
+@pytest.mark.parametrize("kw, fragment", [
+    ({"url": "127.0.0.1:8000"}, "--url"),
+    ({"url": "http://h:8000/v1"}, "has a path"),
+    ({"concurrency": 0}, "--concurrency 0"),
+    ({"max_gen_tokens": 0}, "--max-gen-tokens 0"),
+    ({"threshold": 1.5}, "--threshold 1.5"),
+    ({"limit": 0}, "--limit 0"),
+])
+def test_settings_validation(kw, fragment):
+    with pytest.raises(UsageError, match=fragment):
+        command.validate(command.Gsm8kSettings(**kw))
+
+
+def test_dry_run_prints_the_command_and_contacts_nothing(data_dir):
+    port = free_port()  # nothing listens here: a contact attempt would fail the run
+    p = run_cli("gsm8k", "--dry-run", "--url", f"http://127.0.0.1:{port}", "--model", "m",
+                "--data-dir", str(data_dir), "--limit", "3")
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("/opt/clients/bin/python ")
+    assert f"base_url=http://127.0.0.1:{port}/v1/chat/completions" in lines[0]
+    assert "--limit 3" in lines[0]
+
+
+def test_make_gsm8k_dry_run(data_dir):
+    env = {"PYTHONPATH": str(REPO / "src")}
+    p = subprocess.run(["make", "-s", "-o", sys.executable, "gsm8k", "DRY_RUN=1",
+                        f"PY={sys.executable}", f"GSM8K_DATA={data_dir}",
+                        "GSM8K_ARGS=--model m --concurrency 3"],
+                       cwd=REPO, capture_output=True, text=True, timeout=60,
+                       env={**_clean_env(), **env})
+    assert p.returncode == 0, p.stderr
+    assert "num_concurrent=3" in p.stdout and "--include_path /out/tasks" in p.stdout
+
+
+def _clean_env() -> dict:
+    import os
+
+    return {k: v for k, v in os.environ.items() if not k.startswith("K3_")}
+
+
+def test_missing_data_exits_2_with_one_line(tmp_path):
+    p = run_cli("gsm8k", "--hf-home", str(tmp_path / "nothing"), "--url", "http://127.0.0.1:9",
+                env={"HF_DATASETS_CACHE": str(tmp_path / "nothing")})
+    assert p.returncode == 2
+    err = p.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("k3rocm: error: no GSM8K data found"), p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_unreachable_server_exits_2_with_one_line(data_dir):
+    port = free_port()
+    p = run_cli("gsm8k", "--url", f"http://127.0.0.1:{port}", "--data-dir", str(data_dir))
+    assert p.returncode == 2
+    err = p.stderr.strip().splitlines()
+    assert err == [f"k3rocm: error: server not reachable at http://127.0.0.1:{port} "
+                   "(ConnectionError); start it (`make up`) or pass --url"], p.stderr
+
+
+def test_bad_setting_exits_2_before_anything(data_dir):
+    p = run_cli("gsm8k", "--concurrency", "0", "--data-dir", str(data_dir), "--dry-run")
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "--concurrency 0" in p.stderr
+
+
+# ------------------------------------------------------------------- reasoning fallback
+
+
+def test_reasoning_fallback_rewrites_only_empty_contents(tmp_path):
+    log = tmp_path / "fb.jsonl"
+    resp = {"id": "c1", "choices": [
+        {"index": 0, "message": {"content": None, "reasoning": "so 3+4=7\n#### 7"},
+         "finish_reason": "stop"},
+        {"index": 1, "message": {"content": "  ", "reasoning_content": "#### 8"}},
+        {"index": 2, "message": {"content": "#### 9", "reasoning_content": "ignored"}},
+        {"index": 3, "message": {"content": None}},
+    ]}
+    fixed = apply_reasoning_fallback([resp], str(log))
+    contents = [c["message"]["content"] for c in fixed[0]["choices"]]
+    assert contents == ["so 3+4=7\n#### 7", "#### 8", "#### 9", None]
+    assert resp["choices"][0]["message"]["content"] is None  # the input is not mutated
+    logged = [json.loads(x) for x in log.read_text().splitlines()]
+    assert [(x["index"], x["field"]) for x in logged] == [(0, "reasoning"),
+                                                          (1, "reasoning_content")]
+
+
+# ----------------------------------------------------------- gate on stored results files
+
+
+def stored_run(root: Path, strict: float, flex: float, *, original: int = 1319,
+               effective: int | None = None, limit: int | None = None,
+               fallback_docs: tuple[int, ...] = ()) -> Path:
+    """A run directory as `k3rocm gsm8k` leaves it, with lm-eval 0.4.13's file shapes."""
+    effective = original if effective is None else effective
+    run = root / "20261202T171915Z-gsm8k"
+    out = run / "lm_eval" / "moonshotai__Kimi-K3"
+    out.mkdir(parents=True)
+    stamp = "2026-12-02T17-19-28.635470"
+
+    def se(p: float) -> float:
+        return (p * (1 - p) / max(effective - 1, 1)) ** 0.5
+
+    res = {
+        "results": {"gsm8k": {
+            "alias": "gsm8k", "name": "gsm8k", "sample_len": effective,
+            "exact_match,strict-match": strict, "exact_match_stderr,strict-match": se(strict),
+            "exact_match,flexible-extract": flex,
+            "exact_match_stderr,flexible-extract": se(flex)}},
+        "group_subtasks": {"gsm8k": []}, "n-shot": {"gsm8k": 5},
+        "versions": {"gsm8k": 3.0}, "higher_is_better": {"gsm8k": {"exact_match": True}},
+        "n-samples": {"gsm8k": {"original": original, "effective": effective}},
+        "config": {"model": "k3-chat-completions",
+                   "model_args": {"model": "moonshotai/Kimi-K3", "num_concurrent": 16},
+                   "batch_size": 1, "limit": limit,
+                   "gen_kwargs": {"temperature": 0, "do_sample": False, "max_gen_toks": 4096}},
+        "lm_eval_version": "0.4.13", "date": 1796231968.0,
+        "total_evaluation_time_seconds": "812.4",
+    }
+    (out / f"results_{stamp}.json").write_text(json.dumps(res))
+    fb_lines = []
+    with open(out / f"samples_gsm8k_{stamp}.jsonl", "w") as fh:
+        for doc in range(effective):
+            text = f"The answer is {doc}.\n#### {doc}"
+            if doc in fallback_docs:
+                text = f"Reasoning about item {doc}... so it is {doc}.\n#### {doc}"
+                fb_lines.append({"id": f"chatcmpl-{doc}", "index": 0, "content": None,
+                                 "field": "reasoning", "finish_reason": "stop", "text": text})
+            for filt in ("strict-match", "flexible-extract"):
+                fh.write(json.dumps({"doc_id": doc, "filter": filt, "resps": [[text]],
+                                     "filtered_resps": [str(doc)], "exact_match": 1.0}) + "\n")
+    with open(run / "reasoning_fallback.jsonl", "w") as fh:
+        for line in fb_lines:
+            fh.write(json.dumps(line) + "\n")
+    return run
+
+
+def rescore(run: Path, *extra: str) -> tuple[int, dict, str]:
+    p = run_cli("gsm8k", "--rescore", str(run), *extra)
+    assert "Traceback" not in p.stderr
+    return p.returncode, json.loads(p.stdout), p.stderr.strip()
+
+
+def test_gate_pass(tmp_path):
+    code, v, msg = rescore(stored_run(tmp_path, 0.9629, 0.9651))
+    assert code == 0 and v["status"] == "pass" and v["comparable"]
+    assert msg.startswith("gsm8k: PASS: strict-match 0.9629 +- 0.0052, flexible-extract 0.9651")
+    assert "reference 0.9644 +- 0.0051" in msg
+    assert v["metrics"]["strict-match"]["stderr"] == pytest.approx(0.0052, abs=1e-4)
+
+
+def test_gate_fail_when_either_filter_is_below(tmp_path):
+    code, v, msg = rescore(stored_run(tmp_path, 0.9310, 0.9651))
+    assert code == 1 and v["status"] == "below_gate" and not v["passed"]
+    assert msg.startswith("gsm8k: FAIL: below the gate 0.94 (strict-match)")
+    assert v["metrics"]["flexible-extract"]["reaches_gate"]
+    assert not v["metrics"]["strict-match"]["reaches_gate"]
+
+
+def test_threshold_is_configurable(tmp_path):
+    code, v, _ = rescore(stored_run(tmp_path, 0.9310, 0.9351), "--threshold", "0.92")
+    assert code == 0 and v["threshold"] == 0.92
+
+
+def test_limit_run_is_not_comparable_and_does_not_pass(tmp_path):
+    run = stored_run(tmp_path, 0.98, 0.98, effective=100, limit=100)
+    code, v, msg = rescore(run)
+    assert code == 1 and v["status"] == "not_comparable" and not v["comparable"]
+    assert "--limit 100: 100 of 1319 test items" in v["not_comparable_reasons"]
+    assert msg.startswith("gsm8k: NOT A PASS:") and "--allow-limit" in msg
+    code, v, msg = rescore(run, "--allow-limit")
+    assert code == 0 and v["status"] == "pass" and not v["comparable"]
+    assert "not comparable: --limit 100" in msg
+
+
+def test_small_test_set_is_not_comparable(tmp_path):
+    code, v, _ = rescore(stored_run(tmp_path, 1.0, 1.0, original=5))
+    assert code == 1 and v["status"] == "not_comparable"
+    assert v["not_comparable_reasons"] == ["the test set has 5 items, GSM8K's test split has 1319"]
+
+
+def test_reasoning_fallback_is_counted(tmp_path):
+    run = stored_run(tmp_path, 0.9629, 0.9651, fallback_docs=(3, 17, 1200))
+    code, v, msg = rescore(run)
+    assert code == 0
+    assert v["reasoning_fallback"] == {"count": 3, "of": 1319, "responses_logged": 3,
+                                       "doc_ids": [3, 17, 1200]}
+    assert msg.endswith("3 answer(s) scored from the reasoning text (content empty)")
+    md = results.markdown(v)
+    assert "| strict-match | 0.9629 | ± 0.0052 | 0.9644 ± 0.0051 | >= 0.94 | reaches gate |" in md
+    assert "Answers scored from reasoning_content (content was empty): 3 of 1319" in md
+
+
+def test_rescore_without_results_exits_2(tmp_path):
+    (tmp_path / "run" / "lm_eval").mkdir(parents=True)
+    p = run_cli("gsm8k", "--rescore", str(tmp_path / "run"))
+    assert p.returncode == 2 and p.stderr.startswith("k3rocm: error: no lm-eval results file")
