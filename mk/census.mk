@@ -1,0 +1,25 @@
+# Decode kernel census (issue 7). See docs/census.md.
+#   make census                          profile the running server (needs K3_PROFILER_DIR set
+#                                        when it started), check the fused-kernel counts
+#   make census TRACE_DIR=results/traces analyse existing traces, no server (FUSIONS=... too)
+#   make census CENSUS_ARGS='--concurrency 8 --max-tokens 1024 --steps 6'
+#   make census-ab [CENSUS_IMAGE=...]    fusions off vs on, each arm on a fresh server
+#   make census-test                     the census tests (crafted traces + real CPU stand-in)
+# Exit codes of k3rocm census: 0 counts as expected, 1 mismatch, 2 bad input, 3 server problem.
+PY ?= .venv/bin/python
+TRACE_DIR ?=
+FUSIONS ?=
+CENSUS_ARGS ?=
+CENSUS_AB_ARGS ?=
+CENSUS_IMAGE ?= $(or $(K3_SERVER_IMAGE),k3rocm/server:latest)
+
+.PHONY: census census-ab census-test
+
+census: $(PY) ## kernel census of the running server (TRACE_DIR=dir: offline; CENSUS_ARGS)
+	$(PY) -m k3rocm census $(if $(TRACE_DIR),--trace-dir $(TRACE_DIR)) $(if $(FUSIONS),--fusions $(FUSIONS)) $(CENSUS_ARGS)
+
+census-ab: $(PY) ## kernel census A/B: fusions off vs on on fresh servers (CENSUS_IMAGE, CENSUS_AB_ARGS)
+	$(PY) -m k3rocm census-ab --image $(CENSUS_IMAGE) $(CENSUS_AB_ARGS)
+
+census-test: $(PY) ## census tests: parser on crafted traces, live census and A/B on the stand-in
+	$(PY) -m pytest -q tests/test_census_parser.py tests/test_census_standin.py

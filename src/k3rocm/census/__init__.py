@@ -1,0 +1,1 @@
+"""Decode kernel census: launch counts per kernel and engine step from vLLM profiler traces."""

@@ -1,0 +1,286 @@
+"""``k3rocm census``: prove from the server's profiler trace which fused kernels run, how often.
+
+Live: against a running server started with the profiler (K3_PROFILER_DIR), drive a
+decode-heavy streaming load, profile a few decode steps, collect every rank's trace into
+``results/<UTC>-census/``, count launches per step and check them against expectations derived
+from the model config, the trace and the overlay's startup report.
+Offline: ``--trace-dir DIR`` analyses existing traces (no server).
+
+Exit codes: 0 all checks pass, 1 a count mismatches, 2 bad input, 3 server/trace problems.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from k3rocm.census.analyze import Census, run_census
+from k3rocm.census.common import (
+    add_analysis_arguments,
+    base_provenance,
+    extra_from,
+    model_dir_from,
+    normalizer_from,
+    positive,
+    results_root,
+)
+from k3rocm.census.fusions import FusionStates, from_cli, from_log
+from k3rocm.census.modelcfg import read_model_facts
+from k3rocm.census.spec import load_spec
+from k3rocm.census.trace import load_trace_dir
+from k3rocm.errors import UsageError
+from k3rocm.rundir import create_run_dir, write_json_atomic, write_text_atomic
+
+
+def _log(msg: str) -> None:
+    print(f"[census] {msg}", file=sys.stderr, flush=True)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    p.add_argument("--trace-dir", help="analyse the traces in this directory instead of "
+                   "driving a server")
+    p.add_argument("--fusions", metavar="qk_norm=on|off,decode_qprep=on|off",
+                   help="state the fusion states (default: the overlay's startup lines in the "
+                   "server container's log or --server-log)")
+    p.add_argument("--server-log", metavar="FILE", help="server log holding the overlay's "
+                   "'k3rocm overlay: ... fusion ON|OFF' lines")
+    s = p.add_argument_group("live server")
+    port = os.environ.get("K3_PORT", "8000")
+    s.add_argument("--url", default=f"http://127.0.0.1:{port}", help="server base URL")
+    s.add_argument("--model", help="served model name (default: the first in /v1/models)")
+    s.add_argument("--container", help="server container name/id (default: the container "
+                   "publishing the URL's port); used for the log, provenance and traces")
+    s.add_argument("--server-trace-dir", help="host path of the server's K3_PROFILER_DIR "
+                   "(default: mapped through K3_RESULTS_DIR when it lies under /results; "
+                   "else the traces are copied out of the container)")
+    s.add_argument("--concurrency", type=int, default=8, help="concurrent streams")
+    s.add_argument("--max-tokens", type=int, default=1024, help="output tokens per request")
+    s.add_argument("--prompt-words", type=int, default=64, help="prompt length (words)")
+    s.add_argument("--steps", type=int, default=6, help="decode steps to profile (the server's"
+                   " max_iterations may stop it earlier)")
+    s.add_argument("--server-timeout", type=float, default=60.0,
+                   help="seconds to wait for /health")
+    s.add_argument("--trace-timeout", type=float, default=900.0,
+                   help="seconds to wait for the trace files after /stop_profile")
+    s.add_argument("--label", default="census", help="run directory label")
+    add_analysis_arguments(p)
+
+
+# -- helpers used by census-ab too ------------------------------------------------------------
+
+def analyse(trace_dir: Path, args: argparse.Namespace, fusions: FusionStates,
+            files: list[Path] | None = None) -> Census:
+    model = read_model_facts(model_dir_from(args))
+    norm = normalizer_from(args)
+    extra = extra_from(args)
+    traces = load_trace_dir(trace_dir, norm, args.mode, files)
+    platform = args.platform
+    if platform == "auto":
+        platform = "rocm" if any(r.mode == "gpu" for r in traces.ranks) else "cpu"
+    spec = load_spec(platform, model.model_type, args.spec, args.other_norms)
+    return run_census(traces, model, fusions, spec, args.min_decode_steps, extra,
+                      all_ranks=not args.rank0_only)
+
+
+def write_report(run_dir: Path, census: Census, provenance: dict[str, Any],
+                 title: str = "Decode kernel census", top: int = 25) -> None:
+    write_json_atomic(run_dir / "census.json", {**census.to_json(), "provenance": provenance})
+    write_text_atomic(run_dir / "census.md", census.markdown(title, top)
+                      + "\n## Provenance\n\n```json\n"
+                      + __import__("json").dumps(provenance, indent=2, default=str)[:20000]
+                      + "\n```\n")
+    write_json_atomic(run_dir / "provenance.json", provenance)
+
+
+def validate_common(args: argparse.Namespace) -> None:
+    """Everything that can be checked before any expensive work."""
+    positive("--min-decode-steps", args.min_decode_steps, 0)
+    read_model_facts(model_dir_from(args))
+    normalizer_from(args)
+    extra_from(args)
+    load_spec("rocm" if args.platform == "auto" else args.platform, None, args.spec,
+              args.other_norms)
+    if args.fusions:
+        from_cli(args.fusions)
+    if getattr(args, "server_log", None) and not Path(args.server_log).is_file():
+        raise UsageError(f"--server-log {args.server_log} does not exist")
+
+
+def _fusions_offline(args: argparse.Namespace) -> FusionStates:
+    if args.fusions:
+        return from_cli(args.fusions)
+    if args.server_log:
+        return from_log(Path(args.server_log).read_text(errors="replace"),
+                        f"server log {args.server_log}")
+    raise UsageError("fusion states unknown: pass --fusions qk_norm=on|off,decode_qprep=on|off "
+                     "or --server-log FILE with the overlay's startup lines")
+
+
+def _finish(census: Census, run_dir: Path | None, top: int) -> int:
+    print(census.table())
+    verdict = "PASS" if census.ok else "FAIL: expected and seen launch counts differ"
+    print(f"census: {verdict}")
+    if run_dir is not None:
+        print(f"census: report in {run_dir}/census.md")
+    return 0 if census.ok else 1
+
+
+def run(args: argparse.Namespace) -> int:
+    validate_common(args)
+    if args.trace_dir:
+        fusions = _fusions_offline(args)
+        census = analyse(Path(args.trace_dir), args, fusions)
+        run_dir = create_run_dir(results_root(args), args.label)
+        files = [r.path for r in census.traces.ranks]
+        write_report(run_dir, census, {**base_provenance(files), "source": "trace-dir",
+                                       "trace_dir": str(args.trace_dir),
+                                       "fusions": fusions.to_json()}, top=args.top)
+        return _finish(census, run_dir, args.top)
+    return run_live(args)
+
+
+def _server_trace_host_dir(args: argparse.Namespace, container: Any,
+                           container_env: dict[str, str]) -> Path | None:
+    """Host directory where the server's K3_PROFILER_DIR lands, or None (copy out of the
+    container). Explicit --server-trace-dir wins; then the container's own bind mounts; without
+    a container, /results/... is mapped through K3_RESULTS_DIR."""
+    if args.server_trace_dir:
+        d = Path(args.server_trace_dir)
+        if not d.is_dir():
+            raise UsageError(f"--server-trace-dir {d} is not a directory")
+        return d
+    prof = container_env.get("K3_PROFILER_DIR") or ("" if container is not None else
+                                                    os.environ.get("K3_PROFILER_DIR", ""))
+    if not prof:
+        return None
+    if container is not None:
+        best = None
+        for m in container.attrs.get("Mounts") or []:
+            dest = str(m.get("Destination", "")).rstrip("/")
+            if dest and (prof == dest or prof.startswith(dest + "/")) and \
+                    (best is None or len(dest) > len(best[0])):
+                best = (dest, str(m.get("Source", "")))
+        if best is None:
+            return None
+        if not Path(best[1]).is_dir():
+            return None  # the engine's host is not this host: copy out of the container
+        host = Path(best[1]) / prof[len(best[0]):].lstrip("/")
+        try:
+            host.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            return None
+        return host
+    if prof.startswith("/results/") or prof == "/results":
+        host = Path(os.environ.get("K3_RESULTS_DIR", "./results")) / prof[len("/results"):]\
+            .lstrip("/")
+        return host if host.is_dir() else None
+    return None
+
+
+def run_live(args: argparse.Namespace) -> int:
+    from k3rocm.bench.server import find_server_container, wait_ready
+
+    for name in ("--concurrency", "--steps"):
+        positive(name, getattr(args, name[2:].replace("-", "_")))
+    positive("--max-tokens", args.max_tokens, args.steps + 12)
+    api_key = os.environ.get("K3_API_KEY")
+    url = args.url.rstrip("/")
+    model = args.model or _served_model(url, api_key)
+    wait_ready(url, model, args.server_timeout, api_key)
+
+    client = container = None
+    try:
+        import docker
+
+        client = docker.from_env()
+        client.ping()
+        if args.container:
+            container = client.containers.get(args.container)
+        else:
+            container = find_server_container(client, url)
+    except Exception as exc:  # noqa: BLE001
+        if args.container:
+            raise UsageError(f"--container {args.container}: not found in the Docker engine "
+                             f"({exc.__class__.__name__})", 3) from None
+        client = container = None
+
+    if args.fusions:
+        fusions = from_cli(args.fusions)
+    elif args.server_log:
+        fusions = from_log(Path(args.server_log).read_text(errors="replace"),
+                           f"server log {args.server_log}")
+    elif container is not None:
+        fusions = from_log(container.logs().decode(errors="replace"),
+                           f"log of container {container.name}")
+    else:
+        raise UsageError("fusion states unknown: no server container found for "
+                         f"{url}; pass --container, --server-log FILE or --fusions")
+    run_dir = create_run_dir(results_root(args), args.label)
+    _log(f"run directory {run_dir}")
+    census = live_census(args, url, model, api_key, client, container, fusions, run_dir)
+    return _finish(census, run_dir, args.top)
+
+
+def _served_model(url: str, api_key: str | None) -> str:
+    import requests
+
+    from k3rocm.census.drive import _headers
+
+    try:
+        r = requests.get(f"{url}/v1/models", timeout=10, headers=_headers(api_key))
+        return str(r.json()["data"][0]["id"])
+    except Exception:  # noqa: BLE001 - wait_ready reports an unreachable server
+        return os.environ.get("K3_SERVED_MODEL_NAME", "moonshotai/Kimi-K3")
+
+
+def live_census(args: argparse.Namespace, url: str, model: str, api_key: str | None,
+                client: Any, container: Any, fusions: FusionStates, run_dir: Path,
+                title: str = "Decode kernel census") -> Census:
+    """Profile the running server under load, collect its traces into ``run_dir/traces``,
+    analyse and write the report. Used by ``census`` and by each arm of ``census-ab``."""
+    from k3rocm.bench.server import collect_provenance
+    from k3rocm.census import drive
+
+    cenv: dict[str, str] = {}
+    if container is not None:
+        cenv = dict(e.split("=", 1) for e in container.attrs["Config"].get("Env") or []
+                    if "=" in e)
+    host_dir = _server_trace_host_dir(args, container, cenv)
+    prof_dir = cenv.get("K3_PROFILER_DIR")
+    if host_dir is None and (container is None or not prof_dir):
+        raise UsageError("cannot reach the server's traces: pass --server-trace-dir <host path "
+                         "of K3_PROFILER_DIR> (or run the server in a local container with "
+                         "K3_PROFILER_DIR set)")
+    server_prov = collect_provenance(url, api_key, client, container)
+    argv = server_prov.get("server_argv") or []
+    if "--speculative-config" in argv or cenv.get("K3_MTP_K", "0") not in ("", "0"):
+        _log("note: the server runs speculative decoding; a draft that uses the model's own MTP "
+             "layer (K3_MTP_METHOD=mtp) runs MLA layers too: pass --extra ROLE=N for its "
+             "launches per step, or profile with K3_MTP_K=0 (docs/census.md)")
+    write_json_atomic(run_dir / "provenance.json", server_prov)  # early: kept if we fail
+    if host_dir is not None:
+        before_h = drive.snapshot_host_dir(host_dir)
+    else:
+        before_c = drive.snapshot_container_dir(container, prof_dir)
+    load = drive.Load(url, model, args.concurrency, args.max_tokens, args.prompt_words,
+                      api_key)
+    info = drive.profile_under_load(load, args.steps)
+    _log(f"profile done: {info}")
+    dest = run_dir / "traces"
+    _log(f"collecting traces from {host_dir}" if host_dir is not None else
+         f"collecting traces from {prof_dir} inside container {container.name}")
+    if host_dir is not None:
+        files = drive.collect_from_host_dir(host_dir, before_h, dest, args.trace_timeout)
+    else:
+        files = drive.collect_from_container(container, prof_dir, before_c, dest,
+                                             args.trace_timeout)
+    _log(f"collected {len(files)} file(s) into {dest}")
+    census = analyse(dest, args, fusions)
+    prov = {**base_provenance([r.path for r in census.traces.ranks]), "source": "live",
+            "model": model, "load": info, "server": server_prov}
+    write_report(run_dir, census, prov, title=title, top=args.top)
+    return census

@@ -1,0 +1,110 @@
+"""Argument handling shared by ``census`` and ``census-ab``."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import platform
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from k3rocm.census.names import Normalizer
+from k3rocm.census.spec import ROLES
+from k3rocm.errors import UsageError
+
+
+def add_analysis_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("analysis")
+    g.add_argument("--model-dir", help="checkpoint directory (or its config.json) as seen from "
+                   "this host: the MLA layer count comes from it (default: K3_MODEL mapped "
+                   "through K3_MODELS_DIR when it lies under /models)")
+    g.add_argument("--platform", choices=("auto", "rocm", "cpu"), default="auto",
+                   help="name rules: rocm (GPU kernels) or cpu (CPU operators of the stand-in);"
+                   " auto = rocm when the trace has GPU kernels")
+    g.add_argument("--mode", choices=("auto", "gpu", "cpu"), default="auto",
+                   help="count GPU kernels or CPU operators (auto: kernels when present)")
+    g.add_argument("--alias", action="append", default=[], metavar="REGEX=NAME",
+                   help="rename normalized kernel names matching REGEX (repeatable)")
+    g.add_argument("--no-strip-templates", action="store_true",
+                   help="keep kernel names verbatim (no template/argument stripping)")
+    g.add_argument("--spec", metavar="FILE", help="JSON overriding the role name rules "
+                   "(see docs/census.md)")
+    g.add_argument("--other-norms", metavar="FORMULA",
+                   help="separate RMSNorm launches per step that are not MLA q/kv norms, "
+                   "e.g. '2*layers + 1' (overrides the model family's rule)")
+    g.add_argument("--extra", action="append", default=[], metavar="ROLE=N",
+                   help=f"add N expected launches per step to ROLE ({', '.join(ROLES)}), e.g. "
+                   "for draft-model layers")
+    g.add_argument("--min-decode-steps", type=int, default=1,
+                   help="fail unless at least this many decode-only steps were traced")
+    g.add_argument("--rank0-only", action="store_true", help="check rank 0 only")
+    g.add_argument("--top", type=int, default=25, help="kernels per rank in the markdown")
+    g.add_argument("--results", default=None,
+                   help="results root (default: K3_RESULTS_DIR or ./results)")
+
+
+def normalizer_from(args: argparse.Namespace) -> Normalizer:
+    return Normalizer.from_specs(args.alias, strip_templates=not args.no_strip_templates)
+
+
+def extra_from(args: argparse.Namespace) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for item in args.extra:
+        role, sep, n = item.partition("=")
+        if not sep or role not in ROLES or not n.strip().lstrip("-").isdigit():
+            raise UsageError(f"--extra {item!r} is not ROLE=N with ROLE one of "
+                             f"{', '.join(ROLES)} and N an integer")
+        out[role] = int(n)
+    return out
+
+
+def model_dir_from(args: argparse.Namespace, environ: dict[str, str] | None = None) -> str:
+    env = os.environ if environ is None else environ
+    if args.model_dir:
+        return args.model_dir
+    model = env.get("K3_MODEL", "")
+    if model.startswith("/models/"):
+        host = Path(env.get("K3_MODELS_DIR", "./models")) / model[len("/models/"):]
+        if host.exists():
+            return str(host)
+    if model and Path(model).exists():
+        return model
+    raise UsageError("no model config: pass --model-dir <checkpoint dir with config.json> "
+                     f"(K3_MODEL={model or 'unset'} is not a path on this host)")
+
+
+def results_root(args: argparse.Namespace) -> str:
+    return args.results or os.environ.get("K3_RESULTS_DIR") or "results"
+
+
+def positive(name: str, value: int, minimum: int = 1) -> None:
+    if value < minimum:
+        raise UsageError(f"{name} {value} must be >= {minimum}")
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def base_provenance(files: list[Path]) -> dict[str, Any]:
+    from k3rocm import __version__
+
+    return {
+        "command": shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "argv": sys.argv,
+        "cwd": os.getcwd(),
+        "k3rocm_version": __version__,
+        "host": platform.node(),
+        "python": sys.version.split()[0],
+        "env": {k: v for k, v in os.environ.items()
+                if k.startswith("K3_") and "KEY" not in k and "TOKEN" not in k},
+        "trace_files": [{"path": str(f), "bytes": f.stat().st_size, "sha256": sha256(f)}
+                        for f in files],
+    }

@@ -1,0 +1,263 @@
+"""Drive a running server for a census: decode-heavy streaming load, profiler on, profiler off.
+
+Plain HTTP (requests + threads). The load is N concurrent streaming chat completions with
+``ignore_eos`` and long outputs. Profiling starts once every stream has produced its first
+tokens (prefill is over, every running request is decoding), and stops once every stream has
+produced ``steps + margin`` more tokens (or the server's own ``max_iterations`` ended it
+earlier). The streams are then closed (aborting the requests) so nothing keeps running.
+"""
+
+from __future__ import annotations
+
+import io
+import sys
+import tarfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from k3rocm.errors import UsageError
+from k3rocm.rundir import write_bytes_atomic
+
+
+def _log(msg: str) -> None:
+    print(f"[census] {msg}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class Load:
+    url: str
+    model: str
+    concurrency: int = 4
+    max_tokens: int = 1024
+    prompt_words: int = 64
+    api_key: str | None = None
+    timeout: float = 600.0
+
+
+@dataclass
+class _Stream:
+    tokens: int = 0
+    first_at: float | None = None
+    error: str | None = None
+    done: bool = False
+    stop: threading.Event = field(default_factory=threading.Event)
+
+
+def _headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key and api_key != "EMPTY" else {}
+
+
+def _run_stream(load: Load, i: int, st: _Stream) -> None:
+    import json
+
+    import requests
+
+    words = " ".join(f"w{(i * 7919 + j) % 997}" for j in range(load.prompt_words))
+    body = {"model": load.model, "stream": True, "max_tokens": load.max_tokens,
+            "min_tokens": load.max_tokens, "ignore_eos": True, "temperature": 0.0,
+            "messages": [{"role": "user", "content": f"Request {i}: {words}"}]}
+    try:
+        with requests.post(f"{load.url}/v1/chat/completions", json=body, stream=True,
+                           headers=_headers(load.api_key), timeout=(10, load.timeout)) as r:
+            if r.status_code != 200:
+                st.error = f"HTTP {r.status_code}: {r.text[:200]}"
+                return
+            for line in r.iter_lines():
+                if st.stop.is_set():
+                    break  # closing the connection aborts the request server-side
+                if not line or not line.startswith(b"data: "):
+                    continue
+                payload = line[6:]
+                if payload == b"[DONE]":
+                    break
+                try:
+                    chunk = json.loads(payload)
+                except ValueError:
+                    continue
+                for ch in chunk.get("choices") or []:
+                    delta = ch.get("delta") or {}
+                    if delta.get("content") or delta.get("reasoning_content") or \
+                            delta.get("reasoning"):
+                        st.tokens += 1
+                        if st.first_at is None:
+                            st.first_at = time.time()
+    except Exception as exc:  # noqa: BLE001 - reported below
+        st.error = f"{exc.__class__.__name__}: {exc}"[:300]
+    finally:
+        st.done = True
+
+
+def _post(url: str, path: str, api_key: str | None, timeout: float) -> float:
+    import requests
+
+    t0 = time.time()
+    try:
+        r = requests.post(f"{url}{path}", headers=_headers(api_key), timeout=timeout)
+    except requests.RequestException as exc:
+        raise UsageError(f"POST {url}{path} failed ({exc.__class__.__name__}); is the server "
+                         "up?", 3) from None
+    if r.status_code == 404:
+        raise UsageError(f"POST {url}{path} answered 404: the server was started without a "
+                         "profiler; set K3_PROFILER_DIR (it renders --profiler-config) and "
+                         "restart it", 3)
+    if r.status_code != 200:
+        raise UsageError(f"POST {url}{path} answered HTTP {r.status_code}: {r.text[:200]}", 3)
+    return time.time() - t0
+
+
+def profile_under_load(load: Load, steps: int, margin: int = 4,
+                       prefill_timeout: float = 600.0) -> dict[str, Any]:
+    """Run the load, profile ``steps`` (+margin) decode steps, stop; returns timings."""
+    if load.max_tokens < steps + margin + 8:
+        raise UsageError(f"--max-tokens {load.max_tokens} is too short to profile {steps} decode "
+                         f"steps after prefill; use at least {steps + margin + 8}")
+    streams = [_Stream() for _ in range(load.concurrency)]
+    threads = [threading.Thread(target=_run_stream, args=(load, i, s), daemon=True)
+               for i, s in enumerate(streams)]
+    t0 = time.time()
+    info: dict[str, Any] = {"concurrency": load.concurrency, "max_tokens": load.max_tokens}
+    for t in threads:
+        t.start()
+    try:
+        # prefill over = every stream has produced at least 2 tokens
+        next_note = 0.0
+        while True:
+            errs = [s.error for s in streams if s.error]
+            if errs:
+                raise UsageError(f"a load request failed before profiling: {errs[0]}", 3)
+            if all(s.tokens >= 2 for s in streams):
+                break
+            if any(s.done for s in streams):
+                raise UsageError("a load request ended before profiling started; raise "
+                                 "--max-tokens", 3)
+            el = time.time() - t0
+            if el > prefill_timeout:
+                raise UsageError(f"the load did not start decoding within {prefill_timeout:.0f}s"
+                                 f" (tokens so far: {[s.tokens for s in streams]})", 3)
+            if el >= next_note:
+                _log(f"waiting for prefill of {load.concurrency} streams ... {el:.0f}s "
+                     f"(tokens {[s.tokens for s in streams]})")
+                next_note = el + 10
+            time.sleep(0.05)
+        info["prefill_s"] = round(time.time() - t0, 3)
+        base = [s.tokens for s in streams]
+        _log(f"all {load.concurrency} streams decoding after {info['prefill_s']}s; "
+             "POST /start_profile")
+        info["start_profile_s"] = round(_post(load.url, "/start_profile", load.api_key, 300), 3)
+        t1 = time.time()
+        want = steps + margin
+        while min(s.tokens - b for s, b in zip(streams, base, strict=True)) < want:
+            errs = [s.error for s in streams if s.error]
+            if errs:
+                raise UsageError(f"a load request failed while profiling: {errs[0]}", 3)
+            if all(s.done for s in streams):
+                break
+            if time.time() - t1 > load.timeout:
+                raise UsageError(f"fewer than {want} tokens per stream within "
+                                 f"{load.timeout:.0f}s while profiling", 3)
+            time.sleep(0.02)
+        info["profiled_tokens_per_stream"] = [
+            s.tokens - b for s, b in zip(streams, base, strict=True)]
+        _log("POST /stop_profile (writing traces can take a while)")
+        info["stop_profile_s"] = round(_post(load.url, "/stop_profile", load.api_key, 1800), 3)
+    finally:
+        for s in streams:
+            s.stop.set()
+        for t in threads:
+            t.join(timeout=30)
+    info["stream_tokens"] = [s.tokens for s in streams]
+    info["wall_s"] = round(time.time() - t0, 3)
+    return info
+
+
+# -- trace collection ---------------------------------------------------------------------------
+
+def _is_trace(name: str) -> bool:
+    return name.endswith((".json", ".json.gz", ".txt"))
+
+
+def snapshot_host_dir(d: Path) -> dict[str, tuple[int, float]]:
+    if not d.is_dir():
+        return {}
+    return {str(p.relative_to(d)): (p.stat().st_size, p.stat().st_mtime)
+            for p in d.rglob("*") if p.is_file()}
+
+
+def collect_from_host_dir(d: Path, before: dict[str, tuple[int, float]], dest: Path,
+                          timeout: float = 600.0, settle: float = 3.0) -> list[Path]:
+    """Copy the trace files that appeared in ``d`` since ``before`` into ``dest`` once their
+    sizes stop changing."""
+    t0 = time.time()
+    last: dict[str, tuple[int, float]] = {}
+    stable_since = None
+    while True:
+        now = {k: v for k, v in snapshot_host_dir(d).items()
+               if k not in before and _is_trace(k) and not Path(k).name.startswith(".")}
+        if now and now == last:
+            stable_since = stable_since or time.time()
+            if time.time() - stable_since >= settle:
+                break
+        else:
+            stable_since = None
+        last = now
+        if time.time() - t0 > timeout:
+            if now:
+                break
+            raise UsageError(f"no new trace file appeared in {d} within {timeout:.0f}s; is that "
+                             "the host side of the server's K3_PROFILER_DIR?", 3)
+        time.sleep(0.5)
+    out = []
+    for rel in sorted(last):
+        target = dest / rel
+        write_bytes_atomic(target, (d / rel).read_bytes())
+        out.append(target)
+    return out
+
+
+def snapshot_container_dir(container, path: str) -> dict[str, int]:
+    rc, out = container.exec_run(["sh", "-c", f"cd '{path}' 2>/dev/null && "
+                                  "find . -type f -exec stat -c '%s %n' {} +"], demux=False)
+    files = {}
+    for line in (out or b"").decode(errors="replace").splitlines():
+        size, _, name = line.partition(" ")
+        if size.isdigit():
+            files[name.removeprefix("./")] = int(size)
+    return files
+
+
+def collect_from_container(container, path: str, before: dict[str, int], dest: Path,
+                           timeout: float = 600.0, settle: float = 3.0) -> list[Path]:
+    """Same as :func:`collect_from_host_dir` for a directory inside a server container."""
+    t0 = time.time()
+    last: dict[str, int] = {}
+    stable_since = None
+    while True:
+        now = {k: v for k, v in snapshot_container_dir(container, path).items()
+               if k not in before and _is_trace(k)}
+        if now and now == last:
+            stable_since = stable_since or time.time()
+            if time.time() - stable_since >= settle:
+                break
+        else:
+            stable_since = None
+        last = now
+        if time.time() - t0 > timeout:
+            if now:
+                break
+            raise UsageError(f"no new trace file appeared in {path} inside the server "
+                             f"container within {timeout:.0f}s", 3)
+        time.sleep(0.5)
+    out = []
+    for rel in sorted(last):
+        stream, _ = container.get_archive(f"{path.rstrip('/')}/{rel}")
+        buf = io.BytesIO(b"".join(stream))
+        with tarfile.open(fileobj=buf) as tar:
+            member = next(m for m in tar.getmembers() if m.isfile())
+            data = tar.extractfile(member).read()  # type: ignore[union-attr]
+        target = dest / rel
+        write_bytes_atomic(target, data)
+        out.append(target)
+    return out

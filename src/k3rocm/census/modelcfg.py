@@ -1,0 +1,71 @@
+"""MLA layer count (and a few shape facts) from a model's config.json."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from k3rocm.errors import UsageError
+
+
+@dataclass
+class ModelFacts:
+    path: str
+    model_type: str  # of the text model (kimi_linear for Kimi-K3)
+    top_model_type: str
+    layers: int
+    mla_layers: int
+    mla_layer_indices: list[int]  # 0-based
+    heads: int | None
+    kv_lora_rank: int | None
+    qk_rope_head_dim: int | None
+    draft_layers: int  # num_nextn_predict_layers (MTP), not part of the main model's count
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def read_model_facts(model: str | os.PathLike) -> ModelFacts:
+    """``model`` is a model directory (with config.json) or a config.json file."""
+    p = Path(model)
+    cfg_path = p / "config.json" if p.is_dir() else p
+    if not cfg_path.is_file():
+        raise UsageError(f"model config {cfg_path} not found; pass --model-dir with the "
+                         "checkpoint directory (holding config.json) as seen from this host")
+    try:
+        top = json.loads(cfg_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"model config {cfg_path} is not valid JSON ({exc})") from None
+    text = top.get("text_config") if isinstance(top.get("text_config"), dict) else top
+    top_type = str(top.get("model_type", ""))
+    mtype = str(text.get("model_type", "") or ("kimi_linear" if top_type == "kimi_k3" else ""))
+    n = text.get("num_hidden_layers")
+    if not isinstance(n, int) or n <= 0:
+        raise UsageError(f"model config {cfg_path} has no positive num_hidden_layers "
+                         f"(got {n!r})")
+    is_mla = any(text.get(k) is not None for k in
+                 ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim")) or \
+        text.get("mla_use_nope") is True
+    if not is_mla:
+        raise UsageError(f"model {cfg_path} (model_type {mtype or top_type!r}) has no MLA "
+                         "attention (no kv_lora_rank); the census counts MLA kernels")
+    lac = text.get("linear_attn_config")
+    if isinstance(lac, dict) and lac.get("kda_layers") is not None:
+        kda = {int(i) for i in lac.get("kda_layers") or []}  # 1-based, as vLLM reads it
+        mla = [i for i in range(n) if (i + 1) not in kda]
+        full = lac.get("full_attn_layers")
+        if full is not None and sorted(int(i) - 1 for i in full) != mla:
+            raise UsageError(
+                f"model config {cfg_path}: linear_attn_config.full_attn_layers "
+                f"({len(full)} layers) disagrees with the layers not in kda_layers "
+                f"({len(mla)}); cannot tell which layers are MLA")
+    else:
+        mla = list(range(n))
+    heads = text.get("num_attention_heads")
+    return ModelFacts(str(cfg_path), mtype or top_type, top_type, n, len(mla), mla,
+                      heads if isinstance(heads, int) else None, text.get("kv_lora_rank"),
+                      text.get("qk_rope_head_dim"),
+                      int(text.get("num_nextn_predict_layers") or 0))

