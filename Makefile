@@ -11,7 +11,7 @@ GIT_REV ?= $(shell git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)
 export GIT_REV
 CONFIG_ENV := $(if $(filter 1,$(CPU)),K3_PROFILE=$${K3_PROFILE:-cpu-smoke})
 
-.PHONY: help venv config build up down logs test lint smoke
+.PHONY: help venv config build up down logs test lint smoke ci-images
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | sort -u | \
@@ -51,5 +51,9 @@ lint: $(PY) ## ruff, hadolint, shellcheck
 
 smoke: $(PY) ## build FROM the stand-in (or BASE_IMAGE=<ROCm image> GPU=1), serve the tiny model, one request
 	$(PY) -m k3rocm smoke $(if $(BASE_IMAGE),--base-image $(BASE_IMAGE)) $(if $(filter 1,$(GPU)),--gpu --profile $${K3_PROFILE:-cpu-smoke})
+
+ci-images: $(PY) ## CI: both CPU stand-in bases (see mk/standin.mk) and the client image, no pulls
+	$(MAKE) standin
+	$(MAKE) clients-image CLIENT_BASE=k3rocm/debian:bookworm
 
 -include mk/*.mk
