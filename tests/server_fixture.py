@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from conftest import REPO, need
+from conftest import REPO, _image_exists, need
 
 SMOKE_MODEL = "k3-smoke"
 CACHE_DIR = Path(os.environ.get("K3_TEST_CACHE", "/tmp/k3rocm-cache"))
@@ -90,16 +90,6 @@ class StandinServer:
     # Mapping-style access for tests that take (base_url, model) generically.
     def __getitem__(self, key: str):
         return getattr(self, key)
-
-
-def _image_exists(client, ref: str) -> bool:
-    import docker
-
-    try:
-        client.images.get(ref)
-        return True
-    except docker.errors.ImageNotFound:
-        return False
 
 
 def ensure_smoke_model(client, image: str, models_dir: Path = MODELS_DIR) -> Path:

@@ -6,7 +6,6 @@ Written at build time to ``/opt/k3rocm/manifest.json``; every result copies it.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import platform
 import sys
@@ -16,17 +15,11 @@ from pathlib import Path
 
 from k3rocm import __version__
 from k3rocm.errors import UsageError
+from k3rocm.hashing import sha256_file
 from k3rocm.rundir import write_json_atomic
 
 DEFAULT_PATH = "/opt/k3rocm/manifest.json"
 
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def vllm_version() -> str | None:

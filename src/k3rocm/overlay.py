@@ -24,7 +24,6 @@ Stdlib only: runs inside the serving image before anything else is there.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib.metadata
 import importlib.util
 import json
@@ -37,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from k3rocm.errors import UsageError
+from k3rocm.hashing import sha256_file
 
 MODES = ("auto", "force", "off")
 MANIFEST_NAME = ".k3rocm-overlay.json"
@@ -62,13 +62,6 @@ class OverlayError(UsageError):
     def __init__(self, message: str):
         super().__init__(message, exit_code=3)
 
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 @dataclass

@@ -19,7 +19,6 @@ lock files; normal runs never resolve anything.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import re
 import shutil
@@ -30,6 +29,7 @@ import time
 from pathlib import Path
 
 from k3rocm.errors import UsageError
+from k3rocm.hashing import sha256_file as _sha256
 
 STANDIN_REPO = "k3rocm/standin"
 ROCM_IMAGE = "vllm/vllm-openai-rocm:nightly-cb8104839c141609d99f1254459ef3a4f1bd4263"
@@ -64,13 +64,6 @@ def find_repo_root(start: Path | None = None) -> Path:
 # ---------------------------------------------------------------------------------------------
 # lock files
 
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _norm(name: str) -> str:

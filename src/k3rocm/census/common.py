@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import platform
 import shlex
@@ -14,6 +13,7 @@ from typing import Any
 from k3rocm.census.names import Normalizer
 from k3rocm.census.spec import ROLES
 from k3rocm.errors import UsageError
+from k3rocm.hashing import sha256_file as sha256
 
 
 def add_analysis_arguments(p: argparse.ArgumentParser) -> None:
@@ -84,13 +84,6 @@ def positive(name: str, value: int, minimum: int = 1) -> None:
     if value < minimum:
         raise UsageError(f"{name} {value} must be >= {minimum}")
 
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def base_provenance(files: list[Path]) -> dict[str, Any]:

@@ -19,7 +19,6 @@ None of them -> :class:`UsageError` (exit 2) with one line saying how to provide
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -27,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from k3rocm.errors import UsageError
+from k3rocm.hashing import sha256_file
 
 GSM8K_TEST_ITEMS = 1319
 HF_REPO_DIR = "datasets--openai--gsm8k"
@@ -71,13 +71,6 @@ class DataSource:
             "builder": self.builder or "lm-eval built-in (openai/gsm8k from the datasets cache)",
         }
 
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def check_jsonl(path: Path) -> int:
