@@ -50,7 +50,7 @@ lint: $(PY) ## ruff, hadolint, shellcheck
 	.venv/bin/shellcheck entrypoint.sh .ci/run .ci/*.sh
 
 smoke: $(PY) ## build FROM the stand-in (or BASE_IMAGE=<ROCm image> GPU=1), serve the tiny model, one request
-	$(PY) -m k3rocm smoke $(if $(BASE_IMAGE),--base-image $(BASE_IMAGE)) $(if $(filter 1,$(GPU)),--gpu --profile $${K3_PROFILE:-cpu-smoke})
+	$(PY) -m k3rocm smoke $(if $(BASE_IMAGE),--base-image $(BASE_IMAGE)) $(if $(filter 1,$(GPU)),--gpu --profile $${K3_PROFILE:-cpu-smoke}) $(SMOKE_ARGS)
 
 ci-images: $(PY) ## CI: both CPU stand-in bases (see mk/standin.mk) and the client image, no pulls
 	$(MAKE) standin

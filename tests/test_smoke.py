@@ -1,0 +1,44 @@
+"""`make smoke` as a user runs it: the real compose files, our Dockerfile FROM the stand-in,
+the tiny model served through our entrypoint, one streamed request, teardown."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, _image_exists, need, standin_tag
+from server_fixture import MODELS_DIR
+
+pytestmark = [pytest.mark.docker, pytest.mark.server]
+PROJECT = "k3rocm-smoke-test"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_make_smoke_builds_serves_streams_and_tears_down(docker_client):
+    need(_image_exists(docker_client, standin_tag()), f"{standin_tag()} is missing: make standin")
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("K3_")}
+    args = f"--port {port} --project {PROJECT} --models-dir {MODELS_DIR} --max-tokens 24"
+    proc = subprocess.run(["make", "-s", "-o", sys.executable, "smoke", f"PY={sys.executable}",
+                           f"SMOKE_ARGS={args}"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=1200)
+    err = proc.stderr
+    print(err[-1500:], file=sys.stderr)
+    assert proc.returncode == 0, err[-3000:]
+    assert "server healthy after" in err
+    m = re.search(r"completion_tokens (\d+), TTFT ([\d.]+) ms, ([\d.]+) tokens/s", err)
+    assert m, err[-2000:]
+    assert int(m.group(1)) == 24 and float(m.group(2)) > 0 and float(m.group(3)) > 0
+    assert proc.stdout.strip(), "the streamed tokens are printed"
+    left = docker_client.containers.list(
+        all=True, filters={"label": f"com.docker.compose.project={PROJECT}"})
+    assert not left, [c.name for c in left]
