@@ -313,11 +313,10 @@ def test_bench_ab_two_fresh_servers_and_aa_noise_floor(docker_client, client_ima
           f"{itl['hi']:+.4f}] halfwidth {itl['halfwidth']:.4f}; repeats/arm for 1%: "
           f"{itl['repeats_for_1pct']} (80% power {itl['repeats_for_1pct_80power']})",
           file=sys.stderr)
-    # Identical arms: the 95% CI should contain 0, but with one server per arm on a shared
-    # 2-core machine it misses now and then by chance. What must hold every time: the
-    # comparison is computed, and identical arms do not differ by a large effect.
-    assert itl["verdict"] == "within noise" or abs(itl["d"]) < 0.25, itl
-    assert itl["lo"] <= itl["d"] <= itl["hi"], itl
+    # Identical arms, one server each: the server-to-server difference is not in the CI, so
+    # without an A/A floor the verdict must not claim an effect (see stats.verdict).
+    assert itl["verdict"] == "within noise", itl
+    assert itl["lo"] <= itl["d"] <= itl["hi"] and itl["servers_a"] == itl["servers_b"] == 1
     assert aa["mode"] == "aa" and len(aa["runs"]) == 4
     assert {r["arm"] for r in aa["runs"]} == {"A", "B"}
     assert all(r["env"] == {"K3_FUSE_QK_NORM": "1", "K3_FUSE_DECODE_QPREP": "1"}

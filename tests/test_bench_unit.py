@@ -174,6 +174,24 @@ def test_bootstrap_detects_a_real_difference_and_not_a_null_one():
         "within noise"
 
 
+def test_one_server_per_arm_needs_the_aa_floor_to_claim_an_effect():
+    np = pytest.importorskip("numpy")
+    rng = np.random.default_rng(11)
+    # Two identical arms, but each on one server whose instance is 15% off the other (as seen
+    # on the 2-core stand-in): the bootstrap CI excludes 0, yet nothing is known about B.
+    a = [[rng.normal(10.0, 0.2, size=40).tolist() for _ in range(2)]]
+    b = [[rng.normal(8.5, 0.2, size=40).tolist() for _ in range(2)]]
+    res = stats.bootstrap_diff(a, b, "p50", n_boot=300)
+    assert res["servers_a"] == res["servers_b"] == 1 and res["hi"] < 0
+    assert stats.verdict(res, lower_is_better=True) == "within noise"
+    assert stats.verdict(res, True, floor=0.20) == "within noise"
+    assert stats.verdict(res, True, floor=0.05) == "B faster"  # beyond a measured floor
+    # With two servers per arm the same separation is evidence (server noise is resampled).
+    a2 = a + [[rng.normal(10.0, 0.2, size=40).tolist() for _ in range(2)]]
+    b2 = b + [[rng.normal(8.5, 0.2, size=40).tolist() for _ in range(2)]]
+    assert stats.verdict(stats.bootstrap_diff(a2, b2, "p50", n_boot=300), True) == "B faster"
+
+
 def test_repeats_needed_scales_with_the_square_of_the_halfwidth():
     assert stats.repeats_needed(0.02, 2, 0.01) == 8
     assert stats.repeats_needed(0.005, 4, 0.01) == 1

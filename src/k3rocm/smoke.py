@@ -50,8 +50,9 @@ def _compose(args: argparse.Namespace, *cmd: str, env: dict, check: bool = True,
     proc = subprocess.run(full, env=env, cwd=REPO, text=True,
                           capture_output=capture)
     if check and proc.returncode != 0:
-        raise UsageError(f"`{' '.join(cmd)}` failed (exit {proc.returncode}): "
-                         + (proc.stderr.strip().splitlines() or ["see above"])[-1], 2)
+        last = (proc.stderr or "").strip().splitlines() or ["see the compose output above"]
+        raise UsageError(f"`docker compose {' '.join(cmd)}` failed (exit {proc.returncode}): "
+                         f"{last[-1]}", 2)
     return proc
 
 

@@ -396,7 +396,9 @@ def comparison_markdown(comp: dict) -> str:
             f"({r.get('repeats_for_1pct_80power') or 'n/a'}) |")
     lines += ["", f"Headline: {comp['headline']}", "",
               "Latency in ms (lower is faster), output tokens/s (higher is faster). "
-              "'within noise' = the CI contains 0 (or the effect is inside the A/A floor)."]
+              "'within noise' = the CI contains 0 (or the effect is inside the A/A floor). "
+              "With one server per arm the CI cannot hold server-to-server noise: an effect "
+              "then counts only beyond the A/A floor."]
     return "\n".join(lines) + "\n"
 
 

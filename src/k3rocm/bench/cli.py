@@ -102,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"[bench] note: tokenizer directory {w.tokenizer!r} does not exist here",
                   file=sys.stderr)
         return 0
+    bench_run.check_tokenizer(w.tokenizer)  # bad input first, before touching Docker
     container = None
     client = runner.docker_client()
     if args.server_container:

@@ -11,7 +11,9 @@ run-level metrics (output tokens/s) stop at the run level.
 
 Verdict: the CI contains 0 -> "within noise"; otherwise "B faster" / "B slower" (direction per
 metric: lower latency, higher throughput is faster). When an A/A noise floor for the same
-protocol is known, an effect no larger than the floor is also "within noise".
+protocol is known, an effect no larger than the floor is also "within noise". With one server
+per arm the CI holds no server-to-server noise: an effect then counts only when it exceeds the
+A/A floor (without a floor the verdict is "within noise"); use --repeats >= 2 (A B B A).
 """
 
 from __future__ import annotations
@@ -127,6 +129,11 @@ def verdict(res: dict, lower_is_better: bool, floor: float | None = None) -> str
     if lo <= 0 <= hi:
         return "within noise"
     if floor is not None and abs(d) <= floor:
+        return "within noise"
+    if floor is None and min(res.get("servers_a", 2), res.get("servers_b", 2)) < 2:
+        # One server per arm: resampling cannot see server-to-server noise, so a CI that
+        # excludes 0 may only say "these two servers differ". Without an A/A floor to beat,
+        # that is not evidence of an effect.
         return "within noise"
     better = hi < 0 if lower_is_better else lo > 0
     return "B faster" if better else "B slower"
