@@ -186,31 +186,41 @@ def snapshot_host_dir(d: Path) -> dict[str, tuple[int, float]]:
             for p in d.rglob("*") if p.is_file()}
 
 
-def collect_from_host_dir(d: Path, before: dict[str, tuple[int, float]], dest: Path,
-                          timeout: float = 600.0, settle: float = 3.0) -> list[Path]:
-    """Copy the trace files that appeared in ``d`` since ``before`` into ``dest`` once their
-    sizes stop changing."""
+def _wait_for_new_files(snapshot, before: dict, timeout: float, settle: float,
+                        missing: str) -> dict:
+    """Poll ``snapshot()`` until the trace files not in ``before`` exist and have not changed
+    for ``settle`` seconds; return them. After ``timeout`` take what is there, or fail with
+    ``missing`` when nothing appeared."""
     t0 = time.time()
-    last: dict[str, tuple[int, float]] = {}
+    last: dict = {}
     stable_since = None
     while True:
-        now = {k: v for k, v in snapshot_host_dir(d).items()
+        now = {k: v for k, v in snapshot().items()
                if k not in before and _is_trace(k) and not Path(k).name.startswith(".")}
         if now and now == last:
             stable_since = stable_since or time.time()
             if time.time() - stable_since >= settle:
-                break
+                return now
         else:
             stable_since = None
         last = now
         if time.time() - t0 > timeout:
             if now:
-                break
-            raise UsageError(f"no new trace file appeared in {d} within {timeout:.0f}s; is that "
-                             "the host side of the server's K3_PROFILER_DIR?", 3)
+                return now
+            raise UsageError(missing.format(timeout=timeout), 3)
         time.sleep(0.5)
+
+
+def collect_from_host_dir(d: Path, before: dict[str, tuple[int, float]], dest: Path,
+                          timeout: float = 600.0, settle: float = 3.0) -> list[Path]:
+    """Copy the trace files that appeared in ``d`` since ``before`` into ``dest`` once their
+    sizes stop changing."""
+    new = _wait_for_new_files(
+        lambda: snapshot_host_dir(d), before, timeout, settle,
+        f"no new trace file appeared in {d} within {{timeout:.0f}}s; is that the host side of "
+        "the server's K3_PROFILER_DIR?")
     out = []
-    for rel in sorted(last):
+    for rel in sorted(new):
         target = dest / rel
         write_bytes_atomic(target, (d / rel).read_bytes())
         out.append(target)
@@ -231,27 +241,12 @@ def snapshot_container_dir(container, path: str) -> dict[str, int]:
 def collect_from_container(container, path: str, before: dict[str, int], dest: Path,
                            timeout: float = 600.0, settle: float = 3.0) -> list[Path]:
     """Same as :func:`collect_from_host_dir` for a directory inside a server container."""
-    t0 = time.time()
-    last: dict[str, int] = {}
-    stable_since = None
-    while True:
-        now = {k: v for k, v in snapshot_container_dir(container, path).items()
-               if k not in before and _is_trace(k)}
-        if now and now == last:
-            stable_since = stable_since or time.time()
-            if time.time() - stable_since >= settle:
-                break
-        else:
-            stable_since = None
-        last = now
-        if time.time() - t0 > timeout:
-            if now:
-                break
-            raise UsageError(f"no new trace file appeared in {path} inside the server "
-                             f"container within {timeout:.0f}s", 3)
-        time.sleep(0.5)
+    new = _wait_for_new_files(
+        lambda: snapshot_container_dir(container, path), before, timeout, settle,
+        f"no new trace file appeared in {path} inside the server container within "
+        "{timeout:.0f}s")
     out = []
-    for rel in sorted(last):
+    for rel in sorted(new):
         stream, _ = container.get_archive(f"{path.rstrip('/')}/{rel}")
         buf = io.BytesIO(b"".join(stream))
         with tarfile.open(fileobj=buf) as tar:
