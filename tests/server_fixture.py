@@ -106,7 +106,7 @@ def ensure_smoke_model(client, image: str, models_dir: Path = MODELS_DIR) -> Pat
         t0 = time.monotonic()
         container = client.containers.run(
             image,
-            entrypoint=["python3", "-m", "k3rocm.tinymodel", "--out", f"/models/{SMOKE_MODEL}"],
+            entrypoint=["python3", "-m", "k3rocm", "tinymodel", "--out", f"/models/{SMOKE_MODEL}"],
             command=[],
             volumes={
                 str(models_dir.resolve()): {"bind": "/models", "mode": "rw"},

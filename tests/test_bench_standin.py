@@ -23,7 +23,7 @@ import zlib
 from pathlib import Path
 
 import pytest
-from conftest import REPO, need
+from conftest import REPO, free_port, need
 from server_fixture import (
     MODELS_DIR,
     SMOKE_MODEL,
@@ -274,21 +274,13 @@ def _bench_ab(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
                        or "k3rocm/server:cpu-0.32.0")
     ab_args = (f"--no-gpu --server-env K3_PROFILE=cpu-smoke --models-dir {MODELS_DIR} "
                f"--tokenizer {MODELS_DIR / SMOKE_MODEL} --results {tmp_path} --pin-engine-core "
-               f"--runs-per-server 2 --port {_free_port()} --server-timeout 420 --quiet "
+               f"--runs-per-server 2 --port {free_port()} --server-timeout 420 --quiet "
                f"--set concurrency=1 --set request_count=16 {' '.join(extra)}")
     image = os.environ.get("K3_SERVER_IMAGE") or "k3rocm/server:cpu-0.32.0"
     return subprocess.run(["make", "-s", "-o", sys.executable, "bench-ab", f"PY={sys.executable}",
                            "WORKLOAD=ci-tiny", "REPEATS=1", f"BENCH_IMAGE={image}",
                            f"AB_ARGS={ab_args}"], cwd=REPO, env=_env(), capture_output=True,
                           text=True, timeout=1500)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -363,7 +355,7 @@ def test_unreachable_server_is_one_line_exit_3(docker_client, client_image, tmp_
     tok = tmp_path / "tok"
     tok.mkdir()
     (tok / "tokenizer.json").write_text("{}")
-    p = _bench_cli("--workload", "ci-tiny", "--url", f"http://127.0.0.1:{_free_port()}",
+    p = _bench_cli("--workload", "ci-tiny", "--url", f"http://127.0.0.1:{free_port()}",
                    "--tokenizer", str(tok), "--results", str(tmp_path / "r"),
                    "--server-timeout", "2")
     assert p.returncode == 3, p.stderr

@@ -14,14 +14,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, need
+from conftest import REPO, free_port, need
 from server_fixture import standin_server  # noqa: F401 - the shared session fixture
 from test_gsm8k_unit import write_items
 
@@ -285,12 +284,6 @@ LlamaForCausalLM(cfg).save_pretrained("/m")
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def reasoning_server(docker_client, tmp_path_factory):
     """Real vLLM with a reasoning parser: the answer text lands in the reasoning field."""
@@ -304,7 +297,7 @@ def reasoning_server(docker_client, tmp_path_factory):
                                  volumes={str(mdir): {"bind": "/m", "mode": "rw"}}, user=user,
                                  environment={"HOME": "/tmp"}, remove=True,
                                  network_disabled=True)
-    port = _free_port()
+    port = free_port()
     name = f"k3rocm-gsm8k-test-reasoning-{os.getpid()}"
     c = docker_client.containers.run(
         STANDIN_BASE, ["/m", "--served-model-name", "tiny-reasoner", "--max-model-len", "4096",

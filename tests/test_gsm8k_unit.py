@@ -8,13 +8,12 @@ verdicts are checked through the real CLI (`k3rocm gsm8k --rescore RUN_DIR`).
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_cli
+from conftest import REPO, free_port, run_cli
 
 from k3rocm.errors import UsageError
 from k3rocm.gsm8k import command, data, results
@@ -38,12 +37,6 @@ def data_dir(tmp_path) -> Path:
     write_items(d / "train.jsonl", 8)
     write_items(d / "test.jsonl", 4, offset=100)
     return d
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------------------------- data

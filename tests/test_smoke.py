@@ -5,27 +5,20 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 
 import pytest
-from conftest import REPO, _image_exists, need, standin_tag
+from conftest import REPO, _image_exists, free_port, need, standin_tag
 from server_fixture import MODELS_DIR
 
 pytestmark = [pytest.mark.docker, pytest.mark.server]
 PROJECT = "k3rocm-smoke-test"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_make_smoke_builds_serves_streams_and_tears_down(docker_client):
     need(_image_exists(docker_client, standin_tag()), f"{standin_tag()} is missing: make standin")
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("K3_")}
     args = f"--port {port} --project {PROJECT} --models-dir {MODELS_DIR} --max-tokens 24"
     proc = subprocess.run(["make", "-s", "-o", sys.executable, "smoke", f"PY={sys.executable}",

@@ -285,7 +285,7 @@ def test_fetch_only_with_cached_wheels_needs_no_index():
     )
     env = {**os.environ, "PIP_NO_INDEX": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "k3rocm.standin", "--all", "--fetch-only"],
+        [sys.executable, "-m", "k3rocm", "standin", "--all", "--fetch-only"],
         env={**env, "PYTHONPATH": str(REPO / "src")},
         capture_output=True,
         text=True,

@@ -9,6 +9,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+# The process umask, read once at import (reading it means setting it; doing that per write
+# would race with other threads creating files).
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
 
 def utc_stamp(now: datetime | None = None) -> str:
     now = now or datetime.now(timezone.utc)
@@ -40,18 +45,12 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> Path:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
-        os.chmod(tmp, 0o644 & ~_umask())  # mkstemp creates 0600; results are meant to be read
+        os.chmod(tmp, 0o644 & ~_UMASK)  # mkstemp creates 0600; results are meant to be read
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:

@@ -420,18 +420,3 @@ def run(args: argparse.Namespace) -> int:
         extra = [ROCM_IMAGE] if args.tag_rocm == ver else []
         build_image(client, repo, wheel_dir, ver, args.base_image, extra)
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="k3rocm standin")
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except UsageError as exc:
-        print(f"k3rocm: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

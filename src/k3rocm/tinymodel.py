@@ -340,18 +340,3 @@ def run(args: argparse.Namespace) -> int:
         return 0
     generate(args.out, force=args.force)
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="k3rocm tinymodel")
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except UsageError as exc:
-        print(f"k3rocm: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
