@@ -159,6 +159,29 @@ def _upstream_has_mla(vllm: VllmInstall) -> bool:
                                                                 errors="replace")
 
 
+# vLLM >= 0.33: upstream amd/mla.py carries both fusions plus an API this overlay (written for
+# 0.27) does not implement: K3's output gate fused into the QKV projection
+# (KimiK3MergedQKVGateLinear, 3648 wide) and forward(..., skip_o_proj=True) from the
+# specialized decode. Forcing the overlay there crashes at the first forward.
+_NEWER_API = ("skip_o_proj", "KimiK3MergedQKVGateLinear")
+
+
+def _force_refusal(vllm: VllmInstall) -> str | None:
+    """One line when --mode force cannot work on this vLLM (None when it can)."""
+    upstream_text = (vllm.root / MLA).read_text(encoding="utf-8", errors="replace")
+    if MARKER in upstream_text:
+        return None  # our own file from an earlier apply
+    linear = vllm.root / LINEAR
+    text = upstream_text + (linear.read_text(encoding="utf-8", errors="replace")
+                            if linear.is_file() else "")
+    found = [name for name in _NEWER_API if name in text]
+    if not found:
+        return None
+    return (f"overlay: --mode force refused: vLLM {vllm.version} ships amd/mla.py with both "
+            f"fusions and an API the overlay does not implement ({', '.join(found)}); "
+            "use --mode auto (keeps upstream's fusions)")
+
+
 def _manifest_path(vllm: VllmInstall) -> Path:
     return vllm.root / AMD_DIR / MANIFEST_NAME
 
@@ -215,6 +238,11 @@ def apply(overlay_dir: Path, mode: str = "auto", site: Path | None = None,
                         for r, s in src.items()]
         rep["upstream_mla_sha256"] = sha256_file(vllm.root / MLA)
         return done("skipped-upstream", "overlay: skipped, upstream has amd/mla.py")
+
+    if upstream and mode == "force":
+        refusal = _force_refusal(vllm)
+        if refusal:
+            raise OverlayError(refusal)
 
     backup_exists = (vllm.root / MLA).with_name(MLA.name + BACKUP_SUFFIX).exists()
     text = (vllm.root / LINEAR).read_text(encoding="utf-8", errors="replace") if (
@@ -320,7 +348,7 @@ def status(site: Path | None = None) -> dict[str, Any]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="overlay_cmd", metavar="{apply,status}")
+    sub = parser.add_subparsers(dest="overlay_cmd", metavar="{apply,status,probe}")
     a = sub.add_parser("apply", help="copy overlay/ into vLLM's tree (build time)",
                        description="Copy overlay/ into the installed vLLM's tree after "
                        "checking the hooked code; idempotent; prints one line.")
@@ -337,6 +365,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        "hashes against the manifest, and check the anchor and plugin.")
     s.add_argument("--site", type=Path, default=None)
     s.add_argument("--json", action="store_true", help="print JSON")
+    s.add_argument("--decisions", type=Path, default=None, metavar="LOG|DIR",
+                   help="also show the overlay's run-time decisions: a server log with "
+                   "'K3ROCM-DECISION' lines, or a directory with k3rocm-decisions-pid*.json "
+                   "(written beside the profiler traces)")
+    pr = sub.add_parser("probe", help="what this Python environment offers the fusions",
+                        description="Probe this environment (inside the image, or on the "
+                        "node before serving) the way the overlay does in a server process: "
+                        "the AITER Q-prep op's registered schema (position clamp), the "
+                        "vllm::fused_mla_dual_rms_norm op, ROCm/AITER switches, and the "
+                        "K3_FUSE_* toggles. Gates that need the loaded model read "
+                        "'needs-model'. Exit 0 whatever it finds.")
+    pr.add_argument("--json", action="store_true", help="print JSON (default: a summary)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -353,8 +393,58 @@ def run(args: argparse.Namespace) -> int:
             for k in ("vllm_version", "vllm_path", "amd_mla", "anchor", "manifest",
                       "verified", "plugin_registered"):
                 print(f"{k}: {st.get(k)}")
+        if args.decisions is not None:
+            st["decisions"] = read_decisions(args.decisions)
+            if not args.json:
+                for d in st["decisions"]:
+                    print(f"decision: pid {d['pid']} {d['layer_kind']} ({d['phase']}): "
+                          + ", ".join(f"{k} {v['state']} ({v['reason']})"
+                                      for k, v in d["fusions"].items()))
+        if args.json:
+            print(json.dumps(st, indent=2, sort_keys=True))
         return 0 if st.get("verified") in (None, True) else 1
-    raise UsageError("overlay needs a subcommand: apply or status (see k3rocm overlay --help)")
+    if cmd == "probe":
+        import contextlib
+
+        from k3rocm.overlay_runtime import probe_report
+
+        with contextlib.redirect_stdout(sys.stderr):  # vLLM logs to stdout while importing
+            rep = probe_report()
+        if args.json:
+            print(json.dumps(rep, indent=2, sort_keys=True))
+        else:
+            q, n = rep["qprep_kernel"], rep["dual_norm_op"]
+            print(f"platform: {rep['platform']}")
+            print(f"qprep kernel: found={q['found']} clamps_positions={q['clamps_positions']}"
+                  f" ({q['source']})")
+            print(f"dual norm op: found={n['found']} ({n['source']})")
+            for k, v in rep["fusions"].items():
+                print(f"{k}: {v['state']} ({v['reason']})")
+        return 0
+    raise UsageError("overlay needs a subcommand: apply, status or probe "
+                     "(see k3rocm overlay --help)")
+
+
+def read_decisions(path: Path) -> list[dict[str, Any]]:
+    """Final decision per (pid, layer kind) from a server log or a decisions directory."""
+    from k3rocm.overlay_runtime import final_decisions, parse_decision_line
+
+    records: list[dict[str, Any]] = []
+    try:
+        if path.is_dir():
+            for f in sorted(path.glob("k3rocm-decisions-pid*.json")):
+                data = json.loads(f.read_text(encoding="utf-8"))
+                if not isinstance(data, list):
+                    raise ValueError(f"{f.name} does not hold a list of records")
+                records += data
+        else:
+            for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+                rec = parse_decision_line(line)
+                if rec is not None:
+                    records.append(rec)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--decisions {path}: cannot be read ({exc})") from None
+    return list(final_decisions(records).values())
 
 
 if __name__ == "__main__":  # python -m k3rocm.overlay ...

@@ -57,15 +57,22 @@ def _say(msg: str, *args: Any, warn: bool = False) -> None:
 
 
 def overlay_is_ours() -> bool:
-    """True when vLLM's amd/mla.py is the k3rocm overlay file (read, not imported)."""
+    """True when vLLM's amd/mla.py is the k3rocm overlay file.
+
+    Read from disk next to the ``vllm`` package: nothing of ``vllm.models.kimi_k3`` is
+    imported (its ``__init__`` pulls in the whole model and FLA utilities that touch the HIP
+    driver), so a process that never builds Kimi-K3 (the API server parsing its CLI, say)
+    pays one ``stat`` and one small read."""
     try:
-        spec = importlib.util.find_spec(OVERLAY_MODULE)
+        spec = importlib.util.find_spec("vllm")  # top level: already imported, or not at all
     except (ImportError, ValueError):
         return False
-    if spec is None or not spec.origin or not os.path.isfile(spec.origin):
-        return False
-    with open(spec.origin, encoding="utf-8") as fh:
-        return MARKER in fh.read()
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        path = os.path.join(root, *OVERLAY_MODULE.split(".")[1:]) + ".py"
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as fh:
+                return MARKER in fh.read()
+    return False
 
 
 def bind(module: Any) -> bool:

@@ -2,14 +2,24 @@
 images, or directly in a venv with vLLM: ``pytest -o python_files='check_*.py'
 tests/overlay_invllm``). Needs vLLM importable; CPU only.
 
-(a) construction on this vLLM + the gate matrix (each gate alone flips the decision);
-(b) numerics of both fused paths against the stock path, with the torch reference
-    kernels (k3rocm.testing.reference_ops) standing in for AITER's;
+The overlay is production code and runs unmodified. What the CPU machine lacks is supplied
+by test doubles built from the real things (tests/doubles): an ``aiter`` package shaped like
+ROCm/aiter (ops registered through compile_ops -> torch_compile_guard, bare
+``wrapper_custom(*args, **kwargs)``, schema from the stub; kernels are torch references),
+and ``rocm_vllm.activate()``, which makes this vLLM answer like vLLM on ROCm with AITER
+(``rocm_aiter_ops.is_enabled()``, ``vllm::fused_mla_dual_rms_norm`` registered the way
+``vllm/_aiter_ops.py`` does). The overlay's probe asks its questions of those.
+
+(a) probe (both AITER generations, in fresh processes: `k3rocm overlay probe --json`) and
+    every load-time gate on the real wrapper;
+(b) numerics of both fused paths against the stock path;
+(c) ops per MLA layer per decode step, stock vs fused, at 1 and 3 tokens per request;
 wiring: vLLM's own plugin loader makes the AMD Kimi-K3 attention build our wrapper.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import subprocess
@@ -26,12 +36,21 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "src"))
+DOUBLES = REPO / "tests" / "doubles"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(DOUBLES))
 
-from k3rocm.testing import mla_cpu  # noqa: E402
-from k3rocm.testing import reference_ops as ref  # noqa: E402
+import aiter  # noqa: E402 - the AITER double (clamp generation in this process)
+import mla_cpu  # noqa: E402
+import rocm_vllm  # noqa: E402
+from aiter import _reference as ref  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
+QPREP = "aiter::fuse_qk_rope_concat_and_cache_mla"  # device-kernel family (3 members)
+
+
+def qprep_calls() -> int:
+    return sum(v for k, v in aiter.calls.items() if k.startswith(QPREP))
 
 
 @pytest.fixture(scope="module")
@@ -46,20 +65,19 @@ def mla(vctx):
 
 
 @pytest.fixture
-def test_mode(monkeypatch, mla):
-    """Reference kernels + ROCm/AITER facts assumed (K3_TEST_REFERENCE_OPS=1)."""
-    monkeypatch.setenv("K3_TEST_REFERENCE_OPS", "1")
-    mla.probe_capabilities(refresh=True)
+def rocm(mla):
+    """The overlay's probe (run once per process, as in a server) asks a vLLM that answers
+    like ROCm + AITER. The platform switch is taken back before any layer is built: this
+    vLLM must keep building CPU layers (its ROCm code paths crash on CPU)."""
+    from k3rocm import overlay_runtime
+
+    undo = rocm_vllm.activate(platform=True)
+    try:
+        overlay_runtime.probe(refresh=True)
+    finally:
+        undo()
     yield mla
-    monkeypatch.delenv("K3_TEST_REFERENCE_OPS")
-    mla.probe_capabilities(refresh=True)
-
-
-@pytest.fixture
-def real_caps(monkeypatch, mla):
-    monkeypatch.delenv("K3_TEST_REFERENCE_OPS", raising=False)
-    mla.probe_capabilities(refresh=True)
-    return mla
+    overlay_runtime.probe(refresh=True)
 
 
 def _vllm_version() -> str:
@@ -68,85 +86,73 @@ def _vllm_version() -> str:
     return vllm.__version__
 
 
-# ------------------------------------------------------------------ (a) construction
+def _probe_cli(env: dict) -> dict:
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith(("K3_", "PYTHONPATH"))}
+    p = subprocess.run([sys.executable, "-m", "k3rocm", "overlay", "probe", "--json"],
+                       capture_output=True, text=True, env={**base, **env}, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout)
 
 
-def test_constructs_on_this_vllm_and_reports_why_off(real_caps, vctx):
-    mla = real_caps
+# ------------------------------------------------------------------ (a) probe and gates
+
+
+def test_probe_cli_on_cpu_without_aiter():
+    rep = _probe_cli({})
+    print("PROBE none " + json.dumps(rep, sort_keys=True))
+    assert rep["qprep_kernel"]["found"] is False
+    assert rep["dual_norm_op"]["found"] is False
+    assert rep["fusions"]["qk_norm"] == {"state": "off", "reason": rep["fusions"]["qk_norm"][
+        "reason"]} and "AITER not enabled" in rep["fusions"]["qk_norm"]["reason"]
+    assert rep["fusions"]["decode_qprep"]["reason"] == "platform is not ROCm"
+
+
+@pytest.mark.parametrize("variant,clamps", [("clamp", True), ("preclamp", False)])
+def test_probe_cli_reads_the_registered_schema(variant, clamps):
+    """The production probe, unmodified, against both AITER generations."""
+    rep = _probe_cli({"PYTHONPATH": str(DOUBLES), "K3_TEST_DOUBLE_ROCM": "platform",
+                      "K3_TEST_AITER_VARIANT": variant})
+    print(f"PROBE {variant} " + json.dumps(rep, sort_keys=True))
+    q = rep["qprep_kernel"]
+    assert q["found"] is True and q["clamps_positions"] is clamps
+    assert q["source"].startswith("torch.ops.aiter.fused_qk_rope_concat_and_cache_mla schema")
+    assert ("compute_all_q_rope" in q["schema"]) is clamps
+    assert rep["dual_norm_op"]["found"] is True
+    assert rep["fusions"]["qk_norm"]["state"] == "needs-model"
+    if clamps:
+        assert rep["fusions"]["decode_qprep"]["state"] == "needs-model"
+    else:
+        assert rep["fusions"]["decode_qprep"]["state"] == "off"
+        assert "predates the position clamp" in rep["fusions"]["decode_qprep"]["reason"]
+    toggled = _probe_cli({"PYTHONPATH": str(DOUBLES), "K3_TEST_DOUBLE_ROCM": "platform",
+                          "K3_TEST_AITER_VARIANT": variant, "K3_FUSE_QK_NORM": "0"})
+    assert toggled["fusions"]["qk_norm"] == {"state": "off", "reason": "K3_FUSE_QK_NORM=0"}
+
+
+def test_python_signature_of_an_aiter_op_says_nothing():
+    """Why the probe reads the schema: the exported function is a bare wrapper."""
+    import inspect
+
+    import aiter.ops.cache as cache
+
+    assert str(inspect.signature(cache.fused_qk_rope_concat_and_cache_mla)) == (
+        "(*args, **kwargs)")
+
+
+def test_constructs_on_this_vllm_and_reports_why_off(mla, vctx):
     from vllm.model_executor.layers.mla import MultiHeadLatentAttentionWrapper
 
+    from k3rocm import overlay_runtime
+
+    overlay_runtime.probe(refresh=True)  # this process without the ROCm double
     w = mla_cpu.build_wrapper(mla.KimiK3MultiHeadLatentAttentionWrapper, heads=4)
     assert isinstance(w, MultiHeadLatentAttentionWrapper)
-    st = w.k3_status()
-    print(f"vLLM {_vllm_version()}: {st}")
-    # On CPU there is no ROCm/AITER: both off, each with its reason.
-    assert st["qk_norm"] is False
-    assert st["decode_qprep"] is False
-    assert st["decode_qprep_reason"] == "platform is not ROCm"
-    caps = mla.probe_capabilities()
-    assert caps.aiter_enabled is False and caps.is_rocm is False  # None normalized
-
-
-def test_probe_on_rocm_facts_without_aiter_kernels(monkeypatch, real_caps):
-    """ROCm + AITER enabled but an AITER without the kernels: both fusions off."""
-    mla = real_caps
-    from vllm._aiter_ops import rocm_aiter_ops
-    from vllm.platforms import current_platform
-
-    monkeypatch.setattr(type(current_platform), "is_rocm", lambda *a: True)
-    monkeypatch.setattr(rocm_aiter_ops, "is_enabled", classmethod(lambda cls: True))
-    monkeypatch.setattr(rocm_aiter_ops, "is_mla_enabled", classmethod(lambda cls: True))
-    caps = mla.probe_capabilities(refresh=True)
-    assert caps.is_rocm and caps.aiter_enabled and caps.aiter_mla_enabled
-    assert caps.qprep_kernel is None and caps.qprep_source == "missing"
-    ok, why = mla.decide_qk_norm(mla.NormFacts(True, caps.aiter_enabled, caps.dual_norm_op,
-                                               True, True))
-    assert not ok and "not registered" in why
-
-
-FLIPS = [
-    ({"toggle": False}, "K3_FUSE_DECODE_QPREP=0"),
-    ({"is_rocm": False}, "not ROCm"),
-    ({"aiter_mla_enabled": False}, "AITER MLA not enabled"),
-    ({"kernel_present": False}, "not found"),
-    ({"kernel_clamps": False}, "position clamp"),
-    ({"kv_cache_dtype": "auto"}, "not fp8"),
-    ({"kv_cache_dtype": "fp8_ds_mla"}, "not fp8"),
-    ({"kv_lora_rank": 256}, "kv_lora_rank 256"),
-    ({"rope_dim": 32}, "rope dim 32"),
-    ({"heads": 2}, "< 2048"),
-    ({"dcp_world_size": 2}, "decode context parallel"),
-    ({"dcp_q_replicate": True}, "decode context parallel"),
-    ({"use_pcp": True}, "prefill context parallel"),
-    ({"hisparse": True}, "HiSparse"),
-    ({"q_pad_num_heads": 16}, "padding"),
-    ({"fp8_bmm": True}, "fp8 bmm"),
-    ({"has_w_uk_t": False}, "W_UK_T missing"),
-    ({"supports_fp8_query": False}, "bf16 query"),
-    ({"has_rotary": True}, "rotary"),
-    ({"calculate_kv_scales": True}, "calculate_kv_scales"),
-    ({"sparse_or_indexer": True}, "sparse"),
-]
-
-
-def test_gate_matrix_pure(mla):
-    base = mla.QPrepFacts(heads=12)  # Kimi-K3 at TP=8
-    assert mla.decide_decode_qprep(base)[0] is True
-    for flip, why in FLIPS:
-        ok, reason = mla.decide_decode_qprep(mla.QPrepFacts(**{**base.__dict__, **flip}))
-        assert ok is False, flip
-        assert why in reason, (flip, reason)
-    # fp4 bmm is checked before fp8 bmm (both may be set), as MLAAttention does.
-    assert mla.decide_decode_qprep(mla.QPrepFacts(fp4_bmm=True, fp8_bmm=True))[0] is True
-    assert mla.decide_decode_qprep(mla.QPrepFacts(fp4_bmm=True, has_w_uk_t=False))[0] is True
-    assert mla.decide_decode_qprep(mla.QPrepFacts(heads=4))[0] is True  # 512 x 4 = 2048
-    assert mla.decide_qk_norm(mla.NormFacts(True, True, True, True, True))[0] is True
-    for i, why in enumerate(["K3_FUSE_QK_NORM=0", "AITER not enabled", "not registered",
-                             "no q_lora_rank", "plain"]):
-        args = [True] * 5
-        args[i] = False
-        ok, reason = mla.decide_qk_norm(mla.NormFacts(*args))
-        assert not ok and why in reason
+    print(f"vLLM {_vllm_version()}: qk_norm {w._use_eager_qk_rmsnorm_fusion} "
+          f"({w._qk_rmsnorm_why}); qprep {w._fused_qk_prep} ({w._fused_qk_prep_why})")
+    assert w._use_eager_qk_rmsnorm_fusion is False
+    assert "AITER not enabled" in w._qk_rmsnorm_why
+    assert w._fused_qk_prep is False and w._fused_qk_prep_why == "platform is not ROCm"
 
 
 def _attn_patch(monkeypatch, **attrs):
@@ -166,80 +172,107 @@ def _attn_patch(monkeypatch, **attrs):
 def _loaded(w, fp8_query=True):
     """As after weight loading with an fp8-query backend (AITER MLA): first forward."""
     w.mla_attn.impl.supports_quant_query_input = fp8_query
-    w._k3_finalize()
-    return w.k3_status()
+    if w._load_gates_pending:
+        w._check_load_gates()
+    return w._fused_qk_prep, w._fused_qk_prep_why
 
 
 REAL_CASES = [
-    ("baseline", {}, {}, None, True),
-    ("bf16 cache", {"cache_dtype": "auto"}, {}, None, False),
-    ("rank 256", {"kv_lora_rank": 256}, {}, None, False),
-    ("rope 32", {"rope": 32}, {}, None, False),
-    ("2 heads/rank", {"heads": 2}, {}, None, False),
-    ("pcp", {}, {"use_pcp": True}, None, False),
-    ("head padding", {}, {"q_pad_num_heads": 16}, None, False),
-    ("hisparse", {}, {"hisparse_cache": object()}, None, False),
-    ("fp8 bmm W_UK", {}, {"is_aiter_triton_fp8_bmm_enabled": True}, None, False),
+    ("baseline", {}, {}, None, True, "fused_qk_rope_concat_and_cache_mla"),
+    ("bf16 cache", {"cache_dtype": "auto"}, {}, None, False, "not fp8"),
+    ("rank 256", {"kv_lora_rank": 256}, {}, None, False, "kv_lora_rank 256"),
+    ("rope 32", {"rope": 32}, {}, None, False, "rope dim 32"),
+    ("2 heads/rank", {"heads": 2}, {}, None, False, "< 2048"),
+    ("pcp", {}, {"use_pcp": True}, None, False, "prefill context parallel"),
+    ("head padding", {}, {"q_pad_num_heads": 16}, None, False, "padding"),
+    ("hisparse", {}, {"hisparse_cache": object()}, None, False, "HiSparse"),
+    ("fp8 bmm W_UK", {}, {"is_aiter_triton_fp8_bmm_enabled": True}, None, False, "fp8 bmm"),
     ("fp4 before fp8", {}, {"is_aiter_triton_fp8_bmm_enabled": True,
-                            "is_aiter_triton_fp4_bmm_enabled": True}, None, True),
-    ("dynamic kv scales", {}, {"calculate_kv_scales": True}, None, False),
-    ("toggle off", {}, {}, ("K3_FUSE_DECODE_QPREP", "0"), False),
+                            "is_aiter_triton_fp4_bmm_enabled": True}, None, True, ""),
+    ("dynamic kv scales", {}, {"calculate_kv_scales": True}, None, False,
+     "calculate_kv_scales"),
+    ("toggle off", {}, {}, ("K3_FUSE_DECODE_QPREP", "0"), False, "K3_FUSE_DECODE_QPREP=0"),
 ]
 
 
-@pytest.mark.parametrize("name,build,attrs,env,expect", REAL_CASES,
+@pytest.mark.parametrize("name,build,attrs,env,expect,why", REAL_CASES,
                          ids=[c[0] for c in REAL_CASES])
-def test_gate_matrix_real_vllm(name, build, attrs, env, expect, test_mode, monkeypatch,
+def test_gate_matrix_real_vllm(name, build, attrs, env, expect, why, rocm, monkeypatch,
                                vctx):
-    mla = test_mode
+    mla = rocm
     if attrs:
         _attn_patch(monkeypatch, **attrs)
     if env:
         monkeypatch.setenv(*env)
     w = mla_cpu.build_wrapper(mla.KimiK3MultiHeadLatentAttentionWrapper, load_weights=False,
                               **build)
-    # W_UK_T exists after weight loading (read at first forward); fp4 does not need it
-    if w._k3_qprep and "is_aiter_triton_fp4_bmm_enabled" not in attrs:
+    if w._fused_qk_prep and "is_aiter_triton_fp4_bmm_enabled" not in attrs:
         w.mla_attn.W_UK_T = torch.zeros(w.num_heads, 128, w.kv_lora_rank)
-    st = _loaded(w)
-    assert st["decode_qprep"] is expect, st
+    ok, reason = _loaded(w)
+    assert ok is expect, reason
+    assert why in reason
 
 
-def test_first_forward_facts_flip_the_decision(test_mode, vctx):
-    mla = test_mode
-    cls = mla.KimiK3MultiHeadLatentAttentionWrapper
+def test_first_forward_facts_flip_the_decision(rocm, vctx):
+    cls = rocm.KimiK3MultiHeadLatentAttentionWrapper
     w = mla_cpu.build_wrapper(cls)  # weights loaded: W_UK_T exists
-    assert _loaded(w)["decode_qprep"] is True
+    assert w._fused_qk_prep is True and w._load_gates_pending is True
+    assert _loaded(w)[0] is True
     w = mla_cpu.build_wrapper(cls)
-    assert _loaded(w, fp8_query=False)["decode_qprep"] is False  # small-head Gluon decode
+    ok, why = _loaded(w, fp8_query=False)  # AITER's small-head Gluon decode wants bf16
+    assert not ok and "bf16 query" in why
     w = mla_cpu.build_wrapper(cls)
     w.mla_attn.impl.dcp_world_size = 2
-    assert _loaded(w)["decode_qprep"] is False
+    assert _loaded(w)[0] is False
     w = mla_cpu.build_wrapper(cls, load_weights=False)  # no W_UK_T
-    assert _loaded(w)["decode_qprep"] is False
+    ok, why = _loaded(w)
+    assert not ok and "W_UK_T" in why
     w = mla_cpu.build_wrapper(cls)
     w.mla_attn.impl.dcp_world_size = -1  # not known yet: resolved from the DCP group (1)
-    assert _loaded(w)["decode_qprep"] is True
+    assert _loaded(w)[0] is True
 
 
-def test_norm_toggle_and_old_aiter(test_mode, monkeypatch, vctx):
-    mla = test_mode
-    cls = mla.KimiK3MultiHeadLatentAttentionWrapper
-    assert mla_cpu.build_wrapper(cls, load_weights=False).k3_status()["qk_norm"] is True
-    monkeypatch.setenv("K3_FUSE_QK_NORM", "0")
-    assert mla_cpu.build_wrapper(cls, load_weights=False).k3_status()["qk_norm"] is False
-    monkeypatch.delenv("K3_FUSE_QK_NORM")
-    mla.probe_capabilities().qprep_clamps = False  # AITER before ROCm/aiter#4342
+def test_norm_toggle(rocm, monkeypatch, vctx):
+    cls = rocm.KimiK3MultiHeadLatentAttentionWrapper
     w = mla_cpu.build_wrapper(cls, load_weights=False)
-    assert w.k3_status()["decode_qprep"] is False and "clamp" in w._k3_qprep_why
+    assert w._use_eager_qk_rmsnorm_fusion is True
+    monkeypatch.setenv("K3_FUSE_QK_NORM", "0")
+    w = mla_cpu.build_wrapper(cls, load_weights=False)
+    assert w._use_eager_qk_rmsnorm_fusion is False
+    assert w._qk_rmsnorm_why == "K3_FUSE_QK_NORM=0"
+
+
+def test_decision_records(rocm, monkeypatch, tmp_path, vctx):
+    """One machine-readable record per decision: in the log and beside the traces."""
+    from k3rocm import overlay_runtime
+
+    monkeypatch.setenv("K3_PROFILER_DIR", str(tmp_path))
+    monkeypatch.setenv("K3_FUSE_QK_NORM", "0")  # a decision no other test made
+    w = mla_cpu.build_wrapper(rocm.KimiK3MultiHeadLatentAttentionWrapper)
+    _loaded(w)
+    files = list(tmp_path.glob("k3rocm-decisions-pid*.json"))
+    assert len(files) == 1
+    recs = [r for r in json.loads(files[0].read_text())
+            if r["fusions"]["qk_norm"]["reason"] == "K3_FUSE_QK_NORM=0"]
+    assert [r["phase"] for r in recs] == ["construct", "load"]
+    assert recs[0]["fusions"]["decode_qprep"]["state"] == "needs-model"
+    final = overlay_runtime.final_decisions(recs)[(os.getpid(), "target")]
+    assert final["fusions"] == {
+        "qk_norm": {"state": "off", "reason": "K3_FUSE_QK_NORM=0"},
+        "decode_qprep": {"state": "on", "reason": final["fusions"]["decode_qprep"]["reason"]}}
+    assert final["asked"] == {"qk_norm": False, "decode_qprep": True}
+    assert final["probe"]["qprep_kernel"]["clamps_positions"] is True
+    line = overlay_runtime.DECISION_MARKER + json.dumps(final)
+    assert overlay_runtime.parse_decision_line("(EngineCore pid=1) INFO x " + line) == final
 
 
 # ------------------------------------------------------------------ (b) numerics
 
 
-def _run_layer(cls, *, seed, scales, slots, positions, n_actual, prefills=0, hs_seed=7):
+def _run_layer(cls, *, seed, scales, slots, positions, n_actual, prefills=0, hs_seed=7,
+               q_len=1, profile=False, heads=4):
     """One forward of a real wrapper on a decode batch; returns what matters."""
-    w = mla_cpu.build_wrapper(cls, heads=4, seed=seed)
+    w = mla_cpu.build_wrapper(cls, heads=heads, seed=seed)
     a = w.mla_attn
     a.impl.supports_quant_query_input = True  # as the AITER MLA backend, fp8 cache
     a._k_scale.fill_(scales[0])
@@ -251,9 +284,10 @@ def _run_layer(cls, *, seed, scales, slots, positions, n_actual, prefills=0, hs_
     rec: dict = {}
 
     def forward_mqa(q, kv_cache, attn_metadata, layer):
-        rec["mqa_q"] = q.clone()
-        assert kv_cache.dtype == FP8
-        return q[..., :512].to(torch.bfloat16).contiguous(), None
+        with torch.profiler.record_function("test::forward_mqa (AITER MLA decode)"):
+            rec["mqa_q"] = q.clone()
+            assert kv_cache.dtype == FP8
+            return q[..., :512].to(torch.bfloat16).contiguous(), None
 
     def forward_mha(q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata, k_scale,
                     output, **kw):
@@ -261,17 +295,36 @@ def _run_layer(cls, *, seed, scales, slots, positions, n_actual, prefills=0, hs_
         output.zero_()
 
     def do_kv_cache_update(kv_c, k_pe, cache, slot_mapping, dtype, scale):
-        ref.concat_and_cache_mla_ref(kv_c, k_pe, cache.view(FP8), slot_mapping, scale)
+        # one launch on ROCm: vllm::concat_and_cache_mla_kernel
+        with torch.profiler.record_function("stock::concat_and_cache_mla"):
+            ref.concat_and_cache_mla_ref(kv_c, k_pe, cache.view(FP8), slot_mapping, scale)
+
+    quant_op = getattr(a, "_decode_concat_quant_fp8_op", None)
+    if quant_op is not None:  # one Inductor kernel on ROCm (see the census kernel table)
+        inner = quant_op.forward
+
+        def concat_quant(*args, **kwargs):
+            with torch.profiler.record_function("stock::decode_concat_quant_fp8"):
+                return inner(*args, **kwargs)
+
+        quant_op.forward = concat_quant
 
     a.impl.forward_mqa = forward_mqa
     a.impl.forward_mha = forward_mha
     a.impl.do_kv_cache_update = do_kv_cache_update
     t = slots.shape[0]
-    md = mla_cpu.decode_metadata(t, n_actual, slots, prefills=prefills)
+    md = mla_cpu.decode_metadata(t, n_actual, slots, prefills=prefills, q_len=q_len)
     hs = torch.randn(t, 256, generator=torch.Generator().manual_seed(hs_seed)).to(
         torch.bfloat16)
-    with mla_cpu.forward_context(w, md, slots, t):
-        out = w(positions, hs)
+    with mla_cpu.forward_context(w, md, slots, t), torch.inference_mode():  # as vLLM runs
+        if getattr(w, "_load_gates_pending", False):
+            w._check_load_gates()  # what the first forward (vLLM's profile run) does first
+        if profile:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
+                out = w(positions, hs)
+            rec["ops"] = p.events()
+        else:
+            out = w(positions, hs)
     return {"out": out, "kv": kv.clone(), **rec}
 
 
@@ -288,21 +341,22 @@ def _fp8_steps(a: torch.Tensor, b: torch.Tensor) -> int:
 
 
 @pytest.mark.parametrize("scales", [(1.0, 1.0), (0.37, 0.61), (2.5, 0.125)])
-def test_decode_fusion_matches_stock(scales, test_mode, vctx):
+def test_decode_fusion_matches_stock(scales, rocm, vctx):
     from vllm.model_executor.layers.mla import MultiHeadLatentAttentionWrapper as Stock
 
-    mla = test_mode
+    mla = rocm
     cls = mla.KimiK3MultiHeadLatentAttentionWrapper
     g = torch.Generator().manual_seed(int(scales[0] * 100))
     n, t = 5, 8  # 3 padded rows (slot -1), as with CUDA-graph padding
     slots = torch.cat([torch.randperm(128, generator=g)[:n], torch.full((t - n,), -1)])
     positions = torch.cat([torch.tensor([0, 7, 4095, 2**20 - 1, 2**20 + 5]),
                            torch.zeros(t - n, dtype=torch.long)])
-    before = dict(cls.counters)
+    before = collections.Counter(aiter.calls)
     fused = _run_layer(cls, seed=3, scales=scales, slots=slots, positions=positions,
                        n_actual=n)
-    assert cls.counters["decode_qprep_fused"] == before["decode_qprep_fused"] + 1
-    assert cls.counters["qk_norm_fused"] == before["qk_norm_fused"] + 1
+    assert qprep_calls() == sum(v for k, v in before.items() if k.startswith(QPREP)) + 1
+    assert aiter.calls["aiter::fused_qk_rmsnorm_kernel"] == before[
+        "aiter::fused_qk_rmsnorm_kernel"] + 1
     stock = _run_layer(Stock, seed=3, scales=scales, slots=slots, positions=positions,
                        n_actual=n)
     # Query fed to the decode kernel: both paths compute x * (1/q_scale) -> fp8 from the
@@ -322,39 +376,100 @@ def test_decode_fusion_matches_stock(scales, test_mode, vctx):
     assert torch.equal(stock["out"][:n], fused["out"][:n])
 
 
-def test_mixed_prefill_decode_falls_through(test_mode, vctx):
-    mla = test_mode
-    cls = mla.KimiK3MultiHeadLatentAttentionWrapper
+# Ops that launch no kernel: views and allocations.
+_NO_LAUNCH = {"aten::view", "aten::transpose", "aten::split", "aten::split_with_sizes",
+              "aten::slice", "aten::select", "aten::unsqueeze", "aten::squeeze",
+              "aten::as_strided", "aten::empty", "aten::empty_strided", "aten::t",
+              "aten::reshape", "aten::_reshape_alias", "aten::detach", "aten::alias",
+              "aten::expand", "aten::permute", "aten::narrow", "aten::resize_",
+              "aten::lift_fresh", "aten::contiguous", "aten::chunk", "aten::unbind",
+              "aten::result_type", "aten::to", "aten::flatten", "aten::new_empty",
+              "aten::empty_like"}
+# vLLM's attention custom op only dispatches (forward_impl runs inside it): look through it.
+_TRANSPARENT = {"vllm::unified_mla_attention_with_output", "vllm::unified_mla_attention"}
+_COPIES = {"aten::copy_", "aten::clone", "aten::_to_copy"}
+
+
+def _launches(events) -> tuple[collections.Counter, list[str]]:
+    """Ops that launch work (outermost, looking through vLLM's attention dispatch op), and
+    every copy that is not internal to another op (a kernel of its own on the GPU)."""
+    top: collections.Counter = collections.Counter()
+    copies = []
+    for e in events:
+        chain, parent = [], e.cpu_parent
+        while parent is not None:
+            chain.append(parent.name)
+            parent = parent.cpu_parent
+        opaque = [c for c in chain if c not in _TRANSPARENT]
+        if e.name in _COPIES and all(c.startswith("aten::") and c not in (
+                "aten::linear", "aten::matmul") for c in opaque):
+            copies.append(" < ".join([e.name, *chain]))
+        if not opaque and e.name not in _NO_LAUNCH | _TRANSPARENT:
+            top[e.name] += 1
+    return top, copies
+
+
+@pytest.mark.parametrize("q_len", [1, 3], ids=["1-token", "3-tokens-mtp2"])
+def test_ops_per_mla_layer_per_decode_step(q_len, rocm, monkeypatch, vctx):
+    """Stock: W_UK bmm, concat + fp8 quant, cache write. Fused: W_UK bmm, one Q-prep launch,
+    and no copy kernel (the bmm writes the dense (B, N, L) layout the kernel reads)."""
+    from vllm.model_executor.layers.mla import MultiHeadLatentAttentionWrapper as Stock
+
+    monkeypatch.setenv("K3_FUSE_QK_NORM", "0")  # same norms on both sides: Q-prep only
+    reqs = 4
+    t = reqs * q_len
+    slots = torch.arange(t) * 3
+    positions = torch.arange(t) + 100
+    runs = {}
+    for name, cls in (("stock", Stock), ("fused", rocm.KimiK3MultiHeadLatentAttentionWrapper)):
+        res = _run_layer(cls, seed=5, scales=(1.0, 1.0), slots=slots, positions=positions,
+                         n_actual=t, q_len=q_len, profile=True)
+        runs[name] = _launches(res["ops"])
+    (stock, stock_copies), (fused, fused_copies) = runs["stock"], runs["fused"]
+    names = sorted(set(stock) | set(fused))
+    print(f"OPS q_len={q_len} tokens={t}: " + json.dumps(
+        {n: [stock.get(n, 0), fused.get(n, 0)] for n in names}))
+    print(f"OPS q_len={q_len} copies stock={stock_copies} fused={fused_copies}")
+    assert stock["vllm::unified_mla_kv_cache_update"] == 1  # stock::concat_and_cache_mla
+    assert stock["stock::decode_concat_quant_fp8"] == 1
+    assert fused["aiter::fused_qk_rope_concat_and_cache_mla"] == 1
+    assert fused["vllm::unified_mla_kv_cache_update"] == 0
+    assert fused["stock::decode_concat_quant_fp8"] == 0
+    assert fused_copies == [], fused_copies
+    # the two stock launches became one; nothing else was added
+    assert sum(fused.values()) == sum(stock.values()) - 1
+
+
+def test_mixed_prefill_decode_falls_through(rocm, vctx):
+    cls = rocm.KimiK3MultiHeadLatentAttentionWrapper
     slots = torch.tensor([5, 9, 33, -1])
     positions = torch.tensor([3, 4, 0, 0])
-    before = dict(cls.counters)
+    before = qprep_calls()
     res = _run_layer(cls, seed=4, scales=(1.0, 1.0), slots=slots, positions=positions,
                      n_actual=3, prefills=1)
-    assert cls.counters["decode_qprep_fused"] == before["decode_qprep_fused"]
-    assert cls.counters["attn_stock"] == before["attn_stock"] + 1
+    assert qprep_calls() == before
     assert res["mha_rows"] == 1 and res["mqa_q"].shape[0] == 2  # the stock split
 
 
-def test_profile_run_without_metadata_falls_through(test_mode, vctx):
-    mla = test_mode
-    cls = mla.KimiK3MultiHeadLatentAttentionWrapper
+def test_profile_run_without_metadata_falls_through(rocm, vctx):
+    cls = rocm.KimiK3MultiHeadLatentAttentionWrapper
     w = mla_cpu.build_wrapper(cls, heads=4)
     _loaded(w)
     w.mla_attn._chunked_prefill_workspace_size = 16  # profile-run scratch size (CPU)
-    before = dict(cls.counters)
+    before = qprep_calls()
     from vllm.forward_context import set_forward_context
 
     with set_forward_context(None, vctx, num_tokens=2,
                              slot_mapping={w.mla_attn.layer_name: torch.tensor([0, 1])}):
         out = w(torch.tensor([0, 1]), torch.randn(2, 256).to(torch.bfloat16))
     assert out.shape == (2, 256)
-    assert cls.counters["attn_stock"] == before["attn_stock"] + 1
+    assert qprep_calls() == before  # the stock path ran
 
 
 def test_dual_rmsnorm_reference_matches_vllm_rmsnorm(vctx):
     from vllm.model_executor.layers.layernorm import RMSNorm
 
-    ref.register_dual_rms_norm_op()
+    rocm_vllm.register_dual_norm_op()
     g = torch.Generator().manual_seed(11)
     n1, n2 = RMSNorm(128, eps=1e-6), RMSNorm(512, eps=1e-5)
     with torch.no_grad():
@@ -369,7 +484,7 @@ def test_dual_rmsnorm_reference_matches_vllm_rmsnorm(vctx):
 
 def test_reference_kernel_contract():
     g = torch.Generator().manual_seed(2)
-    t, h = 4, 2
+    t, h = 4, 4  # 512 x 4 = 2048: the clamping _opt kernel (2 heads: general)
     q_nope = torch.randn(t, h, 512, generator=g).to(torch.bfloat16)
     q_pe = torch.randn(t, h, 64, generator=g).to(torch.bfloat16)
     kv_c = torch.randn(t, 512, generator=g).to(torch.bfloat16)
@@ -411,10 +526,11 @@ def test_plugin_wiring_in_a_fresh_process(tmp_path):
         os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
         sys.path.insert(0, %r)
         import torch
-        from k3rocm.testing import mla_cpu
+        import mla_cpu
         from k3rocm import vllm_plugin
         from vllm.plugins import load_general_plugins
         load_general_plugins()
+        kimi_before = sorted(m for m in sys.modules if m.startswith("vllm.models.kimi_k3"))
         import vllm.models.kimi_k3.amd.linear as lin
         from vllm.transformers_utils.configs.kimi_linear import KimiLinearConfig
         with mla_cpu.vllm_cpu_context():
@@ -426,8 +542,8 @@ def test_plugin_wiring_in_a_fresh_process(tmp_path):
             "class": type(a.mla_attn).__name__,
             "module": type(a.mla_attn).__module__,
             "ours": vllm_plugin.overlay_is_ours(),
-            "bound": vllm_plugin._state["bound"]}))
-    """) % str(REPO / "src")
+            "bound": vllm_plugin._state["bound"], "kimi_before": kimi_before}))
+    """) % str(Path(__file__).resolve().parent)
     env = {k: v for k, v in os.environ.items() if not k.startswith("K3_")}
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        env=env, timeout=300)
@@ -435,6 +551,8 @@ def test_plugin_wiring_in_a_fresh_process(tmp_path):
     assert p.returncode == 0 and line, p.stderr[-3000:]
     res = json.loads(line[-1][7:])
     print(res)
+    # the plugin ran, and imported nothing of Kimi-K3 in a process that had not built it
+    assert res["kimi_before"] == []
     if res["ours"]:
         assert res["class"] == "KimiK3MultiHeadLatentAttentionWrapper"
         assert res["bound"] == ["vllm.models.kimi_k3.amd.linear"]

@@ -1,25 +1,38 @@
-"""TEST ONLY: torch reference implementations of the two AITER kernels the overlay uses.
+"""TEST DOUBLE: torch reference implementations of the AITER kernels the overlay uses.
 
 Written from the kernels' documented contracts (argument shapes, in-place outputs,
 position clamp, slot < 0 rows skipped, static fp8 quantization with the given scales),
-not from their source. They let CPU tests run the overlay's fused branches:
-
-- ``fused_mla_dual_rms_norm(x1, w1, x2, w2, eps1, eps2) -> (y1, y2)``: two RMSNorms in
-  one call, registered as ``torch.ops.vllm.fused_mla_dual_rms_norm`` (the name vLLM gives
-  AITER's ``fused_qk_rmsnorm``) by :func:`register_dual_rms_norm_op`.
-- ``fused_qk_rope_concat_and_cache_mla(...)``: AITER's decode Q-prep kernel.
-
-Activated inside a vLLM process by ``K3_TEST_REFERENCE_OPS=1`` (the overlay then takes
-its kernels from here). Never set that in a serving image.
+cross-checked against ROCm/aiter op_tests/test_concat_cache_mla.py (its torch reference:
+q_out = [q_nope | rope(q_pe)] * (1/q_scale) as fp8 with nope first, the cache row gets
+[kv_c | rope(k_pe)] * (1/k_scale), rows whose slot is < 0 are skipped), not copied from it.
+They are the *kernels* of the AITER double (tests/doubles/aiter); which op is registered,
+and with which schema, is decided by the double's aiter.ops modules, shaped like the real
+ones.
 """
 
 from __future__ import annotations
 
 import torch
 
-_REGISTERED = False
-_LIB = None
+import aiter
 
+
+def _count(kernel: str) -> None:
+    aiter.calls[kernel] += 1
+
+
+def _qprep_member(q_nope: torch.Tensor, kv_cache: torch.Tensor) -> str:
+    """Which device kernel the host API ``fused_qk_rope_concat_and_cache_mla`` launches
+    (ROCm/aiter csrc/kernels/cache_kernels.cu, as summarized in the project brief): the
+    per-head kernel for fewer than 256 tokens with block size 1 (AITER-MLA decode), the
+    ``_opt`` kernel for kv_lora_rank 512, rope 64 and rank x heads >= 2048, else the general
+    kernel, which does not clamp positions."""
+    tokens, heads, rank = q_nope.shape
+    if tokens < 256 and kv_cache.shape[1] == 1:
+        return "aiter::fuse_qk_rope_concat_and_cache_mla_per_head_kernel"
+    if rank == 512 and kv_cache.shape[-1] - rank == 64 and rank * heads >= 2048:
+        return "aiter::fuse_qk_rope_concat_and_cache_mla_kernel"
+    return "aiter::fuse_qk_rope_concat_and_cache_mla_kernel_general"
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm with fp32 statistics; normalized value rounded to the input dtype, then
@@ -39,30 +52,6 @@ def fused_mla_dual_rms_norm(
     x2_epsilon: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return rms_norm_ref(x1, x1_weight, x1_epsilon), rms_norm_ref(x2, x2_weight, x2_epsilon)
-
-
-def register_dual_rms_norm_op() -> bool:
-    """Register ``vllm::fused_mla_dual_rms_norm`` (CPU and Meta) unless it exists."""
-    global _REGISTERED, _LIB
-    if _REGISTERED:
-        return True
-    if hasattr(torch.ops, "vllm") and hasattr(torch.ops.vllm, "fused_mla_dual_rms_norm"):
-        _REGISTERED = True
-        return True
-    lib = torch.library.Library("vllm", "FRAGMENT")  # noqa: TOR901
-    lib.define(
-        "fused_mla_dual_rms_norm(Tensor x1, Tensor x1_weight, Tensor x2, Tensor x2_weight, "
-        "float x1_epsilon, float x2_epsilon) -> (Tensor, Tensor)"
-    )
-    lib.impl("fused_mla_dual_rms_norm", fused_mla_dual_rms_norm, "CPU")
-    lib.impl(
-        "fused_mla_dual_rms_norm",
-        lambda x1, w1, x2, w2, e1, e2: (torch.empty_like(x1), torch.empty_like(x2)),
-        "Meta",
-    )
-    _LIB = lib  # keep the library alive
-    _REGISTERED = True
-    return True
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool) -> torch.Tensor:
@@ -100,6 +89,7 @@ def fused_qk_rope_concat_and_cache_mla(
     is_neox: bool,
     is_nope_first: bool,
     compute_all_q_rope: bool = False,
+    _clamps: bool = True,
 ) -> None:
     """In place: RoPE on q_pe and k_pe at clamp(position, 0, rows-1); q_out gets the fp8
     ``[q_nope | q_pe]`` (or pe first) quantized with q_scale; the cache row at each slot
@@ -113,7 +103,14 @@ def fused_qk_rope_concat_and_cache_mla(
     if not (q_pe.shape[0] == kv_c.shape[0] == k_pe.shape[0] == slot_mapping.shape[0] == t):
         raise ValueError("token counts differ between inputs")
     rows = cos_cache.shape[0]
-    pos = positions.to(torch.int64).clamp(0, rows - 1)
+    member = _qprep_member(q_nope, kv_cache)
+    _count(member)
+    pos = positions.to(torch.int64)
+    if _clamps and member != "aiter::fuse_qk_rope_concat_and_cache_mla_kernel_general":
+        pos = pos.clamp(0, rows - 1)
+    elif bool(((pos < 0) | (pos >= rows)).any()):  # what the device kernel would read
+        raise IndexError(f"position {int(pos.max())} outside the {rows}-row cos/sin cache "
+                         f"({member} does not clamp)")
     cos = cos_cache.to(torch.float32)[pos]  # [T, R/2]
     sin = sin_cache.to(torch.float32)[pos]
     slots = slot_mapping.to(torch.int64)
@@ -151,3 +148,9 @@ def concat_and_cache_mla_ref(
     s = slots[valid]
     block_size = kv_cache.shape[1]
     kv_cache[s // block_size, s % block_size] = q[valid].to(kv_cache.dtype)
+
+
+def fused_qk_rope_concat_and_cache_mla_preclamp(*args, **kwargs) -> None:
+    """The same kernel before ROCm/aiter PR #4342: positions index the cos/sin cache as
+    they are (no clamp), and there is no compute_all_q_rope argument."""
+    fused_qk_rope_concat_and_cache_mla(*args, **kwargs, _clamps=False)

@@ -1,4 +1,4 @@
-"""TEST ONLY: build real vLLM MLA layers on a CPU-only machine.
+"""TEST HELPER: build real vLLM MLA layers on a CPU-only machine.
 
 vLLM's CPU platform refuses MLA in 0.27.x (``get_attn_backend_cls`` raises) and the
 auto-selected MLA prefill backend imports CUDA-only code. For construction and
@@ -186,24 +186,28 @@ def build_wrapper(
 
 
 def decode_metadata(num_tokens: int, num_actual: int, slot_mapping: torch.Tensor,
-                    prefills: int = 0) -> Any:
+                    prefills: int = 0, q_len: int = 1) -> Any:
     """Real vLLM MLACommonMetadata for a batch of ``num_actual`` tokens, of which
-    ``prefills`` are one-token prefill requests at the end (0 = decode-only)."""
+    ``prefills`` are one-token prefill requests at the end (0 = decode-only). ``q_len``
+    tokens per decode request (3 with MTP k=2: the backend's uniform decode length)."""
     from vllm.model_executor.layers.attention.mla_attention import (
         MLACommonDecodeMetadata,
         MLACommonMetadata,
     )
 
-    decodes = num_actual - prefills
+    decode_tokens = num_actual - prefills
+    decodes = decode_tokens // q_len
+    starts = [i * q_len for i in range(decodes + 1)] + [
+        decode_tokens + i + 1 for i in range(prefills)]
     return MLACommonMetadata(
-        num_reqs=num_actual,
-        max_query_len=1,
+        num_reqs=decodes + prefills,
+        max_query_len=q_len,
         max_seq_len=64,
         num_actual_tokens=num_actual,
-        query_start_loc=torch.arange(num_actual + 1, dtype=torch.int32),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
         slot_mapping=slot_mapping,
         num_decodes=decodes,
-        num_decode_tokens=decodes,
+        num_decode_tokens=decode_tokens,
         num_prefills=prefills,
         decode=MLACommonDecodeMetadata(
             block_table=torch.zeros((max(decodes, 1), 4), dtype=torch.int32),
@@ -239,7 +243,7 @@ def load_overlay_module(path: str | os.PathLike | None = None) -> Any:
     name = "vllm.models.kimi_k3.amd.mla"
     if name in sys.modules and getattr(sys.modules[name], "K3ROCM_OVERLAY", None):
         return sys.modules[name]
-    repo_file = Path(__file__).resolve().parents[3] / "overlay/vllm/models/kimi_k3/amd/mla.py"
+    repo_file = Path(__file__).resolve().parents[2] / "overlay/vllm/models/kimi_k3/amd/mla.py"
     pkg = importlib.import_module("vllm.models.kimi_k3.amd")
     installed = Path(pkg.__file__).parent / "mla.py"
     if path is None and installed.is_file() and (
