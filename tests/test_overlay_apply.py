@@ -149,3 +149,35 @@ def test_off_touches_nothing(site, capsys):
     rep = overlay.apply(OVERLAY, "off", site=site)
     assert rep["decision"] == "off" and not (site / MLA).exists()
     assert capsys.readouterr().out.startswith("overlay: off")
+
+
+@pytestmark_docker
+@pytest.mark.parametrize("site", ["0.32.0"], indirect=True)
+def test_force_over_a_033_shaped_tree_is_refused(site):
+    """vLLM 0.33.0 (its wheel: vllm/models/kimi_k3/amd/linear.py builds
+    KimiK3MergedQKVGateLinear, K3's output gate fused into the QKV projection, and
+    amd/mla.py's forward takes skip_o_proj) cannot run the 0.27-era overlay: refuse."""
+    text = (site / MLA).read_text()
+    shaped = text.replace("llama_4_scaling: torch.Tensor | None = None,\n",
+                          "llama_4_scaling: torch.Tensor | None = None,\n"
+                          "        skip_o_proj: bool = False,\n", 1)
+    assert shaped != text
+    (site / MLA).write_text(shaped)
+    p = run_cli("overlay", "apply", "--overlay-dir", str(OVERLAY), "--site", str(site),
+                "--mode", "force")
+    assert p.returncode == 3, p.stdout + p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--mode force refused" in lines[0] and "skip_o_proj" in lines[0]
+    assert (site / MLA).read_text() == shaped  # nothing touched
+    assert not (site / (MLA + ".k3rocm-upstream")).exists()
+
+
+def test_probe_command_usage():
+    p = run_cli("overlay", "probe", "--no-such-flag")
+    assert p.returncode == 2 and "unrecognized arguments" in p.stderr
+    p = run_cli("overlay", "probe", "--json")  # no vLLM/AITER on the host: all off, exit 0
+    assert p.returncode == 0, p.stderr
+    rep = json.loads(p.stdout)
+    assert rep["qprep_kernel"]["found"] is False
+    assert {v["state"] for v in rep["fusions"].values()} == {"off"}
+    assert set(rep) >= {"qprep_kernel", "dual_norm_op", "fusions"}

@@ -54,18 +54,23 @@ def said(log: str, rep: dict, line: str) -> None:
     assert line in log or "Using cache" in log, log[-3000:]
 
 
-def run_py(client, image: str, code: str) -> str:
+HELPERS = REPO / "tests" / "overlay_invllm"  # mla_cpu (test helper, never in the image)
+
+
+def run_py(client, image: str, code: str, env: dict | None = None) -> str:
     out = client.containers.run(image, entrypoint=["python3", "-c", code], remove=True,
                                 stdout=True, stderr=True, labels=LABEL,
-                                environment={"VLLM_TARGET_DEVICE": "cpu"})
+                                environment={"VLLM_TARGET_DEVICE": "cpu", **(env or {})},
+                                volumes={str(HELPERS): {"bind": "/k3tests", "mode": "ro"}})
     return out.decode(errors="replace")
 
 
 READ_REPORT = "import sys; sys.stdout.write(open('/opt/k3rocm/overlay.json').read())"
 
 WIRING = textwrap.dedent("""
-    import json, torch
-    from k3rocm.testing import mla_cpu
+    import json, sys, torch
+    sys.path.insert(0, "/k3tests")
+    import mla_cpu
     from vllm.plugins import load_general_plugins
     load_general_plugins()                      # vLLM's own loader -> our entry point
     import vllm.models.kimi_k3.amd.linear as lin
@@ -77,7 +82,7 @@ WIRING = textwrap.dedent("""
             kv_lora_rank=512, use_nope=True, prefix="model.layers.0.self_attn")
     w = a.mla_attn
     print("RESULT " + json.dumps({"class": type(w).__name__, "module": type(w).__module__,
-                                  "status": getattr(w, "k3_status", dict)()}))
+                                  "qprep_why": getattr(w, "_fused_qk_prep_why", None)}))
 """)
 
 
@@ -98,20 +103,33 @@ def test_image_on_nightly_era_base_applies_and_wires(docker_client):
     import hashlib
 
     assert rep["files"][0]["sha256"] == hashlib.sha256(MLA_FILE.read_bytes()).hexdigest()
-    res = _result(run_py(docker_client, "k3rocm/server:cpu-0.27.1", WIRING))
+    out = run_py(docker_client, "k3rocm/server:cpu-0.27.1", WIRING)
+    res = _result(out)
     assert res["class"] == "KimiK3MultiHeadLatentAttentionWrapper"
     assert res["module"] == "vllm.models.kimi_k3.amd.mla"
-    assert res["status"]["decode_qprep_reason"] == "platform is not ROCm"
+    assert res["qprep_why"] == "platform is not ROCm"
+    from k3rocm.overlay_runtime import parse_decision_line
+
+    recs = [r for r in map(parse_decision_line, out.splitlines()) if r]
+    assert [(r["layer_kind"], r["phase"]) for r in recs] == [("target", "construct")], out
+    assert recs[0]["fusions"]["decode_qprep"] == {"state": "off",
+                                                  "reason": "platform is not ROCm"}
+    # the probe, inside the image: exit 0, JSON on stdout, the CPU answers
+    probe = json.loads(docker_client.containers.run(
+        "k3rocm/server:cpu-0.27.1", entrypoint=["python3", "-m", "k3rocm", "overlay", "probe",
+                                               "--json"],
+        remove=True, stdout=True, stderr=False, labels=LABEL,
+        environment={"VLLM_TARGET_DEVICE": "cpu"}).decode())
+    assert probe["qprep_kernel"]["found"] is False  # no AITER in a CPU image
+    assert probe["fusions"]["decode_qprep"] == {"state": "off",
+                                                "reason": "platform is not ROCm"}
     st = run_py(docker_client, "k3rocm/server:cpu-0.27.1",
                 "from k3rocm.overlay import status; import json; print(json.dumps(status()))")
     st = json.loads(st.strip().splitlines()[-1])
     assert st["verified"] is True and st["plugin_registered"] is True
     assert st["amd_mla"] == "k3rocm overlay"
     # K3_OVERLAY=off at run time: the plugin stays out, the stock wrapper is built
-    out = docker_client.containers.run(
-        "k3rocm/server:cpu-0.27.1", entrypoint=["python3", "-c", WIRING], remove=True,
-        labels=LABEL, environment={"VLLM_TARGET_DEVICE": "cpu", "K3_OVERLAY": "off"},
-    ).decode(errors="replace")
+    out = run_py(docker_client, "k3rocm/server:cpu-0.27.1", WIRING, {"K3_OVERLAY": "off"})
     assert _result(out)["class"] == "MultiHeadLatentAttentionWrapper"
 
 

@@ -199,11 +199,15 @@ def collect_provenance(url: str, api_key: str | None, client=None, container=Non
         prov["overlay_manifest_note"] = f"{MANIFEST_PATH} not readable in the server container"
     prov["fusion_toggles"] = {k: env.get(k, "unset (default on)") for k in FUSION_ENV}
     try:
-        logs = container.logs(tail=5000).decode(errors="replace").splitlines()
-        prov["fusion_log_lines"] = [ln.strip() for ln in logs
-                                    if "fus" in ln.lower() or "overlay" in ln.lower()][:40]
-    except Exception:  # noqa: BLE001
-        prov["fusion_log_lines"] = []
+        from k3rocm.overlay_runtime import final_decisions, parse_decision_line
+
+        logs = container.logs().decode(errors="replace").splitlines()
+        records = [r for r in map(parse_decision_line, logs) if r is not None]
+        prov["fusion_decisions"] = [
+            {k: r.get(k) for k in ("pid", "tp_rank", "layer_kind", "phase", "fusions")}
+            for r in final_decisions(records).values()]
+    except Exception:  # noqa: BLE001 - provenance is best effort
+        prov["fusion_decisions"] = []
     return prov
 
 
