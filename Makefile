@@ -5,13 +5,20 @@ SHELL := /bin/bash
 PY ?= .venv/bin/python
 # CPU=1 adds the CPU override (no AMD devices; stand-in base image and the cpu-smoke profile).
 CPU ?= 0
-COMPOSE_FILES := -f compose.yaml $(if $(filter 1,$(CPU)),-f compose.cpu.yaml)
-COMPOSE := docker compose $(COMPOSE_FILES)
+# COMPOSE_FILE (exported) is how every `docker compose` call, ours and k3rocm's, sees the same files.
+COMPOSE_FILE := compose.yaml$(if $(filter 1,$(CPU)),:compose.cpu.yaml)
+export COMPOSE_FILE
+COMPOSE := docker compose
+# The host's group ids for /dev/kfd and /dev/dri (a group *name* would resolve inside the image).
+K3_VIDEO_GID ?= $(shell getent group video 2>/dev/null | cut -d: -f3)
+K3_RENDER_GID ?= $(shell getent group render 2>/dev/null | cut -d: -f3)
+export K3_VIDEO_GID K3_RENDER_GID
+VENDOR_ENV := .k3rocm/vendor.env
 GIT_REV ?= $(shell git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)
 export GIT_REV
 CONFIG_ENV := $(if $(filter 1,$(CPU)),K3_PROFILE=$${K3_PROFILE:-cpu-smoke})
 
-.PHONY: help venv config build up down logs test lint smoke ci-images
+.PHONY: help venv config build up wait down logs test lint smoke ci-images
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | sort -u | \
@@ -23,19 +30,24 @@ $(PY): pyproject.toml
 	.venv/bin/pip install --quiet -e '.[host,dev]'
 	@touch $(PY)
 
-config: $(PY) ## print the resolved serving settings, where each came from, env and argv
-	@$(CONFIG_ENV) $(PY) -m k3rocm config --host-paths
+config: $(PY) ## print the resolved settings, where each came from, env and argv
+	@$(CONFIG_ENV) $(PY) -m k3rocm config --host-paths --vendor-env-file $(VENDOR_ENV)
 
 build: $(PY) ## build the serving image (BASE_IMAGE=... to override the pinned nightly)
-	@$(CONFIG_ENV) $(PY) -m k3rocm config --host-paths >/dev/null
+	@$(CONFIG_ENV) $(PY) -m k3rocm config --host-paths --vendor-env-file $(VENDOR_ENV) >/dev/null
 	$(COMPOSE) build server
 
-up: $(PY) ## validate the settings, build and start the server in the background
-	@$(CONFIG_ENV) $(PY) -m k3rocm config --host-paths >/dev/null
+up: $(PY) ## validate, build, start the server and wait until it is ready (progress shown)
+	@$(CONFIG_ENV) $(PY) -m k3rocm config --host-paths --vendor-env-file $(VENDOR_ENV) \
+	    --make-dirs >/dev/null
 	$(COMPOSE) up -d --build server
-	@echo "server starting: 'make logs' to follow, health: docker compose ps"
+	@$(CONFIG_ENV) $(PY) -m k3rocm server wait $(WAIT_ARGS)
 
-down: ## stop and remove the server
+wait: $(PY) ## wait until the already started server is ready (WAIT_ARGS='--timeout 600')
+	@$(CONFIG_ENV) $(PY) -m k3rocm server wait $(WAIT_ARGS)
+
+down: $(PY) ## save the server log into results/, then stop and remove the server
+	-@$(CONFIG_ENV) $(PY) -m k3rocm server save-log
 	$(COMPOSE) down
 
 logs: ## follow the server log

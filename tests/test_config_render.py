@@ -12,11 +12,13 @@ from conftest import REPO, run_cli
 from k3rocm.config import ENV_NAME, FIELDS, render
 
 GOLDEN = Path(__file__).parent / "golden"
+# The MI355X profile serves /models/Kimi-K3, which must exist: /tmp stands in for it here.
+MODEL = {"K3_MODEL": "/tmp"}
 CASES = {
     # name: environment (nothing else is read: no .env)
-    "default": {},
-    "tp4-mtp-off": {"K3_TP": "4", "K3_MTP_K": "0"},
-    "user-overrides": {"VLLM_ROCM_USE_AITER_MLA": "0", "K3_KV_CACHE_DTYPE": "auto",
+    "default": {**MODEL},
+    "tp4-mtp-off": {**MODEL, "K3_TP": "4", "K3_MTP_K": "0"},
+    "user-overrides": {**MODEL, "VLLM_ROCM_USE_AITER_MLA": "0", "K3_KV_CACHE_DTYPE": "auto",
                        "K3_MAX_NUM_SEQS": "8", "K3_FUSE_DECODE_QPREP": "0"},
     "cpu-smoke": {"K3_PROFILE": "cpu-smoke", "K3_MODEL": "/tmp", "K3_MAX_MODEL_LEN": "1024"},
 }
@@ -31,8 +33,20 @@ def test_golden(case):
     assert got == json.loads(path.read_text())
 
 
+def test_default_model_is_the_local_checkpoint_and_the_hub_needs_an_opt_in():
+    from k3rocm.errors import UsageError
+
+    with pytest.raises(UsageError, match=r"K3_MODEL='/models/Kimi-K3' does not exist"):
+        render(environ={}, dotenv=None)
+    with pytest.raises(UsageError, match=r"Hugging Face id: .*~1\.56 TB.*ALLOW_HUB_DOWNLOAD"):
+        render(environ={"K3_MODEL": "moonshotai/Kimi-K3"}, dotenv=None)
+    r = render(environ={"K3_MODEL": "moonshotai/Kimi-K3", "K3_ALLOW_HUB_DOWNLOAD": "1"},
+               dotenv=None)
+    assert r.argv[:3] == ["vllm", "serve", "moonshotai/Kimi-K3"]
+
+
 def test_default_profile_sets_the_aiter_environment():
-    r = render(environ={}, dotenv=None)
+    r = render(environ={**MODEL}, dotenv=None)
     env = r.env
     for key, value in {"VLLM_ROCM_USE_AITER": "1", "VLLM_ROCM_USE_AITER_MLA": "1",
                        "VLLM_ROCM_USE_AITER_MOE": "1", "VLLM_USE_BREAKABLE_CUDAGRAPH": "0",
@@ -40,9 +54,11 @@ def test_default_profile_sets_the_aiter_environment():
                        "VLLM_ROCM_USE_AITER_MOE_SITUV2_A8W4": "1",
                        "AITER_BF16_FP8_MOE_BOUND": "0", "HSA_NO_SCRATCH_RECLAIM": "1"}.items():
         assert env[key] == value, key
-    assert env["HF_HOME"].startswith("/cache/") and env["AITER_JIT_DIR"].startswith("/cache/")
+    assert env["HF_HOME"].startswith("/cache/") and env["TRITON_CACHE_DIR"].startswith("/cache/")
+    assert "AITER_JIT_DIR" not in env  # AITER keeps using the kernels prebuilt in the image
+    assert int(env["VLLM_ENGINE_READY_TIMEOUT_S"]) >= 3600  # a 1.5 TB load
     argv = r.argv
-    assert argv[:3] == ["vllm", "serve", "moonshotai/Kimi-K3"]
+    assert argv[:3] == ["vllm", "serve", "/tmp"]
     assert argv[argv.index("--tensor-parallel-size") + 1] == "8"
     spec = json.loads(argv[argv.index("--speculative-config") + 1])
     assert spec == {"method": "mtp", "num_speculative_tokens": 2}
@@ -51,7 +67,8 @@ def test_default_profile_sets_the_aiter_environment():
 def test_user_value_beats_profile_and_sources_say_so(tmp_path):
     dotenv = tmp_path / ".env"
     dotenv.write_text("K3_TP=4\nK3_MAX_NUM_SEQS=16  # comment\nVLLM_ROCM_USE_AITER_MOE=0\n")
-    r = render(environ={"K3_TP": "2", "VLLM_ROCM_USE_AITER_MLA": "0"}, dotenv=dotenv)
+    r = render(environ={**MODEL, "K3_TP": "2", "VLLM_ROCM_USE_AITER_MLA": "0"},
+               dotenv=dotenv)
     assert r.settings.tp == 2 and r.sources["K3_TP"] == "env"
     assert r.settings.max_num_seqs == 16 and r.sources["K3_MAX_NUM_SEQS"] == ".env"
     assert r.env["VLLM_ROCM_USE_AITER_MLA"] == "0"
@@ -65,28 +82,30 @@ def test_user_value_beats_profile_and_sources_say_so(tmp_path):
 
 
 def test_empty_values_count_as_unset():
-    r = render(environ={"K3_TP": "", "K3_MODEL": ""}, dotenv=None)
+    r = render(environ={**MODEL, "K3_TP": "", "K3_MAX_NUM_SEQS": ""}, dotenv=None)
     assert r.settings.tp == 8 and r.sources["K3_TP"] == "default"
+    assert r.sources["K3_MAX_NUM_SEQS"] == "default"
 
 
 def test_passthrough_and_extra_args_come_last():
-    r = render(environ={"K3_EXTRA_ARGS": "--seed 7 --disable-log-requests"}, dotenv=None,
+    r = render(environ={**MODEL, "K3_EXTRA_ARGS": "--seed 7 --disable-log-requests"}, dotenv=None,
                passthrough=["--max-logprobs", "5"])
     assert r.argv[-5:] == ["--max-logprobs", "5", "--seed", "7", "--disable-log-requests"]
 
 
 def test_profiler_renders_config_and_rpc_timeout():
-    r = render(environ={"K3_PROFILER_DIR": "/results/traces"}, dotenv=None)
+    r = render(environ={**MODEL, "K3_PROFILER_DIR": "/results/traces"}, dotenv=None)
     prof = json.loads(r.argv[r.argv.index("--profiler-config") + 1])
     assert prof["torch_profiler_dir"] == "/results/traces" and prof["torch_profiler_use_gzip"]
     assert prof["max_iterations"] == 6 and prof["torch_profiler_with_stack"] is False
     assert int(r.env["VLLM_RPC_TIMEOUT"]) >= 600000
-    old = render(environ={"K3_PROFILER_DIR": "/t", "K3_PROFILER_STYLE": "env"}, dotenv=None)
+    old = render(environ={**MODEL, "K3_PROFILER_DIR": "/t",
+                              "K3_PROFILER_STYLE": "env"}, dotenv=None)
     assert "--profiler-config" not in old.argv and old.env["VLLM_TORCH_PROFILER_DIR"] == "/t"
 
 
 def test_secrets_are_redacted_in_print_and_never_in_argv():
-    env = {"K3_API_KEY": "sekrit-123", "HF_TOKEN": "hf_sekrit"}
+    env = {**MODEL, "K3_API_KEY": "sekrit-123", "HF_TOKEN": "hf_sekrit"}
     proc = run_cli("render", env=env)
     assert proc.returncode == 0, proc.stderr
     assert "sekrit" not in proc.stdout
@@ -99,7 +118,7 @@ def test_secrets_are_redacted_in_print_and_never_in_argv():
 
 def test_entrypoint_print_on_the_host():
     env = {k: v for k, v in os.environ.items() if not k.startswith("K3_")}
-    env.update({"K3_TP": "4", "PYTHONPATH": ""})
+    env.update({**MODEL, "K3_TP": "4", "PYTHONPATH": ""})
     import subprocess
 
     proc = subprocess.run([str(REPO / "entrypoint.sh"), "--print", "--seed", "1"], env=env,

@@ -26,6 +26,9 @@ CASES = [
     ({"K3_MTP_METHOD": "dspark", "K3_MTP_MODEL": "x/y", "K3_MTP_K": "0"}, "K3_MTP_K=0",
      "turns speculative"),
     ({"K3_MODEL": "/models/not-there"}, "K3_MODEL", "does not exist"),
+    ({"K3_MODEL": "moonshotai/Kimi-K3"}, "K3_MODEL", "K3_ALLOW_HUB_DOWNLOAD=1"),
+    ({"K3_MODEL": "moonshotai/Kimi-K3", "K3_ALLOW_HUB_DOWNLOAD": "maybe"},
+     "K3_ALLOW_HUB_DOWNLOAD", "1 or 0"),
     ({"K3_MTP_METHOD": "dspark", "K3_MTP_MODEL": "./nope"}, "K3_MTP_MODEL", "does not exist"),
     ({"K3_TPP": "8"}, "K3_TPP", "not a known setting"),
     ({"K3_EXTRA_ARGS": "--foo 'unclosed"}, "K3_EXTRA_ARGS", "shell quoting"),
@@ -34,6 +37,7 @@ CASES = [
 
 def _entrypoint(env_extra: dict, *args: str, cwd=None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("K3_")}
+    env["K3_MODEL"] = "/tmp"  # stands in for /models/Kimi-K3 (must exist)
     env.update(env_extra)
     return subprocess.run([str(REPO / "entrypoint.sh"), *args], env=env, capture_output=True,
                           text=True, timeout=60, cwd=cwd or REPO)

@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "overlay": ("k3rocm.overlay", "apply or inspect the Kimi-K3 AMD MLA overlay"),
     "standin": ("k3rocm.standin", "build the CPU stand-in base images (no AMD GPU needed)"),
     "tinymodel": ("k3rocm.tinymodel", "generate the tiny random-weight MLA smoke model"),
+    "server": ("k3rocm.lifecycle", "wait until the compose server is ready; save its log"),
     "smoke": ("k3rocm.smoke", "build, serve on the stand-in, send one request, tear down"),
     "bench": ("k3rocm.bench.cli", "latency/throughput with aiperf in the client container"),
     "bench-ab": ("k3rocm.bench.ab_cli", "fusion off vs on (or A/A) on fresh servers"),

@@ -50,8 +50,12 @@ class Settings(BaseModel):
         "PROFILE", "Serving profile: defaults for everything below and the vendor environment.",
         default="mi355x-tp8")
     model: str = _env(
-        "MODEL", "Hugging Face id, or a path inside the container (e.g. /models/Kimi-K3); "
-        "a path must exist.", default="moonshotai/Kimi-K3")
+        "MODEL", "A path inside the container (checkpoint under K3_MODELS_DIR, mounted at "
+        "/models); it must exist. A Hugging Face id only with K3_ALLOW_HUB_DOWNLOAD=1.",
+        default="/models/Kimi-K3")
+    allow_hub_download: bool = _env(
+        "ALLOW_HUB_DOWNLOAD", "Let K3_MODEL be a Hugging Face id that vLLM downloads into "
+        "K3_CACHE_DIR at start (Kimi-K3: ~1.56 TB) (1/0).", default=False)
     served_model_name: str = _env(
         "SERVED_MODEL_NAME", "Model name clients use.", default="moonshotai/Kimi-K3")
     host: str = _env("HOST", "Address vLLM listens on inside the container.", default="0.0.0.0")
@@ -158,9 +162,39 @@ KNOWN_OTHER = {
     "K3_SERVER_IMAGE": "tests: the serving image the stand-in fixture runs",
     "K3_TORCH_WHEELS": "stand-in build: directory with the torch 2.13.0+cpu wheel",
     "K3_EXPECT_WIRING": "tests: which wrapper the in-image wiring check expects",
+    "K3_VIDEO_GID": "deployment: the host's video group id for the server container",
+    "K3_RENDER_GID": "deployment: the host's render group id for the server container",
+    "K3_VENDOR_ENV_FILE": "deployment: env file with the shell's vendor variables for compose",
 }
 # Families of K3_* variables owned by tests (K3_TEST_*) and the client container (K3_GSM8K_*).
 KNOWN_PREFIXES = ("K3_TEST_", "K3_GSM8K_")
+
+# Vendor variables (vLLM, AITER, ROCm, RCCL, ...) a user may set in the shell or .env: they reach
+# the server container (compose: env_file .env and the file `k3rocm config --vendor-env-file`
+# writes from the shell) and `make config` prints them with their source.
+VENDOR_PREFIXES = ("VLLM_", "AITER_", "NCCL_", "RCCL_", "HSA_", "HIP_", "ROCM_", "ROCR_",
+                   "TRITON_", "TORCH_", "PYTORCH_", "MIOPEN_", "HF_", "HUGGING_FACE_",
+                   "SAFETENSORS_", "TOKENIZERS_", "GLOO_", "MORI_", "UCX_", "OMP_")
+# Container paths the profile sets: a host shell's value (e.g. HF_HOME=~/.cache/hf) is a host
+# path and is not carried into the container; set them in .env to change them.
+CONTAINER_PATH_KEYS = ("HF_HOME", "HF_HUB_CACHE", "HF_DATASETS_CACHE", "TRITON_CACHE_DIR",
+                       "VLLM_CACHE_ROOT", "TORCH_HOME", "AITER_JIT_DIR")
+
+
+def vendor_from(environ: Mapping[str, str], file_vals: Mapping[str, str],
+                host: bool = False) -> dict[str, tuple[str, str]]:
+    """User-set vendor variables: name -> (value, source), the shell winning over .env.
+    ``host``: rendering on the host for compose (the shell's container paths stay out)."""
+    out: dict[str, tuple[str, str]] = {}
+    for src, vals in ((".env", file_vals), ("env", environ)):
+        for key, value in vals.items():
+            if not key.startswith(VENDOR_PREFIXES) or value == "":
+                continue
+            if host and src == "env" and key in CONTAINER_PATH_KEYS:
+                continue
+            out[key] = (value, src)
+    return out
+
 
 # Per profile: defaults for settings, and the vendor environment rendered for vLLM.
 PROFILES: dict[str, dict[str, dict[str, Any]]] = {
@@ -177,9 +211,15 @@ PROFILES: dict[str, dict[str, dict[str, Any]]] = {
             "VLLM_ROCM_USE_AITER_MOE_SITUV2_A8W4": "1",
             "AITER_BF16_FP8_MOE_BOUND": "0",
             "HSA_NO_SCRATCH_RECLAIM": "1",
+            # A 1.5 TB load takes tens of minutes; vLLM's default is 600 s (peers: 3600-7200).
+            "VLLM_ENGINE_READY_TIMEOUT_S": "3600",
             "HF_HOME": "/cache/huggingface",
             "VLLM_CACHE_ROOT": "/cache/vllm",
-            "AITER_JIT_DIR": "/cache/aiter-jit",
+            # KDA's Triton kernels: JIT once, kept on the cache volume across restarts.
+            "TRITON_CACHE_DIR": "/cache/triton",
+            # No AITER_JIT_DIR: pointing it at a volume hides the kernels prebuilt in the
+            # image and AITER JIT-builds them during engine start (and a volume outlives a
+            # base-image change).
         },
     },
     "cpu-smoke": {
@@ -364,6 +404,11 @@ def _check_consistency(s: Settings, host_paths: bool = False) -> None:
     if s.mtp_model and s.mtp_k == 0:
         raise UsageError(f"K3_MTP_MODEL={s.mtp_model!r} is set but K3_MTP_K=0 turns speculative "
                          "decoding off: set K3_MTP_K >= 1 or unset K3_MTP_MODEL")
+    if not _is_pathlike(s.model) and not s.allow_hub_download:
+        raise UsageError(f"K3_MODEL={s.model!r} is a Hugging Face id: serving it downloads the "
+                         "checkpoint (Kimi-K3: ~1.56 TB) into K3_CACHE_DIR at start; put it "
+                         "under K3_MODELS_DIR and set K3_MODEL=/models/<dir>, or set "
+                         "K3_ALLOW_HUB_DOWNLOAD=1")
     for env_name, path in (("K3_MODEL", s.model), ("K3_MTP_MODEL", s.mtp_model)):
         if not (path and _is_pathlike(path)):
             continue
@@ -420,16 +465,14 @@ def build_argv(s: Settings, passthrough: list[str] | None = None) -> list[str]:
 
 
 def build_env(s: Settings, environ: Mapping[str, str], file_vals: Mapping[str, str],
-              sources: dict[str, str]) -> dict[str, str]:
+              sources: dict[str, str], host: bool = False) -> dict[str, str]:
     """The environment we manage for vLLM (profile env, toggles, secrets); user values win."""
     env: dict[str, str] = {}
+    user = vendor_from(environ, file_vals, host)
     for key, value in PROFILES[s.profile]["env"].items():
-        if environ.get(key, "") != "":
-            env[key], sources[key] = environ[key], "env"
-        elif file_vals.get(key, "") != "":
-            env[key], sources[key] = file_vals[key], ".env"
-        else:
-            env[key], sources[key] = value, f"profile:{s.profile}"
+        env[key], sources[key] = user.pop(key, (value, f"profile:{s.profile}"))
+    for key, (value, src) in sorted(user.items()):  # set by the user, passed as they are
+        env[key], sources[key] = value, src
     ours = {
         "K3_FUSE_QK_NORM": "1" if s.fuse_qk_norm else "0",
         "K3_FUSE_DECODE_QPREP": "1" if s.fuse_decode_qprep else "0",
@@ -456,7 +499,7 @@ def render(environ: Mapping[str, str] | None = None, dotenv: str | os.PathLike |
     environ = dict(os.environ if environ is None else environ)
     file_vals = read_dotenv(dotenv) if dotenv else {}
     settings, sources = load_settings(environ, dotenv, host_paths)
-    env = build_env(settings, environ, file_vals, sources)
+    env = build_env(settings, environ, file_vals, sources, host=host_paths)
     argv = build_argv(settings, passthrough)
     if passthrough:
         sources["argv:passthrough"] = " ".join(passthrough)

@@ -40,8 +40,12 @@ def url_port(url: str) -> int:
 
 
 def wait_ready(url: str, model: str, timeout: float, api_key: str | None = None,
-               is_alive: Callable[[], str | None] | None = None, quiet: bool = False) -> float:
+               is_alive: Callable[[], str | None] | None = None, quiet: bool = False,
+               status: Callable[[], str] | None = None, every: float = 15) -> float:
     """Wait until ``/health`` answers 200 and ``/v1/models`` lists ``model``.
+
+    ``status`` (optional) adds a word on what the server is doing to each progress line (e.g.
+    its last log line), printed every ``every`` seconds.
 
     Raises UsageError (exit 3) when the server is unreachable/unhealthy after ``timeout``
     seconds, when it serves a different model, or when ``is_alive`` reports a dead container.
@@ -81,8 +85,10 @@ def wait_ready(url: str, model: str, timeout: float, api_key: str | None = None,
             raise UsageError(f"server at {url} not healthy within {timeout:.0f}s ({last_err}): "
                              f"start it (make up) or raise --server-timeout", 3)
         if not quiet and elapsed >= next_note:
-            _log(f"waiting for {url}/health ... {elapsed:.0f}s ({last_err})")
-            next_note = elapsed + 15
+            extra = f" | {status()}" if status is not None else ""
+            _log(f"waiting for {url}/health ... {elapsed:.0f}s of {timeout:.0f}s "
+                 f"({last_err}){extra}")
+            next_note = elapsed + every
         time.sleep(1 if timeout > 1 else 0.2)
 
 

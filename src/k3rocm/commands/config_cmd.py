@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from k3rocm.config import (
     ENV_NAME,
@@ -12,6 +13,7 @@ from k3rocm.config import (
     KNOWN_OTHER,
     KNOWN_PREFIXES,
     PROFILES,
+    SECRET_KEYS,
     redact_env,
     render,
 )
@@ -23,9 +25,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--markdown", action="store_true",
                         help="print the settings table in markdown (the README's table)")
     parser.add_argument("--json", action="store_true", help="print settings and sources as JSON")
+    parser.add_argument("--vendor-env-file", metavar="PATH", default=None,
+                        help="write the vendor variables set in this shell (VLLM_*, AITER_*, "
+                        "NCCL_*, ...) to PATH for compose's env_file, so the server container "
+                        "gets what this command prints (`make up` does this)")
+    parser.add_argument("--make-dirs", action="store_true",
+                        help="create K3_CACHE_DIR and K3_RESULTS_DIR as the invoking user (else "
+                        "Docker creates the mount sources as root)")
     parser.add_argument("--host-paths", action="store_true",
                         help="check /models/... paths against K3_MODELS_DIR on this host "
                         "(what `make config` does before compose mounts it)")
+
+
+def write_vendor_env(path: Path, rendered) -> None:
+    """The shell's vendor variables, one KEY=VALUE per line (compose env_file), atomically."""
+    from k3rocm.rundir import write_text_atomic
+
+    lines = [f"{k}={v}" for k, v in sorted(rendered.env.items())
+             if rendered.sources.get(k) == "env" and not k.startswith("K3_")
+             and k not in SECRET_KEYS]  # secrets: compose passes HF_TOKEN by name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, "# written by `k3rocm config --vendor-env-file`: vendor variables "
+                      "from the shell, for compose\n" + "".join(x + "\n" for x in lines))
 
 
 def settings_table() -> str:
@@ -57,6 +78,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"{prefix + '*':<30} reserved (tests and the client container)")
         return 0
     rendered = render(dotenv=args.env_file, host_paths=args.host_paths)
+    if args.vendor_env_file:
+        write_vendor_env(Path(args.vendor_env_file), rendered)
+    if args.make_dirs:
+        for d in (rendered.settings.cache_dir, rendered.settings.results_dir):
+            Path(d).expanduser().mkdir(parents=True, exist_ok=True)
     s = rendered.settings.model_dump()
     if args.json:
         json.dump({"settings": s, "sources": rendered.sources, **rendered.to_json()},

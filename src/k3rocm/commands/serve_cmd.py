@@ -46,6 +46,11 @@ def run(args: argparse.Namespace) -> int:
             if key in SECRET_KEYS and value:
                 value = REDACTED
             print(f"k3rocm:   {key}={value}  [{rendered.sources[key]}]", file=sys.stderr)
+    if rendered.settings.allow_hub_download and not rendered.settings.model.startswith("/"):
+        size = " (Kimi-K3: ~1.56 TB)" if "kimi-k3" in rendered.settings.model.lower() else ""
+        print(f"k3rocm: K3_ALLOW_HUB_DOWNLOAD=1: vLLM downloads {rendered.settings.model}"
+              f"{size} into {rendered.env.get('HF_HOME', '~/.cache/huggingface')} unless it "
+              "is cached there already", file=sys.stderr)
     print("k3rocm: exec " + shlex.join(_redact_argv(rendered.argv)), file=sys.stderr, flush=True)
     env = {**os.environ, **rendered.env}
     os.execvpe(exe, rendered.argv, env)
