@@ -170,9 +170,10 @@ def record(pid: int, tp_rank: int, qk: str, qprep: str, asked: tuple[bool, bool]
             "qk_norm": {"state": qk, "reason": qk_why or (
                 "fused_mla_dual_rms_norm (op source: aiter)" if qk == "on"
                 else "K3_FUSE_QK_NORM=0")},
-            "decode_qprep": {"state": qprep, "reason": qprep_why or (
-                "all gates hold (kernel clamps positions)" if qprep == "on"
-                else "K3_FUSE_DECODE_QPREP=0")}},
+            "decode_qprep": {"state": qprep, "reason": qprep_why or {
+                "on": "all gates hold (kernel clamps positions)",
+                "needs-model": "the W_UK variant and the backend's query dtype are known "
+                               "after the weights load"}.get(qprep, "K3_FUSE_DECODE_QPREP=0")}},
         "asked": {"qk_norm": asked[0], "decode_qprep": asked[1]},
         "probe": {"qprep_kernel": {"found": True, "clamps_positions": True,
                                    "source": "aiter"},
@@ -275,6 +276,26 @@ def main() -> None:
     assert len(k3_mla) == 24, k3_mla
     write_set("k3-anchor-on", 2, k3_mla, 93, six, "on", "on", recs(2, "on", "on", on))
     write_set("k3-anchor-off", 2, k3_mla, 93, six, "off", "off", recs(2, "off", "off", off))
+    # server logs with K3ROCM-DECISION lines (vLLM's log prefix before the marker)
+    d = fresh("records")
+    lines = ["INFO 12-03 13:00:00 [api_server.py:1] vLLM API server version 0.26.1rc1"]
+    for r in range(2):
+        pid = 5000 + r
+        # construct: Q-prep gates only decidable after load; load: on (target), draft off
+        for rec in (record(pid, r, "on", "needs-model", on, phase="construct"),
+                    record(pid, r, "on", "on", on),
+                    record(pid, r, "on", "off", on, kind="draft",
+                           qprep_why="draft layers: MTP block keeps the stock path")):
+            lines.append(f"(VllmWorker TP{r} pid={pid}) INFO 12-03 13:00:0{r} [mla.py:88] "
+                         f"K3ROCM-DECISION {json.dumps(rec, separators=(',', ':'))}")
+    (d / "server-on.log").write_text("\n".join(lines) + "\n")
+    (d / "server-qprep-off-after-load.log").write_text("\n".join(
+        f"(VllmWorker TP{r} pid={5000 + r}) INFO [mla.py:88] K3ROCM-DECISION "
+        + json.dumps(record(5000 + r, r, "on", state, on, phase=phase,
+                            qprep_why="backend wants a bf16 query"), separators=(",", ":"))
+        for r in range(2) for phase, state in (("construct", "on"), ("load", "off"))) + "\n")
+    (d / "server-stock.log").write_text(lines[0] + "\n")  # the overlay never ran
+    (d / "server-bad-json.log").write_text("INFO K3ROCM-DECISION {\"schema\": \n")
 
 
 if __name__ == "__main__":
