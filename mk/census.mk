@@ -5,7 +5,7 @@
 #   make census CENSUS_ARGS='--concurrency 8 --max-tokens 1024 --steps 6'
 #   make census-ab [CENSUS_IMAGE=...]    fusions off vs on, each arm on a fresh server
 #   make census-test                     the census tests (crafted traces + real CPU stand-in)
-# Exit codes of k3rocm census: 0 counts as expected, 1 mismatch, 2 bad input, 3 server problem.
+# Exit codes of k3rocm census: 0 every check passes, 1 a check failed, 2 bad input, 3 server problem.
 PY ?= .venv/bin/python
 TRACE_DIR ?=
 FUSIONS ?=
@@ -22,4 +22,4 @@ census-ab: $(PY) ## kernel census A/B: fusions off vs on on fresh servers (CENSU
 	$(PY) -m k3rocm census-ab --image $(CENSUS_IMAGE) $(CENSUS_AB_ARGS)
 
 census-test: $(PY) ## census tests: parser on crafted traces, live census and A/B on the stand-in
-	$(PY) -m pytest -q tests/test_census_parser.py tests/test_census_standin.py
+	$(PY) -m pytest -q tests/test_census_parser.py tests/test_census_records.py tests/test_census_standin.py

@@ -1,11 +1,14 @@
 """``k3rocm census-ab``: the kernel census with the fusions off vs on, each on a fresh server.
 
-Arm ``off`` runs with K3_FUSE_QK_NORM=0 K3_FUSE_DECODE_QPREP=0, arm ``on`` with both 1; each
-arm starts its own server container from the same image (docker-py, the same container
-settings as compose), waits for health, profiles the same decode load, collects the traces
-out of the container, runs the census (its own expected-vs-seen check from the states the
-overlay reported), and stops the server (its log is kept). The comparison reports launches
-and time per MLA layer per decode step for each role, off vs on.
+Arm ``off`` runs with K3_FUSE_QK_NORM=0 K3_FUSE_DECODE_QPREP=0, arm ``on`` with the fusions
+named by ``--on`` set to 1 (default both); each arm starts its own server container from the
+same image (docker-py, the same container settings as compose), waits for health, profiles the
+same decode load, collects the traces out of the container, runs the census (judging what
+that arm's server was asked for, cross-checked with its overlay's decision records), and stops
+the server (its log is kept). The comparison reports stock vs fused launches and time per MLA
+layer per decode step, off vs on, and checks the A/B difference: the q/kv RMSNorm fusion must
+remove exactly 2 RMSNorm launches per MLA layer and step (the decoder's other norms cancel).
+Offline: ``--trace-dirs OFF_DIR,ON_DIR`` compares two existing trace sets (no servers).
 
 Run directory: ``results/<UTC>-census-ab/`` with ``off/`` and ``on/`` (each a full census run
 directory + server.log), ``ab.json``, ``ab.md`` and ``provenance.json``.
@@ -21,16 +24,13 @@ import time
 from typing import Any
 
 from k3rocm.census.analyze import Census
-from k3rocm.census.cli import live_census, validate_common
+from k3rocm.census.cli import analyse, live_census, read_decisions, validate_common
 from k3rocm.census.common import add_analysis_arguments, base_provenance, positive, results_root
-from k3rocm.census.fusions import from_log
+from k3rocm.census.expect import Check, render_table
+from k3rocm.census.fusions import ENV, FUSIONS, from_env
 from k3rocm.errors import UsageError
 from k3rocm.rundir import create_run_dir, write_json_atomic, write_text_atomic
 
-ARMS = {"off": {"K3_FUSE_QK_NORM": "0", "K3_FUSE_DECODE_QPREP": "0"},
-        "on": {"K3_FUSE_QK_NORM": "1", "K3_FUSE_DECODE_QPREP": "1"}}
-ROLES = ("fused_qk_norm", "qk_norm", "fused_qprep", "cache_write", "q_concat_quant",
-         "qprep_group")
 CONTAINER_TRACE_DIR = "/tmp/k3rocm-census-traces"
 LABEL = "k3rocm.census"
 
@@ -39,8 +39,26 @@ def _log(msg: str) -> None:
     print(f"[census-ab] {msg}", file=sys.stderr, flush=True)
 
 
+def arms_env(on: str) -> dict[str, dict[str, str]]:
+    """The toggles each arm's server is started with (``on``: fusions asked on in arm on)."""
+    names = [x.strip() for x in on.split(",") if x.strip()]
+    if names == ["all"]:
+        names = list(FUSIONS)
+    bad = [x for x in names if x not in FUSIONS]
+    if bad or not names:
+        raise UsageError(f"--on {on!r} must name fusions from {', '.join(FUSIONS)} (or all)")
+    return {"off": {ENV[k]: "0" for k in FUSIONS},
+            "on": {ENV[k]: "1" if k in names else "0" for k in FUSIONS}}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    p.add_argument("--trace-dirs", metavar="OFF_DIR,ON_DIR",
+                   help="compare two existing trace sets instead of starting servers (each "
+                   "arm's claim = the toggles --on implies; decision records from the files "
+                   "beside the traces)")
+    p.add_argument("--on", default="all", help="fusions asked ON in the on arm "
+                   "(qk_norm, decode_qprep or all); the rest stay off in both arms")
     p.add_argument("--image", default=os.environ.get("K3_SERVER_IMAGE", "k3rocm/server:latest"),
                    help="serving image both arms start from")
     p.add_argument("--port", type=int, default=18400, help="host port (127.0.0.1) for the arms")
@@ -66,7 +84,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.set_defaults(server_trace_dir=None, fusions=None, server_log=None)
 
 
-def _server_env(args: argparse.Namespace, arm: str) -> dict[str, str]:
+def _server_env(args: argparse.Namespace, arm: str, arms: dict[str, dict[str, str]]
+                ) -> dict[str, str]:
     from k3rocm.bench.server import server_env_from_host
 
     env = server_env_from_host()
@@ -74,81 +93,182 @@ def _server_env(args: argparse.Namespace, arm: str) -> dict[str, str]:
         k, sep, v = item.partition("=")
         if not sep or not k:
             raise UsageError(f"--env {item!r} is not KEY=VALUE")
+        if k in ENV.values():
+            raise UsageError(f"--env {k}: the fusion toggles are set per arm (use --on)")
         env[k] = v
-    env.update(ARMS[arm])
+    env.update(arms[arm])
     env["K3_PROFILER_DIR"] = CONTAINER_TRACE_DIR  # copied out of the container afterwards
     env.setdefault("VLLM_RPC_TIMEOUT", "1800000")
     return env
 
 
-def _per_layer(c: Census) -> dict[int, dict[str, Any]]:
+def _rows(c: Census) -> dict[int, dict[str, Any]]:
     return {row["rank"]: row for row in c.per_layer_step()}
 
 
 def compare(arms: dict[str, Census]) -> dict[str, Any]:
-    off, on = _per_layer(arms["off"]), _per_layer(arms["on"])
-    rows = []
-    for rank in sorted(set(off) & set(on)):
-        for role in ROLES:
-            a, b = off[rank][role], on[rank][role]
-            la, lb = a["launches_per_layer_step"], b["launches_per_layer_step"]
-            ta, tb = a["us_per_layer_step"], b["us_per_layer_step"]
-            rows.append({"rank": rank, "role": role,
-                         "off_launches": a["launches"], "on_launches": b["launches"],
-                         "off_launches_per_layer_step": la, "on_launches_per_layer_step": lb,
-                         "off_us_per_layer_step": ta, "on_us_per_layer_step": tb,
-                         "delta_us_per_layer_step": None if ta is None or tb is None
-                         else round(tb - ta, 4)})
-    return {"rows": rows,
+    """Per rank, off vs on: launches (stock -> fused), us per MLA layer per decode step, and
+    the A/B checks. q/kv norm: the off - on difference of ALL RMSNorm launches (scaled to the
+    on arm's decode steps) is the stock pair the fusion removed; asked on in arm on and off in
+    arm off, it must be 2 x MLA layers x decode steps, and the on arm must launch one fused
+    kernel per MLA layer and decode step (a fused kernel launched while the stock pair still
+    runs fails here even when the model's other norms are unknown)."""
+    off, on = _rows(arms["off"]), _rows(arms["on"])
+    rows: list[dict[str, Any]] = []
+    checks: list[Check] = []
+    qk_asked = arms["on"].claim.qk_norm and not arms["off"].claim.qk_norm
+    for rank in sorted(set(off) | set(on)):
+        if rank not in off or rank not in on:
+            checks.append(Check(rank, "rank present in both arms", "-", "A/B",
+                                "each rank needs a trace in both arms", 2,
+                                1, False))
+            continue
+        a, b = off[rank], on[rank]
+        Da, Db = a["decode_steps"], b["decode_steps"]
+        L = b["mla_layers"]
+        qa, qb = a["qk_norm"], b["qk_norm"]
+        removed = None
+        if Da and Db:
+            removed = round(qa["all_rmsnorm_launches"] * Db / Da) - qb["all_rmsnorm_launches"]
+        ta, tb = qa["norm_us_per_layer_step"], qb["norm_us_per_layer_step"]
+        rows.append({"rank": rank, "fusion": "qk_norm",
+                     "off_stock": removed, "on_stock": 0 if removed is not None else None,
+                     "off_fused": qa["fused_launches"], "on_fused": qb["fused_launches"],
+                     "off_us_per_layer_step": ta, "on_us_per_layer_step": tb,
+                     "saved_us_per_layer_step": None if ta is None or tb is None
+                     else round(ta - tb, 4),
+                     "note": "stock = off - on difference of all RMSNorm launches; us = all "
+                     "RMSNorms + fused"})
+        if qk_asked:
+            checks.append(Check(
+                rank, "stock q/kv RMSNorm launches removed (off - on)", "qk_norm",
+                "decode-only steps", f"2 x {L} MLA layers x {Db} decode steps",
+                2 * L * Db, -1 if removed is None else removed, None))
+        pa, pb = a["decode_qprep"], b["decode_qprep"]
+        ta, tb = pa["us_per_layer_step"], pb["us_per_layer_step"]
+        rows.append({"rank": rank, "fusion": "decode_qprep",
+                     "off_stock": pa["stock_launches"], "on_stock": pb["stock_launches"],
+                     "off_fused": pa["fused_launches"], "on_fused": pb["fused_launches"],
+                     "off_us_per_layer_step": ta, "on_us_per_layer_step": tb,
+                     "saved_us_per_layer_step": None if ta is None or tb is None
+                     else round(ta - tb, 4),
+                     "note": "stock = KV-cache write + q concat/fp8 quant; fused members "
+                     + (", ".join(f"{k} x{v}" for k, v in sorted(pb["fused_members"].items()))
+                        or "none")})
+    for c in checks:
+        if c.expected is not None:
+            c.ok = c.seen == c.expected
+    return {"rows": rows, "checks": checks,
             "decode_steps": {k: {r["rank"]: r["decode_steps"] for r in v.per_layer_step()}
                              for k, v in arms.items()}}
 
 
-def render_ab_markdown(arms: dict[str, Census], cmp: dict[str, Any], meta: dict[str, Any]) -> str:
+def render_ab_table(cmp: dict[str, Any]) -> str:
+    head = ["rank", "fusion", "launches off -> on", "stock off", "stock on", "fused off",
+            "fused on", "us/L/step off", "on", "saved"]
+    rows = []
+    for r in cmp["rows"]:
+        def s(v: Any) -> str:
+            return "n/a" if v is None else str(v)
+        off_total = None if r["off_stock"] is None else r["off_stock"] + r["off_fused"]
+        on_total = None if r["on_stock"] is None else r["on_stock"] + r["on_fused"]
+        rows.append([str(r["rank"]), "q/kv norm" if r["fusion"] == "qk_norm"
+                     else "decode Q-prep", f"{s(off_total)} -> {s(on_total)}",
+                     s(r["off_stock"]), s(r["on_stock"]), s(r["off_fused"]), s(r["on_fused"]),
+                     s(r["off_us_per_layer_step"]), s(r["on_us_per_layer_step"]),
+                     s(r["saved_us_per_layer_step"])])
+    widths = [max(len(x[i]) for x in [head, *rows]) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(x, widths, strict=True)).rstrip()
+                     for x in [head, *rows])
+
+
+def render_ab_markdown(arms: dict[str, Census], cmp: dict[str, Any], meta: dict[str, Any],
+                       arm_env: dict[str, dict[str, str]]) -> str:
     unit = "device" if all(p["mode"] == "gpu" for c in arms.values() for p in c.per_rank) \
         else "host (CPU operator)"
     lines = ["# Decode kernel census A/B: fusions off vs on", "",
-             f"Protocol: one fresh server per arm from image `{meta['image']}` "
-             f"({meta.get('image_id', '?')}), the same load in both arms (concurrency "
-             f"{meta['concurrency']}, {meta['max_tokens']} output tokens, profiling "
-             f"{meta['steps']} decode steps after prefill), one profile per arm. "
-             f"Times are {unit} times per MLA layer per decode step.", ""]
+             f"Protocol: {meta['protocol']}. Times are {unit} times per MLA layer per decode "
+             "step.", ""]
     for name, c in arms.items():
-        f = c.fusions
-        lines.append(f"- arm **{name}** (requested {ARMS[name]}): reported q/kv RMSNorm "
-                     f"{'ON' if f.qk_norm else 'OFF'} ({f.reasons.get('qk_norm', '')}), decode "
-                     f"Q-prep {'ON' if f.decode_qprep else 'OFF'} "
-                     f"({f.reasons.get('decode_qprep', '')}); census "
+        lines.append(f"- arm **{name}** (asked {arm_env[name]}): census "
                      f"**{'PASS' if c.ok else 'FAIL'}** (see `{name}/census.md`)")
-    lines += ["", "| rank | role | launches off | launches on | launches/layer/step off | "
-              "on | us/layer/step off | on | delta us |",
-              "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in cmp["rows"]:
-        lines.append(f"| {r['rank']} | {r['role']} | {r['off_launches']} | {r['on_launches']} "
-                     f"| {r['off_launches_per_layer_step']} | {r['on_launches_per_layer_step']} "
-                     f"| {r['off_us_per_layer_step']} | {r['on_us_per_layer_step']} | "
-                     f"{r['delta_us_per_layer_step']} |")
-    lines += ["", "qprep_group = KV-cache write + q concat/fp8 quant + fused Q-prep launches in "
-              "decode-only steps (the launches the decode Q-prep fusion replaces). A single "
-              "profile per arm: launch counts are exact, times are one sample (no confidence "
+    lines += ["", "```", render_ab_table(cmp), "```", "",
+              "q/kv norm: stock = the off - on difference of all RMSNorm launches (the "
+              "decoder's other norms cancel), times include all RMSNorms + the fused kernel. "
+              "decode Q-prep: stock = KV-cache write + q concat/fp8 quant. A single profile "
+              "per arm: launch counts are exact, times are one sample (no confidence "
               "interval).", ""]
+    if cmp["checks"]:
+        lines += ["## A/B checks", "", "```", render_table(cmp["checks"]), "```", ""]
     return "\n".join(lines)
+
+
+def finish_ab(run_dir: Any, results: dict[str, Census], meta: dict[str, Any],
+              arm_env: dict[str, dict[str, str]]) -> int:
+    cmp = compare(results)
+    ok = all(c.ok for c in results.values()) and all(c.ok is not False for c in cmp["checks"])
+    write_json_atomic(run_dir / "ab.json", {
+        "ok": ok, "meta": meta, "comparison": {**cmp, "checks": [c.to_json()
+                                                                for c in cmp["checks"]]},
+        "arms": {k: {"ok": v.ok, "claim": v.claim.to_json(),
+                     "checks": [c.to_json() for c in v.checks]} for k, v in results.items()}})
+    md = render_ab_markdown(results, cmp, meta, arm_env)
+    write_text_atomic(run_dir / "ab.md", md)
+    print(md)
+    failed = [f"arm {k}" for k, v in results.items() if not v.ok] + \
+        [f"rank {c.rank}: {c.what}" for c in cmp["checks"] if c.ok is False]
+    print(f"census-ab: {'PASS' if ok else 'FAIL (' + '; '.join(failed) + ')'}; report in "
+          f"{run_dir}/ab.md")
+    return 0 if ok else 1
+
+
+def run_offline(args: argparse.Namespace, arm_env: dict[str, dict[str, str]]) -> int:
+    from pathlib import Path
+
+    from k3rocm.census.cli import write_report
+
+    dirs = [x.strip() for x in args.trace_dirs.split(",")]
+    if len(dirs) != 2 or not all(dirs):
+        raise UsageError(f"--trace-dirs {args.trace_dirs!r} must be OFF_DIR,ON_DIR")
+    for d in dirs:
+        if not Path(d).is_dir():
+            raise UsageError(f"--trace-dirs: {d} is not a directory")
+    claims = {arm: from_env(arm_env[arm], f"the {arm} arm (--on {args.on})")
+              for arm in ("off", "on")}
+    decs = {arm: read_decisions(args, Path(d)) for arm, d in zip(("off", "on"), dirs,
+                                                                 strict=True)}
+    results = {arm: analyse(Path(d), args, claims[arm], decs[arm])
+               for arm, d in zip(("off", "on"), dirs, strict=True)}
+    run_dir = create_run_dir(results_root(args), args.label)
+    for arm, c in results.items():
+        (run_dir / arm).mkdir()
+        write_report(run_dir / arm, c, {**base_provenance([r.path for r in c.traces.ranks]),
+                                        "source": "trace-dir", "claim": claims[arm].to_json()},
+                     title=f"Decode kernel census, arm {arm}", top=args.top)
+        print(f"--- arm {arm} ---")
+        print(c.table())
+    meta = {"protocol": f"offline comparison of {dirs[0]} (off) and {dirs[1]} (on)",
+            "trace_dirs": dirs}
+    write_json_atomic(run_dir / "provenance.json", {
+        **base_provenance([r.path for c in results.values() for r in c.traces.ranks]),
+        "trace_dirs": dirs, "arms": arm_env})
+    return finish_ab(run_dir, results, meta, arm_env)
 
 
 def run(args: argparse.Namespace) -> int:
     from k3rocm.bench.server import ServerSpec, start_server, stop_server, wait_ready
 
     validate_common(args)
-    if args.fusions or args.server_log:
-        raise UsageError("census-ab reads each arm's fusion states from its server log; "
-                         "--fusions/--server-log are for `census`")
+    arm_env = arms_env(args.on)
+    if args.trace_dirs:
+        return run_offline(args, arm_env)
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     if sorted(arms) != ["off", "on"]:
         raise UsageError(f"--arms {args.arms!r} must name off and on once each (e.g. off,on)")
     for name in ("--concurrency", "--steps", "--port"):
         positive(name, getattr(args, name[2:].replace("-", "_")))
     positive("--max-tokens", args.max_tokens, args.steps + 12)
-    envs = {a: _server_env(args, a) for a in arms}
+    envs = {a: _server_env(args, a, arm_env) for a in arms}
     import docker
 
     try:
@@ -175,7 +295,7 @@ def run(args: argparse.Namespace) -> int:
         arm_dir.mkdir()
         spec = ServerSpec(image=args.image, port=args.port, env=envs[arm],
                           models_dir=args.models_dir, cache_dir=args.cache_dir, gpu=gpu)
-        _log(f"arm {arm}: starting a fresh server from {args.image} ({ARMS[arm]})")
+        _log(f"arm {arm}: starting a fresh server from {args.image} ({arm_env[arm]})")
         container = start_server(client, spec, f"k3rocm-census-{arm}-{stamp}-{os.getpid()}",
                                  {LABEL: arm})
         try:
@@ -185,33 +305,27 @@ def run(args: argparse.Namespace) -> int:
 
             model = envs[arm].get("K3_SERVED_MODEL_NAME") or _served_name(envs[arm])
             wait_ready(url, model, args.server_timeout, api_key, is_alive=alive)
-            fusions = from_log(container.logs().decode(errors="replace"),
-                               f"log of the {arm} arm's server")
-            results[arm] = live_census(args, url, model, api_key, client, container, fusions,
+            from k3rocm.census.cli import claim_from_container
+
+            claim = claim_from_container(container)  # docker inspect: what it was asked
+            results[arm] = live_census(args, url, model, api_key, client, container, claim,
                                        arm_dir, title=f"Decode kernel census, arm {arm}")
             print(f"--- arm {arm} ---")
             print(results[arm].table())
         finally:
             stop_server(container, arm_dir / "server.log")
-    cmp = compare(results)
-    meta = {"image": args.image, "image_id": image.id, "concurrency": args.concurrency,
-            "max_tokens": args.max_tokens, "steps": args.steps}
-    write_json_atomic(run_dir / "ab.json", {
-        "ok": all(c.ok for c in results.values()), "meta": meta, "comparison": cmp,
-        "arms": {k: {"ok": v.ok, "fusions": v.fusions.to_json(),
-                     "checks": [c.to_json() for c in v.checks]} for k, v in results.items()}})
-    md = render_ab_markdown(results, cmp, meta)
-    write_text_atomic(run_dir / "ab.md", md)
+    meta = {"protocol": f"one fresh server per arm from image `{args.image}` ({image.id}), "
+            f"the same load in both arms (concurrency {args.concurrency}, {args.max_tokens} "
+            f"output tokens, profiling {args.steps} decode steps after prefill), one profile "
+            "per arm", "image": args.image, "image_id": image.id,
+            "concurrency": args.concurrency, "max_tokens": args.max_tokens, "steps": args.steps}
     write_json_atomic(run_dir / "provenance.json", {
         **base_provenance([r.path for c in results.values() for r in c.traces.ranks]),
         "image": args.image, "image_id": image.id,
         "server_env": {k: {kk: ("<redacted>" if "KEY" in kk or "TOKEN" in kk else vv)
                            for kk, vv in v.items()} for k, v in envs.items()},
         "arms": {a: f"{a}/provenance.json" for a in arms}})
-    print(md)
-    ok = all(c.ok for c in results.values())
-    print(f"census-ab: {'PASS' if ok else 'FAIL'}; report in {run_dir}/ab.md")
-    return 0 if ok else 1
+    return finish_ab(run_dir, results, meta, arm_env)
 
 
 def _served_name(env: dict[str, str]) -> str:

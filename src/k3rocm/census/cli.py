@@ -2,11 +2,12 @@
 
 Live: against a running server started with the profiler (K3_PROFILER_DIR), drive a
 decode-heavy streaming load, profile a few decode steps, collect every rank's trace into
-``results/<UTC>-census/``, count launches per step and check them against expectations derived
-from the model config, the trace and the overlay's startup report.
+``results/<UTC>-census/``, count launches per step and judge them against what the server was
+ASKED for (K3_FUSE_* in the server container's env, default on; or ``--fusions``), the model
+config and the trace. The overlay's decision records are cross-checked against the same claim.
 Offline: ``--trace-dir DIR`` analyses existing traces (no server).
 
-Exit codes: 0 all checks pass, 1 a count mismatches, 2 bad input, 3 server/trace problems.
+Exit codes: 0 all checks pass, 1 a check failed, 2 bad input, 3 server/trace problems.
 """
 
 from __future__ import annotations
@@ -25,9 +26,16 @@ from k3rocm.census.common import (
     model_dir_from,
     normalizer_from,
     positive,
+    resolve_world_size,
     results_root,
 )
-from k3rocm.census.fusions import FusionStates, from_cli, from_log
+from k3rocm.census.decisions import (
+    Decisions,
+    decision_files,
+    records_from_files,
+    records_from_log,
+)
+from k3rocm.census.fusions import FusionClaim, from_cli, from_env
 from k3rocm.census.modelcfg import read_model_facts
 from k3rocm.census.spec import load_spec
 from k3rocm.census.trace import load_trace_dir
@@ -44,10 +52,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace-dir", help="analyse the traces in this directory instead of "
                    "driving a server")
     p.add_argument("--fusions", metavar="qk_norm=on|off,decode_qprep=on|off",
-                   help="state the fusion states (default: the overlay's startup lines in the "
-                   "server container's log or --server-log)")
+                   help="what the server was asked for (default: K3_FUSE_QK_NORM / "
+                   "K3_FUSE_DECODE_QPREP in the server container's env, unset = on; offline: "
+                   "the run's provenance.json beside the trace directory)")
     p.add_argument("--server-log", metavar="FILE", help="server log holding the overlay's "
-                   "'k3rocm overlay: ... fusion ON|OFF' lines")
+                   "'K3ROCM-DECISION {...}' records (default: k3rocm-decisions-pid*.json "
+                   "beside the traces, or the server container's log)")
     s = p.add_argument_group("live server")
     port = os.environ.get("K3_PORT", "8000")
     s.add_argument("--url", default=f"http://127.0.0.1:{port}", help="server base URL")
@@ -72,18 +82,64 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 # -- helpers used by census-ab too ------------------------------------------------------------
 
-def analyse(trace_dir: Path, args: argparse.Namespace, fusions: FusionStates,
-            files: list[Path] | None = None) -> Census:
+def analyse(trace_dir: Path, args: argparse.Namespace, claim: FusionClaim,
+            decisions: Decisions | None, files: list[Path] | None = None,
+            server_argv: list[str] | None = None) -> Census:
     model = read_model_facts(model_dir_from(args))
     norm = normalizer_from(args)
     extra = extra_from(args)
     traces = load_trace_dir(trace_dir, norm, args.mode, files)
+    world, world_src = resolve_world_size(traces.world_size, args, server_argv)
     platform = args.platform
     if platform == "auto":
         platform = "rocm" if any(r.mode == "gpu" for r in traces.ranks) else "cpu"
     spec = load_spec(platform, model.model_type, args.spec, args.other_norms)
-    return run_census(traces, model, fusions, spec, args.min_decode_steps, extra,
-                      all_ranks=not args.rank0_only)
+    return run_census(traces, model, claim, spec, decisions, world, world_src,
+                      args.min_decode_steps, extra)
+
+
+def read_decisions(args: argparse.Namespace, trace_dir: Path | None = None,
+                   container: Any = None) -> Decisions | None:
+    """The overlay's records: --server-log, else the JSON files beside the traces, else the
+    server container's log. None when --skip-records."""
+    if args.skip_records:
+        return None
+    if getattr(args, "server_log", None):
+        text = Path(args.server_log).read_text(errors="replace")
+        return Decisions(records_from_log(text, f"server log {args.server_log}"),
+                         f"server log {args.server_log}")
+    if trace_dir is not None and trace_dir.is_dir():
+        files = decision_files(trace_dir)
+        if files:
+            return Decisions(records_from_files(files),
+                             f"{len(files)} decision file(s) in {trace_dir}")
+    if container is not None:
+        src = f"the log of container {container.name}"
+        return Decisions(records_from_log(container.logs().decode(errors="replace"), src), src)
+    where = f"{trace_dir}" if trace_dir is not None else "the server"
+    return Decisions([], f"nowhere (no k3rocm-decisions-pid*.json in {where}, no --server-log)")
+
+
+def claim_offline(args: argparse.Namespace, trace_dir: Path) -> FusionClaim:
+    """--fusions, else the server env recorded in the run's provenance.json (written by a live
+    census beside its traces/ directory)."""
+    if args.fusions:
+        return from_cli(args.fusions)
+    for cand in (trace_dir / "provenance.json", trace_dir.parent / "provenance.json"):
+        if not cand.is_file():
+            continue
+        try:
+            prov = __import__("json").loads(cand.read_text())
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"{cand} is not valid JSON ({exc.__class__.__name__})") from None
+        server = prov.get("server", prov) if isinstance(prov, dict) else None
+        cont = server.get("container") if isinstance(server, dict) else None
+        env = cont.get("env") if isinstance(cont, dict) else None
+        if isinstance(env, dict):
+            return from_env(env, f"the server env recorded in {cand}")
+    raise UsageError("what the server was asked for is unknown: pass --fusions "
+                     "qk_norm=on|off,decode_qprep=on|off (no provenance.json with the server's "
+                     f"env beside {trace_dir})")
 
 
 def write_report(run_dir: Path, census: Census, provenance: dict[str, Any],
@@ -104,25 +160,21 @@ def validate_common(args: argparse.Namespace) -> None:
     extra_from(args)
     load_spec("rocm" if args.platform == "auto" else args.platform, None, args.spec,
               args.other_norms)
-    if args.fusions:
+    if getattr(args, "fusions", None):
         from_cli(args.fusions)
     if getattr(args, "server_log", None) and not Path(args.server_log).is_file():
         raise UsageError(f"--server-log {args.server_log} does not exist")
-
-
-def _fusions_offline(args: argparse.Namespace) -> FusionStates:
-    if args.fusions:
-        return from_cli(args.fusions)
-    if args.server_log:
-        return from_log(Path(args.server_log).read_text(errors="replace"),
-                        f"server log {args.server_log}")
-    raise UsageError("fusion states unknown: pass --fusions qk_norm=on|off,decode_qprep=on|off "
-                     "or --server-log FILE with the overlay's startup lines")
+    if getattr(args, "world_size", None) is not None:
+        positive("--world-size", args.world_size)
 
 
 def _finish(census: Census, run_dir: Path | None, top: int) -> int:
     print(census.table())
-    verdict = "PASS" if census.ok else "FAIL: expected and seen launch counts differ"
+    print()
+    print(census.report_table())
+    bad = [c for c in census.checks if c.ok is False]
+    verdict = "PASS" if census.ok else \
+        f"FAIL ({len(bad)} failed: {'; '.join(sorted({c.what for c in bad}))[:300]})"
     print(f"census: {verdict}")
     if run_dir is not None:
         print(f"census: report in {run_dir}/census.md")
@@ -132,13 +184,17 @@ def _finish(census: Census, run_dir: Path | None, top: int) -> int:
 def run(args: argparse.Namespace) -> int:
     validate_common(args)
     if args.trace_dir:
-        fusions = _fusions_offline(args)
-        census = analyse(Path(args.trace_dir), args, fusions)
+        tdir = Path(args.trace_dir)
+        if not tdir.is_dir():
+            raise UsageError(f"--trace-dir {tdir} does not exist or is not a directory")
+        claim = claim_offline(args, tdir)
+        decisions = read_decisions(args, tdir)
+        census = analyse(tdir, args, claim, decisions)
         run_dir = create_run_dir(results_root(args), args.label)
         files = [r.path for r in census.traces.ranks]
         write_report(run_dir, census, {**base_provenance(files), "source": "trace-dir",
                                        "trace_dir": str(args.trace_dir),
-                                       "fusions": fusions.to_json()}, top=args.top)
+                                       "claim": claim.to_json()}, top=args.top)
         return _finish(census, run_dir, args.top)
     return run_live(args)
 
@@ -209,20 +265,28 @@ def run_live(args: argparse.Namespace) -> int:
         client = container = None
 
     if args.fusions:
-        fusions = from_cli(args.fusions)
-    elif args.server_log:
-        fusions = from_log(Path(args.server_log).read_text(errors="replace"),
-                           f"server log {args.server_log}")
+        claim = from_cli(args.fusions)
     elif container is not None:
-        fusions = from_log(container.logs().decode(errors="replace"),
-                           f"log of container {container.name}")
+        claim = claim_from_container(container)
     else:
-        raise UsageError("fusion states unknown: no server container found for "
-                         f"{url}; pass --container, --server-log FILE or --fusions")
+        raise UsageError("what the server was asked for is unknown: no server container found "
+                         f"for {url}; pass --container or --fusions")
+    if container is None and not args.server_log and not args.skip_records:
+        raise UsageError("the overlay's decision records are unreachable without the server "
+                         "container: pass --container, --server-log FILE or --skip-records")
     run_dir = create_run_dir(results_root(args), args.label)
     _log(f"run directory {run_dir}")
-    census = live_census(args, url, model, api_key, client, container, fusions, run_dir)
+    census = live_census(args, url, model, api_key, client, container, claim, run_dir)
     return _finish(census, run_dir, args.top)
+
+
+def container_env(container: Any) -> dict[str, str]:
+    return dict(e.split("=", 1) for e in (container.attrs.get("Config") or {}).get("Env") or []
+                if "=" in e)
+
+
+def claim_from_container(container: Any) -> FusionClaim:
+    return from_env(container_env(container), f"container {container.name}'s env")
 
 
 def _served_model(url: str, api_key: str | None) -> str:
@@ -238,17 +302,14 @@ def _served_model(url: str, api_key: str | None) -> str:
 
 
 def live_census(args: argparse.Namespace, url: str, model: str, api_key: str | None,
-                client: Any, container: Any, fusions: FusionStates, run_dir: Path,
+                client: Any, container: Any, claim: FusionClaim, run_dir: Path,
                 title: str = "Decode kernel census") -> Census:
     """Profile the running server under load, collect its traces into ``run_dir/traces``,
     analyse and write the report. Used by ``census`` and by each arm of ``census-ab``."""
     from k3rocm.bench.server import collect_provenance
     from k3rocm.census import drive
 
-    cenv: dict[str, str] = {}
-    if container is not None:
-        cenv = dict(e.split("=", 1) for e in container.attrs["Config"].get("Env") or []
-                    if "=" in e)
+    cenv: dict[str, str] = container_env(container) if container is not None else {}
     host_dir = _server_trace_host_dir(args, container, cenv)
     prof_dir = cenv.get("K3_PROFILER_DIR")
     if host_dir is None and (container is None or not prof_dir):
@@ -279,8 +340,15 @@ def live_census(args: argparse.Namespace, url: str, model: str, api_key: str | N
         files = drive.collect_from_container(container, prof_dir, before_c, dest,
                                              args.trace_timeout)
     _log(f"collected {len(files)} file(s) into {dest}")
-    census = analyse(dest, args, fusions)
+    decisions = read_decisions(args, None, container)
+    if decisions is not None:  # kept beside the traces: an offline re-analysis finds them
+        by_pid: dict[int, list[Any]] = {}
+        for r in decisions.records:
+            by_pid.setdefault(r.pid, []).append(r.raw)
+        for pid, recs in by_pid.items():
+            write_json_atomic(dest / f"k3rocm-decisions-pid{pid}.json", recs)
+    census = analyse(dest, args, claim, decisions, server_argv=argv or None)
     prov = {**base_provenance([r.path for r in census.traces.ranks]), "source": "live",
-            "model": model, "load": info, "server": server_prov}
+            "model": model, "load": info, "claim": claim.to_json(), "server": server_prov}
     write_report(run_dir, census, prov, title=title, top=args.top)
     return census

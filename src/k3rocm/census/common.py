@@ -40,7 +40,13 @@ def add_analysis_arguments(p: argparse.ArgumentParser) -> None:
                    "for draft-model layers")
     g.add_argument("--min-decode-steps", type=int, default=1,
                    help="fail unless at least this many decode-only steps were traced")
-    g.add_argument("--rank0-only", action="store_true", help="check rank 0 only")
+    g.add_argument("--world-size", type=int, default=None,
+                   help="ranks that must each have a worker trace, when the traces do not "
+                   "record it (distributedInfo.world_size); live runs fall back to the "
+                   "server's tensor-parallel size")
+    g.add_argument("--skip-records", action="store_true",
+                   help="do not cross-check the overlay's decision records (for a server "
+                   "whose overlay predates them); the report says so")
     g.add_argument("--top", type=int, default=25, help="kernels per rank in the markdown")
     g.add_argument("--results", default=None,
                    help="results root (default: K3_RESULTS_DIR or ./results)")
@@ -74,6 +80,37 @@ def model_dir_from(args: argparse.Namespace, environ: dict[str, str] | None = No
         return model
     raise UsageError("no model config: pass --model-dir <checkpoint dir with config.json> "
                      f"(K3_MODEL={model or 'unset'} is not a path on this host)")
+
+
+def tp_from_argv(argv: list[str]) -> int:
+    """vLLM's tensor-parallel size from a ``vllm serve`` argv (default 1)."""
+    for i, a in enumerate(argv):
+        for flag in ("-tp", "--tensor-parallel-size"):
+            if a == flag and i + 1 < len(argv) and argv[i + 1].isdigit():
+                return int(argv[i + 1])
+            if a.startswith(flag + "=") and a.split("=", 1)[1].isdigit():
+                return int(a.split("=", 1)[1])
+    return 1
+
+
+def resolve_world_size(trace_ws: int | None, args: argparse.Namespace,
+                       server_argv: list[str] | None = None) -> tuple[int, str]:
+    """Which ranks must be present: the traces' metadata, else --world-size, else the live
+    server's argv; unknown is bad input (exit 2)."""
+    given = getattr(args, "world_size", None)
+    if given is not None:
+        positive("--world-size", given)
+    if trace_ws is not None:
+        if given is not None and given != trace_ws:
+            raise UsageError(f"--world-size {given} disagrees with the traces' "
+                             f"distributedInfo.world_size {trace_ws}")
+        return trace_ws, "the traces' distributedInfo"
+    if given is not None:
+        return given, "--world-size"
+    if server_argv:
+        return tp_from_argv(server_argv), "the server's argv (tensor-parallel size)"
+    raise UsageError("the traces do not record the world size (no distributedInfo."
+                     "world_size): pass --world-size N (the server's tensor-parallel size)")
 
 
 def results_root(args: argparse.Namespace) -> str:

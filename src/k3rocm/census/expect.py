@@ -1,48 +1,68 @@
-"""Expected vs seen launch counts, derived from the model config, the trace and fusion states."""
+"""Expected vs seen launch counts. Expectations come from what the server was ASKED for (the
+claim), the model config (MLA layer count) and the trace's engine steps; never from the
+overlay's own report (that is cross-checked separately, census/decisions.py)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from k3rocm.census.fusions import FusionStates
+from k3rocm.census.fusions import FusionClaim
 from k3rocm.census.modelcfg import ModelFacts
 from k3rocm.census.spec import ROLES, Spec, eval_formula
 from k3rocm.census.trace import RankTrace
 
+SCOPES = ("decode", "other", "outside")
+
 
 @dataclass
 class RoleCounts:
-    """Launches and time (us) per role, split by decode-only steps and the other steps."""
+    """Launches and time (us) per role, split by decode-only steps, the other steps and
+    launches outside every step; which names matched; fused Q-prep members; the launches in
+    the MLA attention region that match no role."""
 
     launches: dict[str, dict[str, int]]
     time_us: dict[str, dict[str, float]]
-    names: dict[str, list[str]]  # which normalized names matched each role
+    names: dict[str, list[str]]
+    members: dict[str, dict[str, int]]  # member -> scope -> launches (fused_qprep)
+    unclassified: dict[str, int]  # name -> launches inside the MLA region matching no role
 
 
 def role_counts(rt: RankTrace, spec: Spec) -> RoleCounts:
-    launches = {r: {"decode": 0, "other": 0, "outside": 0} for r in ROLES}
-    time_us = {r: {"decode": 0.0, "other": 0.0, "outside": 0.0} for r in ROLES}
+    launches = {r: dict.fromkeys(SCOPES, 0) for r in ROLES}
+    time_us = {r: dict.fromkeys(SCOPES, 0.0) for r in ROLES}
     names: dict[str, set[str]] = {r: set() for r in ROLES}
+    members: dict[str, dict[str, int]] = {}
+    unclassified: Counter[str] = Counter()
     decode = [s.decode_only for s in rt.steps]
+    qprep = spec.roles["fused_qprep"]
     for ln in [*rt.launches, *rt.outside]:
+        where = "outside" if ln.step < 0 else ("decode" if decode[ln.step] else "other")
+        matched = False
         for rname, role in spec.roles.items():
             if role.counts(ln.name, ln.parents, outermost=rt.mode == "cpu"):
-                where = "outside" if ln.step < 0 else ("decode" if decode[ln.step] else "other")
+                matched = True
                 launches[rname][where] += 1
                 time_us[rname][where] += ln.dur
                 names[rname].add(ln.name)
+                if rname == "fused_qprep" and qprep.members:
+                    m = members.setdefault(qprep.member_of(ln.name), dict.fromkeys(SCOPES, 0))
+                    m[where] += 1
+        if not matched and rt.mode == "gpu" and spec.in_mla_region(ln.parents):
+            unclassified[ln.name] += 1
     return RoleCounts(launches, {r: {k: round(v, 3) for k, v in d.items()}
                                  for r, d in time_us.items()},
-                      {r: sorted(v) for r, v in names.items()})
+                      {r: sorted(v) for r, v in names.items()}, members,
+                      dict(unclassified.most_common()))
 
 
 @dataclass
 class Check:
-    rank: int
+    rank: int | str  # "all" for checks over the whole set (ranks present, records)
     what: str
     role: str
-    scope: str  # "all steps" | "decode-only steps" | "other steps"
+    scope: str  # "all steps" | "decode-only steps" | "other steps" | "no step" | ...
     rule: str  # the formula in words
     expected: int | None
     seen: int
@@ -50,7 +70,7 @@ class Check:
 
     @property
     def status(self) -> str:
-        return {True: "ok", False: "MISMATCH", None: "not checked"}[self.ok]
+        return {True: "ok", False: "FAIL", None: "not checked"}[self.ok]
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -58,7 +78,14 @@ class Check:
         return d
 
 
-def build_checks(rt: RankTrace, spec: Spec, model: ModelFacts, fusions: FusionStates,
+def other_norms(spec: Spec, model: ModelFacts) -> int | None:
+    if spec.other_norms_formula is None:
+        return None
+    return eval_formula(spec.other_norms_formula, {"layers": model.layers,
+                                                   "mla_layers": model.mla_layers})
+
+
+def build_checks(rt: RankTrace, spec: Spec, model: ModelFacts, claim: FusionClaim,
                  extra_per_step: dict[str, int] | None = None) -> tuple[list[Check], RoleCounts]:
     extra = extra_per_step or {}
     rc = role_counts(rt, spec)
@@ -66,8 +93,8 @@ def build_checks(rt: RankTrace, spec: Spec, model: ModelFacts, fusions: FusionSt
     S = len(rt.steps)
     D = sum(1 for s in rt.steps if s.decode_only)
     P = S - D
-    norm_on = bool(fusions.qk_norm)
-    qprep_on = bool(fusions.decode_qprep)
+    norm_on = claim.qk_norm
+    qprep_on = claim.decode_qprep
     n = rc.launches
 
     def tot(role: str) -> int:
@@ -77,38 +104,62 @@ def build_checks(rt: RankTrace, spec: Spec, model: ModelFacts, fusions: FusionSt
         return extra.get(role, 0) * scope_steps
 
     checks: list[Check] = []
-    on_off = "on" if norm_on else "off"
+    asked = f"asked {'on' if norm_on else 'off'}"
     checks.append(Check(
-        rt.rank, f"fused q/kv RMSNorm launches (fusion {on_off})", "fused_qk_norm", "all steps",
-        f"{L} MLA layers x {S} steps" if norm_on else "0 (fusion off)",
+        rt.rank, f"fused q/kv RMSNorm launches (qk_norm {asked})", "fused_qk_norm",
+        "all steps", f"{L} MLA layers x {S} steps" if norm_on else "0 (fusion asked off)",
         (L * S if norm_on else 0) + add("fused_qk_norm", S), tot("fused_qk_norm"), None))
-    if spec.other_norms_formula is not None:
-        other = eval_formula(spec.other_norms_formula,
-                             {"layers": model.layers, "mla_layers": L})
+    other = other_norms(spec, model)
+    if other is not None:
         seen = tot("qk_norm") - other * S
         checks.append(Check(
-            rt.rank, f"separate q/kv RMSNorm launches (fusion {on_off})", "qk_norm",
+            rt.rank, f"stock q/kv RMSNorm launches (qk_norm {asked})", "qk_norm",
             "all steps",
-            ("0 (pair gone)" if norm_on else f"2 x {L} MLA layers x {S} steps")
-            + f"; seen = all {tot('qk_norm')} - ({spec.other_norms_formula} = {other}) x {S}"
-            " other norms", (0 if norm_on else 2 * L * S) + add("qk_norm", S), seen, None))
+            ("0 (the pair is gone)" if norm_on else f"2 x {L} MLA layers x {S} steps")
+            + f"; seen = all {tot('qk_norm')} RMSNorm launches - "
+            f"({spec.other_norms_formula} = {other}) other norms x {S} steps",
+            (0 if norm_on else 2 * L * S) + add("qk_norm", S), seen, None))
     else:
         checks.append(Check(
-            rt.rank, f"separate q/kv RMSNorm launches (fusion {on_off})", "qk_norm",
-            "all steps", "not derivable: this model's other RMSNorm launches per step are "
-            "unknown for this platform (see census-ab for the off-on difference)",
-            None, tot("qk_norm"), None))
-    q_on_off = "on" if qprep_on else "off"
+            rt.rank, f"stock q/kv RMSNorm launches (qk_norm {asked})", "qk_norm",
+            "all steps", "not derivable from one trace: this model's other RMSNorm launches "
+            "per step are unknown on this platform (census-ab judges the off - on "
+            "difference; or pass --other-norms)", None, tot("qk_norm"), None))
+    q_asked = f"asked {'on' if qprep_on else 'off'}"
     checks.append(Check(
-        rt.rank, f"fused Q-prep launches (fusion {q_on_off})", "fused_qprep",
+        rt.rank, f"fused Q-prep launches (decode_qprep {q_asked})", "fused_qprep",
         "decode-only steps", f"{L} MLA layers x {D} decode steps" if qprep_on
-        else "0 (fusion off)", (L * D if qprep_on else 0) + add("fused_qprep", D),
+        else "0 (fusion asked off)", (L * D if qprep_on else 0) + add("fused_qprep", D),
         n["fused_qprep"]["decode"], None))
     checks.append(Check(
-        rt.rank, f"KV-cache write launches (Q-prep fusion {q_on_off})", "cache_write",
-        "decode-only steps", "0 (done by the fused launch)" if qprep_on
+        rt.rank, f"stock KV-cache write launches (decode_qprep {q_asked})", "cache_write",
+        "decode-only steps", "0 (the fused launch writes the cache)" if qprep_on
         else f"{L} MLA layers x {D} decode steps",
         (0 if qprep_on else L * D) + add("cache_write", D), n["cache_write"]["decode"], None))
+    if qprep_on:
+        checks.append(Check(
+            rt.rank, f"stock q concat + fp8 quant launches (decode_qprep {q_asked})",
+            "q_concat_quant", "decode-only steps", "0 (the fused launch writes the fp8 query)",
+            add("q_concat_quant", D), n["q_concat_quant"]["decode"], None))
+    else:
+        checks.append(Check(
+            rt.rank, f"stock q concat + fp8 quant launches (decode_qprep {q_asked})",
+            "q_concat_quant", "decode-only steps", "reported only: one per MLA layer and "
+            "decode step with an fp8 KV cache; none with a bf16 query", None,
+            n["q_concat_quant"]["decode"], None))
+    qrole = spec.roles["fused_qprep"]
+    for m in qrole.members:
+        if m.forbidden:
+            seen = sum(rc.members.get(m.name, {}).values())
+            checks.append(Check(
+                rt.rank, f"fused Q-prep member '{m.name}' launches", "fused_qprep",
+                "anywhere", f"0 ({m.why})", 0, seen, None))
+    if qrole.members:
+        ran = {k: sum(v.values()) for k, v in rc.members.items()}
+        checks.append(Check(
+            rt.rank, "fused Q-prep members that ran", "fused_qprep", "anywhere",
+            "reported only: " + (", ".join(f"{k} x{v}" for k, v in sorted(ran.items()))
+                                 or "none"), None, sum(ran.values()), None))
     if P:
         checks.append(Check(
             rt.rank, "fused Q-prep launches in steps with prefill", "fused_qprep",
@@ -118,12 +169,6 @@ def build_checks(rt: RankTrace, spec: Spec, model: ModelFacts, fusions: FusionSt
             rt.rank, "KV-cache write launches in steps with prefill", "cache_write",
             "other steps", f"{L} MLA layers x {P} steps",
             L * P + add("cache_write", P), n["cache_write"]["other"], None))
-    if n["q_concat_quant"]["decode"] or not qprep_on:
-        checks.append(Check(
-            rt.rank, "q concat + fp8 quant launches in MLA attention", "q_concat_quant",
-            "decode-only steps", "reported only: generic kernels (cat, fp8 quant) launched "
-            "inside the MLA attention operator; the fused Q-prep replaces them", None,
-            n["q_concat_quant"]["decode"], None))
     for role in ROLES:
         if n[role]["outside"]:
             checks.append(Check(
@@ -131,6 +176,12 @@ def build_checks(rt: RankTrace, spec: Spec, model: ModelFacts, fusions: FusionSt
                 "reported only: launched outside any execute_* annotation (e.g. a draft "
                 "model's proposal pass or the sampler); see docs/census.md", None,
                 n[role]["outside"], None))
+    if rc.unclassified:
+        top = ", ".join(f"{k} x{v}" for k, v in list(rc.unclassified.items())[:6])
+        checks.append(Check(
+            rt.rank, "unclassified launches in the MLA attention region", "-", "all",
+            f"reported only: match no role: {top}", None, sum(rc.unclassified.values()),
+            None))
     for c in checks:
         if c.expected is not None:
             c.ok = c.seen == c.expected
@@ -139,9 +190,23 @@ def build_checks(rt: RankTrace, spec: Spec, model: ModelFacts, fusions: FusionSt
 
 def step_checks(rt: RankTrace, min_decode_steps: int) -> list[Check]:
     D = sum(1 for s in rt.steps if s.decode_only)
+    rule = f">= {min_decode_steps} (profile after prefill is over)"
+    if rt.empty_steps:
+        rule += f"; {rt.empty_steps} step(s) without a forward ignored"
     return [Check(rt.rank, "decode-only engine steps captured", "-", "trace",
-                  f">= {min_decode_steps} (profile after prefill is over)", min_decode_steps,
-                  D, min_decode_steps <= D)]
+                  rule, min_decode_steps, D, min_decode_steps <= D)]
+
+
+def rank_checks(ranks: list[int], world_size: int, source: str) -> list[Check]:
+    missing = sorted(set(range(world_size)) - set(ranks))
+    extra = sorted(set(ranks) - set(range(world_size)))
+    rule = f"ranks 0..{world_size - 1} (world size {world_size} from {source})"
+    if missing:
+        rule += f"; MISSING rank(s) {', '.join(map(str, missing))}"
+    if extra:
+        rule += f"; rank(s) {', '.join(map(str, extra))} outside the world"
+    return [Check("all", "worker traces, one per rank", "-", "trace set", rule, world_size,
+                  len(set(ranks) & set(range(world_size))), not missing and not extra)]
 
 
 def render_table(checks: list[Check]) -> str:
@@ -159,10 +224,11 @@ def render_table(checks: list[Check]) -> str:
 
 def render_markdown_table(checks: list[Check]) -> str:
     out = ["| rank | check | scope | expected | seen | status | rule |",
-           "|---:|---|---|---:|---:|---|---|"]
+           "|---|---|---|---:|---:|---|---|"]
     for c in checks:
         exp = "-" if c.expected is None else str(c.expected)
         status = f"**{c.status}**" if c.ok is False else c.status
+        rule = c.rule.replace("|", "\\|")
         out.append(f"| {c.rank} | {c.what} | {c.scope} | {exp} | {c.seen} | {status} | "
-                   f"{c.rule} |")
+                   f"{rule} |")
     return "\n".join(out)

@@ -1,46 +1,37 @@
-"""Fusion states: what the overlay reported at server start, or what the user states.
+"""What the server was ASKED for: the claim the census judges.
 
-The overlay wrapper logs one line per fusion and process (see overlay/.../amd/mla.py):
-
-    k3rocm overlay: q/kv RMSNorm fusion ON (fused_mla_dual_rms_norm; op source: aiter)
-    k3rocm overlay: decode Q-prep fusion OFF (kv cache dtype auto is not fp8; kernel: ...)
-    k3rocm overlay: decode Q-prep fusion OFF after load (backend wants a bf16 query)
-
-The last word per process counts (a decision made at construction can be revoked after the
-weights load). Every process must agree, otherwise the states are "mixed" and no expectation
-can be derived.
+The claim is the fusion toggles the server was started with: ``K3_FUSE_QK_NORM`` and
+``K3_FUSE_DECODE_QPREP`` in the server container's environment (docker inspect, or the run's
+provenance), default on when unset, exactly as the overlay reads them; or stated with
+``--fusions qk_norm=on,decode_qprep=off``. The overlay's own decision records
+(``census/decisions.py``) are cross-checked against this claim; they never set it.
 """
 
 from __future__ import annotations
 
-import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from k3rocm.errors import UsageError
 
 FUSIONS = ("qk_norm", "decode_qprep")
-_LINE = re.compile(
-    r"k3rocm overlay: (?P<what>q/kv RMSNorm|decode Q-prep) fusion (?P<state>ON|OFF)"
-    r"(?P<after> after load)? \((?P<why>[^;)]*)")
-_PROC = re.compile(r"^\((?P<proc>[^)]*?)(?: pid=(?P<pid>\d+))?\)")
-_KEY = {"q/kv RMSNorm": "qk_norm", "decode Q-prep": "decode_qprep"}
+ENV = {"qk_norm": "K3_FUSE_QK_NORM", "decode_qprep": "K3_FUSE_DECODE_QPREP"}
 
 
 @dataclass
-class FusionStates:
-    qk_norm: bool | None = None
-    decode_qprep: bool | None = None
-    source: str = "unknown"
-    reasons: dict[str, str] = field(default_factory=dict)
-    lines: list[str] = field(default_factory=list)
+class FusionClaim:
+    qk_norm: bool
+    decode_qprep: bool
+    source: str
+    detail: dict[str, str] = field(default_factory=dict)  # per fusion: where the value came from
 
-    def get(self, name: str) -> bool | None:
-        return getattr(self, name)
+    def get(self, name: str) -> bool:
+        return bool(getattr(self, name))
 
     def to_json(self) -> dict[str, Any]:
         return {"qk_norm": self.qk_norm, "decode_qprep": self.decode_qprep,
-                "source": self.source, "reasons": self.reasons, "log_lines": self.lines}
+                "source": self.source, "detail": self.detail}
 
 
 def parse_switch(value: str, what: str) -> bool:
@@ -52,9 +43,9 @@ def parse_switch(value: str, what: str) -> bool:
     raise UsageError(f"{what}={value!r} is not a switch; use on or off")
 
 
-def from_cli(spec: str) -> FusionStates:
+def from_cli(spec: str) -> FusionClaim:
     """``qk_norm=on,decode_qprep=off`` (also ``all=off``)."""
-    st = FusionStates(source="command line")
+    vals: dict[str, bool] = {}
     for part in filter(None, (p.strip() for p in spec.split(","))):
         key, sep, val = part.partition("=")
         key = key.strip()
@@ -62,41 +53,25 @@ def from_cli(spec: str) -> FusionStates:
             raise UsageError(f"--fusions item {part!r} is not NAME=on|off with NAME one of "
                              f"{', '.join((*FUSIONS, 'all'))}")
         for k in (FUSIONS if key == "all" else (key,)):
-            setattr(st, k, parse_switch(val, f"--fusions {k}"))
-            st.reasons[k] = "stated on the command line"
-    missing = [k for k in FUSIONS if st.get(k) is None]
+            vals[k] = parse_switch(val, f"--fusions {k}")
+    missing = [k for k in FUSIONS if k not in vals]
     if missing:
         raise UsageError(f"--fusions {spec!r} leaves {', '.join(missing)} unset; give both, "
                          "e.g. qk_norm=on,decode_qprep=off")
-    return st
+    return FusionClaim(vals["qk_norm"], vals["decode_qprep"], "--fusions",
+                       {k: "stated with --fusions" for k in FUSIONS})
 
 
-def from_log(text: str, source: str = "server log") -> FusionStates:
-    """States from the overlay's startup lines; raises UsageError when absent or mixed."""
-    per_proc: dict[tuple[str, str], dict[str, tuple[bool, str]]] = {}
-    lines = []
-    for line in text.splitlines():
-        m = _LINE.search(line)
-        if not m:
-            continue
-        lines.append(line.strip())
-        pm = _PROC.match(line.strip())
-        proc = (pm.group("proc"), pm.group("pid") or "") if pm else ("main", "")
-        per_proc.setdefault(proc, {})[_KEY[m.group("what")]] = (
-            m.group("state") == "ON", m.group("why").strip())
-    if not lines:
-        raise UsageError(f"no 'k3rocm overlay: ... fusion ON|OFF' line in the {source}: the "
-                         "overlay did not run (stock vLLM, K3_OVERLAY=off, or the model is not "
-                         "Kimi-K3); state the fusions with --fusions qk_norm=off,decode_qprep=off")
-    st = FusionStates(source=source, lines=lines[:20])
-    for key in FUSIONS:
-        vals = {v[key][0] for v in per_proc.values() if key in v}
-        if not vals:
-            raise UsageError(f"the {source} reports no state for the {key} fusion; "
-                             "pass --fusions")
-        if len(vals) > 1:
-            raise UsageError(f"the {source} reports the {key} fusion ON in some processes and "
-                             "OFF in others; no single expectation applies")
-        setattr(st, key, vals.pop())
-        st.reasons[key] = next(v[key][1] for v in per_proc.values() if key in v)
-    return st
+def from_env(env: Mapping[str, str], source: str) -> FusionClaim:
+    """The toggles in a server's environment; unset or empty = on (the overlay's default)."""
+    vals: dict[str, bool] = {}
+    detail: dict[str, str] = {}
+    for k, var in ENV.items():
+        raw = env.get(var)
+        if raw is None or raw.strip() == "":
+            vals[k] = True
+            detail[k] = f"{var} unset in {source} (default on)"
+        else:
+            vals[k] = parse_switch(raw, f"{var} in {source}")
+            detail[k] = f"{var}={raw} in {source}"
+    return FusionClaim(vals["qk_norm"], vals["decode_qprep"], source, detail)

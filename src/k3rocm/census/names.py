@@ -5,6 +5,8 @@ GPU kernel names in a chrome trace carry C++ noise: ``void vllm::rms_norm_kernel
 normalizer strips the return type, the argument list and template arguments. Generic launcher
 names (CK-tile's ``ck_tile::kentry<...>``) would all collapse into one bucket, so for those the
 first kernel-like type inside the template arguments is kept: ``ck_tile::kentry<Rmsnorm2dFwd>``.
+A trailing ``.kd`` (the code-object descriptor suffix some ROCm traces print, e.g.
+``triton_poi_fused__to_copy_cat_clamp_mul_reciprocal_view_0.kd``) is dropped.
 After that, user aliases (``regex -> name``, first match wins) rename whatever is left.
 """
 
@@ -92,6 +94,8 @@ class Normalizer:
         if hit is not None:
             return hit
         name = " ".join(raw.split())
+        if name.endswith(".kd"):  # code-object symbol suffix in some ROCm traces
+            name = name[:-3]
         if self.strip_templates:
             name = _strip_args(name)
             if name.startswith("void "):

@@ -1,24 +1,20 @@
-"""Which launches play which role, per platform, and what else a model launches of them.
+"""Which launches play which role: the one table in ``kernels.json`` (shipped as package data).
 
-A *role* is a set of kernel/operator names (regular expressions over normalized names):
+A *role* is a set of kernel/operator names (regular expressions over normalized names), in a
+*group* (``qk_norm`` or ``decode_qprep``: the fusion that owns it) and of a *kind* (``fused``:
+the launch the fusion adds; ``stock``: a launch the fusion removes):
 
-- ``fused_qk_norm``: the one-launch q/kv RMSNorm (AITER ``fused_qk_rmsnorm``; on CPU the
-  ``vllm::fused_mla_dual_rms_norm`` operator when a reference implementation is registered).
-- ``qk_norm``: separate RMSNorm launches. The MLA q/kv norms are two of these per MLA layer
-  when the fusion is off; the model's other RMSNorm launches of the same kind per step come
-  from ``MODEL_FAMILIES`` (a formula over the model config) so the q/kv share can be isolated.
-- ``fused_qprep``: AITER ``fused_qk_rope_concat_and_cache_mla``.
-- ``cache_write``: the stock MLA KV-cache write (``concat_and_cache_mla``; on the CPU build of
-  vLLM 0.32 the ``vllm::unified_mla_kv_cache_update`` operator that performs it).
-- ``q_concat_quant``: the ``[ql_nope | q_pe]`` concat and its fp8 quant inside the MLA
-  attention operator (the other launches the decode fusion removes). Generic kernels, so only
-  those launched inside the MLA attention operator count (``require_parents``); reported and
-  part of the A/B's Q-prep group, never checked.
+- ``fused_qk_norm`` / ``qk_norm``: AITER ``fused_qk_rmsnorm_kernel`` / every separate RMSNorm
+  launch (the MLA q/kv latent norms are two of them per MLA layer when the fusion is off; the
+  model's other norms per step come from ``model_families`` so the q/kv share can be isolated).
+- ``fused_qprep``: AITER's ``fuse_qk_rope_concat_and_cache_mla_*`` device kernels (the family;
+  each launch is also assigned a *member*; a ``forbidden`` member must never run).
+- ``cache_write`` / ``q_concat_quant``: the stock fp8 KV-cache write and the Inductor kernel that
+  concatenates ``[ql_nope | q_pe]`` and quantizes it.
 
 A launch counts for a role only when none of the operators it is nested in also matches that
-role (so ``_C::rms_norm`` and the ``aten::rsqrt`` inside it count once), and not when a
-parent matches ``exclude_parents`` (the rsqrt inside the fused reference op is not a separate
-norm). Everything here can be overridden with ``--spec FILE`` (JSON with the same shape).
+role (CPU operators nest), and not when a parent matches ``exclude_parents``.
+``--spec FILE`` (JSON, same shape as kernels.json) overrides roles per platform.
 """
 
 from __future__ import annotations
@@ -26,67 +22,31 @@ from __future__ import annotations
 import copy
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from k3rocm.errors import UsageError
 
 ROLES = ("fused_qk_norm", "qk_norm", "fused_qprep", "cache_write", "q_concat_quant")
+GROUPS = {"qk_norm": ("fused_qk_norm", "qk_norm"),
+          "decode_qprep": ("fused_qprep", "cache_write", "q_concat_quant")}
 
-PLATFORMS: dict[str, dict[str, dict[str, list[str]]]] = {
-    # Device kernels on ROCm (AITER / vLLM _C). Names are matched after normalization
-    # (template arguments and argument lists stripped).
-    "rocm": {
-        "fused_qk_norm": {"match": [r"fused_qk_rmsnorm"]},
-        "qk_norm": {
-            "match": [r"(?i)rms_?norm"],
-            # residual-add, gated, quantizing variants and the fused dual norm are other kernels
-            "exclude": [r"(?i)fused_qk_rmsnorm", r"(?i)add", r"(?i)gated", r"(?i)quant"],
-        },
-        "fused_qprep": {"match": [r"fused_qk_rope_concat_and_cache_mla"]},
-        "cache_write": {"match": [r"(^|::)concat_and_cache_mla(_kernel)?$"]},
-        "q_concat_quant": {
-            "match": [r"CatArrayBatchedCopy", r"(?i)scaled_fp8_quant", r"(?i)fp8.*quant"],
-            "require_parents": [r"mla_attention"],
-        },
-    },
-    # CPU operators (cpu_op events) of the CPU build of vLLM: the stand-in has no GPU kernels.
-    "cpu": {
-        "fused_qk_norm": {"match": [r"fused_mla_dual_rms_norm"]},
-        "qk_norm": {
-            # vLLM's native RMSNorm runs as aten ops with exactly one rsqrt per norm; a C++
-            # build uses _C::rms_norm / _C::fused_add_rms_norm. One count per norm either way.
-            "match": [r"^aten::rsqrt$", r"^_C::(fused_add_)?rms_norm$"],
-            "exclude_parents": [r"fused_mla_dual_rms_norm", r"fused_qk_rmsnorm"],
-        },
-        "fused_qprep": {"match": [r"fused_qk_rope_concat_and_cache_mla"]},
-        "cache_write": {
-            "match": [r"^vllm::unified_mla_kv_cache_update$",
-                      r"(^|::)concat_and_cache_mla(_kernel)?$"],
-        },
-        "q_concat_quant": {
-            "match": [r"^aten::cat$", r"(?i)scaled_fp8_quant"],
-            "require_parents": [r"mla_attention"],
-        },
-    },
-}
 
-# Per model family: how many launches of the ``qk_norm`` role per engine step are *not* the
-# MLA q/kv norms, as a formula over: layers, mla_layers. None = not known for that platform
-# (the separate-norm row is then reported, not checked; census-ab still shows the difference).
-MODEL_FAMILIES: dict[str, dict[str, str | None]] = {
-    # DeepSeek-V2/V3 decoder: input + post-attention norm per layer, one final norm. On CPU all
-    # are native RMSNorms; on ROCm all but the first layer's input norm are residual-add kernels.
-    "deepseek": {"cpu": "2*layers + 1", "rocm": "1"},
-    # Kimi-K3 (kimi_linear text model): attention-residual and latent-MoE norms whose kernels
-    # were not observed on hardware yet.
-    "kimi_linear": {"cpu": None, "rocm": None},
-}
-FAMILY_OF_MODEL_TYPE = {
-    "deepseek_v2": "deepseek", "deepseek_v3": "deepseek", "deepseek_v32": "deepseek",
-    "kimi_k2": "deepseek", "kimi_linear": "kimi_linear", "kimi_k3": "kimi_linear",
-}
+def kernel_table() -> dict[str, Any]:
+    """The packaged kernels.json."""
+    text = resources.files("k3rocm.census").joinpath("kernels.json").read_text()
+    return json.loads(text)
+
+
+@dataclass
+class Member:
+    name: str
+    match: re.Pattern[str]
+    forbidden: bool
+    why: str
+    source: str
 
 
 @dataclass
@@ -96,6 +56,9 @@ class Role:
     exclude: list[re.Pattern[str]]
     exclude_parents: list[re.Pattern[str]]
     require_parents: list[re.Pattern[str]]
+    group: str = ""
+    kind: str = ""
+    members: list[Member] = field(default_factory=list)
 
     def hits(self, name: str) -> bool:
         return any(p.search(name) for p in self.match) and not any(
@@ -112,6 +75,12 @@ class Role:
         return not any((outermost and self.hits(p))
                        or any(x.search(p) for x in self.exclude_parents) for p in parents)
 
+    def member_of(self, name: str) -> str:
+        for m in self.members:
+            if m.match.search(name):
+                return m.name
+        return "other"
+
 
 @dataclass
 class Spec:
@@ -120,6 +89,10 @@ class Spec:
     other_norms_formula: str | None
     family: str | None
     source: dict[str, Any]
+    mla_region: list[re.Pattern[str]] = field(default_factory=list)
+
+    def in_mla_region(self, parents: tuple[str, ...]) -> bool:
+        return any(x.search(p) for p in parents for x in self.mla_region)
 
 
 def _compile(lst: Any, where: str) -> list[re.Pattern[str]]:
@@ -134,13 +107,27 @@ def _compile(lst: Any, where: str) -> list[re.Pattern[str]]:
     return out
 
 
+def _members(lst: Any, where: str) -> list[Member]:
+    if not isinstance(lst, list):
+        raise UsageError(f"census spec {where} must be a list of members")
+    out = []
+    for i, m in enumerate(lst):
+        if not isinstance(m, dict) or not isinstance(m.get("member"), str):
+            raise UsageError(f"census spec {where}[{i}] needs a 'member' name and a 'match'")
+        out.append(Member(m["member"], _compile([m.get("match", "")], f"{where}[{i}]")[0],
+                          bool(m.get("forbidden")), str(m.get("why", "")),
+                          str(m.get("source", ""))))
+    return out
+
+
 def load_spec(platform: str, model_type: str | None, spec_file: str | None = None,
               other_norms: str | None = None) -> Spec:
-    """Build the role matchers for ``platform`` (rocm|cpu), optionally overridden by a JSON
-    file ``{"platforms": {...}, "model_families": {...}, "family_of_model_type": {...}}``."""
-    platforms = copy.deepcopy(PLATFORMS)
-    families = copy.deepcopy(MODEL_FAMILIES)
-    fam_of = dict(FAMILY_OF_MODEL_TYPE)
+    """Build the role matchers for ``platform`` (rocm|cpu) from kernels.json, optionally
+    overridden by a JSON file of the same shape (roles replaced one by one)."""
+    table = copy.deepcopy(kernel_table())
+    platforms = table["platforms"]
+    families = table["model_families"]
+    fam_of = dict(table["family_of_model_type"])
     if spec_file:
         try:
             user = json.loads(Path(spec_file).read_text())
@@ -148,30 +135,41 @@ def load_spec(platform: str, model_type: str | None, spec_file: str | None = Non
             raise UsageError(f"--spec {spec_file} cannot be read as JSON ({exc})") from None
         if not isinstance(user, dict):
             raise UsageError(f"--spec {spec_file} must hold a JSON object")
-        for plat, roles in (user.get("platforms") or {}).items():
-            platforms.setdefault(plat, {}).update(roles)
+        for plat, body in (user.get("platforms") or {}).items():
+            if not isinstance(body, dict):
+                raise UsageError(f"--spec {spec_file}: platforms.{plat} must be an object")
+            dest = platforms.setdefault(plat, {"roles": {}, "mla_region": {"parents": []}})
+            dest["roles"].update(body.get("roles") or {})
+            if "mla_region" in body:
+                dest["mla_region"] = body["mla_region"]
         families.update(user.get("model_families") or {})
         fam_of.update(user.get("family_of_model_type") or {})
     if platform not in platforms:
         raise UsageError(f"platform {platform!r} is not known; valid: "
                          f"{', '.join(sorted(platforms))}")
     roles = {}
+    plat = platforms[platform]
     for rname in ROLES:
-        r = platforms[platform].get(rname)
+        r = plat["roles"].get(rname)
         if not isinstance(r, dict):
             raise UsageError(f"census spec: platform {platform!r} has no role {rname!r}")
         where = f"{platform}.{rname}"
         roles[rname] = Role(rname, _compile(r.get("match", []), where + ".match"),
                             _compile(r.get("exclude", []), where + ".exclude"),
                             _compile(r.get("exclude_parents", []), where + ".exclude_parents"),
-                            _compile(r.get("require_parents", []), where + ".require_parents"))
+                            _compile(r.get("require_parents", []), where + ".require_parents"),
+                            str(r.get("group", "")), str(r.get("kind", "")),
+                            _members(r.get("members", []), where + ".members"))
+    region = _compile((plat.get("mla_region") or {}).get("parents", []),
+                      f"{platform}.mla_region.parents")
     family = fam_of.get(model_type or "")
-    formula = families.get(family, {}).get(platform) if family else None
+    formula = (families.get(family) or {}).get(platform) if family else None
     if other_norms is not None:
         formula = other_norms
     return Spec(platform, roles, formula, family,
-                {"platform": platform, "roles": platforms[platform], "family": family,
-                 "other_norms_per_step": formula, "spec_file": spec_file})
+                {"platform": platform, "roles": plat["roles"], "family": family,
+                 "other_norms_per_step": formula, "spec_file": spec_file,
+                 "table": "k3rocm/census/kernels.json"}, region)
 
 
 _FORMULA_OK = re.compile(r"^[\s\d+\-*()a-z_]*$")

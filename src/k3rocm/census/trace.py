@@ -24,6 +24,7 @@ import gzip
 import json
 import os
 import re
+import zlib
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,9 @@ RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)(?:\D|$)")
 TRACE_SUFFIXES = (".json", ".json.gz")
 RUNTIME_CATS = {"cuda_runtime", "cuda_driver", "hip_runtime", "hip_driver", "runtime"}
 KERNEL_CATS = {"kernel"}
+# JSON files that live beside the traces but are not traces (overlay decision records,
+# run provenance)
+NOT_TRACES = ("k3rocm-decisions-pid", "provenance.json", "census.json")
 
 
 @dataclass
@@ -53,7 +57,13 @@ class Step:
 
     @property
     def decode_only(self) -> bool:
+        """The attention backend's rule: no request with context (prefill) tokens."""
         return self.ctx_reqs == 0 and self.gen_reqs > 0
+
+    @property
+    def empty(self) -> bool:
+        """``execute_context_0(0)_generation_0(0)``: an engine step without a forward."""
+        return self.ctx_reqs == 0 and self.gen_reqs == 0
 
     def to_json(self) -> dict[str, Any]:
         return {"index": self.index, "name": self.name, "decode_only": self.decode_only,
@@ -81,6 +91,9 @@ class RankTrace:
     unattributed: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
     outside: list[Launch] = field(default_factory=list)  # launches in no engine step (step -1)
+    world_size: int | None = None  # from distributedInfo
+    rank_source: str = ""
+    empty_steps: int = 0  # engine steps without a forward, ignored
 
     # -- aggregates ----------------------------------------------------------------------
     def per_step_counts(self) -> list[Counter[str]]:
@@ -110,7 +123,8 @@ class RankTrace:
                 "steps": len(self.steps),
                 "decode_steps": sum(1 for s in self.steps if s.decode_only),
                 "launches": len(self.launches), "unattributed": self.unattributed,
-                "meta": self.meta}
+                "empty_steps_ignored": self.empty_steps, "world_size": self.world_size,
+                "rank_source": self.rank_source, "meta": self.meta}
 
 
 # -- loading ----------------------------------------------------------------------------------
@@ -123,9 +137,11 @@ def load_json(path: str | os.PathLike) -> dict[str, Any]:
             fh.seek(0)
             data = gzip.GzipFile(fileobj=fh).read() if head == b"\x1f\x8b" else fh.read()
         obj = json.loads(data)
-    except (OSError, EOFError, gzip.BadGzipFile, ValueError) as exc:
-        raise UsageError(f"trace {path} cannot be read as chrome-trace JSON ({exc}); "
-                         "expected a .pt.trace.json or .pt.trace.json.gz file") from None
+    except (OSError, EOFError, gzip.BadGzipFile, zlib.error, ValueError) as exc:
+        why = " ".join(str(exc).split())[:160]
+        raise UsageError(f"trace {path} cannot be read as chrome-trace JSON "
+                         f"({exc.__class__.__name__}: {why}); expected a .pt.trace.json or "
+                         ".pt.trace.json.gz file; re-collect it") from None
     if isinstance(obj, list):
         obj = {"traceEvents": obj}
     if not isinstance(obj, dict) or not isinstance(obj.get("traceEvents"), list):
@@ -141,11 +157,24 @@ def parse_step_name(name: str) -> tuple[int, int, int, int] | None:
 
 
 def rank_of(path: Path, obj: dict[str, Any]) -> int | None:
+    return rank_and_source(path, obj)[0]
+
+
+def rank_and_source(path: Path, obj: dict[str, Any]) -> tuple[int | None, str]:
+    """The trace's rank: ``distributedInfo.rank`` (torch profiler metadata), else the file
+    name (``rank-<r>`` / ``..._rank<r>.``); (None, "") when neither tells."""
     info = obj.get("distributedInfo")
-    if isinstance(info, dict) and isinstance(info.get("rank"), int):
-        return int(info["rank"])
+    if isinstance(info, dict) and isinstance(info.get("rank"), int) \
+            and not isinstance(info.get("rank"), bool):
+        return int(info["rank"]), "distributedInfo"
     m = RANK_IN_NAME.search(path.name)
-    return int(m.group(1)) if m else None
+    return (int(m.group(1)), "file name") if m else (None, "")
+
+
+def world_size_of(obj: dict[str, Any]) -> int | None:
+    info = obj.get("distributedInfo")
+    ws = info.get("world_size") if isinstance(info, dict) else None
+    return ws if isinstance(ws, int) and not isinstance(ws, bool) and ws > 0 else None
 
 
 def _nest(events: list[dict[str, Any]]) -> dict[int, tuple[str, ...]]:
@@ -165,17 +194,45 @@ def _nest(events: list[dict[str, Any]]) -> dict[int, tuple[str, ...]]:
 
 def parse_rank_trace(path: str | os.PathLike, normalize: Normalizer | None = None,
                      mode: str = "auto", obj: dict[str, Any] | None = None) -> RankTrace:
+    """Parse one worker trace; any malformed event is a one-line UsageError naming the file."""
     path = Path(path)
-    normalize = normalize or Normalizer()
     obj = obj if obj is not None else load_json(path)
+    try:
+        return _parse_rank_trace(path, normalize or Normalizer(), mode, obj)
+    except UsageError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
+        why = " ".join(str(exc).split())[:120]
+        raise UsageError(f"trace {path} is malformed ({exc.__class__.__name__}: {why}); "
+                         "every complete event needs a numeric ts/dur and a name; re-collect "
+                         "the trace") from None
+
+
+def _num(e: dict[str, Any], key: str, default: float | None = None) -> float:
+    v = e.get(key, default)
+    if v is None:
+        v = 0.0
+    if isinstance(v, bool) or not isinstance(v, (int, float, str)):
+        raise ValueError(f"event {str(e.get('name'))[:60]!r} has a non-numeric {key} {v!r}")
+    try:
+        return float(v)
+    except ValueError:
+        raise ValueError(f"event {str(e.get('name'))[:60]!r} has a non-numeric {key} "
+                         f"{v!r}") from None
+
+
+def _parse_rank_trace(path: Path, normalize: Normalizer, mode: str,
+                      obj: dict[str, Any]) -> RankTrace:
     events = [e for e in obj["traceEvents"]
               if isinstance(e, dict) and e.get("ph") == "X" and "ts" in e and "name" in e]
     for e in events:
-        e["ts"] = float(e["ts"])
-        e["dur"] = float(e.get("dur", 0.0) or 0.0)
-    rank = rank_of(path, obj)
+        e["ts"] = _num(e, "ts")
+        e["dur"] = _num(e, "dur", 0.0)
+        if not isinstance(e.get("args", {}), dict):
+            raise ValueError(f"event {str(e['name'])[:60]!r} has args that are not an object")
+    rank, rank_source = rank_and_source(path, obj)
     if rank is None:
-        rank = 0
+        rank = -1
 
     step_evs = []
     gpu_step_evs = []
@@ -188,6 +245,11 @@ def parse_rank_trace(path: str | os.PathLike, normalize: Normalizer | None = Non
         elif e.get("cat") == "gpu_user_annotation":
             gpu_step_evs.append((e, parsed))
     step_evs.sort(key=lambda t: t[0]["ts"])
+    empty = sum(1 for _, p in step_evs if p[0] == 0 and p[2] == 0)
+    # engine steps without a forward (no requests) are ignored, neither decode nor prefill;
+    # their device-side ranges are dropped the same way
+    step_evs = [(e, p) for e, p in step_evs if not (p[0] == 0 and p[2] == 0)]
+    gpu_step_evs = [(e, p) for e, p in gpu_step_evs if not (p[0] == 0 and p[2] == 0)]
     steps = [Step(i, str(e["name"]), e["ts"], e["dur"], *p) for i, (e, p) in enumerate(step_evs)]
     starts = [s.ts for s in steps]
 
@@ -260,7 +322,8 @@ def parse_rank_trace(path: str | os.PathLike, normalize: Normalizer | None = Non
     if "deviceProperties" in meta and isinstance(meta["deviceProperties"], list):
         meta["deviceProperties"] = [{k: d.get(k) for k in ("id", "name", "totalGlobalMem")}
                                     for d in meta["deviceProperties"] if isinstance(d, dict)]
-    return RankTrace(path, rank, mode, steps, launches, unattributed, meta, outside)
+    return RankTrace(path, rank, mode, steps, launches, unattributed, meta, outside,
+                     world_size_of(obj), rank_source, empty)
 
 
 # -- a directory of traces ----------------------------------------------------------------------
@@ -269,13 +332,15 @@ def find_trace_files(directory: str | os.PathLike) -> list[Path]:
     d = Path(directory)
     if not d.is_dir():
         raise UsageError(f"trace directory {d} does not exist or is not a directory")
-    return sorted(p for p in d.rglob("*") if p.is_file() and p.name.endswith(TRACE_SUFFIXES))
+    return sorted(p for p in d.rglob("*") if p.is_file() and p.name.endswith(TRACE_SUFFIXES)
+                  and not p.name.startswith(NOT_TRACES))
 
 
 @dataclass
 class TraceSet:
     ranks: list[RankTrace]
     ignored: list[dict[str, str]]  # files that are not worker traces (front-end, empty, dupes)
+    world_size: int | None = None  # from the traces' distributedInfo (None: not recorded)
 
 
 def load_trace_dir(directory: str | os.PathLike, normalize: Normalizer | None = None,
@@ -288,6 +353,7 @@ def load_trace_dir(directory: str | os.PathLike, normalize: Normalizer | None = 
                          "called?")
     per_rank: dict[int, list[RankTrace]] = defaultdict(list)
     ignored: list[dict[str, str]] = []
+    rankless: list[str] = []
     for f in files:
         obj = load_json(f)
         has_rank = rank_of(f, obj) is not None
@@ -295,9 +361,24 @@ def load_trace_dir(directory: str | os.PathLike, normalize: Normalizer | None = 
         if not rt.steps:
             why = ("no engine-step annotations (front-end trace)" if not has_rank
                    else "no engine-step annotations")
+            if rt.empty_steps:
+                why = f"only engine steps without a forward ({rt.empty_steps})"
             ignored.append({"path": str(f), "why": why})
             continue
+        if not has_rank:
+            rankless.append(f.name)
+            continue
         per_rank[rt.rank].append(rt)
+    if rankless:
+        raise UsageError(f"cannot tell the rank of {len(rankless)} worker trace(s) "
+                         f"({', '.join(rankless[:4])}): no distributedInfo.rank and no rank in "
+                         "the file name; they are not merged. Keep the profiler's file names "
+                         "(<ts>-rank-<r>...) or its metadata")
+    sizes = {r.world_size for rs in per_rank.values() for r in rs if r.world_size is not None}
+    if len(sizes) > 1:
+        raise UsageError(f"the traces in {directory} disagree on the world size "
+                         f"({sorted(sizes)}): they come from different runs; keep one run's "
+                         "traces per directory")
     ranks: list[RankTrace] = []
     for r in sorted(per_rank):
         cands = sorted(per_rank[r], key=lambda t: (t.steps[0].ts, t.path.stat().st_mtime))
@@ -307,4 +388,4 @@ def load_trace_dir(directory: str | os.PathLike, normalize: Normalizer | None = 
     if not ranks:
         raise UsageError(f"no worker trace with engine steps in {directory} "
                          f"({len(files)} file(s) looked at: {', '.join(p.name for p in files)})")
-    return TraceSet(ranks, ignored)
+    return TraceSet(ranks, ignored, sizes.pop() if sizes else None)

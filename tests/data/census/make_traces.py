@@ -1,147 +1,301 @@
-"""Write the small crafted traces in this directory (run: python3 make_traces.py).
+"""Write the small crafted traces and decision records in this directory
+(run: python3 make_traces.py; deterministic: gzip mtime 0, fixed timestamps).
 
 They imitate vLLM worker traces from a ROCm build: per engine step a ``user_annotation``
 ``execute_context_<n>(..)_generation_<m>(..)`` on the worker's main thread, host-side
-``hipLaunchKernel`` runtime events inside it, and ``kernel`` events on a GPU stream linked by
-``args.correlation``. Device kernels run *after* their launch, so the last kernels of a step
-end after the step's annotation closed (attribution must use the correlation, not time).
-Kernel names are the ROCm ones named in the brief, with C++ template/argument noise.
+``hipLaunchKernel`` runtime events inside it nested in the ``cpu_op`` that launched them, and
+``kernel`` events on a GPU stream linked by ``args.correlation``. Device kernels run *after*
+their launch, so the last kernels of a step end after the step's annotation closed (attribution
+must use the correlation, not time). ``distributedInfo`` {rank, world_size} as the torch
+profiler writes it.
+
+Kernel names are the REAL ROCm names (k3rocm/census/kernels.json says where each comes from):
+- fused q/kv norm: ``aiter::fused_qk_rmsnorm_kernel<bf16,256,8,true,1>`` (seed PR text; ROCm/aiter
+  csrc/kernels/fused_qk_norm.cu launches <256, 8, 1> for max(q_lora 1536, kv_lora 512) <= 2048)
+- every stock RMSNorm (input/post-attention/final AND the paired per-MLA q/kv latent norms):
+  ``aiter::add_rmsnorm_quant_kernel<...>`` (seed PR text: "paired per-MLA add_rmsnorm launches";
+  ROCm/aiter csrc/kernels/rmsnorm_quant_kernels.cu)
+- stock fp8 KV-cache write: ``vllm::concat_and_cache_mla_kernel<...>`` (vLLM csrc/cache_kernels.cu)
+- stock q concat + static fp8 quant, one Inductor kernel:
+  ``triton_poi_fused__to_copy_cat_clamp_mul_reciprocal_view_0`` (seed PR text)
+- fused Q-prep device kernels, spelled "fuse_" (ROCm/aiter csrc/kernels/cache_kernels.cu):
+  ``fuse_qk_rope_concat_and_cache_mla_per_head_kernel`` (decode, < 256 tokens, block size 1),
+  ``..._kernel`` (the _opt path), ``..._kernel_general`` (no position clamp: must never run)
+- AITER MLA decode kernels (``aiter::mla_a8w8_qh16_qseqlen1_gqaratio16_ps``,
+  ``kn_mla_reduce_v1_ps``: public MI355X decode traces) match no role: the census lists them
+  as unclassified launches in the MLA attention region.
+Upstream anchor (seed PR text, MI355X TP=8 rank 0, 6 decode steps, 24 MLA layers): q/kv norm
+288 -> 144 launches; Q-prep 288 -> 144 launches, 1351.8 -> 682.8 us = 9.39 -> 4.74 us per MLA
+layer per decode step: the k3-anchor-* sets carry those counts and durations.
 """
 
 from __future__ import annotations
 
 import gzip
 import json
+import shutil
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-K_FUSED_NORM = "aiter::fused_qk_rmsnorm_kernel<__hip_bfloat16, 256, 8>(__hip_bfloat16*, ...)"
-K_FUSED_QPREP = ("void aiter::fused_qk_rope_concat_and_cache_mla_kernel<__hip_bfloat16, "
-                 "__hip_fp8_e4m3, 64, true>(__hip_bfloat16 const*, long, int)")
+K_FUSED_NORM = ("void aiter::fused_qk_rmsnorm_kernel<__hip_bfloat16, 256, 8, true, 1>"
+                "(__hip_bfloat16*, __hip_bfloat16*, __hip_bfloat16 const*, "
+                "__hip_bfloat16 const*, float, float, int, int, int)")
+K_NORM = ("void aiter::add_rmsnorm_quant_kernel<__hip_bfloat16, __hip_bfloat16, 256, 8, false>"
+          "(__hip_bfloat16*, __hip_bfloat16*, float*, __hip_bfloat16 const*, "
+          "__hip_bfloat16 const*, __hip_bfloat16 const*, double, int, int, int, int, int)")
+K_QPREP = {
+    "per_head": ("void aiter::fuse_qk_rope_concat_and_cache_mla_per_head_kernel<__hip_bfloat16, "
+                 "__hip_fp8_e4m3, __hip_fp8_e4m3, (vllm::Fp8KVCacheDataType)1, "
+                 "(vllm::Fp8KVCacheDataType)1, false, true>(__hip_bfloat16 const*, ...)"),
+    "opt": ("void aiter::fuse_qk_rope_concat_and_cache_mla_kernel<__hip_bfloat16, "
+            "__hip_fp8_e4m3, __hip_fp8_e4m3, (vllm::Fp8KVCacheDataType)1, "
+            "(vllm::Fp8KVCacheDataType)1, false, true>(__hip_bfloat16 const*, ...)"),
+    "general": ("void aiter::fuse_qk_rope_concat_and_cache_mla_kernel_general<__hip_bfloat16, "
+                "__hip_fp8_e4m3, __hip_fp8_e4m3, (vllm::Fp8KVCacheDataType)1, "
+                "(vllm::Fp8KVCacheDataType)1>(__hip_bfloat16 const*, ...)"),
+}
 K_CACHE = ("void vllm::concat_and_cache_mla_kernel<__hip_bfloat16, unsigned char, "
            "(vllm::Fp8KVCacheDataType)1>(__hip_bfloat16 const*, __hip_bfloat16 const*, "
            "unsigned char*, long const*, int, int, int, int, int, float const*)")
-K_RMS = ("void vllm::rms_norm_kernel<c10::BFloat16, 8, 4>(c10::BFloat16*, "
-         "c10::BFloat16 const*, float, int, int)")
-K_ADD_RMS = ("void vllm::fused_add_rms_norm_kernel<c10::BFloat16, 8>(c10::BFloat16*, "
-             "c10::BFloat16*, c10::BFloat16 const*, float, int, int)")
+K_CONCAT_QUANT = "triton_poi_fused__to_copy_cat_clamp_mul_reciprocal_view_0"
 K_GEMM = "Cijk_Alik_Bljk_BBS_BH_MT128x128x64_MI16x16x1_SN_1LDSB1_GRVW8"
-K_ATTN = "void aiter::mla_decode_stage1_asm_fwd<(anonymous namespace)::Cfg, 512>(void*)"
-K_QUANT = "void vllm::scaled_fp8_quant_kernel_strided<c10::BFloat16, c10::Float8_e4m3fnuz>(...)"
+K_MLA = "aiter::mla_a8w8_qh16_qseqlen1_gqaratio16_ps"
+K_MLA_REDUCE = "kn_mla_reduce_v1_ps<512, 32, 1>"
+K_KDA = "chunk_kda_fwd_kernel"  # stands for a KDA layer's attention work (not a role)
+OP_NORM = "vllm::rocm_aiter_rms_norm"
+OP_MLA = "vllm::unified_mla_attention_with_output"
+
+# upstream anchor durations (us): stock Q-prep 9.3875 per layer and step (x 144 = 1351.8),
+# fused 682.8 / 144
+US_CACHE, US_CONCAT, US_FUSED_QPREP = 4.6, 4.7875, 682.8 / 144
 
 
-def _step_kernels(layers: int, decode: bool, norm_on: bool, qprep_on: bool) -> list[tuple]:
-    """(kernel name, device us, enclosing cpu_op) in launch order for one engine step."""
-    ks: list[tuple] = [(K_RMS, 3.0, "_C::rms_norm")]  # layer 0 input norm (no residual)
-    for layer in range(layers):
-        if layer:
-            ks.append((K_ADD_RMS, 3.5, "_C::fused_add_rms_norm"))
-        ks.append((K_GEMM, 20.0, "aten::mm"))  # fused_qkv_a_proj
-        if norm_on:
-            ks.append((K_FUSED_NORM, 4.0, "vllm::fused_mla_dual_rms_norm"))
-        else:
-            ks.append((K_RMS, 2.5, "_C::rms_norm"))
-            ks.append((K_RMS, 2.6, "_C::rms_norm"))
+def _mla_layer(decode: bool, norm: str, qprep: str, member: str) -> list[tuple]:
+    """One MLA layer's launches: (kernel, device us, enclosing cpu_op path 'a>b')."""
+    ks: list[tuple] = [(K_GEMM, 20.0, "aten::mm")]  # fused_qkv_a_proj
+    if norm in ("on", "both"):
+        ks.append((K_FUSED_NORM, 4.0, "vllm::fused_mla_dual_rms_norm"))
+    if norm in ("off", "both"):  # the paired per-MLA q/kv latent norms
+        ks += [(K_NORM, 2.5, OP_NORM), (K_GEMM, 15.0, "aten::mm"), (K_NORM, 2.6, OP_NORM)]
+    else:
         ks.append((K_GEMM, 15.0, "aten::mm"))  # q_b_proj
-        if decode and qprep_on:
-            ks.append((K_FUSED_QPREP, 4.7417, "aiter::fused_qk_rope_concat_and_cache_mla"))
-        else:
-            ks.append((K_CACHE, 4.6, "_C_cache_ops::concat_and_cache_mla"))
-            # the query's fp8 quant runs inside the MLA attention operator
-            ks.append((K_QUANT, 4.7875,
-                       "vllm::unified_mla_attention_with_output>_C::static_scaled_fp8_quant"))
-        ks.append((K_ATTN, 30.0, "vllm::unified_mla_attention_with_output"))
-        ks.append((K_ADD_RMS, 3.5, "_C::fused_add_rms_norm"))
-        ks.append((K_GEMM, 40.0, "aten::mm"))  # MLP
-    ks.append((K_ADD_RMS, 3.5, "_C::fused_add_rms_norm"))  # final norm
+    if decode and qprep == "on":
+        ks.append((K_QPREP[member], US_FUSED_QPREP, "aiter::fused_qk_rope_concat_and_cache_mla"))
+        ks.append((K_MLA, 30.0, OP_MLA))
+    else:
+        ks.append((K_CACHE, US_CACHE, "_C_cache_ops::concat_and_cache_mla"))
+        if decode:  # the query's concat + fp8 quant: one Inductor kernel in the MLA op
+            ks.append((K_CONCAT_QUANT, US_CONCAT, OP_MLA + ">vllm::mla_decode_concat_quant_fp8"))
+        ks.append((K_MLA, 30.0, OP_MLA))
+    ks.append((K_MLA_REDUCE, 3.0, OP_MLA))
     return ks
 
 
-def make_trace(rank: int, layers: int, steps: list[tuple[int, int]], norm_on: bool,
-               qprep_on: bool, extra_fused_norm: int = 0) -> dict:
-    """``steps``: (context requests, generation requests) per engine step."""
-    pid, tid = 4000 + rank, 4000 + rank
+def _step_kernels(mla: list[int], layers: int, decode: bool, norm: str, qprep: str,
+                  member: str) -> list[tuple]:
+    """Launch order of one engine step: per layer input norm, attention (MLA or KDA), post
+    norm; a final norm. Other RMSNorms per step = 2 * layers + 1."""
+    ks: list[tuple] = []
+    for layer in range(layers):
+        ks.append((K_NORM, 3.0, OP_NORM))  # input_layernorm (+ residual add after layer 0)
+        if layer in mla:
+            ks += _mla_layer(decode, norm, qprep, member)
+        else:
+            ks.append((K_KDA, 10.0, "vllm::kda_attention"))
+        ks.append((K_NORM, 3.5, OP_NORM))  # post_attention_layernorm
+        ks.append((K_GEMM, 40.0, "aten::mm"))  # MLP / MoE
+    ks.append((K_NORM, 3.5, OP_NORM))  # final norm
+    return ks
+
+
+def make_trace(rank: int | None, world: int | None, mla: list[int], layers: int,
+               steps: list[tuple[int, int]], norm: str, qprep: str,
+               member: str = "per_head", bad_ts: bool = False) -> dict:
+    """``steps``: (context requests, generation requests) per engine step; with MTP k=2 each
+    decode request carries 3 tokens."""
+    pid = tid = 4000 + (rank or 0)
     ev: list[dict] = [
         {"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
          "args": {"name": "VLLM::Worker"}},
-        {"ph": "X", "cat": "Trace", "name": "PyTorch Profiler (0)", "pid": "Spans",
-         "tid": "PyTorch Profiler", "ts": 1000.0, "dur": 1e7},
     ]
     t = 10_000.0
     corr = 1000
     gpu_t = t
-    for si, (ctx, gen) in enumerate(steps):
+    for ctx, gen in steps:
         decode = ctx == 0
-        name = (f"execute_context_{ctx}({ctx * 128})_generation_{gen}({gen * 3})")
-        ks = _step_kernels(layers, decode, norm_on, qprep_on)
-        if extra_fused_norm and si == 0:
-            ks.append((K_FUSED_NORM, 4.0, "vllm::fused_mla_dual_rms_norm"))
+        name = f"execute_context_{ctx}({ctx * 128})_generation_{gen}({gen * 3})"
+        ks = [] if ctx == 0 and gen == 0 else _step_kernels(mla, layers, decode, norm, qprep,
+                                                            member)
         start = t
         for kname, kdur, opname in ks:
             corr += 1
             for depth, op in enumerate(opname.split(">")):
                 ev.append({"ph": "X", "cat": "cpu_op", "name": op, "pid": pid, "tid": tid,
-                           "ts": t + 0.2 * depth, "dur": 6.0 - 0.4 * depth,
-                           "args": {"External id": corr}})
+                           "ts": round(t + 0.2 * depth, 3), "dur": round(6.0 - 0.4 * depth, 3)})
             ev.append({"ph": "X", "cat": "cuda_runtime", "name": "hipLaunchKernel", "pid": pid,
-                       "tid": tid, "ts": t + 1.0, "dur": 4.0, "args": {"correlation": corr}})
+                       "tid": tid, "ts": round(t + 1.0, 3), "dur": 4.0,
+                       "args": {"correlation": corr}})
             gpu_t = max(gpu_t, t + 5.0)
             ev.append({"ph": "X", "cat": "kernel", "name": kname, "pid": 0, "tid": 7,
-                       "ts": gpu_t, "dur": kdur,
-                       "args": {"correlation": corr, "device": 0, "stream": 7,
-                                "kernel": kname}})
+                       "ts": round(gpu_t, 3), "dur": round(kdur, 6),
+                       "args": {"correlation": corr, "device": 0, "stream": 7}})
             gpu_t += kdur + 0.5
             t += 7.0
         ev.append({"ph": "X", "cat": "user_annotation", "name": name, "pid": pid, "tid": tid,
-                   "ts": start - 1.0, "dur": t - start + 2.0})
+                   "ts": round(start - 1.0, 3), "dur": round(t - start + 2.0, 3)})
         t += 50.0
-    # a kernel outside any step (e.g. the sampler after the last step)
+    # a kernel outside any step (the sampler after the last step)
     corr += 1
-    ev.append({"ph": "X", "cat": "kernel", "name": K_GEMM, "pid": 0, "tid": 7, "ts": gpu_t + 100,
-               "dur": 5.0, "args": {"correlation": corr}})
-    return {"schemaVersion": 1, "distributedInfo": {"backend": "nccl", "rank": rank,
-                                                     "world_size": 2},
-            "deviceProperties": [{"id": 0, "name": "AMD Instinct MI355X"}],
-            "vllm_version": "0.26.1rc1.dev306+gcb8104839", "traceEvents": ev}
+    ev.append({"ph": "X", "cat": "kernel", "name": K_GEMM, "pid": 0, "tid": 7,
+               "ts": round(gpu_t + 100, 3), "dur": 5.0, "args": {"correlation": corr}})
+    if bad_ts:
+        ev[-1]["ts"] = "12:00:01"
+    out: dict = {"schemaVersion": 1,
+                 "deviceProperties": [{"id": 0, "name": "AMD Instinct MI355X"}],
+                 "vllm_version": "0.26.1rc1.dev306+gcb8104839", "traceEvents": ev}
+    if rank is not None:
+        out["distributedInfo"] = {"backend": "nccl", "rank": rank, "world_size": world}
+    return out
 
 
-def write(path: Path, obj: dict, gz: bool) -> None:
+def record(pid: int, tp_rank: int, qk: str, qprep: str, asked: tuple[bool, bool],
+           phase: str = "load", kind: str = "target", qk_why: str = "",
+           qprep_why: str = "") -> dict:
+    """One overlay decision record (format: /work/helpers/DECISIONS.md, docs/census.md)."""
+    return {
+        "schema": "k3rocm.overlay.decision/1", "pid": pid,
+        "process": f"VllmWorker TP{tp_rank}", "tp_rank": tp_rank, "layer_kind": kind,
+        "phase": phase, "vllm_version": "0.26.1rc1.dev306+gcb8104839",
+        "fusions": {
+            "qk_norm": {"state": qk, "reason": qk_why or (
+                "fused_mla_dual_rms_norm (op source: aiter)" if qk == "on"
+                else "K3_FUSE_QK_NORM=0")},
+            "decode_qprep": {"state": qprep, "reason": qprep_why or {
+                "on": "all gates hold (kernel clamps positions)",
+                "needs-model": "the W_UK variant and the backend's query dtype are known "
+                               "after the weights load"}.get(qprep, "K3_FUSE_DECODE_QPREP=0")}},
+        "asked": {"qk_norm": asked[0], "decode_qprep": asked[1]},
+        "probe": {"qprep_kernel": {"found": True, "clamps_positions": True,
+                                   "source": "aiter"},
+                  "dual_norm_op": {"found": True, "source": "aiter"}},
+    }
+
+
+def write(path: Path, obj: object, gz: bool) -> None:
     data = json.dumps(obj, separators=(",", ":")).encode()
     if gz:
         data = gzip.compress(data, mtime=0)
     path.write_bytes(data)
 
 
-def main() -> None:
-    steps = [(0, 8)] * 6
-    for state, norm_on, qprep_on in (("on", True, True), ("off", False, False)):
-        d = HERE / f"rocm-{state}"
-        d.mkdir(exist_ok=True)
-        for rank in (0, 1):
-            write(d / f"1764700000-rank-{rank}.1764700001.pt.trace.json.gz",
-                  make_trace(rank, 3, steps, norm_on, qprep_on), gz=True)
-        # the front-end trace (no engine steps) that the census must ignore
+def fresh(name: str) -> Path:
+    d = HERE / name
+    if d.exists():
+        shutil.rmtree(d)
+    d.mkdir()
+    return d
+
+
+def trace_name(rank: int) -> str:
+    return f"1764700000-rank-{rank}.1764700001.pt.trace.json.gz"
+
+
+def write_set(name: str, world: int, mla: list[int], layers: int, steps: list[tuple[int, int]],
+              norm: str, qprep: str, records: list[dict] | None, member: str = "per_head",
+              ranks: list[int] | None = None, frontend: bool = False) -> Path:
+    d = fresh(name)
+    for rank in (range(world) if ranks is None else ranks):
+        write(d / trace_name(rank), make_trace(rank, world, mla, layers, steps, norm, qprep,
+                                               member), gz=True)
+    if frontend:  # the front-end trace (no engine steps) that the census must ignore
         write(d / "1764700000.async_llm.1764700001.pt.trace.json.gz",
               {"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "AsyncLLM.generate",
                                 "pid": 1, "tid": 1, "ts": 1.0, "dur": 2.0}]}, gz=True)
-    # plain JSON, one mixed (prefill + decode) step first, fusions on
-    d = HERE / "rocm-mixed-plain"
-    d.mkdir(exist_ok=True)
+    for rec in records or []:
+        write(d / f"k3rocm-decisions-pid{rec[-1]['pid']}.json", rec, gz=False)
+    return d
+
+
+def recs(world: int, qk: str, qprep: str, asked: tuple[bool, bool],
+         construct_qprep: str | None = None, **kw) -> list[list[dict]]:
+    """Per TP rank one process: a construct record, then the load record (the final one)."""
+    out = []
+    for r in range(world):
+        pid = 5000 + r
+        first = construct_qprep or ("needs-model" if qprep == "on" else qprep)
+        out.append([record(pid, r, qk, first, asked, phase="construct"),
+                    record(pid, r, qk, qprep, asked, **kw)])
+    return out
+
+
+def main() -> None:
+    tiny = [0, 1, 2]  # tiny DeepSeek-V3: 3 layers, all MLA
+    six = [(0, 8)] * 6
+    on, off = (True, True), (False, False)
+    # 2 ranks, 6 decode steps, both fusions on / off, with the overlay's records beside
+    write_set("rocm-on", 2, tiny, 3, six, "on", "on", recs(2, "on", "on", on), frontend=True)
+    write_set("rocm-off", 2, tiny, 3, six, "off", "off", recs(2, "off", "off", off),
+              frontend=True)
+    # the fused norm launched while the stock pair still runs
+    write_set("rocm-fused-and-pair", 2, tiny, 3, six, "both", "on", recs(2, "on", "on", on))
+    # the fused Q-prep's _general member (no position clamp) ran
+    write_set("rocm-general", 2, tiny, 3, six, "on", "on", recs(2, "on", "on", on),
+              member="general")
+    # the _opt member: allowed
+    write_set("rocm-opt", 1, tiny, 3, six, "on", "on", recs(1, "on", "on", on), member="opt")
+    # asked on, the overlay reported decode Q-prep off after load (and ran stock)
+    write_set("rocm-on-reported-off", 2, tiny, 3, six, "on", "off",
+              recs(2, "on", "off", on, construct_qprep="on",
+                   qprep_why="backend wants a bf16 query"))
+    # 7 of 8 ranks
+    write_set("rocm-7of8", 8, tiny, 3, [(0, 8)], "on", "on", recs(8, "on", "on", on),
+              ranks=list(range(7)))
+    # worker traces without distributedInfo and without a rank in the file name
+    d = fresh("rocm-rankless")
+    for i in range(2):
+        write(d / f"worker-{'ab'[i]}.1764700001.pt.trace.json.gz",
+              make_trace(None, None, tiny, 3, six, "on", "on"), gz=True)
+    # a corrupt gzip stream (truncated) and a non-numeric ts
+    d = fresh("rocm-corrupt-gzip")
+    good = gzip.compress(json.dumps(make_trace(0, 1, tiny, 3, six, "on", "on")).encode(),
+                         mtime=0)
+    (d / trace_name(0)).write_bytes(good[: len(good) // 2])
+    d = fresh("rocm-bad-ts")
+    write(d / trace_name(0), make_trace(0, 1, tiny, 3, six, "on", "on", bad_ts=True), gz=True)
+    # plain JSON, world size 1: a mixed (prefill + decode) step, a step without a forward,
+    # then decode-only steps; fusions on
+    d = fresh("rocm-mixed-plain")
     write(d / "dp0_pp0_tp0_dcp0_ep0_rank0.1764700002.pt.trace.json",
-          make_trace(0, 3, [(1, 7)] + [(0, 8)] * 4, True, True), gz=False)
-    # the upstream anchor's shape: rank 0, 24 MLA layers, 6 decode steps (Kimi-K3 config)
-    for state, on in (("on", True), ("off", False)):
-        d = HERE / f"k3-anchor-{state}"
-        d.mkdir(exist_ok=True)
-        write(d / "dp0_pp0_tp0_dcp0_ep0_rank0.1764700003.pt.trace.json.gz",
-              make_trace(0, 24, steps, on, on), gz=True)
-    # fusions on, but one fused norm too many on rank 1
-    d = HERE / "rocm-bad"
-    d.mkdir(exist_ok=True)
-    for rank in (0, 1):
-        write(d / f"1764700000-rank-{rank}.1764700001.pt.trace.json.gz",
-              make_trace(rank, 3, steps, True, True, extra_fused_norm=1 if rank else 0),
-              gz=True)
+          make_trace(0, 1, tiny, 3, [(1, 7), (0, 0)] + [(0, 8)] * 4, "on", "on"), gz=False)
+    # the upstream anchor's shape: Kimi-K3 (93 layers, 24 MLA = every 4th layer, 0-based
+    # 3, 7, ..., 91, and the last layer 92; see models/kimi-k3/config.json), 6 decode steps
+    # with MTP k=2 (3 tokens per request), 2 ranks
+    cfg = json.loads((HERE / "models" / "kimi-k3" / "config.json").read_text())
+    kda = set(cfg["text_config"]["linear_attn_config"]["kda_layers"])
+    k3_mla = [i for i in range(93) if (i + 1) not in kda]
+    assert len(k3_mla) == 24, k3_mla
+    write_set("k3-anchor-on", 2, k3_mla, 93, six, "on", "on", recs(2, "on", "on", on))
+    write_set("k3-anchor-off", 2, k3_mla, 93, six, "off", "off", recs(2, "off", "off", off))
+    # server logs with K3ROCM-DECISION lines (vLLM's log prefix before the marker)
+    d = fresh("records")
+    lines = ["INFO 12-03 13:00:00 [api_server.py:1] vLLM API server version 0.26.1rc1"]
+    for r in range(2):
+        pid = 5000 + r
+        # construct: Q-prep gates only decidable after load; load: on (target), draft off
+        for rec in (record(pid, r, "on", "needs-model", on, phase="construct"),
+                    record(pid, r, "on", "on", on),
+                    record(pid, r, "on", "off", on, kind="draft",
+                           qprep_why="draft layers: MTP block keeps the stock path")):
+            lines.append(f"(VllmWorker TP{r} pid={pid}) INFO 12-03 13:00:0{r} [mla.py:88] "
+                         f"K3ROCM-DECISION {json.dumps(rec, separators=(',', ':'))}")
+    (d / "server-on.log").write_text("\n".join(lines) + "\n")
+    (d / "server-qprep-off-after-load.log").write_text("\n".join(
+        f"(VllmWorker TP{r} pid={5000 + r}) INFO [mla.py:88] K3ROCM-DECISION "
+        + json.dumps(record(5000 + r, r, "on", state, on, phase=phase,
+                            qprep_why="backend wants a bf16 query"), separators=(",", ":"))
+        for r in range(2) for phase, state in (("construct", "on"), ("load", "off"))) + "\n")
+    (d / "server-stock.log").write_text(lines[0] + "\n")  # the overlay never ran
+    (d / "server-bad-json.log").write_text("INFO K3ROCM-DECISION {\"schema\": \n")
 
 
 if __name__ == "__main__":

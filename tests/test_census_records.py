@@ -1,0 +1,191 @@
+"""The claim (what the server was asked for) and its cross-check against the overlay's decision
+records (format: docs/census.md, 'Overlay decision records'). Crafted record files and server
+logs are written by tests/data/census/make_traces.py (records/ and beside the trace sets)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from conftest import REPO, run_cli
+
+from k3rocm.census.decisions import (
+    Decisions,
+    cross_check,
+    final_decisions,
+    parse_record,
+    records_from_files,
+    records_from_log,
+)
+from k3rocm.census.fusions import from_cli, from_env
+from k3rocm.errors import UsageError
+
+DATA = REPO / "tests" / "data" / "census"
+REC = DATA / "records"
+TINY = DATA / "models" / "tiny-deepseek-v3"
+
+
+def rows(claim, dec):
+    return {c.what.split(" (")[0]: c for c in cross_check(claim, dec)}
+
+
+def log(name: str) -> Decisions:
+    return Decisions(records_from_log((REC / name).read_text(), name), name)
+
+
+def test_claim_from_env_default_on_and_explicit_off():
+    c = from_env({}, "env")
+    assert (c.qk_norm, c.decode_qprep) == (True, True)
+    assert "unset" in c.detail["qk_norm"] and "default on" in c.detail["qk_norm"]
+    c = from_env({"K3_FUSE_QK_NORM": "0", "K3_FUSE_DECODE_QPREP": " "}, "env")
+    assert (c.qk_norm, c.decode_qprep) == (False, True)
+    assert c.detail["qk_norm"] == "K3_FUSE_QK_NORM=0 in env"
+    with pytest.raises(UsageError, match="is not a switch"):
+        from_env({"K3_FUSE_QK_NORM": "maybe"}, "env")
+    c = from_cli("qk_norm=on,decode_qprep=off")
+    assert (c.qk_norm, c.decode_qprep, c.source) == (True, False, "--fusions")
+
+
+def test_log_records_with_vllm_prefix_load_supersedes_construct():
+    dec = log("server-on.log")
+    assert len(dec.records) == 6
+    final = final_decisions(dec.records)
+    assert {k for k in final} == {(5000, "target"), (5001, "target"), (5000, "draft"),
+                                  (5001, "draft")}
+    assert final[(5000, "target")].phase == "load"
+    assert final[(5000, "target")].states == {"qk_norm": "on", "decode_qprep": "on"}
+
+
+def test_asked_on_reported_on_passes_draft_reported_only():
+    r = rows(from_cli("all=on"), log("server-on.log"))
+    assert r["qk_norm asked ON"].ok is True and r["decode_qprep asked ON"].ok is True
+    # the draft layers kept the stock Q-prep: reported, not judged
+    draft = [c for c in cross_check(from_cli("all=on"), log("server-on.log"))
+             if "draft" in c.what]
+    assert draft and all(c.ok is None for c in draft)
+    assert any("OFF" in c.rule and "MTP block" in c.rule for c in draft)
+
+
+def test_asked_on_reported_off_fails_with_the_overlays_reason():
+    r = rows(from_cli("all=on"), log("server-qprep-off-after-load.log"))
+    bad = r["decode_qprep asked ON"]
+    assert bad.ok is False and (bad.expected, bad.seen) == (2, 0)
+    assert "backend wants a bf16 query" in bad.rule and "load" in bad.rule
+    assert r["qk_norm asked ON"].ok is True
+
+
+def test_asked_off_reported_on_fails():
+    r = rows(from_cli("qk_norm=off,decode_qprep=on"), log("server-on.log"))
+    bad = r["qk_norm asked OFF"]
+    assert bad.ok is False and "reported ON although asked OFF" in bad.rule
+
+
+def test_missing_records_fail_only_when_asked_on():
+    stock = log("server-stock.log")
+    r = rows(from_cli("qk_norm=on,decode_qprep=off"), stock)
+    assert r["qk_norm asked ON"].ok is False
+    assert "the overlay did not run" in r["qk_norm asked ON"].rule
+    assert r["decode_qprep asked OFF"].ok is True
+    assert all(c.ok for c in cross_check(from_cli("all=off"), stock))
+
+
+def test_process_that_read_another_toggle_fails(tmp_path):
+    """The records say the process read K3_FUSE_QK_NORM as on, yet states off: a claim of off
+    (e.g. --fusions) disagrees with what the server really read."""
+    recs = json.loads((DATA / "rocm-off" / "k3rocm-decisions-pid5000.json").read_text())
+    for rec in recs:
+        rec["asked"]["qk_norm"] = True
+    f = tmp_path / "k3rocm-decisions-pid5000.json"
+    f.write_text(json.dumps(recs))
+    r = rows(from_cli("all=off"), Decisions(records_from_files([f]), "x"))
+    assert r["qk_norm asked OFF"].ok is False and "read the toggle as ON" in \
+        r["qk_norm asked OFF"].rule
+    assert r["decode_qprep asked OFF"].ok is True
+
+
+def test_skip_records_is_visible_not_silent():
+    out = cross_check(from_cli("all=on"), None)
+    assert len(out) == 2 and all(c.ok is None and "SKIPPED" in c.rule for c in out)
+
+
+@pytest.mark.parametrize("mutate,msg", [
+    (lambda r: r.update(schema="k3rocm.overlay.decision/0"), "schema"),
+    (lambda r: r.update(pid="5000"), "pid"),
+    (lambda r: r.update(layer_kind="mtp"), "layer_kind"),
+    (lambda r: r.update(phase="start"), "phase"),
+    (lambda r: r["fusions"]["qk_norm"].update(state="ON"), "fusions.qk_norm.state"),
+    (lambda r: r["fusions"].pop("decode_qprep"), "fusions.decode_qprep.state"),
+    (lambda r: r["asked"].update(qk_norm="yes"), "asked.qk_norm"),
+])
+def test_malformed_records_are_usage_errors(mutate, msg):
+    rec = json.loads((DATA / "rocm-on" / "k3rocm-decisions-pid5000.json").read_text())[-1]
+    mutate(rec)
+    with pytest.raises(UsageError, match=msg):
+        parse_record(rec, "test")
+
+
+def test_malformed_record_sources(tmp_path):
+    with pytest.raises(UsageError, match="line 1 is not valid JSON"):
+        log("server-bad-json.log")
+    f = tmp_path / "k3rocm-decisions-pid1.json"
+    f.write_text("{")
+    with pytest.raises(UsageError, match="not valid JSON"):
+        records_from_files([f])
+    f.write_text("{}")
+    with pytest.raises(UsageError, match="must hold a JSON list"):
+        records_from_files([f])
+
+
+# -- through the command line ---------------------------------------------------------------
+
+def census(*args: str, tmp_path):
+    return run_cli("census", "--model-dir", str(TINY), "--results", str(tmp_path), *args)
+
+
+def test_cli_asked_on_reported_off_exit_1_prints_reason(tmp_path):
+    """rocm-on-reported-off: the server was asked for both fusions (default on), the overlay
+    reported decode Q-prep OFF after load and the traces run the stock path."""
+    p = census("--trace-dir", str(DATA / "rocm-on-reported-off"), "--fusions", "all=on",
+               tmp_path=tmp_path)
+    assert p.returncode == 1, p.stdout + p.stderr
+    fail = [ln for ln in p.stdout.splitlines() if " FAIL " in ln]
+    assert any("decode_qprep asked ON" in ln and "backend wants a bf16 query" in ln
+               for ln in fail)
+    assert any("stock KV-cache write" in ln for ln in fail)
+    assert not any("qk_norm" in ln for ln in fail)
+
+
+def test_cli_claim_from_provenance_and_records_from_server_log(tmp_path):
+    """Offline: the claim is the server env recorded in the run's provenance.json (unset =
+    on); the records come from --server-log when given."""
+    run = tmp_path / "run"
+    shutil.copytree(DATA / "rocm-on", run / "traces",
+                    ignore=shutil.ignore_patterns("k3rocm-decisions-*"))
+    (run / "provenance.json").write_text(json.dumps(
+        {"server": {"container": {"env": {"K3_FUSE_DECODE_QPREP": "1", "PATH": "/bin"}}}}))
+    p = census("--trace-dir", str(run / "traces"), "--server-log",
+               str(REC / "server-on.log"), tmp_path=tmp_path / "r1")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "K3_FUSE_QK_NORM unset" in p.stdout and "K3_FUSE_DECODE_QPREP=1" in p.stdout
+    # no records at all (no files, no log) while asked on: the overlay did not run
+    q = census("--trace-dir", str(run / "traces"), tmp_path=tmp_path / "r2")
+    assert q.returncode == 1 and "the overlay did not run" in q.stdout
+    # asked off in the provenance, records say on: fail both ways
+    (run / "provenance.json").write_text(json.dumps(
+        {"server": {"container": {"env": {"K3_FUSE_QK_NORM": "0",
+                                          "K3_FUSE_DECODE_QPREP": "0"}}}}))
+    r = census("--trace-dir", str(run / "traces"), "--server-log",
+               str(REC / "server-on.log"), tmp_path=tmp_path / "r3")
+    assert r.returncode == 1 and "reported ON although asked OFF" in r.stdout
+    # --skip-records: counts only, and the report says the records were not cross-checked
+    s = census("--trace-dir", str(DATA / "rocm-on"), "--fusions", "all=on", "--skip-records",
+               tmp_path=tmp_path / "r4")
+    assert s.returncode == 0 and "SKIPPED on request (--skip-records)" in s.stdout
+
+
+def test_cli_bad_record_log_exit_2(tmp_path):
+    p = census("--trace-dir", str(DATA / "rocm-on"), "--fusions", "all=on", "--server-log",
+               str(REC / "server-bad-json.log"), tmp_path=tmp_path)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and "not valid JSON" in p.stderr
