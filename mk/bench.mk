@@ -56,6 +56,7 @@ clients-wheels: $(CLIENT_WHEELS)/.complete ## fetch the locked client wheels (an
 
 clients-image: $(CLIENT_WHEELS)/.complete ## build the aiperf + lm-eval client image offline
 	docker build -f docker/clients/Dockerfile --build-arg CLIENT_BASE=$(CLIENT_BASE) \
+	  --build-arg CLIENT_LOCK_SHA256=$$(sha256sum $(CLIENT_LOCK) | cut -d' ' -f1) \
 	  -t $(CLIENTS_IMAGE) $(CLIENT_WHEELS)
 
 bench-test: $(PY) ## bench tests: workloads/stats units, real aiperf vs the CPU stand-in, A/B

@@ -121,9 +121,11 @@ def test_fetch_gets_the_same_cp311_files_with_any_host_python(tmp_path):
 def test_image_holds_exactly_the_locked_set(docker_client):
     image = os.environ.get("CLIENTS_TEST_IMAGE") or "k3rocm/clients:0.1.0"
     try:
-        docker_client.images.get(image)
+        img = docker_client.images.get(image)
     except Exception:  # noqa: BLE001
         need(False, f"client image {image} missing (make clients-image)")
+    labels = img.attrs["Config"]["Labels"] or {}
+    assert labels.get("k3rocm.clients.lock-sha256") == clientlock.sha256(LOCK)
     script = ("import json, importlib.metadata as m, re\n"
               "print(json.dumps({re.sub(r'[-_.]+', '-', d.metadata['Name']).lower(): d.version "
               "for d in m.distributions()}))")
