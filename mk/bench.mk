@@ -54,7 +54,7 @@ $(CLIENT_WHEELS)/.complete: $(CLIENT_LOCK) | $(PY)
 
 clients-wheels: $(CLIENT_WHEELS)/.complete ## fetch the locked client wheels (any host Python, sha256-checked)
 
-clients-image: $(CLIENT_WHEELS)/.complete ## build the aiperf + lm-eval client image offline
+clients-image: $(CLIENT_WHEELS)/.complete ## build the aiperf + lm-eval client image offline from the hashed lock
 	docker build -f docker/clients/Dockerfile --build-arg CLIENT_BASE=$(CLIENT_BASE) \
 	  --build-arg CLIENT_LOCK_SHA256=$$(sha256sum $(CLIENT_LOCK) | cut -d' ' -f1) \
 	  -t $(CLIENTS_IMAGE) $(CLIENT_WHEELS)
