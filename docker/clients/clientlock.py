@@ -28,6 +28,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 # The client image's interpreter and platform (python:3.11-slim-bookworm / Debian 12: glibc 2.36).
@@ -151,22 +152,24 @@ def check_dir(lock: Path, dest: Path) -> int:
 def cmd_download(args: argparse.Namespace) -> int:
     lock, dest = Path(args.lock), Path(args.dest)
     n = len(read_lock(lock))
-    tmp = dest.with_name(dest.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    argv = download_argv(args.python, lock, tmp)
     print(f"clientlock: fetching {n} locked files for CPython {TARGET_PYTHON} "
           f"{TARGET_ARCH} with {args.python} (Python "
           f"{'.'.join(map(str, sys.version_info[:3]))} here)", file=sys.stderr, flush=True)
     if args.print_argv:
-        print(json.dumps(argv))
+        print(json.dumps(download_argv(args.python, lock, dest)))
         return 0
-    p = subprocess.run(argv)
-    if p.returncode != 0:
-        raise LockError(f"pip download failed (exit {p.returncode}); needs PyPI access, or "
-                        f"copy a filled {dest} from a machine that has it")
-    shutil.copyfile(lock, tmp / "requirements.lock")
-    count = check_dir(lock, tmp)
+    dest.parent.mkdir(parents=True, exist_ok=True)  # a fresh directory per run: no races
+    tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".partial-", dir=dest.parent))
+    try:
+        p = subprocess.run(download_argv(args.python, lock, tmp))
+        if p.returncode != 0:
+            raise LockError(f"pip download failed (exit {p.returncode}); needs PyPI access, or "
+                            f"copy a filled {dest} from a machine that has it")
+        shutil.copyfile(lock, tmp / "requirements.lock")
+        count = check_dir(lock, tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     shutil.rmtree(dest, ignore_errors=True)
     os.replace(tmp, dest)
     (dest / ".complete").write_text(sha256(lock) + "\n")
