@@ -5,7 +5,8 @@
 #   make bench BENCH_ARGS='--tokenizer models/Kimi-K3 --set concurrency=1,2'
 #   make bench-ab [REPEATS=4] [AA=1]        fusions off vs on (AA=1: A/A noise floor), each run on
 #                                           a fresh server from BENCH_IMAGE, order A B B A ...
-#   make clients-image                      build k3rocm/clients:<version> offline (wheels on host)
+#   make clients-image                      build k3rocm/clients:<version> offline from the hashed
+#                                           lock docker/clients/requirements.lock (make clients-lock)
 #   make bench-test                         the bench tests (real aiperf, real vLLM stand-in)
 # Every workload field can be overridden with BENCH_<FIELD>=... in the environment, too.
 # Exit codes of k3rocm bench/bench-ab: 0 ok, 1 a point/run failed (kept, marked failed),
@@ -20,10 +21,13 @@ CLIENT_BASE ?= python:3.11-slim-bookworm
 CLIENTS_VERSION ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 CLIENTS_IMAGE ?= k3rocm/clients:$(CLIENTS_VERSION)
 CLIENT_WHEELS ?= build/wheels/clients
-# The wheels must match the image's Python 3.11: build them with a host Python 3.11.
+CLIENT_LOCK := docker/clients/requirements.lock
+# Any host Python with pip fetches the locked files (docker/clients/clientlock.py names the
+# image's CPython 3.11 / manylinux x86_64 itself); the lock is resolved inside CLIENT_BASE.
 CLIENT_PY ?= $(PY)
+HOST_CA ?= $(wildcard /etc/ssl/certs/ca-certificates.crt)
 
-.PHONY: bench bench-ab bench-list clients-wheels clients-image bench-test
+.PHONY: bench bench-ab bench-list clients-lock clients-wheels clients-image bench-test
 
 bench: $(PY) ## aiperf workload vs the running server (WORKLOAD=, DRY_RUN=1, BENCH_ARGS=)
 	$(PY) -m k3rocm bench --workload $(WORKLOAD) $(if $(filter 1,$(DRY_RUN)),--dry-run) $(BENCH_ARGS)
@@ -34,17 +38,25 @@ bench-ab: $(PY) ## fusion A/B (AA=1: A/A) on fresh servers (WORKLOAD=, REPEATS=,
 bench-list: $(PY) ## list the bench workloads
 	$(PY) -m k3rocm bench --list
 
-$(CLIENT_WHEELS)/.complete: | $(PY)
-	@$(CLIENT_PY) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' || \
-	  { echo "clients-wheels: $(CLIENT_PY) is not Python 3.11 (the client image's); pass CLIENT_PY=python3.11"; exit 2; }
-	mkdir -p $(CLIENT_WHEELS)
-	$(CLIENT_PY) -m pip wheel --quiet -w $(CLIENT_WHEELS) "aiperf==0.13.0" "lm-eval[api]==0.4.13"
-	touch $@
+clients-lock: | $(PY) ## re-resolve docker/clients/requirements.lock inside CLIENT_BASE (Python 3.11; needs PyPI)
+	rm -rf build/clients-lock && mkdir -p build/clients-lock
+	docker run --rm --network host --user "$$(id -u):$$(id -g)" -e HOME=/tmp \
+	  $(if $(HOST_CA),-v $(HOST_CA):/tmp/host-ca.crt:ro -e PIP_CERT=/tmp/host-ca.crt) \
+	  -v "$(CURDIR)/docker/clients/requirements.in:/in/requirements.in:ro" \
+	  -v "$(CURDIR)/build/clients-lock:/out" $(CLIENT_BASE) sh -c 'python3 -m venv /tmp/v && \
+	  /tmp/v/bin/pip install --quiet --disable-pip-version-check --dry-run --ignore-installed \
+	  --report /out/report.json -r /in/requirements.in'
+	$(PY) docker/clients/clientlock.py lock --report build/clients-lock/report.json \
+	  --base-image $(CLIENT_BASE) --out $(CLIENT_LOCK)
 
-clients-wheels: $(CLIENT_WHEELS)/.complete ## download/build the client wheels on the host (Python 3.11)
+$(CLIENT_WHEELS)/.complete: $(CLIENT_LOCK) | $(PY)
+	$(CLIENT_PY) docker/clients/clientlock.py download --lock $(CLIENT_LOCK) --dest $(CLIENT_WHEELS)
 
-clients-image: $(CLIENT_WHEELS)/.complete ## build the aiperf + lm-eval client image offline
+clients-wheels: $(CLIENT_WHEELS)/.complete ## fetch the locked client wheels (any host Python, sha256-checked)
+
+clients-image: $(CLIENT_WHEELS)/.complete ## build the aiperf + lm-eval client image offline from the hashed lock
 	docker build -f docker/clients/Dockerfile --build-arg CLIENT_BASE=$(CLIENT_BASE) \
+	  --build-arg CLIENT_LOCK_SHA256=$$(sha256sum $(CLIENT_LOCK) | cut -d' ' -f1) \
 	  -t $(CLIENTS_IMAGE) $(CLIENT_WHEELS)
 
 bench-test: $(PY) ## bench tests: workloads/stats units, real aiperf vs the CPU stand-in, A/B

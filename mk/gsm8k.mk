@@ -3,12 +3,16 @@
 #   make gsm8k DRY_RUN=1               print the exact lm_eval command line, contact nothing
 #   make gsm8k GSM8K_DATA=/data/gsm8k  air-gapped: a directory with train.jsonl and test.jsonl
 #   make gsm8k GSM8K_ARGS='--limit 100 --concurrency 32'   any `k3rocm gsm8k` option
+#   make gsm8k-data                    once, with HF hub access: openai/gsm8k into the HF cache
 # k3rocm gsm8k exits 0 pass, 1 below the gate, 2 could not run; make reports that code as
 # "Error 1" / "Error 2" (make's own exit status is 2 for any failure).
 PY ?= .venv/bin/python
 GSM8K_DATA ?=
 GSM8K_ARGS ?=
 
-.PHONY: gsm8k
+.PHONY: gsm8k gsm8k-data
 gsm8k: $(PY) ## GSM8K 5-shot gate with lm-eval (DRY_RUN=1 prints the command; GSM8K_DATA, GSM8K_ARGS)
 	$(PY) -m k3rocm gsm8k $(if $(GSM8K_DATA),--data-dir $(GSM8K_DATA)) $(if $(filter 1,$(DRY_RUN)),--dry-run) $(GSM8K_ARGS)
+
+gsm8k-data: $(PY) ## download openai/gsm8k once into the HF cache (needs hub access; GSM8K_ARGS=--hf-home DIR)
+	$(PY) -m k3rocm gsm8k --fetch-data $(GSM8K_ARGS)

@@ -6,7 +6,10 @@
 - A second real vLLM (the stand-in base image, a tiny model whose tokenizer has <think> tokens,
   ``--reasoning-parser deepseek_r1``): every answer arrives as ``content: null`` with the text in
   the reasoning field, so every answer must be scored from it and counted.
-- Our task file equals lm-eval's built-in gsm8k task except for the data source.
+- lm-eval runs the seed's gsm8k task config (our task file) and prints it in its results JSON
+  ("configs"): checked against the seed's values; it differs from lm-eval's built-in gsm8k task
+  exactly where the seed's does (prompt, no "Question:" stop).
+- ``make gsm8k-data`` without hub access: exit 2 with one line.
 """
 
 from __future__ import annotations
@@ -22,10 +25,13 @@ from pathlib import Path
 import pytest
 from conftest import REPO, free_port, need
 from server_fixture import standin_server  # noqa: F401 - the shared session fixture
-from test_gsm8k_unit import write_items
+from test_gsm8k_unit import SEED_DOC_TO_TEXT, SEED_FILTERS, SEED_METRIC, write_items
 
 from k3rocm.gsm8k import data
 from k3rocm.gsm8k.command import DEFAULT_CLIENT_IMAGE
+
+# Another tag (e.g. a freshly built k3rocm/clients:<x>) can be tested without retagging.
+CLIENT_IMAGE = os.environ.get("GSM8K_CLIENT_IMAGE") or DEFAULT_CLIENT_IMAGE
 
 pytestmark = [pytest.mark.docker, pytest.mark.server]
 
@@ -52,10 +58,10 @@ def _server(info) -> tuple[str, str]:
 @pytest.fixture(scope="module")
 def client_image(docker_client):
     try:
-        docker_client.images.get(DEFAULT_CLIENT_IMAGE)
+        docker_client.images.get(CLIENT_IMAGE)
     except Exception:  # noqa: BLE001
-        need(False, f"client image {DEFAULT_CLIENT_IMAGE} missing (make clients-image)")
-    return DEFAULT_CLIENT_IMAGE
+        need(False, f"client image {CLIENT_IMAGE} missing (make clients-image)")
+    return CLIENT_IMAGE
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +75,8 @@ def items(tmp_path_factory) -> Path:
 def gsm8k_via_make(url: str, model: str, data_dir: Path, results_dir: Path,
                    *extra: str) -> subprocess.CompletedProcess:
     args = " ".join(["--url", url, "--model", model, "--concurrency", "4", "--max-gen-tokens",
-                     str(MAX_GEN), "--results-dir", str(results_dir), *extra])
+                     str(MAX_GEN), "--results-dir", str(results_dir), "--client-image",
+                     CLIENT_IMAGE, *extra])
     return subprocess.run(["make", "-s", "-o", sys.executable, "gsm8k", f"PY={sys.executable}",
                            f"GSM8K_DATA={data_dir}", f"GSM8K_ARGS={args}"],
                           cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900)
@@ -110,7 +117,19 @@ def test_make_gsm8k_against_the_standin(standin_server, client_image, items,  # 
     results_file = run / summary["files"]["results"]
     res = json.loads(results_file.read_text())
     assert res["lm_eval_version"] == "0.4.13"
-    assert res["config"]["model"] == "k3-chat-completions"
+    assert res["config"]["model"] == "local-chat-completions"  # lm-eval's own, as the seed
+    # The task config lm-eval resolved and ran, as it printed it: the seed's.
+    cfg = res["configs"]["gsm8k"]
+    print("lm-eval task config:\n" + json.dumps(cfg, indent=2), file=sys.stderr)
+    assert cfg["task"] == "gsm8k" and cfg["doc_to_text"] == SEED_DOC_TO_TEXT
+    assert cfg["doc_to_target"] == "{{answer}}"
+    assert cfg["generation_kwargs"] == {"until": ["</s>", "<|im_end|>"], "do_sample": False,
+                                        "temperature": 0.0}
+    assert cfg["num_fewshot"] == 5 and cfg["fewshot_split"] == "train"
+    assert cfg["metric_list"] == [SEED_METRIC] and cfg["filter_list"] == SEED_FILTERS
+    assert cfg["metadata"]["version"] == 3.0
+    assert summary["task_config"] == cfg
+    assert res["versions"]["gsm8k"] == 3.0
     samples = [json.loads(x) for x in (run / summary["files"]["samples"]).read_text().splitlines()]
     for filt in ("strict-match", "flexible-extract"):
         per = [s["exact_match"] for s in samples if s["filter"] == filt]
@@ -124,6 +143,11 @@ def test_make_gsm8k_against_the_standin(standin_server, client_image, items,  # 
     conv = json.loads(conv[0] if isinstance(conv, list) else conv)
     assert [m["role"] for m in conv] == ["user", "assistant"] * 5 + ["user"]
     assert all(len(s["resps"][0][0]) > 0 for s in samples)  # the server really answered
+    # The seed's prompt went out, in every turn, and the request stops only at the seed's stops.
+    assert conv[-1]["content"].endswith("End your response with the answer on the last line, "
+                                        "formatted as: #### [number]\nAnswer:")
+    assert all("formatted as: #### [number]" in m["content"] for m in conv if m["role"] == "user")
+    assert samples[0]["arguments"]["gen_args_0"]["arg_1"]["until"] == ["</s>", "<|im_end|>"]
 
     prov = json.loads((run / "provenance.json").read_text())
     assert prov["command"] == (run / "command.txt").read_text().strip()
@@ -138,6 +162,10 @@ def test_make_gsm8k_against_the_standin(standin_server, client_image, items,  # 
     assert prov["client"]["versions"]["lm_eval"] == "0.4.13"
     assert prov["data"]["files"]["test"]["sha256"] == data.sha256_file(items / "test.jsonl")
     assert summary["reasoning_fallback"]["count"] == 0
+    assert not summary["reasoning_fallback"]["enabled"] and summary["deviations_from_seed"] == []
+    assert prov["task_file"]["shipped_sha256"] == data.sha256_file(data.TASK_FILE)
+    assert (run / "tasks" / "gsm8k.yaml").read_text() == data.task_yaml(
+        data.resolve(str(items), None))
     md = (run / "summary.md").read_text()
     assert "0.9644 ± 0.0051" in md and "below gate" in md
 
@@ -174,7 +202,7 @@ def test_completions_mode_limit_run_from_hf_cache(standin_server, client_image, 
     results_dir = tmp_path / "results"
     args = " ".join(["--url", url, "--model", model, "--concurrency", "4", "--max-gen-tokens",
                      str(MAX_GEN), "--results-dir", str(results_dir), "--hf-home", str(hf),
-                     "--mode", "completions", "--limit", "2"])
+                     "--mode", "completions", "--limit", "2", "--client-image", CLIENT_IMAGE])
     p = subprocess.run(["make", "-s", "-o", sys.executable, "gsm8k", f"PY={sys.executable}",
                         f"GSM8K_ARGS={args}"],
                        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900)
@@ -199,7 +227,7 @@ def test_lm_eval_failure_exits_2_and_keeps_the_run(standin_server, client_image,
     p = subprocess.run([sys.executable, "-m", "k3rocm", "gsm8k", "--url", url, "--model", model,
                         "--data-dir", str(items), "--results-dir", str(tmp_path),
                         "--max-gen-tokens", "3000", "--timeout", "1", "--max-retries", "1",
-                        "--concurrency", "2"],
+                        "--concurrency", "2", "--client-image", CLIENT_IMAGE],
                        env=_env(), capture_output=True, text=True, timeout=600)
     assert p.returncode == 2, p.stderr[-2000:]
     last = p.stderr.strip().splitlines()[-1]
@@ -235,7 +263,8 @@ def test_unknown_model_exits_2(standin_server, items):  # noqa: F811
 # ------------------------------------------------------------- task file vs lm-eval's own
 
 
-def test_task_file_equals_builtin_except_data(docker_client, client_image, items, tmp_path):
+def test_task_file_differs_from_builtin_where_the_seed_does(docker_client, client_image, items,
+                                                            tmp_path):
     src = data.resolve(str(items), None)
     (tmp_path / "gsm8k.yaml").write_text(data.task_yaml(src))
     script = (
@@ -249,12 +278,34 @@ def test_task_file_equals_builtin_except_data(docker_client, client_image, items
                                        remove=True, network_disabled=True)
     both = json.loads(out)
     builtin, ours = both["builtin"], both["ours"]
+    # lm-eval 0.4.13's built-in: the short prompt and a "Question:" stop; the seed's: neither.
+    seed_keys = {"doc_to_text", "generation_kwargs"}
     data_keys = {"dataset_path", "dataset_name", "dataset_kwargs", "tag"}
-    assert {k: v for k, v in builtin.items() if k not in data_keys} == \
-        {k: v for k, v in ours.items() if k not in data_keys}
+    assert {k: v for k, v in builtin.items() if k not in seed_keys | data_keys} == \
+        {k: v for k, v in ours.items() if k not in seed_keys | data_keys}
+    assert builtin["doc_to_text"] == "Question: {{question}}\nAnswer:"
+    assert ours["doc_to_text"] == SEED_DOC_TO_TEXT
+    assert builtin["generation_kwargs"]["until"] == ["Question:", "</s>", "<|im_end|>"]
+    assert ours["generation_kwargs"]["until"] == ["</s>", "<|im_end|>"]
     assert builtin["dataset_path"] == "openai/gsm8k" and ours["dataset_path"] == "json"
     assert ours["dataset_kwargs"]["data_files"] == {"train": "/data/gsm8k/train.jsonl",
                                                     "test": "/data/gsm8k/test.jsonl"}
+
+
+def test_gsm8k_data_offline_exits_2_with_one_line(client_image, tmp_path):
+    """No hub reachable (an endpoint nobody listens on): one line, exit 2, nothing cached."""
+    port = free_port()
+    p = subprocess.run(["make", "-s", "-o", sys.executable, "gsm8k-data", f"PY={sys.executable}",
+                        f"GSM8K_ARGS=--hf-home {tmp_path / 'hf'} --client-image {client_image}"],
+                       cwd=REPO, env={**_env(), "HF_ENDPOINT": f"http://127.0.0.1:{port}"},
+                       capture_output=True, text=True, timeout=300)
+    assert "Traceback" not in p.stderr
+    err = [ln for ln in p.stderr.splitlines() if ln.startswith("k3rocm: error:")]
+    assert len(err) == 1, p.stderr[-2000:]
+    assert err[0].startswith(f"k3rocm: error: gsm8k-data: could not download openai/gsm8k from "
+                             f"http://127.0.0.1:{port} (")
+    assert re.search(r"make(\[\d+\])?: \*\*\* \[mk/gsm8k\.mk:\d+: gsm8k-data\] Error 2", p.stderr)
+    assert not list((tmp_path / "hf").rglob("*.parquet"))
 
 
 # ------------------------------------------------ reasoning fallback against real vLLM
@@ -333,11 +384,12 @@ def reasoning_server(docker_client, tmp_path_factory):
 
 def test_reasoning_fallback_against_real_vllm(reasoning_server, client_image, items, tmp_path):
     url, model = reasoning_server
-    p = gsm8k_via_make(url, model, items, tmp_path)
+    p = gsm8k_via_make(url, model, items, tmp_path, "--reasoning-fallback")
     assert "Error 1" in p.stderr, p.stderr[-3000:]
     verdict = [ln for ln in p.stderr.splitlines() if ln.startswith("gsm8k: FAIL:")]
     assert len(verdict) == 1
-    assert f"{N_TEST} answer(s) scored from the reasoning text (content empty)" in verdict[0]
+    assert (f"DEVIATION from the seed's protocol: {N_TEST} answer(s) scored from the reasoning "
+            "text (content empty, --reasoning-fallback)") in verdict[0]
     run = only_run_dir(tmp_path)
     summary = json.loads((run / "summary.json").read_text())
     fb = summary["reasoning_fallback"]
@@ -350,5 +402,22 @@ def test_reasoning_fallback_against_real_vllm(reasoning_server, client_image, it
     # What lm-eval scored is exactly the text vLLM put in the reasoning field.
     samples = [json.loads(x) for x in (run / summary["files"]["samples"]).read_text().splitlines()]
     assert {s["resps"][0][0] for s in samples} == {x["text"] for x in logged}
-    assert "Answers scored from reasoning_content (content was empty): 5 of 5" in \
+    assert "answers scored from reasoning_content (content was empty): 5 of 5" in \
         (run / "summary.md").read_text()
+    assert summary["reasoning_fallback"]["enabled"] and not summary["like_seed"]
+
+
+def test_reasoning_model_without_fallback_scores_content_only(reasoning_server, client_image,
+                                                              items, tmp_path):
+    """The seed's protocol (default): an empty content is an empty answer, counted, no fallback."""
+    url, model = reasoning_server
+    p = gsm8k_via_make(url, model, items, tmp_path, "--limit", "2")
+    assert "Traceback" not in p.stderr
+    run = only_run_dir(tmp_path)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["lm_eval"]["model"] == "local-chat-completions", summary
+    assert summary["reasoning_fallback"]["enabled"] is False
+    assert summary["reasoning_fallback"]["count"] == 0
+    assert summary["empty_responses"] == 2
+    assert not (run / "reasoning_fallback.jsonl").exists()
+    assert "2 empty answer(s) scored as wrong" in summary["message"]

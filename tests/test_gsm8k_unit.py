@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import REPO, free_port, run_cli
 
 from k3rocm.errors import UsageError
@@ -98,49 +99,100 @@ def test_hf_hub_snapshot_is_used_offline(tmp_path):
     assert "dataset_path: parquet" in data.task_yaml(src)
 
 
-def test_datasets_arrow_cache_uses_the_builtin_task(tmp_path, monkeypatch):
+def test_datasets_arrow_cache_uses_the_shipped_task_as_is(tmp_path, monkeypatch):
     monkeypatch.delenv("HF_DATASETS_CACHE", raising=False)
     d = tmp_path / "hf" / "datasets" / data.ARROW_DIR / "main" / "0.0.0" / "abc"
     d.mkdir(parents=True)
     (d / "gsm8k-test.arrow").write_bytes(b"x")
     src = data.resolve(None, str(tmp_path / "hf"))
-    assert src.kind == "hf-datasets-cache" and not src.needs_task_file
+    assert src.kind == "hf-datasets-cache" and src.builder is None
+    assert data.task_yaml(src) == data.TASK_FILE.read_text()
     s = command.Gsm8kSettings()
-    argv = command.lm_eval_argv(s, src)
-    assert "--include_path" not in argv
+    argv = command.lm_eval_argv(s)
+    assert argv[argv.index("--include_path") + 1] == "/out/tasks"
     assert command.container_env(s, src)["HF_HOME"] == "/hf"
     assert command.container_env(s, src)["HF_DATASETS_OFFLINE"] == "1"
+
+
+# ------------------------------------------------------------------- the seed's task config
+
+# Typed from the task config the seed printed (vLLM PR #52494: lm-eval task `gsm8k`, metadata
+# version 3.0), not read from our YAML.
+SEED_DOC_TO_TEXT = ("Question: {{question}}\nEnd your response with the answer on the last line, "
+                    "formatted as: #### [number]\nAnswer:")
+SEED_METRIC = {"metric": "exact_match", "aggregation": "mean", "higher_is_better": True,
+               "ignore_case": True, "ignore_punctuation": False,
+               "regexes_to_ignore": [",", "\\$", "(?s).*#### ", "\\.$"]}
+SEED_FILTERS = [
+    {"name": "strict-match", "filter": [
+        {"function": "regex", "regex_pattern": r"#### (\-?[0-9\.\,]+)"},
+        {"function": "take_first"}]},
+    {"name": "flexible-extract", "filter": [
+        {"function": "regex", "group_select": -1, "regex_pattern": r"(-?[$0-9.,]{2,})|(-?[0-9]+)"},
+        {"function": "take_first"}]},
+]
+
+
+def test_shipped_task_is_the_seeds_field_by_field():
+    t = yaml.safe_load(data.TASK_FILE.read_text())
+    assert t["task"] == "gsm8k"  # results keyed results.gsm8k, as the gate reads them
+    assert t["doc_to_text"] == SEED_DOC_TO_TEXT
+    assert t["doc_to_target"] == "{{answer}}"
+    assert t["output_type"] == "generate_until"
+    assert t["generation_kwargs"] == {"until": ["</s>", "<|im_end|>"], "do_sample": False,
+                                      "temperature": 0.0}
+    assert "Question:" not in t["generation_kwargs"]["until"]  # lm-eval 0.4.13's built-in adds it
+    assert t["num_fewshot"] == 5
+    assert t["fewshot_split"] == "train" and t["training_split"] == "train"
+    assert t["test_split"] == "test"
+    assert t["metric_list"] == [SEED_METRIC]
+    assert t["filter_list"] == SEED_FILTERS
+    assert t["metadata"] == {"version": 3.0}
+    assert (t["dataset_path"], t["dataset_name"]) == ("openai/gsm8k", "main")
+    assert t["repeats"] == 1
+    known = {"task", "doc_to_text", "doc_to_target", "output_type", "generation_kwargs",
+             "num_fewshot", "fewshot_split", "training_split", "test_split", "metric_list",
+             "filter_list", "metadata", "dataset_path", "dataset_name", "repeats"}
+    assert set(t) == known, set(t) ^ known  # nothing else slipped in (a tag, a fewshot_config)
+
+
+def test_run_task_file_changes_only_the_data_source(data_dir):
+    shipped = yaml.safe_load(data.TASK_FILE.read_text())
+    run = yaml.safe_load(data.task_yaml(data.resolve(str(data_dir), None)))
+    assert run["dataset_path"] == "json" and "dataset_name" not in run
+    assert run["dataset_kwargs"] == {"data_files": {"train": "/data/gsm8k/train.jsonl",
+                                                    "test": "/data/gsm8k/test.jsonl"}}
+    keep = {k: v for k, v in shipped.items() if not k.startswith("dataset_")}
+    assert {k: v for k, v in run.items() if not k.startswith("dataset_")} == keep
 
 
 # ------------------------------------------------------------------------------- command
 
 
-def test_chat_command_line(data_dir):
-    src = data.resolve(str(data_dir), None)
+def test_chat_command_line():
     s = command.Gsm8kSettings(url="http://10.0.0.5:8000", model="moonshotai/Kimi-K3",
                               concurrency=32, max_gen_tokens=8192, limit=50)
-    argv = command.lm_eval_argv(s, src)
+    argv = command.lm_eval_argv(s)
     assert argv[:3] == ["/opt/clients/bin/python", "/out/lmeval_plugin/k3rocm_lmeval.py", "run"]
     opts = dict(zip(argv[3::2], argv[4::2], strict=False))
-    assert argv[argv.index("--model") + 1] == "k3-chat-completions"
+    assert argv[argv.index("--model") + 1] == "local-chat-completions"  # lm-eval's own
     margs = dict(kv.split("=", 1) for kv in argv[argv.index("--model_args") + 1].split(","))
     assert margs == {"model": "moonshotai/Kimi-K3",
                      "base_url": "http://10.0.0.5:8000/v1/chat/completions",
                      "num_concurrent": "32", "max_retries": "3", "timeout": "1800",
-                     "tokenized_requests": "False"}
+                     "max_gen_toks": "8192", "tokenized_requests": "False"}
     assert opts["--tasks"] == "gsm8k" and opts["--num_fewshot"] == "5"
-    assert "max_gen_toks=8192" in argv[argv.index("--gen_kwargs") + 1]
-    assert "temperature=0" in argv[argv.index("--gen_kwargs") + 1]
+    # Sampling comes from the task file only, so lm-eval prints the seed's generation_kwargs.
+    assert "--gen_kwargs" not in argv
     assert "--apply_chat_template" in argv
     assert argv[argv.index("--include_path") + 1] == "/out/tasks"
     assert argv[argv.index("--limit") + 1] == "50"
     assert "--log_samples" in argv
 
 
-def test_completions_command_line(data_dir):
-    src = data.resolve(str(data_dir), None)
+def test_completions_command_line():
     s = command.Gsm8kSettings(mode="completions")
-    argv = command.lm_eval_argv(s, src)
+    argv = command.lm_eval_argv(s)
     assert argv[argv.index("--model") + 1] == "local-completions"
     margs = argv[argv.index("--model_args") + 1]
     assert "base_url=http://127.0.0.1:8000/v1/completions" in margs
@@ -155,6 +207,7 @@ def test_completions_command_line(data_dir):
     ({"max_gen_tokens": 0}, "--max-gen-tokens 0"),
     ({"threshold": 1.5}, "--threshold 1.5"),
     ({"limit": 0}, "--limit 0"),
+    ({"mode": "completions", "reasoning_fallback": True}, "--reasoning-fallback needs --mode chat"),
 ])
 def test_settings_validation(kw, fragment):
     with pytest.raises(UsageError, match=fragment):
@@ -170,6 +223,48 @@ def test_dry_run_prints_the_command_and_contacts_nothing(data_dir):
     assert len(lines) == 1 and lines[0].startswith("/opt/clients/bin/python ")
     assert f"base_url=http://127.0.0.1:{port}/v1/chat/completions" in lines[0]
     assert "--limit 3" in lines[0]
+
+
+def test_dry_run_without_data_prints_the_same_command(data_dir, tmp_path):
+    """Before `make gsm8k-data` the command is already known: it does not name the data."""
+    common = ("gsm8k", "--dry-run", "--url", "http://127.0.0.1:8000", "--model", "m")
+    without = run_cli(*common, "--hf-home", str(tmp_path / "empty"),
+                      env={"HF_DATASETS_CACHE": str(tmp_path / "empty")})
+    assert without.returncode == 0, without.stderr
+    assert "data: none yet (no GSM8K data found" in without.stderr
+    assert "make gsm8k-data" in without.stderr
+    with_data = run_cli(*common, "--data-dir", str(data_dir))
+    assert with_data.returncode == 0 and without.stdout == with_data.stdout
+    assert "--include_path /out/tasks --tasks gsm8k" in without.stdout
+
+
+def test_reasoning_fallback_is_off_unless_asked():
+    argv = command.lm_eval_argv(command.Gsm8kSettings())
+    assert argv[argv.index("--model") + 1] == "local-chat-completions"
+    argv = command.lm_eval_argv(command.Gsm8kSettings(reasoning_fallback=True))
+    assert argv[argv.index("--model") + 1] == "k3-chat-completions"
+    p = run_cli("gsm8k", "--dry-run", "--mode", "completions", "--reasoning-fallback")
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "needs --mode chat" in p.stderr
+
+
+def test_fetch_data_when_already_cached_needs_nothing(tmp_path):
+    hf = tmp_path / "hf"
+    snap = hf / "hub" / data.HF_REPO_DIR / "snapshots" / "abc" / "main"
+    snap.mkdir(parents=True)
+    for split in ("train", "test"):
+        (snap / f"{split}-00000-of-00001.parquet").write_bytes(b"PAR1")
+    # No Docker engine at that address: the cached data set must not need one.
+    p = run_cli("gsm8k", "--fetch-data", "--hf-home", str(hf),
+                env={"DOCKER_HOST": f"unix://{tmp_path}/no.sock"})
+    assert p.returncode == 0, p.stderr
+    assert p.stderr.startswith("gsm8k-data: already there: hf-hub-parquet at ")
+
+
+def test_fetch_data_without_docker_exits_2_with_one_line(tmp_path):
+    p = run_cli("gsm8k", "--fetch-data", "--hf-home", str(tmp_path / "hf"),
+                env={"DOCKER_HOST": f"unix://{tmp_path}/no.sock"})
+    assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
+    assert p.stderr.startswith("k3rocm: error: Docker engine not reachable")
 
 
 def test_make_gsm8k_dry_run(data_dir):
@@ -238,7 +333,8 @@ def test_reasoning_fallback_rewrites_only_empty_contents(tmp_path):
 
 def stored_run(root: Path, strict: float, flex: float, *, original: int = 1319,
                effective: int | None = None, limit: int | None = None,
-               fallback_docs: tuple[int, ...] = ()) -> Path:
+               fallback_docs: tuple[int, ...] = (),
+               model: str = "local-chat-completions") -> Path:
     """A run directory as `k3rocm gsm8k` leaves it, with lm-eval 0.4.13's file shapes."""
     effective = original if effective is None else effective
     run = root / "20261202T171915Z-gsm8k"
@@ -258,7 +354,7 @@ def stored_run(root: Path, strict: float, flex: float, *, original: int = 1319,
         "group_subtasks": {"gsm8k": []}, "n-shot": {"gsm8k": 5},
         "versions": {"gsm8k": 3.0}, "higher_is_better": {"gsm8k": {"exact_match": True}},
         "n-samples": {"gsm8k": {"original": original, "effective": effective}},
-        "config": {"model": "k3-chat-completions",
+        "config": {"model": model,
                    "model_args": {"model": "moonshotai/Kimi-K3", "num_concurrent": 16},
                    "batch_size": 1, "limit": limit,
                    "gen_kwargs": {"temperature": 0, "do_sample": False, "max_gen_toks": 4096}},
@@ -328,15 +424,25 @@ def test_small_test_set_is_not_comparable(tmp_path):
 
 
 def test_reasoning_fallback_is_counted(tmp_path):
-    run = stored_run(tmp_path, 0.9629, 0.9651, fallback_docs=(3, 17, 1200))
+    run = stored_run(tmp_path, 0.9629, 0.9651, fallback_docs=(3, 17, 1200),
+                     model="k3-chat-completions")
     code, v, msg = rescore(run)
     assert code == 0
-    assert v["reasoning_fallback"] == {"count": 3, "of": 1319, "responses_logged": 3,
-                                       "doc_ids": [3, 17, 1200]}
-    assert msg.endswith("3 answer(s) scored from the reasoning text (content empty)")
+    assert v["reasoning_fallback"] == {"enabled": True, "count": 3, "of": 1319,
+                                       "responses_logged": 3, "doc_ids": [3, 17, 1200]}
+    assert msg.endswith("DEVIATION from the seed's protocol: 3 answer(s) scored from the "
+                        "reasoning text (content empty, --reasoning-fallback)")
+    assert v["comparable"] and not v["like_seed"] and len(v["deviations_from_seed"]) == 1
     md = results.markdown(v)
     assert "| strict-match | 0.9629 | ± 0.0052 | 0.9644 ± 0.0051 | >= 0.94 | reaches gate |" in md
-    assert "Answers scored from reasoning_content (content was empty): 3 of 1319" in md
+    assert ("Reasoning fallback: on (a deviation from the seed); answers scored from "
+            "reasoning_content (content was empty): 3 of 1319") in md
+
+
+def test_seed_protocol_run_is_like_seed(tmp_path):
+    code, v, msg = rescore(stored_run(tmp_path, 0.9629, 0.9651))
+    assert code == 0 and v["like_seed"] and v["deviations_from_seed"] == []
+    assert v["reasoning_fallback"]["enabled"] is False and "DEVIATION" not in msg
 
 
 def test_rescore_without_results_exits_2(tmp_path):

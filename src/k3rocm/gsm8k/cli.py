@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -26,8 +27,10 @@ LAUNCHER_SRC = Path(__file__).with_name("lmeval_launch.py")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = ("Exit codes: 0 pass, 1 below the gate (or a --limit/partial run without "
-                "--allow-limit), 2 could not run. Data: --data-dir, else the HF cache "
-                "(openai/gsm8k). See docs/gsm8k.md.")
+                "--allow-limit), 2 could not run. Task: the seed's gsm8k config "
+                "(src/k3rocm/gsm8k/gsm8k.yaml). Data: --data-dir, else the HF cache "
+                "(openai/gsm8k; --fetch-data / `make gsm8k-data` puts it there). "
+                "See docs/gsm8k.md.")
     g = p.add_argument_group("server")
     g.add_argument("--url", help="server root URL (default http://127.0.0.1:$K3_PORT)")
     g.add_argument("--model", help="served model name (default $K3_SERVED_MODEL_NAME, or the "
@@ -37,8 +40,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "port)")
     g = p.add_argument_group("evaluation")
     g.add_argument("--mode", choices=("chat", "completions"), default="chat",
-                   help="chat: /v1/chat/completions with the chat template (reasoning fallback); "
+                   help="chat: /v1/chat/completions with the chat template, few-shot as turns; "
                    "completions: /v1/completions with the raw 5-shot prompt")
+    g.add_argument("--reasoning-fallback", action="store_true",
+                   help="score the reasoning text when an answer's content is empty (NOT the "
+                   "seed's protocol: counted and reported as a deviation; default off)")
     g.add_argument("--concurrency", type=int, default=32,
                    help="requests in flight (default %(default)s)")
     g.add_argument("--max-gen-tokens", type=int, default=4096,
@@ -65,7 +71,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--client-image", default=command.DEFAULT_CLIENT_IMAGE,
                    help="image with lm-eval in /opt/clients (default %(default)s)")
     g.add_argument("--dry-run", action="store_true",
-                   help="print the exact lm_eval command line and exit 0 (no server contact)")
+                   help="print the exact lm_eval command line and exit 0 (no server contact; "
+                   "also before the data set is there)")
+    g.add_argument("--fetch-data", action="store_true",
+                   help="download openai/gsm8k once into the HF cache (--hf-home) with the client "
+                   "image's huggingface_hub, then exit (needs HF hub access; `make gsm8k-data`)")
     g.add_argument("--rescore", metavar="RUN_DIR",
                    help="re-apply the gate to a stored run directory and print the verdict")
 
@@ -82,7 +92,8 @@ def _settings(args: argparse.Namespace, model: str, url: str) -> Gsm8kSettings:
     s = Gsm8kSettings(url=url, model=model, mode=args.mode, concurrency=args.concurrency,
                       max_gen_tokens=args.max_gen_tokens, timeout=args.timeout,
                       max_retries=args.max_retries, threshold=args.threshold, limit=args.limit,
-                      allow_limit=args.allow_limit, client_image=args.client_image)
+                      allow_limit=args.allow_limit, client_image=args.client_image,
+                      reasoning_fallback=args.reasoning_fallback)
     command.validate(s)
     return s
 
@@ -150,31 +161,94 @@ def run(args: argparse.Namespace) -> int:
     if args.rescore:
         command.validate(_settings(args, "x", "http://x"))
         return _rescore(args)
+    if args.fetch_data:
+        return _fetch_data(args)
     defaults = _serving_defaults()
     url = args.url or f"http://127.0.0.1:{defaults['port']}"
     api_key = defaults.get("api_key") or None
     # Everything checkable without a server, before anything expensive.
     s = _settings(args, args.model or defaults["model"], url)
-    src = data.resolve(args.data_dir, args.hf_home)
-    argv = command.lm_eval_argv(s, src)
+    argv = command.lm_eval_argv(s)
     if args.dry_run:
+        try:
+            where = data.resolve(args.data_dir, args.hf_home).describe()
+        except data.NoDataError as exc:  # the command does not depend on the data source
+            where = f"none yet ({exc})"
         print(command.shell_line(argv))
         print(f"# in {s.client_image}, --network host, run dir mounted at {command.OUT_MOUNT}, "
-              f"data: {src.describe()} mounted at {src.mount}", file=sys.stderr)
+              f"task {data.TASK_FILE} as {command.TASKS_MOUNT}/gsm8k.yaml, data: {where}",
+              file=sys.stderr)
         return 0
+    src = data.resolve(args.data_dir, args.hf_home)
 
     model = _check_server(url, s.model, explicit=args.model is not None, api_key=api_key)
     if model != s.model:
         _progress(f"the server serves only {model!r}; using it (--model to insist on a name)")
         s = _settings(args, model, url)
-        argv = command.lm_eval_argv(s, src)
+        argv = command.lm_eval_argv(s)
     client = _docker()
-    try:
-        client.images.get(s.client_image)
-    except Exception:  # noqa: BLE001 - docker.errors.ImageNotFound
-        raise UsageError(f"client image {s.client_image} not found; build it with "
-                         "`make clients-image` (or pass --client-image)") from None
+    _need_image(client, s.client_image)
     return _execute(client, s, src, argv, api_key, args)
+
+
+def _need_image(client, image: str) -> None:
+    try:
+        client.images.get(image)
+    except Exception:  # noqa: BLE001 - docker.errors.ImageNotFound
+        raise UsageError(f"client image {image} not found; build it with "
+                         "`make clients-image` (or pass --client-image)") from None
+
+
+HOST_CA = Path("/etc/ssl/certs/ca-certificates.crt")
+
+
+def _fetch_data(args: argparse.Namespace) -> int:
+    """``make gsm8k-data``: openai/gsm8k into the HF hub cache, once, with huggingface_hub in the
+    client image (the parquet snapshot that :func:`data.resolve` then finds offline)."""
+    home = Path(args.hf_home or data.hf_home_candidates(None)[0]).expanduser().resolve()
+    with contextlib.suppress(data.NoDataError):
+        src = data.resolve(None, str(home))
+        print(f"gsm8k-data: already there: {src.describe()}", file=sys.stderr)
+        return 0
+    client = _docker()
+    _need_image(client, args.client_image)
+    home.mkdir(parents=True, exist_ok=True)
+    env = {"HOME": "/tmp", "HF_HOME": "/hf", "HF_HUB_DISABLE_TELEMETRY": "1",
+           "PYTHONUNBUFFERED": "1"}
+    for key in ("HF_ENDPOINT", "HF_TOKEN"):  # a mirror or a token, as on the host
+        if os.environ.get(key):
+            env[key] = os.environ[key]
+    volumes = {str(home): {"bind": "/hf", "mode": "rw"},
+               str(LAUNCHER_SRC): {"bind": f"/k3/{command.LAUNCHER_NAME}", "mode": "ro"}}
+    if HOST_CA.is_file():  # a TLS-intercepting proxy's CA is often only on the host
+        volumes[str(HOST_CA)] = {"bind": "/tmp/host-ca.crt", "mode": "ro"}
+        env.update(SSL_CERT_FILE="/tmp/host-ca.crt", REQUESTS_CA_BUNDLE="/tmp/host-ca.crt")
+    endpoint = env.get("HF_ENDPOINT", "https://huggingface.co")
+    _progress(f"downloading openai/gsm8k (main) from {endpoint} into {home} with "
+              f"{args.client_image}")
+    container = client.containers.run(
+        args.client_image, [command.CLIENT_PYTHON, f"/k3/{command.LAUNCHER_NAME}", "fetch-gsm8k"],
+        detach=True, network_mode="host", environment=env, volumes=volumes,
+        user=f"{os.getuid()}:{os.getgid()}", working_dir="/tmp",
+        labels={"k3rocm.role": "gsm8k-data"})
+    try:
+        status = container.wait().get("StatusCode")
+        out = container.logs(stdout=True, stderr=False).decode(errors="replace").strip()
+    finally:
+        _remove(container)
+    last = out.splitlines()[-1] if out else "{}"
+    try:
+        info = json.loads(last)
+    except ValueError:
+        info = {"error": last[:300]}
+    if status != 0 or "error" in info:
+        raise UsageError(f"gsm8k-data: could not download openai/gsm8k from {endpoint} "
+                         f"({info.get('error', f'exit {status}')}); without hub access copy a "
+                         "filled HF cache here or use --data-dir (docs/gsm8k.md)")
+    src = data.resolve(None, str(home))
+    print(f"gsm8k-data: openai/gsm8k revision {info.get('revision')} in {src.describe()}",
+          file=sys.stderr)
+    return 0
 
 
 def _execute(client, s: Gsm8kSettings, src: data.DataSource, argv: list[str],
@@ -185,8 +259,8 @@ def _execute(client, s: Gsm8kSettings, src: data.DataSource, argv: list[str],
     _progress(f"run directory {run_dir}")
     (run_dir / "lmeval_plugin").mkdir()
     shutil.copyfile(LAUNCHER_SRC, run_dir / "lmeval_plugin" / command.LAUNCHER_NAME)
-    if src.needs_task_file:
-        write_text_atomic(run_dir / "tasks" / "gsm8k.yaml", data.task_yaml(src))
+    task_text = data.task_yaml(src)
+    write_text_atomic(run_dir / "tasks" / "gsm8k.yaml", task_text)
     (run_dir / "lm_eval").mkdir()
     line = command.shell_line(argv)
     write_text_atomic(run_dir / "command.txt", line + "\n")
@@ -204,6 +278,10 @@ def _execute(client, s: Gsm8kSettings, src: data.DataSource, argv: list[str],
         "container": {"image": s.client_image, "network_mode": "host", "user": user,
                       "volumes": volumes, "env": env_logged},
         "settings": s.as_dict(), "data": src.provenance(),
+        "task_file": {"shipped": str(data.TASK_FILE),
+                      "shipped_sha256": hashlib.sha256(data.shipped_task().encode()).hexdigest(),
+                      "run_copy": "tasks/gsm8k.yaml",
+                      "run_copy_sha256": hashlib.sha256(task_text.encode()).hexdigest()},
         "server": provenance.server(client, s.url, api_key, args.server_container),
         "client_image": provenance.client_image(client, s.client_image),
         "host": provenance.host(), "k3rocm_argv": sys.argv,
@@ -260,7 +338,8 @@ def _finish(run_dir: Path, s: Gsm8kSettings, src: data.DataSource, prov: dict, w
             write_json_atomic(run_dir / "provenance.json", prov)
         except ValueError:
             pass
-    run = {"server_url": s.url, "model": s.model, "mode": s.mode, "concurrency": s.concurrency,
+    run = {"server_url": s.url, "model": s.model, "mode": s.mode,
+           "reasoning_fallback": s.reasoning_fallback, "concurrency": s.concurrency,
            "max_gen_tokens": s.max_gen_tokens, "data": src.describe(),
            "client_image": s.client_image, "wall_seconds": round(wall, 1),
            "command": prov["command"], "run_dir": str(run_dir)}

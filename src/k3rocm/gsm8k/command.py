@@ -23,8 +23,10 @@ DEFAULT_CLIENT_IMAGE = f"k3rocm/clients:{__version__}"
 CLIENT_PYTHON = "/opt/clients/bin/python"
 OUT_MOUNT = "/out"
 LAUNCHER_NAME = "k3rocm_lmeval.py"  # copied into <run>/lmeval_plugin/
-CHAT_MODEL = "k3-chat-completions"  # registered by lmeval_launch.py
+CHAT_MODEL = "local-chat-completions"  # lm-eval's own, as the seed
+FALLBACK_CHAT_MODEL = "k3-chat-completions"  # + reasoning fallback, registered by lmeval_launch.py
 COMPLETIONS_MODEL = "local-completions"
+TASKS_MOUNT = f"{OUT_MOUNT}/tasks"  # <run>/tasks/gsm8k.yaml, the seed's task config
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,7 @@ class Gsm8kSettings:
     allow_limit: bool = False
     client_image: str = DEFAULT_CLIENT_IMAGE
     seed: int = 1234
+    reasoning_fallback: bool = False  # a deviation from the seed's protocol: off unless asked
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -55,6 +58,9 @@ def validate(s: Gsm8kSettings) -> None:
                          "(e.g. http://127.0.0.1:8000), /v1/... is added")
     if s.mode not in ("chat", "completions"):
         raise UsageError(f"--mode {s.mode!r} is not valid; use chat or completions")
+    if s.reasoning_fallback and s.mode != "chat":
+        raise UsageError("--reasoning-fallback needs --mode chat (completions have no reasoning "
+                         "field)")
     if not 1 <= s.concurrency <= 1024:
         raise UsageError(f"--concurrency {s.concurrency} is out of range; use 1..1024")
     if not 1 <= s.max_gen_tokens <= 262144:
@@ -77,8 +83,11 @@ def endpoint(s: Gsm8kSettings) -> str:
 
 
 def model_args(s: Gsm8kSettings) -> str:
+    # max_gen_toks as a model argument (lm-eval's TemplateAPI default is 256), not --gen_kwargs:
+    # the task's generation_kwargs stay exactly the seed's in the config lm-eval prints.
     args = [f"model={s.model}", f"base_url={endpoint(s)}", f"num_concurrent={s.concurrency}",
-            f"max_retries={s.max_retries}", f"timeout={s.timeout}", "tokenized_requests=False"]
+            f"max_retries={s.max_retries}", f"timeout={s.timeout}",
+            f"max_gen_toks={s.max_gen_tokens}", "tokenized_requests=False"]
     if s.mode == "completions":  # prompts go as text: no tokenizer needed on the client
         args.append("tokenizer_backend=None")
     for a in args:
@@ -88,20 +97,27 @@ def model_args(s: Gsm8kSettings) -> str:
     return ",".join(args)
 
 
-def lm_eval_argv(s: Gsm8kSettings, data: DataSource | None) -> list[str]:
-    """The exact command run in the client container (lm-eval's CLI via our launcher)."""
+def chat_model(s: Gsm8kSettings) -> str:
+    if s.mode != "chat":
+        return COMPLETIONS_MODEL
+    return FALLBACK_CHAT_MODEL if s.reasoning_fallback else CHAT_MODEL
+
+
+def lm_eval_argv(s: Gsm8kSettings) -> list[str]:
+    """The exact command run in the client container (lm-eval's CLI via our launcher).
+
+    It does not depend on where the items come from (that is in the run's task file), so the
+    dry run prints it even before the data set is there."""
     argv = [CLIENT_PYTHON, f"{OUT_MOUNT}/lmeval_plugin/{LAUNCHER_NAME}", "run",
-            "--model", CHAT_MODEL if s.mode == "chat" else COMPLETIONS_MODEL,
+            "--model", chat_model(s),
             "--model_args", model_args(s),
+            "--include_path", TASKS_MOUNT,
             "--tasks", "gsm8k",
             "--num_fewshot", str(NUM_FEWSHOT),
             "--batch_size", "1",
-            "--gen_kwargs", f"temperature=0,do_sample=False,max_gen_toks={s.max_gen_tokens}",
             "--seed", str(s.seed)]
     if s.mode == "chat":
         argv += ["--apply_chat_template", "--fewshot_as_multiturn", "true"]
-    if data is not None and data.needs_task_file:
-        argv += ["--include_path", f"{OUT_MOUNT}/tasks"]
     if s.limit is not None:
         argv += ["--limit", str(s.limit)]
     argv += ["--output_path", f"{OUT_MOUNT}/lm_eval", "--log_samples"]

@@ -1,20 +1,19 @@
 """Where the GSM8K items come from, checked before anything expensive starts.
 
-Three sources, tried in this order:
+lm-eval always runs our task file (``src/k3rocm/gsm8k/gsm8k.yaml``: the seed's gsm8k task
+config, ``task: gsm8k``), copied into the run directory as ``tasks/gsm8k.yaml`` and passed with
+``--include_path``. Three sources for its items, tried in this order:
 
 1. ``--data-dir DIR``: a local directory with ``train.jsonl`` and ``test.jsonl`` (one JSON object
    a line with ``question`` and ``answer``; the answer ends in ``#### <number>``), for air-gapped
-   nodes. Run through a task file (``tasks/gsm8k.yaml`` in the run directory, passed with
-   ``--include_path``) that keeps ``task: gsm8k`` and every setting of lm-eval's built-in task but
-   reads ``dataset_path: json`` with ``dataset_kwargs.data_files``.
+   nodes: the run's task file reads ``dataset_path: json`` with ``dataset_kwargs.data_files``.
 2. The Hugging Face hub cache (``<HF_HOME>/hub/datasets--openai--gsm8k/snapshots/<rev>/main/``,
-   what ``huggingface-cli download openai/gsm8k --repo-type dataset`` or an online
-   ``load_dataset`` leaves behind): the same task file with ``dataset_path: parquet`` on those
-   files, so no network is needed.
-3. The ``datasets`` arrow cache (``<HF_HOME>/datasets/openai___gsm8k/main``): lm-eval's built-in
-   task as is, with ``HF_DATASETS_OFFLINE=1`` and ``HF_HUB_OFFLINE=1``.
+   what ``make gsm8k-data``, ``huggingface-cli download openai/gsm8k --repo-type dataset`` or an
+   online ``load_dataset`` leaves behind): ``dataset_path: parquet`` on those files, no network.
+3. The ``datasets`` arrow cache (``<HF_HOME>/datasets/openai___gsm8k/main``): the task file as
+   shipped (``openai/gsm8k``, ``main``), with ``HF_DATASETS_OFFLINE=1`` and ``HF_HUB_OFFLINE=1``.
 
-None of them -> :class:`UsageError` (exit 2) with one line saying how to provide the data.
+None of them -> :class:`NoDataError` (a UsageError: exit 2) with one line saying how to get it.
 """
 
 from __future__ import annotations
@@ -33,13 +32,20 @@ HF_REPO_DIR = "datasets--openai--gsm8k"
 ARROW_DIR = "openai___gsm8k"
 ANSWER_RE = re.compile(r"####\s*(-?[0-9][0-9,.]*)\s*$")
 
-HOW_TO = ("pass --data-dir DIR with train.jsonl and test.jsonl (fields question, answer ending "
-          "in '#### N'), or put openai/gsm8k in the HF cache (--hf-home, default $HF_HOME or "
-          "~/.cache/huggingface) with `huggingface-cli download openai/gsm8k --repo-type dataset`")
+HOW_TO = ("run `make gsm8k-data` once on a node with HF hub access (or `huggingface-cli download "
+          "openai/gsm8k --repo-type dataset`; --hf-home, default $HF_HOME, "
+          "$K3_CACHE_DIR/huggingface, ~/.cache/huggingface), or pass --data-dir DIR with "
+          "train.jsonl and test.jsonl (fields question, answer ending in '#### N')")
+TASK_FILE = Path(__file__).with_name("gsm8k.yaml")  # the seed's task config, shipped
+SEED_DATASET = ("dataset_path: openai/gsm8k", "dataset_name: main")
 
 # Mount points inside the client container.
 DATA_MOUNT = "/data/gsm8k"
 HF_MOUNT = "/hf"
+
+
+class NoDataError(UsageError):
+    """No GSM8K items anywhere (as opposed to items that are there but bad)."""
 
 
 @dataclass
@@ -51,10 +57,6 @@ class DataSource:
     host_files: dict[str, Path] = field(default_factory=dict)
     test_items: int | None = None
     builder: str | None = None  # "json" | "parquet" | None (built-in task)
-
-    @property
-    def needs_task_file(self) -> bool:
-        return self.builder is not None
 
     def describe(self) -> str:
         return f"{self.kind} at {self.host_dir}"
@@ -68,7 +70,7 @@ class DataSource:
                               "sha256": sha256_file(p), "bytes": p.stat().st_size}
                       for split, p in self.host_files.items()},
             "test_items": self.test_items,
-            "builder": self.builder or "lm-eval built-in (openai/gsm8k from the datasets cache)",
+            "builder": self.builder or "openai/gsm8k main from the datasets arrow cache",
         }
 
 
@@ -178,66 +180,32 @@ def resolve(data_dir: str | None, hf_home: str | None) -> DataSource:
         if src:
             return src
     looked = ", ".join(str(p) for p in candidates)
-    raise UsageError(f"no GSM8K data found (looked in {looked}): {HOW_TO}")
+    raise NoDataError(f"no GSM8K data found (looked in {looked}): {HOW_TO}")
 
 
-# lm-eval 0.4.13's built-in tasks/gsm8k/gsm8k.yaml with only the data source replaced
-# (tests/test_gsm8k_unit.py checks every other key against the installed lm-eval).
-_TASK_TEMPLATE = r"""# Written by k3rocm gsm8k: lm-eval's built-in gsm8k task (lm-eval 0.4.13),
-# data from {source}. Keeps `task: gsm8k` so results, metrics and filters are named as upstream
-# (the built-in's `tag: math_word_problems` is left out: it would shadow the built-in tag).
-task: gsm8k
-dataset_path: {builder}
-dataset_kwargs:
-  data_files:
-    train: {train}
-    test: {test}
-output_type: generate_until
-training_split: train
-fewshot_split: train
-test_split: test
-doc_to_text: "Question: {{{{question}}}}\nAnswer:"
-doc_to_target: "{{{{answer}}}}"
-metric_list:
-  - metric: exact_match
-    aggregation: mean
-    higher_is_better: true
-    ignore_case: true
-    ignore_punctuation: false
-    regexes_to_ignore:
-      - ","
-      - "\\$"
-      - "(?s).*#### "
-      - "\\.$"
-generation_kwargs:
-  until:
-    - "Question:"
-    - "</s>"
-    - "<|im_end|>"
-  do_sample: false
-  temperature: 0.0
-repeats: 1
-num_fewshot: 5
-filter_list:
-  - name: "strict-match"
-    filter:
-      - function: "regex"
-        regex_pattern: "#### (\\-?[0-9\\.\\,]+)"
-      - function: "take_first"
-  - name: "flexible-extract"
-    filter:
-      - function: "regex"
-        group_select: -1
-        regex_pattern: "(-?[$0-9.,]{{2,}})|(-?[0-9]+)"
-      - function: "take_first"
-metadata:
-  version: 3.0
-"""
+def shipped_task() -> str:
+    return TASK_FILE.read_text(encoding="utf-8")
 
 
-def task_yaml(src: DataSource) -> str:
-    if not src.needs_task_file:
-        raise ValueError("the built-in task needs no task file")
-    return _TASK_TEMPLATE.format(source=src.describe(), builder=src.builder,
-                                 train=json.dumps(src.files["train"]),
-                                 test=json.dumps(src.files["test"]))
+def task_yaml(src: DataSource | None) -> str:
+    """The run's task file: the shipped one, with only its two dataset lines replaced when the
+    items come from a local directory or the hub cache's parquet files."""
+    text = shipped_task()
+    if src is None or src.builder is None:
+        return text
+    lines = text.splitlines()
+    if [ln for ln in lines if ln.startswith("dataset_")] != list(SEED_DATASET):
+        raise ValueError(f"{TASK_FILE} must name the data set with exactly {SEED_DATASET}")
+    data_lines = [f"# data: {src.describe()}",
+                  f"dataset_path: {src.builder}",
+                  "dataset_kwargs:",
+                  "  data_files:",
+                  f"    train: {json.dumps(src.files['train'])}",
+                  f"    test: {json.dumps(src.files['test'])}"]
+    out = []
+    for ln in lines:
+        if ln == SEED_DATASET[0]:
+            out += data_lines
+        elif ln != SEED_DATASET[1]:
+            out.append(ln)
+    return "\n".join(out) + "\n"

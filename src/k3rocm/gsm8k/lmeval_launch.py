@@ -1,9 +1,13 @@
 """Runs *inside the client container*: lm-eval's own CLI plus one model class.
 
-``python k3rocm_lmeval.py run --model k3-chat-completions ...`` is ``lm-eval run ...`` with one
-extra registered model, ``k3-chat-completions``: lm-eval's ``local-chat-completions`` unchanged,
-except that a response whose ``message.content`` is empty while the reasoning field
-(``reasoning_content``, or ``reasoning`` in newer vLLM) holds text is scored on that text.
+(``python k3rocm_lmeval.py fetch-gsm8k`` instead downloads openai/gsm8k into ``$HF_HOME``'s hub
+cache with huggingface_hub: ``make gsm8k-data``.)
+
+``python k3rocm_lmeval.py run --model ... ...`` is ``lm-eval run ...`` with one extra registered
+model, ``k3-chat-completions`` (used only with ``k3rocm gsm8k --reasoning-fallback``, a deviation
+from the seed's protocol): lm-eval's ``local-chat-completions`` unchanged, except that a
+response whose ``message.content`` is empty while the reasoning field (``reasoning_content``, or
+``reasoning`` in newer vLLM) holds text is scored on that text.
 Every such fallback is appended as one JSON line to ``$K3_GSM8K_FALLBACK_LOG`` so the summary
 can say how many answers needed it. Before evaluating, the versions of lm-eval and its data
 stack are written to ``$K3_GSM8K_CLIENT_INFO``.
@@ -22,6 +26,7 @@ import platform
 import sys
 import threading
 from importlib import metadata
+from pathlib import Path
 
 MODEL_NAME = "k3-chat-completions"
 REASONING_KEYS = ("reasoning_content", "reasoning")
@@ -95,7 +100,26 @@ def register() -> None:
     register_model(MODEL_NAME)(ChatCompletionsWithReasoningFallback)
 
 
+def fetch_gsm8k() -> int:
+    """openai/gsm8k (config ``main``: its parquet files) into the hub cache under ``$HF_HOME``.
+    Prints one JSON line: ``{"revision", "path", "files"}`` or ``{"error"}``; exit 0 or 2."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        path = snapshot_download("openai/gsm8k", repo_type="dataset", allow_patterns=["main/*"])
+    except Exception as exc:  # noqa: BLE001 - offline, proxy, auth: one line for the host
+        first = (str(exc).strip().splitlines() or [""])[0][:240]
+        print(json.dumps({"error": f"{exc.__class__.__name__}: {first}"}))
+        return 2
+    files = sorted(str(p.relative_to(path)) for p in Path(path).rglob("*")
+                   if p.is_file())
+    print(json.dumps({"revision": os.path.basename(path), "path": path, "files": files}))
+    return 0
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["fetch-gsm8k"]:
+        sys.exit(fetch_gsm8k())
     info_path = os.environ.get("K3_GSM8K_CLIENT_INFO")
     if info_path:
         with open(info_path, "w", encoding="utf-8") as fh:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from k3rocm.errors import UsageError
-from k3rocm.gsm8k.command import NUM_FEWSHOT, REFERENCE
+from k3rocm.gsm8k.command import FALLBACK_CHAT_MODEL, NUM_FEWSHOT, REFERENCE
 from k3rocm.gsm8k.data import GSM8K_TEST_ITEMS
 
 FILTERS = ("strict-match", "flexible-extract")
@@ -113,6 +113,13 @@ def evaluate(results: dict, samples: list[dict], fallbacks: list[dict], *, thres
         err = "n/a" if m["stderr"] is None else f"{m['stderr']:.4f}"
         return f"{filt} {m['exact_match']:.4f} +- {err}"
 
+    fallback_on = config.get("model") == FALLBACK_CHAT_MODEL
+    deviations = []
+    if doc_ids:
+        deviations.append(f"{len(doc_ids)} answer(s) scored from the reasoning text because the "
+                          "content was empty (--reasoning-fallback; the seed scores the content "
+                          "only)")
+
     scores = ", ".join(fmt(f) for f in FILTERS)
     ref = f"reference {REFERENCE['exact_match']:.4f} +- {REFERENCE['stderr']:.4f}"
     if not gate_met:
@@ -131,7 +138,11 @@ def evaluate(results: dict, samples: list[dict], fallbacks: list[dict], *, thres
     if reasons and status != "not_comparable":
         message += f"; not comparable: {'; '.join(reasons)}"
     if doc_ids:
-        message += f"; {len(doc_ids)} answer(s) scored from the reasoning text (content empty)"
+        message += (f"; DEVIATION from the seed's protocol: {len(doc_ids)} answer(s) scored from "
+                    "the reasoning text (content empty, --reasoning-fallback)")
+    elif empty and not fallback_on and config.get("model") != "local-completions":
+        message += (f"; {len(empty)} empty answer(s) scored as wrong (a reasoning model's answer "
+                    "may be in reasoning_content: see --reasoning-fallback in docs/gsm8k.md)")
 
     return {
         "status": status,
@@ -146,8 +157,10 @@ def evaluate(results: dict, samples: list[dict], fallbacks: list[dict], *, thres
         "limit": limit,
         "comparable": comparable,
         "not_comparable_reasons": reasons,
+        "deviations_from_seed": deviations,
+        "like_seed": comparable and not deviations,
         "allow_limit": allow_limit,
-        "reasoning_fallback": {"count": len(doc_ids), "of": n_docs,
+        "reasoning_fallback": {"enabled": fallback_on, "count": len(doc_ids), "of": n_docs,
                                "responses_logged": len(fallbacks),
                                "doc_ids": sorted(d for d in doc_ids if d is not None)},
         "empty_responses": len(empty),
@@ -156,6 +169,8 @@ def evaluate(results: dict, samples: list[dict], fallbacks: list[dict], *, thres
                     "gen_kwargs": config.get("gen_kwargs"), "date": results.get("date"),
                     "total_evaluation_time_seconds":
                         results.get("total_evaluation_time_seconds")},
+        # The task config lm-eval resolved and ran (its results JSON, "configs").
+        "task_config": (results.get("configs") or {}).get(TASK),
     }
 
 
@@ -186,11 +201,20 @@ def markdown(summary: dict) -> str:
         f" (limit: {summary['limit']})",
         f"- Comparable with the reference: {'yes' if summary['comparable'] else 'no'}"
         + ("" if summary["comparable"] else f" ({'; '.join(summary['not_comparable_reasons'])})"),
-        f"- Answers scored from reasoning_content (content was empty): {fb['count']} of "
+        f"- Reasoning fallback: {'on (a deviation from the seed)' if fb.get('enabled') else 'off'}"
+        f"; answers scored from reasoning_content (content was empty): {fb['count']} of "
         f"{fb['of']}",
         f"- Empty responses: {summary['empty_responses']}",
         f"- Reference: {ref['source']}",
     ]
+    tc = summary.get("task_config") or {}
+    if tc:
+        gk = tc.get("generation_kwargs") or {}
+        lines += ["", "Task config as lm-eval ran it (summary.json `task_config`): "
+                  f"`doc_to_text` {json.dumps(tc.get('doc_to_text'))}, `until` "
+                  f"{json.dumps(gk.get('until'))}, `num_fewshot` {tc.get('num_fewshot')}, "
+                  f"`fewshot_split` {tc.get('fewshot_split')}, version "
+                  f"{(tc.get('metadata') or {}).get('version')}"]
     run = summary.get("run") or {}
     if run:
         lines += ["", "## Run", ""]
