@@ -8,15 +8,15 @@
    which is right for a claim of off). The same traces, claimed as q/kv-norm-on, fail: the
    counts, and "the overlay did not run" (no decision record while asked on).
 2. `k3rocm census-ab --on qk_norm` with our overlay FORCED over the upstream file and bound into
-   the tiny DeepSeek-V3 model (K3_TEST_BIND_MODULES), the reference fused RMSNorm operator
-   registered (K3_TEST_REFERENCE_OPS=1): arm off (K3_FUSE_*=0) counts 2 separate q/kv norms
-   per MLA layer and step and no fused op; arm on (K3_FUSE_QK_NORM=1, K3_FUSE_DECODE_QPREP=0:
-   the decode Q-prep cannot run on CPU, bf16 KV cache) counts exactly one
-   `vllm::fused_mla_dual_rms_norm` per MLA layer and step and no separate pair; the A/B
-   difference of all RMSNorm launches is 2 per MLA layer and decode step.
-   TRANSITIONAL: the overlay in this image still prints only its old prose lines (no
-   K3ROCM-DECISION records yet), so this run passes --skip-records; switch it to the records
-   once the rewritten overlay lands.
+   the tiny DeepSeek-V3 model (K3_TEST_BIND_MODULES), in a test image that adds the ROCm-vLLM
+   and AITER doubles (tests/doubles; K3_TEST_DOUBLE_ROCM=1: vLLM answers like ROCm + AITER and
+   registers vllm::fused_mla_dual_rms_norm as vllm/_aiter_ops.py does): arm off (K3_FUSE_*=0)
+   counts 2 separate q/kv norms per MLA layer and step and no fused op; arm on
+   (K3_FUSE_QK_NORM=1, K3_FUSE_DECODE_QPREP=0: the decode Q-prep cannot run on CPU, bf16 KV
+   cache) counts exactly one `vllm::fused_mla_dual_rms_norm` per MLA layer and step and no
+   separate pair; the A/B difference of all RMSNorm launches is 2 per MLA layer and decode
+   step. The overlay's decision records (beside the traces) are cross-checked with each arm's
+   claim.
 """
 
 from __future__ import annotations
@@ -112,10 +112,27 @@ def test_census_live_stock_server(profiled_server, tmp_path):
     assert any("stock q/kv RMSNorm launches" in r for r in rows)
 
 
+DOUBLES_TAG = "k3rocm/census-test:cpu-0.32.0-overlay-force-doubles"
+DOUBLES_DOCKERFILE = """FROM {base}
+COPY doubles/ /opt/k3rocm-test-doubles/
+ENV PYTHONPATH=/opt/k3rocm-test-doubles
+"""
+
+
 @pytest.fixture(scope="module")
-def forced_image(docker_client, server_image) -> str:
-    """Our image on the 0.32.0 stand-in with the overlay forced over upstream amd/mla.py."""
-    return build_server_image(docker_client, standin_tag(), FORCE_TAG, overlay_mode="force")
+def forced_image(docker_client, server_image, tmp_path_factory) -> str:
+    """Our image on the 0.32.0 stand-in with the overlay forced over upstream amd/mla.py, plus
+    the test doubles (a test image: the serving image never carries them)."""
+    import shutil
+
+    base = build_server_image(docker_client, standin_tag(), FORCE_TAG, overlay_mode="force")
+    ctx = tmp_path_factory.mktemp("doubles-image")
+    shutil.copytree(REPO / "tests" / "doubles", ctx / "doubles",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    (ctx / "Dockerfile").write_text(DOUBLES_DOCKERFILE.format(base=base))
+    docker_client.images.build(path=str(ctx), tag=DOUBLES_TAG, rm=True,
+                               labels={"org.k3rocm.test": "census"})
+    return DOUBLES_TAG
 
 
 def test_census_ab_overlay_on_off(docker_client, forced_image, tmp_path):
@@ -128,14 +145,17 @@ def test_census_ab_overlay_on_off(docker_client, forced_image, tmp_path):
                 "K3_PROFILER_MAX_ITERATIONS": "6"})
     p = subprocess.run(
         [sys.executable, "-m", "k3rocm", "census-ab", "--image", forced_image,
-         "--on", "qk_norm", "--skip-records",  # transitional: see the module docstring
-         "--port", "18417", "--env", "K3_TEST_REFERENCE_OPS=1",
+         "--on", "qk_norm",
+         "--port", "18417", "--env", "K3_TEST_DOUBLE_ROCM=1",
          "--env", f"K3_TEST_BIND_MODULES={BIND}", "--gpu", "no",
          "--model-dir", str(MODELS_DIR / SMOKE_MODEL), "--concurrency", "4",
          "--max-tokens", "256", "--server-timeout", "420", "--results", str(tmp_path)],
         env=env, capture_output=True, text=True, timeout=1200)
     print(p.stdout[-6000:], p.stderr[-4000:])
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    # the overlay's own records, cross-checked with each arm's claim
+    assert "qk_norm asked ON" in p.stdout and "reports ON (fused_mla_dual_rms_norm" in p.stdout
+    assert "every target process (1) reports OFF (K3_FUSE_QK_NORM=0)" in p.stdout
     run_dir = next(tmp_path.glob("*-census-ab"))
     ab = json.loads((run_dir / "ab.json").read_text())
     layers = _smoke_layers()
