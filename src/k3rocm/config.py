@@ -325,8 +325,12 @@ def _describe_valid(name: str) -> str:
 
 def load_settings(environ: Mapping[str, str] | None = None,
                   dotenv: str | os.PathLike | None = ".env",
-                  host_paths: bool = False) -> tuple[Settings, dict[str, str]]:
+                  host_paths: bool = False,
+                  check_model: bool = True) -> tuple[Settings, dict[str, str]]:
     """Build Settings from the environment, an optional .env and the profile.
+
+    ``check_model=False``: for commands that talk to a running server (clients, wait) and
+    never load the checkpoint: the model path and the Hub opt-in are not checked.
 
     Returns the settings and, per setting env name, its source.
     Raises UsageError (one line) on an unknown K3_* variable or an invalid value.
@@ -382,7 +386,7 @@ def load_settings(environ: Mapping[str, str] | None = None,
                 err["type"].startswith(("greater", "less")):
             msg = f"use {_describe_valid(name)}"
         raise UsageError(f"{env_name}={bad!r} is not valid: {msg}") from None
-    _check_consistency(settings, host_paths)
+    _check_consistency(settings, host_paths, check_model)
     return settings, sources
 
 
@@ -393,7 +397,7 @@ def _host_path(s: Settings, path: str) -> Path:
     return Path(path).expanduser()
 
 
-def _check_consistency(s: Settings, host_paths: bool = False) -> None:
+def _check_consistency(s: Settings, host_paths: bool = False, check_model: bool = True) -> None:
     if s.mtp_k > 0 and s.mtp_method in MTP_METHODS_WITH_DRAFT_MODEL and not s.mtp_model:
         raise UsageError(f"K3_MTP_METHOD={s.mtp_method} needs a draft model: set K3_MTP_MODEL "
                          "(or use K3_MTP_METHOD=mtp, or K3_MTP_K=0 to turn speculation off)")
@@ -404,6 +408,8 @@ def _check_consistency(s: Settings, host_paths: bool = False) -> None:
     if s.mtp_model and s.mtp_k == 0:
         raise UsageError(f"K3_MTP_MODEL={s.mtp_model!r} is set but K3_MTP_K=0 turns speculative "
                          "decoding off: set K3_MTP_K >= 1 or unset K3_MTP_MODEL")
+    if not check_model:
+        return
     if not _is_pathlike(s.model) and not s.allow_hub_download:
         raise UsageError(f"K3_MODEL={s.model!r} is a Hugging Face id: serving it downloads the "
                          "checkpoint (Kimi-K3: ~1.56 TB) into K3_CACHE_DIR at start; put it "
@@ -416,7 +422,7 @@ def _check_consistency(s: Settings, host_paths: bool = False) -> None:
         if not where.exists():
             shown = f" (on this host: {where})" if host_paths else ""
             raise UsageError(f"{env_name}={path!r} does not exist{shown}: put the model there "
-                             "(compose mounts K3_MODELS_DIR at /models) or use a Hugging Face id")
+                             "(compose mounts K3_MODELS_DIR at /models)")
 
 
 def _flag(argv: list[str], name: str, value: Any) -> None:
@@ -495,10 +501,11 @@ def build_env(s: Settings, environ: Mapping[str, str], file_vals: Mapping[str, s
 
 
 def render(environ: Mapping[str, str] | None = None, dotenv: str | os.PathLike | None = ".env",
-           passthrough: list[str] | None = None, host_paths: bool = False) -> Rendered:
+           passthrough: list[str] | None = None, host_paths: bool = False,
+           check_model: bool = True) -> Rendered:
     environ = dict(os.environ if environ is None else environ)
     file_vals = read_dotenv(dotenv) if dotenv else {}
-    settings, sources = load_settings(environ, dotenv, host_paths)
+    settings, sources = load_settings(environ, dotenv, host_paths, check_model)
     env = build_env(settings, environ, file_vals, sources, host=host_paths)
     argv = build_argv(settings, passthrough)
     if passthrough:

@@ -84,7 +84,7 @@ def _serving_defaults() -> dict:
     """Port, served name and API key from the serving configuration (env + .env)."""
     from k3rocm.config import load_settings
 
-    s, _ = load_settings()
+    s, _ = load_settings(check_model=False)  # a client: the checkpoint is the server's
     return {"port": s.port, "model": s.served_model_name, "api_key": s.api_key}
 
 
