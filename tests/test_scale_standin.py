@@ -1,0 +1,261 @@
+"""Scale-out on the CPU stand-in, live: two real vLLM servers behind the real vllm-router.
+
+Traffic goes only to 127.0.0.1. The first replica is the session's ``standin_server``; the test
+starts one more (fixed host port, so a restarted container keeps its URL) and the router from
+``k3rocm/router:0.1.17`` (``make router-image``) with ``k3rocm.scale.router.start_router``.
+Then: requests reach both replicas (counted from each server's /metrics); one replica stopped
+mid-load: every request ends (success or a clear error) within its timeout; the status function
+behind ``make status`` says "degraded, 1 of 2"; the replica restarted rejoins (timed).
+Last, a DP=2 deployment (head + --headless worker) starts from the rendered dp-ep argv.
+Measured figures are printed as ``[scale] ...`` lines.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from conftest import _image_exists, free_port, need
+from server_fixture import (
+    SMOKE_MODEL,
+    ServerStartError,
+    standin_server,  # noqa: F401 - the shared session fixture
+    start_server,
+)
+
+from k3rocm.errors import UsageError
+from k3rocm.scale.render import plan
+from k3rocm.scale.router import start_router, stop_router
+from k3rocm.scale.settings import load_scale
+from k3rocm.scale.status import format_status, scale_status
+
+ROUTER_IMAGE = os.environ.get("K3_TEST_ROUTER_IMAGE", "k3rocm/router:0.1.17")
+REQUEST_TIMEOUT = 60.0  # per request; "hung" = no answer within this
+PROMPT = "The capital of France is"
+
+
+def _say(msg: str) -> None:
+    stream = sys.__stderr__ or sys.stderr
+    stream.write(f"[scale] {msg}\n")
+    stream.flush()
+
+
+def _completion(url: str, max_tokens: int = 4, timeout: float = REQUEST_TIMEOUT):
+    """One completion; returns (outcome, seconds): outcome 'ok', 'http <code>' or the error."""
+    import requests
+
+    t0 = time.monotonic()
+    try:
+        r = requests.post(f"{url}/v1/completions", timeout=timeout,
+                          json={"model": SMOKE_MODEL, "prompt": PROMPT,
+                                "max_tokens": max_tokens, "ignore_eos": True,
+                                "temperature": 0})
+        outcome = "ok" if r.status_code == 200 and r.json()["choices"] else f"http {r.status_code}"
+    except requests.Timeout:
+        outcome = "timeout"
+    except requests.RequestException as exc:
+        outcome = f"error {exc.__class__.__name__}"
+    return outcome, time.monotonic() - t0
+
+
+def _served(url: str) -> float:
+    """Requests this server finished successfully, from its Prometheus /metrics."""
+    import requests
+
+    text = requests.get(f"{url}/metrics", timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(r"^vllm:request_success_total\{[^}]*\}\s+([0-9.eE+]+)$", line)
+        if m:
+            total += float(m.group(1))
+    return total
+
+
+def _wait(cond, timeout: float, what: str, step: float = 0.5):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        v = cond()
+        if v:
+            return time.monotonic() - t0
+        time.sleep(step)
+    raise AssertionError(f"{what} not reached within {timeout:.0f} s")
+
+
+@pytest.fixture(scope="module")
+def cluster(docker_client, standin_server):  # noqa: F811
+    need(_image_exists(docker_client, ROUTER_IMAGE),
+         f"router image {ROUTER_IMAGE} is missing: `make router-image`")
+    port2 = free_port()
+    try:
+        second = start_server(docker_client, image=standin_server.image, host_port=port2,
+                              name=f"k3rocm-test-replica2-{os.getpid()}")
+    except ServerStartError as exc:
+        pytest.fail(f"second replica did not start: {exc}", pytrace=False)
+    env = {"K3_SCALE_MODE": "replicas",
+           "K3_SCALE_NODES": f"127.0.0.1:{standin_server.port},127.0.0.1:{port2}",
+           "K3_SCALE_ROUTER_PORT": str(free_port()), "K3_SCALE_ROUTER_POLICY": "round_robin",
+           "K3_SCALE_HEALTH_INTERVAL": "1", "K3_SCALE_HEALTH_THRESHOLD": "2",
+           "K3_SCALE_ROUTER_STARTUP_TIMEOUT": "600", "K3_SCALE_ROUTER_IMAGE": ROUTER_IMAGE}
+    s = load_scale(env, dotenv=None)
+    name = f"k3rocm-test-router-{os.getpid()}"
+    try:
+        start_router(docker_client, s, name=name, labels={"org.k3rocm.test": "router"})
+        _wait(lambda: scale_status(s, docker_client)[1].summary == "ok, 2 of 2", 60,
+              "router ok, 2 of 2")
+        yield {"scale": s, "replicas": [standin_server, second], "router": name}
+    finally:
+        stop_router(docker_client, name)
+        second.stop()
+
+
+def test_requests_reach_both_replicas(cluster):
+    s = cluster["scale"]
+    urls = [r.base_url for r in cluster["replicas"]]
+    before = [_served(u) for u in urls]
+    n = 20
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: _completion(s.router_url), range(n)))
+    assert [o for o, _ in results] == ["ok"] * n, results
+    per = [_served(u) - b for u, b in zip(urls, before, strict=True)]
+    _say(f"requests per replica through the router (round_robin, {n} requests): "
+         f"{per[0]:.0f} / {per[1]:.0f}")
+    assert sum(per) == n and min(per) >= n // 4, per
+
+
+def test_router_added_latency(cluster):
+    """Same sequential workload straight to a replica and through the router (one run)."""
+    s = cluster["scale"]
+    direct_url = cluster["replicas"][0].base_url
+    n = 10
+    _completion(direct_url)
+    _completion(s.router_url)  # warm both paths
+    direct = [_completion(direct_url, 8) for _ in range(n)]
+    routed = [_completion(s.router_url, 8) for _ in range(n)]
+    assert all(o == "ok" for o, _ in direct + routed)
+    md = sorted(t for _, t in direct)[n // 2]
+    mr = sorted(t for _, t in routed)[n // 2]
+    _say(f"router added latency: median {1000 * (mr - md):+.1f} ms per request "
+         f"(direct {1000 * md:.1f} ms, via router {1000 * mr:.1f} ms, {n} sequential "
+         "requests of 8 tokens each)")
+
+
+def test_failover_degraded_and_rejoin(cluster, docker_client):
+    s = cluster["scale"]
+    victim = cluster["replicas"][1]
+    n, workers = 40, 4
+    stop_after = 8
+    done: list[tuple[str, float]] = []
+
+    def one(i: int):
+        out = _completion(s.router_url, max_tokens=16)
+        done.append(out)
+        return out
+
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(workers) as pool:
+        futures = [pool.submit(one, i) for i in range(n)]
+        _wait(lambda: len(done) >= stop_after, 120, f"{stop_after} requests done")
+        victim.container.stop(timeout=5)
+        _say(f"replica 2 stopped after {len(done)} of {n} requests")
+        results = [f.result(timeout=REQUEST_TIMEOUT + 30) for f in futures]
+    wall = time.monotonic() - t0
+    outcomes = [o for o, _ in results]
+    hung = [o for o in outcomes if o == "timeout"]
+    failed = [o for o in outcomes if o != "ok"]
+    slowest = max(t for _, t in results)
+    _say(f"failover: {n} requests, {len(failed)} failed ({sorted(set(failed)) or 'none'}), "
+         f"{len(hung)} hung, slowest {slowest:.1f} s, wall {wall:.1f} s")
+    assert not hung, outcomes
+    assert slowest < REQUEST_TIMEOUT + 5
+    assert all(o == "ok" or o.startswith(("http 5", "http 4", "error")) for o in outcomes)
+
+    # The status function behind `make status` reports the router's view.
+    t_deg = _wait(lambda: scale_status(s, docker_client)[1].summary == "degraded, 1 of 2",
+                  30, "status 'degraded, 1 of 2'")
+    replicas, router = scale_status(s, docker_client)
+    _say("status while one replica is down:\n  " + "\n  ".join(format_status(replicas, router)))
+    assert replicas[0].healthy and not replicas[1].healthy
+    after = [_completion(s.router_url)[0] for _ in range(6)]
+    _say(f"after the failure was noticed ({t_deg:.1f} s): 6 requests -> {after}")
+    assert after == ["ok"] * 6
+
+    # Restart the same container (same published port): it rejoins the router by itself.
+    t1 = time.monotonic()
+    victim.container.start()
+    rejoin = _wait(lambda: scale_status(s, docker_client)[1].summary == "ok, 2 of 2", 420,
+                   "replica rejoined (ok, 2 of 2)", step=1.0)
+    before = _served(victim.base_url)
+    with ThreadPoolExecutor(4) as pool:
+        again = list(pool.map(lambda _: _completion(s.router_url)[0], range(8)))
+    got = _served(victim.base_url) - before
+    _say(f"replica 2 rejoined {rejoin:.1f} s after its restart (router ok, 2 of 2; vLLM "
+         f"engine start included); it then served {got:.0f} of 8 requests")
+    assert again == ["ok"] * 8 and got >= 1
+    assert time.monotonic() - t1 < 430
+
+
+def test_dp_ep_rendering_launches_dense_dp2(docker_client, standin_server):  # noqa: F811
+    """Head + --headless worker from the rendered dp-ep env/argv (tiny model, no MoE layer)."""
+    environ = {"K3_PROFILE": "cpu-smoke", "K3_MODEL": f"/models/{SMOKE_MODEL}",
+               "K3_SERVED_MODEL_NAME": SMOKE_MODEL,
+               "K3_SCALE_MODE": "dp-ep", "K3_SCALE_NODES": "127.0.0.1:8000,127.0.0.1:8001",
+               "K3_SCALE_IFNAME": "lo", "K3_SCALE_ALL2ALL": "allgather_reducescatter",
+               "K3_SCALE_DP_RPC_PORT": "13345"}
+    try:
+        p = plan(environ, dotenv=None)
+    except UsageError as exc:  # pragma: no cover - a rendering bug
+        pytest.fail(str(exc))
+    head, worker = p.nodes
+    assert head.env_overrides["GLOO_SOCKET_IFNAME"] == "lo"
+    assert head.env_overrides["VLLM_HOST_IP"] == "127.0.0.1"
+    assert "--headless" in worker.command and "--headless" not in head.command
+    base_env = {k: v for k, v in environ.items() if not k.startswith("K3_SCALE_")}
+    vols = {str(standin_server.tokenizer_path.parent.resolve()): {"bind": "/models",
+                                                                    "mode": "ro"}}
+    tag = f"{os.getpid()}-{int(time.time()) % 10**6}"
+    labels = {"org.k3rocm.test": "dp-ep"}
+    t0 = time.monotonic()
+    hc = docker_client.containers.run(
+        standin_server.image, detach=True, name=f"k3rocm-test-dphead-{tag}",
+        environment={**base_env, **head.env_overrides}, command=head.command, volumes=vols,
+        ports={"8000/tcp": ("127.0.0.1", None)}, shm_size="2g", labels=labels)
+    wc = None
+    try:
+        wc = docker_client.containers.run(
+            standin_server.image, detach=True, name=f"k3rocm-test-dpworker-{tag}",
+            environment={**base_env, **worker.env_overrides}, command=worker.command,
+            volumes=vols, network_mode=f"container:{hc.id}", shm_size="2g", labels=labels)
+        hc.reload()
+        url = f"http://127.0.0.1:{hc.attrs['NetworkSettings']['Ports']['8000/tcp'][0]['HostPort']}"
+
+        def healthy():
+            import requests
+
+            for c in (hc, wc):
+                c.reload()
+                if c.status in ("exited", "dead"):
+                    raise AssertionError(f"{c.name} exited:\n{c.logs(tail=30).decode()}")
+            try:
+                return requests.get(f"{url}/health", timeout=2).status_code == 200
+            except requests.RequestException:
+                return False
+
+        _wait(healthy, 420, "DP=2 head healthy", step=1.0)
+        ready = time.monotonic() - t0
+        outcomes = [_completion(url, 4)[0] for _ in range(4)]
+        assert outcomes == ["ok"] * 4, outcomes
+        for c, node in ((hc, head), (wc, worker)):
+            log = c.logs().decode(errors="replace")
+            line = next(ln for ln in log.splitlines() if ln.startswith("k3rocm: exec "))
+            assert shlex.split(line.removeprefix("k3rocm: exec ")) == node.argv, line
+        _say(f"dp-ep rendering: DP=2 (head + headless worker) healthy after {ready:.0f} s; "
+             "4 requests ok; both containers exec'd exactly the rendered argv")
+    finally:
+        for c in (wc, hc):
+            if c is not None:
+                c.remove(force=True)
