@@ -282,12 +282,25 @@ def run_checks(environ=None, dotenv: str = ".env") -> list[Check]:
     from k3rocm.config import load_settings
     from k3rocm.scale.settings import load_scale
 
-    settings, _ = load_settings(environ, dotenv, host_paths=False)  # bad input: exit 2 first
+    environ = dict(os.environ if environ is None else environ)
+    missing: Check | None = None
+    try:  # bad input: exit 2 before any check runs ...
+        settings, _ = load_settings(environ, dotenv, host_paths=True)
+    except UsageError as exc:
+        # ... except a missing checkpoint, which is what this table is for.
+        msg = str(exc)
+        key = msg.split("=", 1)[0]
+        if key not in ("K3_MODEL", "K3_MTP_MODEL") or "does not exist" not in msg:
+            raise
+        missing = Check("checkpoint", "fail", msg.split(":", 1)[0],
+                        "put the checkpoint there (K3_MODELS_DIR is mounted at /models) or "
+                        f"fix {key}")
+        settings, _ = load_settings({**environ, key: "placeholder/not-checked"}, dotenv)
     s = load_scale(environ, dotenv, tp=settings.tp)
     checks = [*check_rocm_devices(), *check_groups(), check_numa(),
               check_disk("cache", Path(settings.cache_dir).expanduser(), CACHE_MIN_GB),
               check_disk("results", Path(settings.results_dir).expanduser(), RESULTS_MIN_GB),
-              check_checkpoint(settings)]
+              missing or check_checkpoint(settings)]
     client, err = _docker()
     checks += check_docker(client, err, settings)
     if s.mode == "single":
