@@ -5,7 +5,8 @@
 #   make status                    one line per replica + the router's view ("degraded, 1 of 2")
 #   make scale-render [OUT=dir]    per-node env/argv (+ compose overrides nodeN.yaml in OUT)
 #   make render-k8s [OUT=file]     Kubernetes manifests, checked against the K8s schemas
-#   make bench URL=router          `make bench`/`make gsm8k` against the router: see docs/scale.md
+#   make bench-router / gsm8k-router   `make bench`/`make gsm8k` against the router (same
+#                                  WORKLOAD/BENCH_ARGS/GSM8K_ARGS; provenance gets a topology block)
 # Settings: K3_SCALE_* in the shell or .env, like every K3_* setting (`k3rocm scale config`).
 PY ?= .venv/bin/python
 ROUTER_VERSION ?= 0.1.17
@@ -16,7 +17,7 @@ ROUTER_LOCK := docker/router/requirements.lock
 PREFLIGHT_ARGS ?=
 OUT ?=
 
-.PHONY: preflight router-wheels router-image router-up router-down status scale-render render-k8s scale-test
+.PHONY: bench-router gsm8k-router preflight router-wheels router-image router-up router-down status scale-render render-k8s scale-test
 
 preflight: $(PY) ## node preflight: ROCm devices, groups, NUMA, disk, checkpoint, image, ports, Docker (+ scale-out checks)
 	$(PY) -m k3rocm preflight $(PREFLIGHT_ARGS)
@@ -54,6 +55,14 @@ scale-render: $(PY) ## per-node env/argv for K3_SCALE_MODE (OUT=dir: compose ove
 
 render-k8s: $(PY) ## Kubernetes manifests for K3_SCALE_MODE, checked against the K8s schemas (OUT=file)
 	$(PY) -m k3rocm scale render-k8s $(if $(OUT),--out $(OUT))
+
+bench-router: $(PY) ## make bench through the router of K3_SCALE_* (WORKLOAD=, BENCH_ARGS=)
+	@url=$$($(PY) -m k3rocm scale url) || exit 2; \
+	  set -x; $(PY) -m k3rocm bench --workload $(or $(WORKLOAD),decode-8k1k) --url $$url $(BENCH_ARGS)
+
+gsm8k-router: $(PY) ## make gsm8k through the router of K3_SCALE_* (GSM8K_ARGS=)
+	@url=$$($(PY) -m k3rocm scale url) || exit 2; \
+	  set -x; $(PY) -m k3rocm gsm8k --url $$url $(GSM8K_ARGS)
 
 scale-test: $(PY) ## scale/preflight tests (the live ones start 2 stand-in servers + the router)
 	$(PY) -m pytest -ra tests/test_scale_unit.py tests/test_preflight.py tests/test_scale_standin.py $(PYTEST_ARGS)

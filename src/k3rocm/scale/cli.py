@@ -4,6 +4,7 @@
   k3rocm scale render [--out DIR]   per-node env/argv (+ compose overrides written to DIR)
   k3rocm scale render-k8s [--out F] Kubernetes manifests, checked against the K8s schemas
   k3rocm scale router-up|router-down
+  k3rocm scale url                  the router URL (bench/gsm8k --url)
   k3rocm scale status [--json]      one line per replica and the router's view
 
 Exit codes: 0 ok, 1 status degraded/down or a router failure, 2 bad settings.
@@ -27,6 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="scale_cmd", metavar="SUBCOMMAND", required=True)
     sub.add_parser("config", help="print the resolved K3_SCALE_* settings",
                    description="print the resolved K3_SCALE_* settings")
+    sub.add_parser("url", help="print the router URL (for bench/gsm8k --url)",
+                   description="print the router URL clients use (make bench-router)")
     p = sub.add_parser("render", help="per-node env and argv (from the serving renderer)",
                        description="per-node env and argv; with --out, one compose override "
                        "per node (docker compose -f compose.yaml -f DIR/nodeN.yaml up -d)")
@@ -82,6 +85,11 @@ def run(args: argparse.Namespace) -> int:
         for name, env in SCALE_ENV.items():
             v = getattr(s, name)
             print(f"{env}={','.join(v) if isinstance(v, tuple) else ('' if v is None else v)}")
+        return 0
+    if cmd == "url":
+        if s.mode == "single":
+            raise UsageError("K3_SCALE_MODE=single has no router: set K3_SCALE_MODE=replicas")
+        print(s.router_url)
         return 0
     if cmd == "status":
         from k3rocm.scale.status import format_status, scale_status, status_json
