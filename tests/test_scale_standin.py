@@ -201,11 +201,14 @@ def test_failover_degraded_and_rejoin(cluster, docker_client):
 
 def test_dp_ep_rendering_launches_dense_dp2(docker_client, standin_server):  # noqa: F811
     """Head + --headless worker from the rendered dp-ep env/argv (tiny model, no MoE layer)."""
+    models = standin_server.tokenizer_path.parent.resolve()
     environ = {"K3_PROFILE": "cpu-smoke", "K3_MODEL": f"/models/{SMOKE_MODEL}",
-               "K3_SERVED_MODEL_NAME": SMOKE_MODEL,
+               "K3_SERVED_MODEL_NAME": SMOKE_MODEL, "K3_MODELS_DIR": str(models),
                "K3_SCALE_MODE": "dp-ep", "K3_SCALE_NODES": "127.0.0.1:8000,127.0.0.1:8001",
                "K3_SCALE_IFNAME": "lo", "K3_SCALE_ALL2ALL": "allgather_reducescatter",
-               "K3_SCALE_DP_RPC_PORT": "13345"}
+               "K3_SCALE_DP_RPC_PORT": "13345",
+               # One API server process instead of one per DP rank: 2 CPU cores here.
+               "K3_EXTRA_ARGS": "--api-server-count 1"}
     try:
         p = plan(environ, dotenv=None)
     except UsageError as exc:  # pragma: no cover - a rendering bug
@@ -215,8 +218,7 @@ def test_dp_ep_rendering_launches_dense_dp2(docker_client, standin_server):  # n
     assert head.env_overrides["VLLM_HOST_IP"] == "127.0.0.1"
     assert "--headless" in worker.command and "--headless" not in head.command
     base_env = {k: v for k, v in environ.items() if not k.startswith("K3_SCALE_")}
-    vols = {str(standin_server.tokenizer_path.parent.resolve()): {"bind": "/models",
-                                                                    "mode": "ro"}}
+    vols = {str(models): {"bind": "/models", "mode": "ro"}}
     tag = f"{os.getpid()}-{int(time.time()) % 10**6}"
     labels = {"org.k3rocm.test": "dp-ep"}
     t0 = time.monotonic()
@@ -247,14 +249,24 @@ def test_dp_ep_rendering_launches_dense_dp2(docker_client, standin_server):  # n
 
         _wait(healthy, 420, "DP=2 head healthy", step=1.0)
         ready = time.monotonic() - t0
-        outcomes = [_completion(url, 4)[0] for _ in range(4)]
-        assert outcomes == ["ok"] * 4, outcomes
+        with ThreadPoolExecutor(3) as pool:
+            outcomes = list(pool.map(lambda _: _completion(url, 8)[0], range(6)))
+        assert outcomes == ["ok"] * 6, outcomes
+        import requests
+
+        metrics = requests.get(f"{url}/metrics", timeout=10).text
+        per_engine = {m.group(1): float(m.group(2)) for m in re.finditer(
+            r'^vllm:request_success_total\{[^}]*engine="(\d+)"[^}]*\}\s+([0-9.eE+]+)$',
+            metrics, re.M)}
+        # Both DP ranks (the head's engine 0, the headless worker's engine 1) are registered.
+        assert {"0", "1"} <= set(per_engine), per_engine
         for c, node in ((hc, head), (wc, worker)):
             log = c.logs().decode(errors="replace")
             line = next(ln for ln in log.splitlines() if ln.startswith("k3rocm: exec "))
             assert shlex.split(line.removeprefix("k3rocm: exec ")) == node.argv, line
         _say(f"dp-ep rendering: DP=2 (head + headless worker) healthy after {ready:.0f} s; "
-             "4 requests ok; both containers exec'd exactly the rendered argv")
+             f"6 requests ok (per DP rank: {per_engine}); both containers exec'd exactly the "
+             "rendered argv")
     finally:
         for c in (wc, hc):
             if c is not None:

@@ -120,7 +120,8 @@ def plan(environ: Mapping[str, str] | None = None, dotenv: str | os.PathLike | N
          scale: ScaleSettings | None = None) -> Plan:
     """Validate the serving and scale settings and render every node (no Docker, no network)."""
     environ = dict(os.environ if environ is None else environ)
-    settings, _ = load_settings(environ, dotenv)
+    # Checkpoint paths under /models are checked on this host's K3_MODELS_DIR (as `make config`).
+    settings, _ = load_settings(environ, dotenv, host_paths=True)
     s = scale or load_scale(environ, dotenv, tp=settings.tp)
     if s.mode == "single":
         raise UsageError("K3_SCALE_MODE=single: there is nothing to scale out; set "
@@ -146,7 +147,7 @@ def plan(environ: Mapping[str, str] | None = None, dotenv: str | os.PathLike | N
             devices = ["/dev/infiniband"]
             host_net = True
         node_environ = {**environ, **overrides}
-        rendered = render(node_environ, dotenv, passthrough=command)
+        rendered = render(node_environ, dotenv, passthrough=command, host_paths=True)
         env = dict(rendered.env)
         for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "NCCL_IB_HCA", "VLLM_HOST_IP"):
             if key in overrides:
