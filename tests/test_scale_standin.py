@@ -146,20 +146,26 @@ def test_requests_reach_both_replicas(cluster):
 
 
 def test_router_added_latency(cluster):
-    """Same sequential workload straight to a replica and through the router (one run)."""
+    """Same sequential workload straight to the replicas and through the router (one run).
+
+    Interleaved (direct to replica i%2, then through the router) so that load from anything
+    else on this shared machine hits both arms alike.
+    """
     s = cluster["scale"]
-    direct_url = cluster["replicas"][0].base_url
-    n = 10
-    _completion(direct_url)
-    _completion(s.router_url)  # warm both paths
-    direct = [_completion(direct_url, 8) for _ in range(n)]
-    routed = [_completion(s.router_url, 8) for _ in range(n)]
+    urls = [r.base_url for r in cluster["replicas"]]
+    n = 12
+    for u in (*urls, s.router_url):
+        _completion(u)  # warm every path
+    direct, routed = [], []
+    for i in range(n):
+        direct.append(_completion(urls[i % 2], 8))
+        routed.append(_completion(s.router_url, 8))
     assert all(o == "ok" for o, _ in direct + routed)
     md = sorted(t for _, t in direct)[n // 2]
     mr = sorted(t for _, t in routed)[n // 2]
     _say(f"router added latency: median {1000 * (mr - md):+.1f} ms per request "
-         f"(direct {1000 * md:.1f} ms, via router {1000 * mr:.1f} ms, {n} sequential "
-         "requests of 8 tokens each)")
+         f"(direct {1000 * md:.1f} ms, via router {1000 * mr:.1f} ms; {n} + {n} sequential "
+         "interleaved requests of 8 tokens)")
 
 
 def test_failover_degraded_and_rejoin(cluster, docker_client):
