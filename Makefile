@@ -64,8 +64,9 @@ lint: $(PY) ## ruff, hadolint, shellcheck
 smoke: $(PY) ## build FROM the stand-in (or BASE_IMAGE=<ROCm image> GPU=1), serve the tiny model, one request
 	$(PY) -m k3rocm smoke $(if $(BASE_IMAGE),--base-image $(BASE_IMAGE)) $(if $(filter 1,$(GPU)),--gpu --profile $${K3_PROFILE:-cpu-smoke}) $(SMOKE_ARGS)
 
-ci-images: $(PY) ## CI: both CPU stand-in bases (see mk/standin.mk) and the client image, no pulls
+ci-images: $(PY) ## CI: both CPU stand-in bases (see mk/standin.mk), the client and router images, no pulls
 	$(MAKE) standin
 	$(MAKE) clients-image CLIENT_BASE=k3rocm/debian:bookworm
+	$(MAKE) router-image ROUTER_BASE=k3rocm/debian:bookworm
 
 -include mk/*.mk

@@ -147,11 +147,13 @@ def start_server(
     name: str | None = None,
     volumes: dict | None = None,
     served_model_name: str = SMOKE_MODEL,
+    host_port: int | None = None,
 ) -> StandinServer:
     """Start our server image with the cpu-smoke profile (plus ``env``) and wait for /health.
 
     Raises :class:`ServerStartError` (with the container's log tail) if the container exits or
     is not healthy within ``timeout`` seconds; the container is removed in that case.
+    ``host_port`` fixes the published port (so a restarted container keeps its URL).
     """
     import requests
 
@@ -179,7 +181,7 @@ def start_server(
         name=name,
         environment=full_env,
         volumes=vols,
-        ports={f"{CONTAINER_PORT}/tcp": ("127.0.0.1", None)},
+        ports={f"{CONTAINER_PORT}/tcp": ("127.0.0.1", host_port)},
         shm_size="2g",
         labels={LABEL: "standin-server", f"{LABEL}.pid": str(os.getpid())},
     )

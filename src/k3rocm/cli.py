@@ -27,6 +27,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "gsm8k": ("k3rocm.gsm8k.cli", "GSM8K 5-shot accuracy gate with lm-evaluation-harness"),
     "census": ("k3rocm.census.cli", "decode kernel census from the server's profiler trace"),
     "census-ab": ("k3rocm.census.ab_cli", "kernel census with the fusions off vs on"),
+    "scale": ("k3rocm.scale.cli", "scale out: replicas behind vllm-router, renderings, status"),
+    "preflight": ("k3rocm.preflight", "what this node has and needs, one table (exit 1: a fail)"),
 }
 
 

@@ -18,6 +18,7 @@ from k3rocm.bench import plots, runner, server, summary
 from k3rocm.bench.workloads import Workload, aiperf_command, shell_line
 from k3rocm.errors import UsageError
 from k3rocm.rundir import create_run_dir, utc_stamp, write_json_atomic, write_text_atomic
+from k3rocm.scale.status import topology
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_SERVER, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tiktoken.model",
@@ -100,6 +101,7 @@ def run_bench(w: Workload, *, results: Path, client_image: str, server_timeout: 
                    "env_note": "HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE deliberately unset"},
         "server": server.collect_provenance(w.url, w.api_key, client=client,
                                             container=server_container),
+        "topology": topology(w.url),  # single node, or a router / node of a scale-out
         **(extra_provenance or {}),
     }
     write_json_atomic(run_dir / "provenance.json", prov)

@@ -21,6 +21,7 @@ from k3rocm.errors import UsageError
 from k3rocm.gsm8k import command, data, results
 from k3rocm.gsm8k.command import Gsm8kSettings
 from k3rocm.rundir import create_run_dir, write_json_atomic, write_text_atomic
+from k3rocm.scale.status import topology
 
 LAUNCHER_SRC = Path(__file__).with_name("lmeval_launch.py")
 
@@ -283,6 +284,7 @@ def _execute(client, s: Gsm8kSettings, src: data.DataSource, argv: list[str],
                       "run_copy": "tasks/gsm8k.yaml",
                       "run_copy_sha256": hashlib.sha256(task_text.encode()).hexdigest()},
         "server": provenance.server(client, s.url, api_key, args.server_container),
+        "topology": topology(s.url),  # single node, or a router / node of a scale-out
         "client_image": provenance.client_image(client, s.client_image),
         "host": provenance.host(), "k3rocm_argv": sys.argv,
     }
