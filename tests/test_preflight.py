@@ -55,11 +55,14 @@ def test_checkpoint(tmp_path):
     from k3rocm.config import load_settings
 
     env = {"K3_MODELS_DIR": str(tmp_path), "K3_MODEL": "/models/k3"}
-    s = load_settings({"K3_MODEL": "moonshotai/Kimi-K3"}, dotenv=None)[0]
+    hub = {"K3_MODEL": "moonshotai/Kimi-K3"}
+    s = load_settings(hub, dotenv=None, check_model=False)[0]
+    assert preflight.check_checkpoint(s).status == "fail"  # no opt-in: a 1.5 TB download
+    s = load_settings({**hub, "K3_ALLOW_HUB_DOWNLOAD": "1"}, dotenv=None)[0]
     assert preflight.check_checkpoint(s).status == "warn"
     r = run_cli("preflight", env={**env, "K3_PORT": str(free_port())}, timeout=120)
     line = next(ln for ln in r.stdout.splitlines() if ln.startswith("checkpoint"))
-    assert line.split()[1] == "fail" and "does not exist" in line and r.returncode == 1
+    assert line.split()[1] == "fail" and "no config.json" in line and r.returncode == 1
     (tmp_path / "k3").mkdir()
     s = load_settings(env, dotenv=None, host_paths=True)[0]
     assert preflight.check_checkpoint(s).status == "fail"
@@ -80,7 +83,7 @@ def test_port_in_use_fails():
 def test_scale_checks(tmp_path):
     from k3rocm.config import load_settings
 
-    settings = load_settings({}, dotenv=None)[0]
+    settings = load_settings({}, dotenv=None, check_model=False)[0]
     p1, p2 = free_port(), free_port()
     s = load_scale({"K3_SCALE_MODE": "dp-ep", "K3_SCALE_IFNAME": "ib9",
                     "K3_SCALE_NODES": f"127.0.0.1:{p1},127.0.0.1:{p2}",

@@ -104,9 +104,13 @@ def check_checkpoint(settings) -> Check:
 
     model = settings.model
     if not _is_pathlike(model):
-        return Check("checkpoint", "warn", f"K3_MODEL={model} (a Hugging Face id)",
+        allowed = settings.allow_hub_download
+        return Check("checkpoint", "warn" if allowed else "fail",
+                     f"K3_MODEL={model} (a Hugging Face id"
+                     + (", K3_ALLOW_HUB_DOWNLOAD=1)" if allowed else ")"),
                      "the first start downloads ~1.5 TB: download once into K3_MODELS_DIR and "
-                     "set K3_MODEL=/models/<dir>")
+                     "set K3_MODEL=/models/<dir>" + ("" if allowed else
+                                                     " (or set K3_ALLOW_HUB_DOWNLOAD=1)"))
     host = _host_path(settings, model)
     if not (host / "config.json").is_file():
         return Check("checkpoint", "fail", f"{host}: no config.json",
@@ -283,24 +287,13 @@ def run_checks(environ=None, dotenv: str = ".env") -> list[Check]:
     from k3rocm.scale.settings import load_scale
 
     environ = dict(os.environ if environ is None else environ)
-    missing: Check | None = None
-    try:  # bad input: exit 2 before any check runs ...
-        settings, _ = load_settings(environ, dotenv, host_paths=True)
-    except UsageError as exc:
-        # ... except a missing checkpoint, which is what this table is for.
-        msg = str(exc)
-        key = msg.split("=", 1)[0]
-        if key not in ("K3_MODEL", "K3_MTP_MODEL") or "does not exist" not in msg:
-            raise
-        missing = Check("checkpoint", "fail", msg.split(":", 1)[0],
-                        "put the checkpoint there (K3_MODELS_DIR is mounted at /models) or "
-                        f"fix {key}")
-        settings, _ = load_settings({**environ, key: "placeholder/not-checked"}, dotenv)
+    # bad input: exit 2 before any check runs; the checkpoint itself is a line of the table
+    settings, _ = load_settings(environ, dotenv, host_paths=True, check_model=False)
     s = load_scale(environ, dotenv, tp=settings.tp)
     checks = [*check_rocm_devices(), *check_groups(), check_numa(),
               check_disk("cache", Path(settings.cache_dir).expanduser(), CACHE_MIN_GB),
               check_disk("results", Path(settings.results_dir).expanduser(), RESULTS_MIN_GB),
-              missing or check_checkpoint(settings)]
+              check_checkpoint(settings)]
     client, err = _docker()
     checks += check_docker(client, err, settings)
     if s.mode == "single":

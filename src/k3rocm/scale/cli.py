@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     from k3rocm.config import load_settings
     from k3rocm.scale.settings import SCALE_ENV, load_scale
 
-    settings, _ = load_settings(dotenv=args.env_file)
+    settings, _ = load_settings(dotenv=args.env_file, check_model=False)
     s = load_scale(dotenv=args.env_file, tp=settings.tp)
     cmd = args.scale_cmd
     if cmd == "config":

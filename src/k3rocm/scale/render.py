@@ -120,8 +120,8 @@ def plan(environ: Mapping[str, str] | None = None, dotenv: str | os.PathLike | N
          scale: ScaleSettings | None = None) -> Plan:
     """Validate the serving and scale settings and render every node (no Docker, no network)."""
     environ = dict(os.environ if environ is None else environ)
-    # Checkpoint paths under /models are checked on this host's K3_MODELS_DIR (as `make config`).
-    settings, _ = load_settings(environ, dotenv, host_paths=True)
+    # The checkpoint lives on every node, not necessarily here: `make preflight` checks it.
+    settings, _ = load_settings(environ, dotenv, host_paths=True, check_model=False)
     s = scale or load_scale(environ, dotenv, tp=settings.tp)
     if s.mode == "single":
         raise UsageError("K3_SCALE_MODE=single: there is nothing to scale out; set "
@@ -147,7 +147,8 @@ def plan(environ: Mapping[str, str] | None = None, dotenv: str | os.PathLike | N
             devices = ["/dev/infiniband"]
             host_net = True
         node_environ = {**environ, **overrides}
-        rendered = render(node_environ, dotenv, passthrough=command, host_paths=True)
+        rendered = render(node_environ, dotenv, passthrough=command, host_paths=True,
+                          check_model=False)
         env = dict(rendered.env)
         for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "NCCL_IB_HCA", "VLLM_HOST_IP"):
             if key in overrides:
