@@ -37,9 +37,10 @@ build: $(PY) ## build the serving image (BASE_IMAGE=... to override the pinned n
 	@$(CONFIG_ENV) $(PY) -m k3rocm config --host-paths --vendor-env-file $(VENDOR_ENV) >/dev/null
 	$(COMPOSE) build server
 
-up: $(PY) ## validate, build, start the server and wait until it is ready (progress shown)
+up: $(PY) ## preflight, validate, build, start the server and wait until it is ready (progress shown)
 	@$(CONFIG_ENV) $(PY) -m k3rocm config --host-paths --vendor-env-file $(VENDOR_ENV) \
 	    --make-dirs >/dev/null
+	@$(if $(filter 1,$(CPU)),true,$(PY) -m k3rocm preflight $(PREFLIGHT_ARGS))
 	$(COMPOSE) up -d --build server
 	@$(CONFIG_ENV) $(PY) -m k3rocm server wait $(WAIT_ARGS)
 

@@ -32,10 +32,15 @@ def _run(client, image, command=None, **kw):
 
 
 def test_print_inside_the_image_matches_the_host_render(docker_client, server_image):
-    env = {"K3_TP": "4", "K3_MTP_K": "0", "VLLM_ROCM_USE_AITER_MLA": "0"}
+    # /tmp stands in for the checkpoint (/models/Kimi-K3 must exist where vLLM runs)
+    env = {"K3_TP": "4", "K3_MTP_K": "0", "VLLM_ROCM_USE_AITER_MLA": "0", "K3_MODEL": "/tmp"}
     out = json.loads(_run(docker_client, server_image, ["--print", "--seed", "3"],
                           environment=env))
-    host = render(environ=env, dotenv=None, passthrough=["--seed", "3"]).to_json()
+    # inside, the image's own environment (ENV lines of the base) is part of the process env
+    image_env = dict(kv.split("=", 1) for kv in
+                     docker_client.images.get(server_image).attrs["Config"]["Env"] or [])
+    host = render(environ={**image_env, **env}, dotenv=None,
+                  passthrough=["--seed", "3"]).to_json()
     assert out == host
 
 

@@ -30,7 +30,8 @@ def test_defaults_single():
 def test_every_scale_variable_is_registered_in_config():
     # config.py's typo guard must know exactly the scale settings (no more, no fewer).
     assert set(config.SCALE_SETTINGS) == set(SCALE_FIELD_BY_ENV)
-    config.load_settings({"K3_SCALE_MODE": "replicas"}, dotenv=None, check_model=False)  # not flagged
+    config.load_settings({"K3_SCALE_MODE": "replicas"}, dotenv=None,
+                         check_model=False)  # not flagged
 
 
 @pytest.mark.parametrize("env, needle", [

@@ -297,11 +297,27 @@ def run_checks(environ=None, dotenv: str = ".env") -> list[Check]:
     client, err = _docker()
     checks += check_docker(client, err, settings)
     if s.mode == "single":
-        checks.append(check_port("API port", settings.bind_address, settings.port,
-                                 "stop what listens there (`make down`) or change K3_PORT"))
+        port = check_port("API port", settings.bind_address, settings.port,
+                          "stop what listens there (`make down`) or change K3_PORT")
+        if port.status == "fail" and _our_server_on(client, settings.port):
+            port = Check("API port", "ok", f"{settings.bind_address}:{settings.port} served by "
+                         "the running compose server (`make up` keeps it)", "")
+        checks.append(port)
     else:
         checks += check_scale(s, settings, client)
     return checks
+
+
+def _our_server_on(client, port: int) -> bool:
+    """Is the port published by this bundle's compose server (so `make up` may run again)?"""
+    if client is None:
+        return False
+    try:
+        running = client.containers.list(filters={"label": "com.docker.compose.service=server"})
+    except Exception:  # noqa: BLE001 - no answer: not ours as far as we know
+        return False
+    return any(str(port) == b.get("HostPort") for c in running
+               for binds in (c.ports or {}).values() for b in (binds or []))
 
 
 def format_table(checks: list[Check]) -> str:
