@@ -181,3 +181,13 @@ def test_probe_command_usage():
     assert rep["qprep_kernel"]["found"] is False
     assert {v["state"] for v in rep["fusions"].values()} == {"off"}
     assert set(rep) >= {"qprep_kernel", "dual_norm_op", "fusions"}
+
+
+def test_status_reads_decision_records():
+    """`overlay status --decisions`: the census's validating readers, log or directory."""
+    data = REPO / "tests" / "data" / "census"
+    final = overlay.read_decisions(data / "k3-anchor-off")
+    assert final and all(r["fusions"]["qk_norm"]["state"] == "off" for r in final)
+    assert len(overlay.read_decisions(data / "records" / "server-on.log")) == 4
+    with pytest.raises(UsageError, match="not valid JSON"):
+        overlay.read_decisions(data / "records" / "server-bad-json.log")

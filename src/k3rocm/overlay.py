@@ -427,24 +427,20 @@ def run(args: argparse.Namespace) -> int:
 
 def read_decisions(path: Path) -> list[dict[str, Any]]:
     """Final decision per (pid, layer kind) from a server log or a decisions directory."""
-    from k3rocm.overlay_runtime import final_decisions, parse_decision_line
+    from k3rocm.census.decisions import (
+        decision_files,
+        final_decisions,
+        records_from_files,
+        records_from_log,
+    )
 
-    records: list[dict[str, Any]] = []
     try:
-        if path.is_dir():
-            for f in sorted(path.glob("k3rocm-decisions-pid*.json")):
-                data = json.loads(f.read_text(encoding="utf-8"))
-                if not isinstance(data, list):
-                    raise ValueError(f"{f.name} does not hold a list of records")
-                records += data
-        else:
-            for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-                rec = parse_decision_line(line)
-                if rec is not None:
-                    records.append(rec)
-    except (OSError, ValueError) as exc:
+        records = (records_from_files(decision_files(path)) if path.is_dir() else
+                   records_from_log(path.read_text(encoding="utf-8", errors="replace"),
+                                    str(path)))
+    except OSError as exc:
         raise UsageError(f"--decisions {path}: cannot be read ({exc})") from None
-    return list(final_decisions(records).values())
+    return [r.raw for r in final_decisions(records).values()]
 
 
 if __name__ == "__main__":  # python -m k3rocm.overlay ...

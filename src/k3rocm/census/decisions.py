@@ -24,10 +24,11 @@ from typing import Any
 from k3rocm.census.expect import Check
 from k3rocm.census.fusions import FUSIONS, FusionClaim
 from k3rocm.errors import UsageError
+from k3rocm.overlay_runtime import DECISION_FILE, DECISION_MARKER, DECISION_SCHEMA
 
-SCHEMA = "k3rocm.overlay.decision/1"
-MARKER = "K3ROCM-DECISION "
-FILE_GLOB = "k3rocm-decisions-pid*.json"
+SCHEMA = DECISION_SCHEMA
+MARKER = DECISION_MARKER
+FILE_GLOB = DECISION_FILE.format(pid="*")
 STATES = {"qk_norm": ("on", "off"), "decode_qprep": ("on", "off", "needs-model")}
 _PHASE = {"construct": 0, "load": 1}
 _FILE_RE = re.compile(r"^k3rocm-decisions-pid\d+\.json$")

@@ -11,14 +11,12 @@ is healthy and 503 as soon as one is not (while it keeps serving the healthy one
 from __future__ import annotations
 
 import contextlib
-import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from k3rocm.bench.server import find_server_container
 from k3rocm.scale.settings import ScaleSettings
 
-DECISION_MARKER = "K3ROCM-DECISION "
 HTTP_TIMEOUT = 5.0
 
 
@@ -57,18 +55,9 @@ def _get(url: str, timeout: float = HTTP_TIMEOUT):
 
 def parse_decisions(log_text: str) -> dict[tuple[Any, Any], dict[str, Any]]:
     """Last decision record per (pid, layer_kind) from a server log ("load" supersedes)."""
-    last: dict[tuple[Any, Any], dict[str, Any]] = {}
-    for line in log_text.splitlines():
-        at = line.find(DECISION_MARKER)
-        if at < 0:
-            continue
-        try:
-            rec = json.loads(line[at + len(DECISION_MARKER):])
-        except ValueError:
-            continue
-        if isinstance(rec, dict):
-            last[(rec.get("pid"), rec.get("layer_kind"))] = rec
-    return last
+    from k3rocm.overlay_runtime import final_decisions, parse_decision_line
+
+    return final_decisions([r for r in map(parse_decision_line, log_text.splitlines()) if r])
 
 
 def summarize_decisions(records: dict[tuple[Any, Any], dict[str, Any]]) -> str:
