@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     rendered = render(dotenv=args.env_file, host_paths=True, check_model=False)
     st = rendered.settings
     if args.what == "wait":
-        from k3rocm.bench.server import wait_ready
+        from k3rocm.readiness import wait_ready
 
         timeout = args.timeout
         if timeout is None:

@@ -238,7 +238,8 @@ def _server_trace_host_dir(args: argparse.Namespace, container: Any,
 
 
 def run_live(args: argparse.Namespace) -> int:
-    from k3rocm.bench.server import find_server_container, wait_ready
+    from k3rocm.provenance import find_server_container
+    from k3rocm.readiness import wait_ready
 
     for name in ("--concurrency", "--steps"):
         positive(name, getattr(args, name[2:].replace("-", "_")))
@@ -306,8 +307,8 @@ def live_census(args: argparse.Namespace, url: str, model: str, api_key: str | N
                 title: str = "Decode kernel census") -> Census:
     """Profile the running server under load, collect its traces into ``run_dir/traces``,
     analyse and write the report. Used by ``census`` and by each arm of ``census-ab``."""
-    from k3rocm.bench.server import collect_provenance
     from k3rocm.census import drive
+    from k3rocm.provenance import collect_provenance
 
     cenv: dict[str, str] = container_env(container) if container is not None else {}
     host_dir = _server_trace_host_dir(args, container, cenv)

@@ -1,6 +1,6 @@
 """Provenance of a gsm8k run, the same record as the bench's.
 
-The server side is :func:`k3rocm.bench.server.collect_provenance` itself (vLLM version over HTTP;
+The server side is :func:`k3rocm.provenance.collect_provenance` itself (vLLM version over HTTP;
 for a local container: image id, env with secrets redacted, the argv vLLM runs with, the overlay
 manifest and the fusion toggles and log lines), so a bench result and an accuracy result from
 the same server say the same thing. Added here: the client image and the host side.
@@ -15,7 +15,7 @@ from k3rocm import __version__
 
 
 def server(client, url: str, api_key: str | None, container_name: str | None = None) -> dict:
-    from k3rocm.bench.server import collect_provenance
+    from k3rocm.provenance import collect_provenance
 
     container = None
     if container_name:

@@ -14,7 +14,7 @@ import contextlib
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from k3rocm.bench.server import find_server_container
+from k3rocm.provenance import find_server_container
 from k3rocm.scale.settings import ScaleSettings
 
 HTTP_TIMEOUT = 5.0

@@ -1,0 +1,92 @@
+"""Is the server there and serving our model? One readiness loop for every command.
+
+``wait_ready`` polls ``/health`` then ``/v1/models`` with progress lines; ``answers`` says
+whether anything answers HTTP at a URL.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from urllib.parse import urlparse
+
+from k3rocm.errors import UsageError
+
+
+def _log(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def _requests():
+    import requests
+
+    return requests
+
+
+def url_port(url: str) -> int:
+    p = urlparse(url)
+    return p.port or (443 if p.scheme == "https" else 80)
+
+
+def wait_ready(url: str, model: str, timeout: float, api_key: str | None = None,
+               is_alive: Callable[[], str | None] | None = None, quiet: bool = False,
+               status: Callable[[], str] | None = None, every: float = 15) -> float:
+    """Wait until ``/health`` answers 200 and ``/v1/models`` lists ``model``.
+
+    ``status`` (optional) adds a word on what the server is doing to each progress line (e.g.
+    its last log line), printed every ``every`` seconds.
+
+    Raises UsageError (exit 3) when the server is unreachable/unhealthy after ``timeout``
+    seconds, when it serves a different model, or when ``is_alive`` reports a dead container.
+    Returns the seconds it took.
+    """
+    requests = _requests()
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key and api_key != "EMPTY" else {}
+    t0 = time.time()
+    last_err = "no answer"
+    next_note = 0.0
+    while True:
+        elapsed = time.time() - t0
+        try:
+            r = requests.get(f"{url}/health", timeout=5)
+            if r.status_code == 200:
+                m = requests.get(f"{url}/v1/models", timeout=10, headers=headers)
+                if m.status_code != 200:
+                    raise UsageError(f"server at {url} is healthy but /v1/models answered HTTP "
+                                     f"{m.status_code}: check the API key", 3)
+                served = [d.get("id") for d in m.json().get("data", [])]
+                if model not in served:
+                    raise UsageError(f"server at {url} does not serve model {model!r}; it serves "
+                                     f"{', '.join(map(str, served)) or 'nothing'}: set "
+                                     f"--set model=<name>", 3)
+                if not quiet:
+                    _log(f"server {url} ready after {elapsed:.0f}s (model {model})")
+                return elapsed
+            last_err = f"/health answered HTTP {r.status_code}"
+        except requests.RequestException as exc:
+            last_err = exc.__class__.__name__
+        if is_alive is not None:
+            state = is_alive()
+            if state is not None and state != "running":
+                raise UsageError(f"server container exited ({state}) before becoming healthy; "
+                                 f"its log is kept in the run directory", 3)
+        if elapsed >= timeout:
+            raise UsageError(f"server at {url} not healthy within {timeout:.0f}s ({last_err}): "
+                             f"start it (make up) or raise --server-timeout", 3)
+        if not quiet and elapsed >= next_note:
+            extra = f" | {status()}" if status is not None else ""
+            _log(f"waiting for {url}/health ... {elapsed:.0f}s of {timeout:.0f}s "
+                 f"({last_err}){extra}")
+            next_note = elapsed + every
+        time.sleep(1 if timeout > 1 else 0.2)
+
+
+def answers(url: str) -> bool:
+    """Does anything answer HTTP at ``url``?"""
+    requests = _requests()
+    try:
+        requests.get(f"{url}/health", timeout=2)
+        return True
+    except requests.RequestException:
+        return False
