@@ -14,6 +14,8 @@ from k3rocm.errors import UsageError
 # Modules are imported only when their command runs, so `serve` stays fast and light.
 COMMANDS: dict[str, tuple[str, str]] = {
     "config": ("k3rocm.commands.config_cmd", "resolved settings and their sources"),
+    "profiles": ("k3rocm.profiles.cli", "list the serving profiles, show one, validate files"),
+    "model": ("k3rocm.checkpoint", "download Kimi-K3 at a pinned revision, or verify a copy"),
     "render": ("k3rocm.commands.render_cmd", "print the vLLM env and argv as JSON (no server)"),
     "serve": ("k3rocm.commands.serve_cmd", "validate, render and exec `vllm serve` (entrypoint)"),
     "manifest": ("k3rocm.manifest", "write or show the image's provenance manifest"),

@@ -4,7 +4,8 @@ Precedence for every value, highest first:
 
 1. the process environment (``K3_TP=4``, or a vendor variable such as ``VLLM_ROCM_USE_AITER=0``);
 2. an optional ``.env`` file (``KEY=VALUE`` lines; the process environment wins over it);
-3. the profile (``K3_PROFILE``: ``mi355x-tp8`` by default, ``cpu-smoke`` for the CPU stand-in);
+3. the profile (``K3_PROFILE``: ``mi355x-tp8`` by default, ``cpu-smoke`` for the CPU stand-in;
+   one YAML file each under ``k3rocm/profiles/``, see :mod:`k3rocm.profiles`);
 4. the field default.
 
 An empty value counts as unset (compose passes unset variables as empty strings).
@@ -17,13 +18,14 @@ import json
 import os
 import re
 import shlex
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from k3rocm import profiles
 from k3rocm.errors import UsageError
 
 PREFIX = "K3_"
@@ -46,7 +48,7 @@ class Settings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    profile: Literal["mi355x-tp8", "cpu-smoke"] = _env(
+    profile: str = _env(
         "PROFILE", "Serving profile: defaults for everything below and the vendor environment.",
         default="mi355x-tp8")
     model: str = _env(
@@ -135,6 +137,13 @@ class Settings(BaseModel):
     image: str = _env("IMAGE", "Tag of the serving image compose builds and runs.", "deployment",
                       default="k3rocm/server:latest")
 
+    @field_validator("profile")
+    @classmethod
+    def _profile_file_exists(cls, v: str) -> str:
+        if v not in profiles.names():
+            raise ValueError(f"is not a profile: use one of {', '.join(profiles.names())}")
+        return v
+
     @field_validator("tp")
     @classmethod
     def _tp_divides_heads(cls, v: int) -> int:
@@ -203,59 +212,28 @@ def vendor_from(environ: Mapping[str, str], file_vals: Mapping[str, str],
     return out
 
 
-# Per profile: defaults for settings, and the vendor environment rendered for vLLM.
-PROFILES: dict[str, dict[str, dict[str, Any]]] = {
-    "mi355x-tp8": {
-        "settings": {},
-        "env": {
-            "VLLM_ROCM_USE_AITER": "1",
-            "VLLM_ROCM_USE_AITER_MLA": "1",
-            "VLLM_ROCM_USE_AITER_MOE": "1",
-            "VLLM_USE_BREAKABLE_CUDAGRAPH": "0",
-            "SAFETENSORS_FAST_GPU": "1",
-            # The A8W4 MoE switch under its old and new name (vLLM PR #50582, issue #52442).
-            "AITER_SITUV2_A8W4": "1",
-            "VLLM_ROCM_USE_AITER_MOE_SITUV2_A8W4": "1",
-            "AITER_BF16_FP8_MOE_BOUND": "0",
-            "HSA_NO_SCRATCH_RECLAIM": "1",
-            # A 1.5 TB load takes tens of minutes; vLLM's default is 600 s (peers: 3600-7200).
-            "VLLM_ENGINE_READY_TIMEOUT_S": "3600",
-            "HF_HOME": "/cache/huggingface",
-            "VLLM_CACHE_ROOT": "/cache/vllm",
-            # KDA's Triton kernels: JIT once, kept on the cache volume across restarts.
-            "TRITON_CACHE_DIR": "/cache/triton",
-            # No AITER_JIT_DIR: pointing it at a volume hides the kernels prebuilt in the
-            # image and AITER JIT-builds them during engine start (and a volume outlives a
-            # base-image change).
-        },
-    },
-    "cpu-smoke": {
-        "settings": {
-            "model": "/models/k3-smoke",
-            "served_model_name": "k3-smoke",
-            "tp": 1,
-            "mtp_k": 0,
-            "kv_cache_dtype": "auto",
-            "max_model_len": 2048,
-            "gpu_memory_utilization": None,
-            "max_num_seqs": 8,
-            "max_num_batched_tokens": None,
-            "enforce_eager": True,
-            "load_format": "auto",
-            "trust_remote_code": False,
-            "language_model_only": False,
-            "moe_backend": None,
-            "reasoning_parser": None,
-            "tool_call_parser": None,
-        },
-        "env": {
-            "VLLM_CPU_KVCACHE_SPACE": "1",
-            "HF_HOME": "/cache/huggingface",
-            "VLLM_CACHE_ROOT": "/cache/vllm",
-            "HF_HUB_OFFLINE": "1",
-        },
-    },
-}
+class _Profiles(Mapping[str, dict[str, Any]]):
+    """Per profile: defaults for settings and the vendor environment rendered for vLLM.
+
+    One YAML file per profile under ``k3rocm/profiles/`` (package data, shipped in the serving
+    image), read and validated by :mod:`k3rocm.profiles` when a profile is used. A read-only
+    mapping: ``PROFILES[name]`` is ``{"settings": {field: value}, "env": {...}, "meta": {...}}``.
+    """
+
+    def __getitem__(self, name: str) -> dict[str, Any]:
+        return profiles.get(name)
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name in profiles.names()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(profiles.names())
+
+    def __len__(self) -> int:
+        return len(profiles.names())
+
+
+PROFILES = _Profiles()
 
 
 @dataclass
