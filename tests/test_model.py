@@ -1,0 +1,265 @@
+"""`k3rocm model` (make model): download at a pinned revision, verify, and checkpoint identity.
+
+The download path runs the real huggingface_hub against a local HTTP server that answers the
+Hub's endpoints for a tiny repository (HF_ENDPOINT): no internet, nothing from the real Hub.
+The endpoints and headers are the ones huggingface_hub 2.x reads (installed sources):
+``GET /api/models/<repo>/tree/<rev>?recursive=...`` (hf_api.HfApi._iter_repo_tree_pages; entries
+``{"type", "path", "size", "oid", "lfs": {"oid", "size", "pointerSize"}}``, hf_api.RepoFile),
+``HEAD``/``GET /<repo>/resolve/<rev>/<file>`` with ``X-Repo-Commit``, ``ETag`` or
+``X-Linked-Etag``/``X-Linked-Size`` (file_download.get_hf_file_metadata), and 404 with
+``X-Error-Code: RevisionNotFound`` for an unknown revision (utils/_http.hf_raise_for_status).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from conftest import free_port, run_cli
+
+from k3rocm import checkpoint
+from k3rocm.checkpoint import REVISION, identity, verify
+
+REPO = "moonshotai/Kimi-K3"
+SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+
+
+def _tiny_repo() -> dict[str, bytes]:
+    """A tiny checkpoint laid out like Kimi-K3's: config, tokenizer config, index, 2 shards."""
+    shard = [bytes((i * 7 + n) % 251 for i in range(40_000 + n * 1000)) for n in range(2)]
+    index = {"metadata": {"total_size": sum(len(s) for s in shard)},
+             "weight_map": {"model.embed_tokens.weight": SHARDS[0],
+                            "model.layers.0.self_attn.kv_a_layernorm.weight": SHARDS[1],
+                            "lm_head.weight": SHARDS[1]}}
+    return {
+        ".gitattributes": b"*.safetensors filter=lfs diff=lfs merge=lfs -text\n",
+        "config.json": json.dumps({"architectures": ["KimiK3ForConditionalGeneration"],
+                                   "model_type": "kimi_k3"}).encode(),
+        "tokenizer_config.json": b'{"model_max_length": 1048576}',
+        "model.safetensors.index.json": json.dumps(index).encode(),
+        SHARDS[0]: shard[0], SHARDS[1]: shard[1],
+    }
+
+
+def _blob_id(data: bytes) -> str:  # git's blob id, what the Hub reports as "oid"
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+class FakeHub:
+    def __init__(self, files: dict[str, bytes], revision: str = REVISION):
+        self.files, self.revision, self.log = files, revision, []
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):  # quiet
+                pass
+
+            def _resolve(self, head: bool) -> None:
+                prefix = f"/{REPO}/resolve/"
+                rev, _, name = self.path[len(prefix):].split("?")[0].partition("/")
+                if rev != hub.revision or name not in hub.files:
+                    return self._error(404, "EntryNotFound")
+                data = hub.files[name]
+                hub.log.append(("HEAD" if head else "GET", name, self.headers.get("Range")))
+                start = 0
+                rng = self.headers.get("Range")
+                if rng and not head:
+                    start = int(rng.split("=")[1].split("-")[0])
+                self.send_response(206 if start else 200)
+                self.send_header("X-Repo-Commit", hub.revision)
+                if name.endswith(".safetensors"):
+                    self.send_header("X-Linked-Etag", f'"{hashlib.sha256(data).hexdigest()}"')
+                    self.send_header("X-Linked-Size", str(len(data)))
+                else:
+                    self.send_header("ETag", f'"{_blob_id(data)}"')
+                self.send_header("Content-Length", str(len(data) - start))
+                self.end_headers()
+                if not head:
+                    self.wfile.write(data[start:])
+
+            def _error(self, code: int, kind: str) -> None:
+                body = json.dumps({"error": kind}).encode()
+                self.send_response(code)
+                self.send_header("X-Error-Code", kind)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(body)
+
+            def do_HEAD(self):
+                if self.path.startswith(f"/{REPO}/resolve/"):
+                    return self._resolve(True)
+                self._error(404, "RepoNotFound")
+
+            def do_GET(self):
+                tree = f"/api/models/{REPO}/tree/"
+                if self.path.startswith(f"/{REPO}/resolve/"):
+                    return self._resolve(False)
+                if not self.path.startswith(tree):
+                    return self._error(404, "RepoNotFound")
+                if self.path[len(tree):].split("?")[0] != hub.revision:
+                    return self._error(404, "RevisionNotFound")
+                hub.log.append(("GET", "tree", None))
+                entries = []
+                for name, data in hub.files.items():
+                    e = {"type": "file", "path": name, "size": len(data), "oid": _blob_id(data)}
+                    if name.endswith(".safetensors"):
+                        e["lfs"] = {"oid": hashlib.sha256(data).hexdigest(), "size": len(data),
+                                    "pointerSize": 134}
+                    entries.append(e)
+                body = json.dumps(entries).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def fetched(self) -> list[str]:
+        return sorted(name for method, name, _ in self.log if method == "GET" and name != "tree")
+
+
+@pytest.fixture
+def hub():
+    h = FakeHub(_tiny_repo())
+    yield h
+    h.server.shutdown()
+    h.server.server_close()
+
+
+def _env(hub: FakeHub, tmp_path: Path) -> dict[str, str]:
+    return {"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf-home"),
+            "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_OFFLINE": "",
+            "K3_MODELS_DIR": str(tmp_path / "models")}
+
+
+def _copy(tmp_path: Path, files: dict[str, bytes]) -> Path:
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    for name, data in files.items():
+        (d / name).write_bytes(data)
+    return d
+
+
+# --- verify and identity on a copy made by hand -------------------------------------------------
+
+def test_identity_of_a_copy_hashes_config_and_index_only(tmp_path):
+    files = _tiny_repo()
+    d = _copy(tmp_path, files)
+    ident = identity(d)
+    assert ident == {
+        "path": str(d.resolve()), "repo_id": None, "revision": None, "revision_source": None,
+        "config_sha256": hashlib.sha256(files["config.json"]).hexdigest(),
+        "index_sha256": hashlib.sha256(files["model.safetensors.index.json"]).hexdigest(),
+        "index_total_size": len(files[SHARDS[0]]) + len(files[SHARDS[1]]),
+        "files": len(files), "total_bytes": sum(len(v) for v in files.values())}
+    json.dumps(ident)
+    assert identity(tmp_path / "nothing-here") is None
+    (tmp_path / "empty").mkdir()
+    assert identity(tmp_path / "empty") is None
+    # a huggingface_hub local_dir download without our record: its commit is the revision
+    meta = d / ".cache" / "huggingface" / "download" / "config.json.metadata"
+    meta.parent.mkdir(parents=True)
+    meta.write_text(f"{REVISION}\n\"etag\"\n1764000000.0\n")
+    got = identity(d)
+    assert (got["revision"], got["revision_source"]) == (REVISION,
+                                                          "huggingface_hub download metadata")
+    assert got["files"] == len(files)  # bookkeeping under .cache is not counted
+
+
+def test_verify_names_what_is_missing_or_wrong(tmp_path):
+    d = _copy(tmp_path, _tiny_repo())
+    assert verify(d) == []
+    (d / SHARDS[1]).unlink()
+    assert verify(d) == [f"shard {SHARDS[1]} (listed in model.safetensors.index.json) is missing"]
+    (d / "config.json").unlink()
+    assert "config.json is missing" in verify(d)
+    # sizes are checked when the record lists them
+    d2 = tmp_path / "sized"
+    d2.mkdir()
+    files = _tiny_repo()
+    for name, data in files.items():
+        (d2 / name).write_bytes(data)
+    (d2 / checkpoint.RECORD).write_text(json.dumps(
+        {"repo_id": REPO, "revision": REVISION,
+         "files": {n: len(v) for n, v in files.items()}}))
+    assert verify(d2, REVISION) == []
+    (d2 / SHARDS[0]).write_bytes(files[SHARDS[0]][:-10])
+    (d2 / "tokenizer_config.json").unlink()
+    assert verify(d2, REVISION) == [
+        f"shard {SHARDS[0]} has {len(files[SHARDS[0]]) - 10} bytes, the Hub lists "
+        f"{len(files[SHARDS[0]])}", "tokenizer_config.json (revision listing) is missing"]
+    assert verify(d2, "0" * 40)[-1] == f"this copy is revision {REVISION}, not {'0' * 40}"
+
+
+def test_verify_cli_exit_codes(tmp_path):
+    d = _copy(tmp_path, _tiny_repo())
+    ok = run_cli("model", "--verify", "--dir", str(d))
+    assert ok.returncode == 0 and f"ok: {d} is complete" in ok.stdout, ok
+    assert json.loads(ok.stdout[:ok.stdout.rindex("}") + 1])["config_sha256"]
+    (d / SHARDS[0]).unlink()
+    bad = run_cli("model", "--verify", "--dir", str(d))
+    assert bad.returncode == 1 and f"FAIL shard {SHARDS[0]}" in bad.stdout, bad
+    none = run_cli("model", "--verify", "--dir", str(tmp_path / "absent"))
+    assert none.returncode == 2 and "does not exist" in none.stderr
+    assert len(none.stderr.strip().splitlines()) == 1
+    moving = run_cli("model", "--verify", "--dir", str(d), "--revision", "main")
+    assert moving.returncode == 2 and "not a 40-hex commit" in moving.stderr
+
+
+# --- download through huggingface_hub from the local fake Hub -----------------------------------
+
+def test_download_resume_and_dry_run_against_a_local_hub(hub, tmp_path):
+    env = _env(hub, tmp_path)
+    target = tmp_path / "models" / "Kimi-K3"  # K3_MODELS_DIR + the default K3_MODEL
+    dry = run_cli("model", "--dry-run", env=env)
+    assert dry.returncode == 0, dry
+    assert "would fetch 6 of 6 files" in dry.stdout and f"fetch {SHARDS[0]}" in dry.stdout
+    assert hub.fetched() == [] and not target.exists()
+
+    first = run_cli("model", env=env, timeout=120)
+    assert first.returncode == 0, first.stderr[-2000:]
+    for name, data in hub.files.items():
+        assert (target / name).read_bytes() == data, name
+    assert hub.fetched() == sorted(hub.files)
+    rec = json.loads((target / checkpoint.RECORD).read_text())
+    assert (rec["repo_id"], rec["revision"]) == (REPO, REVISION)
+    assert rec["lfs_sha256"][SHARDS[1]] == hashlib.sha256(hub.files[SHARDS[1]]).hexdigest()
+    ident = identity(target)
+    assert (ident["revision"], ident["revision_source"]) == (REVISION, "k3rocm model")
+    assert ident["index_sha256"] == hashlib.sha256(
+        hub.files["model.safetensors.index.json"]).hexdigest()
+
+    # resumable: a lost shard is fetched again, nothing else is
+    hub.log.clear()
+    (target / SHARDS[1]).unlink()
+    again = run_cli("model", env=env, timeout=120)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert hub.fetched() == [SHARDS[1]]
+    assert "5 already in" in again.stderr
+
+
+def test_download_refuses_bad_input_before_fetching(hub, tmp_path):
+    env = _env(hub, tmp_path)
+    unknown = run_cli("model", "--revision", "1" * 40, env=env)
+    assert unknown.returncode == 2 and f"has no revision {'1' * 40}" in unknown.stderr, unknown
+    offline = run_cli("model", env={**env, "HF_HUB_OFFLINE": "1"})
+    assert offline.returncode == 2 and "HF_HUB_OFFLINE" in offline.stderr
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / checkpoint.RECORD).write_text(json.dumps({"revision": "2" * 40}))
+    clash = run_cli("model", "--dir", str(other), env=env)
+    assert clash.returncode == 2 and "holds revision 2222" in clash.stderr
+    for r in (unknown, offline, clash):
+        assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+    assert hub.fetched() == []
+    # (an unreachable Hub exits 3 "cannot reach the Hub ...", after huggingface_hub's own ~24 s
+    # of retries: not run here to keep CI lean)
