@@ -226,3 +226,38 @@ def test_every_figure_says_where_it_comes_from():
                                         "gsm8k", "latency-ab"}
     for f in FIGURES:
         assert f.source.startswith("[") and f.conditions and set(f.measures) <= set(MEASURES)
+
+
+# --- docs/profiles.md's comparison table says what render gives --------------------------------
+
+def _doc_rows() -> list[tuple[str, str]]:
+    text = (REPO / "docs" / "profiles.md").read_text()
+    section = text.split("## `mi355x-tp8` against")[1].split("\n## ")[0]
+    rows = []
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0].startswith("`"):
+            rows.append((cells[0].strip("`"), cells[1]))
+    return rows
+
+
+def test_the_docs_comparison_shows_what_mi355x_tp8_renders():
+    r = _render("mi355x-tp8")
+    rows = _doc_rows()
+    assert len(rows) >= 25
+    argv = r.argv
+    for name, ours in rows:
+        value = ours.strip("`")
+        if name.startswith("--"):
+            if ours == "(unset)":
+                assert name not in argv, name
+            elif value == "on":
+                assert name in argv, name
+            else:
+                assert name in argv and argv[argv.index(name) + 1] == value, (name, value)
+        elif ours == "(unset)":
+            assert name not in r.env, name
+        else:
+            assert r.env[name] == value, (name, value)
+    # every vendor variable the profile renders is in the table
+    assert {k for k in r.env if not k.startswith("K3_")} <= {n for n, _ in rows}

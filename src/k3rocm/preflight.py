@@ -117,7 +117,9 @@ def check_checkpoint(settings) -> Check:
                      "put the checkpoint there (K3_MODELS_DIR is mounted at /models) or fix "
                      "K3_MODEL")
     size = sum(p.stat().st_size for p in host.rglob("*") if p.is_file())
-    expect_full = settings.profile == "mi355x-tp8"
+    from k3rocm import profiles
+
+    expect_full = profiles.get(settings.profile)["meta"]["hardware"] == "amd"  # not the stand-in
     status = "ok" if size >= CHECKPOINT_MIN_GB * 1e9 or not expect_full else "warn"
     return Check("checkpoint", status, f"{host}: config.json, {_gb(size)}",
                  "" if status == "ok" else "Kimi-K3 is ~1.5 TB: the download looks incomplete")
