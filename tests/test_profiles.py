@@ -215,10 +215,23 @@ def test_the_cpu_standin_and_unknown_facts_are_never_comparable():
     d = _render("mi355x-tp8")
     no_env = comparable_with("census", d.settings, None)
     assert not no_env["comparable"] and "server environment unknown" in no_env["text"]
-    partial = comparable_with("census", {"K3_PROFILE": "fusion-evidence", "K3_TP": 8}, d.env)
+    partial = comparable_with("census", {"profile": "fusion-evidence", "tp": 8}, d.env)
     assert not partial["comparable"] and "unknown" in partial["text"]
     with pytest.raises(ValueError, match="measure"):
         comparable_with("latency", d.settings, d.env)
+
+
+def test_a_server_containers_environment_is_resolved_like_the_entrypoint_does():
+    """What the census reads from `docker inspect`: the K3_* the container got + vendor env."""
+    fe = _render("fusion-evidence")
+    container = {"K3_PROFILE": "fusion-evidence", "K3_MODEL": "/models/Kimi-K3", "K3_TP": "",
+                 **{k: v for k, v in fe.env.items() if not k.startswith("K3_")},
+                 "PATH": "/usr/bin"}
+    got = comparable_with("census", container, None, {"steps": 6})
+    assert got["figure"] == "qprep-launches", got["text"]
+    container["K3_MTP_K"] = "2"
+    assert comparable_with("census", container)["figure"] == "qknorm-launches"
+    assert comparable_with("census", {"K3_TP": "7"})["comparable"] is False
 
 
 def test_every_figure_says_where_it_comes_from():

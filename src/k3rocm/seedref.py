@@ -245,14 +245,22 @@ FIGURES: tuple[Figure, ...] = (
 
 
 def _as_settings(settings: Any) -> dict[str, Any]:
-    from k3rocm.config import FIELD_BY_ENV
+    """Field -> value. A mapping with ``K3_*`` keys is a server's environment: it is resolved
+    the way the server's entrypoint resolved it (profile and defaults included)."""
+    from k3rocm.config import load_settings
+    from k3rocm.errors import UsageError
 
     if hasattr(settings, "model_dump"):
         return settings.model_dump()
-    out: dict[str, Any] = {}
-    for key, value in dict(settings or {}).items():
-        out[FIELD_BY_ENV.get(key, key)] = value
-    return out
+    raw = dict(settings or {})
+    if not any(str(k).startswith("K3_") for k in raw):
+        return raw
+    k3 = {k: str(v) for k, v in raw.items() if str(k).startswith("K3_") and v is not None}
+    try:
+        resolved, _ = load_settings(k3, dotenv=None, check_model=False)
+    except UsageError:
+        return {}  # not a valid setting set: every fact unknown
+    return resolved.model_dump()
 
 
 def comparable_with(measure: str, settings: Any, env: Mapping[str, str] | None = None,
@@ -261,8 +269,10 @@ def comparable_with(measure: str, settings: Any, env: Mapping[str, str] | None =
 
     ``measure``: one of bench, bench-ab, census, census-ab, gsm8k.
     ``settings``: the resolved :class:`k3rocm.config.Settings` the server ran with, or a
-    mapping of its fields (``model_dump()``) or of ``K3_*`` names; a missing one is unknown.
-    ``env``: the server's environment (the vendor variables: ``VLLM_ROCM_USE_AITER``, ...).
+    mapping of its fields (``model_dump()``; a missing field is unknown), or the server
+    container's environment (``K3_*`` keys: resolved as the entrypoint resolves them).
+    ``env``: the server's environment (the vendor variables: ``VLLM_ROCM_USE_AITER``, ...);
+    None with a container environment as ``settings``: that one.
     ``workload``: bench: the workload name (``decode-8k1k``); census: a mapping with ``isl``,
     ``osl``, ``concurrency``, ``steps`` (what is known); gsm8k: a mapping with
     ``num_fewshot``, ``limit``, ``seed_task_config`` (True when the seed's task file ran).
@@ -272,6 +282,9 @@ def comparable_with(measure: str, settings: Any, env: Mapping[str, str] | None =
     """
     if measure not in MEASURES:
         raise ValueError(f"measure {measure!r}: use one of {', '.join(MEASURES)}")
+    if env is None and isinstance(settings, Mapping) and any(
+            str(k).startswith("K3_") for k in settings):
+        env = {str(k): str(v) for k, v in settings.items()}
     facts = _Facts(measure, _as_settings(settings), env, workload)
     matches: list[tuple[Figure, list[dict[str, Any]]]] = []
     why_not: dict[str, str] = {}
