@@ -238,13 +238,25 @@ def test_download_resume_and_dry_run_against_a_local_hub(hub, tmp_path):
     assert ident["index_sha256"] == hashlib.sha256(
         hub.files["model.safetensors.index.json"]).hexdigest()
 
-    # resumable: a lost shard is fetched again, nothing else is
+    # resumable: after an interruption (a shard missing, huggingface_hub's partial file of it
+    # left behind, named as huggingface_hub names it: _local_folder.LocalDownloadFilePaths.
+    # incomplete_path + file_download._download_to_tmp_and_move's uuid), only that shard is
+    # fetched again, and the partial file goes
+    from huggingface_hub._local_folder import _short_hash
+
     hub.log.clear()
     (target / SHARDS[1]).unlink()
+    etag = hashlib.sha256(hub.files[SHARDS[1]]).hexdigest()
+    partial = (target / ".cache" / "huggingface" / "download" /
+               f"{_short_hash(SHARDS[1] + '.metadata')}.{etag}.0123abcd.incomplete")
+    partial.write_bytes(hub.files[SHARDS[1]][:1000])
+    check = run_cli("model", "--verify", env=env)
+    assert check.returncode == 1 and "note: 1 partial file(s)" in check.stdout, check
     again = run_cli("model", env=env, timeout=120)
     assert again.returncode == 0, again.stderr[-2000:]
     assert hub.fetched() == [SHARDS[1]]
-    assert "5 already in" in again.stderr
+    assert "5 already in" in again.stderr and not partial.exists()
+    assert (target / SHARDS[1]).read_bytes() == hub.files[SHARDS[1]]
 
 
 def test_download_refuses_bad_input_before_fetching(hub, tmp_path):

@@ -11,8 +11,9 @@ once the download is complete: verify mode and :func:`identity` read it.
 
 Verify (``--verify``, and after every download): config.json present and valid; every shard
 the safetensors index lists present, with the size the Hub listed when the record has it; every
-recorded file present with its recorded size; no interrupted download left behind; the recorded
-revision is the one asked for. Nothing is hashed but config.json and the index (cheap; the
+recorded file present with its recorded size; the recorded revision is the one asked for.
+Partial files an interrupted download left behind are reported (and removed by the next
+finished download). Nothing is hashed but config.json and the index (cheap; the
 1.5 TB of shards are compared by size).
 
 Exit codes: 0 ok, 1 verification failed, 2 bad input (nothing fetched), 3 the Hub could not be
@@ -166,10 +167,6 @@ def verify(d: Path, revision: str | None = None) -> list[str]:
             problems.append(f"{name} (revision listing) is missing")
         elif p.stat().st_size != size:
             problems.append(f"{name} has {p.stat().st_size} bytes, the Hub lists {size}")
-    partial = sorted(str(p.relative_to(d)) for p in (d / HF_META_DIR).rglob("*.incomplete"))
-    if partial:
-        problems.append(f"{len(partial)} interrupted download(s) ({partial[0]} ...): run "
-                        "`make model` again to finish")
     have = (rec or {}).get("revision") or _hf_revision(d)
     if revision and have and have != revision:
         problems.append(f"this copy is revision {have}, not {revision}")
@@ -257,6 +254,11 @@ def run(args: argparse.Namespace) -> int:
                          "or point K3_MODELS_DIR / --dir at a larger disk")
     d.mkdir(parents=True, exist_ok=True)
     _download(args.repo, args.revision, d, args.max_workers)
+    stale = partial_files(d)  # left by interrupted runs; this run finished every file
+    for p in stale:
+        p.unlink(missing_ok=True)
+    if stale:
+        _log(f"removed {len(stale)} partial file(s) of earlier interrupted downloads")
     from k3rocm.rundir import write_json_atomic
 
     write_json_atomic(d / RECORD, {
@@ -266,9 +268,22 @@ def run(args: argparse.Namespace) -> int:
     return _report(d, args.revision)
 
 
+def partial_files(d: Path) -> list[Path]:
+    """Temporary files of interrupted downloads. huggingface_hub 2.x writes each file to a
+    process-unique ``<name>.<etag>.<uuid>.incomplete`` under ``.cache/huggingface/download``
+    (file_download._download_to_tmp_and_move) and a killed process leaves its file behind;
+    the next run starts that file afresh, so these only take space."""
+    return sorted((d / HF_META_DIR).rglob("*.incomplete"))
+
+
 def _report(d: Path, revision: str) -> int:
     problems = verify(d, revision)
     ident = identity(d)
+    stale = partial_files(d)
+    if stale:
+        print(f"note: {len(stale)} partial file(s) of interrupted downloads under "
+              f"{d / HF_META_DIR} ({_gb(sum(p.stat().st_size for p in stale))}): a finished "
+              "`make model` removes them")
     if problems:
         for p in problems:
             print(f"FAIL {p}")
