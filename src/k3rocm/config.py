@@ -340,6 +340,7 @@ def load_settings(environ: Mapping[str, str] | None = None,
     if profile not in PROFILES:
         raise UsageError(f"K3_PROFILE={profile!r} is not a profile: use one of "
                          f"{', '.join(PROFILES)}")
+    profile_settings = PROFILES[profile]["settings"]
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for name, f in FIELDS.items():
@@ -354,8 +355,8 @@ def load_settings(environ: Mapping[str, str] | None = None,
             else:
                 values[name] = raw
             sources[env_name] = src
-        elif name in PROFILES[profile]["settings"]:
-            values[name] = PROFILES[profile]["settings"][name]
+        elif name in profile_settings:
+            values[name] = profile_settings[name]
             sources[env_name] = f"profile:{profile}"
         else:
             sources[env_name] = "default"

@@ -22,7 +22,9 @@ Any problem in a file is a :class:`~k3rocm.errors.UsageError` naming the file an
 
 from __future__ import annotations
 
+import copy
 import re
+from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -61,7 +63,18 @@ def get(name: str, directory: Path | None = None) -> dict[str, Any]:
     if name not in names(d):
         raise UsageError(f"K3_PROFILE={name!r} is not a profile: use one of "
                          f"{', '.join(names(d))}")
-    return _resolve(d, name, ())
+    return copy.deepcopy(_resolve_cached(str(d), name, _stamp(d)))
+
+
+def _stamp(d: Path) -> tuple:
+    """Changes whenever a profile file in ``d`` does (the cache key)."""
+    return tuple((p.name, p.stat().st_mtime_ns, p.stat().st_size)
+                 for p in sorted(d.glob(f"*{SUFFIX}")))
+
+
+@lru_cache(maxsize=64)
+def _resolve_cached(d: str, name: str, stamp: tuple) -> dict[str, Any]:
+    return _resolve(Path(d), name, ())
 
 
 def _resolve(d: Path, name: str, chain: tuple[str, ...]) -> dict[str, Any]:
