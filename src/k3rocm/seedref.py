@@ -8,13 +8,13 @@ JSON-able verdict, for the reports to print.
 
 Every figure and every setup value below says where it comes from:
 
-- [B1] /work/shared/BRIEF.md section 1 (the seed PR texts): fusion 1 "MI355X TP=8, MTP k=2,
+- [B1] the project brief, section 1 (the seed PR texts): fusion 1 "MI355X TP=8, MTP k=2,
   ISL 128k / OSL 1k, concurrency 8, rank 0, 6 engine steps: 144 aiter::fused_qk_rmsnorm_kernel
   launches (= 24 MLA x 6) ... GSM8K 5-shot: 0.9644 +- 0.0051 (strict and flexible)"; fusion 2
   "Measured upstream on MI355X TP=8: 288 -> 144 launches and 1351.8 -> 682.8 us per rank over 6
   decode steps ... End-to-end throughput unchanged within noise"; the decode fusion's gates
   (AITER MLA enabled, KV cache dtype fp8, decode-only batches).
-- [B3] BRIEF section 3: the latency protocol (aiperf, fixed 8k/1k, concurrency 1,4,8, our
+- [B3] the brief, section 3: the latency protocol (aiperf, fixed 8k/1k, concurrency 1,4,8, our
   bench workload ``decode-8k1k``), "ISL 128k / OSL 1k at concurrency 8 for the profiler trace",
   "C=1 decode ITL p50/p90 moved ~0.5%, smaller than serving noise", GSM8K 5-shot with
   strict-match and flexible-extract, reference 0.9644 +- 0.0051.
