@@ -28,7 +28,11 @@ from k3rocm.errors import UsageError
 
 PREFIX = "K3_"
 KIMI_K3_HEADS = 96
-SECRET_KEYS = ("K3_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "VLLM_API_KEY")
+# The one redaction rule (printouts, run records, server env): these names, and any name ending
+# in one of SECRET_SUFFIXES.
+SECRET_KEYS = ("K3_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "VLLM_API_KEY",
+               "OPENAI_API_KEY", "TOKEN", "API_KEY")
+SECRET_SUFFIXES = ("_TOKEN", "_API_KEY", "_SECRET", "_PASSWORD")
 REDACTED = "***"
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla")
 MTP_METHODS_WITH_DRAFT_MODEL = ("dspark", "eagle", "eagle3", "draft_model")
@@ -270,8 +274,14 @@ class Rendered:
         return {"env": env, "argv": list(self.argv), "sources": dict(self.sources)}
 
 
+def is_secret(key: str) -> bool:
+    k = key.upper()
+    return k in SECRET_KEYS or k.endswith(SECRET_SUFFIXES)
+
+
 def redact_env(env: Mapping[str, str]) -> dict[str, str]:
-    return {k: (REDACTED if k in SECRET_KEYS and v else v) for k, v in env.items()}
+    """``env`` with every secret's value (see :func:`is_secret`) replaced by ``***``."""
+    return {k: (REDACTED if v and is_secret(k) else v) for k, v in env.items()}
 
 
 _DOTENV_LINE = re.compile(r"^\s*(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(.*?)\s*$")

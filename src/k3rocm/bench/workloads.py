@@ -196,7 +196,9 @@ def parse_sets(items: Sequence[str]) -> dict[str, Any]:
 def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in env.items():
-        if not key.startswith(ENV_PREFIX) or key in _NOT_FIELDS:
+        if key in _RENAMED and value:
+            raise UsageError(f"{key} is no longer read: use {_RENAMED[key]}")
+        if not key.startswith(ENV_PREFIX) or key in _NOT_FIELDS or key in _RENAMED:
             continue
         field = key[len(ENV_PREFIX):].lower()
         if field not in FIELD_NAMES:
@@ -209,17 +211,34 @@ def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
 
 
 # BENCH_* variables that are not workload fields (read elsewhere).
-_NOT_FIELDS = {"BENCH_WORKLOAD", "BENCH_CLIENT_IMAGE", "BENCH_RESULTS", "BENCH_AB_REPEATS",
+_NOT_FIELDS = {"BENCH_WORKLOAD", "BENCH_CLIENT_IMAGE", "BENCH_AB_REPEATS",
                "BENCH_ARGS", "BENCH_IMAGE"}  # the last two: make variables (mk/bench.mk)
+# Gone: the results root has one name for every command.
+_RENAMED = {"BENCH_RESULTS": "K3_RESULTS_DIR (or --results)"}
+
+
+def deployment_fields(deployment) -> dict[str, Any]:
+    """What a workload takes from the deployment unless the workload, BENCH_* or --set say
+    otherwise: the server URL, the served model name, the API key and the tokenizer."""
+    return {"url": deployment.url, "model": deployment.served_model_name,
+            "api_key": deployment.api_key or "EMPTY",
+            "tokenizer": str(deployment.tokenizer) if deployment.tokenizer else ""}
 
 
 def resolve(name: str, sets: Mapping[str, Any] | None = None,
-            env: Mapping[str, str] | None = None, path: Path | None = None) -> Workload:
-    """Resolve workload ``name`` with overrides. Raises UsageError (one line) on bad input."""
+            env: Mapping[str, str] | None = None, path: Path | None = None,
+            deployment=None) -> Workload:
+    """Resolve workload ``name`` with overrides: ``sets`` > ``BENCH_*`` in ``env`` > the
+    workload > [defaults] > the deployment (read from ``env`` and .env unless given).
+    Raises UsageError (one line) on bad input."""
     defaults, workloads = load_table(path)
     if name not in workloads:
         raise UsageError(f"unknown workload {name!r}; valid: {', '.join(workloads)}")
-    merged: dict[str, Any] = {**defaults, **workloads[name]}
+    if deployment is None:
+        from k3rocm.deployment import load_deployment
+
+        deployment = load_deployment(env)
+    merged: dict[str, Any] = {**deployment_fields(deployment), **defaults, **workloads[name]}
     merged.update(env_overrides(os.environ if env is None else env))
     merged.update(sets or {})
     merged["name"] = name
