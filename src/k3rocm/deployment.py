@@ -26,6 +26,9 @@ COMPOSE_CPU = "compose.cpu.yaml"
 # compose.cpu.yaml's image default (compose.yaml's is Settings.image's default).
 CPU_IMAGE = "k3rocm/server:cpu"
 CPU_PROFILE = "cpu-smoke"
+# The settings a deployment view is derived from (their sources are part of the view).
+VIEW_SETTINGS = ("K3_PROFILE", "K3_MODEL", "K3_SERVED_MODEL_NAME", "K3_PORT", "K3_BIND_ADDRESS",
+                 "K3_API_KEY", "K3_MODELS_DIR", "K3_RESULTS_DIR", "K3_CACHE_DIR", "K3_IMAGE")
 
 
 def _abs(path: str | os.PathLike) -> Path:
@@ -127,7 +130,7 @@ class Deployment:
             "results_root": str(self.results_root), "cache_dir": str(self.cache_dir),
             "image": self.image, "compose_files": list(self.compose_files),
             "profile": self.profile, "env_file": self.env_file,
-            "sources": {k: v for k, v in self.sources.items() if k.startswith("K3_")},
+            "sources": {k: self.sources.get(k, "default") for k in VIEW_SETTINGS},
         }
 
 

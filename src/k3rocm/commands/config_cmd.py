@@ -38,6 +38,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(what `make config` does before compose mounts it)")
 
 
+def deployment_view(args: argparse.Namespace) -> dict:
+    """What this command resolved (``--print-deployment``): it renders the same settings."""
+    from k3rocm.deployment import load_deployment
+
+    return load_deployment(env_file=args.env_file, check_model=args.host_paths).to_json()
+
+
 def write_vendor_env(path: Path, rendered) -> None:
     """The shell's vendor variables, one KEY=VALUE per line (compose env_file), atomically."""
     from k3rocm.rundir import write_text_atomic
