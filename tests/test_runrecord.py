@@ -15,7 +15,7 @@ import types
 from conftest import REPO, run_cli
 
 from k3rocm import errors, runrecord
-from k3rocm.config import REDACTED, redact_env
+from k3rocm.config import REDACTED, redact_argv, redact_env
 from k3rocm.deployment import load_deployment
 
 DATA = REPO / "tests" / "data" / "census"
@@ -32,6 +32,16 @@ def test_one_redaction_rule_covers_both_old_lists():
     out = redact_env(env)
     assert {k for k, v in out.items() if v == REDACTED} == set(secret)
     assert all(out[k] == "value" for k in plain) and out["EMPTY_TOKEN"] == ""
+
+
+def test_the_same_rule_redacts_command_lines():
+    argv = ["aiperf", "profile", "--api-key", "k1", "--url", "http://h:1", "--hf-token=t1",
+            "--tokenizer", "/m", "--max-num-batched-tokens", "4096", "--extra", "k1"]
+    assert redact_argv(argv, ["k1"]) == [
+        "aiperf", "profile", "--api-key", REDACTED, "--url", "http://h:1",
+        f"--hf-token={REDACTED}", "--tokenizer", "/m", "--max-num-batched-tokens", "4096",
+        "--extra", REDACTED]
+    assert redact_argv(["--api-key", "EMPTY"], ["EMPTY"]) == ["--api-key", "EMPTY"]  # no key
 
 
 def test_census_writes_the_run_record_from_deployment_settings(tmp_path):

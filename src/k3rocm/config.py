@@ -284,6 +284,29 @@ def redact_env(env: Mapping[str, str]) -> dict[str, str]:
     return {k: (REDACTED if v and is_secret(k) else v) for k, v in env.items()}
 
 
+def redact_argv(argv: list[str] | None, secrets: list[str | None] = ()) -> list[str] | None:
+    """``argv`` with secrets replaced by ``***``, by the same rule as :func:`redact_env`: the
+    value of a flag whose name is a secret's (``--api-key X``, ``--hf-token=X``), and any
+    argument equal to one of ``secrets``."""
+    if argv is None:
+        return None
+    hide = {x for x in secrets if x and x != "EMPTY"}
+    out: list[str] = []
+    after_flag = False
+    for a in argv:
+        a = str(a)
+        name, eq, _ = a.partition("=")
+        flag_secret = a.startswith("--") and is_secret(name[2:].replace("-", "_"))
+        if (after_flag and a != "EMPTY") or a in hide:  # EMPTY: OpenAI clients' "no key"
+            out.append(REDACTED)
+        elif flag_secret and eq:
+            out.append(f"{name}={REDACTED}")
+        else:
+            out.append(a)
+        after_flag = flag_secret and not eq
+    return out
+
+
 _DOTENV_LINE = re.compile(r"^\s*(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(.*?)\s*$")
 
 

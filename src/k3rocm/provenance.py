@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from k3rocm.config import redact_env
+from k3rocm.config import redact_argv, redact_env
 from k3rocm.readiness import _requests, url_port
 
 MANIFEST_PATH = "/opt/k3rocm/manifest.json"
@@ -95,8 +95,8 @@ def collect_provenance(url: str, api_key: str | None, client=None, container=Non
         "id": attrs.get("Id"), "name": attrs.get("Name", "").lstrip("/"),
         "image_ref": cfg.get("Image"), "image_id": attrs.get("Image"),
         "created": attrs.get("Created"), "started": (attrs.get("State") or {}).get("StartedAt"),
-        "entrypoint": cfg.get("Entrypoint"), "cmd": cfg.get("Cmd"),
-        "path": attrs.get("Path"), "args": attrs.get("Args"),
+        "entrypoint": cfg.get("Entrypoint"), "cmd": redact_argv(cfg.get("Cmd")),
+        "path": attrs.get("Path"), "args": redact_argv(attrs.get("Args")),
         "env": redact_env(env),
     }
     prov["image"] = image_identity(getattr(container, "client", None), attrs.get("Image"),
@@ -109,12 +109,13 @@ def collect_provenance(url: str, api_key: str | None, client=None, container=Non
         procs = [p[idx] for p in top.get("Processes") or []]
     except Exception:  # noqa: BLE001
         pass
-    prov["server_processes"] = procs[:20]
+    prov["server_processes"] = [" ".join(redact_argv(p.split(" "))) for p in procs[:20]]
     cmdline = _exec_text(container, ["sh", "-c", "for p in /proc/[0-9]*; do "
                                      "c=$(tr '\\0' ' ' < $p/cmdline 2>/dev/null); "
                                      "case \"$c\" in *vllm*serve*|*api_server*) echo \"$c\"; "
                                      "break;; esac; done"])
-    prov["server_argv"] = cmdline.strip().split(" ") if cmdline and cmdline.strip() else None
+    prov["server_argv"] = (redact_argv(cmdline.strip().split(" "))
+                           if cmdline and cmdline.strip() else None)
     manifest = _exec_text(container, ["cat", MANIFEST_PATH])
     try:
         prov["overlay_manifest"] = json.loads(manifest) if manifest else None

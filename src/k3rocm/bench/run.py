@@ -13,6 +13,7 @@ from typing import Any
 from k3rocm import runrecord
 from k3rocm.bench import plots, runner, summary
 from k3rocm.bench.workloads import Workload, aiperf_command, shell_line
+from k3rocm.config import redact_argv
 from k3rocm.errors import EXIT_CHECK_FAILED as EXIT_FAILED
 from k3rocm.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_SERVER, EXIT_USAGE, UsageError  # noqa: F401
 from k3rocm.readiness import wait_ready
@@ -86,7 +87,9 @@ def run_bench(w: Workload, *, results: Path, client_image: str, server_timeout: 
         run_dir = create_run_dir(results, label or w.name)
     _log(f"run directory {run_dir}")
     argv = planned_command(w, run_dir)
-    cmd_line = shell_line(argv)
+    # What the run record keeps: the exact command, the API key redacted (one rule).
+    shown = redact_argv(argv, [w.api_key])
+    cmd_line = shell_line(shown)
     write_text_atomic(run_dir / "command.txt", cmd_line + "\n")
     write_json_atomic(run_dir / "workload.json", w.model_dump(mode="json"))
 
@@ -97,7 +100,7 @@ def run_bench(w: Workload, *, results: Path, client_image: str, server_timeout: 
         tools={"aiperf": aiperf_version, "client_image": client_image,
                "client_image_id": image_id},
         client={"image": client_image, "image_id": image_id, "aiperf_version": aiperf_version,
-                "aiperf_pinned": runner.AIPERF_VERSION, "command": argv,
+                "aiperf_pinned": runner.AIPERF_VERSION, "command": shown,
                 "command_line": cmd_line,
                 "env_note": "HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE deliberately unset"},
         **(extra_provenance or {}))
