@@ -69,8 +69,12 @@ def deployment_view(args: argparse.Namespace) -> dict:
 
         view = load_deployment(env_file=getattr(args, "env_file", ".env")).to_json()
     sub = getattr(args, "what", None) or getattr(args, "scale_cmd", None)
+    from k3rocm.config import redact_env
+
+    flags = redact_env({k: "" if v is None else str(v) for k, v in vars(args).items()
+                        if not k.startswith("_")})
     return {"command": " ".join(filter(None, (args.command, sub))), "wired": hook is not None,
-            **view}
+            **view, "args": flags}
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
