@@ -188,14 +188,11 @@ def _finish(census: Census, run_dir: Path | None, top: int) -> int:
 
 
 def _deployment_args(args: argparse.Namespace):
-    """Fill the flags left unset from the deployment: results root, checkpoint dir, URL."""
+    """The deployment; the server URL defaults to its URL (results root and checkpoint dir:
+    :func:`results_root`, :func:`model_dir_from`)."""
     from k3rocm.deployment import load_deployment
 
     dep = load_deployment()
-    if args.results is None:
-        args.results = str(dep.results_root)
-    if args.model_dir is None and dep.model_host_dir is not None and dep.model_host_dir.exists():
-        args.model_dir = str(dep.model_host_dir)
     if getattr(args, "url", None) is None:
         args.url = dep.url
     return dep
@@ -204,10 +201,14 @@ def _deployment_args(args: argparse.Namespace):
 def deployment_view(args: argparse.Namespace) -> dict:
     """What this command resolved (``--print-deployment``)."""
     dep = _deployment_args(args)
+    try:
+        model_dir: str | None = str(Path(model_dir_from(args)).absolute())
+    except UsageError:
+        model_dir = None
     return {**dep.to_json(), "url": args.url.rstrip("/"),
             "served_model_name": args.model or dep.served_model_name,
-            "results_root": str(Path(args.results).absolute()),
-            "model_host_dir": str(Path(args.model_dir).absolute()) if args.model_dir else None}
+            "results_root": str(Path(results_root(args)).absolute()),
+            "model_host_dir": model_dir}
 
 
 def run(args: argparse.Namespace) -> int:
