@@ -216,29 +216,34 @@ def _fetch_data(args: argparse.Namespace) -> int:
     for key in ("HF_ENDPOINT", "HF_TOKEN"):  # a mirror or a token, as on the host
         if os.environ.get(key):
             env[key] = os.environ[key]
-    volumes = {str(home): {"bind": "/hf", "mode": "rw"},
-               str(LAUNCHER_SRC): {"bind": f"/k3/{command.LAUNCHER_NAME}", "mode": "ro"}}
+    mounts = {str(home): ("/hf", "rw"),
+              str(LAUNCHER_SRC): (f"/k3/{command.LAUNCHER_NAME}", "ro")}
     if HOST_CA.is_file():  # a TLS-intercepting proxy's CA is often only on the host
-        volumes[str(HOST_CA)] = {"bind": "/tmp/host-ca.crt", "mode": "ro"}
+        mounts[str(HOST_CA)] = ("/tmp/host-ca.crt", "ro")
         env.update(SSL_CERT_FILE="/tmp/host-ca.crt", REQUESTS_CA_BUNDLE="/tmp/host-ca.crt")
     endpoint = env.get("HF_ENDPOINT", "https://huggingface.co")
     _progress(f"downloading openai/gsm8k (main) from {endpoint} into {home} with "
               f"{args.client_image}")
-    container = client.containers.run(
-        args.client_image, [command.CLIENT_PYTHON, f"/k3/{command.LAUNCHER_NAME}", "fetch-gsm8k"],
-        detach=True, network_mode="host", environment=env, volumes=volumes,
-        user=f"{os.getuid()}:{os.getgid()}", working_dir="/tmp",
-        labels={"k3rocm.role": "gsm8k-data"})
-    try:
-        status = container.wait().get("StatusCode")
-        out = container.logs(stdout=True, stderr=False).decode(errors="replace").strip()
-    finally:
-        _remove(container)
-    last = out.splitlines()[-1] if out else "{}"
-    try:
-        info = json.loads(last)
-    except ValueError:
-        info = {"error": last[:300]}
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="k3rocm-gsm8k-data-") as tmp:
+        log = Path(tmp) / "fetch.log"
+        res = run_client(client, args.client_image,
+                         [command.CLIENT_PYTHON, f"/k3/{command.LAUNCHER_NAME}", "fetch-gsm8k"],
+                         mounts, log, f"k3rocm-gsm8k-data-{os.getpid()}", progress=False,
+                         env=env, labels={"k3rocm.role": "gsm8k-data"}, tool="the download",
+                         tag="gsm8k-data")
+        out = log.read_text(errors="replace").strip().splitlines()
+    if res.interrupted:
+        raise KeyboardInterrupt
+    status = res.exit_code
+    info = {"error": (out[-1] if out else "no output")[:300]}
+    for line in reversed(out):  # the launcher's one JSON line (stderr is in the log too)
+        with contextlib.suppress(ValueError):
+            found = json.loads(line)
+            if isinstance(found, dict):
+                info = found
+                break
     if status != 0 or "error" in info:
         raise UsageError(f"gsm8k-data: could not download openai/gsm8k from {endpoint} "
                          f"({info.get('error', f'exit {status}')}); without hub access copy a "
@@ -371,6 +376,3 @@ def _last_error_line(log: Path) -> str:
     return lines[-1][:300] if lines else "no output"
 
 
-def _remove(container) -> None:
-    with contextlib.suppress(Exception):
-        container.remove(force=True)
