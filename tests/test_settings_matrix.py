@@ -143,3 +143,29 @@ def test_bench_and_gsm8k_dry_runs_use_the_deployment(project, placement):
                  .split(","))
     assert margs["model"] == want["served_model_name"]
     assert margs["base_url"] == want["url"] + "/v1/chat/completions"
+
+
+def test_derivations_without_make(tmp_path):
+    """The rules behind the view, each with a value that would show a wrong rule."""
+    from k3rocm.deployment import load_deployment
+
+    d = load_deployment({"K3_BIND_ADDRESS": "::", "K3_PORT": "9", "K3_RESULTS_DIR": str(tmp_path),
+                         "K3_MODELS_DIR": str(tmp_path / "m"), "K3_MODEL": "/models/a/b"}, None)
+    assert d.url == "http://[::1]:9" and d.compose_files == ("compose.yaml",)
+    assert d.model_host_dir == tmp_path / "m" / "a" / "b" and d.model_container_dir == "/models/a/b"
+    assert d.host_path("/results/traces/x") == tmp_path / "traces" / "x"
+    assert d.container_path(tmp_path / "run1") == "/results/run1"
+    assert d.host_path("/elsewhere") is None and d.container_path("/elsewhere") is None
+    assert d.image == "k3rocm/server:latest" and d.api_key is None
+    # compose.cpu.yaml in COMPOSE_FILE (make CPU=1): its profile and image defaults, as compose
+    cpu = load_deployment({"COMPOSE_FILE": "compose.yaml:compose.cpu.yaml"}, None)
+    assert (cpu.profile, cpu.served_model_name, cpu.image) == ("cpu-smoke", "k3-smoke",
+                                                                 "k3rocm/server:cpu")
+    assert cpu.compose_command("p1") == ["docker", "compose", "-p", "p1", "-f", "compose.yaml",
+                                         "-f", "compose.cpu.yaml"]
+    # an explicit profile or image wins over the override's defaults
+    own = load_deployment({"COMPOSE_FILE": "compose.yaml:compose.cpu.yaml",
+                           "K3_PROFILE": "mi355x-tp8", "K3_IMAGE": "x:1"}, None)
+    assert (own.profile, own.image) == ("mi355x-tp8", "x:1")
+    hub = load_deployment({"K3_MODEL": "moonshotai/Kimi-K3"}, None)
+    assert hub.model_host_dir is None and hub.tokenizer is None

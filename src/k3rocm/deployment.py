@@ -96,6 +96,14 @@ class Deployment:
     def port(self) -> int:
         return self.settings.port
 
+    def compose_command(self, project: str | None = None) -> list[str]:
+        """``docker compose [-p project] -f compose.yaml [-f compose.cpu.yaml]``: the one way
+        to reach this deployment's containers."""
+        cmd = ["docker", "compose"] + (["-p", project] if project else [])
+        for f in self.compose_files:
+            cmd += ["-f", f]
+        return cmd
+
     def container_path(self, host: str | os.PathLike) -> str | None:
         """Where a host path under the results root or models dir is seen in the server
         container (/results/..., /models/...), else None."""
