@@ -2,15 +2,17 @@
 #   make bench                              decode-8k1k against the running server
 #   make bench WORKLOAD=agentic-68k         another workload (make bench-list shows them)
 #   make bench WORKLOAD=decode-8k1k DRY_RUN=1   print the exact aiperf command line, contact nothing
-#   make bench BENCH_ARGS='--tokenizer models/Kimi-K3 --set concurrency=1,2'
+#   make bench BENCH_ARGS='--set concurrency=1,2'   URL, model, API key, tokenizer (the checkpoint
+#                                           dir) and results root: from the K3_* settings
 #   make bench-ab [REPEATS=4] [AA=1]        fusions off vs on (AA=1: A/A noise floor), each run on
 #                                           a fresh server from BENCH_IMAGE, order A B B A ...
 #   make clients-image                      build k3rocm/clients:<version> offline from the hashed
 #                                           lock docker/clients/requirements.lock (make clients-lock)
 #   make bench-test                         the bench tests (real aiperf, real vLLM stand-in)
 # Every workload field can be overridden with BENCH_<FIELD>=... in the environment, too.
-# Exit codes of k3rocm bench/bench-ab: 0 ok, 1 a point/run failed (kept, marked failed),
-# 2 bad input, 3 server unreachable, 130 interrupted (finished points kept).
+# Exit codes of k3rocm bench/bench-ab (README "Exit codes"): 0 ok, 1 a point/run failed (kept,
+# marked failed), 2 bad input, 3 server unreachable or no Docker engine, 130 interrupted
+# (finished points kept).
 PY ?= .venv/bin/python
 WORKLOAD ?= decode-8k1k
 BENCH_ARGS ?=

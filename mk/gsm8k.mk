@@ -4,8 +4,10 @@
 #   make gsm8k GSM8K_DATA=/data/gsm8k  air-gapped: a directory with train.jsonl and test.jsonl
 #   make gsm8k GSM8K_ARGS='--limit 100 --concurrency 32'   any `k3rocm gsm8k` option
 #   make gsm8k-data                    once, with HF hub access: openai/gsm8k into the HF cache
-# k3rocm gsm8k exits 0 pass, 1 below the gate, 2 could not run; make reports that code as
-# "Error 1" / "Error 2" (make's own exit status is 2 for any failure).
+# Server URL, model name, API key and results root come from the K3_* settings (shell, .env or
+# `make gsm8k K3_PORT=...`). Exit codes (README "Exit codes"): 0 pass, 1 below the gate, 2 bad
+# input, 3 server unreachable or no Docker engine, 130 interrupted; make reports that code as
+# "Error N" (make's own exit status is 2 for any failure).
 PY ?= .venv/bin/python
 GSM8K_DATA ?=
 GSM8K_ARGS ?=

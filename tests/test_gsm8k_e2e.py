@@ -150,16 +150,18 @@ def test_make_gsm8k_against_the_standin(standin_server, client_image, items,  # 
     assert samples[0]["arguments"]["gen_args_0"]["arg_1"]["until"] == ["</s>", "<|im_end|>"]
 
     prov = json.loads((run / "provenance.json").read_text())
-    assert prov["command"] == (run / "command.txt").read_text().strip()
-    assert prov["argv"][0] == "/opt/clients/bin/python"
+    assert prov["schema"] == "k3rocm.runrecord/1"  # the one run record (bench, gsm8k, census)
+    assert prov["client"]["command_line"] == (run / "command.txt").read_text().strip()
+    assert prov["client"]["command"][0] == "/opt/clients/bin/python"
+    assert prov["command"]["argv"][1] == "gsm8k" and prov["deployment"]["url"]
     assert prov["server"]["vllm_version"]  # from the server's /version
     # The server is a local container of our image: the bench's record of it (docker inspect).
     server_c = prov["server"]["container"]
     assert server_c["image_id"].startswith("sha256:") and server_c["name"]
     assert isinstance(prov["server"]["overlay_manifest"], dict)
     assert prov["server"]["server_argv"]
-    assert prov["client_image"]["id"].startswith("sha256:")
-    assert prov["client"]["versions"]["lm_eval"] == "0.4.13"
+    assert prov["client"]["image_id"].startswith("sha256:")
+    assert prov["client"]["versions"]["lm_eval"] == "0.4.13" == prov["tools"]["lm_eval"]
     assert prov["data"]["files"]["test"]["sha256"] == data.sha256_file(items / "test.jsonl")
     assert summary["reasoning_fallback"]["count"] == 0
     assert not summary["reasoning_fallback"]["enabled"] and summary["deviations_from_seed"] == []
@@ -245,19 +247,60 @@ def test_missing_client_image_exits_2(standin_server, items, tmp_path):  # noqa:
                         "--results-dir", str(tmp_path)],
                        env=_env(), capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
-    assert p.stderr.strip() == ("k3rocm: error: client image k3rocm/clients:no-such-tag not "
-                                "found; build it with `make clients-image` (or pass "
+    assert p.stderr.strip() == ("k3rocm: error: client image 'k3rocm/clients:no-such-tag' not "
+                                "found: build it with `make clients-image` (or pass "
                                 "--client-image)")
     assert not list(tmp_path.iterdir())  # nothing started, no run directory
 
 
-def test_unknown_model_exits_2(standin_server, items):  # noqa: F811
+def test_unknown_model_exits_3(standin_server, items):  # noqa: F811
     url, _ = _server(standin_server)
     p = subprocess.run([sys.executable, "-m", "k3rocm", "gsm8k", "--url", url, "--model",
                         "no-such-model", "--data-dir", str(items)],
                        env=_env(), capture_output=True, text=True, timeout=120)
-    assert p.returncode == 2 and p.stderr.count("\n") == 1
+    # The exit-code table: a server that serves another model is a server problem (3).
+    assert p.returncode == 3 and p.stderr.count("\n") == 1
     assert "model 'no-such-model' is not served at" in p.stderr
+
+
+def test_ctrl_c_stops_lm_eval_and_keeps_the_run(standin_server, client_image, items,  # noqa: F811
+                                               docker_client, tmp_path):
+    """Ctrl-C (SIGINT to k3rocm) stops lm-eval in its container gracefully (the one client
+    runner, k3rocm.engine.run_client): exit 130, the run directory and its log are kept, the
+    summary says interrupted, no client container is left."""
+    import signal
+
+    url, model = _server(standin_server)
+    proc = subprocess.Popen([sys.executable, "-m", "k3rocm", "gsm8k", "--url", url, "--model",
+                             model, "--data-dir", str(items), "--results-dir", str(tmp_path),
+                             "--max-gen-tokens", "2000", "--concurrency", "1",
+                             "--client-image", CLIENT_IMAGE],
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        deadline = time.monotonic() + 180
+        log = None
+        while time.monotonic() < deadline and proc.poll() is None:
+            logs = list(tmp_path.glob("*-gsm8k/lm_eval.log"))
+            if logs and logs[0].stat().st_size > 0:
+                log = logs[0]
+                break
+            time.sleep(0.5)
+        assert log is not None, proc.communicate()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("k3rocm: gsm8k: INTERRUPTED")
+    run = only_run_dir(tmp_path)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["exit_code"] == 130
+    assert (run / "provenance.json").is_file() and (run / "lm_eval.log").stat().st_size > 0
+    assert not docker_client.containers.list(all=True,
+                                             filters={"label": "k3rocm.role=gsm8k-client"})
 
 
 # ------------------------------------------------------------- task file vs lm-eval's own

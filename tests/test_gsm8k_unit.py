@@ -260,11 +260,12 @@ def test_fetch_data_when_already_cached_needs_nothing(tmp_path):
     assert p.stderr.startswith("gsm8k-data: already there: hf-hub-parquet at ")
 
 
-def test_fetch_data_without_docker_exits_2_with_one_line(tmp_path):
+def test_fetch_data_without_docker_exits_3_with_one_line(tmp_path):
     p = run_cli("gsm8k", "--fetch-data", "--hf-home", str(tmp_path / "hf"),
                 env={"DOCKER_HOST": f"unix://{tmp_path}/no.sock"})
-    assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
-    assert p.stderr.startswith("k3rocm: error: Docker engine not reachable")
+    # The exit-code table (k3rocm.errors): no Docker engine is an engine problem, 3.
+    assert p.returncode == 3 and p.stderr.count("\n") == 1, p.stderr
+    assert p.stderr.startswith("k3rocm: error: cannot reach the Docker engine")
 
 
 def test_make_gsm8k_dry_run(data_dir):
@@ -293,10 +294,10 @@ def test_missing_data_exits_2_with_one_line(tmp_path):
     assert "Traceback" not in p.stderr
 
 
-def test_unreachable_server_exits_2_with_one_line(data_dir):
+def test_unreachable_server_exits_3_with_one_line(data_dir):
     port = free_port()
     p = run_cli("gsm8k", "--url", f"http://127.0.0.1:{port}", "--data-dir", str(data_dir))
-    assert p.returncode == 2
+    assert p.returncode == 3
     err = p.stderr.strip().splitlines()
     assert err == [f"k3rocm: error: server not reachable at http://127.0.0.1:{port} "
                    "(ConnectionError); start it (`make up`) or pass --url"], p.stderr

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
+import os
 import sys
 from collections.abc import Callable
 
@@ -34,6 +36,18 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+# `k3rocm <command> --print-deployment` (anywhere on the line) prints what the command resolved
+# from the settings (URL, model, API key, model dir, tokenizer, results root, image) as JSON
+# and exits 0 without doing anything; with K3_TEST_PRINT_DEPLOYMENT=FILE (tests, through make
+# targets) every k3rocm call appends that JSON as one line to FILE and exits 0.
+PRINT_FLAG = "--print-deployment"
+PRINT_ENV = "K3_TEST_PRINT_DEPLOYMENT"
+EPILOG = (f"Every command takes {PRINT_FLAG}: print what it resolved from the K3_* settings "
+          "(server URL, model, API key, model dir, tokenizer, results root, image) and exit. "
+          "Exit codes: 0 ok, 1 a check failed, 2 bad input, 3 server or engine problem, "
+          "130 interrupted (finished work kept).")
+
+
 def _load(module: str) -> tuple[Callable, Callable] | None:
     try:
         mod = importlib.import_module(module)
@@ -42,6 +56,27 @@ def _load(module: str) -> tuple[Callable, Callable] | None:
             return None  # that feature is not part of this install
         raise
     return mod.add_arguments, mod.run
+
+
+def deployment_view(args: argparse.Namespace) -> dict:
+    """What ``args``' command resolved: its module's ``deployment_view(args)`` when it has one
+    (``wired``: the command derives its values from the deployment itself), else the shared
+    view of :func:`k3rocm.deployment.load_deployment`."""
+    module = importlib.import_module(args._module)
+    hook = getattr(module, "deployment_view", None)
+    if hook is not None:
+        view = hook(args)
+    else:
+        from k3rocm.deployment import load_deployment
+
+        view = load_deployment(env_file=getattr(args, "env_file", ".env")).to_json()
+    sub = getattr(args, "what", None) or getattr(args, "scale_cmd", None)
+    from k3rocm.config import redact_env
+
+    flags = redact_env({k: "" if v is None else str(v) for k, v in vars(args).items()
+                        if not k.startswith("_")})
+    return {"command": " ".join(filter(None, (args.command, sub))), "wired": hook is not None,
+            **view, "args": flags}
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
@@ -59,12 +94,15 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             continue
         p = sub.add_parser(name, help=help_text, description=help_text)
         loaded[0](p)
-        p.set_defaults(_run=loaded[1])
+        p.set_defaults(_run=loaded[1], _module=module)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    print_to = os.environ.get(PRINT_ENV) or None
+    print_dep = PRINT_FLAG in argv or print_to is not None
+    argv = [a for a in argv if a != PRINT_FLAG]
     # Import only the command being run (the serving entrypoint must start fast).
     only = next((a for a in argv if not a.startswith("-")), None)
     only = only if only in COMMANDS else None
@@ -74,6 +112,14 @@ def main(argv: list[str] | None = None) -> int:
         if not getattr(args, "_run", None):
             parser.print_help()
             return 0 if not argv else 2
+        if print_dep:
+            line = json.dumps(deployment_view(args), sort_keys=True)
+            if print_to is None:
+                print(line)
+            else:
+                with open(print_to, "a", encoding="utf-8") as fh:
+                    fh.write(line + "\n")
+            return 0
         return int(args._run(args) or 0)
     except UsageError as exc:
         print(f"k3rocm: error: {exc}", file=sys.stderr)

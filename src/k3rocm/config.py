@@ -30,7 +30,11 @@ from k3rocm.errors import UsageError
 
 PREFIX = "K3_"
 KIMI_K3_HEADS = 96
-SECRET_KEYS = ("K3_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "VLLM_API_KEY")
+# The one redaction rule (printouts, run records, server env): these names, and any name ending
+# in one of SECRET_SUFFIXES.
+SECRET_KEYS = ("K3_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "VLLM_API_KEY",
+               "OPENAI_API_KEY", "TOKEN", "API_KEY")
+SECRET_SUFFIXES = ("_TOKEN", "_API_KEY", "_SECRET", "_PASSWORD")
 REDACTED = "***"
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla")
 MTP_METHODS_WITH_DRAFT_MODEL = ("dspark", "eagle", "eagle3", "draft_model")
@@ -248,8 +252,37 @@ class Rendered:
         return {"env": env, "argv": list(self.argv), "sources": dict(self.sources)}
 
 
+def is_secret(key: str) -> bool:
+    k = key.upper()
+    return k in SECRET_KEYS or k.endswith(SECRET_SUFFIXES)
+
+
 def redact_env(env: Mapping[str, str]) -> dict[str, str]:
-    return {k: (REDACTED if k in SECRET_KEYS and v else v) for k, v in env.items()}
+    """``env`` with every secret's value (see :func:`is_secret`) replaced by ``***``."""
+    return {k: (REDACTED if v and is_secret(k) else v) for k, v in env.items()}
+
+
+def redact_argv(argv: list[str] | None, secrets: list[str | None] = ()) -> list[str] | None:
+    """``argv`` with secrets replaced by ``***``, by the same rule as :func:`redact_env`: the
+    value of a flag whose name is a secret's (``--api-key X``, ``--hf-token=X``), and any
+    argument equal to one of ``secrets``."""
+    if argv is None:
+        return None
+    hide = {x for x in secrets if x and x != "EMPTY"}
+    out: list[str] = []
+    after_flag = False
+    for a in argv:
+        a = str(a)
+        name, eq, _ = a.partition("=")
+        flag_secret = a.startswith("--") and is_secret(name[2:].replace("-", "_"))
+        if (after_flag and a != "EMPTY") or a in hide:  # EMPTY: OpenAI clients' "no key"
+            out.append(REDACTED)
+        elif flag_secret and eq:
+            out.append(f"{name}={REDACTED}")
+        else:
+            out.append(a)
+        after_flag = flag_secret and not eq
+    return out
 
 
 _DOTENV_LINE = re.compile(r"^\s*(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(.*?)\s*$")

@@ -1,14 +1,48 @@
-"""One kind of user-facing error: a one-line message, exit code 2, no traceback."""
+"""One kind of user-facing error, and one exit-code table for every command.
+
+Every ``k3rocm`` command (and the make targets that run them) exits with one of these codes:
+
+====  ==========================================================================================
+0     ok: every check passed / the work is done
+1     a check failed (a gate, a census check, a bench point): results are kept, marked failed
+2     bad input: a setting, a flag, a missing file or image; nothing expensive was started
+3     server or engine problem: the server is unreachable/unhealthy/serves another model, or
+      there is no Docker engine
+130   interrupted (Ctrl-C): finished work is kept in the run directory
+====  ==========================================================================================
+"""
 
 from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_CHECK_FAILED = 1
+EXIT_USAGE = 2
+EXIT_SERVER = 3
+EXIT_INTERRUPTED = 130
+
+EXIT_CODES = {
+    EXIT_OK: "ok",
+    EXIT_CHECK_FAILED: "a check failed (results kept, marked failed)",
+    EXIT_USAGE: "bad input (a setting, flag, file or image; nothing expensive was started)",
+    EXIT_SERVER: "server or engine problem (server unreachable/unhealthy, no Docker engine)",
+    EXIT_INTERRUPTED: "interrupted (finished work kept)",
+}
 
 
 class UsageError(Exception):
     """A setting or input is wrong. The message says what is wrong and what would be valid.
 
-    The CLI prints ``k3rocm: error: <message>`` on one line and exits with ``exit_code``.
+    The CLI prints ``k3rocm: error: <message>`` on one line and exits with ``exit_code``
+    (one of :data:`EXIT_CODES`; 2 unless said otherwise).
     """
 
-    def __init__(self, message: str, exit_code: int = 2):
+    def __init__(self, message: str, exit_code: int = EXIT_USAGE):
         super().__init__(" ".join(message.split()))
         self.exit_code = exit_code
+
+
+class ServerError(UsageError):
+    """The server or the Docker engine is not there or not well: exit 3."""
+
+    def __init__(self, message: str):
+        super().__init__(message, EXIT_SERVER)

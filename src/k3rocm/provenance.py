@@ -7,24 +7,13 @@ Docker engine (image id, env redacted, argv, overlay manifest, fusion decision r
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 from typing import Any
 
+from k3rocm.config import redact_argv, redact_env
 from k3rocm.readiness import _requests, url_port
 
 MANIFEST_PATH = "/opt/k3rocm/manifest.json"
 FUSION_ENV = ("K3_FUSE_QK_NORM", "K3_FUSE_DECODE_QPREP")
-SECRET_KEYS = ("K3_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
-
-
-def _is_secret(key: str) -> bool:
-    k = key.upper()
-    return (k in SECRET_KEYS or k.endswith(("_TOKEN", "_API_KEY", "_SECRET", "_PASSWORD"))
-            or k in ("TOKEN", "API_KEY"))
-
-
-def _redact_env(env: Mapping[str, str]) -> dict[str, str]:
-    return {k: ("<redacted>" if _is_secret(k) else v) for k, v in env.items()}
 
 
 def find_server_container(client, url: str):
@@ -49,6 +38,19 @@ def find_server_container(client, url: str):
             hits.append((0 if "K3_PROFILE" in env else 1, c))
     hits.sort(key=lambda t: t[0])
     return hits[0][1] if hits else None
+
+
+def image_identity(client, image_id: str | None, ref: str | None = None) -> dict[str, Any]:
+    """The image's id, tags and registry digests (empty for a locally built image)."""
+    out: dict[str, Any] = {"ref": ref, "id": image_id, "tags": [], "digests": []}
+    try:
+        img = client.images.get(image_id or ref)
+        out.update(id=img.id, tags=list(img.tags),
+                   digests=list(img.attrs.get("RepoDigests") or []),
+                   created=img.attrs.get("Created"))
+    except Exception as exc:  # noqa: BLE001 - best effort
+        out["note"] = f"image not inspectable ({exc.__class__.__name__})"
+    return out
 
 
 def _exec_text(container, cmd: list[str]) -> str | None:
@@ -93,10 +95,12 @@ def collect_provenance(url: str, api_key: str | None, client=None, container=Non
         "id": attrs.get("Id"), "name": attrs.get("Name", "").lstrip("/"),
         "image_ref": cfg.get("Image"), "image_id": attrs.get("Image"),
         "created": attrs.get("Created"), "started": (attrs.get("State") or {}).get("StartedAt"),
-        "entrypoint": cfg.get("Entrypoint"), "cmd": cfg.get("Cmd"),
-        "path": attrs.get("Path"), "args": attrs.get("Args"),
-        "env": _redact_env(env),
+        "entrypoint": cfg.get("Entrypoint"), "cmd": redact_argv(cfg.get("Cmd")),
+        "path": attrs.get("Path"), "args": redact_argv(attrs.get("Args")),
+        "env": redact_env(env),
     }
+    prov["image"] = image_identity(getattr(container, "client", None), attrs.get("Image"),
+                                   cfg.get("Image"))
     # The argv vLLM really runs with (the entrypoint execs `vllm serve ...`).
     procs = []
     try:
@@ -105,12 +109,13 @@ def collect_provenance(url: str, api_key: str | None, client=None, container=Non
         procs = [p[idx] for p in top.get("Processes") or []]
     except Exception:  # noqa: BLE001
         pass
-    prov["server_processes"] = procs[:20]
+    prov["server_processes"] = [" ".join(redact_argv(p.split(" "))) for p in procs[:20]]
     cmdline = _exec_text(container, ["sh", "-c", "for p in /proc/[0-9]*; do "
                                      "c=$(tr '\\0' ' ' < $p/cmdline 2>/dev/null); "
                                      "case \"$c\" in *vllm*serve*|*api_server*) echo \"$c\"; "
                                      "break;; esac; done"])
-    prov["server_argv"] = cmdline.strip().split(" ") if cmdline and cmdline.strip() else None
+    prov["server_argv"] = (redact_argv(cmdline.strip().split(" "))
+                           if cmdline and cmdline.strip() else None)
     manifest = _exec_text(container, ["cat", MANIFEST_PATH])
     try:
         prov["overlay_manifest"] = json.loads(manifest) if manifest else None

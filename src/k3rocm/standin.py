@@ -244,23 +244,9 @@ def fetch(repo: Path, versions: list[str], wheel_dir: Path, torch_wheels: Path) 
 
 
 def docker_client():
-    try:
-        import docker  # host-side only
-    except ImportError as exc:  # pragma: no cover - depends on the host
-        raise UsageError(
-            "the Python package 'docker' (docker-py 7) is needed on the host: "
-            "pip install 'docker>=7'",
-            exit_code=1,
-        ) from exc
-    try:
-        client = docker.from_env(timeout=600)
-        client.ping()
-    except Exception as exc:
-        host = os.environ.get("DOCKER_HOST", "<unset>")
-        raise UsageError(
-            f"cannot reach the Docker engine (DOCKER_HOST={host}): {exc}", exit_code=1
-        ) from exc
-    return client
+    from k3rocm.engine import docker_client as engine_client
+
+    return engine_client()  # the one factory: no engine is exit 3
 
 
 def build_image(

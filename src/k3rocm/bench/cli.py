@@ -6,8 +6,12 @@ Examples:
   k3rocm bench --workload decode-8k1k --tokenizer models/Kimi-K3
   BENCH_CONCURRENCY=1,2 k3rocm bench --workload ci-tiny --url http://127.0.0.1:18000 \\
       --set osl=64 --set extra_inputs=ignore_eos:true,min_tokens:64,max_tokens:64
+The server URL, served model name, API key, tokenizer (the checkpoint directory) and results
+root come from the deployment settings (K3_PORT, K3_SERVED_MODEL_NAME, K3_API_KEY, K3_MODEL
+under K3_MODELS_DIR, K3_RESULTS_DIR; shell > .env > profile); flags override them.
 Exit codes: 0 all points ok; 1 a point or aiperf failed (recorded as failed in summary.json);
-2 bad input; 3 server unreachable/unhealthy; 130 interrupted (finished points kept).
+2 bad input; 3 server unreachable/unhealthy or no Docker engine; 130 interrupted (finished
+points kept).
 """
 
 from __future__ import annotations
@@ -37,14 +41,15 @@ def add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                         help="override a workload field (repeatable; lists comma separated). "
                         f"Fields: {', '.join(FIELD_NAMES)}. Env {ENV_PREFIX}<FIELD> also works.")
-    parser.add_argument("--url", help="server base URL (same as --set url=...)")
-    parser.add_argument("--model", help="served model name (same as --set model=...)")
+    parser.add_argument("--url", help="server base URL (same as --set url=...; default from "
+                        "K3_BIND_ADDRESS and K3_PORT)")
+    parser.add_argument("--model", help="served model name (same as --set model=...; default "
+                        "K3_SERVED_MODEL_NAME)")
     parser.add_argument("--tokenizer", help="local tokenizer directory (same as --set "
-                        "tokenizer=...)")
-    parser.add_argument("--results", type=Path,
-                        default=Path(os.environ.get("BENCH_RESULTS") or "results"),
+                        "tokenizer=...; default: the checkpoint, K3_MODEL under K3_MODELS_DIR)")
+    parser.add_argument("--results", type=Path, default=None,
                         help="results root; each run gets <root>/<UTC stamp>-<label>/ "
-                        "(env BENCH_RESULTS; default ./results)")
+                        "(default K3_RESULTS_DIR, which compose mounts at /results)")
     parser.add_argument("--client-image", default=os.environ.get("BENCH_CLIENT_IMAGE")
                         or runner.CLIENT_IMAGE,
                         help=f"client image with aiperf (default {runner.CLIENT_IMAGE}; env "
@@ -72,20 +77,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def resolve_from_args(args: argparse.Namespace):
+    """The workload from the flags and the deployment; fills ``args.results`` (default: the
+    deployment's results root)."""
+    from k3rocm.deployment import load_deployment
+
+    dep = load_deployment()
     sets = parse_sets(args.sets)
     for key in ("url", "model", "tokenizer"):
         if getattr(args, key, None):
             sets[key] = getattr(args, key)
-    return resolve(args.workload or "decode-8k1k", sets, path=args.workloads_file)
+    if args.results is None:
+        args.results = dep.results_root
+    return resolve(args.workload or "decode-8k1k", sets, path=args.workloads_file,
+                   deployment=dep)
+
+
+def deployment_view(args: argparse.Namespace) -> dict:
+    """What this command resolved (``--print-deployment``)."""
+    from k3rocm.deployment import load_deployment
+
+    w = resolve_from_args(args)
+    return {**load_deployment().to_json(), "url": w.url, "served_model_name": w.model,
+            "api_key": None if w.api_key == "EMPTY" else "***",
+            "tokenizer": str(Path(w.tokenizer).expanduser().absolute()) if w.tokenizer else None,
+            "results_root": str(Path(args.results).absolute())}
 
 
 def list_workloads(path: Path | None) -> str:
     defaults, workloads = load_table(path)
-    lines = []
-    for name in workloads:
-        w = resolve(name, {}, env={}, path=path)
-        lines.append(f"{name:14s} {w.description}")
-    return "\n".join(lines)
+    return "\n".join(f"{name:14s} {({**defaults, **t}).get('description', '')}"
+                     for name, t in workloads.items())
 
 
 def run(args: argparse.Namespace) -> int:
@@ -106,14 +127,13 @@ def run(args: argparse.Namespace) -> int:
     container = None
     client = runner.docker_client()
     if args.server_container:
-        import docker
-
         try:
             container = client.containers.get(args.server_container)
-        except docker.errors.NotFound:
+        except Exception as exc:  # noqa: BLE001 - docker.errors.NotFound
             from k3rocm.errors import UsageError
 
-            raise UsageError(f"--server-container {args.server_container!r} not found", 2) from None
+            raise UsageError(f"--server-container {args.server_container!r} not found "
+                             f"({exc.__class__.__name__})") from None
     res = bench_run.run_bench(w, results=args.results, client_image=args.client_image,
                               server_timeout=args.server_timeout, label=args.label,
                               progress=not args.quiet, tp=args.tp, server_container=container,

@@ -4,23 +4,21 @@ directory (raw artifacts, summary.json, perf.csv, report.md, PNG plots, provenan
 from __future__ import annotations
 
 import json
-import os
-import platform
 import sys
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from k3rocm import __version__
-from k3rocm.bench import plots, runner, server, summary
+from k3rocm import runrecord
+from k3rocm.bench import plots, runner, summary
 from k3rocm.bench.workloads import Workload, aiperf_command, shell_line
-from k3rocm.errors import UsageError
+from k3rocm.config import redact_argv
+from k3rocm.errors import EXIT_CHECK_FAILED as EXIT_FAILED
+from k3rocm.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_SERVER, EXIT_USAGE, UsageError  # noqa: F401
+from k3rocm.readiness import wait_ready
 from k3rocm.rundir import create_run_dir, utc_stamp, write_json_atomic, write_text_atomic
-from k3rocm.scale.status import topology
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_SERVER, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tiktoken.model",
                     "tokenizer.model", "vocab.json")
 
@@ -30,6 +28,9 @@ def _log(msg: str) -> None:
 
 
 def check_tokenizer(path: str) -> Path:
+    if not path:
+        raise UsageError("no tokenizer: K3_MODEL is not a checkpoint directory on this host; "
+                         "pass the model's local directory with --tokenizer DIR")
     p = Path(path).expanduser()
     if not p.is_dir():
         raise UsageError(f"tokenizer directory {path!r} does not exist: pass the model's local "
@@ -81,30 +82,29 @@ def run_bench(w: Workload, *, results: Path, client_image: str, server_timeout: 
     tok = check_tokenizer(w.tokenizer)
     client = docker or runner.docker_client()
     image_id = runner.check_client_image(client, client_image)
-    server.wait_ready(w.url, w.model, server_timeout, api_key=w.api_key)
+    wait_ready(w.url, w.model, server_timeout, api_key=w.api_key)
     if run_dir is None:
         run_dir = create_run_dir(results, label or w.name)
     _log(f"run directory {run_dir}")
     argv = planned_command(w, run_dir)
-    cmd_line = shell_line(argv)
+    # What the run record keeps: the exact command, the API key redacted (one rule).
+    shown = redact_argv(argv, [w.api_key])
+    cmd_line = shell_line(shown)
     write_text_atomic(run_dir / "command.txt", cmd_line + "\n")
     write_json_atomic(run_dir / "workload.json", w.model_dump(mode="json"))
 
-    prov: dict[str, Any] = {
-        "k3rocm_version": __version__,
-        "started_utc": datetime.now(timezone.utc).isoformat(),
-        "host": platform.node(),
-        "client": {"image": client_image, "image_id": image_id,
-                   "aiperf_version": runner.client_aiperf_version(client, client_image),
-                   "aiperf_pinned": runner.AIPERF_VERSION, "command": argv,
-                   "command_line": cmd_line,
-                   "env_note": "HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE deliberately unset"},
-        "server": server.collect_provenance(w.url, w.api_key, client=client,
-                                            container=server_container),
-        "topology": topology(w.url),  # single node, or a router / node of a scale-out
-        **(extra_provenance or {}),
-    }
-    write_json_atomic(run_dir / "provenance.json", prov)
+    aiperf_version = runner.client_aiperf_version(client, client_image)
+    prov = runrecord.build(
+        deployment=_deployment(), url=w.url,
+        server=runrecord.server(client, w.url, w.api_key, container=server_container),
+        tools={"aiperf": aiperf_version, "client_image": client_image,
+               "client_image_id": image_id},
+        client={"image": client_image, "image_id": image_id, "aiperf_version": aiperf_version,
+                "aiperf_pinned": runner.AIPERF_VERSION, "command": shown,
+                "command_line": cmd_line,
+                "env_note": "HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE deliberately unset"},
+        **(extra_provenance or {}))
+    runrecord.write(run_dir, prov)
 
     mounts = {str(run_dir): (runner.container_path(run_dir), "rw"),
               str(tok): (runner.container_path(tok), "ro")}
@@ -123,7 +123,7 @@ def run_bench(w: Workload, *, results: Path, client_image: str, server_timeout: 
     server_alive = True
     if status != "ok":
         try:
-            server.wait_ready(w.url, w.model, 0, api_key=w.api_key, quiet=True)
+            wait_ready(w.url, w.model, 0, api_key=w.api_key, quiet=True)
         except UsageError:
             server_alive = False
     doc = {
@@ -197,5 +197,12 @@ def _server_line(prov: dict) -> str:
             f"vLLM {prov.get('vllm_version')} (no local container found)")
 
 
-def default_results() -> Path:
-    return Path(os.environ.get("BENCH_RESULTS") or "results")
+def _deployment():
+    """The deployment for the run record (None when the settings do not load: the flags
+    pointed the bench elsewhere and the record says what it measured)."""
+    from k3rocm.deployment import load_deployment
+
+    try:
+        return load_deployment()
+    except UsageError:
+        return None

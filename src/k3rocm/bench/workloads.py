@@ -196,7 +196,9 @@ def parse_sets(items: Sequence[str]) -> dict[str, Any]:
 def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in env.items():
-        if not key.startswith(ENV_PREFIX) or key in _NOT_FIELDS:
+        if key in _RENAMED and value:
+            raise UsageError(f"{key} is no longer read: use {_RENAMED[key]}")
+        if not key.startswith(ENV_PREFIX) or key in _NOT_FIELDS or key in _RENAMED:
             continue
         field = key[len(ENV_PREFIX):].lower()
         if field not in FIELD_NAMES:
@@ -209,17 +211,47 @@ def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
 
 
 # BENCH_* variables that are not workload fields (read elsewhere).
-_NOT_FIELDS = {"BENCH_WORKLOAD", "BENCH_CLIENT_IMAGE", "BENCH_RESULTS", "BENCH_AB_REPEATS",
+_NOT_FIELDS = {"BENCH_WORKLOAD", "BENCH_CLIENT_IMAGE", "BENCH_AB_REPEATS",
                "BENCH_ARGS", "BENCH_IMAGE"}  # the last two: make variables (mk/bench.mk)
+# Gone: the results root has one name for every command.
+_RENAMED = {"BENCH_RESULTS": "K3_RESULTS_DIR (or --results)"}
+
+
+# Workload field -> the settings it is derived from.
+_FROM_SETTINGS = {"url": ("K3_PORT", "K3_BIND_ADDRESS"), "model": ("K3_SERVED_MODEL_NAME",),
+                  "api_key": ("K3_API_KEY",), "tokenizer": ("K3_MODEL", "K3_MODELS_DIR")}
+
+
+def deployment_fields(deployment) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What a workload takes from the deployment: the server URL, the served model name, the
+    API key and the tokenizer (the checkpoint dir). Returns (set, default): the fields whose
+    settings were set (shell, .env, make line, a chosen profile), which win over a workload's
+    table, and the ones from built-in defaults, which a workload's table overrides."""
+    values = {"url": deployment.url, "model": deployment.served_model_name,
+              "api_key": deployment.api_key or "EMPTY",
+              "tokenizer": str(deployment.tokenizer) if deployment.tokenizer else ""}
+    chosen = {f for f, keys in _FROM_SETTINGS.items()
+              if any(deployment.sources.get(k, "default") != "default" for k in keys)}
+    return ({f: v for f, v in values.items() if f in chosen},
+            {f: v for f, v in values.items() if f not in chosen})
 
 
 def resolve(name: str, sets: Mapping[str, Any] | None = None,
-            env: Mapping[str, str] | None = None, path: Path | None = None) -> Workload:
-    """Resolve workload ``name`` with overrides. Raises UsageError (one line) on bad input."""
+            env: Mapping[str, str] | None = None, path: Path | None = None,
+            deployment=None) -> Workload:
+    """Resolve workload ``name`` with overrides: ``sets`` > ``BENCH_*`` in ``env`` > the
+    deployment's settings that were set > the workload > [defaults] > the deployment's
+    defaults (the deployment is read from ``env`` and .env unless given).
+    Raises UsageError (one line) on bad input."""
     defaults, workloads = load_table(path)
     if name not in workloads:
         raise UsageError(f"unknown workload {name!r}; valid: {', '.join(workloads)}")
-    merged: dict[str, Any] = {**defaults, **workloads[name]}
+    if deployment is None:
+        from k3rocm.deployment import load_deployment
+
+        deployment = load_deployment(env)
+    chosen, fallback = deployment_fields(deployment)
+    merged: dict[str, Any] = {**fallback, **defaults, **workloads[name], **chosen}
     merged.update(env_overrides(os.environ if env is None else env))
     merged.update(sets or {})
     merged["name"] = name

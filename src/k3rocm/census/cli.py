@@ -7,17 +7,21 @@ ASKED for (K3_FUSE_* in the server container's env, default on; or ``--fusions``
 config and the trace. The overlay's decision records are cross-checked against the same claim.
 Offline: ``--trace-dir DIR`` analyses existing traces (no server).
 
-Exit codes: 0 all checks pass, 1 a check failed, 2 bad input, 3 server/trace problems.
+The server URL, API key, served model name, checkpoint (K3_MODEL under K3_MODELS_DIR) and
+results root come from the deployment settings (shell > .env > profile); flags override them.
+
+Exit codes: 0 all checks pass, 1 a check failed, 2 bad input, 3 server/trace problems or no
+Docker engine, 130 interrupted.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
+from k3rocm import runrecord
 from k3rocm.census.analyze import Census, run_census
 from k3rocm.census.common import (
     add_analysis_arguments,
@@ -59,13 +63,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "'K3ROCM-DECISION {...}' records (default: k3rocm-decisions-pid*.json "
                    "beside the traces, or the server container's log)")
     s = p.add_argument_group("live server")
-    port = os.environ.get("K3_PORT", "8000")
-    s.add_argument("--url", default=f"http://127.0.0.1:{port}", help="server base URL")
-    s.add_argument("--model", help="served model name (default: the first in /v1/models)")
+    s.add_argument("--url", default=None, help="server base URL (default: from "
+                   "K3_BIND_ADDRESS and K3_PORT)")
+    s.add_argument("--model", help="served model name (default: the first in /v1/models, "
+                   "else K3_SERVED_MODEL_NAME)")
     s.add_argument("--container", help="server container name/id (default: the container "
                    "publishing the URL's port); used for the log, provenance and traces")
     s.add_argument("--server-trace-dir", help="host path of the server's K3_PROFILER_DIR "
-                   "(default: mapped through K3_RESULTS_DIR when it lies under /results; "
+                   "(default: the server container's mount of it; without a container, "
+                   "mapped through K3_RESULTS_DIR when it lies under /results; "
                    "else the traces are copied out of the container)")
     s.add_argument("--concurrency", type=int, default=8, help="concurrent streams")
     s.add_argument("--max-tokens", type=int, default=1024, help="output tokens per request")
@@ -181,7 +187,32 @@ def _finish(census: Census, run_dir: Path | None, top: int) -> int:
     return 0 if census.ok else 1
 
 
+def _deployment_args(args: argparse.Namespace):
+    """The deployment; the server URL defaults to its URL (results root and checkpoint dir:
+    :func:`results_root`, :func:`model_dir_from`)."""
+    from k3rocm.deployment import load_deployment
+
+    dep = load_deployment()
+    if getattr(args, "url", None) is None:
+        args.url = dep.url
+    return dep
+
+
+def deployment_view(args: argparse.Namespace) -> dict:
+    """What this command resolved (``--print-deployment``)."""
+    dep = _deployment_args(args)
+    try:
+        model_dir: str | None = str(Path(model_dir_from(args)).absolute())
+    except UsageError:
+        model_dir = None
+    return {**dep.to_json(), "url": args.url.rstrip("/"),
+            "served_model_name": args.model or dep.served_model_name,
+            "results_root": str(Path(results_root(args)).absolute()),
+            "model_host_dir": model_dir}
+
+
 def run(args: argparse.Namespace) -> int:
+    dep = _deployment_args(args)
     validate_common(args)
     if args.trace_dir:
         tdir = Path(args.trace_dir)
@@ -192,11 +223,12 @@ def run(args: argparse.Namespace) -> int:
         census = analyse(tdir, args, claim, decisions)
         run_dir = create_run_dir(results_root(args), args.label)
         files = [r.path for r in census.traces.ranks]
-        write_report(run_dir, census, {**base_provenance(files), "source": "trace-dir",
-                                       "trace_dir": str(args.trace_dir),
-                                       "claim": claim.to_json()}, top=args.top)
+        write_report(run_dir, census, runrecord.build(
+            deployment=dep, source="trace-dir", trace_dir=str(args.trace_dir),
+            claim=claim.to_json(), trace_files=base_provenance(files)["trace_files"]),
+            top=args.top)
         return _finish(census, run_dir, args.top)
-    return run_live(args)
+    return run_live(args, dep)
 
 
 def _server_trace_host_dir(args: argparse.Namespace, container: Any,
@@ -210,7 +242,7 @@ def _server_trace_host_dir(args: argparse.Namespace, container: Any,
             raise UsageError(f"--server-trace-dir {d} is not a directory")
         return d
     prof = container_env.get("K3_PROFILER_DIR") or ("" if container is not None else
-                                                    os.environ.get("K3_PROFILER_DIR", ""))
+                                                    _deployment_profiler_dir())
     if not prof:
         return None
     if container is not None:
@@ -230,40 +262,45 @@ def _server_trace_host_dir(args: argparse.Namespace, container: Any,
         except OSError:
             return None
         return host
-    if prof.startswith("/results/") or prof == "/results":
-        host = Path(os.environ.get("K3_RESULTS_DIR", "./results")) / prof[len("/results"):]\
-            .lstrip("/")
-        return host if host.is_dir() else None
-    return None
+    from k3rocm.deployment import load_deployment
+
+    host = load_deployment().host_path(prof)
+    return host if host is not None and host.is_dir() else None
 
 
-def run_live(args: argparse.Namespace) -> int:
+def _deployment_profiler_dir() -> str:
+    from k3rocm.deployment import load_deployment
+
+    return load_deployment().settings.profiler_dir or ""
+
+
+def run_live(args: argparse.Namespace, dep=None) -> int:
+    from k3rocm.engine import docker_client
     from k3rocm.provenance import find_server_container
     from k3rocm.readiness import wait_ready
 
+    if dep is None:
+        dep = _deployment_args(args)
     for name in ("--concurrency", "--steps"):
         positive(name, getattr(args, name[2:].replace("-", "_")))
     positive("--max-tokens", args.max_tokens, args.steps + 12)
-    api_key = os.environ.get("K3_API_KEY")
+    api_key = dep.api_key
     url = args.url.rstrip("/")
-    model = args.model or _served_model(url, api_key)
+    model = args.model or _served_model(url, api_key, dep.served_model_name)
     wait_ready(url, model, args.server_timeout, api_key)
 
-    client = container = None
-    try:
-        import docker
-
-        client = docker.from_env()
-        client.ping()
-        if args.container:
-            container = client.containers.get(args.container)
-        else:
-            container = find_server_container(client, url)
-    except Exception as exc:  # noqa: BLE001
-        if args.container:
-            raise UsageError(f"--container {args.container}: not found in the Docker engine "
-                             f"({exc.__class__.__name__})", 3) from None
-        client = container = None
+    container = None
+    client = docker_client(required=bool(args.container))
+    if client is not None:
+        try:
+            if args.container:
+                container = client.containers.get(args.container)
+            else:
+                container = find_server_container(client, url)
+        except Exception as exc:  # noqa: BLE001
+            if args.container:
+                raise UsageError(f"--container {args.container}: not found in the Docker "
+                                 f"engine ({exc.__class__.__name__})", 3) from None
 
     if args.fusions:
         claim = from_cli(args.fusions)
@@ -277,8 +314,17 @@ def run_live(args: argparse.Namespace) -> int:
                          "container: pass --container, --server-log FILE or --skip-records")
     run_dir = create_run_dir(results_root(args), args.label)
     _log(f"run directory {run_dir}")
-    census = live_census(args, url, model, api_key, client, container, claim, run_dir)
+    census = live_census(args, url, model, api_key, client, container, claim, run_dir, dep=dep)
     return _finish(census, run_dir, args.top)
+
+
+def _deployment_or_none():
+    from k3rocm.deployment import load_deployment
+
+    try:
+        return load_deployment()
+    except UsageError:
+        return None
 
 
 def container_env(container: Any) -> dict[str, str]:
@@ -290,7 +336,7 @@ def claim_from_container(container: Any) -> FusionClaim:
     return from_env(container_env(container), f"container {container.name}'s env")
 
 
-def _served_model(url: str, api_key: str | None) -> str:
+def _served_model(url: str, api_key: str | None, default: str) -> str:
     import requests
 
     from k3rocm.census.drive import _headers
@@ -299,16 +345,15 @@ def _served_model(url: str, api_key: str | None) -> str:
         r = requests.get(f"{url}/v1/models", timeout=10, headers=_headers(api_key))
         return str(r.json()["data"][0]["id"])
     except Exception:  # noqa: BLE001 - wait_ready reports an unreachable server
-        return os.environ.get("K3_SERVED_MODEL_NAME", "moonshotai/Kimi-K3")
+        return default
 
 
 def live_census(args: argparse.Namespace, url: str, model: str, api_key: str | None,
                 client: Any, container: Any, claim: FusionClaim, run_dir: Path,
-                title: str = "Decode kernel census") -> Census:
+                title: str = "Decode kernel census", dep=None) -> Census:
     """Profile the running server under load, collect its traces into ``run_dir/traces``,
     analyse and write the report. Used by ``census`` and by each arm of ``census-ab``."""
     from k3rocm.census import drive
-    from k3rocm.provenance import collect_provenance
 
     cenv: dict[str, str] = container_env(container) if container is not None else {}
     host_dir = _server_trace_host_dir(args, container, cenv)
@@ -317,13 +362,17 @@ def live_census(args: argparse.Namespace, url: str, model: str, api_key: str | N
         raise UsageError("cannot reach the server's traces: pass --server-trace-dir <host path "
                          "of K3_PROFILER_DIR> (or run the server in a local container with "
                          "K3_PROFILER_DIR set)")
-    server_prov = collect_provenance(url, api_key, client, container)
+    server_prov = runrecord.server(client, url, api_key, container=container)
     argv = server_prov.get("server_argv") or []
     if "--speculative-config" in argv or cenv.get("K3_MTP_K", "0") not in ("", "0"):
         _log("note: the server runs speculative decoding; a draft that uses the model's own MTP "
              "layer (K3_MTP_METHOD=mtp) runs MLA layers too: pass --extra ROLE=N for its "
              "launches per step, or profile with K3_MTP_K=0 (docs/census.md)")
-    write_json_atomic(run_dir / "provenance.json", server_prov)  # early: kept if we fail
+    if dep is None:
+        dep = _deployment_or_none()
+    record = runrecord.build(deployment=dep, server=server_prov, url=url, source="live",
+                             model=model, claim=claim.to_json())
+    runrecord.write(run_dir, record)  # early: kept if we fail
     if host_dir is not None:
         before_h = drive.snapshot_host_dir(host_dir)
     else:
@@ -349,7 +398,7 @@ def live_census(args: argparse.Namespace, url: str, model: str, api_key: str | N
         for pid, recs in by_pid.items():
             write_json_atomic(dest / f"k3rocm-decisions-pid{pid}.json", recs)
     census = analyse(dest, args, claim, decisions, server_argv=argv or None)
-    prov = {**base_provenance([r.path for r in census.traces.ranks]), "source": "live",
-            "model": model, "load": info, "claim": claim.to_json(), "server": server_prov}
-    write_report(run_dir, census, prov, title=title, top=args.top)
+    record.update(load=info, trace_files=base_provenance(
+        [r.path for r in census.traces.ranks])["trace_files"])
+    write_report(run_dir, census, record, title=title, top=args.top)
     return census

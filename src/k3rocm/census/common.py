@@ -67,19 +67,18 @@ def extra_from(args: argparse.Namespace) -> dict[str, int]:
     return out
 
 
-def model_dir_from(args: argparse.Namespace, environ: dict[str, str] | None = None) -> str:
-    env = os.environ if environ is None else environ
+def model_dir_from(args: argparse.Namespace) -> str:
+    """--model-dir, else the deployment's checkpoint on this host (K3_MODEL under
+    K3_MODELS_DIR, wherever they are set)."""
     if args.model_dir:
         return args.model_dir
-    model = env.get("K3_MODEL", "")
-    if model.startswith("/models/"):
-        host = Path(env.get("K3_MODELS_DIR", "./models")) / model[len("/models/"):]
-        if host.exists():
-            return str(host)
-    if model and Path(model).exists():
-        return model
+    from k3rocm.deployment import load_deployment
+
+    dep = load_deployment()
+    if dep.model_host_dir is not None and dep.model_host_dir.exists():
+        return str(dep.model_host_dir)
     raise UsageError("no model config: pass --model-dir <checkpoint dir with config.json> "
-                     f"(K3_MODEL={model or 'unset'} is not a path on this host)")
+                     f"(K3_MODEL={dep.model} is not a path on this host)")
 
 
 def tp_from_argv(argv: list[str]) -> int:
@@ -114,7 +113,12 @@ def resolve_world_size(trace_ws: int | None, args: argparse.Namespace,
 
 
 def results_root(args: argparse.Namespace) -> str:
-    return args.results or os.environ.get("K3_RESULTS_DIR") or "results"
+    """--results, else the deployment's results root (K3_RESULTS_DIR, mounted at /results)."""
+    if args.results:
+        return args.results
+    from k3rocm.deployment import load_deployment
+
+    return str(load_deployment().results_root)
 
 
 def positive(name: str, value: int, minimum: int = 1) -> None:
@@ -125,6 +129,7 @@ def positive(name: str, value: int, minimum: int = 1) -> None:
 
 def base_provenance(files: list[Path]) -> dict[str, Any]:
     from k3rocm import __version__
+    from k3rocm.config import redact_env
 
     return {
         "command": shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]),
@@ -133,8 +138,7 @@ def base_provenance(files: list[Path]) -> dict[str, Any]:
         "k3rocm_version": __version__,
         "host": platform.node(),
         "python": sys.version.split()[0],
-        "env": {k: v for k, v in os.environ.items()
-                if k.startswith("K3_") and "KEY" not in k and "TOKEN" not in k},
+        "env": redact_env({k: v for k, v in os.environ.items() if k.startswith("K3_")}),
         "trace_files": [{"path": str(f), "bytes": f.stat().st_size, "sha256": sha256(f)}
                         for f in files],
     }

@@ -13,7 +13,8 @@ from k3rocm.config import (
     KNOWN_OTHER,
     KNOWN_PREFIXES,
     PROFILES,
-    SECRET_KEYS,
+    REDACTED,
+    is_secret,
     redact_env,
     render,
 )
@@ -37,13 +38,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(what `make config` does before compose mounts it)")
 
 
+def deployment_view(args: argparse.Namespace) -> dict:
+    """What this command resolved (``--print-deployment``): it renders the same settings."""
+    from k3rocm.deployment import load_deployment
+
+    return load_deployment(env_file=args.env_file, check_model=args.host_paths).to_json()
+
+
 def write_vendor_env(path: Path, rendered) -> None:
     """The shell's vendor variables, one KEY=VALUE per line (compose env_file), atomically."""
     from k3rocm.rundir import write_text_atomic
 
     lines = [f"{k}={v}" for k, v in sorted(rendered.env.items())
              if rendered.sources.get(k) == "env" and not k.startswith("K3_")
-             and k not in SECRET_KEYS]  # secrets: compose passes HF_TOKEN by name
+             and not is_secret(k)]  # secrets: compose passes HF_TOKEN by name
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, "# written by `k3rocm config --vendor-env-file`: vendor variables "
                       "from the shell, for compose\n" + "".join(x + "\n" for x in lines))
@@ -93,8 +101,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"profile: {rendered.settings.profile}")
     for name, value in s.items():
         key = ENV_NAME[name]
-        if key == "K3_API_KEY" and value:
-            value = "***"
+        if value and is_secret(key):
+            value = REDACTED
         print(f"  {key:<30} {value!s:<40} [{rendered.sources.get(key, 'default')}]")
     print("vLLM environment:")
     for key, value in env.items():

@@ -1,7 +1,8 @@
 """``k3rocm gsm8k``: GSM8K 5-shot accuracy gate, lm-eval in the client container.
 
-Exit codes: 0 pass, 1 below the gate (or a partial run that is not allowed to pass),
-2 could not run (settings, data, server, client image, lm-eval error). One line each.
+Exit codes (the table of k3rocm.errors): 0 pass, 1 below the gate (or a partial run that is
+not allowed to pass), 2 bad input (settings, data, client image) or lm-eval error, 3 server
+unreachable or no Docker engine, 130 interrupted. One line each.
 """
 
 from __future__ import annotations
@@ -14,26 +15,28 @@ import os
 import re
 import shutil
 import sys
-import time
 from pathlib import Path
 
-from k3rocm.errors import UsageError
+from k3rocm import runrecord
+from k3rocm.config import redact_env
+from k3rocm.engine import docker_client, image_id, run_client
+from k3rocm.errors import EXIT_INTERRUPTED, ServerError, UsageError
 from k3rocm.gsm8k import command, data, results
 from k3rocm.gsm8k.command import Gsm8kSettings
 from k3rocm.rundir import create_run_dir, write_json_atomic, write_text_atomic
-from k3rocm.scale.status import topology
 
 LAUNCHER_SRC = Path(__file__).with_name("lmeval_launch.py")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = ("Exit codes: 0 pass, 1 below the gate (or a --limit/partial run without "
-                "--allow-limit), 2 could not run. Task: the seed's gsm8k config "
+                "--allow-limit), 2 bad input or lm-eval error, 3 server unreachable or no "
+                "Docker engine, 130 interrupted. Task: the seed's gsm8k config "
                 "(src/k3rocm/gsm8k/gsm8k.yaml). Data: --data-dir, else the HF cache "
                 "(openai/gsm8k; --fetch-data / `make gsm8k-data` puts it there). "
                 "See docs/gsm8k.md.")
     g = p.add_argument_group("server")
-    g.add_argument("--url", help="server root URL (default http://127.0.0.1:$K3_PORT)")
+    g.add_argument("--url", help="server root URL (default: from K3_BIND_ADDRESS and K3_PORT)")
     g.add_argument("--model", help="served model name (default $K3_SERVED_MODEL_NAME, or the "
                    "only model the server lists)")
     g.add_argument("--server-container", metavar="NAME",
@@ -67,8 +70,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(question, answer ending '#### N')")
     g.add_argument("--hf-home", help="HF cache holding openai/gsm8k (default $HF_HOME, "
                    "$K3_CACHE_DIR/huggingface, ~/.cache/huggingface)")
-    g.add_argument("--results-dir", default="results",
-                   help="run directories go here (default %(default)s)")
+    g.add_argument("--results-dir", default=None,
+                   help="run directories go here (default K3_RESULTS_DIR, which compose mounts "
+                   "at /results)")
     g.add_argument("--client-image", default=command.DEFAULT_CLIENT_IMAGE,
                    help="image with lm-eval in /opt/clients (default %(default)s)")
     g.add_argument("--dry-run", action="store_true",
@@ -81,12 +85,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="re-apply the gate to a stored run directory and print the verdict")
 
 
-def _serving_defaults() -> dict:
-    """Port, served name and API key from the serving configuration (env + .env)."""
-    from k3rocm.config import load_settings
+def _deployment():
+    from k3rocm.deployment import load_deployment
 
-    s, _ = load_settings(check_model=False)  # a client: the checkpoint is the server's
-    return {"port": s.port, "model": s.served_model_name, "api_key": s.api_key}
+    return load_deployment()  # a client: the checkpoint is the server's, not checked
+
+
+def _resolve(args: argparse.Namespace, dep) -> tuple[str, str, str | None]:
+    """URL, model name and API key: the flags, else the deployment; fills args.results_dir."""
+    if args.results_dir is None:
+        args.results_dir = str(dep.results_root)
+    return args.url or dep.url, args.model or dep.served_model_name, dep.api_key
+
+
+def deployment_view(args: argparse.Namespace) -> dict:
+    """What this command resolved (``--print-deployment``)."""
+    dep = _deployment()
+    url, model, api_key = _resolve(args, dep)
+    return {**dep.to_json(), "url": url, "served_model_name": model,
+            "api_key": "***" if api_key else None,
+            "results_root": str(Path(args.results_dir).absolute())}
 
 
 def _settings(args: argparse.Namespace, model: str, url: str) -> Gsm8kSettings:
@@ -114,36 +132,24 @@ def _check_server(url: str, model: str, explicit: bool, api_key: str | None) -> 
     try:
         r = requests.get(url.rstrip("/") + "/v1/models", headers=headers, timeout=10)
     except requests.RequestException as exc:
-        raise UsageError(f"server not reachable at {url} ({exc.__class__.__name__}); start it "
-                         "(`make up`) or pass --url") from None
+        raise ServerError(f"server not reachable at {url} ({exc.__class__.__name__}); start it "
+                          "(`make up`) or pass --url") from None
     if r.status_code in (401, 403):
-        raise UsageError(f"server at {url} refused /v1/models (HTTP {r.status_code}); set "
-                         "K3_API_KEY to the server's key")
+        raise ServerError(f"server at {url} refused /v1/models (HTTP {r.status_code}); set "
+                          "K3_API_KEY to the server's key")
     if not r.ok:
-        raise UsageError(f"server at {url} answered /v1/models with HTTP {r.status_code}; is it "
-                         "a vLLM OpenAI server and healthy?")
+        raise ServerError(f"server at {url} answered /v1/models with HTTP {r.status_code}; is "
+                          "it a vLLM OpenAI server and healthy?")
     try:
         served = [m["id"] for m in r.json().get("data", [])]
     except (ValueError, AttributeError, KeyError, TypeError):
-        raise UsageError(f"server at {url}: /v1/models is not an OpenAI model list") from None
+        raise ServerError(f"server at {url}: /v1/models is not an OpenAI model list") from None
     if model in served:
         return model
     if not explicit and len(served) == 1:
         return served[0]
-    raise UsageError(f"model {model!r} is not served at {url} (served: "
-                     f"{', '.join(served) or 'none'}); pass --model")
-
-
-def _docker():
-    try:
-        import docker
-
-        client = docker.from_env(timeout=120)
-        client.ping()
-        return client
-    except Exception as exc:  # noqa: BLE001 - any failure means no engine
-        raise UsageError(f"Docker engine not reachable ({exc.__class__.__name__}); the client "
-                         "container needs it (set DOCKER_HOST or start dockerd)") from None
+    raise ServerError(f"model {model!r} is not served at {url} (served: "
+                      f"{', '.join(served) or 'none'}); pass --model")
 
 
 def _rescore(args: argparse.Namespace) -> int:
@@ -164,11 +170,10 @@ def run(args: argparse.Namespace) -> int:
         return _rescore(args)
     if args.fetch_data:
         return _fetch_data(args)
-    defaults = _serving_defaults()
-    url = args.url or f"http://127.0.0.1:{defaults['port']}"
-    api_key = defaults.get("api_key") or None
+    dep = _deployment()
+    url, model_name, api_key = _resolve(args, dep)
     # Everything checkable without a server, before anything expensive.
-    s = _settings(args, args.model or defaults["model"], url)
+    s = _settings(args, model_name, url)
     argv = command.lm_eval_argv(s)
     if args.dry_run:
         try:
@@ -187,17 +192,9 @@ def run(args: argparse.Namespace) -> int:
         _progress(f"the server serves only {model!r}; using it (--model to insist on a name)")
         s = _settings(args, model, url)
         argv = command.lm_eval_argv(s)
-    client = _docker()
-    _need_image(client, s.client_image)
-    return _execute(client, s, src, argv, api_key, args)
-
-
-def _need_image(client, image: str) -> None:
-    try:
-        client.images.get(image)
-    except Exception:  # noqa: BLE001 - docker.errors.ImageNotFound
-        raise UsageError(f"client image {image} not found; build it with "
-                         "`make clients-image` (or pass --client-image)") from None
+    client = docker_client()
+    image_id(client, s.client_image)
+    return _execute(client, s, src, argv, api_key, args, dep)
 
 
 HOST_CA = Path("/etc/ssl/certs/ca-certificates.crt")
@@ -211,37 +208,42 @@ def _fetch_data(args: argparse.Namespace) -> int:
         src = data.resolve(None, str(home))
         print(f"gsm8k-data: already there: {src.describe()}", file=sys.stderr)
         return 0
-    client = _docker()
-    _need_image(client, args.client_image)
+    client = docker_client()
+    image_id(client, args.client_image)
     home.mkdir(parents=True, exist_ok=True)
     env = {"HOME": "/tmp", "HF_HOME": "/hf", "HF_HUB_DISABLE_TELEMETRY": "1",
            "PYTHONUNBUFFERED": "1"}
     for key in ("HF_ENDPOINT", "HF_TOKEN"):  # a mirror or a token, as on the host
         if os.environ.get(key):
             env[key] = os.environ[key]
-    volumes = {str(home): {"bind": "/hf", "mode": "rw"},
-               str(LAUNCHER_SRC): {"bind": f"/k3/{command.LAUNCHER_NAME}", "mode": "ro"}}
+    mounts = {str(home): ("/hf", "rw"),
+              str(LAUNCHER_SRC): (f"/k3/{command.LAUNCHER_NAME}", "ro")}
     if HOST_CA.is_file():  # a TLS-intercepting proxy's CA is often only on the host
-        volumes[str(HOST_CA)] = {"bind": "/tmp/host-ca.crt", "mode": "ro"}
+        mounts[str(HOST_CA)] = ("/tmp/host-ca.crt", "ro")
         env.update(SSL_CERT_FILE="/tmp/host-ca.crt", REQUESTS_CA_BUNDLE="/tmp/host-ca.crt")
     endpoint = env.get("HF_ENDPOINT", "https://huggingface.co")
     _progress(f"downloading openai/gsm8k (main) from {endpoint} into {home} with "
               f"{args.client_image}")
-    container = client.containers.run(
-        args.client_image, [command.CLIENT_PYTHON, f"/k3/{command.LAUNCHER_NAME}", "fetch-gsm8k"],
-        detach=True, network_mode="host", environment=env, volumes=volumes,
-        user=f"{os.getuid()}:{os.getgid()}", working_dir="/tmp",
-        labels={"k3rocm.role": "gsm8k-data"})
-    try:
-        status = container.wait().get("StatusCode")
-        out = container.logs(stdout=True, stderr=False).decode(errors="replace").strip()
-    finally:
-        _remove(container)
-    last = out.splitlines()[-1] if out else "{}"
-    try:
-        info = json.loads(last)
-    except ValueError:
-        info = {"error": last[:300]}
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="k3rocm-gsm8k-data-") as tmp:
+        log = Path(tmp) / "fetch.log"
+        res = run_client(client, args.client_image,
+                         [command.CLIENT_PYTHON, f"/k3/{command.LAUNCHER_NAME}", "fetch-gsm8k"],
+                         mounts, log, f"k3rocm-gsm8k-data-{os.getpid()}", progress=False,
+                         env=env, labels={"k3rocm.role": "gsm8k-data"}, tool="the download",
+                         tag="gsm8k-data")
+        out = log.read_text(errors="replace").strip().splitlines()
+    if res.interrupted:
+        raise KeyboardInterrupt
+    status = res.exit_code
+    info = {"error": (out[-1] if out else "no output")[:300]}
+    for line in reversed(out):  # the launcher's one JSON line (stderr is in the log too)
+        with contextlib.suppress(ValueError):
+            found = json.loads(line)
+            if isinstance(found, dict):
+                info = found
+                break
     if status != 0 or "error" in info:
         raise UsageError(f"gsm8k-data: could not download openai/gsm8k from {endpoint} "
                          f"({info.get('error', f'exit {status}')}); without hub access copy a "
@@ -253,7 +255,7 @@ def _fetch_data(args: argparse.Namespace) -> int:
 
 
 def _execute(client, s: Gsm8kSettings, src: data.DataSource, argv: list[str],
-             api_key: str | None, args: argparse.Namespace) -> int:
+             api_key: str | None, args: argparse.Namespace, dep=None) -> int:
     from k3rocm.gsm8k import provenance
 
     run_dir = create_run_dir(args.results_dir, "gsm8k")
@@ -266,66 +268,51 @@ def _execute(client, s: Gsm8kSettings, src: data.DataSource, argv: list[str],
     line = command.shell_line(argv)
     write_text_atomic(run_dir / "command.txt", line + "\n")
     env = command.container_env(s, src)
-    env_logged = dict(env)
     if api_key:
         env["OPENAI_API_KEY"] = api_key
-        env_logged["OPENAI_API_KEY"] = "***"
-    volumes = {str(run_dir.resolve()): {"bind": command.OUT_MOUNT, "mode": "rw"},
-               str(src.host_dir): {"bind": src.mount,
-                                   "mode": "rw" if src.kind == "hf-datasets-cache" else "ro"}}
-    user = f"{os.getuid()}:{os.getgid()}"
-    prov = {
-        "command": line, "argv": argv,
-        "container": {"image": s.client_image, "network_mode": "host", "user": user,
-                      "volumes": volumes, "env": env_logged},
-        "settings": s.as_dict(), "data": src.provenance(),
-        "task_file": {"shipped": str(data.TASK_FILE),
-                      "shipped_sha256": hashlib.sha256(data.shipped_task().encode()).hexdigest(),
-                      "run_copy": "tasks/gsm8k.yaml",
-                      "run_copy_sha256": hashlib.sha256(task_text.encode()).hexdigest()},
-        "server": provenance.server(client, s.url, api_key, args.server_container),
-        "topology": topology(s.url),  # single node, or a router / node of a scale-out
-        "client_image": provenance.client_image(client, s.client_image),
-        "host": provenance.host(), "k3rocm_argv": sys.argv,
-    }
-    write_json_atomic(run_dir / "provenance.json", prov)
+    mounts = {str(run_dir.resolve()): (command.OUT_MOUNT, "rw"),
+              str(src.host_dir): (src.mount, "rw" if src.kind == "hf-datasets-cache" else "ro")}
+    image = provenance.client_image(client, s.client_image)
+    prov = runrecord.build(
+        deployment=dep, url=s.url,
+        server=runrecord.server(client, s.url, api_key, container_name=args.server_container),
+        tools={"lm_eval": None, "client_image": s.client_image, "client_image_id": image["id"]},
+        client={"image": s.client_image, "image_id": image["id"], "image_info": image,
+                "command": argv, "command_line": line, "network_mode": "host",
+                "user": f"{os.getuid()}:{os.getgid()}",
+                "mounts": {h: list(m) for h, m in mounts.items()}, "env": redact_env(env)},
+        settings=s.as_dict(), data=src.provenance(),
+        task_file={"shipped": str(data.TASK_FILE),
+                   "shipped_sha256": hashlib.sha256(data.shipped_task().encode()).hexdigest(),
+                   "run_copy": "tasks/gsm8k.yaml",
+                   "run_copy_sha256": hashlib.sha256(task_text.encode()).hexdigest()})
+    runrecord.write(run_dir, prov)
     _progress(f"server {s.url} model {s.model} (vLLM {prov['server'].get('vllm_version')}); "
               f"data {src.describe()}; lm-eval in {s.client_image}")
     _progress(line)
 
     name = f"k3rocm-gsm8k-{run_dir.name}".replace(":", "")[:120]
-    t0 = time.monotonic()
     try:
-        container = client.containers.run(
-            s.client_image, command=argv, detach=True, network_mode="host", environment=env,
-            volumes=volumes, user=user, name=name, working_dir="/tmp",
-            labels={"k3rocm.role": "gsm8k-client", "k3rocm.run_dir": str(run_dir)})
+        res = run_client(client, s.client_image, argv, mounts, run_dir / "lm_eval.log", name,
+                         env=env, labels={"k3rocm.role": "gsm8k-client",
+                                          "k3rocm.run_dir": str(run_dir)},
+                         tool="lm-eval", tag="gsm8k")
     except Exception as exc:  # noqa: BLE001 - docker.errors.APIError and friends
         detail = f"could not start the client container: {exc.__class__.__name__}: {exc}"[:300]
         _finish(run_dir, s, src, prov, 0.0, status="error", detail=detail)
         raise UsageError(detail) from None
-    status = None
-    try:
-        with open(run_dir / "lm_eval.log", "wb") as log:
-            for chunk in container.logs(stream=True, follow=True):
-                log.write(chunk)
-                log.flush()
-                sys.stderr.buffer.write(chunk)
-                sys.stderr.flush()
-        status = container.wait().get("StatusCode")
-    except KeyboardInterrupt:
-        _stop(container)
-        _finish(run_dir, s, src, prov, time.monotonic() - t0, status="interrupted")
-        raise
-    finally:
-        _remove(container)
-    wall = time.monotonic() - t0
-    if status != 0:
+    if res.interrupted:
+        summary = _finish(run_dir, s, src, prov, res.seconds, status="interrupted",
+                          detail=f"Ctrl-C; lm-eval stopped, its log kept in {run_dir}")
+        print(f"k3rocm: {summary['message']}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    if res.exit_code != 0:
         last = _last_error_line(run_dir / "lm_eval.log")
-        _finish(run_dir, s, src, prov, wall, status="error", detail=last, exit_status=status)
-        raise UsageError(f"lm-eval failed (exit {status}): {last}; log: "
+        _finish(run_dir, s, src, prov, res.seconds, status="error", detail=last,
+                exit_status=res.exit_code)
+        raise UsageError(f"lm-eval failed (exit {res.exit_code}): {last}; log: "
                          f"{run_dir / 'lm_eval.log'}")
-    summary = _finish(run_dir, s, src, prov, wall)
+    summary = _finish(run_dir, s, src, prov, res.seconds)
     print(summary["message"] + f"; run dir {run_dir}", file=sys.stderr)
     return summary["exit_code"]
 
@@ -336,15 +323,17 @@ def _finish(run_dir: Path, s: Gsm8kSettings, src: data.DataSource, prov: dict, w
     client_info = run_dir / "client_info.json"
     if client_info.is_file():
         try:
-            prov["client"] = json.loads(client_info.read_text())
-            write_json_atomic(run_dir / "provenance.json", prov)
-        except ValueError:
+            info = json.loads(client_info.read_text())
+            prov["client"].update(info)
+            prov["tools"]["lm_eval"] = (info.get("versions") or {}).get("lm_eval")
+            runrecord.write(run_dir, prov)
+        except (ValueError, AttributeError):
             pass
     run = {"server_url": s.url, "model": s.model, "mode": s.mode,
            "reasoning_fallback": s.reasoning_fallback, "concurrency": s.concurrency,
            "max_gen_tokens": s.max_gen_tokens, "data": src.describe(),
            "client_image": s.client_image, "wall_seconds": round(wall, 1),
-           "command": prov["command"], "run_dir": str(run_dir)}
+           "command": prov["client"]["command_line"], "run_dir": str(run_dir)}
     if status is None:
         try:
             res, samples, fallbacks, rfile, sfile = results.load_run(run_dir)
@@ -355,7 +344,8 @@ def _finish(run_dir: Path, s: Gsm8kSettings, src: data.DataSource, prov: dict, w
         except UsageError as exc:
             status, detail = "error", str(exc)
     if status is not None:
-        summary = {"status": status, "passed": False, "exit_code": 2 if status == "error" else 130,
+        summary = {"status": status, "passed": False,
+                   "exit_code": 2 if status == "error" else EXIT_INTERRUPTED,
                    "message": f"gsm8k: {status.upper()}: {detail or 'no result'}",
                    "lm_eval_exit_status": exit_status}
     summary["run"] = run
@@ -365,7 +355,7 @@ def _finish(run_dir: Path, s: Gsm8kSettings, src: data.DataSource, prov: dict, w
     else:
         write_text_atomic(run_dir / "summary.md", f"# GSM8K accuracy gate\n\n"
                           f"**{status.upper()}** - {summary['message']}\n\n```\n"
-                          f"{prov['command']}\n```\n")
+                          f"{prov['client']['command_line']}\n```\n")
     return summary
 
 
@@ -386,11 +376,3 @@ def _last_error_line(log: Path) -> str:
     return lines[-1][:300] if lines else "no output"
 
 
-def _stop(container) -> None:
-    with contextlib.suppress(Exception):
-        container.stop(timeout=5)
-
-
-def _remove(container) -> None:
-    with contextlib.suppress(Exception):
-        container.remove(force=True)

@@ -128,7 +128,11 @@ def main() -> None:
     from lm_eval.__main__ import cli_evaluate
 
     sys.argv[0] = "lm-eval"
-    cli_evaluate()
+    try:
+        cli_evaluate()
+    except KeyboardInterrupt:  # k3rocm gsm8k's Ctrl-C (SIGINT to this container): one line
+        print("lm-eval: interrupted (SIGINT); stopping", file=sys.stderr, flush=True)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

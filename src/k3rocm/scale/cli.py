@@ -51,14 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _docker():
-    try:
-        import docker
+    from k3rocm.engine import docker_client
 
-        client = docker.from_env(timeout=60)
-        client.ping()
-        return client
-    except Exception:  # noqa: BLE001 - status works without an engine (HTTP only)
-        return None
+    return docker_client(required=False)  # status works without an engine (HTTP only)
 
 
 def _yaml_dump(obj) -> str:

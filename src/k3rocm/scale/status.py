@@ -44,11 +44,12 @@ class RouterStatus:
     total: int
 
 
-def _get(url: str, timeout: float = HTTP_TIMEOUT):
+def _get(url: str, timeout: float = HTTP_TIMEOUT, api_key: str | None = None):
     import requests
 
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     try:
-        return requests.get(url, timeout=timeout), None
+        return requests.get(url, timeout=timeout, headers=headers), None
     except requests.RequestException as exc:
         return None, exc.__class__.__name__
 
@@ -77,14 +78,15 @@ def summarize_decisions(records: dict[tuple[Any, Any], dict[str, Any]]) -> str:
     return "; ".join(parts)
 
 
-def replica_status(address: str, client=None) -> ReplicaStatus:
+def replica_status(address: str, client=None, api_key: str | None = None) -> ReplicaStatus:
+    """One replica; ``api_key``: the deployment's K3_API_KEY (vLLM guards /v1/models)."""
     url = f"http://{address}"
     r, err = _get(f"{url}/health")
     health = "ok" if r is not None and r.status_code == 200 else (
         f"http {r.status_code}" if r is not None else f"unreachable ({err})")
     st = ReplicaStatus(address=address, url=url, health=health)
     if r is not None and r.status_code == 200:
-        m, _ = _get(f"{url}/v1/models")
+        m, _ = _get(f"{url}/v1/models", api_key=api_key)
         if m is not None and m.status_code == 200:
             with contextlib.suppress(ValueError):
                 st.models = [str(d.get("id")) for d in m.json().get("data", [])]
@@ -118,9 +120,15 @@ def router_status(s: ScaleSettings, replicas: list[ReplicaStatus]) -> RouterStat
                         summary, healthy, total)
 
 
-def scale_status(s: ScaleSettings, client=None) -> tuple[list[ReplicaStatus], RouterStatus]:
+def scale_status(s: ScaleSettings, client=None,
+                 api_key: str | None = None) -> tuple[list[ReplicaStatus], RouterStatus]:
+    """Every replica and the router; ``api_key`` default: the deployment's K3_API_KEY."""
+    if api_key is None:
+        from k3rocm.deployment import load_deployment
+
+        api_key = load_deployment().api_key
     addresses = list(s.nodes[:1] if s.mode == "dp-ep" else s.nodes)
-    replicas = [replica_status(a, client) for a in addresses]
+    replicas = [replica_status(a, client, api_key) for a in addresses]
     return replicas, router_status(s, replicas)
 
 

@@ -1,0 +1,124 @@
+"""The Docker engine: one client factory and one client-container runner for every command.
+
+- :func:`docker_client`: the engine from ``DOCKER_HOST`` (or the default socket), pinged; no
+  engine is exit 3 (:class:`k3rocm.errors.ServerError`), docker-py missing is exit 2.
+- :func:`run_client`: run a tool (aiperf for bench, lm-eval for gsm8k) in a fresh client
+  container on the host network, stream its output into a log (and to stderr), and on Ctrl-C
+  stop it gracefully (SIGINT, then stop) and return ``interrupted=True`` so the caller keeps
+  what the tool finished.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from k3rocm.errors import ServerError, UsageError
+
+# Long enough for a slow `containers.run`/`wait` on a loaded 2-core host or a big image.
+DOCKER_TIMEOUT = 600
+
+
+def docker_client(timeout: float = DOCKER_TIMEOUT, required: bool = True):
+    """A pinged docker-py client. ``required=False``: None when there is no engine."""
+    try:
+        import docker
+    except ModuleNotFoundError:
+        if not required:
+            return None
+        raise UsageError("docker-py is not installed: pip install 'k3rocm[host]'") from None
+    try:
+        client = docker.from_env(timeout=timeout)
+        client.ping()
+        return client
+    except Exception as exc:  # noqa: BLE001 - any failure means "no engine"
+        if not required:
+            return None
+        raise ServerError(f"cannot reach the Docker engine ({exc.__class__.__name__}): start "
+                          "Docker or set DOCKER_HOST") from None
+
+
+def image_id(client, image: str, what: str = "client image",
+             hint: str = "build it with `make clients-image` (or pass --client-image)") -> str:
+    """The local image's id; a missing image is bad input (exit 2), never pulled."""
+    try:
+        return client.images.get(image).id
+    except Exception as exc:  # noqa: BLE001 - docker.errors.ImageNotFound and friends
+        if exc.__class__.__name__ not in ("ImageNotFound", "NotFound"):
+            raise ServerError(f"the Docker engine could not inspect {image!r} "
+                              f"({exc.__class__.__name__})") from None
+        raise UsageError(f"{what} {image!r} not found: {hint}") from None
+
+
+@dataclass
+class ClientResult:
+    exit_code: int | None
+    interrupted: bool
+    seconds: float
+    log_path: Path
+    container_name: str
+
+
+def run_client(client, image: str, argv: list[str], mounts: dict[str, tuple[str, str]],
+               log_path: Path, name: str, *, progress: bool = True,
+               env: dict[str, str] | None = None, labels: dict[str, str] | None = None,
+               tool: str = "the client", tag: str = "k3rocm") -> ClientResult:
+    """Run ``argv`` in a fresh client container (host network, as the calling user, ``mounts``:
+    host path -> (container path, "ro"|"rw")); stream its output to ``log_path`` (and to
+    stderr when ``progress``). Ctrl-C stops the tool gracefully (SIGINT, then stop) and
+    returns ``interrupted=True``; the log and whatever the tool finished are kept. The
+    container is always removed."""
+    run_env = {"HOME": "/tmp", "HF_HOME": "/tmp/hf-home", "XDG_CACHE_HOME": "/tmp/.cache",
+               "PYTHONUNBUFFERED": "1", "TERM": "dumb", "COLUMNS": "120"}
+    run_env.update(env or {})
+    volumes = {host: {"bind": cpath, "mode": mode} for host, (cpath, mode) in mounts.items()}
+    user = f"{os.getuid()}:{os.getgid()}" if hasattr(os, "getuid") else None
+    t0 = time.time()
+    container = client.containers.run(
+        image, argv, name=name, detach=True, network_mode="host", environment=run_env,
+        volumes=volumes, user=user, working_dir="/tmp", shm_size="1g", labels=labels or {})
+    interrupted = False
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with log_path.open("ab") as log:
+            pump = threading.Thread(target=_pump, args=(container, log, progress), daemon=True)
+            pump.start()
+            try:
+                while pump.is_alive():
+                    pump.join(0.5)
+            except KeyboardInterrupt:
+                interrupted = True
+                print(f"\n[{tag}] interrupted: stopping {tool}, keeping finished work",
+                      file=sys.stderr, flush=True)
+                try:
+                    container.kill(signal="SIGINT")
+                    container.wait(timeout=30)
+                except Exception:  # noqa: BLE001
+                    with contextlib.suppress(Exception):
+                        container.stop(timeout=5)
+                pump.join(5)
+        try:
+            exit_code = container.wait(timeout=60).get("StatusCode")
+        except Exception:  # noqa: BLE001
+            exit_code = None
+    finally:
+        with contextlib.suppress(Exception):
+            container.remove(force=True)
+    return ClientResult(exit_code, interrupted, time.time() - t0, log_path, name)
+
+
+def _pump(container, log, progress: bool) -> None:
+    try:
+        for chunk in container.logs(stream=True, follow=True):
+            log.write(chunk)
+            log.flush()
+            if progress:
+                sys.stderr.write(chunk.decode(errors="replace"))
+                sys.stderr.flush()
+    except Exception:  # noqa: BLE001 - container gone
+        pass

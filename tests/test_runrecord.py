@@ -1,0 +1,91 @@
+"""The one run record (k3rocm.runrecord), the one redaction rule and the one exit-code table.
+
+The record written by a real command: an offline census over crafted traces, with the model
+dir, the results root and an API key given only as deployment settings. The records of live
+runs (bench, gsm8k) are checked against real servers in tests/test_bench_standin.py and
+tests/test_gsm8k_e2e.py.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+
+from conftest import REPO, run_cli
+
+from k3rocm import errors, runrecord
+from k3rocm.config import REDACTED, redact_argv, redact_env
+from k3rocm.deployment import load_deployment
+
+DATA = REPO / "tests" / "data" / "census"
+SECRET = "rr-secret-1234"
+
+
+def test_one_redaction_rule_covers_both_old_lists():
+    # The names of the former config.SECRET_KEYS and provenance.SECRET_KEYS/_is_secret.
+    secret = ["K3_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "VLLM_API_KEY",
+              "OPENAI_API_KEY", "TOKEN", "API_KEY", "GITHUB_TOKEN", "AWS_SECRET",
+              "DB_PASSWORD", "my_api_key"]
+    plain = ["K3_PORT", "VLLM_ROCM_USE_AITER", "HF_HOME", "K3_FUSE_QK_NORM", "TOKENIZERS_X"]
+    env = {k: "value" for k in secret + plain} | {"EMPTY_TOKEN": ""}
+    out = redact_env(env)
+    assert {k for k, v in out.items() if v == REDACTED} == set(secret)
+    assert all(out[k] == "value" for k in plain) and out["EMPTY_TOKEN"] == ""
+
+
+def test_the_same_rule_redacts_command_lines():
+    argv = ["aiperf", "profile", "--api-key", "k1", "--url", "http://h:1", "--hf-token=t1",
+            "--tokenizer", "/m", "--max-num-batched-tokens", "4096", "--extra", "k1"]
+    assert redact_argv(argv, ["k1"]) == [
+        "aiperf", "profile", "--api-key", REDACTED, "--url", "http://h:1",
+        f"--hf-token={REDACTED}", "--tokenizer", "/m", "--max-num-batched-tokens", "4096",
+        "--extra", REDACTED]
+    assert redact_argv(["--api-key", "EMPTY"], ["EMPTY"]) == ["--api-key", "EMPTY"]  # no key
+
+
+def test_census_writes_the_run_record_from_deployment_settings(tmp_path):
+    results = tmp_path / "results"
+    env = {"K3_MODELS_DIR": str(DATA / "models"), "K3_MODEL": "/models/tiny-deepseek-v3",
+           "K3_RESULTS_DIR": str(results), "K3_API_KEY": SECRET}
+    p = run_cli("census", "--trace-dir", str(DATA / "rocm-on"), "--fusions", "all=on",
+                env=env, cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    (run,) = results.iterdir()  # the results root is K3_RESULTS_DIR, no --results given
+    rec = json.loads((run / "provenance.json").read_text())
+    assert rec["schema"] == runrecord.SCHEMA
+    assert set(rec) >= {"schema", "command", "deployment", "server", "checkpoint", "tools",
+                        "topology", "source", "trace_files"}
+    assert rec["command"]["argv"][1:3] == ["census", "--trace-dir"]
+    assert rec["deployment"]["results_root"] == str(results)
+    assert rec["deployment"]["model_host_dir"] == str(DATA / "models" / "tiny-deepseek-v3")
+    assert rec["deployment"]["api_key"] == REDACTED
+    assert rec["checkpoint"]["path"] == str(DATA / "models" / "tiny-deepseek-v3") \
+        or "error" not in rec["checkpoint"]
+    assert rec["server"] is None and rec["source"] == "trace-dir"  # offline: no server
+    assert json.loads((run / "census.json").read_text())["provenance"] == rec
+    for f in run.rglob("*"):
+        if f.is_file():
+            assert SECRET not in f.read_text(errors="replace"), f
+
+
+def test_checkpoint_identity_is_recorded_when_the_module_is_there(tmp_path, monkeypatch):
+    (tmp_path / "models" / "ck").mkdir(parents=True)
+    dep = load_deployment({"K3_MODELS_DIR": str(tmp_path / "models"), "K3_MODEL": "/models/ck"},
+                          None)
+    mod = types.ModuleType("k3rocm.checkpoint")
+    mod.identity = lambda path: {"path": str(path), "sha256": "abc"}  # k3rocm.checkpoint API
+    monkeypatch.setitem(sys.modules, "k3rocm.checkpoint", mod)
+    assert runrecord.checkpoint(dep) == {"path": str(tmp_path / "models" / "ck"), "sha256": "abc"}
+    monkeypatch.setitem(sys.modules, "k3rocm.checkpoint", None)  # not installed: said so
+    assert "not part of this install" in runrecord.checkpoint(dep)["note"]
+    hub = load_deployment({"K3_MODEL": "moonshotai/Kimi-K3"}, None)
+    assert runrecord.checkpoint(hub) is None
+
+
+def test_the_exit_code_table_is_documented_once():
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## Exit codes", 1)[1].split("\n## ", 1)[0]
+    for code in errors.EXIT_CODES:
+        assert f"| {code} |" in section, code
+    assert readme.count("## Exit codes") == 1
