@@ -8,9 +8,8 @@ tests/test_gsm8k_e2e.py.
 
 from __future__ import annotations
 
+import hashlib
 import json
-import sys
-import types
 
 from conftest import REPO, run_cli
 
@@ -69,18 +68,36 @@ def test_census_writes_the_run_record_from_deployment_settings(tmp_path):
             assert SECRET not in f.read_text(errors="replace"), f
 
 
-def test_checkpoint_identity_is_recorded_when_the_module_is_there(tmp_path, monkeypatch):
-    (tmp_path / "models" / "ck").mkdir(parents=True)
+def test_checkpoint_identity_is_recorded(tmp_path):
+    ck = tmp_path / "models" / "ck"
+    ck.mkdir(parents=True)
+    cfg = b'{"model_type": "kimi_k3"}'
+    (ck / "config.json").write_bytes(cfg)
     dep = load_deployment({"K3_MODELS_DIR": str(tmp_path / "models"), "K3_MODEL": "/models/ck"},
                           None)
-    mod = types.ModuleType("k3rocm.checkpoint")
-    mod.identity = lambda path: {"path": str(path), "sha256": "abc"}  # k3rocm.checkpoint API
-    monkeypatch.setitem(sys.modules, "k3rocm.checkpoint", mod)
-    assert runrecord.checkpoint(dep) == {"path": str(tmp_path / "models" / "ck"), "sha256": "abc"}
-    monkeypatch.setitem(sys.modules, "k3rocm.checkpoint", None)  # not installed: said so
-    assert "not part of this install" in runrecord.checkpoint(dep)["note"]
-    hub = load_deployment({"K3_MODEL": "moonshotai/Kimi-K3"}, None)
+    got = runrecord.build(deployment=dep)["checkpoint"]
+    assert got["config_sha256"] == hashlib.sha256(cfg).hexdigest()  # the file's own bytes
+    assert got["path"] == str(ck)
+    hub = load_deployment({"K3_MODEL": "moonshotai/Kimi-K3", "K3_ALLOW_HUB_DOWNLOAD": "1"}, None)
     assert runrecord.checkpoint(hub) is None
+
+
+def test_the_record_says_which_seed_figure_from_the_servers_own_env():
+    """Judged on what the server container was started with, not on this shell's settings."""
+    client_side = load_deployment({"K3_PROFILE": "fusion-evidence"}, None)
+    server_env = {"K3_PROFILE": "mi355x-tp8", "K3_MTP_K": "2"}  # the container's env
+    rec = runrecord.build(deployment=client_side, measure="census",
+                          server={"container": {"env": server_env}}, workload={"steps": 6})
+    assert rec["seed_comparison"]["figure"] != "qprep-launches"
+    assert "no speculative decoding" in rec["seed_comparison"]["not_comparable"]["qprep-launches"]
+    server_env = {"K3_PROFILE": "fusion-evidence"}
+    rec = runrecord.build(deployment=None, measure="census",
+                          server={"container": {"env": server_env}}, workload={"steps": 6})
+    assert rec["seed_comparison"]["figure"] == "qprep-launches", rec["seed_comparison"]["text"]
+    # no server and no deployment: unknown, never comparable
+    assert not runrecord.build(measure="bench")["seed_comparison"]["comparable"]
+    assert "seed_comparison" not in runrecord.build()
+    json.dumps(rec)
 
 
 def test_the_exit_code_table_is_documented_once():

@@ -14,6 +14,8 @@ Layout (every key always present; what could not be read says so in a ``note``/`
 - ``checkpoint``: the checkpoint's identity where the model dir is on this host
 - ``tools``: client tool versions (aiperf, lm-eval, ...) and the client image
 - ``topology``: single node, or a router / node of a scale-out
+- ``seed_comparison`` (bench, census): which seed figure, if any, the result is comparable with
+  (:func:`k3rocm.seedref.comparable_with`, judged on the server container's own settings)
 - then the command's own keys (the bench workload, the gsm8k data set, the census traces, ...)
 """
 
@@ -75,9 +77,31 @@ def server(client, url: str, api_key: str | None, container=None,
         return {"url": url, "error": f"{exc.__class__.__name__}: {exc}"[:500]}
 
 
+def seed_comparison(measure: str, *, server: dict | None = None, deployment=None,
+                    workload: Any = None) -> dict[str, Any]:
+    """Which seed figure the result is comparable with: judged on the server container's env
+    (what the server was started with), else on the deployment's settings. Never raises."""
+    from k3rocm.seedref import comparable_with
+
+    env = ((server or {}).get("container") or {}).get("env")
+    try:
+        if env:
+            return comparable_with(measure, env, workload=workload)
+        if deployment is not None:
+            return comparable_with(measure, deployment.settings, env=deployment.rendered.env,
+                                   workload=workload)
+    except Exception as exc:  # noqa: BLE001 - the record must never lose a finished result
+        return {"comparable": False, "figure": None,
+                "text": f"seed comparison failed: {exc.__class__.__name__}: {exc}"[:300]}
+    return {"comparable": False, "figure": None,
+            "text": "not comparable with any seed figure: the server's settings are unknown"}
+
+
 def build(*, deployment=None, server: dict | None = None, url: str | None = None,
-          tools: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
-    """The run record of one run; ``extra`` holds the command's own keys."""
+          tools: dict[str, Any] | None = None, measure: str | None = None,
+          workload: Any = None, **extra: Any) -> dict[str, Any]:
+    """The run record of one run; ``extra`` holds the command's own keys. With ``measure``
+    (bench, census, ...) it says which seed figure the result is comparable with."""
     from k3rocm.scale.status import topology
 
     record: dict[str, Any] = {
@@ -89,6 +113,9 @@ def build(*, deployment=None, server: dict | None = None, url: str | None = None
         "tools": {"k3rocm": __version__, **(tools or {})},
         "topology": topology(url) if url else None,
     }
+    if measure is not None:
+        record["seed_comparison"] = seed_comparison(measure, server=server,
+                                                    deployment=deployment, workload=workload)
     record.update(extra)
     return record
 

@@ -263,6 +263,19 @@ def _as_settings(settings: Any) -> dict[str, Any]:
     return resolved.model_dump()
 
 
+def _entrypoint_env(container_env: dict[str, str]) -> dict[str, str]:
+    """The environment vLLM ran with: the entrypoint renders the profile's vendor env on top of
+    the container's own (a vendor variable set in the container wins), as ``config.render``."""
+    from k3rocm.config import render
+    from k3rocm.errors import UsageError
+
+    try:
+        return {**container_env,
+                **render(environ=container_env, dotenv=None, check_model=False).env}
+    except UsageError:
+        return container_env
+
+
 def comparable_with(measure: str, settings: Any, env: Mapping[str, str] | None = None,
                     workload: str | Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Which seed figure the result of ``measure`` is comparable with, and why not otherwise.
@@ -284,7 +297,7 @@ def comparable_with(measure: str, settings: Any, env: Mapping[str, str] | None =
         raise ValueError(f"measure {measure!r}: use one of {', '.join(MEASURES)}")
     if env is None and isinstance(settings, Mapping) and any(
             str(k).startswith("K3_") for k in settings):
-        env = {str(k): str(v) for k, v in settings.items()}
+        env = _entrypoint_env({str(k): str(v) for k, v in settings.items()})
     facts = _Facts(measure, _as_settings(settings), env, workload)
     matches: list[tuple[Figure, list[dict[str, Any]]]] = []
     why_not: dict[str, str] = {}

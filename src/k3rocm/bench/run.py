@@ -95,7 +95,7 @@ def run_bench(w: Workload, *, results: Path, client_image: str, server_timeout: 
 
     aiperf_version = runner.client_aiperf_version(client, client_image)
     prov = runrecord.build(
-        deployment=_deployment(), url=w.url,
+        deployment=_deployment(), url=w.url, measure="bench", workload=w.name,
         server=runrecord.server(client, w.url, w.api_key, container=server_container),
         tools={"aiperf": aiperf_version, "client_image": client_image,
                "client_image_id": image_id},
@@ -139,7 +139,8 @@ def run_bench(w: Workload, *, results: Path, client_image: str, server_timeout: 
     title = f"{w.name} ({status})"
     write_text_atomic(run_dir / "report.md", summary.markdown_report(
         points, title, [*protocol_lines(w), f"command: `{cmd_line}`",
-                        f"server: {_server_line(prov['server'])}"]))
+                        f"server: {_server_line(prov['server'])}",
+                        f"seed: {prov['seed_comparison']['text']}"]))
     pngs = plots.write_plots(points, run_dir, w.name)
     if not pngs:
         _log("matplotlib is not installed: no PNG plots (pip install 'k3rocm[host]')")

@@ -151,7 +151,9 @@ def claim_offline(args: argparse.Namespace, trace_dir: Path) -> FusionClaim:
 def write_report(run_dir: Path, census: Census, provenance: dict[str, Any],
                  title: str = "Decode kernel census", top: int = 25) -> None:
     write_json_atomic(run_dir / "census.json", {**census.to_json(), "provenance": provenance})
+    seed = (provenance.get("seed_comparison") or {}).get("text")
     write_text_atomic(run_dir / "census.md", census.markdown(title, top)
+                      + (f"\n## Seed figures\n\n{seed}\n" if seed else "")
                       + "\n## Provenance\n\n```json\n"
                       + __import__("json").dumps(provenance, indent=2, default=str)[:20000]
                       + "\n```\n")
@@ -371,7 +373,9 @@ def live_census(args: argparse.Namespace, url: str, model: str, api_key: str | N
     if dep is None:
         dep = _deployment_or_none()
     record = runrecord.build(deployment=dep, server=server_prov, url=url, source="live",
-                             model=model, claim=claim.to_json())
+                             model=model, claim=claim.to_json(), measure="census",
+                             workload={"osl": args.max_tokens, "concurrency": args.concurrency,
+                                       "steps": args.steps})
     runrecord.write(run_dir, record)  # early: kept if we fail
     if host_dir is not None:
         before_h = drive.snapshot_host_dir(host_dir)
