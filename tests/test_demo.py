@@ -84,6 +84,14 @@ def test_bad_input_is_one_line_exit_2(tmp_path, args, fragment):
     assert not (tmp_path / "r").exists()  # nothing started, no run directory
 
 
+@pytest.mark.parametrize("args", [[], ["everything"]])
+def test_setup_script_needs_ci_or_demo(args):
+    p = subprocess.run(["bash", str(REPO / ".ci" / "setup.sh"), *args], capture_output=True,
+                       text=True, timeout=30)
+    assert p.returncode == 2 and p.stderr.startswith("usage: .ci/setup.sh ci|demo"), p.stderr
+    assert p.stdout == ""  # nothing done
+
+
 def test_bundled_items_are_gsm8ks_first_items():
     from k3rocm.gsm8k import data
 

@@ -15,6 +15,7 @@ runs them in order, times them and reads their run directories:
 
 Settings the demo fixes for every step (exported, so the shell and .env cannot disagree):
 K3_PROFILE=cpu-smoke, K3_MODEL=/models/k3-smoke, K3_SERVED_MODEL_NAME=k3-smoke, K3_PORT,
+K3_MAX_MODEL_LEN=4096 (the tiny model's limit: GSM8K's 5-shot prompt needs ~3k tokens),
 K3_MODELS_DIR, K3_RESULTS_DIR, K3_PROFILER_DIR (inside the demo's run directory),
 K3_FUSE_QK_NORM=0 and K3_FUSE_DECODE_QPREP=0 (the fusions need ROCm + AITER: on CPU the census
 checks the stock kernel counts), COMPOSE_PROJECT_NAME (default k3rocm-demo, so a server of
@@ -59,6 +60,9 @@ SERVER_IMAGE = "k3rocm/server:cpu"  # compose.cpu.yaml's K3_IMAGE default
 PRIVATE_SOCKET = "/run/k3d/docker.sock"  # .ci/dockerd.sh
 MAKE_ERROR = re.compile(r"^make(?:\[\d+\])?: \*\*\* \[[^\]]*\] Error (\d+)", re.M)
 PROGRESS_EVERY = 15.0
+# The tiny model's max_position_embeddings (tinymodel.py); its byte-level tokenizer makes a
+# real GSM8K 5-shot chat prompt ~3k tokens, more than the cpu-smoke profile's 2048.
+MAX_MODEL_LEN = "4096"
 # k3rocm gsm8k exit 1 = below the gate: expected from random weights (not a failure here).
 STEPS = ("check", "model", "up", "bench", "gsm8k", "census", "down")
 
@@ -211,14 +215,14 @@ def bench_numbers(run: Path) -> tuple[str, dict[str, Any]]:
     s = _read_json(run / "summary.json")
     parts, points = [], []
     for p in s.get("points") or []:
-        m = (p.get("stats") or p.get("metrics") or {})
-        ttft = ((m.get("ttft") or {}).get("p50"))
-        itl = ((m.get("itl") or {}).get("p50"))
-        tps = p.get("output_token_throughput") or (m.get("output_tps") or {}).get("avg")
+        m = p.get("metrics") or {}
+        ttft = (m.get("ttft") or {}).get("p50")
+        itl = (m.get("itl") or {}).get("p50")
+        tps = p.get("output_tps")
         points.append({"concurrency": p.get("concurrency"), "status": p.get("status"),
                        "ttft_p50_ms": ttft, "itl_p50_ms": itl, "output_tokens_per_s": tps})
-        parts.append(f"c={p.get('concurrency')} TTFT p50 {_num(ttft)} ms, ITL p50 "
-                     f"{_num(itl)} ms, {_num(tps)} tok/s")
+        parts.append(f"c={p.get('concurrency')}: TTFT p50 {_num(ttft)} ms, ITL p50 "
+                     f"{_num(itl)} ms, {_num(tps)} output tok/s")
     return "; ".join(parts) or f"status {s.get('status', '?')}", {"points": points}
 
 
@@ -230,6 +234,9 @@ def gsm8k_numbers(run: Path) -> tuple[str, dict[str, Any]]:
         f = filters.get(name) if isinstance(filters, dict) else None
         vals[name] = f.get("exact_match") if isinstance(f, dict) else f
     items = (s.get("items") or {}).get("evaluated")
+    if items is None:
+        return f"status {s.get('status', '?')}", {"status": s.get("status"),
+                                                   "exit_code": s.get("exit_code")}
     text = (f"{items} items: strict-match {_num(vals['strict-match'], '{:.2f}')}, "
             f"flexible-extract {_num(vals['flexible-extract'], '{:.2f}')}, "
             f"status {s.get('status', '?')}")
@@ -311,6 +318,7 @@ def _env(args: argparse.Namespace, trace_dir: str) -> dict[str, str]:
         "K3_MODEL": f"/models/{SMOKE_MODEL}",
         "K3_SERVED_MODEL_NAME": SMOKE_MODEL,
         "K3_PORT": str(args.port),
+        "K3_MAX_MODEL_LEN": MAX_MODEL_LEN,
         "K3_MODELS_DIR": str(args.models_dir),
         "K3_RESULTS_DIR": str(args.results),
         "K3_PROFILER_DIR": trace_dir,
@@ -425,7 +433,8 @@ def _do_step(name: str, argv: list[str], env: dict[str, str], run_dir: Path, t0:
     root = args.results
     if name == "model":
         res.run_dir = str(args.models_dir / SMOKE_MODEL)
-        res.note = "tiny random-weight MLA model (cached)" if code == 0 else "failed"
+        res.note = "tiny random-weight MLA model (generated once, then cached)" if code == 0 \
+            else "failed"
     elif name == "up":
         res.note = (f"{env.get('K3_IMAGE') or SERVER_IMAGE} FROM "
                     f"{env.get('BASE_IMAGE') or STANDIN_BASE}, profile cpu-smoke, serving "
@@ -498,6 +507,7 @@ def _summary(results: list[StepResult], run_dir: Path, args: argparse.Namespace,
         "exit_code": code, "seconds": round(seconds, 1), "port": args.port,
         "project": args.project, "results_root": str(args.results),
         "settings": {"K3_PROFILE": "cpu-smoke", "K3_MODEL": f"/models/{SMOKE_MODEL}",
+                     "K3_MAX_MODEL_LEN": MAX_MODEL_LEN,
                      "K3_FUSE_QK_NORM": "0", "K3_FUSE_DECODE_QPREP": "0",
                      "K3_PROFILER_DIR": f"/results/{run_dir.name}/traces"},
         "steps": [{"name": r.name, "ok": r.ok, "exit_code": r.code,
