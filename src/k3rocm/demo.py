@@ -246,18 +246,31 @@ def gsm8k_numbers(run: Path) -> tuple[str, dict[str, Any]]:
 
 def census_numbers(run: Path) -> tuple[str, dict[str, Any]]:
     c = _read_json(run / "census.json")
-    checks = c.get("checks") or []
-    n_ok = sum(1 for ch in checks if isinstance(ch, dict) and ch.get("ok") is True)
-    n_bad = sum(1 for ch in checks if isinstance(ch, dict) and ch.get("ok") is False)
-    verdict = "PASS" if c.get("ok") else "FAIL"
-    return (f"{verdict}: {n_ok} checks ok, {n_bad} failed",
-            {"ok": c.get("ok"), "checks_ok": n_ok, "checks_failed": n_bad})
+    checks = [ch for ch in c.get("checks") or [] if isinstance(ch, dict)]
+    n_ok = sum(1 for ch in checks if ch.get("ok") is True)
+    n_bad = sum(1 for ch in checks if ch.get("ok") is False)
+    rank0 = next(iter(c.get("ranks") or []), {}) or {}
+    layers = (c.get("model") or {}).get("mla_layers")
+    parts = [f"{'PASS' if c.get('ok') else 'FAIL'}: {n_ok} checks ok, {n_bad} failed",
+             f"{rank0.get('steps', '?')} engine steps ({rank0.get('decode_steps', '?')} "
+             f"decode-only), {layers} MLA layers"]
+    numbers: dict[str, Any] = {"ok": c.get("ok"), "checks_ok": n_ok, "checks_failed": n_bad,
+                               "steps": rank0.get("steps"),
+                               "decode_steps": rank0.get("decode_steps"), "mla_layers": layers}
+    for role, label in (("qk_norm", "stock q/kv RMSNorm"), ("cache_write", "stock KV-cache write"),
+                        ("fused_qk_norm", "fused q/kv RMSNorm")):
+        ch = next((x for x in checks if x.get("role") == role and x.get("expected") is not None),
+                  None)
+        if ch:
+            parts.append(f"{label} {ch.get('seen')} (expected {ch.get('expected')})")
+            numbers[role] = {"seen": ch.get("seen"), "expected": ch.get("expected")}
+    return "; ".join(parts), numbers
 
 
 # ---------------------------------------------------------------------------------- checks
 
 
-def _docker_ok(env: dict[str, str]) -> None:
+def _docker_ok(env: dict[str, str]) -> str:
     if shutil.which("docker") is None:
         raise UsageError("no `docker` command: run `bash .ci/demo` (it installs and starts a "
                          "private Docker engine) or install Docker")
@@ -270,11 +283,13 @@ def _docker_ok(env: dict[str, str]) -> None:
         where = env.get("DOCKER_HOST") or "the default socket"
         raise UsageError(f"no Docker engine answers at {where}: run `bash .ci/demo` (starts a "
                          "private one) or start Docker")
+    engine = p.stdout.strip()
     p = subprocess.run(["docker", "compose", "version", "--short"], env=env,
                        capture_output=True, text=True, timeout=30)
     if p.returncode != 0 or not p.stdout.strip().lstrip("v").startswith("2"):
         raise UsageError("Docker Compose v2 is missing: run `.ci/install-compose.sh` (or "
                          "`bash .ci/demo`)")
+    return f"Docker {engine}, Compose {p.stdout.strip()}"
 
 
 def _image_missing(ref: str, env: dict[str, str]) -> bool:
@@ -289,11 +304,11 @@ def _port_in_use(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
-def preflight(args: argparse.Namespace, env: dict[str, str], client_image: str) -> None:
+def preflight(args: argparse.Namespace, env: dict[str, str], client_image: str) -> str:
     if shutil.which("make") is None:
         raise UsageError("no `make` command: run `bash .ci/demo` (installs it) or "
                          "`apt-get install make`")
-    _docker_ok(env)
+    versions = _docker_ok(env)
     base = env.get("BASE_IMAGE") or STANDIN_BASE
     missing = [ref for ref in (base, client_image) if _image_missing(ref, env)]
     if missing:
@@ -303,6 +318,7 @@ def preflight(args: argparse.Namespace, env: dict[str, str], client_image: str) 
     if _port_in_use(args.port):
         raise UsageError(f"port {args.port} on 127.0.0.1 is in use (a server already running? "
                          "`make down`), or choose another: --port N / K3_PORT=N")
+    return f"{versions}, {base} and {client_image} present, port {args.port} free"
 
 
 # ------------------------------------------------------------------------------------- run
@@ -359,7 +375,7 @@ def run(args: argparse.Namespace) -> int:
 
     t0 = time.time()
     _say(t0, f"1/{len(STEPS)} check: Docker, Compose, images, port {args.port}")
-    preflight(args, _env(args, "/results/traces"), CLIENT_IMAGE)
+    checked = preflight(args, _env(args, "/results/traces"), CLIENT_IMAGE)
     run_dir = create_run_dir(args.results, "demo")
     env = _env(args, f"/results/{run_dir.name}/traces")
     _say(t0, f"run directory {run_dir}")
@@ -383,7 +399,7 @@ def run(args: argparse.Namespace) -> int:
         "down": [*make, "down"],
     }
     results: list[StepResult] = [StepResult("check", "(docker, compose, images, port)", ok=True,
-                                            seconds=time.time() - t0)]
+                                            seconds=time.time() - t0, note=checked)]
     interrupted = False
     up_started = False
     current = "model"
@@ -480,12 +496,11 @@ def _do_step(name: str, argv: list[str], env: dict[str, str], run_dir: Path, t0:
 
 
 def _rel(path: str | None) -> str:
+    """A path relative to the current directory when it lies below it, else absolute."""
     if not path:
         return "-"
-    try:
-        return os.path.relpath(path)
-    except ValueError:
-        return path
+    rel = os.path.relpath(path)
+    return path if rel.startswith("..") else rel
 
 
 def _summary(results: list[StepResult], run_dir: Path, args: argparse.Namespace,
