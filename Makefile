@@ -60,7 +60,7 @@ test: $(PY) ## run the test suite (needs the Docker engine: see .ci/run)
 lint: $(PY) ## ruff, hadolint, shellcheck
 	$(PY) -m ruff check .
 	.venv/bin/hadolint Dockerfile $(wildcard docker/*/Dockerfile)
-	.venv/bin/shellcheck entrypoint.sh .ci/run .ci/*.sh
+	.venv/bin/shellcheck entrypoint.sh .ci/run .ci/demo .ci/*.sh
 
 smoke: $(PY) ## build FROM the stand-in (or BASE_IMAGE=<ROCm image> GPU=1), serve the tiny model, one request
 	$(PY) -m k3rocm smoke $(if $(BASE_IMAGE),--base-image $(BASE_IMAGE)) $(if $(filter 1,$(GPU)),--gpu --profile $${K3_PROFILE:-cpu-smoke}) $(SMOKE_ARGS)

@@ -33,6 +33,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "census-ab": ("k3rocm.census.ab_cli", "kernel census with the fusions off vs on"),
     "scale": ("k3rocm.scale.cli", "scale out: replicas behind vllm-router, renderings, status"),
     "preflight": ("k3rocm.preflight", "what this node has and needs, one table (exit 1: a fail)"),
+    "demo": ("k3rocm.demo", "the whole bundle on the CPU stand-in (make up/bench/gsm8k/census)"),
 }
 
 

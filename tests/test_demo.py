@@ -1,0 +1,217 @@
+"""`make demo` (the README's first command after set-up): the whole bundle on the CPU stand-in.
+
+- End to end, for real, no skip in CI: `make demo` builds our image FROM the stand-in base,
+  serves the tiny model through entrypoint.sh + compose (+ compose.cpu.yaml), runs `make bench`
+  (ci-tiny), `make gsm8k` (the 5 bundled items), `make census`, `make down`, and prints one
+  summary that links every run directory; nothing of the demo's compose project is left.
+- SIGTERM while the server starts: the demo stops the step, runs `make down` (the server log is
+  saved) and exits 130.
+- Bad input and a busy port: one line, exit 2, nothing started.
+- The bundled GSM8K items are GSM8K's own first items (answers typed here from
+  openai/grade-school-math `grade_school_math/data/test.jsonl`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, free_port, run_cli
+from server_fixture import MODELS_DIR
+
+from k3rocm.demo import GSM8K_ITEMS, STANDIN_BASE, STEPS
+
+SERVER_IMAGE = "k3rocm/server:cpu"  # compose.cpu.yaml's K3_IMAGE default
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("K3_")}
+    env["PYTHONPATH"] = str(REPO / "src")
+    env.pop("COMPOSE_PROJECT_NAME", None)
+    return env
+
+
+def _demo_argv(port: int, project: str, results: Path, *extra: str) -> list[str]:
+    args = " ".join(["--port", str(port), "--project", project, "--results", str(results),
+                     "--models-dir", str(MODELS_DIR), *extra])
+    return ["make", "-s", "--no-print-directory", "-o", sys.executable, "demo",
+            f"PY={sys.executable}", f"DEMO_ARGS={args}"]
+
+
+def _project_containers(project: str) -> list[str]:
+    p = subprocess.run(["docker", "ps", "-a", "-q", "--filter",
+                        f"label=com.docker.compose.project={project}"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    return p.stdout.split()
+
+
+def _one(results: Path, suffix: str) -> Path:
+    found = [p for p in results.iterdir() if p.is_dir() and p.name.endswith(suffix)]
+    assert len(found) == 1, (suffix, sorted(p.name for p in results.iterdir()))
+    return found[0]
+
+
+# ------------------------------------------------------------------------ fast, no Docker
+
+
+def test_help_lists_the_steps_and_the_targets():
+    p = run_cli("demo", "--help")
+    assert p.returncode == 0, p.stderr
+    for target in ("make tinymodel", "make up CPU=1", "make bench WORKLOAD=ci-tiny",
+                   "make gsm8k", "make census", "make down CPU=1"):
+        assert target in p.stdout, target
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--port", "70000"], "--port 70000 is not a port"),
+    (["--project", "Not A Name"], "is not a compose project name"),
+    (["--gsm8k-data", "/nonexistent-k3"], "has no train.jsonl"),
+    (["--bench-args", "'unclosed"], "--bench-args"),
+])
+def test_bad_input_is_one_line_exit_2(tmp_path, args, fragment):
+    p = run_cli("demo", "--results", str(tmp_path / "r"), *args)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert p.stderr.count("\n") == 1 and "Traceback" not in p.stderr, p.stderr
+    assert fragment in p.stderr
+    assert not (tmp_path / "r").exists()  # nothing started, no run directory
+
+
+@pytest.mark.parametrize("args", [[], ["everything"]])
+def test_setup_script_needs_ci_or_demo(args):
+    p = subprocess.run(["bash", str(REPO / ".ci" / "setup.sh"), *args], capture_output=True,
+                       text=True, timeout=30)
+    assert p.returncode == 2 and p.stderr.startswith("usage: .ci/setup.sh ci|demo"), p.stderr
+    assert p.stdout == ""  # nothing done
+
+
+def test_bundled_items_are_gsm8ks_first_items():
+    from k3rocm.gsm8k import data
+
+    src = data.resolve(str(GSM8K_ITEMS), None)  # the same check `make gsm8k` applies
+    assert src.test_items == 5
+    rows = [json.loads(ln) for ln in (GSM8K_ITEMS / "test.jsonl").read_text().splitlines()]
+    # openai/grade-school-math test.jsonl, items 1-5: Janet's ducks, the robe, Josh's house,
+    # James's sprints, Wendi's chickens.
+    assert [r["answer"].rsplit("#### ", 1)[1] for r in rows] == ["18", "3", "70000", "540", "20"]
+    assert rows[0]["question"].startswith("Janet\u2019s ducks lay 16 eggs per day.")
+    train = (GSM8K_ITEMS / "train.jsonl").read_text().splitlines()
+    assert len(train) >= 5  # 5-shot examples come from the train split
+
+
+# --------------------------------------------------------------------------- with Docker
+
+
+@pytest.mark.docker
+def test_busy_port_is_refused_before_anything_starts(docker_client, tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        p = run_cli("demo", "--port", str(port), "--results", str(tmp_path / "r"),
+                    "--project", "k3rocm-demo-busy", timeout=120)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert f"port {port} on 127.0.0.1 is in use" in p.stderr and "Traceback" not in p.stderr
+    assert not (tmp_path / "r").exists()
+    assert _project_containers("k3rocm-demo-busy") == []
+
+
+@pytest.mark.docker
+@pytest.mark.server
+def test_make_demo_end_to_end(docker_client, tmp_path):
+    port, project, results = free_port(), "k3rocm-demo-test", tmp_path / "results"
+    t0 = time.monotonic()
+    p = subprocess.run(_demo_argv(port, project, results), cwd=REPO, env=_env(),
+                       capture_output=True, text=True, timeout=1500)
+    wall = time.monotonic() - t0
+    print(f"make demo: {wall:.0f}s\n{p.stdout}\n{p.stderr[-4000:]}", file=sys.stderr)
+    assert p.returncode == 0, p.stdout + p.stderr[-4000:]
+    assert "Traceback" not in p.stderr
+    assert p.stdout.startswith("k3rocm demo: OK in "), p.stdout
+    assert _project_containers(project) == []  # make down removed what make up started
+
+    demo = _one(results, "-demo")
+    summary = json.loads((demo / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["exit_code"] == 0
+    steps = {s["name"]: s for s in summary["steps"]}
+    assert [s["name"] for s in summary["steps"]] == list(STEPS)
+    assert all(s["ok"] for s in summary["steps"]), summary["steps"]
+    for name in ("model", "up", "bench", "gsm8k", "census", "down"):
+        assert Path(steps[name]["log"]).is_file(), name
+        assert "make --no-print-directory" in steps[name]["command"], name
+    # The summary links every run directory, and the stdout summary prints those links.
+    bench, gsm8k, census = (_one(results, s) for s in ("-ci-tiny", "-gsm8k", "-census"))
+    log = _one(results, "-server-log") / "server.log"
+    assert steps["bench"]["run_dir"] == str(bench)
+    assert steps["gsm8k"]["run_dir"] == str(gsm8k)
+    assert steps["census"]["run_dir"] == str(census)
+    assert steps["down"]["run_dir"] == str(log)
+    for path in (bench, gsm8k, census, log, demo):
+        assert f"{path}" in p.stdout  # outside the checkout: printed as absolute paths
+
+    # Our image, built FROM the stand-in base by compose.
+    img = docker_client.images.get(SERVER_IMAGE)
+    assert img.labels.get("org.opencontainers.image.base.name") == STANDIN_BASE
+    # Served through our entrypoint with the cpu-smoke profile and the profiler armed.
+    text = log.read_text()
+    assert "k3rocm: profile cpu-smoke" in text and "k3rocm: exec vllm serve" in text
+    assert f"K3_PROFILER_DIR=/results/{demo.name}/traces" in text
+
+    b = json.loads((bench / "summary.json").read_text())
+    assert b["status"] == "ok", b.get("status")
+    assert [pt["concurrency"] for pt in b["points"]] == [1, 2]
+    assert all(pt["status"] == "ok" for pt in b["points"])
+    prov = json.loads((bench / "provenance.json").read_text())
+    assert SERVER_IMAGE in json.dumps(prov["server"])
+
+    g = json.loads((gsm8k / "summary.json").read_text())
+    # random weights: the run happens and is scored, and it is below the gate
+    assert g["status"] == "below_gate" and g["exit_code"] == 1
+    assert g["items"]["evaluated"] == 5 and not g["comparable"]
+    assert steps["gsm8k"]["numbers"]["status"] == "below_gate"
+
+    c = json.loads((census / "census.json").read_text())
+    assert c["ok"] is True
+    assert list((census / "traces").iterdir())  # the server's own profiler trace was collected
+    assert steps["census"]["numbers"]["ok"] is True
+
+
+@pytest.mark.docker
+@pytest.mark.server
+def test_sigterm_while_serving_stops_the_server(docker_client, tmp_path):
+    port, project, results = free_port(), "k3rocm-demo-term", tmp_path / "results"
+    env = _env()
+    proc = subprocess.Popen([sys.executable, "-m", "k3rocm", "demo", "--port", str(port),
+                             "--project", project, "--results", str(results), "--models-dir",
+                             str(MODELS_DIR)], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        # Wait until `make up` has a server container, then SIGTERM the demo.
+        deadline = time.monotonic() + 600
+        while not _project_containers(project):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "no server container after 600 s"
+            time.sleep(1)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, out + err[-3000:]
+    assert "Traceback" not in err
+    assert out.startswith("k3rocm demo: INTERRUPTED"), out
+    assert _project_containers(project) == []
+    demo = _one(results, "-demo")
+    summary = json.loads((demo / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["exit_code"] == 130
+    names = [s["name"] for s in summary["steps"]]
+    assert names[-1] == "down" and summary["steps"][-1]["ok"], summary["steps"]
+    assert "up" in names and not any(n in names for n in ("bench", "gsm8k", "census"))
+    assert (_one(results, "-server-log") / "server.log").is_file()
