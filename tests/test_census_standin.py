@@ -27,7 +27,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, build_server_image, run_cli, standin_tag
+from conftest import REPO, build_server_image, free_port, run_cli, standin_tag
 from server_fixture import MODELS_DIR, SMOKE_MODEL, ServerStartError, start_server
 
 pytestmark = [pytest.mark.docker, pytest.mark.server]
@@ -57,7 +57,7 @@ def profiled_server(docker_client, server_image, tmp_path_factory):
         server = start_server(docker_client, image=server_image,
                               env={"K3_PROFILER_DIR": "/results/traces",
                                    "K3_PROFILER_MAX_ITERATIONS": "6"},
-                              volumes={str(results): {"bind": "/results", "mode": "rw"}})
+                              results_dir=results)
     except ServerStartError as exc:
         pytest.fail(str(exc), pytrace=False)
     server.results_dir = results
@@ -146,8 +146,8 @@ def test_census_ab_overlay_on_off(docker_client, forced_image, tmp_path):
     p = subprocess.run(
         [sys.executable, "-m", "k3rocm", "census-ab", "--image", forced_image,
          "--on", "qk_norm",
-         "--port", "18417", "--env", "K3_TEST_DOUBLE_ROCM=1",
-         "--env", f"K3_TEST_BIND_MODULES={BIND}", "--gpu", "no",
+         "--port", str(free_port()), "--server-env", "K3_TEST_DOUBLE_ROCM=1",
+         "--server-env", f"K3_TEST_BIND_MODULES={BIND}", "--no-gpu",
          "--model-dir", str(MODELS_DIR / SMOKE_MODEL), "--concurrency", "4",
          "--max-tokens", "256", "--server-timeout", "420", "--results", str(tmp_path)],
         env=env, capture_output=True, text=True, timeout=1200)
@@ -184,6 +184,7 @@ def test_census_ab_overlay_on_off(docker_client, forced_image, tmp_path):
         (2 * layers * dsteps, 2 * layers * dsteps, "ok")
     per = on_census["per_mla_layer_per_decode_step"][0]["decode_qprep"]
     assert per["cache_write_launches"] == layers * dsteps and per["fused_launches"] == 0
+    assert "2 cold server start(s) in the order A B" in p.stderr
     for arm in ("off", "on"):
         assert (run_dir / arm / "server.log").stat().st_size > 0
         assert list((run_dir / arm / "traces").glob("*.pt.trace.json.gz"))
