@@ -168,3 +168,27 @@ def test_compose_server_argv_names_project_and_files():
     assert ComposeServer(project="p2", cpu=False).argv("ps")[4:] == [
         "-f", str(REPO / "compose.yaml"), "ps"]
     assert subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0
+
+
+def test_replicas_plan_goes_through_the_router():
+    env = {"K3_SCALE_MODE": "replicas", "K3_SCALE_NODES": "127.0.0.1:18601,127.0.0.1:18602",
+           "K3_SCALE_ROUTER_PORT": "18680"}
+    p = run_cli("bench-ab", "--workload", "ci-tiny", "--repeats", "1", "--dry-run", "--no-gpu",
+                "--server-env", "K3_PROFILE=cpu-smoke", env=env)
+    assert p.returncode == 0, p.stderr
+    assert "# topology: mode=replicas" in p.stdout and "router=http://127.0.0.1:18680" in p.stdout
+    reps = [ln for ln in p.stdout.splitlines() if ln.startswith("#   replicas on ports")]
+    assert len(reps) == 2 and "[18601, 18602]" in reps[0]
+    assert "vllm-router --host" in reps[0] and \
+        "--worker-urls http://127.0.0.1:18601 http://127.0.0.1:18602" in reps[0]
+    runs = [ln for ln in p.stdout.splitlines() if ln.startswith("aiperf profile")]
+    assert len(runs) == 2 and all("--url http://127.0.0.1:18680 " in r for r in runs)
+
+
+def test_replicas_on_other_hosts_are_refused():
+    env = {"K3_SCALE_MODE": "replicas", "K3_SCALE_NODES": "10.0.0.1:8000,10.0.0.2:8000"}
+    p = run_cli("bench-ab", "--workload", "ci-tiny", "--dry-run", env=env)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1
+    assert "starts every replica itself" in p.stderr and "make bench-router" in p.stderr
+    p = run_cli("census-ab", "--model-dir", str(REPO / "tests" / "data"), env=env)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr

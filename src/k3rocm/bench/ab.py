@@ -97,6 +97,7 @@ class ABPlan:
             f"{self.arms.image or 'compose default'}), wait until ready, {runs} `{w.name}` "
             "with its "
             f"own {w.warmup_request_count} warmup requests per point, then the server is stopped",
+            f"topology: {_env_str(self.arms.topology())}",
             "statistic: per arm the median over repeats of the per-run value (computed from the "
             "run's per-request records); effect d = (B - A) / A; 95% CI from a two-level "
             "bootstrap (repeats, then requests within each repeat)",
@@ -123,6 +124,11 @@ def dry_run_lines(plan: ABPlan) -> list[str]:
     for i, arm in enumerate(plan.slots()):
         env = {**plan.arms.compose_env(arm), **plan.arms.arm_container_env.get(arm, {})}
         lines.append(f"# slot {i} arm {arm}: compose up (server) with {_env_str(env)}")
+        if plan.arms.scale is not None:
+            from k3rocm.scale.render import router_argv
+
+            lines.append(f"#   replicas on ports {plan.arms.replica_ports} (K3_PORT each), "
+                         f"then the router: {' '.join(router_argv(plan.arms.scale))}")
         for k in range(plan.runs_per_server):
             lines.append(shell_line(planned_command(plan.workload,
                                                     run_dir / "runs" / _run_name(i, arm, k))))
@@ -147,7 +153,7 @@ def run_ab(plan: ABPlan, docker=None) -> int:
                 "workload": w.model_dump(mode="json"), "slots": plan.slots(),
                 "arm_env": plan.arm_env, "arm_container_env": plan.arms.arm_container_env,
                 "server_image": image_ref, "server_image_id": image_id,
-                "server_env": plan.arms.describe_env(), "topology": {"mode": "single"},
+                "server_env": plan.arms.describe_env(), "topology": plan.arms.topology(),
                 **plan.extra}
     write_json_atomic(ab_dir / "plan.json", plan_doc)
 
@@ -188,7 +194,8 @@ def run_ab(plan: ABPlan, docker=None) -> int:
                                                              "arm": arm, "run": k,
                                                              "protocol_key": key,
                                                              "compose_project":
-                                                                 info["server"]}})
+                                                                 info["server"],
+                                                             "topology": info["topology"]}})
                     entry.update(status=res.status, message=res.message,
                                  seconds=round(time.time() - t1, 1))
                     write_json_atomic(ab_dir / "runs.json", runs)

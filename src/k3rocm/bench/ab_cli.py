@@ -34,7 +34,7 @@ def build_plan(args: argparse.Namespace) -> ab.ABPlan:
             and not os.environ.get("BENCH_MODEL"):
         model, _key = armlib.served_model(arms)
         sets.append(f"model={model}")
-    args.sets = [*sets, f"url=http://127.0.0.1:{args.port}"]
+    args.sets = [*sets, f"url={arms.url}"]
     from k3rocm.bench.cli import resolve_from_args
 
     w = resolve_from_args(args)

@@ -236,6 +236,9 @@ def run_census_ab(args: argparse.Namespace) -> int:
         positive(name, getattr(args, name[2:].replace("-", "_")))
     positive("--max-tokens", args.max_tokens, args.steps + 12)
     arms = armlib.arms_from_args(args, on_env=arm_env["on"], off_env=arm_env["off"])
+    if arms.scale is not None:
+        raise UsageError("census-ab profiles one server per arm: unset K3_SCALE_MODE (or set "
+                         "it to single) for the census", 2)
     # Both arms profile into a directory inside the container (copied out afterwards).
     arms.server_env = {"VLLM_RPC_TIMEOUT": "1800000", **arms.server_env,
                        "K3_PROFILER_DIR": CONTAINER_TRACE_DIR}
@@ -246,7 +249,7 @@ def run_census_ab(args: argparse.Namespace) -> int:
     model, api_key = armlib.served_model(arms)
     run_dir = create_run_dir(str(args.results), args.label)
     _log(f"run directory {run_dir}")
-    url = f"http://127.0.0.1:{arms.port}"
+    url = arms.url
     results: dict[str, Census] = {}
     stamp = time.strftime("%H%M%S").lower()
     names = {"A": "off", "B": "on"}
@@ -273,7 +276,7 @@ def run_census_ab(args: argparse.Namespace) -> int:
             "concurrency": args.concurrency, "max_tokens": args.max_tokens, "steps": args.steps}
     write_json_atomic(run_dir / "provenance.json", {
         **base_provenance([r.path for c in results.values() for r in c.traces.ranks]),
-        "image": image_ref, "image_id": image_id, "topology": {"mode": "single"},
+        "image": image_ref, "image_id": image_id, "topology": arms.topology(),
         "server_env": redact_env(arms.describe_env()),
         "arms": {names[a]: f"{names[a]}/provenance.json" for a in arms.slots()}})
     return finish_ab(run_dir, results, meta, arm_env)

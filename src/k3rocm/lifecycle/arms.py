@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from k3rocm.errors import UsageError
 from k3rocm.lifecycle import REPO, ComposeServer, deployment_server, docker_client
@@ -117,12 +118,34 @@ class Arms:
     pin_engine_core: bool = False
     stop_running: bool = False
     delay_ms: float | None = None
+    scale: Any = None  # k3rocm.scale.settings.ScaleSettings when K3_SCALE_MODE=replicas
+
+    @property
+    def replica_ports(self) -> list[int]:
+        """replicas: one server per K3_SCALE_NODES entry (on this host); else --port."""
+        if self.scale is None:
+            return [self.port]
+        return [self.scale.node_port(i) for i in range(len(self.scale.nodes))]
+
+    @property
+    def url(self) -> str:
+        """Where the measurement goes: the router (replicas) or the one server."""
+        return self.scale.router_url if self.scale is not None else \
+            f"http://127.0.0.1:{self.port}"
+
+    def topology(self) -> dict[str, Any]:
+        if self.scale is None:
+            return {"mode": "single", "servers_per_slot": 1}
+        s = self.scale
+        return {"mode": "replicas", "servers_per_slot": len(s.nodes), "nodes": list(s.nodes),
+                "router": s.router_url, "router_image": s.router_image,
+                "router_policy": s.router_policy}
 
     def slots(self) -> list[str]:
         return sequence(self.repeats)
 
-    def compose_env(self, arm: str) -> dict[str, str]:
-        env = {**self.server_env, **self.arm_env[arm], "K3_PORT": str(self.port)}
+    def compose_env(self, arm: str, port: int | None = None) -> dict[str, str]:
+        env = {**self.server_env, **self.arm_env[arm], "K3_PORT": str(port or self.port)}
         if self.image:
             env["K3_IMAGE"] = self.image
         if self.models_dir:
@@ -180,7 +203,33 @@ def arms_from_args(args: argparse.Namespace, on_env: dict[str, str] | None = Non
                 image=args.image, models_dir=args.models_dir, cache_dir=args.cache_dir,
                 server_env=env, arm_container_env=container_env,
                 server_timeout=args.server_timeout, pin_engine_core=args.pin_engine_core,
-                stop_running=args.stop_running, delay_ms=delay)
+                stop_running=args.stop_running, delay_ms=delay,
+                scale=_replicas(getattr(args, "env_file", ".env")))
+
+
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def _replicas(env_file: str):
+    """The scale settings when K3_SCALE_MODE=replicas (every arm slot then starts one server
+    per K3_SCALE_NODES entry and measures through the router), else None. The A/B starts the
+    replicas itself, so the nodes must be on this host."""
+    from k3rocm.scale.settings import load_scale
+
+    s = load_scale(dotenv=env_file)
+    if s.mode == "single":
+        return None
+    if s.mode != "replicas":
+        raise UsageError(f"K3_SCALE_MODE={s.mode}: the A/B runs on single servers or on "
+                         "replicas behind the router (K3_SCALE_MODE=replicas)", 2)
+    remote = [n for i, n in enumerate(s.nodes) if s.node_host(i) not in LOCAL_HOSTS]
+    if remote:
+        raise UsageError(f"K3_SCALE_NODES has nodes on other hosts ({', '.join(remote)}): "
+                         "the A/B starts every replica itself, on this host (127.0.0.1:PORT); "
+                         "on a cluster run `make bench-router` per arm instead", 2)
+    if len(set(s.nodes)) != len(s.nodes):
+        raise UsageError("K3_SCALE_NODES lists a node twice", 2)
+    return s
 
 
 def image_id(arms: Arms, client=None) -> tuple[str, str]:
@@ -225,9 +274,12 @@ def estimate(arms: Arms, results: Path, runs_per_slot: int = 1) -> tuple[float, 
 
 def announce(arms: Arms, results: Path, runs_per_slot: int = 1) -> None:
     secs, how = estimate(arms, results, runs_per_slot)
-    n = len(arms.slots())
-    _log(f"{arms.mode.upper()}: {n} cold server start(s) in the order "
-         f"{' '.join(arms.slots())}, {n * runs_per_slot} run(s); estimated "
+    slots = len(arms.slots())
+    per = len(arms.replica_ports)
+    where = (f", {per} replicas per slot behind the router {arms.scale.router_url}"
+             if arms.scale is not None else "")
+    _log(f"{arms.mode.upper()}: {slots * per} cold server start(s) in the order "
+         f"{' '.join(arms.slots())}{where}, {slots * runs_per_slot} run(s); estimated "
          f"{secs / 60:.1f} min ({how})")
 
 
@@ -236,9 +288,19 @@ def check_port(arms: Arms, env_file: str = ".env") -> None:
     deployment's compose server is stopped through the lifecycle (log saved first)."""
     from k3rocm.readiness import answers
 
-    url = f"http://127.0.0.1:{arms.port}"
-    if not answers(url):
+    busy = [p for p in arms.replica_ports if answers(f"http://127.0.0.1:{p}")]
+    if arms.scale is not None and answers(arms.scale.router_url):
+        raise UsageError(f"a router already answers at {arms.scale.router_url}: the A/B "
+                         "starts its own; stop it with `make router-down`", 2)
+    if not busy:
         return
+    if arms.scale is not None and not arms.stop_running:
+        raise UsageError(f"a server already runs on port(s) {', '.join(map(str, busy))} of "
+                         "K3_SCALE_NODES: the A/B starts its own replicas there; stop them "
+                         "(`make down` on each) or pass --stop-running", 2)
+    url = f"http://127.0.0.1:{busy[0]}"
+    if busy[0] != arms.port:
+        raise UsageError(f"a server already runs on {url}: stop it first", 2)
     if not arms.stop_running:
         raise UsageError(f"a server already runs on port {arms.port} ({url}): the A/B starts "
                          "its own fresh servers there; stop it with `make down` or pass "
@@ -266,30 +328,59 @@ def arm_server(arms: Arms, slot: int, arm: str, stamp: str, log_path: Path, env_
                extra_env: dict[str, str] | None = None,
                extra_container_env: dict[str, str] | None = None
                ) -> Iterator[tuple[ComposeServer, dict]]:
-    """A fresh server for one slot: compose up, wait until ready (progress, stated timeout),
-    pin the EngineCore (stand-in), yield (server, info); always save its log into
-    ``log_path`` and remove it."""
-    project = f"k3ab-{stamp}-{slot:02d}{arm.lower()}"
-    srv = ComposeServer(project=project, cpu=arms.cpu,
-                        env={**arms.compose_env(arm), **(extra_env or {})},
-                        # --server-env reaches the container whether compose.yaml lists it or not
-                        container_env={**arms.server_env,
-                                       **arms.arm_container_env.get(arm, {}),
-                                       **(extra_container_env or {})},
-                        url=f"http://127.0.0.1:{arms.port}", model=model, api_key=api_key,
-                        env_dir=env_dir)
-    info: dict = {"server": project, "server_ready_s": None, "pin": None}
+    """Fresh server(s) for one slot: compose up (one project per replica), wait until ready
+    (progress, stated timeout), pin the EngineCore (stand-in), start the router (replicas),
+    yield (first server, info); always save every log (``log_path``, ``-rN`` per replica,
+    ``-router``) and remove what was started. The measurement goes to ``arms.url``."""
+    base = f"k3ab-{stamp}-{slot:02d}{arm.lower()}"
+    ports = arms.replica_ports
+    servers = []
+    for r, port in enumerate(ports):
+        project = base if len(ports) == 1 else f"{base}-r{r}"
+        servers.append(ComposeServer(
+            project=project, cpu=arms.cpu,
+            env={**arms.compose_env(arm, port), **(extra_env or {})},
+            # --server-env reaches the container whether compose.yaml lists it or not
+            container_env={**arms.server_env, **arms.arm_container_env.get(arm, {}),
+                           **(extra_container_env or {})},
+            url=f"http://127.0.0.1:{port}", model=model, api_key=api_key, env_dir=env_dir))
+    logs = [log_path if len(ports) == 1 else
+            log_path.with_name(f"{log_path.stem}-r{r}{log_path.suffix}")
+            for r in range(len(ports))]
+    info: dict = {"server": base, "server_ready_s": None, "pin": None,
+                  "topology": arms.topology(), "replicas": [s.project for s in servers]}
+    router = None
     try:
         t0 = time.time()
-        srv.up()
-        srv.wait(arms.server_timeout, every=15)
+        for srv in servers:  # all start at once; each is then waited for
+            srv.up()
+        for srv in servers:
+            srv.wait(arms.server_timeout, every=15)
         info["server_ready_s"] = round(time.time() - t0, 1)
         if arms.pin_engine_core:
-            info["pin"] = srv.pin_engine_core(client)
+            info["pin"] = "; ".join(srv.pin_engine_core(client) for srv in servers)
             _log(info["pin"])
-        yield srv, info
+        if arms.scale is not None:
+            from k3rocm.readiness import wait_ready
+            from k3rocm.scale.router import start_router
+
+            router = start_router(client or docker_client(), arms.scale,
+                                  name=f"{base}-router", labels={"k3rocm.ab": base})
+            wait_ready(arms.url, model, 120, api_key, every=15)
+        yield servers[0], info
     finally:
-        srv.down(log_path=log_path)
+        if router is not None:
+            with contextlib.suppress(Exception):
+                from k3rocm.rundir import write_bytes_atomic
+
+                write_bytes_atomic(log_path.with_name(f"{log_path.stem}-router.log"),
+                                   router.logs())
+            with contextlib.suppress(Exception):
+                router.stop(timeout=5)
+            with contextlib.suppress(Exception):
+                router.remove(force=True)
+        for srv, log in zip(servers, logs, strict=True):
+            srv.down(log_path=log)
 
 
 def served_model(arms: Arms, env_file: str = ".env") -> tuple[str, str | None]:
