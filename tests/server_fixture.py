@@ -5,11 +5,16 @@
 transformers/aiperf/lm-eval load) and ``container`` (docker-py object). It runs our serving
 image (``$K3_SERVER_IMAGE``; by default the ``server_image`` fixture builds
 ``k3rocm/server:cpu-0.32.0`` from this tree) through its real entrypoint with
-``K3_PROFILE=cpu-smoke``, the smoke model mounted at /models and the port published on
-127.0.0.1 (a free port chosen by Docker).
+``K3_PROFILE=cpu-smoke``, the smoke model mounted at /models, a free port published on
+127.0.0.1, and the torch profiler armed (idle until ``/start_profile``) writing to
+``/results/traces`` on the session's results directory (``results_dir``), so the live census
+profiles the same session server instead of starting its own.
 
-:func:`start_server` starts another server with extra env (bench A/B, census, profiler runs);
-call ``.stop()`` on the result (or use it as a context manager).
+Every server is started by :mod:`k3rocm.lifecycle` through compose (compose.yaml +
+compose.cpu.yaml, one compose project per server: ``k3test-<pid>-<n>``), never by a container
+definition of its own. :func:`start_server` starts another one with extra env (failure tests,
+replicas); call ``.stop()`` on the result (or use it as a context manager): it saves the
+server's log under ``$K3_TEST_CACHE/servers/<project>/`` and removes the project.
 
 The smoke model is generated once into ``$K3_TEST_CACHE/models/k3-smoke`` (default
 /tmp/k3rocm-cache) by ``k3rocm tinymodel`` inside the image, from this tree's definition.
@@ -70,6 +75,7 @@ class StandinServer:
     ready_seconds: float = 0.0
     compose: object = None  # k3rocm.lifecycle.ComposeServer
     log_path: Path | None = None
+    results_dir: Path | None = None  # mounted at /results
 
     def logs(self, tail: int = 200) -> str:
         try:
@@ -210,7 +216,7 @@ def start_server(
         server = StandinServer(
             base_url=srv.url, model=served_model_name, tokenizer_path=model_dir,
             container=container, image=image, port=port, env=full_env, compose=srv,
-            log_path=run_dir / "server.log",
+            log_path=run_dir / "server.log", results_dir=results,
         )
         try:
             srv.wait(timeout, quiet=True)
@@ -227,15 +233,19 @@ def start_server(
 
 
 @pytest.fixture(scope="session")
-def standin_server(request, docker_client):
-    """One stand-in server for the whole session (cpu-smoke profile, smoke model)."""
+def standin_server(request, docker_client, tmp_path_factory):
+    """One stand-in server for the whole session (cpu-smoke profile, smoke model, profiler
+    armed on the results directory)."""
     image = os.environ.get("K3_SERVER_IMAGE")
     if image:
         need(_image_exists(docker_client, image), f"K3_SERVER_IMAGE={image} does not exist")
     else:
         image = request.getfixturevalue("server_image")
+    results = Path(tmp_path_factory.mktemp("session-server-results"))
     try:
-        server = start_server(docker_client, image=image)
+        server = start_server(docker_client, image=image, results_dir=results,
+                              env={"K3_PROFILER_DIR": "/results/traces",
+                                   "K3_PROFILER_MAX_ITERATIONS": "6"})
     except ServerStartError as exc:
         pytest.fail(f"stand-in server did not start: {exc}", pytrace=False)
     try:

