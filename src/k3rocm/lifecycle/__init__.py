@@ -164,7 +164,17 @@ class ComposeServer:
     # -- state -------------------------------------------------------------------------------
 
     def state(self) -> str | None:
-        """running / exited / ... of the server container; None when there is none."""
+        """running / exited / ... of the server container; None when there is none.
+        (Through the engine's API once the container is known: the wait loop asks every
+        second, and a `docker compose ps` process each time costs CPU a starting server
+        needs on a small machine.)"""
+        c = self.__dict__.get("_container")
+        if c is not None:
+            try:
+                c.reload()
+                return c.status
+            except Exception:  # noqa: BLE001 - removed: ask compose
+                self.__dict__.pop("_container", None)
         try:
             p = self.compose("ps", "-a", "--format", "{{.State}}", SERVICE, timeout=60)
         except UsageError:
@@ -184,9 +194,11 @@ class ComposeServer:
             return None
         client = client or docker_client()
         try:
-            return client.containers.get(cid)
+            c = client.containers.get(cid)
         except Exception:  # noqa: BLE001 - removed meanwhile
             return None
+        self.__dict__["_container"] = c
+        return c
 
     def tail(self, n: int = 25) -> str:
         p = self.compose("logs", "--no-color", "--no-log-prefix", "--tail", str(n), SERVICE,
@@ -207,6 +219,7 @@ class ComposeServer:
         """Start the server detached (``build``: build the image first; otherwise the image
         must exist: it is never pulled)."""
         args = ["up", "-d", "--build" if build else "--no-build", SERVICE]
+        self.__dict__.pop("_container", None)
         p = self.compose(*args, timeout=None if build else 300, capture=not build)
         if p.returncode != 0:
             err = (p.stderr or "").strip().splitlines() or [f"exit {p.returncode}"]
@@ -226,6 +239,8 @@ class ComposeServer:
         if not quiet:
             _log(f"waiting up to {timeout:.0f}s for {self.url} (compose project "
                  f"{self.project}, model {self.model})")
+        with contextlib.suppress(UsageError):
+            self.container()  # state() then asks the engine directly
         try:
             return wait_ready(self.url, self.model, timeout, self.api_key, is_alive=self.state,
                               status=self.last_line, every=every, quiet=quiet)
@@ -261,6 +276,7 @@ class ComposeServer:
         if log_path is not None:
             with contextlib.suppress(Exception):
                 self.save_log(log_path)
+        self.__dict__.pop("_container", None)
         with contextlib.suppress(UsageError):
             self.compose("down", "--timeout", str(timeout), "--remove-orphans",
                          timeout=timeout + 120)
