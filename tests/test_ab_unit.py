@@ -192,3 +192,16 @@ def test_replicas_on_other_hosts_are_refused():
     assert "starts every replica itself" in p.stderr and "make bench-router" in p.stderr
     p = run_cli("census-ab", "--model-dir", str(REPO / "tests" / "data"), env=env)
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_server_command_help_and_bad_input():
+    p = run_cli("server", "--help")
+    assert p.returncode == 0
+    for sub in ("up", "wait", "logs", "save-log", "provenance", "down"):
+        assert sub in p.stdout
+    p = run_cli("server")
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+        "k3rocm: error: server needs a subcommand: up, wait, logs, save-log, provenance or down "
+        "(see k3rocm server --help)"]
+    p = run_cli("server", "wait", "--timeout", "0")
+    assert p.returncode == 2 and "--timeout 0 must be > 0" in p.stderr
