@@ -386,7 +386,12 @@ def arm_server(arms: Arms, slot: int, arm: str, stamp: str, log_path: Path, env_
 def served_model(arms: Arms, env_file: str = ".env") -> tuple[str, str | None]:
     """(served model name, API key) the arm servers will have: the settings rendered with the
     arm's environment on top (shell > .env > profile > default), as the entrypoint does."""
+    from k3rocm.config import read_dotenv
     from k3rocm.lifecycle import resolve_settings
 
-    st = resolve_settings(env_file, {**os.environ, **arms.compose_env("B")}).settings
+    environ = {**os.environ, **arms.compose_env("B")}
+    if arms.cpu and not environ.get("K3_PROFILE") and not read_dotenv(env_file).get(
+            "K3_PROFILE"):
+        environ["K3_PROFILE"] = "cpu-smoke"  # compose.cpu.yaml's default for the container
+    st = resolve_settings(env_file, environ).settings
     return st.served_model_name, st.api_key
