@@ -28,8 +28,8 @@ from k3rocm.census.cli import analyse, live_census, read_decisions, validate_com
 from k3rocm.census.common import base_provenance, positive, results_root
 from k3rocm.census.expect import Check, render_table
 from k3rocm.census.fusions import ENV, FUSIONS, from_env
+from k3rocm.config import redact_env
 from k3rocm.errors import UsageError
-from k3rocm.provenance import _redact_env as redact_env
 from k3rocm.rundir import create_run_dir, write_json_atomic, write_text_atomic
 
 CONTAINER_TRACE_DIR = "/tmp/k3rocm-census-traces"
