@@ -232,10 +232,11 @@ def start_server(
         raise
 
 
-@pytest.fixture(scope="session")
-def standin_server(request, docker_client, tmp_path_factory):
+def session_server(request, docker_client, tmp_path_factory):
     """One stand-in server for the whole session (cpu-smoke profile, smoke model, profiler
-    armed on the results directory)."""
+    armed on the results directory). The fixture ``standin_server`` in conftest.py yields
+    from this: a fixture defined in (or imported into) a test module is one instance per
+    module, which started one server per module."""
     image = os.environ.get("K3_SERVER_IMAGE")
     if image:
         need(_image_exists(docker_client, image), f"K3_SERVER_IMAGE={image} does not exist")
@@ -252,3 +253,8 @@ def standin_server(request, docker_client, tmp_path_factory):
         yield server
     finally:
         server.stop()
+
+
+# Test modules still `from server_fixture import standin_server`: a plain name (not a fixture),
+# so their tests get conftest.py's one session fixture.
+standin_server = None
