@@ -192,6 +192,10 @@ def test_make_bench_scaled_down_against_the_standin(standin_server, client_image
     assert "all equal" in md
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _wait_for(path: Path, proc: subprocess.Popen, timeout: float) -> None:
     t0 = time.monotonic()
     while not path.exists():
@@ -213,8 +217,11 @@ def test_interrupt_and_stopped_server_keep_finished_points(docker_client, client
 
         # 1) Ctrl-C during the second point: exit 130, first point kept and ok.
         res1 = tmp_path / "interrupt"
+        # SIG_DFL in the child: a runner that started pytest in the background (SIGINT
+        # ignored, inherited through exec) must not turn Ctrl-C into a no-op here.
         proc = subprocess.Popen([*base, "--results", str(res1)], cwd=REPO, env=_env(),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=_default_sigint)
         _wait_for(res1, proc, 60)
         run1 = only_run_dir(res1)
         _wait_for(run1 / "aiperf" / "concurrency_1__requests_4" / "profile_export_aiperf.json",
