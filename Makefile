@@ -41,15 +41,13 @@ up: $(PY) ## preflight, validate, build, start the server and wait until it is r
 	@$(CONFIG_ENV) $(PY) -m k3rocm config --host-paths --vendor-env-file $(VENDOR_ENV) \
 	    --make-dirs >/dev/null
 	@$(if $(filter 1,$(CPU)),true,$(PY) -m k3rocm preflight $(PREFLIGHT_ARGS))
-	$(COMPOSE) up -d --build server
-	@$(CONFIG_ENV) $(PY) -m k3rocm server wait $(WAIT_ARGS)
+	@$(CONFIG_ENV) $(PY) -m k3rocm server up --build $(WAIT_ARGS)
 
 wait: $(PY) ## wait until the already started server is ready (WAIT_ARGS='--timeout 600')
 	@$(CONFIG_ENV) $(PY) -m k3rocm server wait $(WAIT_ARGS)
 
 down: $(PY) ## save the server log into results/, then stop and remove the server
-	-@$(CONFIG_ENV) $(PY) -m k3rocm server save-log
-	$(COMPOSE) down
+	@$(CONFIG_ENV) $(PY) -m k3rocm server down
 
 logs: ## follow the server log
 	$(COMPOSE) logs -f server

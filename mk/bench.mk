@@ -5,7 +5,9 @@
 #   make bench BENCH_ARGS='--set concurrency=1,2'   URL, model, API key, tokenizer (the checkpoint
 #                                           dir) and results root: from the K3_* settings
 #   make bench-ab [REPEATS=4] [AA=1]        fusions off vs on (AA=1: A/A noise floor), each run on
-#                                           a fresh server from BENCH_IMAGE, order A B B A ...
+#                                           a fresh compose server from BENCH_IMAGE, order A B B A
+#                                           ... (= k3rocm ab --measure bench; STOP_RUNNING=1 stops
+#                                           a server already on the port first)
 #   make clients-image                      build k3rocm/clients:<version> offline from the hashed
 #                                           lock docker/clients/requirements.lock (make clients-lock)
 #   make bench-test                         the bench tests (real aiperf, real vLLM stand-in)
@@ -18,7 +20,7 @@ WORKLOAD ?= decode-8k1k
 BENCH_ARGS ?=
 AB_ARGS ?=
 REPEATS ?= 2
-BENCH_IMAGE ?= $(or $(K3_IMAGE),k3rocm/server:latest)
+BENCH_IMAGE ?= $(K3_IMAGE)
 CLIENT_BASE ?= python:3.11-slim-bookworm
 CLIENTS_VERSION ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 CLIENTS_IMAGE ?= k3rocm/clients:$(CLIENTS_VERSION)
@@ -35,7 +37,7 @@ bench: $(PY) ## aiperf workload vs the running server (WORKLOAD=, DRY_RUN=1, BEN
 	$(PY) -m k3rocm bench --workload $(WORKLOAD) $(if $(filter 1,$(DRY_RUN)),--dry-run) $(BENCH_ARGS)
 
 bench-ab: $(PY) ## fusion A/B (AA=1: A/A) on fresh servers (WORKLOAD=, REPEATS=, BENCH_IMAGE=, AB_ARGS=)
-	$(PY) -m k3rocm bench-ab --workload $(WORKLOAD) --repeats $(REPEATS) --image $(BENCH_IMAGE) $(if $(filter 1,$(AA)),--aa) $(if $(filter 1,$(DRY_RUN)),--dry-run) $(AB_ARGS)
+	$(PY) -m k3rocm ab --measure bench --workload $(WORKLOAD) --repeats $(REPEATS) $(if $(BENCH_IMAGE),--image $(BENCH_IMAGE)) $(if $(filter 1,$(CPU)),--no-gpu) $(if $(filter 1,$(AA)),--aa) $(if $(filter 1,$(STOP_RUNNING)),--stop-running) $(if $(filter 1,$(DRY_RUN)),--dry-run) $(AB_ARGS)
 
 bench-list: $(PY) ## list the bench workloads
 	$(PY) -m k3rocm bench --list

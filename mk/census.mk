@@ -3,7 +3,8 @@
 #                                        when it started), check the fused-kernel counts
 #   make census TRACE_DIR=results/traces analyse existing traces, no server (FUSIONS=... too)
 #   make census CENSUS_ARGS='--concurrency 8 --max-tokens 1024 --steps 6'
-#   make census-ab [CENSUS_IMAGE=...]    fusions off vs on, each arm on a fresh server
+#   make census-ab [CENSUS_IMAGE=...]    fusions off vs on, each arm on a fresh compose server
+#                                        (= k3rocm ab --measure census; STOP_RUNNING=1)
 #   make census-test                     the census tests (crafted traces + real CPU stand-in)
 # Exit codes of k3rocm census: 0 every check passes, 1 a check failed, 2 bad input, 3 server problem.
 PY ?= .venv/bin/python
@@ -11,7 +12,7 @@ TRACE_DIR ?=
 FUSIONS ?=
 CENSUS_ARGS ?=
 CENSUS_AB_ARGS ?=
-CENSUS_IMAGE ?= $(or $(K3_SERVER_IMAGE),k3rocm/server:latest)
+CENSUS_IMAGE ?= $(K3_IMAGE)
 
 .PHONY: census census-ab census-test
 
@@ -19,7 +20,7 @@ census: $(PY) ## kernel census of the running server (TRACE_DIR=dir: offline; CE
 	$(PY) -m k3rocm census $(if $(TRACE_DIR),--trace-dir $(TRACE_DIR)) $(if $(FUSIONS),--fusions $(FUSIONS)) $(CENSUS_ARGS)
 
 census-ab: $(PY) ## kernel census A/B: fusions off vs on on fresh servers (CENSUS_IMAGE, CENSUS_AB_ARGS)
-	$(PY) -m k3rocm census-ab --image $(CENSUS_IMAGE) $(CENSUS_AB_ARGS)
+	$(PY) -m k3rocm ab --measure census $(if $(CENSUS_IMAGE),--image $(CENSUS_IMAGE)) $(if $(filter 1,$(CPU)),--no-gpu) $(if $(filter 1,$(STOP_RUNNING)),--stop-running) $(CENSUS_AB_ARGS)
 
 census-test: $(PY) ## census tests: parser on crafted traces, live census and A/B on the stand-in
 	$(PY) -m pytest -q tests/test_census_parser.py tests/test_census_records.py tests/test_census_standin.py

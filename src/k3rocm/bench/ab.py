@@ -1,10 +1,14 @@
 """Fusion off (A) vs on (B) under one protocol, or A/A for the noise floor.
 
 Protocol (the same for every slot, stated in every report): the slots run in the interleaved
-order A B B A A B B A ...; each slot starts a fresh server container (docker-py) with the arm's
-fusion toggles, waits for /health, then runs the whole workload (its own warmups, the same
-seed and request counts) in the client container, then stops the server. Nothing is shared
-between slots, so no arm gets a warmer server or a different position in a longer sweep.
+order A B B A A B B A ...; each slot starts a fresh server (its own compose project, through
+:mod:`k3rocm.lifecycle.arms`) with the arm's fusion toggles, waits until it is ready, then runs
+the whole workload (its own warmups, the same seed and request counts) in the client
+container, then saves the server's log and removes it. Nothing is shared between slots, so no
+arm gets a warmer server or a different position in a longer sweep.
+
+Calibration (``mode == "cal"``, CPU stand-in only): both arms as in A/A, arm B with a known
+injected delay per engine step; the report states injected vs detected ITL change.
 """
 
 from __future__ import annotations
@@ -19,65 +23,68 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from k3rocm.bench import runner, server, stats, summary
+from k3rocm.bench import runner, stats, summary
 from k3rocm.bench.run import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, check_tokenizer, run_bench
 from k3rocm.bench.workloads import Workload, shell_line
 from k3rocm.errors import UsageError
+from k3rocm.lifecycle import arms as armlib
+from k3rocm.lifecycle.arms import FUSIONS_OFF, FUSIONS_ON, sequence  # noqa: F401
 from k3rocm.rundir import create_run_dir, write_json_atomic, write_text_atomic
-
-FUSIONS_OFF = {"K3_FUSE_QK_NORM": "0", "K3_FUSE_DECODE_QPREP": "0"}
-FUSIONS_ON = {"K3_FUSE_QK_NORM": "1", "K3_FUSE_DECODE_QPREP": "1"}
 
 
 def _log(msg: str) -> None:
     print(f"[bench-ab] {msg}", file=sys.stderr, flush=True)
 
 
-def sequence(repeats: int) -> list[str]:
-    """A B B A A B B A ... with ``repeats`` slots per arm."""
-    out: list[str] = []
-    for i in range(repeats):
-        out += ["A", "B"] if i % 2 == 0 else ["B", "A"]
-    return out
-
-
 @dataclass
 class ABPlan:
     workload: Workload
-    mode: str  # "ab" | "aa"
-    repeats: int
-    spec: server.ServerSpec
-    arm_env: dict[str, dict[str, str]]
+    arms: armlib.Arms
     results: Path
     client_image: str
-    server_timeout: float
-    pin_engine_core: bool = False
     runs_per_server: int = 1
     noise_floor_dir: Path | None = None
     n_boot: int = 2000
     progress: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def mode(self) -> str:  # "ab" | "aa" | "cal"
+        return self.arms.mode
+
+    @property
+    def repeats(self) -> int:
+        return self.arms.repeats
+
+    @property
+    def arm_env(self) -> dict[str, dict[str, str]]:
+        return self.arms.arm_env
+
     def slots(self) -> list[str]:
-        return sequence(self.repeats)
+        return self.arms.slots()
 
     def protocol_key(self, image_id: str | None) -> str:
         """Same key <=> same protocol: workload protocol, server image, server env minus the
         fusion toggles, repeats and order."""
-        base_env = {k: v for k, v in self.spec.env.items()
-                    if k not in FUSIONS_ON and k != "K3_PORT"}
+        base_env = {k: v for k, v in self.arms.describe_env().items()
+                    if k != "K3_TEST_PLUGINS_DIR"}
         blob = json.dumps({"workload": self.workload.protocol(), "image_id": image_id,
-                           "server_env": base_env, "gpu": self.spec.gpu,
-                           "pin_engine_core": self.pin_engine_core,
+                           "server_env": base_env, "gpu": not self.arms.cpu,
+                           "pin_engine_core": self.arms.pin_engine_core,
                            "runs_per_server": self.runs_per_server}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     def describe(self) -> list[str]:
         w = self.workload
-        arms = ("A/A: both arms identical (" + _env_str(self.arm_env["A"]) + ")"
-                if self.mode == "aa" else
-                f"A = fusions off ({_env_str(self.arm_env['A'])}), B = fusions on "
-                f"({_env_str(self.arm_env['B'])})")
+        if self.mode == "aa":
+            arms = "A/A: both arms identical (" + _env_str(self.arm_env["A"]) + ")"
+        elif self.mode == "cal":
+            arms = (f"calibration: both arms {_env_str(self.arm_env['A'])}; arm B with an "
+                    f"injected {self.arms.delay_ms:g} ms per engine step "
+                    f"({armlib.STEP_DELAY_ENV}, CPU stand-in test double)")
+        else:
+            arms = (f"A = fusions off ({_env_str(self.arm_env['A'])}), B = fusions on "
+                    f"({_env_str(self.arm_env['B'])})")
         k = self.runs_per_server
         runs = ("the complete workload" if k == 1 else
                 f"the complete workload {k} times back to back (run 1 on the fresh server, "
@@ -86,15 +93,17 @@ class ABPlan:
             f"mode {self.mode.upper()}: {arms}",
             f"order {' '.join(self.slots())} ({self.repeats} server(s) per arm, interleaved; "
             f"{self.repeats * k} run(s) per arm)",
-            "every slot: a freshly started server container "
-            f"({self.spec.image}), wait for /health, {runs} `{w.name}` with its "
+            "every slot: a freshly started server (its own compose project, image "
+            f"{self.arms.image or 'compose default'}), wait until ready, {runs} `{w.name}` "
+            "with its "
             f"own {w.warmup_request_count} warmup requests per point, then the server is stopped",
+            f"topology: {_env_str(self.arms.topology())}",
             "statistic: per arm the median over repeats of the per-run value (computed from the "
             "run's per-request records); effect d = (B - A) / A; 95% CI from a two-level "
             "bootstrap (repeats, then requests within each repeat)",
-            f"server env (both arms): {_env_str(self.spec.env)}"
+            f"server env (both arms): {_env_str(self.arms.describe_env())}"
             + ("; EngineCore pinned to the worker's cores (CPU stand-in)"
-               if self.pin_engine_core else ""),
+               if self.arms.pin_engine_core else ""),
         ]
 
 
@@ -113,8 +122,13 @@ def dry_run_lines(plan: ABPlan) -> list[str]:
     lines = [f"# {x}" for x in plan.describe()]
     run_dir = plan.results.resolve() / f"{utc_stamp()}-{plan.workload.name}-{plan.mode}"
     for i, arm in enumerate(plan.slots()):
-        env = {**plan.spec.env, **plan.arm_env[arm], "K3_PORT": str(plan.spec.port)}
-        lines.append(f"# slot {i} arm {arm}: server {plan.spec.image} env {_env_str(env)}")
+        env = {**plan.arms.compose_env(arm), **plan.arms.arm_container_env.get(arm, {})}
+        lines.append(f"# slot {i} arm {arm}: compose up (server) with {_env_str(env)}")
+        if plan.arms.scale is not None:
+            from k3rocm.scale.render import router_argv
+
+            lines.append(f"#   replicas on ports {plan.arms.replica_ports} (K3_PORT each), "
+                         f"then the router: {' '.join(router_argv(plan.arms.scale))}")
         for k in range(plan.runs_per_server):
             lines.append(shell_line(planned_command(plan.workload,
                                                     run_dir / "runs" / _run_name(i, arm, k))))
@@ -127,27 +141,20 @@ def dry_run_lines(plan: ABPlan) -> list[str]:
 def run_ab(plan: ABPlan, docker=None) -> int:
     w = plan.workload
     check_tokenizer(w.tokenizer)
-    if plan.repeats < 1:
-        raise UsageError(f"--repeats {plan.repeats}: must be >= 1", 2)
+    armlib.check_port(plan.arms)
     client = docker or runner.docker_client()
     runner.check_client_image(client, plan.client_image)
-    import docker as docker_mod
-
-    try:
-        image_id = client.images.get(plan.spec.image).id
-    except docker_mod.errors.ImageNotFound:
-        raise UsageError(f"server image {plan.spec.image!r} not found: build it (make build) "
-                         f"or pass --image", 2) from None
-    if server.answers(w.url):
-        raise UsageError(f"something already serves {w.url}: bench-ab starts its own servers on "
-                         f"port {plan.spec.port}; stop it (make down) or pass --port", 2)
+    image_ref, image_id = armlib.image_id(plan.arms, client)
+    armlib.announce(plan.arms, plan.results, plan.runs_per_server)
     key = plan.protocol_key(image_id)
     ab_dir = create_run_dir(plan.results, f"{w.name}-{plan.mode}")
     _log(f"{plan.mode.upper()} run directory {ab_dir} (protocol {key})")
     plan_doc = {"mode": plan.mode, "protocol_key": key, "protocol": plan.describe(),
                 "workload": w.model_dump(mode="json"), "slots": plan.slots(),
-                "arm_env": plan.arm_env, "server_image": plan.spec.image,
-                "server_image_id": image_id, "server_env": plan.spec.env, **plan.extra}
+                "arm_env": plan.arm_env, "arm_container_env": plan.arms.arm_container_env,
+                "server_image": image_ref, "server_image_id": image_id,
+                "server_env": plan.arms.describe_env(), "topology": plan.arms.topology(),
+                **plan.extra}
     write_json_atomic(ab_dir / "plan.json", plan_doc)
 
     runs: list[dict[str, Any]] = []
@@ -155,68 +162,59 @@ def run_ab(plan: ABPlan, docker=None) -> int:
     interrupted = False
     stamp = ab_dir.name.split("-")[0].lower()
     t_all = time.time()
+    slot_dir = ab_dir / "runs"
+    slot_dir.mkdir(parents=True, exist_ok=True)
     for i, arm in enumerate(plan.slots()):
-        slot_dir = ab_dir / "runs"
-        slot_dir.mkdir(parents=True, exist_ok=True)
-        env = {**plan.spec.env, **plan.arm_env[arm]}
-        spec = server.ServerSpec(**{**plan.spec.__dict__, "env": env})
-        name = f"k3bench-{plan.mode}-{stamp}-{i:02d}{arm.lower()}"
         _log(f"slot {i + 1}/{len(plan.slots())} arm {arm}: starting a fresh server "
-             f"({_env_str(plan.arm_env[arm])})")
-        container = None
+             f"({_env_str({**plan.arm_env[arm], **plan.arms.arm_container_env.get(arm, {})})})")
         slot_failed = None
-        ready_s = None
-        pin = None
+        info: dict[str, Any] = {"server": None, "server_ready_s": None, "pin": None}
         t0 = time.time()
         try:
-            container = server.start_server(client, spec, name, {"k3rocm.bench.ab": key})
-
-            def state(c=container):
-                try:
-                    c.reload()
-                    return c.status
-                except Exception:  # noqa: BLE001
-                    return "gone"
-
-            ready_s = round(server.wait_ready(w.url, w.model, plan.server_timeout,
-                                              is_alive=state), 1)
-            if plan.pin_engine_core:
-                pin = server.pin_engine_core(container)
-                _log(pin)
-            for k in range(plan.runs_per_server):
-                run_dir = slot_dir / _run_name(i, arm, k)
-                run_dir.mkdir()
-                entry: dict[str, Any] = {"slot": i, "arm": arm, "run": k, "server": name,
-                                         "run_dir": str(run_dir), "status": "failed",
-                                         "env": plan.arm_env[arm], "server_ready_s": ready_s,
-                                         "pin": pin}
-                runs.append(entry)
-                t1 = time.time()
-                res = run_bench(w, results=plan.results, client_image=plan.client_image,
-                                server_timeout=30, progress=plan.progress,
-                                server_container=container, docker=client, run_dir=run_dir,
-                                extra_provenance={"ab": {"mode": plan.mode, "slot": i,
-                                                         "arm": arm, "run": k,
-                                                         "protocol_key": key}})
-                entry.update(status=res.status, message=res.message,
-                             seconds=round(time.time() - t1, 1))
-                write_json_atomic(ab_dir / "runs.json", runs)
-                if res.status == "interrupted":
-                    interrupted = True
-                if res.status != "ok":
-                    break
+            with armlib.arm_server(plan.arms, i, arm, stamp,
+                                   slot_dir / f"{i:02d}-{arm}-server.log", ab_dir / "servers",
+                                   model=w.model, api_key=w.api_key, client=client
+                                   ) as (srv, info):
+                container = srv.container(client)
+                for k in range(plan.runs_per_server):
+                    run_dir = slot_dir / _run_name(i, arm, k)
+                    run_dir.mkdir()
+                    entry: dict[str, Any] = {
+                        "slot": i, "arm": arm, "run": k, "server": info["server"],
+                        "run_dir": str(run_dir), "status": "failed", "env": plan.arm_env[arm],
+                        "container_env": plan.arms.arm_container_env.get(arm, {}),
+                        "server_ready_s": info["server_ready_s"], "pin": info["pin"]}
+                    runs.append(entry)
+                    t1 = time.time()
+                    res = run_bench(w, results=plan.results, client_image=plan.client_image,
+                                    server_timeout=30, progress=plan.progress,
+                                    server_container=container, docker=client,
+                                    run_dir=run_dir,
+                                    extra_provenance={"ab": {"mode": plan.mode, "slot": i,
+                                                             "arm": arm, "run": k,
+                                                             "protocol_key": key,
+                                                             "compose_project":
+                                                                 info["server"],
+                                                             "topology": info["topology"]}})
+                    entry.update(status=res.status, message=res.message,
+                                 seconds=round(time.time() - t1, 1))
+                    write_json_atomic(ab_dir / "runs.json", runs)
+                    if res.status == "interrupted":
+                        interrupted = True
+                    if res.status != "ok":
+                        break
         except KeyboardInterrupt:
             interrupted = True
             slot_failed = "interrupted"
         except UsageError as exc:
             slot_failed = str(exc)
             _log(f"slot {i} failed: {exc}")
-        finally:
-            server.stop_server(container, slot_dir / f"{i:02d}-{arm}-server.log")
-        slots_info.append({"slot": i, "arm": arm, "server": name, "server_ready_s": ready_s,
+        slots_info.append({"slot": i, "arm": arm, "server": info["server"],
+                           "server_ready_s": info["server_ready_s"],
                            "seconds": round(time.time() - t0, 1), "error": slot_failed})
         if slot_failed and not any(r["slot"] == i for r in runs):
-            runs.append({"slot": i, "arm": arm, "run": 0, "server": name, "run_dir": None,
+            runs.append({"slot": i, "arm": arm, "run": 0, "server": info["server"],
+                         "run_dir": None,
                          "status": "interrupted" if interrupted else "failed",
                          "message": slot_failed, "env": plan.arm_env[arm]})
         write_json_atomic(ab_dir / "runs.json", runs)
@@ -225,6 +223,8 @@ def run_ab(plan: ABPlan, docker=None) -> int:
 
     floor_doc = None if plan.mode == "aa" else find_noise_floor(plan, key)
     comp = compare(w, runs, plan, key, floor_doc)
+    if plan.mode == "cal":
+        comp["calibration"] = calibration(comp, plan.arms.delay_ms)
     comp["slots"] = slots_info
     comp["wall_seconds"] = round(time.time() - t_all, 1)
     comp["interrupted"] = interrupted
@@ -244,6 +244,9 @@ def run_ab(plan: ABPlan, docker=None) -> int:
               f"{bad.get('message')}; {n_ok} of {total} runs kept in {ab_dir}", file=sys.stderr)
         return EXIT_FAILED
     head = comp["headline"]
+    for c in comp.get("calibration") or []:
+        head += (f"; calibration c={c['concurrency']}: injected +{c['injected_ms']:g} ms/step, "
+                 f"detected {c['detected_ms']:+.2f} ms ITL p50")
     print(f"bench-ab {plan.mode.upper()} {w.name}: {head}; report {ab_dir / 'comparison.md'}")
     return EXIT_OK
 
@@ -301,6 +304,25 @@ def compare(w: Workload, runs: Sequence[dict], plan: ABPlan, key: str,
             "workload": w.name, "command": _first_command(runs),
             "runs": list(runs), "rows": rows, "headline": head or "no comparable runs",
             "noise_floor_from": floor_doc.get("dir") if floor_doc else None}
+
+
+def calibration(comp: dict, delay_ms: float | None) -> list[dict[str, Any]]:
+    """Injected vs detected, per concurrency: every engine step of arm B sleeps ``delay_ms``
+    and emits one token per running request, so B's ITL should be A's + ``delay_ms``."""
+    out = []
+    for r in comp["rows"]:
+        if r["metric"] != "ITL p50" or r.get("a") is None or r.get("b") is None:
+            continue
+        a, b = r["a"], r["b"]
+        detected = b - a
+        out.append({"concurrency": r["concurrency"], "injected_ms": delay_ms,
+                    "a_itl_ms": a, "b_itl_ms": b, "detected_ms": round(detected, 3),
+                    "detected_over_injected": round(detected / delay_ms, 3)
+                    if delay_ms else None,
+                    "expected_d": round(delay_ms / a, 4) if delay_ms and a else None,
+                    "d": r.get("d"), "lo": r.get("lo"), "hi": r.get("hi"),
+                    "verdict": r["verdict"]})
+    return out
 
 
 def _first_command(runs: Sequence[dict]) -> str | None:
@@ -373,11 +395,26 @@ def comparison_markdown(comp: dict) -> str:
         lines += [f"- aiperf command (slot 0; only the artifact dir differs per slot): "
                   f"`{comp['command']}`"]
     lines += [""]
-    if comp["mode"] == "ab":
+    if comp["mode"] in ("ab", "cal"):
         src = comp.get("noise_floor_from")
         lines += [f"Noise floor (A/A, same protocol): {src}" if src else
                   "Noise floor: **no A/A run with this protocol yet** - run `make bench-ab "
                   "AA=1` with the same settings; verdicts below rest on the CI alone.", ""]
+    if comp.get("calibration"):
+        lines += ["## Calibration: injected vs detected", "",
+                  "| c | injected ms/step | A ITL p50 ms | B ITL p50 ms | detected ms | "
+                  "detected/injected | expected d | detected d [95% CI] | verdict |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+        for c in comp["calibration"]:
+            lines.append(
+                f"| {c['concurrency']} | {c['injected_ms']:g} | {_num(c['a_itl_ms'])} | "
+                f"{_num(c['b_itl_ms'])} | {_num(c['detected_ms'])} | "
+                f"{_num(c['detected_over_injected'])} | {_pct(c['expected_d'])} | "
+                f"{_pct(c['d'])} [{_pct(c['lo'])}, {_pct(c['hi'])}] | {c['verdict']} |")
+        lines += ["", "Arm B's server sleeps the injected time in every engine step (one "
+                  "token per running request), so B's ITL should be A's plus the injected "
+                  "time: detected/injected near 1 means the protocol measures what happens.",
+                  ""]
     lines += ["## Runs", "", "| slot | arm | run | status | server ready s | run s |",
               "|---:|---|---:|---|---:|---:|"]
     for r in comp["runs"]:

@@ -1,14 +1,14 @@
-"""``k3rocm census-ab``: the kernel census with the fusions off vs on, each on a fresh server.
+"""``k3rocm census-ab``: ``k3rocm ab --measure census`` (the same flags; ``k3rocm ab --help``).
 
-Arm ``off`` runs with K3_FUSE_QK_NORM=0 K3_FUSE_DECODE_QPREP=0, arm ``on`` with the fusions
-named by ``--on`` set to 1 (default both); each arm starts its own server container from the
-same image (docker-py, the same container settings as compose), waits for health, profiles the
-same decode load, collects the traces out of the container, runs the census (judging what
-that arm's server was asked for, cross-checked with its overlay's decision records), and stops
-the server (its log is kept). The comparison reports stock vs fused launches and time per MLA
-layer per decode step, off vs on, and checks the A/B difference: the q/kv RMSNorm fusion must
-remove exactly 2 RMSNorm launches per MLA layer and step (the decoder's other norms cancel).
-Offline: ``--trace-dirs OFF_DIR,ON_DIR`` compares two existing trace sets (no servers).
+Arm A runs with K3_FUSE_QK_NORM=0 K3_FUSE_DECODE_QPREP=0, arm B with the fusions named by
+``--on`` set to 1 (default both); each arm gets a fresh compose server (the shared arm-server
+flags), profiles the same decode load, collects the traces out of the container, runs the
+census (judging what that arm's server was asked for, cross-checked with its overlay's
+decision records), saves the server's log and removes it. The comparison reports stock vs
+fused launches and time per MLA layer per decode step, off vs on, and checks the A/B
+difference: the q/kv RMSNorm fusion must remove exactly 2 RMSNorm launches per MLA layer and
+step (the decoder's other norms cancel). Offline: ``--trace-dirs OFF_DIR,ON_DIR`` compares two
+existing trace sets (no servers).
 
 Run directory: ``results/<UTC>-census-ab/`` with ``off/`` and ``on/`` (each a full census run
 directory + server.log), ``ab.json``, ``ab.md`` and ``provenance.json``.
@@ -18,16 +18,17 @@ Exit 0 when both arms pass their census, 1 when one does not, 2 bad input, 3 ser
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from k3rocm.census.analyze import Census
 from k3rocm.census.cli import analyse, live_census, read_decisions, validate_common
-from k3rocm.census.common import add_analysis_arguments, base_provenance, positive, results_root
+from k3rocm.census.common import base_provenance, positive, results_root
 from k3rocm.census.expect import Check, render_table
 from k3rocm.census.fusions import ENV, FUSIONS, from_env
+from k3rocm.config import redact_env
 from k3rocm.errors import UsageError
 from k3rocm.rundir import create_run_dir, write_json_atomic, write_text_atomic
 
@@ -52,54 +53,15 @@ def arms_env(on: str) -> dict[str, dict[str, str]]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
-    p.add_argument("--trace-dirs", metavar="OFF_DIR,ON_DIR",
-                   help="compare two existing trace sets instead of starting servers (each "
-                   "arm's claim = the toggles --on implies; decision records from the files "
-                   "beside the traces)")
-    p.add_argument("--on", default="all", help="fusions asked ON in the on arm "
-                   "(qk_norm, decode_qprep or all); the rest stay off in both arms")
-    p.add_argument("--image", default=os.environ.get("K3_SERVER_IMAGE", "k3rocm/server:latest"),
-                   help="serving image both arms start from")
-    p.add_argument("--port", type=int, default=18400, help="host port (127.0.0.1) for the arms")
-    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra server environment for both arms (repeatable); the K3_* "
-                   "variables of this shell are passed too, like compose does")
-    p.add_argument("--models-dir", default=os.environ.get("K3_MODELS_DIR", "./models"),
-                   help="host directory mounted read-only at /models")
-    p.add_argument("--cache-dir", default=os.environ.get("K3_CACHE_DIR"),
-                   help="host directory mounted at /cache (HF/vLLM/AITER caches)")
-    p.add_argument("--gpu", choices=("auto", "yes", "no"), default="auto",
-                   help="ROCm device settings (auto: yes unless K3_PROFILE=cpu-smoke)")
-    p.add_argument("--arms", default="off,on", help="arms in run order (off, on)")
-    p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=1024)
-    p.add_argument("--prompt-words", type=int, default=64)
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--server-timeout", type=float, default=3600.0,
-                   help="seconds each fresh server may take to become healthy")
-    p.add_argument("--trace-timeout", type=float, default=900.0)
-    p.add_argument("--label", default="census-ab")
-    add_analysis_arguments(p)
-    p.set_defaults(server_trace_dir=None, fusions=None, server_log=None)
+    from k3rocm.lifecycle import ab_cli as common
+
+    common.add_arguments(p, measure="census")
 
 
-def _server_env(args: argparse.Namespace, arm: str, arms: dict[str, dict[str, str]]
-                ) -> dict[str, str]:
-    from k3rocm.bench.server import server_env_from_host
+def run(args: argparse.Namespace) -> int:
+    from k3rocm.lifecycle import ab_cli as common
 
-    env = server_env_from_host()
-    for item in args.env:
-        k, sep, v = item.partition("=")
-        if not sep or not k:
-            raise UsageError(f"--env {item!r} is not KEY=VALUE")
-        if k in ENV.values():
-            raise UsageError(f"--env {k}: the fusion toggles are set per arm (use --on)")
-        env[k] = v
-    env.update(arms[arm])
-    env["K3_PROFILER_DIR"] = CONTAINER_TRACE_DIR  # copied out of the container afterwards
-    env.setdefault("VLLM_RPC_TIMEOUT", "1800000")
-    return env
+    return common.run(args)
 
 
 def _rows(c: Census) -> dict[int, dict[str, Any]]:
@@ -255,80 +217,66 @@ def run_offline(args: argparse.Namespace, arm_env: dict[str, dict[str, str]]) ->
     return finish_ab(run_dir, results, meta, arm_env)
 
 
-def run(args: argparse.Namespace) -> int:
-    from k3rocm.bench.server import ServerSpec, start_server, stop_server, wait_ready
+def run_census_ab(args: argparse.Namespace) -> int:
+    from k3rocm.lifecycle import arms as armlib
 
+    args.label = args.label or "census-ab"
     validate_common(args)
     arm_env = arms_env(args.on)
     if args.trace_dirs:
         return run_offline(args, arm_env)
-    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    if sorted(arms) != ["off", "on"]:
-        raise UsageError(f"--arms {args.arms!r} must name off and on once each (e.g. off,on)")
-    for name in ("--concurrency", "--steps", "--port"):
+    if args.aa or args.calibrate_delay_ms is not None:
+        raise UsageError("--aa and --calibrate-delay-ms are for --measure bench (a census "
+                         "counts launches exactly: an A/A has nothing to estimate)", 2)
+    if args.repeats not in (1, 2):
+        raise UsageError(f"--repeats {args.repeats}: the census runs one profile per arm "
+                         "(order A B): use --repeats 1", 2)
+    args.repeats = 1
+    for name in ("--concurrency", "--steps"):
         positive(name, getattr(args, name[2:].replace("-", "_")))
     positive("--max-tokens", args.max_tokens, args.steps + 12)
-    envs = {a: _server_env(args, a, arm_env) for a in arms}
-    import docker
-
-    try:
-        client = docker.from_env(timeout=600)
-        client.ping()
-    except Exception as exc:  # noqa: BLE001
-        raise UsageError(f"no Docker engine ({exc.__class__.__name__}); census-ab starts "
-                         "fresh server containers", 3) from None
-    try:
-        image = client.images.get(args.image)
-    except docker.errors.ImageNotFound:
-        raise UsageError(f"server image {args.image!r} not found: build it or pass --image",
-                         2) from None
-    gpu = {"yes": True, "no": False}.get(args.gpu,
-                                         envs["on"].get("K3_PROFILE", "") != "cpu-smoke")
-    run_dir = create_run_dir(results_root(args), args.label)
+    arms = armlib.arms_from_args(args, on_env=arm_env["on"], off_env=arm_env["off"])
+    if arms.scale is not None:
+        raise UsageError("census-ab profiles one server per arm: unset K3_SCALE_MODE (or set "
+                         "it to single) for the census", 2)
+    # Both arms profile into a directory inside the container (copied out afterwards).
+    arms.server_env = {"VLLM_RPC_TIMEOUT": "1800000", **arms.server_env,
+                       "K3_PROFILER_DIR": CONTAINER_TRACE_DIR}
+    armlib.check_port(arms)
+    client = armlib.docker_client()
+    image_ref, image_id = armlib.image_id(arms, client)
+    armlib.announce(arms, Path(args.results))
+    model, api_key = armlib.served_model(arms)
+    run_dir = create_run_dir(str(args.results), args.label)
     _log(f"run directory {run_dir}")
-    url = f"http://127.0.0.1:{args.port}"
-    api_key = envs["on"].get("K3_API_KEY")
+    url = arms.url
     results: dict[str, Census] = {}
-    stamp = time.strftime("%H%M%S")
-    for arm in arms:
-        arm_dir = run_dir / arm
+    stamp = time.strftime("%H%M%S").lower()
+    names = {"A": "off", "B": "on"}
+    for slot, arm in enumerate(arms.slots()):
+        name = names[arm]
+        arm_dir = run_dir / name
         arm_dir.mkdir()
-        spec = ServerSpec(image=args.image, port=args.port, env=envs[arm],
-                          models_dir=args.models_dir, cache_dir=args.cache_dir, gpu=gpu)
-        _log(f"arm {arm}: starting a fresh server from {args.image} ({arm_env[arm]})")
-        container = start_server(client, spec, f"k3rocm-census-{arm}-{stamp}-{os.getpid()}",
-                                 {LABEL: arm})
-        try:
-            def alive(c=container) -> str | None:
-                c.reload()
-                return c.status
-
-            model = envs[arm].get("K3_SERVED_MODEL_NAME") or _served_name(envs[arm])
-            wait_ready(url, model, args.server_timeout, api_key, is_alive=alive)
+        _log(f"arm {name}: starting a fresh server ({arm_env[name]})")
+        with armlib.arm_server(arms, slot, arm, stamp, arm_dir / "server.log",
+                               run_dir / "servers", model=model, api_key=api_key,
+                               client=client) as (srv, _info):
             from k3rocm.census.cli import claim_from_container
 
+            container = srv.container(client)
             claim = claim_from_container(container)  # docker inspect: what it was asked
-            results[arm] = live_census(args, url, model, api_key, client, container, claim,
-                                       arm_dir, title=f"Decode kernel census, arm {arm}")
-            print(f"--- arm {arm} ---")
-            print(results[arm].table())
-        finally:
-            stop_server(container, arm_dir / "server.log")
-    meta = {"protocol": f"one fresh server per arm from image `{args.image}` ({image.id}), "
-            f"the same load in both arms (concurrency {args.concurrency}, {args.max_tokens} "
-            f"output tokens, profiling {args.steps} decode steps after prefill), one profile "
-            "per arm", "image": args.image, "image_id": image.id,
+            results[name] = live_census(args, url, model, api_key, client, container, claim,
+                                        arm_dir, title=f"Decode kernel census, arm {name}")
+            print(f"--- arm {name} ---")
+            print(results[name].table())
+    meta = {"protocol": f"one fresh compose server per arm from image `{image_ref}` "
+            f"({image_id}), the same load in both arms (concurrency {args.concurrency}, "
+            f"{args.max_tokens} output tokens, profiling {args.steps} decode steps after "
+            "prefill), one profile per arm", "image": image_ref, "image_id": image_id,
             "concurrency": args.concurrency, "max_tokens": args.max_tokens, "steps": args.steps}
     write_json_atomic(run_dir / "provenance.json", {
         **base_provenance([r.path for c in results.values() for r in c.traces.ranks]),
-        "image": args.image, "image_id": image.id,
-        "server_env": {k: {kk: ("<redacted>" if "KEY" in kk or "TOKEN" in kk else vv)
-                           for kk, vv in v.items()} for k, v in envs.items()},
-        "arms": {a: f"{a}/provenance.json" for a in arms}})
+        "image": image_ref, "image_id": image_id, "topology": arms.topology(),
+        "server_env": redact_env(arms.describe_env()),
+        "arms": {names[a]: f"{names[a]}/provenance.json" for a in arms.slots()}})
     return finish_ab(run_dir, results, meta, arm_env)
-
-
-def _served_name(env: dict[str, str]) -> str:
-    if env.get("K3_PROFILE") == "cpu-smoke":
-        return "k3-smoke"
-    return "moonshotai/Kimi-K3"

@@ -1,0 +1,207 @@
+"""`k3rocm ab` without servers: one flag set for both measures, the plan (cold starts,
+estimate, calibration arms), refusals before any server starts, and the compose rendering of
+an arm server (compose.yaml is the only container definition)."""
+
+from __future__ import annotations
+
+import argparse
+import http.server
+import json
+import re
+import subprocess
+import threading
+
+import pytest
+from conftest import REPO, run_cli
+
+
+def _options(cmd: str) -> set[str]:
+    p = run_cli(cmd, "--help") if cmd != "ab" else run_cli("ab", "--help")
+    assert p.returncode == 0, p.stderr
+    return set(re.findall(r"(--[a-z][a-z0-9-]+)", p.stdout)) - {"--measure"}
+
+
+def test_bench_ab_census_ab_and_ab_share_one_flag_set():
+    ab, bench, census = _options("ab"), _options("bench-ab"), _options("census-ab")
+    assert ab == bench == census
+    for flag in ("--aa", "--repeats", "--image", "--port", "--server-env", "--no-gpu",
+                 "--stop-running", "--calibrate-delay-ms", "--pin-engine-core",
+                 "--server-timeout", "--workload", "--on", "--steps", "--results"):
+        assert flag in ab, flag
+
+
+def test_flags_of_the_other_measure_are_refused_in_one_line(tmp_path):
+    p = run_cli("census-ab", "--runs-per-server", "2", "--model-dir", str(tmp_path))
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+        "k3rocm: error: --runs-per-server is not used by --measure census"]
+    p = run_cli("bench-ab", "--steps", "3", "--dry-run")
+    assert p.returncode == 2 and "--steps is not used by --measure bench" in p.stderr
+
+
+def test_calibration_plan_dry_run():
+    p = run_cli("ab", "--measure", "bench", "--workload", "ci-tiny", "--repeats", "1",
+                "--dry-run", "--no-gpu", "--calibrate-delay-ms", "12.5",
+                "--server-env", "K3_PROFILE=cpu-smoke")
+    assert p.returncode == 0, p.stderr
+    slots = [ln for ln in p.stdout.splitlines() if ln.startswith("# slot")]
+    assert len(slots) == 2
+    assert "K3_TEST_STEP_DELAY_MS" not in slots[0]
+    assert "K3_TEST_STEP_DELAY_MS=12.5" in slots[1] and "PYTHONPATH=/opt/k3rocm-test" in slots[1]
+    assert "K3_TEST_PLUGINS_DIR=" in slots[0]  # both arms mount it: only B switches it on
+    assert "calibration: both arms" in p.stdout
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--calibrate-delay-ms", "5", "--gpu"], "exists only for the CPU stand-in"),
+    (["--calibrate-delay-ms", "5", "--aa", "--no-gpu"], "exclude each other"),
+    (["--calibrate-delay-ms", "0", "--no-gpu"], "must be in (0, 10000]"),
+    (["--repeats", "0"], "--repeats 0: must be >= 1"),
+    (["--port", "70000"], "--port 70000: must be 1..65535"),
+    (["--server-env", "K3_FUSE_QK_NORM=0"], "set per arm"),
+    (["--server-env", "novalue"], "expected KEY=VALUE"),
+])
+def test_bad_input_is_one_line_exit_2(args, msg):
+    p = run_cli("bench-ab", "--workload", "ci-tiny", "--dry-run", *args)
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and msg in lines[0], lines
+
+
+class _Quiet(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):  # noqa: N802 - http.server's name
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *a):
+        pass
+
+
+def test_a_server_on_the_port_asks_for_make_down_or_stop_running(tmp_path):
+    srv = http.server.HTTPServer(("127.0.0.1", 0), _Quiet)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        tok = tmp_path / "tok"
+        tok.mkdir()
+        (tok / "tokenizer.json").write_text("{}")
+        p = run_cli("bench-ab", "--workload", "ci-tiny", "--no-gpu", "--tokenizer", str(tok),
+                    "--models-dir", str(tmp_path), "--port", str(srv.server_port),
+                    "--results", str(tmp_path / "r"))
+        assert p.returncode == 2, p.stderr
+        assert p.stderr.strip().splitlines() == [
+            f"k3rocm: error: a server already runs on port {srv.server_port} "
+            f"(http://127.0.0.1:{srv.server_port}): the A/B starts its own fresh servers "
+            "there; stop it with `make down` or pass --stop-running (or use another --port)"]
+        assert not (tmp_path / "r").exists()
+    finally:
+        srv.shutdown()
+
+
+def test_estimate_uses_earlier_starts_else_states_the_assumption(tmp_path):
+    from k3rocm.lifecycle.arms import Arms, estimate
+
+    arms = Arms(mode="ab", repeats=2, arm_env={"A": {}, "B": {}}, port=8000, cpu=True)
+    secs, how = estimate(arms, tmp_path)
+    assert secs == 4 * 90 and "assumed 90s per start (CPU stand-in)" in how
+    d = tmp_path / "20260101T000000Z-x-aa"
+    d.mkdir()
+    (d / "comparison.json").write_text(json.dumps({
+        "slots": [{"server_ready_s": 40}, {"server_ready_s": 60}],
+        "runs": [{"seconds": 10}, {"seconds": 30}]}))
+    secs, how = estimate(arms, tmp_path)
+    assert secs == 4 * 50 + 4 * 20 and "median of 2 earlier starts" in how
+
+
+def test_arm_server_is_compose_yaml_with_the_arm_env(tmp_path):
+    """The arm server rendered by real `docker compose config`: the image, port, mounts and
+    the arm's toggles come from compose.yaml + compose.cpu.yaml and the arm's environment;
+    the per-server env file carries what compose.yaml does not list."""
+    from k3rocm.lifecycle import ComposeServer
+    from k3rocm.lifecycle.arms import arms_from_args
+
+    ns = argparse.Namespace(repeats=1, port=18555, server_timeout=60, gpu=False,
+                            server_env=["K3_PROFILE=cpu-smoke", "VLLM_RPC_TIMEOUT=99"],
+                            calibrate_delay_ms=7.0, aa=False, aa_fusions="on",
+                            image="k3rocm/server:cpu-0.32.0", models_dir=str(tmp_path),
+                            cache_dir=None, dry_run=False, pin_engine_core=False,
+                            stop_running=False)
+    arms = arms_from_args(ns)
+    srv = ComposeServer(project="k3ab-test-01b", cpu=True, env=arms.compose_env("B"),
+                        container_env={**arms.server_env, **arms.arm_container_env["B"]},
+                        env_dir=tmp_path)
+    p = srv.compose("config", "--format", "json", "server")
+    if p.returncode != 0 and "unknown flag" in p.stderr:
+        pytest.skip("docker compose too old for config --format json")
+    assert p.returncode == 0, p.stderr
+    svc = json.loads(p.stdout)["services"]["server"]
+    assert svc["image"] == "k3rocm/server:cpu-0.32.0"
+    assert svc["ports"][0]["published"] == "18555" and svc["ports"][0]["target"] == 18555
+    env = svc["environment"]
+    assert env["K3_FUSE_QK_NORM"] == "1" and env["K3_PROFILE"] == "cpu-smoke"
+    assert env["K3_TEST_STEP_DELAY_MS"] == "7" and env["VLLM_RPC_TIMEOUT"] == "99"
+    assert env["PYTHONPATH"] == "/opt/k3rocm-test"
+    mounts = {v["target"]: v["source"] for v in svc["volumes"]}
+    assert mounts["/models"] == str(tmp_path)
+    assert mounts["/opt/k3rocm-test"] == str(REPO / "tests" / "doubles" / "stepdelay")
+    assert "devices" not in svc or not svc["devices"]
+    # arm A: no delay switch in its environment
+    a = ComposeServer(project="k3ab-test-00a", cpu=True, env=arms.compose_env("A"),
+                      container_env={**arms.server_env, **arms.arm_container_env["A"]},
+                      env_dir=tmp_path)
+    env_a = json.loads(a.compose("config", "--format", "json", "server").stdout)[
+        "services"]["server"]["environment"]
+    assert "K3_TEST_STEP_DELAY_MS" not in env_a and env_a["K3_FUSE_QK_NORM"] == "1"
+
+
+def test_serving_image_never_carries_the_test_double():
+    dockerfile = (REPO / "Dockerfile").read_text()
+    assert "tests/" not in dockerfile and "stepdelay" not in dockerfile
+    assert "K3_TEST_PLUGINS_DIR" not in (REPO / "compose.yaml").read_text()
+    assert "K3_TEST_PLUGINS_DIR" in (REPO / "compose.cpu.yaml").read_text()
+
+
+def test_compose_server_argv_names_project_and_files():
+    from k3rocm.lifecycle import ComposeServer
+
+    argv = ComposeServer(project="p1", cpu=True).argv("ps")
+    assert argv[:4] == ["docker", "compose", "-p", "p1"]
+    assert argv[4:8] == ["-f", str(REPO / "compose.yaml"), "-f", str(REPO / "compose.cpu.yaml")]
+    assert ComposeServer(project="p2", cpu=False).argv("ps")[4:] == [
+        "-f", str(REPO / "compose.yaml"), "ps"]
+    assert subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0
+
+
+def test_replicas_plan_goes_through_the_router():
+    env = {"K3_SCALE_MODE": "replicas", "K3_SCALE_NODES": "127.0.0.1:18601,127.0.0.1:18602",
+           "K3_SCALE_ROUTER_PORT": "18680"}
+    p = run_cli("bench-ab", "--workload", "ci-tiny", "--repeats", "1", "--dry-run", "--no-gpu",
+                "--server-env", "K3_PROFILE=cpu-smoke", env=env)
+    assert p.returncode == 0, p.stderr
+    assert "# topology: mode=replicas" in p.stdout and "router=http://127.0.0.1:18680" in p.stdout
+    reps = [ln for ln in p.stdout.splitlines() if ln.startswith("#   replicas on ports")]
+    assert len(reps) == 2 and "[18601, 18602]" in reps[0]
+    assert "vllm-router --host" in reps[0] and \
+        "--worker-urls http://127.0.0.1:18601 http://127.0.0.1:18602" in reps[0]
+    runs = [ln for ln in p.stdout.splitlines() if ln.startswith("aiperf profile")]
+    assert len(runs) == 2 and all("--url http://127.0.0.1:18680 " in r for r in runs)
+
+
+def test_replicas_on_other_hosts_are_refused():
+    env = {"K3_SCALE_MODE": "replicas", "K3_SCALE_NODES": "10.0.0.1:8000,10.0.0.2:8000"}
+    p = run_cli("bench-ab", "--workload", "ci-tiny", "--dry-run", env=env)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1
+    assert "starts every replica itself" in p.stderr and "make bench-router" in p.stderr
+    p = run_cli("census-ab", "--model-dir", str(REPO / "tests" / "data"), env=env)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_server_command_help_and_bad_input():
+    p = run_cli("server", "--help")
+    assert p.returncode == 0
+    for sub in ("up", "wait", "logs", "save-log", "provenance", "down"):
+        assert sub in p.stdout
+    p = run_cli("server")
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+        "k3rocm: error: server needs a subcommand: up, wait, logs, save-log, provenance or down "
+        "(see k3rocm server --help)"]
+    p = run_cli("server", "wait", "--timeout", "0")
+    assert p.returncode == 2 and "--timeout 0 must be > 0" in p.stderr
