@@ -36,11 +36,15 @@ SETTINGS = {
 }
 # command -> (make target, extra make arguments). Every command that reads the deployment
 # itself (its module has a `deployment_view` hook).
+# test id -> (make target, extra make arguments, the k3rocm command the target runs)
 COMMANDS = {
-    "config": ("config", []),
-    "bench": ("bench", ["WORKLOAD=ci-tiny"]),
-    "gsm8k": ("gsm8k", []),
-    "census": ("census", []),
+    "config": ("config", [], "config"),
+    "bench": ("bench", ["WORKLOAD=ci-tiny"], "bench"),
+    "gsm8k": ("gsm8k", [], "gsm8k"),
+    "census": ("census", [], "census"),
+    "wait": ("wait", [], "server wait"),
+    "bench-ab": ("bench-ab", ["WORKLOAD=ci-tiny"], "ab"),
+    "census-ab": ("census-ab", [], "ab"),
 }
 PLACEMENTS = ("shell", "dotenv", "inline")
 
@@ -94,7 +98,7 @@ def make(project: Path, target: str, placement: str, *extra: str,
 @pytest.mark.parametrize("placement", PLACEMENTS)
 @pytest.mark.parametrize("command", list(COMMANDS))
 def test_every_command_resolves_the_same_deployment(project, command, placement):
-    target, extra = COMMANDS[command]
+    target, extra, runs = COMMANDS[command]
     out = project / f"view-{command}-{placement}.jsonl"
     out.unlink(missing_ok=True)
     p = make(project, target, placement, *extra, env={"K3_TEST_PRINT_DEPLOYMENT": str(out)})
@@ -103,7 +107,7 @@ def test_every_command_resolves_the_same_deployment(project, command, placement)
     assert views, f"make {target} ran no k3rocm command"
     want = expected(project)
     for view in views:
-        assert view["command"] == command and view["wired"], view
+        assert view["command"] == runs and view["wired"], view
         got = {k: view[k] for k in want}
         assert got == want, f"make {target} ({placement}): {got}"
         src = "env" if placement in ("shell", "inline") else ".env"
@@ -114,13 +118,16 @@ def test_the_wired_commands(project):
     """Which commands derive their values from the deployment themselves (the matrix above);
     the others print the shared view only (see the report of issue 11 for who wires them)."""
     wired = {}
-    for name in ("config", "bench", "gsm8k", "census", "bench-ab", "census-ab", "smoke"):
-        p = subprocess.run([sys.executable, "-m", "k3rocm", name, "--print-deployment"],
+    for name in ("config", "bench", "gsm8k", "census", "bench-ab", "census-ab", "smoke",
+                 "ab --measure bench", "server wait"):
+        p = subprocess.run([sys.executable, "-m", "k3rocm", *name.split(), "--print-deployment"],
                            cwd=project, env=_env(SETTINGS), capture_output=True, text=True,
                            timeout=60)
         assert p.returncode == 0, p.stderr
         wired[name] = json.loads(p.stdout)["wired"]
-    assert {k for k, v in wired.items() if v} >= set(COMMANDS)
+    assert {k for k, v in wired.items() if v} >= {
+        "config", "bench", "gsm8k", "census", "bench-ab", "census-ab", "ab --measure bench",
+        "server wait"}
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)

@@ -20,6 +20,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     common.add_arguments(parser, measure="bench")
 
 
+deployment_view = common.deployment_view  # the one A/B driver's view (--print-deployment)
+
+
 def build_plan(args: argparse.Namespace) -> ab.ABPlan:
     if args.runs_per_server < 1:
         raise UsageError(f"--runs-per-server {args.runs_per_server}: must be >= 1", 2)

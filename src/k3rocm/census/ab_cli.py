@@ -58,6 +58,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     common.add_arguments(p, measure="census")
 
 
+def deployment_view(args: argparse.Namespace) -> dict:
+    """The one A/B driver's view (``--print-deployment``)."""
+    from k3rocm.lifecycle import ab_cli as common
+
+    return common.deployment_view(args)
+
+
 def run(args: argparse.Namespace) -> int:
     from k3rocm.lifecycle import ab_cli as common
 

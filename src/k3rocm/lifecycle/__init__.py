@@ -57,13 +57,11 @@ def _log(msg: str) -> None:
 
 def resolve_settings(env_file: str | os.PathLike | None = ".env",
                      environ: Mapping[str, str] | None = None):
-    """The resolved deployment settings: the ONE place this module reads them.
+    """The deployment (:func:`k3rocm.deployment.load_deployment`: shell > .env > profile >
+    default): the ONE place this module reads the settings."""
+    from k3rocm.deployment import load_deployment
 
-    (When ``k3rocm.deployment`` lands, this becomes a one-line switch to it.)
-    """
-    from k3rocm.config import render
-
-    return render(environ, dotenv=env_file, host_paths=True, check_model=False)
+    return load_deployment(environ, env_file=str(env_file) if env_file else None)
 
 
 def cpu_from_environment(environ: Mapping[str, str] | None = None) -> bool:
@@ -81,16 +79,10 @@ def compose_files(cpu: bool, repo: Path = REPO) -> list[Path]:
 
 
 def docker_client(timeout: int = 600):
-    """The Docker engine (docker-py), or exit 3 with one line."""
-    try:
-        import docker
+    """The Docker engine: :func:`k3rocm.engine.docker_client` (no engine: exit 3)."""
+    from k3rocm.engine import docker_client as engine_client
 
-        client = docker.from_env(timeout=timeout)
-        client.ping()
-        return client
-    except Exception as exc:  # noqa: BLE001 - any failure means "no engine"
-        raise UsageError(f"no Docker engine ({exc.__class__.__name__}): start Docker or set "
-                         "DOCKER_HOST", 3) from None
+    return engine_client(timeout=timeout)
 
 
 @dataclass
@@ -333,19 +325,17 @@ def pin_engine_core(container) -> str:
 
 def deployment_server(env_file: str | os.PathLike | None = ".env",
                       project: str | None = None) -> tuple[ComposeServer, Any]:
-    """The compose server of the deployment (``make up``) and the rendered settings."""
-    rendered = resolve_settings(env_file)
-    st = rendered.settings
+    """The compose server of the deployment (``make up``) and the deployment."""
+    dep = resolve_settings(env_file)
     srv = ComposeServer(project=project or os.environ.get("COMPOSE_PROJECT_NAME")
                         or DEFAULT_PROJECT, cpu=cpu_from_environment(),
-                        url=f"http://127.0.0.1:{st.port}", model=st.served_model_name,
-                        api_key=st.api_key)
-    return srv, rendered
+                        url=dep.url, model=dep.served_model_name, api_key=dep.api_key)
+    return srv, dep
 
 
-def default_timeout(rendered) -> float:
+def default_timeout(dep) -> float:
     """The engine's VLLM_ENGINE_READY_TIMEOUT_S + 10 min, or 15 min."""
-    engine = rendered.env.get("VLLM_ENGINE_READY_TIMEOUT_S")
+    engine = dep.rendered.env.get("VLLM_ENGINE_READY_TIMEOUT_S")
     return float(engine) + 600 if engine else 900.0
 
 
@@ -386,13 +376,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d.add_argument("--label", default="server-log")
 
 
+def deployment_view(args: argparse.Namespace) -> dict:
+    """What the compose server commands resolve (``--print-deployment``)."""
+    srv, dep = deployment_server(args.env_file, args.project)
+    return {**dep.to_json(), "url": srv.url, "project": srv.project,
+            "compose_files": [str(f) for f in compose_files(srv.cpu)]}
+
+
 def run(args: argparse.Namespace) -> int:
     if not getattr(args, "what", None):
         raise UsageError("server needs a subcommand: up, wait, logs, save-log, provenance or "
                          "down (see k3rocm server --help)")
-    srv, rendered = deployment_server(args.env_file, args.project)
+    srv, dep = deployment_server(args.env_file, args.project)
     if args.what in ("up", "wait"):
-        t = args.timeout if args.timeout is not None else default_timeout(rendered)
+        t = args.timeout if args.timeout is not None else default_timeout(dep)
         if t <= 0:
             raise UsageError(f"--timeout {t:g} must be > 0", 2)
         if args.what == "up":
@@ -409,12 +406,15 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(srv.provenance(), indent=2, default=str))
         return 0
     if args.what in ("save-log", "down"):
+        from k3rocm import runrecord
         from k3rocm.rundir import create_run_dir
 
         if srv.state() is None:
             print("k3rocm: no server log to save (no server container)", file=sys.stderr)
         else:
-            out = create_run_dir(rendered.settings.results_dir, args.label)
+            out = create_run_dir(dep.results_root, args.label)
+            runrecord.write(out, runrecord.build(deployment=dep, url=dep.url,
+                                                 server=srv.provenance()))
             saved = srv.save_log(out / "server.log")
             print(f"k3rocm: server log saved to {saved or '(empty log)'}", file=sys.stderr)
         if args.what == "down":

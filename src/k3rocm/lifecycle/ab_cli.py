@@ -85,12 +85,28 @@ def add_arguments(parser: argparse.ArgumentParser, measure: str | None = None) -
 
 
 def results_root(args: argparse.Namespace) -> Path:
-    """--results, else K3_RESULTS_DIR (BENCH_RESULTS for bench), else ./results."""
-    import os
+    """--results, else the deployment's results root (K3_RESULTS_DIR: shell > .env > default)."""
+    from k3rocm.lifecycle import resolve_settings
 
-    env = ("BENCH_RESULTS", "K3_RESULTS_DIR") if args.measure == "bench" else ("K3_RESULTS_DIR",)
-    return Path(args.results or next((os.environ[e] for e in env if os.environ.get(e)),
-                                     "results"))
+    if args.results:
+        return Path(args.results)
+    return resolve_settings(getattr(args, "env_file", ".env")).results_root
+
+
+def deployment_view(args: argparse.Namespace) -> dict:
+    """What the arm servers and the measurement resolve to (``--print-deployment``)."""
+    from k3rocm.lifecycle import resolve_settings
+
+    dep = resolve_settings(getattr(args, "env_file", ".env"))
+    arms = armlib.arms_from_args(args)
+    model, api_key = armlib.served_model(arms, getattr(args, "env_file", ".env"))
+    from k3rocm.config import REDACTED
+
+    # The image: --image, else compose's interpolation of K3_IMAGE (shell, then .env).
+    return {**dep.to_json(), "url": arms.url, "served_model_name": model,
+            "api_key": REDACTED if api_key else None, "image": arms.image or dep.image,
+            "results_root": str(results_root(args).absolute()),
+            "measure": args.measure, "arm_env": arms.arm_env}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -21,7 +21,14 @@ from pathlib import Path
 from typing import Any
 
 from k3rocm.errors import UsageError
-from k3rocm.lifecycle import REPO, ComposeServer, deployment_server, docker_client
+from k3rocm.lifecycle import (
+    REPO,
+    ComposeServer,
+    compose_files,
+    deployment_server,
+    docker_client,
+    resolve_settings,
+)
 
 FUSIONS_OFF = {"K3_FUSE_QK_NORM": "0", "K3_FUSE_DECODE_QPREP": "0"}
 FUSIONS_ON = {"K3_FUSE_QK_NORM": "1", "K3_FUSE_DECODE_QPREP": "1"}
@@ -62,8 +69,9 @@ def add_server_arguments(parser: argparse.ArgumentParser, default_repeats: int =
     g.add_argument("--image", default=os.environ.get("K3_IMAGE") or None,
                    help="server image for both arms (env K3_IMAGE; default compose's: "
                    "k3rocm/server:latest, k3rocm/server:cpu without AMD GPUs); never pulled")
-    g.add_argument("--port", type=int, default=int(os.environ.get("K3_PORT") or 8000),
-                   help="host port of the arm servers (env K3_PORT; default 8000)")
+    g.add_argument("--port", type=int, default=None,
+                   help="host port of the arm servers (default: the deployment's K3_PORT, "
+                   "shell > .env > profile)")
     g.add_argument("--models-dir", default=os.environ.get("K3_MODELS_DIR") or None,
                    help="host directory mounted at /models (env K3_MODELS_DIR)")
     g.add_argument("--cache-dir", default=os.environ.get("K3_CACHE_DIR") or None,
@@ -167,6 +175,8 @@ def arms_from_args(args: argparse.Namespace, on_env: dict[str, str] | None = Non
     """The arm settings from the shared flags (bad input: one line, exit 2)."""
     if args.repeats < 1:
         raise UsageError(f"--repeats {args.repeats}: must be >= 1", 2)
+    if args.port is None:
+        args.port = resolve_settings(getattr(args, "env_file", ".env")).port
     if not 1 <= args.port <= 65535:
         raise UsageError(f"--port {args.port}: must be 1..65535", 2)
     if args.server_timeout <= 0:
@@ -305,14 +315,14 @@ def check_port(arms: Arms, env_file: str = ".env") -> None:
         raise UsageError(f"a server already runs on port {arms.port} ({url}): the A/B starts "
                          "its own fresh servers there; stop it with `make down` or pass "
                          "--stop-running (or use another --port)", 2)
-    srv, rendered = deployment_server(env_file)
+    srv, dep = deployment_server(env_file)
     srv.cpu = arms.cpu
     if srv.state() is None:
         raise UsageError(f"--stop-running: what answers on {url} is not the compose server "
                          f"of project {srv.project}; stop it yourself or use another --port", 2)
     from k3rocm.rundir import create_run_dir
 
-    out = create_run_dir(Path(rendered.settings.results_dir), "server-log")
+    out = create_run_dir(dep.results_root, "server-log")
     _log(f"--stop-running: stopping compose project {srv.project} (log in {out})")
     srv.down(log_path=out / "server.log")
     t0 = time.time()
@@ -386,12 +396,9 @@ def arm_server(arms: Arms, slot: int, arm: str, stamp: str, log_path: Path, env_
 def served_model(arms: Arms, env_file: str = ".env") -> tuple[str, str | None]:
     """(served model name, API key) the arm servers will have: the settings rendered with the
     arm's environment on top (shell > .env > profile > default), as the entrypoint does."""
-    from k3rocm.config import read_dotenv
-    from k3rocm.lifecycle import resolve_settings
-
     environ = {**os.environ, **arms.compose_env("B")}
-    if arms.cpu and not environ.get("K3_PROFILE") and not read_dotenv(env_file).get(
-            "K3_PROFILE"):
-        environ["K3_PROFILE"] = "cpu-smoke"  # compose.cpu.yaml's default for the container
-    st = resolve_settings(env_file, environ).settings
-    return st.served_model_name, st.api_key
+    # The files the arm servers run with (compose.cpu.yaml sets the cpu-smoke profile default).
+    environ["COMPOSE_FILE"] = ":".join(str(f) for f in compose_files(arms.cpu))
+    environ["COMPOSE_PATH_SEPARATOR"] = ":"
+    dep = resolve_settings(env_file, environ)
+    return dep.served_model_name, dep.api_key
