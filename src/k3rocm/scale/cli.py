@@ -100,11 +100,10 @@ def run(args: argparse.Namespace) -> int:
             print("\n".join(format_status(replicas, router)))
         return 0 if router.summary.startswith("ok") else 1
     if cmd in ("router-up", "router-down"):
+        from k3rocm.engine import docker_client
         from k3rocm.scale.router import start_router, stop_router
 
-        client = _docker()
-        if client is None:
-            raise UsageError("no Docker engine: start it (or set DOCKER_HOST)")
+        client = docker_client()  # no engine: exit 3, like every command
         if cmd == "router-down":
             print("router removed" if stop_router(client, args.name) else
                   f"no container named {args.name}")
