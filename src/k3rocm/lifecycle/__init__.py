@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from k3rocm.engine import docker_client  # noqa: F401 - the one factory, used by arms
 from k3rocm.errors import UsageError
 
 REPO = Path(__file__).resolve().parents[3]
@@ -76,13 +77,6 @@ def cpu_from_environment(environ: Mapping[str, str] | None = None) -> bool:
 
 def compose_files(cpu: bool, repo: Path = REPO) -> list[Path]:
     return [repo / COMPOSE_FILE, *([repo / CPU_COMPOSE_FILE] if cpu else [])]
-
-
-def docker_client(timeout: int = 600):
-    """The Docker engine: :func:`k3rocm.engine.docker_client` (no engine: exit 3)."""
-    from k3rocm.engine import docker_client as engine_client
-
-    return engine_client(timeout=timeout)
 
 
 @dataclass
