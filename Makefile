@@ -53,7 +53,7 @@ logs: ## follow the server log
 	$(COMPOSE) logs -f server
 
 test: $(PY) ## run the test suite (needs the Docker engine: see .ci/run)
-	$(PY) -m pytest -ra $(PYTEST_ARGS)
+	$(PY) -m pytest -ra --durations=25 $(PYTEST_ARGS)
 
 lint: $(PY) ## ruff, hadolint, shellcheck
 	$(PY) -m ruff check .

@@ -18,6 +18,7 @@ pytestmark = pytest.mark.docker
 FAKE_VLLM = """#!/usr/bin/env python3
 import http.server, signal, sys
 signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
+print("handler-installed", flush=True)
 class H(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
@@ -84,7 +85,10 @@ def test_docker_stop_reaches_the_server_process(docker_client, server_image, tmp
             c.reload()
             if c.status == "running":
                 procs = [" ".join(p[-1:]) for p in c.top(ps_args="-eo pid,args")["Processes"]]
-                if any("/fakebin/vllm" in p for p in procs):
+                # the process shows up before Python has installed its SIGTERM handler: wait
+                # for the line it prints after installing it (else docker stop races it: 143)
+                if (any("/fakebin/vllm" in p for p in procs)
+                        and b"handler-installed" in c.logs()):
                     break
             time.sleep(0.5)
         # The entrypoint shell and the Python renderer are gone: exec replaced them.
