@@ -5,7 +5,7 @@
 #   make model VERIFY=1         verify the copy there (config.json, every indexed shard, sizes)
 #   make model MODEL_ARGS='--revision <40-hex> --max-workers 16'   any `k3rocm model` option
 # Gated or private: HF_TOKEN in the shell. The revision and sha256 of config.json and of the
-# safetensors index go into provenance (k3rocm.checkpoint.identity).
+# safetensors index go into provenance (k3rocm.deploy.checkpoint.identity).
 PY ?= .venv/bin/python
 MODEL_ARGS ?=
 

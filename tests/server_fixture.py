@@ -10,7 +10,7 @@ image (``$K3_SERVER_IMAGE``; by default the ``server_image`` fixture builds
 ``/results/traces`` on the session's results directory (``results_dir``), so the live census
 profiles the same session server instead of starting its own.
 
-Every server is started by :mod:`k3rocm.lifecycle` through compose (compose.yaml +
+Every server is started by :mod:`k3rocm.deploy.lifecycle` through compose (compose.yaml +
 compose.cpu.yaml, one compose project per server: ``k3test-<pid>-<n>``), never by a container
 definition of its own. :func:`start_server` starts another one with extra env (failure tests,
 replicas); call ``.stop()`` on the result (or use it as a context manager): it saves the
@@ -73,7 +73,7 @@ class StandinServer:
     port: int
     env: dict = field(default_factory=dict)
     ready_seconds: float = 0.0
-    compose: object = None  # k3rocm.lifecycle.ComposeServer
+    compose: object = None  # k3rocm.deploy.lifecycle.ComposeServer
     log_path: Path | None = None
     results_dir: Path | None = None  # mounted at /results
 
@@ -138,7 +138,7 @@ def ensure_smoke_model(client, image: str, models_dir: Path = MODELS_DIR) -> Pat
 
 def _remove_stale(client) -> None:
     """Remove test compose projects (``k3test-<pid>-<n>``) whose pytest process is gone."""
-    from k3rocm.lifecycle import ComposeServer
+    from k3rocm.deploy.lifecycle import ComposeServer
 
     stale = set()
     for c in client.containers.list(all=True, filters={"label": LABEL_PROJECT}):
@@ -175,8 +175,8 @@ def start_server(
     ``host_port`` fixes the port (default: a free one), ``name`` the compose project.
     """
     global _count
+    from k3rocm.deploy.lifecycle import ComposeServer
     from k3rocm.errors import UsageError
-    from k3rocm.lifecycle import ComposeServer
 
     image = image or os.environ.get("K3_SERVER_IMAGE") or DEFAULT_SERVER_IMAGE
     if not _image_exists(client, image):

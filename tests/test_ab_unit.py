@@ -97,7 +97,7 @@ def test_a_server_on_the_port_asks_for_make_down_or_stop_running(tmp_path):
 
 
 def test_estimate_uses_earlier_starts_else_states_the_assumption(tmp_path):
-    from k3rocm.lifecycle.arms import Arms, estimate
+    from k3rocm.checks.ab.arms import Arms, estimate
 
     arms = Arms(mode="ab", repeats=2, arm_env={"A": {}, "B": {}}, port=8000, cpu=True)
     secs, how = estimate(arms, tmp_path)
@@ -115,8 +115,8 @@ def test_arm_server_is_compose_yaml_with_the_arm_env(tmp_path):
     """The arm server rendered by real `docker compose config`: the image, port, mounts and
     the arm's toggles come from compose.yaml + compose.cpu.yaml and the arm's environment;
     the per-server env file carries what compose.yaml does not list."""
-    from k3rocm.lifecycle import ComposeServer
-    from k3rocm.lifecycle.arms import arms_from_args
+    from k3rocm.checks.ab.arms import arms_from_args
+    from k3rocm.deploy.lifecycle import ComposeServer
 
     ns = argparse.Namespace(repeats=1, port=18555, server_timeout=60, gpu=False,
                             server_env=["K3_PROFILE=cpu-smoke", "VLLM_RPC_TIMEOUT=99"],
@@ -160,7 +160,7 @@ def test_serving_image_never_carries_the_test_double():
 
 
 def test_compose_server_argv_names_project_and_files():
-    from k3rocm.lifecycle import ComposeServer
+    from k3rocm.deploy.lifecycle import ComposeServer
 
     argv = ComposeServer(project="p1", cpu=True).argv("ps")
     assert argv[:4] == ["docker", "compose", "-p", "p1"]

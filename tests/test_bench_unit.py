@@ -12,8 +12,8 @@ import sys
 import pytest
 from conftest import REPO, run_cli
 
-from k3rocm.bench import stats, summary
-from k3rocm.bench.workloads import aiperf_command, resolve, workload_names
+from k3rocm.checks.bench import stats, summary
+from k3rocm.checks.bench.workloads import aiperf_command, resolve, workload_names
 from k3rocm.errors import UsageError
 
 # The seed's command, verbatim from the brief (section 3), with <local Kimi-K3 dir> filled in.
@@ -137,7 +137,7 @@ def test_bench_ab_dry_run_plan():
 
 
 def test_abba_order():
-    from k3rocm.bench.ab import sequence
+    from k3rocm.checks.ab.arms import sequence
 
     assert sequence(1) == ["A", "B"]
     assert sequence(3) == ["A", "B", "B", "A", "A", "B"]
@@ -232,8 +232,8 @@ def test_usage_error_is_raised_for_bad_workload_file(tmp_path):
 
 
 def test_workloads_file_fields_documented():
-    text = (REPO / "src/k3rocm/bench/workloads.toml").read_text()
-    from k3rocm.bench.workloads import FIELD_NAMES
+    text = (REPO / "src/k3rocm/checks/bench/workloads.toml").read_text()
+    from k3rocm.checks.bench.workloads import FIELD_NAMES
 
     for f in FIELD_NAMES:
         assert f"#   {f}" in text or f"{f}," in text or f"{f} " in text, f

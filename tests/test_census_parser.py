@@ -1,6 +1,6 @@
 """Census parser, expectations and report on crafted traces (REAL ROCm kernel names, multi-rank,
 gzip). The traces in tests/data/census/ are written by tests/data/census/make_traces.py; the
-kernel names and where each comes from are listed there and in k3rocm/census/kernels.json.
+kernel names and where each comes from are listed there and in k3rocm/checks/census/kernels.json.
 """
 
 from __future__ import annotations
@@ -13,14 +13,15 @@ from pathlib import Path
 import pytest
 from conftest import REPO, run_cli
 
-from k3rocm.census.analyze import run_census
-from k3rocm.census.decisions import Decisions, decision_files, records_from_files
-from k3rocm.census.fusions import from_cli
-from k3rocm.census.modelcfg import read_model_facts
-from k3rocm.census.names import Normalizer
-from k3rocm.census.spec import eval_formula, kernel_table, load_spec
-from k3rocm.census.trace import load_trace_dir, parse_rank_trace
+from k3rocm.checks.census.analyze import run_census
+from k3rocm.checks.census.decisions import Decisions
+from k3rocm.checks.census.fusions import from_cli
+from k3rocm.checks.census.modelcfg import read_model_facts
+from k3rocm.checks.census.names import Normalizer
+from k3rocm.checks.census.spec import eval_formula, kernel_table, load_spec
+from k3rocm.checks.census.trace import load_trace_dir, parse_rank_trace
 from k3rocm.errors import UsageError
+from k3rocm.serving.decisions import decision_files, records_from_files
 
 DATA = REPO / "tests" / "data" / "census"
 TINY = DATA / "models" / "tiny-deepseek-v3"  # 3 layers, all MLA
@@ -115,7 +116,7 @@ def test_kernel_table_real_names_with_sources():
 
 def test_kernel_table_is_package_data():
     pyproject = (REPO / "pyproject.toml").read_text()
-    assert '"k3rocm.census" = ["*.json"]' in pyproject
+    assert '"k3rocm.checks.census" = ["*.json"]' in pyproject
 
 
 # -- model config ----------------------------------------------------------------------------
@@ -318,7 +319,7 @@ def test_anchor_ab_288_to_144():
     q/kv norm 288 separate -> 144 fused; Q-prep 288 (cache write + triton concat/quant) -> 144
     fused; 9.39 -> 4.74 us per MLA layer per decode step. The q/kv pair is the off - on
     difference of all RMSNorm launches (K3's other norms unknown): checked = 2 x 24 x 6."""
-    from k3rocm.census.ab_cli import compare, render_ab_table
+    from k3rocm.checks.census.ab import compare, render_ab_table
 
     off = census("k3-anchor-off", "all=off", model=KIMI)
     on = census("k3-anchor-on", "all=on", model=KIMI)
@@ -339,7 +340,7 @@ def test_anchor_ab_288_to_144():
 def test_ab_fused_while_pair_still_runs_fails_without_other_norm_count():
     """With the model's other norms unknown, the A/B difference still catches a fused kernel
     launched next to the stock pair: nothing was removed."""
-    from k3rocm.census.ab_cli import compare
+    from k3rocm.checks.census.ab import compare
 
     off = census("rocm-off", "all=off", other="0")
     on = census("rocm-fused-and-pair", "all=on", other="0")
@@ -402,7 +403,7 @@ def test_cpu_op_trace_is_counted_by_operator(tmp_path):
     assert rt.mode == "cpu" and len(rt.steps) == 2 and rt.rank_source == "file name"
     m = read_model_facts(TINY)
     spec = load_spec("cpu", m.model_type, other_norms="0")
-    from k3rocm.census.expect import build_checks, role_counts
+    from k3rocm.checks.census.expect import build_checks, role_counts
 
     rc = role_counts(rt, spec)
     assert rc.launches["fused_qk_norm"]["decode"] == 2

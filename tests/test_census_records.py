@@ -10,16 +10,15 @@ import shutil
 import pytest
 from conftest import REPO, run_cli
 
-from k3rocm.census.decisions import (
-    Decisions,
-    cross_check,
+from k3rocm.checks.census.decisions import Decisions, cross_check
+from k3rocm.checks.census.fusions import from_cli, from_env
+from k3rocm.errors import UsageError
+from k3rocm.serving.decisions import (
     final_decisions,
     parse_record,
     records_from_files,
     records_from_log,
 )
-from k3rocm.census.fusions import from_cli, from_env
-from k3rocm.errors import UsageError
 
 DATA = REPO / "tests" / "data" / "census"
 REC = DATA / "records"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, run_cli
 
-from k3rocm.config import ENV_NAME, FIELDS, render
+from k3rocm.serving.config import ENV_NAME, FIELDS, render
 
 GOLDEN = Path(__file__).parent / "golden"
 # The MI355X profile serves /models/Kimi-K3, which must exist: /tmp stands in for it here.
@@ -131,7 +131,7 @@ def test_entrypoint_print_on_the_host():
 
 
 def test_readme_settings_table_is_in_sync():
-    from k3rocm.commands.config_cmd import settings_table
+    from k3rocm.deploy.config_cmd import settings_table
 
     readme = (REPO / "README.md").read_text()
     assert settings_table() in readme, "README settings table is stale: paste " \

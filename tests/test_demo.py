@@ -26,7 +26,7 @@ import pytest
 from conftest import REPO, free_port, run_cli
 from server_fixture import MODELS_DIR
 
-from k3rocm.demo import GSM8K_ITEMS, STANDIN_BASE, STEPS
+from k3rocm.dev.demo import GSM8K_ITEMS, STANDIN_BASE, STEPS
 
 SERVER_IMAGE = "k3rocm/server:cpu"  # compose.cpu.yaml's K3_IMAGE default
 
@@ -93,7 +93,7 @@ def test_setup_script_needs_ci_or_demo(args):
 
 
 def test_bundled_items_are_gsm8ks_first_items():
-    from k3rocm.gsm8k import data
+    from k3rocm.checks.gsm8k import data
 
     src = data.resolve(str(GSM8K_ITEMS), None)  # the same check `make gsm8k` applies
     assert src.test_items == 5

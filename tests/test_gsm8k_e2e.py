@@ -27,8 +27,8 @@ from conftest import REPO, free_port, need
 from server_fixture import standin_server  # noqa: F401 - the shared session fixture
 from test_gsm8k_unit import SEED_DOC_TO_TEXT, SEED_FILTERS, SEED_METRIC, write_items
 
-from k3rocm.gsm8k import data
-from k3rocm.gsm8k.command import DEFAULT_CLIENT_IMAGE
+from k3rocm.checks.gsm8k import data
+from k3rocm.checks.gsm8k.command import DEFAULT_CLIENT_IMAGE
 
 # Another tag (e.g. a freshly built k3rocm/clients:<x>) can be tested without retagging.
 CLIENT_IMAGE = os.environ.get("GSM8K_CLIENT_IMAGE") or DEFAULT_CLIENT_IMAGE
@@ -266,7 +266,7 @@ def test_unknown_model_exits_3(standin_server, items):  # noqa: F811
 def test_ctrl_c_stops_lm_eval_and_keeps_the_run(standin_server, client_image, items,  # noqa: F811
                                                docker_client, tmp_path):
     """Ctrl-C (SIGINT to k3rocm) stops lm-eval in its container gracefully (the one client
-    runner, k3rocm.engine.run_client): exit 130, the run directory and its log are kept, the
+    runner, k3rocm.deploy.engine.run_client): exit 130, the run directory and its log are kept, the
     summary says interrupted, no client container is left."""
     import signal
 

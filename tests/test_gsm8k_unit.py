@@ -16,9 +16,9 @@ import pytest
 import yaml
 from conftest import REPO, free_port, run_cli
 
+from k3rocm.checks.gsm8k import command, data, results
+from k3rocm.checks.gsm8k.lmeval_launch import apply_reasoning_fallback
 from k3rocm.errors import UsageError
-from k3rocm.gsm8k import command, data, results
-from k3rocm.gsm8k.lmeval_launch import apply_reasoning_fallback
 
 
 def write_items(path: Path, n: int, offset: int = 0) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, standin_tag
 
-from k3rocm.config import render
+from k3rocm.serving.config import render
 
 pytestmark = pytest.mark.docker
 

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 from conftest import free_port, run_cli
 
-from k3rocm import checkpoint
-from k3rocm.checkpoint import REVISION, identity, verify
+from k3rocm.deploy import checkpoint
+from k3rocm.deploy.checkpoint import REVISION, identity, verify
 
 REPO = "moonshotai/Kimi-K3"
 SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")

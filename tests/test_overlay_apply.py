@@ -15,8 +15,8 @@ import pytest
 from conftest import REPO, run_cli
 from overlay_docker import extract_tree, require_standin
 
-from k3rocm import overlay
 from k3rocm.errors import UsageError
+from k3rocm.serving import overlay
 
 OVERLAY = REPO / "overlay"
 MLA = "vllm/models/kimi_k3/amd/mla.py"

@@ -108,7 +108,7 @@ def test_image_on_nightly_era_base_applies_and_wires(docker_client):
     assert res["class"] == "KimiK3MultiHeadLatentAttentionWrapper"
     assert res["module"] == "vllm.models.kimi_k3.amd.mla"
     assert res["qprep_why"] == "platform is not ROCm"
-    from k3rocm.overlay_runtime import parse_decision_line
+    from k3rocm.serving.overlay_runtime import parse_decision_line
 
     recs = [r for r in map(parse_decision_line, out.splitlines()) if r]
     assert [(r["layer_kind"], r["phase"]) for r in recs] == [("target", "construct")], out
@@ -124,7 +124,8 @@ def test_image_on_nightly_era_base_applies_and_wires(docker_client):
     assert probe["fusions"]["decode_qprep"] == {"state": "off",
                                                 "reason": "platform is not ROCm"}
     st = run_py(docker_client, "k3rocm/server:cpu-0.27.1",
-                "from k3rocm.overlay import status; import json; print(json.dumps(status()))")
+                "from k3rocm.serving.overlay import status; import json; "
+                "print(json.dumps(status()))")
     st = json.loads(st.strip().splitlines()[-1])
     assert st["verified"] is True and st["plugin_registered"] is True
     assert st["amd_mla"] == "k3rocm overlay"

@@ -81,7 +81,7 @@ def test_end_to_end_tiny_mla_model(docker_client):
     assert fused["aiter_calls"].get(norm, 0) >= 2 * 12
     assert off["aiter_calls"].get(norm, 0) == 0 and stock["aiter_calls"].get(norm, 0) == 0
     # what the overlay decided, as records: norm on; Q-prep off, with the reason
-    from k3rocm.overlay_runtime import parse_decision_line
+    from k3rocm.serving.overlay_runtime import parse_decision_line
 
     recs = [r for r in map(parse_decision_line, log.splitlines()) if r]
     assert recs and all(r["layer_kind"] == "target" for r in recs)

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from conftest import free_port, run_cli
 
-from k3rocm import preflight
-from k3rocm.scale.settings import load_scale
+from k3rocm.deploy import preflight
+from k3rocm.deploy.scale.settings import load_scale
 
 
 def test_runs_on_this_machine_and_reports_rocm_truthfully():
@@ -52,7 +52,7 @@ def test_numa_balancing(tmp_path):
 
 
 def test_checkpoint(tmp_path):
-    from k3rocm.config import load_settings
+    from k3rocm.serving.config import load_settings
 
     env = {"K3_MODELS_DIR": str(tmp_path), "K3_MODEL": "/models/k3"}
     hub = {"K3_MODEL": "moonshotai/Kimi-K3"}
@@ -81,7 +81,7 @@ def test_port_in_use_fails():
 
 
 def test_scale_checks(tmp_path):
-    from k3rocm.config import load_settings
+    from k3rocm.serving.config import load_settings
 
     settings = load_settings({}, dotenv=None, check_model=False)[0]
     p1, p2 = free_port(), free_port()

@@ -1,4 +1,5 @@
-"""Profiles as data (src/k3rocm/profiles/*.yaml) and the seed figures a result compares with."""
+"""Profiles as data (src/k3rocm/serving/profiles/*.yaml) and the seed figures a result
+compares with."""
 
 from __future__ import annotations
 
@@ -10,13 +11,13 @@ import pytest
 import yaml
 from conftest import REPO, run_cli
 
-from k3rocm import profiles
-from k3rocm.config import FIELDS, Settings, load_settings, render
+from k3rocm.deploy.seedref import FIGURES, MEASURES, comparable_with
 from k3rocm.errors import UsageError
-from k3rocm.seedref import FIGURES, MEASURES, comparable_with
+from k3rocm.serving import profiles
+from k3rocm.serving.config import FIELDS, Settings, load_settings, render
 
 GOLDEN = Path(__file__).parent / "golden"
-SHIPPED = REPO / "src" / "k3rocm" / "profiles"
+SHIPPED = REPO / "src" / "k3rocm" / "serving" / "profiles"
 
 
 # --- the move from a dict to files changed nothing -------------------------------------------
@@ -59,7 +60,7 @@ def test_the_package_ships_the_profile_files():
     import tomllib
 
     data = tomllib.loads((REPO / "pyproject.toml").read_text())
-    assert "*.yaml" in data["tool"]["setuptools"]["package-data"]["k3rocm.profiles"]
+    assert "*.yaml" in data["tool"]["setuptools"]["package-data"]["k3rocm.serving.profiles"]
     assert any(d.startswith("pyyaml") for d in data["project"]["dependencies"])
     assert "COPY src/ /opt/k3rocm/pkg/src/" in (REPO / "Dockerfile").read_text()
 

@@ -1,4 +1,4 @@
-"""The one run record (k3rocm.runrecord), the one redaction rule and the one exit-code table.
+"""The one run record (k3rocm.deploy.runrecord), the one redaction rule and the one exit-code table.
 
 The record written by a real command: an offline census over crafted traces, with the model
 dir, the results root and an API key given only as deployment settings. The records of live
@@ -13,9 +13,10 @@ import json
 
 from conftest import REPO, run_cli
 
-from k3rocm import errors, runrecord
-from k3rocm.config import REDACTED, redact_argv, redact_env
-from k3rocm.deployment import load_deployment
+from k3rocm import errors
+from k3rocm.deploy import runrecord
+from k3rocm.deploy.deployment import load_deployment
+from k3rocm.serving.config import REDACTED, redact_argv, redact_env
 
 DATA = REPO / "tests" / "data" / "census"
 SECRET = "rr-secret-1234"

@@ -2,7 +2,7 @@
 
 Traffic goes only to 127.0.0.1. The first replica is the session's ``standin_server``; the test
 starts one more (fixed host port, so a restarted container keeps its URL) and the router from
-``k3rocm/router:0.1.17`` (``make router-image``) with ``k3rocm.scale.router.start_router``.
+``k3rocm/router:0.1.17`` (``make router-image``) with ``k3rocm.deploy.scale.router.start_router``.
 Then: requests reach both replicas (counted from each server's /metrics); one replica stopped
 mid-load: every request ends (success or a clear error) within its timeout; the status function
 behind ``make status`` says "degraded, 1 of 2"; the replica restarted rejoins (timed).
@@ -28,11 +28,11 @@ from server_fixture import (
     start_server,
 )
 
+from k3rocm.deploy.scale.render import plan
+from k3rocm.deploy.scale.router import start_router, stop_router
+from k3rocm.deploy.scale.settings import load_scale
+from k3rocm.deploy.scale.status import format_status, scale_status
 from k3rocm.errors import UsageError
-from k3rocm.scale.render import plan
-from k3rocm.scale.router import start_router, stop_router
-from k3rocm.scale.settings import load_scale
-from k3rocm.scale.status import format_status, scale_status
 
 ROUTER_IMAGE = os.environ.get("K3_TEST_ROUTER_IMAGE", "k3rocm/router:0.1.17")
 REQUEST_TIMEOUT = 60.0  # per request; "hung" = no answer within this

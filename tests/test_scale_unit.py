@@ -9,12 +9,12 @@ import subprocess
 import pytest
 from conftest import REPO, need, run_cli
 
-from k3rocm import config
+from k3rocm.deploy.scale import k8s
+from k3rocm.deploy.scale.render import compose_override, plan, router_argv
+from k3rocm.deploy.scale.settings import SCALE_FIELD_BY_ENV, load_scale
+from k3rocm.deploy.scale.status import parse_decisions, summarize_decisions, topology
 from k3rocm.errors import UsageError
-from k3rocm.scale import k8s
-from k3rocm.scale.render import compose_override, plan, router_argv
-from k3rocm.scale.settings import SCALE_FIELD_BY_ENV, load_scale
-from k3rocm.scale.status import parse_decisions, summarize_decisions, topology
+from k3rocm.serving import config
 
 TWO = {"K3_SCALE_MODE": "replicas", "K3_SCALE_NODES": "10.0.0.1:8000,10.0.0.2:8000"}
 DPEP = {"K3_SCALE_MODE": "dp-ep", "K3_SCALE_NODES": "10.0.0.1:8000,10.0.0.2:8000",
@@ -146,7 +146,7 @@ def test_compose_override_validates_with_docker_compose(tmp_path):
     need(shutil.which("docker") is not None, "no docker CLI")
     r = subprocess.run(["docker", "compose", "version"], capture_output=True, text=True)
     need(r.returncode == 0, "docker compose v2 is not installed (.ci/install-compose.sh)")
-    from k3rocm.scale.cli import _compose_yaml
+    from k3rocm.deploy.scale.cli import _compose_yaml
 
     node = plan(DPEP, dotenv=None).nodes[1]
     f = tmp_path / "node1.yaml"

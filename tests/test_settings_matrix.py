@@ -8,7 +8,7 @@ command resolved is observed with the central `--print-deployment` mechanism
 command resolved, through the command's own `deployment_view` hook, and exits 0): no server,
 no Docker. The bench and gsm8k dry runs then show the same values in the exact client command
 lines they would run. The expected values are written here from the settings given, not taken
-from k3rocm.deployment.
+from k3rocm.deploy.deployment.
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ def test_bench_and_gsm8k_dry_runs_use_the_deployment(project, placement):
 
 def test_derivations_without_make(tmp_path):
     """The rules behind the view, each with a value that would show a wrong rule."""
-    from k3rocm.deployment import load_deployment
+    from k3rocm.deploy.deployment import load_deployment
 
     d = load_deployment({"K3_BIND_ADDRESS": "::", "K3_PORT": "9", "K3_RESULTS_DIR": str(tmp_path),
                          "K3_MODELS_DIR": str(tmp_path / "m"), "K3_MODEL": "/models/a/b"}, None)

@@ -24,8 +24,8 @@ from server_fixture import (
     start_server,
 )
 
-from k3rocm import standin as standin_mod
-from k3rocm import tinymodel
+from k3rocm.dev import standin as standin_mod
+from k3rocm.dev import tinymodel
 
 VERSIONS = ("0.32.0", "0.27.1")
 

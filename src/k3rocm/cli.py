@@ -8,33 +8,45 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from k3rocm import __version__
 from k3rocm.errors import UsageError
 
-# command -> (module, one-line help). Each module has add_arguments(parser) and run(args) -> int.
+# command -> (module or module:alias, one-line help); each has add_arguments(parser) and
+# run(args) -> int.
 # Modules are imported only when their command runs, so `serve` stays fast and light.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "config": ("k3rocm.commands.config_cmd", "resolved settings and their sources"),
-    "profiles": ("k3rocm.profiles.cli", "list the serving profiles, show one, validate files"),
-    "model": ("k3rocm.checkpoint", "download Kimi-K3 at a pinned revision, or verify a copy"),
-    "render": ("k3rocm.commands.render_cmd", "print the vLLM env and argv as JSON (no server)"),
-    "serve": ("k3rocm.commands.serve_cmd", "validate, render and exec `vllm serve` (entrypoint)"),
-    "manifest": ("k3rocm.manifest", "write or show the image's provenance manifest"),
-    "overlay": ("k3rocm.overlay", "apply or inspect the Kimi-K3 AMD MLA overlay"),
-    "standin": ("k3rocm.standin", "build the CPU stand-in base images (no AMD GPU needed)"),
-    "tinymodel": ("k3rocm.tinymodel", "generate the tiny random-weight MLA smoke model"),
-    "server": ("k3rocm.lifecycle", "the compose server: up, wait, logs, provenance, down"),
-    "smoke": ("k3rocm.smoke", "build, serve on the stand-in, send one request, tear down"),
-    "bench": ("k3rocm.bench.cli", "latency/throughput with aiperf in the client container"),
-    "bench-ab": ("k3rocm.bench.ab_cli", "fusion off vs on (or A/A) on fresh servers"),
-    "gsm8k": ("k3rocm.gsm8k.cli", "GSM8K 5-shot accuracy gate with lm-evaluation-harness"),
-    "census": ("k3rocm.census.cli", "decode kernel census from the server's profiler trace"),
-    "census-ab": ("k3rocm.census.ab_cli", "kernel census with the fusions off vs on"),
-    "ab": ("k3rocm.lifecycle.ab_cli", "A/B on fresh servers: --measure bench|census"),
-    "scale": ("k3rocm.scale.cli", "scale out: replicas behind vllm-router, renderings, status"),
-    "preflight": ("k3rocm.preflight", "what this node has and needs, one table (exit 1: a fail)"),
-    "demo": ("k3rocm.demo", "the whole bundle on the CPU stand-in (make up/bench/gsm8k/census)"),
+    # serving: what runs in the image
+    "render": ("k3rocm.serving.render_cmd", "print the vLLM env and argv as JSON (no server)"),
+    "serve": ("k3rocm.serving.serve_cmd", "validate, render and exec `vllm serve` (entrypoint)"),
+    "profiles": ("k3rocm.serving.profiles.cli",
+                 "list the serving profiles, show one, validate files"),
+    "manifest": ("k3rocm.serving.manifest", "write or show the image's provenance manifest"),
+    "overlay": ("k3rocm.serving.overlay", "apply or inspect the Kimi-K3 AMD MLA overlay"),
+    # deploy: the host's view of one deployment
+    "config": ("k3rocm.deploy.config_cmd", "resolved settings and their sources"),
+    "preflight": ("k3rocm.deploy.preflight",
+                  "what this node has and needs, one table (exit 1: a fail)"),
+    "model": ("k3rocm.deploy.checkpoint",
+              "download Kimi-K3 at a pinned revision, or verify a copy"),
+    "server": ("k3rocm.deploy.lifecycle", "the compose server: up, wait, logs, provenance, down"),
+    "scale": ("k3rocm.deploy.scale.cli",
+              "scale out: replicas behind vllm-router, renderings, status"),
+    # checks: measure a running deployment
+    "bench": ("k3rocm.checks.bench.cli", "latency/throughput with aiperf in the client container"),
+    "gsm8k": ("k3rocm.checks.gsm8k.cli", "GSM8K 5-shot accuracy gate with lm-evaluation-harness"),
+    "census": ("k3rocm.checks.census.cli",
+               "decode kernel census from the server's profiler trace"),
+    "ab": ("k3rocm.checks.ab.cli", "A/B on fresh servers: --measure bench|census"),
+    "bench-ab": ("k3rocm.checks.ab.cli:bench", "fusion off vs on (or A/A) on fresh servers"),
+    "census-ab": ("k3rocm.checks.ab.cli:census", "kernel census with the fusions off vs on"),
+    # dev: without AMD GPUs
+    "standin": ("k3rocm.dev.standin", "build the CPU stand-in base images (no AMD GPU needed)"),
+    "tinymodel": ("k3rocm.dev.tinymodel", "generate the tiny random-weight MLA smoke model"),
+    "smoke": ("k3rocm.dev.smoke", "build, serve on the stand-in, send one request, tear down"),
+    "demo": ("k3rocm.dev.demo",
+             "the whole bundle on the CPU stand-in (make up/bench/gsm8k/census)"),
 }
 
 
@@ -50,30 +62,37 @@ EPILOG = (f"Every command takes {PRINT_FLAG}: print what it resolved from the K3
           "130 interrupted (finished work kept).")
 
 
-def _load(module: str) -> tuple[Callable, Callable] | None:
+def _target(spec: str) -> Any:
+    """A command's object: ``module`` or ``module:attr`` (an alias that presets flags)."""
+    module, _, attr = spec.partition(":")
+    mod = importlib.import_module(module)
+    return getattr(mod, attr) if attr else mod
+
+
+def _load(spec: str) -> tuple[Callable, Callable] | None:
+    module = spec.partition(":")[0]
     try:
-        mod = importlib.import_module(module)
+        target = _target(spec)
     except ModuleNotFoundError as exc:
         if exc.name and (exc.name == module or module.startswith(exc.name + ".")):
             return None  # that feature is not part of this install
         raise
-    return mod.add_arguments, mod.run
+    return target.add_arguments, target.run
 
 
 def deployment_view(args: argparse.Namespace) -> dict:
     """What ``args``' command resolved: its module's ``deployment_view(args)`` when it has one
     (``wired``: the command derives its values from the deployment itself), else the shared
-    view of :func:`k3rocm.deployment.load_deployment`."""
-    module = importlib.import_module(args._module)
-    hook = getattr(module, "deployment_view", None)
+    view of :func:`k3rocm.deploy.deployment.load_deployment`."""
+    hook = getattr(_target(args._module), "deployment_view", None)
     if hook is not None:
         view = hook(args)
     else:
-        from k3rocm.deployment import load_deployment
+        from k3rocm.deploy.deployment import load_deployment
 
         view = load_deployment(env_file=getattr(args, "env_file", ".env")).to_json()
     sub = getattr(args, "what", None) or getattr(args, "scale_cmd", None)
-    from k3rocm.config import redact_env
+    from k3rocm.serving.config import redact_env
 
     flags = redact_env({k: "" if v is None else str(v) for k, v in vars(args).items()
                         if not k.startswith("_")})

@@ -69,7 +69,7 @@ def rocm(mla):
     """The overlay's probe (run once per process, as in a server) asks a vLLM that answers
     like ROCm + AITER. The platform switch is taken back before any layer is built: this
     vLLM must keep building CPU layers (its ROCm code paths crash on CPU)."""
-    from k3rocm import overlay_runtime
+    from k3rocm.serving import overlay_runtime
 
     undo = rocm_vllm.activate(platform=True)
     try:
@@ -143,7 +143,7 @@ def test_python_signature_of_an_aiter_op_says_nothing():
 def test_constructs_on_this_vllm_and_reports_why_off(mla, vctx):
     from vllm.model_executor.layers.mla import MultiHeadLatentAttentionWrapper
 
-    from k3rocm import overlay_runtime
+    from k3rocm.serving import overlay_runtime
 
     overlay_runtime.probe(refresh=True)  # this process without the ROCm double
     w = mla_cpu.build_wrapper(mla.KimiK3MultiHeadLatentAttentionWrapper, heads=4)
@@ -244,7 +244,7 @@ def test_norm_toggle(rocm, monkeypatch, vctx):
 
 def test_decision_records(rocm, monkeypatch, tmp_path, vctx):
     """One machine-readable record per decision: in the log and beside the traces."""
-    from k3rocm import overlay_runtime
+    from k3rocm.serving import overlay_runtime
 
     monkeypatch.setenv("K3_PROFILER_DIR", str(tmp_path))
     monkeypatch.setenv("K3_FUSE_QK_NORM", "0")  # a decision no other test made
@@ -527,7 +527,7 @@ def test_plugin_wiring_in_a_fresh_process(tmp_path):
         sys.path.insert(0, %r)
         import torch
         import mla_cpu
-        from k3rocm import vllm_plugin
+        from k3rocm.serving import vllm_plugin
         from vllm.plugins import load_general_plugins
         load_general_plugins()
         kimi_before = sorted(m for m in sys.modules if m.startswith("vllm.models.kimi_k3"))

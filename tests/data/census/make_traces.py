@@ -9,7 +9,7 @@ their launch, so the last kernels of a step end after the step's annotation clos
 must use the correlation, not time). ``distributedInfo`` {rank, world_size} as the torch
 profiler writes it.
 
-Kernel names are the REAL ROCm names (k3rocm/census/kernels.json says where each comes from):
+Kernel names are the REAL ROCm names (k3rocm/checks/census/kernels.json says where each comes from):
 - fused q/kv norm: ``aiter::fused_qk_rmsnorm_kernel<bf16,256,8,true,1>`` (seed PR text; ROCm/aiter
   csrc/kernels/fused_qk_norm.cu launches <256, 8, 1> for max(q_lora 1536, kv_lora 512) <= 2048)
 - every stock RMSNorm (input/post-attention/final AND the paired per-MLA q/kv latent norms):

@@ -14,7 +14,7 @@ from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.mla import MultiHeadLatentAttentionWrapper
 from vllm.platforms import current_platform
 
-from k3rocm import overlay_runtime as k3
+from k3rocm.serving import overlay_runtime as k3
 
 K3ROCM_OVERLAY = 1  # marker: this file is the k3rocm overlay, not upstream vLLM code
 
@@ -35,7 +35,7 @@ class KimiK3MultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        # k3rocm: the toggles (K3_FUSE_*) and the probe (k3rocm.overlay_runtime) are
+        # k3rocm: the toggles (K3_FUSE_*) and the probe (k3rocm.serving.overlay_runtime) are
         # read once per process; every decision is written down as a record.
         self._asked = {name: k3.asked(name) for name in k3.FUSION_ENV}
         self._layer_kind = _layer_kind(self.mla_attn.layer_name)

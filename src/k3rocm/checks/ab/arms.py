@@ -1,0 +1,404 @@
+"""Fresh arm servers for ``k3rocm ab`` (bench-ab and census-ab): one flag set, one arm order.
+
+Every slot of the order A B B A A B ... gets a freshly started server: its own compose
+project (``k3ab-<stamp>-<slot><arm>``) from compose.yaml (+ compose.cpu.yaml without AMD
+GPUs), the arm's environment on top of the deployment's settings (compose reads ``.env`` and
+the shell itself). The server's log is saved into the run directory before it is removed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from k3rocm.deploy.lifecycle import (
+    REPO,
+    ComposeServer,
+    compose_files,
+    deployment_server,
+    docker_client,
+    resolve_settings,
+)
+from k3rocm.errors import UsageError
+
+FUSIONS_OFF = {"K3_FUSE_QK_NORM": "0", "K3_FUSE_DECODE_QPREP": "0"}
+FUSIONS_ON = {"K3_FUSE_QK_NORM": "1", "K3_FUSE_DECODE_QPREP": "1"}
+STEP_DELAY_ENV = "K3_TEST_STEP_DELAY_MS"
+STEP_DELAY_DIR = REPO / "tests" / "doubles" / "stepdelay"
+STEP_DELAY_MOUNT = "/opt/k3rocm-test"  # compose.cpu.yaml mounts K3_TEST_PLUGINS_DIR here
+# Assumed time to a ready server when no earlier A/B under the results root measured one.
+START_GUESS_S = {True: 90.0, False: 1800.0}  # cpu stand-in / MI355X with Kimi-K3
+
+
+def _log(msg: str) -> None:
+    print(f"[ab] {msg}", file=sys.stderr, flush=True)
+
+
+def sequence(repeats: int) -> list[str]:
+    """A B B A A B B A ... with ``repeats`` slots per arm."""
+    out: list[str] = []
+    for i in range(repeats):
+        out += ["A", "B"] if i % 2 == 0 else ["B", "A"]
+    return out
+
+
+def add_server_arguments(parser: argparse.ArgumentParser, default_repeats: int = 2) -> None:
+    """The arm-server flags, the same for every measure."""
+    g = parser.add_argument_group("arm servers (the same for --measure bench and census)")
+    g.add_argument("--aa", action="store_true",
+                   help="A/A mode: both arms identical (measures the noise floor)")
+    g.add_argument("--aa-fusions", choices=("on", "off"), default="on",
+                   help="fusion state of both arms in A/A mode (default on)")
+    g.add_argument("--calibrate-delay-ms", type=float, default=None, metavar="MS",
+                   help="CPU stand-in calibration: both arms as in A/A, arm B with a known "
+                   f"injected delay of MS per engine step ({STEP_DELAY_ENV}, a test double "
+                   "mounted only into the stand-in); the report states injected vs detected")
+    g.add_argument("--repeats", type=int,
+                   default=int(os.environ.get("BENCH_AB_REPEATS") or default_repeats),
+                   help="servers per arm, interleaved A B B A ... (env BENCH_AB_REPEATS; "
+                   f"default {default_repeats})")
+    g.add_argument("--image", default=os.environ.get("K3_IMAGE") or None,
+                   help="server image for both arms (env K3_IMAGE; default compose's: "
+                   "k3rocm/server:latest, k3rocm/server:cpu without AMD GPUs); never pulled")
+    g.add_argument("--port", type=int, default=None,
+                   help="host port of the arm servers (default: the deployment's K3_PORT, "
+                   "shell > .env > profile)")
+    g.add_argument("--models-dir", default=os.environ.get("K3_MODELS_DIR") or None,
+                   help="host directory mounted at /models (env K3_MODELS_DIR)")
+    g.add_argument("--cache-dir", default=os.environ.get("K3_CACHE_DIR") or None,
+                   help="host directory mounted at /cache (env K3_CACHE_DIR)")
+    gpu = g.add_mutually_exclusive_group()
+    gpu.add_argument("--gpu", dest="gpu", action="store_true", default=None,
+                     help="AMD devices (compose.yaml alone; default when /dev/kfd exists)")
+    gpu.add_argument("--no-gpu", dest="gpu", action="store_false",
+                     help="CPU stand-in (adds compose.cpu.yaml)")
+    g.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra server environment for both arms (repeatable), e.g. "
+                   "K3_PROFILE=cpu-smoke; the shell's and .env's K3_* settings apply too")
+    g.add_argument("--server-timeout", type=float, default=3600.0,
+                   help="seconds each fresh server may take to become ready (default 3600: "
+                   "loading Kimi-K3 takes many minutes)")
+    g.add_argument("--pin-engine-core", action="store_true",
+                   help="CPU stand-in on few cores: pin vLLM's EngineCore to the worker's "
+                   "cores so the API server can stream (see docs/bench.md)")
+    g.add_argument("--stop-running", action="store_true",
+                   help="a server already on --port: stop it first (its log is saved, like "
+                   "`make down`) instead of refusing")
+
+
+def parse_env(items: list[str], flag: str = "--server-env") -> dict[str, str]:
+    out = {}
+    for item in items:
+        k, sep, v = item.partition("=")
+        if not sep or not k:
+            raise UsageError(f"{flag} {item!r}: expected KEY=VALUE", 2)
+        if k in FUSIONS_ON:
+            raise UsageError(f"{flag} {k}: the fusion toggles are set per arm by the A/B "
+                             "driver (use --aa/--on)", 2)
+        out[k] = v
+    return out
+
+
+@dataclass
+class Arms:
+    """Where and how the arm servers run (validated before any server starts)."""
+
+    mode: str  # ab | aa | cal
+    repeats: int
+    arm_env: dict[str, dict[str, str]]
+    port: int
+    cpu: bool
+    image: str | None = None
+    models_dir: str | None = None
+    cache_dir: str | None = None
+    server_env: dict[str, str] = field(default_factory=dict)
+    arm_container_env: dict[str, dict[str, str]] = field(default_factory=dict)
+    server_timeout: float = 3600.0
+    pin_engine_core: bool = False
+    stop_running: bool = False
+    delay_ms: float | None = None
+    scale: Any = None  # k3rocm.deploy.scale.settings.ScaleSettings when K3_SCALE_MODE=replicas
+
+    @property
+    def replica_ports(self) -> list[int]:
+        """replicas: one server per K3_SCALE_NODES entry (on this host); else --port."""
+        if self.scale is None:
+            return [self.port]
+        return [self.scale.node_port(i) for i in range(len(self.scale.nodes))]
+
+    @property
+    def url(self) -> str:
+        """Where the measurement goes: the router (replicas) or the one server."""
+        return self.scale.router_url if self.scale is not None else \
+            f"http://127.0.0.1:{self.port}"
+
+    def topology(self) -> dict[str, Any]:
+        if self.scale is None:
+            return {"mode": "single", "servers_per_slot": 1}
+        s = self.scale
+        return {"mode": "replicas", "servers_per_slot": len(s.nodes), "nodes": list(s.nodes),
+                "router": s.router_url, "router_image": s.router_image,
+                "router_policy": s.router_policy}
+
+    def slots(self) -> list[str]:
+        return sequence(self.repeats)
+
+    def compose_env(self, arm: str, port: int | None = None) -> dict[str, str]:
+        env = {**self.server_env, **self.arm_env[arm], "K3_PORT": str(port or self.port)}
+        if self.image:
+            env["K3_IMAGE"] = self.image
+        if self.models_dir:
+            env["K3_MODELS_DIR"] = str(Path(self.models_dir).resolve())
+        if self.cache_dir:
+            env["K3_CACHE_DIR"] = str(Path(self.cache_dir).resolve())
+        if self.delay_ms is not None:
+            env["K3_TEST_PLUGINS_DIR"] = str(STEP_DELAY_DIR)
+        return env
+
+    def describe_env(self) -> dict[str, str]:
+        """The server settings both arms share (what the protocol key covers)."""
+        return {k: v for k, v in self.compose_env("A").items()
+                if k not in FUSIONS_ON and k != "K3_PORT"}
+
+
+def arms_from_args(args: argparse.Namespace, on_env: dict[str, str] | None = None,
+                   off_env: dict[str, str] | None = None) -> Arms:
+    """The arm settings from the shared flags (bad input: one line, exit 2)."""
+    if args.repeats < 1:
+        raise UsageError(f"--repeats {args.repeats}: must be >= 1", 2)
+    if args.port is None:
+        args.port = resolve_settings(getattr(args, "env_file", ".env")).port
+    if not 1 <= args.port <= 65535:
+        raise UsageError(f"--port {args.port}: must be 1..65535", 2)
+    if args.server_timeout <= 0:
+        raise UsageError(f"--server-timeout {args.server_timeout:g}: must be > 0", 2)
+    cpu = (not Path("/dev/kfd").exists()) if args.gpu is None else not args.gpu
+    env = parse_env(args.server_env)
+    on = dict(on_env or FUSIONS_ON)
+    off = dict(off_env or FUSIONS_OFF)
+    container_env: dict[str, dict[str, str]] = {"A": {}, "B": {}}
+    delay = args.calibrate_delay_ms
+    if delay is not None:
+        if args.aa:
+            raise UsageError("--calibrate-delay-ms and --aa exclude each other (calibration "
+                             "is an A/A with a known delay in arm B)", 2)
+        if not cpu:
+            raise UsageError("--calibrate-delay-ms exists only for the CPU stand-in "
+                             "(--no-gpu): the delay switch is never in the serving image", 2)
+        if not 0 < delay <= 10000:
+            raise UsageError(f"--calibrate-delay-ms {delay:g}: must be in (0, 10000]", 2)
+        container_env["B"] = {STEP_DELAY_ENV: f"{delay:g}",
+                              "PYTHONPATH": STEP_DELAY_MOUNT}
+        same = on if args.aa_fusions == "on" else off
+        arm_env, mode = {"A": dict(same), "B": dict(same)}, "cal"
+    elif args.aa:
+        same = on if args.aa_fusions == "on" else off
+        arm_env, mode = {"A": dict(same), "B": dict(same)}, "aa"
+    else:
+        arm_env, mode = {"A": off, "B": on}, "ab"
+    for d, flag in ((args.models_dir, "--models-dir"), (args.cache_dir, "--cache-dir")):
+        if d and flag == "--models-dir" and not args.dry_run and not Path(d).is_dir():
+            raise UsageError(f"{flag} {d!r} does not exist (it is mounted at /models in the "
+                             "server)", 2)
+    return Arms(mode=mode, repeats=args.repeats, arm_env=arm_env, port=args.port, cpu=cpu,
+                image=args.image, models_dir=args.models_dir, cache_dir=args.cache_dir,
+                server_env=env, arm_container_env=container_env,
+                server_timeout=args.server_timeout, pin_engine_core=args.pin_engine_core,
+                stop_running=args.stop_running, delay_ms=delay,
+                scale=_replicas(getattr(args, "env_file", ".env")))
+
+
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def _replicas(env_file: str):
+    """The scale settings when K3_SCALE_MODE=replicas (every arm slot then starts one server
+    per K3_SCALE_NODES entry and measures through the router), else None. The A/B starts the
+    replicas itself, so the nodes must be on this host."""
+    from k3rocm.deploy.scale.settings import load_scale
+
+    s = load_scale(dotenv=env_file)
+    if s.mode == "single":
+        return None
+    if s.mode != "replicas":
+        raise UsageError(f"K3_SCALE_MODE={s.mode}: the A/B runs on single servers or on "
+                         "replicas behind the router (K3_SCALE_MODE=replicas)", 2)
+    remote = [n for i, n in enumerate(s.nodes) if s.node_host(i) not in LOCAL_HOSTS]
+    if remote:
+        raise UsageError(f"K3_SCALE_NODES has nodes on other hosts ({', '.join(remote)}): "
+                         "the A/B starts every replica itself, on this host (127.0.0.1:PORT); "
+                         "on a cluster run `make bench-router` per arm instead", 2)
+    if len(set(s.nodes)) != len(s.nodes):
+        raise UsageError("K3_SCALE_NODES lists a node twice", 2)
+    return s
+
+
+def image_id(arms: Arms, client=None) -> tuple[str, str]:
+    """(image reference, image id) of the arm servers; exit 2 when the image is missing."""
+    ref = arms.image or os.environ.get("K3_IMAGE") or (
+        "k3rocm/server:cpu" if arms.cpu else "k3rocm/server:latest")
+    client = client or docker_client()
+    try:
+        return ref, client.images.get(ref).id
+    except Exception:  # noqa: BLE001 - docker.errors.ImageNotFound and friends
+        raise UsageError(f"server image {ref!r} not found: build it (make build) or pass "
+                         "--image", 2) from None
+
+
+def estimate(arms: Arms, results: Path, runs_per_slot: int = 1) -> tuple[float, str]:
+    """(seconds, how it was estimated) for the whole A/B: cold starts x time to ready (the
+    median measured by earlier A/B runs under ``results``, else a stated assumption) plus
+    the runs (their earlier median, when known)."""
+    ready: list[float] = []
+    run_s: list[float] = []
+    if results.is_dir():
+        for path in sorted(results.glob("*/comparison.json"))[-10:]:
+            with contextlib.suppress(OSError, json.JSONDecodeError, TypeError, AttributeError):
+                doc = json.loads(path.read_text())
+                ready += [s["server_ready_s"] for s in doc.get("slots", [])
+                          if s.get("server_ready_s")]
+                run_s += [r["seconds"] for r in doc.get("runs", []) if r.get("seconds")]
+    starts = len(arms.slots())
+    if ready:
+        per_start, how = statistics.median(ready), f"median of {len(ready)} earlier starts"
+    else:
+        per_start = START_GUESS_S[arms.cpu]
+        how = f"assumed {per_start:.0f}s per start ({'CPU stand-in' if arms.cpu else 'GPU'})"
+    total = starts * per_start
+    if run_s:
+        total += starts * runs_per_slot * statistics.median(run_s)
+        how += f"; runs: median of {len(run_s)} earlier runs"
+    else:
+        how += "; plus the measurement runs (no earlier run to time them by)"
+    return total, how
+
+
+def announce(arms: Arms, results: Path, runs_per_slot: int = 1) -> None:
+    secs, how = estimate(arms, results, runs_per_slot)
+    slots = len(arms.slots())
+    per = len(arms.replica_ports)
+    where = (f", {per} replicas per slot behind the router {arms.scale.router_url}"
+             if arms.scale is not None else "")
+    _log(f"{arms.mode.upper()}: {slots * per} cold server start(s) in the order "
+         f"{' '.join(arms.slots())}{where}, {slots * runs_per_slot} run(s); estimated "
+         f"{secs / 60:.1f} min ({how})")
+
+
+def check_port(arms: Arms, env_file: str = ".env") -> None:
+    """Refuse (exit 2) when something serves --port, unless --stop-running: then the
+    deployment's compose server is stopped through the lifecycle (log saved first)."""
+    from k3rocm.deploy.readiness import answers
+
+    busy = [p for p in arms.replica_ports if answers(f"http://127.0.0.1:{p}")]
+    if arms.scale is not None and answers(arms.scale.router_url):
+        raise UsageError(f"a router already answers at {arms.scale.router_url}: the A/B "
+                         "starts its own; stop it with `make router-down`", 2)
+    if not busy:
+        return
+    if arms.scale is not None and not arms.stop_running:
+        raise UsageError(f"a server already runs on port(s) {', '.join(map(str, busy))} of "
+                         "K3_SCALE_NODES: the A/B starts its own replicas there; stop them "
+                         "(`make down` on each) or pass --stop-running", 2)
+    url = f"http://127.0.0.1:{busy[0]}"
+    if busy[0] != arms.port:
+        raise UsageError(f"a server already runs on {url}: stop it first", 2)
+    if not arms.stop_running:
+        raise UsageError(f"a server already runs on port {arms.port} ({url}): the A/B starts "
+                         "its own fresh servers there; stop it with `make down` or pass "
+                         "--stop-running (or use another --port)", 2)
+    srv, dep = deployment_server(env_file)
+    srv.cpu = arms.cpu
+    if srv.state() is None:
+        raise UsageError(f"--stop-running: what answers on {url} is not the compose server "
+                         f"of project {srv.project}; stop it yourself or use another --port", 2)
+    from k3rocm.rundir import create_run_dir
+
+    out = create_run_dir(dep.results_root, "server-log")
+    _log(f"--stop-running: stopping compose project {srv.project} (log in {out})")
+    srv.down(log_path=out / "server.log")
+    t0 = time.time()
+    while answers(url):
+        if time.time() - t0 > 60:
+            raise UsageError(f"{url} still answers after stopping {srv.project}", 3)
+        time.sleep(1)
+
+
+@contextlib.contextmanager
+def arm_server(arms: Arms, slot: int, arm: str, stamp: str, log_path: Path, env_dir: Path,
+               model: str, api_key: str | None = None, client=None,
+               extra_env: dict[str, str] | None = None,
+               extra_container_env: dict[str, str] | None = None
+               ) -> Iterator[tuple[ComposeServer, dict]]:
+    """Fresh server(s) for one slot: compose up (one project per replica), wait until ready
+    (progress, stated timeout), pin the EngineCore (stand-in), start the router (replicas),
+    yield (first server, info); always save every log (``log_path``, ``-rN`` per replica,
+    ``-router``) and remove what was started. The measurement goes to ``arms.url``."""
+    base = f"k3ab-{stamp}-{slot:02d}{arm.lower()}"
+    ports = arms.replica_ports
+    servers = []
+    for r, port in enumerate(ports):
+        project = base if len(ports) == 1 else f"{base}-r{r}"
+        servers.append(ComposeServer(
+            project=project, cpu=arms.cpu,
+            env={**arms.compose_env(arm, port), **(extra_env or {})},
+            # --server-env reaches the container whether compose.yaml lists it or not
+            container_env={**arms.server_env, **arms.arm_container_env.get(arm, {}),
+                           **(extra_container_env or {})},
+            url=f"http://127.0.0.1:{port}", model=model, api_key=api_key, env_dir=env_dir))
+    logs = [log_path if len(ports) == 1 else
+            log_path.with_name(f"{log_path.stem}-r{r}{log_path.suffix}")
+            for r in range(len(ports))]
+    info: dict = {"server": base, "server_ready_s": None, "pin": None,
+                  "topology": arms.topology(), "replicas": [s.project for s in servers]}
+    router = None
+    try:
+        t0 = time.time()
+        for srv in servers:  # all start at once; each is then waited for
+            srv.up()
+        for srv in servers:
+            srv.wait(arms.server_timeout, every=15)
+        info["server_ready_s"] = round(time.time() - t0, 1)
+        if arms.pin_engine_core:
+            info["pin"] = "; ".join(srv.pin_engine_core(client) for srv in servers)
+            _log(info["pin"])
+        if arms.scale is not None:
+            from k3rocm.deploy.readiness import wait_ready
+            from k3rocm.deploy.scale.router import start_router
+
+            router = start_router(client or docker_client(), arms.scale,
+                                  name=f"{base}-router", labels={"k3rocm.ab": base})
+            wait_ready(arms.url, model, 120, api_key, every=15)
+        yield servers[0], info
+    finally:
+        if router is not None:
+            with contextlib.suppress(Exception):
+                from k3rocm.rundir import write_bytes_atomic
+
+                write_bytes_atomic(log_path.with_name(f"{log_path.stem}-router.log"),
+                                   router.logs())
+            with contextlib.suppress(Exception):
+                router.stop(timeout=5)
+            with contextlib.suppress(Exception):
+                router.remove(force=True)
+        for srv, log in zip(servers, logs, strict=True):
+            srv.down(log_path=log)
+
+
+def served_model(arms: Arms, env_file: str = ".env") -> tuple[str, str | None]:
+    """(served model name, API key) the arm servers will have: the settings rendered with the
+    arm's environment on top (shell > .env > profile > default), as the entrypoint does."""
+    environ = {**os.environ, **arms.compose_env("B")}
+    # The files the arm servers run with (compose.cpu.yaml sets the cpu-smoke profile default).
+    environ["COMPOSE_FILE"] = ":".join(str(f) for f in compose_files(arms.cpu))
+    environ["COMPOSE_PATH_SEPARATOR"] = ":"
+    dep = resolve_settings(env_file, environ)
+    return dep.served_model_name, dep.api_key

@@ -1,0 +1,140 @@
+"""``k3rocm ab --measure bench|census``: fusions off (A) vs on (B) on freshly started servers.
+
+One driver, one flag set, one arm order for both measures (``k3rocm bench-ab`` is
+``ab --measure bench``, ``k3rocm census-ab`` is ``ab --measure census``; ``make bench-ab`` and
+``make census-ab`` call them). Every slot of the order A B B A ... starts a fresh server (its
+own compose project from compose.yaml, + compose.cpu.yaml with --no-gpu) with the arm's
+K3_FUSE_QK_NORM / K3_FUSE_DECODE_QPREP on top of the deployment's settings (shell > .env >
+profile; --server-env adds more), waits until it is ready, measures, saves the server's log
+into the run directory and removes it.
+
+Before the first server starts it prints the number of cold starts and an estimated
+duration. If a server already answers on --port it stops there and asks for `make down` (or
+pass --stop-running, which stops the compose server and keeps its log).
+
+--measure bench: the aiperf workload per slot (--workload, --set, --tokenizer, --repeats,
+  --runs-per-server); per metric the effect (B - A) / A with a bootstrap 95% CI, reported
+  beside the newest A/A (--aa) of the same protocol.
+--measure census: one profile per arm (--repeats 1: order A B), the decode kernel census of
+  each arm and the A/B launch checks (--on, --concurrency, --max-tokens, --steps).
+Calibration (CPU stand-in): --calibrate-delay-ms MS runs an A/A whose arm B sleeps MS per
+  engine step (a test double mounted only into the stand-in); the report says injected vs
+  detected.
+
+Examples (MI355X node, image built with `make build`):
+  k3rocm ab --measure bench --aa --workload decode-8k1k --tokenizer models/Kimi-K3 --repeats 4
+  k3rocm ab --measure bench      --workload decode-8k1k --tokenizer models/Kimi-K3 --repeats 4
+  k3rocm ab --measure census --model-dir models/Kimi-K3
+CPU stand-in (CI):
+  k3rocm ab --measure bench --workload ci-tiny --image k3rocm/server:cpu-0.32.0 --no-gpu \\
+      --server-env K3_PROFILE=cpu-smoke --models-dir /tmp/k3rocm-cache/models \\
+      --tokenizer /tmp/k3rocm-cache/models/k3-smoke --pin-engine-core --repeats 2
+Exit codes: 0 ok; 1 a run or check failed (kept and reported); 2 bad input; 3 server or
+engine problem; 130 interrupted (finished runs kept and compared).
+"""
+
+from __future__ import annotations
+
+import argparse
+from functools import partial
+from pathlib import Path
+from types import SimpleNamespace
+
+from k3rocm.checks.ab import arms as armlib
+
+MEASURES = ("bench", "census")
+
+
+def add_arguments(parser: argparse.ArgumentParser, measure: str | None = None) -> None:
+    from k3rocm.checks.bench.cli import add_common
+    from k3rocm.checks.census.common import add_analysis_arguments
+
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = __doc__.split("\n", 1)[1]
+    parser.add_argument("--measure", choices=MEASURES, default=measure,
+                        required=measure is None,
+                        help="what each arm measures: the aiperf workload (bench) or the "
+                        "decode kernel census (census)" + (f"; default {measure}" if measure
+                                                           else ""))
+    armlib.add_server_arguments(parser, default_repeats=2)
+    b = parser.add_argument_group("--measure bench")
+    add_common(b)
+    b.add_argument("--runs-per-server", type=int, default=1,
+                   help="complete workload runs on each fresh server (default 1; more saves "
+                   "server starts, identical for both arms)")
+    b.add_argument("--noise-floor", type=Path, default=None,
+                   help="A/A run directory to report beside this A/B (default: the newest A/A "
+                   "under --results with the same protocol)")
+    b.add_argument("--n-boot", type=int, default=2000, help="bootstrap resamples")
+    b.add_argument("--label", default=None, help="run directory label")
+    c = parser.add_argument_group("--measure census")
+    c.add_argument("--trace-dirs", metavar="OFF_DIR,ON_DIR",
+                   help="compare two existing trace sets instead of starting servers")
+    c.add_argument("--on", default="all", help="fusions asked ON in arm B (qk_norm, "
+                   "decode_qprep or all); the rest stay off in both arms")
+    c.add_argument("--concurrency", type=int, default=8, help="concurrent streams")
+    c.add_argument("--max-tokens", type=int, default=1024, help="output tokens per request")
+    c.add_argument("--prompt-words", type=int, default=64, help="prompt length (words)")
+    c.add_argument("--steps", type=int, default=6, help="decode steps to profile")
+    c.add_argument("--trace-timeout", type=float, default=900.0,
+                   help="seconds to wait for the traces")
+    # one --results for both measures (the census's: default K3_RESULTS_DIR or ./results)
+    parser.conflict_handler = "resolve"
+    add_analysis_arguments(parser)
+    parser.conflict_handler = "error"
+    parser.set_defaults(server_trace_dir=None, fusions=None, server_log=None, container=None,
+                        _measure_default=measure)
+
+
+def results_root(args: argparse.Namespace) -> Path:
+    """--results, else the deployment's results root (K3_RESULTS_DIR: shell > .env > default)."""
+    from k3rocm.deploy.lifecycle import resolve_settings
+
+    if args.results:
+        return Path(args.results)
+    return resolve_settings(getattr(args, "env_file", ".env")).results_root
+
+
+def deployment_view(args: argparse.Namespace) -> dict:
+    """What the arm servers and the measurement resolve to (``--print-deployment``)."""
+    from k3rocm.deploy.lifecycle import resolve_settings
+
+    dep = resolve_settings(getattr(args, "env_file", ".env"))
+    arms = armlib.arms_from_args(args)
+    model, api_key = armlib.served_model(arms, getattr(args, "env_file", ".env"))
+    from k3rocm.serving.config import REDACTED
+
+    # The image: --image, else compose's interpolation of K3_IMAGE (shell, then .env).
+    return {**dep.to_json(), "url": arms.url, "served_model_name": model,
+            "api_key": REDACTED if api_key else None, "image": arms.image or dep.image,
+            "results_root": str(results_root(args).absolute()),
+            "measure": args.measure, "arm_env": arms.arm_env}
+
+
+def run(args: argparse.Namespace) -> int:
+    from k3rocm.errors import UsageError
+
+    args.results = results_root(args)
+
+    bench_only = {"runs_per_server": 1, "noise_floor": None, "n_boot": 2000}
+    census_only = {"trace_dirs": None, "on": "all", "concurrency": 8, "max_tokens": 1024,
+                   "prompt_words": 64, "steps": 6, "trace_timeout": 900.0}
+    other = census_only if args.measure == "bench" else bench_only
+    for k, default in other.items():
+        if getattr(args, k) != default:
+            raise UsageError(f"--{k.replace('_', '-')} is not used by --measure {args.measure}",
+                             2)
+    if args.measure == "bench":
+        from k3rocm.checks.bench import ab
+
+        return ab.run_bench_ab(args)
+    from k3rocm.checks.census import ab
+
+    return ab.run_census_ab(args)
+
+
+# `k3rocm bench-ab` and `k3rocm census-ab`: this command with --measure preset.
+bench = SimpleNamespace(add_arguments=partial(add_arguments, measure="bench"), run=run,
+                        deployment_view=deployment_view)
+census = SimpleNamespace(add_arguments=partial(add_arguments, measure="census"), run=run,
+                         deployment_view=deployment_view)

@@ -1,0 +1,143 @@
+"""``k3rocm bench``: run a named aiperf workload in the client container against a running server.
+
+Examples:
+  k3rocm bench --list
+  k3rocm bench --workload decode-8k1k --tokenizer models/Kimi-K3 --dry-run
+  k3rocm bench --workload decode-8k1k --tokenizer models/Kimi-K3
+  BENCH_CONCURRENCY=1,2 k3rocm bench --workload ci-tiny --url http://127.0.0.1:18000 \\
+      --set osl=64 --set extra_inputs=ignore_eos:true,min_tokens:64,max_tokens:64
+The server URL, served model name, API key, tokenizer (the checkpoint directory) and results
+root come from the deployment settings (K3_PORT, K3_SERVED_MODEL_NAME, K3_API_KEY, K3_MODEL
+under K3_MODELS_DIR, K3_RESULTS_DIR; shell > .env > profile); flags override them.
+Exit codes: 0 all points ok; 1 a point or aiperf failed (recorded as failed in summary.json);
+2 bad input; 3 server unreachable/unhealthy or no Docker engine; 130 interrupted (finished
+points kept).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from k3rocm.checks.bench import runner
+from k3rocm.checks.bench.workloads import (
+    ENV_PREFIX,
+    FIELD_NAMES,
+    WORKLOADS_FILE,
+    load_table,
+    parse_sets,
+    resolve,
+)
+
+
+def add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workload", "-w", default=os.environ.get("BENCH_WORKLOAD") or None,
+                        help="workload name from workloads.toml (env BENCH_WORKLOAD; default "
+                        "decode-8k1k)")
+    parser.add_argument("--workloads-file", type=Path, default=None,
+                        help=f"workloads file (default {WORKLOADS_FILE})")
+    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a workload field (repeatable; lists comma separated). "
+                        f"Fields: {', '.join(FIELD_NAMES)}. Env {ENV_PREFIX}<FIELD> also works.")
+    parser.add_argument("--url", help="server base URL (same as --set url=...; default from "
+                        "K3_BIND_ADDRESS and K3_PORT)")
+    parser.add_argument("--model", help="served model name (same as --set model=...; default "
+                        "K3_SERVED_MODEL_NAME)")
+    parser.add_argument("--tokenizer", help="local tokenizer directory (same as --set "
+                        "tokenizer=...; default: the checkpoint, K3_MODEL under K3_MODELS_DIR)")
+    parser.add_argument("--results", type=Path, default=None,
+                        help="results root; each run gets <root>/<UTC stamp>-<label>/ "
+                        "(default K3_RESULTS_DIR, which compose mounts at /results)")
+    parser.add_argument("--client-image", default=os.environ.get("BENCH_CLIENT_IMAGE")
+                        or runner.CLIENT_IMAGE,
+                        help=f"client image with aiperf (default {runner.CLIENT_IMAGE}; env "
+                        "BENCH_CLIENT_IMAGE)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the exact aiperf command line(s) and exit 0; contacts "
+                        "nothing")
+    parser.add_argument("--quiet", action="store_true", help="do not echo aiperf's output")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = __doc__.split("\n", 1)[1]
+    add_common(parser)
+    parser.add_argument("--list", action="store_true", help="list the workloads and exit")
+    parser.add_argument("--server-timeout", type=float, default=60.0,
+                        help="seconds to wait for the server's /health before failing "
+                        "(default 60)")
+    parser.add_argument("--server-container", default=None,
+                        help="name/id of the server container for provenance (default: the "
+                        "container publishing the URL's port)")
+    parser.add_argument("--tp", default=None, help="tp column of perf.csv (default: the "
+                        "server's K3_TP)")
+    parser.add_argument("--label", default=None, help="run directory label (default: workload)")
+
+
+def resolve_from_args(args: argparse.Namespace):
+    """The workload from the flags and the deployment; fills ``args.results`` (default: the
+    deployment's results root)."""
+    from k3rocm.deploy.deployment import load_deployment
+
+    dep = load_deployment()
+    sets = parse_sets(args.sets)
+    for key in ("url", "model", "tokenizer"):
+        if getattr(args, key, None):
+            sets[key] = getattr(args, key)
+    if args.results is None:
+        args.results = dep.results_root
+    return resolve(args.workload or "decode-8k1k", sets, path=args.workloads_file,
+                   deployment=dep)
+
+
+def deployment_view(args: argparse.Namespace) -> dict:
+    """What this command resolved (``--print-deployment``)."""
+    from k3rocm.deploy.deployment import load_deployment
+
+    w = resolve_from_args(args)
+    return {**load_deployment().to_json(), "url": w.url, "served_model_name": w.model,
+            "api_key": None if w.api_key == "EMPTY" else "***",
+            "tokenizer": str(Path(w.tokenizer).expanduser().absolute()) if w.tokenizer else None,
+            "results_root": str(Path(args.results).absolute())}
+
+
+def list_workloads(path: Path | None) -> str:
+    defaults, workloads = load_table(path)
+    return "\n".join(f"{name:14s} {({**defaults, **t}).get('description', '')}"
+                     for name, t in workloads.items())
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.list:
+        print(list_workloads(args.workloads_file))
+        return 0
+    w = resolve_from_args(args)
+    from k3rocm.checks.bench import run as bench_run
+
+    if args.dry_run:
+        for line in bench_run.dry_run_lines(w, args.results):
+            print(line)
+        if not Path(w.tokenizer).expanduser().is_dir():
+            print(f"[bench] note: tokenizer directory {w.tokenizer!r} does not exist here",
+                  file=sys.stderr)
+        return 0
+    bench_run.check_tokenizer(w.tokenizer)  # bad input first, before touching Docker
+    container = None
+    client = runner.docker_client()
+    if args.server_container:
+        try:
+            container = client.containers.get(args.server_container)
+        except Exception as exc:  # noqa: BLE001 - docker.errors.NotFound
+            from k3rocm.errors import UsageError
+
+            raise UsageError(f"--server-container {args.server_container!r} not found "
+                             f"({exc.__class__.__name__})") from None
+    res = bench_run.run_bench(w, results=args.results, client_image=args.client_image,
+                              server_timeout=args.server_timeout, label=args.label,
+                              progress=not args.quiet, tp=args.tp, server_container=container,
+                              docker=client)
+    stream = sys.stdout if res.exit_code == 0 else sys.stderr
+    print(("" if res.exit_code == 0 else "k3rocm: error: ") + res.message, file=stream)
+    return res.exit_code

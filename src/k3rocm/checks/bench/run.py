@@ -1,0 +1,209 @@
+"""One bench run: validate, check the server, run aiperf in the client container, write the run
+directory (raw artifacts, summary.json, perf.csv, report.md, PNG plots, provenance.json)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from k3rocm.checks.bench import plots, runner, summary
+from k3rocm.checks.bench.workloads import Workload, aiperf_command, shell_line
+from k3rocm.deploy import runrecord
+from k3rocm.deploy.readiness import wait_ready
+from k3rocm.errors import EXIT_CHECK_FAILED as EXIT_FAILED
+from k3rocm.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_SERVER, EXIT_USAGE, UsageError  # noqa: F401
+from k3rocm.rundir import create_run_dir, utc_stamp, write_json_atomic, write_text_atomic
+from k3rocm.serving.config import redact_argv
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tiktoken.model",
+                    "tokenizer.model", "vocab.json")
+
+
+def _log(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def check_tokenizer(path: str) -> Path:
+    if not path:
+        raise UsageError("no tokenizer: K3_MODEL is not a checkpoint directory on this host; "
+                         "pass the model's local directory with --tokenizer DIR")
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise UsageError(f"tokenizer directory {path!r} does not exist: pass the model's local "
+                         f"directory with --tokenizer DIR (or BENCH_TOKENIZER)", 2)
+    if not any((p / f).exists() for f in _TOKENIZER_FILES):
+        raise UsageError(f"{path!r} holds no tokenizer ({', '.join(_TOKENIZER_FILES)}): pass the "
+                         f"model's local directory with --tokenizer DIR", 2)
+    return p.resolve()
+
+
+def planned_command(w: Workload, run_dir: Path) -> list[str]:
+    tok = runner.container_path(Path(w.tokenizer).expanduser()) if w.tokenizer else w.tokenizer
+    return aiperf_command(w, runner.container_path(run_dir) + "/aiperf", tokenizer=tok)
+
+
+def dry_run_lines(w: Workload, results: Path) -> list[str]:
+    """The exact command(s) a run would execute; nothing is created or contacted."""
+    run_dir = results.resolve() / f"{utc_stamp()}-{w.name}"
+    return [shell_line(planned_command(w, run_dir))]
+
+
+@dataclass
+class BenchResult:
+    run_dir: Path
+    status: str  # ok | failed | interrupted
+    exit_code: int
+    message: str
+    points: list[dict]
+    summary: dict
+
+
+def protocol_lines(w: Workload) -> list[str]:
+    return [
+        f"workload `{w.name}`: {w.description}",
+        f"ISL {w.isl} (stddev {w.isl_stddev}), OSL {w.osl} (stddev {w.osl_stddev}), shared prefix "
+        f"{w.shared_prefix_tokens} tokens, extra inputs {', '.join(w.extra_inputs) or 'none'}",
+        f"{w.warmup_request_count} warmup requests per point; sweep {w.sweep_type} over "
+        f"concurrency {list(w.concurrency)} with request counts {list(w.request_count)}; "
+        f"seed {w.random_seed}; endpoint {w.endpoint_type}, streaming {w.streaming}, server "
+        f"token counts {w.use_server_token_count}",
+    ]
+
+
+def run_bench(w: Workload, *, results: Path, client_image: str, server_timeout: float,
+              label: str | None = None, progress: bool = True, tp: Any = None,
+              server_container=None, docker=None, extra_provenance: dict | None = None,
+              run_dir: Path | None = None) -> BenchResult:
+    """Run one workload against an already running server; always writes a complete run dir."""
+    tok = check_tokenizer(w.tokenizer)
+    client = docker or runner.docker_client()
+    image_id = runner.check_client_image(client, client_image)
+    wait_ready(w.url, w.model, server_timeout, api_key=w.api_key)
+    if run_dir is None:
+        run_dir = create_run_dir(results, label or w.name)
+    _log(f"run directory {run_dir}")
+    argv = planned_command(w, run_dir)
+    # What the run record keeps: the exact command, the API key redacted (one rule).
+    shown = redact_argv(argv, [w.api_key])
+    cmd_line = shell_line(shown)
+    write_text_atomic(run_dir / "command.txt", cmd_line + "\n")
+    write_json_atomic(run_dir / "workload.json", w.model_dump(mode="json"))
+
+    aiperf_version = runner.client_aiperf_version(client, client_image)
+    prov = runrecord.build(
+        deployment=_deployment(), url=w.url, measure="bench", workload=w.name,
+        server=runrecord.server(client, w.url, w.api_key, container=server_container),
+        tools={"aiperf": aiperf_version, "client_image": client_image,
+               "client_image_id": image_id},
+        client={"image": client_image, "image_id": image_id, "aiperf_version": aiperf_version,
+                "aiperf_pinned": runner.AIPERF_VERSION, "command": shown,
+                "command_line": cmd_line,
+                "env_note": "HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE deliberately unset"},
+        **(extra_provenance or {}))
+    runrecord.write(run_dir, prov)
+
+    mounts = {str(run_dir): (runner.container_path(run_dir), "rw"),
+              str(tok): (runner.container_path(tok), "ro")}
+    name = f"k3bench-aiperf-{run_dir.name}".replace(":", "")[:120]
+    _log(f"aiperf: {cmd_line}")
+    t0 = time.time()
+    res = runner.run_client(client, client_image, argv, mounts, run_dir / "aiperf.log", name,
+                            progress=progress)
+    points = summary.summarize(run_dir / "aiperf", w.points())
+    status = "ok"
+    failed = [p for p in points if p["status"] != "ok"]
+    if res.interrupted:
+        status = "interrupted"
+    elif failed or res.exit_code != 0:
+        status = "failed"
+    server_alive = True
+    if status != "ok":
+        try:
+            wait_ready(w.url, w.model, 0, api_key=w.api_key, quiet=True)
+        except UsageError:
+            server_alive = False
+    doc = {
+        "status": status, "workload": w.name, "run_dir": str(run_dir),
+        "aiperf_exit_code": res.exit_code, "aiperf_seconds": round(res.seconds, 1),
+        "wall_seconds": round(time.time() - t0, 1), "server_reachable_after": server_alive,
+        "protocol": w.protocol(), "command": cmd_line, "points": points,
+    }
+    write_json_atomic(run_dir / "summary.json", doc)
+    tp_val = tp if tp is not None else _server_tp(prov["server"])
+    write_text_atomic(run_dir / "perf.csv", summary.perf_csv(
+        points, model=w.model, benchmark=w.name, tp=tp_val, inp=w.isl, out=w.osl, cmd=cmd_line))
+    title = f"{w.name} ({status})"
+    write_text_atomic(run_dir / "report.md", summary.markdown_report(
+        points, title, [*protocol_lines(w), f"command: `{cmd_line}`",
+                        f"server: {_server_line(prov['server'])}",
+                        f"seed: {prov['seed_comparison']['text']}"]))
+    pngs = plots.write_plots(points, run_dir, w.name)
+    if not pngs:
+        _log("matplotlib is not installed: no PNG plots (pip install 'k3rocm[host]')")
+
+    n_ok = len(points) - len(failed)
+    if status == "ok":
+        msg = f"bench {w.name}: {n_ok} of {len(points)} points ok; results in {run_dir}"
+        code = EXIT_OK
+    elif status == "interrupted":
+        msg = (f"bench {w.name}: interrupted; {n_ok} of {len(points)} points finished and kept "
+               f"in {run_dir}")
+        code = EXIT_INTERRUPTED
+    else:
+        first = failed[0] if failed else None
+        why = (f"c={first['concurrency']}: {first['reason']}" if first
+               else f"aiperf exited with {res.exit_code}")
+        if res.exit_code not in (0, None) and (not first or first["reason"].startswith("not run")):
+            why = f"aiperf exited with {res.exit_code}: {_last_error(res.log_path)}"
+        down = "" if server_alive else "; the server is no longer reachable"
+        msg = (f"bench {w.name}: {len(failed)} of {len(points)} points failed ({why}){down}; "
+               f"raw logs and finished points kept in {run_dir}")
+        code = EXIT_FAILED
+    return BenchResult(run_dir, status, code, " ".join(msg.split()), points, doc)
+
+
+def _last_error(log: Path) -> str:
+    """The most telling line of aiperf's output (an error line, else the last line)."""
+    try:
+        lines = [ln.strip().strip("│╭╮╰╯─ ").strip()
+                 for ln in log.read_text(errors="replace").splitlines()]
+        lines = [ln for ln in lines if ln]
+    except OSError:
+        return "no log"
+    for ln in reversed(lines):
+        if any(w in ln for w in ("Error", "error:", "ERROR", "Invalid", "invalid", "Unknown")):
+            return ln[:240]
+    return lines[-1][:240] if lines else "no output"
+
+
+def _server_tp(prov: dict) -> Any:
+    env = ((prov or {}).get("container") or {}).get("env") or {}
+    if env.get("K3_TP"):
+        return env["K3_TP"]
+    argv = (prov or {}).get("server_argv") or []
+    for flag in ("-tp", "--tensor-parallel-size"):
+        if flag in argv and argv.index(flag) + 1 < len(argv):
+            return argv[argv.index(flag) + 1]
+    return None
+
+
+def _server_line(prov: dict) -> str:
+    c = (prov or {}).get("container") or {}
+    return (f"vLLM {prov.get('vllm_version')}, image {c.get('image_ref')} ({c.get('image_id')}), "
+            f"fusions {json.dumps(prov.get('fusion_toggles'))}" if c else
+            f"vLLM {prov.get('vllm_version')} (no local container found)")
+
+
+def _deployment():
+    """The deployment for the run record (None when the settings do not load: the flags
+    pointed the bench elsewhere and the record says what it measured)."""
+    from k3rocm.deploy.deployment import load_deployment
+
+    try:
+        return load_deployment()
+    except UsageError:
+        return None

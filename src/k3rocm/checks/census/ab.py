@@ -1,0 +1,271 @@
+"""The census measure of the one A/B driver (``k3rocm ab --measure census``, ``census-ab``;
+flags: ``k3rocm ab --help``, :mod:`k3rocm.checks.ab.cli`).
+
+Arm A runs with K3_FUSE_QK_NORM=0 K3_FUSE_DECODE_QPREP=0, arm B with the fusions named by
+``--on`` set to 1 (default both); each arm gets a fresh compose server (the shared arm-server
+flags), profiles the same decode load, collects the traces out of the container, runs the
+census (judging what that arm's server was asked for, cross-checked with its overlay's
+decision records), saves the server's log and removes it. The comparison reports stock vs
+fused launches and time per MLA layer per decode step, off vs on, and checks the A/B
+difference: the q/kv RMSNorm fusion must remove exactly 2 RMSNorm launches per MLA layer and
+step (the decoder's other norms cancel). Offline: ``--trace-dirs OFF_DIR,ON_DIR`` compares two
+existing trace sets (no servers).
+
+Run directory: ``results/<UTC>-census-ab/`` with ``off/`` and ``on/`` (each a full census run
+directory + server.log), ``ab.json``, ``ab.md`` and ``provenance.json``.
+Exit 0 when both arms pass their census, 1 when one does not, 2 bad input, 3 server problems.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from k3rocm.checks.census.analyze import Census
+from k3rocm.checks.census.cli import analyse, live_census, read_decisions, validate_common
+from k3rocm.checks.census.common import base_provenance, positive, results_root
+from k3rocm.checks.census.expect import Check, render_table
+from k3rocm.checks.census.fusions import ENV, FUSIONS, from_env
+from k3rocm.errors import UsageError
+from k3rocm.rundir import create_run_dir, write_json_atomic, write_text_atomic
+from k3rocm.serving.config import redact_env
+
+CONTAINER_TRACE_DIR = "/tmp/k3rocm-census-traces"
+LABEL = "k3rocm.census"
+
+
+def _log(msg: str) -> None:
+    print(f"[census-ab] {msg}", file=sys.stderr, flush=True)
+
+
+def arms_env(on: str) -> dict[str, dict[str, str]]:
+    """The toggles each arm's server is started with (``on``: fusions asked on in arm on)."""
+    names = [x.strip() for x in on.split(",") if x.strip()]
+    if names == ["all"]:
+        names = list(FUSIONS)
+    bad = [x for x in names if x not in FUSIONS]
+    if bad or not names:
+        raise UsageError(f"--on {on!r} must name fusions from {', '.join(FUSIONS)} (or all)")
+    return {"off": {ENV[k]: "0" for k in FUSIONS},
+            "on": {ENV[k]: "1" if k in names else "0" for k in FUSIONS}}
+
+
+def _rows(c: Census) -> dict[int, dict[str, Any]]:
+    return {row["rank"]: row for row in c.per_layer_step()}
+
+
+def compare(arms: dict[str, Census]) -> dict[str, Any]:
+    """Per rank, off vs on: launches (stock -> fused), us per MLA layer per decode step, and
+    the A/B checks. q/kv norm: the off - on difference of ALL RMSNorm launches (scaled to the
+    on arm's decode steps) is the stock pair the fusion removed; asked on in arm on and off in
+    arm off, it must be 2 x MLA layers x decode steps, and the on arm must launch one fused
+    kernel per MLA layer and decode step (a fused kernel launched while the stock pair still
+    runs fails here even when the model's other norms are unknown)."""
+    off, on = _rows(arms["off"]), _rows(arms["on"])
+    rows: list[dict[str, Any]] = []
+    checks: list[Check] = []
+    qk_asked = arms["on"].claim.qk_norm and not arms["off"].claim.qk_norm
+    for rank in sorted(set(off) | set(on)):
+        if rank not in off or rank not in on:
+            checks.append(Check(rank, "rank present in both arms", "-", "A/B",
+                                "each rank needs a trace in both arms", 2,
+                                1, False))
+            continue
+        a, b = off[rank], on[rank]
+        Da, Db = a["decode_steps"], b["decode_steps"]
+        L = b["mla_layers"]
+        qa, qb = a["qk_norm"], b["qk_norm"]
+        removed = None
+        if Da and Db:
+            removed = round(qa["all_rmsnorm_launches"] * Db / Da) - qb["all_rmsnorm_launches"]
+        ta, tb = qa["norm_us_per_layer_step"], qb["norm_us_per_layer_step"]
+        rows.append({"rank": rank, "fusion": "qk_norm",
+                     "off_stock": removed, "on_stock": 0 if removed is not None else None,
+                     "off_fused": qa["fused_launches"], "on_fused": qb["fused_launches"],
+                     "off_us_per_layer_step": ta, "on_us_per_layer_step": tb,
+                     "saved_us_per_layer_step": None if ta is None or tb is None
+                     else round(ta - tb, 4),
+                     "note": "stock = off - on difference of all RMSNorm launches; us = all "
+                     "RMSNorms + fused"})
+        if qk_asked:
+            checks.append(Check(
+                rank, "stock q/kv RMSNorm launches removed (off - on)", "qk_norm",
+                "decode-only steps", f"2 x {L} MLA layers x {Db} decode steps",
+                2 * L * Db, -1 if removed is None else removed, None))
+        pa, pb = a["decode_qprep"], b["decode_qprep"]
+        ta, tb = pa["us_per_layer_step"], pb["us_per_layer_step"]
+        rows.append({"rank": rank, "fusion": "decode_qprep",
+                     "off_stock": pa["stock_launches"], "on_stock": pb["stock_launches"],
+                     "off_fused": pa["fused_launches"], "on_fused": pb["fused_launches"],
+                     "off_us_per_layer_step": ta, "on_us_per_layer_step": tb,
+                     "saved_us_per_layer_step": None if ta is None or tb is None
+                     else round(ta - tb, 4),
+                     "note": "stock = KV-cache write + q concat/fp8 quant; fused members "
+                     + (", ".join(f"{k} x{v}" for k, v in sorted(pb["fused_members"].items()))
+                        or "none")})
+    for c in checks:
+        if c.expected is not None:
+            c.ok = c.seen == c.expected
+    return {"rows": rows, "checks": checks,
+            "decode_steps": {k: {r["rank"]: r["decode_steps"] for r in v.per_layer_step()}
+                             for k, v in arms.items()}}
+
+
+def render_ab_table(cmp: dict[str, Any]) -> str:
+    head = ["rank", "fusion", "launches off -> on", "stock off", "stock on", "fused off",
+            "fused on", "us/L/step off", "on", "saved"]
+    rows = []
+    for r in cmp["rows"]:
+        def s(v: Any) -> str:
+            return "n/a" if v is None else str(v)
+        off_total = None if r["off_stock"] is None else r["off_stock"] + r["off_fused"]
+        on_total = None if r["on_stock"] is None else r["on_stock"] + r["on_fused"]
+        rows.append([str(r["rank"]), "q/kv norm" if r["fusion"] == "qk_norm"
+                     else "decode Q-prep", f"{s(off_total)} -> {s(on_total)}",
+                     s(r["off_stock"]), s(r["on_stock"]), s(r["off_fused"]), s(r["on_fused"]),
+                     s(r["off_us_per_layer_step"]), s(r["on_us_per_layer_step"]),
+                     s(r["saved_us_per_layer_step"])])
+    widths = [max(len(x[i]) for x in [head, *rows]) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(x, widths, strict=True)).rstrip()
+                     for x in [head, *rows])
+
+
+def render_ab_markdown(arms: dict[str, Census], cmp: dict[str, Any], meta: dict[str, Any],
+                       arm_env: dict[str, dict[str, str]]) -> str:
+    unit = "device" if all(p["mode"] == "gpu" for c in arms.values() for p in c.per_rank) \
+        else "host (CPU operator)"
+    lines = ["# Decode kernel census A/B: fusions off vs on", "",
+             f"Protocol: {meta['protocol']}. Times are {unit} times per MLA layer per decode "
+             "step.", ""]
+    for name, c in arms.items():
+        lines.append(f"- arm **{name}** (asked {arm_env[name]}): census "
+                     f"**{'PASS' if c.ok else 'FAIL'}** (see `{name}/census.md`)")
+    lines += ["", "```", render_ab_table(cmp), "```", "",
+              "q/kv norm: stock = the off - on difference of all RMSNorm launches (the "
+              "decoder's other norms cancel), times include all RMSNorms + the fused kernel. "
+              "decode Q-prep: stock = KV-cache write + q concat/fp8 quant. A single profile "
+              "per arm: launch counts are exact, times are one sample (no confidence "
+              "interval).", ""]
+    if cmp["checks"]:
+        lines += ["## A/B checks", "", "```", render_table(cmp["checks"]), "```", ""]
+    return "\n".join(lines)
+
+
+def finish_ab(run_dir: Any, results: dict[str, Census], meta: dict[str, Any],
+              arm_env: dict[str, dict[str, str]]) -> int:
+    cmp = compare(results)
+    ok = all(c.ok for c in results.values()) and all(c.ok is not False for c in cmp["checks"])
+    write_json_atomic(run_dir / "ab.json", {
+        "ok": ok, "meta": meta, "comparison": {**cmp, "checks": [c.to_json()
+                                                                for c in cmp["checks"]]},
+        "arms": {k: {"ok": v.ok, "claim": v.claim.to_json(),
+                     "checks": [c.to_json() for c in v.checks]} for k, v in results.items()}})
+    md = render_ab_markdown(results, cmp, meta, arm_env)
+    write_text_atomic(run_dir / "ab.md", md)
+    print(md)
+    failed = [f"arm {k}" for k, v in results.items() if not v.ok] + \
+        [f"rank {c.rank}: {c.what}" for c in cmp["checks"] if c.ok is False]
+    print(f"census-ab: {'PASS' if ok else 'FAIL (' + '; '.join(failed) + ')'}; report in "
+          f"{run_dir}/ab.md")
+    return 0 if ok else 1
+
+
+def run_offline(args: argparse.Namespace, arm_env: dict[str, dict[str, str]]) -> int:
+    from pathlib import Path
+
+    from k3rocm.checks.census.cli import write_report
+
+    dirs = [x.strip() for x in args.trace_dirs.split(",")]
+    if len(dirs) != 2 or not all(dirs):
+        raise UsageError(f"--trace-dirs {args.trace_dirs!r} must be OFF_DIR,ON_DIR")
+    for d in dirs:
+        if not Path(d).is_dir():
+            raise UsageError(f"--trace-dirs: {d} is not a directory")
+    claims = {arm: from_env(arm_env[arm], f"the {arm} arm (--on {args.on})")
+              for arm in ("off", "on")}
+    decs = {arm: read_decisions(args, Path(d)) for arm, d in zip(("off", "on"), dirs,
+                                                                 strict=True)}
+    results = {arm: analyse(Path(d), args, claims[arm], decs[arm])
+               for arm, d in zip(("off", "on"), dirs, strict=True)}
+    run_dir = create_run_dir(results_root(args), args.label)
+    for arm, c in results.items():
+        (run_dir / arm).mkdir()
+        write_report(run_dir / arm, c, {**base_provenance([r.path for r in c.traces.ranks]),
+                                        "source": "trace-dir", "claim": claims[arm].to_json()},
+                     title=f"Decode kernel census, arm {arm}", top=args.top)
+        print(f"--- arm {arm} ---")
+        print(c.table())
+    meta = {"protocol": f"offline comparison of {dirs[0]} (off) and {dirs[1]} (on)",
+            "trace_dirs": dirs}
+    write_json_atomic(run_dir / "provenance.json", {
+        **base_provenance([r.path for c in results.values() for r in c.traces.ranks]),
+        "trace_dirs": dirs, "arms": arm_env})
+    return finish_ab(run_dir, results, meta, arm_env)
+
+
+def run_census_ab(args: argparse.Namespace) -> int:
+    from k3rocm.checks.ab import arms as armlib
+
+    args.label = args.label or "census-ab"
+    validate_common(args)
+    arm_env = arms_env(args.on)
+    if args.trace_dirs:
+        return run_offline(args, arm_env)
+    if args.aa or args.calibrate_delay_ms is not None:
+        raise UsageError("--aa and --calibrate-delay-ms are for --measure bench (a census "
+                         "counts launches exactly: an A/A has nothing to estimate)", 2)
+    if args.repeats not in (1, 2):
+        raise UsageError(f"--repeats {args.repeats}: the census runs one profile per arm "
+                         "(order A B): use --repeats 1", 2)
+    args.repeats = 1
+    for name in ("--concurrency", "--steps"):
+        positive(name, getattr(args, name[2:].replace("-", "_")))
+    positive("--max-tokens", args.max_tokens, args.steps + 12)
+    arms = armlib.arms_from_args(args, on_env=arm_env["on"], off_env=arm_env["off"])
+    if arms.scale is not None:
+        raise UsageError("census-ab profiles one server per arm: unset K3_SCALE_MODE (or set "
+                         "it to single) for the census", 2)
+    # Both arms profile into a directory inside the container (copied out afterwards).
+    arms.server_env = {"VLLM_RPC_TIMEOUT": "1800000", **arms.server_env,
+                       "K3_PROFILER_DIR": CONTAINER_TRACE_DIR}
+    armlib.check_port(arms)
+    client = armlib.docker_client()
+    image_ref, image_id = armlib.image_id(arms, client)
+    armlib.announce(arms, Path(args.results))
+    model, api_key = armlib.served_model(arms)
+    run_dir = create_run_dir(str(args.results), args.label)
+    _log(f"run directory {run_dir}")
+    url = arms.url
+    results: dict[str, Census] = {}
+    stamp = time.strftime("%H%M%S").lower()
+    names = {"A": "off", "B": "on"}
+    for slot, arm in enumerate(arms.slots()):
+        name = names[arm]
+        arm_dir = run_dir / name
+        arm_dir.mkdir()
+        _log(f"arm {name}: starting a fresh server ({arm_env[name]})")
+        with armlib.arm_server(arms, slot, arm, stamp, arm_dir / "server.log",
+                               run_dir / "servers", model=model, api_key=api_key,
+                               client=client) as (srv, _info):
+            from k3rocm.checks.census.cli import claim_from_container
+
+            container = srv.container(client)
+            claim = claim_from_container(container)  # docker inspect: what it was asked
+            results[name] = live_census(args, url, model, api_key, client, container, claim,
+                                        arm_dir, title=f"Decode kernel census, arm {name}")
+            print(f"--- arm {name} ---")
+            print(results[name].table())
+    meta = {"protocol": f"one fresh compose server per arm from image `{image_ref}` "
+            f"({image_id}), the same load in both arms (concurrency {args.concurrency}, "
+            f"{args.max_tokens} output tokens, profiling {args.steps} decode steps after "
+            "prefill), one profile per arm", "image": image_ref, "image_id": image_id,
+            "concurrency": args.concurrency, "max_tokens": args.max_tokens, "steps": args.steps}
+    write_json_atomic(run_dir / "provenance.json", {
+        **base_provenance([r.path for c in results.values() for r in c.traces.ranks]),
+        "image": image_ref, "image_id": image_id, "topology": arms.topology(),
+        "server_env": redact_env(arms.describe_env()),
+        "arms": {names[a]: f"{names[a]}/provenance.json" for a in arms.slots()}})
+    return finish_ab(run_dir, results, meta, arm_env)

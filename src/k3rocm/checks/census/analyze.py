@@ -1,0 +1,205 @@
+"""Census of a set of rank traces: claim vs records, ranks present, role counts, checks, and
+the per-rank report (stock vs fused launches and device time per MLA layer per decode step)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from k3rocm.checks.census.decisions import Decisions, cross_check
+from k3rocm.checks.census.expect import (
+    Check,
+    build_checks,
+    other_norms,
+    rank_checks,
+    render_markdown_table,
+    render_table,
+    step_checks,
+)
+from k3rocm.checks.census.fusions import FusionClaim
+from k3rocm.checks.census.modelcfg import ModelFacts
+from k3rocm.checks.census.spec import Spec
+from k3rocm.checks.census.trace import TraceSet
+
+
+def _r(x: float | None, nd: int = 4) -> float | None:
+    return None if x is None else round(x, nd)
+
+
+@dataclass
+class Census:
+    traces: TraceSet
+    model: ModelFacts
+    claim: FusionClaim
+    spec: Spec
+    checks: list[Check]
+    per_rank: list[dict[str, Any]]
+    decisions: Decisions | None
+    world_size: int
+    world_source: str
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok is not False for c in self.checks)
+
+    def table(self) -> str:
+        return render_table(self.checks)
+
+    def per_layer_step(self) -> list[dict[str, Any]]:
+        """Per rank and fusion: stock vs fused launches and device time in decode-only steps,
+        per MLA layer per decode step (the A/B unit)."""
+        out = []
+        L = max(self.model.mla_layers, 1)
+        other = other_norms(self.spec, self.model)
+        for pr in self.per_rank:
+            D = pr["decode_steps"]
+            lau, tim = pr["roles"]["launches"], pr["roles"]["time_us"]
+
+            def per(x: float | None, D: int = D) -> float | None:
+                return _r(x / (L * D)) if D and x is not None else None
+
+            all_norms = lau["qk_norm"]["decode"]
+            qk_stock = None if other is None else all_norms - other * D
+            q_stock = lau["cache_write"]["decode"] + lau["q_concat_quant"]["decode"]
+            q_stock_t = tim["cache_write"]["decode"] + tim["q_concat_quant"]["decode"]
+            members = {k: v["decode"] for k, v in pr["roles"]["members"].items() if v["decode"]}
+            out.append({
+                "rank": pr["rank"], "decode_steps": D, "mla_layers": self.model.mla_layers,
+                "qk_norm": {
+                    "asked": self.claim.qk_norm,
+                    "stock_launches": qk_stock, "all_rmsnorm_launches": all_norms,
+                    "fused_launches": lau["fused_qk_norm"]["decode"],
+                    "all_rmsnorm_us": tim["qk_norm"]["decode"],
+                    "fused_us": tim["fused_qk_norm"]["decode"],
+                    "stock_per_layer_step": per(qk_stock),
+                    "fused_per_layer_step": per(lau["fused_qk_norm"]["decode"]),
+                    "all_rmsnorm_us_per_layer_step": per(tim["qk_norm"]["decode"]),
+                    "fused_us_per_layer_step": per(tim["fused_qk_norm"]["decode"]),
+                    "norm_us_per_layer_step": per(tim["qk_norm"]["decode"]
+                                                  + tim["fused_qk_norm"]["decode"])},
+                "decode_qprep": {
+                    "asked": self.claim.decode_qprep,
+                    "stock_launches": q_stock,
+                    "cache_write_launches": lau["cache_write"]["decode"],
+                    "q_concat_quant_launches": lau["q_concat_quant"]["decode"],
+                    "fused_launches": lau["fused_qprep"]["decode"], "fused_members": members,
+                    "stock_us": round(q_stock_t, 3), "fused_us": tim["fused_qprep"]["decode"],
+                    "stock_per_layer_step": per(q_stock),
+                    "fused_per_layer_step": per(lau["fused_qprep"]["decode"]),
+                    "stock_us_per_layer_step": per(q_stock_t),
+                    "fused_us_per_layer_step": per(tim["fused_qprep"]["decode"]),
+                    "us_per_layer_step": per(q_stock_t + tim["fused_qprep"]["decode"])},
+            })
+        return out
+
+    def report_table(self) -> str:
+        """Per rank: stock vs fused launches and us per MLA layer per decode step."""
+        head = ["rank", "fusion", "asked", "stock", "fused", "stock us/L/step",
+                "fused us/L/step", "total us/L/step", "fused members / note"]
+        rows = []
+        for row in self.per_layer_step():
+            q = row["qk_norm"]
+            note = "" if q["stock_launches"] is not None else \
+                f"stock q/kv not separable in one trace (all RMSNorms {q['all_rmsnorm_launches']})"
+            rows.append([str(row["rank"]), "q/kv norm", _onoff(q["asked"]),
+                         _s(q["stock_launches"]), str(q["fused_launches"]), "-",
+                         _s(q["fused_us_per_layer_step"]), _s(q["norm_us_per_layer_step"])
+                         + " (incl. all RMSNorms)", note])
+            p = row["decode_qprep"]
+            mem = ", ".join(f"{k} x{v}" for k, v in sorted(p["fused_members"].items()))
+            rows.append([str(row["rank"]), "decode Q-prep", _onoff(p["asked"]),
+                         str(p["stock_launches"]), str(p["fused_launches"]),
+                         _s(p["stock_us_per_layer_step"]), _s(p["fused_us_per_layer_step"]),
+                         _s(p["us_per_layer_step"]), mem])
+        widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+        return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+                         for r in [head, *rows])
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "model": self.model.to_json(),
+            "claim": self.claim.to_json(),
+            "decisions": None if self.decisions is None else self.decisions.to_json(),
+            "world_size": self.world_size, "world_size_source": self.world_source,
+            "spec": self.spec.source,
+            "checks": [c.to_json() for c in self.checks],
+            "ranks": self.per_rank,
+            "per_mla_layer_per_decode_step": self.per_layer_step(),
+            "ignored_files": self.traces.ignored,
+            "notes": self.notes,
+        }
+
+    def markdown(self, title: str = "Decode kernel census", top: int = 25) -> str:
+        c = self.claim
+        dec = self.decisions
+        lines = [f"# {title}", "",
+                 f"Verdict: **{'PASS' if self.ok else 'FAIL'}** "
+                 f"({sum(k.ok is True for k in self.checks)} ok, "
+                 f"{sum(k.ok is False for k in self.checks)} failed, "
+                 f"{sum(k.ok is None for k in self.checks)} reported only)", "",
+                 f"- Model: `{self.model.path}` ({self.model.model_type}): "
+                 f"{self.model.layers} layers, **{self.model.mla_layers} MLA**",
+                 f"- Asked for ({c.source}): q/kv RMSNorm **{_onoff(c.qk_norm)}** "
+                 f"({c.detail.get('qk_norm', '')}), decode Q-prep **{_onoff(c.decode_qprep)}** "
+                 f"({c.detail.get('decode_qprep', '')})",
+                 "- Overlay decision records: " + ("not cross-checked (--skip-records)"
+                                                   if dec is None else
+                                                   f"{len(dec.records)} from {dec.source}"),
+                 f"- World size {self.world_size} ({self.world_source})",
+                 f"- Kernel table: {self.spec.platform} rules from "
+                 f"`{self.spec.source['table']}`; other RMSNorm launches per step: "
+                 f"`{self.spec.other_norms_formula}`", ""]
+        for note in self.notes:
+            lines.append(f"- Note: {note}")
+        for pr in self.per_rank:
+            lines.append(f"- rank {pr['rank']}: {pr['mode']} trace `{pr['path']}`, "
+                         f"{pr['steps']} engine steps ({pr['decode_steps']} decode-only, "
+                         f"{pr['empty_steps_ignored']} without a forward ignored), "
+                         f"{pr['launches']} launches, {pr['unattributed']} outside steps")
+        lines += ["", "## Expected vs seen", "", render_markdown_table(self.checks), "",
+                  "## Per rank, per MLA layer per decode step", "", "```",
+                  self.report_table(), "```"]
+        unit = "device" if all(p["mode"] == "gpu" for p in self.per_rank) else "host (CPU op)"
+        for pr in self.per_rank:
+            if pr["roles"]["unclassified"]:
+                lines += ["", f"## Rank {pr['rank']}: unclassified launches in the MLA "
+                          "attention region", "", "| kernel | launches |", "|---|---:|"]
+                lines += [f"| `{k}` | {v} |" for k, v in pr["roles"]["unclassified"].items()]
+            lines += ["", f"## Rank {pr['rank']}: top {top} by {unit} time", "",
+                      "| kernel | launches | per step | total us | mean us |",
+                      "|---|---:|---:|---:|---:|"]
+            for k in pr["kernels"][:top]:
+                lines.append(f"| `{k['name']}` | {k['launches']} | {k['per_step']} | "
+                             f"{k['total_us']} | {k['mean_us']} |")
+        return "\n".join(lines) + "\n"
+
+
+def _onoff(v: bool | None) -> str:
+    return {True: "on", False: "off", None: "unknown"}[v]
+
+
+def _s(v: Any) -> str:
+    return "n/a" if v is None else str(v)
+
+
+def run_census(traces: TraceSet, model: ModelFacts, claim: FusionClaim, spec: Spec,
+               decisions: Decisions | None, world_size: int, world_source: str,
+               min_decode_steps: int = 1, extra_per_step: dict[str, int] | None = None,
+               notes: list[str] | None = None) -> Census:
+    checks: list[Check] = rank_checks([r.rank for r in traces.ranks], world_size, world_source)
+    checks += cross_check(claim, decisions)
+    per_rank = []
+    for rt in traces.ranks:
+        checks += step_checks(rt, min_decode_steps)
+        cks, rc = build_checks(rt, spec, model, claim, extra_per_step)
+        checks += cks
+        per_rank.append({**rt.summary(), "steps_detail": [s.to_json() for s in rt.steps],
+                         "roles": {"launches": rc.launches, "time_us": rc.time_us,
+                                   "names": rc.names, "members": rc.members,
+                                   "unclassified": rc.unclassified},
+                         "per_step": [dict(c.most_common()) for c in rt.per_step_counts()],
+                         "kernels": rt.kernel_table()})
+    return Census(traces, model, claim, spec, checks, per_rank, decisions, world_size,
+                  world_source, notes or [])

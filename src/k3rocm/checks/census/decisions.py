@@ -1,0 +1,90 @@
+"""The overlay's decision records (read by :mod:`k3rocm.serving.decisions`) cross-checked
+against what the server was asked for (:mod:`k3rocm.checks.census.fusions`).
+
+Rules (target layers judged, draft layers reported):
+- asked ON, final state not "on"  -> FAIL, with the overlay's reason
+- asked OFF, final state "on"      -> FAIL
+- the process read a different toggle than the claim says (record ``asked``) -> FAIL
+- no record at all while a fusion is asked ON -> FAIL ("the overlay did not run")
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from k3rocm.checks.census.expect import Check
+from k3rocm.checks.census.fusions import FUSIONS, FusionClaim
+from k3rocm.serving.decisions import Record, final_decisions
+
+
+@dataclass
+class Decisions:
+    records: list[Record]
+    source: str  # where they were read from ("none" when there were none)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"source": self.source, "count": len(self.records),
+                "final": [{"pid": r.pid, "process": r.process, "tp_rank": r.tp_rank,
+                           "layer_kind": r.layer_kind, "phase": r.phase, "states": r.states,
+                           "reasons": r.reasons, "asked": r.asked, "where": r.where}
+                          for r in final_decisions(self.records).values()]}
+
+
+def _on(b: bool) -> str:
+    return "ON" if b else "OFF"
+
+
+def cross_check(claim: FusionClaim, dec: Decisions | None) -> list[Check]:
+    """One row per fusion (target layers), plus draft rows reported only.
+    ``dec`` None = the cross-check was skipped on request (--skip-records)."""
+    rows: list[Check] = []
+    if dec is None:
+        for k in FUSIONS:
+            rows.append(Check("all", f"overlay decision records vs asked {k} "
+                              f"{_on(claim.get(k))}", "records", "records",
+                              "SKIPPED on request (--skip-records): the overlay's own "
+                              "decisions were not cross-checked", None, 0, None))
+        return rows
+    final = final_decisions(dec.records)
+    target = [r for (_, kind), r in final.items() if kind == "target"]
+    draft = [r for (_, kind), r in final.items() if kind == "draft"]
+    for k in FUSIONS:
+        asked = claim.get(k)
+        what = f"{k} asked {_on(asked)} ({claim.detail.get(k, claim.source)})"
+        if not target:
+            if asked:
+                rule = (f"the overlay did not run: no decision record for target layers in "
+                        f"{dec.source} while {k} was asked ON")
+                rows.append(Check("all", what, "records", "records", rule, 1, 0, False))
+            else:
+                rows.append(Check("all", what, "records", "records",
+                                  f"no decision record in {dec.source}; the fusion was asked "
+                                  "OFF, the stock path is what was asked for", 0, 0, True))
+            continue
+        wrong = [r for r in target if (r.states[k] == "on") != asked]
+        misread = [r for r in target if r.asked[k] is not None and r.asked[k] != asked]
+        if wrong:
+            r = wrong[0]
+            verb = "reported" if asked else "reported ON although asked OFF:"
+            rule = (f"{len(wrong)} of {len(target)} target process(es) {verb} "
+                    f"{r.states[k].upper()} ({r.label()}, {r.phase}: {r.reasons[k]!r}) "
+                    f"[{r.where}]")
+            rows.append(Check("all", what, "records", "records", rule, len(target),
+                              len(target) - len(wrong), False))
+        elif misread:
+            r = misread[0]
+            rows.append(Check("all", what, "records", "records",
+                              f"{r.label()} read the toggle as {_on(bool(r.asked[k]))}, not "
+                              f"what the claim says [{r.where}]", len(target),
+                              len(target) - len(misread), False))
+        else:
+            rows.append(Check("all", what, "records", "records",
+                              f"every target process ({len(target)}) reports {_on(asked)} "
+                              f"({target[0].reasons[k]})", len(target), len(target), True))
+        for r in draft:
+            rows.append(Check("all", f"{k} in draft layers", "records", "records",
+                              f"reported only: {r.label()} {r.states[k].upper()} "
+                              f"({r.reasons[k]})", None, 1 if r.states[k] == "on" else 0,
+                              None))
+    return rows

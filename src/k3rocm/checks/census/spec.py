@@ -1,0 +1,192 @@
+"""Which launches play which role: the one table in ``kernels.json`` (shipped as package data).
+
+A *role* is a set of kernel/operator names (regular expressions over normalized names), in a
+*group* (``qk_norm`` or ``decode_qprep``: the fusion that owns it) and of a *kind* (``fused``:
+the launch the fusion adds; ``stock``: a launch the fusion removes):
+
+- ``fused_qk_norm`` / ``qk_norm``: AITER ``fused_qk_rmsnorm_kernel`` / every separate RMSNorm
+  launch (the MLA q/kv latent norms are two of them per MLA layer when the fusion is off; the
+  model's other norms per step come from ``model_families`` so the q/kv share can be isolated).
+- ``fused_qprep``: AITER's ``fuse_qk_rope_concat_and_cache_mla_*`` device kernels (the family;
+  each launch is also assigned a *member*; a ``forbidden`` member must never run).
+- ``cache_write`` / ``q_concat_quant``: the stock fp8 KV-cache write and the Inductor kernel that
+  concatenates ``[ql_nope | q_pe]`` and quantizes it.
+
+A launch counts for a role only when none of the operators it is nested in also matches that
+role (CPU operators nest), and not when a parent matches ``exclude_parents``.
+``--spec FILE`` (JSON, same shape as kernels.json) overrides roles per platform.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from k3rocm.errors import UsageError
+
+ROLES = ("fused_qk_norm", "qk_norm", "fused_qprep", "cache_write", "q_concat_quant")
+GROUPS = {"qk_norm": ("fused_qk_norm", "qk_norm"),
+          "decode_qprep": ("fused_qprep", "cache_write", "q_concat_quant")}
+
+
+def kernel_table() -> dict[str, Any]:
+    """The packaged kernels.json."""
+    text = resources.files("k3rocm.checks.census").joinpath("kernels.json").read_text()
+    return json.loads(text)
+
+
+@dataclass
+class Member:
+    name: str
+    match: re.Pattern[str]
+    forbidden: bool
+    why: str
+    source: str
+
+
+@dataclass
+class Role:
+    name: str
+    match: list[re.Pattern[str]]
+    exclude: list[re.Pattern[str]]
+    exclude_parents: list[re.Pattern[str]]
+    require_parents: list[re.Pattern[str]]
+    group: str = ""
+    kind: str = ""
+    members: list[Member] = field(default_factory=list)
+
+    def hits(self, name: str) -> bool:
+        return any(p.search(name) for p in self.match) and not any(
+            p.search(name) for p in self.exclude)
+
+    def counts(self, name: str, parents: tuple[str, ...], outermost: bool = True) -> bool:
+        """``outermost``: CPU operators nest (``_C::rms_norm`` > ``aten::rsqrt``), so only the
+        outermost match counts; GPU kernels have operators as parents, not other kernels."""
+        if not self.hits(name):
+            return False
+        if self.require_parents and not any(
+                x.search(p) for p in parents for x in self.require_parents):
+            return False
+        return not any((outermost and self.hits(p))
+                       or any(x.search(p) for x in self.exclude_parents) for p in parents)
+
+    def member_of(self, name: str) -> str:
+        for m in self.members:
+            if m.match.search(name):
+                return m.name
+        return "other"
+
+
+@dataclass
+class Spec:
+    platform: str
+    roles: dict[str, Role]
+    other_norms_formula: str | None
+    family: str | None
+    source: dict[str, Any]
+    mla_region: list[re.Pattern[str]] = field(default_factory=list)
+
+    def in_mla_region(self, parents: tuple[str, ...]) -> bool:
+        return any(x.search(p) for p in parents for x in self.mla_region)
+
+
+def _compile(lst: Any, where: str) -> list[re.Pattern[str]]:
+    if not isinstance(lst, list) or not all(isinstance(x, str) for x in lst):
+        raise UsageError(f"census spec {where} must be a list of regex strings, got {lst!r}")
+    out = []
+    for p in lst:
+        try:
+            out.append(re.compile(p))
+        except re.error as exc:
+            raise UsageError(f"census spec {where}: {p!r} is not a valid regex ({exc})") from None
+    return out
+
+
+def _members(lst: Any, where: str) -> list[Member]:
+    if not isinstance(lst, list):
+        raise UsageError(f"census spec {where} must be a list of members")
+    out = []
+    for i, m in enumerate(lst):
+        if not isinstance(m, dict) or not isinstance(m.get("member"), str):
+            raise UsageError(f"census spec {where}[{i}] needs a 'member' name and a 'match'")
+        out.append(Member(m["member"], _compile([m.get("match", "")], f"{where}[{i}]")[0],
+                          bool(m.get("forbidden")), str(m.get("why", "")),
+                          str(m.get("source", ""))))
+    return out
+
+
+def load_spec(platform: str, model_type: str | None, spec_file: str | None = None,
+              other_norms: str | None = None) -> Spec:
+    """Build the role matchers for ``platform`` (rocm|cpu) from kernels.json, optionally
+    overridden by a JSON file of the same shape (roles replaced one by one)."""
+    table = copy.deepcopy(kernel_table())
+    platforms = table["platforms"]
+    families = table["model_families"]
+    fam_of = dict(table["family_of_model_type"])
+    if spec_file:
+        try:
+            user = json.loads(Path(spec_file).read_text())
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"--spec {spec_file} cannot be read as JSON ({exc})") from None
+        if not isinstance(user, dict):
+            raise UsageError(f"--spec {spec_file} must hold a JSON object")
+        for plat, body in (user.get("platforms") or {}).items():
+            if not isinstance(body, dict):
+                raise UsageError(f"--spec {spec_file}: platforms.{plat} must be an object")
+            dest = platforms.setdefault(plat, {"roles": {}, "mla_region": {"parents": []}})
+            dest["roles"].update(body.get("roles") or {})
+            if "mla_region" in body:
+                dest["mla_region"] = body["mla_region"]
+        families.update(user.get("model_families") or {})
+        fam_of.update(user.get("family_of_model_type") or {})
+    if platform not in platforms:
+        raise UsageError(f"platform {platform!r} is not known; valid: "
+                         f"{', '.join(sorted(platforms))}")
+    roles = {}
+    plat = platforms[platform]
+    for rname in ROLES:
+        r = plat["roles"].get(rname)
+        if not isinstance(r, dict):
+            raise UsageError(f"census spec: platform {platform!r} has no role {rname!r}")
+        where = f"{platform}.{rname}"
+        roles[rname] = Role(rname, _compile(r.get("match", []), where + ".match"),
+                            _compile(r.get("exclude", []), where + ".exclude"),
+                            _compile(r.get("exclude_parents", []), where + ".exclude_parents"),
+                            _compile(r.get("require_parents", []), where + ".require_parents"),
+                            str(r.get("group", "")), str(r.get("kind", "")),
+                            _members(r.get("members", []), where + ".members"))
+    region = _compile((plat.get("mla_region") or {}).get("parents", []),
+                      f"{platform}.mla_region.parents")
+    family = fam_of.get(model_type or "")
+    formula = (families.get(family) or {}).get(platform) if family else None
+    if other_norms is not None:
+        formula = other_norms
+    return Spec(platform, roles, formula, family,
+                {"platform": platform, "roles": plat["roles"], "family": family,
+                 "other_norms_per_step": formula, "spec_file": spec_file,
+                 "table": "k3rocm/checks/census/kernels.json"}, region)
+
+
+_FORMULA_OK = re.compile(r"^[\s\d+\-*()a-z_]*$")
+
+
+def eval_formula(formula: str, variables: dict[str, int]) -> int:
+    """Evaluate a tiny integer formula such as ``2*layers + 1`` (names, digits, + - * ())."""
+    if not _FORMULA_OK.match(formula):
+        raise UsageError(f"formula {formula!r} may only use integers, + - * ( ) and "
+                         f"{', '.join(sorted(variables))}")
+    names = set(re.findall(r"[a-z_]+", formula))
+    unknown = names - set(variables)
+    if unknown:
+        raise UsageError(f"formula {formula!r} uses unknown name(s) {sorted(unknown)}; "
+                         f"valid: {', '.join(sorted(variables))}")
+    try:
+        value = eval(formula, {"__builtins__": {}}, dict(variables))  # noqa: S307 - checked
+    except Exception as exc:  # noqa: BLE001
+        raise UsageError(f"formula {formula!r} cannot be evaluated ({exc})") from None
+    return int(value)

@@ -1,0 +1,391 @@
+"""Read vLLM worker profiler traces (chrome-trace JSON, plain or gzip) and count launches per step.
+
+One worker trace per rank. Engine steps are ``user_annotation`` events named
+``execute_context_<n>(<ctx tokens>)_generation_<m>(<gen tokens>)`` (or the detailed form
+``execute_<T>_context_<n>(sq<ctx tokens>...)_generation_<m>(sq<gen tokens>...)``); a step with no
+context requests is decode-only.
+
+What is counted per step:
+- GPU build (the trace has ``kernel`` events): every device kernel, attributed to the step whose
+  time range contains the host-side launch it is linked to by its correlation id (the kernel
+  itself may run after the annotation closed); kernels without a launch record fall back to a
+  ``gpu_user_annotation`` step range on the device timeline. Time = device duration.
+- CPU build (no ``kernel`` events, e.g. the CPU stand-in): every ``cpu_op`` inside the step's
+  range. Time = host duration of the operator (inclusive of its children).
+Each counted launch keeps the names of the operators it is nested in (for a launch: the
+operators around its host-side launch call), so a rule can say "an rsqrt that is not inside the
+fused op".
+"""
+
+from __future__ import annotations
+
+import bisect
+import gzip
+import json
+import os
+import re
+import zlib
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from k3rocm.checks.census.names import Normalizer
+from k3rocm.errors import UsageError
+
+STEP_SIMPLE = re.compile(r"^execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)")
+STEP_DETAILED = re.compile(r"^execute_\d+_context_(\d+)\(sq(\d+)\D.*?_generation_(\d+)\(sq(\d+)\D")
+RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)(?:\D|$)")
+TRACE_SUFFIXES = (".json", ".json.gz")
+RUNTIME_CATS = {"cuda_runtime", "cuda_driver", "hip_runtime", "hip_driver", "runtime"}
+KERNEL_CATS = {"kernel"}
+# JSON files that live beside the traces but are not traces (overlay decision records,
+# run provenance)
+NOT_TRACES = ("k3rocm-decisions-pid", "provenance.json", "census.json")
+
+
+@dataclass
+class Step:
+    index: int
+    name: str
+    ts: float
+    dur: float
+    ctx_reqs: int
+    ctx_tokens: int
+    gen_reqs: int
+    gen_tokens: int
+
+    @property
+    def decode_only(self) -> bool:
+        """The attention backend's rule: no request with context (prefill) tokens."""
+        return self.ctx_reqs == 0 and self.gen_reqs > 0
+
+    @property
+    def empty(self) -> bool:
+        """``execute_context_0(0)_generation_0(0)``: an engine step without a forward."""
+        return self.ctx_reqs == 0 and self.gen_reqs == 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"index": self.index, "name": self.name, "decode_only": self.decode_only,
+                "ctx_reqs": self.ctx_reqs, "ctx_tokens": self.ctx_tokens,
+                "gen_reqs": self.gen_reqs, "gen_tokens": self.gen_tokens,
+                "dur_us": round(self.dur, 3)}
+
+
+@dataclass
+class Launch:
+    name: str  # normalized
+    raw: str
+    dur: float  # microseconds (device time for kernels, host time for CPU operators)
+    step: int
+    parents: tuple[str, ...] = ()  # normalized names of enclosing operators (outermost first)
+
+
+@dataclass
+class RankTrace:
+    path: Path
+    rank: int
+    mode: str  # "gpu" | "cpu"
+    steps: list[Step]
+    launches: list[Launch]
+    unattributed: int = 0
+    meta: dict[str, Any] = field(default_factory=dict)
+    outside: list[Launch] = field(default_factory=list)  # launches in no engine step (step -1)
+    world_size: int | None = None  # from distributedInfo
+    rank_source: str = ""
+    empty_steps: int = 0  # engine steps without a forward, ignored
+
+    # -- aggregates ----------------------------------------------------------------------
+    def per_step_counts(self) -> list[Counter[str]]:
+        out: list[Counter[str]] = [Counter() for _ in self.steps]
+        for ln in self.launches:
+            out[ln.step][ln.name] += 1
+        return out
+
+    def kernel_table(self) -> list[dict[str, Any]]:
+        """Per normalized name: launches, launches per step, total and mean time (us)."""
+        cnt: Counter[str] = Counter()
+        tot: dict[str, float] = defaultdict(float)
+        steps_seen: dict[str, set[int]] = defaultdict(set)
+        for ln in self.launches:
+            cnt[ln.name] += 1
+            tot[ln.name] += ln.dur
+            steps_seen[ln.name].add(ln.step)
+        n = max(len(self.steps), 1)
+        rows = [{"name": k, "launches": c, "per_step": round(c / n, 3),
+                 "steps_with": len(steps_seen[k]), "total_us": round(tot[k], 3),
+                 "mean_us": round(tot[k] / c, 3)} for k, c in cnt.items()]
+        rows.sort(key=lambda r: (-r["total_us"], r["name"]))
+        return rows
+
+    def summary(self) -> dict[str, Any]:
+        return {"path": str(self.path), "rank": self.rank, "mode": self.mode,
+                "steps": len(self.steps),
+                "decode_steps": sum(1 for s in self.steps if s.decode_only),
+                "launches": len(self.launches), "unattributed": self.unattributed,
+                "empty_steps_ignored": self.empty_steps, "world_size": self.world_size,
+                "rank_source": self.rank_source, "meta": self.meta}
+
+
+# -- loading ----------------------------------------------------------------------------------
+
+def load_json(path: str | os.PathLike) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(2)
+            fh.seek(0)
+            data = gzip.GzipFile(fileobj=fh).read() if head == b"\x1f\x8b" else fh.read()
+        obj = json.loads(data)
+    except (OSError, EOFError, gzip.BadGzipFile, zlib.error, ValueError) as exc:
+        why = " ".join(str(exc).split())[:160]
+        raise UsageError(f"trace {path} cannot be read as chrome-trace JSON "
+                         f"({exc.__class__.__name__}: {why}); expected a .pt.trace.json or "
+                         ".pt.trace.json.gz file; re-collect it") from None
+    if isinstance(obj, list):
+        obj = {"traceEvents": obj}
+    if not isinstance(obj, dict) or not isinstance(obj.get("traceEvents"), list):
+        raise UsageError(f"trace {path} has no traceEvents list; not a chrome trace")
+    return obj
+
+
+def parse_step_name(name: str) -> tuple[int, int, int, int] | None:
+    m = STEP_SIMPLE.match(name) or STEP_DETAILED.match(name)
+    if not m:
+        return None
+    return int(m.group(1)), int(m.group(2)), int(m.group(3)), int(m.group(4))
+
+
+def rank_of(path: Path, obj: dict[str, Any]) -> int | None:
+    return rank_and_source(path, obj)[0]
+
+
+def rank_and_source(path: Path, obj: dict[str, Any]) -> tuple[int | None, str]:
+    """The trace's rank: ``distributedInfo.rank`` (torch profiler metadata), else the file
+    name (``rank-<r>`` / ``..._rank<r>.``); (None, "") when neither tells."""
+    info = obj.get("distributedInfo")
+    if isinstance(info, dict) and isinstance(info.get("rank"), int) \
+            and not isinstance(info.get("rank"), bool):
+        return int(info["rank"]), "distributedInfo"
+    m = RANK_IN_NAME.search(path.name)
+    return (int(m.group(1)), "file name") if m else (None, "")
+
+
+def world_size_of(obj: dict[str, Any]) -> int | None:
+    info = obj.get("distributedInfo")
+    ws = info.get("world_size") if isinstance(info, dict) else None
+    return ws if isinstance(ws, int) and not isinstance(ws, bool) and ws > 0 else None
+
+
+def _nest(events: list[dict[str, Any]]) -> dict[int, tuple[str, ...]]:
+    """For events on one thread, map id(event) -> names of enclosing cpu_ops (outermost first)."""
+    out: dict[int, tuple[str, ...]] = {}
+    stack: list[tuple[float, str]] = []  # (end, name)
+    for e in sorted(events, key=lambda e: (e["ts"], -e.get("dur", 0.0))):
+        ts = e["ts"]
+        end = ts + e.get("dur", 0.0)
+        while stack and ts >= stack[-1][0]:
+            stack.pop()
+        out[id(e)] = tuple(n for _, n in stack)
+        if e.get("cat") == "cpu_op":
+            stack.append((end, e["name"]))
+    return out
+
+
+def parse_rank_trace(path: str | os.PathLike, normalize: Normalizer | None = None,
+                     mode: str = "auto", obj: dict[str, Any] | None = None) -> RankTrace:
+    """Parse one worker trace; any malformed event is a one-line UsageError naming the file."""
+    path = Path(path)
+    obj = obj if obj is not None else load_json(path)
+    try:
+        return _parse_rank_trace(path, normalize or Normalizer(), mode, obj)
+    except UsageError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
+        why = " ".join(str(exc).split())[:120]
+        raise UsageError(f"trace {path} is malformed ({exc.__class__.__name__}: {why}); "
+                         "every complete event needs a numeric ts/dur and a name; re-collect "
+                         "the trace") from None
+
+
+def _num(e: dict[str, Any], key: str, default: float | None = None) -> float:
+    v = e.get(key, default)
+    if v is None:
+        v = 0.0
+    if isinstance(v, bool) or not isinstance(v, (int, float, str)):
+        raise ValueError(f"event {str(e.get('name'))[:60]!r} has a non-numeric {key} {v!r}")
+    try:
+        return float(v)
+    except ValueError:
+        raise ValueError(f"event {str(e.get('name'))[:60]!r} has a non-numeric {key} "
+                         f"{v!r}") from None
+
+
+def _parse_rank_trace(path: Path, normalize: Normalizer, mode: str,
+                      obj: dict[str, Any]) -> RankTrace:
+    events = [e for e in obj["traceEvents"]
+              if isinstance(e, dict) and e.get("ph") == "X" and "ts" in e and "name" in e]
+    for e in events:
+        e["ts"] = _num(e, "ts")
+        e["dur"] = _num(e, "dur", 0.0)
+        if not isinstance(e.get("args", {}), dict):
+            raise ValueError(f"event {str(e['name'])[:60]!r} has args that are not an object")
+    rank, rank_source = rank_and_source(path, obj)
+    if rank is None:
+        rank = -1
+
+    step_evs = []
+    gpu_step_evs = []
+    for e in events:
+        parsed = parse_step_name(str(e["name"]))
+        if parsed is None:
+            continue
+        if e.get("cat") == "user_annotation":
+            step_evs.append((e, parsed))
+        elif e.get("cat") == "gpu_user_annotation":
+            gpu_step_evs.append((e, parsed))
+    step_evs.sort(key=lambda t: t[0]["ts"])
+    empty = sum(1 for _, p in step_evs if p[0] == 0 and p[2] == 0)
+    # engine steps without a forward (no requests) are ignored, neither decode nor prefill;
+    # their device-side ranges are dropped the same way
+    step_evs = [(e, p) for e, p in step_evs if not (p[0] == 0 and p[2] == 0)]
+    gpu_step_evs = [(e, p) for e, p in gpu_step_evs if not (p[0] == 0 and p[2] == 0)]
+    steps = [Step(i, str(e["name"]), e["ts"], e["dur"], *p) for i, (e, p) in enumerate(step_evs)]
+    starts = [s.ts for s in steps]
+
+    def step_at(ts: float) -> int | None:
+        i = bisect.bisect_right(starts, ts + 1e-3) - 1
+        if i >= 0 and ts <= steps[i].ts + steps[i].dur + 1e-3:
+            return i
+        return None
+
+    kernels = [e for e in events if e.get("cat") in KERNEL_CATS]
+    if mode == "auto":
+        mode = "gpu" if kernels else "cpu"
+    if mode not in ("gpu", "cpu"):
+        raise UsageError(f"trace mode {mode!r} is not valid; use auto, gpu or cpu")
+
+    by_thread: dict[tuple[Any, Any], list[dict[str, Any]]] = defaultdict(list)
+    for e in events:
+        if e.get("cat") == "cpu_op" or e.get("cat") in RUNTIME_CATS:
+            by_thread[(e.get("pid"), e.get("tid"))].append(e)
+    parents: dict[int, tuple[str, ...]] = {}
+    for evs in by_thread.values():
+        parents.update(_nest(evs))
+
+    launches: list[Launch] = []
+    outside: list[Launch] = []
+    unattributed = 0
+    if mode == "cpu":
+        for e in events:
+            if e.get("cat") != "cpu_op":
+                continue
+            si = step_at(e["ts"])
+            raw = str(e["name"])
+            ln = Launch(normalize(raw), raw, e["dur"], -1 if si is None else si,
+                        tuple(normalize(p) for p in parents.get(id(e), ())))
+            if si is None:
+                unattributed += 1
+                outside.append(ln)
+                continue
+            launches.append(ln)
+    else:
+        by_corr: dict[Any, dict[str, Any]] = {}
+        for e in events:
+            if e.get("cat") in RUNTIME_CATS:
+                corr = (e.get("args") or {}).get("correlation")
+                if corr is not None:
+                    by_corr[corr] = e
+        gpu_steps = sorted(gpu_step_evs, key=lambda t: t[0]["ts"])
+        gpu_starts = [g[0]["ts"] for g in gpu_steps]
+        # map a device-side step range to the host step with the same position
+        for k in kernels:
+            corr = (k.get("args") or {}).get("correlation")
+            launch = by_corr.get(corr) if corr is not None else None
+            si = step_at(launch["ts"]) if launch is not None else None
+            if si is None and launch is None and gpu_steps:
+                j = bisect.bisect_right(gpu_starts, k["ts"] + 1e-3) - 1
+                if j >= 0 and k["ts"] <= gpu_starts[j] + gpu_steps[j][0]["dur"] + 1e-3 \
+                        and j < len(steps):
+                    si = j
+            raw = str(k["name"])
+            par = parents.get(id(launch), ()) if launch is not None else ()
+            ln = Launch(normalize(raw), raw, k["dur"], -1 if si is None else si,
+                        tuple(normalize(p) for p in par))
+            if si is None:
+                unattributed += 1
+                outside.append(ln)
+                continue
+            launches.append(ln)
+    meta = {k: obj.get(k) for k in ("vllm_version", "host_name", "distributedInfo",
+                                    "deviceProperties", "schemaVersion") if k in obj}
+    if "deviceProperties" in meta and isinstance(meta["deviceProperties"], list):
+        meta["deviceProperties"] = [{k: d.get(k) for k in ("id", "name", "totalGlobalMem")}
+                                    for d in meta["deviceProperties"] if isinstance(d, dict)]
+    return RankTrace(path, rank, mode, steps, launches, unattributed, meta, outside,
+                     world_size_of(obj), rank_source, empty)
+
+
+# -- a directory of traces ----------------------------------------------------------------------
+
+def find_trace_files(directory: str | os.PathLike) -> list[Path]:
+    d = Path(directory)
+    if not d.is_dir():
+        raise UsageError(f"trace directory {d} does not exist or is not a directory")
+    return sorted(p for p in d.rglob("*") if p.is_file() and p.name.endswith(TRACE_SUFFIXES)
+                  and not p.name.startswith(NOT_TRACES))
+
+
+@dataclass
+class TraceSet:
+    ranks: list[RankTrace]
+    ignored: list[dict[str, str]]  # files that are not worker traces (front-end, empty, dupes)
+    world_size: int | None = None  # from the traces' distributedInfo (None: not recorded)
+
+
+def load_trace_dir(directory: str | os.PathLike, normalize: Normalizer | None = None,
+                   mode: str = "auto", files: list[Path] | None = None) -> TraceSet:
+    """Parse every worker trace in ``directory``; the newest trace per rank wins."""
+    files = files if files is not None else find_trace_files(directory)
+    if not files:
+        raise UsageError(f"no trace files (*.json or *.json.gz) in {directory}; did the server "
+                         "run with --profiler-config / K3_PROFILER_DIR and was /stop_profile "
+                         "called?")
+    per_rank: dict[int, list[RankTrace]] = defaultdict(list)
+    ignored: list[dict[str, str]] = []
+    rankless: list[str] = []
+    for f in files:
+        obj = load_json(f)
+        has_rank = rank_of(f, obj) is not None
+        rt = parse_rank_trace(f, normalize, mode, obj)
+        if not rt.steps:
+            why = ("no engine-step annotations (front-end trace)" if not has_rank
+                   else "no engine-step annotations")
+            if rt.empty_steps:
+                why = f"only engine steps without a forward ({rt.empty_steps})"
+            ignored.append({"path": str(f), "why": why})
+            continue
+        if not has_rank:
+            rankless.append(f.name)
+            continue
+        per_rank[rt.rank].append(rt)
+    if rankless:
+        raise UsageError(f"cannot tell the rank of {len(rankless)} worker trace(s) "
+                         f"({', '.join(rankless[:4])}): no distributedInfo.rank and no rank in "
+                         "the file name; they are not merged. Keep the profiler's file names "
+                         "(<ts>-rank-<r>...) or its metadata")
+    sizes = {r.world_size for rs in per_rank.values() for r in rs if r.world_size is not None}
+    if len(sizes) > 1:
+        raise UsageError(f"the traces in {directory} disagree on the world size "
+                         f"({sorted(sizes)}): they come from different runs; keep one run's "
+                         "traces per directory")
+    ranks: list[RankTrace] = []
+    for r in sorted(per_rank):
+        cands = sorted(per_rank[r], key=lambda t: (t.steps[0].ts, t.path.stat().st_mtime))
+        ranks.append(cands[-1])
+        for old in cands[:-1]:
+            ignored.append({"path": str(old.path), "why": f"older trace of rank {r}"})
+    if not ranks:
+        raise UsageError(f"no worker trace with engine steps in {directory} "
+                         f"({len(files)} file(s) looked at: {', '.join(p.name for p in files)})")
+    return TraceSet(ranks, ignored, sizes.pop() if sizes else None)

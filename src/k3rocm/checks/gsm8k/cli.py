@@ -1,0 +1,378 @@
+"""``k3rocm gsm8k``: GSM8K 5-shot accuracy gate, lm-eval in the client container.
+
+Exit codes (the table of k3rocm.errors): 0 pass, 1 below the gate (or a partial run that is
+not allowed to pass), 2 bad input (settings, data, client image) or lm-eval error, 3 server
+unreachable or no Docker engine, 130 interrupted. One line each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+
+from k3rocm.checks.gsm8k import command, data, results
+from k3rocm.checks.gsm8k.command import Gsm8kSettings
+from k3rocm.deploy import runrecord
+from k3rocm.deploy.engine import docker_client, image_id, run_client
+from k3rocm.errors import EXIT_INTERRUPTED, ServerError, UsageError
+from k3rocm.rundir import create_run_dir, write_json_atomic, write_text_atomic
+from k3rocm.serving.config import redact_env
+
+LAUNCHER_SRC = Path(__file__).with_name("lmeval_launch.py")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.epilog = ("Exit codes: 0 pass, 1 below the gate (or a --limit/partial run without "
+                "--allow-limit), 2 bad input or lm-eval error, 3 server unreachable or no "
+                "Docker engine, 130 interrupted. Task: the seed's gsm8k config "
+                "(src/k3rocm/checks/gsm8k/gsm8k.yaml). Data: --data-dir, else the HF cache "
+                "(openai/gsm8k; --fetch-data / `make gsm8k-data` puts it there). "
+                "See docs/gsm8k.md.")
+    g = p.add_argument_group("server")
+    g.add_argument("--url", help="server root URL (default: from K3_BIND_ADDRESS and K3_PORT)")
+    g.add_argument("--model", help="served model name (default $K3_SERVED_MODEL_NAME, or the "
+                   "only model the server lists)")
+    g.add_argument("--server-container", metavar="NAME",
+                   help="local server container for provenance (default: the one on the URL's "
+                   "port)")
+    g = p.add_argument_group("evaluation")
+    g.add_argument("--mode", choices=("chat", "completions"), default="chat",
+                   help="chat: /v1/chat/completions with the chat template, few-shot as turns; "
+                   "completions: /v1/completions with the raw 5-shot prompt")
+    g.add_argument("--reasoning-fallback", action="store_true",
+                   help="score the reasoning text when an answer's content is empty (NOT the "
+                   "seed's protocol: counted and reported as a deviation; default off)")
+    g.add_argument("--concurrency", type=int, default=32,
+                   help="requests in flight (default %(default)s)")
+    g.add_argument("--max-gen-tokens", type=int, default=4096,
+                   help="max generated tokens per answer; reasoning models need many "
+                   "(default %(default)s)")
+    g.add_argument("--timeout", type=int, default=1800,
+                   help="per-request timeout, seconds (default %(default)s)")
+    g.add_argument("--max-retries", type=int, default=3,
+                   help="per-request retries (default %(default)s)")
+    g.add_argument("--limit", type=int, help="evaluate only the first N test items (marks the "
+                   "run not comparable)")
+    g.add_argument("--threshold", type=float, default=command.DEFAULT_THRESHOLD,
+                   help="gate on exact_match of both strict-match and flexible-extract "
+                   "(default %(default)s)")
+    g.add_argument("--allow-limit", action="store_true",
+                   help="let a --limit run (or a test set other than GSM8K's 1319 items) pass")
+    g = p.add_argument_group("data and output")
+    g.add_argument("--data-dir", help="directory with train.jsonl and test.jsonl "
+                   "(question, answer ending '#### N')")
+    g.add_argument("--hf-home", help="HF cache holding openai/gsm8k (default $HF_HOME, "
+                   "$K3_CACHE_DIR/huggingface, ~/.cache/huggingface)")
+    g.add_argument("--results-dir", default=None,
+                   help="run directories go here (default K3_RESULTS_DIR, which compose mounts "
+                   "at /results)")
+    g.add_argument("--client-image", default=command.DEFAULT_CLIENT_IMAGE,
+                   help="image with lm-eval in /opt/clients (default %(default)s)")
+    g.add_argument("--dry-run", action="store_true",
+                   help="print the exact lm_eval command line and exit 0 (no server contact; "
+                   "also before the data set is there)")
+    g.add_argument("--fetch-data", action="store_true",
+                   help="download openai/gsm8k once into the HF cache (--hf-home) with the client "
+                   "image's huggingface_hub, then exit (needs HF hub access; `make gsm8k-data`)")
+    g.add_argument("--rescore", metavar="RUN_DIR",
+                   help="re-apply the gate to a stored run directory and print the verdict")
+
+
+def _deployment():
+    from k3rocm.deploy.deployment import load_deployment
+
+    return load_deployment()  # a client: the checkpoint is the server's, not checked
+
+
+def _resolve(args: argparse.Namespace, dep) -> tuple[str, str, str | None]:
+    """URL, model name and API key: the flags, else the deployment; fills args.results_dir."""
+    if args.results_dir is None:
+        args.results_dir = str(dep.results_root)
+    return args.url or dep.url, args.model or dep.served_model_name, dep.api_key
+
+
+def deployment_view(args: argparse.Namespace) -> dict:
+    """What this command resolved (``--print-deployment``)."""
+    dep = _deployment()
+    url, model, api_key = _resolve(args, dep)
+    return {**dep.to_json(), "url": url, "served_model_name": model,
+            "api_key": "***" if api_key else None,
+            "results_root": str(Path(args.results_dir).absolute())}
+
+
+def _settings(args: argparse.Namespace, model: str, url: str) -> Gsm8kSettings:
+    s = Gsm8kSettings(url=url, model=model, mode=args.mode, concurrency=args.concurrency,
+                      max_gen_tokens=args.max_gen_tokens, timeout=args.timeout,
+                      max_retries=args.max_retries, threshold=args.threshold, limit=args.limit,
+                      allow_limit=args.allow_limit, client_image=args.client_image,
+                      reasoning_fallback=args.reasoning_fallback)
+    command.validate(s)
+    return s
+
+
+def _progress(msg: str) -> None:
+    print(f"gsm8k: {msg}", file=sys.stderr, flush=True)
+
+
+def _check_server(url: str, model: str, explicit: bool, api_key: str | None) -> str:
+    """The server answers /v1/models and serves ``model``; returns the model name to use.
+
+    A default (not explicit) name that the server does not serve is replaced by the server's
+    only model."""
+    import requests
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    try:
+        r = requests.get(url.rstrip("/") + "/v1/models", headers=headers, timeout=10)
+    except requests.RequestException as exc:
+        raise ServerError(f"server not reachable at {url} ({exc.__class__.__name__}); start it "
+                          "(`make up`) or pass --url") from None
+    if r.status_code in (401, 403):
+        raise ServerError(f"server at {url} refused /v1/models (HTTP {r.status_code}); set "
+                          "K3_API_KEY to the server's key")
+    if not r.ok:
+        raise ServerError(f"server at {url} answered /v1/models with HTTP {r.status_code}; is "
+                          "it a vLLM OpenAI server and healthy?")
+    try:
+        served = [m["id"] for m in r.json().get("data", [])]
+    except (ValueError, AttributeError, KeyError, TypeError):
+        raise ServerError(f"server at {url}: /v1/models is not an OpenAI model list") from None
+    if model in served:
+        return model
+    if not explicit and len(served) == 1:
+        return served[0]
+    raise ServerError(f"model {model!r} is not served at {url} (served: "
+                      f"{', '.join(served) or 'none'}); pass --model")
+
+
+def _rescore(args: argparse.Namespace) -> int:
+    run_dir = Path(args.rescore)
+    if not run_dir.is_dir():
+        raise UsageError(f"--rescore {run_dir} is not a directory")
+    res, samples, fallbacks, _, _ = results.load_run(run_dir)
+    verdict = results.evaluate(res, samples, fallbacks, threshold=args.threshold,
+                               allow_limit=args.allow_limit)
+    print(json.dumps(verdict, indent=2), file=sys.stdout)
+    print(verdict["message"], file=sys.stderr)
+    return verdict["exit_code"]
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.rescore:
+        command.validate(_settings(args, "x", "http://x"))
+        return _rescore(args)
+    if args.fetch_data:
+        return _fetch_data(args)
+    dep = _deployment()
+    url, model_name, api_key = _resolve(args, dep)
+    # Everything checkable without a server, before anything expensive.
+    s = _settings(args, model_name, url)
+    argv = command.lm_eval_argv(s)
+    if args.dry_run:
+        try:
+            where = data.resolve(args.data_dir, args.hf_home).describe()
+        except data.NoDataError as exc:  # the command does not depend on the data source
+            where = f"none yet ({exc})"
+        print(command.shell_line(argv))
+        print(f"# in {s.client_image}, --network host, run dir mounted at {command.OUT_MOUNT}, "
+              f"task {data.TASK_FILE} as {command.TASKS_MOUNT}/gsm8k.yaml, data: {where}",
+              file=sys.stderr)
+        return 0
+    src = data.resolve(args.data_dir, args.hf_home)
+
+    model = _check_server(url, s.model, explicit=args.model is not None, api_key=api_key)
+    if model != s.model:
+        _progress(f"the server serves only {model!r}; using it (--model to insist on a name)")
+        s = _settings(args, model, url)
+        argv = command.lm_eval_argv(s)
+    client = docker_client()
+    image_id(client, s.client_image)
+    return _execute(client, s, src, argv, api_key, args, dep)
+
+
+HOST_CA = Path("/etc/ssl/certs/ca-certificates.crt")
+
+
+def _fetch_data(args: argparse.Namespace) -> int:
+    """``make gsm8k-data``: openai/gsm8k into the HF hub cache, once, with huggingface_hub in the
+    client image (the parquet snapshot that :func:`data.resolve` then finds offline)."""
+    home = Path(args.hf_home or data.hf_home_candidates(None)[0]).expanduser().resolve()
+    with contextlib.suppress(data.NoDataError):
+        src = data.resolve(None, str(home))
+        print(f"gsm8k-data: already there: {src.describe()}", file=sys.stderr)
+        return 0
+    client = docker_client()
+    image_id(client, args.client_image)
+    home.mkdir(parents=True, exist_ok=True)
+    env = {"HOME": "/tmp", "HF_HOME": "/hf", "HF_HUB_DISABLE_TELEMETRY": "1",
+           "PYTHONUNBUFFERED": "1"}
+    for key in ("HF_ENDPOINT", "HF_TOKEN"):  # a mirror or a token, as on the host
+        if os.environ.get(key):
+            env[key] = os.environ[key]
+    mounts = {str(home): ("/hf", "rw"),
+              str(LAUNCHER_SRC): (f"/k3/{command.LAUNCHER_NAME}", "ro")}
+    if HOST_CA.is_file():  # a TLS-intercepting proxy's CA is often only on the host
+        mounts[str(HOST_CA)] = ("/tmp/host-ca.crt", "ro")
+        env.update(SSL_CERT_FILE="/tmp/host-ca.crt", REQUESTS_CA_BUNDLE="/tmp/host-ca.crt")
+    endpoint = env.get("HF_ENDPOINT", "https://huggingface.co")
+    _progress(f"downloading openai/gsm8k (main) from {endpoint} into {home} with "
+              f"{args.client_image}")
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="k3rocm-gsm8k-data-") as tmp:
+        log = Path(tmp) / "fetch.log"
+        res = run_client(client, args.client_image,
+                         [command.CLIENT_PYTHON, f"/k3/{command.LAUNCHER_NAME}", "fetch-gsm8k"],
+                         mounts, log, f"k3rocm-gsm8k-data-{os.getpid()}", progress=False,
+                         env=env, labels={"k3rocm.role": "gsm8k-data"}, tool="the download",
+                         tag="gsm8k-data")
+        out = log.read_text(errors="replace").strip().splitlines()
+    if res.interrupted:
+        raise KeyboardInterrupt
+    status = res.exit_code
+    info = {"error": (out[-1] if out else "no output")[:300]}
+    for line in reversed(out):  # the launcher's one JSON line (stderr is in the log too)
+        with contextlib.suppress(ValueError):
+            found = json.loads(line)
+            if isinstance(found, dict):
+                info = found
+                break
+    if status != 0 or "error" in info:
+        raise UsageError(f"gsm8k-data: could not download openai/gsm8k from {endpoint} "
+                         f"({info.get('error', f'exit {status}')}); without hub access copy a "
+                         "filled HF cache here or use --data-dir (docs/gsm8k.md)")
+    src = data.resolve(None, str(home))
+    print(f"gsm8k-data: openai/gsm8k revision {info.get('revision')} in {src.describe()}",
+          file=sys.stderr)
+    return 0
+
+
+def _execute(client, s: Gsm8kSettings, src: data.DataSource, argv: list[str],
+             api_key: str | None, args: argparse.Namespace, dep=None) -> int:
+    from k3rocm.checks.gsm8k import provenance
+
+    run_dir = create_run_dir(args.results_dir, "gsm8k")
+    _progress(f"run directory {run_dir}")
+    (run_dir / "lmeval_plugin").mkdir()
+    shutil.copyfile(LAUNCHER_SRC, run_dir / "lmeval_plugin" / command.LAUNCHER_NAME)
+    task_text = data.task_yaml(src)
+    write_text_atomic(run_dir / "tasks" / "gsm8k.yaml", task_text)
+    (run_dir / "lm_eval").mkdir()
+    line = command.shell_line(argv)
+    write_text_atomic(run_dir / "command.txt", line + "\n")
+    env = command.container_env(s, src)
+    if api_key:
+        env["OPENAI_API_KEY"] = api_key
+    mounts = {str(run_dir.resolve()): (command.OUT_MOUNT, "rw"),
+              str(src.host_dir): (src.mount, "rw" if src.kind == "hf-datasets-cache" else "ro")}
+    image = provenance.client_image(client, s.client_image)
+    prov = runrecord.build(
+        deployment=dep, url=s.url,
+        server=runrecord.server(client, s.url, api_key, container_name=args.server_container),
+        tools={"lm_eval": None, "client_image": s.client_image, "client_image_id": image["id"]},
+        client={"image": s.client_image, "image_id": image["id"], "image_info": image,
+                "command": argv, "command_line": line, "network_mode": "host",
+                "user": f"{os.getuid()}:{os.getgid()}",
+                "mounts": {h: list(m) for h, m in mounts.items()}, "env": redact_env(env)},
+        settings=s.as_dict(), data=src.provenance(),
+        task_file={"shipped": str(data.TASK_FILE),
+                   "shipped_sha256": hashlib.sha256(data.shipped_task().encode()).hexdigest(),
+                   "run_copy": "tasks/gsm8k.yaml",
+                   "run_copy_sha256": hashlib.sha256(task_text.encode()).hexdigest()})
+    runrecord.write(run_dir, prov)
+    _progress(f"server {s.url} model {s.model} (vLLM {prov['server'].get('vllm_version')}); "
+              f"data {src.describe()}; lm-eval in {s.client_image}")
+    _progress(line)
+
+    name = f"k3rocm-gsm8k-{run_dir.name}".replace(":", "")[:120]
+    try:
+        res = run_client(client, s.client_image, argv, mounts, run_dir / "lm_eval.log", name,
+                         env=env, labels={"k3rocm.role": "gsm8k-client",
+                                          "k3rocm.run_dir": str(run_dir)},
+                         tool="lm-eval", tag="gsm8k")
+    except Exception as exc:  # noqa: BLE001 - docker.errors.APIError and friends
+        detail = f"could not start the client container: {exc.__class__.__name__}: {exc}"[:300]
+        _finish(run_dir, s, src, prov, 0.0, status="error", detail=detail)
+        raise UsageError(detail) from None
+    if res.interrupted:
+        summary = _finish(run_dir, s, src, prov, res.seconds, status="interrupted",
+                          detail=f"Ctrl-C; lm-eval stopped, its log kept in {run_dir}")
+        print(f"k3rocm: {summary['message']}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    if res.exit_code != 0:
+        last = _last_error_line(run_dir / "lm_eval.log")
+        _finish(run_dir, s, src, prov, res.seconds, status="error", detail=last,
+                exit_status=res.exit_code)
+        raise UsageError(f"lm-eval failed (exit {res.exit_code}): {last}; log: "
+                         f"{run_dir / 'lm_eval.log'}")
+    summary = _finish(run_dir, s, src, prov, res.seconds)
+    print(summary["message"] + f"; run dir {run_dir}", file=sys.stderr)
+    return summary["exit_code"]
+
+
+def _finish(run_dir: Path, s: Gsm8kSettings, src: data.DataSource, prov: dict, wall: float,
+            status: str | None = None, detail: str | None = None,
+            exit_status: int | None = None) -> dict:
+    client_info = run_dir / "client_info.json"
+    if client_info.is_file():
+        try:
+            info = json.loads(client_info.read_text())
+            prov["client"].update(info)
+            prov["tools"]["lm_eval"] = (info.get("versions") or {}).get("lm_eval")
+            runrecord.write(run_dir, prov)
+        except (ValueError, AttributeError):
+            pass
+    run = {"server_url": s.url, "model": s.model, "mode": s.mode,
+           "reasoning_fallback": s.reasoning_fallback, "concurrency": s.concurrency,
+           "max_gen_tokens": s.max_gen_tokens, "data": src.describe(),
+           "client_image": s.client_image, "wall_seconds": round(wall, 1),
+           "command": prov["client"]["command_line"], "run_dir": str(run_dir)}
+    if status is None:
+        try:
+            res, samples, fallbacks, rfile, sfile = results.load_run(run_dir)
+            summary = results.evaluate(res, samples, fallbacks, threshold=s.threshold,
+                                       allow_limit=s.allow_limit)
+            summary["files"] = {"results": str(rfile.relative_to(run_dir)),
+                                "samples": str(sfile.relative_to(run_dir)) if sfile else None}
+        except UsageError as exc:
+            status, detail = "error", str(exc)
+    if status is not None:
+        summary = {"status": status, "passed": False,
+                   "exit_code": 2 if status == "error" else EXIT_INTERRUPTED,
+                   "message": f"gsm8k: {status.upper()}: {detail or 'no result'}",
+                   "lm_eval_exit_status": exit_status}
+    summary["run"] = run
+    write_json_atomic(run_dir / "summary.json", summary)
+    if "metrics" in summary:
+        write_text_atomic(run_dir / "summary.md", results.markdown(summary))
+    else:
+        write_text_atomic(run_dir / "summary.md", f"# GSM8K accuracy gate\n\n"
+                          f"**{status.upper()}** - {summary['message']}\n\n```\n"
+                          f"{prov['client']['command_line']}\n```\n")
+    return summary
+
+
+def _last_error_line(log: Path) -> str:
+    """The first error lm-eval logged (the cause; later ones are usually its fallout), else the
+    last error-looking line."""
+    try:
+        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return "no log"
+    for ln in lines:
+        m = re.search(r"\bERROR\s+\[[^\]]*\]\s*(.*)", ln)
+        if m:
+            return m.group(1)[:300]
+    for ln in reversed(lines):
+        if any(k in ln for k in ("Error", "error", "Exception", "refused", "Traceback")):
+            return ln[:300]
+    return lines[-1][:300] if lines else "no output"
+
+

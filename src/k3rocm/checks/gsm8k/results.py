@@ -1,0 +1,235 @@
+"""Read lm-eval's gsm8k output, apply the gate, write the summary (JSON + markdown).
+
+Works on any stored run directory (``k3rocm gsm8k --rescore DIR``): everything the verdict needs
+is in lm-eval's results file, its samples file and the reasoning-fallback log.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from k3rocm.checks.gsm8k.command import FALLBACK_CHAT_MODEL, NUM_FEWSHOT, REFERENCE
+from k3rocm.checks.gsm8k.data import GSM8K_TEST_ITEMS
+from k3rocm.errors import UsageError
+
+FILTERS = ("strict-match", "flexible-extract")
+TASK = "gsm8k"
+
+
+def find_results_file(lm_eval_dir: Path) -> Path:
+    found = sorted(lm_eval_dir.rglob("results_*.json"), key=lambda p: p.stat().st_mtime)
+    if not found:
+        raise UsageError(f"no lm-eval results file (results_*.json) under {lm_eval_dir}")
+    return found[-1]
+
+
+def find_samples_file(results_file: Path) -> Path | None:
+    stamp = results_file.stem[len("results_"):]
+    exact = results_file.parent / f"samples_{TASK}_{stamp}.jsonl"
+    if exact.is_file():
+        return exact
+    found = sorted(results_file.parent.glob(f"samples_{TASK}_*.jsonl"))
+    return found[-1] if found else None
+
+
+def read_jsonl(path: Path | None) -> list[dict]:
+    if path is None or not path.is_file():
+        return []
+    out = []
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            if line.strip():
+                out.append(json.loads(line))
+    return out
+
+
+def _metric(res: dict, filt: str) -> dict:
+    value = res.get(f"exact_match,{filt}")
+    err = res.get(f"exact_match_stderr,{filt}")
+    if not isinstance(value, (int, float)):
+        raise UsageError(f"lm-eval results have no exact_match for filter {filt!r} "
+                         f"(keys: {', '.join(sorted(res))})")
+    return {"exact_match": float(value),
+            "stderr": float(err) if isinstance(err, (int, float)) else None}
+
+
+def _first_response(sample: dict) -> str | None:
+    resps = sample.get("resps")
+    while isinstance(resps, list) and resps:
+        resps = resps[0]
+    return resps if isinstance(resps, str) else None
+
+
+def evaluate(results: dict, samples: list[dict], fallbacks: list[dict], *, threshold: float,
+             allow_limit: bool) -> dict[str, Any]:
+    """The verdict as a dict (pure: no files)."""
+    res = (results.get("results") or {}).get(TASK)
+    if not isinstance(res, dict):
+        raise UsageError(f"lm-eval results have no '{TASK}' entry "
+                         f"(tasks: {', '.join(results.get('results') or {}) or 'none'})")
+    metrics = {}
+    for filt in FILTERS:
+        m = _metric(res, filt)
+        m["reaches_gate"] = m["exact_match"] >= threshold
+        metrics[filt] = m
+    n = (results.get("n-samples") or {}).get(TASK) or {}
+    original, effective = n.get("original"), n.get("effective")
+    config = results.get("config") or {}
+    limit = config.get("limit")
+    if isinstance(limit, float) and limit.is_integer():  # lm-eval stores --limit 50 as 50.0
+        limit = int(limit)
+    n_shot = (results.get("n-shot") or {}).get(TASK)
+
+    reasons = []
+    if limit is not None:
+        reasons.append(f"--limit {limit}: {effective} of {original} test items")
+    elif isinstance(original, int) and isinstance(effective, int) and effective < original:
+        reasons.append(f"only {effective} of {original} test items evaluated")
+    if isinstance(original, int) and original != GSM8K_TEST_ITEMS:
+        reasons.append(f"the test set has {original} items, GSM8K's test split has "
+                       f"{GSM8K_TEST_ITEMS}")
+    if n_shot is not None and n_shot != NUM_FEWSHOT:
+        reasons.append(f"{n_shot}-shot, the reference is {NUM_FEWSHOT}-shot")
+    comparable = not reasons
+    gate_met = all(m["reaches_gate"] for m in metrics.values())
+    passed = gate_met and (comparable or allow_limit)
+
+    # Reasoning fallback: the log has one line per response scored on its reasoning text.
+    fb_texts = {f.get("text") for f in fallbacks if isinstance(f.get("text"), str)}
+    doc_ids = set()
+    empty = set()
+    for s in samples:
+        text = _first_response(s)
+        if text is not None and text in fb_texts:
+            doc_ids.add(s.get("doc_id"))
+        if text is None or not text.strip():
+            empty.add(s.get("doc_id"))
+    n_docs = len({s.get("doc_id") for s in samples}) or effective
+
+    def fmt(filt: str) -> str:
+        m = metrics[filt]
+        err = "n/a" if m["stderr"] is None else f"{m['stderr']:.4f}"
+        return f"{filt} {m['exact_match']:.4f} +- {err}"
+
+    fallback_on = config.get("model") == FALLBACK_CHAT_MODEL
+    deviations = []
+    if doc_ids:
+        deviations.append(f"{len(doc_ids)} answer(s) scored from the reasoning text because the "
+                          "content was empty (--reasoning-fallback; the seed scores the content "
+                          "only)")
+
+    scores = ", ".join(fmt(f) for f in FILTERS)
+    ref = f"reference {REFERENCE['exact_match']:.4f} +- {REFERENCE['stderr']:.4f}"
+    if not gate_met:
+        low = [f for f in FILTERS if not metrics[f]["reaches_gate"]]
+        status, code = "below_gate", 1
+        message = (f"gsm8k: FAIL: below the gate {threshold:g} ({' and '.join(low)}): {scores}; "
+                   f"{ref}")
+    elif not passed:
+        status, code = "not_comparable", 1
+        message = (f"gsm8k: NOT A PASS: {scores} reach the gate {threshold:g} but the run is not "
+                   f"comparable ({'; '.join(reasons)}); rerun without --limit on the full test "
+                   "set, or add --allow-limit to accept it")
+    else:
+        status, code = "pass", 0
+        message = f"gsm8k: PASS: {scores} >= gate {threshold:g}; {ref}"
+    if reasons and status != "not_comparable":
+        message += f"; not comparable: {'; '.join(reasons)}"
+    if doc_ids:
+        message += (f"; DEVIATION from the seed's protocol: {len(doc_ids)} answer(s) scored from "
+                    "the reasoning text (content empty, --reasoning-fallback)")
+    elif empty and not fallback_on and config.get("model") != "local-completions":
+        message += (f"; {len(empty)} empty answer(s) scored as wrong (a reasoning model's answer "
+                    "may be in reasoning_content: see --reasoning-fallback in docs/gsm8k.md)")
+
+    return {
+        "status": status,
+        "passed": passed,
+        "exit_code": code,
+        "message": message,
+        "threshold": threshold,
+        "gate": "exact_match of both strict-match and flexible-extract >= threshold",
+        "reference": REFERENCE,
+        "metrics": metrics,
+        "items": {"evaluated": effective, "test_set": original, "num_fewshot": n_shot},
+        "limit": limit,
+        "comparable": comparable,
+        "not_comparable_reasons": reasons,
+        "deviations_from_seed": deviations,
+        "like_seed": comparable and not deviations,
+        "allow_limit": allow_limit,
+        "reasoning_fallback": {"enabled": fallback_on, "count": len(doc_ids), "of": n_docs,
+                               "responses_logged": len(fallbacks),
+                               "doc_ids": sorted(d for d in doc_ids if d is not None)},
+        "empty_responses": len(empty),
+        "lm_eval": {"version": results.get("lm_eval_version"),
+                    "model": config.get("model"), "model_args": config.get("model_args"),
+                    "gen_kwargs": config.get("gen_kwargs"), "date": results.get("date"),
+                    "total_evaluation_time_seconds":
+                        results.get("total_evaluation_time_seconds")},
+        # The task config lm-eval resolved and ran (its results JSON, "configs").
+        "task_config": (results.get("configs") or {}).get(TASK),
+    }
+
+
+def markdown(summary: dict) -> str:
+    ref = summary["reference"]
+    lines = [
+        "# GSM8K accuracy gate",
+        "",
+        f"**{summary['status'].upper().replace('_', ' ')}** - {summary['message']}",
+        "",
+        f"lm-eval gsm8k, {summary['items'].get('num_fewshot')}-shot, greedy; gate: "
+        f"{summary['gate']} ({summary['threshold']:g}).",
+        "",
+        "| filter | exact_match | stderr | reference | gate | result |",
+        "|---|---|---|---|---|---|",
+    ]
+    for filt, m in summary["metrics"].items():
+        err = "n/a" if m["stderr"] is None else f"{m['stderr']:.4f}"
+        lines.append(f"| {filt} | {m['exact_match']:.4f} | ± {err} | "
+                     f"{ref['exact_match']:.4f} ± {ref['stderr']:.4f} | "
+                     f">= {summary['threshold']:g} | "
+                     f"{'reaches gate' if m['reaches_gate'] else 'below gate'} |")
+    items = summary["items"]
+    fb = summary["reasoning_fallback"]
+    lines += [
+        "",
+        f"- Items evaluated: {items.get('evaluated')} of {items.get('test_set')}"
+        f" (limit: {summary['limit']})",
+        f"- Comparable with the reference: {'yes' if summary['comparable'] else 'no'}"
+        + ("" if summary["comparable"] else f" ({'; '.join(summary['not_comparable_reasons'])})"),
+        f"- Reasoning fallback: {'on (a deviation from the seed)' if fb.get('enabled') else 'off'}"
+        f"; answers scored from reasoning_content (content was empty): {fb['count']} of "
+        f"{fb['of']}",
+        f"- Empty responses: {summary['empty_responses']}",
+        f"- Reference: {ref['source']}",
+    ]
+    tc = summary.get("task_config") or {}
+    if tc:
+        gk = tc.get("generation_kwargs") or {}
+        lines += ["", "Task config as lm-eval ran it (summary.json `task_config`): "
+                  f"`doc_to_text` {json.dumps(tc.get('doc_to_text'))}, `until` "
+                  f"{json.dumps(gk.get('until'))}, `num_fewshot` {tc.get('num_fewshot')}, "
+                  f"`fewshot_split` {tc.get('fewshot_split')}, version "
+                  f"{(tc.get('metadata') or {}).get('version')}"]
+    run = summary.get("run") or {}
+    if run:
+        lines += ["", "## Run", ""]
+        for key in ("server_url", "model", "mode", "concurrency", "max_gen_tokens", "data",
+                    "client_image", "wall_seconds"):
+            if key in run:
+                lines.append(f"- {key}: `{run[key]}`")
+        if run.get("command"):
+            lines += ["", "```", run["command"], "```"]
+    return "\n".join(lines) + "\n"
+
+
+def load_run(run_dir: Path) -> tuple[dict, list[dict], list[dict], Path, Path | None]:
+    results_file = find_results_file(run_dir / "lm_eval")
+    samples_file = find_samples_file(results_file)
+    results = json.loads(results_file.read_text())
+    return (results, read_jsonl(samples_file), read_jsonl(run_dir / "reasoning_fallback.jsonl"),
+            results_file, samples_file)

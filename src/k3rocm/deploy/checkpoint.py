@@ -1,0 +1,353 @@
+"""``k3rocm model``: download Kimi-K3 at a pinned revision into K3_MODELS_DIR, or verify a copy;
+and :func:`identity`, the checkpoint's identity for every result's provenance.
+
+Download: huggingface_hub's ``snapshot_download`` into ``<K3_MODELS_DIR>/Kimi-K3`` (the
+directory K3_MODEL names, mounted at /models in the server). Interrupting it loses at most the
+shards in flight: finished files are kept and skipped on the next run (huggingface_hub records
+each one under ``<dir>/.cache/huggingface/download/``). Progress: huggingface_hub's bars. Before
+fetching anything it lists the revision's files (sizes, LFS sha256) from the Hub API, checks
+free disk space, and writes that listing with the revision to ``<dir>/.k3rocm-checkpoint.json``
+once the download is complete: verify mode and :func:`identity` read it.
+
+Verify (``--verify``, and after every download): config.json present and valid; every shard
+the safetensors index lists present, with the size the Hub listed when the record has it; every
+recorded file present with its recorded size; the recorded revision is the one asked for.
+Partial files an interrupted download left behind are reported (and removed by the next
+finished download). Nothing is hashed but config.json and the index (cheap; the
+1.5 TB of shards are compared by size).
+
+Exit codes: 0 ok, 1 verification failed, 2 bad input (nothing fetched), 3 the Hub could not be
+reached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from k3rocm.errors import UsageError
+
+REPO_ID = "moonshotai/Kimi-K3"
+# The Kimi-K3 checkpoint revision we pin (the Hub cannot be reached from where this was
+# written, so it is taken from public records, not read from the Hub): several independent
+# projects pin moonshotai/Kimi-K3 at this commit, one of them noting "lastModified 2026-09-02",
+# 96 safetensors shards and an index total_size of 1,560,860,324,864 bytes. The earlier
+# revision 9f62e4e9fffbd0a83ddd60e1c209d828994b3569 (Aug 2026) has the same weight bytes
+# (1,560,936,091,448 B of files) per the same kind of records. `--revision` picks another.
+REVISION = "f831ab66814297da540d832a5235f8e904f29d06"
+DEFAULT_DIR_NAME = "Kimi-K3"
+RECORD = ".k3rocm-checkpoint.json"
+INDEX = "model.safetensors.index.json"
+CONFIG = "config.json"
+HF_META_DIR = Path(".cache") / "huggingface"  # huggingface_hub's local_dir bookkeeping
+_SHA = re.compile(r"^[0-9a-f]{40}$")
+_REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def _log(msg: str) -> None:
+    print(f"[model] {msg}", file=sys.stderr, flush=True)
+
+
+def _sha256(path: Path) -> str:
+    from k3rocm.hashing import sha256_file
+
+    return sha256_file(path)
+
+
+def _read_record(d: Path) -> dict[str, Any] | None:
+    try:
+        rec = json.loads((d / RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    return rec if isinstance(rec, dict) else None
+
+
+def _hf_revision(d: Path) -> str | None:
+    """The commit huggingface_hub recorded for config.json in a ``local_dir`` download: the first
+    line of ``.cache/huggingface/download/config.json.metadata`` (huggingface_hub
+    ``_local_folder.read_download_metadata``: commit hash, etag, timestamp)."""
+    try:
+        first = (d / HF_META_DIR / "download" / f"{CONFIG}.metadata").read_text().splitlines()[0]
+    except (OSError, IndexError):
+        return None
+    return first.strip() if _SHA.match(first.strip()) else None
+
+
+def _files(d: Path) -> list[Path]:
+    """The checkpoint's files (not huggingface_hub's bookkeeping, not our record)."""
+    out = []
+    for root, dirs, files in os.walk(d):
+        rel_root = Path(root).relative_to(d)
+        if rel_root == Path("."):
+            dirs[:] = [x for x in dirs if x != ".cache"]
+        out += [Path(root) / f for f in files if not (rel_root == Path(".") and f == RECORD)]
+    return out
+
+
+def identity(host_model_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """The identity of the checkpoint in ``host_model_dir`` for provenance, or None when the
+    directory holds no checkpoint (no config.json).
+
+    ``{"path", "repo_id", "revision", "revision_source", "config_sha256", "index_sha256",
+    "index_total_size", "files", "total_bytes"}``: ``revision`` as recorded by ``k3rocm model``
+    (else as huggingface_hub recorded it, else None); sha256 of config.json and of the
+    safetensors index (None without one); file count and total size by ``stat`` (no hashing of
+    the shards). JSON-able.
+    """
+    d = Path(host_model_dir).expanduser()
+    if not (d / CONFIG).is_file():
+        return None
+    rec = _read_record(d) or {}
+    revision, source = rec.get("revision"), "k3rocm model" if rec.get("revision") else None
+    if not revision:
+        revision = _hf_revision(d)
+        source = "huggingface_hub download metadata" if revision else None
+    index = d / INDEX
+    total_size = None
+    if index.is_file():
+        try:
+            total_size = json.loads(index.read_text()).get("metadata", {}).get("total_size")
+        except (OSError, ValueError, AttributeError):
+            total_size = None
+    files = _files(d)
+    return {
+        "path": str(d.resolve()),
+        "repo_id": rec.get("repo_id"),
+        "revision": revision,
+        "revision_source": source,
+        "config_sha256": _sha256(d / CONFIG),
+        "index_sha256": _sha256(index) if index.is_file() else None,
+        "index_total_size": total_size,
+        "files": len(files),
+        "total_bytes": sum(f.stat().st_size for f in files),
+    }
+
+
+def verify(d: Path, revision: str | None = None) -> list[str]:
+    """Problems with the copy in ``d`` (empty: it is complete). ``revision``: the one expected."""
+    problems: list[str] = []
+    try:
+        json.loads((d / CONFIG).read_text())
+    except FileNotFoundError:
+        problems.append(f"{CONFIG} is missing")
+    except (OSError, ValueError) as exc:
+        problems.append(f"{CONFIG} is not valid JSON ({exc})")
+    rec = _read_record(d)
+    sizes: dict[str, int] = dict((rec or {}).get("files") or {})
+    index = d / INDEX
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, AttributeError, TypeError) as exc:
+            problems.append(f"{INDEX} is not a safetensors index ({exc})")
+            shards = []
+        for shard in shards:
+            p = d / shard
+            if not p.is_file():
+                problems.append(f"shard {shard} (listed in {INDEX}) is missing")
+            elif shard in sizes and p.stat().st_size != sizes[shard]:
+                problems.append(f"shard {shard} has {p.stat().st_size} bytes, the Hub lists "
+                                f"{sizes[shard]}")
+            elif p.stat().st_size == 0:
+                problems.append(f"shard {shard} is empty")
+    elif not (d / "model.safetensors").is_file():
+        problems.append(f"neither {INDEX} nor model.safetensors is present")
+    for name, size in sorted(sizes.items()):
+        p = d / name
+        if name.endswith(".safetensors") and index.is_file():
+            continue  # checked above, with the index's view
+        if not p.is_file():
+            problems.append(f"{name} (revision listing) is missing")
+        elif p.stat().st_size != size:
+            problems.append(f"{name} has {p.stat().st_size} bytes, the Hub lists {size}")
+    have = (rec or {}).get("revision") or _hf_revision(d)
+    if revision and have and have != revision:
+        problems.append(f"this copy is revision {have}, not {revision}")
+    return problems
+
+
+# --- command line --------------------------------------------------------------------------
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = ("Download Kimi-K3 at a pinned revision into K3_MODELS_DIR (resumable: "
+                     "finished files are kept), or verify an existing copy. The checkpoint's "
+                     "identity (revision, sha256 of config.json and of the safetensors index) "
+                     "goes into every result's provenance.")
+    p.add_argument("--verify", action="store_true",
+                   help="only verify the copy already there (exit 1 when incomplete)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="list the revision's files on the Hub and print what would be fetched "
+                   "(and how much disk it needs); download nothing")
+    p.add_argument("--dir", type=Path, default=None,
+                   help="checkpoint directory on this host (default: the host path of "
+                   f"K3_MODEL under K3_MODELS_DIR, else <K3_MODELS_DIR>/{DEFAULT_DIR_NAME})")
+    p.add_argument("--repo", default=REPO_ID, help=f"Hub repository (default {REPO_ID})")
+    p.add_argument("--revision", default=REVISION,
+                   help=f"40-hex commit to fetch (default, pinned: {REVISION})")
+    p.add_argument("--max-workers", type=int, default=8, help="parallel file downloads")
+    p.add_argument("--env-file", default=".env", help="optional KEY=VALUE file (default .env)")
+
+
+def target_dir(env_file: str | None = ".env") -> Path:
+    """Where the checkpoint lives on this host, from the K3_* settings (shell > .env > profile)."""
+    from k3rocm.serving.config import _host_path, load_settings
+
+    s, _ = load_settings(dotenv=env_file, check_model=False)
+    if s.model == "/models" or s.model.startswith("/models/"):
+        return _host_path(s, s.model)
+    return Path(s.models_dir).expanduser() / DEFAULT_DIR_NAME
+
+
+def _validate(args: argparse.Namespace) -> Path:
+    if not _SHA.match(args.revision or ""):
+        raise UsageError(f"--revision {args.revision!r} is not a 40-hex commit: pin an immutable "
+                         "revision (the Hub's commit list for the repository shows them; "
+                         "branches and tags move)")
+    if not _REPO.match(args.repo):
+        raise UsageError(f"--repo {args.repo!r} is not a Hub repository id (owner/name)")
+    if args.max_workers < 1:
+        raise UsageError(f"--max-workers {args.max_workers} must be >= 1")
+    d = (args.dir or target_dir(args.env_file)).expanduser()
+    if d.exists() and not d.is_dir():
+        raise UsageError(f"{d} exists and is not a directory")
+    return d
+
+
+def run(args: argparse.Namespace) -> int:
+    d = _validate(args)
+    if args.verify:
+        if not d.is_dir():
+            raise UsageError(f"{d} does not exist: download it with `make model` (or set "
+                             "K3_MODELS_DIR / --dir to where the checkpoint is)")
+        return _report(d, args.revision)
+    rec = _read_record(d) if d.is_dir() else None
+    if rec and rec.get("revision") not in (None, args.revision):
+        raise UsageError(f"{d} holds revision {rec.get('revision')} (recorded by `make model`), "
+                         f"not {args.revision}: use another --dir or remove that copy")
+    if os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0"):
+        raise UsageError("HF_HUB_OFFLINE is set in this shell: unset it to download (or use "
+                         "--verify for a copy already there)")
+    listing, shas = _list_files(args.repo, args.revision)
+    present = {n: s for n, s in listing.items() if (d / n).is_file()
+               and (d / n).stat().st_size == s}
+    missing = {n: s for n, s in listing.items() if n not in present}
+    need = sum(missing.values())
+    _log(f"{args.repo}@{args.revision}: {len(listing)} files, {_gb(sum(listing.values()))}; "
+         f"{len(present)} already in {d}, {len(missing)} to fetch ({_gb(need)})")
+    probe = d if d.exists() else next((p for p in d.parents if p.exists()), Path("/"))
+    free = shutil.disk_usage(probe).free
+    if args.dry_run:
+        for name in sorted(missing):
+            print(f"fetch {name} {missing[name]}")
+        print(f"would fetch {len(missing)} of {len(listing)} files, {need} bytes, into {d} "
+              f"({_gb(free)} free there)")
+        return 0
+    if need > free:
+        raise UsageError(f"{d}: {_gb(need)} to fetch but {_gb(free)} free there: free space "
+                         "or point K3_MODELS_DIR / --dir at a larger disk")
+    d.mkdir(parents=True, exist_ok=True)
+    _download(args.repo, args.revision, d, args.max_workers)
+    stale = partial_files(d)  # left by interrupted runs; this run finished every file
+    for p in stale:
+        p.unlink(missing_ok=True)
+    if stale:
+        _log(f"removed {len(stale)} partial file(s) of earlier interrupted downloads")
+    from k3rocm.rundir import write_json_atomic
+
+    write_json_atomic(d / RECORD, {
+        "repo_id": args.repo, "revision": args.revision, "written_by": "k3rocm model",
+        "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "files": listing, "lfs_sha256": shas})
+    return _report(d, args.revision)
+
+
+def partial_files(d: Path) -> list[Path]:
+    """Temporary files of interrupted downloads. huggingface_hub 2.x writes each file to a
+    process-unique ``<name>.<etag>.<uuid>.incomplete`` under ``.cache/huggingface/download``
+    (file_download._download_to_tmp_and_move) and a killed process leaves its file behind;
+    the next run starts that file afresh, so these only take space."""
+    return sorted((d / HF_META_DIR).rglob("*.incomplete"))
+
+
+def _report(d: Path, revision: str) -> int:
+    problems = verify(d, revision)
+    ident = identity(d)
+    stale = partial_files(d)
+    if stale:
+        print(f"note: {len(stale)} partial file(s) of interrupted downloads under "
+              f"{d / HF_META_DIR} ({_gb(sum(p.stat().st_size for p in stale))}): a finished "
+              "`make model` removes them")
+    if problems:
+        for p in problems:
+            print(f"FAIL {p}")
+        print(f"{d}: {len(problems)} problem(s); `make model` fetches what is missing")
+        return 1
+    print(json.dumps(ident, indent=2))
+    print(f"ok: {d} is complete (revision {ident['revision'] if ident else None})")
+    return 0
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.1f} GB"
+
+
+def _list_files(repo: str, revision: str) -> tuple[dict[str, int], dict[str, str]]:
+    """Every file of ``repo`` at ``revision`` (the Hub's tree API): path -> size, and
+    path -> LFS sha256 for the LFS files."""
+    try:
+        from huggingface_hub import HfApi, errors
+        from huggingface_hub.hf_api import RepoFile
+    except ImportError:
+        raise UsageError("huggingface_hub is not installed: `make venv` (host extras) installs "
+                         "it") from None
+    try:
+        entries = [e for e in HfApi().list_repo_tree(repo, revision=revision, recursive=True)
+                   if isinstance(e, RepoFile)]
+    except errors.GatedRepoError:
+        raise UsageError(f"{repo} is gated: accept its license on the Hub and set HF_TOKEN "
+                         "in the shell or .env") from None
+    except errors.RepositoryNotFoundError:
+        raise UsageError(f"{repo} is not on the Hub (or needs HF_TOKEN)") from None
+    except errors.RevisionNotFoundError:
+        raise UsageError(f"{repo} has no revision {revision}") from None
+    except (errors.HfHubHTTPError, OSError) as exc:
+        raise UsageError(f"cannot list {repo}@{revision} on the Hub: {_one_line(exc)}",
+                         exit_code=3) from None
+    except Exception as exc:  # httpx connection errors and the like
+        if _transport(exc):
+            raise UsageError(f"cannot reach the Hub to list {repo}@{revision}: "
+                             f"{_one_line(exc)}", exit_code=3) from None
+        raise
+    return ({e.path: int(e.size) for e in entries},
+            {e.path: e.lfs.sha256 for e in entries if e.lfs is not None})
+
+
+def _download(repo: str, revision: str, d: Path, workers: int) -> None:
+    from huggingface_hub import snapshot_download
+
+    _log(f"downloading into {d} ({workers} parallel files; Ctrl-C keeps finished files)")
+    try:
+        snapshot_download(repo, revision=revision, local_dir=d, max_workers=workers)
+    except Exception as exc:
+        if _transport(exc):
+            raise UsageError(f"download of {repo}@{revision} stopped: {_one_line(exc)}; run "
+                             "`make model` again to continue", exit_code=3) from None
+        raise
+
+
+def _transport(exc: BaseException) -> bool:
+    """A network or Hub error (huggingface_hub 2.x raises its vendored httpx2's errors)."""
+    top = type(exc).__module__.split(".")[0]
+    return top.startswith(("httpx", "httpcore", "huggingface_hub")) or isinstance(
+        exc, (ConnectionError, TimeoutError))
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:300] or type(exc).__name__

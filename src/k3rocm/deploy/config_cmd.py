@@ -1,0 +1,112 @@
+"""``k3rocm config``: the resolved serving settings, where each came from, and the settings list."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from k3rocm.serving.config import (
+    ENV_NAME,
+    FIELDS,
+    KNOWN_OTHER,
+    KNOWN_PREFIXES,
+    PROFILES,
+    REDACTED,
+    is_secret,
+    redact_env,
+    render,
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--env-file", default=".env", help="optional KEY=VALUE file (default .env)")
+    parser.add_argument("--list", action="store_true", help="list every K3_* setting and exit")
+    parser.add_argument("--markdown", action="store_true",
+                        help="print the settings table in markdown (the README's table)")
+    parser.add_argument("--json", action="store_true", help="print settings and sources as JSON")
+    parser.add_argument("--vendor-env-file", metavar="PATH", default=None,
+                        help="write the vendor variables set in this shell (VLLM_*, AITER_*, "
+                        "NCCL_*, ...) to PATH for compose's env_file, so the server container "
+                        "gets what this command prints (`make up` does this)")
+    parser.add_argument("--make-dirs", action="store_true",
+                        help="create K3_CACHE_DIR and K3_RESULTS_DIR as the invoking user (else "
+                        "Docker creates the mount sources as root)")
+    parser.add_argument("--host-paths", action="store_true",
+                        help="check /models/... paths against K3_MODELS_DIR on this host "
+                        "(what `make config` does before compose mounts it)")
+
+
+def deployment_view(args: argparse.Namespace) -> dict:
+    """What this command resolved (``--print-deployment``): it renders the same settings."""
+    from k3rocm.deploy.deployment import load_deployment
+
+    return load_deployment(env_file=args.env_file, check_model=args.host_paths).to_json()
+
+
+def write_vendor_env(path: Path, rendered) -> None:
+    """The shell's vendor variables, one KEY=VALUE per line (compose env_file), atomically."""
+    from k3rocm.rundir import write_text_atomic
+
+    lines = [f"{k}={v}" for k, v in sorted(rendered.env.items())
+             if rendered.sources.get(k) == "env" and not k.startswith("K3_")
+             and not is_secret(k)]  # secrets: compose passes HF_TOKEN by name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, "# written by `k3rocm config --vendor-env-file`: vendor variables "
+                      "from the shell, for compose\n" + "".join(x + "\n" for x in lines))
+
+
+def settings_table() -> str:
+    rows = ["| Setting | Default | Profile `cpu-smoke` | Description |",
+            "|---|---|---|---|"]
+    smoke = PROFILES["cpu-smoke"]["settings"]
+    for name, f in FIELDS.items():
+        default = "" if f.default is None else f.default
+        if isinstance(default, bool):
+            default = int(default)
+        prof = smoke.get(name, "")
+        prof = "(unset)" if name in smoke and prof is None else \
+            (int(prof) if isinstance(prof, bool) else prof)
+        rows.append(f"| `{ENV_NAME[name]}` | `{default}` | {f'`{prof}`' if prof != '' else ''} "
+                    f"| {f.description} |")
+    return "\n".join(rows) + "\n"
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.markdown:
+        sys.stdout.write(settings_table())
+        return 0
+    if args.list:
+        for name, f in FIELDS.items():
+            print(f"{ENV_NAME[name]:<30} {f.description}")
+        for key, text in KNOWN_OTHER.items():
+            print(f"{key:<30} {text}")
+        for prefix in KNOWN_PREFIXES:
+            print(f"{prefix + '*':<30} reserved (tests and the client container)")
+        return 0
+    rendered = render(dotenv=args.env_file, host_paths=args.host_paths)
+    if args.vendor_env_file:
+        write_vendor_env(Path(args.vendor_env_file), rendered)
+    if args.make_dirs:
+        for d in (rendered.settings.cache_dir, rendered.settings.results_dir):
+            Path(d).expanduser().mkdir(parents=True, exist_ok=True)
+    s = rendered.settings.model_dump()
+    if args.json:
+        json.dump({"settings": s, "sources": rendered.sources, **rendered.to_json()},
+                  sys.stdout, indent=2, default=str)
+        sys.stdout.write("\n")
+        return 0
+    env = redact_env(rendered.env)
+    print(f"profile: {rendered.settings.profile}")
+    for name, value in s.items():
+        key = ENV_NAME[name]
+        if value and is_secret(key):
+            value = REDACTED
+        print(f"  {key:<30} {value!s:<40} [{rendered.sources.get(key, 'default')}]")
+    print("vLLM environment:")
+    for key, value in env.items():
+        print(f"  {key:<30} {value!s:<40} [{rendered.sources.get(key, '')}]")
+    print("argv:")
+    print("  " + " \\\n    ".join(rendered.argv))
+    return 0

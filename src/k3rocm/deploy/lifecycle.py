@@ -1,0 +1,419 @@
+"""The server lifecycle, through compose: ``compose.yaml`` is the only container definition.
+
+One :class:`ComposeServer` is one compose project (``docker compose -p <project> -f
+compose.yaml [-f compose.cpu.yaml]``) with its ``server`` service. Every command that needs a
+server gets it from here: ``make up/wait/down`` (project ``k3rocm``), ``k3rocm smoke``, each
+arm server of ``k3rocm ab`` (bench-ab / census-ab: one project per arm server) and the
+tests' server fixture. Per-server differences (an arm's fusion toggles, the port, the image,
+a test-only switch) are environment: compose interpolates it (``K3_PORT``, ``K3_IMAGE``,
+``K3_MODELS_DIR``, ...) and passes the ``K3_*`` variables compose.yaml lists; anything else
+goes into the container through the per-server env file compose.yaml reads
+(``K3_VENDOR_ENV_FILE``), on top of ``.k3rocm/vendor.env``.
+
+Command line (``k3rocm server ...``; the Makefile's up/wait/down call these):
+
+- ``up``: start the server (``--build`` first builds the image), then wait as below.
+- ``wait``: until ``/health`` answers and ``/v1/models`` serves the model, printing elapsed
+  time, the stated timeout and the server's last log line; fails (exit 3) with the reason
+  and the last log lines when the container stops or the timeout passes.
+- ``logs``: the server's log (``--tail N``).
+- ``save-log``: the server's whole log into a new run directory under the results root.
+- ``provenance``: what is serving (image, vLLM version, env redacted, argv, overlay
+  manifest, fusion decisions) as JSON.
+- ``down``: save the log into a run directory, then stop and remove the server.
+
+Exit codes: 0 ok, 2 bad input, 3 server/engine problem, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from k3rocm.deploy.engine import docker_client  # noqa: F401 - the one factory, used by arms
+from k3rocm.errors import UsageError
+
+REPO = Path(__file__).resolve().parents[3]
+COMPOSE_FILE = "compose.yaml"
+CPU_COMPOSE_FILE = "compose.cpu.yaml"
+DEFAULT_PROJECT = "k3rocm"
+SERVICE = "server"
+LABEL_PROJECT = "com.docker.compose.project"
+# compose.yaml's stop_grace_period is 60 s; a CPU stand-in stops in seconds.
+STOP_TIMEOUT = 60
+
+
+def _log(msg: str) -> None:
+    print(f"[server] {msg}", file=sys.stderr, flush=True)
+
+
+def resolve_settings(env_file: str | os.PathLike | None = ".env",
+                     environ: Mapping[str, str] | None = None):
+    """The deployment (:func:`k3rocm.deploy.deployment.load_deployment`: shell > .env > profile >
+    default): the ONE place this module reads the settings."""
+    from k3rocm.deploy.deployment import load_deployment
+
+    return load_deployment(environ, env_file=str(env_file) if env_file else None)
+
+
+def cpu_from_environment(environ: Mapping[str, str] | None = None) -> bool:
+    """Is this the CPU override? ``COMPOSE_FILE`` (the Makefile sets it from ``CPU=1``) names
+    compose.cpu.yaml; without COMPOSE_FILE: no /dev/kfd means no AMD GPU."""
+    environ = os.environ if environ is None else environ
+    files = environ.get("COMPOSE_FILE")
+    if files:
+        return CPU_COMPOSE_FILE in files
+    return not Path("/dev/kfd").exists()
+
+
+def compose_files(cpu: bool, repo: Path = REPO) -> list[Path]:
+    return [repo / COMPOSE_FILE, *([repo / CPU_COMPOSE_FILE] if cpu else [])]
+
+
+@dataclass
+class ComposeServer:
+    """One compose project's ``server``.
+
+    ``env``: variables for compose (interpolation and the K3_* list in compose.yaml), on top
+    of this process's environment (``inherit_env``; compose reads ``.env`` itself).
+    ``container_env``: extra variables for the container only (test switches, vendor
+    variables), written to a per-server env file (``env_dir``) next to .k3rocm/vendor.env.
+    """
+
+    project: str = DEFAULT_PROJECT
+    cpu: bool = False
+    env: dict[str, str] = field(default_factory=dict)
+    container_env: dict[str, str] = field(default_factory=dict)
+    inherit_env: bool = True
+    url: str = "http://127.0.0.1:8000"
+    model: str = "moonshotai/Kimi-K3"
+    api_key: str | None = None
+    env_dir: Path | None = None
+    repo: Path = REPO
+
+    # -- compose -----------------------------------------------------------------------------
+
+    def compose_env(self) -> dict[str, str]:
+        base = dict(os.environ) if self.inherit_env else {
+            k: v for k, v in os.environ.items() if not k.startswith(("K3_", "BASE_IMAGE"))}
+        for k in ("COMPOSE_FILE", "COMPOSE_PROJECT_NAME"):
+            base.pop(k, None)
+        env = {**base, **self.env}
+        if self.container_env:
+            env["K3_VENDOR_ENV_FILE"] = str(self._env_file())
+        return env
+
+    def _env_file(self) -> Path:
+        d = self.env_dir or (self.repo / ".k3rocm" / "servers")
+        d.mkdir(parents=True, exist_ok=True)
+        path = d / f"{self.project}.env"
+        lines = []
+        vendor = self.repo / ".k3rocm" / "vendor.env"
+        if self.inherit_env and vendor.is_file():
+            lines.append(vendor.read_text().rstrip("\n"))
+        lines += [f"{k}={v}" for k, v in sorted(self.container_env.items())]
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("\n".join(lines) + "\n")
+        tmp.replace(path)
+        return path
+
+    def argv(self, *args: str) -> list[str]:
+        files = [a for f in compose_files(self.cpu, self.repo) for a in ("-f", str(f))]
+        return ["docker", "compose", "-p", self.project, *files, *args]
+
+    def compose(self, *args: str, timeout: float | None = 120, capture: bool = True,
+                check: bool = False) -> subprocess.CompletedProcess:
+        try:
+            p = subprocess.run(self.argv(*args), env=self.compose_env(), cwd=self.repo,
+                               capture_output=capture, text=True, timeout=timeout)
+        except FileNotFoundError:
+            raise UsageError("`docker compose` is not installed: install Docker with the "
+                             "compose plugin", 3) from None
+        except subprocess.TimeoutExpired:
+            raise UsageError(f"`docker compose {' '.join(args)}` did not finish within "
+                             f"{timeout:.0f}s", 3) from None
+        if check and p.returncode != 0:
+            lines = (p.stderr or "").strip().splitlines() or ["see the compose output above"]
+            raise UsageError(f"`docker compose -p {self.project} {' '.join(args)}` failed "
+                             f"(exit {p.returncode}): {lines[-1]}", 3)
+        return p
+
+    # -- state -------------------------------------------------------------------------------
+
+    def state(self) -> str | None:
+        """running / exited / ... of the server container; None when there is none.
+        (Through the engine's API once the container is known: the wait loop asks every
+        second, and a `docker compose ps` process each time costs CPU a starting server
+        needs on a small machine.)"""
+        c = self.__dict__.get("_container")
+        if c is not None:
+            try:
+                c.reload()
+                return c.status
+            except Exception:  # noqa: BLE001 - removed: ask compose
+                self.__dict__.pop("_container", None)
+        try:
+            p = self.compose("ps", "-a", "--format", "{{.State}}", SERVICE, timeout=60)
+        except UsageError:
+            return None
+        out = p.stdout.strip().splitlines() if p.returncode == 0 else []
+        return out[-1].strip() if out else None
+
+    def container_id(self) -> str | None:
+        p = self.compose("ps", "-a", "-q", SERVICE, timeout=60)
+        ids = p.stdout.split() if p.returncode == 0 else []
+        return ids[-1] if ids else None
+
+    def container(self, client=None):
+        """The server container as a docker-py object (None when there is none)."""
+        cid = self.container_id()
+        if cid is None:
+            return None
+        client = client or docker_client()
+        try:
+            c = client.containers.get(cid)
+        except Exception:  # noqa: BLE001 - removed meanwhile
+            return None
+        self.__dict__["_container"] = c
+        return c
+
+    def tail(self, n: int = 25) -> str:
+        p = self.compose("logs", "--no-color", "--no-log-prefix", "--tail", str(n), SERVICE,
+                         timeout=60)
+        return (p.stdout + p.stderr).rstrip()
+
+    def last_line(self) -> str:
+        lines = [ln for ln in self.tail(5).splitlines() if ln.strip()]
+        return f"{self.state() or '?'}: {lines[-1][:160] if lines else '(no log yet)'}"
+
+    def logs(self) -> str:
+        p = self.compose("logs", "--no-color", "--timestamps", SERVICE, timeout=300)
+        return p.stdout + p.stderr if p.returncode == 0 else ""
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def up(self, build: bool = False) -> None:
+        """Start the server detached (``build``: build the image first; otherwise the image
+        must exist: it is never pulled)."""
+        args = ["up", "-d", "--build" if build else "--no-build", SERVICE]
+        self.__dict__.pop("_container", None)
+        p = self.compose(*args, timeout=None if build else 300, capture=not build)
+        if p.returncode != 0:
+            err = (p.stderr or "").strip().splitlines() or [f"exit {p.returncode}"]
+            code = 2 if any(s in err[-1] for s in ("No such image", "not found", "invalid",
+                                                   "port is already allocated",
+                                                   "address already in use")) else 3
+            raise UsageError(f"starting the server (compose project {self.project}) failed: "
+                             f"{err[-1]}", code)
+
+    def wait(self, timeout: float, every: float = 10, quiet: bool = False) -> float:
+        """Wait until ready (readiness.wait_ready), the server's last log line as status.
+        On failure the last log lines are printed and UsageError (exit 3) is raised."""
+        from k3rocm.deploy.readiness import wait_ready
+
+        if timeout <= 0:
+            raise UsageError(f"--timeout {timeout:g} must be > 0", 2)
+        if not quiet:
+            _log(f"waiting up to {timeout:.0f}s for {self.url} (compose project "
+                 f"{self.project}, model {self.model})")
+        with contextlib.suppress(UsageError):
+            self.container()  # state() then asks the engine directly
+        try:
+            return wait_ready(self.url, self.model, timeout, self.api_key, is_alive=self.state,
+                              status=self.last_line, every=every, quiet=quiet)
+        except UsageError as exc:
+            print(f"k3rocm: last server log lines ({self.project}):\n{self.tail(25)}",
+                  file=sys.stderr)
+            raise UsageError(str(exc), exc.exit_code) from None
+
+    def save_log(self, path: Path) -> Path | None:
+        """The server's whole log into ``path`` (atomically); None when there is no log."""
+        from k3rocm.rundir import write_text_atomic
+
+        text = self.logs()
+        if not text.strip():
+            return None
+        write_text_atomic(path, text)
+        return path
+
+    def provenance(self, client=None) -> dict[str, Any]:
+        from k3rocm.deploy.provenance import collect_provenance
+
+        try:
+            container = self.container(client)
+        except UsageError:
+            container = None
+        prov = collect_provenance(self.url, self.api_key, container=container)
+        prov["compose_project"] = self.project
+        prov["compose_files"] = [f.name for f in compose_files(self.cpu, self.repo)]
+        return prov
+
+    def down(self, log_path: Path | None = None, timeout: int = STOP_TIMEOUT) -> None:
+        """Save the log (when ``log_path``), then stop and remove the server."""
+        if log_path is not None:
+            with contextlib.suppress(Exception):
+                self.save_log(log_path)
+        self.__dict__.pop("_container", None)
+        with contextlib.suppress(UsageError):
+            self.compose("down", "--timeout", str(timeout), "--remove-orphans",
+                         timeout=timeout + 120)
+        if self.container_env:
+            with contextlib.suppress(OSError):
+                self._env_file().unlink()
+
+    def pin_engine_core(self, client=None) -> str:
+        """CPU stand-in: pin vLLM's EngineCore next to its worker (see :func:`pin_engine_core`)."""
+        container = self.container(client)
+        if container is None:
+            raise UsageError(f"no server container in compose project {self.project}", 3)
+        return pin_engine_core(container)
+
+
+# ---------------------------------------------------------------------------------------------
+# the CPU stand-in's EngineCore pin
+
+_PIN_SCRIPT = r"""
+w=""; e=""
+for p in /proc/[0-9]*; do
+  n=$(cat "$p/comm" 2>/dev/null)
+  case "$n" in
+    VLLM::Worker*) [ -z "$w" ] && w=$(sed -n 's/^Cpus_allowed_list:[[:space:]]*//p' "$p/status") ;;
+    VLLM::EngineCor*) e=${p#/proc/} ;;
+  esac
+done
+[ -n "$w" ] && [ -n "$e" ] || { echo "no VLLM::Worker/EngineCore process"; exit 1; }
+taskset -a -p -c "$w" "$e" >/dev/null && echo "EngineCore pid $e pinned to cpus $w"
+"""
+
+
+def pin_engine_core(container) -> str:
+    """CPU stand-in only: pin vLLM's EngineCore process to its worker's cores.
+
+    On a 2-core machine vLLM-CPU's EngineCore busy-polls its shared-memory queue (vLLM spins
+    for 1 s after each read) on the core reserved for the API server, which then streams a
+    whole response in one burst: aiperf sees ITL = 0. Pinning the EngineCore next to the
+    worker leaves that core to the API server and the client. Never needed on a GPU node.
+    Returns a one-line description; raises UsageError (exit 3) if it cannot be done.
+    """
+    from k3rocm.deploy.provenance import _exec_text
+
+    out = _exec_text(container, ["sh", "-c", _PIN_SCRIPT])
+    if not out or "pinned" not in out:
+        raise UsageError(f"could not pin the EngineCore in {container.name}: "
+                         f"{(out or 'taskset/ps failed').strip()}", 3)
+    return out.strip()
+
+
+# ---------------------------------------------------------------------------------------------
+# the server of `make up` (project k3rocm, the deployment's settings)
+
+
+def deployment_server(env_file: str | os.PathLike | None = ".env",
+                      project: str | None = None) -> tuple[ComposeServer, Any]:
+    """The compose server of the deployment (``make up``) and the deployment."""
+    dep = resolve_settings(env_file)
+    srv = ComposeServer(project=project or os.environ.get("COMPOSE_PROJECT_NAME")
+                        or DEFAULT_PROJECT, cpu=cpu_from_environment(),
+                        url=dep.url, model=dep.served_model_name, api_key=dep.api_key)
+    return srv, dep
+
+
+def default_timeout(dep) -> float:
+    """The engine's VLLM_ENGINE_READY_TIMEOUT_S + 10 min, or 15 min."""
+    engine = dep.rendered.env.get("VLLM_ENGINE_READY_TIMEOUT_S")
+    return float(engine) + 600 if engine else 900.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = __doc__
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    sub = parser.add_subparsers(dest="what",
+                                metavar="{up,wait,logs,save-log,provenance,down}")
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--env-file", default=".env", help="settings file (default .env)")
+        p.add_argument("--project", default=None,
+                       help=f"compose project (default $COMPOSE_PROJECT_NAME or "
+                       f"{DEFAULT_PROJECT})")
+
+    def timeout(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--timeout", type=float, default=None,
+                       help="seconds (default: the engine's VLLM_ENGINE_READY_TIMEOUT_S + "
+                       "10 min, or 15 min)")
+
+    u = sub.add_parser("up", help="start the compose server and wait until it is ready")
+    common(u)
+    timeout(u)
+    u.add_argument("--build", action="store_true", help="build the image first")
+    w = sub.add_parser("wait", help="wait until the compose server is ready")
+    common(w)
+    timeout(w)
+    lg = sub.add_parser("logs", help="print the compose server's log")
+    common(lg)
+    lg.add_argument("--tail", type=int, default=200)
+    s = sub.add_parser("save-log", help="save the compose server's log into a run directory")
+    common(s)
+    s.add_argument("--label", default="server-log")
+    pv = sub.add_parser("provenance", help="what is serving, as JSON")
+    common(pv)
+    d = sub.add_parser("down", help="save the log into a run directory, stop, remove")
+    common(d)
+    d.add_argument("--label", default="server-log")
+
+
+def deployment_view(args: argparse.Namespace) -> dict:
+    """What the compose server commands resolve (``--print-deployment``)."""
+    srv, dep = deployment_server(args.env_file, args.project)
+    return {**dep.to_json(), "url": srv.url, "project": srv.project,
+            "compose_files": [str(f) for f in compose_files(srv.cpu)]}
+
+
+def run(args: argparse.Namespace) -> int:
+    if not getattr(args, "what", None):
+        raise UsageError("server needs a subcommand: up, wait, logs, save-log, provenance or "
+                         "down (see k3rocm server --help)")
+    srv, dep = deployment_server(args.env_file, args.project)
+    if args.what in ("up", "wait"):
+        t = args.timeout if args.timeout is not None else default_timeout(dep)
+        if t <= 0:
+            raise UsageError(f"--timeout {t:g} must be > 0", 2)
+        if args.what == "up":
+            srv.up(build=args.build)
+        elif srv.state() is None:
+            raise UsageError("no server container: start it with `make up` "
+                             "(or `k3rocm server up`)", 3)
+        srv.wait(t)
+        return 0
+    if args.what == "logs":
+        print(srv.tail(args.tail))
+        return 0
+    if args.what == "provenance":
+        print(json.dumps(srv.provenance(), indent=2, default=str))
+        return 0
+    if args.what in ("save-log", "down"):
+        from k3rocm.deploy import runrecord
+        from k3rocm.rundir import create_run_dir
+
+        if srv.state() is None:
+            print("k3rocm: no server log to save (no server container)", file=sys.stderr)
+        else:
+            out = create_run_dir(dep.results_root, args.label)
+            runrecord.write(out, runrecord.build(deployment=dep, url=dep.url,
+                                                 server=srv.provenance()))
+            saved = srv.save_log(out / "server.log")
+            print(f"k3rocm: server log saved to {saved or '(empty log)'}", file=sys.stderr)
+        if args.what == "down":
+            t0 = time.time()
+            srv.down()
+            _log(f"compose project {srv.project} stopped and removed ({time.time() - t0:.0f}s)")
+        return 0
+    raise UsageError(f"unknown subcommand {args.what!r}")

@@ -1,0 +1,137 @@
+"""What served a measurement: one provenance reader for every command's run record.
+
+Everything here reads the real server: over HTTP (vLLM version, models) and through the
+Docker engine (image id, env redacted, argv, overlay manifest, fusion decision records).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from k3rocm.deploy.readiness import _requests, url_port
+from k3rocm.serving.config import redact_argv, redact_env
+
+MANIFEST_PATH = "/opt/k3rocm/manifest.json"
+FUSION_ENV = ("K3_FUSE_QK_NORM", "K3_FUSE_DECODE_QPREP")
+
+
+def find_server_container(client, url: str):
+    """The running container that serves ``url``'s port (published port, or host network
+    with K3_PORT), preferring ones built from our image. None when there is none."""
+    port = url_port(url)
+    try:
+        containers = client.containers.list()
+    except Exception:  # noqa: BLE001 - no engine: provenance from HTTP only
+        return None
+    hits = []
+    for c in containers:
+        attrs = c.attrs
+        ports = (attrs.get("NetworkSettings") or {}).get("Ports") or {}
+        published = {int(b["HostPort"]) for binds in ports.values() if binds for b in binds
+                     if b.get("HostPort")}
+        env_list = (attrs.get("Config") or {}).get("Env") or []
+        env = dict(e.split("=", 1) for e in env_list if "=" in e)
+        host_net = (attrs.get("HostConfig") or {}).get("NetworkMode") == "host"
+        if port in published or (host_net and env.get("K3_PORT", "8000") == str(port)
+                                 and "K3_PROFILE" in env):
+            hits.append((0 if "K3_PROFILE" in env else 1, c))
+    hits.sort(key=lambda t: t[0])
+    return hits[0][1] if hits else None
+
+
+def image_identity(client, image_id: str | None, ref: str | None = None) -> dict[str, Any]:
+    """The image's id, tags and registry digests (empty for a locally built image)."""
+    out: dict[str, Any] = {"ref": ref, "id": image_id, "tags": [], "digests": []}
+    try:
+        img = client.images.get(image_id or ref)
+        out.update(id=img.id, tags=list(img.tags),
+                   digests=list(img.attrs.get("RepoDigests") or []),
+                   created=img.attrs.get("Created"))
+    except Exception as exc:  # noqa: BLE001 - best effort
+        out["note"] = f"image not inspectable ({exc.__class__.__name__})"
+    return out
+
+
+def _exec_text(container, cmd: list[str]) -> str | None:
+    try:
+        rc, out = container.exec_run(cmd, demux=False)
+    except Exception:  # noqa: BLE001
+        return None
+    if rc != 0:
+        return None
+    return out.decode(errors="replace") if isinstance(out, bytes) else str(out)
+
+
+def collect_provenance(url: str, api_key: str | None, client=None, container=None) -> dict:
+    """What served the measurement: image id, vLLM version, overlay manifest and fusion states,
+    the server's env and argv. Best effort per item; what could not be read is said so."""
+    requests = _requests()
+    prov: dict[str, Any] = {"url": url}
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key and api_key != "EMPTY" else {}
+    try:
+        r = requests.get(f"{url}/version", timeout=5, headers=headers)
+        prov["vllm_version"] = r.json().get("version") if r.status_code == 200 else None
+    except Exception as exc:  # noqa: BLE001
+        prov["vllm_version"] = None
+        prov["vllm_version_error"] = str(exc)[:200]
+    try:
+        r = requests.get(f"{url}/v1/models", timeout=5, headers=headers)
+        prov["models"] = r.json().get("data") if r.status_code == 200 else None
+    except Exception:  # noqa: BLE001
+        prov["models"] = None
+    if container is None and client is not None:
+        container = find_server_container(client, url)
+    if container is None:
+        prov["container"] = None
+        prov["note"] = ("no local server container found for this URL: image id, env, argv "
+                        "and overlay manifest are unknown")
+        return prov
+    container.reload()
+    attrs = container.attrs
+    cfg = attrs.get("Config") or {}
+    env = dict(e.split("=", 1) for e in cfg.get("Env") or [] if "=" in e)
+    prov["container"] = {
+        "id": attrs.get("Id"), "name": attrs.get("Name", "").lstrip("/"),
+        "image_ref": cfg.get("Image"), "image_id": attrs.get("Image"),
+        "created": attrs.get("Created"), "started": (attrs.get("State") or {}).get("StartedAt"),
+        "entrypoint": cfg.get("Entrypoint"), "cmd": redact_argv(cfg.get("Cmd")),
+        "path": attrs.get("Path"), "args": redact_argv(attrs.get("Args")),
+        "env": redact_env(env),
+    }
+    prov["image"] = image_identity(getattr(container, "client", None), attrs.get("Image"),
+                                   cfg.get("Image"))
+    # The argv vLLM really runs with (the entrypoint execs `vllm serve ...`).
+    procs = []
+    try:
+        top = container.top()
+        idx = top["Titles"].index("CMD") if "CMD" in top["Titles"] else -1
+        procs = [p[idx] for p in top.get("Processes") or []]
+    except Exception:  # noqa: BLE001
+        pass
+    prov["server_processes"] = [" ".join(redact_argv(p.split(" "))) for p in procs[:20]]
+    cmdline = _exec_text(container, ["sh", "-c", "for p in /proc/[0-9]*; do "
+                                     "c=$(tr '\\0' ' ' < $p/cmdline 2>/dev/null); "
+                                     "case \"$c\" in *vllm*serve*|*api_server*) echo \"$c\"; "
+                                     "break;; esac; done"])
+    prov["server_argv"] = (redact_argv(cmdline.strip().split(" "))
+                           if cmdline and cmdline.strip() else None)
+    manifest = _exec_text(container, ["cat", MANIFEST_PATH])
+    try:
+        prov["overlay_manifest"] = json.loads(manifest) if manifest else None
+    except json.JSONDecodeError:
+        prov["overlay_manifest"] = {"unparsed": manifest[:4000]}
+    if prov["overlay_manifest"] is None:
+        prov["overlay_manifest_note"] = f"{MANIFEST_PATH} not readable in the server container"
+    prov["fusion_toggles"] = {k: env.get(k, "unset (default on)") for k in FUSION_ENV}
+    try:
+        from k3rocm.serving.overlay_runtime import final_decisions, parse_decision_line
+
+        logs = container.logs().decode(errors="replace").splitlines()
+        records = [r for r in map(parse_decision_line, logs) if r is not None]
+        prov["fusion_decisions"] = [
+            {k: r.get(k) for k in ("pid", "tp_rank", "layer_kind", "phase", "fusions")}
+            for r in final_decisions(records).values()]
+    except Exception:  # noqa: BLE001 - provenance is best effort
+        prov["fusion_decisions"] = []
+    return prov

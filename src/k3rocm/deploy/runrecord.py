@@ -1,0 +1,125 @@
+"""One run record: the ``provenance.json`` that bench, gsm8k and census write into their run
+directory, in one layout, by one writer.
+
+Layout (every key always present; what could not be read says so in a ``note``/``error``):
+
+- ``schema``: ``k3rocm.runrecord/1``
+- ``command``: the exact command (argv, shell line, cwd), k3rocm/Python versions, host, start
+- ``deployment``: what the settings resolved to (:class:`k3rocm.deploy.deployment.Deployment`,
+  secrets redacted)
+- ``server``: what served it, read from the real server by
+  :func:`k3rocm.deploy.provenance.collect_provenance` (vLLM version, image id/tags/digests, overlay
+  manifest, fusion toggles and decisions, the server's env and argv, redacted by the one rule
+  :func:`k3rocm.serving.config.redact_env`); None for an offline analysis
+- ``checkpoint``: the checkpoint's identity where the model dir is on this host
+- ``tools``: client tool versions (aiperf, lm-eval, ...) and the client image
+- ``topology``: single node, or a router / node of a scale-out
+- ``seed_comparison`` (bench, census): which seed figure, if any, the result is comparable with
+  (:func:`k3rocm.deploy.seedref.comparable_with`, judged on the server container's own settings)
+- then the command's own keys (the bench workload, the gsm8k data set, the census traces, ...)
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shlex
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from k3rocm import __version__
+from k3rocm.rundir import write_json_atomic
+
+SCHEMA = "k3rocm.runrecord/1"
+FILENAME = "provenance.json"
+
+
+def command_block() -> dict[str, Any]:
+    argv = [Path(sys.argv[0]).name, *sys.argv[1:]] if sys.argv else []
+    return {"argv": list(sys.argv), "line": shlex.join(argv), "cwd": os.getcwd(),
+            "k3rocm_version": __version__, "python": platform.python_version(),
+            "platform": platform.platform(), "host": platform.node(),
+            "started_utc": datetime.now(timezone.utc).isoformat()}
+
+
+def checkpoint(deployment) -> dict[str, Any] | None:
+    """The checkpoint's identity (``k3rocm.deploy.checkpoint.identity``) where the model dir is on
+    this host; None for a Hub id."""
+    host_dir = getattr(deployment, "model_host_dir", None)
+    if host_dir is None:
+        return None
+    try:
+        from k3rocm.deploy.checkpoint import identity  # type: ignore[attr-defined]
+    except ImportError:
+        return {"path": str(host_dir),
+                "note": "k3rocm.deploy.checkpoint is not part of this install"}
+    try:
+        return identity(host_dir)
+    except Exception as exc:  # noqa: BLE001 - the record must never lose a finished result
+        return {"path": str(host_dir), "error": f"{exc.__class__.__name__}: {exc}"[:300]}
+
+
+def server(client, url: str, api_key: str | None, container=None,
+           container_name: str | None = None) -> dict[str, Any]:
+    """The server side, best effort: never raises (a finished result must not be lost)."""
+    from k3rocm.deploy.provenance import collect_provenance
+
+    if container is None and container_name and client is not None:
+        try:
+            container = client.containers.get(container_name)
+        except Exception as exc:  # noqa: BLE001 - docker.errors.NotFound
+            return {"url": url, "container": None,
+                    "note": f"server container {container_name}: {exc.__class__.__name__}"}
+    try:
+        return collect_provenance(url, api_key, client=client, container=container)
+    except Exception as exc:  # noqa: BLE001
+        return {"url": url, "error": f"{exc.__class__.__name__}: {exc}"[:500]}
+
+
+def seed_comparison(measure: str, *, server: dict | None = None, deployment=None,
+                    workload: Any = None) -> dict[str, Any]:
+    """Which seed figure the result is comparable with: judged on the server container's env
+    (what the server was started with), else on the deployment's settings. Never raises."""
+    from k3rocm.deploy.seedref import comparable_with
+
+    env = ((server or {}).get("container") or {}).get("env")
+    try:
+        if env:
+            return comparable_with(measure, env, workload=workload)
+        if deployment is not None:
+            return comparable_with(measure, deployment.settings, env=deployment.rendered.env,
+                                   workload=workload)
+    except Exception as exc:  # noqa: BLE001 - the record must never lose a finished result
+        return {"comparable": False, "figure": None,
+                "text": f"seed comparison failed: {exc.__class__.__name__}: {exc}"[:300]}
+    return {"comparable": False, "figure": None,
+            "text": "not comparable with any seed figure: the server's settings are unknown"}
+
+
+def build(*, deployment=None, server: dict | None = None, url: str | None = None,
+          tools: dict[str, Any] | None = None, measure: str | None = None,
+          workload: Any = None, **extra: Any) -> dict[str, Any]:
+    """The run record of one run; ``extra`` holds the command's own keys. With ``measure``
+    (bench, census, ...) it says which seed figure the result is comparable with."""
+    from k3rocm.deploy.scale.status import topology
+
+    record: dict[str, Any] = {
+        "schema": SCHEMA,
+        "command": command_block(),
+        "deployment": deployment.to_json() if deployment is not None else None,
+        "server": server,
+        "checkpoint": checkpoint(deployment),
+        "tools": {"k3rocm": __version__, **(tools or {})},
+        "topology": topology(url) if url else None,
+    }
+    if measure is not None:
+        record["seed_comparison"] = seed_comparison(measure, server=server,
+                                                    deployment=deployment, workload=workload)
+    record.update(extra)
+    return record
+
+
+def write(run_dir: str | os.PathLike, record: dict[str, Any]) -> Path:
+    return write_json_atomic(Path(run_dir) / FILENAME, record)

@@ -1,0 +1,155 @@
+"""``k3rocm scale``: scale-out settings, per-node rendering, the router, and status.
+
+  k3rocm scale config               the resolved K3_SCALE_* settings
+  k3rocm scale render [--out DIR]   per-node env/argv (+ compose overrides written to DIR)
+  k3rocm scale render-k8s [--out F] Kubernetes manifests, checked against the K8s schemas
+  k3rocm scale router-up|router-down
+  k3rocm scale url                  the router URL (bench/gsm8k --url)
+  k3rocm scale status [--json]      one line per replica and the router's view
+
+Exit codes: 0 ok, 1 status degraded/down or a router failure, 2 bad settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from k3rocm.errors import UsageError
+
+EXPERIMENTAL_BANNER = ("# EXPERIMENTAL ({mode}): rendered by k3rocm, NOT validated on MI355X. "
+                       "Review before use.")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--env-file", default=".env", help="optional KEY=VALUE file")
+    sub = parser.add_subparsers(dest="scale_cmd", metavar="SUBCOMMAND", required=True)
+    sub.add_parser("config", help="print the resolved K3_SCALE_* settings",
+                   description="print the resolved K3_SCALE_* settings")
+    sub.add_parser("url", help="print the router URL (for bench/gsm8k --url)",
+                   description="print the router URL clients use (make bench-router)")
+    p = sub.add_parser("render", help="per-node env and argv (from the serving renderer)",
+                       description="per-node env and argv; with --out, one compose override "
+                       "per node (docker compose -f compose.yaml -f DIR/nodeN.yaml up -d)")
+    p.add_argument("--out", type=Path, help="directory for nodeN.yaml compose overrides")
+    p = sub.add_parser("render-k8s", help="Kubernetes manifests (schema-checked)",
+                       description="Kubernetes manifests for the scale mode, checked against "
+                       "the Kubernetes schemas with kubernetes-validate (offline)")
+    p.add_argument("--out", type=Path, help="write the manifests (multi-document YAML) here")
+    p = sub.add_parser("router-up", help="start vllm-router in front of K3_SCALE_NODES",
+                       description="start the router container (host network)")
+    p.add_argument("--name", default="k3rocm-router", help="container name")
+    p = sub.add_parser("router-down", help="stop and remove the router container",
+                       description="stop and remove the router container")
+    p.add_argument("--name", default="k3rocm-router", help="container name")
+    p = sub.add_parser("status", help="one line per replica and the router's view",
+                       description="health, model, fusion decisions and image per replica; "
+                       "the router's view (ok / degraded, k of N / down)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _docker():
+    from k3rocm.deploy.engine import docker_client
+
+    return docker_client(required=False)  # status works without an engine (HTTP only)
+
+
+def _yaml_dump(obj) -> str:
+    import yaml
+
+    return yaml.safe_dump(obj, sort_keys=False, width=100)
+
+
+def _compose_yaml(override: dict) -> str:
+    # Compose merges `ports` lists; `!reset []` drops the base file's published port
+    # (the host network has no port mapping).
+    text = _yaml_dump(override)
+    return text.replace("ports: []", "ports: !reset []")
+
+
+def run(args: argparse.Namespace) -> int:
+    from k3rocm.deploy.scale.settings import SCALE_ENV, load_scale
+    from k3rocm.serving.config import load_settings
+
+    settings, _ = load_settings(dotenv=args.env_file, check_model=False)
+    s = load_scale(dotenv=args.env_file, tp=settings.tp)
+    cmd = args.scale_cmd
+    if cmd == "config":
+        for name, env in SCALE_ENV.items():
+            v = getattr(s, name)
+            print(f"{env}={','.join(v) if isinstance(v, tuple) else ('' if v is None else v)}")
+        return 0
+    if cmd == "url":
+        if s.mode == "single":
+            raise UsageError("K3_SCALE_MODE=single has no router: set K3_SCALE_MODE=replicas")
+        print(s.router_url)
+        return 0
+    if cmd == "status":
+        from k3rocm.deploy.scale.status import format_status, scale_status, status_json
+
+        if s.mode == "single":
+            raise UsageError("K3_SCALE_MODE=single: `make status` reports scale-out replicas; "
+                             "set K3_SCALE_MODE=replicas and K3_SCALE_NODES (single node: "
+                             "docker compose ps)")
+        replicas, router = scale_status(s, _docker())
+        if args.json:
+            print(json.dumps(status_json(replicas, router), indent=2))
+        else:
+            print("\n".join(format_status(replicas, router)))
+        return 0 if router.summary.startswith("ok") else 1
+    if cmd in ("router-up", "router-down"):
+        from k3rocm.deploy.engine import docker_client
+        from k3rocm.deploy.scale.router import start_router, stop_router
+
+        client = docker_client()  # no engine: exit 3, like every command
+        if cmd == "router-down":
+            print("router removed" if stop_router(client, args.name) else
+                  f"no container named {args.name}")
+            return 0
+        from k3rocm.deploy.scale.render import plan
+
+        plan(dotenv=args.env_file, scale=s)  # validate the whole setup before starting
+        c = start_router(client, s, name=args.name)
+        print(f"router {c.name} at {s.router_url} -> {', '.join(s.worker_urls)} "
+              f"(policy {s.router_policy}); `make status` shows the replicas")
+        return 0
+    from k3rocm.deploy.scale.render import compose_override, plan
+
+    p = plan(dotenv=args.env_file, scale=s)
+    experimental = s.mode in ("dp-ep", "pd")
+    if cmd == "render":
+        if experimental:
+            print(EXPERIMENTAL_BANNER.format(mode=s.mode), file=sys.stderr)
+        if args.out:
+            from k3rocm.rundir import write_text_atomic
+
+            for node in p.nodes:
+                head = (EXPERIMENTAL_BANNER.format(mode=s.mode) if experimental else
+                        "# replicas: the unchanged single-node server on this node")
+                path = args.out / f"node{node.index}.yaml"
+                write_text_atomic(path, f"{head}\n# {node.role} {node.address}: docker "
+                                  f"compose -f compose.yaml -f {path} up -d\n"
+                                  + _compose_yaml(compose_override(node)))
+                print(f"wrote {path}", file=sys.stderr)
+        print(json.dumps(p.to_json(), indent=2))
+        return 0
+    if cmd == "render-k8s":
+        from k3rocm.deploy.scale.k8s import render_k8s, validate
+
+        objs = render_k8s(p, settings)
+        for line in validate(objs):
+            print(line, file=sys.stderr)
+        banner = EXPERIMENTAL_BANNER.format(mode=s.mode) if experimental else (
+            "# replicas: rendered by k3rocm; manifests NOT validated on an MI355X cluster")
+        text = banner + "\n" + "---\n".join(_yaml_dump(o) for o in objs)
+        if args.out:
+            from k3rocm.rundir import write_text_atomic
+
+            write_text_atomic(args.out, text)
+            print(f"wrote {args.out}", file=sys.stderr)
+        else:
+            print(text)
+        return 0
+    raise UsageError(f"unknown scale subcommand {cmd}")

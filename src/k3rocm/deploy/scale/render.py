@@ -1,0 +1,176 @@
+"""Per-node rendering for the scale-out modes, on top of the one serving renderer.
+
+Every node's vLLM env and argv come from :func:`k3rocm.serving.config.render` (the function the
+image's entrypoint runs), given the node's K3_* environment plus the scale additions as passthrough
+arguments. Nothing here writes a second ``vllm serve`` command line by hand: the scale additions are
+only the data-parallel / expert-parallel / KV-transfer flags and the network environment.
+
+``replicas`` is the supported mode. ``dp-ep`` and ``pd`` are EXPERIMENTAL: rendered and tested as
+renderings (a dense tiny model at DP=2 starts from the rendered dp-ep argv on the CPU stand-in),
+NOT validated on MI355X.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from k3rocm.deploy.scale.settings import ScaleSettings, load_scale
+from k3rocm.errors import UsageError
+from k3rocm.serving.config import load_settings, render
+
+NOT_VALIDATED = ("EXPERIMENTAL: rendered by k3rocm, not validated on MI355X; review before use")
+# MoRIIO KV-transfer ports (the connector's handshake/notify side channels; examples in the
+# ROCm MoRIIO connector docs use these kinds of fixed ports per node).
+MORIIO_HANDSHAKE_PORT = 6301
+MORIIO_NOTIFY_PORT = 61005
+
+
+@dataclass
+class NodePlan:
+    """What one node runs: the compose inputs (env_overrides + command) and the result."""
+
+    index: int
+    role: str  # replica | head | worker | prefill | decode
+    address: str  # host:port of the node's API server (from K3_SCALE_NODES)
+    env_overrides: dict[str, str]  # K3_* and network variables set on this node
+    command: list[str]  # passthrough args given to the entrypoint (compose `command:`)
+    env: dict[str, str] = field(default_factory=dict)  # rendered vLLM env (config.render)
+    argv: list[str] = field(default_factory=list)  # rendered vLLM argv (config.render)
+    host_network: bool = False
+    devices: list[str] = field(default_factory=list)
+    experimental: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        from k3rocm.serving.config import redact_env
+
+        return {"index": self.index, "role": self.role, "address": self.address,
+                "experimental": self.experimental, "env_overrides": dict(self.env_overrides),
+                "command": list(self.command), "env": redact_env(self.env),
+                "argv": list(self.argv), "host_network": self.host_network,
+                "devices": list(self.devices)}
+
+
+@dataclass
+class Plan:
+    scale: ScaleSettings
+    nodes: list[NodePlan]
+    router_argv: list[str]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"mode": self.scale.mode,
+                "note": NOT_VALIDATED if self.scale.mode in ("dp-ep", "pd") else
+                "replicas: every node runs the unchanged single-node server",
+                "nodes": [n.to_json() for n in self.nodes],
+                "router": {"url": self.scale.router_url, "argv": self.router_argv,
+                           "image": self.scale.router_image}}
+
+
+def router_argv(s: ScaleSettings) -> list[str]:
+    """vllm-router 0.1.17 arguments from the scale settings."""
+    argv = ["vllm-router", "--host", s.router_host, "--port", str(s.router_port),
+            "--policy", s.router_policy,
+            "--worker-startup-timeout-secs", str(s.router_startup_timeout),
+            "--health-check-interval-secs", str(s.health_interval),
+            "--health-failure-threshold", str(s.health_threshold)]
+    if s.mode == "pd":
+        argv += ["--vllm-pd-disaggregation", "--kv-connector", "moriio"]
+        for i, url in enumerate(s.worker_urls):
+            argv += ["--prefill", url] if i < s.pd_prefill else ["--decode", url]
+    elif s.mode == "dp-ep":
+        argv += ["--worker-urls", s.worker_urls[0]]  # only the head serves the API
+    else:
+        argv += ["--worker-urls", *s.worker_urls]
+    return argv
+
+
+def _network_env(s: ScaleSettings, host: str) -> dict[str, str]:
+    env = {"GLOO_SOCKET_IFNAME": s.ifname or "", "NCCL_SOCKET_IFNAME": s.ifname or "",
+           "VLLM_HOST_IP": host}
+    if s.ib_hca:
+        env["NCCL_IB_HCA"] = s.ib_hca
+    return {k: v for k, v in env.items() if v}
+
+
+def _dp_args(s: ScaleSettings, index: int) -> list[str]:
+    size = len(s.nodes) * s.dp_local
+    args = ["--data-parallel-size", str(size), "--data-parallel-size-local", str(s.dp_local),
+            "--data-parallel-address", s.node_host(0),
+            "--data-parallel-rpc-port", str(s.dp_rpc_port),
+            "--enable-expert-parallel", "--all2all-backend", s.all2all]
+    if index > 0:
+        args += ["--headless", "--data-parallel-start-rank", str(index * s.dp_local)]
+    return args
+
+
+def _pd_args(s: ScaleSettings, index: int) -> tuple[str, list[str]]:
+    role = "prefill" if index < s.pd_prefill else "decode"
+    cfg = {"kv_connector": "MoRIIOConnector",
+           "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+           "kv_connector_extra_config": {
+               "proxy_ip": s.router_host, "http_port": s.node_port(index),
+               "handshake_port": MORIIO_HANDSHAKE_PORT, "notify_port": MORIIO_NOTIFY_PORT}}
+    return role, ["--kv-transfer-config", json.dumps(cfg, separators=(",", ":"))]
+
+
+def plan(environ: Mapping[str, str] | None = None, dotenv: str | os.PathLike | None = ".env",
+         scale: ScaleSettings | None = None) -> Plan:
+    """Validate the serving and scale settings and render every node (no Docker, no network)."""
+    environ = dict(os.environ if environ is None else environ)
+    # The checkpoint lives on every node, not necessarily here: `make preflight` checks it.
+    settings, _ = load_settings(environ, dotenv, host_paths=True, check_model=False)
+    s = scale or load_scale(environ, dotenv, tp=settings.tp)
+    if s.mode == "single":
+        raise UsageError("K3_SCALE_MODE=single: there is nothing to scale out; set "
+                         "K3_SCALE_MODE=replicas and K3_SCALE_NODES=host:port,host:port")
+    if s.mode == "pd" and settings.mtp_k > 0:
+        raise UsageError(f"K3_SCALE_MODE=pd with speculative decoding (K3_MTP_K="
+                         f"{settings.mtp_k}) is not supported yet: set K3_MTP_K=0 for pd")
+    nodes: list[NodePlan] = []
+    for i, address in enumerate(s.nodes):
+        host, port = s.node_host(i), s.node_port(i)
+        overrides: dict[str, str] = {"K3_PORT": str(port)}
+        command: list[str] = []
+        role = "replica"
+        devices: list[str] = []
+        host_net = False
+        if s.mode == "dp-ep":
+            role = "head" if i == 0 else "worker"
+            command = _dp_args(s, i)
+        elif s.mode == "pd":
+            role, command = _pd_args(s, i)
+        if s.mode in ("dp-ep", "pd"):
+            overrides.update(_network_env(s, host))
+            devices = ["/dev/infiniband"]
+            host_net = True
+        node_environ = {**environ, **overrides}
+        rendered = render(node_environ, dotenv, passthrough=command, host_paths=True,
+                          check_model=False)
+        env = dict(rendered.env)
+        for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "NCCL_IB_HCA", "VLLM_HOST_IP"):
+            if key in overrides:
+                env[key] = overrides[key]
+        nodes.append(NodePlan(index=i, role=role, address=address, env_overrides=overrides,
+                              command=command, env=env, argv=rendered.argv,
+                              host_network=host_net, devices=devices,
+                              experimental=s.mode in ("dp-ep", "pd")))
+    return Plan(scale=s, nodes=nodes, router_argv=router_argv(s))
+
+
+def compose_override(node: NodePlan) -> dict[str, Any]:
+    """A compose override for one node: `docker compose -f compose.yaml -f <this> up -d`."""
+    svc: dict[str, Any] = {"environment": [f"{k}={v}" for k, v in node.env_overrides.items()]}
+    if node.command:
+        svc["command"] = list(node.command)
+    if node.host_network:
+        svc["network_mode"] = "host"
+        svc["ports"] = []  # host network: the port is the host's own
+        svc["devices"] = ["/dev/kfd", "/dev/dri", *node.devices]
+        svc["ulimits"] = {"memlock": -1, "stack": 67108864}
+    header = NOT_VALIDATED if node.experimental else "replica: the unchanged server"
+    return {"x-k3rocm": {"note": header, "role": node.role, "address": node.address,
+                         "argv": node.argv},
+            "services": {"server": svc}}

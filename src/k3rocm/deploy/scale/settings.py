@@ -1,0 +1,206 @@
+"""The ``scale`` settings section: K3_SCALE_* variables, read like every other setting.
+
+Same sources and precedence as :mod:`k3rocm.serving.config` (process environment over ``.env``, one
+``.env`` parser: :func:`k3rocm.serving.config.read_dotenv`), same one-line errors (exit 2).
+
+Modes:
+
+* ``single`` (default): one node, today's server; nothing here is used.
+* ``replicas``: N independent copies of today's server (same image, env, TP, MTP), one per
+  node, behind vLLM's router (``vllm-router``). ``K3_SCALE_NODES`` lists their API addresses.
+* ``dp-ep`` (experimental, rendered only): one vLLM data-parallel + expert-parallel deployment
+  across nodes; the first node is the head, the others run ``--headless``.
+* ``pd`` (experimental, rendered only): prefill/decode disaggregation with the MoRIIO connector;
+  the first ``K3_SCALE_PD_PREFILL`` nodes prefill, the rest decode.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from k3rocm.errors import UsageError
+from k3rocm.serving.config import read_dotenv
+
+SCALE_PREFIX = "K3_SCALE_"
+# vllm-router 0.1.17 `--policy` choices (from `vllm-router --help` of that wheel).
+ROUTER_POLICIES = ("random", "round_robin", "cache_aware", "kv_aware", "power_of_two",
+                   "consistent_hash", "sticky_least_loaded")
+# `--all2all-backend` values this bundle renders for AMD (vLLM's ROCm MoRI kernels, or the
+# backend-agnostic all-gather/reduce-scatter fallback).
+ALL2ALL_BACKENDS = ("mori_low_latency", "allgather_reducescatter")
+ENGINE_READY_ENV = "VLLM_ENGINE_READY_TIMEOUT_S"
+ENGINE_READY_DEFAULT = 600  # vLLM's default (vllm/envs.py)
+GPUS_PER_NODE = 8  # one MI355X node
+_HOSTPORT = re.compile(r"^(?:\[[0-9A-Fa-f:]+\]|[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?)"
+                       r":(\d{1,5})$")
+
+
+def _env(name: str, help: str, **kw: Any) -> Any:
+    return Field(json_schema_extra={"env": SCALE_PREFIX + name, "group": "scale"},
+                 description=help, **kw)
+
+
+class ScaleSettings(BaseModel):
+    """Every K3_SCALE_* setting (README/docs/scale.md table order)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mode: Literal["single", "replicas", "dp-ep", "pd"] = _env(
+        "MODE", "single (one node), replicas (N copies behind vllm-router), dp-ep and pd "
+        "(experimental: rendered, not validated on MI355X).", default="single")
+    nodes: tuple[str, ...] = _env(
+        "NODES", "Comma-separated host:port of every node's API server (replicas: the "
+        "router's workers; dp-ep: the first is the head; pd: prefill nodes first).",
+        default=())
+    router_host: str = _env("ROUTER_HOST", "Address the router listens on.",
+                            default="127.0.0.1")
+    router_port: int = _env("ROUTER_PORT", "Port the router listens on.", default=8080,
+                            ge=1, le=65535)
+    router_policy: Literal[ROUTER_POLICIES] = _env(  # type: ignore[valid-type]
+        "ROUTER_POLICY", "vllm-router load-balancing policy.", default="round_robin")
+    router_startup_timeout: int = _env(
+        "ROUTER_STARTUP_TIMEOUT", "Seconds the router waits for workers at start "
+        "(--worker-startup-timeout-secs); >= VLLM_ENGINE_READY_TIMEOUT_S.", default=7200,
+        ge=1)
+    health_interval: int = _env("HEALTH_INTERVAL", "Seconds between the router's worker "
+                                "health checks.", default=10, ge=1, le=3600)
+    health_threshold: int = _env("HEALTH_THRESHOLD", "Failed checks before the router marks "
+                                 "a worker unhealthy.", default=3, ge=1, le=100)
+    router_image: str = _env("ROUTER_IMAGE", "Router image (make router-image).",
+                             default="k3rocm/router:0.1.17")
+    dp_local: int = _env("DP_LOCAL", "dp-ep: data-parallel ranks per node "
+                         "(ranks x K3_TP must be <= 8 GPUs).", default=1, ge=1, le=8)
+    dp_rpc_port: int = _env("DP_RPC_PORT", "dp-ep: --data-parallel-rpc-port on the head.",
+                            default=13345, ge=1, le=65535)
+    all2all: Literal[ALL2ALL_BACKENDS] = _env(  # type: ignore[valid-type]
+        "ALL2ALL", "dp-ep: --all2all-backend.", default="mori_low_latency")
+    ifname: str | None = _env("IFNAME", "dp-ep/pd: network interface for GLOO/NCCL "
+                              "(GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME); required there.",
+                              default=None)
+    ib_hca: str | None = _env("IB_HCA", "dp-ep/pd: NCCL_IB_HCA (RDMA devices, e.g. "
+                              "rdma0,rdma1).", default=None)
+    pd_prefill: int = _env("PD_PREFILL", "pd: how many of K3_SCALE_NODES (the first ones) "
+                           "prefill; the rest decode.", default=1, ge=1)
+
+    @field_validator("nodes", mode="before")
+    @classmethod
+    def _split_nodes(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            v = [p.strip() for p in v.split(",") if p.strip()]
+        return v
+
+    @field_validator("nodes")
+    @classmethod
+    def _nodes_hostport(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for node in v:
+            m = _HOSTPORT.match(node)
+            if not m or not 1 <= int(m.group(1)) <= 65535:
+                raise ValueError(f"{node!r} is not host:port (e.g. node1:8000,node2:8000)")
+        if len(set(v)) != len(v):
+            raise ValueError("lists a node twice")
+        return v
+
+    # Derived views -----------------------------------------------------------------------
+    @property
+    def worker_urls(self) -> list[str]:
+        return [f"http://{n}" for n in self.nodes]
+
+    @property
+    def router_url(self) -> str:
+        host = "127.0.0.1" if self.router_host in ("0.0.0.0", "::") else self.router_host
+        return f"http://{host}:{self.router_port}"
+
+    def node_host(self, i: int) -> str:
+        return self.nodes[i].rsplit(":", 1)[0].strip("[]")
+
+    def node_port(self, i: int) -> int:
+        return int(self.nodes[i].rsplit(":", 1)[1])
+
+
+SCALE_FIELDS = ScaleSettings.model_fields
+SCALE_ENV = {n: f.json_schema_extra["env"] for n, f in SCALE_FIELDS.items()}  # type: ignore[index]
+SCALE_FIELD_BY_ENV = {e: n for n, e in SCALE_ENV.items()}
+
+
+def _describe(name: str) -> str:
+    f = SCALE_FIELDS[name]
+    args = getattr(f.annotation, "__args__", ())
+    if args and all(isinstance(a, str) for a in args):
+        return "one of " + ", ".join(args)
+    bounds = [f"{sym} {getattr(m, a)}" for m in f.metadata
+              for a, sym in (("ge", ">="), ("gt", ">"), ("le", "<=")) if getattr(m, a, None)
+              is not None]
+    return "an integer" + (" " + " and ".join(bounds) if bounds else "")
+
+
+def load_scale(environ: Mapping[str, str] | None = None,
+               dotenv: str | os.PathLike | None = ".env",
+               tp: int | None = None) -> ScaleSettings:
+    """Build ScaleSettings from the environment and ``.env`` (the environment wins).
+
+    ``tp`` is the serving K3_TP (from :func:`k3rocm.serving.config.load_settings`), used to
+    check that the dp-ep layout fits a node. Raises UsageError (one line) on any invalid value.
+    """
+    environ = dict(os.environ if environ is None else environ)
+    file_vals = read_dotenv(dotenv) if dotenv else {}
+    merged: dict[str, tuple[str, str]] = {}
+    for src, vals in ((".env", file_vals), ("env", environ)):
+        for key, raw in vals.items():
+            if key.startswith(SCALE_PREFIX):
+                if key not in SCALE_FIELD_BY_ENV:
+                    raise UsageError(f"{key} is not a known setting (from {src}); the scale "
+                                     "settings are " + ", ".join(SCALE_FIELD_BY_ENV))
+                if raw != "":
+                    merged[key] = (raw, src)
+            elif key == ENGINE_READY_ENV and raw != "":
+                merged[key] = (raw, src)
+    values = {SCALE_FIELD_BY_ENV[k]: raw for k, (raw, _) in merged.items() if k in
+              SCALE_FIELD_BY_ENV}
+    try:
+        s = ScaleSettings(**values)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        name = str(err["loc"][0]) if err["loc"] else "?"
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "literal_error" or "parsing" in err["type"] or \
+                err["type"].startswith(("greater", "less")):
+            msg = f"use {_describe(name)}"
+        raise UsageError(f"{SCALE_ENV.get(name, name)}={values.get(name, '?')!r} is not "
+                         f"valid: {msg}") from None
+    raw_ready = merged.get(ENGINE_READY_ENV, (str(ENGINE_READY_DEFAULT), "default"))[0]
+    try:
+        ready = int(float(raw_ready))
+    except ValueError:
+        raise UsageError(f"{ENGINE_READY_ENV}={raw_ready!r} is not valid: use seconds "
+                         "(an integer)") from None
+    _check(s, ready, tp)
+    return s
+
+
+def _check(s: ScaleSettings, engine_ready: int, tp: int | None) -> None:
+    if s.router_startup_timeout < engine_ready:
+        raise UsageError(
+            f"K3_SCALE_ROUTER_STARTUP_TIMEOUT={s.router_startup_timeout} is shorter than "
+            f"{ENGINE_READY_ENV}={engine_ready}: the router would give up on a node that is "
+            "still loading; raise it to at least that")
+    if s.mode == "single":
+        return
+    need = {"replicas": 2, "dp-ep": 2, "pd": 2}[s.mode]
+    if len(s.nodes) < need:
+        raise UsageError(f"K3_SCALE_MODE={s.mode} needs K3_SCALE_NODES with at least {need} "
+                         f"host:port entries (got {len(s.nodes)}); e.g. "
+                         "K3_SCALE_NODES=node1:8000,node2:8000")
+    if s.mode in ("dp-ep", "pd") and not s.ifname:
+        raise UsageError(f"K3_SCALE_MODE={s.mode} needs K3_SCALE_IFNAME: the network "
+                         "interface the nodes reach each other on (e.g. K3_SCALE_IFNAME=eth0)")
+    if s.mode == "dp-ep" and tp is not None and s.dp_local * tp > GPUS_PER_NODE:
+        raise UsageError(f"K3_SCALE_DP_LOCAL={s.dp_local} x K3_TP={tp} needs "
+                         f"{s.dp_local * tp} GPUs per node; a node has {GPUS_PER_NODE}")
+    if s.mode == "pd" and s.pd_prefill >= len(s.nodes):
+        raise UsageError(f"K3_SCALE_PD_PREFILL={s.pd_prefill} leaves no decode node among "
+                         f"{len(s.nodes)} K3_SCALE_NODES: use 1..{len(s.nodes) - 1}")

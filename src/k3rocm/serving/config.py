@@ -1,0 +1,533 @@
+"""The one serving configuration: K3_* settings -> the environment and argv of ``vllm serve``.
+
+Precedence for every value, highest first:
+
+1. the process environment (``K3_TP=4``, or a vendor variable such as ``VLLM_ROCM_USE_AITER=0``);
+2. an optional ``.env`` file (``KEY=VALUE`` lines; the process environment wins over it);
+3. the profile (``K3_PROFILE``: ``mi355x-tp8`` by default, ``cpu-smoke`` for the CPU stand-in;
+   one YAML file each under ``k3rocm/serving/profiles/``, see :mod:`k3rocm.serving.profiles`);
+4. the field default.
+
+An empty value counts as unset (compose passes unset variables as empty strings).
+:func:`render` returns the environment, the argv and, for every value, where it came from.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from k3rocm.errors import UsageError
+from k3rocm.serving import profiles
+
+PREFIX = "K3_"
+KIMI_K3_HEADS = 96
+# The one redaction rule (printouts, run records, server env): these names, and any name ending
+# in one of SECRET_SUFFIXES.
+SECRET_KEYS = ("K3_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "VLLM_API_KEY",
+               "OPENAI_API_KEY", "TOKEN", "API_KEY")
+SECRET_SUFFIXES = ("_TOKEN", "_API_KEY", "_SECRET", "_PASSWORD")
+REDACTED = "***"
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla")
+MTP_METHODS_WITH_DRAFT_MODEL = ("dspark", "eagle", "eagle3", "draft_model")
+MTP_METHODS = ("mtp", *MTP_METHODS_WITH_DRAFT_MODEL)
+
+Switch = Literal["on", "off"]
+
+
+def _env(name: str, help: str, group: str = "serving", **kw: Any) -> Any:
+    return Field(json_schema_extra={"env": PREFIX + name, "group": group}, description=help, **kw)
+
+
+class Settings(BaseModel):
+    """Every K3_* setting. Field order is the order of the README table."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    profile: str = _env(
+        "PROFILE", "Serving profile: defaults for everything below and the vendor environment.",
+        default="mi355x-tp8")
+    model: str = _env(
+        "MODEL", "A path inside the container (checkpoint under K3_MODELS_DIR, mounted at "
+        "/models); it must exist. A Hugging Face id only with K3_ALLOW_HUB_DOWNLOAD=1.",
+        default="/models/Kimi-K3")
+    allow_hub_download: bool = _env(
+        "ALLOW_HUB_DOWNLOAD", "Let K3_MODEL be a Hugging Face id that vLLM downloads into "
+        "K3_CACHE_DIR at start (Kimi-K3: ~1.56 TB) (1/0).", default=False)
+    served_model_name: str = _env(
+        "SERVED_MODEL_NAME", "Model name clients use.", default="moonshotai/Kimi-K3")
+    host: str = _env("HOST", "Address vLLM listens on inside the container.", default="0.0.0.0")
+    port: int = _env("PORT", "Port vLLM listens on (and the published host port).",
+                     default=8000, ge=1, le=65535)
+    tp: int = _env("TP", "Tensor parallel size; a positive divisor of Kimi-K3's 96 heads.",
+                   default=8)
+    mtp_k: int = _env("MTP_K", "Speculative tokens per step (MTP); 0 turns speculation off.",
+                      default=2, ge=0, le=16)
+    mtp_method: Literal["mtp", "dspark", "eagle", "eagle3", "draft_model"] = _env(
+        "MTP_METHOD", "Speculative method: mtp uses the model's own MTP head; "
+        "dspark/eagle/eagle3/draft_model need K3_MTP_MODEL.", default="mtp")
+    mtp_model: str | None = _env("MTP_MODEL", "Draft model for methods that need one.",
+                                 default=None)
+    mtp_attention_backend: str | None = _env(
+        "MTP_ATTENTION_BACKEND", "Attention backend of the draft model (e.g. TRITON_MLA).",
+        default=None)
+    kv_cache_dtype: Literal["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla"] = _env(
+        "KV_CACHE_DTYPE", "KV cache dtype; the decode Q-prep fusion needs fp8.", default="fp8")
+    max_model_len: int = _env("MAX_MODEL_LEN", "Maximum context length (tokens).",
+                              default=262144, ge=128, le=1048576)
+    gpu_memory_utilization: float | None = _env(
+        "GPU_MEMORY_UTILIZATION", "Fraction of GPU memory vLLM may use (0 < x <= 1).",
+        default=0.9, gt=0, le=1)
+    max_num_seqs: int = _env("MAX_NUM_SEQS", "Maximum concurrent sequences.",
+                             default=64, ge=1, le=4096)
+    max_num_batched_tokens: int | None = _env(
+        "MAX_NUM_BATCHED_TOKENS", "Token budget per engine step.", default=4096, ge=16,
+        le=1048576)
+    prefix_caching: bool = _env("PREFIX_CACHING", "Automatic prefix caching (1/0).", default=True)
+    enforce_eager: bool = _env("ENFORCE_EAGER", "Disable CUDA/HIP graphs (1/0).", default=False)
+    load_format: str = _env("LOAD_FORMAT", "Weight loader (fastsafetensors, safetensors, auto).",
+                            default="fastsafetensors")
+    trust_remote_code: bool = _env("TRUST_REMOTE_CODE", "Pass --trust-remote-code (1/0).",
+                                   default=True)
+    language_model_only: bool = _env("LANGUAGE_MODEL_ONLY",
+                                     "Skip the vision tower (--language-model-only) (1/0).",
+                                     default=True)
+    moe_backend: str | None = _env("MOE_BACKEND", "MoE backend (--moe-backend).", default="auto")
+    reasoning_parser: str | None = _env("REASONING_PARSER", "Reasoning parser.",
+                                        default="kimi_k3")
+    tool_call_parser: str | None = _env("TOOL_CALL_PARSER",
+                                        "Tool-call parser (enables auto tool choice).",
+                                        default="kimi_k3")
+    api_key: str | None = _env("API_KEY", "API key clients must send (given to vLLM as "
+                               "VLLM_API_KEY, never in argv; redacted in printouts).",
+                               default=None)
+    extra_args: str = _env("EXTRA_ARGS", "Extra `vllm serve` arguments, shell-quoted, appended "
+                           "last (after argv from the entrypoint).", default="")
+    fuse_qk_norm: bool = _env("FUSE_QK_NORM", "Overlay: fused q/kv RMSNorm (1/0).", "overlay",
+                              default=True)
+    fuse_decode_qprep: bool = _env("FUSE_DECODE_QPREP", "Overlay: fused decode Q-prep (1/0).",
+                                   "overlay", default=True)
+    overlay: Literal["auto", "force", "off"] = _env(
+        "OVERLAY", "Overlay mode: auto (skip if vLLM ships amd/mla.py), force, off. A build arg "
+        "for the image and a run-time switch for the wiring.", "overlay", default="auto")
+    profiler_dir: str | None = _env(
+        "PROFILER_DIR", "When set, the torch profiler writes gzip traces here "
+        "(POST /start_profile, /stop_profile).", "profiling", default=None)
+    profiler_max_iterations: int = _env("PROFILER_MAX_ITERATIONS",
+                                        "Engine steps the profiler records (0 = until stopped).",
+                                        "profiling", default=6, ge=0)
+    profiler_delay_iterations: int = _env("PROFILER_DELAY_ITERATIONS",
+                                          "Engine steps to skip after /start_profile.",
+                                          "profiling", default=0, ge=0)
+    profiler_style: Literal["config", "env"] = _env(
+        "PROFILER_STYLE", "How to configure the profiler: --profiler-config (vLLM >= 0.27) or "
+        "VLLM_TORCH_PROFILER_DIR (older builds).", "profiling", default="config")
+    models_dir: str = _env("MODELS_DIR", "Host directory mounted read-only at /models.",
+                           "deployment", default="./models")
+    cache_dir: str = _env("CACHE_DIR", "Host directory for the HF, vLLM and AITER caches.",
+                          "deployment", default="./cache")
+    results_dir: str = _env("RESULTS_DIR", "Host directory for results (mounted at /results).",
+                            "deployment", default="./results")
+    bind_address: str = _env("BIND_ADDRESS", "Host address the port is published on.",
+                             "deployment", default="127.0.0.1")
+    image: str = _env("IMAGE", "Tag of the serving image compose builds and runs.", "deployment",
+                      default="k3rocm/server:latest")
+
+    @field_validator("profile")
+    @classmethod
+    def _profile_file_exists(cls, v: str) -> str:
+        if v not in profiles.names():
+            raise ValueError(f"is not a profile: use one of {', '.join(profiles.names())}")
+        return v
+
+    @field_validator("tp")
+    @classmethod
+    def _tp_divides_heads(cls, v: int) -> int:
+        if v < 1 or KIMI_K3_HEADS % v:
+            divisors = [d for d in range(1, KIMI_K3_HEADS + 1) if KIMI_K3_HEADS % d == 0]
+            raise ValueError(f"must be a positive divisor of {KIMI_K3_HEADS} heads: "
+                             f"one of {', '.join(map(str, divisors))}")
+        return v
+
+    @field_validator("extra_args")
+    @classmethod
+    def _extra_args_parse(cls, v: str) -> str:
+        try:
+            shlex.split(v)
+        except ValueError as exc:
+            raise ValueError(f"is not valid shell quoting ({exc})") from None
+        return v
+
+
+FIELDS = Settings.model_fields
+ENV_NAME = {name: f.json_schema_extra["env"] for name, f in FIELDS.items()}  # type: ignore[index]
+FIELD_BY_ENV = {env: name for name, env in ENV_NAME.items()}
+# K3_* variables that are not serving settings but are known (tests, tooling).
+KNOWN_OTHER = {
+    "K3_SERVER_IMAGE": "tests: the serving image the stand-in fixture runs",
+    "K3_TORCH_WHEELS": "stand-in build: directory with the torch 2.13.0+cpu wheel",
+    "K3_EXPECT_WIRING": "tests: which wrapper the in-image wiring check expects",
+    "K3_VIDEO_GID": "deployment: the host's video group id for the server container",
+    "K3_RENDER_GID": "deployment: the host's render group id for the server container",
+    "K3_VENDOR_ENV_FILE": "deployment: env file with the shell's vendor variables for compose",
+}
+# The scale-out settings (validated by k3rocm.deploy.scale.settings; tests check this list matches).
+SCALE_SETTINGS = ("K3_SCALE_MODE", "K3_SCALE_NODES", "K3_SCALE_ROUTER_HOST", "K3_SCALE_ROUTER_PORT",
+                  "K3_SCALE_ROUTER_POLICY", "K3_SCALE_ROUTER_STARTUP_TIMEOUT",
+                  "K3_SCALE_HEALTH_INTERVAL", "K3_SCALE_HEALTH_THRESHOLD", "K3_SCALE_ROUTER_IMAGE",
+                  "K3_SCALE_DP_LOCAL", "K3_SCALE_DP_RPC_PORT", "K3_SCALE_ALL2ALL",
+                  "K3_SCALE_IFNAME", "K3_SCALE_IB_HCA", "K3_SCALE_PD_PREFILL")
+KNOWN_OTHER.update({k: "scale-out setting (k3rocm scale config)" for k in SCALE_SETTINGS})
+# Families of K3_* variables owned by tests (K3_TEST_*) and the client container (K3_GSM8K_*).
+KNOWN_PREFIXES = ("K3_TEST_", "K3_GSM8K_")
+
+# Vendor variables (vLLM, AITER, ROCm, RCCL, ...) a user may set in the shell or .env: they reach
+# the server container (compose: env_file .env and the file `k3rocm config --vendor-env-file`
+# writes from the shell) and `make config` prints them with their source.
+VENDOR_PREFIXES = ("VLLM_", "AITER_", "NCCL_", "RCCL_", "HSA_", "HIP_", "ROCM_", "ROCR_",
+                   "TRITON_", "TORCH_", "PYTORCH_", "MIOPEN_", "HF_", "HUGGING_FACE_",
+                   "SAFETENSORS_", "TOKENIZERS_", "GLOO_", "MORI_", "UCX_", "OMP_")
+# Container paths the profile sets: a host shell's value (e.g. HF_HOME=~/.cache/hf) is a host
+# path and is not carried into the container; set them in .env to change them.
+CONTAINER_PATH_KEYS = ("HF_HOME", "HF_HUB_CACHE", "HF_DATASETS_CACHE", "TRITON_CACHE_DIR",
+                       "VLLM_CACHE_ROOT", "TORCH_HOME", "AITER_JIT_DIR")
+
+
+def vendor_from(environ: Mapping[str, str], file_vals: Mapping[str, str],
+                host: bool = False) -> dict[str, tuple[str, str]]:
+    """User-set vendor variables: name -> (value, source), the shell winning over .env.
+    ``host``: rendering on the host for compose (the shell's container paths stay out)."""
+    out: dict[str, tuple[str, str]] = {}
+    for src, vals in ((".env", file_vals), ("env", environ)):
+        for key, value in vals.items():
+            if not key.startswith(VENDOR_PREFIXES) or value == "":
+                continue
+            if host and src == "env" and key in CONTAINER_PATH_KEYS:
+                continue
+            out[key] = (value, src)
+    return out
+
+
+class _Profiles(Mapping[str, dict[str, Any]]):
+    """Per profile: defaults for settings and the vendor environment rendered for vLLM.
+
+    One YAML file per profile under ``k3rocm/serving/profiles/`` (package data, shipped in the
+    serving image), read and validated by :mod:`k3rocm.serving.profiles` when a profile is used.
+    A read-only mapping: ``PROFILES[name]`` is
+    ``{"settings": {field: value}, "env": {...}, "meta": {...}}``.
+    """
+
+    def __getitem__(self, name: str) -> dict[str, Any]:
+        return profiles.get(name)
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name in profiles.names()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(profiles.names())
+
+    def __len__(self) -> int:
+        return len(profiles.names())
+
+
+PROFILES = _Profiles()
+
+
+@dataclass
+class Rendered:
+    settings: Settings
+    env: dict[str, str]
+    argv: list[str]
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def to_json(self, redact: bool = True) -> dict[str, Any]:
+        env = redact_env(self.env) if redact else dict(self.env)
+        return {"env": env, "argv": list(self.argv), "sources": dict(self.sources)}
+
+
+def is_secret(key: str) -> bool:
+    k = key.upper()
+    return k in SECRET_KEYS or k.endswith(SECRET_SUFFIXES)
+
+
+def redact_env(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` with every secret's value (see :func:`is_secret`) replaced by ``***``."""
+    return {k: (REDACTED if v and is_secret(k) else v) for k, v in env.items()}
+
+
+def redact_argv(argv: list[str] | None, secrets: list[str | None] = ()) -> list[str] | None:
+    """``argv`` with secrets replaced by ``***``, by the same rule as :func:`redact_env`: the
+    value of a flag whose name is a secret's (``--api-key X``, ``--hf-token=X``), and any
+    argument equal to one of ``secrets``."""
+    if argv is None:
+        return None
+    hide = {x for x in secrets if x and x != "EMPTY"}
+    out: list[str] = []
+    after_flag = False
+    for a in argv:
+        a = str(a)
+        name, eq, _ = a.partition("=")
+        flag_secret = a.startswith("--") and is_secret(name[2:].replace("-", "_"))
+        if (after_flag and a != "EMPTY") or a in hide:  # EMPTY: OpenAI clients' "no key"
+            out.append(REDACTED)
+        elif flag_secret and eq:
+            out.append(f"{name}={REDACTED}")
+        else:
+            out.append(a)
+        after_flag = flag_secret and not eq
+    return out
+
+
+_DOTENV_LINE = re.compile(r"^\s*(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(.*?)\s*$")
+
+
+def read_dotenv(path: str | os.PathLike) -> dict[str, str]:
+    """Read ``KEY=VALUE`` lines (``#`` comments, optional quotes, ``export``). Missing file: {}."""
+    p = Path(path)
+    if not p.is_file():
+        return {}
+    out: dict[str, str] = {}
+    for n, line in enumerate(p.read_text().splitlines(), 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        m = _DOTENV_LINE.match(line)
+        if not m:
+            raise UsageError(f"{p}:{n}: cannot parse {line.strip()!r}; expected KEY=VALUE")
+        key, value = m.groups()
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
+        elif " #" in value:
+            value = value.split(" #", 1)[0].rstrip()
+        out[key] = value
+    return out
+
+
+def _is_pathlike(model: str) -> bool:
+    return model.startswith(("/", "./", "../", "~"))
+
+
+def _bool_text(raw: str) -> bool | None:
+    low = raw.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    return None
+
+
+def _describe_valid(name: str) -> str:
+    f = FIELDS[name]
+    ann = f.annotation
+    args = getattr(ann, "__args__", ())
+    if ann is bool:
+        return "1 or 0"
+    if args and all(isinstance(a, str) for a in args):
+        return "one of " + ", ".join(args)
+    bounds = []
+    for m in f.metadata:
+        for attr, sym in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
+            if getattr(m, attr, None) is not None:
+                bounds.append(f"{sym} {getattr(m, attr)}")
+    kind = "an integer" if ann is int or ann == (int | None) else "a number"
+    if ann is str or ann == (str | None):
+        kind = "text"
+    return kind + (" " + " and ".join(bounds) if bounds else "")
+
+
+def load_settings(environ: Mapping[str, str] | None = None,
+                  dotenv: str | os.PathLike | None = ".env",
+                  host_paths: bool = False,
+                  check_model: bool = True) -> tuple[Settings, dict[str, str]]:
+    """Build Settings from the environment, an optional .env and the profile.
+
+    ``check_model=False``: for commands that talk to a running server (clients, wait) and
+    never load the checkpoint: the model path and the Hub opt-in are not checked.
+
+    Returns the settings and, per setting env name, its source.
+    Raises UsageError (one line) on an unknown K3_* variable or an invalid value.
+    """
+    environ = dict(os.environ if environ is None else environ)
+    file_vals = read_dotenv(dotenv) if dotenv else {}
+    layered: dict[str, tuple[str, str]] = {}  # env name -> (raw value, source)
+    for src_name, vals in ((".env", file_vals), ("env", environ)):
+        for key, raw in vals.items():
+            if not key.startswith(PREFIX):
+                continue
+            if key not in FIELD_BY_ENV and key not in KNOWN_OTHER and \
+                    not key.startswith(KNOWN_PREFIXES):
+                raise UsageError(
+                    f"{key} is not a known setting (from {src_name}); check the spelling: "
+                    f"valid names are listed by `k3rocm config --list`")
+            if key in FIELD_BY_ENV and raw != "":
+                layered[key] = (raw, src_name)
+
+    # The profile comes first: it decides the defaults of everything else.
+    profile = layered.get("K3_PROFILE", ("mi355x-tp8", "default"))[0]
+    if profile not in PROFILES:
+        raise UsageError(f"K3_PROFILE={profile!r} is not a profile: use one of "
+                         f"{', '.join(PROFILES)}")
+    profile_settings = PROFILES[profile]["settings"]
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for name, f in FIELDS.items():
+        env_name = ENV_NAME[name]
+        if env_name in layered:
+            raw, src = layered[env_name]
+            if f.annotation is bool or f.annotation == (bool | None):
+                b = _bool_text(raw)
+                if b is None:
+                    raise UsageError(f"{env_name}={raw!r} is not valid: use 1 or 0")
+                values[name] = b
+            else:
+                values[name] = raw
+            sources[env_name] = src
+        elif name in profile_settings:
+            values[name] = profile_settings[name]
+            sources[env_name] = f"profile:{profile}"
+        else:
+            sources[env_name] = "default"
+    try:
+        settings = Settings(**values)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        name = str(err["loc"][0]) if err["loc"] else "?"
+        env_name = ENV_NAME.get(name, name)
+        bad = values.get(name, "?")
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] in ("literal_error",) or "parsing" in err["type"] or \
+                err["type"].startswith(("greater", "less")):
+            msg = f"use {_describe_valid(name)}"
+        raise UsageError(f"{env_name}={bad!r} is not valid: {msg}") from None
+    _check_consistency(settings, host_paths, check_model)
+    return settings, sources
+
+
+def _host_path(s: Settings, path: str) -> Path:
+    """Where a container path under /models lives on the host (compose mounts K3_MODELS_DIR)."""
+    if path == "/models" or path.startswith("/models/"):
+        return Path(s.models_dir).expanduser() / path[len("/models"):].lstrip("/")
+    return Path(path).expanduser()
+
+
+def _check_consistency(s: Settings, host_paths: bool = False, check_model: bool = True) -> None:
+    if s.mtp_k > 0 and s.mtp_method in MTP_METHODS_WITH_DRAFT_MODEL and not s.mtp_model:
+        raise UsageError(f"K3_MTP_METHOD={s.mtp_method} needs a draft model: set K3_MTP_MODEL "
+                         "(or use K3_MTP_METHOD=mtp, or K3_MTP_K=0 to turn speculation off)")
+    if s.mtp_model and s.mtp_method == "mtp":
+        raise UsageError(f"K3_MTP_MODEL={s.mtp_model!r} is set but K3_MTP_METHOD=mtp uses the "
+                         "model's own MTP head: unset K3_MTP_MODEL or choose "
+                         + "/".join(MTP_METHODS_WITH_DRAFT_MODEL))
+    if s.mtp_model and s.mtp_k == 0:
+        raise UsageError(f"K3_MTP_MODEL={s.mtp_model!r} is set but K3_MTP_K=0 turns speculative "
+                         "decoding off: set K3_MTP_K >= 1 or unset K3_MTP_MODEL")
+    if not check_model:
+        return
+    if not _is_pathlike(s.model) and not s.allow_hub_download:
+        raise UsageError(f"K3_MODEL={s.model!r} is a Hugging Face id: serving it downloads the "
+                         "checkpoint (Kimi-K3: ~1.56 TB) into K3_CACHE_DIR at start; put it "
+                         "under K3_MODELS_DIR and set K3_MODEL=/models/<dir>, or set "
+                         "K3_ALLOW_HUB_DOWNLOAD=1")
+    for env_name, path in (("K3_MODEL", s.model), ("K3_MTP_MODEL", s.mtp_model)):
+        if not (path and _is_pathlike(path)):
+            continue
+        where = _host_path(s, path) if host_paths else Path(path).expanduser()
+        if not where.exists():
+            shown = f" (on this host: {where})" if host_paths else ""
+            raise UsageError(f"{env_name}={path!r} does not exist{shown}: put the model there "
+                             "(compose mounts K3_MODELS_DIR at /models)")
+
+
+def _flag(argv: list[str], name: str, value: Any) -> None:
+    if value is None or value == "":
+        return
+    argv += [name, str(value)]
+
+
+def build_argv(s: Settings, passthrough: list[str] | None = None) -> list[str]:
+    argv = ["vllm", "serve", s.model, "--served-model-name", s.served_model_name,
+            "--host", s.host, "--port", str(s.port),
+            "--tensor-parallel-size", str(s.tp),
+            "--kv-cache-dtype", s.kv_cache_dtype,
+            "--max-model-len", str(s.max_model_len),
+            "--max-num-seqs", str(s.max_num_seqs)]
+    _flag(argv, "--max-num-batched-tokens", s.max_num_batched_tokens)
+    _flag(argv, "--gpu-memory-utilization", s.gpu_memory_utilization)
+    _flag(argv, "--load-format", s.load_format)
+    _flag(argv, "--moe-backend", s.moe_backend)
+    argv.append("--enable-prefix-caching" if s.prefix_caching else "--no-enable-prefix-caching")
+    if s.trust_remote_code:
+        argv.append("--trust-remote-code")
+    if s.language_model_only:
+        argv.append("--language-model-only")
+    if s.enforce_eager:
+        argv.append("--enforce-eager")
+    _flag(argv, "--reasoning-parser", s.reasoning_parser)
+    if s.tool_call_parser:
+        argv += ["--enable-auto-tool-choice", "--tool-call-parser", s.tool_call_parser]
+    if s.mtp_k > 0:
+        spec: dict[str, Any] = {"method": s.mtp_method, "num_speculative_tokens": s.mtp_k}
+        if s.mtp_model:
+            spec["model"] = s.mtp_model
+        if s.mtp_attention_backend:
+            spec["attention_backend"] = s.mtp_attention_backend
+        argv += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
+    if s.profiler_dir and s.profiler_style == "config":
+        prof = {"profiler": "torch", "torch_profiler_dir": s.profiler_dir,
+                "torch_profiler_use_gzip": True, "ignore_frontend": True,
+                "delay_iterations": s.profiler_delay_iterations,
+                "max_iterations": s.profiler_max_iterations,
+                "torch_profiler_with_stack": False,
+                "torch_profiler_dump_cuda_time_total": False}
+        argv += ["--profiler-config", json.dumps(prof, separators=(",", ":"))]
+    return argv + list(passthrough or []) + shlex.split(s.extra_args)
+
+
+def build_env(s: Settings, environ: Mapping[str, str], file_vals: Mapping[str, str],
+              sources: dict[str, str], host: bool = False) -> dict[str, str]:
+    """The environment we manage for vLLM (profile env, toggles, secrets); user values win."""
+    env: dict[str, str] = {}
+    user = vendor_from(environ, file_vals, host)
+    for key, value in PROFILES[s.profile]["env"].items():
+        env[key], sources[key] = user.pop(key, (value, f"profile:{s.profile}"))
+    for key, (value, src) in sorted(user.items()):  # set by the user, passed as they are
+        env[key], sources[key] = value, src
+    ours = {
+        "K3_FUSE_QK_NORM": "1" if s.fuse_qk_norm else "0",
+        "K3_FUSE_DECODE_QPREP": "1" if s.fuse_decode_qprep else "0",
+        "K3_OVERLAY": s.overlay,
+        "K3_PROFILE": s.profile,
+    }
+    for key, value in ours.items():
+        env[key] = value
+        sources.setdefault(key, "default")
+    if s.api_key:
+        env["VLLM_API_KEY"] = s.api_key
+        sources["VLLM_API_KEY"] = sources.get("K3_API_KEY", "env")
+    if s.profiler_dir:
+        env["VLLM_RPC_TIMEOUT"] = environ.get("VLLM_RPC_TIMEOUT") or "1800000"
+        sources["VLLM_RPC_TIMEOUT"] = "env" if environ.get("VLLM_RPC_TIMEOUT") else "profiler"
+        if s.profiler_style == "env":
+            env["VLLM_TORCH_PROFILER_DIR"] = s.profiler_dir
+            sources["VLLM_TORCH_PROFILER_DIR"] = sources["K3_PROFILER_DIR"]
+    return env
+
+
+def render(environ: Mapping[str, str] | None = None, dotenv: str | os.PathLike | None = ".env",
+           passthrough: list[str] | None = None, host_paths: bool = False,
+           check_model: bool = True) -> Rendered:
+    environ = dict(os.environ if environ is None else environ)
+    file_vals = read_dotenv(dotenv) if dotenv else {}
+    settings, sources = load_settings(environ, dotenv, host_paths, check_model)
+    env = build_env(settings, environ, file_vals, sources, host=host_paths)
+    argv = build_argv(settings, passthrough)
+    if passthrough:
+        sources["argv:passthrough"] = " ".join(passthrough)
+    return Rendered(settings=settings, env=env, argv=argv, sources=sources)

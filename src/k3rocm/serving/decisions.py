@@ -1,0 +1,136 @@
+"""The overlay's decision records (format ``k3rocm.overlay.decision/1``, docs/census.md): the
+reader of what :mod:`k3rocm.serving.overlay_runtime` writes.
+
+Sources: ``k3rocm-decisions-pid<PID>.json`` files (a JSON list per process, written beside the
+profiler traces when K3_PROFILER_DIR is set), else ``K3ROCM-DECISION {json}`` lines in the
+server log. The final decision of a (pid, layer_kind) is its last record, a ``load`` record
+superseding a ``construct`` one. Read by ``k3rocm overlay status --decisions`` and by the
+census, which cross-checks them against what the server was asked for
+(:mod:`k3rocm.checks.census.decisions`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from k3rocm.errors import UsageError
+from k3rocm.serving.overlay_runtime import DECISION_FILE, DECISION_MARKER, DECISION_SCHEMA
+
+SCHEMA = DECISION_SCHEMA
+MARKER = DECISION_MARKER
+FILE_GLOB = DECISION_FILE.format(pid="*")
+STATES = {"qk_norm": ("on", "off"), "decode_qprep": ("on", "off", "needs-model")}
+_PHASE = {"construct": 0, "load": 1}
+_FILE_RE = re.compile(r"^k3rocm-decisions-pid\d+\.json$")
+
+
+@dataclass
+class Record:
+    pid: int
+    process: str
+    tp_rank: int | None
+    layer_kind: str
+    phase: str
+    states: dict[str, str]
+    reasons: dict[str, str]
+    asked: dict[str, bool | None]
+    where: str
+    order: int
+    raw: dict[str, Any]
+
+    def label(self) -> str:
+        tp = "?" if self.tp_rank is None else self.tp_rank
+        return f"pid {self.pid} ({self.process}, tp_rank {tp})"
+
+
+def parse_record(obj: Any, where: str, order: int = 0) -> Record:
+    """Validate one record; anything off-format is a one-line UsageError naming ``where``."""
+    def bad(what: str) -> UsageError:
+        return UsageError(f"decision record at {where} is malformed: {what} (format: "
+                          f"{SCHEMA}, see docs/census.md)")
+
+    if not isinstance(obj, dict):
+        raise bad("not a JSON object")
+    if obj.get("schema") != SCHEMA:
+        raise bad(f"schema {obj.get('schema')!r} is not {SCHEMA!r}")
+    pid = obj.get("pid")
+    if not isinstance(pid, int) or isinstance(pid, bool):
+        raise bad(f"pid {pid!r} is not an integer")
+    tp = obj.get("tp_rank")
+    if tp is not None and (not isinstance(tp, int) or isinstance(tp, bool)):
+        raise bad(f"tp_rank {tp!r} is not an integer or null")
+    kind = obj.get("layer_kind")
+    if kind not in ("target", "draft"):
+        raise bad(f"layer_kind {kind!r} is not target or draft")
+    phase = obj.get("phase")
+    if phase not in _PHASE:
+        raise bad(f"phase {phase!r} is not construct or load")
+    fus = obj.get("fusions")
+    if not isinstance(fus, dict):
+        raise bad("no fusions object")
+    states, reasons = {}, {}
+    for k in STATES:
+        f = fus.get(k)
+        if not isinstance(f, dict) or f.get("state") not in STATES[k]:
+            raise bad(f"fusions.{k}.state is not one of {', '.join(STATES[k])}")
+        states[k] = f["state"]
+        reasons[k] = " ".join(str(f.get("reason", "")).split())
+    asked_obj = obj.get("asked")
+    if asked_obj is not None and not isinstance(asked_obj, dict):
+        raise bad("asked is not an object")
+    asked: dict[str, bool | None] = {}
+    for k in STATES:
+        v = (asked_obj or {}).get(k)
+        if v is not None and not isinstance(v, bool):
+            raise bad(f"asked.{k} {v!r} is not true/false")
+        asked[k] = v
+    return Record(pid, str(obj.get("process", "")), tp, kind, phase, states, reasons, asked,
+                  where, order, obj)
+
+
+def records_from_log(text: str, source: str) -> list[Record]:
+    out = []
+    for n, line in enumerate(text.splitlines(), 1):
+        i = line.find(MARKER)
+        if i < 0:
+            continue
+        payload = line[i + len(MARKER):].strip()
+        try:
+            obj = json.loads(payload)
+        except ValueError as exc:
+            raise UsageError(f"decision record at {source} line {n} is not valid JSON "
+                             f"({exc.__class__.__name__}: {str(exc)[:80]})") from None
+        out.append(parse_record(obj, f"{source} line {n}", len(out)))
+    return out
+
+
+def decision_files(directory: str | Path) -> list[Path]:
+    d = Path(directory)
+    return sorted(p for p in d.rglob(FILE_GLOB) if p.is_file() and _FILE_RE.match(p.name))
+
+
+def records_from_files(files: list[Path]) -> list[Record]:
+    out: list[Record] = []
+    for f in files:
+        try:
+            data = json.loads(f.read_text())
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"decision file {f} is not valid JSON ({exc.__class__.__name__}: "
+                             f"{str(exc)[:80]})") from None
+        if not isinstance(data, list):
+            raise UsageError(f"decision file {f} must hold a JSON list of records")
+        for i, obj in enumerate(data):
+            out.append(parse_record(obj, f"{f.name}[{i}]", len(out)))
+    return out
+
+
+def final_decisions(records: list[Record]) -> dict[tuple[int, str], Record]:
+    """Per (pid, layer_kind): the last record, ``load`` superseding ``construct``."""
+    final: dict[tuple[int, str], Record] = {}
+    for r in sorted(records, key=lambda r: (_PHASE[r.phase], r.order)):
+        final[(r.pid, r.layer_kind)] = r
+    return final

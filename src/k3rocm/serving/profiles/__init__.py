@@ -1,0 +1,233 @@
+"""Serving profiles as data: one YAML file per profile in this directory (package data).
+
+A profile gives defaults for ``K3_*`` settings and the vendor environment rendered for vLLM.
+The file shape follows the vLLM recipes' model YAML (vllm-project/recipes,
+``models/moonshotai/Kimi-K3.yaml`` at commit 2c22f3fe14583810bfc6c3ccd281cdeff64e508e, whose
+schema is documented in that repository's ``.claude/skills/add-recipe/SKILL.md``): ``meta``,
+``model.base_args`` / ``model.base_env``, ``features`` (each with ``args``), and
+``hardware_overrides.<hardware>.extra_args`` / ``extra_env``. One deliberate difference: where a
+recipe lists raw ``vllm serve`` flags, a profile lists our settings (``K3_TP: 8``), because
+:mod:`k3rocm.serving.config` is the one function that turns settings into flags (validated, with
+sources). docs/profiles.md compares our MI355X profile with the recipe's AMD block.
+
+Resolution order (later wins for a key; an env key keeps its first position):
+``meta.extends`` (the parent profile, resolved the same way), ``model.base_args``/``base_env``,
+every entry of ``features`` in file order, then ``hardware_overrides[meta.hardware]``.
+Every feature listed is on in that profile.
+
+:func:`get` returns ``{"settings": {field: value}, "env": {NAME: value}, "meta": {...}}``;
+:func:`names` lists the profiles present (``K3_PROFILE`` accepts exactly these).
+Any problem in a file is a :class:`~k3rocm.errors.UsageError` naming the file and the key.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from k3rocm.errors import UsageError
+
+SUFFIX = ".yaml"
+HARDWARE = ("amd", "cpu")
+_NAME = re.compile(r"^[a-z0-9][a-z0-9-]*$")
+_ENV_NAME = re.compile(r"^[A-Z_][A-Z0-9_]*$")
+
+# Allowed keys, per section (anything else is an error naming the key).
+TOP_KEYS = ("meta", "model", "features", "hardware_overrides")
+META_KEYS = ("name", "description", "hardware", "extends", "source")
+MODEL_KEYS = ("base_args", "base_env")
+FEATURE_KEYS = ("description", "args", "env", "source")
+OVERRIDE_KEYS = ("extra_args", "extra_env", "source")
+
+
+def profile_dir() -> Path:
+    """Where the shipped profiles are (inside the installed package)."""
+    return Path(str(resources.files(__name__)))
+
+
+def names(directory: Path | None = None) -> list[str]:
+    """The profiles present (file stems), sorted."""
+    d = directory or profile_dir()
+    return sorted(p.name[: -len(SUFFIX)] for p in d.iterdir()
+                  if p.name.endswith(SUFFIX) and not p.name.startswith("."))
+
+
+def get(name: str, directory: Path | None = None) -> dict[str, Any]:
+    """The resolved profile ``name`` (validated). Unknown name: UsageError listing the names.
+    ``directory``: profiles elsewhere than the package (tests, a new profile being written)."""
+    d = directory or profile_dir()
+    if name not in names(d):
+        raise UsageError(f"K3_PROFILE={name!r} is not a profile: use one of "
+                         f"{', '.join(names(d))}")
+    return copy.deepcopy(_resolve_cached(str(d), name, _stamp(d)))
+
+
+def _stamp(d: Path) -> tuple:
+    """Changes whenever a profile file in ``d`` does (the cache key)."""
+    return tuple((p.name, p.stat().st_mtime_ns, p.stat().st_size)
+                 for p in sorted(d.glob(f"*{SUFFIX}")))
+
+
+@lru_cache(maxsize=64)
+def _resolve_cached(d: str, name: str, stamp: tuple) -> dict[str, Any]:
+    return _resolve(Path(d), name, ())
+
+
+def _resolve(d: Path, name: str, chain: tuple[str, ...]) -> dict[str, Any]:
+    path = d / f"{name}{SUFFIX}"
+    doc = _read(path)
+    where = str(path)
+    _only(doc, TOP_KEYS, where, "")
+    meta = _section(doc, "meta", where, required=True)
+    _only(meta, META_KEYS, where, "meta.")
+    for key in ("name", "description", "hardware"):
+        if not isinstance(meta.get(key), str) or not meta[key].strip():
+            raise UsageError(f"{where}: meta.{key} is missing or not text")
+    if meta["name"] != name:
+        raise UsageError(f"{where}: meta.name {meta['name']!r} must equal the file name "
+                         f"({name!r})")
+    hw = meta["hardware"]
+    if hw not in HARDWARE:
+        raise UsageError(f"{where}: meta.hardware {hw!r} is not known: use one of "
+                         f"{', '.join(HARDWARE)}")
+    settings: dict[str, Any] = {}
+    env: dict[str, str] = {}
+    parent = meta.get("extends")
+    if parent is not None:
+        if not isinstance(parent, str) or parent not in names(d):
+            raise UsageError(f"{where}: meta.extends {parent!r} is not a profile: use one of "
+                             f"{', '.join(names(d))}")
+        if parent in chain or parent == name:
+            raise UsageError(f"{where}: meta.extends {parent!r} makes a cycle "
+                             f"({' -> '.join((*chain, name, parent))})")
+        base = _resolve(d, parent, (*chain, name))
+        if base["meta"]["hardware"] != hw:
+            raise UsageError(f"{where}: meta.hardware {hw!r} differs from the extended "
+                             f"profile {parent!r} ({base['meta']['hardware']!r})")
+        settings.update(base["settings"])
+        env.update(base["env"])
+
+    model = _section(doc, "model", where)
+    _only(model, MODEL_KEYS, where, "model.")
+    settings.update(_args(model.get("base_args"), where, "model.base_args"))
+    env.update(_env(model.get("base_env"), where, "model.base_env"))
+    features = _section(doc, "features", where)
+    for fname, feat in features.items():
+        key = f"features.{fname}"
+        if not isinstance(feat, dict):
+            raise UsageError(f"{where}: {key} must be a mapping with description/args/env")
+        _only(feat, FEATURE_KEYS, where, key + ".")
+        if not isinstance(feat.get("description"), str):
+            raise UsageError(f"{where}: {key}.description is missing or not text")
+        settings.update(_args(feat.get("args"), where, key + ".args"))
+        env.update(_env(feat.get("env"), where, key + ".env"))
+    overrides = _section(doc, "hardware_overrides", where)
+    for hname, block in overrides.items():
+        key = f"hardware_overrides.{hname}"
+        if hname != hw:
+            raise UsageError(f"{where}: {key} does not apply to this profile (meta.hardware "
+                             f"is {hw!r}): one profile per hardware, rename the block to {hw}")
+        if not isinstance(block, dict):
+            raise UsageError(f"{where}: {key} must be a mapping with extra_args/extra_env")
+        _only(block, OVERRIDE_KEYS, where, key + ".")
+        settings.update(_args(block.get("extra_args"), where, key + ".extra_args"))
+        env.update(_env(block.get("extra_env"), where, key + ".extra_env"))
+    _validate_values(settings, where)
+    return {"settings": settings, "env": env,
+            "meta": {"name": name, "description": meta["description"], "hardware": hw,
+                     "extends": parent, "path": where}}
+
+
+def _read(path: Path) -> dict[str, Any]:
+    import yaml
+
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot read ({exc.strerror})") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f" line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or "not valid YAML"
+        raise UsageError(f"{path}:{line}: {problem}") from None
+    if not isinstance(doc, dict):
+        raise UsageError(f"{path}: expected a mapping with {', '.join(TOP_KEYS)}")
+    return doc
+
+
+def _section(doc: dict[str, Any], key: str, where: str, required: bool = False) -> dict:
+    value = doc.get(key)
+    if value is None:
+        if required:
+            raise UsageError(f"{where}: {key} is missing")
+        return {}
+    if not isinstance(value, dict):
+        raise UsageError(f"{where}: {key} must be a mapping")
+    return value
+
+
+def _only(block: dict[str, Any], allowed: tuple[str, ...], where: str, prefix: str) -> None:
+    for key in block:
+        if key not in allowed:
+            raise UsageError(f"{where}: {prefix}{key} is not a known key: use "
+                             f"{', '.join(prefix + a for a in allowed)}")
+
+
+def _args(block: Any, where: str, key: str) -> dict[str, Any]:
+    """``K3_NAME: value`` -> ``{field: value}``; unknown settings are errors."""
+    from k3rocm.serving.config import FIELD_BY_ENV
+
+    if block is None:
+        return {}
+    if not isinstance(block, dict):
+        raise UsageError(f"{where}: {key} must be a mapping of K3_* settings to values")
+    out: dict[str, Any] = {}
+    for env_name, value in block.items():
+        field = FIELD_BY_ENV.get(env_name)
+        if field is None or field == "profile":
+            raise UsageError(f"{where}: {key}.{env_name} is not a setting a profile can set; "
+                             "valid names are listed by `k3rocm config --list`")
+        if isinstance(value, (dict, list)):
+            raise UsageError(f"{where}: {key}.{env_name} must be a single value")
+        out[field] = value
+    return out
+
+
+def _env(block: Any, where: str, key: str) -> dict[str, str]:
+    from k3rocm.serving.config import PREFIX, VENDOR_PREFIXES
+
+    if block is None:
+        return {}
+    if not isinstance(block, dict):
+        raise UsageError(f"{where}: {key} must be a mapping of variable names to strings")
+    for name, value in block.items():
+        if not isinstance(name, str) or not _ENV_NAME.match(name):
+            raise UsageError(f"{where}: {key}.{name} is not an environment variable name")
+        if name.startswith(PREFIX):
+            raise UsageError(f"{where}: {key}.{name}: K3_* settings go under args/extra_args")
+        if not name.startswith(VENDOR_PREFIXES):
+            raise UsageError(f"{where}: {key}.{name} is not a vendor variable the renderer "
+                             f"passes (prefixes: {', '.join(VENDOR_PREFIXES)})")
+        if not isinstance(value, str):
+            raise UsageError(f"{where}: {key}.{name} must be a quoted string (got {value!r})")
+    return dict(block)
+
+
+def _validate_values(settings: dict[str, Any], where: str) -> None:
+    """Each value as the Settings model would take it (other fields at their defaults)."""
+    from pydantic import ValidationError
+
+    from k3rocm.serving.config import ENV_NAME, Settings
+
+    try:
+        Settings(**settings)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = str(err["loc"][0]) if err["loc"] else "?"
+        msg = err["msg"].removeprefix("Value error, ")
+        raise UsageError(f"{where}: {ENV_NAME.get(field, field)}: "
+                         f"{settings.get(field)!r} is not valid: {msg}") from None
