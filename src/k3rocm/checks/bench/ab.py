@@ -498,9 +498,9 @@ def build_plan(args: argparse.Namespace) -> ABPlan:
 
     w = resolve_from_args(args)
     return ABPlan(workload=w, arms=arms, results=args.results,
-                     client_image=args.client_image, runs_per_server=args.runs_per_server,
-                     noise_floor_dir=args.noise_floor, n_boot=args.n_boot,
-                     progress=not args.quiet)
+                  client_image=args.client_image, runs_per_server=args.runs_per_server,
+                  noise_floor_dir=args.noise_floor, n_boot=args.n_boot,
+                  progress=not args.quiet)
 
 
 def run_bench_ab(args: argparse.Namespace) -> int:
