@@ -52,8 +52,11 @@ down: $(PY) ## save the server log into results/, then stop and remove the serve
 logs: ## follow the server log
 	$(COMPOSE) logs -f server
 
-test: $(PY) ## run the test suite (needs the Docker engine: see .ci/run)
-	$(PY) -m pytest -ra --durations=25 $(PYTEST_ARGS)
+# Two pytest-xdist workers (one per core), whole modules per worker (module fixtures shared);
+# each worker starts its own session stand-in server. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
+test: $(PY) ## run the test suite (needs the Docker engine: see .ci/run; TEST_WORKERS=0 serial)
+	$(PY) -m pytest -ra --durations=25 $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
 
 lint: $(PY) ## ruff, hadolint, shellcheck
 	$(PY) -m ruff check .
@@ -64,7 +67,11 @@ smoke: $(PY) ## build FROM the stand-in (or BASE_IMAGE=<ROCm image> GPU=1), serv
 	$(PY) -m k3rocm smoke $(if $(BASE_IMAGE),--base-image $(BASE_IMAGE)) $(if $(filter 1,$(GPU)),--gpu --profile $${K3_PROFILE:-cpu-smoke}) $(SMOKE_ARGS)
 
 ci-images: $(PY) ## CI: both CPU stand-in bases (see mk/standin.mk), the client and router images, no pulls
-	$(MAKE) standin
+	@# two single-threaded builds at once (one per core); each one's output is printed whole
+	$(MAKE) -j2 --output-sync=recurse standin ci-client-images
+
+.PHONY: ci-client-images
+ci-client-images:
 	$(MAKE) clients-image CLIENT_BASE=k3rocm/debian:bookworm
 	$(MAKE) router-image ROUTER_BASE=k3rocm/debian:bookworm
 

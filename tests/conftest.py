@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import socket
 import subprocess
@@ -17,6 +18,8 @@ if "DOCKER_HOST" not in os.environ and Path(PRIVATE_SOCKET).exists():
     os.environ["DOCKER_HOST"] = f"unix://{PRIVATE_SOCKET}"
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+# Shared by every test process (and pytest-xdist worker): smoke model, server logs, locks.
+TEST_CACHE = Path(os.environ.get("K3_TEST_CACHE", "/tmp/k3rocm-cache"))
 
 
 def need(condition: bool, why: str) -> None:
@@ -74,6 +77,17 @@ def build_server_image(client, base_image: str, tag: str, overlay_mode: str = "a
 
     need(_image_exists(client, base_image),
          f"base image {base_image} is missing: build it with `make standin`")
+    # One build of a tag at a time across parallel test workers (pytest-xdist): the second
+    # waits, then gets the first one's layers from the cache.
+    TEST_CACHE.mkdir(parents=True, exist_ok=True)
+    with open(TEST_CACHE / f".build-{tag.replace('/', '_').replace(':', '_')}.lock", "w") as lk:
+        fcntl.flock(lk, fcntl.LOCK_EX)
+        return _build(client, base_image, tag, overlay_mode, path)
+
+
+def _build(client, base_image: str, tag: str, overlay_mode: str, path: Path) -> str:
+    import docker
+
     log: list[str] = []
     try:
         for chunk in client.api.build(path=str(path), tag=tag, rm=True, forcerm=True,

@@ -22,6 +22,7 @@ The smoke model is generated once into ``$K3_TEST_CACHE/models/k3-smoke`` (defau
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import sys
@@ -39,6 +40,10 @@ DEFAULT_SERVER_IMAGE = "k3rocm/server:cpu-0.32.0"
 CONTAINER_PORT = 8000
 LABEL = "org.k3rocm.test"
 LABEL_PROJECT = "com.docker.compose.project"
+# The engine-hold / step-delay test double (a vLLM general plugin), mounted by compose.cpu.yaml.
+STEP_DOUBLE_DIR = REPO / "tests" / "doubles" / "stepdelay"
+STEP_DOUBLE_MOUNT = "/opt/k3rocm-test"
+HOLD_NAME = ".k3test-hold"
 HEALTH_TIMEOUT = float(os.environ.get("K3_TEST_SERVER_TIMEOUT", "420"))
 
 __all__ = [
@@ -76,6 +81,7 @@ class StandinServer:
     compose: object = None  # k3rocm.deploy.lifecycle.ComposeServer
     log_path: Path | None = None
     results_dir: Path | None = None  # mounted at /results
+    hold_file: Path | None = None  # host path of the engine-hold switch (see hold())
 
     def logs(self, tail: int = 200) -> str:
         try:
@@ -86,6 +92,37 @@ class StandinServer:
     def stop(self, timeout: int = 10) -> None:
         """Save the server log beside the project's files, then compose down."""
         self.compose.down(log_path=self.log_path, timeout=timeout)
+
+    @contextlib.contextmanager
+    def hold(self, timeout: float = 300):
+        """Freeze this server's engine (the test double's ``K3_TEST_HOLD_FILE``, see
+        tests/doubles/stepdelay): while the block runs, an engine step with requests does not
+        run. Yields a function ``wait_held()`` that returns once a request is held in the
+        engine (the double writes ``<hold>.held``): an observable event, never a sleep. The
+        hold is released when the block ends, also on failure."""
+        if not self.hold_file:
+            raise RuntimeError("this server was started without the hold double "
+                               "(start_server(..., hold=True))")
+        marker = Path(str(self.hold_file) + ".held")
+        marker.unlink(missing_ok=True)
+        self.hold_file.write_text("held by a test\n")
+
+        def wait_held(proc=None) -> int:
+            t0 = time.monotonic()
+            while not marker.exists():
+                if proc is not None and proc.poll() is not None:
+                    raise AssertionError(f"the client ended before the engine held a request: "
+                                         f"{proc.communicate()}")
+                if time.monotonic() - t0 > timeout:
+                    raise AssertionError(f"no request reached the held engine in {timeout:.0f} s;"
+                                         f" server log:\n{self.logs(30)}")
+                time.sleep(0.1)
+            return int(marker.read_text().strip() or 0)
+
+        try:
+            yield wait_held
+        finally:
+            self.hold_file.unlink(missing_ok=True)
 
     def __enter__(self) -> StandinServer:
         return self
@@ -165,6 +202,7 @@ def start_server(
     served_model_name: str = SMOKE_MODEL,
     host_port: int | None = None,
     container_env: dict | None = None,
+    hold: bool = False,
 ) -> StandinServer:
     """Start our server image through compose (compose.yaml + compose.cpu.yaml, its own
     project) with the cpu-smoke profile (plus ``env``) and wait until it serves the model.
@@ -173,6 +211,7 @@ def start_server(
     container only (test switches). Raises :class:`ServerStartError` (with the log tail) if
     the container exits or is not ready within ``timeout`` seconds; it is removed then.
     ``host_port`` fixes the port (default: a free one), ``name`` the compose project.
+    ``hold=True`` loads the engine-hold test double (:meth:`StandinServer.hold`).
     """
     global _count
     from k3rocm.deploy.lifecycle import ComposeServer
@@ -193,6 +232,11 @@ def start_server(
     run_dir.mkdir(parents=True, exist_ok=True)
     results = results_dir or run_dir / "results"
     results.mkdir(parents=True, exist_ok=True)
+    container_env = dict(container_env or {})
+    if hold:
+        env = {**(env or {}), "K3_TEST_PLUGINS_DIR": str(STEP_DOUBLE_DIR)}
+        container_env.update({"PYTHONPATH": STEP_DOUBLE_MOUNT,
+                              "K3_TEST_HOLD_FILE": f"/results/{HOLD_NAME}"})
     full_env = {
         "K3_IMAGE": image,
         "K3_PROFILE": "cpu-smoke",
@@ -205,7 +249,7 @@ def start_server(
         **(env or {}),
     }
     srv = ComposeServer(project=project, cpu=True, env=full_env, inherit_env=False,
-                        container_env=dict(container_env or {}),
+                        container_env=container_env,
                         url=f"http://127.0.0.1:{port}", model=served_model_name,
                         env_dir=run_dir)
     t0 = time.monotonic()
@@ -217,6 +261,7 @@ def start_server(
             base_url=srv.url, model=served_model_name, tokenizer_path=model_dir,
             container=container, image=image, port=port, env=full_env, compose=srv,
             log_path=run_dir / "server.log", results_dir=results,
+            hold_file=results / HOLD_NAME if hold else None,
         )
         try:
             srv.wait(timeout, quiet=True)
@@ -246,7 +291,7 @@ def session_server(request, docker_client, tmp_path_factory):
     try:
         server = start_server(docker_client, image=image, results_dir=results,
                               env={"K3_PROFILER_DIR": "/results/traces",
-                                   "K3_PROFILER_MAX_ITERATIONS": "6"})
+                                   "K3_PROFILER_MAX_ITERATIONS": "6"}, hold=True)
     except ServerStartError as exc:
         pytest.fail(f"stand-in server did not start: {exc}", pytrace=False)
     try:

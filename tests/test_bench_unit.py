@@ -238,3 +238,71 @@ def test_workloads_file_fields_documented():
     for f in FIELD_NAMES:
         assert f"#   {f}" in text or f"{f}," in text or f"{f} " in text, f
     json.dumps(resolve("decode-8k1k", env={}).protocol())
+
+
+# --- is the stream per token? (fixed per-request records with a known answer) ---------------
+
+def _write_stream_point(d, per_request: list[tuple[int, list[float], float, float]]):
+    """aiperf 0.13 profile_export.jsonl records: (OSL, inter-chunk gaps ms, TTFT ms, E2E ms)."""
+    d.mkdir(parents=True)
+    lines = []
+    for osl, gaps, ttft, e2e in per_request:
+        itl = (e2e - ttft) / (osl - 1) if osl > 1 else 0.0
+        lines.append(json.dumps({
+            "metadata": {"benchmark_phase": "profiling"},
+            "metrics": {"output_sequence_length": {"value": osl},
+                        "inter_chunk_latency": {"value": gaps},
+                        "time_to_first_token": {"value": ttft},
+                        "request_latency": {"value": e2e},
+                        "inter_token_latency": {"value": itl}}}))
+    (d / "profile_export.jsonl").write_text("\n".join(lines) + "\n")
+    return d
+
+
+def test_stream_per_token_is_not_bunched(tmp_path):
+    # 32 tokens, 32 chunks (31 gaps of 5 ms): one token per chunk.
+    d = _write_stream_point(tmp_path / "p", [(32, [5.0] * 31, 20.0, 20.0 + 31 * 5.0)] * 4)
+    st = summary.judge_stream(summary.stream_shape(d))
+    assert st["chunks_per_request"] == 32 and st["tokens_per_chunk"] == 1.0
+    assert st["bunched"] is False and st["note"] is None
+    assert st["itl_p50"] == pytest.approx(5.0)
+
+
+def test_stream_interval_8_is_bunched(tmp_path):
+    # --stream-interval 8: 32 tokens arrive as 1 + 4 chunks (first token alone, then 8s).
+    d = _write_stream_point(tmp_path / "p", [(32, [40.0, 40.0, 40.0, 35.0], 20.0, 175.0)] * 4)
+    st = summary.judge_stream(summary.stream_shape(d))
+    assert st["chunks_per_request"] == 5 and st["tokens_per_chunk"] == pytest.approx(6.4)
+    assert st["bunched"] is True
+    assert st["note"].startswith("stream bunched: ITL/TTFT not per token: 6.40 tokens per chunk")
+
+
+def test_one_burst_with_itl_zero_is_bunched(tmp_path):
+    # All 32 tokens in one chunk right after the first token: ITL p50 ~0.
+    d = _write_stream_point(tmp_path / "p", [(32, [0.05], 329.0, 329.1)] * 3)
+    st = summary.judge_stream(summary.stream_shape(d))
+    assert st["bunched"] and "ITL p50 0.0032 ms with 32 output tokens" in st["note"]
+
+
+def test_speculative_decoding_allows_a_step_worth_of_tokens_per_chunk(tmp_path):
+    # MTP k=2: up to 3 tokens per step; 2.5 tokens per chunk is per step, not bunched.
+    d = _write_stream_point(tmp_path / "p", [(30, [6.0] * 11, 20.0, 86.0)] * 2)
+    server = {"server_argv": ["vllm", "serve", "/m", "--speculative-config",
+                              '{"method":"mtp","num_speculative_tokens":2}']}
+    per_step, src = summary.tokens_per_step(server)
+    assert (per_step, src) == (3, "--speculative-config num_speculative_tokens=2")
+    assert summary.judge_stream(summary.stream_shape(d), per_step, src)["bunched"] is False
+    assert summary.judge_stream(summary.stream_shape(d))["bunched"] is True  # without MTP
+    assert summary.tokens_per_step({"container": {"env": {"K3_MTP_K": "0"}}})[0] == 1
+    assert summary.tokens_per_step(None) == (1, "no speculative decoding seen")
+
+
+def test_bunched_point_is_marked_in_the_report(tmp_path):
+    d = _write_stream_point(tmp_path / "aiperf" / "concurrency_1__requests_4",
+                            [(32, [40.0, 40.0, 40.0, 35.0], 20.0, 175.0)] * 4)
+    (d / "profile_export_aiperf.json").write_text(json.dumps({
+        "request_count": {"avg": 4}, "output_sequence_length": {"avg": 32}}))
+    pts = summary.summarize(tmp_path / "aiperf", [(1, 4)])
+    assert pts[0]["stream"]["bunched"]
+    md = summary.markdown_report(pts, "t", [])
+    assert "(stream bunched)" in md and "**c=1: stream bunched: ITL/TTFT not per token" in md

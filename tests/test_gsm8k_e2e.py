@@ -271,27 +271,24 @@ def test_ctrl_c_stops_lm_eval_and_keeps_the_run(standin_server, client_image, it
     import signal
 
     url, model = _server(standin_server)
-    proc = subprocess.Popen([sys.executable, "-m", "k3rocm", "gsm8k", "--url", url, "--model",
-                             model, "--data-dir", str(items), "--results-dir", str(tmp_path),
-                             "--max-gen-tokens", "2000", "--concurrency", "1",
-                             "--client-image", CLIENT_IMAGE],
-                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    try:
-        deadline = time.monotonic() + 180
-        log = None
-        while time.monotonic() < deadline and proc.poll() is None:
-            logs = list(tmp_path.glob("*-gsm8k/lm_eval.log"))
-            if logs and logs[0].stat().st_size > 0:
-                log = logs[0]
-                break
-            time.sleep(0.5)
-        assert log is not None, proc.communicate()
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    # The engine is held before lm-eval starts (the hold double): its first request stays in
+    # the engine, so Ctrl-C always lands while lm-eval is mid-run (k3rocm itself only sends
+    # GET requests before lm-eval).
+    with standin_server.hold() as wait_held:
+        proc = subprocess.Popen([sys.executable, "-m", "k3rocm", "gsm8k", "--url", url,
+                                 "--model", model, "--data-dir", str(items), "--results-dir",
+                                 str(tmp_path), "--max-gen-tokens", "2000", "--concurrency", "1",
+                                 "--client-image", CLIENT_IMAGE],
+                                env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+        try:
+            wait_held(proc)
+            assert list(tmp_path.glob("*-gsm8k/lm_eval.log")), "no lm_eval.log while running"
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
     assert proc.returncode == 130, err[-2000:]
     assert "Traceback" not in err
     assert err.strip().splitlines()[-1].startswith("k3rocm: gsm8k: INTERRUPTED")
@@ -299,8 +296,8 @@ def test_ctrl_c_stops_lm_eval_and_keeps_the_run(standin_server, client_image, it
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["exit_code"] == 130
     assert (run / "provenance.json").is_file() and (run / "lm_eval.log").stat().st_size > 0
-    assert not docker_client.containers.list(all=True,
-                                             filters={"label": "k3rocm.role=gsm8k-client"})
+    assert not [c.name for c in docker_client.containers.list(
+        all=True, filters={"label": "k3rocm.role=gsm8k-client"}) if run.name in c.name]
 
 
 # ------------------------------------------------------------- task file vs lm-eval's own

@@ -99,6 +99,8 @@ class ComposeServer:
     api_key: str | None = None
     env_dir: Path | None = None
     repo: Path = REPO
+    # CPU stand-in: what wait() pinned ("EngineCore pid N pinned to cpus C"), else None.
+    pinned: str | None = None
 
     # -- compose -----------------------------------------------------------------------------
 
@@ -228,12 +230,24 @@ class ComposeServer:
         with contextlib.suppress(UsageError):
             self.container()  # state() then asks the engine directly
         try:
-            return wait_ready(self.url, self.model, timeout, self.api_key, is_alive=self.state,
-                              status=self.last_line, every=every, quiet=quiet)
+            waited = wait_ready(self.url, self.model, timeout, self.api_key, is_alive=self.state,
+                                status=self.last_line, every=every, quiet=quiet)
         except UsageError as exc:
             print(f"k3rocm: last server log lines ({self.project}):\n{self.tail(25)}",
                   file=sys.stderr)
             raise UsageError(str(exc), exc.exit_code) from None
+        if self.cpu:
+            # The CPU stand-in streams per token only with its EngineCore off the API
+            # server's core (pin_engine_core); a stand-in that cannot be pinned still serves.
+            try:
+                self.pinned = self.pin_engine_core()
+            except UsageError as exc:
+                self.pinned = None
+                _log(f"warning: {exc}; the stream may arrive in bursts (ITL ~0)")
+            else:
+                if not quiet:
+                    _log(f"CPU stand-in: {self.pinned}")
+        return waited
 
     def save_log(self, path: Path) -> Path | None:
         """The server's whole log into ``path`` (atomically); None when there is no log."""

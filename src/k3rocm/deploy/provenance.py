@@ -110,7 +110,9 @@ def collect_provenance(url: str, api_key: str | None, client=None, container=Non
     except Exception:  # noqa: BLE001
         pass
     prov["server_processes"] = [" ".join(redact_argv(p.split(" "))) for p in procs[:20]]
+    # The server's argv from /proc (this shell's own cmdline holds the pattern too: skip $$).
     cmdline = _exec_text(container, ["sh", "-c", "for p in /proc/[0-9]*; do "
+                                     "[ \"${p#/proc/}\" = \"$$\" ] && continue; "
                                      "c=$(tr '\\0' ' ' < $p/cmdline 2>/dev/null); "
                                      "case \"$c\" in *vllm*serve*|*api_server*) echo \"$c\"; "
                                      "break;; esac; done"])

@@ -219,10 +219,14 @@ def bench_numbers(run: Path) -> tuple[str, dict[str, Any]]:
         ttft = (m.get("ttft") or {}).get("p50")
         itl = (m.get("itl") or {}).get("p50")
         tps = p.get("output_tps")
+        stream = p.get("stream") or {}
         points.append({"concurrency": p.get("concurrency"), "status": p.get("status"),
-                       "ttft_p50_ms": ttft, "itl_p50_ms": itl, "output_tokens_per_s": tps})
+                       "ttft_p50_ms": ttft, "itl_p50_ms": itl, "output_tokens_per_s": tps,
+                       "tokens_per_chunk": stream.get("tokens_per_chunk"),
+                       "stream_bunched": stream.get("bunched")})
         parts.append(f"c={p.get('concurrency')}: TTFT p50 {_num(ttft)} ms, ITL p50 "
-                     f"{_num(itl)} ms, {_num(tps)} output tok/s")
+                     f"{_num(itl)} ms, {_num(tps)} output tok/s"
+                     + (f" ({stream['note']})" if stream.get("bunched") else ""))
     return "; ".join(parts) or f"status {s.get('status', '?')}", {"points": points}
 
 

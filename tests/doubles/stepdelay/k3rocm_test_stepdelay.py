@@ -1,9 +1,18 @@
-"""TEST DOUBLE (CPU stand-in only): a known delay in every vLLM engine step.
+"""TEST DOUBLE (CPU stand-in only): a known delay in every vLLM engine step, and an engine hold.
 
-Calibration switch for ``k3rocm ab --calibrate``: with ``K3_TEST_STEP_DELAY_MS=<ms>`` in the
-server's environment, every engine step sleeps that long before it runs, so each decode step
-(one output token per running request) takes ``ms`` longer: the inter-token latency grows by
-``ms``. Without the variable it does nothing.
+Two switches, both read from the server's environment at plugin load:
+
+- ``K3_TEST_STEP_DELAY_MS=<ms>`` (calibration switch for ``k3rocm ab --calibrate``): every
+  engine step that has requests sleeps that long before it runs, so each decode step (one
+  output token per running request) takes ``ms`` longer: the inter-token latency grows by ``ms``.
+- ``K3_TEST_HOLD_FILE=<path>`` (tests that must interrupt a client *while* a request is in
+  flight): while that file exists, an engine step that has requests does not run. When the hold
+  starts, the double writes ``<path>.held`` (its content: the number of unfinished requests) and
+  prints one line, so a test waits for an observable event (the file), never for a sleep; it
+  removes ``<path>.held`` when the hold ends. The HTTP server stays up (health, metrics) and
+  the held requests are aborted or finished normally once the file is gone.
+
+Without either variable it does nothing.
 
 How it gets in: this directory is mounted at /opt/k3rocm-test by compose.cpu.yaml only when
 ``K3_TEST_PLUGINS_DIR`` points here, and put on PYTHONPATH; the ``.dist-info`` beside this
@@ -14,22 +23,44 @@ the serving image (the Dockerfile copies nothing from tests/).
 Where the facts come from (vLLM 0.32.0 CPU stand-in, vllm/v1/engine/core.py):
 ``EngineCore.__init__`` calls ``load_general_plugins()`` before it picks
 ``self.step_fn = self.step if self.batch_queue is None else self.step_with_batch_queue``,
-and ``run_busy_loop`` calls ``self.step_fn()`` once per engine step.
+and ``run_busy_loop`` calls ``self.step_fn()`` once per engine step; the busy loop handles
+incoming requests (and aborts) between steps, so a held step still sees an abort once the
+hold ends.
 """
 
+import contextlib
 import functools
 import os
 import time
 
 ENV = "K3_TEST_STEP_DELAY_MS"
+HOLD_ENV = "K3_TEST_HOLD_FILE"
+HOLD_POLL_S = 0.01  # how often a held step looks at the hold file (inside the server)
+
+
+def _held(self, hold: str) -> None:
+    """Block this engine step while ``hold`` exists; announce the hold with ``hold.held``."""
+    if not os.path.exists(hold):
+        return
+    marker = hold + ".held"
+    n = self.scheduler.get_num_unfinished_requests()
+    tmp = f"{marker}.{os.getpid()}.tmp"
+    with open(tmp, "w") as fh:
+        fh.write(f"{n}\n")
+    os.replace(tmp, marker)
+    print(f"[k3rocm-test] {HOLD_ENV}: engine held with {n} unfinished request(s)", flush=True)
+    while os.path.exists(hold):
+        time.sleep(HOLD_POLL_S)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(marker)
+    print(f"[k3rocm-test] {HOLD_ENV}: engine released", flush=True)
 
 
 def register() -> None:
     raw = os.environ.get(ENV, "").strip()
-    if not raw:
-        return
-    delay = float(raw) / 1000.0
-    if delay <= 0:
+    delay = float(raw) / 1000.0 if raw else 0.0
+    hold = os.environ.get(HOLD_ENV, "").strip()
+    if delay <= 0 and not hold:
         return
     from vllm.v1.engine.core import EngineCore
 
@@ -44,11 +75,18 @@ def register() -> None:
             @functools.wraps(orig)
             def delayed(self, *args, **kwargs):
                 if self.scheduler.has_requests():
-                    time.sleep(delay)
+                    if hold:
+                        _held(self, hold)
+                    if delay > 0:
+                        time.sleep(delay)
                 return orig(self, *args, **kwargs)
             return delayed
 
         setattr(EngineCore, name, make(orig))
     EngineCore._k3_step_delay = delay
-    print(f"[k3rocm-test] {ENV}={raw}: every engine step sleeps {raw} ms (test double)",
-          flush=True)
+    if delay > 0:
+        print(f"[k3rocm-test] {ENV}={raw}: every engine step sleeps {raw} ms (test double)",
+              flush=True)
+    if hold:
+        print(f"[k3rocm-test] {HOLD_ENV}={hold}: engine steps wait while that file exists "
+              "(test double)", flush=True)

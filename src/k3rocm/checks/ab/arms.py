@@ -88,8 +88,9 @@ def add_server_arguments(parser: argparse.ArgumentParser, default_repeats: int =
                    help="seconds each fresh server may take to become ready (default 3600: "
                    "loading Kimi-K3 takes many minutes)")
     g.add_argument("--pin-engine-core", action="store_true",
-                   help="CPU stand-in on few cores: pin vLLM's EngineCore to the worker's "
-                   "cores so the API server can stream (see docs/bench.md)")
+                   help="CPU stand-in: fail (exit 3) unless vLLM's EngineCore is pinned to "
+                   "the worker's cores (every CPU stand-in server is pinned when ready, so "
+                   "the API server streams per token; see docs/bench.md)")
     g.add_argument("--stop-running", action="store_true",
                    help="a server already on --port: stop it first (its log is saved, like "
                    "`make down`) instead of refusing")
@@ -367,8 +368,13 @@ def arm_server(arms: Arms, slot: int, arm: str, stamp: str, log_path: Path, env_
         for srv in servers:
             srv.wait(arms.server_timeout, every=15)
         info["server_ready_s"] = round(time.time() - t0, 1)
-        if arms.pin_engine_core:
-            info["pin"] = "; ".join(srv.pin_engine_core(client) for srv in servers)
+        # wait() pins every CPU stand-in's EngineCore; --pin-engine-core makes it a must.
+        pins = [srv.pinned for srv in servers]
+        if arms.pin_engine_core and not all(pins):
+            raise UsageError(f"--pin-engine-core: the EngineCore of {base} could not be "
+                             "pinned (see the warning above)", 3)
+        info["pin"] = "; ".join(p for p in pins if p) or None
+        if info["pin"]:
             _log(info["pin"])
         if arms.scale is not None:
             from k3rocm.deploy.readiness import wait_ready

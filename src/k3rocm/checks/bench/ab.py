@@ -307,10 +307,32 @@ def compare(w: Workload, runs: Sequence[dict], plan: ABPlan, key: str,
     itl = [r for r in rows if r["metric"] == "ITL p50"]
     head = "; ".join(f"c={r['concurrency']} ITL p50 {_pct(r['d'])} "
                      f"[{_pct(r['lo'])}, {_pct(r['hi'])}] {r['verdict']}" for r in itl)
+    bunched = _bunched_runs(runs)
+    if bunched:
+        head += (f"; {summary.BUNCHED_NOTE} in {len(bunched)} run point(s) "
+                 f"(first: slot {bunched[0]['slot']} arm {bunched[0]['arm']} "
+                 f"c={bunched[0]['concurrency']})")
     return {"mode": plan.mode, "protocol_key": key, "protocol": plan.describe(),
             "workload": w.name, "command": _first_command(runs),
             "runs": list(runs), "rows": rows, "headline": head or "no comparable runs",
+            "bunched": bunched,
             "noise_floor_from": floor_doc.get("dir") if floor_doc else None}
+
+
+def _bunched_runs(runs: Sequence[dict]) -> list[dict[str, Any]]:
+    """Every (run, point) whose stream was not per token (summary's ``stream`` judgement)."""
+    out = []
+    for r in runs:
+        try:
+            doc = json.loads((Path(r["run_dir"]) / "summary.json").read_text())
+        except (OSError, TypeError, KeyError, json.JSONDecodeError):
+            continue
+        for p in doc.get("points", []):
+            st = p.get("stream") or {}
+            if st.get("bunched"):
+                out.append({"slot": r["slot"], "arm": r["arm"], "run": r.get("run"),
+                            "concurrency": p["concurrency"], "note": st.get("note")})
+    return out
 
 
 def calibration(comp: dict, delay_ms: float | None) -> list[dict[str, Any]]:
@@ -402,6 +424,9 @@ def comparison_markdown(comp: dict) -> str:
         lines += [f"- aiperf command (slot 0; only the artifact dir differs per slot): "
                   f"`{comp['command']}`"]
     lines += [""]
+    for b in comp.get("bunched") or []:
+        lines += [f"**slot {b['slot']} arm {b['arm']} c={b['concurrency']}: {b['note']}.** "
+                  "ITL and TTFT of that run describe chunks, not tokens.", ""]
     if comp["mode"] in ("ab", "cal"):
         src = comp.get("noise_floor_from")
         lines += [f"Noise floor (A/A, same protocol): {src}" if src else

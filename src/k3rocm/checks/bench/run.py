@@ -113,7 +113,11 @@ def run_bench(w: Workload, *, results: Path, client_image: str, server_timeout: 
     t0 = time.time()
     res = runner.run_client(client, client_image, argv, mounts, run_dir / "aiperf.log", name,
                             progress=progress)
-    points = summary.summarize(run_dir / "aiperf", w.points())
+    per_step, per_step_from = summary.tokens_per_step(prov["server"])
+    points = summary.summarize(run_dir / "aiperf", w.points(), per_step, per_step_from)
+    for p in points:
+        if (p.get("stream") or {}).get("bunched"):
+            _log(f"WARNING c={p['concurrency']}: {p['stream']['note']}")
     status = "ok"
     failed = [p for p in points if p["status"] != "ok"]
     if res.interrupted:
@@ -147,7 +151,10 @@ def run_bench(w: Workload, *, results: Path, client_image: str, server_timeout: 
 
     n_ok = len(points) - len(failed)
     if status == "ok":
-        msg = f"bench {w.name}: {n_ok} of {len(points)} points ok; results in {run_dir}"
+        bunched = [f"c={p['concurrency']}" for p in points
+                   if (p.get("stream") or {}).get("bunched")]
+        note = (f" ({summary.BUNCHED_NOTE} at {', '.join(bunched)})" if bunched else "")
+        msg = f"bench {w.name}: {n_ok} of {len(points)} points ok{note}; results in {run_dir}"
         code = EXIT_OK
     elif status == "interrupted":
         msg = (f"bench {w.name}: interrupted; {n_ok} of {len(points)} points finished and kept "

@@ -233,14 +233,108 @@ def check_against_records(point: dict, rec: dict, rel_tol: float) -> dict[str, A
     return {"compared": n, "ok": not mismatches, "mismatches": mismatches}
 
 
-def summarize(artifact_dir: Path, points: Sequence[tuple[int, int]]) -> list[dict[str, Any]]:
-    """Every expected point, in order; a missing or broken one is recorded as failed."""
+# ---------------------------------------------------------------------------------------------
+# is the stream per token?
+
+# A streamed chunk may carry at most this many tokens times the tokens one engine step can deliver
+# (1, or 1 + num_speculative_tokens with speculative decoding) before the point is "bunched".
+BUNCHED_TOLERANCE = 1.1
+BUNCHED_NOTE = "stream bunched: ITL/TTFT not per token"
+
+
+def tokens_per_step(server: dict | None) -> tuple[int, str]:
+    """How many tokens one engine step can stream per request, from the server's argv
+    (``--speculative-config``) or its container's ``K3_MTP_K``; 1 when neither says."""
+    server = server or {}
+    argv = server.get("server_argv") or []
+    if "--speculative-config" in argv and argv.index("--speculative-config") + 1 < len(argv):
+        try:
+            spec = json.loads(argv[argv.index("--speculative-config") + 1])
+            k = int(spec.get("num_speculative_tokens") or 0)
+            return 1 + k, f"--speculative-config num_speculative_tokens={k}"
+        except (ValueError, TypeError, AttributeError):
+            pass
+    env = ((server.get("container") or {}).get("env")) or {}
+    raw = str(env.get("K3_MTP_K") or "").strip()
+    if raw.isdigit():
+        return 1 + int(raw), f"K3_MTP_K={raw}"
+    return 1, "no speculative decoding seen"
+
+
+def stream_shape(point_dir: Path | None) -> dict[str, Any] | None:
+    """Chunks and tokens per streamed request, from profile_export.jsonl (profiling phase):
+    a chunk is one streamed response (aiperf's inter_chunk_latency has one gap per pair)."""
+    if point_dir is None:
+        return None
+    ok, _ = profiling_records(read_records(point_dir))
+    chunks, tokens, gen_ms, itl = [], [], [], []
+    for r in ok:
+        m = r.get("metrics") or {}
+        gaps = (m.get("inter_chunk_latency") or {}).get("value")
+        osl = (m.get("output_sequence_length") or {}).get("value")
+        if not isinstance(osl, (int, float)):
+            continue
+        n_chunks = (len(gaps) + 1) if isinstance(gaps, list) else 1
+        chunks.append(n_chunks)
+        tokens.append(float(osl))
+        lat = (m.get("request_latency") or {}).get("value")
+        ttft = (m.get("time_to_first_token") or {}).get("value")
+        if isinstance(lat, (int, float)) and isinstance(ttft, (int, float)):
+            gen_ms.append(float(lat) - float(ttft))
+        v = (m.get("inter_token_latency") or {}).get("value")
+        if isinstance(v, (int, float)):
+            itl.append(float(v))
+    if not chunks:
+        return None
+    osl_avg = sum(tokens) / len(tokens)
+    return {"requests": len(chunks), "chunks_per_request": sum(chunks) / len(chunks),
+            "chunks_p50": stat_of(chunks, "p50"),
+            "osl_avg": osl_avg, "tokens_per_chunk": sum(tokens) / sum(chunks),
+            "gen_ms_p50": stat_of(gen_ms, "p50") if gen_ms else None,
+            "itl_p50": stat_of(itl, "p50") if itl else None}
+
+
+def judge_stream(shape: dict[str, Any] | None, per_step: int = 1,
+                 per_step_source: str = "") -> dict[str, Any] | None:
+    """``shape`` plus ``bunched`` (and a one-line ``note`` saying why) when chunks carry more
+    tokens than an engine step delivers, or ITL is ~0 while more than one token came back:
+    real servers do it too (``--stream-interval`` > 1, detokenizer hold-back, a proxy that
+    buffers), and then ITL and TTFT describe chunks, not tokens."""
+    if not shape:
+        return None
+    out = {**shape, "tokens_per_step": per_step, "tokens_per_step_from": per_step_source,
+           "bunched": False, "note": None}
+    why = []
+    if shape["tokens_per_chunk"] > per_step * BUNCHED_TOLERANCE:
+        why.append(f"{shape['tokens_per_chunk']:.2f} tokens per chunk ("
+                   f"{shape['chunks_per_request']:.1f} chunks for {shape['osl_avg']:.0f} tokens "
+                   f"per request; one engine step streams at most {per_step})")
+    itl = shape.get("itl_p50")
+    if shape["osl_avg"] > 1 and itl is not None and itl < 0.01:
+        why.append(f"ITL p50 {itl:.4f} ms with {shape['osl_avg']:.0f} output tokens")
+    if why:
+        out["bunched"] = True
+        out["note"] = f"{BUNCHED_NOTE}: " + "; ".join(why)
+    return out
+
+
+def summarize(artifact_dir: Path, points: Sequence[tuple[int, int]], per_step: int = 1,
+              per_step_source: str = "") -> list[dict[str, Any]]:
+    """Every expected point, in order; a missing or broken one is recorded as failed. Each
+    point's ``stream`` says whether the stream was per token (``per_step``: tokens one engine
+    step streams, see :func:`tokens_per_step`)."""
     dirs = find_point_dirs(artifact_dir)
     if len(points) == 1 and not dirs and (artifact_dir / "profile_export.jsonl").exists():
         dirs = {points[0]: artifact_dir}  # single-point runs write straight into artifact_dir
     elif len(points) == 1 and not dirs and (artifact_dir / "profile_export_aiperf.json").exists():
         dirs = {points[0]: artifact_dir}
-    return [summarize_point(dirs.get((c, n)), c, n) for c, n in points]
+    out = []
+    for c, n in points:
+        point = summarize_point(dirs.get((c, n)), c, n)
+        point["stream"] = judge_stream(stream_shape(dirs.get((c, n))), per_step,
+                                       per_step_source)
+        out.append(point)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,14 +383,26 @@ def markdown_report(points: Sequence[dict], title: str, protocol_lines: Sequence
     lines += [f"- {x}" for x in protocol_lines]
     lines += ["", "| concurrency | requests | status | TTFT p50 ms | ITL p50 ms | E2E p50 ms | "
               "output tok/s | tok/s/user p50 |", "|---:|---:|---|---:|---:|---:|---:|---:|"]
+    bunched = [p for p in points if (p.get("stream") or {}).get("bunched")]
     for p in points:
-        lines.append(f"| {p['concurrency']} | {p['request_count']} | {p['status']} | "
+        status = p["status"] + (" (stream bunched)" if p in bunched else "")
+        lines.append(f"| {p['concurrency']} | {p['request_count']} | {status} | "
                      f"{_fmt(_m(p, 'ttft', 'p50'))} | {_fmt(_m(p, 'itl', 'p50'), 3)} | "
                      f"{_fmt(_m(p, 'e2el', 'p50'))} | {_fmt(p.get('output_tps'))} | "
                      f"{_fmt(_m(p, 'tps_user', 'p50'))} |")
+    for p in bunched:
+        lines += ["", f"**c={p['concurrency']}: {p['stream']['note']}.** The latency figures of "
+                      "this point describe chunks, not tokens."]
     for p in points:
         lines += ["", f"## concurrency {p['concurrency']} ({p['request_count']} requests): "
                       f"{p['status']}", ""]
+        st = p.get("stream")
+        if st:
+            lines += [f"Stream: {st['chunks_per_request']:.1f} chunks per request for "
+                      f"{st['osl_avg']:.1f} output tokens ({st['tokens_per_chunk']:.2f} tokens "
+                      f"per chunk; an engine step streams at most {st['tokens_per_step']}: "
+                      f"{st['tokens_per_step_from']}): "
+                      + ("**bunched**" if st["bunched"] else "per token"), ""]
         if p["status"] != "ok":
             lines += [f"**FAILED**: {p.get('reason')}", ""]
             if not p.get("metrics"):
