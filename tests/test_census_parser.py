@@ -268,7 +268,7 @@ def test_malformed_traces_are_one_line_errors(d, msg):
 
 @pytest.mark.parametrize("content,msg", [
     (b"{not json", "cannot be read"),
-    (gzip.compress(b'{"traceEvents": ['), "cannot be read"),
+    (gzip.compress(b'{"traceEvents": [', mtime=0), "cannot be read"),
     (b'{"traceEvents": 3}', "no traceEvents list"),
     (json.dumps({"traceEvents": [
         {"ph": "X", "cat": "user_annotation", "name": "execute_context_0(0)_generation_1(1)",
