@@ -73,8 +73,6 @@ def build_server_image(client, base_image: str, tag: str, overlay_mode: str = "a
 
     Fails the test with the last lines of the build log when the build fails.
     """
-    import docker
-
     need(_image_exists(client, base_image),
          f"base image {base_image} is missing: build it with `make standin`")
     # One build of a tag at a time across parallel test workers (pytest-xdist): the second

@@ -44,6 +44,7 @@ LABEL_PROJECT = "com.docker.compose.project"
 STEP_DOUBLE_DIR = REPO / "tests" / "doubles" / "stepdelay"
 STEP_DOUBLE_MOUNT = "/opt/k3rocm-test"
 HOLD_NAME = ".k3test-hold"
+DELAY_NAME = ".k3test-delay-ms"
 HEALTH_TIMEOUT = float(os.environ.get("K3_TEST_SERVER_TIMEOUT", "420"))
 
 __all__ = [
@@ -123,6 +124,24 @@ class StandinServer:
             yield wait_held
         finally:
             self.hold_file.unlink(missing_ok=True)
+
+    @contextlib.contextmanager
+    def slowed(self, ms: float):
+        """Every engine step of this server sleeps ``ms`` more while the block runs (the test
+        double's ``K3_TEST_DELAY_FILE``): tokens come at least ``ms`` apart, so an API server
+        that a loaded machine deschedules for less than that still sends one chunk per
+        token. The server log says when the switch is loaded; the block ends it."""
+        if not self.hold_file:
+            raise RuntimeError("this server was started without the step double "
+                               "(start_server(..., hold=True))")
+        path = self.hold_file.with_name(DELAY_NAME)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(f"{ms:g}\n")
+        tmp.replace(path)
+        try:
+            yield
+        finally:
+            path.unlink(missing_ok=True)
 
     def __enter__(self) -> StandinServer:
         return self
@@ -236,7 +255,8 @@ def start_server(
     if hold:
         env = {**(env or {}), "K3_TEST_PLUGINS_DIR": str(STEP_DOUBLE_DIR)}
         container_env.update({"PYTHONPATH": STEP_DOUBLE_MOUNT,
-                              "K3_TEST_HOLD_FILE": f"/results/{HOLD_NAME}"})
+                              "K3_TEST_HOLD_FILE": f"/results/{HOLD_NAME}",
+                              "K3_TEST_DELAY_FILE": f"/results/{DELAY_NAME}"})
     full_env = {
         "K3_IMAGE": image,
         "K3_PROFILE": "cpu-smoke",

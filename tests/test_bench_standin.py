@@ -35,6 +35,7 @@ from server_fixture import (
 pytestmark = [pytest.mark.docker, pytest.mark.server]
 
 CLIENT_IMAGE = os.environ.get("BENCH_CLIENT_IMAGE") or "k3rocm/clients:0.1.0"
+STEP_MS = 30  # the session server's engine step during the per-token streaming check
 MAD = ["model", "benchmark", "tp", "inp", "out", "num_prompts", "max_concurrency", "cmd",
        "performance", "metric", "unit"]
 
@@ -120,9 +121,14 @@ def test_make_bench_scaled_down_against_the_standin(standin_server, client_image
     args = (f"--url {s.base_url} --model {s.model} --tokenizer {s.tokenizer_path} "
             f"--results {tmp_path} --server-timeout 120")
     t0 = time.monotonic()
-    p = subprocess.run(["make", "-s", "-o", sys.executable, "bench", f"PY={sys.executable}",
-                        "WORKLOAD=ci-tiny", f"BENCH_ARGS={args}"], cwd=REPO, env=_env(),
-                       capture_output=True, text=True, timeout=600)
+    # Engine steps >= STEP_MS apart (the step double): on a machine loaded by the other test
+    # worker the API server is descheduled for a few ms now and then; it must never fall a
+    # whole step behind, else two steps leave in one chunk (measured unloaded without it:
+    # 32 chunks for 32 tokens at c=1; under the parallel suite's load: bunched).
+    with s.slowed(STEP_MS):
+        p = subprocess.run(["make", "-s", "-o", sys.executable, "bench", f"PY={sys.executable}",
+                            "WORKLOAD=ci-tiny", f"BENCH_ARGS={args}"], cwd=REPO, env=_env(),
+                           capture_output=True, text=True, timeout=600)
     wall = time.monotonic() - t0
     print(f"\nscaled-down bench (ci-tiny) wall time: {wall:.1f} s", file=sys.stderr)
     assert p.returncode == 0, p.stderr[-4000:]
@@ -171,7 +177,7 @@ def test_make_bench_scaled_down_against_the_standin(standin_server, client_image
         assert st["bunched"] is False and st["tokens_per_chunk"] <= 1.1, st
         if q["concurrency"] == 1:  # at c=2 the API server serves two streams per step
             assert st["chunks_p50"] == q["osl_avg"], st
-        assert q["metrics"]["itl"]["p50"] > 0.5, q["metrics"]["itl"]
+        assert q["metrics"]["itl"]["p50"] > STEP_MS, q["metrics"]["itl"]
         assert st["gen_ms_p50"] == pytest.approx((st["osl_avg"] - 1) * st["itl_p50"], rel=0.2)
         assert q["metrics"]["icl"]["p50"] == pytest.approx(q["metrics"]["itl"]["p50"], rel=0.5)
 

@@ -435,7 +435,16 @@ def test_ops_per_mla_layer_per_decode_step(q_len, rocm, monkeypatch, vctx):
     assert fused["aiter::fused_qk_rope_concat_and_cache_mla"] == 1
     assert fused["vllm::unified_mla_kv_cache_update"] == 0
     assert fused["stock::decode_concat_quant_fp8"] == 0
-    assert fused_copies == [], fused_copies
+    # No copy of the fused path's own. A copy inside aten::bmm is the CPU backend's: on a CPU
+    # with AVX512-BF16/AMX torch routes the bf16 bmm to oneDNN, which makes its strided
+    # operands contiguous first (seen on an AMD EPYC with avx512_bf16; none on AVX2 machines).
+    # The W_UK bmm is the same call in both paths, so those copies must match one for one.
+    def in_bmm(c: str) -> bool:
+        return "aten::bmm" in c.split(" < ")[1:]
+
+    assert [c for c in fused_copies if not in_bmm(c)] == [], fused_copies
+    assert sum(map(in_bmm, fused_copies)) == sum(map(in_bmm, stock_copies)), (
+        fused_copies, stock_copies)
     # the two stock launches became one; nothing else was added
     assert sum(fused.values()) == sum(stock.values()) - 1
 

@@ -12,7 +12,12 @@ Two switches, both read from the server's environment at plugin load:
   removes ``<path>.held`` when the hold ends. The HTTP server stays up (health, metrics) and
   the held requests are aborted or finished normally once the file is gone.
 
-Without either variable it does nothing.
+- ``K3_TEST_DELAY_FILE=<path>``: while that file exists, every engine step with requests
+  sleeps the milliseconds written in it (read again whenever the file changes), so a test can
+  slow a running server for a while (the session server of the tests: per-token streaming on
+  a loaded 2-core machine, where the API server must never fall a whole step behind).
+
+Without any of these variables it does nothing.
 
 How it gets in: this directory is mounted at /opt/k3rocm-test by compose.cpu.yaml only when
 ``K3_TEST_PLUGINS_DIR`` points here, and put on PYTHONPATH; the ``.dist-info`` beside this
@@ -35,6 +40,7 @@ import time
 
 ENV = "K3_TEST_STEP_DELAY_MS"
 HOLD_ENV = "K3_TEST_HOLD_FILE"
+DELAY_FILE_ENV = "K3_TEST_DELAY_FILE"
 HOLD_POLL_S = 0.01  # how often a held step looks at the hold file (inside the server)
 
 
@@ -56,11 +62,35 @@ def _held(self, hold: str) -> None:
     print(f"[k3rocm-test] {HOLD_ENV}: engine released", flush=True)
 
 
+class _DelayFile:
+    """The delay (seconds) written in a file, re-read when its mtime changes; 0 without it."""
+
+    def __init__(self, path: str):
+        self.path, self.stamp, self.value = path, None, 0.0
+
+    def seconds(self) -> float:
+        try:
+            stamp = os.stat(self.path).st_mtime_ns
+        except FileNotFoundError:
+            self.stamp, self.value = None, 0.0
+            return 0.0
+        if stamp != self.stamp:
+            try:
+                with open(self.path) as fh:
+                    self.value = max(0.0, float(fh.read().strip() or 0)) / 1000.0
+            except (OSError, ValueError):
+                self.value = 0.0
+            self.stamp = stamp
+        return self.value
+
+
 def register() -> None:
     raw = os.environ.get(ENV, "").strip()
     delay = float(raw) / 1000.0 if raw else 0.0
     hold = os.environ.get(HOLD_ENV, "").strip()
-    if delay <= 0 and not hold:
+    delay_file = _DelayFile(os.environ[DELAY_FILE_ENV]) \
+        if os.environ.get(DELAY_FILE_ENV, "").strip() else None
+    if delay <= 0 and not hold and delay_file is None:
         return
     from vllm.v1.engine.core import EngineCore
 
@@ -77,8 +107,9 @@ def register() -> None:
                 if self.scheduler.has_requests():
                     if hold:
                         _held(self, hold)
-                    if delay > 0:
-                        time.sleep(delay)
+                    extra = delay_file.seconds() if delay_file is not None else 0.0
+                    if delay + extra > 0:
+                        time.sleep(delay + extra)
                 return orig(self, *args, **kwargs)
             return delayed
 
@@ -90,3 +121,6 @@ def register() -> None:
     if hold:
         print(f"[k3rocm-test] {HOLD_ENV}={hold}: engine steps wait while that file exists "
               "(test double)", flush=True)
+    if delay_file is not None:
+        print(f"[k3rocm-test] {DELAY_FILE_ENV}={delay_file.path}: engine steps sleep the ms "
+              "written there while it exists (test double)", flush=True)
