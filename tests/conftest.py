@@ -53,6 +53,16 @@ def run_cli(*args: str, env: dict | None = None, cwd: Path | None = None,
                           cwd=cwd or REPO, capture_output=True, text=True, timeout=timeout)
 
 
+def default_sigint() -> None:
+    """``preexec_fn`` for a child that a test interrupts with SIGINT: a runner that started
+    pytest in the background (a non-interactive shell's ``cmd &``, some CI runners) leaves
+    SIGINT ignored, the child inherits that through exec, and Python then never raises
+    KeyboardInterrupt: the Ctrl-C would be lost and the test would see a finished run."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket() as sock:

@@ -23,7 +23,7 @@ import zlib
 from pathlib import Path
 
 import pytest
-from conftest import REPO, free_port, need
+from conftest import REPO, default_sigint, free_port, need
 from server_fixture import (
     MODELS_DIR,
     SMOKE_MODEL,
@@ -216,10 +216,6 @@ def test_make_bench_scaled_down_against_the_standin(standin_server, client_image
     assert "all equal" in md
 
 
-def _default_sigint() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 def _wait_for(path: Path, proc: subprocess.Popen, timeout: float) -> None:
     t0 = time.monotonic()
     while not path.exists():
@@ -273,7 +269,7 @@ def test_bunched_stream_interrupt_and_stopped_server(docker_client, client_image
         # ignored, inherited through exec) must not turn Ctrl-C into a no-op here.
         proc = subprocess.Popen([*base, "--results", str(res1)], cwd=REPO, env=_env(),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                preexec_fn=_default_sigint)
+                                preexec_fn=default_sigint)
         _wait_for(res1, proc, 60)
         run1 = only_run_dir(res1)
         _wait_for(run1 / "aiperf" / "concurrency_1__requests_4" / "profile_export_aiperf.json",

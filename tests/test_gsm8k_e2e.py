@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, free_port, need
+from conftest import REPO, default_sigint, free_port, need
 from server_fixture import standin_server  # noqa: F401 - the shared session fixture
 from test_gsm8k_unit import SEED_DOC_TO_TEXT, SEED_FILTERS, SEED_METRIC, write_items
 
@@ -280,7 +280,7 @@ def test_ctrl_c_stops_lm_eval_and_keeps_the_run(standin_server, client_image, it
                                  str(tmp_path), "--max-gen-tokens", "2000", "--concurrency", "1",
                                  "--client-image", CLIENT_IMAGE],
                                 env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True)
+                                text=True, preexec_fn=default_sigint)
         try:
             wait_held(proc)
             assert list(tmp_path.glob("*-gsm8k/lm_eval.log")), "no lm_eval.log while running"
