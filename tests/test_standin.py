@@ -183,6 +183,8 @@ def stream_chat(base_url: str, model: str, max_tokens: int, prompt: str = "What 
         "max_tokens": max_tokens,
         "ignore_eos": True,
         "temperature": 0.0,
+        # the random model's special tokens as text too: each token then adds a delta
+        "skip_special_tokens": False,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
@@ -209,13 +211,17 @@ def stream_chat(base_url: str, model: str, max_tokens: int, prompt: str = "What 
 @pytest.mark.server
 def test_streaming_chat_returns_exactly_the_requested_tokens(standin_server):  # noqa: F811
     n = 48
-    text, usage, deltas, ttft, total = stream_chat(standin_server.base_url, standin_server.model, n)
+    # Engine steps >= 30 ms apart (the step double): on a loaded 2-core machine an API server
+    # descheduled for longer than one step would send two tokens in one delta.
+    with standin_server.slowed(30):
+        text, usage, deltas, ttft, total = stream_chat(standin_server.base_url,
+                                                       standin_server.model, n)
     assert usage is not None, "no usage in the stream (stream_options.include_usage)"
     assert usage["completion_tokens"] == n
     assert usage["prompt_tokens"] > 0
     assert usage["total_tokens"] == usage["prompt_tokens"] + n
-    # Each token is one delta, except the (few) special tokens a random model may sample.
-    assert 0.8 * n <= deltas <= n and text
+    # Each token is one delta (a rare merge of two steps under load allowed).
+    assert 0.9 * n <= deltas <= n and text
     sys.__stderr__.write(
         f"\n[smoke request] {n} tokens: TTFT {ttft * 1000:.0f} ms, "
         f"{(n - 1) / (total - ttft):.0f} tokens/s decode\n"
