@@ -36,6 +36,10 @@ pytestmark = [pytest.mark.docker, pytest.mark.server]
 
 CLIENT_IMAGE = os.environ.get("BENCH_CLIENT_IMAGE") or "k3rocm/clients:0.1.0"
 STEP_MS = 30  # the session server's engine step during the per-token streaming check
+# Both arms of the live A/B tests sleep this long per engine step: on a loaded 2-core machine
+# two fresh servers' ITL differed 4.5x (6.7 vs 30.2 ms) without it; a fixed sleep that dominates
+# the step keeps the A/A floor small, so one large injected delay clears it with margin.
+AB_BASE_MS = 30
 MAD = ["model", "benchmark", "tp", "inp", "out", "num_prompts", "max_concurrency", "cmd",
        "performance", "metric", "unit"]
 
@@ -333,13 +337,17 @@ def _bench_ab(tmp_path: Path, repeats: int, *extra: str) -> subprocess.Completed
     ab_args = (f"--server-env K3_PROFILE=cpu-smoke --models-dir {MODELS_DIR} "
                f"--tokenizer {MODELS_DIR / SMOKE_MODEL} --results {tmp_path} --pin-engine-core "
                f"--runs-per-server 1 --port {free_port()} --server-timeout 420 --quiet "
-               f"--set concurrency=1 --set request_count=16 {' '.join(extra)}")
+               f"--set concurrency=1 --set request_count=16 "
+               # both arms: a deterministic AB_BASE_MS sleep per engine step (the step double)
+               f"--server-env K3_TEST_BASE_DELAY_MS={AB_BASE_MS} "
+               f"--server-env PYTHONPATH=/opt/k3rocm-test {' '.join(extra)}")
     image = os.environ.get("K3_SERVER_IMAGE") or "k3rocm/server:cpu-0.32.0"
     return subprocess.run(["make", "-s", "-o", sys.executable, "bench-ab", f"PY={sys.executable}",
                            "WORKLOAD=ci-tiny", f"REPEATS={repeats}", f"BENCH_IMAGE={image}",
                            "CPU=1",
-                           f"AB_ARGS={ab_args}"], cwd=REPO, env=_env(), capture_output=True,
-                          text=True, timeout=1500)
+                           f"AB_ARGS={ab_args}"], cwd=REPO,
+                          env=_env(K3_TEST_PLUGINS_DIR=str(REPO / "tests/doubles/stepdelay")),
+                          capture_output=True, text=True, timeout=1500)
 
 
 @pytest.fixture(scope="module")
@@ -392,7 +400,9 @@ def test_bench_ab_aa_floor_and_calibrated_slowdown_detected(
         log = aa_dir / "runs" / f"{s['slot']:02d}-{s['arm']}-server.log"
         assert log.stat().st_size > 0 and "Application startup complete" in log.read_text()
 
-    # Calibration: B's engine sleeps >= A's ITL p50 (and >= 4x the floor) per step.
+    assert all("every engine step sleeps" in (aa_dir / "runs" / f"{s['slot']:02d}-{s['arm']}"
+                                              "-server.log").read_text() for s in aa["slots"])
+    # Calibration: B's engine sleeps >= A's ITL p50 (and >= 4x the floor) more per step.
     delay = round(itl["a"] * max(1.0, 4 * floor), 1)
     t0 = time.monotonic()
     p = _bench_ab(tmp_path, 1, f"--calibrate-delay-ms {delay}")

@@ -5,6 +5,10 @@ Two switches, both read from the server's environment at plugin load:
 - ``K3_TEST_STEP_DELAY_MS=<ms>`` (calibration switch for ``k3rocm ab --calibrate``): every
   engine step that has requests sleeps that long before it runs, so each decode step (one
   output token per running request) takes ``ms`` longer: the inter-token latency grows by ``ms``.
+- ``K3_TEST_BASE_DELAY_MS=<ms>``: the same sleep, added to the one above; a test gives it to
+  both arms of an A/B so a deterministic sleep dominates their step time (a loaded machine then
+  moves the two servers' ITL much less) and the calibration's ``K3_TEST_STEP_DELAY_MS`` in arm B
+  is the only difference.
 - ``K3_TEST_HOLD_FILE=<path>`` (tests that must interrupt a client *while* a request is in
   flight): while that file exists, an engine step that has requests does not run. When the hold
   starts, the double writes ``<path>.held`` (its content: the number of unfinished requests) and
@@ -41,6 +45,7 @@ import time
 ENV = "K3_TEST_STEP_DELAY_MS"
 HOLD_ENV = "K3_TEST_HOLD_FILE"
 DELAY_FILE_ENV = "K3_TEST_DELAY_FILE"
+BASE_ENV = "K3_TEST_BASE_DELAY_MS"
 HOLD_POLL_S = 0.01  # how often a held step looks at the hold file (inside the server)
 
 
@@ -86,7 +91,8 @@ class _DelayFile:
 
 def register() -> None:
     raw = os.environ.get(ENV, "").strip()
-    delay = float(raw) / 1000.0 if raw else 0.0
+    base = os.environ.get(BASE_ENV, "").strip()
+    delay = (float(raw) if raw else 0.0) / 1000.0 + (float(base) if base else 0.0) / 1000.0
     hold = os.environ.get(HOLD_ENV, "").strip()
     delay_file = _DelayFile(os.environ[DELAY_FILE_ENV]) \
         if os.environ.get(DELAY_FILE_ENV, "").strip() else None
@@ -116,8 +122,8 @@ def register() -> None:
         setattr(EngineCore, name, make(orig))
     EngineCore._k3_step_delay = delay
     if delay > 0:
-        print(f"[k3rocm-test] {ENV}={raw}: every engine step sleeps {raw} ms (test double)",
-              flush=True)
+        print(f"[k3rocm-test] {ENV}={raw or 0} {BASE_ENV}={base or 0}: every engine step "
+              f"sleeps {delay * 1000:g} ms (test double)", flush=True)
     if hold:
         print(f"[k3rocm-test] {HOLD_ENV}={hold}: engine steps wait while that file exists "
               "(test double)", flush=True)
