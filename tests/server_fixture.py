@@ -40,9 +40,11 @@ DEFAULT_SERVER_IMAGE = "k3rocm/server:cpu-0.32.0"
 CONTAINER_PORT = 8000
 LABEL = "org.k3rocm.test"
 LABEL_PROJECT = "com.docker.compose.project"
-# The engine-hold / step-delay test double (a vLLM general plugin), mounted by compose.cpu.yaml.
-STEP_DOUBLE_DIR = REPO / "tests" / "doubles" / "stepdelay"
-STEP_DOUBLE_MOUNT = "/opt/k3rocm-test"
+# The engine-hold / step-delay test double (a vLLM general plugin), mounted by compose.cpu.yaml:
+# where it lives and where it is mounted, as the A/B driver's calibration knows them.
+from k3rocm.checks.ab.arms import STEP_DELAY_DIR as STEP_DOUBLE_DIR  # noqa: E402
+from k3rocm.checks.ab.arms import STEP_DELAY_MOUNT as STEP_DOUBLE_MOUNT  # noqa: E402
+
 HOLD_NAME = ".k3test-hold"
 DELAY_NAME = ".k3test-delay-ms"
 HEALTH_TIMEOUT = float(os.environ.get("K3_TEST_SERVER_TIMEOUT", "420"))

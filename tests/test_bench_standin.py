@@ -27,6 +27,8 @@ from conftest import REPO, default_sigint, free_port, need
 from server_fixture import (
     MODELS_DIR,
     SMOKE_MODEL,
+    STEP_DOUBLE_DIR,
+    STEP_DOUBLE_MOUNT,
     ensure_smoke_model,
     standin_server,  # noqa: F401 - the shared session fixture
     start_server,
@@ -340,13 +342,13 @@ def _bench_ab(tmp_path: Path, repeats: int, *extra: str) -> subprocess.Completed
                f"--set concurrency=1 --set request_count=16 "
                # both arms: a deterministic AB_BASE_MS sleep per engine step (the step double)
                f"--server-env K3_TEST_BASE_DELAY_MS={AB_BASE_MS} "
-               f"--server-env PYTHONPATH=/opt/k3rocm-test {' '.join(extra)}")
+               f"--server-env PYTHONPATH={STEP_DOUBLE_MOUNT} {' '.join(extra)}")
     image = os.environ.get("K3_SERVER_IMAGE") or "k3rocm/server:cpu-0.32.0"
     return subprocess.run(["make", "-s", "-o", sys.executable, "bench-ab", f"PY={sys.executable}",
                            "WORKLOAD=ci-tiny", f"REPEATS={repeats}", f"BENCH_IMAGE={image}",
                            "CPU=1",
                            f"AB_ARGS={ab_args}"], cwd=REPO,
-                          env=_env(K3_TEST_PLUGINS_DIR=str(REPO / "tests/doubles/stepdelay")),
+                          env=_env(K3_TEST_PLUGINS_DIR=str(STEP_DOUBLE_DIR)),
                           capture_output=True, text=True, timeout=1500)
 
 

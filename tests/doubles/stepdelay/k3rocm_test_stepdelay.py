@@ -1,6 +1,6 @@
 """TEST DOUBLE (CPU stand-in only): a known delay in every vLLM engine step, and an engine hold.
 
-Two switches, both read from the server's environment at plugin load:
+Four switches, all read from the server's environment at plugin load:
 
 - ``K3_TEST_STEP_DELAY_MS=<ms>`` (calibration switch for ``k3rocm ab --calibrate``): every
   engine step that has requests sleeps that long before it runs, so each decode step (one
@@ -15,7 +15,6 @@ Two switches, both read from the server's environment at plugin load:
   prints one line, so a test waits for an observable event (the file), never for a sleep; it
   removes ``<path>.held`` when the hold ends. The HTTP server stays up (health, metrics) and
   the held requests are aborted or finished normally once the file is gone.
-
 - ``K3_TEST_DELAY_FILE=<path>``: while that file exists, every engine step with requests
   sleeps the milliseconds written in it (read again whenever the file changes), so a test can
   slow a running server for a while (the session server of the tests: per-token streaming on
