@@ -29,6 +29,7 @@ RUN PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --no-cache-dir --no-deps 
 COPY overlay/ /opt/k3rocm/overlay/
 RUN python3 -m k3rocm overlay apply --overlay-dir /opt/k3rocm/overlay --mode "${K3_OVERLAY}" \
         --report /opt/k3rocm/overlay.json \
+    && python3 -m k3rocm overlay verify-import \
     && python3 -m k3rocm manifest write --base-image "${BASE_IMAGE}" --git-rev "${GIT_REV}" \
         --overlay-dir /opt/k3rocm/overlay --overlay-report /opt/k3rocm/overlay.json \
         --out /opt/k3rocm/manifest.json

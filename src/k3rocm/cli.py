@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
                  "list the serving profiles, show one, validate files"),
     "manifest": ("k3rocm.serving.manifest", "write or show the image's provenance manifest"),
     "overlay": ("k3rocm.serving.overlay", "apply or inspect the Kimi-K3 AMD MLA overlay"),
+    "base": ("k3rocm.serving.basefacts", "what the image's vLLM and AITER can run (base facts)"),
     # deploy: the host's view of one deployment
     "config": ("k3rocm.deploy.config_cmd", "resolved settings and their sources"),
     "preflight": ("k3rocm.deploy.preflight",

@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(DOUBLES))
 
 import aiter  # noqa: E402 - the AITER double (clamp generation in this process)
+import aiter_mla_routes  # noqa: E402 - vLLM's AITER MLA decode routing, two generations
 import mla_cpu  # noqa: E402
 import rocm_vllm  # noqa: E402
 from aiter import _reference as ref  # noqa: E402
@@ -120,11 +121,11 @@ def test_probe_cli_reads_the_registered_schema(variant, clamps):
     assert ("compute_all_q_rope" in q["schema"]) is clamps
     assert rep["dual_norm_op"]["found"] is True
     assert rep["fusions"]["qk_norm"]["state"] == "needs-model"
-    if clamps:
-        assert rep["fusions"]["decode_qprep"]["state"] == "needs-model"
-    else:
-        assert rep["fusions"]["decode_qprep"]["state"] == "off"
-        assert "predates the position clamp" in rep["fusions"]["decode_qprep"]["reason"]
+    # Both generations can run Q-prep: a pre-clamp AITER gets an identity table with a row
+    # per position (its per-head and _opt kernels skip slot < 0 before reading it).
+    assert rep["fusions"]["decode_qprep"]["state"] == "needs-model"
+    assert ("predates the position clamp" in rep["fusions"]["decode_qprep"]["reason"]) is (
+        not clamps)
     toggled = _probe_cli({"PYTHONPATH": str(DOUBLES), "K3_TEST_DOUBLE_ROCM": "platform",
                           "K3_TEST_AITER_VARIANT": variant, "K3_FUSE_QK_NORM": "0"})
     assert toggled["fusions"]["qk_norm"] == {"state": "off", "reason": "K3_FUSE_QK_NORM=0"}
@@ -173,7 +174,7 @@ def _loaded(w, fp8_query=True):
     """As after weight loading with an fp8-query backend (AITER MLA): first forward."""
     w.mla_attn.impl.supports_quant_query_input = fp8_query
     if w._load_gates_pending:
-        w._check_load_gates()
+        w._check_load_gates(torch.bfloat16)
     return w._fused_qk_prep, w._fused_qk_prep_why
 
 
@@ -270,7 +271,7 @@ def test_decision_records(rocm, monkeypatch, tmp_path, vctx):
 
 
 def _run_layer(cls, *, seed, scales, slots, positions, n_actual, prefills=0, hs_seed=7,
-               q_len=1, profile=False, heads=4):
+               q_len=1, profile=False, heads=4, routes=None):
     """One forward of a real wrapper on a decode batch; returns what matters."""
     w = mla_cpu.build_wrapper(cls, heads=heads, seed=seed)
     a = w.mla_attn
@@ -309,7 +310,10 @@ def _run_layer(cls, *, seed, scales, slots, positions, n_actual, prefills=0, hs_
 
         quant_op.forward = concat_quant
 
-    a.impl.forward_mqa = forward_mqa
+    if routes is None:
+        a.impl.forward_mqa = forward_mqa
+    else:  # the AITER MLA backend's real routing, of vLLM generation `routes`
+        a.impl.__class__ = aiter_mla_routes.impl_class(type(a.impl), routes)
     a.impl.forward_mha = forward_mha
     a.impl.do_kv_cache_update = do_kv_cache_update
     t = slots.shape[0]
@@ -318,7 +322,7 @@ def _run_layer(cls, *, seed, scales, slots, positions, n_actual, prefills=0, hs_
         torch.bfloat16)
     with mla_cpu.forward_context(w, md, slots, t), torch.inference_mode():  # as vLLM runs
         if getattr(w, "_load_gates_pending", False):
-            w._check_load_gates()  # what the first forward (vLLM's profile run) does first
+            w._check_load_gates(hs.dtype)  # what the first forward (vLLM's profile run) does first
         if profile:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
                 out = w(positions, hs)
@@ -570,3 +574,61 @@ def test_plugin_wiring_in_a_fresh_process(tmp_path):
         expected = os.environ.get("K3_EXPECT_WIRING")
         if expected == "ours":
             pytest.fail("overlay expected to be applied and wired, but it is not")
+
+
+# ------------------------------------------------------------ (e) the backend's real routes
+
+
+def _decode12(cls, routes, q_len=1, profile=False):
+    reqs = 4
+    t = reqs * q_len
+    return _run_layer(cls, seed=6, scales=(1.0, 1.0), slots=torch.arange(t) * 5,
+                      positions=torch.arange(t) + 50, n_actual=t, q_len=q_len, heads=12,
+                      profile=profile, routes=routes)
+
+
+def test_gluon_route_refuses_qprep_at_12_heads_on_the_nightly_era_backend(rocm, vctx):
+    """vLLM 0.27.1 sends a 12-head decode to AITER's Gluon kernel, which takes a bf16 query:
+    the fused path (fp8 q_out) must not run there. The stock path fails there too with an
+    fp8 KV cache (it quantizes the query): the base check refuses that setting before the
+    load (serving.basefacts)."""
+    cls = rocm.KimiK3MultiHeadLatentAttentionWrapper
+    before = qprep_calls()
+    with pytest.raises(AssertionError, match="must be bf16"):
+        _decode12(cls, "0.27.1")  # fused path refused -> stock -> fp8 query into Gluon
+    assert qprep_calls() == before
+    assert aiter_mla_routes.ROUTES[-1] == {"route": "gluon", "q": FP8, "heads": 12}
+    w = mla_cpu.build_wrapper(cls, heads=12)
+    w.mla_attn.impl.__class__ = aiter_mla_routes.impl_class(type(w.mla_attn.impl), "0.27.1")
+    ok, why = _loaded(w)
+    assert not ok and "Gluon" in why, why
+
+
+@pytest.mark.parametrize("q_len", [1, 3], ids=["1-token", "3-tokens-mtp2"])
+def test_launches_at_12_heads_on_the_padded_asm_route(q_len, rocm, monkeypatch, vctx):
+    """vLLM 0.33's fp8 route at 12 heads: padded asm decode (16 heads). The stock layer hands
+    it a dense 12-head query, which the backend pads with a copy (repeat + contiguous); the
+    overlay allocates q_out for 16 heads and hands over the 12-head view, which the backend
+    views (as_strided): no copy. Ops per MLA layer per decode step, stock vs fused."""
+    from vllm.model_executor.layers.mla import MultiHeadLatentAttentionWrapper as Stock
+
+    monkeypatch.setenv("K3_FUSE_QK_NORM", "0")
+    runs, copied = {}, {}
+    for name, cls in (("stock", Stock), ("fused", rocm.KimiK3MultiHeadLatentAttentionWrapper)):
+        before = qprep_calls()
+        res = _decode12(cls, "0.33", q_len=q_len, profile=True)
+        assert (qprep_calls() - before) == (1 if name == "fused" else 0)
+        runs[name] = _launches(res["ops"])[0]
+        route = aiter_mla_routes.ROUTES[-1]
+        assert route["route"] == "asm" and route["q"] == FP8, route
+        copied[name] = route["copied"]
+    stock, fused = runs["stock"], runs["fused"]
+    names = sorted(set(stock) | set(fused))
+    print(f"OPS12 q_len={q_len}: " + json.dumps(
+        {n: [stock.get(n, 0), fused.get(n, 0)] for n in names}))
+    assert copied == {"stock": True, "fused": False}
+    pad = {"aten::repeat", "aten::contiguous", "aten::clone", "aten::copy_"}
+    assert sum(stock[n] for n in pad if n in stock) >= 1  # the backend's padding copy
+    assert not any(n in fused for n in ("aten::repeat", "aten::clone", "aten::copy_"))
+    # concat+quant and the cache write became one launch, and the padding copies are gone
+    assert sum(fused.values()) < sum(stock.values()) - 1

@@ -32,9 +32,15 @@ def _patch_platform() -> None:
 
     def get_attn_backend_cls(*args: Any, **kwargs: Any) -> str:
         try:
-            return orig(*args, **kwargs)
+            path = orig(*args, **kwargs)
         except NotImplementedError:
             return "vllm.v1.attention.backends.mla.triton_mla.TritonMLABackend"
+        # vLLM >= 0.32 on a CPU with AMX tiles picks AMX_MLA (platforms/cpu.py), whose packed
+        # W_UK has no W_UK_T: the ROCm AITER backend's W_UK variant is the bf16 W_UK_T bmm,
+        # which CPU_MLA keeps (AMX is a CPU-only variant; seen on an AMX machine here).
+        if path.endswith("amx_mla.AMXMLABackend"):
+            return "vllm.v1.attention.backends.mla.cpu_mla.CPUMLABackend"
+        return path
 
     cls.get_attn_backend_cls = staticmethod(get_attn_backend_cls)  # type: ignore[assignment]
 

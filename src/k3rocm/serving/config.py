@@ -115,6 +115,10 @@ class Settings(BaseModel):
                               default=True)
     fuse_decode_qprep: bool = _env("FUSE_DECODE_QPREP", "Overlay: fused decode Q-prep (1/0).",
                                    "overlay", default=True)
+    base_check: Literal["enforce", "warn"] = _env(
+        "BASE_CHECK", "What the serving image's base facts (vLLM, AITER, the decode route at "
+        "the heads per rank) do to a setting it cannot run: enforce (exit 2 before the load) "
+        "or warn.", "overlay", default="enforce")
     overlay: Literal["auto", "force", "off"] = _env(
         "OVERLAY", "Overlay mode: auto (skip if vLLM ships amd/mla.py), force, off. A build arg "
         "for the image and a run-time switch for the wiring.", "overlay", default="auto")
@@ -247,10 +251,16 @@ class Rendered:
     env: dict[str, str]
     argv: list[str]
     sources: dict[str, str] = field(default_factory=dict)
+    # What the base facts decided (``render(base=True)`` with facts known): facts source,
+    # heads per rank, notes for the startup log.
+    base: dict[str, Any] | None = None
 
     def to_json(self, redact: bool = True) -> dict[str, Any]:
         env = redact_env(self.env) if redact else dict(self.env)
-        return {"env": env, "argv": list(self.argv), "sources": dict(self.sources)}
+        out = {"env": env, "argv": list(self.argv), "sources": dict(self.sources)}
+        if self.base is not None:
+            out["base"] = self.base
+        return out
 
 
 def is_secret(key: str) -> bool:
@@ -522,12 +532,45 @@ def build_env(s: Settings, environ: Mapping[str, str], file_vals: Mapping[str, s
 
 def render(environ: Mapping[str, str] | None = None, dotenv: str | os.PathLike | None = ".env",
            passthrough: list[str] | None = None, host_paths: bool = False,
-           check_model: bool = True) -> Rendered:
+           check_model: bool = True, base: bool | dict[str, Any] = False) -> Rendered:
+    """Settings -> vLLM env and argv. ``base=True``: apply the base image's facts
+    (``serving.basefacts``: the manifest's, or measured here) before anything loads; a dict:
+    those facts. A setting the base cannot run raises UsageError (K3_BASE_CHECK=enforce)."""
     environ = dict(os.environ if environ is None else environ)
     file_vals = read_dotenv(dotenv) if dotenv else {}
     settings, sources = load_settings(environ, dotenv, host_paths, check_model)
+    base_info = None
+    extra: list[str] = []
+    if base is not False:
+        from k3rocm.serving import basefacts
+
+        facts, where = (base, "given") if isinstance(base, dict) else basefacts.load()
+        if facts is not None:
+            user = vendor_from(environ, file_vals, host_paths)
+            aiter = user.get("VLLM_ROCM_USE_AITER", (
+                PROFILES[settings.profile]["env"].get("VLLM_ROCM_USE_AITER", "0"), ""))[0]
+            aiter_on = str(aiter) == "1"
+            try:
+                updates, extra, notes = basefacts.check(settings, sources, facts, aiter_on)
+            except basefacts.BaseRefusal as exc:
+                if settings.base_check == "enforce":
+                    raise UsageError(str(exc)) from None
+                updates, extra, notes = {}, [], [f"WARNING (K3_BASE_CHECK=warn): {exc}"]
+            if updates:
+                settings = settings.model_copy(update=updates)
+                for name in updates:
+                    sources[ENV_NAME[name]] = "base facts"
+            heads = 96 // settings.tp
+            base_info = {"facts_from": where, "heads_per_rank": heads,
+                         "vllm_version": basefacts.value(facts, "vllm_version"),
+                         "decode_route": basefacts.route(facts, heads, settings.kv_cache_dtype),
+                         "notes": notes}
     env = build_env(settings, environ, file_vals, sources, host=host_paths)
     argv = build_argv(settings, passthrough)
+    if extra:
+        cut = len(argv) - len(passthrough or []) - len(shlex.split(settings.extra_args))
+        argv[cut:cut] = extra
+        sources["argv:base"] = " ".join(extra)
     if passthrough:
         sources["argv:passthrough"] = " ".join(passthrough)
-    return Rendered(settings=settings, env=env, argv=argv, sources=sources)
+    return Rendered(settings=settings, env=env, argv=argv, sources=sources, base=base_info)

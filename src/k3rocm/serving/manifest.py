@@ -54,11 +54,18 @@ def build_manifest(base_image: str, git_rev: str, overlay_dir: Path,
         "k3rocm_version": __version__,
         "k3rocm_git_rev": git_rev,
         "base_versions_txt": versions_txt.read_text() if versions_txt.is_file() else None,
+        "base_facts": _base_facts(),
         "overlay": {
             "source_files": overlay_tree_hashes(overlay_dir),
             "report": report,
         },
     }
+
+
+def _base_facts() -> dict:
+    from k3rocm.serving.basefacts import measure
+
+    return measure()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -80,6 +87,13 @@ def run(args: argparse.Namespace) -> int:
         m = build_manifest(args.base_image, args.git_rev, args.overlay_dir, args.overlay_report)
         write_json_atomic(args.out, m)
         print(f"manifest: {args.out} (base {m['base_image']}, vLLM {m['vllm_version']})")
+        from k3rocm.serving.basefacts import route, value
+
+        f = m["base_facts"]
+        r = route(f, 12, "fp8")
+        print(f"base facts: upstream amd/mla.py fusions {value(f, 'upstream_mla_fusions')}, "
+              f"AITER Q-prep clamp {value(f, 'aiter_qprep_clamp')}, fp8 KV at 12 heads/rank "
+              f"(TP=8): {r['route']}, fp8 query ok={r['fp8_query_ok']}")
         return 0
     if not args.path.is_file():
         raise UsageError(f"{args.path} does not exist: this is not a k3rocm serving image")

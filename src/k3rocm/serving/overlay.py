@@ -9,7 +9,7 @@ Build-time step of the serving image (see docs/overlay.md):
   ``MultiHeadLatentAttentionWrapper`` from ``vllm.model_executor.layers.mla`` and calls
   it. Missing -> exit 3 with one line (fails the image build).
 - Only adds files (``amd/mla.py``); never edits a vLLM file. If vLLM already ships its
-  own ``amd/mla.py`` (vLLM >= 0.33), ``auto`` leaves it alone
+  own ``amd/mla.py`` (vLLM >= 0.32, with both fusions), ``auto`` leaves it alone
   (``overlay: skipped, upstream has amd/mla.py``); ``force`` replaces it, keeping the
   upstream file as ``mla.py.k3rocm-upstream``.
 - Idempotent: a manifest of sha256 hashes (``amd/.k3rocm-overlay.json``) makes a second
@@ -369,6 +369,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="also show the overlay's run-time decisions: a server log with "
                    "'K3ROCM-DECISION' lines, or a directory with k3rocm-decisions-pid*.json "
                    "(written beside the profiler traces)")
+    v = sub.add_parser("verify-import", help="import the applied overlay against this vLLM "
+                       "(image build step)",
+                       description="Import vllm.models.kimi_k3.amd.mla (when it is the k3rocm "
+                       "overlay) in a fresh process: an ImportError/AttributeError/NameError "
+                       "(an API mismatch with this vLLM) fails with one line, exit 3; any other "
+                       "error (e.g. no GPU during docker build) is a warning.")
+    v.add_argument("--timeout", type=float, default=600, help="seconds (default 600)")
     pr = sub.add_parser("probe", help="what this Python environment offers the fusions",
                         description="Probe this environment (inside the image, or on the "
                         "node before serving) the way the overlay does in a server process: "
@@ -403,6 +410,8 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(st, indent=2, sort_keys=True))
         return 0 if st.get("verified") in (None, True) else 1
+    if cmd == "verify-import":
+        return verify_import(args.timeout)
     if cmd == "probe":
         import contextlib
 
@@ -423,6 +432,45 @@ def run(args: argparse.Namespace) -> int:
         return 0
     raise UsageError("overlay needs a subcommand: apply, status or probe "
                      "(see k3rocm overlay --help)")
+
+
+_IMPORT_CHECK = """
+import sys, traceback
+try:
+    import vllm.models.kimi_k3.amd.mla as m
+    m.KimiK3MultiHeadLatentAttentionWrapper
+except (ImportError, AttributeError, NameError, SyntaxError) as exc:
+    print("MISMATCH %s: %s" % (type(exc).__name__, exc)); sys.exit(3)
+except Exception as exc:
+    print("OTHER %s: %s" % (type(exc).__name__, str(exc).splitlines()[0] if str(exc) else ""))
+    sys.exit(4)
+print("OK")
+"""
+
+
+def verify_import(timeout: float = 600) -> int:
+    """The image build imports the overlay it just applied against the image's vLLM."""
+    import subprocess
+
+    vllm = find_vllm()
+    mla = vllm.root / MLA
+    if not (mla.is_file() and MARKER in mla.read_text(encoding="utf-8", errors="replace")):
+        print(f"overlay: verify-import: {MLA} is not the k3rocm overlay here; nothing to import")
+        return 0
+    p = subprocess.run([sys.executable, "-c", _IMPORT_CHECK], capture_output=True, text=True,
+                       timeout=timeout)
+    last = (p.stdout.strip().splitlines() or ["(no output)"])[-1]
+    if p.returncode == 0:
+        print(f"overlay: verify-import: {MLA} imports against vLLM {vllm.version}")
+        return 0
+    if p.returncode == 3:
+        raise OverlayError(f"overlay: {MLA} does not import against vLLM {vllm.version} "
+                           f"({last.removeprefix('MISMATCH ')}); update the overlay or use "
+                           "K3_OVERLAY=off")
+    print(f"overlay: verify-import: WARNING: could not import here "
+          f"({last.removeprefix('OTHER ') if p.returncode == 4 else p.stderr.strip()[-300:]}); "
+          "the server checks again at start")
+    return 0
 
 
 def read_decisions(path: Path) -> list[dict[str, Any]]:

@@ -140,8 +140,10 @@ def qprep_platform_gate(p: dict[str, Any]) -> tuple[bool, str]:
     if not p["qprep_kernel"]["found"]:
         return False, f"aiter {QPREP_OP} not found ({p['qprep_kernel']['source']})"
     if not p["qprep_kernel"]["clamps_positions"]:
-        return False, (f"aiter {QPREP_OP} predates the position clamp (no {QPREP_CLAMP_ARG} "
-                       "in its registered schema)")
+        # AITER v0.1.19's per-head and _opt kernels return for slot < 0 before reading the
+        # table (csrc/kernels/cache_kernels.cu): a row per position is safe without the clamp.
+        return True, (f"{QPREP_OP} (identity rope; AITER predates the position clamp, no "
+                      f"{QPREP_CLAMP_ARG} in its schema: cos/sin of max_model_len rows)")
     return True, f"{QPREP_OP} (identity rope, 1-row cos/sin)"
 
 
@@ -166,8 +168,8 @@ def probe_report() -> dict[str, Any]:
             fusions[name] = {"state": "off", "reason": why}
         else:
             fusions[name] = {"state": "needs-model",
-                             "reason": "platform gates pass; the rest is decided per layer "
-                                       "when the model is built and its weights loaded"}
+                             "reason": f"platform gates pass: {why}; the rest is decided per "
+                                       "layer when the model is built and its weights loaded"}
     return {"platform": p["platform"], "qprep_kernel": p["qprep_kernel"],
             "dual_norm_op": p["dual_norm_op"], "fusions": fusions,
             "python": sys.version.split()[0]}

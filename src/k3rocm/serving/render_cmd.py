@@ -25,7 +25,7 @@ def passthrough_args(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    rendered = render(dotenv=args.env_file, passthrough=passthrough_args(args))
+    rendered = render(dotenv=args.env_file, passthrough=passthrough_args(args), base=True)
     json.dump(rendered.to_json(redact=not args.no_redact), sys.stdout, indent=2)
     sys.stdout.write("\n")
     return 0

@@ -33,13 +33,24 @@ def _redact_argv(argv: list[str]) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    rendered = render(dotenv=args.env_file, passthrough=passthrough_args(args))
+    rendered = render(dotenv=args.env_file, passthrough=passthrough_args(args), base=True)
     exe = shutil.which(rendered.argv[0])
     if exe is None:
         raise UsageError(f"{rendered.argv[0]!r} is not on PATH: run this inside the serving image "
                          "(or install vLLM)")
     shown = redact_env(rendered.env)
     print(f"k3rocm: profile {rendered.settings.profile}", file=sys.stderr)
+    b = rendered.base
+    if b is None:
+        print("k3rocm: base facts unknown (no manifest, no vLLM found): nothing checked",
+              file=sys.stderr)
+    else:
+        r = b["decode_route"]
+        print(f"k3rocm: base: vLLM {b['vllm_version']}, {b['heads_per_rank']} MLA heads/rank, "
+              f"decode route {r['route']} ({r['why']}); facts from {b['facts_from']}",
+              file=sys.stderr)
+        for note in b["notes"]:
+            print(f"k3rocm: base: {note}", file=sys.stderr)
     for key in sorted(rendered.sources):
         if key.startswith("K3_") or key in rendered.env:
             value = shown.get(key, os.environ.get(key, ""))

@@ -93,6 +93,17 @@ def bind(module: Any) -> bool:
     return True
 
 
+def safe_bind(module: Any) -> bool:
+    """:func:`bind`, contained: an overlay that fails to import or bind (an API mismatch with
+    this vLLM, say) logs one line and the model is built with the stock wrapper."""
+    try:
+        return bind(module)
+    except Exception as exc:  # noqa: BLE001 - a broken overlay must not kill the server
+        _say("k3rocm overlay: cannot bind into %s (%s: %s); stock MLA wrapper, fusions off",
+             getattr(module, "__name__", "?"), type(exc).__name__, exc, warn=True)
+        return False
+
+
 class _Loader(importlib.abc.Loader):
     def __init__(self, inner: importlib.abc.Loader):
         self.inner = inner
@@ -102,7 +113,7 @@ class _Loader(importlib.abc.Loader):
 
     def exec_module(self, module):  # noqa: D102
         self.inner.exec_module(module)
-        bind(module)
+        safe_bind(module)
 
 
 class _Finder(importlib.abc.MetaPathFinder):
@@ -146,7 +157,7 @@ def register() -> None:
         pending = set()
         for name in targets():
             if name in sys.modules:
-                bind(sys.modules[name])
+                safe_bind(sys.modules[name])
             else:
                 pending.add(name)
         if pending:

@@ -44,19 +44,47 @@ class KimiK3MultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
         )
         self._fused_qk_prep, self._fused_qk_prep_why = self._fused_qk_prep_supported()
         self._load_gates_pending = self._fused_qk_prep
+        # k3rocm: the backend's padded head count (AITER asm decode runs 16 heads at < 16 heads
+        # per rank). q_out is allocated for it and the real heads are a view, so a backend
+        # whose padding recognises that view (vLLM 0.33 get_mla_padded_q) copies nothing.
+        self._q_out_heads = self.num_heads
         if self._fused_qk_prep:
-            # cos = 1, sin = 0 makes the kernel's RoPE the identity, which is what a
-            # NoPE model needs. One row suffices because the `_opt` and per-head
-            # kernels clamp `pos` into [0, cos_cache.size(0)); a full-length cache
-            # would cost ~268 MB at K3's 1M max_position_embeddings.
-            # k3rocm: made here (load time), not inside forward, so no allocation can
-            # happen during CUDA-graph capture.
-            half = self.qk_rope_head_dim // 2
-            self.register_buffer("_identity_cos", torch.ones(1, half), persistent=False)
-            self.register_buffer("_identity_sin", torch.zeros(1, half), persistent=False)
+            try:
+                rows = self._identity_rows()
+            except Exception as exc:  # noqa: BLE001 - k3rocm: serve stock
+                rows = 0
+                self._fused_qk_prep = self._load_gates_pending = False
+                self._fused_qk_prep_why = f"identity cos/sin table: {exc}"
+            if rows:
+                self._identity_cos, self._identity_sin = _identity_rope(
+                    rows, self.qk_rope_head_dim // 2, torch.get_default_dtype())
         self._record("construct")
 
+    def _identity_rows(self) -> int:
+        """cos = 1, sin = 0 makes the kernel's RoPE the identity, which is what a NoPE model
+        needs. One row suffices when AITER clamps ``pos`` into [0, rows) (ROCm/aiter #4342).
+        k3rocm: an AITER without the clamp (v0.1.19) reads ``cos_cache + pos * 32`` in its
+        per-head kernel and ``pos * pe_dim / 2`` in its ``_opt`` kernel, each only after
+        returning for ``slot < 0`` (csrc/kernels/cache_kernels.cu at v0.1.19): a table with a
+        row for every position a real token can have is safe there (max_model_len plus the
+        speculative tokens; ~33 MB at 262144 in bf16, shared by all MLA layers)."""
+        if k3.probe()["qprep_kernel"]["clamps_positions"]:
+            return 1
+        return _max_model_len() + _num_spec_tokens() + 1
+
     def _qk_rmsnorm_fusion_supported(self) -> tuple[bool, str]:
+        try:
+            return self._qk_rmsnorm_gates()
+        except Exception as exc:  # noqa: BLE001 - k3rocm: a gate error serves stock
+            return False, f"gate error ({type(exc).__name__}: {exc})"
+
+    def _fused_qk_prep_supported(self) -> tuple[bool, str]:
+        try:
+            return self._fused_qk_prep_gates()
+        except Exception as exc:  # noqa: BLE001 - k3rocm: a gate error serves stock
+            return False, f"gate error ({type(exc).__name__}: {exc})"
+
+    def _qk_rmsnorm_gates(self) -> tuple[bool, str]:
         if not self._asked["qk_norm"]:
             return False, "K3_FUSE_QK_NORM=0"
         ok, why = k3.qk_norm_platform_gate(k3.probe())
@@ -68,7 +96,7 @@ class KimiK3MultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
             return False, "q_a/kv_a layernorms are not plain weighted RMSNorm"
         return True, why
 
-    def _fused_qk_prep_supported(self) -> tuple[bool, str]:
+    def _fused_qk_prep_gates(self) -> tuple[bool, str]:
         attn = self.mla_attn
         if not self._asked["decode_qprep"]:
             return False, "K3_FUSE_DECODE_QPREP=0"
@@ -124,8 +152,18 @@ class KimiK3MultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
         if not attn.is_aiter_triton_fp4_bmm_enabled and getattr(attn, "W_UK_T", None) is None:
             return False, "W_UK_T missing after weight loading (no bf16 W_UK bmm)"
         if not getattr(attn.impl, "supports_quant_query_input", False):
-            # e.g. AITER's small-head Gluon decode kernel (< 16 heads) wants bf16.
             return False, "attention backend wants a bf16 query (supports_quant_query_input)"
+        # k3rocm: the route the backend really takes for this head count and query length
+        # (decode-only batches are 1 + speculative tokens long): AITER's Gluon kernel takes
+        # a bf16 query only (aiter/ops/triton/gluon/mla_gluon.py), and vLLM 0.27.1 sends every
+        # < 16-head decode there (use_gluon_decode(num_heads, max_qo_len) has no dtype).
+        helper = _aiter_mla_helper(attn.impl)
+        if helper is not None:
+            bad = _gluon_route(helper, self.num_heads, str(attn.kv_cache_dtype),
+                               1 + _num_spec_tokens())
+            if bad:
+                return False, bad
+            self._q_out_heads = int(helper.get_actual_mla_num_heads(self.num_heads))
         return True, self._fused_qk_prep_why
 
     def _record(self, phase: str) -> None:
@@ -138,16 +176,20 @@ class KimiK3MultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
                 "reason": self._fused_qk_prep_why},
         }, self._asked)
 
-    def _check_load_gates(self) -> None:
+    def _check_load_gates(self, dtype: torch.dtype) -> None:
+        """``dtype``: the activations' dtype, which kv_c (the kernel reads cos/sin as kv_c's
+        dtype, ``scalar_t``) has too."""
         self._load_gates_pending = False
-        self._fused_qk_prep, self._fused_qk_prep_why = (
-            self._fused_qk_prep_supported_after_load()
-        )
-        if self._fused_qk_prep:
-            dtype = self.mla_attn.W_UK_T.dtype if getattr(
-                self.mla_attn, "W_UK_T", None) is not None else torch.bfloat16
-            self._identity_cos = self._identity_cos.to(dtype)
-            self._identity_sin = self._identity_sin.to(dtype)
+        try:
+            self._fused_qk_prep, self._fused_qk_prep_why = (
+                self._fused_qk_prep_supported_after_load()
+            )
+        except Exception as exc:  # noqa: BLE001 - k3rocm: a gate error serves stock
+            self._fused_qk_prep = False
+            self._fused_qk_prep_why = f"gate error ({type(exc).__name__}: {exc})"
+        if self._fused_qk_prep and self._identity_cos.dtype != dtype:
+            self._identity_cos, self._identity_sin = _identity_rope(
+                self._identity_cos.shape[0], self._identity_cos.shape[1], dtype)
         self._record("load")
 
     def _normalize_q_kv(
@@ -230,8 +272,9 @@ class KimiK3MultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
         head_size = attn.kv_lora_rank + self.qk_rope_head_dim
         num_tokens, num_heads = ql_nope.shape[:2]
         q_out = torch.empty(
-            (num_tokens, num_heads, head_size), dtype=fp8_dtype, device=ql_nope.device
-        )
+            (num_tokens, self._q_out_heads, head_size), dtype=fp8_dtype,
+            device=ql_nope.device,
+        )[:, :num_heads]
         fused_qk_rope_concat_and_cache_mla(
             ql_nope.contiguous(),
             q_pe,
@@ -261,7 +304,7 @@ class KimiK3MultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
         llama_4_scaling: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if self._load_gates_pending:  # k3rocm: once, at the first forward
-            self._check_load_gates()
+            self._check_load_gates(hidden_states.dtype)
         q_c = None
 
         if self.q_lora_rank is not None:
@@ -368,6 +411,71 @@ class KimiK3MultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
             attn_out = attn_out * self.g_proj(hidden_states)[0].sigmoid()
 
         return self.o_proj(attn_out)[0]
+
+
+_IDENTITY: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _identity_rope(rows: int, half: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """k3rocm: one identity cos/sin table per shape, dtype and device, shared by every layer."""
+    key = (rows, half, dtype, str(torch.empty(0).device))
+    if key not in _IDENTITY:
+        _IDENTITY[key] = (torch.ones(rows, half, dtype=dtype), torch.zeros(rows, half, dtype=dtype))
+    return _IDENTITY[key]
+
+
+def _vllm_config():
+    try:
+        from vllm.config import get_current_vllm_config
+
+        return get_current_vllm_config()
+    except Exception:  # noqa: BLE001 - no config (unit construction)
+        return None
+
+
+def _max_model_len() -> int:
+    cfg = _vllm_config()
+    mc = getattr(cfg, "model_config", None)
+    if mc is None:
+        raise RuntimeError("max_model_len unknown (no model config) for a pre-clamp AITER")
+    return int(mc.max_model_len)
+
+
+def _num_spec_tokens() -> int:
+    spec = getattr(_vllm_config(), "speculative_config", None)
+    return int(getattr(spec, "num_speculative_tokens", 0) or 0)
+
+
+def _aiter_mla_helper(impl):
+    """k3rocm: vLLM's ``AiterMLAHelper`` beside the backend's impl class, if it has one."""
+    import sys
+
+    return getattr(sys.modules.get(type(impl).__module__), "AiterMLAHelper", None)
+
+
+def _gluon_route(helper, heads: int, kv_dtype: str, verify_qlen: int) -> str | None:
+    """k3rocm: why the backend's decode route wants a bf16 query, or None. Asks the helper
+    with the signature it has (vLLM 0.27.1: use_gluon_decode(num_heads, max_qo_len); 0.32+:
+    also kv_cache_dtype, and use_gluon_verify for multi-token verify)."""
+    import inspect
+
+    def ask(fn, qlen):
+        kw = {"kv_cache_dtype": kv_dtype} if "kv_cache_dtype" in inspect.signature(
+            fn).parameters else {}
+        return bool(fn(heads, qlen, **kw))
+
+    if ask(helper.use_gluon_decode, 1):
+        return f"decode at {heads} heads/rank goes to AITER's Gluon kernel (bf16 query only)"
+    if verify_qlen > 1:
+        verify = getattr(helper, "use_gluon_verify", None)
+        if verify is not None:
+            if ask(verify, verify_qlen):
+                return (f"verify (query length {verify_qlen}) at {heads} heads/rank goes to "
+                        "AITER's Gluon kernel (bf16 query only)")
+        elif ask(helper.use_gluon_decode, verify_qlen) or heads < 16:
+            return (f"verify (query length {verify_qlen}) at {heads} heads/rank is flattened "
+                    "onto AITER's Gluon kernel (bf16 query only)")
+    return None
 
 
 def _layer_kind(layer_name: str) -> str:
