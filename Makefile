@@ -31,7 +31,7 @@ $(PY): pyproject.toml
 	@touch $(PY)
 
 config: $(PY) ## print the resolved settings, where each came from, env and argv
-	@$(CONFIG_ENV) $(PY) -m k3rocm config --host-paths --vendor-env-file $(VENDOR_ENV)
+	@$(CONFIG_ENV) $(PY) -m k3rocm config --host-paths --base-facts --vendor-env-file $(VENDOR_ENV)
 
 build: $(PY) ## build the serving image (BASE_IMAGE=... to override the pinned nightly)
 	@$(CONFIG_ENV) $(PY) -m k3rocm config --host-paths --vendor-env-file $(VENDOR_ENV) >/dev/null

@@ -33,6 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--make-dirs", action="store_true",
                         help="create K3_CACHE_DIR and K3_RESULTS_DIR as the invoking user (else "
                         "Docker creates the mount sources as root)")
+    parser.add_argument("--base-facts", action="store_true",
+                        help="also apply the base facts recorded in the serving image "
+                        "(K3_IMAGE, if built) and show what the server will change or refuse "
+                        "at start (`make config` does this)")
     parser.add_argument("--host-paths", action="store_true",
                         help="check /models/... paths against K3_MODELS_DIR on this host "
                         "(what `make config` does before compose mounts it)")
@@ -55,6 +59,26 @@ def write_vendor_env(path: Path, rendered) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, "# written by `k3rocm config --vendor-env-file`: vendor variables "
                       "from the shell, for compose\n" + "".join(x + "\n" for x in lines))
+
+
+def image_base_facts(image: str) -> tuple[dict | None, str]:
+    """The base facts in a local image's manifest (one short container run), or None."""
+    from k3rocm.deploy.engine import docker_client
+    from k3rocm.serving.basefacts import MANIFEST
+
+    client = docker_client(timeout=60, required=False)
+    if client is None:
+        return None, "unknown (no Docker engine)"
+    try:
+        img = client.images.get(image)
+        out = client.containers.run(img.id, entrypoint=["cat", str(MANIFEST)], remove=True,
+                                    stdout=True, stderr=False)
+        facts = json.loads(out).get("base_facts")
+    except Exception as exc:  # noqa: BLE001 - no image, an older image, no manifest
+        return None, f"unknown ({image}: {exc.__class__.__name__}; `make build` first)"
+    if not facts:
+        return None, f"unknown ({image} was built without base facts: `make build`)"
+    return facts, f"{image} ({img.id[:19]}) manifest"
 
 
 def settings_table() -> str:
@@ -85,7 +109,23 @@ def run(args: argparse.Namespace) -> int:
         for prefix in KNOWN_PREFIXES:
             print(f"{prefix + '*':<30} reserved (tests and the client container)")
         return 0
-    rendered = render(dotenv=args.env_file, host_paths=args.host_paths)
+    base_line = None
+    if args.base_facts:
+        from k3rocm.errors import UsageError
+
+        plain = render(dotenv=args.env_file, host_paths=args.host_paths)
+        facts, where = image_base_facts(plain.settings.image)
+        if facts is None:
+            base_line = f"base facts: {where}; the server checks them at start"
+            rendered = plain
+        else:
+            try:
+                rendered = render(dotenv=args.env_file, host_paths=args.host_paths, base=facts)
+            except UsageError as exc:
+                raise UsageError(f"{exc} [base facts from {where}]") from None
+            rendered.base["facts_from"] = where
+    else:
+        rendered = render(dotenv=args.env_file, host_paths=args.host_paths)
     if args.vendor_env_file:
         write_vendor_env(Path(args.vendor_env_file), rendered)
     if args.make_dirs:
@@ -109,4 +149,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {key:<30} {value!s:<40} [{rendered.sources.get(key, '')}]")
     print("argv:")
     print("  " + " \\\n    ".join(rendered.argv))
+    if base_line:
+        print(base_line)
+    elif rendered.base is not None:
+        b, r = rendered.base, rendered.base["decode_route"]
+        print(f"base: vLLM {b['vllm_version']}, {b['heads_per_rank']} MLA heads/rank, decode "
+              f"route {r['route']} ({r['why']}); facts from {b['facts_from']}")
+        for note in b["notes"]:
+            print(f"  {note}")
     return 0

@@ -187,6 +187,25 @@ def check_docker(client, err: str | None, settings) -> list[Check]:
     return out
 
 
+def check_base(settings, environ, dotenv) -> Check:
+    """The serving image's base facts against these settings (what `k3rocm serve` will do)."""
+    from k3rocm.deploy.config_cmd import image_base_facts
+    from k3rocm.serving.config import render
+
+    facts, where = image_base_facts(settings.image)
+    if facts is None:
+        return Check("base facts", "warn", where, "`make build`; the server checks at start")
+    try:
+        r = render(environ, dotenv, host_paths=True, check_model=False, base=facts)
+    except UsageError as exc:
+        return Check("base facts", "fail", str(exc).split(";")[0], str(exc).split("; ", 1)[-1])
+    b = r.base
+    changed = [n.split(" (")[0] for n in b["notes"] if n.startswith(("K3_", "graphs:"))]
+    return Check("base facts", "ok", f"vLLM {b['vllm_version']}, {b['heads_per_rank']} heads/"
+                 f"rank: decode route {b['decode_route']['route']}" +
+                 (f"; at start: {', '.join(changed)}" if changed else ""))
+
+
 def port_free(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -298,6 +317,7 @@ def run_checks(environ=None, dotenv: str = ".env") -> list[Check]:
               check_checkpoint(settings)]
     client, err = _docker()
     checks += check_docker(client, err, settings)
+    checks.append(check_base(settings, environ, dotenv))
     if s.mode == "single":
         port = check_port("API port", settings.bind_address, settings.port,
                           "stop what listens there (`make down`) or change K3_PORT")

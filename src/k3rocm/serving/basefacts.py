@@ -247,8 +247,8 @@ def route(facts: dict[str, Any], heads: int, kv_dtype: str, qlen: int = 1) -> di
         return {"route": "unknown", "fp8_query_ok": None, "why": "decode route unknown"}
     if not aware:
         return {"route": "gluon", "fp8_query_ok": False,
-                "why": f"{heads} heads < 16 and query length 1: AITER's Gluon kernel for every "
-                       "KV dtype (use_gluon_decode has no dtype argument); it asserts a bf16 "
+                "why": "decode goes to AITER's Gluon kernel for every KV dtype "
+                       "(use_gluon_decode has no dtype argument), and Gluon asserts a bf16 "
                        "query (aiter/ops/triton/gluon/mla_gluon.py)"}
     if fp8:
         return {"route": "asm-padded", "fp8_query_ok": True,
@@ -307,8 +307,8 @@ def check(s: Any, sources: dict[str, str], facts: dict[str, Any] | None,
         unk = [q for q in qlens if route(facts, heads, kv, q)["fp8_query_ok"] is None]
         if bad:
             q, r = bad[0]
-            what = (f"vLLM {ver} at {heads} heads/rank, query length {q}: {r['why']}, but an "
-                    f"fp8 KV cache makes the MLA layer quantize the query to fp8")
+            what = (f"vLLM {ver}, {heads} heads/rank, query length {q}: {r['why']}; an fp8 KV "
+                    "cache makes the MLA layer quantize the query to fp8")
             if _explicit(sources, "K3_KV_CACHE_DTYPE"):
                 raise BaseRefusal(
                     f"K3_KV_CACHE_DTYPE={kv} cannot serve on this base ({what}); use "
