@@ -40,8 +40,13 @@ def test_print_inside_the_image_matches_the_host_render(docker_client, server_im
     # inside, the image's own environment (ENV lines of the base) is part of the process env
     image_env = dict(kv.split("=", 1) for kv in
                      docker_client.images.get(server_image).attrs["Config"]["Env"] or [])
+    # and so are the base facts the image build recorded (the entrypoint applies them)
+    facts = json.loads(_run(docker_client, server_image, ["manifest", "show"],
+                            entrypoint=["k3rocm"]))["base_facts"]
     host = render(environ={**image_env, **env}, dotenv=None,
-                  passthrough=["--seed", "3"]).to_json()
+                  passthrough=["--seed", "3"], base=facts).to_json()
+    assert out["base"].pop("facts_from") == "/opt/k3rocm/manifest.json (measured at image build)"
+    host["base"].pop("facts_from")
     assert out == host
 
 
