@@ -296,27 +296,76 @@ def redact_argv(argv: list[str] | None, secrets: list[str | None] = ()) -> list[
     return out
 
 
-_DOTENV_LINE = re.compile(r"^\s*(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(.*?)\s*$")
+_DOTENV_KEY = re.compile(r"\s*(?:export\s+)?([A-Za-z_][A-Za-z0-9_.-]*)\s*=[ \t]*")
+_DOTENV_VAR = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?+])([^}]*))?\}|"
+                         r"([A-Za-z_][A-Za-z0-9_]*))")
+_DQ_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", '"': '"', "\\": "\\", "$": "$"}
+
+
+def _interpolate(value: str, known: Mapping[str, str]) -> str:
+    """``${VAR}``, ``$VAR``, ``${VAR:-default}``, ``${VAR-default}``, as Compose does in .env
+    (earlier keys of the file, then the process environment; unset = empty)."""
+    def sub(m: re.Match) -> str:
+        name = m.group(1) or m.group(4)
+        val = known.get(name, os.environ.get(name))
+        op, alt = m.group(2), m.group(3) or ""
+        if op == ":-" and not val or op == "-" and val is None:
+            return alt
+        if op == ":+" and val or op == "+" and val is not None:
+            return alt
+        return val or ""
+    return _DOTENV_VAR.sub(sub, value)
 
 
 def read_dotenv(path: str | os.PathLike) -> dict[str, str]:
-    """Read ``KEY=VALUE`` lines (``#`` comments, optional quotes, ``export``). Missing file: {}."""
+    """Read a ``.env`` file the way Docker Compose reads it (compose-go's dotenv): ``#``
+    comments, ``export``, single quotes literal, double quotes with ``\\n``-style escapes and
+    multi-line values, a comment after a closing quote, unquoted values cut at `` #`` and
+    trimmed, ``${VAR}`` interpolation outside single quotes. ``tests/test_dotenv.py`` compares
+    every rule with ``docker compose config``. Missing file: {}."""
     p = Path(path)
     if not p.is_file():
         return {}
-    out: dict[str, str] = {}
-    for n, line in enumerate(p.read_text().splitlines(), 1):
+    text, out, pos, n = p.read_text(), {}, 0, 0
+    while pos < len(text):
+        eol = text.find("\n", pos)
+        eol = len(text) if eol < 0 else eol
+        line = text[pos:eol]
+        n += 1
         if not line.strip() or line.lstrip().startswith("#"):
+            pos = eol + 1
             continue
-        m = _DOTENV_LINE.match(line)
+        m = _DOTENV_KEY.match(line)
         if not m:
             raise UsageError(f"{p}:{n}: cannot parse {line.strip()!r}; expected KEY=VALUE")
-        key, value = m.groups()
-        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
-            value = value[1:-1]
-        elif " #" in value:
-            value = value.split(" #", 1)[0].rstrip()
-        out[key] = value
+        key, at = m.group(1), pos + m.end()
+        quote = text[at:at + 1]
+        if quote in ("'", '"'):
+            close, i, buf = -1, at + 1, []
+            while i < len(text):
+                c = text[i]
+                if c == "\\" and quote == '"' and i + 1 < len(text):
+                    buf.append(_DQ_ESCAPES.get(text[i + 1], "\\" + text[i + 1]))
+                    i += 2
+                    continue
+                if c == quote:
+                    close = i
+                    break
+                buf.append(c)
+                i += 1
+            if close < 0:
+                raise UsageError(f"{p}:{n}: {key}: the {quote} quote is never closed")
+            value = "".join(buf)
+            n += text.count("\n", at, close)
+            eol = text.find("\n", close)
+            eol = len(text) if eol < 0 else eol
+            out[key] = value if quote == "'" else _interpolate(value, out)
+        else:
+            value = text[at:eol]
+            cut = re.search(r"\s#", value)
+            value = (value[:cut.start()] if cut else value).strip()
+            out[key] = _interpolate(value, out)
+        pos = eol + 1
     return out
 
 
