@@ -191,3 +191,17 @@ def test_status_reads_decision_records():
     assert len(overlay.read_decisions(data / "records" / "server-on.log")) == 4
     with pytest.raises(UsageError, match="not valid JSON"):
         overlay.read_decisions(data / "records" / "server-bad-json.log")
+
+
+def test_status_json_with_decisions_is_one_document(site, capsys):
+    """`overlay status --json --decisions` printed two JSON documents (status, then status
+    with decisions): one parseable document with both."""
+    import argparse
+
+    data = REPO / "tests" / "data" / "census" / "records" / "server-on.log"
+    p = argparse.ArgumentParser()
+    overlay.add_arguments(p)
+    args = p.parse_args(["status", "--json", "--site", str(site), "--decisions", str(data)])
+    overlay.run(args)
+    doc = json.loads(capsys.readouterr().out)  # raises "Extra data" on two documents
+    assert len(doc["decisions"]) == 4 and "vllm_version" in doc

@@ -257,7 +257,10 @@ def test_decision_records(rocm, monkeypatch, tmp_path, vctx):
             if r["fusions"]["qk_norm"]["reason"] == "K3_FUSE_QK_NORM=0"]
     assert [r["phase"] for r in recs] == ["construct", "load"]
     assert recs[0]["fusions"]["decode_qprep"]["state"] == "needs-model"
-    final = overlay_runtime.final_decisions(recs)[(os.getpid(), "target")]
+    from k3rocm.serving.decisions import final_in_log
+
+    log = "\n".join("INFO " + overlay_runtime.DECISION_MARKER + json.dumps(r) for r in recs)
+    final = final_in_log(log)[(os.getpid(), "target")]
     assert final["fusions"] == {
         "qk_norm": {"state": "off", "reason": "K3_FUSE_QK_NORM=0"},
         "decode_qprep": {"state": "on", "reason": final["fusions"]["decode_qprep"]["reason"]}}

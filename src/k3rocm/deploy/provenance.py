@@ -127,13 +127,12 @@ def collect_provenance(url: str, api_key: str | None, client=None, container=Non
         prov["overlay_manifest_note"] = f"{MANIFEST_PATH} not readable in the server container"
     prov["fusion_toggles"] = {k: env.get(k, "unset (default on)") for k in FUSION_ENV}
     try:
-        from k3rocm.serving.overlay_runtime import final_decisions, parse_decision_line
+        from k3rocm.serving.decisions import final_in_log
 
-        logs = container.logs().decode(errors="replace").splitlines()
-        records = [r for r in map(parse_decision_line, logs) if r is not None]
+        final = final_in_log(container.logs().decode(errors="replace"), "server log")
         prov["fusion_decisions"] = [
             {k: r.get(k) for k in ("pid", "tp_rank", "layer_kind", "phase", "fusions")}
-            for r in final_decisions(records).values()]
+            for r in final.values()]
     except Exception:  # noqa: BLE001 - provenance is best effort
         prov["fusion_decisions"] = []
     return prov

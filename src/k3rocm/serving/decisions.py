@@ -92,6 +92,22 @@ def parse_record(obj: Any, where: str, order: int = 0) -> Record:
                   where, order, obj)
 
 
+def final_in_log(text: str, source: str = "log") -> dict[tuple[int, str], dict[str, Any]]:
+    """Final raw record per (pid, layer kind) in a server log; lines that are not valid
+    records are skipped (provenance and status are best effort)."""
+    recs = []
+    for line in text.splitlines():
+        i = line.find(MARKER)
+        if i < 0:
+            continue
+        try:
+            recs.append(parse_record(json.loads(line[i + len(MARKER):].strip()), source,
+                                     len(recs)))
+        except (ValueError, UsageError):
+            continue
+    return {k: r.raw for k, r in final_decisions(recs).items()}
+
+
 def records_from_log(text: str, source: str) -> list[Record]:
     out = []
     for n, line in enumerate(text.splitlines(), 1):

@@ -394,9 +394,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if cmd == "status":
         st = status(site=args.site)
-        if args.json:
-            print(json.dumps(st, indent=2, sort_keys=True))
-        else:
+        if not args.json:
             for k in ("vllm_version", "vllm_path", "amd_mla", "anchor", "manifest",
                       "verified", "plugin_registered"):
                 print(f"{k}: {st.get(k)}")

@@ -260,11 +260,3 @@ def parse_decision_line(line: str) -> dict[str, Any] | None:
     except ValueError:
         return None
     return rec if isinstance(rec, dict) and rec.get("schema") == DECISION_SCHEMA else None
-
-
-def final_decisions(records: list[dict[str, Any]]) -> dict[tuple[int, str], dict[str, Any]]:
-    """The last record of each (pid, layer kind): "load" supersedes "construct"."""
-    out: dict[tuple[int, str], dict[str, Any]] = {}
-    for rec in records:
-        out[(int(rec.get("pid", -1)), str(rec.get("layer_kind", "target")))] = rec
-    return out

@@ -56,9 +56,9 @@ def _get(url: str, timeout: float = HTTP_TIMEOUT, api_key: str | None = None):
 
 def parse_decisions(log_text: str) -> dict[tuple[Any, Any], dict[str, Any]]:
     """Last decision record per (pid, layer_kind) from a server log ("load" supersedes)."""
-    from k3rocm.serving.overlay_runtime import final_decisions, parse_decision_line
+    from k3rocm.serving.decisions import final_in_log
 
-    return final_decisions([r for r in map(parse_decision_line, log_text.splitlines()) if r])
+    return final_in_log(log_text)
 
 
 def summarize_decisions(records: dict[tuple[Any, Any], dict[str, Any]]) -> str:
