@@ -84,6 +84,14 @@ def test_bad_input_is_one_line_exit_2(tmp_path, args, fragment):
     assert not (tmp_path / "r").exists()  # nothing started, no run directory
 
 
+def test_no_docker_engine_is_exit_3(tmp_path):
+    """The exit-code table: no Docker engine is a server/engine problem (3), not bad input."""
+    p = run_cli("demo", "--results", str(tmp_path / "r"),
+                env={"DOCKER_HOST": f"unix://{tmp_path}/no-engine.sock"})
+    assert p.returncode == 3, p.stdout + p.stderr
+    assert "no Docker engine answers" in p.stderr and "Traceback" not in p.stderr
+
+
 @pytest.mark.parametrize("args", [[], ["everything"]])
 def test_setup_script_needs_ci_or_demo(args):
     p = subprocess.run(["bash", str(REPO / ".ci" / "setup.sh"), *args], capture_output=True,

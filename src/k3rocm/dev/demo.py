@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from k3rocm.errors import UsageError
+from k3rocm.errors import ServerError, UsageError
 from k3rocm.rundir import create_run_dir, write_json_atomic, write_text_atomic
 
 REPO = Path(__file__).resolve().parents[3]
@@ -285,8 +285,8 @@ def _docker_ok(env: dict[str, str]) -> str:
         p = None
     if p is None or p.returncode != 0:
         where = env.get("DOCKER_HOST") or "the default socket"
-        raise UsageError(f"no Docker engine answers at {where}: run `bash .ci/demo` (starts a "
-                         "private one) or start Docker")
+        raise ServerError(f"no Docker engine answers at {where}: run `bash .ci/demo` (starts "
+                          "a private one) or start Docker")
     engine = p.stdout.strip()
     p = subprocess.run(["docker", "compose", "version", "--short"], env=env,
                        capture_output=True, text=True, timeout=30)
