@@ -30,6 +30,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                   "what this node has and needs, one table (exit 1: a fail)"),
     "model": ("k3rocm.deploy.checkpoint",
               "download Kimi-K3 at a pinned revision, or verify a copy"),
+    "selftest": ("k3rocm.deploy.selftest_model",
+                 "before the full load: `selftest model` cuts a small Kimi-K3-shaped checkpoint"),
     "server": ("k3rocm.deploy.lifecycle", "the compose server: up, wait, logs, provenance, down"),
     "scale": ("k3rocm.deploy.scale.cli",
               "scale out: replicas behind vllm-router, renderings, status"),
