@@ -201,11 +201,12 @@ ITEM = {"BF16": 2, "F32": 4, "U8": 1}
 
 
 def write_checkpoint(d: Path, cfg: dict | None = None, shards: int = 4,
-                     fill: int | None = None) -> dict:
+                     fill: int | None = None, data: bool = True) -> dict:
     """Write a checkpoint (config, index with weight_map, ``shards`` shards, tokenizer files).
 
     Data bytes are ``fill`` repeated (default: a byte pattern); the tests truncate or poison
-    them to prove the slicer never reads them. Returns the config."""
+    them to prove the slicer never reads them; ``data=False`` writes the headers only (a
+    full-size layout in a few MB). Returns the config."""
     cfg = cfg or small_config()
     d.mkdir(parents=True, exist_ok=True)
     specs = tensors(cfg)
@@ -226,9 +227,9 @@ def write_checkpoint(d: Path, cfg: dict | None = None, shards: int = 4,
         text += b" " * (-len(text) % 8)
         with open(d / fname, "wb") as fh:
             fh.write(len(text).to_bytes(8, "little") + text)
-            data = (np.full(off, fill, np.uint8) if fill is not None
-                    else (np.arange(off) % 251).astype(np.uint8))
-            fh.write(data.tobytes())
+            if data:
+                fh.write((np.full(off, fill, np.uint8) if fill is not None
+                          else (np.arange(off) % 251).astype(np.uint8)).tobytes())
     total = sum(math.prod(s) * ITEM[dt] for dt, s in specs.values())
     (d / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": wmap}))
