@@ -31,7 +31,8 @@ first_k_dense_replace and i % moe_layer_freq == 0`` (``vllm/models/kimi_k3/amd/l
 (``vllm/model_executor/models/utils.py`` ``get_spec_layer_idx_from_weight_name``).
 
 Output is atomic: written to a hidden temporary directory beside ``OUT`` and renamed at the end;
-an existing ``OUT`` is never touched. Exit codes: 0 written, 2 bad input (nothing written).
+an existing ``OUT`` is never touched. Exit codes: 0 written, 2 bad input (nothing written),
+130 interrupted (nothing written).
 """
 
 from __future__ import annotations
@@ -495,19 +496,17 @@ def _tool_version() -> str:
     return f"k3rocm {__version__}"
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.description = ("Checks of the real serving path before the 1.5 TB load. `model`: cut a "
-                     "small Kimi-K3-shaped checkpoint from the operator's own one.")
-    sub = p.add_subparsers(dest="what", metavar="WHAT", required=True)
-    m = sub.add_parser(
-        "model", help="write a small Kimi-K3-shaped checkpoint (few layers and experts)",
-        description="Cut a small checkpoint with the real tensor names, dtypes, shapes and "
-        "quantization layout from a Kimi-K3 checkpoint, reading only config.json, the "
-        "safetensors index and the shard headers (values are random). Keeps layers in the real "
-        "order (at least one MLA and one KDA layer), the MTP layer, and the first experts; "
-        "writes OUT atomically.")
-    m.add_argument("source", type=Path, help="the Kimi-K3 checkpoint directory")
-    m.add_argument("out", type=Path, help="new directory for the slice (must not exist)")
+DEFAULT_OUT = "Kimi-K3-selftest"  # beside the checkpoint, under K3_MODELS_DIR
+
+
+def add_arguments(m: argparse.ArgumentParser) -> None:
+    """``k3rocm selftest model``'s flags."""
+    m.add_argument("source", type=Path, nargs="?", default=None,
+                   help="the Kimi-K3 checkpoint directory (default: the deployment's K3_MODEL "
+                   "on this host)")
+    m.add_argument("out", type=Path, nargs="?", default=None,
+                   help=f"new directory for the slice, must not exist (default: "
+                   f"<K3_MODELS_DIR>/{DEFAULT_OUT})")
     m.add_argument("--layers", default=None,
                    help="source decoder layers to keep, 0-based, comma-separated (default: the "
                    "shortest prefix with an MLA, a KDA and a MoE layer)")
@@ -517,15 +516,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--seed", type=int, default=0, help="seed of the random values (default 0)")
     m.add_argument("--shard-gb", type=float, default=5.0,
                    help="largest output shard in GB (default 5)")
+    m.add_argument("--env-file", default=".env",
+                   help="settings file for the defaults (default .env)")
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.what != "model":
-        raise UsageError(f"unknown selftest step {args.what!r}")
     if args.shard_gb <= 0:
         raise UsageError("--shard-gb must be > 0")
-    s = make_slice(args.source, args.out, args.layers, args.experts, not args.no_mtp,
-                   args.seed, args.shard_gb)
+    src, out = args.source, args.out
+    if src is None or out is None:
+        from k3rocm.deploy.deployment import load_deployment
+
+        dep = load_deployment(env_file=args.env_file)
+        if src is None and dep.model_host_dir is None:
+            raise UsageError(f"K3_MODEL={dep.model} is not a directory on this host: name the "
+                             "checkpoint directory (k3rocm selftest model SRC OUT)")
+        src = src or dep.model_host_dir
+        out = out or dep.models_dir / DEFAULT_OUT
+    s = make_slice(src, out, args.layers, args.experts, not args.no_mtp, args.seed,
+                   args.shard_gb)
     layers = ", ".join(f"{x['source']}->{x['slice']} {x['kind']}" for x in s["layers"])
     mtp = ", ".join(f"{x['source']}->{x['slice']}" for x in s["mtp_layers"]) or "none"
     print(f"wrote {s['out']}: {s['tensors']} of {s['source_tensors']} tensors, "
