@@ -230,6 +230,20 @@ def test_bad_input_is_one_line_exit_2(src, tmp_path, capsys):
     assert "linear_attn_config" in _bad(tmp_path, capsys, [str(plain), o])
 
 
+def test_packed_mx_dtypes_round_trip(tmp_path):
+    """safetensors' packed OCP MX dtypes (F4: two e2m1 per byte, F6) and E8M0 are written as
+    the safetensors library reads them."""
+    specs = [sm.Tensor("w.weight", "F4", (4, 64)), sm.Tensor("w.weight_scale", "F8_E8M0", (4, 2)),
+             sm.Tensor("v.weight", "F6_E2M3", (2, 32))]
+    path = tmp_path / "x.safetensors"
+    sm.write_shard(path, [(t, t) for t in specs], tmp_path, seed=1)
+    with safe_open(path, framework="np") as f:
+        got = {k: (f.get_slice(k).get_dtype(), f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+    assert got == {t.name: (t.dtype, list(t.shape)) for t in specs}
+    assert [t.nbytes for t in specs] == [128, 8, 48]
+    assert sm.read_header(path)["w.weight"].nbytes == 128
+
+
 def test_help():
     with pytest.raises(SystemExit) as e:
         cli.main(["selftest", "model", "--help"])

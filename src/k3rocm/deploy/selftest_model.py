@@ -4,11 +4,11 @@ Reads the source checkpoint's ``config.json``, ``model.safetensors.index.json`` 
 ``weight_map``) and the *headers* of the shards that hold the kept tensors (a safetensors file
 starts with an 8-byte little-endian header length and a JSON header: names, dtypes, shapes,
 offsets). The ~1.5 TB of tensor data is never read: the slice gets fresh random values in the
-source's dtypes, shapes and quantization layout (MXFP4 packed ``uint8`` weights keep random
-nibbles, all of which are finite e2m1 values; their E8M0 ``*scale`` bytes are finite powers of
-two; fp8 bytes never hit a NaN/inf code; norm weights are 1). Integer tensors, which can carry
-shapes or indices, are the one exception: their bytes are copied (read at their offsets) when
-small, and the count of bytes read is reported.
+source's dtypes, shapes and quantization layout (MXFP4 packed ``uint8`` or ``F4`` weights
+keep random nibbles, all of which are finite e2m1 values; their E8M0 ``*scale`` bytes are
+finite powers of two; fp8 bytes never hit a NaN/inf code; norm weights are 1). Integer
+tensors, which can carry shapes or indices, are the one exception: up to 1 MB they are copied
+(read at their offsets); larger ones are written as zeros.
 
 What is kept:
 
@@ -59,10 +59,14 @@ MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit for the JSON header
 COPY_LIMIT = 1024 * 1024  # integer tensors up to this size are copied, not invented
 CHUNK = 1 << 24  # elements generated per step (bounded memory for 2 GB embeddings)
 
-# safetensors dtype -> bytes per element (safetensors format, `Dtype` in safetensors/src/tensor.rs)
-DTYPES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
-          "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4,
-          "I64": 8, "U64": 8, "F64": 8}
+# safetensors dtype -> bits per element (safetensors' `Dtype`, safetensors/src/tensor.rs; F4 and
+# F6 are packed: the header's shape counts elements)
+DTYPES = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E4M3": 8, "F8_E5M2": 8, "F8_E8M0": 8,
+          "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
+          "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32,
+          "I64": 64, "U64": 64, "F64": 64}
+# OCP MX element formats: every bit pattern is a finite number (no inf/NaN encodings)
+PACKED = {"F4", "F6_E2M3", "F6_E3M2"}
 INTEGER = {"BOOL", "I8", "I16", "U16", "I32", "U32", "I64", "U64"}
 
 # A decoder layer's tensor: <prefix>layers.<i>.<rest> with the text model's prefix (the
@@ -86,7 +90,7 @@ class Tensor:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * DTYPES[self.dtype]
+        return (math.prod(self.shape) * DTYPES[self.dtype] + 7) // 8
 
 
 def read_header(path: Path) -> dict[str, Tensor]:
@@ -296,6 +300,10 @@ def _values(t: Tensor, src: Tensor, src_dir: Path, seed: int) -> Any:
         yield data
         return
     rng = np.random.default_rng([seed, zlib.crc32(t.name.encode())])
+    if t.dtype in PACKED:
+        for start in range(0, t.nbytes, CHUNK):
+            yield rng.bytes(min(CHUNK, t.nbytes - start))
+        return
     leaf = t.name.rsplit(".", 1)[-1]
     is_scale = "scale" in leaf or t.name.endswith("_scale")
     is_norm = t.name.endswith(("norm.weight", "layernorm.weight"))
