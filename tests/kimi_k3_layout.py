@@ -66,7 +66,10 @@ def small_config(num_layers: int = 8, num_experts: int = 16) -> dict:
             "num_attention_heads": 8,
             "num_key_value_heads": 8,
             "head_dim": 64,
-            "hidden_act": "silu",
+            # Kimi-K3 MoE is SiTU (quantization/mxfp4.py _use_k3_situ_aiter); betas assumed
+            "hidden_act": "situ",
+            "activation_situ_beta": 1.0,
+            "activation_situ_linear_beta": 1.0,
             "rms_norm_eps": 1e-5,
             "q_lora_rank": 64,
             "kv_lora_rank": 512,
