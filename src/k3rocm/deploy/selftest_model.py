@@ -339,8 +339,8 @@ def _values(t: Tensor, src: Tensor, src_dir: Path, seed: int) -> Any:
                 yield x.astype("<f4").tobytes()
 
 
-def write_shard(path: Path, tensors: list[tuple[Tensor, Tensor]], src_dir: Path, seed: int,
-                on_bytes=None) -> int:
+def write_shard(path: Path, tensors: list[tuple[Tensor, Tensor]], src_dir: Path,
+                seed: int) -> int:
     """Write one safetensors file (header, then each tensor's bytes in chunks)."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt", "producer": "k3rocm selftest"}}
     offset = 0
@@ -354,20 +354,17 @@ def write_shard(path: Path, tensors: list[tuple[Tensor, Tensor]], src_dir: Path,
         fh.write(len(text).to_bytes(8, "little"))
         fh.write(text)
         for t, src in tensors:
-            _write_values(fh, t, src, src_dir, seed, on_bytes)
+            _write_values(fh, t, src, src_dir, seed)
         fh.flush()
         os.fsync(fh.fileno())
     return 8 + len(text) + offset
 
 
-def _write_values(fh: BinaryIO, t: Tensor, src: Tensor, src_dir: Path, seed: int,
-                  on_bytes) -> None:
+def _write_values(fh: BinaryIO, t: Tensor, src: Tensor, src_dir: Path, seed: int) -> None:
     written = 0
     for chunk in _values(t, src, src_dir, seed):
         fh.write(chunk)
         written += len(chunk)
-        if on_bytes:
-            on_bytes(len(chunk))
     assert written == t.nbytes, (t.name, written, t.nbytes)
 
 
@@ -453,15 +450,13 @@ def make_slice(src: Path, out: Path, layers: str | None = None, experts: int | N
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     tmp.mkdir()
     try:
-        done = [0]
         new_map, written = {}, 0
         for k, group in enumerate(groups, 1):
             fname = f"model-{k:05d}-of-{len(groups):05d}.safetensors"
-            written += write_shard(tmp / fname, group, src, seed,
-                                   on_bytes=lambda b: done.__setitem__(0, done[0] + b))
+            written += write_shard(tmp / fname, group, src, seed)
             new_map.update({t.name: fname for t, _ in group})
             _log(f"shard {k}/{len(groups)}: {len(group)} tensors, "
-                 f"{done[0] / 1e9:.2f} of {total / 1e9:.2f} GB, {time.monotonic() - t0:.1f} s")
+                 f"{written / 1e9:.2f} of {total / 1e9:.2f} GB, {time.monotonic() - t0:.1f} s")
         (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total},
                                              "weight_map": new_map}, indent=2) + "\n")
         (tmp / CONFIG).write_text(json.dumps(p.config, indent=2) + "\n")
