@@ -31,6 +31,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                   "what this node has and needs, one table (exit 1: a fail)"),
     "model": ("k3rocm.deploy.checkpoint",
               "download Kimi-K3 at a pinned revision, or verify a copy"),
+    "selftest": ("k3rocm.deploy.selftest",
+                 "before the full load: cut a small Kimi-K3-shaped checkpoint, serve it"),
     "server": ("k3rocm.deploy.lifecycle", "the compose server: up, wait, logs, provenance, down"),
     "scale": ("k3rocm.deploy.scale.cli",
               "scale out: replicas behind vllm-router, renderings, status"),

@@ -1,0 +1,547 @@
+"""``k3rocm selftest model``: a Kimi-K3-shaped small checkpoint cut from the operator's own one.
+
+Reads the source checkpoint's ``config.json``, ``model.safetensors.index.json`` (its
+``weight_map``) and the *headers* of the shards that hold the kept tensors (a safetensors file
+starts with an 8-byte little-endian header length and a JSON header: names, dtypes, shapes,
+offsets). The ~1.5 TB of tensor data is never read: the slice gets fresh random values in the
+source's dtypes, shapes and quantization layout (MXFP4 packed ``uint8`` or ``F4`` weights
+keep random nibbles, all of which are finite e2m1 values; their E8M0 ``*scale`` bytes are
+finite powers of two; fp8 bytes never hit a NaN/inf code; norm weights are 1). Integer
+tensors, which can carry shapes or indices, are the one exception: up to 1 MB they are copied
+(read at their offsets); larger ones are written as zeros.
+
+What is kept:
+
+- decoder layers in the real order (default: the shortest prefix with at least one MLA and one
+  KDA layer, and a MoE layer if the model has experts), renumbered 0..n-1;
+- the MTP layer(s) (``num_nextn_predict_layers``), renumbered to follow the kept layers, unless
+  ``--no-mtp``;
+- the first ``--experts`` routed experts of every MoE layer (already contiguous: their names
+  keep their numbers); the router (``...gate.weight``, ``...gate.e_score_correction_bias``) is
+  cut to those rows;
+- everything outside the decoder layers unchanged (embeddings, final norm, lm_head, vision
+  tower, projector) and every other top-level file (tokenizer, chat template, remote code).
+
+The new ``config.json`` has the matching layer, KDA/MLA, dense/MoE, MTP and expert counts and a
+``k3rocm_slice`` key that records what was cut and from what. Layer kinds follow vLLM 0.27.1:
+``KimiLinearConfig.is_kda_layer`` (``vllm/transformers_utils/configs/kimi_linear.py``: layer
+``i`` is KDA when ``i + 1`` is in ``linear_attn_config.kda_layers``), MoE when ``i >=
+first_k_dense_replace and i % moe_layer_freq == 0`` (``vllm/models/kimi_k3/amd/linear.py``,
+``KimiDecoderLayer``), MTP layers numbered from ``num_hidden_layers``
+(``vllm/model_executor/models/utils.py`` ``get_spec_layer_idx_from_weight_name``).
+
+Output is atomic: written to a hidden temporary directory beside ``OUT`` and renamed at the end;
+an existing ``OUT`` is never touched. Exit codes: 0 written, 2 bad input (nothing written),
+130 interrupted (nothing written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import sys
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from k3rocm.errors import UsageError
+
+INDEX = "model.safetensors.index.json"
+CONFIG = "config.json"
+SLICE_KEY = "k3rocm_slice"
+MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit for the JSON header
+COPY_LIMIT = 1024 * 1024  # integer tensors up to this size are copied, not invented
+CHUNK = 1 << 24  # elements generated per step (bounded memory for 2 GB embeddings)
+
+# safetensors dtype -> bits per element (safetensors' `Dtype`, safetensors/src/tensor.rs; F4 and
+# F6 are packed: the header's shape counts elements)
+DTYPES = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E4M3": 8, "F8_E5M2": 8, "F8_E8M0": 8,
+          "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
+          "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32,
+          "I64": 64, "U64": 64, "F64": 64}
+# OCP MX element formats: every bit pattern is a finite number (no inf/NaN encodings)
+PACKED = {"F4", "F6_E2M3", "F6_E3M2"}
+INTEGER = {"BOOL", "I8", "I16", "U16", "I32", "U32", "I64", "U64"}
+
+# A decoder layer's tensor: <prefix>layers.<i>.<rest> with the text model's prefix (the
+# multimodal checkpoint's ``language_model.model.layers.{i}.``, the ``language_model.layers.``
+# form vLLM's Kimi-K3 WeightsMapper also maps, or a text-only ``model.layers.``).
+LAYER_RE = re.compile(r"^(language_model\.(?:model\.)?|model\.)layers\.(\d+)\.(.+)$")
+EXPERT_RE = re.compile(r"(?:^|\.)experts\.(\d+)\.")
+
+
+def _log(msg: str) -> None:
+    print(f"[selftest-model] {msg}", file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    shard: str = ""
+    start: int = 0  # absolute byte offset of the data in the source shard
+
+    @property
+    def nbytes(self) -> int:
+        return (math.prod(self.shape) * DTYPES[self.dtype] + 7) // 8
+
+
+def read_header(path: Path) -> dict[str, Tensor]:
+    """The tensors a safetensors file declares, from its header only (reads 8 + N bytes)."""
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read(8)
+            if len(raw) != 8:
+                raise UsageError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+            n = int.from_bytes(raw, "little")
+            if not 2 <= n <= MAX_HEADER:
+                raise UsageError(f"{path}: not a safetensors file (header length {n})")
+            text = fh.read(n)
+    except OSError as exc:
+        raise UsageError(f"cannot read shard {path}: {exc.strerror or exc}") from None
+    try:
+        header = json.loads(text)
+    except ValueError:
+        raise UsageError(f"{path}: safetensors header is not valid JSON") from None
+    if len(text) != n or not isinstance(header, dict):
+        raise UsageError(f"{path}: truncated safetensors header")
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape = info["dtype"], tuple(int(d) for d in info["shape"])
+            begin, end = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise UsageError(f"{path}: bad header entry for {name!r}") from None
+        if dtype not in DTYPES:
+            raise UsageError(f"{path}: tensor {name!r} has dtype {dtype}, which this slicer does "
+                             f"not know (known: {', '.join(DTYPES)})")
+        t = Tensor(name, dtype, shape, path.name, 8 + n + begin)
+        if end - begin != t.nbytes:
+            raise UsageError(f"{path}: tensor {name!r} spans {end - begin} bytes, its shape "
+                             f"{list(shape)} x {dtype} needs {t.nbytes}")
+        out[name] = t
+    return out
+
+
+# --- the config: which layers are what ---------------------------------------------------------
+
+def text_config(cfg: dict) -> dict:
+    """The kimi_linear part of a config: ``text_config`` of a kimi_k3 config, else the config."""
+    tc = cfg.get("text_config")
+    return tc if isinstance(tc, dict) else cfg
+
+
+def is_kda(tc: dict, i: int) -> bool:
+    lac = tc.get("linear_attn_config") or {}
+    return (i + 1) in (lac.get("kda_layers") or [])
+
+
+def is_moe(tc: dict, i: int) -> bool:
+    return (tc.get("num_experts") is not None and i >= int(tc.get("first_k_dense_replace", 0))
+            and i % int(tc.get("moe_layer_freq", 1)) == 0)
+
+
+def kind(tc: dict, i: int) -> str:
+    return ("KDA" if is_kda(tc, i) else "MLA") + ("+MoE" if is_moe(tc, i) else "+dense")
+
+
+def default_layers(tc: dict) -> list[int]:
+    """The shortest prefix of layers with an MLA layer, a KDA layer and (MoE models) a MoE one."""
+    n = int(tc["num_hidden_layers"])
+    for j in range(n):
+        kept = range(j + 1)
+        if (any(is_kda(tc, i) for i in kept) and any(not is_kda(tc, i) for i in kept)
+                and (tc.get("num_experts") is None or any(is_moe(tc, i) for i in kept))):
+            return list(kept)
+    raise UsageError("the source config has no layer mix to keep (it needs at least one MLA and "
+                     "one KDA layer: text_config.linear_attn_config.kda_layers)")
+
+
+def parse_layers(spec: str | None, tc: dict) -> list[int]:
+    if spec is None:
+        return default_layers(tc)
+    n = int(tc["num_hidden_layers"])
+    try:
+        layers = sorted({int(x) for x in spec.split(",") if x.strip()})
+    except ValueError:
+        raise UsageError(f"--layers: {spec!r} is not a comma-separated list of layer "
+                         "numbers (0-based)") from None
+    bad = [i for i in layers if not 0 <= i < n]
+    if not layers or bad:
+        raise UsageError(f"--layers: {bad or spec!r} not in 0..{n - 1}")
+    return layers
+
+
+@dataclass
+class Plan:
+    layer_map: dict[int, int]  # old decoder/MTP layer index -> new
+    experts: int | None  # routed experts kept per MoE layer (None: no MoE)
+    config: dict  # the new config.json
+    record: dict  # what was cut (config[SLICE_KEY])
+
+
+def plan(cfg: dict, layers: list[int], experts: int | None, keep_mtp: bool) -> Plan:
+    """Decide the slice and write its config. Refuses (exit 2) a cut vLLM would read as other
+    layer kinds than the source's."""
+    new_cfg = json.loads(json.dumps(cfg))
+    tc, ntc = text_config(cfg), text_config(new_cfg)
+    n_old = int(tc["num_hidden_layers"])
+    if not any(is_kda(tc, i) for i in layers) or all(is_kda(tc, i) for i in layers):
+        kinds = ", ".join(f"{i}:{kind(tc, i)}" for i in layers)
+        raise UsageError(f"--layers must keep at least one MLA and one KDA layer; got {kinds}")
+    n_mtp = int(tc.get("num_nextn_predict_layers") or 0) if keep_mtp else 0
+    layer_map = {old: new for new, old in enumerate(layers)}
+    layer_map.update({n_old + k: len(layers) + k for k in range(n_mtp)})
+
+    ntc["num_hidden_layers"] = len(layers)
+    ntc["num_nextn_predict_layers"] = n_mtp
+    lac = ntc.get("linear_attn_config")
+    if isinstance(lac, dict):
+        lac["kda_layers"] = [layer_map[i] + 1 for i in layers if is_kda(tc, i)]
+        lac["full_attn_layers"] = [layer_map[i] + 1 for i in layers if not is_kda(tc, i)]
+    record: dict[str, Any] = {"layers": [{"source": i, "slice": layer_map[i],
+                                          "kind": kind(tc, i)} for i in layers]}
+    if n_mtp:
+        record["mtp_layers"] = [{"source": n_old + k, "slice": len(layers) + k}
+                                for k in range(n_mtp)]
+    record["source_num_hidden_layers"] = n_old
+    record["source_num_nextn_predict_layers"] = int(tc.get("num_nextn_predict_layers") or 0)
+
+    n_exp = tc.get("num_experts")
+    if n_exp is not None:
+        n_exp, top_k = int(n_exp), int(tc.get("num_experts_per_token") or 1)
+        k = experts if experts is not None else min(n_exp, 2 * top_k)
+        if not top_k <= k <= n_exp:
+            raise UsageError(f"--experts {k}: must be between num_experts_per_token ({top_k}) "
+                             f"and num_experts ({n_exp})")
+        experts = k
+        ntc["num_experts"] = k
+        groups = int(tc.get("num_expert_group") or 1)
+        if groups > 1 and k % groups:
+            # grouped top-k needs num_experts divisible by the groups: route in one group
+            ntc["num_expert_group"], ntc["topk_group"] = 1, 1
+            record["source_num_expert_group"] = groups
+            record["source_topk_group"] = tc.get("topk_group")
+        dense = [i for i in layers if not is_moe(tc, i)]
+        ntc["first_k_dense_replace"] = len(dense)
+        record["experts"] = {"kept": list(range(k)), "source_num_experts": n_exp}
+    else:
+        experts = None
+    for old, new in layer_map.items():
+        if is_moe(tc, old) != is_moe(ntc, new):
+            raise UsageError(f"layer {old} is {'MoE' if is_moe(tc, old) else 'dense'} in the "
+                             f"source but would be {'MoE' if is_moe(ntc, new) else 'dense'} as "
+                             f"layer {new} of the slice; keep the dense layers first "
+                             f"(first_k_dense_replace={tc.get('first_k_dense_replace', 0)}, "
+                             f"moe_layer_freq={tc.get('moe_layer_freq', 1)})")
+    for c in (new_cfg, ntc):
+        q = c.get("quantization_config")
+        if isinstance(q, dict) and isinstance(q.get("ignore"), list):
+            q["ignore"] = [m for m in (_rename_module(x, layer_map) for x in q["ignore"])
+                           if m is not None]
+    new_cfg[SLICE_KEY] = record
+    return Plan(layer_map, experts, new_cfg, record)
+
+
+def _rename_module(name: str, layer_map: dict[int, int]) -> str | None:
+    """A module name (quantization ``ignore`` entry) renumbered; None when its layer is cut."""
+    m = re.search(r"(?:^|\.)layers\.(\d+)(?=\.|$)", name)
+    if name.startswith("re:") or m is None:
+        return name
+    new = layer_map.get(int(m.group(1)))
+    return None if new is None else name[:m.start(1)] + str(new) + name[m.end(1):]
+
+
+def slice_tensor(t: Tensor, p: Plan) -> Tensor | None:
+    """The slice's tensor for source tensor ``t`` (new name and shape), or None when cut."""
+    m = LAYER_RE.match(t.name)
+    if m is None:
+        return t
+    new_layer = p.layer_map.get(int(m.group(2)))
+    if new_layer is None:
+        return None
+    rest, shape = m.group(3), t.shape
+    if p.experts is not None:
+        e = EXPERT_RE.search(rest)
+        if e is not None and ".shared_experts." not in "." + rest:
+            if int(e.group(1)) >= p.experts:
+                return None
+        elif ".gate." in rest and ".shared_experts." not in "." + rest and shape:
+            shape = (p.experts, *shape[1:])  # router rows: one per expert
+    return Tensor(f"{m.group(1)}layers.{new_layer}.{rest}", t.dtype, shape, t.shard, t.start)
+
+
+# --- values ----------------------------------------------------------------------------------
+
+def _values(t: Tensor, src: Tensor, src_dir: Path, seed: int) -> Any:
+    """Yield the bytes of ``t`` in chunks: random values valid for its dtype and role."""
+    import numpy as np
+
+    numel = math.prod(t.shape)
+    if t.dtype in INTEGER:
+        if t.nbytes > COPY_LIMIT or t.shape != src.shape:
+            yield bytes(t.nbytes)
+            return
+        with open(src_dir / src.shard, "rb") as fh:
+            fh.seek(src.start)
+            data = fh.read(t.nbytes)
+        if len(data) != t.nbytes:
+            raise UsageError(f"{src_dir / src.shard}: shorter than its header says "
+                             f"(tensor {src.name})")
+        yield data
+        return
+    rng = np.random.default_rng([seed, zlib.crc32(t.name.encode())])
+    if t.dtype in PACKED:
+        for start in range(0, t.nbytes, CHUNK):
+            yield rng.bytes(min(CHUNK, t.nbytes - start))
+        return
+    leaf = t.name.rsplit(".", 1)[-1]
+    is_scale = "scale" in leaf or t.name.endswith("_scale")
+    is_norm = t.name.endswith(("norm.weight", "layernorm.weight"))
+    for start in range(0, numel, CHUNK):
+        n = min(CHUNK, numel - start)
+        if t.dtype in ("U8", "F8_E8M0"):
+            if is_scale or t.dtype == "F8_E8M0":
+                # E8M0: 2**(b - 127); 255 is NaN. 2**-4 .. 2**0
+                yield rng.integers(123, 128, n, dtype=np.uint8).tobytes()
+            else:
+                yield rng.integers(0, 256, n, dtype=np.uint8).tobytes()  # 2 e2m1 nibbles
+        elif t.dtype in ("F8_E4M3", "F8_E5M2"):
+            # clear the exponent's top bit: no inf/NaN code (|x| < 2 in e4m3fn, < 2**16 in e5m2)
+            yield (rng.integers(0, 256, n, dtype=np.uint8) & 0xBF).tobytes()
+        elif t.dtype == "BF16" and not (is_norm or is_scale):
+            # sign and 7 mantissa bits random, exponent 2**-7 .. 2**-4: |x| in [0.0078, 0.0625)
+            r = np.frombuffer(rng.bytes(2 * n), "<u2")
+            yield ((r & 0x807F) | ((0x78 + ((r >> 7) & 3)) << 7)).astype("<u2").tobytes()
+        else:
+            if is_norm:
+                x = np.ones(n, np.float32)
+            elif is_scale:
+                x = rng.uniform(0.5, 1.0, n).astype(np.float32)
+            else:
+                x = rng.standard_normal(n, dtype=np.float32) * np.float32(0.02)
+            if t.dtype == "BF16":
+                yield (x.view(np.uint32) >> 16).astype("<u2").tobytes()
+            elif t.dtype == "F16":
+                yield x.astype("<f2").tobytes()
+            elif t.dtype == "F64":
+                yield x.astype("<f8").tobytes()
+            else:
+                yield x.astype("<f4").tobytes()
+
+
+def write_shard(path: Path, tensors: list[tuple[Tensor, Tensor]], src_dir: Path,
+                seed: int) -> int:
+    """Write one safetensors file (header, then each tensor's bytes in chunks)."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", "producer": "k3rocm selftest"}}
+    offset = 0
+    for t, _ in tensors:
+        header[t.name] = {"dtype": t.dtype, "shape": list(t.shape),
+                          "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # safetensors pads the header to 8 bytes
+    with open(path, "wb") as fh:
+        fh.write(len(text).to_bytes(8, "little"))
+        fh.write(text)
+        for t, src in tensors:
+            _write_values(fh, t, src, src_dir, seed)
+        fh.flush()
+        os.fsync(fh.fileno())
+    return 8 + len(text) + offset
+
+
+def _write_values(fh: BinaryIO, t: Tensor, src: Tensor, src_dir: Path, seed: int) -> None:
+    written = 0
+    for chunk in _values(t, src, src_dir, seed):
+        fh.write(chunk)
+        written += len(chunk)
+    assert written == t.nbytes, (t.name, written, t.nbytes)
+
+
+# --- the command -----------------------------------------------------------------------------
+
+def _load_json(path: Path, what: str) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UsageError(f"{path}: missing ({what})") from None
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"{path}: not readable JSON ({what}): {exc}") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"{path}: not a JSON object ({what})")
+    return data
+
+
+def make_slice(src: Path, out: Path, layers: str | None = None, experts: int | None = None,
+               keep_mtp: bool = True, seed: int = 0, shard_gb: float = 5.0) -> dict:
+    """Write the slice of checkpoint ``src`` to ``out``; return a summary (JSON-able)."""
+    t0 = time.monotonic()
+    src, out = src.expanduser().resolve(), out.expanduser().absolute()
+    if not src.is_dir():
+        raise UsageError(f"source checkpoint {src}: not a directory")
+    if out.exists():
+        raise UsageError(f"output {out} exists; choose a new directory (nothing is overwritten)")
+    if not out.parent.is_dir():
+        raise UsageError(f"output's parent directory {out.parent} does not exist")
+    cfg = _load_json(src / CONFIG, "the checkpoint's config")
+    tc = text_config(cfg)
+    for key in ("num_hidden_layers", "linear_attn_config"):
+        if key not in tc:
+            raise UsageError(f"{src / CONFIG}: no {key} (text_config); is this a Kimi-K3 "
+                             "(kimi_k3 / kimi_linear) checkpoint?")
+    index = _load_json(src / INDEX, "the safetensors index")
+    wmap = index.get("weight_map")
+    if not isinstance(wmap, dict) or not wmap:
+        raise UsageError(f"{src / INDEX}: no weight_map")
+    p = plan(cfg, parse_layers(layers, tc), experts, keep_mtp)
+
+    kept = [n for n in sorted(wmap) if slice_tensor(Tensor(n, "U8", (1,)), p) is not None]
+    shards = sorted({wmap[n] for n in kept})
+    headers: dict[str, Tensor] = {}
+    for s in shards:
+        if not isinstance(s, str) or "/" in s or not (src / s).is_file():
+            raise UsageError(f"{src / INDEX}: weight_map names shard {s!r}, which is not there")
+        headers.update({k: v for k, v in read_header(src / s).items() if wmap.get(k) == s})
+    pairs = []
+    for name in kept:
+        if name not in headers:
+            raise UsageError(f"{src / wmap[name]}: has no tensor {name!r} (the index says so)")
+        t = slice_tensor(headers[name], p)
+        assert t is not None
+        pairs.append((t, headers[name]))
+    for layer in sorted(set(p.layer_map.values())):
+        if not any(_layer_of(t.name) == layer for t, _ in pairs):
+            raise UsageError(f"the index has no tensors for source layer "
+                             f"{[o for o, n in p.layer_map.items() if n == layer][0]}")
+    total = sum(t.nbytes for t, _ in pairs)
+    _log(f"{len(pairs)} of {len(wmap)} tensors kept ({len(shards)} shard headers read), "
+         f"{total / 1e9:.2f} GB to write")
+    free = shutil.disk_usage(out.parent).free
+    if free < total * 1.02 + (1 << 20):
+        raise UsageError(f"{out.parent}: {free / 1e9:.1f} GB free, the slice needs "
+                         f"{total / 1e9:.1f} GB")
+
+    # shards of at most shard_gb (a bigger tensor gets a shard of its own)
+    limit, groups, cur, size = int(shard_gb * 1e9), [], [], 0
+    for pair in sorted(pairs, key=lambda q: _order(q[0].name)):
+        if cur and size + pair[0].nbytes > limit:
+            groups.append(cur)
+            cur, size = [], 0
+        cur.append(pair)
+        size += pair[0].nbytes
+    if cur:
+        groups.append(cur)
+
+    p.record.update({
+        "source": str(src), "source_config_sha256": _sha256(src / CONFIG),
+        "source_index_sha256": _sha256(src / INDEX), "tensors": len(pairs),
+        "source_tensors": len(wmap), "bytes": total, "values": f"random (seed {seed})",
+        "tool": _tool_version()})
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    tmp.mkdir()
+    try:
+        new_map, written = {}, 0
+        for k, group in enumerate(groups, 1):
+            fname = f"model-{k:05d}-of-{len(groups):05d}.safetensors"
+            written += write_shard(tmp / fname, group, src, seed)
+            new_map.update({t.name: fname for t, _ in group})
+            _log(f"shard {k}/{len(groups)}: {len(group)} tensors, "
+                 f"{written / 1e9:.2f} of {total / 1e9:.2f} GB, {time.monotonic() - t0:.1f} s")
+        (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total},
+                                             "weight_map": new_map}, indent=2) + "\n")
+        (tmp / CONFIG).write_text(json.dumps(p.config, indent=2) + "\n")
+        copied = []
+        for f in sorted(src.iterdir()):
+            if (f.is_file() and f.name not in (CONFIG, INDEX) and not f.name.startswith(".")
+                    and not f.name.endswith(".safetensors")):
+                shutil.copy2(f, tmp / f.name)
+                copied.append(f.name)
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    secs = time.monotonic() - t0
+    return {"out": str(out), "tensors": len(pairs), "source_tensors": len(wmap),
+            "shards": len(groups), "bytes_written": written, "seconds": round(secs, 2),
+            "layers": p.record["layers"], "mtp_layers": p.record.get("mtp_layers", []),
+            "experts": p.experts, "files_copied": copied}
+
+
+def _layer_of(name: str) -> int | None:
+    m = LAYER_RE.match(name)
+    return int(m.group(2)) if m else None
+
+
+def _order(name: str) -> tuple:
+    """Natural order (layer 2 before layer 10), so a layer's tensors share shards."""
+    return tuple(int(x) if x.isdigit() else x for x in re.split(r"(\d+)", name))
+
+
+def _sha256(path: Path) -> str:
+    from k3rocm.hashing import sha256_file
+
+    return sha256_file(path)
+
+
+def _tool_version() -> str:
+    from k3rocm import __version__
+
+    return f"k3rocm {__version__}"
+
+
+DEFAULT_OUT = "Kimi-K3-selftest"  # beside the checkpoint, under K3_MODELS_DIR
+
+
+def add_arguments(m: argparse.ArgumentParser) -> None:
+    """``k3rocm selftest model``'s flags."""
+    m.add_argument("source", type=Path, nargs="?", default=None,
+                   help="the Kimi-K3 checkpoint directory (default: the deployment's K3_MODEL "
+                   "on this host)")
+    m.add_argument("out", type=Path, nargs="?", default=None,
+                   help=f"new directory for the slice, must not exist (default: "
+                   f"<K3_MODELS_DIR>/{DEFAULT_OUT})")
+    m.add_argument("--layers", default=None,
+                   help="source decoder layers to keep, 0-based, comma-separated (default: the "
+                   "shortest prefix with an MLA, a KDA and a MoE layer)")
+    m.add_argument("--experts", type=int, default=None,
+                   help="routed experts kept per MoE layer (default: 2 x num_experts_per_token)")
+    m.add_argument("--no-mtp", action="store_true", help="drop the MTP layer(s)")
+    m.add_argument("--seed", type=int, default=0, help="seed of the random values (default 0)")
+    m.add_argument("--shard-gb", type=float, default=5.0,
+                   help="largest output shard in GB (default 5)")
+    m.add_argument("--env-file", default=".env",
+                   help="settings file for the defaults (default .env)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.shard_gb <= 0:
+        raise UsageError("--shard-gb must be > 0")
+    src, out = args.source, args.out
+    if src is None or out is None:
+        from k3rocm.deploy.deployment import load_deployment
+
+        dep = load_deployment(env_file=args.env_file)
+        if src is None and dep.model_host_dir is None:
+            raise UsageError(f"K3_MODEL={dep.model} is not a directory on this host: name the "
+                             "checkpoint directory (k3rocm selftest model SRC OUT)")
+        src = src or dep.model_host_dir
+        out = out or dep.models_dir / DEFAULT_OUT
+    s = make_slice(src, out, args.layers, args.experts, not args.no_mtp, args.seed,
+                   args.shard_gb)
+    layers = ", ".join(f"{x['source']}->{x['slice']} {x['kind']}" for x in s["layers"])
+    mtp = ", ".join(f"{x['source']}->{x['slice']}" for x in s["mtp_layers"]) or "none"
+    print(f"wrote {s['out']}: {s['tensors']} of {s['source_tensors']} tensors, "
+          f"{s['bytes_written'] / 1e9:.2f} GB in {s['shards']} shard(s), {s['seconds']} s")
+    print(f"  layers: {layers}; MTP: {mtp}; experts per MoE layer: {s['experts']}")
+    print(f"  files copied: {', '.join(s['files_copied']) or 'none'}")
+    return 0
