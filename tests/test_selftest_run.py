@@ -1,129 +1,117 @@
-"""`k3rocm selftest run`: the deployment of `make up` with only K3_MODEL and K3_PORT changed, in
-its own compose project; run record first; the server always stopped and its log kept.
-
-The compose server is replaced by a recorder (no Docker): what is checked here is what the
-command asks of deploy.lifecycle.ComposeServer, the settings it renders and the run directory.
-The real compose server is covered by the lifecycle tests."""
+"""`make selftest`: the real serving path (our Dockerfile FROM the stand-in base, compose.yaml +
+compose.cpu.yaml, entrypoint.sh) on the tiny model, in its own compose project and port:
+build + base check, serve, census, greedy tokens, a bench point, a second server with the
+fusions off, greedy again, compare. Bad input and a setting the base cannot run stop before
+any server starts."""
 
 from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
+import subprocess
+import sys
 
 import pytest
+from conftest import REPO, free_port, run_cli, standin_tag
+from server_fixture import MODELS_DIR, ensure_smoke_model
 
-from k3rocm import cli
-from k3rocm.deploy.deployment import load_deployment
-from k3rocm.deploy.lifecycle import ComposeServer
-from k3rocm.errors import ServerError
+from k3rocm.checks.selftest import GREEDY_TOKENS, compare
 
-
-@pytest.fixture
-def node(tmp_path, monkeypatch):
-    models, results = tmp_path / "models", tmp_path / "results"
-    for d in ("Kimi-K3", "Kimi-K3-selftest"):
-        (models / d).mkdir(parents=True)
-        (models / d / "config.json").write_text("{}")
-    env_file = tmp_path / "settings.env"
-    env_file.write_text(f"K3_MODELS_DIR={models}\nK3_RESULTS_DIR={results}\n"
-                        "K3_PORT=8100\nK3_MAX_MODEL_LEN=16384\n")
-    for k in ("K3_MODELS_DIR", "K3_RESULTS_DIR", "K3_PORT", "K3_MODEL", "COMPOSE_FILE",
-              "K3_PROFILE", "K3_IMAGE"):
-        monkeypatch.delenv(k, raising=False)
-    monkeypatch.setenv("COMPOSE_FILE", "compose.yaml")  # the GPU node's compose files
-    return tmp_path, env_file
+PROJECT = "k3rocm-selftest-test"
 
 
-class Recorder:
-    def __init__(self, monkeypatch, wait=None):
-        self.calls: list[tuple] = []
-        self.servers: list[ComposeServer] = []
-        rec = self
-
-        def up(srv, build=False):
-            rec.servers.append(srv)
-            rec.calls.append(("up", build))
-
-        def wait_(srv, timeout, every=10, quiet=False):
-            rec.calls.append(("wait", timeout))
-            if wait is not None:
-                raise wait
-            return 12.5
-
-        def down(srv, log_path=None, timeout=60):
-            rec.calls.append(("down", log_path))
-            Path(log_path).write_text("server log\n")
-
-        monkeypatch.setattr(ComposeServer, "up", up)
-        monkeypatch.setattr(ComposeServer, "wait", wait_)
-        monkeypatch.setattr(ComposeServer, "down", down)
-        monkeypatch.setattr(ComposeServer, "provenance",
-                            lambda srv, client=None: {"vllm_version": "x", "project": srv.project})
+def _project_containers(project: str) -> list[str]:
+    p = subprocess.run(["docker", "ps", "-a", "-q", "--filter",
+                        f"label=com.docker.compose.project={project}"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    return p.stdout.split()
 
 
-def _run_dir(tmp: Path) -> Path:
-    (d,) = (tmp / "results").iterdir()
-    return d
+# ------------------------------------------------------------------------ no Docker needed
 
 
-def test_serves_the_slice_as_make_up_would(node, monkeypatch, capsys):
-    tmp, env_file = node
-    rec = Recorder(monkeypatch)
-    assert cli.main(["selftest", "run", "--env-file", str(env_file)]) == 0
-    (srv,) = rec.servers
-    assert srv.project == "k3rocm-selftest" and not srv.cpu
-    assert srv.env == {"K3_MODEL": "/models/Kimi-K3-selftest", "K3_PORT": "8101"}
-    assert srv.url == "http://127.0.0.1:8101" and srv.model == "moonshotai/Kimi-K3"
-    assert [c[0] for c in rec.calls] == ["up", "wait", "down"]
-    assert rec.calls[0] == ("up", True)  # built first, as `make up`
-    # everything but the model and the port rendered exactly as the deployment's own server
-    base = load_deployment(env_file=str(env_file), check_model=True)
-    mine = load_deployment({**os.environ, **srv.env}, env_file=str(env_file))
-    assert mine.rendered.env == base.rendered.env
-    swap = {base.model: mine.model, str(base.port): str(mine.port)}
-    assert mine.rendered.argv == [swap.get(a, a) for a in base.rendered.argv]
-    assert "16384" in mine.rendered.argv  # the .env setting reached it
-    run_dir = _run_dir(tmp)
-    assert run_dir.name.endswith("-selftest")
-    assert rec.calls[-1] == ("down", run_dir / "server.log")
-    assert (run_dir / "server.log").read_text() == "server log\n"
-    prov = json.loads((run_dir / "provenance.json").read_text())
-    assert prov["deployment"]["model"] == "/models/Kimi-K3-selftest"
-    assert prov["server"]["project"] == "k3rocm-selftest"
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["result"] == "served" and summary["server_ready_s"] == 12.5
+def test_compare_names_the_first_difference():
+    on = [{"prompt": "a", "tokens": ["x", "y", "z"], "logprobs": [-0.1, -0.2, -0.3]},
+          {"prompt": "b", "tokens": ["p", "q"], "logprobs": [-1.0, -2.0]}]
+    same = compare(on, json.loads(json.dumps(on)))
+    assert same["identical"] and same["max_logprob_gap"] == 0.0
+    off = [{"prompt": "a", "tokens": ["x", "w", "z"], "logprobs": [-0.1, -0.9, -0.3]},
+           on[1]]
+    c = compare(on, off)
+    assert not c["identical"]
+    assert c["first_differences"] == [{"prompt": "a", "position": 1, "on": ["y"], "off": ["w"],
+                                       "logprob_on": -0.2, "logprob_off": -0.9}]
+    assert c["max_logprob_gap"] == pytest.approx(0.7)
+    assert compare(on, [on[0], {**on[1], "tokens": ["p"]}])["first_differences"][0][
+        "position"] == 1  # a shorter answer differs where it ends
 
 
-@pytest.mark.parametrize("error,code,result", [
-    (KeyboardInterrupt(), 130, "interrupted"),
-    (ServerError("the server container exited"), 3, "failed: the server container exited"),
+@pytest.mark.parametrize("args,fragment", [
+    (["--timeout", "0"], "--timeout 0 must be > 0"),
+    (["--port", "70000"], "must be 1..65535"),
+    (["--model", "/elsewhere/ckpt"], "not under K3_MODELS_DIR"),
+    (["--bench-args", "'unclosed"], "--bench-args"),
 ])
-def test_server_stopped_and_log_kept_on_failure(node, monkeypatch, capsys, error, code, result):
-    tmp, env_file = node
-    rec = Recorder(monkeypatch, wait=error)
-    assert cli.main(["selftest", "run", "--env-file", str(env_file), "--no-build"]) == code
-    assert [c[0] for c in rec.calls] == ["up", "wait", "down"] and rec.calls[0] == ("up", False)
-    run_dir = _run_dir(tmp)
-    assert (run_dir / "server.log").is_file() and (run_dir / "provenance.json").is_file()
-    assert json.loads((run_dir / "summary.json").read_text())["result"] == result
+def test_bad_input_is_one_line_exit_2(tmp_path, args, fragment):
+    p = run_cli("selftest", "run", *args, env={"K3_RESULTS_DIR": str(tmp_path / "r"),
+                                               "COMPOSE_FILE": "compose.yaml:compose.cpu.yaml",
+                                               "K3_PROFILE": "cpu-smoke"})
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert fragment in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert not (tmp_path / "r").exists()  # nothing started, no run directory
 
 
-def test_bad_input_starts_nothing(node, monkeypatch, capsys, tmp_path):
-    tmp, env_file = node
-    rec = Recorder(monkeypatch)
-    for argv, msg in (
-        (["--model", str(tmp_path / "elsewhere")], "not under K3_MODELS_DIR"),
-        (["--model", "/models/missing"], "does not exist"),
-        (["--port", "8100"], "the deployment's own port"),
-        (["--port", "0"], "must be 1..65535"),
-        (["--timeout", "0"], "must be > 0"),
-    ):
-        assert cli.main(["selftest", "run", "--env-file", str(env_file), *argv]) == 2
-        err = capsys.readouterr().err.strip()
-        assert msg in err and err.startswith("k3rocm: error:") and "\n" not in err
-    assert rec.calls == [] and not (tmp / "results").exists()
-    # a host path under K3_MODELS_DIR is the container's /models/...
-    ok = tmp / "models" / "Kimi-K3-selftest"
-    assert cli.main(["selftest", "run", "--env-file", str(env_file), "--model", str(ok)]) == 0
-    assert rec.servers[0].env["K3_MODEL"] == "/models/Kimi-K3-selftest"
+# ------------------------------------------------------------------- the real serving path
+
+
+def _selftest(client, tmp_path, port: int, *extra: str, env: dict | None = None,
+              timeout: float = 900) -> subprocess.CompletedProcess:
+    ensure_smoke_model(client, standin_tag())
+    args = " ".join(["--port", str(port), "--project", PROJECT, *extra])
+    return subprocess.run(
+        ["make", "-s", "--no-print-directory", "-o", sys.executable, "selftest",
+         f"PY={sys.executable}", "CPU=1", f"SELFTEST_ARGS={args}"],
+        cwd=REPO, capture_output=True, text=True, timeout=timeout,
+        env={**{k: v for k, v in os.environ.items() if not k.startswith("K3_")},
+             "PYTHONPATH": str(REPO / "src"), "K3_MODELS_DIR": str(MODELS_DIR),
+             "K3_RESULTS_DIR": str(tmp_path / "results"), **(env or {})})
+
+
+@pytest.mark.docker
+@pytest.mark.server
+def test_make_selftest_on_the_standin(docker_client, tmp_path):
+    port = free_port()
+    p = _selftest(docker_client, tmp_path, port)
+    print(p.stdout[-4000:], p.stderr[-3000:])
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    (run,) = [d for d in (tmp_path / "results").iterdir() if d.name.endswith("-selftest")]
+    s = json.loads((run / "summary.json").read_text())
+    assert s["status"] == "ok" and s["cpu_standin"] is True
+    assert [st["name"] for st in s["steps"]] == ["build", "up", "census", "greedy", "bench",
+                                                 "down", "off", "compare"]
+    assert all(st["ok"] for st in s["steps"]), s["steps"]
+    census = next(st for st in s["steps"] if st["name"] == "census")
+    assert census["numbers"]["ok"] is True and census["numbers"]["mla_layers"] == 2
+    assert s["greedy"]["identical"] and s["greedy"]["prompts"] == 4
+    assert all(len(g["tokens"]) == GREEDY_TOKENS for g in s["greedy"]["on"])
+    bench = next(st for st in s["steps"] if st["name"] == "bench")
+    assert bench["numbers"]["points"][0]["status"] == "ok"
+    for log in ("server-on.log", "server-off.log"):
+        assert "k3rocm: exec vllm serve" in (run / log).read_text()
+    # the second server really ran with the fusions off, the first as asked
+    assert "K3_FUSE_QK_NORM=0  [env]" in (run / "server-off.log").read_text()
+    assert (run / "summary.md").read_text().startswith("```\nk3rocm selftest: OK")
+    assert _project_containers(PROJECT) == []  # everything it started is gone
+
+
+@pytest.mark.docker
+def test_a_setting_the_base_cannot_run_stops_before_any_server(docker_client, tmp_path):
+    """AITER on, and a fusion switched off on a base whose vLLM (0.32.0, the CPU stand-in's)
+    ships the fusions with the overlay skipped: the switch would do nothing, so the base check
+    refuses it after the build and before any server starts."""
+    p = _selftest(docker_client, tmp_path, free_port(), "--no-build", env={"VLLM_ROCM_USE_AITER": "1"},
+                  timeout=300)
+    assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "K3_FUSE_QK_NORM=0 has no effect on this base: vLLM 0.32.0" in p.stderr
+    assert _project_containers(PROJECT) == []

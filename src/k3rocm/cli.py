@@ -31,12 +31,13 @@ COMMANDS: dict[str, tuple[str, str]] = {
                   "what this node has and needs, one table (exit 1: a fail)"),
     "model": ("k3rocm.deploy.checkpoint",
               "download Kimi-K3 at a pinned revision, or verify a copy"),
-    "selftest": ("k3rocm.deploy.selftest",
-                 "before the full load: cut a small Kimi-K3-shaped checkpoint, serve it"),
     "server": ("k3rocm.deploy.lifecycle", "the compose server: up, wait, logs, provenance, down"),
     "scale": ("k3rocm.deploy.scale.cli",
               "scale out: replicas behind vllm-router, renderings, status"),
     # checks: measure a running deployment
+    "selftest": ("k3rocm.checks.selftest",
+                 "before the full load: a small Kimi-K3-shaped checkpoint served, censused, "
+                 "compared fusions off/on, benched"),
     "bench": ("k3rocm.checks.bench.cli", "latency/throughput with aiperf in the client container"),
     "gsm8k": ("k3rocm.checks.gsm8k.cli", "GSM8K 5-shot accuracy gate with lm-evaluation-harness"),
     "census": ("k3rocm.checks.census.cli",
