@@ -24,6 +24,12 @@ Kernel names are the REAL ROCm names (k3rocm/checks/census/kernels.json says whe
 - AITER MLA decode kernels (``aiter::mla_a8w8_qh16_qseqlen1_gqaratio16_ps``,
   ``kn_mla_reduce_v1_ps``: public MI355X decode traces) match no role: the census lists them
   as unclassified launches in the MLA attention region.
+Name forms (``name_form``): "demangled" is what kineto writes for CUPTI and roctracer
+activities (``libkineto/src/output_json.cpp`` prints the activity name; CUPTI/roctracer hand it a
+demangled ``void ns::kernel<...>(args)``); "rocprof-sdk" is kineto's 2026 ROCm backend
+(rocprofiler-sdk): the kernel's code-object symbol, so demangled C++ kernels end in
+`` [clone .kd]`` and symbols that do not demangle (Triton, assembly) in ``.kd`` (brief section
+6; ROCm/rocprofiler-sdk kernel symbol records carry the ``.kd`` descriptor symbol).
 Upstream anchor (seed PR text, MI355X TP=8 rank 0, 6 decode steps, 24 MLA layers): q/kv norm
 288 -> 144 launches; Q-prep 288 -> 144 launches, 1351.8 -> 682.8 us = 9.39 -> 4.74 us per MLA
 layer per decode step: the k3-anchor-* sets carry those counts and durations.
@@ -70,6 +76,15 @@ OP_MLA = "vllm::unified_mla_attention_with_output"
 US_CACHE, US_CONCAT, US_FUSED_QPREP = 4.6, 4.7875, 682.8 / 144
 
 
+def name_in_form(name: str, form: str) -> str:
+    """A kernel name as the profiler backend ``form`` spells it (see the module docstring)."""
+    if form == "demangled":
+        return name
+    if form == "rocprof-sdk":
+        return name + (" [clone .kd]" if name.endswith(")") else ".kd")
+    raise ValueError(form)
+
+
 def _mla_layer(decode: bool, norm: str, qprep: str, member: str) -> list[tuple]:
     """One MLA layer's launches: (kernel, device us, enclosing cpu_op path 'a>b')."""
     ks: list[tuple] = [(K_GEMM, 20.0, "aten::mm")]  # fused_qkv_a_proj
@@ -110,7 +125,8 @@ def _step_kernels(mla: list[int], layers: int, decode: bool, norm: str, qprep: s
 
 def make_trace(rank: int | None, world: int | None, mla: list[int], layers: int,
                steps: list[tuple[int, int]], norm: str, qprep: str,
-               member: str = "per_head", bad_ts: bool = False) -> dict:
+               member: str = "per_head", bad_ts: bool = False,
+               name_form: str = "demangled") -> dict:
     """``steps``: (context requests, generation requests) per engine step; with MTP k=2 each
     decode request carries 3 tokens."""
     pid = tid = 4000 + (rank or 0)
@@ -136,7 +152,8 @@ def make_trace(rank: int | None, world: int | None, mla: list[int], layers: int,
                        "tid": tid, "ts": round(t + 1.0, 3), "dur": 4.0,
                        "args": {"correlation": corr}})
             gpu_t = max(gpu_t, t + 5.0)
-            ev.append({"ph": "X", "cat": "kernel", "name": kname, "pid": 0, "tid": 7,
+            ev.append({"ph": "X", "cat": "kernel", "name": name_in_form(kname, name_form),
+                       "pid": 0, "tid": 7,
                        "ts": round(gpu_t, 3), "dur": round(kdur, 6),
                        "args": {"correlation": corr, "device": 0, "stream": 7}})
             gpu_t += kdur + 0.5

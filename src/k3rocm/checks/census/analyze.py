@@ -20,6 +20,7 @@ from k3rocm.checks.census.fusions import FusionClaim
 from k3rocm.checks.census.modelcfg import ModelFacts
 from k3rocm.checks.census.spec import Spec
 from k3rocm.checks.census.trace import TraceSet
+from k3rocm.errors import UsageError
 
 
 def _r(x: float | None, nd: int = 4) -> float | None:
@@ -194,6 +195,14 @@ def run_census(traces: TraceSet, model: ModelFacts, claim: FusionClaim, spec: Sp
     for rt in traces.ranks:
         checks += step_checks(rt, min_decode_steps)
         cks, rc = build_checks(rt, spec, model, claim, extra_per_step)
+        if rt.mode == "gpu" and rt.launches and not any(
+                sum(v.values()) for v in rc.launches.values()):
+            top = ", ".join(k["name"] for k in rt.kernel_table()[:3])
+            raise UsageError(
+                f"rank {rt.rank} trace {rt.path.name}: none of its {len(rt.launches)} GPU "
+                f"kernel launches matches any kernel role of the {spec.platform} table "
+                f"(top kernels: {top}); the names are in a form the table does not know: pass "
+                "--alias REGEX=NAME or --spec FILE (docs/census.md)")
         checks += cks
         per_rank.append({**rt.summary(), "steps_detail": [s.to_json() for s in rt.steps],
                          "roles": {"launches": rc.launches, "time_us": rc.time_us,

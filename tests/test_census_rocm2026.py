@@ -1,0 +1,130 @@
+"""The census on the trace shapes a 2026 ROCm PyTorch writes. Each trace is built here from the
+structure of real kineto output with tests/data/census/make_traces.py (sources cited there and
+beside each case): rocprofiler-sdk kernel names, lost profiler events, several runs in one
+directory. Every case gave a wrong verdict on the census before these rules."""
+
+from __future__ import annotations
+
+import runpy
+from pathlib import Path
+
+import pytest
+from conftest import REPO, run_cli
+
+from k3rocm.checks.census.analyze import run_census
+from k3rocm.checks.census.fusions import from_cli
+from k3rocm.checks.census.modelcfg import read_model_facts
+from k3rocm.checks.census.names import Normalizer
+from k3rocm.checks.census.spec import load_spec
+from k3rocm.checks.census.trace import load_trace_dir
+
+DATA = REPO / "tests" / "data" / "census"
+TINY = DATA / "models" / "tiny-deepseek-v3"  # 3 layers, all MLA
+MT = runpy.run_path(str(DATA / "make_traces.py"))  # the crafted-trace builder (not __main__)
+SIX = [(0, 8)] * 6  # six decode-only steps of 8 requests
+
+
+def write_run(d: Path, world: int = 2, fusions: str = "on", member: str = "per_head",
+              **kw) -> Path:
+    """One run's worker traces (both fusions ``fusions``) into ``d``."""
+    d.mkdir(parents=True, exist_ok=True)
+    for r in range(world):
+        MT["write"](d / MT["trace_name"](r),
+                    MT["make_trace"](r, world, [0, 1, 2], 3, SIX, fusions, fusions, member,
+                                     **kw), gz=True)
+    return d
+
+
+def census(d: Path, fusions: str):
+    m = read_model_facts(TINY)
+    ts = load_trace_dir(d)
+    return run_census(ts, m, from_cli(fusions), load_spec("rocm", m.model_type), None,
+                      ts.world_size or 1, "test")
+
+
+def failed(c) -> set[tuple]:
+    return {(k.rank, k.what) for k in c.checks if k.ok is False}
+
+
+# -- 1. kernel names in every form kineto writes ------------------------------------------------
+
+@pytest.mark.parametrize("raw,norm", [
+    # rocprofiler-sdk (kineto's ROCm backend in 2026): demangled code-object symbol + " [clone .kd]"
+    # (brief section 6; issue text's "void aiter::fused_qk_rmsnorm_kernel<...>(...) [clone .kd]")
+    ("void aiter::fused_qk_rmsnorm_kernel<__hip_bfloat16, 256, 8, true, 1>(__hip_bfloat16*, "
+     "float, int) [clone .kd]", "aiter::fused_qk_rmsnorm_kernel"),
+    ("void vllm::concat_and_cache_mla_kernel<__hip_bfloat16, unsigned char, "
+     "(vllm::Fp8KVCacheDataType)1>(__hip_bfloat16 const*, long const*, int) [clone .kd]",
+     "vllm::concat_and_cache_mla_kernel"),
+    # the forbidden member (ROCm/aiter csrc/kernels/cache_kernels.cu) in the same form
+    ("void aiter::fuse_qk_rope_concat_and_cache_mla_kernel_general<__hip_bfloat16, "
+     "__hip_fp8_e4m3, (vllm::Fp8KVCacheDataType)1>(__hip_bfloat16 const*, ...) [clone .kd]",
+     "aiter::fuse_qk_rope_concat_and_cache_mla_kernel_general"),
+    # rocprofiler-sdk symbols that do not demangle (Triton, assembly kernels) end in ".kd"
+    ("triton_poi_fused__to_copy_cat_clamp_mul_reciprocal_view_0.kd",
+     "triton_poi_fused__to_copy_cat_clamp_mul_reciprocal_view_0"),
+    ("_ZN5aiter23fused_qk_rmsnorm_kernelI14__hip_bfloat16Li256ELi8ELb1ELi1EEEvPT_.kd",
+     "aiter::fused_qk_rmsnorm_kernel"),  # the symbol before demangling (Itanium ABI)
+    # roctracer (kineto RoctracerActivity) and CUDA (CUPTI): demangled name with arguments
+    ("void aiter::fuse_qk_rope_concat_and_cache_mla_per_head_kernel<__hip_bfloat16, "
+     "(vllm::Fp8KVCacheDataType)1, false, true>(__hip_bfloat16 const*, ...)",
+     "aiter::fuse_qk_rope_concat_and_cache_mla_per_head_kernel"),
+    ("void vllm::rms_norm_kernel<c10::BFloat16, 8>(c10::BFloat16*, c10::BFloat16 const*, "
+     "c10::BFloat16 const*, float, int, int)", "vllm::rms_norm_kernel"),
+    ("void at::native::(anonymous namespace)::elementwise_kernel<128, 4>(int, "
+     "at::native::Functor) [clone .kd]", "at::native::elementwise_kernel"),
+    ("void ck_tile::kentry<256, 1, ck_tile::Rmsnorm2dFwd<ck_tile::Problem<float>>>(int) "
+     "[clone .kd]", "ck_tile::kentry<ck_tile::Rmsnorm2dFwd>"),
+])
+def test_every_kineto_name_form_normalizes(raw, norm):
+    assert Normalizer()(raw) == norm
+
+
+@pytest.mark.parametrize("form", ["demangled", "rocprof-sdk"])
+def test_roles_match_each_name_form(form):
+    """Every real ROCm kernel name of make_traces.py, in each form, lands in its role (and the
+    general member is recognised as 'general', not 'other')."""
+    spec = load_spec("rocm", "deepseek_v3")
+    n = Normalizer()
+    want = {MT["K_FUSED_NORM"]: "fused_qk_norm", MT["K_NORM"]: "qk_norm",
+            MT["K_CACHE"]: "cache_write", MT["K_CONCAT_QUANT"]: "q_concat_quant",
+            **{v: "fused_qprep" for v in MT["K_QPREP"].values()}}
+    for raw, role in want.items():
+        name = n(MT["name_in_form"](raw, form))
+        assert [r for r, x in spec.roles.items() if x.hits(name)] == [role], name
+    q = spec.roles["fused_qprep"]
+    assert {m: q.member_of(n(MT["name_in_form"](raw, form)))
+            for m, raw in MT["K_QPREP"].items()} == {"per_head": "per_head", "opt": "opt",
+                                                       "general": "general"}
+
+
+def test_rocprof_sdk_fused_run_passes(tmp_path):
+    """Before: fused q/kv RMSNorm 0/18 on every rank (FAIL). After: PASS."""
+    c = census(write_run(tmp_path, fusions="on", name_form="rocprof-sdk"), "all=on")
+    assert c.ok, c.table()
+    assert {(k.rank, k.seen) for k in c.checks if k.role == "fused_qk_norm"
+            and k.scope == "all steps"} == {(0, 18), (1, 18)}
+
+
+def test_rocprof_sdk_stock_run_passes(tmp_path):
+    """Before: stock KV-cache write 0/18 (FAIL). After: PASS."""
+    c = census(write_run(tmp_path, fusions="off", name_form="rocprof-sdk"), "all=off")
+    assert c.ok, c.table()
+
+
+def test_rocprof_sdk_general_member_fails(tmp_path):
+    """Before: the forbidden _general kernel was member 'other' and the run PASSED.
+    After: FAIL naming the member."""
+    c = census(write_run(tmp_path, member="general", name_form="rocprof-sdk"), "all=on")
+    assert failed(c) == {(0, "fused Q-prep member 'general' launches"),
+                         (1, "fused Q-prep member 'general' launches")}
+
+
+def test_gpu_trace_without_any_role_is_bad_input(tmp_path):
+    """Kernels of an unknown naming scheme: no role matches anything -> exit 2, one line."""
+    d = write_run(tmp_path / "t", world=1)
+    p = run_cli("census", "--trace-dir", str(d), "--model-dir", str(TINY), "--fusions",
+                "all=on", "--alias", ".*=renamed", "--results", str(tmp_path / "r"))
+    assert p.returncode == 2, p.stdout + p.stderr
+    err = p.stderr.strip().splitlines()
+    assert len(err) == 1 and "matches any kernel role" in err[0]
