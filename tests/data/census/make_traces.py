@@ -126,9 +126,19 @@ def _step_kernels(mla: list[int], layers: int, decode: bool, norm: str, qprep: s
 def make_trace(rank: int | None, world: int | None, mla: list[int], layers: int,
                steps: list[tuple[int, int]], norm: str, qprep: str,
                member: str = "per_head", bad_ts: bool = False,
-               name_form: str = "demangled") -> dict:
+               name_form: str = "demangled", drop=None, graph: bool = False,
+               base_ns: int | None = None) -> dict:
     """``steps``: (context requests, generation requests) per engine step; with MTP k=2 each
-    decode request carries 3 tokens."""
+    decode request carries 3 tokens.
+
+    Losses and replays (used by tests/test_census_rocm2026.py; the committed sets use none):
+    ``drop(step, i)`` True leaves out the kernel record of launch ``i`` of engine step
+    ``step`` (the launch stays: what a profiler that lost the device record writes).
+    ``graph``: decode-only steps are replayed from a captured graph, as vLLM's CUDA/HIP-graph
+    decode does: one ``hipGraphLaunch`` per step whose correlation id every replayed kernel
+    carries, and no CPU operators around the kernels (kineto links graph-replayed kernels to the
+    graph launch's correlation). ``base_ns``: ``baseTimeNanoseconds`` (kineto/torch write event
+    ``ts`` in us relative to it; torch/profiler/_chrome_trace_export.py, torch 2.13)."""
     pid = tid = 4000 + (rank or 0)
     ev: list[dict] = [
         {"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
@@ -137,25 +147,34 @@ def make_trace(rank: int | None, world: int | None, mla: list[int], layers: int,
     t = 10_000.0
     corr = 1000
     gpu_t = t
-    for ctx, gen in steps:
+    for step_no, (ctx, gen) in enumerate(steps):
         decode = ctx == 0
+        replay = graph and decode and gen > 0
         name = f"execute_context_{ctx}({ctx * 128})_generation_{gen}({gen * 3})"
         ks = [] if ctx == 0 and gen == 0 else _step_kernels(mla, layers, decode, norm, qprep,
                                                             member)
         start = t
-        for kname, kdur, opname in ks:
+        if replay:
             corr += 1
-            for depth, op in enumerate(opname.split(">")):
-                ev.append({"ph": "X", "cat": "cpu_op", "name": op, "pid": pid, "tid": tid,
-                           "ts": round(t + 0.2 * depth, 3), "dur": round(6.0 - 0.4 * depth, 3)})
-            ev.append({"ph": "X", "cat": "cuda_runtime", "name": "hipLaunchKernel", "pid": pid,
+            ev.append({"ph": "X", "cat": "cuda_runtime", "name": "hipGraphLaunch", "pid": pid,
                        "tid": tid, "ts": round(t + 1.0, 3), "dur": 4.0,
                        "args": {"correlation": corr}})
+        for i, (kname, kdur, opname) in enumerate(ks):
+            if not replay:
+                corr += 1
+                for depth, op in enumerate(opname.split(">")):
+                    ev.append({"ph": "X", "cat": "cpu_op", "name": op, "pid": pid, "tid": tid,
+                               "ts": round(t + 0.2 * depth, 3),
+                               "dur": round(6.0 - 0.4 * depth, 3)})
+                ev.append({"ph": "X", "cat": "cuda_runtime", "name": "hipLaunchKernel",
+                           "pid": pid, "tid": tid, "ts": round(t + 1.0, 3), "dur": 4.0,
+                           "args": {"correlation": corr}})
             gpu_t = max(gpu_t, t + 5.0)
-            ev.append({"ph": "X", "cat": "kernel", "name": name_in_form(kname, name_form),
-                       "pid": 0, "tid": 7,
-                       "ts": round(gpu_t, 3), "dur": round(kdur, 6),
-                       "args": {"correlation": corr, "device": 0, "stream": 7}})
+            if drop is None or not drop(step_no, i):
+                ev.append({"ph": "X", "cat": "kernel", "name": name_in_form(kname, name_form),
+                           "pid": 0, "tid": 7,
+                           "ts": round(gpu_t, 3), "dur": round(kdur, 6),
+                           "args": {"correlation": corr, "device": 0, "stream": 7}})
             gpu_t += kdur + 0.5
             t += 7.0
         ev.append({"ph": "X", "cat": "user_annotation", "name": name, "pid": pid, "tid": tid,
@@ -172,6 +191,8 @@ def make_trace(rank: int | None, world: int | None, mla: list[int], layers: int,
                  "vllm_version": "0.26.1rc1.dev306+gcb8104839", "traceEvents": ev}
     if rank is not None:
         out["distributedInfo"] = {"backend": "nccl", "rank": rank, "world_size": world}
+    if base_ns is not None:
+        out["baseTimeNanoseconds"] = base_ns
     return out
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from k3rocm.checks.census.complete import CAUSES, losses
 from k3rocm.checks.census.decisions import Decisions, cross_check
 from k3rocm.checks.census.expect import (
     Check,
@@ -20,7 +21,7 @@ from k3rocm.checks.census.fusions import FusionClaim
 from k3rocm.checks.census.modelcfg import ModelFacts
 from k3rocm.checks.census.spec import Spec
 from k3rocm.checks.census.trace import TraceSet
-from k3rocm.errors import UsageError
+from k3rocm.errors import EXIT_CHECK_FAILED, EXIT_INCOMPLETE, EXIT_OK, UsageError
 
 
 def _r(x: float | None, nd: int = 4) -> float | None:
@@ -39,10 +40,27 @@ class Census:
     world_size: int
     world_source: str
     notes: list[str] = field(default_factory=list)
+    incomplete: list[dict[str, Any]] = field(default_factory=list)  # complete.losses
 
     @property
     def ok(self) -> bool:
-        return all(c.ok is not False for c in self.checks)
+        return not self.incomplete and all(c.ok is not False for c in self.checks)
+
+    @property
+    def verdict(self) -> str:
+        """PASS, FAIL, or INCOMPLETE TRACE (lost events: no verdict on the fusions)."""
+        if self.incomplete:
+            return "INCOMPLETE TRACE"
+        return "PASS" if self.ok else "FAIL"
+
+    @property
+    def exit_code(self) -> int:
+        if self.incomplete:
+            return EXIT_INCOMPLETE
+        return EXIT_OK if self.ok else EXIT_CHECK_FAILED
+
+    def incomplete_lines(self) -> list[str]:
+        return [f"rank {x['rank']}: {x['what']}" for x in self.incomplete]
 
     def table(self) -> str:
         return render_table(self.checks)
@@ -119,7 +137,8 @@ class Census:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "ok": self.ok,
+            "ok": self.ok, "verdict": self.verdict,
+            "incomplete": self.incomplete,
             "model": self.model.to_json(),
             "claim": self.claim.to_json(),
             "decisions": None if self.decisions is None else self.decisions.to_json(),
@@ -136,10 +155,16 @@ class Census:
         c = self.claim
         dec = self.decisions
         lines = [f"# {title}", "",
-                 f"Verdict: **{'PASS' if self.ok else 'FAIL'}** "
-                 f"({sum(k.ok is True for k in self.checks)} ok, "
-                 f"{sum(k.ok is False for k in self.checks)} failed, "
-                 f"{sum(k.ok is None for k in self.checks)} reported only)", "",
+                 f"Verdict: **{self.verdict}** "
+                 + ("(the trace lost events: the counts below are not judged)"
+                    if self.incomplete else
+                    f"({sum(k.ok is True for k in self.checks)} ok, "
+                    f"{sum(k.ok is False for k in self.checks)} failed, "
+                    f"{sum(k.ok is None for k in self.checks)} reported only)"), ""]
+        if self.incomplete:
+            lines += ["## What the trace lost", "", *[f"- {x}" for x in self.incomplete_lines()],
+                      "", f"{CAUSES}.", ""]
+        lines += [
                  f"- Model: `{self.model.path}` ({self.model.model_type}): "
                  f"{self.model.layers} layers, **{self.model.mla_layers} MLA**",
                  f"- Asked for ({c.source}): q/kv RMSNorm **{_onoff(c.qk_norm)}** "
@@ -211,4 +236,4 @@ def run_census(traces: TraceSet, model: ModelFacts, claim: FusionClaim, spec: Sp
                          "per_step": [dict(c.most_common()) for c in rt.per_step_counts()],
                          "kernels": rt.kernel_table()})
     return Census(traces, model, claim, spec, checks, per_rank, decisions, world_size,
-                  world_source, notes or [])
+                  world_source, notes or [], losses(traces, world_size))

@@ -11,7 +11,8 @@ The server URL, API key, served model name, checkpoint (K3_MODEL under K3_MODELS
 results root come from the deployment settings (shell > .env > profile); flags override them.
 
 Exit codes: 0 all checks pass, 1 a check failed, 2 bad input, 3 server/trace problems or no
-Docker engine, 130 interrupted.
+Docker engine, 4 incomplete trace (lost kernel events or ranks: nothing judged), 130
+interrupted.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from k3rocm.checks.census.common import (
     resolve_world_size,
     results_root,
 )
+from k3rocm.checks.census.complete import CAUSES
 from k3rocm.checks.census.decisions import Decisions
 from k3rocm.checks.census.fusions import FusionClaim, from_cli, from_env
 from k3rocm.checks.census.modelcfg import read_model_facts
@@ -177,12 +179,19 @@ def _finish(census: Census, run_dir: Path | None, top: int) -> int:
     print()
     print(census.report_table())
     bad = [c for c in census.checks if c.ok is False]
-    verdict = "PASS" if census.ok else \
-        f"FAIL ({len(bad)} failed: {'; '.join(sorted({c.what for c in bad}))[:300]})"
+    if census.incomplete:
+        for line in census.incomplete_lines():
+            print(f"census: lost: {line}")
+        verdict = (f"INCOMPLETE TRACE ({len(census.incomplete)} loss(es); the fusions were not "
+                   f"judged; {CAUSES})")
+    elif census.ok:
+        verdict = "PASS"
+    else:
+        verdict = f"FAIL ({len(bad)} failed: {'; '.join(sorted({c.what for c in bad}))[:300]})"
     print(f"census: {verdict}")
     if run_dir is not None:
         print(f"census: report in {run_dir}/census.md")
-    return 0 if census.ok else 1
+    return census.exit_code
 
 
 def _deployment_args(args: argparse.Namespace):

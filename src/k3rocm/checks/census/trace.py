@@ -39,6 +39,8 @@ RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)(?:\D|$)")
 TRACE_SUFFIXES = (".json", ".json.gz")
 RUNTIME_CATS = {"cuda_runtime", "cuda_driver", "hip_runtime", "hip_driver", "runtime"}
 KERNEL_CATS = {"kernel"}
+# host calls that launch exactly one kernel (graph launches replay many: not counted)
+LAUNCH_CALL = re.compile(r"^(hip|cuda)(Ext)?(Module)?LaunchKernel|^(hip|cu)LaunchKernel")
 # JSON files that live beside the traces but are not traces (overlay decision records,
 # run provenance)
 NOT_TRACES = ("k3rocm-decisions-pid", "provenance.json", "census.json")
@@ -94,6 +96,8 @@ class RankTrace:
     world_size: int | None = None  # from distributedInfo
     rank_source: str = ""
     empty_steps: int = 0  # engine steps without a forward, ignored
+    gpu_evidence: list[str] = field(default_factory=list)  # what says a GPU ran (see below)
+    lost_launches: dict[int, int] = field(default_factory=dict)  # step -> launches w/o kernel
 
     # -- aggregates ----------------------------------------------------------------------
     def per_step_counts(self) -> list[Counter[str]]:
@@ -124,7 +128,8 @@ class RankTrace:
                 "decode_steps": sum(1 for s in self.steps if s.decode_only),
                 "launches": len(self.launches), "unattributed": self.unattributed,
                 "empty_steps_ignored": self.empty_steps, "world_size": self.world_size,
-                "rank_source": self.rank_source, "meta": self.meta}
+                "rank_source": self.rank_source, "gpu_evidence": self.gpu_evidence,
+                "lost_launches": sum(self.lost_launches.values()), "meta": self.meta}
 
 
 # -- loading ----------------------------------------------------------------------------------
@@ -260,6 +265,7 @@ def _parse_rank_trace(path: Path, normalize: Normalizer, mode: str,
         return None
 
     kernels = [e for e in events if e.get("cat") in KERNEL_CATS]
+    evidence = gpu_evidence(obj, events)
     if mode == "auto":
         mode = "gpu" if kernels else "cpu"
     if mode not in ("gpu", "cpu"):
@@ -276,6 +282,7 @@ def _parse_rank_trace(path: Path, normalize: Normalizer, mode: str,
     launches: list[Launch] = []
     outside: list[Launch] = []
     unattributed = 0
+    lost: dict[int, int] = {}
     if mode == "cpu":
         for e in events:
             if e.get("cat") != "cpu_op":
@@ -296,6 +303,12 @@ def _parse_rank_trace(path: Path, normalize: Normalizer, mode: str,
                 corr = (e.get("args") or {}).get("correlation")
                 if corr is not None:
                     by_corr[corr] = e
+        kernel_corrs = {(k.get("args") or {}).get("correlation") for k in kernels}
+        for corr, e in by_corr.items():  # a launch whose kernel record never arrived
+            if LAUNCH_CALL.search(str(e["name"])) and corr not in kernel_corrs:
+                si = step_at(e["ts"])
+                if si is not None:
+                    lost[si] = lost.get(si, 0) + 1
         gpu_steps = sorted(gpu_step_evs, key=lambda t: t[0]["ts"])
         gpu_starts = [g[0]["ts"] for g in gpu_steps]
         # map a device-side step range to the host step with the same position
@@ -323,7 +336,24 @@ def _parse_rank_trace(path: Path, normalize: Normalizer, mode: str,
         meta["deviceProperties"] = [{k: d.get(k) for k in ("id", "name", "totalGlobalMem")}
                                     for d in meta["deviceProperties"] if isinstance(d, dict)]
     return RankTrace(path, rank, mode, steps, launches, unattributed, meta, outside,
-                     world_size_of(obj), rank_source, empty)
+                     world_size_of(obj), rank_source, empty, evidence, lost)
+
+
+def gpu_evidence(obj: dict[str, Any], events: list[dict[str, Any]]) -> list[str]:
+    """What in a trace says a GPU ran, kernels aside: devices in ``deviceProperties`` (torch
+    writes the CUDA/HIP devices there), HIP/CUDA runtime events, device-side annotations."""
+    out = []
+    props = obj.get("deviceProperties")
+    if isinstance(props, list) and props:
+        names = sorted({str(d.get("name")) for d in props if isinstance(d, dict)})
+        out.append(f"deviceProperties lists {len(props)} device(s) ({', '.join(names)[:60]})")
+    runtime = sum(1 for e in events if e.get("cat") in RUNTIME_CATS)
+    if runtime:
+        out.append(f"{runtime} HIP/CUDA runtime event(s)")
+    dev_ann = sum(1 for e in events if e.get("cat") == "gpu_user_annotation")
+    if dev_ann:
+        out.append(f"{dev_ann} gpu_user_annotation event(s)")
+    return out
 
 
 # -- a directory of traces ----------------------------------------------------------------------
