@@ -223,3 +223,80 @@ def test_cli_incomplete_exit_4_and_report(tmp_path):
     md = next((tmp_path / "r").iterdir()) / "census.md"
     text = md.read_text()
     assert "Verdict: **INCOMPLETE TRACE**" in text and "## What the trace lost" in text
+
+
+# -- 3. several runs in one directory ------------------------------------------------------------
+
+# kineto's base time moves in jumps of 7,889,238 s (the issue's figure; next 2026-12-31 19:44:24
+# UTC): a trace's clock is baseTimeNanoseconds + ts (us)
+JUMP_NS = 7_889_238 * 10**9
+BASE = 1_759_236_864 * 10**9  # a kineto base time before the jump
+
+
+def write_named_run(d: Path, instance: int, world: int, fusions: str, ranks=None,
+                    **kw) -> None:
+    """vLLM's CPU-worker name ``<instance_id>-rank-<r>`` + torch's ``.<time_ns>.pt.trace...``
+    (vllm 0.27.1 v1/worker/cpu_worker.py; torch profiler.tensorboard_trace_handler)."""
+    d.mkdir(parents=True, exist_ok=True)
+    for r in (range(world) if ranks is None else ranks):
+        name = f"{instance}-rank-{r}.{instance + 10**9 * 60}.pt.trace.json.gz"
+        MT["write"](d / name, MT["make_trace"](r, world, [0, 1, 2], 3, SIX, fusions, fusions,
+                                               **kw), gz=True)
+
+
+def test_newest_run_missing_a_rank_is_not_back_filled(tmp_path):
+    """An older complete 8-rank run and a newer one without rank 5. Before: rank 5 taken from
+    the older run, PASS. After: INCOMPLETE TRACE (rank 5 has no worker trace), the older run
+    listed as skipped."""
+    t_old = 1_764_700_000 * 10**9
+    write_named_run(tmp_path, t_old, 8, "on", base_ns=t_old)
+    t_new = t_old + 3600 * 10**9
+    write_named_run(tmp_path, t_new, 8, "on", ranks=[0, 1, 2, 3, 4, 6, 7], base_ns=t_new)
+    c = census(tmp_path, "all=on")
+    assert c.verdict == "INCOMPLETE TRACE" and incomplete(c) == {
+        5: "no worker trace for this rank"}
+    assert [r["rank"] for r in c.per_rank] == [0, 1, 2, 3, 4, 6, 7]
+    assert len(c.traces.skipped_runs) == 1 and c.traces.skipped_runs[0]["ranks"] == list(
+        range(8))
+    assert "Skipped: an older run" in c.markdown()
+
+
+def test_base_time_jump_orders_runs_by_absolute_time(tmp_path):
+    """Run A (stock) late in one kineto base period: big relative ts. Run B (fused) after a
+    restart that crossed the base-time jump: a new base and small ts. Before: B sorted as older
+    by its relative ts, A judged against 'all=on': FAIL. After: B judged, PASS; A skipped."""
+    a_ts = 7_000_000 * 1e6  # us after BASE
+    write_named_run(tmp_path / "d", 1_767_000_000 * 10**9, 2, "off", base_ns=BASE, t0=a_ts)
+    b_base = BASE + JUMP_NS
+    write_named_run(tmp_path / "d", 1_767_300_000 * 10**9, 2, "on", base_ns=b_base)
+    c = census(tmp_path / "d", "all=on")
+    assert c.verdict == "PASS", c.table()
+    assert c.traces.run_started == pytest.approx(b_base / 1e9 + 0.009, abs=1)
+    assert [x["ranks"] for x in c.traces.skipped_runs] == [[0, 1]]
+
+
+def test_file_name_time_when_no_base_time(tmp_path):
+    """No baseTimeNanoseconds: torch's export time in the file name orders the runs (not the
+    file mtime, which a copy resets). Before: the run with the newer mtime won."""
+    import os
+
+    d = tmp_path / "d"
+    write_named_run(d, 1_764_000_000 * 10**9, 2, "off")
+    write_named_run(d, 1_764_900_000 * 10**9, 2, "on")
+    for f in d.iterdir():  # mtimes say the opposite (e.g. copied newest-first)
+        os.utime(f, (2e9 if "-rank-" in f.name and f.name.startswith("17640") else 1e9,) * 2)
+    c = census(d, "all=on")
+    assert c.verdict == "PASS", c.table()
+    assert c.per_rank[0]["started_source"] == "file name"
+
+
+def test_cli_prints_skipped_runs(tmp_path):
+    d = tmp_path / "d"
+    write_named_run(d, 1_764_000_000 * 10**9, 2, "on")
+    write_named_run(d, 1_764_900_000 * 10**9, 2, "on")
+    p = run_cli("census", "--trace-dir", str(d), "--model-dir", str(TINY), "--fusions",
+                "all=on", "--skip-records", "--results", str(tmp_path / "r"))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "census: skipped an older run" in p.stdout
+    md = (next((tmp_path / "r").iterdir()) / "census.md").read_text()
+    assert "- Skipped: an older run" in md

@@ -127,7 +127,7 @@ def make_trace(rank: int | None, world: int | None, mla: list[int], layers: int,
                steps: list[tuple[int, int]], norm: str, qprep: str,
                member: str = "per_head", bad_ts: bool = False,
                name_form: str = "demangled", drop=None, graph: bool = False,
-               base_ns: int | None = None) -> dict:
+               base_ns: int | None = None, t0: float = 10_000.0) -> dict:
     """``steps``: (context requests, generation requests) per engine step; with MTP k=2 each
     decode request carries 3 tokens.
 
@@ -144,7 +144,7 @@ def make_trace(rank: int | None, world: int | None, mla: list[int], layers: int,
         {"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
          "args": {"name": "VLLM::Worker"}},
     ]
-    t = 10_000.0
+    t = t0
     corr = 1000
     gpu_t = t
     for step_no, (ctx, gen) in enumerate(steps):

@@ -20,7 +20,7 @@ from k3rocm.checks.census.expect import (
 from k3rocm.checks.census.fusions import FusionClaim
 from k3rocm.checks.census.modelcfg import ModelFacts
 from k3rocm.checks.census.spec import Spec
-from k3rocm.checks.census.trace import TraceSet
+from k3rocm.checks.census.trace import TraceSet, iso_time
 from k3rocm.errors import EXIT_CHECK_FAILED, EXIT_INCOMPLETE, EXIT_OK, UsageError
 
 
@@ -147,6 +147,8 @@ class Census:
             "checks": [c.to_json() for c in self.checks],
             "ranks": self.per_rank,
             "per_mla_layer_per_decode_step": self.per_layer_step(),
+            "run_started": self.traces.run_started,
+            "skipped_runs": self.traces.skipped_runs,
             "ignored_files": self.traces.ignored,
             "notes": self.notes,
         }
@@ -179,6 +181,12 @@ class Census:
                  f"`{self.spec.other_norms_formula}`", ""]
         for note in self.notes:
             lines.append(f"- Note: {note}")
+        lines += [f"- Run judged: the newest in the directory, started "
+                  f"{iso_time(self.traces.run_started)} "
+                  f"({self.per_rank[0]['started_source'] if self.per_rank else ''})"]
+        lines += [f"- Skipped: {x['why']}: started {x['started']}, ranks "
+                  f"{_ranks(x['ranks'])}, {len(x['files'])} file(s)"
+                  for x in self.traces.skipped_runs]
         for pr in self.per_rank:
             lines.append(f"- rank {pr['rank']}: {pr['mode']} trace `{pr['path']}`, "
                          f"{pr['steps']} engine steps ({pr['decode_steps']} decode-only, "
@@ -200,6 +208,10 @@ class Census:
                 lines.append(f"| `{k['name']}` | {k['launches']} | {k['per_step']} | "
                              f"{k['total_us']} | {k['mean_us']} |")
         return "\n".join(lines) + "\n"
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks))
 
 
 def _onoff(v: bool | None) -> str:

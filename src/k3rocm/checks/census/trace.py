@@ -98,6 +98,8 @@ class RankTrace:
     empty_steps: int = 0  # engine steps without a forward, ignored
     gpu_evidence: list[str] = field(default_factory=list)  # what says a GPU ran (see below)
     lost_launches: dict[int, int] = field(default_factory=dict)  # step -> launches w/o kernel
+    started: float | None = None  # absolute start (s since the epoch) of the first step
+    started_source: str = ""  # baseTimeNanoseconds + ts | file name | file mtime
 
     # -- aggregates ----------------------------------------------------------------------
     def per_step_counts(self) -> list[Counter[str]]:
@@ -129,7 +131,8 @@ class RankTrace:
                 "launches": len(self.launches), "unattributed": self.unattributed,
                 "empty_steps_ignored": self.empty_steps, "world_size": self.world_size,
                 "rank_source": self.rank_source, "gpu_evidence": self.gpu_evidence,
-                "lost_launches": sum(self.lost_launches.values()), "meta": self.meta}
+                "lost_launches": sum(self.lost_launches.values()), "started": self.started,
+                "started_source": self.started_source, "meta": self.meta}
 
 
 # -- loading ----------------------------------------------------------------------------------
@@ -335,8 +338,33 @@ def _parse_rank_trace(path: Path, normalize: Normalizer, mode: str,
     if "deviceProperties" in meta and isinstance(meta["deviceProperties"], list):
         meta["deviceProperties"] = [{k: d.get(k) for k in ("id", "name", "totalGlobalMem")}
                                     for d in meta["deviceProperties"] if isinstance(d, dict)]
+    started, started_source = start_time(path, obj, steps)
     return RankTrace(path, rank, mode, steps, launches, unattributed, meta, outside,
-                     world_size_of(obj), rank_source, empty, evidence, lost)
+                     world_size_of(obj), rank_source, empty, evidence, lost, started,
+                     started_source)
+
+
+TIME_IN_NAME = re.compile(r"(?<!\d)(\d{10}|\d{13}|\d{16}|\d{19})(?!\d)")
+
+
+def start_time(path: Path, obj: dict[str, Any], steps: list[Step]) -> tuple[float | None, str]:
+    """When the trace's first engine step started, in seconds since the epoch.
+
+    kineto and torch write event ``ts`` in microseconds relative to ``baseTimeNanoseconds``
+    (torch/profiler/_chrome_trace_export.py; kineto output_json.cpp), and that base moves in
+    jumps, so only ``base + ts`` orders traces from different server starts. Without it: the
+    export time torch puts in the file name (``tensorboard_trace_handler``:
+    ``<worker_name>.<time.time_ns()>.pt.trace.json[.gz]``; digits read as s/ms/us/ns by their
+    count); else None (the caller falls back to the file's mtime)."""
+    base = obj.get("baseTimeNanoseconds")
+    first = steps[0].ts if steps else 0.0
+    if isinstance(base, int) and not isinstance(base, bool) and base > 0:
+        return base / 1e9 + first / 1e6, "baseTimeNanoseconds + ts"
+    hits = TIME_IN_NAME.findall(path.name)
+    if hits:
+        digits = hits[-1]
+        return int(digits) / 10 ** (len(digits) - 10), "file name"
+    return None, ""
 
 
 def gpu_evidence(obj: dict[str, Any], events: list[dict[str, Any]]) -> list[str]:
@@ -366,28 +394,60 @@ def find_trace_files(directory: str | os.PathLike) -> list[Path]:
                   and not p.name.startswith(NOT_TRACES))
 
 
+RUN_GAP_S = 120.0  # rank traces of one run start within this (one collective /start_profile)
+
+
 @dataclass
 class TraceSet:
     ranks: list[RankTrace]
     ignored: list[dict[str, str]]  # files that are not worker traces (front-end, empty, dupes)
     world_size: int | None = None  # from the traces' distributedInfo (None: not recorded)
+    skipped_runs: list[dict[str, Any]] = field(default_factory=list)  # older runs, not judged
+    run_started: float | None = None  # the judged run's start (s since the epoch)
+
+
+def iso_time(t: float | None) -> str:
+    import datetime as dt
+
+    if t is None:
+        return "unknown time"
+    return dt.datetime.fromtimestamp(t, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def group_runs(traces: list[RankTrace]) -> list[list[RankTrace]]:
+    """Split worker traces into runs, oldest first: sorted by absolute start time, a trace opens
+    a new run when its rank is already in the current run, its world size differs, or it
+    started more than RUN_GAP_S after the run's first trace."""
+    runs: list[list[RankTrace]] = []
+    for t in sorted(traces, key=lambda t: (t.started or 0.0, t.rank)):
+        cur = runs[-1] if runs else None
+        if cur is None or t.rank in {x.rank for x in cur} \
+                or (t.world_size or 0) != (cur[0].world_size or 0) \
+                or (t.started or 0.0) - (cur[0].started or 0.0) > RUN_GAP_S:
+            runs.append([t])
+        else:
+            cur.append(t)
+    return runs
 
 
 def load_trace_dir(directory: str | os.PathLike, normalize: Normalizer | None = None,
                    mode: str = "auto", files: list[Path] | None = None) -> TraceSet:
-    """Parse every worker trace in ``directory``; the newest trace per rank wins."""
+    """Parse the worker traces in ``directory``, group them into runs and keep the newest run
+    (older runs are listed in ``skipped_runs``; a rank missing from the newest run is never
+    taken from an older one)."""
     files = files if files is not None else find_trace_files(directory)
     if not files:
         raise UsageError(f"no trace files (*.json or *.json.gz) in {directory}; did the server "
                          "run with --profiler-config / K3_PROFILER_DIR and was /stop_profile "
                          "called?")
-    per_rank: dict[int, list[RankTrace]] = defaultdict(list)
+    workers: list[RankTrace] = []
     ignored: list[dict[str, str]] = []
     rankless: list[str] = []
     for f in files:
         obj = load_json(f)
         has_rank = rank_of(f, obj) is not None
         rt = parse_rank_trace(f, normalize, mode, obj)
+        del obj
         if not rt.steps:
             why = ("no engine-step annotations (front-end trace)" if not has_rank
                    else "no engine-step annotations")
@@ -398,24 +458,26 @@ def load_trace_dir(directory: str | os.PathLike, normalize: Normalizer | None = 
         if not has_rank:
             rankless.append(f.name)
             continue
-        per_rank[rt.rank].append(rt)
+        if rt.started is None:
+            rt.started, rt.started_source = f.stat().st_mtime, "file mtime"
+        workers.append(rt)
     if rankless:
         raise UsageError(f"cannot tell the rank of {len(rankless)} worker trace(s) "
                          f"({', '.join(rankless[:4])}): no distributedInfo.rank and no rank in "
                          "the file name; they are not merged. Keep the profiler's file names "
                          "(<ts>-rank-<r>...) or its metadata")
-    sizes = {r.world_size for rs in per_rank.values() for r in rs if r.world_size is not None}
-    if len(sizes) > 1:
-        raise UsageError(f"the traces in {directory} disagree on the world size "
-                         f"({sorted(sizes)}): they come from different runs; keep one run's "
-                         "traces per directory")
-    ranks: list[RankTrace] = []
-    for r in sorted(per_rank):
-        cands = sorted(per_rank[r], key=lambda t: (t.steps[0].ts, t.path.stat().st_mtime))
-        ranks.append(cands[-1])
-        for old in cands[:-1]:
-            ignored.append({"path": str(old.path), "why": f"older trace of rank {r}"})
-    if not ranks:
+    if not workers:
         raise UsageError(f"no worker trace with engine steps in {directory} "
                          f"({len(files)} file(s) looked at: {', '.join(p.name for p in files)})")
-    return TraceSet(ranks, ignored, sizes.pop() if sizes else None)
+    runs = group_runs(workers)
+    newest = sorted(runs[-1], key=lambda t: t.rank)
+    started = runs[-1][0].started
+    skipped = []
+    for run in runs[:-1]:
+        skipped.append({"started": iso_time(run[0].started), "ranks": sorted(t.rank for t in run),
+                        "world_size": run[0].world_size,
+                        "files": [str(t.path) for t in run],
+                        "how": f"start from {run[0].started_source}",
+                        "why": f"an older run (the judged run started {iso_time(started)})"})
+    sizes = {t.world_size for t in newest if t.world_size is not None}
+    return TraceSet(newest, ignored, sizes.pop() if sizes else None, skipped, started)
