@@ -300,3 +300,28 @@ def test_cli_prints_skipped_runs(tmp_path):
     assert "census: skipped an older run" in p.stdout
     md = (next((tmp_path / "r").iterdir()) / "census.md").read_text()
     assert "- Skipped: an older run" in md
+
+
+# -- 4. no decision records found ----------------------------------------------------------------
+
+def test_no_records_found_is_not_cross_checked_not_fail(tmp_path):
+    """Offline analysis of a right run with no records beside the traces. Before: FAIL ('the
+    overlay did not run ... in nowhere') next to 144/144 fused launches. After: PASS, with the
+    records 'not cross-checked' in the verdict line and in census.md."""
+    d = write_run(tmp_path / "t")
+    p = run_cli("census", "--trace-dir", str(d), "--model-dir", str(TINY), "--fusions",
+                "all=on", "--results", str(tmp_path / "r"))
+    assert p.returncode == 0, p.stdout + p.stderr
+    last = p.stdout.splitlines()[-2]
+    assert last.startswith("census: PASS") and "not cross-checked" in last
+    md = (next((tmp_path / "r").iterdir()) / "census.md").read_text()
+    assert "**not cross-checked**: none found" in md
+
+
+def test_records_that_contradict_still_fail(tmp_path):
+    """A server log that holds no overlay record while fusions were asked on: still FAIL."""
+    d = write_run(tmp_path / "t")
+    p = run_cli("census", "--trace-dir", str(d), "--model-dir", str(TINY), "--fusions",
+                "all=on", "--server-log", str(DATA / "records" / "server-stock.log"),
+                "--results", str(tmp_path / "r"))
+    assert p.returncode == 1 and "the overlay did not run" in p.stdout

@@ -172,9 +172,11 @@ class Census:
                  f"- Asked for ({c.source}): q/kv RMSNorm **{_onoff(c.qk_norm)}** "
                  f"({c.detail.get('qk_norm', '')}), decode Q-prep **{_onoff(c.decode_qprep)}** "
                  f"({c.detail.get('decode_qprep', '')})",
-                 "- Overlay decision records: " + ("not cross-checked (--skip-records)"
-                                                   if dec is None else
-                                                   f"{len(dec.records)} from {dec.source}"),
+                 "- Overlay decision records: " + (
+                     "not cross-checked (--skip-records)" if dec is None else
+                     f"**not cross-checked**: none found (looked in {dec.source}; pass "
+                     "--server-log FILE or --skip-records)" if not dec.found else
+                     f"{len(dec.records)} from {dec.source}"),
                  f"- World size {self.world_size} ({self.world_source})",
                  f"- Kernel table: {self.spec.platform} rules from "
                  f"`{self.spec.source['table']}`; other RMSNorm launches per step: "

@@ -121,7 +121,8 @@ def read_decisions(args: argparse.Namespace, trace_dir: Path | None = None,
         src = f"the log of container {container.name}"
         return Decisions(records_from_log(container.logs().decode(errors="replace"), src), src)
     where = f"{trace_dir}" if trace_dir is not None else "the server"
-    return Decisions([], f"nowhere (no k3rocm-decisions-pid*.json in {where}, no --server-log)")
+    return Decisions([], f"k3rocm-decisions-pid*.json in {where}; no --server-log, no server "
+                     "container", found=False)
 
 
 def claim_offline(args: argparse.Namespace, trace_dir: Path) -> FusionClaim:
@@ -189,6 +190,9 @@ def _finish(census: Census, run_dir: Path | None, top: int) -> int:
                    f"judged; {CAUSES})")
     elif census.ok:
         verdict = "PASS"
+        if census.decisions is not None and not census.decisions.found:
+            verdict += (" (the overlay's decision records were not cross-checked: none found; "
+                        "pass --server-log FILE or --skip-records)")
     else:
         verdict = f"FAIL ({len(bad)} failed: {'; '.join(sorted({c.what for c in bad}))[:300]})"
     print(f"census: {verdict}")
