@@ -325,3 +325,27 @@ def test_records_that_contradict_still_fail(tmp_path):
                 "all=on", "--server-log", str(DATA / "records" / "server-stock.log"),
                 "--results", str(tmp_path / "r"))
     assert p.returncode == 1 and "the overlay did not run" in p.stdout
+
+
+# -- 8. the report: one row per check across ranks ------------------------------------------------
+
+def test_report_one_row_per_check_with_deviating_ranks(tmp_path):
+    """8 ranks, rank 3 runs the forbidden general member. Before: ~10 rows per rank (80+). After:
+    one row per check; the general-member row says 7/8 ranks at 0 and names rank 3."""
+    d = tmp_path / "t"
+    d.mkdir()
+    for r in range(8):
+        MT["write"](d / MT["trace_name"](r),
+                    MT["make_trace"](r, 8, [0, 1, 2], 3, SIX, "on", "on",
+                                     "general" if r == 3 else "per_head"), gz=True)
+    c = census(d, "all=on")
+    table = c.table().splitlines()
+    per_rank_checks = {k.what for k in c.checks if k.rank != "all"}
+    assert len(table) == 2 + len({(k.what, k.scope) for k in c.checks})
+    assert len(table) < 2 + len(per_rank_checks) + 8  # not one row per rank and check
+    row = next(ln for ln in table if "member 'general' launches" in ln)
+    assert " 7/8 " in row and "FAIL" in row and "rank 3: expected 0, seen 18 (FAIL)" in row
+    fused = next(ln for ln in table if ln.startswith("fused q/kv RMSNorm launches"))
+    assert " 8/8 " in fused and " 18 " in fused
+    rep = c.report_table().splitlines()
+    assert len(rep) == 3 and "rank 3: general x18" in rep[2]

@@ -13,8 +13,8 @@ from k3rocm.checks.census.expect import (
     build_checks,
     other_norms,
     rank_checks,
-    render_markdown_table,
-    render_table,
+    render_summary,
+    render_summary_markdown,
     step_checks,
 )
 from k3rocm.checks.census.fusions import FusionClaim
@@ -63,7 +63,7 @@ class Census:
         return [f"rank {x['rank']}: {x['what']}" for x in self.incomplete]
 
     def table(self) -> str:
-        return render_table(self.checks)
+        return render_summary(self.checks)
 
     def per_layer_step(self) -> list[dict[str, Any]]:
         """Per rank and fusion: stock vs fused launches and device time in decode-only steps,
@@ -113,24 +113,33 @@ class Census:
         return out
 
     def report_table(self) -> str:
-        """Per rank: stock vs fused launches and us per MLA layer per decode step."""
-        head = ["rank", "fusion", "asked", "stock", "fused", "stock us/L/step",
+        """Per fusion, across ranks: stock vs fused launches (the value most ranks show, ranks
+        that differ named) and us per MLA layer per decode step (mean over ranks, min-max)."""
+        head = ["fusion", "asked", "ranks", "stock", "fused", "stock us/L/step",
                 "fused us/L/step", "total us/L/step", "fused members / note"]
+        per = self.per_layer_step()
         rows = []
-        for row in self.per_layer_step():
-            q = row["qk_norm"]
-            note = "" if q["stock_launches"] is not None else \
-                f"stock q/kv not separable in one trace (all RMSNorms {q['all_rmsnorm_launches']})"
-            rows.append([str(row["rank"]), "q/kv norm", _onoff(q["asked"]),
-                         _s(q["stock_launches"]), str(q["fused_launches"]), "-",
-                         _s(q["fused_us_per_layer_step"]), _s(q["norm_us_per_layer_step"])
-                         + " (incl. all RMSNorms)", note])
-            p = row["decode_qprep"]
-            mem = ", ".join(f"{k} x{v}" for k, v in sorted(p["fused_members"].items()))
-            rows.append([str(row["rank"]), "decode Q-prep", _onoff(p["asked"]),
-                         str(p["stock_launches"]), str(p["fused_launches"]),
-                         _s(p["stock_us_per_layer_step"]), _s(p["fused_us_per_layer_step"]),
-                         _s(p["us_per_layer_step"]), mem])
+        for key, label, total_key in (("qk_norm", "q/kv norm", "norm_us_per_layer_step"),
+                                      ("decode_qprep", "decode Q-prep", "us_per_layer_step")):
+            xs = [(r["rank"], r[key]) for r in per]
+            if not xs:
+                continue
+            note = ""
+            if key == "qk_norm" and xs[0][1]["stock_launches"] is None:
+                note = ("stock q/kv not separable in one trace (all RMSNorms "
+                        f"{_common([(k, x['all_rmsnorm_launches']) for k, x in xs])})")
+            if key == "decode_qprep":
+                note = _common([(k, ", ".join(f"{m} x{v}" for m, v in
+                                              sorted(x["fused_members"].items())))
+                                for k, x in xs])
+            rows.append([label, _onoff(xs[0][1]["asked"]), str(len(xs)),
+                         _common([(k, x["stock_launches"]) for k, x in xs]),
+                         _common([(k, x["fused_launches"]) for k, x in xs]),
+                         "-" if key == "qk_norm" else
+                         _spread([x["stock_us_per_layer_step"] for _, x in xs]),
+                         _spread([x["fused_us_per_layer_step"] for _, x in xs]),
+                         _spread([x[total_key] for _, x in xs])
+                         + (" (incl. all RMSNorms)" if key == "qk_norm" else ""), note])
         widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
         return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
                          for r in [head, *rows])
@@ -194,7 +203,7 @@ class Census:
                          f"{pr['steps']} engine steps ({pr['decode_steps']} decode-only, "
                          f"{pr['empty_steps_ignored']} without a forward ignored), "
                          f"{pr['launches']} launches, {pr['unattributed']} outside steps")
-        lines += ["", "## Expected vs seen", "", render_markdown_table(self.checks), "",
+        lines += ["", "## Expected vs seen", "", render_summary_markdown(self.checks), "",
                   "## Per rank, per MLA layer per decode step", "", "```",
                   self.report_table(), "```"]
         unit = "device" if all(p["mode"] == "gpu" for p in self.per_rank) else "host (CPU op)"
@@ -210,6 +219,23 @@ class Census:
                 lines.append(f"| `{k['name']}` | {k['launches']} | {k['per_step']} | "
                              f"{k['total_us']} | {k['mean_us']} |")
         return "\n".join(lines) + "\n"
+
+
+def _common(values: list[tuple[int, Any]]) -> str:
+    """The value most ranks show; the ranks that differ in brackets."""
+    from collections import Counter
+
+    top = Counter(_s(v) for _, v in values).most_common(1)[0][0]
+    devs = [f"rank {r}: {_s(v)}" for r, v in values if _s(v) != top]
+    return top + (f" [{'; '.join(devs)}]" if devs else "")
+
+
+def _spread(values: list[float | None]) -> str:
+    xs = [v for v in values if v is not None]
+    if not xs:
+        return "n/a"
+    mean = round(sum(xs) / len(xs), 4)
+    return str(mean) if min(xs) == max(xs) else f"{mean} ({min(xs)}-{max(xs)})"
 
 
 def _ranks(ranks: list[int]) -> str:

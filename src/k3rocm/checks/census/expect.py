@@ -222,6 +222,54 @@ def render_table(checks: list[Check]) -> str:
     return "\n".join(lines)
 
 
+def summarize(checks: list[Check]) -> list[dict[str, Any]]:
+    """One row per check across ranks: the value most ranks show, how many show it, and every
+    rank that deviates (the per-rank rows stay in census.json)."""
+    groups: dict[tuple[str, str, str], list[Check]] = {}
+    for c in checks:
+        groups.setdefault((c.what, c.scope, c.role), []).append(c)
+    rows = []
+    for (what, scope, _), cs in groups.items():
+        common, _n = Counter((c.expected, c.seen, c.ok) for c in cs).most_common(1)[0]
+        major = [c for c in cs if (c.expected, c.seen, c.ok) == common]
+        devs = [c for c in cs if (c.expected, c.seen, c.ok) != common]
+        oks = [c.ok for c in cs]
+        status = ("FAIL" if False in oks else "ok" if True in oks else "not checked")
+        ranked = cs[0].rank != "all"
+        rows.append({
+            "check": what, "scope": scope, "expected": common[0], "seen": common[1],
+            "ranks": f"{len(major)}/{len(cs)}" if ranked else "set", "status": status,
+            "rule": major[0].rule,
+            "deviations": [f"rank {c.rank}: expected {'-' if c.expected is None else c.expected}"
+                           f", seen {c.seen} ({c.status})" for c in devs]})
+    return rows
+
+
+def render_summary(checks: list[Check]) -> str:
+    """Plain text: one row per check across ranks, deviations on the row."""
+    head = ["check", "scope", "ranks", "expected", "seen", "status", "deviations / rule"]
+    rows = [[r["check"], r["scope"], r["ranks"], _dash(r["expected"]), str(r["seen"]),
+             r["status"], "; ".join(r["deviations"]) or r["rule"]] for r in summarize(checks)]
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head) - 1)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r[:-1], widths, strict=True))
+                     + "  " + r[-1] for r in [head, ["-" * w for w in widths] + ["-" * 4], *rows])
+
+
+def render_summary_markdown(checks: list[Check]) -> str:
+    out = ["| check | scope | ranks | expected | seen | status | rule | deviating ranks |",
+           "|---|---|---|---:|---:|---|---|---|"]
+    for r in summarize(checks):
+        status = f"**{r['status']}**" if r["status"] == "FAIL" else r["status"]
+        out.append(f"| {r['check']} | {r['scope']} | {r['ranks']} | {_dash(r['expected'])} | "
+                   f"{r['seen']} | {status} | {r['rule'].replace('|', '/')} | "
+                   f"{'; '.join(r['deviations']) or '-'} |")
+    return "\n".join(out)
+
+
+def _dash(v: int | None) -> str:
+    return "-" if v is None else str(v)
+
+
 def render_markdown_table(checks: list[Check]) -> str:
     out = ["| rank | check | scope | expected | seen | status | rule |",
            "|---|---|---|---:|---:|---|---|"]
