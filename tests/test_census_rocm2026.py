@@ -349,3 +349,21 @@ def test_report_one_row_per_check_with_deviating_ranks(tmp_path):
     assert " 8/8 " in fused and " 18 " in fused
     rep = c.report_table().splitlines()
     assert len(rep) == 3 and "rank 3: general x18" in rep[2]
+
+
+# -- 6. the MLA-region net under graph replay ----------------------------------------------------
+
+def test_renamed_fused_kernel_is_listed_under_graph_replay(tmp_path):
+    """Graph-replayed decode (no CPU operator around any kernel) whose fused Q-prep kernel has
+    a name no role knows. Before: 'fused Q-prep 0/18' and no unclassified launch (the net
+    relied on the operators around the launch). After: still FAIL on the count, and the renamed
+    kernel is listed as unclassified x18 in the report."""
+    renamed = "void aiter::fused_rope_cat_cache_mla_v2<__hip_bfloat16>(__hip_bfloat16 const*)"
+    d = write_ranks(tmp_path, [{}, {}], graph=True,
+                    rename={MT["K_QPREP"]["per_head"]: renamed})
+    c = census(d, "all=on")
+    assert c.verdict == "FAIL"
+    assert all(p["roles"]["unclassified"] == {"aiter::fused_rope_cat_cache_mla_v2": 18}
+               for p in c.per_rank)
+    row = next(ln for ln in c.table().splitlines() if ln.startswith("unclassified"))
+    assert "aiter::fused_rope_cat_cache_mla_v2 x18" in row and " 2/2 " in row

@@ -127,7 +127,8 @@ def make_trace(rank: int | None, world: int | None, mla: list[int], layers: int,
                steps: list[tuple[int, int]], norm: str, qprep: str,
                member: str = "per_head", bad_ts: bool = False,
                name_form: str = "demangled", drop=None, graph: bool = False,
-               base_ns: int | None = None, t0: float = 10_000.0) -> dict:
+               base_ns: int | None = None, t0: float = 10_000.0,
+               rename: dict | None = None) -> dict:
     """``steps``: (context requests, generation requests) per engine step; with MTP k=2 each
     decode request carries 3 tokens.
 
@@ -138,7 +139,8 @@ def make_trace(rank: int | None, world: int | None, mla: list[int], layers: int,
     decode does: one ``hipGraphLaunch`` per step whose correlation id every replayed kernel
     carries, and no CPU operators around the kernels (kineto links graph-replayed kernels to the
     graph launch's correlation). ``base_ns``: ``baseTimeNanoseconds`` (kineto/torch write event
-    ``ts`` in us relative to it; torch/profiler/_chrome_trace_export.py, torch 2.13)."""
+    ``ts`` in us relative to it; torch/profiler/_chrome_trace_export.py, torch 2.13).
+    ``rename``: kernel name -> the name written instead (a renamed kernel)."""
     pid = tid = 4000 + (rank or 0)
     ev: list[dict] = [
         {"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
@@ -171,6 +173,7 @@ def make_trace(rank: int | None, world: int | None, mla: list[int], layers: int,
                            "args": {"correlation": corr}})
             gpu_t = max(gpu_t, t + 5.0)
             if drop is None or not drop(step_no, i):
+                kname = (rename or {}).get(kname, kname)
                 ev.append({"ph": "X", "cat": "kernel", "name": name_in_form(kname, name_form),
                            "pid": 0, "tid": 7,
                            "ts": round(gpu_t, 3), "dur": round(kdur, 6),

@@ -26,7 +26,7 @@ class RoleCounts:
     time_us: dict[str, dict[str, float]]
     names: dict[str, list[str]]
     members: dict[str, dict[str, int]]  # member -> scope -> launches (fused_qprep)
-    unclassified: dict[str, int]  # name -> launches inside the MLA region matching no role
+    unclassified: dict[str, int]  # name -> MLA-region (or unknown graph-replayed) launches
 
 
 def role_counts(rt: RankTrace, spec: Spec) -> RoleCounts:
@@ -49,7 +49,11 @@ def role_counts(rt: RankTrace, spec: Spec) -> RoleCounts:
                 if rname == "fused_qprep" and qprep.members:
                     m = members.setdefault(qprep.member_of(ln.name), dict.fromkeys(SCOPES, 0))
                     m[where] += 1
-        if not matched and rt.mode == "gpu" and spec.in_mla_region(ln.parents):
+        if not matched and rt.mode == "gpu" and (
+                spec.in_mla_region(ln.parents)
+                or (not ln.parents and where == "decode" and not spec.known_family(ln.name))):
+            # around a host operator of the MLA region; or, graph-replayed (no operator
+            # around the launch) in a decode step, of no known family
             unclassified[ln.name] += 1
     return RoleCounts(launches, {r: {k: round(v, 3) for k, v in d.items()}
                                  for r, d in time_us.items()},
