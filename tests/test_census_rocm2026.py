@@ -367,3 +367,32 @@ def test_renamed_fused_kernel_is_listed_under_graph_replay(tmp_path):
                for p in c.per_rank)
     row = next(ln for ln in c.table().splitlines() if ln.startswith("unclassified"))
     assert "aiter::fused_rope_cat_cache_mla_v2 x18" in row and " 2/2 " in row
+
+
+# -- 5. decode-only from tokens; device spans per queue -------------------------------------------
+
+def test_recomputed_prompt_step_is_not_decode_only(tmp_path):
+    """A preempted request recomputing its 200-token prompt: vLLM names the step
+    'generation_8(224)' (8 requests, 224 tokens > 8 x 3). Its (correct) stock path used to be
+    judged as decode-only. Before: FAIL (fused Q-prep 18/21, KV-cache write 3/0). After: PASS,
+    the step counted with the prefill steps."""
+    d = tmp_path / "t"
+    d.mkdir()
+    steps = SIX[:3] + [(0, 8, 200)] + SIX[3:]
+    for r in range(2):
+        MT["write"](d / MT["trace_name"](r),
+                    MT["make_trace"](r, 2, [0, 1, 2], 3, steps, "on", "on"), gz=True)
+    c = census(d, "all=on")
+    assert c.verdict == "PASS", c.table()
+    st = c.per_rank[0]["steps_detail"][3]
+    assert (st["recompute"], st["decode_only"], st["tokens_per_request"]) == (True, False, 3)
+
+
+def test_unlinked_kernels_map_through_their_own_queue(tmp_path):
+    """No launch records (kernels without correlation) on two device queues: each queue has its
+    own gpu_user_annotation span per step. Before: spans matched by position across queues,
+    half the kernels in the wrong step or none (fused 9/18 etc.: FAIL). After: PASS."""
+    d = write_ranks(tmp_path, [{}, {}], unlinked_queues=2)
+    c = census(d, "all=on")
+    assert c.verdict == "PASS", (c.incomplete, c.table())
+    assert all(p["unattributed"] == 1 for p in c.per_rank)  # only the sampler after the steps

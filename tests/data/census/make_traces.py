@@ -128,9 +128,11 @@ def make_trace(rank: int | None, world: int | None, mla: list[int], layers: int,
                member: str = "per_head", bad_ts: bool = False,
                name_form: str = "demangled", drop=None, graph: bool = False,
                base_ns: int | None = None, t0: float = 10_000.0,
-               rename: dict | None = None) -> dict:
-    """``steps``: (context requests, generation requests) per engine step; with MTP k=2 each
-    decode request carries 3 tokens.
+               rename: dict | None = None, unlinked_queues: int = 0) -> dict:
+    """``steps``: (context requests, generation requests[, recomputed prompt tokens]) per
+    engine step; with MTP k=2 each decode request carries 3 tokens. A third item puts that
+    many more tokens on the "generation" side: a preempted request recomputing its prompt,
+    which vLLM labels generation (the step runs the prefill path).
 
     Losses and replays (used by tests/test_census_rocm2026.py; the committed sets use none):
     ``drop(step, i)`` True leaves out the kernel record of launch ``i`` of engine step
@@ -140,7 +142,11 @@ def make_trace(rank: int | None, world: int | None, mla: list[int], layers: int,
     carries, and no CPU operators around the kernels (kineto links graph-replayed kernels to the
     graph launch's correlation). ``base_ns``: ``baseTimeNanoseconds`` (kineto/torch write event
     ``ts`` in us relative to it; torch/profiler/_chrome_trace_export.py, torch 2.13).
-    ``rename``: kernel name -> the name written instead (a renamed kernel)."""
+    ``rename``: kernel name -> the name written instead (a renamed kernel).
+    ``unlinked_queues`` N > 0: no launch records (no runtime events, kernels without
+    correlation), kernels spread round-robin over N device queues (tid 7, 8, ...), and per step
+    and queue a ``gpu_user_annotation`` span with the step's name (kineto writes one per queue
+    for each host annotation): the census must map kernels through their own queue's spans."""
     pid = tid = 4000 + (rank or 0)
     ev: list[dict] = [
         {"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
@@ -149,10 +155,12 @@ def make_trace(rank: int | None, world: int | None, mla: list[int], layers: int,
     t = t0
     corr = 1000
     gpu_t = t
-    for step_no, (ctx, gen) in enumerate(steps):
-        decode = ctx == 0
+    for step_no, (ctx, gen, *more) in enumerate(steps):
+        decode = ctx == 0 and not more
         replay = graph and decode and gen > 0
-        name = f"execute_context_{ctx}({ctx * 128})_generation_{gen}({gen * 3})"
+        name = f"execute_context_{ctx}({ctx * 128})_generation_{gen}({gen * 3 + sum(more)})"
+        q_first: dict[int, float] = {}
+        q_last: dict[int, float] = {}
         ks = [] if ctx == 0 and gen == 0 else _step_kernels(mla, layers, decode, norm, qprep,
                                                             member)
         start = t
@@ -162,7 +170,10 @@ def make_trace(rank: int | None, world: int | None, mla: list[int], layers: int,
                        "tid": tid, "ts": round(t + 1.0, 3), "dur": 4.0,
                        "args": {"correlation": corr}})
         for i, (kname, kdur, opname) in enumerate(ks):
-            if not replay:
+            if unlinked_queues:
+                corr += 1
+                queue = 7 + i % unlinked_queues
+            elif not replay:
                 corr += 1
                 for depth, op in enumerate(opname.split(">")):
                     ev.append({"ph": "X", "cat": "cpu_op", "name": op, "pid": pid, "tid": tid,
@@ -172,7 +183,13 @@ def make_trace(rank: int | None, world: int | None, mla: list[int], layers: int,
                            "pid": pid, "tid": tid, "ts": round(t + 1.0, 3), "dur": 4.0,
                            "args": {"correlation": corr}})
             gpu_t = max(gpu_t, t + 5.0)
-            if drop is None or not drop(step_no, i):
+            if unlinked_queues:
+                q_first.setdefault(queue, gpu_t)
+                q_last[queue] = gpu_t + kdur
+                ev.append({"ph": "X", "cat": "kernel", "name": name_in_form(kname, name_form),
+                           "pid": 0, "tid": queue, "ts": round(gpu_t, 3),
+                           "dur": round(kdur, 6), "args": {"device": 0, "stream": queue}})
+            elif drop is None or not drop(step_no, i):
                 kname = (rename or {}).get(kname, kname)
                 ev.append({"ph": "X", "cat": "kernel", "name": name_in_form(kname, name_form),
                            "pid": 0, "tid": 7,
@@ -182,6 +199,10 @@ def make_trace(rank: int | None, world: int | None, mla: list[int], layers: int,
             t += 7.0
         ev.append({"ph": "X", "cat": "user_annotation", "name": name, "pid": pid, "tid": tid,
                    "ts": round(start - 1.0, 3), "dur": round(t - start + 2.0, 3)})
+        for queue, first in q_first.items():
+            ev.append({"ph": "X", "cat": "gpu_user_annotation", "name": name, "pid": 0,
+                       "tid": queue, "ts": round(first - 0.1, 3),
+                       "dur": round(q_last[queue] - first + 0.2, 3)})
         t += 50.0
     # a kernel outside any step (the sampler after the last step)
     corr += 1

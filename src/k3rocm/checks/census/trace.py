@@ -56,11 +56,20 @@ class Step:
     ctx_tokens: int
     gen_reqs: int
     gen_tokens: int
+    tokens_per_request: int | None = None  # a decode request's tokens (1 + speculative)
+
+    @property
+    def recompute(self) -> bool:
+        """A "generation" step with more tokens than its requests can decode: a preempted
+        request recomputing its prompt (vLLM labels it generation), i.e. a prefill."""
+        return self.tokens_per_request is not None and \
+            self.gen_tokens > self.gen_reqs * self.tokens_per_request
 
     @property
     def decode_only(self) -> bool:
-        """The attention backend's rule: no request with context (prefill) tokens."""
-        return self.ctx_reqs == 0 and self.gen_reqs > 0
+        """No request with context tokens, and no more tokens than requests x (1 +
+        speculative tokens)."""
+        return self.ctx_reqs == 0 and self.gen_reqs > 0 and not self.recompute
 
     @property
     def empty(self) -> bool:
@@ -71,6 +80,7 @@ class Step:
         return {"index": self.index, "name": self.name, "decode_only": self.decode_only,
                 "ctx_reqs": self.ctx_reqs, "ctx_tokens": self.ctx_tokens,
                 "gen_reqs": self.gen_reqs, "gen_tokens": self.gen_tokens,
+                "tokens_per_request": self.tokens_per_request, "recompute": self.recompute,
                 "dur_us": round(self.dur, 3)}
 
 
@@ -162,6 +172,17 @@ def parse_step_name(name: str) -> tuple[int, int, int, int] | None:
     if not m:
         return None
     return int(m.group(1)), int(m.group(2)), int(m.group(3)), int(m.group(4))
+
+
+def decode_tokens_per_request(steps: list[Step]) -> int | None:
+    """Tokens a decode request carries in this trace (1, or 1 + k with k speculative tokens):
+    the most common ceil(tokens / requests) over the steps without context requests (ties:
+    the larger). None without such steps."""
+    per = Counter(-(-s.gen_tokens // s.gen_reqs) for s in steps
+                  if s.ctx_reqs == 0 and s.gen_reqs > 0)
+    if not per:
+        return None
+    return max(per.items(), key=lambda kv: (kv[1], kv[0]))[0]
 
 
 def rank_of(path: Path, obj: dict[str, Any]) -> int | None:
@@ -259,6 +280,9 @@ def _parse_rank_trace(path: Path, normalize: Normalizer, mode: str,
     step_evs = [(e, p) for e, p in step_evs if not (p[0] == 0 and p[2] == 0)]
     gpu_step_evs = [(e, p) for e, p in gpu_step_evs if not (p[0] == 0 and p[2] == 0)]
     steps = [Step(i, str(e["name"]), e["ts"], e["dur"], *p) for i, (e, p) in enumerate(step_evs)]
+    per_req = decode_tokens_per_request(steps)
+    for s in steps:
+        s.tokens_per_request = per_req
     starts = [s.ts for s in steps]
 
     def step_at(ts: float) -> int | None:
@@ -312,18 +336,13 @@ def _parse_rank_trace(path: Path, normalize: Normalizer, mode: str,
                 si = step_at(e["ts"])
                 if si is not None:
                     lost[si] = lost.get(si, 0) + 1
-        gpu_steps = sorted(gpu_step_evs, key=lambda t: t[0]["ts"])
-        gpu_starts = [g[0]["ts"] for g in gpu_steps]
-        # map a device-side step range to the host step with the same position
+        spans = _device_spans(gpu_step_evs, steps)
         for k in kernels:
             corr = (k.get("args") or {}).get("correlation")
             launch = by_corr.get(corr) if corr is not None else None
             si = step_at(launch["ts"]) if launch is not None else None
-            if si is None and launch is None and gpu_steps:
-                j = bisect.bisect_right(gpu_starts, k["ts"] + 1e-3) - 1
-                if j >= 0 and k["ts"] <= gpu_starts[j] + gpu_steps[j][0]["dur"] + 1e-3 \
-                        and j < len(steps):
-                    si = j
+            if si is None and launch is None:
+                si = spans.step_of(k)
             raw = str(k["name"])
             par = parents.get(id(launch), ()) if launch is not None else ()
             ln = Launch(normalize(raw), raw, k["dur"], -1 if si is None else si,
@@ -365,6 +384,49 @@ def start_time(path: Path, obj: dict[str, Any], steps: list[Step]) -> tuple[floa
         digits = hits[-1]
         return int(digits) / 10 ** (len(digits) - 10), "file name"
     return None, ""
+
+
+class _DeviceSpans:
+    """Device-side step ranges (``gpu_user_annotation``: kineto writes one per device queue
+    for each host annotation, with the same name), per (pid, tid) = (device, queue). The n-th
+    span named N on a queue is the n-th host step named N; a kernel without a launch record
+    belongs to the span of its own queue that contains it."""
+
+    def __init__(self, per_queue: dict[tuple[Any, Any], list[tuple[float, float, int]]]):
+        self.per_queue = per_queue
+        self.starts = {q: [s[0] for s in v] for q, v in per_queue.items()}
+
+    def step_of(self, k: dict[str, Any]) -> int | None:
+        q = (k.get("pid"), k.get("tid"))
+        spans = self.per_queue.get(q)
+        if not spans:
+            return None
+        j = bisect.bisect_right(self.starts[q], k["ts"] + 1e-3) - 1
+        if j >= 0 and k["ts"] <= spans[j][1] + 1e-3:
+            return spans[j][2]
+        return None
+
+
+def _device_spans(gpu_step_evs: list[tuple[dict[str, Any], Any]],
+                  steps: list[Step]) -> _DeviceSpans:
+    host_by_name: dict[str, list[int]] = defaultdict(list)
+    for s in steps:
+        host_by_name[s.name].append(s.index)
+    queues: dict[tuple[Any, Any], list[dict[str, Any]]] = defaultdict(list)
+    for e, _ in gpu_step_evs:
+        queues[(e.get("pid"), e.get("tid"))].append(e)
+    per_queue: dict[tuple[Any, Any], list[tuple[float, float, int]]] = {}
+    for q, evs in queues.items():
+        seen: Counter[str] = Counter()
+        out = []
+        for e in sorted(evs, key=lambda e: e["ts"]):
+            name = str(e["name"])
+            hosts = host_by_name.get(name, [])
+            if seen[name] < len(hosts):
+                out.append((e["ts"], e["ts"] + e["dur"], hosts[seen[name]]))
+            seen[name] += 1
+        per_queue[q] = out
+    return _DeviceSpans(per_queue)
 
 
 def gpu_evidence(obj: dict[str, Any], events: list[dict[str, Any]]) -> list[str]:
