@@ -379,9 +379,11 @@ def live_census(args: argparse.Namespace, url: str, model: str, api_key: str | N
     server_prov = runrecord.server(client, url, api_key, container=container)
     argv = server_prov.get("server_argv") or []
     if "--speculative-config" in argv or cenv.get("K3_MTP_K", "0") not in ("", "0"):
-        _log("note: the server runs speculative decoding; a draft that uses the model's own MTP "
-             "layer (K3_MTP_METHOD=mtp) runs MLA layers too: pass --extra ROLE=N for its "
-             "launches per step, or profile with K3_MTP_K=0 (docs/census.md)")
+        _log("note: the server runs speculative decoding. vLLM 0.27.x (the pinned nightly's "
+             "era) runs the draft passes in sample_tokens, outside the execute_* step "
+             "annotation: the census counts in-step launches only (the seed's 144 = 24 x 6 with "
+             "MTP k=2), the draft's show in the 'outside engine steps' rows; do NOT pass "
+             "--extra for them (docs/census.md, Speculative decoding)")
     if dep is None:
         dep = _deployment_or_none()
     record = runrecord.build(deployment=dep, server=server_prov, url=url, source="live",
