@@ -396,3 +396,43 @@ def test_unlinked_kernels_map_through_their_own_queue(tmp_path):
     c = census(d, "all=on")
     assert c.verdict == "PASS", (c.incomplete, c.table())
     assert all(p["unattributed"] == 1 for p in c.per_rank)  # only the sampler after the steps
+
+
+# -- 7. stream parsing --------------------------------------------------------------------------
+
+def test_stream_header_before_and_after_the_events(tmp_path, monkeypatch):
+    """A large trace (here: larger than the bytes kept from its start) keeps its top-level keys
+    on both sides of traceEvents: torch writes distributedInfo before the list
+    (_chrome_trace_export.py), kineto's C++ writer closes with baseTimeNanoseconds
+    (output_json.cpp). Both are read without loading the events."""
+    import gzip
+    import json
+
+    from k3rocm.checks.census import stream
+    from k3rocm.checks.census.trace import parse_rank_trace
+
+    monkeypatch.setattr(stream, "HEAD_MAX", 300)
+    obj = MT["make_trace"](1, 2, [0, 1, 2], 3, SIX, "on", "on")
+    head = {"schemaVersion": 1, "deviceProperties": obj["deviceProperties"],
+            "distributedInfo": obj["distributedInfo"]}
+    text = (json.dumps(head)[:-1] + ', "traceEvents": ' + json.dumps(obj["traceEvents"])
+            + ', "traceName": "x]y", "baseTimeNanoseconds": 1764700000000000000}')
+    p = tmp_path / "w.1764700000.pt.trace.json.gz"
+    p.write_bytes(gzip.compress(text.encode(), mtime=0))
+    rt = parse_rank_trace(p)
+    assert (rt.rank, rt.world_size, rt.rank_source) == (1, 2, "distributedInfo")
+    assert rt.started_source == "baseTimeNanoseconds + ts"
+    assert rt.n_launches > 0 and len(rt.steps) == 6
+
+
+def test_top_level_list_trace(tmp_path):
+    """A chrome trace may be a bare list of events."""
+    import json
+
+    from k3rocm.checks.census.trace import parse_rank_trace
+
+    obj = MT["make_trace"](0, 1, [0, 1, 2], 3, SIX, "on", "on")
+    p = tmp_path / "x-rank-0.1764700000.pt.trace.json"
+    p.write_text(json.dumps(obj["traceEvents"]))
+    rt = parse_rank_trace(p)
+    assert rt.rank == 0 and len(rt.steps) == 6 and rt.mode == "gpu"

@@ -264,7 +264,7 @@ def run_census(traces: TraceSet, model: ModelFacts, claim: FusionClaim, spec: Sp
                 sum(v.values()) for v in rc.launches.values()):
             top = ", ".join(k["name"] for k in rt.kernel_table()[:3])
             raise UsageError(
-                f"rank {rt.rank} trace {rt.path.name}: none of its {len(rt.launches)} GPU "
+                f"rank {rt.rank} trace {rt.path.name}: none of its {rt.n_launches} GPU "
                 f"kernel launches matches any kernel role of the {spec.platform} table "
                 f"(top kernels: {top}); the names are in a form the table does not know: pass "
                 "--alias REGEX=NAME or --spec FILE (docs/census.md)")

@@ -51,7 +51,9 @@ def losses(traces: TraceSet, world_size: int) -> list[dict[str, Any]]:
     per_step: dict[int, list[tuple[int, tuple[int, int], int]]] = {}
     best: dict[tuple[int, int], int] = defaultdict(int)
     for rt in gpu:
-        n = Counter(ln.step for ln in rt.launches)
+        n: Counter[int] = Counter()
+        for ln in rt.launches:
+            n[ln.step] += ln.count
         rows = [(s.index, (s.gen_reqs, s.gen_tokens), n[s.index])
                 for s in rt.steps if s.decode_only]
         per_step[rt.rank] = rows

@@ -43,18 +43,18 @@ def role_counts(rt: RankTrace, spec: Spec) -> RoleCounts:
         for rname, role in spec.roles.items():
             if role.counts(ln.name, ln.parents, outermost=rt.mode == "cpu"):
                 matched = True
-                launches[rname][where] += 1
+                launches[rname][where] += ln.count
                 time_us[rname][where] += ln.dur
                 names[rname].add(ln.name)
                 if rname == "fused_qprep" and qprep.members:
                     m = members.setdefault(qprep.member_of(ln.name), dict.fromkeys(SCOPES, 0))
-                    m[where] += 1
+                    m[where] += ln.count
         if not matched and rt.mode == "gpu" and (
                 spec.in_mla_region(ln.parents)
                 or (not ln.parents and where == "decode" and not spec.known_family(ln.name))):
             # around a host operator of the MLA region; or, graph-replayed (no operator
             # around the launch) in a decode step, of no known family
-            unclassified[ln.name] += 1
+            unclassified[ln.name] += ln.count
     return RoleCounts(launches, {r: {k: round(v, 3) for k, v in d.items()}
                                  for r, d in time_us.items()},
                       {r: sorted(v) for r, v in names.items()}, members,
