@@ -349,6 +349,9 @@ def test_report_one_row_per_check_with_deviating_ranks(tmp_path):
     assert " 8/8 " in fused and " 18 " in fused
     rep = c.report_table().splitlines()
     assert len(rep) == 3 and "rank 3: general x18" in rep[2]
+    md = c.markdown()
+    assert md.count("## Top 25 kernels") == 1 and "## Rank " not in md
+    assert "| `aiter::fuse_qk_rope_concat_and_cache_mla_per_head_kernel` | 18 [rank 3: 0] |" in md
 
 
 # -- 6. the MLA-region net under graph replay ----------------------------------------------------

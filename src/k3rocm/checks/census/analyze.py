@@ -207,17 +207,34 @@ class Census:
                   "## Per rank, per MLA layer per decode step", "", "```",
                   self.report_table(), "```"]
         unit = "device" if all(p["mode"] == "gpu" for p in self.per_rank) else "host (CPU op)"
-        for pr in self.per_rank:
-            if pr["roles"]["unclassified"]:
-                lines += ["", f"## Rank {pr['rank']}: unclassified launches in the MLA "
-                          "attention region", "", "| kernel | launches |", "|---|---:|"]
-                lines += [f"| `{k}` | {v} |" for k, v in pr["roles"]["unclassified"].items()]
-            lines += ["", f"## Rank {pr['rank']}: top {top} by {unit} time", "",
-                      "| kernel | launches | per step | total us | mean us |",
-                      "|---|---:|---:|---:|---:|"]
-            for k in pr["kernels"][:top]:
-                lines.append(f"| `{k['name']}` | {k['launches']} | {k['per_step']} | "
-                             f"{k['total_us']} | {k['mean_us']} |")
+        rk = [pr["rank"] for pr in self.per_rank]
+        uncl = {k for pr in self.per_rank for k in pr["roles"]["unclassified"]}
+        if uncl:
+            lines += ["", "## Unclassified launches in the MLA attention region (per rank)", "",
+                      "| kernel | launches per rank (ranks that differ) |", "|---|---|"]
+            lines += [f"| `{k}` | " + _common([(r, pr["roles"]["unclassified"].get(k, 0))
+                                               for r, pr in zip(rk, self.per_rank,
+                                                                strict=True)]) + " |"
+                      for k in sorted(uncl)]
+        table = {r: {k["name"]: k for k in pr["kernels"]} for r, pr in zip(
+            rk, self.per_rank, strict=True)}
+        totals: dict[str, float] = {}
+        for kt in table.values():
+            for name, k in kt.items():
+                totals[name] = totals.get(name, 0.0) + k["total_us"]
+        names = sorted(totals, key=lambda n: (-totals[n], n))[:top]
+        lines += ["", f"## Top {top} kernels by {unit} time, across ranks", "",
+                  "| kernel | launches per rank (ranks that differ) | per step | mean total us "
+                  "per rank | mean us |", "|---|---|---:|---:|---:|"]
+        for name in names:
+            ks = [table[r].get(name) for r in rk]
+            seen = [k for k in ks if k is not None]
+            n = sum(k["launches"] for k in seen)
+            lines.append(f"| `{name}` | "
+                         + _common([(r, k["launches"] if k else 0) for r, k in zip(
+                             rk, ks, strict=True)])
+                         + f" | {seen[0]['per_step']} | {round(totals[name] / len(rk), 3)} | "
+                         f"{round(totals[name] / max(n, 1), 3)} |")
         return "\n".join(lines) + "\n"
 
 
