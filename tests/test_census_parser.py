@@ -250,6 +250,9 @@ def test_seven_of_eight_ranks_fails_naming_the_missing_rank():
     assert row.ok is False and (row.expected, row.seen) == (8, 7)
     assert "MISSING rank(s) 7" in row.rule
     assert failed(c) == {("all", "worker traces, one per rank")}
+    # a missing rank is lost evidence: the verdict is "incomplete trace", not "fusion failed"
+    assert c.verdict == "INCOMPLETE TRACE" and c.exit_code == 4
+    assert c.incomplete == [{"rank": 7, "what": "no worker trace for this rank"}]
 
 
 def test_rankless_worker_traces_are_bad_input():
