@@ -189,3 +189,17 @@ def test_cli_bad_record_log_exit_2(tmp_path):
                str(REC / "server-bad-json.log"), tmp_path=tmp_path)
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1 and "not valid JSON" in p.stderr
+
+
+def test_empty_log_read_at_collection_still_fails_offline(tmp_path):
+    """A live census that read the server's log and found no record leaves a marker beside
+    the traces; an offline re-analysis then says 'the overlay did not run' (a found, empty
+    source), not 'not cross-checked'."""
+    d = tmp_path / "traces"
+    shutil.copytree(DATA / "rocm-on", d, ignore=shutil.ignore_patterns("k3rocm-decisions-*"))
+    (d / "k3rocm-decisions-none.json").write_text(json.dumps(
+        {"source": "the log of container k3-server", "records": 0}))
+    p = run_cli("census", "--trace-dir", str(d), "--model-dir", str(TINY), "--fusions",
+                "all=on", "--results", str(tmp_path / "r"))
+    assert p.returncode == 1 and "the overlay did not run" in p.stdout, p.stdout + p.stderr
+    assert "the log of container k3-server" in p.stdout

@@ -18,6 +18,7 @@ interrupted.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -102,6 +103,9 @@ def analyse(trace_dir: Path, args: argparse.Namespace, claim: FusionClaim,
                       args.min_decode_steps, extra)
 
 
+NO_RECORDS = "k3rocm-decisions-none.json"  # beside traces: the server log held no record
+
+
 def read_decisions(args: argparse.Namespace, trace_dir: Path | None = None,
                    container: Any = None) -> Decisions | None:
     """The overlay's records: --server-log, else the JSON files beside the traces, else the
@@ -117,6 +121,13 @@ def read_decisions(args: argparse.Namespace, trace_dir: Path | None = None,
         if files:
             return Decisions(records_from_files(files),
                              f"{len(files)} decision file(s) in {trace_dir}")
+        marker = trace_dir / NO_RECORDS
+        if marker.is_file():  # a live census read the server's log and found none
+            try:
+                src = str(json.loads(marker.read_text()).get("source", "the server log"))
+            except (OSError, ValueError, AttributeError):
+                raise UsageError(f"{marker} is not valid JSON; remove it or re-run") from None
+            return Decisions([], f"{src} (read when the traces were collected; {marker})")
     if container is not None:
         src = f"the log of container {container.name}"
         return Decisions(records_from_log(container.logs().decode(errors="replace"), src), src)
@@ -415,6 +426,8 @@ def live_census(args: argparse.Namespace, url: str, model: str, api_key: str | N
             by_pid.setdefault(r.pid, []).append(r.raw)
         for pid, recs in by_pid.items():
             write_json_atomic(dest / f"k3rocm-decisions-pid{pid}.json", recs)
+        if decisions.found and not decisions.records:  # read, and empty: evidence too
+            write_json_atomic(dest / NO_RECORDS, {"source": decisions.source, "records": 0})
     census = analyse(dest, args, claim, decisions, server_argv=argv or None)
     record.update(load=info, trace_files=base_provenance(
         [r.path for r in census.traces.ranks])["trace_files"])

@@ -42,7 +42,7 @@ KERNEL_CATS = {"kernel"}
 LAUNCH_CALL = re.compile(r"^(hip|cuda)(Ext)?(Module)?LaunchKernel|^(hip|cu)LaunchKernel")
 # JSON files that live beside the traces but are not traces (overlay decision records,
 # run provenance)
-NOT_TRACES = ("k3rocm-decisions-pid", "provenance.json", "census.json")
+NOT_TRACES = ("k3rocm-decisions-", "provenance.json", "census.json")
 
 
 @dataclass
