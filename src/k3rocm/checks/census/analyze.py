@@ -196,7 +196,7 @@ class Census:
                   f"{iso_time(self.traces.run_started)} "
                   f"({self.per_rank[0]['started_source'] if self.per_rank else ''})"]
         lines += [f"- Skipped: {x['why']}: started {x['started']}, ranks "
-                  f"{_ranks(x['ranks'])}, {len(x['files'])} file(s)"
+                  f"{_ranks(x['ranks'])} ({len(x['files'])} file(s))"
                   for x in self.traces.skipped_runs]
         for pr in self.per_rank:
             lines.append(f"- rank {pr['rank']}: {pr['mode']} trace `{pr['path']}`, "
@@ -204,7 +204,7 @@ class Census:
                          f"{pr['empty_steps_ignored']} without a forward ignored), "
                          f"{pr['launches']} launches, {pr['unattributed']} outside steps")
         lines += ["", "## Expected vs seen", "", render_summary_markdown(self.checks), "",
-                  "## Per rank, per MLA layer per decode step", "", "```",
+                  "## Per fusion across ranks, per MLA layer per decode step", "", "```",
                   self.report_table(), "```"]
         unit = "device" if all(p["mode"] == "gpu" for p in self.per_rank) else "host (CPU op)"
         rk = [pr["rank"] for pr in self.per_rank]
@@ -256,6 +256,8 @@ def _spread(values: list[float | None]) -> str:
 
 
 def _ranks(ranks: list[int]) -> str:
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
     return ", ".join(map(str, ranks))
 
 

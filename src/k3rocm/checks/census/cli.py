@@ -189,7 +189,7 @@ def validate_common(args: argparse.Namespace) -> None:
 def _finish(census: Census, run_dir: Path | None, top: int) -> int:
     for x in census.traces.skipped_runs:
         print(f"census: skipped {x['why']}: started {x['started']}, ranks "
-              f"{', '.join(map(str, x['ranks']))}, {len(x['files'])} file(s)")
+              f"{', '.join(map(str, x['ranks']))} ({len(x['files'])} file(s))")
     print(census.table())
     print()
     print(census.report_table())
