@@ -439,3 +439,14 @@ def test_top_level_list_trace(tmp_path):
     p.write_text(json.dumps(obj["traceEvents"]))
     rt = parse_rank_trace(p)
     assert rt.rank == 0 and len(rt.steps) == 6 and rt.mode == "gpu"
+
+
+def test_census_ab_with_an_incomplete_arm_exits_4(tmp_path):
+    """census-ab never turns lost events into an A/B verdict either."""
+    off = write_run(tmp_path / "off", fusions="off")
+    on = write_ranks(tmp_path / "on", [{"drop": lambda s, i: s >= 4}] * 2)
+    p = run_cli("census-ab", "--trace-dirs", f"{off},{on}", "--model-dir", str(TINY),
+                "--other-norms", "2*layers + 1", "--skip-records", "--results",
+                str(tmp_path / "r"))
+    assert p.returncode == 4, p.stdout[-2000:] + p.stderr
+    assert "census-ab: INCOMPLETE TRACE (arm(s) on lost events" in p.stdout
