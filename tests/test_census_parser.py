@@ -250,6 +250,9 @@ def test_seven_of_eight_ranks_fails_naming_the_missing_rank():
     assert row.ok is False and (row.expected, row.seen) == (8, 7)
     assert "MISSING rank(s) 7" in row.rule
     assert failed(c) == {("all", "worker traces, one per rank")}
+    # a missing rank is lost evidence: the verdict is "incomplete trace", not "fusion failed"
+    assert c.verdict == "INCOMPLETE TRACE" and c.exit_code == 4
+    assert c.incomplete == [{"rank": 7, "what": "no worker trace for this rank"}]
 
 
 def test_rankless_worker_traces_are_bad_input():
@@ -424,10 +427,12 @@ def test_cli_fail_prints_expected_vs_seen_and_per_rank_table(tmp_path):
                 str(TINY), "--fusions", "all=on", "--results", str(tmp_path))
     assert p.returncode == 1, p.stderr
     lines = p.stdout.splitlines()
-    assert lines[0].split() == ["rank", "check", "scope", "expected", "seen", "status", "rule"]
+    assert lines[0].split() == ["check", "scope", "ranks", "expected", "seen", "status",
+                                "deviations", "/", "rule"]
     bad = [ln for ln in lines if " FAIL " in ln and not ln.startswith("census:")]
-    assert len(bad) == 2 and all("stock q/kv RMSNorm launches" in b for b in bad)
-    assert any(ln.split()[:2] == ["rank", "fusion"] for ln in lines)
+    # one row per check across ranks: both ranks show the same failing count
+    assert len(bad) == 1 and "stock q/kv RMSNorm launches" in bad[0] and " 2/2 " in bad[0]
+    assert any(ln.split()[:3] == ["fusion", "asked", "ranks"] for ln in lines)
     assert "census: FAIL" in p.stdout
     run_dir = next(tmp_path.iterdir())
     assert run_dir.name.endswith("-census")

@@ -167,9 +167,10 @@ def test_cli_claim_from_provenance_and_records_from_server_log(tmp_path):
                str(REC / "server-on.log"), tmp_path=tmp_path / "r1")
     assert p.returncode == 0, p.stdout + p.stderr
     assert "K3_FUSE_QK_NORM unset" in p.stdout and "K3_FUSE_DECODE_QPREP=1" in p.stdout
-    # no records at all (no files, no log) while asked on: the overlay did not run
+    # no records found (no files, no log): not cross-checked, visible, not a FAIL
     q = census("--trace-dir", str(run / "traces"), tmp_path=tmp_path / "r2")
-    assert q.returncode == 1 and "the overlay did not run" in q.stdout
+    assert q.returncode == 0 and "NOT CROSS-CHECKED: no records found" in q.stdout
+    assert "census: PASS (the overlay's decision records were not cross-checked" in q.stdout
     # asked off in the provenance, records say on: fail both ways
     (run / "provenance.json").write_text(json.dumps(
         {"server": {"container": {"env": {"K3_FUSE_QK_NORM": "0",
@@ -188,3 +189,17 @@ def test_cli_bad_record_log_exit_2(tmp_path):
                str(REC / "server-bad-json.log"), tmp_path=tmp_path)
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1 and "not valid JSON" in p.stderr
+
+
+def test_empty_log_read_at_collection_still_fails_offline(tmp_path):
+    """A live census that read the server's log and found no record leaves a marker beside
+    the traces; an offline re-analysis then says 'the overlay did not run' (a found, empty
+    source), not 'not cross-checked'."""
+    d = tmp_path / "traces"
+    shutil.copytree(DATA / "rocm-on", d, ignore=shutil.ignore_patterns("k3rocm-decisions-*"))
+    (d / "k3rocm-decisions-none.json").write_text(json.dumps(
+        {"source": "the log of container k3-server", "records": 0}))
+    p = run_cli("census", "--trace-dir", str(d), "--model-dir", str(TINY), "--fusions",
+                "all=on", "--results", str(tmp_path / "r"))
+    assert p.returncode == 1 and "the overlay did not run" in p.stdout, p.stdout + p.stderr
+    assert "the log of container k3-server" in p.stdout

@@ -110,8 +110,8 @@ def test_a_setting_the_base_cannot_run_stops_before_any_server(docker_client, tm
     """AITER on, and a fusion switched off on a base whose vLLM (0.32.0, the CPU stand-in's)
     ships the fusions with the overlay skipped: the switch would do nothing, so the base check
     refuses it after the build and before any server starts."""
-    p = _selftest(docker_client, tmp_path, free_port(), "--no-build", env={"VLLM_ROCM_USE_AITER": "1"},
-                  timeout=300)
+    p = _selftest(docker_client, tmp_path, free_port(), "--no-build",
+                  env={"VLLM_ROCM_USE_AITER": "1"}, timeout=300)
     assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-2000:]
     assert "K3_FUSE_QK_NORM=0 has no effect on this base: vLLM 0.32.0" in p.stderr
     assert _project_containers(PROJECT) == []

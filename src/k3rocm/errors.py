@@ -8,6 +8,8 @@ Every ``k3rocm`` command (and the make targets that run them) exits with one of 
 2     bad input: a setting, a flag, a missing file or image; nothing expensive was started
 3     server or engine problem: the server is unreachable/unhealthy/serves another model, or
       there is no Docker engine
+4     incomplete evidence: the input is well formed but lost data (a profiler trace that lost
+      kernel events or ranks), so nothing was judged; re-collect it
 130   interrupted (Ctrl-C): finished work is kept in the run directory
 ====  ==========================================================================================
 """
@@ -18,6 +20,7 @@ EXIT_OK = 0
 EXIT_CHECK_FAILED = 1
 EXIT_USAGE = 2
 EXIT_SERVER = 3
+EXIT_INCOMPLETE = 4
 EXIT_INTERRUPTED = 130
 
 EXIT_CODES = {
@@ -25,6 +28,7 @@ EXIT_CODES = {
     EXIT_CHECK_FAILED: "a check failed (results kept, marked failed)",
     EXIT_USAGE: "bad input (a setting, flag, file or image; nothing expensive was started)",
     EXIT_SERVER: "server or engine problem (server unreachable/unhealthy, no Docker engine)",
+    EXIT_INCOMPLETE: "incomplete evidence (a trace lost events or ranks; nothing judged)",
     EXIT_INTERRUPTED: "interrupted (finished work kept)",
 }
 

@@ -24,6 +24,12 @@ Kernel names are the REAL ROCm names (k3rocm/checks/census/kernels.json says whe
 - AITER MLA decode kernels (``aiter::mla_a8w8_qh16_qseqlen1_gqaratio16_ps``,
   ``kn_mla_reduce_v1_ps``: public MI355X decode traces) match no role: the census lists them
   as unclassified launches in the MLA attention region.
+Name forms (``name_form``): "demangled" is what kineto writes for CUPTI and roctracer
+activities (``libkineto/src/output_json.cpp`` prints the activity name; CUPTI/roctracer hand it a
+demangled ``void ns::kernel<...>(args)``); "rocprof-sdk" is kineto's 2026 ROCm backend
+(rocprofiler-sdk): the kernel's code-object symbol, so demangled C++ kernels end in
+`` [clone .kd]`` and symbols that do not demangle (Triton, assembly) in ``.kd`` (brief section
+6; ROCm/rocprofiler-sdk kernel symbol records carry the ``.kd`` descriptor symbol).
 Upstream anchor (seed PR text, MI355X TP=8 rank 0, 6 decode steps, 24 MLA layers): q/kv norm
 288 -> 144 launches; Q-prep 288 -> 144 launches, 1351.8 -> 682.8 us = 9.39 -> 4.74 us per MLA
 layer per decode step: the k3-anchor-* sets carry those counts and durations.
@@ -70,6 +76,15 @@ OP_MLA = "vllm::unified_mla_attention_with_output"
 US_CACHE, US_CONCAT, US_FUSED_QPREP = 4.6, 4.7875, 682.8 / 144
 
 
+def name_in_form(name: str, form: str) -> str:
+    """A kernel name as the profiler backend ``form`` spells it (see the module docstring)."""
+    if form == "demangled":
+        return name
+    if form == "rocprof-sdk":
+        return name + (" [clone .kd]" if name.endswith(")") else ".kd")
+    raise ValueError(form)
+
+
 def _mla_layer(decode: bool, norm: str, qprep: str, member: str) -> list[tuple]:
     """One MLA layer's launches: (kernel, device us, enclosing cpu_op path 'a>b')."""
     ks: list[tuple] = [(K_GEMM, 20.0, "aten::mm")]  # fused_qkv_a_proj
@@ -110,39 +125,84 @@ def _step_kernels(mla: list[int], layers: int, decode: bool, norm: str, qprep: s
 
 def make_trace(rank: int | None, world: int | None, mla: list[int], layers: int,
                steps: list[tuple[int, int]], norm: str, qprep: str,
-               member: str = "per_head", bad_ts: bool = False) -> dict:
-    """``steps``: (context requests, generation requests) per engine step; with MTP k=2 each
-    decode request carries 3 tokens."""
+               member: str = "per_head", bad_ts: bool = False,
+               name_form: str = "demangled", drop=None, graph: bool = False,
+               base_ns: int | None = None, t0: float = 10_000.0,
+               rename: dict | None = None, unlinked_queues: int = 0) -> dict:
+    """``steps``: (context requests, generation requests[, recomputed prompt tokens]) per
+    engine step; with MTP k=2 each decode request carries 3 tokens. A third item puts that
+    many more tokens on the "generation" side: a preempted request recomputing its prompt,
+    which vLLM labels generation (the step runs the prefill path).
+
+    Losses and replays (used by tests/test_census_rocm2026.py; the committed sets use none):
+    ``drop(step, i)`` True leaves out the kernel record of launch ``i`` of engine step
+    ``step`` (the launch stays: what a profiler that lost the device record writes).
+    ``graph``: decode-only steps are replayed from a captured graph, as vLLM's CUDA/HIP-graph
+    decode does: one ``hipGraphLaunch`` per step whose correlation id every replayed kernel
+    carries, and no CPU operators around the kernels (kineto links graph-replayed kernels to the
+    graph launch's correlation). ``base_ns``: ``baseTimeNanoseconds`` (kineto/torch write event
+    ``ts`` in us relative to it; torch/profiler/_chrome_trace_export.py, torch 2.13).
+    ``rename``: kernel name -> the name written instead (a renamed kernel).
+    ``unlinked_queues`` N > 0: no launch records (no runtime events, kernels without
+    correlation), kernels spread round-robin over N device queues (tid 7, 8, ...), and per step
+    and queue a ``gpu_user_annotation`` span with the step's name (kineto writes one per queue
+    for each host annotation): the census must map kernels through their own queue's spans."""
     pid = tid = 4000 + (rank or 0)
     ev: list[dict] = [
         {"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
          "args": {"name": "VLLM::Worker"}},
     ]
-    t = 10_000.0
+    t = t0
     corr = 1000
     gpu_t = t
-    for ctx, gen in steps:
-        decode = ctx == 0
-        name = f"execute_context_{ctx}({ctx * 128})_generation_{gen}({gen * 3})"
+    for step_no, (ctx, gen, *more) in enumerate(steps):
+        decode = ctx == 0 and not more
+        replay = graph and decode and gen > 0
+        name = f"execute_context_{ctx}({ctx * 128})_generation_{gen}({gen * 3 + sum(more)})"
+        q_first: dict[int, float] = {}
+        q_last: dict[int, float] = {}
         ks = [] if ctx == 0 and gen == 0 else _step_kernels(mla, layers, decode, norm, qprep,
                                                             member)
         start = t
-        for kname, kdur, opname in ks:
+        if replay:
             corr += 1
-            for depth, op in enumerate(opname.split(">")):
-                ev.append({"ph": "X", "cat": "cpu_op", "name": op, "pid": pid, "tid": tid,
-                           "ts": round(t + 0.2 * depth, 3), "dur": round(6.0 - 0.4 * depth, 3)})
-            ev.append({"ph": "X", "cat": "cuda_runtime", "name": "hipLaunchKernel", "pid": pid,
+            ev.append({"ph": "X", "cat": "cuda_runtime", "name": "hipGraphLaunch", "pid": pid,
                        "tid": tid, "ts": round(t + 1.0, 3), "dur": 4.0,
                        "args": {"correlation": corr}})
+        for i, (kname, kdur, opname) in enumerate(ks):
+            if unlinked_queues:
+                corr += 1
+                queue = 7 + i % unlinked_queues
+            elif not replay:
+                corr += 1
+                for depth, op in enumerate(opname.split(">")):
+                    ev.append({"ph": "X", "cat": "cpu_op", "name": op, "pid": pid, "tid": tid,
+                               "ts": round(t + 0.2 * depth, 3),
+                               "dur": round(6.0 - 0.4 * depth, 3)})
+                ev.append({"ph": "X", "cat": "cuda_runtime", "name": "hipLaunchKernel",
+                           "pid": pid, "tid": tid, "ts": round(t + 1.0, 3), "dur": 4.0,
+                           "args": {"correlation": corr}})
             gpu_t = max(gpu_t, t + 5.0)
-            ev.append({"ph": "X", "cat": "kernel", "name": kname, "pid": 0, "tid": 7,
-                       "ts": round(gpu_t, 3), "dur": round(kdur, 6),
-                       "args": {"correlation": corr, "device": 0, "stream": 7}})
+            if unlinked_queues:
+                q_first.setdefault(queue, gpu_t)
+                q_last[queue] = gpu_t + kdur
+                ev.append({"ph": "X", "cat": "kernel", "name": name_in_form(kname, name_form),
+                           "pid": 0, "tid": queue, "ts": round(gpu_t, 3),
+                           "dur": round(kdur, 6), "args": {"device": 0, "stream": queue}})
+            elif drop is None or not drop(step_no, i):
+                kname = (rename or {}).get(kname, kname)
+                ev.append({"ph": "X", "cat": "kernel", "name": name_in_form(kname, name_form),
+                           "pid": 0, "tid": 7,
+                           "ts": round(gpu_t, 3), "dur": round(kdur, 6),
+                           "args": {"correlation": corr, "device": 0, "stream": 7}})
             gpu_t += kdur + 0.5
             t += 7.0
         ev.append({"ph": "X", "cat": "user_annotation", "name": name, "pid": pid, "tid": tid,
                    "ts": round(start - 1.0, 3), "dur": round(t - start + 2.0, 3)})
+        for queue, first in q_first.items():
+            ev.append({"ph": "X", "cat": "gpu_user_annotation", "name": name, "pid": 0,
+                       "tid": queue, "ts": round(first - 0.1, 3),
+                       "dur": round(q_last[queue] - first + 0.2, 3)})
         t += 50.0
     # a kernel outside any step (the sampler after the last step)
     corr += 1
@@ -155,6 +215,8 @@ def make_trace(rank: int | None, world: int | None, mla: list[int], layers: int,
                  "vllm_version": "0.26.1rc1.dev306+gcb8104839", "traceEvents": ev}
     if rank is not None:
         out["distributedInfo"] = {"backend": "nccl", "rank": rank, "world_size": world}
+    if base_ns is not None:
+        out["baseTimeNanoseconds"] = base_ns
     return out
 
 

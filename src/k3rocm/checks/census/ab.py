@@ -29,7 +29,7 @@ from k3rocm.checks.census.cli import analyse, live_census, read_decisions, valid
 from k3rocm.checks.census.common import base_provenance, positive, results_root
 from k3rocm.checks.census.expect import Check, render_table
 from k3rocm.checks.census.fusions import ENV, FUSIONS, from_env
-from k3rocm.errors import UsageError
+from k3rocm.errors import EXIT_INCOMPLETE, UsageError
 from k3rocm.rundir import create_run_dir, write_json_atomic, write_text_atomic
 from k3rocm.serving.config import redact_env
 
@@ -142,7 +142,8 @@ def render_ab_markdown(arms: dict[str, Census], cmp: dict[str, Any], meta: dict[
              "step.", ""]
     for name, c in arms.items():
         lines.append(f"- arm **{name}** (asked {arm_env[name]}): census "
-                     f"**{'PASS' if c.ok else 'FAIL'}** (see `{name}/census.md`)")
+                     f"**{c.verdict}** (see `{name}/census.md`)")
+        lines += [f"  - lost: {x}" for x in c.incomplete_lines()]
     lines += ["", "```", render_ab_table(cmp), "```", "",
               "q/kv norm: stock = the off - on difference of all RMSNorm launches (the "
               "decoder's other norms cancel), times include all RMSNorms + the fused kernel. "
@@ -159,7 +160,8 @@ def finish_ab(run_dir: Any, results: dict[str, Census], meta: dict[str, Any],
     cmp = compare(results)
     ok = all(c.ok for c in results.values()) and all(c.ok is not False for c in cmp["checks"])
     write_json_atomic(run_dir / "ab.json", {
-        "ok": ok, "meta": meta, "comparison": {**cmp, "checks": [c.to_json()
+        "ok": ok, "incomplete": {k: v.incomplete for k, v in results.items() if v.incomplete},
+        "meta": meta, "comparison": {**cmp, "checks": [c.to_json()
                                                                 for c in cmp["checks"]]},
         "arms": {k: {"ok": v.ok, "claim": v.claim.to_json(),
                      "checks": [c.to_json() for c in v.checks]} for k, v in results.items()}})
@@ -168,6 +170,11 @@ def finish_ab(run_dir: Any, results: dict[str, Census], meta: dict[str, Any],
     print(md)
     failed = [f"arm {k}" for k, v in results.items() if not v.ok] + \
         [f"rank {c.rank}: {c.what}" for c in cmp["checks"] if c.ok is False]
+    incomplete = [k for k, v in results.items() if v.incomplete]
+    if incomplete:
+        print(f"census-ab: INCOMPLETE TRACE (arm(s) {', '.join(incomplete)} lost events; "
+              f"nothing judged; see the arms' census.md); report in {run_dir}/ab.md")
+        return EXIT_INCOMPLETE
     print(f"census-ab: {'PASS' if ok else 'FAIL (' + '; '.join(failed) + ')'}; report in "
           f"{run_dir}/ab.md")
     return 0 if ok else 1

@@ -6,20 +6,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from k3rocm.checks.census.complete import CAUSES, losses
 from k3rocm.checks.census.decisions import Decisions, cross_check
 from k3rocm.checks.census.expect import (
     Check,
     build_checks,
     other_norms,
     rank_checks,
-    render_markdown_table,
-    render_table,
+    render_summary,
+    render_summary_markdown,
     step_checks,
 )
 from k3rocm.checks.census.fusions import FusionClaim
 from k3rocm.checks.census.modelcfg import ModelFacts
 from k3rocm.checks.census.spec import Spec
-from k3rocm.checks.census.trace import TraceSet
+from k3rocm.checks.census.trace import TraceSet, iso_time
+from k3rocm.errors import EXIT_CHECK_FAILED, EXIT_INCOMPLETE, EXIT_OK, UsageError
 
 
 def _r(x: float | None, nd: int = 4) -> float | None:
@@ -38,13 +40,30 @@ class Census:
     world_size: int
     world_source: str
     notes: list[str] = field(default_factory=list)
+    incomplete: list[dict[str, Any]] = field(default_factory=list)  # complete.losses
 
     @property
     def ok(self) -> bool:
-        return all(c.ok is not False for c in self.checks)
+        return not self.incomplete and all(c.ok is not False for c in self.checks)
+
+    @property
+    def verdict(self) -> str:
+        """PASS, FAIL, or INCOMPLETE TRACE (lost events: no verdict on the fusions)."""
+        if self.incomplete:
+            return "INCOMPLETE TRACE"
+        return "PASS" if self.ok else "FAIL"
+
+    @property
+    def exit_code(self) -> int:
+        if self.incomplete:
+            return EXIT_INCOMPLETE
+        return EXIT_OK if self.ok else EXIT_CHECK_FAILED
+
+    def incomplete_lines(self) -> list[str]:
+        return [f"rank {x['rank']}: {x['what']}" for x in self.incomplete]
 
     def table(self) -> str:
-        return render_table(self.checks)
+        return render_summary(self.checks)
 
     def per_layer_step(self) -> list[dict[str, Any]]:
         """Per rank and fusion: stock vs fused launches and device time in decode-only steps,
@@ -94,31 +113,41 @@ class Census:
         return out
 
     def report_table(self) -> str:
-        """Per rank: stock vs fused launches and us per MLA layer per decode step."""
-        head = ["rank", "fusion", "asked", "stock", "fused", "stock us/L/step",
+        """Per fusion, across ranks: stock vs fused launches (the value most ranks show, ranks
+        that differ named) and us per MLA layer per decode step (mean over ranks, min-max)."""
+        head = ["fusion", "asked", "ranks", "stock", "fused", "stock us/L/step",
                 "fused us/L/step", "total us/L/step", "fused members / note"]
+        per = self.per_layer_step()
         rows = []
-        for row in self.per_layer_step():
-            q = row["qk_norm"]
-            note = "" if q["stock_launches"] is not None else \
-                f"stock q/kv not separable in one trace (all RMSNorms {q['all_rmsnorm_launches']})"
-            rows.append([str(row["rank"]), "q/kv norm", _onoff(q["asked"]),
-                         _s(q["stock_launches"]), str(q["fused_launches"]), "-",
-                         _s(q["fused_us_per_layer_step"]), _s(q["norm_us_per_layer_step"])
-                         + " (incl. all RMSNorms)", note])
-            p = row["decode_qprep"]
-            mem = ", ".join(f"{k} x{v}" for k, v in sorted(p["fused_members"].items()))
-            rows.append([str(row["rank"]), "decode Q-prep", _onoff(p["asked"]),
-                         str(p["stock_launches"]), str(p["fused_launches"]),
-                         _s(p["stock_us_per_layer_step"]), _s(p["fused_us_per_layer_step"]),
-                         _s(p["us_per_layer_step"]), mem])
+        for key, label, total_key in (("qk_norm", "q/kv norm", "norm_us_per_layer_step"),
+                                      ("decode_qprep", "decode Q-prep", "us_per_layer_step")):
+            xs = [(r["rank"], r[key]) for r in per]
+            if not xs:
+                continue
+            note = ""
+            if key == "qk_norm" and xs[0][1]["stock_launches"] is None:
+                note = ("stock q/kv not separable in one trace (all RMSNorms "
+                        f"{_common([(k, x['all_rmsnorm_launches']) for k, x in xs])})")
+            if key == "decode_qprep":
+                note = _common([(k, ", ".join(f"{m} x{v}" for m, v in
+                                              sorted(x["fused_members"].items())))
+                                for k, x in xs])
+            rows.append([label, _onoff(xs[0][1]["asked"]), str(len(xs)),
+                         _common([(k, x["stock_launches"]) for k, x in xs]),
+                         _common([(k, x["fused_launches"]) for k, x in xs]),
+                         "-" if key == "qk_norm" else
+                         _spread([x["stock_us_per_layer_step"] for _, x in xs]),
+                         _spread([x["fused_us_per_layer_step"] for _, x in xs]),
+                         _spread([x[total_key] for _, x in xs])
+                         + (" (incl. all RMSNorms)" if key == "qk_norm" else ""), note])
         widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
         return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
                          for r in [head, *rows])
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "ok": self.ok,
+            "ok": self.ok, "verdict": self.verdict,
+            "incomplete": self.incomplete,
             "model": self.model.to_json(),
             "claim": self.claim.to_json(),
             "decisions": None if self.decisions is None else self.decisions.to_json(),
@@ -127,6 +156,8 @@ class Census:
             "checks": [c.to_json() for c in self.checks],
             "ranks": self.per_rank,
             "per_mla_layer_per_decode_step": self.per_layer_step(),
+            "run_started": self.traces.run_started,
+            "skipped_runs": self.traces.skipped_runs,
             "ignored_files": self.traces.ignored,
             "notes": self.notes,
         }
@@ -135,45 +166,99 @@ class Census:
         c = self.claim
         dec = self.decisions
         lines = [f"# {title}", "",
-                 f"Verdict: **{'PASS' if self.ok else 'FAIL'}** "
-                 f"({sum(k.ok is True for k in self.checks)} ok, "
-                 f"{sum(k.ok is False for k in self.checks)} failed, "
-                 f"{sum(k.ok is None for k in self.checks)} reported only)", "",
+                 f"Verdict: **{self.verdict}** "
+                 + ("(the trace lost events: the counts below are not judged)"
+                    if self.incomplete else
+                    f"({sum(k.ok is True for k in self.checks)} ok, "
+                    f"{sum(k.ok is False for k in self.checks)} failed, "
+                    f"{sum(k.ok is None for k in self.checks)} reported only)"), ""]
+        if self.incomplete:
+            lines += ["## What the trace lost", "", *[f"- {x}" for x in self.incomplete_lines()],
+                      "", f"{CAUSES}.", ""]
+        lines += [
                  f"- Model: `{self.model.path}` ({self.model.model_type}): "
                  f"{self.model.layers} layers, **{self.model.mla_layers} MLA**",
                  f"- Asked for ({c.source}): q/kv RMSNorm **{_onoff(c.qk_norm)}** "
                  f"({c.detail.get('qk_norm', '')}), decode Q-prep **{_onoff(c.decode_qprep)}** "
                  f"({c.detail.get('decode_qprep', '')})",
-                 "- Overlay decision records: " + ("not cross-checked (--skip-records)"
-                                                   if dec is None else
-                                                   f"{len(dec.records)} from {dec.source}"),
+                 "- Overlay decision records: " + (
+                     "not cross-checked (--skip-records)" if dec is None else
+                     f"**not cross-checked**: none found (looked in {dec.source}; pass "
+                     "--server-log FILE or --skip-records)" if not dec.found else
+                     f"{len(dec.records)} from {dec.source}"),
                  f"- World size {self.world_size} ({self.world_source})",
                  f"- Kernel table: {self.spec.platform} rules from "
                  f"`{self.spec.source['table']}`; other RMSNorm launches per step: "
                  f"`{self.spec.other_norms_formula}`", ""]
         for note in self.notes:
             lines.append(f"- Note: {note}")
+        lines += [f"- Run judged: the newest in the directory, started "
+                  f"{iso_time(self.traces.run_started)} "
+                  f"({self.per_rank[0]['started_source'] if self.per_rank else ''})"]
+        lines += [f"- Skipped: {x['why']}: started {x['started']}, ranks "
+                  f"{_ranks(x['ranks'])} ({len(x['files'])} file(s))"
+                  for x in self.traces.skipped_runs]
         for pr in self.per_rank:
             lines.append(f"- rank {pr['rank']}: {pr['mode']} trace `{pr['path']}`, "
                          f"{pr['steps']} engine steps ({pr['decode_steps']} decode-only, "
                          f"{pr['empty_steps_ignored']} without a forward ignored), "
                          f"{pr['launches']} launches, {pr['unattributed']} outside steps")
-        lines += ["", "## Expected vs seen", "", render_markdown_table(self.checks), "",
-                  "## Per rank, per MLA layer per decode step", "", "```",
+        lines += ["", "## Expected vs seen", "", render_summary_markdown(self.checks), "",
+                  "## Per fusion across ranks, per MLA layer per decode step", "", "```",
                   self.report_table(), "```"]
         unit = "device" if all(p["mode"] == "gpu" for p in self.per_rank) else "host (CPU op)"
-        for pr in self.per_rank:
-            if pr["roles"]["unclassified"]:
-                lines += ["", f"## Rank {pr['rank']}: unclassified launches in the MLA "
-                          "attention region", "", "| kernel | launches |", "|---|---:|"]
-                lines += [f"| `{k}` | {v} |" for k, v in pr["roles"]["unclassified"].items()]
-            lines += ["", f"## Rank {pr['rank']}: top {top} by {unit} time", "",
-                      "| kernel | launches | per step | total us | mean us |",
-                      "|---|---:|---:|---:|---:|"]
-            for k in pr["kernels"][:top]:
-                lines.append(f"| `{k['name']}` | {k['launches']} | {k['per_step']} | "
-                             f"{k['total_us']} | {k['mean_us']} |")
+        rk = [pr["rank"] for pr in self.per_rank]
+        uncl = {k for pr in self.per_rank for k in pr["roles"]["unclassified"]}
+        if uncl:
+            lines += ["", "## Unclassified launches in the MLA attention region (per rank)", "",
+                      "| kernel | launches per rank (ranks that differ) |", "|---|---|"]
+            lines += [f"| `{k}` | " + _common([(r, pr["roles"]["unclassified"].get(k, 0))
+                                               for r, pr in zip(rk, self.per_rank,
+                                                                strict=True)]) + " |"
+                      for k in sorted(uncl)]
+        table = {r: {k["name"]: k for k in pr["kernels"]} for r, pr in zip(
+            rk, self.per_rank, strict=True)}
+        totals: dict[str, float] = {}
+        for kt in table.values():
+            for name, k in kt.items():
+                totals[name] = totals.get(name, 0.0) + k["total_us"]
+        names = sorted(totals, key=lambda n: (-totals[n], n))[:top]
+        lines += ["", f"## Top {top} kernels by {unit} time, across ranks", "",
+                  "| kernel | launches per rank (ranks that differ) | per step | mean total us "
+                  "per rank | mean us |", "|---|---|---:|---:|---:|"]
+        for name in names:
+            ks = [table[r].get(name) for r in rk]
+            seen = [k for k in ks if k is not None]
+            n = sum(k["launches"] for k in seen)
+            lines.append(f"| `{name}` | "
+                         + _common([(r, k["launches"] if k else 0) for r, k in zip(
+                             rk, ks, strict=True)])
+                         + f" | {seen[0]['per_step']} | {round(totals[name] / len(rk), 3)} | "
+                         f"{round(totals[name] / max(n, 1), 3)} |")
         return "\n".join(lines) + "\n"
+
+
+def _common(values: list[tuple[int, Any]]) -> str:
+    """The value most ranks show; the ranks that differ in brackets."""
+    from collections import Counter
+
+    top = Counter(_s(v) for _, v in values).most_common(1)[0][0]
+    devs = [f"rank {r}: {_s(v)}" for r, v in values if _s(v) != top]
+    return top + (f" [{'; '.join(devs)}]" if devs else "")
+
+
+def _spread(values: list[float | None]) -> str:
+    xs = [v for v in values if v is not None]
+    if not xs:
+        return "n/a"
+    mean = round(sum(xs) / len(xs), 4)
+    return str(mean) if min(xs) == max(xs) else f"{mean} ({min(xs)}-{max(xs)})"
+
+
+def _ranks(ranks: list[int]) -> str:
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ", ".join(map(str, ranks))
 
 
 def _onoff(v: bool | None) -> str:
@@ -194,6 +279,14 @@ def run_census(traces: TraceSet, model: ModelFacts, claim: FusionClaim, spec: Sp
     for rt in traces.ranks:
         checks += step_checks(rt, min_decode_steps)
         cks, rc = build_checks(rt, spec, model, claim, extra_per_step)
+        if rt.mode == "gpu" and rt.launches and not any(
+                sum(v.values()) for v in rc.launches.values()):
+            top = ", ".join(k["name"] for k in rt.kernel_table()[:3])
+            raise UsageError(
+                f"rank {rt.rank} trace {rt.path.name}: none of its {rt.n_launches} GPU "
+                f"kernel launches matches any kernel role of the {spec.platform} table "
+                f"(top kernels: {top}); the names are in a form the table does not know: pass "
+                "--alias REGEX=NAME or --spec FILE (docs/census.md)")
         checks += cks
         per_rank.append({**rt.summary(), "steps_detail": [s.to_json() for s in rt.steps],
                          "roles": {"launches": rc.launches, "time_us": rc.time_us,
@@ -202,4 +295,4 @@ def run_census(traces: TraceSet, model: ModelFacts, claim: FusionClaim, spec: Sp
                          "per_step": [dict(c.most_common()) for c in rt.per_step_counts()],
                          "kernels": rt.kernel_table()})
     return Census(traces, model, claim, spec, checks, per_rank, decisions, world_size,
-                  world_source, notes or [])
+                  world_source, notes or [], losses(traces, world_size))

@@ -11,12 +11,14 @@ The server URL, API key, served model name, checkpoint (K3_MODEL under K3_MODELS
 results root come from the deployment settings (shell > .env > profile); flags override them.
 
 Exit codes: 0 all checks pass, 1 a check failed, 2 bad input, 3 server/trace problems or no
-Docker engine, 130 interrupted.
+Docker engine, 4 incomplete trace (lost kernel events or ranks: nothing judged), 130
+interrupted.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,7 @@ from k3rocm.checks.census.common import (
     resolve_world_size,
     results_root,
 )
+from k3rocm.checks.census.complete import CAUSES
 from k3rocm.checks.census.decisions import Decisions
 from k3rocm.checks.census.fusions import FusionClaim, from_cli, from_env
 from k3rocm.checks.census.modelcfg import read_model_facts
@@ -100,6 +103,9 @@ def analyse(trace_dir: Path, args: argparse.Namespace, claim: FusionClaim,
                       args.min_decode_steps, extra)
 
 
+NO_RECORDS = "k3rocm-decisions-none.json"  # beside traces: the server log held no record
+
+
 def read_decisions(args: argparse.Namespace, trace_dir: Path | None = None,
                    container: Any = None) -> Decisions | None:
     """The overlay's records: --server-log, else the JSON files beside the traces, else the
@@ -115,11 +121,19 @@ def read_decisions(args: argparse.Namespace, trace_dir: Path | None = None,
         if files:
             return Decisions(records_from_files(files),
                              f"{len(files)} decision file(s) in {trace_dir}")
+        marker = trace_dir / NO_RECORDS
+        if marker.is_file():  # a live census read the server's log and found none
+            try:
+                src = str(json.loads(marker.read_text()).get("source", "the server log"))
+            except (OSError, ValueError, AttributeError):
+                raise UsageError(f"{marker} is not valid JSON; remove it or re-run") from None
+            return Decisions([], f"{src} (read when the traces were collected; {marker})")
     if container is not None:
         src = f"the log of container {container.name}"
         return Decisions(records_from_log(container.logs().decode(errors="replace"), src), src)
     where = f"{trace_dir}" if trace_dir is not None else "the server"
-    return Decisions([], f"nowhere (no k3rocm-decisions-pid*.json in {where}, no --server-log)")
+    return Decisions([], f"k3rocm-decisions-pid*.json in {where}; no --server-log, no server "
+                     "container", found=False)
 
 
 def claim_offline(args: argparse.Namespace, trace_dir: Path) -> FusionClaim:
@@ -173,16 +187,29 @@ def validate_common(args: argparse.Namespace) -> None:
 
 
 def _finish(census: Census, run_dir: Path | None, top: int) -> int:
+    for x in census.traces.skipped_runs:
+        print(f"census: skipped {x['why']}: started {x['started']}, ranks "
+              f"{', '.join(map(str, x['ranks']))} ({len(x['files'])} file(s))")
     print(census.table())
     print()
     print(census.report_table())
     bad = [c for c in census.checks if c.ok is False]
-    verdict = "PASS" if census.ok else \
-        f"FAIL ({len(bad)} failed: {'; '.join(sorted({c.what for c in bad}))[:300]})"
+    if census.incomplete:
+        for line in census.incomplete_lines():
+            print(f"census: lost: {line}")
+        verdict = (f"INCOMPLETE TRACE ({len(census.incomplete)} loss(es); the fusions were not "
+                   f"judged; {CAUSES})")
+    elif census.ok:
+        verdict = "PASS"
+        if census.decisions is not None and not census.decisions.found:
+            verdict += (" (the overlay's decision records were not cross-checked: none found; "
+                        "pass --server-log FILE or --skip-records)")
+    else:
+        verdict = f"FAIL ({len(bad)} failed: {'; '.join(sorted({c.what for c in bad}))[:300]})"
     print(f"census: {verdict}")
     if run_dir is not None:
         print(f"census: report in {run_dir}/census.md")
-    return 0 if census.ok else 1
+    return census.exit_code
 
 
 def _deployment_args(args: argparse.Namespace):
@@ -363,9 +390,11 @@ def live_census(args: argparse.Namespace, url: str, model: str, api_key: str | N
     server_prov = runrecord.server(client, url, api_key, container=container)
     argv = server_prov.get("server_argv") or []
     if "--speculative-config" in argv or cenv.get("K3_MTP_K", "0") not in ("", "0"):
-        _log("note: the server runs speculative decoding; a draft that uses the model's own MTP "
-             "layer (K3_MTP_METHOD=mtp) runs MLA layers too: pass --extra ROLE=N for its "
-             "launches per step, or profile with K3_MTP_K=0 (docs/census.md)")
+        _log("note: the server runs speculative decoding. vLLM 0.27.x (the pinned nightly's "
+             "era) runs the draft passes in sample_tokens, outside the execute_* step "
+             "annotation: the census counts in-step launches only (the seed's 144 = 24 x 6 with "
+             "MTP k=2), the draft's show in the 'outside engine steps' rows; do NOT pass "
+             "--extra for them (docs/census.md, Speculative decoding)")
     if dep is None:
         dep = _deployment_or_none()
     record = runrecord.build(deployment=dep, server=server_prov, url=url, source="live",
@@ -397,6 +426,8 @@ def live_census(args: argparse.Namespace, url: str, model: str, api_key: str | N
             by_pid.setdefault(r.pid, []).append(r.raw)
         for pid, recs in by_pid.items():
             write_json_atomic(dest / f"k3rocm-decisions-pid{pid}.json", recs)
+        if decisions.found and not decisions.records:  # read, and empty: evidence too
+            write_json_atomic(dest / NO_RECORDS, {"source": decisions.source, "records": 0})
     census = analyse(dest, args, claim, decisions, server_argv=argv or None)
     record.update(load=info, trace_files=base_provenance(
         [r.path for r in census.traces.ranks])["trace_files"])

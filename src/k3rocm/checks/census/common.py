@@ -47,7 +47,8 @@ def add_analysis_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--skip-records", action="store_true",
                    help="do not cross-check the overlay's decision records (for a server "
                    "whose overlay predates them); the report says so")
-    g.add_argument("--top", type=int, default=25, help="kernels per rank in the markdown")
+    g.add_argument("--top", type=int, default=25,
+                   help="kernels in the markdown's top table (across ranks)")
     g.add_argument("--results", default=None,
                    help="results root (default: K3_RESULTS_DIR or ./results)")
 

@@ -5,7 +5,10 @@ Rules (target layers judged, draft layers reported):
 - asked ON, final state not "on"  -> FAIL, with the overlay's reason
 - asked OFF, final state "on"      -> FAIL
 - the process read a different toggle than the claim says (record ``asked``) -> FAIL
-- no record at all while a fusion is asked ON -> FAIL ("the overlay did not run")
+- no record at all in a source that was found (a server log, decision files) while a fusion
+  is asked ON -> FAIL ("the overlay did not run")
+- no source found at all (offline, nothing beside the traces, no --server-log) -> "not
+  cross-checked", reported, never a FAIL: absence of a file is not evidence against the overlay
 """
 
 from __future__ import annotations
@@ -21,10 +24,11 @@ from k3rocm.serving.decisions import Record, final_decisions
 @dataclass
 class Decisions:
     records: list[Record]
-    source: str  # where they were read from ("none" when there were none)
+    source: str  # where they were read from (found=False: where they were looked for)
+    found: bool = True  # False: no source of records was found at all
 
     def to_json(self) -> dict[str, Any]:
-        return {"source": self.source, "count": len(self.records),
+        return {"source": self.source, "found": self.found, "count": len(self.records),
                 "final": [{"pid": r.pid, "process": r.process, "tp_rank": r.tp_rank,
                            "layer_kind": r.layer_kind, "phase": r.phase, "states": r.states,
                            "reasons": r.reasons, "asked": r.asked, "where": r.where}
@@ -45,6 +49,13 @@ def cross_check(claim: FusionClaim, dec: Decisions | None) -> list[Check]:
                               f"{_on(claim.get(k))}", "records", "records",
                               "SKIPPED on request (--skip-records): the overlay's own "
                               "decisions were not cross-checked", None, 0, None))
+        return rows
+    if not dec.found:
+        for k in FUSIONS:
+            rows.append(Check("all", f"overlay decision records vs asked {k} "
+                              f"{_on(claim.get(k))}", "records", "records",
+                              f"NOT CROSS-CHECKED: no records found (looked in {dec.source}); "
+                              "pass --server-log FILE or --skip-records", None, 0, None))
         return rows
     final = final_decisions(dec.records)
     target = [r for (_, kind), r in final.items() if kind == "target"]

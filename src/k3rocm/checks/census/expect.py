@@ -26,7 +26,7 @@ class RoleCounts:
     time_us: dict[str, dict[str, float]]
     names: dict[str, list[str]]
     members: dict[str, dict[str, int]]  # member -> scope -> launches (fused_qprep)
-    unclassified: dict[str, int]  # name -> launches inside the MLA region matching no role
+    unclassified: dict[str, int]  # name -> MLA-region (or unknown graph-replayed) launches
 
 
 def role_counts(rt: RankTrace, spec: Spec) -> RoleCounts:
@@ -43,14 +43,18 @@ def role_counts(rt: RankTrace, spec: Spec) -> RoleCounts:
         for rname, role in spec.roles.items():
             if role.counts(ln.name, ln.parents, outermost=rt.mode == "cpu"):
                 matched = True
-                launches[rname][where] += 1
+                launches[rname][where] += ln.count
                 time_us[rname][where] += ln.dur
                 names[rname].add(ln.name)
                 if rname == "fused_qprep" and qprep.members:
                     m = members.setdefault(qprep.member_of(ln.name), dict.fromkeys(SCOPES, 0))
-                    m[where] += 1
-        if not matched and rt.mode == "gpu" and spec.in_mla_region(ln.parents):
-            unclassified[ln.name] += 1
+                    m[where] += ln.count
+        if not matched and rt.mode == "gpu" and (
+                spec.in_mla_region(ln.parents)
+                or (not ln.parents and where == "decode" and not spec.known_family(ln.name))):
+            # around a host operator of the MLA region; or, graph-replayed (no operator
+            # around the launch) in a decode step, of no known family
+            unclassified[ln.name] += ln.count
     return RoleCounts(launches, {r: {k: round(v, 3) for k, v in d.items()}
                                  for r, d in time_us.items()},
                       {r: sorted(v) for r, v in names.items()}, members,
@@ -220,6 +224,54 @@ def render_table(checks: list[Check]) -> str:
         cells = "  ".join(c.ljust(w) for c, w in zip(r[:-1], widths, strict=True))
         lines.append(cells + "  " + r[-1])
     return "\n".join(lines)
+
+
+def summarize(checks: list[Check]) -> list[dict[str, Any]]:
+    """One row per check across ranks: the value most ranks show, how many show it, and every
+    rank that deviates (the per-rank rows stay in census.json)."""
+    groups: dict[tuple[str, str, str], list[Check]] = {}
+    for c in checks:
+        groups.setdefault((c.what, c.scope, c.role), []).append(c)
+    rows = []
+    for (what, scope, _), cs in groups.items():
+        common, _n = Counter((c.expected, c.seen, c.ok) for c in cs).most_common(1)[0]
+        major = [c for c in cs if (c.expected, c.seen, c.ok) == common]
+        devs = [c for c in cs if (c.expected, c.seen, c.ok) != common]
+        oks = [c.ok for c in cs]
+        status = ("FAIL" if False in oks else "ok" if True in oks else "not checked")
+        ranked = cs[0].rank != "all"
+        rows.append({
+            "check": what, "scope": scope, "expected": common[0], "seen": common[1],
+            "ranks": f"{len(major)}/{len(cs)}" if ranked else "set", "status": status,
+            "rule": major[0].rule,
+            "deviations": [f"rank {c.rank}: expected {'-' if c.expected is None else c.expected}"
+                           f", seen {c.seen} ({c.status})" for c in devs]})
+    return rows
+
+
+def render_summary(checks: list[Check]) -> str:
+    """Plain text: one row per check across ranks, deviations on the row."""
+    head = ["check", "scope", "ranks", "expected", "seen", "status", "deviations / rule"]
+    rows = [[r["check"], r["scope"], r["ranks"], _dash(r["expected"]), str(r["seen"]),
+             r["status"], "; ".join(r["deviations"]) or r["rule"]] for r in summarize(checks)]
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head) - 1)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r[:-1], widths, strict=True))
+                     + "  " + r[-1] for r in [head, ["-" * w for w in widths] + ["-" * 4], *rows])
+
+
+def render_summary_markdown(checks: list[Check]) -> str:
+    out = ["| check | scope | ranks | expected | seen | status | rule | deviating ranks |",
+           "|---|---|---|---:|---:|---|---|---|"]
+    for r in summarize(checks):
+        status = f"**{r['status']}**" if r["status"] == "FAIL" else r["status"]
+        out.append(f"| {r['check']} | {r['scope']} | {r['ranks']} | {_dash(r['expected'])} | "
+                   f"{r['seen']} | {status} | {r['rule'].replace('|', '/')} | "
+                   f"{'; '.join(r['deviations']) or '-'} |")
+    return "\n".join(out)
+
+
+def _dash(v: int | None) -> str:
+    return "-" if v is None else str(v)
 
 
 def render_markdown_table(checks: list[Check]) -> str:

@@ -1,12 +1,23 @@
 """Kernel / operator name normalization.
 
-GPU kernel names in a chrome trace carry C++ noise: ``void vllm::rms_norm_kernel<c10::BFloat16,
-8>(c10::BFloat16*, ...)``. A census counts launches per *kernel*, not per instantiation, so the
-normalizer strips the return type, the argument list and template arguments. Generic launcher
-names (CK-tile's ``ck_tile::kentry<...>``) would all collapse into one bucket, so for those the
-first kernel-like type inside the template arguments is kept: ``ck_tile::kentry<Rmsnorm2dFwd>``.
-A trailing ``.kd`` (the code-object descriptor suffix some ROCm traces print, e.g.
-``triton_poi_fused__to_copy_cat_clamp_mul_reciprocal_view_0.kd``) is dropped.
+A census counts launches per *kernel*, not per instantiation or per name form, so every form a
+chrome trace carries for one kernel normalizes to one name:
+
+- CUDA (kineto CUPTI, ``libkineto/src/output_json.cpp`` writes the demangled name):
+  ``void vllm::rms_norm_kernel<c10::BFloat16, 8>(c10::BFloat16*, ...)``;
+- ROCm roctracer (kineto ``RoctracerActivity``; the demangled HIP kernel name, same shape):
+  ``void aiter::fused_qk_rmsnorm_kernel<__hip_bfloat16, 256, 8, true, 1>(...)``;
+- ROCm rocprofiler-sdk (kineto's ROCm backend in 2026, ``RocprofActivity``): the code-object
+  kernel *symbol*, demangled: ``void aiter::fused_qk_rmsnorm_kernel<...>(...) [clone .kd]``;
+  symbols that do not demangle (Triton, assembly kernels) end in ``.kd``:
+  ``triton_poi_fused__to_copy_cat_clamp_mul_reciprocal_view_0.kd``.
+
+The normalizer drops a `` [clone ...]`` suffix and a trailing ``.kd``, cuts at the first
+top-level ``(`` (the argument list; a ``(`` inside template arguments such as
+``(vllm::Fp8KVCacheDataType)1`` is not top level, ``(anonymous namespace)::`` is removed first),
+drops the return type and the template arguments. Generic launcher names (CK-tile's
+``ck_tile::kentry<...>``) would all collapse into one bucket, so for those the first
+kernel-like type inside the template arguments is kept: ``ck_tile::kentry<Rmsnorm2dFwd>``.
 After that, user aliases (``regex -> name``, first match wins) rename whatever is left.
 """
 
@@ -46,21 +57,58 @@ def _split_outer(name: str) -> tuple[str, str]:
     return "".join(out), "".join(first_tmpl)
 
 
-def _strip_args(name: str) -> str:
-    """Drop a trailing ``(...)`` argument list (balanced), keeping ``(anonymous namespace)``."""
-    name = name.replace("(anonymous namespace)::", "")
-    if not name.endswith(")"):
+_CLONE = re.compile(r"\s*\[clone [^\]]*\]$")
+
+
+def _strip_suffixes(name: str) -> str:
+    """Drop the code-object suffixes rocprofiler-sdk names carry: `` [clone .kd]`` (any
+    ``[clone ...]``, possibly repeated) and a trailing ``.kd``."""
+    while True:
+        new = _CLONE.sub("", name)
+        if new.endswith(".kd"):
+            new = new[:-3]
+        if new == name:
+            return name
+        name = new
+
+
+def _demangle_qualified(name: str) -> str:
+    """``_ZN5aiter23fused_qk_rmsnorm_kernelI...`` -> ``aiter::fused_qk_rmsnorm_kernel``: the
+    qualified name of an Itanium-mangled symbol (what rocprofiler-sdk's kernel symbol holds
+    before kineto demangles it; kept when demangling fails). Templates/arguments are dropped."""
+    if not name.startswith("_Z"):
         return name
+    nested = name.startswith("_ZN")
+    i = 3 if nested else 2
+    parts = []
+    while i < len(name) and name[i].isdigit():
+        j = i
+        while j < len(name) and name[j].isdigit():
+            j += 1
+        n = int(name[i:j])
+        parts.append(name[j:j + n])
+        i = j + n
+        if not nested:
+            break
+    return "::".join(parts) if parts and all(parts) else name
+
+
+def _strip_args(name: str) -> str:
+    """Cut at the first top-level ``(`` (outside ``<...>``): the argument list and anything
+    after it. ``(anonymous namespace)::`` is removed first; ``operator()`` keeps its name."""
+    name = name.replace("(anonymous namespace)::", "")
     depth = 0
-    for i in range(len(name) - 1, -1, -1):
-        if name[i] == ")":
+    for i, ch in enumerate(name):
+        if ch == "<":
             depth += 1
-        elif name[i] == "(":
+        elif ch == ">" and depth > 0:
             depth -= 1
-            if depth == 0:
-                head = name[:i].rstrip()
-                # "operator()" and the like: keep the name if stripping leaves nothing useful
-                return head if head and not head.endswith("operator") else name
+        elif ch == "(" and depth == 0:
+            head = name[:i].rstrip()
+            if head.endswith("operator"):  # operator()(...): cut at the second "("
+                j = name.find("(", i + 2)
+                return name[:j].rstrip() if j > 0 else name
+            return head or name
     return name
 
 
@@ -93,10 +141,9 @@ class Normalizer:
         hit = self._cache.get(raw)
         if hit is not None:
             return hit
-        name = " ".join(raw.split())
-        if name.endswith(".kd"):  # code-object symbol suffix in some ROCm traces
-            name = name[:-3]
+        name = _strip_suffixes(" ".join(raw.split()))
         if self.strip_templates:
+            name = _demangle_qualified(name)
             name = _strip_args(name)
             if name.startswith("void "):
                 name = name[5:]

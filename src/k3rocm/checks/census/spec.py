@@ -90,9 +90,14 @@ class Spec:
     family: str | None
     source: dict[str, Any]
     mla_region: list[re.Pattern[str]] = field(default_factory=list)
+    known_kernels: list[re.Pattern[str]] = field(default_factory=list)
 
     def in_mla_region(self, parents: tuple[str, ...]) -> bool:
         return any(x.search(p) for p in parents for x in self.mla_region)
+
+    def known_family(self, name: str) -> bool:
+        """A kernel of a known family that is no role (GEMMs, MoE, MLA decode, ...)."""
+        return any(x.search(name) for x in self.known_kernels)
 
 
 def _compile(lst: Any, where: str) -> list[re.Pattern[str]]:
@@ -162,6 +167,8 @@ def load_spec(platform: str, model_type: str | None, spec_file: str | None = Non
                             _members(r.get("members", []), where + ".members"))
     region = _compile((plat.get("mla_region") or {}).get("parents", []),
                       f"{platform}.mla_region.parents")
+    known = _compile((plat.get("mla_region") or {}).get("known_kernels", []),
+                     f"{platform}.mla_region.known_kernels")
     family = fam_of.get(model_type or "")
     formula = (families.get(family) or {}).get(platform) if family else None
     if other_norms is not None:
@@ -169,7 +176,7 @@ def load_spec(platform: str, model_type: str | None, spec_file: str | None = Non
     return Spec(platform, roles, formula, family,
                 {"platform": platform, "roles": plat["roles"], "family": family,
                  "other_norms_per_step": formula, "spec_file": spec_file,
-                 "table": "k3rocm/checks/census/kernels.json"}, region)
+                 "table": "k3rocm/checks/census/kernels.json"}, region, known)
 
 
 _FORMULA_OK = re.compile(r"^[\s\d+\-*()a-z_]*$")

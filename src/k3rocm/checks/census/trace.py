@@ -20,17 +20,16 @@ fused op".
 from __future__ import annotations
 
 import bisect
-import gzip
-import json
 import os
 import re
-import zlib
+from array import array
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from k3rocm.checks.census.names import Normalizer
+from k3rocm.checks.census.stream import TraceStream
 from k3rocm.errors import UsageError
 
 STEP_SIMPLE = re.compile(r"^execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)")
@@ -39,9 +38,11 @@ RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)(?:\D|$)")
 TRACE_SUFFIXES = (".json", ".json.gz")
 RUNTIME_CATS = {"cuda_runtime", "cuda_driver", "hip_runtime", "hip_driver", "runtime"}
 KERNEL_CATS = {"kernel"}
+# host calls that launch exactly one kernel (graph launches replay many: not counted)
+LAUNCH_CALL = re.compile(r"^(hip|cuda)(Ext)?(Module)?LaunchKernel|^(hip|cu)LaunchKernel")
 # JSON files that live beside the traces but are not traces (overlay decision records,
 # run provenance)
-NOT_TRACES = ("k3rocm-decisions-pid", "provenance.json", "census.json")
+NOT_TRACES = ("k3rocm-decisions-", "provenance.json", "census.json")
 
 
 @dataclass
@@ -54,11 +55,20 @@ class Step:
     ctx_tokens: int
     gen_reqs: int
     gen_tokens: int
+    tokens_per_request: int | None = None  # a decode request's tokens (1 + speculative)
+
+    @property
+    def recompute(self) -> bool:
+        """A "generation" step with more tokens than its requests can decode: a preempted
+        request recomputing its prompt (vLLM labels it generation), i.e. a prefill."""
+        return self.tokens_per_request is not None and \
+            self.gen_tokens > self.gen_reqs * self.tokens_per_request
 
     @property
     def decode_only(self) -> bool:
-        """The attention backend's rule: no request with context (prefill) tokens."""
-        return self.ctx_reqs == 0 and self.gen_reqs > 0
+        """No request with context tokens, and no more tokens than requests x (1 +
+        speculative tokens)."""
+        return self.ctx_reqs == 0 and self.gen_reqs > 0 and not self.recompute
 
     @property
     def empty(self) -> bool:
@@ -69,6 +79,7 @@ class Step:
         return {"index": self.index, "name": self.name, "decode_only": self.decode_only,
                 "ctx_reqs": self.ctx_reqs, "ctx_tokens": self.ctx_tokens,
                 "gen_reqs": self.gen_reqs, "gen_tokens": self.gen_tokens,
+                "tokens_per_request": self.tokens_per_request, "recompute": self.recompute,
                 "dur_us": round(self.dur, 3)}
 
 
@@ -79,6 +90,7 @@ class Launch:
     dur: float  # microseconds (device time for kernels, host time for CPU operators)
     step: int
     parents: tuple[str, ...] = ()  # normalized names of enclosing operators (outermost first)
+    count: int = 1  # launches with this name, step and parents (dur is their total)
 
 
 @dataclass
@@ -94,12 +106,20 @@ class RankTrace:
     world_size: int | None = None  # from distributedInfo
     rank_source: str = ""
     empty_steps: int = 0  # engine steps without a forward, ignored
+    gpu_evidence: list[str] = field(default_factory=list)  # what says a GPU ran (see below)
+    lost_launches: dict[int, int] = field(default_factory=dict)  # step -> launches w/o kernel
+    started: float | None = None  # absolute start (s since the epoch) of the first step
+    started_source: str = ""  # baseTimeNanoseconds + ts | file name | file mtime
 
     # -- aggregates ----------------------------------------------------------------------
+    @property
+    def n_launches(self) -> int:
+        return sum(ln.count for ln in self.launches)
+
     def per_step_counts(self) -> list[Counter[str]]:
         out: list[Counter[str]] = [Counter() for _ in self.steps]
         for ln in self.launches:
-            out[ln.step][ln.name] += 1
+            out[ln.step][ln.name] += ln.count
         return out
 
     def kernel_table(self) -> list[dict[str, Any]]:
@@ -108,7 +128,7 @@ class RankTrace:
         tot: dict[str, float] = defaultdict(float)
         steps_seen: dict[str, set[int]] = defaultdict(set)
         for ln in self.launches:
-            cnt[ln.name] += 1
+            cnt[ln.name] += ln.count
             tot[ln.name] += ln.dur
             steps_seen[ln.name].add(ln.step)
         n = max(len(self.steps), 1)
@@ -122,38 +142,31 @@ class RankTrace:
         return {"path": str(self.path), "rank": self.rank, "mode": self.mode,
                 "steps": len(self.steps),
                 "decode_steps": sum(1 for s in self.steps if s.decode_only),
-                "launches": len(self.launches), "unattributed": self.unattributed,
+                "launches": self.n_launches, "unattributed": self.unattributed,
                 "empty_steps_ignored": self.empty_steps, "world_size": self.world_size,
-                "rank_source": self.rank_source, "meta": self.meta}
+                "rank_source": self.rank_source, "gpu_evidence": self.gpu_evidence,
+                "lost_launches": sum(self.lost_launches.values()), "started": self.started,
+                "started_source": self.started_source, "meta": self.meta}
 
 
 # -- loading ----------------------------------------------------------------------------------
-
-def load_json(path: str | os.PathLike) -> dict[str, Any]:
-    path = Path(path)
-    try:
-        with open(path, "rb") as fh:
-            head = fh.read(2)
-            fh.seek(0)
-            data = gzip.GzipFile(fileobj=fh).read() if head == b"\x1f\x8b" else fh.read()
-        obj = json.loads(data)
-    except (OSError, EOFError, gzip.BadGzipFile, zlib.error, ValueError) as exc:
-        why = " ".join(str(exc).split())[:160]
-        raise UsageError(f"trace {path} cannot be read as chrome-trace JSON "
-                         f"({exc.__class__.__name__}: {why}); expected a .pt.trace.json or "
-                         ".pt.trace.json.gz file; re-collect it") from None
-    if isinstance(obj, list):
-        obj = {"traceEvents": obj}
-    if not isinstance(obj, dict) or not isinstance(obj.get("traceEvents"), list):
-        raise UsageError(f"trace {path} has no traceEvents list; not a chrome trace")
-    return obj
-
 
 def parse_step_name(name: str) -> tuple[int, int, int, int] | None:
     m = STEP_SIMPLE.match(name) or STEP_DETAILED.match(name)
     if not m:
         return None
     return int(m.group(1)), int(m.group(2)), int(m.group(3)), int(m.group(4))
+
+
+def decode_tokens_per_request(steps: list[Step]) -> int | None:
+    """Tokens a decode request carries in this trace (1, or 1 + k with k speculative tokens):
+    the most common ceil(tokens / requests) over the steps without context requests (ties:
+    the larger). None without such steps."""
+    per = Counter(-(-s.gen_tokens // s.gen_reqs) for s in steps
+                  if s.ctx_reqs == 0 and s.gen_reqs > 0)
+    if not per:
+        return None
+    return max(per.items(), key=lambda kv: (kv[1], kv[0]))[0]
 
 
 def rank_of(path: Path, obj: dict[str, Any]) -> int | None:
@@ -177,41 +190,35 @@ def world_size_of(obj: dict[str, Any]) -> int | None:
     return ws if isinstance(ws, int) and not isinstance(ws, bool) and ws > 0 else None
 
 
-def _nest(events: list[dict[str, Any]]) -> dict[int, tuple[str, ...]]:
-    """For events on one thread, map id(event) -> names of enclosing cpu_ops (outermost first)."""
-    out: dict[int, tuple[str, ...]] = {}
-    stack: list[tuple[float, str]] = []  # (end, name)
-    for e in sorted(events, key=lambda e: (e["ts"], -e.get("dur", 0.0))):
-        ts = e["ts"]
-        end = ts + e.get("dur", 0.0)
-        while stack and ts >= stack[-1][0]:
-            stack.pop()
-        out[id(e)] = tuple(n for _, n in stack)
-        if e.get("cat") == "cpu_op":
-            stack.append((end, e["name"]))
-    return out
-
-
 def parse_rank_trace(path: str | os.PathLike, normalize: Normalizer | None = None,
-                     mode: str = "auto", obj: dict[str, Any] | None = None) -> RankTrace:
-    """Parse one worker trace; any malformed event is a one-line UsageError naming the file."""
+                     mode: str = "auto", progress: Any = None) -> RankTrace:
+    """Stream-parse one worker trace (events are not all held: see :class:`_Collector`); any
+    malformed event is a one-line UsageError naming the file. ``progress(n)`` is called every
+    million events."""
     path = Path(path)
-    obj = obj if obj is not None else load_json(path)
-    try:
-        return _parse_rank_trace(path, normalize or Normalizer(), mode, obj)
-    except UsageError:
-        raise
-    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
-        why = " ".join(str(exc).split())[:120]
-        raise UsageError(f"trace {path} is malformed ({exc.__class__.__name__}: {why}); "
-                         "every complete event needs a numeric ts/dur and a name; re-collect "
-                         "the trace") from None
+    with TraceStream(path) as stream:
+        col = _Collector()
+        try:
+            for e in stream.events():
+                col.add(e)
+                if progress is not None and stream.count % 1_000_000 == 0:
+                    progress(stream.count)
+            return col.finish(path, normalize or Normalizer(), mode, stream.header)
+        except UsageError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
+            why = " ".join(str(exc).split())[:120]
+            raise UsageError(f"trace {path} is malformed ({exc.__class__.__name__}: {why}); "
+                             "every complete event needs a numeric ts/dur and a name; "
+                             "re-collect the trace") from None
 
 
 def _num(e: dict[str, Any], key: str, default: float | None = None) -> float:
     v = e.get(key, default)
     if v is None:
         v = 0.0
+    if v.__class__ is float:
+        return v
     if isinstance(v, bool) or not isinstance(v, (int, float, str)):
         raise ValueError(f"event {str(e.get('name'))[:60]!r} has a non-numeric {key} {v!r}")
     try:
@@ -221,112 +228,304 @@ def _num(e: dict[str, Any], key: str, default: float | None = None) -> float:
                          f"{v!r}") from None
 
 
-def _parse_rank_trace(path: Path, normalize: Normalizer, mode: str,
-                      obj: dict[str, Any]) -> RankTrace:
-    events = [e for e in obj["traceEvents"]
-              if isinstance(e, dict) and e.get("ph") == "X" and "ts" in e and "name" in e]
-    for e in events:
-        e["ts"] = _num(e, "ts")
-        e["dur"] = _num(e, "dur", 0.0)
-        if not isinstance(e.get("args", {}), dict):
+def _corr(e: dict[str, Any]) -> int:
+    c = (e.get("args") or {}).get("correlation")
+    return c if c.__class__ is int else -1
+
+
+class _Collector:
+    """What one pass over the events keeps, in flat arrays (a few tens of bytes per event):
+    step annotations, CPU operators (thread, start, end, name), runtime calls (thread, start,
+    correlation, one-kernel launch or not) and kernels (name, start, duration, correlation,
+    queue). Names are interned."""
+
+    def __init__(self) -> None:
+        self.names: dict[str, int] = {}
+        self.name_list: list[str] = []
+        self.threads: dict[tuple[Any, Any], int] = {}
+        self.steps: list[tuple[float, float, str, tuple[int, int, int, int]]] = []
+        self.gsteps: list[tuple[Any, Any, float, float, str]] = []
+        self.cpu_thr, self.cpu_ts, self.cpu_end = array("l"), array("d"), array("d")
+        self.cpu_name = array("l")
+        self.rt_thr, self.rt_ts, self.rt_corr = array("l"), array("d"), array("q")
+        self.rt_launch = bytearray()
+        self.k_name, self.k_ts, self.k_dur = array("l"), array("d"), array("d")
+        self.k_corr, self.k_queue = array("q"), array("l")
+
+    def _name(self, name: str) -> int:
+        i = self.names.get(name)
+        if i is None:
+            i = self.names[name] = len(self.name_list)
+            self.name_list.append(name)
+        return i
+
+    def _thread(self, key: tuple[Any, Any]) -> int:
+        i = self.threads.get(key)
+        if i is None:
+            i = self.threads[key] = len(self.threads)
+        return i
+
+    def add(self, e: Any) -> None:
+        if e.__class__ is not dict or e.get("ph") != "X" or "ts" not in e or "name" not in e:
+            return
+        args = e.get("args")
+        if args is not None and args.__class__ is not dict:
             raise ValueError(f"event {str(e['name'])[:60]!r} has args that are not an object")
-    rank, rank_source = rank_and_source(path, obj)
-    if rank is None:
-        rank = -1
+        ts = _num(e, "ts")
+        dur = _num(e, "dur", 0.0)
+        cat = e.get("cat")
+        name = e["name"]
+        if name.__class__ is not str:
+            name = str(name)
+        if cat == "kernel":
+            self.k_name.append(self._name(name))
+            self.k_ts.append(ts)
+            self.k_dur.append(dur)
+            self.k_corr.append(_corr(e))
+            self.k_queue.append(self._thread((e.get("pid"), e.get("tid"))))
+        elif cat == "cpu_op":
+            self.cpu_thr.append(self._thread((e.get("pid"), e.get("tid"))))
+            self.cpu_ts.append(ts)
+            self.cpu_end.append(ts + dur)
+            self.cpu_name.append(self._name(name))
+        elif cat in RUNTIME_CATS:
+            self.rt_thr.append(self._thread((e.get("pid"), e.get("tid"))))
+            self.rt_ts.append(ts)
+            self.rt_corr.append(_corr(e))
+            self.rt_launch.append(1 if LAUNCH_CALL.search(name) else 0)
+        elif cat in ("user_annotation", "gpu_user_annotation"):
+            parsed = parse_step_name(name)
+            if parsed is None:
+                return
+            if cat == "user_annotation":
+                self.steps.append((ts, dur, name, parsed))
+            else:
+                self.gsteps.append((e.get("pid"), e.get("tid"), ts, dur, name))
 
-    step_evs = []
-    gpu_step_evs = []
-    for e in events:
-        parsed = parse_step_name(str(e["name"]))
-        if parsed is None:
-            continue
-        if e.get("cat") == "user_annotation":
-            step_evs.append((e, parsed))
-        elif e.get("cat") == "gpu_user_annotation":
-            gpu_step_evs.append((e, parsed))
-    step_evs.sort(key=lambda t: t[0]["ts"])
-    empty = sum(1 for _, p in step_evs if p[0] == 0 and p[2] == 0)
-    # engine steps without a forward (no requests) are ignored, neither decode nor prefill;
-    # their device-side ranges are dropped the same way
-    step_evs = [(e, p) for e, p in step_evs if not (p[0] == 0 and p[2] == 0)]
-    gpu_step_evs = [(e, p) for e, p in gpu_step_evs if not (p[0] == 0 and p[2] == 0)]
-    steps = [Step(i, str(e["name"]), e["ts"], e["dur"], *p) for i, (e, p) in enumerate(step_evs)]
-    starts = [s.ts for s in steps]
+    # -- after the pass ----------------------------------------------------------------------
+    def _parents(self) -> tuple[array, array, list[tuple[int, ...]]]:
+        """Per CPU operator and per runtime call: the id of the tuple of enclosing operator
+        names (outermost first), by a sweep over each thread in time order (operators and
+        calls merged; an operator that ended is popped before the next item)."""
+        ids: dict[tuple[int, int], int] = {}  # (parent id, name) -> id
+        tuple_list: list[tuple[int, ...]] = [()]
+        cpu_par = array("l", bytes(8 * len(self.cpu_ts)))
+        rt_par = array("l", bytes(8 * len(self.rt_ts)))
+        cthr, cts, cend, cname = self.cpu_thr, self.cpu_ts, self.cpu_end, self.cpu_name
+        rthr, rts_ = self.rt_thr, self.rt_ts
+        cpu = sorted(range(len(cts)), key=lambda i: (cthr[i], cts[i], cts[i] - cend[i]))
+        rts = sorted(range(len(rts_)), key=lambda i: (rthr[i], rts_[i]))
+        nr = len(rts)
+        j = 0
+        stack: list[tuple[float, int]] = []  # (end, id of the tuple up to this operator)
+        thread = -1
+        for i in cpu:
+            th, ts = cthr[i], cts[i]
+            if th != thread:
+                while j < nr and rthr[rts[j]] < th:  # calls of threads without operators
+                    j += 1
+                stack, thread = [], th
+            while j < nr and rthr[rts[j]] == th and rts_[rts[j]] < ts:
+                r = rts[j]
+                while stack and rts_[r] >= stack[-1][0]:
+                    stack.pop()
+                rt_par[r] = stack[-1][1] if stack else 0
+                j += 1
+            while stack and ts >= stack[-1][0]:
+                stack.pop()
+            parent = stack[-1][1] if stack else 0
+            cpu_par[i] = parent
+            key = (parent, cname[i])
+            tid = ids.get(key)
+            if tid is None:
+                tid = ids[key] = len(tuple_list)
+                tuple_list.append((*tuple_list[parent], cname[i]))
+            stack.append((cend[i], tid))
+        while j < nr:  # calls after the thread's last operator
+            r = rts[j]
+            if rthr[r] == thread:
+                while stack and rts_[r] >= stack[-1][0]:
+                    stack.pop()
+                rt_par[r] = stack[-1][1] if stack else 0
+            j += 1
+        return cpu_par, rt_par, tuple_list
 
-    def step_at(ts: float) -> int | None:
-        i = bisect.bisect_right(starts, ts + 1e-3) - 1
-        if i >= 0 and ts <= steps[i].ts + steps[i].dur + 1e-3:
-            return i
-        return None
+    def finish(self, path: Path, normalize: Normalizer, mode: str,
+               header: dict[str, Any]) -> RankTrace:
+        rank, rank_source = rank_and_source(path, header)
+        self.steps.sort(key=lambda t: t[0])
+        empty = sum(1 for *_, p in self.steps if p[0] == 0 and p[2] == 0)
+        # engine steps without a forward (no requests) are ignored, neither decode nor
+        # prefill; their device-side ranges are dropped the same way
+        kept = [t for t in self.steps if not (t[3][0] == 0 and t[3][2] == 0)]
+        steps = [Step(i, name, ts, dur, *p) for i, (ts, dur, name, p) in enumerate(kept)]
+        per_req = decode_tokens_per_request(steps)
+        for st in steps:
+            st.tokens_per_request = per_req
+        starts = [st.ts for st in steps]
+        ends = [st.ts + st.dur for st in steps]
 
-    kernels = [e for e in events if e.get("cat") in KERNEL_CATS]
-    if mode == "auto":
-        mode = "gpu" if kernels else "cpu"
-    if mode not in ("gpu", "cpu"):
-        raise UsageError(f"trace mode {mode!r} is not valid; use auto, gpu or cpu")
+        def step_at(ts: float) -> int:
+            i = bisect.bisect_right(starts, ts + 1e-3) - 1
+            return i if i >= 0 and ts <= ends[i] + 1e-3 else -1
 
-    by_thread: dict[tuple[Any, Any], list[dict[str, Any]]] = defaultdict(list)
-    for e in events:
-        if e.get("cat") == "cpu_op" or e.get("cat") in RUNTIME_CATS:
-            by_thread[(e.get("pid"), e.get("tid"))].append(e)
-    parents: dict[int, tuple[str, ...]] = {}
-    for evs in by_thread.values():
-        parents.update(_nest(evs))
-
-    launches: list[Launch] = []
-    outside: list[Launch] = []
-    unattributed = 0
-    if mode == "cpu":
-        for e in events:
-            if e.get("cat") != "cpu_op":
-                continue
-            si = step_at(e["ts"])
-            raw = str(e["name"])
-            ln = Launch(normalize(raw), raw, e["dur"], -1 if si is None else si,
-                        tuple(normalize(p) for p in parents.get(id(e), ())))
-            if si is None:
-                unattributed += 1
+        if mode == "auto":
+            mode = "gpu" if self.k_ts else "cpu"
+        if mode not in ("gpu", "cpu"):
+            raise UsageError(f"trace mode {mode!r} is not valid; use auto, gpu or cpu")
+        cpu_par, rt_par, par_tuples = self._parents()
+        agg: dict[tuple[int, int, int], list[float]] = {}  # (name, step, parents) -> [n, us]
+        lost: dict[int, int] = {}
+        if mode == "cpu":
+            for i in range(len(self.cpu_ts)):
+                key = (self.cpu_name[i], step_at(self.cpu_ts[i]), cpu_par[i])
+                a = agg.get(key)
+                if a is None:
+                    agg[key] = [1, self.cpu_end[i] - self.cpu_ts[i]]
+                else:
+                    a[0] += 1
+                    a[1] += self.cpu_end[i] - self.cpu_ts[i]
+        else:
+            order = sorted(range(len(self.rt_corr)), key=self.rt_corr.__getitem__)
+            corrs = array("q", (self.rt_corr[i] for i in order))
+            kcorrs = array("q", sorted(self.k_corr))
+            for i in order:  # a one-kernel launch whose kernel record never arrived
+                c = self.rt_corr[i]
+                if c >= 0 and self.rt_launch[i]:
+                    j = bisect.bisect_left(kcorrs, c)
+                    if j == len(kcorrs) or kcorrs[j] != c:
+                        si = step_at(self.rt_ts[i])
+                        if si >= 0:
+                            lost[si] = lost.get(si, 0) + 1
+            del kcorrs
+            spans = _device_spans(self.gsteps, steps)
+            queue_of = {v: k for k, v in self.threads.items()}
+            for k in range(len(self.k_ts)):
+                c = self.k_corr[k]
+                r = -1
+                if c >= 0:
+                    j = bisect.bisect_left(corrs, c)
+                    if j < len(corrs) and corrs[j] == c:
+                        r = order[j]
+                if r >= 0:
+                    si, par = step_at(self.rt_ts[r]), rt_par[r]
+                else:
+                    si, par = spans.step_of(queue_of[self.k_queue[k]], self.k_ts[k]), 0
+                key = (self.k_name[k], si, par)
+                a = agg.get(key)
+                if a is None:
+                    agg[key] = [1, self.k_dur[k]]
+                else:
+                    a[0] += 1
+                    a[1] += self.k_dur[k]
+        launches: list[Launch] = []
+        outside: list[Launch] = []
+        unattributed = 0
+        norm_par: dict[int, tuple[str, ...]] = {}
+        for (nid, si, pid), (n, us) in agg.items():
+            par = norm_par.get(pid)
+            if par is None:
+                par = norm_par[pid] = tuple(normalize(self.name_list[x])
+                                            for x in par_tuples[pid])
+            raw = self.name_list[nid]
+            ln = Launch(normalize(raw), raw, us, si, par, int(n))
+            if si < 0:
+                unattributed += int(n)
                 outside.append(ln)
-                continue
-            launches.append(ln)
-    else:
-        by_corr: dict[Any, dict[str, Any]] = {}
-        for e in events:
-            if e.get("cat") in RUNTIME_CATS:
-                corr = (e.get("args") or {}).get("correlation")
-                if corr is not None:
-                    by_corr[corr] = e
-        gpu_steps = sorted(gpu_step_evs, key=lambda t: t[0]["ts"])
-        gpu_starts = [g[0]["ts"] for g in gpu_steps]
-        # map a device-side step range to the host step with the same position
-        for k in kernels:
-            corr = (k.get("args") or {}).get("correlation")
-            launch = by_corr.get(corr) if corr is not None else None
-            si = step_at(launch["ts"]) if launch is not None else None
-            if si is None and launch is None and gpu_steps:
-                j = bisect.bisect_right(gpu_starts, k["ts"] + 1e-3) - 1
-                if j >= 0 and k["ts"] <= gpu_starts[j] + gpu_steps[j][0]["dur"] + 1e-3 \
-                        and j < len(steps):
-                    si = j
-            raw = str(k["name"])
-            par = parents.get(id(launch), ()) if launch is not None else ()
-            ln = Launch(normalize(raw), raw, k["dur"], -1 if si is None else si,
-                        tuple(normalize(p) for p in par))
-            if si is None:
-                unattributed += 1
-                outside.append(ln)
-                continue
-            launches.append(ln)
-    meta = {k: obj.get(k) for k in ("vllm_version", "host_name", "distributedInfo",
-                                    "deviceProperties", "schemaVersion") if k in obj}
-    if "deviceProperties" in meta and isinstance(meta["deviceProperties"], list):
-        meta["deviceProperties"] = [{k: d.get(k) for k in ("id", "name", "totalGlobalMem")}
-                                    for d in meta["deviceProperties"] if isinstance(d, dict)]
-    return RankTrace(path, rank, mode, steps, launches, unattributed, meta, outside,
-                     world_size_of(obj), rank_source, empty)
+            else:
+                launches.append(ln)
+        evidence = _evidence(header, len(self.rt_ts), len(self.gsteps))
+        meta = {k: header.get(k) for k in ("vllm_version", "host_name", "distributedInfo",
+                                           "deviceProperties", "schemaVersion")
+                if k in header}
+        if isinstance(meta.get("deviceProperties"), list):
+            meta["deviceProperties"] = [{k: d.get(k) for k in ("id", "name", "totalGlobalMem")}
+                                        for d in meta["deviceProperties"]
+                                        if isinstance(d, dict)]
+        started, started_source = start_time(path, header, steps)
+        return RankTrace(path, -1 if rank is None else rank, mode, steps, launches,
+                         unattributed, meta, outside, world_size_of(header), rank_source,
+                         empty, evidence, lost, started, started_source)
 
 
-# -- a directory of traces ----------------------------------------------------------------------
+TIME_IN_NAME = re.compile(r"(?<!\d)(\d{10}|\d{13}|\d{16}|\d{19})(?!\d)")
+
+
+def start_time(path: Path, obj: dict[str, Any], steps: list[Step]) -> tuple[float | None, str]:
+    """When the trace's first engine step started, in seconds since the epoch.
+
+    kineto and torch write event ``ts`` in microseconds relative to ``baseTimeNanoseconds``
+    (torch/profiler/_chrome_trace_export.py; kineto output_json.cpp), and that base moves in
+    jumps, so only ``base + ts`` orders traces from different server starts. Without it: the
+    export time torch puts in the file name (``tensorboard_trace_handler``:
+    ``<worker_name>.<time.time_ns()>.pt.trace.json[.gz]``; digits read as s/ms/us/ns by their
+    count); else None (the caller falls back to the file's mtime)."""
+    base = obj.get("baseTimeNanoseconds")
+    first = steps[0].ts if steps else 0.0
+    if isinstance(base, int) and not isinstance(base, bool) and base > 0:
+        return base / 1e9 + first / 1e6, "baseTimeNanoseconds + ts"
+    hits = TIME_IN_NAME.findall(path.name)
+    if hits:
+        digits = hits[-1]
+        return int(digits) / 10 ** (len(digits) - 10), "file name"
+    return None, ""
+
+
+class _DeviceSpans:
+    """Device-side step ranges (``gpu_user_annotation``: kineto writes one per device queue
+    for each host annotation, with the same name), per (pid, tid) = (device, queue). The n-th
+    span named N on a queue is the n-th host step named N; a kernel without a launch record
+    belongs to the span of its own queue that contains it."""
+
+    def __init__(self, per_queue: dict[tuple[Any, Any], list[tuple[float, float, int]]]):
+        self.per_queue = per_queue
+        self.starts = {q: [s[0] for s in v] for q, v in per_queue.items()}
+
+    def step_of(self, queue: tuple[Any, Any], ts: float) -> int:
+        spans = self.per_queue.get(queue)
+        if not spans:
+            return -1
+        j = bisect.bisect_right(self.starts[queue], ts + 1e-3) - 1
+        if j >= 0 and ts <= spans[j][1] + 1e-3:
+            return spans[j][2]
+        return -1
+
+
+def _device_spans(gsteps: list[tuple[Any, Any, float, float, str]],
+                  steps: list[Step]) -> _DeviceSpans:
+    host_by_name: dict[str, list[int]] = defaultdict(list)
+    for st in steps:
+        host_by_name[st.name].append(st.index)
+    queues: dict[tuple[Any, Any], list[tuple[float, float, str]]] = defaultdict(list)
+    for pid, tid, ts, dur, name in gsteps:
+        queues[(pid, tid)].append((ts, dur, name))
+    per_queue: dict[tuple[Any, Any], list[tuple[float, float, int]]] = {}
+    for q, spans in queues.items():
+        seen: Counter[str] = Counter()
+        out = []
+        for ts, dur, name in sorted(spans):
+            hosts = host_by_name.get(name, [])
+            if seen[name] < len(hosts):
+                out.append((ts, ts + dur, hosts[seen[name]]))
+            seen[name] += 1
+        per_queue[q] = out
+    return _DeviceSpans(per_queue)
+
+
+def _evidence(header: dict[str, Any], runtime: int, device_annotations: int) -> list[str]:
+    """What in a trace says a GPU ran, kernels aside: devices in ``deviceProperties`` (torch
+    writes the CUDA/HIP devices there), HIP/CUDA runtime events, device-side annotations."""
+    out = []
+    props = header.get("deviceProperties")
+    if isinstance(props, list) and props:
+        names = sorted({str(d.get("name")) for d in props if isinstance(d, dict)})
+        out.append(f"deviceProperties lists {len(props)} device(s) ({', '.join(names)[:60]})")
+    if runtime:
+        out.append(f"{runtime} HIP/CUDA runtime event(s)")
+    if device_annotations:
+        out.append(f"{device_annotations} gpu_user_annotation event(s)")
+    return out
+
 
 def find_trace_files(directory: str | os.PathLike) -> list[Path]:
     d = Path(directory)
@@ -336,28 +535,69 @@ def find_trace_files(directory: str | os.PathLike) -> list[Path]:
                   and not p.name.startswith(NOT_TRACES))
 
 
+PROGRESS_BYTES = 20_000_000  # files above this size report progress on stderr
+RUN_GAP_S = 120.0  # rank traces of one run start within this (one collective /start_profile)
+
+
 @dataclass
 class TraceSet:
     ranks: list[RankTrace]
     ignored: list[dict[str, str]]  # files that are not worker traces (front-end, empty, dupes)
     world_size: int | None = None  # from the traces' distributedInfo (None: not recorded)
+    skipped_runs: list[dict[str, Any]] = field(default_factory=list)  # older runs, not judged
+    run_started: float | None = None  # the judged run's start (s since the epoch)
+
+
+def _progress(msg: str) -> None:
+    import sys
+
+    print(f"[census] {msg}", file=sys.stderr, flush=True)
+
+
+def iso_time(t: float | None) -> str:
+    import datetime as dt
+
+    if t is None:
+        return "unknown time"
+    return dt.datetime.fromtimestamp(t, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def group_runs(traces: list[RankTrace]) -> list[list[RankTrace]]:
+    """Split worker traces into runs, oldest first: sorted by absolute start time, a trace opens
+    a new run when its rank is already in the current run, its world size differs, or it
+    started more than RUN_GAP_S after the run's first trace."""
+    runs: list[list[RankTrace]] = []
+    for t in sorted(traces, key=lambda t: (t.started or 0.0, t.rank)):
+        cur = runs[-1] if runs else None
+        if cur is None or t.rank in {x.rank for x in cur} \
+                or (t.world_size or 0) != (cur[0].world_size or 0) \
+                or (t.started or 0.0) - (cur[0].started or 0.0) > RUN_GAP_S:
+            runs.append([t])
+        else:
+            cur.append(t)
+    return runs
 
 
 def load_trace_dir(directory: str | os.PathLike, normalize: Normalizer | None = None,
                    mode: str = "auto", files: list[Path] | None = None) -> TraceSet:
-    """Parse every worker trace in ``directory``; the newest trace per rank wins."""
+    """Parse the worker traces in ``directory``, group them into runs and keep the newest run
+    (older runs are listed in ``skipped_runs``; a rank missing from the newest run is never
+    taken from an older one)."""
     files = files if files is not None else find_trace_files(directory)
     if not files:
         raise UsageError(f"no trace files (*.json or *.json.gz) in {directory}; did the server "
                          "run with --profiler-config / K3_PROFILER_DIR and was /stop_profile "
                          "called?")
-    per_rank: dict[int, list[RankTrace]] = defaultdict(list)
+    workers: list[RankTrace] = []
     ignored: list[dict[str, str]] = []
     rankless: list[str] = []
     for f in files:
-        obj = load_json(f)
-        has_rank = rank_of(f, obj) is not None
-        rt = parse_rank_trace(f, normalize, mode, obj)
+        big = f.stat().st_size > PROGRESS_BYTES
+        if big:
+            _progress(f"parsing {f.name} ({f.stat().st_size / 1e6:.0f} MB)")
+        rt = parse_rank_trace(f, normalize, mode, progress=(lambda n, f=f: _progress(
+            f"{f.name}: {n / 1e6:.0f} M events")) if big else None)
+        has_rank = bool(rt.rank_source)
         if not rt.steps:
             why = ("no engine-step annotations (front-end trace)" if not has_rank
                    else "no engine-step annotations")
@@ -368,24 +608,26 @@ def load_trace_dir(directory: str | os.PathLike, normalize: Normalizer | None = 
         if not has_rank:
             rankless.append(f.name)
             continue
-        per_rank[rt.rank].append(rt)
+        if rt.started is None:
+            rt.started, rt.started_source = f.stat().st_mtime, "file mtime"
+        workers.append(rt)
     if rankless:
         raise UsageError(f"cannot tell the rank of {len(rankless)} worker trace(s) "
                          f"({', '.join(rankless[:4])}): no distributedInfo.rank and no rank in "
                          "the file name; they are not merged. Keep the profiler's file names "
                          "(<ts>-rank-<r>...) or its metadata")
-    sizes = {r.world_size for rs in per_rank.values() for r in rs if r.world_size is not None}
-    if len(sizes) > 1:
-        raise UsageError(f"the traces in {directory} disagree on the world size "
-                         f"({sorted(sizes)}): they come from different runs; keep one run's "
-                         "traces per directory")
-    ranks: list[RankTrace] = []
-    for r in sorted(per_rank):
-        cands = sorted(per_rank[r], key=lambda t: (t.steps[0].ts, t.path.stat().st_mtime))
-        ranks.append(cands[-1])
-        for old in cands[:-1]:
-            ignored.append({"path": str(old.path), "why": f"older trace of rank {r}"})
-    if not ranks:
+    if not workers:
         raise UsageError(f"no worker trace with engine steps in {directory} "
                          f"({len(files)} file(s) looked at: {', '.join(p.name for p in files)})")
-    return TraceSet(ranks, ignored, sizes.pop() if sizes else None)
+    runs = group_runs(workers)
+    newest = sorted(runs[-1], key=lambda t: t.rank)
+    started = runs[-1][0].started
+    skipped = []
+    for run in runs[:-1]:
+        skipped.append({"started": iso_time(run[0].started), "ranks": sorted(t.rank for t in run),
+                        "world_size": run[0].world_size,
+                        "files": [str(t.path) for t in run],
+                        "how": f"start from {run[0].started_source}",
+                        "why": f"an older run (the judged run started {iso_time(started)})"})
+    sizes = {t.world_size for t in newest if t.world_size is not None}
+    return TraceSet(newest, ignored, sizes.pop() if sizes else None, skipped, started)

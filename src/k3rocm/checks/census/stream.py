@@ -1,0 +1,142 @@
+"""Read a chrome trace as a stream: the top-level keys (small) and the events one at a time.
+
+A 128k-context profile is a few hundred MB of JSON per rank; loading it whole costs minutes and
+about 1 KB of Python objects per event. ``ijson`` (yajl2 C backend) yields ``traceEvents`` one
+by one; the other top-level keys are read from the bytes before the event list (torch writes
+``schemaVersion``, ``deviceProperties``, ``distributedInfo``, ... there:
+torch/profiler/_chrome_trace_export.py) and after it (kineto's C++ writer closes with
+``traceName``, ``displayTimeUnit``, ``baseTimeNanoseconds``: libkineto/src/output_json.cpp).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import json
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import ijson
+
+from k3rocm.errors import UsageError
+
+HEAD_MAX = 1 << 20  # bytes kept from the start (the header before "traceEvents")
+TAIL_MAX = 1 << 16  # bytes kept from the end (kineto's closing keys)
+
+
+class _Tee:
+    """A binary reader that keeps the first HEAD_MAX and the last TAIL_MAX bytes it passed."""
+
+    def __init__(self, fh: Any):
+        self.fh = fh
+        self.head = bytearray()
+        self.tail = b""
+        self.read_bytes = 0
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.fh.read(n)
+        self.read_bytes += len(data)
+        if len(self.head) < HEAD_MAX:
+            self.head += data[:HEAD_MAX - len(self.head)]
+        self.tail = (self.tail + data)[-TAIL_MAX:]
+        return data
+
+
+def _unreadable(path: Path, exc: BaseException) -> UsageError:
+    why = " ".join(str(exc).split())[:160]
+    return UsageError(f"trace {path} cannot be read as chrome-trace JSON "
+                      f"({exc.__class__.__name__}: {why}); expected a .pt.trace.json or "
+                      ".pt.trace.json.gz file; re-collect it")
+
+
+def _header(head: bytes, tail: bytes, whole: bool) -> dict[str, Any]:
+    """The top-level keys other than traceEvents: from the whole text of a small file, else
+    from the bytes before the event list and after it."""
+    if whole:
+        try:
+            obj = json.loads(head)
+        except ValueError:
+            return {}
+        return {k: v for k, v in obj.items() if k != "traceEvents"} \
+            if isinstance(obj, dict) else {}
+    out: dict[str, Any] = {}
+    text = head.decode("utf-8", "replace")
+    i = text.find('"traceEvents"')
+    if i > 0:
+        with contextlib.suppress(ValueError):
+            out.update(json.loads(text[:i].rstrip().rstrip(",") + "}"))
+    t = tail.decode("utf-8", "replace").rstrip()
+    if t.endswith("}"):
+        t = t[:-1]
+    j = len(t)
+    for _ in range(32):  # the event list ends at one of the last "]": the one that parses
+        j = t.rfind("]", 0, j)
+        if j < 0:
+            break
+        rest = t[j + 1:].strip().lstrip(",")
+        if not rest:
+            break
+        try:
+            out.update(json.loads("{" + rest + "}"))
+            break
+        except ValueError:
+            continue
+    return out
+
+
+class TraceStream:
+    """``with TraceStream(path) as ts: for e in ts.events(): ...``; ``ts.header`` is complete
+    once the events are exhausted. Unreadable input: one-line UsageError naming the file."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.header: dict[str, Any] = {}
+        self.count = 0
+        self._raw: Any = None
+
+    def __enter__(self) -> TraceStream:
+        try:
+            self._raw = open(self.path, "rb")  # noqa: SIM115 - closed in __exit__
+        except OSError as exc:
+            raise _unreadable(self.path, exc) from None
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._raw.close()
+
+    def _reader(self) -> Any:
+        self._raw.seek(0)
+        magic = self._raw.read(2)
+        self._raw.seek(0)
+        return gzip.GzipFile(fileobj=self._raw) if magic == b"\x1f\x8b" else self._raw
+
+    def events(self) -> Iterator[Any]:
+        try:
+            lead = self._reader().read(64).lstrip()[:1]
+        except (OSError, EOFError, zlib.error) as exc:
+            raise _unreadable(self.path, exc) from None
+        if lead not in (b"{", b"["):
+            raise _unreadable(self.path, ValueError(f"starts with {lead!r}, not JSON"))
+        prefix = "item" if lead == b"[" else "traceEvents.item"
+        tee = _Tee(self._reader())
+        found = False
+        try:
+            for e in ijson.items(tee, prefix, use_float=True):
+                found = True
+                self.count += 1
+                yield e
+            while tee.read(1 << 16):  # what follows the list: kineto's closing keys
+                pass
+        except (OSError, EOFError, zlib.error, ValueError, ijson.JSONError) as exc:
+            raise _unreadable(self.path, exc) from None
+        self.header = _header(bytes(tee.head), tee.tail, tee.read_bytes <= HEAD_MAX)
+        if not found and prefix != "item" and tee.read_bytes <= HEAD_MAX:
+            try:
+                obj = json.loads(bytes(tee.head))
+            except ValueError as exc:
+                raise _unreadable(self.path, exc) from None
+            if not isinstance(obj, dict) or not isinstance(obj.get("traceEvents"), list):
+                raise UsageError(f"trace {self.path} has no traceEvents list; not a chrome "
+                                 "trace")
