@@ -152,3 +152,51 @@ def test_manifest_records_facts(tmp_path, monkeypatch):
                                                basefacts.fact("9.9", "test")}}))
     facts, where = basefacts.load(Path(path))
     assert basefacts.value(facts, "vllm_version") == "9.9" and "image build" in where
+
+
+def test_serve_writes_what_it_rendered_for_the_checks(tmp_path):
+    """`k3rocm serve` records its rendering (after the base facts) before exec'ing vLLM; the
+    census's claim and provenance read that file, not the container's raw env, so a default
+    the base switched off is not "asked ON". A fake `vllm` on PATH prints the file."""
+    import os
+    import stat
+
+    fake = tmp_path / "bin" / "vllm"
+    fake.parent.mkdir()
+    fake.write_text('#!/bin/sh\ncat "$K3_RENDERED_FILE"\n')
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    out = tmp_path / "rendered.json"
+    env = {"PATH": f"{fake.parent}:/usr/bin:/bin", "PYTHONPATH": str(REPO / "src"),
+           "K3_RENDERED_FILE": str(out), "K3_MODEL": "/tmp", "K3_API_KEY": "sekret",
+           "K3_FUSE_QK_NORM": "0", "HOME": os.environ.get("HOME", "/root")}
+    p = subprocess.run([sys.executable, "-m", "k3rocm", "serve"], env=env, capture_output=True,
+                       text=True, timeout=60, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    rec = json.loads(p.stdout)
+    assert rec == json.loads(out.read_text())
+    assert rec["env"]["K3_FUSE_QK_NORM"] == "0" and rec["env"]["K3_FUSE_DECODE_QPREP"] == "1"
+    assert "sekret" not in out.read_text()  # redacted
+    assert rec["argv"][:2] == ["vllm", "serve"]
+
+
+def test_census_claim_reads_the_rendering():
+    from k3rocm.checks.census.cli import claim_from_container
+
+    class Container:  # docker-py's Container: attrs (docker inspect) and exec_run
+        name = "srv"
+        attrs = {"Config": {"Env": ["K3_PROFILE=mi355x-tp8", "PATH=/usr/bin"]}}
+
+        def __init__(self, rendered):
+            self.rendered = rendered
+
+        def exec_run(self, cmd, demux=False):
+            if self.rendered is None:
+                return 1, b"cat: /tmp/k3rocm-rendered.json: No such file or directory"
+            return 0, json.dumps(self.rendered).encode()
+
+    resolved = {"env": {"K3_FUSE_QK_NORM": "1", "K3_FUSE_DECODE_QPREP": "0"}}
+    claim = claim_from_container(Container(resolved))
+    assert (claim.qk_norm, claim.decode_qprep) == (True, False), claim
+    assert "rendered settings" in claim.source
+    legacy = claim_from_container(Container(None))  # unset = on
+    assert (legacy.qk_norm, legacy.decode_qprep) == (True, True)

@@ -63,6 +63,20 @@ def _exec_text(container, cmd: list[str]) -> str | None:
     return out.decode(errors="replace") if isinstance(out, bytes) else str(out)
 
 
+def rendered_record(container) -> dict | None:
+    """What ``k3rocm serve`` rendered in this server container (serving.serve_cmd writes it
+    before exec'ing vLLM): env, argv and the base facts' changes. None when absent (an image
+    older than the file, or not our entrypoint)."""
+    from k3rocm.serving.serve_cmd import RENDERED_FILE
+
+    text = _exec_text(container, ["cat", RENDERED_FILE])
+    try:
+        data = json.loads(text) if text else None
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) else None
+
+
 def collect_provenance(url: str, api_key: str | None, client=None, container=None) -> dict:
     """What served the measurement: image id, vLLM version, overlay manifest and fusion states,
     the server's env and argv. Best effort per item; what could not be read is said so."""
@@ -125,7 +139,11 @@ def collect_provenance(url: str, api_key: str | None, client=None, container=Non
         prov["overlay_manifest"] = {"unparsed": manifest[:4000]}
     if prov["overlay_manifest"] is None:
         prov["overlay_manifest_note"] = f"{MANIFEST_PATH} not readable in the server container"
-    prov["fusion_toggles"] = {k: env.get(k, "unset (default on)") for k in FUSION_ENV}
+    rendered = rendered_record(container)
+    prov["rendered"] = rendered
+    renv = (rendered or {}).get("env") or {}
+    prov["fusion_toggles"] = {k: renv.get(k) or env.get(k, "unset (default on)")
+                              for k in FUSION_ENV}
     try:
         from k3rocm.serving.decisions import final_in_log
 

@@ -176,6 +176,8 @@ ENV_NAME = {name: f.json_schema_extra["env"] for name, f in FIELDS.items()}  # t
 FIELD_BY_ENV = {env: name for name, env in ENV_NAME.items()}
 # K3_* variables that are not serving settings but are known (tests, tooling).
 KNOWN_OTHER = {
+    "K3_RENDERED_FILE": "where `k3rocm serve` writes what it rendered "
+                        "(default /tmp/k3rocm-rendered.json)",
     "K3_SERVER_IMAGE": "tests: the serving image the stand-in fixture runs",
     "K3_TORCH_WHEELS": "stand-in build: directory with the torch 2.13.0+cpu wheel",
     "K3_EXPECT_WIRING": "tests: which wrapper the in-image wiring check expects",

@@ -11,6 +11,7 @@ import os
 import shlex
 import shutil
 import sys
+from pathlib import Path
 
 from k3rocm.errors import UsageError
 from k3rocm.serving.config import REDACTED, SECRET_KEYS, redact_env, render
@@ -30,6 +31,24 @@ def _redact_argv(argv: list[str]) -> list[str]:
         out.append(REDACTED if hide else a)
         hide = a == "--api-key"
     return out
+
+
+RENDERED_FILE = "/tmp/k3rocm-rendered.json"  # noqa: S108 - the container's own /tmp
+
+
+def write_rendered(rendered) -> None:
+    """Render once, read the rendering: what this server was really started with (env and
+    argv, secrets redacted, and what the base facts changed) for the checks that read a running
+    server (the census's claim, provenance). Best effort: a read-only /tmp only warns."""
+    import json
+
+    from k3rocm.rundir import write_text_atomic
+
+    path = os.environ.get("K3_RENDERED_FILE") or RENDERED_FILE
+    try:
+        write_text_atomic(Path(path), json.dumps(rendered.to_json(), indent=1, sort_keys=True))
+    except OSError as exc:
+        print(f"k3rocm: warning: cannot write {path} ({exc})", file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -62,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"k3rocm: K3_ALLOW_HUB_DOWNLOAD=1: vLLM downloads {rendered.settings.model}"
               f"{size} into {rendered.env.get('HF_HOME', '~/.cache/huggingface')} unless it "
               "is cached there already", file=sys.stderr)
+    write_rendered(rendered)
     print("k3rocm: exec " + shlex.join(_redact_argv(rendered.argv)), file=sys.stderr, flush=True)
     env = {**os.environ, **rendered.env}
     os.execvpe(exe, rendered.argv, env)

@@ -358,6 +358,17 @@ def container_env(container: Any) -> dict[str, str]:
 
 
 def claim_from_container(container: Any) -> FusionClaim:
+    """What the server was asked for: the K3_FUSE_* values ``k3rocm serve`` rendered in it
+    (after the base facts: a default the base cannot run is switched off there), else the
+    container's env (docker inspect; unset = on)."""
+    from k3rocm.deploy.provenance import rendered_record
+    from k3rocm.serving.serve_cmd import RENDERED_FILE
+
+    renv = (rendered_record(container) or {}).get("env") or {}
+    fuse = {k: v for k, v in renv.items() if k.startswith("K3_FUSE_")}
+    if fuse:
+        return from_env({**container_env(container), **fuse},
+                        f"container {container.name}'s rendered settings ({RENDERED_FILE})")
     return from_env(container_env(container), f"container {container.name}'s env")
 
 
