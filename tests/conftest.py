@@ -53,6 +53,15 @@ def run_cli(*args: str, env: dict | None = None, cwd: Path | None = None,
                           cwd=cwd or REPO, capture_output=True, text=True, timeout=timeout)
 
 
+def project_containers(project: str) -> list[str]:
+    """Ids of every container (running or not) of one compose project."""
+    p = subprocess.run(["docker", "ps", "-a", "-q", "--filter",
+                        f"label=com.docker.compose.project={project}"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    return p.stdout.split()
+
+
 def default_sigint() -> None:
     """``preexec_fn`` for a child that a test interrupts with SIGINT: a runner that started
     pytest in the background (a non-interactive shell's ``cmd &``, some CI runners) leaves

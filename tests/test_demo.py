@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, free_port, run_cli
+from conftest import REPO, free_port, project_containers, run_cli
 from server_fixture import MODELS_DIR
 
 from k3rocm.dev.demo import GSM8K_ITEMS, STANDIN_BASE, STEPS
@@ -44,13 +44,6 @@ def _demo_argv(port: int, project: str, results: Path, *extra: str) -> list[str]
     return ["make", "-s", "--no-print-directory", "-o", sys.executable, "demo",
             f"PY={sys.executable}", f"DEMO_ARGS={args}"]
 
-
-def _project_containers(project: str) -> list[str]:
-    p = subprocess.run(["docker", "ps", "-a", "-q", "--filter",
-                        f"label=com.docker.compose.project={project}"],
-                       capture_output=True, text=True, timeout=60)
-    assert p.returncode == 0, p.stderr
-    return p.stdout.split()
 
 
 def _one(results: Path, suffix: str) -> Path:
@@ -128,7 +121,7 @@ def test_busy_port_is_refused_before_anything_starts(docker_client, tmp_path):
     assert p.returncode == 2, p.stdout + p.stderr
     assert f"port {port} on 127.0.0.1 is in use" in p.stderr and "Traceback" not in p.stderr
     assert not (tmp_path / "r").exists()
-    assert _project_containers("k3rocm-demo-busy") == []
+    assert project_containers("k3rocm-demo-busy") == []
 
 
 @pytest.mark.docker
@@ -143,7 +136,7 @@ def test_make_demo_end_to_end(docker_client, tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr[-4000:]
     assert "Traceback" not in p.stderr
     assert p.stdout.startswith("k3rocm demo: OK in "), p.stdout
-    assert _project_containers(project) == []  # make down removed what make up started
+    assert project_containers(project) == []  # make down removed what make up started
 
     demo = _one(results, "-demo")
     summary = json.loads((demo / "summary.json").read_text())
@@ -203,7 +196,7 @@ def test_sigterm_while_serving_stops_the_server(docker_client, tmp_path):
     try:
         # Wait until `make up` has a server container, then SIGTERM the demo.
         deadline = time.monotonic() + 600
-        while not _project_containers(project):
+        while not project_containers(project):
             assert proc.poll() is None, proc.communicate()
             assert time.monotonic() < deadline, "no server container after 600 s"
             time.sleep(1)
@@ -215,7 +208,7 @@ def test_sigterm_while_serving_stops_the_server(docker_client, tmp_path):
     assert proc.returncode == 130, out + err[-3000:]
     assert "Traceback" not in err
     assert out.startswith("k3rocm demo: INTERRUPTED"), out
-    assert _project_containers(project) == []
+    assert project_containers(project) == []
     demo = _one(results, "-demo")
     summary = json.loads((demo / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["exit_code"] == 130

@@ -12,20 +12,13 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, free_port, run_cli, standin_tag
+from conftest import REPO, free_port, project_containers, run_cli, standin_tag
 from server_fixture import MODELS_DIR, ensure_smoke_model
 
 from k3rocm.checks.selftest import GREEDY_TOKENS, compare
 
 PROJECT = "k3rocm-selftest-test"
 
-
-def _project_containers(project: str) -> list[str]:
-    p = subprocess.run(["docker", "ps", "-a", "-q", "--filter",
-                        f"label=com.docker.compose.project={project}"],
-                       capture_output=True, text=True, timeout=60)
-    assert p.returncode == 0, p.stderr
-    return p.stdout.split()
 
 
 # ------------------------------------------------------------------------ no Docker needed
@@ -102,7 +95,7 @@ def test_make_selftest_on_the_standin(docker_client, tmp_path):
     # the second server really ran with the fusions off, the first as asked
     assert "K3_FUSE_QK_NORM=0  [env]" in (run / "server-off.log").read_text()
     assert (run / "summary.md").read_text().startswith("```\nk3rocm selftest: OK")
-    assert _project_containers(PROJECT) == []  # everything it started is gone
+    assert project_containers(PROJECT) == []  # everything it started is gone
 
 
 @pytest.mark.docker
@@ -114,4 +107,4 @@ def test_a_setting_the_base_cannot_run_stops_before_any_server(docker_client, tm
                   env={"VLLM_ROCM_USE_AITER": "1"}, timeout=300)
     assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-2000:]
     assert "K3_FUSE_QK_NORM=0 has no effect on this base: vLLM 0.32.0" in p.stderr
-    assert _project_containers(PROJECT) == []
+    assert project_containers(PROJECT) == []

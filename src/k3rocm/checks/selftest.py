@@ -52,6 +52,8 @@ from k3rocm.checks.steps import (
     new_dirs,
     run_step,
     say,
+    step_rows,
+    verdict,
 )
 from k3rocm.deploy import selftest_model
 from k3rocm.errors import UsageError
@@ -386,8 +388,7 @@ def selftest(args: argparse.Namespace) -> int:  # noqa: C901 - one linear pipeli
         finally:
             signal.signal(signal.SIGINT, old_int)
     seconds = time.time() - t0
-    verdict = "OK" if code == 0 else ("INTERRUPTED" if code == 130 else f"FAILED (exit {code})")
-    lines = [f"k3rocm selftest: {verdict} in {seconds:.0f}s: {dep.model} on {dep.url} "
+    lines = [f"k3rocm selftest: {verdict(code)} in {seconds:.0f}s: {dep.model} on {dep.url} "
              f"(profile {dep.profile}, image {dep.image}"
              + (", CPU stand-in: fusions cannot run, both servers stock" if srv.cpu else "")
              + ")", ""]
@@ -404,11 +405,7 @@ def selftest(args: argparse.Namespace) -> int:  # noqa: C901 - one linear pipeli
         lines.append("  overlay decisions (fusions as asked): " + summarize_decisions(
             {(d.get("pid"), d.get("layer_kind")): d for d in decisions}))
     lines.append("")
-    for r in results:
-        state = "ok" if r.ok else f"FAILED exit {r.code}"
-        lines.append(f"  {r.name:<8} {state:<14} {r.seconds:5.0f}s  {r.note}")
-        if r.run_dir:
-            lines.append(f"  {'':<8} {'':<14} {'':>6}  -> {r.run_dir}")
+    lines += step_rows(results)
     lines += ["", f"  run directory: {run_dir} (summary.json, summary.md, logs/, "
               "server-on.log, server-off.log, traces/)"]
     text = "\n".join(lines)

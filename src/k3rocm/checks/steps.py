@@ -192,3 +192,19 @@ def census_numbers(run: Path) -> tuple[str, dict[str, Any]]:
             parts.append(f"{label} {ch.get('seen')} (expected {ch.get('expected')})")
             numbers[role] = {"seen": ch.get("seen"), "expected": ch.get("expected")}
     return "; ".join(parts), numbers
+
+
+def verdict(code: int) -> str:
+    return "OK" if code == 0 else ("INTERRUPTED" if code == 130 else f"FAILED (exit {code})")
+
+
+def step_rows(results: list[StepResult], show=str) -> list[str]:
+    """One row per step (state, seconds, note) and its run directory below it."""
+    width = max((len(r.name) for r in results), default=4)
+    lines = []
+    for r in results:
+        state = "ok" if r.ok else ("interrupted" if r.code == 130 else f"FAILED exit {r.code}")
+        lines.append(f"  {r.name:<{width}}  {state:<14} {r.seconds:5.0f}s  {r.note}")
+        if r.run_dir:
+            lines.append(f"  {'':<{width}}  {'':<14} {'':>6}  -> {show(r.run_dir)}")
+    return lines

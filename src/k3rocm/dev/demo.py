@@ -54,6 +54,8 @@ from k3rocm.checks.steps import (
     gsm8k_numbers,
     run_step,
     say,
+    step_rows,
+    verdict,
 )
 from k3rocm.checks.steps import new_dirs as _new_dirs
 from k3rocm.errors import ServerError, UsageError
@@ -349,15 +351,9 @@ def _rel(path: str | None) -> str:
 
 def _summary(results: list[StepResult], run_dir: Path, args: argparse.Namespace,
              seconds: float, code: int) -> str:
-    verdict = "OK" if code == 0 else ("INTERRUPTED" if code == 130 else f"FAILED (exit {code})")
-    lines = [f"k3rocm demo: {verdict} in {seconds:.0f}s: the bundle on the CPU stand-in "
+    lines = [f"k3rocm demo: {verdict(code)} in {seconds:.0f}s: the bundle on the CPU stand-in "
              f"({STANDIN_BASE}, tiny random-weight MLA model {SMOKE_MODEL})", ""]
-    width = max(len(r.name) for r in results)
-    for r in results:
-        state = "ok" if r.ok else ("interrupted" if r.code == 130 else f"FAILED exit {r.code}")
-        lines.append(f"  {r.name:<{width}}  {state:<14} {r.seconds:5.0f}s  {r.note}")
-        if r.run_dir:
-            lines.append(f"  {'':<{width}}  {'':<14} {'':>6}  -> {_rel(r.run_dir)}")
+    lines += step_rows(results, _rel)
     lines += ["", f"  demo run directory: {_rel(str(run_dir))} (summary.json, summary.md, "
               "logs/, traces/)"]
     text = "\n".join(lines)
