@@ -205,3 +205,79 @@ def test_server_command_help_and_bad_input():
         "(see k3rocm server --help)"]
     p = run_cli("server", "wait", "--timeout", "0")
     assert p.returncode == 2 and "--timeout 0 must be > 0" in p.stderr
+
+
+# --- protocol identity from what each slot's server recorded ----------------------------------
+
+def _slot(tmp_path, slot: int, arm: str, env: dict, argv: list[str], image="sha256:aa") -> dict:
+    """A run as the driver records it, with the run record's server part (the layout
+    deploy.provenance.collect_provenance writes: container env redacted, argv from /proc)."""
+    d = tmp_path / f"{slot:02d}-{arm}-0"
+    d.mkdir()
+    (d / "provenance.json").write_text(json.dumps({"server": {
+        "container": {"image_id": image, "env": env}, "server_argv": argv}}))
+    return {"slot": slot, "arm": arm, "run": 0, "run_dir": str(d), "status": "ok"}
+
+
+ARGV = ["vllm", "serve", "/models/k3-smoke", "--port", "8000", "--max-num-seqs", "8"]
+
+
+def test_slots_differing_in_a_server_setting_are_refused(tmp_path):
+    from k3rocm.checks.bench import ab
+    from k3rocm.checks.bench.workloads import resolve
+
+    w = resolve("ci-tiny", {})
+    base = {"K3_PROFILE": "cpu-smoke", "K3_PREFIX_CACHING": "0", "K3_PORT": "8000"}
+    runs = [_slot(tmp_path, 0, "A", {**base, "K3_FUSE_QK_NORM": "0"}, ARGV),
+            _slot(tmp_path, 1, "B", {**base, "K3_FUSE_QK_NORM": "1", "K3_PORT": "8001"},
+                  [*ARGV[:4], "8001", *ARGV[5:]]),
+            _slot(tmp_path, 2, "B", {**base, "K3_FUSE_QK_NORM": "1", "K3_PREFIX_CACHING": "1",
+                                     "K3_API_KEY": "<redacted>"},
+                  [*ARGV, "--enable-prefix-caching"]),
+            _slot(tmp_path, 3, "A", {**base, "K3_FUSE_QK_NORM": "0"}, ARGV)]
+    key, diffs = ab.recorded_protocol(w, runs, "ab", 1)
+    # the fusion switches and the port may differ; slot 2's prefix caching may not
+    assert diffs == ["slot 2 (arm B) differs from slot 0 (arm A): env K3_API_KEY=(unset) vs "
+                     "<redacted>; env K3_PREFIX_CACHING=0 vs 1; argv - vs "
+                     "--enable-prefix-caching"]
+    key2, diffs2 = ab.recorded_protocol(w, [runs[0], runs[1], runs[3]], "ab", 1)
+    assert key2 == key and diffs2 == []
+    # a different image, or more runs per server, is another protocol
+    assert ab.recorded_protocol(w, [_slot(tmp_path, 4, "A", base, ARGV, "sha256:bb")], "ab",
+                                1)[0] != key
+    assert ab.recorded_protocol(w, [runs[0]], "ab", 2)[0] != key
+
+
+def test_the_aa_variance_is_pooled_only_with_the_same_recorded_key(tmp_path):
+    from k3rocm.checks.bench import ab
+
+    aa_rows = ab.judge({(1, "ITL p50"): {"A": [10.0, 10.2], "B": [10.1, 9.9]}}, ("ITL p50", 1))
+    comp = aa_rows[0]["aa_component"]
+    assert comp["df"] == 3
+    doc = {"rows": aa_rows, "same_protocol": True}
+    assert ab._floor_for(doc, 1, "ITL p50") == comp
+    assert ab._floor_for({**doc, "same_protocol": False}, 1, "ITL p50") is None
+    rows = ab.judge({(1, "ITL p50"): {"A": [10.0], "B": [10.05]}}, ("ITL p50", 1), doc)
+    assert rows[0]["df"] == 3 and rows[0]["floor_used"]
+
+
+def test_the_refusal_line_and_the_invalid_report(tmp_path):
+    from k3rocm.checks.bench import ab
+
+    diffs = ["slot 2 (arm B) differs from slot 0 (arm A): env K3_PREFIX_CACHING=0 vs 1"]
+    comp = {"mode": "ab", "protocol_key": "k", "protocol": [], "workload": "ci-tiny",
+            "rows": [], "runs": [], "headline": "x", "protocol_differences": diffs,
+            "invalid": "slots ran different server setups (only the fusion switches may "
+                       "differ): " + diffs[0]}
+    line = ab.refusal(comp, tmp_path)
+    print(line)
+    assert line == ("k3rocm: error: bench-ab refused: slots ran different server setups (only "
+                    "the fusion switches may differ): slot 2 (arm B) differs from slot 0 (arm "
+                    f"A): env K3_PREFIX_CACHING=0 vs 1; no verdict (report in {tmp_path})")
+    assert "**INVALID: slots ran different" in ab.comparison_markdown(comp)
+    cal = {**comp, "invalid": None, "calibration": [
+        {"concurrency": 1, "expected_d": 0.10, "lo": 0.12, "hi": 0.20, "covered": False}]}
+    assert ab.refusal(cal, tmp_path).startswith(
+        "k3rocm: error: bench-ab calibration failed: c=1 expected +10.00% outside the CI "
+        "[+12.00%, +20.00%]")
+    assert ab.refusal({**cal, "calibration": []}, tmp_path) is None

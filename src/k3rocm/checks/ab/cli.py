@@ -13,8 +13,9 @@ duration. If a server already answers on --port it stops there and asks for `mak
 pass --stop-running, which stops the compose server and keeps its log).
 
 --measure bench: the aiperf workload per slot (--workload, --set, --tokenizer, --repeats,
-  --runs-per-server); per metric the effect (B - A) / A with a bootstrap 95% CI, reported
-  beside the newest A/A (--aa) of the same protocol.
+  --runs-per-server, --primary; default 4 servers per arm); the server is the unit: per metric
+  the effect (B - A) / A with a t test on per-server values, pooled with the newest A/A (--aa)
+  of the same recorded protocol; the minimum detectable effect before and after the run.
 --measure census: one profile per arm (--repeats 1: order A B), the decode kernel census of
   each arm and the A/B launch checks (--on, --concurrency, --max-tokens, --steps).
 Calibration (CPU stand-in): --calibrate-delay-ms MS runs an A/A whose arm B sleeps MS per
@@ -43,6 +44,7 @@ from types import SimpleNamespace
 from k3rocm.checks.ab import arms as armlib
 
 MEASURES = ("bench", "census")
+BENCH_REPEATS = 4
 
 
 def add_arguments(parser: argparse.ArgumentParser, measure: str | None = None) -> None:
@@ -56,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser, measure: str | None = None) -
                         help="what each arm measures: the aiperf workload (bench) or the "
                         "decode kernel census (census)" + (f"; default {measure}" if measure
                                                            else ""))
-    armlib.add_server_arguments(parser, default_repeats=2)
+    armlib.add_server_arguments(parser)
     b = parser.add_argument_group("--measure bench")
     add_common(b)
     b.add_argument("--runs-per-server", type=int, default=1,
@@ -65,7 +67,11 @@ def add_arguments(parser: argparse.ArgumentParser, measure: str | None = None) -
     b.add_argument("--noise-floor", type=Path, default=None,
                    help="A/A run directory to report beside this A/B (default: the newest A/A "
                    "under --results with the same protocol)")
-    b.add_argument("--n-boot", type=int, default=2000, help="bootstrap resamples")
+    b.add_argument("--primary", default=None, metavar="METRIC@C",
+                   help="the one metric judged at 5%%, declared before the run: itl:p50, "
+                   "itl:p90, ttft:p50, e2el:p50 or output_tps:avg at a concurrency of the "
+                   "workload (default itl:p50 at its first concurrency); every other row is "
+                   "judged with Holm's correction")
     b.add_argument("--label", default=None, help="run directory label")
     c = parser.add_argument_group("--measure census")
     c.add_argument("--trace-dirs", metavar="OFF_DIR,ON_DIR",
@@ -86,6 +92,13 @@ def add_arguments(parser: argparse.ArgumentParser, measure: str | None = None) -
                         _measure_default=measure)
 
 
+def fill_repeats(args: argparse.Namespace) -> None:
+    """--repeats when not given: 4 servers per arm for bench (the fewest with which a 5% test
+    on server values has room: see docs/bench.md), one profile per arm for census."""
+    if args.repeats is None:
+        args.repeats = BENCH_REPEATS if args.measure == "bench" else 1
+
+
 def results_root(args: argparse.Namespace) -> Path:
     """--results, else the deployment's results root (K3_RESULTS_DIR: shell > .env > default)."""
     from k3rocm.deploy.lifecycle import resolve_settings
@@ -100,6 +113,7 @@ def deployment_view(args: argparse.Namespace) -> dict:
     from k3rocm.deploy.lifecycle import resolve_settings
 
     dep = resolve_settings(getattr(args, "env_file", ".env"))
+    fill_repeats(args)
     arms = armlib.arms_from_args(args)
     model, api_key = armlib.served_model(arms, getattr(args, "env_file", ".env"))
     from k3rocm.serving.config import REDACTED
@@ -116,7 +130,8 @@ def run(args: argparse.Namespace) -> int:
 
     args.results = results_root(args)
 
-    bench_only = {"runs_per_server": 1, "noise_floor": None, "n_boot": 2000}
+    fill_repeats(args)
+    bench_only = {"runs_per_server": 1, "noise_floor": None, "primary": None}
     census_only = {"trace_dirs": None, "on": "all", "concurrency": 8, "max_tokens": 1024,
                    "prompt_words": 64, "steps": 6, "trace_timeout": 900.0}
     other = census_only if args.measure == "bench" else bench_only
