@@ -281,3 +281,52 @@ def test_the_refusal_line_and_the_invalid_report(tmp_path):
         "k3rocm: error: bench-ab calibration failed: c=1 expected +10.00% outside the CI "
         "[+12.00%, +20.00%]")
     assert ab.refusal({**cal, "calibration": []}, tmp_path) is None
+
+
+def test_an_arm_whose_fusion_was_refused_makes_the_ab_invalid():
+    """Decision records as the overlay writes them (tests/data/census/records: arm B asked both
+    fusions on; in one server the decode Q-prep fusion was turned off at load)."""
+    from k3rocm.checks.bench import ab
+
+    rec = REPO / "tests" / "data" / "census" / "records"
+    on = ab.fusion_states(rec / "server-on.log")
+    off_at_load = ab.fusion_states(rec / "server-qprep-off-after-load.log")
+    assert on == {"qk_norm": ["on"], "decode_qprep": ["on"]}
+    assert off_at_load["decode_qprep"] != ["on"]
+    arm_env = {"A": {"K3_FUSE_QK_NORM": "0", "K3_FUSE_DECODE_QPREP": "0"},
+               "B": {"K3_FUSE_QK_NORM": "1", "K3_FUSE_DECODE_QPREP": "1"}}
+    stock = {"qk_norm": ["off"], "decode_qprep": ["off"]}
+    assert ab.fusion_check([{"slot": 0, "arm": "A", "fusions": stock},
+                            {"slot": 1, "arm": "B", "fusions": on}], arm_env) == []
+    problems = ab.fusion_check([{"slot": 0, "arm": "A", "fusions": stock},
+                                {"slot": 1, "arm": "B", "fusions": off_at_load},
+                                {"slot": 2, "arm": "B", "fusions": None},
+                                {"slot": 3, "arm": "A", "fusions": on}], arm_env)
+    assert problems == [
+        "slot 1 (arm B): decode_qprep asked on, the overlay decided "
+        + "/".join(off_at_load["decode_qprep"]),
+        "slot 2 (arm B): no overlay decision records in its server log (fusion state "
+        "unverified)",
+        "slot 3 (arm A): qk_norm asked off, the overlay decided on",
+        "slot 3 (arm A): decode_qprep asked off, the overlay decided on"]
+
+
+def test_the_workload_sets_prefix_caching_on_the_arm_servers():
+    p = run_cli("bench-ab", "--workload", "decode-8k1k", "--tokenizer", str(REPO), "--dry-run",
+                "--no-gpu", "--image", "k3rocm/server:cpu-0.32.0", "--repeats", "2")
+    assert p.returncode == 0, p.stderr
+    slots = [ln for ln in p.stdout.splitlines() if ln.startswith("# slot")]
+    assert len(slots) == 4 and all("K3_PREFIX_CACHING=0" in ln for ln in slots)
+    p = run_cli("bench-ab", "--workload", "decode-8k1k", "--dry-run", "--no-gpu",
+                "--server-env", "K3_PREFIX_CACHING=1")
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines()[-1] == (
+        "k3rocm: error: --server-env K3_PREFIX_CACHING=1: workload decode-8k1k needs prefix "
+        "caching off (K3_PREFIX_CACHING=0), which the A/B sets on its servers")
+
+
+def test_default_repeats_are_four_for_bench_and_one_for_census():
+    p = run_cli("bench-ab", "--workload", "ci-tiny", "--dry-run", "--no-gpu")
+    assert p.returncode == 0, p.stderr
+    assert "order A B B A A B B A (4 server(s) per arm" in p.stdout
+    assert "primary metric (declared before the run): ITL p50 at c=" in p.stdout

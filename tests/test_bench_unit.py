@@ -410,3 +410,58 @@ def test_bunched_point_is_marked_in_the_report(tmp_path):
     assert pts[0]["stream"]["bunched"]
     md = summary.markdown_report(pts, "t", [])
     assert "(stream bunched)" in md and "**c=1: stream bunched: ITL/TTFT not per token" in md
+
+
+# --- clean inputs: OSL/ISL per point, prefix-cache hits and MTP acceptance from the server ---
+
+def _server_metrics(tmp_path, hits: float, queries: float, draft=None, accepted=None):
+    """server_metrics_export.json in aiperf 0.13.0's hybrid format
+    (aiperf/server_metrics/json_exporter.py: metrics[name]["series"][i]["stats"]["total"])."""
+    def counter(*totals):
+        return {"type": "counter", "series": [{"labels": {"engine": str(i)},
+                                               "stats": {"total": t, "rate": 0.0}}
+                                              for i, t in enumerate(totals)]}
+
+    metrics = {"vllm:prefix_cache_hits": counter(hits, 0.0),
+               "vllm:prefix_cache_queries": counter(queries / 2, queries / 2)}
+    if draft is not None:
+        metrics["vllm:spec_decode_num_draft_tokens"] = counter(draft)
+        metrics["vllm:spec_decode_num_accepted_tokens"] = counter(accepted)
+    (tmp_path / "server_metrics_export.json").write_text(json.dumps({"metrics": metrics}))
+    return tmp_path
+
+
+def test_prefix_cache_hits_and_mtp_acceptance_are_read_from_the_scraped_counters(tmp_path):
+    sm = summary.server_counters(_server_metrics(tmp_path, 4096, 81920, 2000, 1500))
+    assert sm["prefix_cache_hit_rate"] == pytest.approx(0.05)
+    assert sm["mtp_acceptance_rate"] == pytest.approx(0.75)
+    assert summary.server_counters(tmp_path / "nothing") is None
+
+
+def test_a_point_with_inputs_other_than_the_workload_asked_is_flagged(tmp_path):
+    sm = summary.server_counters(_server_metrics(tmp_path, 4096, 81920))
+    clean = {"isl_avg": 8230.0, "osl_avg": 1024.0, "osl_mismatch_count": 0.0,
+             "server_metrics": {**sm, "prefix_cache_hits": 0.0}}
+    assert summary.input_flags(clean, 8192, 1024, prefix_caching=False) == []
+    off = {"isl_avg": 9000.0, "osl_avg": 1000.5, "osl_mismatch_count": 3.0,
+           "server_metrics": sm}
+    assert summary.input_flags(off, 8192, 1024, prefix_caching=False) == [
+        "OSL: 3 request(s) off the requested 1024 tokens (aiperf osl_mismatch_count)",
+        "OSL: server counted 1000.5 output tokens on average, not 1024",
+        "ISL: server counted 9000 input tokens on average, not 8192 (+-2%)",
+        "prefix cache: 4096 token hit(s) while the workload needs prefix caching off"]
+    # a workload that does not care about the cache is not flagged for hits
+    assert summary.input_flags({**clean, "server_metrics": sm}, 8192, 1024, None) == []
+    assert summary.input_flags({**clean, "server_metrics": None}, 8192, 1024, False) == [
+        "prefix cache: hits not scraped from the server (cannot check 0)"]
+
+
+def test_decode_8k1k_needs_prefix_caching_off_and_the_seed_command_is_unchanged():
+    from k3rocm.checks.bench.run import server_prefix_caching
+
+    assert resolve("decode-8k1k", {}).prefix_caching is False
+    assert resolve("agentic-68k", {}).prefix_caching is True
+    assert server_prefix_caching({"server_argv": ["vllm", "serve", "--no-enable-prefix-caching"]}) \
+        is False
+    assert server_prefix_caching({"server_argv": ["vllm", "serve"]}) is True  # vLLM default on
+    assert server_prefix_caching({}) is None

@@ -235,6 +235,7 @@ def run_ab(plan: ABPlan, docker=None) -> int:
             slot_failed = str(exc)
             _log(f"slot {i} failed: {exc}")
         slots_info.append({"slot": i, "arm": arm, "server": info["server"],
+                           "fusions": fusion_states(slot_dir / f"{i:02d}-{arm}-server.log"),
                            "server_ready_s": info["server_ready_s"],
                            "seconds": round(time.time() - t0, 1), "error": slot_failed})
         if slot_failed and not any(r["slot"] == i for r in runs):
@@ -249,12 +250,19 @@ def run_ab(plan: ABPlan, docker=None) -> int:
     rkey, diffs = recorded_protocol(w, runs, plan.mode, plan.runs_per_server)
     floor_doc = None if plan.mode == "aa" else find_noise_floor(plan, rkey or "")
     comp = compare(w, runs, plan.mode, rkey or "", floor_doc, plan.primary, plan.describe())
-    comp.update(planned_key=key, design_before=design_before, protocol_differences=diffs)
+    fusion_problems = fusion_check(slots_info, plan.arm_env)
+    comp.update(planned_key=key, design_before=design_before, protocol_differences=diffs,
+                fusion_problems=fusion_problems)
+    refused = [f for f in fusion_problems if "decided" in f]
     if diffs and plan.mode != "aa":
         comp["invalid"] = ("slots ran different server setups (only the fusion switches may "
                            "differ): " + " | ".join(diffs))
+    elif refused and plan.mode == "ab":
+        comp["invalid"] = ("an arm's fusions are not what it asked (the overlay's decision "
+                           "records): " + " | ".join(refused))
+    if comp.get("invalid"):
         for r in comp["rows"]:
-            r["verdict"] = "invalid: slots differ in server setup"
+            r["verdict"] = "invalid"
         comp["headline"] = "INVALID: " + comp["invalid"]
     elif diffs:  # an A/A whose slots differ: flagged, and never pooled as a variance component
         comp["protocol_key"] = None
@@ -392,6 +400,46 @@ def _identity_diff(a: dict, b: dict) -> list[str]:
     return out
 
 
+# K3_FUSE_* switch -> the fusion's name in the overlay's decision records
+FUSION_OF = {"K3_FUSE_QK_NORM": "qk_norm", "K3_FUSE_DECODE_QPREP": "decode_qprep"}
+
+
+def fusion_states(log_path: Path) -> dict[str, list[str]] | None:
+    """Each fusion's final states over the server's processes (target layers: the model's MLA
+    layers; draft/MTP layers keep the stock path by design and are not judged, as in the
+    census), from the overlay's decision records in the saved server log (None: none)."""
+    from k3rocm.serving import decisions
+
+    try:
+        recs = decisions.records_from_log(log_path.read_text(errors="replace"), log_path.name)
+    except (OSError, UsageError):
+        return None
+    final = [r for r in decisions.final_decisions(recs).values() if r.layer_kind == "target"]
+    if not final:
+        return None
+    return {f: sorted({r.states[f] for r in final}) for f in decisions.STATES}
+
+
+def fusion_check(slots: Sequence[dict], arm_env: dict[str, dict[str, str]]) -> list[str]:
+    """One line per slot whose fusions are not what its arm asked (a switch on -> every final
+    decision "on"; off -> none "on"); a slot without decision records says so."""
+    out = []
+    for s in slots:
+        states = s.get("fusions")
+        if states is None:
+            out.append(f"slot {s['slot']} (arm {s['arm']}): no overlay decision records in its "
+                       "server log (fusion state unverified)")
+            continue
+        for env, fusion in FUSION_OF.items():
+            asked = arm_env[s["arm"]].get(env) == "1"
+            got = states.get(fusion, [])
+            if (asked and got != ["on"]) or (not asked and "on" in got):
+                out.append(f"slot {s['slot']} (arm {s['arm']}): {fusion} asked "
+                           f"{'on' if asked else 'off'}, the overlay decided "
+                           f"{'/'.join(got) or 'nothing'}")
+    return out
+
+
 def parse_primary(spec: str | None, w: Workload) -> tuple[str, int]:
     """``KEY:STAT@C`` (e.g. itl:p50@1) -> (row label, concurrency); default ITL p50 at the
     workload's first concurrency (decode-8k1k: C=1). Declared before the run, in the plan."""
@@ -458,6 +506,12 @@ def compare(w: Workload, runs: Sequence[dict], mode: str, key: str, floor_doc: d
     if prim and prim.get("d") is not None:
         head = (f"primary {prim['metric']} c={prim['concurrency']}: {_pct(prim['d'])} "
                 f"[{_pct(prim['lo'])}, {_pct(prim['hi'])}] {prim['verdict']}")
+    inputs = _input_rows(runs)
+    flagged = [i for i in inputs if i["flags"]]
+    if flagged:
+        head += (f"; inputs off in {len(flagged)} run point(s) (first: slot {flagged[0]['slot']}"
+                 f" arm {flagged[0]['arm']} c={flagged[0]['concurrency']}: "
+                 f"{flagged[0]['flags'][0]})")
     bunched = _bunched_runs(runs)
     if bunched:
         head += (f"; {summary.BUNCHED_NOTE} in {len(bunched)} run point(s) "
@@ -469,7 +523,7 @@ def compare(w: Workload, runs: Sequence[dict], mode: str, key: str, floor_doc: d
             "alpha": stats.ALPHA, "multiplicity": stats.MULTIPLICITY,
             "runs": list(runs), "rows": rows, "headline": head,
             "design_after": _design_after(rows, mode),
-            "bunched": bunched,
+            "bunched": bunched, "inputs": inputs,
             "noise_floor_from": floor_doc.get("dir") if floor_doc else None}
 
 
@@ -489,6 +543,25 @@ def _design_after(rows: list[dict], mode: str) -> str | None:
             f"{n} server(s) per arm (df {prim['df']}); server-to-server CV "
             f"{prim['server_cv'] * 100:.2f}%; servers per arm needed for 1%: "
             f"{prim['servers_for_1pct'] or '> 10000'}")
+
+
+def _input_rows(runs: Sequence[dict]) -> list[dict[str, Any]]:
+    """Per (run, point): the input checks of the summary (OSL/ISL, prefix-cache hits) and the
+    scraped prefix-cache hit rate and MTP acceptance."""
+    out = []
+    for r in runs:
+        try:
+            doc = json.loads((Path(r["run_dir"]) / "summary.json").read_text())
+        except (OSError, TypeError, KeyError, json.JSONDecodeError):
+            continue
+        for p in doc.get("points", []):
+            sm = p.get("server_metrics") or {}
+            out.append({"slot": r["slot"], "arm": r["arm"], "run": r.get("run"),
+                        "concurrency": p["concurrency"], "flags": p.get("flags") or [],
+                        "osl_mismatch_count": p.get("osl_mismatch_count"),
+                        "prefix_cache_hit_rate": sm.get("prefix_cache_hit_rate"),
+                        "mtp_acceptance_rate": sm.get("mtp_acceptance_rate")})
+    return out
 
 
 def _bunched_runs(runs: Sequence[dict]) -> list[dict[str, Any]]:
@@ -635,6 +708,18 @@ def comparison_markdown(comp: dict) -> str:
         lines += ["", f"**INVALID: {comp['invalid']}.** No verdict.", ""]
     elif comp.get("protocol_differences"):
         lines += ["", "**Flagged: " + " | ".join(comp["protocol_differences"]) + "**", ""]
+    for f in comp.get("fusion_problems") or []:
+        lines += ["", f"Fusions: {f}."]
+    if comp.get("inputs"):
+        lines += ["", "## Inputs per run (aiperf's OSL check, the server's scraped counters)", "",
+                  "| slot | arm | c | OSL mismatches | prefix-cache hit rate | MTP acceptance | "
+                  "input flags |", "|---:|---|---:|---:|---:|---:|---|"]
+        for i in comp["inputs"]:
+            lines.append(f"| {i['slot']} | {i['arm']} | {i['concurrency']} | "
+                         f"{_num(i['osl_mismatch_count'])} | "
+                         f"{_rate(i['prefix_cache_hit_rate'])} | "
+                         f"{_rate(i['mtp_acceptance_rate'])} | "
+                         f"{'; '.join(i['flags']) or 'none'} |")
     prim = comp.get("primary") or {}
     lines += ["", "## Comparison (B vs A), one value per server", "",
               f"Primary (declared before the run): {prim.get('metric')} at "
@@ -661,6 +746,10 @@ def comparison_markdown(comp: dict) -> str:
               "df when an A/A of the same recorded protocol exists). 'inconclusive' means "
               "what it says: effects below the MDE are not excluded."]
     return "\n".join(lines) + "\n"
+
+
+def _rate(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.1%}"
 
 
 COVERED = {True: "yes", False: "**NO**", None: "n/a"}
@@ -719,6 +808,14 @@ def build_plan(args: argparse.Namespace) -> ABPlan:
     from k3rocm.checks.bench.cli import resolve_from_args
 
     w = resolve_from_args(args)
+    if w.prefix_caching is not None:
+        want = "1" if w.prefix_caching else "0"
+        have = arms.server_env.get("K3_PREFIX_CACHING")
+        if have not in (None, want):
+            raise UsageError(f"--server-env K3_PREFIX_CACHING={have}: workload {w.name} needs "
+                             f"prefix caching {'on' if w.prefix_caching else 'off'} "
+                             f"(K3_PREFIX_CACHING={want}), which the A/B sets on its servers", 2)
+        arms.server_env["K3_PREFIX_CACHING"] = want
     return ABPlan(workload=w, arms=arms, results=args.results,
                   client_image=args.client_image, runs_per_server=args.runs_per_server,
                   noise_floor_dir=args.noise_floor, primary=parse_primary(args.primary, w),
