@@ -226,3 +226,68 @@ def design_line(var_log: float | None, var_df: int, n: int, metric: str = "ITL p
     return (f"MDE ({metric}, 80% power, two-sided 5%): {m * 100:.2f}% with {n} server(s) per "
             f"arm; server-to-server CV {math.sqrt(var_log) * 100:.2f}% (df {var_df}); "
             f"servers per arm needed for 1%: {need if need else '> 10000'}")
+
+
+# --- paired accuracy (GSM8K A/B on the same items) ------------------------------------------------
+
+def binom_cdf(k: int, n: int, p: float = 0.5) -> float:
+    """P(X <= k), X ~ Binomial(n, p), exact (math.comb)."""
+    if k < 0:
+        return 0.0
+    return min(1.0, sum(math.comb(n, i) * p ** i * (1 - p) ** (n - i)
+                        for i in range(min(k, n) + 1)))
+
+
+def mcnemar_exact(b_only: int, a_only: int) -> float:
+    """Two-sided exact McNemar p: of the discordant items (right in one arm only), how
+    surprising the split is if both arms are equally accurate (Binomial(n, 1/2))."""
+    n = b_only + a_only
+    if n == 0:
+        return 1.0
+    return min(1.0, 2 * binom_cdf(min(b_only, a_only), n))
+
+
+def paired_accuracy(a: Sequence[bool], b: Sequence[bool], margin: float,
+                    alpha: float = ALPHA) -> dict[str, Any]:
+    """Fusion off (a) vs on (b) on the same items: accuracies, McNemar's exact test on the
+    discordant items, and non-inferiority of B (B - A > -margin) from the one-sided
+    (1 - alpha) lower bound of the paired difference (Wald, paired variance)."""
+    if len(a) != len(b) or not a:
+        raise ValueError("paired accuracy needs the same non-empty item list in both arms")
+    n = len(a)
+    b_only = sum(1 for x, y in zip(a, b, strict=True) if y and not x)
+    a_only = sum(1 for x, y in zip(a, b, strict=True) if x and not y)
+    acc_a, acc_b = sum(a) / n, sum(b) / n
+    diff = acc_b - acc_a
+    var = ((b_only + a_only) / n - diff ** 2) / n  # paired: discordant proportions
+    z = _z(1 - alpha)
+    lower = diff - z * math.sqrt(max(var, 0.0))
+    p = mcnemar_exact(b_only, a_only)
+    if p < alpha:
+        diff_word = "B more accurate" if diff > 0 else "B less accurate"
+    else:
+        diff_word = "no difference detected"
+    return {"n": n, "acc_a": acc_a, "acc_b": acc_b, "diff": diff, "b_only": b_only,
+            "a_only": a_only, "mcnemar_p": p, "mcnemar": diff_word,
+            "margin": margin, "lower_bound": lower, "non_inferior": lower > -margin}
+
+
+def _z(p: float) -> float:
+    """Standard normal quantile (bisection on erf; p in (0.5, 1))."""
+    lo, hi = 0.0, 10.0
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        if 0.5 * (1 + math.erf(mid / math.sqrt(2))) < p:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def noninferiority_power(n: int, margin: float, discordant: float, alpha: float = ALPHA) -> float:
+    """Power to show non-inferiority (one-sided ``alpha``) with ``n`` paired items when the arms
+    are truly equally accurate and a fraction ``discordant`` of items differ between them."""
+    sd = math.sqrt(discordant / n)
+    if sd == 0:
+        return 1.0
+    return 0.5 * (1 + math.erf((margin / sd - _z(1 - alpha)) / math.sqrt(2)))
