@@ -510,3 +510,43 @@ def test_mcnemar_exact_and_the_noninferiority_margin_with_its_power():
     # power at n = 1319 with 2% discordant items: 1-point margin ~82%, half a point ~36%
     assert stats.noninferiority_power(1319, 0.01, 0.02) == pytest.approx(0.822, abs=0.002)
     assert stats.noninferiority_power(1319, 0.005, 0.02) == pytest.approx(0.359, abs=0.002)
+
+
+def _samples(right: list[bool]) -> list[dict]:
+    """lm-eval 0.4.13 samples lines: one per (doc, filter) with exact_match."""
+    return [{"doc_id": d, "filter": f, "resps": [[f"#### {d}"]], "exact_match": float(ok)}
+            for d, ok in enumerate(right) for f in results.FILTERS]
+
+
+def test_gsm8k_ab_pairs_the_items_and_gates_on_non_inferiority():
+    from k3rocm.checks.gsm8k import ab
+
+    a = [True] * 1272 + [False] * 47
+    same = list(a)
+    for i in range(12):
+        same[i], same[1272 + i] = False, True
+    comp = ab.compare(_samples(a), _samples(same), margin=0.01)
+    r = comp["filters"]["strict-match"]
+    assert comp["verdict"] == "NON-INFERIOR" and r["n"] == 1319 and r["mcnemar_p"] == 1.0
+    assert r["b_only"] == r["a_only"] == 12 and 0.8 < r["power_full"] < 0.9
+    assert "McNemar exact p=1" in comp["headline"] and "at n=1319" in comp["headline"]
+    worse = [x and i >= 30 for i, x in enumerate(a)]  # B loses 30 items: -2.3 points
+    comp = ab.compare(_samples(a), _samples(worse), margin=0.01)
+    assert comp["verdict"] == "NOT SHOWN NON-INFERIOR"
+    assert comp["filters"]["strict-match"]["mcnemar"] == "B less accurate"
+    assert "| strict-match | 1319 |" in ab.markdown(comp)
+    with pytest.raises(UsageError, match="different items"):
+        ab.compare(_samples(a), _samples(a[:100]), 0.01)
+
+
+def test_make_gsm8k_ab_dry_run_and_bad_input():
+    p = subprocess.run(["make", "-s", "gsm8k-ab", "DRY_RUN=1", "CPU=1", f"PY={sys.executable}"],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert [ln.split()[4] for ln in lines if ln.startswith("# slot")] == ["A:", "B:"]
+    assert sum("k3rocm_lmeval.py run" in ln for ln in lines) == 2
+    p = run_cli("ab", "--measure", "gsm8k", "--dry-run", "--no-gpu", "--repeats", "2")
+    assert p.returncode == 2 and "use --repeats 1" in p.stderr.strip().splitlines()[-1]
+    p = run_cli("ab", "--measure", "bench", "--dry-run", "--no-gpu", "--margin", "0.02")
+    assert p.returncode == 2 and "--margin is not used by --measure bench" in p.stderr

@@ -16,6 +16,9 @@ pass --stop-running, which stops the compose server and keeps its log).
   --runs-per-server, --primary; default 4 servers per arm); the server is the unit: per metric
   the effect (B - A) / A with a t test on per-server values, pooled with the newest A/A (--aa)
   of the same recorded protocol; the minimum detectable effect before and after the run.
+--measure gsm8k: the GSM8K gate per arm on the same items (default --repeats 1: order A B);
+  per item right/wrong in each arm, McNemar's exact test on the discordant items, and the gate
+  as non-inferiority (B at most --margin below A) with its power at n = 1319.
 --measure census: one profile per arm (--repeats 1: order A B), the decode kernel census of
   each arm and the A/B launch checks (--on, --concurrency, --max-tokens, --steps).
 Calibration (CPU stand-in): --calibrate-delay-ms MS runs an A/A whose arm B sleeps MS per
@@ -43,7 +46,7 @@ from types import SimpleNamespace
 
 from k3rocm.checks.ab import arms as armlib
 
-MEASURES = ("bench", "census")
+MEASURES = ("bench", "census", "gsm8k")
 BENCH_REPEATS = 4
 
 
@@ -73,6 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser, measure: str | None = None) -
                    "workload (default itl:p50 at its first concurrency); every other row is "
                    "judged with Holm's correction")
     b.add_argument("--label", default=None, help="run directory label")
+    from k3rocm.checks.gsm8k.ab import add_arguments as add_gsm8k
+
+    add_gsm8k(parser.add_argument_group("--measure gsm8k"))
     c = parser.add_argument_group("--measure census")
     c.add_argument("--trace-dirs", metavar="OFF_DIR,ON_DIR",
                    help="compare two existing trace sets instead of starting servers")
@@ -96,7 +102,7 @@ def fill_repeats(args: argparse.Namespace) -> None:
     """--repeats when not given: 4 servers per arm for bench (the fewest with which a 5% test
     on server values has room: see docs/bench.md), one profile per arm for census."""
     if args.repeats is None:
-        args.repeats = BENCH_REPEATS if args.measure == "bench" else 1
+        args.repeats = BENCH_REPEATS if args.measure == "bench" else 1  # census, gsm8k: A B
 
 
 def results_root(args: argparse.Namespace) -> Path:
@@ -134,7 +140,10 @@ def run(args: argparse.Namespace) -> int:
     bench_only = {"runs_per_server": 1, "noise_floor": None, "primary": None}
     census_only = {"trace_dirs": None, "on": "all", "concurrency": 8, "max_tokens": 1024,
                    "prompt_words": 64, "steps": 6, "trace_timeout": 900.0}
-    other = census_only if args.measure == "bench" else bench_only
+    gsm8k_only = {"margin": 0.01, "limit": None, "max_gen_tokens": 4096, "gsm8k_mode": "chat",
+                  "data_dir": None, "hf_home": None}
+    other = {"bench": {**census_only, **gsm8k_only}, "census": {**bench_only, **gsm8k_only},
+             "gsm8k": {**bench_only, **census_only}}[args.measure]
     for k, default in other.items():
         if getattr(args, k) != default:
             raise UsageError(f"--{k.replace('_', '-')} is not used by --measure {args.measure}",
@@ -143,6 +152,10 @@ def run(args: argparse.Namespace) -> int:
         from k3rocm.checks.bench import ab
 
         return ab.run_bench_ab(args)
+    if args.measure == "gsm8k":
+        from k3rocm.checks.gsm8k import ab
+
+        return ab.run_gsm8k_ab(args)
     from k3rocm.checks.census import ab
 
     return ab.run_census_ab(args)

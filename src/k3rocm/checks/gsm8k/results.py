@@ -272,6 +272,13 @@ def _trunc_line(t: dict) -> str:
             f"strict-match accuracy without them {'n/a' if acc is None else f'{acc:.4f}'}")
 
 
+def read_summary(run_dir: Path) -> dict:
+    try:
+        return json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 def read_finishes(run_dir: Path) -> list[dict] | None:
     path = run_dir / "finish_reasons.jsonl"
     return read_jsonl(path) if path.is_file() else None
