@@ -280,7 +280,7 @@ def test_primary_flag_is_validated():
 def test_design_line_before_the_run():
     line = stats.design_line(0.01 ** 2, 7, 4)
     assert line.startswith("MDE (ITL p50, 80% power, two-sided 5%): ")
-    assert "with 4 server(s) per arm" in line and "servers per arm needed for 1%: 17" in line
+    assert "for an A/B with 4 server(s) per arm" in line and "needed for 1%: 17" in line
     assert "no A/A of this protocol" in stats.design_line(None, 0, 4)
 
 

@@ -737,7 +737,7 @@ def comparison_markdown(comp: dict) -> str:
         lines.append(
             f"| {r['concurrency']} | {name} | {_vals(r.get('server_values_a'))} | "
             f"{_vals(r.get('server_values_b'))} | {_pct(r.get('d'))} | "
-            f"[{_pct(r.get('lo'))}, {_pct(r.get('hi'))}] | {p_txt} | {_pct(r.get('mde'))} | "
+            f"[{_pct(r.get('lo'))}, {_pct(r.get('hi'))}] | {p_txt} | {_mde(r.get('mde'))} | "
             f"{r.get('servers_for_1pct') or 'n/a'} | {r['verdict']} |")
     lines += ["", f"Headline: {comp['headline']}", "",
               "Latency in ms (lower is faster), output tokens/s (higher is faster). Each arm "
@@ -753,6 +753,10 @@ def _rate(v: float | None) -> str:
 
 
 COVERED = {True: "yes", False: "**NO**", None: "n/a"}
+
+
+def _mde(v: float | None) -> str:
+    return "n/a" if v is None else f"{v * 100:.2f}%"
 
 
 def _vals(xs: Sequence[float] | None) -> str:

@@ -223,9 +223,10 @@ def design_line(var_log: float | None, var_df: int, n: int, metric: str = "ITL p
     df = 2 * n - 2 + var_df
     m = mde(var_log, df, n, n) if df >= 1 else math.nan
     need = servers_needed(var_log, 0.01, var_df)
-    return (f"MDE ({metric}, 80% power, two-sided 5%): {m * 100:.2f}% with {n} server(s) per "
-            f"arm; server-to-server CV {math.sqrt(var_log) * 100:.2f}% (df {var_df}); "
-            f"servers per arm needed for 1%: {need if need else '> 10000'}")
+    return (f"MDE ({metric}, 80% power, two-sided 5%): {m * 100:.2f}% for an A/B with {n} "
+            f"server(s) per arm pooled with this variance; server-to-server CV "
+            f"{math.sqrt(var_log) * 100:.2f}% (df {var_df}); servers per arm needed for 1%: "
+            f"{need if need else '> 10000'}")
 
 
 # --- paired accuracy (GSM8K A/B on the same items) ------------------------------------------------
