@@ -443,12 +443,16 @@ def test_a_point_with_inputs_other_than_the_workload_asked_is_flagged(tmp_path):
     clean = {"isl_avg": 8230.0, "osl_avg": 1024.0, "osl_mismatch_count": 0.0,
              "server_metrics": {**sm, "prefix_cache_hits": 0.0}}
     assert summary.input_flags(clean, 8192, 1024, prefix_caching=False) == []
+    # the stand-in's chat template: ISL 64 counted as 79 by the server; fewer than asked is off
+    assert summary.input_flags({**clean, "isl_avg": 79.0}, 64, 1024, None) == []
+    assert summary.input_flags({**clean, "isl_avg": 60.0}, 64, 1024, None)[0].startswith("ISL")
     off = {"isl_avg": 9000.0, "osl_avg": 1000.5, "osl_mismatch_count": 3.0,
            "server_metrics": sm}
     assert summary.input_flags(off, 8192, 1024, prefix_caching=False) == [
         "OSL: 3 request(s) off the requested 1024 tokens (aiperf osl_mismatch_count)",
         "OSL: server counted 1000.5 output tokens on average, not 1024",
-        "ISL: server counted 9000 input tokens on average, not 8192 (+-2%)",
+        "ISL: server counted 9000 input tokens on average for 8192 asked (expected "
+        "8192..8355 with the chat template)",
         "prefix cache: 4096 token hit(s) while the workload needs prefix caching off"]
     # a workload that does not care about the cache is not flagged for hits
     assert summary.input_flags({**clean, "server_metrics": sm}, 8192, 1024, None) == []
