@@ -330,3 +330,25 @@ def test_default_repeats_are_four_for_bench_and_one_for_census():
     assert p.returncode == 0, p.stderr
     assert "order A B B A A B B A (4 server(s) per arm" in p.stdout
     assert "primary metric (declared before the run): ITL p50 at c=" in p.stdout
+
+
+def test_an_aa_and_a_calibration_of_the_same_setup_share_the_key(tmp_path):
+    """The calibration's arm B carries the step-delay double's variables (and both arms of this
+    setup may carry PYTHONPATH for the double's base delay): the key comes from slot 0 (arm A)
+    as recorded, the same in every mode (seen live: the A/A's floor was not found)."""
+    from k3rocm.checks.bench import ab
+    from k3rocm.checks.bench.workloads import resolve
+
+    w = resolve("ci-tiny", {})
+    env = {"K3_FUSE_QK_NORM": "1", "PYTHONPATH": "/opt/k3rocm-test"}
+    aa = [_slot(tmp_path / "aa", i, arm, env, ARGV) for i, arm in enumerate("AB")
+          if (tmp_path / "aa").mkdir(exist_ok=True) is None]
+    cal = [_slot(tmp_path / "cal", i, arm,
+                 {**env, "K3_TEST_STEP_DELAY_MS": "45"} if arm == "B" else env, ARGV)
+           for i, arm in enumerate("AB") if (tmp_path / "cal").mkdir(exist_ok=True) is None]
+    k_aa, d_aa = ab.recorded_protocol(w, aa, "aa", 1)
+    k_cal, d_cal = ab.recorded_protocol(w, cal, "cal", 1)
+    assert k_aa == k_cal and d_aa == d_cal == []
+    # in an A/B the delay variable is a difference like any other
+    assert ab.recorded_protocol(w, cal, "ab", 1)[1] == [
+        "slot 1 (arm B) differs from slot 0 (arm A): env K3_TEST_STEP_DELAY_MS=(unset) vs 45"]

@@ -380,8 +380,11 @@ def recorded_protocol(w: Workload, runs: Sequence[dict], mode: str, runs_per_ser
         if d:
             diffs.append(f"slot {r['slot']} (arm {r['arm']}) differs from slot "
                          f"{first_run['slot']} (arm {first_run['arm']}): {'; '.join(d)}")
+    # The key: the first slot (always arm A) as recorded, whatever the mode, so that an A/A and
+    # a calibration or A/B of the same setup share it (the calibration's delay is arm B's only).
+    key_ident = slot_identity(Path(first_run["run_dir"]), "ab")
     blob = json.dumps({"workload": w.protocol(), "runs_per_server": runs_per_server,
-                       "server": first}, sort_keys=True)
+                       "server": key_ident}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16], diffs
 
 
