@@ -352,3 +352,15 @@ def test_an_aa_and_a_calibration_of_the_same_setup_share_the_key(tmp_path):
     # in an A/B the delay variable is a difference like any other
     assert ab.recorded_protocol(w, cal, "ab", 1)[1] == [
         "slot 1 (arm B) differs from slot 0 (arm A): env K3_TEST_STEP_DELAY_MS=(unset) vs 45"]
+
+
+def test_a_secondary_rows_mde_is_at_holms_strictest_level():
+    from k3rocm.checks.bench import ab, stats
+
+    a, b = [10.0, 10.2, 9.9, 10.1], [10.1, 10.0, 10.2, 9.9]
+    values = {(1, "ITL p50"): {"A": a, "B": b}, (1, "ITL p90"): {"A": a, "B": b},
+              (4, "ITL p50"): {"A": a, "B": b}}
+    prim, sec, _ = ab.judge(values, ("ITL p50", 1))
+    assert prim["mde"] == pytest.approx(stats.mde(prim["var_log"], 6, 4, 4))
+    assert sec["mde"] == pytest.approx(stats.mde(sec["var_log"], 6, 4, 4, alpha=0.05 / 2))
+    assert sec["mde"] > prim["mde"]

@@ -480,10 +480,13 @@ def judge(values: dict[tuple[int, str], dict[str, list[float]]], primary: tuple[
     the A/A variance component of the same protocol pooled in; the primary row judged at 5%,
     the others with Holm's correction over the secondary rows."""
     rows = []
+    n_secondary = max(1, sum(1 for k in values if k != (primary[1], primary[0])))
     for (c, label), arms_ in values.items():
         lower = next(lw for _, _, lb, lw in stats.AB_METRICS if lb == label)
         floor = _floor_for(floor_doc, c, label)
-        res = stats.compare_servers(arms_.get("A", []), arms_.get("B", []), floor)
+        # a secondary row's MDE at Holm's strictest step (alpha / number of secondary rows)
+        alpha = stats.ALPHA if (label, c) == primary else stats.ALPHA / n_secondary
+        res = stats.compare_servers(arms_.get("A", []), arms_.get("B", []), floor, alpha)
         rows.append({"concurrency": c, "metric": label, "lower_is_better": lower,
                      "primary": (label, c) == primary, **res, "noise_floor": floor,
                      "aa_component": stats.variance_component(

@@ -129,11 +129,8 @@ def servers_needed(var_log: float, effect: float = 0.01, extra_df: int = 0,
                    alpha: float = ALPHA, power: float = POWER, cap: int = 10000) -> int | None:
     """Servers per arm so that ``effect`` is the MDE (df = 2n - 2 + extra_df)."""
     # the normal approximation is a lower bound (t quantiles exceed z): start there
-    z = 1.959963984540054 if alpha == 0.05 else None
-    zb = 0.8416212335729143 if power == 0.8 else 0.0
-    start = 1
-    if z is not None:
-        start = max(1, math.floor(2 * (z + zb) ** 2 * var_log / math.log1p(effect) ** 2))
+    z, zb = _z(1 - alpha / 2), _z(power)
+    start = max(1, math.floor(2 * (z + zb) ** 2 * var_log / math.log1p(effect) ** 2))
     for n in range(start, cap + 1):
         df = 2 * n - 2 + extra_df
         if df >= 1 and mde(var_log, df, n, n, alpha, power) <= effect:
@@ -144,10 +141,12 @@ def servers_needed(var_log: float, effect: float = 0.01, extra_df: int = 0,
 # --- the test ----------------------------------------------------------------------------------
 
 def compare_servers(a: Sequence[float], b: Sequence[float],
-                    floor: dict[str, Any] | None = None) -> dict[str, Any]:
+                    floor: dict[str, Any] | None = None, alpha: float = ALPHA) -> dict[str, Any]:
     """Effect of B vs A on per-server values, with the t test and its design numbers.
 
-    ``floor``: an A/A variance component of the same protocol ({"var_log", "df"}), pooled."""
+    ``floor``: an A/A variance component of the same protocol ({"var_log", "df"}), pooled.
+    ``alpha``: the level the row is judged at (its MDE and servers needed use it; the CI is
+    always 95%)."""
     la = [math.log(v) for v in a if v and v > 0]
     lb = [math.log(v) for v in b if v and v > 0]
     out: dict[str, Any] = {"servers_a": len(la), "servers_b": len(lb),
@@ -176,8 +175,8 @@ def compare_servers(a: Sequence[float], b: Sequence[float],
     out.update(var_log=var, server_cv=math.sqrt(var),
                p=(t_two_sided_p(diff / se, df) if se > 0 else (0.0 if diff else 1.0)),
                lo=math.exp(diff - q * se) - 1, hi=math.exp(diff + q * se) - 1,
-               mde=mde(var, df, len(la), len(lb)),
-               servers_for_1pct=servers_needed(var, 0.01, extra_df))
+               mde=mde(var, df, len(la), len(lb), alpha),
+               servers_for_1pct=servers_needed(var, 0.01, extra_df, alpha))
     return out
 
 
@@ -204,8 +203,14 @@ def verdict(res: dict, lower_is_better: bool, p: float | None = None,
     if p < alpha:
         faster = (res["d"] < 0) == lower_is_better
         return "B faster" if faster else "B slower"
-    return (f"inconclusive: effects smaller than {res['mde'] * 100:.2g}% cannot be seen with "
+    return (f"inconclusive: effects smaller than {pct_text(res['mde'])} cannot be seen with "
             f"{n} server(s) per arm")
+
+
+def pct_text(x: float) -> str:
+    """0.0127 -> '1.3%', 2.117 -> '212%'."""
+    v = x * 100
+    return f"{v:.0f}%" if v >= 10 else f"{v:.2g}%"
 
 
 def covers(res: dict, effect: float | None) -> bool | None:
