@@ -550,3 +550,11 @@ def test_make_gsm8k_ab_dry_run_and_bad_input():
     assert p.returncode == 2 and "use --repeats 1" in p.stderr.strip().splitlines()[-1]
     p = run_cli("ab", "--measure", "bench", "--dry-run", "--no-gpu", "--margin", "0.02")
     assert p.returncode == 2 and "--margin is not used by --measure bench" in p.stderr
+
+
+def test_gsm8k_ab_without_discordant_items_does_not_claim_power():
+    from k3rocm.checks.gsm8k import ab
+
+    comp = ab.compare(_samples([False] * 5), _samples([False] * 5), 0.01)  # the stand-in
+    assert comp["filters"]["strict-match"]["power_full"] is None
+    assert "power of the margin n/a (no discordant items)" in comp["headline"]

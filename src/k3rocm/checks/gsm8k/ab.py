@@ -57,9 +57,10 @@ def compare(a_samples: list[dict], b_samples: list[dict], margin: float) -> dict
         docs = sorted(a, key=str)
         res = stats.paired_accuracy([a[d] for d in docs], [b[d] for d in docs], margin)
         disc = (res["b_only"] + res["a_only"]) / res["n"]
-        res["power_here"] = stats.noninferiority_power(res["n"], margin, disc) if disc else 1.0
+        # no discordant item: nothing to estimate the paired variance from (n/a, not 100%)
+        res["power_here"] = stats.noninferiority_power(res["n"], margin, disc) if disc else None
         res["power_full"] = (stats.noninferiority_power(GSM8K_TEST_ITEMS, margin, disc)
-                             if disc else 1.0)
+                             if disc else None)
         out["filters"][filt] = res
     prim = out["filters"]["strict-match"]
     verdict = ("NON-INFERIOR" if prim["non_inferior"] else "NOT SHOWN NON-INFERIOR")
@@ -69,9 +70,13 @@ def compare(a_samples: list[dict], b_samples: list[dict], margin: float) -> dict
         f"B - A {prim['diff'] * 100:+.2f} points, one-sided 95% lower bound "
         f"{prim['lower_bound'] * 100:+.2f} vs margin -{margin * 100:.2f}: {verdict}; McNemar "
         f"exact p={prim['mcnemar_p']:.3g} ({prim['b_only']} right only in B, {prim['a_only']} "
-        f"only in A): {prim['mcnemar']}; power of the margin {prim['power_here']:.0%} at "
-        f"n={prim['n']}, {prim['power_full']:.0%} at n={GSM8K_TEST_ITEMS}")
+        f"only in A): {prim['mcnemar']}; power of the margin {_pw(prim['power_here'])} at "
+        f"n={prim['n']}, {_pw(prim['power_full'])} at n={GSM8K_TEST_ITEMS}")
     return out
+
+
+def _pw(p: float | None) -> str:
+    return "n/a (no discordant items)" if p is None else f"{p:.0%}"
 
 
 def markdown(comp: dict) -> str:
@@ -83,8 +88,8 @@ def markdown(comp: dict) -> str:
     for filt, r in comp["filters"].items():
         lines.append(f"| {filt} | {r['n']} | {r['acc_a']:.4f} | {r['acc_b']:.4f} | "
                      f"{r['diff'] * 100:+.2f} | {r['lower_bound'] * 100:+.2f} | {r['b_only']} | "
-                     f"{r['a_only']} | {r['mcnemar_p']:.3g} | {r['power_here']:.0%} / "
-                     f"{r['power_full']:.0%} |")
+                     f"{r['a_only']} | {r['mcnemar_p']:.3g} | {_pw(r['power_here'])} / "
+                     f"{_pw(r['power_full'])} |")
     lines += ["", f"Gate: B non-inferior to A within {comp['margin'] * 100:.2f} points "
               "(strict-match; one-sided 95% Wald bound on the paired difference, paired variance "
               "from the discordant items). Power: chance to show it when both arms are equally "
