@@ -484,7 +484,10 @@ def test_truncated_answers_are_reported_apart_from_wrong_ones(tmp_path):
     code, v, msg = rescore(run, "--allow-limit")
     t = v["truncated"]
     assert t["count"] == 2 and t["of"] == 20 and t["rate"] == pytest.approx(0.1)
-    assert t["doc_ids"] == [3, 7]
+    assert t["doc_ids"] == [3, 7] and t["accuracy_without_truncated"] == 1.0
+    assert results.truncation(samples, [{"finish_reason": "length", "text": x} for x in
+                                        {results._first_response(s) for s in samples}],
+                              32)["accuracy_without_truncated"] is None  # all cut off
     assert "2 of 20 answer(s) cut off at the generation limit" in msg
     old = stored_run(tmp_path / "old", 0.9629, 0.9651)
     assert rescore(old)[1]["truncated"]["recorded"] is False

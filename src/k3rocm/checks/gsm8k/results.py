@@ -79,13 +79,12 @@ def truncation(samples: list[dict], finishes: list[dict] | None,
     cut_texts = set(cut)
     docs = {s.get("doc_id") for s in samples if _first_response(s) in cut_texts}
     right = item_correct(samples)
+    rest = [ok for d, ok in right.items() if d not in docs]
     n = len(finishes)
     return {"recorded": True, "count": len(cut), "of": n, "rate": len(cut) / n if n else None,
             "max_gen_tokens": max_gen_tokens, "doc_ids": sorted(d for d in docs if d is not None),
             "scored_right": sum(1 for d in docs if right.get(d)),
-            "accuracy_without_truncated": (
-                sum(1 for d, ok in right.items() if ok and d not in docs)
-                / max(1, len([d for d in right if d not in docs])) if right else None)}
+            "accuracy_without_truncated": sum(rest) / len(rest) if rest else None}
 
 
 def evaluate(results: dict, samples: list[dict], fallbacks: list[dict], *, threshold: float,
