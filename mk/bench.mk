@@ -19,7 +19,7 @@ PY ?= .venv/bin/python
 WORKLOAD ?= decode-8k1k
 BENCH_ARGS ?=
 AB_ARGS ?=
-REPEATS ?= 2
+REPEATS ?=
 BENCH_IMAGE ?= $(K3_IMAGE)
 CLIENT_BASE ?= python:3.11-slim-bookworm
 CLIENTS_VERSION ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
@@ -37,7 +37,7 @@ bench: $(PY) ## aiperf workload vs the running server (WORKLOAD=, DRY_RUN=1, BEN
 	$(PY) -m k3rocm bench --workload $(WORKLOAD) $(if $(filter 1,$(DRY_RUN)),--dry-run) $(BENCH_ARGS)
 
 bench-ab: $(PY) ## fusion A/B (AA=1: A/A) on fresh servers (WORKLOAD=, REPEATS=, BENCH_IMAGE=, AB_ARGS=)
-	$(PY) -m k3rocm ab --measure bench --workload $(WORKLOAD) --repeats $(REPEATS) $(if $(BENCH_IMAGE),--image $(BENCH_IMAGE)) $(if $(filter 1,$(CPU)),--no-gpu) $(if $(filter 1,$(AA)),--aa) $(if $(filter 1,$(STOP_RUNNING)),--stop-running) $(if $(filter 1,$(DRY_RUN)),--dry-run) $(AB_ARGS)
+	$(PY) -m k3rocm ab --measure bench --workload $(WORKLOAD) $(if $(REPEATS),--repeats $(REPEATS)) $(if $(BENCH_IMAGE),--image $(BENCH_IMAGE)) $(if $(filter 1,$(CPU)),--no-gpu) $(if $(filter 1,$(AA)),--aa) $(if $(filter 1,$(STOP_RUNNING)),--stop-running) $(if $(filter 1,$(DRY_RUN)),--dry-run) $(AB_ARGS)
 
 bench-list: $(PY) ## list the bench workloads
 	$(PY) -m k3rocm bench --list

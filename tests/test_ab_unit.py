@@ -205,3 +205,162 @@ def test_server_command_help_and_bad_input():
         "(see k3rocm server --help)"]
     p = run_cli("server", "wait", "--timeout", "0")
     assert p.returncode == 2 and "--timeout 0 must be > 0" in p.stderr
+
+
+# --- protocol identity from what each slot's server recorded ----------------------------------
+
+def _slot(tmp_path, slot: int, arm: str, env: dict, argv: list[str], image="sha256:aa") -> dict:
+    """A run as the driver records it, with the run record's server part (the layout
+    deploy.provenance.collect_provenance writes: container env redacted, argv from /proc)."""
+    d = tmp_path / f"{slot:02d}-{arm}-0"
+    d.mkdir()
+    (d / "provenance.json").write_text(json.dumps({"server": {
+        "container": {"image_id": image, "env": env}, "server_argv": argv}}))
+    return {"slot": slot, "arm": arm, "run": 0, "run_dir": str(d), "status": "ok"}
+
+
+ARGV = ["vllm", "serve", "/models/k3-smoke", "--port", "8000", "--max-num-seqs", "8"]
+
+
+def test_slots_differing_in_a_server_setting_are_refused(tmp_path):
+    from k3rocm.checks.bench import ab
+    from k3rocm.checks.bench.workloads import resolve
+
+    w = resolve("ci-tiny", {})
+    base = {"K3_PROFILE": "cpu-smoke", "K3_PREFIX_CACHING": "0", "K3_PORT": "8000"}
+    runs = [_slot(tmp_path, 0, "A", {**base, "K3_FUSE_QK_NORM": "0"}, ARGV),
+            _slot(tmp_path, 1, "B", {**base, "K3_FUSE_QK_NORM": "1", "K3_PORT": "8001"},
+                  [*ARGV[:4], "8001", *ARGV[5:]]),
+            _slot(tmp_path, 2, "B", {**base, "K3_FUSE_QK_NORM": "1", "K3_PREFIX_CACHING": "1",
+                                     "K3_API_KEY": "<redacted>"},
+                  [*ARGV, "--enable-prefix-caching"]),
+            _slot(tmp_path, 3, "A", {**base, "K3_FUSE_QK_NORM": "0"}, ARGV)]
+    key, diffs = ab.recorded_protocol(w, runs, "ab", 1)
+    # the fusion switches and the port may differ; slot 2's prefix caching may not
+    assert diffs == ["slot 2 (arm B) differs from slot 0 (arm A): env K3_API_KEY=(unset) vs "
+                     "<redacted>; env K3_PREFIX_CACHING=0 vs 1; argv - vs "
+                     "--enable-prefix-caching"]
+    key2, diffs2 = ab.recorded_protocol(w, [runs[0], runs[1], runs[3]], "ab", 1)
+    assert key2 == key and diffs2 == []
+    # a different image, or more runs per server, is another protocol
+    assert ab.recorded_protocol(w, [_slot(tmp_path, 4, "A", base, ARGV, "sha256:bb")], "ab",
+                                1)[0] != key
+    assert ab.recorded_protocol(w, [runs[0]], "ab", 2)[0] != key
+
+
+def test_the_aa_variance_is_pooled_only_with_the_same_recorded_key(tmp_path):
+    from k3rocm.checks.bench import ab
+
+    aa_rows = ab.judge({(1, "ITL p50"): {"A": [10.0, 10.2], "B": [10.1, 9.9]}}, ("ITL p50", 1))
+    comp = aa_rows[0]["aa_component"]
+    assert comp["df"] == 3
+    doc = {"rows": aa_rows, "same_protocol": True}
+    assert ab._floor_for(doc, 1, "ITL p50") == comp
+    assert ab._floor_for({**doc, "same_protocol": False}, 1, "ITL p50") is None
+    rows = ab.judge({(1, "ITL p50"): {"A": [10.0], "B": [10.05]}}, ("ITL p50", 1), doc)
+    assert rows[0]["df"] == 3 and rows[0]["floor_used"]
+
+
+def test_the_refusal_line_and_the_invalid_report(tmp_path):
+    from k3rocm.checks.bench import ab
+
+    diffs = ["slot 2 (arm B) differs from slot 0 (arm A): env K3_PREFIX_CACHING=0 vs 1"]
+    comp = {"mode": "ab", "protocol_key": "k", "protocol": [], "workload": "ci-tiny",
+            "rows": [], "runs": [], "headline": "x", "protocol_differences": diffs,
+            "invalid": "slots ran different server setups (only the fusion switches may "
+                       "differ): " + diffs[0]}
+    line = ab.refusal(comp, tmp_path)
+    print(line)
+    assert line == ("k3rocm: error: bench-ab refused: slots ran different server setups (only "
+                    "the fusion switches may differ): slot 2 (arm B) differs from slot 0 (arm "
+                    f"A): env K3_PREFIX_CACHING=0 vs 1; no verdict (report in {tmp_path})")
+    assert "**INVALID: slots ran different" in ab.comparison_markdown(comp)
+    cal = {**comp, "invalid": None, "calibration": [
+        {"concurrency": 1, "expected_d": 0.10, "lo": 0.12, "hi": 0.20, "covered": False}]}
+    assert ab.refusal(cal, tmp_path).startswith(
+        "k3rocm: error: bench-ab calibration failed: c=1 expected +10.00% outside the CI "
+        "[+12.00%, +20.00%]")
+    assert ab.refusal({**cal, "calibration": []}, tmp_path) is None
+
+
+def test_an_arm_whose_fusion_was_refused_makes_the_ab_invalid():
+    """Decision records as the overlay writes them (tests/data/census/records: arm B asked both
+    fusions on; in one server the decode Q-prep fusion was turned off at load)."""
+    from k3rocm.checks.bench import ab
+
+    rec = REPO / "tests" / "data" / "census" / "records"
+    on = ab.fusion_states(rec / "server-on.log")
+    off_at_load = ab.fusion_states(rec / "server-qprep-off-after-load.log")
+    assert on == {"qk_norm": ["on"], "decode_qprep": ["on"]}
+    assert off_at_load["decode_qprep"] != ["on"]
+    arm_env = {"A": {"K3_FUSE_QK_NORM": "0", "K3_FUSE_DECODE_QPREP": "0"},
+               "B": {"K3_FUSE_QK_NORM": "1", "K3_FUSE_DECODE_QPREP": "1"}}
+    stock = {"qk_norm": ["off"], "decode_qprep": ["off"]}
+    assert ab.fusion_check([{"slot": 0, "arm": "A", "fusions": stock},
+                            {"slot": 1, "arm": "B", "fusions": on}], arm_env) == []
+    problems = ab.fusion_check([{"slot": 0, "arm": "A", "fusions": stock},
+                                {"slot": 1, "arm": "B", "fusions": off_at_load},
+                                {"slot": 2, "arm": "B", "fusions": None},
+                                {"slot": 3, "arm": "A", "fusions": on}], arm_env)
+    assert problems == [
+        "slot 1 (arm B): decode_qprep asked on, the overlay decided "
+        + "/".join(off_at_load["decode_qprep"]),
+        "slot 2 (arm B): no overlay decision records in its server log (fusion state "
+        "unverified)",
+        "slot 3 (arm A): qk_norm asked off, the overlay decided on",
+        "slot 3 (arm A): decode_qprep asked off, the overlay decided on"]
+
+
+def test_the_workload_sets_prefix_caching_on_the_arm_servers():
+    p = run_cli("bench-ab", "--workload", "decode-8k1k", "--tokenizer", str(REPO), "--dry-run",
+                "--no-gpu", "--image", "k3rocm/server:cpu-0.32.0", "--repeats", "2")
+    assert p.returncode == 0, p.stderr
+    slots = [ln for ln in p.stdout.splitlines() if ln.startswith("# slot")]
+    assert len(slots) == 4 and all("K3_PREFIX_CACHING=0" in ln for ln in slots)
+    p = run_cli("bench-ab", "--workload", "decode-8k1k", "--dry-run", "--no-gpu",
+                "--server-env", "K3_PREFIX_CACHING=1")
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines()[-1] == (
+        "k3rocm: error: --server-env K3_PREFIX_CACHING=1: workload decode-8k1k needs prefix "
+        "caching off (K3_PREFIX_CACHING=0), which the A/B sets on its servers")
+
+
+def test_default_repeats_are_four_for_bench_and_one_for_census():
+    p = run_cli("bench-ab", "--workload", "ci-tiny", "--dry-run", "--no-gpu")
+    assert p.returncode == 0, p.stderr
+    assert "order A B B A A B B A (4 server(s) per arm" in p.stdout
+    assert "primary metric (declared before the run): ITL p50 at c=" in p.stdout
+
+
+def test_an_aa_and_a_calibration_of_the_same_setup_share_the_key(tmp_path):
+    """The calibration's arm B carries the step-delay double's variables (and both arms of this
+    setup may carry PYTHONPATH for the double's base delay): the key comes from slot 0 (arm A)
+    as recorded, the same in every mode (seen live: the A/A's floor was not found)."""
+    from k3rocm.checks.bench import ab
+    from k3rocm.checks.bench.workloads import resolve
+
+    w = resolve("ci-tiny", {})
+    env = {"K3_FUSE_QK_NORM": "1", "PYTHONPATH": "/opt/k3rocm-test"}
+    aa = [_slot(tmp_path / "aa", i, arm, env, ARGV) for i, arm in enumerate("AB")
+          if (tmp_path / "aa").mkdir(exist_ok=True) is None]
+    cal = [_slot(tmp_path / "cal", i, arm,
+                 {**env, "K3_TEST_STEP_DELAY_MS": "45"} if arm == "B" else env, ARGV)
+           for i, arm in enumerate("AB") if (tmp_path / "cal").mkdir(exist_ok=True) is None]
+    k_aa, d_aa = ab.recorded_protocol(w, aa, "aa", 1)
+    k_cal, d_cal = ab.recorded_protocol(w, cal, "cal", 1)
+    assert k_aa == k_cal and d_aa == d_cal == []
+    # in an A/B the delay variable is a difference like any other
+    assert ab.recorded_protocol(w, cal, "ab", 1)[1] == [
+        "slot 1 (arm B) differs from slot 0 (arm A): env K3_TEST_STEP_DELAY_MS=(unset) vs 45"]
+
+
+def test_a_secondary_rows_mde_is_at_holms_strictest_level():
+    from k3rocm.checks.bench import ab, stats
+
+    a, b = [10.0, 10.2, 9.9, 10.1], [10.1, 10.0, 10.2, 9.9]
+    values = {(1, "ITL p50"): {"A": a, "B": b}, (1, "ITL p90"): {"A": a, "B": b},
+              (4, "ITL p50"): {"A": a, "B": b}}
+    prim, sec, _ = ab.judge(values, ("ITL p50", 1))
+    assert prim["mde"] == pytest.approx(stats.mde(prim["var_log"], 6, 4, 4))
+    assert sec["mde"] == pytest.approx(stats.mde(sec["var_log"], 6, 4, 4, alpha=0.05 / 2))
+    assert sec["mde"] > prim["mde"]

@@ -5,8 +5,8 @@
   columns, valid PNGs, provenance.
 - Ctrl-C keeps the finished point; a server stopped mid-run gives a one-line failure, exit 1,
   the finished point kept and the failed point recorded as failed.
-- bench-ab: A/B on two freshly started servers with two runs per arm writes the comparison;
-  an A/A run says "within noise" for ITL.
+- bench-ab: an A/A on two freshly started servers gives the variance component; a
+  calibration of the same recorded protocol pools it and its CI covers the injected effect.
 """
 
 from __future__ import annotations
@@ -387,11 +387,13 @@ def test_bench_ab_aa_floor_and_calibrated_slowdown_detected(
     aa_dir = next(tmp_path.glob("*-ci-tiny-aa"))
     aa = json.loads((aa_dir / "comparison.json").read_text())
     itl = next(r for r in aa["rows"] if r["metric"] == "ITL p50")
-    floor = max(abs(itl["d"]), itl["halfwidth"])
+    floor = abs(itl["d"])
     print(f"\nA/A wall {aa_wall:.0f} s; ITL p50 A {itl['a']:.3f} ms B {itl['b']:.3f} ms "
-          f"d={itl['d']:+.4f} CI [{itl['lo']:+.4f}, {itl['hi']:+.4f}] floor {floor:.4f}",
-          file=sys.stderr)
-    assert itl["verdict"] in ("within noise", "B faster", "B slower"), itl
+          f"d={itl['d']:+.4f} floor {floor:.4f}; {aa['design_after']}", file=sys.stderr)
+    # one server per arm: no variance inside the A/A's own test, its two servers are the
+    # variance component (df 1) an A/B of the same recorded protocol pools in
+    assert itl["verdict"].startswith("inconclusive: no estimate"), itl
+    assert itl["primary"] and itl["aa_component"]["df"] == 1
     assert itl["servers_a"] == itl["servers_b"] == 1
     assert aa["mode"] == "aa" and [r["arm"] for r in aa["runs"]] == ["A", "B"]
     assert all(r["env"] == {"K3_FUSE_QK_NORM": "1", "K3_FUSE_DECODE_QPREP": "1"}
@@ -431,11 +433,14 @@ def test_bench_ab_aa_floor_and_calibrated_slowdown_detected(
           f"B {cal['b_itl_ms']:.3f} ms; detected {cal['detected_ms']:+.3f} ms "
           f"(x{cal['detected_over_injected']}); d={row['d']:+.4f} "
           f"CI [{row['lo']:+.4f}, {row['hi']:+.4f}] {row['verdict']}", file=sys.stderr)
-    assert row["noise_floor"] == pytest.approx(floor)
-    assert row["verdict"] == "B slower" and row["lo"] > 0 and row["d"] > floor, row
-    assert 0.5 <= cal["detected_over_injected"] <= 1.6, cal
+    assert comp["protocol_key"] == aa["protocol_key"] and not comp["protocol_differences"]
+    assert row["noise_floor"] == itl["aa_component"] and row["df"] == 1
+    # the CI (t with df 1: wide) covers the expected effect, which is beyond the A/A's
+    # difference; the statistical calibration (coverage, a biased estimator failing) is
+    # tests/test_bench_unit.py::test_calibration_can_fail
+    assert cal["covered"] is True and row["d"] > floor, row
     md = (cal_dir / "comparison.md").read_text()
-    assert "## Calibration: injected vs detected" in md and "Noise floor (A/A" in md
+    assert "## Calibration: injected vs detected" in md and "A/A variance component (" in md
     png_ok(cal_dir / "ab_itl.png")
     # this test's arm servers (and no one else's: tests may run in parallel) are all gone
     mine = {s["server"] for d in (aa, comp) for s in d["slots"]}

@@ -153,50 +153,154 @@ def test_percentile_matches_numpy():
                                                               rel=1e-12)
 
 
-def test_bootstrap_detects_a_real_difference_and_not_a_null_one():
+# --- A/B statistics: the server is the unit --------------------------------------------------
+
+def test_t_distribution_matches_the_tables():
+    # Student t quantiles (any statistics table, e.g. NIST/SEMATECH e-Handbook 1.3.6.7.2)
+    for df, q975, q80 in ((1, 12.706, 1.376), (2, 4.303, 1.061), (6, 2.447, 0.906),
+                          (14, 2.145, 0.868), (30, 2.042, 0.854)):
+        assert stats.t_quantile(0.975, df) == pytest.approx(q975, abs=1e-3)
+        assert stats.t_quantile(0.80, df) == pytest.approx(q80, abs=1e-3)
+    assert stats.t_two_sided_p(0.0, 5) == pytest.approx(1.0)
+    assert stats.t_two_sided_p(2.228, 10) == pytest.approx(0.05, abs=1e-4)
+
+
+def _server(rng, mean: float, cv: float, n_req: int = 40) -> list[float]:
+    """One server's per-request ITLs: its own level (log-normal, CV ``cv``: server-to-server
+    noise), requests 1% around it (each request's ITL averages ~1000 tokens)."""
+    import math
+
+    level = mean * math.exp(rng.normal(0.0, cv))
+    return (level * rng.gamma(10000.0, 1 / 10000.0, size=n_req)).tolist()
+
+
+def _arms(rng, n: int, cv: float = 0.01, effect: float = 0.0, mean: float = 10.0):
+    a = [stats.server_value([_server(rng, mean, cv)], "p50") for _ in range(n)]
+    b = [stats.server_value([_server(rng, mean * (1 + effect), cv)], "p50") for _ in range(n)]
+    return a, b
+
+
+@pytest.mark.parametrize("servers", [2, 4, 8])
+def test_identical_arms_are_called_different_at_the_stated_rate(servers):
+    """The stated false-positive rate (5%) holds at 2, 4 and 8 servers per arm on simulated
+    identical arms with 1% server-to-server noise. 2500 trials: binomial SE 0.44 points; the
+    check accepts 5% +- 1.5 points (3.4 SE: a correct test fails it with p < 0.001; the old
+    request-bootstrap verdict read 'B faster/slower' 31% of the time at 2 servers)."""
+    np = pytest.importorskip("numpy")
+    rng = np.random.default_rng(20261204 + servers)
+    trials = 2500
+    called = sum(stats.verdict(stats.compare_servers(*_arms(rng, servers)), True)
+                 in ("B faster", "B slower") for _ in range(trials))
+    assert abs(called / trials - stats.ALPHA) < 0.015, called / trials
+
+
+def test_one_server_per_arm_is_testable_only_with_the_aa_variance_component():
+    """1 server per arm: no variance inside the A/B, 'inconclusive' whatever the numbers;
+    pooled with an A/A of the same protocol (1 server per arm too: df 1) the rate is 5% again
+    (the old verdict with an A/A floor: 40%)."""
     np = pytest.importorskip("numpy")
     rng = np.random.default_rng(7)
-
-    def arm(mean, servers=3, runs=2, n=40):
-        return [[rng.normal(mean, 0.3, size=n).tolist() for _ in range(runs)]
-                for _ in range(servers)]
-
-    a, b = arm(10.0), arm(10.5)  # B 5% slower
-    res = stats.bootstrap_diff(a, b, "p50", n_boot=500)
-    assert 0.03 < res["d"] < 0.07 and res["lo"] > 0
-    assert stats.verdict(res, lower_is_better=True) == "B slower"
-    assert stats.verdict(res, lower_is_better=False) == "B faster"
-    null = stats.bootstrap_diff(arm(10.0), arm(10.0), "p50", n_boot=500)
-    assert null["lo"] < 0 < null["hi"]
-    assert stats.verdict(null, lower_is_better=True) == "within noise"
-    # A floor from A/A turns a tiny but "significant" effect into noise.
-    assert stats.verdict({"d": 0.004, "lo": 0.001, "hi": 0.007}, True, floor=0.01) == \
-        "within noise"
+    res = stats.compare_servers([10.0], [8.5])  # 15% apart, as seen on the 2-core stand-in
+    assert res["p"] is None and stats.verdict(res, True).startswith("inconclusive: no estimate")
+    trials, called = 2500, 0
+    for _ in range(trials):
+        aa = stats.variance_component(sum(_arms(rng, 1), []))
+        res = stats.compare_servers(*_arms(rng, 1), floor=aa)
+        called += stats.verdict(res, True) in ("B faster", "B slower")
+    assert res["df"] == 1 and res["floor_used"]
+    assert abs(called / trials - stats.ALPHA) < 0.015, called / trials
 
 
-def test_one_server_per_arm_needs_the_aa_floor_to_claim_an_effect():
+def test_power_at_the_printed_mde_is_80_percent():
+    """The MDE the report prints is what the test finds 80% of the time (t approximation of
+    the non-central t): 1500 trials at 4 and 8 servers per arm, 80% +- 4 points (SE 1.0)."""
     np = pytest.importorskip("numpy")
-    rng = np.random.default_rng(11)
-    # Two identical arms, but each on one server whose instance is 15% off the other (as seen
-    # on the 2-core stand-in): the bootstrap CI excludes 0, yet nothing is known about B.
-    a = [[rng.normal(10.0, 0.2, size=40).tolist() for _ in range(2)]]
-    b = [[rng.normal(8.5, 0.2, size=40).tolist() for _ in range(2)]]
-    res = stats.bootstrap_diff(a, b, "p50", n_boot=300)
-    assert res["servers_a"] == res["servers_b"] == 1 and res["hi"] < 0
-    assert stats.verdict(res, lower_is_better=True) == "within noise"
-    assert stats.verdict(res, True, floor=0.20) == "within noise"
-    assert stats.verdict(res, True, floor=0.05) == "B faster"  # beyond a measured floor
-    # With two servers per arm the same separation is evidence (server noise is resampled).
-    a2 = a + [[rng.normal(10.0, 0.2, size=40).tolist() for _ in range(2)]]
-    b2 = b + [[rng.normal(8.5, 0.2, size=40).tolist() for _ in range(2)]]
-    assert stats.verdict(stats.bootstrap_diff(a2, b2, "p50", n_boot=300), True) == "B faster"
+    rng = np.random.default_rng(3)
+    for servers in (4, 8):
+        m = stats.mde(0.01 ** 2, 2 * servers - 2, servers, servers)
+        trials = 1500
+        found = sum(stats.verdict(stats.compare_servers(*_arms(rng, servers, effect=m)), True)
+                    == "B slower" for _ in range(trials))
+        assert abs(found / trials - 0.80) < 0.04, (servers, m, found / trials)
 
 
-def test_repeats_needed_scales_with_the_square_of_the_halfwidth():
-    assert stats.repeats_needed(0.02, 2, 0.01) == 8
-    assert stats.repeats_needed(0.005, 4, 0.01) == 1
-    assert stats.repeats_needed(0.02, 2, 0.01, power=0.8) > 8
-    assert stats.repeats_needed(None, 2) is None
+def test_servers_needed_for_one_percent_at_one_percent_server_noise():
+    # 2 (t_.975 + t_.80)^2 (CV / 1%)^2 ~ 16 with z; t at df 32 makes it 17 (the old estimate: 6)
+    assert stats.servers_needed(0.01 ** 2, 0.01) == 17
+    assert stats.servers_needed(0.005 ** 2, 0.01) == 6
+    # a larger known effect needs fewer; a pooled A/A adds degrees of freedom
+    assert stats.servers_needed(0.01 ** 2, 0.02) < 17
+    assert stats.servers_needed(0.02 ** 2, 0.01, extra_df=7) <= stats.servers_needed(0.02 ** 2)
+
+
+def test_three_way_wording():
+    up = stats.compare_servers([10.0, 10.1, 9.9, 10.0], [11.0, 11.1, 10.9, 11.0])
+    assert up["p"] < 0.001 and up["lo"] < 0.1 < up["hi"]
+    assert stats.verdict(up, lower_is_better=True) == "B slower"
+    assert stats.verdict(up, lower_is_better=False) == "B faster"
+    flat = stats.compare_servers([10.0, 10.3, 9.8, 10.1], [10.1, 9.9, 10.2, 10.0])
+    v = stats.verdict(flat, True)
+    assert v.startswith("inconclusive: effects smaller than ") and \
+        v.endswith("% cannot be seen with 4 server(s) per arm"), v
+    assert stats.pct_text(flat['mde']) in v and stats.pct_text(2.117) == "212%"
+    assert stats.verdict(stats.compare_servers([], [1.0]), True) == "no data"
+
+
+def test_holm_adjusts_the_secondary_rows():
+    assert stats.holm([0.01, 0.04, 0.03, None]) == pytest.approx([0.03, 0.06, 0.06, None])
+    assert stats.holm([]) == []
+
+
+def test_primary_row_is_judged_alone_and_the_others_with_holm():
+    from k3rocm.checks.bench import ab
+
+    a, b = [10.0, 10.2, 9.9, 10.1], [10.25, 10.45, 10.15, 10.35]  # +2.5%, p ~ 0.01
+    values = {(1, "ITL p50"): {"A": a, "B": b}, (1, "ITL p90"): {"A": a, "B": b},
+              (4, "ITL p50"): {"A": a, "B": b}, (4, "output tokens/s"): {"A": b, "B": a}}
+    rows = ab.judge(values, ("ITL p50", 1))
+    prim = [r for r in rows if r["primary"]]
+    assert [(r["metric"], r["concurrency"]) for r in prim] == [("ITL p50", 1)]
+    assert 0.01 < prim[0]["p"] < 0.05 and prim[0]["verdict"] == "B slower"
+    for r in rows:
+        if not r["primary"]:
+            assert r["p_holm"] == pytest.approx(min(1.0, 3 * r["p"]))
+            assert r["verdict"].startswith("inconclusive")  # 3 x p > 5%
+
+
+def test_primary_flag_is_validated():
+    from k3rocm.checks.bench import ab
+
+    w = resolve("decode-8k1k", {})
+    assert ab.parse_primary(None, w) == ("ITL p50", 1)
+    assert ab.parse_primary("ttft:p50@4", w) == ("TTFT p50", 4)
+    with pytest.raises(UsageError, match="--primary 'itl:p50@3'"):
+        ab.parse_primary("itl:p50@3", w)
+
+
+def test_design_line_before_the_run():
+    line = stats.design_line(0.01 ** 2, 7, 4)
+    assert line.startswith("MDE (ITL p50, 80% power, two-sided 5%): ")
+    assert "for an A/B with 4 server(s) per arm" in line and "needed for 1%: 17" in line
+    assert "no A/A of this protocol" in stats.design_line(None, 0, 4)
+
+
+@pytest.mark.parametrize("injected", [0.02, 0.10])
+def test_calibration_can_fail(injected):
+    """Two injected effects (+2% and +10% of the step time; ITL = step time): the 95% CI of the
+    real estimator covers the injected value in 95% of calibrations (400 trials at 4 servers
+    per arm: >= 91%, 3.7 SE below 95%); an estimator biased +50% (as one reading the wrong
+    metric) fails the same check: at +10% it covers almost never, at +2% (its bias, +1 point,
+    is inside one CI) the coverage over the 400 calibrations falls below 91%."""
+    np = pytest.importorskip("numpy")
+    rng = np.random.default_rng(int(injected * 1000))
+    trials, covered, biased = 400, 0, 0
+    for _ in range(trials):
+        a, b = _arms(rng, 4, effect=injected)
+        covered += stats.covers(stats.compare_servers(a, b), injected)
+        skewed = [x * (1 + 0.5 * injected) for x in b]  # detects 1.5x the effect
+        biased += stats.covers(stats.compare_servers(a, skewed), injected)
+    assert covered / trials >= 0.91, covered / trials
+    assert biased / trials < 0.91, biased / trials  # the same check fails
 
 
 def test_perf_csv_keeps_failed_points():
@@ -306,3 +410,62 @@ def test_bunched_point_is_marked_in_the_report(tmp_path):
     assert pts[0]["stream"]["bunched"]
     md = summary.markdown_report(pts, "t", [])
     assert "(stream bunched)" in md and "**c=1: stream bunched: ITL/TTFT not per token" in md
+
+
+# --- clean inputs: OSL/ISL per point, prefix-cache hits and MTP acceptance from the server ---
+
+def _server_metrics(tmp_path, hits: float, queries: float, draft=None, accepted=None):
+    """server_metrics_export.json in aiperf 0.13.0's hybrid format
+    (aiperf/server_metrics/json_exporter.py: metrics[name]["series"][i]["stats"]["total"])."""
+    def counter(*totals):
+        return {"type": "counter", "series": [{"labels": {"engine": str(i)},
+                                               "stats": {"total": t, "rate": 0.0}}
+                                              for i, t in enumerate(totals)]}
+
+    metrics = {"vllm:prefix_cache_hits": counter(hits, 0.0),
+               "vllm:prefix_cache_queries": counter(queries / 2, queries / 2)}
+    if draft is not None:
+        metrics["vllm:spec_decode_num_draft_tokens"] = counter(draft)
+        metrics["vllm:spec_decode_num_accepted_tokens"] = counter(accepted)
+    (tmp_path / "server_metrics_export.json").write_text(json.dumps({"metrics": metrics}))
+    return tmp_path
+
+
+def test_prefix_cache_hits_and_mtp_acceptance_are_read_from_the_scraped_counters(tmp_path):
+    sm = summary.server_counters(_server_metrics(tmp_path, 4096, 81920, 2000, 1500))
+    assert sm["prefix_cache_hit_rate"] == pytest.approx(0.05)
+    assert sm["mtp_acceptance_rate"] == pytest.approx(0.75)
+    assert summary.server_counters(tmp_path / "nothing") is None
+
+
+def test_a_point_with_inputs_other_than_the_workload_asked_is_flagged(tmp_path):
+    sm = summary.server_counters(_server_metrics(tmp_path, 4096, 81920))
+    clean = {"isl_avg": 8230.0, "osl_avg": 1024.0, "osl_mismatch_count": 0.0,
+             "server_metrics": {**sm, "prefix_cache_hits": 0.0}}
+    assert summary.input_flags(clean, 8192, 1024, prefix_caching=False) == []
+    # the stand-in's chat template: ISL 64 counted as 79 by the server; fewer than asked is off
+    assert summary.input_flags({**clean, "isl_avg": 79.0}, 64, 1024, None) == []
+    assert summary.input_flags({**clean, "isl_avg": 60.0}, 64, 1024, None)[0].startswith("ISL")
+    off = {"isl_avg": 9000.0, "osl_avg": 1000.5, "osl_mismatch_count": 3.0,
+           "server_metrics": sm}
+    assert summary.input_flags(off, 8192, 1024, prefix_caching=False) == [
+        "OSL: 3 request(s) off the requested 1024 tokens (aiperf osl_mismatch_count)",
+        "OSL: server counted 1000.5 output tokens on average, not 1024",
+        "ISL: server counted 9000 input tokens on average for 8192 asked (expected "
+        "8192..8355 with the chat template)",
+        "prefix cache: 4096 token hit(s) while the workload needs prefix caching off"]
+    # a workload that does not care about the cache is not flagged for hits
+    assert summary.input_flags({**clean, "server_metrics": sm}, 8192, 1024, None) == []
+    assert summary.input_flags({**clean, "server_metrics": None}, 8192, 1024, False) == [
+        "prefix cache: hits not scraped from the server (cannot check 0)"]
+
+
+def test_decode_8k1k_needs_prefix_caching_off_and_the_seed_command_is_unchanged():
+    from k3rocm.checks.bench.run import server_prefix_caching
+
+    assert resolve("decode-8k1k", {}).prefix_caching is False
+    assert resolve("agentic-68k", {}).prefix_caching is True
+    assert server_prefix_caching({"server_argv": ["vllm", "serve", "--no-enable-prefix-caching"]}) \
+        is False
+    assert server_prefix_caching({"server_argv": ["vllm", "serve"]}) is True  # vLLM default on
+    assert server_prefix_caching({}) is None

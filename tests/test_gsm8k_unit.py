@@ -450,3 +450,114 @@ def test_rescore_without_results_exits_2(tmp_path):
     (tmp_path / "run" / "lm_eval").mkdir(parents=True)
     p = run_cli("gsm8k", "--rescore", str(tmp_path / "run"))
     assert p.returncode == 2 and p.stderr.startswith("k3rocm: error: no lm-eval results file")
+
+
+# ----------------------------------------------------------- truncated answers, paired A/B
+
+
+def test_finish_reasons_are_logged_for_chat_and_completions(tmp_path):
+    from k3rocm.checks.gsm8k.lmeval_launch import log_finish_reasons
+
+    log = tmp_path / "finish.jsonl"
+    # OpenAI shapes: chat choices carry message.content, completions choices carry text
+    log_finish_reasons([{"choices": [{"index": 0, "message": {"content": "#### 7"},
+                                      "finish_reason": "stop"}]},
+                        {"choices": [{"index": 0, "message": {"content": "Let me think"},
+                                      "finish_reason": "length"}]}], str(log))
+    log_finish_reasons({"choices": [{"index": 0, "text": " 12\n\n", "finish_reason": "length"}]},
+                       str(log))
+    assert [json.loads(x) for x in log.read_text().splitlines()] == [
+        {"finish_reason": "stop", "text": "#### 7"},
+        {"finish_reason": "length", "text": "Let me think"},
+        {"finish_reason": "length", "text": " 12\n\n"}]
+
+
+def test_truncated_answers_are_reported_apart_from_wrong_ones(tmp_path):
+    run = stored_run(tmp_path, 0.9629, 0.9651, original=20)
+    samples = results.load_run(run)[1]
+    cut = [results._first_response(s) for s in samples if s["doc_id"] in (3, 7)]
+    finishes = [{"finish_reason": "length" if results._first_response(s) in cut else "stop",
+                 "text": results._first_response(s)} for s in samples
+                if s["filter"] == "strict-match"]
+    with open(run / "finish_reasons.jsonl", "w") as fh:
+        fh.writelines(json.dumps(f) + "\n" for f in finishes)
+    code, v, msg = rescore(run, "--allow-limit")
+    t = v["truncated"]
+    assert t["count"] == 2 and t["of"] == 20 and t["rate"] == pytest.approx(0.1)
+    assert t["doc_ids"] == [3, 7] and t["accuracy_without_truncated"] == 1.0
+    assert results.truncation(samples, [{"finish_reason": "length", "text": x} for x in
+                                        {results._first_response(s) for s in samples}],
+                              32)["accuracy_without_truncated"] is None  # all cut off
+    assert "2 of 20 answer(s) cut off at the generation limit" in msg
+    old = stored_run(tmp_path / "old", 0.9629, 0.9651)
+    assert rescore(old)[1]["truncated"]["recorded"] is False
+
+
+def test_mcnemar_exact_and_the_noninferiority_margin_with_its_power():
+    from k3rocm.checks.bench import stats
+
+    # exact two-sided McNemar: 2 P(X <= 2 | 10, 1/2) = 2 * 56 / 1024
+    assert stats.mcnemar_exact(2, 8) == pytest.approx(2 * 56 / 1024)
+    assert stats.mcnemar_exact(0, 0) == 1.0
+    a = [True] * 1272 + [False] * 47       # 0.9644 of 1319
+    b = list(a)
+    for i in range(10):                    # 10 items flip each way: same accuracy
+        b[i], b[1272 + i] = False, True
+    r = stats.paired_accuracy(a, b, margin=0.01)
+    assert r["diff"] == 0 and r["b_only"] == r["a_only"] == 10
+    assert r["mcnemar"] == "no difference detected" and r["non_inferior"]
+    bad = [x and i >= 40 for i, x in enumerate(a)]  # 40 items lost: -3 points
+    r = stats.paired_accuracy(a, bad, margin=0.01)
+    assert r["mcnemar"] == "B less accurate" and r["mcnemar_p"] < 1e-9
+    assert not r["non_inferior"]
+    # power at n = 1319 with 2% discordant items: 1-point margin ~82%, half a point ~36%
+    assert stats.noninferiority_power(1319, 0.01, 0.02) == pytest.approx(0.822, abs=0.002)
+    assert stats.noninferiority_power(1319, 0.005, 0.02) == pytest.approx(0.359, abs=0.002)
+
+
+def _samples(right: list[bool]) -> list[dict]:
+    """lm-eval 0.4.13 samples lines: one per (doc, filter) with exact_match."""
+    return [{"doc_id": d, "filter": f, "resps": [[f"#### {d}"]], "exact_match": float(ok)}
+            for d, ok in enumerate(right) for f in results.FILTERS]
+
+
+def test_gsm8k_ab_pairs_the_items_and_gates_on_non_inferiority():
+    from k3rocm.checks.gsm8k import ab
+
+    a = [True] * 1272 + [False] * 47
+    same = list(a)
+    for i in range(12):
+        same[i], same[1272 + i] = False, True
+    comp = ab.compare(_samples(a), _samples(same), margin=0.01)
+    r = comp["filters"]["strict-match"]
+    assert comp["verdict"] == "NON-INFERIOR" and r["n"] == 1319 and r["mcnemar_p"] == 1.0
+    assert r["b_only"] == r["a_only"] == 12 and 0.8 < r["power_full"] < 0.9
+    assert "McNemar exact p=1" in comp["headline"] and "at n=1319" in comp["headline"]
+    worse = [x and i >= 30 for i, x in enumerate(a)]  # B loses 30 items: -2.3 points
+    comp = ab.compare(_samples(a), _samples(worse), margin=0.01)
+    assert comp["verdict"] == "NOT SHOWN NON-INFERIOR"
+    assert comp["filters"]["strict-match"]["mcnemar"] == "B less accurate"
+    assert "| strict-match | 1319 |" in ab.markdown(comp)
+    with pytest.raises(UsageError, match="different items"):
+        ab.compare(_samples(a), _samples(a[:100]), 0.01)
+
+
+def test_make_gsm8k_ab_dry_run_and_bad_input():
+    p = subprocess.run(["make", "-s", "gsm8k-ab", "DRY_RUN=1", "CPU=1", f"PY={sys.executable}"],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert [ln.split()[4] for ln in lines if ln.startswith("# slot")] == ["A:", "B:"]
+    assert sum("k3rocm_lmeval.py run" in ln for ln in lines) == 2
+    p = run_cli("ab", "--measure", "gsm8k", "--dry-run", "--no-gpu", "--repeats", "2")
+    assert p.returncode == 2 and "use --repeats 1" in p.stderr.strip().splitlines()[-1]
+    p = run_cli("ab", "--measure", "bench", "--dry-run", "--no-gpu", "--margin", "0.02")
+    assert p.returncode == 2 and "--margin is not used by --measure bench" in p.stderr
+
+
+def test_gsm8k_ab_without_discordant_items_does_not_claim_power():
+    from k3rocm.checks.gsm8k import ab
+
+    comp = ab.compare(_samples([False] * 5), _samples([False] * 5), 0.01)  # the stand-in
+    assert comp["filters"]["strict-match"]["power_full"] is None
+    assert "power of the margin n/a (no discordant items)" in comp["headline"]

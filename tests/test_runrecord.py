@@ -107,3 +107,33 @@ def test_the_exit_code_table_is_documented_once():
     for code in errors.EXIT_CODES:
         assert f"| {code} |" in section, code
     assert readme.count("## Exit codes") == 1
+
+
+def test_host_state_records_governor_numa_and_the_gpu_tool_or_says_it_is_missing(tmp_path):
+    import subprocess
+
+    from k3rocm.deploy import runrecord
+
+    for cpu in (0, 1):
+        d = tmp_path / f"sys/devices/system/cpu/cpu{cpu}/cpufreq"
+        d.mkdir(parents=True)
+        (d / "scaling_governor").write_text("performance\n")
+    (tmp_path / "proc/sys/kernel").mkdir(parents=True)
+    (tmp_path / "proc/sys/kernel/numa_balancing").write_text("0\n")
+    calls = []
+
+    def run(cmd, **kw):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, stdout='{"gpu": 0}\n', stderr="")
+
+    st = runrecord.host_state(which=lambda t: f"/usr/bin/{t}", run=run, root=str(tmp_path))
+    assert st["cpu_governor"] == ["performance"] and st["numa_balancing"] == "0"
+    assert calls == runrecord.GPU_TOOLS["amd-smi"]  # amd-smi first; rocm-smi not asked
+    assert st["gpu"]["amd-smi static --partition --json"] == '{"gpu": 0}'
+    rocm = runrecord.host_state(which=lambda t: t == "rocm-smi" and "/opt/rocm/bin/rocm-smi",
+                                run=run, root=str(tmp_path / "none"))
+    assert list(rocm["gpu"]) == [" ".join(runrecord.GPU_TOOLS["rocm-smi"][0])]
+    assert rocm["cpu_governor"].startswith("not available")
+    bare = runrecord.host_state(which=lambda t: None, run=run, root=str(tmp_path / "none"))
+    assert bare["gpu"].startswith("no amd-smi or rocm-smi on this host")
+    assert runrecord.build()["host"]["gpu"]  # in every run record

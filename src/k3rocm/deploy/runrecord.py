@@ -14,6 +14,8 @@ Layout (every key always present; what could not be read says so in a ``note``/`
 - ``checkpoint``: the checkpoint's identity where the model dir is on this host
 - ``tools``: client tool versions (aiperf, lm-eval, ...) and the client image
 - ``topology``: single node, or a router / node of a scale-out
+- ``host``: host and GPU state at the start (CPU governor, NUMA balancing; amd-smi, else
+  rocm-smi: clocks, power, temperature, partition modes); a missing tool says so
 - ``seed_comparison`` (bench, census): which seed figure, if any, the result is comparable with
   (:func:`k3rocm.deploy.seedref.comparable_with`, judged on the server container's own settings)
 - then the command's own keys (the bench workload, the gsm8k data set, the census traces, ...)
@@ -21,9 +23,12 @@ Layout (every key always present; what could not be read says so in a ``note``/`
 
 from __future__ import annotations
 
+import glob
 import os
 import platform
 import shlex
+import shutil
+import subprocess
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
@@ -42,6 +47,50 @@ def command_block() -> dict[str, Any]:
             "k3rocm_version": __version__, "python": platform.python_version(),
             "platform": platform.platform(), "host": platform.node(),
             "started_utc": datetime.now(timezone.utc).isoformat()}
+
+
+# GPU state commands (AMD SMI CLI docs, rocm.docs.amd.com/projects/amdsmi: `metric` power,
+# clock, temperature; `static --partition` compute/memory partition; rocm-smi the older tool).
+GPU_TOOLS = {
+    "amd-smi": [["amd-smi", "metric", "--power", "--clock", "--temperature", "--json"],
+                ["amd-smi", "static", "--partition", "--json"]],
+    "rocm-smi": [["rocm-smi", "--showclocks", "--showpower", "--showtemp",
+                  "--showcomputepartition", "--showmemorypartition", "--json"]],
+}
+
+
+def _read(path: str) -> str | None:
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return None
+
+
+def host_state(which=shutil.which, run=subprocess.run, root: str = "") -> dict[str, Any]:
+    """CPU governor, NUMA balancing and the GPUs' clocks/power/temperature/partitions, best
+    effort and never raising; what is missing says so."""
+    govs = sorted({g for g in (_read(p) for p in glob.glob(
+        f"{root}/sys/devices/system/cpu/cpu*/cpufreq/scaling_governor")) if g})
+    numa = _read(f"{root}/proc/sys/kernel/numa_balancing")
+    out: dict[str, Any] = {
+        "cpu_governor": govs or "not available (no cpufreq in /sys: VM or container)",
+        "numa_balancing": numa if numa is not None else "not available",
+    }
+    gpu: dict[str, Any] = {}
+    for tool, cmds in GPU_TOOLS.items():
+        if not which(tool):
+            continue
+        for cmd in cmds:
+            try:
+                p = run(cmd, capture_output=True, text=True, timeout=60)
+                gpu[" ".join(cmd)] = (p.stdout.strip() if p.returncode == 0 else
+                                      f"exit {p.returncode}: {(p.stderr or p.stdout)[-300:]}")
+            except Exception as exc:  # noqa: BLE001 - the record must never lose a result
+                gpu[" ".join(cmd)] = f"{exc.__class__.__name__}: {exc}"[:300]
+        break
+    out["gpu"] = gpu or "no amd-smi or rocm-smi on this host: GPU clocks, power, temperature " \
+                        "and partition modes not recorded"
+    return out
 
 
 def checkpoint(deployment) -> dict[str, Any] | None:
@@ -113,6 +162,7 @@ def build(*, deployment=None, server: dict | None = None, url: str | None = None
         "checkpoint": checkpoint(deployment),
         "tools": {"k3rocm": __version__, **(tools or {})},
         "topology": topology(url) if url else None,
+        "host": host_state(),
     }
     if measure is not None:
         record["seed_comparison"] = seed_comparison(measure, server=server,

@@ -51,7 +51,7 @@ def sequence(repeats: int) -> list[str]:
     return out
 
 
-def add_server_arguments(parser: argparse.ArgumentParser, default_repeats: int = 2) -> None:
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     """The arm-server flags, the same for every measure."""
     g = parser.add_argument_group("arm servers (the same for --measure bench and census)")
     g.add_argument("--aa", action="store_true",
@@ -62,10 +62,10 @@ def add_server_arguments(parser: argparse.ArgumentParser, default_repeats: int =
                    help="CPU stand-in calibration: both arms as in A/A, arm B with a known "
                    f"injected delay of MS per engine step ({STEP_DELAY_ENV}, a test double "
                    "mounted only into the stand-in); the report states injected vs detected")
-    g.add_argument("--repeats", type=int,
-                   default=int(os.environ.get("BENCH_AB_REPEATS") or default_repeats),
+    env_repeats = os.environ.get("BENCH_AB_REPEATS")
+    g.add_argument("--repeats", type=int, default=int(env_repeats) if env_repeats else None,
                    help="servers per arm, interleaved A B B A ... (env BENCH_AB_REPEATS; "
-                   f"default {default_repeats})")
+                   "default 4 for bench, 1 for census)")
     g.add_argument("--image", default=os.environ.get("K3_IMAGE") or None,
                    help="server image for both arms (env K3_IMAGE; default compose's: "
                    "k3rocm/server:latest, k3rocm/server:cpu without AMD GPUs); never pulled")

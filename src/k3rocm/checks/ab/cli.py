@@ -13,8 +13,12 @@ duration. If a server already answers on --port it stops there and asks for `mak
 pass --stop-running, which stops the compose server and keeps its log).
 
 --measure bench: the aiperf workload per slot (--workload, --set, --tokenizer, --repeats,
-  --runs-per-server); per metric the effect (B - A) / A with a bootstrap 95% CI, reported
-  beside the newest A/A (--aa) of the same protocol.
+  --runs-per-server, --primary; default 4 servers per arm); the server is the unit: per metric
+  the effect (B - A) / A with a t test on per-server values, pooled with the newest A/A (--aa)
+  of the same recorded protocol; the minimum detectable effect before and after the run.
+--measure gsm8k: the GSM8K gate per arm on the same items (default --repeats 1: order A B);
+  per item right/wrong in each arm, McNemar's exact test on the discordant items, and the gate
+  as non-inferiority (B at most --margin below A) with its power at n = 1319.
 --measure census: one profile per arm (--repeats 1: order A B), the decode kernel census of
   each arm and the A/B launch checks (--on, --concurrency, --max-tokens, --steps).
 Calibration (CPU stand-in): --calibrate-delay-ms MS runs an A/A whose arm B sleeps MS per
@@ -42,7 +46,8 @@ from types import SimpleNamespace
 
 from k3rocm.checks.ab import arms as armlib
 
-MEASURES = ("bench", "census")
+MEASURES = ("bench", "census", "gsm8k")
+BENCH_REPEATS = 4
 
 
 def add_arguments(parser: argparse.ArgumentParser, measure: str | None = None) -> None:
@@ -56,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser, measure: str | None = None) -
                         help="what each arm measures: the aiperf workload (bench) or the "
                         "decode kernel census (census)" + (f"; default {measure}" if measure
                                                            else ""))
-    armlib.add_server_arguments(parser, default_repeats=2)
+    armlib.add_server_arguments(parser)
     b = parser.add_argument_group("--measure bench")
     add_common(b)
     b.add_argument("--runs-per-server", type=int, default=1,
@@ -65,8 +70,15 @@ def add_arguments(parser: argparse.ArgumentParser, measure: str | None = None) -
     b.add_argument("--noise-floor", type=Path, default=None,
                    help="A/A run directory to report beside this A/B (default: the newest A/A "
                    "under --results with the same protocol)")
-    b.add_argument("--n-boot", type=int, default=2000, help="bootstrap resamples")
+    b.add_argument("--primary", default=None, metavar="METRIC@C",
+                   help="the one metric judged at 5%%, declared before the run: itl:p50, "
+                   "itl:p90, ttft:p50, e2el:p50 or output_tps:avg at a concurrency of the "
+                   "workload (default itl:p50 at its first concurrency); every other row is "
+                   "judged with Holm's correction")
     b.add_argument("--label", default=None, help="run directory label")
+    from k3rocm.checks.gsm8k.ab import add_arguments as add_gsm8k
+
+    add_gsm8k(parser.add_argument_group("--measure gsm8k"))
     c = parser.add_argument_group("--measure census")
     c.add_argument("--trace-dirs", metavar="OFF_DIR,ON_DIR",
                    help="compare two existing trace sets instead of starting servers")
@@ -86,6 +98,13 @@ def add_arguments(parser: argparse.ArgumentParser, measure: str | None = None) -
                         _measure_default=measure)
 
 
+def fill_repeats(args: argparse.Namespace) -> None:
+    """--repeats when not given: 4 servers per arm for bench (the fewest with which a 5% test
+    on server values has room: see docs/bench.md), one profile per arm for census."""
+    if args.repeats is None:
+        args.repeats = BENCH_REPEATS if args.measure == "bench" else 1  # census, gsm8k: A B
+
+
 def results_root(args: argparse.Namespace) -> Path:
     """--results, else the deployment's results root (K3_RESULTS_DIR: shell > .env > default)."""
     from k3rocm.deploy.lifecycle import resolve_settings
@@ -100,6 +119,7 @@ def deployment_view(args: argparse.Namespace) -> dict:
     from k3rocm.deploy.lifecycle import resolve_settings
 
     dep = resolve_settings(getattr(args, "env_file", ".env"))
+    fill_repeats(args)
     arms = armlib.arms_from_args(args)
     model, api_key = armlib.served_model(arms, getattr(args, "env_file", ".env"))
     from k3rocm.serving.config import REDACTED
@@ -116,10 +136,14 @@ def run(args: argparse.Namespace) -> int:
 
     args.results = results_root(args)
 
-    bench_only = {"runs_per_server": 1, "noise_floor": None, "n_boot": 2000}
+    fill_repeats(args)
+    bench_only = {"runs_per_server": 1, "noise_floor": None, "primary": None}
     census_only = {"trace_dirs": None, "on": "all", "concurrency": 8, "max_tokens": 1024,
                    "prompt_words": 64, "steps": 6, "trace_timeout": 900.0}
-    other = census_only if args.measure == "bench" else bench_only
+    gsm8k_only = {"margin": 0.01, "limit": None, "max_gen_tokens": 4096, "gsm8k_mode": "chat",
+                  "data_dir": None, "hf_home": None}
+    other = {"bench": {**census_only, **gsm8k_only}, "census": {**bench_only, **gsm8k_only},
+             "gsm8k": {**bench_only, **census_only}}[args.measure]
     for k, default in other.items():
         if getattr(args, k) != default:
             raise UsageError(f"--{k.replace('_', '-')} is not used by --measure {args.measure}",
@@ -128,6 +152,10 @@ def run(args: argparse.Namespace) -> int:
         from k3rocm.checks.bench import ab
 
         return ab.run_bench_ab(args)
+    if args.measure == "gsm8k":
+        from k3rocm.checks.gsm8k import ab
+
+        return ab.run_gsm8k_ab(args)
     from k3rocm.checks.census import ab
 
     return ab.run_census_ab(args)

@@ -51,7 +51,7 @@ class ABPlan:
     client_image: str
     runs_per_server: int = 1
     noise_floor_dir: Path | None = None
-    n_boot: int = 2000
+    primary: tuple[str, int] = ("ITL p50", 1)
     progress: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -105,9 +105,16 @@ class ABPlan:
             "with its "
             f"own {w.warmup_request_count} warmup requests per point, then the server is stopped",
             f"topology: {_env_str(self.arms.topology())}",
-            "statistic: per arm the median over repeats of the per-run value (computed from the "
-            "run's per-request records); effect d = (B - A) / A; 95% CI from a two-level "
-            "bootstrap (repeats, then requests within each repeat)",
+            "statistic: the server is the unit: one value per server (mean over its runs of the "
+            "run's value from its per-request records); effect d = (B - A) / A on the geometric "
+            "means; two-sided t test on log server values, 5% false-positive rate at any number "
+            "of servers, an A/A of the same recorded protocol pooled in as the server-to-server "
+            "variance component",
+            f"primary metric (declared before the run): {self.primary[0]} at c="
+            f"{self.primary[1]}, judged at 5%; other rows: {stats.MULTIPLICITY}",
+            "drift: A B B A order" + (" balances linear drift" if self.repeats % 2 == 0 else
+                                       f"; with odd repeats ({self.repeats}) the drift of "
+                                       f"1/{self.repeats} slot stays in the effect"),
             f"server env (both arms): {_env_str(self.arms.describe_env())}"
             + ("; EngineCore pinned to the worker's cores (CPU stand-in)"
                if self.arms.pin_engine_core else ""),
@@ -154,9 +161,20 @@ def run_ab(plan: ABPlan, docker=None) -> int:
     image_ref, image_id = armlib.image_id(plan.arms, client)
     armlib.announce(plan.arms, plan.results, plan.runs_per_server)
     key = plan.protocol_key(image_id)
+    before = find_noise_floor(plan, key, field="planned_key")
+    comp_b = _floor_for({**before, "same_protocol": True}, plan.primary[1], plan.primary[0]) \
+        if before else None
+    design_before = stats.design_line(comp_b and comp_b["var_log"],
+                                      comp_b["df"] if comp_b else 0, plan.repeats,
+                                      plan.primary[0])
+    if before:
+        design_before += f" (from the A/A {before['dir']})"
+    _log(f"before the run: {design_before}")
     ab_dir = create_run_dir(plan.results, f"{w.name}-{plan.mode}")
-    _log(f"{plan.mode.upper()} run directory {ab_dir} (protocol {key})")
-    plan_doc = {"mode": plan.mode, "protocol_key": key, "protocol": plan.describe(),
+    _log(f"{plan.mode.upper()} run directory {ab_dir} (planned protocol {key})")
+    plan_doc = {"mode": plan.mode, "planned_key": key, "protocol": plan.describe(),
+                "primary": {"metric": plan.primary[0], "concurrency": plan.primary[1]},
+                "design_before": design_before,
                 "workload": w.model_dump(mode="json"), "slots": plan.slots(),
                 "arm_env": plan.arm_env, "arm_container_env": plan.arms.arm_container_env,
                 "server_image": image_ref, "server_image_id": image_id,
@@ -217,6 +235,7 @@ def run_ab(plan: ABPlan, docker=None) -> int:
             slot_failed = str(exc)
             _log(f"slot {i} failed: {exc}")
         slots_info.append({"slot": i, "arm": arm, "server": info["server"],
+                           "fusions": fusion_states(slot_dir / f"{i:02d}-{arm}-server.log"),
                            "server_ready_s": info["server_ready_s"],
                            "seconds": round(time.time() - t0, 1), "error": slot_failed})
         if slot_failed and not any(r["slot"] == i for r in runs):
@@ -228,8 +247,26 @@ def run_ab(plan: ABPlan, docker=None) -> int:
         if interrupted or slot_failed or any(r["status"] != "ok" for r in runs):
             break
 
-    floor_doc = None if plan.mode == "aa" else find_noise_floor(plan, key)
-    comp = compare(w, runs, plan, key, floor_doc)
+    rkey, diffs = recorded_protocol(w, runs, plan.mode, plan.runs_per_server)
+    floor_doc = None if plan.mode == "aa" else find_noise_floor(plan, rkey or "")
+    comp = compare(w, runs, plan.mode, rkey or "", floor_doc, plan.primary, plan.describe())
+    fusion_problems = fusion_check(slots_info, plan.arm_env)
+    comp.update(planned_key=key, design_before=design_before, protocol_differences=diffs,
+                fusion_problems=fusion_problems)
+    refused = [f for f in fusion_problems if "decided" in f]
+    if diffs and plan.mode != "aa":
+        comp["invalid"] = ("slots ran different server setups (only the fusion switches may "
+                           "differ): " + " | ".join(diffs))
+    elif refused and plan.mode == "ab":
+        comp["invalid"] = ("an arm's fusions are not what it asked (the overlay's decision "
+                           "records): " + " | ".join(refused))
+    if comp.get("invalid"):
+        for r in comp["rows"]:
+            r["verdict"] = "invalid"
+        comp["headline"] = "INVALID: " + comp["invalid"]
+    elif diffs:  # an A/A whose slots differ: flagged, and never pooled as a variance component
+        comp["protocol_key"] = None
+        comp["headline"] += "; FLAGGED (not used as a variance component): " + " | ".join(diffs)
     if plan.mode == "cal":
         comp["calibration"] = calibration(comp, plan.arms.delay_ms)
     comp["slots"] = slots_info
@@ -250,12 +287,31 @@ def run_ab(plan: ABPlan, docker=None) -> int:
         print(f"k3rocm: error: bench-ab: slot {bad['slot']} (arm {bad['arm']}) failed: "
               f"{bad.get('message')}; {n_ok} of {total} runs kept in {ab_dir}", file=sys.stderr)
         return EXIT_FAILED
-    head = comp["headline"]
+    refused = refusal(comp, ab_dir)
+    if refused:
+        print(refused, file=sys.stderr)
+        return EXIT_FAILED
+    head = comp["headline"] + f"; {comp['design_after']}"
     for c in comp.get("calibration") or []:
         head += (f"; calibration c={c['concurrency']}: injected +{c['injected_ms']:g} ms/step, "
                  f"detected {c['detected_ms']:+.2f} ms ITL p50")
     print(f"bench-ab {plan.mode.upper()} {w.name}: {head}; report {ab_dir / 'comparison.md'}")
     return EXIT_OK
+
+
+def refusal(comp: dict, ab_dir: Path) -> str | None:
+    """The one-line error when the comparison may not be read: slots that ran different
+    server setups (A/B, calibration), or a calibration whose CI misses the injected effect."""
+    if comp.get("invalid"):
+        return (f"k3rocm: error: bench-ab refused: {comp['invalid']}; no verdict (report in "
+                f"{ab_dir})")
+    missed = [c for c in comp.get("calibration") or [] if c["covered"] is False]
+    if missed:
+        m = missed[0]
+        return (f"k3rocm: error: bench-ab calibration failed: c={m['concurrency']} expected "
+                f"{_pct(m['expected_d'])} outside the CI [{_pct(m['lo'])}, {_pct(m['hi'])}] "
+                f"(report in {ab_dir})")
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -278,45 +334,240 @@ def _run_values(run_dir: Path, c: int, n: int) -> dict[str, Any] | None:
     return out
 
 
-def compare(w: Workload, runs: Sequence[dict], plan: ABPlan, key: str,
-            floor_doc: dict | None) -> dict[str, Any]:
+# Allowed to differ between slots: the fusion switches (A/B), and in a calibration the
+# step-delay double's two variables (arm B only).
+ARM_ENV = frozenset(armlib.FUSIONS_ON)
+CAL_ENV = frozenset({armlib.STEP_DELAY_ENV, "PYTHONPATH"})
+WHERE_ENV = frozenset({"K3_PORT", "HOSTNAME"})  # where a slot listens, not what it runs
+
+
+def slot_identity(run_dir: Path, mode: str) -> dict[str, Any] | None:
+    """What one slot's server really ran, from its run record (docker inspect, redacted env
+    and the argv read from /proc), minus what may differ between arms."""
+    try:
+        server = json.loads((run_dir / "provenance.json").read_text()).get("server") or {}
+    except (OSError, json.JSONDecodeError):
+        return None
+    cont = server.get("container") or {}
+    skip = ARM_ENV | WHERE_ENV | (CAL_ENV if mode == "cal" else frozenset())
+    argv = server.get("server_argv")
+    if argv:  # where it listens is not the protocol
+        argv = [x for i, x in enumerate(argv)
+                if x != "--port" and (i == 0 or argv[i - 1] != "--port")]
+    return {"image_id": cont.get("image_id"),
+            "env": {k: v for k, v in sorted((cont.get("env") or {}).items()) if k not in skip},
+            "argv": argv}
+
+
+def recorded_protocol(w: Workload, runs: Sequence[dict], mode: str, runs_per_server: int
+                      ) -> tuple[str | None, list[str]]:
+    """(key, differences): the key from the first slot's recorded server identity, the
+    workload protocol and the runs per server; one line per slot whose identity differs."""
+    ids: list[tuple[dict, dict[str, Any]]] = []
+    seen = set()
+    for r in runs:
+        if r.get("run_dir") and r["slot"] not in seen:
+            seen.add(r["slot"])
+            ident = slot_identity(Path(r["run_dir"]), mode)
+            if ident is not None:
+                ids.append((r, ident))
+    if not ids:
+        return None, []
+    first_run, first = ids[0]
+    diffs = []
+    for r, ident in ids[1:]:
+        d = _identity_diff(first, ident)
+        if d:
+            diffs.append(f"slot {r['slot']} (arm {r['arm']}) differs from slot "
+                         f"{first_run['slot']} (arm {first_run['arm']}): {'; '.join(d)}")
+    # The key: the first slot (always arm A) as recorded, whatever the mode, so that an A/A and
+    # a calibration or A/B of the same setup share it (the calibration's delay is arm B's only).
+    key_ident = slot_identity(Path(first_run["run_dir"]), "ab")
+    blob = json.dumps({"workload": w.protocol(), "runs_per_server": runs_per_server,
+                       "server": key_ident}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16], diffs
+
+
+def _identity_diff(a: dict, b: dict) -> list[str]:
+    out = []
+    if a["image_id"] != b["image_id"]:
+        out.append(f"image {a['image_id']} vs {b['image_id']}")
+    for k in sorted(set(a["env"]) | set(b["env"])):
+        va, vb = a["env"].get(k, "(unset)"), b["env"].get(k, "(unset)")
+        if va != vb:
+            out.append(f"env {k}={va} vs {vb}")
+    if a["argv"] != b["argv"]:
+        ea, eb = a["argv"] or [], b["argv"] or []
+        out.append(f"argv {' '.join(x for x in ea if x not in eb) or '-'} vs "
+                   f"{' '.join(x for x in eb if x not in ea) or '-'}")
+    return out
+
+
+# K3_FUSE_* switch -> the fusion's name in the overlay's decision records
+FUSION_OF = {"K3_FUSE_QK_NORM": "qk_norm", "K3_FUSE_DECODE_QPREP": "decode_qprep"}
+
+
+def fusion_states(log_path: Path) -> dict[str, list[str]] | None:
+    """Each fusion's final states over the server's processes (target layers: the model's MLA
+    layers; draft/MTP layers keep the stock path by design and are not judged, as in the
+    census), from the overlay's decision records in the saved server log (None: none)."""
+    from k3rocm.serving import decisions
+
+    try:
+        recs = decisions.records_from_log(log_path.read_text(errors="replace"), log_path.name)
+    except (OSError, UsageError):
+        return None
+    final = [r for r in decisions.final_decisions(recs).values() if r.layer_kind == "target"]
+    if not final:
+        return None
+    return {f: sorted({r.states[f] for r in final}) for f in decisions.STATES}
+
+
+def fusion_check(slots: Sequence[dict], arm_env: dict[str, dict[str, str]]) -> list[str]:
+    """One line per slot whose fusions are not what its arm asked (a switch on -> every final
+    decision "on"; off -> none "on"); a slot without decision records says so."""
+    out = []
+    for s in slots:
+        states = s.get("fusions")
+        if states is None:
+            out.append(f"slot {s['slot']} (arm {s['arm']}): no overlay decision records in its "
+                       "server log (fusion state unverified)")
+            continue
+        for env, fusion in FUSION_OF.items():
+            asked = arm_env[s["arm"]].get(env) == "1"
+            got = states.get(fusion, [])
+            if (asked and got != ["on"]) or (not asked and "on" in got):
+                out.append(f"slot {s['slot']} (arm {s['arm']}): {fusion} asked "
+                           f"{'on' if asked else 'off'}, the overlay decided "
+                           f"{'/'.join(got) or 'nothing'}")
+    return out
+
+
+def parse_primary(spec: str | None, w: Workload) -> tuple[str, int]:
+    """``KEY:STAT@C`` (e.g. itl:p50@1) -> (row label, concurrency); default ITL p50 at the
+    workload's first concurrency (decode-8k1k: C=1). Declared before the run, in the plan."""
+    points = [c for c, _ in w.points()]
+    if not spec:
+        return "ITL p50", points[0]
+    what, _, c = spec.partition("@")
+    labels = {f"{k}:{s}": label for k, s, label, _ in stats.AB_METRICS}
+    if what not in labels or not c.isdigit() or int(c) not in points:
+        raise UsageError(f"--primary {spec!r}: expected METRIC@C with METRIC one of "
+                         f"{', '.join(labels)} and C one of the workload's concurrencies "
+                         f"{points}", 2)
+    return labels[what], int(c)
+
+
+def server_values(runs: Sequence[dict], c: int, n: int) -> dict[str, dict[str, list[float]]]:
+    """{metric label: {arm: [one value per server]}} for point (c, n) of the ok runs."""
+    per_arm: dict[str, dict[str, list[dict]]] = {"A": {}, "B": {}}  # arm -> server -> runs
+    for r in runs:
+        if r["status"] == "ok" and r.get("run_dir"):
+            v = _run_values(Path(r["run_dir"]), c, n)
+            if v is not None:
+                per_arm[r["arm"]].setdefault(r.get("server", r["slot"]), []).append(v)
+    out: dict[str, dict[str, list[float]]] = {}
+    for mkey, stat, label, _ in stats.AB_METRICS:
+        out[label] = {arm: [stats.server_value([v[mkey] for v in rs], stat)
+                            for rs in servers.values() if all(v.get(mkey) for v in rs)]
+                      for arm, servers in per_arm.items()}
+    return out
+
+
+def judge(values: dict[tuple[int, str], dict[str, list[float]]], primary: tuple[str, int],
+          floor_doc: dict | None = None) -> list[dict[str, Any]]:
+    """One row per (concurrency, metric): the server-level test (stats.compare_servers) with
+    the A/A variance component of the same protocol pooled in; the primary row judged at 5%,
+    the others with Holm's correction over the secondary rows."""
     rows = []
+    n_secondary = max(1, sum(1 for k in values if k != (primary[1], primary[0])))
+    for (c, label), arms_ in values.items():
+        lower = next(lw for _, _, lb, lw in stats.AB_METRICS if lb == label)
+        floor = _floor_for(floor_doc, c, label)
+        # a secondary row's MDE at Holm's strictest step (alpha / number of secondary rows)
+        alpha = stats.ALPHA if (label, c) == primary else stats.ALPHA / n_secondary
+        res = stats.compare_servers(arms_.get("A", []), arms_.get("B", []), floor, alpha)
+        rows.append({"concurrency": c, "metric": label, "lower_is_better": lower,
+                     "primary": (label, c) == primary, **res, "noise_floor": floor,
+                     "aa_component": stats.variance_component(
+                         arms_.get("A", []) + arms_.get("B", []))})
+    secondary = [r for r in rows if not r["primary"]]
+    for r, p_adj in zip(secondary, stats.holm([r["p"] for r in secondary]), strict=True):
+        r["p_holm"] = p_adj
+    for r in rows:
+        r["verdict"] = stats.verdict(r, r["lower_is_better"],
+                                     r["p"] if r["primary"] else r["p_holm"])
+    return rows
+
+
+def compare(w: Workload, runs: Sequence[dict], mode: str, key: str, floor_doc: dict | None,
+            primary: tuple[str, int], describe: list[str] | None = None) -> dict[str, Any]:
+    values = {}
     for c, n in w.points():
-        # arm -> server -> [run values]
-        per_arm: dict[str, dict[str, list[dict]]] = {"A": {}, "B": {}}
-        for r in runs:
-            if r["status"] == "ok" and r.get("run_dir"):
-                v = _run_values(Path(r["run_dir"]), c, n)
-                if v is not None:
-                    per_arm[r["arm"]].setdefault(r.get("server", r["slot"]), []).append(v)
-        for mkey, stat, label, lower in stats.AB_METRICS:
-            a = [g for g in ([v[mkey] for v in runs_ if v.get(mkey)]
-                             for runs_ in per_arm["A"].values()) if g]
-            b = [g for g in ([v[mkey] for v in runs_ if v.get(mkey)]
-                             for runs_ in per_arm["B"].values()) if g]
-            res = stats.bootstrap_diff(a, b, stat, n_boot=plan.n_boot)
-            floor = _floor_for(floor_doc, c, label)
-            row = {"concurrency": c, "metric": label, "key": mkey, "stat": stat,
-                   "lower_is_better": lower, **res, "noise_floor": floor,
-                   "verdict": stats.verdict(res, lower, floor)}
-            hw = res.get("halfwidth")
-            n_arm = min(res.get("n_a") or 0, res.get("n_b") or 0)
-            row["repeats_for_1pct"] = stats.repeats_needed(hw, n_arm, 0.01)
-            row["repeats_for_1pct_80power"] = stats.repeats_needed(hw, n_arm, 0.01, power=0.8)
-            rows.append(row)
-    itl = [r for r in rows if r["metric"] == "ITL p50"]
-    head = "; ".join(f"c={r['concurrency']} ITL p50 {_pct(r['d'])} "
-                     f"[{_pct(r['lo'])}, {_pct(r['hi'])}] {r['verdict']}" for r in itl)
+        for label, arms_ in server_values(runs, c, n).items():
+            values[(c, label)] = arms_
+    rows = judge(values, primary, floor_doc)
+    prim = next((r for r in rows if r["primary"]), None)
+    head = "no comparable runs"
+    if prim and prim.get("d") is not None:
+        head = (f"primary {prim['metric']} c={prim['concurrency']}: {_pct(prim['d'])} "
+                f"[{_pct(prim['lo'])}, {_pct(prim['hi'])}] {prim['verdict']}")
+    inputs = _input_rows(runs)
+    flagged = [i for i in inputs if i["flags"]]
+    if flagged:
+        head += (f"; inputs off in {len(flagged)} run point(s) (first: slot {flagged[0]['slot']}"
+                 f" arm {flagged[0]['arm']} c={flagged[0]['concurrency']}: "
+                 f"{flagged[0]['flags'][0]})")
     bunched = _bunched_runs(runs)
     if bunched:
         head += (f"; {summary.BUNCHED_NOTE} in {len(bunched)} run point(s) "
                  f"(first: slot {bunched[0]['slot']} arm {bunched[0]['arm']} "
                  f"c={bunched[0]['concurrency']})")
-    return {"mode": plan.mode, "protocol_key": key, "protocol": plan.describe(),
+    return {"mode": mode, "protocol_key": key, "protocol": describe or [],
             "workload": w.name, "command": _first_command(runs),
-            "runs": list(runs), "rows": rows, "headline": head or "no comparable runs",
-            "bunched": bunched,
+            "primary": {"metric": primary[0], "concurrency": primary[1]},
+            "alpha": stats.ALPHA, "multiplicity": stats.MULTIPLICITY,
+            "runs": list(runs), "rows": rows, "headline": head,
+            "design_after": _design_after(rows, mode),
+            "bunched": bunched, "inputs": inputs,
             "noise_floor_from": floor_doc.get("dir") if floor_doc else None}
+
+
+def _design_after(rows: list[dict], mode: str) -> str | None:
+    """The MDE line after the run: an A/A from its own variance (all its servers are
+    identical), an A/B from the variance its test used."""
+    prim = next((r for r in rows if r["primary"]), None)
+    if not prim:
+        return None
+    n = min(prim["servers_a"], prim["servers_b"])
+    if mode == "aa":
+        comp = prim.get("aa_component") or {}
+        return stats.design_line(comp.get("var_log"), comp.get("df", 0), n, prim["metric"])
+    if prim.get("mde") is None:
+        return stats.design_line(None, 0, n, prim["metric"])
+    return (f"MDE ({prim['metric']}, 80% power, two-sided 5%): {prim['mde'] * 100:.2f}% with "
+            f"{n} server(s) per arm (df {prim['df']}); server-to-server CV "
+            f"{prim['server_cv'] * 100:.2f}%; servers per arm needed for 1%: "
+            f"{prim['servers_for_1pct'] or '> 10000'}")
+
+
+def _input_rows(runs: Sequence[dict]) -> list[dict[str, Any]]:
+    """Per (run, point): the input checks of the summary (OSL/ISL, prefix-cache hits) and the
+    scraped prefix-cache hit rate and MTP acceptance."""
+    out = []
+    for r in runs:
+        try:
+            doc = json.loads((Path(r["run_dir"]) / "summary.json").read_text())
+        except (OSError, TypeError, KeyError, json.JSONDecodeError):
+            continue
+        for p in doc.get("points", []):
+            sm = p.get("server_metrics") or {}
+            out.append({"slot": r["slot"], "arm": r["arm"], "run": r.get("run"),
+                        "concurrency": p["concurrency"], "flags": p.get("flags") or [],
+                        "osl_mismatch_count": p.get("osl_mismatch_count"),
+                        "prefix_cache_hit_rate": sm.get("prefix_cache_hit_rate"),
+                        "mtp_acceptance_rate": sm.get("mtp_acceptance_rate")})
+    return out
 
 
 def _bunched_runs(runs: Sequence[dict]) -> list[dict[str, Any]]:
@@ -337,7 +588,8 @@ def _bunched_runs(runs: Sequence[dict]) -> list[dict[str, Any]]:
 
 def calibration(comp: dict, delay_ms: float | None) -> list[dict[str, Any]]:
     """Injected vs detected, per concurrency: every engine step of arm B sleeps ``delay_ms``
-    and emits one token per running request, so B's ITL should be A's + ``delay_ms``."""
+    and emits one token per running request, so B's ITL should be A's + ``delay_ms``: the
+    expected effect is delay / A, and the check passes when the 95% CI covers it."""
     out = []
     for r in comp["rows"]:
         if r["metric"] != "ITL p50" or r.get("a") is None or r.get("b") is None:
@@ -350,6 +602,7 @@ def calibration(comp: dict, delay_ms: float | None) -> list[dict[str, Any]]:
                     if delay_ms else None,
                     "expected_d": round(delay_ms / a, 4) if delay_ms and a else None,
                     "d": r.get("d"), "lo": r.get("lo"), "hi": r.get("hi"),
+                    "covered": stats.covers(r, delay_ms / a if delay_ms and a else None),
                     "verdict": r["verdict"]})
     return out
 
@@ -362,20 +615,22 @@ def _first_command(runs: Sequence[dict]) -> str | None:
     return None
 
 
-def _floor_for(floor_doc: dict | None, c: int, label: str) -> float | None:
-    if not floor_doc:
+def _floor_for(floor_doc: dict | None, c: int, label: str) -> dict[str, Any] | None:
+    """The A/A's measured variance component of this row, only when it ran the same
+    protocol (same recorded key)."""
+    if not floor_doc or not floor_doc.get("same_protocol"):
         return None
     for r in floor_doc.get("rows", []):
-        if r["concurrency"] == c and r["metric"] == label and r.get("d") is not None:
-            vals = [abs(r["d"]), r.get("halfwidth") or 0.0]
-            vals = [v for v in vals if not math.isnan(v)]
-            return max(vals) if vals else None
+        if r["concurrency"] == c and r["metric"] == label:
+            return r.get("aa_component")
     return None
 
 
-def find_noise_floor(plan: ABPlan, key: str) -> dict | None:
+def find_noise_floor(plan: ABPlan, key: str, field: str = "protocol_key") -> dict | None:
     """The A/A comparison to report beside this A/B: --noise-floor DIR, else the newest A/A
-    under the results root with the same protocol key."""
+    under the results root with the same key (``field``: the recorded protocol key after the
+    run, the planned key before it). Its variance is pooled only when the recorded keys are
+    equal (``same_protocol``)."""
     cands: list[Path] = []
     if plan.noise_floor_dir:
         cands = [plan.noise_floor_dir]
@@ -395,9 +650,9 @@ def find_noise_floor(plan: ABPlan, key: str) -> dict | None:
             if plan.noise_floor_dir:
                 raise UsageError(f"--noise-floor {d} is not an A/A run", 2)
             continue
-        if plan.noise_floor_dir or doc.get("protocol_key") == key:
+        if plan.noise_floor_dir or doc.get(field) == key:
             doc["dir"] = str(d)
-            doc["same_protocol"] = doc.get("protocol_key") == key
+            doc["same_protocol"] = bool(key) and doc.get(field) == key
             return doc
     return None
 
@@ -429,46 +684,89 @@ def comparison_markdown(comp: dict) -> str:
                   "ITL and TTFT of that run describe chunks, not tokens.", ""]
     if comp["mode"] in ("ab", "cal"):
         src = comp.get("noise_floor_from")
-        lines += [f"Noise floor (A/A, same protocol): {src}" if src else
-                  "Noise floor: **no A/A run with this protocol yet** - run `make bench-ab "
-                  "AA=1` with the same settings; verdicts below rest on the CI alone.", ""]
+        lines += [f"A/A variance component (same recorded protocol, pooled): {src}" if src else
+                  "A/A variance component: **no A/A run with this recorded protocol** - run "
+                  "`make bench-ab AA=1` with the same settings; the test below uses this run's "
+                  "servers alone.", ""]
     if comp.get("calibration"):
         lines += ["## Calibration: injected vs detected", "",
                   "| c | injected ms/step | A ITL p50 ms | B ITL p50 ms | detected ms | "
-                  "detected/injected | expected d | detected d [95% CI] | verdict |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+                  "detected/injected | expected d | detected d [95% CI] | CI covers expected | "
+                  "verdict |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---|---|---|"]
         for c in comp["calibration"]:
             lines.append(
                 f"| {c['concurrency']} | {c['injected_ms']:g} | {_num(c['a_itl_ms'])} | "
                 f"{_num(c['b_itl_ms'])} | {_num(c['detected_ms'])} | "
                 f"{_num(c['detected_over_injected'])} | {_pct(c['expected_d'])} | "
-                f"{_pct(c['d'])} [{_pct(c['lo'])}, {_pct(c['hi'])}] | {c['verdict']} |")
+                f"{_pct(c['d'])} [{_pct(c['lo'])}, {_pct(c['hi'])}] | "
+                f"{COVERED[c['covered']]} | "
+                f"{c['verdict']} |")
         lines += ["", "Arm B's server sleeps the injected time in every engine step (one "
                   "token per running request), so B's ITL should be A's plus the injected "
-                  "time: detected/injected near 1 means the protocol measures what happens.",
-                  ""]
+                  "time: the calibration passes when the CI covers the expected effect.", ""]
     lines += ["## Runs", "", "| slot | arm | run | status | server ready s | run s |",
               "|---:|---|---:|---|---:|---:|"]
     for r in comp["runs"]:
         lines.append(f"| {r['slot']} | {r['arm']} | {r.get('run', 0)} | {r['status']} | "
                      f"{r.get('server_ready_s', 'n/a')} | {r.get('seconds', 'n/a')} |")
-    lines += ["", "## Comparison (B vs A)", "",
-              "| c | metric | A (median) | B (median) | d = (B-A)/A | 95% CI | A/A floor | "
-              "verdict | repeats/arm for 1% (80% power) |",
-              "|---:|---|---:|---:|---:|---|---:|---|---:|"]
+    if comp.get("invalid"):
+        lines += ["", f"**INVALID: {comp['invalid']}.** No verdict.", ""]
+    elif comp.get("protocol_differences"):
+        lines += ["", "**Flagged: " + " | ".join(comp["protocol_differences"]) + "**", ""]
+    for f in comp.get("fusion_problems") or []:
+        lines += ["", f"Fusions: {f}."]
+    if comp.get("inputs"):
+        lines += ["", "## Inputs per run (aiperf's OSL check, the server's scraped counters)", "",
+                  "| slot | arm | c | OSL mismatches | prefix-cache hit rate | MTP acceptance | "
+                  "input flags |", "|---:|---|---:|---:|---:|---:|---|"]
+        for i in comp["inputs"]:
+            lines.append(f"| {i['slot']} | {i['arm']} | {i['concurrency']} | "
+                         f"{_num(i['osl_mismatch_count'])} | "
+                         f"{_rate(i['prefix_cache_hit_rate'])} | "
+                         f"{_rate(i['mtp_acceptance_rate'])} | "
+                         f"{'; '.join(i['flags']) or 'none'} |")
+    prim = comp.get("primary") or {}
+    lines += ["", "## Comparison (B vs A), one value per server", "",
+              f"Primary (declared before the run): {prim.get('metric')} at "
+              f"c={prim.get('concurrency')}, two-sided t test at 5%. Other rows: "
+              f"{comp.get('multiplicity')}.", "",
+              f"- before the run: {comp.get('design_before') or 'n/a'}",
+              f"- after the run: {comp.get('design_after') or 'n/a'}", "",
+              "| c | metric | A servers | B servers | d = (B-A)/A | 95% CI | p | MDE 80% | "
+              "servers/arm for 1% | verdict |",
+              "|---:|---|---|---|---:|---|---:|---:|---:|---|"]
     for r in comp["rows"]:
-        floor = "n/a" if r.get("noise_floor") is None else f"±{r['noise_floor'] * 100:.2f}%"
+        p = r.get("p") if r.get("primary") else r.get("p_holm")
+        name = f"**{r['metric']}** (primary)" if r.get("primary") else r["metric"]
+        p_txt = "n/a" if p is None else f"{p:.3g}" + ("" if r.get("primary") else " (Holm)")
         lines.append(
-            f"| {r['concurrency']} | {r['metric']} | {_num(r.get('a'))} | {_num(r.get('b'))} | "
-            f"{_pct(r.get('d'))} | [{_pct(r.get('lo'))}, {_pct(r.get('hi'))}] | {floor} | "
-            f"{r['verdict']} | {r.get('repeats_for_1pct') or 'n/a'} "
-            f"({r.get('repeats_for_1pct_80power') or 'n/a'}) |")
+            f"| {r['concurrency']} | {name} | {_vals(r.get('server_values_a'))} | "
+            f"{_vals(r.get('server_values_b'))} | {_pct(r.get('d'))} | "
+            f"[{_pct(r.get('lo'))}, {_pct(r.get('hi'))}] | {p_txt} | {_mde(r.get('mde'))} | "
+            f"{r.get('servers_for_1pct') or 'n/a'} | {r['verdict']} |")
     lines += ["", f"Headline: {comp['headline']}", "",
-              "Latency in ms (lower is faster), output tokens/s (higher is faster). "
-              "'within noise' = the CI contains 0 (or the effect is inside the A/A floor). "
-              "With one server per arm the CI cannot hold server-to-server noise: an effect "
-              "then counts only beyond the A/A floor."]
+              "Latency in ms (lower is faster), output tokens/s (higher is faster). Each arm "
+              "value is one number per freshly started server (the mean over its runs); the "
+              "test compares log server values (Student t, df = servers - 2, plus the A/A's "
+              "df when an A/A of the same recorded protocol exists). 'inconclusive' means "
+              "what it says: effects below the MDE are not excluded."]
     return "\n".join(lines) + "\n"
+
+
+def _rate(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.1%}"
+
+
+COVERED = {True: "yes", False: "**NO**", None: "n/a"}
+
+
+def _mde(v: float | None) -> str:
+    return "n/a" if v is None else f"{v * 100:.2f}%"
+
+
+def _vals(xs: Sequence[float] | None) -> str:
+    return " ".join(_num(x) for x in xs) if xs else "n/a"
 
 
 def _plot(comp: dict, runs: Sequence[dict], out: Path) -> None:
@@ -507,8 +805,6 @@ def _plot(comp: dict, runs: Sequence[dict], out: Path) -> None:
 def build_plan(args: argparse.Namespace) -> ABPlan:
     if args.runs_per_server < 1:
         raise UsageError(f"--runs-per-server {args.runs_per_server}: must be >= 1", 2)
-    if args.n_boot < 100:
-        raise UsageError(f"--n-boot {args.n_boot}: use at least 100", 2)
     if args.url:
         raise UsageError("--url is not used by bench-ab (it starts its own servers): use --port",
                          2)
@@ -522,9 +818,17 @@ def build_plan(args: argparse.Namespace) -> ABPlan:
     from k3rocm.checks.bench.cli import resolve_from_args
 
     w = resolve_from_args(args)
+    if w.prefix_caching is not None:
+        want = "1" if w.prefix_caching else "0"
+        have = arms.server_env.get("K3_PREFIX_CACHING")
+        if have not in (None, want):
+            raise UsageError(f"--server-env K3_PREFIX_CACHING={have}: workload {w.name} needs "
+                             f"prefix caching {'on' if w.prefix_caching else 'off'} "
+                             f"(K3_PREFIX_CACHING={want}), which the A/B sets on its servers", 2)
+        arms.server_env["K3_PREFIX_CACHING"] = want
     return ABPlan(workload=w, arms=arms, results=args.results,
                   client_image=args.client_image, runs_per_server=args.runs_per_server,
-                  noise_floor_dir=args.noise_floor, n_boot=args.n_boot,
+                  noise_floor_dir=args.noise_floor, primary=parse_primary(args.primary, w),
                   progress=not args.quiet)
 
 

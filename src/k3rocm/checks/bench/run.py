@@ -114,10 +114,21 @@ def run_bench(w: Workload, *, results: Path, client_image: str, server_timeout: 
     res = runner.run_client(client, client_image, argv, mounts, run_dir / "aiperf.log", name,
                             progress=progress)
     per_step, per_step_from = summary.tokens_per_step(prov["server"])
-    points = summary.summarize(run_dir / "aiperf", w.points(), per_step, per_step_from)
+    points = summary.summarize(run_dir / "aiperf", w.points(), per_step, per_step_from,
+                               expect={"isl": w.isl, "osl": w.osl,
+                                       "prefix_caching": w.prefix_caching})
+    caching = server_prefix_caching(prov["server"])
+    caching_note = None
+    if w.prefix_caching is not None and caching != w.prefix_caching:
+        caching_note = (f"the workload needs prefix caching {_onoff(w.prefix_caching)}, the "
+                        f"server ran with it {_onoff(caching)} (serve with K3_PREFIX_CACHING="
+                        f"{int(w.prefix_caching)})")
+        _log(f"WARNING: {caching_note}")
     for p in points:
         if (p.get("stream") or {}).get("bunched"):
             _log(f"WARNING c={p['concurrency']}: {p['stream']['note']}")
+        for f in p.get("flags") or []:
+            _log(f"WARNING c={p['concurrency']}: {f}")
     status = "ok"
     failed = [p for p in points if p["status"] != "ok"]
     if res.interrupted:
@@ -135,15 +146,20 @@ def run_bench(w: Workload, *, results: Path, client_image: str, server_timeout: 
         "aiperf_exit_code": res.exit_code, "aiperf_seconds": round(res.seconds, 1),
         "wall_seconds": round(time.time() - t0, 1), "server_reachable_after": server_alive,
         "protocol": w.protocol(), "command": cmd_line, "points": points,
+        "prefix_caching": {"workload": w.prefix_caching, "server": caching,
+                           "note": caching_note},
     }
     write_json_atomic(run_dir / "summary.json", doc)
     tp_val = tp if tp is not None else _server_tp(prov["server"])
     write_text_atomic(run_dir / "perf.csv", summary.perf_csv(
         points, model=w.model, benchmark=w.name, tp=tp_val, inp=w.isl, out=w.osl, cmd=cmd_line))
     title = f"{w.name} ({status})"
+    want = "any" if w.prefix_caching is None else _onoff(w.prefix_caching)
     write_text_atomic(run_dir / "report.md", summary.markdown_report(
         points, title, [*protocol_lines(w), f"command: `{cmd_line}`",
                         f"server: {_server_line(prov['server'])}",
+                        f"prefix caching: workload {want}, server {_onoff(caching)}"
+                        + (f" - **{caching_note}**" if caching_note else ""),
                         f"seed: {prov['seed_comparison']['text']}"]))
     pngs = plots.write_plots(points, run_dir, w.name)
     if not pngs:
@@ -171,6 +187,18 @@ def run_bench(w: Workload, *, results: Path, client_image: str, server_timeout: 
                f"raw logs and finished points kept in {run_dir}")
         code = EXIT_FAILED
     return BenchResult(run_dir, status, code, " ".join(msg.split()), points, doc)
+
+
+def server_prefix_caching(prov: dict | None) -> bool | None:
+    """Prefix caching of the server as its recorded argv says (vLLM's default is on)."""
+    argv = (prov or {}).get("server_argv")
+    if not argv:
+        return None
+    return "--no-enable-prefix-caching" not in argv
+
+
+def _onoff(v: bool | None) -> str:
+    return {True: "on", False: "off", None: "unknown"}[v]
 
 
 def _last_error(log: Path) -> str:

@@ -1,28 +1,40 @@
-"""A/B statistics: median of repeats per arm, relative difference, hierarchical bootstrap CI,
-verdict, and the repeats needed to resolve a given difference.
+"""A/B statistics with the server as the unit of replication.
 
-Model: each run of an arm is one complete aiperf run of the workload on a freshly started
-server (or, with runs-per-server K > 1, the k-th of K runs on it); its value for (metric, stat)
-is computed from that run's successful profiling-phase requests exactly as in the summary (e.g.
-ITL p50 over requests). The arm's value is the median over its runs; the effect is
-d = (B - A) / A. The 95% CI comes from a hierarchical bootstrap that resamples servers
-(server-to-server noise), runs within a server, and requests within a run (request noise);
-run-level metrics (output tokens/s) stop at the run level.
+Model: each slot of the order A B B A ... is a freshly started server; its value for a
+(metric, stat) is one number: the mean over its runs (``--runs-per-server``) of the run's
+statistic, computed from the run's successful profiling-phase requests exactly as in the summary
+(e.g. ITL p50 over requests). Request noise is inside that number; what varies between numbers
+of one arm is server-to-server (plus request) noise: the variance component that decides what an
+A/B can see.
 
-Verdict: the CI contains 0 -> "within noise"; otherwise "B faster" / "B slower" (direction per
-metric: lower latency, higher throughput is faster). When an A/A noise floor for the same
-protocol is known, an effect no larger than the floor is also "within noise". With one server
-per arm the CI holds no server-to-server noise: an effect then counts only when it exceeds the
-A/A floor (without a floor the verdict is "within noise"); use --repeats >= 2 (A B B A).
+Test: on log server values, the difference of arm means (effect d = exp(mean log B - mean log
+A) - 1) against the pooled between-server variance, Student t with df = servers_A + servers_B - 2.
+Under identical arms with normal log server values its false-positive rate is exactly ALPHA at
+any number of servers (checked by simulation in tests/test_bench_unit.py). The A/A floor of the
+same protocol is a measured variance component: its between-server variance (df = its servers
+- 1) is pooled with the A/B's, which adds its degrees of freedom (one server per arm is then
+testable). The order A B B A ... balances linear drift between the arms when the repeats are
+even.
+
+One primary row (default ITL p50 at the workload's first concurrency) is judged at ALPHA; every
+other row is judged with Holm's step-down correction over the secondary rows (family ALPHA).
+
+Verdict, three-way: "B faster" / "B slower" when p < ALPHA (direction per metric: lower latency,
+higher throughput is faster), otherwise "inconclusive: effects smaller than X% cannot be seen
+with N servers per arm", X the minimum detectable effect at 80% power (two-sided ALPHA, t
+approximation (t_{1-ALPHA/2,df} + t_{POWER,df}) * s * sqrt(1/n_A + 1/n_B)).
+
+No scipy: Student's t distribution for integer df from Abramowitz & Stegun 26.7.3/26.7.4.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
 
-from k3rocm.errors import UsageError
+from k3rocm.checks.bench import summary
 
 # (key, stat, label, lower_is_better)
 AB_METRICS: list[tuple[str, str, str, bool]] = [
@@ -32,122 +44,256 @@ AB_METRICS: list[tuple[str, str, str, bool]] = [
     ("e2el", "p50", "E2E p50", True),
     ("output_tps", "avg", "output tokens/s", False),
 ]
-PCT = {"p50": 50.0, "p90": 90.0, "p99": 99.0}
-CONFIDENCE = 0.95
-Z = {0.95: 1.959964, 0.8: 0.841621}
+ALPHA = 0.05
+POWER = 0.80
+CONFIDENCE = 1 - ALPHA
+MULTIPLICITY = "Holm (step-down) over the secondary rows, family-wise 5%"
 
 
-def _np():
-    try:
-        import numpy as np
-    except ModuleNotFoundError:
-        raise UsageError("A/B statistics need numpy: pip install 'k3rocm[host]'", 2) from None
-    return np
-
-
-def _stat(np, x, stat: str) -> float:
+def run_stat(values: Sequence[float] | float, stat: str) -> float:
+    """One run's statistic: a run-level float as is, else avg/pXX over its requests."""
+    if isinstance(values, (int, float)):
+        return float(values)
     if stat == "avg":
-        return float(np.mean(x))
-    return float(np.percentile(x, PCT[stat]))  # linear interpolation, as aiperf
+        return sum(values) / len(values)
+    return summary.stat_of(values, stat)  # as the summary computes it
 
 
-def _flatten(groups: Sequence[Any]) -> list[Any]:
-    """Accept a flat list of runs or a list of servers each holding a list of runs."""
-    out: list[Any] = []
-    for g in groups:
-        if isinstance(g, list) and g and not isinstance(g[0], (int, float)):
-            out.extend(g)
+def server_value(runs: Sequence[Sequence[float] | float], stat: str) -> float:
+    """One number per server: the mean over its runs of the run statistic."""
+    vals = [run_stat(r, stat) for r in runs]
+    return sum(vals) / len(vals)
+
+
+# --- Student t for integer degrees of freedom ---------------------------------------------------
+
+def t_two_sided_p(t: float, df: int) -> float:
+    """P(|T| >= |t|), T ~ Student t with integer df >= 1 (A&S 26.7.3 / 26.7.4)."""
+    if df < 1:
+        raise ValueError("df must be >= 1")
+    theta = math.atan(abs(t) / math.sqrt(df))
+    c2, s = math.cos(theta) ** 2, math.sin(theta)
+    if df % 2:  # odd
+        acc, term = 0.0, math.cos(theta)
+        if df > 1:
+            acc = term
+            for k in range(3, df - 1, 2):
+                term *= c2 * (k - 1) / k
+                acc += term
+        a = 2 / math.pi * (theta + s * acc)
+    else:
+        acc, term = 1.0, 1.0
+        for k in range(2, df - 1, 2):
+            term *= c2 * (k - 1) / k
+            acc += term
+        a = s * acc
+    return min(1.0, max(0.0, 1.0 - a))
+
+
+@functools.lru_cache(maxsize=4096)
+def t_quantile(p: float, df: int) -> float:
+    """The t with P(T <= t) = p (0.5 <= p < 1), by bisection on the CDF."""
+    if not 0.5 <= p < 1:
+        raise ValueError("p must be in [0.5, 1)")
+    lo, hi = 0.0, 1.0
+    while 1 - t_two_sided_p(hi, df) / 2 < p:
+        hi *= 2
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        if 1 - t_two_sided_p(mid, df) / 2 < p:
+            lo = mid
         else:
-            out.append(g)
-    return out
+            hi = mid
+    return (lo + hi) / 2
 
 
-def _groups(reps: Sequence[Any]) -> list[list[Any]]:
-    out = []
-    for g in reps:
-        if isinstance(g, list) and g and not isinstance(g[0], (int, float)):
-            out.append(list(g))
-        else:
-            out.append([g])
-    return out
+# --- variance components, MDE, servers needed ---------------------------------------------------
 
-
-def arm_value(reps: Sequence[Any], stat: str) -> float:
-    """Median over runs of the per-run statistic. ``reps`` holds per-request arrays (or floats
-    for run-level metrics), optionally grouped per server: [[run, run], [run, run]]."""
-    np = _np()
-    vals = [r if isinstance(r, (int, float)) else _stat(np, np.asarray(r, float), stat)
-            for r in _flatten(reps)]
-    return float(np.median(vals))
-
-
-def bootstrap_diff(a_reps: Sequence[Any], b_reps: Sequence[Any], stat: str, n_boot: int = 2000,
-                   seed: int = 20260807, confidence: float = CONFIDENCE) -> dict[str, Any]:
-    """Relative difference (B-A)/A of the arms' medians with a hierarchical bootstrap CI:
-    resample servers, then runs within each server, then requests within each run."""
-    np = _np()
-    if not a_reps or not b_reps:
-        return {"d": None, "lo": None, "hi": None, "n_a": len(_flatten(a_reps)),
-                "n_b": len(_flatten(b_reps))}
-    a_val, b_val = arm_value(a_reps, stat), arm_value(b_reps, stat)
-    d = (b_val - a_val) / a_val if a_val else math.nan
-    rng = np.random.default_rng(seed)
-    ga = [[r if isinstance(r, (int, float)) else np.asarray(r, float) for r in g]
-          for g in _groups(a_reps)]
-    gb = [[r if isinstance(r, (int, float)) else np.asarray(r, float) for r in g]
-          for g in _groups(b_reps)]
-
-    def one(groups) -> float:
-        vals = []
-        for gi in rng.integers(0, len(groups), size=len(groups)):
-            group = groups[gi]
-            for ri in rng.integers(0, len(group), size=len(group)):
-                r = group[ri]
-                if isinstance(r, (int, float)):
-                    vals.append(float(r))
-                else:
-                    vals.append(_stat(np, r[rng.integers(0, len(r), size=len(r))], stat))
-        return float(np.median(vals))
-
-    boots = []
-    for _ in range(n_boot):
-        a, b = one(ga), one(gb)
-        if a:
-            boots.append((b - a) / a)
-    alpha = (1 - confidence) / 2
-    lo, hi = (float(np.quantile(boots, alpha)), float(np.quantile(boots, 1 - alpha))) \
-        if boots else (math.nan, math.nan)
-    return {"a": a_val, "b": b_val, "d": d, "lo": lo, "hi": hi, "halfwidth": (hi - lo) / 2,
-            "n_a": len(_flatten(a_reps)), "n_b": len(_flatten(b_reps)), "servers_a": len(ga),
-            "servers_b": len(gb), "n_boot": n_boot, "confidence": confidence}
-
-
-def verdict(res: dict, lower_is_better: bool, floor: float | None = None) -> str:
-    d, lo, hi = res.get("d"), res.get("lo"), res.get("hi")
-    if d is None or lo is None or hi is None or any(map(math.isnan, (d, lo, hi))):
-        return "no data"
-    if lo <= 0 <= hi:
-        return "within noise"
-    if floor is not None and abs(d) <= floor:
-        return "within noise"
-    if floor is None and min(res.get("servers_a", 2), res.get("servers_b", 2)) < 2:
-        # One server per arm: resampling cannot see server-to-server noise, so a CI that
-        # excludes 0 may only say "these two servers differ". Without an A/A floor to beat,
-        # that is not evidence of an effect.
-        return "within noise"
-    better = hi < 0 if lower_is_better else lo > 0
-    return "B faster" if better else "B slower"
-
-
-def repeats_needed(halfwidth: float | None, n_per_arm: int, effect: float = 0.01,
-                   power: float | None = None) -> int | None:
-    """Repeats per arm for the CI half-width to shrink to ``effect`` (CI excludes 0 for a true
-    effect of that size about half the time); with ``power`` (e.g. 0.8) the half-width is
-    shrunk further to z/(z+z_power) of the effect. Assumes half-width ~ 1/sqrt(repeats), the
-    per-repeat request count unchanged."""
-    if not halfwidth or n_per_arm < 1 or math.isnan(halfwidth):
+def variance_component(values: Sequence[float]) -> dict[str, Any] | None:
+    """Between-server variance of log values of identical servers (an A/A: all its servers)."""
+    logs = [math.log(v) for v in values if v and v > 0]
+    if len(logs) < 2:
         return None
-    target = effect
-    if power is not None:
-        target = effect * Z[CONFIDENCE] / (Z[CONFIDENCE] + Z[power])
-    return max(1, math.ceil(n_per_arm * (halfwidth / target) ** 2))
+    m = sum(logs) / len(logs)
+    return {"var_log": sum((x - m) ** 2 for x in logs) / (len(logs) - 1), "df": len(logs) - 1}
+
+
+def mde(var_log: float, df: int, n_a: int, n_b: int, alpha: float = ALPHA,
+        power: float = POWER) -> float:
+    """Smallest relative effect found with ``power`` (two-sided ``alpha``)."""
+    k = t_quantile(1 - alpha / 2, df) + t_quantile(power, df)
+    return math.exp(k * math.sqrt(var_log * (1 / n_a + 1 / n_b))) - 1
+
+
+def servers_needed(var_log: float, effect: float = 0.01, extra_df: int = 0,
+                   alpha: float = ALPHA, power: float = POWER, cap: int = 10000) -> int | None:
+    """Servers per arm so that ``effect`` is the MDE (df = 2n - 2 + extra_df)."""
+    # the normal approximation is a lower bound (t quantiles exceed z): start there
+    z, zb = _z(1 - alpha / 2), _z(power)
+    start = max(1, math.floor(2 * (z + zb) ** 2 * var_log / math.log1p(effect) ** 2))
+    for n in range(start, cap + 1):
+        df = 2 * n - 2 + extra_df
+        if df >= 1 and mde(var_log, df, n, n, alpha, power) <= effect:
+            return n
+    return None
+
+
+# --- the test ----------------------------------------------------------------------------------
+
+def compare_servers(a: Sequence[float], b: Sequence[float],
+                    floor: dict[str, Any] | None = None, alpha: float = ALPHA) -> dict[str, Any]:
+    """Effect of B vs A on per-server values, with the t test and its design numbers.
+
+    ``floor``: an A/A variance component of the same protocol ({"var_log", "df"}), pooled.
+    ``alpha``: the level the row is judged at (its MDE and servers needed use it; the CI is
+    always 95%)."""
+    la = [math.log(v) for v in a if v and v > 0]
+    lb = [math.log(v) for v in b if v and v > 0]
+    out: dict[str, Any] = {"servers_a": len(la), "servers_b": len(lb),
+                           "server_values_a": list(a), "server_values_b": list(b),
+                           "d": None, "lo": None, "hi": None, "p": None, "df": 0,
+                           "var_log": None, "mde": None, "servers_for_1pct": None,
+                           "floor_used": bool(floor)}
+    if not la or not lb:
+        return out
+    ma, mb = sum(la) / len(la), sum(lb) / len(lb)
+    out.update(a=math.exp(ma), b=math.exp(mb), d=math.exp(mb - ma) - 1)
+    ss = sum((x - ma) ** 2 for x in la) + sum((x - mb) ** 2 for x in lb)
+    df = len(la) + len(lb) - 2
+    extra_df = 0
+    if floor:
+        ss += floor["var_log"] * floor["df"]
+        df += floor["df"]
+        extra_df = floor["df"]
+    out["df"] = df
+    if df < 1:
+        return out
+    var = ss / df
+    se = math.sqrt(var * (1 / len(la) + 1 / len(lb)))
+    q = t_quantile(1 - ALPHA / 2, df)
+    diff = mb - ma
+    out.update(var_log=var, server_cv=math.sqrt(var),
+               p=(t_two_sided_p(diff / se, df) if se > 0 else (0.0 if diff else 1.0)),
+               lo=math.exp(diff - q * se) - 1, hi=math.exp(diff + q * se) - 1,
+               mde=mde(var, df, len(la), len(lb), alpha),
+               servers_for_1pct=servers_needed(var, 0.01, extra_df, alpha))
+    return out
+
+
+def holm(ps: Sequence[float | None]) -> list[float | None]:
+    """Holm step-down adjusted p-values (None stays None)."""
+    idx = sorted((i for i, p in enumerate(ps) if p is not None), key=lambda i: ps[i])
+    m, out, run = len(idx), [None] * len(ps), 0.0
+    for rank, i in enumerate(idx):
+        run = max(run, min(1.0, (m - rank) * ps[i]))
+        out[i] = run
+    return out
+
+
+def verdict(res: dict, lower_is_better: bool, p: float | None = None,
+            alpha: float = ALPHA) -> str:
+    """Three-way wording. ``p``: the (adjusted) p-value to judge, default the row's own."""
+    p = res.get("p") if p is None else p
+    n = min(res.get("servers_a") or 0, res.get("servers_b") or 0)
+    if res.get("d") is None:
+        return "no data"
+    if p is None:
+        return (f"inconclusive: no estimate of server-to-server noise with {n} server(s) per "
+                "arm and no A/A of this protocol")
+    if p < alpha:
+        faster = (res["d"] < 0) == lower_is_better
+        return "B faster" if faster else "B slower"
+    return (f"inconclusive: effects smaller than {pct_text(res['mde'])} cannot be seen with "
+            f"{n} server(s) per arm")
+
+
+def pct_text(x: float) -> str:
+    """0.0127 -> '1.3%', 2.117 -> '212%'."""
+    v = x * 100
+    return f"{v:.0f}%" if v >= 10 else f"{v:.2g}%"
+
+
+def covers(res: dict, effect: float | None) -> bool | None:
+    """Calibration: does the row's 95% CI cover a known injected effect? (None: no CI)"""
+    if effect is None or res.get("lo") is None or res.get("hi") is None:
+        return None
+    return res["lo"] <= effect <= res["hi"]
+
+
+def design_line(var_log: float | None, var_df: int, n: int, metric: str = "ITL p50") -> str:
+    """The plan's MDE line: what ``n`` servers per arm can see given a measured variance."""
+    if var_log is None:
+        return (f"MDE ({metric}): unknown - no A/A of this protocol to measure server-to-server "
+                "noise (run the A/A first: --aa)")
+    df = 2 * n - 2 + var_df
+    m = mde(var_log, df, n, n) if df >= 1 else math.nan
+    need = servers_needed(var_log, 0.01, var_df)
+    return (f"MDE ({metric}, 80% power, two-sided 5%): {m * 100:.2f}% for an A/B with {n} "
+            f"server(s) per arm pooled with this variance; server-to-server CV "
+            f"{math.sqrt(var_log) * 100:.2f}% (df {var_df}); servers per arm needed for 1%: "
+            f"{need if need else '> 10000'}")
+
+
+# --- paired accuracy (GSM8K A/B on the same items) ------------------------------------------------
+
+def binom_cdf(k: int, n: int, p: float = 0.5) -> float:
+    """P(X <= k), X ~ Binomial(n, p), exact (math.comb)."""
+    if k < 0:
+        return 0.0
+    return min(1.0, sum(math.comb(n, i) * p ** i * (1 - p) ** (n - i)
+                        for i in range(min(k, n) + 1)))
+
+
+def mcnemar_exact(b_only: int, a_only: int) -> float:
+    """Two-sided exact McNemar p: of the discordant items (right in one arm only), how
+    surprising the split is if both arms are equally accurate (Binomial(n, 1/2))."""
+    n = b_only + a_only
+    if n == 0:
+        return 1.0
+    return min(1.0, 2 * binom_cdf(min(b_only, a_only), n))
+
+
+def paired_accuracy(a: Sequence[bool], b: Sequence[bool], margin: float,
+                    alpha: float = ALPHA) -> dict[str, Any]:
+    """Fusion off (a) vs on (b) on the same items: accuracies, McNemar's exact test on the
+    discordant items, and non-inferiority of B (B - A > -margin) from the one-sided
+    (1 - alpha) lower bound of the paired difference (Wald, paired variance)."""
+    if len(a) != len(b) or not a:
+        raise ValueError("paired accuracy needs the same non-empty item list in both arms")
+    n = len(a)
+    b_only = sum(1 for x, y in zip(a, b, strict=True) if y and not x)
+    a_only = sum(1 for x, y in zip(a, b, strict=True) if x and not y)
+    acc_a, acc_b = sum(a) / n, sum(b) / n
+    diff = acc_b - acc_a
+    var = ((b_only + a_only) / n - diff ** 2) / n  # paired: discordant proportions
+    z = _z(1 - alpha)
+    lower = diff - z * math.sqrt(max(var, 0.0))
+    p = mcnemar_exact(b_only, a_only)
+    if p < alpha:
+        diff_word = "B more accurate" if diff > 0 else "B less accurate"
+    else:
+        diff_word = "no difference detected"
+    return {"n": n, "acc_a": acc_a, "acc_b": acc_b, "diff": diff, "b_only": b_only,
+            "a_only": a_only, "mcnemar_p": p, "mcnemar": diff_word,
+            "margin": margin, "lower_bound": lower, "non_inferior": lower > -margin}
+
+
+def _z(p: float) -> float:
+    """Standard normal quantile (bisection on erf; p in (0.5, 1))."""
+    lo, hi = 0.0, 10.0
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        if 0.5 * (1 + math.erf(mid / math.sqrt(2))) < p:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def noninferiority_power(n: int, margin: float, discordant: float, alpha: float = ALPHA) -> float:
+    """Power to show non-inferiority (one-sided ``alpha``) with ``n`` paired items when the arms
+    are truly equally accurate and a fraction ``discordant`` of items differ between them."""
+    sd = math.sqrt(discordant / n)
+    if sd == 0:
+        return 1.0
+    return 0.5 * (1 + math.erf((margin / sd - _z(1 - alpha)) / math.sqrt(2)))

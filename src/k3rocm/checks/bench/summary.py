@@ -189,6 +189,7 @@ def summarize_point(point_dir: Path | None, concurrency: int, request_count: int
     point["duration_s"] = _agg(agg, "benchmark_duration", "avg")
     point["isl_avg"] = _agg(agg, "input_sequence_length", "avg")
     point["osl_avg"] = _agg(agg, "output_sequence_length", "avg")
+    point["osl_mismatch_count"] = _agg(agg, "osl_mismatch_count", "avg")
     errors = agg.get("error_summary") or []
     n_err = sum(int(e.get("count", 1)) for e in errors if isinstance(e, dict)) or len(errors)
     completed = _agg(agg, "request_count", "avg") or 0
@@ -318,11 +319,69 @@ def judge_stream(shape: dict[str, Any] | None, per_step: int = 1,
     return out
 
 
+# Server counters aiperf 0.13.0 scrapes from the server's /metrics during the profiling phase
+# (server_metrics_export.json, "hybrid" format: metrics[name]["series"][i]["stats"]["total"],
+# the counter's increase; aiperf strips prometheus' "_total"). Names: vLLM 0.32.0
+# v1/metrics/loggers.py (prefix cache) and v1/spec_decode/metrics.py (MTP / speculative).
+SERVER_COUNTERS = {"prefix_cache_hits": "vllm:prefix_cache_hits",
+                   "prefix_cache_queries": "vllm:prefix_cache_queries",
+                   "spec_draft_tokens": "vllm:spec_decode_num_draft_tokens",
+                   "spec_accepted_tokens": "vllm:spec_decode_num_accepted_tokens"}
+# Server-counted prompt tokens hold the chat template on top of the synthetic ISL (measured on
+# the stand-in: ISL 64 -> 79 with the smoke model's template): a few dozen tokens, never fewer.
+ISL_TEMPLATE_TOKENS = 64
+
+
+def server_counters(point_dir: Path | None) -> dict[str, Any] | None:
+    """Prefix-cache hit rate and MTP acceptance of one point from the scraped counters."""
+    try:
+        doc = json.loads((point_dir / "server_metrics_export.json").read_text())
+    except (OSError, TypeError, json.JSONDecodeError):
+        return None
+    metrics = doc.get("metrics") or {}
+    out: dict[str, Any] = {}
+    for key, name in SERVER_COUNTERS.items():
+        series = (metrics.get(name) or {}).get("series")
+        out[key] = (sum(float((s.get("stats") or {}).get("total") or 0) for s in series)
+                    if series else None)
+    q, h = out["prefix_cache_queries"], out["prefix_cache_hits"]
+    out["prefix_cache_hit_rate"] = h / q if q and h is not None else None
+    d, a = out["spec_draft_tokens"], out["spec_accepted_tokens"]
+    out["mtp_acceptance_rate"] = a / d if d and a is not None else None
+    return out
+
+
+def input_flags(point: dict, isl: int, osl: int, prefix_caching: bool | None) -> list[str]:
+    """What makes a point's inputs other than the workload asked for (empty: clean)."""
+    flags = []
+    n = point.get("osl_mismatch_count")
+    if n:
+        flags.append(f"OSL: {n:.0f} request(s) off the requested {osl} tokens (aiperf "
+                     "osl_mismatch_count)")
+    if point.get("osl_avg") is not None and abs(point["osl_avg"] - osl) > 0.5:
+        flags.append(f"OSL: server counted {point['osl_avg']:.1f} output tokens on average, "
+                     f"not {osl}")
+    got = point.get("isl_avg")
+    if got is not None and not isl <= got <= isl + max(ISL_TEMPLATE_TOKENS, 0.02 * isl):
+        flags.append(f"ISL: server counted {got:.0f} input tokens on average for {isl} asked "
+                     f"(expected {isl}..{isl + max(ISL_TEMPLATE_TOKENS, int(0.02 * isl))} with "
+                     "the chat template)")
+    hits = (point.get("server_metrics") or {}).get("prefix_cache_hits")
+    if prefix_caching is False and hits:
+        flags.append(f"prefix cache: {hits:.0f} token hit(s) while the workload needs prefix "
+                     "caching off")
+    elif prefix_caching is False and hits is None:
+        flags.append("prefix cache: hits not scraped from the server (cannot check 0)")
+    return flags
+
+
 def summarize(artifact_dir: Path, points: Sequence[tuple[int, int]], per_step: int = 1,
-              per_step_source: str = "") -> list[dict[str, Any]]:
+              per_step_source: str = "", expect: dict[str, Any] | None = None
+              ) -> list[dict[str, Any]]:
     """Every expected point, in order; a missing or broken one is recorded as failed. Each
     point's ``stream`` says whether the stream was per token (``per_step``: tokens one engine
-    step streams, see :func:`tokens_per_step`)."""
+    step streams, see :func:`tokens_per_step`); with ``expect`` ({isl, osl, prefix_caching})
+    its ``flags`` say where the inputs were not what the workload asked for."""
     dirs = find_point_dirs(artifact_dir)
     if len(points) == 1 and not dirs and (artifact_dir / "profile_export.jsonl").exists():
         dirs = {points[0]: artifact_dir}  # single-point runs write straight into artifact_dir
@@ -333,6 +392,9 @@ def summarize(artifact_dir: Path, points: Sequence[tuple[int, int]], per_step: i
         point = summarize_point(dirs.get((c, n)), c, n)
         point["stream"] = judge_stream(stream_shape(dirs.get((c, n))), per_step,
                                        per_step_source)
+        point["server_metrics"] = server_counters(dirs.get((c, n)))
+        if expect and point.get("metrics"):
+            point["flags"] = input_flags(point, **expect)
         out.append(point)
     return out
 
@@ -378,6 +440,10 @@ def _fmt(v: float | None, digits: int = 2) -> str:
     return f"{v:.{digits}f}"
 
 
+def _rate(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.1%}"
+
+
 def markdown_report(points: Sequence[dict], title: str, protocol_lines: Sequence[str]) -> str:
     lines = [f"# {title}", ""]
     lines += [f"- {x}" for x in protocol_lines]
@@ -393,6 +459,17 @@ def markdown_report(points: Sequence[dict], title: str, protocol_lines: Sequence
     for p in bunched:
         lines += ["", f"**c={p['concurrency']}: {p['stream']['note']}.** The latency figures of "
                       "this point describe chunks, not tokens."]
+    for p in points:
+        for f in p.get("flags") or []:
+            lines += ["", f"**c={p['concurrency']} inputs: {f}.**"]
+    lines += ["", "| concurrency | ISL avg (server) | OSL avg (server) | OSL mismatches | "
+              "prefix-cache hit rate | MTP acceptance |", "|---:|---:|---:|---:|---:|---:|"]
+    for p in points:
+        sm = p.get("server_metrics") or {}
+        lines.append(f"| {p['concurrency']} | {_fmt(p.get('isl_avg'), 1)} | "
+                     f"{_fmt(p.get('osl_avg'), 1)} | {_fmt(p.get('osl_mismatch_count'), 0)} | "
+                     f"{_rate(sm.get('prefix_cache_hit_rate'))} | "
+                     f"{_rate(sm.get('mtp_acceptance_rate'))} |")
     for p in points:
         lines += ["", f"## concurrency {p['concurrency']} ({p['request_count']} requests): "
                       f"{p['status']}", ""]

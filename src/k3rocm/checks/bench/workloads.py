@@ -53,6 +53,7 @@ class Workload(BaseModel):
     ui: Literal["simple", "none", "dashboard"] = "simple"
     extra_args: tuple[str, ...] = ()
     request_timeout_s: float = 0
+    prefix_caching: bool | None = None
 
     @field_validator("isl", "osl")
     @classmethod

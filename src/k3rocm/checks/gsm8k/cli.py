@@ -157,8 +157,12 @@ def _rescore(args: argparse.Namespace) -> int:
     if not run_dir.is_dir():
         raise UsageError(f"--rescore {run_dir} is not a directory")
     res, samples, fallbacks, _, _ = results.load_run(run_dir)
+    max_gen = None
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        max_gen = json.loads((run_dir / "summary.json").read_text())["run"]["max_gen_tokens"]
     verdict = results.evaluate(res, samples, fallbacks, threshold=args.threshold,
-                               allow_limit=args.allow_limit)
+                               allow_limit=args.allow_limit,
+                               finishes=results.read_finishes(run_dir), max_gen_tokens=max_gen)
     print(json.dumps(verdict, indent=2), file=sys.stdout)
     print(verdict["message"], file=sys.stderr)
     return verdict["exit_code"]
@@ -281,6 +285,11 @@ def _execute(client, s: Gsm8kSettings, src: data.DataSource, argv: list[str],
                 "command": argv, "command_line": line, "network_mode": "host",
                 "user": f"{os.getuid()}:{os.getgid()}",
                 "mounts": {h: list(m) for h, m in mounts.items()}, "env": redact_env(env)},
+        measure="gsm8k", workload={"num_fewshot": command.NUM_FEWSHOT, "limit": s.limit,
+                                   # the shipped task (the seed's) ran; local items may
+                                   # not be GSM8K's own: unknown
+                                   "seed_task_config": True if src.kind != "local-jsonl"
+                                   else None},
         settings=s.as_dict(), data=src.provenance(),
         task_file={"shipped": str(data.TASK_FILE),
                    "shipped_sha256": hashlib.sha256(data.shipped_task().encode()).hexdigest(),
@@ -338,7 +347,10 @@ def _finish(run_dir: Path, s: Gsm8kSettings, src: data.DataSource, prov: dict, w
         try:
             res, samples, fallbacks, rfile, sfile = results.load_run(run_dir)
             summary = results.evaluate(res, samples, fallbacks, threshold=s.threshold,
-                                       allow_limit=s.allow_limit)
+                                       allow_limit=s.allow_limit,
+                                       finishes=results.read_finishes(run_dir),
+                                       max_gen_tokens=s.max_gen_tokens)
+            summary["seed_comparison"] = prov.get("seed_comparison")
             summary["files"] = {"results": str(rfile.relative_to(run_dir)),
                                 "samples": str(sfile.relative_to(run_dir)) if sfile else None}
         except UsageError as exc:

@@ -135,6 +135,7 @@ def container_env(s: Gsm8kSettings, data: DataSource | None) -> dict[str, str]:
         "PYTHONUNBUFFERED": "1",
         "K3_GSM8K_FALLBACK_LOG": f"{OUT_MOUNT}/reasoning_fallback.jsonl",
         "K3_GSM8K_CLIENT_INFO": f"{OUT_MOUNT}/client_info.json",
+        "K3_GSM8K_FINISH_LOG": f"{OUT_MOUNT}/finish_reasons.jsonl",
     }
     if data is not None and data.kind == "hf-datasets-cache":
         env["HF_HOME"] = HF_MOUNT

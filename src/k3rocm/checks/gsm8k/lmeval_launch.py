@@ -9,8 +9,11 @@ from the seed's protocol): lm-eval's ``local-chat-completions`` unchanged, excep
 response whose ``message.content`` is empty while the reasoning field (``reasoning_content``, or
 ``reasoning`` in newer vLLM) holds text is scored on that text.
 Every such fallback is appended as one JSON line to ``$K3_GSM8K_FALLBACK_LOG`` so the summary
-can say how many answers needed it. Before evaluating, the versions of lm-eval and its data
-stack are written to ``$K3_GSM8K_CLIENT_INFO``.
+can say how many answers needed it. For every model (the seed's ``local-chat-completions`` and
+``local-completions`` too) each response's ``finish_reason`` is appended to
+``$K3_GSM8K_FINISH_LOG`` (scoring unchanged), so answers cut off at the generation limit
+(``length``) are reported apart from wrong ones. Before evaluating, the versions of lm-eval and
+its data stack are written to ``$K3_GSM8K_CLIENT_INFO``.
 
 Only the standard library and lm-eval are imported here: this file is copied into each run
 directory (so the exact code that produced a result is kept with it) and run by the client
@@ -75,6 +78,16 @@ def apply_reasoning_fallback(outputs, log_path: str | None = None):
     return fixed if isinstance(outputs, list) else fixed[0]
 
 
+def log_finish_reasons(outputs, log_path: str | None) -> None:
+    """One JSON line per choice: its finish_reason and its text (content, or completion text)."""
+    for out in outputs if isinstance(outputs, list) else [outputs]:
+        for choice in (out.get("choices") or []) if isinstance(out, dict) else []:
+            msg = choice.get("message") or {}
+            text = msg.get("content") if "message" in choice else choice.get("text")
+            _append_jsonl(log_path, {"finish_reason": choice.get("finish_reason"),
+                                     "text": text})
+
+
 def client_info() -> dict:
     versions = {}
     for dist in ("lm_eval", "datasets", "huggingface_hub", "aiohttp", "transformers"):
@@ -88,7 +101,24 @@ def client_info() -> dict:
 
 def register() -> None:
     from lm_eval.api.registry import register_model
-    from lm_eval.models.openai_completions import LocalChatCompletion
+    from lm_eval.models.openai_completions import LocalChatCompletion, LocalCompletionsAPI
+
+    # lm-eval 0.4.13 lm_eval/models/openai_completions.py: LocalCompletionsAPI.parse_generations
+    # is a staticmethod, LocalChatCompletion.parse_generations an instance method.
+    finish_log = os.environ.get("K3_GSM8K_FINISH_LOG")
+    completions_parse = LocalCompletionsAPI.parse_generations
+    chat_parse = LocalChatCompletion.parse_generations
+
+    def completions_logged(outputs, **kwargs):
+        log_finish_reasons(outputs, finish_log)
+        return completions_parse(outputs, **kwargs)
+
+    def chat_logged(self, outputs, **kwargs):
+        log_finish_reasons(outputs, finish_log)
+        return chat_parse(self, outputs, **kwargs)
+
+    LocalCompletionsAPI.parse_generations = staticmethod(completions_logged)
+    LocalChatCompletion.parse_generations = chat_logged
 
     class ChatCompletionsWithReasoningFallback(LocalChatCompletion):
         """``local-chat-completions`` + scoring the reasoning text when the content is empty."""

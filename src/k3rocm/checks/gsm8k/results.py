@@ -62,8 +62,34 @@ def _first_response(sample: dict) -> str | None:
     return resps if isinstance(resps, str) else None
 
 
+def item_correct(samples: list[dict], filt: str = "strict-match") -> dict[Any, bool]:
+    """Per test item (doc_id): right or wrong under one filter (for the paired A/B)."""
+    return {s.get("doc_id"): float(s.get("exact_match") or 0) >= 1.0 for s in samples
+            if s.get("filter") == filt}
+
+
+def truncation(samples: list[dict], finishes: list[dict] | None,
+               max_gen_tokens: int | None) -> dict[str, Any]:
+    """Answers cut off at the generation limit (finish_reason "length"), apart from wrong ones:
+    count and rate, and how they scored (strict-match)."""
+    if finishes is None:
+        return {"recorded": False, "note": "finish reasons not recorded (a run from before they "
+                "were logged)"}
+    cut = [f.get("text") for f in finishes if f.get("finish_reason") == "length"]
+    cut_texts = set(cut)
+    docs = {s.get("doc_id") for s in samples if _first_response(s) in cut_texts}
+    right = item_correct(samples)
+    rest = [ok for d, ok in right.items() if d not in docs]
+    n = len(finishes)
+    return {"recorded": True, "count": len(cut), "of": n, "rate": len(cut) / n if n else None,
+            "max_gen_tokens": max_gen_tokens, "doc_ids": sorted(d for d in docs if d is not None),
+            "scored_right": sum(1 for d in docs if right.get(d)),
+            "accuracy_without_truncated": sum(rest) / len(rest) if rest else None}
+
+
 def evaluate(results: dict, samples: list[dict], fallbacks: list[dict], *, threshold: float,
-             allow_limit: bool) -> dict[str, Any]:
+             allow_limit: bool, finishes: list[dict] | None = None,
+             max_gen_tokens: int | None = None) -> dict[str, Any]:
     """The verdict as a dict (pure: no files)."""
     res = (results.get("results") or {}).get(TASK)
     if not isinstance(res, dict):
@@ -144,7 +170,13 @@ def evaluate(results: dict, samples: list[dict], fallbacks: list[dict], *, thres
         message += (f"; {len(empty)} empty answer(s) scored as wrong (a reasoning model's answer "
                     "may be in reasoning_content: see --reasoning-fallback in docs/gsm8k.md)")
 
+    trunc = truncation(samples, finishes, max_gen_tokens)
+    if trunc.get("count"):
+        message += (f"; {trunc['count']} of {trunc['of']} answer(s) cut off at the generation "
+                    f"limit ({max_gen_tokens or '?'} tokens; scored wrong unless the answer came "
+                    "first: see summary 'truncated')")
     return {
+        "truncated": trunc,
         "status": status,
         "passed": passed,
         "exit_code": code,
@@ -205,6 +237,9 @@ def markdown(summary: dict) -> str:
         f"; answers scored from reasoning_content (content was empty): {fb['count']} of "
         f"{fb['of']}",
         f"- Empty responses: {summary['empty_responses']}",
+        "- Cut off at the generation limit: " + _trunc_line(summary.get("truncated") or {}),
+        "- Server setup comparable with the seed's reference: "
+        + ((summary.get("seed_comparison") or {}).get("text") or "not judged"),
         f"- Reference: {ref['source']}",
     ]
     tc = summary.get("task_config") or {}
@@ -225,6 +260,27 @@ def markdown(summary: dict) -> str:
         if run.get("command"):
             lines += ["", "```", run["command"], "```"]
     return "\n".join(lines) + "\n"
+
+
+def _trunc_line(t: dict) -> str:
+    if not t.get("recorded"):
+        return t.get("note") or "not recorded"
+    acc = t.get("accuracy_without_truncated")
+    return (f"{t['count']} of {t['of']} answers ({(t['rate'] or 0):.1%}) at max_gen_tokens "
+            f"{t.get('max_gen_tokens')}; {t['scored_right']} of the matched ones scored right; "
+            f"strict-match accuracy without them {'n/a' if acc is None else f'{acc:.4f}'}")
+
+
+def read_summary(run_dir: Path) -> dict:
+    try:
+        return json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def read_finishes(run_dir: Path) -> list[dict] | None:
+    path = run_dir / "finish_reasons.jsonl"
+    return read_jsonl(path) if path.is_file() else None
 
 
 def load_run(run_dir: Path) -> tuple[dict, list[dict], list[dict], Path, Path | None]:

@@ -1,0 +1,162 @@
+"""``k3rocm ab --measure gsm8k`` (``make gsm8k-ab``): the same GSM8K items, fusions off (A) vs
+on (B), each arm on a freshly started server of the one A/B driver (:mod:`k3rocm.checks.ab`).
+
+Each arm runs the whole GSM8K gate (`k3rocm gsm8k`'s own run: the seed's task, greedy) against
+its server. The items are paired: per test item, right or wrong in each arm (strict-match, the
+seed's primary filter; flexible-extract reported too). McNemar's exact test on the discordant
+items says whether the arms differ; the gate is non-inferiority: B may be at most ``--margin``
+below A (one-sided 95% lower bound of the paired difference), with the power of that check at
+the number of items used and at the full 1319 items, from the discordance observed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from k3rocm.checks.bench import stats
+from k3rocm.checks.gsm8k import command, data, results
+from k3rocm.checks.gsm8k.data import GSM8K_TEST_ITEMS
+from k3rocm.errors import EXIT_CHECK_FAILED, EXIT_OK, UsageError
+from k3rocm.rundir import create_run_dir, write_json_atomic, write_text_atomic
+
+DEFAULT_MARGIN = 0.01  # one accuracy point: ~2 standard errors of the seed's 0.9644 +- 0.0051
+
+
+def _log(msg: str) -> None:
+    print(f"[gsm8k-ab] {msg}", file=sys.stderr, flush=True)
+
+
+def add_arguments(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--margin", type=float, default=DEFAULT_MARGIN,
+                   help="non-inferiority margin: B may be at most this much less accurate "
+                   f"than A (default {DEFAULT_MARGIN})")
+    g.add_argument("--limit", type=int, default=None,
+                   help="only the first N test items in both arms (fewer items, less power)")
+    g.add_argument("--max-gen-tokens", type=int, default=4096,
+                   help="max generated tokens per answer (default 4096)")
+    g.add_argument("--gsm8k-mode", choices=("chat", "completions"), default="chat",
+                   help="endpoint of both arms (k3rocm gsm8k --mode; default chat)")
+    g.add_argument("--data-dir", default=None,
+                   help="directory with train.jsonl and test.jsonl (k3rocm gsm8k --data-dir)")
+    g.add_argument("--hf-home", default=None, help="HF cache holding openai/gsm8k")
+
+
+def compare(a_samples: list[dict], b_samples: list[dict], margin: float) -> dict[str, Any]:
+    """Paired per-item comparison of two lm-eval sample sets (the same items)."""
+    out: dict[str, Any] = {"margin": margin, "filters": {}}
+    for filt in results.FILTERS:
+        a, b = results.item_correct(a_samples, filt), results.item_correct(b_samples, filt)
+        if set(a) != set(b):
+            raise UsageError(f"gsm8k-ab: the arms scored different items ({len(a)} vs {len(b)} "
+                             f"under {filt}): no pairing", 1)
+        docs = sorted(a, key=str)
+        res = stats.paired_accuracy([a[d] for d in docs], [b[d] for d in docs], margin)
+        disc = (res["b_only"] + res["a_only"]) / res["n"]
+        # no discordant item: nothing to estimate the paired variance from (n/a, not 100%)
+        res["power_here"] = stats.noninferiority_power(res["n"], margin, disc) if disc else None
+        res["power_full"] = (stats.noninferiority_power(GSM8K_TEST_ITEMS, margin, disc)
+                             if disc else None)
+        out["filters"][filt] = res
+    prim = out["filters"]["strict-match"]
+    verdict = ("NON-INFERIOR" if prim["non_inferior"] else "NOT SHOWN NON-INFERIOR")
+    out["verdict"] = verdict
+    out["headline"] = (
+        f"strict-match A {prim['acc_a']:.4f} B {prim['acc_b']:.4f} (n={prim['n']}): "
+        f"B - A {prim['diff'] * 100:+.2f} points, one-sided 95% lower bound "
+        f"{prim['lower_bound'] * 100:+.2f} vs margin -{margin * 100:.2f}: {verdict}; McNemar "
+        f"exact p={prim['mcnemar_p']:.3g} ({prim['b_only']} right only in B, {prim['a_only']} "
+        f"only in A): {prim['mcnemar']}; power of the margin {_pw(prim['power_here'])} at "
+        f"n={prim['n']}, {_pw(prim['power_full'])} at n={GSM8K_TEST_ITEMS}")
+    return out
+
+
+def _pw(p: float | None) -> str:
+    return "n/a (no discordant items)" if p is None else f"{p:.0%}"
+
+
+def markdown(comp: dict) -> str:
+    lines = ["# gsm8k-ab: fusions off (A) vs on (B), the same items", "",
+             f"**{comp['verdict']}** - {comp['headline']}", "",
+             "| filter | n | acc A | acc B | B - A | 95% lower bound | right only in B | "
+             "right only in A | McNemar exact p | power (here / 1319) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for filt, r in comp["filters"].items():
+        lines.append(f"| {filt} | {r['n']} | {r['acc_a']:.4f} | {r['acc_b']:.4f} | "
+                     f"{r['diff'] * 100:+.2f} | {r['lower_bound'] * 100:+.2f} | {r['b_only']} | "
+                     f"{r['a_only']} | {r['mcnemar_p']:.3g} | {_pw(r['power_here'])} / "
+                     f"{_pw(r['power_full'])} |")
+    lines += ["", f"Gate: B non-inferior to A within {comp['margin'] * 100:.2f} points "
+              "(strict-match; one-sided 95% Wald bound on the paired difference, paired variance "
+              "from the discordant items). Power: chance to show it when both arms are equally "
+              "accurate, at the discordance observed.", ""]
+    for arm, d in (comp.get("arms") or {}).items():
+        lines.append(f"- arm {arm}: {d.get('message')} (run {d.get('run_dir')})")
+    return "\n".join(lines) + "\n"
+
+
+def run_gsm8k_ab(args: argparse.Namespace) -> int:
+    from k3rocm.checks.ab import arms as armlib
+    from k3rocm.checks.gsm8k import cli as gcli
+    from k3rocm.deploy.engine import image_id as client_image_id
+
+    if args.aa or args.calibrate_delay_ms is not None:
+        raise UsageError("--aa and --calibrate-delay-ms are for --measure bench", 2)
+    if args.repeats != 1:
+        raise UsageError(f"--repeats {args.repeats}: gsm8k-ab runs the items once per arm "
+                         "(order A B; greedy decoding repeats itself): use --repeats 1", 2)
+    if not 0 < args.margin < 1:
+        raise UsageError(f"--margin {args.margin:g}: must be in (0, 1)", 2)
+    arms = armlib.arms_from_args(args)
+    if arms.scale is not None:
+        raise UsageError("gsm8k-ab runs one server per arm: unset K3_SCALE_MODE", 2)
+    model, api_key = armlib.served_model(arms)
+    s = command.Gsm8kSettings(url=arms.url, model=model, mode=args.gsm8k_mode,
+                              max_gen_tokens=args.max_gen_tokens, limit=args.limit,
+                              allow_limit=True, client_image=args.client_image)
+    command.validate(s)
+    argv = command.lm_eval_argv(s)
+    if args.dry_run:
+        for i, arm in enumerate(arms.slots()):
+            print(f"# slot {i} arm {arm}: compose up (server) with "
+                  f"{' '.join(f'{k}={v}' for k, v in sorted(arms.compose_env(arm).items()))}")
+            print(command.shell_line(argv))
+        return 0
+    src = data.resolve(args.data_dir, args.hf_home)
+    armlib.check_port(arms)
+    client = armlib.docker_client()
+    armlib.image_id(arms, client)
+    client_image_id(client, s.client_image)
+    armlib.announce(arms, Path(args.results))
+    ab_dir = create_run_dir(str(args.results), args.label or "gsm8k-ab")
+    _log(f"run directory {ab_dir}")
+    dep = gcli._deployment()
+    stamp = time.strftime("%H%M%S").lower()
+    arm_runs: dict[str, dict[str, Any]] = {}
+    for i, arm in enumerate(arms.slots()):
+        slot_dir = ab_dir / f"{i:02d}-{arm}"
+        slot_dir.mkdir()
+        _log(f"slot {i} arm {arm}: starting a fresh server")
+        with armlib.arm_server(arms, i, arm, stamp, slot_dir / "server.log", ab_dir / "servers",
+                               model=model, api_key=api_key, client=client) as (srv, _info):
+            ns = SimpleNamespace(results_dir=str(slot_dir),
+                                 server_container=srv.container(client).name)
+            code = gcli._execute(client, s, src, argv, api_key, ns, dep)
+        run_dir = next(p for p in slot_dir.iterdir() if p.is_dir() and p.name.endswith("gsm8k"))
+        summary = results.read_summary(run_dir)
+        arm_runs.setdefault(arm, {"run_dir": str(run_dir), "exit_code": code,
+                                  "message": summary.get("message")})
+        if code not in (0, 1):  # 1 = below the absolute gate: still a complete run
+            raise UsageError(f"gsm8k-ab: arm {arm} did not finish ({summary.get('message')})",
+                             code)
+    samples = {arm: results.load_run(Path(d["run_dir"]))[1] for arm, d in arm_runs.items()}
+    comp = compare(samples["A"], samples["B"], args.margin)
+    comp.update(arms=arm_runs, arm_env=arms.arm_env, slots=arms.slots())
+    write_json_atomic(ab_dir / "comparison.json", comp)
+    write_text_atomic(ab_dir / "comparison.md", markdown(comp))
+    print(f"gsm8k-ab: {comp['headline']}; report {ab_dir / 'comparison.md'}")
+    return EXIT_OK if comp["filters"]["strict-match"]["non_inferior"] else EXIT_CHECK_FAILED
