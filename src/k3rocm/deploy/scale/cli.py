@@ -3,6 +3,7 @@
   k3rocm scale config               the resolved K3_SCALE_* settings
   k3rocm scale render [--out DIR]   per-node env/argv (+ compose overrides written to DIR)
   k3rocm scale render-k8s [--out F] Kubernetes manifests, checked against the K8s schemas
+  k3rocm scale proxy-conf [--listen A:P]  nginx config exposing only the router's data paths
   k3rocm scale router-up|router-down
   k3rocm scale url                  the router URL (bench/gsm8k --url)
   k3rocm scale status [--json]      one line per replica and the router's view
@@ -38,6 +39,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        description="Kubernetes manifests for the scale mode, checked against "
                        "the Kubernetes schemas with kubernetes-validate (offline)")
     p.add_argument("--out", type=Path, help="write the manifests (multi-document YAML) here")
+    p = sub.add_parser("proxy-conf", help="nginx config that exposes only the router's data "
+                       "paths (/v1/*, health)", description="print an nginx configuration "
+                       "that forwards only /v1/* and the health paths to the router "
+                       "(K3_SCALE_ROUTER_HOST:PORT); its admin endpoints stay unreachable")
+    p.add_argument("--listen", default="0.0.0.0:8443",
+                   help="address:port nginx listens on for clients (default 0.0.0.0:8443)")
     p = sub.add_parser("router-up", help="start vllm-router in front of K3_SCALE_NODES",
                        description="start the router container (host network)")
     p.add_argument("--name", default="k3rocm-router", help="container name")
@@ -99,6 +106,13 @@ def run(args: argparse.Namespace) -> int:
         else:
             print("\n".join(format_status(replicas, router)))
         return 0 if router.summary.startswith("ok") else 1
+    if cmd == "proxy-conf":
+        from k3rocm.deploy.scale.k8s import proxy_conf
+
+        if s.mode == "single":
+            raise UsageError("K3_SCALE_MODE=single has no router: set K3_SCALE_MODE=replicas")
+        print(proxy_conf(args.listen, s.router_port), end="")
+        return 0
     if cmd in ("router-up", "router-down"):
         from k3rocm.deploy.engine import docker_client
         from k3rocm.deploy.scale.router import start_router, stop_router
@@ -118,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     from k3rocm.deploy.scale.render import compose_override, plan
 
     p = plan(dotenv=args.env_file, scale=s)
-    experimental = s.mode in ("dp-ep", "pd")
+    experimental = s.mode == "dp-ep"
     if cmd == "render":
         if experimental:
             print(EXPERIMENTAL_BANNER.format(mode=s.mode), file=sys.stderr)
