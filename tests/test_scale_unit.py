@@ -470,3 +470,110 @@ def test_proxy_forwards_only_data_paths_with_real_nginx(tmp_path):
     assert [p for p, c in codes.items() if c == 200] == [
         "/v1/chat/completions", "/v1/models", "/readiness", "/health"], codes
     assert not any("worker" in p or "flush" in p for p in seen), seen
+
+
+# vLLM 0.32.0 /metrics shape for the prefix cache (vllm/v1/metrics/loggers.py: counters
+# vllm:prefix_cache_queries / vllm:prefix_cache_hits, in tokens, one sample per engine).
+METRICS = """# HELP vllm:prefix_cache_queries_total Prefix cache queries (tokens).
+# TYPE vllm:prefix_cache_queries_total counter
+vllm:prefix_cache_queries_total{engine="0",model_name="k3-smoke"} 300.0
+vllm:prefix_cache_queries_total{engine="1",model_name="k3-smoke"} 100.0
+# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.
+# TYPE vllm:prefix_cache_hits_total counter
+vllm:prefix_cache_hits_total{engine="0",model_name="k3-smoke"} 96.0
+vllm:prefix_cache_hits_total{engine="1",model_name="k3-smoke"} 4.0
+vllm:prefix_cache_hits_created{engine="0",model_name="k3-smoke"} 1.7e9
+"""
+
+
+def test_prefix_cache_hit_rate_from_metrics():
+    from k3rocm.deploy.scale.status import prefix_cache_hit_rate
+
+    assert prefix_cache_hit_rate(METRICS) == pytest.approx(0.25)
+    assert prefix_cache_hit_rate("vllm:prefix_cache_queries_total 0\n") is None
+    assert prefix_cache_hit_rate("") is None
+
+
+@pytest.fixture
+def fake_vllm():
+    """A stub of the vLLM endpoints `make status` reads; a dead DP rank never answers (its
+    request waits on an event the test sets at the end: no sleep, no race)."""
+    import http.server
+    import threading
+
+    state = {"dead_ranks": set(), "router": 200}
+    release = threading.Event()
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def _send(self, code, body):
+            data = body.encode()
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            if self.path == "/health":
+                return self._send(200 if self.server.role == "server" else state["router"],
+                                  "")
+            if self.path == "/v1/models":
+                return self._send(200, json.dumps({"data": [{"id": "k3-smoke"}]}))
+            if self.path == "/metrics":
+                return self._send(200, METRICS)
+            self._send(404, "")
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            rank = int(self.headers.get("X-data-parallel-rank", "-1"))
+            if rank in state["dead_ranks"]:
+                release.wait(60)
+                return
+            self._send(200, json.dumps({"choices": [{"text": "x"}]}))
+
+        def log_message(self, *a):
+            pass
+
+    servers = []
+    for role in ("server", "server", "router"):
+        srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+        srv.role = role
+        srv.daemon_threads = True
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        servers.append(srv)
+    yield state, [f"127.0.0.1:{s.server_address[1]}" for s in servers]
+    release.set()
+    for srv in servers:
+        srv.shutdown()
+
+
+def test_status_dp_ep_probes_every_rank(fake_vllm, monkeypatch):
+    from k3rocm.deploy.scale import status
+
+    state, (head, other, router) = fake_vllm
+    env = {**DPEP, "K3_SCALE_NODES": f"{head},{other}", "K3_SCALE_DP_LOCAL": "2",
+           "K3_SCALE_ROUTER_PORT": router.split(":")[1]}
+    s = load_scale(env, dotenv=None, tp=1)
+    replicas, r = status.scale_status(s, api_key="")
+    assert r.summary == "ok, 1 of 1" and replicas[0].ranks == {0: "ok", 1: "ok", 2: "ok", 3: "ok"}
+    assert replicas[0].prefix_cache_hit_rate == pytest.approx(0.25)
+    # A dead headless worker: the head's /health stays 200, its ranks 2 and 3 never answer.
+    state["dead_ranks"] = {2, 3}
+    monkeypatch.setattr(status, "RANK_TIMEOUT", 0.5)
+    replicas, r = status.scale_status(s, api_key="")
+    assert r.health == "ok" and r.summary == "down, 0 of 1"
+    lines = status.format_status(replicas, r)
+    assert "prefix-cache hits 25.0%" in lines[0]
+    assert lines[1] == ("  DP ranks: 2 of 4 answer; rank 2: no answer in 0.5 s; "
+        "rank 3: no answer in 0.5 s")
+
+
+def test_status_degraded_even_when_router_says_ok(fake_vllm):
+    from k3rocm.deploy.scale import status
+
+    state, (one, two, router) = fake_vllm
+    s = load_scale({**TWO, "K3_SCALE_NODES": f"{one},127.0.0.1:1",
+                    "K3_SCALE_ROUTER_PORT": router.split(":")[1]}, dotenv=None)
+    replicas, r = status.scale_status(s, api_key="")
+    assert r.summary == "degraded, 1 of 2"
+    state["router"] = 503
+    assert status.scale_status(s, api_key="")[1].summary == "degraded, 1 of 2"

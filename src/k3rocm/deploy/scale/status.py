@@ -66,10 +66,11 @@ def prefix_cache_hit_rate(metrics_text: str) -> float | None:
 
 
 def rank_check(url: str, model: str, rank: int, api_key: str | None = None,
-               timeout: float = RANK_TIMEOUT) -> str:
+               timeout: float | None = None) -> str:
     """One 1-token completion pinned to DP ``rank``: ``ok`` or what went wrong."""
     import requests
 
+    timeout = RANK_TIMEOUT if timeout is None else timeout
     headers = {"X-data-parallel-rank": str(rank)}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
@@ -77,7 +78,7 @@ def rank_check(url: str, model: str, rank: int, api_key: str | None = None,
         r = requests.post(f"{url}/v1/completions", headers=headers, timeout=timeout,
                           json={"model": model, "prompt": "ping", "max_tokens": 1})
     except requests.Timeout:
-        return f"no answer in {timeout:.0f} s"
+        return f"no answer in {timeout:g} s"
     except requests.RequestException as exc:
         return f"unreachable ({exc.__class__.__name__})"
     return "ok" if r.status_code == 200 else f"http {r.status_code}"
