@@ -7,6 +7,7 @@
   k3rocm scale router-up|router-down
   k3rocm scale url                  the router URL (bench/gsm8k --url)
   k3rocm scale status [--json]      one line per replica and the router's view
+  k3rocm scale overhead [-n N]      the router's added latency vs direct requests (ratio)
 
 Exit codes: 0 ok, 1 status degraded/down or a router failure, 2 bad settings.
 """
@@ -54,6 +55,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = sub.add_parser("status", help="one line per replica and the router's view",
                        description="health, model, fusion decisions and image per replica; "
                        "the router's view (ok / degraded, k of N / down)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p = sub.add_parser("overhead", help="router added latency vs direct requests (ratio)",
+                       description="interleaved requests straight to the nodes and through "
+                       "the router, in one run; prints the client-time ratio and the "
+                       "router's added milliseconds (server time from vLLM's /metrics "
+                       "subtracted)")
+    p.add_argument("-n", "--requests", type=int, default=24,
+                   help="requests per path (default 24)")
+    p.add_argument("--max-tokens", type=int, default=8, help="tokens per request (default 8)")
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
@@ -106,6 +116,26 @@ def run(args: argparse.Namespace) -> int:
         else:
             print("\n".join(format_status(replicas, router)))
         return 0 if router.summary.startswith("ok") else 1
+    if cmd == "overhead":
+        from k3rocm.deploy.deployment import load_deployment
+        from k3rocm.deploy.scale.overhead import format_figures, measure
+        from k3rocm.deploy.scale.status import _get
+
+        if s.mode != "replicas":
+            raise UsageError("K3_SCALE_MODE=replicas is needed: the overhead compares the "
+                             "router with direct requests to its nodes")
+        if args.requests < 1 or args.max_tokens < 1:
+            raise UsageError("--requests and --max-tokens must be >= 1")
+        key = load_deployment().api_key
+        r, err = _get(f"{s.worker_urls[0]}/v1/models", api_key=key)
+        if r is None or r.status_code != 200:
+            raise UsageError(f"{s.worker_urls[0]} does not serve /v1/models "
+                             f"({err or r.status_code}): start the replicas first", 1)
+        model = r.json()["data"][0]["id"]
+        figures = measure(s.router_url, s.worker_urls, model, args.requests,
+                          args.max_tokens, key)
+        print(json.dumps(figures, indent=2) if args.json else format_figures(figures))
+        return 0
     if cmd == "proxy-conf":
         from k3rocm.deploy.scale.k8s import proxy_conf
 
