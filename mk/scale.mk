@@ -56,7 +56,7 @@ router-overhead: $(PY) ## router added latency vs direct requests in one run (OV
 	$(PY) -m k3rocm scale overhead $(OVERHEAD_ARGS)
 
 router-proxy-conf: $(PY) ## nginx config that exposes only the router's /v1/* and health paths
-	$(PY) -m k3rocm scale proxy-conf $(PROXY_ARGS)
+	@$(PY) -m k3rocm scale proxy-conf $(PROXY_ARGS)
 
 scale-render: $(PY) ## per-node env/argv for K3_SCALE_MODE (OUT=dir: compose overrides nodeN.yaml)
 	$(PY) -m k3rocm scale render $(if $(OUT),--out $(OUT))
