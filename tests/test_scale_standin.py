@@ -140,6 +140,7 @@ def cluster(docker_client, standin_server):  # noqa: F811
     env = {"K3_SCALE_MODE": "replicas",
            "K3_SCALE_NODES": f"127.0.0.1:{standin_server.port},127.0.0.1:{port2}",
            "K3_SCALE_ROUTER_PORT": str(free_port()), "K3_SCALE_ROUTER_POLICY": "round_robin",
+           "K3_SCALE_ROUTER_METRICS_PORT": str(free_port()),
            "K3_SCALE_HEALTH_INTERVAL": "1", "K3_SCALE_HEALTH_THRESHOLD": "2",
            "K3_SCALE_ROUTER_STARTUP_TIMEOUT": "600", "K3_SCALE_ROUTER_IMAGE": ROUTER_IMAGE,
            "K3_SCALE_DRAIN_TIMEOUT": str(DRAIN_S)}
@@ -363,3 +364,48 @@ def test_dp_ep_rendering_launches_dense_dp2(docker_client, standin_server):  # n
         for c in (wc, hc):
             if c is not None:
                 c.remove(force=True)
+
+
+def test_router_image_accepts_the_rendered_kubernetes_args(docker_client):
+    """The router container of the Kubernetes rendering, started from the router image with
+    its exact args (the namespace the pod would get substituted): vllm-router accepts every
+    flag, listens on 127.0.0.1 only, answers /liveness and serves metrics. Service discovery
+    itself needs an API server (it logs that it continues without)."""
+    from k3rocm.deploy.scale import k8s
+    from k3rocm.serving import config
+
+    need(_image_exists(docker_client, ROUTER_IMAGE),
+         f"router image {ROUTER_IMAGE} is missing: `make router-image`")
+    digest = "@sha256:" + "ab" * 32
+    env = {"K3_SCALE_MODE": "replicas", "K3_SCALE_NODES": "10.0.0.1:8000,10.0.0.2:8000",
+           "K3_IMAGE": "registry.example.com/k3rocm/server" + digest,
+           "K3_SCALE_ROUTER_IMAGE": "registry.example.com/k3rocm/router" + digest,
+           "K3_SCALE_PROXY_IMAGE": "registry.example.com/nginx" + digest}
+    objs = k8s.render_k8s(plan(env, dotenv=None),
+                          config.load_settings(env, dotenv=None, check_model=False)[0])
+    dep = next(o for o in objs if o["kind"] == "Deployment" and
+               o["metadata"]["name"] == k8s.ROUTER)
+    router = dep["spec"]["template"]["spec"]["containers"][0]
+    args = [a.replace("$(POD_NAMESPACE)", "k3rocm") for a in router["args"]]
+    c = docker_client.containers.run(ROUTER_IMAGE, command=args, detach=True,
+                                     labels={"org.k3rocm.test": "router-k8s-args"})
+    probe = ("import sys, urllib.request as u; "
+             "[u.urlopen(f'http://127.0.0.1:{p}', timeout=2) for p in sys.argv[1:]]")
+    try:
+        def answers():
+            c.reload()
+            assert c.status == "running", c.logs(tail=30).decode(errors="replace")
+            r = c.exec_run(["python3", "-c", probe,
+                            f"{k8s.ROUTER_INTERNAL_PORT}/liveness",
+                            "29000/metrics"])
+            return r.exit_code == 0
+
+        _wait(answers, 60, "router from the Kubernetes args answering", step=0.5)
+        log = c.logs().decode(errors="replace")
+        assert f"Starting server on 127.0.0.1:{k8s.ROUTER_INTERNAL_PORT}" in log, log
+        assert "error" not in log.split("Starting server")[0].lower().replace(
+            "errors", ""), log
+        _say("router image started with the rendered Kubernetes args: listening on "
+             f"127.0.0.1:{k8s.ROUTER_INTERNAL_PORT}, /liveness and metrics answer")
+    finally:
+        c.remove(force=True)

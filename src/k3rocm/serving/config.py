@@ -181,6 +181,7 @@ KNOWN_OTHER = {
 }
 # The scale-out settings (validated by k3rocm.deploy.scale.settings; tests check this list matches).
 SCALE_SETTINGS = ("K3_SCALE_MODE", "K3_SCALE_NODES", "K3_SCALE_ROUTER_HOST", "K3_SCALE_ROUTER_PORT",
+                  "K3_SCALE_ROUTER_METRICS_PORT",
                   "K3_SCALE_ROUTER_POLICY", "K3_SCALE_ROUTER_STARTUP_TIMEOUT",
                   "K3_SCALE_HEALTH_INTERVAL", "K3_SCALE_HEALTH_THRESHOLD", "K3_SCALE_ROUTER_IMAGE",
                   "K3_SCALE_PROXY_IMAGE", "K3_SCALE_NODE_SELECTOR",

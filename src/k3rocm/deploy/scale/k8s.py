@@ -48,7 +48,6 @@ PROXY_REQUESTS = {"cpu": "500m", "memory": "128Mi"}
 # Before SIGTERM: time for the router to stop picking a terminating pod (discovery/health).
 PRESTOP_S = 15
 ROUTER_INTERNAL_PORT = 30000  # vllm-router's own default port, on 127.0.0.1 in its pod
-ROUTER_METRICS_PORT = 29000  # vllm-router --prometheus-port default (metrics only)
 ROUTER_REQUEST_TIMEOUT_S = 1800  # vllm-router --request-timeout-secs default; proxy matches it
 
 
@@ -224,7 +223,7 @@ def _router(plan: Plan, server_port: int) -> list[dict[str, Any]]:
             "--health-check-interval-secs", str(s.health_interval),
             "--health-failure-threshold", str(s.health_threshold),
             "--request-timeout-secs", str(ROUTER_REQUEST_TIMEOUT_S),
-            "--prometheus-host", "0.0.0.0", "--prometheus-port", str(ROUTER_METRICS_PORT),
+            "--prometheus-host", "0.0.0.0", "--prometheus-port", str(s.router_metrics_port),
             "--service-discovery", "--selector", f"{LABEL_KEY}={APP}",
             "--service-discovery-port", str(server_port),
             # The Role below covers this namespace only: watch exactly it.
@@ -233,7 +232,7 @@ def _router(plan: Plan, server_port: int) -> list[dict[str, Any]]:
               "args": args,
               "env": [{"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {
                   "fieldPath": "metadata.namespace"}}}],
-              "ports": [{"name": "metrics", "containerPort": ROUTER_METRICS_PORT}],
+              "ports": [{"name": "metrics", "containerPort": s.router_metrics_port}],
               "resources": {"requests": ROUTER_REQUESTS}}
     probe = {"periodSeconds": 10, "timeoutSeconds": 5}
     proxy = {"name": "proxy", "image": proxy_image, "imagePullPolicy": "IfNotPresent",
@@ -265,7 +264,7 @@ def _router(plan: Plan, server_port: int) -> list[dict[str, Any]]:
          "data": {"nginx.conf": conf}},
         _deployment(ROUTER, labels, 1, pod,
                     {"k3rocm.org/note": "router for the rendered servers; only the proxy's "
-                     "data paths are reachable"}, _scrape(ROUTER_METRICS_PORT)),
+                     "data paths are reachable"}, _scrape(s.router_metrics_port)),
         _service(ROUTER, labels, s.router_port),
     ]
 

@@ -74,7 +74,9 @@ def router_argv(s: ScaleSettings) -> list[str]:
             "--policy", s.router_policy,
             "--worker-startup-timeout-secs", str(s.router_startup_timeout),
             "--health-check-interval-secs", str(s.health_interval),
-            "--health-failure-threshold", str(s.health_threshold)]
+            "--health-failure-threshold", str(s.health_threshold),
+            # Explicit: two routers on one host network must not share the default 29000.
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(s.router_metrics_port)]
     if s.mode == "dp-ep":
         argv += ["--worker-urls", s.worker_urls[0]]  # only the head serves the API
     else:

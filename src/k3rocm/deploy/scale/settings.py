@@ -66,6 +66,10 @@ class ScaleSettings(BaseModel):
                             "through the proxy, docs/scale.md).", default="127.0.0.1")
     router_port: int = _env("ROUTER_PORT", "Port the router listens on.", default=8080,
                             ge=1, le=65535)
+    router_metrics_port: int = _env(
+        "ROUTER_METRICS_PORT", "Port of the router's Prometheus metrics (--prometheus-port; "
+        "on 127.0.0.1 on a host, on the pod IP in Kubernetes).", default=29000, ge=1,
+        le=65535)
     router_policy: Literal[ROUTER_POLICIES] = _env(  # type: ignore[valid-type]
         "ROUTER_POLICY", "vllm-router load-balancing policy (cache_aware keeps a "
         "conversation's prefix on one replica).", default="cache_aware")
