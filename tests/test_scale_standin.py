@@ -187,7 +187,7 @@ def test_router_added_latency(cluster):
     urls = [r.base_url for r in cluster["replicas"]]
     f = measure(s.router_url, urls, SMOKE_MODEL, n=12, max_tokens=8)
     _say(format_figures(f))
-    assert f["requests_per_path"] == 12 and f["client_time_ratio"] > 0
+    assert f["requests_per_path"] == 12 and f["direct_client_s"] > 0
 
 
 def test_failover_degraded_and_rejoin(cluster, docker_client):
@@ -271,8 +271,11 @@ def test_graceful_stop_drains_in_flight_stream(cluster):
             stopper = threading.Thread(target=victim.container.stop,
                                        kwargs={"timeout": grace}, daemon=True)
             stopper.start()
-            # vLLM logs the mode when SIGTERM reaches the API server (launcher.py, 0.32.0).
-            _wait(lambda: _log_has(victim.container, "mode=drain"), 60, "drain started")
+            # vLLM logs the mode when SIGTERM reaches the API server (launcher.py, 0.32.0):
+            # mode=drain with a --shutdown-timeout, mode=abort with vLLM's default 0.
+            _wait(lambda: _log_has(victim.container, "stopping engine client mode="), 60,
+                  "SIGTERM seen by the API server")
+            assert _log_has(victim.container, "mode=drain"), victim.logs(20)
             routed = [pool.submit(_stream, s.router_url, 16) for _ in range(8)]
         result = direct.result(timeout=READ_TIMEOUT + 30)
         routed_counts = _counts([f.result(timeout=READ_TIMEOUT + 60) for f in routed])
@@ -403,8 +406,9 @@ def test_router_image_accepts_the_rendered_kubernetes_args(docker_client):
         _wait(answers, 60, "router from the Kubernetes args answering", step=0.5)
         log = c.logs().decode(errors="replace")
         assert f"Starting server on 127.0.0.1:{k8s.ROUTER_INTERNAL_PORT}" in log, log
-        assert "error" not in log.split("Starting server")[0].lower().replace(
-            "errors", ""), log
+        assert "usage:" not in log and "unrecognized" not in log, log
+        # Outside a cluster the only complaint is the missing Kubernetes API (expected).
+        assert "Failed to start service discovery" in log, log
         _say("router image started with the rendered Kubernetes args: listening on "
              f"127.0.0.1:{k8s.ROUTER_INTERNAL_PORT}, /liveness and metrics answer")
     finally:
