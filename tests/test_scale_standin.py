@@ -70,8 +70,11 @@ def _completion(url: str, max_tokens: int = 4, timeout: float = REQUEST_TIMEOUT)
 
 
 def _stream(url: str, max_tokens: int = 64) -> str:
-    """One streamed completion: 'ok' (ended with [DONE]), 'failed' (an HTTP error, a broken or
-    truncated stream: the client knows) or 'hung' (no byte for READ_TIMEOUT)."""
+    """One streamed completion: 'ok' (all max_tokens generated: finish_reason "length", then
+    [DONE]), 'failed' (an HTTP error, a broken or truncated stream, or a request the server
+    aborted: finish_reason "abort"; the client knows) or 'hung' (no byte for READ_TIMEOUT)."""
+    import json
+
     import requests
 
     try:
@@ -81,8 +84,15 @@ def _stream(url: str, max_tokens: int = 64) -> str:
                                  "temperature": 0}) as r:
             if r.status_code != 200:
                 return "failed"
-            done = any(line.strip() == b"data: [DONE]" for line in r.iter_lines())
-            return "ok" if done else "failed"
+            finish, done = None, False
+            for line in r.iter_lines():
+                line = line.strip()
+                if line == b"data: [DONE]":
+                    done = True
+                elif line.startswith(b"data: "):
+                    for choice in json.loads(line[6:]).get("choices") or []:
+                        finish = choice.get("finish_reason") or finish
+            return "ok" if done and finish == "length" else "failed"
     except requests.RequestException as exc:
         return "hung" if "timed out" in repr(exc).lower() else "failed"
 
