@@ -3,6 +3,8 @@
 #   make router-image              k3rocm/router:0.1.17 offline from the hashed wheel lock
 #   make router-up / router-down   vllm-router in front of K3_SCALE_NODES (K3_SCALE_MODE=replicas)
 #   make status                    one line per replica + the router's view ("degraded, 1 of 2")
+#   make router-overhead           the router's added latency vs direct requests, one run (ratio)
+#   make router-proxy-conf         nginx config exposing only the router's data paths
 #   make scale-render [OUT=dir]    per-node env/argv (+ compose overrides nodeN.yaml in OUT)
 #   make render-k8s [OUT=file]     Kubernetes manifests, checked against the K8s schemas
 #   make bench-router / gsm8k-router   `make bench`/`make gsm8k` against the router (same
@@ -17,7 +19,7 @@ ROUTER_LOCK := docker/router/requirements.lock
 PREFLIGHT_ARGS ?=
 OUT ?=
 
-.PHONY: bench-router gsm8k-router preflight router-wheels router-image router-up router-down status scale-render render-k8s scale-test
+.PHONY: router-overhead router-proxy-conf bench-router gsm8k-router preflight router-wheels router-image router-up router-down status scale-render render-k8s scale-test
 
 preflight: $(PY) ## node preflight: ROCm devices, groups, NUMA, disk, checkpoint, image, ports, Docker (+ scale-out checks)
 	$(PY) -m k3rocm preflight $(PREFLIGHT_ARGS)
@@ -49,6 +51,12 @@ router-down: $(PY) ## stop and remove the router
 
 status: $(PY) ## one line per replica (health, model, fusions, image) and the router's view
 	$(PY) -m k3rocm scale status
+
+router-overhead: $(PY) ## router added latency vs direct requests in one run (OVERHEAD_ARGS=-n 48)
+	$(PY) -m k3rocm scale overhead $(OVERHEAD_ARGS)
+
+router-proxy-conf: $(PY) ## nginx config that exposes only the router's /v1/* and health paths
+	@$(PY) -m k3rocm scale proxy-conf $(PROXY_ARGS)
 
 scale-render: $(PY) ## per-node env/argv for K3_SCALE_MODE (OUT=dir: compose overrides nodeN.yaml)
 	$(PY) -m k3rocm scale render $(if $(OUT),--out $(OUT))

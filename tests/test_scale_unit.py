@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import time
 
 import pytest
 from conftest import REPO, need, run_cli
@@ -17,6 +18,12 @@ from k3rocm.errors import UsageError
 from k3rocm.serving import config
 
 TWO = {"K3_SCALE_MODE": "replicas", "K3_SCALE_NODES": "10.0.0.1:8000,10.0.0.2:8000"}
+DIGEST = "@sha256:" + "ab" * 32
+# Kubernetes needs images a node can pull: registry, repository, digest.
+IMAGES = {"K3_IMAGE": "registry.example.com/k3rocm/server:0.1" + DIGEST,
+          "K3_SCALE_ROUTER_IMAGE": "registry.example.com/k3rocm/router:0.1.17" + DIGEST,
+          "K3_SCALE_PROXY_IMAGE": "registry.example.com/nginx-unprivileged:1.27" + DIGEST}
+TWO_K8S = {**TWO, **IMAGES}
 DPEP = {"K3_SCALE_MODE": "dp-ep", "K3_SCALE_NODES": "10.0.0.1:8000,10.0.0.2:8000",
         "K3_SCALE_IFNAME": "eth0"}
 
@@ -24,7 +31,7 @@ DPEP = {"K3_SCALE_MODE": "dp-ep", "K3_SCALE_NODES": "10.0.0.1:8000,10.0.0.2:8000
 def test_defaults_single():
     s = load_scale({}, dotenv=None)
     assert (s.mode, s.nodes, s.router_policy, s.router_startup_timeout) == \
-        ("single", (), "round_robin", 7200)
+        ("single", (), "cache_aware", 7200)
 
 
 def test_every_scale_variable_is_registered_in_config():
@@ -49,6 +56,12 @@ def test_every_scale_variable_is_registered_in_config():
      "shorter than VLLM_ENGINE_READY_TIMEOUT_S=9000"),
     ({**DPEP, "K3_SCALE_IFNAME": ""}, "needs K3_SCALE_IFNAME"),
     ({"K3_SCALE_NODS": "a:1"}, "K3_SCALE_NODS is not a known setting"),
+    ({**TWO, "K3_SCALE_ROUTER_HOST": "0.0.0.0"}, "K3_SCALE_ROUTER_HOST='0.0.0.0' is not valid: "
+     "the router's /add_worker and /remove_worker answer anyone"),
+    ({**TWO, "K3_SCALE_ROUTER_HOST": "10.0.0.9"}, "expose only the data paths through the proxy"),
+    ({**TWO, "K3_SCALE_MODE": "pd"}, "K3_SCALE_MODE=pd (from env) is not offered"),
+    ({**TWO, "K3_SCALE_NODE_SELECTOR": "gpu"}, "'gpu' is not key=value"),
+    ({**TWO, "K3_SCALE_DRAIN_TIMEOUT": "-1"}, "K3_SCALE_DRAIN_TIMEOUT='-1' is not valid"),
 ])
 def test_bad_scale_settings_one_line(env, needle):
     with pytest.raises(UsageError) as exc:
@@ -70,13 +83,14 @@ def test_cli_bad_value_exit_2_no_traceback():
     assert "K3_SCALE_NODES='x' is not valid" in r.stderr
 
 
-def test_replicas_nodes_run_the_unchanged_server():
+def test_replicas_nodes_run_the_unchanged_server_and_drain():
     p = plan(TWO, dotenv=None)
     single = config.render(TWO, dotenv=None, check_model=False)
     for node in p.nodes:
-        assert node.role == "replica" and node.command == []
+        # vLLM's --shutdown-timeout defaults to 0: SIGTERM aborts every in-flight request.
+        assert node.role == "replica" and node.command == ["--shutdown-timeout", "300"]
         # Same renderer, same settings: the argv of a single-node server (TP 8, MTP k=2).
-        assert node.argv == single.argv and node.env == single.env
+        assert node.argv == single.argv + node.command and node.env == single.env
     assert node.argv[node.argv.index("--tensor-parallel-size") + 1] == "8"
     assert json.loads(node.argv[node.argv.index("--speculative-config") + 1])[
         "num_speculative_tokens"] == 2
@@ -91,9 +105,10 @@ def test_router_argv():
     s = load_scale({**TWO, "K3_SCALE_ROUTER_PORT": "9000", "K3_SCALE_HEALTH_INTERVAL": "2",
                     "K3_SCALE_HEALTH_THRESHOLD": "2"}, dotenv=None)
     assert router_argv(s) == [
-        "vllm-router", "--host", "127.0.0.1", "--port", "9000", "--policy", "round_robin",
+        "vllm-router", "--host", "127.0.0.1", "--port", "9000", "--policy", "cache_aware",
         "--worker-startup-timeout-secs", "7200", "--health-check-interval-secs", "2",
         "--health-failure-threshold", "2",
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", "29000",
         "--worker-urls", "http://10.0.0.1:8000", "http://10.0.0.2:8000"]
 
 
@@ -123,18 +138,14 @@ def test_dp_ep_head_and_headless_workers():
         plan({**env, "K3_SCALE_DP_LOCAL": "4"}, dotenv=None)
 
 
-def test_pd_refused_with_speculative_decoding_then_rendered():
-    env = {**DPEP, "K3_SCALE_MODE": "pd"}
-    with pytest.raises(UsageError, match="K3_MTP_K=2"):
-        plan(env, dotenv=None)
-    p = plan({**env, "K3_MTP_K": "0"}, dotenv=None)
-    roles = [json.loads(n.argv[n.argv.index("--kv-transfer-config") + 1]) for n in p.nodes]
-    assert [r["kv_connector"] for r in roles] == ["MoRIIOConnector"] * 2
-    assert [r["kv_role"] for r in roles] == ["kv_producer", "kv_consumer"]
-    a = p.router_argv
-    assert a[a.index("--prefill") + 1] == "http://10.0.0.1:8000"
-    assert a[a.index("--decode") + 1] == "http://10.0.0.2:8000"
-    assert "--vllm-pd-disaggregation" in a
+def test_pd_is_not_offered(tmp_path):
+    # vllm-router 0.1.17 exits 1 on the old P/D argv (MoRI-IO needs --vllm-discovery-address);
+    # the mode is gone, from .env as from the shell, and the shell can override a stale .env.
+    dotenv = tmp_path / ".env"
+    dotenv.write_text("K3_SCALE_MODE=pd\nK3_SCALE_NODES=a:1,b:2\n")
+    with pytest.raises(UsageError, match=r"K3_SCALE_MODE=pd \(from .env\) is not offered"):
+        load_scale({}, dotenv=dotenv)
+    assert load_scale({"K3_SCALE_MODE": "replicas"}, dotenv=dotenv).mode == "replicas"
 
 
 def test_single_mode_has_nothing_to_render():
@@ -157,7 +168,9 @@ def test_compose_override_validates_with_docker_compose(tmp_path):
     assert r.returncode == 0, r.stderr
     svc = json.loads(r.stdout)["services"]["server"]
     assert svc["network_mode"] == "host" and not svc.get("ports")
-    assert svc["command"] == node.command
+    assert svc["command"] == node.command and "--shutdown-timeout" in svc["command"]
+    # compose stop/down waits longer than vLLM drains (compose's own default is 10 s).
+    assert svc["stop_grace_period"] in ("5m30s", "330s"), svc["stop_grace_period"]
     assert any(d["source"] == "/dev/infiniband" if isinstance(d, dict) else
                d.startswith("/dev/infiniband") for d in svc["devices"])
     assert svc["environment"]["GLOO_SOCKET_IFNAME"] == "eth0"
@@ -167,13 +180,28 @@ def _settings(env):
     return config.load_settings(env, dotenv=None, check_model=False)[0]
 
 
+def _render(env):
+    return k8s.render_k8s(plan(env, dotenv=None), _settings(env))
+
+
+def _obj(objs, kind, name=None):
+    return next(o for o in objs if o["kind"] == kind and name in (None, o["metadata"]["name"]))
+
+
+def _router_pod(objs):
+    return _obj(objs, "Deployment", k8s.ROUTER)["spec"]["template"]["spec"]
+
+
+def _server_pod(objs):
+    return _obj(objs, "Deployment", k8s.APP)["spec"]["template"]["spec"]
+
+
 def test_k8s_replicas_schema_valid_and_sized():
-    p = plan(TWO, dotenv=None)
-    objs = k8s.render_k8s(p, _settings(TWO))
+    p = plan(TWO_K8S, dotenv=None)
+    objs = k8s.render_k8s(p, _settings(TWO_K8S))
     lines = k8s.validate(objs)
     assert len(lines) == len(objs) and all(ln.startswith("ok") for ln in lines)
-    dep = next(o for o in objs if o["kind"] == "Deployment" and
-               o["metadata"]["name"] == k8s.APP)
+    dep = _obj(objs, "Deployment", k8s.APP)
     assert dep["spec"]["replicas"] == 2
     c = dep["spec"]["template"]["spec"]["containers"][0]
     assert c["resources"]["limits"]["amd.com/gpu"] == 8
@@ -188,15 +216,139 @@ def test_k8s_replicas_schema_valid_and_sized():
 
 
 def test_k8s_schema_check_can_fail():
-    objs = k8s.render_k8s(plan(TWO, dotenv=None), _settings(TWO))
+    objs = _render(TWO_K8S)
     objs[0]["spec"]["replicas"] = "two"
     with pytest.raises(UsageError, match="fails the Kubernetes"):
         k8s.validate(objs)
 
 
+@pytest.mark.parametrize("key, value", [
+    ("K3_IMAGE", "k3rocm/server:latest"),  # the compose tag: no registry, no digest
+    ("K3_IMAGE", "registry.example.com/k3rocm/server:latest"),  # a tag moves: no digest
+    ("K3_SCALE_ROUTER_IMAGE", "k3rocm/router:0.1.17"),
+    ("K3_SCALE_ROUTER_IMAGE", "k3rocm/router" + DIGEST),  # Docker Hub user, not a registry
+    ("K3_SCALE_PROXY_IMAGE", ""),
+])
+def test_k8s_refuses_images_a_node_cannot_pull(key, value):
+    with pytest.raises(UsageError) as exc:
+        _render({**TWO_K8S, key: value})
+    msg = str(exc.value)
+    assert msg.startswith(f"{key}={value!r} is not an image a cluster can pull") and \
+        "\n" not in msg
+
+
+def test_cli_render_k8s_local_tag_exit_2():
+    r = run_cli("scale", "render-k8s", env=TWO, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        "k3rocm: error: K3_IMAGE='k3rocm/server:latest' is not an image a cluster can pull")
+
+
+def test_k8s_router_admin_endpoints_not_exposed():
+    objs = _render(TWO_K8S)
+    pod = _router_pod(objs)
+    router = next(c for c in pod["containers"] if c["name"] == "router")
+    proxy = next(c for c in pod["containers"] if c["name"] == "proxy")
+    a = router["args"]
+    assert a[a.index("--host") + 1] == "127.0.0.1"  # not reachable from outside the pod
+    # The Service reaches only the proxy's port; the router's port is no container port.
+    svc = _obj(objs, "Service", k8s.ROUTER)
+    target = svc["spec"]["ports"][0]["targetPort"]
+    assert [p["containerPort"] for p in proxy["ports"]] == [target]
+    assert int(a[a.index("--port") + 1]) != target
+    assert all(p["containerPort"] != int(a[a.index("--port") + 1])
+               for c in pod["containers"] for p in c.get("ports", []))
+    conf = _obj(objs, "ConfigMap")["data"]["nginx.conf"]
+    assert conf == k8s.proxy_conf(str(target), int(a[a.index("--port") + 1]))
+
+
+def test_k8s_router_probes_readiness_liveness():
+    # /health is 200 with no worker and 503 when one of N is down (vllm-router 0.1.17).
+    proxy = next(c for c in _router_pod(_render(TWO_K8S))["containers"] if c["name"] == "proxy")
+    assert proxy["readinessProbe"]["httpGet"]["path"] == "/readiness"
+    assert proxy["livenessProbe"]["httpGet"]["path"] == "/liveness"
+    assert "location = /readiness" in k8s.proxy_conf("8080", 30000)
+
+
+def test_k8s_router_rbac_and_namespace_agree():
+    objs = _render(TWO_K8S)
+    role = _obj(objs, "Role", k8s.ROUTER)  # namespaced: the pods of its own namespace only
+    assert not any(o["kind"].startswith("Cluster") for o in objs)
+    assert all("namespace" not in o["metadata"] for o in objs)  # one namespace: kubectl -n
+    assert {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]} in \
+        role["rules"]
+    binding = _obj(objs, "RoleBinding", k8s.ROUTER)
+    pod = _router_pod(objs)
+    assert binding["subjects"][0]["name"] == pod["serviceAccountName"]
+    router = pod["containers"][0]
+    a = router["args"]
+    # Without --service-discovery-namespace the router watches ALL namespaces (its --help).
+    assert a[a.index("--service-discovery-namespace") + 1] == "$(POD_NAMESPACE)"
+    assert {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {
+        "fieldPath": "metadata.namespace"}}} in router["env"]
+    assert a[a.index("--selector") + 1] == f"{k8s.LABEL_KEY}={k8s.APP}"
+    assert _obj(objs, "Deployment", k8s.APP)["spec"]["selector"]["matchLabels"] == {
+        k8s.LABEL_KEY: k8s.APP}
+
+
+def test_k8s_storage_per_pod_and_checkpoint_read_only():
+    objs = _render(TWO_K8S)
+    pod = _server_pod(objs)
+    vols = {v["name"]: v for v in pod["volumes"]}
+    mounts = pod["containers"][0]["volumeMounts"]
+    for m in mounts:
+        v = vols[m["name"]]
+        # N replicas must not share one writable claim (ReadWriteOnce: replica 2.. never start).
+        assert "persistentVolumeClaim" not in v or m.get("readOnly"), m
+    models = next(m for m in mounts if m["mountPath"] == "/models")
+    assert models["readOnly"] and vols["models"]["hostPath"]["path"] == k8s.NODE_MODELS_DIR
+    assert vols["cache"]["hostPath"]["path"] == k8s.NODE_CACHE_DIR  # one pod per node
+    assert vols["dshm"]["emptyDir"]["medium"] == "Memory"
+
+
+def test_k8s_scheduling_node_selector_and_requests():
+    objs = _render({**TWO_K8S, "K3_SCALE_NODE_SELECTOR": "amd.com/gpu.product-name=X,pool=a"})
+    pod = _server_pod(objs)
+    assert pod["nodeSelector"] == {"amd.com/gpu.product-name": "X", "pool": "a"}
+    req = pod["containers"][0]["resources"]["requests"]
+    assert {"cpu", "memory", "amd.com/gpu"} <= set(req)
+    for c in _router_pod(objs)["containers"]:
+        assert {"cpu", "memory"} <= set(c["resources"]["requests"])
+
+
+def test_k8s_drain_prestop_pdb_rollout():
+    objs = _render({**TWO_K8S, "K3_SCALE_DRAIN_TIMEOUT": "600"})
+    dep = _obj(objs, "Deployment", k8s.APP)
+    pod = dep["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert c["args"][c["args"].index("--shutdown-timeout") + 1] == "600"
+    sleep = int(c["lifecycle"]["preStop"]["exec"]["command"][1])
+    # SIGKILL only after preStop + the whole drain.
+    assert pod["terminationGracePeriodSeconds"] >= sleep + 600
+    assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+    pdb = _obj(objs, "PodDisruptionBudget")
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
+
+
+def test_k8s_policy_and_metrics_scrape():
+    objs = _render(TWO_K8S)
+    a = _router_pod(objs)["containers"][0]["args"]
+    assert a[a.index("--policy") + 1] == "cache_aware"
+    assert a[a.index("--prometheus-host") + 1] == "0.0.0.0"
+    router_ann = _obj(objs, "Deployment", k8s.ROUTER)["spec"]["template"]["metadata"][
+        "annotations"]
+    assert router_ann["prometheus.io/scrape"] == "true"
+    assert router_ann["prometheus.io/port"] == a[a.index("--prometheus-port") + 1]
+    server_ann = _obj(objs, "Deployment", k8s.APP)["spec"]["template"]["metadata"][
+        "annotations"]
+    assert server_ann["prometheus.io/port"] == "8000"
+
+
 def test_k8s_dp_ep_leaderworkerset():
-    p = plan(DPEP, dotenv=None)
-    objs = k8s.render_k8s(p, _settings(DPEP))
+    env = {**DPEP, **IMAGES}
+    objs = _render(env)
     assert all(ln.startswith("ok") for ln in k8s.validate(objs))
     lws = objs[0]
     assert lws["kind"] == "LeaderWorkerSet" and "not validated on MI355X" in \
@@ -206,12 +358,17 @@ def test_k8s_dp_ep_leaderworkerset():
     worker = tpl["workerTemplate"]["spec"]["containers"][0]
     assert "--headless" in worker["args"][0] and "$(LWS_LEADER_ADDRESS)" in worker["args"][0]
     assert "$((LWS_WORKER_INDEX * 1))" in worker["args"][0]
+    assert "--shutdown-timeout 300" in worker["args"][0]
     assert tpl["leaderTemplate"]["spec"]["hostNetwork"] is True
+    # The LWS controller creates a headless Service named like the LWS (the group's DNS):
+    # ours must not take that name.
+    svc = _obj(objs, "Service")
+    assert svc["metadata"]["name"] != lws["metadata"]["name"]
 
 
 def test_cli_render_k8s_writes_banner(tmp_path):
     out = tmp_path / "k8s.yaml"
-    r = run_cli("scale", "render-k8s", "--out", str(out), env=DPEP, timeout=120)
+    r = run_cli("scale", "render-k8s", "--out", str(out), env={**DPEP, **IMAGES}, timeout=120)
     assert r.returncode == 0, r.stderr
     assert out.read_text().startswith("# EXPERIMENTAL (dp-ep)")
     assert "NOT validated on MI355X" in out.read_text().splitlines()[0]
@@ -249,3 +406,175 @@ def test_topology_block():
     t = topology("http://10.0.0.2:8000", env)
     assert not t["via_router"] and t["target"] == "one node"
     assert topology("http://127.0.0.1:8000", {})["mode"] == "single"
+
+
+def test_proxy_forwards_only_data_paths_with_real_nginx(tmp_path):
+    """The rendered nginx config, run by a real nginx in front of a stub upstream."""
+    import http.server
+    import threading
+
+    import requests
+    from conftest import free_port
+
+    nginx = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin")
+    need(nginx is not None, "nginx is not installed (apt-get install nginx-light)")
+    seen: list[str] = []
+
+    class Upstream(http.server.BaseHTTPRequestHandler):
+        def _answer(self):
+            seen.append(self.path)
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"ok")
+
+        do_GET = do_POST = _answer
+
+        def log_message(self, *a):
+            pass
+
+    upstream = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Upstream)
+    threading.Thread(target=upstream.serve_forever, daemon=True).start()
+    port = free_port()
+    conf = tmp_path / "nginx.conf"
+    conf.write_text(k8s.proxy_conf(f"127.0.0.1:{port}", upstream.server_address[1],
+                                   tmp=str(tmp_path)))
+    assert subprocess.run([nginx, "-t", "-q", "-c", str(conf)], capture_output=True,
+                          text=True).returncode == 0
+    proc = subprocess.Popen([nginx, "-g", "daemon off;", "-c", str(conf)],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+
+        def up():
+            try:
+                return requests.get(f"{url}/liveness", timeout=2).status_code == 200
+            except requests.RequestException:
+                assert proc.poll() is None, proc.stderr.read()
+                return False
+
+        t0 = time.monotonic()
+        while not up():  # readiness poll; nothing below depends on timing
+            assert time.monotonic() - t0 < 30, "nginx did not start"
+            time.sleep(0.05)
+        codes = {p: requests.request(m, f"{url}{p}", timeout=5).status_code for m, p in [
+            ("POST", "/v1/chat/completions"), ("GET", "/v1/models"), ("GET", "/readiness"),
+            ("GET", "/health"), ("POST", "/add_worker?url=http://evil:1"),
+            ("POST", "/remove_worker?url=http://10.0.0.1:8000"), ("GET", "/list_workers"),
+            ("POST", "/flush_cache"), ("GET", "/get_loads"), ("GET", "/metrics"),
+            ("POST", "/v1/../add_worker?url=http://evil:1"),
+            ("POST", "/v1/%2e%2e/add_worker?url=http://evil:1")]}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        upstream.shutdown()
+    assert [p for p, c in codes.items() if c == 200] == [
+        "/v1/chat/completions", "/v1/models", "/readiness", "/health"], codes
+    assert not any("worker" in p or "flush" in p for p in seen), seen
+
+
+# vLLM 0.32.0 /metrics shape for the prefix cache (vllm/v1/metrics/loggers.py: counters
+# vllm:prefix_cache_queries / vllm:prefix_cache_hits, in tokens, one sample per engine).
+METRICS = """# HELP vllm:prefix_cache_queries_total Prefix cache queries (tokens).
+# TYPE vllm:prefix_cache_queries_total counter
+vllm:prefix_cache_queries_total{engine="0",model_name="k3-smoke"} 300.0
+vllm:prefix_cache_queries_total{engine="1",model_name="k3-smoke"} 100.0
+# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.
+# TYPE vllm:prefix_cache_hits_total counter
+vllm:prefix_cache_hits_total{engine="0",model_name="k3-smoke"} 96.0
+vllm:prefix_cache_hits_total{engine="1",model_name="k3-smoke"} 4.0
+vllm:prefix_cache_hits_created{engine="0",model_name="k3-smoke"} 1.7e9
+"""
+
+
+def test_prefix_cache_hit_rate_from_metrics():
+    from k3rocm.deploy.scale.status import prefix_cache_hit_rate
+
+    assert prefix_cache_hit_rate(METRICS) == pytest.approx(0.25)
+    assert prefix_cache_hit_rate("vllm:prefix_cache_queries_total 0\n") is None
+    assert prefix_cache_hit_rate("") is None
+
+
+@pytest.fixture
+def fake_vllm():
+    """A stub of the vLLM endpoints `make status` reads; a dead DP rank never answers (its
+    request waits on an event the test sets at the end: no sleep, no race)."""
+    import http.server
+    import threading
+
+    state = {"dead_ranks": set(), "router": 200}
+    release = threading.Event()
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def _send(self, code, body):
+            data = body.encode()
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            if self.path == "/health":
+                return self._send(200 if self.server.role == "server" else state["router"],
+                                  "")
+            if self.path == "/v1/models":
+                return self._send(200, json.dumps({"data": [{"id": "k3-smoke"}]}))
+            if self.path == "/metrics":
+                return self._send(200, METRICS)
+            self._send(404, "")
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            rank = int(self.headers.get("X-data-parallel-rank", "-1"))
+            if rank in state["dead_ranks"]:
+                release.wait(60)
+                return
+            self._send(200, json.dumps({"choices": [{"text": "x"}]}))
+
+        def log_message(self, *a):
+            pass
+
+    servers = []
+    for role in ("server", "server", "router"):
+        srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+        srv.role = role
+        srv.daemon_threads = True
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        servers.append(srv)
+    yield state, [f"127.0.0.1:{s.server_address[1]}" for s in servers]
+    release.set()
+    for srv in servers:
+        srv.shutdown()
+
+
+def test_status_dp_ep_probes_every_rank(fake_vllm, monkeypatch):
+    from k3rocm.deploy.scale import status
+
+    state, (head, other, router) = fake_vllm
+    env = {**DPEP, "K3_SCALE_NODES": f"{head},{other}", "K3_SCALE_DP_LOCAL": "2",
+           "K3_SCALE_ROUTER_PORT": router.split(":")[1]}
+    s = load_scale(env, dotenv=None, tp=1)
+    replicas, r = status.scale_status(s, api_key="")
+    assert r.summary == "ok, 1 of 1" and replicas[0].ranks == {0: "ok", 1: "ok", 2: "ok", 3: "ok"}
+    assert replicas[0].prefix_cache_hit_rate == pytest.approx(0.25)
+    # A dead headless worker: the head's /health stays 200, its ranks 2 and 3 never answer.
+    state["dead_ranks"] = {2, 3}
+    monkeypatch.setattr(status, "RANK_TIMEOUT", 0.5)
+    replicas, r = status.scale_status(s, api_key="")
+    assert r.health == "ok" and r.summary == "down, 0 of 1"
+    lines = status.format_status(replicas, r)
+    assert "prefix-cache hits 25.0%" in lines[0]
+    assert lines[1] == ("  DP ranks: 2 of 4 answer; rank 2: no answer in 0.5 s; "
+        "rank 3: no answer in 0.5 s")
+
+
+def test_status_degraded_even_when_router_says_ok(fake_vllm):
+    from k3rocm.deploy.scale import status
+
+    state, (one, two, router) = fake_vllm
+    s = load_scale({**TWO, "K3_SCALE_NODES": f"{one},127.0.0.1:1",
+                    "K3_SCALE_ROUTER_PORT": router.split(":")[1]}, dotenv=None)
+    replicas, r = status.scale_status(s, api_key="")
+    assert r.summary == "degraded, 1 of 2"
+    state["router"] = 503
+    assert status.scale_status(s, api_key="")[1].summary == "degraded, 1 of 2"

@@ -7,7 +7,7 @@ Single node: ROCm devices (/dev/kfd, /dev/dri render nodes), the video/render gr
 kernel.numa_balancing, free disk for the cache and results directories, the checkpoint
 (config.json and size), the base and serving images, the API port, Docker and Compose versions.
 Scale-out (K3_SCALE_MODE != single) adds: every node reachable, /dev/infiniband and the named
-interface where the mode needs them (dp-ep, pd), the same serving image on every node, the
+interface where the mode needs them (dp-ep), the same serving image on every node, the
 router port free.
 """
 
@@ -266,7 +266,7 @@ def check_scale(s, settings, client, net: Path = Path("/sys/class/net"),
     local = _local_addresses()
     for node in s.nodes:
         out.append(check_node(node))
-    if s.mode in ("dp-ep", "pd"):
+    if s.mode == "dp-ep":
         ib = dev / "infiniband"
         out.append(Check("/dev/infiniband", "ok" if ib.is_dir() else "fail",
                          "present" if ib.is_dir() else "missing",

@@ -3,9 +3,11 @@
   k3rocm scale config               the resolved K3_SCALE_* settings
   k3rocm scale render [--out DIR]   per-node env/argv (+ compose overrides written to DIR)
   k3rocm scale render-k8s [--out F] Kubernetes manifests, checked against the K8s schemas
+  k3rocm scale proxy-conf [--listen A:P]  nginx config exposing only the router's data paths
   k3rocm scale router-up|router-down
   k3rocm scale url                  the router URL (bench/gsm8k --url)
   k3rocm scale status [--json]      one line per replica and the router's view
+  k3rocm scale overhead [-n N]      the router's added latency vs direct requests (ratio)
 
 Exit codes: 0 ok, 1 status degraded/down or a router failure, 2 bad settings.
 """
@@ -38,6 +40,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        description="Kubernetes manifests for the scale mode, checked against "
                        "the Kubernetes schemas with kubernetes-validate (offline)")
     p.add_argument("--out", type=Path, help="write the manifests (multi-document YAML) here")
+    p = sub.add_parser("proxy-conf", help="nginx config that exposes only the router's data "
+                       "paths (/v1/*, health)", description="print an nginx configuration "
+                       "that forwards only /v1/* and the health paths to the router "
+                       "(K3_SCALE_ROUTER_HOST:PORT); its admin endpoints stay unreachable")
+    p.add_argument("--listen", default="0.0.0.0:8443",
+                   help="address:port nginx listens on for clients (default 0.0.0.0:8443)")
     p = sub.add_parser("router-up", help="start vllm-router in front of K3_SCALE_NODES",
                        description="start the router container (host network)")
     p.add_argument("--name", default="k3rocm-router", help="container name")
@@ -47,6 +55,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = sub.add_parser("status", help="one line per replica and the router's view",
                        description="health, model, fusion decisions and image per replica; "
                        "the router's view (ok / degraded, k of N / down)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p = sub.add_parser("overhead", help="router added latency vs direct requests (ratio)",
+                       description="interleaved requests straight to the nodes and through "
+                       "the router, in one run; prints the client-time ratio and the "
+                       "router's added milliseconds (server time from vLLM's /metrics "
+                       "subtracted)")
+    p.add_argument("-n", "--requests", type=int, default=24,
+                   help="requests per path (default 24)")
+    p.add_argument("--max-tokens", type=int, default=8, help="tokens per request (default 8)")
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
@@ -99,6 +116,33 @@ def run(args: argparse.Namespace) -> int:
         else:
             print("\n".join(format_status(replicas, router)))
         return 0 if router.summary.startswith("ok") else 1
+    if cmd == "overhead":
+        from k3rocm.deploy.deployment import load_deployment
+        from k3rocm.deploy.scale.overhead import format_figures, measure
+        from k3rocm.deploy.scale.status import _get
+
+        if s.mode != "replicas":
+            raise UsageError("K3_SCALE_MODE=replicas is needed: the overhead compares the "
+                             "router with direct requests to its nodes")
+        if args.requests < 1 or args.max_tokens < 1:
+            raise UsageError("--requests and --max-tokens must be >= 1")
+        key = load_deployment().api_key
+        r, err = _get(f"{s.worker_urls[0]}/v1/models", api_key=key)
+        if r is None or r.status_code != 200:
+            raise UsageError(f"{s.worker_urls[0]} does not serve /v1/models "
+                             f"({err or r.status_code}): start the replicas first", 1)
+        model = r.json()["data"][0]["id"]
+        figures = measure(s.router_url, s.worker_urls, model, args.requests,
+                          args.max_tokens, key)
+        print(json.dumps(figures, indent=2) if args.json else format_figures(figures))
+        return 0
+    if cmd == "proxy-conf":
+        from k3rocm.deploy.scale.k8s import proxy_conf
+
+        if s.mode == "single":
+            raise UsageError("K3_SCALE_MODE=single has no router: set K3_SCALE_MODE=replicas")
+        print(proxy_conf(args.listen, s.router_port), end="")
+        return 0
     if cmd in ("router-up", "router-down"):
         from k3rocm.deploy.engine import docker_client
         from k3rocm.deploy.scale.router import start_router, stop_router
@@ -118,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
     from k3rocm.deploy.scale.render import compose_override, plan
 
     p = plan(dotenv=args.env_file, scale=s)
-    experimental = s.mode in ("dp-ep", "pd")
+    experimental = s.mode == "dp-ep"
     if cmd == "render":
         if experimental:
             print(EXPERIMENTAL_BANNER.format(mode=s.mode), file=sys.stderr)

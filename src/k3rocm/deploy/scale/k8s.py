@@ -1,13 +1,20 @@
 """Kubernetes rendering of the scale-out modes (``make render-k8s``): NOT validated on MI355X.
 
-* ``replicas``: a Deployment of N unchanged servers (``amd.com/gpu: 8`` each), a Service, and the
-  router (vllm-router) as a Deployment + Service that finds the servers by label
-  (``--service-discovery``; it needs the Role that lets it list pods, rendered too).
+* ``replicas``: a Deployment of N unchanged servers (``amd.com/gpu: 8`` each, one per MI355X
+  node), a PodDisruptionBudget, and the router (vllm-router) as a Deployment + Service that finds
+  the servers by label in its own namespace (``--service-discovery`` with
+  ``--service-discovery-namespace`` = the pod's namespace, which is what the rendered Role allows).
+  The router listens on 127.0.0.1 inside its pod: its admin endpoints (``/add_worker``,
+  ``/remove_worker``, ...) share the data port, so an nginx sidecar (:func:`proxy_conf`) is the
+  only thing the Service reaches, and it forwards only ``/v1/*`` and the health paths.
 * ``dp-ep``: a LeaderWorkerSet (leaderworkerset.x-k8s.io/v1; a CRD that must be installed): the
   leader is the DP head, each worker runs ``--headless`` with its start rank from
-  ``LWS_WORKER_INDEX``.
-* ``pd``: two Deployments (prefill, decode) with the MoRIIO connector and the router in P/D mode.
+  ``LWS_WORKER_INDEX``; the API Service is not named like the LWS (the controller creates a
+  headless Service with the LWS's own name for the group's DNS).
 
+Every image must be a pullable, pinned reference (registry/repo@sha256:...): a node cannot see a
+local tag. The checkpoint and the caches are node-local (hostPath): the checkpoint read-only,
+the caches per node (one 8-GPU pod per node), so no replica waits for another's volume.
 The server containers run the same image and entrypoint as compose, with the resolved K3_*
 settings as environment (the entrypoint renders the same argv as on a compose node: see the
 ``k3rocm.org/argv`` annotation) and the scale additions as arguments.
@@ -20,14 +27,61 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from k3rocm.deploy.scale.render import NOT_VALIDATED, NodePlan, Plan
+from k3rocm.deploy.scale.render import NOT_VALIDATED, STOP_MARGIN_S, NodePlan, Plan, drain_timeout
+from k3rocm.deploy.scale.settings import check_image_ref
 from k3rocm.errors import UsageError
 from k3rocm.serving.config import ENV_NAME, SECRET_KEYS, Settings
 
 K8S_VERSION = "1.33.0"  # schema version the renderings are checked against
 APP = "k3rocm-server"
+API_SERVICE = f"{APP}-api"  # not APP: the LWS controller owns a headless Service named APP
+ROUTER = "k3rocm-router"
 LABEL_KEY = "app.kubernetes.io/name"
 SHM_SIZE = "64Gi"
+# Node-local storage on every MI355X node: the checkpoint staged once per node (read-only here),
+# the HF/vLLM/Triton caches of the one server pod on that node.
+NODE_MODELS_DIR = "/var/lib/k3rocm/models"
+NODE_CACHE_DIR = "/var/lib/k3rocm/cache"
+SERVER_REQUESTS = {"cpu": "32", "memory": "256Gi"}
+ROUTER_REQUESTS = {"cpu": "2", "memory": "2Gi"}
+PROXY_REQUESTS = {"cpu": "500m", "memory": "128Mi"}
+# Before SIGTERM: time for the router to stop picking a terminating pod (discovery/health).
+PRESTOP_S = 15
+ROUTER_INTERNAL_PORT = 30000  # vllm-router's own default port, on 127.0.0.1 in its pod
+ROUTER_REQUEST_TIMEOUT_S = 1800  # vllm-router --request-timeout-secs default; proxy matches it
+
+
+def proxy_conf(listen: str, upstream_port: int,
+               timeout_s: int = ROUTER_REQUEST_TIMEOUT_S, tmp: str = "/tmp") -> str:
+    """nginx configuration that exposes only the router's data paths.
+
+    ``/v1/*`` (completions, chat, models, responses) and the health paths reach the router;
+    everything else (``/add_worker``, ``/remove_worker``, ``/list_workers``, ``/flush_cache``,
+    ...) is 404. The path is forwarded normalized (``$uri``), so ``/v1/../add_worker`` is
+    ``/add_worker`` to nginx too and never reaches the router. Streaming is not buffered.
+    Runs unprivileged (temp files and pid in ``tmp``).
+    """
+    up = f"http://127.0.0.1:{upstream_port}$uri$is_args$args"
+    fwd = (f"proxy_pass {up}; proxy_http_version 1.1; proxy_set_header Connection \"\"; "
+           "proxy_buffering off; proxy_request_buffering off; "
+           f"proxy_read_timeout {timeout_s}s; proxy_send_timeout {timeout_s}s;")
+    return "\n".join([
+        "# vllm-router data-port proxy (k3rocm): only /v1/* and health paths are forwarded.",
+        "worker_processes 1;", f"pid {tmp}/nginx.pid;", "error_log stderr warn;",
+        "events { worker_connections 4096; }",
+        "http {",
+        "  access_log off;",
+        f"  client_body_temp_path {tmp}/nginx-body; proxy_temp_path {tmp}/nginx-proxy;",
+        f"  fastcgi_temp_path {tmp}/nginx-fcgi; uwsgi_temp_path {tmp}/nginx-uwsgi;",
+        f"  scgi_temp_path {tmp}/nginx-scgi;",
+        "  client_max_body_size 64m;",
+        "  server {",
+        f"    listen {listen};",
+        f"    location /v1/ {{ {fwd} }}",
+        *(f"    location = {p} {{ {fwd} }}" for p in ("/health", "/readiness", "/liveness")),
+        "    location / { return 404; }",
+        "  }",
+        "}", ""])
 
 
 def _settings_env(settings: Settings, port: int) -> list[dict[str, Any]]:
@@ -52,8 +106,7 @@ def _settings_env(settings: Settings, port: int) -> list[dict[str, Any]]:
     return out
 
 
-def _container(plan: Plan, node: NodePlan, settings: Settings, startup_s: int,
-               extra_env: list[dict[str, Any]] | None = None,
+def _container(node: NodePlan, settings: Settings, image: str, startup_s: int,
                args: list[str] | None = None, command: list[str] | None = None
                ) -> dict[str, Any]:
     port = int(node.env_overrides.get("K3_PORT", settings.port))
@@ -63,13 +116,13 @@ def _container(plan: Plan, node: NodePlan, settings: Settings, startup_s: int,
     if node.host_network:
         env.append({"name": "VLLM_HOST_IP", "valueFrom": {"fieldRef": {
             "fieldPath": "status.podIP"}}})
-    env += extra_env or []
     period = 10
     c: dict[str, Any] = {
-        "name": "server", "image": settings.image, "imagePullPolicy": "IfNotPresent",
+        "name": "server", "image": image, "imagePullPolicy": "IfNotPresent",
         "env": env,
         "ports": [{"name": "http", "containerPort": port}],
-        "resources": {"limits": {"amd.com/gpu": 8}, "requests": {"amd.com/gpu": 8}},
+        "resources": {"limits": {"amd.com/gpu": 8},
+                      "requests": {"amd.com/gpu": 8, **SERVER_REQUESTS}},
         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"},
                          {"name": "models", "mountPath": "/models", "readOnly": True},
                          {"name": "cache", "mountPath": "/cache"}],
@@ -78,41 +131,38 @@ def _container(plan: Plan, node: NodePlan, settings: Settings, startup_s: int,
         # A 1.5 TB load and kernel compilation: give /health up to startup_s to answer.
         "startupProbe": {"httpGet": {"path": "/health", "port": port},
                          "periodSeconds": period, "timeoutSeconds": 5,
-                         "failureThreshold": max(1, startup_s // period)},
+                         "failureThreshold": max(1, -(-startup_s // period))},
         "readinessProbe": {"httpGet": {"path": "/health", "port": port},
                            "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 3},
         "livenessProbe": {"httpGet": {"path": "/health", "port": port},
                           "periodSeconds": 30, "timeoutSeconds": 10, "failureThreshold": 5},
+        # Out of the router's rotation before SIGTERM; then vLLM drains (--shutdown-timeout).
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_S)]}}},
     }
     if command is not None:
         c["command"] = command
-    if args:
-        c["args"] = args
-    elif node.command and command is None:
-        c["args"] = list(node.command)
+    c["args"] = list(args if args is not None else node.command)
     if node.host_network:
         c["volumeMounts"].append({"name": "infiniband", "mountPath": "/dev/infiniband"})
         c["securityContext"]["privileged"] = True  # RDMA devices (memlock: IPC_LOCK)
     return c
 
 
-def _pod_spec(containers: list[dict[str, Any]], host_network: bool,
-              sa: str | None = None) -> dict[str, Any]:
+def _pod_spec(containers: list[dict[str, Any]], node: NodePlan, plan: Plan) -> dict[str, Any]:
     vols: list[dict[str, Any]] = [
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": SHM_SIZE}},
-        {"name": "models", "persistentVolumeClaim": {"claimName": "k3rocm-models",
-                                                     "readOnly": True}},
-        {"name": "cache", "persistentVolumeClaim": {"claimName": "k3rocm-cache"}},
+        {"name": "models", "hostPath": {"path": NODE_MODELS_DIR, "type": "Directory"}},
+        {"name": "cache", "hostPath": {"path": NODE_CACHE_DIR, "type": "DirectoryOrCreate"}},
     ]
-    if host_network:
+    if node.host_network:
         vols.append({"name": "infiniband", "hostPath": {"path": "/dev/infiniband"}})
-    spec: dict[str, Any] = {"containers": containers, "volumes": vols,
-                            "terminationGracePeriodSeconds": 60}
-    if host_network:
+    spec: dict[str, Any] = {
+        "containers": containers, "volumes": vols,
+        "nodeSelector": plan.scale.node_selector_map,
+        "terminationGracePeriodSeconds": PRESTOP_S + drain_timeout(node) + STOP_MARGIN_S}
+    if node.host_network:
         spec["hostNetwork"] = True
         spec["dnsPolicy"] = "ClusterFirstWithHostNet"
-    if sa:
-        spec["serviceAccountName"] = sa
     return spec
 
 
@@ -130,77 +180,108 @@ def _annotations(node: NodePlan, experimental: bool) -> dict[str, str]:
             "k3rocm.org/argv": json.dumps(node.argv)}
 
 
+def _scrape(port: int) -> dict[str, str]:
+    return {"prometheus.io/scrape": "true", "prometheus.io/port": str(port),
+            "prometheus.io/path": "/metrics"}
+
+
 def _deployment(name: str, labels: dict[str, str], replicas: int, pod: dict[str, Any],
-                annotations: dict[str, str]) -> dict[str, Any]:
+                annotations: dict[str, str], pod_annotations: dict[str, str]) -> dict[str, Any]:
     return {"apiVersion": "apps/v1", "kind": "Deployment",
             "metadata": _meta(name, labels, annotations),
             "spec": {"replicas": replicas, "selector": {"matchLabels": labels},
-                     "template": {"metadata": {"labels": labels}, "spec": pod}}}
+                     # Replace one pod at a time in place: no spare 8-GPU node needed.
+                     "strategy": {"type": "RollingUpdate",
+                                  "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
+                     "template": {"metadata": {"labels": labels,
+                                               "annotations": pod_annotations},
+                                  "spec": pod}}}
 
 
-def _service(name: str, labels: dict[str, str], port: int) -> dict[str, Any]:
-    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(name, labels),
-            "spec": {"selector": labels, "ports": [{"name": "http", "port": port,
-                                                    "targetPort": port}]}}
+def _service(name: str, selector: dict[str, str], port: int, target: int | None = None
+             ) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": _meta(name, {LABEL_KEY: name}),
+            "spec": {"selector": selector, "ports": [{"name": "http", "port": port,
+                                                      "targetPort": target or port}]}}
 
 
-def _router(plan: Plan, selector: list[str], extra: list[str]) -> list[dict[str, Any]]:
+def _pdb(labels: dict[str, str]) -> dict[str, Any]:
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+            "metadata": _meta(APP, labels),
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": labels}}}
+
+
+def _router(plan: Plan, server_port: int) -> list[dict[str, Any]]:
     s = plan.scale
-    labels = {LABEL_KEY: "k3rocm-router"}
-    args = ["--host", "0.0.0.0", "--port", str(s.router_port), "--policy", s.router_policy,
+    router_image = check_image_ref("K3_SCALE_ROUTER_IMAGE", s.router_image)
+    proxy_image = check_image_ref("K3_SCALE_PROXY_IMAGE", s.proxy_image)
+    labels = {LABEL_KEY: ROUTER}
+    args = ["--host", "127.0.0.1", "--port", str(ROUTER_INTERNAL_PORT),
+            "--policy", s.router_policy,
             "--worker-startup-timeout-secs", str(s.router_startup_timeout),
             "--health-check-interval-secs", str(s.health_interval),
             "--health-failure-threshold", str(s.health_threshold),
-            "--service-discovery", "--service-discovery-port",
-            str(plan.nodes[0].env_overrides["K3_PORT"]), *selector, *extra]
-    container = {"name": "router", "image": s.router_image, "imagePullPolicy": "IfNotPresent",
-                 "args": args, "ports": [{"name": "http", "containerPort": s.router_port}],
-                 "readinessProbe": {"httpGet": {"path": "/health", "port": s.router_port},
-                                    "periodSeconds": 10}}
-    rbac_labels = {LABEL_KEY: "k3rocm-router"}
+            "--request-timeout-secs", str(ROUTER_REQUEST_TIMEOUT_S),
+            "--prometheus-host", "0.0.0.0", "--prometheus-port", str(s.router_metrics_port),
+            "--service-discovery", "--selector", f"{LABEL_KEY}={APP}",
+            "--service-discovery-port", str(server_port),
+            # The Role below covers this namespace only: watch exactly it.
+            "--service-discovery-namespace", "$(POD_NAMESPACE)"]
+    router = {"name": "router", "image": router_image, "imagePullPolicy": "IfNotPresent",
+              "args": args,
+              "env": [{"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {
+                  "fieldPath": "metadata.namespace"}}}],
+              "ports": [{"name": "metrics", "containerPort": s.router_metrics_port}],
+              "resources": {"requests": ROUTER_REQUESTS}}
+    probe = {"periodSeconds": 10, "timeoutSeconds": 5}
+    proxy = {"name": "proxy", "image": proxy_image, "imagePullPolicy": "IfNotPresent",
+             "args": ["nginx", "-g", "daemon off;", "-c", "/etc/k3rocm/nginx.conf"],
+             "ports": [{"name": "http", "containerPort": s.router_port}],
+             "volumeMounts": [{"name": "proxy-conf", "mountPath": "/etc/k3rocm",
+                               "readOnly": True}],
+             "resources": {"requests": PROXY_REQUESTS},
+             # Ready = the router has a healthy worker (503 otherwise, 200 while one of N
+             # restarts); live = the router process answers.
+             "readinessProbe": {"httpGet": {"path": "/readiness", "port": s.router_port},
+                                **probe},
+             "livenessProbe": {"httpGet": {"path": "/liveness", "port": s.router_port},
+                               "failureThreshold": 3, **probe}}
+    pod = {"containers": [router, proxy], "serviceAccountName": ROUTER,
+           "volumes": [{"name": "proxy-conf", "configMap": {"name": f"{ROUTER}-proxy"}}]}
+    conf = proxy_conf(str(s.router_port), ROUTER_INTERNAL_PORT)
     return [
-        {"apiVersion": "v1", "kind": "ServiceAccount",
-         "metadata": _meta("k3rocm-router", rbac_labels)},
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(ROUTER, labels)},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
-         "metadata": _meta("k3rocm-router", rbac_labels),
+         "metadata": _meta(ROUTER, labels),
          "rules": [{"apiGroups": [""], "resources": ["pods"],
                     "verbs": ["get", "list", "watch"]}]},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
-         "metadata": _meta("k3rocm-router", rbac_labels),
-         "subjects": [{"kind": "ServiceAccount", "name": "k3rocm-router"}],
-         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
-                     "name": "k3rocm-router"}},
-        _deployment("k3rocm-router", labels, 1,
-                    {"containers": [container], "serviceAccountName": "k3rocm-router"},
-                    {"k3rocm.org/note": "router for the rendered servers"}),
-        _service("k3rocm-router", labels, s.router_port),
+         "metadata": _meta(ROUTER, labels),
+         "subjects": [{"kind": "ServiceAccount", "name": ROUTER}],
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": ROUTER}},
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(f"{ROUTER}-proxy", labels),
+         "data": {"nginx.conf": conf}},
+        _deployment(ROUTER, labels, 1, pod,
+                    {"k3rocm.org/note": "router for the rendered servers; only the proxy's "
+                     "data paths are reachable"}, _scrape(s.router_metrics_port)),
+        _service(ROUTER, labels, s.router_port),
     ]
 
 
 def render_k8s(plan: Plan, settings: Settings) -> list[dict[str, Any]]:
     """Kubernetes objects for ``plan`` (a list of dicts, in apply order)."""
     s = plan.scale
+    image = check_image_ref("K3_IMAGE", settings.image)
     startup = max(s.router_startup_timeout, 600)
     port = int(plan.nodes[0].env_overrides["K3_PORT"])
     if s.mode == "replicas":
         node = plan.nodes[0]
         labels = {LABEL_KEY: APP}
-        pod = _pod_spec([_container(plan, node, settings, startup)], False)
-        return [_deployment(APP, labels, len(plan.nodes), pod, _annotations(node, False)),
-                _service(APP, labels, port),
-                *_router(plan, ["--selector", f"{LABEL_KEY}={APP}"], [])]
-    if s.mode == "pd":
-        out: list[dict[str, Any]] = []
-        for role in ("prefill", "decode"):
-            members = [n for n in plan.nodes if n.role == role]
-            labels = {LABEL_KEY: APP, "k3rocm.org/role": role}
-            pod = _pod_spec([_container(plan, members[0], settings, startup)], True)
-            out.append(_deployment(f"{APP}-{role}", labels, len(members), pod,
-                                   _annotations(members[0], True)))
-        out += _router(plan, ["--prefill-selector", "k3rocm.org/role=prefill",
-                              "--decode-selector", "k3rocm.org/role=decode"],
-                       ["--vllm-pd-disaggregation", "--kv-connector", "moriio"])
-        return out
+        pod = _pod_spec([_container(node, settings, image, startup)], node, plan)
+        return [_deployment(APP, labels, len(plan.nodes), pod, _annotations(node, False),
+                            _scrape(port)),
+                _pdb(labels), *_router(plan, port)]
     if s.mode == "dp-ep":
         head, worker = plan.nodes[0], plan.nodes[1]
         # The head address and each worker's start rank are only known at run time in
@@ -213,21 +294,30 @@ def render_k8s(plan: Plan, settings: Settings) -> list[dict[str, Any]]:
         worker_cmd = "exec /opt/k3rocm/entrypoint.sh " + " ".join(
             a if a.startswith("$") else _sh_quote(a) for a in worker_args)
         labels = {LABEL_KEY: APP}
-        leader = _pod_spec([_container(plan, head, settings, startup, args=head_args)], True)
-        workerpod = _pod_spec([_container(plan, worker, settings, startup, command=shell,
-                                          args=[worker_cmd])], True)
+        leader = _pod_spec([_container(head, settings, image, startup, args=head_args)],
+                           head, plan)
+        workerpod = _pod_spec([_container(worker, settings, image, startup, command=shell,
+                                          args=[worker_cmd])], worker, plan)
         # Headless workers serve no API: no HTTP probes on them.
         for key in ("startupProbe", "readinessProbe", "livenessProbe", "ports"):
             workerpod["containers"][0].pop(key)
         lws = {"apiVersion": "leaderworkerset.x-k8s.io/v1", "kind": "LeaderWorkerSet",
                "metadata": _meta(APP, labels, _annotations(head, True)),
-               "spec": {"replicas": 1, "leaderWorkerTemplate": {
-                   "size": len(plan.nodes), "restartPolicy": "RecreateGroupOnPodRestart",
-                   "leaderTemplate": {"metadata": {"labels": {**labels, "role": "leader"}},
-                                      "spec": leader},
-                   "workerTemplate": {"metadata": {"labels": {**labels, "role": "worker"}},
-                                      "spec": workerpod}}}}
-        svc = _service(APP, {**labels, "role": "leader"}, port)
+               "spec": {"replicas": 1,
+                        "rolloutStrategy": {"type": "RollingUpdate",
+                                            "rollingUpdateConfiguration": {
+                                                "maxUnavailable": 1, "maxSurge": 0}},
+                        "leaderWorkerTemplate": {
+                            "size": len(plan.nodes),
+                            "restartPolicy": "RecreateGroupOnPodRestart",
+                            "leaderTemplate": {
+                                "metadata": {"labels": {**labels, "role": "leader"},
+                                             "annotations": _scrape(port)},
+                                "spec": leader},
+                            "workerTemplate": {"metadata": {"labels": {**labels,
+                                                                       "role": "worker"}},
+                                               "spec": workerpod}}}}
+        svc = _service(API_SERVICE, {**labels, "role": "leader"}, port)
         return [lws, svc]
     raise UsageError(f"K3_SCALE_MODE={s.mode}: nothing to render for Kubernetes")
 

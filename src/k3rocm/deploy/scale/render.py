@@ -3,16 +3,16 @@
 Every node's vLLM env and argv come from :func:`k3rocm.serving.config.render` (the function the
 image's entrypoint runs), given the node's K3_* environment plus the scale additions as passthrough
 arguments. Nothing here writes a second ``vllm serve`` command line by hand: the scale additions are
-only the data-parallel / expert-parallel / KV-transfer flags and the network environment.
+only the drain flag (``--shutdown-timeout``), the data-parallel / expert-parallel flags and the
+network environment.
 
-``replicas`` is the supported mode. ``dp-ep`` and ``pd`` are EXPERIMENTAL: rendered and tested as
-renderings (a dense tiny model at DP=2 starts from the rendered dp-ep argv on the CPU stand-in),
+``replicas`` is the supported mode. ``dp-ep`` is EXPERIMENTAL: rendered and tested as a rendering
+(a dense tiny model at DP=2 starts from the rendered dp-ep argv on the CPU stand-in),
 NOT validated on MI355X.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -23,10 +23,9 @@ from k3rocm.errors import UsageError
 from k3rocm.serving.config import load_settings, render
 
 NOT_VALIDATED = ("EXPERIMENTAL: rendered by k3rocm, not validated on MI355X; review before use")
-# MoRIIO KV-transfer ports (the connector's handshake/notify side channels; examples in the
-# ROCm MoRIIO connector docs use these kinds of fixed ports per node).
-MORIIO_HANDSHAKE_PORT = 6301
-MORIIO_NOTIFY_PORT = 61005
+# A stopped server gets this long beyond its drain (--shutdown-timeout) before SIGKILL:
+# engine and worker teardown after the last request.
+STOP_MARGIN_S = 30
 
 
 @dataclass
@@ -34,7 +33,7 @@ class NodePlan:
     """What one node runs: the compose inputs (env_overrides + command) and the result."""
 
     index: int
-    role: str  # replica | head | worker | prefill | decode
+    role: str  # replica | head | worker
     address: str  # host:port of the node's API server (from K3_SCALE_NODES)
     env_overrides: dict[str, str]  # K3_* and network variables set on this node
     command: list[str]  # passthrough args given to the entrypoint (compose `command:`)
@@ -62,7 +61,7 @@ class Plan:
 
     def to_json(self) -> dict[str, Any]:
         return {"mode": self.scale.mode,
-                "note": NOT_VALIDATED if self.scale.mode in ("dp-ep", "pd") else
+                "note": NOT_VALIDATED if self.scale.mode == "dp-ep" else
                 "replicas: every node runs the unchanged single-node server",
                 "nodes": [n.to_json() for n in self.nodes],
                 "router": {"url": self.scale.router_url, "argv": self.router_argv,
@@ -75,12 +74,10 @@ def router_argv(s: ScaleSettings) -> list[str]:
             "--policy", s.router_policy,
             "--worker-startup-timeout-secs", str(s.router_startup_timeout),
             "--health-check-interval-secs", str(s.health_interval),
-            "--health-failure-threshold", str(s.health_threshold)]
-    if s.mode == "pd":
-        argv += ["--vllm-pd-disaggregation", "--kv-connector", "moriio"]
-        for i, url in enumerate(s.worker_urls):
-            argv += ["--prefill", url] if i < s.pd_prefill else ["--decode", url]
-    elif s.mode == "dp-ep":
+            "--health-failure-threshold", str(s.health_threshold),
+            # Explicit: two routers on one host network must not share the default 29000.
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(s.router_metrics_port)]
+    if s.mode == "dp-ep":
         argv += ["--worker-urls", s.worker_urls[0]]  # only the head serves the API
     else:
         argv += ["--worker-urls", *s.worker_urls]
@@ -106,16 +103,6 @@ def _dp_args(s: ScaleSettings, index: int) -> list[str]:
     return args
 
 
-def _pd_args(s: ScaleSettings, index: int) -> tuple[str, list[str]]:
-    role = "prefill" if index < s.pd_prefill else "decode"
-    cfg = {"kv_connector": "MoRIIOConnector",
-           "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
-           "kv_connector_extra_config": {
-               "proxy_ip": s.router_host, "http_port": s.node_port(index),
-               "handshake_port": MORIIO_HANDSHAKE_PORT, "notify_port": MORIIO_NOTIFY_PORT}}
-    return role, ["--kv-transfer-config", json.dumps(cfg, separators=(",", ":"))]
-
-
 def plan(environ: Mapping[str, str] | None = None, dotenv: str | os.PathLike | None = ".env",
          scale: ScaleSettings | None = None) -> Plan:
     """Validate the serving and scale settings and render every node (no Docker, no network)."""
@@ -126,23 +113,19 @@ def plan(environ: Mapping[str, str] | None = None, dotenv: str | os.PathLike | N
     if s.mode == "single":
         raise UsageError("K3_SCALE_MODE=single: there is nothing to scale out; set "
                          "K3_SCALE_MODE=replicas and K3_SCALE_NODES=host:port,host:port")
-    if s.mode == "pd" and settings.mtp_k > 0:
-        raise UsageError(f"K3_SCALE_MODE=pd with speculative decoding (K3_MTP_K="
-                         f"{settings.mtp_k}) is not supported yet: set K3_MTP_K=0 for pd")
     nodes: list[NodePlan] = []
     for i, address in enumerate(s.nodes):
         host, port = s.node_host(i), s.node_port(i)
         overrides: dict[str, str] = {"K3_PORT": str(port)}
-        command: list[str] = []
+        # Drain on stop: vLLM's default (0) aborts every in-flight request at SIGTERM.
+        command: list[str] = ["--shutdown-timeout", str(s.drain_timeout)]
         role = "replica"
         devices: list[str] = []
         host_net = False
         if s.mode == "dp-ep":
             role = "head" if i == 0 else "worker"
-            command = _dp_args(s, i)
-        elif s.mode == "pd":
-            role, command = _pd_args(s, i)
-        if s.mode in ("dp-ep", "pd"):
+            command += _dp_args(s, i)
+        if s.mode == "dp-ep":
             overrides.update(_network_env(s, host))
             devices = ["/dev/infiniband"]
             host_net = True
@@ -156,15 +139,21 @@ def plan(environ: Mapping[str, str] | None = None, dotenv: str | os.PathLike | N
         nodes.append(NodePlan(index=i, role=role, address=address, env_overrides=overrides,
                               command=command, env=env, argv=rendered.argv,
                               host_network=host_net, devices=devices,
-                              experimental=s.mode in ("dp-ep", "pd")))
+                              experimental=s.mode == "dp-ep"))
     return Plan(scale=s, nodes=nodes, router_argv=router_argv(s))
+
+
+def drain_timeout(node: NodePlan) -> int:
+    """The node's --shutdown-timeout (seconds in-flight requests may finish after SIGTERM)."""
+    return int(node.command[node.command.index("--shutdown-timeout") + 1])
 
 
 def compose_override(node: NodePlan) -> dict[str, Any]:
     """A compose override for one node: `docker compose -f compose.yaml -f <this> up -d`."""
-    svc: dict[str, Any] = {"environment": [f"{k}={v}" for k, v in node.env_overrides.items()]}
-    if node.command:
-        svc["command"] = list(node.command)
+    svc: dict[str, Any] = {"environment": [f"{k}={v}" for k, v in node.env_overrides.items()],
+                           "command": list(node.command),
+                           # `docker compose stop/down` waits this long before SIGKILL.
+                           "stop_grace_period": f"{drain_timeout(node) + STOP_MARGIN_S}s"}
     if node.host_network:
         svc["network_mode"] = "host"
         svc["ports"] = []  # host network: the port is the host's own

@@ -30,7 +30,7 @@ def start_router(client, s: ScaleSettings, name: str = DEFAULT_NAME,
 
     import docker
 
-    if s.mode not in ("replicas", "pd", "dp-ep"):
+    if s.mode not in ("replicas", "dp-ep"):
         raise UsageError(f"K3_SCALE_MODE={s.mode}: the router fronts scale-out modes; set "
                          "K3_SCALE_MODE=replicas and K3_SCALE_NODES")
     try:

@@ -10,12 +10,13 @@ Modes:
   node, behind vLLM's router (``vllm-router``). ``K3_SCALE_NODES`` lists their API addresses.
 * ``dp-ep`` (experimental, rendered only): one vLLM data-parallel + expert-parallel deployment
   across nodes; the first node is the head, the others run ``--headless``.
-* ``pd`` (experimental, rendered only): prefill/decode disaggregation with the MoRIIO connector;
-  the first ``K3_SCALE_PD_PREFILL`` nodes prefill, the rest decode.
+
+Prefill/decode disaggregation is not offered: docs/scale.md says why.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from collections.abc import Mapping
@@ -36,6 +37,10 @@ ALL2ALL_BACKENDS = ("mori_low_latency", "allgather_reducescatter")
 ENGINE_READY_ENV = "VLLM_ENGINE_READY_TIMEOUT_S"
 ENGINE_READY_DEFAULT = 600  # vLLM's default (vllm/envs.py)
 GPUS_PER_NODE = 8  # one MI355X node
+# An image a cluster node can pull, pinned: registry host (with a dot or a port, or localhost),
+# repository path, optional tag, and a sha256 digest.
+IMAGE_REF = re.compile(r"^(?:[a-z0-9-]+(?:\.[a-z0-9-]+)+(?::\d+)?|[a-z0-9-]+:\d+|localhost)"
+                       r"/[a-z0-9._/-]+(?::[\w.-]+)?@sha256:[0-9a-f]{64}$")
 _HOSTPORT = re.compile(r"^(?:\[[0-9A-Fa-f:]+\]|[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?)"
                        r":(\d{1,5})$")
 
@@ -50,19 +55,24 @@ class ScaleSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    mode: Literal["single", "replicas", "dp-ep", "pd"] = _env(
-        "MODE", "single (one node), replicas (N copies behind vllm-router), dp-ep and pd "
+    mode: Literal["single", "replicas", "dp-ep"] = _env(
+        "MODE", "single (one node), replicas (N copies behind vllm-router), dp-ep "
         "(experimental: rendered, not validated on MI355X).", default="single")
     nodes: tuple[str, ...] = _env(
         "NODES", "Comma-separated host:port of every node's API server (replicas: the "
-        "router's workers; dp-ep: the first is the head; pd: prefill nodes first).",
-        default=())
-    router_host: str = _env("ROUTER_HOST", "Address the router listens on.",
-                            default="127.0.0.1")
+        "router's workers; dp-ep: the first is the head).", default=())
+    router_host: str = _env("ROUTER_HOST", "Loopback address the router listens on (its "
+                            "admin endpoints share the port: expose only the data paths "
+                            "through the proxy, docs/scale.md).", default="127.0.0.1")
     router_port: int = _env("ROUTER_PORT", "Port the router listens on.", default=8080,
                             ge=1, le=65535)
+    router_metrics_port: int = _env(
+        "ROUTER_METRICS_PORT", "Port of the router's Prometheus metrics (--prometheus-port; "
+        "on 127.0.0.1 on a host, on the pod IP in Kubernetes).", default=29000, ge=1,
+        le=65535)
     router_policy: Literal[ROUTER_POLICIES] = _env(  # type: ignore[valid-type]
-        "ROUTER_POLICY", "vllm-router load-balancing policy.", default="round_robin")
+        "ROUTER_POLICY", "vllm-router load-balancing policy (cache_aware keeps a "
+        "conversation's prefix on one replica).", default="cache_aware")
     router_startup_timeout: int = _env(
         "ROUTER_STARTUP_TIMEOUT", "Seconds the router waits for workers at start "
         "(--worker-startup-timeout-secs); >= VLLM_ENGINE_READY_TIMEOUT_S.", default=7200,
@@ -71,27 +81,59 @@ class ScaleSettings(BaseModel):
                                 "health checks.", default=10, ge=1, le=3600)
     health_threshold: int = _env("HEALTH_THRESHOLD", "Failed checks before the router marks "
                                  "a worker unhealthy.", default=3, ge=1, le=100)
-    router_image: str = _env("ROUTER_IMAGE", "Router image (make router-image).",
-                             default="k3rocm/router:0.1.17")
+    router_image: str = _env("ROUTER_IMAGE", "Router image (make router-image); Kubernetes: "
+                             "registry/repo@sha256:<digest>.", default="k3rocm/router:0.1.17")
+    proxy_image: str = _env("PROXY_IMAGE", "Kubernetes: nginx image of the router's data-port "
+                            "proxy, registry/repo@sha256:<digest>.", default="")
+    node_selector: str = _env(
+        "NODE_SELECTOR", "Kubernetes: key=value[,key=value] labels of the MI355X nodes (the "
+        "AMD node labeller's -product-name label; check `kubectl get nodes --show-labels`).",
+        default="amd.com/gpu.product-name=AMD_Instinct_MI355X")
+    drain_timeout: int = _env("DRAIN_TIMEOUT", "Seconds a stopping server lets in-flight "
+                              "requests finish (vLLM --shutdown-timeout; 0 aborts them).",
+                              default=300, ge=0, le=86400)
     dp_local: int = _env("DP_LOCAL", "dp-ep: data-parallel ranks per node "
                          "(ranks x K3_TP must be <= 8 GPUs).", default=1, ge=1, le=8)
     dp_rpc_port: int = _env("DP_RPC_PORT", "dp-ep: --data-parallel-rpc-port on the head.",
                             default=13345, ge=1, le=65535)
     all2all: Literal[ALL2ALL_BACKENDS] = _env(  # type: ignore[valid-type]
         "ALL2ALL", "dp-ep: --all2all-backend.", default="mori_low_latency")
-    ifname: str | None = _env("IFNAME", "dp-ep/pd: network interface for GLOO/NCCL "
+    ifname: str | None = _env("IFNAME", "dp-ep: network interface for GLOO/NCCL "
                               "(GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME); required there.",
                               default=None)
-    ib_hca: str | None = _env("IB_HCA", "dp-ep/pd: NCCL_IB_HCA (RDMA devices, e.g. "
+    ib_hca: str | None = _env("IB_HCA", "dp-ep: NCCL_IB_HCA (RDMA devices, e.g. "
                               "rdma0,rdma1).", default=None)
-    pd_prefill: int = _env("PD_PREFILL", "pd: how many of K3_SCALE_NODES (the first ones) "
-                           "prefill; the rest decode.", default=1, ge=1)
 
     @field_validator("nodes", mode="before")
     @classmethod
     def _split_nodes(cls, v: Any) -> Any:
         if isinstance(v, str):
             v = [p.strip() for p in v.split(",") if p.strip()]
+        return v
+
+    @field_validator("node_selector")
+    @classmethod
+    def _selector(cls, v: str) -> str:
+        for part in v.split(","):
+            if not re.match(r"^[A-Za-z0-9./_-]+=[A-Za-z0-9._-]*$", part.strip()):
+                raise ValueError(f"{part!r} is not key=value")
+        return v
+
+    @property
+    def node_selector_map(self) -> dict[str, str]:
+        return dict(p.strip().split("=", 1) for p in self.node_selector.split(","))
+
+    @field_validator("router_host")
+    @classmethod
+    def _loopback(cls, v: str) -> str:
+        try:
+            loopback = v == "localhost" or ipaddress.ip_address(v).is_loopback
+        except ValueError:
+            loopback = False
+        if not loopback:
+            raise ValueError("the router's /add_worker and /remove_worker answer anyone who "
+                             "reaches its port: keep it on 127.0.0.1 and expose only the data "
+                             "paths through the proxy (docs/scale.md)")
         return v
 
     @field_validator("nodes")
@@ -112,7 +154,7 @@ class ScaleSettings(BaseModel):
 
     @property
     def router_url(self) -> str:
-        host = "127.0.0.1" if self.router_host in ("0.0.0.0", "::") else self.router_host
+        host = f"[{self.router_host}]" if ":" in self.router_host else self.router_host
         return f"http://{host}:{self.router_port}"
 
     def node_host(self, i: int) -> str:
@@ -159,6 +201,10 @@ def load_scale(environ: Mapping[str, str] | None = None,
                     merged[key] = (raw, src)
             elif key == ENGINE_READY_ENV and raw != "":
                 merged[key] = (raw, src)
+    if merged.get(SCALE_PREFIX + "MODE", ("",))[0] == "pd":
+        raise UsageError(f"K3_SCALE_MODE=pd (from {merged[SCALE_PREFIX + 'MODE'][1]}) is not "
+                         "offered: prefill/decode disaggregation was never proven to start "
+                         "(docs/scale.md); use replicas")
     values = {SCALE_FIELD_BY_ENV[k]: raw for k, (raw, _) in merged.items() if k in
               SCALE_FIELD_BY_ENV}
     try:
@@ -190,17 +236,24 @@ def _check(s: ScaleSettings, engine_ready: int, tp: int | None) -> None:
             "still loading; raise it to at least that")
     if s.mode == "single":
         return
-    need = {"replicas": 2, "dp-ep": 2, "pd": 2}[s.mode]
+    need = {"replicas": 2, "dp-ep": 2}[s.mode]
     if len(s.nodes) < need:
         raise UsageError(f"K3_SCALE_MODE={s.mode} needs K3_SCALE_NODES with at least {need} "
                          f"host:port entries (got {len(s.nodes)}); e.g. "
                          "K3_SCALE_NODES=node1:8000,node2:8000")
-    if s.mode in ("dp-ep", "pd") and not s.ifname:
+    if s.mode == "dp-ep" and not s.ifname:
         raise UsageError(f"K3_SCALE_MODE={s.mode} needs K3_SCALE_IFNAME: the network "
                          "interface the nodes reach each other on (e.g. K3_SCALE_IFNAME=eth0)")
     if s.mode == "dp-ep" and tp is not None and s.dp_local * tp > GPUS_PER_NODE:
         raise UsageError(f"K3_SCALE_DP_LOCAL={s.dp_local} x K3_TP={tp} needs "
                          f"{s.dp_local * tp} GPUs per node; a node has {GPUS_PER_NODE}")
-    if s.mode == "pd" and s.pd_prefill >= len(s.nodes):
-        raise UsageError(f"K3_SCALE_PD_PREFILL={s.pd_prefill} leaves no decode node among "
-                         f"{len(s.nodes)} K3_SCALE_NODES: use 1..{len(s.nodes) - 1}")
+
+
+def check_image_ref(setting: str, ref: str) -> str:
+    """A pullable, pinned image reference (Kubernetes nodes cannot see a local tag)."""
+    if not IMAGE_REF.match(ref or ""):
+        raise UsageError(f"{setting}={ref!r} is not an image a cluster can pull: give "
+                         "registry/repo@sha256:<digest> (push it first, e.g. `docker push "
+                         "REGISTRY/k3rocm/server:TAG`, then read the digest with `docker "
+                         "inspect --format '{{index .RepoDigests 0}}'`)")
+    return ref

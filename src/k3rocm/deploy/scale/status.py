@@ -1,16 +1,23 @@
 """``make status``: one line per replica and the router's view of them.
 
-Per replica: /health, the served model(s), the overlay's fusion decisions (the
+Per replica: /health, the served model(s), the prefix-cache hit rate since the server started
+(vLLM's ``vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total`` counters, in tokens;
+vllm/v1/metrics/loggers.py of vLLM 0.27-0.32), the overlay's fusion decisions (the
 ``K3ROCM-DECISION {json}`` lines of the server log, see docs/overlay.md) and the image id,
 the last two only where the replica's container is local (found by its published port, the
-same lookup the bench provenance uses). The router: its /health answers 200 when every worker
-is healthy and 503 as soon as one is not (while it keeps serving the healthy ones): reported as
-``ok, N of N`` / ``degraded, k of N`` / ``down, 0 of N``.
+same lookup the bench provenance uses). In dp-ep the head's /health stays 200 when a headless
+worker dies (requests sent to that rank hang), so every DP rank gets a 1-token request pinned to
+it with vLLM's ``X-data-parallel-rank`` header (vllm/entrypoints/.../serving.py
+``_get_data_parallel_rank``). The router: its /health answers 200 when every worker is healthy
+and 503 as soon as one is not (while it keeps serving the healthy ones). The summary is
+``ok, N of N`` only when the router and every replica (and rank) are; else ``degraded, k of N``
+or ``down, 0 of N``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -18,6 +25,10 @@ from k3rocm.deploy.provenance import find_server_container
 from k3rocm.deploy.scale.settings import ScaleSettings
 
 HTTP_TIMEOUT = 5.0
+# One counter sample per engine (label set) in the Prometheus text format.
+_PREFIX_SAMPLE = re.compile(r"^vllm:prefix_cache_(hits|queries)_total(?:\{[^}]*\})?\s+"
+                            r"([0-9.eE+-]+)\s*$", re.M)
+RANK_TIMEOUT = 30.0  # a 1-token request to one DP rank; no answer = the rank is gone
 
 
 @dataclass
@@ -26,13 +37,15 @@ class ReplicaStatus:
     url: str
     health: str  # ok | http <code> | unreachable (<error>)
     models: list[str] = field(default_factory=list)
+    prefix_cache_hit_rate: float | None = None  # hits / queries (tokens) since start
+    ranks: dict[int, str] = field(default_factory=dict)  # dp-ep: DP rank -> ok | <error>
     fusions: str = "unknown (no local container)"
     image_id: str | None = None
     container: str | None = None
 
     @property
     def healthy(self) -> bool:
-        return self.health == "ok"
+        return self.health == "ok" and all(v == "ok" for v in self.ranks.values())
 
 
 @dataclass
@@ -42,6 +55,33 @@ class RouterStatus:
     summary: str  # "ok, 2 of 2" | "degraded, 1 of 2" | "down, 0 of 2" | "router unreachable"
     healthy: int
     total: int
+
+
+def prefix_cache_hit_rate(metrics_text: str) -> float | None:
+    """Hits / queries over every engine of one server, from its Prometheus text."""
+    sums = {"hits": 0.0, "queries": 0.0}
+    for m in _PREFIX_SAMPLE.finditer(metrics_text):
+        sums[m.group(1)] += float(m.group(2))
+    return sums["hits"] / sums["queries"] if sums["queries"] > 0 else None
+
+
+def rank_check(url: str, model: str, rank: int, api_key: str | None = None,
+               timeout: float | None = None) -> str:
+    """One 1-token completion pinned to DP ``rank``: ``ok`` or what went wrong."""
+    import requests
+
+    timeout = RANK_TIMEOUT if timeout is None else timeout
+    headers = {"X-data-parallel-rank": str(rank)}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    try:
+        r = requests.post(f"{url}/v1/completions", headers=headers, timeout=timeout,
+                          json={"model": model, "prompt": "ping", "max_tokens": 1})
+    except requests.Timeout:
+        return f"no answer in {timeout:g} s"
+    except requests.RequestException as exc:
+        return f"unreachable ({exc.__class__.__name__})"
+    return "ok" if r.status_code == 200 else f"http {r.status_code}"
 
 
 def _get(url: str, timeout: float = HTTP_TIMEOUT, api_key: str | None = None):
@@ -78,8 +118,10 @@ def summarize_decisions(records: dict[tuple[Any, Any], dict[str, Any]]) -> str:
     return "; ".join(parts)
 
 
-def replica_status(address: str, client=None, api_key: str | None = None) -> ReplicaStatus:
-    """One replica; ``api_key``: the deployment's K3_API_KEY (vLLM guards /v1/models)."""
+def replica_status(address: str, client=None, api_key: str | None = None,
+                   dp_ranks: int = 0) -> ReplicaStatus:
+    """One replica; ``api_key``: the deployment's K3_API_KEY (vLLM guards /v1/models);
+    ``dp_ranks`` > 0: also send one pinned request to each of that many DP ranks."""
     url = f"http://{address}"
     r, err = _get(f"{url}/health")
     health = "ok" if r is not None and r.status_code == 200 else (
@@ -90,6 +132,13 @@ def replica_status(address: str, client=None, api_key: str | None = None) -> Rep
         if m is not None and m.status_code == 200:
             with contextlib.suppress(ValueError):
                 st.models = [str(d.get("id")) for d in m.json().get("data", [])]
+        m, _ = _get(f"{url}/metrics")
+        if m is not None and m.status_code == 200:
+            with contextlib.suppress(ValueError):
+                st.prefix_cache_hit_rate = prefix_cache_hit_rate(m.text)
+        if dp_ranks:
+            model = st.models[0] if st.models else ""
+            st.ranks = {k: rank_check(url, model, k, api_key) for k in range(dp_ranks)}
     if client is not None:
         c = find_server_container(client, url)
         if c is not None:
@@ -110,7 +159,7 @@ def router_status(s: ScaleSettings, replicas: list[ReplicaStatus]) -> RouterStat
     if r is None:
         return RouterStatus(s.router_url, f"unreachable ({err})", "router unreachable",
                             healthy, total)
-    if r.status_code == 200:
+    if r.status_code == 200 and healthy == total:
         summary = f"ok, {healthy} of {total}"
     elif healthy == 0:
         summary = f"down, 0 of {total}"
@@ -127,8 +176,11 @@ def scale_status(s: ScaleSettings, client=None,
         from k3rocm.deploy.deployment import load_deployment
 
         api_key = load_deployment().api_key
-    addresses = list(s.nodes[:1] if s.mode == "dp-ep" else s.nodes)
-    replicas = [replica_status(a, client, api_key) for a in addresses]
+    if s.mode == "dp-ep":  # only the head serves the API; it reaches every rank
+        replicas = [replica_status(s.nodes[0], client, api_key,
+                                   dp_ranks=len(s.nodes) * s.dp_local)]
+    else:
+        replicas = [replica_status(a, client, api_key) for a in s.nodes]
     return replicas, router_status(s, replicas)
 
 
@@ -138,8 +190,13 @@ def format_status(replicas: list[ReplicaStatus], router: RouterStatus) -> list[s
         model = ",".join(r.models) or "-"
         image = (r.image_id or "-")[:19]
         where = f" container {r.container}" if r.container else ""
+        hit = "-" if r.prefix_cache_hit_rate is None else f"{100 * r.prefix_cache_hit_rate:.1f}%"
         lines.append(f"replica {i} {r.address:<21} {r.health:<22} model {model}  "
-                     f"image {image}{where}  fusions: {r.fusions}")
+                     f"prefix-cache hits {hit}  image {image}{where}  fusions: {r.fusions}")
+        bad = {k: v for k, v in r.ranks.items() if v != "ok"}
+        if r.ranks:
+            lines.append(f"  DP ranks: {len(r.ranks) - len(bad)} of {len(r.ranks)} answer"
+                         + "".join(f"; rank {k}: {v}" for k, v in sorted(bad.items())))
     lines.append(f"router    {router.url:<21} {router.health:<22} {router.summary}")
     return lines
 
@@ -172,6 +229,6 @@ def topology(url: str, environ=None) -> dict[str, Any]:
                            "image": s.router_image}
         block["target"] = "router" if via_router else (
             "one node" if target in s.nodes else "not in K3_SCALE_NODES")
-        if s.mode in ("dp-ep", "pd"):
+        if s.mode == "dp-ep":
             block["note"] = "experimental mode: not validated on MI355X"
     return block

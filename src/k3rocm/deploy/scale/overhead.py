@@ -1,0 +1,76 @@
+"""``make router-overhead``: what the router adds to a request, as a ratio to direct requests.
+
+One run, interleaved: request i goes straight to node ``i mod N``, then the same request goes
+through the router; repeated ``n`` times (after one warm-up per path). Per request, the client's
+wall time and the server's own end-to-end time (the delta of vLLM's
+``vllm:e2e_request_latency_seconds`` histogram sum over every node, read before and after the
+request, outside the timed window). Client minus server time is what the path adds (HTTP,
+proxying); the figures printed are per-path means, the router's added milliseconds, that as a
+fraction of a direct request's client time, and the ratio of the two paths' overheads. (The
+plain routed / direct client-time ratio is not a figure: the two paths may land on replicas of
+different speed, which the server-time subtraction takes out.)
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import time
+from typing import Any
+
+E2E_SUM = re.compile(r"^vllm:e2e_request_latency_seconds_sum(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$",
+                     re.M)
+
+
+def _e2e_sum(session, url: str) -> float:
+    return sum(float(m.group(1)) for m in E2E_SUM.finditer(
+        session.get(f"{url}/metrics", timeout=10).text))
+
+
+def _one(session, url: str, model: str, max_tokens: int, headers: dict[str, str]) -> float:
+    t0 = time.perf_counter()
+    r = session.post(f"{url}/v1/completions", headers=headers, timeout=120,
+                     json={"model": model, "prompt": "The capital of France is",
+                           "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0})
+    dt = time.perf_counter() - t0
+    r.raise_for_status()
+    return dt
+
+
+def measure(router_url: str, node_urls: list[str], model: str, n: int = 24,
+            max_tokens: int = 8, api_key: str | None = None) -> dict[str, Any]:
+    """Interleaved direct / routed requests; returns the figures (seconds and ratios)."""
+    import requests
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    session = requests.Session()
+    samples: dict[str, list[tuple[float, float]]] = {"direct": [], "router": []}
+    for i in range(n + 1):
+        for path, url in (("direct", node_urls[i % len(node_urls)]), ("router", router_url)):
+            before = sum(_e2e_sum(session, u) for u in node_urls)
+            client = _one(session, url, model, max_tokens, headers)
+            server = sum(_e2e_sum(session, u) for u in node_urls) - before
+            if i > 0:  # the first round warms connections and caches
+                samples[path].append((client, server))
+    out: dict[str, Any] = {"requests_per_path": n, "max_tokens": max_tokens}
+    for path, rows in samples.items():
+        out[f"{path}_client_s"] = statistics.mean(c for c, _ in rows)
+        out[f"{path}_server_s"] = statistics.mean(s for _, s in rows)
+        out[f"{path}_overhead_s"] = statistics.mean(c - s for c, s in rows)
+    out["router_added_s"] = out["router_overhead_s"] - out["direct_overhead_s"]
+    out["added_fraction"] = out["router_added_s"] / out["direct_client_s"]
+    out["overhead_ratio"] = (out["router_overhead_s"] / out["direct_overhead_s"]
+                             if out["direct_overhead_s"] > 0 else None)
+    return out
+
+
+def format_figures(f: dict[str, Any]) -> str:
+    ms = {k: 1000 * v for k, v in f.items() if k.endswith("_s")}
+    ratio = "n/a" if f["overhead_ratio"] is None else f"{f['overhead_ratio']:.2f}"
+    return (f"router overhead ({f['requests_per_path']} interleaved requests per path, "
+            f"{f['max_tokens']} tokens each): path overhead (client time minus the server's "
+            f"e2e time) via router {ms['router_overhead_s']:.1f} ms, direct "
+            f"{ms['direct_overhead_s']:.1f} ms, ratio {ratio}; the router adds "
+            f"{ms['router_added_s']:+.1f} ms per request = {100 * f['added_fraction']:+.2f}% "
+            f"of a direct request ({ms['direct_client_s']:.1f} ms client time; via router "
+            f"{ms['router_client_s']:.1f} ms)")
