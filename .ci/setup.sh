@@ -19,7 +19,7 @@ esac
 t0=${t0:-$(date +%s)}
 step() { echo "== [${what} +$(( $(date +%s) - t0 ))s] $*"; }
 
-step "apt: make, python3-venv, docker.io, mmdebstrap (only what is missing)"
+step "apt: make, python3-venv, docker.io, mmdebstrap, nginx-light (only what is missing)"
 export DEBIAN_FRONTEND=noninteractive
 pkgs=()
 command -v make >/dev/null || pkgs+=(make)
@@ -28,9 +28,18 @@ python3 -c 'import ensurepip, venv' 2>/dev/null || pkgs+=(python3-venv)
 python3 -m pip --version >/dev/null 2>&1 || pkgs+=(python3-pip)
 command -v dockerd >/dev/null || pkgs+=(docker.io)
 command -v mmdebstrap >/dev/null || pkgs+=(mmdebstrap)
+# nginx: the scale-out tests run the rendered router proxy config in a real nginx
+{ command -v nginx >/dev/null || [ -x /usr/sbin/nginx ]; } || pkgs+=(nginx-light)
 if [ "${#pkgs[@]}" -gt 0 ]; then
   apt-get update -qq
+  # install only: no service is started (policy-rc.d 101 = "action forbidden")
+  own_policy=0
+  if [ ! -e /usr/sbin/policy-rc.d ]; then
+    printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
+    own_policy=1
+  fi
   apt-get install -y -qq --no-install-recommends ca-certificates "${pkgs[@]}" >/dev/null
+  if [ "$own_policy" = 1 ]; then rm -f /usr/sbin/policy-rc.d; fi
 fi
 
 step "docker compose v2 (hash-checked)"
