@@ -561,3 +561,16 @@ def test_gsm8k_ab_without_discordant_items_does_not_claim_power():
     comp = ab.compare(_samples([False] * 5), _samples([False] * 5), 0.01)  # the stand-in
     assert comp["filters"]["strict-match"]["power_full"] is None
     assert "power of the margin n/a (no discordant items)" in comp["headline"]
+
+
+def test_no_discordant_items_is_no_proof_on_a_handful_of_items():
+    """Zero items differing between arms gives the Wald interval zero width at any n: five
+    identical answers must not read "non-inferior" within 1 point; 1319 identical answers
+    may (the exact upper bound on the rate of items only A gets right is ~3/n)."""
+    from k3rocm.checks.bench.stats import binom_upper, paired_accuracy
+
+    five = paired_accuracy([True, False] * 2 + [False], [True, False] * 2 + [False], 0.01)
+    assert five["non_inferior"] is False and five["lower_bound"] < -0.4
+    full = paired_accuracy([True] * 1200 + [False] * 119, [True] * 1200 + [False] * 119, 0.01)
+    assert full["non_inferior"] is True
+    assert binom_upper(0, 1319) == pytest.approx(1 - 0.05 ** (1 / 1319), rel=1e-6)

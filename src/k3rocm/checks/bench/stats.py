@@ -244,6 +244,20 @@ def binom_cdf(k: int, n: int, p: float = 0.5) -> float:
                         for i in range(min(k, n) + 1)))
 
 
+def binom_upper(k: int, n: int, alpha: float = ALPHA) -> float:
+    """One-sided exact (Clopper-Pearson) upper (1 - alpha) bound on a rate seen k times in n."""
+    if k >= n:
+        return 1.0
+    lo, hi = k / n, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if binom_cdf(k, n, mid) > alpha:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
 def mcnemar_exact(b_only: int, a_only: int) -> float:
     """Two-sided exact McNemar p: of the discordant items (right in one arm only), how
     surprising the split is if both arms are equally accurate (Binomial(n, 1/2))."""
@@ -267,7 +281,10 @@ def paired_accuracy(a: Sequence[bool], b: Sequence[bool], margin: float,
     diff = acc_b - acc_a
     var = ((b_only + a_only) / n - diff ** 2) / n  # paired: discordant proportions
     z = _z(1 - alpha)
-    lower = diff - z * math.sqrt(max(var, 0.0))
+    # Wald's bound collapses to the point estimate when few items differ (0 discordant: a
+    # zero-width interval at any n); never claim more than the exact (Clopper-Pearson) upper
+    # bound on the rate of items only A got right allows.
+    lower = min(diff - z * math.sqrt(max(var, 0.0)), b_only / n - binom_upper(a_only, n, alpha))
     p = mcnemar_exact(b_only, a_only)
     if p < alpha:
         diff_word = "B more accurate" if diff > 0 else "B less accurate"
