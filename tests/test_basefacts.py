@@ -200,3 +200,12 @@ def test_census_claim_reads_the_rendering():
     assert "rendered settings" in claim.source
     legacy = claim_from_container(Container(None))  # unset = on
     assert (legacy.qk_norm, legacy.decode_qprep) == (True, True)
+
+
+@pytest.mark.parametrize("tag,clamps", [("v0.1.19", False), ("v0.1.19.post1", True)])
+def test_aiter_clamp_fact_from_the_stub(tag, clamps):
+    """The static reading of AITER's Q-prep stub, against its signature at the two tags (the
+    registered schema is defined from it; the run-time probe reads the schema itself)."""
+    f = basefacts.measure(None, REPO / "tests" / "data" / "aiter-stubs" / tag)
+    assert basefacts.value(f, "aiter_qprep_clamp") is clamps, f["aiter_qprep_clamp"]
+    assert ("has" if clamps else "lacks") + " compute_all_q_rope" in f["aiter_qprep_clamp"]["how"]

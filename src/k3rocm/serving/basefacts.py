@@ -160,9 +160,9 @@ def _upstream_mla(root: Path) -> dict[str, Any]:
     return fact(fus, f"{how}: upstream code calling " + (", ".join(fus) or "neither op"))
 
 
-def _aiter_facts() -> dict[str, dict[str, Any]]:
+def _aiter_facts(root: Path | None = None) -> dict[str, dict[str, Any]]:
     ver = _version(("amd-aiter", "aiter"))
-    root = _root("aiter")
+    root = root or _root("aiter")
     out = {"aiter_version": fact(ver, "installed distribution amd-aiter") if ver else
            unknown("no amd-aiter distribution installed")}
     stub = root / AITER_STUB if root else None
@@ -191,11 +191,13 @@ def _env_default(root: Path, name: str) -> dict[str, Any]:
     return fact(m.group(1).lower() in ("true", "1"), f"{ENVS}: {name} defaults to {m.group(1)!r}")
 
 
-def measure(site: Path | None = None) -> dict[str, Any]:
-    """Facts about the vLLM under ``site`` (default: the importable one) and AITER."""
+def measure(site: Path | None = None, aiter_site: Path | None = None) -> dict[str, Any]:
+    """Facts about the vLLM under ``site`` (default: the importable one) and the AITER under
+    ``aiter_site`` (default: the importable one)."""
     root = Path(site) if site else _root("vllm")
     if root is None or not (root / "vllm" / "__init__.py").is_file():
-        return {"schema": 1, "vllm_version": unknown("vLLM is not installed here")}
+        return {"schema": 1, "vllm_version": unknown("vLLM is not installed here"),
+                **_aiter_facts(aiter_site)}
     from k3rocm.serving.overlay import _vllm_version
 
     facts: dict[str, Any] = {"schema": 1,
@@ -215,7 +217,7 @@ def measure(site: Path | None = None) -> dict[str, Any]:
                                                         "auto-enable list")
     facts["fp8_bmm_default"] = _env_default(root, "VLLM_ROCM_USE_AITER_FP8BMM")
     facts["fp4_bmm_default"] = _env_default(root, "VLLM_ROCM_USE_AITER_FP4BMM")
-    facts.update(_aiter_facts())
+    facts.update(_aiter_facts(aiter_site))
     return facts
 
 
