@@ -143,9 +143,9 @@ def seed_comparison(measure: str, *, server: dict | None = None, deployment=None
                                    workload=workload)
     except Exception as exc:  # noqa: BLE001 - the record must never lose a finished result
         return {"comparable": False, "figure": None,
-                "text": f"seed comparison failed: {exc.__class__.__name__}: {exc}"[:300]}
+                "text": f"upstream comparison failed: {exc.__class__.__name__}: {exc}"[:300]}
     return {"comparable": False, "figure": None,
-            "text": "not comparable with any seed figure: the server's settings are unknown"}
+            "text": "not comparable with any upstream figure: the server's settings are unknown"}
 
 
 def build(*, deployment=None, server: dict | None = None, url: str | None = None,

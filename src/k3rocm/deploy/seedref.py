@@ -174,10 +174,11 @@ def _gsm8k_task(f: _Facts) -> tuple[bool | None, str]:
     if shots != GSM8K_FEWSHOT:
         return False, f"{_show(shots)}-shot"
     if limit:
-        return False, f"a subset of {limit} items (the seed's +-0.0051 is for the full test set)"
+        return False, (f"a subset of {limit} items (the reference's +-0.0051 is for the full "
+                       "test set)")
     if seed_task is not True:
-        return (None if seed_task is None else False), "not the seed's task config"
-    return True, "the seed's task config, 5-shot, full test set"
+        return (None if seed_task is None else False), "not the reference task config"
+    return True, "the reference task config, 5-shot, full test set"
 
 
 _AMD = ("8x MI355X (an AMD profile)", _hardware)
@@ -187,8 +188,8 @@ FIGURES: tuple[Figure, ...] = (
     Figure(
         key="qprep-launches",
         measures=("census", "census-ab"),
-        value="decode Q-prep launches per rank: 288 stock -> 144 fused over 6 decode steps "
-              "(48 -> 24 per step: 2 -> 1 per MLA layer)",
+        value="decode Q-prep launches per rank (vLLM PR #57640): 288 stock -> 144 fused over 6 "
+              "decode steps (48 -> 24 per step: 2 -> 1 per MLA layer)",
         setup="8x MI355X TP=8, plain `vllm serve` on the stock nightly, no speculative "
               "decoding, no compilation-config override, fp8 KV cache, AITER MLA on, 6 decode "
               "steps (profile fusion-evidence)",
@@ -202,8 +203,8 @@ FIGURES: tuple[Figure, ...] = (
     Figure(
         key="qprep-time",
         measures=("census", "census-ab"),
-        value="decode Q-prep GPU time per rank: 1351.8 -> 682.8 us over 6 decode steps "
-              "(9.39 -> 4.74 us per MLA layer per step)",
+        value="decode Q-prep GPU time per rank (vLLM PR #57640): 1351.8 -> 682.8 us over 6 "
+              "decode steps (9.39 -> 4.74 us per MLA layer per step)",
         setup="as qprep-launches, under ISL 128k / OSL 1k at concurrency 8",
         source="[PR57640] the measurement, the profiler-trace load and the setup",
         conditions=(_AMD, _TP8, ("no speculative decoding", _mtp(0)),
@@ -214,8 +215,8 @@ FIGURES: tuple[Figure, ...] = (
     Figure(
         key="qknorm-launches",
         measures=("census", "census-ab"),
-        value="aiter::fused_qk_rmsnorm_kernel launches on rank 0: 144 over 6 engine steps "
-              "(= 24 MLA layers x 6), the paired per-layer q/kv norm launches gone",
+        value="aiter::fused_qk_rmsnorm_kernel launches on rank 0 (vLLM PR #52494): 144 over 6 "
+              "engine steps (= 24 MLA layers x 6), the paired per-layer q/kv norm launches gone",
         setup="8x MI355X TP=8, MTP k=2, ISL 128k / OSL 1k at concurrency 8, 6 engine steps",
         source="[PR52494] the trace evidence",
         conditions=(_AMD, _TP8, ("speculative decoding mtp k=2", _mtp(2)),
@@ -225,23 +226,24 @@ FIGURES: tuple[Figure, ...] = (
     Figure(
         key="gsm8k",
         measures=("gsm8k",),
-        value="GSM8K 5-shot exact_match 0.9644 +- 0.0051 (strict-match and flexible-extract)",
-        setup="8x MI355X TP=8, MTP k=2, the seed's lm-eval gsm8k task config, greedy, full "
-              "test set",
+        value="GSM8K 5-shot exact_match (vLLM PR #52494): 0.9644 +- 0.0051 (strict-match and "
+              "flexible-extract)",
+        setup="8x MI355X TP=8, MTP k=2, vLLM PR #52494's lm-eval gsm8k task config, greedy, "
+              "full test set",
         source="[PR52494] the GSM8K result, its protocol and its task config",
         conditions=(_AMD, _TP8, ("speculative decoding mtp k=2", _mtp(2)),
-                    ("the seed's task config, 5-shot, full test set", _gsm8k_task)),
-        notes=("the seed states no other server setting for this run",)),
+                    ("the reference task config, 5-shot, full test set", _gsm8k_task)),
+        notes=("the PR states no other server setting for this run",)),
     Figure(
         key="latency-ab",
         measures=("bench-ab",),
-        value="fusion off vs on: C=1 decode ITL p50/p90 moved ~0.5% (within serving noise); "
-              "end-to-end throughput unchanged within noise",
+        value="fusion off vs on (vLLM PRs #52494, #57640): C=1 decode ITL p50/p90 moved ~0.5% "
+              "(within serving noise); end-to-end throughput unchanged within noise",
         setup="8x MI355X TP=8, aiperf fixed 8k/1k, no prefix sharing, concurrency 1,4,8",
         source="[aiperf] the latency protocol and result; [PR57640] throughput unchanged",
         conditions=(_AMD, _TP8, (f"workload {LATENCY_WORKLOAD}", _latency_workload)),
-        notes=("the seed states no server setting for its latency A/B beyond TP=8; a delta is "
-               "comparable, absolute latencies are not (the seed publishes none)",)),
+        notes=("the PRs state no server setting for their latency A/B beyond TP=8; a delta is "
+               "comparable, absolute latencies are not (the PRs publish none)",)),
 )
 
 
@@ -312,7 +314,7 @@ def comparable_with(measure: str, settings: Any, env: Mapping[str, str] | None =
             checked.append({"seed": want, "result": have, "ok": ok})
             if ok is not True:
                 reasons.append(f"{have} ({'unknown' if ok is None else 'differs'}; "
-                               f"seed: {want})")
+                               f"upstream: {want})")
         if reasons:
             why_not[fig.key] = "; ".join(reasons)
         else:
@@ -321,17 +323,17 @@ def comparable_with(measure: str, settings: Any, env: Mapping[str, str] | None =
         fig, checked = matches[0]
         side = _side(facts, fig)
         also = [f.key for f, _ in matches[1:]]
-        text = (f"comparable with the seed's {fig.value} ({fig.setup}){side}"
+        text = (f"comparable with the upstream {fig.value} ({fig.setup}){side}"
                 + (f"; also {', '.join(also)}" if also else ""))
         return {"comparable": True, "figure": fig.key, "also": also, "text": text,
                 "seed": _seed(fig), "checked": checked, "not_comparable": why_not}
     if not why_not:
-        text = ("not comparable with any seed figure: the seed publishes no "
+        text = ("not comparable with any upstream figure: the upstream PRs publish no "
                 + {"bench": "absolute latency or throughput (its latency figure is a fusion "
                    "off/on difference: bench-ab on decode-8k1k)"}.get(measure, "figure for it"))
     else:
         key, reason = next(iter(why_not.items()))
-        text = f"not comparable with any seed figure: {reason} [{key}]"
+        text = f"not comparable with any upstream figure: {reason} [{key}]"
     return {"comparable": False, "figure": None, "also": [], "text": text, "seed": None,
             "checked": [], "not_comparable": why_not}
 
