@@ -1,4 +1,4 @@
-# Latency/throughput bench with aiperf in the client container (issue 5). See docs/bench.md.
+# Latency/throughput bench with aiperf in the client container. See docs/bench.md.
 #   make bench                              decode-8k1k against the running server
 #   make bench WORKLOAD=agentic-68k         another workload (make bench-list shows them)
 #   make bench WORKLOAD=decode-8k1k DRY_RUN=1   print the exact aiperf command line, contact nothing

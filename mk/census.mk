@@ -1,4 +1,4 @@
-# Decode kernel census (issue 7). See docs/census.md.
+# Decode kernel census. See docs/census.md.
 #   make census                          profile the running server (needs K3_PROFILER_DIR set
 #                                        when it started), check the fused-kernel counts
 #   make census TRACE_DIR=results/traces analyse existing traces, no server (FUSIONS=... too)

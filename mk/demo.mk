@@ -1,4 +1,4 @@
-# The embedded default (issue 12 item 10): the whole bundle on the CPU stand-in, one summary.
+# The demo: the whole bundle on the CPU stand-in, one summary.
 #   bash .ci/demo          on a fresh Debian/Ubuntu machine (root): set up, then `make demo`
 #   make demo              on a machine that is set up: make tinymodel, make up CPU=1 (build FROM
 #                          the stand-in, serve through entrypoint.sh + compose), make bench

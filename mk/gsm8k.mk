@@ -1,4 +1,4 @@
-# GSM8K accuracy gate (issue 6): lm-eval in the client container against the running server.
+# GSM8K accuracy gate: lm-eval in the client container against the running server.
 #   make gsm8k                         full test set, chat endpoint, gate 0.94
 #   make gsm8k DRY_RUN=1               print the exact lm_eval command line, contact nothing
 #   make gsm8k GSM8K_DATA=/data/gsm8k  air-gapped: a directory with train.jsonl and test.jsonl

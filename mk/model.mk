@@ -1,4 +1,4 @@
-# The Kimi-K3 checkpoint (issue 12 item 5): download at the pinned revision, or verify a copy.
+# The Kimi-K3 checkpoint: download at the pinned revision, or verify a copy.
 #   make model                  download into $(K3_MODELS_DIR)/Kimi-K3 (resumable: finished files
 #                               are kept; run it again after an interruption)
 #   make model DRY_RUN=1        list what would be fetched and the disk it needs, fetch nothing

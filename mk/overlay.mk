@@ -1,4 +1,4 @@
-# Kimi-K3 AMD MLA overlay (issue 4). See docs/overlay.md.
+# Kimi-K3 AMD MLA overlay. See docs/overlay.md.
 #   make overlay-test                  overlay tests (real vLLM in the stand-in images, real Docker)
 #   make overlay-status [IMAGE=...]    what the image's overlay report and manifest say
 #   make overlay-invllm VLLM_PY=/path/to/venv/bin/python   in-vLLM checks in a local vLLM venv

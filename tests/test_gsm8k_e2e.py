@@ -428,7 +428,7 @@ def test_reasoning_fallback_against_real_vllm(reasoning_server, client_image, it
     assert "Error 1" in p.stderr, p.stderr[-3000:]
     verdict = [ln for ln in p.stderr.splitlines() if ln.startswith("gsm8k: FAIL:")]
     assert len(verdict) == 1
-    assert (f"DEVIATION from the seed's protocol: {N_TEST} answer(s) scored from the reasoning "
+    assert (f"DEVIATION from the reference protocol: {N_TEST} answer(s) scored from the reasoning "
             "text (content empty, --reasoning-fallback)") in verdict[0]
     run = only_run_dir(tmp_path)
     summary = json.loads((run / "summary.json").read_text())

@@ -431,12 +431,12 @@ def test_reasoning_fallback_is_counted(tmp_path):
     assert code == 0
     assert v["reasoning_fallback"] == {"enabled": True, "count": 3, "of": 1319,
                                        "responses_logged": 3, "doc_ids": [3, 17, 1200]}
-    assert msg.endswith("DEVIATION from the seed's protocol: 3 answer(s) scored from the "
+    assert msg.endswith("DEVIATION from the reference protocol: 3 answer(s) scored from the "
                         "reasoning text (content empty, --reasoning-fallback)")
     assert v["comparable"] and not v["like_seed"] and len(v["deviations_from_seed"]) == 1
     md = results.markdown(v)
     assert "| strict-match | 0.9629 | ± 0.0052 | 0.9644 ± 0.0051 | >= 0.94 | reaches gate |" in md
-    assert ("Reasoning fallback: on (a deviation from the seed); answers scored from "
+    assert ("Reasoning fallback: on (a deviation from the reference protocol); answers scored from "
             "reasoning_content (content was empty): 3 of 1319") in md
 
 

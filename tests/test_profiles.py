@@ -177,8 +177,9 @@ def test_fusion_evidence_census_is_comparable_with_the_qprep_launch_counts():
 
 
 @pytest.mark.parametrize("extra,reason", [
-    ({"K3_MTP_K": "2"}, "speculative decoding mtp k=2 (differs; seed: no speculative decoding)"),
-    ({"K3_TP": "4"}, "TP 4 (differs; seed: TP 8)"),
+    ({"K3_MTP_K": "2"},
+     "speculative decoding mtp k=2 (differs; upstream: no speculative decoding)"),
+    ({"K3_TP": "4"}, "TP 4 (differs; upstream: TP 8)"),
     ({"K3_EXTRA_ARGS": "--compilation-config '{\"level\":0}'"}, "compilation override"),
     ({"K3_ENFORCE_EAGER": "1"}, "--enforce-eager"),
     ({"K3_KV_CACHE_DTYPE": "auto"}, "KV cache auto (differs"),
@@ -190,7 +191,7 @@ def test_one_difference_from_the_qprep_setup_is_named(extra, reason):
     got = comparable_with("census", r.settings, r.env)
     assert reason in got["not_comparable"]["qprep-launches"], got
     if not got["comparable"]:
-        assert got["text"].startswith("not comparable with any seed figure: ")
+        assert got["text"].startswith("not comparable with any upstream figure: ")
 
 
 def test_the_default_profile_compares_with_the_mtp_figures_not_the_qprep_one():

@@ -16,7 +16,8 @@ Layout (every key always present; what could not be read says so in a ``note``/`
 - ``topology``: single node, or a router / node of a scale-out
 - ``host``: host and GPU state at the start (CPU governor, NUMA balancing; amd-smi, else
   rocm-smi: clocks, power, temperature, partition modes); a missing tool says so
-- ``seed_comparison`` (bench, census): which seed figure, if any, the result is comparable with
+- ``seed_comparison`` (bench, census): which published upstream figure (vLLM PRs #52494 and
+  #57640), if any, the result is comparable with
   (:func:`k3rocm.deploy.seedref.comparable_with`, judged on the server container's own settings)
 - then the command's own keys (the bench workload, the gsm8k data set, the census traces, ...)
 """
@@ -129,7 +130,7 @@ def server(client, url: str, api_key: str | None, container=None,
 
 def seed_comparison(measure: str, *, server: dict | None = None, deployment=None,
                     workload: Any = None) -> dict[str, Any]:
-    """Which seed figure the result is comparable with: judged on the server container's env
+    """Which upstream figure the result is comparable with: judged on the server container's env
     (what the server was started with), else on the deployment's settings. Never raises."""
     from k3rocm.deploy.seedref import comparable_with
 
@@ -142,16 +143,16 @@ def seed_comparison(measure: str, *, server: dict | None = None, deployment=None
                                    workload=workload)
     except Exception as exc:  # noqa: BLE001 - the record must never lose a finished result
         return {"comparable": False, "figure": None,
-                "text": f"seed comparison failed: {exc.__class__.__name__}: {exc}"[:300]}
+                "text": f"upstream comparison failed: {exc.__class__.__name__}: {exc}"[:300]}
     return {"comparable": False, "figure": None,
-            "text": "not comparable with any seed figure: the server's settings are unknown"}
+            "text": "not comparable with any upstream figure: the server's settings are unknown"}
 
 
 def build(*, deployment=None, server: dict | None = None, url: str | None = None,
           tools: dict[str, Any] | None = None, measure: str | None = None,
           workload: Any = None, **extra: Any) -> dict[str, Any]:
     """The run record of one run; ``extra`` holds the command's own keys. With ``measure``
-    (bench, census, ...) it says which seed figure the result is comparable with."""
+    (bench, census, ...) it says which upstream figure the result is comparable with."""
     from k3rocm.deploy.scale.status import topology
 
     record: dict[str, Any] = {

@@ -1,29 +1,30 @@
-"""Which seed figure, if any, a result is comparable with, and why not otherwise.
+"""Which published upstream figure, if any, a result is comparable with, and why not otherwise.
 
-The seed (the two upstream fusion PRs, vLLM #52494 and #57640) published a handful of figures,
-each measured with one setup. A bench, census or GSM8K result can be read against a figure only
-when it ran with that setup. :func:`comparable_with` checks the resolved settings and the
-server's environment a result ran with (and the workload) against every figure and returns a
-JSON-able verdict, for the reports to print.
+The two upstream fusion PRs (vLLM #52494, the q/kv RMSNorm fusion, and #57640, the decode Q-prep
+fusion) published a handful of figures, each measured with one setup. A bench, census or GSM8K
+result can be read against a figure only when it ran with that setup. :func:`comparable_with`
+checks the resolved settings and the server's environment a result ran with (and the workload)
+against every figure and returns a JSON-able verdict, for the reports to print. (The module name
+keeps the project's word for those PRs, "the seed".)
 
 Every figure and every setup value below says where it comes from:
 
-- [B1] the project brief, section 1 (the seed PR texts): fusion 1 "MI355X TP=8, MTP k=2,
-  ISL 128k / OSL 1k, concurrency 8, rank 0, 6 engine steps: 144 aiter::fused_qk_rmsnorm_kernel
-  launches (= 24 MLA x 6) ... GSM8K 5-shot: 0.9644 +- 0.0051 (strict and flexible)"; fusion 2
-  "Measured upstream on MI355X TP=8: 288 -> 144 launches and 1351.8 -> 682.8 us per rank over 6
-  decode steps ... End-to-end throughput unchanged within noise"; the decode fusion's gates
-  (AITER MLA enabled, KV cache dtype fp8, decode-only batches).
-- [B3] the brief, section 3: the latency protocol (aiperf, fixed 8k/1k, concurrency 1,4,8, our
-  bench workload ``decode-8k1k``), "ISL 128k / OSL 1k at concurrency 8 for the profiler trace",
-  "C=1 decode ITL p50/p90 moved ~0.5%, smaller than serving noise", GSM8K 5-shot with
-  strict-match and flexible-extract, reference 0.9644 +- 0.0051.
-- [I12] issue 12, quoting the seed: "the Q-prep evidence: plain `vllm serve` on the stock
-  nightly, no speculative decoding, no compilation-config override"; and the seed's GSM8K task
-  config (shipped as src/k3rocm/checks/gsm8k/gsm8k.yaml).
+- [PR52494] vLLM PR #52494: "MI355X TP=8, MTP k=2, ISL 128k / OSL 1k, conc 8, decode-phase torch
+  profile (rank 0, 6 engine steps)": 144 ``aiter::fused_qk_rmsnorm_kernel`` launches (= 24 MLA x
+  6), the paired per-MLA q/kv norm launches gone; GSM8K 5-shot 0.9644 +- 0.0051 (strict-match and
+  flexible-extract) with the lm-eval gsm8k task config it printed (shipped as
+  src/k3rocm/checks/gsm8k/gsm8k.yaml).
+- [PR57640] vLLM PR #57640: "288 -> 144 kernel launches and 1351.8 -> 682.8 us per rank over 6
+  decode steps" on MI355X TP=8, measured with plain ``vllm serve`` on the stock nightly, no
+  speculative decoding, no compilation-config override, under ISL 128k / OSL 1k at concurrency 8;
+  end-to-end throughput unchanged within noise; the fusion's gates (AITER MLA enabled, KV cache
+  dtype fp8, decode-only batches).
+- [aiperf] the latency A/B the two PRs report (aiperf, fixed 8k/1k, no prefix sharing,
+  concurrency 1,4,8: our bench workload ``decode-8k1k``): fusion off vs on, C=1 decode ITL
+  p50/p90 moved ~0.5%, smaller than serving noise.
 
-The seed's text does not state its server settings for the latency A/B nor for GSM8K beyond
-TP=8 and MTP k=2; those figures are checked on what is stated only, and say so.
+The PRs do not state their server settings for the latency A/B nor for GSM8K beyond TP=8 and
+MTP k=2; those figures are checked on what is stated only, and say so.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ TRACE_ISL, TRACE_OSL, TRACE_CONCURRENCY, TRACE_STEPS = 131072, 1024, 8, 6
 LATENCY_WORKLOAD = "decode-8k1k"
 GSM8K_FEWSHOT = 5
 
-# A condition: (what the seed had, a check on the result's facts -> (ok, what the result had)).
+# A condition: (what the figure's setup had, a check on the result's facts -> (ok, what it had)).
 Check = Callable[["_Facts"], "tuple[bool | None, str]"]
 
 
@@ -173,10 +174,11 @@ def _gsm8k_task(f: _Facts) -> tuple[bool | None, str]:
     if shots != GSM8K_FEWSHOT:
         return False, f"{_show(shots)}-shot"
     if limit:
-        return False, f"a subset of {limit} items (the seed's +-0.0051 is for the full test set)"
+        return False, (f"a subset of {limit} items (the reference's +-0.0051 is for the full "
+                       "test set)")
     if seed_task is not True:
-        return (None if seed_task is None else False), "not the seed's task config"
-    return True, "the seed's task config, 5-shot, full test set"
+        return (None if seed_task is None else False), "not the reference task config"
+    return True, "the reference task config, 5-shot, full test set"
 
 
 _AMD = ("8x MI355X (an AMD profile)", _hardware)
@@ -186,25 +188,25 @@ FIGURES: tuple[Figure, ...] = (
     Figure(
         key="qprep-launches",
         measures=("census", "census-ab"),
-        value="decode Q-prep launches per rank: 288 stock -> 144 fused over 6 decode steps "
-              "(48 -> 24 per step: 2 -> 1 per MLA layer)",
+        value="decode Q-prep launches per rank (vLLM PR #57640): 288 stock -> 144 fused over 6 "
+              "decode steps (48 -> 24 per step: 2 -> 1 per MLA layer)",
         setup="8x MI355X TP=8, plain `vllm serve` on the stock nightly, no speculative "
               "decoding, no compilation-config override, fp8 KV cache, AITER MLA on, 6 decode "
               "steps (profile fusion-evidence)",
-        source="[B1] fusion 2 measurement and gates; [I12] the Q-prep setup",
+        source="[PR57640] the measurement, its gates and its setup",
         conditions=(_AMD, _TP8, ("no speculative decoding", _mtp(0)),
                     ("no compilation override", _no_compilation_override),
                     ("fp8 KV cache", _fp8_kv), ("AITER MLA on", _aiter_mla),
                     (f"{TRACE_STEPS} profiled steps", _steps)),
         notes=("launches per decode step do not depend on the prompt length or the batch "
-               "size; the seed's trace used ISL 128k / OSL 1k at concurrency 8 [B3]",)),
+               "size; the PR's trace used ISL 128k / OSL 1k at concurrency 8 [PR57640]",)),
     Figure(
         key="qprep-time",
         measures=("census", "census-ab"),
-        value="decode Q-prep GPU time per rank: 1351.8 -> 682.8 us over 6 decode steps "
-              "(9.39 -> 4.74 us per MLA layer per step)",
+        value="decode Q-prep GPU time per rank (vLLM PR #57640): 1351.8 -> 682.8 us over 6 "
+              "decode steps (9.39 -> 4.74 us per MLA layer per step)",
         setup="as qprep-launches, under ISL 128k / OSL 1k at concurrency 8",
-        source="[B1] fusion 2 measurement; [B3] the profiler-trace load; [I12] the setup",
+        source="[PR57640] the measurement, the profiler-trace load and the setup",
         conditions=(_AMD, _TP8, ("no speculative decoding", _mtp(0)),
                     ("no compilation override", _no_compilation_override),
                     ("fp8 KV cache", _fp8_kv), ("AITER MLA on", _aiter_mla),
@@ -213,34 +215,35 @@ FIGURES: tuple[Figure, ...] = (
     Figure(
         key="qknorm-launches",
         measures=("census", "census-ab"),
-        value="aiter::fused_qk_rmsnorm_kernel launches on rank 0: 144 over 6 engine steps "
-              "(= 24 MLA layers x 6), the paired per-layer q/kv norm launches gone",
+        value="aiter::fused_qk_rmsnorm_kernel launches on rank 0 (vLLM PR #52494): 144 over 6 "
+              "engine steps (= 24 MLA layers x 6), the paired per-layer q/kv norm launches gone",
         setup="8x MI355X TP=8, MTP k=2, ISL 128k / OSL 1k at concurrency 8, 6 engine steps",
-        source="[B1] fusion 1 evidence",
+        source="[PR52494] the trace evidence",
         conditions=(_AMD, _TP8, ("speculative decoding mtp k=2", _mtp(2)),
                     ("AITER MLA on", _aiter_mla), (f"{TRACE_STEPS} profiled steps", _steps)),
         notes=("launches per step do not depend on the prompt length or the batch size; the "
-               "seed's trace used ISL 128k / OSL 1k at concurrency 8 [B1]",)),
+               "PR's trace used ISL 128k / OSL 1k at concurrency 8 [PR52494]",)),
     Figure(
         key="gsm8k",
         measures=("gsm8k",),
-        value="GSM8K 5-shot exact_match 0.9644 +- 0.0051 (strict-match and flexible-extract)",
-        setup="8x MI355X TP=8, MTP k=2, the seed's lm-eval gsm8k task config, greedy, full "
-              "test set",
-        source="[B1] fusion 1 evidence; [B3] accuracy protocol; [I12] the task config",
+        value="GSM8K 5-shot exact_match (vLLM PR #52494): 0.9644 +- 0.0051 (strict-match and "
+              "flexible-extract)",
+        setup="8x MI355X TP=8, MTP k=2, vLLM PR #52494's lm-eval gsm8k task config, greedy, "
+              "full test set",
+        source="[PR52494] the GSM8K result, its protocol and its task config",
         conditions=(_AMD, _TP8, ("speculative decoding mtp k=2", _mtp(2)),
-                    ("the seed's task config, 5-shot, full test set", _gsm8k_task)),
-        notes=("the seed states no other server setting for this run",)),
+                    ("the reference task config, 5-shot, full test set", _gsm8k_task)),
+        notes=("the PR states no other server setting for this run",)),
     Figure(
         key="latency-ab",
         measures=("bench-ab",),
-        value="fusion off vs on: C=1 decode ITL p50/p90 moved ~0.5% (within serving noise); "
-              "end-to-end throughput unchanged within noise",
+        value="fusion off vs on (vLLM PRs #52494, #57640): C=1 decode ITL p50/p90 moved ~0.5% "
+              "(within serving noise); end-to-end throughput unchanged within noise",
         setup="8x MI355X TP=8, aiperf fixed 8k/1k, no prefix sharing, concurrency 1,4,8",
-        source="[B3] latency protocol and result; [B1] throughput unchanged",
+        source="[aiperf] the latency protocol and result; [PR57640] throughput unchanged",
         conditions=(_AMD, _TP8, (f"workload {LATENCY_WORKLOAD}", _latency_workload)),
-        notes=("the seed states no server setting for its latency A/B beyond TP=8; a delta is "
-               "comparable, absolute latencies are not (the seed publishes none)",)),
+        notes=("the PRs state no server setting for their latency A/B beyond TP=8; a delta is "
+               "comparable, absolute latencies are not (the PRs publish none)",)),
 )
 
 
@@ -278,7 +281,7 @@ def _entrypoint_env(container_env: dict[str, str]) -> dict[str, str]:
 
 def comparable_with(measure: str, settings: Any, env: Mapping[str, str] | None = None,
                     workload: str | Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Which seed figure the result of ``measure`` is comparable with, and why not otherwise.
+    """Which upstream figure the result of ``measure`` is comparable with, and why not otherwise.
 
     ``measure``: one of bench, bench-ab, census, census-ab, gsm8k.
     ``settings``: the resolved :class:`k3rocm.serving.config.Settings` the server ran with, or a
@@ -288,7 +291,8 @@ def comparable_with(measure: str, settings: Any, env: Mapping[str, str] | None =
     None with a container environment as ``settings``: that one.
     ``workload``: bench: the workload name (``decode-8k1k``); census: a mapping with ``isl``,
     ``osl``, ``concurrency``, ``steps`` (what is known); gsm8k: a mapping with
-    ``num_fewshot``, ``limit``, ``seed_task_config`` (True when the seed's task file ran).
+    ``num_fewshot``, ``limit``, ``seed_task_config`` (True when our shipped task file, vLLM PR
+    #52494's config, ran).
 
     Returns ``{"comparable": bool, "figure": key|None, "text": one line, "seed": {...}|None,
     "checked": [...], "not_comparable": {key: reason}}``; every value is JSON-able.
@@ -310,7 +314,7 @@ def comparable_with(measure: str, settings: Any, env: Mapping[str, str] | None =
             checked.append({"seed": want, "result": have, "ok": ok})
             if ok is not True:
                 reasons.append(f"{have} ({'unknown' if ok is None else 'differs'}; "
-                               f"seed: {want})")
+                               f"upstream: {want})")
         if reasons:
             why_not[fig.key] = "; ".join(reasons)
         else:
@@ -319,17 +323,17 @@ def comparable_with(measure: str, settings: Any, env: Mapping[str, str] | None =
         fig, checked = matches[0]
         side = _side(facts, fig)
         also = [f.key for f, _ in matches[1:]]
-        text = (f"comparable with the seed's {fig.value} ({fig.setup}){side}"
+        text = (f"comparable with the upstream {fig.value} ({fig.setup}){side}"
                 + (f"; also {', '.join(also)}" if also else ""))
         return {"comparable": True, "figure": fig.key, "also": also, "text": text,
                 "seed": _seed(fig), "checked": checked, "not_comparable": why_not}
     if not why_not:
-        text = ("not comparable with any seed figure: the seed publishes no "
+        text = ("not comparable with any upstream figure: the upstream PRs publish no "
                 + {"bench": "absolute latency or throughput (its latency figure is a fusion "
                    "off/on difference: bench-ab on decode-8k1k)"}.get(measure, "figure for it"))
     else:
         key, reason = next(iter(why_not.items()))
-        text = f"not comparable with any seed figure: {reason} [{key}]"
+        text = f"not comparable with any upstream figure: {reason} [{key}]"
     return {"comparable": False, "figure": None, "also": [], "text": text, "seed": None,
             "checked": [], "not_comparable": why_not}
 

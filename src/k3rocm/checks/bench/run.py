@@ -160,7 +160,7 @@ def run_bench(w: Workload, *, results: Path, client_image: str, server_timeout: 
                         f"server: {_server_line(prov['server'])}",
                         f"prefix caching: workload {want}, server {_onoff(caching)}"
                         + (f" - **{caching_note}**" if caching_note else ""),
-                        f"seed: {prov['seed_comparison']['text']}"]))
+                        f"upstream figures: {prov['seed_comparison']['text']}"]))
     pngs = plots.write_plots(points, run_dir, w.name)
     if not pngs:
         _log("matplotlib is not installed: no PNG plots (pip install 'k3rocm[host]')")

@@ -5,7 +5,7 @@ The container uses the host network (so ``http://127.0.0.1:<port>`` reaches the 
 the run directory and the tokenizer directory at their host paths (so the printed command is
 the one that ran), and runs as the calling user so results are not root-owned.
 HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE are deliberately NOT set: aiperf 0.13.0 fails to load a
-local tokenizer directory when either is set to anything (brief section 5).
+local tokenizer directory when either is set to anything (HFValidationError, even with 0).
 """
 
 from __future__ import annotations

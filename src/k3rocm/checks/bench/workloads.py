@@ -277,7 +277,8 @@ def _fmt_list(values: Sequence[int]) -> str:
 
 
 def aiperf_command(w: Workload, artifact_dir: str, tokenizer: str | None = None) -> list[str]:
-    """The aiperf argv. For decode-8k1k this is exactly the seed's command plus --artifact-dir.
+    """The aiperf argv. For decode-8k1k this is exactly the upstream PRs' command plus
+    --artifact-dir.
 
     ``tokenizer`` is the tokenizer path as the client sees it (default: the workload's path).
     """

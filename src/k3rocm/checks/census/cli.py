@@ -163,7 +163,7 @@ def write_report(run_dir: Path, census: Census, provenance: dict[str, Any],
     write_json_atomic(run_dir / "census.json", {**census.to_json(), "provenance": provenance})
     seed = (provenance.get("seed_comparison") or {}).get("text")
     write_text_atomic(run_dir / "census.md", census.markdown(title, top)
-                      + (f"\n## Seed figures\n\n{seed}\n" if seed else "")
+                      + (f"\n## Upstream figures\n\n{seed}\n" if seed else "")
                       + "\n## Provenance\n\n```json\n"
                       + __import__("json").dumps(provenance, indent=2, default=str)[:20000]
                       + "\n```\n")
@@ -403,8 +403,8 @@ def live_census(args: argparse.Namespace, url: str, model: str, api_key: str | N
     if "--speculative-config" in argv or cenv.get("K3_MTP_K", "0") not in ("", "0"):
         _log("note: the server runs speculative decoding. vLLM 0.27.x (the pinned nightly's "
              "era) runs the draft passes in sample_tokens, outside the execute_* step "
-             "annotation: the census counts in-step launches only (the seed's 144 = 24 x 6 with "
-             "MTP k=2), the draft's show in the 'outside engine steps' rows; do NOT pass "
+             "annotation: the census counts in-step launches only (vLLM PR #52494's 144 = 24 "
+             "x 6 with MTP k=2), the draft's show in the 'outside engine steps' rows; do NOT pass "
              "--extra for them (docs/census.md, Speculative decoding)")
     if dep is None:
         dep = _deployment_or_none()

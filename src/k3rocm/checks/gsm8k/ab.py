@@ -1,9 +1,9 @@
 """``k3rocm ab --measure gsm8k`` (``make gsm8k-ab``): the same GSM8K items, fusions off (A) vs
 on (B), each arm on a freshly started server of the one A/B driver (:mod:`k3rocm.checks.ab`).
 
-Each arm runs the whole GSM8K gate (`k3rocm gsm8k`'s own run: the seed's task, greedy) against
+Each arm runs the whole GSM8K gate (`k3rocm gsm8k`'s own run: the reference task, greedy) against
 its server. The items are paired: per test item, right or wrong in each arm (strict-match, the
-seed's primary filter; flexible-extract reported too). McNemar's exact test on the discordant
+reference's primary filter; flexible-extract reported too). McNemar's exact test on the discordant
 items says whether the arms differ; the gate is non-inferiority: B may be at most ``--margin``
 below A (one-sided 95% lower bound of the paired difference), with the power of that check at
 the number of items used and at the full 1319 items, from the discordance observed.
@@ -24,7 +24,7 @@ from k3rocm.checks.gsm8k.data import GSM8K_TEST_ITEMS
 from k3rocm.errors import EXIT_CHECK_FAILED, EXIT_OK, UsageError
 from k3rocm.rundir import create_run_dir, write_json_atomic, write_text_atomic
 
-DEFAULT_MARGIN = 0.01  # one accuracy point: ~2 standard errors of the seed's 0.9644 +- 0.0051
+DEFAULT_MARGIN = 0.01  # one accuracy point: ~2 standard errors of vLLM PR #52494's 0.9644 +- 0.0051
 
 
 def _log(msg: str) -> None:

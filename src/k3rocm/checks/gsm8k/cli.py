@@ -31,7 +31,7 @@ LAUNCHER_SRC = Path(__file__).with_name("lmeval_launch.py")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = ("Exit codes: 0 pass, 1 below the gate (or a --limit/partial run without "
                 "--allow-limit), 2 bad input or lm-eval error, 3 server unreachable or no "
-                "Docker engine, 130 interrupted. Task: the seed's gsm8k config "
+                "Docker engine, 130 interrupted. Task: vLLM PR #52494's gsm8k config "
                 "(src/k3rocm/checks/gsm8k/gsm8k.yaml). Data: --data-dir, else the HF cache "
                 "(openai/gsm8k; --fetch-data / `make gsm8k-data` puts it there). "
                 "See docs/gsm8k.md.")
@@ -48,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "completions: /v1/completions with the raw 5-shot prompt")
     g.add_argument("--reasoning-fallback", action="store_true",
                    help="score the reasoning text when an answer's content is empty (NOT the "
-                   "seed's protocol: counted and reported as a deviation; default off)")
+                   "reference protocol: counted and reported as a deviation; default off)")
     g.add_argument("--concurrency", type=int, default=32,
                    help="requests in flight (default %(default)s)")
     g.add_argument("--max-gen-tokens", type=int, default=4096,
@@ -286,7 +286,7 @@ def _execute(client, s: Gsm8kSettings, src: data.DataSource, argv: list[str],
                 "user": f"{os.getuid()}:{os.getgid()}",
                 "mounts": {h: list(m) for h, m in mounts.items()}, "env": redact_env(env)},
         measure="gsm8k", workload={"num_fewshot": command.NUM_FEWSHOT, "limit": s.limit,
-                                   # the shipped task (the seed's) ran; local items may
+                                   # the shipped task (vLLM PR #52494's) ran; local items may
                                    # not be GSM8K's own: unknown
                                    "seed_task_config": True if src.kind != "local-jsonl"
                                    else None},

@@ -23,10 +23,10 @@ DEFAULT_CLIENT_IMAGE = f"k3rocm/clients:{__version__}"
 CLIENT_PYTHON = "/opt/clients/bin/python"
 OUT_MOUNT = "/out"
 LAUNCHER_NAME = "k3rocm_lmeval.py"  # copied into <run>/lmeval_plugin/
-CHAT_MODEL = "local-chat-completions"  # lm-eval's own, as the seed
+CHAT_MODEL = "local-chat-completions"  # lm-eval's own, as vLLM PR #52494 ran
 FALLBACK_CHAT_MODEL = "k3-chat-completions"  # + reasoning fallback, registered by lmeval_launch.py
 COMPLETIONS_MODEL = "local-completions"
-TASKS_MOUNT = f"{OUT_MOUNT}/tasks"  # <run>/tasks/gsm8k.yaml, the seed's task config
+TASKS_MOUNT = f"{OUT_MOUNT}/tasks"  # <run>/tasks/gsm8k.yaml, the reference task config
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class Gsm8kSettings:
     allow_limit: bool = False
     client_image: str = DEFAULT_CLIENT_IMAGE
     seed: int = 1234
-    reasoning_fallback: bool = False  # a deviation from the seed's protocol: off unless asked
+    reasoning_fallback: bool = False  # a deviation from the reference protocol: off unless asked
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -84,7 +84,7 @@ def endpoint(s: Gsm8kSettings) -> str:
 
 def model_args(s: Gsm8kSettings) -> str:
     # max_gen_toks as a model argument (lm-eval's TemplateAPI default is 256), not --gen_kwargs:
-    # the task's generation_kwargs stay exactly the seed's in the config lm-eval prints.
+    # the task's generation_kwargs stay exactly the reference's in the config lm-eval prints.
     args = [f"model={s.model}", f"base_url={endpoint(s)}", f"num_concurrent={s.concurrency}",
             f"max_retries={s.max_retries}", f"timeout={s.timeout}",
             f"max_gen_toks={s.max_gen_tokens}", "tokenized_requests=False"]

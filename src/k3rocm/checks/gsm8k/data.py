@@ -1,8 +1,8 @@
 """Where the GSM8K items come from, checked before anything expensive starts.
 
-lm-eval always runs our task file (``src/k3rocm/checks/gsm8k/gsm8k.yaml``: the seed's gsm8k task
-config, ``task: gsm8k``), copied into the run directory as ``tasks/gsm8k.yaml`` and passed with
-``--include_path``. Three sources for its items, tried in this order:
+lm-eval always runs our task file (``src/k3rocm/checks/gsm8k/gsm8k.yaml``: vLLM PR #52494's gsm8k
+task config, ``task: gsm8k``), copied into the run directory as ``tasks/gsm8k.yaml`` and passed
+with ``--include_path``. Three sources for its items, tried in this order:
 
 1. ``--data-dir DIR``: a local directory with ``train.jsonl`` and ``test.jsonl`` (one JSON object
    a line with ``question`` and ``answer``; the answer ends in ``#### <number>``), for air-gapped
@@ -36,7 +36,7 @@ HOW_TO = ("run `make gsm8k-data` once on a node with HF hub access (or `huggingf
           "openai/gsm8k --repo-type dataset`; --hf-home, default $HF_HOME, "
           "$K3_CACHE_DIR/huggingface, ~/.cache/huggingface), or pass --data-dir DIR with "
           "train.jsonl and test.jsonl (fields question, answer ending in '#### N')")
-TASK_FILE = Path(__file__).with_name("gsm8k.yaml")  # the seed's task config, shipped
+TASK_FILE = Path(__file__).with_name("gsm8k.yaml")  # vLLM PR #52494's task config, shipped
 SEED_DATASET = ("dataset_path: openai/gsm8k", "dataset_name: main")
 
 # Mount points inside the client container.

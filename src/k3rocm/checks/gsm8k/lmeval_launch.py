@@ -5,11 +5,11 @@ cache with huggingface_hub: ``make gsm8k-data``.)
 
 ``python k3rocm_lmeval.py run --model ... ...`` is ``lm-eval run ...`` with one extra registered
 model, ``k3-chat-completions`` (used only with ``k3rocm gsm8k --reasoning-fallback``, a deviation
-from the seed's protocol): lm-eval's ``local-chat-completions`` unchanged, except that a
-response whose ``message.content`` is empty while the reasoning field (``reasoning_content``, or
-``reasoning`` in newer vLLM) holds text is scored on that text.
+from the reference protocol of vLLM PR #52494): lm-eval's ``local-chat-completions`` unchanged,
+except that a response whose ``message.content`` is empty while the reasoning field
+(``reasoning_content``, or ``reasoning`` in newer vLLM) holds text is scored on that text.
 Every such fallback is appended as one JSON line to ``$K3_GSM8K_FALLBACK_LOG`` so the summary
-can say how many answers needed it. For every model (the seed's ``local-chat-completions`` and
+can say how many answers needed it. For every model (the reference's ``local-chat-completions`` and
 ``local-completions`` too) each response's ``finish_reason`` is appended to
 ``$K3_GSM8K_FINISH_LOG`` (scoring unchanged), so answers cut off at the generation limit
 (``length``) are reported apart from wrong ones. Before evaluating, the versions of lm-eval and

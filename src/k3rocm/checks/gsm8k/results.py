@@ -143,8 +143,8 @@ def evaluate(results: dict, samples: list[dict], fallbacks: list[dict], *, thres
     deviations = []
     if doc_ids:
         deviations.append(f"{len(doc_ids)} answer(s) scored from the reasoning text because the "
-                          "content was empty (--reasoning-fallback; the seed scores the content "
-                          "only)")
+                          "content was empty (--reasoning-fallback; the reference protocol scores "
+                          "the content only)")
 
     scores = ", ".join(fmt(f) for f in FILTERS)
     ref = f"reference {REFERENCE['exact_match']:.4f} +- {REFERENCE['stderr']:.4f}"
@@ -164,8 +164,8 @@ def evaluate(results: dict, samples: list[dict], fallbacks: list[dict], *, thres
     if reasons and status != "not_comparable":
         message += f"; not comparable: {'; '.join(reasons)}"
     if doc_ids:
-        message += (f"; DEVIATION from the seed's protocol: {len(doc_ids)} answer(s) scored from "
-                    "the reasoning text (content empty, --reasoning-fallback)")
+        message += (f"; DEVIATION from the reference protocol: {len(doc_ids)} answer(s) scored "
+                    "from the reasoning text (content empty, --reasoning-fallback)")
     elif empty and not fallback_on and config.get("model") != "local-completions":
         message += (f"; {len(empty)} empty answer(s) scored as wrong (a reasoning model's answer "
                     "may be in reasoning_content: see --reasoning-fallback in docs/gsm8k.md)")
@@ -233,12 +233,13 @@ def markdown(summary: dict) -> str:
         f" (limit: {summary['limit']})",
         f"- Comparable with the reference: {'yes' if summary['comparable'] else 'no'}"
         + ("" if summary["comparable"] else f" ({'; '.join(summary['not_comparable_reasons'])})"),
-        f"- Reasoning fallback: {'on (a deviation from the seed)' if fb.get('enabled') else 'off'}"
-        f"; answers scored from reasoning_content (content was empty): {fb['count']} of "
+        "- Reasoning fallback: "
+        + ("on (a deviation from the reference protocol)" if fb.get("enabled") else "off")
+        + f"; answers scored from reasoning_content (content was empty): {fb['count']} of "
         f"{fb['of']}",
         f"- Empty responses: {summary['empty_responses']}",
         "- Cut off at the generation limit: " + _trunc_line(summary.get("truncated") or {}),
-        "- Server setup comparable with the seed's reference: "
+        "- Server setup comparable with the reference run's (vLLM PR #52494): "
         + ((summary.get("seed_comparison") or {}).get("text") or "not judged"),
         f"- Reference: {ref['source']}",
     ]
