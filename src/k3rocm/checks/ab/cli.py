@@ -121,12 +121,12 @@ def deployment_view(args: argparse.Namespace) -> dict:
     dep = resolve_settings(getattr(args, "env_file", ".env"))
     fill_repeats(args)
     arms = armlib.arms_from_args(args)
-    model, api_key = armlib.served_model(arms, getattr(args, "env_file", ".env"))
+    arm_dep = armlib.arm_deployment(arms)
     from k3rocm.serving.config import REDACTED
 
     # The image: --image, else compose's interpolation of K3_IMAGE (shell, then .env).
-    return {**dep.to_json(), "url": arms.url, "served_model_name": model,
-            "api_key": REDACTED if api_key else None, "image": arms.image or dep.image,
+    return {**dep.to_json(), "url": arms.url, "served_model_name": arm_dep.served_model_name,
+            "api_key": REDACTED if arm_dep.api_key else None, "image": arm_dep.image,
             "results_root": str(results_root(args).absolute()),
             "measure": args.measure, "arm_env": arms.arm_env}
 
