@@ -29,9 +29,10 @@ from k3rocm.deploy.lifecycle import (
     resolve_settings,
 )
 from k3rocm.errors import UsageError
+from k3rocm.serving.fusions import switches
 
-FUSIONS_OFF = {"K3_FUSE_QK_NORM": "0", "K3_FUSE_DECODE_QPREP": "0"}
-FUSIONS_ON = {"K3_FUSE_QK_NORM": "1", "K3_FUSE_DECODE_QPREP": "1"}
+FUSIONS_OFF = switches(False)
+FUSIONS_ON = switches(True)
 STEP_DELAY_ENV = "K3_TEST_STEP_DELAY_MS"
 STEP_DELAY_DIR = REPO / "tests" / "doubles" / "stepdelay"
 STEP_DELAY_MOUNT = "/opt/k3rocm-test"  # compose.cpu.yaml mounts K3_TEST_PLUGINS_DIR here
