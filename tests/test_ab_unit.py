@@ -364,3 +364,38 @@ def test_a_secondary_rows_mde_is_at_holms_strictest_level():
     assert prim["mde"] == pytest.approx(stats.mde(prim["var_log"], 6, 4, 4))
     assert sec["mde"] == pytest.approx(stats.mde(sec["var_log"], 6, 4, 4, alpha=0.05 / 2))
     assert sec["mde"] > prim["mde"]
+
+
+class _Images:
+    """docker-py's ``client.images.get`` (docker 7.x): records the reference asked for."""
+
+    def __init__(self):
+        self.asked = []
+        self.images = self
+
+    def get(self, ref):
+        self.asked.append(ref)
+        return argparse.Namespace(id="sha256:" + "0" * 64)
+
+
+@pytest.mark.parametrize("cpu,dotenv,image,want", [
+    (True, "K3_IMAGE=my/server:from-dotenv\n", None, "my/server:from-dotenv"),
+    (False, "K3_IMAGE=my/server:from-dotenv\n", None, "my/server:from-dotenv"),
+    (True, "", None, "k3rocm/server:cpu"),
+    (False, "", None, "k3rocm/server:latest"),
+    (True, "K3_IMAGE=my/server:from-dotenv\n", "my/server:flag", "my/server:flag"),
+])
+def test_the_arm_image_is_the_deployments(tmp_path, monkeypatch, cpu, dotenv, image, want):
+    """bench-ab/census-ab check and record the image compose will run: --image, else K3_IMAGE
+    from the shell or .env, else compose's default (compose.cpu.yaml's without AMD GPUs)."""
+    from k3rocm.checks.ab.arms import Arms, arm_deployment, image_id
+
+    monkeypatch.delenv("K3_IMAGE", raising=False)
+    monkeypatch.delenv("COMPOSE_FILE", raising=False)
+    env_file = tmp_path / ".env"
+    env_file.write_text(dotenv)
+    arms = Arms(mode="ab", repeats=1, arm_env={"A": {}, "B": {}}, port=8000, cpu=cpu,
+                image=image, env_file=str(env_file))
+    client = _Images()
+    assert image_id(arms, client) == (want, "sha256:" + "0" * 64)
+    assert client.asked == [want] and arm_deployment(arms).image == want

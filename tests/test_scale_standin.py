@@ -231,7 +231,7 @@ def test_failover_degraded_and_rejoin(cluster, docker_client):
     assert replicas[0].healthy and not replicas[1].healthy
     # The same through the command line `make status` runs.
     r = run_cli("scale", "status", env={k: str(v) for k, v in cluster["env"].items()})
-    assert r.returncode == 1 and r.stdout.splitlines()[-1].endswith("degraded, 1 of 2"), \
+    assert r.returncode == 3 and r.stdout.splitlines()[-1].endswith("degraded, 1 of 2"), \
         r.stdout + r.stderr
     after = [_completion(s.router_url)[0] for _ in range(6)]
     _say(f"after the failure was noticed ({t_deg:.1f} s): 6 requests -> {after}")

@@ -578,3 +578,79 @@ def test_status_degraded_even_when_router_says_ok(fake_vllm):
     assert r.summary == "degraded, 1 of 2"
     state["router"] = 503
     assert status.scale_status(s, api_key="")[1].summary == "degraded, 1 of 2"
+
+
+# --- router failures are server problems: exit 3 (k3rocm.errors), never 1 (a failed check) ---
+
+@pytest.fixture
+def dead_ports():
+    """Three local ports that refuse connections: bound, never listening, held for the test."""
+    import socket
+
+    socks = [socket.socket() for _ in range(3)]
+    for so in socks:
+        so.bind(("127.0.0.1", 0))
+    yield [so.getsockname()[1] for so in socks]
+    for so in socks:
+        so.close()
+
+
+def _no_router_env(ports):
+    return {"K3_SCALE_MODE": "replicas",
+            "K3_SCALE_NODES": f"127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}",
+            "K3_SCALE_ROUTER_HOST": "127.0.0.1", "K3_SCALE_ROUTER_PORT": str(ports[2])}
+
+
+def test_status_with_the_router_down_exits_3(dead_ports):
+    r = run_cli("scale", "status", env=_no_router_env(dead_ports))
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert "router unreachable" in r.stdout.splitlines()[-1] and "Traceback" not in r.stderr
+
+
+def test_overhead_without_replicas_exits_3_in_one_line(dead_ports):
+    r = run_cli("scale", "overhead", env=_no_router_env(dead_ports))
+    assert r.returncode == 3, r.stdout + r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "start the replicas first" in lines[0]
+
+
+class _Exited:
+    """A docker-py Container (docker 7.x: ``reload``, ``status``, ``logs``, ``remove``) whose
+    process exited right after ``containers.run``."""
+
+    status = "exited"
+
+    def reload(self):
+        pass
+
+    def logs(self, tail=None):
+        return b"error: unknown flag --bogus\n"
+
+    def remove(self, force=False):
+        pass
+
+
+class _Client:
+    """docker-py's DockerClient surface start_router uses: ``images.get`` (the router image
+    exists), ``containers.get`` (no old container: docker.errors.NotFound), ``containers.run``."""
+
+    def __init__(self):
+        from types import SimpleNamespace
+
+        import docker
+
+        def missing(name):
+            raise docker.errors.NotFound(name)
+
+        self.images = SimpleNamespace(get=lambda ref: object())
+        self.containers = SimpleNamespace(get=missing, run=lambda *a, **kw: _Exited())
+
+
+def test_a_router_that_exits_at_start_is_a_server_problem(dead_ports):
+    from k3rocm.deploy.scale.router import start_router
+
+    s = load_scale(_no_router_env(dead_ports), dotenv=None)
+    with pytest.raises(UsageError) as e:
+        start_router(_Client(), s)
+    assert e.value.exit_code == 3 and "router exited at start" in str(e.value)
+    assert "\n" not in str(e.value)

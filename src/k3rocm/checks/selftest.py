@@ -16,7 +16,7 @@ checkpoint that this base, this overlay and these settings serve, fuse and agree
     greedy   a few fixed prompts, greedy, with logprobs
     bench    one short aiperf point
     down     server log kept
-    off      the same server with K3_FUSE_QK_NORM=0 K3_FUSE_DECODE_QPREP=0: greedy again, down
+    off      the same server with every K3_FUSE_* switch 0: greedy again, down
     compare  greedy tokens identical, or the first position that differs with both logprobs
 
   One summary (stdout, ``summary.md``, ``summary.json``) in ``<results>/<UTC>-selftest/``,
@@ -57,12 +57,13 @@ from k3rocm.checks.steps import (
 )
 from k3rocm.deploy import selftest_model
 from k3rocm.errors import UsageError
+from k3rocm.serving.fusions import switches
 
 PROJECT = "k3rocm-selftest"
 PROMPTS = ("The capital of France is", "def fibonacci(n):", "1, 2, 3, 5, 8,",
            "Kimi-K3 runs on eight MI355X GPUs and")
 GREEDY_TOKENS = 16
-OFF = {"K3_FUSE_QK_NORM": "0", "K3_FUSE_DECODE_QPREP": "0"}
+OFF = switches(False)
 STEPS = ("build", "up", "census", "greedy", "bench", "down", "off", "compare")
 
 

@@ -11,9 +11,9 @@ from typing import Any
 
 from k3rocm.deploy.readiness import _requests, url_port
 from k3rocm.serving.config import redact_argv, redact_env
+from k3rocm.serving.fusions import FUSIONS
 
 MANIFEST_PATH = "/opt/k3rocm/manifest.json"
-FUSION_ENV = ("K3_FUSE_QK_NORM", "K3_FUSE_DECODE_QPREP")
 
 
 def find_server_container(client, url: str):
@@ -142,8 +142,9 @@ def collect_provenance(url: str, api_key: str | None, client=None, container=Non
     rendered = rendered_record(container)
     prov["rendered"] = rendered
     renv = (rendered or {}).get("env") or {}
-    prov["fusion_toggles"] = {k: renv.get(k) or env.get(k, "unset (default on)")
-                              for k in FUSION_ENV}
+    prov["fusion_toggles"] = {
+        f.env: renv.get(f.env) or env.get(f.env, f"unset (default {'on' if f.default else 'off'})")
+        for f in FUSIONS}
     try:
         from k3rocm.serving.decisions import final_in_log
 

@@ -17,7 +17,7 @@ Settings the demo fixes for every step (exported, so the shell and .env cannot d
 K3_PROFILE=cpu-smoke, K3_MODEL=/models/k3-smoke, K3_SERVED_MODEL_NAME=k3-smoke, K3_PORT,
 K3_MAX_MODEL_LEN=4096 (the tiny model's limit: GSM8K's 5-shot prompt needs ~3k tokens),
 K3_MODELS_DIR, K3_RESULTS_DIR, K3_PROFILER_DIR (inside the demo's run directory),
-K3_FUSE_QK_NORM=0 and K3_FUSE_DECODE_QPREP=0 (the fusions need ROCm + AITER: on CPU the census
+every K3_FUSE_* switch 0 (the fusions need ROCm + AITER: on CPU the census
 checks the stock kernel counts), COMPOSE_PROJECT_NAME (default k3rocm-demo, so a server of
 your own compose project is never touched).
 
@@ -60,6 +60,7 @@ from k3rocm.checks.steps import (
 from k3rocm.checks.steps import new_dirs as _new_dirs
 from k3rocm.errors import ServerError, UsageError
 from k3rocm.rundir import create_run_dir, write_json_atomic, write_text_atomic
+from k3rocm.serving.fusions import switches
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -184,8 +185,7 @@ def _env(args: argparse.Namespace, trace_dir: str) -> dict[str, str]:
         "K3_MODELS_DIR": str(args.models_dir),
         "K3_RESULTS_DIR": str(args.results),
         "K3_PROFILER_DIR": trace_dir,
-        "K3_FUSE_QK_NORM": "0",
-        "K3_FUSE_DECODE_QPREP": "0",
+        **switches(False),
     })
     return env
 
@@ -363,7 +363,7 @@ def _summary(results: list[StepResult], run_dir: Path, args: argparse.Namespace,
         "project": args.project, "results_root": str(args.results),
         "settings": {"K3_PROFILE": "cpu-smoke", "K3_MODEL": f"/models/{SMOKE_MODEL}",
                      "K3_MAX_MODEL_LEN": MAX_MODEL_LEN,
-                     "K3_FUSE_QK_NORM": "0", "K3_FUSE_DECODE_QPREP": "0",
+                     **switches(False),
                      "K3_PROFILER_DIR": f"/results/{run_dir.name}/traces"},
         "steps": [{"name": r.name, "ok": r.ok, "exit_code": r.code,
                    "seconds": round(r.seconds, 1), "note": r.note, "run_dir": r.run_dir,

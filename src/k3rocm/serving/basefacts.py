@@ -35,13 +35,15 @@ import re
 from pathlib import Path
 from typing import Any
 
+from k3rocm.serving.fusions import BY_NAME, FUSIONS  # stdlib only too
+
 GLUON_MAX_HEADS = 15  # AiterMLAHelper._AITER_MIN_MLA_HEADS = 16 (0.27.1 .. 0.33)
 ROUTER = "vllm/v1/attention/backends/mla/rocm_aiter_mla.py"
 AMD_MLA = "vllm/models/kimi_k3/amd/mla.py"
 ENVS = "vllm/envs.py"
 VLLM_CONFIG = "vllm/config/vllm.py"
 AITER_STUB = "aiter/ops/cache.py"
-QPREP_OP = "fused_qk_rope_concat_and_cache_mla"
+QPREP_OP = BY_NAME["decode_qprep"].op  # AITER's fused_qk_rope_concat_and_cache_mla
 CLAMP_ARG = "compute_all_q_rope"
 OVERLAY_MARKER = "K3ROCM_OVERLAY = 1"
 UPSTREAM_BACKUP = "mla.py.k3rocm-upstream"  # kept by `overlay apply --mode force`
@@ -155,8 +157,7 @@ def _upstream_mla(root: Path) -> dict[str, Any]:
                 Path(AMD_MLA).with_name(UPSTREAM_BACKUP))
     if text is None:
         return fact([], f"{AMD_MLA}: no upstream file (none, or only the k3rocm overlay)")
-    fus = [name for name, op in (("qk_norm", "fused_mla_dual_rms_norm"),
-                                 ("decode_qprep", QPREP_OP)) if op in text]
+    fus = [f.name for f in FUSIONS if f.op in text]
     return fact(fus, f"{how}: upstream code calling " + (", ".join(fus) or "neither op"))
 
 
@@ -324,12 +325,10 @@ def check(s: Any, sources: dict[str, str], facts: dict[str, Any] | None,
     upstream = value(facts, "upstream_mla_fusions") or []
     overlay_in_tree = bool(value(facts, "overlay_in_tree"))
     if upstream and not overlay_in_tree:
-        for name, env_name in (("qk_norm", "K3_FUSE_QK_NORM"),
-                               ("decode_qprep", "K3_FUSE_DECODE_QPREP")):
-            on = getattr(s, "fuse_" + name)
-            if name in upstream and not on and _explicit(sources, env_name):
+        for f in FUSIONS:
+            if f.name in upstream and not getattr(s, f.field) and _explicit(sources, f.env):
                 raise BaseRefusal(
-                    f"{env_name}=0 has no effect on this base: vLLM {ver} ships "
+                    f"{f.env}=0 has no effect on this base: vLLM {ver} ships "
                     f"vllm/models/kimi_k3/amd/mla.py with that fusion and the overlay was "
                     "skipped; rebuild with K3_OVERLAY=force to switch it, or unset it")
         notes.append(f"fusions: vLLM {ver}'s own amd/mla.py ({', '.join(upstream)}); the "

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from k3rocm.errors import UsageError
 from k3rocm.serving import profiles
+from k3rocm.serving.fusions import FUSIONS, switches
 
 PREFIX = "K3_"
 KIMI_K3_HEADS = 96
@@ -111,10 +112,12 @@ class Settings(BaseModel):
                                default=None)
     extra_args: str = _env("EXTRA_ARGS", "Extra `vllm serve` arguments, shell-quoted, appended "
                            "last (after argv from the entrypoint).", default="")
-    fuse_qk_norm: bool = _env("FUSE_QK_NORM", "Overlay: fused q/kv RMSNorm (1/0).", "overlay",
-                              default=True)
-    fuse_decode_qprep: bool = _env("FUSE_DECODE_QPREP", "Overlay: fused decode Q-prep (1/0).",
-                                   "overlay", default=True)
+    # One switch per row of the fusion table (fuse_qk_norm, fuse_decode_qprep), in its order.
+    for _f in FUSIONS:
+        __annotations__[_f.field] = "bool"
+        locals()[_f.field] = _env(_f.env.removeprefix(PREFIX), _f.doc, "overlay",
+                                  default=_f.default)
+    del _f
     base_check: Literal["enforce", "warn"] = _env(
         "BASE_CHECK", "What the serving image's base facts (vLLM, AITER, the decode route at "
         "the heads per rank) do to a setting it cannot run: enforce (exit 2 before the load) "
@@ -564,8 +567,7 @@ def build_env(s: Settings, environ: Mapping[str, str], file_vals: Mapping[str, s
     for key, (value, src) in sorted(user.items()):  # set by the user, passed as they are
         env[key], sources[key] = value, src
     ours = {
-        "K3_FUSE_QK_NORM": "1" if s.fuse_qk_norm else "0",
-        "K3_FUSE_DECODE_QPREP": "1" if s.fuse_decode_qprep else "0",
+        **switches({f.name: getattr(s, f.field) for f in FUSIONS}),
         "K3_OVERLAY": s.overlay,
         "K3_PROFILE": s.profile,
     }

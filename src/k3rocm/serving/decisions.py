@@ -18,12 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from k3rocm.errors import UsageError
+from k3rocm.serving.fusions import FUSIONS
 from k3rocm.serving.overlay_runtime import DECISION_FILE, DECISION_MARKER, DECISION_SCHEMA
 
 SCHEMA = DECISION_SCHEMA
 MARKER = DECISION_MARKER
 FILE_GLOB = DECISION_FILE.format(pid="*")
-STATES = {"qk_norm": ("on", "off"), "decode_qprep": ("on", "off", "needs-model")}
+STATES = {f.name: f.states for f in FUSIONS}
 _PHASE = {"construct": 0, "load": 1}
 _FILE_RE = re.compile(r"^k3rocm-decisions-pid\d+\.json$")
 

@@ -29,9 +29,10 @@ from k3rocm.deploy.lifecycle import (
     resolve_settings,
 )
 from k3rocm.errors import UsageError
+from k3rocm.serving.fusions import switches
 
-FUSIONS_OFF = {"K3_FUSE_QK_NORM": "0", "K3_FUSE_DECODE_QPREP": "0"}
-FUSIONS_ON = {"K3_FUSE_QK_NORM": "1", "K3_FUSE_DECODE_QPREP": "1"}
+FUSIONS_OFF = switches(False)
+FUSIONS_ON = switches(True)
 STEP_DELAY_ENV = "K3_TEST_STEP_DELAY_MS"
 STEP_DELAY_DIR = REPO / "tests" / "doubles" / "stepdelay"
 STEP_DELAY_MOUNT = "/opt/k3rocm-test"  # compose.cpu.yaml mounts K3_TEST_PLUGINS_DIR here
@@ -128,6 +129,7 @@ class Arms:
     stop_running: bool = False
     delay_ms: float | None = None
     scale: Any = None  # k3rocm.deploy.scale.settings.ScaleSettings when K3_SCALE_MODE=replicas
+    env_file: str | None = ".env"
 
     @property
     def replica_ports(self) -> list[int]:
@@ -215,7 +217,8 @@ def arms_from_args(args: argparse.Namespace, on_env: dict[str, str] | None = Non
                 server_env=env, arm_container_env=container_env,
                 server_timeout=args.server_timeout, pin_engine_core=args.pin_engine_core,
                 stop_running=args.stop_running, delay_ms=delay,
-                scale=_replicas(getattr(args, "env_file", ".env")))
+                scale=_replicas(getattr(args, "env_file", ".env")),
+                env_file=getattr(args, "env_file", ".env"))
 
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -244,9 +247,9 @@ def _replicas(env_file: str):
 
 
 def image_id(arms: Arms, client=None) -> tuple[str, str]:
-    """(image reference, image id) of the arm servers; exit 2 when the image is missing."""
-    ref = arms.image or os.environ.get("K3_IMAGE") or (
-        "k3rocm/server:cpu" if arms.cpu else "k3rocm/server:latest")
+    """(image reference, image id) of the arm servers (the arm deployment's image: --image,
+    else K3_IMAGE from the shell or .env, else compose's default); exit 2 when it is missing."""
+    ref = arm_deployment(arms).image
     client = client or docker_client()
     try:
         return ref, client.images.get(ref).id
@@ -399,12 +402,18 @@ def arm_server(arms: Arms, slot: int, arm: str, stamp: str, log_path: Path, env_
             srv.down(log_path=log)
 
 
-def served_model(arms: Arms, env_file: str = ".env") -> tuple[str, str | None]:
-    """(served model name, API key) the arm servers will have: the settings rendered with the
-    arm's environment on top (shell > .env > profile > default), as the entrypoint does."""
+def arm_deployment(arms: Arms, env_file: str | None = None):
+    """The deployment the arm servers run (:func:`k3rocm.deploy.deployment.load_deployment`):
+    the arm's environment on top of the settings (shell > .env > profile > default), with
+    the compose files of the arm servers, as compose and the entrypoint see it."""
     environ = {**os.environ, **arms.compose_env("B")}
     # The files the arm servers run with (compose.cpu.yaml sets the cpu-smoke profile default).
     environ["COMPOSE_FILE"] = ":".join(str(f) for f in compose_files(arms.cpu))
     environ["COMPOSE_PATH_SEPARATOR"] = ":"
-    dep = resolve_settings(env_file, environ)
+    return resolve_settings(arms.env_file if env_file is None else env_file, environ)
+
+
+def served_model(arms: Arms, env_file: str | None = None) -> tuple[str, str | None]:
+    """(served model name, API key) the arm servers will have."""
+    dep = arm_deployment(arms, env_file)
     return dep.served_model_name, dep.api_key

@@ -4,7 +4,7 @@ One driver, one flag set, one arm order for both measures (``k3rocm bench-ab`` i
 ``ab --measure bench``, ``k3rocm census-ab`` is ``ab --measure census``; ``make bench-ab`` and
 ``make census-ab`` call them). Every slot of the order A B B A ... starts a fresh server (its
 own compose project from compose.yaml, + compose.cpu.yaml with --no-gpu) with the arm's
-K3_FUSE_QK_NORM / K3_FUSE_DECODE_QPREP on top of the deployment's settings (shell > .env >
+K3_FUSE_* switches on top of the deployment's settings (shell > .env >
 profile; --server-env adds more), waits until it is ready, measures, saves the server's log
 into the run directory and removes it.
 
@@ -45,6 +45,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from k3rocm.checks.ab import arms as armlib
+from k3rocm.serving.fusions import NAMES
 
 MEASURES = ("bench", "census", "gsm8k")
 BENCH_REPEATS = 4
@@ -82,8 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser, measure: str | None = None) -
     c = parser.add_argument_group("--measure census")
     c.add_argument("--trace-dirs", metavar="OFF_DIR,ON_DIR",
                    help="compare two existing trace sets instead of starting servers")
-    c.add_argument("--on", default="all", help="fusions asked ON in arm B (qk_norm, "
-                   "decode_qprep or all); the rest stay off in both arms")
+    c.add_argument("--on", default="all", help="fusions asked ON in arm B (comma-separated: "
+                   f"{', '.join(NAMES)}, or all); the rest stay off in both arms")
     c.add_argument("--concurrency", type=int, default=8, help="concurrent streams")
     c.add_argument("--max-tokens", type=int, default=1024, help="output tokens per request")
     c.add_argument("--prompt-words", type=int, default=64, help="prompt length (words)")
@@ -121,12 +122,12 @@ def deployment_view(args: argparse.Namespace) -> dict:
     dep = resolve_settings(getattr(args, "env_file", ".env"))
     fill_repeats(args)
     arms = armlib.arms_from_args(args)
-    model, api_key = armlib.served_model(arms, getattr(args, "env_file", ".env"))
+    arm_dep = armlib.arm_deployment(arms)
     from k3rocm.serving.config import REDACTED
 
     # The image: --image, else compose's interpolation of K3_IMAGE (shell, then .env).
-    return {**dep.to_json(), "url": arms.url, "served_model_name": model,
-            "api_key": REDACTED if api_key else None, "image": arms.image or dep.image,
+    return {**dep.to_json(), "url": arms.url, "served_model_name": arm_dep.served_model_name,
+            "api_key": REDACTED if arm_dep.api_key else None, "image": arm_dep.image,
             "results_root": str(results_root(args).absolute()),
             "measure": args.measure, "arm_env": arms.arm_env}
 

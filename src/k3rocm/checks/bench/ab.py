@@ -37,6 +37,7 @@ from k3rocm.checks.bench.run import (
 from k3rocm.checks.bench.workloads import Workload, shell_line
 from k3rocm.errors import UsageError
 from k3rocm.rundir import create_run_dir, write_json_atomic, write_text_atomic
+from k3rocm.serving.fusions import NAME_OF_ENV
 
 
 def _log(msg: str) -> None:
@@ -404,7 +405,7 @@ def _identity_diff(a: dict, b: dict) -> list[str]:
 
 
 # K3_FUSE_* switch -> the fusion's name in the overlay's decision records
-FUSION_OF = {"K3_FUSE_QK_NORM": "qk_norm", "K3_FUSE_DECODE_QPREP": "decode_qprep"}
+FUSION_OF = NAME_OF_ENV
 
 
 def fusion_states(log_path: Path) -> dict[str, list[str]] | None:

@@ -1,8 +1,8 @@
 """The census measure of the one A/B driver (``k3rocm ab --measure census``, ``census-ab``;
 flags: ``k3rocm ab --help``, :mod:`k3rocm.checks.ab.cli`).
 
-Arm A runs with K3_FUSE_QK_NORM=0 K3_FUSE_DECODE_QPREP=0, arm B with the fusions named by
-``--on`` set to 1 (default both); each arm gets a fresh compose server (the shared arm-server
+Arm A runs with every K3_FUSE_* switch 0, arm B with the fusions named by ``--on`` set to 1
+(default all); each arm gets a fresh compose server (the shared arm-server
 flags), profiles the same decode load, collects the traces out of the container, runs the
 census (judging what that arm's server was asked for, cross-checked with its overlay's
 decision records), saves the server's log and removes it. The comparison reports stock vs

@@ -44,20 +44,24 @@ from k3rocm.deploy import runrecord
 from k3rocm.errors import UsageError
 from k3rocm.rundir import create_run_dir, write_json_atomic, write_text_atomic
 from k3rocm.serving.decisions import decision_files, records_from_files, records_from_log
+from k3rocm.serving.fusions import FUSIONS
 
 
 def _log(msg: str) -> None:
     print(f"[census] {msg}", file=sys.stderr, flush=True)
 
 
+FUSIONS_METAVAR = ",".join(f"{f.name}=on|off" for f in FUSIONS)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     p.add_argument("--trace-dir", help="analyse the traces in this directory instead of "
                    "driving a server")
-    p.add_argument("--fusions", metavar="qk_norm=on|off,decode_qprep=on|off",
-                   help="what the server was asked for (default: K3_FUSE_QK_NORM / "
-                   "K3_FUSE_DECODE_QPREP in the server container's env, unset = on; offline: "
-                   "the run's provenance.json beside the trace directory)")
+    p.add_argument("--fusions", metavar=FUSIONS_METAVAR,
+                   help="what the server was asked for (default: "
+                   f"{' / '.join(f.env for f in FUSIONS)} in the server container's env, "
+                   "unset = on; offline: the run's provenance.json beside the trace directory)")
     p.add_argument("--server-log", metavar="FILE", help="server log holding the overlay's "
                    "'K3ROCM-DECISION {...}' records (default: k3rocm-decisions-pid*.json "
                    "beside the traces, or the server container's log)")
@@ -153,8 +157,8 @@ def claim_offline(args: argparse.Namespace, trace_dir: Path) -> FusionClaim:
         env = cont.get("env") if isinstance(cont, dict) else None
         if isinstance(env, dict):
             return from_env(env, f"the server env recorded in {cand}")
-    raise UsageError("what the server was asked for is unknown: pass --fusions "
-                     "qk_norm=on|off,decode_qprep=on|off (no provenance.json with the server's "
+    raise UsageError(f"what the server was asked for is unknown: pass --fusions "
+                     f"{FUSIONS_METAVAR} (no provenance.json with the server's "
                      f"env beside {trace_dir})")
 
 
@@ -365,7 +369,7 @@ def claim_from_container(container: Any) -> FusionClaim:
     from k3rocm.serving.serve_cmd import RENDERED_FILE
 
     renv = (rendered_record(container) or {}).get("env") or {}
-    fuse = {k: v for k, v in renv.items() if k.startswith("K3_FUSE_")}
+    fuse = {f.env: renv[f.env] for f in FUSIONS if f.env in renv}
     if fuse:
         return from_env({**container_env(container), **fuse},
                         f"container {container.name}'s rendered settings ({RENDERED_FILE})")

@@ -1,8 +1,8 @@
 """What the server was ASKED for: the claim the census judges.
 
-The claim is the fusion toggles the server was started with: ``K3_FUSE_QK_NORM`` and
-``K3_FUSE_DECODE_QPREP`` in the server container's environment (docker inspect, or the run's
-provenance), default on when unset, exactly as the overlay reads them; or stated with
+The claim is the fusion toggles the server was started with: the ``K3_FUSE_*`` switches of
+:mod:`k3rocm.serving.fusions` in the server container's environment (docker inspect, or the
+run's provenance), default on when unset, exactly as the overlay reads them; or stated with
 ``--fusions qk_norm=on,decode_qprep=off``. The overlay's own decision records
 (``census/decisions.py``) are cross-checked against this claim; they never set it.
 """
@@ -14,24 +14,31 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from k3rocm.errors import UsageError
-
-FUSIONS = ("qk_norm", "decode_qprep")
-ENV = {"qk_norm": "K3_FUSE_QK_NORM", "decode_qprep": "K3_FUSE_DECODE_QPREP"}
+from k3rocm.serving.fusions import BY_NAME, ENV
+from k3rocm.serving.fusions import NAMES as FUSIONS
 
 
 @dataclass
 class FusionClaim:
-    qk_norm: bool
-    decode_qprep: bool
+    asked: dict[str, bool]  # per fusion name (serving/fusions.py): asked on
     source: str
     detail: dict[str, str] = field(default_factory=dict)  # per fusion: where the value came from
 
+    def __getattr__(self, name: str) -> bool:  # claim.qk_norm, claim.decode_qprep, ...
+        asked = self.__dict__.get("asked", {})
+        if name in asked:
+            return asked[name]
+        raise AttributeError(name)
+
     def get(self, name: str) -> bool:
-        return bool(getattr(self, name))
+        return bool(self.asked[name])
 
     def to_json(self) -> dict[str, Any]:
-        return {"qk_norm": self.qk_norm, "decode_qprep": self.decode_qprep,
-                "source": self.source, "detail": self.detail}
+        return {**{k: self.get(k) for k in FUSIONS}, "source": self.source,
+                "detail": self.detail}
+
+
+EXAMPLE = ",".join(f"{k}={'on' if i == 0 else 'off'}" for i, k in enumerate(FUSIONS))
 
 
 def parse_switch(value: str, what: str) -> bool:
@@ -56,22 +63,22 @@ def from_cli(spec: str) -> FusionClaim:
             vals[k] = parse_switch(val, f"--fusions {k}")
     missing = [k for k in FUSIONS if k not in vals]
     if missing:
-        raise UsageError(f"--fusions {spec!r} leaves {', '.join(missing)} unset; give both, "
-                         "e.g. qk_norm=on,decode_qprep=off")
-    return FusionClaim(vals["qk_norm"], vals["decode_qprep"], "--fusions",
-                       {k: "stated with --fusions" for k in FUSIONS})
+        raise UsageError(f"--fusions {spec!r} leaves {', '.join(missing)} unset; give each, "
+                         f"e.g. {EXAMPLE}")
+    return FusionClaim(vals, source="--fusions",
+                       detail={k: "stated with --fusions" for k in FUSIONS})
 
 
 def from_env(env: Mapping[str, str], source: str) -> FusionClaim:
-    """The toggles in a server's environment; unset or empty = on (the overlay's default)."""
+    """The toggles in a server's environment; unset or empty = the overlay's default (on)."""
     vals: dict[str, bool] = {}
     detail: dict[str, str] = {}
     for k, var in ENV.items():
         raw = env.get(var)
         if raw is None or raw.strip() == "":
-            vals[k] = True
-            detail[k] = f"{var} unset in {source} (default on)"
+            vals[k] = BY_NAME[k].default
+            detail[k] = f"{var} unset in {source} (default {'on' if vals[k] else 'off'})"
         else:
             vals[k] = parse_switch(raw, f"{var} in {source}")
             detail[k] = f"{var}={raw} in {source}"
-    return FusionClaim(vals["qk_norm"], vals["decode_qprep"], source, detail)
+    return FusionClaim(vals, source=source, detail=detail)

@@ -28,10 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from k3rocm.errors import UsageError
+from k3rocm.serving.fusions import FUSIONS
 
-ROLES = ("fused_qk_norm", "qk_norm", "fused_qprep", "cache_write", "q_concat_quant")
-GROUPS = {"qk_norm": ("fused_qk_norm", "qk_norm"),
-          "decode_qprep": ("fused_qprep", "cache_write", "q_concat_quant")}
+GROUPS = {f.name: f.roles for f in FUSIONS}  # fusion -> the roles it owns
+ROLES = tuple(r for roles in GROUPS.values() for r in roles)
 
 
 def kernel_table() -> dict[str, Any]:

@@ -9,7 +9,8 @@
   k3rocm scale status [--json]      one line per replica and the router's view
   k3rocm scale overhead [-n N]      the router's added latency vs direct requests (ratio)
 
-Exit codes: 0 ok, 1 status degraded/down or a router failure, 2 bad settings.
+Exit codes: 0 ok, 2 bad settings, 3 status degraded/down or a router failure (the table in
+k3rocm.errors).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-from k3rocm.errors import UsageError
+from k3rocm.errors import EXIT_SERVER, ServerError, UsageError
 
 EXPERIMENTAL_BANNER = ("# EXPERIMENTAL ({mode}): rendered by k3rocm, NOT validated on MI355X. "
                        "Review before use.")
@@ -115,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps(status_json(replicas, router), indent=2))
         else:
             print("\n".join(format_status(replicas, router)))
-        return 0 if router.summary.startswith("ok") else 1
+        return 0 if router.summary.startswith("ok") else EXIT_SERVER
     if cmd == "overhead":
         from k3rocm.deploy.deployment import load_deployment
         from k3rocm.deploy.scale.overhead import format_figures, measure
@@ -129,8 +130,8 @@ def run(args: argparse.Namespace) -> int:
         key = load_deployment().api_key
         r, err = _get(f"{s.worker_urls[0]}/v1/models", api_key=key)
         if r is None or r.status_code != 200:
-            raise UsageError(f"{s.worker_urls[0]} does not serve /v1/models "
-                             f"({err or r.status_code}): start the replicas first", 1)
+            raise ServerError(f"{s.worker_urls[0]} does not serve /v1/models "
+                              f"({err or r.status_code}): start the replicas first")
         model = r.json()["data"][0]["id"]
         figures = measure(s.router_url, s.worker_urls, model, args.requests,
                           args.max_tokens, key)

@@ -13,7 +13,7 @@ import time
 
 from k3rocm.deploy.scale.render import router_argv
 from k3rocm.deploy.scale.settings import ScaleSettings
-from k3rocm.errors import UsageError
+from k3rocm.errors import ServerError, UsageError
 
 DEFAULT_NAME = "k3rocm-router"
 LABEL = "org.k3rocm.router"
@@ -55,7 +55,7 @@ def start_router(client, s: ScaleSettings, name: str = DEFAULT_NAME,
             tail = container.logs(tail=20).decode(errors="replace")
             with contextlib.suppress(Exception):
                 container.remove(force=True)
-            raise UsageError(f"router exited at start; log tail:\n{tail}", 1)
+            raise ServerError(f"router exited at start; log tail:\n{tail}")
         try:
             requests.get(f"{s.router_url}/health", timeout=2)
             _log(f"router answering at {s.router_url} after {time.monotonic() - t0:.1f} s")
@@ -64,8 +64,8 @@ def start_router(client, s: ScaleSettings, name: str = DEFAULT_NAME,
             pass
         if time.monotonic() - t0 > wait:
             tail = container.logs(tail=20).decode(errors="replace")
-            raise UsageError(f"router not answering at {s.router_url} after {wait:.0f} s; "
-                             f"log tail:\n{tail}", 1)
+            raise ServerError(f"router not answering at {s.router_url} after {wait:.0f} s; "
+                              f"log tail:\n{tail}")
         time.sleep(0.2)
 
 

@@ -1,0 +1,54 @@
+"""The overlay's fusions: one row each. Everything in k3rocm that names a fusion derives from
+this table: the ``K3_FUSE_*`` settings and their rendering (``serving/config.py``), the compose
+passthrough (``compose.yaml``, checked against the settings by a test), the run record
+(``deploy/provenance.py``), the decision-record reader (``serving/decisions.py``), the census
+claim and roles (``checks/census/``), the A/B arms and the selftest's "off" server.
+
+The overlay (``overlay/vllm/models/kimi_k3/amd/mla.py``) reads the switches and writes the
+decision records under these same names by itself (it imports nothing from k3rocm); a test
+keeps the two in agreement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Fusion:
+    name: str  # in decision records, census claims, ``--fusions`` and ``--on``
+    env: str  # the switch the overlay reads in the server's environment (1/0)
+    default: bool
+    doc: str  # the setting's description (README settings table, ``make config``)
+    label: str  # in reports
+    states: tuple[str, ...]  # the states the overlay's decision records may give it
+    roles: tuple[str, ...]  # census kernel roles it owns (checks/census/kernels.json)
+    op: str  # the op whose call in an upstream amd/mla.py means upstream ships the fusion
+
+    @property
+    def field(self) -> str:
+        """The Settings field (``K3_FUSE_QK_NORM`` -> ``fuse_qk_norm``)."""
+        return self.env.removeprefix("K3_").lower()
+
+
+FUSIONS = (
+    Fusion(name="qk_norm", env="K3_FUSE_QK_NORM", default=True,
+           doc="Overlay: fused q/kv RMSNorm (1/0).", label="q/kv RMSNorm",
+           states=("on", "off"), roles=("fused_qk_norm", "qk_norm"),
+           op="fused_mla_dual_rms_norm"),
+    Fusion(name="decode_qprep", env="K3_FUSE_DECODE_QPREP", default=True,
+           doc="Overlay: fused decode Q-prep (1/0).", label="decode Q-prep",
+           states=("on", "off", "needs-model"),
+           roles=("fused_qprep", "cache_write", "q_concat_quant"),
+           op="fused_qk_rope_concat_and_cache_mla"),
+)
+NAMES = tuple(f.name for f in FUSIONS)
+BY_NAME = {f.name: f for f in FUSIONS}
+ENV = {f.name: f.env for f in FUSIONS}  # name -> switch
+NAME_OF_ENV = {f.env: f.name for f in FUSIONS}  # switch -> name
+
+
+def switches(on: bool | dict[str, bool]) -> dict[str, str]:
+    """The server environment that asks for ``on`` (all fusions, or per name): ``{env: 1|0}``."""
+    return {f.env: "1" if (on.get(f.name, False) if isinstance(on, dict) else on) else "0"
+            for f in FUSIONS}
