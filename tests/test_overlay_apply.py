@@ -181,6 +181,9 @@ def test_probe_command_usage():
     assert rep["qprep_kernel"]["found"] is False
     assert {v["state"] for v in rep["fusions"].values()} == {"off"}
     assert set(rep) >= {"qprep_kernel", "dual_norm_op", "fusions"}
+    p = run_cli("overlay", "probe", "--overlay-dir", "/nonexistent")
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and "holds no" in lines[0], p.stderr
 
 
 def test_status_reads_decision_records():

@@ -88,7 +88,8 @@ def _vllm_version() -> str:
 def _probe_cli(env: dict) -> dict:
     base = {k: v for k, v in os.environ.items()
             if not k.startswith(("K3_", "PYTHONPATH"))}
-    p = subprocess.run([sys.executable, "-m", "k3rocm", "overlay", "probe", "--json"],
+    p = subprocess.run([sys.executable, "-m", "k3rocm", "overlay", "probe", "--json",
+                        "--overlay-dir", str(REPO / "overlay")],
                        capture_output=True, text=True, env={**base, **env}, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout)

@@ -48,6 +48,8 @@ SHARED_MLA = Path("vllm/model_executor/layers/mla.py")
 MARKER = "K3ROCM_OVERLAY = 1"
 BACKUP_SUFFIX = ".k3rocm-upstream"
 PLUGIN = "vllm.general_plugins: k3rocm_overlay = k3rocm.serving.vllm_plugin:register"
+IMAGE_OVERLAY_DIR = Path("/opt/k3rocm/overlay")  # where the Dockerfile copies overlay/
+_CHECKOUT_OVERLAY_DIR = Path(__file__).resolve().parents[3] / "overlay"  # a source checkout
 
 _IMPORT_RE = re.compile(
     r"from\s+vllm\.model_executor\.layers\.mla\s+import\s+\(?[^)]*?"
@@ -387,6 +389,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "'needs-model'. Exit 0 whatever it finds; 3 if the overlay file does "
                         "not import against this vLLM.")
     pr.add_argument("--json", action="store_true", help="print JSON (default: a summary)")
+    pr.add_argument("--overlay-dir", type=Path, default=None,
+                    help="the overlay to probe when vLLM's tree does not hold it (default: "
+                    f"{IMAGE_OVERLAY_DIR}, else this checkout's overlay/)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -417,7 +422,7 @@ def run(args: argparse.Namespace) -> int:
         import contextlib
 
         with contextlib.redirect_stdout(sys.stderr):  # vLLM logs to stdout while importing
-            rep = probe()
+            rep = probe(overlay_dir=args.overlay_dir)
         if args.json:
             print(json.dumps(rep, indent=2, sort_keys=True))
         else:
@@ -433,31 +438,31 @@ def run(args: argparse.Namespace) -> int:
                      "(see k3rocm overlay --help)")
 
 
-IMAGE_OVERLAY_DIR = Path("/opt/k3rocm/overlay")  # where the Dockerfile copies overlay/
-_CHECKOUT_OVERLAY_DIR = Path(__file__).resolve().parents[3] / "overlay"  # a source checkout
-
-
-def overlay_source(site: Path | None = None) -> Path | None:
+def overlay_source(site: Path | None = None, overlay_dir: Path | None = None) -> Path | None:
     """The overlay file whose probe ``overlay probe`` runs: vLLM's ``amd/mla.py`` when it is
-    the overlay, else the image's copy (``/opt/k3rocm/overlay``, e.g. on an upstream base
-    where ``auto`` skipped it), else this checkout's ``overlay/``. None without vLLM."""
+    the overlay, else the one in ``overlay_dir``, else the image's copy
+    (``/opt/k3rocm/overlay``, e.g. on an upstream base where ``auto`` skipped it), else this
+    checkout's ``overlay/``. None without vLLM."""
+    if overlay_dir is not None and not (Path(overlay_dir) / MLA).is_file():
+        raise UsageError(f"--overlay-dir {overlay_dir} holds no {MLA}")
     try:
         applied = find_vllm(site).root / MLA
     except OverlayError:
         return None
     if applied.is_file() and MARKER in applied.read_text(encoding="utf-8", errors="replace"):
         return applied
-    for d in (IMAGE_OVERLAY_DIR, _CHECKOUT_OVERLAY_DIR):
+    for d in ([Path(overlay_dir)] if overlay_dir else []) + [IMAGE_OVERLAY_DIR,
+                                                             _CHECKOUT_OVERLAY_DIR]:
         if (d / MLA).is_file():
             return d / MLA
     return None
 
 
-def probe(site: Path | None = None) -> dict[str, Any]:
+def probe(site: Path | None = None, overlay_dir: Path | None = None) -> dict[str, Any]:
     """``overlay probe``: the overlay's own ``probe_report()`` (what a server process finds),
     loaded from its file under a private module name, so nothing of Kimi-K3 is imported.
     Without vLLM there is nothing to probe: every fusion is off."""
-    src = overlay_source(site)
+    src = overlay_source(site, overlay_dir)
     if src is None:
         why = (f"nothing to probe: no vLLM in this Python ({sys.executable}), or no overlay "
                "file to load")
