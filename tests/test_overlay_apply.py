@@ -181,6 +181,9 @@ def test_probe_command_usage():
     assert rep["qprep_kernel"]["found"] is False
     assert {v["state"] for v in rep["fusions"].values()} == {"off"}
     assert set(rep) >= {"qprep_kernel", "dual_norm_op", "fusions"}
+    p = run_cli("overlay", "probe", "--overlay-dir", "/nonexistent")
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and "holds no" in lines[0], p.stderr
 
 
 def test_status_reads_decision_records():
@@ -205,3 +208,15 @@ def test_status_json_with_decisions_is_one_document(site, capsys):
     overlay.run(args)
     doc = json.loads(capsys.readouterr().out)  # raises "Extra data" on two documents
     assert len(doc["decisions"]) == 4 and "vllm_version" in doc
+
+
+def test_probe_loads_the_overlay_from_vllms_tree_first(tmp_path):
+    """`overlay probe` runs the overlay's own probe: vLLM's amd/mla.py when it is ours, else
+    the file in --overlay-dir (an upstream base where `auto` skipped it)."""
+    site = tmp_path / "site"
+    (site / overlay.AMD_DIR).mkdir(parents=True)
+    (site / "vllm" / "__init__.py").write_text("__version__ = '0.32.0'\n")
+    (site / overlay.MLA).write_text("# upstream amd/mla.py\n")
+    assert overlay.overlay_source(site, OVERLAY) == OVERLAY / overlay.MLA
+    (site / overlay.MLA).write_text(overlay.MARKER + "\n")
+    assert overlay.overlay_source(site, OVERLAY) == site / overlay.MLA

@@ -108,9 +108,9 @@ def test_image_on_nightly_era_base_applies_and_wires(docker_client):
     assert res["class"] == "KimiK3MultiHeadLatentAttentionWrapper"
     assert res["module"] == "vllm.models.kimi_k3.amd.mla"
     assert res["qprep_why"] == "platform is not ROCm"
-    from k3rocm.serving.overlay_runtime import parse_decision_line
+    from k3rocm.serving.decisions import parse_line
 
-    recs = [r for r in map(parse_decision_line, out.splitlines()) if r]
+    recs = [r for r in map(parse_line, out.splitlines()) if r]
     assert [(r["layer_kind"], r["phase"]) for r in recs] == [("target", "construct")], out
     assert recs[0]["fusions"]["decode_qprep"] == {"state": "off",
                                                   "reason": "platform is not ROCm"}

@@ -10,7 +10,10 @@ What it changes, each the way the real ROCm build does it (vLLM 0.27.1/0.33
   ``direct_register_custom_op(op_name="fused_mla_dual_rms_norm", mutates_args=[])`` and
   calls AITER's ``aiter.ops.fused_qk_norm_rope_cache_quant._fused_qk_rmsnorm`` with the
   keywords vLLM uses (``rocm_aiter_ops.register_ops_once()`` does this at import on ROCm);
-- optionally (``platform=True``, in-process tests only) ``current_platform.is_rocm()``.
+- optionally (``platform=True``, in-process tests only) ``current_platform.is_rocm()``, answered
+  True to the overlay's code only (a caller whose module carries ``K3ROCM_OVERLAY``): vLLM's
+  own ROCm paths, some taken while its modules import (the overlay file imports vLLM's
+  layers before its probe asks), call CUDA and crash on CPU, so they keep seeing CPU.
 
 The overlay's probe is production code and runs unmodified against this; nothing here
 answers a question on the overlay's behalf. AITER itself is the double in
@@ -19,6 +22,7 @@ answers a question on the overlay's behalf. AITER itself is the double in
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -48,6 +52,10 @@ def register_dual_norm_op() -> None:
                               mutates_args=[], fake_impl=_fake)
 
 
+def _rocm_to_the_overlay(self: Any = None) -> bool:
+    return bool(sys._getframe(1).f_globals.get("K3ROCM_OVERLAY"))
+
+
 def activate(platform: bool = False) -> Any:
     """Apply the double in this process; returns a function that undoes the switches (the
     registered op stays: torch cannot unregister it, as on ROCm it never goes away)."""
@@ -60,7 +68,7 @@ def activate(platform: bool = False) -> Any:
     plat_cls = type(current_platform)
     saved_rocm = plat_cls.__dict__.get("is_rocm")
     if platform:
-        plat_cls.is_rocm = lambda self=None: True
+        plat_cls.is_rocm = _rocm_to_the_overlay
     register_dual_norm_op()
 
     def undo() -> None:

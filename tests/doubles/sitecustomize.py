@@ -1,7 +1,7 @@
 """TEST DOUBLE hook for live stand-in servers (this directory on PYTHONPATH).
 
 With ``K3_TEST_DOUBLE_ROCM=1`` (or ``=platform``, which also makes
-``current_platform.is_rocm()`` answer True: for one-shot processes such as
+``current_platform.is_rocm()`` answer True to the overlay: for one-shot processes such as
 ``k3rocm overlay probe``, never for a serving process) every Python process (API
 server, engine core, workers) applies ``rocm_vllm.activate()`` right after vLLM imports
 ``vllm._aiter_ops``, i.e. where

@@ -70,15 +70,13 @@ def rocm(mla):
     """The overlay's probe (run once per process, as in a server) asks a vLLM that answers
     like ROCm + AITER. The platform switch is taken back before any layer is built: this
     vLLM must keep building CPU layers (its ROCm code paths crash on CPU)."""
-    from k3rocm.serving import overlay_runtime
-
     undo = rocm_vllm.activate(platform=True)
     try:
-        overlay_runtime.probe(refresh=True)
+        mla._probe(refresh=True)
     finally:
         undo()
     yield mla
-    overlay_runtime.probe(refresh=True)
+    mla._probe(refresh=True)
 
 
 def _vllm_version() -> str:
@@ -90,7 +88,8 @@ def _vllm_version() -> str:
 def _probe_cli(env: dict) -> dict:
     base = {k: v for k, v in os.environ.items()
             if not k.startswith(("K3_", "PYTHONPATH"))}
-    p = subprocess.run([sys.executable, "-m", "k3rocm", "overlay", "probe", "--json"],
+    p = subprocess.run([sys.executable, "-m", "k3rocm", "overlay", "probe", "--json",
+                        "--overlay-dir", str(REPO / "overlay")],
                        capture_output=True, text=True, env={**base, **env}, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout)
@@ -144,9 +143,7 @@ def test_python_signature_of_an_aiter_op_says_nothing():
 def test_constructs_on_this_vllm_and_reports_why_off(mla, vctx):
     from vllm.model_executor.layers.mla import MultiHeadLatentAttentionWrapper
 
-    from k3rocm.serving import overlay_runtime
-
-    overlay_runtime.probe(refresh=True)  # this process without the ROCm double
+    mla._probe(refresh=True)  # this process without the ROCm double
     w = mla_cpu.build_wrapper(mla.KimiK3MultiHeadLatentAttentionWrapper, heads=4)
     assert isinstance(w, MultiHeadLatentAttentionWrapper)
     print(f"vLLM {_vllm_version()}: qk_norm {w._use_eager_qk_rmsnorm_fusion} "
@@ -245,8 +242,6 @@ def test_norm_toggle(rocm, monkeypatch, vctx):
 
 def test_decision_records(rocm, monkeypatch, tmp_path, vctx):
     """One machine-readable record per decision: in the log and beside the traces."""
-    from k3rocm.serving import overlay_runtime
-
     monkeypatch.setenv("K3_PROFILER_DIR", str(tmp_path))
     monkeypatch.setenv("K3_FUSE_QK_NORM", "0")  # a decision no other test made
     w = mla_cpu.build_wrapper(rocm.KimiK3MultiHeadLatentAttentionWrapper)
@@ -257,17 +252,17 @@ def test_decision_records(rocm, monkeypatch, tmp_path, vctx):
             if r["fusions"]["qk_norm"]["reason"] == "K3_FUSE_QK_NORM=0"]
     assert [r["phase"] for r in recs] == ["construct", "load"]
     assert recs[0]["fusions"]["decode_qprep"]["state"] == "needs-model"
-    from k3rocm.serving.decisions import final_in_log
+    from k3rocm.serving.decisions import final_in_log, parse_line
 
-    log = "\n".join("INFO " + overlay_runtime.DECISION_MARKER + json.dumps(r) for r in recs)
+    log = "\n".join("INFO " + rocm.DECISION_MARKER + json.dumps(r) for r in recs)
     final = final_in_log(log)[(os.getpid(), "target")]
     assert final["fusions"] == {
         "qk_norm": {"state": "off", "reason": "K3_FUSE_QK_NORM=0"},
         "decode_qprep": {"state": "on", "reason": final["fusions"]["decode_qprep"]["reason"]}}
     assert final["asked"] == {"qk_norm": False, "decode_qprep": True}
     assert final["probe"]["qprep_kernel"]["clamps_positions"] is True
-    line = overlay_runtime.DECISION_MARKER + json.dumps(final)
-    assert overlay_runtime.parse_decision_line("(EngineCore pid=1) INFO x " + line) == final
+    line = rocm.DECISION_MARKER + json.dumps(final)
+    assert parse_line("(EngineCore pid=1) INFO x " + line) == final
 
 
 # ------------------------------------------------------------------ (b) numerics

@@ -1,5 +1,5 @@
 """The overlay's decision records (format ``k3rocm.overlay.decision/1``, docs/census.md): the
-reader of what :mod:`k3rocm.serving.overlay_runtime` writes.
+reader of what the overlay file (``overlay/vllm/models/kimi_k3/amd/mla.py``) writes.
 
 Sources: ``k3rocm-decisions-pid<PID>.json`` files (a JSON list per process, written beside the
 profiler traces when K3_PROFILER_DIR is set), else ``K3ROCM-DECISION {json}`` lines in the
@@ -19,11 +19,14 @@ from typing import Any
 
 from k3rocm.errors import UsageError
 from k3rocm.serving.fusions import FUSIONS
-from k3rocm.serving.overlay_runtime import DECISION_FILE, DECISION_MARKER, DECISION_SCHEMA
 
-SCHEMA = DECISION_SCHEMA
-MARKER = DECISION_MARKER
-FILE_GLOB = DECISION_FILE.format(pid="*")
+# The format the overlay writes (its DECISION_SCHEMA, DECISION_MARKER, DECISION_FILE and
+# FUSION_ENV keys); the overlay imports nothing of ours, so these are copies, held equal to
+# the overlay's by tests/test_decisions_unit.py (and the fusion names by test_fusions_table).
+SCHEMA = "k3rocm.overlay.decision/1"
+MARKER = "K3ROCM-DECISION "
+FILE = "k3rocm-decisions-pid{pid}.json"
+FILE_GLOB = FILE.format(pid="*")
 STATES = {f.name: f.states for f in FUSIONS}
 _PHASE = {"construct": 0, "load": 1}
 _FILE_RE = re.compile(r"^k3rocm-decisions-pid\d+\.json$")
@@ -91,6 +94,18 @@ def parse_record(obj: Any, where: str, order: int = 0) -> Record:
         asked[k] = v
     return Record(pid, str(obj.get("process", "")), tp, kind, phase, states, reasons, asked,
                   where, order, obj)
+
+
+def parse_line(line: str) -> dict[str, Any] | None:
+    """The record in one log line, or None (no marker, or not a record of this schema)."""
+    at = line.find(MARKER)
+    if at < 0:
+        return None
+    try:
+        rec = json.loads(line[at + len(MARKER):])
+    except ValueError:
+        return None
+    return rec if isinstance(rec, dict) and rec.get("schema") == SCHEMA else None
 
 
 def final_in_log(text: str, source: str = "log") -> dict[tuple[int, str], dict[str, Any]]:

@@ -37,6 +37,7 @@ from typing import Any
 
 from k3rocm.errors import UsageError
 from k3rocm.hashing import sha256_file
+from k3rocm.serving.decisions import STATES as FUSIONS
 
 MODES = ("auto", "force", "off")
 MANIFEST_NAME = ".k3rocm-overlay.json"
@@ -47,6 +48,8 @@ SHARED_MLA = Path("vllm/model_executor/layers/mla.py")
 MARKER = "K3ROCM_OVERLAY = 1"
 BACKUP_SUFFIX = ".k3rocm-upstream"
 PLUGIN = "vllm.general_plugins: k3rocm_overlay = k3rocm.serving.vllm_plugin:register"
+IMAGE_OVERLAY_DIR = Path("/opt/k3rocm/overlay")  # where the Dockerfile copies overlay/
+_CHECKOUT_OVERLAY_DIR = Path(__file__).resolve().parents[3] / "overlay"  # a source checkout
 
 _IMPORT_RE = re.compile(
     r"from\s+vllm\.model_executor\.layers\.mla\s+import\s+\(?[^)]*?"
@@ -377,13 +380,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        "error (e.g. no GPU during docker build) is a warning.")
     v.add_argument("--timeout", type=float, default=600, help="seconds (default 600)")
     pr = sub.add_parser("probe", help="what this Python environment offers the fusions",
-                        description="Probe this environment (inside the image, or on the "
-                        "node before serving) the way the overlay does in a server process: "
-                        "the AITER Q-prep op's registered schema (position clamp), the "
-                        "vllm::fused_mla_dual_rms_norm op, ROCm/AITER switches, and the "
-                        "K3_FUSE_* toggles. Gates that need the loaded model read "
-                        "'needs-model'. Exit 0 whatever it finds.")
+                        description="Run the overlay's own probe (amd/mla.py from vLLM's "
+                        "tree when applied, else from /opt/k3rocm/overlay or this checkout's "
+                        "overlay/) in this environment (inside the image, or on the node "
+                        "before serving): the AITER Q-prep op's registered schema (position "
+                        "clamp), the vllm::fused_mla_dual_rms_norm op, ROCm/AITER switches, "
+                        "and the K3_FUSE_* toggles. Gates that need the loaded model read "
+                        "'needs-model'. Exit 0 whatever it finds; 3 if the overlay file does "
+                        "not import against this vLLM.")
     pr.add_argument("--json", action="store_true", help="print JSON (default: a summary)")
+    pr.add_argument("--overlay-dir", type=Path, default=None,
+                    help="the overlay to probe when vLLM's tree does not hold it (default: "
+                    f"{IMAGE_OVERLAY_DIR}, else this checkout's overlay/)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -413,10 +421,8 @@ def run(args: argparse.Namespace) -> int:
     if cmd == "probe":
         import contextlib
 
-        from k3rocm.serving.overlay_runtime import probe_report
-
         with contextlib.redirect_stdout(sys.stderr):  # vLLM logs to stdout while importing
-            rep = probe_report()
+            rep = probe(overlay_dir=args.overlay_dir)
         if args.json:
             print(json.dumps(rep, indent=2, sort_keys=True))
         else:
@@ -430,6 +436,52 @@ def run(args: argparse.Namespace) -> int:
         return 0
     raise UsageError("overlay needs a subcommand: apply, status or probe "
                      "(see k3rocm overlay --help)")
+
+
+def overlay_source(site: Path | None = None, overlay_dir: Path | None = None) -> Path | None:
+    """The overlay file whose probe ``overlay probe`` runs: vLLM's ``amd/mla.py`` when it is
+    the overlay, else the one in ``overlay_dir``, else the image's copy
+    (``/opt/k3rocm/overlay``, e.g. on an upstream base where ``auto`` skipped it), else this
+    checkout's ``overlay/``. None without vLLM."""
+    if overlay_dir is not None and not (Path(overlay_dir) / MLA).is_file():
+        raise UsageError(f"--overlay-dir {overlay_dir} holds no {MLA}")
+    try:
+        applied = find_vllm(site).root / MLA
+    except OverlayError:
+        return None
+    if applied.is_file() and MARKER in applied.read_text(encoding="utf-8", errors="replace"):
+        return applied
+    for d in ([Path(overlay_dir)] if overlay_dir else []) + [IMAGE_OVERLAY_DIR,
+                                                             _CHECKOUT_OVERLAY_DIR]:
+        if (d / MLA).is_file():
+            return d / MLA
+    return None
+
+
+def probe(site: Path | None = None, overlay_dir: Path | None = None) -> dict[str, Any]:
+    """``overlay probe``: the overlay's own ``probe_report()`` (what a server process finds),
+    loaded from its file under a private module name, so nothing of Kimi-K3 is imported.
+    Without vLLM there is nothing to probe: every fusion is off."""
+    src = overlay_source(site, overlay_dir)
+    if src is None:
+        why = (f"nothing to probe: no vLLM in this Python ({sys.executable}), or no overlay "
+               "file to load")
+        return {"platform": {"is_rocm": False, "aiter_enabled": False,
+                             "aiter_mla_enabled": False},
+                "qprep_kernel": {"found": False, "clamps_positions": False, "source": why},
+                "dual_norm_op": {"found": False, "source": why},
+                "fusions": {k: {"state": "off", "reason": why} for k in FUSIONS},
+                "python": sys.version.split()[0]}
+    spec = importlib.util.spec_from_file_location("k3rocm_overlay_probe", src)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(mod)
+    except Exception as exc:  # noqa: BLE001 - an overlay this vLLM cannot import
+        msg = str(exc).splitlines()[0] if str(exc) else ""
+        raise OverlayError(f"overlay probe: {src} does not import against this vLLM "
+                           f"({type(exc).__name__}: {msg})") from None
+    return mod.probe_report()
 
 
 _IMPORT_CHECK = """

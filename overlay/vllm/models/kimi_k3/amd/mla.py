@@ -2,19 +2,25 @@
 # k3rocm overlay: AMD-local MLA wrapper for Kimi-K3, written for the vLLM 0.27.x API
 # (the pinned nightly). Reads section by section like upstream vLLM 0.33's
 # vllm/models/kimi_k3/amd/mla.py (same method names where the behaviour is the same);
-# the differences are marked "k3rocm:".
+# the differences are marked "k3rocm:". Like upstream, it imports nothing outside vLLM,
+# torch and the standard library, so this one file can be mounted into an image by itself.
 """AMD-specific MLA wrapper for Kimi-K3 (k3rocm overlay)."""
 
+import json
+import os
 import re
-from typing import cast
+import sys
+import tempfile
+from typing import Any, cast
 
 import torch
+from vllm.logger import init_logger
 from vllm.model_executor.layers.attention.attention import get_attention_context
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.mla import MultiHeadLatentAttentionWrapper
 from vllm.platforms import current_platform
 
-from k3rocm.serving import overlay_runtime as k3
+logger = init_logger(__name__)
 
 K3ROCM_OVERLAY = 1  # marker: this file is the k3rocm overlay, not upstream vLLM code
 
@@ -35,9 +41,9 @@ class KimiK3MultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        # k3rocm: the toggles (K3_FUSE_*) and the probe (k3rocm.serving.overlay_runtime) are
-        # read once per process; every decision is written down as a record.
-        self._asked = {name: k3.asked(name) for name in k3.FUSION_ENV}
+        # k3rocm: the toggles (K3_FUSE_*) and the probe (bottom of this file) are read once
+        # per process; every decision is written down as a record.
+        self._asked = {name: _asked(name) for name in FUSION_ENV}
         self._layer_kind = _layer_kind(self.mla_attn.layer_name)
         self._use_eager_qk_rmsnorm_fusion, self._qk_rmsnorm_why = (
             self._qk_rmsnorm_fusion_supported()
@@ -68,7 +74,7 @@ class KimiK3MultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
         returning for ``slot < 0`` (csrc/kernels/cache_kernels.cu at v0.1.19): a table with a
         row for every position a real token can have is safe there (max_model_len plus the
         speculative tokens; ~33 MB at 262144 in bf16, shared by all MLA layers)."""
-        if k3.probe()["qprep_kernel"]["clamps_positions"]:
+        if _probe()["qprep_kernel"]["clamps_positions"]:
             return 1
         return _max_model_len() + _num_spec_tokens() + 1
 
@@ -87,7 +93,7 @@ class KimiK3MultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
     def _qk_rmsnorm_gates(self) -> tuple[bool, str]:
         if not self._asked["qk_norm"]:
             return False, "K3_FUSE_QK_NORM=0"
-        ok, why = k3.qk_norm_platform_gate(k3.probe())
+        ok, why = _qk_norm_platform_gate(_probe())
         if not ok:
             return False, why
         if self.q_lora_rank is None or self.q_a_layernorm is None:
@@ -100,7 +106,7 @@ class KimiK3MultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
         attn = self.mla_attn
         if not self._asked["decode_qprep"]:
             return False, "K3_FUSE_DECODE_QPREP=0"
-        ok, why = k3.qprep_platform_gate(k3.probe())
+        ok, why = _qprep_platform_gate(_probe())
         if not ok:
             return False, why
         if not str(attn.kv_cache_dtype).startswith("fp8"):
@@ -167,7 +173,7 @@ class KimiK3MultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
         return True, self._fused_qk_prep_why
 
     def _record(self, phase: str) -> None:
-        k3.record_decision(self._layer_kind, phase, {
+        _record_decision(self._layer_kind, phase, {
             "qk_norm": {"state": "on" if self._use_eager_qk_rmsnorm_fusion else "off",
                         "reason": self._qk_rmsnorm_why},
             "decode_qprep": {
@@ -448,8 +454,6 @@ def _num_spec_tokens() -> int:
 
 def _aiter_mla_helper(impl):
     """k3rocm: vLLM's ``AiterMLAHelper`` beside the backend's impl class, if it has one."""
-    import sys
-
     return getattr(sys.modules.get(type(impl).__module__), "AiterMLAHelper", None)
 
 
@@ -502,3 +506,222 @@ def _plain_rmsnorm(module) -> bool:
         and getattr(module, "variance_size_override", None) is None
         and getattr(module, "has_weight", True)
     )
+
+
+# ----------------------------------------------------------------------------------------
+# k3rocm: the toggles, the probe and the decision records. Read by k3rocm (the probe CLI
+# runs probe_report() of this file; its decision reader parses the records), never the
+# other way round.
+#
+# The probe asks the real sources, never a test switch:
+# - the decode Q-prep kernel: ``import aiter.ops.cache`` registers the op as
+#   ``torch.ops.aiter.fused_qk_rope_concat_and_cache_mla`` (ROCm/aiter ``aiter/jit/core.py``
+#   ``compile_ops`` -> ``aiter/jit/utils/torch_guard.py`` ``torch_compile_guard``). The
+#   function AITER exports is a bare ``wrapper_custom(*args, **kwargs)``, so its
+#   ``inspect.signature`` says nothing; the registered *schema* does. The position clamp
+#   (ROCm/aiter PR #4342) arrived together with the ``compute_all_q_rope`` argument.
+# - the fused q/kv RMSNorm op ``vllm::fused_mla_dual_rms_norm``, registered by
+#   ``vllm/_aiter_ops.py`` on ROCm with AITER.
+# - the platform: ``current_platform.is_rocm()``, ``rocm_aiter_ops.is_enabled()`` and
+#   ``is_mla_enabled()`` (these return None, not False, off ROCm).
+#
+# Decision records (one JSON object per decision, per process and layer kind) go to the log
+# as ``K3ROCM-DECISION {json}`` and, when K3_PROFILER_DIR is set, to
+# ``<K3_PROFILER_DIR>/k3rocm-decisions-pid<PID>.json`` beside the profiler traces.
+
+DECISION_MARKER = "K3ROCM-DECISION "
+DECISION_SCHEMA = "k3rocm.overlay.decision/1"
+DECISION_FILE = "k3rocm-decisions-pid{pid}.json"
+FUSION_ENV = {"qk_norm": "K3_FUSE_QK_NORM", "decode_qprep": "K3_FUSE_DECODE_QPREP"}
+_QPREP_OP = "fused_qk_rope_concat_and_cache_mla"
+_QPREP_CLAMP_ARG = "compute_all_q_rope"
+_DUAL_NORM_OP = "fused_mla_dual_rms_norm"
+
+
+class _SwitchError(ValueError):
+    """k3rocm: a K3_FUSE_* value that is not a switch."""
+
+
+def _asked(name: str) -> bool:
+    """k3rocm: the K3_FUSE_* toggle for one fusion (1/0, default 1)."""
+    env = FUSION_ENV[name]
+    raw = os.environ.get(env, "").strip().lower()
+    if raw in ("", "1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise _SwitchError(f"{env}={os.environ[env]!r} is not a switch; use 1 or 0")
+
+
+def _probe_qprep_kernel() -> dict[str, Any]:
+    """k3rocm: is AITER's fused Q-prep op registered, and does it clamp positions?"""
+    try:
+        import aiter.ops.cache  # noqa: F401 - importing registers torch.ops.aiter.*
+    except Exception as exc:  # noqa: BLE001 - no AITER, or one that needs a GPU
+        return {"found": False, "clamps_positions": False,
+                "source": f"aiter.ops.cache not importable ({type(exc).__name__}: {exc})"}
+    try:
+        schema = getattr(torch.ops.aiter, _QPREP_OP).default._schema
+    except (AttributeError, RuntimeError):
+        return {"found": False, "clamps_positions": False,
+                "source": f"torch.ops.aiter.{_QPREP_OP} not registered by aiter.ops.cache"}
+    args = [a.name for a in schema.arguments]
+    return {"found": True, "clamps_positions": _QPREP_CLAMP_ARG in args,
+            "source": f"torch.ops.aiter.{_QPREP_OP} schema "
+                      f"({'has' if _QPREP_CLAMP_ARG in args else 'no'} {_QPREP_CLAMP_ARG})",
+            "schema": str(schema)}
+
+
+def _probe_dual_norm_op() -> dict[str, Any]:
+    try:
+        import vllm._aiter_ops  # noqa: F401 - registers vllm::* AITER ops on ROCm
+    except Exception as exc:  # noqa: BLE001
+        return {"found": False, "source": f"vllm._aiter_ops not importable ({exc})"}
+    found = hasattr(torch.ops.vllm, _DUAL_NORM_OP)
+    return {"found": found,
+            "source": f"torch.ops.vllm.{_DUAL_NORM_OP} "
+                      f"{'registered' if found else 'not registered'} (vllm/_aiter_ops.py)"}
+
+
+def _platform_facts() -> dict[str, bool]:
+    out = {"is_rocm": False, "aiter_enabled": False, "aiter_mla_enabled": False}
+    try:
+        from vllm._aiter_ops import rocm_aiter_ops
+
+        out["is_rocm"] = bool(current_platform.is_rocm())
+        out["aiter_enabled"] = bool(rocm_aiter_ops.is_enabled())  # None off ROCm
+        out["aiter_mla_enabled"] = bool(rocm_aiter_ops.is_mla_enabled())
+    except Exception:  # noqa: BLE001 - a vLLM without them: nothing is enabled
+        pass
+    return out
+
+
+_PROBE: dict[str, Any] | None = None
+
+
+def _probe(refresh: bool = False) -> dict[str, Any]:
+    """k3rocm: everything the wrapper needs to know about this process, gathered once."""
+    global _PROBE
+    if _PROBE is None or refresh:
+        _PROBE = {"platform": _platform_facts(), "qprep_kernel": _probe_qprep_kernel(),
+                  "dual_norm_op": _probe_dual_norm_op()}
+    return _PROBE
+
+
+def _qk_norm_platform_gate(p: dict[str, Any]) -> tuple[bool, str]:
+    if not p["platform"]["aiter_enabled"]:
+        return False, "AITER not enabled (needs ROCm and VLLM_ROCM_USE_AITER=1)"
+    if not p["dual_norm_op"]["found"]:
+        return False, f"torch.ops.vllm.{_DUAL_NORM_OP} not registered"
+    return True, f"{_DUAL_NORM_OP} (one AITER launch)"
+
+
+def _qprep_platform_gate(p: dict[str, Any]) -> tuple[bool, str]:
+    if not p["platform"]["is_rocm"]:
+        return False, "platform is not ROCm"
+    if not p["platform"]["aiter_mla_enabled"]:
+        return False, "AITER MLA not enabled"
+    if not p["qprep_kernel"]["found"]:
+        return False, f"aiter {_QPREP_OP} not found ({p['qprep_kernel']['source']})"
+    if not p["qprep_kernel"]["clamps_positions"]:
+        # AITER v0.1.19's per-head and _opt kernels return for slot < 0 before reading the
+        # table (csrc/kernels/cache_kernels.cu): a row per position is safe without the clamp.
+        return True, (f"{_QPREP_OP} (identity rope; AITER predates the position clamp, no "
+                      f"{_QPREP_CLAMP_ARG} in its schema: cos/sin of max_model_len rows)")
+    return True, f"{_QPREP_OP} (identity rope, 1-row cos/sin)"
+
+
+def probe_report() -> dict[str, Any]:
+    """k3rocm: ``k3rocm overlay probe --json``: the probe plus what it means for each fusion.
+
+    Gates that need the loaded model (kv cache dtype, heads per rank, W_UK variant, the
+    backend's fp8-query support, DCP) are not decided here: state ``needs-model``."""
+    p = _probe(refresh=True)
+    fusions: dict[str, dict[str, str]] = {}
+    for name, gate in (("qk_norm", _qk_norm_platform_gate),
+                       ("decode_qprep", _qprep_platform_gate)):
+        try:
+            want = _asked(name)
+        except _SwitchError as exc:
+            fusions[name] = {"state": "off", "reason": str(exc)}
+            continue
+        ok, why = gate(p)
+        if not want:
+            fusions[name] = {"state": "off", "reason": f"{FUSION_ENV[name]}=0"}
+        elif not ok:
+            fusions[name] = {"state": "off", "reason": why}
+        else:
+            fusions[name] = {"state": "needs-model",
+                             "reason": f"platform gates pass: {why}; the rest is decided per "
+                                       "layer when the model is built and its weights loaded"}
+    return {"platform": p["platform"], "qprep_kernel": p["qprep_kernel"],
+            "dual_norm_op": p["dual_norm_op"], "fusions": fusions,
+            "python": sys.version.split()[0]}
+
+
+_RECORDS: list[dict[str, Any]] = []
+_SEEN: set[str] = set()
+
+
+def _tp_rank() -> int | None:
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:  # noqa: BLE001 - not initialized (unit construction)
+        return None
+
+
+def _vllm_version() -> str:
+    try:
+        import vllm
+
+        return str(vllm.__version__)
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def _process_name() -> str:
+    try:
+        import multiprocessing
+
+        return multiprocessing.current_process().name
+    except Exception:  # noqa: BLE001
+        return "main"
+
+
+def _record_decision(layer_kind: str, phase: str, fusions: dict[str, dict[str, str]],
+                     asked: dict[str, bool]) -> dict[str, Any] | None:
+    """k3rocm: write one decision record (once per distinct decision of a process and
+    layer kind)."""
+    key = json.dumps([layer_kind, phase, fusions], sort_keys=True)
+    if key in _SEEN:
+        return None
+    _SEEN.add(key)
+    p = _probe()
+    rec = {"schema": DECISION_SCHEMA, "pid": os.getpid(),
+           "process": _process_name(), "tp_rank": _tp_rank(), "layer_kind": layer_kind,
+           "phase": phase, "vllm_version": _vllm_version(), "fusions": fusions,
+           "asked": asked,
+           "probe": {"qprep_kernel": {k: p["qprep_kernel"][k] for k in
+                                      ("found", "clamps_positions", "source")},
+                     "dual_norm_op": p["dual_norm_op"]}}
+    _RECORDS.append(rec)
+    logger.info(DECISION_MARKER + json.dumps(rec, sort_keys=True))
+    _write_beside_traces()
+    return rec
+
+
+def _write_beside_traces() -> None:
+    out = os.environ.get("K3_PROFILER_DIR", "").strip()
+    if not out:
+        return
+    try:
+        os.makedirs(out, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=out, prefix=".k3rocm-decisions-")
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(_RECORDS, fh, indent=1, sort_keys=True)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, os.path.join(out, DECISION_FILE.format(pid=os.getpid())))
+    except OSError as exc:  # the log line above still carries the record
+        logger.warning("k3rocm overlay: cannot write decisions into %s (%s)", out, exc)
