@@ -552,39 +552,36 @@ def _design_after(rows: list[dict], mode: str) -> str | None:
             f"{prim['servers_for_1pct'] or '> 10000'}")
 
 
-def _input_rows(runs: Sequence[dict]) -> list[dict[str, Any]]:
-    """Per (run, point): the input checks of the summary (OSL/ISL, prefix-cache hits) and the
-    scraped prefix-cache hit rate and MTP acceptance."""
-    out = []
+def _run_points(runs: Sequence[dict]):
+    """Every (run, point of its summary.json); runs without a readable summary are skipped."""
     for r in runs:
         try:
             doc = json.loads((Path(r["run_dir"]) / "summary.json").read_text())
         except (OSError, TypeError, KeyError, json.JSONDecodeError):
             continue
         for p in doc.get("points", []):
-            sm = p.get("server_metrics") or {}
-            out.append({"slot": r["slot"], "arm": r["arm"], "run": r.get("run"),
-                        "concurrency": p["concurrency"], "flags": p.get("flags") or [],
-                        "osl_mismatch_count": p.get("osl_mismatch_count"),
-                        "prefix_cache_hit_rate": sm.get("prefix_cache_hit_rate"),
-                        "mtp_acceptance_rate": sm.get("mtp_acceptance_rate")})
+            yield r, p
+
+
+def _input_rows(runs: Sequence[dict]) -> list[dict[str, Any]]:
+    """Per (run, point): the input checks of the summary (OSL/ISL, prefix-cache hits) and the
+    scraped prefix-cache hit rate and MTP acceptance."""
+    out = []
+    for r, p in _run_points(runs):
+        sm = p.get("server_metrics") or {}
+        out.append({"slot": r["slot"], "arm": r["arm"], "run": r.get("run"),
+                    "concurrency": p["concurrency"], "flags": p.get("flags") or [],
+                    "osl_mismatch_count": p.get("osl_mismatch_count"),
+                    "prefix_cache_hit_rate": sm.get("prefix_cache_hit_rate"),
+                    "mtp_acceptance_rate": sm.get("mtp_acceptance_rate")})
     return out
 
 
 def _bunched_runs(runs: Sequence[dict]) -> list[dict[str, Any]]:
     """Every (run, point) whose stream was not per token (summary's ``stream`` judgement)."""
-    out = []
-    for r in runs:
-        try:
-            doc = json.loads((Path(r["run_dir"]) / "summary.json").read_text())
-        except (OSError, TypeError, KeyError, json.JSONDecodeError):
-            continue
-        for p in doc.get("points", []):
-            st = p.get("stream") or {}
-            if st.get("bunched"):
-                out.append({"slot": r["slot"], "arm": r["arm"], "run": r.get("run"),
-                            "concurrency": p["concurrency"], "note": st.get("note")})
-    return out
+    return [{"slot": r["slot"], "arm": r["arm"], "run": r.get("run"),
+             "concurrency": p["concurrency"], "note": (p.get("stream") or {}).get("note")}
+            for r, p in _run_points(runs) if (p.get("stream") or {}).get("bunched")]
 
 
 def calibration(comp: dict, delay_ms: float | None) -> list[dict[str, Any]]:
