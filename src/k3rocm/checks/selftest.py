@@ -394,13 +394,11 @@ def selftest(args: argparse.Namespace) -> int:  # noqa: C901 - one linear pipeli
              + (", CPU stand-in: fusions cannot run, both servers stock" if srv.cpu else "")
              + ")", ""]
     from k3rocm.deploy.scale.status import summarize_decisions
+    from k3rocm.serving.basefacts import describe
 
-    base = summary.get("base") or {}
-    route = base.get("decode_route") or {}
-    lines.append(f"  base facts: vLLM {base.get('vllm_version', '?')}, "
-                 f"{base.get('heads_per_rank', '?')} MLA heads/rank, decode route "
-                 f"{route.get('route', '?')} (from {base.get('facts_from', '?')})")
-    lines += [f"    {n}" for n in base.get("notes") or []]
+    head, *notes = describe(summary.get("base") or {})
+    lines.append(f"  {head}")
+    lines += [f"    {n}" for n in notes]
     decisions = summary.get("overlay_decisions")
     if decisions is not None:
         lines.append("  overlay decisions (fusions as asked): " + summarize_decisions(

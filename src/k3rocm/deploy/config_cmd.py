@@ -152,9 +152,10 @@ def run(args: argparse.Namespace) -> int:
     if base_line:
         print(base_line)
     elif rendered.base is not None:
-        b, r = rendered.base, rendered.base["decode_route"]
-        print(f"base: vLLM {b['vllm_version']}, {b['heads_per_rank']} MLA heads/rank, decode "
-              f"route {r['route']} ({r['why']}); facts from {b['facts_from']}")
-        for note in b["notes"]:
+        from k3rocm.serving.basefacts import describe
+
+        head, *notes = describe(rendered.base)
+        print(head)
+        for note in notes:
             print(f"  {note}")
     return 0

@@ -260,7 +260,6 @@ def route(facts: dict[str, Any], heads: int, kv_dtype: str, qlen: int = 1) -> di
             "why": "bf16 KV: Gluon on gfx950 for divisors of 16, else padded asm"}
 
 
-K3_HEADS = 96  # Kimi-K3's attention heads (the K3_TP validator keeps TP a divisor)
 MANIFEST = Path("/opt/k3rocm/manifest.json")
 CC_FLAGS = ("--compilation-config", "-cc", "-O")
 
@@ -301,7 +300,9 @@ def check(s: Any, sources: dict[str, str], facts: dict[str, Any] | None,
     if facts is None or not aiter_on:
         why = "AITER is off (VLLM_ROCM_USE_AITER != 1)" if facts else "facts unknown"
         return updates, argv, [f"base checks skipped: {why}"]
-    heads = K3_HEADS // s.tp
+    from k3rocm.serving.config import KIMI_K3_HEADS
+
+    heads = KIMI_K3_HEADS // s.tp
     ver = value(facts, "vllm_version") or "?"
     kv = s.kv_cache_dtype
     qlens = [1] + ([1 + s.mtp_k] if s.mtp_k > 0 else [])
@@ -353,6 +354,14 @@ def check(s: Any, sources: dict[str, str], facts: dict[str, Any] | None,
                 ", which full-graph capture of a uniform verify batch cannot do; set "
                 "--compilation-config in K3_EXTRA_ARGS to override")
     return updates, argv, notes
+
+
+def describe(base: dict[str, Any]) -> list[str]:
+    """What a render's base decision (``Rendered.base``) says: a header line, then the notes."""
+    r = base.get("decode_route") or {}
+    return [f"base: vLLM {base.get('vllm_version', '?')}, {base.get('heads_per_rank', '?')} MLA "
+            f"heads/rank, decode route {r.get('route', '?')} ({r.get('why', '?')}); facts from "
+            f"{base.get('facts_from', '?')}", *(base.get("notes") or [])]
 
 
 def value_how(facts: dict[str, Any], key: str) -> str:

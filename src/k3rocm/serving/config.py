@@ -586,6 +586,34 @@ def build_env(s: Settings, environ: Mapping[str, str], file_vals: Mapping[str, s
     return env
 
 
+def _apply_base(settings: Settings, sources: dict[str, str], base: bool | dict[str, Any],
+                aiter_on: bool) -> tuple[Settings, list[str], dict[str, Any] | None]:
+    """The base facts (``base``: a dict, or True for the manifest's / measured here) applied
+    to ``settings``: (settings with the defaults the base cannot run changed, extra argv, what
+    was decided). None for the last when the facts are unknown."""
+    from k3rocm.serving import basefacts
+
+    facts, where = (base, "given") if isinstance(base, dict) else basefacts.load()
+    if facts is None:
+        return settings, [], None
+    try:
+        updates, extra, notes = basefacts.check(settings, sources, facts, aiter_on)
+    except basefacts.BaseRefusal as exc:
+        if settings.base_check == "enforce":
+            raise UsageError(str(exc)) from None
+        updates, extra, notes = {}, [], [f"WARNING (K3_BASE_CHECK=warn): {exc}"]
+    if updates:
+        settings = settings.model_copy(update=updates)
+        for name in updates:
+            sources[ENV_NAME[name]] = "base facts"
+    heads = KIMI_K3_HEADS // settings.tp
+    return settings, extra, {"facts_from": where, "heads_per_rank": heads,
+                             "vllm_version": basefacts.value(facts, "vllm_version"),
+                             "decode_route": basefacts.route(facts, heads,
+                                                             settings.kv_cache_dtype),
+                             "notes": notes}
+
+
 def render(environ: Mapping[str, str] | None = None, dotenv: str | os.PathLike | None = ".env",
            passthrough: list[str] | None = None, host_paths: bool = False,
            check_model: bool = True, base: bool | dict[str, Any] = False) -> Rendered:
@@ -595,33 +623,14 @@ def render(environ: Mapping[str, str] | None = None, dotenv: str | os.PathLike |
     environ = dict(os.environ if environ is None else environ)
     file_vals = read_dotenv(dotenv) if dotenv else {}
     settings, sources = load_settings(environ, dotenv, host_paths, check_model)
-    base_info = None
-    extra: list[str] = []
-    if base is not False:
-        from k3rocm.serving import basefacts
-
-        facts, where = (base, "given") if isinstance(base, dict) else basefacts.load()
-        if facts is not None:
-            user = vendor_from(environ, file_vals, host_paths)
-            aiter = user.get("VLLM_ROCM_USE_AITER", (
-                PROFILES[settings.profile]["env"].get("VLLM_ROCM_USE_AITER", "0"), ""))[0]
-            aiter_on = str(aiter) == "1"
-            try:
-                updates, extra, notes = basefacts.check(settings, sources, facts, aiter_on)
-            except basefacts.BaseRefusal as exc:
-                if settings.base_check == "enforce":
-                    raise UsageError(str(exc)) from None
-                updates, extra, notes = {}, [], [f"WARNING (K3_BASE_CHECK=warn): {exc}"]
-            if updates:
-                settings = settings.model_copy(update=updates)
-                for name in updates:
-                    sources[ENV_NAME[name]] = "base facts"
-            heads = 96 // settings.tp
-            base_info = {"facts_from": where, "heads_per_rank": heads,
-                         "vllm_version": basefacts.value(facts, "vllm_version"),
-                         "decode_route": basefacts.route(facts, heads, settings.kv_cache_dtype),
-                         "notes": notes}
     env = build_env(settings, environ, file_vals, sources, host=host_paths)
+    base_info, extra = None, []
+    if base is not False:
+        changed, extra, base_info = _apply_base(settings, sources, base,
+                                                env.get("VLLM_ROCM_USE_AITER") == "1")
+        if changed is not settings:  # a default the base cannot run was changed
+            settings = changed
+            env = build_env(settings, environ, file_vals, sources, host=host_paths)
     argv = build_argv(settings, passthrough)
     if extra:
         cut = len(argv) - len(passthrough or []) - len(shlex.split(settings.extra_args))

@@ -64,11 +64,11 @@ def run(args: argparse.Namespace) -> int:
         print("k3rocm: base facts unknown (no manifest, no vLLM found): nothing checked",
               file=sys.stderr)
     else:
-        r = b["decode_route"]
-        print(f"k3rocm: base: vLLM {b['vllm_version']}, {b['heads_per_rank']} MLA heads/rank, "
-              f"decode route {r['route']} ({r['why']}); facts from {b['facts_from']}",
-              file=sys.stderr)
-        for note in b["notes"]:
+        from k3rocm.serving.basefacts import describe
+
+        head, *notes = describe(b)
+        print(f"k3rocm: {head}", file=sys.stderr)
+        for note in notes:
             print(f"k3rocm: base: {note}", file=sys.stderr)
     for key in sorted(rendered.sources):
         if key.startswith("K3_") or key in rendered.env:
