@@ -307,8 +307,9 @@ def check(s: Any, sources: dict[str, str], facts: dict[str, Any] | None,
     kv = s.kv_cache_dtype
     qlens = [1] + ([1 + s.mtp_k] if s.mtp_k > 0 else [])
     if kv.startswith("fp8"):
-        bad = [(q, r) for q in qlens if (r := route(facts, heads, kv, q))["fp8_query_ok"] is False]
-        unk = [q for q in qlens if route(facts, heads, kv, q)["fp8_query_ok"] is None]
+        routes = [(q, route(facts, heads, kv, q)) for q in qlens]
+        bad = [(q, r) for q, r in routes if r["fp8_query_ok"] is False]
+        unk = [q for q, r in routes if r["fp8_query_ok"] is None]
         if bad:
             q, r = bad[0]
             what = (f"vLLM {ver}, {heads} heads/rank, query length {q}: {r['why']}; an fp8 KV "
