@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import shlex
 import signal
@@ -247,7 +248,7 @@ def selftest(args: argparse.Namespace) -> int:  # noqa: C901 - one linear pipeli
     run_dir = create_run_dir(dep.results_root, "selftest")
     trace_dir = f"/results/{run_dir.name}/traces"
     dep, srv = _plan(args, extra={"K3_PROFILER_DIR": trace_dir})
-    off_srv = _plan(args, extra={"K3_PROFILER_DIR": trace_dir, **OFF})[1]
+    off_srv = dataclasses.replace(srv, env={**srv.env, **OFF})  # the same server, fusions off
     runrecord.write(run_dir, runrecord.build(deployment=dep, url=dep.url, selftest={
         "project": srv.project, "model": dep.model}))
     host_model = dep.model_host_dir
