@@ -489,11 +489,9 @@ def _layer_kind(layer_name: str) -> str:
     m = _LAYER_INDEX.search(layer_name)
     if m is None:
         return "target"
-    try:
-        from vllm.config import get_current_vllm_config
-
-        layers = get_current_vllm_config().model_config.hf_text_config.num_hidden_layers
-    except Exception:  # noqa: BLE001 - no model config (unit construction)
+    mc = getattr(_vllm_config(), "model_config", None)
+    layers = getattr(getattr(mc, "hf_text_config", None), "num_hidden_layers", None)
+    if layers is None:  # no model config (unit construction)
         return "target"
     return "draft" if int(m.group(1)) >= int(layers) else "target"
 
