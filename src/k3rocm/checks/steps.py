@@ -73,8 +73,7 @@ def _stop_group(proc: subprocess.Popen) -> None:
 def run_step(name: str, argv: list[str], env: dict[str, str], log: Path, t0: float,
              index: int, verbose: bool, total: int, tag: str = "demo") -> tuple[int, float, str]:
     """Run one command in its own process group; return (exit code, seconds, output)."""
-    _say = lambda t, m: say(t, m, tag)  # noqa: E731
-    _say(t0, f"{index}/{total} {name}: {shlex.join(argv)}")
+    say(t0, f"{index}/{total} {name}: {shlex.join(argv)}", tag)
     start = time.time()
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "wb") as out:
@@ -94,11 +93,11 @@ def run_step(name: str, argv: list[str], env: dict[str, str], log: Path, t0: flo
                 while proc.poll() is None:
                     time.sleep(0.5)
                     if time.time() >= next_note:
-                        _say(t0, f"{index}/{total} {name}: {time.time() - start:.0f}s ... "
-                             f"{_last_line(log)}")
+                        say(t0, f"{index}/{total} {name}: {time.time() - start:.0f}s ... "
+                            f"{_last_line(log)}", tag)
                         next_note += PROGRESS_EVERY
         except KeyboardInterrupt:
-            _say(t0, f"{index}/{total} {name}: interrupted, stopping it")
+            say(t0, f"{index}/{total} {name}: interrupted, stopping it", tag)
             _stop_group(proc)
             raise Interrupted from None
     seconds = time.time() - start
