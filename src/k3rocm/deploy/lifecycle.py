@@ -318,9 +318,9 @@ def pin_engine_core(container) -> str:
     worker leaves that core to the API server and the client. Never needed on a GPU node.
     Returns a one-line description; raises UsageError (exit 3) if it cannot be done.
     """
-    from k3rocm.deploy.provenance import _exec_text
+    from k3rocm.deploy.provenance import exec_text
 
-    out = _exec_text(container, ["sh", "-c", _PIN_SCRIPT])
+    out = exec_text(container, ["sh", "-c", _PIN_SCRIPT])
     if not out or "pinned" not in out:
         raise UsageError(f"could not pin the EngineCore in {container.name}: "
                          f"{(out or 'taskset/ps failed').strip()}", 3)

@@ -53,14 +53,37 @@ def image_identity(client, image_id: str | None, ref: str | None = None) -> dict
     return out
 
 
-def _exec_text(container, cmd: list[str]) -> str | None:
+def exec_text(container, cmd: list[str]) -> str | None:
+    """stdout of ``cmd`` run in the container, or None if it failed. stderr is kept apart
+    (demux): a message on stderr must never read as data (a process that exits while a
+    /proc scan reads it makes sh print "cannot open /proc/N/cmdline")."""
     try:
-        rc, out = container.exec_run(cmd, demux=False)
+        rc, out = container.exec_run(cmd, demux=True)
     except Exception:  # noqa: BLE001
         return None
     if rc != 0:
         return None
-    return out.decode(errors="replace") if isinstance(out, bytes) else str(out)
+    stdout = out[0] if isinstance(out, tuple) else out
+    if stdout is None:
+        return ""
+    return stdout.decode(errors="replace") if isinstance(stdout, bytes) else str(stdout)
+
+
+# The server's argv from /proc (this shell's own cmdline holds the pattern too: skip $$).
+# Processes come and go during the scan: errors are silenced for the whole loop.
+_SERVER_ARGV_SCRIPT = (
+    "{ for p in /proc/[0-9]*; do "
+    "[ \"${p#/proc/}\" = \"$$\" ] && continue; "
+    "c=$(tr '\\0' ' ' < $p/cmdline); "
+    "case \"$c\" in *vllm*serve*|*api_server*) echo \"$c\"; break;; esac; "
+    "done; } 2>/dev/null")
+
+
+def server_argv(container) -> list[str] | None:
+    """The argv vLLM really runs with in ``container`` (the entrypoint execs ``vllm serve``),
+    redacted; None if no such process was found."""
+    text = exec_text(container, ["sh", "-c", _SERVER_ARGV_SCRIPT])
+    return redact_argv(text.strip().split(" ")) if text and text.strip() else None
 
 
 def rendered_record(container) -> dict | None:
@@ -69,7 +92,7 @@ def rendered_record(container) -> dict | None:
     older than the file, or not our entrypoint)."""
     from k3rocm.serving.serve_cmd import RENDERED_FILE
 
-    text = _exec_text(container, ["cat", RENDERED_FILE])
+    text = exec_text(container, ["cat", RENDERED_FILE])
     try:
         data = json.loads(text) if text else None
     except ValueError:
@@ -124,15 +147,8 @@ def collect_provenance(url: str, api_key: str | None, client=None, container=Non
     except Exception:  # noqa: BLE001
         pass
     prov["server_processes"] = [" ".join(redact_argv(p.split(" "))) for p in procs[:20]]
-    # The server's argv from /proc (this shell's own cmdline holds the pattern too: skip $$).
-    cmdline = _exec_text(container, ["sh", "-c", "for p in /proc/[0-9]*; do "
-                                     "[ \"${p#/proc/}\" = \"$$\" ] && continue; "
-                                     "c=$(tr '\\0' ' ' < $p/cmdline 2>/dev/null); "
-                                     "case \"$c\" in *vllm*serve*|*api_server*) echo \"$c\"; "
-                                     "break;; esac; done"])
-    prov["server_argv"] = (redact_argv(cmdline.strip().split(" "))
-                           if cmdline and cmdline.strip() else None)
-    manifest = _exec_text(container, ["cat", MANIFEST_PATH])
+    prov["server_argv"] = server_argv(container)
+    manifest = exec_text(container, ["cat", MANIFEST_PATH])
     try:
         prov["overlay_manifest"] = json.loads(manifest) if manifest else None
     except json.JSONDecodeError:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from k3rocm.deploy.provenance import exec_text
 from k3rocm.errors import UsageError
 from k3rocm.rundir import write_bytes_atomic
 
@@ -228,10 +229,11 @@ def collect_from_host_dir(d: Path, before: dict[str, tuple[int, float]], dest: P
 
 
 def snapshot_container_dir(container, path: str) -> dict[str, int]:
-    rc, out = container.exec_run(["sh", "-c", f"cd '{path}' 2>/dev/null && "
-                                  "find . -type f -exec stat -c '%s %n' {} +"], demux=False)
+    # exit 0: a file that vanishes mid-scan makes find fail; what it did list still counts
+    out = exec_text(container, ["sh", "-c", f"cd '{path}' 2>/dev/null && "
+                                "find . -type f -exec stat -c '%s %n' {} +; exit 0"])
     files = {}
-    for line in (out or b"").decode(errors="replace").splitlines():
+    for line in (out or "").splitlines():
         size, _, name = line.partition(" ")
         if size.isdigit():
             files[name.removeprefix("./")] = int(size)
