@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
 import pytest
-from conftest import REPO, free_port, project_containers, run_cli, standin_tag
+from conftest import REPO, default_sigint, free_port, project_containers, run_cli, standin_tag
 from server_fixture import MODELS_DIR, ensure_smoke_model
 
 from k3rocm.checks.selftest import GREEDY_TOKENS, compare
@@ -108,3 +109,47 @@ def test_a_setting_the_base_cannot_run_stops_before_any_server(docker_client, tm
     assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-2000:]
     assert "K3_FUSE_QK_NORM=0 has no effect on this base: vLLM 0.32.0" in p.stderr
     assert project_containers(PROJECT) == []
+
+
+@pytest.mark.docker
+@pytest.mark.server
+def test_ctrl_c_during_the_census_stops_everything_and_keeps_what_finished(docker_client,
+                                                                           tmp_path):
+    """Ctrl-C as a terminal sends it (SIGINT to the whole foreground process group: make and
+    k3rocm) while the census step runs against the first server: exit 130 recorded, the
+    finished steps and the server log kept, the server and its project gone."""
+    ensure_smoke_model(docker_client, standin_tag())
+    project = PROJECT + "-int"
+    args = " ".join(["--port", str(free_port()), "--project", project, "--no-build"])
+    proc = subprocess.Popen(
+        ["make", "-s", "--no-print-directory", "-o", sys.executable, "selftest",
+         f"PY={sys.executable}", "CPU=1", f"SELFTEST_ARGS={args}"],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        start_new_session=True, preexec_fn=default_sigint,
+        env={**{k: v for k, v in os.environ.items() if not k.startswith("K3_")},
+             "PYTHONPATH": str(REPO / "src"), "K3_MODELS_DIR": str(MODELS_DIR),
+             "K3_RESULTS_DIR": str(tmp_path / "results")})
+    seen = []
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:  # the step runner announces each step as it starts
+            seen.append(line)
+            if "3/8 census:" in line:
+                break
+        else:
+            pytest.fail("selftest ended before its census step:\n" + "".join(seen[-40:]))
+        os.killpg(proc.pid, signal.SIGINT)
+        rest = proc.stderr.read()
+        proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    (run,) = [d for d in (tmp_path / "results").iterdir() if d.name.endswith("-selftest")]
+    s = json.loads((run / "summary.json").read_text())
+    assert s["status"] == "interrupted" and s["exit_code"] == 130, s
+    steps = {st["name"]: st for st in s["steps"]}
+    assert steps["build"]["ok"] and steps["up"]["ok"], s["steps"]
+    assert "k3rocm: exec vllm serve" in (run / "server-on.log").read_text()
+    assert "INTERRUPTED" in (run / "summary.md").read_text()
+    assert "Traceback" not in "".join(seen) + rest
+    assert project_containers(project) == []
