@@ -197,11 +197,13 @@ def greedy(url: str, model: str, api_key: str | None, timeout: float = 300) -> l
     """Greedy completions of the fixed prompts with the chosen token's logprob."""
     import requests
 
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    from k3rocm.deploy.server_api import ServerAPI
+
+    api = ServerAPI(url, api_key, timeout=timeout)
     out = []
     for prompt in PROMPTS:
         try:
-            r = requests.post(f"{url}/v1/completions", headers=headers, timeout=timeout, json={
+            r = api.post("/v1/completions", json={
                 "model": model, "prompt": prompt, "max_tokens": GREEDY_TOKENS,
                 "temperature": 0, "logprobs": 1, "ignore_eos": True, "seed": 0})
             r.raise_for_status()

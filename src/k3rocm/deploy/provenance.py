@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from k3rocm.deploy.readiness import _requests, url_port
+from k3rocm.deploy.readiness import url_port
+from k3rocm.deploy.server_api import ServerAPI
 from k3rocm.serving.config import redact_argv, redact_env
 from k3rocm.serving.fusions import FUSIONS
 
@@ -103,18 +104,16 @@ def rendered_record(container) -> dict | None:
 def collect_provenance(url: str, api_key: str | None, client=None, container=None) -> dict:
     """What served the measurement: image id, vLLM version, overlay manifest and fusion states,
     the server's env and argv. Best effort per item; what could not be read is said so."""
-    requests = _requests()
+    api = ServerAPI(url, api_key, timeout=5)
     prov: dict[str, Any] = {"url": url}
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key and api_key != "EMPTY" else {}
     try:
-        r = requests.get(f"{url}/version", timeout=5, headers=headers)
+        r = api.get("/version")
         prov["vllm_version"] = r.json().get("version") if r.status_code == 200 else None
     except Exception as exc:  # noqa: BLE001
         prov["vllm_version"] = None
         prov["vllm_version_error"] = str(exc)[:200]
     try:
-        r = requests.get(f"{url}/v1/models", timeout=5, headers=headers)
-        prov["models"] = r.json().get("data") if r.status_code == 200 else None
+        prov["models"] = api.model_list()
     except Exception:  # noqa: BLE001
         prov["models"] = None
     if container is None and client is not None:

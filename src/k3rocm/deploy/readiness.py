@@ -11,17 +11,12 @@ import time
 from collections.abc import Callable
 from urllib.parse import urlparse
 
+from k3rocm.deploy.server_api import ServerAPI, Unreachable
 from k3rocm.errors import UsageError
 
 
 def _log(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
-
-
-def _requests():
-    import requests
-
-    return requests
 
 
 def url_port(url: str) -> int:
@@ -41,31 +36,26 @@ def wait_ready(url: str, model: str, timeout: float, api_key: str | None = None,
     seconds, when it serves a different model, or when ``is_alive`` reports a dead container.
     Returns the seconds it took.
     """
-    requests = _requests()
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key and api_key != "EMPTY" else {}
+    api = ServerAPI(url, api_key)
     t0 = time.time()
     last_err = "no answer"
     next_note = 0.0
     while True:
         elapsed = time.time() - t0
         try:
-            r = requests.get(f"{url}/health", timeout=5)
-            if r.status_code == 200:
-                m = requests.get(f"{url}/v1/models", timeout=10, headers=headers)
-                if m.status_code != 200:
-                    raise UsageError(f"server at {url} is healthy but /v1/models answered HTTP "
-                                     f"{m.status_code}: check the API key", 3)
-                served = [d.get("id") for d in m.json().get("data", [])]
+            code = api.health(timeout=5)
+            if code == 200:
+                served = api.models()
                 if model not in served:
                     raise UsageError(f"server at {url} does not serve model {model!r}; it serves "
-                                     f"{', '.join(map(str, served)) or 'nothing'}: set "
+                                     f"{', '.join(served) or 'nothing'}: set "
                                      f"--set model=<name>", 3)
                 if not quiet:
                     _log(f"server {url} ready after {elapsed:.0f}s (model {model})")
                 return elapsed
-            last_err = f"/health answered HTTP {r.status_code}"
-        except requests.RequestException as exc:
-            last_err = exc.__class__.__name__
+            last_err = f"/health answered HTTP {code}"
+        except Unreachable as exc:
+            last_err = exc.reason
         if is_alive is not None:
             state = is_alive()
             if state is not None and state != "running":
@@ -84,9 +74,8 @@ def wait_ready(url: str, model: str, timeout: float, api_key: str | None = None,
 
 def answers(url: str) -> bool:
     """Does anything answer HTTP at ``url``?"""
-    requests = _requests()
     try:
-        requests.get(f"{url}/health", timeout=2)
+        ServerAPI(url, timeout=2).health()
         return True
-    except requests.RequestException:
+    except Unreachable:
         return False

@@ -59,18 +59,17 @@ def _ensure_model(image: str, models_dir: Path) -> None:
 def stream_chat(base_url: str, model: str, prompt: str, max_tokens: int,
                 api_key: str | None = None, echo: bool = True) -> dict:
     """One streaming chat completion with ignore_eos; returns tokens, usage, TTFT and rate."""
-    import requests
+    from k3rocm.deploy.server_api import ServerAPI
 
     body = {"model": model, "messages": [{"role": "user", "content": prompt}],
             "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
             "stream_options": {"include_usage": True}}
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     t0 = time.perf_counter()
     first = last = None
     pieces: list[str] = []
     usage = None
-    with requests.post(f"{base_url}/v1/chat/completions", json=body, headers=headers,
-                       stream=True, timeout=300) as resp:
+    with ServerAPI(base_url, api_key).post("/v1/chat/completions", json=body, stream=True,
+                                           timeout=300) as resp:
         if resp.status_code != 200:
             raise UsageError(f"chat completion failed: HTTP {resp.status_code} "
                              f"{resp.text[:200]}", 2)

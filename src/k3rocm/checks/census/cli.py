@@ -377,14 +377,11 @@ def claim_from_container(container: Any) -> FusionClaim:
 
 
 def _served_model(url: str, api_key: str | None, default: str) -> str:
-    import requests
-
-    from k3rocm.checks.census.drive import _headers
+    from k3rocm.deploy.server_api import ServerAPI
 
     try:
-        r = requests.get(f"{url}/v1/models", timeout=10, headers=_headers(api_key))
-        return str(r.json()["data"][0]["id"])
-    except Exception:  # noqa: BLE001 - wait_ready reports an unreachable server
+        return ServerAPI(url, api_key).models()[0]
+    except (UsageError, IndexError):  # wait_ready reports an unreachable server
         return default
 
 

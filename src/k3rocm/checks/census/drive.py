@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from k3rocm.deploy.provenance import exec_text
+from k3rocm.deploy.server_api import ServerAPI, auth_headers
 from k3rocm.errors import UsageError
 from k3rocm.rundir import write_bytes_atomic
 
@@ -47,10 +48,6 @@ class _Stream:
     stop: threading.Event = field(default_factory=threading.Event)
 
 
-def _headers(api_key: str | None) -> dict[str, str]:
-    return {"Authorization": f"Bearer {api_key}"} if api_key and api_key != "EMPTY" else {}
-
-
 def _run_stream(load: Load, i: int, st: _Stream) -> None:
     import json
 
@@ -62,7 +59,7 @@ def _run_stream(load: Load, i: int, st: _Stream) -> None:
             "messages": [{"role": "user", "content": f"Request {i}: {words}"}]}
     try:
         with requests.post(f"{load.url}/v1/chat/completions", json=body, stream=True,
-                           headers=_headers(load.api_key), timeout=(10, load.timeout)) as r:
+                           headers=auth_headers(load.api_key), timeout=(10, load.timeout)) as r:
             if r.status_code != 200:
                 st.error = f"HTTP {r.status_code}: {r.text[:200]}"
                 return
@@ -89,24 +86,6 @@ def _run_stream(load: Load, i: int, st: _Stream) -> None:
         st.error = f"{exc.__class__.__name__}: {exc}"[:300]
     finally:
         st.done = True
-
-
-def _post(url: str, path: str, api_key: str | None, timeout: float) -> float:
-    import requests
-
-    t0 = time.time()
-    try:
-        r = requests.post(f"{url}{path}", headers=_headers(api_key), timeout=timeout)
-    except requests.RequestException as exc:
-        raise UsageError(f"POST {url}{path} failed ({exc.__class__.__name__}); is the server "
-                         "up?", 3) from None
-    if r.status_code == 404:
-        raise UsageError(f"POST {url}{path} answered 404: the server was started without a "
-                         "profiler; set K3_PROFILER_DIR (it renders --profiler-config) and "
-                         "restart it", 3)
-    if r.status_code != 200:
-        raise UsageError(f"POST {url}{path} answered HTTP {r.status_code}: {r.text[:200]}", 3)
-    return time.time() - t0
 
 
 def profile_under_load(load: Load, steps: int, margin: int = 4,
@@ -147,8 +126,11 @@ def profile_under_load(load: Load, steps: int, margin: int = 4,
         base = [s.tokens for s in streams]
         _log(f"all {load.concurrency} streams decoding after {info['prefill_s']}s; "
              "POST /start_profile")
-        info["start_profile_s"] = round(_post(load.url, "/start_profile", load.api_key, 300), 3)
+        api = ServerAPI(load.url, load.api_key)
+        t_post = time.time()
+        api.start_profile()
         t1 = time.time()
+        info["start_profile_s"] = round(t1 - t_post, 3)
         want = steps + margin
         while min(s.tokens - b for s, b in zip(streams, base, strict=True)) < want:
             errs = [s.error for s in streams if s.error]
@@ -163,7 +145,9 @@ def profile_under_load(load: Load, steps: int, margin: int = 4,
         info["profiled_tokens_per_stream"] = [
             s.tokens - b for s, b in zip(streams, base, strict=True)]
         _log("POST /stop_profile (writing traces can take a while)")
-        info["stop_profile_s"] = round(_post(load.url, "/stop_profile", load.api_key, 1800), 3)
+        t_post = time.time()
+        api.stop_profile()
+        info["stop_profile_s"] = round(time.time() - t_post, 3)
     finally:
         for s in streams:
             s.stop.set()

@@ -126,24 +126,9 @@ def _check_server(url: str, model: str, explicit: bool, api_key: str | None) -> 
 
     A default (not explicit) name that the server does not serve is replaced by the server's
     only model."""
-    import requests
+    from k3rocm.deploy.server_api import ServerAPI
 
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
-    try:
-        r = requests.get(url.rstrip("/") + "/v1/models", headers=headers, timeout=10)
-    except requests.RequestException as exc:
-        raise ServerError(f"server not reachable at {url} ({exc.__class__.__name__}); start it "
-                          "(`make up`) or pass --url") from None
-    if r.status_code in (401, 403):
-        raise ServerError(f"server at {url} refused /v1/models (HTTP {r.status_code}); set "
-                          "K3_API_KEY to the server's key")
-    if not r.ok:
-        raise ServerError(f"server at {url} answered /v1/models with HTTP {r.status_code}; is "
-                          "it a vLLM OpenAI server and healthy?")
-    try:
-        served = [m["id"] for m in r.json().get("data", [])]
-    except (ValueError, AttributeError, KeyError, TypeError):
-        raise ServerError(f"server at {url}: /v1/models is not an OpenAI model list") from None
+    served = ServerAPI(url, api_key).models()
     if model in served:
         return model
     if not explicit and len(served) == 1:

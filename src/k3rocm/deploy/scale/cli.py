@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     if cmd == "overhead":
         from k3rocm.deploy.deployment import load_deployment
         from k3rocm.deploy.scale.overhead import format_figures, measure
-        from k3rocm.deploy.scale.status import _get
+        from k3rocm.deploy.server_api import ServerAPI, Unreachable
 
         if s.mode != "replicas":
             raise UsageError("K3_SCALE_MODE=replicas is needed: the overhead compares the "
@@ -128,11 +128,14 @@ def run(args: argparse.Namespace) -> int:
         if args.requests < 1 or args.max_tokens < 1:
             raise UsageError("--requests and --max-tokens must be >= 1")
         key = load_deployment().api_key
-        r, err = _get(f"{s.worker_urls[0]}/v1/models", api_key=key)
-        if r is None or r.status_code != 200:
-            raise ServerError(f"{s.worker_urls[0]} does not serve /v1/models "
-                              f"({err or r.status_code}): start the replicas first")
-        model = r.json()["data"][0]["id"]
+        try:
+            served = ServerAPI(s.worker_urls[0], key).models()
+        except Unreachable as exc:
+            raise ServerError(f"{s.worker_urls[0]} does not serve /v1/models ({exc.reason}): "
+                              "start the replicas first") from None
+        if not served:
+            raise ServerError(f"{s.worker_urls[0]} serves no model: start the replicas first")
+        model = served[0]
         figures = measure(s.router_url, s.worker_urls, model, args.requests,
                           args.max_tokens, key)
         print(json.dumps(figures, indent=2) if args.json else format_figures(figures))

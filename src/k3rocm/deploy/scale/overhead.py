@@ -18,20 +18,21 @@ import statistics
 import time
 from typing import Any
 
+from k3rocm.deploy.server_api import ServerAPI
+
 E2E_SUM = re.compile(r"^vllm:e2e_request_latency_seconds_sum(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$",
                      re.M)
 
 
-def _e2e_sum(session, url: str) -> float:
-    return sum(float(m.group(1)) for m in E2E_SUM.finditer(
-        session.get(f"{url}/metrics", timeout=10).text))
+def _e2e_sum(api: ServerAPI) -> float:
+    return sum(float(m.group(1)) for m in E2E_SUM.finditer(api.metrics_text(timeout=10)))
 
 
-def _one(session, url: str, model: str, max_tokens: int, headers: dict[str, str]) -> float:
+def _one(api: ServerAPI, model: str, max_tokens: int) -> float:
     t0 = time.perf_counter()
-    r = session.post(f"{url}/v1/completions", headers=headers, timeout=120,
-                     json={"model": model, "prompt": "The capital of France is",
-                           "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0})
+    r = api.post("/v1/completions",
+                 json={"model": model, "prompt": "The capital of France is",
+                       "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0})
     dt = time.perf_counter() - t0
     r.raise_for_status()
     return dt
@@ -40,16 +41,14 @@ def _one(session, url: str, model: str, max_tokens: int, headers: dict[str, str]
 def measure(router_url: str, node_urls: list[str], model: str, n: int = 24,
             max_tokens: int = 8, api_key: str | None = None) -> dict[str, Any]:
     """Interleaved direct / routed requests; returns the figures (seconds and ratios)."""
-    import requests
-
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    session = requests.Session()
+    nodes = [ServerAPI(u, api_key, timeout=120) for u in node_urls]
+    router = ServerAPI(router_url, api_key, timeout=120)
     samples: dict[str, list[tuple[float, float]]] = {"direct": [], "router": []}
     for i in range(n + 1):
-        for path, url in (("direct", node_urls[i % len(node_urls)]), ("router", router_url)):
-            before = sum(_e2e_sum(session, u) for u in node_urls)
-            client = _one(session, url, model, max_tokens, headers)
-            server = sum(_e2e_sum(session, u) for u in node_urls) - before
+        for path, api in (("direct", nodes[i % len(nodes)]), ("router", router)):
+            before = sum(_e2e_sum(node) for node in nodes)
+            client = _one(api, model, max_tokens)
+            server = sum(_e2e_sum(node) for node in nodes) - before
             if i > 0:  # the first round warms connections and caches
                 samples[path].append((client, server))
     out: dict[str, Any] = {"requests_per_path": n, "max_tokens": max_tokens}

