@@ -145,6 +145,25 @@ def test_selftest_server_and_its_deployment_agree(clean, monkeypatch):
     assert _files(srv.argv("ps")) == set(dep.compose_files) and srv.cpu == dep.cpu
 
 
+@pytest.mark.parametrize("where", ["shell", ".env"])
+def test_selftest_on_the_standin_keeps_a_fusion_switch_the_user_set(clean, monkeypatch, where):
+    """On the stand-in the selftest turns the fusions off unless the user set a switch: from the
+    shell or from .env alike. Old code read the shell only, so .env's switch was overridden."""
+    from k3rocm.checks import selftest
+
+    _kfd(monkeypatch, clean, False)
+    (clean / "models" / "x").mkdir(parents=True)
+    if where == "shell":
+        monkeypatch.setenv("K3_FUSE_QK_NORM", "1")
+    else:
+        (clean / ".env").write_text("K3_FUSE_QK_NORM=1\n")
+    args = argparse.Namespace(timeout=10, bench_args="", census_args="", env_file=".env",
+                              model="/models/x", port=None, project="k3selftest-t")
+    _, srv = selftest._plan(args, check_model=False)
+    assert srv.cpu and srv.env["K3_FUSE_QK_NORM"] == "1"
+    assert srv.env["K3_FUSE_DECODE_QPREP"] == "0"
+
+
 def test_gsm8k_looks_in_the_deployments_cache_dir(clean, monkeypatch):
     """K3_CACHE_DIR from .env: the GSM8K items under <cache>/huggingface are found. Old code
     read K3_CACHE_DIR from the shell only and looked in ./cache/huggingface."""

@@ -160,7 +160,7 @@ def _plan(args: argparse.Namespace, check_model: bool = True, extra: dict | None
     env = {"K3_MODEL": model, "K3_PORT": str(port), **(extra or {})}
     if cpu:  # the fusions need ROCm + AITER: on the stand-in both servers are stock
         for k, v in OFF.items():
-            env.setdefault(k, os.environ.get(k) or v)
+            env.setdefault(k, base.rendered.env[k] if base.sources.get(k) in ("env", ".env") else v)
     # the same settings as `make up` (shell > .env > profile > default), these changed
     dep = load_deployment({**os.environ, **env}, env_file=args.env_file,
                           check_model=check_model, gpu=not cpu)
