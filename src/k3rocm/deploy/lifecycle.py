@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from k3rocm.deploy.deployment import compose_files
+from k3rocm.deploy.deployment import compose_files, load_deployment
 from k3rocm.deploy.engine import docker_client  # noqa: F401 - the one factory, used by arms
 from k3rocm.errors import UsageError
 
@@ -59,8 +59,6 @@ def resolve_settings(env_file: str | os.PathLike | None = ".env",
                      environ: Mapping[str, str] | None = None, gpu: bool | None = None):
     """The deployment (:func:`k3rocm.deploy.deployment.load_deployment`: shell > .env > profile >
     default; ``gpu``: --gpu/--no-gpu): the ONE place this module reads the settings."""
-    from k3rocm.deploy.deployment import load_deployment
-
     return load_deployment(environ, env_file=str(env_file) if env_file else None, gpu=gpu)
 
 

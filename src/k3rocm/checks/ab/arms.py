@@ -218,7 +218,8 @@ def arms_from_args(args: argparse.Namespace, on_env: dict[str, str] | None = Non
         arm_env, mode = {"A": off, "B": on}, "ab"
     models_dir = args.models_dir or str(dep.models_dir)
     source = dep.sources.get("K3_MODELS_DIR", "default")
-    given = "--models-dir" if args.models_dir else f"K3_MODELS_DIR (from {source})"
+    given = "--models-dir" if args.models_dir else \
+        f"K3_MODELS_DIR (from {'the shell' if source == 'env' else source})"
     if (args.models_dir or source != "default") and not args.dry_run and \
             not Path(models_dir).is_dir():
         raise UsageError(f"{given} {models_dir!r} does not exist (it is mounted at /models in "
