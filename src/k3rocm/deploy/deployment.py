@@ -25,7 +25,8 @@ RESULTS_MOUNT = "/results"
 CACHE_MOUNT = "/cache"
 COMPOSE_BASE = "compose.yaml"
 COMPOSE_CPU = "compose.cpu.yaml"
-# compose.cpu.yaml's image default (compose.yaml's is Settings.image's default).
+# compose.cpu.yaml's image default (compose.yaml's is Settings.image's default; a test keeps
+# both equal to the compose files').
 CPU_IMAGE = "k3rocm/server:cpu"
 CPU_PROFILE = "cpu-smoke"
 # The ROCm kernel driver's device: there on an AMD GPU node.
