@@ -157,7 +157,8 @@ def test_derivations_without_make(tmp_path):
     from k3rocm.deploy.deployment import load_deployment
 
     d = load_deployment({"K3_BIND_ADDRESS": "::", "K3_PORT": "9", "K3_RESULTS_DIR": str(tmp_path),
-                         "K3_MODELS_DIR": str(tmp_path / "m"), "K3_MODEL": "/models/a/b"}, None)
+                         "K3_MODELS_DIR": str(tmp_path / "m"), "K3_MODEL": "/models/a/b",
+                         "COMPOSE_FILE": "compose.yaml"}, None)  # `make` without CPU=1
     assert d.url == "http://[::1]:9" and d.compose_files == ("compose.yaml",)
     assert d.model_host_dir == tmp_path / "m" / "a" / "b" and d.model_container_dir == "/models/a/b"
     assert d.host_path("/results/traces/x") == tmp_path / "traces" / "x"

@@ -133,7 +133,7 @@ def _plan(args: argparse.Namespace, check_model: bool = True, extra: dict | None
     """The selftest server: (deployment, ComposeServer). Bad input raises UsageError (exit 2)
     before anything starts."""
     from k3rocm.deploy.deployment import load_deployment
-    from k3rocm.deploy.lifecycle import ComposeServer, cpu_from_environment
+    from k3rocm.deploy.lifecycle import ComposeServer
 
     if args.timeout <= 0:
         raise UsageError(f"--timeout {args.timeout:g} must be > 0")
@@ -143,7 +143,7 @@ def _plan(args: argparse.Namespace, check_model: bool = True, extra: dict | None
         except ValueError as exc:
             raise UsageError(f"--{opt.replace('_', '-')}: {exc}") from None
     base = load_deployment(env_file=args.env_file)
-    cpu = cpu_from_environment()
+    cpu = base.cpu
     model = args.model or (base.model if cpu else f"/models/{selftest_model.DEFAULT_OUT}")
     if not model.startswith("/models"):
         inside = base.container_path(Path(model).expanduser().resolve())
@@ -160,10 +160,10 @@ def _plan(args: argparse.Namespace, check_model: bool = True, extra: dict | None
     env = {"K3_MODEL": model, "K3_PORT": str(port), **(extra or {})}
     if cpu:  # the fusions need ROCm + AITER: on the stand-in both servers are stock
         for k, v in OFF.items():
-            env.setdefault(k, os.environ.get(k) or v)
+            env.setdefault(k, base.rendered.env[k] if base.sources.get(k) in ("env", ".env") else v)
     # the same settings as `make up` (shell > .env > profile > default), these changed
     dep = load_deployment({**os.environ, **env}, env_file=args.env_file,
-                          check_model=check_model)
+                          check_model=check_model, gpu=not cpu)
     # CPU stand-in: vLLM's logprob ranking (sampler.batched_count_greater_than) is a
     # torch.compile'd function, and the stand-in image has no C++ compiler for Inductor's CPU
     # backend: a logprobs request would kill the engine (InvalidCxxCompiler). Eager there.

@@ -3,8 +3,10 @@
 :func:`load_deployment` reads the settings the one way (:func:`k3rocm.serving.config.render` with
 host paths: shell > ``.env`` > profile > default, one ``.env`` parser) and derives what the server,
 the clients and the run records need: the server URL, the served model name, the API key, the model
-directory (host and container view), the tokenizer, the results root, the serving image and the
-compose files. ``k3rocm <command> --print-deployment`` prints what a command resolved.
+directory (host and container view), the tokenizer, the results root, the serving image, and
+whether it is the CPU stand-in or the AMD GPUs (:func:`decide_cpu`, the one place that decides)
+with the compose files that follow from it. ``k3rocm <command> --print-deployment`` prints what a
+command resolved.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from k3rocm.serving.config import Rendered, Settings, redact_env, render
+from k3rocm.serving.config import Rendered, Settings, read_dotenv, redact_env, render
 
 # compose.yaml mounts these host directories at these container paths (server and clients).
 MODELS_MOUNT = "/models"
@@ -23,9 +25,12 @@ RESULTS_MOUNT = "/results"
 CACHE_MOUNT = "/cache"
 COMPOSE_BASE = "compose.yaml"
 COMPOSE_CPU = "compose.cpu.yaml"
-# compose.cpu.yaml's image default (compose.yaml's is Settings.image's default).
+# compose.cpu.yaml's image default (compose.yaml's is Settings.image's default; a test keeps
+# both equal to the compose files').
 CPU_IMAGE = "k3rocm/server:cpu"
 CPU_PROFILE = "cpu-smoke"
+# The ROCm kernel driver's device: there on an AMD GPU node.
+KFD = Path("/dev/kfd")
 # The settings a deployment view is derived from (their sources are part of the view).
 VIEW_SETTINGS = ("K3_PROFILE", "K3_MODEL", "K3_SERVED_MODEL_NAME", "K3_PORT", "K3_BIND_ADDRESS",
                  "K3_API_KEY", "K3_MODELS_DIR", "K3_RESULTS_DIR", "K3_CACHE_DIR", "K3_IMAGE")
@@ -47,14 +52,33 @@ def _under(path: str, mount: str) -> str | None:
     return None
 
 
-def compose_files(environ: Mapping[str, str], profile: str | None) -> tuple[str, ...]:
-    """The compose files a ``docker compose`` call uses: ``COMPOSE_FILE`` when set (the Makefile
-    exports it), else compose.yaml, plus compose.cpu.yaml for the cpu-smoke profile."""
+def compose_files(cpu: bool) -> tuple[str, ...]:
+    """compose.yaml, plus compose.cpu.yaml for the CPU stand-in."""
+    return (COMPOSE_BASE, COMPOSE_CPU) if cpu else (COMPOSE_BASE,)
+
+
+def decide_cpu(environ: Mapping[str, str], profile: str | None,
+               gpu: bool | None = None) -> tuple[bool, str]:
+    """CPU stand-in (True) or AMD GPUs, and why: the one decision, first match wins.
+
+    1. ``gpu``: the command's ``--gpu`` / ``--no-gpu``, typed for this one run.
+    2. ``COMPOSE_FILE``: the CPU stand-in when it names compose.cpu.yaml. ``make`` always exports
+       it (``CPU=1`` adds compose.cpu.yaml), and a ``docker compose`` of the user's own reads it:
+       deciding otherwise would have k3rocm and compose run different files.
+    3. ``profile`` (``K3_PROFILE`` from the shell or ``.env``) ``cpu-smoke``: only the stand-in
+       serves it.
+    4. The host: no ``/dev/kfd`` means no AMD GPU, so the stand-in.
+    """
+    if gpu is not None:
+        return not gpu, "--gpu" if gpu else "--no-gpu"
     given = environ.get("COMPOSE_FILE", "")
     if given:
         sep = environ.get("COMPOSE_PATH_SEPARATOR") or os.pathsep
-        return tuple(f for f in given.split(sep) if f)
-    return (COMPOSE_BASE, COMPOSE_CPU) if profile == CPU_PROFILE else (COMPOSE_BASE,)
+        return COMPOSE_CPU in {Path(f).name for f in given.split(sep) if f}, "COMPOSE_FILE"
+    if profile == CPU_PROFILE:
+        return True, f"K3_PROFILE={CPU_PROFILE}"
+    present = KFD.exists()
+    return not present, f"{KFD} {'present' if present else 'absent'}"
 
 
 def url_host(bind_address: str) -> str:
@@ -84,7 +108,8 @@ class Deployment:
     results_root: Path  # host directory compose mounts at /results
     cache_dir: Path
     image: str
-    compose_files: tuple[str, ...]
+    cpu: bool  # the CPU stand-in (compose.cpu.yaml), else the AMD GPUs
+    cpu_from: str  # which rule of decide_cpu decided
     env_file: str | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -95,6 +120,10 @@ class Deployment:
     @property
     def port(self) -> int:
         return self.settings.port
+
+    @property
+    def compose_files(self) -> tuple[str, ...]:
+        return compose_files(self.cpu)
 
     def compose_command(self, project: str | None = None) -> list[str]:
         """``docker compose [-p project] -f compose.yaml [-f compose.cpu.yaml]``: the one way
@@ -137,35 +166,33 @@ class Deployment:
             "tokenizer": str(self.tokenizer) if self.tokenizer else None,
             "results_root": str(self.results_root), "cache_dir": str(self.cache_dir),
             "image": self.image, "compose_files": list(self.compose_files),
+            "cpu": self.cpu, "cpu_from": self.cpu_from,
             "profile": self.profile, "env_file": self.env_file,
             "sources": {k: self.sources.get(k, "default") for k in VIEW_SETTINGS},
         }
 
 
 def load_deployment(environ: Mapping[str, str] | None = None, env_file: str | None = ".env",
-                    check_model: bool = False) -> Deployment:
+                    check_model: bool = False, gpu: bool | None = None) -> Deployment:
     """The deployment from the settings (shell > ``env_file`` > profile > default).
 
+    ``gpu``: the command's ``--gpu``/``--no-gpu`` (None: not given; see :func:`decide_cpu`).
     ``check_model``: also check that the checkpoint exists on this host (commands that start
     a server); clients leave it off. Raises UsageError (one line, exit 2) on bad settings.
     """
     environ = dict(os.environ if environ is None else environ)
     notes: list[str] = []
-    # compose.cpu.yaml sets K3_PROFILE=cpu-smoke in the server unless it is set: so do we.
-    files = compose_files(environ, None)
-    from k3rocm.serving.config import read_dotenv
-
     dotenv_vals = read_dotenv(env_file) if env_file else {}
-    profile_from_compose = (COMPOSE_CPU in {Path(f).name for f in files}
-                            and not environ.get("K3_PROFILE") and not dotenv_vals.get("K3_PROFILE"))
-    if profile_from_compose:
+    profile = environ.get("K3_PROFILE") or dotenv_vals.get("K3_PROFILE") or None
+    cpu, cpu_from = decide_cpu(environ, profile, gpu)
+    # compose.cpu.yaml sets K3_PROFILE=cpu-smoke in the server unless it is set: so do we.
+    if cpu and not profile:
         environ["K3_PROFILE"] = CPU_PROFILE
     rendered = render(environ, env_file, host_paths=True, check_model=check_model)
     s = rendered.settings
     sources = dict(rendered.sources)
-    if profile_from_compose:
+    if cpu and not profile:
         sources["K3_PROFILE"] = f"compose:{COMPOSE_CPU}"
-    files = compose_files(environ, s.profile)
 
     models_dir = _abs(s.models_dir)
     model_container_dir = host_dir = None
@@ -179,15 +206,12 @@ def load_deployment(environ: Mapping[str, str] | None = None, env_file: str | No
                      "sees it only if it is mounted there")
     tokenizer = host_dir if host_dir is not None else None
 
-    image = s.image
-    if sources.get("K3_IMAGE", "default") == "default" and \
-            COMPOSE_CPU in {Path(f).name for f in files}:
-        image = CPU_IMAGE
+    image = CPU_IMAGE if cpu and sources.get("K3_IMAGE", "default") == "default" else s.image
     return Deployment(
         settings=s, sources=sources, rendered=rendered,
         url=f"http://{url_host(s.bind_address)}:{s.port}",
         served_model_name=s.served_model_name, api_key=s.api_key or None, model=s.model,
         models_dir=models_dir, model_container_dir=model_container_dir, model_host_dir=host_dir,
         tokenizer=tokenizer, results_root=_abs(s.results_dir), cache_dir=_abs(s.cache_dir),
-        image=image, compose_files=files, env_file=str(env_file) if env_file else None,
+        image=image, cpu=cpu, cpu_from=cpu_from, env_file=str(env_file) if env_file else None,
         notes=notes)

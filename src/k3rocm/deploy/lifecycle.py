@@ -39,12 +39,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from k3rocm.deploy.deployment import compose_files, load_deployment
 from k3rocm.deploy.engine import docker_client  # noqa: F401 - the one factory, used by arms
 from k3rocm.errors import UsageError
 
 REPO = Path(__file__).resolve().parents[3]
-COMPOSE_FILE = "compose.yaml"
-CPU_COMPOSE_FILE = "compose.cpu.yaml"
 DEFAULT_PROJECT = "k3rocm"
 SERVICE = "server"
 LABEL_PROJECT = "com.docker.compose.project"
@@ -57,26 +56,10 @@ def _log(msg: str) -> None:
 
 
 def resolve_settings(env_file: str | os.PathLike | None = ".env",
-                     environ: Mapping[str, str] | None = None):
+                     environ: Mapping[str, str] | None = None, gpu: bool | None = None):
     """The deployment (:func:`k3rocm.deploy.deployment.load_deployment`: shell > .env > profile >
-    default): the ONE place this module reads the settings."""
-    from k3rocm.deploy.deployment import load_deployment
-
-    return load_deployment(environ, env_file=str(env_file) if env_file else None)
-
-
-def cpu_from_environment(environ: Mapping[str, str] | None = None) -> bool:
-    """Is this the CPU override? ``COMPOSE_FILE`` (the Makefile sets it from ``CPU=1``) names
-    compose.cpu.yaml; without COMPOSE_FILE: no /dev/kfd means no AMD GPU."""
-    environ = os.environ if environ is None else environ
-    files = environ.get("COMPOSE_FILE")
-    if files:
-        return CPU_COMPOSE_FILE in files
-    return not Path("/dev/kfd").exists()
-
-
-def compose_files(cpu: bool, repo: Path = REPO) -> list[Path]:
-    return [repo / COMPOSE_FILE, *([repo / CPU_COMPOSE_FILE] if cpu else [])]
+    default; ``gpu``: --gpu/--no-gpu): the ONE place this module reads the settings."""
+    return load_deployment(environ, env_file=str(env_file) if env_file else None, gpu=gpu)
 
 
 @dataclass
@@ -90,7 +73,7 @@ class ComposeServer:
     """
 
     project: str = DEFAULT_PROJECT
-    cpu: bool = False
+    cpu: bool = False  # the CPU stand-in (a Deployment's .cpu: deployment.decide_cpu decides)
     env: dict[str, str] = field(default_factory=dict)
     container_env: dict[str, str] = field(default_factory=dict)
     inherit_env: bool = True
@@ -129,7 +112,7 @@ class ComposeServer:
         return path
 
     def argv(self, *args: str) -> list[str]:
-        files = [a for f in compose_files(self.cpu, self.repo) for a in ("-f", str(f))]
+        files = [a for f in compose_files(self.cpu) for a in ("-f", str(self.repo / f))]
         return ["docker", "compose", "-p", self.project, *files, *args]
 
     def compose(self, *args: str, timeout: float | None = 120, capture: bool = True,
@@ -268,7 +251,7 @@ class ComposeServer:
             container = None
         prov = collect_provenance(self.url, self.api_key, container=container)
         prov["compose_project"] = self.project
-        prov["compose_files"] = [f.name for f in compose_files(self.cpu, self.repo)]
+        prov["compose_files"] = list(compose_files(self.cpu))
         return prov
 
     def down(self, log_path: Path | None = None, timeout: int = STOP_TIMEOUT) -> None:
@@ -332,11 +315,12 @@ def pin_engine_core(container) -> str:
 
 
 def deployment_server(env_file: str | os.PathLike | None = ".env",
-                      project: str | None = None) -> tuple[ComposeServer, Any]:
+                      project: str | None = None, gpu: bool | None = None
+                      ) -> tuple[ComposeServer, Any]:
     """The compose server of the deployment (``make up``) and the deployment."""
-    dep = resolve_settings(env_file)
+    dep = resolve_settings(env_file, gpu=gpu)
     srv = ComposeServer(project=project or os.environ.get("COMPOSE_PROJECT_NAME")
-                        or DEFAULT_PROJECT, cpu=cpu_from_environment(),
+                        or DEFAULT_PROJECT, cpu=dep.cpu,
                         url=dep.url, model=dep.served_model_name, api_key=dep.api_key)
     return srv, dep
 
@@ -387,8 +371,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def deployment_view(args: argparse.Namespace) -> dict:
     """What the compose server commands resolve (``--print-deployment``)."""
     srv, dep = deployment_server(args.env_file, args.project)
-    return {**dep.to_json(), "url": srv.url, "project": srv.project,
-            "compose_files": [str(f) for f in compose_files(srv.cpu)]}
+    return {**dep.to_json(), "url": srv.url, "project": srv.project}
 
 
 def run(args: argparse.Namespace) -> int:

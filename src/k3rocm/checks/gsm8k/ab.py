@@ -126,7 +126,7 @@ def run_gsm8k_ab(args: argparse.Namespace) -> int:
                   f"{' '.join(f'{k}={v}' for k, v in sorted(arms.compose_env(arm).items()))}")
             print(command.shell_line(argv))
         return 0
-    src = data.resolve(args.data_dir, args.hf_home)
+    src = data.resolve(args.data_dir, args.hf_home, Path(arms.cache_dir))
     armlib.check_port(arms)
     client = armlib.docker_client()
     armlib.image_id(arms, client)

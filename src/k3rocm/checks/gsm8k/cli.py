@@ -166,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
     argv = command.lm_eval_argv(s)
     if args.dry_run:
         try:
-            where = data.resolve(args.data_dir, args.hf_home).describe()
+            where = data.resolve(args.data_dir, args.hf_home, dep.cache_dir).describe()
         except data.NoDataError as exc:  # the command does not depend on the data source
             where = f"none yet ({exc})"
         print(command.shell_line(argv))
@@ -174,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
               f"task {data.TASK_FILE} as {command.TASKS_MOUNT}/gsm8k.yaml, data: {where}",
               file=sys.stderr)
         return 0
-    src = data.resolve(args.data_dir, args.hf_home)
+    src = data.resolve(args.data_dir, args.hf_home, dep.cache_dir)
 
     model = _check_server(url, s.model, explicit=args.model is not None, api_key=api_key)
     if model != s.model:
@@ -192,7 +192,8 @@ HOST_CA = Path("/etc/ssl/certs/ca-certificates.crt")
 def _fetch_data(args: argparse.Namespace) -> int:
     """``make gsm8k-data``: openai/gsm8k into the HF hub cache, once, with huggingface_hub in the
     client image (the parquet snapshot that :func:`data.resolve` then finds offline)."""
-    home = Path(args.hf_home or data.hf_home_candidates(None)[0]).expanduser().resolve()
+    home = Path(args.hf_home or data.hf_home_candidates(None, _deployment().cache_dir)[0]
+                ).expanduser().resolve()
     with contextlib.suppress(data.NoDataError):
         src = data.resolve(None, str(home))
         print(f"gsm8k-data: already there: {src.describe()}", file=sys.stderr)

@@ -34,7 +34,7 @@ ANSWER_RE = re.compile(r"####\s*(-?[0-9][0-9,.]*)\s*$")
 
 HOW_TO = ("run `make gsm8k-data` once on a node with HF hub access (or `huggingface-cli download "
           "openai/gsm8k --repo-type dataset`; --hf-home, default $HF_HOME, "
-          "$K3_CACHE_DIR/huggingface, ~/.cache/huggingface), or pass --data-dir DIR with "
+          "K3_CACHE_DIR/huggingface, ~/.cache/huggingface), or pass --data-dir DIR with "
           "train.jsonl and test.jsonl (fields question, answer ending in '#### N')")
 TASK_FILE = Path(__file__).with_name("gsm8k.yaml")  # vLLM PR #52494's task config, shipped
 SEED_DATASET = ("dataset_path: openai/gsm8k", "dataset_name: main")
@@ -158,22 +158,27 @@ def _arrow_cache(hf_home: Path) -> DataSource | None:
     return None
 
 
-def hf_home_candidates(explicit: str | None) -> list[Path]:
+def hf_home_candidates(explicit: str | None, cache_dir: Path | None = None) -> list[Path]:
+    """--hf-home, else $HF_HOME, ``<cache_dir>/huggingface`` (the deployment's K3_CACHE_DIR),
+    ~/.cache/huggingface."""
     if explicit:
         return [Path(explicit).expanduser()]
     out = []
     if os.environ.get("HF_HOME"):
         out.append(Path(os.environ["HF_HOME"]))
-    out.append(Path(os.environ.get("K3_CACHE_DIR") or "./cache") / "huggingface")
+    if cache_dir is not None:
+        out.append(Path(cache_dir) / "huggingface")
     out.append(Path("~/.cache/huggingface").expanduser())
     return out
 
 
-def resolve(data_dir: str | None, hf_home: str | None) -> DataSource:
-    """Pick the data source (see the module doc) or fail with one line."""
+def resolve(data_dir: str | None, hf_home: str | None,
+            cache_dir: Path | None = None) -> DataSource:
+    """Pick the data source (see the module doc) or fail with one line. ``cache_dir``: the
+    deployment's K3_CACHE_DIR."""
     if data_dir:
         return local_source(Path(data_dir))
-    candidates = hf_home_candidates(hf_home)
+    candidates = hf_home_candidates(hf_home, cache_dir)
     for home in candidates:
         home = home.resolve()
         src = _hub_snapshot(home) or _arrow_cache(home)
