@@ -11,6 +11,8 @@ import pytest
 
 from k3rocm.deploy.provenance import exec_text, server_argv
 
+pytestmark = pytest.mark.docker
+
 IMAGE = "k3rocm/debian:bookworm"  # .ci/debian-rootfs.sh
 
 

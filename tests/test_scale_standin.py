@@ -38,6 +38,8 @@ from k3rocm.deploy.scale.settings import load_scale
 from k3rocm.deploy.scale.status import format_status, scale_status
 from k3rocm.errors import UsageError
 
+pytestmark = pytest.mark.docker
+
 ROUTER_IMAGE = os.environ.get("K3_TEST_ROUTER_IMAGE", "k3rocm/router:0.1.17")
 REQUEST_TIMEOUT = 60.0  # per request; "hung" = no answer within this
 READ_TIMEOUT = 60.0  # a stream with no byte for this long is "hung"
