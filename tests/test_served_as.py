@@ -160,3 +160,20 @@ def test_census_world_size_from_the_rendering(tmp_path, rendered, world, where):
     ranks = next(x for x in c.checks if x.what == "worker traces, one per rank")
     assert (ranks.expected, ranks.ok) == (world, world == 2), ranks
     assert where in ranks.rule, ranks.rule
+
+
+def test_seed_comparison_judges_the_rendered_env():
+    """The base facts switched decode Q-prep off when the server started (K3_FUSE_DECODE_QPREP=0
+    in its rendering) while its container asked for the default (on): the census compares with
+    the stock side of vLLM PR #57640's launch counts, not the fused side a second rendering of
+    the container's env would claim."""
+    from k3rocm.deploy.runrecord import seed_comparison
+    from k3rocm.serving.config import render
+
+    container = {"K3_PROFILE": "fusion-evidence", "K3_MODEL": "/tmp"}
+    rendered = render(environ=container, dotenv=None).to_json()
+    rendered["env"]["K3_FUSE_DECODE_QPREP"] = "0"
+    server = {"container": {"env": container}, "rendered": rendered}
+    assert seed_comparison("census", server=server)["text"].endswith("stock side")
+    server["rendered"] = None  # an older image: the container's env, rendered again
+    assert seed_comparison("census", server=server)["text"].endswith("fused side")
