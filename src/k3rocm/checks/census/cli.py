@@ -18,7 +18,6 @@ interrupted.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from k3rocm.checks.census.analyze import Census
@@ -39,6 +38,7 @@ from k3rocm.checks.census.pipeline import (
     claim_from_container,
     claim_offline,
     live_census,
+    log,
     read_decisions,
     write_report,
 )
@@ -46,10 +46,6 @@ from k3rocm.deploy import runrecord
 from k3rocm.errors import UsageError
 from k3rocm.rundir import create_run_dir
 from k3rocm.serving.fusions import FUSIONS
-
-
-def _log(msg: str) -> None:
-    print(f"[census] {msg}", file=sys.stderr, flush=True)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -194,7 +190,7 @@ def run_live(args: argparse.Namespace, dep, opts) -> int:
         raise UsageError("the overlay's decision records are unreachable without the server "
                          "container: pass --container, --server-log FILE or --skip-records")
     run_dir = create_run_dir(results_root(args), args.label)
-    _log(f"run directory {run_dir}")
+    log(f"run directory {run_dir}")
     load = Profiling(args.concurrency, args.max_tokens, args.prompt_words, args.steps,
                      args.trace_timeout, args.server_trace_dir)
     census = live_census(url, model, api_key, client, container, claim, run_dir, opts, load,

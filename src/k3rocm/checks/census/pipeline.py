@@ -34,7 +34,7 @@ FUSIONS_METAVAR = ",".join(f"{f.name}=on|off" for f in FUSIONS)
 NO_RECORDS = "k3rocm-decisions-none.json"  # beside traces: the server log held no record
 
 
-def _log(msg: str) -> None:
+def log(msg: str) -> None:
     print(f"[census] {msg}", file=sys.stderr, flush=True)
 
 
@@ -266,7 +266,7 @@ def live_census(url: str, model: str, api_key: str | None, client: Any, containe
     argv = served.argv or []
     if "--speculative-config" in argv or (not served.rendered and served.env.get(
             "K3_MTP_K", "0") not in ("", "0")):
-        _log("note: the server runs speculative decoding. vLLM 0.27.x (the pinned nightly's "
+        log("note: the server runs speculative decoding. vLLM 0.27.x (the pinned nightly's "
              "era) runs the draft passes in sample_tokens, outside the execute_* step "
              "annotation: the census counts in-step launches only (vLLM PR #52494's 144 = 24 "
              "x 6 with MTP k=2), the draft's show in the 'outside engine steps' rows; do NOT pass "
@@ -283,16 +283,16 @@ def live_census(url: str, model: str, api_key: str | None, client: Any, containe
         before_c = drive.snapshot_container_dir(container, prof_dir)
     info = drive.profile_under_load(drive.Load(url, model, load.concurrency, load.max_tokens,
                                                load.prompt_words, api_key), load.steps)
-    _log(f"profile done: {info}")
+    log(f"profile done: {info}")
     dest = run_dir / "traces"
-    _log(f"collecting traces from {host_dir}" if host_dir is not None else
+    log(f"collecting traces from {host_dir}" if host_dir is not None else
          f"collecting traces from {prof_dir} inside container {container.name}")
     if host_dir is not None:
         files = drive.collect_from_host_dir(host_dir, before_h, dest, load.trace_timeout)
     else:
         files = drive.collect_from_container(container, prof_dir, before_c, dest,
                                              load.trace_timeout)
-    _log(f"collected {len(files)} file(s) into {dest}")
+    log(f"collected {len(files)} file(s) into {dest}")
     decisions = read_decisions(opts, None, container)
     if decisions is not None:  # kept beside the traces: an offline re-analysis finds them
         by_pid: dict[int, list[Any]] = {}
