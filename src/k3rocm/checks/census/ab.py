@@ -253,7 +253,7 @@ def run_census_ab(args: argparse.Namespace) -> int:
     _log(f"run directory {run_dir}")
     url = arms.url
     load = Profiling(args.concurrency, args.max_tokens, args.prompt_words, args.steps,
-                     args.trace_timeout, args.server_trace_dir)
+                     args.trace_timeout)  # traces copied out of each arm's container
     results: dict[str, Census] = {}
     stamp = time.strftime("%H%M%S").lower()
     names = {"A": "off", "B": "on"}
