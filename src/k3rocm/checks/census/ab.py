@@ -266,7 +266,7 @@ def run_census_ab(args: argparse.Namespace) -> int:
                                run_dir / "servers", model=model, api_key=api_key,
                                client=client) as (srv, _info):
             container = srv.container(client)
-            claim = claim_from_container(container)  # docker inspect: what it was asked
+            claim = claim_from_container(container)  # what it was asked (its rendering)
             results[name] = live_census(url, model, api_key, client, container, claim,
                                         arm_dir, opts, load,
                                         title=f"Decode kernel census, arm {name}")
