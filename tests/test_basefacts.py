@@ -180,7 +180,7 @@ def test_serve_writes_what_it_rendered_for_the_checks(tmp_path):
 
 
 def test_census_claim_reads_the_rendering():
-    from k3rocm.checks.census.cli import claim_from_container
+    from k3rocm.checks.census.pipeline import claim_from_container
 
     class Container:  # docker-py's Container: attrs (docker inspect) and exec_run
         name = "srv"

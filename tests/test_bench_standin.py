@@ -214,6 +214,9 @@ def test_make_bench_scaled_down_against_the_standin(standin_server, client_image
     assert srv["server_argv"][srv["server_argv"].index("--served-model-name") + 1] == s.model
     assert srv["overlay_manifest"] is not None, srv.get("overlay_manifest_note")
     assert set(srv["fusion_toggles"]) == {"K3_FUSE_QK_NORM", "K3_FUSE_DECODE_QPREP"}
+    # TP, prefix caching and tokens per step were read from what the entrypoint rendered
+    assert srv["rendered"]["argv"][:2] == ["vllm", "serve"]
+    assert "/tmp/k3rocm-rendered.json" in doc["server_settings_from"]
     assert prov["client"]["aiperf_version"] == "0.13.0"
     assert prov["client"]["image_id"].startswith("sha256:")
     assert prov["client"]["command_line"] == (run / "command.txt").read_text().strip()

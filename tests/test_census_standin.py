@@ -81,6 +81,8 @@ def test_census_live_stock_server(profiled_server, tmp_path):
     sep = next(c for c in data["checks"] if c["role"] == "qk_norm")
     assert (sep["expected"], sep["seen"], sep["status"]) == (2 * layers * steps,) * 2 + ("ok",)
     assert data["provenance"]["server"]["container"]["image_id"]
+    # the server's argv/env as `k3rocm serve` rendered them in the container, not from /proc
+    assert "/tmp/k3rocm-rendered.json" in data["provenance"]["server_settings_from"]
     assert data["provenance"]["load"]["prefill_s"] >= 0
     assert list((run_dir / "traces").glob("*.pt.trace.json.gz"))
     # collected from the results volume on the host (the server container's bind mount)

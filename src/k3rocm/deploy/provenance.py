@@ -7,6 +7,7 @@ Docker engine (image id, env redacted, argv, overlay manifest, fusion decision r
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from k3rocm.deploy.readiness import url_port
@@ -31,8 +32,7 @@ def find_server_container(client, url: str):
         ports = (attrs.get("NetworkSettings") or {}).get("Ports") or {}
         published = {int(b["HostPort"]) for binds in ports.values() if binds for b in binds
                      if b.get("HostPort")}
-        env_list = (attrs.get("Config") or {}).get("Env") or []
-        env = dict(e.split("=", 1) for e in env_list if "=" in e)
+        env = container_env(c)
         host_net = (attrs.get("HostConfig") or {}).get("NetworkMode") == "host"
         if port in published or (host_net and env.get("K3_PORT", "8000") == str(port)
                                  and "K3_PROFILE" in env):
@@ -101,6 +101,68 @@ def rendered_record(container) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
+def container_env(container) -> dict[str, str]:
+    """The container's own environment (docker inspect), not redacted."""
+    return dict(e.split("=", 1) for e in (container.attrs.get("Config") or {}).get("Env") or []
+                if "=" in e)
+
+
+NO_RECORD = ("no rendered record in the server container: an image older than it, or not "
+             "our entrypoint")
+
+
+@dataclass(frozen=True)
+class ServedAs:
+    """The server's argv and env as ``k3rocm serve`` rendered them (``rendered``), else as
+    read from the running server: its ``vllm serve`` process in /proc and its container's env.
+    ``source`` says which, for the result that uses them."""
+
+    argv: list[str] | None
+    env: dict[str, str]
+    rendered: bool
+    source: str
+
+    @property
+    def tp(self) -> int | None:
+        """vLLM's tensor-parallel size (its default 1 when the argv does not set it); None
+        when the argv is unknown."""
+        if not self.argv:
+            return None
+        argv = self.argv
+        for i, a in enumerate(argv):
+            for flag in ("-tp", "--tensor-parallel-size"):
+                if a == flag and i + 1 < len(argv) and argv[i + 1].isdigit():
+                    return int(argv[i + 1])
+                if a.startswith(flag + "=") and a.split("=", 1)[1].isdigit():
+                    return int(a.split("=", 1)[1])
+        return 1
+
+
+def served_as(prov: dict | None = None, container=None) -> ServedAs:
+    """The server's argv and env as rendered: from ``prov`` (what :func:`collect_provenance`
+    returned, e.g. a run record's ``server``) or read from ``container``. The rendered record
+    (``k3rocm serve`` writes it before exec'ing vLLM) wins; its env lies on top of the
+    container's. Without it, the /proc argv and the container's env, and ``source`` says so."""
+    from k3rocm.serving.serve_cmd import RENDERED_FILE
+
+    if container is not None:
+        rec = rendered_record(container)
+        prov = {"rendered": rec, "container": {"env": container_env(container)},
+                "server_argv": None if rec else server_argv(container)}
+    prov = prov or {}
+    env = dict((prov.get("container") or {}).get("env") or {})
+    rec = prov.get("rendered")
+    if isinstance(rec, dict):
+        argv = rec.get("argv")
+        return ServedAs(list(argv) if isinstance(argv, list) else None,
+                        {**env, **(rec.get("env") or {})}, True,
+                        f"the server's rendered settings ({RENDERED_FILE})")
+    argv = prov.get("server_argv")
+    return ServedAs(list(argv) if argv else None, env, False,
+                    f"the server's /proc argv and container env ({NO_RECORD})" if env or argv
+                    else "unknown (no server container found)")
+
+
 def collect_provenance(url: str, api_key: str | None, client=None, container=None) -> dict:
     """What served the measurement: image id, vLLM version, overlay manifest and fusion states,
     the server's env and argv. Best effort per item; what could not be read is said so."""
@@ -126,7 +188,7 @@ def collect_provenance(url: str, api_key: str | None, client=None, container=Non
     container.reload()
     attrs = container.attrs
     cfg = attrs.get("Config") or {}
-    env = dict(e.split("=", 1) for e in cfg.get("Env") or [] if "=" in e)
+    env = container_env(container)
     prov["container"] = {
         "id": attrs.get("Id"), "name": attrs.get("Name", "").lstrip("/"),
         "image_ref": cfg.get("Image"), "image_id": attrs.get("Image"),

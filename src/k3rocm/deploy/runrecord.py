@@ -130,14 +130,18 @@ def server(client, url: str, api_key: str | None, container=None,
 
 def seed_comparison(measure: str, *, server: dict | None = None, deployment=None,
                     workload: Any = None) -> dict[str, Any]:
-    """Which upstream figure the result is comparable with: judged on the server container's env
-    (what the server was started with), else on the deployment's settings. Never raises."""
+    """Which upstream figure the result is comparable with: judged on the server's env as
+    ``k3rocm serve`` rendered it (else its container's env, rendered again here), else on the
+    deployment's settings. Never raises."""
+    from k3rocm.deploy.provenance import served_as
     from k3rocm.deploy.seedref import comparable_with
 
-    env = ((server or {}).get("container") or {}).get("env")
+    served = served_as(server)
+    env = served.env
     try:
         if env:
-            return comparable_with(measure, env, workload=workload)
+            return comparable_with(measure, env, env=env if served.rendered else None,
+                                   workload=workload)
         if deployment is not None:
             return comparable_with(measure, deployment.settings, env=deployment.rendered.env,
                                    workload=workload)

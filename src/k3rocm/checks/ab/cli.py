@@ -95,8 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser, measure: str | None = None) -
     parser.conflict_handler = "resolve"
     add_analysis_arguments(parser)
     parser.conflict_handler = "error"
-    parser.set_defaults(server_trace_dir=None, fusions=None, server_log=None, container=None,
-                        _measure_default=measure)
+    parser.set_defaults(_measure_default=measure)
 
 
 def fill_repeats(args: argparse.Namespace) -> None:

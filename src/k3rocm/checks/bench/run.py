@@ -13,6 +13,7 @@ from typing import Any
 from k3rocm.checks.bench import plots, runner, summary
 from k3rocm.checks.bench.workloads import Workload, aiperf_command, shell_line
 from k3rocm.deploy import runrecord
+from k3rocm.deploy.provenance import served_as
 from k3rocm.deploy.readiness import wait_ready
 from k3rocm.errors import EXIT_CHECK_FAILED as EXIT_FAILED
 from k3rocm.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_SERVER, EXIT_USAGE, UsageError  # noqa: F401
@@ -148,6 +149,7 @@ def run_bench(w: Workload, *, results: Path, client_image: str, server_timeout: 
         "protocol": w.protocol(), "command": cmd_line, "points": points,
         "prefix_caching": {"workload": w.prefix_caching, "server": caching,
                            "note": caching_note},
+        "server_settings_from": served_as(prov["server"]).source,
     }
     write_json_atomic(run_dir / "summary.json", doc)
     tp_val = tp if tp is not None else _server_tp(prov["server"])
@@ -190,8 +192,8 @@ def run_bench(w: Workload, *, results: Path, client_image: str, server_timeout: 
 
 
 def server_prefix_caching(prov: dict | None) -> bool | None:
-    """Prefix caching of the server as its recorded argv says (vLLM's default is on)."""
-    argv = (prov or {}).get("server_argv")
+    """Prefix caching of the server as its argv says, rendered (vLLM's default is on)."""
+    argv = served_as(prov).argv
     if not argv:
         return None
     return "--no-enable-prefix-caching" not in argv
@@ -215,21 +217,15 @@ def _last_error(log: Path) -> str:
     return lines[-1][:240] if lines else "no output"
 
 
-def _server_tp(prov: dict) -> Any:
-    env = ((prov or {}).get("container") or {}).get("env") or {}
-    if env.get("K3_TP"):
-        return env["K3_TP"]
-    argv = (prov or {}).get("server_argv") or []
-    for flag in ("-tp", "--tensor-parallel-size"):
-        if flag in argv and argv.index(flag) + 1 < len(argv):
-            return argv[argv.index(flag) + 1]
-    return None
+def _server_tp(prov: dict) -> int | None:
+    return served_as(prov).tp
 
 
 def _server_line(prov: dict) -> str:
     c = (prov or {}).get("container") or {}
     return (f"vLLM {prov.get('vllm_version')}, image {c.get('image_ref')} ({c.get('image_id')}), "
-            f"fusions {json.dumps(prov.get('fusion_toggles'))}" if c else
+            f"fusions {json.dumps(prov.get('fusion_toggles'))}, settings from "
+            f"{served_as(prov).source}" if c else
             f"vLLM {prov.get('vllm_version')} (no local container found)")
 
 

@@ -245,9 +245,11 @@ BUNCHED_NOTE = "stream bunched: ITL/TTFT not per token"
 
 def tokens_per_step(server: dict | None) -> tuple[int, str]:
     """How many tokens one engine step can stream per request, from the server's argv
-    (``--speculative-config``) or its container's ``K3_MTP_K``; 1 when neither says."""
-    server = server or {}
-    argv = server.get("server_argv") or []
+    (``--speculative-config``) or its ``K3_MTP_K``, as rendered; 1 when neither says."""
+    from k3rocm.deploy.provenance import served_as
+
+    served = served_as(server)
+    argv = served.argv or []
     if "--speculative-config" in argv and argv.index("--speculative-config") + 1 < len(argv):
         try:
             spec = json.loads(argv[argv.index("--speculative-config") + 1])
@@ -255,8 +257,8 @@ def tokens_per_step(server: dict | None) -> tuple[int, str]:
             return 1 + k, f"--speculative-config num_speculative_tokens={k}"
         except (ValueError, TypeError, AttributeError):
             pass
-    env = ((server.get("container") or {}).get("env")) or {}
-    raw = str(env.get("K3_MTP_K") or "").strip()
+    # the rendering puts K3_MTP_K into the argv: the env says more only without the record
+    raw = "" if served.rendered else str(served.env.get("K3_MTP_K") or "").strip()
     if raw.isdigit():
         return 1 + int(raw), f"K3_MTP_K={raw}"
     return 1, "no speculative decoding seen"

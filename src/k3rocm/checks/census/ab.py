@@ -25,10 +25,19 @@ from pathlib import Path
 from typing import Any
 
 from k3rocm.checks.census.analyze import Census
-from k3rocm.checks.census.cli import analyse, live_census, read_decisions, validate_common
-from k3rocm.checks.census.common import base_provenance, positive, results_root
+from k3rocm.checks.census.common import analysis_from, positive, results_root
 from k3rocm.checks.census.expect import Check, render_table
 from k3rocm.checks.census.fusions import ENV, FUSIONS, from_env
+from k3rocm.checks.census.pipeline import (
+    Analysis,
+    Profiling,
+    analyse,
+    base_provenance,
+    claim_from_container,
+    live_census,
+    read_decisions,
+    write_report,
+)
 from k3rocm.errors import EXIT_INCOMPLETE, UsageError
 from k3rocm.rundir import create_run_dir, write_json_atomic, write_text_atomic
 from k3rocm.serving.config import redact_env
@@ -180,11 +189,8 @@ def finish_ab(run_dir: Any, results: dict[str, Census], meta: dict[str, Any],
     return 0 if ok else 1
 
 
-def run_offline(args: argparse.Namespace, arm_env: dict[str, dict[str, str]]) -> int:
-    from pathlib import Path
-
-    from k3rocm.checks.census.cli import write_report
-
+def run_offline(args: argparse.Namespace, opts: Analysis,
+                arm_env: dict[str, dict[str, str]]) -> int:
     dirs = [x.strip() for x in args.trace_dirs.split(",")]
     if len(dirs) != 2 or not all(dirs):
         raise UsageError(f"--trace-dirs {args.trace_dirs!r} must be OFF_DIR,ON_DIR")
@@ -193,9 +199,9 @@ def run_offline(args: argparse.Namespace, arm_env: dict[str, dict[str, str]]) ->
             raise UsageError(f"--trace-dirs: {d} is not a directory")
     claims = {arm: from_env(arm_env[arm], f"the {arm} arm (--on {args.on})")
               for arm in ("off", "on")}
-    decs = {arm: read_decisions(args, Path(d)) for arm, d in zip(("off", "on"), dirs,
+    decs = {arm: read_decisions(opts, Path(d)) for arm, d in zip(("off", "on"), dirs,
                                                                  strict=True)}
-    results = {arm: analyse(Path(d), args, claims[arm], decs[arm])
+    results = {arm: analyse(Path(d), opts, claims[arm], decs[arm])
                for arm, d in zip(("off", "on"), dirs, strict=True)}
     run_dir = create_run_dir(results_root(args), args.label)
     for arm, c in results.items():
@@ -217,10 +223,10 @@ def run_census_ab(args: argparse.Namespace) -> int:
     from k3rocm.checks.ab import arms as armlib
 
     args.label = args.label or "census-ab"
-    validate_common(args)
+    opts = analysis_from(args)
     arm_env = arms_env(args.on)
     if args.trace_dirs:
-        return run_offline(args, arm_env)
+        return run_offline(args, opts, arm_env)
     if args.aa or args.calibrate_delay_ms is not None:
         raise UsageError("--aa and --calibrate-delay-ms are for --measure bench (a census "
                          "counts launches exactly: an A/A has nothing to estimate)", 2)
@@ -246,6 +252,8 @@ def run_census_ab(args: argparse.Namespace) -> int:
     run_dir = create_run_dir(str(args.results), args.label)
     _log(f"run directory {run_dir}")
     url = arms.url
+    load = Profiling(args.concurrency, args.max_tokens, args.prompt_words, args.steps,
+                     args.trace_timeout)  # traces copied out of each arm's container
     results: dict[str, Census] = {}
     stamp = time.strftime("%H%M%S").lower()
     names = {"A": "off", "B": "on"}
@@ -257,12 +265,11 @@ def run_census_ab(args: argparse.Namespace) -> int:
         with armlib.arm_server(arms, slot, arm, stamp, arm_dir / "server.log",
                                run_dir / "servers", model=model, api_key=api_key,
                                client=client) as (srv, _info):
-            from k3rocm.checks.census.cli import claim_from_container
-
             container = srv.container(client)
-            claim = claim_from_container(container)  # docker inspect: what it was asked
-            results[name] = live_census(args, url, model, api_key, client, container, claim,
-                                        arm_dir, title=f"Decode kernel census, arm {name}")
+            claim = claim_from_container(container)  # what it was asked (its rendering)
+            results[name] = live_census(url, model, api_key, client, container, claim,
+                                        arm_dir, opts, load,
+                                        title=f"Decode kernel census, arm {name}")
             print(f"--- arm {name} ---")
             print(results[name].table())
     meta = {"protocol": f"one fresh compose server per arm from image `{image_ref}` "

@@ -1,19 +1,16 @@
-"""Argument handling shared by ``census`` and ``census-ab``."""
+"""Argument handling shared by ``census`` and ``census-ab``: flags -> the pipeline's values."""
 
 from __future__ import annotations
 
 import argparse
-import os
-import platform
-import shlex
-import sys
 from pathlib import Path
-from typing import Any
 
+from k3rocm.checks.census.fusions import from_cli
+from k3rocm.checks.census.modelcfg import read_model_facts
 from k3rocm.checks.census.names import Normalizer
-from k3rocm.checks.census.spec import ROLES
+from k3rocm.checks.census.pipeline import Analysis
+from k3rocm.checks.census.spec import ROLES, load_spec
 from k3rocm.errors import UsageError
-from k3rocm.hashing import sha256_file as sha256
 
 
 def add_analysis_arguments(p: argparse.ArgumentParser) -> None:
@@ -82,37 +79,6 @@ def model_dir_from(args: argparse.Namespace) -> str:
                      f"(K3_MODEL={dep.model} is not a path on this host)")
 
 
-def tp_from_argv(argv: list[str]) -> int:
-    """vLLM's tensor-parallel size from a ``vllm serve`` argv (default 1)."""
-    for i, a in enumerate(argv):
-        for flag in ("-tp", "--tensor-parallel-size"):
-            if a == flag and i + 1 < len(argv) and argv[i + 1].isdigit():
-                return int(argv[i + 1])
-            if a.startswith(flag + "=") and a.split("=", 1)[1].isdigit():
-                return int(a.split("=", 1)[1])
-    return 1
-
-
-def resolve_world_size(trace_ws: int | None, args: argparse.Namespace,
-                       server_argv: list[str] | None = None) -> tuple[int, str]:
-    """Which ranks must be present: the traces' metadata, else --world-size, else the live
-    server's argv; unknown is bad input (exit 2)."""
-    given = getattr(args, "world_size", None)
-    if given is not None:
-        positive("--world-size", given)
-    if trace_ws is not None:
-        if given is not None and given != trace_ws:
-            raise UsageError(f"--world-size {given} disagrees with the traces' "
-                             f"distributedInfo.world_size {trace_ws}")
-        return trace_ws, "the traces' distributedInfo"
-    if given is not None:
-        return given, "--world-size"
-    if server_argv:
-        return tp_from_argv(server_argv), "the server's argv (tensor-parallel size)"
-    raise UsageError("the traces do not record the world size (no distributedInfo."
-                     "world_size): pass --world-size N (the server's tensor-parallel size)")
-
-
 def results_root(args: argparse.Namespace) -> str:
     """--results, else the deployment's results root (K3_RESULTS_DIR, mounted at /results)."""
     if args.results:
@@ -127,19 +93,23 @@ def positive(name: str, value: int, minimum: int = 1) -> None:
         raise UsageError(f"{name} {value} must be >= {minimum}")
 
 
-
-def base_provenance(files: list[Path]) -> dict[str, Any]:
-    from k3rocm import __version__
-    from k3rocm.serving.config import redact_env
-
-    return {
-        "command": shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-        "argv": sys.argv,
-        "cwd": os.getcwd(),
-        "k3rocm_version": __version__,
-        "host": platform.node(),
-        "python": sys.version.split()[0],
-        "env": redact_env({k: v for k, v in os.environ.items() if k.startswith("K3_")}),
-        "trace_files": [{"path": str(f), "bytes": f.stat().st_size, "sha256": sha256(f)}
-                        for f in files],
-    }
+def analysis_from(args: argparse.Namespace) -> Analysis:
+    """The analysis flags, checked before any expensive work (bad input: exit 2)."""
+    positive("--min-decode-steps", args.min_decode_steps, 0)
+    model_dir = model_dir_from(args)
+    read_model_facts(model_dir)
+    normalizer, extra = normalizer_from(args), extra_from(args)
+    load_spec("rocm" if args.platform == "auto" else args.platform, None, args.spec,
+              args.other_norms)
+    if getattr(args, "fusions", None):
+        from_cli(args.fusions)
+    server_log = getattr(args, "server_log", None)
+    if server_log and not Path(server_log).is_file():
+        raise UsageError(f"--server-log {server_log} does not exist")
+    if args.world_size is not None:
+        positive("--world-size", args.world_size)
+    return Analysis(model_dir=model_dir, normalizer=normalizer, extra=extra,
+                    platform=args.platform, mode=args.mode, spec=args.spec,
+                    other_norms=args.other_norms,
+                    min_decode_steps=args.min_decode_steps, world_size=args.world_size,
+                    skip_records=args.skip_records, server_log=server_log, top=args.top)

@@ -1,0 +1,309 @@
+"""The census pipeline, apart from any command line: claim (what the server was asked for),
+collect (profile a running server under load and copy its traces), analyse (count and judge)
+and report (``census.json``, ``census.md``, ``provenance.json``). ``k3rocm census`` and each arm
+of ``census-ab`` call it with plain values.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from k3rocm.checks.census.analyze import Census, run_census
+from k3rocm.checks.census.decisions import Decisions
+from k3rocm.checks.census.fusions import FusionClaim, from_cli, from_env
+from k3rocm.checks.census.modelcfg import read_model_facts
+from k3rocm.checks.census.names import Normalizer
+from k3rocm.checks.census.spec import load_spec
+from k3rocm.checks.census.trace import load_trace_dir
+from k3rocm.deploy import runrecord
+from k3rocm.deploy.provenance import ServedAs, served_as
+from k3rocm.errors import UsageError
+from k3rocm.hashing import sha256_file as sha256
+from k3rocm.rundir import write_json_atomic, write_text_atomic
+from k3rocm.serving.decisions import decision_files, records_from_files, records_from_log
+from k3rocm.serving.fusions import FUSIONS
+
+FUSIONS_METAVAR = ",".join(f"{f.name}=on|off" for f in FUSIONS)
+NO_RECORDS = "k3rocm-decisions-none.json"  # beside traces: the server log held no record
+
+
+def log(msg: str) -> None:
+    print(f"[census] {msg}", file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class Analysis:
+    """How the traces are read and judged (the analysis flags, checked)."""
+
+    model_dir: str
+    normalizer: Normalizer
+    extra: dict[str, int]
+    platform: str = "auto"
+    mode: str = "auto"
+    spec: str | None = None
+    other_norms: str | None = None
+    min_decode_steps: int = 1
+    world_size: int | None = None
+    skip_records: bool = False
+    server_log: str | None = None
+    top: int = 25
+
+
+@dataclass(frozen=True)
+class Profiling:
+    """The decode load a live census drives and the profile window it takes."""
+
+    concurrency: int = 8
+    max_tokens: int = 1024
+    prompt_words: int = 64
+    steps: int = 6
+    trace_timeout: float = 900.0
+    server_trace_dir: str | None = None  # host path of the server's K3_PROFILER_DIR
+
+
+# -- claim ------------------------------------------------------------------------------------
+
+def claim_from_container(container: Any) -> FusionClaim:
+    """What the server was asked for: the K3_FUSE_* values ``k3rocm serve`` rendered in it
+    (after the base facts: a default the base cannot run is switched off there), else the
+    container's env (docker inspect; unset = on)."""
+    from k3rocm.serving.serve_cmd import RENDERED_FILE
+
+    served = served_as(container=container)
+    what = f"rendered settings ({RENDERED_FILE})" if served.rendered else "env"
+    return from_env(served.env, f"container {container.name}'s {what}")
+
+
+def claim_offline(trace_dir: Path, fusions: str | None = None) -> FusionClaim:
+    """``fusions`` (``name=on|off,...``), else the server's settings recorded in the run's
+    provenance.json (written by a live census beside its traces/ directory)."""
+    if fusions:
+        return from_cli(fusions)
+    for cand in (trace_dir / "provenance.json", trace_dir.parent / "provenance.json"):
+        if not cand.is_file():
+            continue
+        try:
+            prov = json.loads(cand.read_text())
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"{cand} is not valid JSON ({exc.__class__.__name__})") from None
+        server = prov.get("server", prov) if isinstance(prov, dict) else None
+        if isinstance(server, dict) and (isinstance(server.get("rendered"), dict) or isinstance(
+                (server.get("container") or {}).get("env"), dict)):
+            served = served_as(server)
+            what = "the server's rendered settings" if served.rendered else "the server env"
+            return from_env(served.env, f"{what} recorded in {cand}")
+    raise UsageError(f"what the server was asked for is unknown: pass --fusions "
+                     f"{FUSIONS_METAVAR} (no provenance.json with the server's "
+                     f"env beside {trace_dir})")
+
+
+# -- analyse ----------------------------------------------------------------------------------
+
+def resolve_world_size(trace_ws: int | None, given: int | None,
+                       served: ServedAs | None = None) -> tuple[int, str]:
+    """Which ranks must be present: the traces' metadata, else ``given`` (--world-size), else
+    the live server's tensor-parallel size as rendered; unknown is bad input (exit 2)."""
+    if given is not None and given < 1:
+        raise UsageError(f"--world-size {given} must be >= 1")
+    if trace_ws is not None:
+        if given is not None and given != trace_ws:
+            raise UsageError(f"--world-size {given} disagrees with the traces' "
+                             f"distributedInfo.world_size {trace_ws}")
+        return trace_ws, "the traces' distributedInfo"
+    if given is not None:
+        return given, "--world-size"
+    if served is not None and served.tp is not None:
+        return served.tp, f"the server's tensor-parallel size, from {served.source}"
+    raise UsageError("the traces do not record the world size (no distributedInfo."
+                     "world_size): pass --world-size N (the server's tensor-parallel size)")
+
+
+def analyse(trace_dir: Path, opts: Analysis, claim: FusionClaim, decisions: Decisions | None,
+            files: list[Path] | None = None, served: ServedAs | None = None) -> Census:
+    model = read_model_facts(opts.model_dir)
+    traces = load_trace_dir(trace_dir, opts.normalizer, opts.mode, files)
+    world, world_src = resolve_world_size(traces.world_size, opts.world_size, served)
+    plat = opts.platform
+    if plat == "auto":
+        plat = "rocm" if any(r.mode == "gpu" for r in traces.ranks) else "cpu"
+    spec = load_spec(plat, model.model_type, opts.spec, opts.other_norms)
+    return run_census(traces, model, claim, spec, decisions, world, world_src,
+                      opts.min_decode_steps, opts.extra)
+
+
+def read_decisions(opts: Analysis, trace_dir: Path | None = None,
+                   container: Any = None) -> Decisions | None:
+    """The overlay's records: ``opts.server_log``, else the JSON files beside the traces, else
+    the server container's log. None when ``opts.skip_records``."""
+    if opts.skip_records:
+        return None
+    if opts.server_log:
+        text = Path(opts.server_log).read_text(errors="replace")
+        return Decisions(records_from_log(text, f"server log {opts.server_log}"),
+                         f"server log {opts.server_log}")
+    if trace_dir is not None and trace_dir.is_dir():
+        files = decision_files(trace_dir)
+        if files:
+            return Decisions(records_from_files(files),
+                             f"{len(files)} decision file(s) in {trace_dir}")
+        marker = trace_dir / NO_RECORDS
+        if marker.is_file():  # a live census read the server's log and found none
+            try:
+                src = str(json.loads(marker.read_text()).get("source", "the server log"))
+            except (OSError, ValueError, AttributeError):
+                raise UsageError(f"{marker} is not valid JSON; remove it or re-run") from None
+            return Decisions([], f"{src} (read when the traces were collected; {marker})")
+    if container is not None:
+        src = f"the log of container {container.name}"
+        return Decisions(records_from_log(container.logs().decode(errors="replace"), src), src)
+    where = f"{trace_dir}" if trace_dir is not None else "the server"
+    return Decisions([], f"k3rocm-decisions-pid*.json in {where}; no --server-log, no server "
+                     "container", found=False)
+
+
+# -- report -----------------------------------------------------------------------------------
+
+def base_provenance(files: list[Path]) -> dict[str, Any]:
+    from k3rocm import __version__
+    from k3rocm.serving.config import redact_env
+
+    return {
+        "command": shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "argv": sys.argv,
+        "cwd": os.getcwd(),
+        "k3rocm_version": __version__,
+        "host": platform.node(),
+        "python": sys.version.split()[0],
+        "env": redact_env({k: v for k, v in os.environ.items() if k.startswith("K3_")}),
+        "trace_files": [{"path": str(f), "bytes": f.stat().st_size, "sha256": sha256(f)}
+                        for f in files],
+    }
+
+
+def write_report(run_dir: Path, census: Census, provenance: dict[str, Any],
+                 title: str = "Decode kernel census", top: int = 25) -> None:
+    write_json_atomic(run_dir / "census.json", {**census.to_json(), "provenance": provenance})
+    seed = (provenance.get("seed_comparison") or {}).get("text")
+    write_text_atomic(run_dir / "census.md", census.markdown(title, top)
+                      + (f"\n## Upstream figures\n\n{seed}\n" if seed else "")
+                      + "\n## Provenance\n\n```json\n"
+                      + json.dumps(provenance, indent=2, default=str)[:20000]
+                      + "\n```\n")
+    write_json_atomic(run_dir / "provenance.json", provenance)
+
+
+# -- collect (live) ---------------------------------------------------------------------------
+
+def server_trace_host_dir(given: str | None, container: Any, env: dict[str, str],
+                          dep: Any = None) -> Path | None:
+    """Host directory where the server's K3_PROFILER_DIR lands, or None (copy out of the
+    container). ``given`` (--server-trace-dir) wins; then the container's own bind mounts;
+    without a container, /results/... is mapped through the deployment's K3_RESULTS_DIR."""
+    if given:
+        d = Path(given)
+        if not d.is_dir():
+            raise UsageError(f"--server-trace-dir {d} is not a directory")
+        return d
+    prof = env.get("K3_PROFILER_DIR") or ("" if container is not None or dep is None else
+                                          dep.settings.profiler_dir or "")
+    if not prof:
+        return None
+    if container is not None:
+        best = None
+        for m in container.attrs.get("Mounts") or []:
+            dest = str(m.get("Destination", "")).rstrip("/")
+            if dest and (prof == dest or prof.startswith(dest + "/")) and \
+                    (best is None or len(dest) > len(best[0])):
+                best = (dest, str(m.get("Source", "")))
+        if best is None:
+            return None
+        if not Path(best[1]).is_dir():
+            return None  # the engine's host is not this host: copy out of the container
+        host = Path(best[1]) / prof[len(best[0]):].lstrip("/")
+        try:
+            host.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            return None
+        return host
+    host = dep.host_path(prof)
+    return host if host is not None and host.is_dir() else None
+
+
+def _deployment_or_none():
+    from k3rocm.deploy.deployment import load_deployment
+
+    try:
+        return load_deployment()
+    except UsageError:
+        return None
+
+
+def live_census(url: str, model: str, api_key: str | None, client: Any, container: Any,
+                claim: FusionClaim, run_dir: Path, opts: Analysis, load: Profiling,
+                title: str = "Decode kernel census", dep: Any = None) -> Census:
+    """Profile the running server under load, collect its traces into ``run_dir/traces``,
+    analyse and write the report. Used by ``census`` and by each arm of ``census-ab``."""
+    from k3rocm.checks.census import drive
+
+    if dep is None:
+        dep = _deployment_or_none()
+    cenv = served_as(container=container).env if container is not None else {}
+    host_dir = server_trace_host_dir(load.server_trace_dir, container, cenv, dep)
+    prof_dir = cenv.get("K3_PROFILER_DIR")
+    if host_dir is None and (container is None or not prof_dir):
+        raise UsageError("cannot reach the server's traces: pass --server-trace-dir <host path "
+                         "of K3_PROFILER_DIR> (or run the server in a local container with "
+                         "K3_PROFILER_DIR set)")
+    server_prov = runrecord.server(client, url, api_key, container=container)
+    served = served_as(server_prov)
+    argv = served.argv or []
+    if "--speculative-config" in argv or (not served.rendered and served.env.get(
+            "K3_MTP_K", "0") not in ("", "0")):
+        log("note: the server runs speculative decoding. vLLM 0.27.x (the pinned nightly's "
+             "era) runs the draft passes in sample_tokens, outside the execute_* step "
+             "annotation: the census counts in-step launches only (vLLM PR #52494's 144 = 24 "
+             "x 6 with MTP k=2), the draft's show in the 'outside engine steps' rows; do NOT pass "
+             "--extra for them (docs/census.md, Speculative decoding)")
+    record = runrecord.build(deployment=dep, server=server_prov, url=url, source="live",
+                             model=model, claim=claim.to_json(), measure="census",
+                             workload={"osl": load.max_tokens, "concurrency": load.concurrency,
+                                       "steps": load.steps},
+                             server_settings_from=served.source)
+    runrecord.write(run_dir, record)  # early: kept if we fail
+    if host_dir is not None:
+        before_h = drive.snapshot_host_dir(host_dir)
+    else:
+        before_c = drive.snapshot_container_dir(container, prof_dir)
+    info = drive.profile_under_load(drive.Load(url, model, load.concurrency, load.max_tokens,
+                                               load.prompt_words, api_key), load.steps)
+    log(f"profile done: {info}")
+    dest = run_dir / "traces"
+    log(f"collecting traces from {host_dir}" if host_dir is not None else
+         f"collecting traces from {prof_dir} inside container {container.name}")
+    if host_dir is not None:
+        files = drive.collect_from_host_dir(host_dir, before_h, dest, load.trace_timeout)
+    else:
+        files = drive.collect_from_container(container, prof_dir, before_c, dest,
+                                             load.trace_timeout)
+    log(f"collected {len(files)} file(s) into {dest}")
+    decisions = read_decisions(opts, None, container)
+    if decisions is not None:  # kept beside the traces: an offline re-analysis finds them
+        by_pid: dict[int, list[Any]] = {}
+        for r in decisions.records:
+            by_pid.setdefault(r.pid, []).append(r.raw)
+        for pid, recs in by_pid.items():
+            write_json_atomic(dest / f"k3rocm-decisions-pid{pid}.json", recs)
+        if decisions.found and not decisions.records:  # read, and empty: evidence too
+            write_json_atomic(dest / NO_RECORDS, {"source": decisions.source, "records": 0})
+    census = analyse(dest, opts, claim, decisions, served=served)
+    record.update(load=info, trace_files=base_provenance(
+        [r.path for r in census.traces.ranks])["trace_files"])
+    write_report(run_dir, census, record, title=title, top=opts.top)
+    return census

@@ -1,0 +1,179 @@
+"""Readers of a running server read what ``k3rocm serve`` rendered (its record in the server
+container, ``serving.serve_cmd.RENDERED_FILE``), not the argv/env reverse-engineered from the
+process; only a server without the record falls back to its /proc argv, and the result says so.
+
+The record's shape is what ``serving.config.Rendered.to_json`` writes (``{"env", "argv",
+"sources"[, "base"]}``; tests/test_basefacts.py runs the real ``k3rocm serve`` to write one); a
+run record's ``server`` is what ``deploy.provenance.collect_provenance`` returns.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import REPO, run_cli
+
+from k3rocm.checks.bench.run import _server_line, _server_tp, server_prefix_caching
+from k3rocm.checks.bench.summary import tokens_per_step
+from k3rocm.checks.census import pipeline
+from k3rocm.checks.census.fusions import from_cli
+from k3rocm.checks.census.names import Normalizer
+from k3rocm.deploy.provenance import served_as
+from k3rocm.serving.serve_cmd import RENDERED_FILE
+
+DATA = REPO / "tests" / "data" / "census"
+TINY = DATA / "models" / "tiny-deepseek-v3"
+
+# The two disagree on every fact a reader takes: the rendered record must win.
+RENDERED = {"env": {"K3_FUSE_QK_NORM": "0", "VLLM_ROCM_USE_AITER": "1"},
+            "argv": ["vllm", "serve", "/models/Kimi-K3", "--tensor-parallel-size", "2",
+                     "--no-enable-prefix-caching"],
+            "sources": {}}
+PROC_ARGV = ["/usr/bin/python3", "/usr/local/bin/vllm", "serve", "/models/Kimi-K3", "-tp", "8",
+             "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}']
+CONTAINER_ENV = {"K3_TP": "4", "K3_FUSE_QK_NORM": "1", "K3_MTP_K": "2", "PATH": "/usr/bin"}
+
+
+def server_prov(rendered: dict | None) -> dict:
+    """collect_provenance's output, trimmed to what the readers take."""
+    return {"vllm_version": "0.27.1", "server_argv": PROC_ARGV, "rendered": rendered,
+            "container": {"image_ref": "k3rocm/server:latest", "image_id": "sha256:1",
+                          "env": CONTAINER_ENV},
+            "fusion_toggles": {}}
+
+
+def test_rendered_record_wins_over_proc_argv_and_container_env():
+    prov = server_prov(RENDERED)
+    s = served_as(prov)
+    assert s.rendered and RENDERED_FILE in s.source
+    assert s.argv == RENDERED["argv"] and s.tp == 2
+    assert s.env["K3_FUSE_QK_NORM"] == "0" and s.env["PATH"] == "/usr/bin"  # record on top
+    # bench: perf.csv's tp, summary.json's prefix caching, tokens per engine step, report line
+    assert _server_tp(prov) == 2
+    assert server_prefix_caching(prov) is False
+    assert tokens_per_step(prov) == (1, "no speculative decoding seen")  # not K3_MTP_K=2
+    assert RENDERED_FILE in _server_line(prov)
+    # census: the world size a live census needs when the traces do not record it
+    world, src = pipeline.resolve_world_size(None, None, s)
+    assert world == 2 and RENDERED_FILE in src
+
+
+def test_without_a_record_the_proc_argv_is_read_and_the_result_says_so():
+    prov = server_prov(None)
+    s = served_as(prov)
+    assert not s.rendered and "/proc argv" in s.source and "no rendered record" in s.source
+    assert s.argv == PROC_ARGV and s.tp == 8
+    assert _server_tp(prov) == 8
+    assert server_prefix_caching(prov) is True  # vLLM's default: on
+    assert tokens_per_step(prov)[0] == 3
+    assert "no rendered record" in _server_line(prov)
+    world, src = pipeline.resolve_world_size(None, None, s)
+    assert world == 8 and "no rendered record" in src
+    # nothing known at all
+    assert served_as({}).tp is None and served_as(None).source.startswith("unknown")
+
+
+class Container:
+    """docker-py's Container as the readers use it: attrs (docker inspect), exec_run (cat of
+    the record; the /proc scan, answered as `sh -c` prints it), name."""
+
+    name = "srv"
+
+    def __init__(self, rendered: dict | None):
+        self.rendered = rendered
+        self.attrs = {"Config": {"Env": [f"{k}={v}" for k, v in CONTAINER_ENV.items()]}}
+        self.scans = 0
+
+    def exec_run(self, cmd, demux=False):
+        if cmd == ["cat", RENDERED_FILE]:
+            if self.rendered is None:
+                return 1, (None, f"cat: {RENDERED_FILE}: No such file or directory".encode())
+            return 0, (json.dumps(self.rendered).encode(), None)
+        self.scans += 1
+        return 0, (" ".join(PROC_ARGV).encode() + b"\n", None)
+
+
+def test_container_reader_prefers_the_record_and_scans_proc_only_without_it():
+    c = Container(RENDERED)
+    s = served_as(container=c)
+    assert s.rendered and s.tp == 2 and c.scans == 0
+    claim = pipeline.claim_from_container(c)
+    assert claim.qk_norm is False and "rendered settings" in claim.source
+    old = Container(None)
+    s = served_as(container=old)
+    assert not s.rendered and s.tp == 8 and old.scans == 1
+    assert pipeline.claim_from_container(old).qk_norm is True  # K3_FUSE_QK_NORM=1 in its env
+
+
+def test_offline_claim_reads_the_recorded_rendering(tmp_path):
+    """A run record holding the rendered settings: the claim is the rendered K3_FUSE_* (here
+    the base facts switched qk_norm off), not the container's env (which asked it on)."""
+    run = tmp_path / "run"
+    shutil.copytree(DATA / "rocm-on", run / "traces")
+    (run / "provenance.json").write_text(json.dumps({"server": server_prov(RENDERED)}))
+    def census(results: Path):
+        p = run_cli("census", "--trace-dir", str(run / "traces"), "--model-dir", str(TINY),
+                    "--results", str(results), "--skip-records")
+        claim = json.loads(next(results.glob("*/census.json")).read_text())["claim"]
+        return p, claim
+
+    p, claim = census(tmp_path / "r")
+    # the traces ran the fused q/kv norm: asked off, the census fails on it
+    assert p.returncode == 1 and "(qk_norm asked off)" in p.stdout, p.stdout + p.stderr
+    assert claim["source"].startswith("the server's rendered settings recorded in"), claim
+    # without the record: the container's env (qk_norm asked on), as before
+    (run / "provenance.json").write_text(json.dumps({"server": server_prov(None)}))
+    q, claim = census(tmp_path / "r2")
+    assert q.returncode == 0, q.stdout + q.stderr
+    assert claim["source"].startswith("the server env recorded in"), claim
+
+
+def _without_world_size(src: Path, dest: Path) -> Path:
+    """The traces of ``src`` as a build whose traces lack distributedInfo."""
+    dest.mkdir()
+    for f in src.glob("*.pt.trace.json.gz"):
+        doc = json.loads(gzip.decompress(f.read_bytes()))
+        doc.pop("distributedInfo", None)
+        (dest / f.name).write_bytes(gzip.compress(json.dumps(doc).encode()))
+    return dest
+
+
+def opts(**kw) -> pipeline.Analysis:
+    return pipeline.Analysis(model_dir=str(TINY), normalizer=Normalizer.from_specs(),
+                             extra={}, skip_records=True, **kw)
+
+
+@pytest.mark.parametrize("rendered,world,where", [
+    (RENDERED, 2, RENDERED_FILE), (None, 8, "/proc argv and container env (no rendered record")])
+def test_census_world_size_from_the_rendering(tmp_path, rendered, world, where):
+    """2 ranks traced, no distributedInfo: the rendered TP 2 makes the rank check pass; the
+    /proc argv (-tp 8) of a server without the record expects 8 ranks (here: a mismatch,
+    since the record is absent only in this double), and the check says where it came from."""
+    d = _without_world_size(DATA / "rocm-on", tmp_path / "t")
+    c = pipeline.analyse(d, opts(), from_cli("all=on"), None,
+                         served=served_as(server_prov(rendered)))
+    assert c.traces.world_size is None
+    ranks = next(x for x in c.checks if x.what == "worker traces, one per rank")
+    assert (ranks.expected, ranks.ok) == (world, world == 2), ranks
+    assert where in ranks.rule, ranks.rule
+
+
+def test_seed_comparison_judges_the_rendered_env():
+    """The base facts switched decode Q-prep off when the server started (K3_FUSE_DECODE_QPREP=0
+    in its rendering) while its container asked for the default (on): the census compares with
+    the stock side of vLLM PR #57640's launch counts, not the fused side a second rendering of
+    the container's env would claim."""
+    from k3rocm.deploy.runrecord import seed_comparison
+    from k3rocm.serving.config import render
+
+    container = {"K3_PROFILE": "fusion-evidence", "K3_MODEL": "/tmp"}
+    rendered = render(environ=container, dotenv=None).to_json()
+    rendered["env"]["K3_FUSE_DECODE_QPREP"] = "0"
+    server = {"container": {"env": container}, "rendered": rendered}
+    assert seed_comparison("census", server=server)["text"].endswith("stock side")
+    server["rendered"] = None  # an older image: the container's env, rendered again
+    assert seed_comparison("census", server=server)["text"].endswith("fused side")
