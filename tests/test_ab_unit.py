@@ -10,6 +10,7 @@ import json
 import re
 import subprocess
 import threading
+from pathlib import Path
 
 import pytest
 from conftest import REPO, run_cli
@@ -246,6 +247,29 @@ def test_slots_differing_in_a_server_setting_are_refused(tmp_path):
     assert ab.recorded_protocol(w, [_slot(tmp_path, 4, "A", base, ARGV, "sha256:bb")], "ab",
                                 1)[0] != key
     assert ab.recorded_protocol(w, [runs[0]], "ab", 2)[0] != key
+
+
+def test_slot_identity_reads_the_rendered_record_not_proc(tmp_path):
+    """A slot's server identity is what `k3rocm serve` rendered (the record in the server
+    container), not a /proc scan: a scan once came back with a shell error in the argv and an
+    A/B of identical setups was refused."""
+    from k3rocm.checks.bench import ab
+    from k3rocm.checks.bench.workloads import resolve
+
+    w = resolve("ci-tiny", {})
+    env = {"K3_PROFILE": "cpu-smoke", "K3_FUSE_QK_NORM": "1"}
+    runs = []
+    for slot, arm, proc_argv in ((0, "A", ARGV), (1, "B", ["sh: 1: cannot open /proc/131/cmdline",
+                                                          *ARGV])):
+        run = _slot(tmp_path, slot, arm, env, proc_argv)
+        prov = json.loads((Path(run["run_dir"]) / "provenance.json").read_text())
+        prov["server"]["rendered"] = {"argv": ARGV, "env": {"K3_MAX_NUM_SEQS": "8"}}
+        (Path(run["run_dir"]) / "provenance.json").write_text(json.dumps(prov))
+        runs.append(run)
+    key, diffs = ab.recorded_protocol(w, runs, "ab", 1)
+    assert diffs == []
+    ident = ab.slot_identity(Path(runs[0]["run_dir"]), "ab")
+    assert ident["env"]["K3_MAX_NUM_SEQS"] == "8"  # the rendered env lies over the container's
 
 
 def test_the_aa_variance_is_pooled_only_with_the_same_recorded_key(tmp_path):

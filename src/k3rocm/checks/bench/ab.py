@@ -343,20 +343,24 @@ WHERE_ENV = frozenset({"K3_PORT", "HOSTNAME"})  # where a slot listens, not what
 
 
 def slot_identity(run_dir: Path, mode: str) -> dict[str, Any] | None:
-    """What one slot's server really ran, from its run record (docker inspect, redacted env
-    and the argv read from /proc), minus what may differ between arms."""
+    """What one slot's server really ran, from its run record (the image id, and the argv and
+    env as the server rendered them: :func:`k3rocm.deploy.provenance.served_as`), minus what
+    may differ between arms."""
+    from k3rocm.deploy.provenance import served_as
+
     try:
         server = json.loads((run_dir / "provenance.json").read_text()).get("server") or {}
     except (OSError, json.JSONDecodeError):
         return None
     cont = server.get("container") or {}
     skip = ARM_ENV | WHERE_ENV | (CAL_ENV if mode == "cal" else frozenset())
-    argv = server.get("server_argv")
+    served = served_as(server)
+    argv = served.argv
     if argv:  # where it listens is not the protocol
         argv = [x for i, x in enumerate(argv)
                 if x != "--port" and (i == 0 or argv[i - 1] != "--port")]
     return {"image_id": cont.get("image_id"),
-            "env": {k: v for k, v in sorted((cont.get("env") or {}).items()) if k not in skip},
+            "env": {k: v for k, v in sorted(served.env.items()) if k not in skip},
             "argv": argv}
 
 
