@@ -109,6 +109,14 @@ def test_the_exit_code_table_is_documented_once():
     assert readme.count("## Exit codes") == 1
 
 
+def test_top_level_help_lists_every_exit_code():
+    p = run_cli("--help")
+    assert p.returncode == 0, p.stderr
+    text = " ".join(p.stdout.split())
+    for code, what in errors.EXIT_CODES.items():
+        assert f"{code} {what}" in text, code
+
+
 def test_host_state_records_governor_numa_and_the_gpu_tool_or_says_it_is_missing(tmp_path):
     import subprocess
 

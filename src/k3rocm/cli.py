@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from k3rocm import __version__
-from k3rocm.errors import UsageError
+from k3rocm.errors import EXIT_CODES, UsageError
 
 # command -> (module or module:alias, one-line help); each has add_arguments(parser) and
 # run(args) -> int.
@@ -62,8 +62,8 @@ PRINT_FLAG = "--print-deployment"
 PRINT_ENV = "K3_TEST_PRINT_DEPLOYMENT"
 EPILOG = (f"Every command takes {PRINT_FLAG}: print what it resolved from the K3_* settings "
           "(server URL, model, API key, model dir, tokenizer, results root, image) and exit. "
-          "Exit codes: 0 ok, 1 a check failed, 2 bad input, 3 server or engine problem, "
-          "130 interrupted (finished work kept).")
+          "Exit codes: " + "; ".join(f"{code} {what}" for code, what in EXIT_CODES.items())
+          + ".")
 
 
 def _target(spec: str) -> Any:
@@ -107,7 +107,7 @@ def deployment_view(args: argparse.Namespace) -> dict:
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="k3rocm", description="Serve Kimi-K3 with vLLM on 8x AMD MI355X: serving "
-        "configuration, overlay, bench, gsm8k and kernel census.")
+        "configuration, overlay, bench, gsm8k and kernel census.", epilog=EPILOG)
     parser.add_argument("--version", action="version", version=f"k3rocm {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():

@@ -46,7 +46,6 @@ AB_METRICS: list[tuple[str, str, str, bool]] = [
 ]
 ALPHA = 0.05
 POWER = 0.80
-CONFIDENCE = 1 - ALPHA
 MULTIPLICITY = "Holm (step-down) over the secondary rows, family-wise 5%"
 
 

@@ -19,9 +19,6 @@ from k3rocm.errors import UsageError
 
 WORKLOADS_FILE = Path(__file__).with_name("workloads.toml")
 ENV_PREFIX = "BENCH_"
-# Where the client container sees the run directory and the tokenizer.
-CONTAINER_RESULTS = "/results"
-CONTAINER_TOKENIZER = "/tokenizer"
 
 
 class Workload(BaseModel):

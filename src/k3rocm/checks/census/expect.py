@@ -272,15 +272,3 @@ def render_summary_markdown(checks: list[Check]) -> str:
 
 def _dash(v: int | None) -> str:
     return "-" if v is None else str(v)
-
-
-def render_markdown_table(checks: list[Check]) -> str:
-    out = ["| rank | check | scope | expected | seen | status | rule |",
-           "|---|---|---|---:|---:|---|---|"]
-    for c in checks:
-        exp = "-" if c.expected is None else str(c.expected)
-        status = f"**{c.status}**" if c.ok is False else c.status
-        rule = c.rule.replace("|", "\\|")
-        out.append(f"| {c.rank} | {c.what} | {c.scope} | {exp} | {c.seen} | {status} | "
-                   f"{rule} |")
-    return "\n".join(out)

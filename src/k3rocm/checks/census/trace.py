@@ -37,7 +37,6 @@ STEP_DETAILED = re.compile(r"^execute_\d+_context_(\d+)\(sq(\d+)\D.*?_generation
 RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)(?:\D|$)")
 TRACE_SUFFIXES = (".json", ".json.gz")
 RUNTIME_CATS = {"cuda_runtime", "cuda_driver", "hip_runtime", "hip_driver", "runtime"}
-KERNEL_CATS = {"kernel"}
 # host calls that launch exactly one kernel (graph launches replay many: not counted)
 LAUNCH_CALL = re.compile(r"^(hip|cuda)(Ext)?(Module)?LaunchKernel|^(hip|cu)LaunchKernel")
 # JSON files that live beside the traces but are not traces (overlay decision records,
@@ -167,10 +166,6 @@ def decode_tokens_per_request(steps: list[Step]) -> int | None:
     if not per:
         return None
     return max(per.items(), key=lambda kv: (kv[1], kv[0]))[0]
-
-
-def rank_of(path: Path, obj: dict[str, Any]) -> int | None:
-    return rank_and_source(path, obj)[0]
 
 
 def rank_and_source(path: Path, obj: dict[str, Any]) -> tuple[int | None, str]:
