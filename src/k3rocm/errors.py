@@ -1,4 +1,4 @@
-"""One kind of user-facing error, and one exit-code table for every command.
+"""One kind of user-facing error, one exit-code table for every command, and one progress log.
 
 Every ``k3rocm`` command (and the make targets that run them) exits with one of these codes:
 
@@ -15,6 +15,9 @@ Every ``k3rocm`` command (and the make targets that run them) exits with one of 
 """
 
 from __future__ import annotations
+
+import sys
+from collections.abc import Callable
 
 EXIT_OK = 0
 EXIT_CHECK_FAILED = 1
@@ -50,3 +53,11 @@ class ServerError(UsageError):
 
     def __init__(self, message: str):
         super().__init__(message, EXIT_SERVER)
+
+
+def tagged_log(tag: str) -> Callable[[str], None]:
+    """The progress log of one part: ``[tag] message`` lines on stderr (stdout carries results),
+    flushed at once so they interleave in order with the subprocesses' own output."""
+    def log(msg: str) -> None:
+        print(f"[{tag}] {msg}", file=sys.stderr, flush=True)
+    return log

@@ -27,12 +27,11 @@ import json
 import os
 import re
 import shutil
-import sys
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from k3rocm.errors import UsageError
+from k3rocm.errors import UsageError, tagged_log
 
 REPO_ID = "moonshotai/Kimi-K3"
 # The Kimi-K3 checkpoint revision we pin (the Hub cannot be reached from where this was
@@ -51,8 +50,7 @@ _SHA = re.compile(r"^[0-9a-f]{40}$")
 _REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-def _log(msg: str) -> None:
-    print(f"[model] {msg}", file=sys.stderr, flush=True)
+_log = tagged_log("model")
 
 
 def _sha256(path: Path) -> str:

@@ -41,7 +41,7 @@ from typing import Any
 
 from k3rocm.deploy.deployment import compose_files, load_deployment
 from k3rocm.deploy.engine import docker_client  # noqa: F401 - the one factory, used by arms
-from k3rocm.errors import UsageError
+from k3rocm.errors import UsageError, tagged_log
 
 REPO = Path(__file__).resolve().parents[3]
 DEFAULT_PROJECT = "k3rocm"
@@ -51,8 +51,7 @@ LABEL_PROJECT = "com.docker.compose.project"
 STOP_TIMEOUT = 60
 
 
-def _log(msg: str) -> None:
-    print(f"[server] {msg}", file=sys.stderr, flush=True)
+_log = tagged_log("server")
 
 
 def resolve_settings(env_file: str | os.PathLike | None = ".env",

@@ -6,17 +6,14 @@ whether anything answers HTTP at a URL.
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable
 from urllib.parse import urlparse
 
 from k3rocm.deploy.server_api import ServerAPI, Unreachable
-from k3rocm.errors import UsageError
+from k3rocm.errors import UsageError, tagged_log
 
-
-def _log(msg: str) -> None:
-    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+_log = tagged_log("bench")
 
 
 def url_port(url: str) -> int:

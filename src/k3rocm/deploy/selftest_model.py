@@ -43,14 +43,13 @@ import math
 import os
 import re
 import shutil
-import sys
 import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from k3rocm.errors import UsageError
+from k3rocm.errors import UsageError, tagged_log
 
 INDEX = "model.safetensors.index.json"
 CONFIG = "config.json"
@@ -76,8 +75,7 @@ LAYER_RE = re.compile(r"^(language_model\.(?:model\.)?|model\.)layers\.(\d+)\.(.
 EXPERT_RE = re.compile(r"(?:^|\.)experts\.(\d+)\.")
 
 
-def _log(msg: str) -> None:
-    print(f"[selftest-model] {msg}", file=sys.stderr, flush=True)
+_log = tagged_log("selftest-model")
 
 
 @dataclass(frozen=True)

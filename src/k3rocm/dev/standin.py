@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from k3rocm.errors import UsageError
+from k3rocm.errors import UsageError, tagged_log
 from k3rocm.hashing import sha256_file as _sha256
 
 STANDIN_REPO = "k3rocm/standin"
@@ -45,8 +45,7 @@ def standin_tag(version: str) -> str:
     return f"{STANDIN_REPO}:vllm-cpu-{version}"
 
 
-def _log(msg: str) -> None:
-    print(f"[standin] {msg}", file=sys.stderr, flush=True)
+_log = tagged_log("standin")
 
 
 def find_repo_root(start: Path | None = None) -> Path:

@@ -22,12 +22,11 @@ import hashlib
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from k3rocm.errors import UsageError
+from k3rocm.errors import UsageError, tagged_log
 
 GENERATOR_VERSION = 3
 STAMP_FILE = "k3rocm-tinymodel.json"
@@ -124,8 +123,7 @@ def definition_hash(defn: dict | None = None) -> str:
     return hashlib.sha256(blob).hexdigest()
 
 
-def _log(msg: str) -> None:
-    print(f"[tinymodel] {msg}", file=sys.stderr, flush=True)
+_log = tagged_log("tinymodel")
 
 
 def is_current(out: Path) -> bool:

@@ -15,7 +15,6 @@ import contextlib
 import json
 import os
 import statistics
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -29,7 +28,7 @@ from k3rocm.deploy.lifecycle import (
     docker_client,
     resolve_settings,
 )
-from k3rocm.errors import UsageError
+from k3rocm.errors import UsageError, tagged_log
 from k3rocm.serving.fusions import switches
 
 FUSIONS_OFF = switches(False)
@@ -41,8 +40,7 @@ STEP_DELAY_MOUNT = "/opt/k3rocm-test"  # compose.cpu.yaml mounts K3_TEST_PLUGINS
 START_GUESS_S = {True: 90.0, False: 1800.0}  # cpu stand-in / MI355X with Kimi-K3
 
 
-def _log(msg: str) -> None:
-    print(f"[ab] {msg}", file=sys.stderr, flush=True)
+_log = tagged_log("ab")
 
 
 def sequence(repeats: int) -> list[str]:

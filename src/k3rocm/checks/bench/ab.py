@@ -35,13 +35,11 @@ from k3rocm.checks.bench.run import (
     run_bench,
 )
 from k3rocm.checks.bench.workloads import Workload, shell_line
-from k3rocm.errors import UsageError
+from k3rocm.errors import UsageError, tagged_log
 from k3rocm.rundir import create_run_dir, write_json_atomic, write_text_atomic
 from k3rocm.serving.fusions import NAME_OF_ENV
 
-
-def _log(msg: str) -> None:
-    print(f"[bench-ab] {msg}", file=sys.stderr, flush=True)
+_log = tagged_log("bench-ab")
 
 
 @dataclass

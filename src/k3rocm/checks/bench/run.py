@@ -4,7 +4,6 @@ directory (raw artifacts, summary.json, perf.csv, report.md, PNG plots, provenan
 from __future__ import annotations
 
 import json
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +15,7 @@ from k3rocm.deploy import runrecord
 from k3rocm.deploy.provenance import served_as
 from k3rocm.deploy.readiness import wait_ready
 from k3rocm.errors import EXIT_CHECK_FAILED as EXIT_FAILED
-from k3rocm.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_SERVER, EXIT_USAGE, UsageError  # noqa: F401
+from k3rocm.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_SERVER, EXIT_USAGE, UsageError, tagged_log  # noqa: F401
 from k3rocm.rundir import create_run_dir, utc_stamp, write_json_atomic, write_text_atomic
 from k3rocm.serving.config import redact_argv
 
@@ -24,8 +23,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tiktoken.model",
                     "tokenizer.model", "vocab.json")
 
 
-def _log(msg: str) -> None:
-    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+_log = tagged_log("bench")
 
 
 def check_tokenizer(path: str) -> Path:

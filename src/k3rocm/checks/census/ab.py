@@ -19,7 +19,6 @@ Exit 0 when both arms pass their census, 1 when one does not, 2 bad input, 3 ser
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -38,7 +37,7 @@ from k3rocm.checks.census.pipeline import (
     read_decisions,
     write_report,
 )
-from k3rocm.errors import EXIT_INCOMPLETE, UsageError
+from k3rocm.errors import EXIT_INCOMPLETE, UsageError, tagged_log
 from k3rocm.rundir import create_run_dir, write_json_atomic, write_text_atomic
 from k3rocm.serving.config import redact_env
 
@@ -46,8 +45,7 @@ CONTAINER_TRACE_DIR = "/tmp/k3rocm-census-traces"
 LABEL = "k3rocm.census"
 
 
-def _log(msg: str) -> None:
-    print(f"[census-ab] {msg}", file=sys.stderr, flush=True)
+_log = tagged_log("census-ab")
 
 
 def arms_env(on: str) -> dict[str, dict[str, str]]:

@@ -10,7 +10,6 @@ earlier). The streams are then closed (aborting the requests) so nothing keeps r
 from __future__ import annotations
 
 import io
-import sys
 import tarfile
 import threading
 import time
@@ -20,12 +19,10 @@ from typing import Any
 
 from k3rocm.deploy.provenance import exec_text
 from k3rocm.deploy.server_api import ServerAPI, auth_headers
-from k3rocm.errors import UsageError
+from k3rocm.errors import UsageError, tagged_log
 from k3rocm.rundir import write_bytes_atomic
 
-
-def _log(msg: str) -> None:
-    print(f"[census] {msg}", file=sys.stderr, flush=True)
+_log = tagged_log("census")
 
 
 @dataclass

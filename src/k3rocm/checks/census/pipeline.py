@@ -24,7 +24,7 @@ from k3rocm.checks.census.spec import load_spec
 from k3rocm.checks.census.trace import load_trace_dir
 from k3rocm.deploy import runrecord
 from k3rocm.deploy.provenance import ServedAs, served_as
-from k3rocm.errors import UsageError
+from k3rocm.errors import UsageError, tagged_log
 from k3rocm.hashing import sha256_file as sha256
 from k3rocm.rundir import write_json_atomic, write_text_atomic
 from k3rocm.serving.decisions import decision_files, records_from_files, records_from_log
@@ -34,8 +34,7 @@ FUSIONS_METAVAR = ",".join(f"{f.name}=on|off" for f in FUSIONS)
 NO_RECORDS = "k3rocm-decisions-none.json"  # beside traces: the server log held no record
 
 
-def log(msg: str) -> None:
-    print(f"[census] {msg}", file=sys.stderr, flush=True)
+log = tagged_log("census")
 
 
 @dataclass(frozen=True)

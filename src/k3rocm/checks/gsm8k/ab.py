@@ -12,7 +12,6 @@ the number of items used and at the full 1319 items, from the discordance observ
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,14 +20,13 @@ from typing import Any
 from k3rocm.checks.bench import stats
 from k3rocm.checks.gsm8k import command, data, results
 from k3rocm.checks.gsm8k.data import GSM8K_TEST_ITEMS
-from k3rocm.errors import EXIT_CHECK_FAILED, EXIT_OK, UsageError
+from k3rocm.errors import EXIT_CHECK_FAILED, EXIT_OK, UsageError, tagged_log
 from k3rocm.rundir import create_run_dir, write_json_atomic, write_text_atomic
 
 DEFAULT_MARGIN = 0.01  # one accuracy point: ~2 standard errors of vLLM PR #52494's 0.9644 +- 0.0051
 
 
-def _log(msg: str) -> None:
-    print(f"[gsm8k-ab] {msg}", file=sys.stderr, flush=True)
+_log = tagged_log("gsm8k-ab")
 
 
 def add_arguments(g: argparse._ArgumentGroup) -> None:

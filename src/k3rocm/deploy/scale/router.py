@@ -8,19 +8,17 @@ K3_SCALE_NODES and listens on K3_SCALE_ROUTER_HOST:K3_SCALE_ROUTER_PORT); its ar
 from __future__ import annotations
 
 import contextlib
-import sys
 import time
 
 from k3rocm.deploy.scale.render import router_argv
 from k3rocm.deploy.scale.settings import ScaleSettings
-from k3rocm.errors import ServerError, UsageError
+from k3rocm.errors import ServerError, UsageError, tagged_log
 
 DEFAULT_NAME = "k3rocm-router"
 LABEL = "org.k3rocm.router"
 
 
-def _log(msg: str) -> None:
-    print(f"[router] {msg}", file=sys.stderr, flush=True)
+_log = tagged_log("router")
 
 
 def start_router(client, s: ScaleSettings, name: str = DEFAULT_NAME,
