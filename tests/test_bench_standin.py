@@ -414,7 +414,10 @@ def test_bench_ab_aa_floor_and_calibrated_slowdown_detected(
     t0 = time.monotonic()
     p = _bench_ab(tmp_path, 1, f"--calibrate-delay-ms {delay}")
     cal_wall = time.monotonic() - t0
-    assert p.returncode == 0, p.stderr[-4000:]
+    # Exit 1 only for the calibration's own check (its 95% CI missed the injected effect): a
+    # statistical event this test does not assert on (below).
+    assert p.returncode == 0 or (p.returncode == 1 and "k3rocm: error: bench-ab calibration "
+                                 "failed: c=1 expected" in p.stderr), p.stderr[-4000:]
     cal_dir = next(tmp_path.glob("*-ci-tiny-cal"))
     comp = json.loads((cal_dir / "comparison.json").read_text())
     assert comp["mode"] == "cal" and comp["noise_floor_from"] == str(aa_dir)
@@ -438,10 +441,16 @@ def test_bench_ab_aa_floor_and_calibrated_slowdown_detected(
           f"CI [{row['lo']:+.4f}, {row['hi']:+.4f}] {row['verdict']}", file=sys.stderr)
     assert comp["protocol_key"] == aa["protocol_key"] and not comp["protocol_differences"]
     assert row["noise_floor"] == itl["aa_component"] and row["df"] == 1
-    # the CI (t with df 1: wide) covers the expected effect, which is beyond the A/A's
-    # difference; the statistical calibration (coverage, a biased estimator failing) is
-    # tests/test_bench_unit.py::test_calibration_can_fail
-    assert cal["covered"] is True and row["d"] > floor, row
+    # The plumbing and one large known effect, not the statistics: the effect (>= 4x the A/A's
+    # difference) is seen beyond it, and B - A is the injected delay within [0.8, 1.4]x. The
+    # double's sleep adds a little to every step on a loaded machine (seen 1.05x and 1.11x);
+    # server-to-server noise (A/A CV <= 2.5% seen) puts ~0.06 sd on that ratio: the band is >= 4
+    # sd from what was seen. Whether the t interval (df 1) covers the injected value is a 95%
+    # event, so it is recorded, not asserted: its error rate, and a biased estimator failing
+    # it, are tests/test_bench_unit.py::test_calibration_can_fail.
+    assert row["d"] > floor, row
+    assert 0.8 <= cal["detected_over_injected"] <= 1.4, cal
+    assert cal["covered"] is (p.returncode == 0), (cal, p.returncode)
     md = (cal_dir / "comparison.md").read_text()
     assert "## Calibration: injected vs detected" in md and "A/A variance component (" in md
     png_ok(cal_dir / "ab_itl.png")
