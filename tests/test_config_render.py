@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, run_cli
 
-from k3rocm.serving.config import ENV_NAME, FIELDS, render
+from k3rocm.serving.config import render
+from k3rocm.serving.settings import ENV_NAME, FIELDS
 
 GOLDEN = Path(__file__).parent / "golden"
 # The MI355X profile serves /models/Kimi-K3, which must exist: /tmp stands in for it here.

@@ -241,7 +241,7 @@ def test_image_defaults_are_compose_files_own():
 
     from conftest import REPO
 
-    from k3rocm.serving.config import Settings
+    from k3rocm.serving.settings import Settings
 
     def default(name: str) -> str:
         found = re.findall(r"^    image: \$\{K3_IMAGE:-([^}]+)\}$", (REPO / name).read_text(),

@@ -65,10 +65,11 @@ def test_k3rocm_lists_derive_from_the_table():
     from k3rocm.checks.bench import ab as bench_ab
     from k3rocm.checks.census import fusions as claim
     from k3rocm.checks.census import spec
-    from k3rocm.serving import config, decisions
+    from k3rocm.serving import decisions
+    from k3rocm.serving.settings import FIELDS
 
     for f in FUSIONS:
-        fi = config.FIELDS[f.field]
+        fi = FIELDS[f.field]
         assert fi.json_schema_extra == {"env": f.env, "group": "overlay"}
         assert fi.default is f.default and fi.description == f.doc and fi.annotation is bool
     assert claim.ENV == ENV and claim.FUSIONS == NAMES
@@ -107,7 +108,8 @@ fusions.NAMES = tuple(f.name for f in fusions.FUSIONS)
 fusions.BY_NAME = {f.name: f for f in fusions.FUSIONS}
 fusions.ENV = {f.name: f.env for f in fusions.FUSIONS}
 fusions.NAME_OF_ENV = {f.env: f.name for f in fusions.FUSIONS}
-from k3rocm.serving.config import FIELDS, render
+from k3rocm.serving.config import render
+from k3rocm.serving.settings import FIELDS
 from k3rocm.serving import decisions
 from k3rocm.checks.ab import arms
 from k3rocm.checks.census import fusions as claim, spec

@@ -14,7 +14,8 @@ from conftest import REPO, run_cli
 from k3rocm.deploy.seedref import FIGURES, MEASURES, comparable_with
 from k3rocm.errors import UsageError
 from k3rocm.serving import profiles
-from k3rocm.serving.config import FIELDS, Settings, load_settings, render
+from k3rocm.serving.config import load_settings, render
+from k3rocm.serving.settings import FIELDS, Settings
 
 GOLDEN = Path(__file__).parent / "golden"
 SHIPPED = REPO / "src" / "k3rocm" / "serving" / "profiles"

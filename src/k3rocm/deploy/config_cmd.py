@@ -8,8 +8,6 @@ import sys
 from pathlib import Path
 
 from k3rocm.serving.config import (
-    ENV_NAME,
-    FIELDS,
     KNOWN_OTHER,
     KNOWN_PREFIXES,
     PROFILES,
@@ -18,6 +16,7 @@ from k3rocm.serving.config import (
     redact_env,
     render,
 )
+from k3rocm.serving.settings import ENV_NAME, FIELDS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from k3rocm.serving.config import Rendered, Settings, read_dotenv, redact_env, render
+from k3rocm.serving.config import Rendered, read_dotenv, redact_env, render
+from k3rocm.serving.settings import Settings
 
 # compose.yaml mounts these host directories at these container paths (server and clients).
 MODELS_MOUNT = "/models"

@@ -284,7 +284,7 @@ def comparable_with(measure: str, settings: Any, env: Mapping[str, str] | None =
     """Which upstream figure the result of ``measure`` is comparable with, and why not otherwise.
 
     ``measure``: one of bench, bench-ab, census, census-ab, gsm8k.
-    ``settings``: the resolved :class:`k3rocm.serving.config.Settings` the server ran with, or a
+    ``settings``: the resolved :class:`k3rocm.serving.settings.Settings` the server ran with, or a
     mapping of its fields (``model_dump()``; a missing field is unknown), or the server
     container's environment (``K3_*`` keys: resolved as the entrypoint resolves them).
     ``env``: the server's environment (the vendor variables: ``VLLM_ROCM_USE_AITER``, ...);

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from k3rocm.serving.fusions import BY_NAME, FUSIONS  # stdlib only too
+from k3rocm.serving.modelfacts import KIMI_K3_HEADS  # stdlib only too
 
 GLUON_MAX_HEADS = 15  # AiterMLAHelper._AITER_MIN_MLA_HEADS = 16 (0.27.1 .. 0.33)
 ROUTER = "vllm/v1/attention/backends/mla/rocm_aiter_mla.py"
@@ -300,8 +301,6 @@ def check(s: Any, sources: dict[str, str], facts: dict[str, Any] | None,
     if facts is None or not aiter_on:
         why = "AITER is off (VLLM_ROCM_USE_AITER != 1)" if facts else "facts unknown"
         return updates, argv, [f"base checks skipped: {why}"]
-    from k3rocm.serving.config import KIMI_K3_HEADS
-
     heads = KIMI_K3_HEADS // s.tp
     ver = value(facts, "vllm_version") or "?"
     kv = s.kv_cache_dtype

@@ -21,162 +21,31 @@ import shlex
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import ValidationError
 
 from k3rocm.errors import UsageError
 from k3rocm.serving import profiles
 from k3rocm.serving.fusions import FUSIONS, switches
+from k3rocm.serving.modelfacts import KIMI_K3_HEADS
+from k3rocm.serving.settings import (
+    ENV_NAME,
+    FIELD_BY_ENV,
+    FIELDS,
+    PREFIX,
+    VENDOR_PREFIXES,
+    Settings,
+)
 
-PREFIX = "K3_"
-KIMI_K3_HEADS = 96
 # The one redaction rule (printouts, run records, server env): these names, and any name ending
 # in one of SECRET_SUFFIXES.
 SECRET_KEYS = ("K3_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "VLLM_API_KEY",
                "OPENAI_API_KEY", "TOKEN", "API_KEY")
 SECRET_SUFFIXES = ("_TOKEN", "_API_KEY", "_SECRET", "_PASSWORD")
 REDACTED = "***"
-KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla")
 MTP_METHODS_WITH_DRAFT_MODEL = ("dspark", "eagle", "eagle3", "draft_model")
-MTP_METHODS = ("mtp", *MTP_METHODS_WITH_DRAFT_MODEL)
 
-Switch = Literal["on", "off"]
-
-
-def _env(name: str, help: str, group: str = "serving", **kw: Any) -> Any:
-    return Field(json_schema_extra={"env": PREFIX + name, "group": group}, description=help, **kw)
-
-
-class Settings(BaseModel):
-    """Every K3_* setting. Field order is the order of the README table."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    profile: str = _env(
-        "PROFILE", "Serving profile: defaults for everything below and the vendor environment.",
-        default="mi355x-tp8")
-    model: str = _env(
-        "MODEL", "A path inside the container (checkpoint under K3_MODELS_DIR, mounted at "
-        "/models); it must exist. A Hugging Face id only with K3_ALLOW_HUB_DOWNLOAD=1.",
-        default="/models/Kimi-K3")
-    allow_hub_download: bool = _env(
-        "ALLOW_HUB_DOWNLOAD", "Let K3_MODEL be a Hugging Face id that vLLM downloads into "
-        "K3_CACHE_DIR at start (Kimi-K3: ~1.56 TB) (1/0).", default=False)
-    served_model_name: str = _env(
-        "SERVED_MODEL_NAME", "Model name clients use.", default="moonshotai/Kimi-K3")
-    host: str = _env("HOST", "Address vLLM listens on inside the container.", default="0.0.0.0")
-    port: int = _env("PORT", "Port vLLM listens on (and the published host port).",
-                     default=8000, ge=1, le=65535)
-    tp: int = _env("TP", "Tensor parallel size; a positive divisor of Kimi-K3's 96 heads.",
-                   default=8)
-    mtp_k: int = _env("MTP_K", "Speculative tokens per step (MTP); 0 turns speculation off.",
-                      default=2, ge=0, le=16)
-    mtp_method: Literal["mtp", "dspark", "eagle", "eagle3", "draft_model"] = _env(
-        "MTP_METHOD", "Speculative method: mtp uses the model's own MTP head; "
-        "dspark/eagle/eagle3/draft_model need K3_MTP_MODEL.", default="mtp")
-    mtp_model: str | None = _env("MTP_MODEL", "Draft model for methods that need one.",
-                                 default=None)
-    mtp_attention_backend: str | None = _env(
-        "MTP_ATTENTION_BACKEND", "Attention backend of the draft model (e.g. TRITON_MLA).",
-        default=None)
-    kv_cache_dtype: Literal["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla"] = _env(
-        "KV_CACHE_DTYPE", "KV cache dtype; the decode Q-prep fusion needs fp8.", default="fp8")
-    max_model_len: int = _env("MAX_MODEL_LEN", "Maximum context length (tokens).",
-                              default=262144, ge=128, le=1048576)
-    gpu_memory_utilization: float | None = _env(
-        "GPU_MEMORY_UTILIZATION", "Fraction of GPU memory vLLM may use (0 < x <= 1).",
-        default=0.9, gt=0, le=1)
-    max_num_seqs: int = _env("MAX_NUM_SEQS", "Maximum concurrent sequences.",
-                             default=64, ge=1, le=4096)
-    max_num_batched_tokens: int | None = _env(
-        "MAX_NUM_BATCHED_TOKENS", "Token budget per engine step.", default=4096, ge=16,
-        le=1048576)
-    prefix_caching: bool = _env("PREFIX_CACHING", "Automatic prefix caching (1/0).", default=True)
-    enforce_eager: bool = _env("ENFORCE_EAGER", "Disable CUDA/HIP graphs (1/0).", default=False)
-    load_format: str = _env("LOAD_FORMAT", "Weight loader (fastsafetensors, safetensors, auto).",
-                            default="fastsafetensors")
-    trust_remote_code: bool = _env("TRUST_REMOTE_CODE", "Pass --trust-remote-code (1/0).",
-                                   default=True)
-    language_model_only: bool = _env("LANGUAGE_MODEL_ONLY",
-                                     "Skip the vision tower (--language-model-only) (1/0).",
-                                     default=True)
-    moe_backend: str | None = _env("MOE_BACKEND", "MoE backend (--moe-backend).", default="auto")
-    reasoning_parser: str | None = _env("REASONING_PARSER", "Reasoning parser.",
-                                        default="kimi_k3")
-    tool_call_parser: str | None = _env("TOOL_CALL_PARSER",
-                                        "Tool-call parser (enables auto tool choice).",
-                                        default="kimi_k3")
-    api_key: str | None = _env("API_KEY", "API key clients must send (given to vLLM as "
-                               "VLLM_API_KEY, never in argv; redacted in printouts).",
-                               default=None)
-    extra_args: str = _env("EXTRA_ARGS", "Extra `vllm serve` arguments, shell-quoted, appended "
-                           "last (after argv from the entrypoint).", default="")
-    # One switch per row of the fusion table (fuse_qk_norm, fuse_decode_qprep), in its order.
-    for _f in FUSIONS:
-        __annotations__[_f.field] = "bool"
-        locals()[_f.field] = _env(_f.env.removeprefix(PREFIX), _f.doc, "overlay",
-                                  default=_f.default)
-    del _f
-    base_check: Literal["enforce", "warn"] = _env(
-        "BASE_CHECK", "What the serving image's base facts (vLLM, AITER, the decode route at "
-        "the heads per rank) do to a setting it cannot run: enforce (exit 2 before the load) "
-        "or warn.", "overlay", default="enforce")
-    overlay: Literal["auto", "force", "off"] = _env(
-        "OVERLAY", "Overlay mode: auto (skip if vLLM ships amd/mla.py), force, off. A build arg "
-        "for the image and a run-time switch for the wiring.", "overlay", default="auto")
-    profiler_dir: str | None = _env(
-        "PROFILER_DIR", "When set, the torch profiler writes gzip traces here "
-        "(POST /start_profile, /stop_profile).", "profiling", default=None)
-    profiler_max_iterations: int = _env("PROFILER_MAX_ITERATIONS",
-                                        "Engine steps the profiler records (0 = until stopped).",
-                                        "profiling", default=6, ge=0)
-    profiler_delay_iterations: int = _env("PROFILER_DELAY_ITERATIONS",
-                                          "Engine steps to skip after /start_profile.",
-                                          "profiling", default=0, ge=0)
-    profiler_style: Literal["config", "env"] = _env(
-        "PROFILER_STYLE", "How to configure the profiler: --profiler-config (vLLM >= 0.27) or "
-        "VLLM_TORCH_PROFILER_DIR (older builds).", "profiling", default="config")
-    models_dir: str = _env("MODELS_DIR", "Host directory mounted read-only at /models.",
-                           "deployment", default="./models")
-    cache_dir: str = _env("CACHE_DIR", "Host directory for the HF, vLLM and AITER caches.",
-                          "deployment", default="./cache")
-    results_dir: str = _env("RESULTS_DIR", "Host directory for results (mounted at /results).",
-                            "deployment", default="./results")
-    bind_address: str = _env("BIND_ADDRESS", "Host address the port is published on.",
-                             "deployment", default="127.0.0.1")
-    image: str = _env("IMAGE", "Tag of the serving image compose builds and runs.", "deployment",
-                      default="k3rocm/server:latest")
-
-    @field_validator("profile")
-    @classmethod
-    def _profile_file_exists(cls, v: str) -> str:
-        if v not in profiles.names():
-            raise ValueError(f"is not a profile: use one of {', '.join(profiles.names())}")
-        return v
-
-    @field_validator("tp")
-    @classmethod
-    def _tp_divides_heads(cls, v: int) -> int:
-        if v < 1 or KIMI_K3_HEADS % v:
-            divisors = [d for d in range(1, KIMI_K3_HEADS + 1) if KIMI_K3_HEADS % d == 0]
-            raise ValueError(f"must be a positive divisor of {KIMI_K3_HEADS} heads: "
-                             f"one of {', '.join(map(str, divisors))}")
-        return v
-
-    @field_validator("extra_args")
-    @classmethod
-    def _extra_args_parse(cls, v: str) -> str:
-        try:
-            shlex.split(v)
-        except ValueError as exc:
-            raise ValueError(f"is not valid shell quoting ({exc})") from None
-        return v
-
-
-FIELDS = Settings.model_fields
-ENV_NAME = {name: f.json_schema_extra["env"] for name, f in FIELDS.items()}  # type: ignore[index]
-FIELD_BY_ENV = {env: name for name, env in ENV_NAME.items()}
 # K3_* variables that are not serving settings but are known (tests, tooling).
 KNOWN_OTHER = {
     "K3_RENDERED_FILE": "where `k3rocm serve` writes what it rendered "
@@ -201,12 +70,6 @@ KNOWN_OTHER.update({k: "scale-out setting (k3rocm scale config)" for k in SCALE_
 # Families of K3_* variables owned by tests (K3_TEST_*) and the client container (K3_GSM8K_*).
 KNOWN_PREFIXES = ("K3_TEST_", "K3_GSM8K_")
 
-# Vendor variables (vLLM, AITER, ROCm, RCCL, ...) a user may set in the shell or .env: they reach
-# the server container (compose: env_file .env and the file `k3rocm config --vendor-env-file`
-# writes from the shell) and `make config` prints them with their source.
-VENDOR_PREFIXES = ("VLLM_", "AITER_", "NCCL_", "RCCL_", "HSA_", "HIP_", "ROCM_", "ROCR_",
-                   "TRITON_", "TORCH_", "PYTORCH_", "MIOPEN_", "HF_", "HUGGING_FACE_",
-                   "SAFETENSORS_", "TOKENIZERS_", "GLOO_", "MORI_", "UCX_", "OMP_")
 # Container paths the profile sets: a host shell's value (e.g. HF_HOME=~/.cache/hf) is a host
 # path and is not carried into the container; set them in .env to change them.
 CONTAINER_PATH_KEYS = ("HF_HOME", "HF_HUB_CACHE", "HF_DATASETS_CACHE", "TRITON_CACHE_DIR",
@@ -436,12 +299,10 @@ def load_settings(environ: Mapping[str, str] | None = None,
             if key in FIELD_BY_ENV and raw != "":
                 layered[key] = (raw, src_name)
 
-    # The profile comes first: it decides the defaults of everything else.
-    profile = layered.get("K3_PROFILE", ("mi355x-tp8", "default"))[0]
-    if profile not in PROFILES:
-        raise UsageError(f"K3_PROFILE={profile!r} is not a profile: use one of "
-                         f"{', '.join(PROFILES)}")
-    profile_settings = PROFILES[profile]["settings"]
+    # The profile comes first: it decides the defaults of everything else. An unknown name is
+    # profiles.get's one-line error ("K3_PROFILE='x' is not a profile: use one of ...").
+    profile = layered.get("K3_PROFILE", (FIELDS["profile"].default, "default"))[0]
+    profile_settings = profiles.get(profile)["settings"]
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for name, f in FIELDS.items():

@@ -30,7 +30,8 @@ from typing import Any
 from k3rocm.deploy.scale.render import NOT_VALIDATED, STOP_MARGIN_S, NodePlan, Plan, drain_timeout
 from k3rocm.deploy.scale.settings import check_image_ref
 from k3rocm.errors import UsageError
-from k3rocm.serving.config import ENV_NAME, SECRET_KEYS, Settings
+from k3rocm.serving.config import SECRET_KEYS
+from k3rocm.serving.settings import ENV_NAME, Settings
 
 K8S_VERSION = "1.33.0"  # schema version the renderings are checked against
 APP = "k3rocm-server"

@@ -29,7 +29,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from k3rocm.errors import UsageError
+from k3rocm.serving.settings import ENV_NAME, FIELD_BY_ENV, PREFIX, VENDOR_PREFIXES, Settings
 
 SUFFIX = ".yaml"
 HARDWARE = ("amd", "cpu")
@@ -179,8 +182,6 @@ def _only(block: dict[str, Any], allowed: tuple[str, ...], where: str, prefix: s
 
 def _args(block: Any, where: str, key: str) -> dict[str, Any]:
     """``K3_NAME: value`` -> ``{field: value}``; unknown settings are errors."""
-    from k3rocm.serving.config import FIELD_BY_ENV
-
     if block is None:
         return {}
     if not isinstance(block, dict):
@@ -198,8 +199,6 @@ def _args(block: Any, where: str, key: str) -> dict[str, Any]:
 
 
 def _env(block: Any, where: str, key: str) -> dict[str, str]:
-    from k3rocm.serving.config import PREFIX, VENDOR_PREFIXES
-
     if block is None:
         return {}
     if not isinstance(block, dict):
@@ -219,10 +218,6 @@ def _env(block: Any, where: str, key: str) -> dict[str, str]:
 
 def _validate_values(settings: dict[str, Any], where: str) -> None:
     """Each value as the Settings model would take it (other fields at their defaults)."""
-    from pydantic import ValidationError
-
-    from k3rocm.serving.config import ENV_NAME, Settings
-
     try:
         Settings(**settings)
     except ValidationError as exc:
