@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
+from statistics import NormalDist
 from typing import Any
 
 from k3rocm.checks.bench import summary
@@ -46,6 +47,8 @@ AB_METRICS: list[tuple[str, str, str, bool]] = [
 ]
 ALPHA = 0.05
 POWER = 0.80
+_NORMAL = NormalDist()
+_z = _NORMAL.inv_cdf  # standard normal quantile
 MULTIPLICITY = "Holm (step-down) over the secondary rows, family-wise 5%"
 
 
@@ -53,8 +56,6 @@ def run_stat(values: Sequence[float] | float, stat: str) -> float:
     """One run's statistic: a run-level float as is, else avg/pXX over its requests."""
     if isinstance(values, (int, float)):
         return float(values)
-    if stat == "avg":
-        return sum(values) / len(values)
     return summary.stat_of(values, stat)  # as the summary computes it
 
 
@@ -294,22 +295,10 @@ def paired_accuracy(a: Sequence[bool], b: Sequence[bool], margin: float,
             "margin": margin, "lower_bound": lower, "non_inferior": lower > -margin}
 
 
-def _z(p: float) -> float:
-    """Standard normal quantile (bisection on erf; p in (0.5, 1))."""
-    lo, hi = 0.0, 10.0
-    for _ in range(100):
-        mid = (lo + hi) / 2
-        if 0.5 * (1 + math.erf(mid / math.sqrt(2))) < p:
-            lo = mid
-        else:
-            hi = mid
-    return (lo + hi) / 2
-
-
 def noninferiority_power(n: int, margin: float, discordant: float, alpha: float = ALPHA) -> float:
     """Power to show non-inferiority (one-sided ``alpha``) with ``n`` paired items when the arms
     are truly equally accurate and a fraction ``discordant`` of items differ between them."""
     sd = math.sqrt(discordant / n)
     if sd == 0:
         return 1.0
-    return 0.5 * (1 + math.erf((margin / sd - _z(1 - alpha)) / math.sqrt(2)))
+    return _NORMAL.cdf(margin / sd - _z(1 - alpha))
