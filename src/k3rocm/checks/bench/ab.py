@@ -16,26 +16,20 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import os
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from k3rocm.checks.ab import arms as armlib
 from k3rocm.checks.bench import runner, stats, summary
-from k3rocm.checks.bench.run import (
-    EXIT_FAILED,
-    EXIT_INTERRUPTED,
-    EXIT_OK,
-    check_tokenizer,
-    run_bench,
-)
+from k3rocm.checks.bench.run import check_tokenizer, run_bench
 from k3rocm.checks.bench.workloads import Workload, shell_line
-from k3rocm.errors import UsageError, tagged_log
+from k3rocm.errors import EXIT_CHECK_FAILED as EXIT_FAILED
+from k3rocm.errors import EXIT_INTERRUPTED, EXIT_OK, UsageError, tagged_log
 from k3rocm.rundir import create_run_dir, write_json_atomic, write_text_atomic
 from k3rocm.serving.fusions import NAME_OF_ENV
 
@@ -52,22 +46,10 @@ class ABPlan:
     noise_floor_dir: Path | None = None
     primary: tuple[str, int] = ("ITL p50", 1)
     progress: bool = True
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def mode(self) -> str:  # "ab" | "aa" | "cal"
         return self.arms.mode
-
-    @property
-    def repeats(self) -> int:
-        return self.arms.repeats
-
-    @property
-    def arm_env(self) -> dict[str, dict[str, str]]:
-        return self.arms.arm_env
-
-    def slots(self) -> list[str]:
-        return self.arms.slots()
 
     def protocol_key(self, image_id: str | None) -> str:
         """Same key <=> same protocol: workload protocol, server image, server env minus the
@@ -81,29 +63,28 @@ class ABPlan:
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     def describe(self) -> list[str]:
-        w = self.workload
+        w, a = self.workload, self.arms
         if self.mode == "aa":
-            arms = "A/A: both arms identical (" + _env_str(self.arm_env["A"]) + ")"
+            arms = "A/A: both arms identical (" + _env_str(a.arm_env["A"]) + ")"
         elif self.mode == "cal":
-            arms = (f"calibration: both arms {_env_str(self.arm_env['A'])}; arm B with an "
-                    f"injected {self.arms.delay_ms:g} ms per engine step "
+            arms = (f"calibration: both arms {_env_str(a.arm_env['A'])}; arm B with an "
+                    f"injected {a.delay_ms:g} ms per engine step "
                     f"({armlib.STEP_DELAY_ENV}, CPU stand-in test double)")
         else:
-            arms = (f"A = fusions off ({_env_str(self.arm_env['A'])}), B = fusions on "
-                    f"({_env_str(self.arm_env['B'])})")
+            arms = (f"A = fusions off ({_env_str(a.arm_env['A'])}), B = fusions on "
+                    f"({_env_str(a.arm_env['B'])})")
         k = self.runs_per_server
         runs = ("the complete workload" if k == 1 else
                 f"the complete workload {k} times back to back (run 1 on the fresh server, "
                 f"run 2.. on the same server: identical for both arms)")
         return [
             f"mode {self.mode.upper()}: {arms}",
-            f"order {' '.join(self.slots())} ({self.repeats} server(s) per arm, interleaved; "
-            f"{self.repeats * k} run(s) per arm)",
+            f"order {' '.join(a.slots())} ({a.repeats} server(s) per arm, interleaved; "
+            f"{a.repeats * k} run(s) per arm)",
             "every slot: a freshly started server (its own compose project, image "
-            f"{self.arms.image or 'compose default'}), wait until ready, {runs} `{w.name}` "
-            "with its "
-            f"own {w.warmup_request_count} warmup requests per point, then the server is stopped",
-            f"topology: {_env_str(self.arms.topology())}",
+            f"{a.image or 'compose default'}), wait until ready, {runs} `{w.name}` with its own "
+            f"{w.warmup_request_count} warmup requests per point, then the server is stopped",
+            f"topology: {_env_str(a.topology())}",
             "statistic: the server is the unit: one value per server (mean over its runs of the "
             "run's value from its per-request records); effect d = (B - A) / A on the geometric "
             "means; two-sided t test on log server values, 5% false-positive rate at any number "
@@ -111,12 +92,12 @@ class ABPlan:
             "variance component",
             f"primary metric (declared before the run): {self.primary[0]} at c="
             f"{self.primary[1]}, judged at 5%; other rows: {stats.MULTIPLICITY}",
-            "drift: A B B A order" + (" balances linear drift" if self.repeats % 2 == 0 else
-                                       f"; with odd repeats ({self.repeats}) the drift of "
-                                       f"1/{self.repeats} slot stays in the effect"),
-            f"server env (both arms): {_env_str(self.arms.describe_env())}"
+            "drift: A B B A order" + (" balances linear drift" if a.repeats % 2 == 0 else
+                                       f"; with odd repeats ({a.repeats}) the drift of "
+                                       f"1/{a.repeats} slot stays in the effect"),
+            f"server env (both arms): {_env_str(a.describe_env())}"
             + ("; EngineCore pinned to the worker's cores (CPU stand-in)"
-               if self.arms.pin_engine_core else ""),
+               if a.pin_engine_core else ""),
         ]
 
 
@@ -132,16 +113,17 @@ def dry_run_lines(plan: ABPlan) -> list[str]:
     from k3rocm.checks.bench.run import planned_command
     from k3rocm.rundir import utc_stamp
 
+    arms = plan.arms
     lines = [f"# {x}" for x in plan.describe()]
     run_dir = plan.results.resolve() / f"{utc_stamp()}-{plan.workload.name}-{plan.mode}"
-    for i, arm in enumerate(plan.slots()):
-        env = {**plan.arms.compose_env(arm), **plan.arms.arm_container_env.get(arm, {})}
+    for i, arm in enumerate(arms.slots()):
+        env = {**arms.compose_env(arm), **arms.arm_container_env.get(arm, {})}
         lines.append(f"# slot {i} arm {arm}: compose up (server) with {_env_str(env)}")
-        if plan.arms.scale is not None:
+        if arms.scale is not None:
             from k3rocm.deploy.scale.render import router_argv
 
-            lines.append(f"#   replicas on ports {plan.arms.replica_ports} (K3_PORT each), "
-                         f"then the router: {' '.join(router_argv(plan.arms.scale))}")
+            lines.append(f"#   replicas on ports {arms.replica_ports} (K3_PORT each), "
+                         f"then the router: {' '.join(router_argv(arms.scale))}")
         for k in range(plan.runs_per_server):
             lines.append(shell_line(planned_command(plan.workload,
                                                     run_dir / "runs" / _run_name(i, arm, k))))
@@ -152,19 +134,18 @@ def dry_run_lines(plan: ABPlan) -> list[str]:
 
 
 def run_ab(plan: ABPlan, docker=None) -> int:
-    w = plan.workload
+    w, arms = plan.workload, plan.arms
     check_tokenizer(w.tokenizer)
-    armlib.check_port(plan.arms)
+    armlib.check_port(arms)
     client = docker or runner.docker_client()
-    runner.check_client_image(client, plan.client_image)
-    image_ref, image_id = armlib.image_id(plan.arms, client)
-    armlib.announce(plan.arms, plan.results, plan.runs_per_server)
+    runner.image_id(client, plan.client_image)
+    image_ref, image_id = armlib.image_id(arms, client)
+    armlib.announce(arms, plan.results, plan.runs_per_server)
     key = plan.protocol_key(image_id)
     before = find_noise_floor(plan, key, field="planned_key")
-    comp_b = _floor_for({**before, "same_protocol": True}, plan.primary[1], plan.primary[0]) \
-        if before else None
-    design_before = stats.design_line(comp_b and comp_b["var_log"],
-                                      comp_b["df"] if comp_b else 0, plan.repeats,
+    comp_b = (_floor_for({**before, "same_protocol": True}, plan.primary[1], plan.primary[0])
+              if before else None) or {}
+    design_before = stats.design_line(comp_b.get("var_log"), comp_b.get("df", 0), arms.repeats,
                                       plan.primary[0])
     if before:
         design_before += f" (from the A/A {before['dir']})"
@@ -174,11 +155,10 @@ def run_ab(plan: ABPlan, docker=None) -> int:
     plan_doc = {"mode": plan.mode, "planned_key": key, "protocol": plan.describe(),
                 "primary": {"metric": plan.primary[0], "concurrency": plan.primary[1]},
                 "design_before": design_before,
-                "workload": w.model_dump(mode="json"), "slots": plan.slots(),
-                "arm_env": plan.arm_env, "arm_container_env": plan.arms.arm_container_env,
+                "workload": w.model_dump(mode="json"), "slots": arms.slots(),
+                "arm_env": arms.arm_env, "arm_container_env": arms.arm_container_env,
                 "server_image": image_ref, "server_image_id": image_id,
-                "server_env": plan.arms.describe_env(), "topology": plan.arms.topology(),
-                **plan.extra}
+                "server_env": arms.describe_env(), "topology": arms.topology()}
     write_json_atomic(ab_dir / "plan.json", plan_doc)
 
     runs: list[dict[str, Any]] = []
@@ -188,15 +168,15 @@ def run_ab(plan: ABPlan, docker=None) -> int:
     t_all = time.time()
     slot_dir = ab_dir / "runs"
     slot_dir.mkdir(parents=True, exist_ok=True)
-    for i, arm in enumerate(plan.slots()):
-        _log(f"slot {i + 1}/{len(plan.slots())} arm {arm}: starting a fresh server "
-             f"({_env_str({**plan.arm_env[arm], **plan.arms.arm_container_env.get(arm, {})})})")
+    for i, arm in enumerate(arms.slots()):
+        server_log = slot_dir / f"{i:02d}-{arm}-server.log"
+        _log(f"slot {i + 1}/{len(arms.slots())} arm {arm}: starting a fresh server "
+             f"({_env_str({**arms.arm_env[arm], **arms.arm_container_env.get(arm, {})})})")
         slot_failed = None
         info: dict[str, Any] = {"server": None, "server_ready_s": None, "pin": None}
         t0 = time.time()
         try:
-            with armlib.arm_server(plan.arms, i, arm, stamp,
-                                   slot_dir / f"{i:02d}-{arm}-server.log", ab_dir / "servers",
+            with armlib.arm_server(arms, i, arm, stamp, server_log, ab_dir / "servers",
                                    model=w.model, api_key=w.api_key, client=client
                                    ) as (srv, info):
                 container = srv.container(client)
@@ -205,26 +185,22 @@ def run_ab(plan: ABPlan, docker=None) -> int:
                     run_dir.mkdir()
                     entry: dict[str, Any] = {
                         "slot": i, "arm": arm, "run": k, "server": info["server"],
-                        "run_dir": str(run_dir), "status": "failed", "env": plan.arm_env[arm],
-                        "container_env": plan.arms.arm_container_env.get(arm, {}),
+                        "run_dir": str(run_dir), "status": "failed", "env": arms.arm_env[arm],
+                        "container_env": arms.arm_container_env.get(arm, {}),
                         "server_ready_s": info["server_ready_s"], "pin": info["pin"]}
                     runs.append(entry)
                     t1 = time.time()
                     res = run_bench(w, results=plan.results, client_image=plan.client_image,
                                     server_timeout=30, progress=plan.progress,
-                                    server_container=container, docker=client,
-                                    run_dir=run_dir,
-                                    extra_provenance={"ab": {"mode": plan.mode, "slot": i,
-                                                             "arm": arm, "run": k,
-                                                             "protocol_key": key,
-                                                             "compose_project":
-                                                                 info["server"],
-                                                             "topology": info["topology"]}})
+                                    server_container=container, docker=client, run_dir=run_dir,
+                                    extra_provenance={"ab": {
+                                        "mode": plan.mode, "slot": i, "arm": arm, "run": k,
+                                        "protocol_key": key, "compose_project": info["server"],
+                                        "topology": info["topology"]}})
                     entry.update(status=res.status, message=res.message,
                                  seconds=round(time.time() - t1, 1))
                     write_json_atomic(ab_dir / "runs.json", runs)
-                    if res.status == "interrupted":
-                        interrupted = True
+                    interrupted = res.status == "interrupted"
                     if res.status != "ok":
                         break
         except KeyboardInterrupt:
@@ -234,14 +210,13 @@ def run_ab(plan: ABPlan, docker=None) -> int:
             slot_failed = str(exc)
             _log(f"slot {i} failed: {exc}")
         slots_info.append({"slot": i, "arm": arm, "server": info["server"],
-                           "fusions": fusion_states(slot_dir / f"{i:02d}-{arm}-server.log"),
+                           "fusions": fusion_states(server_log),
                            "server_ready_s": info["server_ready_s"],
                            "seconds": round(time.time() - t0, 1), "error": slot_failed})
         if slot_failed and not any(r["slot"] == i for r in runs):
             runs.append({"slot": i, "arm": arm, "run": 0, "server": info["server"],
-                         "run_dir": None,
-                         "status": "interrupted" if interrupted else "failed",
-                         "message": slot_failed, "env": plan.arm_env[arm]})
+                         "run_dir": None, "status": "interrupted" if interrupted else "failed",
+                         "message": slot_failed, "env": arms.arm_env[arm]})
         write_json_atomic(ab_dir / "runs.json", runs)
         if interrupted or slot_failed or any(r["status"] != "ok" for r in runs):
             break
@@ -249,7 +224,7 @@ def run_ab(plan: ABPlan, docker=None) -> int:
     rkey, diffs = recorded_protocol(w, runs, plan.mode, plan.runs_per_server)
     floor_doc = None if plan.mode == "aa" else find_noise_floor(plan, rkey or "")
     comp = compare(w, runs, plan.mode, rkey or "", floor_doc, plan.primary, plan.describe())
-    fusion_problems = fusion_check(slots_info, plan.arm_env)
+    fusion_problems = fusion_check(slots_info, arms.arm_env)
     comp.update(planned_key=key, design_before=design_before, protocol_differences=diffs,
                 fusion_problems=fusion_problems)
     refused = [f for f in fusion_problems if "decided" in f]
@@ -267,7 +242,7 @@ def run_ab(plan: ABPlan, docker=None) -> int:
         comp["protocol_key"] = None
         comp["headline"] += "; FLAGGED (not used as a variance component): " + " | ".join(diffs)
     if plan.mode == "cal":
-        comp["calibration"] = calibration(comp, plan.arms.delay_ms)
+        comp["calibration"] = calibration(comp, arms.delay_ms)
     comp["slots"] = slots_info
     comp["wall_seconds"] = round(time.time() - t_all, 1)
     comp["interrupted"] = interrupted
@@ -275,7 +250,7 @@ def run_ab(plan: ABPlan, docker=None) -> int:
     write_text_atomic(ab_dir / "comparison.md", comparison_markdown(comp))
     _plot(comp, runs, ab_dir)
     n_ok = sum(r["status"] == "ok" for r in runs)
-    total = len(plan.slots()) * plan.runs_per_server
+    total = len(arms.slots()) * plan.runs_per_server
     if interrupted:
         print(f"k3rocm: error: bench-ab interrupted after {n_ok} of {total} runs; what finished "
               f"is compared in {ab_dir}", file=sys.stderr)
@@ -658,15 +633,11 @@ def find_noise_floor(plan: ABPlan, key: str, field: str = "protocol_key") -> dic
 
 
 def _pct(v: float | None) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "n/a"
-    return f"{v * 100:+.2f}%"
+    return summary.fmt(v, "+.2f", 100, "%")
 
 
 def _num(v: float | None) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "n/a"
-    return f"{v:.4g}"
+    return summary.fmt(v, ".4g")
 
 
 def comparison_markdown(comp: dict) -> str:
@@ -723,8 +694,8 @@ def comparison_markdown(comp: dict) -> str:
         for i in comp["inputs"]:
             lines.append(f"| {i['slot']} | {i['arm']} | {i['concurrency']} | "
                          f"{_num(i['osl_mismatch_count'])} | "
-                         f"{_rate(i['prefix_cache_hit_rate'])} | "
-                         f"{_rate(i['mtp_acceptance_rate'])} | "
+                         f"{summary.rate(i['prefix_cache_hit_rate'])} | "
+                         f"{summary.rate(i['mtp_acceptance_rate'])} | "
                          f"{'; '.join(i['flags']) or 'none'} |")
     prim = comp.get("primary") or {}
     lines += ["", "## Comparison (B vs A), one value per server", "",
@@ -743,7 +714,8 @@ def comparison_markdown(comp: dict) -> str:
         lines.append(
             f"| {r['concurrency']} | {name} | {_vals(r.get('server_values_a'))} | "
             f"{_vals(r.get('server_values_b'))} | {_pct(r.get('d'))} | "
-            f"[{_pct(r.get('lo'))}, {_pct(r.get('hi'))}] | {p_txt} | {_mde(r.get('mde'))} | "
+            f"[{_pct(r.get('lo'))}, {_pct(r.get('hi'))}] | {p_txt} | "
+            f"{summary.fmt(r.get('mde'), '.2f', 100, '%')} | "
             f"{r.get('servers_for_1pct') or 'n/a'} | {r['verdict']} |")
     lines += ["", f"Headline: {comp['headline']}", "",
               "Latency in ms (lower is faster), output tokens/s (higher is faster). Each arm "
@@ -754,15 +726,7 @@ def comparison_markdown(comp: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _rate(v: float | None) -> str:
-    return "n/a" if v is None else f"{v:.1%}"
-
-
 COVERED = {True: "yes", False: "**NO**", None: "n/a"}
-
-
-def _mde(v: float | None) -> str:
-    return "n/a" if v is None else f"{v * 100:.2f}%"
 
 
 def _vals(xs: Sequence[float] | None) -> str:

@@ -15,7 +15,7 @@ from k3rocm.deploy import runrecord
 from k3rocm.deploy.provenance import served_as
 from k3rocm.deploy.readiness import wait_ready
 from k3rocm.errors import EXIT_CHECK_FAILED as EXIT_FAILED
-from k3rocm.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_SERVER, EXIT_USAGE, UsageError, tagged_log  # noqa: F401
+from k3rocm.errors import EXIT_INTERRUPTED, EXIT_OK, UsageError, tagged_log
 from k3rocm.rundir import create_run_dir, utc_stamp, write_json_atomic, write_text_atomic
 from k3rocm.serving.config import redact_argv
 
@@ -80,7 +80,7 @@ def run_bench(w: Workload, *, results: Path, client_image: str, server_timeout: 
     """Run one workload against an already running server; always writes a complete run dir."""
     tok = check_tokenizer(w.tokenizer)
     client = docker or runner.docker_client()
-    image_id = runner.check_client_image(client, client_image)
+    image_id = runner.image_id(client, client_image)
     wait_ready(w.url, w.model, server_timeout, api_key=w.api_key)
     if run_dir is None:
         run_dir = create_run_dir(results, label or w.name)

@@ -36,10 +36,6 @@ def container_path(host: str | os.PathLike) -> str:
     return p
 
 
-def check_client_image(client, image: str) -> str:
-    return image_id(client, image)
-
-
 def client_aiperf_version(client, image: str) -> str | None:
     try:
         out = client.containers.run(image, ["aiperf", "--version"], remove=True,

@@ -34,8 +34,6 @@ LATENCY_METRICS: dict[str, tuple[str, str, str]] = {
     "tps_user": ("output_token_throughput_per_user", "tokens/s per user", "tokens/s/user"),
 }
 STATS = ("avg", "p50", "p90", "p99")
-PCT = {"p1": 1, "p5": 5, "p10": 10, "p25": 25, "p50": 50, "p75": 75, "p90": 90, "p95": 95,
-       "p99": 99}
 MAD_COLUMNS = ["model", "benchmark", "tp", "inp", "out", "num_prompts", "max_concurrency", "cmd",
                "performance", "metric", "unit"]
 _POINT_RE = re.compile(r"^concurrency_(\d+)__requests_(\d+)$")
@@ -57,7 +55,7 @@ def stat_of(values: Sequence[float], stat: str) -> float:
         return math.nan
     if stat == "avg":
         return sum(values) / len(values)
-    return percentile(values, PCT[stat])
+    return percentile(values, float(stat.removeprefix("p")))  # p50 -> 50
 
 
 # ---------------------------------------------------------------------------------------------
@@ -385,10 +383,10 @@ def summarize(artifact_dir: Path, points: Sequence[tuple[int, int]], per_step: i
     step streams, see :func:`tokens_per_step`); with ``expect`` ({isl, osl, prefix_caching})
     its ``flags`` say where the inputs were not what the workload asked for."""
     dirs = find_point_dirs(artifact_dir)
-    if len(points) == 1 and not dirs and (artifact_dir / "profile_export.jsonl").exists():
+    if len(points) == 1 and not dirs and any(
+            (artifact_dir / f).exists()
+            for f in ("profile_export.jsonl", "profile_export_aiperf.json")):
         dirs = {points[0]: artifact_dir}  # single-point runs write straight into artifact_dir
-    elif len(points) == 1 and not dirs and (artifact_dir / "profile_export_aiperf.json").exists():
-        dirs = {points[0]: artifact_dir}
     out = []
     for c, n in points:
         point = summarize_point(dirs.get((c, n)), c, n)
@@ -436,14 +434,19 @@ def perf_csv(points: Sequence[dict], *, model: str, benchmark: str, tp: Any, inp
     return buf.getvalue()
 
 
-def _fmt(v: float | None, digits: int = 2) -> str:
+def fmt(v: float | None, spec: str = ".2f", scale: float = 1, suffix: str = "") -> str:
+    """``v * scale`` formatted by ``spec`` (+ ``suffix``); "n/a" for a missing or NaN value."""
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "n/a"
-    return f"{v:.{digits}f}"
+    return f"{v * scale:{spec}}{suffix}"
 
 
-def _rate(v: float | None) -> str:
-    return "n/a" if v is None else f"{v:.1%}"
+def _fmt(v: float | None, digits: int = 2) -> str:
+    return fmt(v, f".{digits}f")
+
+
+def rate(v: float | None) -> str:
+    return fmt(v, ".1%")
 
 
 def markdown_report(points: Sequence[dict], title: str, protocol_lines: Sequence[str]) -> str:
@@ -470,8 +473,8 @@ def markdown_report(points: Sequence[dict], title: str, protocol_lines: Sequence
         sm = p.get("server_metrics") or {}
         lines.append(f"| {p['concurrency']} | {_fmt(p.get('isl_avg'), 1)} | "
                      f"{_fmt(p.get('osl_avg'), 1)} | {_fmt(p.get('osl_mismatch_count'), 0)} | "
-                     f"{_rate(sm.get('prefix_cache_hit_rate'))} | "
-                     f"{_rate(sm.get('mtp_acceptance_rate'))} |")
+                     f"{rate(sm.get('prefix_cache_hit_rate'))} | "
+                     f"{rate(sm.get('mtp_acceptance_rate'))} |")
     for p in points:
         lines += ["", f"## concurrency {p['concurrency']} ({p['request_count']} requests): "
                       f"{p['status']}", ""]
