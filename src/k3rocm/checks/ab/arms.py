@@ -205,13 +205,10 @@ def arms_from_args(args: argparse.Namespace, on_env: dict[str, str] | None = Non
                              "(--no-gpu): the delay switch is never in the serving image", 2)
         if not 0 < delay <= 10000:
             raise UsageError(f"--calibrate-delay-ms {delay:g}: must be in (0, 10000]", 2)
-        container_env["B"] = {STEP_DELAY_ENV: f"{delay:g}",
-                              "PYTHONPATH": STEP_DELAY_MOUNT}
+        container_env["B"] = {STEP_DELAY_ENV: f"{delay:g}", "PYTHONPATH": STEP_DELAY_MOUNT}
+    if delay is not None or args.aa:  # calibration: an A/A with the delay in arm B
         same = on if args.aa_fusions == "on" else off
-        arm_env, mode = {"A": dict(same), "B": dict(same)}, "cal"
-    elif args.aa:
-        same = on if args.aa_fusions == "on" else off
-        arm_env, mode = {"A": dict(same), "B": dict(same)}, "aa"
+        arm_env, mode = {"A": dict(same), "B": dict(same)}, "aa" if delay is None else "cal"
     else:
         arm_env, mode = {"A": off, "B": on}, "ab"
     models_dir = args.models_dir or str(dep.models_dir)
@@ -307,7 +304,7 @@ def announce(arms: Arms, results: Path, runs_per_slot: int = 1) -> None:
          f"{secs / 60:.1f} min ({how})")
 
 
-def check_port(arms: Arms, env_file: str = ".env") -> None:
+def check_port(arms: Arms) -> None:
     """Refuse (exit 2) when something serves --port, unless --stop-running: then the
     deployment's compose server is stopped through the lifecycle (log saved first)."""
     from k3rocm.deploy.readiness import answers
@@ -329,7 +326,7 @@ def check_port(arms: Arms, env_file: str = ".env") -> None:
         raise UsageError(f"a server already runs on port {arms.port} ({url}): the A/B starts "
                          "its own fresh servers there; stop it with `make down` or pass "
                          "--stop-running (or use another --port)", 2)
-    srv, dep = deployment_server(env_file, gpu=not arms.cpu)
+    srv, dep = deployment_server(arms.env_file, gpu=not arms.cpu)
     if srv.state() is None:
         raise UsageError(f"--stop-running: what answers on {url} is not the compose server "
                          f"of project {srv.project}; stop it yourself or use another --port", 2)
@@ -347,9 +344,7 @@ def check_port(arms: Arms, env_file: str = ".env") -> None:
 
 @contextlib.contextmanager
 def arm_server(arms: Arms, slot: int, arm: str, stamp: str, log_path: Path, env_dir: Path,
-               model: str, api_key: str | None = None, client=None,
-               extra_env: dict[str, str] | None = None,
-               extra_container_env: dict[str, str] | None = None
+               model: str, api_key: str | None = None, client=None
                ) -> Iterator[tuple[ComposeServer, dict]]:
     """Fresh server(s) for one slot: compose up (one project per replica), wait until ready
     (progress, stated timeout), pin the EngineCore (stand-in), start the router (replicas),
@@ -362,10 +357,9 @@ def arm_server(arms: Arms, slot: int, arm: str, stamp: str, log_path: Path, env_
         project = base if len(ports) == 1 else f"{base}-r{r}"
         servers.append(ComposeServer(
             project=project, cpu=arms.cpu,
-            env={**arms.compose_env(arm, port), **(extra_env or {})},
+            env=arms.compose_env(arm, port),
             # --server-env reaches the container whether compose.yaml lists it or not
-            container_env={**arms.server_env, **arms.arm_container_env.get(arm, {}),
-                           **(extra_container_env or {})},
+            container_env={**arms.server_env, **arms.arm_container_env.get(arm, {})},
             url=f"http://127.0.0.1:{port}", model=model, api_key=api_key, env_dir=env_dir))
     logs = [log_path if len(ports) == 1 else
             log_path.with_name(f"{log_path.stem}-r{r}{log_path.suffix}")
@@ -411,15 +405,15 @@ def arm_server(arms: Arms, slot: int, arm: str, stamp: str, log_path: Path, env_
             srv.down(log_path=log)
 
 
-def arm_deployment(arms: Arms, env_file: str | None = None):
+def arm_deployment(arms: Arms):
     """The deployment the arm servers run (:func:`k3rocm.deploy.deployment.load_deployment`):
     the arm's environment on top of the settings (shell > .env > profile > default), with
     the arm servers' CPU/GPU decision, as compose and the entrypoint see it."""
-    return resolve_settings(arms.env_file if env_file is None else env_file,
-                            {**os.environ, **arms.compose_env("B")}, gpu=not arms.cpu)
+    return resolve_settings(arms.env_file, {**os.environ, **arms.compose_env("B")},
+                            gpu=not arms.cpu)
 
 
-def served_model(arms: Arms, env_file: str | None = None) -> tuple[str, str | None]:
+def served_model(arms: Arms) -> tuple[str, str | None]:
     """(served model name, API key) the arm servers will have."""
-    dep = arm_deployment(arms, env_file)
+    dep = arm_deployment(arms)
     return dep.served_model_name, dep.api_key
