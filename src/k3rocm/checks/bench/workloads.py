@@ -167,8 +167,7 @@ def _parse_value(field: str, raw: str) -> Any:
         except ValueError as exc:
             raise UsageError(f"extra_args={raw!r} is not valid shell quoting ({exc})") from None
     if field in _LIST_FIELDS:
-        items = [x.strip() for x in raw.split(",") if x.strip()]
-        return items if field == "extra_inputs" else items
+        return [x.strip() for x in raw.split(",") if x.strip()]
     if Workload.model_fields[field].annotation is bool:
         low = raw.lower()
         if low in ("1", "true", "yes", "on"):
