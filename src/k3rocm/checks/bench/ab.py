@@ -130,9 +130,6 @@ def dry_run_lines(plan: ABPlan) -> list[str]:
     return lines
 
 
-# ---------------------------------------------------------------------------------------------
-
-
 def run_ab(plan: ABPlan, docker=None) -> int:
     w, arms = plan.workload, plan.arms
     check_tokenizer(w.tokenizer)
@@ -286,9 +283,6 @@ def refusal(comp: dict, ab_dir: Path) -> str | None:
                 f"{_pct(m['expected_d'])} outside the CI [{_pct(m['lo'])}, {_pct(m['hi'])}] "
                 f"(report in {ab_dir})")
     return None
-
-
-# ---------------------------------------------------------------------------------------------
 
 
 def _run_values(run_dir: Path, c: int, n: int) -> dict[str, Any] | None:
@@ -741,21 +735,14 @@ def _plot(comp: dict, runs: Sequence[dict], out: Path) -> None:
     if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7, 4))
-    for idx, r in enumerate(runs):
-        if r["status"] != "ok" or not r.get("run_dir"):
-            continue
-        try:
-            doc = json.loads((Path(r["run_dir"]) / "summary.json").read_text())
-        except (OSError, json.JSONDecodeError):
-            continue
-        for p in doc["points"]:
-            v = summary._m(p, "itl", "p50")
-            if v is not None:
-                ax.scatter(idx, v, color="tab:blue" if r["arm"] == "A" else "tab:orange",
-                           marker="o" if p["concurrency"] == doc["points"][0]["concurrency"]
-                           else "s")
-                ax.annotate(f"c={p['concurrency']}", (idx, v), fontsize=7,
-                            textcoords="offset points", xytext=(3, 3))
+    first_c = comp["rows"][0]["concurrency"] if comp["rows"] else None  # rows in sweep order
+    for r, p in _run_points([r for r in runs if r["status"] == "ok"]):
+        idx, v = runs.index(r), summary._m(p, "itl", "p50")
+        if v is not None:
+            ax.scatter(idx, v, color="tab:blue" if r["arm"] == "A" else "tab:orange",
+                       marker="o" if p["concurrency"] == first_c else "s")
+            ax.annotate(f"c={p['concurrency']}", (idx, v), fontsize=7,
+                        textcoords="offset points", xytext=(3, 3))
     ax.set_xlabel("run (in order); blue = A, orange = B")
     ax.set_ylabel("ITL p50 (ms)")
     ax.set_title(f"bench-ab {comp['mode'].upper()} {comp['workload']}: ITL p50 per run")

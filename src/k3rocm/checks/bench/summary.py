@@ -58,8 +58,7 @@ def stat_of(values: Sequence[float], stat: str) -> float:
     return percentile(values, float(stat.removeprefix("p")))  # p50 -> 50
 
 
-# ---------------------------------------------------------------------------------------------
-# per-request records
+# --- per-request records
 
 
 def read_records(point_dir: Path) -> list[dict]:
@@ -133,8 +132,7 @@ def recompute_from_records(point_dir: Path) -> dict[str, Any]:
     return out
 
 
-# ---------------------------------------------------------------------------------------------
-# sweep points
+# --- sweep points
 
 
 def find_point_dirs(artifact_dir: Path) -> dict[tuple[int, int], Path]:
@@ -232,8 +230,7 @@ def check_against_records(point: dict, rec: dict, rel_tol: float) -> dict[str, A
     return {"compared": n, "ok": not mismatches, "mismatches": mismatches}
 
 
-# ---------------------------------------------------------------------------------------------
-# is the stream per token?
+# --- is the stream per token?
 
 # A streamed chunk may carry at most this many tokens times the tokens one engine step can deliver
 # (1, or 1 + num_speculative_tokens with speculative decoding) before the point is "bunched".
@@ -269,21 +266,20 @@ def stream_shape(point_dir: Path | None) -> dict[str, Any] | None:
         return None
     ok, _ = profiling_records(read_records(point_dir))
     chunks, tokens, gen_ms, itl = [], [], [], []
+    num = (int, float)
     for r in ok:
-        m = r.get("metrics") or {}
-        gaps = (m.get("inter_chunk_latency") or {}).get("value")
-        osl = (m.get("output_sequence_length") or {}).get("value")
-        if not isinstance(osl, (int, float)):
+        m = {k: v.get("value") for k, v in (r.get("metrics") or {}).items()
+             if isinstance(v, dict)}
+        gaps, osl = m.get("inter_chunk_latency"), m.get("output_sequence_length")
+        if not isinstance(osl, num):
             continue
-        n_chunks = (len(gaps) + 1) if isinstance(gaps, list) else 1
-        chunks.append(n_chunks)
+        chunks.append((len(gaps) + 1) if isinstance(gaps, list) else 1)
         tokens.append(float(osl))
-        lat = (m.get("request_latency") or {}).get("value")
-        ttft = (m.get("time_to_first_token") or {}).get("value")
-        if isinstance(lat, (int, float)) and isinstance(ttft, (int, float)):
+        lat, ttft, v = (m.get(k) for k in ("request_latency", "time_to_first_token",
+                                           "inter_token_latency"))
+        if isinstance(lat, num) and isinstance(ttft, num):
             gen_ms.append(float(lat) - float(ttft))
-        v = (m.get("inter_token_latency") or {}).get("value")
-        if isinstance(v, (int, float)):
+        if isinstance(v, num):
             itl.append(float(v))
     if not chunks:
         return None
@@ -399,8 +395,7 @@ def summarize(artifact_dir: Path, points: Sequence[tuple[int, int]], per_step: i
     return out
 
 
-# ---------------------------------------------------------------------------------------------
-# perf.csv (ROCm/MAD columns) and markdown
+# --- perf.csv (ROCm/MAD columns) and markdown
 
 MAD_METRICS = [  # (MAD metric, how to get it from a point, unit)
     ("throughput_tot", lambda p: p.get("total_tps"), "tokens/s"),
