@@ -53,12 +53,9 @@ def dry_run_lines(w: Workload, results: Path) -> list[str]:
 
 @dataclass
 class BenchResult:
-    run_dir: Path
     status: str  # ok | failed | interrupted
     exit_code: int
     message: str
-    points: list[dict]
-    summary: dict
 
 
 def protocol_lines(w: Workload) -> list[str]:
@@ -186,7 +183,7 @@ def run_bench(w: Workload, *, results: Path, client_image: str, server_timeout: 
         msg = (f"bench {w.name}: {len(failed)} of {len(points)} points failed ({why}){down}; "
                f"raw logs and finished points kept in {run_dir}")
         code = EXIT_FAILED
-    return BenchResult(run_dir, status, code, " ".join(msg.split()), points, doc)
+    return BenchResult(status, code, " ".join(msg.split()))
 
 
 def server_prefix_caching(prov: dict | None) -> bool | None:
