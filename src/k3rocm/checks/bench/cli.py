@@ -30,6 +30,7 @@ from k3rocm.checks.bench.workloads import (
     parse_sets,
     resolve,
 )
+from k3rocm.errors import UsageError
 
 
 def add_common(parser: argparse.ArgumentParser) -> None:
@@ -130,8 +131,6 @@ def run(args: argparse.Namespace) -> int:
         try:
             container = client.containers.get(args.server_container)
         except Exception as exc:  # noqa: BLE001 - docker.errors.NotFound
-            from k3rocm.errors import UsageError
-
             raise UsageError(f"--server-container {args.server_container!r} not found "
                              f"({exc.__class__.__name__})") from None
     res = bench_run.run_bench(w, results=args.results, client_image=args.client_image,

@@ -100,8 +100,6 @@ class Workload(BaseModel):
             raise ValueError("a single concurrency takes a single request_count")
         return self
 
-    # -----------------------------------------------------------------------------------------
-
     def points(self) -> list[tuple[int, int]]:
         """(concurrency, request_count) of each sweep point, in the order aiperf runs them."""
         if len(self.concurrency) == 1 and len(self.request_count) == 1:
@@ -264,8 +262,7 @@ def resolve(name: str, sets: Mapping[str, Any] | None = None,
         raise UsageError(f"workload {name!r}: {loc}={bad!r}: {msg}") from None
 
 
-# ---------------------------------------------------------------------------------------------
-# the aiperf command line
+# --- the aiperf command line
 
 
 def _fmt_list(values: Sequence[int]) -> str:
