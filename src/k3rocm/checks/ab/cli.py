@@ -45,6 +45,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from k3rocm.checks.ab import arms as armlib
+from k3rocm.deploy.lifecycle import resolve_settings
+from k3rocm.errors import UsageError
+from k3rocm.serving.config import REDACTED
 from k3rocm.serving.fusions import NAMES
 
 MEASURES = ("bench", "census", "gsm8k")
@@ -113,8 +116,6 @@ def fill_repeats(args: argparse.Namespace) -> None:
 
 def results_root(args: argparse.Namespace) -> Path:
     """--results, else the deployment's results root (K3_RESULTS_DIR: shell > .env > default)."""
-    from k3rocm.deploy.lifecycle import resolve_settings
-
     if args.results:
         return Path(args.results)
     return resolve_settings(getattr(args, "env_file", ".env")).results_root
@@ -122,14 +123,10 @@ def results_root(args: argparse.Namespace) -> Path:
 
 def deployment_view(args: argparse.Namespace) -> dict:
     """What the arm servers and the measurement resolve to (``--print-deployment``)."""
-    from k3rocm.deploy.lifecycle import resolve_settings
-
     dep = resolve_settings(getattr(args, "env_file", ".env"), gpu=args.gpu)
     fill_repeats(args)
     arms = armlib.arms_from_args(args)
     arm_dep = armlib.arm_deployment(arms)
-    from k3rocm.serving.config import REDACTED
-
     # The image: --image, else compose's interpolation of K3_IMAGE (shell, then .env).
     return {**dep.to_json(), "url": arms.url, "served_model_name": arm_dep.served_model_name,
             "api_key": REDACTED if arm_dep.api_key else None, "image": arm_dep.image,
@@ -138,8 +135,6 @@ def deployment_view(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from k3rocm.errors import UsageError
-
     args.results = results_root(args)
 
     fill_repeats(args)

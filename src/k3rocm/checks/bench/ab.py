@@ -26,11 +26,15 @@ from typing import Any
 
 from k3rocm.checks.ab import arms as armlib
 from k3rocm.checks.bench import runner, stats, summary
-from k3rocm.checks.bench.run import check_tokenizer, run_bench
+from k3rocm.checks.bench.cli import resolve_from_args
+from k3rocm.checks.bench.plots import _pyplot, _save
+from k3rocm.checks.bench.run import check_tokenizer, planned_command, run_bench
 from k3rocm.checks.bench.workloads import Workload, shell_line
+from k3rocm.deploy.provenance import served_as
 from k3rocm.errors import EXIT_CHECK_FAILED as EXIT_FAILED
 from k3rocm.errors import EXIT_INTERRUPTED, EXIT_OK, UsageError, tagged_log
-from k3rocm.rundir import create_run_dir, write_json_atomic, write_text_atomic
+from k3rocm.rundir import create_run_dir, utc_stamp, write_json_atomic, write_text_atomic
+from k3rocm.serving import decisions
 from k3rocm.serving.fusions import NAME_OF_ENV
 
 _log = tagged_log("bench-ab")
@@ -110,9 +114,6 @@ def _run_name(slot: int, arm: str, k: int) -> str:
 
 
 def dry_run_lines(plan: ABPlan) -> list[str]:
-    from k3rocm.checks.bench.run import planned_command
-    from k3rocm.rundir import utc_stamp
-
     arms = plan.arms
     lines = [f"# {x}" for x in plan.describe()]
     run_dir = plan.results.resolve() / f"{utc_stamp()}-{plan.workload.name}-{plan.mode}"
@@ -313,8 +314,6 @@ def slot_identity(run_dir: Path, mode: str) -> dict[str, Any] | None:
     """What one slot's server really ran, from its run record (the image id, and the argv and
     env as the server rendered them: :func:`k3rocm.deploy.provenance.served_as`), minus what
     may differ between arms."""
-    from k3rocm.deploy.provenance import served_as
-
     try:
         server = json.loads((run_dir / "provenance.json").read_text()).get("server") or {}
     except (OSError, json.JSONDecodeError):
@@ -383,8 +382,6 @@ def fusion_states(log_path: Path) -> dict[str, list[str]] | None:
     """Each fusion's final states over the server's processes (target layers: the model's MLA
     layers; draft/MTP layers keep the stock path by design and are not judged, as in the
     census), from the overlay's decision records in the saved server log (None: none)."""
-    from k3rocm.serving import decisions
-
     try:
         recs = decisions.records_from_log(log_path.read_text(errors="replace"), log_path.name)
     except (OSError, UsageError):
@@ -729,8 +726,6 @@ def _vals(xs: Sequence[float] | None) -> str:
 
 def _plot(comp: dict, runs: Sequence[dict], out: Path) -> None:
     """ab_itl.png: per-run ITL p50 in slot order, per concurrency, colored by arm."""
-    from k3rocm.checks.bench.plots import _pyplot, _save
-
     plt = _pyplot()
     if plt is None:
         return
@@ -766,8 +761,6 @@ def build_plan(args: argparse.Namespace) -> ABPlan:
         model, _key = armlib.served_model(arms)
         sets.append(f"model={model}")
     args.sets = [*sets, f"url={arms.url}"]
-    from k3rocm.checks.bench.cli import resolve_from_args
-
     w = resolve_from_args(args)
     if w.prefix_caching is not None:
         want = "1" if w.prefix_caching else "0"

@@ -30,6 +30,7 @@ from k3rocm.checks.bench.workloads import (
     parse_sets,
     resolve,
 )
+from k3rocm.deploy.deployment import load_deployment
 from k3rocm.errors import UsageError
 
 
@@ -80,8 +81,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def resolve_from_args(args: argparse.Namespace):
     """The workload from the flags and the deployment; fills ``args.results`` (default: the
     deployment's results root)."""
-    from k3rocm.deploy.deployment import load_deployment
-
     dep = load_deployment()
     sets = parse_sets(args.sets)
     for key in ("url", "model", "tokenizer"):
@@ -95,8 +94,6 @@ def resolve_from_args(args: argparse.Namespace):
 
 def deployment_view(args: argparse.Namespace) -> dict:
     """What this command resolved (``--print-deployment``)."""
-    from k3rocm.deploy.deployment import load_deployment
-
     w = resolve_from_args(args)
     return {**load_deployment().to_json(), "url": w.url, "served_model_name": w.model,
             "api_key": None if w.api_key == "EMPTY" else "***",

@@ -12,6 +12,7 @@ from typing import Any
 from k3rocm.checks.bench import plots, runner, summary
 from k3rocm.checks.bench.workloads import Workload, aiperf_command, shell_line
 from k3rocm.deploy import runrecord
+from k3rocm.deploy.deployment import load_deployment
 from k3rocm.deploy.provenance import served_as
 from k3rocm.deploy.readiness import wait_ready
 from k3rocm.errors import EXIT_CHECK_FAILED as EXIT_FAILED
@@ -227,8 +228,6 @@ def _server_line(prov: dict) -> str:
 def _deployment():
     """The deployment for the run record (None when the settings do not load: the flags
     pointed the bench elsewhere and the record says what it measured)."""
-    from k3rocm.deploy.deployment import load_deployment
-
     try:
         return load_deployment()
     except UsageError:
