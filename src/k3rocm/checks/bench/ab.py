@@ -561,15 +561,14 @@ def calibration(comp: dict, delay_ms: float | None) -> list[dict[str, Any]]:
         if r["metric"] != "ITL p50" or r.get("a") is None or r.get("b") is None:
             continue
         a, b = r["a"], r["b"]
-        detected = b - a
+        detected, expected = b - a, (delay_ms / a if delay_ms and a else None)
         out.append({"concurrency": r["concurrency"], "injected_ms": delay_ms,
                     "a_itl_ms": a, "b_itl_ms": b, "detected_ms": round(detected, 3),
                     "detected_over_injected": round(detected / delay_ms, 3)
                     if delay_ms else None,
-                    "expected_d": round(delay_ms / a, 4) if delay_ms and a else None,
+                    "expected_d": None if expected is None else round(expected, 4),
                     "d": r.get("d"), "lo": r.get("lo"), "hi": r.get("hi"),
-                    "covered": stats.covers(r, delay_ms / a if delay_ms and a else None),
-                    "verdict": r["verdict"]})
+                    "covered": stats.covers(r, expected), "verdict": r["verdict"]})
     return out
 
 

@@ -485,14 +485,10 @@ def markdown_report(points: Sequence[dict], title: str, protocol_lines: Sequence
             if not p.get("metrics"):
                 continue
         lines += ["| metric | p50 | p90 | p99 | avg |", "|---|---:|---:|---:|---:|"]
-        for key in ("ttft", "itl", "e2el"):
+        for key, digits in (("ttft", 3), ("itl", 3), ("e2el", 3), ("tps_user", 2)):
             _, label, unit = LATENCY_METRICS[key]
-            s = (p.get("metrics") or {}).get(key) or {}
-            lines.append(f"| {label} ({unit}) | {_fmt(s.get('p50'), 3)} | {_fmt(s.get('p90'), 3)}"
-                         f" | {_fmt(s.get('p99'), 3)} | {_fmt(s.get('avg'), 3)} |")
-        s = (p.get("metrics") or {}).get("tps_user") or {}
-        lines.append(f"| tokens/s per user | {_fmt(s.get('p50'))} | {_fmt(s.get('p90'))} | "
-                     f"{_fmt(s.get('p99'))} | {_fmt(s.get('avg'))} |")
+            cells = " | ".join(_fmt(_m(p, key, s), digits) for s in ("p50", "p90", "p99", "avg"))
+            lines.append(f"| {label if key == 'tps_user' else f'{label} ({unit})'} | {cells} |")
         lines.append(f"| output tokens/s (all users) | | | | {_fmt(p.get('output_tps'))} |")
         chk = p.get("jsonl_check") or {}
         if chk:
