@@ -28,7 +28,9 @@ from k3rocm.deploy.lifecycle import (
     docker_client,
     resolve_settings,
 )
+from k3rocm.deploy.readiness import answers, wait_ready
 from k3rocm.errors import UsageError, tagged_log
+from k3rocm.rundir import create_run_dir, write_bytes_atomic
 from k3rocm.serving.fusions import switches
 
 FUSIONS_OFF = switches(False)
@@ -307,8 +309,6 @@ def announce(arms: Arms, results: Path, runs_per_slot: int = 1) -> None:
 def check_port(arms: Arms) -> None:
     """Refuse (exit 2) when something serves --port, unless --stop-running: then the
     deployment's compose server is stopped through the lifecycle (log saved first)."""
-    from k3rocm.deploy.readiness import answers
-
     busy = [p for p in arms.replica_ports if answers(f"http://127.0.0.1:{p}")]
     if arms.scale is not None and answers(arms.scale.router_url):
         raise UsageError(f"a router already answers at {arms.scale.router_url}: the A/B "
@@ -330,8 +330,6 @@ def check_port(arms: Arms) -> None:
     if srv.state() is None:
         raise UsageError(f"--stop-running: what answers on {url} is not the compose server "
                          f"of project {srv.project}; stop it yourself or use another --port", 2)
-    from k3rocm.rundir import create_run_dir
-
     out = create_run_dir(dep.results_root, "server-log")
     _log(f"--stop-running: stopping compose project {srv.project} (log in {out})")
     srv.down(log_path=out / "server.log")
@@ -351,19 +349,17 @@ def arm_server(arms: Arms, slot: int, arm: str, stamp: str, log_path: Path, env_
     yield (first server, info); always save every log (``log_path``, ``-rN`` per replica,
     ``-router``) and remove what was started. The measurement goes to ``arms.url``."""
     base = f"k3ab-{stamp}-{slot:02d}{arm.lower()}"
-    ports = arms.replica_ports
-    servers = []
-    for r, port in enumerate(ports):
-        project = base if len(ports) == 1 else f"{base}-r{r}"
+    one = len(arms.replica_ports) == 1
+    servers, logs = [], []
+    for r, port in enumerate(arms.replica_ports):
         servers.append(ComposeServer(
-            project=project, cpu=arms.cpu,
+            project=base if one else f"{base}-r{r}", cpu=arms.cpu,
             env=arms.compose_env(arm, port),
             # --server-env reaches the container whether compose.yaml lists it or not
             container_env={**arms.server_env, **arms.arm_container_env.get(arm, {})},
             url=f"http://127.0.0.1:{port}", model=model, api_key=api_key, env_dir=env_dir))
-    logs = [log_path if len(ports) == 1 else
-            log_path.with_name(f"{log_path.stem}-r{r}{log_path.suffix}")
-            for r in range(len(ports))]
+        logs.append(log_path if one else
+                    log_path.with_name(f"{log_path.stem}-r{r}{log_path.suffix}"))
     info: dict = {"server": base, "server_ready_s": None, "pin": None,
                   "topology": arms.topology(), "replicas": [s.project for s in servers]}
     router = None
@@ -383,24 +379,20 @@ def arm_server(arms: Arms, slot: int, arm: str, stamp: str, log_path: Path, env_
         if info["pin"]:
             _log(info["pin"])
         if arms.scale is not None:
-            from k3rocm.deploy.readiness import wait_ready
-            from k3rocm.deploy.scale.router import start_router
+            from k3rocm.deploy.scale.router import start_router, stop_router
 
-            router = start_router(client or docker_client(), arms.scale,
-                                  name=f"{base}-router", labels={"k3rocm.ab": base})
+            client = client or docker_client()
+            router = start_router(client, arms.scale, name=f"{base}-router",
+                                  labels={"k3rocm.ab": base})
             wait_ready(arms.url, model, 120, api_key, every=15)
         yield servers[0], info
     finally:
         if router is not None:
             with contextlib.suppress(Exception):
-                from k3rocm.rundir import write_bytes_atomic
-
                 write_bytes_atomic(log_path.with_name(f"{log_path.stem}-router.log"),
                                    router.logs())
             with contextlib.suppress(Exception):
-                router.stop(timeout=5)
-            with contextlib.suppress(Exception):
-                router.remove(force=True)
+                stop_router(client, f"{base}-router")
         for srv, log in zip(servers, logs, strict=True):
             srv.down(log_path=log)
 
