@@ -423,3 +423,63 @@ def test_the_arm_image_is_the_deployments(tmp_path, monkeypatch, cpu, dotenv, im
     client = _Images()
     assert image_id(arms, client) == (want, "sha256:" + "0" * 64)
     assert client.asked == [want] and arm_deployment(arms).image == want
+
+
+def test_arm_server_with_replicas_saves_every_log_and_removes_the_router(tmp_path, monkeypatch):
+    """K3_SCALE_MODE=replicas: one compose project per node (``-rN``), then the router; on the
+    way out the router's log is saved and its container stopped and removed, and every replica
+    is taken down with its own log. (Fakes for compose and Docker: the real ones need an
+    engine; the docker-py calls are the ones the router module makes.)"""
+    from types import SimpleNamespace
+
+    from k3rocm.checks.ab import arms as armlib
+    from k3rocm.deploy import readiness
+    from k3rocm.deploy.scale import router as routermod
+
+    seen: dict[str, list] = {"up": [], "down": [], "router": []}
+
+    class FakeServer:
+        def __init__(self, project, env, url, **kw):
+            self.project, self.env, self.url, self.pinned = project, env, url, None
+
+        def up(self):
+            seen["up"].append((self.project, self.env["K3_PORT"]))
+
+        def wait(self, timeout, every=10):
+            pass
+
+        def down(self, log_path=None):
+            seen["down"].append((self.project, log_path.name))
+
+    class FakeRouter:
+        name = "k3ab-s-00a-router"
+
+        def logs(self):
+            return b"router says hi\n"
+
+        def stop(self, timeout=None):
+            seen["router"].append("stop")
+
+        def remove(self, force=False):
+            seen["router"].append("remove")
+
+    router = FakeRouter()
+    client = SimpleNamespace(containers=SimpleNamespace(get=lambda name: router))
+    monkeypatch.setattr(armlib, "ComposeServer", FakeServer)
+    monkeypatch.setattr(routermod, "start_router", lambda c, s, name, labels: router)
+    monkeypatch.setattr(readiness, "wait_ready", lambda *a, **kw: 0.0)
+    monkeypatch.setattr(armlib, "wait_ready", lambda *a, **kw: 0.0, raising=False)
+    scale = SimpleNamespace(nodes=["127.0.0.1:18601", "127.0.0.1:18602"],
+                            node_port=lambda i: 18601 + i, router_url="http://127.0.0.1:18680",
+                            router_image="r:1", router_policy="round_robin")
+    arms = armlib.Arms(mode="ab", repeats=1, arm_env={"A": {}, "B": {}}, port=8000, cpu=True,
+                       scale=scale)
+    with armlib.arm_server(arms, 0, "A", "s", tmp_path / "00-A-server.log", tmp_path,
+                           model="m", client=client) as (srv, info):
+        assert srv.project == "k3ab-s-00a-r0" and info["replicas"] == [
+            "k3ab-s-00a-r0", "k3ab-s-00a-r1"]
+    assert seen["up"] == [("k3ab-s-00a-r0", "18601"), ("k3ab-s-00a-r1", "18602")]
+    assert seen["down"] == [("k3ab-s-00a-r0", "00-A-server-r0.log"),
+                            ("k3ab-s-00a-r1", "00-A-server-r1.log")]
+    assert (tmp_path / "00-A-server-router.log").read_bytes() == b"router says hi\n"
+    assert seen["router"] == ["stop", "remove"]
