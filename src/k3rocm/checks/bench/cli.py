@@ -32,6 +32,7 @@ from k3rocm.checks.bench.workloads import (
 )
 from k3rocm.deploy.deployment import load_deployment
 from k3rocm.errors import UsageError
+from k3rocm.serving.config import REDACTED
 
 
 def add_common(parser: argparse.ArgumentParser) -> None:
@@ -96,7 +97,7 @@ def deployment_view(args: argparse.Namespace) -> dict:
     """What this command resolved (``--print-deployment``)."""
     w = resolve_from_args(args)
     return {**load_deployment().to_json(), "url": w.url, "served_model_name": w.model,
-            "api_key": None if w.api_key == "EMPTY" else "***",
+            "api_key": None if w.api_key == "EMPTY" else REDACTED,
             "tokenizer": str(Path(w.tokenizer).expanduser().absolute()) if w.tokenizer else None,
             "results_root": str(Path(args.results).absolute())}
 
