@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from k3rocm.deploy.deployment import compose_files, load_deployment
-from k3rocm.deploy.engine import docker_client  # noqa: F401 - the one factory, used by arms
+from k3rocm.deploy.engine import docker_client
 from k3rocm.errors import UsageError, tagged_log
 
 REPO = Path(__file__).resolve().parents[3]

@@ -49,7 +49,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from k3rocm import __version__
 from k3rocm.errors import UsageError, tagged_log
+from k3rocm.hashing import sha256_file as _sha256
 
 INDEX = "model.safetensors.index.json"
 CONFIG = "config.json"
@@ -444,7 +446,7 @@ def make_slice(src: Path, out: Path, layers: str | None = None, experts: int | N
         "source": str(src), "source_config_sha256": _sha256(src / CONFIG),
         "source_index_sha256": _sha256(src / INDEX), "tensors": len(pairs),
         "source_tensors": len(wmap), "bytes": total, "values": f"random (seed {seed})",
-        "tool": _tool_version()})
+        "tool": f"k3rocm {__version__}"})
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     tmp.mkdir()
     try:
@@ -483,18 +485,6 @@ def _layer_of(name: str) -> int | None:
 def _order(name: str) -> tuple:
     """Natural order (layer 2 before layer 10), so a layer's tensors share shards."""
     return tuple(int(x) if x.isdigit() else x for x in re.split(r"(\d+)", name))
-
-
-def _sha256(path: Path) -> str:
-    from k3rocm.hashing import sha256_file
-
-    return sha256_file(path)
-
-
-def _tool_version() -> str:
-    from k3rocm import __version__
-
-    return f"k3rocm {__version__}"
 
 
 DEFAULT_OUT = "Kimi-K3-selftest"  # beside the checkpoint, under K3_MODELS_DIR

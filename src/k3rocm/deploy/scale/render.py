@@ -125,7 +125,6 @@ def plan(environ: Mapping[str, str] | None = None, dotenv: str | os.PathLike | N
         if s.mode == "dp-ep":
             role = "head" if i == 0 else "worker"
             command += _dp_args(s, i)
-        if s.mode == "dp-ep":
             overrides.update(_network_env(s, host))
             devices = ["/dev/infiniband"]
             host_net = True
