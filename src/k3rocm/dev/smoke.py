@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from k3rocm.deploy.lifecycle import REPO, ComposeServer
+from k3rocm.deploy.lifecycle import REPO
 from k3rocm.dev.standin import STANDIN_BASE
 from k3rocm.dev.tinymodel import DEFAULT_NAME as SMOKE_MODEL
 from k3rocm.errors import UsageError
@@ -99,6 +99,7 @@ def stream_chat(base_url: str, model: str, prompt: str, max_tokens: int,
 
 def run(args: argparse.Namespace) -> int:
     from k3rocm.deploy.deployment import load_deployment
+    from k3rocm.deploy.lifecycle import ComposeServer
     from k3rocm.rundir import create_run_dir
 
     if not 1 <= args.port <= 65535:
