@@ -296,24 +296,17 @@ def _do_step(name: str, argv: list[str], env: dict[str, str], run_dir: Path, t0:
         if m:
             res.numbers["ready_s"] = int(m[-1])
             res.note += f", ready {m[-1]}s after start"
-    elif name == "bench":
-        new = _new_dirs(root, before, f"-{args.workload}")
+    elif name in ("bench", "gsm8k", "census"):
+        suffix, numbers = {"bench": (f"-{args.workload}", bench_numbers),
+                           "gsm8k": ("-gsm8k", gsm8k_numbers),
+                           "census": ("-census", census_numbers)}[name]
+        new = _new_dirs(root, before, suffix)
         if new:
             res.run_dir = str(new[-1])
-            res.note, res.numbers = bench_numbers(new[-1])
-    elif name == "gsm8k":
-        new = _new_dirs(root, before, "-gsm8k")
-        if new:
-            res.run_dir = str(new[-1])
-            res.note, res.numbers = gsm8k_numbers(new[-1])
-            if code == 1 and res.numbers.get("status") == "below_gate":
-                res.ok = True  # random weights: below the gate is the expected verdict
-                res.note += " (expected: random weights; 5 items are not comparable)"
-    elif name == "census":
-        new = _new_dirs(root, before, "-census")
-        if new:
-            res.run_dir = str(new[-1])
-            res.note, res.numbers = census_numbers(new[-1])
+            res.note, res.numbers = numbers(new[-1])
+        if new and name == "gsm8k" and code == 1 and res.numbers.get("status") == "below_gate":
+            res.ok = True  # random weights: below the gate is the expected verdict
+            res.note += " (expected: random weights; 5 items are not comparable)"
     elif name == "down":
         new = _new_dirs(root, before, "-server-log")
         if new and (new[-1] / "server.log").is_file():

@@ -68,12 +68,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
-def _docker():
-    from k3rocm.deploy.engine import docker_client
-
-    return docker_client(required=False)  # status works without an engine (HTTP only)
-
-
 def _yaml_dump(obj) -> str:
     import yaml
 
@@ -94,14 +88,14 @@ def run(args: argparse.Namespace) -> int:
     settings, _ = load_settings(dotenv=args.env_file, check_model=False)
     s = load_scale(dotenv=args.env_file, tp=settings.tp)
     cmd = args.scale_cmd
+    if cmd in ("url", "proxy-conf") and s.mode == "single":
+        raise UsageError("K3_SCALE_MODE=single has no router: set K3_SCALE_MODE=replicas")
     if cmd == "config":
         for name, env in SCALE_ENV.items():
             v = getattr(s, name)
             print(f"{env}={','.join(v) if isinstance(v, tuple) else ('' if v is None else v)}")
         return 0
     if cmd == "url":
-        if s.mode == "single":
-            raise UsageError("K3_SCALE_MODE=single has no router: set K3_SCALE_MODE=replicas")
         print(s.router_url)
         return 0
     if cmd == "status":
@@ -111,7 +105,10 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError("K3_SCALE_MODE=single: `make status` reports scale-out replicas; "
                              "set K3_SCALE_MODE=replicas and K3_SCALE_NODES (single node: "
                              "docker compose ps)")
-        replicas, router = scale_status(s, _docker())
+        from k3rocm.deploy.engine import docker_client
+
+        # status works without an engine (HTTP only)
+        replicas, router = scale_status(s, docker_client(required=False))
         if args.json:
             print(json.dumps(status_json(replicas, router), indent=2))
         else:
@@ -143,8 +140,6 @@ def run(args: argparse.Namespace) -> int:
     if cmd == "proxy-conf":
         from k3rocm.deploy.scale.k8s import proxy_conf
 
-        if s.mode == "single":
-            raise UsageError("K3_SCALE_MODE=single has no router: set K3_SCALE_MODE=replicas")
         print(proxy_conf(args.listen, s.router_port), end="")
         return 0
     if cmd in ("router-up", "router-down"):

@@ -25,6 +25,7 @@ Every object is checked against the Kubernetes JSON schemas with ``kubernetes-va
 from __future__ import annotations
 
 import json
+import shlex
 from typing import Any
 
 from k3rocm.deploy.scale.render import NOT_VALIDATED, STOP_MARGIN_S, NodePlan, Plan, drain_timeout
@@ -293,7 +294,7 @@ def render_k8s(plan: Plan, settings: Settings) -> list[dict[str, Any]]:
                             f"$((LWS_WORKER_INDEX * {s.dp_local}))")
         shell = ["/bin/sh", "-c"]
         worker_cmd = "exec /opt/k3rocm/entrypoint.sh " + " ".join(
-            a if a.startswith("$") else _sh_quote(a) for a in worker_args)
+            a if a.startswith("$") else shlex.quote(a) for a in worker_args)
         labels = {LABEL_KEY: APP}
         leader = _pod_spec([_container(head, settings, image, startup, args=head_args)],
                            head, plan)
@@ -327,12 +328,6 @@ def _swap(args: list[str], flag: str, value: str) -> list[str]:
     out = list(args)
     out[out.index(flag) + 1] = value
     return out
-
-
-def _sh_quote(a: str) -> str:
-    import shlex
-
-    return shlex.quote(a)
 
 
 def validate(objs: list[dict[str, Any]], version: str = K8S_VERSION) -> list[str]:
