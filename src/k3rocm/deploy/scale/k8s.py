@@ -219,11 +219,7 @@ def _router(plan: Plan, server_port: int) -> list[dict[str, Any]]:
     router_image = check_image_ref("K3_SCALE_ROUTER_IMAGE", s.router_image)
     proxy_image = check_image_ref("K3_SCALE_PROXY_IMAGE", s.proxy_image)
     labels = {LABEL_KEY: ROUTER}
-    args = ["--host", "127.0.0.1", "--port", str(ROUTER_INTERNAL_PORT),
-            "--policy", s.router_policy,
-            "--worker-startup-timeout-secs", str(s.router_startup_timeout),
-            "--health-check-interval-secs", str(s.health_interval),
-            "--health-failure-threshold", str(s.health_threshold),
+    args = ["--host", "127.0.0.1", "--port", str(ROUTER_INTERNAL_PORT), *s.routing_flags,
             "--request-timeout-secs", str(ROUTER_REQUEST_TIMEOUT_S),
             "--prometheus-host", "0.0.0.0", "--prometheus-port", str(s.router_metrics_port),
             "--service-discovery", "--selector", f"{LABEL_KEY}={APP}",
