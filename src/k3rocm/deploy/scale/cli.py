@@ -20,6 +20,7 @@ import json
 import sys
 from pathlib import Path
 
+from k3rocm.deploy.scale.router import DEFAULT_NAME as ROUTER_NAME
 from k3rocm.errors import EXIT_SERVER, ServerError, UsageError
 
 EXPERIMENTAL_BANNER = ("# EXPERIMENTAL ({mode}): rendered by k3rocm, NOT validated on MI355X. "
@@ -49,10 +50,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="address:port nginx listens on for clients (default 0.0.0.0:8443)")
     p = sub.add_parser("router-up", help="start vllm-router in front of K3_SCALE_NODES",
                        description="start the router container (host network)")
-    p.add_argument("--name", default="k3rocm-router", help="container name")
+    p.add_argument("--name", default=ROUTER_NAME, help="container name")
     p = sub.add_parser("router-down", help="stop and remove the router container",
                        description="stop and remove the router container")
-    p.add_argument("--name", default="k3rocm-router", help="container name")
+    p.add_argument("--name", default=ROUTER_NAME, help="container name")
     p = sub.add_parser("status", help="one line per replica and the router's view",
                        description="health, model, fusion decisions and image per replica; "
                        "the router's view (ok / degraded, k of N / down)")
