@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from k3rocm.deploy.deployment import CPU_PROFILE
 from k3rocm.serving.config import (
     KNOWN_OTHER,
     KNOWN_PREFIXES,
@@ -81,9 +82,9 @@ def image_base_facts(image: str) -> tuple[dict | None, str]:
 
 
 def settings_table() -> str:
-    rows = ["| Setting | Default | Profile `cpu-smoke` | Description |",
+    rows = [f"| Setting | Default | Profile `{CPU_PROFILE}` | Description |",
             "|---|---|---|---|"]
-    smoke = PROFILES["cpu-smoke"]["settings"]
+    smoke = PROFILES[CPU_PROFILE]["settings"]
     for name, f in FIELDS.items():
         default = "" if f.default is None else f.default
         if isinstance(default, bool):

@@ -58,18 +58,19 @@ from k3rocm.checks.steps import (
     verdict,
 )
 from k3rocm.checks.steps import new_dirs as _new_dirs
-from k3rocm.deploy.deployment import load_deployment
+from k3rocm.deploy.deployment import CPU_PROFILE, load_deployment
 from k3rocm.dev.standin import STANDIN_BASE
 from k3rocm.dev.tinymodel import DEFAULT_NAME as SMOKE_MODEL
+from k3rocm.dev.tinymodel import DEFINITION
 from k3rocm.errors import ServerError, UsageError
 from k3rocm.rundir import create_run_dir, write_json_atomic, write_text_atomic
 from k3rocm.serving.fusions import switches
 
 GSM8K_ITEMS = Path(__file__).resolve().parents[1] / "data" / "gsm8k-demo"
 PRIVATE_SOCKET = "/run/k3d/docker.sock"  # .ci/dockerd.sh
-# The tiny model's max_position_embeddings (tinymodel.py); its byte-level tokenizer makes a
-# real GSM8K 5-shot chat prompt ~3k tokens, more than the cpu-smoke profile's 2048.
-MAX_MODEL_LEN = "4096"
+# The tiny model's max_position_embeddings: its byte-level tokenizer makes a real GSM8K
+# 5-shot chat prompt ~3k tokens, more than the cpu-smoke profile's 2048.
+MAX_MODEL_LEN = str(DEFINITION["config"]["max_position_embeddings"])
 # k3rocm gsm8k exit 1 = below the gate: expected from random weights (not a failure here).
 STEPS = ("check", "model", "up", "bench", "gsm8k", "census", "down")
 
@@ -167,7 +168,7 @@ def _env(args: argparse.Namespace, trace_dir: str) -> dict[str, str]:
         env["DOCKER_HOST"] = f"unix://{PRIVATE_SOCKET}"
     env.update({
         "COMPOSE_PROJECT_NAME": args.project,
-        "K3_PROFILE": "cpu-smoke",
+        "K3_PROFILE": CPU_PROFILE,
         "K3_MODEL": f"/models/{SMOKE_MODEL}",
         "K3_SERVED_MODEL_NAME": SMOKE_MODEL,
         "K3_PORT": str(args.port),
@@ -182,7 +183,7 @@ def _env(args: argparse.Namespace, trace_dir: str) -> dict[str, str]:
 
 def _validate(args: argparse.Namespace) -> None:
     # The demo's deployment, once: the shell and .env with the demo's profile, on the stand-in.
-    dep = load_deployment({**os.environ, "K3_PROFILE": "cpu-smoke"}, gpu=False)
+    dep = load_deployment({**os.environ, "K3_PROFILE": CPU_PROFILE}, gpu=False)
     args.port = dep.port if args.port is None else args.port
     args.results = args.results or dep.results_root
     args.models_dir = args.models_dir or dep.models_dir
@@ -290,7 +291,7 @@ def _do_step(name: str, argv: list[str], env: dict[str, str], run_dir: Path, t0:
             else "failed"
     elif name == "up":
         res.note = (f"{args.image} FROM "
-                    f"{env.get('BASE_IMAGE') or STANDIN_BASE}, profile cpu-smoke, serving "
+                    f"{env.get('BASE_IMAGE') or STANDIN_BASE}, profile {CPU_PROFILE}, serving "
                     f"{SMOKE_MODEL} on 127.0.0.1:{args.port}")
         m = re.findall(r"ready after (\d+)s", text)
         if m:
@@ -345,7 +346,7 @@ def _summary(results: list[StepResult], run_dir: Path, args: argparse.Namespace,
         "status": "ok" if code == 0 else ("interrupted" if code == 130 else "failed"),
         "exit_code": code, "seconds": round(seconds, 1), "port": args.port,
         "project": args.project, "results_root": str(args.results),
-        "settings": {"K3_PROFILE": "cpu-smoke", "K3_MODEL": f"/models/{SMOKE_MODEL}",
+        "settings": {"K3_PROFILE": CPU_PROFILE, "K3_MODEL": f"/models/{SMOKE_MODEL}",
                      "K3_MAX_MODEL_LEN": MAX_MODEL_LEN,
                      **switches(False),
                      "K3_PROFILER_DIR": f"/results/{run_dir.name}/traces"},
