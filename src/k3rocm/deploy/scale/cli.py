@@ -22,6 +22,7 @@ from pathlib import Path
 
 from k3rocm.deploy.scale.router import DEFAULT_NAME as ROUTER_NAME
 from k3rocm.errors import EXIT_SERVER, ServerError, UsageError
+from k3rocm.rundir import write_text_atomic
 
 EXPERIMENTAL_BANNER = ("# EXPERIMENTAL ({mode}): rendered by k3rocm, NOT validated on MI355X. "
                        "Review before use.")
@@ -162,16 +163,13 @@ def run(args: argparse.Namespace) -> int:
     from k3rocm.deploy.scale.render import compose_override, plan
 
     p = plan(dotenv=args.env_file, scale=s)
-    experimental = s.mode == "dp-ep"
+    banner = EXPERIMENTAL_BANNER.format(mode=s.mode) if s.mode == "dp-ep" else None
     if cmd == "render":
-        if experimental:
-            print(EXPERIMENTAL_BANNER.format(mode=s.mode), file=sys.stderr)
+        if banner:
+            print(banner, file=sys.stderr)
         if args.out:
-            from k3rocm.rundir import write_text_atomic
-
             for node in p.nodes:
-                head = (EXPERIMENTAL_BANNER.format(mode=s.mode) if experimental else
-                        "# replicas: the unchanged single-node server on this node")
+                head = banner or "# replicas: the unchanged single-node server on this node"
                 path = args.out / f"node{node.index}.yaml"
                 write_text_atomic(path, f"{head}\n# {node.role} {node.address}: docker "
                                   f"compose -f compose.yaml -f {path} up -d\n"
@@ -185,12 +183,9 @@ def run(args: argparse.Namespace) -> int:
         objs = render_k8s(p, settings)
         for line in validate(objs):
             print(line, file=sys.stderr)
-        banner = EXPERIMENTAL_BANNER.format(mode=s.mode) if experimental else (
-            "# replicas: rendered by k3rocm; manifests NOT validated on an MI355X cluster")
-        text = banner + "\n" + "---\n".join(_yaml_dump(o) for o in objs)
+        text = (banner or "# replicas: rendered by k3rocm; manifests NOT validated on an MI355X "
+                "cluster") + "\n" + "---\n".join(_yaml_dump(o) for o in objs)
         if args.out:
-            from k3rocm.rundir import write_text_atomic
-
             write_text_atomic(args.out, text)
             print(f"wrote {args.out}", file=sys.stderr)
         else:
