@@ -71,7 +71,6 @@ PRIVATE_SOCKET = "/run/k3d/docker.sock"  # .ci/dockerd.sh
 # The tiny model's max_position_embeddings: its byte-level tokenizer makes a real GSM8K
 # 5-shot chat prompt ~3k tokens, more than the cpu-smoke profile's 2048.
 MAX_MODEL_LEN = str(DEFINITION["config"]["max_position_embeddings"])
-# k3rocm gsm8k exit 1 = below the gate: expected from random weights (not a failure here).
 STEPS = ("check", "model", "up", "bench", "gsm8k", "census", "down")
 
 
