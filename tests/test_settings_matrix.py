@@ -169,8 +169,7 @@ def test_derivations_without_make(tmp_path):
     cpu = load_deployment({"COMPOSE_FILE": "compose.yaml:compose.cpu.yaml"}, None)
     assert (cpu.profile, cpu.served_model_name, cpu.image) == ("cpu-smoke", "k3-smoke",
                                                                  "k3rocm/server:cpu")
-    assert cpu.compose_command("p1") == ["docker", "compose", "-p", "p1", "-f", "compose.yaml",
-                                         "-f", "compose.cpu.yaml"]
+    assert cpu.compose_files == ("compose.yaml", "compose.cpu.yaml")
     # an explicit profile or image wins over the override's defaults
     own = load_deployment({"COMPOSE_FILE": "compose.yaml:compose.cpu.yaml",
                            "K3_PROFILE": "mi355x-tp8", "K3_IMAGE": "x:1"}, None)

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from k3rocm.errors import UsageError, tagged_log
+from k3rocm.hashing import sha256_file as _sha256
 
 REPO_ID = "moonshotai/Kimi-K3"
 # The Kimi-K3 checkpoint revision we pin (the Hub cannot be reached from where this was
@@ -51,12 +52,6 @@ _REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 _log = tagged_log("model")
-
-
-def _sha256(path: Path) -> str:
-    from k3rocm.hashing import sha256_file
-
-    return sha256_file(path)
 
 
 def _read_record(d: Path) -> dict[str, Any] | None:

@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from k3rocm.deploy.deployment import CPU_PROFILE
+from k3rocm.errors import UsageError
 from k3rocm.serving.config import (
     KNOWN_OTHER,
     KNOWN_PREFIXES,
@@ -81,9 +83,9 @@ def image_base_facts(image: str) -> tuple[dict | None, str]:
 
 
 def settings_table() -> str:
-    rows = ["| Setting | Default | Profile `cpu-smoke` | Description |",
+    rows = [f"| Setting | Default | Profile `{CPU_PROFILE}` | Description |",
             "|---|---|---|---|"]
-    smoke = PROFILES["cpu-smoke"]["settings"]
+    smoke = PROFILES[CPU_PROFILE]["settings"]
     for name, f in FIELDS.items():
         default = "" if f.default is None else f.default
         if isinstance(default, bool):
@@ -109,22 +111,17 @@ def run(args: argparse.Namespace) -> int:
             print(f"{prefix + '*':<30} reserved (tests and the client container)")
         return 0
     base_line = None
+    rendered = render(dotenv=args.env_file, host_paths=args.host_paths)
     if args.base_facts:
-        from k3rocm.errors import UsageError
-
-        plain = render(dotenv=args.env_file, host_paths=args.host_paths)
-        facts, where = image_base_facts(plain.settings.image)
+        facts, where = image_base_facts(rendered.settings.image)
         if facts is None:
             base_line = f"base facts: {where}; the server checks them at start"
-            rendered = plain
         else:
             try:
                 rendered = render(dotenv=args.env_file, host_paths=args.host_paths, base=facts)
             except UsageError as exc:
                 raise UsageError(f"{exc} [base facts from {where}]") from None
             rendered.base["facts_from"] = where
-    else:
-        rendered = render(dotenv=args.env_file, host_paths=args.host_paths)
     if args.vendor_env_file:
         write_vendor_env(Path(args.vendor_env_file), rendered)
     if args.make_dirs:

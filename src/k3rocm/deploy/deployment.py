@@ -126,14 +126,6 @@ class Deployment:
     def compose_files(self) -> tuple[str, ...]:
         return compose_files(self.cpu)
 
-    def compose_command(self, project: str | None = None) -> list[str]:
-        """``docker compose [-p project] -f compose.yaml [-f compose.cpu.yaml]``: the one way
-        to reach this deployment's containers."""
-        cmd = ["docker", "compose"] + (["-p", project] if project else [])
-        for f in self.compose_files:
-            cmd += ["-f", f]
-        return cmd
-
     def container_path(self, host: str | os.PathLike) -> str | None:
         """Where a host path under the results root or models dir is seen in the server
         container (/results/..., /models/...), else None."""
@@ -205,7 +197,6 @@ def load_deployment(environ: Mapping[str, str] | None = None, env_file: str | No
         host_dir = _abs(s.model)
         notes.append(f"K3_MODEL={s.model} is not under {MODELS_MOUNT}: the server container "
                      "sees it only if it is mounted there")
-    tokenizer = host_dir if host_dir is not None else None
 
     image = CPU_IMAGE if cpu and sources.get("K3_IMAGE", "default") == "default" else s.image
     return Deployment(
@@ -213,6 +204,6 @@ def load_deployment(environ: Mapping[str, str] | None = None, env_file: str | No
         url=f"http://{url_host(s.bind_address)}:{s.port}",
         served_model_name=s.served_model_name, api_key=s.api_key or None, model=s.model,
         models_dir=models_dir, model_container_dir=model_container_dir, model_host_dir=host_dir,
-        tokenizer=tokenizer, results_root=_abs(s.results_dir), cache_dir=_abs(s.cache_dir),
+        tokenizer=host_dir, results_root=_abs(s.results_dir), cache_dir=_abs(s.cache_dir),
         image=image, cpu=cpu, cpu_from=cpu_from, env_file=str(env_file) if env_file else None,
         notes=notes)

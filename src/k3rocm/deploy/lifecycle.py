@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from k3rocm.deploy.deployment import compose_files, load_deployment
-from k3rocm.deploy.engine import docker_client  # noqa: F401 - the one factory, used by arms
+from k3rocm.deploy.engine import docker_client
 from k3rocm.errors import UsageError, tagged_log
 
 REPO = Path(__file__).resolve().parents[3]
@@ -222,7 +222,10 @@ class ComposeServer:
             # The CPU stand-in streams per token only with its EngineCore off the API
             # server's core (pin_engine_core); a stand-in that cannot be pinned still serves.
             try:
-                self.pinned = self.pin_engine_core()
+                container = self.container()
+                if container is None:
+                    raise UsageError(f"no server container in compose project {self.project}", 3)
+                self.pinned = pin_engine_core(container)
             except UsageError as exc:
                 self.pinned = None
                 _log(f"warning: {exc}; the stream may arrive in bursts (ITL ~0)")
@@ -265,13 +268,6 @@ class ComposeServer:
         if self.container_env:
             with contextlib.suppress(OSError):
                 self._env_file().unlink()
-
-    def pin_engine_core(self, client=None) -> str:
-        """CPU stand-in: pin vLLM's EngineCore next to its worker (see :func:`pin_engine_core`)."""
-        container = self.container(client)
-        if container is None:
-            raise UsageError(f"no server container in compose project {self.project}", 3)
-        return pin_engine_core(container)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -25,14 +25,14 @@ import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from k3rocm.deploy.lifecycle import REPO
+from k3rocm.deploy.scale.settings import GPUS_PER_NODE
 from k3rocm.errors import UsageError
 
-GPUS_PER_NODE = 8
 CACHE_MIN_GB = 200  # HF/vLLM/Triton caches for a 1.5 TB model's compile artefacts and more
 RESULTS_MIN_GB = 5
 CHECKPOINT_MIN_GB = 1000  # Kimi-K3 weights are ~1.5 TB; less is a partial download
 MIN_COMPOSE = (2, 24)  # `!reset` in compose.cpu.yaml and the scale overrides
-REPO = Path(__file__).resolve().parents[3]
 
 
 @dataclass

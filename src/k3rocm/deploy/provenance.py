@@ -14,8 +14,7 @@ from k3rocm.deploy.readiness import url_port
 from k3rocm.deploy.server_api import ServerAPI
 from k3rocm.serving.config import redact_argv, redact_env
 from k3rocm.serving.fusions import FUSIONS
-
-MANIFEST_PATH = "/opt/k3rocm/manifest.json"
+from k3rocm.serving.manifest import DEFAULT_PATH as MANIFEST_PATH  # what the image build writes
 
 
 def find_server_container(client, url: str):

@@ -100,11 +100,8 @@ def checkpoint(deployment) -> dict[str, Any] | None:
     host_dir = getattr(deployment, "model_host_dir", None)
     if host_dir is None:
         return None
-    try:
-        from k3rocm.deploy.checkpoint import identity  # type: ignore[attr-defined]
-    except ImportError:
-        return {"path": str(host_dir),
-                "note": "k3rocm.deploy.checkpoint is not part of this install"}
+    from k3rocm.deploy.checkpoint import identity
+
     try:
         return identity(host_dir)
     except Exception as exc:  # noqa: BLE001 - the record must never lose a finished result

@@ -183,6 +183,11 @@ def _gsm8k_task(f: _Facts) -> tuple[bool | None, str]:
 
 _AMD = ("8x MI355X (an AMD profile)", _hardware)
 _TP8 = _eq("tp", 8, "TP")
+# The setup of vLLM PR #57640's Q-prep figures (launches and time).
+_QPREP = (_AMD, _TP8, ("no speculative decoding", _mtp(0)),
+          ("no compilation override", _no_compilation_override),
+          ("fp8 KV cache", _fp8_kv), ("AITER MLA on", _aiter_mla),
+          (f"{TRACE_STEPS} profiled steps", _steps))
 
 FIGURES: tuple[Figure, ...] = (
     Figure(
@@ -194,10 +199,7 @@ FIGURES: tuple[Figure, ...] = (
               "decoding, no compilation-config override, fp8 KV cache, AITER MLA on, 6 decode "
               "steps (profile fusion-evidence)",
         source="[PR57640] the measurement, its gates and its setup",
-        conditions=(_AMD, _TP8, ("no speculative decoding", _mtp(0)),
-                    ("no compilation override", _no_compilation_override),
-                    ("fp8 KV cache", _fp8_kv), ("AITER MLA on", _aiter_mla),
-                    (f"{TRACE_STEPS} profiled steps", _steps)),
+        conditions=_QPREP,
         notes=("launches per decode step do not depend on the prompt length or the batch "
                "size; the PR's trace used ISL 128k / OSL 1k at concurrency 8 [PR57640]",)),
     Figure(
@@ -207,11 +209,7 @@ FIGURES: tuple[Figure, ...] = (
               "decode steps (9.39 -> 4.74 us per MLA layer per step)",
         setup="as qprep-launches, under ISL 128k / OSL 1k at concurrency 8",
         source="[PR57640] the measurement, the profiler-trace load and the setup",
-        conditions=(_AMD, _TP8, ("no speculative decoding", _mtp(0)),
-                    ("no compilation override", _no_compilation_override),
-                    ("fp8 KV cache", _fp8_kv), ("AITER MLA on", _aiter_mla),
-                    (f"{TRACE_STEPS} profiled steps", _steps),
-                    ("load ISL 131072 / OSL 1024 at concurrency 8", _trace_load))),
+        conditions=(*_QPREP, ("load ISL 131072 / OSL 1024 at concurrency 8", _trace_load))),
     Figure(
         key="qknorm-launches",
         measures=("census", "census-ab"),

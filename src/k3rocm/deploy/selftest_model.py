@@ -47,9 +47,11 @@ import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
+from k3rocm import __version__
 from k3rocm.errors import UsageError, tagged_log
+from k3rocm.hashing import sha256_file as _sha256
 
 INDEX = "model.safetensors.index.json"
 CONFIG = "config.json"
@@ -352,18 +354,14 @@ def write_shard(path: Path, tensors: list[tuple[Tensor, Tensor]], src_dir: Path,
         fh.write(len(text).to_bytes(8, "little"))
         fh.write(text)
         for t, src in tensors:
-            _write_values(fh, t, src, src_dir, seed)
+            written = 0
+            for chunk in _values(t, src, src_dir, seed):
+                fh.write(chunk)
+                written += len(chunk)
+            assert written == t.nbytes, (t.name, written, t.nbytes)
         fh.flush()
         os.fsync(fh.fileno())
     return 8 + len(text) + offset
-
-
-def _write_values(fh: BinaryIO, t: Tensor, src: Tensor, src_dir: Path, seed: int) -> None:
-    written = 0
-    for chunk in _values(t, src, src_dir, seed):
-        fh.write(chunk)
-        written += len(chunk)
-    assert written == t.nbytes, (t.name, written, t.nbytes)
 
 
 # --- the command -----------------------------------------------------------------------------
@@ -417,10 +415,10 @@ def make_slice(src: Path, out: Path, layers: str | None = None, experts: int | N
         t = slice_tensor(headers[name], p)
         assert t is not None
         pairs.append((t, headers[name]))
-    for layer in sorted(set(p.layer_map.values())):
-        if not any(_layer_of(t.name) == layer for t, _ in pairs):
-            raise UsageError(f"the index has no tensors for source layer "
-                             f"{[o for o, n in p.layer_map.items() if n == layer][0]}")
+    have = {int(m.group(2)) for t, _ in pairs if (m := LAYER_RE.match(t.name))}
+    for old, new in p.layer_map.items():  # in the order of the new layers
+        if new not in have:
+            raise UsageError(f"the index has no tensors for source layer {old}")
     total = sum(t.nbytes for t, _ in pairs)
     _log(f"{len(pairs)} of {len(wmap)} tensors kept ({len(shards)} shard headers read), "
          f"{total / 1e9:.2f} GB to write")
@@ -444,7 +442,7 @@ def make_slice(src: Path, out: Path, layers: str | None = None, experts: int | N
         "source": str(src), "source_config_sha256": _sha256(src / CONFIG),
         "source_index_sha256": _sha256(src / INDEX), "tensors": len(pairs),
         "source_tensors": len(wmap), "bytes": total, "values": f"random (seed {seed})",
-        "tool": _tool_version()})
+        "tool": f"k3rocm {__version__}"})
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     tmp.mkdir()
     try:
@@ -475,26 +473,9 @@ def make_slice(src: Path, out: Path, layers: str | None = None, experts: int | N
             "experts": p.experts, "files_copied": copied}
 
 
-def _layer_of(name: str) -> int | None:
-    m = LAYER_RE.match(name)
-    return int(m.group(2)) if m else None
-
-
 def _order(name: str) -> tuple:
     """Natural order (layer 2 before layer 10), so a layer's tensors share shards."""
     return tuple(int(x) if x.isdigit() else x for x in re.split(r"(\d+)", name))
-
-
-def _sha256(path: Path) -> str:
-    from k3rocm.hashing import sha256_file
-
-    return sha256_file(path)
-
-
-def _tool_version() -> str:
-    from k3rocm import __version__
-
-    return f"k3rocm {__version__}"
 
 
 DEFAULT_OUT = "Kimi-K3-selftest"  # beside the checkpoint, under K3_MODELS_DIR

