@@ -205,11 +205,16 @@ def test_router_added_latency(cluster):
 def test_failover_degraded_and_rejoin(cluster, docker_client):
     s = cluster["scale"]
     victim = cluster["replicas"][1]
-    n, workers = 24, 4
+    # As many streams as client workers, all in flight at once, and no more: what happens to a
+    # stream *started* between the kill and the router noticing it (health interval 1 s,
+    # threshold 2) depends on that race (vllm-router may or may not retry it elsewhere), so
+    # new traffic is sent only after the router reports the replica down (below).
+    n = workers = 4
     t0 = time.monotonic()
     with ThreadPoolExecutor(workers) as pool, victim.hold() as wait_held:
-        # Streams through the router while the victim's engine is frozen: the ones routed to
-        # it are in flight there (headers sent, no token yet) when it is killed.
+        # Streams through the router while the victim's engine is frozen: round robin sends
+        # half of them to it, where they are in flight (no token yet) when it is killed; the
+        # other half finish on the healthy replica.
         futures = [pool.submit(_stream, s.router_url) for _ in range(n)]
         held = wait_held()
         _kill(victim.container)  # SIGKILL: no draining, in-flight streams are cut
@@ -222,8 +227,9 @@ def test_failover_degraded_and_rejoin(cluster, docker_client):
          f"wall {wall:.1f} s")
     assert sum(counts.values()) == n, outcomes  # every outcome is one of the three
     assert counts["hung"] == 0, outcomes  # a cut stream ends with an error, never a hang
-    # Only streams in flight on the killed replica may fail (at most one per client worker).
-    assert counts["failed"] <= workers and counts["ok"] >= n - workers, counts
+    # Only streams in flight on the killed replica may fail (round robin sent it exactly half
+    # of these); the others finish.
+    assert counts["failed"] <= n // 2 and counts["ok"] >= n - n // 2, counts
 
     # The status function behind `make status` reports the router's view.
     t_deg = _wait(lambda: scale_status(s, docker_client)[1].summary == "degraded, 1 of 2",
