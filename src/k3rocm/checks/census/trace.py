@@ -20,10 +20,12 @@ fused op".
 from __future__ import annotations
 
 import bisect
+import contextlib
 import os
 import re
 from array import array
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -214,13 +216,10 @@ def _num(e: dict[str, Any], key: str, default: float | None = None) -> float:
         v = 0.0
     if v.__class__ is float:
         return v
-    if isinstance(v, bool) or not isinstance(v, (int, float, str)):
-        raise ValueError(f"event {str(e.get('name'))[:60]!r} has a non-numeric {key} {v!r}")
-    try:
-        return float(v)
-    except ValueError:
-        raise ValueError(f"event {str(e.get('name'))[:60]!r} has a non-numeric {key} "
-                         f"{v!r}") from None
+    if isinstance(v, (int, float, str)) and not isinstance(v, bool):
+        with contextlib.suppress(ValueError):
+            return float(v)
+    raise ValueError(f"event {str(e.get('name'))[:60]!r} has a non-numeric {key} {v!r}")
 
 
 def _corr(e: dict[str, Any]) -> int:
@@ -235,8 +234,7 @@ class _Collector:
     queue). Names are interned."""
 
     def __init__(self) -> None:
-        self.names: dict[str, int] = {}
-        self.name_list: list[str] = []
+        self.names: dict[str, int] = {}  # name -> id (ids in insertion order)
         self.threads: dict[tuple[Any, Any], int] = {}
         self.steps: list[tuple[float, float, str, tuple[int, int, int, int]]] = []
         self.gsteps: list[tuple[Any, Any, float, float, str]] = []
@@ -248,17 +246,10 @@ class _Collector:
         self.k_corr, self.k_queue = array("q"), array("l")
 
     def _name(self, name: str) -> int:
-        i = self.names.get(name)
-        if i is None:
-            i = self.names[name] = len(self.name_list)
-            self.name_list.append(name)
-        return i
+        return self.names.setdefault(name, len(self.names))
 
     def _thread(self, key: tuple[Any, Any]) -> int:
-        i = self.threads.get(key)
-        if i is None:
-            i = self.threads[key] = len(self.threads)
-        return i
+        return self.threads.setdefault(key, len(self.threads))
 
     def add(self, e: Any) -> None:
         if e.__class__ is not dict or e.get("ph") != "X" or "ts" not in e or "name" not in e:
@@ -313,23 +304,24 @@ class _Collector:
         nr = len(rts)
         j = 0
         stack: list[tuple[float, int]] = []  # (end, id of the tuple up to this operator)
+
+        def enclosing(ts: float) -> int:  # pops the operators that ended before ts
+            while stack and ts >= stack[-1][0]:
+                stack.pop()
+            return stack[-1][1] if stack else 0
+
         thread = -1
         for i in cpu:
             th, ts = cthr[i], cts[i]
             if th != thread:
                 while j < nr and rthr[rts[j]] < th:  # calls of threads without operators
                     j += 1
-                stack, thread = [], th
+                stack.clear()
+                thread = th
             while j < nr and rthr[rts[j]] == th and rts_[rts[j]] < ts:
-                r = rts[j]
-                while stack and rts_[r] >= stack[-1][0]:
-                    stack.pop()
-                rt_par[r] = stack[-1][1] if stack else 0
+                rt_par[rts[j]] = enclosing(rts_[rts[j]])
                 j += 1
-            while stack and ts >= stack[-1][0]:
-                stack.pop()
-            parent = stack[-1][1] if stack else 0
-            cpu_par[i] = parent
+            parent = cpu_par[i] = enclosing(ts)
             key = (parent, cname[i])
             tid = ids.get(key)
             if tid is None:
@@ -337,11 +329,8 @@ class _Collector:
                 tuple_list.append((*tuple_list[parent], cname[i]))
             stack.append((cend[i], tid))
         while j < nr:  # calls after the thread's last operator
-            r = rts[j]
-            if rthr[r] == thread:
-                while stack and rts_[r] >= stack[-1][0]:
-                    stack.pop()
-                rt_par[r] = stack[-1][1] if stack else 0
+            if rthr[rts[j]] == thread:
+                rt_par[rts[j]] = enclosing(rts_[rts[j]])
             j += 1
         return cpu_par, rt_par, tuple_list
 
@@ -369,17 +358,14 @@ class _Collector:
         if mode not in ("gpu", "cpu"):
             raise UsageError(f"trace mode {mode!r} is not valid; use auto, gpu or cpu")
         cpu_par, rt_par, par_tuples = self._parents()
-        agg: dict[tuple[int, int, int], list[float]] = {}  # (name, step, parents) -> [n, us]
+        # (name, step, parents) -> [n, us]
+        agg: defaultdict[tuple[int, int, int], list[float]] = defaultdict(lambda: [0, 0.0])
         lost: dict[int, int] = {}
         if mode == "cpu":
             for i in range(len(self.cpu_ts)):
-                key = (self.cpu_name[i], step_at(self.cpu_ts[i]), cpu_par[i])
-                a = agg.get(key)
-                if a is None:
-                    agg[key] = [1, self.cpu_end[i] - self.cpu_ts[i]]
-                else:
-                    a[0] += 1
-                    a[1] += self.cpu_end[i] - self.cpu_ts[i]
+                a = agg[(self.cpu_name[i], step_at(self.cpu_ts[i]), cpu_par[i])]
+                a[0] += 1
+                a[1] += self.cpu_end[i] - self.cpu_ts[i]
         else:
             order = sorted(range(len(self.rt_corr)), key=self.rt_corr.__getitem__)
             corrs = array("q", (self.rt_corr[i] for i in order))
@@ -393,7 +379,7 @@ class _Collector:
                         if si >= 0:
                             lost[si] = lost.get(si, 0) + 1
             del kcorrs
-            spans = _device_spans(self.gsteps, steps)
+            step_of = _device_spans(self.gsteps, steps)
             queue_of = {v: k for k, v in self.threads.items()}
             for k in range(len(self.k_ts)):
                 c = self.k_corr[k]
@@ -405,24 +391,20 @@ class _Collector:
                 if r >= 0:
                     si, par = step_at(self.rt_ts[r]), rt_par[r]
                 else:
-                    si, par = spans.step_of(queue_of[self.k_queue[k]], self.k_ts[k]), 0
-                key = (self.k_name[k], si, par)
-                a = agg.get(key)
-                if a is None:
-                    agg[key] = [1, self.k_dur[k]]
-                else:
-                    a[0] += 1
-                    a[1] += self.k_dur[k]
+                    si, par = step_of(queue_of[self.k_queue[k]], self.k_ts[k]), 0
+                a = agg[(self.k_name[k], si, par)]
+                a[0] += 1
+                a[1] += self.k_dur[k]
         launches: list[Launch] = []
         outside: list[Launch] = []
         unattributed = 0
         norm_par: dict[int, tuple[str, ...]] = {}
+        name_list = list(self.names)
         for (nid, si, pid), (n, us) in agg.items():
             par = norm_par.get(pid)
             if par is None:
-                par = norm_par[pid] = tuple(normalize(self.name_list[x])
-                                            for x in par_tuples[pid])
-            raw = self.name_list[nid]
+                par = norm_par[pid] = tuple(normalize(name_list[x]) for x in par_tuples[pid])
+            raw = name_list[nid]
             ln = Launch(normalize(raw), raw, us, si, par, int(n))
             if si < 0:
                 unattributed += int(n)
@@ -466,28 +448,12 @@ def start_time(path: Path, obj: dict[str, Any], steps: list[Step]) -> tuple[floa
     return None, ""
 
 
-class _DeviceSpans:
-    """Device-side step ranges (``gpu_user_annotation``: kineto writes one per device queue
-    for each host annotation, with the same name), per (pid, tid) = (device, queue). The n-th
-    span named N on a queue is the n-th host step named N; a kernel without a launch record
-    belongs to the span of its own queue that contains it."""
-
-    def __init__(self, per_queue: dict[tuple[Any, Any], list[tuple[float, float, int]]]):
-        self.per_queue = per_queue
-        self.starts = {q: [s[0] for s in v] for q, v in per_queue.items()}
-
-    def step_of(self, queue: tuple[Any, Any], ts: float) -> int:
-        spans = self.per_queue.get(queue)
-        if not spans:
-            return -1
-        j = bisect.bisect_right(self.starts[queue], ts + 1e-3) - 1
-        if j >= 0 and ts <= spans[j][1] + 1e-3:
-            return spans[j][2]
-        return -1
-
-
 def _device_spans(gsteps: list[tuple[Any, Any, float, float, str]],
-                  steps: list[Step]) -> _DeviceSpans:
+                  steps: list[Step]) -> Callable[[tuple[Any, Any], float], int]:
+    """``step_of(queue, ts)`` by the device-side step ranges (``gpu_user_annotation``: kineto
+    writes one per device queue for each host annotation, with the same name), per (pid, tid) =
+    (device, queue). The n-th span named N on a queue is the n-th host step named N; a kernel
+    without a launch record belongs to the span of its own queue that contains it (else -1)."""
     host_by_name: dict[str, list[int]] = defaultdict(list)
     for st in steps:
         host_by_name[st.name].append(st.index)
@@ -504,7 +470,14 @@ def _device_spans(gsteps: list[tuple[Any, Any, float, float, str]],
                 out.append((ts, ts + dur, hosts[seen[name]]))
             seen[name] += 1
         per_queue[q] = out
-    return _DeviceSpans(per_queue)
+    starts = {q: [s[0] for s in v] for q, v in per_queue.items()}
+
+    def step_of(queue: tuple[Any, Any], ts: float) -> int:
+        spans = per_queue.get(queue)
+        j = bisect.bisect_right(starts[queue], ts + 1e-3) - 1 if spans else -1
+        return spans[j][2] if j >= 0 and ts <= spans[j][1] + 1e-3 else -1
+
+    return step_of
 
 
 def _evidence(header: dict[str, Any], runtime: int, device_annotations: int) -> list[str]:
