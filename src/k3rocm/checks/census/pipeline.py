@@ -276,21 +276,14 @@ def live_census(url: str, model: str, api_key: str | None, client: Any, containe
                                        "steps": load.steps},
                              server_settings_from=served.source)
     runrecord.write(run_dir, record)  # early: kept if we fail
-    if host_dir is not None:
-        before_h = drive.snapshot_host_dir(host_dir)
-    else:
-        before_c = drive.snapshot_container_dir(container, prof_dir)
+    traces = drive.TraceDir(host_dir, container, prof_dir)
+    before = traces.snapshot()
     info = drive.profile_under_load(drive.Load(url, model, load.concurrency, load.max_tokens,
                                                load.prompt_words, api_key), load.steps)
     log(f"profile done: {info}")
     dest = run_dir / "traces"
-    log(f"collecting traces from {host_dir}" if host_dir is not None else
-         f"collecting traces from {prof_dir} inside container {container.name}")
-    if host_dir is not None:
-        files = drive.collect_from_host_dir(host_dir, before_h, dest, load.trace_timeout)
-    else:
-        files = drive.collect_from_container(container, prof_dir, before_c, dest,
-                                             load.trace_timeout)
+    log(f"collecting traces from {traces}")
+    files = traces.collect(before, dest, load.trace_timeout)
     log(f"collected {len(files)} file(s) into {dest}")
     decisions = read_decisions(opts, None, container)
     if decisions is not None:  # kept beside the traces: an offline re-analysis finds them
