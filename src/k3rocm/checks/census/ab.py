@@ -23,13 +23,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from k3rocm.checks.census.analyze import Census
-from k3rocm.checks.census.common import analysis_from, positive, results_root
-from k3rocm.checks.census.expect import Check, render_table
+from k3rocm.checks.census.analyze import Census, na
+from k3rocm.checks.census.common import analysis_from, profiling_from, results_root
+from k3rocm.checks.census.expect import Check, columns, render_table
 from k3rocm.checks.census.fusions import ENV, FUSIONS, from_env
 from k3rocm.checks.census.pipeline import (
     Analysis,
-    Profiling,
     analyse,
     base_provenance,
     claim_from_container,
@@ -78,8 +77,7 @@ def compare(arms: dict[str, Census]) -> dict[str, Any]:
     for rank in sorted(set(off) | set(on)):
         if rank not in off or rank not in on:
             checks.append(Check(rank, "rank present in both arms", "-", "A/B",
-                                "each rank needs a trace in both arms", 2,
-                                1, False))
+                                "each rank needs a trace in both arms", 2, 1, False))
             continue
         a, b = off[rank], on[rank]
         Da, Db = a["decode_steps"], b["decode_steps"]
@@ -88,34 +86,27 @@ def compare(arms: dict[str, Census]) -> dict[str, Any]:
         removed = None
         if Da and Db:
             removed = round(qa["all_rmsnorm_launches"] * Db / Da) - qb["all_rmsnorm_launches"]
-        ta, tb = qa["norm_us_per_layer_step"], qb["norm_us_per_layer_step"]
-        rows.append({"rank": rank, "fusion": "qk_norm",
-                     "off_stock": removed, "on_stock": 0 if removed is not None else None,
-                     "off_fused": qa["fused_launches"], "on_fused": qb["fused_launches"],
-                     "off_us_per_layer_step": ta, "on_us_per_layer_step": tb,
-                     "saved_us_per_layer_step": None if ta is None or tb is None
-                     else round(ta - tb, 4),
-                     "note": "stock = off - on difference of all RMSNorm launches; us = all "
-                     "RMSNorms + fused"})
         if qk_asked:
+            seen = -1 if removed is None else removed
             checks.append(Check(
                 rank, "stock q/kv RMSNorm launches removed (off - on)", "qk_norm",
                 "decode-only steps", f"2 x {L} MLA layers x {Db} decode steps",
-                2 * L * Db, -1 if removed is None else removed, None))
+                2 * L * Db, seen, seen == 2 * L * Db))
         pa, pb = a["decode_qprep"], b["decode_qprep"]
-        ta, tb = pa["us_per_layer_step"], pb["us_per_layer_step"]
-        rows.append({"rank": rank, "fusion": "decode_qprep",
-                     "off_stock": pa["stock_launches"], "on_stock": pb["stock_launches"],
-                     "off_fused": pa["fused_launches"], "on_fused": pb["fused_launches"],
-                     "off_us_per_layer_step": ta, "on_us_per_layer_step": tb,
-                     "saved_us_per_layer_step": None if ta is None or tb is None
-                     else round(ta - tb, 4),
-                     "note": "stock = KV-cache write + q concat/fp8 quant; fused members "
-                     + (", ".join(f"{k} x{v}" for k, v in sorted(pb["fused_members"].items()))
-                        or "none")})
-    for c in checks:
-        if c.expected is not None:
-            c.ok = c.seen == c.expected
+        members = ", ".join(f"{k} x{v}" for k, v in sorted(pb["fused_members"].items()))
+        for fusion, x, y, stock, total, note in (
+                ("qk_norm", qa, qb, (removed, None if removed is None else 0),
+                 "norm_us_per_layer_step",
+                 "stock = off - on difference of all RMSNorm launches; us = all RMSNorms + fused"),
+                ("decode_qprep", pa, pb, (pa["stock_launches"], pb["stock_launches"]),
+                 "us_per_layer_step", "stock = KV-cache write + q concat/fp8 quant; fused "
+                 f"members {members or 'none'}")):
+            ta, tb = x[total], y[total]
+            rows.append({"rank": rank, "fusion": fusion, "off_stock": stock[0],
+                         "on_stock": stock[1], "off_fused": x["fused_launches"],
+                         "on_fused": y["fused_launches"], "off_us_per_layer_step": ta,
+                         "on_us_per_layer_step": tb, "saved_us_per_layer_step":
+                         None if ta is None or tb is None else round(ta - tb, 4), "note": note})
     return {"rows": rows, "checks": checks,
             "decode_steps": {k: {r["rank"]: r["decode_steps"] for r in v.per_layer_step()}
                              for k, v in arms.items()}}
@@ -126,18 +117,14 @@ def render_ab_table(cmp: dict[str, Any]) -> str:
             "fused on", "us/L/step off", "on", "saved"]
     rows = []
     for r in cmp["rows"]:
-        def s(v: Any) -> str:
-            return "n/a" if v is None else str(v)
         off_total = None if r["off_stock"] is None else r["off_stock"] + r["off_fused"]
         on_total = None if r["on_stock"] is None else r["on_stock"] + r["on_fused"]
         rows.append([str(r["rank"]), "q/kv norm" if r["fusion"] == "qk_norm"
-                     else "decode Q-prep", f"{s(off_total)} -> {s(on_total)}",
-                     s(r["off_stock"]), s(r["on_stock"]), s(r["off_fused"]), s(r["on_fused"]),
-                     s(r["off_us_per_layer_step"]), s(r["on_us_per_layer_step"]),
-                     s(r["saved_us_per_layer_step"])])
-    widths = [max(len(x[i]) for x in [head, *rows]) for i in range(len(head))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(x, widths, strict=True)).rstrip()
-                     for x in [head, *rows])
+                     else "decode Q-prep", f"{na(off_total)} -> {na(on_total)}",
+                     *(na(r[k]) for k in ("off_stock", "on_stock", "off_fused", "on_fused",
+                                          "off_us_per_layer_step", "on_us_per_layer_step",
+                                          "saved_us_per_layer_step"))])
+    return columns(head, rows, rule=False)
 
 
 def render_ab_markdown(arms: dict[str, Census], cmp: dict[str, Any], meta: dict[str, Any],
@@ -232,9 +219,7 @@ def run_census_ab(args: argparse.Namespace) -> int:
         raise UsageError(f"--repeats {args.repeats}: the census runs one profile per arm "
                          "(order A B): use --repeats 1", 2)
     args.repeats = 1
-    for name in ("--concurrency", "--steps"):
-        positive(name, getattr(args, name[2:].replace("-", "_")))
-    positive("--max-tokens", args.max_tokens, args.steps + 12)
+    load = profiling_from(args)  # traces copied out of each arm's container
     arms = armlib.arms_from_args(args, on_env=arm_env["on"], off_env=arm_env["off"])
     if arms.scale is not None:
         raise UsageError("census-ab profiles one server per arm: unset K3_SCALE_MODE (or set "
@@ -250,8 +235,6 @@ def run_census_ab(args: argparse.Namespace) -> int:
     run_dir = create_run_dir(str(args.results), args.label)
     _log(f"run directory {run_dir}")
     url = arms.url
-    load = Profiling(args.concurrency, args.max_tokens, args.prompt_words, args.steps,
-                     args.trace_timeout)  # traces copied out of each arm's container
     results: dict[str, Census] = {}
     stamp = time.strftime("%H%M%S").lower()
     names = {"A": "off", "B": "on"}

@@ -3,6 +3,7 @@ the per-rank report (stock vs fused launches and device time per MLA layer per d
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,6 +12,7 @@ from k3rocm.checks.census.decisions import Decisions, cross_check
 from k3rocm.checks.census.expect import (
     Check,
     build_checks,
+    columns,
     other_norms,
     rank_checks,
     render_summary,
@@ -140,9 +142,7 @@ class Census:
                          _spread([x["fused_us_per_layer_step"] for _, x in xs]),
                          _spread([x[total_key] for _, x in xs])
                          + (" (incl. all RMSNorms)" if key == "qk_norm" else ""), note])
-        widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-        return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
-                         for r in [head, *rows])
+        return columns(head, rows, rule=False)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -240,10 +240,8 @@ class Census:
 
 def _common(values: list[tuple[int, Any]]) -> str:
     """The value most ranks show; the ranks that differ in brackets."""
-    from collections import Counter
-
-    top = Counter(_s(v) for _, v in values).most_common(1)[0][0]
-    devs = [f"rank {r}: {_s(v)}" for r, v in values if _s(v) != top]
+    top = Counter(na(v) for _, v in values).most_common(1)[0][0]
+    devs = [f"rank {r}: {na(v)}" for r, v in values if na(v) != top]
     return top + (f" [{'; '.join(devs)}]" if devs else "")
 
 
@@ -265,7 +263,7 @@ def _onoff(v: bool | None) -> str:
     return {True: "on", False: "off", None: "unknown"}[v]
 
 
-def _s(v: Any) -> str:
+def na(v: Any) -> str:
     return "n/a" if v is None else str(v)
 
 

@@ -213,17 +213,22 @@ def rank_checks(ranks: list[int], world_size: int, source: str) -> list[Check]:
                   len(set(ranks) & set(range(world_size))), not missing and not extra)]
 
 
+def columns(head: list[str], rows: list[list[str]], rule: bool = True) -> str:
+    """Plain-text columns two spaces apart. ``rule``: a dashed line under the head and the last
+    column (free text) left unpadded; else every column padded and each line right-stripped."""
+    padded = len(head) - 1 if rule else len(head)
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(padded)]
+    body = [head, ["-" * w for w in widths] + ["-" * 4], *rows] if rule else [head, *rows]
+    lines = ["  ".join([*(c.ljust(w) for c, w in zip(r[:padded], widths, strict=True)),
+                        *r[padded:]]) for r in body]
+    return "\n".join(lines if rule else [ln.rstrip() for ln in lines])
+
+
 def render_table(checks: list[Check]) -> str:
     """A plain-text table: one row per check, expected next to seen."""
-    head = ["rank", "check", "scope", "expected", "seen", "status", "rule"]
-    rows = [[str(c.rank), c.what, c.scope, "-" if c.expected is None else str(c.expected),
-             str(c.seen), c.status, c.rule] for c in checks]
-    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head) - 1)]
-    lines = []
-    for r in [head, ["-" * w for w in widths] + ["-" * 4], *rows]:
-        cells = "  ".join(c.ljust(w) for c, w in zip(r[:-1], widths, strict=True))
-        lines.append(cells + "  " + r[-1])
-    return "\n".join(lines)
+    return columns(["rank", "check", "scope", "expected", "seen", "status", "rule"],
+                   [[str(c.rank), c.what, c.scope, _dash(c.expected), str(c.seen), c.status,
+                     c.rule] for c in checks])
 
 
 def summarize(checks: list[Check]) -> list[dict[str, Any]]:
@@ -251,12 +256,10 @@ def summarize(checks: list[Check]) -> list[dict[str, Any]]:
 
 def render_summary(checks: list[Check]) -> str:
     """Plain text: one row per check across ranks, deviations on the row."""
-    head = ["check", "scope", "ranks", "expected", "seen", "status", "deviations / rule"]
-    rows = [[r["check"], r["scope"], r["ranks"], _dash(r["expected"]), str(r["seen"]),
-             r["status"], "; ".join(r["deviations"]) or r["rule"]] for r in summarize(checks)]
-    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head) - 1)]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r[:-1], widths, strict=True))
-                     + "  " + r[-1] for r in [head, ["-" * w for w in widths] + ["-" * 4], *rows])
+    return columns(["check", "scope", "ranks", "expected", "seen", "status", "deviations / rule"],
+                   [[r["check"], r["scope"], r["ranks"], _dash(r["expected"]), str(r["seen"]),
+                     r["status"], "; ".join(r["deviations"]) or r["rule"]]
+                    for r in summarize(checks)])
 
 
 def render_summary_markdown(checks: list[Check]) -> str:
