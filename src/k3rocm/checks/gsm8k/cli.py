@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import shutil
 import sys
 from pathlib import Path
@@ -169,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
             where = data.resolve(args.data_dir, args.hf_home, dep.cache_dir).describe()
         except data.NoDataError as exc:  # the command does not depend on the data source
             where = f"none yet ({exc})"
-        print(command.shell_line(argv))
+        print(shlex.join(argv))
         print(f"# in {s.client_image}, --network host, run dir mounted at {command.OUT_MOUNT}, "
               f"task {data.TASK_FILE} as {command.TASKS_MOUNT}/gsm8k.yaml, data: {where}",
               file=sys.stderr)
@@ -203,9 +204,8 @@ def _fetch_data(args: argparse.Namespace) -> int:
     home.mkdir(parents=True, exist_ok=True)
     env = {"HOME": "/tmp", "HF_HOME": "/hf", "HF_HUB_DISABLE_TELEMETRY": "1",
            "PYTHONUNBUFFERED": "1"}
-    for key in ("HF_ENDPOINT", "HF_TOKEN"):  # a mirror or a token, as on the host
-        if os.environ.get(key):
-            env[key] = os.environ[key]
+    # a mirror or a token, as on the host
+    env.update({k: os.environ[k] for k in ("HF_ENDPOINT", "HF_TOKEN") if os.environ.get(k)})
     mounts = {str(home): ("/hf", "rw"),
               str(LAUNCHER_SRC): (f"/k3/{command.LAUNCHER_NAME}", "ro")}
     if HOST_CA.is_file():  # a TLS-intercepting proxy's CA is often only on the host
@@ -246,8 +246,6 @@ def _fetch_data(args: argparse.Namespace) -> int:
 
 def _execute(client, s: Gsm8kSettings, src: data.DataSource, argv: list[str],
              api_key: str | None, args: argparse.Namespace, dep=None) -> int:
-    from k3rocm.checks.gsm8k import provenance
-
     run_dir = create_run_dir(args.results_dir, "gsm8k")
     _progress(f"run directory {run_dir}")
     (run_dir / "lmeval_plugin").mkdir()
@@ -255,14 +253,17 @@ def _execute(client, s: Gsm8kSettings, src: data.DataSource, argv: list[str],
     task_text = data.task_yaml(src)
     write_text_atomic(run_dir / "tasks" / "gsm8k.yaml", task_text)
     (run_dir / "lm_eval").mkdir()
-    line = command.shell_line(argv)
+    line = shlex.join(argv)
     write_text_atomic(run_dir / "command.txt", line + "\n")
     env = command.container_env(s, src)
     if api_key:
         env["OPENAI_API_KEY"] = api_key
     mounts = {str(run_dir.resolve()): (command.OUT_MOUNT, "rw"),
               str(src.host_dir): (src.mount, "rw" if src.kind == "hf-datasets-cache" else "ro")}
-    image = provenance.client_image(client, s.client_image)
+    img = client.images.get(s.client_image)
+    image = {"ref": s.client_image, "id": img.id, "tags": img.tags,
+             "labels": (img.attrs.get("Config") or {}).get("Labels") or {},
+             "created": img.attrs.get("Created")}
     prov = runrecord.build(
         deployment=dep, url=s.url,
         server=runrecord.server(client, s.url, api_key, container_name=args.server_container),

@@ -6,7 +6,6 @@ returns, and the real run executes exactly that argv in the client container.
 
 from __future__ import annotations
 
-import shlex
 from dataclasses import asdict, dataclass
 from urllib.parse import urlparse
 
@@ -61,14 +60,12 @@ def validate(s: Gsm8kSettings) -> None:
     if s.reasoning_fallback and s.mode != "chat":
         raise UsageError("--reasoning-fallback needs --mode chat (completions have no reasoning "
                          "field)")
-    if not 1 <= s.concurrency <= 1024:
-        raise UsageError(f"--concurrency {s.concurrency} is out of range; use 1..1024")
-    if not 1 <= s.max_gen_tokens <= 262144:
-        raise UsageError(f"--max-gen-tokens {s.max_gen_tokens} is out of range; use 1..262144")
-    if not 1 <= s.timeout <= 86400:
-        raise UsageError(f"--timeout {s.timeout} is out of range; use 1..86400 seconds")
-    if not 0 <= s.max_retries <= 100:
-        raise UsageError(f"--max-retries {s.max_retries} is out of range; use 0..100")
+    for flag, value, lo, hi, unit in (("--concurrency", s.concurrency, 1, 1024, ""),
+                                      ("--max-gen-tokens", s.max_gen_tokens, 1, 262144, ""),
+                                      ("--timeout", s.timeout, 1, 86400, " seconds"),
+                                      ("--max-retries", s.max_retries, 0, 100, "")):
+        if not lo <= value <= hi:
+            raise UsageError(f"{flag} {value} is out of range; use {lo}..{hi}{unit}")
     if not 0.0 < s.threshold <= 1.0:
         raise UsageError(f"--threshold {s.threshold} is out of range; use 0 < x <= 1")
     if s.limit is not None and s.limit < 1:
@@ -142,7 +139,3 @@ def container_env(s: Gsm8kSettings, data: DataSource | None) -> dict[str, str]:
     else:  # the json/parquet builders write their arrow cache into the container, not the host
         env["HF_HOME"] = "/tmp/hf"
     return env
-
-
-def shell_line(argv: list[str]) -> str:
-    return shlex.join(argv)

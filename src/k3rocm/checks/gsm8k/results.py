@@ -37,12 +37,9 @@ def find_samples_file(results_file: Path) -> Path | None:
 def read_jsonl(path: Path | None) -> list[dict]:
     if path is None or not path.is_file():
         return []
-    out = []
-    with open(path, encoding="utf-8") as fh:
-        for line in fh:
-            if line.strip():
-                out.append(json.loads(line))
-    return out
+    # split on newlines only: answers may hold U+2028 and friends (written ensure_ascii=False)
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n")
+            if line.strip()]
 
 
 def _metric(res: dict, filt: str) -> dict:
