@@ -26,7 +26,7 @@ from typing import Any
 from k3rocm.checks.census.analyze import Census, na
 from k3rocm.checks.census.common import analysis_from, profiling_from, results_root
 from k3rocm.checks.census.expect import Check, columns, render_table
-from k3rocm.checks.census.fusions import ENV, FUSIONS, from_env
+from k3rocm.checks.census.fusions import FUSIONS, from_env
 from k3rocm.checks.census.pipeline import (
     Analysis,
     analyse,
@@ -39,6 +39,7 @@ from k3rocm.checks.census.pipeline import (
 from k3rocm.errors import EXIT_INCOMPLETE, UsageError, tagged_log
 from k3rocm.rundir import create_run_dir, write_json_atomic, write_text_atomic
 from k3rocm.serving.config import redact_env
+from k3rocm.serving.fusions import switches
 
 CONTAINER_TRACE_DIR = "/tmp/k3rocm-census-traces"
 LABEL = "k3rocm.census"
@@ -55,8 +56,7 @@ def arms_env(on: str) -> dict[str, dict[str, str]]:
     bad = [x for x in names if x not in FUSIONS]
     if bad or not names:
         raise UsageError(f"--on {on!r} must name fusions from {', '.join(FUSIONS)} (or all)")
-    return {"off": {ENV[k]: "0" for k in FUSIONS},
-            "on": {ENV[k]: "1" if k in names else "0" for k in FUSIONS}}
+    return {"off": switches(False), "on": switches(dict.fromkeys(names, True))}
 
 
 def _rows(c: Census) -> dict[int, dict[str, Any]]:

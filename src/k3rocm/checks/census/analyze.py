@@ -75,42 +75,38 @@ class Census:
         other = other_norms(self.spec, self.model)
         for pr in self.per_rank:
             D = pr["decode_steps"]
-            lau, tim = pr["roles"]["launches"], pr["roles"]["time_us"]
+            n = {r: v["decode"] for r, v in pr["roles"]["launches"].items()}  # decode-only
+            t = {r: v["decode"] for r, v in pr["roles"]["time_us"].items()}
 
             def per(x: float | None, D: int = D) -> float | None:
                 return _r(x / (L * D)) if D and x is not None else None
 
-            all_norms = lau["qk_norm"]["decode"]
-            qk_stock = None if other is None else all_norms - other * D
-            q_stock = lau["cache_write"]["decode"] + lau["q_concat_quant"]["decode"]
-            q_stock_t = tim["cache_write"]["decode"] + tim["q_concat_quant"]["decode"]
+            qk_stock = None if other is None else n["qk_norm"] - other * D
+            q_stock = n["cache_write"] + n["q_concat_quant"]
+            q_stock_t = t["cache_write"] + t["q_concat_quant"]
             members = {k: v["decode"] for k, v in pr["roles"]["members"].items() if v["decode"]}
             out.append({
                 "rank": pr["rank"], "decode_steps": D, "mla_layers": self.model.mla_layers,
                 "qk_norm": {
                     "asked": self.claim.qk_norm,
-                    "stock_launches": qk_stock, "all_rmsnorm_launches": all_norms,
-                    "fused_launches": lau["fused_qk_norm"]["decode"],
-                    "all_rmsnorm_us": tim["qk_norm"]["decode"],
-                    "fused_us": tim["fused_qk_norm"]["decode"],
-                    "stock_per_layer_step": per(qk_stock),
-                    "fused_per_layer_step": per(lau["fused_qk_norm"]["decode"]),
-                    "all_rmsnorm_us_per_layer_step": per(tim["qk_norm"]["decode"]),
-                    "fused_us_per_layer_step": per(tim["fused_qk_norm"]["decode"]),
-                    "norm_us_per_layer_step": per(tim["qk_norm"]["decode"]
-                                                  + tim["fused_qk_norm"]["decode"])},
+                    "stock_launches": qk_stock, "all_rmsnorm_launches": n["qk_norm"],
+                    "fused_launches": n["fused_qk_norm"], "all_rmsnorm_us": t["qk_norm"],
+                    "fused_us": t["fused_qk_norm"], "stock_per_layer_step": per(qk_stock),
+                    "fused_per_layer_step": per(n["fused_qk_norm"]),
+                    "all_rmsnorm_us_per_layer_step": per(t["qk_norm"]),
+                    "fused_us_per_layer_step": per(t["fused_qk_norm"]),
+                    "norm_us_per_layer_step": per(t["qk_norm"] + t["fused_qk_norm"])},
                 "decode_qprep": {
-                    "asked": self.claim.decode_qprep,
-                    "stock_launches": q_stock,
-                    "cache_write_launches": lau["cache_write"]["decode"],
-                    "q_concat_quant_launches": lau["q_concat_quant"]["decode"],
-                    "fused_launches": lau["fused_qprep"]["decode"], "fused_members": members,
-                    "stock_us": round(q_stock_t, 3), "fused_us": tim["fused_qprep"]["decode"],
+                    "asked": self.claim.decode_qprep, "stock_launches": q_stock,
+                    "cache_write_launches": n["cache_write"],
+                    "q_concat_quant_launches": n["q_concat_quant"],
+                    "fused_launches": n["fused_qprep"], "fused_members": members,
+                    "stock_us": round(q_stock_t, 3), "fused_us": t["fused_qprep"],
                     "stock_per_layer_step": per(q_stock),
-                    "fused_per_layer_step": per(lau["fused_qprep"]["decode"]),
+                    "fused_per_layer_step": per(n["fused_qprep"]),
                     "stock_us_per_layer_step": per(q_stock_t),
-                    "fused_us_per_layer_step": per(tim["fused_qprep"]["decode"]),
-                    "us_per_layer_step": per(q_stock_t + tim["fused_qprep"]["decode"])},
+                    "fused_us_per_layer_step": per(t["fused_qprep"]),
+                    "us_per_layer_step": per(q_stock_t + t["fused_qprep"])},
             })
         return out
 

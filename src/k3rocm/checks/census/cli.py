@@ -82,7 +82,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_analysis_arguments(p)
 
 
-def _finish(census: Census, run_dir: Path | None, top: int) -> int:
+def _finish(census: Census, run_dir: Path) -> int:
     for x in census.traces.skipped_runs:
         print(f"census: skipped {x['why']}: started {x['started']}, ranks "
               f"{', '.join(map(str, x['ranks']))} ({len(x['files'])} file(s))")
@@ -103,8 +103,7 @@ def _finish(census: Census, run_dir: Path | None, top: int) -> int:
     else:
         verdict = f"FAIL ({len(bad)} failed: {'; '.join(sorted({c.what for c in bad}))[:300]})"
     print(f"census: {verdict}")
-    if run_dir is not None:
-        print(f"census: report in {run_dir}/census.md")
+    print(f"census: report in {run_dir}/census.md")
     return census.exit_code
 
 
@@ -148,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
             deployment=dep, source="trace-dir", trace_dir=str(args.trace_dir),
             claim=claim.to_json(), trace_files=base_provenance(files)["trace_files"]),
             top=args.top)
-        return _finish(census, run_dir, args.top)
+        return _finish(census, run_dir)
     return run_live(args, dep, opts)
 
 
@@ -190,7 +189,7 @@ def run_live(args: argparse.Namespace, dep, opts) -> int:
     log(f"run directory {run_dir}")
     census = live_census(url, model, api_key, client, container, claim, run_dir, opts, load,
                          dep=dep)
-    return _finish(census, run_dir, args.top)
+    return _finish(census, run_dir)
 
 
 def _served_model(url: str, api_key: str | None, default: str) -> str:

@@ -567,10 +567,8 @@ def load_trace_dir(directory: str | os.PathLike, normalize: Normalizer | None = 
             f"{f.name}: {n / 1e6:.0f} M events")) if big else None)
         has_rank = bool(rt.rank_source)
         if not rt.steps:
-            why = ("no engine-step annotations (front-end trace)" if not has_rank
-                   else "no engine-step annotations")
-            if rt.empty_steps:
-                why = f"only engine steps without a forward ({rt.empty_steps})"
+            why = (f"only engine steps without a forward ({rt.empty_steps})" if rt.empty_steps
+                   else "no engine-step annotations" + ("" if has_rank else " (front-end trace)"))
             ignored.append({"path": str(f), "why": why})
             continue
         if not has_rank:
