@@ -16,6 +16,7 @@ import re
 import shlex
 import shutil
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 from k3rocm.checks.gsm8k import command, data, results
@@ -277,7 +278,7 @@ def _execute(client, s: Gsm8kSettings, src: data.DataSource, argv: list[str],
                                    # not be GSM8K's own: unknown
                                    "seed_task_config": True if src.kind != "local-jsonl"
                                    else None},
-        settings=s.as_dict(), data=src.provenance(),
+        settings=asdict(s), data=src.provenance(),
         task_file={"shipped": str(data.TASK_FILE),
                    "shipped_sha256": hashlib.sha256(data.shipped_task().encode()).hexdigest(),
                    "run_copy": "tasks/gsm8k.yaml",
@@ -318,13 +319,11 @@ def _finish(run_dir: Path, s: Gsm8kSettings, src: data.DataSource, prov: dict, w
             exit_status: int | None = None) -> dict:
     client_info = run_dir / "client_info.json"
     if client_info.is_file():
-        try:
+        with contextlib.suppress(ValueError, AttributeError):
             info = json.loads(client_info.read_text())
             prov["client"].update(info)
             prov["tools"]["lm_eval"] = (info.get("versions") or {}).get("lm_eval")
             runrecord.write(run_dir, prov)
-        except (ValueError, AttributeError):
-            pass
     run = {"server_url": s.url, "model": s.model, "mode": s.mode,
            "reasoning_fallback": s.reasoning_fallback, "concurrency": s.concurrency,
            "max_gen_tokens": s.max_gen_tokens, "data": src.describe(),
@@ -349,12 +348,9 @@ def _finish(run_dir: Path, s: Gsm8kSettings, src: data.DataSource, prov: dict, w
                    "lm_eval_exit_status": exit_status}
     summary["run"] = run
     write_json_atomic(run_dir / "summary.json", summary)
-    if "metrics" in summary:
-        write_text_atomic(run_dir / "summary.md", results.markdown(summary))
-    else:
-        write_text_atomic(run_dir / "summary.md", f"# GSM8K accuracy gate\n\n"
-                          f"**{status.upper()}** - {summary['message']}\n\n```\n"
-                          f"{prov['client']['command_line']}\n```\n")
+    write_text_atomic(run_dir / "summary.md", results.markdown(summary) if "metrics" in summary
+                      else f"# GSM8K accuracy gate\n\n**{status.upper()}** - "
+                      f"{summary['message']}\n\n```\n{prov['client']['command_line']}\n```\n")
     return summary
 
 

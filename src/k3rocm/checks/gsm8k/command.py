@@ -6,7 +6,7 @@ returns, and the real run executes exactly that argv in the client container.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from urllib.parse import urlparse
 
 from k3rocm import __version__
@@ -44,9 +44,6 @@ class Gsm8kSettings:
     seed: int = 1234
     reasoning_fallback: bool = False  # a deviation from the reference protocol: off unless asked
 
-    def as_dict(self) -> dict:
-        return asdict(self)
-
 
 def validate(s: Gsm8kSettings) -> None:
     u = urlparse(s.url)
@@ -74,15 +71,12 @@ def validate(s: Gsm8kSettings) -> None:
         raise UsageError("--model is empty; give the served model name (K3_SERVED_MODEL_NAME)")
 
 
-def endpoint(s: Gsm8kSettings) -> str:
-    root = s.url.rstrip("/")
-    return f"{root}/v1/chat/completions" if s.mode == "chat" else f"{root}/v1/completions"
-
-
 def model_args(s: Gsm8kSettings) -> str:
     # max_gen_toks as a model argument (lm-eval's TemplateAPI default is 256), not --gen_kwargs:
     # the task's generation_kwargs stay exactly the reference's in the config lm-eval prints.
-    args = [f"model={s.model}", f"base_url={endpoint(s)}", f"num_concurrent={s.concurrency}",
+    endpoint = "chat/completions" if s.mode == "chat" else "completions"
+    args = [f"model={s.model}", f"base_url={s.url.rstrip('/')}/v1/{endpoint}",
+            f"num_concurrent={s.concurrency}",
             f"max_retries={s.max_retries}", f"timeout={s.timeout}",
             f"max_gen_toks={s.max_gen_tokens}", "tokenized_requests=False"]
     if s.mode == "completions":  # prompts go as text: no tokenizer needed on the client
@@ -94,19 +88,14 @@ def model_args(s: Gsm8kSettings) -> str:
     return ",".join(args)
 
 
-def chat_model(s: Gsm8kSettings) -> str:
-    if s.mode != "chat":
-        return COMPLETIONS_MODEL
-    return FALLBACK_CHAT_MODEL if s.reasoning_fallback else CHAT_MODEL
-
-
 def lm_eval_argv(s: Gsm8kSettings) -> list[str]:
     """The exact command run in the client container (lm-eval's CLI via our launcher).
 
     It does not depend on where the items come from (that is in the run's task file), so the
     dry run prints it even before the data set is there."""
     argv = [CLIENT_PYTHON, f"{OUT_MOUNT}/lmeval_plugin/{LAUNCHER_NAME}", "run",
-            "--model", chat_model(s),
+            "--model", COMPLETIONS_MODEL if s.mode != "chat" else
+            FALLBACK_CHAT_MODEL if s.reasoning_fallback else CHAT_MODEL,
             "--model_args", model_args(s),
             "--include_path", TASKS_MOUNT,
             "--tasks", "gsm8k",
