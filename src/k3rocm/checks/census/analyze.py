@@ -4,7 +4,7 @@ the per-rank report (stock vs fused launches and device time per MLA layer per d
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from k3rocm.checks.census.complete import CAUSES, losses
@@ -144,7 +144,7 @@ class Census:
         return {
             "ok": self.ok, "verdict": self.verdict,
             "incomplete": self.incomplete,
-            "model": self.model.to_json(),
+            "model": asdict(self.model),
             "claim": self.claim.to_json(),
             "decisions": None if self.decisions is None else self.decisions.to_json(),
             "world_size": self.world_size, "world_size_source": self.world_source,

@@ -6,6 +6,7 @@ of ``census-ab`` call it with plain values.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -235,15 +236,6 @@ def server_trace_host_dir(given: str | None, container: Any, env: dict[str, str]
     return host if host is not None and host.is_dir() else None
 
 
-def _deployment_or_none():
-    from k3rocm.deploy.deployment import load_deployment
-
-    try:
-        return load_deployment()
-    except UsageError:
-        return None
-
-
 def live_census(url: str, model: str, api_key: str | None, client: Any, container: Any,
                 claim: FusionClaim, run_dir: Path, opts: Analysis, load: Profiling,
                 title: str = "Decode kernel census", dep: Any = None) -> Census:
@@ -252,7 +244,10 @@ def live_census(url: str, model: str, api_key: str | None, client: Any, containe
     from k3rocm.checks.census import drive
 
     if dep is None:
-        dep = _deployment_or_none()
+        from k3rocm.deploy.deployment import load_deployment
+
+        with contextlib.suppress(UsageError):
+            dep = load_deployment()
     cenv = served_as(container=container).env if container is not None else {}
     host_dir = server_trace_host_dir(load.server_trace_dir, container, cenv, dep)
     prof_dir = cenv.get("K3_PROFILER_DIR")
