@@ -50,10 +50,6 @@ def add_analysis_arguments(p: argparse.ArgumentParser) -> None:
                    help="results root (default: K3_RESULTS_DIR or ./results)")
 
 
-def normalizer_from(args: argparse.Namespace) -> Normalizer:
-    return Normalizer.from_specs(args.alias, strip_templates=not args.no_strip_templates)
-
-
 def extra_from(args: argparse.Namespace) -> dict[str, int]:
     out: dict[str, int] = {}
     for item in args.extra:
@@ -98,7 +94,8 @@ def analysis_from(args: argparse.Namespace) -> Analysis:
     positive("--min-decode-steps", args.min_decode_steps, 0)
     model_dir = model_dir_from(args)
     read_model_facts(model_dir)
-    normalizer, extra = normalizer_from(args), extra_from(args)
+    normalizer = Normalizer.from_specs(args.alias, strip_templates=not args.no_strip_templates)
+    extra = extra_from(args)
     load_spec("rocm" if args.platform == "auto" else args.platform, None, args.spec,
               args.other_norms)
     if getattr(args, "fusions", None):

@@ -216,16 +216,12 @@ def server_trace_host_dir(given: str | None, container: Any, env: dict[str, str]
     if not prof:
         return None
     if container is not None:
-        best = None
-        for m in container.attrs.get("Mounts") or []:
-            dest = str(m.get("Destination", "")).rstrip("/")
-            if dest and (prof == dest or prof.startswith(dest + "/")) and \
-                    (best is None or len(dest) > len(best[0])):
-                best = (dest, str(m.get("Source", "")))
-        if best is None:
-            return None
-        if not Path(best[1]).is_dir():
-            return None  # the engine's host is not this host: copy out of the container
+        mounts = ((str(m.get("Destination", "")).rstrip("/"), str(m.get("Source", "")))
+                  for m in container.attrs.get("Mounts") or [])
+        best = max(((d, src) for d, src in mounts if d and (prof == d or prof.startswith(d + "/"))),
+                   key=lambda m: len(m[0]), default=None)  # the innermost mount holding prof
+        if best is None or not Path(best[1]).is_dir():
+            return None  # copy out of the container (a Source not on this host: remote engine)
         host = Path(best[1]) / prof[len(best[0]):].lstrip("/")
         try:
             host.mkdir(parents=True, exist_ok=True)

@@ -32,7 +32,7 @@ from typing import Any
 
 from k3rocm.checks.census.names import Normalizer
 from k3rocm.checks.census.stream import TraceStream
-from k3rocm.errors import UsageError
+from k3rocm.errors import UsageError, tagged_log
 
 STEP_SIMPLE = re.compile(r"^execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)")
 STEP_DETAILED = re.compile(r"^execute_\d+_context_(\d+)\(sq(\d+)\D.*?_generation_(\d+)\(sq(\d+)\D")
@@ -516,10 +516,7 @@ class TraceSet:
     run_started: float | None = None  # the judged run's start (s since the epoch)
 
 
-def _progress(msg: str) -> None:
-    import sys
-
-    print(f"[census] {msg}", file=sys.stderr, flush=True)
+_progress = tagged_log("census")
 
 
 def iso_time(t: float | None) -> str:
