@@ -3,7 +3,7 @@ the per-rank report (stock vs fused launches and device time per MLA layer per d
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -186,19 +186,17 @@ class Census:
                  f"- Kernel table: {self.spec.platform} rules from "
                  f"`{self.spec.source['table']}`; other RMSNorm launches per step: "
                  f"`{self.spec.other_norms_formula}`", ""]
-        for note in self.notes:
-            lines.append(f"- Note: {note}")
+        lines += [f"- Note: {note}" for note in self.notes]
         lines += [f"- Run judged: the newest in the directory, started "
                   f"{iso_time(self.traces.run_started)} "
                   f"({self.per_rank[0]['started_source'] if self.per_rank else ''})"]
         lines += [f"- Skipped: {x['why']}: started {x['started']}, ranks "
                   f"{_ranks(x['ranks'])} ({len(x['files'])} file(s))"
                   for x in self.traces.skipped_runs]
-        for pr in self.per_rank:
-            lines.append(f"- rank {pr['rank']}: {pr['mode']} trace `{pr['path']}`, "
-                         f"{pr['steps']} engine steps ({pr['decode_steps']} decode-only, "
-                         f"{pr['empty_steps_ignored']} without a forward ignored), "
-                         f"{pr['launches']} launches, {pr['unattributed']} outside steps")
+        lines += [f"- rank {pr['rank']}: {pr['mode']} trace `{pr['path']}`, {pr['steps']} engine "
+                  f"steps ({pr['decode_steps']} decode-only, {pr['empty_steps_ignored']} without a "
+                  f"forward ignored), {pr['launches']} launches, {pr['unattributed']} outside "
+                  "steps" for pr in self.per_rank]
         lines += ["", "## Expected vs seen", "", render_summary_markdown(self.checks), "",
                   "## Per fusion across ranks, per MLA layer per decode step", "", "```",
                   self.report_table(), "```"]
@@ -208,16 +206,14 @@ class Census:
         if uncl:
             lines += ["", "## Unclassified launches in the MLA attention region (per rank)", "",
                       "| kernel | launches per rank (ranks that differ) |", "|---|---|"]
-            lines += [f"| `{k}` | " + _common([(r, pr["roles"]["unclassified"].get(k, 0))
-                                               for r, pr in zip(rk, self.per_rank,
-                                                                strict=True)]) + " |"
+            lines += [f"| `{k}` | " + _common([(pr["rank"], pr["roles"]["unclassified"].get(k, 0))
+                                               for pr in self.per_rank]) + " |"
                       for k in sorted(uncl)]
-        table = {r: {k["name"]: k for k in pr["kernels"]} for r, pr in zip(
-            rk, self.per_rank, strict=True)}
-        totals: dict[str, float] = {}
+        table = {pr["rank"]: {k["name"]: k for k in pr["kernels"]} for pr in self.per_rank}
+        totals: defaultdict[str, float] = defaultdict(float)
         for kt in table.values():
             for name, k in kt.items():
-                totals[name] = totals.get(name, 0.0) + k["total_us"]
+                totals[name] += k["total_us"]
         names = sorted(totals, key=lambda n: (-totals[n], n))[:top]
         lines += ["", f"## Top {top} kernels by {unit} time, across ranks", "",
                   "| kernel | launches per rank (ranks that differ) | per step | mean total us "

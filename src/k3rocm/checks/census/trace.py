@@ -585,12 +585,10 @@ def load_trace_dir(directory: str | os.PathLike, normalize: Normalizer | None = 
     runs = group_runs(workers)
     newest = sorted(runs[-1], key=lambda t: t.rank)
     started = runs[-1][0].started
-    skipped = []
-    for run in runs[:-1]:
-        skipped.append({"started": iso_time(run[0].started), "ranks": sorted(t.rank for t in run),
-                        "world_size": run[0].world_size,
-                        "files": [str(t.path) for t in run],
-                        "how": f"start from {run[0].started_source}",
-                        "why": f"an older run (the judged run started {iso_time(started)})"})
+    skipped = [{"started": iso_time(run[0].started), "ranks": sorted(t.rank for t in run),
+                "world_size": run[0].world_size, "files": [str(t.path) for t in run],
+                "how": f"start from {run[0].started_source}",
+                "why": f"an older run (the judged run started {iso_time(started)})"}
+               for run in runs[:-1]]
     sizes = {t.world_size for t in newest if t.world_size is not None}
     return TraceSet(newest, ignored, sizes.pop() if sizes else None, skipped, started)
