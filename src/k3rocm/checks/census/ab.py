@@ -150,13 +150,16 @@ def render_ab_markdown(arms: dict[str, Census], cmp: dict[str, Any], meta: dict[
 
 
 def finish_ab(run_dir: Any, results: dict[str, Census], meta: dict[str, Any],
-              arm_env: dict[str, dict[str, str]]) -> int:
+              arm_env: dict[str, dict[str, str]], provenance: dict[str, Any]) -> int:
+    """Write provenance.json (``provenance`` + the arms' trace files), ab.json and ab.md."""
+    write_json_atomic(run_dir / "provenance.json", {
+        **base_provenance([r.path for c in results.values() for r in c.traces.ranks]),
+        **provenance})
     cmp = compare(results)
     ok = all(c.ok for c in results.values()) and all(c.ok is not False for c in cmp["checks"])
     write_json_atomic(run_dir / "ab.json", {
         "ok": ok, "incomplete": {k: v.incomplete for k, v in results.items() if v.incomplete},
-        "meta": meta, "comparison": {**cmp, "checks": [c.to_json()
-                                                                for c in cmp["checks"]]},
+        "meta": meta, "comparison": {**cmp, "checks": [c.to_json() for c in cmp["checks"]]},
         "arms": {k: {"ok": v.ok, "claim": v.claim.to_json(),
                      "checks": [c.to_json() for c in v.checks]} for k, v in results.items()}})
     md = render_ab_markdown(results, cmp, meta, arm_env)
@@ -198,10 +201,7 @@ def run_offline(args: argparse.Namespace, opts: Analysis,
         print(c.table())
     meta = {"protocol": f"offline comparison of {dirs[0]} (off) and {dirs[1]} (on)",
             "trace_dirs": dirs}
-    write_json_atomic(run_dir / "provenance.json", {
-        **base_provenance([r.path for c in results.values() for r in c.traces.ranks]),
-        "trace_dirs": dirs, "arms": arm_env})
-    return finish_ab(run_dir, results, meta, arm_env)
+    return finish_ab(run_dir, results, meta, arm_env, {"trace_dirs": dirs, "arms": arm_env})
 
 
 def run_census_ab(args: argparse.Namespace) -> int:
@@ -258,9 +258,7 @@ def run_census_ab(args: argparse.Namespace) -> int:
             f"{args.max_tokens} output tokens, profiling {args.steps} decode steps after "
             "prefill), one profile per arm", "image": image_ref, "image_id": image_id,
             "concurrency": args.concurrency, "max_tokens": args.max_tokens, "steps": args.steps}
-    write_json_atomic(run_dir / "provenance.json", {
-        **base_provenance([r.path for c in results.values() for r in c.traces.ranks]),
+    return finish_ab(run_dir, results, meta, arm_env, {
         "image": image_ref, "image_id": image_id, "topology": arms.topology(),
         "server_env": redact_env(arms.describe_env()),
         "arms": {names[a]: f"{names[a]}/provenance.json" for a in arms.slots()}})
-    return finish_ab(run_dir, results, meta, arm_env)
