@@ -304,24 +304,23 @@ class _Collector:
         nr = len(rts)
         j = 0
         stack: list[tuple[float, int]] = []  # (end, id of the tuple up to this operator)
-
-        def enclosing(ts: float) -> int:  # pops the operators that ended before ts
-            while stack and ts >= stack[-1][0]:
-                stack.pop()
-            return stack[-1][1] if stack else 0
-
         thread = -1
+        # the pops are written out in each loop (no helper call): this runs once per event
         for i in cpu:
             th, ts = cthr[i], cts[i]
             if th != thread:
                 while j < nr and rthr[rts[j]] < th:  # calls of threads without operators
                     j += 1
-                stack.clear()
-                thread = th
+                stack, thread = [], th
             while j < nr and rthr[rts[j]] == th and rts_[rts[j]] < ts:
-                rt_par[rts[j]] = enclosing(rts_[rts[j]])
+                r = rts[j]
+                while stack and rts_[r] >= stack[-1][0]:
+                    stack.pop()
+                rt_par[r] = stack[-1][1] if stack else 0
                 j += 1
-            parent = cpu_par[i] = enclosing(ts)
+            while stack and ts >= stack[-1][0]:
+                stack.pop()
+            parent = cpu_par[i] = stack[-1][1] if stack else 0
             key = (parent, cname[i])
             tid = ids.get(key)
             if tid is None:
@@ -329,8 +328,11 @@ class _Collector:
                 tuple_list.append((*tuple_list[parent], cname[i]))
             stack.append((cend[i], tid))
         while j < nr:  # calls after the thread's last operator
-            if rthr[rts[j]] == thread:
-                rt_par[rts[j]] = enclosing(rts_[rts[j]])
+            r = rts[j]
+            if rthr[r] == thread:
+                while stack and rts_[r] >= stack[-1][0]:
+                    stack.pop()
+                rt_par[r] = stack[-1][1] if stack else 0
             j += 1
         return cpu_par, rt_par, tuple_list
 
