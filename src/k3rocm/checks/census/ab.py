@@ -23,13 +23,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from k3rocm.checks.census.analyze import Census
-from k3rocm.checks.census.common import analysis_from, positive, results_root
-from k3rocm.checks.census.expect import Check, render_table
-from k3rocm.checks.census.fusions import ENV, FUSIONS, from_env
+from k3rocm.checks.census.analyze import Census, na
+from k3rocm.checks.census.common import analysis_from, profiling_from, results_root
+from k3rocm.checks.census.expect import Check, columns, render_table
+from k3rocm.checks.census.fusions import FUSIONS, from_env
 from k3rocm.checks.census.pipeline import (
     Analysis,
-    Profiling,
     analyse,
     base_provenance,
     claim_from_container,
@@ -40,6 +39,7 @@ from k3rocm.checks.census.pipeline import (
 from k3rocm.errors import EXIT_INCOMPLETE, UsageError, tagged_log
 from k3rocm.rundir import create_run_dir, write_json_atomic, write_text_atomic
 from k3rocm.serving.config import redact_env
+from k3rocm.serving.fusions import switches
 
 CONTAINER_TRACE_DIR = "/tmp/k3rocm-census-traces"
 LABEL = "k3rocm.census"
@@ -56,8 +56,7 @@ def arms_env(on: str) -> dict[str, dict[str, str]]:
     bad = [x for x in names if x not in FUSIONS]
     if bad or not names:
         raise UsageError(f"--on {on!r} must name fusions from {', '.join(FUSIONS)} (or all)")
-    return {"off": {ENV[k]: "0" for k in FUSIONS},
-            "on": {ENV[k]: "1" if k in names else "0" for k in FUSIONS}}
+    return {"off": switches(False), "on": switches(dict.fromkeys(names, True))}
 
 
 def _rows(c: Census) -> dict[int, dict[str, Any]]:
@@ -78,8 +77,7 @@ def compare(arms: dict[str, Census]) -> dict[str, Any]:
     for rank in sorted(set(off) | set(on)):
         if rank not in off or rank not in on:
             checks.append(Check(rank, "rank present in both arms", "-", "A/B",
-                                "each rank needs a trace in both arms", 2,
-                                1, False))
+                                "each rank needs a trace in both arms", 2, 1, False))
             continue
         a, b = off[rank], on[rank]
         Da, Db = a["decode_steps"], b["decode_steps"]
@@ -88,34 +86,27 @@ def compare(arms: dict[str, Census]) -> dict[str, Any]:
         removed = None
         if Da and Db:
             removed = round(qa["all_rmsnorm_launches"] * Db / Da) - qb["all_rmsnorm_launches"]
-        ta, tb = qa["norm_us_per_layer_step"], qb["norm_us_per_layer_step"]
-        rows.append({"rank": rank, "fusion": "qk_norm",
-                     "off_stock": removed, "on_stock": 0 if removed is not None else None,
-                     "off_fused": qa["fused_launches"], "on_fused": qb["fused_launches"],
-                     "off_us_per_layer_step": ta, "on_us_per_layer_step": tb,
-                     "saved_us_per_layer_step": None if ta is None or tb is None
-                     else round(ta - tb, 4),
-                     "note": "stock = off - on difference of all RMSNorm launches; us = all "
-                     "RMSNorms + fused"})
         if qk_asked:
+            seen = -1 if removed is None else removed
             checks.append(Check(
                 rank, "stock q/kv RMSNorm launches removed (off - on)", "qk_norm",
                 "decode-only steps", f"2 x {L} MLA layers x {Db} decode steps",
-                2 * L * Db, -1 if removed is None else removed, None))
+                2 * L * Db, seen, seen == 2 * L * Db))
         pa, pb = a["decode_qprep"], b["decode_qprep"]
-        ta, tb = pa["us_per_layer_step"], pb["us_per_layer_step"]
-        rows.append({"rank": rank, "fusion": "decode_qprep",
-                     "off_stock": pa["stock_launches"], "on_stock": pb["stock_launches"],
-                     "off_fused": pa["fused_launches"], "on_fused": pb["fused_launches"],
-                     "off_us_per_layer_step": ta, "on_us_per_layer_step": tb,
-                     "saved_us_per_layer_step": None if ta is None or tb is None
-                     else round(ta - tb, 4),
-                     "note": "stock = KV-cache write + q concat/fp8 quant; fused members "
-                     + (", ".join(f"{k} x{v}" for k, v in sorted(pb["fused_members"].items()))
-                        or "none")})
-    for c in checks:
-        if c.expected is not None:
-            c.ok = c.seen == c.expected
+        members = ", ".join(f"{k} x{v}" for k, v in sorted(pb["fused_members"].items()))
+        for fusion, x, y, stock, total, note in (
+                ("qk_norm", qa, qb, (removed, None if removed is None else 0),
+                 "norm_us_per_layer_step",
+                 "stock = off - on difference of all RMSNorm launches; us = all RMSNorms + fused"),
+                ("decode_qprep", pa, pb, (pa["stock_launches"], pb["stock_launches"]),
+                 "us_per_layer_step", "stock = KV-cache write + q concat/fp8 quant; fused "
+                 f"members {members or 'none'}")):
+            ta, tb = x[total], y[total]
+            rows.append({"rank": rank, "fusion": fusion, "off_stock": stock[0],
+                         "on_stock": stock[1], "off_fused": x["fused_launches"],
+                         "on_fused": y["fused_launches"], "off_us_per_layer_step": ta,
+                         "on_us_per_layer_step": tb, "saved_us_per_layer_step":
+                         None if ta is None or tb is None else round(ta - tb, 4), "note": note})
     return {"rows": rows, "checks": checks,
             "decode_steps": {k: {r["rank"]: r["decode_steps"] for r in v.per_layer_step()}
                              for k, v in arms.items()}}
@@ -126,18 +117,14 @@ def render_ab_table(cmp: dict[str, Any]) -> str:
             "fused on", "us/L/step off", "on", "saved"]
     rows = []
     for r in cmp["rows"]:
-        def s(v: Any) -> str:
-            return "n/a" if v is None else str(v)
         off_total = None if r["off_stock"] is None else r["off_stock"] + r["off_fused"]
         on_total = None if r["on_stock"] is None else r["on_stock"] + r["on_fused"]
         rows.append([str(r["rank"]), "q/kv norm" if r["fusion"] == "qk_norm"
-                     else "decode Q-prep", f"{s(off_total)} -> {s(on_total)}",
-                     s(r["off_stock"]), s(r["on_stock"]), s(r["off_fused"]), s(r["on_fused"]),
-                     s(r["off_us_per_layer_step"]), s(r["on_us_per_layer_step"]),
-                     s(r["saved_us_per_layer_step"])])
-    widths = [max(len(x[i]) for x in [head, *rows]) for i in range(len(head))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(x, widths, strict=True)).rstrip()
-                     for x in [head, *rows])
+                     else "decode Q-prep", f"{na(off_total)} -> {na(on_total)}",
+                     *(na(r[k]) for k in ("off_stock", "on_stock", "off_fused", "on_fused",
+                                          "off_us_per_layer_step", "on_us_per_layer_step",
+                                          "saved_us_per_layer_step"))])
+    return columns(head, rows, rule=False)
 
 
 def render_ab_markdown(arms: dict[str, Census], cmp: dict[str, Any], meta: dict[str, Any],
@@ -163,13 +150,16 @@ def render_ab_markdown(arms: dict[str, Census], cmp: dict[str, Any], meta: dict[
 
 
 def finish_ab(run_dir: Any, results: dict[str, Census], meta: dict[str, Any],
-              arm_env: dict[str, dict[str, str]]) -> int:
+              arm_env: dict[str, dict[str, str]], provenance: dict[str, Any]) -> int:
+    """Write provenance.json (``provenance`` + the arms' trace files), ab.json and ab.md."""
+    write_json_atomic(run_dir / "provenance.json", {
+        **base_provenance([r.path for c in results.values() for r in c.traces.ranks]),
+        **provenance})
     cmp = compare(results)
     ok = all(c.ok for c in results.values()) and all(c.ok is not False for c in cmp["checks"])
     write_json_atomic(run_dir / "ab.json", {
         "ok": ok, "incomplete": {k: v.incomplete for k, v in results.items() if v.incomplete},
-        "meta": meta, "comparison": {**cmp, "checks": [c.to_json()
-                                                                for c in cmp["checks"]]},
+        "meta": meta, "comparison": {**cmp, "checks": [c.to_json() for c in cmp["checks"]]},
         "arms": {k: {"ok": v.ok, "claim": v.claim.to_json(),
                      "checks": [c.to_json() for c in v.checks]} for k, v in results.items()}})
     md = render_ab_markdown(results, cmp, meta, arm_env)
@@ -211,10 +201,7 @@ def run_offline(args: argparse.Namespace, opts: Analysis,
         print(c.table())
     meta = {"protocol": f"offline comparison of {dirs[0]} (off) and {dirs[1]} (on)",
             "trace_dirs": dirs}
-    write_json_atomic(run_dir / "provenance.json", {
-        **base_provenance([r.path for c in results.values() for r in c.traces.ranks]),
-        "trace_dirs": dirs, "arms": arm_env})
-    return finish_ab(run_dir, results, meta, arm_env)
+    return finish_ab(run_dir, results, meta, arm_env, {"trace_dirs": dirs, "arms": arm_env})
 
 
 def run_census_ab(args: argparse.Namespace) -> int:
@@ -232,9 +219,7 @@ def run_census_ab(args: argparse.Namespace) -> int:
         raise UsageError(f"--repeats {args.repeats}: the census runs one profile per arm "
                          "(order A B): use --repeats 1", 2)
     args.repeats = 1
-    for name in ("--concurrency", "--steps"):
-        positive(name, getattr(args, name[2:].replace("-", "_")))
-    positive("--max-tokens", args.max_tokens, args.steps + 12)
+    load = profiling_from(args)  # traces copied out of each arm's container
     arms = armlib.arms_from_args(args, on_env=arm_env["on"], off_env=arm_env["off"])
     if arms.scale is not None:
         raise UsageError("census-ab profiles one server per arm: unset K3_SCALE_MODE (or set "
@@ -250,8 +235,6 @@ def run_census_ab(args: argparse.Namespace) -> int:
     run_dir = create_run_dir(str(args.results), args.label)
     _log(f"run directory {run_dir}")
     url = arms.url
-    load = Profiling(args.concurrency, args.max_tokens, args.prompt_words, args.steps,
-                     args.trace_timeout)  # traces copied out of each arm's container
     results: dict[str, Census] = {}
     stamp = time.strftime("%H%M%S").lower()
     names = {"A": "off", "B": "on"}
@@ -275,9 +258,7 @@ def run_census_ab(args: argparse.Namespace) -> int:
             f"{args.max_tokens} output tokens, profiling {args.steps} decode steps after "
             "prefill), one profile per arm", "image": image_ref, "image_id": image_id,
             "concurrency": args.concurrency, "max_tokens": args.max_tokens, "steps": args.steps}
-    write_json_atomic(run_dir / "provenance.json", {
-        **base_provenance([r.path for c in results.values() for r in c.traces.ranks]),
+    return finish_ab(run_dir, results, meta, arm_env, {
         "image": image_ref, "image_id": image_id, "topology": arms.topology(),
         "server_env": redact_env(arms.describe_env()),
         "arms": {names[a]: f"{names[a]}/provenance.json" for a in arms.slots()}})
-    return finish_ab(run_dir, results, meta, arm_env)

@@ -3,7 +3,8 @@ the per-rank report (stock vs fused launches and device time per MLA layer per d
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from k3rocm.checks.census.complete import CAUSES, losses
@@ -11,6 +12,7 @@ from k3rocm.checks.census.decisions import Decisions, cross_check
 from k3rocm.checks.census.expect import (
     Check,
     build_checks,
+    columns,
     other_norms,
     rank_checks,
     render_summary,
@@ -73,42 +75,38 @@ class Census:
         other = other_norms(self.spec, self.model)
         for pr in self.per_rank:
             D = pr["decode_steps"]
-            lau, tim = pr["roles"]["launches"], pr["roles"]["time_us"]
+            n = {r: v["decode"] for r, v in pr["roles"]["launches"].items()}  # decode-only
+            t = {r: v["decode"] for r, v in pr["roles"]["time_us"].items()}
 
             def per(x: float | None, D: int = D) -> float | None:
                 return _r(x / (L * D)) if D and x is not None else None
 
-            all_norms = lau["qk_norm"]["decode"]
-            qk_stock = None if other is None else all_norms - other * D
-            q_stock = lau["cache_write"]["decode"] + lau["q_concat_quant"]["decode"]
-            q_stock_t = tim["cache_write"]["decode"] + tim["q_concat_quant"]["decode"]
+            qk_stock = None if other is None else n["qk_norm"] - other * D
+            q_stock = n["cache_write"] + n["q_concat_quant"]
+            q_stock_t = t["cache_write"] + t["q_concat_quant"]
             members = {k: v["decode"] for k, v in pr["roles"]["members"].items() if v["decode"]}
             out.append({
                 "rank": pr["rank"], "decode_steps": D, "mla_layers": self.model.mla_layers,
                 "qk_norm": {
                     "asked": self.claim.qk_norm,
-                    "stock_launches": qk_stock, "all_rmsnorm_launches": all_norms,
-                    "fused_launches": lau["fused_qk_norm"]["decode"],
-                    "all_rmsnorm_us": tim["qk_norm"]["decode"],
-                    "fused_us": tim["fused_qk_norm"]["decode"],
-                    "stock_per_layer_step": per(qk_stock),
-                    "fused_per_layer_step": per(lau["fused_qk_norm"]["decode"]),
-                    "all_rmsnorm_us_per_layer_step": per(tim["qk_norm"]["decode"]),
-                    "fused_us_per_layer_step": per(tim["fused_qk_norm"]["decode"]),
-                    "norm_us_per_layer_step": per(tim["qk_norm"]["decode"]
-                                                  + tim["fused_qk_norm"]["decode"])},
+                    "stock_launches": qk_stock, "all_rmsnorm_launches": n["qk_norm"],
+                    "fused_launches": n["fused_qk_norm"], "all_rmsnorm_us": t["qk_norm"],
+                    "fused_us": t["fused_qk_norm"], "stock_per_layer_step": per(qk_stock),
+                    "fused_per_layer_step": per(n["fused_qk_norm"]),
+                    "all_rmsnorm_us_per_layer_step": per(t["qk_norm"]),
+                    "fused_us_per_layer_step": per(t["fused_qk_norm"]),
+                    "norm_us_per_layer_step": per(t["qk_norm"] + t["fused_qk_norm"])},
                 "decode_qprep": {
-                    "asked": self.claim.decode_qprep,
-                    "stock_launches": q_stock,
-                    "cache_write_launches": lau["cache_write"]["decode"],
-                    "q_concat_quant_launches": lau["q_concat_quant"]["decode"],
-                    "fused_launches": lau["fused_qprep"]["decode"], "fused_members": members,
-                    "stock_us": round(q_stock_t, 3), "fused_us": tim["fused_qprep"]["decode"],
+                    "asked": self.claim.decode_qprep, "stock_launches": q_stock,
+                    "cache_write_launches": n["cache_write"],
+                    "q_concat_quant_launches": n["q_concat_quant"],
+                    "fused_launches": n["fused_qprep"], "fused_members": members,
+                    "stock_us": round(q_stock_t, 3), "fused_us": t["fused_qprep"],
                     "stock_per_layer_step": per(q_stock),
-                    "fused_per_layer_step": per(lau["fused_qprep"]["decode"]),
+                    "fused_per_layer_step": per(n["fused_qprep"]),
                     "stock_us_per_layer_step": per(q_stock_t),
-                    "fused_us_per_layer_step": per(tim["fused_qprep"]["decode"]),
-                    "us_per_layer_step": per(q_stock_t + tim["fused_qprep"]["decode"])},
+                    "fused_us_per_layer_step": per(t["fused_qprep"]),
+                    "us_per_layer_step": per(q_stock_t + t["fused_qprep"])},
             })
         return out
 
@@ -140,15 +138,13 @@ class Census:
                          _spread([x["fused_us_per_layer_step"] for _, x in xs]),
                          _spread([x[total_key] for _, x in xs])
                          + (" (incl. all RMSNorms)" if key == "qk_norm" else ""), note])
-        widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-        return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
-                         for r in [head, *rows])
+        return columns(head, rows, rule=False)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "ok": self.ok, "verdict": self.verdict,
             "incomplete": self.incomplete,
-            "model": self.model.to_json(),
+            "model": asdict(self.model),
             "claim": self.claim.to_json(),
             "decisions": None if self.decisions is None else self.decisions.to_json(),
             "world_size": self.world_size, "world_size_source": self.world_source,
@@ -190,19 +186,17 @@ class Census:
                  f"- Kernel table: {self.spec.platform} rules from "
                  f"`{self.spec.source['table']}`; other RMSNorm launches per step: "
                  f"`{self.spec.other_norms_formula}`", ""]
-        for note in self.notes:
-            lines.append(f"- Note: {note}")
+        lines += [f"- Note: {note}" for note in self.notes]
         lines += [f"- Run judged: the newest in the directory, started "
                   f"{iso_time(self.traces.run_started)} "
                   f"({self.per_rank[0]['started_source'] if self.per_rank else ''})"]
         lines += [f"- Skipped: {x['why']}: started {x['started']}, ranks "
                   f"{_ranks(x['ranks'])} ({len(x['files'])} file(s))"
                   for x in self.traces.skipped_runs]
-        for pr in self.per_rank:
-            lines.append(f"- rank {pr['rank']}: {pr['mode']} trace `{pr['path']}`, "
-                         f"{pr['steps']} engine steps ({pr['decode_steps']} decode-only, "
-                         f"{pr['empty_steps_ignored']} without a forward ignored), "
-                         f"{pr['launches']} launches, {pr['unattributed']} outside steps")
+        lines += [f"- rank {pr['rank']}: {pr['mode']} trace `{pr['path']}`, {pr['steps']} engine "
+                  f"steps ({pr['decode_steps']} decode-only, {pr['empty_steps_ignored']} without a "
+                  f"forward ignored), {pr['launches']} launches, {pr['unattributed']} outside "
+                  "steps" for pr in self.per_rank]
         lines += ["", "## Expected vs seen", "", render_summary_markdown(self.checks), "",
                   "## Per fusion across ranks, per MLA layer per decode step", "", "```",
                   self.report_table(), "```"]
@@ -212,16 +206,14 @@ class Census:
         if uncl:
             lines += ["", "## Unclassified launches in the MLA attention region (per rank)", "",
                       "| kernel | launches per rank (ranks that differ) |", "|---|---|"]
-            lines += [f"| `{k}` | " + _common([(r, pr["roles"]["unclassified"].get(k, 0))
-                                               for r, pr in zip(rk, self.per_rank,
-                                                                strict=True)]) + " |"
+            lines += [f"| `{k}` | " + _common([(pr["rank"], pr["roles"]["unclassified"].get(k, 0))
+                                               for pr in self.per_rank]) + " |"
                       for k in sorted(uncl)]
-        table = {r: {k["name"]: k for k in pr["kernels"]} for r, pr in zip(
-            rk, self.per_rank, strict=True)}
-        totals: dict[str, float] = {}
+        table = {pr["rank"]: {k["name"]: k for k in pr["kernels"]} for pr in self.per_rank}
+        totals: defaultdict[str, float] = defaultdict(float)
         for kt in table.values():
             for name, k in kt.items():
-                totals[name] = totals.get(name, 0.0) + k["total_us"]
+                totals[name] += k["total_us"]
         names = sorted(totals, key=lambda n: (-totals[n], n))[:top]
         lines += ["", f"## Top {top} kernels by {unit} time, across ranks", "",
                   "| kernel | launches per rank (ranks that differ) | per step | mean total us "
@@ -240,10 +232,8 @@ class Census:
 
 def _common(values: list[tuple[int, Any]]) -> str:
     """The value most ranks show; the ranks that differ in brackets."""
-    from collections import Counter
-
-    top = Counter(_s(v) for _, v in values).most_common(1)[0][0]
-    devs = [f"rank {r}: {_s(v)}" for r, v in values if _s(v) != top]
+    top = Counter(na(v) for _, v in values).most_common(1)[0][0]
+    devs = [f"rank {r}: {na(v)}" for r, v in values if na(v) != top]
     return top + (f" [{'; '.join(devs)}]" if devs else "")
 
 
@@ -265,7 +255,7 @@ def _onoff(v: bool | None) -> str:
     return {True: "on", False: "off", None: "unknown"}[v]
 
 
-def _s(v: Any) -> str:
+def na(v: Any) -> str:
     return "n/a" if v is None else str(v)
 
 

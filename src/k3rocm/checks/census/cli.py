@@ -25,14 +25,13 @@ from k3rocm.checks.census.common import (
     add_analysis_arguments,
     analysis_from,
     model_dir_from,
-    positive,
+    profiling_from,
     results_root,
 )
 from k3rocm.checks.census.complete import CAUSES
 from k3rocm.checks.census.fusions import from_cli
 from k3rocm.checks.census.pipeline import (
     FUSIONS_METAVAR,
-    Profiling,
     analyse,
     base_provenance,
     claim_from_container,
@@ -83,7 +82,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_analysis_arguments(p)
 
 
-def _finish(census: Census, run_dir: Path | None, top: int) -> int:
+def _finish(census: Census, run_dir: Path) -> int:
     for x in census.traces.skipped_runs:
         print(f"census: skipped {x['why']}: started {x['started']}, ranks "
               f"{', '.join(map(str, x['ranks']))} ({len(x['files'])} file(s))")
@@ -104,8 +103,7 @@ def _finish(census: Census, run_dir: Path | None, top: int) -> int:
     else:
         verdict = f"FAIL ({len(bad)} failed: {'; '.join(sorted({c.what for c in bad}))[:300]})"
     print(f"census: {verdict}")
-    if run_dir is not None:
-        print(f"census: report in {run_dir}/census.md")
+    print(f"census: report in {run_dir}/census.md")
     return census.exit_code
 
 
@@ -149,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
             deployment=dep, source="trace-dir", trace_dir=str(args.trace_dir),
             claim=claim.to_json(), trace_files=base_provenance(files)["trace_files"]),
             top=args.top)
-        return _finish(census, run_dir, args.top)
+        return _finish(census, run_dir)
     return run_live(args, dep, opts)
 
 
@@ -158,9 +156,7 @@ def run_live(args: argparse.Namespace, dep, opts) -> int:
     from k3rocm.deploy.provenance import find_server_container
     from k3rocm.deploy.readiness import wait_ready
 
-    for name in ("--concurrency", "--steps"):
-        positive(name, getattr(args, name[2:].replace("-", "_")))
-    positive("--max-tokens", args.max_tokens, args.steps + 12)
+    load = profiling_from(args)
     api_key = dep.api_key
     url = args.url.rstrip("/")
     model = args.model or _served_model(url, api_key, dep.served_model_name)
@@ -191,11 +187,9 @@ def run_live(args: argparse.Namespace, dep, opts) -> int:
                          "container: pass --container, --server-log FILE or --skip-records")
     run_dir = create_run_dir(results_root(args), args.label)
     log(f"run directory {run_dir}")
-    load = Profiling(args.concurrency, args.max_tokens, args.prompt_words, args.steps,
-                     args.trace_timeout, args.server_trace_dir)
     census = live_census(url, model, api_key, client, container, claim, run_dir, opts, load,
                          dep=dep)
-    return _finish(census, run_dir, args.top)
+    return _finish(census, run_dir)
 
 
 def _served_model(url: str, api_key: str | None, default: str) -> str:

@@ -8,7 +8,7 @@ from pathlib import Path
 from k3rocm.checks.census.fusions import from_cli
 from k3rocm.checks.census.modelcfg import read_model_facts
 from k3rocm.checks.census.names import Normalizer
-from k3rocm.checks.census.pipeline import Analysis
+from k3rocm.checks.census.pipeline import Analysis, Profiling
 from k3rocm.checks.census.spec import ROLES, load_spec
 from k3rocm.errors import UsageError
 
@@ -48,10 +48,6 @@ def add_analysis_arguments(p: argparse.ArgumentParser) -> None:
                    help="kernels in the markdown's top table (across ranks)")
     g.add_argument("--results", default=None,
                    help="results root (default: K3_RESULTS_DIR or ./results)")
-
-
-def normalizer_from(args: argparse.Namespace) -> Normalizer:
-    return Normalizer.from_specs(args.alias, strip_templates=not args.no_strip_templates)
 
 
 def extra_from(args: argparse.Namespace) -> dict[str, int]:
@@ -98,7 +94,8 @@ def analysis_from(args: argparse.Namespace) -> Analysis:
     positive("--min-decode-steps", args.min_decode_steps, 0)
     model_dir = model_dir_from(args)
     read_model_facts(model_dir)
-    normalizer, extra = normalizer_from(args), extra_from(args)
+    normalizer = Normalizer.from_specs(args.alias, strip_templates=not args.no_strip_templates)
+    extra = extra_from(args)
     load_spec("rocm" if args.platform == "auto" else args.platform, None, args.spec,
               args.other_norms)
     if getattr(args, "fusions", None):
@@ -113,3 +110,12 @@ def analysis_from(args: argparse.Namespace) -> Analysis:
                     other_norms=args.other_norms,
                     min_decode_steps=args.min_decode_steps, world_size=args.world_size,
                     skip_records=args.skip_records, server_log=server_log, top=args.top)
+
+
+def profiling_from(args: argparse.Namespace) -> Profiling:
+    """The live load flags, checked (bad input: exit 2)."""
+    for name in ("--concurrency", "--steps"):
+        positive(name, getattr(args, name[2:].replace("-", "_")))
+    positive("--max-tokens", args.max_tokens, args.steps + 12)
+    return Profiling(args.concurrency, args.max_tokens, args.prompt_words, args.steps,
+                     args.trace_timeout, getattr(args, "server_trace_dir", None))

@@ -20,6 +20,7 @@ tested for the losses known on ROCm and CUDA, and a set that lost events gets th
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from itertools import takewhile
 from typing import Any
 
 from k3rocm.checks.census.trace import TraceSet
@@ -63,7 +64,8 @@ def losses(traces: TraceSet, world_size: int) -> list[dict[str, Any]]:
         if lost:
             steps = sorted(rt.lost_launches)
             out.append({"rank": rt.rank, "what": f"{lost} kernel launch(es) without their "
-                        f"kernel record (in engine step(s) {_span(steps)})"})
+                        f"kernel record (in engine step(s) {', '.join(map(str, steps[:8]))}"
+                        f"{', ...' if len(steps) > 8 else ''})"})
     for rank, rows in per_step.items():
         short = [(i, key, k) for i, key, k in rows if k < best[key]]
         if not short:
@@ -75,19 +77,7 @@ def losses(traces: TraceSet, world_size: int) -> list[dict[str, Any]]:
                 f"that replay the same graph as complete ones ({detail}"
                 f"{', ...' if len(short) > 6 else ''})")
         if empty and empty[-1] == rows[-1][0]:
-            what += f"; the last {_tail(rows)} step(s) have no kernels (a cut-off tail)"
+            tail = sum(1 for _ in takewhile(lambda row: not row[2], reversed(rows)))
+            what += f"; the last {tail} step(s) have no kernels (a cut-off tail)"
         out.append({"rank": rank, "what": what})
     return out
-
-
-def _tail(rows: list[tuple[int, tuple[int, int], int]]) -> int:
-    n = 0
-    for _, _, k in reversed(rows):
-        if k:
-            break
-        n += 1
-    return n
-
-
-def _span(steps: list[int]) -> str:
-    return ", ".join(map(str, steps[:8])) + (", ..." if len(steps) > 8 else "")

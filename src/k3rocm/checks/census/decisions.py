@@ -42,21 +42,13 @@ def _on(b: bool) -> str:
 def cross_check(claim: FusionClaim, dec: Decisions | None) -> list[Check]:
     """One row per fusion (target layers), plus draft rows reported only.
     ``dec`` None = the cross-check was skipped on request (--skip-records)."""
+    if dec is None or not dec.found:
+        why = ("SKIPPED on request (--skip-records): the overlay's own decisions were not "
+               "cross-checked" if dec is None else f"NOT CROSS-CHECKED: no records found "
+               f"(looked in {dec.source}); pass --server-log FILE or --skip-records")
+        return [Check("all", f"overlay decision records vs asked {k} {_on(claim.get(k))}",
+                      "records", "records", why, None, 0, None) for k in FUSIONS]
     rows: list[Check] = []
-    if dec is None:
-        for k in FUSIONS:
-            rows.append(Check("all", f"overlay decision records vs asked {k} "
-                              f"{_on(claim.get(k))}", "records", "records",
-                              "SKIPPED on request (--skip-records): the overlay's own "
-                              "decisions were not cross-checked", None, 0, None))
-        return rows
-    if not dec.found:
-        for k in FUSIONS:
-            rows.append(Check("all", f"overlay decision records vs asked {k} "
-                              f"{_on(claim.get(k))}", "records", "records",
-                              f"NOT CROSS-CHECKED: no records found (looked in {dec.source}); "
-                              "pass --server-log FILE or --skip-records", None, 0, None))
-        return rows
     final = final_decisions(dec.records)
     target = [r for (_, kind), r in final.items() if kind == "target"]
     draft = [r for (_, kind), r in final.items() if kind == "draft"]

@@ -161,81 +161,68 @@ def _is_trace(name: str) -> bool:
     return name.endswith((".json", ".json.gz", ".txt"))
 
 
-def snapshot_host_dir(d: Path) -> dict[str, tuple[int, float]]:
-    if not d.is_dir():
-        return {}
-    return {str(p.relative_to(d)): (p.stat().st_size, p.stat().st_mtime)
-            for p in d.rglob("*") if p.is_file()}
+@dataclass
+class TraceDir:
+    """Where the server writes its traces: ``host`` (a directory on this host), else ``path``
+    inside ``container`` (copied out with the Docker API)."""
 
+    host: Path | None
+    container: Any = None
+    path: str | None = None
 
-def _wait_for_new_files(snapshot, before: dict, timeout: float, settle: float,
-                        missing: str) -> dict:
-    """Poll ``snapshot()`` until the trace files not in ``before`` exist and have not changed
-    for ``settle`` seconds; return them. After ``timeout`` take what is there, or fail with
-    ``missing`` when nothing appeared."""
-    t0 = time.time()
-    last: dict = {}
-    stable_since = None
-    while True:
-        now = {k: v for k, v in snapshot().items()
-               if k not in before and _is_trace(k) and not Path(k).name.startswith(".")}
-        if now and now == last:
-            stable_since = stable_since or time.time()
-            if time.time() - stable_since >= settle:
-                return now
-        else:
-            stable_since = None
-        last = now
-        if time.time() - t0 > timeout:
-            if now:
-                return now
-            raise UsageError(missing.format(timeout=timeout), 3)
-        time.sleep(0.5)
+    def __str__(self) -> str:
+        return str(self.host) if self.host is not None else \
+            f"{self.path} inside container {self.container.name}"
 
+    def snapshot(self) -> dict[str, Any]:
+        """Relative file name -> (size, mtime) on the host, size in the container."""
+        if self.host is not None:
+            d = self.host
+            return {str(p.relative_to(d)): (p.stat().st_size, p.stat().st_mtime)
+                    for p in d.rglob("*") if p.is_file()} if d.is_dir() else {}
+        # exit 0: a file that vanishes mid-scan makes find fail; what it did list still counts
+        out = exec_text(self.container, ["sh", "-c", f"cd '{self.path}' 2>/dev/null && "
+                                         "find . -type f -exec stat -c '%s %n' {} +; exit 0"])
+        files = {}
+        for line in (out or "").splitlines():
+            size, _, name = line.partition(" ")
+            if size.isdigit():
+                files[name.removeprefix("./")] = int(size)
+        return files
 
-def collect_from_host_dir(d: Path, before: dict[str, tuple[int, float]], dest: Path,
-                          timeout: float = 600.0, settle: float = 3.0) -> list[Path]:
-    """Copy the trace files that appeared in ``d`` since ``before`` into ``dest`` once their
-    sizes stop changing."""
-    new = _wait_for_new_files(
-        lambda: snapshot_host_dir(d), before, timeout, settle,
-        f"no new trace file appeared in {d} within {{timeout:.0f}}s; is that the host side of "
-        "the server's K3_PROFILER_DIR?")
-    out = []
-    for rel in sorted(new):
-        target = dest / rel
-        write_bytes_atomic(target, (d / rel).read_bytes())
-        out.append(target)
-    return out
-
-
-def snapshot_container_dir(container, path: str) -> dict[str, int]:
-    # exit 0: a file that vanishes mid-scan makes find fail; what it did list still counts
-    out = exec_text(container, ["sh", "-c", f"cd '{path}' 2>/dev/null && "
-                                "find . -type f -exec stat -c '%s %n' {} +; exit 0"])
-    files = {}
-    for line in (out or "").splitlines():
-        size, _, name = line.partition(" ")
-        if size.isdigit():
-            files[name.removeprefix("./")] = int(size)
-    return files
-
-
-def collect_from_container(container, path: str, before: dict[str, int], dest: Path,
-                           timeout: float = 600.0, settle: float = 3.0) -> list[Path]:
-    """Same as :func:`collect_from_host_dir` for a directory inside a server container."""
-    new = _wait_for_new_files(
-        lambda: snapshot_container_dir(container, path), before, timeout, settle,
-        f"no new trace file appeared in {path} inside the server container within "
-        "{timeout:.0f}s")
-    out = []
-    for rel in sorted(new):
-        stream, _ = container.get_archive(f"{path.rstrip('/')}/{rel}")
-        buf = io.BytesIO(b"".join(stream))
-        with tarfile.open(fileobj=buf) as tar:
+    def read(self, rel: str) -> bytes:
+        if self.host is not None:
+            return (self.host / rel).read_bytes()
+        stream, _ = self.container.get_archive(f"{self.path.rstrip('/')}/{rel}")
+        with tarfile.open(fileobj=io.BytesIO(b"".join(stream))) as tar:
             member = next(m for m in tar.getmembers() if m.isfile())
-            data = tar.extractfile(member).read()  # type: ignore[union-attr]
-        target = dest / rel
-        write_bytes_atomic(target, data)
-        out.append(target)
-    return out
+            return tar.extractfile(member).read()  # type: ignore[union-attr]
+
+    def collect(self, before: dict[str, Any], dest: Path, timeout: float = 600.0,
+                settle: float = 3.0) -> list[Path]:
+        """Copy the trace files not in ``before`` into ``dest`` once they exist and have not
+        changed for ``settle`` seconds. After ``timeout`` take what is there, or fail when
+        nothing appeared."""
+        t0 = time.time()
+        last: dict = {}
+        stable_since = None
+        while True:
+            now = {k: v for k, v in self.snapshot().items()
+                   if k not in before and _is_trace(k) and not Path(k).name.startswith(".")}
+            if now and now == last:
+                stable_since = stable_since or time.time()
+                if time.time() - stable_since >= settle:
+                    break
+            else:
+                stable_since = None
+            last = now
+            if time.time() - t0 > timeout:
+                if now:
+                    break
+                raise UsageError(
+                    f"no new trace file appeared in {self.host} within {timeout:.0f}s; is that "
+                    "the host side of the server's K3_PROFILER_DIR?" if self.host is not None
+                    else f"no new trace file appeared in {self.path} inside the server "
+                    f"container within {timeout:.0f}s", 3)
+            time.sleep(0.5)
+        return [write_bytes_atomic(dest / rel, self.read(rel)) for rel in sorted(now)]

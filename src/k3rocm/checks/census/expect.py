@@ -100,6 +100,7 @@ def build_checks(rt: RankTrace, spec: Spec, model: ModelFacts, claim: FusionClai
     norm_on = claim.qk_norm
     qprep_on = claim.decode_qprep
     n = rc.launches
+    checks: list[Check] = []
 
     def tot(role: str) -> int:
         return n[role]["decode"] + n[role]["other"]
@@ -107,88 +108,68 @@ def build_checks(rt: RankTrace, spec: Spec, model: ModelFacts, claim: FusionClai
     def add(role: str, scope_steps: int) -> int:
         return extra.get(role, 0) * scope_steps
 
-    checks: list[Check] = []
+    def check(what: str, role: str, scope: str, rule: str, expected: int | None,
+              seen: int) -> None:  # judged when something is expected, else reported only
+        checks.append(Check(rt.rank, what, role, scope, rule, expected, seen,
+                            None if expected is None else seen == expected))
+
     asked = f"asked {'on' if norm_on else 'off'}"
-    checks.append(Check(
-        rt.rank, f"fused q/kv RMSNorm launches (qk_norm {asked})", "fused_qk_norm",
-        "all steps", f"{L} MLA layers x {S} steps" if norm_on else "0 (fusion asked off)",
-        (L * S if norm_on else 0) + add("fused_qk_norm", S), tot("fused_qk_norm"), None))
+    check(f"fused q/kv RMSNorm launches (qk_norm {asked})", "fused_qk_norm", "all steps",
+          f"{L} MLA layers x {S} steps" if norm_on else "0 (fusion asked off)",
+          (L * S if norm_on else 0) + add("fused_qk_norm", S), tot("fused_qk_norm"))
     other = other_norms(spec, model)
+    stock_qk = f"stock q/kv RMSNorm launches (qk_norm {asked})"
     if other is not None:
-        seen = tot("qk_norm") - other * S
-        checks.append(Check(
-            rt.rank, f"stock q/kv RMSNorm launches (qk_norm {asked})", "qk_norm",
-            "all steps",
-            ("0 (the pair is gone)" if norm_on else f"2 x {L} MLA layers x {S} steps")
-            + f"; seen = all {tot('qk_norm')} RMSNorm launches - "
-            f"({spec.other_norms_formula} = {other}) other norms x {S} steps",
-            (0 if norm_on else 2 * L * S) + add("qk_norm", S), seen, None))
+        check(stock_qk, "qk_norm", "all steps",
+              ("0 (the pair is gone)" if norm_on else f"2 x {L} MLA layers x {S} steps")
+              + f"; seen = all {tot('qk_norm')} RMSNorm launches - "
+              f"({spec.other_norms_formula} = {other}) other norms x {S} steps",
+              (0 if norm_on else 2 * L * S) + add("qk_norm", S), tot("qk_norm") - other * S)
     else:
-        checks.append(Check(
-            rt.rank, f"stock q/kv RMSNorm launches (qk_norm {asked})", "qk_norm",
-            "all steps", "not derivable from one trace: this model's other RMSNorm launches "
-            "per step are unknown on this platform (census-ab judges the off - on "
-            "difference; or pass --other-norms)", None, tot("qk_norm"), None))
+        check(stock_qk, "qk_norm", "all steps", "not derivable from one trace: this model's "
+              "other RMSNorm launches per step are unknown on this platform (census-ab judges "
+              "the off - on difference; or pass --other-norms)", None, tot("qk_norm"))
     q_asked = f"asked {'on' if qprep_on else 'off'}"
-    checks.append(Check(
-        rt.rank, f"fused Q-prep launches (decode_qprep {q_asked})", "fused_qprep",
-        "decode-only steps", f"{L} MLA layers x {D} decode steps" if qprep_on
-        else "0 (fusion asked off)", (L * D if qprep_on else 0) + add("fused_qprep", D),
-        n["fused_qprep"]["decode"], None))
-    checks.append(Check(
-        rt.rank, f"stock KV-cache write launches (decode_qprep {q_asked})", "cache_write",
-        "decode-only steps", "0 (the fused launch writes the cache)" if qprep_on
-        else f"{L} MLA layers x {D} decode steps",
-        (0 if qprep_on else L * D) + add("cache_write", D), n["cache_write"]["decode"], None))
+    check(f"fused Q-prep launches (decode_qprep {q_asked})", "fused_qprep", "decode-only steps",
+          f"{L} MLA layers x {D} decode steps" if qprep_on else "0 (fusion asked off)",
+          (L * D if qprep_on else 0) + add("fused_qprep", D), n["fused_qprep"]["decode"])
+    check(f"stock KV-cache write launches (decode_qprep {q_asked})", "cache_write",
+          "decode-only steps", "0 (the fused launch writes the cache)" if qprep_on
+          else f"{L} MLA layers x {D} decode steps",
+          (0 if qprep_on else L * D) + add("cache_write", D), n["cache_write"]["decode"])
     if qprep_on:
-        checks.append(Check(
-            rt.rank, f"stock q concat + fp8 quant launches (decode_qprep {q_asked})",
-            "q_concat_quant", "decode-only steps", "0 (the fused launch writes the fp8 query)",
-            add("q_concat_quant", D), n["q_concat_quant"]["decode"], None))
+        check(f"stock q concat + fp8 quant launches (decode_qprep {q_asked})", "q_concat_quant",
+              "decode-only steps", "0 (the fused launch writes the fp8 query)",
+              add("q_concat_quant", D), n["q_concat_quant"]["decode"])
     else:
-        checks.append(Check(
-            rt.rank, f"stock q concat + fp8 quant launches (decode_qprep {q_asked})",
-            "q_concat_quant", "decode-only steps", "reported only: one per MLA layer and "
-            "decode step with an fp8 KV cache; none with a bf16 query", None,
-            n["q_concat_quant"]["decode"], None))
+        check(f"stock q concat + fp8 quant launches (decode_qprep {q_asked})", "q_concat_quant",
+              "decode-only steps", "reported only: one per MLA layer and decode step with an "
+              "fp8 KV cache; none with a bf16 query", None, n["q_concat_quant"]["decode"])
     qrole = spec.roles["fused_qprep"]
     for m in qrole.members:
         if m.forbidden:
-            seen = sum(rc.members.get(m.name, {}).values())
-            checks.append(Check(
-                rt.rank, f"fused Q-prep member '{m.name}' launches", "fused_qprep",
-                "anywhere", f"0 ({m.why})", 0, seen, None))
+            check(f"fused Q-prep member '{m.name}' launches", "fused_qprep", "anywhere",
+                  f"0 ({m.why})", 0, sum(rc.members.get(m.name, {}).values()))
     if qrole.members:
         ran = {k: sum(v.values()) for k, v in rc.members.items()}
-        checks.append(Check(
-            rt.rank, "fused Q-prep members that ran", "fused_qprep", "anywhere",
-            "reported only: " + (", ".join(f"{k} x{v}" for k, v in sorted(ran.items()))
-                                 or "none"), None, sum(ran.values()), None))
+        check("fused Q-prep members that ran", "fused_qprep", "anywhere", "reported only: "
+              + (", ".join(f"{k} x{v}" for k, v in sorted(ran.items())) or "none"), None,
+              sum(ran.values()))
     if P:
-        checks.append(Check(
-            rt.rank, "fused Q-prep launches in steps with prefill", "fused_qprep",
-            "other steps", "0 (never taken outside decode-only batches)",
-            0, n["fused_qprep"]["other"], None))
-        checks.append(Check(
-            rt.rank, "KV-cache write launches in steps with prefill", "cache_write",
-            "other steps", f"{L} MLA layers x {P} steps",
-            L * P + add("cache_write", P), n["cache_write"]["other"], None))
+        check("fused Q-prep launches in steps with prefill", "fused_qprep", "other steps",
+              "0 (never taken outside decode-only batches)", 0, n["fused_qprep"]["other"])
+        check("KV-cache write launches in steps with prefill", "cache_write", "other steps",
+              f"{L} MLA layers x {P} steps", L * P + add("cache_write", P),
+              n["cache_write"]["other"])
     for role in ROLES:
         if n[role]["outside"]:
-            checks.append(Check(
-                rt.rank, f"{role} launches outside engine steps", role, "no step",
-                "reported only: launched outside any execute_* annotation (e.g. a draft "
-                "model's proposal pass or the sampler); see docs/census.md", None,
-                n[role]["outside"], None))
+            check(f"{role} launches outside engine steps", role, "no step", "reported only: "
+                  "launched outside any execute_* annotation (e.g. a draft model's proposal "
+                  "pass or the sampler); see docs/census.md", None, n[role]["outside"])
     if rc.unclassified:
         top = ", ".join(f"{k} x{v}" for k, v in list(rc.unclassified.items())[:6])
-        checks.append(Check(
-            rt.rank, "unclassified launches in the MLA attention region", "-", "all",
-            f"reported only: match no role: {top}", None, sum(rc.unclassified.values()),
-            None))
-    for c in checks:
-        if c.expected is not None:
-            c.ok = c.seen == c.expected
+        check("unclassified launches in the MLA attention region", "-", "all",
+              f"reported only: match no role: {top}", None, sum(rc.unclassified.values()))
     return checks, rc
 
 
@@ -213,17 +194,22 @@ def rank_checks(ranks: list[int], world_size: int, source: str) -> list[Check]:
                   len(set(ranks) & set(range(world_size))), not missing and not extra)]
 
 
+def columns(head: list[str], rows: list[list[str]], rule: bool = True) -> str:
+    """Plain-text columns two spaces apart. ``rule``: a dashed line under the head and the last
+    column (free text) left unpadded; else every column padded and each line right-stripped."""
+    padded = len(head) - 1 if rule else len(head)
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(padded)]
+    body = [head, ["-" * w for w in widths] + ["-" * 4], *rows] if rule else [head, *rows]
+    lines = ["  ".join([*(c.ljust(w) for c, w in zip(r[:padded], widths, strict=True)),
+                        *r[padded:]]) for r in body]
+    return "\n".join(lines if rule else [ln.rstrip() for ln in lines])
+
+
 def render_table(checks: list[Check]) -> str:
     """A plain-text table: one row per check, expected next to seen."""
-    head = ["rank", "check", "scope", "expected", "seen", "status", "rule"]
-    rows = [[str(c.rank), c.what, c.scope, "-" if c.expected is None else str(c.expected),
-             str(c.seen), c.status, c.rule] for c in checks]
-    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head) - 1)]
-    lines = []
-    for r in [head, ["-" * w for w in widths] + ["-" * 4], *rows]:
-        cells = "  ".join(c.ljust(w) for c, w in zip(r[:-1], widths, strict=True))
-        lines.append(cells + "  " + r[-1])
-    return "\n".join(lines)
+    return columns(["rank", "check", "scope", "expected", "seen", "status", "rule"],
+                   [[str(c.rank), c.what, c.scope, _dash(c.expected), str(c.seen), c.status,
+                     c.rule] for c in checks])
 
 
 def summarize(checks: list[Check]) -> list[dict[str, Any]]:
@@ -251,12 +237,10 @@ def summarize(checks: list[Check]) -> list[dict[str, Any]]:
 
 def render_summary(checks: list[Check]) -> str:
     """Plain text: one row per check across ranks, deviations on the row."""
-    head = ["check", "scope", "ranks", "expected", "seen", "status", "deviations / rule"]
-    rows = [[r["check"], r["scope"], r["ranks"], _dash(r["expected"]), str(r["seen"]),
-             r["status"], "; ".join(r["deviations"]) or r["rule"]] for r in summarize(checks)]
-    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head) - 1)]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r[:-1], widths, strict=True))
-                     + "  " + r[-1] for r in [head, ["-" * w for w in widths] + ["-" * 4], *rows])
+    return columns(["check", "scope", "ranks", "expected", "seen", "status", "deviations / rule"],
+                   [[r["check"], r["scope"], r["ranks"], _dash(r["expected"]), str(r["seen"]),
+                     r["status"], "; ".join(r["deviations"]) or r["rule"]]
+                    for r in summarize(checks)])
 
 
 def render_summary_markdown(checks: list[Check]) -> str:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from k3rocm.errors import UsageError
 
@@ -23,9 +22,6 @@ class ModelFacts:
     kv_lora_rank: int | None
     qk_rope_head_dim: int | None
     draft_layers: int  # num_nextn_predict_layers (MTP), not part of the main model's count
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def read_model_facts(model: str | os.PathLike) -> ModelFacts:

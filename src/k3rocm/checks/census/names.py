@@ -123,8 +123,7 @@ class Normalizer:
     _cache: dict[str, str] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_specs(cls, aliases: Iterable[str] = (), strip_templates: bool = True,
-                   generic: Iterable[str] | None = None) -> Normalizer:
+    def from_specs(cls, aliases: Iterable[str] = (), strip_templates: bool = True) -> Normalizer:
         """``aliases``: ``REGEX=NAME`` strings (applied to the normalized name, first wins)."""
         pairs: list[tuple[re.Pattern[str], str]] = []
         for spec in aliases:
@@ -133,9 +132,7 @@ class Normalizer:
                                  "(e.g. 'rms_norm_kernel$=rms_norm')")
             pat, _, new = spec.rpartition("=")
             pairs.append((compile_regex(pat, "kernel alias"), new))
-        gen = [compile_regex(p, "generic kernel name") for p in
-               (DEFAULT_GENERIC if generic is None else generic)]
-        return cls(strip_templates=strip_templates, aliases=pairs, generic=gen)
+        return cls(strip_templates=strip_templates, aliases=pairs)
 
     def __call__(self, raw: str) -> str:
         hit = self._cache.get(raw)

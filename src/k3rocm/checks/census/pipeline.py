@@ -6,6 +6,7 @@ of ``census-ab`` call it with plain values.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -215,16 +216,12 @@ def server_trace_host_dir(given: str | None, container: Any, env: dict[str, str]
     if not prof:
         return None
     if container is not None:
-        best = None
-        for m in container.attrs.get("Mounts") or []:
-            dest = str(m.get("Destination", "")).rstrip("/")
-            if dest and (prof == dest or prof.startswith(dest + "/")) and \
-                    (best is None or len(dest) > len(best[0])):
-                best = (dest, str(m.get("Source", "")))
-        if best is None:
-            return None
-        if not Path(best[1]).is_dir():
-            return None  # the engine's host is not this host: copy out of the container
+        mounts = ((str(m.get("Destination", "")).rstrip("/"), str(m.get("Source", "")))
+                  for m in container.attrs.get("Mounts") or [])
+        best = max(((d, src) for d, src in mounts if d and (prof == d or prof.startswith(d + "/"))),
+                   key=lambda m: len(m[0]), default=None)  # the innermost mount holding prof
+        if best is None or not Path(best[1]).is_dir():
+            return None  # copy out of the container (a Source not on this host: remote engine)
         host = Path(best[1]) / prof[len(best[0]):].lstrip("/")
         try:
             host.mkdir(parents=True, exist_ok=True)
@@ -235,15 +232,6 @@ def server_trace_host_dir(given: str | None, container: Any, env: dict[str, str]
     return host if host is not None and host.is_dir() else None
 
 
-def _deployment_or_none():
-    from k3rocm.deploy.deployment import load_deployment
-
-    try:
-        return load_deployment()
-    except UsageError:
-        return None
-
-
 def live_census(url: str, model: str, api_key: str | None, client: Any, container: Any,
                 claim: FusionClaim, run_dir: Path, opts: Analysis, load: Profiling,
                 title: str = "Decode kernel census", dep: Any = None) -> Census:
@@ -252,7 +240,10 @@ def live_census(url: str, model: str, api_key: str | None, client: Any, containe
     from k3rocm.checks.census import drive
 
     if dep is None:
-        dep = _deployment_or_none()
+        from k3rocm.deploy.deployment import load_deployment
+
+        with contextlib.suppress(UsageError):
+            dep = load_deployment()
     cenv = served_as(container=container).env if container is not None else {}
     host_dir = server_trace_host_dir(load.server_trace_dir, container, cenv, dep)
     prof_dir = cenv.get("K3_PROFILER_DIR")
@@ -276,21 +267,14 @@ def live_census(url: str, model: str, api_key: str | None, client: Any, containe
                                        "steps": load.steps},
                              server_settings_from=served.source)
     runrecord.write(run_dir, record)  # early: kept if we fail
-    if host_dir is not None:
-        before_h = drive.snapshot_host_dir(host_dir)
-    else:
-        before_c = drive.snapshot_container_dir(container, prof_dir)
+    traces = drive.TraceDir(host_dir, container, prof_dir)
+    before = traces.snapshot()
     info = drive.profile_under_load(drive.Load(url, model, load.concurrency, load.max_tokens,
                                                load.prompt_words, api_key), load.steps)
     log(f"profile done: {info}")
     dest = run_dir / "traces"
-    log(f"collecting traces from {host_dir}" if host_dir is not None else
-         f"collecting traces from {prof_dir} inside container {container.name}")
-    if host_dir is not None:
-        files = drive.collect_from_host_dir(host_dir, before_h, dest, load.trace_timeout)
-    else:
-        files = drive.collect_from_container(container, prof_dir, before_c, dest,
-                                             load.trace_timeout)
+    log(f"collecting traces from {traces}")
+    files = traces.collect(before, dest, load.trace_timeout)
     log(f"collected {len(files)} file(s) into {dest}")
     decisions = read_decisions(opts, None, container)
     if decisions is not None:  # kept beside the traces: an offline re-analysis finds them

@@ -159,16 +159,12 @@ def load_spec(platform: str, model_type: str | None, spec_file: str | None = Non
         if not isinstance(r, dict):
             raise UsageError(f"census spec: platform {platform!r} has no role {rname!r}")
         where = f"{platform}.{rname}"
-        roles[rname] = Role(rname, _compile(r.get("match", []), where + ".match"),
-                            _compile(r.get("exclude", []), where + ".exclude"),
-                            _compile(r.get("exclude_parents", []), where + ".exclude_parents"),
-                            _compile(r.get("require_parents", []), where + ".require_parents"),
+        roles[rname] = Role(rname, *(_compile(r.get(k, []), f"{where}.{k}") for k in
+                                     ("match", "exclude", "exclude_parents", "require_parents")),
                             str(r.get("group", "")), str(r.get("kind", "")),
                             _members(r.get("members", []), where + ".members"))
-    region = _compile((plat.get("mla_region") or {}).get("parents", []),
-                      f"{platform}.mla_region.parents")
-    known = _compile((plat.get("mla_region") or {}).get("known_kernels", []),
-                     f"{platform}.mla_region.known_kernels")
+    region, known = (_compile((plat.get("mla_region") or {}).get(k, []),
+                              f"{platform}.mla_region.{k}") for k in ("parents", "known_kernels"))
     family = fam_of.get(model_type or "")
     formula = (families.get(family) or {}).get(platform) if family else None
     if other_norms is not None:

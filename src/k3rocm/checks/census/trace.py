@@ -20,17 +20,19 @@ fused op".
 from __future__ import annotations
 
 import bisect
+import contextlib
 import os
 import re
 from array import array
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from k3rocm.checks.census.names import Normalizer
 from k3rocm.checks.census.stream import TraceStream
-from k3rocm.errors import UsageError
+from k3rocm.errors import UsageError, tagged_log
 
 STEP_SIMPLE = re.compile(r"^execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)")
 STEP_DETAILED = re.compile(r"^execute_\d+_context_(\d+)\(sq(\d+)\D.*?_generation_(\d+)\(sq(\d+)\D")
@@ -214,13 +216,10 @@ def _num(e: dict[str, Any], key: str, default: float | None = None) -> float:
         v = 0.0
     if v.__class__ is float:
         return v
-    if isinstance(v, bool) or not isinstance(v, (int, float, str)):
-        raise ValueError(f"event {str(e.get('name'))[:60]!r} has a non-numeric {key} {v!r}")
-    try:
-        return float(v)
-    except ValueError:
-        raise ValueError(f"event {str(e.get('name'))[:60]!r} has a non-numeric {key} "
-                         f"{v!r}") from None
+    if isinstance(v, (int, float, str)) and not isinstance(v, bool):
+        with contextlib.suppress(ValueError):
+            return float(v)
+    raise ValueError(f"event {str(e.get('name'))[:60]!r} has a non-numeric {key} {v!r}")
 
 
 def _corr(e: dict[str, Any]) -> int:
@@ -235,8 +234,7 @@ class _Collector:
     queue). Names are interned."""
 
     def __init__(self) -> None:
-        self.names: dict[str, int] = {}
-        self.name_list: list[str] = []
+        self.names: dict[str, int] = {}  # name -> id (ids in insertion order)
         self.threads: dict[tuple[Any, Any], int] = {}
         self.steps: list[tuple[float, float, str, tuple[int, int, int, int]]] = []
         self.gsteps: list[tuple[Any, Any, float, float, str]] = []
@@ -248,17 +246,10 @@ class _Collector:
         self.k_corr, self.k_queue = array("q"), array("l")
 
     def _name(self, name: str) -> int:
-        i = self.names.get(name)
-        if i is None:
-            i = self.names[name] = len(self.name_list)
-            self.name_list.append(name)
-        return i
+        return self.names.setdefault(name, len(self.names))
 
     def _thread(self, key: tuple[Any, Any]) -> int:
-        i = self.threads.get(key)
-        if i is None:
-            i = self.threads[key] = len(self.threads)
-        return i
+        return self.threads.setdefault(key, len(self.threads))
 
     def add(self, e: Any) -> None:
         if e.__class__ is not dict or e.get("ph") != "X" or "ts" not in e or "name" not in e:
@@ -314,6 +305,7 @@ class _Collector:
         j = 0
         stack: list[tuple[float, int]] = []  # (end, id of the tuple up to this operator)
         thread = -1
+        # the pops are written out in each loop (no helper call): this runs once per event
         for i in cpu:
             th, ts = cthr[i], cts[i]
             if th != thread:
@@ -328,8 +320,7 @@ class _Collector:
                 j += 1
             while stack and ts >= stack[-1][0]:
                 stack.pop()
-            parent = stack[-1][1] if stack else 0
-            cpu_par[i] = parent
+            parent = cpu_par[i] = stack[-1][1] if stack else 0
             key = (parent, cname[i])
             tid = ids.get(key)
             if tid is None:
@@ -369,17 +360,14 @@ class _Collector:
         if mode not in ("gpu", "cpu"):
             raise UsageError(f"trace mode {mode!r} is not valid; use auto, gpu or cpu")
         cpu_par, rt_par, par_tuples = self._parents()
-        agg: dict[tuple[int, int, int], list[float]] = {}  # (name, step, parents) -> [n, us]
+        # (name, step, parents) -> [n, us]
+        agg: defaultdict[tuple[int, int, int], list[float]] = defaultdict(lambda: [0, 0.0])
         lost: dict[int, int] = {}
         if mode == "cpu":
             for i in range(len(self.cpu_ts)):
-                key = (self.cpu_name[i], step_at(self.cpu_ts[i]), cpu_par[i])
-                a = agg.get(key)
-                if a is None:
-                    agg[key] = [1, self.cpu_end[i] - self.cpu_ts[i]]
-                else:
-                    a[0] += 1
-                    a[1] += self.cpu_end[i] - self.cpu_ts[i]
+                a = agg[(self.cpu_name[i], step_at(self.cpu_ts[i]), cpu_par[i])]
+                a[0] += 1
+                a[1] += self.cpu_end[i] - self.cpu_ts[i]
         else:
             order = sorted(range(len(self.rt_corr)), key=self.rt_corr.__getitem__)
             corrs = array("q", (self.rt_corr[i] for i in order))
@@ -393,7 +381,7 @@ class _Collector:
                         if si >= 0:
                             lost[si] = lost.get(si, 0) + 1
             del kcorrs
-            spans = _device_spans(self.gsteps, steps)
+            step_of = _device_spans(self.gsteps, steps)
             queue_of = {v: k for k, v in self.threads.items()}
             for k in range(len(self.k_ts)):
                 c = self.k_corr[k]
@@ -405,24 +393,20 @@ class _Collector:
                 if r >= 0:
                     si, par = step_at(self.rt_ts[r]), rt_par[r]
                 else:
-                    si, par = spans.step_of(queue_of[self.k_queue[k]], self.k_ts[k]), 0
-                key = (self.k_name[k], si, par)
-                a = agg.get(key)
-                if a is None:
-                    agg[key] = [1, self.k_dur[k]]
-                else:
-                    a[0] += 1
-                    a[1] += self.k_dur[k]
+                    si, par = step_of(queue_of[self.k_queue[k]], self.k_ts[k]), 0
+                a = agg[(self.k_name[k], si, par)]
+                a[0] += 1
+                a[1] += self.k_dur[k]
         launches: list[Launch] = []
         outside: list[Launch] = []
         unattributed = 0
         norm_par: dict[int, tuple[str, ...]] = {}
+        name_list = list(self.names)
         for (nid, si, pid), (n, us) in agg.items():
             par = norm_par.get(pid)
             if par is None:
-                par = norm_par[pid] = tuple(normalize(self.name_list[x])
-                                            for x in par_tuples[pid])
-            raw = self.name_list[nid]
+                par = norm_par[pid] = tuple(normalize(name_list[x]) for x in par_tuples[pid])
+            raw = name_list[nid]
             ln = Launch(normalize(raw), raw, us, si, par, int(n))
             if si < 0:
                 unattributed += int(n)
@@ -466,28 +450,12 @@ def start_time(path: Path, obj: dict[str, Any], steps: list[Step]) -> tuple[floa
     return None, ""
 
 
-class _DeviceSpans:
-    """Device-side step ranges (``gpu_user_annotation``: kineto writes one per device queue
-    for each host annotation, with the same name), per (pid, tid) = (device, queue). The n-th
-    span named N on a queue is the n-th host step named N; a kernel without a launch record
-    belongs to the span of its own queue that contains it."""
-
-    def __init__(self, per_queue: dict[tuple[Any, Any], list[tuple[float, float, int]]]):
-        self.per_queue = per_queue
-        self.starts = {q: [s[0] for s in v] for q, v in per_queue.items()}
-
-    def step_of(self, queue: tuple[Any, Any], ts: float) -> int:
-        spans = self.per_queue.get(queue)
-        if not spans:
-            return -1
-        j = bisect.bisect_right(self.starts[queue], ts + 1e-3) - 1
-        if j >= 0 and ts <= spans[j][1] + 1e-3:
-            return spans[j][2]
-        return -1
-
-
 def _device_spans(gsteps: list[tuple[Any, Any, float, float, str]],
-                  steps: list[Step]) -> _DeviceSpans:
+                  steps: list[Step]) -> Callable[[tuple[Any, Any], float], int]:
+    """``step_of(queue, ts)`` by the device-side step ranges (``gpu_user_annotation``: kineto
+    writes one per device queue for each host annotation, with the same name), per (pid, tid) =
+    (device, queue). The n-th span named N on a queue is the n-th host step named N; a kernel
+    without a launch record belongs to the span of its own queue that contains it (else -1)."""
     host_by_name: dict[str, list[int]] = defaultdict(list)
     for st in steps:
         host_by_name[st.name].append(st.index)
@@ -504,7 +472,14 @@ def _device_spans(gsteps: list[tuple[Any, Any, float, float, str]],
                 out.append((ts, ts + dur, hosts[seen[name]]))
             seen[name] += 1
         per_queue[q] = out
-    return _DeviceSpans(per_queue)
+    starts = {q: [s[0] for s in v] for q, v in per_queue.items()}
+
+    def step_of(queue: tuple[Any, Any], ts: float) -> int:
+        spans = per_queue.get(queue)
+        j = bisect.bisect_right(starts[queue], ts + 1e-3) - 1 if spans else -1
+        return spans[j][2] if j >= 0 and ts <= spans[j][1] + 1e-3 else -1
+
+    return step_of
 
 
 def _evidence(header: dict[str, Any], runtime: int, device_annotations: int) -> list[str]:
@@ -543,10 +518,7 @@ class TraceSet:
     run_started: float | None = None  # the judged run's start (s since the epoch)
 
 
-def _progress(msg: str) -> None:
-    import sys
-
-    print(f"[census] {msg}", file=sys.stderr, flush=True)
+_progress = tagged_log("census")
 
 
 def iso_time(t: float | None) -> str:
@@ -594,10 +566,8 @@ def load_trace_dir(directory: str | os.PathLike, normalize: Normalizer | None = 
             f"{f.name}: {n / 1e6:.0f} M events")) if big else None)
         has_rank = bool(rt.rank_source)
         if not rt.steps:
-            why = ("no engine-step annotations (front-end trace)" if not has_rank
-                   else "no engine-step annotations")
-            if rt.empty_steps:
-                why = f"only engine steps without a forward ({rt.empty_steps})"
+            why = (f"only engine steps without a forward ({rt.empty_steps})" if rt.empty_steps
+                   else "no engine-step annotations" + ("" if has_rank else " (front-end trace)"))
             ignored.append({"path": str(f), "why": why})
             continue
         if not has_rank:
@@ -617,12 +587,10 @@ def load_trace_dir(directory: str | os.PathLike, normalize: Normalizer | None = 
     runs = group_runs(workers)
     newest = sorted(runs[-1], key=lambda t: t.rank)
     started = runs[-1][0].started
-    skipped = []
-    for run in runs[:-1]:
-        skipped.append({"started": iso_time(run[0].started), "ranks": sorted(t.rank for t in run),
-                        "world_size": run[0].world_size,
-                        "files": [str(t.path) for t in run],
-                        "how": f"start from {run[0].started_source}",
-                        "why": f"an older run (the judged run started {iso_time(started)})"})
+    skipped = [{"started": iso_time(run[0].started), "ranks": sorted(t.rank for t in run),
+                "world_size": run[0].world_size, "files": [str(t.path) for t in run],
+                "how": f"start from {run[0].started_source}",
+                "why": f"an older run (the judged run started {iso_time(started)})"}
+               for run in runs[:-1]]
     sizes = {t.world_size for t in newest if t.world_size is not None}
     return TraceSet(newest, ignored, sizes.pop() if sizes else None, skipped, started)

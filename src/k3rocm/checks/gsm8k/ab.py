@@ -12,6 +12,7 @@ the number of items used and at the full 1319 items, from the discordance observ
 from __future__ import annotations
 
 import argparse
+import shlex
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -122,7 +123,7 @@ def run_gsm8k_ab(args: argparse.Namespace) -> int:
         for i, arm in enumerate(arms.slots()):
             print(f"# slot {i} arm {arm}: compose up (server) with "
                   f"{' '.join(f'{k}={v}' for k, v in sorted(arms.compose_env(arm).items()))}")
-            print(command.shell_line(argv))
+            print(shlex.join(argv))
         return 0
     src = data.resolve(args.data_dir, args.hf_home, Path(arms.cache_dir))
     armlib.check_port(arms)

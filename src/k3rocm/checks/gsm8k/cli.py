@@ -13,8 +13,10 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import shutil
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 from k3rocm.checks.gsm8k import command, data, results
@@ -169,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
             where = data.resolve(args.data_dir, args.hf_home, dep.cache_dir).describe()
         except data.NoDataError as exc:  # the command does not depend on the data source
             where = f"none yet ({exc})"
-        print(command.shell_line(argv))
+        print(shlex.join(argv))
         print(f"# in {s.client_image}, --network host, run dir mounted at {command.OUT_MOUNT}, "
               f"task {data.TASK_FILE} as {command.TASKS_MOUNT}/gsm8k.yaml, data: {where}",
               file=sys.stderr)
@@ -203,9 +205,8 @@ def _fetch_data(args: argparse.Namespace) -> int:
     home.mkdir(parents=True, exist_ok=True)
     env = {"HOME": "/tmp", "HF_HOME": "/hf", "HF_HUB_DISABLE_TELEMETRY": "1",
            "PYTHONUNBUFFERED": "1"}
-    for key in ("HF_ENDPOINT", "HF_TOKEN"):  # a mirror or a token, as on the host
-        if os.environ.get(key):
-            env[key] = os.environ[key]
+    # a mirror or a token, as on the host
+    env.update({k: os.environ[k] for k in ("HF_ENDPOINT", "HF_TOKEN") if os.environ.get(k)})
     mounts = {str(home): ("/hf", "rw"),
               str(LAUNCHER_SRC): (f"/k3/{command.LAUNCHER_NAME}", "ro")}
     if HOST_CA.is_file():  # a TLS-intercepting proxy's CA is often only on the host
@@ -246,8 +247,6 @@ def _fetch_data(args: argparse.Namespace) -> int:
 
 def _execute(client, s: Gsm8kSettings, src: data.DataSource, argv: list[str],
              api_key: str | None, args: argparse.Namespace, dep=None) -> int:
-    from k3rocm.checks.gsm8k import provenance
-
     run_dir = create_run_dir(args.results_dir, "gsm8k")
     _progress(f"run directory {run_dir}")
     (run_dir / "lmeval_plugin").mkdir()
@@ -255,14 +254,17 @@ def _execute(client, s: Gsm8kSettings, src: data.DataSource, argv: list[str],
     task_text = data.task_yaml(src)
     write_text_atomic(run_dir / "tasks" / "gsm8k.yaml", task_text)
     (run_dir / "lm_eval").mkdir()
-    line = command.shell_line(argv)
+    line = shlex.join(argv)
     write_text_atomic(run_dir / "command.txt", line + "\n")
     env = command.container_env(s, src)
     if api_key:
         env["OPENAI_API_KEY"] = api_key
     mounts = {str(run_dir.resolve()): (command.OUT_MOUNT, "rw"),
               str(src.host_dir): (src.mount, "rw" if src.kind == "hf-datasets-cache" else "ro")}
-    image = provenance.client_image(client, s.client_image)
+    img = client.images.get(s.client_image)
+    image = {"ref": s.client_image, "id": img.id, "tags": img.tags,
+             "labels": (img.attrs.get("Config") or {}).get("Labels") or {},
+             "created": img.attrs.get("Created")}
     prov = runrecord.build(
         deployment=dep, url=s.url,
         server=runrecord.server(client, s.url, api_key, container_name=args.server_container),
@@ -276,7 +278,7 @@ def _execute(client, s: Gsm8kSettings, src: data.DataSource, argv: list[str],
                                    # not be GSM8K's own: unknown
                                    "seed_task_config": True if src.kind != "local-jsonl"
                                    else None},
-        settings=s.as_dict(), data=src.provenance(),
+        settings=asdict(s), data=src.provenance(),
         task_file={"shipped": str(data.TASK_FILE),
                    "shipped_sha256": hashlib.sha256(data.shipped_task().encode()).hexdigest(),
                    "run_copy": "tasks/gsm8k.yaml",
@@ -317,13 +319,11 @@ def _finish(run_dir: Path, s: Gsm8kSettings, src: data.DataSource, prov: dict, w
             exit_status: int | None = None) -> dict:
     client_info = run_dir / "client_info.json"
     if client_info.is_file():
-        try:
+        with contextlib.suppress(ValueError, AttributeError):
             info = json.loads(client_info.read_text())
             prov["client"].update(info)
             prov["tools"]["lm_eval"] = (info.get("versions") or {}).get("lm_eval")
             runrecord.write(run_dir, prov)
-        except (ValueError, AttributeError):
-            pass
     run = {"server_url": s.url, "model": s.model, "mode": s.mode,
            "reasoning_fallback": s.reasoning_fallback, "concurrency": s.concurrency,
            "max_gen_tokens": s.max_gen_tokens, "data": src.describe(),
@@ -348,12 +348,9 @@ def _finish(run_dir: Path, s: Gsm8kSettings, src: data.DataSource, prov: dict, w
                    "lm_eval_exit_status": exit_status}
     summary["run"] = run
     write_json_atomic(run_dir / "summary.json", summary)
-    if "metrics" in summary:
-        write_text_atomic(run_dir / "summary.md", results.markdown(summary))
-    else:
-        write_text_atomic(run_dir / "summary.md", f"# GSM8K accuracy gate\n\n"
-                          f"**{status.upper()}** - {summary['message']}\n\n```\n"
-                          f"{prov['client']['command_line']}\n```\n")
+    write_text_atomic(run_dir / "summary.md", results.markdown(summary) if "metrics" in summary
+                      else f"# GSM8K accuracy gate\n\n**{status.upper()}** - "
+                      f"{summary['message']}\n\n```\n{prov['client']['command_line']}\n```\n")
     return summary
 
 

@@ -6,8 +6,7 @@ returns, and the real run executes exactly that argv in the client container.
 
 from __future__ import annotations
 
-import shlex
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from urllib.parse import urlparse
 
 from k3rocm import __version__
@@ -45,9 +44,6 @@ class Gsm8kSettings:
     seed: int = 1234
     reasoning_fallback: bool = False  # a deviation from the reference protocol: off unless asked
 
-    def as_dict(self) -> dict:
-        return asdict(self)
-
 
 def validate(s: Gsm8kSettings) -> None:
     u = urlparse(s.url)
@@ -61,14 +57,12 @@ def validate(s: Gsm8kSettings) -> None:
     if s.reasoning_fallback and s.mode != "chat":
         raise UsageError("--reasoning-fallback needs --mode chat (completions have no reasoning "
                          "field)")
-    if not 1 <= s.concurrency <= 1024:
-        raise UsageError(f"--concurrency {s.concurrency} is out of range; use 1..1024")
-    if not 1 <= s.max_gen_tokens <= 262144:
-        raise UsageError(f"--max-gen-tokens {s.max_gen_tokens} is out of range; use 1..262144")
-    if not 1 <= s.timeout <= 86400:
-        raise UsageError(f"--timeout {s.timeout} is out of range; use 1..86400 seconds")
-    if not 0 <= s.max_retries <= 100:
-        raise UsageError(f"--max-retries {s.max_retries} is out of range; use 0..100")
+    for flag, value, lo, hi, unit in (("--concurrency", s.concurrency, 1, 1024, ""),
+                                      ("--max-gen-tokens", s.max_gen_tokens, 1, 262144, ""),
+                                      ("--timeout", s.timeout, 1, 86400, " seconds"),
+                                      ("--max-retries", s.max_retries, 0, 100, "")):
+        if not lo <= value <= hi:
+            raise UsageError(f"{flag} {value} is out of range; use {lo}..{hi}{unit}")
     if not 0.0 < s.threshold <= 1.0:
         raise UsageError(f"--threshold {s.threshold} is out of range; use 0 < x <= 1")
     if s.limit is not None and s.limit < 1:
@@ -77,15 +71,12 @@ def validate(s: Gsm8kSettings) -> None:
         raise UsageError("--model is empty; give the served model name (K3_SERVED_MODEL_NAME)")
 
 
-def endpoint(s: Gsm8kSettings) -> str:
-    root = s.url.rstrip("/")
-    return f"{root}/v1/chat/completions" if s.mode == "chat" else f"{root}/v1/completions"
-
-
 def model_args(s: Gsm8kSettings) -> str:
     # max_gen_toks as a model argument (lm-eval's TemplateAPI default is 256), not --gen_kwargs:
     # the task's generation_kwargs stay exactly the reference's in the config lm-eval prints.
-    args = [f"model={s.model}", f"base_url={endpoint(s)}", f"num_concurrent={s.concurrency}",
+    endpoint = "chat/completions" if s.mode == "chat" else "completions"
+    args = [f"model={s.model}", f"base_url={s.url.rstrip('/')}/v1/{endpoint}",
+            f"num_concurrent={s.concurrency}",
             f"max_retries={s.max_retries}", f"timeout={s.timeout}",
             f"max_gen_toks={s.max_gen_tokens}", "tokenized_requests=False"]
     if s.mode == "completions":  # prompts go as text: no tokenizer needed on the client
@@ -97,19 +88,14 @@ def model_args(s: Gsm8kSettings) -> str:
     return ",".join(args)
 
 
-def chat_model(s: Gsm8kSettings) -> str:
-    if s.mode != "chat":
-        return COMPLETIONS_MODEL
-    return FALLBACK_CHAT_MODEL if s.reasoning_fallback else CHAT_MODEL
-
-
 def lm_eval_argv(s: Gsm8kSettings) -> list[str]:
     """The exact command run in the client container (lm-eval's CLI via our launcher).
 
     It does not depend on where the items come from (that is in the run's task file), so the
     dry run prints it even before the data set is there."""
     argv = [CLIENT_PYTHON, f"{OUT_MOUNT}/lmeval_plugin/{LAUNCHER_NAME}", "run",
-            "--model", chat_model(s),
+            "--model", COMPLETIONS_MODEL if s.mode != "chat" else
+            FALLBACK_CHAT_MODEL if s.reasoning_fallback else CHAT_MODEL,
             "--model_args", model_args(s),
             "--include_path", TASKS_MOUNT,
             "--tasks", "gsm8k",
@@ -142,7 +128,3 @@ def container_env(s: Gsm8kSettings, data: DataSource | None) -> dict[str, str]:
     else:  # the json/parquet builders write their arrow cache into the container, not the host
         env["HF_HOME"] = "/tmp/hf"
     return env
-
-
-def shell_line(argv: list[str]) -> str:
-    return shlex.join(argv)

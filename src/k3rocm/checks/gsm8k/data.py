@@ -131,22 +131,18 @@ def _hub_snapshot(hf_home: Path) -> DataSource | None:
         revs.append(ref.read_text().strip())
     revs += sorted(p.name for p in snaps.iterdir() if p.is_dir())
     for rev in revs:
-        split_files = {}
-        for split in ("train", "test"):
-            found = sorted((snaps / rev / "main").glob(f"{split}-*.parquet"))
-            if found:
-                split_files[split] = found
-        if set(split_files) == {"train", "test"}:
-            if any(len(v) != 1 for v in split_files.values()):
-                continue  # sharded layout: leave it to the datasets cache path
-            host_files = {s: v[0] for s, v in split_files.items()}
-            if not all(p.exists() for p in host_files.values()):  # dangling blob links
-                continue
-            mount = f"{HF_MOUNT}/hub/{HF_REPO_DIR}"
-            return DataSource(
-                kind="hf-hub-parquet", host_dir=repo, mount=mount, builder="parquet",
-                files={s: f"{mount}/{p.relative_to(repo)}" for s, p in host_files.items()},
-                host_files=host_files, test_items=None)
+        split_files = {split: sorted((snaps / rev / "main").glob(f"{split}-*.parquet"))
+                       for split in ("train", "test")}
+        if not all(split_files.values()) or any(len(v) != 1 for v in split_files.values()):
+            continue  # a split missing; or sharded: leave it to the datasets cache path
+        host_files = {s: v[0] for s, v in split_files.items()}
+        if not all(p.exists() for p in host_files.values()):  # dangling blob links
+            continue
+        mount = f"{HF_MOUNT}/hub/{HF_REPO_DIR}"
+        return DataSource(
+            kind="hf-hub-parquet", host_dir=repo, mount=mount, builder="parquet",
+            files={s: f"{mount}/{p.relative_to(repo)}" for s, p in host_files.items()},
+            host_files=host_files, test_items=None)
     return None
 
 

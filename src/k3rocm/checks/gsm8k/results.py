@@ -37,22 +37,20 @@ def find_samples_file(results_file: Path) -> Path | None:
 def read_jsonl(path: Path | None) -> list[dict]:
     if path is None or not path.is_file():
         return []
-    out = []
-    with open(path, encoding="utf-8") as fh:
-        for line in fh:
-            if line.strip():
-                out.append(json.loads(line))
-    return out
+    # split on newlines only: answers may hold U+2028 and friends (written ensure_ascii=False)
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n")
+            if line.strip()]
 
 
-def _metric(res: dict, filt: str) -> dict:
+def _metric(res: dict, filt: str, threshold: float) -> dict:
     value = res.get(f"exact_match,{filt}")
     err = res.get(f"exact_match_stderr,{filt}")
     if not isinstance(value, (int, float)):
         raise UsageError(f"lm-eval results have no exact_match for filter {filt!r} "
                          f"(keys: {', '.join(sorted(res))})")
     return {"exact_match": float(value),
-            "stderr": float(err) if isinstance(err, (int, float)) else None}
+            "stderr": float(err) if isinstance(err, (int, float)) else None,
+            "reaches_gate": float(value) >= threshold}
 
 
 def _first_response(sample: dict) -> str | None:
@@ -95,11 +93,7 @@ def evaluate(results: dict, samples: list[dict], fallbacks: list[dict], *, thres
     if not isinstance(res, dict):
         raise UsageError(f"lm-eval results have no '{TASK}' entry "
                          f"(tasks: {', '.join(results.get('results') or {}) or 'none'})")
-    metrics = {}
-    for filt in FILTERS:
-        m = _metric(res, filt)
-        m["reaches_gate"] = m["exact_match"] >= threshold
-        metrics[filt] = m
+    metrics = {filt: _metric(res, filt, threshold) for filt in FILTERS}
     n = (results.get("n-samples") or {}).get(TASK) or {}
     original, effective = n.get("original"), n.get("effective")
     config = results.get("config") or {}
