@@ -47,7 +47,7 @@ REPO = Path(__file__).resolve().parents[3]
 DEFAULT_PROJECT = "k3rocm"
 SERVICE = "server"
 LABEL_PROJECT = "com.docker.compose.project"
-# compose.yaml's stop_grace_period is 60 s; a CPU stand-in stops in seconds.
+# compose.yaml's stop_grace_period (what down() waits for when the container does not say).
 STOP_TIMEOUT = 60
 
 
@@ -256,15 +256,26 @@ class ComposeServer:
         prov["compose_files"] = list(compose_files(self.cpu))
         return prov
 
-    def down(self, log_path: Path | None = None, timeout: int = STOP_TIMEOUT) -> None:
-        """Save the log (when ``log_path``), then stop and remove the server."""
+    def down(self, log_path: Path | None = None, timeout: int | None = None) -> None:
+        """Save the log (when ``log_path``), then stop and remove the server.
+
+        ``timeout``: seconds between SIGTERM and SIGKILL. None (the default): the container's
+        own ``stop_grace_period``, fixed when it was created (compose.yaml's 60 s; a scale
+        node's override gives its drain + 30 s), as ``docker compose down`` without ``-t``
+        applies it. An explicit ``--timeout`` would cut a longer drain short."""
+        grace = timeout
+        if grace is None:
+            with contextlib.suppress(Exception):
+                c = self.container()
+                grace = c.attrs["Config"].get("StopTimeout") if c is not None else None
         if log_path is not None:
             with contextlib.suppress(Exception):
                 self.save_log(log_path)
         self.__dict__.pop("_container", None)
+        flag = [] if timeout is None else ["--timeout", str(timeout)]
         with contextlib.suppress(UsageError):
-            self.compose("down", "--timeout", str(timeout), "--remove-orphans",
-                         timeout=timeout + 120)
+            self.compose("down", *flag, "--remove-orphans",
+                         timeout=(grace or STOP_TIMEOUT) + 120)
         if self.container_env:
             with contextlib.suppress(OSError):
                 self._env_file().unlink()
