@@ -244,15 +244,17 @@ def live_census(url: str, model: str, api_key: str | None, client: Any, containe
 
         with contextlib.suppress(UsageError):
             dep = load_deployment()
-    cenv = served_as(container=container).env if container is not None else {}
+    # One read of the server (its rendered record, env, argv) serves the trace location, the
+    # speculative-decoding note, the world size and the run record.
+    server_prov = runrecord.server(client, url, api_key, container=container)
+    served = served_as(server_prov)
+    cenv = served.env if container is not None else {}
     host_dir = server_trace_host_dir(load.server_trace_dir, container, cenv, dep)
     prof_dir = cenv.get("K3_PROFILER_DIR")
     if host_dir is None and (container is None or not prof_dir):
         raise UsageError("cannot reach the server's traces: pass --server-trace-dir <host path "
                          "of K3_PROFILER_DIR> (or run the server in a local container with "
                          "K3_PROFILER_DIR set)")
-    server_prov = runrecord.server(client, url, api_key, container=container)
-    served = served_as(server_prov)
     argv = served.argv or []
     if "--speculative-config" in argv or (not served.rendered and served.env.get(
             "K3_MTP_K", "0") not in ("", "0")):
