@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from k3rocm.deploy.engine import image_id as engine_image_id
 from k3rocm.deploy.lifecycle import (
     REPO,
     ComposeServer,
@@ -179,8 +180,15 @@ class Arms:
 
 
 def arms_from_args(args: argparse.Namespace, on_env: dict[str, str] | None = None,
-                   off_env: dict[str, str] | None = None) -> Arms:
-    """The arm settings from the shared flags (bad input: one line, exit 2)."""
+                   off_env: dict[str, str] | None = None,
+                   single: tuple[str, str] | None = None) -> Arms:
+    """The arm settings from the shared flags (bad input: one line, exit 2). ``single``:
+    (command, why) of a measure that runs one server per arm in the order A B."""
+    if single and (args.aa or args.calibrate_delay_ms is not None):
+        raise UsageError(f"--aa and --calibrate-delay-ms are for --measure bench ({single[1]})")
+    if single and args.repeats != 1:
+        raise UsageError(f"--repeats {args.repeats}: {single[0]} runs one server per arm (order "
+                         f"A B; {single[1]}): use --repeats 1")
     if args.repeats < 1:
         raise UsageError(f"--repeats {args.repeats}: must be >= 1", 2)
     env = parse_env(args.server_env)
@@ -221,13 +229,16 @@ def arms_from_args(args: argparse.Namespace, on_env: dict[str, str] | None = Non
             not Path(models_dir).is_dir():
         raise UsageError(f"{given} {models_dir!r} does not exist (it is mounted at /models in "
                          "the server)", 2)
+    scale = _replicas(env_file)
+    if single and scale is not None:
+        raise UsageError(f"{single[0]} runs one server per arm: unset K3_SCALE_MODE (or set it "
+                         "to single)")
     return Arms(mode=mode, repeats=args.repeats, arm_env=arm_env, port=args.port, cpu=cpu,
                 image=args.image or dep.image, models_dir=models_dir,
                 cache_dir=args.cache_dir or str(dep.cache_dir),
                 server_env=env, arm_container_env=container_env,
                 server_timeout=args.server_timeout, pin_engine_core=args.pin_engine_core,
-                stop_running=args.stop_running, delay_ms=delay,
-                scale=_replicas(env_file), env_file=env_file)
+                stop_running=args.stop_running, delay_ms=delay, scale=scale, env_file=env_file)
 
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -259,12 +270,8 @@ def image_id(arms: Arms, client=None) -> tuple[str, str]:
     """(image reference, image id) of the arm servers (the arm deployment's image: --image,
     else K3_IMAGE from the shell or .env, else compose's default); exit 2 when it is missing."""
     ref = arm_deployment(arms).image
-    client = client or docker_client()
-    try:
-        return ref, client.images.get(ref).id
-    except Exception:  # noqa: BLE001 - docker.errors.ImageNotFound and friends
-        raise UsageError(f"server image {ref!r} not found: build it (make build) or pass "
-                         "--image", 2) from None
+    return ref, engine_image_id(client or docker_client(), ref, "server image",
+                                "build it (make build) or pass --image")
 
 
 def estimate(arms: Arms, results: Path, runs_per_slot: int = 1) -> tuple[float, str]:
@@ -395,6 +402,50 @@ def arm_server(arms: Arms, slot: int, arm: str, stamp: str, log_path: Path, env_
                 stop_router(client, f"{base}-router")
         for srv, log in zip(servers, logs, strict=True):
             srv.down(log_path=log)
+
+
+def slot_line(arms: Arms, slot: int, arm: str) -> str:
+    """The dry run's line for one slot: the arm server's environment."""
+    env = {**arms.compose_env(arm), **arms.arm_container_env.get(arm, {})}
+    return f"# slot {slot} arm {arm}: compose up (server) with {env_str(env)}"
+
+
+def env_str(env: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in sorted(env.items())) or "(none)"
+
+
+@dataclass
+class Run:
+    """One A/B run past the checks every measure shares: the Docker client, the arm servers'
+    image, served model and API key, and the run directory (created last)."""
+
+    arms: Arms
+    client: Any
+    image: str
+    image_id: str
+    model: str
+    api_key: str | None
+    dir: Path
+
+    def server(self, slot: int, arm: str, log_path: Path):
+        """:func:`arm_server` for one slot; its compose project is named after the run dir."""
+        return arm_server(self.arms, slot, arm, self.dir.name.split("-")[0].lower(), log_path,
+                          self.dir / "servers", self.model, self.api_key, self.client)
+
+
+def start(arms: Arms, results: Path, label: str, runs_per_slot: int = 1,
+          client_image: str | None = None) -> Run:
+    """The shared start of every measure: the port is free (or freed), the server image (and
+    the measure's client image) is there, the cold starts and their estimate are announced;
+    then the run directory."""
+    check_port(arms)
+    client = docker_client()
+    ref, iid = image_id(arms, client)
+    if client_image:
+        engine_image_id(client, client_image)
+    announce(arms, results, runs_per_slot)
+    model, api_key = served_model(arms)
+    return Run(arms, client, ref, iid, model, api_key, create_run_dir(results, label))
 
 
 def arm_deployment(arms: Arms):

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from k3rocm.checks.ab import arms as armlib
-from k3rocm.checks.bench import runner, stats, summary
+from k3rocm.checks.bench import stats, summary
 from k3rocm.checks.bench.cli import resolve_from_args
 from k3rocm.checks.bench.plots import _pyplot, _save
 from k3rocm.checks.bench.run import check_tokenizer, planned_command, run_bench
@@ -33,7 +33,7 @@ from k3rocm.checks.bench.workloads import Workload, shell_line
 from k3rocm.deploy.provenance import served_as
 from k3rocm.errors import EXIT_CHECK_FAILED as EXIT_FAILED
 from k3rocm.errors import EXIT_INTERRUPTED, EXIT_OK, UsageError, tagged_log
-from k3rocm.rundir import create_run_dir, utc_stamp, write_json_atomic, write_text_atomic
+from k3rocm.rundir import utc_stamp, write_json_atomic, write_text_atomic
 from k3rocm.serving import decisions
 from k3rocm.serving.fusions import NAME_OF_ENV
 
@@ -69,14 +69,14 @@ class ABPlan:
     def describe(self) -> list[str]:
         w, a = self.workload, self.arms
         if self.mode == "aa":
-            arms = "A/A: both arms identical (" + _env_str(a.arm_env["A"]) + ")"
+            arms = "A/A: both arms identical (" + armlib.env_str(a.arm_env["A"]) + ")"
         elif self.mode == "cal":
-            arms = (f"calibration: both arms {_env_str(a.arm_env['A'])}; arm B with an "
+            arms = (f"calibration: both arms {armlib.env_str(a.arm_env['A'])}; arm B with an "
                     f"injected {a.delay_ms:g} ms per engine step "
                     f"({armlib.STEP_DELAY_ENV}, CPU stand-in test double)")
         else:
-            arms = (f"A = fusions off ({_env_str(a.arm_env['A'])}), B = fusions on "
-                    f"({_env_str(a.arm_env['B'])})")
+            arms = (f"A = fusions off ({armlib.env_str(a.arm_env['A'])}), B = fusions on "
+                    f"({armlib.env_str(a.arm_env['B'])})")
         k = self.runs_per_server
         runs = ("the complete workload" if k == 1 else
                 f"the complete workload {k} times back to back (run 1 on the fresh server, "
@@ -88,7 +88,7 @@ class ABPlan:
             "every slot: a freshly started server (its own compose project, image "
             f"{a.image or 'compose default'}), wait until ready, {runs} `{w.name}` with its own "
             f"{w.warmup_request_count} warmup requests per point, then the server is stopped",
-            f"topology: {_env_str(a.topology())}",
+            f"topology: {armlib.env_str(a.topology())}",
             "statistic: the server is the unit: one value per server (mean over its runs of the "
             "run's value from its per-request records); effect d = (B - A) / A on the geometric "
             "means; two-sided t test on log server values, 5% false-positive rate at any number "
@@ -99,14 +99,10 @@ class ABPlan:
             "drift: A B B A order" + (" balances linear drift" if a.repeats % 2 == 0 else
                                        f"; with odd repeats ({a.repeats}) the drift of "
                                        f"1/{a.repeats} slot stays in the effect"),
-            f"server env (both arms): {_env_str(a.describe_env())}"
+            f"server env (both arms): {armlib.env_str(a.describe_env())}"
             + ("; EngineCore pinned to the worker's cores (CPU stand-in)"
                if a.pin_engine_core else ""),
         ]
-
-
-def _env_str(env: dict) -> str:
-    return " ".join(f"{k}={v}" for k, v in sorted(env.items())) or "(none)"
 
 
 def _run_name(slot: int, arm: str, k: int) -> str:
@@ -118,8 +114,7 @@ def dry_run_lines(plan: ABPlan) -> list[str]:
     lines = [f"# {x}" for x in plan.describe()]
     run_dir = plan.results.resolve() / f"{utc_stamp()}-{plan.workload.name}-{plan.mode}"
     for i, arm in enumerate(arms.slots()):
-        env = {**arms.compose_env(arm), **arms.arm_container_env.get(arm, {})}
-        lines.append(f"# slot {i} arm {arm}: compose up (server) with {_env_str(env)}")
+        lines.append(armlib.slot_line(arms, i, arm))
         if arms.scale is not None:
             from k3rocm.deploy.scale.render import router_argv
 
@@ -131,15 +126,14 @@ def dry_run_lines(plan: ABPlan) -> list[str]:
     return lines
 
 
-def run_ab(plan: ABPlan, docker=None) -> int:
+def run_ab(plan: ABPlan) -> int:
     w, arms = plan.workload, plan.arms
     check_tokenizer(w.tokenizer)
-    armlib.check_port(arms)
-    client = docker or runner.docker_client()
-    runner.image_id(client, plan.client_image)
-    image_ref, image_id = armlib.image_id(arms, client)
-    armlib.announce(arms, plan.results, plan.runs_per_server)
-    key = plan.protocol_key(image_id)
+    run = armlib.start(arms, plan.results, f"{w.name}-{plan.mode}", plan.runs_per_server,
+                       client_image=plan.client_image)
+    ab_dir, client = run.dir, run.client
+    run.model, run.api_key = w.model, w.api_key  # what the workload asks the servers for
+    key = plan.protocol_key(run.image_id)
     before = find_noise_floor(plan, key, field="planned_key")
     comp_b = (_floor_for({**before, "same_protocol": True}, plan.primary[1], plan.primary[0])
               if before else None) or {}
@@ -148,35 +142,32 @@ def run_ab(plan: ABPlan, docker=None) -> int:
     if before:
         design_before += f" (from the A/A {before['dir']})"
     _log(f"before the run: {design_before}")
-    ab_dir = create_run_dir(plan.results, f"{w.name}-{plan.mode}")
     _log(f"{plan.mode.upper()} run directory {ab_dir} (planned protocol {key})")
     plan_doc = {"mode": plan.mode, "planned_key": key, "protocol": plan.describe(),
                 "primary": {"metric": plan.primary[0], "concurrency": plan.primary[1]},
                 "design_before": design_before,
                 "workload": w.model_dump(mode="json"), "slots": arms.slots(),
                 "arm_env": arms.arm_env, "arm_container_env": arms.arm_container_env,
-                "server_image": image_ref, "server_image_id": image_id,
+                "server_image": run.image, "server_image_id": run.image_id,
                 "server_env": arms.describe_env(), "topology": arms.topology()}
     write_json_atomic(ab_dir / "plan.json", plan_doc)
 
     runs: list[dict[str, Any]] = []
     slots_info: list[dict[str, Any]] = []
     interrupted = False
-    stamp = ab_dir.name.split("-")[0].lower()
     t_all = time.time()
     slot_dir = ab_dir / "runs"
-    slot_dir.mkdir(parents=True, exist_ok=True)
+    slot_dir.mkdir()
     for i, arm in enumerate(arms.slots()):
         server_log = slot_dir / f"{i:02d}-{arm}-server.log"
+        env = {**arms.arm_env[arm], **arms.arm_container_env.get(arm, {})}
         _log(f"slot {i + 1}/{len(arms.slots())} arm {arm}: starting a fresh server "
-             f"({_env_str({**arms.arm_env[arm], **arms.arm_container_env.get(arm, {})})})")
+             f"({armlib.env_str(env)})")
         slot_failed = None
         info: dict[str, Any] = {"server": None, "server_ready_s": None, "pin": None}
         t0 = time.time()
         try:
-            with armlib.arm_server(arms, i, arm, stamp, server_log, ab_dir / "servers",
-                                   model=w.model, api_key=w.api_key, client=client
-                                   ) as (srv, info):
+            with run.server(i, arm, server_log) as (srv, info):
                 container = srv.container(client)
                 for k in range(plan.runs_per_server):
                     run_dir = slot_dir / _run_name(i, arm, k)
@@ -783,6 +774,4 @@ def run_bench_ab(args: argparse.Namespace) -> int:
         return 0
     if plan.noise_floor_dir and plan.mode != "aa":
         find_noise_floor(plan, "")  # validate early
-    code = run_ab(plan)
-    sys.stdout.flush()
-    return code
+    return run_ab(plan)
