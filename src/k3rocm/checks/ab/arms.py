@@ -165,10 +165,8 @@ class Arms:
         env = {**self.server_env, **self.arm_env[arm], "K3_PORT": str(port or self.port)}
         if self.image:
             env["K3_IMAGE"] = self.image
-        if self.models_dir:
-            env["K3_MODELS_DIR"] = str(Path(self.models_dir).resolve())
-        if self.cache_dir:
-            env["K3_CACHE_DIR"] = str(Path(self.cache_dir).resolve())
+        dirs = {"K3_MODELS_DIR": self.models_dir, "K3_CACHE_DIR": self.cache_dir}
+        env.update({k: str(Path(v).resolve()) for k, v in dirs.items() if v})
         if self.delay_ms is not None:
             env["K3_TEST_PLUGINS_DIR"] = str(STEP_DELAY_DIR)
         return env
@@ -357,16 +355,12 @@ def arm_server(arms: Arms, slot: int, arm: str, stamp: str, log_path: Path, env_
     ``-router``) and remove what was started. The measurement goes to ``arms.url``."""
     base = f"k3ab-{stamp}-{slot:02d}{arm.lower()}"
     one = len(arms.replica_ports) == 1
-    servers, logs = [], []
-    for r, port in enumerate(arms.replica_ports):
-        servers.append(ComposeServer(
-            project=base if one else f"{base}-r{r}", cpu=arms.cpu,
-            env=arms.compose_env(arm, port),
-            # --server-env reaches the container whether compose.yaml lists it or not
-            container_env={**arms.server_env, **arms.arm_container_env.get(arm, {})},
-            url=f"http://127.0.0.1:{port}", model=model, api_key=api_key, env_dir=env_dir))
-        logs.append(log_path if one else
-                    log_path.with_name(f"{log_path.stem}-r{r}{log_path.suffix}"))
+    servers = [ComposeServer(
+        project=base if one else f"{base}-r{r}", cpu=arms.cpu, env=arms.compose_env(arm, port),
+        # --server-env reaches the container whether compose.yaml lists it or not
+        container_env={**arms.server_env, **arms.arm_container_env.get(arm, {})},
+        url=f"http://127.0.0.1:{port}", model=model, api_key=api_key, env_dir=env_dir)
+        for r, port in enumerate(arms.replica_ports)]
     info: dict = {"server": base, "server_ready_s": None, "pin": None,
                   "topology": arms.topology(), "replicas": [s.project for s in servers]}
     router = None
@@ -400,8 +394,9 @@ def arm_server(arms: Arms, slot: int, arm: str, stamp: str, log_path: Path, env_
                                    router.logs())
             with contextlib.suppress(Exception):
                 stop_router(client, f"{base}-router")
-        for srv, log in zip(servers, logs, strict=True):
-            srv.down(log_path=log)
+        for r, srv in enumerate(servers):
+            srv.down(log_path=log_path if one else
+                     log_path.with_name(f"{log_path.stem}-r{r}{log_path.suffix}"))
 
 
 def slot_line(arms: Arms, slot: int, arm: str) -> str:
@@ -444,8 +439,9 @@ def start(arms: Arms, results: Path, label: str, runs_per_slot: int = 1,
     if client_image:
         engine_image_id(client, client_image)
     announce(arms, results, runs_per_slot)
-    model, api_key = served_model(arms)
-    return Run(arms, client, ref, iid, model, api_key, create_run_dir(results, label))
+    dep = arm_deployment(arms)
+    return Run(arms, client, ref, iid, dep.served_model_name, dep.api_key,
+               create_run_dir(results, label))
 
 
 def arm_deployment(arms: Arms):
@@ -454,9 +450,3 @@ def arm_deployment(arms: Arms):
     the arm servers' CPU/GPU decision, as compose and the entrypoint see it."""
     return resolve_settings(arms.env_file, {**os.environ, **arms.compose_env("B")},
                             gpu=not arms.cpu)
-
-
-def served_model(arms: Arms) -> tuple[str, str | None]:
-    """(served model name, API key) the arm servers will have."""
-    dep = arm_deployment(arms)
-    return dep.served_model_name, dep.api_key

@@ -277,23 +277,6 @@ def refusal(comp: dict, ab_dir: Path) -> str | None:
     return None
 
 
-def _run_values(run_dir: Path, c: int, n: int) -> dict[str, Any] | None:
-    """Per-request arrays of one run's point (and run-level output tokens/s), if it is ok."""
-    try:
-        doc = json.loads((run_dir / "summary.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    point = next((p for p in doc.get("points", []) if p["concurrency"] == c
-                  and p["request_count"] == n), None)
-    if not point or point["status"] != "ok" or not point.get("dir"):
-        return None
-    ok, _ = summary.profiling_records(summary.read_records(Path(point["dir"])))
-    out: dict[str, Any] = {"output_tps": point.get("output_tps")}
-    for key in ("itl", "ttft", "e2el"):
-        out[key] = summary.request_values(ok, summary.LATENCY_METRICS[key][0])
-    return out
-
-
 # Allowed to differ between slots: the fusion switches (A/B), and in a calibration the
 # step-delay double's two variables (arm B only).
 ARM_ENV = frozenset(armlib.FUSIONS_ON)
@@ -419,13 +402,17 @@ def parse_primary(spec: str | None, w: Workload) -> tuple[str, int]:
 
 
 def server_values(runs: Sequence[dict], c: int, n: int) -> dict[str, dict[str, list[float]]]:
-    """{metric label: {arm: [one value per server]}} for point (c, n) of the ok runs."""
+    """{metric label: {arm: [one value per server]}} for point (c, n) of the ok runs: per run,
+    the per-request arrays of its point (and the run-level output tokens/s)."""
     per_arm: dict[str, dict[str, list[dict]]] = {"A": {}, "B": {}}  # arm -> server -> runs
-    for r in runs:
-        if r["status"] == "ok" and r.get("run_dir"):
-            v = _run_values(Path(r["run_dir"]), c, n)
-            if v is not None:
-                per_arm[r["arm"]].setdefault(r.get("server", r["slot"]), []).append(v)
+    for r, p in _run_points([r for r in runs if r["status"] == "ok"]):
+        if (p["concurrency"], p["request_count"]) == (c, n) and p["status"] == "ok" \
+                and p.get("dir"):
+            ok, _ = summary.profiling_records(summary.read_records(Path(p["dir"])))
+            v = {k: summary.request_values(ok, summary.LATENCY_METRICS[k][0])
+                 for k in ("itl", "ttft", "e2el")}
+            per_arm[r["arm"]].setdefault(r.get("server", r["slot"]), []).append(
+                {**v, "output_tps": p.get("output_tps")})
     out: dict[str, dict[str, list[float]]] = {}
     for mkey, stat, label, _ in stats.AB_METRICS:
         out[label] = {arm: [stats.server_value([v[mkey] for v in rs], stat)
@@ -748,8 +735,7 @@ def build_plan(args: argparse.Namespace) -> ABPlan:
     sets = list(args.sets)
     if not any(s.startswith("model=") for s in sets) and not args.model \
             and not os.environ.get("BENCH_MODEL"):
-        model, _key = armlib.served_model(arms)
-        sets.append(f"model={model}")
+        sets.append(f"model={armlib.arm_deployment(arms).served_model_name}")
     args.sets = [*sets, f"url={arms.url}"]
     w = resolve_from_args(args)
     if w.prefix_caching is not None:

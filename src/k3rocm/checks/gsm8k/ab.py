@@ -104,8 +104,8 @@ def run_gsm8k_ab(args: argparse.Namespace) -> int:
     if not 0 < args.margin < 1:
         raise UsageError(f"--margin {args.margin:g}: must be in (0, 1)", 2)
     arms = armlib.arms_from_args(args, single=("gsm8k-ab", "greedy decoding repeats itself"))
-    model, api_key = armlib.served_model(arms)
-    s = command.Gsm8kSettings(url=arms.url, model=model, mode=args.gsm8k_mode,
+    dep = armlib.arm_deployment(arms)  # what the arm servers serve
+    s = command.Gsm8kSettings(url=arms.url, model=dep.served_model_name, mode=args.gsm8k_mode,
                               max_gen_tokens=args.max_gen_tokens, limit=args.limit,
                               allow_limit=True, client_image=args.client_image)
     command.validate(s)
@@ -119,7 +119,7 @@ def run_gsm8k_ab(args: argparse.Namespace) -> int:
     run = armlib.start(arms, Path(args.results), args.label or "gsm8k-ab",
                        client_image=s.client_image)
     _log(f"run directory {run.dir}")
-    dep = gcli._deployment()
+    gdep = gcli._deployment()
     arm_runs: dict[str, dict[str, Any]] = {}
     for i, arm in enumerate(arms.slots()):
         slot_dir = run.dir / f"{i:02d}-{arm}"
@@ -128,7 +128,7 @@ def run_gsm8k_ab(args: argparse.Namespace) -> int:
         with run.server(i, arm, slot_dir / "server.log") as (srv, _info):
             ns = SimpleNamespace(results_dir=str(slot_dir),
                                  server_container=srv.container(run.client).name)
-            code = gcli._execute(run.client, s, src, argv, api_key, ns, dep)
+            code = gcli._execute(run.client, s, src, argv, run.api_key, ns, gdep)
         run_dir = next(p for p in slot_dir.iterdir() if p.is_dir() and p.name.endswith("gsm8k"))
         summary = results.read_summary(run_dir)
         arm_runs.setdefault(arm, {"run_dir": str(run_dir), "exit_code": code,
