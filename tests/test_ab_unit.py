@@ -253,6 +253,7 @@ def test_slot_identity_reads_the_rendered_record_not_proc(tmp_path):
     """A slot's server identity is what `k3rocm serve` rendered (the record in the server
     container), not a /proc scan: a scan once came back with a shell error in the argv and an
     A/B of identical setups was refused."""
+    from k3rocm.checks.ab import arms as armlib
     from k3rocm.checks.bench import ab
     from k3rocm.checks.bench.workloads import resolve
 
@@ -268,7 +269,7 @@ def test_slot_identity_reads_the_rendered_record_not_proc(tmp_path):
         runs.append(run)
     key, diffs = ab.recorded_protocol(w, runs, "ab", 1)
     assert diffs == []
-    ident = ab.slot_identity(Path(runs[0]["run_dir"]), "ab")
+    ident = armlib.slot_identity(Path(runs[0]["run_dir"]), "ab")
     assert ident["env"]["K3_MAX_NUM_SEQS"] == "8"  # the rendered env lies over the container's
 
 
@@ -310,7 +311,7 @@ def test_the_refusal_line_and_the_invalid_report(tmp_path):
 def test_an_arm_whose_fusion_was_refused_makes_the_ab_invalid():
     """Decision records as the overlay writes them (tests/data/census/records: arm B asked both
     fusions on; in one server the decode Q-prep fusion was turned off at load)."""
-    from k3rocm.checks.bench import ab
+    from k3rocm.checks.ab import arms as ab
 
     rec = REPO / "tests" / "data" / "census" / "records"
     on = ab.fusion_states(rec / "server-on.log")

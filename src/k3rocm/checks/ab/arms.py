@@ -5,7 +5,8 @@ project (``k3ab-<stamp>-<slot><arm>``) from compose.yaml (+ compose.cpu.yaml for
 stand-in), the arm's environment on top of the deployment's settings: the Deployment is loaded
 once (shell > ``.env`` > profile > default, the CPU/GPU decision with ``--gpu/--no-gpu``), and its
 image, models and cache directories are handed to compose. The server's log is saved into the
-run directory before it is removed.
+run directory before it is removed. What each slot's server really ran (its recorded identity,
+the fusions its overlay decided) is judged here too.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,9 +30,12 @@ from k3rocm.deploy.lifecycle import (
     docker_client,
     resolve_settings,
 )
+from k3rocm.deploy.provenance import served_as
 from k3rocm.deploy.readiness import answers, wait_ready
 from k3rocm.errors import UsageError, tagged_log
 from k3rocm.rundir import create_run_dir, write_bytes_atomic
+from k3rocm.serving import decisions
+from k3rocm.serving.fusions import NAME_OF_ENV as FUSION_OF  # K3_FUSE_* -> decision name
 from k3rocm.serving.fusions import switches
 
 FUSIONS_OFF = switches(False)
@@ -450,3 +454,78 @@ def arm_deployment(arms: Arms):
     the arm servers' CPU/GPU decision, as compose and the entrypoint see it."""
     return resolve_settings(arms.env_file, {**os.environ, **arms.compose_env("B")},
                             gpu=not arms.cpu)
+
+
+# Allowed to differ between slots: the fusion switches (A/B), and in a calibration the
+# step-delay double's two variables (arm B only).
+ARM_ENV = frozenset(FUSIONS_ON)
+CAL_ENV = frozenset({STEP_DELAY_ENV, "PYTHONPATH"})
+WHERE_ENV = frozenset({"K3_PORT", "HOSTNAME"})  # where a slot listens, not what it runs
+
+
+def slot_identity(run_dir: Path, mode: str) -> dict[str, Any] | None:
+    """What one slot's server really ran, from its run record (the image id, and the argv and
+    env as the server rendered them: :func:`k3rocm.deploy.provenance.served_as`), minus what
+    may differ between arms."""
+    try:
+        server = json.loads((run_dir / "provenance.json").read_text()).get("server") or {}
+    except (OSError, json.JSONDecodeError):
+        return None
+    skip = ARM_ENV | WHERE_ENV | (CAL_ENV if mode == "cal" else frozenset())
+    served = served_as(server)
+    argv = served.argv
+    if argv:  # where it listens is not the protocol
+        argv = [x for i, x in enumerate(argv)
+                if x != "--port" and (i == 0 or argv[i - 1] != "--port")]
+    return {"image_id": (server.get("container") or {}).get("image_id"),
+            "env": {k: v for k, v in sorted(served.env.items()) if k not in skip},
+            "argv": argv}
+
+
+def identity_diff(a: dict, b: dict) -> list[str]:
+    out = []
+    if a["image_id"] != b["image_id"]:
+        out.append(f"image {a['image_id']} vs {b['image_id']}")
+    for k in sorted(set(a["env"]) | set(b["env"])):
+        va, vb = a["env"].get(k, "(unset)"), b["env"].get(k, "(unset)")
+        if va != vb:
+            out.append(f"env {k}={va} vs {vb}")
+    if a["argv"] != b["argv"]:
+        ea, eb = a["argv"] or [], b["argv"] or []
+        out.append(f"argv {' '.join(x for x in ea if x not in eb) or '-'} vs "
+                   f"{' '.join(x for x in eb if x not in ea) or '-'}")
+    return out
+
+
+def fusion_states(log_path: Path) -> dict[str, list[str]] | None:
+    """Each fusion's final states over the server's processes (target layers: the model's MLA
+    layers; draft/MTP layers keep the stock path by design and are not judged, as in the
+    census), from the overlay's decision records in the saved server log (None: none)."""
+    try:
+        recs = decisions.records_from_log(log_path.read_text(errors="replace"), log_path.name)
+    except (OSError, UsageError):
+        return None
+    final = [r for r in decisions.final_decisions(recs).values() if r.layer_kind == "target"]
+    if not final:
+        return None
+    return {f: sorted({r.states[f] for r in final}) for f in decisions.STATES}
+
+
+def fusion_check(slots: Sequence[dict], arm_env: dict[str, dict[str, str]]) -> list[str]:
+    """One line per slot whose fusions are not what its arm asked (a switch on -> every final
+    decision "on"; off -> none "on"); a slot without decision records says so."""
+    out = []
+    for s in slots:
+        states = s.get("fusions")
+        if states is None:
+            out.append(f"slot {s['slot']} (arm {s['arm']}): no overlay decision records in its "
+                       "server log (fusion state unverified)")
+            continue
+        for env, fusion in FUSION_OF.items():
+            asked = arm_env[s["arm"]].get(env) == "1"
+            got = states.get(fusion, [])
+            if (asked and got != ["on"]) or (not asked and "on" in got):
+                out.append(f"slot {s['slot']} (arm {s['arm']}): {fusion} asked "
+                           f"{'on' if asked else 'off'}, the overlay decided "
+                           f"{'/'.join(got) or 'nothing'}")
+    return out

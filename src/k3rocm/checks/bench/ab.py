@@ -30,12 +30,9 @@ from k3rocm.checks.bench.cli import resolve_from_args
 from k3rocm.checks.bench.plots import _pyplot, _save
 from k3rocm.checks.bench.run import check_tokenizer, planned_command, run_bench
 from k3rocm.checks.bench.workloads import Workload, shell_line
-from k3rocm.deploy.provenance import served_as
 from k3rocm.errors import EXIT_CHECK_FAILED as EXIT_FAILED
 from k3rocm.errors import EXIT_INTERRUPTED, EXIT_OK, UsageError, tagged_log
 from k3rocm.rundir import utc_stamp, write_json_atomic, write_text_atomic
-from k3rocm.serving import decisions
-from k3rocm.serving.fusions import NAME_OF_ENV
 
 _log = tagged_log("bench-ab")
 
@@ -199,7 +196,7 @@ def run_ab(plan: ABPlan) -> int:
             slot_failed = str(exc)
             _log(f"slot {i} failed: {exc}")
         slots_info.append({"slot": i, "arm": arm, "server": info["server"],
-                           "fusions": fusion_states(server_log),
+                           "fusions": armlib.fusion_states(server_log),
                            "server_ready_s": info["server_ready_s"],
                            "seconds": round(time.time() - t0, 1), "error": slot_failed})
         if slot_failed and not any(r["slot"] == i for r in runs):
@@ -213,7 +210,7 @@ def run_ab(plan: ABPlan) -> int:
     rkey, diffs = recorded_protocol(w, runs, plan.mode, plan.runs_per_server)
     floor_doc = None if plan.mode == "aa" else find_noise_floor(plan, rkey or "")
     comp = compare(w, runs, plan.mode, rkey or "", floor_doc, plan.primary, plan.describe())
-    fusion_problems = fusion_check(slots_info, arms.arm_env)
+    fusion_problems = armlib.fusion_check(slots_info, arms.arm_env)
     comp.update(planned_key=key, design_before=design_before, protocol_differences=diffs,
                 fusion_problems=fusion_problems)
     refused = [f for f in fusion_problems if "decided" in f]
@@ -277,113 +274,30 @@ def refusal(comp: dict, ab_dir: Path) -> str | None:
     return None
 
 
-# Allowed to differ between slots: the fusion switches (A/B), and in a calibration the
-# step-delay double's two variables (arm B only).
-ARM_ENV = frozenset(armlib.FUSIONS_ON)
-CAL_ENV = frozenset({armlib.STEP_DELAY_ENV, "PYTHONPATH"})
-WHERE_ENV = frozenset({"K3_PORT", "HOSTNAME"})  # where a slot listens, not what it runs
-
-
-def slot_identity(run_dir: Path, mode: str) -> dict[str, Any] | None:
-    """What one slot's server really ran, from its run record (the image id, and the argv and
-    env as the server rendered them: :func:`k3rocm.deploy.provenance.served_as`), minus what
-    may differ between arms."""
-    try:
-        server = json.loads((run_dir / "provenance.json").read_text()).get("server") or {}
-    except (OSError, json.JSONDecodeError):
-        return None
-    cont = server.get("container") or {}
-    skip = ARM_ENV | WHERE_ENV | (CAL_ENV if mode == "cal" else frozenset())
-    served = served_as(server)
-    argv = served.argv
-    if argv:  # where it listens is not the protocol
-        argv = [x for i, x in enumerate(argv)
-                if x != "--port" and (i == 0 or argv[i - 1] != "--port")]
-    return {"image_id": cont.get("image_id"),
-            "env": {k: v for k, v in sorted(served.env.items()) if k not in skip},
-            "argv": argv}
-
-
 def recorded_protocol(w: Workload, runs: Sequence[dict], mode: str, runs_per_server: int
                       ) -> tuple[str | None, list[str]]:
     """(key, differences): the key from the first slot's recorded server identity, the
     workload protocol and the runs per server; one line per slot whose identity differs."""
-    ids: list[tuple[dict, dict[str, Any]]] = []
-    seen = set()
+    first_runs: dict[int, tuple[dict, dict[str, Any] | None]] = {}
     for r in runs:
-        if r.get("run_dir") and r["slot"] not in seen:
-            seen.add(r["slot"])
-            ident = slot_identity(Path(r["run_dir"]), mode)
-            if ident is not None:
-                ids.append((r, ident))
+        if r.get("run_dir") and r["slot"] not in first_runs:
+            first_runs[r["slot"]] = (r, armlib.slot_identity(Path(r["run_dir"]), mode))
+    ids = [(r, ident) for r, ident in first_runs.values() if ident is not None]
     if not ids:
         return None, []
     first_run, first = ids[0]
     diffs = []
     for r, ident in ids[1:]:
-        d = _identity_diff(first, ident)
+        d = armlib.identity_diff(first, ident)
         if d:
             diffs.append(f"slot {r['slot']} (arm {r['arm']}) differs from slot "
                          f"{first_run['slot']} (arm {first_run['arm']}): {'; '.join(d)}")
     # The key: the first slot (always arm A) as recorded, whatever the mode, so that an A/A and
     # a calibration or A/B of the same setup share it (the calibration's delay is arm B's only).
-    key_ident = slot_identity(Path(first_run["run_dir"]), "ab")
+    key_ident = armlib.slot_identity(Path(first_run["run_dir"]), "ab")
     blob = json.dumps({"workload": w.protocol(), "runs_per_server": runs_per_server,
                        "server": key_ident}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16], diffs
-
-
-def _identity_diff(a: dict, b: dict) -> list[str]:
-    out = []
-    if a["image_id"] != b["image_id"]:
-        out.append(f"image {a['image_id']} vs {b['image_id']}")
-    for k in sorted(set(a["env"]) | set(b["env"])):
-        va, vb = a["env"].get(k, "(unset)"), b["env"].get(k, "(unset)")
-        if va != vb:
-            out.append(f"env {k}={va} vs {vb}")
-    if a["argv"] != b["argv"]:
-        ea, eb = a["argv"] or [], b["argv"] or []
-        out.append(f"argv {' '.join(x for x in ea if x not in eb) or '-'} vs "
-                   f"{' '.join(x for x in eb if x not in ea) or '-'}")
-    return out
-
-
-# K3_FUSE_* switch -> the fusion's name in the overlay's decision records
-FUSION_OF = NAME_OF_ENV
-
-
-def fusion_states(log_path: Path) -> dict[str, list[str]] | None:
-    """Each fusion's final states over the server's processes (target layers: the model's MLA
-    layers; draft/MTP layers keep the stock path by design and are not judged, as in the
-    census), from the overlay's decision records in the saved server log (None: none)."""
-    try:
-        recs = decisions.records_from_log(log_path.read_text(errors="replace"), log_path.name)
-    except (OSError, UsageError):
-        return None
-    final = [r for r in decisions.final_decisions(recs).values() if r.layer_kind == "target"]
-    if not final:
-        return None
-    return {f: sorted({r.states[f] for r in final}) for f in decisions.STATES}
-
-
-def fusion_check(slots: Sequence[dict], arm_env: dict[str, dict[str, str]]) -> list[str]:
-    """One line per slot whose fusions are not what its arm asked (a switch on -> every final
-    decision "on"; off -> none "on"); a slot without decision records says so."""
-    out = []
-    for s in slots:
-        states = s.get("fusions")
-        if states is None:
-            out.append(f"slot {s['slot']} (arm {s['arm']}): no overlay decision records in its "
-                       "server log (fusion state unverified)")
-            continue
-        for env, fusion in FUSION_OF.items():
-            asked = arm_env[s["arm"]].get(env) == "1"
-            got = states.get(fusion, [])
-            if (asked and got != ["on"]) or (not asked and "on" in got):
-                out.append(f"slot {s['slot']} (arm {s['arm']}): {fusion} asked "
-                           f"{'on' if asked else 'off'}, the overlay decided "
-                           f"{'/'.join(got) or 'nothing'}")
-    return out
 
 
 def parse_primary(spec: str | None, w: Workload) -> tuple[str, int]:
@@ -551,11 +465,8 @@ def calibration(comp: dict, delay_ms: float | None) -> list[dict[str, Any]]:
 
 
 def _first_command(runs: Sequence[dict]) -> str | None:
-    for r in runs:
-        path = Path(r["run_dir"]) / "command.txt"
-        if path.is_file():
-            return path.read_text().strip()
-    return None
+    paths = (Path(r["run_dir"]) / "command.txt" for r in runs if r.get("run_dir"))
+    return next((p.read_text().strip() for p in paths if p.is_file()), None)
 
 
 def _floor_for(floor_doc: dict | None, c: int, label: str) -> dict[str, Any] | None:
