@@ -282,13 +282,11 @@ def estimate(arms: Arms, results: Path, runs_per_slot: int = 1) -> tuple[float, 
     the runs (their earlier median, when known)."""
     ready: list[float] = []
     run_s: list[float] = []
-    if results.is_dir():
-        for path in sorted(results.glob("*/comparison.json"))[-10:]:
-            with contextlib.suppress(OSError, json.JSONDecodeError, TypeError, AttributeError):
-                doc = json.loads(path.read_text())
-                ready += [s["server_ready_s"] for s in doc.get("slots", [])
-                          if s.get("server_ready_s")]
-                run_s += [r["seconds"] for r in doc.get("runs", []) if r.get("seconds")]
+    for path in sorted(results.glob("*/comparison.json"))[-10:]:
+        with contextlib.suppress(OSError, json.JSONDecodeError, TypeError, AttributeError):
+            doc = json.loads(path.read_text())
+            ready += [s["server_ready_s"] for s in doc.get("slots", []) if s.get("server_ready_s")]
+            run_s += [r["seconds"] for r in doc.get("runs", []) if r.get("seconds")]
     starts = len(arms.slots())
     if ready:
         per_start, how = statistics.median(ready), f"median of {len(ready)} earlier starts"

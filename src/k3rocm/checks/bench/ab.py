@@ -17,7 +17,6 @@ import argparse
 import hashlib
 import json
 import os
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -238,19 +237,17 @@ def run_ab(plan: ABPlan) -> int:
     n_ok = sum(r["status"] == "ok" for r in runs)
     total = len(arms.slots()) * plan.runs_per_server
     if interrupted:
-        print(f"k3rocm: error: bench-ab interrupted after {n_ok} of {total} runs; what finished "
-              f"is compared in {ab_dir}", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        raise UsageError(f"bench-ab interrupted after {n_ok} of {total} runs; what finished is "
+                         f"compared in {ab_dir}", EXIT_INTERRUPTED)
     if n_ok < total:
         bad = next((r for r in runs if r["status"] != "ok"),
                    {"slot": len(slots_info), "arm": "?", "message": "not run"})
-        print(f"k3rocm: error: bench-ab: slot {bad['slot']} (arm {bad['arm']}) failed: "
-              f"{bad.get('message')}; {n_ok} of {total} runs kept in {ab_dir}", file=sys.stderr)
-        return EXIT_FAILED
+        raise UsageError(f"bench-ab: slot {bad['slot']} (arm {bad['arm']}) failed: "
+                         f"{bad.get('message')}; {n_ok} of {total} runs kept in {ab_dir}",
+                         EXIT_FAILED)
     refused = refusal(comp, ab_dir)
     if refused:
-        print(refused, file=sys.stderr)
-        return EXIT_FAILED
+        raise UsageError(refused.removeprefix("k3rocm: error: "), EXIT_FAILED)
     head = comp["headline"] + f"; {comp['design_after']}"
     for c in comp.get("calibration") or []:
         head += (f"; calibration c={c['concurrency']}: injected +{c['injected_ms']:g} ms/step, "
@@ -363,10 +360,8 @@ def judge(values: dict[tuple[int, str], dict[str, list[float]]], primary: tuple[
 
 def compare(w: Workload, runs: Sequence[dict], mode: str, key: str, floor_doc: dict | None,
             primary: tuple[str, int], describe: list[str] | None = None) -> dict[str, Any]:
-    values = {}
-    for c, n in w.points():
-        for label, arms_ in server_values(runs, c, n).items():
-            values[(c, label)] = arms_
+    values = {(c, label): v for c, n in w.points()
+              for label, v in server_values(runs, c, n).items()}
     rows = judge(values, primary, floor_doc)
     prim = next((r for r in rows if r["primary"]), None)
     head = "no comparable runs"
@@ -485,13 +480,8 @@ def find_noise_floor(plan: ABPlan, key: str, field: str = "protocol_key") -> dic
     under the results root with the same key (``field``: the recorded protocol key after the
     run, the planned key before it). Its variance is pooled only when the recorded keys are
     equal (``same_protocol``)."""
-    cands: list[Path] = []
-    if plan.noise_floor_dir:
-        cands = [plan.noise_floor_dir]
-    elif plan.results.is_dir():
-        cands = sorted(plan.results.glob(f"*-{plan.workload.name}-aa*/comparison.json"),
-                       reverse=True)
-        cands = [p.parent for p in cands]
+    cands = [plan.noise_floor_dir] if plan.noise_floor_dir else [p.parent for p in sorted(
+        plan.results.glob(f"*-{plan.workload.name}-aa*/comparison.json"), reverse=True)]
     for d in cands:
         try:
             doc = json.loads((Path(d) / "comparison.json").read_text())
