@@ -484,3 +484,45 @@ def test_arm_server_with_replicas_saves_every_log_and_removes_the_router(tmp_pat
                             ("k3ab-s-00a-r1", "00-A-server-r1.log")]
     assert (tmp_path / "00-A-server-router.log").read_bytes() == b"router says hi\n"
     assert seen["router"] == ["stop", "remove"]
+
+
+def test_every_measure_runs_in_the_one_slot_loop(tmp_path, monkeypatch):
+    """`Run.each_slot` is the A/B loop of bench-ab, gsm8k-ab and census-ab: the slots in the
+    order A B B A on their own servers, one record per slot (its server, time to ready, the
+    fusions its overlay decided from the saved log, what ended it). A failure ends the loop:
+    raised again, or (keep_going, bench-ab) recorded so that what finished is judged."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from k3rocm.checks.ab import arms as armlib
+    from k3rocm.errors import UsageError
+
+    rec = REPO / "tests" / "data" / "census" / "records" / "server-on.log"
+
+    @contextlib.contextmanager
+    def fake_server(self, slot, arm, log_path):  # arm_server's contract: (server, info)
+        log_path.write_text(rec.read_text())
+        yield SimpleNamespace(), {"server": f"k3ab-x-{slot:02d}{arm.lower()}",
+                                  "server_ready_s": 1.5}
+
+    monkeypatch.setattr(armlib.Run, "server", fake_server)
+    arms = armlib.Arms(mode="ab", repeats=2, arm_env={"A": {}, "B": {}}, port=8000, cpu=True)
+    run = armlib.Run(arms, None, "img", "sha256:0", "m", None, tmp_path / "20260101T000000Z-x")
+    logs = lambda i, arm: tmp_path / f"{i:02d}-{arm}-server.log"  # noqa: E731
+    seen = []
+    slots = run.each_slot(logs, lambda i, arm, srv, info: seen.append((i, arm, info["server"])))
+    assert seen == [(0, "A", "k3ab-x-00a"), (1, "B", "k3ab-x-01b"), (2, "B", "k3ab-x-02b"),
+                    (3, "A", "k3ab-x-03a")]
+    assert [(s["slot"], s["arm"], s["server_ready_s"], s["error"]) for s in slots] == [
+        (0, "A", 1.5, None), (1, "B", 1.5, None), (2, "B", 1.5, None), (3, "A", 1.5, None)]
+    assert slots[0]["fusions"] == {"qk_norm": ["on"], "decode_qprep": ["on"]}
+
+    def fails_in_slot_1(i, arm, srv, info):
+        if i == 1:
+            raise UsageError("server gone", 3)
+
+    with pytest.raises(UsageError, match="server gone"):
+        run.each_slot(logs, fails_in_slot_1)
+    slots = run.each_slot(logs, fails_in_slot_1, keep_going=True)
+    assert [s["error"] for s in slots] == [None, "server gone"]
+    assert len(run.each_slot(logs, lambda *a: False)) == 1  # False: stop after this slot

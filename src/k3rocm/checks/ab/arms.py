@@ -17,7 +17,7 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -203,7 +203,6 @@ def arms_from_args(args: argparse.Namespace, on_env: dict[str, str] | None = Non
         raise UsageError(f"--port {args.port}: must be 1..65535", 2)
     if args.server_timeout <= 0:
         raise UsageError(f"--server-timeout {args.server_timeout:g}: must be > 0", 2)
-    cpu = dep.cpu
     on = dict(on_env or FUSIONS_ON)
     off = dict(off_env or FUSIONS_OFF)
     container_env: dict[str, dict[str, str]] = {"A": {}, "B": {}}
@@ -212,7 +211,7 @@ def arms_from_args(args: argparse.Namespace, on_env: dict[str, str] | None = Non
         if args.aa:
             raise UsageError("--calibrate-delay-ms and --aa exclude each other (calibration "
                              "is an A/A with a known delay in arm B)", 2)
-        if not cpu:
+        if not dep.cpu:
             raise UsageError("--calibrate-delay-ms exists only for the CPU stand-in "
                              "(--no-gpu): the delay switch is never in the serving image", 2)
         if not 0 < delay <= 10000:
@@ -235,7 +234,7 @@ def arms_from_args(args: argparse.Namespace, on_env: dict[str, str] | None = Non
     if single and scale is not None:
         raise UsageError(f"{single[0]} runs one server per arm: unset K3_SCALE_MODE (or set it "
                          "to single)")
-    return Arms(mode=mode, repeats=args.repeats, arm_env=arm_env, port=args.port, cpu=cpu,
+    return Arms(mode=mode, repeats=args.repeats, arm_env=arm_env, port=args.port, cpu=dep.cpu,
                 image=args.image or dep.image, models_dir=models_dir,
                 cache_dir=args.cache_dir or str(dep.cache_dir),
                 server_env=env, arm_container_env=container_env,
@@ -428,6 +427,37 @@ class Run:
         """:func:`arm_server` for one slot; its compose project is named after the run dir."""
         return arm_server(self.arms, slot, arm, self.dir.name.split("-")[0].lower(), log_path,
                           self.dir / "servers", self.model, self.api_key, self.client)
+
+    def each_slot(self, log_path: Callable[[int, str], Path],
+                  measure: Callable[[int, str, ComposeServer, dict], bool | None],
+                  keep_going: bool = False) -> list[dict[str, Any]]:
+        """The one A/B loop: every slot of the order A B B A ... on its own fresh server,
+        ``measure(slot, arm, server, info)`` on it (False: stop after this slot), the server's
+        log saved at ``log_path(slot, arm)``. One record per slot: its compose project, time to
+        ready and seconds, the fusions its overlay decided, and what ended it early. A failure
+        or Ctrl-C is raised again, unless ``keep_going``: then it ends the loop and the measure
+        judges what finished."""
+        out: list[dict[str, Any]] = []
+        for i, arm in enumerate(self.arms.slots()):
+            env = {**self.arms.arm_env[arm], **self.arms.arm_container_env.get(arm, {})}
+            _log(f"slot {i + 1}/{len(self.arms.slots())} arm {arm}: starting a fresh server "
+                 f"({env_str(env)})")
+            rec: dict[str, Any] = {"slot": i, "arm": arm, "server": None, "server_ready_s": None}
+            t0, go_on, error = time.time(), True, None
+            try:
+                with self.server(i, arm, log_path(i, arm)) as (srv, info):
+                    rec.update(server=info["server"], server_ready_s=info["server_ready_s"])
+                    go_on = measure(i, arm, srv, info) is not False
+            except (KeyboardInterrupt, UsageError) as exc:
+                if not keep_going:
+                    raise
+                error = str(exc) if isinstance(exc, UsageError) else "interrupted"
+                _log(f"slot {i} failed: {error}")
+            out.append({**rec, "fusions": fusion_states(log_path(i, arm)),
+                        "seconds": round(time.time() - t0, 1), "error": error})
+            if error or not go_on:
+                break
+        return out
 
 
 def start(arms: Arms, results: Path, label: str, runs_per_slot: int = 1,

@@ -149,62 +149,44 @@ def run_ab(plan: ABPlan) -> int:
     write_json_atomic(ab_dir / "plan.json", plan_doc)
 
     runs: list[dict[str, Any]] = []
-    slots_info: list[dict[str, Any]] = []
-    interrupted = False
     t_all = time.time()
     slot_dir = ab_dir / "runs"
-    slot_dir.mkdir()
-    for i, arm in enumerate(arms.slots()):
-        server_log = slot_dir / f"{i:02d}-{arm}-server.log"
-        env = {**arms.arm_env[arm], **arms.arm_container_env.get(arm, {})}
-        _log(f"slot {i + 1}/{len(arms.slots())} arm {arm}: starting a fresh server "
-             f"({armlib.env_str(env)})")
-        slot_failed = None
-        info: dict[str, Any] = {"server": None, "server_ready_s": None, "pin": None}
-        t0 = time.time()
-        try:
-            with run.server(i, arm, server_log) as (srv, info):
-                container = srv.container(client)
-                for k in range(plan.runs_per_server):
-                    run_dir = slot_dir / _run_name(i, arm, k)
-                    run_dir.mkdir()
-                    entry: dict[str, Any] = {
-                        "slot": i, "arm": arm, "run": k, "server": info["server"],
-                        "run_dir": str(run_dir), "status": "failed", "env": arms.arm_env[arm],
-                        "container_env": arms.arm_container_env.get(arm, {}),
-                        "server_ready_s": info["server_ready_s"], "pin": info["pin"]}
-                    runs.append(entry)
-                    t1 = time.time()
-                    res = run_bench(w, results=plan.results, client_image=plan.client_image,
-                                    server_timeout=30, progress=plan.progress,
-                                    server_container=container, docker=client, run_dir=run_dir,
-                                    extra_provenance={"ab": {
-                                        "mode": plan.mode, "slot": i, "arm": arm, "run": k,
-                                        "protocol_key": key, "compose_project": info["server"],
-                                        "topology": info["topology"]}})
-                    entry.update(status=res.status, message=res.message,
-                                 seconds=round(time.time() - t1, 1))
-                    write_json_atomic(ab_dir / "runs.json", runs)
-                    interrupted = res.status == "interrupted"
-                    if res.status != "ok":
-                        break
-        except KeyboardInterrupt:
-            interrupted = True
-            slot_failed = "interrupted"
-        except UsageError as exc:
-            slot_failed = str(exc)
-            _log(f"slot {i} failed: {exc}")
-        slots_info.append({"slot": i, "arm": arm, "server": info["server"],
-                           "fusions": armlib.fusion_states(server_log),
-                           "server_ready_s": info["server_ready_s"],
-                           "seconds": round(time.time() - t0, 1), "error": slot_failed})
-        if slot_failed and not any(r["slot"] == i for r in runs):
-            runs.append({"slot": i, "arm": arm, "run": 0, "server": info["server"],
-                         "run_dir": None, "status": "interrupted" if interrupted else "failed",
-                         "message": slot_failed, "env": arms.arm_env[arm]})
-        write_json_atomic(ab_dir / "runs.json", runs)
-        if interrupted or slot_failed or any(r["status"] != "ok" for r in runs):
-            break
+
+    def measure(i: int, arm: str, srv, info: dict) -> bool:
+        container = srv.container(client)
+        for k in range(plan.runs_per_server):
+            run_dir = slot_dir / _run_name(i, arm, k)
+            run_dir.mkdir(parents=True)
+            entry: dict[str, Any] = {
+                "slot": i, "arm": arm, "run": k, "server": info["server"],
+                "run_dir": str(run_dir), "status": "failed", "env": arms.arm_env[arm],
+                "container_env": arms.arm_container_env.get(arm, {}),
+                "server_ready_s": info["server_ready_s"], "pin": info["pin"]}
+            runs.append(entry)
+            t1 = time.time()
+            res = run_bench(w, results=plan.results, client_image=plan.client_image,
+                            server_timeout=30, progress=plan.progress, server_container=container,
+                            docker=client, run_dir=run_dir, extra_provenance={"ab": {
+                                "mode": plan.mode, "slot": i, "arm": arm, "run": k,
+                                "protocol_key": key, "compose_project": info["server"],
+                                "topology": info["topology"]}})
+            entry.update(status=res.status, message=res.message,
+                         seconds=round(time.time() - t1, 1))
+            write_json_atomic(ab_dir / "runs.json", runs)
+            if res.status != "ok":
+                return False
+        return True
+
+    slots_info = run.each_slot(lambda i, arm: slot_dir / f"{i:02d}-{arm}-server.log", measure,
+                               keep_going=True)
+    last = slots_info[-1]
+    interrupted = last["error"] == "interrupted" or any(r["status"] == "interrupted"
+                                                         for r in runs)
+    if last["error"] and not any(r["slot"] == last["slot"] for r in runs):
+        runs.append({"slot": last["slot"], "arm": last["arm"], "run": 0, "server": last["server"],
+                     "run_dir": None, "status": "interrupted" if interrupted else "failed",
+                     "message": last["error"], "env": arms.arm_env[last["arm"]]})
+    write_json_atomic(ab_dir / "runs.json", runs)
 
     rkey, diffs = recorded_protocol(w, runs, plan.mode, plan.runs_per_server)
     floor_doc = None if plan.mode == "aa" else find_noise_floor(plan, rkey or "")
@@ -656,8 +638,7 @@ def build_plan(args: argparse.Namespace) -> ABPlan:
 def run_bench_ab(args: argparse.Namespace) -> int:
     plan = build_plan(args)
     if args.dry_run:
-        for line in dry_run_lines(plan):
-            print(line)
+        print("\n".join(dry_run_lines(plan)))
         return 0
     if plan.noise_floor_dir and plan.mode != "aa":
         find_noise_floor(plan, "")  # validate early

@@ -218,17 +218,17 @@ def run_census_ab(args: argparse.Namespace) -> int:
     _log(f"run directory {run.dir}")
     results: dict[str, Census] = {}
     names = {"A": "off", "B": "on"}
-    for slot, arm in enumerate(arms.slots()):
+
+    def measure(_slot: int, arm: str, srv, _info: dict) -> None:
         name = names[arm]
-        (run.dir / name).mkdir()
-        _log(f"arm {name}: starting a fresh server ({arm_env[name]})")
-        with run.server(slot, arm, run.dir / name / "server.log") as (srv, _info):
-            container = srv.container(run.client)
-            claim = claim_from_container(container)  # what it was asked (its rendering)
-            results[name] = live_census(arms.url, run.model, run.api_key, run.client,
-                                        container, claim, run.dir / name, opts, load,
-                                        title=f"Decode kernel census, arm {name}")
-            print(f"--- arm {name} ---\n{results[name].table()}")
+        container = srv.container(run.client)
+        claim = claim_from_container(container)  # what it was asked (its rendering)
+        results[name] = live_census(arms.url, run.model, run.api_key, run.client, container,
+                                    claim, run.dir / name, opts, load,
+                                    title=f"Decode kernel census, arm {name}")
+        print(f"--- arm {name} ---\n{results[name].table()}")
+
+    run.each_slot(lambda _slot, arm: run.dir / names[arm] / "server.log", measure)
     meta = {"protocol": f"one fresh compose server per arm from image `{run.image}` "
             f"({run.image_id}), the same load in both arms (concurrency {args.concurrency}, "
             f"{args.max_tokens} output tokens, profiling {args.steps} decode steps after "

@@ -121,14 +121,12 @@ def run_gsm8k_ab(args: argparse.Namespace) -> int:
     _log(f"run directory {run.dir}")
     gdep = gcli._deployment()
     arm_runs: dict[str, dict[str, Any]] = {}
-    for i, arm in enumerate(arms.slots()):
+
+    def measure(i: int, arm: str, srv, _info: dict) -> None:
         slot_dir = run.dir / f"{i:02d}-{arm}"
-        slot_dir.mkdir()
-        _log(f"slot {i} arm {arm}: starting a fresh server")
-        with run.server(i, arm, slot_dir / "server.log") as (srv, _info):
-            ns = SimpleNamespace(results_dir=str(slot_dir),
-                                 server_container=srv.container(run.client).name)
-            code = gcli._execute(run.client, s, src, argv, run.api_key, ns, gdep)
+        ns = SimpleNamespace(results_dir=str(slot_dir),
+                             server_container=srv.container(run.client).name)
+        code = gcli._execute(run.client, s, src, argv, run.api_key, ns, gdep)
         run_dir = next(p for p in slot_dir.iterdir() if p.is_dir() and p.name.endswith("gsm8k"))
         summary = results.read_summary(run_dir)
         arm_runs.setdefault(arm, {"run_dir": str(run_dir), "exit_code": code,
@@ -136,6 +134,8 @@ def run_gsm8k_ab(args: argparse.Namespace) -> int:
         if code not in (0, 1):  # 1 = below the absolute gate: still a complete run
             raise UsageError(f"gsm8k-ab: arm {arm} did not finish ({summary.get('message')})",
                              code)
+
+    run.each_slot(lambda i, arm: run.dir / f"{i:02d}-{arm}" / "server.log", measure)
     samples = {arm: results.load_run(Path(d["run_dir"]))[1] for arm, d in arm_runs.items()}
     comp = compare(samples["A"], samples["B"], args.margin)
     comp.update(arms=arm_runs, arm_env=arms.arm_env, slots=arms.slots())
