@@ -139,14 +139,14 @@ def run_ab(plan: ABPlan) -> int:
         design_before += f" (from the A/A {before['dir']})"
     _log(f"before the run: {design_before}")
     _log(f"{plan.mode.upper()} run directory {ab_dir} (planned protocol {key})")
-    plan_doc = {"mode": plan.mode, "planned_key": key, "protocol": plan.describe(),
-                "primary": {"metric": plan.primary[0], "concurrency": plan.primary[1]},
-                "design_before": design_before,
-                "workload": w.model_dump(mode="json"), "slots": arms.slots(),
-                "arm_env": arms.arm_env, "arm_container_env": arms.arm_container_env,
-                "server_image": run.image, "server_image_id": run.image_id,
-                "server_env": arms.describe_env(), "topology": arms.topology()}
-    write_json_atomic(ab_dir / "plan.json", plan_doc)
+    write_json_atomic(ab_dir / "plan.json", {
+        "mode": plan.mode, "planned_key": key, "protocol": plan.describe(),
+        "primary": {"metric": plan.primary[0], "concurrency": plan.primary[1]},
+        "design_before": design_before, "workload": w.model_dump(mode="json"),
+        "slots": arms.slots(), "arm_env": arms.arm_env,
+        "arm_container_env": arms.arm_container_env, "server_image": run.image,
+        "server_image_id": run.image_id, "server_env": arms.describe_env(),
+        "topology": arms.topology()})
 
     runs: list[dict[str, Any]] = []
     t_all = time.time()
@@ -193,7 +193,7 @@ def run_ab(plan: ABPlan) -> int:
     comp = compare(w, runs, plan.mode, rkey or "", floor_doc, plan.primary, plan.describe())
     fusion_problems = armlib.fusion_check(slots_info, arms.arm_env)
     comp.update(planned_key=key, design_before=design_before, protocol_differences=diffs,
-                fusion_problems=fusion_problems)
+                fusion_problems=fusion_problems, slots=slots_info, interrupted=interrupted)
     refused = [f for f in fusion_problems if "decided" in f]
     if diffs and plan.mode != "aa":
         comp["invalid"] = ("slots ran different server setups (only the fusion switches may "
@@ -210,9 +210,7 @@ def run_ab(plan: ABPlan) -> int:
         comp["headline"] += "; FLAGGED (not used as a variance component): " + " | ".join(diffs)
     if plan.mode == "cal":
         comp["calibration"] = calibration(comp, arms.delay_ms)
-    comp["slots"] = slots_info
     comp["wall_seconds"] = round(time.time() - t_all, 1)
-    comp["interrupted"] = interrupted
     write_json_atomic(ab_dir / "comparison.json", comp)
     write_text_atomic(ab_dir / "comparison.md", comparison_markdown(comp))
     _plot(comp, runs, ab_dir)
