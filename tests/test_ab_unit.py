@@ -475,8 +475,8 @@ def test_arm_server_with_replicas_saves_every_log_and_removes_the_router(tmp_pat
                             router_image="r:1", router_policy="round_robin")
     arms = armlib.Arms(mode="ab", repeats=1, arm_env={"A": {}, "B": {}}, port=8000, cpu=True,
                        scale=scale)
-    with armlib.arm_server(arms, 0, "A", "s", tmp_path / "00-A-server.log", tmp_path,
-                           model="m", client=client) as (srv, info):
+    run = armlib.Run(arms, client, "img", "sha256:0", "m", None, tmp_path / "S-x")
+    with run.server(0, "A", tmp_path / "00-A-server.log") as (srv, info):
         assert srv.project == "k3ab-s-00a-r0" and info["replicas"] == [
             "k3ab-s-00a-r0", "k3ab-s-00a-r1"]
     assert seen["up"] == [("k3ab-s-00a-r0", "18601"), ("k3ab-s-00a-r1", "18602")]
@@ -500,7 +500,7 @@ def test_every_measure_runs_in_the_one_slot_loop(tmp_path, monkeypatch):
     rec = REPO / "tests" / "data" / "census" / "records" / "server-on.log"
 
     @contextlib.contextmanager
-    def fake_server(self, slot, arm, log_path):  # arm_server's contract: (server, info)
+    def fake_server(self, slot, arm, log_path):  # Run.server's contract: (server, info)
         log_path.write_text(rec.read_text())
         yield SimpleNamespace(), {"server": f"k3ab-x-{slot:02d}{arm.lower()}",
                                   "server_ready_s": 1.5}

@@ -346,60 +346,6 @@ def check_port(arms: Arms) -> None:
         time.sleep(1)
 
 
-@contextlib.contextmanager
-def arm_server(arms: Arms, slot: int, arm: str, stamp: str, log_path: Path, env_dir: Path,
-               model: str, api_key: str | None = None, client=None
-               ) -> Iterator[tuple[ComposeServer, dict]]:
-    """Fresh server(s) for one slot: compose up (one project per replica), wait until ready
-    (progress, stated timeout), pin the EngineCore (stand-in), start the router (replicas),
-    yield (first server, info); always save every log (``log_path``, ``-rN`` per replica,
-    ``-router``) and remove what was started. The measurement goes to ``arms.url``."""
-    base = f"k3ab-{stamp}-{slot:02d}{arm.lower()}"
-    one = len(arms.replica_ports) == 1
-    servers = [ComposeServer(
-        project=base if one else f"{base}-r{r}", cpu=arms.cpu, env=arms.compose_env(arm, port),
-        # --server-env reaches the container whether compose.yaml lists it or not
-        container_env={**arms.server_env, **arms.arm_container_env.get(arm, {})},
-        url=f"http://127.0.0.1:{port}", model=model, api_key=api_key, env_dir=env_dir)
-        for r, port in enumerate(arms.replica_ports)]
-    info: dict = {"server": base, "server_ready_s": None, "pin": None,
-                  "topology": arms.topology(), "replicas": [s.project for s in servers]}
-    router = None
-    try:
-        t0 = time.time()
-        for srv in servers:  # all start at once; each is then waited for
-            srv.up()
-        for srv in servers:
-            srv.wait(arms.server_timeout, every=15)
-        info["server_ready_s"] = round(time.time() - t0, 1)
-        # wait() pins every CPU stand-in's EngineCore; --pin-engine-core makes it a must.
-        pins = [srv.pinned for srv in servers]
-        if arms.pin_engine_core and not all(pins):
-            raise UsageError(f"--pin-engine-core: the EngineCore of {base} could not be "
-                             "pinned (see the warning above)", 3)
-        info["pin"] = "; ".join(p for p in pins if p) or None
-        if info["pin"]:
-            _log(info["pin"])
-        if arms.scale is not None:
-            from k3rocm.deploy.scale.router import start_router, stop_router
-
-            client = client or docker_client()
-            router = start_router(client, arms.scale, name=f"{base}-router",
-                                  labels={"k3rocm.ab": base})
-            wait_ready(arms.url, model, 120, api_key, every=15)
-        yield servers[0], info
-    finally:
-        if router is not None:
-            with contextlib.suppress(Exception):
-                write_bytes_atomic(log_path.with_name(f"{log_path.stem}-router.log"),
-                                   router.logs())
-            with contextlib.suppress(Exception):
-                stop_router(client, f"{base}-router")
-        for r, srv in enumerate(servers):
-            srv.down(log_path=log_path if one else
-                     log_path.with_name(f"{log_path.stem}-r{r}{log_path.suffix}"))
-
-
 def slot_line(arms: Arms, slot: int, arm: str) -> str:
     """The dry run's line for one slot: the arm server's environment."""
     env = {**arms.compose_env(arm), **arms.arm_container_env.get(arm, {})}
@@ -423,10 +369,59 @@ class Run:
     api_key: str | None
     dir: Path
 
-    def server(self, slot: int, arm: str, log_path: Path):
-        """:func:`arm_server` for one slot; its compose project is named after the run dir."""
-        return arm_server(self.arms, slot, arm, self.dir.name.split("-")[0].lower(), log_path,
-                          self.dir / "servers", self.model, self.api_key, self.client)
+    @contextlib.contextmanager
+    def server(self, slot: int, arm: str, log_path: Path
+               ) -> Iterator[tuple[ComposeServer, dict]]:
+        """Fresh server(s) for one slot (compose projects named after the run directory):
+        compose up (one project per replica), wait until ready (progress, stated timeout),
+        pin the EngineCore (stand-in), start the router (replicas), yield (first server,
+        info); always save every log (``log_path``, ``-rN`` per replica, ``-router``) and
+        remove what was started. The measurement goes to ``arms.url``."""
+        arms, model, api_key, client = self.arms, self.model, self.api_key, self.client
+        base = f"k3ab-{self.dir.name.split('-')[0].lower()}-{slot:02d}{arm.lower()}"
+        one = len(arms.replica_ports) == 1
+        servers = [ComposeServer(
+            project=base if one else f"{base}-r{r}", cpu=arms.cpu, env=arms.compose_env(arm, port),
+            # --server-env reaches the container whether compose.yaml lists it or not
+            container_env={**arms.server_env, **arms.arm_container_env.get(arm, {})},
+            url=f"http://127.0.0.1:{port}", model=model, api_key=api_key,
+            env_dir=self.dir / "servers")
+            for r, port in enumerate(arms.replica_ports)]
+        info: dict = {"server": base, "server_ready_s": None, "pin": None,
+                      "topology": arms.topology(), "replicas": [s.project for s in servers]}
+        router = None
+        try:
+            t0 = time.time()
+            for srv in servers:  # all start at once; each is then waited for
+                srv.up()
+            for srv in servers:
+                srv.wait(arms.server_timeout, every=15)
+            info["server_ready_s"] = round(time.time() - t0, 1)
+            # wait() pins every CPU stand-in's EngineCore; --pin-engine-core makes it a must.
+            pins = [srv.pinned for srv in servers]
+            if arms.pin_engine_core and not all(pins):
+                raise UsageError(f"--pin-engine-core: the EngineCore of {base} could not be "
+                                 "pinned (see the warning above)", 3)
+            info["pin"] = "; ".join(p for p in pins if p) or None
+            if info["pin"]:
+                _log(info["pin"])
+            if arms.scale is not None:
+                from k3rocm.deploy.scale.router import start_router, stop_router
+
+                router = start_router(client, arms.scale, name=f"{base}-router",
+                                      labels={"k3rocm.ab": base})
+                wait_ready(arms.url, model, 120, api_key, every=15)
+            yield servers[0], info
+        finally:
+            if router is not None:
+                with contextlib.suppress(Exception):
+                    write_bytes_atomic(log_path.with_name(f"{log_path.stem}-router.log"),
+                                       router.logs())
+                with contextlib.suppress(Exception):
+                    stop_router(client, f"{base}-router")
+            for r, srv in enumerate(servers):
+                srv.down(log_path=log_path if one else
+                         log_path.with_name(f"{log_path.stem}-r{r}{log_path.suffix}"))
 
     def each_slot(self, log_path: Callable[[int, str], Path],
                   measure: Callable[[int, str, ComposeServer, dict], bool | None],
