@@ -520,8 +520,7 @@ def comparison_markdown(comp: dict) -> str:
                 f"{_num(c['b_itl_ms'])} | {_num(c['detected_ms'])} | "
                 f"{_num(c['detected_over_injected'])} | {_pct(c['expected_d'])} | "
                 f"{_pct(c['d'])} [{_pct(c['lo'])}, {_pct(c['hi'])}] | "
-                f"{COVERED[c['covered']]} | "
-                f"{c['verdict']} |")
+                f"{COVERED[c['covered']]} | {c['verdict']} |")
         lines += ["", "Arm B's server sleeps the injected time in every engine step (one "
                   "token per running request), so B's ITL should be A's plus the injected "
                   "time: the calibration passes when the CI covers the expected effect.", ""]
