@@ -80,12 +80,9 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=None,
                    help="host port of the arm servers (default: the deployment's K3_PORT, "
                    "shell > .env > profile)")
-    g.add_argument("--models-dir", default=None,
-                   help="host directory mounted at /models (default: the deployment's "
-                   "K3_MODELS_DIR)")
-    g.add_argument("--cache-dir", default=None,
-                   help="host directory mounted at /cache (default: the deployment's "
-                   "K3_CACHE_DIR)")
+    for name, var in (("models", "K3_MODELS_DIR"), ("cache", "K3_CACHE_DIR")):
+        g.add_argument(f"--{name}-dir", default=None, help=f"host directory mounted at /{name} "
+                       f"(default: the deployment's {var})")
     gpu = g.add_mutually_exclusive_group()
     gpu.add_argument("--gpu", dest="gpu", action="store_true", default=None,
                      help="AMD devices (compose.yaml alone). Default: COMPOSE_FILE (`make ... "
