@@ -526,3 +526,17 @@ def test_every_measure_runs_in_the_one_slot_loop(tmp_path, monkeypatch):
     slots = run.each_slot(logs, fails_in_slot_1, keep_going=True)
     assert [s["error"] for s in slots] == [None, "server gone"]
     assert len(run.each_slot(logs, lambda *a: False)) == 1  # False: stop after this slot
+
+
+def test_a_first_slot_that_never_ran_is_compared_not_a_traceback():
+    """bench-ab whose first server fails to start keeps one run entry without a run directory;
+    the comparison (and its one-line error) must still be written. Old code: a TypeError
+    traceback from reading that entry's command.txt."""
+    from k3rocm.checks.bench import ab
+    from k3rocm.checks.bench.workloads import resolve
+
+    w = resolve("ci-tiny", {})
+    runs = [{"slot": 0, "arm": "A", "run": 0, "server": None, "run_dir": None,
+             "status": "failed", "message": "server not ready"}]
+    comp = ab.compare(w, runs, "ab", "", None, ("ITL p50", w.points()[0][0]))
+    assert comp["command"] is None and comp["headline"] == "no comparable runs"
