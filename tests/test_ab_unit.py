@@ -253,6 +253,7 @@ def test_slot_identity_reads_the_rendered_record_not_proc(tmp_path):
     """A slot's server identity is what `k3rocm serve` rendered (the record in the server
     container), not a /proc scan: a scan once came back with a shell error in the argv and an
     A/B of identical setups was refused."""
+    from k3rocm.checks.ab import arms as armlib
     from k3rocm.checks.bench import ab
     from k3rocm.checks.bench.workloads import resolve
 
@@ -268,7 +269,7 @@ def test_slot_identity_reads_the_rendered_record_not_proc(tmp_path):
         runs.append(run)
     key, diffs = ab.recorded_protocol(w, runs, "ab", 1)
     assert diffs == []
-    ident = ab.slot_identity(Path(runs[0]["run_dir"]), "ab")
+    ident = armlib.slot_identity(Path(runs[0]["run_dir"]), "ab")
     assert ident["env"]["K3_MAX_NUM_SEQS"] == "8"  # the rendered env lies over the container's
 
 
@@ -310,7 +311,7 @@ def test_the_refusal_line_and_the_invalid_report(tmp_path):
 def test_an_arm_whose_fusion_was_refused_makes_the_ab_invalid():
     """Decision records as the overlay writes them (tests/data/census/records: arm B asked both
     fusions on; in one server the decode Q-prep fusion was turned off at load)."""
-    from k3rocm.checks.bench import ab
+    from k3rocm.checks.ab import arms as ab
 
     rec = REPO / "tests" / "data" / "census" / "records"
     on = ab.fusion_states(rec / "server-on.log")
@@ -474,8 +475,8 @@ def test_arm_server_with_replicas_saves_every_log_and_removes_the_router(tmp_pat
                             router_image="r:1", router_policy="round_robin")
     arms = armlib.Arms(mode="ab", repeats=1, arm_env={"A": {}, "B": {}}, port=8000, cpu=True,
                        scale=scale)
-    with armlib.arm_server(arms, 0, "A", "s", tmp_path / "00-A-server.log", tmp_path,
-                           model="m", client=client) as (srv, info):
+    run = armlib.Run(arms, client, "img", "sha256:0", "m", None, tmp_path / "S-x")
+    with run.server(0, "A", tmp_path / "00-A-server.log") as (srv, info):
         assert srv.project == "k3ab-s-00a-r0" and info["replicas"] == [
             "k3ab-s-00a-r0", "k3ab-s-00a-r1"]
     assert seen["up"] == [("k3ab-s-00a-r0", "18601"), ("k3ab-s-00a-r1", "18602")]
@@ -483,3 +484,59 @@ def test_arm_server_with_replicas_saves_every_log_and_removes_the_router(tmp_pat
                             ("k3ab-s-00a-r1", "00-A-server-r1.log")]
     assert (tmp_path / "00-A-server-router.log").read_bytes() == b"router says hi\n"
     assert seen["router"] == ["stop", "remove"]
+
+
+def test_every_measure_runs_in_the_one_slot_loop(tmp_path, monkeypatch):
+    """`Run.each_slot` is the A/B loop of bench-ab, gsm8k-ab and census-ab: the slots in the
+    order A B B A on their own servers, one record per slot (its server, time to ready, the
+    fusions its overlay decided from the saved log, what ended it). A failure ends the loop:
+    raised again, or (keep_going, bench-ab) recorded so that what finished is judged."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from k3rocm.checks.ab import arms as armlib
+    from k3rocm.errors import UsageError
+
+    rec = REPO / "tests" / "data" / "census" / "records" / "server-on.log"
+
+    @contextlib.contextmanager
+    def fake_server(self, slot, arm, log_path):  # Run.server's contract: (server, info)
+        log_path.write_text(rec.read_text())
+        yield SimpleNamespace(), {"server": f"k3ab-x-{slot:02d}{arm.lower()}",
+                                  "server_ready_s": 1.5}
+
+    monkeypatch.setattr(armlib.Run, "server", fake_server)
+    arms = armlib.Arms(mode="ab", repeats=2, arm_env={"A": {}, "B": {}}, port=8000, cpu=True)
+    run = armlib.Run(arms, None, "img", "sha256:0", "m", None, tmp_path / "20260101T000000Z-x")
+    logs = lambda i, arm: tmp_path / f"{i:02d}-{arm}-server.log"  # noqa: E731
+    seen = []
+    slots = run.each_slot(logs, lambda i, arm, srv, info: seen.append((i, arm, info["server"])))
+    assert seen == [(0, "A", "k3ab-x-00a"), (1, "B", "k3ab-x-01b"), (2, "B", "k3ab-x-02b"),
+                    (3, "A", "k3ab-x-03a")]
+    assert [(s["slot"], s["arm"], s["server_ready_s"], s["error"]) for s in slots] == [
+        (0, "A", 1.5, None), (1, "B", 1.5, None), (2, "B", 1.5, None), (3, "A", 1.5, None)]
+    assert slots[0]["fusions"] == {"qk_norm": ["on"], "decode_qprep": ["on"]}
+
+    def fails_in_slot_1(i, arm, srv, info):
+        if i == 1:
+            raise UsageError("server gone", 3)
+
+    with pytest.raises(UsageError, match="server gone"):
+        run.each_slot(logs, fails_in_slot_1)
+    slots = run.each_slot(logs, fails_in_slot_1, keep_going=True)
+    assert [s["error"] for s in slots] == [None, "server gone"]
+    assert len(run.each_slot(logs, lambda *a: False)) == 1  # False: stop after this slot
+
+
+def test_a_first_slot_that_never_ran_is_compared_not_a_traceback():
+    """bench-ab whose first server fails to start keeps one run entry without a run directory;
+    the comparison (and its one-line error) must still be written. Old code: a TypeError
+    traceback from reading that entry's command.txt."""
+    from k3rocm.checks.bench import ab
+    from k3rocm.checks.bench.workloads import resolve
+
+    w = resolve("ci-tiny", {})
+    runs = [{"slot": 0, "arm": "A", "run": 0, "server": None, "run_dir": None,
+             "status": "failed", "message": "server not ready"}]
+    comp = ab.compare(w, runs, "ab", "", None, ("ITL p50", w.points()[0][0]))
+    assert comp["command"] is None and comp["headline"] == "no comparable runs"

@@ -62,7 +62,6 @@ def test_the_overlay_states_are_the_tables():
 def test_k3rocm_lists_derive_from_the_table():
     from k3rocm.checks import selftest
     from k3rocm.checks.ab import arms
-    from k3rocm.checks.bench import ab as bench_ab
     from k3rocm.checks.census import fusions as claim
     from k3rocm.checks.census import spec
     from k3rocm.serving import decisions
@@ -77,7 +76,7 @@ def test_k3rocm_lists_derive_from_the_table():
     assert {f.name: f.roles for f in FUSIONS} == spec.GROUPS
     assert arms.FUSIONS_OFF == selftest.OFF == {f.env: "0" for f in FUSIONS}
     assert {f.env: "1" for f in FUSIONS} == arms.FUSIONS_ON
-    assert {f.env: f.name for f in FUSIONS} == bench_ab.FUSION_OF
+    assert {f.env: f.name for f in FUSIONS} == arms.FUSION_OF
     # the census's kernel table puts every role in the group of the fusion that owns it
     for plat in spec.kernel_table()["platforms"].values():
         for role, r in plat["roles"].items():

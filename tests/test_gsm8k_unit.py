@@ -574,3 +574,54 @@ def test_no_discordant_items_is_no_proof_on_a_handful_of_items():
     full = paired_accuracy([True] * 1200 + [False] * 119, [True] * 1200 + [False] * 119, 0.01)
     assert full["non_inferior"] is True
     assert binom_upper(0, 1319) == pytest.approx(1 - 0.05 ** (1 / 1319), rel=1e-6)
+
+
+def test_gsm8k_ab_runs_each_arm_in_the_one_loop(tmp_path, monkeypatch):
+    """gsm8k-ab's live path without Docker: the shared start and the one slot loop of
+    checks/ab (fakes for the engine and the arm servers; `k3rocm gsm8k`'s own run is replaced by
+    the run directory it leaves, lm-eval 0.4.13 shapes). Each arm's run lands in
+    ``<run>/NN-<arm>/``, the server log beside it, and the report pairs the items."""
+    import argparse
+    import contextlib
+    from types import SimpleNamespace
+
+    from k3rocm.checks.ab import arms as armlib
+    from k3rocm.checks.ab import cli as abcli
+    from k3rocm.checks.gsm8k import ab
+    from k3rocm.checks.gsm8k import cli as gcli
+
+    monkeypatch.delenv("COMPOSE_FILE", raising=False)
+    started = []
+
+    def fake_start(arms, results, label, runs_per_slot=1, client_image=None):
+        started.append((label, client_image))
+        d = results / f"20260101T000000Z-{label}"
+        d.mkdir(parents=True)
+        return armlib.Run(arms, SimpleNamespace(), "img", "sha256:0", "m", None, d)
+
+    @contextlib.contextmanager
+    def fake_server(self, slot, arm, log_path):
+        yield (SimpleNamespace(container=lambda client: SimpleNamespace(name=f"c{slot}")),
+               {"server": f"k3ab-x-{slot:02d}{arm.lower()}", "server_ready_s": 1.0})
+        log_path.write_text("server log\n")
+
+    def fake_execute(client, s, src, argv, api_key, ns, dep):
+        stored_run(Path(ns.results_dir), 0.95, 0.95)
+        return 0
+
+    monkeypatch.setattr(armlib, "start", fake_start)
+    monkeypatch.setattr(armlib.Run, "server", fake_server)
+    monkeypatch.setattr(gcli, "_execute", fake_execute)
+    monkeypatch.setattr(ab.data, "resolve", lambda *a: SimpleNamespace())
+    p = argparse.ArgumentParser()
+    abcli.add_arguments(p, measure="gsm8k")
+    args = p.parse_args(["--no-gpu", "--results", str(tmp_path), "--models-dir", str(tmp_path)])
+    abcli.fill_repeats(args)
+    assert ab.run_gsm8k_ab(args) == 0
+    run = tmp_path / "20260101T000000Z-gsm8k-ab"
+    assert started == [("gsm8k-ab", args.client_image)]
+    assert (run / "00-A" / "server.log").is_file() and (run / "01-B" / "server.log").is_file()
+    comp = json.loads((run / "comparison.json").read_text())
+    assert comp["slots"] == ["A", "B"] and comp["verdict"] == "NON-INFERIOR"
+    assert comp["arms"]["A"]["run_dir"] == str(run / "00-A" / "20261202T171915Z-gsm8k")
+    assert "| strict-match | 1319 |" in (run / "comparison.md").read_text()

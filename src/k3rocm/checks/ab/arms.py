@@ -5,7 +5,8 @@ project (``k3ab-<stamp>-<slot><arm>``) from compose.yaml (+ compose.cpu.yaml for
 stand-in), the arm's environment on top of the deployment's settings: the Deployment is loaded
 once (shell > ``.env`` > profile > default, the CPU/GPU decision with ``--gpu/--no-gpu``), and its
 image, models and cache directories are handed to compose. The server's log is saved into the
-run directory before it is removed.
+run directory before it is removed. What each slot's server really ran (its recorded identity,
+the fusions its overlay decided) is judged here too.
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from k3rocm.deploy.engine import image_id as engine_image_id
 from k3rocm.deploy.lifecycle import (
     REPO,
     ComposeServer,
@@ -28,9 +30,12 @@ from k3rocm.deploy.lifecycle import (
     docker_client,
     resolve_settings,
 )
+from k3rocm.deploy.provenance import served_as
 from k3rocm.deploy.readiness import answers, wait_ready
 from k3rocm.errors import UsageError, tagged_log
 from k3rocm.rundir import create_run_dir, write_bytes_atomic
+from k3rocm.serving import decisions
+from k3rocm.serving.fusions import NAME_OF_ENV as FUSION_OF  # K3_FUSE_* -> decision name
 from k3rocm.serving.fusions import switches
 
 FUSIONS_OFF = switches(False)
@@ -75,12 +80,9 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=None,
                    help="host port of the arm servers (default: the deployment's K3_PORT, "
                    "shell > .env > profile)")
-    g.add_argument("--models-dir", default=None,
-                   help="host directory mounted at /models (default: the deployment's "
-                   "K3_MODELS_DIR)")
-    g.add_argument("--cache-dir", default=None,
-                   help="host directory mounted at /cache (default: the deployment's "
-                   "K3_CACHE_DIR)")
+    for name, var in (("models", "K3_MODELS_DIR"), ("cache", "K3_CACHE_DIR")):
+        g.add_argument(f"--{name}-dir", default=None, help=f"host directory mounted at /{name} "
+                       f"(default: the deployment's {var})")
     gpu = g.add_mutually_exclusive_group()
     gpu.add_argument("--gpu", dest="gpu", action="store_true", default=None,
                      help="AMD devices (compose.yaml alone). Default: COMPOSE_FILE (`make ... "
@@ -164,10 +166,8 @@ class Arms:
         env = {**self.server_env, **self.arm_env[arm], "K3_PORT": str(port or self.port)}
         if self.image:
             env["K3_IMAGE"] = self.image
-        if self.models_dir:
-            env["K3_MODELS_DIR"] = str(Path(self.models_dir).resolve())
-        if self.cache_dir:
-            env["K3_CACHE_DIR"] = str(Path(self.cache_dir).resolve())
+        dirs = {"K3_MODELS_DIR": self.models_dir, "K3_CACHE_DIR": self.cache_dir}
+        env.update({k: str(Path(v).resolve()) for k, v in dirs.items() if v})
         if self.delay_ms is not None:
             env["K3_TEST_PLUGINS_DIR"] = str(STEP_DELAY_DIR)
         return env
@@ -179,8 +179,15 @@ class Arms:
 
 
 def arms_from_args(args: argparse.Namespace, on_env: dict[str, str] | None = None,
-                   off_env: dict[str, str] | None = None) -> Arms:
-    """The arm settings from the shared flags (bad input: one line, exit 2)."""
+                   off_env: dict[str, str] | None = None,
+                   single: tuple[str, str] | None = None) -> Arms:
+    """The arm settings from the shared flags (bad input: one line, exit 2). ``single``:
+    (command, why) of a measure that runs one server per arm in the order A B."""
+    if single and (args.aa or args.calibrate_delay_ms is not None):
+        raise UsageError(f"--aa and --calibrate-delay-ms are for --measure bench ({single[1]})")
+    if single and args.repeats != 1:
+        raise UsageError(f"--repeats {args.repeats}: {single[0]} runs one server per arm (order "
+                         f"A B; {single[1]}): use --repeats 1")
     if args.repeats < 1:
         raise UsageError(f"--repeats {args.repeats}: must be >= 1", 2)
     env = parse_env(args.server_env)
@@ -193,7 +200,6 @@ def arms_from_args(args: argparse.Namespace, on_env: dict[str, str] | None = Non
         raise UsageError(f"--port {args.port}: must be 1..65535", 2)
     if args.server_timeout <= 0:
         raise UsageError(f"--server-timeout {args.server_timeout:g}: must be > 0", 2)
-    cpu = dep.cpu
     on = dict(on_env or FUSIONS_ON)
     off = dict(off_env or FUSIONS_OFF)
     container_env: dict[str, dict[str, str]] = {"A": {}, "B": {}}
@@ -202,7 +208,7 @@ def arms_from_args(args: argparse.Namespace, on_env: dict[str, str] | None = Non
         if args.aa:
             raise UsageError("--calibrate-delay-ms and --aa exclude each other (calibration "
                              "is an A/A with a known delay in arm B)", 2)
-        if not cpu:
+        if not dep.cpu:
             raise UsageError("--calibrate-delay-ms exists only for the CPU stand-in "
                              "(--no-gpu): the delay switch is never in the serving image", 2)
         if not 0 < delay <= 10000:
@@ -221,13 +227,16 @@ def arms_from_args(args: argparse.Namespace, on_env: dict[str, str] | None = Non
             not Path(models_dir).is_dir():
         raise UsageError(f"{given} {models_dir!r} does not exist (it is mounted at /models in "
                          "the server)", 2)
-    return Arms(mode=mode, repeats=args.repeats, arm_env=arm_env, port=args.port, cpu=cpu,
+    scale = _replicas(env_file)
+    if single and scale is not None:
+        raise UsageError(f"{single[0]} runs one server per arm: unset K3_SCALE_MODE (or set it "
+                         "to single)")
+    return Arms(mode=mode, repeats=args.repeats, arm_env=arm_env, port=args.port, cpu=dep.cpu,
                 image=args.image or dep.image, models_dir=models_dir,
                 cache_dir=args.cache_dir or str(dep.cache_dir),
                 server_env=env, arm_container_env=container_env,
                 server_timeout=args.server_timeout, pin_engine_core=args.pin_engine_core,
-                stop_running=args.stop_running, delay_ms=delay,
-                scale=_replicas(env_file), env_file=env_file)
+                stop_running=args.stop_running, delay_ms=delay, scale=scale, env_file=env_file)
 
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -259,12 +268,8 @@ def image_id(arms: Arms, client=None) -> tuple[str, str]:
     """(image reference, image id) of the arm servers (the arm deployment's image: --image,
     else K3_IMAGE from the shell or .env, else compose's default); exit 2 when it is missing."""
     ref = arm_deployment(arms).image
-    client = client or docker_client()
-    try:
-        return ref, client.images.get(ref).id
-    except Exception:  # noqa: BLE001 - docker.errors.ImageNotFound and friends
-        raise UsageError(f"server image {ref!r} not found: build it (make build) or pass "
-                         "--image", 2) from None
+    return ref, engine_image_id(client or docker_client(), ref, "server image",
+                                "build it (make build) or pass --image")
 
 
 def estimate(arms: Arms, results: Path, runs_per_slot: int = 1) -> tuple[float, str]:
@@ -273,13 +278,11 @@ def estimate(arms: Arms, results: Path, runs_per_slot: int = 1) -> tuple[float, 
     the runs (their earlier median, when known)."""
     ready: list[float] = []
     run_s: list[float] = []
-    if results.is_dir():
-        for path in sorted(results.glob("*/comparison.json"))[-10:]:
-            with contextlib.suppress(OSError, json.JSONDecodeError, TypeError, AttributeError):
-                doc = json.loads(path.read_text())
-                ready += [s["server_ready_s"] for s in doc.get("slots", [])
-                          if s.get("server_ready_s")]
-                run_s += [r["seconds"] for r in doc.get("runs", []) if r.get("seconds")]
+    for path in sorted(results.glob("*/comparison.json"))[-10:]:
+        with contextlib.suppress(OSError, json.JSONDecodeError, TypeError, AttributeError):
+            doc = json.loads(path.read_text())
+            ready += [s["server_ready_s"] for s in doc.get("slots", []) if s.get("server_ready_s")]
+            run_s += [r["seconds"] for r in doc.get("runs", []) if r.get("seconds")]
     starts = len(arms.slots())
     if ready:
         per_start, how = statistics.median(ready), f"median of {len(ready)} earlier starts"
@@ -340,61 +343,129 @@ def check_port(arms: Arms) -> None:
         time.sleep(1)
 
 
-@contextlib.contextmanager
-def arm_server(arms: Arms, slot: int, arm: str, stamp: str, log_path: Path, env_dir: Path,
-               model: str, api_key: str | None = None, client=None
+def slot_line(arms: Arms, slot: int, arm: str) -> str:
+    """The dry run's line for one slot: the arm server's environment."""
+    env = {**arms.compose_env(arm), **arms.arm_container_env.get(arm, {})}
+    return f"# slot {slot} arm {arm}: compose up (server) with {env_str(env)}"
+
+
+def env_str(env: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in sorted(env.items())) or "(none)"
+
+
+@dataclass
+class Run:
+    """One A/B run past the checks every measure shares: the Docker client, the arm servers'
+    image, served model and API key, and the run directory (created last)."""
+
+    arms: Arms
+    client: Any
+    image: str
+    image_id: str
+    model: str
+    api_key: str | None
+    dir: Path
+
+    @contextlib.contextmanager
+    def server(self, slot: int, arm: str, log_path: Path
                ) -> Iterator[tuple[ComposeServer, dict]]:
-    """Fresh server(s) for one slot: compose up (one project per replica), wait until ready
-    (progress, stated timeout), pin the EngineCore (stand-in), start the router (replicas),
-    yield (first server, info); always save every log (``log_path``, ``-rN`` per replica,
-    ``-router``) and remove what was started. The measurement goes to ``arms.url``."""
-    base = f"k3ab-{stamp}-{slot:02d}{arm.lower()}"
-    one = len(arms.replica_ports) == 1
-    servers, logs = [], []
-    for r, port in enumerate(arms.replica_ports):
-        servers.append(ComposeServer(
-            project=base if one else f"{base}-r{r}", cpu=arms.cpu,
-            env=arms.compose_env(arm, port),
+        """Fresh server(s) for one slot (compose projects named after the run directory):
+        compose up (one project per replica), wait until ready (progress, stated timeout),
+        pin the EngineCore (stand-in), start the router (replicas), yield (first server,
+        info); always save every log (``log_path``, ``-rN`` per replica, ``-router``) and
+        remove what was started. The measurement goes to ``arms.url``."""
+        arms, model, api_key, client = self.arms, self.model, self.api_key, self.client
+        base = f"k3ab-{self.dir.name.split('-')[0].lower()}-{slot:02d}{arm.lower()}"
+        one = len(arms.replica_ports) == 1
+        servers = [ComposeServer(
+            project=base if one else f"{base}-r{r}", cpu=arms.cpu, env=arms.compose_env(arm, port),
             # --server-env reaches the container whether compose.yaml lists it or not
             container_env={**arms.server_env, **arms.arm_container_env.get(arm, {})},
-            url=f"http://127.0.0.1:{port}", model=model, api_key=api_key, env_dir=env_dir))
-        logs.append(log_path if one else
-                    log_path.with_name(f"{log_path.stem}-r{r}{log_path.suffix}"))
-    info: dict = {"server": base, "server_ready_s": None, "pin": None,
-                  "topology": arms.topology(), "replicas": [s.project for s in servers]}
-    router = None
-    try:
-        t0 = time.time()
-        for srv in servers:  # all start at once; each is then waited for
-            srv.up()
-        for srv in servers:
-            srv.wait(arms.server_timeout, every=15)
-        info["server_ready_s"] = round(time.time() - t0, 1)
-        # wait() pins every CPU stand-in's EngineCore; --pin-engine-core makes it a must.
-        pins = [srv.pinned for srv in servers]
-        if arms.pin_engine_core and not all(pins):
-            raise UsageError(f"--pin-engine-core: the EngineCore of {base} could not be "
-                             "pinned (see the warning above)", 3)
-        info["pin"] = "; ".join(p for p in pins if p) or None
-        if info["pin"]:
-            _log(info["pin"])
-        if arms.scale is not None:
-            from k3rocm.deploy.scale.router import start_router, stop_router
+            url=f"http://127.0.0.1:{port}", model=model, api_key=api_key,
+            env_dir=self.dir / "servers")
+            for r, port in enumerate(arms.replica_ports)]
+        info: dict = {"server": base, "server_ready_s": None, "pin": None,
+                      "topology": arms.topology(), "replicas": [s.project for s in servers]}
+        router = None
+        try:
+            t0 = time.time()
+            for srv in servers:  # all start at once; each is then waited for
+                srv.up()
+            for srv in servers:
+                srv.wait(arms.server_timeout, every=15)
+            info["server_ready_s"] = round(time.time() - t0, 1)
+            # wait() pins every CPU stand-in's EngineCore; --pin-engine-core makes it a must.
+            pins = [srv.pinned for srv in servers]
+            if arms.pin_engine_core and not all(pins):
+                raise UsageError(f"--pin-engine-core: the EngineCore of {base} could not be "
+                                 "pinned (see the warning above)", 3)
+            info["pin"] = "; ".join(p for p in pins if p) or None
+            if info["pin"]:
+                _log(info["pin"])
+            if arms.scale is not None:
+                from k3rocm.deploy.scale.router import start_router, stop_router
 
-            client = client or docker_client()
-            router = start_router(client, arms.scale, name=f"{base}-router",
-                                  labels={"k3rocm.ab": base})
-            wait_ready(arms.url, model, 120, api_key, every=15)
-        yield servers[0], info
-    finally:
-        if router is not None:
-            with contextlib.suppress(Exception):
-                write_bytes_atomic(log_path.with_name(f"{log_path.stem}-router.log"),
-                                   router.logs())
-            with contextlib.suppress(Exception):
-                stop_router(client, f"{base}-router")
-        for srv, log in zip(servers, logs, strict=True):
-            srv.down(log_path=log)
+                router = start_router(client, arms.scale, name=f"{base}-router",
+                                      labels={"k3rocm.ab": base})
+                wait_ready(arms.url, model, 120, api_key, every=15)
+            yield servers[0], info
+        finally:
+            if router is not None:
+                with contextlib.suppress(Exception):
+                    write_bytes_atomic(log_path.with_name(f"{log_path.stem}-router.log"),
+                                       router.logs())
+                with contextlib.suppress(Exception):
+                    stop_router(client, f"{base}-router")
+            for r, srv in enumerate(servers):
+                srv.down(log_path=log_path if one else
+                         log_path.with_name(f"{log_path.stem}-r{r}{log_path.suffix}"))
+
+    def each_slot(self, log_path: Callable[[int, str], Path],
+                  measure: Callable[[int, str, ComposeServer, dict], bool | None],
+                  keep_going: bool = False) -> list[dict[str, Any]]:
+        """The one A/B loop: every slot of the order A B B A ... on its own fresh server,
+        ``measure(slot, arm, server, info)`` on it (False: stop after this slot), the server's
+        log saved at ``log_path(slot, arm)``. One record per slot: its compose project, time to
+        ready and seconds, the fusions its overlay decided, and what ended it early. A failure
+        or Ctrl-C is raised again, unless ``keep_going``: then it ends the loop and the measure
+        judges what finished."""
+        out: list[dict[str, Any]] = []
+        for i, arm in enumerate(self.arms.slots()):
+            env = {**self.arms.arm_env[arm], **self.arms.arm_container_env.get(arm, {})}
+            _log(f"slot {i + 1}/{len(self.arms.slots())} arm {arm}: starting a fresh server "
+                 f"({env_str(env)})")
+            rec: dict[str, Any] = {"slot": i, "arm": arm, "server": None, "server_ready_s": None}
+            t0, go_on, error = time.time(), True, None
+            try:
+                with self.server(i, arm, log_path(i, arm)) as (srv, info):
+                    rec.update(server=info["server"], server_ready_s=info["server_ready_s"])
+                    go_on = measure(i, arm, srv, info) is not False
+            except (KeyboardInterrupt, UsageError) as exc:
+                if not keep_going:
+                    raise
+                error = str(exc) if isinstance(exc, UsageError) else "interrupted"
+                _log(f"slot {i} failed: {error}")
+            out.append({**rec, "fusions": fusion_states(log_path(i, arm)),
+                        "seconds": round(time.time() - t0, 1), "error": error})
+            if error or not go_on:
+                break
+        return out
+
+
+def start(arms: Arms, results: Path, label: str, runs_per_slot: int = 1,
+          client_image: str | None = None) -> Run:
+    """The shared start of every measure: the port is free (or freed), the server image (and
+    the measure's client image) is there, the cold starts and their estimate are announced;
+    then the run directory."""
+    check_port(arms)
+    client = docker_client()
+    ref, iid = image_id(arms, client)
+    if client_image:
+        engine_image_id(client, client_image)
+    announce(arms, results, runs_per_slot)
+    dep = arm_deployment(arms)
+    return Run(arms, client, ref, iid, dep.served_model_name, dep.api_key,
+               create_run_dir(results, label))
 
 
 def arm_deployment(arms: Arms):
@@ -405,7 +476,76 @@ def arm_deployment(arms: Arms):
                             gpu=not arms.cpu)
 
 
-def served_model(arms: Arms) -> tuple[str, str | None]:
-    """(served model name, API key) the arm servers will have."""
-    dep = arm_deployment(arms)
-    return dep.served_model_name, dep.api_key
+# Allowed to differ between slots: the fusion switches (A/B), and in a calibration the
+# step-delay double's two variables (arm B only).
+ARM_ENV = frozenset(FUSIONS_ON)
+CAL_ENV = frozenset({STEP_DELAY_ENV, "PYTHONPATH"})
+WHERE_ENV = frozenset({"K3_PORT", "HOSTNAME"})  # where a slot listens, not what it runs
+
+
+def slot_identity(run_dir: Path, mode: str) -> dict[str, Any] | None:
+    """What one slot's server really ran, from its run record (the image id, and the argv and
+    env as the server rendered them: :func:`k3rocm.deploy.provenance.served_as`), minus what
+    may differ between arms."""
+    try:
+        server = json.loads((run_dir / "provenance.json").read_text()).get("server") or {}
+    except (OSError, json.JSONDecodeError):
+        return None
+    skip = ARM_ENV | WHERE_ENV | (CAL_ENV if mode == "cal" else frozenset())
+    served = served_as(server)
+    argv = served.argv
+    if argv:  # where it listens is not the protocol
+        argv = [x for i, x in enumerate(argv)
+                if x != "--port" and (i == 0 or argv[i - 1] != "--port")]
+    return {"image_id": (server.get("container") or {}).get("image_id"),
+            "env": {k: v for k, v in sorted(served.env.items()) if k not in skip},
+            "argv": argv}
+
+
+def identity_diff(a: dict, b: dict) -> list[str]:
+    out = []
+    if a["image_id"] != b["image_id"]:
+        out.append(f"image {a['image_id']} vs {b['image_id']}")
+    for k in sorted(set(a["env"]) | set(b["env"])):
+        va, vb = a["env"].get(k, "(unset)"), b["env"].get(k, "(unset)")
+        if va != vb:
+            out.append(f"env {k}={va} vs {vb}")
+    if a["argv"] != b["argv"]:
+        ea, eb = a["argv"] or [], b["argv"] or []
+        out.append(f"argv {' '.join(x for x in ea if x not in eb) or '-'} vs "
+                   f"{' '.join(x for x in eb if x not in ea) or '-'}")
+    return out
+
+
+def fusion_states(log_path: Path) -> dict[str, list[str]] | None:
+    """Each fusion's final states over the server's processes (target layers: the model's MLA
+    layers; draft/MTP layers keep the stock path by design and are not judged, as in the
+    census), from the overlay's decision records in the saved server log (None: none)."""
+    try:
+        recs = decisions.records_from_log(log_path.read_text(errors="replace"), log_path.name)
+    except (OSError, UsageError):
+        return None
+    final = [r for r in decisions.final_decisions(recs).values() if r.layer_kind == "target"]
+    if not final:
+        return None
+    return {f: sorted({r.states[f] for r in final}) for f in decisions.STATES}
+
+
+def fusion_check(slots: Sequence[dict], arm_env: dict[str, dict[str, str]]) -> list[str]:
+    """One line per slot whose fusions are not what its arm asked (a switch on -> every final
+    decision "on"; off -> none "on"); a slot without decision records says so."""
+    out = []
+    for s in slots:
+        states = s.get("fusions")
+        if states is None:
+            out.append(f"slot {s['slot']} (arm {s['arm']}): no overlay decision records in its "
+                       "server log (fusion state unverified)")
+            continue
+        for env, fusion in FUSION_OF.items():
+            asked = arm_env[s["arm"]].get(env) == "1"
+            got = states.get(fusion, [])
+            if (asked and got != ["on"]) or (not asked and "on" in got):
+                out.append(f"slot {s['slot']} (arm {s['arm']}): {fusion} asked "
+                           f"{'on' if asked else 'off'}, the overlay decided "
+                           f"{'/'.join(got) or 'nothing'}")
+    return out

@@ -40,6 +40,7 @@ engine problem; 130 interrupted (finished runs kept and compared).
 from __future__ import annotations
 
 import argparse
+import importlib
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
@@ -140,19 +141,10 @@ def run(args: argparse.Namespace) -> int:
     fill_repeats(args)
     for k in (k for m in MEASURES if m != args.measure for k in ONLY[m]):
         if getattr(args, k) != args._only_defaults[k]:
-            raise UsageError(f"--{k.replace('_', '-')} is not used by --measure {args.measure}",
-                             2)
-    if args.measure == "bench":
-        from k3rocm.checks.bench import ab
-
-        return ab.run_bench_ab(args)
-    if args.measure == "gsm8k":
-        from k3rocm.checks.gsm8k import ab
-
-        return ab.run_gsm8k_ab(args)
-    from k3rocm.checks.census import ab
-
-    return ab.run_census_ab(args)
+            raise UsageError(f"--{k.replace('_', '-')} is not used by --measure {args.measure}")
+    # the measure: k3rocm.checks.<measure>.ab.run_<measure>_ab
+    measure = importlib.import_module(f"k3rocm.checks.{args.measure}.ab")
+    return getattr(measure, f"run_{args.measure}_ab")(args)
 
 
 # `k3rocm bench-ab` and `k3rocm census-ab`: this command with --measure preset.

@@ -17,7 +17,6 @@ import argparse
 import hashlib
 import json
 import os
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,17 +24,14 @@ from pathlib import Path
 from typing import Any
 
 from k3rocm.checks.ab import arms as armlib
-from k3rocm.checks.bench import runner, stats, summary
+from k3rocm.checks.bench import stats, summary
 from k3rocm.checks.bench.cli import resolve_from_args
 from k3rocm.checks.bench.plots import _pyplot, _save
 from k3rocm.checks.bench.run import check_tokenizer, planned_command, run_bench
 from k3rocm.checks.bench.workloads import Workload, shell_line
-from k3rocm.deploy.provenance import served_as
 from k3rocm.errors import EXIT_CHECK_FAILED as EXIT_FAILED
 from k3rocm.errors import EXIT_INTERRUPTED, EXIT_OK, UsageError, tagged_log
-from k3rocm.rundir import create_run_dir, utc_stamp, write_json_atomic, write_text_atomic
-from k3rocm.serving import decisions
-from k3rocm.serving.fusions import NAME_OF_ENV
+from k3rocm.rundir import utc_stamp, write_json_atomic, write_text_atomic
 
 _log = tagged_log("bench-ab")
 
@@ -69,14 +65,14 @@ class ABPlan:
     def describe(self) -> list[str]:
         w, a = self.workload, self.arms
         if self.mode == "aa":
-            arms = "A/A: both arms identical (" + _env_str(a.arm_env["A"]) + ")"
+            arms = "A/A: both arms identical (" + armlib.env_str(a.arm_env["A"]) + ")"
         elif self.mode == "cal":
-            arms = (f"calibration: both arms {_env_str(a.arm_env['A'])}; arm B with an "
+            arms = (f"calibration: both arms {armlib.env_str(a.arm_env['A'])}; arm B with an "
                     f"injected {a.delay_ms:g} ms per engine step "
                     f"({armlib.STEP_DELAY_ENV}, CPU stand-in test double)")
         else:
-            arms = (f"A = fusions off ({_env_str(a.arm_env['A'])}), B = fusions on "
-                    f"({_env_str(a.arm_env['B'])})")
+            arms = (f"A = fusions off ({armlib.env_str(a.arm_env['A'])}), B = fusions on "
+                    f"({armlib.env_str(a.arm_env['B'])})")
         k = self.runs_per_server
         runs = ("the complete workload" if k == 1 else
                 f"the complete workload {k} times back to back (run 1 on the fresh server, "
@@ -88,7 +84,7 @@ class ABPlan:
             "every slot: a freshly started server (its own compose project, image "
             f"{a.image or 'compose default'}), wait until ready, {runs} `{w.name}` with its own "
             f"{w.warmup_request_count} warmup requests per point, then the server is stopped",
-            f"topology: {_env_str(a.topology())}",
+            f"topology: {armlib.env_str(a.topology())}",
             "statistic: the server is the unit: one value per server (mean over its runs of the "
             "run's value from its per-request records); effect d = (B - A) / A on the geometric "
             "means; two-sided t test on log server values, 5% false-positive rate at any number "
@@ -99,14 +95,10 @@ class ABPlan:
             "drift: A B B A order" + (" balances linear drift" if a.repeats % 2 == 0 else
                                        f"; with odd repeats ({a.repeats}) the drift of "
                                        f"1/{a.repeats} slot stays in the effect"),
-            f"server env (both arms): {_env_str(a.describe_env())}"
+            f"server env (both arms): {armlib.env_str(a.describe_env())}"
             + ("; EngineCore pinned to the worker's cores (CPU stand-in)"
                if a.pin_engine_core else ""),
         ]
-
-
-def _env_str(env: dict) -> str:
-    return " ".join(f"{k}={v}" for k, v in sorted(env.items())) or "(none)"
 
 
 def _run_name(slot: int, arm: str, k: int) -> str:
@@ -118,8 +110,7 @@ def dry_run_lines(plan: ABPlan) -> list[str]:
     lines = [f"# {x}" for x in plan.describe()]
     run_dir = plan.results.resolve() / f"{utc_stamp()}-{plan.workload.name}-{plan.mode}"
     for i, arm in enumerate(arms.slots()):
-        env = {**arms.compose_env(arm), **arms.arm_container_env.get(arm, {})}
-        lines.append(f"# slot {i} arm {arm}: compose up (server) with {_env_str(env)}")
+        lines.append(armlib.slot_line(arms, i, arm))
         if arms.scale is not None:
             from k3rocm.deploy.scale.render import router_argv
 
@@ -131,15 +122,14 @@ def dry_run_lines(plan: ABPlan) -> list[str]:
     return lines
 
 
-def run_ab(plan: ABPlan, docker=None) -> int:
+def run_ab(plan: ABPlan) -> int:
     w, arms = plan.workload, plan.arms
     check_tokenizer(w.tokenizer)
-    armlib.check_port(arms)
-    client = docker or runner.docker_client()
-    runner.image_id(client, plan.client_image)
-    image_ref, image_id = armlib.image_id(arms, client)
-    armlib.announce(arms, plan.results, plan.runs_per_server)
-    key = plan.protocol_key(image_id)
+    run = armlib.start(arms, plan.results, f"{w.name}-{plan.mode}", plan.runs_per_server,
+                       client_image=plan.client_image)
+    ab_dir, client = run.dir, run.client
+    run.model, run.api_key = w.model, w.api_key  # what the workload asks the servers for
+    key = plan.protocol_key(run.image_id)
     before = find_noise_floor(plan, key, field="planned_key")
     comp_b = (_floor_for({**before, "same_protocol": True}, plan.primary[1], plan.primary[0])
               if before else None) or {}
@@ -148,83 +138,62 @@ def run_ab(plan: ABPlan, docker=None) -> int:
     if before:
         design_before += f" (from the A/A {before['dir']})"
     _log(f"before the run: {design_before}")
-    ab_dir = create_run_dir(plan.results, f"{w.name}-{plan.mode}")
     _log(f"{plan.mode.upper()} run directory {ab_dir} (planned protocol {key})")
-    plan_doc = {"mode": plan.mode, "planned_key": key, "protocol": plan.describe(),
-                "primary": {"metric": plan.primary[0], "concurrency": plan.primary[1]},
-                "design_before": design_before,
-                "workload": w.model_dump(mode="json"), "slots": arms.slots(),
-                "arm_env": arms.arm_env, "arm_container_env": arms.arm_container_env,
-                "server_image": image_ref, "server_image_id": image_id,
-                "server_env": arms.describe_env(), "topology": arms.topology()}
-    write_json_atomic(ab_dir / "plan.json", plan_doc)
+    write_json_atomic(ab_dir / "plan.json", {
+        "mode": plan.mode, "planned_key": key, "protocol": plan.describe(),
+        "primary": {"metric": plan.primary[0], "concurrency": plan.primary[1]},
+        "design_before": design_before, "workload": w.model_dump(mode="json"),
+        "slots": arms.slots(), "arm_env": arms.arm_env,
+        "arm_container_env": arms.arm_container_env, "server_image": run.image,
+        "server_image_id": run.image_id, "server_env": arms.describe_env(),
+        "topology": arms.topology()})
 
     runs: list[dict[str, Any]] = []
-    slots_info: list[dict[str, Any]] = []
-    interrupted = False
-    stamp = ab_dir.name.split("-")[0].lower()
     t_all = time.time()
     slot_dir = ab_dir / "runs"
-    slot_dir.mkdir(parents=True, exist_ok=True)
-    for i, arm in enumerate(arms.slots()):
-        server_log = slot_dir / f"{i:02d}-{arm}-server.log"
-        _log(f"slot {i + 1}/{len(arms.slots())} arm {arm}: starting a fresh server "
-             f"({_env_str({**arms.arm_env[arm], **arms.arm_container_env.get(arm, {})})})")
-        slot_failed = None
-        info: dict[str, Any] = {"server": None, "server_ready_s": None, "pin": None}
-        t0 = time.time()
-        try:
-            with armlib.arm_server(arms, i, arm, stamp, server_log, ab_dir / "servers",
-                                   model=w.model, api_key=w.api_key, client=client
-                                   ) as (srv, info):
-                container = srv.container(client)
-                for k in range(plan.runs_per_server):
-                    run_dir = slot_dir / _run_name(i, arm, k)
-                    run_dir.mkdir()
-                    entry: dict[str, Any] = {
-                        "slot": i, "arm": arm, "run": k, "server": info["server"],
-                        "run_dir": str(run_dir), "status": "failed", "env": arms.arm_env[arm],
-                        "container_env": arms.arm_container_env.get(arm, {}),
-                        "server_ready_s": info["server_ready_s"], "pin": info["pin"]}
-                    runs.append(entry)
-                    t1 = time.time()
-                    res = run_bench(w, results=plan.results, client_image=plan.client_image,
-                                    server_timeout=30, progress=plan.progress,
-                                    server_container=container, docker=client, run_dir=run_dir,
-                                    extra_provenance={"ab": {
-                                        "mode": plan.mode, "slot": i, "arm": arm, "run": k,
-                                        "protocol_key": key, "compose_project": info["server"],
-                                        "topology": info["topology"]}})
-                    entry.update(status=res.status, message=res.message,
-                                 seconds=round(time.time() - t1, 1))
-                    write_json_atomic(ab_dir / "runs.json", runs)
-                    interrupted = res.status == "interrupted"
-                    if res.status != "ok":
-                        break
-        except KeyboardInterrupt:
-            interrupted = True
-            slot_failed = "interrupted"
-        except UsageError as exc:
-            slot_failed = str(exc)
-            _log(f"slot {i} failed: {exc}")
-        slots_info.append({"slot": i, "arm": arm, "server": info["server"],
-                           "fusions": fusion_states(server_log),
-                           "server_ready_s": info["server_ready_s"],
-                           "seconds": round(time.time() - t0, 1), "error": slot_failed})
-        if slot_failed and not any(r["slot"] == i for r in runs):
-            runs.append({"slot": i, "arm": arm, "run": 0, "server": info["server"],
-                         "run_dir": None, "status": "interrupted" if interrupted else "failed",
-                         "message": slot_failed, "env": arms.arm_env[arm]})
-        write_json_atomic(ab_dir / "runs.json", runs)
-        if interrupted or slot_failed or any(r["status"] != "ok" for r in runs):
-            break
+
+    def measure(i: int, arm: str, srv, info: dict) -> bool:
+        container = srv.container(client)
+        for k in range(plan.runs_per_server):
+            run_dir = slot_dir / _run_name(i, arm, k)
+            run_dir.mkdir(parents=True)
+            entry: dict[str, Any] = {
+                "slot": i, "arm": arm, "run": k, "server": info["server"],
+                "run_dir": str(run_dir), "status": "failed", "env": arms.arm_env[arm],
+                "container_env": arms.arm_container_env.get(arm, {}),
+                "server_ready_s": info["server_ready_s"], "pin": info["pin"]}
+            runs.append(entry)
+            t1 = time.time()
+            res = run_bench(w, results=plan.results, client_image=plan.client_image,
+                            server_timeout=30, progress=plan.progress, server_container=container,
+                            docker=client, run_dir=run_dir, extra_provenance={"ab": {
+                                "mode": plan.mode, "slot": i, "arm": arm, "run": k,
+                                "protocol_key": key, "compose_project": info["server"],
+                                "topology": info["topology"]}})
+            entry.update(status=res.status, message=res.message,
+                         seconds=round(time.time() - t1, 1))
+            write_json_atomic(ab_dir / "runs.json", runs)
+            if res.status != "ok":
+                return False
+        return True
+
+    slots_info = run.each_slot(lambda i, arm: slot_dir / f"{i:02d}-{arm}-server.log", measure,
+                               keep_going=True)
+    last = slots_info[-1]
+    interrupted = last["error"] == "interrupted" or any(r["status"] == "interrupted"
+                                                         for r in runs)
+    if last["error"] and not any(r["slot"] == last["slot"] for r in runs):
+        runs.append({"slot": last["slot"], "arm": last["arm"], "run": 0, "server": last["server"],
+                     "run_dir": None, "status": "interrupted" if interrupted else "failed",
+                     "message": last["error"], "env": arms.arm_env[last["arm"]]})
+    write_json_atomic(ab_dir / "runs.json", runs)
 
     rkey, diffs = recorded_protocol(w, runs, plan.mode, plan.runs_per_server)
     floor_doc = None if plan.mode == "aa" else find_noise_floor(plan, rkey or "")
     comp = compare(w, runs, plan.mode, rkey or "", floor_doc, plan.primary, plan.describe())
-    fusion_problems = fusion_check(slots_info, arms.arm_env)
+    fusion_problems = armlib.fusion_check(slots_info, arms.arm_env)
     comp.update(planned_key=key, design_before=design_before, protocol_differences=diffs,
-                fusion_problems=fusion_problems)
+                fusion_problems=fusion_problems, slots=slots_info, interrupted=interrupted)
     refused = [f for f in fusion_problems if "decided" in f]
     if diffs and plan.mode != "aa":
         comp["invalid"] = ("slots ran different server setups (only the fusion switches may "
@@ -241,28 +210,24 @@ def run_ab(plan: ABPlan, docker=None) -> int:
         comp["headline"] += "; FLAGGED (not used as a variance component): " + " | ".join(diffs)
     if plan.mode == "cal":
         comp["calibration"] = calibration(comp, arms.delay_ms)
-    comp["slots"] = slots_info
     comp["wall_seconds"] = round(time.time() - t_all, 1)
-    comp["interrupted"] = interrupted
     write_json_atomic(ab_dir / "comparison.json", comp)
     write_text_atomic(ab_dir / "comparison.md", comparison_markdown(comp))
     _plot(comp, runs, ab_dir)
     n_ok = sum(r["status"] == "ok" for r in runs)
     total = len(arms.slots()) * plan.runs_per_server
     if interrupted:
-        print(f"k3rocm: error: bench-ab interrupted after {n_ok} of {total} runs; what finished "
-              f"is compared in {ab_dir}", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        raise UsageError(f"bench-ab interrupted after {n_ok} of {total} runs; what finished is "
+                         f"compared in {ab_dir}", EXIT_INTERRUPTED)
     if n_ok < total:
         bad = next((r for r in runs if r["status"] != "ok"),
                    {"slot": len(slots_info), "arm": "?", "message": "not run"})
-        print(f"k3rocm: error: bench-ab: slot {bad['slot']} (arm {bad['arm']}) failed: "
-              f"{bad.get('message')}; {n_ok} of {total} runs kept in {ab_dir}", file=sys.stderr)
-        return EXIT_FAILED
+        raise UsageError(f"bench-ab: slot {bad['slot']} (arm {bad['arm']}) failed: "
+                         f"{bad.get('message')}; {n_ok} of {total} runs kept in {ab_dir}",
+                         EXIT_FAILED)
     refused = refusal(comp, ab_dir)
     if refused:
-        print(refused, file=sys.stderr)
-        return EXIT_FAILED
+        raise UsageError(refused.removeprefix("k3rocm: error: "), EXIT_FAILED)
     head = comp["headline"] + f"; {comp['design_after']}"
     for c in comp.get("calibration") or []:
         head += (f"; calibration c={c['concurrency']}: injected +{c['injected_ms']:g} ms/step, "
@@ -286,130 +251,30 @@ def refusal(comp: dict, ab_dir: Path) -> str | None:
     return None
 
 
-def _run_values(run_dir: Path, c: int, n: int) -> dict[str, Any] | None:
-    """Per-request arrays of one run's point (and run-level output tokens/s), if it is ok."""
-    try:
-        doc = json.loads((run_dir / "summary.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    point = next((p for p in doc.get("points", []) if p["concurrency"] == c
-                  and p["request_count"] == n), None)
-    if not point or point["status"] != "ok" or not point.get("dir"):
-        return None
-    ok, _ = summary.profiling_records(summary.read_records(Path(point["dir"])))
-    out: dict[str, Any] = {"output_tps": point.get("output_tps")}
-    for key in ("itl", "ttft", "e2el"):
-        out[key] = summary.request_values(ok, summary.LATENCY_METRICS[key][0])
-    return out
-
-
-# Allowed to differ between slots: the fusion switches (A/B), and in a calibration the
-# step-delay double's two variables (arm B only).
-ARM_ENV = frozenset(armlib.FUSIONS_ON)
-CAL_ENV = frozenset({armlib.STEP_DELAY_ENV, "PYTHONPATH"})
-WHERE_ENV = frozenset({"K3_PORT", "HOSTNAME"})  # where a slot listens, not what it runs
-
-
-def slot_identity(run_dir: Path, mode: str) -> dict[str, Any] | None:
-    """What one slot's server really ran, from its run record (the image id, and the argv and
-    env as the server rendered them: :func:`k3rocm.deploy.provenance.served_as`), minus what
-    may differ between arms."""
-    try:
-        server = json.loads((run_dir / "provenance.json").read_text()).get("server") or {}
-    except (OSError, json.JSONDecodeError):
-        return None
-    cont = server.get("container") or {}
-    skip = ARM_ENV | WHERE_ENV | (CAL_ENV if mode == "cal" else frozenset())
-    served = served_as(server)
-    argv = served.argv
-    if argv:  # where it listens is not the protocol
-        argv = [x for i, x in enumerate(argv)
-                if x != "--port" and (i == 0 or argv[i - 1] != "--port")]
-    return {"image_id": cont.get("image_id"),
-            "env": {k: v for k, v in sorted(served.env.items()) if k not in skip},
-            "argv": argv}
-
-
 def recorded_protocol(w: Workload, runs: Sequence[dict], mode: str, runs_per_server: int
                       ) -> tuple[str | None, list[str]]:
     """(key, differences): the key from the first slot's recorded server identity, the
     workload protocol and the runs per server; one line per slot whose identity differs."""
-    ids: list[tuple[dict, dict[str, Any]]] = []
-    seen = set()
+    first_runs: dict[int, tuple[dict, dict[str, Any] | None]] = {}
     for r in runs:
-        if r.get("run_dir") and r["slot"] not in seen:
-            seen.add(r["slot"])
-            ident = slot_identity(Path(r["run_dir"]), mode)
-            if ident is not None:
-                ids.append((r, ident))
+        if r.get("run_dir") and r["slot"] not in first_runs:
+            first_runs[r["slot"]] = (r, armlib.slot_identity(Path(r["run_dir"]), mode))
+    ids = [(r, ident) for r, ident in first_runs.values() if ident is not None]
     if not ids:
         return None, []
     first_run, first = ids[0]
     diffs = []
     for r, ident in ids[1:]:
-        d = _identity_diff(first, ident)
+        d = armlib.identity_diff(first, ident)
         if d:
             diffs.append(f"slot {r['slot']} (arm {r['arm']}) differs from slot "
                          f"{first_run['slot']} (arm {first_run['arm']}): {'; '.join(d)}")
     # The key: the first slot (always arm A) as recorded, whatever the mode, so that an A/A and
     # a calibration or A/B of the same setup share it (the calibration's delay is arm B's only).
-    key_ident = slot_identity(Path(first_run["run_dir"]), "ab")
+    key_ident = armlib.slot_identity(Path(first_run["run_dir"]), "ab")
     blob = json.dumps({"workload": w.protocol(), "runs_per_server": runs_per_server,
                        "server": key_ident}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16], diffs
-
-
-def _identity_diff(a: dict, b: dict) -> list[str]:
-    out = []
-    if a["image_id"] != b["image_id"]:
-        out.append(f"image {a['image_id']} vs {b['image_id']}")
-    for k in sorted(set(a["env"]) | set(b["env"])):
-        va, vb = a["env"].get(k, "(unset)"), b["env"].get(k, "(unset)")
-        if va != vb:
-            out.append(f"env {k}={va} vs {vb}")
-    if a["argv"] != b["argv"]:
-        ea, eb = a["argv"] or [], b["argv"] or []
-        out.append(f"argv {' '.join(x for x in ea if x not in eb) or '-'} vs "
-                   f"{' '.join(x for x in eb if x not in ea) or '-'}")
-    return out
-
-
-# K3_FUSE_* switch -> the fusion's name in the overlay's decision records
-FUSION_OF = NAME_OF_ENV
-
-
-def fusion_states(log_path: Path) -> dict[str, list[str]] | None:
-    """Each fusion's final states over the server's processes (target layers: the model's MLA
-    layers; draft/MTP layers keep the stock path by design and are not judged, as in the
-    census), from the overlay's decision records in the saved server log (None: none)."""
-    try:
-        recs = decisions.records_from_log(log_path.read_text(errors="replace"), log_path.name)
-    except (OSError, UsageError):
-        return None
-    final = [r for r in decisions.final_decisions(recs).values() if r.layer_kind == "target"]
-    if not final:
-        return None
-    return {f: sorted({r.states[f] for r in final}) for f in decisions.STATES}
-
-
-def fusion_check(slots: Sequence[dict], arm_env: dict[str, dict[str, str]]) -> list[str]:
-    """One line per slot whose fusions are not what its arm asked (a switch on -> every final
-    decision "on"; off -> none "on"); a slot without decision records says so."""
-    out = []
-    for s in slots:
-        states = s.get("fusions")
-        if states is None:
-            out.append(f"slot {s['slot']} (arm {s['arm']}): no overlay decision records in its "
-                       "server log (fusion state unverified)")
-            continue
-        for env, fusion in FUSION_OF.items():
-            asked = arm_env[s["arm"]].get(env) == "1"
-            got = states.get(fusion, [])
-            if (asked and got != ["on"]) or (not asked and "on" in got):
-                out.append(f"slot {s['slot']} (arm {s['arm']}): {fusion} asked "
-                           f"{'on' if asked else 'off'}, the overlay decided "
-                           f"{'/'.join(got) or 'nothing'}")
-    return out
 
 
 def parse_primary(spec: str | None, w: Workload) -> tuple[str, int]:
@@ -428,13 +293,17 @@ def parse_primary(spec: str | None, w: Workload) -> tuple[str, int]:
 
 
 def server_values(runs: Sequence[dict], c: int, n: int) -> dict[str, dict[str, list[float]]]:
-    """{metric label: {arm: [one value per server]}} for point (c, n) of the ok runs."""
+    """{metric label: {arm: [one value per server]}} for point (c, n) of the ok runs: per run,
+    the per-request arrays of its point (and the run-level output tokens/s)."""
     per_arm: dict[str, dict[str, list[dict]]] = {"A": {}, "B": {}}  # arm -> server -> runs
-    for r in runs:
-        if r["status"] == "ok" and r.get("run_dir"):
-            v = _run_values(Path(r["run_dir"]), c, n)
-            if v is not None:
-                per_arm[r["arm"]].setdefault(r.get("server", r["slot"]), []).append(v)
+    for r, p in _run_points([r for r in runs if r["status"] == "ok"]):
+        if (p["concurrency"], p["request_count"]) == (c, n) and p["status"] == "ok" \
+                and p.get("dir"):
+            ok, _ = summary.profiling_records(summary.read_records(Path(p["dir"])))
+            v = {k: summary.request_values(ok, summary.LATENCY_METRICS[k][0])
+                 for k in ("itl", "ttft", "e2el")}
+            per_arm[r["arm"]].setdefault(r.get("server", r["slot"]), []).append(
+                {**v, "output_tps": p.get("output_tps")})
     out: dict[str, dict[str, list[float]]] = {}
     for mkey, stat, label, _ in stats.AB_METRICS:
         out[label] = {arm: [stats.server_value([v[mkey] for v in rs], stat)
@@ -471,10 +340,8 @@ def judge(values: dict[tuple[int, str], dict[str, list[float]]], primary: tuple[
 
 def compare(w: Workload, runs: Sequence[dict], mode: str, key: str, floor_doc: dict | None,
             primary: tuple[str, int], describe: list[str] | None = None) -> dict[str, Any]:
-    values = {}
-    for c, n in w.points():
-        for label, arms_ in server_values(runs, c, n).items():
-            values[(c, label)] = arms_
+    values = {(c, label): v for c, n in w.points()
+              for label, v in server_values(runs, c, n).items()}
     rows = judge(values, primary, floor_doc)
     prim = next((r for r in rows if r["primary"]), None)
     head = "no comparable runs"
@@ -573,11 +440,8 @@ def calibration(comp: dict, delay_ms: float | None) -> list[dict[str, Any]]:
 
 
 def _first_command(runs: Sequence[dict]) -> str | None:
-    for r in runs:
-        path = Path(r["run_dir"]) / "command.txt"
-        if path.is_file():
-            return path.read_text().strip()
-    return None
+    paths = (Path(r["run_dir"]) / "command.txt" for r in runs if r.get("run_dir"))
+    return next((p.read_text().strip() for p in paths if p.is_file()), None)
 
 
 def _floor_for(floor_doc: dict | None, c: int, label: str) -> dict[str, Any] | None:
@@ -596,13 +460,8 @@ def find_noise_floor(plan: ABPlan, key: str, field: str = "protocol_key") -> dic
     under the results root with the same key (``field``: the recorded protocol key after the
     run, the planned key before it). Its variance is pooled only when the recorded keys are
     equal (``same_protocol``)."""
-    cands: list[Path] = []
-    if plan.noise_floor_dir:
-        cands = [plan.noise_floor_dir]
-    elif plan.results.is_dir():
-        cands = sorted(plan.results.glob(f"*-{plan.workload.name}-aa*/comparison.json"),
-                       reverse=True)
-        cands = [p.parent for p in cands]
+    cands = [plan.noise_floor_dir] if plan.noise_floor_dir else [p.parent for p in sorted(
+        plan.results.glob(f"*-{plan.workload.name}-aa*/comparison.json"), reverse=True)]
     for d in cands:
         try:
             doc = json.loads((Path(d) / "comparison.json").read_text())
@@ -661,8 +520,7 @@ def comparison_markdown(comp: dict) -> str:
                 f"{_num(c['b_itl_ms'])} | {_num(c['detected_ms'])} | "
                 f"{_num(c['detected_over_injected'])} | {_pct(c['expected_d'])} | "
                 f"{_pct(c['d'])} [{_pct(c['lo'])}, {_pct(c['hi'])}] | "
-                f"{COVERED[c['covered']]} | "
-                f"{c['verdict']} |")
+                f"{COVERED[c['covered']]} | {c['verdict']} |")
         lines += ["", "Arm B's server sleeps the injected time in every engine step (one "
                   "token per running request), so B's ITL should be A's plus the injected "
                   "time: the calibration passes when the CI covers the expected effect.", ""]
@@ -757,8 +615,7 @@ def build_plan(args: argparse.Namespace) -> ABPlan:
     sets = list(args.sets)
     if not any(s.startswith("model=") for s in sets) and not args.model \
             and not os.environ.get("BENCH_MODEL"):
-        model, _key = armlib.served_model(arms)
-        sets.append(f"model={model}")
+        sets.append(f"model={armlib.arm_deployment(arms).served_model_name}")
     args.sets = [*sets, f"url={arms.url}"]
     w = resolve_from_args(args)
     if w.prefix_caching is not None:
@@ -778,11 +635,8 @@ def build_plan(args: argparse.Namespace) -> ABPlan:
 def run_bench_ab(args: argparse.Namespace) -> int:
     plan = build_plan(args)
     if args.dry_run:
-        for line in dry_run_lines(plan):
-            print(line)
+        print("\n".join(dry_run_lines(plan)))
         return 0
     if plan.noise_floor_dir and plan.mode != "aa":
         find_noise_floor(plan, "")  # validate early
-    code = run_ab(plan)
-    sys.stdout.flush()
-    return code
+    return run_ab(plan)

@@ -19,7 +19,6 @@ Exit 0 when both arms pass their census, 1 when one does not, 2 bad input, 3 ser
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +41,6 @@ from k3rocm.serving.config import redact_env
 from k3rocm.serving.fusions import switches
 
 CONTAINER_TRACE_DIR = "/tmp/k3rocm-census-traces"
-LABEL = "k3rocm.census"
 
 
 _log = tagged_log("census-ab")
@@ -185,20 +183,18 @@ def run_offline(args: argparse.Namespace, opts: Analysis,
     for d in dirs:
         if not Path(d).is_dir():
             raise UsageError(f"--trace-dirs: {d} is not a directory")
-    claims = {arm: from_env(arm_env[arm], f"the {arm} arm (--on {args.on})")
-              for arm in ("off", "on")}
-    decs = {arm: read_decisions(opts, Path(d)) for arm, d in zip(("off", "on"), dirs,
-                                                                 strict=True)}
-    results = {arm: analyse(Path(d), opts, claims[arm], decs[arm])
-               for arm, d in zip(("off", "on"), dirs, strict=True)}
+    results: dict[str, Census] = {}
+    claims = {}
+    for arm, d in zip(("off", "on"), map(Path, dirs), strict=True):
+        claims[arm] = from_env(arm_env[arm], f"the {arm} arm (--on {args.on})")
+        results[arm] = analyse(d, opts, claims[arm], read_decisions(opts, d))
     run_dir = create_run_dir(results_root(args), args.label)
     for arm, c in results.items():
         (run_dir / arm).mkdir()
         write_report(run_dir / arm, c, {**base_provenance([r.path for r in c.traces.ranks]),
                                         "source": "trace-dir", "claim": claims[arm].to_json()},
                      title=f"Decode kernel census, arm {arm}", top=args.top)
-        print(f"--- arm {arm} ---")
-        print(c.table())
+        print(f"--- arm {arm} ---\n{c.table()}")
     meta = {"protocol": f"offline comparison of {dirs[0]} (off) and {dirs[1]} (on)",
             "trace_dirs": dirs}
     return finish_ab(run_dir, results, meta, arm_env, {"trace_dirs": dirs, "arms": arm_env})
@@ -212,53 +208,33 @@ def run_census_ab(args: argparse.Namespace) -> int:
     arm_env = arms_env(args.on)
     if args.trace_dirs:
         return run_offline(args, opts, arm_env)
-    if args.aa or args.calibrate_delay_ms is not None:
-        raise UsageError("--aa and --calibrate-delay-ms are for --measure bench (a census "
-                         "counts launches exactly: an A/A has nothing to estimate)", 2)
-    if args.repeats not in (1, 2):
-        raise UsageError(f"--repeats {args.repeats}: the census runs one profile per arm "
-                         "(order A B): use --repeats 1", 2)
-    args.repeats = 1
     load = profiling_from(args)  # traces copied out of each arm's container
-    arms = armlib.arms_from_args(args, on_env=arm_env["on"], off_env=arm_env["off"])
-    if arms.scale is not None:
-        raise UsageError("census-ab profiles one server per arm: unset K3_SCALE_MODE (or set "
-                         "it to single) for the census", 2)
+    arms = armlib.arms_from_args(args, on_env=arm_env["on"], off_env=arm_env["off"],
+                                 single=("census-ab", "a census counts launches exactly"))
     # Both arms profile into a directory inside the container (copied out afterwards).
     arms.server_env = {"VLLM_RPC_TIMEOUT": "1800000", **arms.server_env,
                        "K3_PROFILER_DIR": CONTAINER_TRACE_DIR}
-    armlib.check_port(arms)
-    client = armlib.docker_client()
-    image_ref, image_id = armlib.image_id(arms, client)
-    armlib.announce(arms, Path(args.results))
-    model, api_key = armlib.served_model(arms)
-    run_dir = create_run_dir(str(args.results), args.label)
-    _log(f"run directory {run_dir}")
-    url = arms.url
+    run = armlib.start(arms, Path(args.results), args.label)
+    _log(f"run directory {run.dir}")
     results: dict[str, Census] = {}
-    stamp = time.strftime("%H%M%S").lower()
     names = {"A": "off", "B": "on"}
-    for slot, arm in enumerate(arms.slots()):
+
+    def measure(_slot: int, arm: str, srv, _info: dict) -> None:
         name = names[arm]
-        arm_dir = run_dir / name
-        arm_dir.mkdir()
-        _log(f"arm {name}: starting a fresh server ({arm_env[name]})")
-        with armlib.arm_server(arms, slot, arm, stamp, arm_dir / "server.log",
-                               run_dir / "servers", model=model, api_key=api_key,
-                               client=client) as (srv, _info):
-            container = srv.container(client)
-            claim = claim_from_container(container)  # what it was asked (its rendering)
-            results[name] = live_census(url, model, api_key, client, container, claim,
-                                        arm_dir, opts, load,
-                                        title=f"Decode kernel census, arm {name}")
-            print(f"--- arm {name} ---")
-            print(results[name].table())
-    meta = {"protocol": f"one fresh compose server per arm from image `{image_ref}` "
-            f"({image_id}), the same load in both arms (concurrency {args.concurrency}, "
+        container = srv.container(run.client)
+        claim = claim_from_container(container)  # what it was asked (its rendering)
+        results[name] = live_census(arms.url, run.model, run.api_key, run.client, container,
+                                    claim, run.dir / name, opts, load,
+                                    title=f"Decode kernel census, arm {name}")
+        print(f"--- arm {name} ---\n{results[name].table()}")
+
+    run.each_slot(lambda _slot, arm: run.dir / names[arm] / "server.log", measure)
+    meta = {"protocol": f"one fresh compose server per arm from image `{run.image}` "
+            f"({run.image_id}), the same load in both arms (concurrency {args.concurrency}, "
             f"{args.max_tokens} output tokens, profiling {args.steps} decode steps after "
-            "prefill), one profile per arm", "image": image_ref, "image_id": image_id,
+            "prefill), one profile per arm", "image": run.image, "image_id": run.image_id,
             "concurrency": args.concurrency, "max_tokens": args.max_tokens, "steps": args.steps}
-    return finish_ab(run_dir, results, meta, arm_env, {
-        "image": image_ref, "image_id": image_id, "topology": arms.topology(),
+    return finish_ab(run.dir, results, meta, arm_env, {
+        "image": run.image, "image_id": run.image_id, "topology": arms.topology(),
         "server_env": redact_env(arms.describe_env()),
         "arms": {names[a]: f"{names[a]}/provenance.json" for a in arms.slots()}})

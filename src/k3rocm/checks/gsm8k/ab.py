@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -22,7 +21,7 @@ from k3rocm.checks.bench import stats
 from k3rocm.checks.gsm8k import command, data, results
 from k3rocm.checks.gsm8k.data import GSM8K_TEST_ITEMS
 from k3rocm.errors import EXIT_CHECK_FAILED, EXIT_OK, UsageError, tagged_log
-from k3rocm.rundir import create_run_dir, write_json_atomic, write_text_atomic
+from k3rocm.rundir import write_json_atomic, write_text_atomic
 
 DEFAULT_MARGIN = 0.01  # one accuracy point: ~2 standard errors of vLLM PR #52494's 0.9644 +- 0.0051
 
@@ -101,50 +100,33 @@ def markdown(comp: dict) -> str:
 def run_gsm8k_ab(args: argparse.Namespace) -> int:
     from k3rocm.checks.ab import arms as armlib
     from k3rocm.checks.gsm8k import cli as gcli
-    from k3rocm.deploy.engine import image_id as client_image_id
 
-    if args.aa or args.calibrate_delay_ms is not None:
-        raise UsageError("--aa and --calibrate-delay-ms are for --measure bench", 2)
-    if args.repeats != 1:
-        raise UsageError(f"--repeats {args.repeats}: gsm8k-ab runs the items once per arm "
-                         "(order A B; greedy decoding repeats itself): use --repeats 1", 2)
     if not 0 < args.margin < 1:
         raise UsageError(f"--margin {args.margin:g}: must be in (0, 1)", 2)
-    arms = armlib.arms_from_args(args)
-    if arms.scale is not None:
-        raise UsageError("gsm8k-ab runs one server per arm: unset K3_SCALE_MODE", 2)
-    model, api_key = armlib.served_model(arms)
-    s = command.Gsm8kSettings(url=arms.url, model=model, mode=args.gsm8k_mode,
+    arms = armlib.arms_from_args(args, single=("gsm8k-ab", "greedy decoding repeats itself"))
+    dep = armlib.arm_deployment(arms)  # what the arm servers serve
+    s = command.Gsm8kSettings(url=arms.url, model=dep.served_model_name, mode=args.gsm8k_mode,
                               max_gen_tokens=args.max_gen_tokens, limit=args.limit,
                               allow_limit=True, client_image=args.client_image)
     command.validate(s)
     argv = command.lm_eval_argv(s)
     if args.dry_run:
         for i, arm in enumerate(arms.slots()):
-            print(f"# slot {i} arm {arm}: compose up (server) with "
-                  f"{' '.join(f'{k}={v}' for k, v in sorted(arms.compose_env(arm).items()))}")
+            print(armlib.slot_line(arms, i, arm))
             print(shlex.join(argv))
         return 0
     src = data.resolve(args.data_dir, args.hf_home, Path(arms.cache_dir))
-    armlib.check_port(arms)
-    client = armlib.docker_client()
-    armlib.image_id(arms, client)
-    client_image_id(client, s.client_image)
-    armlib.announce(arms, Path(args.results))
-    ab_dir = create_run_dir(str(args.results), args.label or "gsm8k-ab")
-    _log(f"run directory {ab_dir}")
-    dep = gcli._deployment()
-    stamp = time.strftime("%H%M%S").lower()
+    run = armlib.start(arms, Path(args.results), args.label or "gsm8k-ab",
+                       client_image=s.client_image)
+    _log(f"run directory {run.dir}")
+    gdep = gcli._deployment()
     arm_runs: dict[str, dict[str, Any]] = {}
-    for i, arm in enumerate(arms.slots()):
-        slot_dir = ab_dir / f"{i:02d}-{arm}"
-        slot_dir.mkdir()
-        _log(f"slot {i} arm {arm}: starting a fresh server")
-        with armlib.arm_server(arms, i, arm, stamp, slot_dir / "server.log", ab_dir / "servers",
-                               model=model, api_key=api_key, client=client) as (srv, _info):
-            ns = SimpleNamespace(results_dir=str(slot_dir),
-                                 server_container=srv.container(client).name)
-            code = gcli._execute(client, s, src, argv, api_key, ns, dep)
+
+    def measure(i: int, arm: str, srv, _info: dict) -> None:
+        slot_dir = run.dir / f"{i:02d}-{arm}"
+        ns = SimpleNamespace(results_dir=str(slot_dir),
+                             server_container=srv.container(run.client).name)
+        code = gcli._execute(run.client, s, src, argv, run.api_key, ns, gdep)
         run_dir = next(p for p in slot_dir.iterdir() if p.is_dir() and p.name.endswith("gsm8k"))
         summary = results.read_summary(run_dir)
         arm_runs.setdefault(arm, {"run_dir": str(run_dir), "exit_code": code,
@@ -152,10 +134,12 @@ def run_gsm8k_ab(args: argparse.Namespace) -> int:
         if code not in (0, 1):  # 1 = below the absolute gate: still a complete run
             raise UsageError(f"gsm8k-ab: arm {arm} did not finish ({summary.get('message')})",
                              code)
+
+    run.each_slot(lambda i, arm: run.dir / f"{i:02d}-{arm}" / "server.log", measure)
     samples = {arm: results.load_run(Path(d["run_dir"]))[1] for arm, d in arm_runs.items()}
     comp = compare(samples["A"], samples["B"], args.margin)
     comp.update(arms=arm_runs, arm_env=arms.arm_env, slots=arms.slots())
-    write_json_atomic(ab_dir / "comparison.json", comp)
-    write_text_atomic(ab_dir / "comparison.md", markdown(comp))
-    print(f"gsm8k-ab: {comp['headline']}; report {ab_dir / 'comparison.md'}")
+    write_json_atomic(run.dir / "comparison.json", comp)
+    write_text_atomic(run.dir / "comparison.md", markdown(comp))
+    print(f"gsm8k-ab: {comp['headline']}; report {run.dir / 'comparison.md'}")
     return EXIT_OK if comp["filters"]["strict-match"]["non_inferior"] else EXIT_CHECK_FAILED
