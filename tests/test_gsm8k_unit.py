@@ -576,11 +576,11 @@ def test_no_discordant_items_is_no_proof_on_a_handful_of_items():
     assert binom_upper(0, 1319) == pytest.approx(1 - 0.05 ** (1 / 1319), rel=1e-6)
 
 
-def test_gsm8k_ab_runs_each_arm_in_the_one_loop(tmp_path, monkeypatch):
+def _gsm8k_ab_live(tmp_path, monkeypatch, server_logs: dict[str, str]):
     """gsm8k-ab's live path without Docker: the shared start and the one slot loop of
     checks/ab (fakes for the engine and the arm servers; `k3rocm gsm8k`'s own run is replaced by
-    the run directory it leaves, lm-eval 0.4.13 shapes). Each arm's run lands in
-    ``<run>/NN-<arm>/``, the server log beside it, and the report pairs the items."""
+    the run directory it leaves, lm-eval 0.4.13 shapes; each arm's server log is the text
+    ``server_logs[arm]``). Returns (exit code, run directory, label/image of the start)."""
     import argparse
     import contextlib
     from types import SimpleNamespace
@@ -603,7 +603,7 @@ def test_gsm8k_ab_runs_each_arm_in_the_one_loop(tmp_path, monkeypatch):
     def fake_server(self, slot, arm, log_path):
         yield (SimpleNamespace(container=lambda client: SimpleNamespace(name=f"c{slot}")),
                {"server": f"k3ab-x-{slot:02d}{arm.lower()}", "server_ready_s": 1.0})
-        log_path.write_text("server log\n")
+        log_path.write_text(server_logs[arm])
 
     def fake_execute(client, s, src, argv, api_key, ns, dep):
         stored_run(Path(ns.results_dir), 0.95, 0.95)
@@ -617,11 +617,43 @@ def test_gsm8k_ab_runs_each_arm_in_the_one_loop(tmp_path, monkeypatch):
     abcli.add_arguments(p, measure="gsm8k")
     args = p.parse_args(["--no-gpu", "--results", str(tmp_path), "--models-dir", str(tmp_path)])
     abcli.fill_repeats(args)
-    assert ab.run_gsm8k_ab(args) == 0
-    run = tmp_path / "20260101T000000Z-gsm8k-ab"
+    code = ab.run_gsm8k_ab(args)
     assert started == [("gsm8k-ab", args.client_image)]
+    return code, tmp_path / "20260101T000000Z-gsm8k-ab"
+
+
+RECORDS = Path(__file__).parent / "data" / "census" / "records"
+
+
+def test_gsm8k_ab_runs_each_arm_in_the_one_loop(tmp_path, monkeypatch):
+    """Each arm's run lands in ``<run>/NN-<arm>/``, the server log beside it, the report pairs
+    the items, and the fusions arm B's overlay decided (decision records as the overlay writes
+    them) are what it asked; arm A's stock log has no records, which the report notes."""
+    logs = {"A": (RECORDS / "server-stock.log").read_text(),
+            "B": (RECORDS / "server-on.log").read_text()}
+    code, run = _gsm8k_ab_live(tmp_path, monkeypatch, logs)
+    assert code == 0
     assert (run / "00-A" / "server.log").is_file() and (run / "01-B" / "server.log").is_file()
     comp = json.loads((run / "comparison.json").read_text())
     assert comp["slots"] == ["A", "B"] and comp["verdict"] == "NON-INFERIOR"
+    assert comp["fusion_problems"] == [  # a note, not a refusal (as in bench-ab)
+        "slot 0 (arm A): no overlay decision records in its server log (fusion state "
+        "unverified)"]
     assert comp["arms"]["A"]["run_dir"] == str(run / "00-A" / "20261202T171915Z-gsm8k")
     assert "| strict-match | 1319 |" in (run / "comparison.md").read_text()
+
+
+def test_gsm8k_ab_whose_on_arm_ran_without_a_fusion_is_invalid(tmp_path, monkeypatch):
+    """Arm B asked both fusions on, but its server turned the decode Q-prep fusion off at load:
+    equal accuracy then compares stock with stock, so no verdict (exit 1), and the report says
+    why. (Before, gsm8k-ab did not read the decision records and said NON-INFERIOR.)"""
+    logs = {"A": (RECORDS / "server-stock.log").read_text(),
+            "B": (RECORDS / "server-qprep-off-after-load.log").read_text()}
+    code, run = _gsm8k_ab_live(tmp_path, monkeypatch, logs)
+    comp = json.loads((run / "comparison.json").read_text())
+    assert code == 1 and comp["verdict"] == "INVALID"
+    assert comp["fusion_problems"][1].startswith("slot 1 (arm B): decode_qprep asked on, the "
+                                                  "overlay decided")
+    md = (run / "comparison.md").read_text()
+    assert "**INVALID** - an arm's fusions are not what it asked" in md
+    assert "- fusion check: slot 1 (arm B): decode_qprep asked on" in md

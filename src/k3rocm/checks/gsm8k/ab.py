@@ -94,6 +94,7 @@ def markdown(comp: dict) -> str:
               "accurate, at the discordance observed.", ""]
     for arm, d in (comp.get("arms") or {}).items():
         lines.append(f"- arm {arm}: {d.get('message')} (run {d.get('run_dir')})")
+    lines += [f"- fusion check: {p}" for p in comp.get("fusion_problems") or []]
     return "\n".join(lines) + "\n"
 
 
@@ -135,11 +136,19 @@ def run_gsm8k_ab(args: argparse.Namespace) -> int:
             raise UsageError(f"gsm8k-ab: arm {arm} did not finish ({summary.get('message')})",
                              code)
 
-    run.each_slot(lambda i, arm: run.dir / f"{i:02d}-{arm}" / "server.log", measure)
+    slots = run.each_slot(lambda i, arm: run.dir / f"{i:02d}-{arm}" / "server.log", measure)
     samples = {arm: results.load_run(Path(d["run_dir"]))[1] for arm, d in arm_runs.items()}
     comp = compare(samples["A"], samples["B"], args.margin)
-    comp.update(arms=arm_runs, arm_env=arms.arm_env, slots=arms.slots())
+    problems = armlib.fusion_check(slots, arms.arm_env)
+    comp.update(arms=arm_runs, arm_env=arms.arm_env, slots=arms.slots(), slot_records=slots,
+                fusion_problems=problems)
+    refused = [f for f in problems if "decided" in f]
+    if refused:  # arm B ran without the fusion (or A with it): the pairing says nothing
+        comp.update(verdict="INVALID", headline="an arm's fusions are not what it asked (the "
+                    "overlay's decision records): " + " | ".join(refused))
     write_json_atomic(run.dir / "comparison.json", comp)
     write_text_atomic(run.dir / "comparison.md", markdown(comp))
     print(f"gsm8k-ab: {comp['headline']}; report {run.dir / 'comparison.md'}")
+    if refused:
+        return EXIT_CHECK_FAILED
     return EXIT_OK if comp["filters"]["strict-match"]["non_inferior"] else EXIT_CHECK_FAILED
