@@ -129,12 +129,6 @@ def _docker_ok(env: dict[str, str]) -> str:
     return f"Docker {engine}, Compose {p.stdout.strip()}"
 
 
-def _image_missing(ref: str, env: dict[str, str]) -> bool:
-    p = subprocess.run(["docker", "image", "inspect", "--format", "{{.Id}}", ref], env=env,
-                       capture_output=True, text=True, timeout=30)
-    return p.returncode != 0
-
-
 def _port_in_use(port: int) -> bool:
     with socket.socket() as sock:
         sock.settimeout(1)
@@ -147,7 +141,9 @@ def preflight(args: argparse.Namespace, env: dict[str, str], client_image: str) 
                          "`apt-get install make`")
     versions = _docker_ok(env)
     base = env.get("BASE_IMAGE") or STANDIN_BASE
-    missing = [ref for ref in (base, client_image) if _image_missing(ref, env)]
+    missing = [ref for ref in (base, client_image) if subprocess.run(
+        ["docker", "image", "inspect", ref], env=env, capture_output=True, timeout=30
+    ).returncode != 0]
     if missing:
         raise UsageError(f"image(s) {', '.join(missing)} missing: run `bash .ci/demo` (builds "
                          "them offline) or `make standin STANDIN_VERSIONS=0.32.0 "
@@ -247,10 +243,9 @@ def run(args: argparse.Namespace) -> int:
     old_term = signal.signal(signal.SIGTERM, _term)
     try:
         for i, name in enumerate(STEPS[1:-1], start=2):
-            before = {p.name for p in args.results.iterdir()} if args.results.is_dir() else set()
             current = name
             up_started = up_started or name == "up"
-            res = _do_step(name, commands[name], env, run_dir, t0, i, args, before)
+            res = _do_step(name, commands[name], env, run_dir, t0, i, args)
             results.append(res)
             if not res.ok:
                 break
@@ -265,10 +260,8 @@ def run(args: argparse.Namespace) -> int:
             # the server running, so it is ignored while `make down` runs.
             old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
             try:
-                before = {p.name for p in args.results.iterdir()} if args.results.is_dir() \
-                    else set()
                 results.append(_do_step("down", commands["down"], env, run_dir, t0,
-                                        len(STEPS), args, before))
+                                        len(STEPS), args))
             finally:
                 signal.signal(signal.SIGINT, old_int)
     code = 130 if interrupted else next((r.code for r in results if not r.ok), 0)
@@ -278,12 +271,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _do_step(name: str, argv: list[str], env: dict[str, str], run_dir: Path, t0: float,
-             index: int, args: argparse.Namespace, before: set[str]) -> StepResult:
+             index: int, args: argparse.Namespace) -> StepResult:
+    root = args.results
+    before = {p.name for p in root.iterdir()} if root.is_dir() else set()
     log = run_dir / "logs" / f"{index}-{name}.log"
     code, seconds, text = run_step(name, argv, env, log, t0, index, args.verbose, len(STEPS))
     res = StepResult(name, shlex.join(argv), code=code, seconds=seconds, ok=code == 0,
                      log=str(log))
-    root = args.results
     if name == "model":
         res.run_dir = str(args.models_dir / SMOKE_MODEL)
         res.note = "tiny random-weight MLA model (generated once, then cached)" if code == 0 \

@@ -147,16 +147,9 @@ def _ascii_alphabet() -> list[str]:
     streamed completion gets one delta per token (random weights never emit half a UTF-8
     character). Input bytes outside this set are dropped by the tokenizer.
     """
-    keep = [9, 10, *range(32, 127)]
-    printable = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
-    mapping, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            mapping[b] = chr(b)
-        else:
-            mapping[b] = chr(256 + extra)
-            extra += 1
-    return [mapping[b] for b in keep]
+    # GPT-2's bytes_to_unicode keeps the printable bytes (here 33..126) as they are and maps
+    # the others, in order from byte 0, to chr(256 + n): tab, newline and space are 256 + byte.
+    return [chr(256 + b) for b in (9, 10, 32)] + [chr(b) for b in range(33, 127)]
 
 
 def build_tokenizer(tdef: dict):
@@ -251,7 +244,7 @@ def generate(out: Path, force: bool = False) -> Path:
                  "name": defn["name"], "parameters": nparams, "vocab_size": vocab_size,
                  "torch": torch.__version__, "transformers": transformers.__version__,
                  "files": files}
-        (tmp / STAMP_FILE).write_text(json.dumps(stamp, indent=2) + "\n")
+        _write_json(tmp / STAMP_FILE, stamp)
         if out.exists():
             old = out.with_name(f".{out.name}.old-{os.getpid()}")
             out.rename(old)

@@ -25,6 +25,7 @@ from k3rocm.deploy.provenance import find_server_container
 from k3rocm.deploy.scale.settings import ScaleSettings
 from k3rocm.deploy.server_api import ServerAPI, Unreachable
 from k3rocm.errors import ServerError
+from k3rocm.serving.decisions import final_in_log as parse_decisions  # last record per process
 
 HTTP_TIMEOUT = 5.0
 # One counter sample per engine (label set) in the Prometheus text format.
@@ -87,13 +88,6 @@ def _health(api: ServerAPI) -> str:
     except Unreachable as exc:
         return f"unreachable ({exc.reason})"
     return "ok" if code == 200 else f"http {code}"
-
-
-def parse_decisions(log_text: str) -> dict[tuple[Any, Any], dict[str, Any]]:
-    """Last decision record per (pid, layer_kind) from a server log ("load" supersedes)."""
-    from k3rocm.serving.decisions import final_in_log
-
-    return final_in_log(log_text)
 
 
 def summarize_decisions(records: dict[tuple[Any, Any], dict[str, Any]]) -> str:
