@@ -40,7 +40,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -59,6 +58,7 @@ from k3rocm.checks.steps import (
 )
 from k3rocm.checks.steps import new_dirs as _new_dirs
 from k3rocm.deploy.deployment import CPU_PROFILE, load_deployment
+from k3rocm.deploy.preflight import port_free
 from k3rocm.dev.standin import STANDIN_BASE
 from k3rocm.dev.tinymodel import DEFAULT_NAME as SMOKE_MODEL
 from k3rocm.dev.tinymodel import DEFINITION
@@ -129,12 +129,6 @@ def _docker_ok(env: dict[str, str]) -> str:
     return f"Docker {engine}, Compose {p.stdout.strip()}"
 
 
-def _port_in_use(port: int) -> bool:
-    with socket.socket() as sock:
-        sock.settimeout(1)
-        return sock.connect_ex(("127.0.0.1", port)) == 0
-
-
 def preflight(args: argparse.Namespace, env: dict[str, str], client_image: str) -> str:
     if shutil.which("make") is None:
         raise UsageError("no `make` command: run `bash .ci/demo` (installs it) or "
@@ -148,7 +142,7 @@ def preflight(args: argparse.Namespace, env: dict[str, str], client_image: str) 
         raise UsageError(f"image(s) {', '.join(missing)} missing: run `bash .ci/demo` (builds "
                          "them offline) or `make standin STANDIN_VERSIONS=0.32.0 "
                          "STANDIN_TAG_ROCM= clients-image CLIENT_BASE=k3rocm/debian:bookworm`")
-    if _port_in_use(args.port):
+    if not port_free("127.0.0.1", args.port):
         raise UsageError(f"port {args.port} on 127.0.0.1 is in use (a server already running? "
                          "`make down`), or choose another: --port N / K3_PORT=N")
     return f"{versions}, {base} and {client_image} present, port {args.port} free"

@@ -118,7 +118,10 @@ def _container(node: NodePlan, settings: Settings, image: str, startup_s: int,
     if node.host_network:
         env.append({"name": "VLLM_HOST_IP", "valueFrom": {"fieldRef": {
             "fieldPath": "status.podIP"}}})
-    period = 10
+    def probe(period: int, timeout: int, failures: int) -> dict[str, Any]:
+        return {"httpGet": {"path": "/health", "port": port}, "periodSeconds": period,
+                "timeoutSeconds": timeout, "failureThreshold": failures}
+
     c: dict[str, Any] = {
         "name": "server", "image": image, "imagePullPolicy": "IfNotPresent",
         "env": env,
@@ -131,13 +134,9 @@ def _container(node: NodePlan, settings: Settings, image: str, startup_s: int,
         "securityContext": {"capabilities": {"add": ["SYS_PTRACE", "IPC_LOCK"]},
                             "seccompProfile": {"type": "Unconfined"}},
         # A 1.5 TB load and kernel compilation: give /health up to startup_s to answer.
-        "startupProbe": {"httpGet": {"path": "/health", "port": port},
-                         "periodSeconds": period, "timeoutSeconds": 5,
-                         "failureThreshold": max(1, -(-startup_s // period))},
-        "readinessProbe": {"httpGet": {"path": "/health", "port": port},
-                           "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 3},
-        "livenessProbe": {"httpGet": {"path": "/health", "port": port},
-                          "periodSeconds": 30, "timeoutSeconds": 10, "failureThreshold": 5},
+        "startupProbe": probe(10, 5, max(1, -(-startup_s // 10))),
+        "readinessProbe": probe(10, 5, 3),
+        "livenessProbe": probe(30, 10, 5),
         # Out of the router's rotation before SIGTERM; then vLLM drains (--shutdown-timeout).
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_S)]}}},
     }
@@ -176,8 +175,8 @@ def _meta(name: str, labels: dict[str, str], annotations: dict[str, str] | None 
     return m
 
 
-def _annotations(node: NodePlan, experimental: bool) -> dict[str, str]:
-    return {"k3rocm.org/note": NOT_VALIDATED if experimental else
+def _annotations(node: NodePlan) -> dict[str, str]:
+    return {"k3rocm.org/note": NOT_VALIDATED if node.experimental else
             "replicas: the unchanged single-node server; manifests not validated on MI355X",
             "k3rocm.org/argv": json.dumps(node.argv)}
 
@@ -206,12 +205,6 @@ def _service(name: str, selector: dict[str, str], port: int, target: int | None 
             "metadata": _meta(name, {LABEL_KEY: name}),
             "spec": {"selector": selector, "ports": [{"name": "http", "port": port,
                                                       "targetPort": target or port}]}}
-
-
-def _pdb(labels: dict[str, str]) -> dict[str, Any]:
-    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
-            "metadata": _meta(APP, labels),
-            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": labels}}}
 
 
 def _router(plan: Plan, server_port: int) -> list[dict[str, Any]]:
@@ -273,13 +266,15 @@ def render_k8s(plan: Plan, settings: Settings) -> list[dict[str, Any]]:
     image = check_image_ref("K3_IMAGE", settings.image)
     startup = max(s.router_startup_timeout, 600)
     port = int(plan.nodes[0].env_overrides["K3_PORT"])
+    labels = {LABEL_KEY: APP}
     if s.mode == "replicas":
         node = plan.nodes[0]
-        labels = {LABEL_KEY: APP}
         pod = _pod_spec([_container(node, settings, image, startup)], node, plan)
-        return [_deployment(APP, labels, len(plan.nodes), pod, _annotations(node, False),
-                            _scrape(port)),
-                _pdb(labels), *_router(plan, port)]
+        return [_deployment(APP, labels, len(plan.nodes), pod, _annotations(node), _scrape(port)),
+                {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+                 "metadata": _meta(APP, labels),
+                 "spec": {"maxUnavailable": 1, "selector": {"matchLabels": labels}}},
+                *_router(plan, port)]
     if s.mode == "dp-ep":
         head, worker = plan.nodes[0], plan.nodes[1]
         # The head address and each worker's start rank are only known at run time in
@@ -291,7 +286,6 @@ def render_k8s(plan: Plan, settings: Settings) -> list[dict[str, Any]]:
         shell = ["/bin/sh", "-c"]
         worker_cmd = "exec /opt/k3rocm/entrypoint.sh " + " ".join(
             a if a.startswith("$") else shlex.quote(a) for a in worker_args)
-        labels = {LABEL_KEY: APP}
         leader = _pod_spec([_container(head, settings, image, startup, args=head_args)],
                            head, plan)
         workerpod = _pod_spec([_container(worker, settings, image, startup, command=shell,
@@ -300,7 +294,7 @@ def render_k8s(plan: Plan, settings: Settings) -> list[dict[str, Any]]:
         for key in ("startupProbe", "readinessProbe", "livenessProbe", "ports"):
             workerpod["containers"][0].pop(key)
         lws = {"apiVersion": "leaderworkerset.x-k8s.io/v1", "kind": "LeaderWorkerSet",
-               "metadata": _meta(APP, labels, _annotations(head, True)),
+               "metadata": _meta(APP, labels, _annotations(head)),
                "spec": {"replicas": 1,
                         "rolloutStrategy": {"type": "RollingUpdate",
                                             "rollingUpdateConfiguration": {

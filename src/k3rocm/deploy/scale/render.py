@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from k3rocm.deploy.scale.settings import ScaleSettings, load_scale
 from k3rocm.errors import UsageError
-from k3rocm.serving.config import load_settings, render
+from k3rocm.serving.config import load_settings, redact_env, render
 
 NOT_VALIDATED = ("EXPERIMENTAL: rendered by k3rocm, not validated on MI355X; review before use")
 # A stopped server gets this long beyond its drain (--shutdown-timeout) before SIGKILL:
@@ -44,13 +44,7 @@ class NodePlan:
     experimental: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        from k3rocm.serving.config import redact_env
-
-        return {"index": self.index, "role": self.role, "address": self.address,
-                "experimental": self.experimental, "env_overrides": dict(self.env_overrides),
-                "command": list(self.command), "env": redact_env(self.env),
-                "argv": list(self.argv), "host_network": self.host_network,
-                "devices": list(self.devices)}
+        return {**asdict(self), "env": redact_env(self.env)}
 
 
 @dataclass
@@ -113,29 +107,19 @@ def plan(environ: Mapping[str, str] | None = None, dotenv: str | os.PathLike | N
     nodes: list[NodePlan] = []
     for i, address in enumerate(s.nodes):
         host, port = s.node_host(i), s.node_port(i)
-        overrides: dict[str, str] = {"K3_PORT": str(port)}
+        dpep = s.mode == "dp-ep"
+        # dp-ep: the network variables (GLOO/NCCL interface, RDMA devices, host IP).
+        network = _network_env(s, host) if dpep else {}
+        overrides = {"K3_PORT": str(port), **network}
         # Drain on stop: vLLM's default (0) aborts every in-flight request at SIGTERM.
-        command: list[str] = ["--shutdown-timeout", str(s.drain_timeout)]
-        role = "replica"
-        devices: list[str] = []
-        host_net = False
-        if s.mode == "dp-ep":
-            role = "head" if i == 0 else "worker"
-            command += _dp_args(s, i)
-            overrides.update(_network_env(s, host))
-            devices = ["/dev/infiniband"]
-            host_net = True
-        node_environ = {**environ, **overrides}
-        rendered = render(node_environ, dotenv, passthrough=command, host_paths=True,
+        command = ["--shutdown-timeout", str(s.drain_timeout), *(_dp_args(s, i) if dpep else [])]
+        rendered = render({**environ, **overrides}, dotenv, passthrough=command, host_paths=True,
                           check_model=False)
-        env = dict(rendered.env)
-        for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "NCCL_IB_HCA", "VLLM_HOST_IP"):
-            if key in overrides:
-                env[key] = overrides[key]
-        nodes.append(NodePlan(index=i, role=role, address=address, env_overrides=overrides,
-                              command=command, env=env, argv=rendered.argv,
-                              host_network=host_net, devices=devices,
-                              experimental=s.mode == "dp-ep"))
+        nodes.append(NodePlan(index=i, role=("worker" if i else "head") if dpep else "replica",
+                              address=address, env_overrides=overrides, command=command,
+                              env={**rendered.env, **network}, argv=rendered.argv,
+                              host_network=dpep, devices=["/dev/infiniband"] if dpep else [],
+                              experimental=dpep))
     return Plan(scale=s, nodes=nodes, router_argv=router_argv(s))
 
 
