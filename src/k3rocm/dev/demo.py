@@ -107,10 +107,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # ---------------------------------------------------------------------------------- checks
 
 
-def _docker_ok(env: dict[str, str]) -> str:
-    if shutil.which("docker") is None:
-        raise UsageError("no `docker` command: run `bash .ci/demo` (it installs and starts a "
-                         "private Docker engine) or install Docker")
+def preflight(args: argparse.Namespace, env: dict[str, str], client_image: str) -> str:
+    for tool, fix in (("make", "run `bash .ci/demo` (installs it) or `apt-get install make`"),
+                      ("docker", "run `bash .ci/demo` (it installs and starts a private Docker "
+                       "engine) or install Docker")):
+        if shutil.which(tool) is None:
+            raise UsageError(f"no `{tool}` command: {fix}")
     try:
         p = subprocess.run(["docker", "info", "--format", "{{.ServerVersion}}"], env=env,
                            capture_output=True, text=True, timeout=30)
@@ -126,14 +128,6 @@ def _docker_ok(env: dict[str, str]) -> str:
     if p.returncode != 0 or not p.stdout.strip().lstrip("v").startswith("2"):
         raise UsageError("Docker Compose v2 is missing: run `.ci/install-compose.sh` (or "
                          "`bash .ci/demo`)")
-    return f"Docker {engine}, Compose {p.stdout.strip()}"
-
-
-def preflight(args: argparse.Namespace, env: dict[str, str], client_image: str) -> str:
-    if shutil.which("make") is None:
-        raise UsageError("no `make` command: run `bash .ci/demo` (installs it) or "
-                         "`apt-get install make`")
-    versions = _docker_ok(env)
     base = env.get("BASE_IMAGE") or STANDIN_BASE
     missing = [ref for ref in (base, client_image) if subprocess.run(
         ["docker", "image", "inspect", ref], env=env, capture_output=True, timeout=30
@@ -145,7 +139,8 @@ def preflight(args: argparse.Namespace, env: dict[str, str], client_image: str) 
     if not port_free("127.0.0.1", args.port):
         raise UsageError(f"port {args.port} on 127.0.0.1 is in use (a server already running? "
                          "`make down`), or choose another: --port N / K3_PORT=N")
-    return f"{versions}, {base} and {client_image} present, port {args.port} free"
+    return (f"Docker {engine}, Compose {p.stdout.strip()}, {base} and {client_image} present, "
+            f"port {args.port} free")
 
 
 # ------------------------------------------------------------------------------------- run

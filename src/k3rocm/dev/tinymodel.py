@@ -223,14 +223,13 @@ def generate(out: Path, force: bool = False) -> Path:
                                  add_generation_prompt=True)
         _log(f"tokenizer: byte-level BPE, {vocab_size} tokens")
 
-        cfg = dict(defn["config"])
-        cfg.pop("architectures")
-        cfg.pop("model_type")
-        rope_theta = cfg.pop("rope_theta")
+        cfg = {k: v for k, v in defn["config"].items()
+               if k not in ("architectures", "model_type", "rope_theta")}
         config = DeepseekV3Config(
             vocab_size=vocab_size, bos_token_id=ids[tdef["bos_token"]],
             eos_token_id=ids[tdef["eos_token"]], pad_token_id=ids[tdef["pad_token"]],
-            rope_parameters={"rope_type": "default", "rope_theta": rope_theta}, **cfg)
+            rope_parameters={"rope_type": "default",
+                             "rope_theta": defn["config"]["rope_theta"]}, **cfg)
         config.architectures = list(defn["config"]["architectures"])
         torch.manual_seed(defn["seed"])
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -245,13 +244,11 @@ def generate(out: Path, force: bool = False) -> Path:
                  "torch": torch.__version__, "transformers": transformers.__version__,
                  "files": files}
         _write_json(tmp / STAMP_FILE, stamp)
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
         if out.exists():
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
             out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out)
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
         os.chmod(out, 0o755)
         for f in out.iterdir():
             os.chmod(f, 0o644)
