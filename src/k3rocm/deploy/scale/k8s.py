@@ -86,6 +86,11 @@ def proxy_conf(listen: str, upstream_port: int,
         "}", ""])
 
 
+def _probe(path: str, port: int, period: int, timeout: int, failures: int) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": port}, "periodSeconds": period,
+            "timeoutSeconds": timeout, "failureThreshold": failures}
+
+
 def _settings_env(settings: Settings, port: int) -> list[dict[str, Any]]:
     """The resolved K3_* settings as container env (secrets from a Secret, never inline)."""
     out: list[dict[str, Any]] = []
@@ -118,10 +123,6 @@ def _container(node: NodePlan, settings: Settings, image: str, startup_s: int,
     if node.host_network:
         env.append({"name": "VLLM_HOST_IP", "valueFrom": {"fieldRef": {
             "fieldPath": "status.podIP"}}})
-    def probe(period: int, timeout: int, failures: int) -> dict[str, Any]:
-        return {"httpGet": {"path": "/health", "port": port}, "periodSeconds": period,
-                "timeoutSeconds": timeout, "failureThreshold": failures}
-
     c: dict[str, Any] = {
         "name": "server", "image": image, "imagePullPolicy": "IfNotPresent",
         "env": env,
@@ -134,9 +135,9 @@ def _container(node: NodePlan, settings: Settings, image: str, startup_s: int,
         "securityContext": {"capabilities": {"add": ["SYS_PTRACE", "IPC_LOCK"]},
                             "seccompProfile": {"type": "Unconfined"}},
         # A 1.5 TB load and kernel compilation: give /health up to startup_s to answer.
-        "startupProbe": probe(10, 5, max(1, -(-startup_s // 10))),
-        "readinessProbe": probe(10, 5, 3),
-        "livenessProbe": probe(30, 10, 5),
+        "startupProbe": _probe("/health", port, 10, 5, max(1, -(-startup_s // 10))),
+        "readinessProbe": _probe("/health", port, 10, 5, 3),
+        "livenessProbe": _probe("/health", port, 30, 10, 5),
         # Out of the router's rotation before SIGTERM; then vLLM drains (--shutdown-timeout).
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_S)]}}},
     }
@@ -225,7 +226,6 @@ def _router(plan: Plan, server_port: int) -> list[dict[str, Any]]:
                   "fieldPath": "metadata.namespace"}}}],
               "ports": [{"name": "metrics", "containerPort": s.router_metrics_port}],
               "resources": {"requests": ROUTER_REQUESTS}}
-    probe = {"periodSeconds": 10, "timeoutSeconds": 5}
     proxy = {"name": "proxy", "image": proxy_image, "imagePullPolicy": "IfNotPresent",
              "args": ["nginx", "-g", "daemon off;", "-c", "/etc/k3rocm/nginx.conf"],
              "ports": [{"name": "http", "containerPort": s.router_port}],
@@ -234,10 +234,8 @@ def _router(plan: Plan, server_port: int) -> list[dict[str, Any]]:
              "resources": {"requests": PROXY_REQUESTS},
              # Ready = the router has a healthy worker (503 otherwise, 200 while one of N
              # restarts); live = the router process answers.
-             "readinessProbe": {"httpGet": {"path": "/readiness", "port": s.router_port},
-                                **probe},
-             "livenessProbe": {"httpGet": {"path": "/liveness", "port": s.router_port},
-                               "failureThreshold": 3, **probe}}
+             "readinessProbe": _probe("/readiness", s.router_port, 10, 5, 3),
+             "livenessProbe": _probe("/liveness", s.router_port, 10, 5, 3)}
     pod = {"containers": [router, proxy], "serviceAccountName": ROUTER,
            "volumes": [{"name": "proxy-conf", "configMap": {"name": f"{ROUTER}-proxy"}}]}
     conf = proxy_conf(str(s.router_port), ROUTER_INTERNAL_PORT)

@@ -20,11 +20,12 @@ import contextlib
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
+from urllib.parse import urlparse
 
 from k3rocm.deploy.provenance import find_server_container
-from k3rocm.deploy.scale.settings import ScaleSettings
+from k3rocm.deploy.scale.settings import ScaleSettings, load_scale
 from k3rocm.deploy.server_api import ServerAPI, Unreachable
-from k3rocm.errors import ServerError
+from k3rocm.errors import ServerError, UsageError
 from k3rocm.serving.decisions import final_in_log as parse_decisions  # last record per process
 
 HTTP_TIMEOUT = 5.0
@@ -139,14 +140,9 @@ def router_status(s: ScaleSettings, replicas: list[ReplicaStatus]) -> RouterStat
     total = len(replicas)
     healthy = sum(1 for r in replicas if r.healthy)
     health = _health(ServerAPI(s.router_url, timeout=HTTP_TIMEOUT))
-    if health.startswith("unreachable"):
-        return RouterStatus(s.router_url, health, "router unreachable", healthy, total)
-    if health == "ok" and healthy == total:
-        summary = f"ok, {healthy} of {total}"
-    elif healthy == 0:
-        summary = f"down, 0 of {total}"
-    else:
-        summary = f"degraded, {healthy} of {total}"
+    summary = ("router unreachable" if health.startswith("unreachable") else
+               f"ok, {healthy} of {total}" if health == "ok" and healthy == total else
+               f"down, 0 of {total}" if healthy == 0 else f"degraded, {healthy} of {total}")
     return RouterStatus(s.router_url, health, summary, healthy, total)
 
 
@@ -189,11 +185,6 @@ def status_json(replicas: list[ReplicaStatus], router: RouterStatus) -> dict[str
 
 def topology(url: str, environ=None) -> dict[str, Any]:
     """The ``topology`` block of a result's provenance: what ``url`` is in the scale settings."""
-    from urllib.parse import urlparse
-
-    from k3rocm.deploy.scale.settings import load_scale
-    from k3rocm.errors import UsageError
-
     try:
         s = load_scale(environ)
     except UsageError as exc:
