@@ -43,6 +43,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 from k3rocm.checks.steps import (
@@ -332,9 +333,7 @@ def _summary(results: list[StepResult], run_dir: Path, args: argparse.Namespace,
                      "K3_MAX_MODEL_LEN": MAX_MODEL_LEN,
                      **switches(False),
                      "K3_PROFILER_DIR": f"/results/{run_dir.name}/traces"},
-        "steps": [{"name": r.name, "ok": r.ok, "exit_code": r.code,
-                   "seconds": round(r.seconds, 1), "note": r.note, "run_dir": r.run_dir,
-                   "log": r.log, "command": r.command, "numbers": r.numbers}
-                  for r in results]})
+        "steps": [{**{k: v for k, v in asdict(r).items() if k != "code"}, "exit_code": r.code,
+                   "seconds": round(r.seconds, 1)} for r in results]})
     write_text_atomic(run_dir / "summary.md", "```\n" + text + "\n```\n")
     return text

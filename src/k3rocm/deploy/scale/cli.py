@@ -131,8 +131,7 @@ def run(args: argparse.Namespace) -> int:
                               "start the replicas first") from None
         if not served:
             raise ServerError(f"{s.worker_urls[0]} serves no model: start the replicas first")
-        model = served[0]
-        figures = measure(s.router_url, s.worker_urls, model, args.requests,
+        figures = measure(s.router_url, s.worker_urls, served[0], args.requests,
                           args.max_tokens, key)
         print(json.dumps(figures, indent=2) if args.json else format_figures(figures))
         return 0

@@ -113,9 +113,10 @@ def _settings_env(settings: Settings, port: int) -> list[dict[str, Any]]:
     return out
 
 
-def _container(node: NodePlan, settings: Settings, image: str, startup_s: int,
-               args: list[str] | None = None, command: list[str] | None = None
-               ) -> dict[str, Any]:
+def _server_pod(node: NodePlan, plan: Plan, settings: Settings, image: str, startup_s: int,
+                args: list[str] | None = None, command: list[str] | None = None
+                ) -> dict[str, Any]:
+    """The pod spec of one server: its container and volumes, on an MI355X node."""
     port = int(node.env_overrides.get("K3_PORT", settings.port))
     env = _settings_env(settings, port)
     env += [{"name": k, "value": v} for k, v in node.env_overrides.items()
@@ -147,10 +148,6 @@ def _container(node: NodePlan, settings: Settings, image: str, startup_s: int,
     if node.host_network:
         c["volumeMounts"].append({"name": "infiniband", "mountPath": "/dev/infiniband"})
         c["securityContext"]["privileged"] = True  # RDMA devices (memlock: IPC_LOCK)
-    return c
-
-
-def _pod_spec(containers: list[dict[str, Any]], node: NodePlan, plan: Plan) -> dict[str, Any]:
     vols: list[dict[str, Any]] = [
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": SHM_SIZE}},
         {"name": "models", "hostPath": {"path": NODE_MODELS_DIR, "type": "Directory"}},
@@ -159,7 +156,7 @@ def _pod_spec(containers: list[dict[str, Any]], node: NodePlan, plan: Plan) -> d
     if node.host_network:
         vols.append({"name": "infiniband", "hostPath": {"path": "/dev/infiniband"}})
     spec: dict[str, Any] = {
-        "containers": containers, "volumes": vols,
+        "containers": [c], "volumes": vols,
         "nodeSelector": plan.scale.node_selector_map,
         "terminationGracePeriodSeconds": PRESTOP_S + drain_timeout(node) + STOP_MARGIN_S}
     if node.host_network:
@@ -267,7 +264,7 @@ def render_k8s(plan: Plan, settings: Settings) -> list[dict[str, Any]]:
     labels = {LABEL_KEY: APP}
     if s.mode == "replicas":
         node = plan.nodes[0]
-        pod = _pod_spec([_container(node, settings, image, startup)], node, plan)
+        pod = _server_pod(node, plan, settings, image, startup)
         return [_deployment(APP, labels, len(plan.nodes), pod, _annotations(node), _scrape(port)),
                 {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
                  "metadata": _meta(APP, labels),
@@ -284,10 +281,9 @@ def render_k8s(plan: Plan, settings: Settings) -> list[dict[str, Any]]:
         shell = ["/bin/sh", "-c"]
         worker_cmd = "exec /opt/k3rocm/entrypoint.sh " + " ".join(
             a if a.startswith("$") else shlex.quote(a) for a in worker_args)
-        leader = _pod_spec([_container(head, settings, image, startup, args=head_args)],
-                           head, plan)
-        workerpod = _pod_spec([_container(worker, settings, image, startup, command=shell,
-                                          args=[worker_cmd])], worker, plan)
+        leader = _server_pod(head, plan, settings, image, startup, args=head_args)
+        workerpod = _server_pod(worker, plan, settings, image, startup, command=shell,
+                                args=[worker_cmd])
         # Headless workers serve no API: no HTTP probes on them.
         for key in ("startupProbe", "readinessProbe", "livenessProbe", "ports"):
             workerpod["containers"][0].pop(key)
