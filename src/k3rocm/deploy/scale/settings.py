@@ -170,14 +170,11 @@ def load_scale(environ: Mapping[str, str] | None = None,
                                      "settings are " + ", ".join(SCALE_FIELD_BY_ENV))
                 if raw != "":
                     merged[key] = (raw, src)
-            elif key == ENGINE_READY_ENV and raw != "":
-                merged[key] = (raw, src)
     if merged.get(SCALE_PREFIX + "MODE", ("",))[0] == "pd":
         raise UsageError(f"K3_SCALE_MODE=pd (from {merged[SCALE_PREFIX + 'MODE'][1]}) is not "
                          "offered: prefill/decode disaggregation was never proven to start "
                          "(docs/scale.md); use replicas")
-    values = {SCALE_FIELD_BY_ENV[k]: raw for k, (raw, _) in merged.items() if k in
-              SCALE_FIELD_BY_ENV}
+    values = {SCALE_FIELD_BY_ENV[k]: raw for k, (raw, _) in merged.items()}
     try:
         s = ScaleSettings(**values)
     except ValidationError as exc:
@@ -189,7 +186,8 @@ def load_scale(environ: Mapping[str, str] | None = None,
             msg = f"use {_describe(name)}"
         raise UsageError(f"{SCALE_ENV.get(name, name)}={values.get(name, '?')!r} is not "
                          f"valid: {msg}") from None
-    raw_ready = merged.get(ENGINE_READY_ENV, (str(ENGINE_READY_DEFAULT), "default"))[0]
+    raw_ready = (environ.get(ENGINE_READY_ENV) or file_vals.get(ENGINE_READY_ENV)
+                 or str(ENGINE_READY_DEFAULT))
     try:
         ready = int(float(raw_ready))
     except ValueError:
