@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
@@ -132,12 +133,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.print_help()
             return 0 if not argv else 2
         if print_dep:
-            line = json.dumps(deployment_view(args), sort_keys=True)
-            if print_to is None:
-                print(line)
-            else:
-                with open(print_to, "a", encoding="utf-8") as fh:
-                    fh.write(line + "\n")
+            with (open(print_to, "a", encoding="utf-8") if print_to
+                  else contextlib.nullcontext(sys.stdout)) as out:
+                print(json.dumps(deployment_view(args), sort_keys=True), file=out)
             return 0
         return int(args._run(args) or 0)
     except UsageError as exc:

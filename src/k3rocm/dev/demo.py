@@ -255,8 +255,7 @@ def run(args: argparse.Namespace) -> int:
             finally:
                 signal.signal(signal.SIGINT, old_int)
     code = 130 if interrupted else next((r.code for r in results if not r.ok), 0)
-    summary = _summary(results, run_dir, args, time.time() - t0, code)
-    print(summary)
+    print(_summary(results, run_dir, args, env, time.time() - t0, code))
     return code
 
 
@@ -318,7 +317,7 @@ def _rel(path: str | None) -> str:
 
 
 def _summary(results: list[StepResult], run_dir: Path, args: argparse.Namespace,
-             seconds: float, code: int) -> str:
+             env: dict[str, str], seconds: float, code: int) -> str:
     lines = [f"k3rocm demo: {verdict(code)} in {seconds:.0f}s: the bundle on the CPU stand-in "
              f"({STANDIN_BASE}, tiny random-weight MLA model {SMOKE_MODEL})", ""]
     lines += step_rows(results, _rel)
@@ -329,10 +328,8 @@ def _summary(results: list[StepResult], run_dir: Path, args: argparse.Namespace,
         "status": "ok" if code == 0 else ("interrupted" if code == 130 else "failed"),
         "exit_code": code, "seconds": round(seconds, 1), "port": args.port,
         "project": args.project, "results_root": str(args.results),
-        "settings": {"K3_PROFILE": CPU_PROFILE, "K3_MODEL": f"/models/{SMOKE_MODEL}",
-                     "K3_MAX_MODEL_LEN": MAX_MODEL_LEN,
-                     **switches(False),
-                     "K3_PROFILER_DIR": f"/results/{run_dir.name}/traces"},
+        "settings": {k: env[k] for k in ("K3_PROFILE", "K3_MODEL", "K3_MAX_MODEL_LEN",
+                                         *switches(False), "K3_PROFILER_DIR")},
         "steps": [{**{k: v for k, v in asdict(r).items() if k != "code"}, "exit_code": r.code,
                    "seconds": round(r.seconds, 1)} for r in results]})
     write_text_atomic(run_dir / "summary.md", "```\n" + text + "\n```\n")

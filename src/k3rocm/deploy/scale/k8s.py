@@ -197,12 +197,11 @@ def _deployment(name: str, labels: dict[str, str], replicas: int, pod: dict[str,
                                   "spec": pod}}}
 
 
-def _service(name: str, selector: dict[str, str], port: int, target: int | None = None
-             ) -> dict[str, Any]:
+def _service(name: str, selector: dict[str, str], port: int) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "Service",
             "metadata": _meta(name, {LABEL_KEY: name}),
             "spec": {"selector": selector, "ports": [{"name": "http", "port": port,
-                                                      "targetPort": target or port}]}}
+                                                      "targetPort": port}]}}
 
 
 def _router(plan: Plan, server_port: int) -> list[dict[str, Any]]:
@@ -235,7 +234,6 @@ def _router(plan: Plan, server_port: int) -> list[dict[str, Any]]:
              "livenessProbe": _probe("/liveness", s.router_port, 10, 5, 3)}
     pod = {"containers": [router, proxy], "serviceAccountName": ROUTER,
            "volumes": [{"name": "proxy-conf", "configMap": {"name": f"{ROUTER}-proxy"}}]}
-    conf = proxy_conf(str(s.router_port), ROUTER_INTERNAL_PORT)
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(ROUTER, labels)},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
@@ -247,7 +245,7 @@ def _router(plan: Plan, server_port: int) -> list[dict[str, Any]]:
          "subjects": [{"kind": "ServiceAccount", "name": ROUTER}],
          "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": ROUTER}},
         {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(f"{ROUTER}-proxy", labels),
-         "data": {"nginx.conf": conf}},
+         "data": {"nginx.conf": proxy_conf(str(s.router_port), ROUTER_INTERNAL_PORT)}},
         _deployment(ROUTER, labels, 1, pod,
                     {"k3rocm.org/note": "router for the rendered servers; only the proxy's "
                      "data paths are reachable"}, _scrape(s.router_metrics_port)),
