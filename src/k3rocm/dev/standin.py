@@ -31,6 +31,7 @@ from pathlib import Path
 from k3rocm.deploy.engine import docker_client  # the one factory: no engine is exit 3
 from k3rocm.errors import UsageError, tagged_log
 from k3rocm.hashing import sha256_file as _sha256
+from k3rocm.rundir import write_text_atomic
 
 STANDIN_REPO = "k3rocm/standin"
 ROCM_IMAGE = "vllm/vllm-openai-rocm:nightly-cb8104839c141609d99f1254459ef3a4f1bd4263"
@@ -97,9 +98,7 @@ def write_lock(path: Path, wheel_dir: Path, header: str) -> None:
             raise UsageError(f"unexpected wheel file name {whl.name!r} in {wheel_dir}")
         lines.append(f"{_norm(m['name'])}=={m['ver']} --hash=sha256:{_sha256(whl)}  "
                      f"# file: {whl.name}")
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("\n".join(lines) + "\n")
-    os.replace(tmp, path)
+    write_text_atomic(path, "\n".join(lines) + "\n")
 
 
 def _pip(args: list[str]) -> None:

@@ -68,18 +68,13 @@ def router_argv(s: ScaleSettings) -> list[str]:
             *s.routing_flags,
             # Explicit: two routers on one host network must not share the default 29000.
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(s.router_metrics_port)]
-    if s.mode == "dp-ep":
-        argv += ["--worker-urls", s.worker_urls[0]]  # only the head serves the API
-    else:
-        argv += ["--worker-urls", *s.worker_urls]
-    return argv
+    # dp-ep: only the head serves the API
+    return [*argv, "--worker-urls", *(s.worker_urls[:1] if s.mode == "dp-ep" else s.worker_urls)]
 
 
 def _network_env(s: ScaleSettings, host: str) -> dict[str, str]:
-    env = {"GLOO_SOCKET_IFNAME": s.ifname or "", "NCCL_SOCKET_IFNAME": s.ifname or "",
-           "VLLM_HOST_IP": host}
-    if s.ib_hca:
-        env["NCCL_IB_HCA"] = s.ib_hca
+    env = {"GLOO_SOCKET_IFNAME": s.ifname, "NCCL_SOCKET_IFNAME": s.ifname, "VLLM_HOST_IP": host,
+           "NCCL_IB_HCA": s.ib_hca}
     return {k: v for k, v in env.items() if v}
 
 

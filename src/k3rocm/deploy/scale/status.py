@@ -100,12 +100,9 @@ def summarize_decisions(records: dict[tuple[Any, Any], dict[str, Any]]) -> str:
     for (_pid, kind), rec in sorted(records.items(), key=lambda kv: str(kv[0])):
         for fusion, d in (rec.get("fusions") or {}).items():
             per.setdefault(str(kind), {}).setdefault(fusion, set()).add(str(d.get("state")))
-    parts = []
-    for kind, fusions in per.items():
-        states = " ".join(f"{f}={next(iter(s)) if len(s) == 1 else 'mixed'}"
-                          for f, s in sorted(fusions.items()))
-        parts.append(f"{kind}: {states}")
-    return "; ".join(parts)
+    return "; ".join(f"{kind}: " + " ".join(f"{f}={next(iter(s)) if len(s) == 1 else 'mixed'}"
+                                            for f, s in sorted(fusions.items()))
+                     for kind, fusions in per.items())
 
 
 def replica_status(address: str, client=None, api_key: str | None = None,
@@ -123,16 +120,15 @@ def replica_status(address: str, client=None, api_key: str | None = None,
         if dp_ranks:
             model = st.models[0] if st.models else ""
             st.ranks = {k: rank_check(url, model, k, api_key) for k in range(dp_ranks)}
-    if client is not None:
-        c = find_server_container(client, url)
-        if c is not None:
-            st.container = c.name
-            st.image_id = (c.attrs or {}).get("Image")
-            try:
-                logs = c.logs().decode(errors="replace")
-                st.fusions = summarize_decisions(parse_decisions(logs))
-            except Exception as exc:  # noqa: BLE001 - the container went away meanwhile
-                st.fusions = f"unknown (log not readable: {exc.__class__.__name__})"
+    c = find_server_container(client, url) if client is not None else None
+    if c is not None:
+        st.container = c.name
+        st.image_id = (c.attrs or {}).get("Image")
+        try:
+            logs = c.logs().decode(errors="replace")
+            st.fusions = summarize_decisions(parse_decisions(logs))
+        except Exception as exc:  # noqa: BLE001 - the container went away meanwhile
+            st.fusions = f"unknown (log not readable: {exc.__class__.__name__})"
     return st
 
 
