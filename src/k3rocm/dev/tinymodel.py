@@ -127,9 +127,8 @@ _log = tagged_log("tinymodel")
 
 
 def is_current(out: Path) -> bool:
-    stamp = out / STAMP_FILE
     try:
-        data = json.loads(stamp.read_text())
+        data = json.loads((out / STAMP_FILE).read_text())
     except (OSError, ValueError):
         return False
     return data.get("definition_sha256") == definition_hash() and all(
