@@ -141,13 +141,11 @@ SCALE_FIELD_BY_ENV = {e: n for n, e in SCALE_ENV.items()}
 
 
 def _describe(name: str) -> str:
-    f = SCALE_FIELDS[name]
-    args = getattr(f.annotation, "__args__", ())
-    if args and all(isinstance(a, str) for a in args):
-        return "one of " + ", ".join(args)
-    bounds = [f"{sym} {getattr(m, a)}" for m in f.metadata
-              for a, sym in (("ge", ">="), ("gt", ">"), ("le", "<=")) if getattr(m, a, None)
-              is not None]
+    """What a valid value of a choice or integer setting is (from the model's JSON schema)."""
+    p = ScaleSettings.model_json_schema()["properties"][name]
+    if "enum" in p:
+        return "one of " + ", ".join(p["enum"])
+    bounds = [f"{sym} {p[k]}" for k, sym in (("minimum", ">="), ("maximum", "<=")) if k in p]
     return "an integer" + (" " + " and ".join(bounds) if bounds else "")
 
 
