@@ -125,9 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = [a for a in argv if a != PRINT_FLAG]
     # Import only the command being run (the serving entrypoint must start fast).
     only = next((a for a in argv if not a.startswith("-")), None)
-    only = only if only in COMMANDS else None
     try:
-        parser = build_parser(only)
+        parser = build_parser(only if only in COMMANDS else None)
         args = parser.parse_args(argv)
         if not getattr(args, "_run", None):
             parser.print_help()

@@ -160,8 +160,7 @@ def _server_pod(node: NodePlan, plan: Plan, settings: Settings, image: str, star
         "nodeSelector": plan.scale.node_selector_map,
         "terminationGracePeriodSeconds": PRESTOP_S + drain_timeout(node) + STOP_MARGIN_S}
     if node.host_network:
-        spec["hostNetwork"] = True
-        spec["dnsPolicy"] = "ClusterFirstWithHostNet"
+        spec.update(hostNetwork=True, dnsPolicy="ClusterFirstWithHostNet")
     return spec
 
 

@@ -130,11 +130,10 @@ def compose_override(node: NodePlan) -> dict[str, Any]:
                            # `docker compose stop/down` waits this long before SIGKILL.
                            "stop_grace_period": f"{drain_timeout(node) + STOP_MARGIN_S}s"}
     if node.host_network:
-        svc["network_mode"] = "host"
-        svc["ports"] = []  # host network: the port is the host's own
-        svc["devices"] = ["/dev/kfd", "/dev/dri", *node.devices]
-        svc["ulimits"] = {"memlock": -1, "stack": 67108864}
-    header = NOT_VALIDATED if node.experimental else "replica: the unchanged server"
-    return {"x-k3rocm": {"note": header, "role": node.role, "address": node.address,
-                         "argv": node.argv},
+        # host network: the port is the host's own (no published ports)
+        svc.update(network_mode="host", ports=[], devices=["/dev/kfd", "/dev/dri", *node.devices],
+                   ulimits={"memlock": -1, "stack": 67108864})
+    return {"x-k3rocm": {"note": NOT_VALIDATED if node.experimental else
+                         "replica: the unchanged server", "role": node.role,
+                         "address": node.address, "argv": node.argv},
             "services": {"server": svc}}
