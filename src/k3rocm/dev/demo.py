@@ -78,7 +78,6 @@ STEPS = ("check", "model", "up", "bench", "gsm8k", "census", "down")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = __doc__.split("\n", 1)[1]
-    env = os.environ
     parser.add_argument("--results", type=Path, default=None,
                         help="results root (default: the deployment's K3_RESULTS_DIR, shell > "
                         ".env, or ./results)")
@@ -88,7 +87,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=None,
                         help="host port of the server (default: the deployment's K3_PORT, "
                         "shell > .env, or 8000)")
-    parser.add_argument("--project", default=env.get("COMPOSE_PROJECT_NAME") or "k3rocm-demo",
+    parser.add_argument("--project",
+                        default=os.environ.get("COMPOSE_PROJECT_NAME") or "k3rocm-demo",
                         help="compose project name (default: $COMPOSE_PROJECT_NAME or "
                         "k3rocm-demo)")
     parser.add_argument("--gsm8k-data", type=Path, default=GSM8K_ITEMS,
@@ -170,8 +170,8 @@ def _validate(args: argparse.Namespace) -> None:
     # The demo's deployment, once: the shell and .env with the demo's profile, on the stand-in.
     dep = load_deployment({**os.environ, "K3_PROFILE": CPU_PROFILE}, gpu=False)
     args.port = dep.port if args.port is None else args.port
-    args.results = args.results or dep.results_root
-    args.models_dir = args.models_dir or dep.models_dir
+    args.results = (args.results or dep.results_root).resolve()
+    args.models_dir = (args.models_dir or dep.models_dir).resolve()
     args.image = dep.image  # what `make up CPU=1` runs: K3_IMAGE, else compose.cpu.yaml's
     if not 1 <= args.port <= 65535:
         raise UsageError(f"--port {args.port} is not a port: use 1..65535")
@@ -187,8 +187,6 @@ def _validate(args: argparse.Namespace) -> None:
         if not (args.gsm8k_data / name).is_file():
             raise UsageError(f"--gsm8k-data {args.gsm8k_data} has no {name}: give a directory "
                              "with train.jsonl and test.jsonl")
-    args.results = args.results.resolve()
-    args.models_dir = args.models_dir.resolve()
     args.gsm8k_data = args.gsm8k_data.resolve()
 
 
