@@ -95,14 +95,12 @@ def _settings_env(settings: Settings, port: int) -> list[dict[str, Any]]:
     """The resolved K3_* settings as container env (secrets from a Secret, never inline)."""
     out: list[dict[str, Any]] = []
     for name, env_name in ENV_NAME.items():
-        value = getattr(settings, name)
+        value = port if name == "port" else getattr(settings, name)
         if env_name in SECRET_KEYS:
             if value:
                 out.append({"name": env_name, "valueFrom": {"secretKeyRef": {
                     "name": "k3rocm-secrets", "key": env_name, "optional": False}}})
             continue
-        if name == "port":
-            value = port
         if value is None or value == "":
             continue
         if isinstance(value, bool):
@@ -166,10 +164,7 @@ def _server_pod(node: NodePlan, plan: Plan, settings: Settings, image: str, star
 
 def _meta(name: str, labels: dict[str, str], annotations: dict[str, str] | None = None
           ) -> dict[str, Any]:
-    m: dict[str, Any] = {"name": name, "labels": labels}
-    if annotations:
-        m["annotations"] = annotations
-    return m
+    return {"name": name, "labels": labels, **({"annotations": annotations} if annotations else {})}
 
 
 def _annotations(node: NodePlan) -> dict[str, str]:
