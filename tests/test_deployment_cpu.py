@@ -230,7 +230,7 @@ def test_demo_names_the_image_make_up_runs(clean, monkeypatch):
     demo._validate(args)
     (clean / "run").mkdir()
     res = demo._do_step("up", ["true"], {"PATH": "/usr/bin:/bin"}, clean / "run", time.time(), 2,
-                        args, set())
+                        args)
     assert res.note.startswith("my/server:dotenv FROM ")
 
 

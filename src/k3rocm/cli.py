@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
 import sys
-from collections.abc import Callable
 from typing import Any
 
 from k3rocm import __version__
@@ -66,29 +66,24 @@ EPILOG = (f"Every command takes {PRINT_FLAG}: print what it resolved from the K3
           + ".")
 
 
-def _target(spec: str) -> Any:
-    """A command's object: ``module`` or ``module:attr`` (an alias that presets flags)."""
+def _load(spec: str) -> Any:
+    """A command's object: ``module`` or ``module:attr`` (an alias that presets flags); None
+    when its module is not part of this install."""
     module, _, attr = spec.partition(":")
-    mod = importlib.import_module(module)
-    return getattr(mod, attr) if attr else mod
-
-
-def _load(spec: str) -> tuple[Callable, Callable] | None:
-    module = spec.partition(":")[0]
     try:
-        target = _target(spec)
+        mod = importlib.import_module(module)
     except ModuleNotFoundError as exc:
         if exc.name and (exc.name == module or module.startswith(exc.name + ".")):
             return None  # that feature is not part of this install
         raise
-    return target.add_arguments, target.run
+    return getattr(mod, attr) if attr else mod
 
 
 def deployment_view(args: argparse.Namespace) -> dict:
     """What ``args``' command resolved: its module's ``deployment_view(args)`` when it has one
     (``wired``: the command derives its values from the deployment itself), else the shared
     view of :func:`k3rocm.deploy.deployment.load_deployment`."""
-    hook = getattr(_target(args._module), "deployment_view", None)
+    hook = getattr(args._target, "deployment_view", None)
     if hook is not None:
         view = hook(args)
     else:
@@ -114,12 +109,12 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         if only is not None and name != only:
             sub.add_parser(name, help=help_text, add_help=False)
             continue
-        loaded = _load(module)
-        if loaded is None:
+        target = _load(module)
+        if target is None:
             continue
         p = sub.add_parser(name, help=help_text, description=help_text)
-        loaded[0](p)
-        p.set_defaults(_run=loaded[1], _module=module)
+        target.add_arguments(p)
+        p.set_defaults(_run=target.run, _target=target)
     return parser
 
 
@@ -130,20 +125,16 @@ def main(argv: list[str] | None = None) -> int:
     argv = [a for a in argv if a != PRINT_FLAG]
     # Import only the command being run (the serving entrypoint must start fast).
     only = next((a for a in argv if not a.startswith("-")), None)
-    only = only if only in COMMANDS else None
     try:
-        parser = build_parser(only)
+        parser = build_parser(only if only in COMMANDS else None)
         args = parser.parse_args(argv)
         if not getattr(args, "_run", None):
             parser.print_help()
             return 0 if not argv else 2
         if print_dep:
-            line = json.dumps(deployment_view(args), sort_keys=True)
-            if print_to is None:
-                print(line)
-            else:
-                with open(print_to, "a", encoding="utf-8") as fh:
-                    fh.write(line + "\n")
+            with (open(print_to, "a", encoding="utf-8") if print_to
+                  else contextlib.nullcontext(sys.stdout)) as out:
+                print(json.dumps(deployment_view(args), sort_keys=True), file=out)
             return 0
         return int(args._run(args) or 0)
     except UsageError as exc:

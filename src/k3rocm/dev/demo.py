@@ -40,10 +40,10 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 from k3rocm.checks.steps import (
@@ -59,6 +59,7 @@ from k3rocm.checks.steps import (
 )
 from k3rocm.checks.steps import new_dirs as _new_dirs
 from k3rocm.deploy.deployment import CPU_PROFILE, load_deployment
+from k3rocm.deploy.preflight import port_free
 from k3rocm.dev.standin import STANDIN_BASE
 from k3rocm.dev.tinymodel import DEFAULT_NAME as SMOKE_MODEL
 from k3rocm.dev.tinymodel import DEFINITION
@@ -77,7 +78,6 @@ STEPS = ("check", "model", "up", "bench", "gsm8k", "census", "down")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = __doc__.split("\n", 1)[1]
-    env = os.environ
     parser.add_argument("--results", type=Path, default=None,
                         help="results root (default: the deployment's K3_RESULTS_DIR, shell > "
                         ".env, or ./results)")
@@ -87,7 +87,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=None,
                         help="host port of the server (default: the deployment's K3_PORT, "
                         "shell > .env, or 8000)")
-    parser.add_argument("--project", default=env.get("COMPOSE_PROJECT_NAME") or "k3rocm-demo",
+    parser.add_argument("--project",
+                        default=os.environ.get("COMPOSE_PROJECT_NAME") or "k3rocm-demo",
                         help="compose project name (default: $COMPOSE_PROJECT_NAME or "
                         "k3rocm-demo)")
     parser.add_argument("--gsm8k-data", type=Path, default=GSM8K_ITEMS,
@@ -107,10 +108,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # ---------------------------------------------------------------------------------- checks
 
 
-def _docker_ok(env: dict[str, str]) -> str:
-    if shutil.which("docker") is None:
-        raise UsageError("no `docker` command: run `bash .ci/demo` (it installs and starts a "
-                         "private Docker engine) or install Docker")
+def preflight(args: argparse.Namespace, env: dict[str, str], client_image: str) -> str:
+    for tool, fix in (("make", "run `bash .ci/demo` (installs it) or `apt-get install make`"),
+                      ("docker", "run `bash .ci/demo` (it installs and starts a private Docker "
+                       "engine) or install Docker")):
+        if shutil.which(tool) is None:
+            raise UsageError(f"no `{tool}` command: {fix}")
     try:
         p = subprocess.run(["docker", "info", "--format", "{{.ServerVersion}}"], env=env,
                            capture_output=True, text=True, timeout=30)
@@ -126,36 +129,19 @@ def _docker_ok(env: dict[str, str]) -> str:
     if p.returncode != 0 or not p.stdout.strip().lstrip("v").startswith("2"):
         raise UsageError("Docker Compose v2 is missing: run `.ci/install-compose.sh` (or "
                          "`bash .ci/demo`)")
-    return f"Docker {engine}, Compose {p.stdout.strip()}"
-
-
-def _image_missing(ref: str, env: dict[str, str]) -> bool:
-    p = subprocess.run(["docker", "image", "inspect", "--format", "{{.Id}}", ref], env=env,
-                       capture_output=True, text=True, timeout=30)
-    return p.returncode != 0
-
-
-def _port_in_use(port: int) -> bool:
-    with socket.socket() as sock:
-        sock.settimeout(1)
-        return sock.connect_ex(("127.0.0.1", port)) == 0
-
-
-def preflight(args: argparse.Namespace, env: dict[str, str], client_image: str) -> str:
-    if shutil.which("make") is None:
-        raise UsageError("no `make` command: run `bash .ci/demo` (installs it) or "
-                         "`apt-get install make`")
-    versions = _docker_ok(env)
     base = env.get("BASE_IMAGE") or STANDIN_BASE
-    missing = [ref for ref in (base, client_image) if _image_missing(ref, env)]
+    missing = [ref for ref in (base, client_image) if subprocess.run(
+        ["docker", "image", "inspect", ref], env=env, capture_output=True, timeout=30
+    ).returncode != 0]
     if missing:
         raise UsageError(f"image(s) {', '.join(missing)} missing: run `bash .ci/demo` (builds "
                          "them offline) or `make standin STANDIN_VERSIONS=0.32.0 "
                          "STANDIN_TAG_ROCM= clients-image CLIENT_BASE=k3rocm/debian:bookworm`")
-    if _port_in_use(args.port):
+    if not port_free("127.0.0.1", args.port):
         raise UsageError(f"port {args.port} on 127.0.0.1 is in use (a server already running? "
                          "`make down`), or choose another: --port N / K3_PORT=N")
-    return f"{versions}, {base} and {client_image} present, port {args.port} free"
+    return (f"Docker {engine}, Compose {p.stdout.strip()}, {base} and {client_image} present, "
+            f"port {args.port} free")
 
 
 # ------------------------------------------------------------------------------------- run
@@ -184,8 +170,8 @@ def _validate(args: argparse.Namespace) -> None:
     # The demo's deployment, once: the shell and .env with the demo's profile, on the stand-in.
     dep = load_deployment({**os.environ, "K3_PROFILE": CPU_PROFILE}, gpu=False)
     args.port = dep.port if args.port is None else args.port
-    args.results = args.results or dep.results_root
-    args.models_dir = args.models_dir or dep.models_dir
+    args.results = (args.results or dep.results_root).resolve()
+    args.models_dir = (args.models_dir or dep.models_dir).resolve()
     args.image = dep.image  # what `make up CPU=1` runs: K3_IMAGE, else compose.cpu.yaml's
     if not 1 <= args.port <= 65535:
         raise UsageError(f"--port {args.port} is not a port: use 1..65535")
@@ -201,8 +187,6 @@ def _validate(args: argparse.Namespace) -> None:
         if not (args.gsm8k_data / name).is_file():
             raise UsageError(f"--gsm8k-data {args.gsm8k_data} has no {name}: give a directory "
                              "with train.jsonl and test.jsonl")
-    args.results = args.results.resolve()
-    args.models_dir = args.models_dir.resolve()
     args.gsm8k_data = args.gsm8k_data.resolve()
 
 
@@ -247,10 +231,9 @@ def run(args: argparse.Namespace) -> int:
     old_term = signal.signal(signal.SIGTERM, _term)
     try:
         for i, name in enumerate(STEPS[1:-1], start=2):
-            before = {p.name for p in args.results.iterdir()} if args.results.is_dir() else set()
             current = name
             up_started = up_started or name == "up"
-            res = _do_step(name, commands[name], env, run_dir, t0, i, args, before)
+            res = _do_step(name, commands[name], env, run_dir, t0, i, args)
             results.append(res)
             if not res.ok:
                 break
@@ -265,25 +248,23 @@ def run(args: argparse.Namespace) -> int:
             # the server running, so it is ignored while `make down` runs.
             old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
             try:
-                before = {p.name for p in args.results.iterdir()} if args.results.is_dir() \
-                    else set()
                 results.append(_do_step("down", commands["down"], env, run_dir, t0,
-                                        len(STEPS), args, before))
+                                        len(STEPS), args))
             finally:
                 signal.signal(signal.SIGINT, old_int)
     code = 130 if interrupted else next((r.code for r in results if not r.ok), 0)
-    summary = _summary(results, run_dir, args, time.time() - t0, code)
-    print(summary)
+    print(_summary(results, run_dir, args, env, time.time() - t0, code))
     return code
 
 
 def _do_step(name: str, argv: list[str], env: dict[str, str], run_dir: Path, t0: float,
-             index: int, args: argparse.Namespace, before: set[str]) -> StepResult:
+             index: int, args: argparse.Namespace) -> StepResult:
+    root = args.results
+    before = {p.name for p in root.iterdir()} if root.is_dir() else set()
     log = run_dir / "logs" / f"{index}-{name}.log"
     code, seconds, text = run_step(name, argv, env, log, t0, index, args.verbose, len(STEPS))
     res = StepResult(name, shlex.join(argv), code=code, seconds=seconds, ok=code == 0,
                      log=str(log))
-    root = args.results
     if name == "model":
         res.run_dir = str(args.models_dir / SMOKE_MODEL)
         res.note = "tiny random-weight MLA model (generated once, then cached)" if code == 0 \
@@ -334,7 +315,7 @@ def _rel(path: str | None) -> str:
 
 
 def _summary(results: list[StepResult], run_dir: Path, args: argparse.Namespace,
-             seconds: float, code: int) -> str:
+             env: dict[str, str], seconds: float, code: int) -> str:
     lines = [f"k3rocm demo: {verdict(code)} in {seconds:.0f}s: the bundle on the CPU stand-in "
              f"({STANDIN_BASE}, tiny random-weight MLA model {SMOKE_MODEL})", ""]
     lines += step_rows(results, _rel)
@@ -345,13 +326,9 @@ def _summary(results: list[StepResult], run_dir: Path, args: argparse.Namespace,
         "status": "ok" if code == 0 else ("interrupted" if code == 130 else "failed"),
         "exit_code": code, "seconds": round(seconds, 1), "port": args.port,
         "project": args.project, "results_root": str(args.results),
-        "settings": {"K3_PROFILE": CPU_PROFILE, "K3_MODEL": f"/models/{SMOKE_MODEL}",
-                     "K3_MAX_MODEL_LEN": MAX_MODEL_LEN,
-                     **switches(False),
-                     "K3_PROFILER_DIR": f"/results/{run_dir.name}/traces"},
-        "steps": [{"name": r.name, "ok": r.ok, "exit_code": r.code,
-                   "seconds": round(r.seconds, 1), "note": r.note, "run_dir": r.run_dir,
-                   "log": r.log, "command": r.command, "numbers": r.numbers}
-                  for r in results]})
+        "settings": {k: env[k] for k in ("K3_PROFILE", "K3_MODEL", "K3_MAX_MODEL_LEN",
+                                         *switches(False), "K3_PROFILER_DIR")},
+        "steps": [{**{k: v for k, v in asdict(r).items() if k != "code"}, "exit_code": r.code,
+                   "seconds": round(r.seconds, 1)} for r in results]})
     write_text_atomic(run_dir / "summary.md", "```\n" + text + "\n```\n")
     return text

@@ -58,44 +58,38 @@ def _ensure_model(image: str, models_dir: Path) -> None:
 
 def stream_chat(base_url: str, model: str, prompt: str, max_tokens: int,
                 api_key: str | None = None, echo: bool = True) -> dict:
-    """One streaming chat completion with ignore_eos; returns tokens, usage, TTFT and rate."""
+    """One streaming chat completion with ignore_eos; returns usage, TTFT, decode time, rate."""
     from k3rocm.deploy.server_api import ServerAPI
 
     body = {"model": model, "messages": [{"role": "user", "content": prompt}],
             "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
             "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
-    first = last = None
-    pieces: list[str] = []
-    usage = None
+    first = last = usage = None
     with ServerAPI(base_url, api_key).post("/v1/chat/completions", json=body, stream=True,
                                            timeout=300) as resp:
         if resp.status_code != 200:
             raise UsageError(f"chat completion failed: HTTP {resp.status_code} "
                              f"{resp.text[:200]}", 2)
         for line in resp.iter_lines(decode_unicode=True):
-            if not line or not line.startswith("data: ") or line == "data: [DONE]":
+            if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            for choice in chunk.get("choices", []):
-                text = (choice.get("delta") or {}).get("content") or ""
-                if text:
-                    now = time.perf_counter()
-                    first = first or now
-                    last = now
-                    pieces.append(text)
-                    if echo:
-                        print(text, end="", flush=True)
+            usage = chunk.get("usage") or usage
+            text = "".join((c.get("delta") or {}).get("content") or ""
+                           for c in chunk.get("choices", []))
+            if text:
+                last = time.perf_counter()
+                first = first or last
+                if echo:
+                    print(text, end="", flush=True)
     if echo:
         print()
     completion = (usage or {}).get("completion_tokens")
-    ttft = (first - t0) if first else None
-    decode_s = (last - first) if first and last else None
+    decode_s = (last - first) if first else None
     rate = ((completion - 1) / decode_s) if completion and decode_s else None
-    return {"text": "".join(pieces), "usage": usage, "ttft_s": ttft, "decode_s": decode_s,
-            "tokens_per_s": rate, "total_s": time.perf_counter() - t0}
+    return {"usage": usage, "ttft_s": (first - t0) if first else None, "decode_s": decode_s,
+            "tokens_per_s": rate}
 
 
 def run(args: argparse.Namespace) -> int:

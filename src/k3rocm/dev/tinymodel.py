@@ -127,9 +127,8 @@ _log = tagged_log("tinymodel")
 
 
 def is_current(out: Path) -> bool:
-    stamp = out / STAMP_FILE
     try:
-        data = json.loads(stamp.read_text())
+        data = json.loads((out / STAMP_FILE).read_text())
     except (OSError, ValueError):
         return False
     return data.get("definition_sha256") == definition_hash() and all(
@@ -147,16 +146,9 @@ def _ascii_alphabet() -> list[str]:
     streamed completion gets one delta per token (random weights never emit half a UTF-8
     character). Input bytes outside this set are dropped by the tokenizer.
     """
-    keep = [9, 10, *range(32, 127)]
-    printable = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
-    mapping, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            mapping[b] = chr(b)
-        else:
-            mapping[b] = chr(256 + extra)
-            extra += 1
-    return [mapping[b] for b in keep]
+    # GPT-2's bytes_to_unicode keeps the printable bytes (here 33..126) as they are and maps
+    # the others, in order from byte 0, to chr(256 + n): tab, newline and space are 256 + byte.
+    return [chr(256 + b) for b in (9, 10, 32)] + [chr(b) for b in range(33, 127)]
 
 
 def build_tokenizer(tdef: dict):
@@ -230,14 +222,13 @@ def generate(out: Path, force: bool = False) -> Path:
                                  add_generation_prompt=True)
         _log(f"tokenizer: byte-level BPE, {vocab_size} tokens")
 
-        cfg = dict(defn["config"])
-        cfg.pop("architectures")
-        cfg.pop("model_type")
-        rope_theta = cfg.pop("rope_theta")
+        cfg = {k: v for k, v in defn["config"].items()
+               if k not in ("architectures", "model_type", "rope_theta")}
         config = DeepseekV3Config(
             vocab_size=vocab_size, bos_token_id=ids[tdef["bos_token"]],
             eos_token_id=ids[tdef["eos_token"]], pad_token_id=ids[tdef["pad_token"]],
-            rope_parameters={"rope_type": "default", "rope_theta": rope_theta}, **cfg)
+            rope_parameters={"rope_type": "default",
+                             "rope_theta": defn["config"]["rope_theta"]}, **cfg)
         config.architectures = list(defn["config"]["architectures"])
         torch.manual_seed(defn["seed"])
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -251,14 +242,12 @@ def generate(out: Path, force: bool = False) -> Path:
                  "name": defn["name"], "parameters": nparams, "vocab_size": vocab_size,
                  "torch": torch.__version__, "transformers": transformers.__version__,
                  "files": files}
-        (tmp / STAMP_FILE).write_text(json.dumps(stamp, indent=2) + "\n")
+        _write_json(tmp / STAMP_FILE, stamp)
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
         if out.exists():
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
             out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out)
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
         os.chmod(out, 0o755)
         for f in out.iterdir():
             os.chmod(f, 0o644)

@@ -49,12 +49,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        "(K3_SCALE_ROUTER_HOST:PORT); its admin endpoints stay unreachable")
     p.add_argument("--listen", default="0.0.0.0:8443",
                    help="address:port nginx listens on for clients (default 0.0.0.0:8443)")
-    p = sub.add_parser("router-up", help="start vllm-router in front of K3_SCALE_NODES",
-                       description="start the router container (host network)")
-    p.add_argument("--name", default=ROUTER_NAME, help="container name")
-    p = sub.add_parser("router-down", help="stop and remove the router container",
-                       description="stop and remove the router container")
-    p.add_argument("--name", default=ROUTER_NAME, help="container name")
+    for name, what in (("router-up", "start vllm-router in front of K3_SCALE_NODES (host "
+                                     "network)"),
+                       ("router-down", "stop and remove the router container")):
+        sub.add_parser(name, help=what, description=what).add_argument(
+            "--name", default=ROUTER_NAME, help="container name")
     p = sub.add_parser("status", help="one line per replica and the router's view",
                        description="health, model, fusion decisions and image per replica; "
                        "the router's view (ok / degraded, k of N / down)")
@@ -111,10 +110,8 @@ def run(args: argparse.Namespace) -> int:
 
         # status works without an engine (HTTP only)
         replicas, router = scale_status(s, docker_client(required=False))
-        if args.json:
-            print(json.dumps(status_json(replicas, router), indent=2))
-        else:
-            print("\n".join(format_status(replicas, router)))
+        print(json.dumps(status_json(replicas, router), indent=2) if args.json
+              else "\n".join(format_status(replicas, router)))
         return 0 if router.summary.startswith("ok") else EXIT_SERVER
     if cmd == "overhead":
         from k3rocm.deploy.deployment import load_deployment
@@ -134,8 +131,7 @@ def run(args: argparse.Namespace) -> int:
                               "start the replicas first") from None
         if not served:
             raise ServerError(f"{s.worker_urls[0]} serves no model: start the replicas first")
-        model = served[0]
-        figures = measure(s.router_url, s.worker_urls, model, args.requests,
+        figures = measure(s.router_url, s.worker_urls, served[0], args.requests,
                           args.max_tokens, key)
         print(json.dumps(figures, indent=2) if args.json else format_figures(figures))
         return 0
@@ -177,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"wrote {path}", file=sys.stderr)
         print(json.dumps(p.to_json(), indent=2))
         return 0
-    if cmd == "render-k8s":
+    if cmd == "render-k8s":  # the last subcommand (argparse allows no other)
         from k3rocm.deploy.scale.k8s import render_k8s, validate
 
         objs = render_k8s(p, settings)
@@ -190,5 +186,4 @@ def run(args: argparse.Namespace) -> int:
             print(f"wrote {args.out}", file=sys.stderr)
         else:
             print(text)
-        return 0
-    raise UsageError(f"unknown scale subcommand {cmd}")
+    return 0

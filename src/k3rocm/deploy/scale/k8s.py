@@ -86,18 +86,21 @@ def proxy_conf(listen: str, upstream_port: int,
         "}", ""])
 
 
+def _probe(path: str, port: int, period: int, timeout: int, failures: int) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": port}, "periodSeconds": period,
+            "timeoutSeconds": timeout, "failureThreshold": failures}
+
+
 def _settings_env(settings: Settings, port: int) -> list[dict[str, Any]]:
     """The resolved K3_* settings as container env (secrets from a Secret, never inline)."""
     out: list[dict[str, Any]] = []
     for name, env_name in ENV_NAME.items():
-        value = getattr(settings, name)
+        value = port if name == "port" else getattr(settings, name)
         if env_name in SECRET_KEYS:
             if value:
                 out.append({"name": env_name, "valueFrom": {"secretKeyRef": {
                     "name": "k3rocm-secrets", "key": env_name, "optional": False}}})
             continue
-        if name == "port":
-            value = port
         if value is None or value == "":
             continue
         if isinstance(value, bool):
@@ -108,9 +111,10 @@ def _settings_env(settings: Settings, port: int) -> list[dict[str, Any]]:
     return out
 
 
-def _container(node: NodePlan, settings: Settings, image: str, startup_s: int,
-               args: list[str] | None = None, command: list[str] | None = None
-               ) -> dict[str, Any]:
+def _server_pod(node: NodePlan, plan: Plan, settings: Settings, image: str, startup_s: int,
+                args: list[str] | None = None, command: list[str] | None = None
+                ) -> dict[str, Any]:
+    """The pod spec of one server: its container and volumes, on an MI355X node."""
     port = int(node.env_overrides.get("K3_PORT", settings.port))
     env = _settings_env(settings, port)
     env += [{"name": k, "value": v} for k, v in node.env_overrides.items()
@@ -118,7 +122,6 @@ def _container(node: NodePlan, settings: Settings, image: str, startup_s: int,
     if node.host_network:
         env.append({"name": "VLLM_HOST_IP", "valueFrom": {"fieldRef": {
             "fieldPath": "status.podIP"}}})
-    period = 10
     c: dict[str, Any] = {
         "name": "server", "image": image, "imagePullPolicy": "IfNotPresent",
         "env": env,
@@ -131,13 +134,9 @@ def _container(node: NodePlan, settings: Settings, image: str, startup_s: int,
         "securityContext": {"capabilities": {"add": ["SYS_PTRACE", "IPC_LOCK"]},
                             "seccompProfile": {"type": "Unconfined"}},
         # A 1.5 TB load and kernel compilation: give /health up to startup_s to answer.
-        "startupProbe": {"httpGet": {"path": "/health", "port": port},
-                         "periodSeconds": period, "timeoutSeconds": 5,
-                         "failureThreshold": max(1, -(-startup_s // period))},
-        "readinessProbe": {"httpGet": {"path": "/health", "port": port},
-                           "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 3},
-        "livenessProbe": {"httpGet": {"path": "/health", "port": port},
-                          "periodSeconds": 30, "timeoutSeconds": 10, "failureThreshold": 5},
+        "startupProbe": _probe("/health", port, 10, 5, max(1, -(-startup_s // 10))),
+        "readinessProbe": _probe("/health", port, 10, 5, 3),
+        "livenessProbe": _probe("/health", port, 30, 10, 5),
         # Out of the router's rotation before SIGTERM; then vLLM drains (--shutdown-timeout).
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_S)]}}},
     }
@@ -147,10 +146,6 @@ def _container(node: NodePlan, settings: Settings, image: str, startup_s: int,
     if node.host_network:
         c["volumeMounts"].append({"name": "infiniband", "mountPath": "/dev/infiniband"})
         c["securityContext"]["privileged"] = True  # RDMA devices (memlock: IPC_LOCK)
-    return c
-
-
-def _pod_spec(containers: list[dict[str, Any]], node: NodePlan, plan: Plan) -> dict[str, Any]:
     vols: list[dict[str, Any]] = [
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": SHM_SIZE}},
         {"name": "models", "hostPath": {"path": NODE_MODELS_DIR, "type": "Directory"}},
@@ -159,25 +154,21 @@ def _pod_spec(containers: list[dict[str, Any]], node: NodePlan, plan: Plan) -> d
     if node.host_network:
         vols.append({"name": "infiniband", "hostPath": {"path": "/dev/infiniband"}})
     spec: dict[str, Any] = {
-        "containers": containers, "volumes": vols,
+        "containers": [c], "volumes": vols,
         "nodeSelector": plan.scale.node_selector_map,
         "terminationGracePeriodSeconds": PRESTOP_S + drain_timeout(node) + STOP_MARGIN_S}
     if node.host_network:
-        spec["hostNetwork"] = True
-        spec["dnsPolicy"] = "ClusterFirstWithHostNet"
+        spec.update(hostNetwork=True, dnsPolicy="ClusterFirstWithHostNet")
     return spec
 
 
 def _meta(name: str, labels: dict[str, str], annotations: dict[str, str] | None = None
           ) -> dict[str, Any]:
-    m: dict[str, Any] = {"name": name, "labels": labels}
-    if annotations:
-        m["annotations"] = annotations
-    return m
+    return {"name": name, "labels": labels, **({"annotations": annotations} if annotations else {})}
 
 
-def _annotations(node: NodePlan, experimental: bool) -> dict[str, str]:
-    return {"k3rocm.org/note": NOT_VALIDATED if experimental else
+def _annotations(node: NodePlan) -> dict[str, str]:
+    return {"k3rocm.org/note": NOT_VALIDATED if node.experimental else
             "replicas: the unchanged single-node server; manifests not validated on MI355X",
             "k3rocm.org/argv": json.dumps(node.argv)}
 
@@ -200,18 +191,11 @@ def _deployment(name: str, labels: dict[str, str], replicas: int, pod: dict[str,
                                   "spec": pod}}}
 
 
-def _service(name: str, selector: dict[str, str], port: int, target: int | None = None
-             ) -> dict[str, Any]:
+def _service(name: str, selector: dict[str, str], port: int) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "Service",
             "metadata": _meta(name, {LABEL_KEY: name}),
             "spec": {"selector": selector, "ports": [{"name": "http", "port": port,
-                                                      "targetPort": target or port}]}}
-
-
-def _pdb(labels: dict[str, str]) -> dict[str, Any]:
-    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
-            "metadata": _meta(APP, labels),
-            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": labels}}}
+                                                      "targetPort": port}]}}
 
 
 def _router(plan: Plan, server_port: int) -> list[dict[str, Any]]:
@@ -232,7 +216,6 @@ def _router(plan: Plan, server_port: int) -> list[dict[str, Any]]:
                   "fieldPath": "metadata.namespace"}}}],
               "ports": [{"name": "metrics", "containerPort": s.router_metrics_port}],
               "resources": {"requests": ROUTER_REQUESTS}}
-    probe = {"periodSeconds": 10, "timeoutSeconds": 5}
     proxy = {"name": "proxy", "image": proxy_image, "imagePullPolicy": "IfNotPresent",
              "args": ["nginx", "-g", "daemon off;", "-c", "/etc/k3rocm/nginx.conf"],
              "ports": [{"name": "http", "containerPort": s.router_port}],
@@ -241,13 +224,10 @@ def _router(plan: Plan, server_port: int) -> list[dict[str, Any]]:
              "resources": {"requests": PROXY_REQUESTS},
              # Ready = the router has a healthy worker (503 otherwise, 200 while one of N
              # restarts); live = the router process answers.
-             "readinessProbe": {"httpGet": {"path": "/readiness", "port": s.router_port},
-                                **probe},
-             "livenessProbe": {"httpGet": {"path": "/liveness", "port": s.router_port},
-                               "failureThreshold": 3, **probe}}
+             "readinessProbe": _probe("/readiness", s.router_port, 10, 5, 3),
+             "livenessProbe": _probe("/liveness", s.router_port, 10, 5, 3)}
     pod = {"containers": [router, proxy], "serviceAccountName": ROUTER,
            "volumes": [{"name": "proxy-conf", "configMap": {"name": f"{ROUTER}-proxy"}}]}
-    conf = proxy_conf(str(s.router_port), ROUTER_INTERNAL_PORT)
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(ROUTER, labels)},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
@@ -259,7 +239,7 @@ def _router(plan: Plan, server_port: int) -> list[dict[str, Any]]:
          "subjects": [{"kind": "ServiceAccount", "name": ROUTER}],
          "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": ROUTER}},
         {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(f"{ROUTER}-proxy", labels),
-         "data": {"nginx.conf": conf}},
+         "data": {"nginx.conf": proxy_conf(str(s.router_port), ROUTER_INTERNAL_PORT)}},
         _deployment(ROUTER, labels, 1, pod,
                     {"k3rocm.org/note": "router for the rendered servers; only the proxy's "
                      "data paths are reachable"}, _scrape(s.router_metrics_port)),
@@ -273,13 +253,15 @@ def render_k8s(plan: Plan, settings: Settings) -> list[dict[str, Any]]:
     image = check_image_ref("K3_IMAGE", settings.image)
     startup = max(s.router_startup_timeout, 600)
     port = int(plan.nodes[0].env_overrides["K3_PORT"])
+    labels = {LABEL_KEY: APP}
     if s.mode == "replicas":
         node = plan.nodes[0]
-        labels = {LABEL_KEY: APP}
-        pod = _pod_spec([_container(node, settings, image, startup)], node, plan)
-        return [_deployment(APP, labels, len(plan.nodes), pod, _annotations(node, False),
-                            _scrape(port)),
-                _pdb(labels), *_router(plan, port)]
+        pod = _server_pod(node, plan, settings, image, startup)
+        return [_deployment(APP, labels, len(plan.nodes), pod, _annotations(node), _scrape(port)),
+                {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+                 "metadata": _meta(APP, labels),
+                 "spec": {"maxUnavailable": 1, "selector": {"matchLabels": labels}}},
+                *_router(plan, port)]
     if s.mode == "dp-ep":
         head, worker = plan.nodes[0], plan.nodes[1]
         # The head address and each worker's start rank are only known at run time in
@@ -291,16 +273,14 @@ def render_k8s(plan: Plan, settings: Settings) -> list[dict[str, Any]]:
         shell = ["/bin/sh", "-c"]
         worker_cmd = "exec /opt/k3rocm/entrypoint.sh " + " ".join(
             a if a.startswith("$") else shlex.quote(a) for a in worker_args)
-        labels = {LABEL_KEY: APP}
-        leader = _pod_spec([_container(head, settings, image, startup, args=head_args)],
-                           head, plan)
-        workerpod = _pod_spec([_container(worker, settings, image, startup, command=shell,
-                                          args=[worker_cmd])], worker, plan)
+        leader = _server_pod(head, plan, settings, image, startup, args=head_args)
+        workerpod = _server_pod(worker, plan, settings, image, startup, command=shell,
+                                args=[worker_cmd])
         # Headless workers serve no API: no HTTP probes on them.
         for key in ("startupProbe", "readinessProbe", "livenessProbe", "ports"):
             workerpod["containers"][0].pop(key)
         lws = {"apiVersion": "leaderworkerset.x-k8s.io/v1", "kind": "LeaderWorkerSet",
-               "metadata": _meta(APP, labels, _annotations(head, True)),
+               "metadata": _meta(APP, labels, _annotations(head)),
                "spec": {"replicas": 1,
                         "rolloutStrategy": {"type": "RollingUpdate",
                                             "rollingUpdateConfiguration": {

@@ -28,26 +28,21 @@ def _e2e_sum(api: ServerAPI) -> float:
     return sum(float(m.group(1)) for m in E2E_SUM.finditer(api.metrics_text(timeout=10)))
 
 
-def _one(api: ServerAPI, model: str, max_tokens: int) -> float:
-    t0 = time.perf_counter()
-    r = api.post("/v1/completions",
-                 json={"model": model, "prompt": "The capital of France is",
-                       "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0})
-    dt = time.perf_counter() - t0
-    r.raise_for_status()
-    return dt
-
-
 def measure(router_url: str, node_urls: list[str], model: str, n: int = 24,
             max_tokens: int = 8, api_key: str | None = None) -> dict[str, Any]:
     """Interleaved direct / routed requests; returns the figures (seconds and ratios)."""
     nodes = [ServerAPI(u, api_key, timeout=120) for u in node_urls]
     router = ServerAPI(router_url, api_key, timeout=120)
+    body = {"model": model, "prompt": "The capital of France is", "max_tokens": max_tokens,
+            "ignore_eos": True, "temperature": 0}
     samples: dict[str, list[tuple[float, float]]] = {"direct": [], "router": []}
     for i in range(n + 1):
         for path, api in (("direct", nodes[i % len(nodes)]), ("router", router)):
             before = sum(_e2e_sum(node) for node in nodes)
-            client = _one(api, model, max_tokens)
+            t0 = time.perf_counter()
+            r = api.post("/v1/completions", json=body)
+            client = time.perf_counter() - t0
+            r.raise_for_status()
             server = sum(_e2e_sum(node) for node in nodes) - before
             if i > 0:  # the first round warms connections and caches
                 samples[path].append((client, server))

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from k3rocm.deploy.scale.settings import ScaleSettings, load_scale
 from k3rocm.errors import UsageError
-from k3rocm.serving.config import load_settings, render
+from k3rocm.serving.config import load_settings, redact_env, render
 
 NOT_VALIDATED = ("EXPERIMENTAL: rendered by k3rocm, not validated on MI355X; review before use")
 # A stopped server gets this long beyond its drain (--shutdown-timeout) before SIGKILL:
@@ -44,13 +44,7 @@ class NodePlan:
     experimental: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        from k3rocm.serving.config import redact_env
-
-        return {"index": self.index, "role": self.role, "address": self.address,
-                "experimental": self.experimental, "env_overrides": dict(self.env_overrides),
-                "command": list(self.command), "env": redact_env(self.env),
-                "argv": list(self.argv), "host_network": self.host_network,
-                "devices": list(self.devices)}
+        return {**asdict(self), "env": redact_env(self.env)}
 
 
 @dataclass
@@ -74,18 +68,13 @@ def router_argv(s: ScaleSettings) -> list[str]:
             *s.routing_flags,
             # Explicit: two routers on one host network must not share the default 29000.
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(s.router_metrics_port)]
-    if s.mode == "dp-ep":
-        argv += ["--worker-urls", s.worker_urls[0]]  # only the head serves the API
-    else:
-        argv += ["--worker-urls", *s.worker_urls]
-    return argv
+    # dp-ep: only the head serves the API
+    return [*argv, "--worker-urls", *(s.worker_urls[:1] if s.mode == "dp-ep" else s.worker_urls)]
 
 
 def _network_env(s: ScaleSettings, host: str) -> dict[str, str]:
-    env = {"GLOO_SOCKET_IFNAME": s.ifname or "", "NCCL_SOCKET_IFNAME": s.ifname or "",
-           "VLLM_HOST_IP": host}
-    if s.ib_hca:
-        env["NCCL_IB_HCA"] = s.ib_hca
+    env = {"GLOO_SOCKET_IFNAME": s.ifname, "NCCL_SOCKET_IFNAME": s.ifname, "VLLM_HOST_IP": host,
+           "NCCL_IB_HCA": s.ib_hca}
     return {k: v for k, v in env.items() if v}
 
 
@@ -113,29 +102,19 @@ def plan(environ: Mapping[str, str] | None = None, dotenv: str | os.PathLike | N
     nodes: list[NodePlan] = []
     for i, address in enumerate(s.nodes):
         host, port = s.node_host(i), s.node_port(i)
-        overrides: dict[str, str] = {"K3_PORT": str(port)}
+        dpep = s.mode == "dp-ep"
+        # dp-ep: the network variables (GLOO/NCCL interface, RDMA devices, host IP).
+        network = _network_env(s, host) if dpep else {}
+        overrides = {"K3_PORT": str(port), **network}
         # Drain on stop: vLLM's default (0) aborts every in-flight request at SIGTERM.
-        command: list[str] = ["--shutdown-timeout", str(s.drain_timeout)]
-        role = "replica"
-        devices: list[str] = []
-        host_net = False
-        if s.mode == "dp-ep":
-            role = "head" if i == 0 else "worker"
-            command += _dp_args(s, i)
-            overrides.update(_network_env(s, host))
-            devices = ["/dev/infiniband"]
-            host_net = True
-        node_environ = {**environ, **overrides}
-        rendered = render(node_environ, dotenv, passthrough=command, host_paths=True,
+        command = ["--shutdown-timeout", str(s.drain_timeout), *(_dp_args(s, i) if dpep else [])]
+        rendered = render({**environ, **overrides}, dotenv, passthrough=command, host_paths=True,
                           check_model=False)
-        env = dict(rendered.env)
-        for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "NCCL_IB_HCA", "VLLM_HOST_IP"):
-            if key in overrides:
-                env[key] = overrides[key]
-        nodes.append(NodePlan(index=i, role=role, address=address, env_overrides=overrides,
-                              command=command, env=env, argv=rendered.argv,
-                              host_network=host_net, devices=devices,
-                              experimental=s.mode == "dp-ep"))
+        nodes.append(NodePlan(index=i, role=("worker" if i else "head") if dpep else "replica",
+                              address=address, env_overrides=overrides, command=command,
+                              env={**rendered.env, **network}, argv=rendered.argv,
+                              host_network=dpep, devices=["/dev/infiniband"] if dpep else [],
+                              experimental=dpep))
     return Plan(scale=s, nodes=nodes, router_argv=router_argv(s))
 
 
@@ -151,11 +130,10 @@ def compose_override(node: NodePlan) -> dict[str, Any]:
                            # `docker compose stop/down` waits this long before SIGKILL.
                            "stop_grace_period": f"{drain_timeout(node) + STOP_MARGIN_S}s"}
     if node.host_network:
-        svc["network_mode"] = "host"
-        svc["ports"] = []  # host network: the port is the host's own
-        svc["devices"] = ["/dev/kfd", "/dev/dri", *node.devices]
-        svc["ulimits"] = {"memlock": -1, "stack": 67108864}
-    header = NOT_VALIDATED if node.experimental else "replica: the unchanged server"
-    return {"x-k3rocm": {"note": header, "role": node.role, "address": node.address,
-                         "argv": node.argv},
+        # host network: the port is the host's own (no published ports)
+        svc.update(network_mode="host", ports=[], devices=["/dev/kfd", "/dev/dri", *node.devices],
+                   ulimits={"memlock": -1, "stack": 67108864})
+    return {"x-k3rocm": {"note": NOT_VALIDATED if node.experimental else
+                         "replica: the unchanged server", "role": node.role,
+                         "address": node.address, "argv": node.argv},
             "services": {"server": svc}}

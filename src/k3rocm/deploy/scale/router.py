@@ -48,18 +48,17 @@ def start_router(client, s: ScaleSettings, name: str = DEFAULT_NAME,
     t0 = time.monotonic()
     while True:
         container.reload()
-        if container.status in ("exited", "dead"):
-            tail = container.logs(tail=20).decode(errors="replace")
-            with contextlib.suppress(Exception):
-                container.remove(force=True)
-            raise ServerError(f"router exited at start; log tail:\n{tail}")
-        if answers(s.router_url):
+        exited = container.status in ("exited", "dead")
+        if not exited and answers(s.router_url):
             _log(f"router answering at {s.router_url} after {time.monotonic() - t0:.1f} s")
             return container
-        if time.monotonic() - t0 > wait:
+        if exited or time.monotonic() - t0 > wait:
             tail = container.logs(tail=20).decode(errors="replace")
-            raise ServerError(f"router not answering at {s.router_url} after {wait:.0f} s; "
-                              f"log tail:\n{tail}")
+            if exited:
+                with contextlib.suppress(Exception):
+                    container.remove(force=True)
+            raise ServerError(("router exited at start" if exited else f"router not answering "
+                               f"at {s.router_url} after {wait:.0f} s") + f"; log tail:\n{tail}")
         time.sleep(0.2)
 
 

@@ -45,70 +45,44 @@ _HOSTPORT = re.compile(r"^(?:\[[0-9A-Fa-f:]+\]|[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za
                        r":(\d{1,5})$")
 
 
-def _env(name: str, help: str, **kw: Any) -> Any:
-    return Field(json_schema_extra={"env": SCALE_PREFIX + name, "group": "scale"},
-                 description=help, **kw)
-
-
 class ScaleSettings(BaseModel):
-    """Every K3_SCALE_* setting (README/docs/scale.md table order)."""
+    """Every K3_SCALE_* setting: K3_SCALE_ + the field name in capitals. What each one means is
+    the table in docs/scale.md (same order)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    mode: Literal["single", "replicas", "dp-ep"] = _env(
-        "MODE", "single (one node), replicas (N copies behind vllm-router), dp-ep "
-        "(experimental: rendered, not validated on MI355X).", default="single")
-    nodes: tuple[str, ...] = _env(
-        "NODES", "Comma-separated host:port of every node's API server (replicas: the "
-        "router's workers; dp-ep: the first is the head).", default=())
-    router_host: str = _env("ROUTER_HOST", "Loopback address the router listens on (its "
-                            "admin endpoints share the port: expose only the data paths "
-                            "through the proxy, docs/scale.md).", default="127.0.0.1")
-    router_port: int = _env("ROUTER_PORT", "Port the router listens on.", default=8080,
-                            ge=1, le=65535)
-    router_metrics_port: int = _env(
-        "ROUTER_METRICS_PORT", "Port of the router's Prometheus metrics (--prometheus-port; "
-        "on 127.0.0.1 on a host, on the pod IP in Kubernetes).", default=29000, ge=1,
-        le=65535)
-    router_policy: Literal[ROUTER_POLICIES] = _env(  # type: ignore[valid-type]
-        "ROUTER_POLICY", "vllm-router load-balancing policy (cache_aware keeps a "
-        "conversation's prefix on one replica).", default="cache_aware")
-    router_startup_timeout: int = _env(
-        "ROUTER_STARTUP_TIMEOUT", "Seconds the router waits for workers at start "
-        "(--worker-startup-timeout-secs); >= VLLM_ENGINE_READY_TIMEOUT_S.", default=7200,
-        ge=1)
-    health_interval: int = _env("HEALTH_INTERVAL", "Seconds between the router's worker "
-                                "health checks.", default=10, ge=1, le=3600)
-    health_threshold: int = _env("HEALTH_THRESHOLD", "Failed checks before the router marks "
-                                 "a worker unhealthy.", default=3, ge=1, le=100)
-    router_image: str = _env("ROUTER_IMAGE", "Router image (make router-image); Kubernetes: "
-                             "registry/repo@sha256:<digest>.", default="k3rocm/router:0.1.17")
-    proxy_image: str = _env("PROXY_IMAGE", "Kubernetes: nginx image of the router's data-port "
-                            "proxy, registry/repo@sha256:<digest>.", default="")
-    node_selector: str = _env(
-        "NODE_SELECTOR", "Kubernetes: key=value[,key=value] labels of the MI355X nodes (the "
-        "AMD node labeller's -product-name label; check `kubectl get nodes --show-labels`).",
-        default="amd.com/gpu.product-name=AMD_Instinct_MI355X")
-    drain_timeout: int = _env("DRAIN_TIMEOUT", "Seconds a stopping server lets in-flight "
-                              "requests finish (vLLM --shutdown-timeout; 0 aborts them).",
-                              default=300, ge=0, le=86400)
-    dp_local: int = _env("DP_LOCAL", "dp-ep: data-parallel ranks per node "
-                         "(ranks x K3_TP must be <= 8 GPUs).", default=1, ge=1, le=8)
-    dp_rpc_port: int = _env("DP_RPC_PORT", "dp-ep: --data-parallel-rpc-port on the head.",
-                            default=13345, ge=1, le=65535)
-    all2all: Literal[ALL2ALL_BACKENDS] = _env(  # type: ignore[valid-type]
-        "ALL2ALL", "dp-ep: --all2all-backend.", default="mori_low_latency")
-    ifname: str | None = _env("IFNAME", "dp-ep: network interface for GLOO/NCCL "
-                              "(GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME); required there.",
-                              default=None)
-    ib_hca: str | None = _env("IB_HCA", "dp-ep: NCCL_IB_HCA (RDMA devices, e.g. "
-                              "rdma0,rdma1).", default=None)
+    mode: Literal["single", "replicas", "dp-ep"] = "single"
+    nodes: tuple[str, ...] = ()  # host:port of every node's API server (dp-ep: head first)
+    router_host: str = "127.0.0.1"  # loopback only: see _loopback
+    router_port: int = Field(8080, ge=1, le=65535)
+    router_metrics_port: int = Field(29000, ge=1, le=65535)  # --prometheus-port
+    router_policy: Literal[ROUTER_POLICIES] = "cache_aware"  # type: ignore[valid-type]
+    # --worker-startup-timeout-secs; >= VLLM_ENGINE_READY_TIMEOUT_S (checked in _check)
+    router_startup_timeout: int = Field(7200, ge=1)
+    health_interval: int = Field(10, ge=1, le=3600)  # --health-check-interval-secs
+    health_threshold: int = Field(3, ge=1, le=100)  # --health-failure-threshold
+    router_image: str = "k3rocm/router:0.1.17"  # Kubernetes: registry/repo@sha256:<digest>
+    proxy_image: str = ""  # Kubernetes: the nginx image of the router's data-port proxy
+    # Kubernetes: key=value[,key=value] labels of the MI355X nodes (AMD node labeller)
+    node_selector: str = "amd.com/gpu.product-name=AMD_Instinct_MI355X"
+    drain_timeout: int = Field(300, ge=0, le=86400)  # vLLM --shutdown-timeout (0 aborts)
+    dp_local: int = Field(1, ge=1, le=8)  # dp-ep: DP ranks per node (x K3_TP <= 8 GPUs)
+    dp_rpc_port: int = Field(13345, ge=1, le=65535)  # dp-ep: --data-parallel-rpc-port
+    all2all: Literal[ALL2ALL_BACKENDS] = "mori_low_latency"  # type: ignore[valid-type]
+    ifname: str | None = None  # dp-ep, required: GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME
+    ib_hca: str | None = None  # dp-ep: NCCL_IB_HCA (e.g. rdma0,rdma1)
 
     @field_validator("nodes", mode="before")
     @classmethod
-    def _split_nodes(cls, v: Any) -> Any:
+    def _nodes(cls, v: Any) -> Any:
         if isinstance(v, str):
             v = [p.strip() for p in v.split(",") if p.strip()]
+        for node in v:
+            m = _HOSTPORT.match(str(node))
+            if not m or not 1 <= int(m.group(1)) <= 65535:
+                raise ValueError(f"{node!r} is not host:port (e.g. node1:8000,node2:8000)")
+        if len(set(v)) != len(v):
+            raise ValueError("lists a node twice")
         return v
 
     @field_validator("node_selector")
@@ -134,17 +108,6 @@ class ScaleSettings(BaseModel):
             raise ValueError("the router's /add_worker and /remove_worker answer anyone who "
                              "reaches its port: keep it on 127.0.0.1 and expose only the data "
                              "paths through the proxy (docs/scale.md)")
-        return v
-
-    @field_validator("nodes")
-    @classmethod
-    def _nodes_hostport(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        for node in v:
-            m = _HOSTPORT.match(node)
-            if not m or not 1 <= int(m.group(1)) <= 65535:
-                raise ValueError(f"{node!r} is not host:port (e.g. node1:8000,node2:8000)")
-        if len(set(v)) != len(v):
-            raise ValueError("lists a node twice")
         return v
 
     # Derived views -----------------------------------------------------------------------
@@ -173,18 +136,16 @@ class ScaleSettings(BaseModel):
 
 
 SCALE_FIELDS = ScaleSettings.model_fields
-SCALE_ENV = {n: f.json_schema_extra["env"] for n, f in SCALE_FIELDS.items()}  # type: ignore[index]
+SCALE_ENV = {n: SCALE_PREFIX + n.upper() for n in SCALE_FIELDS}
 SCALE_FIELD_BY_ENV = {e: n for n, e in SCALE_ENV.items()}
 
 
 def _describe(name: str) -> str:
-    f = SCALE_FIELDS[name]
-    args = getattr(f.annotation, "__args__", ())
-    if args and all(isinstance(a, str) for a in args):
-        return "one of " + ", ".join(args)
-    bounds = [f"{sym} {getattr(m, a)}" for m in f.metadata
-              for a, sym in (("ge", ">="), ("gt", ">"), ("le", "<=")) if getattr(m, a, None)
-              is not None]
+    """What a valid value of a choice or integer setting is (from the model's JSON schema)."""
+    p = ScaleSettings.model_json_schema()["properties"][name]
+    if "enum" in p:
+        return "one of " + ", ".join(p["enum"])
+    bounds = [f"{sym} {p[k]}" for k, sym in (("minimum", ">="), ("maximum", "<=")) if k in p]
     return "an integer" + (" " + " and ".join(bounds) if bounds else "")
 
 
@@ -207,14 +168,11 @@ def load_scale(environ: Mapping[str, str] | None = None,
                                      "settings are " + ", ".join(SCALE_FIELD_BY_ENV))
                 if raw != "":
                     merged[key] = (raw, src)
-            elif key == ENGINE_READY_ENV and raw != "":
-                merged[key] = (raw, src)
     if merged.get(SCALE_PREFIX + "MODE", ("",))[0] == "pd":
         raise UsageError(f"K3_SCALE_MODE=pd (from {merged[SCALE_PREFIX + 'MODE'][1]}) is not "
                          "offered: prefill/decode disaggregation was never proven to start "
                          "(docs/scale.md); use replicas")
-    values = {SCALE_FIELD_BY_ENV[k]: raw for k, (raw, _) in merged.items() if k in
-              SCALE_FIELD_BY_ENV}
+    values = {SCALE_FIELD_BY_ENV[k]: raw for k, (raw, _) in merged.items()}
     try:
         s = ScaleSettings(**values)
     except ValidationError as exc:
@@ -226,7 +184,8 @@ def load_scale(environ: Mapping[str, str] | None = None,
             msg = f"use {_describe(name)}"
         raise UsageError(f"{SCALE_ENV.get(name, name)}={values.get(name, '?')!r} is not "
                          f"valid: {msg}") from None
-    raw_ready = merged.get(ENGINE_READY_ENV, (str(ENGINE_READY_DEFAULT), "default"))[0]
+    raw_ready = (environ.get(ENGINE_READY_ENV) or file_vals.get(ENGINE_READY_ENV)
+                 or str(ENGINE_READY_DEFAULT))
     try:
         ready = int(float(raw_ready))
     except ValueError:
@@ -244,9 +203,8 @@ def _check(s: ScaleSettings, engine_ready: int, tp: int | None) -> None:
             "still loading; raise it to at least that")
     if s.mode == "single":
         return
-    need = {"replicas": 2, "dp-ep": 2}[s.mode]
-    if len(s.nodes) < need:
-        raise UsageError(f"K3_SCALE_MODE={s.mode} needs K3_SCALE_NODES with at least {need} "
+    if len(s.nodes) < 2:  # replicas and dp-ep alike
+        raise UsageError(f"K3_SCALE_MODE={s.mode} needs K3_SCALE_NODES with at least 2 "
                          f"host:port entries (got {len(s.nodes)}); e.g. "
                          "K3_SCALE_NODES=node1:8000,node2:8000")
     if s.mode == "dp-ep" and not s.ifname:

@@ -20,11 +20,13 @@ import contextlib
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
+from urllib.parse import urlparse
 
 from k3rocm.deploy.provenance import find_server_container
-from k3rocm.deploy.scale.settings import ScaleSettings
+from k3rocm.deploy.scale.settings import ScaleSettings, load_scale
 from k3rocm.deploy.server_api import ServerAPI, Unreachable
-from k3rocm.errors import ServerError
+from k3rocm.errors import ServerError, UsageError
+from k3rocm.serving.decisions import final_in_log as parse_decisions  # last record per process
 
 HTTP_TIMEOUT = 5.0
 # One counter sample per engine (label set) in the Prometheus text format.
@@ -89,13 +91,6 @@ def _health(api: ServerAPI) -> str:
     return "ok" if code == 200 else f"http {code}"
 
 
-def parse_decisions(log_text: str) -> dict[tuple[Any, Any], dict[str, Any]]:
-    """Last decision record per (pid, layer_kind) from a server log ("load" supersedes)."""
-    from k3rocm.serving.decisions import final_in_log
-
-    return final_in_log(log_text)
-
-
 def summarize_decisions(records: dict[tuple[Any, Any], dict[str, Any]]) -> str:
     """e.g. ``target: qk_norm=on decode_qprep=off`` (one state per fusion and layer kind;
     ``mixed`` when processes disagree)."""
@@ -105,12 +100,9 @@ def summarize_decisions(records: dict[tuple[Any, Any], dict[str, Any]]) -> str:
     for (_pid, kind), rec in sorted(records.items(), key=lambda kv: str(kv[0])):
         for fusion, d in (rec.get("fusions") or {}).items():
             per.setdefault(str(kind), {}).setdefault(fusion, set()).add(str(d.get("state")))
-    parts = []
-    for kind, fusions in per.items():
-        states = " ".join(f"{f}={next(iter(s)) if len(s) == 1 else 'mixed'}"
-                          for f, s in sorted(fusions.items()))
-        parts.append(f"{kind}: {states}")
-    return "; ".join(parts)
+    return "; ".join(f"{kind}: " + " ".join(f"{f}={next(iter(s)) if len(s) == 1 else 'mixed'}"
+                                            for f, s in sorted(fusions.items()))
+                     for kind, fusions in per.items())
 
 
 def replica_status(address: str, client=None, api_key: str | None = None,
@@ -128,16 +120,15 @@ def replica_status(address: str, client=None, api_key: str | None = None,
         if dp_ranks:
             model = st.models[0] if st.models else ""
             st.ranks = {k: rank_check(url, model, k, api_key) for k in range(dp_ranks)}
-    if client is not None:
-        c = find_server_container(client, url)
-        if c is not None:
-            st.container = c.name
-            st.image_id = (c.attrs or {}).get("Image")
-            try:
-                logs = c.logs().decode(errors="replace")
-                st.fusions = summarize_decisions(parse_decisions(logs))
-            except Exception as exc:  # noqa: BLE001 - the container went away meanwhile
-                st.fusions = f"unknown (log not readable: {exc.__class__.__name__})"
+    c = find_server_container(client, url) if client is not None else None
+    if c is not None:
+        st.container = c.name
+        st.image_id = (c.attrs or {}).get("Image")
+        try:
+            logs = c.logs().decode(errors="replace")
+            st.fusions = summarize_decisions(parse_decisions(logs))
+        except Exception as exc:  # noqa: BLE001 - the container went away meanwhile
+            st.fusions = f"unknown (log not readable: {exc.__class__.__name__})"
     return st
 
 
@@ -145,14 +136,9 @@ def router_status(s: ScaleSettings, replicas: list[ReplicaStatus]) -> RouterStat
     total = len(replicas)
     healthy = sum(1 for r in replicas if r.healthy)
     health = _health(ServerAPI(s.router_url, timeout=HTTP_TIMEOUT))
-    if health.startswith("unreachable"):
-        return RouterStatus(s.router_url, health, "router unreachable", healthy, total)
-    if health == "ok" and healthy == total:
-        summary = f"ok, {healthy} of {total}"
-    elif healthy == 0:
-        summary = f"down, 0 of {total}"
-    else:
-        summary = f"degraded, {healthy} of {total}"
+    summary = ("router unreachable" if health.startswith("unreachable") else
+               f"ok, {healthy} of {total}" if health == "ok" and healthy == total else
+               f"down, 0 of {total}" if healthy == 0 else f"degraded, {healthy} of {total}")
     return RouterStatus(s.router_url, health, summary, healthy, total)
 
 
@@ -195,11 +181,6 @@ def status_json(replicas: list[ReplicaStatus], router: RouterStatus) -> dict[str
 
 def topology(url: str, environ=None) -> dict[str, Any]:
     """The ``topology`` block of a result's provenance: what ``url`` is in the scale settings."""
-    from urllib.parse import urlparse
-
-    from k3rocm.deploy.scale.settings import load_scale
-    from k3rocm.errors import UsageError
-
     try:
         s = load_scale(environ)
     except UsageError as exc:
