@@ -57,19 +57,9 @@ def _split_outer(name: str) -> tuple[str, str]:
     return "".join(out), "".join(first_tmpl)
 
 
-_CLONE = re.compile(r"\s*\[clone [^\]]*\]$")
-
-
-def _strip_suffixes(name: str) -> str:
-    """Drop the code-object suffixes rocprofiler-sdk names carry: `` [clone .kd]`` (any
-    ``[clone ...]``, possibly repeated) and a trailing ``.kd``."""
-    while True:
-        new = _CLONE.sub("", name)
-        if new.endswith(".kd"):
-            new = new[:-3]
-        if new == name:
-            return name
-        name = new
+# the code-object suffixes rocprofiler-sdk names carry: `` [clone .kd]`` (any ``[clone ...]``,
+# possibly repeated) and a trailing ``.kd``
+_SUFFIXES = re.compile(r"(?:\s*\[clone [^\]]*\]|\.kd)+$")
 
 
 def _demangle_qualified(name: str) -> str:
@@ -138,7 +128,7 @@ class Normalizer:
         hit = self._cache.get(raw)
         if hit is not None:
             return hit
-        name = _strip_suffixes(" ".join(raw.split()))
+        name = _SUFFIXES.sub("", " ".join(raw.split()))
         if self.strip_templates:
             name = _demangle_qualified(name)
             name = _strip_args(name)
