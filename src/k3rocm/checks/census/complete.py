@@ -19,7 +19,7 @@ tested for the losses known on ROCm and CUDA, and a set that lost events gets th
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections import defaultdict
 from itertools import takewhile
 from typing import Any
 
@@ -52,9 +52,7 @@ def losses(traces: TraceSet, world_size: int) -> list[dict[str, Any]]:
     per_step: dict[int, list[tuple[int, tuple[int, int], int]]] = {}
     best: dict[tuple[int, int], int] = defaultdict(int)
     for rt in gpu:
-        n: Counter[int] = Counter()
-        for ln in rt.launches:
-            n[ln.step] += ln.count
+        n = [sum(c.values()) for c in rt.per_step_counts()]
         rows = [(s.index, (s.gen_reqs, s.gen_tokens), n[s.index])
                 for s in rt.steps if s.decode_only]
         per_step[rt.rank] = rows

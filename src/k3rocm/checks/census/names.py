@@ -62,6 +62,9 @@ def _split_outer(name: str) -> tuple[str, str]:
 _SUFFIXES = re.compile(r"(?:\s*\[clone [^\]]*\]|\.kd)+$")
 
 
+_LENGTH = re.compile(r"\d+")
+
+
 def _demangle_qualified(name: str) -> str:
     """``_ZN5aiter23fused_qk_rmsnorm_kernelI...`` -> ``aiter::fused_qk_rmsnorm_kernel``: the
     qualified name of an Itanium-mangled symbol (what rocprofiler-sdk's kernel symbol holds
@@ -71,13 +74,9 @@ def _demangle_qualified(name: str) -> str:
     nested = name.startswith("_ZN")
     i = 3 if nested else 2
     parts = []
-    while i < len(name) and name[i].isdigit():
-        j = i
-        while j < len(name) and name[j].isdigit():
-            j += 1
-        n = int(name[i:j])
-        parts.append(name[j:j + n])
-        i = j + n
+    while m := _LENGTH.match(name, i):  # <length><identifier>, ...
+        i = m.end() + int(m.group())
+        parts.append(name[m.end():i])
         if not nested:
             break
     return "::".join(parts) if parts and all(parts) else name

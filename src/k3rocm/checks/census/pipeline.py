@@ -13,6 +13,8 @@ import platform
 import shlex
 import sys
 from dataclasses import dataclass
+from itertools import groupby
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -271,8 +273,7 @@ def live_census(url: str, model: str, api_key: str | None, client: Any, containe
     runrecord.write(run_dir, record)  # early: kept if we fail
     traces = drive.TraceDir(host_dir, container, prof_dir)
     before = traces.snapshot()
-    info = drive.profile_under_load(drive.Load(url, model, load.concurrency, load.max_tokens,
-                                               load.prompt_words, api_key), load.steps)
+    info = drive.profile_under_load(url, model, api_key, load)
     log(f"profile done: {info}")
     dest = run_dir / "traces"
     log(f"collecting traces from {traces}")
@@ -280,11 +281,9 @@ def live_census(url: str, model: str, api_key: str | None, client: Any, containe
     log(f"collected {len(files)} file(s) into {dest}")
     decisions = read_decisions(opts, None, container)
     if decisions is not None:  # kept beside the traces: an offline re-analysis finds them
-        by_pid: dict[int, list[Any]] = {}
-        for r in decisions.records:
-            by_pid.setdefault(r.pid, []).append(r.raw)
-        for pid, recs in by_pid.items():
-            write_json_atomic(dest / f"k3rocm-decisions-pid{pid}.json", recs)
+        by_pid = attrgetter("pid")
+        for pid, recs in groupby(sorted(decisions.records, key=by_pid), by_pid):
+            write_json_atomic(dest / f"k3rocm-decisions-pid{pid}.json", [r.raw for r in recs])
         if decisions.found and not decisions.records:  # read, and empty: evidence too
             write_json_atomic(dest / NO_RECORDS, {"source": decisions.source, "records": 0})
     census = analyse(dest, opts, claim, decisions, served=served)
