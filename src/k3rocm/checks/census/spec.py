@@ -19,7 +19,6 @@ role (CPU operators nest), and not when a parent matches ``exclude_parents``.
 
 from __future__ import annotations
 
-import copy
 import json
 import re
 from dataclasses import dataclass, field
@@ -124,10 +123,10 @@ def load_spec(platform: str, model_type: str | None, spec_file: str | None = Non
               other_norms: str | None = None) -> Spec:
     """Build the role matchers for ``platform`` (rocm|cpu) from kernels.json, optionally
     overridden by a JSON file of the same shape (roles replaced one by one)."""
-    table = copy.deepcopy(kernel_table())
+    table = kernel_table()  # parsed afresh: updated in place below
     platforms = table["platforms"]
     families = table["model_families"]
-    fam_of = dict(table["family_of_model_type"])
+    fam_of = table["family_of_model_type"]
     if spec_file:
         try:
             user = json.loads(Path(spec_file).read_text())

@@ -193,21 +193,21 @@ def parse_rank_trace(path: str | os.PathLike, normalize: Normalizer | None = Non
     malformed event is a one-line UsageError naming the file. ``progress(n)`` is called every
     million events."""
     path = Path(path)
-    with TraceStream(path) as stream:
-        col = _Collector()
-        try:
-            for e in stream.events():
-                col.add(e)
-                if progress is not None and stream.count % 1_000_000 == 0:
-                    progress(stream.count)
-            return col.finish(path, normalize or Normalizer(), mode, stream.header)
-        except UsageError:
-            raise
-        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
-            why = " ".join(str(exc).split())[:120]
-            raise UsageError(f"trace {path} is malformed ({exc.__class__.__name__}: {why}); "
-                             "every complete event needs a numeric ts/dur and a name; "
-                             "re-collect the trace") from None
+    stream = TraceStream(path)
+    col = _Collector()
+    try:
+        for e in stream.events():
+            col.add(e)
+            if progress is not None and stream.count % 1_000_000 == 0:
+                progress(stream.count)
+        return col.finish(path, normalize or Normalizer(), mode, stream.header)
+    except UsageError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
+        why = " ".join(str(exc).split())[:120]
+        raise UsageError(f"trace {path} is malformed ({exc.__class__.__name__}: {why}); "
+                         "every complete event needs a numeric ts/dur and a name; "
+                         "re-collect the trace") from None
 
 
 def _num(e: dict[str, Any], key: str, default: float | None = None) -> float:
@@ -399,7 +399,6 @@ class _Collector:
                 a[1] += self.k_dur[k]
         launches: list[Launch] = []
         outside: list[Launch] = []
-        unattributed = 0
         norm_par: dict[int, tuple[str, ...]] = {}
         name_list = list(self.names)
         for (nid, si, pid), (n, us) in agg.items():
@@ -407,12 +406,8 @@ class _Collector:
             if par is None:
                 par = norm_par[pid] = tuple(normalize(name_list[x]) for x in par_tuples[pid])
             raw = name_list[nid]
-            ln = Launch(normalize(raw), raw, us, si, par, int(n))
-            if si < 0:
-                unattributed += int(n)
-                outside.append(ln)
-            else:
-                launches.append(ln)
+            (outside if si < 0 else launches).append(
+                Launch(normalize(raw), raw, us, si, par, int(n)))
         evidence = _evidence(header, len(self.rt_ts), len(self.gsteps))
         meta = {k: header.get(k) for k in ("vllm_version", "host_name", "distributedInfo",
                                            "deviceProperties", "schemaVersion")
@@ -423,8 +418,8 @@ class _Collector:
                                         if isinstance(d, dict)]
         started, started_source = start_time(path, header, steps)
         return RankTrace(path, -1 if rank is None else rank, mode, steps, launches,
-                         unattributed, meta, outside, world_size_of(header), rank_source,
-                         empty, evidence, lost, started, started_source)
+                         sum(ln.count for ln in outside), meta, outside, world_size_of(header),
+                         rank_source, empty, evidence, lost, started, started_source)
 
 
 TIME_IN_NAME = re.compile(r"(?<!\d)(\d{10}|\d{13}|\d{16}|\d{19})(?!\d)")
