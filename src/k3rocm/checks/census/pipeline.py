@@ -112,8 +112,6 @@ def resolve_world_size(trace_ws: int | None, given: int | None,
                        served: ServedAs | None = None) -> tuple[int, str]:
     """Which ranks must be present: the traces' metadata, else ``given`` (--world-size), else
     the live server's tensor-parallel size as rendered; unknown is bad input (exit 2)."""
-    if given is not None and given < 1:
-        raise UsageError(f"--world-size {given} must be >= 1")
     if trace_ws is not None:
         if given is not None and given != trace_ws:
             raise UsageError(f"--world-size {given} disagrees with the traces' "
@@ -147,9 +145,9 @@ def read_decisions(opts: Analysis, trace_dir: Path | None = None,
     if opts.skip_records:
         return None
     if opts.server_log:
-        text = Path(opts.server_log).read_text(errors="replace")
-        return Decisions(records_from_log(text, f"server log {opts.server_log}"),
-                         f"server log {opts.server_log}")
+        src = f"server log {opts.server_log}"
+        return Decisions(records_from_log(Path(opts.server_log).read_text(errors="replace"),
+                                          src), src)
     if trace_dir is not None and trace_dir.is_dir():
         files = decision_files(trace_dir)
         if files:

@@ -454,19 +454,13 @@ def _device_spans(gsteps: list[tuple[Any, Any, float, float, str]],
     host_by_name: dict[str, list[int]] = defaultdict(list)
     for st in steps:
         host_by_name[st.name].append(st.index)
-    queues: dict[tuple[Any, Any], list[tuple[float, float, str]]] = defaultdict(list)
-    for pid, tid, ts, dur, name in gsteps:
-        queues[(pid, tid)].append((ts, dur, name))
-    per_queue: dict[tuple[Any, Any], list[tuple[float, float, int]]] = {}
-    for q, spans in queues.items():
-        seen: Counter[str] = Counter()
-        out = []
-        for ts, dur, name in sorted(spans):
-            hosts = host_by_name.get(name, [])
-            if seen[name] < len(hosts):
-                out.append((ts, ts + dur, hosts[seen[name]]))
-            seen[name] += 1
-        per_queue[q] = out
+    per_queue: defaultdict[tuple[Any, Any], list[tuple[float, float, int]]] = defaultdict(list)
+    seen: Counter[tuple[tuple[Any, Any], str]] = Counter()
+    for pid, tid, ts, dur, name in sorted(gsteps, key=lambda g: g[2:]):  # in time order
+        q, hosts = (pid, tid), host_by_name.get(name, [])
+        if seen[q, name] < len(hosts):
+            per_queue[q].append((ts, ts + dur, hosts[seen[q, name]]))
+        seen[q, name] += 1
     starts = {q: [s[0] for s in v] for q, v in per_queue.items()}
 
     def step_of(queue: tuple[Any, Any], ts: float) -> int:
