@@ -128,22 +128,16 @@ class Census:
         return columns(head, rows, rule=False)
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "ok": self.ok, "verdict": self.verdict,
-            "incomplete": self.incomplete,
-            "model": asdict(self.model),
-            "claim": self.claim.to_json(),
-            "decisions": None if self.decisions is None else self.decisions.to_json(),
-            "world_size": self.world_size, "world_size_source": self.world_source,
-            "spec": self.spec.source,
-            "checks": [c.to_json() for c in self.checks],
-            "ranks": self.per_rank,
-            "per_mla_layer_per_decode_step": self.per_layer_step(),
-            "run_started": self.traces.run_started,
-            "skipped_runs": self.traces.skipped_runs,
-            "ignored_files": self.traces.ignored,
-            "notes": [],
-        }
+        dec = self.decisions
+        return {"ok": self.ok, "verdict": self.verdict, "incomplete": self.incomplete,
+                "model": asdict(self.model), "claim": self.claim.to_json(),
+                "decisions": None if dec is None else dec.to_json(),
+                "world_size": self.world_size, "world_size_source": self.world_source,
+                "spec": self.spec.source, "checks": [c.to_json() for c in self.checks],
+                "ranks": self.per_rank, "per_mla_layer_per_decode_step": self.per_layer_step(),
+                "run_started": self.traces.run_started,
+                "skipped_runs": self.traces.skipped_runs, "ignored_files": self.traces.ignored,
+                "notes": []}
 
     def markdown(self, title: str = "Decode kernel census", top: int = 25) -> str:
         c = self.claim

@@ -168,12 +168,8 @@ class TraceDir:
         # exit 0: a file that vanishes mid-scan makes find fail; what it did list still counts
         out = exec_text(self.container, ["sh", "-c", f"cd '{self.path}' 2>/dev/null && "
                                          "find . -type f -exec stat -c '%s %n' {} +; exit 0"])
-        files = {}
-        for line in (out or "").splitlines():
-            size, _, name = line.partition(" ")
-            if size.isdigit():
-                files[name.removeprefix("./")] = int(size)
-        return files
+        lines = (line.partition(" ") for line in (out or "").splitlines())
+        return {name.removeprefix("./"): int(size) for size, _, name in lines if size.isdigit()}
 
     def read(self, rel: str) -> bytes:
         if self.host is not None:

@@ -120,7 +120,11 @@ class Normalizer:
                 raise UsageError(f"kernel alias {spec!r} is not REGEX=NAME "
                                  "(e.g. 'rms_norm_kernel$=rms_norm')")
             pat, _, new = spec.rpartition("=")
-            pairs.append((compile_regex(pat, "kernel alias"), new))
+            try:
+                pairs.append((re.compile(pat), new))
+            except re.error as exc:
+                raise UsageError(f"kernel alias {pat!r} is not a valid regular expression "
+                                 f"({exc})") from None
         return cls(strip_templates=strip_templates, aliases=pairs)
 
     def __call__(self, raw: str) -> str:
@@ -146,10 +150,3 @@ class Normalizer:
                 break
         self._cache[raw] = name
         return name
-
-
-def compile_regex(pattern: str, what: str) -> re.Pattern[str]:
-    try:
-        return re.compile(pattern)
-    except re.error as exc:
-        raise UsageError(f"{what} {pattern!r} is not a valid regular expression ({exc})") from None
