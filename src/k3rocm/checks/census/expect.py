@@ -50,10 +50,11 @@ def role_counts(rt: RankTrace, spec: Spec) -> RoleCounts:
                     m = members.setdefault(qprep.member_of(ln.name), dict.fromkeys(SCOPES, 0))
                     m[where] += ln.count
         if not matched and rt.mode == "gpu" and (
-                spec.in_mla_region(ln.parents)
-                or (not ln.parents and where == "decode" and not spec.known_family(ln.name))):
+                any(x.search(p) for p in ln.parents for x in spec.mla_region)
+                or (not ln.parents and where == "decode"
+                    and not any(x.search(ln.name) for x in spec.known_kernels))):
             # around a host operator of the MLA region; or, graph-replayed (no operator
-            # around the launch) in a decode step, of no known family
+            # around the launch) in a decode step, of no known family (GEMMs, MoE, ...)
             unclassified[ln.name] += ln.count
     return RoleCounts(launches, {r: {k: round(v, 3) for k, v in d.items()}
                                  for r, d in time_us.items()},
@@ -223,8 +224,8 @@ def summarize(checks: list[Check]) -> list[dict[str, Any]]:
             "check": what, "scope": scope, "expected": common[0], "seen": common[1],
             "ranks": f"{len(major)}/{len(cs)}" if ranked else "set", "status": status,
             "rule": major[0].rule,
-            "deviations": [f"rank {c.rank}: expected {'-' if c.expected is None else c.expected}"
-                           f", seen {c.seen} ({c.status})" for c in devs]})
+            "deviations": [f"rank {c.rank}: expected {_dash(c.expected)}, seen {c.seen} "
+                           f"({c.status})" for c in devs]})
     return rows
 
 

@@ -95,13 +95,6 @@ class Spec:
     mla_region: list[re.Pattern[str]] = field(default_factory=list)
     known_kernels: list[re.Pattern[str]] = field(default_factory=list)
 
-    def in_mla_region(self, parents: tuple[str, ...]) -> bool:
-        return any(x.search(p) for p in parents for x in self.mla_region)
-
-    def known_family(self, name: str) -> bool:
-        """A kernel of a known family that is no role (GEMMs, MoE, MLA decode, ...)."""
-        return any(x.search(name) for x in self.known_kernels)
-
 
 class Region(BaseModel):
     parents: Patterns = []

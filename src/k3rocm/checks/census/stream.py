@@ -67,9 +67,7 @@ def _header(head: bytes, tail: bytes, whole: bool) -> dict[str, Any]:
     if i > 0:
         with contextlib.suppress(ValueError):
             out.update(json.loads(text[:i].rstrip().rstrip(",") + "}"))
-    t = tail.decode("utf-8", "replace").rstrip()
-    if t.endswith("}"):
-        t = t[:-1]
+    t = tail.decode("utf-8", "replace").rstrip().removesuffix("}")
     j = len(t)
     for _ in range(32):  # the event list ends at one of the last "]": the one that parses
         j = t.rfind("]", 0, j)

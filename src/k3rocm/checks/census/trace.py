@@ -71,11 +71,6 @@ class Step:
         speculative tokens)."""
         return self.ctx_reqs == 0 and self.gen_reqs > 0 and not self.recompute
 
-    @property
-    def empty(self) -> bool:
-        """``execute_context_0(0)_generation_0(0)``: an engine step without a forward."""
-        return self.ctx_reqs == 0 and self.gen_reqs == 0
-
     def to_json(self) -> dict[str, Any]:
         return {"index": self.index, "name": self.name, "decode_only": self.decode_only,
                 "ctx_reqs": self.ctx_reqs, "ctx_tokens": self.ctx_tokens,
