@@ -13,7 +13,7 @@ Rules (target layers judged, draft layers reported):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from k3rocm.checks.census.expect import Check
@@ -29,9 +29,7 @@ class Decisions:
 
     def to_json(self) -> dict[str, Any]:
         return {"source": self.source, "found": self.found, "count": len(self.records),
-                "final": [{"pid": r.pid, "process": r.process, "tp_rank": r.tp_rank,
-                           "layer_kind": r.layer_kind, "phase": r.phase, "states": r.states,
-                           "reasons": r.reasons, "asked": r.asked, "where": r.where}
+                "final": [{k: v for k, v in asdict(r).items() if k not in ("order", "raw")}
                           for r in final_decisions(self.records).values()]}
 
 
