@@ -366,15 +366,12 @@ class _Collector:
         else:
             order = sorted(range(len(self.rt_corr)), key=self.rt_corr.__getitem__)
             corrs = array("q", (self.rt_corr[i] for i in order))
-            kcorrs = array("q", sorted(self.k_corr))
-            for i in order:  # a one-kernel launch whose kernel record never arrived
-                c = self.rt_corr[i]
-                if c >= 0 and self.rt_launch[i]:
-                    j = bisect.bisect_left(kcorrs, c)
-                    if j == len(kcorrs) or kcorrs[j] != c:
-                        si = step_at(self.rt_ts[i])
-                        if si >= 0:
-                            lost[si] = lost.get(si, 0) + 1
+            kcorrs = set(self.k_corr)
+            for i, c in enumerate(self.rt_corr):  # a one-kernel launch whose kernel never came
+                if c >= 0 and self.rt_launch[i] and c not in kcorrs:
+                    si = step_at(self.rt_ts[i])
+                    if si >= 0:
+                        lost[si] = lost.get(si, 0) + 1
             del kcorrs
             step_of = _device_spans(self.gsteps, steps)
             queue_of = {v: k for k, v in self.threads.items()}
