@@ -214,15 +214,14 @@ def summarize(checks: list[Check]) -> list[dict[str, Any]]:
         groups.setdefault((c.what, c.scope, c.role), []).append(c)
     rows = []
     for (what, scope, _), cs in groups.items():
-        common, _n = Counter((c.expected, c.seen, c.ok) for c in cs).most_common(1)[0]
+        common = Counter((c.expected, c.seen, c.ok) for c in cs).most_common(1)[0][0]
         major = [c for c in cs if (c.expected, c.seen, c.ok) == common]
         devs = [c for c in cs if (c.expected, c.seen, c.ok) != common]
         oks = [c.ok for c in cs]
-        status = ("FAIL" if False in oks else "ok" if True in oks else "not checked")
-        ranked = cs[0].rank != "all"
         rows.append({
             "check": what, "scope": scope, "expected": common[0], "seen": common[1],
-            "ranks": f"{len(major)}/{len(cs)}" if ranked else "set", "status": status,
+            "ranks": f"{len(major)}/{len(cs)}" if cs[0].rank != "all" else "set",
+            "status": "FAIL" if False in oks else "ok" if True in oks else "not checked",
             "rule": major[0].rule,
             "deviations": [f"rank {c.rank}: expected {_dash(c.expected)}, seen {c.seen} "
                            f"({c.status})" for c in devs]})

@@ -160,9 +160,7 @@ def decode_tokens_per_request(steps: list[Step]) -> int | None:
     the larger). None without such steps."""
     per = Counter(-(-s.gen_tokens // s.gen_reqs) for s in steps
                   if s.ctx_reqs == 0 and s.gen_reqs > 0)
-    if not per:
-        return None
-    return max(per.items(), key=lambda kv: (kv[1], kv[0]))[0]
+    return max(per.items(), key=lambda kv: (kv[1], kv[0]), default=(None,))[0]
 
 
 def rank_and_source(path: Path, obj: dict[str, Any]) -> tuple[int | None, str]:
