@@ -38,15 +38,11 @@ class Census:
     @property
     def verdict(self) -> str:
         """PASS, FAIL, or INCOMPLETE TRACE (lost events: no verdict on the fusions)."""
-        if self.incomplete:
-            return "INCOMPLETE TRACE"
-        return "PASS" if self.ok else "FAIL"
+        return "INCOMPLETE TRACE" if self.incomplete else "PASS" if self.ok else "FAIL"
 
     @property
     def exit_code(self) -> int:
-        if self.incomplete:
-            return EXIT_INCOMPLETE
-        return EXIT_OK if self.ok else EXIT_CHECK_FAILED
+        return EXIT_INCOMPLETE if self.incomplete else EXIT_OK if self.ok else EXIT_CHECK_FAILED
 
     def incomplete_lines(self) -> list[str]:
         return [f"rank {x['rank']}: {x['what']}" for x in self.incomplete]

@@ -78,9 +78,7 @@ class Check:
         return {True: "ok", False: "FAIL", None: "not checked"}[self.ok]
 
     def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["status"] = self.status
-        return d
+        return {**asdict(self), "status": self.status}
 
 
 def other_norms(spec: Spec, model: ModelFacts) -> int | None:

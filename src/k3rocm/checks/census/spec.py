@@ -79,10 +79,7 @@ class Role(BaseModel):
                        or any(x.search(p) for x in self.exclude_parents) for p in parents)
 
     def member_of(self, name: str) -> str:
-        for m in self.members:
-            if m.match.search(name):
-                return m.name
-        return "other"
+        return next((m.name for m in self.members if m.match.search(name)), "other")
 
 
 @dataclass

@@ -149,9 +149,7 @@ class RankTrace:
 
 def parse_step_name(name: str) -> tuple[int, int, int, int] | None:
     m = STEP_SIMPLE.match(name) or STEP_DETAILED.match(name)
-    if not m:
-        return None
-    return int(m.group(1)), int(m.group(2)), int(m.group(3)), int(m.group(4))
+    return tuple(map(int, m.groups())) if m else None  # type: ignore[return-value]
 
 
 def decode_tokens_per_request(steps: list[Step]) -> int | None:
@@ -503,9 +501,8 @@ _progress = tagged_log("census")
 def iso_time(t: float | None) -> str:
     import datetime as dt
 
-    if t is None:
-        return "unknown time"
-    return dt.datetime.fromtimestamp(t, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return "unknown time" if t is None else \
+        dt.datetime.fromtimestamp(t, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def group_runs(traces: list[RankTrace]) -> list[list[RankTrace]]:
