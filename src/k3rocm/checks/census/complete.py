@@ -34,10 +34,9 @@ CAUSES = ("known causes: ROCm 7.2.0's roctracer drops graph-replayed dispatches 
 
 def losses(traces: TraceSet, world_size: int) -> list[dict[str, Any]]:
     """What was lost, one entry per finding: {rank, what}."""
-    out: list[dict[str, Any]] = []
     present = {r.rank for r in traces.ranks}
-    for r in sorted(set(range(world_size)) - present):
-        out.append({"rank": r, "what": "no worker trace for this rank"})
+    out = [{"rank": r, "what": "no worker trace for this rank"}
+           for r in sorted(set(range(world_size)) - present)]
     gpu = [r for r in traces.ranks if r.mode == "gpu"]
     for rt in traces.ranks:
         if rt.mode == "gpu":

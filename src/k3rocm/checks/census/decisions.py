@@ -80,8 +80,7 @@ def cross_check(claim: FusionClaim, dec: Decisions | None) -> list[Check]:
         else:
             row(f"every target process ({n}) reports {_on(asked)} ({target[0].reasons[k]})",
                 n, n, True)
-        for r in draft:
-            rows.append(Check("all", f"{k} in draft layers", "records", "records",
-                              f"reported only: {r.label()} {r.states[k].upper()} "
-                              f"({r.reasons[k]})", None, int(r.states[k] == "on"), None))
+        rows.extend(Check("all", f"{k} in draft layers", "records", "records",
+                          f"reported only: {r.label()} {r.states[k].upper()} ({r.reasons[k]})",
+                          None, int(r.states[k] == "on"), None) for r in draft)
     return rows
