@@ -133,10 +133,7 @@ class Normalizer:
             return hit
         name = _SUFFIXES.sub("", " ".join(raw.split()))
         if self.strip_templates:
-            name = _demangle_qualified(name)
-            name = _strip_args(name)
-            if name.startswith("void "):
-                name = name[5:]
+            name = _strip_args(_demangle_qualified(name)).removeprefix("void ")
             base, tmpl = _split_outer(name)
             base = base.strip()
             if tmpl and any(g.search(base) for g in self.generic):
