@@ -3,31 +3,19 @@ the per-rank report (stock vs fused launches and device time per MLA layer per d
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from k3rocm.checks.census import expect
 from k3rocm.checks.census.complete import CAUSES, losses
 from k3rocm.checks.census.decisions import Decisions, cross_check
-from k3rocm.checks.census.expect import (
-    Check,
-    build_checks,
-    columns,
-    other_norms,
-    rank_checks,
-    render_summary,
-    render_summary_markdown,
-    step_checks,
-)
+from k3rocm.checks.census.expect import Check, columns
 from k3rocm.checks.census.fusions import FusionClaim
 from k3rocm.checks.census.modelcfg import ModelFacts
 from k3rocm.checks.census.spec import Spec
 from k3rocm.checks.census.trace import TraceSet, iso_time
 from k3rocm.errors import EXIT_CHECK_FAILED, EXIT_INCOMPLETE, EXIT_OK, UsageError
-
-
-def _r(x: float | None, nd: int = 4) -> float | None:
-    return None if x is None else round(x, nd)
 
 
 @dataclass
@@ -41,7 +29,6 @@ class Census:
     decisions: Decisions | None
     world_size: int
     world_source: str
-    notes: list[str] = field(default_factory=list)
     incomplete: list[dict[str, Any]] = field(default_factory=list)  # complete.losses
 
     @property
@@ -51,35 +38,31 @@ class Census:
     @property
     def verdict(self) -> str:
         """PASS, FAIL, or INCOMPLETE TRACE (lost events: no verdict on the fusions)."""
-        if self.incomplete:
-            return "INCOMPLETE TRACE"
-        return "PASS" if self.ok else "FAIL"
+        return "INCOMPLETE TRACE" if self.incomplete else "PASS" if self.ok else "FAIL"
 
     @property
     def exit_code(self) -> int:
-        if self.incomplete:
-            return EXIT_INCOMPLETE
-        return EXIT_OK if self.ok else EXIT_CHECK_FAILED
+        return EXIT_INCOMPLETE if self.incomplete else EXIT_OK if self.ok else EXIT_CHECK_FAILED
 
     def incomplete_lines(self) -> list[str]:
         return [f"rank {x['rank']}: {x['what']}" for x in self.incomplete]
 
     def table(self) -> str:
-        return render_summary(self.checks)
+        return expect.render_summary(self.checks)
 
     def per_layer_step(self) -> list[dict[str, Any]]:
         """Per rank and fusion: stock vs fused launches and device time in decode-only steps,
         per MLA layer per decode step (the A/B unit)."""
         out = []
         L = max(self.model.mla_layers, 1)
-        other = other_norms(self.spec, self.model)
+        other = expect.other_norms(self.spec, self.model)
         for pr in self.per_rank:
             D = pr["decode_steps"]
             n = {r: v["decode"] for r, v in pr["roles"]["launches"].items()}  # decode-only
             t = {r: v["decode"] for r, v in pr["roles"]["time_us"].items()}
 
             def per(x: float | None, D: int = D) -> float | None:
-                return _r(x / (L * D)) if D and x is not None else None
+                return round(x / (L * D), 4) if D and x is not None else None
 
             qk_stock = None if other is None else n["qk_norm"] - other * D
             q_stock = n["cache_write"] + n["q_concat_quant"]
@@ -141,22 +124,16 @@ class Census:
         return columns(head, rows, rule=False)
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "ok": self.ok, "verdict": self.verdict,
-            "incomplete": self.incomplete,
-            "model": asdict(self.model),
-            "claim": self.claim.to_json(),
-            "decisions": None if self.decisions is None else self.decisions.to_json(),
-            "world_size": self.world_size, "world_size_source": self.world_source,
-            "spec": self.spec.source,
-            "checks": [c.to_json() for c in self.checks],
-            "ranks": self.per_rank,
-            "per_mla_layer_per_decode_step": self.per_layer_step(),
-            "run_started": self.traces.run_started,
-            "skipped_runs": self.traces.skipped_runs,
-            "ignored_files": self.traces.ignored,
-            "notes": self.notes,
-        }
+        dec = self.decisions
+        return {"ok": self.ok, "verdict": self.verdict, "incomplete": self.incomplete,
+                "model": asdict(self.model), "claim": self.claim.to_json(),
+                "decisions": None if dec is None else dec.to_json(),
+                "world_size": self.world_size, "world_size_source": self.world_source,
+                "spec": self.spec.source, "checks": [c.to_json() for c in self.checks],
+                "ranks": self.per_rank, "per_mla_layer_per_decode_step": self.per_layer_step(),
+                "run_started": self.traces.run_started,
+                "skipped_runs": self.traces.skipped_runs, "ignored_files": self.traces.ignored,
+                "notes": []}
 
     def markdown(self, title: str = "Decode kernel census", top: int = 25) -> str:
         c = self.claim
@@ -186,7 +163,6 @@ class Census:
                  f"- Kernel table: {self.spec.platform} rules from "
                  f"`{self.spec.source['table']}`; other RMSNorm launches per step: "
                  f"`{self.spec.other_norms_formula}`", ""]
-        lines += [f"- Note: {note}" for note in self.notes]
         lines += [f"- Run judged: the newest in the directory, started "
                   f"{iso_time(self.traces.run_started)} "
                   f"({self.per_rank[0]['started_source'] if self.per_rank else ''})"]
@@ -197,36 +173,31 @@ class Census:
                   f"steps ({pr['decode_steps']} decode-only, {pr['empty_steps_ignored']} without a "
                   f"forward ignored), {pr['launches']} launches, {pr['unattributed']} outside "
                   "steps" for pr in self.per_rank]
-        lines += ["", "## Expected vs seen", "", render_summary_markdown(self.checks), "",
+        lines += ["", "## Expected vs seen", "", expect.render_summary_markdown(self.checks), "",
                   "## Per fusion across ranks, per MLA layer per decode step", "", "```",
                   self.report_table(), "```"]
         unit = "device" if all(p["mode"] == "gpu" for p in self.per_rank) else "host (CPU op)"
-        rk = [pr["rank"] for pr in self.per_rank]
-        uncl = {k for pr in self.per_rank for k in pr["roles"]["unclassified"]}
+        uncl = sorted({k for pr in self.per_rank for k in pr["roles"]["unclassified"]})
         if uncl:
             lines += ["", "## Unclassified launches in the MLA attention region (per rank)", "",
                       "| kernel | launches per rank (ranks that differ) |", "|---|---|"]
             lines += [f"| `{k}` | " + _common([(pr["rank"], pr["roles"]["unclassified"].get(k, 0))
-                                               for pr in self.per_rank]) + " |"
-                      for k in sorted(uncl)]
+                                               for pr in self.per_rank]) + " |" for k in uncl]
         table = {pr["rank"]: {k["name"]: k for k in pr["kernels"]} for pr in self.per_rank}
-        totals: defaultdict[str, float] = defaultdict(float)
-        for kt in table.values():
-            for name, k in kt.items():
-                totals[name] += k["total_us"]
-        names = sorted(totals, key=lambda n: (-totals[n], n))[:top]
+        totals: Counter[str] = Counter()
+        launches: Counter[str] = Counter()
+        for k in (k for kt in table.values() for k in kt.values()):
+            totals[k["name"]] += k["total_us"]
+            launches[k["name"]] += k["launches"]
         lines += ["", f"## Top {top} kernels by {unit} time, across ranks", "",
                   "| kernel | launches per rank (ranks that differ) | per step | mean total us "
                   "per rank | mean us |", "|---|---|---:|---:|---:|"]
-        for name in names:
-            ks = [table[r].get(name) for r in rk]
-            seen = [k for k in ks if k is not None]
-            n = sum(k["launches"] for k in seen)
-            lines.append(f"| `{name}` | "
-                         + _common([(r, k["launches"] if k else 0) for r, k in zip(
-                             rk, ks, strict=True)])
-                         + f" | {seen[0]['per_step']} | {round(totals[name] / len(rk), 3)} | "
-                         f"{round(totals[name] / max(n, 1), 3)} |")
+        for name in sorted(totals, key=lambda n: (-totals[n], n))[:top]:
+            per_step = next(kt[name]["per_step"] for kt in table.values() if name in kt)
+            lines.append(f"| `{name}` | " + _common([(r, kt[name]["launches"] if name in kt else 0)
+                                                     for r, kt in table.items()])
+                         + f" | {per_step} | {round(totals[name] / len(table), 3)} | "
+                         f"{round(totals[name] / max(launches[name], 1), 3)} |")
         return "\n".join(lines) + "\n"
 
 
@@ -261,14 +232,14 @@ def na(v: Any) -> str:
 
 def run_census(traces: TraceSet, model: ModelFacts, claim: FusionClaim, spec: Spec,
                decisions: Decisions | None, world_size: int, world_source: str,
-               min_decode_steps: int = 1, extra_per_step: dict[str, int] | None = None,
-               notes: list[str] | None = None) -> Census:
-    checks: list[Check] = rank_checks([r.rank for r in traces.ranks], world_size, world_source)
+               min_decode_steps: int = 1,
+               extra_per_step: dict[str, int] | None = None) -> Census:
+    checks = expect.rank_checks([r.rank for r in traces.ranks], world_size, world_source)
     checks += cross_check(claim, decisions)
     per_rank = []
     for rt in traces.ranks:
-        checks += step_checks(rt, min_decode_steps)
-        cks, rc = build_checks(rt, spec, model, claim, extra_per_step)
+        checks += expect.step_checks(rt, min_decode_steps)
+        cks, rc = expect.build_checks(rt, spec, model, claim, extra_per_step)
         if rt.mode == "gpu" and rt.launches and not any(
                 sum(v.values()) for v in rc.launches.values()):
             top = ", ".join(k["name"] for k in rt.kernel_table()[:3])
@@ -279,10 +250,8 @@ def run_census(traces: TraceSet, model: ModelFacts, claim: FusionClaim, spec: Sp
                 "--alias REGEX=NAME or --spec FILE (docs/census.md)")
         checks += cks
         per_rank.append({**rt.summary(), "steps_detail": [s.to_json() for s in rt.steps],
-                         "roles": {"launches": rc.launches, "time_us": rc.time_us,
-                                   "names": rc.names, "members": rc.members,
-                                   "unclassified": rc.unclassified},
+                         "roles": asdict(rc),
                          "per_step": [dict(c.most_common()) for c in rt.per_step_counts()],
                          "kernels": rt.kernel_table()})
     return Census(traces, model, claim, spec, checks, per_rank, decisions, world_size,
-                  world_source, notes or [], losses(traces, world_size))
+                  world_source, losses(traces, world_size))

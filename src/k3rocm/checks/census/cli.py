@@ -20,27 +20,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from k3rocm.checks.census import common
+from k3rocm.checks.census import pipeline as pl
 from k3rocm.checks.census.analyze import Census
-from k3rocm.checks.census.common import (
-    add_analysis_arguments,
-    analysis_from,
-    model_dir_from,
-    profiling_from,
-    results_root,
-)
 from k3rocm.checks.census.complete import CAUSES
 from k3rocm.checks.census.fusions import from_cli
-from k3rocm.checks.census.pipeline import (
-    FUSIONS_METAVAR,
-    analyse,
-    base_provenance,
-    claim_from_container,
-    claim_offline,
-    live_census,
-    log,
-    read_decisions,
-    write_report,
-)
 from k3rocm.deploy import runrecord
 from k3rocm.errors import UsageError
 from k3rocm.rundir import create_run_dir
@@ -51,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     p.add_argument("--trace-dir", help="analyse the traces in this directory instead of "
                    "driving a server")
-    p.add_argument("--fusions", metavar=FUSIONS_METAVAR,
+    p.add_argument("--fusions", metavar=pl.FUSIONS_METAVAR,
                    help="what the server was asked for (default: "
                    f"{' / '.join(f.env for f in FUSIONS)} in the server container's env, "
                    "unset = on; offline: the run's provenance.json beside the trace directory)")
@@ -79,16 +63,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--trace-timeout", type=float, default=900.0,
                    help="seconds to wait for the trace files after /stop_profile")
     s.add_argument("--label", default="census", help="run directory label")
-    add_analysis_arguments(p)
+    common.add_analysis_arguments(p)
 
 
 def _finish(census: Census, run_dir: Path) -> int:
     for x in census.traces.skipped_runs:
         print(f"census: skipped {x['why']}: started {x['started']}, ranks "
               f"{', '.join(map(str, x['ranks']))} ({len(x['files'])} file(s))")
-    print(census.table())
-    print()
-    print(census.report_table())
+    print(census.table(), "", census.report_table(), sep="\n")
     bad = [c for c in census.checks if c.ok is False]
     if census.incomplete:
         for line in census.incomplete_lines():
@@ -109,7 +91,7 @@ def _finish(census: Census, run_dir: Path) -> int:
 
 def _deployment_args(args: argparse.Namespace):
     """The deployment; the server URL defaults to its URL (results root and checkpoint dir:
-    :func:`results_root`, :func:`model_dir_from`)."""
+    :func:`common.results_root`, :func:`common.model_dir_from`)."""
     from k3rocm.deploy.deployment import load_deployment
 
     dep = load_deployment()
@@ -122,31 +104,30 @@ def deployment_view(args: argparse.Namespace) -> dict:
     """What this command resolved (``--print-deployment``)."""
     dep = _deployment_args(args)
     try:
-        model_dir: str | None = str(Path(model_dir_from(args)).absolute())
+        model_dir: str | None = str(Path(common.model_dir_from(args)).absolute())
     except UsageError:
         model_dir = None
     return {**dep.to_json(), "url": args.url.rstrip("/"),
             "served_model_name": args.model or dep.served_model_name,
-            "results_root": str(Path(results_root(args)).absolute()),
+            "results_root": str(Path(common.results_root(args)).absolute()),
             "model_host_dir": model_dir}
 
 
 def run(args: argparse.Namespace) -> int:
     dep = _deployment_args(args)
-    opts = analysis_from(args)
+    opts = common.analysis_from(args)
     if args.trace_dir:
         tdir = Path(args.trace_dir)
         if not tdir.is_dir():
             raise UsageError(f"--trace-dir {tdir} does not exist or is not a directory")
-        claim = claim_offline(tdir, args.fusions)
-        decisions = read_decisions(opts, tdir)
-        census = analyse(tdir, opts, claim, decisions)
-        run_dir = create_run_dir(results_root(args), args.label)
-        files = [r.path for r in census.traces.ranks]
-        write_report(run_dir, census, runrecord.build(
+        claim = pl.claim_offline(tdir, args.fusions)
+        decisions = pl.read_decisions(opts, tdir)
+        census = pl.analyse(tdir, opts, claim, decisions)
+        run_dir = create_run_dir(common.results_root(args), args.label)
+        files = pl.base_provenance([r.path for r in census.traces.ranks])["trace_files"]
+        pl.write_report(run_dir, census, runrecord.build(
             deployment=dep, source="trace-dir", trace_dir=str(args.trace_dir),
-            claim=claim.to_json(), trace_files=base_provenance(files)["trace_files"]),
-            top=args.top)
+            claim=claim.to_json(), trace_files=files), top=args.top)
         return _finish(census, run_dir)
     return run_live(args, dep, opts)
 
@@ -155,47 +136,42 @@ def run_live(args: argparse.Namespace, dep, opts) -> int:
     from k3rocm.deploy.engine import docker_client
     from k3rocm.deploy.provenance import find_server_container
     from k3rocm.deploy.readiness import wait_ready
+    from k3rocm.deploy.server_api import ServerAPI
 
-    load = profiling_from(args)
+    load = common.profiling_from(args)
     api_key = dep.api_key
     url = args.url.rstrip("/")
-    model = args.model or _served_model(url, api_key, dep.served_model_name)
+    model = args.model
+    if not model:
+        try:
+            model = ServerAPI(url, api_key).models()[0]
+        except (UsageError, IndexError):  # wait_ready reports an unreachable server
+            model = dep.served_model_name
     wait_ready(url, model, args.server_timeout, api_key)
 
-    container = None
     client = docker_client(required=bool(args.container))
-    if client is not None:
+    container = None
+    if args.container:
         try:
-            if args.container:
-                container = client.containers.get(args.container)
-            else:
-                container = find_server_container(client, url)
-        except Exception as exc:  # noqa: BLE001
-            if args.container:
-                raise UsageError(f"--container {args.container}: not found in the Docker "
-                                 f"engine ({exc.__class__.__name__})", 3) from None
+            container = client.containers.get(args.container)
+        except Exception as exc:  # noqa: BLE001 - docker.errors.NotFound
+            raise UsageError(f"--container {args.container}: not found in the Docker "
+                             f"engine ({exc.__class__.__name__})", 3) from None
+    elif client is not None:
+        container = find_server_container(client, url)
 
     if args.fusions:
         claim = from_cli(args.fusions)
     elif container is not None:
-        claim = claim_from_container(container)
+        claim = pl.claim_from_container(container)
     else:
         raise UsageError("what the server was asked for is unknown: no server container found "
                          f"for {url}; pass --container or --fusions")
     if container is None and not args.server_log and not args.skip_records:
         raise UsageError("the overlay's decision records are unreachable without the server "
                          "container: pass --container, --server-log FILE or --skip-records")
-    run_dir = create_run_dir(results_root(args), args.label)
-    log(f"run directory {run_dir}")
-    census = live_census(url, model, api_key, client, container, claim, run_dir, opts, load,
+    run_dir = create_run_dir(common.results_root(args), args.label)
+    pl.log(f"run directory {run_dir}")
+    census = pl.live_census(url, model, api_key, client, container, claim, run_dir, opts, load,
                          dep=dep)
     return _finish(census, run_dir)
-
-
-def _served_model(url: str, api_key: str | None, default: str) -> str:
-    from k3rocm.deploy.server_api import ServerAPI
-
-    try:
-        return ServerAPI(url, api_key).models()[0]
-    except (UsageError, IndexError):  # wait_ready reports an unreachable server
-        return default

@@ -105,11 +105,9 @@ def analysis_from(args: argparse.Namespace) -> Analysis:
         raise UsageError(f"--server-log {server_log} does not exist")
     if args.world_size is not None:
         positive("--world-size", args.world_size)
-    return Analysis(model_dir=model_dir, normalizer=normalizer, extra=extra,
-                    platform=args.platform, mode=args.mode, spec=args.spec,
-                    other_norms=args.other_norms,
-                    min_decode_steps=args.min_decode_steps, world_size=args.world_size,
-                    skip_records=args.skip_records, server_log=server_log, top=args.top)
+    return Analysis(model_dir, normalizer, extra, args.platform, args.mode, args.spec,
+                    args.other_norms, args.min_decode_steps, args.world_size,
+                    args.skip_records, server_log, args.top)
 
 
 def profiling_from(args: argparse.Namespace) -> Profiling:

@@ -19,7 +19,7 @@ tested for the losses known on ROCm and CUDA, and a set that lost events gets th
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections import defaultdict
 from itertools import takewhile
 from typing import Any
 
@@ -34,10 +34,9 @@ CAUSES = ("known causes: ROCm 7.2.0's roctracer drops graph-replayed dispatches 
 
 def losses(traces: TraceSet, world_size: int) -> list[dict[str, Any]]:
     """What was lost, one entry per finding: {rank, what}."""
-    out: list[dict[str, Any]] = []
     present = {r.rank for r in traces.ranks}
-    for r in sorted(set(range(world_size)) - present):
-        out.append({"rank": r, "what": "no worker trace for this rank"})
+    out = [{"rank": r, "what": "no worker trace for this rank"}
+           for r in sorted(set(range(world_size)) - present)]
     gpu = [r for r in traces.ranks if r.mode == "gpu"]
     for rt in traces.ranks:
         if rt.mode == "gpu":
@@ -52,9 +51,7 @@ def losses(traces: TraceSet, world_size: int) -> list[dict[str, Any]]:
     per_step: dict[int, list[tuple[int, tuple[int, int], int]]] = {}
     best: dict[tuple[int, int], int] = defaultdict(int)
     for rt in gpu:
-        n: Counter[int] = Counter()
-        for ln in rt.launches:
-            n[ln.step] += ln.count
+        n = [sum(c.values()) for c in rt.per_step_counts()]
         rows = [(s.index, (s.gen_reqs, s.gen_tokens), n[s.index])
                 for s in rt.steps if s.decode_only]
         per_step[rt.rank] = rows

@@ -13,7 +13,7 @@ Rules (target layers judged, draft layers reported):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from k3rocm.checks.census.expect import Check
@@ -29,9 +29,7 @@ class Decisions:
 
     def to_json(self) -> dict[str, Any]:
         return {"source": self.source, "found": self.found, "count": len(self.records),
-                "final": [{"pid": r.pid, "process": r.process, "tp_rank": r.tp_rank,
-                           "layer_kind": r.layer_kind, "phase": r.phase, "states": r.states,
-                           "reasons": r.reasons, "asked": r.asked, "where": r.where}
+                "final": [{k: v for k, v in asdict(r).items() if k not in ("order", "raw")}
                           for r in final_decisions(self.records).values()]}
 
 
@@ -52,42 +50,37 @@ def cross_check(claim: FusionClaim, dec: Decisions | None) -> list[Check]:
     final = final_decisions(dec.records)
     target = [r for (_, kind), r in final.items() if kind == "target"]
     draft = [r for (_, kind), r in final.items() if kind == "draft"]
+    n = len(target)
     for k in FUSIONS:
         asked = claim.get(k)
         what = f"{k} asked {_on(asked)} ({claim.detail.get(k, claim.source)})"
-        if not target:
-            if asked:
-                rule = (f"the overlay did not run: no decision record for target layers in "
-                        f"{dec.source} while {k} was asked ON")
-                rows.append(Check("all", what, "records", "records", rule, 1, 0, False))
-            else:
-                rows.append(Check("all", what, "records", "records",
-                                  f"no decision record in {dec.source}; the fusion was asked "
-                                  "OFF, the stock path is what was asked for", 0, 0, True))
-            continue
+
+        def row(rule: str, expected: int | None, seen: int, ok: bool | None,
+                what: str = what) -> None:
+            rows.append(Check("all", what, "records", "records", rule, expected, seen, ok))
+
         wrong = [r for r in target if (r.states[k] == "on") != asked]
         misread = [r for r in target if r.asked[k] is not None and r.asked[k] != asked]
+        if not target:
+            row(f"the overlay did not run: no decision record for target layers in "
+                f"{dec.source} while {k} was asked ON" if asked else
+                f"no decision record in {dec.source}; the fusion was asked OFF, the stock "
+                "path is what was asked for", int(asked), 0, not asked)
+            continue
         if wrong:
             r = wrong[0]
             verb = "reported" if asked else "reported ON although asked OFF:"
-            rule = (f"{len(wrong)} of {len(target)} target process(es) {verb} "
-                    f"{r.states[k].upper()} ({r.label()}, {r.phase}: {r.reasons[k]!r}) "
-                    f"[{r.where}]")
-            rows.append(Check("all", what, "records", "records", rule, len(target),
-                              len(target) - len(wrong), False))
+            row(f"{len(wrong)} of {n} target process(es) {verb} {r.states[k].upper()} "
+                f"({r.label()}, {r.phase}: {r.reasons[k]!r}) [{r.where}]", n, n - len(wrong),
+                False)
         elif misread:
             r = misread[0]
-            rows.append(Check("all", what, "records", "records",
-                              f"{r.label()} read the toggle as {_on(bool(r.asked[k]))}, not "
-                              f"what the claim says [{r.where}]", len(target),
-                              len(target) - len(misread), False))
+            row(f"{r.label()} read the toggle as {_on(bool(r.asked[k]))}, not what the claim "
+                f"says [{r.where}]", n, n - len(misread), False)
         else:
-            rows.append(Check("all", what, "records", "records",
-                              f"every target process ({len(target)}) reports {_on(asked)} "
-                              f"({target[0].reasons[k]})", len(target), len(target), True))
-        for r in draft:
-            rows.append(Check("all", f"{k} in draft layers", "records", "records",
-                              f"reported only: {r.label()} {r.states[k].upper()} "
-                              f"({r.reasons[k]})", None, 1 if r.states[k] == "on" else 0,
-                              None))
+            row(f"every target process ({n}) reports {_on(asked)} ({target[0].reasons[k]})",
+                n, n, True)
+        rows.extend(Check("all", f"{k} in draft layers", "records", "records",
+                          f"reported only: {r.label()} {r.states[k].upper()} ({r.reasons[k]})",
+                          None, int(r.states[k] == "on"), None) for r in draft)
     return rows

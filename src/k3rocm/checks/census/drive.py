@@ -25,38 +25,25 @@ from k3rocm.rundir import write_bytes_atomic
 _log = tagged_log("census")
 
 
-@dataclass
-class Load:
-    url: str
-    model: str
-    concurrency: int = 4
-    max_tokens: int = 1024
-    prompt_words: int = 64
-    api_key: str | None = None
-    timeout: float = 600.0
+STREAM_TIMEOUT = 600.0  # seconds without a byte from a load stream
 
 
 @dataclass
 class _Stream:
     tokens: int = 0
-    first_at: float | None = None
     error: str | None = None
     done: bool = False
     stop: threading.Event = field(default_factory=threading.Event)
 
 
-def _run_stream(load: Load, i: int, st: _Stream) -> None:
+def _run_stream(url: str, api_key: str | None, body: dict[str, Any], st: _Stream) -> None:
     import json
 
     import requests
 
-    words = " ".join(f"w{(i * 7919 + j) % 997}" for j in range(load.prompt_words))
-    body = {"model": load.model, "stream": True, "max_tokens": load.max_tokens,
-            "min_tokens": load.max_tokens, "ignore_eos": True, "temperature": 0.0,
-            "messages": [{"role": "user", "content": f"Request {i}: {words}"}]}
     try:
-        with requests.post(f"{load.url}/v1/chat/completions", json=body, stream=True,
-                           headers=auth_headers(load.api_key), timeout=(10, load.timeout)) as r:
+        with requests.post(f"{url}/v1/chat/completions", json=body, stream=True,
+                           headers=auth_headers(api_key), timeout=(10, STREAM_TIMEOUT)) as r:
             if r.status_code != 200:
                 st.error = f"HTTP {r.status_code}: {r.text[:200]}"
                 return
@@ -77,23 +64,25 @@ def _run_stream(load: Load, i: int, st: _Stream) -> None:
                     if delta.get("content") or delta.get("reasoning_content") or \
                             delta.get("reasoning"):
                         st.tokens += 1
-                        if st.first_at is None:
-                            st.first_at = time.time()
     except Exception as exc:  # noqa: BLE001 - reported below
         st.error = f"{exc.__class__.__name__}: {exc}"[:300]
     finally:
         st.done = True
 
 
-def profile_under_load(load: Load, steps: int, margin: int = 4,
+def profile_under_load(url: str, model: str, api_key: str | None, load: Any, margin: int = 4,
                        prefill_timeout: float = 600.0) -> dict[str, Any]:
-    """Run the load, profile ``steps`` (+margin) decode steps, stop; returns timings."""
-    if load.max_tokens < steps + margin + 8:
-        raise UsageError(f"--max-tokens {load.max_tokens} is too short to profile {steps} decode "
-                         f"steps after prefill; use at least {steps + margin + 8}")
+    """Run the load (a :class:`pipeline.Profiling`: concurrency, max_tokens, prompt_words,
+    steps), profile ``steps`` (+margin) decode steps, stop; returns timings."""
     streams = [_Stream() for _ in range(load.concurrency)]
-    threads = [threading.Thread(target=_run_stream, args=(load, i, s), daemon=True)
-               for i, s in enumerate(streams)]
+    threads = []
+    for i, st in enumerate(streams):
+        words = " ".join(f"w{(i * 7919 + j) % 997}" for j in range(load.prompt_words))
+        body = {"model": model, "stream": True, "max_tokens": load.max_tokens,
+                "min_tokens": load.max_tokens, "ignore_eos": True, "temperature": 0.0,
+                "messages": [{"role": "user", "content": f"Request {i}: {words}"}]}
+        threads.append(threading.Thread(target=_run_stream, args=(url, api_key, body, st),
+                                         daemon=True))
     t0 = time.time()
     info: dict[str, Any] = {"concurrency": load.concurrency, "max_tokens": load.max_tokens}
     for t in threads:
@@ -123,21 +112,21 @@ def profile_under_load(load: Load, steps: int, margin: int = 4,
         base = [s.tokens for s in streams]
         _log(f"all {load.concurrency} streams decoding after {info['prefill_s']}s; "
              "POST /start_profile")
-        api = ServerAPI(load.url, load.api_key)
+        api = ServerAPI(url, api_key)
         t_post = time.time()
         api.start_profile()
         t1 = time.time()
         info["start_profile_s"] = round(t1 - t_post, 3)
-        want = steps + margin
+        want = load.steps + margin
         while min(s.tokens - b for s, b in zip(streams, base, strict=True)) < want:
             errs = [s.error for s in streams if s.error]
             if errs:
                 raise UsageError(f"a load request failed while profiling: {errs[0]}", 3)
             if all(s.done for s in streams):
                 break
-            if time.time() - t1 > load.timeout:
+            if time.time() - t1 > STREAM_TIMEOUT:
                 raise UsageError(f"fewer than {want} tokens per stream within "
-                                 f"{load.timeout:.0f}s while profiling", 3)
+                                 f"{STREAM_TIMEOUT:.0f}s while profiling", 3)
             time.sleep(0.02)
         info["profiled_tokens_per_stream"] = [
             s.tokens - b for s, b in zip(streams, base, strict=True)]
@@ -156,10 +145,6 @@ def profile_under_load(load: Load, steps: int, margin: int = 4,
 
 
 # -- trace collection ---------------------------------------------------------------------------
-
-def _is_trace(name: str) -> bool:
-    return name.endswith((".json", ".json.gz", ".txt"))
-
 
 @dataclass
 class TraceDir:
@@ -183,12 +168,8 @@ class TraceDir:
         # exit 0: a file that vanishes mid-scan makes find fail; what it did list still counts
         out = exec_text(self.container, ["sh", "-c", f"cd '{self.path}' 2>/dev/null && "
                                          "find . -type f -exec stat -c '%s %n' {} +; exit 0"])
-        files = {}
-        for line in (out or "").splitlines():
-            size, _, name = line.partition(" ")
-            if size.isdigit():
-                files[name.removeprefix("./")] = int(size)
-        return files
+        lines = (line.partition(" ") for line in (out or "").splitlines())
+        return {name.removeprefix("./"): int(size) for size, _, name in lines if size.isdigit()}
 
     def read(self, rel: str) -> bytes:
         if self.host is not None:
@@ -208,7 +189,8 @@ class TraceDir:
         stable_since = None
         while True:
             now = {k: v for k, v in self.snapshot().items()
-                   if k not in before and _is_trace(k) and not Path(k).name.startswith(".")}
+                   if k not in before and k.endswith((".json", ".json.gz", ".txt"))
+                   and not Path(k).name.startswith(".")}
             if now and now == last:
                 stable_since = stable_since or time.time()
                 if time.time() - stable_since >= settle:

@@ -57,19 +57,12 @@ def _split_outer(name: str) -> tuple[str, str]:
     return "".join(out), "".join(first_tmpl)
 
 
-_CLONE = re.compile(r"\s*\[clone [^\]]*\]$")
+# the code-object suffixes rocprofiler-sdk names carry: `` [clone .kd]`` (any ``[clone ...]``,
+# possibly repeated) and a trailing ``.kd``
+_SUFFIXES = re.compile(r"(?:\s*\[clone [^\]]*\]|\.kd)+$")
 
 
-def _strip_suffixes(name: str) -> str:
-    """Drop the code-object suffixes rocprofiler-sdk names carry: `` [clone .kd]`` (any
-    ``[clone ...]``, possibly repeated) and a trailing ``.kd``."""
-    while True:
-        new = _CLONE.sub("", name)
-        if new.endswith(".kd"):
-            new = new[:-3]
-        if new == name:
-            return name
-        name = new
+_LENGTH = re.compile(r"\d+")
 
 
 def _demangle_qualified(name: str) -> str:
@@ -81,13 +74,9 @@ def _demangle_qualified(name: str) -> str:
     nested = name.startswith("_ZN")
     i = 3 if nested else 2
     parts = []
-    while i < len(name) and name[i].isdigit():
-        j = i
-        while j < len(name) and name[j].isdigit():
-            j += 1
-        n = int(name[i:j])
-        parts.append(name[j:j + n])
-        i = j + n
+    while m := _LENGTH.match(name, i):  # <length><identifier>, ...
+        i = m.end() + int(m.group())
+        parts.append(name[m.end():i])
         if not nested:
             break
     return "::".join(parts) if parts and all(parts) else name
@@ -131,19 +120,20 @@ class Normalizer:
                 raise UsageError(f"kernel alias {spec!r} is not REGEX=NAME "
                                  "(e.g. 'rms_norm_kernel$=rms_norm')")
             pat, _, new = spec.rpartition("=")
-            pairs.append((compile_regex(pat, "kernel alias"), new))
+            try:
+                pairs.append((re.compile(pat), new))
+            except re.error as exc:
+                raise UsageError(f"kernel alias {pat!r} is not a valid regular expression "
+                                 f"({exc})") from None
         return cls(strip_templates=strip_templates, aliases=pairs)
 
     def __call__(self, raw: str) -> str:
         hit = self._cache.get(raw)
         if hit is not None:
             return hit
-        name = _strip_suffixes(" ".join(raw.split()))
+        name = _SUFFIXES.sub("", " ".join(raw.split()))
         if self.strip_templates:
-            name = _demangle_qualified(name)
-            name = _strip_args(name)
-            if name.startswith("void "):
-                name = name[5:]
+            name = _strip_args(_demangle_qualified(name)).removeprefix("void ")
             base, tmpl = _split_outer(name)
             base = base.strip()
             if tmpl and any(g.search(base) for g in self.generic):
@@ -157,10 +147,3 @@ class Normalizer:
                 break
         self._cache[raw] = name
         return name
-
-
-def compile_regex(pattern: str, what: str) -> re.Pattern[str]:
-    try:
-        return re.compile(pattern)
-    except re.error as exc:
-        raise UsageError(f"{what} {pattern!r} is not a valid regular expression ({exc})") from None

@@ -13,6 +13,8 @@ import platform
 import shlex
 import sys
 from dataclasses import dataclass
+from itertools import groupby
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -110,8 +112,6 @@ def resolve_world_size(trace_ws: int | None, given: int | None,
                        served: ServedAs | None = None) -> tuple[int, str]:
     """Which ranks must be present: the traces' metadata, else ``given`` (--world-size), else
     the live server's tensor-parallel size as rendered; unknown is bad input (exit 2)."""
-    if given is not None and given < 1:
-        raise UsageError(f"--world-size {given} must be >= 1")
     if trace_ws is not None:
         if given is not None and given != trace_ws:
             raise UsageError(f"--world-size {given} disagrees with the traces' "
@@ -145,9 +145,9 @@ def read_decisions(opts: Analysis, trace_dir: Path | None = None,
     if opts.skip_records:
         return None
     if opts.server_log:
-        text = Path(opts.server_log).read_text(errors="replace")
-        return Decisions(records_from_log(text, f"server log {opts.server_log}"),
-                         f"server log {opts.server_log}")
+        src = f"server log {opts.server_log}"
+        return Decisions(records_from_log(Path(opts.server_log).read_text(errors="replace"),
+                                          src), src)
     if trace_dir is not None and trace_dir.is_dir():
         files = decision_files(trace_dir)
         if files:
@@ -271,8 +271,7 @@ def live_census(url: str, model: str, api_key: str | None, client: Any, containe
     runrecord.write(run_dir, record)  # early: kept if we fail
     traces = drive.TraceDir(host_dir, container, prof_dir)
     before = traces.snapshot()
-    info = drive.profile_under_load(drive.Load(url, model, load.concurrency, load.max_tokens,
-                                               load.prompt_words, api_key), load.steps)
+    info = drive.profile_under_load(url, model, api_key, load)
     log(f"profile done: {info}")
     dest = run_dir / "traces"
     log(f"collecting traces from {traces}")
@@ -280,11 +279,9 @@ def live_census(url: str, model: str, api_key: str | None, client: Any, containe
     log(f"collected {len(files)} file(s) into {dest}")
     decisions = read_decisions(opts, None, container)
     if decisions is not None:  # kept beside the traces: an offline re-analysis finds them
-        by_pid: dict[int, list[Any]] = {}
-        for r in decisions.records:
-            by_pid.setdefault(r.pid, []).append(r.raw)
-        for pid, recs in by_pid.items():
-            write_json_atomic(dest / f"k3rocm-decisions-pid{pid}.json", recs)
+        by_pid = attrgetter("pid")
+        for pid, recs in groupby(sorted(decisions.records, key=by_pid), by_pid):
+            write_json_atomic(dest / f"k3rocm-decisions-pid{pid}.json", [r.raw for r in recs])
         if decisions.found and not decisions.records:  # read, and empty: evidence too
             write_json_atomic(dest / NO_RECORDS, {"source": decisions.source, "records": 0})
     census = analyse(dest, opts, claim, decisions, served=served)

@@ -19,19 +19,21 @@ role (CPU operators nest), and not when a parent matches ``exclude_parents``.
 
 from __future__ import annotations
 
-import copy
 import json
 import re
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, Field, ValidationError
 
 from k3rocm.errors import UsageError
 from k3rocm.serving.fusions import FUSIONS
 
 GROUPS = {f.name: f.roles for f in FUSIONS}  # fusion -> the roles it owns
 ROLES = tuple(r for roles in GROUPS.values() for r in roles)
+M = TypeVar("M", bound=BaseModel)
 
 
 def kernel_table() -> dict[str, Any]:
@@ -40,25 +42,26 @@ def kernel_table() -> dict[str, Any]:
     return json.loads(text)
 
 
-@dataclass
-class Member:
-    name: str
-    match: re.Pattern[str]
-    forbidden: bool
-    why: str
-    source: str
+Patterns = list[re.Pattern[str]]
 
 
-@dataclass
-class Role:
+class Member(BaseModel):
+    name: str = Field(alias="member")
+    match: re.Pattern[str] = re.compile("")
+    forbidden: bool = False
+    why: str = ""
+    source: str = ""
+
+
+class Role(BaseModel):
     name: str
-    match: list[re.Pattern[str]]
-    exclude: list[re.Pattern[str]]
-    exclude_parents: list[re.Pattern[str]]
-    require_parents: list[re.Pattern[str]]
+    match: Patterns = []
+    exclude: Patterns = []
+    exclude_parents: Patterns = []
+    require_parents: Patterns = []
     group: str = ""
     kind: str = ""
-    members: list[Member] = field(default_factory=list)
+    members: list[Member] = []
 
     def hits(self, name: str) -> bool:
         return any(p.search(name) for p in self.match) and not any(
@@ -76,10 +79,7 @@ class Role:
                        or any(x.search(p) for x in self.exclude_parents) for p in parents)
 
     def member_of(self, name: str) -> str:
-        for m in self.members:
-            if m.match.search(name):
-                return m.name
-        return "other"
+        return next((m.name for m in self.members if m.match.search(name)), "other")
 
 
 @dataclass
@@ -92,47 +92,31 @@ class Spec:
     mla_region: list[re.Pattern[str]] = field(default_factory=list)
     known_kernels: list[re.Pattern[str]] = field(default_factory=list)
 
-    def in_mla_region(self, parents: tuple[str, ...]) -> bool:
-        return any(x.search(p) for p in parents for x in self.mla_region)
 
-    def known_family(self, name: str) -> bool:
-        """A kernel of a known family that is no role (GEMMs, MoE, MLA decode, ...)."""
-        return any(x.search(name) for x in self.known_kernels)
+class Region(BaseModel):
+    parents: Patterns = []
+    known_kernels: Patterns = []
 
 
-def _compile(lst: Any, where: str) -> list[re.Pattern[str]]:
-    if not isinstance(lst, list) or not all(isinstance(x, str) for x in lst):
-        raise UsageError(f"census spec {where} must be a list of regex strings, got {lst!r}")
-    out = []
-    for p in lst:
-        try:
-            out.append(re.compile(p))
-        except re.error as exc:
-            raise UsageError(f"census spec {where}: {p!r} is not a valid regex ({exc})") from None
-    return out
-
-
-def _members(lst: Any, where: str) -> list[Member]:
-    if not isinstance(lst, list):
-        raise UsageError(f"census spec {where} must be a list of members")
-    out = []
-    for i, m in enumerate(lst):
-        if not isinstance(m, dict) or not isinstance(m.get("member"), str):
-            raise UsageError(f"census spec {where}[{i}] needs a 'member' name and a 'match'")
-        out.append(Member(m["member"], _compile([m.get("match", "")], f"{where}[{i}]")[0],
-                          bool(m.get("forbidden")), str(m.get("why", "")),
-                          str(m.get("source", ""))))
-    return out
+def _valid(model: type[M], data: Any, where: str) -> M:
+    """``data`` as ``model``; the first problem as a one-line UsageError."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in err["loc"])
+        raise UsageError(f"census spec {where}{loc}: {err['msg']} "
+                         f"(got {str(err['input'])[:80]!r})") from None
 
 
 def load_spec(platform: str, model_type: str | None, spec_file: str | None = None,
               other_norms: str | None = None) -> Spec:
     """Build the role matchers for ``platform`` (rocm|cpu) from kernels.json, optionally
     overridden by a JSON file of the same shape (roles replaced one by one)."""
-    table = copy.deepcopy(kernel_table())
+    table = kernel_table()  # parsed afresh: updated in place below
     platforms = table["platforms"]
     families = table["model_families"]
-    fam_of = dict(table["family_of_model_type"])
+    fam_of = table["family_of_model_type"]
     if spec_file:
         try:
             user = json.loads(Path(spec_file).read_text())
@@ -158,13 +142,8 @@ def load_spec(platform: str, model_type: str | None, spec_file: str | None = Non
         r = plat["roles"].get(rname)
         if not isinstance(r, dict):
             raise UsageError(f"census spec: platform {platform!r} has no role {rname!r}")
-        where = f"{platform}.{rname}"
-        roles[rname] = Role(rname, *(_compile(r.get(k, []), f"{where}.{k}") for k in
-                                     ("match", "exclude", "exclude_parents", "require_parents")),
-                            str(r.get("group", "")), str(r.get("kind", "")),
-                            _members(r.get("members", []), where + ".members"))
-    region, known = (_compile((plat.get("mla_region") or {}).get(k, []),
-                              f"{platform}.mla_region.{k}") for k in ("parents", "known_kernels"))
+        roles[rname] = _valid(Role, {**r, "name": rname}, f"{platform}.{rname}")
+    mla = _valid(Region, plat.get("mla_region") or {}, f"{platform}.mla_region")
     family = fam_of.get(model_type or "")
     formula = (families.get(family) or {}).get(platform) if family else None
     if other_norms is not None:
@@ -172,7 +151,7 @@ def load_spec(platform: str, model_type: str | None, spec_file: str | None = Non
     return Spec(platform, roles, formula, family,
                 {"platform": platform, "roles": plat["roles"], "family": family,
                  "other_norms_per_step": formula, "spec_file": spec_file,
-                 "table": "k3rocm/checks/census/kernels.json"}, region, known)
+                 "table": "k3rocm/checks/census/kernels.json"}, mla.parents, mla.known_kernels)
 
 
 _FORMULA_OK = re.compile(r"^[\s\d+\-*()a-z_]*$")

@@ -67,9 +67,7 @@ def _header(head: bytes, tail: bytes, whole: bool) -> dict[str, Any]:
     if i > 0:
         with contextlib.suppress(ValueError):
             out.update(json.loads(text[:i].rstrip().rstrip(",") + "}"))
-    t = tail.decode("utf-8", "replace").rstrip()
-    if t.endswith("}"):
-        t = t[:-1]
+    t = tail.decode("utf-8", "replace").rstrip().removesuffix("}")
     j = len(t)
     for _ in range(32):  # the event list ends at one of the last "]": the one that parses
         j = t.rfind("]", 0, j)
@@ -87,52 +85,44 @@ def _header(head: bytes, tail: bytes, whole: bool) -> dict[str, Any]:
 
 
 class TraceStream:
-    """``with TraceStream(path) as ts: for e in ts.events(): ...``; ``ts.header`` is complete
-    once the events are exhausted. Unreadable input: one-line UsageError naming the file."""
+    """``ts = TraceStream(path); for e in ts.events(): ...``; ``ts.header`` is complete once
+    the events are exhausted. Unreadable input: one-line UsageError naming the file."""
 
     def __init__(self, path: Path):
         self.path = path
         self.header: dict[str, Any] = {}
         self.count = 0
-        self._raw: Any = None
-
-    def __enter__(self) -> TraceStream:
-        try:
-            self._raw = open(self.path, "rb")  # noqa: SIM115 - closed in __exit__
-        except OSError as exc:
-            raise _unreadable(self.path, exc) from None
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._raw.close()
-
-    def _reader(self) -> Any:
-        self._raw.seek(0)
-        magic = self._raw.read(2)
-        self._raw.seek(0)
-        return gzip.GzipFile(fileobj=self._raw) if magic == b"\x1f\x8b" else self._raw
 
     def events(self) -> Iterator[Any]:
         try:
-            lead = self._reader().read(64).lstrip()[:1]
-        except (OSError, EOFError, zlib.error) as exc:
+            raw = open(self.path, "rb")  # noqa: SIM115 - closed when the generator ends
+        except OSError as exc:
             raise _unreadable(self.path, exc) from None
-        if lead not in (b"{", b"["):
-            raise _unreadable(self.path, ValueError(f"starts with {lead!r}, not JSON"))
-        prefix = "item" if lead == b"[" else "traceEvents.item"
-        tee = _Tee(self._reader())
-        found = False
-        try:
-            for e in ijson.items(tee, prefix, use_float=True):
-                found = True
-                self.count += 1
-                yield e
-            while tee.read(1 << 16):  # what follows the list: kineto's closing keys
-                pass
-        except (OSError, EOFError, zlib.error, ValueError, ijson.JSONError) as exc:
-            raise _unreadable(self.path, exc) from None
+        with raw:
+            def reader() -> Any:
+                magic = raw.read(2)
+                raw.seek(0)
+                return gzip.GzipFile(fileobj=raw) if magic == b"\x1f\x8b" else raw
+
+            try:
+                lead = reader().read(64).lstrip()[:1]
+                raw.seek(0)
+            except (OSError, EOFError, zlib.error) as exc:
+                raise _unreadable(self.path, exc) from None
+            if lead not in (b"{", b"["):
+                raise _unreadable(self.path, ValueError(f"starts with {lead!r}, not JSON"))
+            prefix = "item" if lead == b"[" else "traceEvents.item"
+            tee = _Tee(reader())
+            try:
+                for e in ijson.items(tee, prefix, use_float=True):
+                    self.count += 1
+                    yield e
+                while tee.read(1 << 16):  # what follows the list: kineto's closing keys
+                    pass
+            except (OSError, EOFError, zlib.error, ValueError, ijson.JSONError) as exc:
+                raise _unreadable(self.path, exc) from None
         self.header = _header(bytes(tee.head), tee.tail, tee.read_bytes <= HEAD_MAX)
-        if not found and prefix != "item" and tee.read_bytes <= HEAD_MAX:
+        if not self.count and prefix != "item" and tee.read_bytes <= HEAD_MAX:
             try:
                 obj = json.loads(bytes(tee.head))
             except ValueError as exc:

@@ -71,11 +71,6 @@ class Step:
         speculative tokens)."""
         return self.ctx_reqs == 0 and self.gen_reqs > 0 and not self.recompute
 
-    @property
-    def empty(self) -> bool:
-        """``execute_context_0(0)_generation_0(0)``: an engine step without a forward."""
-        return self.ctx_reqs == 0 and self.gen_reqs == 0
-
     def to_json(self) -> dict[str, Any]:
         return {"index": self.index, "name": self.name, "decode_only": self.decode_only,
                 "ctx_reqs": self.ctx_reqs, "ctx_tokens": self.ctx_tokens,
@@ -154,9 +149,7 @@ class RankTrace:
 
 def parse_step_name(name: str) -> tuple[int, int, int, int] | None:
     m = STEP_SIMPLE.match(name) or STEP_DETAILED.match(name)
-    if not m:
-        return None
-    return int(m.group(1)), int(m.group(2)), int(m.group(3)), int(m.group(4))
+    return tuple(map(int, m.groups())) if m else None  # type: ignore[return-value]
 
 
 def decode_tokens_per_request(steps: list[Step]) -> int | None:
@@ -165,9 +158,7 @@ def decode_tokens_per_request(steps: list[Step]) -> int | None:
     the larger). None without such steps."""
     per = Counter(-(-s.gen_tokens // s.gen_reqs) for s in steps
                   if s.ctx_reqs == 0 and s.gen_reqs > 0)
-    if not per:
-        return None
-    return max(per.items(), key=lambda kv: (kv[1], kv[0]))[0]
+    return max(per.items(), key=lambda kv: (kv[1], kv[0]), default=(None,))[0]
 
 
 def rank_and_source(path: Path, obj: dict[str, Any]) -> tuple[int | None, str]:
@@ -193,21 +184,21 @@ def parse_rank_trace(path: str | os.PathLike, normalize: Normalizer | None = Non
     malformed event is a one-line UsageError naming the file. ``progress(n)`` is called every
     million events."""
     path = Path(path)
-    with TraceStream(path) as stream:
-        col = _Collector()
-        try:
-            for e in stream.events():
-                col.add(e)
-                if progress is not None and stream.count % 1_000_000 == 0:
-                    progress(stream.count)
-            return col.finish(path, normalize or Normalizer(), mode, stream.header)
-        except UsageError:
-            raise
-        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
-            why = " ".join(str(exc).split())[:120]
-            raise UsageError(f"trace {path} is malformed ({exc.__class__.__name__}: {why}); "
-                             "every complete event needs a numeric ts/dur and a name; "
-                             "re-collect the trace") from None
+    stream = TraceStream(path)
+    col = _Collector()
+    try:
+        for e in stream.events():
+            col.add(e)
+            if progress is not None and stream.count % 1_000_000 == 0:
+                progress(stream.count)
+        return col.finish(path, normalize or Normalizer(), mode, stream.header)
+    except UsageError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
+        why = " ".join(str(exc).split())[:120]
+        raise UsageError(f"trace {path} is malformed ({exc.__class__.__name__}: {why}); "
+                         "every complete event needs a numeric ts/dur and a name; "
+                         "re-collect the trace") from None
 
 
 def _num(e: dict[str, Any], key: str, default: float | None = None) -> float:
@@ -371,15 +362,12 @@ class _Collector:
         else:
             order = sorted(range(len(self.rt_corr)), key=self.rt_corr.__getitem__)
             corrs = array("q", (self.rt_corr[i] for i in order))
-            kcorrs = array("q", sorted(self.k_corr))
-            for i in order:  # a one-kernel launch whose kernel record never arrived
-                c = self.rt_corr[i]
-                if c >= 0 and self.rt_launch[i]:
-                    j = bisect.bisect_left(kcorrs, c)
-                    if j == len(kcorrs) or kcorrs[j] != c:
-                        si = step_at(self.rt_ts[i])
-                        if si >= 0:
-                            lost[si] = lost.get(si, 0) + 1
+            kcorrs = set(self.k_corr)
+            for i, c in enumerate(self.rt_corr):  # a one-kernel launch whose kernel never came
+                if c >= 0 and self.rt_launch[i] and c not in kcorrs:
+                    si = step_at(self.rt_ts[i])
+                    if si >= 0:
+                        lost[si] = lost.get(si, 0) + 1
             del kcorrs
             step_of = _device_spans(self.gsteps, steps)
             queue_of = {v: k for k, v in self.threads.items()}
@@ -399,7 +387,6 @@ class _Collector:
                 a[1] += self.k_dur[k]
         launches: list[Launch] = []
         outside: list[Launch] = []
-        unattributed = 0
         norm_par: dict[int, tuple[str, ...]] = {}
         name_list = list(self.names)
         for (nid, si, pid), (n, us) in agg.items():
@@ -407,12 +394,8 @@ class _Collector:
             if par is None:
                 par = norm_par[pid] = tuple(normalize(name_list[x]) for x in par_tuples[pid])
             raw = name_list[nid]
-            ln = Launch(normalize(raw), raw, us, si, par, int(n))
-            if si < 0:
-                unattributed += int(n)
-                outside.append(ln)
-            else:
-                launches.append(ln)
+            (outside if si < 0 else launches).append(
+                Launch(normalize(raw), raw, us, si, par, int(n)))
         evidence = _evidence(header, len(self.rt_ts), len(self.gsteps))
         meta = {k: header.get(k) for k in ("vllm_version", "host_name", "distributedInfo",
                                            "deviceProperties", "schemaVersion")
@@ -423,8 +406,8 @@ class _Collector:
                                         if isinstance(d, dict)]
         started, started_source = start_time(path, header, steps)
         return RankTrace(path, -1 if rank is None else rank, mode, steps, launches,
-                         unattributed, meta, outside, world_size_of(header), rank_source,
-                         empty, evidence, lost, started, started_source)
+                         sum(ln.count for ln in outside), meta, outside, world_size_of(header),
+                         rank_source, empty, evidence, lost, started, started_source)
 
 
 TIME_IN_NAME = re.compile(r"(?<!\d)(\d{10}|\d{13}|\d{16}|\d{19})(?!\d)")
@@ -459,19 +442,13 @@ def _device_spans(gsteps: list[tuple[Any, Any, float, float, str]],
     host_by_name: dict[str, list[int]] = defaultdict(list)
     for st in steps:
         host_by_name[st.name].append(st.index)
-    queues: dict[tuple[Any, Any], list[tuple[float, float, str]]] = defaultdict(list)
-    for pid, tid, ts, dur, name in gsteps:
-        queues[(pid, tid)].append((ts, dur, name))
-    per_queue: dict[tuple[Any, Any], list[tuple[float, float, int]]] = {}
-    for q, spans in queues.items():
-        seen: Counter[str] = Counter()
-        out = []
-        for ts, dur, name in sorted(spans):
-            hosts = host_by_name.get(name, [])
-            if seen[name] < len(hosts):
-                out.append((ts, ts + dur, hosts[seen[name]]))
-            seen[name] += 1
-        per_queue[q] = out
+    per_queue: defaultdict[tuple[Any, Any], list[tuple[float, float, int]]] = defaultdict(list)
+    seen: Counter[tuple[tuple[Any, Any], str]] = Counter()
+    for pid, tid, ts, dur, name in sorted(gsteps, key=lambda g: g[2:]):  # in time order
+        q, hosts = (pid, tid), host_by_name.get(name, [])
+        if seen[q, name] < len(hosts):
+            per_queue[q].append((ts, ts + dur, hosts[seen[q, name]]))
+        seen[q, name] += 1
     starts = {q: [s[0] for s in v] for q, v in per_queue.items()}
 
     def step_of(queue: tuple[Any, Any], ts: float) -> int:
@@ -524,9 +501,8 @@ _progress = tagged_log("census")
 def iso_time(t: float | None) -> str:
     import datetime as dt
 
-    if t is None:
-        return "unknown time"
-    return dt.datetime.fromtimestamp(t, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return "unknown time" if t is None else \
+        dt.datetime.fromtimestamp(t, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def group_runs(traces: list[RankTrace]) -> list[list[RankTrace]]:
