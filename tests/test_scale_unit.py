@@ -34,6 +34,22 @@ def test_defaults_single():
         ("single", (), "cache_aware", 7200)
 
 
+def test_the_docs_table_is_every_scale_setting_with_its_default():
+    """docs/scale.md's table is the one description of the K3_SCALE_* settings: every
+    variable, in the model's order, with the model's default (- for none)."""
+    import re
+
+    from k3rocm.deploy.scale.settings import SCALE_ENV, ScaleSettings
+
+    rows = re.findall(r"^\| `(K3_SCALE_\w+)` \| (`[^`]*`|—) \|",
+                      (REPO / "docs" / "scale.md").read_text(), re.M)
+    assert [r[0] for r in rows] == list(SCALE_ENV.values())
+    default = ScaleSettings()
+    for env, doc in rows:
+        value = getattr(default, SCALE_FIELD_BY_ENV[env])
+        assert doc == (f"`{value}`" if value not in (None, "", ()) else "—"), env
+
+
 def test_every_scale_variable_is_registered_in_config():
     # config.py's typo guard must know exactly the scale settings (no more, no fewer).
     assert set(config.SCALE_SETTINGS) == set(SCALE_FIELD_BY_ENV)
