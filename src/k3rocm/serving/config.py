@@ -18,7 +18,7 @@ import json
 import os
 import re
 import shlex
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,31 +89,6 @@ def vendor_from(environ: Mapping[str, str], file_vals: Mapping[str, str],
                 continue
             out[key] = (value, src)
     return out
-
-
-class _Profiles(Mapping[str, dict[str, Any]]):
-    """Per profile: defaults for settings and the vendor environment rendered for vLLM.
-
-    One YAML file per profile under ``k3rocm/serving/profiles/`` (package data, shipped in the
-    serving image), read and validated by :mod:`k3rocm.serving.profiles` when a profile is used.
-    A read-only mapping: ``PROFILES[name]`` is
-    ``{"settings": {field: value}, "env": {...}, "meta": {...}}``.
-    """
-
-    def __getitem__(self, name: str) -> dict[str, Any]:
-        return profiles.get(name)
-
-    def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and name in profiles.names()
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(profiles.names())
-
-    def __len__(self) -> int:
-        return len(profiles.names())
-
-
-PROFILES = _Profiles()
 
 
 @dataclass
@@ -244,15 +219,6 @@ def _is_pathlike(model: str) -> bool:
     return model.startswith(("/", "./", "../", "~"))
 
 
-def _bool_text(raw: str) -> bool | None:
-    low = raw.strip().lower()
-    if low in ("1", "true", "yes", "on"):
-        return True
-    if low in ("0", "false", "no", "off"):
-        return False
-    return None
-
-
 def _describe_valid(name: str) -> str:
     f = FIELDS[name]
     ann = f.annotation
@@ -308,15 +274,8 @@ def load_settings(environ: Mapping[str, str] | None = None,
     for name, f in FIELDS.items():
         env_name = ENV_NAME[name]
         if env_name in layered:
-            raw, src = layered[env_name]
-            if f.annotation is bool or f.annotation == (bool | None):
-                b = _bool_text(raw)
-                if b is None:
-                    raise UsageError(f"{env_name}={raw!r} is not valid: use 1 or 0")
-                values[name] = b
-            else:
-                values[name] = raw
-            sources[env_name] = src
+            raw, sources[env_name] = layered[env_name]
+            values[name] = raw.strip() if f.annotation is bool else raw  # pydantic: 1/0, true..
         elif name in profile_settings:
             values[name] = profile_settings[name]
             sources[env_name] = f"profile:{profile}"
@@ -373,12 +332,6 @@ def _check_consistency(s: Settings, host_paths: bool = False, check_model: bool 
                              "(compose mounts K3_MODELS_DIR at /models)")
 
 
-def _flag(argv: list[str], name: str, value: Any) -> None:
-    if value is None or value == "":
-        return
-    argv += [name, str(value)]
-
-
 def build_argv(s: Settings, passthrough: list[str] | None = None) -> list[str]:
     argv = ["vllm", "serve", s.model, "--served-model-name", s.served_model_name,
             "--host", s.host, "--port", str(s.port),
@@ -386,18 +339,17 @@ def build_argv(s: Settings, passthrough: list[str] | None = None) -> list[str]:
             "--kv-cache-dtype", s.kv_cache_dtype,
             "--max-model-len", str(s.max_model_len),
             "--max-num-seqs", str(s.max_num_seqs)]
-    _flag(argv, "--max-num-batched-tokens", s.max_num_batched_tokens)
-    _flag(argv, "--gpu-memory-utilization", s.gpu_memory_utilization)
-    _flag(argv, "--load-format", s.load_format)
-    _flag(argv, "--moe-backend", s.moe_backend)
+    for flag, value in (("--max-num-batched-tokens", s.max_num_batched_tokens),
+                        ("--gpu-memory-utilization", s.gpu_memory_utilization),
+                        ("--load-format", s.load_format), ("--moe-backend", s.moe_backend)):
+        if value is not None and value != "":
+            argv += [flag, str(value)]
     argv.append("--enable-prefix-caching" if s.prefix_caching else "--no-enable-prefix-caching")
-    if s.trust_remote_code:
-        argv.append("--trust-remote-code")
-    if s.language_model_only:
-        argv.append("--language-model-only")
-    if s.enforce_eager:
-        argv.append("--enforce-eager")
-    _flag(argv, "--reasoning-parser", s.reasoning_parser)
+    argv += [flag for on, flag in ((s.trust_remote_code, "--trust-remote-code"),
+                                   (s.language_model_only, "--language-model-only"),
+                                   (s.enforce_eager, "--enforce-eager")) if on]
+    if s.reasoning_parser:
+        argv += ["--reasoning-parser", s.reasoning_parser]
     if s.tool_call_parser:
         argv += ["--enable-auto-tool-choice", "--tool-call-parser", s.tool_call_parser]
     if s.mtp_k > 0:
@@ -423,7 +375,7 @@ def build_env(s: Settings, environ: Mapping[str, str], file_vals: Mapping[str, s
     """The environment we manage for vLLM (profile env, toggles, secrets); user values win."""
     env: dict[str, str] = {}
     user = vendor_from(environ, file_vals, host)
-    for key, value in PROFILES[s.profile]["env"].items():
+    for key, value in profiles.get(s.profile)["env"].items():
         env[key], sources[key] = user.pop(key, (value, f"profile:{s.profile}"))
     for key, (value, src) in sorted(user.items()):  # set by the user, passed as they are
         env[key], sources[key] = value, src

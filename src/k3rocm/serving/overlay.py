@@ -37,6 +37,7 @@ from typing import Any
 
 from k3rocm.errors import UsageError
 from k3rocm.hashing import sha256_file
+from k3rocm.rundir import write_bytes_atomic, write_text_atomic
 from k3rocm.serving.decisions import STATES as FUSIONS
 
 MODES = ("auto", "force", "off")
@@ -66,15 +67,15 @@ class OverlayError(UsageError):
         super().__init__(message, exit_code=3)
 
 
+def _text(path: Path) -> str:
+    """A file's text ("" when it is not there)."""
+    return path.read_text(encoding="utf-8", errors="replace") if path.is_file() else ""
+
 
 @dataclass
 class VllmInstall:
     root: Path  # the directory that contains the ``vllm`` package
     version: str
-
-    @property
-    def package(self) -> Path:
-        return self.root / "vllm"
 
 
 def find_vllm(site: Path | None = None) -> VllmInstall:
@@ -104,13 +105,9 @@ def _vllm_version(root: Path) -> str:
                 return d.version
         except Exception:  # noqa: BLE001
             return d.version
-    vfile = root / "vllm" / "_version.py"
-    if vfile.is_file():
-        m = re.search(r"""__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)""",
-                      vfile.read_text(encoding="utf-8", errors="replace"))
-        if m:
-            return m.group(1)
-    return "unknown"
+    m = re.search(r"""__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)""",
+                  _text(root / "vllm" / "_version.py"))
+    return m.group(1) if m else "unknown"
 
 
 def overlay_files(overlay_dir: Path) -> list[Path]:
@@ -141,14 +138,13 @@ def check_anchor(vllm: VllmInstall) -> dict[str, Any]:
             "model code); the overlay needs the nightly-era layout (vLLM >= 0.27)")
     if not linear.is_file():
         raise OverlayError(f"overlay: cannot apply: {linear} is missing; nothing to hook")
-    text = linear.read_text(encoding="utf-8", errors="replace")
+    text = _text(linear)
     if not _IMPORT_RE.search(text) or not _CALL_RE.search(text):
         raise OverlayError(
             f"overlay: cannot apply: {LINEAR} no longer imports and builds "
             "MultiHeadLatentAttentionWrapper from vllm.model_executor.layers.mla; "
             "the hook point is gone (update the overlay for this vLLM)")
-    stext = shared.read_text(encoding="utf-8", errors="replace") if shared.is_file() else ""
-    if "class MultiHeadLatentAttentionWrapper" not in stext:
+    if "class MultiHeadLatentAttentionWrapper" not in _text(shared):
         raise OverlayError(f"overlay: cannot apply: {SHARED_MLA} has no "
                            "MultiHeadLatentAttentionWrapper class to subclass")
     return {"file": str(LINEAR), "sha256": sha256_file(linear),
@@ -156,10 +152,13 @@ def check_anchor(vllm: VllmInstall) -> dict[str, Any]:
                     "vllm.model_executor.layers.mla, called in KimiMLAAttention)"}
 
 
+def _ours(path: Path) -> bool:
+    """``path`` is the k3rocm overlay's amd/mla.py."""
+    return MARKER in _text(path)
+
+
 def _upstream_has_mla(vllm: VllmInstall) -> bool:
-    target = vllm.root / MLA
-    return target.is_file() and MARKER not in target.read_text(encoding="utf-8",
-                                                                errors="replace")
+    return (vllm.root / MLA).is_file() and not _ours(vllm.root / MLA)
 
 
 # vLLM >= 0.33: upstream amd/mla.py carries both fusions plus an API this overlay (written for
@@ -171,12 +170,9 @@ _NEWER_API = ("skip_o_proj", "KimiK3MergedQKVGateLinear")
 
 def _force_refusal(vllm: VllmInstall) -> str | None:
     """One line when --mode force cannot work on this vLLM (None when it can)."""
-    upstream_text = (vllm.root / MLA).read_text(encoding="utf-8", errors="replace")
-    if MARKER in upstream_text:
+    if _ours(vllm.root / MLA):
         return None  # our own file from an earlier apply
-    linear = vllm.root / LINEAR
-    text = upstream_text + (linear.read_text(encoding="utf-8", errors="replace")
-                            if linear.is_file() else "")
+    text = _text(vllm.root / MLA) + _text(vllm.root / LINEAR)
     found = [name for name in _NEWER_API if name in text]
     if not found:
         return None
@@ -201,10 +197,7 @@ def _read_manifest(vllm: VllmInstall) -> dict[str, Any] | None:
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def apply(overlay_dir: Path, mode: str = "auto", site: Path | None = None,
@@ -216,7 +209,7 @@ def apply(overlay_dir: Path, mode: str = "auto", site: Path | None = None,
     files = overlay_files(overlay_dir)
     vllm = find_vllm(site)
     rep: dict[str, Any] = {
-        "mode": mode, "vllm_version": vllm.version, "vllm_path": str(vllm.package),
+        "mode": mode, "vllm_version": vllm.version, "vllm_path": str(vllm.root / "vllm"),
         "overlay_dir": str(overlay_dir), "wiring": PLUGIN, "files": [],
         "upstream_backup": None, "anchor": None,
     }
@@ -230,15 +223,17 @@ def apply(overlay_dir: Path, mode: str = "auto", site: Path | None = None,
         return rep
 
     src = {rel: sha256_file(overlay_dir / rel) for rel in files}
+
+    def rows(action: str, key: str = "sha256") -> list[dict[str, str]]:
+        return [{"path": str(r), key: s, "action": action} for r, s in src.items()]
+
     if mode == "off":
-        rep["files"] = [{"path": str(r), "source_sha256": s, "action": "none"}
-                        for r, s in src.items()]
+        rep["files"] = rows("none", "source_sha256")
         return done("off", "overlay: off (K3_OVERLAY=off), vLLM left as shipped")
 
     upstream = _upstream_has_mla(vllm)
     if upstream and mode == "auto":
-        rep["files"] = [{"path": str(r), "source_sha256": s, "action": "skipped"}
-                        for r, s in src.items()]
+        rep["files"] = rows("skipped", "source_sha256")
         rep["upstream_mla_sha256"] = sha256_file(vllm.root / MLA)
         return done("skipped-upstream", "overlay: skipped, upstream has amd/mla.py")
 
@@ -248,9 +243,8 @@ def apply(overlay_dir: Path, mode: str = "auto", site: Path | None = None,
             raise OverlayError(refusal)
 
     backup_exists = (vllm.root / MLA).with_name(MLA.name + BACKUP_SUFFIX).exists()
-    text = (vllm.root / LINEAR).read_text(encoding="utf-8", errors="replace") if (
-        vllm.root / LINEAR).is_file() else ""
-    if (upstream or backup_exists) and "KimiK3MultiHeadLatentAttentionWrapper" in text:
+    if (upstream or backup_exists) and \
+            "KimiK3MultiHeadLatentAttentionWrapper" in _text(vllm.root / LINEAR):
         # forced over upstream code: upstream's linear.py imports our class name itself
         rep["anchor"] = {"file": str(LINEAR), "sha256": sha256_file(vllm.root / LINEAR),
                          "hook": "upstream import of KimiK3MultiHeadLatentAttentionWrapper"}
@@ -273,8 +267,7 @@ def apply(overlay_dir: Path, mode: str = "auto", site: Path | None = None,
                                + f" (manifest {_manifest_path(vllm)}); rebuild from a "
                                "clean base image or use --mode force")
         if same_source and not problems:
-            rep["files"] = [{"path": str(r), "sha256": s, "action": "already-applied"}
-                            for r, s in src.items()]
+            rep["files"] = rows("already-applied")
             rep["upstream_backup"] = manifest.get("upstream_backup")
             return done("already-applied",
                         f"overlay: already applied {len(files)} files (no-op)")
@@ -299,12 +292,7 @@ def apply(overlay_dir: Path, mode: str = "auto", site: Path | None = None,
         rep["upstream_backup"] = manifest.get("upstream_backup")
 
     for rel in files:
-        target = vllm.root / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.k3rocm-tmp")
-        shutil.copyfile(overlay_dir / rel, tmp)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, target)
+        target = write_bytes_atomic(vllm.root / rel, (overlay_dir / rel).read_bytes())
         stale_pyc = target.parent / "__pycache__"
         for pyc in stale_pyc.glob(f"{target.stem}.*.pyc") if stale_pyc.is_dir() else []:
             pyc.unlink()
@@ -323,12 +311,10 @@ def apply(overlay_dir: Path, mode: str = "auto", site: Path | None = None,
 
 def status(site: Path | None = None) -> dict[str, Any]:
     vllm = find_vllm(site)
-    target = vllm.root / MLA
-    st: dict[str, Any] = {"vllm_version": vllm.version, "vllm_path": str(vllm.package),
+    st: dict[str, Any] = {"vllm_version": vllm.version, "vllm_path": str(vllm.root / "vllm"),
                           "amd_mla": "absent", "manifest": None, "verified": None}
-    if target.is_file():
-        st["amd_mla"] = "k3rocm overlay" if MARKER in target.read_text(
-            encoding="utf-8", errors="replace") else "upstream"
+    if (vllm.root / MLA).is_file():
+        st["amd_mla"] = "k3rocm overlay" if _ours(vllm.root / MLA) else "upstream"
     manifest = _read_manifest(vllm)
     if manifest is not None:
         st["manifest"] = str(_manifest_path(vllm))
@@ -449,7 +435,7 @@ def overlay_source(site: Path | None = None, overlay_dir: Path | None = None) ->
         applied = find_vllm(site).root / MLA
     except OverlayError:
         return None
-    if applied.is_file() and MARKER in applied.read_text(encoding="utf-8", errors="replace"):
+    if _ours(applied):
         return applied
     for d in ([Path(overlay_dir)] if overlay_dir else []) + [IMAGE_OVERLAY_DIR,
                                                              _CHECKOUT_OVERLAY_DIR]:
@@ -503,8 +489,7 @@ def verify_import(timeout: float = 600) -> int:
     import subprocess
 
     vllm = find_vllm()
-    mla = vllm.root / MLA
-    if not (mla.is_file() and MARKER in mla.read_text(encoding="utf-8", errors="replace")):
+    if not _ours(vllm.root / MLA):
         print(f"overlay: verify-import: {MLA} is not the k3rocm overlay here; nothing to import")
         return 0
     p = subprocess.run([sys.executable, "-c", _IMPORT_CHECK], capture_output=True, text=True,

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from k3rocm.errors import UsageError
-from k3rocm.serving.config import REDACTED, SECRET_KEYS, redact_env, render
+from k3rocm.serving.config import redact_argv, redact_env, render
 from k3rocm.serving.render_cmd import passthrough_args
 
 
@@ -23,14 +23,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="optional KEY=VALUE file read under the process environment")
     parser.add_argument("passthrough", nargs=argparse.REMAINDER,
                         help="extra `vllm serve` arguments (after --)")
-
-
-def _redact_argv(argv: list[str]) -> list[str]:
-    out, hide = [], False
-    for a in argv:
-        out.append(REDACTED if hide else a)
-        hide = a == "--api-key"
-    return out
 
 
 RENDERED_FILE = "/tmp/k3rocm-rendered.json"  # noqa: S108 - the container's own /tmp
@@ -57,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     if exe is None:
         raise UsageError(f"{rendered.argv[0]!r} is not on PATH: run this inside the serving image "
                          "(or install vLLM)")
-    shown = redact_env(rendered.env)
+    shown = redact_env({**os.environ, **rendered.env})  # K3_* from the shell: not in env
     print(f"k3rocm: profile {rendered.settings.profile}", file=sys.stderr)
     b = rendered.base
     if b is None:
@@ -72,17 +64,15 @@ def run(args: argparse.Namespace) -> int:
             print(f"k3rocm: base: {note}", file=sys.stderr)
     for key in sorted(rendered.sources):
         if key.startswith("K3_") or key in rendered.env:
-            value = shown.get(key, os.environ.get(key, ""))
-            if key in SECRET_KEYS and value:
-                value = REDACTED
-            print(f"k3rocm:   {key}={value}  [{rendered.sources[key]}]", file=sys.stderr)
+            print(f"k3rocm:   {key}={shown.get(key, '')}  [{rendered.sources[key]}]",
+                  file=sys.stderr)
     if rendered.settings.allow_hub_download and not rendered.settings.model.startswith("/"):
         size = " (Kimi-K3: ~1.56 TB)" if "kimi-k3" in rendered.settings.model.lower() else ""
         print(f"k3rocm: K3_ALLOW_HUB_DOWNLOAD=1: vLLM downloads {rendered.settings.model}"
               f"{size} into {rendered.env.get('HF_HOME', '~/.cache/huggingface')} unless it "
               "is cached there already", file=sys.stderr)
     write_rendered(rendered)
-    print("k3rocm: exec " + shlex.join(_redact_argv(rendered.argv)), file=sys.stderr, flush=True)
+    print("k3rocm: exec " + shlex.join(redact_argv(rendered.argv)), file=sys.stderr, flush=True)
     env = {**os.environ, **rendered.env}
     os.execvpe(exe, rendered.argv, env)
     return 0  # not reached
