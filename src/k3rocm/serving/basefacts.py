@@ -37,6 +37,7 @@ from typing import Any
 
 from k3rocm.serving.fusions import BY_NAME, FUSIONS  # stdlib only too
 from k3rocm.serving.modelfacts import KIMI_K3_HEADS  # stdlib only too
+from k3rocm.serving.overlay import BACKUP_SUFFIX, _ours, _text, _vllm_version
 
 GLUON_MAX_HEADS = 15  # AiterMLAHelper._AITER_MIN_MLA_HEADS = 16 (0.27.1 .. 0.33)
 ROUTER = "vllm/v1/attention/backends/mla/rocm_aiter_mla.py"
@@ -46,8 +47,6 @@ VLLM_CONFIG = "vllm/config/vllm.py"
 AITER_STUB = "aiter/ops/cache.py"
 QPREP_OP = BY_NAME["decode_qprep"].op  # AITER's fused_qk_rope_concat_and_cache_mla
 CLAMP_ARG = "compute_all_q_rope"
-OVERLAY_MARKER = "K3ROCM_OVERLAY = 1"
-UPSTREAM_BACKUP = "mla.py.k3rocm-upstream"  # kept by `overlay apply --mode force`
 
 
 def fact(value: Any, how: str) -> dict[str, Any]:
@@ -147,16 +146,10 @@ def _router_facts(path: Path) -> dict[str, dict[str, Any]]:
 
 def _upstream_mla(root: Path) -> dict[str, Any]:
     path = root / AMD_MLA
-    backup = path.with_name(UPSTREAM_BACKUP)
-    text, how = None, ""
-    if path.is_file():
-        t = path.read_text(encoding="utf-8", errors="replace")
-        if OVERLAY_MARKER not in t:
-            text, how = t, AMD_MLA
-        elif backup.is_file():
-            text, how = backup.read_text(encoding="utf-8", errors="replace"), str(
-                Path(AMD_MLA).with_name(UPSTREAM_BACKUP))
-    if text is None:
+    if _ours(path):  # upstream's file, if any, is the backup `overlay apply --mode force` kept
+        path = path.with_name(path.name + BACKUP_SUFFIX)
+    text, how = _text(path), str(path.relative_to(root))
+    if not text:
         return fact([], f"{AMD_MLA}: no upstream file (none, or only the k3rocm overlay)")
     fus = [f.name for f in FUSIONS if f.op in text]
     return fact(fus, f"{how}: upstream code calling " + (", ".join(fus) or "neither op"))
@@ -200,20 +193,16 @@ def measure(site: Path | None = None, aiter_site: Path | None = None) -> dict[st
     if root is None or not (root / "vllm" / "__init__.py").is_file():
         return {"schema": 1, "vllm_version": unknown("vLLM is not installed here"),
                 **_aiter_facts(aiter_site)}
-    from k3rocm.serving.overlay import _vllm_version
-
     facts: dict[str, Any] = {"schema": 1,
                              "vllm_version": fact(_vllm_version(root), "installed distribution")}
     facts["upstream_mla_fusions"] = _upstream_mla(root)
-    mla = root / AMD_MLA
-    ours = mla.is_file() and OVERLAY_MARKER in mla.read_text(errors="replace")
+    ours = _ours(root / AMD_MLA)
     facts["overlay_in_tree"] = fact(ours, f"{AMD_MLA} " + (
         "is the k3rocm overlay" if ours else "is not the k3rocm overlay"))
     facts.update(_router_facts(root / ROUTER))
-    cfg = root / VLLM_CONFIG
-    if cfg.is_file():
-        auto = "KimiK3ForConditionalGeneration" in cfg.read_text(errors="replace") and \
-            "VLLM_USE_BREAKABLE_CUDAGRAPH" in cfg.read_text(errors="replace")
+    cfg = _text(root / VLLM_CONFIG)
+    if cfg:
+        auto = "KimiK3ForConditionalGeneration" in cfg and "VLLM_USE_BREAKABLE_CUDAGRAPH" in cfg
         facts["breakable_cudagraph_auto_for_k3"] = fact(auto, f"{VLLM_CONFIG}: Kimi-K3 "
                                                         f"{'in' if auto else 'not in'} the "
                                                         "auto-enable list")
@@ -350,7 +339,7 @@ def check(s: Any, sources: dict[str, str], facts: dict[str, Any] | None,
             argv += ["--compilation-config", '{"cudagraph_mode":"PIECEWISE"}']
             notes.append(
                 f"graphs: cudagraph_mode PIECEWISE (no full-graph capture): vLLM {ver}'s "
-                f"{heads}-head MTP verify path syncs the host ({value_how(facts, 'verify_route')})"
+                f"{heads}-head MTP verify path syncs the host ({facts['verify_route']['how']})"
                 ", which full-graph capture of a uniform verify batch cannot do; set "
                 "--compilation-config in K3_EXTRA_ARGS to override")
     return updates, argv, notes
@@ -362,17 +351,6 @@ def describe(base: dict[str, Any]) -> list[str]:
     return [f"base: vLLM {base.get('vllm_version', '?')}, {base.get('heads_per_rank', '?')} MLA "
             f"heads/rank, decode route {r.get('route', '?')} ({r.get('why', '?')}); facts from "
             f"{base.get('facts_from', '?')}", *(base.get("notes") or [])]
-
-
-def value_how(facts: dict[str, Any], key: str) -> str:
-    f = facts.get(key)
-    return f.get("how", "") if isinstance(f, dict) else ""
-
-
-def _print(facts: dict[str, Any]) -> None:
-    for key, f in facts.items():
-        if isinstance(f, dict):
-            print(f"{key}: {f['value']!r}  ({f['how']})")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -402,7 +380,9 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"facts": facts, "heads": args.heads, "routes": routes}, indent=2,
                          sort_keys=True))
     else:
-        _print(facts)
+        for key, f in facts.items():
+            if isinstance(f, dict):
+                print(f"{key}: {f['value']!r}  ({f['how']})")
         for k, r in routes.items():
             print(f"route {args.heads} heads {k}: {r['route']} fp8 query ok={r['fp8_query_ok']}"
                   f" ({r['why']})")

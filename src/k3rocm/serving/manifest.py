@@ -17,6 +17,7 @@ from k3rocm import __version__
 from k3rocm.errors import UsageError
 from k3rocm.hashing import sha256_file
 from k3rocm.rundir import write_json_atomic
+from k3rocm.serving.basefacts import measure, route, value
 
 DEFAULT_PATH = "/opt/k3rocm/manifest.json"
 
@@ -54,18 +55,12 @@ def build_manifest(base_image: str, git_rev: str, overlay_dir: Path,
         "k3rocm_version": __version__,
         "k3rocm_git_rev": git_rev,
         "base_versions_txt": versions_txt.read_text() if versions_txt.is_file() else None,
-        "base_facts": _base_facts(),
+        "base_facts": measure(),
         "overlay": {
             "source_files": overlay_tree_hashes(overlay_dir),
             "report": report,
         },
     }
-
-
-def _base_facts() -> dict:
-    from k3rocm.serving.basefacts import measure
-
-    return measure()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -87,8 +82,6 @@ def run(args: argparse.Namespace) -> int:
         m = build_manifest(args.base_image, args.git_rev, args.overlay_dir, args.overlay_report)
         write_json_atomic(args.out, m)
         print(f"manifest: {args.out} (base {m['base_image']}, vLLM {m['vllm_version']})")
-        from k3rocm.serving.basefacts import route, value
-
         f = m["base_facts"]
         r = route(f, 12, "fp8")
         print(f"base facts: upstream amd/mla.py fusions {value(f, 'upstream_mla_fusions')}, "

@@ -38,7 +38,7 @@ from typing import Any
 from k3rocm.errors import UsageError
 from k3rocm.hashing import sha256_file
 from k3rocm.rundir import write_bytes_atomic, write_text_atomic
-from k3rocm.serving.decisions import STATES as FUSIONS
+from k3rocm.serving import decisions
 
 MODES = ("auto", "force", "off")
 MANIFEST_NAME = ".k3rocm-overlay.json"
@@ -456,7 +456,7 @@ def probe(site: Path | None = None, overlay_dir: Path | None = None) -> dict[str
                              "aiter_mla_enabled": False},
                 "qprep_kernel": {"found": False, "clamps_positions": False, "source": why},
                 "dual_norm_op": {"found": False, "source": why},
-                "fusions": {k: {"state": "off", "reason": why} for k in FUSIONS},
+                "fusions": {k: {"state": "off", "reason": why} for k in decisions.STATES},
                 "python": sys.version.split()[0]}
     spec = importlib.util.spec_from_file_location("k3rocm_overlay_probe", src)
     assert spec is not None and spec.loader is not None
@@ -510,20 +510,12 @@ def verify_import(timeout: float = 600) -> int:
 
 def read_decisions(path: Path) -> list[dict[str, Any]]:
     """Final decision per (pid, layer kind) from a server log or a decisions directory."""
-    from k3rocm.serving.decisions import (
-        decision_files,
-        final_decisions,
-        records_from_files,
-        records_from_log,
-    )
-
     try:
-        records = (records_from_files(decision_files(path)) if path.is_dir() else
-                   records_from_log(path.read_text(encoding="utf-8", errors="replace"),
-                                    str(path)))
+        records = (decisions.records_from_files(decisions.decision_files(path)) if path.is_dir()
+                   else decisions.records_from_log(path.read_text("utf-8", "replace"), str(path)))
     except OSError as exc:
         raise UsageError(f"--decisions {path}: cannot be read ({exc})") from None
-    return [r.raw for r in final_decisions(records).values()]
+    return [r.raw for r in decisions.final_decisions(records).values()]
 
 
 if __name__ == "__main__":  # python -m k3rocm.serving.overlay ...
