@@ -68,7 +68,7 @@ def _root(name: str) -> Path | None:
     return Path(list(spec.submodule_search_locations)[0]).parent
 
 
-def _version(dists: tuple[str, ...]) -> str | None:
+def dist_version(dists: tuple[str, ...]) -> str | None:
     for d in dists:
         try:
             return importlib.metadata.version(d)
@@ -77,14 +77,10 @@ def _version(dists: tuple[str, ...]) -> str | None:
     return None
 
 
-def _class(tree: ast.Module, name: str) -> ast.ClassDef | None:
-    return next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name), None)
-
-
-def _method(cls: ast.ClassDef | None, name: str) -> ast.FunctionDef | None:
-    if cls is None:
-        return None
-    return next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == name), None)
+def _def(node: ast.AST | None, name: str, kind: type = ast.FunctionDef) -> Any:
+    """The class or function ``name`` defined directly in ``node``'s body, or None."""
+    return next((n for n in getattr(node, "body", ()) if isinstance(n, kind) and n.name == name),
+                None)
 
 
 def _router_facts(path: Path) -> dict[str, dict[str, Any]]:
@@ -94,9 +90,9 @@ def _router_facts(path: Path) -> dict[str, dict[str, Any]]:
         return {k: unknown(why) for k in ("gluon_decode_dtype_aware", "quantizes_query",
                                           "verify_route", "padded_query_view")}
     tree = ast.parse(path.read_text(encoding="utf-8", errors="replace"))
-    helper, impl = _class(tree, "AiterMLAHelper"), _class(tree, "AiterMLAImpl")
+    helper, impl = (_def(tree, c, ast.ClassDef) for c in ("AiterMLAHelper", "AiterMLAImpl"))
     out: dict[str, dict[str, Any]] = {}
-    use = _method(helper, "use_gluon_decode")
+    use = _def(helper, "use_gluon_decode")
     if use is None:
         out["gluon_decode_dtype_aware"] = unknown(f"{rel}: no AiterMLAHelper.use_gluon_decode")
     else:
@@ -118,8 +114,8 @@ def _router_facts(path: Path) -> dict[str, dict[str, Any]]:
         val = ast.unparse(sets[-1]).split("=")[-1].strip()
         out["quantizes_query"] = fact(val == "True", f"{rel}:{sets[-1].lineno} "
                                       f"supports_quant_query_input = {val}")
-    verify = _method(helper, "use_gluon_verify")
-    fwd = _method(impl, "forward_mqa")
+    verify = _def(helper, "use_gluon_verify")
+    fwd = _def(impl, "forward_mqa")
     if verify is not None:
         out["verify_route"] = fact("gluon-mtp-or-asm", (
             f"{rel}:{verify.lineno} AiterMLAHelper.use_gluon_verify (bf16: Gluon 4-D MTP entry; "
@@ -132,7 +128,7 @@ def _router_facts(path: Path) -> dict[str, dict[str, Any]]:
             "Gluon" + (f"; .item() at line {', '.join(map(str, syncs))}" if syncs else "")))
     else:
         out["verify_route"] = unknown(f"{rel}: no AiterMLAImpl.forward_mqa")
-    pad = _method(helper, "get_mla_padded_q")
+    pad = _def(helper, "get_mla_padded_q")
     if pad is None:
         out["padded_query_view"] = unknown(f"{rel}: no AiterMLAHelper.get_mla_padded_q")
     else:
@@ -156,7 +152,7 @@ def _upstream_mla(root: Path) -> dict[str, Any]:
 
 
 def _aiter_facts(root: Path | None = None) -> dict[str, dict[str, Any]]:
-    ver = _version(("amd-aiter", "aiter"))
+    ver = dist_version(("amd-aiter", "aiter"))
     root = root or _root("aiter")
     out = {"aiter_version": fact(ver, "installed distribution amd-aiter") if ver else
            unknown("no amd-aiter distribution installed")}
@@ -165,8 +161,7 @@ def _aiter_facts(root: Path | None = None) -> dict[str, dict[str, Any]]:
         out["aiter_qprep_clamp"] = unknown(f"{AITER_STUB} not installed")
         return out
     tree = ast.parse(stub.read_text(encoding="utf-8", errors="replace"))
-    fn = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == QPREP_OP),
-              None)
+    fn = _def(tree, QPREP_OP)
     if fn is None:
         out["aiter_qprep_clamp"] = unknown(f"{AITER_STUB}: no {QPREP_OP}")
         return out

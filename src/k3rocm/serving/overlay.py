@@ -196,6 +196,14 @@ def _read_manifest(vllm: VllmInstall) -> dict[str, Any] | None:
                            "the vLLM tree was modified") from exc
 
 
+def _problems(vllm: VllmInstall, manifest: dict[str, Any]) -> list[str]:
+    """The applied files that are no longer what the manifest recorded."""
+    return [f"{f['path']} missing" if not (vllm.root / f["path"]).is_file() else
+            f"{f['path']} modified since applied" for f in manifest.get("files", [])
+            if not (vllm.root / f["path"]).is_file()
+            or sha256_file(vllm.root / f["path"]) != f["sha256"]]
+
+
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
@@ -242,8 +250,8 @@ def apply(overlay_dir: Path, mode: str = "auto", site: Path | None = None,
         if refusal:
             raise OverlayError(refusal)
 
-    backup_exists = (vllm.root / MLA).with_name(MLA.name + BACKUP_SUFFIX).exists()
-    if (upstream or backup_exists) and \
+    backup = (vllm.root / MLA).with_name(MLA.name + BACKUP_SUFFIX)
+    if (upstream or backup.exists()) and \
             "KimiK3MultiHeadLatentAttentionWrapper" in _text(vllm.root / LINEAR):
         # forced over upstream code: upstream's linear.py imports our class name itself
         rep["anchor"] = {"file": str(LINEAR), "sha256": sha256_file(vllm.root / LINEAR),
@@ -252,18 +260,13 @@ def apply(overlay_dir: Path, mode: str = "auto", site: Path | None = None,
         rep["anchor"] = check_anchor(vllm)
 
     manifest = _read_manifest(vllm)
+    recorded = {f["path"]: f["sha256"] for f in (manifest or {}).get("files", [])}
     if manifest is not None:
-        same_source = {f["path"]: f["sha256"] for f in manifest.get("files", [])} == {
-            str(r): s for r, s in src.items()}
-        problems = []
-        for f in manifest.get("files", []):
-            t = vllm.root / f["path"]
-            if not t.is_file():
-                problems.append(f"{f['path']} missing")
-            elif sha256_file(t) != f["sha256"]:
-                problems.append(f"{f['path']} modified since applied")
-        if problems and mode != "force":
-            raise OverlayError("overlay: stale target: " + "; ".join(problems)
+        same_source = recorded == {str(r): s for r, s in src.items()}
+        problems = _problems(vllm, manifest)
+        if (problems or not same_source) and mode != "force":
+            raise OverlayError("overlay: stale target: " + ("; ".join(problems) or
+                               "a different overlay version is applied")
                                + f" (manifest {_manifest_path(vllm)}); rebuild from a "
                                "clean base image or use --mode force")
         if same_source and not problems:
@@ -271,19 +274,12 @@ def apply(overlay_dir: Path, mode: str = "auto", site: Path | None = None,
             rep["upstream_backup"] = manifest.get("upstream_backup")
             return done("already-applied",
                         f"overlay: already applied {len(files)} files (no-op)")
-        if not same_source and mode != "force":
-            raise OverlayError("overlay: stale target: a different overlay version is "
-                               f"applied (manifest {_manifest_path(vllm)}); rebuild from a "
-                               "clean base image or use --mode force")
 
     for rel in files:  # only new files, or our own earlier copies (checked above)
-        target = vllm.root / rel
-        if target.exists() and rel != MLA and (manifest is None or str(rel) not in {
-                f["path"] for f in manifest.get("files", [])}):
+        if (vllm.root / rel).exists() and rel != MLA and str(rel) not in recorded:
             raise OverlayError(f"overlay: refusing to overwrite vLLM's own {rel}")
 
     if upstream:
-        backup = (vllm.root / MLA).with_name(MLA.name + BACKUP_SUFFIX)
         if not backup.exists():
             shutil.copy2(vllm.root / MLA, backup)
         rep["upstream_backup"] = {"path": str(backup.relative_to(vllm.root)),
@@ -293,9 +289,8 @@ def apply(overlay_dir: Path, mode: str = "auto", site: Path | None = None,
 
     for rel in files:
         target = write_bytes_atomic(vllm.root / rel, (overlay_dir / rel).read_bytes())
-        stale_pyc = target.parent / "__pycache__"
-        for pyc in stale_pyc.glob(f"{target.stem}.*.pyc") if stale_pyc.is_dir() else []:
-            pyc.unlink()
+        for pyc in (target.parent / "__pycache__").glob(f"{target.stem}.*.pyc"):
+            pyc.unlink()  # stale bytecode of an earlier file
         rep["files"].append({"path": str(rel), "sha256": sha256_file(target),
                              "action": "forced" if upstream else "applied"})
     _write_json(_manifest_path(vllm), {
@@ -318,10 +313,7 @@ def status(site: Path | None = None) -> dict[str, Any]:
     manifest = _read_manifest(vllm)
     if manifest is not None:
         st["manifest"] = str(_manifest_path(vllm))
-        st["verified"] = all(
-            (vllm.root / f["path"]).is_file()
-            and sha256_file(vllm.root / f["path"]) == f["sha256"]
-            for f in manifest.get("files", []))
+        st["verified"] = not _problems(vllm, manifest)
         st["files"] = manifest.get("files", [])
     try:
         eps = importlib.metadata.entry_points(group="vllm.general_plugins")
