@@ -85,32 +85,28 @@ def _def(node: ast.AST | None, name: str, kind: type = ast.FunctionDef) -> Any:
 
 def _router_facts(path: Path) -> dict[str, dict[str, Any]]:
     rel = ROUTER
+    needs = {"gluon_decode_dtype_aware": "AiterMLAHelper.use_gluon_decode",
+             "quantizes_query": "AiterMLAImpl", "verify_route": "AiterMLAImpl.forward_mqa",
+             "padded_query_view": "AiterMLAHelper.get_mla_padded_q"}
     if not path.is_file():
-        why = f"{rel} not in this vLLM"
-        return {k: unknown(why) for k in ("gluon_decode_dtype_aware", "quantizes_query",
-                                          "verify_route", "padded_query_view")}
+        return {k: unknown(f"{rel} not in this vLLM") for k in needs}
+    out = {k: unknown(f"{rel}: no {what}") for k, what in needs.items()}  # until found
     tree = ast.parse(path.read_text(encoding="utf-8", errors="replace"))
     helper, impl = (_def(tree, c, ast.ClassDef) for c in ("AiterMLAHelper", "AiterMLAImpl"))
-    out: dict[str, dict[str, Any]] = {}
     use = _def(helper, "use_gluon_decode")
-    if use is None:
-        out["gluon_decode_dtype_aware"] = unknown(f"{rel}: no AiterMLAHelper.use_gluon_decode")
-    else:
+    if use is not None:
         params = [a.arg for a in use.args.args]
-        aware = "kv_cache_dtype" in params
-        out["gluon_decode_dtype_aware"] = fact(aware, (
+        out["gluon_decode_dtype_aware"] = fact("kv_cache_dtype" in params, (
             f"{rel}:{use.lineno} AiterMLAHelper.use_gluon_decode({', '.join(params)})"))
     # vLLM's MLACommonImpl sets supports_quant_query_input = True; AITER's impl keeps it
     # unless it assigns it itself.
     sets = [n for n in ast.walk(impl) if isinstance(n, (ast.Assign, ast.AnnAssign)) and
             "supports_quant_query_input" in ast.unparse(n)] if impl else []
-    if impl is None:
-        out["quantizes_query"] = unknown(f"{rel}: no AiterMLAImpl")
-    elif not sets:
+    if impl is not None and not sets:
         out["quantizes_query"] = fact(True, (
             f"{rel}:{impl.lineno} AiterMLAImpl keeps MLACommonImpl's "
             "supports_quant_query_input = True (fp8 KV -> fp8 query)"))
-    else:
+    elif sets:
         val = ast.unparse(sets[-1]).split("=")[-1].strip()
         out["quantizes_query"] = fact(val == "True", f"{rel}:{sets[-1].lineno} "
                                       f"supports_quant_query_input = {val}")
@@ -126,12 +122,8 @@ def _router_facts(path: Path) -> dict[str, dict[str, Any]]:
         out["verify_route"] = fact("gluon-flatten-host-sync" if syncs else "gluon-flatten", (
             f"{rel}:{fwd.lineno} AiterMLAImpl.forward_mqa flattens < 16-head verify onto "
             "Gluon" + (f"; .item() at line {', '.join(map(str, syncs))}" if syncs else "")))
-    else:
-        out["verify_route"] = unknown(f"{rel}: no AiterMLAImpl.forward_mqa")
     pad = _def(helper, "get_mla_padded_q")
-    if pad is None:
-        out["padded_query_view"] = unknown(f"{rel}: no AiterMLAHelper.get_mla_padded_q")
-    else:
+    if pad is not None:
         view = any(isinstance(n, ast.Attribute) and n.attr == "as_strided" for n in ast.walk(pad))
         out["padded_query_view"] = fact(view, (
             f"{rel}:{pad.lineno} get_mla_padded_q " + (

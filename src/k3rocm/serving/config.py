@@ -36,6 +36,7 @@ from k3rocm.serving.settings import (
     PREFIX,
     VENDOR_PREFIXES,
     Settings,
+    invalid,
 )
 
 # The one redaction rule (printouts, run records, server env): these names, and any name ending
@@ -204,21 +205,6 @@ def _is_pathlike(model: str) -> bool:
     return model.startswith(("/", "./", "../", "~"))
 
 
-def _describe_valid(name: str) -> str:
-    f = FIELDS[name]
-    ann = f.annotation
-    args = getattr(ann, "__args__", ())
-    if ann is bool:
-        return "1 or 0"
-    if args and all(isinstance(a, str) for a in args):
-        return "one of " + ", ".join(args)
-    bounds = [f"{sym} {getattr(m, attr)}" for m in f.metadata for attr, sym in
-              (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
-              if getattr(m, attr, None) is not None]
-    kind = "text" if str in (ann, *args) else "an integer" if int in (ann, *args) else "a number"
-    return kind + (" " + " and ".join(bounds) if bounds else "")
-
-
 def load_settings(environ: Mapping[str, str] | None = None,
                   dotenv: str | os.PathLike | None = ".env",
                   host_paths: bool = False,
@@ -265,15 +251,7 @@ def load_settings(environ: Mapping[str, str] | None = None,
     try:
         settings = Settings(**values)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        name = str(err["loc"][0]) if err["loc"] else "?"
-        env_name = ENV_NAME.get(name, name)
-        bad = values.get(name, "?")
-        msg = err["msg"].removeprefix("Value error, ")
-        if err["type"] in ("literal_error",) or "parsing" in err["type"] or \
-                err["type"].startswith(("greater", "less")):
-            msg = f"use {_describe_valid(name)}"
-        raise UsageError(f"{env_name}={bad!r} is not valid: {msg}") from None
+        raise UsageError(invalid(exc, values)) from None
     _check_consistency(settings, host_paths, check_model)
     return settings, sources
 

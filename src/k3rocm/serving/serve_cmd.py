@@ -1,28 +1,54 @@
-"""``k3rocm serve``: validate, render, print where every value came from, exec ``vllm serve``.
+"""The entrypoint's two commands.
 
+``k3rocm serve``: validate, render, print where every value came from, exec ``vllm serve``.
 ``exec`` replaces this process, so vLLM becomes the container's main process (under tini) and
 receives SIGTERM directly.
+
+``k3rocm render`` (:data:`render_command`): print ``{"env": ..., "argv": ..., "sources": ...}``
+and exit (no server).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import shutil
 import sys
+from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 from k3rocm.errors import UsageError
 from k3rocm.serving.config import redact_argv, redact_env, render
-from k3rocm.serving.render_cmd import passthrough_args
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser, render_only: bool = False) -> None:
     parser.add_argument("--env-file", default=".env",
-                        help="optional KEY=VALUE file read under the process environment")
+                        help="optional KEY=VALUE file read under the process environment "
+                        "(default: .env; missing is fine)")
+    if render_only:
+        parser.add_argument("--no-redact", action="store_true",
+                            help="show secrets (K3_API_KEY, HF_TOKEN) instead of ***")
     parser.add_argument("passthrough", nargs=argparse.REMAINDER,
                         help="extra `vllm serve` arguments (after --)")
+
+
+def _render(args: argparse.Namespace):
+    rest = list(args.passthrough or [])
+    return render(dotenv=args.env_file, passthrough=rest[1:] if rest[:1] == ["--"] else rest,
+                  base=True)
+
+
+def run_render(args: argparse.Namespace) -> int:
+    json.dump(_render(args).to_json(redact=not args.no_redact), sys.stdout, indent=2)
+    sys.stdout.write("\n")
+    return 0
+
+
+render_command = SimpleNamespace(add_arguments=partial(add_arguments, render_only=True),
+                                 run=run_render)
 
 
 RENDERED_FILE = "/tmp/k3rocm-rendered.json"  # noqa: S108 - the container's own /tmp
@@ -32,8 +58,6 @@ def write_rendered(rendered) -> None:
     """Render once, read the rendering: what this server was really started with (env and
     argv, secrets redacted, and what the base facts changed) for the checks that read a running
     server (the census's claim, provenance). Best effort: a read-only /tmp only warns."""
-    import json
-
     from k3rocm.rundir import write_text_atomic
 
     path = os.environ.get("K3_RENDERED_FILE") or RENDERED_FILE
@@ -44,7 +68,7 @@ def write_rendered(rendered) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    rendered = render(dotenv=args.env_file, passthrough=passthrough_args(args), base=True)
+    rendered = _render(args)
     exe = shutil.which(rendered.argv[0])
     if exe is None:
         raise UsageError(f"{rendered.argv[0]!r} is not on PATH: run this inside the serving image "

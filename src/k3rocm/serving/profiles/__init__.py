@@ -32,7 +32,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from k3rocm.errors import UsageError
-from k3rocm.serving.settings import ENV_NAME, FIELD_BY_ENV, PREFIX, VENDOR_PREFIXES, Settings
+from k3rocm.serving.settings import FIELD_BY_ENV, PREFIX, VENDOR_PREFIXES, Settings, invalid
 
 SUFFIX = ".yaml"
 HARDWARE = ("amd", "cpu")
@@ -205,8 +205,4 @@ def _validate_values(settings: dict[str, Any], where: str) -> None:
     try:
         Settings(**settings)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        field = str(err["loc"][0]) if err["loc"] else "?"
-        msg = err["msg"].removeprefix("Value error, ")
-        raise UsageError(f"{where}: {ENV_NAME.get(field, field)}: "
-                         f"{settings.get(field)!r} is not valid: {msg}") from None
+        raise UsageError(f"{where}: {invalid(exc, settings)}") from None
