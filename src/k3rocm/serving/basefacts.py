@@ -300,8 +300,7 @@ def check(s: Any, sources: dict[str, str], facts: dict[str, Any] | None,
             notes.append(f"WARNING: decode route for fp8 KV at {heads} heads/rank unknown on "
                          f"vLLM {ver}; not checked")
     upstream = value(facts, "upstream_mla_fusions") or []
-    overlay_in_tree = bool(value(facts, "overlay_in_tree"))
-    if upstream and not overlay_in_tree:
+    if upstream and not value(facts, "overlay_in_tree"):
         for f in FUSIONS:
             if f.name in upstream and not getattr(s, f.field) and _explicit(sources, f.env):
                 raise BaseRefusal(

@@ -23,8 +23,7 @@ DEFAULT_PATH = "/opt/k3rocm/manifest.json"
 
 
 def overlay_tree_hashes(root: Path) -> dict[str, str]:
-    if not root.is_dir():
-        return {}
+    """sha256 per file under ``root`` ({} when it is not there)."""
     return {str(p.relative_to(root)): sha256_file(p)
             for p in sorted(root.rglob("*")) if p.is_file() and "__pycache__" not in p.parts}
 

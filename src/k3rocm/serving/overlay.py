@@ -429,11 +429,9 @@ def overlay_source(site: Path | None = None, overlay_dir: Path | None = None) ->
         return None
     if _ours(applied):
         return applied
-    for d in ([Path(overlay_dir)] if overlay_dir else []) + [IMAGE_OVERLAY_DIR,
-                                                             _CHECKOUT_OVERLAY_DIR]:
-        if (d / MLA).is_file():
-            return d / MLA
-    return None
+    dirs = [Path(overlay_dir)] if overlay_dir else []
+    return next((d / MLA for d in (*dirs, IMAGE_OVERLAY_DIR, _CHECKOUT_OVERLAY_DIR)
+                 if (d / MLA).is_file()), None)
 
 
 def probe(site: Path | None = None, overlay_dir: Path | None = None) -> dict[str, Any]:

@@ -18,12 +18,16 @@ Every feature listed is on in that profile.
 :func:`get` returns ``{"settings": {field: value}, "env": {NAME: value}, "meta": {...}}``;
 :func:`names` lists the profiles present (``K3_PROFILE`` accepts exactly these).
 Any problem in a file is a :class:`~k3rocm.errors.UsageError` naming the file and the key.
+``k3rocm profiles`` (:func:`add_arguments`, :func:`run`) lists them, shows one, checks files.
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
+import json
 import re
+import sys
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
@@ -206,3 +210,31 @@ def _validate_values(settings: dict[str, Any], where: str) -> None:
         Settings(**settings)
     except ValidationError as exc:
         raise UsageError(f"{where}: {invalid(exc, settings)}") from None
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", nargs="?", help="show this profile: the settings and environment it "
+                   "gives (after `extends`), as JSON")
+    p.add_argument("--dir", type=Path, default=None,
+                   help="read profiles from DIR instead of the installed ones (e.g. to validate "
+                   "a new profile file before adding it to src/k3rocm/serving/profiles/)")
+    p.add_argument("--check", action="store_true",
+                   help="validate every profile file; exit 2 with the file and key on a problem")
+
+
+def run(args: argparse.Namespace) -> int:
+    d = args.dir
+    if d is not None and not d.is_dir():
+        raise UsageError(f"--dir {d}: not a directory")
+    if args.name:
+        json.dump(get(args.name, d), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    for name in names(d):
+        prof = get(name, d)  # validates
+        if not args.check:
+            meta = prof["meta"]
+            print(f"{name:<18} {meta['hardware']:<4} {meta['description']}")
+    if args.check:
+        print(f"{len(names(d))} profiles valid: {', '.join(names(d))}")
+    return 0
