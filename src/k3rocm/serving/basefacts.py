@@ -35,6 +35,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from k3rocm.errors import UsageError
 from k3rocm.serving.fusions import BY_NAME, FUSIONS  # stdlib only too
 from k3rocm.serving.modelfacts import KIMI_K3_HEADS  # stdlib only too
 from k3rocm.serving.overlay import BACKUP_SUFFIX, _ours, _text, _vllm_version
@@ -148,18 +149,17 @@ def _aiter_facts(root: Path | None = None) -> dict[str, dict[str, Any]]:
     root = root or _root("aiter")
     out = {"aiter_version": fact(ver, "installed distribution amd-aiter") if ver else
            unknown("no amd-aiter distribution installed")}
-    stub = root / AITER_STUB if root else None
-    if stub is None or not stub.is_file():
+    stub = _text(root / AITER_STUB) if root else ""
+    fn = _def(ast.parse(stub), QPREP_OP)
+    args = [a.arg for a in fn.args.args + fn.args.kwonlyargs] if fn else []
+    if not stub:
         out["aiter_qprep_clamp"] = unknown(f"{AITER_STUB} not installed")
-        return out
-    tree = ast.parse(stub.read_text(encoding="utf-8", errors="replace"))
-    fn = _def(tree, QPREP_OP)
-    if fn is None:
+    elif fn is None:
         out["aiter_qprep_clamp"] = unknown(f"{AITER_STUB}: no {QPREP_OP}")
-        return out
-    args = [a.arg for a in fn.args.args + fn.args.kwonlyargs]
-    out["aiter_qprep_clamp"] = fact(CLAMP_ARG in args, f"{AITER_STUB}:{fn.lineno} {QPREP_OP} "
-                                    f"stub {'has' if CLAMP_ARG in args else 'lacks'} {CLAMP_ARG}")
+    else:
+        out["aiter_qprep_clamp"] = fact(CLAMP_ARG in args, (
+            f"{AITER_STUB}:{fn.lineno} {QPREP_OP} stub "
+            f"{'has' if CLAMP_ARG in args else 'lacks'} {CLAMP_ARG}"))
     return out
 
 
@@ -353,8 +353,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from k3rocm.errors import UsageError
-
     if getattr(args, "base_cmd", None) != "facts":
         raise UsageError("base needs a subcommand: facts (see k3rocm base --help)")
     if args.heads < 1:
@@ -373,9 +371,3 @@ def run(args: argparse.Namespace) -> int:
             print(f"route {args.heads} heads {k}: {r['route']} fp8 query ok={r['fp8_query_ok']}"
                   f" ({r['why']})")
     return 0
-
-
-if __name__ == "__main__":
-    p = argparse.ArgumentParser(prog="k3rocm base")
-    add_arguments(p)
-    raise SystemExit(run(p.parse_args()))

@@ -168,15 +168,13 @@ def _upstream_has_mla(vllm: VllmInstall) -> bool:
 _NEWER_API = ("skip_o_proj", "KimiK3MergedQKVGateLinear")
 
 
-def _force_refusal(vllm: VllmInstall) -> str | None:
-    """One line when --mode force cannot work on this vLLM (None when it can)."""
-    if _ours(vllm.root / MLA):
-        return None  # our own file from an earlier apply
+def _refuse_force(vllm: VllmInstall) -> None:
+    """--mode force over upstream's amd/mla.py: OverlayError (one line) when it cannot work."""
     text = _text(vllm.root / MLA) + _text(vllm.root / LINEAR)
     found = [name for name in _NEWER_API if name in text]
-    if not found:
-        return None
-    return (f"overlay: --mode force refused: vLLM {vllm.version} ships amd/mla.py with both "
+    if found:
+        raise OverlayError(
+            f"overlay: --mode force refused: vLLM {vllm.version} ships amd/mla.py with both "
             f"fusions and an API the overlay does not implement ({', '.join(found)}); "
             "use --mode auto (keeps upstream's fusions)")
 
@@ -223,8 +221,7 @@ def apply(overlay_dir: Path, mode: str = "auto", site: Path | None = None,
     }
 
     def done(decision: str, line: str) -> dict[str, Any]:
-        rep["decision"] = decision
-        rep["message"] = line
+        rep.update(decision=decision, message=line)
         if report is not None:
             _write_json(Path(report), rep)
         print(line)
@@ -245,10 +242,8 @@ def apply(overlay_dir: Path, mode: str = "auto", site: Path | None = None,
         rep["upstream_mla_sha256"] = sha256_file(vllm.root / MLA)
         return done("skipped-upstream", "overlay: skipped, upstream has amd/mla.py")
 
-    if upstream and mode == "force":
-        refusal = _force_refusal(vllm)
-        if refusal:
-            raise OverlayError(refusal)
+    if upstream:  # and --mode force
+        _refuse_force(vllm)
 
     backup = (vllm.root / MLA).with_name(MLA.name + BACKUP_SUFFIX)
     if (upstream or backup.exists()) and \
@@ -506,13 +501,3 @@ def read_decisions(path: Path) -> list[dict[str, Any]]:
     except OSError as exc:
         raise UsageError(f"--decisions {path}: cannot be read ({exc})") from None
     return [r.raw for r in decisions.final_decisions(records).values()]
-
-
-if __name__ == "__main__":  # python -m k3rocm.serving.overlay ...
-    p = argparse.ArgumentParser(prog="k3rocm overlay")
-    add_arguments(p)
-    try:
-        raise SystemExit(run(p.parse_args()))
-    except UsageError as exc:
-        print(f"k3rocm: error: {exc}", file=sys.stderr)
-        raise SystemExit(exc.exit_code) from None

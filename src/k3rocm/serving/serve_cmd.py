@@ -82,10 +82,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         from k3rocm.serving.basefacts import describe
 
-        head, *notes = describe(b)
-        print(f"k3rocm: {head}", file=sys.stderr)
-        for note in notes:
-            print(f"k3rocm: base: {note}", file=sys.stderr)
+        for i, line in enumerate(describe(b)):  # a header, then the notes
+            print(f"k3rocm: {'base: ' if i else ''}{line}", file=sys.stderr)
     for key in sorted(rendered.sources):
         if key.startswith("K3_") or key in rendered.env:
             print(f"k3rocm:   {key}={shown.get(key, '')}  [{rendered.sources[key]}]",
@@ -97,6 +95,5 @@ def run(args: argparse.Namespace) -> int:
               "is cached there already", file=sys.stderr)
     write_rendered(rendered)
     print("k3rocm: exec " + shlex.join(redact_argv(rendered.argv)), file=sys.stderr, flush=True)
-    env = {**os.environ, **rendered.env}
-    os.execvpe(exe, rendered.argv, env)
+    os.execvpe(exe, rendered.argv, {**os.environ, **rendered.env})
     return 0  # not reached
