@@ -180,13 +180,12 @@ def measure(site: Path | None = None, aiter_site: Path | None = None) -> dict[st
     if root is None or not (root / "vllm" / "__init__.py").is_file():
         return {"schema": 1, "vllm_version": unknown("vLLM is not installed here"),
                 **_aiter_facts(aiter_site)}
-    facts: dict[str, Any] = {"schema": 1,
-                             "vllm_version": fact(_vllm_version(root), "installed distribution")}
-    facts["upstream_mla_fusions"] = _upstream_mla(root)
     ours = _ours(root / AMD_MLA)
-    facts["overlay_in_tree"] = fact(ours, f"{AMD_MLA} " + (
-        "is the k3rocm overlay" if ours else "is not the k3rocm overlay"))
-    facts.update(_router_facts(root / ROUTER))
+    facts: dict[str, Any] = {
+        "schema": 1, "vllm_version": fact(_vllm_version(root), "installed distribution"),
+        "upstream_mla_fusions": _upstream_mla(root),
+        "overlay_in_tree": fact(ours, f"{AMD_MLA} is {'' if ours else 'not '}the k3rocm overlay"),
+        **_router_facts(root / ROUTER)}
     cfg = _text(root / VLLM_CONFIG)
     if cfg:
         auto = "KimiK3ForConditionalGeneration" in cfg and "VLLM_USE_BREAKABLE_CUDAGRAPH" in cfg
