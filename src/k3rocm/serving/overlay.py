@@ -375,19 +375,18 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if cmd == "status":
         st = status(site=args.site)
-        if not args.json:
+        if args.decisions is not None:
+            st["decisions"] = read_decisions(args.decisions)
+        if args.json:
+            print(json.dumps(st, indent=2, sort_keys=True))
+        else:
             for k in ("vllm_version", "vllm_path", "amd_mla", "anchor", "manifest",
                       "verified", "plugin_registered"):
                 print(f"{k}: {st.get(k)}")
-        if args.decisions is not None:
-            st["decisions"] = read_decisions(args.decisions)
-            if not args.json:
-                for d in st["decisions"]:
-                    print(f"decision: pid {d['pid']} {d['layer_kind']} ({d['phase']}): "
-                          + ", ".join(f"{k} {v['state']} ({v['reason']})"
-                                      for k, v in d["fusions"].items()))
-        if args.json:
-            print(json.dumps(st, indent=2, sort_keys=True))
+            for d in st.get("decisions", []):
+                print(f"decision: pid {d['pid']} {d['layer_kind']} ({d['phase']}): "
+                      + ", ".join(f"{k} {v['state']} ({v['reason']})"
+                                  for k, v in d["fusions"].items()))
         return 0 if st.get("verified") in (None, True) else 1
     if cmd == "verify-import":
         return verify_import(args.timeout)
