@@ -18,9 +18,10 @@ from k3rocm.errors import EXIT_CODES, UsageError
 # Modules are imported only when their command runs, so `serve` stays fast and light.
 COMMANDS: dict[str, tuple[str, str]] = {
     # serving: what runs in the image
-    "render": ("k3rocm.serving.render_cmd", "print the vLLM env and argv as JSON (no server)"),
+    "render": ("k3rocm.serving.serve_cmd:render_command",
+               "print the vLLM env and argv as JSON (no server)"),
     "serve": ("k3rocm.serving.serve_cmd", "validate, render and exec `vllm serve` (entrypoint)"),
-    "profiles": ("k3rocm.serving.profiles.cli",
+    "profiles": ("k3rocm.serving.profiles",
                  "list the serving profiles, show one, validate files"),
     "manifest": ("k3rocm.serving.manifest", "write or show the image's provenance manifest"),
     "overlay": ("k3rocm.serving.overlay", "apply or inspect the Kimi-K3 AMD MLA overlay"),

@@ -9,10 +9,10 @@ from pathlib import Path
 
 from k3rocm.deploy.deployment import CPU_PROFILE
 from k3rocm.errors import UsageError
+from k3rocm.serving import profiles
 from k3rocm.serving.config import (
     KNOWN_OTHER,
     KNOWN_PREFIXES,
-    PROFILES,
     REDACTED,
     is_secret,
     redact_env,
@@ -85,7 +85,7 @@ def image_base_facts(image: str) -> tuple[dict | None, str]:
 def settings_table() -> str:
     rows = [f"| Setting | Default | Profile `{CPU_PROFILE}` | Description |",
             "|---|---|---|---|"]
-    smoke = PROFILES[CPU_PROFILE]["settings"]
+    smoke = profiles.get(CPU_PROFILE)["settings"]
     for name, f in FIELDS.items():
         default = "" if f.default is None else f.default
         if isinstance(default, bool):

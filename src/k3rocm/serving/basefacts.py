@@ -35,8 +35,10 @@ import re
 from pathlib import Path
 from typing import Any
 
+from k3rocm.errors import UsageError
 from k3rocm.serving.fusions import BY_NAME, FUSIONS  # stdlib only too
 from k3rocm.serving.modelfacts import KIMI_K3_HEADS  # stdlib only too
+from k3rocm.serving.overlay import BACKUP_SUFFIX, _ours, _text, _vllm_version
 
 GLUON_MAX_HEADS = 15  # AiterMLAHelper._AITER_MIN_MLA_HEADS = 16 (0.27.1 .. 0.33)
 ROUTER = "vllm/v1/attention/backends/mla/rocm_aiter_mla.py"
@@ -46,8 +48,6 @@ VLLM_CONFIG = "vllm/config/vllm.py"
 AITER_STUB = "aiter/ops/cache.py"
 QPREP_OP = BY_NAME["decode_qprep"].op  # AITER's fused_qk_rope_concat_and_cache_mla
 CLAMP_ARG = "compute_all_q_rope"
-OVERLAY_MARKER = "K3ROCM_OVERLAY = 1"
-UPSTREAM_BACKUP = "mla.py.k3rocm-upstream"  # kept by `overlay apply --mode force`
 
 
 def fact(value: Any, how: str) -> dict[str, Any]:
@@ -69,7 +69,7 @@ def _root(name: str) -> Path | None:
     return Path(list(spec.submodule_search_locations)[0]).parent
 
 
-def _version(dists: tuple[str, ...]) -> str | None:
+def dist_version(dists: tuple[str, ...]) -> str | None:
     for d in dists:
         try:
             return importlib.metadata.version(d)
@@ -78,49 +78,41 @@ def _version(dists: tuple[str, ...]) -> str | None:
     return None
 
 
-def _class(tree: ast.Module, name: str) -> ast.ClassDef | None:
-    return next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name), None)
-
-
-def _method(cls: ast.ClassDef | None, name: str) -> ast.FunctionDef | None:
-    if cls is None:
-        return None
-    return next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == name), None)
+def _def(node: ast.AST | None, name: str, kind: type = ast.FunctionDef) -> Any:
+    """The class or function ``name`` defined directly in ``node``'s body, or None."""
+    return next((n for n in getattr(node, "body", ()) if isinstance(n, kind) and n.name == name),
+                None)
 
 
 def _router_facts(path: Path) -> dict[str, dict[str, Any]]:
     rel = ROUTER
+    needs = {"gluon_decode_dtype_aware": "AiterMLAHelper.use_gluon_decode",
+             "quantizes_query": "AiterMLAImpl", "verify_route": "AiterMLAImpl.forward_mqa",
+             "padded_query_view": "AiterMLAHelper.get_mla_padded_q"}
     if not path.is_file():
-        why = f"{rel} not in this vLLM"
-        return {k: unknown(why) for k in ("gluon_decode_dtype_aware", "quantizes_query",
-                                          "verify_route", "padded_query_view")}
+        return {k: unknown(f"{rel} not in this vLLM") for k in needs}
+    out = {k: unknown(f"{rel}: no {what}") for k, what in needs.items()}  # until found
     tree = ast.parse(path.read_text(encoding="utf-8", errors="replace"))
-    helper, impl = _class(tree, "AiterMLAHelper"), _class(tree, "AiterMLAImpl")
-    out: dict[str, dict[str, Any]] = {}
-    use = _method(helper, "use_gluon_decode")
-    if use is None:
-        out["gluon_decode_dtype_aware"] = unknown(f"{rel}: no AiterMLAHelper.use_gluon_decode")
-    else:
+    helper, impl = (_def(tree, c, ast.ClassDef) for c in ("AiterMLAHelper", "AiterMLAImpl"))
+    use = _def(helper, "use_gluon_decode")
+    if use is not None:
         params = [a.arg for a in use.args.args]
-        aware = "kv_cache_dtype" in params
-        out["gluon_decode_dtype_aware"] = fact(aware, (
+        out["gluon_decode_dtype_aware"] = fact("kv_cache_dtype" in params, (
             f"{rel}:{use.lineno} AiterMLAHelper.use_gluon_decode({', '.join(params)})"))
     # vLLM's MLACommonImpl sets supports_quant_query_input = True; AITER's impl keeps it
     # unless it assigns it itself.
     sets = [n for n in ast.walk(impl) if isinstance(n, (ast.Assign, ast.AnnAssign)) and
             "supports_quant_query_input" in ast.unparse(n)] if impl else []
-    if impl is None:
-        out["quantizes_query"] = unknown(f"{rel}: no AiterMLAImpl")
-    elif not sets:
+    if impl is not None and not sets:
         out["quantizes_query"] = fact(True, (
             f"{rel}:{impl.lineno} AiterMLAImpl keeps MLACommonImpl's "
             "supports_quant_query_input = True (fp8 KV -> fp8 query)"))
-    else:
+    elif sets:
         val = ast.unparse(sets[-1]).split("=")[-1].strip()
         out["quantizes_query"] = fact(val == "True", f"{rel}:{sets[-1].lineno} "
                                       f"supports_quant_query_input = {val}")
-    verify = _method(helper, "use_gluon_verify")
-    fwd = _method(impl, "forward_mqa")
+    verify = _def(helper, "use_gluon_verify")
+    fwd = _def(impl, "forward_mqa")
     if verify is not None:
         out["verify_route"] = fact("gluon-mtp-or-asm", (
             f"{rel}:{verify.lineno} AiterMLAHelper.use_gluon_verify (bf16: Gluon 4-D MTP entry; "
@@ -131,12 +123,8 @@ def _router_facts(path: Path) -> dict[str, dict[str, Any]]:
         out["verify_route"] = fact("gluon-flatten-host-sync" if syncs else "gluon-flatten", (
             f"{rel}:{fwd.lineno} AiterMLAImpl.forward_mqa flattens < 16-head verify onto "
             "Gluon" + (f"; .item() at line {', '.join(map(str, syncs))}" if syncs else "")))
-    else:
-        out["verify_route"] = unknown(f"{rel}: no AiterMLAImpl.forward_mqa")
-    pad = _method(helper, "get_mla_padded_q")
-    if pad is None:
-        out["padded_query_view"] = unknown(f"{rel}: no AiterMLAHelper.get_mla_padded_q")
-    else:
+    pad = _def(helper, "get_mla_padded_q")
+    if pad is not None:
         view = any(isinstance(n, ast.Attribute) and n.attr == "as_strided" for n in ast.walk(pad))
         out["padded_query_view"] = fact(view, (
             f"{rel}:{pad.lineno} get_mla_padded_q " + (
@@ -147,39 +135,31 @@ def _router_facts(path: Path) -> dict[str, dict[str, Any]]:
 
 def _upstream_mla(root: Path) -> dict[str, Any]:
     path = root / AMD_MLA
-    backup = path.with_name(UPSTREAM_BACKUP)
-    text, how = None, ""
-    if path.is_file():
-        t = path.read_text(encoding="utf-8", errors="replace")
-        if OVERLAY_MARKER not in t:
-            text, how = t, AMD_MLA
-        elif backup.is_file():
-            text, how = backup.read_text(encoding="utf-8", errors="replace"), str(
-                Path(AMD_MLA).with_name(UPSTREAM_BACKUP))
-    if text is None:
+    if _ours(path):  # upstream's file, if any, is the backup `overlay apply --mode force` kept
+        path = path.with_name(path.name + BACKUP_SUFFIX)
+    text, how = _text(path), str(path.relative_to(root))
+    if not text:
         return fact([], f"{AMD_MLA}: no upstream file (none, or only the k3rocm overlay)")
     fus = [f.name for f in FUSIONS if f.op in text]
     return fact(fus, f"{how}: upstream code calling " + (", ".join(fus) or "neither op"))
 
 
 def _aiter_facts(root: Path | None = None) -> dict[str, dict[str, Any]]:
-    ver = _version(("amd-aiter", "aiter"))
+    ver = dist_version(("amd-aiter", "aiter"))
     root = root or _root("aiter")
     out = {"aiter_version": fact(ver, "installed distribution amd-aiter") if ver else
            unknown("no amd-aiter distribution installed")}
-    stub = root / AITER_STUB if root else None
-    if stub is None or not stub.is_file():
+    stub = _text(root / AITER_STUB) if root else ""
+    fn = _def(ast.parse(stub), QPREP_OP)
+    args = [a.arg for a in fn.args.args + fn.args.kwonlyargs] if fn else []
+    if not stub:
         out["aiter_qprep_clamp"] = unknown(f"{AITER_STUB} not installed")
-        return out
-    tree = ast.parse(stub.read_text(encoding="utf-8", errors="replace"))
-    fn = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == QPREP_OP),
-              None)
-    if fn is None:
+    elif fn is None:
         out["aiter_qprep_clamp"] = unknown(f"{AITER_STUB}: no {QPREP_OP}")
-        return out
-    args = [a.arg for a in fn.args.args + fn.args.kwonlyargs]
-    out["aiter_qprep_clamp"] = fact(CLAMP_ARG in args, f"{AITER_STUB}:{fn.lineno} {QPREP_OP} "
-                                    f"stub {'has' if CLAMP_ARG in args else 'lacks'} {CLAMP_ARG}")
+    else:
+        out["aiter_qprep_clamp"] = fact(CLAMP_ARG in args, (
+            f"{AITER_STUB}:{fn.lineno} {QPREP_OP} stub "
+            f"{'has' if CLAMP_ARG in args else 'lacks'} {CLAMP_ARG}"))
     return out
 
 
@@ -200,20 +180,15 @@ def measure(site: Path | None = None, aiter_site: Path | None = None) -> dict[st
     if root is None or not (root / "vllm" / "__init__.py").is_file():
         return {"schema": 1, "vllm_version": unknown("vLLM is not installed here"),
                 **_aiter_facts(aiter_site)}
-    from k3rocm.serving.overlay import _vllm_version
-
-    facts: dict[str, Any] = {"schema": 1,
-                             "vllm_version": fact(_vllm_version(root), "installed distribution")}
-    facts["upstream_mla_fusions"] = _upstream_mla(root)
-    mla = root / AMD_MLA
-    ours = mla.is_file() and OVERLAY_MARKER in mla.read_text(errors="replace")
-    facts["overlay_in_tree"] = fact(ours, f"{AMD_MLA} " + (
-        "is the k3rocm overlay" if ours else "is not the k3rocm overlay"))
-    facts.update(_router_facts(root / ROUTER))
-    cfg = root / VLLM_CONFIG
-    if cfg.is_file():
-        auto = "KimiK3ForConditionalGeneration" in cfg.read_text(errors="replace") and \
-            "VLLM_USE_BREAKABLE_CUDAGRAPH" in cfg.read_text(errors="replace")
+    ours = _ours(root / AMD_MLA)
+    facts: dict[str, Any] = {
+        "schema": 1, "vllm_version": fact(_vllm_version(root), "installed distribution"),
+        "upstream_mla_fusions": _upstream_mla(root),
+        "overlay_in_tree": fact(ours, f"{AMD_MLA} is {'' if ours else 'not '}the k3rocm overlay"),
+        **_router_facts(root / ROUTER)}
+    cfg = _text(root / VLLM_CONFIG)
+    if cfg:
+        auto = "KimiK3ForConditionalGeneration" in cfg and "VLLM_USE_BREAKABLE_CUDAGRAPH" in cfg
         facts["breakable_cudagraph_auto_for_k3"] = fact(auto, f"{VLLM_CONFIG}: Kimi-K3 "
                                                         f"{'in' if auto else 'not in'} the "
                                                         "auto-enable list")
@@ -324,8 +299,7 @@ def check(s: Any, sources: dict[str, str], facts: dict[str, Any] | None,
             notes.append(f"WARNING: decode route for fp8 KV at {heads} heads/rank unknown on "
                          f"vLLM {ver}; not checked")
     upstream = value(facts, "upstream_mla_fusions") or []
-    overlay_in_tree = bool(value(facts, "overlay_in_tree"))
-    if upstream and not overlay_in_tree:
+    if upstream and not value(facts, "overlay_in_tree"):
         for f in FUSIONS:
             if f.name in upstream and not getattr(s, f.field) and _explicit(sources, f.env):
                 raise BaseRefusal(
@@ -350,7 +324,7 @@ def check(s: Any, sources: dict[str, str], facts: dict[str, Any] | None,
             argv += ["--compilation-config", '{"cudagraph_mode":"PIECEWISE"}']
             notes.append(
                 f"graphs: cudagraph_mode PIECEWISE (no full-graph capture): vLLM {ver}'s "
-                f"{heads}-head MTP verify path syncs the host ({value_how(facts, 'verify_route')})"
+                f"{heads}-head MTP verify path syncs the host ({facts['verify_route']['how']})"
                 ", which full-graph capture of a uniform verify batch cannot do; set "
                 "--compilation-config in K3_EXTRA_ARGS to override")
     return updates, argv, notes
@@ -362,17 +336,6 @@ def describe(base: dict[str, Any]) -> list[str]:
     return [f"base: vLLM {base.get('vllm_version', '?')}, {base.get('heads_per_rank', '?')} MLA "
             f"heads/rank, decode route {r.get('route', '?')} ({r.get('why', '?')}); facts from "
             f"{base.get('facts_from', '?')}", *(base.get("notes") or [])]
-
-
-def value_how(facts: dict[str, Any], key: str) -> str:
-    f = facts.get(key)
-    return f.get("how", "") if isinstance(f, dict) else ""
-
-
-def _print(facts: dict[str, Any]) -> None:
-    for key, f in facts.items():
-        if isinstance(f, dict):
-            print(f"{key}: {f['value']!r}  ({f['how']})")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -389,8 +352,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from k3rocm.errors import UsageError
-
     if getattr(args, "base_cmd", None) != "facts":
         raise UsageError("base needs a subcommand: facts (see k3rocm base --help)")
     if args.heads < 1:
@@ -402,14 +363,10 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"facts": facts, "heads": args.heads, "routes": routes}, indent=2,
                          sort_keys=True))
     else:
-        _print(facts)
+        for key, f in facts.items():
+            if isinstance(f, dict):
+                print(f"{key}: {f['value']!r}  ({f['how']})")
         for k, r in routes.items():
             print(f"route {args.heads} heads {k}: {r['route']} fp8 query ok={r['fp8_query_ok']}"
                   f" ({r['why']})")
     return 0
-
-
-if __name__ == "__main__":
-    p = argparse.ArgumentParser(prog="k3rocm base")
-    add_arguments(p)
-    raise SystemExit(run(p.parse_args()))

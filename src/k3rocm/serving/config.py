@@ -18,7 +18,7 @@ import json
 import os
 import re
 import shlex
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +36,7 @@ from k3rocm.serving.settings import (
     PREFIX,
     VENDOR_PREFIXES,
     Settings,
+    invalid,
 )
 
 # The one redaction rule (printouts, run records, server env): these names, and any name ending
@@ -74,46 +75,6 @@ KNOWN_PREFIXES = ("K3_TEST_", "K3_GSM8K_")
 # path and is not carried into the container; set them in .env to change them.
 CONTAINER_PATH_KEYS = ("HF_HOME", "HF_HUB_CACHE", "HF_DATASETS_CACHE", "TRITON_CACHE_DIR",
                        "VLLM_CACHE_ROOT", "TORCH_HOME", "AITER_JIT_DIR")
-
-
-def vendor_from(environ: Mapping[str, str], file_vals: Mapping[str, str],
-                host: bool = False) -> dict[str, tuple[str, str]]:
-    """User-set vendor variables: name -> (value, source), the shell winning over .env.
-    ``host``: rendering on the host for compose (the shell's container paths stay out)."""
-    out: dict[str, tuple[str, str]] = {}
-    for src, vals in ((".env", file_vals), ("env", environ)):
-        for key, value in vals.items():
-            if not key.startswith(VENDOR_PREFIXES) or value == "":
-                continue
-            if host and src == "env" and key in CONTAINER_PATH_KEYS:
-                continue
-            out[key] = (value, src)
-    return out
-
-
-class _Profiles(Mapping[str, dict[str, Any]]):
-    """Per profile: defaults for settings and the vendor environment rendered for vLLM.
-
-    One YAML file per profile under ``k3rocm/serving/profiles/`` (package data, shipped in the
-    serving image), read and validated by :mod:`k3rocm.serving.profiles` when a profile is used.
-    A read-only mapping: ``PROFILES[name]`` is
-    ``{"settings": {field: value}, "env": {...}, "meta": {...}}``.
-    """
-
-    def __getitem__(self, name: str) -> dict[str, Any]:
-        return profiles.get(name)
-
-    def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and name in profiles.names()
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(profiles.names())
-
-    def __len__(self) -> int:
-        return len(profiles.names())
-
-
-PROFILES = _Profiles()
 
 
 @dataclass
@@ -244,34 +205,6 @@ def _is_pathlike(model: str) -> bool:
     return model.startswith(("/", "./", "../", "~"))
 
 
-def _bool_text(raw: str) -> bool | None:
-    low = raw.strip().lower()
-    if low in ("1", "true", "yes", "on"):
-        return True
-    if low in ("0", "false", "no", "off"):
-        return False
-    return None
-
-
-def _describe_valid(name: str) -> str:
-    f = FIELDS[name]
-    ann = f.annotation
-    args = getattr(ann, "__args__", ())
-    if ann is bool:
-        return "1 or 0"
-    if args and all(isinstance(a, str) for a in args):
-        return "one of " + ", ".join(args)
-    bounds = []
-    for m in f.metadata:
-        for attr, sym in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
-            if getattr(m, attr, None) is not None:
-                bounds.append(f"{sym} {getattr(m, attr)}")
-    kind = "an integer" if ann is int or ann == (int | None) else "a number"
-    if ann is str or ann == (str | None):
-        kind = "text"
-    return kind + (" " + " and ".join(bounds) if bounds else "")
-
-
 def load_settings(environ: Mapping[str, str] | None = None,
                   dotenv: str | os.PathLike | None = ".env",
                   host_paths: bool = False,
@@ -308,15 +241,8 @@ def load_settings(environ: Mapping[str, str] | None = None,
     for name, f in FIELDS.items():
         env_name = ENV_NAME[name]
         if env_name in layered:
-            raw, src = layered[env_name]
-            if f.annotation is bool or f.annotation == (bool | None):
-                b = _bool_text(raw)
-                if b is None:
-                    raise UsageError(f"{env_name}={raw!r} is not valid: use 1 or 0")
-                values[name] = b
-            else:
-                values[name] = raw
-            sources[env_name] = src
+            raw, sources[env_name] = layered[env_name]
+            values[name] = raw.strip() if f.annotation is bool else raw  # pydantic: 1/0, true..
         elif name in profile_settings:
             values[name] = profile_settings[name]
             sources[env_name] = f"profile:{profile}"
@@ -325,15 +251,7 @@ def load_settings(environ: Mapping[str, str] | None = None,
     try:
         settings = Settings(**values)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        name = str(err["loc"][0]) if err["loc"] else "?"
-        env_name = ENV_NAME.get(name, name)
-        bad = values.get(name, "?")
-        msg = err["msg"].removeprefix("Value error, ")
-        if err["type"] in ("literal_error",) or "parsing" in err["type"] or \
-                err["type"].startswith(("greater", "less")):
-            msg = f"use {_describe_valid(name)}"
-        raise UsageError(f"{env_name}={bad!r} is not valid: {msg}") from None
+        raise UsageError(invalid(exc, values)) from None
     _check_consistency(settings, host_paths, check_model)
     return settings, sources
 
@@ -373,31 +291,27 @@ def _check_consistency(s: Settings, host_paths: bool = False, check_model: bool 
                              "(compose mounts K3_MODELS_DIR at /models)")
 
 
-def _flag(argv: list[str], name: str, value: Any) -> None:
-    if value is None or value == "":
-        return
-    argv += [name, str(value)]
-
-
-def build_argv(s: Settings, passthrough: list[str] | None = None) -> list[str]:
+def build_argv(s: Settings, passthrough: list[str] | None = None,
+               extra: list[str] = ()) -> list[str]:
+    """``vllm serve`` argv: the settings', then ``extra`` (the base facts'), ``passthrough``
+    and K3_EXTRA_ARGS last."""
     argv = ["vllm", "serve", s.model, "--served-model-name", s.served_model_name,
             "--host", s.host, "--port", str(s.port),
             "--tensor-parallel-size", str(s.tp),
             "--kv-cache-dtype", s.kv_cache_dtype,
             "--max-model-len", str(s.max_model_len),
             "--max-num-seqs", str(s.max_num_seqs)]
-    _flag(argv, "--max-num-batched-tokens", s.max_num_batched_tokens)
-    _flag(argv, "--gpu-memory-utilization", s.gpu_memory_utilization)
-    _flag(argv, "--load-format", s.load_format)
-    _flag(argv, "--moe-backend", s.moe_backend)
+    for flag, value in (("--max-num-batched-tokens", s.max_num_batched_tokens),
+                        ("--gpu-memory-utilization", s.gpu_memory_utilization),
+                        ("--load-format", s.load_format), ("--moe-backend", s.moe_backend)):
+        if value is not None and value != "":
+            argv += [flag, str(value)]
     argv.append("--enable-prefix-caching" if s.prefix_caching else "--no-enable-prefix-caching")
-    if s.trust_remote_code:
-        argv.append("--trust-remote-code")
-    if s.language_model_only:
-        argv.append("--language-model-only")
-    if s.enforce_eager:
-        argv.append("--enforce-eager")
-    _flag(argv, "--reasoning-parser", s.reasoning_parser)
+    argv += [flag for on, flag in ((s.trust_remote_code, "--trust-remote-code"),
+                                   (s.language_model_only, "--language-model-only"),
+                                   (s.enforce_eager, "--enforce-eager")) if on]
+    if s.reasoning_parser:
+        argv += ["--reasoning-parser", s.reasoning_parser]
     if s.tool_call_parser:
         argv += ["--enable-auto-tool-choice", "--tool-call-parser", s.tool_call_parser]
     if s.mtp_k > 0:
@@ -415,15 +329,18 @@ def build_argv(s: Settings, passthrough: list[str] | None = None) -> list[str]:
                 "torch_profiler_with_stack": False,
                 "torch_profiler_dump_cuda_time_total": False}
         argv += ["--profiler-config", json.dumps(prof, separators=(",", ":"))]
-    return argv + list(passthrough or []) + shlex.split(s.extra_args)
+    return argv + list(extra) + list(passthrough or []) + shlex.split(s.extra_args)
 
 
 def build_env(s: Settings, environ: Mapping[str, str], file_vals: Mapping[str, str],
               sources: dict[str, str], host: bool = False) -> dict[str, str]:
-    """The environment we manage for vLLM (profile env, toggles, secrets); user values win."""
+    """The environment we manage for vLLM (profile env, toggles, secrets); user values win.
+    ``host``: rendering on the host for compose (the shell's container paths stay out)."""
     env: dict[str, str] = {}
-    user = vendor_from(environ, file_vals, host)
-    for key, value in PROFILES[s.profile]["env"].items():
+    user = {key: (value, src) for src, vals in ((".env", file_vals), ("env", environ))
+            for key, value in vals.items() if key.startswith(VENDOR_PREFIXES) and value != ""
+            and not (host and src == "env" and key in CONTAINER_PATH_KEYS)}
+    for key, value in profiles.get(s.profile)["env"].items():
         env[key], sources[key] = user.pop(key, (value, f"profile:{s.profile}"))
     for key, (value, src) in sorted(user.items()):  # set by the user, passed as they are
         env[key], sources[key] = value, src
@@ -487,15 +404,11 @@ def render(environ: Mapping[str, str] | None = None, dotenv: str | os.PathLike |
     env = build_env(settings, environ, file_vals, sources, host=host_paths)
     base_info, extra = None, []
     if base is not False:
-        changed, extra, base_info = _apply_base(settings, sources, base,
-                                                env.get("VLLM_ROCM_USE_AITER") == "1")
-        if changed is not settings:  # a default the base cannot run was changed
-            settings = changed
-            env = build_env(settings, environ, file_vals, sources, host=host_paths)
-    argv = build_argv(settings, passthrough)
+        settings, extra, base_info = _apply_base(settings, sources, base,
+                                                 env.get("VLLM_ROCM_USE_AITER") == "1")
+        env = build_env(settings, environ, file_vals, sources, host=host_paths)  # as changed
+    argv = build_argv(settings, passthrough, extra)
     if extra:
-        cut = len(argv) - len(passthrough or []) - len(shlex.split(settings.extra_args))
-        argv[cut:cut] = extra
         sources["argv:base"] = " ".join(extra)
     if passthrough:
         sources["argv:passthrough"] = " ".join(passthrough)

@@ -59,41 +59,32 @@ def parse_record(obj: Any, where: str, order: int = 0) -> Record:
 
     if not isinstance(obj, dict):
         raise bad("not a JSON object")
-    if obj.get("schema") != SCHEMA:
-        raise bad(f"schema {obj.get('schema')!r} is not {SCHEMA!r}")
-    pid = obj.get("pid")
-    if not isinstance(pid, int) or isinstance(pid, bool):
-        raise bad(f"pid {pid!r} is not an integer")
-    tp = obj.get("tp_rank")
-    if tp is not None and (not isinstance(tp, int) or isinstance(tp, bool)):
-        raise bad(f"tp_rank {tp!r} is not an integer or null")
-    kind = obj.get("layer_kind")
-    if kind not in ("target", "draft"):
-        raise bad(f"layer_kind {kind!r} is not target or draft")
-    phase = obj.get("phase")
-    if phase not in _PHASE:
-        raise bad(f"phase {phase!r} is not construct or load")
-    fus = obj.get("fusions")
+
+    def integer(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    for key, ok, want in (("schema", lambda v: v == SCHEMA, repr(SCHEMA)),
+                          ("pid", integer, "an integer"),
+                          ("tp_rank", lambda v: v is None or integer(v), "an integer or null"),
+                          ("layer_kind", lambda v: v in ("target", "draft"), "target or draft"),
+                          ("phase", lambda v: v in _PHASE, "construct or load")):
+        if not ok(obj.get(key)):
+            raise bad(f"{key} {obj.get(key)!r} is not {want}")
+    fus, asked = obj.get("fusions"), obj.get("asked")
     if not isinstance(fus, dict):
         raise bad("no fusions object")
-    states, reasons = {}, {}
-    for k in STATES:
-        f = fus.get(k)
-        if not isinstance(f, dict) or f.get("state") not in STATES[k]:
-            raise bad(f"fusions.{k}.state is not one of {', '.join(STATES[k])}")
-        states[k] = f["state"]
-        reasons[k] = " ".join(str(f.get("reason", "")).split())
-    asked_obj = obj.get("asked")
-    if asked_obj is not None and not isinstance(asked_obj, dict):
+    if asked is not None and not isinstance(asked, dict):
         raise bad("asked is not an object")
-    asked: dict[str, bool | None] = {}
+    asked = {k: (asked or {}).get(k) for k in STATES}
     for k in STATES:
-        v = (asked_obj or {}).get(k)
-        if v is not None and not isinstance(v, bool):
-            raise bad(f"asked.{k} {v!r} is not true/false")
-        asked[k] = v
-    return Record(pid, str(obj.get("process", "")), tp, kind, phase, states, reasons, asked,
-                  where, order, obj)
+        if not isinstance(fus.get(k), dict) or fus[k].get("state") not in STATES[k]:
+            raise bad(f"fusions.{k}.state is not one of {', '.join(STATES[k])}")
+        if asked[k] is not None and not isinstance(asked[k], bool):
+            raise bad(f"asked.{k} {asked[k]!r} is not true/false")
+    states = {k: fus[k]["state"] for k in STATES}
+    reasons = {k: " ".join(str(fus[k].get("reason", "")).split()) for k in STATES}
+    return Record(obj["pid"], str(obj.get("process", "")), obj.get("tp_rank"), obj["layer_kind"],
+                  obj["phase"], states, reasons, asked, where, order, obj)
 
 
 def parse_line(line: str) -> dict[str, Any] | None:
@@ -112,14 +103,10 @@ def final_in_log(text: str, source: str = "log") -> dict[tuple[int, str], dict[s
     """Final raw record per (pid, layer kind) in a server log; lines that are not valid
     records are skipped (provenance and status are best effort)."""
     recs = []
-    for line in text.splitlines():
-        i = line.find(MARKER)
-        if i < 0:
-            continue
+    for rec in filter(None, map(parse_line, text.splitlines())):
         try:
-            recs.append(parse_record(json.loads(line[i + len(MARKER):].strip()), source,
-                                     len(recs)))
-        except (ValueError, UsageError):
+            recs.append(parse_record(rec, source, len(recs)))
+        except UsageError:
             continue
     return {k: r.raw for k, r in final_decisions(recs).items()}
 

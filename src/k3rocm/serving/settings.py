@@ -12,7 +12,7 @@ from __future__ import annotations
 import shlex
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from k3rocm.serving.fusions import FUSIONS
 from k3rocm.serving.modelfacts import KIMI_K3_HEADS
@@ -154,3 +154,30 @@ class Settings(BaseModel):
 FIELDS = Settings.model_fields
 ENV_NAME = {name: f.json_schema_extra["env"] for name, f in FIELDS.items()}  # type: ignore[index]
 FIELD_BY_ENV = {env: name for name, env in ENV_NAME.items()}
+
+
+def invalid(exc: ValidationError, values: dict[str, Any]) -> str:
+    """The first error of validating ``values`` as one line: ``K3_X=value is not valid: ...``
+    (for a type or range error, what to use)."""
+    err = exc.errors()[0]
+    name = str(err["loc"][0]) if err["loc"] else "?"
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "literal_error" or "parsing" in err["type"] or \
+            err["type"].startswith(("greater", "less")):
+        msg = f"use {_describe_valid(name)}"
+    return f"{ENV_NAME.get(name, name)}={values.get(name, '?')!r} is not valid: {msg}"
+
+
+def _describe_valid(name: str) -> str:
+    f = FIELDS[name]
+    ann = f.annotation
+    args = getattr(ann, "__args__", ())
+    if ann is bool:
+        return "1 or 0"
+    if args and all(isinstance(a, str) for a in args):
+        return "one of " + ", ".join(args)
+    bounds = [f"{sym} {getattr(m, attr)}" for m in f.metadata for attr, sym in
+              (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
+              if getattr(m, attr, None) is not None]
+    kind = "text" if str in (ann, *args) else "an integer" if int in (ann, *args) else "a number"
+    return kind + (" " + " and ".join(bounds) if bounds else "")

@@ -76,10 +76,17 @@ def overlay_is_ours() -> bool:
 
 
 def bind(module: Any) -> bool:
-    """Rebind ``module.MultiHeadLatentAttentionWrapper`` to our subclass (idempotent)."""
-    from vllm.model_executor.layers.mla import MultiHeadLatentAttentionWrapper as base
+    """Rebind ``module.MultiHeadLatentAttentionWrapper`` to our subclass (idempotent).
+    Contained: an overlay that fails to import or bind (an API mismatch with this vLLM, say)
+    logs one line and the model is built with the stock wrapper."""
+    try:
+        from vllm.model_executor.layers.mla import MultiHeadLatentAttentionWrapper as base
 
-    ours = getattr(importlib.import_module(OVERLAY_MODULE), OUR_CLASS)
+        ours = getattr(importlib.import_module(OVERLAY_MODULE), OUR_CLASS)
+    except Exception as exc:  # noqa: BLE001 - a broken overlay must not kill the server
+        _say("k3rocm overlay: cannot bind into %s (%s: %s); stock MLA wrapper, fusions off",
+             getattr(module, "__name__", "?"), type(exc).__name__, exc, warn=True)
+        return False
     current = getattr(module, WRAPPER_NAME, None)
     if current is ours or getattr(module, OUR_CLASS, None) is ours:
         return True  # already ours (or an upstream-style linear.py importing our class)
@@ -91,29 +98,6 @@ def bind(module: Any) -> bool:
     _state["bound"].append(module.__name__)
     _say("k3rocm overlay: %s now builds %s", module.__name__, OUR_CLASS)
     return True
-
-
-def safe_bind(module: Any) -> bool:
-    """:func:`bind`, contained: an overlay that fails to import or bind (an API mismatch with
-    this vLLM, say) logs one line and the model is built with the stock wrapper."""
-    try:
-        return bind(module)
-    except Exception as exc:  # noqa: BLE001 - a broken overlay must not kill the server
-        _say("k3rocm overlay: cannot bind into %s (%s: %s); stock MLA wrapper, fusions off",
-             getattr(module, "__name__", "?"), type(exc).__name__, exc, warn=True)
-        return False
-
-
-class _Loader(importlib.abc.Loader):
-    def __init__(self, inner: importlib.abc.Loader):
-        self.inner = inner
-
-    def create_module(self, spec):  # noqa: D102
-        return self.inner.create_module(spec)
-
-    def exec_module(self, module):  # noqa: D102
-        self.inner.exec_module(module)
-        safe_bind(module)
 
 
 class _Finder(importlib.abc.MetaPathFinder):
@@ -132,15 +116,14 @@ class _Finder(importlib.abc.MetaPathFinder):
             self.names.add(fullname)
         if spec is None or spec.loader is None:
             return None
-        spec.loader = _Loader(spec.loader)
+        exec_module = spec.loader.exec_module
+
+        def exec_and_bind(module: Any) -> None:
+            exec_module(module)
+            bind(module)
+
+        spec.loader.exec_module = exec_and_bind  # this spec's own loader instance
         return spec
-
-
-def targets() -> list[str]:
-    names = [TARGET_MODULE]
-    extra = os.environ.get(TEST_BIND_ENV, "")
-    names += [n.strip() for n in extra.split(",") if n.strip()]
-    return names
 
 
 def register() -> None:
@@ -155,9 +138,10 @@ def register() -> None:
         if not overlay_is_ours():
             return  # no overlay applied, or upstream amd/mla.py (wired upstream)
         pending = set()
-        for name in targets():
+        names = f"{TARGET_MODULE},{os.environ.get(TEST_BIND_ENV, '')}".split(",")
+        for name in filter(None, map(str.strip, names)):
             if name in sys.modules:
-                safe_bind(sys.modules[name])
+                bind(sys.modules[name])
             else:
                 pending.add(name)
         if pending:

@@ -18,12 +18,16 @@ Every feature listed is on in that profile.
 :func:`get` returns ``{"settings": {field: value}, "env": {NAME: value}, "meta": {...}}``;
 :func:`names` lists the profiles present (``K3_PROFILE`` accepts exactly these).
 Any problem in a file is a :class:`~k3rocm.errors.UsageError` naming the file and the key.
+``k3rocm profiles`` (:func:`add_arguments`, :func:`run`) lists them, shows one, checks files.
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
+import json
 import re
+import sys
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
@@ -32,7 +36,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from k3rocm.errors import UsageError
-from k3rocm.serving.settings import ENV_NAME, FIELD_BY_ENV, PREFIX, VENDOR_PREFIXES, Settings
+from k3rocm.serving.settings import FIELD_BY_ENV, PREFIX, VENDOR_PREFIXES, Settings, invalid
 
 SUFFIX = ".yaml"
 HARDWARE = ("amd", "cpu")
@@ -84,9 +88,8 @@ def _resolve(d: Path, name: str, chain: tuple[str, ...]) -> dict[str, Any]:
     path = d / f"{name}{SUFFIX}"
     doc = _read(path)
     where = str(path)
-    _only(doc, TOP_KEYS, where, "")
-    meta = _section(doc, "meta", where, required=True)
-    _only(meta, META_KEYS, where, "meta.")
+    _block(doc, where, "", TOP_KEYS)
+    meta = _block(doc.get("meta"), where, "meta", META_KEYS, required=True)
     for key in ("name", "description", "hardware"):
         if not isinstance(meta.get(key), str) or not meta[key].strip():
             raise UsageError(f"{where}: meta.{key} is missing or not text")
@@ -113,32 +116,26 @@ def _resolve(d: Path, name: str, chain: tuple[str, ...]) -> dict[str, Any]:
                              f"profile {parent!r} ({base['meta']['hardware']!r})")
         settings.update(base["settings"])
         env.update(base["env"])
-
-    model = _section(doc, "model", where)
-    _only(model, MODEL_KEYS, where, "model.")
-    settings.update(_args(model.get("base_args"), where, "model.base_args"))
-    env.update(_env(model.get("base_env"), where, "model.base_env"))
-    features = _section(doc, "features", where)
-    for fname, feat in features.items():
+    # (where in the file, the block, its settings key, its env key), in the order they apply
+    blocks = [("model", _block(doc.get("model"), where, "model", MODEL_KEYS), "base_args",
+               "base_env")]
+    for fname, feat in _block(doc.get("features"), where, "features").items():
         key = f"features.{fname}"
-        if not isinstance(feat, dict):
-            raise UsageError(f"{where}: {key} must be a mapping with description/args/env")
-        _only(feat, FEATURE_KEYS, where, key + ".")
+        feat = _block(feat, where, key, FEATURE_KEYS, required=True)
         if not isinstance(feat.get("description"), str):
             raise UsageError(f"{where}: {key}.description is missing or not text")
-        settings.update(_args(feat.get("args"), where, key + ".args"))
-        env.update(_env(feat.get("env"), where, key + ".env"))
-    overrides = _section(doc, "hardware_overrides", where)
-    for hname, block in overrides.items():
+        blocks.append((key, feat, "args", "env"))
+    for hname, block in _block(doc.get("hardware_overrides"), where,
+                               "hardware_overrides").items():
         key = f"hardware_overrides.{hname}"
         if hname != hw:
             raise UsageError(f"{where}: {key} does not apply to this profile (meta.hardware "
                              f"is {hw!r}): one profile per hardware, rename the block to {hw}")
-        if not isinstance(block, dict):
-            raise UsageError(f"{where}: {key} must be a mapping with extra_args/extra_env")
-        _only(block, OVERRIDE_KEYS, where, key + ".")
-        settings.update(_args(block.get("extra_args"), where, key + ".extra_args"))
-        env.update(_env(block.get("extra_env"), where, key + ".extra_env"))
+        blocks.append((key, _block(block, where, key, OVERRIDE_KEYS, required=True),
+                       "extra_args", "extra_env"))
+    for key, block, args, env_key in blocks:
+        settings.update(_args(block.get(args), where, f"{key}.{args}"))
+        env.update(_env(block.get(env_key), where, f"{key}.{env_key}"))
     _validate_values(settings, where)
     return {"settings": settings, "env": env,
             "meta": {"name": name, "description": meta["description"], "hardware": hw,
@@ -162,32 +159,27 @@ def _read(path: Path) -> dict[str, Any]:
     return doc
 
 
-def _section(doc: dict[str, Any], key: str, where: str, required: bool = False) -> dict:
-    value = doc.get(key)
-    if value is None:
-        if required:
-            raise UsageError(f"{where}: {key} is missing")
+def _block(value: Any, where: str, key: str, allowed: tuple[str, ...] | None = None,
+           required: bool = False) -> dict[str, Any]:
+    """The mapping at ``key`` ({} when absent), holding only ``allowed`` keys (if given)."""
+    if value is None and not required:
         return {}
     if not isinstance(value, dict):
-        raise UsageError(f"{where}: {key} must be a mapping")
-    return value
-
-
-def _only(block: dict[str, Any], allowed: tuple[str, ...], where: str, prefix: str) -> None:
-    for key in block:
-        if key not in allowed:
-            raise UsageError(f"{where}: {prefix}{key} is not a known key: use "
+        what = f" with {'/'.join(allowed)}" if allowed else ""
+        raise UsageError(f"{where}: {key} is missing" if value is None else
+                         f"{where}: {key} must be a mapping{what}")
+    prefix = key + "." if key else ""
+    for k in value if allowed else ():
+        if k not in allowed:
+            raise UsageError(f"{where}: {prefix}{k} is not a known key: use "
                              f"{', '.join(prefix + a for a in allowed)}")
+    return value
 
 
 def _args(block: Any, where: str, key: str) -> dict[str, Any]:
     """``K3_NAME: value`` -> ``{field: value}``; unknown settings are errors."""
-    if block is None:
-        return {}
-    if not isinstance(block, dict):
-        raise UsageError(f"{where}: {key} must be a mapping of K3_* settings to values")
     out: dict[str, Any] = {}
-    for env_name, value in block.items():
+    for env_name, value in _block(block, where, key).items():
         field = FIELD_BY_ENV.get(env_name)
         if field is None or field == "profile":
             raise UsageError(f"{where}: {key}.{env_name} is not a setting a profile can set; "
@@ -199,11 +191,7 @@ def _args(block: Any, where: str, key: str) -> dict[str, Any]:
 
 
 def _env(block: Any, where: str, key: str) -> dict[str, str]:
-    if block is None:
-        return {}
-    if not isinstance(block, dict):
-        raise UsageError(f"{where}: {key} must be a mapping of variable names to strings")
-    for name, value in block.items():
+    for name, value in _block(block, where, key).items():
         if not isinstance(name, str) or not _ENV_NAME.match(name):
             raise UsageError(f"{where}: {key}.{name} is not an environment variable name")
         if name.startswith(PREFIX):
@@ -213,7 +201,7 @@ def _env(block: Any, where: str, key: str) -> dict[str, str]:
                              f"passes (prefixes: {', '.join(VENDOR_PREFIXES)})")
         if not isinstance(value, str):
             raise UsageError(f"{where}: {key}.{name} must be a quoted string (got {value!r})")
-    return dict(block)
+    return dict(block or {})
 
 
 def _validate_values(settings: dict[str, Any], where: str) -> None:
@@ -221,8 +209,32 @@ def _validate_values(settings: dict[str, Any], where: str) -> None:
     try:
         Settings(**settings)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        field = str(err["loc"][0]) if err["loc"] else "?"
-        msg = err["msg"].removeprefix("Value error, ")
-        raise UsageError(f"{where}: {ENV_NAME.get(field, field)}: "
-                         f"{settings.get(field)!r} is not valid: {msg}") from None
+        raise UsageError(f"{where}: {invalid(exc, settings)}") from None
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", nargs="?", help="show this profile: the settings and environment it "
+                   "gives (after `extends`), as JSON")
+    p.add_argument("--dir", type=Path, default=None,
+                   help="read profiles from DIR instead of the installed ones (e.g. to validate "
+                   "a new profile file before adding it to src/k3rocm/serving/profiles/)")
+    p.add_argument("--check", action="store_true",
+                   help="validate every profile file; exit 2 with the file and key on a problem")
+
+
+def run(args: argparse.Namespace) -> int:
+    d = args.dir
+    if d is not None and not d.is_dir():
+        raise UsageError(f"--dir {d}: not a directory")
+    if args.name:
+        json.dump(get(args.name, d), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    for name in names(d):
+        prof = get(name, d)  # validates
+        if not args.check:
+            meta = prof["meta"]
+            print(f"{name:<18} {meta['hardware']:<4} {meta['description']}")
+    if args.check:
+        print(f"{len(names(d))} profiles valid: {', '.join(names(d))}")
+    return 0
