@@ -116,8 +116,7 @@ def run(args: argparse.Namespace) -> int:
     from k3rocm.checks.bench import run as bench_run
 
     if args.dry_run:
-        for line in bench_run.dry_run_lines(w, args.results):
-            print(line)
+        print(bench_run.dry_run_line(w, args.results))
         if not Path(w.tokenizer).expanduser().is_dir():
             print(f"[bench] note: tokenizer directory {w.tokenizer!r} does not exist here",
                   file=sys.stderr)

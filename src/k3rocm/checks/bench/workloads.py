@@ -52,18 +52,13 @@ class Workload(BaseModel):
     request_timeout_s: float = 0
     prefix_caching: bool | None = None
 
-    @field_validator("isl", "osl")
+    @field_validator("isl", "osl", "isl_stddev", "osl_stddev", "shared_prefix_tokens",
+                     "warmup_request_count")
     @classmethod
-    def _positive(cls, v: int) -> int:
-        if v < 1:
-            raise ValueError("must be >= 1")
-        return v
-
-    @field_validator("isl_stddev", "osl_stddev", "shared_prefix_tokens", "warmup_request_count")
-    @classmethod
-    def _non_negative(cls, v: int) -> int:
-        if v < 0:
-            raise ValueError("must be >= 0")
+    def _at_least(cls, v: int, info) -> int:  # info: pydantic's ValidationInfo
+        low = 1 if info.field_name in ("isl", "osl") else 0
+        if v < low:
+            raise ValueError(f"must be >= {low}")
         return v
 
     @field_validator("concurrency", "request_count")
@@ -108,9 +103,6 @@ class Workload(BaseModel):
             return list(zip(self.concurrency, self.request_count, strict=True))
         return [(c, n) for c in self.concurrency for n in self.request_count]
 
-    def is_sweep(self) -> bool:
-        return len(self.points()) > 1
-
     def protocol(self) -> dict[str, Any]:
         """The fields that define the measurement protocol (everything but where it points)."""
         d = self.model_dump(mode="json")
@@ -150,10 +142,6 @@ def load_table(path: Path | None = None) -> tuple[dict[str, Any], dict[str, dict
             raise UsageError(f"workload {name!r}: unknown field(s) {', '.join(unknown)}; "
                              f"valid: {', '.join(FIELD_NAMES)}")
     return defaults, workloads
-
-
-def workload_names(path: Path | None = None) -> list[str]:
-    return list(load_table(path)[1])
 
 
 def _parse_value(field: str, raw: str) -> Any:
@@ -265,10 +253,6 @@ def resolve(name: str, sets: Mapping[str, Any] | None = None,
 # --- the aiperf command line
 
 
-def _fmt_list(values: Sequence[int]) -> str:
-    return ",".join(str(v) for v in values)
-
-
 def aiperf_command(w: Workload, artifact_dir: str, tokenizer: str | None = None) -> list[str]:
     """The aiperf argv. For decode-8k1k this is exactly the upstream PRs' command plus
     --artifact-dir.
@@ -293,10 +277,10 @@ def aiperf_command(w: Workload, artifact_dir: str, tokenizer: str | None = None)
         cmd += ["--extra-inputs", item]
     if w.warmup_request_count:
         cmd += ["--warmup-request-count", str(w.warmup_request_count)]
-    if w.is_sweep():
+    if len(w.points()) > 1:
         cmd += ["--sweep-type", w.sweep_type]
-    cmd += ["--concurrency", _fmt_list(w.concurrency),
-            "--request-count", _fmt_list(w.request_count),
+    cmd += ["--concurrency", ",".join(map(str, w.concurrency)),
+            "--request-count", ",".join(map(str, w.request_count)),
             "--random-seed", str(w.random_seed), "--ui", w.ui]
     if w.request_timeout_s:
         cmd += ["--request-timeout-seconds", f"{w.request_timeout_s:g}"]
