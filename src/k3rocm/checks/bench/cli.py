@@ -102,15 +102,11 @@ def deployment_view(args: argparse.Namespace) -> dict:
             "results_root": str(Path(args.results).absolute())}
 
 
-def list_workloads(path: Path | None) -> str:
-    defaults, workloads = load_table(path)
-    return "\n".join(f"{name:14s} {({**defaults, **t}).get('description', '')}"
-                     for name, t in workloads.items())
-
-
 def run(args: argparse.Namespace) -> int:
     if args.list:
-        print(list_workloads(args.workloads_file))
+        defaults, workloads = load_table(args.workloads_file)
+        for name, table in workloads.items():
+            print(f"{name:14s} {({**defaults, **table}).get('description', '')}")
         return 0
     w = resolve_from_args(args)
     from k3rocm.checks.bench import run as bench_run

@@ -85,30 +85,23 @@ class Workload(BaseModel):
 
     @model_validator(mode="after")
     def _sweep(self) -> Workload:
-        if (self.sweep_type == "zip" and len(self.concurrency) > 1
-                and len(self.request_count) != len(self.concurrency)):
-            raise ValueError(
-                f"sweep_type zip needs one request_count per concurrency "
-                f"(concurrency has {len(self.concurrency)}, request_count "
-                f"{len(self.request_count)})")
-        if self.sweep_type == "zip" and len(self.concurrency) == 1 and len(self.request_count) != 1:
-            raise ValueError("a single concurrency takes a single request_count")
+        nc, nr = len(self.concurrency), len(self.request_count)
+        if self.sweep_type == "zip" and nr != nc:
+            raise ValueError("a single concurrency takes a single request_count" if nc == 1 else
+                             f"sweep_type zip needs one request_count per concurrency "
+                             f"(concurrency has {nc}, request_count {nr})")
         return self
 
     def points(self) -> list[tuple[int, int]]:
         """(concurrency, request_count) of each sweep point, in the order aiperf runs them."""
-        if len(self.concurrency) == 1 and len(self.request_count) == 1:
-            return [(self.concurrency[0], self.request_count[0])]
         if self.sweep_type == "zip":
             return list(zip(self.concurrency, self.request_count, strict=True))
         return [(c, n) for c in self.concurrency for n in self.request_count]
 
     def protocol(self) -> dict[str, Any]:
         """The fields that define the measurement protocol (everything but where it points)."""
-        d = self.model_dump(mode="json")
-        for k in ("name", "description", "url", "tokenizer", "api_key", "ui"):
-            d.pop(k)
-        return d
+        return self.model_dump(mode="json", exclude={"name", "description", "url", "tokenizer",
+                                                     "api_key", "ui"})
 
 
 FIELD_NAMES = [f for f in Workload.model_fields if f != "name"]
@@ -155,12 +148,9 @@ def _parse_value(field: str, raw: str) -> Any:
     if field in _LIST_FIELDS:
         return [x.strip() for x in raw.split(",") if x.strip()]
     if Workload.model_fields[field].annotation is bool:
-        low = raw.lower()
-        if low in ("1", "true", "yes", "on"):
-            return True
-        if low in ("0", "false", "no", "off"):
-            return False
-        raise UsageError(f"{field}={raw!r} is not a boolean; use true/false or 1/0")
+        if raw.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            raise UsageError(f"{field}={raw!r} is not a boolean; use true/false or 1/0")
+        return raw.lower() in ("1", "true", "yes", "on")
     return raw
 
 
