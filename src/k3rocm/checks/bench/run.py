@@ -59,18 +59,6 @@ class BenchResult:
     message: str
 
 
-def protocol_lines(w: Workload) -> list[str]:
-    return [
-        f"workload `{w.name}`: {w.description}",
-        f"ISL {w.isl} (stddev {w.isl_stddev}), OSL {w.osl} (stddev {w.osl_stddev}), shared prefix "
-        f"{w.shared_prefix_tokens} tokens, extra inputs {', '.join(w.extra_inputs) or 'none'}",
-        f"{w.warmup_request_count} warmup requests per point; sweep {w.sweep_type} over "
-        f"concurrency {list(w.concurrency)} with request counts {list(w.request_count)}; "
-        f"seed {w.random_seed}; endpoint {w.endpoint_type}, streaming {w.streaming}, server "
-        f"token counts {w.use_server_token_count}",
-    ]
-
-
 def run_bench(w: Workload, *, results: Path, client_image: str, server_timeout: float,
               label: str | None = None, progress: bool = True, tp: Any = None,
               server_container=None, docker=None, extra_provenance: dict | None = None,
@@ -90,9 +78,13 @@ def run_bench(w: Workload, *, results: Path, client_image: str, server_timeout: 
     write_text_atomic(run_dir / "command.txt", cmd_line + "\n")
     write_json_atomic(run_dir / "workload.json", w.model_dump(mode="json"))
 
+    try:
+        deployment = load_deployment()
+    except UsageError:  # the flags pointed the bench elsewhere: the record says what it measured
+        deployment = None
     aiperf_version = runner.client_aiperf_version(client, client_image)
     prov = runrecord.build(
-        deployment=_deployment(), url=w.url, measure="bench", workload=w.name,
+        deployment=deployment, url=w.url, measure="bench", workload=w.name,
         server=runrecord.server(client, w.url, w.api_key, container=server_container),
         tools={"aiperf": aiperf_version, "client_image": client_image,
                "client_image_id": image_id},
@@ -148,16 +140,21 @@ def run_bench(w: Workload, *, results: Path, client_image: str, server_timeout: 
     write_text_atomic(run_dir / "perf.csv", summary.perf_csv(
         points, model=w.model, benchmark=w.name, tp=served.tp if tp is None else tp, inp=w.isl,
         out=w.osl, cmd=cmd_line))
-    title = f"{w.name} ({status})"
     want = "any" if w.prefix_caching is None else _onoff(w.prefix_caching)
-    write_text_atomic(run_dir / "report.md", summary.markdown_report(
-        points, title, [*protocol_lines(w), f"command: `{cmd_line}`",
-                        f"server: {_server_line(server)}",
-                        f"prefix caching: workload {want}, server {_onoff(caching)}"
-                        + (f" - **{caching_note}**" if caching_note else ""),
-                        f"upstream figures: {prov['seed_comparison']['text']}"]))
-    pngs = plots.write_plots(points, run_dir, w.name)
-    if not pngs:
+    report = summary.markdown_report(points, f"{w.name} ({status})", [
+        f"workload `{w.name}`: {w.description}",
+        f"ISL {w.isl} (stddev {w.isl_stddev}), OSL {w.osl} (stddev {w.osl_stddev}), shared prefix "
+        f"{w.shared_prefix_tokens} tokens, extra inputs {', '.join(w.extra_inputs) or 'none'}",
+        f"{w.warmup_request_count} warmup requests per point; sweep {w.sweep_type} over "
+        f"concurrency {list(w.concurrency)} with request counts {list(w.request_count)}; "
+        f"seed {w.random_seed}; endpoint {w.endpoint_type}, streaming {w.streaming}, server "
+        f"token counts {w.use_server_token_count}",
+        f"command: `{cmd_line}`", f"server: {_server_line(server)}",
+        f"prefix caching: workload {want}, server {_onoff(caching)}"
+        + (f" - **{caching_note}**" if caching_note else ""),
+        f"upstream figures: {prov['seed_comparison']['text']}"])
+    write_text_atomic(run_dir / "report.md", report)
+    if not plots.write_plots(points, run_dir, w.name):
         _log("matplotlib is not installed: no PNG plots (pip install 'k3rocm[host]')")
 
     n_ok, n = len(points) - len(failed), len(points)
@@ -213,12 +210,3 @@ def _server_line(prov: dict) -> str:
             f"fusions {json.dumps(prov.get('fusion_toggles'))}, settings from "
             f"{served_as(prov).source}" if c else
             f"vLLM {prov.get('vllm_version')} (no local container found)")
-
-
-def _deployment():
-    """The deployment for the run record (None when the settings do not load: the flags
-    pointed the bench elsewhere and the record says what it measured)."""
-    try:
-        return load_deployment()
-    except UsageError:
-        return None
