@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import functools
 import math
+import statistics
 from collections.abc import Sequence
-from statistics import NormalDist
 from typing import Any
 
 from k3rocm.checks.bench import summary
@@ -47,7 +47,7 @@ AB_METRICS: list[tuple[str, str, str, bool]] = [
 ]
 ALPHA = 0.05
 POWER = 0.80
-_NORMAL = NormalDist()
+_NORMAL = statistics.NormalDist()
 _z = _NORMAL.inv_cdf  # standard normal quantile
 MULTIPLICITY = "Holm (step-down) over the secondary rows, family-wise 5%"
 
@@ -110,10 +110,7 @@ def t_quantile(p: float, df: int) -> float:
 def variance_component(values: Sequence[float]) -> dict[str, Any] | None:
     """Between-server variance of log values of identical servers (an A/A: all its servers)."""
     logs = _logs(values)
-    if len(logs) < 2:
-        return None
-    m = sum(logs) / len(logs)
-    return {"var_log": sum((x - m) ** 2 for x in logs) / (len(logs) - 1), "df": len(logs) - 1}
+    return {"var_log": statistics.variance(logs), "df": len(logs) - 1} if len(logs) > 1 else None
 
 
 def mde(var_log: float, df: int, n_a: int, n_b: int, alpha: float = ALPHA,
@@ -157,8 +154,7 @@ def compare_servers(a: Sequence[float], b: Sequence[float],
     out.update(a=math.exp(ma), b=math.exp(mb), d=math.exp(mb - ma) - 1)
     ss = sum((x - ma) ** 2 for x in la) + sum((x - mb) ** 2 for x in lb)
     extra_df = floor["df"] if floor else 0
-    if floor:
-        ss += floor["var_log"] * extra_df
+    ss += floor["var_log"] * extra_df if floor else 0.0
     df = out["df"] = len(la) + len(lb) - 2 + extra_df
     if df < 1:
         return out
@@ -195,8 +191,7 @@ def verdict(res: dict, lower_is_better: bool, p: float | None = None,
         return (f"inconclusive: no estimate of server-to-server noise with {n} server(s) per "
                 "arm and no A/A of this protocol")
     if p < alpha:
-        faster = (res["d"] < 0) == lower_is_better
-        return "B faster" if faster else "B slower"
+        return "B faster" if (res["d"] < 0) == lower_is_better else "B slower"
     return (f"inconclusive: effects smaller than {pct_text(res['mde'])} cannot be seen with "
             f"{n} server(s) per arm")
 

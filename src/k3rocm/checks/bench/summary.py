@@ -104,17 +104,6 @@ def request_values(records: Iterable[dict], tag: str) -> list[float]:
     return out
 
 
-def profiling_duration_s(point_dir: Path) -> float | None:
-    try:
-        manifest = json.loads((point_dir / "phase_manifest.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    for ph in manifest.get("phases", []):
-        if ph.get("phase_kind") == "profiling" and ph.get("end_ns") and ph.get("start_ns"):
-            return (ph["end_ns"] - ph["start_ns"]) / 1e9
-    return None
-
-
 def recompute_from_records(point_dir: Path) -> dict[str, Any]:
     """Every summary number, recomputed from profile_export.jsonl (+ the phase duration)."""
     ok, bad = profiling_records(read_records(point_dir))
@@ -123,13 +112,18 @@ def recompute_from_records(point_dir: Path) -> dict[str, Any]:
         vals = request_values(ok, tag)
         if vals:
             out["metrics"][key] = {s: stat_of(vals, s) for s in STATS}
-    dur = profiling_duration_s(point_dir)
+    try:  # the profiling phase's duration
+        phases = json.loads((point_dir / "phase_manifest.json").read_text()).get("phases", [])
+    except (OSError, json.JSONDecodeError):
+        phases = []
+    dur = next(((ph["end_ns"] - ph["start_ns"]) / 1e9 for ph in phases
+                if ph.get("phase_kind") == "profiling" and ph.get("end_ns") and ph.get("start_ns")),
+               None)
     osl = sum(request_values(ok, "output_sequence_length"))
     isl = sum(request_values(ok, "input_sequence_length"))
-    out["duration_s"] = dur
-    out["output_tps"] = osl / dur if dur else None
-    out["total_tps"] = (osl + isl) / dur if dur else None
-    out["request_tps"] = len(ok) / dur if dur else None
+    out.update(duration_s=dur, output_tps=osl / dur if dur else None,
+               total_tps=(osl + isl) / dur if dur else None,
+               request_tps=len(ok) / dur if dur else None)
     return out
 
 
