@@ -84,9 +84,8 @@ def resolve_from_args(args: argparse.Namespace):
     deployment's results root)."""
     dep = load_deployment()
     sets = parse_sets(args.sets)
-    for key in ("url", "model", "tokenizer"):
-        if getattr(args, key, None):
-            sets[key] = getattr(args, key)
+    sets.update({k: getattr(args, k) for k in ("url", "model", "tokenizer")
+                 if getattr(args, k, None)})
     if args.results is None:
         args.results = dep.results_root
     return resolve(args.workload or "decode-8k1k", sets, path=args.workloads_file,

@@ -107,11 +107,9 @@ def request_values(records: Iterable[dict], tag: str) -> list[float]:
 def recompute_from_records(point_dir: Path) -> dict[str, Any]:
     """Every summary number, recomputed from profile_export.jsonl (+ the phase duration)."""
     ok, bad = profiling_records(read_records(point_dir))
-    out: dict[str, Any] = {"requests_ok": len(ok), "requests_failed": len(bad), "metrics": {}}
-    for key, (tag, _, _) in LATENCY_METRICS.items():
-        vals = request_values(ok, tag)
-        if vals:
-            out["metrics"][key] = {s: stat_of(vals, s) for s in STATS}
+    out: dict[str, Any] = {"requests_ok": len(ok), "requests_failed": len(bad), "metrics": {
+        key: {s: stat_of(vals, s) for s in STATS} for key, (tag, _, _) in LATENCY_METRICS.items()
+        if (vals := request_values(ok, tag))}}
     try:  # the profiling phase's duration
         phases = json.loads((point_dir / "phase_manifest.json").read_text()).get("phases", [])
     except (OSError, json.JSONDecodeError):
@@ -171,11 +169,8 @@ def summarize_point(point_dir: Path | None, concurrency: int, request_count: int
     except json.JSONDecodeError as exc:
         point["reason"] = f"unreadable {agg_path.name}: {exc}"
         return point
-    metrics: dict[str, dict[str, float | None]] = {}
-    for key, (tag, _, _) in LATENCY_METRICS.items():
-        if tag in agg:
-            metrics[key] = {s: _agg(agg, tag, s) for s in STATS}
-    point["metrics"] = metrics
+    point["metrics"] = {key: {s: _agg(agg, tag, s) for s in STATS}
+                        for key, (tag, _, _) in LATENCY_METRICS.items() if tag in agg}
     for key, tag in _POINT_AVGS.items():
         point[key] = _agg(agg, tag, "avg")
     errors = agg.get("error_summary") or []
