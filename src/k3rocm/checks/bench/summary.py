@@ -270,8 +270,6 @@ def judge_stream(shape: dict[str, Any] | None, per_step: int = 1,
     buffers), and then ITL and TTFT describe chunks, not tokens."""
     if not shape:
         return None
-    out = {**shape, "tokens_per_step": per_step, "tokens_per_step_from": per_step_source,
-           "bunched": False, "note": None}
     why = []
     if shape["tokens_per_chunk"] > per_step * BUNCHED_TOLERANCE:
         why.append(f"{shape['tokens_per_chunk']:.2f} tokens per chunk ("
@@ -280,10 +278,8 @@ def judge_stream(shape: dict[str, Any] | None, per_step: int = 1,
     itl = shape.get("itl_p50")
     if shape["osl_avg"] > 1 and itl is not None and itl < 0.01:
         why.append(f"ITL p50 {itl:.4f} ms with {shape['osl_avg']:.0f} output tokens")
-    if why:
-        out["bunched"] = True
-        out["note"] = f"{BUNCHED_NOTE}: " + "; ".join(why)
-    return out
+    return {**shape, "tokens_per_step": per_step, "tokens_per_step_from": per_step_source,
+            "bunched": bool(why), "note": f"{BUNCHED_NOTE}: " + "; ".join(why) if why else None}
 
 
 # Server counters aiperf 0.13.0 scrapes from the server's /metrics during the profiling phase
