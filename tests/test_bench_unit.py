@@ -13,7 +13,7 @@ import pytest
 from conftest import REPO, run_cli
 
 from k3rocm.checks.bench import stats, summary
-from k3rocm.checks.bench.workloads import aiperf_command, resolve, workload_names
+from k3rocm.checks.bench.workloads import aiperf_command, load_table, resolve
 from k3rocm.errors import UsageError
 
 # The seed's command, verbatim from the brief (section 3), with <local Kimi-K3 dir> filled in.
@@ -32,7 +32,7 @@ def _bench(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 
 
 def test_workloads_exist():
-    assert {"decode-8k1k", "agentic-68k", "trace-128k", "ci-tiny"} <= set(workload_names())
+    assert {"decode-8k1k", "agentic-68k", "trace-128k", "ci-tiny"} <= set(load_table()[1])
 
 
 def test_decode_8k1k_dry_run_is_exactly_the_seed_command(tmp_path):

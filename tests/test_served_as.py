@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, run_cli
 
-from k3rocm.checks.bench.run import _server_line, _server_tp, server_prefix_caching
+from k3rocm.checks.bench.run import _server_line, server_prefix_caching
 from k3rocm.checks.bench.summary import tokens_per_step
 from k3rocm.checks.census import pipeline
 from k3rocm.checks.census.fusions import from_cli
@@ -53,7 +53,7 @@ def test_rendered_record_wins_over_proc_argv_and_container_env():
     assert s.argv == RENDERED["argv"] and s.tp == 2
     assert s.env["K3_FUSE_QK_NORM"] == "0" and s.env["PATH"] == "/usr/bin"  # record on top
     # bench: perf.csv's tp, summary.json's prefix caching, tokens per engine step, report line
-    assert _server_tp(prov) == 2
+    assert served_as(prov).tp == 2
     assert server_prefix_caching(prov) is False
     assert tokens_per_step(prov) == (1, "no speculative decoding seen")  # not K3_MTP_K=2
     assert RENDERED_FILE in _server_line(prov)
@@ -67,7 +67,7 @@ def test_without_a_record_the_proc_argv_is_read_and_the_result_says_so():
     s = served_as(prov)
     assert not s.rendered and "/proc argv" in s.source and "no rendered record" in s.source
     assert s.argv == PROC_ARGV and s.tp == 8
-    assert _server_tp(prov) == 8
+    assert served_as(prov).tp == 8
     assert server_prefix_caching(prov) is True  # vLLM's default: on
     assert tokens_per_step(prov)[0] == 3
     assert "no rendered record" in _server_line(prov)

@@ -84,9 +84,8 @@ def resolve_from_args(args: argparse.Namespace):
     deployment's results root)."""
     dep = load_deployment()
     sets = parse_sets(args.sets)
-    for key in ("url", "model", "tokenizer"):
-        if getattr(args, key, None):
-            sets[key] = getattr(args, key)
+    sets.update({k: getattr(args, k) for k in ("url", "model", "tokenizer")
+                 if getattr(args, k, None)})
     if args.results is None:
         args.results = dep.results_root
     return resolve(args.workload or "decode-8k1k", sets, path=args.workloads_file,
@@ -102,22 +101,17 @@ def deployment_view(args: argparse.Namespace) -> dict:
             "results_root": str(Path(args.results).absolute())}
 
 
-def list_workloads(path: Path | None) -> str:
-    defaults, workloads = load_table(path)
-    return "\n".join(f"{name:14s} {({**defaults, **t}).get('description', '')}"
-                     for name, t in workloads.items())
-
-
 def run(args: argparse.Namespace) -> int:
     if args.list:
-        print(list_workloads(args.workloads_file))
+        defaults, workloads = load_table(args.workloads_file)
+        for name, table in workloads.items():
+            print(f"{name:14s} {({**defaults, **table}).get('description', '')}")
         return 0
     w = resolve_from_args(args)
     from k3rocm.checks.bench import run as bench_run
 
     if args.dry_run:
-        for line in bench_run.dry_run_lines(w, args.results):
-            print(line)
+        print(bench_run.dry_run_line(w, args.results))
         if not Path(w.tokenizer).expanduser().is_dir():
             print(f"[bench] note: tokenizer directory {w.tokenizer!r} does not exist here",
                   file=sys.stderr)

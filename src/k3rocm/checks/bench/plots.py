@@ -39,6 +39,7 @@ def write_plots(points: Sequence[dict], out_dir: Path, title: str) -> list[Path]
     ok = [p for p in points if p["status"] == "ok" and p.get("metrics")]
     failed = [p for p in points if p["status"] != "ok"]
 
+    all_c = sorted({p["concurrency"] for p in points})
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     for ax, key in zip(axes, ("ttft", "itl", "e2el"), strict=True):
         _, label, unit = LATENCY_METRICS[key]
@@ -53,9 +54,7 @@ def write_plots(points: Sequence[dict], out_dir: Path, title: str) -> list[Path]
         ax.set_title(label)
         if xs and max(xs) / max(min(xs), 1) >= 8:
             ax.set_xscale("log", base=2)
-        all_c = sorted({p["concurrency"] for p in points})
-        ax.set_xticks(all_c)
-        ax.set_xticklabels([str(c) for c in all_c])
+        ax.set_xticks(all_c, [str(c) for c in all_c])
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(f"{title}: latency vs concurrency" + (" (red: failed points)" if failed else ""))

@@ -13,6 +13,7 @@ from k3rocm.checks.bench import plots, runner, summary
 from k3rocm.checks.bench.workloads import Workload, aiperf_command, shell_line
 from k3rocm.deploy import runrecord
 from k3rocm.deploy.deployment import load_deployment
+from k3rocm.deploy.engine import run_client
 from k3rocm.deploy.provenance import served_as
 from k3rocm.deploy.readiness import wait_ready
 from k3rocm.errors import EXIT_CHECK_FAILED as EXIT_FAILED
@@ -46,10 +47,9 @@ def planned_command(w: Workload, run_dir: Path) -> list[str]:
     return aiperf_command(w, runner.container_path(run_dir) + "/aiperf", tokenizer=tok)
 
 
-def dry_run_lines(w: Workload, results: Path) -> list[str]:
-    """The exact command(s) a run would execute; nothing is created or contacted."""
-    run_dir = results.resolve() / f"{utc_stamp()}-{w.name}"
-    return [shell_line(planned_command(w, run_dir))]
+def dry_run_line(w: Workload, results: Path) -> str:
+    """The exact command a run would execute; nothing is created or contacted."""
+    return shell_line(planned_command(w, results.resolve() / f"{utc_stamp()}-{w.name}"))
 
 
 @dataclass
@@ -57,18 +57,6 @@ class BenchResult:
     status: str  # ok | failed | interrupted
     exit_code: int
     message: str
-
-
-def protocol_lines(w: Workload) -> list[str]:
-    return [
-        f"workload `{w.name}`: {w.description}",
-        f"ISL {w.isl} (stddev {w.isl_stddev}), OSL {w.osl} (stddev {w.osl_stddev}), shared prefix "
-        f"{w.shared_prefix_tokens} tokens, extra inputs {', '.join(w.extra_inputs) or 'none'}",
-        f"{w.warmup_request_count} warmup requests per point; sweep {w.sweep_type} over "
-        f"concurrency {list(w.concurrency)} with request counts {list(w.request_count)}; "
-        f"seed {w.random_seed}; endpoint {w.endpoint_type}, streaming {w.streaming}, server "
-        f"token counts {w.use_server_token_count}",
-    ]
 
 
 def run_bench(w: Workload, *, results: Path, client_image: str, server_timeout: float,
@@ -90,9 +78,13 @@ def run_bench(w: Workload, *, results: Path, client_image: str, server_timeout: 
     write_text_atomic(run_dir / "command.txt", cmd_line + "\n")
     write_json_atomic(run_dir / "workload.json", w.model_dump(mode="json"))
 
+    try:
+        deployment = load_deployment()
+    except UsageError:  # the flags pointed the bench elsewhere: the record says what it measured
+        deployment = None
     aiperf_version = runner.client_aiperf_version(client, client_image)
     prov = runrecord.build(
-        deployment=_deployment(), url=w.url, measure="bench", workload=w.name,
+        deployment=deployment, url=w.url, measure="bench", workload=w.name,
         server=runrecord.server(client, w.url, w.api_key, container=server_container),
         tools={"aiperf": aiperf_version, "client_image": client_image,
                "client_image_id": image_id},
@@ -108,30 +100,27 @@ def run_bench(w: Workload, *, results: Path, client_image: str, server_timeout: 
     name = f"k3bench-aiperf-{run_dir.name}".replace(":", "")[:120]
     _log(f"aiperf: {cmd_line}")
     t0 = time.time()
-    res = runner.run_client(client, client_image, argv, mounts, run_dir / "aiperf.log", name,
-                            progress=progress)
-    per_step, per_step_from = summary.tokens_per_step(prov["server"])
-    points = summary.summarize(run_dir / "aiperf", w.points(), per_step, per_step_from,
+    res = run_client(client, client_image, argv, mounts, run_dir / "aiperf.log", name,
+                     progress=progress, labels={runner.LABEL: "client"}, tool="aiperf",
+                     tag="bench")
+    server, served = prov["server"], served_as(prov["server"])
+    points = summary.summarize(run_dir / "aiperf", w.points(), *summary.tokens_per_step(server),
                                expect={"isl": w.isl, "osl": w.osl,
                                        "prefix_caching": w.prefix_caching})
-    caching = server_prefix_caching(prov["server"])
+    caching = server_prefix_caching(server)
     caching_note = None
     if w.prefix_caching is not None and caching != w.prefix_caching:
         caching_note = (f"the workload needs prefix caching {_onoff(w.prefix_caching)}, the "
                         f"server ran with it {_onoff(caching)} (serve with K3_PREFIX_CACHING="
                         f"{int(w.prefix_caching)})")
         _log(f"WARNING: {caching_note}")
+    bunched = [p for p in points if (p.get("stream") or {}).get("bunched")]
     for p in points:
-        if (p.get("stream") or {}).get("bunched"):
-            _log(f"WARNING c={p['concurrency']}: {p['stream']['note']}")
-        for f in p.get("flags") or []:
+        for f in ([p["stream"]["note"]] if p in bunched else []) + (p.get("flags") or []):
             _log(f"WARNING c={p['concurrency']}: {f}")
-    status = "ok"
     failed = [p for p in points if p["status"] != "ok"]
-    if res.interrupted:
-        status = "interrupted"
-    elif failed or res.exit_code != 0:
-        status = "failed"
+    status = ("interrupted" if res.interrupted
+              else "failed" if failed or res.exit_code != 0 else "ok")
     server_alive = True
     if status != "ok":
         try:
@@ -145,34 +134,36 @@ def run_bench(w: Workload, *, results: Path, client_image: str, server_timeout: 
         "protocol": w.protocol(), "command": cmd_line, "points": points,
         "prefix_caching": {"workload": w.prefix_caching, "server": caching,
                            "note": caching_note},
-        "server_settings_from": served_as(prov["server"]).source,
+        "server_settings_from": served.source,
     }
     write_json_atomic(run_dir / "summary.json", doc)
-    tp_val = tp if tp is not None else _server_tp(prov["server"])
     write_text_atomic(run_dir / "perf.csv", summary.perf_csv(
-        points, model=w.model, benchmark=w.name, tp=tp_val, inp=w.isl, out=w.osl, cmd=cmd_line))
-    title = f"{w.name} ({status})"
+        points, model=w.model, benchmark=w.name, tp=served.tp if tp is None else tp, inp=w.isl,
+        out=w.osl, cmd=cmd_line))
     want = "any" if w.prefix_caching is None else _onoff(w.prefix_caching)
-    write_text_atomic(run_dir / "report.md", summary.markdown_report(
-        points, title, [*protocol_lines(w), f"command: `{cmd_line}`",
-                        f"server: {_server_line(prov['server'])}",
-                        f"prefix caching: workload {want}, server {_onoff(caching)}"
-                        + (f" - **{caching_note}**" if caching_note else ""),
-                        f"upstream figures: {prov['seed_comparison']['text']}"]))
-    pngs = plots.write_plots(points, run_dir, w.name)
-    if not pngs:
+    report = summary.markdown_report(points, f"{w.name} ({status})", [
+        f"workload `{w.name}`: {w.description}",
+        f"ISL {w.isl} (stddev {w.isl_stddev}), OSL {w.osl} (stddev {w.osl_stddev}), shared prefix "
+        f"{w.shared_prefix_tokens} tokens, extra inputs {', '.join(w.extra_inputs) or 'none'}",
+        f"{w.warmup_request_count} warmup requests per point; sweep {w.sweep_type} over "
+        f"concurrency {list(w.concurrency)} with request counts {list(w.request_count)}; "
+        f"seed {w.random_seed}; endpoint {w.endpoint_type}, streaming {w.streaming}, server "
+        f"token counts {w.use_server_token_count}",
+        f"command: `{cmd_line}`", f"server: {_server_line(server)}",
+        f"prefix caching: workload {want}, server {_onoff(caching)}"
+        + (f" - **{caching_note}**" if caching_note else ""),
+        f"upstream figures: {prov['seed_comparison']['text']}"])
+    write_text_atomic(run_dir / "report.md", report)
+    if not plots.write_plots(points, run_dir, w.name):
         _log("matplotlib is not installed: no PNG plots (pip install 'k3rocm[host]')")
 
-    n_ok = len(points) - len(failed)
+    n_ok, n = len(points) - len(failed), len(points)
     if status == "ok":
-        bunched = [f"c={p['concurrency']}" for p in points
-                   if (p.get("stream") or {}).get("bunched")]
-        note = (f" ({summary.BUNCHED_NOTE} at {', '.join(bunched)})" if bunched else "")
-        msg = f"bench {w.name}: {n_ok} of {len(points)} points ok{note}; results in {run_dir}"
-        code = EXIT_OK
+        at = ", ".join(f"c={p['concurrency']}" for p in bunched)
+        note = f" ({summary.BUNCHED_NOTE} at {at})" if bunched else ""
+        msg, code = f"bench {w.name}: {n_ok} of {n} points ok{note}; results in {run_dir}", EXIT_OK
     elif status == "interrupted":
-        msg = (f"bench {w.name}: interrupted; {n_ok} of {len(points)} points finished and kept "
-               f"in {run_dir}")
+        msg = f"bench {w.name}: interrupted; {n_ok} of {n} points finished and kept in {run_dir}"
         code = EXIT_INTERRUPTED
     else:
         first = failed[0] if failed else None
@@ -181,8 +172,8 @@ def run_bench(w: Workload, *, results: Path, client_image: str, server_timeout: 
         if res.exit_code not in (0, None) and (not first or first["reason"].startswith("not run")):
             why = f"aiperf exited with {res.exit_code}: {_last_error(res.log_path)}"
         down = "" if server_alive else "; the server is no longer reachable"
-        msg = (f"bench {w.name}: {len(failed)} of {len(points)} points failed ({why}){down}; "
-               f"raw logs and finished points kept in {run_dir}")
+        msg = (f"bench {w.name}: {len(failed)} of {n} points failed ({why}){down}; raw logs and "
+               f"finished points kept in {run_dir}")
         code = EXIT_FAILED
     return BenchResult(status, code, " ".join(msg.split()))
 
@@ -213,22 +204,9 @@ def _last_error(log: Path) -> str:
     return lines[-1][:240] if lines else "no output"
 
 
-def _server_tp(prov: dict) -> int | None:
-    return served_as(prov).tp
-
-
 def _server_line(prov: dict) -> str:
     c = (prov or {}).get("container") or {}
     return (f"vLLM {prov.get('vllm_version')}, image {c.get('image_ref')} ({c.get('image_id')}), "
             f"fusions {json.dumps(prov.get('fusion_toggles'))}, settings from "
             f"{served_as(prov).source}" if c else
             f"vLLM {prov.get('vllm_version')} (no local container found)")
-
-
-def _deployment():
-    """The deployment for the run record (None when the settings do not load: the flags
-    pointed the bench elsewhere and the record says what it measured)."""
-    try:
-        return load_deployment()
-    except UsageError:
-        return None

@@ -14,8 +14,7 @@ import os
 from pathlib import Path
 
 from k3rocm import __version__
-from k3rocm.deploy.engine import ClientResult, docker_client, image_id  # noqa: F401 - re-exported
-from k3rocm.deploy.engine import run_client as _run_client
+from k3rocm.deploy.engine import docker_client, image_id  # noqa: F401 - re-exported
 
 CLIENT_IMAGE = f"k3rocm/clients:{__version__}"
 AIPERF_VERSION = "0.13.0"
@@ -44,10 +43,3 @@ def client_aiperf_version(client, image: str) -> str | None:
     except Exception:  # noqa: BLE001
         return None
 
-
-def run_client(client, image: str, argv: list[str], mounts: dict[str, tuple[str, str]],
-               log_path: Path, name: str, progress: bool = True,
-               env: dict[str, str] | None = None) -> ClientResult:
-    """aiperf in a fresh client container (Ctrl-C: SIGINT to aiperf, finished points kept)."""
-    return _run_client(client, image, argv, mounts, log_path, name, progress=progress, env=env,
-                       labels={LABEL: "client"}, tool="aiperf", tag="bench")

@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import functools
 import math
+import statistics
 from collections.abc import Sequence
-from statistics import NormalDist
 from typing import Any
 
 from k3rocm.checks.bench import summary
@@ -47,22 +47,28 @@ AB_METRICS: list[tuple[str, str, str, bool]] = [
 ]
 ALPHA = 0.05
 POWER = 0.80
-_NORMAL = NormalDist()
+_NORMAL = statistics.NormalDist()
 _z = _NORMAL.inv_cdf  # standard normal quantile
 MULTIPLICITY = "Holm (step-down) over the secondary rows, family-wise 5%"
 
 
-def run_stat(values: Sequence[float] | float, stat: str) -> float:
-    """One run's statistic: a run-level float as is, else avg/pXX over its requests."""
-    if isinstance(values, (int, float)):
-        return float(values)
-    return summary.stat_of(values, stat)  # as the summary computes it
-
-
 def server_value(runs: Sequence[Sequence[float] | float], stat: str) -> float:
-    """One number per server: the mean over its runs of the run statistic."""
-    vals = [run_stat(r, stat) for r in runs]
+    """One number per server: the mean over its runs of the run statistic (a run-level float
+    as is, else avg/pXX over its requests, as the summary computes it)."""
+    vals = [float(r) if isinstance(r, (int, float)) else summary.stat_of(r, stat) for r in runs]
     return sum(vals) / len(vals)
+
+
+def _logs(values: Sequence[float]) -> list[float]:
+    return [math.log(v) for v in values if v and v > 0]
+
+
+def _bisect(below, lo: float, hi: float, steps: int) -> tuple[float, float]:
+    """Narrow [lo, hi] around where the monotone ``below(x)`` turns False."""
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if below(mid) else (lo, mid)
+    return lo, hi
 
 
 # --- Student t for integer degrees of freedom ---------------------------------------------------
@@ -73,20 +79,14 @@ def t_two_sided_p(t: float, df: int) -> float:
         raise ValueError("df must be >= 1")
     theta = math.atan(abs(t) / math.sqrt(df))
     c2, s = math.cos(theta) ** 2, math.sin(theta)
-    if df % 2:  # odd
-        acc, term = 0.0, math.cos(theta)
-        if df > 1:
-            acc = term
-            for k in range(3, df - 1, 2):
-                term *= c2 * (k - 1) / k
-                acc += term
-        a = 2 / math.pi * (theta + s * acc)
-    else:
-        acc, term = 1.0, 1.0
-        for k in range(2, df - 1, 2):
-            term *= c2 * (k - 1) / k
-            acc += term
+    acc = term = 1.0  # the series in cos^2: k = 2, 4, .., df - 2 (even df) or 3, .., df - 2 (odd)
+    for k in range(2 + df % 2, df - 1, 2):
+        term *= c2 * (k - 1) / k
+        acc += term
+    if df % 2 == 0:
         a = s * acc
+    else:
+        a = 2 / math.pi * (theta + (s * math.cos(theta) * acc if df > 1 else 0.0))
     return min(1.0, max(0.0, 1.0 - a))
 
 
@@ -95,27 +95,22 @@ def t_quantile(p: float, df: int) -> float:
     """The t with P(T <= t) = p (0.5 <= p < 1), by bisection on the CDF."""
     if not 0.5 <= p < 1:
         raise ValueError("p must be in [0.5, 1)")
-    lo, hi = 0.0, 1.0
-    while 1 - t_two_sided_p(hi, df) / 2 < p:
+
+    def below(t: float) -> bool:
+        return 1 - t_two_sided_p(t, df) / 2 < p
+
+    hi = 1.0
+    while below(hi):
         hi *= 2
-    for _ in range(100):
-        mid = (lo + hi) / 2
-        if 1 - t_two_sided_p(mid, df) / 2 < p:
-            lo = mid
-        else:
-            hi = mid
-    return (lo + hi) / 2
+    return sum(_bisect(below, 0.0, hi, 100)) / 2
 
 
 # --- variance components, MDE, servers needed ---------------------------------------------------
 
 def variance_component(values: Sequence[float]) -> dict[str, Any] | None:
     """Between-server variance of log values of identical servers (an A/A: all its servers)."""
-    logs = [math.log(v) for v in values if v and v > 0]
-    if len(logs) < 2:
-        return None
-    m = sum(logs) / len(logs)
-    return {"var_log": sum((x - m) ** 2 for x in logs) / (len(logs) - 1), "df": len(logs) - 1}
+    logs = _logs(values)
+    return {"var_log": statistics.variance(logs), "df": len(logs) - 1} if len(logs) > 1 else None
 
 
 def mde(var_log: float, df: int, n_a: int, n_b: int, alpha: float = ALPHA,
@@ -147,8 +142,7 @@ def compare_servers(a: Sequence[float], b: Sequence[float],
     ``floor``: an A/A variance component of the same protocol ({"var_log", "df"}), pooled.
     ``alpha``: the level the row is judged at (its MDE and servers needed use it; the CI is
     always 95%)."""
-    la = [math.log(v) for v in a if v and v > 0]
-    lb = [math.log(v) for v in b if v and v > 0]
+    la, lb = _logs(a), _logs(b)
     out: dict[str, Any] = {"servers_a": len(la), "servers_b": len(lb),
                            "server_values_a": list(a), "server_values_b": list(b),
                            "d": None, "lo": None, "hi": None, "p": None, "df": 0,
@@ -159,13 +153,9 @@ def compare_servers(a: Sequence[float], b: Sequence[float],
     ma, mb = sum(la) / len(la), sum(lb) / len(lb)
     out.update(a=math.exp(ma), b=math.exp(mb), d=math.exp(mb - ma) - 1)
     ss = sum((x - ma) ** 2 for x in la) + sum((x - mb) ** 2 for x in lb)
-    df = len(la) + len(lb) - 2
-    extra_df = 0
-    if floor:
-        ss += floor["var_log"] * floor["df"]
-        df += floor["df"]
-        extra_df = floor["df"]
-    out["df"] = df
+    extra_df = floor["df"] if floor else 0
+    ss += floor["var_log"] * extra_df if floor else 0.0
+    df = out["df"] = len(la) + len(lb) - 2 + extra_df
     if df < 1:
         return out
     var = ss / df
@@ -201,8 +191,7 @@ def verdict(res: dict, lower_is_better: bool, p: float | None = None,
         return (f"inconclusive: no estimate of server-to-server noise with {n} server(s) per "
                 "arm and no A/A of this protocol")
     if p < alpha:
-        faster = (res["d"] < 0) == lower_is_better
-        return "B faster" if faster else "B slower"
+        return "B faster" if (res["d"] < 0) == lower_is_better else "B slower"
     return (f"inconclusive: effects smaller than {pct_text(res['mde'])} cannot be seen with "
             f"{n} server(s) per arm")
 
@@ -248,14 +237,7 @@ def binom_upper(k: int, n: int, alpha: float = ALPHA) -> float:
     """One-sided exact (Clopper-Pearson) upper (1 - alpha) bound on a rate seen k times in n."""
     if k >= n:
         return 1.0
-    lo, hi = k / n, 1.0
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        if binom_cdf(k, n, mid) > alpha:
-            lo = mid
-        else:
-            hi = mid
-    return hi
+    return _bisect(lambda p: binom_cdf(k, n, p) > alpha, k / n, 1.0, 60)[1]
 
 
 def mcnemar_exact(b_only: int, a_only: int) -> float:
@@ -286,10 +268,8 @@ def paired_accuracy(a: Sequence[bool], b: Sequence[bool], margin: float,
     # bound on the rate of items only A got right allows.
     lower = min(diff - z * math.sqrt(max(var, 0.0)), b_only / n - binom_upper(a_only, n, alpha))
     p = mcnemar_exact(b_only, a_only)
-    if p < alpha:
-        diff_word = "B more accurate" if diff > 0 else "B less accurate"
-    else:
-        diff_word = "no difference detected"
+    diff_word = ("no difference detected" if p >= alpha
+                 else "B more accurate" if diff > 0 else "B less accurate")
     return {"n": n, "acc_a": acc_a, "acc_b": acc_b, "diff": diff, "b_only": b_only,
             "a_only": a_only, "mcnemar_p": p, "mcnemar": diff_word,
             "margin": margin, "lower_bound": lower, "non_inferior": lower > -margin}

@@ -62,18 +62,16 @@ def stat_of(values: Sequence[float], stat: str) -> float:
 
 
 def read_records(point_dir: Path) -> list[dict]:
-    path = point_dir / "profile_export.jsonl"
-    if not path.is_file():
-        return []
     out = []
-    with path.open() as fh:
-        for line in fh:
-            line = line.strip()
-            if line:
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue  # a record cut short by an interrupt
+    try:
+        lines = (point_dir / "profile_export.jsonl").read_text().splitlines()
+    except OSError:
+        return []
+    for line in filter(str.strip, lines):
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a record cut short by an interrupt
     return out
 
 
@@ -88,14 +86,17 @@ def profiling_records(records: Iterable[dict]) -> tuple[list[dict], list[dict]]:
     return ok, bad
 
 
+def _value(record: dict, tag: str) -> Any:
+    """One record's value of a metric (None when it has none)."""
+    m = (record.get("metrics") or {}).get(tag)
+    return m.get("value") if isinstance(m, dict) else None
+
+
 def request_values(records: Iterable[dict], tag: str) -> list[float]:
     """Per-request values of a metric (lists, e.g. inter_chunk_latency, are pooled)."""
     out: list[float] = []
     for r in records:
-        m = (r.get("metrics") or {}).get(tag)
-        if not isinstance(m, dict):
-            continue
-        v = m.get("value")
+        v = _value(r, tag)
         if isinstance(v, list):
             out.extend(float(x) for x in v)
         elif isinstance(v, (int, float)):
@@ -103,32 +104,24 @@ def request_values(records: Iterable[dict], tag: str) -> list[float]:
     return out
 
 
-def profiling_duration_s(point_dir: Path) -> float | None:
-    try:
-        manifest = json.loads((point_dir / "phase_manifest.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    for ph in manifest.get("phases", []):
-        if ph.get("phase_kind") == "profiling" and ph.get("end_ns") and ph.get("start_ns"):
-            return (ph["end_ns"] - ph["start_ns"]) / 1e9
-    return None
-
-
 def recompute_from_records(point_dir: Path) -> dict[str, Any]:
     """Every summary number, recomputed from profile_export.jsonl (+ the phase duration)."""
     ok, bad = profiling_records(read_records(point_dir))
-    out: dict[str, Any] = {"requests_ok": len(ok), "requests_failed": len(bad), "metrics": {}}
-    for key, (tag, _, _) in LATENCY_METRICS.items():
-        vals = request_values(ok, tag)
-        if vals:
-            out["metrics"][key] = {s: stat_of(vals, s) for s in STATS}
-    dur = profiling_duration_s(point_dir)
+    out: dict[str, Any] = {"requests_ok": len(ok), "requests_failed": len(bad), "metrics": {
+        key: {s: stat_of(vals, s) for s in STATS} for key, (tag, _, _) in LATENCY_METRICS.items()
+        if (vals := request_values(ok, tag))}}
+    try:  # the profiling phase's duration
+        phases = json.loads((point_dir / "phase_manifest.json").read_text()).get("phases", [])
+    except (OSError, json.JSONDecodeError):
+        phases = []
+    dur = next(((ph["end_ns"] - ph["start_ns"]) / 1e9 for ph in phases
+                if ph.get("phase_kind") == "profiling" and ph.get("end_ns") and ph.get("start_ns")),
+               None)
     osl = sum(request_values(ok, "output_sequence_length"))
     isl = sum(request_values(ok, "input_sequence_length"))
-    out["duration_s"] = dur
-    out["output_tps"] = osl / dur if dur else None
-    out["total_tps"] = (osl + isl) / dur if dur else None
-    out["request_tps"] = len(ok) / dur if dur else None
+    out.update(duration_s=dur, output_tps=osl / dur if dur else None,
+               total_tps=(osl + isl) / dur if dur else None,
+               request_tps=len(ok) / dur if dur else None)
     return out
 
 
@@ -136,19 +129,21 @@ def recompute_from_records(point_dir: Path) -> dict[str, Any]:
 
 
 def find_point_dirs(artifact_dir: Path) -> dict[tuple[int, int], Path]:
-    found: dict[tuple[int, int], Path] = {}
-    if not artifact_dir.is_dir():
-        return found
-    for child in artifact_dir.iterdir():
-        m = _POINT_RE.match(child.name)
-        if m and child.is_dir():
-            found[(int(m.group(1)), int(m.group(2)))] = child
-    return found
+    children = artifact_dir.iterdir() if artifact_dir.is_dir() else ()
+    return {(int(m[1]), int(m[2])): c for c in children
+            if (m := _POINT_RE.match(c.name)) and c.is_dir()}
 
 
 def _agg(d: dict, tag: str, stat: str) -> float | None:
     v = (d.get(tag) or {}).get(stat)
     return float(v) if isinstance(v, (int, float)) else None
+
+
+# summary key -> aiperf tag whose average it is
+_POINT_AVGS = {"output_tps": "output_token_throughput", "total_tps": "total_token_throughput",
+               "request_tps": "request_throughput", "duration_s": "benchmark_duration",
+               "isl_avg": "input_sequence_length", "osl_avg": "output_sequence_length",
+               "osl_mismatch_count": "osl_mismatch_count"}
 
 
 def summarize_point(point_dir: Path | None, concurrency: int, request_count: int,
@@ -174,18 +169,10 @@ def summarize_point(point_dir: Path | None, concurrency: int, request_count: int
     except json.JSONDecodeError as exc:
         point["reason"] = f"unreadable {agg_path.name}: {exc}"
         return point
-    metrics: dict[str, dict[str, float | None]] = {}
-    for key, (tag, _, _) in LATENCY_METRICS.items():
-        if tag in agg:
-            metrics[key] = {s: _agg(agg, tag, s) for s in STATS}
-    point["metrics"] = metrics
-    point["output_tps"] = _agg(agg, "output_token_throughput", "avg")
-    point["total_tps"] = _agg(agg, "total_token_throughput", "avg")
-    point["request_tps"] = _agg(agg, "request_throughput", "avg")
-    point["duration_s"] = _agg(agg, "benchmark_duration", "avg")
-    point["isl_avg"] = _agg(agg, "input_sequence_length", "avg")
-    point["osl_avg"] = _agg(agg, "output_sequence_length", "avg")
-    point["osl_mismatch_count"] = _agg(agg, "osl_mismatch_count", "avg")
+    point["metrics"] = {key: {s: _agg(agg, tag, s) for s in STATS}
+                        for key, (tag, _, _) in LATENCY_METRICS.items() if tag in agg}
+    for key, tag in _POINT_AVGS.items():
+        point[key] = _agg(agg, tag, "avg")
     errors = agg.get("error_summary") or []
     n_err = sum(int(e.get("count", 1)) for e in errors if isinstance(e, dict)) or len(errors)
     completed = _agg(agg, "request_count", "avg") or 0
@@ -209,25 +196,16 @@ def summarize_point(point_dir: Path | None, concurrency: int, request_count: int
 
 def check_against_records(point: dict, rec: dict, rel_tol: float) -> dict[str, Any]:
     """Compare the summary's numbers with the per-request recomputation."""
-    mismatches = []
-
     def close(a, b) -> bool:
         if a is None or b is None:
             return a is None and b is None
         return math.isclose(a, b, rel_tol=rel_tol, abs_tol=1e-9)
 
-    n = 0
-    for key, stats in point.get("metrics", {}).items():
-        for s, v in stats.items():
-            r = rec["metrics"].get(key, {}).get(s)
-            n += 1
-            if not close(v, r):
-                mismatches.append(f"{key}.{s}: summary {v} vs records {r}")
-    for key in ("output_tps", "total_tps"):
-        n += 1
-        if not close(point.get(key), rec.get(key)):
-            mismatches.append(f"{key}: summary {point.get(key)} vs records {rec.get(key)}")
-    return {"compared": n, "ok": not mismatches, "mismatches": mismatches}
+    pairs = [(f"{key}.{s}", v, rec["metrics"].get(key, {}).get(s))
+             for key, stats in point.get("metrics", {}).items() for s, v in stats.items()]
+    pairs += [(key, point.get(key), rec.get(key)) for key in ("output_tps", "total_tps")]
+    mismatches = [f"{name}: summary {v} vs records {r}" for name, v, r in pairs if not close(v, r)]
+    return {"compared": len(pairs), "ok": not mismatches, "mismatches": mismatches}
 
 
 # --- is the stream per token?
@@ -264,25 +242,18 @@ def stream_shape(point_dir: Path | None) -> dict[str, Any] | None:
     a chunk is one streamed response (aiperf's inter_chunk_latency has one gap per pair)."""
     if point_dir is None:
         return None
-    ok, _ = profiling_records(read_records(point_dir))
-    chunks, tokens, gen_ms, itl = [], [], [], []
     num = (int, float)
-    for r in ok:
-        m = {k: v.get("value") for k, v in (r.get("metrics") or {}).items()
-             if isinstance(v, dict)}
-        gaps, osl = m.get("inter_chunk_latency"), m.get("output_sequence_length")
-        if not isinstance(osl, num):
-            continue
-        chunks.append((len(gaps) + 1) if isinstance(gaps, list) else 1)
-        tokens.append(float(osl))
-        lat, ttft, v = (m.get(k) for k in ("request_latency", "time_to_first_token",
-                                           "inter_token_latency"))
-        if isinstance(lat, num) and isinstance(ttft, num):
-            gen_ms.append(float(lat) - float(ttft))
-        if isinstance(v, num):
-            itl.append(float(v))
-    if not chunks:
+    ok = [r for r in profiling_records(read_records(point_dir))[0]
+          if isinstance(_value(r, "output_sequence_length"), num)]
+    if not ok:
         return None
+    chunks = [len(g) + 1 if isinstance(g := _value(r, "inter_chunk_latency"), list) else 1
+              for r in ok]
+    tokens = request_values(ok, "output_sequence_length")
+    gen_ms = [float(lat) - float(ttft) for r in ok
+              if isinstance(lat := _value(r, "request_latency"), num)
+              and isinstance(ttft := _value(r, "time_to_first_token"), num)]
+    itl = [float(v) for r in ok if isinstance(v := _value(r, "inter_token_latency"), num)]
     osl_avg = sum(tokens) / len(tokens)
     return {"requests": len(chunks), "chunks_per_request": sum(chunks) / len(chunks),
             "chunks_p50": stat_of(chunks, "p50"),
@@ -299,8 +270,6 @@ def judge_stream(shape: dict[str, Any] | None, per_step: int = 1,
     buffers), and then ITL and TTFT describe chunks, not tokens."""
     if not shape:
         return None
-    out = {**shape, "tokens_per_step": per_step, "tokens_per_step_from": per_step_source,
-           "bunched": False, "note": None}
     why = []
     if shape["tokens_per_chunk"] > per_step * BUNCHED_TOLERANCE:
         why.append(f"{shape['tokens_per_chunk']:.2f} tokens per chunk ("
@@ -309,10 +278,8 @@ def judge_stream(shape: dict[str, Any] | None, per_step: int = 1,
     itl = shape.get("itl_p50")
     if shape["osl_avg"] > 1 and itl is not None and itl < 0.01:
         why.append(f"ITL p50 {itl:.4f} ms with {shape['osl_avg']:.0f} output tokens")
-    if why:
-        out["bunched"] = True
-        out["note"] = f"{BUNCHED_NOTE}: " + "; ".join(why)
-    return out
+    return {**shape, "tokens_per_step": per_step, "tokens_per_step_from": per_step_source,
+            "bunched": bool(why), "note": f"{BUNCHED_NOTE}: " + "; ".join(why) if why else None}
 
 
 # Server counters aiperf 0.13.0 scrapes from the server's /metrics during the profiling phase
@@ -357,11 +324,10 @@ def input_flags(point: dict, isl: int, osl: int, prefix_caching: bool | None) ->
     if point.get("osl_avg") is not None and abs(point["osl_avg"] - osl) > 0.5:
         flags.append(f"OSL: server counted {point['osl_avg']:.1f} output tokens on average, "
                      f"not {osl}")
-    got = point.get("isl_avg")
-    if got is not None and not isl <= got <= isl + max(ISL_TEMPLATE_TOKENS, 0.02 * isl):
+    got, slack = point.get("isl_avg"), max(ISL_TEMPLATE_TOKENS, 0.02 * isl)
+    if got is not None and not isl <= got <= isl + slack:
         flags.append(f"ISL: server counted {got:.0f} input tokens on average for {isl} asked "
-                     f"(expected {isl}..{isl + max(ISL_TEMPLATE_TOKENS, int(0.02 * isl))} with "
-                     "the chat template)")
+                     f"(expected {isl}..{isl + int(slack)} with the chat template)")
     hits = (point.get("server_metrics") or {}).get("prefix_cache_hits")
     if prefix_caching is False and hits:
         flags.append(f"prefix cache: {hits:.0f} token hit(s) while the workload needs prefix "

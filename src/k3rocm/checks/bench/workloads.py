@@ -52,18 +52,13 @@ class Workload(BaseModel):
     request_timeout_s: float = 0
     prefix_caching: bool | None = None
 
-    @field_validator("isl", "osl")
+    @field_validator("isl", "osl", "isl_stddev", "osl_stddev", "shared_prefix_tokens",
+                     "warmup_request_count")
     @classmethod
-    def _positive(cls, v: int) -> int:
-        if v < 1:
-            raise ValueError("must be >= 1")
-        return v
-
-    @field_validator("isl_stddev", "osl_stddev", "shared_prefix_tokens", "warmup_request_count")
-    @classmethod
-    def _non_negative(cls, v: int) -> int:
-        if v < 0:
-            raise ValueError("must be >= 0")
+    def _at_least(cls, v: int, info) -> int:  # info: pydantic's ValidationInfo
+        low = 1 if info.field_name in ("isl", "osl") else 0
+        if v < low:
+            raise ValueError(f"must be >= {low}")
         return v
 
     @field_validator("concurrency", "request_count")
@@ -90,33 +85,23 @@ class Workload(BaseModel):
 
     @model_validator(mode="after")
     def _sweep(self) -> Workload:
-        if (self.sweep_type == "zip" and len(self.concurrency) > 1
-                and len(self.request_count) != len(self.concurrency)):
-            raise ValueError(
-                f"sweep_type zip needs one request_count per concurrency "
-                f"(concurrency has {len(self.concurrency)}, request_count "
-                f"{len(self.request_count)})")
-        if self.sweep_type == "zip" and len(self.concurrency) == 1 and len(self.request_count) != 1:
-            raise ValueError("a single concurrency takes a single request_count")
+        nc, nr = len(self.concurrency), len(self.request_count)
+        if self.sweep_type == "zip" and nr != nc:
+            raise ValueError("a single concurrency takes a single request_count" if nc == 1 else
+                             f"sweep_type zip needs one request_count per concurrency "
+                             f"(concurrency has {nc}, request_count {nr})")
         return self
 
     def points(self) -> list[tuple[int, int]]:
         """(concurrency, request_count) of each sweep point, in the order aiperf runs them."""
-        if len(self.concurrency) == 1 and len(self.request_count) == 1:
-            return [(self.concurrency[0], self.request_count[0])]
         if self.sweep_type == "zip":
             return list(zip(self.concurrency, self.request_count, strict=True))
         return [(c, n) for c in self.concurrency for n in self.request_count]
 
-    def is_sweep(self) -> bool:
-        return len(self.points()) > 1
-
     def protocol(self) -> dict[str, Any]:
         """The fields that define the measurement protocol (everything but where it points)."""
-        d = self.model_dump(mode="json")
-        for k in ("name", "description", "url", "tokenizer", "api_key", "ui"):
-            d.pop(k)
-        return d
+        return self.model_dump(mode="json", exclude={"name", "description", "url", "tokenizer",
+                                                     "api_key", "ui"})
 
 
 FIELD_NAMES = [f for f in Workload.model_fields if f != "name"]
@@ -152,10 +137,6 @@ def load_table(path: Path | None = None) -> tuple[dict[str, Any], dict[str, dict
     return defaults, workloads
 
 
-def workload_names(path: Path | None = None) -> list[str]:
-    return list(load_table(path)[1])
-
-
 def _parse_value(field: str, raw: str) -> Any:
     """A CLI/env string -> the field's type (lists are comma separated; extra_args shell-split)."""
     raw = raw.strip()
@@ -167,12 +148,9 @@ def _parse_value(field: str, raw: str) -> Any:
     if field in _LIST_FIELDS:
         return [x.strip() for x in raw.split(",") if x.strip()]
     if Workload.model_fields[field].annotation is bool:
-        low = raw.lower()
-        if low in ("1", "true", "yes", "on"):
-            return True
-        if low in ("0", "false", "no", "off"):
-            return False
-        raise UsageError(f"{field}={raw!r} is not a boolean; use true/false or 1/0")
+        if raw.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            raise UsageError(f"{field}={raw!r} is not a boolean; use true/false or 1/0")
+        return raw.lower() in ("1", "true", "yes", "on")
     return raw
 
 
@@ -265,10 +243,6 @@ def resolve(name: str, sets: Mapping[str, Any] | None = None,
 # --- the aiperf command line
 
 
-def _fmt_list(values: Sequence[int]) -> str:
-    return ",".join(str(v) for v in values)
-
-
 def aiperf_command(w: Workload, artifact_dir: str, tokenizer: str | None = None) -> list[str]:
     """The aiperf argv. For decode-8k1k this is exactly the upstream PRs' command plus
     --artifact-dir.
@@ -293,10 +267,10 @@ def aiperf_command(w: Workload, artifact_dir: str, tokenizer: str | None = None)
         cmd += ["--extra-inputs", item]
     if w.warmup_request_count:
         cmd += ["--warmup-request-count", str(w.warmup_request_count)]
-    if w.is_sweep():
+    if len(w.points()) > 1:
         cmd += ["--sweep-type", w.sweep_type]
-    cmd += ["--concurrency", _fmt_list(w.concurrency),
-            "--request-count", _fmt_list(w.request_count),
+    cmd += ["--concurrency", ",".join(map(str, w.concurrency)),
+            "--request-count", ",".join(map(str, w.request_count)),
             "--random-seed", str(w.random_seed), "--ui", w.ui]
     if w.request_timeout_s:
         cmd += ["--request-timeout-seconds", f"{w.request_timeout_s:g}"]
