@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import os
 import shlex
 import signal
@@ -68,8 +69,7 @@ OFF = switches(False)
 STEPS = ("build", "up", "census", "greedy", "bench", "down", "off", "compare")
 
 
-def _say(t0: float, msg: str) -> None:
-    say(t0, msg, "selftest")
+_say = functools.partial(say, tag="selftest")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -226,11 +226,10 @@ def compare(on: list[dict], off: list[dict]) -> dict[str, Any]:
                    None if len(a["tokens"]) == len(b["tokens"]) else
                    min(len(a["tokens"]), len(b["tokens"])))
         if pos is not None:
-            la = a["logprobs"][pos] if pos < len(a["logprobs"]) else None
-            lb = b["logprobs"][pos] if pos < len(b["logprobs"]) else None
             diffs.append({"prompt": a["prompt"], "position": pos,
                           "on": a["tokens"][pos:pos + 1], "off": b["tokens"][pos:pos + 1],
-                          "logprob_on": la, "logprob_off": lb})
+                          "logprob_on": (a["logprobs"][pos:pos + 1] or [None])[0],
+                          "logprob_off": (b["logprobs"][pos:pos + 1] or [None])[0]})
     gap = max((abs(x - y) for a, b in zip(on, off, strict=True)
                for x, y in zip(a["logprobs"], b["logprobs"], strict=False)
                if x is not None and y is not None), default=None)

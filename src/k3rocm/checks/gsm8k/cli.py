@@ -16,7 +16,8 @@ import re
 import shlex
 import shutil
 import sys
-from dataclasses import asdict
+import tempfile
+from dataclasses import asdict, fields
 from pathlib import Path
 
 from k3rocm.checks.gsm8k import command, data, results
@@ -110,11 +111,10 @@ def deployment_view(args: argparse.Namespace) -> dict:
 
 
 def _settings(args: argparse.Namespace, model: str, url: str) -> Gsm8kSettings:
-    s = Gsm8kSettings(url=url, model=model, mode=args.mode, concurrency=args.concurrency,
-                      max_gen_tokens=args.max_gen_tokens, timeout=args.timeout,
-                      max_retries=args.max_retries, threshold=args.threshold, limit=args.limit,
-                      allow_limit=args.allow_limit, client_image=args.client_image,
-                      reasoning_fallback=args.reasoning_fallback)
+    # every setting but url, model (resolved) and seed (fixed) is the flag of the same name
+    s = Gsm8kSettings(url=url, model=model, **{f.name: getattr(args, f.name)
+                                               for f in fields(Gsm8kSettings)
+                                               if f.name not in ("url", "model", "seed")})
     command.validate(s)
     return s
 
@@ -143,13 +143,9 @@ def _rescore(args: argparse.Namespace) -> int:
     run_dir = Path(args.rescore)
     if not run_dir.is_dir():
         raise UsageError(f"--rescore {run_dir} is not a directory")
-    res, samples, fallbacks, _, _ = results.load_run(run_dir)
-    max_gen = None
-    with contextlib.suppress(OSError, ValueError, KeyError):
-        max_gen = json.loads((run_dir / "summary.json").read_text())["run"]["max_gen_tokens"]
-    verdict = results.evaluate(res, samples, fallbacks, threshold=args.threshold,
-                               allow_limit=args.allow_limit,
-                               finishes=results.read_finishes(run_dir), max_gen_tokens=max_gen)
+    verdict = results.judge(run_dir, threshold=args.threshold, allow_limit=args.allow_limit,
+                            max_gen_tokens=(results.read_summary(run_dir).get("run") or {})
+                            .get("max_gen_tokens"))
     print(json.dumps(verdict, indent=2), file=sys.stdout)
     print(verdict["message"], file=sys.stderr)
     return verdict["exit_code"]
@@ -215,8 +211,6 @@ def _fetch_data(args: argparse.Namespace) -> int:
     endpoint = env.get("HF_ENDPOINT", "https://huggingface.co")
     _progress(f"downloading openai/gsm8k (main) from {endpoint} into {home} with "
               f"{args.client_image}")
-    import tempfile
-
     with tempfile.TemporaryDirectory(prefix="k3rocm-gsm8k-data-") as tmp:
         log = Path(tmp) / "fetch.log"
         res = run_client(client, args.client_image,
@@ -227,18 +221,16 @@ def _fetch_data(args: argparse.Namespace) -> int:
         out = log.read_text(errors="replace").strip().splitlines()
     if res.interrupted:
         raise KeyboardInterrupt
-    status = res.exit_code
     info = {"error": (out[-1] if out else "no output")[:300]}
     for line in reversed(out):  # the launcher's one JSON line (stderr is in the log too)
-        with contextlib.suppress(ValueError):
-            found = json.loads(line)
-            if isinstance(found, dict):
-                info = found
+        if line.startswith("{"):
+            with contextlib.suppress(ValueError):
+                info = json.loads(line)
                 break
-    if status != 0 or "error" in info:
+    if res.exit_code != 0 or "error" in info:
         raise UsageError(f"gsm8k-data: could not download openai/gsm8k from {endpoint} "
-                         f"({info.get('error', f'exit {status}')}); without hub access copy a "
-                         "filled HF cache here or use --data-dir (docs/gsm8k.md)")
+                         f"({info.get('error', f'exit {res.exit_code}')}); without hub access "
+                         "copy a filled HF cache here or use --data-dir (docs/gsm8k.md)")
     src = data.resolve(None, str(home))
     print(f"gsm8k-data: openai/gsm8k revision {info.get('revision')} in {src.describe()}",
           file=sys.stderr)
@@ -331,14 +323,9 @@ def _finish(run_dir: Path, s: Gsm8kSettings, src: data.DataSource, prov: dict, w
            "command": prov["client"]["command_line"], "run_dir": str(run_dir)}
     if status is None:
         try:
-            res, samples, fallbacks, rfile, sfile = results.load_run(run_dir)
-            summary = results.evaluate(res, samples, fallbacks, threshold=s.threshold,
-                                       allow_limit=s.allow_limit,
-                                       finishes=results.read_finishes(run_dir),
-                                       max_gen_tokens=s.max_gen_tokens)
+            summary = results.judge(run_dir, threshold=s.threshold, allow_limit=s.allow_limit,
+                                    max_gen_tokens=s.max_gen_tokens)
             summary["seed_comparison"] = prov.get("seed_comparison")
-            summary["files"] = {"results": str(rfile.relative_to(run_dir)),
-                                "samples": str(sfile.relative_to(run_dir)) if sfile else None}
         except UsageError as exc:
             status, detail = "error", str(exc)
     if status is not None:
