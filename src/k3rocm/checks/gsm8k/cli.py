@@ -14,7 +14,6 @@ import json
 import os
 import re
 import shlex
-import shutil
 import sys
 import tempfile
 from dataclasses import asdict, fields
@@ -25,7 +24,7 @@ from k3rocm.checks.gsm8k.command import Gsm8kSettings
 from k3rocm.deploy import runrecord
 from k3rocm.deploy.engine import docker_client, image_id, run_client
 from k3rocm.errors import EXIT_INTERRUPTED, ServerError, UsageError
-from k3rocm.rundir import create_run_dir, write_json_atomic, write_text_atomic
+from k3rocm.rundir import create_run_dir, write_bytes_atomic, write_json_atomic, write_text_atomic
 from k3rocm.serving.config import redact_env
 
 LAUNCHER_SRC = Path(__file__).with_name("lmeval_launch.py")
@@ -134,6 +133,7 @@ def _check_server(url: str, model: str, explicit: bool, api_key: str | None) -> 
     if model in served:
         return model
     if not explicit and len(served) == 1:
+        _progress(f"the server serves only {served[0]!r}; using it (--model to insist on a name)")
         return served[0]
     raise ServerError(f"model {model!r} is not served at {url} (served: "
                       f"{', '.join(served) or 'none'}); pass --model")
@@ -153,7 +153,7 @@ def _rescore(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     if args.rescore:
-        command.validate(_settings(args, "x", "http://x"))
+        _settings(args, "x", "http://x")  # the flags' checks
         return _rescore(args)
     if args.fetch_data:
         return _fetch_data(args)
@@ -174,11 +174,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     src = data.resolve(args.data_dir, args.hf_home, dep.cache_dir)
 
-    model = _check_server(url, s.model, explicit=args.model is not None, api_key=api_key)
-    if model != s.model:
-        _progress(f"the server serves only {model!r}; using it (--model to insist on a name)")
-        s = _settings(args, model, url)
-        argv = command.lm_eval_argv(s)
+    s = _settings(args, _check_server(url, s.model, explicit=args.model is not None,
+                                      api_key=api_key), url)
+    argv = command.lm_eval_argv(s)
     client = docker_client()
     image_id(client, s.client_image)
     return _execute(client, s, src, argv, api_key, args, dep)
@@ -241,8 +239,8 @@ def _execute(client, s: Gsm8kSettings, src: data.DataSource, argv: list[str],
              api_key: str | None, args: argparse.Namespace, dep=None) -> int:
     run_dir = create_run_dir(args.results_dir, "gsm8k")
     _progress(f"run directory {run_dir}")
-    (run_dir / "lmeval_plugin").mkdir()
-    shutil.copyfile(LAUNCHER_SRC, run_dir / "lmeval_plugin" / command.LAUNCHER_NAME)
+    write_bytes_atomic(run_dir / "lmeval_plugin" / command.LAUNCHER_NAME,
+                       LAUNCHER_SRC.read_bytes())
     task_text = data.task_yaml(src)
     write_text_atomic(run_dir / "tasks" / "gsm8k.yaml", task_text)
     (run_dir / "lm_eval").mkdir()
