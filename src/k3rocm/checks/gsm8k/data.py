@@ -128,15 +128,12 @@ def _hub_snapshot(hf_home: Path) -> DataSource | None:
     snaps = repo / "snapshots"
     if not snaps.is_dir():
         return None
-    revs = []
     ref = repo / "refs" / "main"
-    if ref.is_file():
-        revs.append(ref.read_text().strip())
-    revs += sorted(p.name for p in snaps.iterdir() if p.is_dir())
-    for rev in revs:
+    revs = [ref.read_text().strip()] if ref.is_file() else []
+    for rev in revs + sorted(p.name for p in snaps.iterdir() if p.is_dir()):
         split_files = {split: sorted((snaps / rev / "main").glob(f"{split}-*.parquet"))
                        for split in ("train", "test")}
-        if not all(split_files.values()) or any(len(v) != 1 for v in split_files.values()):
+        if any(len(v) != 1 for v in split_files.values()):
             continue  # a split missing; or sharded: leave it to the datasets cache path
         host_files = {s: v[0] for s, v in split_files.items()}
         if not all(p.exists() for p in host_files.values()):  # dangling blob links
@@ -157,15 +154,10 @@ def _arrow_cache(hf_home: Path) -> DataSource | None:
 def hf_home_candidates(explicit: str | None, cache_dir: Path | None = None) -> list[Path]:
     """--hf-home, else $HF_HOME, ``<cache_dir>/huggingface`` (the deployment's K3_CACHE_DIR),
     ~/.cache/huggingface."""
-    if explicit:
-        return [Path(explicit).expanduser()]
-    out = []
-    if os.environ.get("HF_HOME"):
-        out.append(Path(os.environ["HF_HOME"]))
-    if cache_dir is not None:
-        out.append(Path(cache_dir) / "huggingface")
-    out.append(Path("~/.cache/huggingface").expanduser())
-    return out
+    homes = (explicit,) if explicit else (
+        os.environ.get("HF_HOME"), cache_dir and Path(cache_dir) / "huggingface",
+        "~/.cache/huggingface")
+    return [Path(h).expanduser() for h in homes if h]
 
 
 def resolve(data_dir: str | None, hf_home: str | None,
