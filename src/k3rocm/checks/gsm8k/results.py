@@ -12,6 +12,7 @@ from typing import Any
 
 from k3rocm.checks.gsm8k.command import FALLBACK_CHAT_MODEL, NUM_FEWSHOT, REFERENCE
 from k3rocm.checks.gsm8k.data import GSM8K_TEST_ITEMS
+from k3rocm.checks.steps import read_json
 from k3rocm.errors import UsageError
 
 FILTERS = ("strict-match", "flexible-extract")
@@ -247,10 +248,7 @@ def _trunc_line(t: dict) -> str:
 
 
 def read_summary(run_dir: Path) -> dict:
-    try:
-        return json.loads((run_dir / "summary.json").read_text())
-    except (OSError, ValueError):
-        return {}
+    return read_json(run_dir / "summary.json")
 
 
 def load_run(run_dir: Path) -> tuple[dict, list[dict], list[dict], Path, Path | None]:
