@@ -343,16 +343,15 @@ def _last_error_line(log: Path) -> str:
     """The first error lm-eval logged (the cause; later ones are usually its fallout), else the
     last error-looking line."""
     try:
-        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+        text = log.read_text(errors="replace")
     except OSError:
         return "no log"
-    for ln in lines:
-        m = re.search(r"\bERROR\s+\[[^\]]*\]\s*(.*)", ln)
-        if m:
-            return m.group(1)[:300]
-    for ln in reversed(lines):
-        if any(k in ln for k in ("Error", "error", "Exception", "refused", "Traceback")):
-            return ln[:300]
-    return lines[-1][:300] if lines else "no output"
+    m = re.search(r"\bERROR[ \t]+\[[^\]\n]*\][ \t]*(.*)", text)  # within one line
+    if m:
+        return m.group(1).strip()[:300]
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return next((ln for ln in reversed(lines) if any(
+        k in ln for k in ("Error", "error", "Exception", "refused", "Traceback"))),
+        lines[-1] if lines else "no output")[:300]
 
 
