@@ -28,6 +28,7 @@ from k3rocm.rundir import create_run_dir, write_bytes_atomic, write_json_atomic,
 from k3rocm.serving.config import redact_env
 
 LAUNCHER_SRC = Path(__file__).with_name("lmeval_launch.py")
+DEFAULTS = Gsm8kSettings()  # the flags' defaults
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,24 +46,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="local server container for provenance (default: the one on the URL's "
                    "port)")
     g = p.add_argument_group("evaluation")
-    g.add_argument("--mode", choices=("chat", "completions"), default="chat",
+    g.add_argument("--mode", choices=("chat", "completions"), default=DEFAULTS.mode,
                    help="chat: /v1/chat/completions with the chat template, few-shot as turns; "
                    "completions: /v1/completions with the raw 5-shot prompt")
     g.add_argument("--reasoning-fallback", action="store_true",
                    help="score the reasoning text when an answer's content is empty (NOT the "
                    "reference protocol: counted and reported as a deviation; default off)")
-    g.add_argument("--concurrency", type=int, default=32,
+    g.add_argument("--concurrency", type=int, default=DEFAULTS.concurrency,
                    help="requests in flight (default %(default)s)")
-    g.add_argument("--max-gen-tokens", type=int, default=4096,
+    g.add_argument("--max-gen-tokens", type=int, default=DEFAULTS.max_gen_tokens,
                    help="max generated tokens per answer; reasoning models need many "
                    "(default %(default)s)")
-    g.add_argument("--timeout", type=int, default=1800,
+    g.add_argument("--timeout", type=int, default=DEFAULTS.timeout,
                    help="per-request timeout, seconds (default %(default)s)")
-    g.add_argument("--max-retries", type=int, default=3,
+    g.add_argument("--max-retries", type=int, default=DEFAULTS.max_retries,
                    help="per-request retries (default %(default)s)")
     g.add_argument("--limit", type=int, help="evaluate only the first N test items (marks the "
                    "run not comparable)")
-    g.add_argument("--threshold", type=float, default=command.DEFAULT_THRESHOLD,
+    g.add_argument("--threshold", type=float, default=DEFAULTS.threshold,
                    help="gate on exact_match of both strict-match and flexible-extract "
                    "(default %(default)s)")
     g.add_argument("--allow-limit", action="store_true",
@@ -72,10 +73,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(question, answer ending '#### N')")
     g.add_argument("--hf-home", help="HF cache holding openai/gsm8k (default $HF_HOME, "
                    "$K3_CACHE_DIR/huggingface, ~/.cache/huggingface)")
-    g.add_argument("--results-dir", default=None,
+    g.add_argument("--results-dir",
                    help="run directories go here (default K3_RESULTS_DIR, which compose mounts "
                    "at /results)")
-    g.add_argument("--client-image", default=command.DEFAULT_CLIENT_IMAGE,
+    g.add_argument("--client-image", default=DEFAULTS.client_image,
                    help="image with lm-eval in /opt/clients (default %(default)s)")
     g.add_argument("--dry-run", action="store_true",
                    help="print the exact lm_eval command line and exit 0 (no server contact; "
@@ -139,22 +140,18 @@ def _check_server(url: str, model: str, explicit: bool, api_key: str | None) -> 
                       f"{', '.join(served) or 'none'}); pass --model")
 
 
-def _rescore(args: argparse.Namespace) -> int:
-    run_dir = Path(args.rescore)
-    if not run_dir.is_dir():
-        raise UsageError(f"--rescore {run_dir} is not a directory")
-    verdict = results.judge(run_dir, threshold=args.threshold, allow_limit=args.allow_limit,
-                            max_gen_tokens=(results.read_summary(run_dir).get("run") or {})
-                            .get("max_gen_tokens"))
-    print(json.dumps(verdict, indent=2), file=sys.stdout)
-    print(verdict["message"], file=sys.stderr)
-    return verdict["exit_code"]
-
-
 def run(args: argparse.Namespace) -> int:
     if args.rescore:
         _settings(args, "x", "http://x")  # the flags' checks
-        return _rescore(args)
+        run_dir = Path(args.rescore)
+        if not run_dir.is_dir():
+            raise UsageError(f"--rescore {run_dir} is not a directory")
+        verdict = results.judge(run_dir, threshold=args.threshold, allow_limit=args.allow_limit,
+                                max_gen_tokens=(results.read_summary(run_dir).get("run") or {})
+                                .get("max_gen_tokens"))
+        print(json.dumps(verdict, indent=2))
+        print(verdict["message"], file=sys.stderr)
+        return verdict["exit_code"]
     if args.fetch_data:
         return _fetch_data(args)
     dep = _deployment()
@@ -197,8 +194,7 @@ def _fetch_data(args: argparse.Namespace) -> int:
     client = docker_client()
     image_id(client, args.client_image)
     home.mkdir(parents=True, exist_ok=True)
-    env = {"HOME": "/tmp", "HF_HOME": "/hf", "HF_HUB_DISABLE_TELEMETRY": "1",
-           "PYTHONUNBUFFERED": "1"}
+    env = {"HF_HOME": "/hf", "HF_HUB_DISABLE_TELEMETRY": "1"}  # run_client sets HOME=/tmp
     # a mirror or a token, as on the host
     env.update({k: os.environ[k] for k in ("HF_ENDPOINT", "HF_TOKEN") if os.environ.get(k)})
     mounts = {str(home): ("/hf", "rw"),

@@ -40,10 +40,8 @@ _lock = threading.Lock()
 def _append_jsonl(path: str | None, record: dict) -> None:
     if not path:
         return
-    line = json.dumps(record, ensure_ascii=False) + "\n"
     with _lock, open(path, "a", encoding="utf-8") as fh:
-        fh.write(line)
-        fh.flush()
+        fh.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
 def _choices(outputs):
