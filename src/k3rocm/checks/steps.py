@@ -82,8 +82,7 @@ def run_step(name: str, argv: list[str], env: dict[str, str], log: Path, t0: flo
                                 stderr=subprocess.STDOUT, start_new_session=True)
         try:
             if verbose:
-                assert proc.stdout is not None
-                for chunk in iter(lambda: proc.stdout.readline(), b""):
+                for chunk in proc.stdout:  # type: ignore[union-attr] - stdout is a PIPE here
                     out.write(chunk)
                     out.flush()
                     sys.stderr.write(chunk.decode(errors="replace"))
