@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import os
 import shlex
 import signal
@@ -68,8 +69,7 @@ OFF = switches(False)
 STEPS = ("build", "up", "census", "greedy", "bench", "down", "off", "compare")
 
 
-def _say(t0: float, msg: str) -> None:
-    say(t0, msg, "selftest")
+_say = functools.partial(say, tag="selftest")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -226,11 +226,10 @@ def compare(on: list[dict], off: list[dict]) -> dict[str, Any]:
                    None if len(a["tokens"]) == len(b["tokens"]) else
                    min(len(a["tokens"]), len(b["tokens"])))
         if pos is not None:
-            la = a["logprobs"][pos] if pos < len(a["logprobs"]) else None
-            lb = b["logprobs"][pos] if pos < len(b["logprobs"]) else None
             diffs.append({"prompt": a["prompt"], "position": pos,
                           "on": a["tokens"][pos:pos + 1], "off": b["tokens"][pos:pos + 1],
-                          "logprob_on": la, "logprob_off": lb})
+                          "logprob_on": (a["logprobs"][pos:pos + 1] or [None])[0],
+                          "logprob_off": (b["logprobs"][pos:pos + 1] or [None])[0]})
     gap = max((abs(x - y) for a, b in zip(on, off, strict=True)
                for x, y in zip(a["logprobs"], b["logprobs"], strict=False)
                if x is not None and y is not None), default=None)
@@ -272,16 +271,16 @@ def selftest(args: argparse.Namespace) -> int:  # noqa: C901 - one linear pipeli
                                "model": dep.model, "profile": dep.profile, "image": dep.image,
                                "cpu_standin": srv.cpu}
     running = []
+    greedy_runs: dict[str, list[dict]] = {}
     total = len(STEPS)
 
-    def step(name: str, fn, index: int) -> Any:
+    def step(name: str, fn, index: int) -> None:
         _say(t0, f"{index}/{total} {name}")
         start = time.time()
         res = StepResult(name, name)
         try:
-            value = fn(res)
+            fn(res)
             res.ok = res.ok or res.code == 0
-            return value
         except UsageError as exc:
             res.code, res.note = exc.exit_code, str(exc)
             raise
@@ -291,25 +290,24 @@ def selftest(args: argparse.Namespace) -> int:  # noqa: C901 - one linear pipeli
             _say(t0, f"{index}/{total} {name}: {'ok' if res.ok else 'FAILED'} in "
                  f"{res.seconds:.0f}s{': ' + res.note if res.note else ''}")
 
-    def sub(name: str, index: int):
-        def fn(res: StepResult):
-            before = {p.name for p in dep.results_root.iterdir()} \
-                if dep.results_root.is_dir() else set()
-            code, _, _ = run_step(name, commands[name], env, run_dir / "logs" / f"{name}.log",
-                                  t0, index, args.verbose, total, "selftest")
-            res.code, res.ok, res.command = code, code == 0, shlex.join(commands[name])
-            res.log = str(run_dir / "logs" / f"{name}.log")
-            found = new_dirs(dep.results_root, before, "-census" if name == "census"
-                             else "-selftest-bench")
-            if found:
-                res.run_dir = str(found[-1])
-                res.note, res.numbers = (census_numbers if name == "census" else
-                                         bench_numbers)(found[-1])
-        return fn
+    def sub(res: StepResult):  # census or bench: the user's own command, its run directory
+        name, log = res.name, run_dir / "logs" / f"{res.name}.log"
+        before = {p.name for p in dep.results_root.iterdir()} \
+            if dep.results_root.is_dir() else set()
+        code, _, _ = run_step(name, commands[name], env, log, t0, STEPS.index(name) + 1,
+                              args.verbose, total, "selftest")
+        res.code, res.ok, res.log = code, code == 0, str(log)
+        res.command = shlex.join(commands[name])
+        found = new_dirs(dep.results_root, before, "-census" if name == "census"
+                         else "-selftest-bench")
+        if found:
+            res.run_dir = str(found[-1])
+            res.note, res.numbers = (census_numbers if name == "census" else
+                                     bench_numbers)(found[-1])
 
-    def serve(server, res: StepResult, build: bool = False):
+    def serve(server, res: StepResult):
         running.append(server)
-        server.up(build=build)
+        server.up()
         res.numbers["ready_s"] = round(server.wait(args.timeout), 1)
         prov = server.provenance()
         res.numbers["fusion_decisions"] = prov.get("fusion_decisions")
@@ -321,60 +319,56 @@ def selftest(args: argparse.Namespace) -> int:  # noqa: C901 - one linear pipeli
         if server in running:
             running.remove(server)
 
-    code = 0
+    def build(res: StepResult):
+        if not args.no_build:
+            p = srv.compose("build", "server", timeout=None, capture=False)
+            if p.returncode != 0:
+                raise UsageError(f"building the serving image failed (exit {p.returncode})")
+        summary["base"] = base_check(dep, srv, args.env_file)
+        res.numbers = summary["base"]
+        res.note = "; ".join(summary["base"].get("notes") or []) or "base facts: no change"
+
+    def up(res: StepResult):
+        prov = serve(srv, res)
+        summary["overlay_decisions"] = prov.get("fusion_decisions")
+        summary["vllm_version"] = prov.get("vllm_version")
+
+    def greedy_on(res: StepResult):
+        greedy_runs["on"] = greedy(dep.url, srv.model, dep.api_key)
+        res.note = f"{len(PROMPTS)} prompts x {GREEDY_TOKENS} tokens, fusions as asked"
+
+    def down(res: StepResult):
+        stop(srv, "server-on.log")
+        res.note = f"server log kept: {run_dir / 'server-on.log'}"
+
+    def off(res: StepResult):
+        serve(off_srv, res)
+        greedy_runs["off"] = greedy(dep.url, off_srv.model, dep.api_key)
+        stop(off_srv, "server-off.log")
+        res.note = "fusions off: " + res.note
+
+    def cmp(res: StepResult):
+        c = compare(greedy_runs["on"], greedy_runs["off"])
+        summary["greedy"] = {**c, **greedy_runs}
+        res.ok = c["identical"]
+        res.code = 0 if res.ok else 1
+        res.note = (f"{c['prompts']} prompts x {GREEDY_TOKENS} tokens identical "
+                    f"(max logprob gap {c['max_logprob_gap']})" if res.ok else
+                    "differ: " + "; ".join(f"{d['prompt']!r} at {d['position']}: "
+                                           f"{d['on']} ({d['logprob_on']}) vs {d['off']} "
+                                           f"({d['logprob_off']})"
+                                           for d in c["first_differences"]))
+
+    plan = {"build": build, "up": up, "census": sub, "greedy": greedy_on, "bench": sub,
+            "down": down, "off": off, "compare": cmp}
 
     def _term(*_):
         raise KeyboardInterrupt
 
     old_term = signal.signal(signal.SIGTERM, _term)
-    greedy_on = greedy_off = None
     try:
-        def build(res: StepResult):
-            if not args.no_build:
-                p = srv.compose("build", "server", timeout=None, capture=False)
-                if p.returncode != 0:
-                    raise UsageError(f"building the serving image failed (exit {p.returncode})")
-            summary["base"] = base_check(dep, srv, args.env_file)
-            res.numbers = summary["base"]
-            res.note = "; ".join(summary["base"].get("notes") or []) or "base facts: no change"
-        step("build", build, 1)
-        prov = step("up", lambda res: serve(srv, res), 2)
-        summary["overlay_decisions"] = prov.get("fusion_decisions")
-        summary["vllm_version"] = prov.get("vllm_version")
-        step("census", sub("census", 3), 3)
-
-        def greedy_step(res: StepResult):
-            out = greedy(dep.url, srv.model, dep.api_key)
-            res.note = f"{len(out)} prompts x {GREEDY_TOKENS} tokens, fusions as asked"
-            return out
-        greedy_on = step("greedy", greedy_step, 4)
-        step("bench", sub("bench", 5), 5)
-
-        def down(res: StepResult):
-            stop(srv, "server-on.log")
-            res.note = f"server log kept: {run_dir / 'server-on.log'}"
-        step("down", down, 6)
-
-        def off(res: StepResult):
-            nonlocal greedy_off
-            serve(off_srv, res)
-            greedy_off = greedy(dep.url, off_srv.model, dep.api_key)
-            stop(off_srv, "server-off.log")
-            res.note = "fusions off: " + res.note
-        step("off", off, 7)
-
-        def cmp(res: StepResult):
-            c = compare(greedy_on, greedy_off)
-            summary["greedy"] = {**c, "on": greedy_on, "off": greedy_off}
-            res.ok = c["identical"]
-            res.code = 0 if res.ok else 1
-            res.note = (f"{c['prompts']} prompts x {GREEDY_TOKENS} tokens identical "
-                        f"(max logprob gap {c['max_logprob_gap']})" if res.ok else
-                        "differ: " + "; ".join(f"{d['prompt']!r} at {d['position']}: "
-                                               f"{d['on']} ({d['logprob_on']}) vs {d['off']} "
-                                               f"({d['logprob_off']})"
-                                               for d in c["first_differences"]))
-        step("compare", cmp, 8)
+        for index, name in enumerate(STEPS, 1):
+            step(name, plan[name], index)
         code = next((r.code or 1 for r in results if not r.ok), 0)
     except (KeyboardInterrupt, Interrupted):
         code = 130
@@ -400,8 +394,7 @@ def selftest(args: argparse.Namespace) -> int:  # noqa: C901 - one linear pipeli
     from k3rocm.serving.basefacts import describe
 
     head, *notes = describe(summary.get("base") or {})
-    lines.append(f"  {head}")
-    lines += [f"    {n}" for n in notes]
+    lines += [f"  {head}", *(f"    {n}" for n in notes)]
     decisions = summary.get("overlay_decisions")
     if decisions is not None:
         lines.append("  overlay decisions (fusions as asked): " + summarize_decisions(

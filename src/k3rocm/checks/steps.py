@@ -82,8 +82,7 @@ def run_step(name: str, argv: list[str], env: dict[str, str], log: Path, t0: flo
                                 stderr=subprocess.STDOUT, start_new_session=True)
         try:
             if verbose:
-                assert proc.stdout is not None
-                for chunk in iter(lambda: proc.stdout.readline(), b""):
+                for chunk in proc.stdout:  # type: ignore[union-attr] - stdout is a PIPE here
                     out.write(chunk)
                     out.flush()
                     sys.stderr.write(chunk.decode(errors="replace"))
@@ -154,11 +153,8 @@ def bench_numbers(run: Path) -> tuple[str, dict[str, Any]]:
 
 def gsm8k_numbers(run: Path) -> tuple[str, dict[str, Any]]:
     s = read_json(run / "summary.json")
-    filters = s.get("filters") or s.get("metrics") or {}
-    vals = {}
-    for name in ("strict-match", "flexible-extract"):
-        f = filters.get(name) if isinstance(filters, dict) else None
-        vals[name] = f.get("exact_match") if isinstance(f, dict) else f
+    vals = {name: ((s.get("metrics") or {}).get(name) or {}).get("exact_match")
+            for name in ("strict-match", "flexible-extract")}
     items = (s.get("items") or {}).get("evaluated")
     if items is None:
         return f"status {s.get('status', '?')}", {"status": s.get("status"),

@@ -14,9 +14,9 @@ import json
 import os
 import re
 import shlex
-import shutil
 import sys
-from dataclasses import asdict
+import tempfile
+from dataclasses import asdict, fields
 from pathlib import Path
 
 from k3rocm.checks.gsm8k import command, data, results
@@ -24,10 +24,11 @@ from k3rocm.checks.gsm8k.command import Gsm8kSettings
 from k3rocm.deploy import runrecord
 from k3rocm.deploy.engine import docker_client, image_id, run_client
 from k3rocm.errors import EXIT_INTERRUPTED, ServerError, UsageError
-from k3rocm.rundir import create_run_dir, write_json_atomic, write_text_atomic
+from k3rocm.rundir import create_run_dir, write_bytes_atomic, write_json_atomic, write_text_atomic
 from k3rocm.serving.config import redact_env
 
 LAUNCHER_SRC = Path(__file__).with_name("lmeval_launch.py")
+DEFAULTS = Gsm8kSettings()  # the flags' defaults
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,24 +46,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="local server container for provenance (default: the one on the URL's "
                    "port)")
     g = p.add_argument_group("evaluation")
-    g.add_argument("--mode", choices=("chat", "completions"), default="chat",
+    g.add_argument("--mode", choices=("chat", "completions"), default=DEFAULTS.mode,
                    help="chat: /v1/chat/completions with the chat template, few-shot as turns; "
                    "completions: /v1/completions with the raw 5-shot prompt")
     g.add_argument("--reasoning-fallback", action="store_true",
                    help="score the reasoning text when an answer's content is empty (NOT the "
                    "reference protocol: counted and reported as a deviation; default off)")
-    g.add_argument("--concurrency", type=int, default=32,
+    g.add_argument("--concurrency", type=int, default=DEFAULTS.concurrency,
                    help="requests in flight (default %(default)s)")
-    g.add_argument("--max-gen-tokens", type=int, default=4096,
+    g.add_argument("--max-gen-tokens", type=int, default=DEFAULTS.max_gen_tokens,
                    help="max generated tokens per answer; reasoning models need many "
                    "(default %(default)s)")
-    g.add_argument("--timeout", type=int, default=1800,
+    g.add_argument("--timeout", type=int, default=DEFAULTS.timeout,
                    help="per-request timeout, seconds (default %(default)s)")
-    g.add_argument("--max-retries", type=int, default=3,
+    g.add_argument("--max-retries", type=int, default=DEFAULTS.max_retries,
                    help="per-request retries (default %(default)s)")
     g.add_argument("--limit", type=int, help="evaluate only the first N test items (marks the "
                    "run not comparable)")
-    g.add_argument("--threshold", type=float, default=command.DEFAULT_THRESHOLD,
+    g.add_argument("--threshold", type=float, default=DEFAULTS.threshold,
                    help="gate on exact_match of both strict-match and flexible-extract "
                    "(default %(default)s)")
     g.add_argument("--allow-limit", action="store_true",
@@ -72,10 +73,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(question, answer ending '#### N')")
     g.add_argument("--hf-home", help="HF cache holding openai/gsm8k (default $HF_HOME, "
                    "$K3_CACHE_DIR/huggingface, ~/.cache/huggingface)")
-    g.add_argument("--results-dir", default=None,
+    g.add_argument("--results-dir",
                    help="run directories go here (default K3_RESULTS_DIR, which compose mounts "
                    "at /results)")
-    g.add_argument("--client-image", default=command.DEFAULT_CLIENT_IMAGE,
+    g.add_argument("--client-image", default=DEFAULTS.client_image,
                    help="image with lm-eval in /opt/clients (default %(default)s)")
     g.add_argument("--dry-run", action="store_true",
                    help="print the exact lm_eval command line and exit 0 (no server contact; "
@@ -110,11 +111,10 @@ def deployment_view(args: argparse.Namespace) -> dict:
 
 
 def _settings(args: argparse.Namespace, model: str, url: str) -> Gsm8kSettings:
-    s = Gsm8kSettings(url=url, model=model, mode=args.mode, concurrency=args.concurrency,
-                      max_gen_tokens=args.max_gen_tokens, timeout=args.timeout,
-                      max_retries=args.max_retries, threshold=args.threshold, limit=args.limit,
-                      allow_limit=args.allow_limit, client_image=args.client_image,
-                      reasoning_fallback=args.reasoning_fallback)
+    # every setting but url, model (resolved) and seed (fixed) is the flag of the same name
+    s = Gsm8kSettings(url=url, model=model, **{f.name: getattr(args, f.name)
+                                               for f in fields(Gsm8kSettings)
+                                               if f.name not in ("url", "model", "seed")})
     command.validate(s)
     return s
 
@@ -134,31 +134,24 @@ def _check_server(url: str, model: str, explicit: bool, api_key: str | None) -> 
     if model in served:
         return model
     if not explicit and len(served) == 1:
+        _progress(f"the server serves only {served[0]!r}; using it (--model to insist on a name)")
         return served[0]
     raise ServerError(f"model {model!r} is not served at {url} (served: "
                       f"{', '.join(served) or 'none'}); pass --model")
 
 
-def _rescore(args: argparse.Namespace) -> int:
-    run_dir = Path(args.rescore)
-    if not run_dir.is_dir():
-        raise UsageError(f"--rescore {run_dir} is not a directory")
-    res, samples, fallbacks, _, _ = results.load_run(run_dir)
-    max_gen = None
-    with contextlib.suppress(OSError, ValueError, KeyError):
-        max_gen = json.loads((run_dir / "summary.json").read_text())["run"]["max_gen_tokens"]
-    verdict = results.evaluate(res, samples, fallbacks, threshold=args.threshold,
-                               allow_limit=args.allow_limit,
-                               finishes=results.read_finishes(run_dir), max_gen_tokens=max_gen)
-    print(json.dumps(verdict, indent=2), file=sys.stdout)
-    print(verdict["message"], file=sys.stderr)
-    return verdict["exit_code"]
-
-
 def run(args: argparse.Namespace) -> int:
     if args.rescore:
-        command.validate(_settings(args, "x", "http://x"))
-        return _rescore(args)
+        _settings(args, "x", "http://x")  # the flags' checks
+        run_dir = Path(args.rescore)
+        if not run_dir.is_dir():
+            raise UsageError(f"--rescore {run_dir} is not a directory")
+        verdict = results.judge(run_dir, threshold=args.threshold, allow_limit=args.allow_limit,
+                                max_gen_tokens=(results.read_summary(run_dir).get("run") or {})
+                                .get("max_gen_tokens"))
+        print(json.dumps(verdict, indent=2))
+        print(verdict["message"], file=sys.stderr)
+        return verdict["exit_code"]
     if args.fetch_data:
         return _fetch_data(args)
     dep = _deployment()
@@ -178,11 +171,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     src = data.resolve(args.data_dir, args.hf_home, dep.cache_dir)
 
-    model = _check_server(url, s.model, explicit=args.model is not None, api_key=api_key)
-    if model != s.model:
-        _progress(f"the server serves only {model!r}; using it (--model to insist on a name)")
-        s = _settings(args, model, url)
-        argv = command.lm_eval_argv(s)
+    s = _settings(args, _check_server(url, s.model, explicit=args.model is not None,
+                                      api_key=api_key), url)
+    argv = command.lm_eval_argv(s)
     client = docker_client()
     image_id(client, s.client_image)
     return _execute(client, s, src, argv, api_key, args, dep)
@@ -203,8 +194,7 @@ def _fetch_data(args: argparse.Namespace) -> int:
     client = docker_client()
     image_id(client, args.client_image)
     home.mkdir(parents=True, exist_ok=True)
-    env = {"HOME": "/tmp", "HF_HOME": "/hf", "HF_HUB_DISABLE_TELEMETRY": "1",
-           "PYTHONUNBUFFERED": "1"}
+    env = {"HF_HOME": "/hf", "HF_HUB_DISABLE_TELEMETRY": "1"}  # run_client sets HOME=/tmp
     # a mirror or a token, as on the host
     env.update({k: os.environ[k] for k in ("HF_ENDPOINT", "HF_TOKEN") if os.environ.get(k)})
     mounts = {str(home): ("/hf", "rw"),
@@ -215,8 +205,6 @@ def _fetch_data(args: argparse.Namespace) -> int:
     endpoint = env.get("HF_ENDPOINT", "https://huggingface.co")
     _progress(f"downloading openai/gsm8k (main) from {endpoint} into {home} with "
               f"{args.client_image}")
-    import tempfile
-
     with tempfile.TemporaryDirectory(prefix="k3rocm-gsm8k-data-") as tmp:
         log = Path(tmp) / "fetch.log"
         res = run_client(client, args.client_image,
@@ -227,18 +215,16 @@ def _fetch_data(args: argparse.Namespace) -> int:
         out = log.read_text(errors="replace").strip().splitlines()
     if res.interrupted:
         raise KeyboardInterrupt
-    status = res.exit_code
     info = {"error": (out[-1] if out else "no output")[:300]}
     for line in reversed(out):  # the launcher's one JSON line (stderr is in the log too)
-        with contextlib.suppress(ValueError):
-            found = json.loads(line)
-            if isinstance(found, dict):
-                info = found
+        if line.startswith("{"):
+            with contextlib.suppress(ValueError):
+                info = json.loads(line)
                 break
-    if status != 0 or "error" in info:
+    if res.exit_code != 0 or "error" in info:
         raise UsageError(f"gsm8k-data: could not download openai/gsm8k from {endpoint} "
-                         f"({info.get('error', f'exit {status}')}); without hub access copy a "
-                         "filled HF cache here or use --data-dir (docs/gsm8k.md)")
+                         f"({info.get('error', f'exit {res.exit_code}')}); without hub access "
+                         "copy a filled HF cache here or use --data-dir (docs/gsm8k.md)")
     src = data.resolve(None, str(home))
     print(f"gsm8k-data: openai/gsm8k revision {info.get('revision')} in {src.describe()}",
           file=sys.stderr)
@@ -249,8 +235,8 @@ def _execute(client, s: Gsm8kSettings, src: data.DataSource, argv: list[str],
              api_key: str | None, args: argparse.Namespace, dep=None) -> int:
     run_dir = create_run_dir(args.results_dir, "gsm8k")
     _progress(f"run directory {run_dir}")
-    (run_dir / "lmeval_plugin").mkdir()
-    shutil.copyfile(LAUNCHER_SRC, run_dir / "lmeval_plugin" / command.LAUNCHER_NAME)
+    write_bytes_atomic(run_dir / "lmeval_plugin" / command.LAUNCHER_NAME,
+                       LAUNCHER_SRC.read_bytes())
     task_text = data.task_yaml(src)
     write_text_atomic(run_dir / "tasks" / "gsm8k.yaml", task_text)
     (run_dir / "lm_eval").mkdir()
@@ -331,14 +317,9 @@ def _finish(run_dir: Path, s: Gsm8kSettings, src: data.DataSource, prov: dict, w
            "command": prov["client"]["command_line"], "run_dir": str(run_dir)}
     if status is None:
         try:
-            res, samples, fallbacks, rfile, sfile = results.load_run(run_dir)
-            summary = results.evaluate(res, samples, fallbacks, threshold=s.threshold,
-                                       allow_limit=s.allow_limit,
-                                       finishes=results.read_finishes(run_dir),
-                                       max_gen_tokens=s.max_gen_tokens)
+            summary = results.judge(run_dir, threshold=s.threshold, allow_limit=s.allow_limit,
+                                    max_gen_tokens=s.max_gen_tokens)
             summary["seed_comparison"] = prov.get("seed_comparison")
-            summary["files"] = {"results": str(rfile.relative_to(run_dir)),
-                                "samples": str(sfile.relative_to(run_dir)) if sfile else None}
         except UsageError as exc:
             status, detail = "error", str(exc)
     if status is not None:
@@ -358,16 +339,15 @@ def _last_error_line(log: Path) -> str:
     """The first error lm-eval logged (the cause; later ones are usually its fallout), else the
     last error-looking line."""
     try:
-        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+        text = log.read_text(errors="replace")
     except OSError:
         return "no log"
-    for ln in lines:
-        m = re.search(r"\bERROR\s+\[[^\]]*\]\s*(.*)", ln)
-        if m:
-            return m.group(1)[:300]
-    for ln in reversed(lines):
-        if any(k in ln for k in ("Error", "error", "Exception", "refused", "Traceback")):
-            return ln[:300]
-    return lines[-1][:300] if lines else "no output"
+    m = re.search(r"\bERROR[ \t]+\[[^\]\n]*\][ \t]*(.*)", text)  # within one line
+    if m:
+        return m.group(1).strip()[:300]
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return next((ln for ln in reversed(lines) if any(
+        k in ln for k in ("Error", "error", "Exception", "refused", "Traceback"))),
+        lines[-1] if lines else "no output")[:300]
 
 

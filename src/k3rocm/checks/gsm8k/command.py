@@ -111,7 +111,7 @@ def lm_eval_argv(s: Gsm8kSettings) -> list[str]:
 
 
 def container_env(s: Gsm8kSettings, data: DataSource | None) -> dict[str, str]:
-    env = {
+    return {
         "HOME": "/tmp",
         "HF_DATASETS_OFFLINE": "1",
         "HF_HUB_OFFLINE": "1",
@@ -122,9 +122,7 @@ def container_env(s: Gsm8kSettings, data: DataSource | None) -> dict[str, str]:
         "K3_GSM8K_FALLBACK_LOG": f"{OUT_MOUNT}/reasoning_fallback.jsonl",
         "K3_GSM8K_CLIENT_INFO": f"{OUT_MOUNT}/client_info.json",
         "K3_GSM8K_FINISH_LOG": f"{OUT_MOUNT}/finish_reasons.jsonl",
+        # the json/parquet builders write their arrow cache into the container, not the host
+        "HF_HOME": HF_MOUNT if data is not None and data.kind == "hf-datasets-cache"
+        else "/tmp/hf",
     }
-    if data is not None and data.kind == "hf-datasets-cache":
-        env["HF_HOME"] = HF_MOUNT
-    else:  # the json/parquet builders write their arrow cache into the container, not the host
-        env["HF_HOME"] = "/tmp/hf"
-    return env

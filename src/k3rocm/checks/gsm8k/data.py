@@ -53,10 +53,15 @@ class DataSource:
     kind: str  # "local-jsonl" | "hf-hub-parquet" | "hf-datasets-cache"
     host_dir: Path  # mounted into the container
     mount: str
-    files: dict[str, str] = field(default_factory=dict)  # split -> path inside the container
-    host_files: dict[str, Path] = field(default_factory=dict)
+    host_files: dict[str, Path] = field(default_factory=dict)  # split -> file under host_dir
     test_items: int | None = None
     builder: str | None = None  # "json" | "parquet" | None (built-in task)
+
+    @property
+    def files(self) -> dict[str, str]:
+        """split -> its path inside the container"""
+        return {s: f"{self.mount}/{p.relative_to(self.host_dir)}"
+                for s, p in self.host_files.items()}
 
     def describe(self) -> str:
         return f"{self.kind} at {self.host_dir}"
@@ -114,10 +119,8 @@ def local_source(data_dir: Path) -> DataSource:
     if n_train < 5:
         raise UsageError(f"GSM8K data: {train} has {n_train} items; 5-shot needs at least 5")
     n_test = check_jsonl(test)
-    return DataSource(
-        kind="local-jsonl", host_dir=data_dir, mount=DATA_MOUNT, builder="json",
-        files={"train": f"{DATA_MOUNT}/train.jsonl", "test": f"{DATA_MOUNT}/test.jsonl"},
-        host_files={"train": train, "test": test}, test_items=n_test)
+    return DataSource(kind="local-jsonl", host_dir=data_dir, mount=DATA_MOUNT, builder="json",
+                      host_files={"train": train, "test": test}, test_items=n_test)
 
 
 def _hub_snapshot(hf_home: Path) -> DataSource | None:
@@ -125,24 +128,18 @@ def _hub_snapshot(hf_home: Path) -> DataSource | None:
     snaps = repo / "snapshots"
     if not snaps.is_dir():
         return None
-    revs = []
     ref = repo / "refs" / "main"
-    if ref.is_file():
-        revs.append(ref.read_text().strip())
-    revs += sorted(p.name for p in snaps.iterdir() if p.is_dir())
-    for rev in revs:
+    revs = [ref.read_text().strip()] if ref.is_file() else []
+    for rev in revs + sorted(p.name for p in snaps.iterdir() if p.is_dir()):
         split_files = {split: sorted((snaps / rev / "main").glob(f"{split}-*.parquet"))
                        for split in ("train", "test")}
-        if not all(split_files.values()) or any(len(v) != 1 for v in split_files.values()):
+        if any(len(v) != 1 for v in split_files.values()):
             continue  # a split missing; or sharded: leave it to the datasets cache path
         host_files = {s: v[0] for s, v in split_files.items()}
         if not all(p.exists() for p in host_files.values()):  # dangling blob links
             continue
-        mount = f"{HF_MOUNT}/hub/{HF_REPO_DIR}"
-        return DataSource(
-            kind="hf-hub-parquet", host_dir=repo, mount=mount, builder="parquet",
-            files={s: f"{mount}/{p.relative_to(repo)}" for s, p in host_files.items()},
-            host_files=host_files, test_items=None)
+        return DataSource(kind="hf-hub-parquet", host_dir=repo, builder="parquet",
+                          mount=f"{HF_MOUNT}/hub/{HF_REPO_DIR}", host_files=host_files)
     return None
 
 
@@ -157,15 +154,10 @@ def _arrow_cache(hf_home: Path) -> DataSource | None:
 def hf_home_candidates(explicit: str | None, cache_dir: Path | None = None) -> list[Path]:
     """--hf-home, else $HF_HOME, ``<cache_dir>/huggingface`` (the deployment's K3_CACHE_DIR),
     ~/.cache/huggingface."""
-    if explicit:
-        return [Path(explicit).expanduser()]
-    out = []
-    if os.environ.get("HF_HOME"):
-        out.append(Path(os.environ["HF_HOME"]))
-    if cache_dir is not None:
-        out.append(Path(cache_dir) / "huggingface")
-    out.append(Path("~/.cache/huggingface").expanduser())
-    return out
+    homes = (explicit,) if explicit else (
+        os.environ.get("HF_HOME"), cache_dir and Path(cache_dir) / "huggingface",
+        "~/.cache/huggingface")
+    return [Path(h).expanduser() for h in homes if h]
 
 
 def resolve(data_dir: str | None, hf_home: str | None,

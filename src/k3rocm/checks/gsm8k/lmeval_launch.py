@@ -40,10 +40,14 @@ _lock = threading.Lock()
 def _append_jsonl(path: str | None, record: dict) -> None:
     if not path:
         return
-    line = json.dumps(record, ensure_ascii=False) + "\n"
     with _lock, open(path, "a", encoding="utf-8") as fh:
-        fh.write(line)
-        fh.flush()
+        fh.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+
+def _choices(outputs):
+    """Every choice of one response or a list of them (the OpenAI response shape)."""
+    for out in outputs if isinstance(outputs, list) else [outputs]:
+        yield from (out.get("choices") or []) if isinstance(out, dict) else []
 
 
 def apply_reasoning_fallback(outputs, log_path: str | None = None):
@@ -51,15 +55,9 @@ def apply_reasoning_fallback(outputs, log_path: str | None = None):
 
     Pure function over the OpenAI chat-completions response shape; logs one line per fallback.
     """
-    batch = outputs if isinstance(outputs, list) else [outputs]
-    fixed = []
-    for out in batch:
-        choices = out.get("choices") if isinstance(out, dict) else None
-        if not choices:
-            fixed.append(out)
-            continue
-        out = copy.deepcopy(out)
-        for choice in out["choices"]:
+    fixed = copy.deepcopy(outputs)
+    for out in fixed if isinstance(fixed, list) else [fixed]:
+        for choice in _choices(out):
             msg = choice.get("message") or {}
             content = msg.get("content")
             if content is not None and content.strip():
@@ -69,23 +67,18 @@ def apply_reasoning_fallback(outputs, log_path: str | None = None):
                 if isinstance(text, str) and text.strip():
                     msg["content"] = text
                     _append_jsonl(log_path, {
-                        "id": out.get("id"), "index": choice.get("index"),
-                        "content": content, "field": key,
-                        "finish_reason": choice.get("finish_reason"), "text": text,
-                    })
+                        "id": out.get("id"), "index": choice.get("index"), "content": content,
+                        "field": key, "finish_reason": choice.get("finish_reason"), "text": text})
                     break
-        fixed.append(out)
-    return fixed if isinstance(outputs, list) else fixed[0]
+    return fixed
 
 
 def log_finish_reasons(outputs, log_path: str | None) -> None:
     """One JSON line per choice: its finish_reason and its text (content, or completion text)."""
-    for out in outputs if isinstance(outputs, list) else [outputs]:
-        for choice in (out.get("choices") or []) if isinstance(out, dict) else []:
-            msg = choice.get("message") or {}
-            text = msg.get("content") if "message" in choice else choice.get("text")
-            _append_jsonl(log_path, {"finish_reason": choice.get("finish_reason"),
-                                     "text": text})
+    for choice in _choices(outputs):
+        text = (choice.get("message") or {}).get("content") if "message" in choice \
+            else choice.get("text")
+        _append_jsonl(log_path, {"finish_reason": choice.get("finish_reason"), "text": text})
 
 
 def client_info() -> dict:

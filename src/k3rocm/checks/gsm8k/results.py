@@ -12,6 +12,7 @@ from typing import Any
 
 from k3rocm.checks.gsm8k.command import FALLBACK_CHAT_MODEL, NUM_FEWSHOT, REFERENCE
 from k3rocm.checks.gsm8k.data import GSM8K_TEST_ITEMS
+from k3rocm.checks.steps import read_json
 from k3rocm.errors import UsageError
 
 FILTERS = ("strict-match", "flexible-extract")
@@ -26,12 +27,10 @@ def find_results_file(lm_eval_dir: Path) -> Path:
 
 
 def find_samples_file(results_file: Path) -> Path | None:
+    """The samples file of the same timestamp, else the last one by name."""
     stamp = results_file.stem[len("results_"):]
-    exact = results_file.parent / f"samples_{TASK}_{stamp}.jsonl"
-    if exact.is_file():
-        return exact
-    found = sorted(results_file.parent.glob(f"samples_{TASK}_*.jsonl"))
-    return found[-1] if found else None
+    return max(results_file.parent.glob(f"samples_{TASK}_*.jsonl"), default=None,
+               key=lambda p: (p.stem == f"samples_{TASK}_{stamp}", p.name))
 
 
 def read_jsonl(path: Path | None) -> list[dict]:
@@ -51,6 +50,10 @@ def _metric(res: dict, filt: str, threshold: float) -> dict:
     return {"exact_match": float(value),
             "stderr": float(err) if isinstance(err, (int, float)) else None,
             "reaches_gate": float(value) >= threshold}
+
+
+def _err(m: dict) -> str:
+    return "n/a" if m["stderr"] is None else f"{m['stderr']:.4f}"
 
 
 def _first_response(sample: dict) -> str | None:
@@ -118,29 +121,16 @@ def evaluate(results: dict, samples: list[dict], fallbacks: list[dict], *, thres
 
     # Reasoning fallback: the log has one line per response scored on its reasoning text.
     fb_texts = {f.get("text") for f in fallbacks if isinstance(f.get("text"), str)}
-    doc_ids = set()
-    empty = set()
-    for s in samples:
-        text = _first_response(s)
-        if text is not None and text in fb_texts:
-            doc_ids.add(s.get("doc_id"))
-        if text is None or not text.strip():
-            empty.add(s.get("doc_id"))
+    doc_ids = {s.get("doc_id") for s in samples if _first_response(s) in fb_texts}
+    empty = {s.get("doc_id") for s in samples if not (_first_response(s) or "").strip()}
     n_docs = len({s.get("doc_id") for s in samples}) or effective
 
-    def fmt(filt: str) -> str:
-        m = metrics[filt]
-        err = "n/a" if m["stderr"] is None else f"{m['stderr']:.4f}"
-        return f"{filt} {m['exact_match']:.4f} +- {err}"
-
     fallback_on = config.get("model") == FALLBACK_CHAT_MODEL
-    deviations = []
-    if doc_ids:
-        deviations.append(f"{len(doc_ids)} answer(s) scored from the reasoning text because the "
-                          "content was empty (--reasoning-fallback; the reference protocol scores "
-                          "the content only)")
-
-    scores = ", ".join(fmt(f) for f in FILTERS)
+    deviations = [f"{len(doc_ids)} answer(s) scored from the reasoning text because the content "
+                  "was empty (--reasoning-fallback; the reference protocol scores the content "
+                  "only)"] if doc_ids else []
+    scores = ", ".join(f"{f} {metrics[f]['exact_match']:.4f} +- {_err(metrics[f])}"
+                       for f in FILTERS)
     ref = f"reference {REFERENCE['exact_match']:.4f} +- {REFERENCE['stderr']:.4f}"
     if not gate_met:
         low = [f for f in FILTERS if not metrics[f]["reaches_gate"]]
@@ -170,21 +160,13 @@ def evaluate(results: dict, samples: list[dict], fallbacks: list[dict], *, thres
                     f"limit ({max_gen_tokens or '?'} tokens; scored wrong unless the answer came "
                     "first: see summary 'truncated')")
     return {
-        "truncated": trunc,
-        "status": status,
-        "passed": passed,
-        "exit_code": code,
-        "message": message,
-        "threshold": threshold,
+        "truncated": trunc, "status": status, "passed": passed, "exit_code": code,
+        "message": message, "threshold": threshold,
         "gate": "exact_match of both strict-match and flexible-extract >= threshold",
-        "reference": REFERENCE,
-        "metrics": metrics,
+        "reference": REFERENCE, "metrics": metrics,
         "items": {"evaluated": effective, "test_set": original, "num_fewshot": n_shot},
-        "limit": limit,
-        "comparable": comparable,
-        "not_comparable_reasons": reasons,
-        "deviations_from_seed": deviations,
-        "like_seed": comparable and not deviations,
+        "limit": limit, "comparable": comparable, "not_comparable_reasons": reasons,
+        "deviations_from_seed": deviations, "like_seed": comparable and not deviations,
         "allow_limit": allow_limit,
         "reasoning_fallback": {"enabled": fallback_on, "count": len(doc_ids), "of": n_docs,
                                "responses_logged": len(fallbacks),
@@ -214,8 +196,7 @@ def markdown(summary: dict) -> str:
         "|---|---|---|---|---|---|",
     ]
     for filt, m in summary["metrics"].items():
-        err = "n/a" if m["stderr"] is None else f"{m['stderr']:.4f}"
-        lines.append(f"| {filt} | {m['exact_match']:.4f} | ± {err} | "
+        lines.append(f"| {filt} | {m['exact_match']:.4f} | ± {_err(m)} | "
                      f"{ref['exact_match']:.4f} ± {ref['stderr']:.4f} | "
                      f">= {summary['threshold']:g} | "
                      f"{'reaches gate' if m['reaches_gate'] else 'below gate'} |")
@@ -267,15 +248,7 @@ def _trunc_line(t: dict) -> str:
 
 
 def read_summary(run_dir: Path) -> dict:
-    try:
-        return json.loads((run_dir / "summary.json").read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def read_finishes(run_dir: Path) -> list[dict] | None:
-    path = run_dir / "finish_reasons.jsonl"
-    return read_jsonl(path) if path.is_file() else None
+    return read_json(run_dir / "summary.json")
 
 
 def load_run(run_dir: Path) -> tuple[dict, list[dict], list[dict], Path, Path | None]:
@@ -284,3 +257,17 @@ def load_run(run_dir: Path) -> tuple[dict, list[dict], list[dict], Path, Path | 
     results = json.loads(results_file.read_text())
     return (results, read_jsonl(samples_file), read_jsonl(run_dir / "reasoning_fallback.jsonl"),
             results_file, samples_file)
+
+
+def judge(run_dir: Path, *, threshold: float, allow_limit: bool,
+          max_gen_tokens: int | None) -> dict[str, Any]:
+    """The verdict on a stored run directory (``--rescore`` and the end of a run), with the
+    lm-eval files it read."""
+    res, samples, fallbacks, rfile, sfile = load_run(run_dir)
+    finishes = run_dir / "finish_reasons.jsonl"
+    summary = evaluate(res, samples, fallbacks, threshold=threshold, allow_limit=allow_limit,
+                       finishes=read_jsonl(finishes) if finishes.is_file() else None,
+                       max_gen_tokens=max_gen_tokens)
+    summary["files"] = {"results": str(rfile.relative_to(run_dir)),
+                        "samples": str(sfile.relative_to(run_dir)) if sfile else None}
+    return summary
