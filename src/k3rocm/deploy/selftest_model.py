@@ -69,6 +69,7 @@ DTYPES = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E4M3": 8, "F8_E5M2": 8, "F8_E8M0": 8,
 # OCP MX element formats: every bit pattern is a finite number (no inf/NaN encodings)
 PACKED = {"F4", "F6_E2M3", "F6_E3M2"}
 INTEGER = {"BOOL", "I8", "I16", "U16", "I32", "U32", "I64", "U64"}
+FLOAT_CODES = {"BF16": "<u2", "F16": "<f2", "F64": "<f8"}  # numpy codes; others: F32
 
 # A decoder layer's tensor: <prefix>layers.<i>.<rest> with the text model's prefix (the
 # multimodal checkpoint's ``language_model.model.layers.{i}.``, the ``language_model.layers.``
@@ -330,13 +331,8 @@ def _values(t: Tensor, src: Tensor, src_dir: Path, seed: int) -> Any:
             else:
                 x = rng.standard_normal(n, dtype=np.float32) * np.float32(0.02)
             if t.dtype == "BF16":
-                yield (x.view(np.uint32) >> 16).astype("<u2").tobytes()
-            elif t.dtype == "F16":
-                yield x.astype("<f2").tobytes()
-            elif t.dtype == "F64":
-                yield x.astype("<f8").tobytes()
-            else:
-                yield x.astype("<f4").tobytes()
+                x = x.view(np.uint32) >> 16  # bf16: the top half of the f32 bits
+            yield x.astype(FLOAT_CODES.get(t.dtype, "<f4")).tobytes()
 
 
 def write_shard(path: Path, tensors: list[tuple[Tensor, Tensor]], src_dir: Path,
@@ -379,8 +375,8 @@ def _load_json(path: Path, what: str) -> dict:
 
 
 def make_slice(src: Path, out: Path, layers: str | None = None, experts: int | None = None,
-               keep_mtp: bool = True, seed: int = 0, shard_gb: float = 5.0) -> dict:
-    """Write the slice of checkpoint ``src`` to ``out``; return a summary (JSON-able)."""
+               keep_mtp: bool = True, seed: int = 0, shard_gb: float = 5.0) -> None:
+    """Write the slice of checkpoint ``src`` to ``out``; print what was written."""
     t0 = time.monotonic()
     src, out = src.expanduser().resolve(), out.expanduser().absolute()
     if not src.is_dir():
@@ -428,15 +424,13 @@ def make_slice(src: Path, out: Path, layers: str | None = None, experts: int | N
                          f"{total / 1e9:.1f} GB")
 
     # shards of at most shard_gb (a bigger tensor gets a shard of its own)
-    limit, groups, cur, size = int(shard_gb * 1e9), [], [], 0
+    limit, groups, size = int(shard_gb * 1e9), [[]], 0
     for pair in sorted(pairs, key=lambda q: _order(q[0].name)):
-        if cur and size + pair[0].nbytes > limit:
-            groups.append(cur)
-            cur, size = [], 0
-        cur.append(pair)
+        if groups[-1] and size + pair[0].nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(pair)
         size += pair[0].nbytes
-    if cur:
-        groups.append(cur)
 
     p.record.update({
         "source": str(src), "source_config_sha256": _sha256(src / CONFIG),
@@ -466,11 +460,12 @@ def make_slice(src: Path, out: Path, layers: str | None = None, experts: int | N
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    secs = time.monotonic() - t0
-    return {"out": str(out), "tensors": len(pairs), "source_tensors": len(wmap),
-            "shards": len(groups), "bytes_written": written, "seconds": round(secs, 2),
-            "layers": p.record["layers"], "mtp_layers": p.record.get("mtp_layers", []),
-            "experts": p.experts, "files_copied": copied}
+    layers = ", ".join(f"{x['source']}->{x['slice']} {x['kind']}" for x in p.record["layers"])
+    mtp = ", ".join(f"{x['source']}->{x['slice']}" for x in p.record.get("mtp_layers", []))
+    print(f"wrote {out}: {len(pairs)} of {len(wmap)} tensors, {written / 1e9:.2f} GB in "
+          f"{len(groups)} shard(s), {time.monotonic() - t0:.2f} s")
+    print(f"  layers: {layers}; MTP: {mtp or 'none'}; experts per MoE layer: {p.experts}")
+    print(f"  files copied: {', '.join(copied) or 'none'}")
 
 
 def _order(name: str) -> tuple:
@@ -515,12 +510,5 @@ def run(args: argparse.Namespace) -> int:
                              "checkpoint directory (k3rocm selftest model SRC OUT)")
         src = src or dep.model_host_dir
         out = out or dep.models_dir / DEFAULT_OUT
-    s = make_slice(src, out, args.layers, args.experts, not args.no_mtp, args.seed,
-                   args.shard_gb)
-    layers = ", ".join(f"{x['source']}->{x['slice']} {x['kind']}" for x in s["layers"])
-    mtp = ", ".join(f"{x['source']}->{x['slice']}" for x in s["mtp_layers"]) or "none"
-    print(f"wrote {s['out']}: {s['tensors']} of {s['source_tensors']} tensors, "
-          f"{s['bytes_written'] / 1e9:.2f} GB in {s['shards']} shard(s), {s['seconds']} s")
-    print(f"  layers: {layers}; MTP: {mtp}; experts per MoE layer: {s['experts']}")
-    print(f"  files copied: {', '.join(s['files_copied']) or 'none'}")
+    make_slice(src, out, args.layers, args.experts, not args.no_mtp, args.seed, args.shard_gb)
     return 0
