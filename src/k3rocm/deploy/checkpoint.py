@@ -75,13 +75,8 @@ def _hf_revision(d: Path) -> str | None:
 
 def _files(d: Path) -> list[Path]:
     """The checkpoint's files (not huggingface_hub's bookkeeping, not our record)."""
-    out = []
-    for root, dirs, files in os.walk(d):
-        rel_root = Path(root).relative_to(d)
-        if rel_root == Path("."):
-            dirs[:] = [x for x in dirs if x != ".cache"]
-        out += [Path(root) / f for f in files if not (rel_root == Path(".") and f == RECORD)]
-    return out
+    return [p for p in d.rglob("*") if p.is_file()
+            and p.relative_to(d).parts[0] not in (".cache", RECORD)]
 
 
 def identity(host_model_dir: str | os.PathLike) -> dict[str, Any] | None:
@@ -103,12 +98,10 @@ def identity(host_model_dir: str | os.PathLike) -> dict[str, Any] | None:
         revision = _hf_revision(d)
         source = "huggingface_hub download metadata" if revision else None
     index = d / INDEX
-    total_size = None
-    if index.is_file():
-        try:
-            total_size = json.loads(index.read_text()).get("metadata", {}).get("total_size")
-        except (OSError, ValueError, AttributeError):
-            total_size = None
+    try:
+        total_size = json.loads(index.read_text()).get("metadata", {}).get("total_size")
+    except (OSError, ValueError, AttributeError):
+        total_size = None
     files = _files(d)
     return {
         "path": str(d.resolve()),
