@@ -221,12 +221,11 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("HF_HUB_OFFLINE is set in this shell: unset it to download (or use "
                          "--verify for a copy already there)")
     listing, shas = _list_files(args.repo, args.revision)
-    present = {n: s for n, s in listing.items() if (d / n).is_file()
-               and (d / n).stat().st_size == s}
-    missing = {n: s for n, s in listing.items() if n not in present}
+    missing = {n: s for n, s in listing.items()
+               if not ((d / n).is_file() and (d / n).stat().st_size == s)}
     need = sum(missing.values())
     _log(f"{args.repo}@{args.revision}: {len(listing)} files, {_gb(sum(listing.values()))}; "
-         f"{len(present)} already in {d}, {len(missing)} to fetch ({_gb(need)})")
+         f"{len(listing) - len(missing)} already in {d}, {len(missing)} to fetch ({_gb(need)})")
     probe = d if d.exists() else next((p for p in d.parents if p.exists()), Path("/"))
     free = shutil.disk_usage(probe).free
     if args.dry_run:

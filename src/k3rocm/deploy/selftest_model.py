@@ -404,13 +404,10 @@ def make_slice(src: Path, out: Path, layers: str | None = None, experts: int | N
         if not isinstance(s, str) or "/" in s or not (src / s).is_file():
             raise UsageError(f"{src / INDEX}: weight_map names shard {s!r}, which is not there")
         headers.update({k: v for k, v in read_header(src / s).items() if wmap.get(k) == s})
-    pairs = []
     for name in kept:
         if name not in headers:
             raise UsageError(f"{src / wmap[name]}: has no tensor {name!r} (the index says so)")
-        t = slice_tensor(headers[name], p)
-        assert t is not None
-        pairs.append((t, headers[name]))
+    pairs = [(slice_tensor(headers[name], p), headers[name]) for name in kept]
     have = {int(m.group(2)) for t, _ in pairs if (m := LAYER_RE.match(t.name))}
     for old, new in p.layer_map.items():  # in the order of the new layers
         if new not in have:
