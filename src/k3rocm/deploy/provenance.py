@@ -6,7 +6,9 @@ Docker engine (image id, env redacted, argv, overlay manifest, fusion decision r
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,14 +129,10 @@ class ServedAs:
         when the argv is unknown."""
         if not self.argv:
             return None
-        argv = self.argv
-        for i, a in enumerate(argv):
-            for flag in ("-tp", "--tensor-parallel-size"):
-                if a == flag and i + 1 < len(argv) and argv[i + 1].isdigit():
-                    return int(argv[i + 1])
-                if a.startswith(flag + "=") and a.split("=", 1)[1].isdigit():
-                    return int(a.split("=", 1)[1])
-        return 1
+        # "-tp N", "-tp=N" or the long flag, as whole argv items (joined by NULs)
+        m = re.search(r"(?:^|\0)(?:-tp|--tensor-parallel-size)[=\0](\d+)(?:\0|$)",
+                      "\0".join(self.argv))
+        return int(m.group(1)) if m else 1
 
 
 def served_as(prov: dict | None = None, container=None) -> ServedAs:
@@ -200,12 +198,10 @@ def collect_provenance(url: str, api_key: str | None, client=None, container=Non
                                    cfg.get("Image"))
     # The argv vLLM really runs with (the entrypoint execs `vllm serve ...`).
     procs = []
-    try:
+    with contextlib.suppress(Exception):
         top = container.top()
         idx = top["Titles"].index("CMD") if "CMD" in top["Titles"] else -1
         procs = [p[idx] for p in top.get("Processes") or []]
-    except Exception:  # noqa: BLE001
-        pass
     prov["server_processes"] = [" ".join(redact_argv(p.split(" "))) for p in procs[:20]]
     prov["server_argv"] = server_argv(container)
     manifest = exec_text(container, ["cat", MANIFEST_PATH])
