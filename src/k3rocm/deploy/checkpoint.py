@@ -191,7 +191,7 @@ def target_dir(env_file: str | None = ".env") -> Path:
     return Path(s.models_dir).expanduser() / DEFAULT_DIR_NAME
 
 
-def _validate(args: argparse.Namespace) -> Path:
+def run(args: argparse.Namespace) -> int:
     if not _SHA.match(args.revision or ""):
         raise UsageError(f"--revision {args.revision!r} is not a 40-hex commit: pin an immutable "
                          "revision (the Hub's commit list for the repository shows them; "
@@ -203,11 +203,6 @@ def _validate(args: argparse.Namespace) -> Path:
     d = (args.dir or target_dir(args.env_file)).expanduser()
     if d.exists() and not d.is_dir():
         raise UsageError(f"{d} exists and is not a directory")
-    return d
-
-
-def run(args: argparse.Namespace) -> int:
-    d = _validate(args)
     if args.verify:
         if not d.is_dir():
             raise UsageError(f"{d} does not exist: download it with `make model` (or set "

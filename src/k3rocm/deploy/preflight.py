@@ -198,27 +198,16 @@ def check_base(settings, environ, dotenv) -> Check:
                  (f"; at start: {', '.join(changed)}" if changed else ""))
 
 
-def port_free(host: str, port: int) -> bool:
+def check_port(label: str, host: str, port: int, fix: str) -> Check:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
-            return True
+            free = True
         except OSError:
-            return False
-
-
-def check_port(label: str, host: str, port: int, fix: str) -> Check:
-    free = port_free(host, port)
+            free = False
     return Check(label, "ok" if free else "fail",
                  f"{host}:{port} {'free' if free else 'in use'}", "" if free else fix)
-
-
-def _local_addresses() -> set[str]:
-    addrs = {"127.0.0.1", "localhost", "::1", socket.gethostname()}
-    with contextlib.suppress(OSError):
-        addrs.update(i[4][0] for i in socket.getaddrinfo(socket.gethostname(), None))
-    return addrs
 
 
 def check_node(address: str, timeout: float = 5.0) -> Check:
@@ -250,7 +239,9 @@ def remote_image_id(host: str, image: str, timeout: float = 15.0) -> str | None:
 def check_scale(s, settings, client, net: Path = Path("/sys/class/net"),
                 dev: Path = Path("/dev")) -> list[Check]:
     out = [check_node(node) for node in s.nodes]
-    local = _local_addresses()
+    local = {"127.0.0.1", "localhost", "::1", socket.gethostname()}
+    with contextlib.suppress(OSError):
+        local.update(i[4][0] for i in socket.getaddrinfo(socket.gethostname(), None))
     if s.mode == "dp-ep":
         out.append(_present("/dev/infiniband", (dev / "infiniband").is_dir(),
                             f"{s.mode} moves KV/activations over RDMA: install the RDMA driver "

@@ -42,19 +42,6 @@ def find_server_container(client, url: str):
     return hits[0][1] if hits else None
 
 
-def image_identity(client, image_id: str | None, ref: str | None = None) -> dict[str, Any]:
-    """The image's id, tags and registry digests (empty for a locally built image)."""
-    out: dict[str, Any] = {"ref": ref, "id": image_id, "tags": [], "digests": []}
-    try:
-        img = client.images.get(image_id or ref)
-        out.update(id=img.id, tags=list(img.tags),
-                   digests=list(img.attrs.get("RepoDigests") or []),
-                   created=img.attrs.get("Created"))
-    except Exception as exc:  # noqa: BLE001 - best effort
-        out["note"] = f"image not inspectable ({exc.__class__.__name__})"
-    return out
-
-
 def exec_text(container, cmd: list[str]) -> str | None:
     """stdout of ``cmd`` run in the container, or None if it failed. stderr is kept apart
     (demux): a message on stderr must never read as data (a process that exits while a
@@ -194,8 +181,15 @@ def collect_provenance(url: str, api_key: str | None, client=None, container=Non
         "path": attrs.get("Path"), "args": redact_argv(attrs.get("Args")),
         "env": redact_env(env),
     }
-    prov["image"] = image_identity(getattr(container, "client", None), attrs.get("Image"),
-                                   cfg.get("Image"))
+    # the image's id, tags and registry digests (none for a locally built image)
+    image = prov["image"] = {"ref": cfg.get("Image"), "id": attrs.get("Image"), "tags": [],
+                             "digests": []}
+    try:
+        img = container.client.images.get(attrs.get("Image") or cfg.get("Image"))
+        image.update(id=img.id, tags=list(img.tags), created=img.attrs.get("Created"),
+                     digests=list(img.attrs.get("RepoDigests") or []))
+    except Exception as exc:  # noqa: BLE001 - best effort
+        image["note"] = f"image not inspectable ({exc.__class__.__name__})"
     # The argv vLLM really runs with (the entrypoint execs `vllm serve ...`).
     procs = []
     with contextlib.suppress(Exception):

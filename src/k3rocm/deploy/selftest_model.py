@@ -155,22 +155,18 @@ def kind(tc: dict, i: int) -> str:
     return ("KDA" if is_kda(tc, i) else "MLA") + ("+MoE" if is_moe(tc, i) else "+dense")
 
 
-def default_layers(tc: dict) -> list[int]:
-    """The shortest prefix of layers with an MLA layer, a KDA layer and (MoE models) a MoE one."""
-    n = int(tc["num_hidden_layers"])
-    for j in range(n):
-        kept = range(j + 1)
-        if (any(is_kda(tc, i) for i in kept) and any(not is_kda(tc, i) for i in kept)
-                and (tc.get("num_experts") is None or any(is_moe(tc, i) for i in kept))):
-            return list(kept)
-    raise UsageError("the source config has no layer mix to keep (it needs at least one MLA and "
-                     "one KDA layer: text_config.linear_attn_config.kda_layers)")
-
-
 def parse_layers(spec: str | None, tc: dict) -> list[int]:
-    if spec is None:
-        return default_layers(tc)
+    """``--layers``; by default the shortest prefix of layers with an MLA layer, a KDA layer
+    and (MoE models) a MoE one."""
     n = int(tc["num_hidden_layers"])
+    if spec is None:
+        for j in range(n):
+            kept = range(j + 1)
+            if (any(is_kda(tc, i) for i in kept) and any(not is_kda(tc, i) for i in kept)
+                    and (tc.get("num_experts") is None or any(is_moe(tc, i) for i in kept))):
+                return list(kept)
+        raise UsageError("the source config has no layer mix to keep (it needs at least one MLA "
+                         "and one KDA layer: text_config.linear_attn_config.kda_layers)")
     try:
         layers = sorted({int(x) for x in spec.split(",") if x.strip()})
     except ValueError:
