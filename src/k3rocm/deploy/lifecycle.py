@@ -380,21 +380,19 @@ def run(args: argparse.Namespace) -> int:
     if args.what == "provenance":
         print(json.dumps(srv.provenance(), indent=2, default=str))
         return 0
-    if args.what in ("save-log", "down"):
-        from k3rocm.deploy import runrecord
-        from k3rocm.rundir import create_run_dir
+    from k3rocm.deploy import runrecord  # save-log and down (argparse allows no other)
+    from k3rocm.rundir import create_run_dir
 
-        if srv.state() is None:
-            print("k3rocm: no server log to save (no server container)", file=sys.stderr)
-        else:
-            out = create_run_dir(dep.results_root, args.label)
-            runrecord.write(out, runrecord.build(deployment=dep, url=dep.url,
-                                                 server=srv.provenance()))
-            saved = srv.save_log(out / "server.log")
-            print(f"k3rocm: server log saved to {saved or '(empty log)'}", file=sys.stderr)
-        if args.what == "down":
-            t0 = time.time()
-            srv.down()
-            _log(f"compose project {srv.project} stopped and removed ({time.time() - t0:.0f}s)")
-        return 0
-    raise UsageError(f"unknown subcommand {args.what!r}")
+    if srv.state() is None:
+        print("k3rocm: no server log to save (no server container)", file=sys.stderr)
+    else:
+        out = create_run_dir(dep.results_root, args.label)
+        runrecord.write(out, runrecord.build(deployment=dep, url=dep.url,
+                                             server=srv.provenance()))
+        saved = srv.save_log(out / "server.log")
+        print(f"k3rocm: server log saved to {saved or '(empty log)'}", file=sys.stderr)
+    if args.what == "down":
+        t0 = time.time()
+        srv.down()
+        _log(f"compose project {srv.project} stopped and removed ({time.time() - t0:.0f}s)")
+    return 0

@@ -301,17 +301,15 @@ def _values(t: Tensor, src: Tensor, src_dir: Path, seed: int) -> Any:
         for start in range(0, t.nbytes, CHUNK):
             yield rng.bytes(min(CHUNK, t.nbytes - start))
         return
-    leaf = t.name.rsplit(".", 1)[-1]
-    is_scale = "scale" in leaf or t.name.endswith("_scale")
+    is_scale = "scale" in t.name.rsplit(".", 1)[-1]
     is_norm = t.name.endswith(("norm.weight", "layernorm.weight"))
     for start in range(0, numel, CHUNK):
         n = min(CHUNK, numel - start)
-        if t.dtype in ("U8", "F8_E8M0"):
-            if is_scale or t.dtype == "F8_E8M0":
-                # E8M0: 2**(b - 127); 255 is NaN. 2**-4 .. 2**0
-                yield rng.integers(123, 128, n, dtype=np.uint8).tobytes()
-            else:
-                yield rng.integers(0, 256, n, dtype=np.uint8).tobytes()  # 2 e2m1 nibbles
+        if t.dtype == "F8_E8M0" or (t.dtype == "U8" and is_scale):
+            # E8M0: 2**(b - 127); 255 is NaN. 2**-4 .. 2**0
+            yield rng.integers(123, 128, n, dtype=np.uint8).tobytes()
+        elif t.dtype == "U8":
+            yield rng.integers(0, 256, n, dtype=np.uint8).tobytes()  # 2 e2m1 nibbles
         elif t.dtype in ("F8_E4M3", "F8_E5M2"):
             # clear the exponent's top bit: no inf/NaN code (|x| < 2 in e4m3fn, < 2**16 in e5m2)
             yield (rng.integers(0, 256, n, dtype=np.uint8) & 0xBF).tobytes()
