@@ -182,8 +182,7 @@ def parse_layers(spec: str | None, tc: dict) -> list[int]:
 class Plan:
     layer_map: dict[int, int]  # old decoder/MTP layer index -> new
     experts: int | None  # routed experts kept per MoE layer (None: no MoE)
-    config: dict  # the new config.json
-    record: dict  # what was cut (config[SLICE_KEY])
+    config: dict  # the new config.json; what was cut is its SLICE_KEY
 
 
 def plan(cfg: dict, layers: list[int], experts: int | None, keep_mtp: bool) -> Plan:
@@ -207,6 +206,7 @@ def plan(cfg: dict, layers: list[int], experts: int | None, keep_mtp: bool) -> P
         lac["full_attn_layers"] = [layer_map[i] + 1 for i in layers if not is_kda(tc, i)]
     record: dict[str, Any] = {"layers": [{"source": i, "slice": layer_map[i],
                                           "kind": kind(tc, i)} for i in layers]}
+    new_cfg[SLICE_KEY] = record
     if n_mtp:
         record["mtp_layers"] = [{"source": n_old + k, "slice": len(layers) + k}
                                 for k in range(n_mtp)]
@@ -245,8 +245,7 @@ def plan(cfg: dict, layers: list[int], experts: int | None, keep_mtp: bool) -> P
         if isinstance(q, dict) and isinstance(q.get("ignore"), list):
             q["ignore"] = [m for m in (_rename_module(x, layer_map) for x in q["ignore"])
                            if m is not None]
-    new_cfg[SLICE_KEY] = record
-    return Plan(layer_map, experts, new_cfg, record)
+    return Plan(layer_map, experts, new_cfg)
 
 
 def _rename_module(name: str, layer_map: dict[int, int]) -> str | None:
@@ -423,7 +422,8 @@ def make_slice(src: Path, out: Path, layers: str | None = None, experts: int | N
         groups[-1].append(pair)
         size += pair[0].nbytes
 
-    p.record.update({
+    record = p.config[SLICE_KEY]
+    record.update({
         "source": str(src), "source_config_sha256": _sha256(src / CONFIG),
         "source_index_sha256": _sha256(src / INDEX), "tensors": len(pairs),
         "source_tensors": len(wmap), "bytes": total, "values": f"random (seed {seed})",
@@ -451,8 +451,8 @@ def make_slice(src: Path, out: Path, layers: str | None = None, experts: int | N
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    layers = ", ".join(f"{x['source']}->{x['slice']} {x['kind']}" for x in p.record["layers"])
-    mtp = ", ".join(f"{x['source']}->{x['slice']}" for x in p.record.get("mtp_layers", []))
+    layers = ", ".join(f"{x['source']}->{x['slice']} {x['kind']}" for x in record["layers"])
+    mtp = ", ".join(f"{x['source']}->{x['slice']}" for x in record.get("mtp_layers", []))
     print(f"wrote {out}: {len(pairs)} of {len(wmap)} tensors, {written / 1e9:.2f} GB in "
           f"{len(groups)} shard(s), {time.monotonic() - t0:.2f} s")
     print(f"  layers: {layers}; MTP: {mtp or 'none'}; experts per MoE layer: {p.experts}")
