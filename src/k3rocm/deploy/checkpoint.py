@@ -75,13 +75,8 @@ def _hf_revision(d: Path) -> str | None:
 
 def _files(d: Path) -> list[Path]:
     """The checkpoint's files (not huggingface_hub's bookkeeping, not our record)."""
-    out = []
-    for root, dirs, files in os.walk(d):
-        rel_root = Path(root).relative_to(d)
-        if rel_root == Path("."):
-            dirs[:] = [x for x in dirs if x != ".cache"]
-        out += [Path(root) / f for f in files if not (rel_root == Path(".") and f == RECORD)]
-    return out
+    return [p for p in d.rglob("*") if p.is_file()
+            and p.relative_to(d).parts[0] not in (".cache", RECORD)]
 
 
 def identity(host_model_dir: str | os.PathLike) -> dict[str, Any] | None:
@@ -103,12 +98,10 @@ def identity(host_model_dir: str | os.PathLike) -> dict[str, Any] | None:
         revision = _hf_revision(d)
         source = "huggingface_hub download metadata" if revision else None
     index = d / INDEX
-    total_size = None
-    if index.is_file():
-        try:
-            total_size = json.loads(index.read_text()).get("metadata", {}).get("total_size")
-        except (OSError, ValueError, AttributeError):
-            total_size = None
+    try:
+        total_size = json.loads(index.read_text()).get("metadata", {}).get("total_size")
+    except (OSError, ValueError, AttributeError):
+        total_size = None
     files = _files(d)
     return {
         "path": str(d.resolve()),
@@ -198,7 +191,7 @@ def target_dir(env_file: str | None = ".env") -> Path:
     return Path(s.models_dir).expanduser() / DEFAULT_DIR_NAME
 
 
-def _validate(args: argparse.Namespace) -> Path:
+def run(args: argparse.Namespace) -> int:
     if not _SHA.match(args.revision or ""):
         raise UsageError(f"--revision {args.revision!r} is not a 40-hex commit: pin an immutable "
                          "revision (the Hub's commit list for the repository shows them; "
@@ -210,11 +203,6 @@ def _validate(args: argparse.Namespace) -> Path:
     d = (args.dir or target_dir(args.env_file)).expanduser()
     if d.exists() and not d.is_dir():
         raise UsageError(f"{d} exists and is not a directory")
-    return d
-
-
-def run(args: argparse.Namespace) -> int:
-    d = _validate(args)
     if args.verify:
         if not d.is_dir():
             raise UsageError(f"{d} does not exist: download it with `make model` (or set "
@@ -228,12 +216,11 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("HF_HUB_OFFLINE is set in this shell: unset it to download (or use "
                          "--verify for a copy already there)")
     listing, shas = _list_files(args.repo, args.revision)
-    present = {n: s for n, s in listing.items() if (d / n).is_file()
-               and (d / n).stat().st_size == s}
-    missing = {n: s for n, s in listing.items() if n not in present}
+    missing = {n: s for n, s in listing.items()
+               if not ((d / n).is_file() and (d / n).stat().st_size == s)}
     need = sum(missing.values())
     _log(f"{args.repo}@{args.revision}: {len(listing)} files, {_gb(sum(listing.values()))}; "
-         f"{len(present)} already in {d}, {len(missing)} to fetch ({_gb(need)})")
+         f"{len(listing) - len(missing)} already in {d}, {len(missing)} to fetch ({_gb(need)})")
     probe = d if d.exists() else next((p for p in d.parents if p.exists()), Path("/"))
     free = shutil.disk_usage(probe).free
     if args.dry_run:

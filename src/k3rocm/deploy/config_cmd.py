@@ -13,7 +13,6 @@ from k3rocm.serving import profiles
 from k3rocm.serving.config import (
     KNOWN_OTHER,
     KNOWN_PREFIXES,
-    REDACTED,
     is_secret,
     redact_env,
     render,
@@ -133,15 +132,11 @@ def run(args: argparse.Namespace) -> int:
                   sys.stdout, indent=2, default=str)
         sys.stdout.write("\n")
         return 0
-    env = redact_env(rendered.env)
     print(f"profile: {rendered.settings.profile}")
-    for name, value in s.items():
-        key = ENV_NAME[name]
-        if value and is_secret(key):
-            value = REDACTED
+    for key, value in redact_env({ENV_NAME[name]: v for name, v in s.items()}).items():
         print(f"  {key:<30} {value!s:<40} [{rendered.sources.get(key, 'default')}]")
     print("vLLM environment:")
-    for key, value in env.items():
+    for key, value in redact_env(rendered.env).items():
         print(f"  {key:<30} {value!s:<40} [{rendered.sources.get(key, '')}]")
     print("argv:")
     print("  " + " \\\n    ".join(rendered.argv))

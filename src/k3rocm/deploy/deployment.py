@@ -126,23 +126,24 @@ class Deployment:
     def compose_files(self) -> tuple[str, ...]:
         return compose_files(self.cpu)
 
+    def _mounts(self) -> tuple[tuple[Path, str], ...]:
+        return ((self.results_root, RESULTS_MOUNT), (self.models_dir, MODELS_MOUNT),
+                (self.cache_dir, CACHE_MOUNT))
+
     def container_path(self, host: str | os.PathLike) -> str | None:
-        """Where a host path under the results root or models dir is seen in the server
-        container (/results/..., /models/...), else None."""
+        """Where a host path under the results root, models or cache dir is seen in the server
+        container (/results/..., /models/..., /cache/...), else None."""
         p = _abs(host)
-        for root, mount in ((self.results_root, RESULTS_MOUNT), (self.models_dir, MODELS_MOUNT)):
-            try:
+        for root, mount in self._mounts():
+            if p.is_relative_to(root):
                 rel = p.relative_to(root)
-            except ValueError:
-                continue
-            return mount + ("/" + str(rel) if str(rel) != "." else "")
+                return mount + ("/" + str(rel) if str(rel) != "." else "")
         return None
 
     def host_path(self, container: str) -> Path | None:
         """Where a server container path under /results, /models or /cache lives on this
         host, else None."""
-        for mount, root in ((RESULTS_MOUNT, self.results_root), (MODELS_MOUNT, self.models_dir),
-                            (CACHE_MOUNT, self.cache_dir)):
+        for root, mount in self._mounts():
             rel = _under(container, mount)
             if rel is not None:
                 return root / rel if rel else root
@@ -150,19 +151,11 @@ class Deployment:
 
     def to_json(self) -> dict[str, Any]:
         """The resolved view, secrets redacted (what ``--print-deployment`` prints)."""
-        return {
-            "url": self.url, "served_model_name": self.served_model_name,
-            "api_key": redact_env({"K3_API_KEY": self.api_key or ""})["K3_API_KEY"] or None,
-            "model": self.model, "models_dir": str(self.models_dir),
-            "model_container_dir": self.model_container_dir,
-            "model_host_dir": str(self.model_host_dir) if self.model_host_dir else None,
-            "tokenizer": str(self.tokenizer) if self.tokenizer else None,
-            "results_root": str(self.results_root), "cache_dir": str(self.cache_dir),
-            "image": self.image, "compose_files": list(self.compose_files),
-            "cpu": self.cpu, "cpu_from": self.cpu_from,
-            "profile": self.profile, "env_file": self.env_file,
-            "sources": {k: self.sources.get(k, "default") for k in VIEW_SETTINGS},
-        }
+        out = {k: str(v) if isinstance(v, Path) else v for k, v in vars(self).items()
+               if k not in ("settings", "rendered", "notes", "sources")}
+        return {**out, "compose_files": list(self.compose_files), "profile": self.profile,
+                "api_key": redact_env({"K3_API_KEY": self.api_key or ""})["K3_API_KEY"] or None,
+                "sources": {k: self.sources.get(k, "default") for k in VIEW_SETTINGS}}
 
 
 def load_deployment(environ: Mapping[str, str] | None = None, env_file: str | None = ".env",

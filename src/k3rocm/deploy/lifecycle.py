@@ -46,7 +46,6 @@ from k3rocm.errors import UsageError, tagged_log
 REPO = Path(__file__).resolve().parents[3]
 DEFAULT_PROJECT = "k3rocm"
 SERVICE = "server"
-LABEL_PROJECT = "com.docker.compose.project"
 # compose.yaml's stop_grace_period (what down() waits for when the container does not say).
 STOP_TIMEOUT = 60
 
@@ -114,8 +113,8 @@ class ComposeServer:
         files = [a for f in compose_files(self.cpu) for a in ("-f", str(self.repo / f))]
         return ["docker", "compose", "-p", self.project, *files, *args]
 
-    def compose(self, *args: str, timeout: float | None = 120, capture: bool = True,
-                check: bool = False) -> subprocess.CompletedProcess:
+    def compose(self, *args: str, timeout: float | None = 120,
+                capture: bool = True) -> subprocess.CompletedProcess:
         try:
             p = subprocess.run(self.argv(*args), env=self.compose_env(), cwd=self.repo,
                                capture_output=capture, text=True, timeout=timeout)
@@ -125,10 +124,6 @@ class ComposeServer:
         except subprocess.TimeoutExpired:
             raise UsageError(f"`docker compose {' '.join(args)}` did not finish within "
                              f"{timeout:.0f}s", 3) from None
-        if check and p.returncode != 0:
-            lines = (p.stderr or "").strip().splitlines() or ["see the compose output above"]
-            raise UsageError(f"`docker compose -p {self.project} {' '.join(args)}` failed "
-                             f"(exit {p.returncode}): {lines[-1]}", 3)
         return p
 
     # -- state -------------------------------------------------------------------------------
@@ -152,19 +147,14 @@ class ComposeServer:
         out = p.stdout.strip().splitlines() if p.returncode == 0 else []
         return out[-1].strip() if out else None
 
-    def container_id(self) -> str | None:
-        p = self.compose("ps", "-a", "-q", SERVICE, timeout=60)
-        ids = p.stdout.split() if p.returncode == 0 else []
-        return ids[-1] if ids else None
-
     def container(self, client=None):
         """The server container as a docker-py object (None when there is none)."""
-        cid = self.container_id()
-        if cid is None:
+        p = self.compose("ps", "-a", "-q", SERVICE, timeout=60)
+        ids = p.stdout.split() if p.returncode == 0 else []
+        if not ids:
             return None
-        client = client or docker_client()
         try:
-            c = client.containers.get(cid)
+            c = (client or docker_client()).containers.get(ids[-1])
         except Exception:  # noqa: BLE001 - removed meanwhile
             return None
         self.__dict__["_container"] = c
@@ -178,10 +168,6 @@ class ComposeServer:
     def last_line(self) -> str:
         lines = [ln for ln in self.tail(5).splitlines() if ln.strip()]
         return f"{self.state() or '?'}: {lines[-1][:160] if lines else '(no log yet)'}"
-
-    def logs(self) -> str:
-        p = self.compose("logs", "--no-color", "--timestamps", SERVICE, timeout=300)
-        return p.stdout + p.stderr if p.returncode == 0 else ""
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -238,7 +224,8 @@ class ComposeServer:
         """The server's whole log into ``path`` (atomically); None when there is no log."""
         from k3rocm.rundir import write_text_atomic
 
-        text = self.logs()
+        p = self.compose("logs", "--no-color", "--timestamps", SERVICE, timeout=300)
+        text = p.stdout + p.stderr if p.returncode == 0 else ""
         if not text.strip():
             return None
         write_text_atomic(path, text)
@@ -342,36 +329,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     sub = parser.add_subparsers(dest="what",
                                 metavar="{up,wait,logs,save-log,provenance,down}")
-
-    def common(p: argparse.ArgumentParser) -> None:
+    for what, text in (("up", "start the compose server and wait until it is ready"),
+                       ("wait", "wait until the compose server is ready"),
+                       ("logs", "print the compose server's log"),
+                       ("save-log", "save the compose server's log into a run directory"),
+                       ("provenance", "what is serving, as JSON"),
+                       ("down", "save the log into a run directory, stop, remove")):
+        p = sub.add_parser(what, help=text)
         p.add_argument("--env-file", default=".env", help="settings file (default .env)")
         p.add_argument("--project", default=None,
                        help=f"compose project (default $COMPOSE_PROJECT_NAME or "
                        f"{DEFAULT_PROJECT})")
-
-    def timeout(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--timeout", type=float, default=None,
-                       help="seconds (default: the engine's VLLM_ENGINE_READY_TIMEOUT_S + "
-                       "10 min, or 15 min)")
-
-    u = sub.add_parser("up", help="start the compose server and wait until it is ready")
-    common(u)
-    timeout(u)
-    u.add_argument("--build", action="store_true", help="build the image first")
-    w = sub.add_parser("wait", help="wait until the compose server is ready")
-    common(w)
-    timeout(w)
-    lg = sub.add_parser("logs", help="print the compose server's log")
-    common(lg)
-    lg.add_argument("--tail", type=int, default=200)
-    s = sub.add_parser("save-log", help="save the compose server's log into a run directory")
-    common(s)
-    s.add_argument("--label", default="server-log")
-    pv = sub.add_parser("provenance", help="what is serving, as JSON")
-    common(pv)
-    d = sub.add_parser("down", help="save the log into a run directory, stop, remove")
-    common(d)
-    d.add_argument("--label", default="server-log")
+        if what in ("up", "wait"):
+            p.add_argument("--timeout", type=float, default=None,
+                           help="seconds (default: the engine's VLLM_ENGINE_READY_TIMEOUT_S + "
+                           "10 min, or 15 min)")
+        if what == "up":
+            p.add_argument("--build", action="store_true", help="build the image first")
+        if what == "logs":
+            p.add_argument("--tail", type=int, default=200)
+        if what in ("save-log", "down"):
+            p.add_argument("--label", default="server-log")
 
 
 def deployment_view(args: argparse.Namespace) -> dict:
@@ -402,21 +380,19 @@ def run(args: argparse.Namespace) -> int:
     if args.what == "provenance":
         print(json.dumps(srv.provenance(), indent=2, default=str))
         return 0
-    if args.what in ("save-log", "down"):
-        from k3rocm.deploy import runrecord
-        from k3rocm.rundir import create_run_dir
+    from k3rocm.deploy import runrecord  # save-log and down (argparse allows no other)
+    from k3rocm.rundir import create_run_dir
 
-        if srv.state() is None:
-            print("k3rocm: no server log to save (no server container)", file=sys.stderr)
-        else:
-            out = create_run_dir(dep.results_root, args.label)
-            runrecord.write(out, runrecord.build(deployment=dep, url=dep.url,
-                                                 server=srv.provenance()))
-            saved = srv.save_log(out / "server.log")
-            print(f"k3rocm: server log saved to {saved or '(empty log)'}", file=sys.stderr)
-        if args.what == "down":
-            t0 = time.time()
-            srv.down()
-            _log(f"compose project {srv.project} stopped and removed ({time.time() - t0:.0f}s)")
-        return 0
-    raise UsageError(f"unknown subcommand {args.what!r}")
+    if srv.state() is None:
+        print("k3rocm: no server log to save (no server container)", file=sys.stderr)
+    else:
+        out = create_run_dir(dep.results_root, args.label)
+        runrecord.write(out, runrecord.build(deployment=dep, url=dep.url,
+                                             server=srv.provenance()))
+        saved = srv.save_log(out / "server.log")
+        print(f"k3rocm: server log saved to {saved or '(empty log)'}", file=sys.stderr)
+    if args.what == "down":
+        t0 = time.time()
+        srv.down()
+        _log(f"compose project {srv.project} stopped and removed ({time.time() - t0:.0f}s)")
+    return 0

@@ -25,8 +25,10 @@ import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from k3rocm.deploy.engine import docker_client
 from k3rocm.deploy.lifecycle import REPO
 from k3rocm.deploy.scale.settings import GPUS_PER_NODE
+from k3rocm.deploy.server_api import ServerAPI, Unreachable
 from k3rocm.errors import UsageError
 
 CACHE_MIN_GB = 200  # HF/vLLM/Triton caches for a 1.5 TB model's compile artefacts and more
@@ -47,13 +49,13 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:.1f} GB" if n < 1e12 else f"{n / 1e12:.2f} TB"
 
 
+def _present(name: str, ok: bool, fix: str) -> Check:
+    return Check(name, "ok" if ok else "fail", "present" if ok else "missing", "" if ok else fix)
+
+
 def check_rocm_devices(dev: Path = Path("/dev")) -> list[Check]:
-    out = []
-    kfd = dev / "kfd"
-    out.append(Check("ROCm /dev/kfd", "ok" if kfd.exists() else "fail",
-                     "present" if kfd.exists() else "missing",
-                     "" if kfd.exists() else "install the amdgpu driver (ROCm) and reboot; "
-                     "this node has no AMD GPU compute device"))
+    out = [_present("ROCm /dev/kfd", (dev / "kfd").exists(), "install the amdgpu driver "
+                    "(ROCm) and reboot; this node has no AMD GPU compute device")]
     renders = sorted((dev / "dri").glob("renderD*")) if (dev / "dri").is_dir() else []
     n = len(renders)
     status = "ok" if n >= GPUS_PER_NODE else ("warn" if n else "fail")
@@ -125,17 +127,6 @@ def check_checkpoint(settings) -> Check:
                  "" if status == "ok" else "Kimi-K3 is ~1.5 TB: the download looks incomplete")
 
 
-def _docker():
-    try:
-        import docker
-
-        client = docker.from_env(timeout=30)
-        client.ping()
-        return client, None
-    except Exception as exc:  # noqa: BLE001 - any failure means no engine
-        return None, f"{exc.__class__.__name__}"
-
-
 def _compose_base_image() -> str:
     env = os.environ.get("BASE_IMAGE")
     if env:
@@ -154,10 +145,11 @@ def image_id(client, ref: str) -> str | None:
         return None
 
 
-def check_docker(client, err: str | None, settings) -> list[Check]:
+def check_docker(client, settings) -> list[Check]:
     out = []
     if client is None:
-        out.append(Check("Docker engine", "fail", f"not reachable ({err})",
+        where = os.environ.get("DOCKER_HOST", "the default socket")
+        out.append(Check("Docker engine", "fail", f"not reachable at {where}",
                          "install docker.io and start it (or set DOCKER_HOST)"))
     else:
         v = client.version().get("Version", "?")
@@ -206,47 +198,31 @@ def check_base(settings, environ, dotenv) -> Check:
                  (f"; at start: {', '.join(changed)}" if changed else ""))
 
 
-def port_free(host: str, port: int) -> bool:
+def check_port(label: str, host: str, port: int, fix: str) -> Check:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
-            return True
+            free = True
         except OSError:
-            return False
-
-
-def check_port(label: str, host: str, port: int, fix: str) -> Check:
-    free = port_free(host, port)
+            free = False
     return Check(label, "ok" if free else "fail",
                  f"{host}:{port} {'free' if free else 'in use'}", "" if free else fix)
 
 
-def _local_addresses() -> set[str]:
-    addrs = {"127.0.0.1", "localhost", "::1", socket.gethostname()}
-    with contextlib.suppress(OSError):
-        addrs.update(i[4][0] for i in socket.getaddrinfo(socket.gethostname(), None))
-    return addrs
-
-
 def check_node(address: str, timeout: float = 5.0) -> Check:
     """The node's API server: /health 200 ok; refused or another answer: warn; no route: fail."""
-    import requests
-
     try:
-        r = requests.get(f"http://{address}/health", timeout=timeout)
-    except requests.ConnectionError as exc:
-        if isinstance(exc.__context__, ConnectionRefusedError) or "refused" in str(exc):
+        code = ServerAPI(f"http://{address}", timeout=timeout).health()
+    except Unreachable as exc:  # its __context__: the requests error
+        if "refused" in str(exc.__context__):
             return Check(f"node {address}", "warn", "host up, API port closed",
                          "start the server on that node (`make up` there)")
-        return Check(f"node {address}", "fail", "unreachable (ConnectionError)",
+        return Check(f"node {address}", "fail", f"unreachable ({exc.reason})",
                      "check the address in K3_SCALE_NODES, routing and firewalls")
-    except requests.RequestException as exc:
-        return Check(f"node {address}", "fail", f"unreachable ({exc.__class__.__name__})",
-                     "check the address in K3_SCALE_NODES, routing and firewalls")
-    if r.status_code == 200:
+    if code == 200:
         return Check(f"node {address}", "ok", "/health 200")
-    return Check(f"node {address}", "warn", f"/health answered HTTP {r.status_code}",
+    return Check(f"node {address}", "warn", f"/health answered HTTP {code}",
                  "the server there is starting or unhealthy: `make logs` on that node")
 
 
@@ -262,27 +238,21 @@ def remote_image_id(host: str, image: str, timeout: float = 15.0) -> str | None:
 
 def check_scale(s, settings, client, net: Path = Path("/sys/class/net"),
                 dev: Path = Path("/dev")) -> list[Check]:
-    out: list[Check] = []
-    local = _local_addresses()
-    for node in s.nodes:
-        out.append(check_node(node))
+    out = [check_node(node) for node in s.nodes]
+    local = {"127.0.0.1", "localhost", "::1", socket.gethostname()}
+    with contextlib.suppress(OSError):
+        local.update(i[4][0] for i in socket.getaddrinfo(socket.gethostname(), None))
     if s.mode == "dp-ep":
-        ib = dev / "infiniband"
-        out.append(Check("/dev/infiniband", "ok" if ib.is_dir() else "fail",
-                         "present" if ib.is_dir() else "missing",
-                         "" if ib.is_dir() else f"{s.mode} moves KV/activations over RDMA: "
-                         "install the RDMA driver (rdma-core) or use K3_SCALE_MODE=replicas"))
-        have = (net / s.ifname).exists()
-        out.append(Check(f"interface {s.ifname}", "ok" if have else "fail",
-                         "present" if have else "missing",
-                         "" if have else "set K3_SCALE_IFNAME to an interface of `ip -br link`"))
-    ids: dict[str, str | None] = {}
-    for i in range(len(s.nodes)):
+        out.append(_present("/dev/infiniband", (dev / "infiniband").is_dir(),
+                            f"{s.mode} moves KV/activations over RDMA: install the RDMA driver "
+                            "(rdma-core) or use K3_SCALE_MODE=replicas"))
+        out.append(_present(f"interface {s.ifname}", (net / s.ifname).exists(),
+                            "set K3_SCALE_IFNAME to an interface of `ip -br link`"))
+    here = image_id(client, settings.image) if client else None
+    ids = {}
+    for i, node in enumerate(s.nodes):
         host = s.node_host(i)
-        if host in local:
-            ids[s.nodes[i]] = image_id(client, settings.image) if client else None
-        else:
-            ids[s.nodes[i]] = remote_image_id(host, settings.image)
+        ids[node] = here if host in local else remote_image_id(host, settings.image)
     known = {k: v for k, v in ids.items() if v}
     unknown = [k for k, v in ids.items() if not v]
     if len(set(known.values())) > 1:
@@ -315,8 +285,8 @@ def run_checks(environ=None, dotenv: str = ".env") -> list[Check]:
               check_disk("cache", Path(settings.cache_dir).expanduser(), CACHE_MIN_GB),
               check_disk("results", Path(settings.results_dir).expanduser(), RESULTS_MIN_GB),
               check_checkpoint(settings)]
-    client, err = _docker()
-    checks += check_docker(client, err, settings)
+    client = docker_client(timeout=30, required=False)
+    checks += check_docker(client, settings)
     checks.append(check_base(settings, environ, dotenv))
     if s.mode == "single":
         port = check_port("API port", settings.bind_address, settings.port,
@@ -331,15 +301,11 @@ def run_checks(environ=None, dotenv: str = ".env") -> list[Check]:
 
 
 def _our_server_on(client, port: int) -> bool:
-    """Is the port published by this bundle's compose server (so `make up` may run again)?"""
-    if client is None:
-        return False
-    try:
-        running = client.containers.list(filters={"label": "com.docker.compose.service=server"})
-    except Exception:  # noqa: BLE001 - no answer: not ours as far as we know
-        return False
-    return any(str(port) == b.get("HostPort") for c in running
-               for binds in (c.ports or {}).values() for b in (binds or []))
+    """Is the port served by this bundle's compose server (so `make up` may run again)?"""
+    from k3rocm.deploy.provenance import find_server_container
+
+    c = find_server_container(client, f"http://localhost:{port}") if client else None
+    return c is not None and c.labels.get("com.docker.compose.service") == "server"
 
 
 def format_table(checks: list[Check]) -> str:

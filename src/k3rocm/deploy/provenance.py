@@ -6,7 +6,9 @@ Docker engine (image id, env redacted, argv, overlay manifest, fusion decision r
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,19 +40,6 @@ def find_server_container(client, url: str):
             hits.append((0 if "K3_PROFILE" in env else 1, c))
     hits.sort(key=lambda t: t[0])
     return hits[0][1] if hits else None
-
-
-def image_identity(client, image_id: str | None, ref: str | None = None) -> dict[str, Any]:
-    """The image's id, tags and registry digests (empty for a locally built image)."""
-    out: dict[str, Any] = {"ref": ref, "id": image_id, "tags": [], "digests": []}
-    try:
-        img = client.images.get(image_id or ref)
-        out.update(id=img.id, tags=list(img.tags),
-                   digests=list(img.attrs.get("RepoDigests") or []),
-                   created=img.attrs.get("Created"))
-    except Exception as exc:  # noqa: BLE001 - best effort
-        out["note"] = f"image not inspectable ({exc.__class__.__name__})"
-    return out
 
 
 def exec_text(container, cmd: list[str]) -> str | None:
@@ -127,14 +116,10 @@ class ServedAs:
         when the argv is unknown."""
         if not self.argv:
             return None
-        argv = self.argv
-        for i, a in enumerate(argv):
-            for flag in ("-tp", "--tensor-parallel-size"):
-                if a == flag and i + 1 < len(argv) and argv[i + 1].isdigit():
-                    return int(argv[i + 1])
-                if a.startswith(flag + "=") and a.split("=", 1)[1].isdigit():
-                    return int(a.split("=", 1)[1])
-        return 1
+        # "-tp N", "-tp=N" or the long flag, as whole argv items (joined by NULs)
+        m = re.search(r"(?:^|\0)(?:-tp|--tensor-parallel-size)[=\0](\d+)(?:\0|$)",
+                      "\0".join(self.argv))
+        return int(m.group(1)) if m else 1
 
 
 def served_as(prov: dict | None = None, container=None) -> ServedAs:
@@ -196,16 +181,21 @@ def collect_provenance(url: str, api_key: str | None, client=None, container=Non
         "path": attrs.get("Path"), "args": redact_argv(attrs.get("Args")),
         "env": redact_env(env),
     }
-    prov["image"] = image_identity(getattr(container, "client", None), attrs.get("Image"),
-                                   cfg.get("Image"))
+    # the image's id, tags and registry digests (none for a locally built image)
+    image = prov["image"] = {"ref": cfg.get("Image"), "id": attrs.get("Image"), "tags": [],
+                             "digests": []}
+    try:
+        img = container.client.images.get(attrs.get("Image") or cfg.get("Image"))
+        image.update(id=img.id, tags=list(img.tags), created=img.attrs.get("Created"),
+                     digests=list(img.attrs.get("RepoDigests") or []))
+    except Exception as exc:  # noqa: BLE001 - best effort
+        image["note"] = f"image not inspectable ({exc.__class__.__name__})"
     # The argv vLLM really runs with (the entrypoint execs `vllm serve ...`).
     procs = []
-    try:
+    with contextlib.suppress(Exception):
         top = container.top()
         idx = top["Titles"].index("CMD") if "CMD" in top["Titles"] else -1
         procs = [p[idx] for p in top.get("Processes") or []]
-    except Exception:  # noqa: BLE001
-        pass
     prov["server_processes"] = [" ".join(redact_argv(p.split(" "))) for p in procs[:20]]
     prov["server_argv"] = server_argv(container)
     manifest = exec_text(container, ["cat", MANIFEST_PATH])

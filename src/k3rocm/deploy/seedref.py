@@ -54,15 +54,14 @@ class Figure:
     notes: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True)
 class _Facts:
     """What the result ran with; every lookup may be unknown (None)."""
 
-    def __init__(self, measure: str, settings: Mapping[str, Any], env: Mapping[str, str] | None,
-                 workload: str | Mapping[str, Any] | None):
-        self.measure = measure
-        self.s = settings
-        self.env = env
-        self.workload = workload
+    measure: str
+    s: Mapping[str, Any]
+    env: Mapping[str, str] | None
+    workload: str | Mapping[str, Any] | None
 
     def get(self, field: str) -> Any:
         return self.s.get(field)
@@ -245,36 +244,26 @@ FIGURES: tuple[Figure, ...] = (
 )
 
 
-def _as_settings(settings: Any) -> dict[str, Any]:
-    """Field -> value. A mapping with ``K3_*`` keys is a server's environment: it is resolved
-    the way the server's entrypoint resolved it (profile and defaults included)."""
-    from k3rocm.errors import UsageError
-    from k3rocm.serving.config import load_settings
-
-    if hasattr(settings, "model_dump"):
-        return settings.model_dump()
-    raw = dict(settings or {})
-    if not any(str(k).startswith("K3_") for k in raw):
-        return raw
-    k3 = {k: str(v) for k, v in raw.items() if str(k).startswith("K3_") and v is not None}
-    try:
-        resolved, _ = load_settings(k3, dotenv=None, check_model=False)
-    except UsageError:
-        return {}  # not a valid setting set: every fact unknown
-    return resolved.model_dump()
-
-
-def _entrypoint_env(container_env: dict[str, str]) -> dict[str, str]:
-    """The environment vLLM ran with: the entrypoint renders the profile's vendor env on top of
-    the container's own (a vendor variable set in the container wins), as ``config.render``."""
+def _resolve(settings: Any, env: Mapping[str, str] | None
+             ) -> tuple[dict[str, Any], Mapping[str, str] | None]:
+    """Field -> value, and the server's environment. A mapping with ``K3_*`` keys is a server's
+    environment: it is resolved the way the server's entrypoint resolved it (profile and
+    defaults included) and, when ``env`` is None, the environment vLLM ran with is the
+    profile's vendor env rendered on top of the container's own, as ``config.render``."""
     from k3rocm.errors import UsageError
     from k3rocm.serving.config import render
 
+    if hasattr(settings, "model_dump"):
+        return settings.model_dump(), env
+    raw = {str(k): v for k, v in dict(settings or {}).items()}
+    if not any(k.startswith("K3_") for k in raw):
+        return raw, env
+    container = {k: str(v) for k, v in raw.items() if v is not None}
     try:
-        return {**container_env,
-                **render(environ=container_env, dotenv=None, check_model=False).env}
-    except UsageError:
-        return container_env
+        r = render(environ=container, dotenv=None, check_model=False)
+    except UsageError:  # not a valid setting set: every setting unknown
+        return {}, container if env is None else env
+    return r.settings.model_dump(), {**container, **r.env} if env is None else env
 
 
 def comparable_with(measure: str, settings: Any, env: Mapping[str, str] | None = None,
@@ -297,10 +286,7 @@ def comparable_with(measure: str, settings: Any, env: Mapping[str, str] | None =
     """
     if measure not in MEASURES:
         raise ValueError(f"measure {measure!r}: use one of {', '.join(MEASURES)}")
-    if env is None and isinstance(settings, Mapping) and any(
-            str(k).startswith("K3_") for k in settings):
-        env = _entrypoint_env({str(k): str(v) for k, v in settings.items()})
-    facts = _Facts(measure, _as_settings(settings), env, workload)
+    facts = _Facts(measure, *_resolve(settings, env), workload)
     matches: list[tuple[Figure, list[dict[str, Any]]]] = []
     why_not: dict[str, str] = {}
     for fig in FIGURES:
@@ -323,8 +309,10 @@ def comparable_with(measure: str, settings: Any, env: Mapping[str, str] | None =
         also = [f.key for f, _ in matches[1:]]
         text = (f"comparable with the upstream {fig.value} ({fig.setup}){side}"
                 + (f"; also {', '.join(also)}" if also else ""))
+        seed = {"value": fig.value, "setup": fig.setup, "source": fig.source,
+                "notes": list(fig.notes)}
         return {"comparable": True, "figure": fig.key, "also": also, "text": text,
-                "seed": _seed(fig), "checked": checked, "not_comparable": why_not}
+                "seed": seed, "checked": checked, "not_comparable": why_not}
     if not why_not:
         text = ("not comparable with any upstream figure: the upstream PRs publish no "
                 + {"bench": "absolute latency or throughput (its latency figure is a fusion "
@@ -345,8 +333,3 @@ def _side(f: _Facts, fig: Figure) -> str:
         return ""
     fused = bool(on) and overlay != "off"
     return "; this run is the " + ("fused side" if fused else "stock side")
-
-
-def _seed(fig: Figure) -> dict[str, Any]:
-    return {"value": fig.value, "setup": fig.setup, "source": fig.source,
-            "notes": list(fig.notes)}

@@ -69,6 +69,7 @@ DTYPES = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E4M3": 8, "F8_E5M2": 8, "F8_E8M0": 8,
 # OCP MX element formats: every bit pattern is a finite number (no inf/NaN encodings)
 PACKED = {"F4", "F6_E2M3", "F6_E3M2"}
 INTEGER = {"BOOL", "I8", "I16", "U16", "I32", "U32", "I64", "U64"}
+FLOAT_CODES = {"BF16": "<u2", "F16": "<f2", "F64": "<f8"}  # numpy codes; others: F32
 
 # A decoder layer's tensor: <prefix>layers.<i>.<rest> with the text model's prefix (the
 # multimodal checkpoint's ``language_model.model.layers.{i}.``, the ``language_model.layers.``
@@ -154,22 +155,18 @@ def kind(tc: dict, i: int) -> str:
     return ("KDA" if is_kda(tc, i) else "MLA") + ("+MoE" if is_moe(tc, i) else "+dense")
 
 
-def default_layers(tc: dict) -> list[int]:
-    """The shortest prefix of layers with an MLA layer, a KDA layer and (MoE models) a MoE one."""
-    n = int(tc["num_hidden_layers"])
-    for j in range(n):
-        kept = range(j + 1)
-        if (any(is_kda(tc, i) for i in kept) and any(not is_kda(tc, i) for i in kept)
-                and (tc.get("num_experts") is None or any(is_moe(tc, i) for i in kept))):
-            return list(kept)
-    raise UsageError("the source config has no layer mix to keep (it needs at least one MLA and "
-                     "one KDA layer: text_config.linear_attn_config.kda_layers)")
-
-
 def parse_layers(spec: str | None, tc: dict) -> list[int]:
-    if spec is None:
-        return default_layers(tc)
+    """``--layers``; by default the shortest prefix of layers with an MLA layer, a KDA layer
+    and (MoE models) a MoE one."""
     n = int(tc["num_hidden_layers"])
+    if spec is None:
+        for j in range(n):
+            kept = range(j + 1)
+            if (any(is_kda(tc, i) for i in kept) and any(not is_kda(tc, i) for i in kept)
+                    and (tc.get("num_experts") is None or any(is_moe(tc, i) for i in kept))):
+                return list(kept)
+        raise UsageError("the source config has no layer mix to keep (it needs at least one MLA "
+                         "and one KDA layer: text_config.linear_attn_config.kda_layers)")
     try:
         layers = sorted({int(x) for x in spec.split(",") if x.strip()})
     except ValueError:
@@ -185,8 +182,7 @@ def parse_layers(spec: str | None, tc: dict) -> list[int]:
 class Plan:
     layer_map: dict[int, int]  # old decoder/MTP layer index -> new
     experts: int | None  # routed experts kept per MoE layer (None: no MoE)
-    config: dict  # the new config.json
-    record: dict  # what was cut (config[SLICE_KEY])
+    config: dict  # the new config.json; what was cut is its SLICE_KEY
 
 
 def plan(cfg: dict, layers: list[int], experts: int | None, keep_mtp: bool) -> Plan:
@@ -210,6 +206,7 @@ def plan(cfg: dict, layers: list[int], experts: int | None, keep_mtp: bool) -> P
         lac["full_attn_layers"] = [layer_map[i] + 1 for i in layers if not is_kda(tc, i)]
     record: dict[str, Any] = {"layers": [{"source": i, "slice": layer_map[i],
                                           "kind": kind(tc, i)} for i in layers]}
+    new_cfg[SLICE_KEY] = record
     if n_mtp:
         record["mtp_layers"] = [{"source": n_old + k, "slice": len(layers) + k}
                                 for k in range(n_mtp)]
@@ -248,8 +245,7 @@ def plan(cfg: dict, layers: list[int], experts: int | None, keep_mtp: bool) -> P
         if isinstance(q, dict) and isinstance(q.get("ignore"), list):
             q["ignore"] = [m for m in (_rename_module(x, layer_map) for x in q["ignore"])
                            if m is not None]
-    new_cfg[SLICE_KEY] = record
-    return Plan(layer_map, experts, new_cfg, record)
+    return Plan(layer_map, experts, new_cfg)
 
 
 def _rename_module(name: str, layer_map: dict[int, int]) -> str | None:
@@ -304,17 +300,15 @@ def _values(t: Tensor, src: Tensor, src_dir: Path, seed: int) -> Any:
         for start in range(0, t.nbytes, CHUNK):
             yield rng.bytes(min(CHUNK, t.nbytes - start))
         return
-    leaf = t.name.rsplit(".", 1)[-1]
-    is_scale = "scale" in leaf or t.name.endswith("_scale")
+    is_scale = "scale" in t.name.rsplit(".", 1)[-1]
     is_norm = t.name.endswith(("norm.weight", "layernorm.weight"))
     for start in range(0, numel, CHUNK):
         n = min(CHUNK, numel - start)
-        if t.dtype in ("U8", "F8_E8M0"):
-            if is_scale or t.dtype == "F8_E8M0":
-                # E8M0: 2**(b - 127); 255 is NaN. 2**-4 .. 2**0
-                yield rng.integers(123, 128, n, dtype=np.uint8).tobytes()
-            else:
-                yield rng.integers(0, 256, n, dtype=np.uint8).tobytes()  # 2 e2m1 nibbles
+        if t.dtype == "F8_E8M0" or (t.dtype == "U8" and is_scale):
+            # E8M0: 2**(b - 127); 255 is NaN. 2**-4 .. 2**0
+            yield rng.integers(123, 128, n, dtype=np.uint8).tobytes()
+        elif t.dtype == "U8":
+            yield rng.integers(0, 256, n, dtype=np.uint8).tobytes()  # 2 e2m1 nibbles
         elif t.dtype in ("F8_E4M3", "F8_E5M2"):
             # clear the exponent's top bit: no inf/NaN code (|x| < 2 in e4m3fn, < 2**16 in e5m2)
             yield (rng.integers(0, 256, n, dtype=np.uint8) & 0xBF).tobytes()
@@ -330,13 +324,8 @@ def _values(t: Tensor, src: Tensor, src_dir: Path, seed: int) -> Any:
             else:
                 x = rng.standard_normal(n, dtype=np.float32) * np.float32(0.02)
             if t.dtype == "BF16":
-                yield (x.view(np.uint32) >> 16).astype("<u2").tobytes()
-            elif t.dtype == "F16":
-                yield x.astype("<f2").tobytes()
-            elif t.dtype == "F64":
-                yield x.astype("<f8").tobytes()
-            else:
-                yield x.astype("<f4").tobytes()
+                x = x.view(np.uint32) >> 16  # bf16: the top half of the f32 bits
+            yield x.astype(FLOAT_CODES.get(t.dtype, "<f4")).tobytes()
 
 
 def write_shard(path: Path, tensors: list[tuple[Tensor, Tensor]], src_dir: Path,
@@ -379,8 +368,8 @@ def _load_json(path: Path, what: str) -> dict:
 
 
 def make_slice(src: Path, out: Path, layers: str | None = None, experts: int | None = None,
-               keep_mtp: bool = True, seed: int = 0, shard_gb: float = 5.0) -> dict:
-    """Write the slice of checkpoint ``src`` to ``out``; return a summary (JSON-able)."""
+               keep_mtp: bool = True, seed: int = 0, shard_gb: float = 5.0) -> None:
+    """Write the slice of checkpoint ``src`` to ``out``; print what was written."""
     t0 = time.monotonic()
     src, out = src.expanduser().resolve(), out.expanduser().absolute()
     if not src.is_dir():
@@ -408,13 +397,10 @@ def make_slice(src: Path, out: Path, layers: str | None = None, experts: int | N
         if not isinstance(s, str) or "/" in s or not (src / s).is_file():
             raise UsageError(f"{src / INDEX}: weight_map names shard {s!r}, which is not there")
         headers.update({k: v for k, v in read_header(src / s).items() if wmap.get(k) == s})
-    pairs = []
     for name in kept:
         if name not in headers:
             raise UsageError(f"{src / wmap[name]}: has no tensor {name!r} (the index says so)")
-        t = slice_tensor(headers[name], p)
-        assert t is not None
-        pairs.append((t, headers[name]))
+    pairs = [(slice_tensor(headers[name], p), headers[name]) for name in kept]
     have = {int(m.group(2)) for t, _ in pairs if (m := LAYER_RE.match(t.name))}
     for old, new in p.layer_map.items():  # in the order of the new layers
         if new not in have:
@@ -428,17 +414,16 @@ def make_slice(src: Path, out: Path, layers: str | None = None, experts: int | N
                          f"{total / 1e9:.1f} GB")
 
     # shards of at most shard_gb (a bigger tensor gets a shard of its own)
-    limit, groups, cur, size = int(shard_gb * 1e9), [], [], 0
+    limit, groups, size = int(shard_gb * 1e9), [[]], 0
     for pair in sorted(pairs, key=lambda q: _order(q[0].name)):
-        if cur and size + pair[0].nbytes > limit:
-            groups.append(cur)
-            cur, size = [], 0
-        cur.append(pair)
+        if groups[-1] and size + pair[0].nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(pair)
         size += pair[0].nbytes
-    if cur:
-        groups.append(cur)
 
-    p.record.update({
+    record = p.config[SLICE_KEY]
+    record.update({
         "source": str(src), "source_config_sha256": _sha256(src / CONFIG),
         "source_index_sha256": _sha256(src / INDEX), "tensors": len(pairs),
         "source_tensors": len(wmap), "bytes": total, "values": f"random (seed {seed})",
@@ -466,11 +451,12 @@ def make_slice(src: Path, out: Path, layers: str | None = None, experts: int | N
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    secs = time.monotonic() - t0
-    return {"out": str(out), "tensors": len(pairs), "source_tensors": len(wmap),
-            "shards": len(groups), "bytes_written": written, "seconds": round(secs, 2),
-            "layers": p.record["layers"], "mtp_layers": p.record.get("mtp_layers", []),
-            "experts": p.experts, "files_copied": copied}
+    layers = ", ".join(f"{x['source']}->{x['slice']} {x['kind']}" for x in record["layers"])
+    mtp = ", ".join(f"{x['source']}->{x['slice']}" for x in record.get("mtp_layers", []))
+    print(f"wrote {out}: {len(pairs)} of {len(wmap)} tensors, {written / 1e9:.2f} GB in "
+          f"{len(groups)} shard(s), {time.monotonic() - t0:.2f} s")
+    print(f"  layers: {layers}; MTP: {mtp or 'none'}; experts per MoE layer: {p.experts}")
+    print(f"  files copied: {', '.join(copied) or 'none'}")
 
 
 def _order(name: str) -> tuple:
@@ -515,12 +501,5 @@ def run(args: argparse.Namespace) -> int:
                              "checkpoint directory (k3rocm selftest model SRC OUT)")
         src = src or dep.model_host_dir
         out = out or dep.models_dir / DEFAULT_OUT
-    s = make_slice(src, out, args.layers, args.experts, not args.no_mtp, args.seed,
-                   args.shard_gb)
-    layers = ", ".join(f"{x['source']}->{x['slice']} {x['kind']}" for x in s["layers"])
-    mtp = ", ".join(f"{x['source']}->{x['slice']}" for x in s["mtp_layers"]) or "none"
-    print(f"wrote {s['out']}: {s['tensors']} of {s['source_tensors']} tensors, "
-          f"{s['bytes_written'] / 1e9:.2f} GB in {s['shards']} shard(s), {s['seconds']} s")
-    print(f"  layers: {layers}; MTP: {mtp}; experts per MoE layer: {s['experts']}")
-    print(f"  files copied: {', '.join(s['files_copied']) or 'none'}")
+    make_slice(src, out, args.layers, args.experts, not args.no_mtp, args.seed, args.shard_gb)
     return 0
