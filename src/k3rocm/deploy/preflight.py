@@ -198,14 +198,19 @@ def check_base(settings, environ, dotenv) -> Check:
                  (f"; at start: {', '.join(changed)}" if changed else ""))
 
 
-def check_port(label: str, host: str, port: int, fix: str) -> Check:
+def port_free(host: str, port: int) -> bool:
+    """Whether this process could listen on host:port now (preflight and the demo ask)."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
-            free = True
+            return True
         except OSError:
-            free = False
+            return False
+
+
+def check_port(label: str, host: str, port: int, fix: str) -> Check:
+    free = port_free(host, port)
     return Check(label, "ok" if free else "fail",
                  f"{host}:{port} {'free' if free else 'in use'}", "" if free else fix)
 
