@@ -13,6 +13,7 @@ import shlex
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic.fields import FieldInfo
 
 from k3rocm.serving.fusions import FUSIONS
 from k3rocm.serving.modelfacts import KIMI_K3_HEADS
@@ -156,20 +157,21 @@ ENV_NAME = {name: f.json_schema_extra["env"] for name, f in FIELDS.items()}  # t
 FIELD_BY_ENV = {env: name for name, env in ENV_NAME.items()}
 
 
-def invalid(exc: ValidationError, values: dict[str, Any]) -> str:
+def invalid(exc: ValidationError, values: dict[str, Any], model: type[BaseModel] | None = None,
+            env: dict[str, str] | None = None) -> str:
     """The first error of validating ``values`` as one line: ``K3_X=value is not valid: ...``
-    (for a type or range error, what to use)."""
+    (for a type or range error, what to use). ``model``/``env``: another settings model and its
+    field -> variable names (the scale settings); default the K3_* serving settings."""
     err = exc.errors()[0]
     name = str(err["loc"][0]) if err["loc"] else "?"
     msg = err["msg"].removeprefix("Value error, ")
     if err["type"] == "literal_error" or "parsing" in err["type"] or \
             err["type"].startswith(("greater", "less")):
-        msg = f"use {_describe_valid(name)}"
-    return f"{ENV_NAME.get(name, name)}={values.get(name, '?')!r} is not valid: {msg}"
+        msg = f"use {_describe_valid((model or Settings).model_fields[name])}"
+    return f"{(env or ENV_NAME).get(name, name)}={values.get(name, '?')!r} is not valid: {msg}"
 
 
-def _describe_valid(name: str) -> str:
-    f = FIELDS[name]
+def _describe_valid(f: FieldInfo) -> str:
     ann = f.annotation
     args = getattr(ann, "__args__", ())
     if ann is bool:

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from k3rocm.errors import UsageError
 from k3rocm.serving.config import read_dotenv
+from k3rocm.serving.settings import invalid
 
 SCALE_PREFIX = "K3_SCALE_"
 # vllm-router 0.1.17 `--policy` choices (from `vllm-router --help` of that wheel).
@@ -140,15 +141,6 @@ SCALE_ENV = {n: SCALE_PREFIX + n.upper() for n in SCALE_FIELDS}
 SCALE_FIELD_BY_ENV = {e: n for n, e in SCALE_ENV.items()}
 
 
-def _describe(name: str) -> str:
-    """What a valid value of a choice or integer setting is (from the model's JSON schema)."""
-    p = ScaleSettings.model_json_schema()["properties"][name]
-    if "enum" in p:
-        return "one of " + ", ".join(p["enum"])
-    bounds = [f"{sym} {p[k]}" for k, sym in (("minimum", ">="), ("maximum", "<=")) if k in p]
-    return "an integer" + (" " + " and ".join(bounds) if bounds else "")
-
-
 def load_scale(environ: Mapping[str, str] | None = None,
                dotenv: str | os.PathLike | None = ".env",
                tp: int | None = None) -> ScaleSettings:
@@ -176,14 +168,7 @@ def load_scale(environ: Mapping[str, str] | None = None,
     try:
         s = ScaleSettings(**values)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        name = str(err["loc"][0]) if err["loc"] else "?"
-        msg = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "literal_error" or "parsing" in err["type"] or \
-                err["type"].startswith(("greater", "less")):
-            msg = f"use {_describe(name)}"
-        raise UsageError(f"{SCALE_ENV.get(name, name)}={values.get(name, '?')!r} is not "
-                         f"valid: {msg}") from None
+        raise UsageError(invalid(exc, values, ScaleSettings, SCALE_ENV)) from None
     raw_ready = (environ.get(ENGINE_READY_ENV) or file_vals.get(ENGINE_READY_ENV)
                  or str(ENGINE_READY_DEFAULT))
     try:
