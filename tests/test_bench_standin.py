@@ -185,7 +185,15 @@ def test_make_bench_scaled_down_against_the_standin(standin_server, client_image
             assert st["chunks_p50"] == q["osl_avg"], st
         assert q["metrics"]["itl"]["p50"] > STEP_MS, q["metrics"]["itl"]
         assert st["gen_ms_p50"] == pytest.approx((st["osl_avg"] - 1) * st["itl_p50"], rel=0.2)
-        assert q["metrics"]["icl"]["p50"] == pytest.approx(q["metrics"]["itl"]["p50"], rel=0.5)
+        # A chunk is never faster than an engine step (no chunk splits a step's token).
+        assert q["metrics"]["icl"]["p50"] > STEP_MS * 0.9, q["metrics"]["icl"]
+        if q["concurrency"] == 1:
+            # One stream: every chunk is the next step, so the typical chunk gap is the typical
+            # token gap. Not at c=2: a stream whose engine core was descheduled waits a long
+            # gap, then gets its next chunks a step apart, so the median chunk gap sits below
+            # the per-request ITL (seen under load: ICL p50 36.5 ms, ITL p50 92.4 ms).
+            assert q["metrics"]["icl"]["p50"] == pytest.approx(q["metrics"]["itl"]["p50"],
+                                                               rel=0.5)
 
     with (run / "perf.csv").open() as fh:
         rows = list(csv.DictReader(fh))
