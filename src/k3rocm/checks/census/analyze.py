@@ -64,33 +64,31 @@ class Census:
             def per(x: float | None, D: int = D) -> float | None:
                 return round(x / (L * D), 4) if D and x is not None else None
 
+            def with_per(asked: bool, counted: dict[str, Any], total: str, total_us: float,
+                         **more: Any) -> dict[str, Any]:
+                """``counted`` (launches, us), ``more``, and per MLA layer per decode step:
+                each of ``counted`` and the fusion's total time (``<total>_per_layer_step``)."""
+                return {"asked": asked, **counted, **more, **{
+                    k.removesuffix("_launches") + "_per_layer_step": per(v)
+                    for k, v in counted.items()}, f"{total}_per_layer_step": per(total_us)}
+
             qk_stock = None if other is None else n["qk_norm"] - other * D
-            q_stock = n["cache_write"] + n["q_concat_quant"]
             q_stock_t = t["cache_write"] + t["q_concat_quant"]
-            members = {k: v["decode"] for k, v in pr["roles"]["members"].items() if v["decode"]}
             out.append({
                 "rank": pr["rank"], "decode_steps": D, "mla_layers": self.model.mla_layers,
-                "qk_norm": {
-                    "asked": self.claim.qk_norm,
-                    "stock_launches": qk_stock, "all_rmsnorm_launches": n["qk_norm"],
-                    "fused_launches": n["fused_qk_norm"], "all_rmsnorm_us": t["qk_norm"],
-                    "fused_us": t["fused_qk_norm"], "stock_per_layer_step": per(qk_stock),
-                    "fused_per_layer_step": per(n["fused_qk_norm"]),
-                    "all_rmsnorm_us_per_layer_step": per(t["qk_norm"]),
-                    "fused_us_per_layer_step": per(t["fused_qk_norm"]),
-                    "norm_us_per_layer_step": per(t["qk_norm"] + t["fused_qk_norm"])},
-                "decode_qprep": {
-                    "asked": self.claim.decode_qprep, "stock_launches": q_stock,
-                    "cache_write_launches": n["cache_write"],
-                    "q_concat_quant_launches": n["q_concat_quant"],
-                    "fused_launches": n["fused_qprep"], "fused_members": members,
-                    "stock_us": round(q_stock_t, 3), "fused_us": t["fused_qprep"],
-                    "stock_per_layer_step": per(q_stock),
-                    "fused_per_layer_step": per(n["fused_qprep"]),
-                    "stock_us_per_layer_step": per(q_stock_t),
-                    "fused_us_per_layer_step": per(t["fused_qprep"]),
-                    "us_per_layer_step": per(q_stock_t + t["fused_qprep"])},
-            })
+                "qk_norm": with_per(self.claim.qk_norm, {
+                    "stock_launches": qk_stock, "fused_launches": n["fused_qk_norm"],
+                    "all_rmsnorm_us": t["qk_norm"], "fused_us": t["fused_qk_norm"]},
+                    "norm_us", t["qk_norm"] + t["fused_qk_norm"],
+                    all_rmsnorm_launches=n["qk_norm"]),
+                "decode_qprep": with_per(self.claim.decode_qprep, {
+                    "stock_launches": n["cache_write"] + n["q_concat_quant"],
+                    "fused_launches": n["fused_qprep"], "stock_us": q_stock_t,
+                    "fused_us": t["fused_qprep"]}, "us", q_stock_t + t["fused_qprep"],
+                    stock_us=round(q_stock_t, 3), cache_write_launches=n["cache_write"],
+                    q_concat_quant_launches=n["q_concat_quant"], fused_members={
+                        k: v["decode"] for k, v in pr["roles"]["members"].items()
+                        if v["decode"]})})
         return out
 
     def report_table(self) -> str:

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from k3rocm.checks.census.names import Normalizer
-from k3rocm.checks.census.stream import TraceStream
+from k3rocm.checks.census.stream import events
 from k3rocm.errors import UsageError, tagged_log
 
 STEP_SIMPLE = re.compile(r"^execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)")
@@ -184,14 +184,14 @@ def parse_rank_trace(path: str | os.PathLike, normalize: Normalizer | None = Non
     malformed event is a one-line UsageError naming the file. ``progress(n)`` is called every
     million events."""
     path = Path(path)
-    stream = TraceStream(path)
+    header: dict[str, Any] = {}
     col = _Collector()
     try:
-        for e in stream.events():
+        for n, e in enumerate(events(path, header), 1):
             col.add(e)
-            if progress is not None and stream.count % 1_000_000 == 0:
-                progress(stream.count)
-        return col.finish(path, normalize or Normalizer(), mode, stream.header)
+            if progress is not None and n % 1_000_000 == 0:
+                progress(n)
+        return col.finish(path, normalize or Normalizer(), mode, header)
     except UsageError:
         raise
     except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
