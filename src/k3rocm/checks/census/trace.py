@@ -354,10 +354,11 @@ class _Collector:
                 a[1] += self.cpu_end[i] - self.cpu_ts[i]
         else:
             kcorrs = set(self.k_corr)
-            # one-kernel launches whose kernel never came, per step (in no step: dropped)
-            lost = Counter(step_at(self.rt_ts[i]) for i, c in enumerate(self.rt_corr)
-                           if c >= 0 and self.rt_launch[i] and c not in kcorrs)
-            lost.pop(-1, None)
+            for i, c in enumerate(self.rt_corr):  # a one-kernel launch whose kernel never came
+                if c >= 0 and self.rt_launch[i] and c not in kcorrs:
+                    si = step_at(self.rt_ts[i])
+                    if si >= 0:
+                        lost[si] = lost.get(si, 0) + 1
             del kcorrs
             # correlation id -> its first runtime call (fed last to first: the first stays)
             last = len(self.rt_corr) - 1
