@@ -3,12 +3,12 @@ the per-rank report (stock vs fused launches and device time per MLA layer per d
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
+from itertools import takewhile
 from typing import Any
 
 from k3rocm.checks.census import expect
-from k3rocm.checks.census.complete import CAUSES, losses
 from k3rocm.checks.census.decisions import Decisions, cross_check
 from k3rocm.checks.census.expect import Check, columns
 from k3rocm.checks.census.fusions import FusionClaim
@@ -16,6 +16,12 @@ from k3rocm.checks.census.modelcfg import ModelFacts
 from k3rocm.checks.census.spec import Spec
 from k3rocm.checks.census.trace import TraceSet, iso_time
 from k3rocm.errors import EXIT_CHECK_FAILED, EXIT_INCOMPLETE, EXIT_OK, UsageError
+
+CAUSES = ("known causes: ROCm 7.2.0's roctracer drops graph-replayed dispatches "
+          "(ROCm/ROCm#6102); kineto's activity buffer cap cuts the later steps; traces with "
+          "zero GPU records (pytorch/kineto#1338); a rank that stopped profiling early. "
+          "Re-collect (fewer steps: --steps, max_iterations; a ROCm build whose profiler keeps "
+          "graph replays), or judge with census-ab on the same build")
 
 
 @dataclass
@@ -29,7 +35,7 @@ class Census:
     decisions: Decisions | None
     world_size: int
     world_source: str
-    incomplete: list[dict[str, Any]] = field(default_factory=list)  # complete.losses
+    incomplete: list[dict[str, Any]] = field(default_factory=list)  # losses()
 
     @property
     def ok(self) -> bool:
@@ -64,33 +70,31 @@ class Census:
             def per(x: float | None, D: int = D) -> float | None:
                 return round(x / (L * D), 4) if D and x is not None else None
 
+            def with_per(asked: bool, counted: dict[str, Any], total: str, total_us: float,
+                         **more: Any) -> dict[str, Any]:
+                """``counted`` (launches, us), ``more``, and per MLA layer per decode step:
+                each of ``counted`` and the fusion's total time (``<total>_per_layer_step``)."""
+                return {"asked": asked, **counted, **more, **{
+                    k.removesuffix("_launches") + "_per_layer_step": per(v)
+                    for k, v in counted.items()}, f"{total}_per_layer_step": per(total_us)}
+
             qk_stock = None if other is None else n["qk_norm"] - other * D
-            q_stock = n["cache_write"] + n["q_concat_quant"]
             q_stock_t = t["cache_write"] + t["q_concat_quant"]
-            members = {k: v["decode"] for k, v in pr["roles"]["members"].items() if v["decode"]}
             out.append({
                 "rank": pr["rank"], "decode_steps": D, "mla_layers": self.model.mla_layers,
-                "qk_norm": {
-                    "asked": self.claim.qk_norm,
-                    "stock_launches": qk_stock, "all_rmsnorm_launches": n["qk_norm"],
-                    "fused_launches": n["fused_qk_norm"], "all_rmsnorm_us": t["qk_norm"],
-                    "fused_us": t["fused_qk_norm"], "stock_per_layer_step": per(qk_stock),
-                    "fused_per_layer_step": per(n["fused_qk_norm"]),
-                    "all_rmsnorm_us_per_layer_step": per(t["qk_norm"]),
-                    "fused_us_per_layer_step": per(t["fused_qk_norm"]),
-                    "norm_us_per_layer_step": per(t["qk_norm"] + t["fused_qk_norm"])},
-                "decode_qprep": {
-                    "asked": self.claim.decode_qprep, "stock_launches": q_stock,
-                    "cache_write_launches": n["cache_write"],
-                    "q_concat_quant_launches": n["q_concat_quant"],
-                    "fused_launches": n["fused_qprep"], "fused_members": members,
-                    "stock_us": round(q_stock_t, 3), "fused_us": t["fused_qprep"],
-                    "stock_per_layer_step": per(q_stock),
-                    "fused_per_layer_step": per(n["fused_qprep"]),
-                    "stock_us_per_layer_step": per(q_stock_t),
-                    "fused_us_per_layer_step": per(t["fused_qprep"]),
-                    "us_per_layer_step": per(q_stock_t + t["fused_qprep"])},
-            })
+                "qk_norm": with_per(self.claim.qk_norm, {
+                    "stock_launches": qk_stock, "fused_launches": n["fused_qk_norm"],
+                    "all_rmsnorm_us": t["qk_norm"], "fused_us": t["fused_qk_norm"]},
+                    "norm_us", t["qk_norm"] + t["fused_qk_norm"],
+                    all_rmsnorm_launches=n["qk_norm"]),
+                "decode_qprep": with_per(self.claim.decode_qprep, {
+                    "stock_launches": n["cache_write"] + n["q_concat_quant"],
+                    "fused_launches": n["fused_qprep"], "stock_us": q_stock_t,
+                    "fused_us": t["fused_qprep"]}, "us", q_stock_t + t["fused_qprep"],
+                    stock_us=round(q_stock_t, 3), cache_write_launches=n["cache_write"],
+                    q_concat_quant_launches=n["q_concat_quant"], fused_members={
+                        k: v["decode"] for k, v in pr["roles"]["members"].items()
+                        if v["decode"]})})
         return out
 
     def report_table(self) -> str:
@@ -136,15 +140,12 @@ class Census:
                 "notes": []}
 
     def markdown(self, title: str = "Decode kernel census", top: int = 25) -> str:
-        c = self.claim
-        dec = self.decisions
+        c, dec, oks = self.claim, self.decisions, Counter(k.ok for k in self.checks)
         lines = [f"# {title}", "",
                  f"Verdict: **{self.verdict}** "
                  + ("(the trace lost events: the counts below are not judged)"
                     if self.incomplete else
-                    f"({sum(k.ok is True for k in self.checks)} ok, "
-                    f"{sum(k.ok is False for k in self.checks)} failed, "
-                    f"{sum(k.ok is None for k in self.checks)} reported only)"), ""]
+                    f"({oks[True]} ok, {oks[False]} failed, {oks[None]} reported only)"), ""]
         if self.incomplete:
             lines += ["## What the trace lost", "", *[f"- {x}" for x in self.incomplete_lines()],
                       "", f"{CAUSES}.", ""]
@@ -162,10 +163,10 @@ class Census:
                  f"- World size {self.world_size} ({self.world_source})",
                  f"- Kernel table: {self.spec.platform} rules from "
                  f"`{self.spec.source['table']}`; other RMSNorm launches per step: "
-                 f"`{self.spec.other_norms_formula}`", ""]
-        lines += [f"- Run judged: the newest in the directory, started "
-                  f"{iso_time(self.traces.run_started)} "
-                  f"({self.per_rank[0]['started_source'] if self.per_rank else ''})"]
+                 f"`{self.spec.other_norms_formula}`", "",
+                 f"- Run judged: the newest in the directory, started "
+                 f"{iso_time(self.traces.run_started)} "
+                 f"({self.per_rank[0]['started_source'] if self.per_rank else ''})"]
         lines += [f"- Skipped: {x['why']}: started {x['started']}, ranks "
                   f"{_ranks(x['ranks'])} ({len(x['files'])} file(s))"
                   for x in self.traces.skipped_runs]
@@ -255,3 +256,69 @@ def run_census(traces: TraceSet, model: ModelFacts, claim: FusionClaim, spec: Sp
                          "kernels": rt.kernel_table()})
     return Census(traces, model, claim, spec, checks, per_rank, decisions, world_size,
                   world_source, losses(traces, world_size))
+
+
+def losses(traces: TraceSet, world_size: int) -> list[dict[str, Any]]:
+    """Completeness before judgement: what was lost, one entry per finding ({rank, what}).
+
+    A fusion check compares launch counts with layers x steps; a trace that lost events gives
+    "123/144" or "0/144" although nothing failed. So before any check is judged, the trace set
+    is tested for the losses known on ROCm and CUDA, and a set that lost events gets the verdict
+    "incomplete trace" (exit 4), naming what was lost and the known causes, never "fusion
+    failed":
+
+    - a rank whose trace says a GPU ran (devices in ``deviceProperties``, HIP/CUDA runtime
+      events, device annotations) but holds no kernel event (pytorch/kineto#1338: traces with
+      zero GPU records), or a rank without GPU records while other ranks have them;
+    - launches whose kernel record never arrived (a ``hip*LaunchKernel`` with a correlation id
+      no kernel carries);
+    - decode-only steps that replay the same graph (same requests and tokens) but show fewer
+      kernels than the same step shape elsewhere, on this rank or another (graph-replayed
+      dispatches dropped by ROCm 7.2.0's roctracer, ROCm/ROCm#6102; kineto's activity buffer
+      cap cutting the later steps: a tail of steps with fewer or no kernels);
+    - ranks of the world without a worker trace.
+    """
+    present = {r.rank for r in traces.ranks}
+    out = [{"rank": r, "what": "no worker trace for this rank"}
+           for r in sorted(set(range(world_size)) - present)]
+    gpu = [r for r in traces.ranks if r.mode == "gpu"]
+    for rt in traces.ranks:
+        if rt.mode == "gpu":
+            continue
+        if rt.gpu_evidence:
+            out.append({"rank": rt.rank, "what": "no kernel events although the trace says a "
+                        f"GPU ran ({'; '.join(rt.gpu_evidence)})"})
+        elif gpu:
+            out.append({"rank": rt.rank, "what": "no GPU records at all while rank(s) "
+                        f"{', '.join(str(g.rank) for g in gpu[:4])} have kernels"})
+    # kernels per decode-only step, by step shape (requests, tokens) = the graph it replays
+    per_step: dict[int, list[tuple[int, tuple[int, int], int]]] = {}
+    best: dict[tuple[int, int], int] = defaultdict(int)
+    for rt in gpu:
+        n = [sum(c.values()) for c in rt.per_step_counts()]
+        rows = [(s.index, (s.gen_reqs, s.gen_tokens), n[s.index])
+                for s in rt.steps if s.decode_only]
+        per_step[rt.rank] = rows
+        for _, key, k in rows:
+            best[key] = max(best[key], k)
+        lost = sum(rt.lost_launches.values())
+        if lost:
+            steps = sorted(rt.lost_launches)
+            out.append({"rank": rt.rank, "what": f"{lost} kernel launch(es) without their "
+                        f"kernel record (in engine step(s) {', '.join(map(str, steps[:8]))}"
+                        f"{', ...' if len(steps) > 8 else ''})"})
+    for rank, rows in per_step.items():
+        short = [(i, key, k) for i, key, k in rows if k < best[key]]
+        if not short:
+            continue
+        total = sum(best[key] - k for _, key, k in short)
+        empty = [i for i, _, k in short if k == 0]
+        detail = ", ".join(f"step {i}: {k}/{best[key]}" for i, key, k in short[:6])
+        what = (f"{total} kernel(s) missing in {len(short)} of {len(rows)} decode-only steps "
+                f"that replay the same graph as complete ones ({detail}"
+                f"{', ...' if len(short) > 6 else ''})")
+        if empty and empty[-1] == rows[-1][0]:
+            tail = sum(1 for _ in takewhile(lambda row: not row[2], reversed(rows)))
+            what += f"; the last {tail} step(s) have no kernels (a cut-off tail)"
+        out.append({"rank": rank, "what": what})
+    return out

@@ -22,8 +22,7 @@ from pathlib import Path
 
 from k3rocm.checks.census import common
 from k3rocm.checks.census import pipeline as pl
-from k3rocm.checks.census.analyze import Census
-from k3rocm.checks.census.complete import CAUSES
+from k3rocm.checks.census.analyze import CAUSES, Census
 from k3rocm.checks.census.fusions import from_cli
 from k3rocm.deploy import runrecord
 from k3rocm.errors import UsageError

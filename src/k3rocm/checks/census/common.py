@@ -50,17 +50,6 @@ def add_analysis_arguments(p: argparse.ArgumentParser) -> None:
                    help="results root (default: K3_RESULTS_DIR or ./results)")
 
 
-def extra_from(args: argparse.Namespace) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for item in args.extra:
-        role, sep, n = item.partition("=")
-        if not sep or role not in ROLES or not n.strip().lstrip("-").isdigit():
-            raise UsageError(f"--extra {item!r} is not ROLE=N with ROLE one of "
-                             f"{', '.join(ROLES)} and N an integer")
-        out[role] = int(n)
-    return out
-
-
 def model_dir_from(args: argparse.Namespace) -> str:
     """--model-dir, else the deployment's checkpoint on this host (K3_MODEL under
     K3_MODELS_DIR, wherever they are set)."""
@@ -95,7 +84,13 @@ def analysis_from(args: argparse.Namespace) -> Analysis:
     model_dir = model_dir_from(args)
     read_model_facts(model_dir)
     normalizer = Normalizer.from_specs(args.alias, strip_templates=not args.no_strip_templates)
-    extra = extra_from(args)
+    extra: dict[str, int] = {}
+    for item in args.extra:
+        role, sep, n = item.partition("=")
+        if not sep or role not in ROLES or not n.strip().lstrip("-").isdigit():
+            raise UsageError(f"--extra {item!r} is not ROLE=N with ROLE one of "
+                             f"{', '.join(ROLES)} and N an integer")
+        extra[role] = int(n)
     load_spec("rocm" if args.platform == "auto" else args.platform, None, args.spec,
               args.other_norms)
     if getattr(args, "fusions", None):

@@ -44,7 +44,7 @@ def cross_check(claim: FusionClaim, dec: Decisions | None) -> list[Check]:
         why = ("SKIPPED on request (--skip-records): the overlay's own decisions were not "
                "cross-checked" if dec is None else f"NOT CROSS-CHECKED: no records found "
                f"(looked in {dec.source}); pass --server-log FILE or --skip-records")
-        return [Check("all", f"overlay decision records vs asked {k} {_on(claim.get(k))}",
+        return [Check("all", f"overlay decision records vs asked {k} {_on(claim.asked[k])}",
                       "records", "records", why, None, 0, None) for k in FUSIONS]
     rows: list[Check] = []
     final = final_decisions(dec.records)
@@ -52,7 +52,7 @@ def cross_check(claim: FusionClaim, dec: Decisions | None) -> list[Check]:
     draft = [r for (_, kind), r in final.items() if kind == "draft"]
     n = len(target)
     for k in FUSIONS:
-        asked = claim.get(k)
+        asked = claim.asked[k]
         what = f"{k} asked {_on(asked)} ({claim.detail.get(k, claim.source)})"
 
         def row(rule: str, expected: int | None, seen: int, ok: bool | None,

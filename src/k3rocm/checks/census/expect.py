@@ -50,9 +50,9 @@ def role_counts(rt: RankTrace, spec: Spec) -> RoleCounts:
                     m = members.setdefault(qprep.member_of(ln.name), dict.fromkeys(SCOPES, 0))
                     m[where] += ln.count
         if not matched and rt.mode == "gpu" and (
-                any(x.search(p) for p in ln.parents for x in spec.mla_region)
+                any(x.search(p) for p in ln.parents for x in spec.region.parents)
                 or (not ln.parents and where == "decode"
-                    and not any(x.search(ln.name) for x in spec.known_kernels))):
+                    and not any(x.search(ln.name) for x in spec.region.known_kernels))):
             # around a host operator of the MLA region; or, graph-replayed (no operator
             # around the launch) in a decode step, of no known family (GEMMs, MoE, ...)
             unclassified[ln.name] += ln.count

@@ -30,11 +30,8 @@ class FusionClaim:
             return asked[name]
         raise AttributeError(name)
 
-    def get(self, name: str) -> bool:
-        return bool(self.asked[name])
-
     def to_json(self) -> dict[str, Any]:
-        return {**{k: self.get(k) for k in FUSIONS}, "source": self.source,
+        return {**{k: self.asked[k] for k in FUSIONS}, "source": self.source,
                 "detail": self.detail}
 
 
@@ -75,7 +72,7 @@ def from_env(env: Mapping[str, str], source: str) -> FusionClaim:
     detail: dict[str, str] = {}
     for k, var in ENV.items():
         raw = env.get(var)
-        if raw is None or raw.strip() == "":
+        if not (raw or "").strip():
             vals[k] = BY_NAME[k].default
             detail[k] = f"{var} unset in {source} (default {'on' if vals[k] else 'off'})"
         else:

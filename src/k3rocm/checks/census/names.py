@@ -37,24 +37,21 @@ _KERNELISH = re.compile(r"[A-Za-z_][\w:]*(?:Kernel|Fwd|Bwd|Pipeline|kernel)\w*")
 def _split_outer(name: str) -> tuple[str, str]:
     """Return (name without template args, text of the first top-level template arg list)."""
     out: list[str] = []
-    first_tmpl: list[str] = []
-    depth = 0
-    seen_first = False
+    first: list[str] = []  # nested "<" kept, every ">" left out
+    depth, seen = 0, False  # seen: the first template list has closed
     for ch in name:
-        if ch == "<":
-            depth += 1
-            if depth == 1 and not seen_first:
-                continue
-        elif ch == ">" and depth > 0:
+        if ch == ">" and depth:
             depth -= 1
-            if depth == 0:
-                seen_first = True
-            continue
-        if depth == 0:
+            seen = seen or not depth
+        elif ch == "<":
+            depth += 1
+            if depth > 1 and not seen:
+                first.append(ch)
+        elif not depth:
             out.append(ch)
-        elif not seen_first:
-            first_tmpl.append(ch)
-    return "".join(out), "".join(first_tmpl)
+        elif not seen:
+            first.append(ch)
+    return "".join(out), "".join(first)
 
 
 # the code-object suffixes rocprofiler-sdk names carry: `` [clone .kd]`` (any ``[clone ...]``,

@@ -88,9 +88,8 @@ def claim_offline(trace_dir: Path, fusions: str | None = None) -> FusionClaim:
     provenance.json (written by a live census beside its traces/ directory)."""
     if fusions:
         return from_cli(fusions)
-    for cand in (trace_dir / "provenance.json", trace_dir.parent / "provenance.json"):
-        if not cand.is_file():
-            continue
+    for cand in filter(Path.is_file, (trace_dir / "provenance.json",
+                                      trace_dir.parent / "provenance.json")):
         try:
             prov = json.loads(cand.read_text())
         except (OSError, ValueError) as exc:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any, TypeVar
@@ -82,20 +82,18 @@ class Role(BaseModel):
         return next((m.name for m in self.members if m.match.search(name)), "other")
 
 
+class Region(BaseModel):
+    parents: Patterns = []  # host operators whose launches form the MLA attention region
+    known_kernels: Patterns = []
+
+
 @dataclass
 class Spec:
     platform: str
     roles: dict[str, Role]
     other_norms_formula: str | None
-    family: str | None
     source: dict[str, Any]
-    mla_region: list[re.Pattern[str]] = field(default_factory=list)
-    known_kernels: list[re.Pattern[str]] = field(default_factory=list)
-
-
-class Region(BaseModel):
-    parents: Patterns = []
-    known_kernels: Patterns = []
+    region: Region
 
 
 def _valid(model: type[M], data: Any, where: str) -> M:
@@ -145,13 +143,12 @@ def load_spec(platform: str, model_type: str | None, spec_file: str | None = Non
         roles[rname] = _valid(Role, {**r, "name": rname}, f"{platform}.{rname}")
     mla = _valid(Region, plat.get("mla_region") or {}, f"{platform}.mla_region")
     family = fam_of.get(model_type or "")
-    formula = (families.get(family) or {}).get(platform) if family else None
-    if other_norms is not None:
-        formula = other_norms
-    return Spec(platform, roles, formula, family,
+    formula = other_norms if other_norms is not None else \
+        (families.get(family) or {}).get(platform) if family else None
+    return Spec(platform, roles, formula,
                 {"platform": platform, "roles": plat["roles"], "family": family,
                  "other_norms_per_step": formula, "spec_file": spec_file,
-                 "table": "k3rocm/checks/census/kernels.json"}, mla.parents, mla.known_kernels)
+                 "table": "k3rocm/checks/census/kernels.json"}, mla)
 
 
 _FORMULA_OK = re.compile(r"^[\s\d+\-*()a-z_]*$")
@@ -162,8 +159,7 @@ def eval_formula(formula: str, variables: dict[str, int]) -> int:
     if not _FORMULA_OK.match(formula):
         raise UsageError(f"formula {formula!r} may only use integers, + - * ( ) and "
                          f"{', '.join(sorted(variables))}")
-    names = set(re.findall(r"[a-z_]+", formula))
-    unknown = names - set(variables)
+    unknown = set(re.findall(r"[a-z_]+", formula)) - set(variables)
     if unknown:
         raise UsageError(f"formula {formula!r} uses unknown name(s) {sorted(unknown)}; "
                          f"valid: {', '.join(sorted(variables))}")

@@ -51,16 +51,9 @@ def _unreadable(path: Path, exc: BaseException) -> UsageError:
                       ".pt.trace.json.gz file; re-collect it")
 
 
-def _header(head: bytes, tail: bytes, whole: bool) -> dict[str, Any]:
-    """The top-level keys other than traceEvents: from the whole text of a small file, else
-    from the bytes before the event list and after it."""
-    if whole:
-        try:
-            obj = json.loads(head)
-        except ValueError:
-            return {}
-        return {k: v for k, v in obj.items() if k != "traceEvents"} \
-            if isinstance(obj, dict) else {}
+def _header(head: bytes, tail: bytes) -> dict[str, Any]:
+    """The top-level keys other than traceEvents, from the bytes before the event list and
+    after it (a file larger than HEAD_MAX)."""
     out: dict[str, Any] = {}
     text = head.decode("utf-8", "replace")
     i = text.find('"traceEvents"')
@@ -84,49 +77,40 @@ def _header(head: bytes, tail: bytes, whole: bool) -> dict[str, Any]:
     return out
 
 
-class TraceStream:
-    """``ts = TraceStream(path); for e in ts.events(): ...``; ``ts.header`` is complete once
-    the events are exhausted. Unreadable input: one-line UsageError naming the file."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.header: dict[str, Any] = {}
-        self.count = 0
-
-    def events(self) -> Iterator[Any]:
+def events(path: Path, header: dict[str, Any]) -> Iterator[Any]:
+    """The trace's events one at a time; once they are exhausted, ``header`` holds its other
+    top-level keys. Unreadable input: one-line UsageError naming the file."""
+    try:
+        raw = open(path, "rb")  # noqa: SIM115 - closed when the generator ends
+    except OSError as exc:
+        raise _unreadable(path, exc) from None
+    with raw:
+        src = gzip.GzipFile(fileobj=raw) if raw.read(2) == b"\x1f\x8b" else raw
         try:
-            raw = open(self.path, "rb")  # noqa: SIM115 - closed when the generator ends
-        except OSError as exc:
-            raise _unreadable(self.path, exc) from None
-        with raw:
-            def reader() -> Any:
-                magic = raw.read(2)
-                raw.seek(0)
-                return gzip.GzipFile(fileobj=raw) if magic == b"\x1f\x8b" else raw
-
-            try:
-                lead = reader().read(64).lstrip()[:1]
-                raw.seek(0)
-            except (OSError, EOFError, zlib.error) as exc:
-                raise _unreadable(self.path, exc) from None
-            if lead not in (b"{", b"["):
-                raise _unreadable(self.path, ValueError(f"starts with {lead!r}, not JSON"))
-            prefix = "item" if lead == b"[" else "traceEvents.item"
-            tee = _Tee(reader())
-            try:
-                for e in ijson.items(tee, prefix, use_float=True):
-                    self.count += 1
-                    yield e
-                while tee.read(1 << 16):  # what follows the list: kineto's closing keys
-                    pass
-            except (OSError, EOFError, zlib.error, ValueError, ijson.JSONError) as exc:
-                raise _unreadable(self.path, exc) from None
-        self.header = _header(bytes(tee.head), tee.tail, tee.read_bytes <= HEAD_MAX)
-        if not self.count and prefix != "item" and tee.read_bytes <= HEAD_MAX:
-            try:
-                obj = json.loads(bytes(tee.head))
-            except ValueError as exc:
-                raise _unreadable(self.path, exc) from None
-            if not isinstance(obj, dict) or not isinstance(obj.get("traceEvents"), list):
-                raise UsageError(f"trace {self.path} has no traceEvents list; not a chrome "
-                                 "trace")
+            raw.seek(0)
+            lead = src.read(64).lstrip()[:1]
+            src.seek(0)
+        except (OSError, EOFError, zlib.error) as exc:
+            raise _unreadable(path, exc) from None
+        if lead not in (b"{", b"["):
+            raise _unreadable(path, ValueError(f"starts with {lead!r}, not JSON"))
+        prefix = "item" if lead == b"[" else "traceEvents.item"
+        tee = _Tee(src)
+        count = 0
+        try:
+            for e in ijson.items(tee, prefix, use_float=True):
+                count += 1
+                yield e
+            while tee.read(1 << 16):  # what follows the list: kineto's closing keys
+                pass
+        except (OSError, EOFError, zlib.error, ValueError, ijson.JSONError) as exc:
+            raise _unreadable(path, exc) from None
+    if tee.read_bytes > HEAD_MAX:
+        header.update(_header(bytes(tee.head), tee.tail))
+        return
+    obj = json.loads(bytes(tee.head))  # a small file, read whole: ijson found it valid
+    if isinstance(obj, dict):
+        header.update((k, v) for k, v in obj.items() if k != "traceEvents")
+    if not count and prefix != "item" and not (
+            isinstance(obj, dict) and isinstance(obj.get("traceEvents"), list)):
+        raise UsageError(f"trace {path} has no traceEvents list; not a chrome trace")

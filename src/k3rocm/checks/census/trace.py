@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from k3rocm.checks.census.names import Normalizer
-from k3rocm.checks.census.stream import TraceStream
+from k3rocm.checks.census.stream import events
 from k3rocm.errors import UsageError, tagged_log
 
 STEP_SIMPLE = re.compile(r"^execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)")
@@ -120,17 +120,16 @@ class RankTrace:
 
     def kernel_table(self) -> list[dict[str, Any]]:
         """Per normalized name: launches, launches per step, total and mean time (us)."""
-        cnt: Counter[str] = Counter()
-        tot: dict[str, float] = defaultdict(float)
-        steps_seen: dict[str, set[int]] = defaultdict(set)
+        agg: dict[str, list[Any]] = {}  # name -> [launches, us, steps]
         for ln in self.launches:
-            cnt[ln.name] += ln.count
-            tot[ln.name] += ln.dur
-            steps_seen[ln.name].add(ln.step)
+            a = agg.setdefault(ln.name, [0, 0.0, set()])
+            a[0] += ln.count
+            a[1] += ln.dur
+            a[2].add(ln.step)
         n = max(len(self.steps), 1)
-        rows = [{"name": k, "launches": c, "per_step": round(c / n, 3),
-                 "steps_with": len(steps_seen[k]), "total_us": round(tot[k], 3),
-                 "mean_us": round(tot[k] / c, 3)} for k, c in cnt.items()]
+        rows = [{"name": k, "launches": c, "per_step": round(c / n, 3), "steps_with": len(st),
+                 "total_us": round(us, 3), "mean_us": round(us / c, 3)}
+                for k, (c, us, st) in agg.items()]
         rows.sort(key=lambda r: (-r["total_us"], r["name"]))
         return rows
 
@@ -184,14 +183,14 @@ def parse_rank_trace(path: str | os.PathLike, normalize: Normalizer | None = Non
     malformed event is a one-line UsageError naming the file. ``progress(n)`` is called every
     million events."""
     path = Path(path)
-    stream = TraceStream(path)
+    header: dict[str, Any] = {}
     col = _Collector()
     try:
-        for e in stream.events():
+        for n, e in enumerate(events(path, header), 1):
             col.add(e)
-            if progress is not None and stream.count % 1_000_000 == 0:
-                progress(stream.count)
-        return col.finish(path, normalize or Normalizer(), mode, stream.header)
+            if progress is not None and n % 1_000_000 == 0:
+                progress(n)
+        return col.finish(path, normalize or Normalizer(), mode, header)
     except UsageError:
         raise
     except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
@@ -339,13 +338,7 @@ class _Collector:
         per_req = decode_tokens_per_request(steps)
         for st in steps:
             st.tokens_per_request = per_req
-        starts = [st.ts for st in steps]
-        ends = [st.ts + st.dur for st in steps]
-
-        def step_at(ts: float) -> int:
-            i = bisect.bisect_right(starts, ts + 1e-3) - 1
-            return i if i >= 0 and ts <= ends[i] + 1e-3 else -1
-
+        step_at = _span_at([(st.ts, st.ts + st.dur, st.index) for st in steps])
         if mode == "auto":
             mode = "gpu" if self.k_ts else "cpu"
         if mode not in ("gpu", "cpu"):
@@ -360,8 +353,6 @@ class _Collector:
                 a[0] += 1
                 a[1] += self.cpu_end[i] - self.cpu_ts[i]
         else:
-            order = sorted(range(len(self.rt_corr)), key=self.rt_corr.__getitem__)
-            corrs = array("q", (self.rt_corr[i] for i in order))
             kcorrs = set(self.k_corr)
             for i, c in enumerate(self.rt_corr):  # a one-kernel launch whose kernel never came
                 if c >= 0 and self.rt_launch[i] and c not in kcorrs:
@@ -369,15 +360,14 @@ class _Collector:
                     if si >= 0:
                         lost[si] = lost.get(si, 0) + 1
             del kcorrs
+            # correlation id -> its first runtime call (fed last to first: the first stays)
+            last = len(self.rt_corr) - 1
+            rt_of = dict(zip(self.rt_corr[::-1], range(last, -1, -1), strict=True))
             step_of = _device_spans(self.gsteps, steps)
             queue_of = {v: k for k, v in self.threads.items()}
             for k in range(len(self.k_ts)):
                 c = self.k_corr[k]
-                r = -1
-                if c >= 0:
-                    j = bisect.bisect_left(corrs, c)
-                    if j < len(corrs) and corrs[j] == c:
-                        r = order[j]
+                r = rt_of.get(c, -1) if c >= 0 else -1
                 if r >= 0:
                     si, par = step_at(self.rt_ts[r]), rt_par[r]
                 else:
@@ -449,14 +439,20 @@ def _device_spans(gsteps: list[tuple[Any, Any, float, float, str]],
         if seen[q, name] < len(hosts):
             per_queue[q].append((ts, ts + dur, hosts[seen[q, name]]))
         seen[q, name] += 1
-    starts = {q: [s[0] for s in v] for q, v in per_queue.items()}
+    at = {q: _span_at(v) for q, v in per_queue.items()}
+    return lambda queue, ts: at[queue](ts) if queue in at else -1
 
-    def step_of(queue: tuple[Any, Any], ts: float) -> int:
-        spans = per_queue.get(queue)
-        j = bisect.bisect_right(starts[queue], ts + 1e-3) - 1 if spans else -1
-        return spans[j][2] if j >= 0 and ts <= spans[j][1] + 1e-3 else -1
 
-    return step_of
+def _span_at(spans: list[tuple[float, float, int]]) -> Callable[[float], int]:
+    """``at(ts)``: the value of the span (start, end, value; sorted by start) holding ``ts``
+    (1 ns slack), else -1."""
+    starts = [s[0] for s in spans]
+
+    def at(ts: float) -> int:
+        i = bisect.bisect_right(starts, ts + 1e-3) - 1
+        return spans[i][2] if i >= 0 and ts <= spans[i][1] + 1e-3 else -1
+
+    return at
 
 
 def _evidence(header: dict[str, Any], runtime: int, device_annotations: int) -> list[str]:
