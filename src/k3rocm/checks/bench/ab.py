@@ -348,13 +348,23 @@ def compare(w: Workload, runs: Sequence[dict], mode: str, key: str, floor_doc: d
     if prim and prim.get("d") is not None:
         head = (f"primary {prim['metric']} c={prim['concurrency']}: {_pct(prim['d'])} "
                 f"[{_pct(prim['lo'])}, {_pct(prim['hi'])}] {prim['verdict']}")
-    inputs = _input_rows(runs)
+    inputs: list[dict[str, Any]] = []  # per (run, point): aiperf's OSL check, scraped counters
+    bunched: list[dict[str, Any]] = []  # every (run, point) whose stream was not per token
+    for r, p in _run_points(runs):
+        where = {"slot": r["slot"], "arm": r["arm"], "run": r.get("run"),
+                 "concurrency": p["concurrency"]}
+        sm, stream = p.get("server_metrics") or {}, p.get("stream") or {}
+        inputs.append({**where, "flags": p.get("flags") or [],
+                       "osl_mismatch_count": p.get("osl_mismatch_count"),
+                       "prefix_cache_hit_rate": sm.get("prefix_cache_hit_rate"),
+                       "mtp_acceptance_rate": sm.get("mtp_acceptance_rate")})
+        if stream.get("bunched"):
+            bunched.append({**where, "note": stream.get("note")})
     flagged = [i for i in inputs if i["flags"]]
     if flagged:
         head += (f"; inputs off in {len(flagged)} run point(s) (first: slot {flagged[0]['slot']}"
                  f" arm {flagged[0]['arm']} c={flagged[0]['concurrency']}: "
                  f"{flagged[0]['flags'][0]})")
-    bunched = _bunched_runs(runs)
     if bunched:
         head += (f"; {summary.BUNCHED_NOTE} in {len(bunched)} run point(s) "
                  f"(first: slot {bunched[0]['slot']} arm {bunched[0]['arm']} "
@@ -396,27 +406,6 @@ def _run_points(runs: Sequence[dict]):
             continue
         for p in doc.get("points", []):
             yield r, p
-
-
-def _input_rows(runs: Sequence[dict]) -> list[dict[str, Any]]:
-    """Per (run, point): the input checks of the summary (OSL/ISL, prefix-cache hits) and the
-    scraped prefix-cache hit rate and MTP acceptance."""
-    out = []
-    for r, p in _run_points(runs):
-        sm = p.get("server_metrics") or {}
-        out.append({"slot": r["slot"], "arm": r["arm"], "run": r.get("run"),
-                    "concurrency": p["concurrency"], "flags": p.get("flags") or [],
-                    "osl_mismatch_count": p.get("osl_mismatch_count"),
-                    "prefix_cache_hit_rate": sm.get("prefix_cache_hit_rate"),
-                    "mtp_acceptance_rate": sm.get("mtp_acceptance_rate")})
-    return out
-
-
-def _bunched_runs(runs: Sequence[dict]) -> list[dict[str, Any]]:
-    """Every (run, point) whose stream was not per token (summary's ``stream`` judgement)."""
-    return [{"slot": r["slot"], "arm": r["arm"], "run": r.get("run"),
-             "concurrency": p["concurrency"], "note": (p.get("stream") or {}).get("note")}
-            for r, p in _run_points(runs) if (p.get("stream") or {}).get("bunched")]
 
 
 def calibration(comp: dict, delay_ms: float | None) -> list[dict[str, Any]]:
@@ -466,13 +455,11 @@ def find_noise_floor(plan: ABPlan, key: str, field: str = "protocol_key") -> dic
         try:
             doc = json.loads((Path(d) / "comparison.json").read_text())
         except (OSError, json.JSONDecodeError):
+            doc = None
+        if (doc or {}).get("mode") != "aa":
             if plan.noise_floor_dir:
-                raise UsageError(f"--noise-floor {d}: no readable comparison.json there", 2) \
-                    from None
-            continue
-        if doc.get("mode") != "aa":
-            if plan.noise_floor_dir:
-                raise UsageError(f"--noise-floor {d} is not an A/A run", 2)
+                why = ": no readable comparison.json there" if doc is None else " is not an A/A run"
+                raise UsageError(f"--noise-floor {d}{why}", 2)
             continue
         if plan.noise_floor_dir or doc.get(field) == key:
             doc["dir"] = str(d)

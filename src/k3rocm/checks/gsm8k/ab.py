@@ -56,13 +56,12 @@ def compare(a_samples: list[dict], b_samples: list[dict], margin: float) -> dict
         res = stats.paired_accuracy([a[d] for d in docs], [b[d] for d in docs], margin)
         disc = (res["b_only"] + res["a_only"]) / res["n"]
         # no discordant item: nothing to estimate the paired variance from (n/a, not 100%)
-        res["power_here"] = stats.noninferiority_power(res["n"], margin, disc) if disc else None
-        res["power_full"] = (stats.noninferiority_power(GSM8K_TEST_ITEMS, margin, disc)
-                             if disc else None)
+        res["power_here"], res["power_full"] = (
+            stats.noninferiority_power(n, margin, disc) if disc else None
+            for n in (res["n"], GSM8K_TEST_ITEMS))
         out["filters"][filt] = res
     prim = out["filters"]["strict-match"]
-    verdict = ("NON-INFERIOR" if prim["non_inferior"] else "NOT SHOWN NON-INFERIOR")
-    out["verdict"] = verdict
+    verdict = out["verdict"] = "NON-INFERIOR" if prim["non_inferior"] else "NOT SHOWN NON-INFERIOR"
     out["headline"] = (
         f"strict-match A {prim['acc_a']:.4f} B {prim['acc_b']:.4f} (n={prim['n']}): "
         f"B - A {prim['diff'] * 100:+.2f} points, one-sided 95% lower bound "
