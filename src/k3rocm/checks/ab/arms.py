@@ -52,10 +52,7 @@ _log = tagged_log("ab")
 
 def sequence(repeats: int) -> list[str]:
     """A B B A A B B A ... with ``repeats`` slots per arm."""
-    out: list[str] = []
-    for i in range(repeats):
-        out += ["A", "B"] if i % 2 == 0 else ["B", "A"]
-    return out
+    return [arm for i in range(repeats) for arm in ("AB" if i % 2 == 0 else "BA")]
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:

@@ -255,11 +255,9 @@ def recorded_protocol(w: Workload, runs: Sequence[dict], mode: str, runs_per_ser
                       ) -> tuple[str | None, list[str]]:
     """(key, differences): the key from the first slot's recorded server identity, the
     workload protocol and the runs per server; one line per slot whose identity differs."""
-    first_runs: dict[int, tuple[dict, dict[str, Any] | None]] = {}
-    for r in runs:
-        if r.get("run_dir") and r["slot"] not in first_runs:
-            first_runs[r["slot"]] = (r, armlib.slot_identity(Path(r["run_dir"]), mode))
-    ids = [(r, ident) for r, ident in first_runs.values() if ident is not None]
+    first_runs = {r["slot"]: r for r in reversed(runs) if r.get("run_dir")}  # each slot's first
+    ids = [(r, ident) for r in sorted(first_runs.values(), key=lambda r: r["slot"])
+           if (ident := armlib.slot_identity(Path(r["run_dir"]), mode)) is not None]
     if not ids:
         return None, []
     first_run, first = ids[0]
@@ -369,8 +367,10 @@ def compare(w: Workload, runs: Sequence[dict], mode: str, key: str, floor_doc: d
         head += (f"; {summary.BUNCHED_NOTE} in {len(bunched)} run point(s) "
                  f"(first: slot {bunched[0]['slot']} arm {bunched[0]['arm']} "
                  f"c={bunched[0]['concurrency']})")
+    cmds = [Path(r["run_dir"]) / "command.txt" for r in runs if r.get("run_dir")]
+    command = next((p.read_text().strip() for p in cmds if p.is_file()), None)  # the first run's
     return {"mode": mode, "protocol_key": key, "protocol": describe or [],
-            "workload": w.name, "command": _first_command(runs),
+            "workload": w.name, "command": command,
             "primary": {"metric": primary[0], "concurrency": primary[1]},
             "alpha": stats.ALPHA, "multiplicity": stats.MULTIPLICITY,
             "runs": list(runs), "rows": rows, "headline": head,
@@ -428,20 +428,13 @@ def calibration(comp: dict, delay_ms: float | None) -> list[dict[str, Any]]:
     return out
 
 
-def _first_command(runs: Sequence[dict]) -> str | None:
-    paths = (Path(r["run_dir"]) / "command.txt" for r in runs if r.get("run_dir"))
-    return next((p.read_text().strip() for p in paths if p.is_file()), None)
-
-
 def _floor_for(floor_doc: dict | None, c: int, label: str) -> dict[str, Any] | None:
     """The A/A's measured variance component of this row, only when it ran the same
     protocol (same recorded key)."""
-    if not floor_doc or not floor_doc.get("same_protocol"):
+    if not (floor_doc or {}).get("same_protocol"):
         return None
-    for r in floor_doc.get("rows", []):
-        if r["concurrency"] == c and r["metric"] == label:
-            return r.get("aa_component")
-    return None
+    return next((r.get("aa_component") for r in floor_doc.get("rows", [])
+                 if (r["concurrency"], r["metric"]) == (c, label)), None)
 
 
 def find_noise_floor(plan: ABPlan, key: str, field: str = "protocol_key") -> dict | None:

@@ -56,9 +56,9 @@ def compare(a_samples: list[dict], b_samples: list[dict], margin: float) -> dict
         res = stats.paired_accuracy([a[d] for d in docs], [b[d] for d in docs], margin)
         disc = (res["b_only"] + res["a_only"]) / res["n"]
         # no discordant item: nothing to estimate the paired variance from (n/a, not 100%)
-        res["power_here"], res["power_full"] = (
-            stats.noninferiority_power(n, margin, disc) if disc else None
-            for n in (res["n"], GSM8K_TEST_ITEMS))
+        res["power_here"] = stats.noninferiority_power(res["n"], margin, disc) if disc else None
+        res["power_full"] = (stats.noninferiority_power(GSM8K_TEST_ITEMS, margin, disc)
+                             if disc else None)
         out["filters"][filt] = res
     prim = out["filters"]["strict-match"]
     verdict = out["verdict"] = "NON-INFERIOR" if prim["non_inferior"] else "NOT SHOWN NON-INFERIOR"
@@ -148,6 +148,5 @@ def run_gsm8k_ab(args: argparse.Namespace) -> int:
     write_json_atomic(run.dir / "comparison.json", comp)
     write_text_atomic(run.dir / "comparison.md", markdown(comp))
     print(f"gsm8k-ab: {comp['headline']}; report {run.dir / 'comparison.md'}")
-    if refused:
-        return EXIT_CHECK_FAILED
-    return EXIT_OK if comp["filters"]["strict-match"]["non_inferior"] else EXIT_CHECK_FAILED
+    ok = comp["filters"]["strict-match"]["non_inferior"] and not refused
+    return EXIT_OK if ok else EXIT_CHECK_FAILED
