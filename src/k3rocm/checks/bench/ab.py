@@ -131,8 +131,8 @@ def run_ab(plan: ABPlan) -> int:
     run.model, run.api_key = w.model, w.api_key  # what the workload asks the servers for
     key = plan.protocol_key(run.image_id)
     before = find_noise_floor(plan, key, field="planned_key")
-    comp_b = (_floor_for({**before, "same_protocol": True}, plan.primary[1], plan.primary[0])
-              if before else None) or {}
+    comp_b = _floor_for({**(before or {}), "same_protocol": True}, plan.primary[1],
+                        plan.primary[0]) or {}
     design_before = stats.design_line(comp_b.get("var_log"), comp_b.get("df", 0), arms.repeats,
                                       plan.primary[0])
     if before:
