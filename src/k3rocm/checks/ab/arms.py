@@ -52,10 +52,7 @@ _log = tagged_log("ab")
 
 def sequence(repeats: int) -> list[str]:
     """A B B A A B B A ... with ``repeats`` slots per arm."""
-    out: list[str] = []
-    for i in range(repeats):
-        out += ["A", "B"] if i % 2 == 0 else ["B", "A"]
-    return out
+    return [arm for i in range(repeats) for arm in ("AB" if i % 2 == 0 else "BA")]
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
@@ -298,17 +295,6 @@ def estimate(arms: Arms, results: Path, runs_per_slot: int = 1) -> tuple[float, 
     return total, how
 
 
-def announce(arms: Arms, results: Path, runs_per_slot: int = 1) -> None:
-    secs, how = estimate(arms, results, runs_per_slot)
-    slots = len(arms.slots())
-    per = len(arms.replica_ports)
-    where = (f", {per} replicas per slot behind the router {arms.scale.router_url}"
-             if arms.scale is not None else "")
-    _log(f"{arms.mode.upper()}: {slots * per} cold server start(s) in the order "
-         f"{' '.join(arms.slots())}{where}, {slots * runs_per_slot} run(s); estimated "
-         f"{secs / 60:.1f} min ({how})")
-
-
 def check_port(arms: Arms) -> None:
     """Refuse (exit 2) when something serves --port, unless --stop-running: then the
     deployment's compose server is stopped through the lifecycle (log saved first)."""
@@ -462,7 +448,13 @@ def start(arms: Arms, results: Path, label: str, runs_per_slot: int = 1,
     ref, iid = image_id(arms, client)
     if client_image:
         engine_image_id(client, client_image)
-    announce(arms, results, runs_per_slot)
+    secs, how = estimate(arms, results, runs_per_slot)
+    slots, per = len(arms.slots()), len(arms.replica_ports)
+    where = (f", {per} replicas per slot behind the router {arms.scale.router_url}"
+             if arms.scale is not None else "")
+    _log(f"{arms.mode.upper()}: {slots * per} cold server start(s) in the order "
+         f"{' '.join(arms.slots())}{where}, {slots * runs_per_slot} run(s); estimated "
+         f"{secs / 60:.1f} min ({how})")
     dep = arm_deployment(arms)
     return Run(arms, client, ref, iid, dep.served_model_name, dep.api_key,
                create_run_dir(results, label))

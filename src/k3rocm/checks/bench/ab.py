@@ -131,8 +131,8 @@ def run_ab(plan: ABPlan) -> int:
     run.model, run.api_key = w.model, w.api_key  # what the workload asks the servers for
     key = plan.protocol_key(run.image_id)
     before = find_noise_floor(plan, key, field="planned_key")
-    comp_b = (_floor_for({**before, "same_protocol": True}, plan.primary[1], plan.primary[0])
-              if before else None) or {}
+    comp_b = _floor_for({**(before or {}), "same_protocol": True}, plan.primary[1],
+                        plan.primary[0]) or {}
     design_before = stats.design_line(comp_b.get("var_log"), comp_b.get("df", 0), arms.repeats,
                                       plan.primary[0])
     if before:
@@ -255,11 +255,9 @@ def recorded_protocol(w: Workload, runs: Sequence[dict], mode: str, runs_per_ser
                       ) -> tuple[str | None, list[str]]:
     """(key, differences): the key from the first slot's recorded server identity, the
     workload protocol and the runs per server; one line per slot whose identity differs."""
-    first_runs: dict[int, tuple[dict, dict[str, Any] | None]] = {}
-    for r in runs:
-        if r.get("run_dir") and r["slot"] not in first_runs:
-            first_runs[r["slot"]] = (r, armlib.slot_identity(Path(r["run_dir"]), mode))
-    ids = [(r, ident) for r, ident in first_runs.values() if ident is not None]
+    first_runs = {r["slot"]: r for r in reversed(runs) if r.get("run_dir")}  # each slot's first
+    ids = [(r, ident) for r in sorted(first_runs.values(), key=lambda r: r["slot"])
+           if (ident := armlib.slot_identity(Path(r["run_dir"]), mode)) is not None]
     if not ids:
         return None, []
     first_run, first = ids[0]
@@ -348,19 +346,31 @@ def compare(w: Workload, runs: Sequence[dict], mode: str, key: str, floor_doc: d
     if prim and prim.get("d") is not None:
         head = (f"primary {prim['metric']} c={prim['concurrency']}: {_pct(prim['d'])} "
                 f"[{_pct(prim['lo'])}, {_pct(prim['hi'])}] {prim['verdict']}")
-    inputs = _input_rows(runs)
+    inputs: list[dict[str, Any]] = []  # per (run, point): aiperf's OSL check, scraped counters
+    bunched: list[dict[str, Any]] = []  # every (run, point) whose stream was not per token
+    for r, p in _run_points(runs):
+        where = {"slot": r["slot"], "arm": r["arm"], "run": r.get("run"),
+                 "concurrency": p["concurrency"]}
+        sm, stream = p.get("server_metrics") or {}, p.get("stream") or {}
+        inputs.append({**where, "flags": p.get("flags") or [],
+                       "osl_mismatch_count": p.get("osl_mismatch_count"),
+                       "prefix_cache_hit_rate": sm.get("prefix_cache_hit_rate"),
+                       "mtp_acceptance_rate": sm.get("mtp_acceptance_rate")})
+        if stream.get("bunched"):
+            bunched.append({**where, "note": stream.get("note")})
     flagged = [i for i in inputs if i["flags"]]
     if flagged:
         head += (f"; inputs off in {len(flagged)} run point(s) (first: slot {flagged[0]['slot']}"
                  f" arm {flagged[0]['arm']} c={flagged[0]['concurrency']}: "
                  f"{flagged[0]['flags'][0]})")
-    bunched = _bunched_runs(runs)
     if bunched:
         head += (f"; {summary.BUNCHED_NOTE} in {len(bunched)} run point(s) "
                  f"(first: slot {bunched[0]['slot']} arm {bunched[0]['arm']} "
                  f"c={bunched[0]['concurrency']})")
+    cmds = [Path(r["run_dir"]) / "command.txt" for r in runs if r.get("run_dir")]
+    command = next((p.read_text().strip() for p in cmds if p.is_file()), None)  # the first run's
     return {"mode": mode, "protocol_key": key, "protocol": describe or [],
-            "workload": w.name, "command": _first_command(runs),
+            "workload": w.name, "command": command,
             "primary": {"metric": primary[0], "concurrency": primary[1]},
             "alpha": stats.ALPHA, "multiplicity": stats.MULTIPLICITY,
             "runs": list(runs), "rows": rows, "headline": head,
@@ -398,27 +408,6 @@ def _run_points(runs: Sequence[dict]):
             yield r, p
 
 
-def _input_rows(runs: Sequence[dict]) -> list[dict[str, Any]]:
-    """Per (run, point): the input checks of the summary (OSL/ISL, prefix-cache hits) and the
-    scraped prefix-cache hit rate and MTP acceptance."""
-    out = []
-    for r, p in _run_points(runs):
-        sm = p.get("server_metrics") or {}
-        out.append({"slot": r["slot"], "arm": r["arm"], "run": r.get("run"),
-                    "concurrency": p["concurrency"], "flags": p.get("flags") or [],
-                    "osl_mismatch_count": p.get("osl_mismatch_count"),
-                    "prefix_cache_hit_rate": sm.get("prefix_cache_hit_rate"),
-                    "mtp_acceptance_rate": sm.get("mtp_acceptance_rate")})
-    return out
-
-
-def _bunched_runs(runs: Sequence[dict]) -> list[dict[str, Any]]:
-    """Every (run, point) whose stream was not per token (summary's ``stream`` judgement)."""
-    return [{"slot": r["slot"], "arm": r["arm"], "run": r.get("run"),
-             "concurrency": p["concurrency"], "note": (p.get("stream") or {}).get("note")}
-            for r, p in _run_points(runs) if (p.get("stream") or {}).get("bunched")]
-
-
 def calibration(comp: dict, delay_ms: float | None) -> list[dict[str, Any]]:
     """Injected vs detected, per concurrency: every engine step of arm B sleeps ``delay_ms``
     and emits one token per running request, so B's ITL should be A's + ``delay_ms``: the
@@ -439,20 +428,13 @@ def calibration(comp: dict, delay_ms: float | None) -> list[dict[str, Any]]:
     return out
 
 
-def _first_command(runs: Sequence[dict]) -> str | None:
-    paths = (Path(r["run_dir"]) / "command.txt" for r in runs if r.get("run_dir"))
-    return next((p.read_text().strip() for p in paths if p.is_file()), None)
-
-
 def _floor_for(floor_doc: dict | None, c: int, label: str) -> dict[str, Any] | None:
     """The A/A's measured variance component of this row, only when it ran the same
     protocol (same recorded key)."""
-    if not floor_doc or not floor_doc.get("same_protocol"):
+    if not (floor_doc or {}).get("same_protocol"):
         return None
-    for r in floor_doc.get("rows", []):
-        if r["concurrency"] == c and r["metric"] == label:
-            return r.get("aa_component")
-    return None
+    return next((r.get("aa_component") for r in floor_doc.get("rows", [])
+                 if (r["concurrency"], r["metric"]) == (c, label)), None)
 
 
 def find_noise_floor(plan: ABPlan, key: str, field: str = "protocol_key") -> dict | None:
@@ -466,13 +448,11 @@ def find_noise_floor(plan: ABPlan, key: str, field: str = "protocol_key") -> dic
         try:
             doc = json.loads((Path(d) / "comparison.json").read_text())
         except (OSError, json.JSONDecodeError):
+            doc = None
+        if (doc or {}).get("mode") != "aa":
             if plan.noise_floor_dir:
-                raise UsageError(f"--noise-floor {d}: no readable comparison.json there", 2) \
-                    from None
-            continue
-        if doc.get("mode") != "aa":
-            if plan.noise_floor_dir:
-                raise UsageError(f"--noise-floor {d} is not an A/A run", 2)
+                why = ": no readable comparison.json there" if doc is None else " is not an A/A run"
+                raise UsageError(f"--noise-floor {d}{why}", 2)
             continue
         if plan.noise_floor_dir or doc.get(field) == key:
             doc["dir"] = str(d)

@@ -21,7 +21,7 @@ import os
 import sys
 from pathlib import Path
 
-from k3rocm.checks.bench import runner
+from k3rocm.checks.bench import run as bench_run
 from k3rocm.checks.bench.workloads import (
     ENV_PREFIX,
     FIELD_NAMES,
@@ -29,9 +29,11 @@ from k3rocm.checks.bench.workloads import (
     load_table,
     parse_sets,
     resolve,
+    shell_line,
 )
 from k3rocm.deploy.deployment import load_deployment
 from k3rocm.errors import UsageError
+from k3rocm.rundir import utc_stamp
 from k3rocm.serving.config import REDACTED
 
 
@@ -54,8 +56,8 @@ def add_common(parser: argparse.ArgumentParser) -> None:
                         help="results root; each run gets <root>/<UTC stamp>-<label>/ "
                         "(default K3_RESULTS_DIR, which compose mounts at /results)")
     parser.add_argument("--client-image", default=os.environ.get("BENCH_CLIENT_IMAGE")
-                        or runner.CLIENT_IMAGE,
-                        help=f"client image with aiperf (default {runner.CLIENT_IMAGE}; env "
+                        or bench_run.CLIENT_IMAGE,
+                        help=f"client image with aiperf (default {bench_run.CLIENT_IMAGE}; env "
                         "BENCH_CLIENT_IMAGE)")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the exact aiperf command line(s) and exit 0; contacts "
@@ -108,17 +110,16 @@ def run(args: argparse.Namespace) -> int:
             print(f"{name:14s} {({**defaults, **table}).get('description', '')}")
         return 0
     w = resolve_from_args(args)
-    from k3rocm.checks.bench import run as bench_run
-
-    if args.dry_run:
-        print(bench_run.dry_run_line(w, args.results))
+    if args.dry_run:  # the exact command a run would execute; nothing is created or contacted
+        print(shell_line(bench_run.planned_command(
+            w, args.results.resolve() / f"{utc_stamp()}-{w.name}")))
         if not Path(w.tokenizer).expanduser().is_dir():
             print(f"[bench] note: tokenizer directory {w.tokenizer!r} does not exist here",
                   file=sys.stderr)
         return 0
     bench_run.check_tokenizer(w.tokenizer)  # bad input first, before touching Docker
     container = None
-    client = runner.docker_client()
+    client = bench_run.docker_client()
     if args.server_container:
         try:
             container = client.containers.get(args.server_container)

@@ -1,26 +1,45 @@
 """One bench run: validate, check the server, run aiperf in the client container, write the run
-directory (raw artifacts, summary.json, perf.csv, report.md, PNG plots, provenance.json)."""
+directory (raw artifacts, summary.json, perf.csv, report.md, PNG plots, provenance.json).
+
+aiperf runs in the client container through :func:`k3rocm.deploy.engine.run_client` (the one
+client-container runner). The container uses the host network (so ``http://127.0.0.1:<port>``
+reaches the server), mounts the run directory and the tokenizer directory at their host paths
+(so the printed command is the one that ran), and runs as the calling user so results are not
+root-owned. HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE are deliberately NOT set: aiperf 0.13.0 fails
+to load a local tokenizer directory when either is set to anything (HFValidationError, even
+with 0).
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from k3rocm.checks.bench import plots, runner, summary
+from k3rocm import __version__
+from k3rocm.checks.bench import plots, summary
 from k3rocm.checks.bench.workloads import Workload, aiperf_command, shell_line
 from k3rocm.deploy import runrecord
 from k3rocm.deploy.deployment import load_deployment
-from k3rocm.deploy.engine import run_client
+from k3rocm.deploy.engine import docker_client, image_id, run_client
 from k3rocm.deploy.provenance import served_as
 from k3rocm.deploy.readiness import wait_ready
 from k3rocm.errors import EXIT_CHECK_FAILED as EXIT_FAILED
 from k3rocm.errors import EXIT_INTERRUPTED, EXIT_OK, UsageError, tagged_log
-from k3rocm.rundir import create_run_dir, utc_stamp, write_json_atomic, write_text_atomic
+from k3rocm.rundir import create_run_dir, write_json_atomic, write_text_atomic
 from k3rocm.serving.config import redact_argv
 
+CLIENT_IMAGE = f"k3rocm/clients:{__version__}"
+AIPERF_VERSION = "0.13.0"
+LABEL = "k3rocm.bench"
+# Mounting below these would shadow what the client image needs; elsewhere (also below /tmp,
+# /root, /var, /run) a host path is mounted at the same path.
+_SYSTEM_PREFIXES = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/opt/clients",
+                    "/proc", "/sbin", "/sys", "/usr")
+_SYSTEM_DIRS = ("/", "/tmp", "/root", "/run", "/var", "/opt", "/home", "/mnt")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tiktoken.model",
                     "tokenizer.model", "vocab.json")
 
@@ -42,14 +61,27 @@ def check_tokenizer(path: str) -> Path:
     return p.resolve()
 
 
+def container_path(host: str | os.PathLike) -> str:
+    """Where a host path is mounted in the client: the same path, unless it would shadow a
+    system directory of the image."""
+    p = str(Path(host).resolve())
+    if p in _SYSTEM_DIRS or any(p == s or p.startswith(s + "/") for s in _SYSTEM_PREFIXES):
+        return "/mnt/k3bench" + p
+    return p
+
+
+def client_aiperf_version(client, image: str) -> str | None:
+    try:
+        out = client.containers.run(image, ["aiperf", "--version"], remove=True,
+                                    network_mode="none", labels={LABEL: "client-version"})
+        return out.decode().strip().splitlines()[-1]
+    except Exception:  # noqa: BLE001
+        return None
+
+
 def planned_command(w: Workload, run_dir: Path) -> list[str]:
-    tok = runner.container_path(Path(w.tokenizer).expanduser()) if w.tokenizer else w.tokenizer
-    return aiperf_command(w, runner.container_path(run_dir) + "/aiperf", tokenizer=tok)
-
-
-def dry_run_line(w: Workload, results: Path) -> str:
-    """The exact command a run would execute; nothing is created or contacted."""
-    return shell_line(planned_command(w, results.resolve() / f"{utc_stamp()}-{w.name}"))
+    tok = container_path(Path(w.tokenizer).expanduser()) if w.tokenizer else w.tokenizer
+    return aiperf_command(w, container_path(run_dir) + "/aiperf", tokenizer=tok)
 
 
 @dataclass
@@ -65,8 +97,8 @@ def run_bench(w: Workload, *, results: Path, client_image: str, server_timeout: 
               run_dir: Path | None = None) -> BenchResult:
     """Run one workload against an already running server; always writes a complete run dir."""
     tok = check_tokenizer(w.tokenizer)
-    client = docker or runner.docker_client()
-    image_id = runner.image_id(client, client_image)
+    client = docker or docker_client()
+    client_id = image_id(client, client_image)
     wait_ready(w.url, w.model, server_timeout, api_key=w.api_key)
     if run_dir is None:
         run_dir = create_run_dir(results, label or w.name)
@@ -82,26 +114,26 @@ def run_bench(w: Workload, *, results: Path, client_image: str, server_timeout: 
         deployment = load_deployment()
     except UsageError:  # the flags pointed the bench elsewhere: the record says what it measured
         deployment = None
-    aiperf_version = runner.client_aiperf_version(client, client_image)
+    aiperf_version = client_aiperf_version(client, client_image)
     prov = runrecord.build(
         deployment=deployment, url=w.url, measure="bench", workload=w.name,
         server=runrecord.server(client, w.url, w.api_key, container=server_container),
         tools={"aiperf": aiperf_version, "client_image": client_image,
-               "client_image_id": image_id},
-        client={"image": client_image, "image_id": image_id, "aiperf_version": aiperf_version,
-                "aiperf_pinned": runner.AIPERF_VERSION, "command": shown,
+               "client_image_id": client_id},
+        client={"image": client_image, "image_id": client_id, "aiperf_version": aiperf_version,
+                "aiperf_pinned": AIPERF_VERSION, "command": shown,
                 "command_line": cmd_line,
                 "env_note": "HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE deliberately unset"},
         **(extra_provenance or {}))
     runrecord.write(run_dir, prov)
 
-    mounts = {str(run_dir): (runner.container_path(run_dir), "rw"),
-              str(tok): (runner.container_path(tok), "ro")}
+    mounts = {str(run_dir): (container_path(run_dir), "rw"),
+              str(tok): (container_path(tok), "ro")}
     name = f"k3bench-aiperf-{run_dir.name}".replace(":", "")[:120]
     _log(f"aiperf: {cmd_line}")
     t0 = time.time()
     res = run_client(client, client_image, argv, mounts, run_dir / "aiperf.log", name,
-                     progress=progress, labels={runner.LABEL: "client"}, tool="aiperf",
+                     progress=progress, labels={LABEL: "client"}, tool="aiperf",
                      tag="bench")
     server, served = prov["server"], served_as(prov["server"])
     points = summary.summarize(run_dir / "aiperf", w.points(), *summary.tokens_per_step(server),

@@ -128,12 +128,6 @@ def recompute_from_records(point_dir: Path) -> dict[str, Any]:
 # --- sweep points
 
 
-def find_point_dirs(artifact_dir: Path) -> dict[tuple[int, int], Path]:
-    children = artifact_dir.iterdir() if artifact_dir.is_dir() else ()
-    return {(int(m[1]), int(m[2])): c for c in children
-            if (m := _POINT_RE.match(c.name)) and c.is_dir()}
-
-
 def _agg(d: dict, tag: str, stat: str) -> float | None:
     v = (d.get(tag) or {}).get(stat)
     return float(v) if isinstance(v, (int, float)) else None
@@ -157,8 +151,7 @@ def summarize_point(point_dir: Path | None, concurrency: int, request_count: int
         return point
     agg_path = point_dir / "profile_export_aiperf.json"
     rec = recompute_from_records(point_dir)
-    point["requests_ok"] = rec["requests_ok"]
-    point["requests_failed"] = rec["requests_failed"]
+    point.update(requests_ok=rec["requests_ok"], requests_failed=rec["requests_failed"])
     if not agg_path.is_file():
         point["reason"] = (f"incomplete: aiperf wrote no summary ({rec['requests_ok']} of "
                            f"{request_count} requests finished)")
@@ -171,8 +164,7 @@ def summarize_point(point_dir: Path | None, concurrency: int, request_count: int
         return point
     point["metrics"] = {key: {s: _agg(agg, tag, s) for s in STATS}
                         for key, (tag, _, _) in LATENCY_METRICS.items() if tag in agg}
-    for key, tag in _POINT_AVGS.items():
-        point[key] = _agg(agg, tag, "avg")
+    point.update({key: _agg(agg, tag, "avg") for key, tag in _POINT_AVGS.items()})
     errors = agg.get("error_summary") or []
     n_err = sum(int(e.get("count", 1)) for e in errors if isinstance(e, dict)) or len(errors)
     completed = _agg(agg, "request_count", "avg") or 0
@@ -344,17 +336,19 @@ def summarize(artifact_dir: Path, points: Sequence[tuple[int, int]], per_step: i
     point's ``stream`` says whether the stream was per token (``per_step``: tokens one engine
     step streams, see :func:`tokens_per_step`); with ``expect`` ({isl, osl, prefix_caching})
     its ``flags`` say where the inputs were not what the workload asked for."""
-    dirs = find_point_dirs(artifact_dir)
+    children = artifact_dir.iterdir() if artifact_dir.is_dir() else ()
+    dirs = {(int(m[1]), int(m[2])): c for c in children
+            if (m := _POINT_RE.match(c.name)) and c.is_dir()}
     if len(points) == 1 and not dirs and any(
             (artifact_dir / f).exists()
             for f in ("profile_export.jsonl", "profile_export_aiperf.json")):
         dirs = {points[0]: artifact_dir}  # single-point runs write straight into artifact_dir
     out = []
     for c, n in points:
-        point = summarize_point(dirs.get((c, n)), c, n)
-        point["stream"] = judge_stream(stream_shape(dirs.get((c, n))), per_step,
-                                       per_step_source)
-        point["server_metrics"] = server_counters(dirs.get((c, n)))
+        d = dirs.get((c, n))
+        point = summarize_point(d, c, n)
+        point.update(stream=judge_stream(stream_shape(d), per_step, per_step_source),
+                     server_metrics=server_counters(d))
         if expect and point.get("metrics"):
             point["flags"] = input_flags(point, **expect)
         out.append(point)

@@ -57,10 +57,6 @@ def arms_env(on: str) -> dict[str, dict[str, str]]:
     return {"off": switches(False), "on": switches(dict.fromkeys(names, True))}
 
 
-def _rows(c: Census) -> dict[int, dict[str, Any]]:
-    return {row["rank"]: row for row in c.per_layer_step()}
-
-
 def compare(arms: dict[str, Census]) -> dict[str, Any]:
     """Per rank, off vs on: launches (stock -> fused), us per MLA layer per decode step, and
     the A/B checks. q/kv norm: the off - on difference of ALL RMSNorm launches (scaled to the
@@ -68,7 +64,7 @@ def compare(arms: dict[str, Census]) -> dict[str, Any]:
     arm off, it must be 2 x MLA layers x decode steps, and the on arm must launch one fused
     kernel per MLA layer and decode step (a fused kernel launched while the stock pair still
     runs fails here even when the model's other norms are unknown)."""
-    off, on = _rows(arms["off"]), _rows(arms["on"])
+    off, on = ({row["rank"]: row for row in arms[k].per_layer_step()} for k in ("off", "on"))
     rows: list[dict[str, Any]] = []
     checks: list[Check] = []
     qk_asked = arms["on"].claim.qk_norm and not arms["off"].claim.qk_norm
@@ -125,14 +121,26 @@ def render_ab_table(cmp: dict[str, Any]) -> str:
     return columns(head, rows, rule=False)
 
 
-def render_ab_markdown(arms: dict[str, Census], cmp: dict[str, Any], meta: dict[str, Any],
-                       arm_env: dict[str, dict[str, str]]) -> str:
-    unit = "device" if all(p["mode"] == "gpu" for c in arms.values() for p in c.per_rank) \
+def finish_ab(run_dir: Any, results: dict[str, Census], meta: dict[str, Any],
+              arm_env: dict[str, dict[str, str]], provenance: dict[str, Any]) -> int:
+    """Write provenance.json (``provenance`` + the arms' trace files), ab.json and ab.md (the
+    arms' verdicts, the off -> on table and the A/B checks)."""
+    write_json_atomic(run_dir / "provenance.json", {
+        **base_provenance([r.path for c in results.values() for r in c.traces.ranks]),
+        **provenance})
+    cmp = compare(results)
+    ok = all(c.ok for c in results.values()) and all(c.ok is not False for c in cmp["checks"])
+    write_json_atomic(run_dir / "ab.json", {
+        "ok": ok, "incomplete": {k: v.incomplete for k, v in results.items() if v.incomplete},
+        "meta": meta, "comparison": {**cmp, "checks": [c.to_json() for c in cmp["checks"]]},
+        "arms": {k: {"ok": v.ok, "claim": v.claim.to_json(),
+                     "checks": [c.to_json() for c in v.checks]} for k, v in results.items()}})
+    unit = "device" if all(p["mode"] == "gpu" for c in results.values() for p in c.per_rank) \
         else "host (CPU operator)"
     lines = ["# Decode kernel census A/B: fusions off vs on", "",
              f"Protocol: {meta['protocol']}. Times are {unit} times per MLA layer per decode "
              "step.", ""]
-    for name, c in arms.items():
+    for name, c in results.items():
         lines.append(f"- arm **{name}** (asked {arm_env[name]}): census "
                      f"**{c.verdict}** (see `{name}/census.md`)")
         lines += [f"  - lost: {x}" for x in c.incomplete_lines()]
@@ -144,23 +152,7 @@ def render_ab_markdown(arms: dict[str, Census], cmp: dict[str, Any], meta: dict[
               "interval).", ""]
     if cmp["checks"]:
         lines += ["## A/B checks", "", "```", render_table(cmp["checks"]), "```", ""]
-    return "\n".join(lines)
-
-
-def finish_ab(run_dir: Any, results: dict[str, Census], meta: dict[str, Any],
-              arm_env: dict[str, dict[str, str]], provenance: dict[str, Any]) -> int:
-    """Write provenance.json (``provenance`` + the arms' trace files), ab.json and ab.md."""
-    write_json_atomic(run_dir / "provenance.json", {
-        **base_provenance([r.path for c in results.values() for r in c.traces.ranks]),
-        **provenance})
-    cmp = compare(results)
-    ok = all(c.ok for c in results.values()) and all(c.ok is not False for c in cmp["checks"])
-    write_json_atomic(run_dir / "ab.json", {
-        "ok": ok, "incomplete": {k: v.incomplete for k, v in results.items() if v.incomplete},
-        "meta": meta, "comparison": {**cmp, "checks": [c.to_json() for c in cmp["checks"]]},
-        "arms": {k: {"ok": v.ok, "claim": v.claim.to_json(),
-                     "checks": [c.to_json() for c in v.checks]} for k, v in results.items()}})
-    md = render_ab_markdown(results, cmp, meta, arm_env)
+    md = "\n".join(lines)
     write_text_atomic(run_dir / "ab.md", md)
     print(md)
     failed = [f"arm {k}" for k, v in results.items() if not v.ok] + \
@@ -183,16 +175,14 @@ def run_offline(args: argparse.Namespace, opts: Analysis,
     for d in dirs:
         if not Path(d).is_dir():
             raise UsageError(f"--trace-dirs: {d} is not a directory")
-    results: dict[str, Census] = {}
-    claims = {}
-    for arm, d in zip(("off", "on"), map(Path, dirs), strict=True):
-        claims[arm] = from_env(arm_env[arm], f"the {arm} arm (--on {args.on})")
-        results[arm] = analyse(d, opts, claims[arm], read_decisions(opts, d))
+    results = {arm: analyse(d, opts, from_env(arm_env[arm], f"the {arm} arm (--on {args.on})"),
+                            read_decisions(opts, d))
+               for arm, d in zip(("off", "on"), map(Path, dirs), strict=True)}
     run_dir = create_run_dir(results_root(args), args.label)
     for arm, c in results.items():
         (run_dir / arm).mkdir()
         write_report(run_dir / arm, c, {**base_provenance([r.path for r in c.traces.ranks]),
-                                        "source": "trace-dir", "claim": claims[arm].to_json()},
+                                        "source": "trace-dir", "claim": c.claim.to_json()},
                      title=f"Decode kernel census, arm {arm}", top=args.top)
         print(f"--- arm {arm} ---\n{c.table()}")
     meta = {"protocol": f"offline comparison of {dirs[0]} (off) and {dirs[1]} (on)",

@@ -61,8 +61,7 @@ def compare(a_samples: list[dict], b_samples: list[dict], margin: float) -> dict
                              if disc else None)
         out["filters"][filt] = res
     prim = out["filters"]["strict-match"]
-    verdict = ("NON-INFERIOR" if prim["non_inferior"] else "NOT SHOWN NON-INFERIOR")
-    out["verdict"] = verdict
+    verdict = out["verdict"] = "NON-INFERIOR" if prim["non_inferior"] else "NOT SHOWN NON-INFERIOR"
     out["headline"] = (
         f"strict-match A {prim['acc_a']:.4f} B {prim['acc_b']:.4f} (n={prim['n']}): "
         f"B - A {prim['diff'] * 100:+.2f} points, one-sided 95% lower bound "
@@ -149,6 +148,5 @@ def run_gsm8k_ab(args: argparse.Namespace) -> int:
     write_json_atomic(run.dir / "comparison.json", comp)
     write_text_atomic(run.dir / "comparison.md", markdown(comp))
     print(f"gsm8k-ab: {comp['headline']}; report {run.dir / 'comparison.md'}")
-    if refused:
-        return EXIT_CHECK_FAILED
-    return EXIT_OK if comp["filters"]["strict-match"]["non_inferior"] else EXIT_CHECK_FAILED
+    ok = comp["filters"]["strict-match"]["non_inferior"] and not refused
+    return EXIT_OK if ok else EXIT_CHECK_FAILED
