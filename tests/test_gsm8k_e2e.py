@@ -28,7 +28,7 @@ from server_fixture import standin_server  # noqa: F401 - the shared session fix
 from test_gsm8k_unit import SEED_DOC_TO_TEXT, SEED_FILTERS, SEED_METRIC, write_items
 
 from k3rocm.checks.gsm8k import data
-from k3rocm.checks.gsm8k.command import DEFAULT_CLIENT_IMAGE
+from k3rocm.deploy.engine import CLIENT_IMAGE as DEFAULT_CLIENT_IMAGE
 
 # Another tag (e.g. a freshly built k3rocm/clients:<x>) can be tested without retagging.
 CLIENT_IMAGE = os.environ.get("GSM8K_CLIENT_IMAGE") or DEFAULT_CLIENT_IMAGE

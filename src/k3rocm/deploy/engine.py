@@ -18,7 +18,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from k3rocm import __version__
 from k3rocm.errors import ServerError, UsageError
+
+# The one client image (aiperf and lm-eval; `make clients-image`): bench, gsm8k and the demo.
+CLIENT_IMAGE = f"k3rocm/clients:{__version__}"
 
 # Long enough for a slow `containers.run`/`wait` on a loaded 2-core host or a big image.
 DOCKER_TIMEOUT = 600

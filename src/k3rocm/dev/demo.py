@@ -192,7 +192,7 @@ def _validate(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _validate(args)
-    from k3rocm.checks.bench.run import CLIENT_IMAGE
+    from k3rocm.deploy.engine import CLIENT_IMAGE
 
     t0 = time.time()
     say(t0, f"1/{len(STEPS)} check: Docker, Compose, images, port {args.port}")

@@ -32,6 +32,7 @@ from k3rocm.checks.bench.workloads import (
     shell_line,
 )
 from k3rocm.deploy.deployment import load_deployment
+from k3rocm.deploy.engine import CLIENT_IMAGE
 from k3rocm.errors import UsageError
 from k3rocm.rundir import utc_stamp
 from k3rocm.serving.config import REDACTED
@@ -56,8 +57,8 @@ def add_common(parser: argparse.ArgumentParser) -> None:
                         help="results root; each run gets <root>/<UTC stamp>-<label>/ "
                         "(default K3_RESULTS_DIR, which compose mounts at /results)")
     parser.add_argument("--client-image", default=os.environ.get("BENCH_CLIENT_IMAGE")
-                        or bench_run.CLIENT_IMAGE,
-                        help=f"client image with aiperf (default {bench_run.CLIENT_IMAGE}; env "
+                        or CLIENT_IMAGE,
+                        help=f"client image with aiperf (default {CLIENT_IMAGE}; env "
                         "BENCH_CLIENT_IMAGE)")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the exact aiperf command line(s) and exit 0; contacts "

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from k3rocm import __version__
 from k3rocm.checks.bench import plots, summary
 from k3rocm.checks.bench.workloads import Workload, aiperf_command, shell_line
 from k3rocm.deploy import runrecord
@@ -32,7 +31,6 @@ from k3rocm.errors import EXIT_INTERRUPTED, EXIT_OK, UsageError, tagged_log
 from k3rocm.rundir import create_run_dir, write_json_atomic, write_text_atomic
 from k3rocm.serving.config import redact_argv
 
-CLIENT_IMAGE = f"k3rocm/clients:{__version__}"
 AIPERF_VERSION = "0.13.0"
 LABEL = "k3rocm.bench"
 # Mounting below these would shadow what the client image needs; elsewhere (also below /tmp,

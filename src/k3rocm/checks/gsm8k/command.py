@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
-from k3rocm import __version__
 from k3rocm.checks.gsm8k.data import HF_MOUNT, DataSource
+from k3rocm.deploy.engine import CLIENT_IMAGE
 from k3rocm.errors import UsageError
 
 REFERENCE = {"exact_match": 0.9644, "stderr": 0.0051,
@@ -18,7 +18,6 @@ REFERENCE = {"exact_match": 0.9644, "stderr": 0.0051,
                        "strict-match and flexible-extract"}
 DEFAULT_THRESHOLD = 0.94
 NUM_FEWSHOT = 5
-DEFAULT_CLIENT_IMAGE = f"k3rocm/clients:{__version__}"
 CLIENT_PYTHON = "/opt/clients/bin/python"
 OUT_MOUNT = "/out"
 LAUNCHER_NAME = "k3rocm_lmeval.py"  # copied into <run>/lmeval_plugin/
@@ -40,7 +39,7 @@ class Gsm8kSettings:
     threshold: float = DEFAULT_THRESHOLD
     limit: int | None = None
     allow_limit: bool = False
-    client_image: str = DEFAULT_CLIENT_IMAGE
+    client_image: str = CLIENT_IMAGE
     seed: int = 1234
     reasoning_fallback: bool = False  # a deviation from the reference protocol: off unless asked
 
