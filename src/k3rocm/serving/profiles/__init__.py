@@ -24,11 +24,9 @@ Any problem in a file is a :class:`~k3rocm.errors.UsageError` naming the file an
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import re
 import sys
-from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -70,18 +68,7 @@ def get(name: str, directory: Path | None = None) -> dict[str, Any]:
     if name not in names(d):
         raise UsageError(f"K3_PROFILE={name!r} is not a profile: use one of "
                          f"{', '.join(names(d))}")
-    return copy.deepcopy(_resolve_cached(str(d), name, _stamp(d)))
-
-
-def _stamp(d: Path) -> tuple:
-    """Changes whenever a profile file in ``d`` does (the cache key)."""
-    return tuple((p.name, p.stat().st_mtime_ns, p.stat().st_size)
-                 for p in sorted(d.glob(f"*{SUFFIX}")))
-
-
-@lru_cache(maxsize=64)
-def _resolve_cached(d: str, name: str, stamp: tuple) -> dict[str, Any]:
-    return _resolve(Path(d), name, ())
+    return _resolve(d, name, ())  # read each time (~2 ms): an edited file counts at once
 
 
 def _resolve(d: Path, name: str, chain: tuple[str, ...]) -> dict[str, Any]:
