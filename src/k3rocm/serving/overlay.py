@@ -250,6 +250,7 @@ def apply(overlay_dir: Path, mode: str = "auto", site: Path | None = None,
 
     manifest = _read_manifest(vllm)
     recorded = {f["path"]: f["sha256"] for f in (manifest or {}).get("files", [])}
+    rep["upstream_backup"] = (manifest or {}).get("upstream_backup")
     if manifest is not None:
         same_source = recorded == {str(r): s for r, s in src.items()}
         problems = _problems(vllm, manifest)
@@ -260,7 +261,6 @@ def apply(overlay_dir: Path, mode: str = "auto", site: Path | None = None,
                                "clean base image or use --mode force")
         if same_source and not problems:
             rep["files"] = rows("already-applied")
-            rep["upstream_backup"] = manifest.get("upstream_backup")
             return done("already-applied",
                         f"overlay: already applied {len(files)} files (no-op)")
 
@@ -273,8 +273,6 @@ def apply(overlay_dir: Path, mode: str = "auto", site: Path | None = None,
             shutil.copy2(vllm.root / MLA, backup)
         rep["upstream_backup"] = {"path": str(backup.relative_to(vllm.root)),
                                   "sha256": sha256_file(backup)}
-    elif manifest is not None:
-        rep["upstream_backup"] = manifest.get("upstream_backup")
 
     for rel in files:
         target = write_bytes_atomic(vllm.root / rel, (overlay_dir / rel).read_bytes())

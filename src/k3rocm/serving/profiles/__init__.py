@@ -218,9 +218,8 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         return 0
     for name in names(d):
-        prof = get(name, d)  # validates
+        meta = get(name, d)["meta"]  # validates
         if not args.check:
-            meta = prof["meta"]
             print(f"{name:<18} {meta['hardware']:<4} {meta['description']}")
     if args.check:
         print(f"{len(names(d))} profiles valid: {', '.join(names(d))}")
