@@ -211,9 +211,7 @@ def run(args: argparse.Namespace) -> int:
     }
     results: list[StepResult] = [StepResult("check", "(docker, compose, images, port)", ok=True,
                                             seconds=time.time() - t0, note=checked)]
-    interrupted = False
-    up_started = False
-    current = "model"
+    current = "model"  # the step running (or the last one run)
 
     def _term(*_):
         raise KeyboardInterrupt
@@ -222,18 +220,16 @@ def run(args: argparse.Namespace) -> int:
     try:
         for i, name in enumerate(STEPS[1:-1], start=2):
             current = name
-            up_started = up_started or name == "up"
             res = _do_step(name, commands[name], env, run_dir, t0, i, args)
             results.append(res)
             if not res.ok:
                 break
     except (steps.Interrupted, KeyboardInterrupt):
-        interrupted = True
         results.append(StepResult(current, shlex.join(commands[current]), code=130,
                                   note="interrupted"))
     finally:
         signal.signal(signal.SIGTERM, old_term)
-        if up_started:
+        if STEPS.index(current) >= STEPS.index("up"):
             # Stop what the demo started, whatever happened; a second Ctrl-C must not leave
             # the server running, so it is ignored while `make down` runs.
             old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -242,7 +238,8 @@ def run(args: argparse.Namespace) -> int:
                                         len(STEPS), args))
             finally:
                 signal.signal(signal.SIGINT, old_int)
-    code = 130 if interrupted else next((r.code for r in results if not r.ok), 0)
+    # the first failure: an interruption ends the steps (130, before `make down`'s result)
+    code = next((r.code for r in results if not r.ok), 0)
     print(_summary(results, run_dir, args, env, time.time() - t0, code))
     return code
 
