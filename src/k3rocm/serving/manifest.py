@@ -16,9 +16,9 @@ from k3rocm import __version__
 from k3rocm.errors import UsageError
 from k3rocm.hashing import sha256_file
 from k3rocm.rundir import write_json_atomic
-from k3rocm.serving.basefacts import dist_version, measure, route, value
+from k3rocm.serving.basefacts import MANIFEST, dist_version, measure, route, value
 
-DEFAULT_PATH = "/opt/k3rocm/manifest.json"
+DEFAULT_PATH = str(MANIFEST)
 
 
 
