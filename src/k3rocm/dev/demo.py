@@ -141,18 +141,11 @@ def _env(args: argparse.Namespace, trace_dir: str) -> dict[str, str]:
     env = dict(os.environ)
     if "DOCKER_HOST" not in env and Path(PRIVATE_SOCKET).exists():
         env["DOCKER_HOST"] = f"unix://{PRIVATE_SOCKET}"
-    env.update({
-        "COMPOSE_PROJECT_NAME": args.project,
-        "K3_PROFILE": CPU_PROFILE,
-        "K3_MODEL": f"/models/{SMOKE_MODEL}",
-        "K3_SERVED_MODEL_NAME": SMOKE_MODEL,
-        "K3_PORT": str(args.port),
-        "K3_MAX_MODEL_LEN": MAX_MODEL_LEN,
-        "K3_MODELS_DIR": str(args.models_dir),
-        "K3_RESULTS_DIR": str(args.results),
-        "K3_PROFILER_DIR": trace_dir,
-        **switches(False),
-    })
+    env.update({"COMPOSE_PROJECT_NAME": args.project, "K3_PROFILE": CPU_PROFILE,
+                "K3_MODEL": f"/models/{SMOKE_MODEL}", "K3_SERVED_MODEL_NAME": SMOKE_MODEL,
+                "K3_PORT": str(args.port), "K3_MAX_MODEL_LEN": MAX_MODEL_LEN,
+                "K3_MODELS_DIR": str(args.models_dir), "K3_RESULTS_DIR": str(args.results),
+                "K3_PROFILER_DIR": trace_dir, **switches(False)})
     return env
 
 
