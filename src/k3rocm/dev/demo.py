@@ -205,11 +205,7 @@ def run(args: argparse.Namespace) -> int:
     results: list[StepResult] = [StepResult("check", "(docker, compose, images, port)", ok=True,
                                             seconds=time.time() - t0, note=checked)]
     current = "model"  # the step running (or the last one run)
-
-    def _term(*_):
-        raise KeyboardInterrupt
-
-    old_term = signal.signal(signal.SIGTERM, _term)
+    old_term = signal.signal(signal.SIGTERM, signal.default_int_handler)  # KeyboardInterrupt
     try:
         for i, name in enumerate(STEPS[1:-1], start=2):
             current = name

@@ -323,8 +323,7 @@ def build_argv(s: Settings, passthrough: list[str] | None = None,
         prof = {"profiler": "torch", "torch_profiler_dir": s.profiler_dir,
                 "torch_profiler_use_gzip": True, "ignore_frontend": True,
                 "delay_iterations": s.profiler_delay_iterations,
-                "max_iterations": s.profiler_max_iterations,
-                "torch_profiler_with_stack": False,
+                "max_iterations": s.profiler_max_iterations, "torch_profiler_with_stack": False,
                 "torch_profiler_dump_cuda_time_total": False}
         argv += ["--profiler-config", json.dumps(prof, separators=(",", ":"))]
     return argv + list(extra) + list(passthrough or []) + shlex.split(s.extra_args)
