@@ -267,11 +267,9 @@ def check(s: Any, sources: dict[str, str], facts: dict[str, Any] | None,
     heads = KIMI_K3_HEADS // s.tp
     ver = value(facts, "vllm_version") or "?"
     kv = s.kv_cache_dtype
-    qlens = [1] + ([1 + s.mtp_k] if s.mtp_k > 0 else [])
-    if kv.startswith("fp8"):
-        routes = [(q, route(facts, heads, kv, q)) for q in qlens]
-        bad = [(q, r) for q, r in routes if r["fp8_query_ok"] is False]
-        unk = [q for q, r in routes if r["fp8_query_ok"] is None]
+    if kv.startswith("fp8"):  # the decode route, and MTP's verify route
+        routes = {q: route(facts, heads, kv, q) for q in ([1, 1 + s.mtp_k] if s.mtp_k > 0 else [1])}
+        bad = [(q, r) for q, r in routes.items() if r["fp8_query_ok"] is False]
         if bad:
             q, r = bad[0]
             what = (f"vLLM {ver}, {heads} heads/rank, query length {q}: {r['why']}; an fp8 KV "
@@ -283,7 +281,7 @@ def check(s: Any, sources: dict[str, str], facts: dict[str, Any] | None,
                     "(vLLM >= 0.32); K3_BASE_CHECK=warn overrides")
             updates["kv_cache_dtype"] = kv = "auto"
             notes.append(f"K3_KV_CACHE_DTYPE=auto (default fp8 cannot serve: {what})")
-        elif unk:
+        elif any(r["fp8_query_ok"] is None for r in routes.values()):
             notes.append(f"WARNING: decode route for fp8 KV at {heads} heads/rank unknown on "
                          f"vLLM {ver}; not checked")
     upstream = value(facts, "upstream_mla_fusions") or []

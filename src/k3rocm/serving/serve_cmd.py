@@ -43,8 +43,7 @@ def _render(args: argparse.Namespace):
 
 
 def run_render(args: argparse.Namespace) -> int:
-    json.dump(_render(args).to_json(redact=not args.no_redact), sys.stdout, indent=2)
-    sys.stdout.write("\n")
+    print(json.dumps(_render(args).to_json(redact=not args.no_redact), indent=2))
     return 0
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -214,8 +213,7 @@ def run(args: argparse.Namespace) -> int:
     if d is not None and not d.is_dir():
         raise UsageError(f"--dir {d}: not a directory")
     if args.name:
-        json.dump(get(args.name, d), sys.stdout, indent=2)
-        sys.stdout.write("\n")
+        print(json.dumps(get(args.name, d), indent=2))
         return 0
     for name in names(d):
         meta = get(name, d)["meta"]  # validates
