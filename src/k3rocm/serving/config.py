@@ -374,10 +374,8 @@ def _apply_base(settings: Settings, sources: dict[str, str], base: bool | dict[s
         if settings.base_check == "enforce":
             raise UsageError(str(exc)) from None
         updates, extra, notes = {}, [], [f"WARNING (K3_BASE_CHECK=warn): {exc}"]
-    if updates:
-        settings = settings.model_copy(update=updates)
-        for name in updates:
-            sources[ENV_NAME[name]] = "base facts"
+    settings = settings.model_copy(update=updates)
+    sources.update({ENV_NAME[name]: "base facts" for name in updates})
     heads = KIMI_K3_HEADS // settings.tp
     return settings, extra, {"facts_from": where, "heads_per_rank": heads,
                              "vllm_version": basefacts.value(facts, "vllm_version"),

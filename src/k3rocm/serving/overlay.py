@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from k3rocm.errors import UsageError
+from k3rocm.errors import ServerError, UsageError
 from k3rocm.hashing import sha256_file
 from k3rocm.rundir import write_bytes_atomic, write_text_atomic
 from k3rocm.serving import decisions
@@ -60,11 +60,8 @@ _IMPORT_RE = re.compile(
 _CALL_RE = re.compile(r"(?<![\w.])MultiHeadLatentAttentionWrapper\s*\(")
 
 
-class OverlayError(UsageError):
+class OverlayError(ServerError):
     """The overlay cannot be applied here (exit 3: fails the image build)."""
-
-    def __init__(self, message: str):
-        super().__init__(message, exit_code=3)
 
 
 def _text(path: Path) -> str:
