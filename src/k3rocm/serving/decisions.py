@@ -126,8 +126,8 @@ def records_from_log(text: str, source: str, strict: bool = True) -> list[Record
 
 
 def decision_files(directory: str | Path) -> list[Path]:
-    d = Path(directory)
-    return sorted(p for p in d.rglob(FILE_GLOB) if p.is_file() and _FILE_RE.match(p.name))
+    return sorted(p for p in Path(directory).rglob(FILE_GLOB)
+                  if p.is_file() and _FILE_RE.match(p.name))
 
 
 def records_from_files(files: list[Path]) -> list[Record]:

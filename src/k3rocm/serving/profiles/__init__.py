@@ -122,7 +122,10 @@ def _resolve(d: Path, name: str, chain: tuple[str, ...]) -> dict[str, Any]:
     for key, block, args, env_key in blocks:
         settings.update(_args(block.get(args), where, f"{key}.{args}"))
         env.update(_env(block.get(env_key), where, f"{key}.{env_key}"))
-    _validate_values(settings, where)
+    try:  # each value as the Settings model would take it (other fields at their defaults)
+        Settings(**settings)
+    except ValidationError as exc:
+        raise UsageError(f"{where}: {invalid(exc, settings)}") from None
     return {"settings": settings, "env": env,
             "meta": {"name": name, "description": meta["description"], "hardware": hw,
                      "extends": parent, "path": where}}
@@ -188,14 +191,6 @@ def _env(block: Any, where: str, key: str) -> dict[str, str]:
         if not isinstance(value, str):
             raise UsageError(f"{where}: {key}.{name} must be a quoted string (got {value!r})")
     return dict(block or {})
-
-
-def _validate_values(settings: dict[str, Any], where: str) -> None:
-    """Each value as the Settings model would take it (other fields at their defaults)."""
-    try:
-        Settings(**settings)
-    except ValidationError as exc:
-        raise UsageError(f"{where}: {invalid(exc, settings)}") from None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
