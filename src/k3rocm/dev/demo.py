@@ -46,18 +46,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from k3rocm.checks.steps import (
-    Interrupted,
-    StepResult,
-    bench_numbers,
-    census_numbers,
-    gsm8k_numbers,
-    run_step,
-    say,
-    step_rows,
-    verdict,
-)
-from k3rocm.checks.steps import new_dirs as _new_dirs
+from k3rocm.checks import steps
+from k3rocm.checks.steps import StepResult
 from k3rocm.deploy.deployment import CPU_PROFILE, load_deployment
 from k3rocm.deploy.preflight import port_free
 from k3rocm.dev.standin import STANDIN_BASE
@@ -151,18 +141,11 @@ def _env(args: argparse.Namespace, trace_dir: str) -> dict[str, str]:
     env = dict(os.environ)
     if "DOCKER_HOST" not in env and Path(PRIVATE_SOCKET).exists():
         env["DOCKER_HOST"] = f"unix://{PRIVATE_SOCKET}"
-    env.update({
-        "COMPOSE_PROJECT_NAME": args.project,
-        "K3_PROFILE": CPU_PROFILE,
-        "K3_MODEL": f"/models/{SMOKE_MODEL}",
-        "K3_SERVED_MODEL_NAME": SMOKE_MODEL,
-        "K3_PORT": str(args.port),
-        "K3_MAX_MODEL_LEN": MAX_MODEL_LEN,
-        "K3_MODELS_DIR": str(args.models_dir),
-        "K3_RESULTS_DIR": str(args.results),
-        "K3_PROFILER_DIR": trace_dir,
-        **switches(False),
-    })
+    env.update({"COMPOSE_PROJECT_NAME": args.project, "K3_PROFILE": CPU_PROFILE,
+                "K3_MODEL": f"/models/{SMOKE_MODEL}", "K3_SERVED_MODEL_NAME": SMOKE_MODEL,
+                "K3_PORT": str(args.port), "K3_MAX_MODEL_LEN": MAX_MODEL_LEN,
+                "K3_MODELS_DIR": str(args.models_dir), "K3_RESULTS_DIR": str(args.results),
+                "K3_PROFILER_DIR": trace_dir, **switches(False)})
     return env
 
 
@@ -195,11 +178,11 @@ def run(args: argparse.Namespace) -> int:
     from k3rocm.deploy.engine import CLIENT_IMAGE
 
     t0 = time.time()
-    say(t0, f"1/{len(STEPS)} check: Docker, Compose, images, port {args.port}")
+    steps.say(t0, f"1/{len(STEPS)} check: Docker, Compose, images, port {args.port}")
     checked = preflight(args, _env(args, "/results/traces"), CLIENT_IMAGE)
     run_dir = create_run_dir(args.results, "demo")
     env = _env(args, f"/results/{run_dir.name}/traces")
-    say(t0, f"run directory {run_dir}")
+    steps.say(t0, f"run directory {run_dir}")
     py = sys.executable
     make = ["make", "--no-print-directory", "-o", py, f"PY={py}", "CPU=1"]
     q = shlex.quote
@@ -221,29 +204,21 @@ def run(args: argparse.Namespace) -> int:
     }
     results: list[StepResult] = [StepResult("check", "(docker, compose, images, port)", ok=True,
                                             seconds=time.time() - t0, note=checked)]
-    interrupted = False
-    up_started = False
-    current = "model"
-
-    def _term(*_):
-        raise KeyboardInterrupt
-
-    old_term = signal.signal(signal.SIGTERM, _term)
+    current = "model"  # the step running (or the last one run)
+    old_term = signal.signal(signal.SIGTERM, signal.default_int_handler)  # KeyboardInterrupt
     try:
         for i, name in enumerate(STEPS[1:-1], start=2):
             current = name
-            up_started = up_started or name == "up"
             res = _do_step(name, commands[name], env, run_dir, t0, i, args)
             results.append(res)
             if not res.ok:
                 break
-    except (Interrupted, KeyboardInterrupt):
-        interrupted = True
+    except (steps.Interrupted, KeyboardInterrupt):
         results.append(StepResult(current, shlex.join(commands[current]), code=130,
                                   note="interrupted"))
     finally:
         signal.signal(signal.SIGTERM, old_term)
-        if up_started:
+        if STEPS.index(current) >= STEPS.index("up"):
             # Stop what the demo started, whatever happened; a second Ctrl-C must not leave
             # the server running, so it is ignored while `make down` runs.
             old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -252,7 +227,8 @@ def run(args: argparse.Namespace) -> int:
                                         len(STEPS), args))
             finally:
                 signal.signal(signal.SIGINT, old_int)
-    code = 130 if interrupted else next((r.code for r in results if not r.ok), 0)
+    # the first failure: an interruption ends the steps (130, before `make down`'s result)
+    code = next((r.code for r in results if not r.ok), 0)
     print(_summary(results, run_dir, args, env, time.time() - t0, code))
     return code
 
@@ -262,7 +238,7 @@ def _do_step(name: str, argv: list[str], env: dict[str, str], run_dir: Path, t0:
     root = args.results
     before = {p.name for p in root.iterdir()} if root.is_dir() else set()
     log = run_dir / "logs" / f"{index}-{name}.log"
-    code, seconds, text = run_step(name, argv, env, log, t0, index, args.verbose, len(STEPS))
+    code, seconds, text = steps.run_step(name, argv, env, log, t0, index, args.verbose, len(STEPS))
     res = StepResult(name, shlex.join(argv), code=code, seconds=seconds, ok=code == 0,
                      log=str(log))
     if name == "model":
@@ -278,10 +254,10 @@ def _do_step(name: str, argv: list[str], env: dict[str, str], run_dir: Path, t0:
             res.numbers["ready_s"] = int(m[-1])
             res.note += f", ready {m[-1]}s after start"
     elif name in ("bench", "gsm8k", "census"):
-        suffix, numbers = {"bench": (f"-{args.workload}", bench_numbers),
-                           "gsm8k": ("-gsm8k", gsm8k_numbers),
-                           "census": ("-census", census_numbers)}[name]
-        new = _new_dirs(root, before, suffix)
+        suffix, numbers = {"bench": (f"-{args.workload}", steps.bench_numbers),
+                           "gsm8k": ("-gsm8k", steps.gsm8k_numbers),
+                           "census": ("-census", steps.census_numbers)}[name]
+        new = steps.new_dirs(root, before, suffix)
         if new:
             res.run_dir = str(new[-1])
             res.note, res.numbers = numbers(new[-1])
@@ -289,7 +265,7 @@ def _do_step(name: str, argv: list[str], env: dict[str, str], run_dir: Path, t0:
             res.ok = True  # random weights: below the gate is the expected verdict
             res.note += " (expected: random weights; 5 items are not comparable)"
     elif name == "down":
-        new = _new_dirs(root, before, "-server-log")
+        new = steps.new_dirs(root, before, "-server-log")
         if new and (new[-1] / "server.log").is_file():
             res.run_dir = str(new[-1] / "server.log")
             res.note = "server log saved, server stopped and removed"
@@ -298,8 +274,8 @@ def _do_step(name: str, argv: list[str], env: dict[str, str], run_dir: Path, t0:
     if not res.ok and not res.note.endswith(")"):
         res.note = (res.note + "; " if res.note else "") + f"exit {code}, see the log"
     state = "ok" if res.ok else f"FAILED (exit {code})"
-    say(t0, f"{index}/{len(STEPS)} {name}: {state} in {seconds:.0f}s"
-         + (f": {res.note}" if res.note else ""))
+    steps.say(t0, f"{index}/{len(STEPS)} {name}: {state} in {seconds:.0f}s"
+              + (f": {res.note}" if res.note else ""))
     if not res.ok:
         tail = "\n".join(text.rstrip().splitlines()[-15:])
         print(f"--- last lines of {log}:\n{tail}\n---", file=sys.stderr, flush=True)
@@ -316,9 +292,9 @@ def _rel(path: str | None) -> str:
 
 def _summary(results: list[StepResult], run_dir: Path, args: argparse.Namespace,
              env: dict[str, str], seconds: float, code: int) -> str:
-    lines = [f"k3rocm demo: {verdict(code)} in {seconds:.0f}s: the bundle on the CPU stand-in "
-             f"({STANDIN_BASE}, tiny random-weight MLA model {SMOKE_MODEL})", ""]
-    lines += step_rows(results, _rel)
+    lines = [f"k3rocm demo: {steps.verdict(code)} in {seconds:.0f}s: the bundle on the CPU "
+             f"stand-in ({STANDIN_BASE}, tiny random-weight MLA model {SMOKE_MODEL})", ""]
+    lines += steps.step_rows(results, _rel)
     lines += ["", f"  demo run directory: {_rel(str(run_dir))} (summary.json, summary.md, "
               "logs/, traces/)"]
     text = "\n".join(lines)

@@ -124,11 +124,7 @@ def run(args: argparse.Namespace) -> int:
     _ensure_model(image, args.models_dir)
     run_dir = create_run_dir(results, "smoke")
     interrupted = False
-
-    def _stop(*_):
-        raise KeyboardInterrupt
-
-    old = signal.signal(signal.SIGTERM, _stop)
+    old = signal.signal(signal.SIGTERM, signal.default_int_handler)  # raises KeyboardInterrupt
     try:
         srv.up()
         ready = srv.wait(args.timeout, every=10, quiet=True)

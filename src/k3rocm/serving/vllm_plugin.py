@@ -32,7 +32,8 @@ import os
 import sys
 from typing import Any
 
-log = logging.getLogger("vllm.k3rocm.plugin")
+# A child of vLLM's "vllm" logger, as vLLM's own plugin loader logs: its handler and level.
+log = logging.getLogger("vllm.k3rocm")
 
 TARGET_MODULE = "vllm.models.kimi_k3.amd.linear"
 OVERLAY_MODULE = "vllm.models.kimi_k3.amd.mla"
@@ -44,16 +45,6 @@ MARKER = "K3ROCM_OVERLAY = 1"
 TEST_BIND_ENV = "K3_TEST_BIND_MODULES"
 
 _state: dict[str, Any] = {"registered": False, "bound": []}
-
-
-def _say(msg: str, *args: Any, warn: bool = False) -> None:
-    try:
-        from vllm.logger import init_logger
-
-        lg = init_logger("vllm.k3rocm")
-    except Exception:  # noqa: BLE001
-        lg = log
-    (lg.warning if warn else lg.info)(msg, *args)
 
 
 def overlay_is_ours() -> bool:
@@ -84,19 +75,19 @@ def bind(module: Any) -> bool:
 
         ours = getattr(importlib.import_module(OVERLAY_MODULE), OUR_CLASS)
     except Exception as exc:  # noqa: BLE001 - a broken overlay must not kill the server
-        _say("k3rocm overlay: cannot bind into %s (%s: %s); stock MLA wrapper, fusions off",
-             getattr(module, "__name__", "?"), type(exc).__name__, exc, warn=True)
+        log.warning("k3rocm overlay: cannot bind into %s (%s: %s); stock MLA wrapper, fusions "
+                    "off", getattr(module, "__name__", "?"), type(exc).__name__, exc)
         return False
     current = getattr(module, WRAPPER_NAME, None)
     if current is ours or getattr(module, OUR_CLASS, None) is ours:
         return True  # already ours (or an upstream-style linear.py importing our class)
     if current is not base:
-        _say("k3rocm overlay: %s.%s is %r, not vLLM's base wrapper; not rebinding "
-             "(fusions inactive)", module.__name__, WRAPPER_NAME, current, warn=True)
+        log.warning("k3rocm overlay: %s.%s is %r, not vLLM's base wrapper; not rebinding "
+                    "(fusions inactive)", module.__name__, WRAPPER_NAME, current)
         return False
     setattr(module, WRAPPER_NAME, ours)
     _state["bound"].append(module.__name__)
-    _say("k3rocm overlay: %s now builds %s", module.__name__, OUR_CLASS)
+    log.info("k3rocm overlay: %s now builds %s", module.__name__, OUR_CLASS)
     return True
 
 
@@ -133,7 +124,7 @@ def register() -> None:
     _state["registered"] = True
     try:
         if os.environ.get("K3_OVERLAY", "").strip().lower() == "off":
-            _say("k3rocm overlay: K3_OVERLAY=off, stock MLA wrapper")
+            log.info("k3rocm overlay: K3_OVERLAY=off, stock MLA wrapper")
             return
         if not overlay_is_ours():
             return  # no overlay applied, or upstream amd/mla.py (wired upstream)
@@ -147,5 +138,5 @@ def register() -> None:
         if pending:
             sys.meta_path.insert(0, _Finder(pending))
     except Exception as exc:  # noqa: BLE001 - a plugin must not kill the server
-        _say("k3rocm overlay: wiring failed (%s: %s); stock MLA wrapper", type(exc).__name__,
-             exc, warn=True)
+        log.warning("k3rocm overlay: wiring failed (%s: %s); stock MLA wrapper",
+                    type(exc).__name__, exc)

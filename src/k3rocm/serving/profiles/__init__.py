@@ -24,11 +24,8 @@ Any problem in a file is a :class:`~k3rocm.errors.UsageError` naming the file an
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import re
-import sys
-from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -70,18 +67,7 @@ def get(name: str, directory: Path | None = None) -> dict[str, Any]:
     if name not in names(d):
         raise UsageError(f"K3_PROFILE={name!r} is not a profile: use one of "
                          f"{', '.join(names(d))}")
-    return copy.deepcopy(_resolve_cached(str(d), name, _stamp(d)))
-
-
-def _stamp(d: Path) -> tuple:
-    """Changes whenever a profile file in ``d`` does (the cache key)."""
-    return tuple((p.name, p.stat().st_mtime_ns, p.stat().st_size)
-                 for p in sorted(d.glob(f"*{SUFFIX}")))
-
-
-@lru_cache(maxsize=64)
-def _resolve_cached(d: str, name: str, stamp: tuple) -> dict[str, Any]:
-    return _resolve(Path(d), name, ())
+    return _resolve(d, name, ())  # read each time (~2 ms): an edited file counts at once
 
 
 def _resolve(d: Path, name: str, chain: tuple[str, ...]) -> dict[str, Any]:
@@ -136,7 +122,10 @@ def _resolve(d: Path, name: str, chain: tuple[str, ...]) -> dict[str, Any]:
     for key, block, args, env_key in blocks:
         settings.update(_args(block.get(args), where, f"{key}.{args}"))
         env.update(_env(block.get(env_key), where, f"{key}.{env_key}"))
-    _validate_values(settings, where)
+    try:  # each value as the Settings model would take it (other fields at their defaults)
+        Settings(**settings)
+    except ValidationError as exc:
+        raise UsageError(f"{where}: {invalid(exc, settings)}") from None
     return {"settings": settings, "env": env,
             "meta": {"name": name, "description": meta["description"], "hardware": hw,
                      "extends": parent, "path": where}}
@@ -204,14 +193,6 @@ def _env(block: Any, where: str, key: str) -> dict[str, str]:
     return dict(block or {})
 
 
-def _validate_values(settings: dict[str, Any], where: str) -> None:
-    """Each value as the Settings model would take it (other fields at their defaults)."""
-    try:
-        Settings(**settings)
-    except ValidationError as exc:
-        raise UsageError(f"{where}: {invalid(exc, settings)}") from None
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", nargs="?", help="show this profile: the settings and environment it "
                    "gives (after `extends`), as JSON")
@@ -227,13 +208,11 @@ def run(args: argparse.Namespace) -> int:
     if d is not None and not d.is_dir():
         raise UsageError(f"--dir {d}: not a directory")
     if args.name:
-        json.dump(get(args.name, d), sys.stdout, indent=2)
-        sys.stdout.write("\n")
+        print(json.dumps(get(args.name, d), indent=2))
         return 0
     for name in names(d):
-        prof = get(name, d)  # validates
+        meta = get(name, d)["meta"]  # validates
         if not args.check:
-            meta = prof["meta"]
             print(f"{name:<18} {meta['hardware']:<4} {meta['description']}")
     if args.check:
         print(f"{len(names(d))} profiles valid: {', '.join(names(d))}")
