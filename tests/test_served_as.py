@@ -77,6 +77,30 @@ def test_without_a_record_the_proc_argv_is_read_and_the_result_says_so():
     assert served_as({}).tp is None and served_as(None).source.startswith("unknown")
 
 
+SPEC2 = ["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}']
+
+
+@pytest.mark.parametrize("rendered, argv, env, k", [
+    (True, ["vllm", "serve", "m", *SPEC2], {}, 2),
+    (True, ["vllm", "serve", "m"], {"K3_MTP_K": "2"}, 0),  # the record's argv says it all
+    (False, ["vllm", "serve", "m"], {"K3_MTP_K": " 2"}, 2),
+    (False, ["vllm", "serve", "m"], {"K3_MTP_K": "0"}, 0),
+    # Before, the census noted "speculative" on any --speculative-config while the bench
+    # counted 1 token per step for these two: one answer now.
+    (False, ["vllm", "serve", "m", "--speculative-config", "{not json"], {}, 0),
+    (True, ["vllm", "serve", "m", "--speculative-config", '{"num_speculative_tokens": 0}'],
+     {}, 0),
+])
+def test_one_answer_to_does_this_server_decode_speculatively(rendered, argv, env, k):
+    """``ServedAs.speculative`` is asked by the bench (tokens per engine step: 1 + k) and by the
+    census (its speculative-decoding note when k > 0)."""
+    prov = {"rendered": {"argv": argv, "env": env} if rendered else None,
+            "server_argv": None if rendered else argv, "container": {"env": env}}
+    assert served_as(prov).speculative[0] == k
+    assert tokens_per_step(prov)[0] == 1 + k
+    assert (pipeline.speculative_note(served_as(prov)) is not None) == (k > 0)
+
+
 class Container:
     """docker-py's Container as the readers use it: attrs (docker inspect), exec_run (cat of
     the record; the /proc scan, answered as `sh -c` prints it), name."""

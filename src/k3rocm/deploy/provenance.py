@@ -121,6 +121,25 @@ class ServedAs:
                       "\0".join(self.argv))
         return int(m.group(1)) if m else 1
 
+    @property
+    def speculative(self) -> tuple[int, str]:
+        """Speculative tokens per step the server was asked for, and where that was read: the
+        argv's ``--speculative-config`` ``num_speculative_tokens``, else (a server without the
+        rendered record, which puts K3_MTP_K into the argv) its ``K3_MTP_K``; 0 when neither
+        says. The bench's tokens per step and the census's speculative note both ask this."""
+        argv = self.argv or []
+        if "--speculative-config" in argv[:-1]:
+            try:
+                spec = json.loads(argv[argv.index("--speculative-config") + 1])
+                k = int(spec.get("num_speculative_tokens") or 0)
+                return k, f"--speculative-config num_speculative_tokens={k}"
+            except (ValueError, TypeError, AttributeError):
+                pass
+        raw = "" if self.rendered else str(self.env.get("K3_MTP_K") or "").strip()
+        if raw.isdigit():
+            return int(raw), f"K3_MTP_K={raw}"
+        return 0, "no speculative decoding seen"
+
 
 def served_as(prov: dict | None = None, container=None) -> ServedAs:
     """The server's argv and env as rendered: from ``prov`` (what :func:`collect_provenance`

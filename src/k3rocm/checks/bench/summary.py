@@ -213,20 +213,8 @@ def tokens_per_step(server: dict | None) -> tuple[int, str]:
     (``--speculative-config``) or its ``K3_MTP_K``, as rendered; 1 when neither says."""
     from k3rocm.deploy.provenance import served_as
 
-    served = served_as(server)
-    argv = served.argv or []
-    if "--speculative-config" in argv and argv.index("--speculative-config") + 1 < len(argv):
-        try:
-            spec = json.loads(argv[argv.index("--speculative-config") + 1])
-            k = int(spec.get("num_speculative_tokens") or 0)
-            return 1 + k, f"--speculative-config num_speculative_tokens={k}"
-        except (ValueError, TypeError, AttributeError):
-            pass
-    # the rendering puts K3_MTP_K into the argv: the env says more only without the record
-    raw = "" if served.rendered else str(served.env.get("K3_MTP_K") or "").strip()
-    if raw.isdigit():
-        return 1 + int(raw), f"K3_MTP_K={raw}"
-    return 1, "no speculative decoding seen"
+    k, how = served_as(server).speculative
+    return 1 + k, how
 
 
 def stream_shape(point_dir: Path | None) -> dict[str, Any] | None:

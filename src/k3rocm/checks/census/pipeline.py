@@ -231,6 +231,17 @@ def server_trace_host_dir(given: str | None, container: Any, env: dict[str, str]
     return host if host is not None and host.is_dir() else None
 
 
+def speculative_note(served: ServedAs) -> str | None:
+    """What a live census tells the user about a server that decodes speculatively."""
+    if not served.speculative[0]:
+        return None
+    return ("note: the server runs speculative decoding. vLLM 0.27.x (the pinned nightly's era) "
+            "runs the draft passes in sample_tokens, outside the execute_* step annotation: the "
+            "census counts in-step launches only (vLLM PR #52494's 144 = 24 x 6 with MTP k=2), "
+            "the draft's show in the 'outside engine steps' rows; do NOT pass --extra for them "
+            "(docs/census.md, Speculative decoding)")
+
+
 def live_census(url: str, model: str, api_key: str | None, client: Any, container: Any,
                 claim: FusionClaim, run_dir: Path, opts: Analysis, load: Profiling,
                 title: str = "Decode kernel census", dep: Any = None) -> Census:
@@ -254,14 +265,8 @@ def live_census(url: str, model: str, api_key: str | None, client: Any, containe
         raise UsageError("cannot reach the server's traces: pass --server-trace-dir <host path "
                          "of K3_PROFILER_DIR> (or run the server in a local container with "
                          "K3_PROFILER_DIR set)")
-    argv = served.argv or []
-    if "--speculative-config" in argv or (not served.rendered and served.env.get(
-            "K3_MTP_K", "0") not in ("", "0")):
-        log("note: the server runs speculative decoding. vLLM 0.27.x (the pinned nightly's "
-             "era) runs the draft passes in sample_tokens, outside the execute_* step "
-             "annotation: the census counts in-step launches only (vLLM PR #52494's 144 = 24 "
-             "x 6 with MTP k=2), the draft's show in the 'outside engine steps' rows; do NOT pass "
-             "--extra for them (docs/census.md, Speculative decoding)")
+    if note := speculative_note(served):
+        log(note)
     record = runrecord.build(deployment=dep, server=server_prov, url=url, source="live",
                              model=model, claim=claim.to_json(), measure="census",
                              workload={"osl": load.max_tokens, "concurrency": load.concurrency,
