@@ -338,6 +338,8 @@ def test_anchor_ab_288_to_144():
         (0, 288, 288, True), (1, 288, 288, True)]
     table = render_ab_table(cmp)
     assert "288 -> 144" in table and "4.6458" in table
+    assert all((r["off_decode_steps"], r["on_decode_steps"]) == (6, 6) for r in cmp["rows"])
+    assert "launches off -> on  decode steps" in table.splitlines()[0] and "6 -> 6" in table
 
 
 def test_ab_fused_while_pair_still_runs_fails_without_other_norm_count():

@@ -96,7 +96,8 @@ def compare(arms: dict[str, Census]) -> dict[str, Any]:
                  "us_per_layer_step", "stock = KV-cache write + q concat/fp8 quant; fused "
                  f"members {members or 'none'}")):
             ta, tb = x[total], y[total]
-            rows.append({"rank": rank, "fusion": fusion, "off_stock": stock[0],
+            rows.append({"rank": rank, "fusion": fusion, "off_decode_steps": Da,
+                         "on_decode_steps": Db, "off_stock": stock[0],
                          "on_stock": stock[1], "off_fused": x["fused_launches"],
                          "on_fused": y["fused_launches"], "off_us_per_layer_step": ta,
                          "on_us_per_layer_step": tb, "saved_us_per_layer_step":
@@ -107,7 +108,10 @@ def compare(arms: dict[str, Census]) -> dict[str, Any]:
 
 
 def render_ab_table(cmp: dict[str, Any]) -> str:
-    head = ["rank", "fusion", "launches off -> on", "stock off", "stock on", "fused off",
+    # Launch counts are over each arm's own profiled decode steps (a loaded machine may catch
+    # 5 in one arm and 6 in the other): the steps column says so; us/L/step is per step.
+    head = ["rank", "fusion", "launches off -> on", "decode steps", "stock off", "stock on",
+            "fused off",
             "fused on", "us/L/step off", "on", "saved"]
     rows = []
     for r in cmp["rows"]:
@@ -115,6 +119,7 @@ def render_ab_table(cmp: dict[str, Any]) -> str:
         on_total = None if r["on_stock"] is None else r["on_stock"] + r["on_fused"]
         rows.append([str(r["rank"]), "q/kv norm" if r["fusion"] == "qk_norm"
                      else "decode Q-prep", f"{na(off_total)} -> {na(on_total)}",
+                     f"{na(r['off_decode_steps'])} -> {na(r['on_decode_steps'])}",
                      *(na(r[k]) for k in ("off_stock", "on_stock", "off_fused", "on_fused",
                                           "off_us_per_layer_step", "on_us_per_layer_step",
                                           "saved_us_per_layer_step"))])
