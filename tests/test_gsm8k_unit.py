@@ -593,7 +593,7 @@ def _gsm8k_ab_live(tmp_path, monkeypatch, server_logs: dict[str, str]):
     monkeypatch.delenv("COMPOSE_FILE", raising=False)
     started = []
 
-    def fake_start(arms, results, label, runs_per_slot=1, client_image=None):
+    def fake_start(arms, results, label, runs_per_slot=1, client_image=None, dep=None):
         started.append((label, client_image))
         d = results / f"20260101T000000Z-{label}"
         d.mkdir(parents=True)

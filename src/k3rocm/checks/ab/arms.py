@@ -261,10 +261,11 @@ def _replicas(env_file: str):
     return s
 
 
-def image_id(arms: Arms, client=None) -> tuple[str, str]:
+def image_id(arms: Arms, client=None, dep=None) -> tuple[str, str]:
     """(image reference, image id) of the arm servers (the arm deployment's image: --image,
-    else K3_IMAGE from the shell or .env, else compose's default); exit 2 when it is missing."""
-    ref = arm_deployment(arms).image
+    else K3_IMAGE from the shell or .env, else compose's default); exit 2 when it is missing.
+    ``dep``: the arm deployment when the caller has it already."""
+    ref = (dep or arm_deployment(arms)).image
     return ref, engine_image_id(client or docker_client(), ref, "server image",
                                 "build it (make build) or pass --image")
 
@@ -439,13 +440,15 @@ class Run:
 
 
 def start(arms: Arms, results: Path, label: str, runs_per_slot: int = 1,
-          client_image: str | None = None) -> Run:
+          client_image: str | None = None, dep=None) -> Run:
     """The shared start of every measure: the port is free (or freed), the server image (and
     the measure's client image) is there, the cold starts and their estimate are announced;
-    then the run directory."""
+    then the run directory. ``dep``: the arm deployment, when the measure loaded it already
+    (:func:`arm_deployment`); else it is loaded here, once."""
     check_port(arms)
     client = docker_client()
-    ref, iid = image_id(arms, client)
+    dep = dep or arm_deployment(arms)
+    ref, iid = image_id(arms, client, dep)
     if client_image:
         engine_image_id(client, client_image)
     secs, how = estimate(arms, results, runs_per_slot)
@@ -455,7 +458,6 @@ def start(arms: Arms, results: Path, label: str, runs_per_slot: int = 1,
     _log(f"{arms.mode.upper()}: {slots * per} cold server start(s) in the order "
          f"{' '.join(arms.slots())}{where}, {slots * runs_per_slot} run(s); estimated "
          f"{secs / 60:.1f} min ({how})")
-    dep = arm_deployment(arms)
     return Run(arms, client, ref, iid, dep.served_model_name, dep.api_key,
                create_run_dir(results, label))
 
@@ -541,3 +543,9 @@ def fusion_check(slots: Sequence[dict], arm_env: dict[str, dict[str, str]]) -> l
                            f"{'on' if asked else 'off'}, the overlay decided "
                            f"{'/'.join(got) or 'nothing'}")
     return out
+
+
+def refusals(problems: Sequence[str]) -> list[str]:
+    """The lines of :func:`fusion_check` that make an A/B invalid: an overlay decided other than
+    its arm asked (a log without decision records is only "unverified")."""
+    return [p for p in problems if "the overlay decided" in p]

@@ -194,7 +194,7 @@ def run_ab(plan: ABPlan) -> int:
     fusion_problems = armlib.fusion_check(slots_info, arms.arm_env)
     comp.update(planned_key=key, design_before=design_before, protocol_differences=diffs,
                 fusion_problems=fusion_problems, slots=slots_info, interrupted=interrupted)
-    refused = [f for f in fusion_problems if "decided" in f]
+    refused = armlib.refusals(fusion_problems)
     if diffs and plan.mode != "aa":
         comp["invalid"] = ("slots ran different server setups (only the fusion switches may "
                            "differ): " + " | ".join(diffs))

@@ -117,7 +117,7 @@ def run_gsm8k_ab(args: argparse.Namespace) -> int:
         return 0
     src = data.resolve(args.data_dir, args.hf_home, Path(arms.cache_dir))
     run = armlib.start(arms, Path(args.results), args.label or "gsm8k-ab",
-                       client_image=s.client_image)
+                       client_image=s.client_image, dep=dep)
     _log(f"run directory {run.dir}")
     gdep = gcli._deployment()
     arm_runs: dict[str, dict[str, Any]] = {}
@@ -141,7 +141,7 @@ def run_gsm8k_ab(args: argparse.Namespace) -> int:
     problems = armlib.fusion_check(slots, arms.arm_env)
     comp.update(arms=arm_runs, arm_env=arms.arm_env, slots=arms.slots(), slot_records=slots,
                 fusion_problems=problems)
-    refused = [f for f in problems if "decided" in f]
+    refused = armlib.refusals(problems)
     if refused:  # arm B ran without the fusion (or A with it): the pairing says nothing
         comp.update(verdict="INVALID", headline="an arm's fusions are not what it asked (the "
                     "overlay's decision records): " + " | ".join(refused))
