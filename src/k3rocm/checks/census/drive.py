@@ -2,14 +2,18 @@
 
 Plain HTTP (requests + threads). The load is N concurrent streaming chat completions with
 ``ignore_eos`` and long outputs. Profiling starts once every stream has produced its first
-tokens (prefill is over, every running request is decoding), and stops once every stream has
-produced ``steps + margin`` more tokens (or the server's own ``max_iterations`` ended it
-earlier). The streams are then closed (aborting the requests) so nothing keeps running.
+tokens (prefill is over, every running request is decoding) while each still has at least
+half of its tokens to go (else that round is hung up and a fresh one started), and stops once
+every stream has produced ``steps + margin`` more tokens (or the server's own
+``max_iterations`` ended it earlier). The streams are then hung up (aborting the requests) so
+nothing keeps running.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
+import socket
 import tarfile
 import threading
 import time
@@ -34,6 +38,16 @@ class _Stream:
     error: str | None = None
     done: bool = False
     stop: threading.Event = field(default_factory=threading.Event)
+    response: Any = None
+
+    def hang_up(self) -> None:
+        """Stop reading and close the connection now (the server aborts the request), even
+        while the reading thread waits for a first byte."""
+        self.stop.set()
+        conn = getattr(getattr(self.response, "raw", None), "connection", None)
+        if getattr(conn, "sock", None) is not None:
+            with contextlib.suppress(OSError):
+                conn.sock.shutdown(socket.SHUT_RDWR)
 
 
 def _run_stream(url: str, api_key: str | None, body: dict[str, Any], st: _Stream) -> None:
@@ -44,6 +58,9 @@ def _run_stream(url: str, api_key: str | None, body: dict[str, Any], st: _Stream
     try:
         with requests.post(f"{url}/v1/chat/completions", json=body, stream=True,
                            headers=auth_headers(api_key), timeout=(10, STREAM_TIMEOUT)) as r:
+            st.response = r
+            if st.stop.is_set():  # hung up before the response was there to close
+                return
             if r.status_code != 200:
                 st.error = f"HTTP {r.status_code}: {r.text[:200]}"
                 return
@@ -59,57 +76,106 @@ def _run_stream(url: str, api_key: str | None, body: dict[str, Any], st: _Stream
                     chunk = json.loads(payload)
                 except ValueError:
                     continue
+                # vLLM's continuous usage stats count tokens exactly (a chunk can carry several
+                # when the server's output loop is behind); without them, count content chunks
+                usage = chunk.get("usage") or {}
+                if usage.get("completion_tokens") is not None:
+                    st.tokens = usage["completion_tokens"]
+                    continue
                 for ch in chunk.get("choices") or []:
                     delta = ch.get("delta") or {}
                     if delta.get("content") or delta.get("reasoning_content") or \
                             delta.get("reasoning"):
                         st.tokens += 1
     except Exception as exc:  # noqa: BLE001 - reported below
-        st.error = f"{exc.__class__.__name__}: {exc}"[:300]
+        if not st.stop.is_set():  # not the hang-up's own doing
+            st.error = f"{exc.__class__.__name__}: {exc}"[:300]
     finally:
         st.done = True
+
+
+class _Load:
+    """One round of ``concurrency`` streaming requests, each on its own thread."""
+
+    def __init__(self, url: str, model: str, api_key: str | None, load: Any, salt: int) -> None:
+        self.streams = [_Stream() for _ in range(load.concurrency)]
+        self.threads = []
+        for i, st in enumerate(self.streams):
+            words = " ".join(f"w{(i * 7919 + j + salt) % 997}" for j in range(load.prompt_words))
+            body = {"model": model, "stream": True, "max_tokens": load.max_tokens,
+                    "min_tokens": load.max_tokens, "ignore_eos": True, "temperature": 0.0,
+                    "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+                    "messages": [{"role": "user", "content": f"Request {i}: {words}"}]}
+            self.threads.append(threading.Thread(target=_run_stream, daemon=True,
+                                                 args=(url, api_key, body, st)))
+        for t in self.threads:
+            t.start()
+
+    def tokens(self) -> list[int]:
+        return [s.tokens for s in self.streams]
+
+    def check(self, when: str) -> None:
+        errs = [s.error for s in self.streams if s.error]
+        if errs:
+            raise UsageError(f"a load request failed {when}: {errs[0]}", 3)
+
+    def close(self) -> None:
+        for s in self.streams:
+            s.hang_up()
+        for t in self.threads:
+            t.join(timeout=30)
+
+
+LOAD_ATTEMPTS = 3
+
+
+def _decoding_load(url: str, model: str, api_key: str | None, load: Any, t0: float,
+                   prefill_timeout: float) -> _Load:
+    """A load whose every stream is decoding (2+ tokens) with at least half its tokens left.
+
+    A stream whose first tokens come late (a busy client or server) while the others race on
+    would leave too little load for the profile window: that round is aborted and a fresh one
+    started, up to LOAD_ATTEMPTS rounds."""
+    half = load.max_tokens // 2
+    for attempt in range(1, LOAD_ATTEMPTS + 1):
+        run, next_note = _Load(url, model, api_key, load, salt=attempt - 1), 0.0
+        while True:
+            run.check("before profiling")
+            toks = run.tokens()
+            if min(toks) >= 2 and max(toks) <= half:
+                return run
+            if max(toks) > half or any(s.done for s in run.streams):
+                break
+            el = time.time() - t0
+            if el > prefill_timeout:
+                run.close()
+                raise UsageError(f"the load did not start decoding within {prefill_timeout:.0f}s"
+                                 f" (tokens so far: {toks})", 3)
+            if el >= next_note:
+                _log(f"waiting for prefill of {load.concurrency} streams ... {el:.0f}s "
+                     f"(tokens {toks})")
+                next_note = el + 10
+            time.sleep(0.05)
+        run.close()
+        _log(f"load round {attempt}/{LOAD_ATTEMPTS}: a stream was still in prefill after "
+             f"another had used half of its {load.max_tokens} tokens (tokens {toks}); "
+             + ("aborted, starting a fresh round" if attempt < LOAD_ATTEMPTS else "giving up"))
+    raise UsageError(f"in {LOAD_ATTEMPTS} rounds, some of the {load.concurrency} streams only "
+                     f"started decoding after others had used half of their {load.max_tokens} "
+                     "tokens: raise --max-tokens, or lower --concurrency to at most the "
+                     "server's --max-num-seqs", 3)
 
 
 def profile_under_load(url: str, model: str, api_key: str | None, load: Any, margin: int = 4,
                        prefill_timeout: float = 600.0) -> dict[str, Any]:
     """Run the load (a :class:`pipeline.Profiling`: concurrency, max_tokens, prompt_words,
     steps), profile ``steps`` (+margin) decode steps, stop; returns timings."""
-    streams = [_Stream() for _ in range(load.concurrency)]
-    threads = []
-    for i, st in enumerate(streams):
-        words = " ".join(f"w{(i * 7919 + j) % 997}" for j in range(load.prompt_words))
-        body = {"model": model, "stream": True, "max_tokens": load.max_tokens,
-                "min_tokens": load.max_tokens, "ignore_eos": True, "temperature": 0.0,
-                "messages": [{"role": "user", "content": f"Request {i}: {words}"}]}
-        threads.append(threading.Thread(target=_run_stream, args=(url, api_key, body, st),
-                                         daemon=True))
     t0 = time.time()
     info: dict[str, Any] = {"concurrency": load.concurrency, "max_tokens": load.max_tokens}
-    for t in threads:
-        t.start()
+    run = _decoding_load(url, model, api_key, load, t0, prefill_timeout)
     try:
-        # prefill over = every stream has produced at least 2 tokens
-        next_note = 0.0
-        while True:
-            errs = [s.error for s in streams if s.error]
-            if errs:
-                raise UsageError(f"a load request failed before profiling: {errs[0]}", 3)
-            if all(s.tokens >= 2 for s in streams):
-                break
-            if any(s.done for s in streams):
-                raise UsageError("a load request ended before profiling started; raise "
-                                 "--max-tokens", 3)
-            el = time.time() - t0
-            if el > prefill_timeout:
-                raise UsageError(f"the load did not start decoding within {prefill_timeout:.0f}s"
-                                 f" (tokens so far: {[s.tokens for s in streams]})", 3)
-            if el >= next_note:
-                _log(f"waiting for prefill of {load.concurrency} streams ... {el:.0f}s "
-                     f"(tokens {[s.tokens for s in streams]})")
-                next_note = el + 10
-            time.sleep(0.05)
         info["prefill_s"] = round(time.time() - t0, 3)
-        base = [s.tokens for s in streams]
+        base = run.tokens()
         _log(f"all {load.concurrency} streams decoding after {info['prefill_s']}s; "
              "POST /start_profile")
         api = ServerAPI(url, api_key)
@@ -118,28 +184,23 @@ def profile_under_load(url: str, model: str, api_key: str | None, load: Any, mar
         t1 = time.time()
         info["start_profile_s"] = round(t1 - t_post, 3)
         want = load.steps + margin
-        while min(s.tokens - b for s, b in zip(streams, base, strict=True)) < want:
-            errs = [s.error for s in streams if s.error]
-            if errs:
-                raise UsageError(f"a load request failed while profiling: {errs[0]}", 3)
-            if all(s.done for s in streams):
+        while min(s.tokens - b for s, b in zip(run.streams, base, strict=True)) < want:
+            run.check("while profiling")
+            if all(s.done for s in run.streams):
                 break
             if time.time() - t1 > STREAM_TIMEOUT:
                 raise UsageError(f"fewer than {want} tokens per stream within "
                                  f"{STREAM_TIMEOUT:.0f}s while profiling", 3)
             time.sleep(0.02)
         info["profiled_tokens_per_stream"] = [
-            s.tokens - b for s, b in zip(streams, base, strict=True)]
+            s.tokens - b for s, b in zip(run.streams, base, strict=True)]
         _log("POST /stop_profile (writing traces can take a while)")
         t_post = time.time()
         api.stop_profile()
         info["stop_profile_s"] = round(time.time() - t_post, 3)
     finally:
-        for s in streams:
-            s.stop.set()
-        for t in threads:
-            t.join(timeout=30)
-    info["stream_tokens"] = [s.tokens for s in streams]
+        run.close()
+    info["stream_tokens"] = run.tokens()
     info["wall_s"] = round(time.time() - t0, 3)
     return info
 
