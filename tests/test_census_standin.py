@@ -25,6 +25,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import REPO, build_server_image, free_port, run_cli, standin_tag
@@ -151,6 +152,14 @@ def test_census_ab_overlay_on_off(docker_client, forced_image, tmp_path):
     assert "every target process (1) reports OFF (K3_FUSE_QK_NORM=0)" in p.stdout
     run_dir = next(tmp_path.glob("*-census-ab"))
     ab = json.loads((run_dir / "ab.json").read_text())
+    # one run record layout: each arm's says what that arm's servers ran (--image, --no-gpu),
+    # not this shell's deployment; the A/B's own lists both arms' traces
+    for arm in ("off", "on"):
+        rec = json.loads((run_dir / arm / "provenance.json").read_text())
+        assert (rec["deployment"]["image"], rec["deployment"]["cpu"]) == (forced_image, True)
+    top = json.loads((run_dir / "provenance.json").read_text())
+    assert top["schema"] == "k3rocm.runrecord/1" and top["image"] == forced_image
+    assert {Path(f["path"]).parts[-3] for f in top["trace_files"]} == {"off", "on"}
     layers = _smoke_layers()
     off, on = ab["arms"]["off"], ab["arms"]["on"]
     assert (off["claim"]["qk_norm"], on["claim"]["qk_norm"]) == (False, True)

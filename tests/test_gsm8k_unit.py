@@ -591,7 +591,7 @@ def _gsm8k_ab_live(tmp_path, monkeypatch, server_logs: dict[str, str]):
     from k3rocm.checks.gsm8k import cli as gcli
 
     monkeypatch.delenv("COMPOSE_FILE", raising=False)
-    started = []
+    started, executed = [], []
 
     def fake_start(arms, results, label, runs_per_slot=1, client_image=None, dep=None):
         started.append((label, client_image))
@@ -600,12 +600,15 @@ def _gsm8k_ab_live(tmp_path, monkeypatch, server_logs: dict[str, str]):
         return armlib.Run(arms, SimpleNamespace(), "img", "sha256:0", "m", None, d)
 
     @contextlib.contextmanager
-    def fake_server(self, slot, arm, log_path):
+    def fake_server(self, slot, arm, log_path):  # info as Run.server yields it
         yield (SimpleNamespace(container=lambda client: SimpleNamespace(name=f"c{slot}")),
-               {"server": f"k3ab-x-{slot:02d}{arm.lower()}", "server_ready_s": 1.0})
+               {"server": f"k3ab-x-{slot:02d}{arm.lower()}", "server_ready_s": 1.0,
+                "deployment": armlib.arm_deployment(self.arms, arm)})
         log_path.write_text(server_logs[arm])
 
     def fake_execute(client, s, src, argv, api_key, ns, dep):
+        # the run record's deployment is the arm's (its switches), not this shell's
+        executed.append((Path(ns.results_dir).name, dep.rendered.env["K3_FUSE_QK_NORM"]))
         stored_run(Path(ns.results_dir), 0.95, 0.95)
         return 0
 
@@ -619,6 +622,7 @@ def _gsm8k_ab_live(tmp_path, monkeypatch, server_logs: dict[str, str]):
     abcli.fill_repeats(args)
     code = ab.run_gsm8k_ab(args)
     assert started == [("gsm8k-ab", args.client_image)]
+    assert executed == [("00-A", "0"), ("01-B", "1")]
     return code, tmp_path / "20260101T000000Z-gsm8k-ab"
 
 

@@ -359,8 +359,9 @@ class Run:
         """Fresh server(s) for one slot (compose projects named after the run directory):
         compose up (one project per replica), wait until ready (progress, stated timeout),
         pin the EngineCore (stand-in), start the router (replicas), yield (first server,
-        info); always save every log (``log_path``, ``-rN`` per replica, ``-router``) and
-        remove what was started. The measurement goes to ``arms.url``."""
+        info: compose project, time to ready, pin, topology, the arm's deployment); always
+        save every log (``log_path``, ``-rN`` per replica, ``-router``) and remove what was
+        started. The measurement goes to ``arms.url``."""
         arms, model, api_key, client = self.arms, self.model, self.api_key, self.client
         base = f"k3ab-{self.dir.name.split('-')[0].lower()}-{slot:02d}{arm.lower()}"
         one = len(arms.replica_ports) == 1
@@ -371,8 +372,10 @@ class Run:
             url=f"http://127.0.0.1:{port}", model=model, api_key=api_key,
             env_dir=self.dir / "servers")
             for r, port in enumerate(arms.replica_ports)]
+        # the arm's own deployment: what each measure's run record says was served
         info: dict = {"server": base, "server_ready_s": None, "pin": None,
-                      "topology": arms.topology(), "replicas": [s.project for s in servers]}
+                      "topology": arms.topology(), "replicas": [s.project for s in servers],
+                      "deployment": arm_deployment(arms, arm)}
         router = None
         try:
             t0 = time.time()
@@ -462,11 +465,12 @@ def start(arms: Arms, results: Path, label: str, runs_per_slot: int = 1,
                create_run_dir(results, label))
 
 
-def arm_deployment(arms: Arms):
-    """The deployment the arm servers run (:func:`k3rocm.deploy.deployment.load_deployment`):
+def arm_deployment(arms: Arms, arm: str = "B"):
+    """The deployment arm ``arm``'s servers run (:func:`k3rocm.deploy.deployment.load_deployment`):
     the arm's environment on top of the settings (shell > .env > profile > default), with
-    the arm servers' CPU/GPU decision, as compose and the entrypoint see it."""
-    return resolve_settings(arms.env_file, {**os.environ, **arms.compose_env("B")},
+    the arm servers' CPU/GPU decision, as compose and the entrypoint see it. What the arms
+    share (image, model, API key) is the same in both."""
+    return resolve_settings(arms.env_file, {**os.environ, **arms.compose_env(arm)},
                             gpu=not arms.cpu)
 
 

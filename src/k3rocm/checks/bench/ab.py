@@ -166,7 +166,8 @@ def run_ab(plan: ABPlan) -> int:
             t1 = time.time()
             res = run_bench(w, results=plan.results, client_image=plan.client_image,
                             server_timeout=30, progress=plan.progress, server_container=container,
-                            docker=client, run_dir=run_dir, extra_provenance={"ab": {
+                            docker=client, run_dir=run_dir, deployment=info["deployment"],
+                            extra_provenance={"ab": {
                                 "mode": plan.mode, "slot": i, "arm": arm, "run": k,
                                 "protocol_key": key, "compose_project": info["server"],
                                 "topology": info["topology"]}})
@@ -597,7 +598,7 @@ def build_plan(args: argparse.Namespace) -> ABPlan:
             and not os.environ.get("BENCH_MODEL"):
         sets.append(f"model={armlib.arm_deployment(arms).served_model_name}")
     args.sets = [*sets, f"url={arms.url}"]
-    w = resolve_from_args(args)
+    w, _ = resolve_from_args(args)
     if w.prefix_caching is not None:
         want = "1" if w.prefix_caching else "0"
         have = arms.server_env.get("K3_PREFIX_CACHING")

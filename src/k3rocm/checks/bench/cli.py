@@ -83,8 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def resolve_from_args(args: argparse.Namespace):
-    """The workload from the flags and the deployment; fills ``args.results`` (default: the
-    deployment's results root)."""
+    """(workload, deployment): the workload from the flags and the deployment; fills
+    ``args.results`` (default: the deployment's results root)."""
     dep = load_deployment()
     sets = parse_sets(args.sets)
     sets.update({k: getattr(args, k) for k in ("url", "model", "tokenizer")
@@ -92,13 +92,13 @@ def resolve_from_args(args: argparse.Namespace):
     if args.results is None:
         args.results = dep.results_root
     return resolve(args.workload or "decode-8k1k", sets, path=args.workloads_file,
-                   deployment=dep)
+                   deployment=dep), dep
 
 
 def deployment_view(args: argparse.Namespace) -> dict:
     """What this command resolved (``--print-deployment``)."""
-    w = resolve_from_args(args)
-    return {**load_deployment().to_json(), "url": w.url, "served_model_name": w.model,
+    w, dep = resolve_from_args(args)
+    return {**dep.to_json(), "url": w.url, "served_model_name": w.model,
             "api_key": None if w.api_key == "EMPTY" else REDACTED,
             "tokenizer": str(Path(w.tokenizer).expanduser().absolute()) if w.tokenizer else None,
             "results_root": str(Path(args.results).absolute())}
@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
         for name, table in workloads.items():
             print(f"{name:14s} {({**defaults, **table}).get('description', '')}")
         return 0
-    w = resolve_from_args(args)
+    w, dep = resolve_from_args(args)
     if args.dry_run:  # the exact command a run would execute; nothing is created or contacted
         print(shell_line(bench_run.planned_command(
             w, args.results.resolve() / f"{utc_stamp()}-{w.name}")))
@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     res = bench_run.run_bench(w, results=args.results, client_image=args.client_image,
                               server_timeout=args.server_timeout, label=args.label,
                               progress=not args.quiet, tp=args.tp, server_container=container,
-                              docker=client)
+                              docker=client, deployment=dep)
     stream = sys.stdout if res.exit_code == 0 else sys.stderr
     print(("" if res.exit_code == 0 else "k3rocm: error: ") + res.message, file=stream)
     return res.exit_code

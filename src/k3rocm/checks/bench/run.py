@@ -22,7 +22,6 @@ from typing import Any
 from k3rocm.checks.bench import plots, summary
 from k3rocm.checks.bench.workloads import Workload, aiperf_command, shell_line
 from k3rocm.deploy import runrecord
-from k3rocm.deploy.deployment import load_deployment
 from k3rocm.deploy.engine import docker_client, image_id, run_client
 from k3rocm.deploy.provenance import served_as
 from k3rocm.deploy.readiness import wait_ready
@@ -92,8 +91,9 @@ class BenchResult:
 def run_bench(w: Workload, *, results: Path, client_image: str, server_timeout: float,
               label: str | None = None, progress: bool = True, tp: Any = None,
               server_container=None, docker=None, extra_provenance: dict | None = None,
-              run_dir: Path | None = None) -> BenchResult:
-    """Run one workload against an already running server; always writes a complete run dir."""
+              run_dir: Path | None = None, deployment: Any = None) -> BenchResult:
+    """Run one workload against an already running server; always writes a complete run dir.
+    ``deployment``: what the command resolved (bench-ab: the arm's), for the run record."""
     tok = check_tokenizer(w.tokenizer)
     client = docker or docker_client()
     client_id = image_id(client, client_image)
@@ -108,10 +108,6 @@ def run_bench(w: Workload, *, results: Path, client_image: str, server_timeout: 
     write_text_atomic(run_dir / "command.txt", cmd_line + "\n")
     write_json_atomic(run_dir / "workload.json", w.model_dump(mode="json"))
 
-    try:
-        deployment = load_deployment()
-    except UsageError:  # the flags pointed the bench elsewhere: the record says what it measured
-        deployment = None
     aiperf_version = client_aiperf_version(client, client_image)
     prov = runrecord.build(
         deployment=deployment, url=w.url, measure="bench", workload=w.name,

@@ -29,12 +29,13 @@ from k3rocm.checks.census.fusions import FUSIONS, from_env
 from k3rocm.checks.census.pipeline import (
     Analysis,
     analyse,
-    base_provenance,
     claim_from_container,
     live_census,
     read_decisions,
+    trace_files,
     write_report,
 )
+from k3rocm.deploy import runrecord
 from k3rocm.errors import EXIT_INCOMPLETE, UsageError, tagged_log
 from k3rocm.rundir import create_run_dir, write_json_atomic, write_text_atomic
 from k3rocm.serving.config import redact_env
@@ -128,11 +129,11 @@ def render_ab_table(cmp: dict[str, Any]) -> str:
 
 def finish_ab(run_dir: Any, results: dict[str, Census], meta: dict[str, Any],
               arm_env: dict[str, dict[str, str]], provenance: dict[str, Any]) -> int:
-    """Write provenance.json (``provenance`` + the arms' trace files), ab.json and ab.md (the
-    arms' verdicts, the off -> on table and the A/B checks)."""
-    write_json_atomic(run_dir / "provenance.json", {
-        **base_provenance([r.path for c in results.values() for r in c.traces.ranks]),
-        **provenance})
+    """Write provenance.json (the run record: ``provenance`` + the arms' trace files), ab.json
+    and ab.md (the arms' verdicts, the off -> on table and the A/B checks)."""
+    runrecord.write(run_dir, runrecord.build(
+        trace_files=trace_files([r.path for c in results.values() for r in c.traces.ranks]),
+        **provenance))
     cmp = compare(results)
     ok = all(c.ok for c in results.values()) and all(c.ok is not False for c in cmp["checks"])
     write_json_atomic(run_dir / "ab.json", {
@@ -184,11 +185,12 @@ def run_offline(args: argparse.Namespace, opts: Analysis,
                             read_decisions(opts, d))
                for arm, d in zip(("off", "on"), map(Path, dirs), strict=True)}
     run_dir = create_run_dir(results_root(args), args.label)
-    for arm, c in results.items():
+    for (arm, c), trace_dir in zip(results.items(), dirs, strict=True):
         (run_dir / arm).mkdir()
-        write_report(run_dir / arm, c, {**base_provenance([r.path for r in c.traces.ranks]),
-                                        "source": "trace-dir", "claim": c.claim.to_json()},
-                     title=f"Decode kernel census, arm {arm}", top=args.top)
+        write_report(run_dir / arm, c, runrecord.build(
+            source="trace-dir", trace_dir=trace_dir,
+            claim=c.claim.to_json(), trace_files=trace_files([r.path for r in c.traces.ranks])),
+            title=f"Decode kernel census, arm {arm}", top=args.top)
         print(f"--- arm {arm} ---\n{c.table()}")
     meta = {"protocol": f"offline comparison of {dirs[0]} (off) and {dirs[1]} (on)",
             "trace_dirs": dirs}
@@ -214,13 +216,14 @@ def run_census_ab(args: argparse.Namespace) -> int:
     results: dict[str, Census] = {}
     names = {"A": "off", "B": "on"}
 
-    def measure(_slot: int, arm: str, srv, _info: dict) -> None:
+    def measure(_slot: int, arm: str, srv, info: dict) -> None:
         name = names[arm]
         container = srv.container(run.client)
         claim = claim_from_container(container)  # what it was asked (its rendering)
         results[name] = live_census(arms.url, run.model, run.api_key, run.client, container,
                                     claim, run.dir / name, opts, load,
-                                    title=f"Decode kernel census, arm {name}")
+                                    title=f"Decode kernel census, arm {name}",
+                                    dep=info["deployment"])
         print(f"--- arm {name} ---\n{results[name].table()}")
 
     run.each_slot(lambda _slot, arm: run.dir / names[arm] / "server.log", measure)

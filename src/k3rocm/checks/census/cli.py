@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
         decisions = pl.read_decisions(opts, tdir)
         census = pl.analyse(tdir, opts, claim, decisions)
         run_dir = create_run_dir(common.results_root(args), args.label)
-        files = pl.base_provenance([r.path for r in census.traces.ranks])["trace_files"]
+        files = pl.trace_files([r.path for r in census.traces.ranks])
         pl.write_report(run_dir, census, runrecord.build(
             deployment=dep, source="trace-dir", trace_dir=str(args.trace_dir),
             claim=claim.to_json(), trace_files=files), top=args.top)

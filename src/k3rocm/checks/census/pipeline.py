@@ -8,10 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import platform
-import shlex
-import sys
 from dataclasses import dataclass
 from itertools import groupby
 from operator import attrgetter
@@ -169,21 +165,9 @@ def read_decisions(opts: Analysis, trace_dir: Path | None = None,
 
 # -- report -----------------------------------------------------------------------------------
 
-def base_provenance(files: list[Path]) -> dict[str, Any]:
-    from k3rocm import __version__
-    from k3rocm.serving.config import redact_env
-
-    return {
-        "command": shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-        "argv": sys.argv,
-        "cwd": os.getcwd(),
-        "k3rocm_version": __version__,
-        "host": platform.node(),
-        "python": sys.version.split()[0],
-        "env": redact_env({k: v for k, v in os.environ.items() if k.startswith("K3_")}),
-        "trace_files": [{"path": str(f), "bytes": f.stat().st_size, "sha256": sha256(f)}
-                        for f in files],
-    }
+def trace_files(files: list[Path]) -> list[dict[str, Any]]:
+    """The run record's ``trace_files``: path, size and sha256 of each trace analysed."""
+    return [{"path": str(f), "bytes": f.stat().st_size, "sha256": sha256(f)} for f in files]
 
 
 def write_report(run_dir: Path, census: Census, provenance: dict[str, Any],
@@ -289,7 +273,6 @@ def live_census(url: str, model: str, api_key: str | None, client: Any, containe
         if decisions.found and not decisions.records:  # read, and empty: evidence too
             write_json_atomic(dest / NO_RECORDS, {"source": decisions.source, "records": 0})
     census = analyse(dest, opts, claim, decisions, served=served)
-    record.update(load=info, trace_files=base_provenance(
-        [r.path for r in census.traces.ranks])["trace_files"])
+    record.update(load=info, trace_files=trace_files([r.path for r in census.traces.ranks]))
     write_report(run_dir, census, record, title=title, top=opts.top)
     return census

@@ -119,14 +119,13 @@ def run_gsm8k_ab(args: argparse.Namespace) -> int:
     run = armlib.start(arms, Path(args.results), args.label or "gsm8k-ab",
                        client_image=s.client_image, dep=dep)
     _log(f"run directory {run.dir}")
-    gdep = gcli._deployment()
     arm_runs: dict[str, dict[str, Any]] = {}
 
-    def measure(i: int, arm: str, srv, _info: dict) -> None:
+    def measure(i: int, arm: str, srv, info: dict) -> None:
         slot_dir = run.dir / f"{i:02d}-{arm}"
         ns = SimpleNamespace(results_dir=str(slot_dir),
                              server_container=srv.container(run.client).name)
-        code = gcli._execute(run.client, s, src, argv, run.api_key, ns, gdep)
+        code = gcli._execute(run.client, s, src, argv, run.api_key, ns, info["deployment"])
         run_dir = next(p for p in slot_dir.iterdir() if p.is_dir() and p.name.endswith("gsm8k"))
         summary = results.read_summary(run_dir)
         arm_runs.setdefault(arm, {"run_dir": str(run_dir), "exit_code": code,
