@@ -540,3 +540,37 @@ def test_a_first_slot_that_never_ran_is_compared_not_a_traceback():
              "status": "failed", "message": "server not ready"}]
     comp = ab.compare(w, runs, "ab", "", None, ("ITL p50", w.points()[0][0]))
     assert comp["command"] is None and comp["headline"] == "no comparable runs"
+
+
+def test_census_ab_reads_the_checkpoint_the_arm_servers_load(tmp_path, monkeypatch):
+    """census-ab without --model-dir judges the model the arm servers load: ``--server-env
+    K3_MODEL`` over this shell's K3_MODEL (one arm deployment, also what start() records).
+    Old code read this shell's deployment: /models/a does not exist, exit 2 before start."""
+    import argparse
+    import shutil
+
+    from k3rocm.checks.ab import arms as armlib
+    from k3rocm.checks.ab import cli as abcli
+    from k3rocm.errors import UsageError
+
+    models = tmp_path / "models"
+    (models / "b").mkdir(parents=True)
+    shutil.copy(REPO / "tests/data/census/models/tiny-deepseek-v3/config.json", models / "b")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("COMPOSE_FILE", raising=False)
+    monkeypatch.setenv("K3_MODEL", "/models/a")
+    monkeypatch.setenv("K3_MODELS_DIR", str(models))
+    seen = []
+
+    def fake_start(arms, results, label, runs_per_slot=1, client_image=None, dep=None):
+        seen.append(dep.model_host_dir)
+        raise UsageError("reached start", 3)
+
+    monkeypatch.setattr(armlib, "start", fake_start)
+    p = argparse.ArgumentParser()
+    abcli.add_arguments(p, measure="census")
+    args = p.parse_args(["--no-gpu", "--results", str(tmp_path / "results"),
+                         "--server-env", "K3_MODEL=/models/b"])
+    with pytest.raises(UsageError, match="reached start"):
+        abcli.run(args)
+    assert seen == [models / "b"]

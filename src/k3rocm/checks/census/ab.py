@@ -201,17 +201,18 @@ def run_census_ab(args: argparse.Namespace) -> int:
     from k3rocm.checks.ab import arms as armlib
 
     args.label = args.label or "census-ab"
-    opts = analysis_from(args)
     arm_env = arms_env(args.on)
     if args.trace_dirs:
-        return run_offline(args, opts, arm_env)
+        return run_offline(args, analysis_from(args), arm_env)
     load = profiling_from(args)  # traces copied out of each arm's container
     arms = armlib.arms_from_args(args, on_env=arm_env["on"], off_env=arm_env["off"],
                                  single=("census-ab", "a census counts launches exactly"))
+    dep = armlib.arm_deployment(arms)  # the checkpoint the arm servers load (--server-env)
+    opts = analysis_from(args, dep)
     # Both arms profile into a directory inside the container (copied out afterwards).
     arms.server_env = {"VLLM_RPC_TIMEOUT": "1800000", **arms.server_env,
                        "K3_PROFILER_DIR": CONTAINER_TRACE_DIR}
-    run = armlib.start(arms, Path(args.results), args.label)
+    run = armlib.start(arms, Path(args.results), args.label, dep=dep)
     _log(f"run directory {run.dir}")
     results: dict[str, Census] = {}
     names = {"A": "off", "B": "on"}

@@ -103,18 +103,18 @@ def deployment_view(args: argparse.Namespace) -> dict:
     """What this command resolved (``--print-deployment``)."""
     dep = _deployment_args(args)
     try:
-        model_dir: str | None = str(Path(common.model_dir_from(args)).absolute())
+        model_dir: str | None = str(Path(common.model_dir_from(args, dep)).absolute())
     except UsageError:
         model_dir = None
     return {**dep.to_json(), "url": args.url.rstrip("/"),
             "served_model_name": args.model or dep.served_model_name,
-            "results_root": str(Path(common.results_root(args)).absolute()),
+            "results_root": str(Path(common.results_root(args, dep)).absolute()),
             "model_host_dir": model_dir}
 
 
 def run(args: argparse.Namespace) -> int:
     dep = _deployment_args(args)
-    opts = common.analysis_from(args)
+    opts = common.analysis_from(args, dep)
     if args.trace_dir:
         tdir = Path(args.trace_dir)
         if not tdir.is_dir():
@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
         claim = pl.claim_offline(tdir, args.fusions)
         decisions = pl.read_decisions(opts, tdir)
         census = pl.analyse(tdir, opts, claim, decisions)
-        run_dir = create_run_dir(common.results_root(args), args.label)
+        run_dir = create_run_dir(common.results_root(args, dep), args.label)
         files = pl.trace_files([r.path for r in census.traces.ranks])
         pl.write_report(run_dir, census, runrecord.build(
             deployment=dep, source="trace-dir", trace_dir=str(args.trace_dir),
@@ -169,7 +169,7 @@ def run_live(args: argparse.Namespace, dep, opts) -> int:
     if container is None and not args.server_log and not args.skip_records:
         raise UsageError("the overlay's decision records are unreachable without the server "
                          "container: pass --container, --server-log FILE or --skip-records")
-    run_dir = create_run_dir(common.results_root(args), args.label)
+    run_dir = create_run_dir(common.results_root(args, dep), args.label)
     pl.log(f"run directory {run_dir}")
     census = pl.live_census(url, model, api_key, client, container, claim, run_dir, opts, load,
                          dep=dep)

@@ -50,27 +50,30 @@ def add_analysis_arguments(p: argparse.ArgumentParser) -> None:
                    help="results root (default: K3_RESULTS_DIR or ./results)")
 
 
-def model_dir_from(args: argparse.Namespace) -> str:
-    """--model-dir, else the deployment's checkpoint on this host (K3_MODEL under
-    K3_MODELS_DIR, wherever they are set)."""
-    if args.model_dir:
-        return args.model_dir
+def _deployment(dep):
+    """The command's deployment, loaded here only by a command that has none (offline)."""
+    if dep is not None:
+        return dep
     from k3rocm.deploy.deployment import load_deployment
 
-    dep = load_deployment()
+    return load_deployment()
+
+
+def model_dir_from(args: argparse.Namespace, dep=None) -> str:
+    """--model-dir, else the deployment's checkpoint on this host (K3_MODEL under
+    K3_MODELS_DIR, wherever they are set; census-ab: the arm servers')."""
+    if args.model_dir:
+        return args.model_dir
+    dep = _deployment(dep)
     if dep.model_host_dir is not None and dep.model_host_dir.exists():
         return str(dep.model_host_dir)
     raise UsageError("no model config: pass --model-dir <checkpoint dir with config.json> "
                      f"(K3_MODEL={dep.model} is not a path on this host)")
 
 
-def results_root(args: argparse.Namespace) -> str:
+def results_root(args: argparse.Namespace, dep=None) -> str:
     """--results, else the deployment's results root (K3_RESULTS_DIR, mounted at /results)."""
-    if args.results:
-        return args.results
-    from k3rocm.deploy.deployment import load_deployment
-
-    return str(load_deployment().results_root)
+    return args.results or str(_deployment(dep).results_root)
 
 
 def positive(name: str, value: int, minimum: int = 1) -> None:
@@ -78,10 +81,11 @@ def positive(name: str, value: int, minimum: int = 1) -> None:
         raise UsageError(f"{name} {value} must be >= {minimum}")
 
 
-def analysis_from(args: argparse.Namespace) -> Analysis:
-    """The analysis flags, checked before any expensive work (bad input: exit 2)."""
+def analysis_from(args: argparse.Namespace, dep=None) -> Analysis:
+    """The analysis flags, checked before any expensive work (bad input: exit 2); ``dep``:
+    the command's deployment (where the checkpoint is without --model-dir)."""
     positive("--min-decode-steps", args.min_decode_steps, 0)
-    model_dir = model_dir_from(args)
+    model_dir = model_dir_from(args, dep)
     read_model_facts(model_dir)
     normalizer = Normalizer.from_specs(args.alias, strip_templates=not args.no_strip_templates)
     extra: dict[str, int] = {}
