@@ -31,14 +31,15 @@ LOAD = Profiling(concurrency=3, max_tokens=40, prompt_words=4, steps=2)
 def fake():
     """``state["late"](round, i)`` says whether stream i of that round is late: its first
     tokens come only once the others have used 3/4 of their tokens (a busy client or server,
-    or a request queued behind ``--max-num-seqs``). Every stream sends the rest of its tokens
-    once the profiler is on (or the next round has begun: the client hung up)."""
+    or a request queued behind ``--max-num-seqs``). Once the profiler is on, every stream sends
+    all but its last 2 tokens, and those once the profiler is off (or the next round has begun:
+    the client hung up)."""
     state = {"late": lambda rnd, i: False, "bodies": [], "posts": []}
     lock = threading.Lock()
     began: dict[int, threading.Event] = collections.defaultdict(threading.Event)
     raced: dict[int, threading.Semaphore] = collections.defaultdict(
         lambda: threading.Semaphore(0))
-    profiling, teardown = threading.Event(), threading.Event()
+    profiling, profiled, teardown = threading.Event(), threading.Event(), threading.Event()
 
     def until(*events: threading.Event) -> None:
         while not any(e.is_set() for e in (*events, teardown)):
@@ -65,7 +66,7 @@ def fake():
             body = self.rfile.read(int(self.headers["Content-Length"] or 0))
             if self.path in ("/start_profile", "/stop_profile"):
                 state["posts"].append(self.path)
-                profiling.set() if self.path == "/start_profile" else None
+                (profiling if self.path == "/start_profile" else profiled).set()
                 self.send_response(200)
                 self.send_header("Content-Length", "0")
                 self.end_headers()
@@ -101,6 +102,8 @@ def fake():
                     raced[rnd].release()
                 until(profiling, nxt)
                 while n < req["max_tokens"]:
+                    if n == req["max_tokens"] - 2:
+                        until(profiled, nxt)
                     n += 1
                     self._send("c", n, usage)
                 self._write(b"data: [DONE]\n\n")
@@ -161,3 +164,20 @@ def test_tokens_are_counted_from_chunks_when_the_server_sends_no_usage(fake, mon
     info = profile_under_load(fake["url"], "k3-smoke", None, LOAD)
     assert fake["posts"] == ["/start_profile", "/stop_profile"]
     assert min(info["profiled_tokens_per_stream"]) >= LOAD.steps + 4
+
+
+def test_a_server_whose_profiler_stops_itself_is_waited_for_not_the_tokens(fake):
+    """With ``stopped`` (the server's max_iterations: its trace file appears), the load runs
+    until the server says the profile is over, however many tokens the client has read: the
+    tokens a busy client reads late were made before the profiler started (CI: a window of
+    12 tokens per stream caught 3 engine steps)."""
+    calls = []
+
+    def stopped() -> bool:
+        calls.append(fake["posts"][:])
+        return len(calls) == 3
+
+    info = profile_under_load(fake["url"], "k3-smoke", None, LOAD, stopped=stopped)
+    assert calls == [["/start_profile"]] * 3  # polled while the profiler ran, until it ended
+    assert fake["posts"] == ["/start_profile", "/stop_profile"]
+    assert info["stopped_by_server"] is True

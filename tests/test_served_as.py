@@ -101,6 +101,23 @@ def test_one_answer_to_does_this_server_decode_speculatively(rendered, argv, env
     assert (pipeline.speculative_note(served_as(prov)) is not None) == (k > 0)
 
 
+@pytest.mark.parametrize("argv, n", [
+    # what serving/config.py renders (K3_PROFILER_MAX_ITERATIONS=6, profiler style "config")
+    (["--profiler-config", '{"profiler":"torch","torch_profiler_dir":"/results/traces",'
+      '"delay_iterations":0,"max_iterations":6}'], 6),
+    (["--profiler-config", '{"profiler":"torch","max_iterations":0}'], 0),  # unlimited
+    (["--profiler-config", "{not json"], 0),
+    (["--profiler-config", '["max_iterations", 6]'], 0),
+    ([], 0),  # env-style profiler (older vLLM) or none
+])
+def test_the_census_waits_for_the_profiler_only_when_it_stops_itself(argv, n):
+    """``ServedAs.profiler_max_iterations``: > 0 makes the census's load run until the
+    server's trace file appears (vLLM's profiler stops itself then); 0 falls back to counting
+    tokens."""
+    prov = {"rendered": {"argv": ["vllm", "serve", "m", *argv], "env": {}}}
+    assert served_as(prov).profiler_max_iterations == n
+
+
 class Container:
     """docker-py's Container as the readers use it: attrs (docker inspect), exec_run (cat of
     the record; the /proc scan, answered as `sh -c` prints it), name."""

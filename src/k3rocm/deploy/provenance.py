@@ -121,20 +121,38 @@ class ServedAs:
                       "\0".join(self.argv))
         return int(m.group(1)) if m else 1
 
+    def json_flag(self, flag: str) -> dict | None:
+        """The JSON object after ``flag`` in the argv (vLLM's ``--*-config`` flags); None when
+        it is absent or not a JSON object."""
+        argv = self.argv or []
+        if flag not in argv[:-1]:
+            return None
+        try:
+            value = json.loads(argv[argv.index(flag) + 1])
+        except ValueError:
+            return None
+        return value if isinstance(value, dict) else None
+
+    @property
+    def profiler_max_iterations(self) -> int:
+        """The ``max_iterations`` of the server's ``--profiler-config`` (vLLM's profiler stops
+        itself after that many worker steps); 0 when unlimited, absent or unreadable."""
+        with contextlib.suppress(ValueError, TypeError):
+            return max(0, int((self.json_flag("--profiler-config") or {}).get(
+                "max_iterations") or 0))
+        return 0
+
     @property
     def speculative(self) -> tuple[int, str]:
         """Speculative tokens per step the server was asked for, and where that was read: the
         argv's ``--speculative-config`` ``num_speculative_tokens``, else (a server without the
         rendered record, which puts K3_MTP_K into the argv) its ``K3_MTP_K``; 0 when neither
         says. The bench's tokens per step and the census's speculative note both ask this."""
-        argv = self.argv or []
-        if "--speculative-config" in argv[:-1]:
-            try:
-                spec = json.loads(argv[argv.index("--speculative-config") + 1])
+        spec = self.json_flag("--speculative-config")
+        with contextlib.suppress(ValueError, TypeError):
+            if spec is not None:
                 k = int(spec.get("num_speculative_tokens") or 0)
                 return k, f"--speculative-config num_speculative_tokens={k}"
-            except (ValueError, TypeError, AttributeError):
-                pass
         raw = "" if self.rendered else str(self.env.get("K3_MTP_K") or "").strip()
         if raw.isdigit():
             return int(raw), f"K3_MTP_K={raw}"

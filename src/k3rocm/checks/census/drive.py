@@ -17,6 +17,7 @@ import socket
 import tarfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -167,30 +168,48 @@ def _decoding_load(url: str, model: str, api_key: str | None, load: Any, t0: flo
 
 
 def profile_under_load(url: str, model: str, api_key: str | None, load: Any, margin: int = 4,
-                       prefill_timeout: float = 600.0) -> dict[str, Any]:
+                       prefill_timeout: float = 600.0,
+                       stopped: Callable[[], bool] | None = None) -> dict[str, Any]:
     """Run the load (a :class:`pipeline.Profiling`: concurrency, max_tokens, prompt_words,
-    steps), profile ``steps`` (+margin) decode steps, stop; returns timings."""
+    steps), profile, stop; returns timings.
+
+    ``stopped``: whether the server's profiler has stopped by itself (its ``max_iterations``:
+    vLLM's ``WorkerProfiler.step`` stops after that many worker steps and writes the trace;
+    0.27.1 and 0.32.0 alike). Given, the load runs until then: an event of the server's own
+    steps. Without it, the load runs until every stream has ``steps`` + ``margin`` more tokens
+    after the profiler started (tokens the client reads late were made earlier, so this
+    can catch fewer steps on a busy host)."""
     t0 = time.time()
     info: dict[str, Any] = {"concurrency": load.concurrency, "max_tokens": load.max_tokens}
     run = _decoding_load(url, model, api_key, load, t0, prefill_timeout)
     try:
         info["prefill_s"] = round(time.time() - t0, 3)
-        base = run.tokens()
         _log(f"all {load.concurrency} streams decoding after {info['prefill_s']}s; "
              "POST /start_profile")
         api = ServerAPI(url, api_key)
         t_post = time.time()
         api.start_profile()
         t1 = time.time()
+        base = run.tokens()
         info["start_profile_s"] = round(t1 - t_post, 3)
-        want = load.steps + margin
-        while min(s.tokens - b for s, b in zip(run.streams, base, strict=True)) < want:
+        want, next_poll = load.steps + margin, t1
+        _log("profiling until the server's profiler stops itself (max_iterations)"
+             if stopped else f"profiling until every stream has {want} more tokens")
+        while True:
             run.check("while profiling")
+            if stopped is None:
+                if min(s.tokens - b for s, b in zip(run.streams, base, strict=True)) >= want:
+                    break
+            elif time.time() >= next_poll:
+                if stopped():
+                    info["stopped_by_server"] = True
+                    break
+                next_poll = time.time() + 0.5
             if all(s.done for s in run.streams):
                 break
             if time.time() - t1 > STREAM_TIMEOUT:
-                raise UsageError(f"fewer than {want} tokens per stream within "
-                                 f"{STREAM_TIMEOUT:.0f}s while profiling", 3)
+                raise UsageError(f"the profile did not end within {STREAM_TIMEOUT:.0f}s of "
+                                 "load", 3)
             time.sleep(0.02)
         info["profiled_tokens_per_stream"] = [
             s.tokens - b for s, b in zip(run.streams, base, strict=True)]
@@ -232,6 +251,12 @@ class TraceDir:
         lines = (line.partition(" ") for line in (out or "").splitlines())
         return {name.removeprefix("./"): int(size) for size, _, name in lines if size.isdigit()}
 
+    def new_files(self, before: dict[str, Any]) -> dict[str, Any]:
+        """The trace files (.json, .json.gz, .txt; not hidden) not in ``before``."""
+        return {k: v for k, v in self.snapshot().items()
+                if k not in before and k.endswith((".json", ".json.gz", ".txt"))
+                and not Path(k).name.startswith(".")}
+
     def read(self, rel: str) -> bytes:
         if self.host is not None:
             return (self.host / rel).read_bytes()
@@ -249,9 +274,7 @@ class TraceDir:
         last: dict = {}
         stable_since = None
         while True:
-            now = {k: v for k, v in self.snapshot().items()
-                   if k not in before and k.endswith((".json", ".json.gz", ".txt"))
-                   and not Path(k).name.startswith(".")}
+            now = self.new_files(before)
             if now and now == last:
                 stable_since = stable_since or time.time()
                 if time.time() - stable_since >= settle:

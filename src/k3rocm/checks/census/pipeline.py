@@ -259,7 +259,10 @@ def live_census(url: str, model: str, api_key: str | None, client: Any, containe
     runrecord.write(run_dir, record)  # early: kept if we fail
     traces = drive.TraceDir(host_dir, container, prof_dir)
     before = traces.snapshot()
-    info = drive.profile_under_load(url, model, api_key, load)
+    # a server whose profiler stops itself: the load runs until its trace file appears
+    stopped = (lambda: bool(traces.new_files(before))) \
+        if served.profiler_max_iterations > 0 else None
+    info = drive.profile_under_load(url, model, api_key, load, stopped=stopped)
     log(f"profile done: {info}")
     dest = run_dir / "traces"
     log(f"collecting traces from {traces}")
