@@ -3,10 +3,10 @@
 Plain HTTP (requests + threads). The load is N concurrent streaming chat completions with
 ``ignore_eos`` and long outputs. Profiling starts once every stream has produced its first
 tokens (prefill is over, every running request is decoding) while each still has at least
-half of its tokens to go (else that round is hung up and a fresh one started), and stops once
-every stream has produced ``steps + margin`` more tokens (or the server's own
-``max_iterations`` ended it earlier). The streams are then hung up (aborting the requests) so
-nothing keeps running.
+half of its tokens to go (else that round is hung up and a fresh one started). It ends when the
+server's profiler stops itself (its ``max_iterations``: the trace file appears), else once every
+stream has produced ``steps + margin`` more tokens. The streams are then hung up (aborting the
+requests) so nothing keeps running. A fresh round's prompts differ from the last one's.
 """
 
 from __future__ import annotations

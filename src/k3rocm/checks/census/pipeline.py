@@ -6,7 +6,6 @@ of ``census-ab`` call it with plain values.
 
 from __future__ import annotations
 
-import contextlib
 import json
 from dataclasses import dataclass
 from itertools import groupby
@@ -227,17 +226,13 @@ def speculative_note(served: ServedAs) -> str | None:
 
 
 def live_census(url: str, model: str, api_key: str | None, client: Any, container: Any,
-                claim: FusionClaim, run_dir: Path, opts: Analysis, load: Profiling,
-                title: str = "Decode kernel census", dep: Any = None) -> Census:
+                claim: FusionClaim, run_dir: Path, opts: Analysis, load: Profiling, *,
+                dep: Any, title: str = "Decode kernel census") -> Census:
     """Profile the running server under load, collect its traces into ``run_dir/traces``,
-    analyse and write the report. Used by ``census`` and by each arm of ``census-ab``."""
+    analyse and write the report. Used by ``census`` and by each arm of ``census-ab``;
+    ``dep``: the command's deployment (census-ab: the arm's)."""
     from k3rocm.checks.census import drive
 
-    if dep is None:
-        from k3rocm.deploy.deployment import load_deployment
-
-        with contextlib.suppress(UsageError):
-            dep = load_deployment()
     # One read of the server (its rendered record, env, argv) serves the trace location, the
     # speculative-decoding note, the world size and the run record.
     server_prov = runrecord.server(client, url, api_key, container=container)
