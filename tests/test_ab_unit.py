@@ -574,3 +574,20 @@ def test_census_ab_reads_the_checkpoint_the_arm_servers_load(tmp_path, monkeypat
     with pytest.raises(UsageError, match="reached start"):
         abcli.run(args)
     assert seen == [models / "b"]
+
+
+def test_bench_ab_client_uses_what_the_arm_servers_serve(tmp_path):
+    """bench-ab's aiperf tokenizes with the checkpoint the arm servers load and sends the key
+    they require (``--server-env`` over this shell's settings), as census-ab's analysis does.
+    Old code: the shell's K3_MODEL (/models/a) as tokenizer and ``--api-key EMPTY`` (401s)."""
+    models = tmp_path / "models"
+    for m in ("a", "b"):
+        (models / m).mkdir(parents=True)
+    p = run_cli("bench-ab", "--workload", "ci-tiny", "--dry-run", "--no-gpu", "--models-dir",
+                str(models), "--server-env", "K3_MODEL=/models/b", "--server-env",
+                "K3_API_KEY=sekrit", env={"K3_MODEL": "/models/a", "K3_MODELS_DIR": str(models)},
+                cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    runs = [ln for ln in p.stdout.splitlines() if ln.startswith("aiperf profile")]
+    assert runs and all(f"--tokenizer {models / 'b'} " in r and "--api-key sekrit " in r
+                        for r in runs)

@@ -593,12 +593,15 @@ def build_plan(args: argparse.Namespace) -> ABPlan:
         raise UsageError("--url is not used by bench-ab (it starts its own servers): use --port",
                          2)
     arms = armlib.arms_from_args(args)
+    # what the arm servers serve (their K3_MODEL, K3_API_KEY, ...: --server-env over the
+    # settings) is what the client asks for, tokenizes with and authenticates to
+    dep = armlib.arm_deployment(arms)
     sets = list(args.sets)
     if not any(s.startswith("model=") for s in sets) and not args.model \
             and not os.environ.get("BENCH_MODEL"):
-        sets.append(f"model={armlib.arm_deployment(arms).served_model_name}")
+        sets.append(f"model={dep.served_model_name}")
     args.sets = [*sets, f"url={arms.url}"]
-    w, _ = resolve_from_args(args)
+    w, _ = resolve_from_args(args, dep)
     if w.prefix_caching is not None:
         want = "1" if w.prefix_caching else "0"
         have = arms.server_env.get("K3_PREFIX_CACHING")

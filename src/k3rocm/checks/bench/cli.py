@@ -82,10 +82,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--label", default=None, help="run directory label (default: workload)")
 
 
-def resolve_from_args(args: argparse.Namespace):
-    """(workload, deployment): the workload from the flags and the deployment; fills
-    ``args.results`` (default: the deployment's results root)."""
-    dep = load_deployment()
+def resolve_from_args(args: argparse.Namespace, dep=None):
+    """(workload, deployment): the workload from the flags and the deployment (``dep``:
+    bench-ab's arm deployment; else this command's, loaded here); fills ``args.results``
+    (default: the deployment's results root)."""
+    dep = dep or load_deployment()
     sets = parse_sets(args.sets)
     sets.update({k: getattr(args, k) for k in ("url", "model", "tokenizer")
                  if getattr(args, k, None)})
