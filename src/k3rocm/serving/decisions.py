@@ -29,6 +29,9 @@ FILE = "k3rocm-decisions-pid{pid}.json"
 FILE_GLOB = FILE.format(pid="*")
 STATES = {f.name: f.states for f in FUSIONS}
 _PHASE = {"construct": 0, "load": 1}
+# Who wrote a record: the overlay file, or the upstream hook (serving/upstream_hook.py) on a
+# base whose own amd/mla.py carries the fusions. Same format; absent = "overlay".
+WRITERS = ("overlay", "upstream")
 _FILE_RE = re.compile(r"^k3rocm-decisions-pid\d+\.json$")
 
 
@@ -45,6 +48,7 @@ class Record:
     where: str
     order: int
     raw: dict[str, Any]
+    writer: str = "overlay"  # "overlay" (our amd/mla.py) or "upstream" (the hook on upstream's)
 
     def label(self) -> str:
         tp = "?" if self.tp_rank is None else self.tp_rank
@@ -63,11 +67,13 @@ def parse_record(obj: Any, where: str, order: int = 0) -> Record:
     def integer(v: Any) -> bool:
         return isinstance(v, int) and not isinstance(v, bool)
 
+    obj = {"writer": "overlay", **obj}  # records without a writer field are the overlay's
     for key, ok, want in (("schema", lambda v: v == SCHEMA, repr(SCHEMA)),
                           ("pid", integer, "an integer"),
                           ("tp_rank", lambda v: v is None or integer(v), "an integer or null"),
                           ("layer_kind", lambda v: v in ("target", "draft"), "target or draft"),
-                          ("phase", lambda v: v in _PHASE, "construct or load")):
+                          ("phase", lambda v: v in _PHASE, "construct or load"),
+                          ("writer", lambda v: v in WRITERS, " or ".join(WRITERS))):
         if not ok(obj.get(key)):
             raise bad(f"{key} {obj.get(key)!r} is not {want}")
     fus, asked = obj.get("fusions"), obj.get("asked")
@@ -84,7 +90,7 @@ def parse_record(obj: Any, where: str, order: int = 0) -> Record:
     states = {k: fus[k]["state"] for k in STATES}
     reasons = {k: " ".join(str(fus[k].get("reason", "")).split()) for k in STATES}
     return Record(obj["pid"], str(obj.get("process", "")), obj.get("tp_rank"), obj["layer_kind"],
-                  obj["phase"], states, reasons, asked, where, order, obj)
+                  obj["phase"], states, reasons, asked, where, order, obj, obj["writer"])
 
 
 def parse_line(line: str) -> dict[str, Any] | None:

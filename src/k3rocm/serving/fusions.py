@@ -21,9 +21,17 @@ class Fusion:
     default: bool
     doc: str  # the setting's description (README settings table, ``make config``)
     label: str  # in reports
-    states: tuple[str, ...]  # the states the overlay's decision records may give it
+    # the states a decision record may give it ("unknown": the upstream hook found upstream's
+    # attribute missing or not a bool; the census cannot judge such a process)
+    states: tuple[str, ...]
     roles: tuple[str, ...]  # census kernel roles it owns (checks/census/kernels.json)
     op: str  # the op whose call in an upstream amd/mla.py means upstream ships the fusion
+    # Upstream's own amd/mla.py (vLLM >= 0.30): the per-layer attribute its gates set (True =
+    # fused) and attributes that must follow it off (built only for the fusion). The upstream
+    # hook (serving/upstream_hook.py) reads and switches these; the names are checked against
+    # the real files of vLLM 0.30 ... 0.34 by tests/test_upstream_hook.py.
+    attr: str = ""
+    follows: tuple[str, ...] = ()
 
     @property
     def field(self) -> str:
@@ -34,13 +42,14 @@ class Fusion:
 FUSIONS = (
     Fusion(name="qk_norm", env="K3_FUSE_QK_NORM", default=True,
            doc="Overlay: fused q/kv RMSNorm (1/0).", label="q/kv RMSNorm",
-           states=("on", "off"), roles=("fused_qk_norm", "qk_norm"),
-           op="fused_mla_dual_rms_norm"),
+           states=("on", "off", "unknown"), roles=("fused_qk_norm", "qk_norm"),
+           op="fused_mla_dual_rms_norm", attr="_use_eager_qk_rmsnorm_fusion"),
     Fusion(name="decode_qprep", env="K3_FUSE_DECODE_QPREP", default=True,
            doc="Overlay: fused decode Q-prep (1/0).", label="decode Q-prep",
-           states=("on", "off", "needs-model"),
+           states=("on", "off", "needs-model", "unknown"),
            roles=("fused_qprep", "cache_write", "q_concat_quant"),
-           op="fused_qk_rope_concat_and_cache_mla"),
+           op="fused_qk_rope_concat_and_cache_mla", attr="_fused_qk_prep",
+           follows=("_fold_qb_uk",)),
 )
 NAMES = tuple(f.name for f in FUSIONS)
 BY_NAME = {f.name: f for f in FUSIONS}
