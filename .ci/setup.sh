@@ -65,6 +65,8 @@ step "Debian rootfs image (no pulls)"
 .ci/debian-rootfs.sh
 
 if [ "$what" = ci ]; then
+  step "real vLLM 0.27.1 ... 0.34.0 source files for the tests (cached)"
+  make upstream-src
   step "CPU stand-in base images, client and router images"
   make ci-images
 else

