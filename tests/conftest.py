@@ -32,8 +32,8 @@ def need(condition: bool, why: str) -> None:
 
 
 # The real vLLM sources of every release 0.27.1 ... 0.34.0 (tests/upstream_src.py, run by
-# `.ci/setup.sh ci` as `make upstream-src`). K3_UPSTREAM_SRC points elsewhere (a worktree).
-UPSTREAM_SRC = Path(os.environ.get("K3_UPSTREAM_SRC") or REPO / "build" / "vllm-src")
+# `.ci/setup.sh ci` as `make upstream-src`). UPSTREAM_SRC_DIR points elsewhere.
+UPSTREAM_SRC = Path(os.environ.get("UPSTREAM_SRC_DIR") or REPO / "build" / "vllm-src")
 
 
 def upstream_tree(version: str) -> Path:
