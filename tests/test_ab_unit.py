@@ -764,3 +764,19 @@ def test_every_measure_has_on(cmd):
     p = run_cli(cmd, "--on", "nope", "--dry-run", "--workload", "ci-tiny", "--no-gpu")
     assert p.returncode == 2 and "--on 'nope' must name fusions from qk_norm, decode_qprep" \
         in p.stderr, p.stderr
+
+
+def test_a_server_setting_the_base_refuses_is_named_for_every_arm(on_base, tmp_path, capsys):
+    """A refusal that is not about the fusion switches (here fp8 KV, asked explicitly, on the
+    seed nightly whose decode takes the bf16-only Gluon kernel) names the setting for every
+    arm and offers no --on (none would help)."""
+    from k3rocm.cli import main
+
+    calls = on_base(SEED)
+    code = main([*_measure_args(tmp_path, "bench"), "--server-env", "K3_KV_CACHE_DTYPE=fp8"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and calls == [], err
+    assert err[0].startswith("k3rocm: error: every arm (the servers' own settings, not the "
+                             "fusion switches) cannot be served by this base (vLLM 0.27.1")
+    assert "K3_KV_CACHE_DTYPE=fp8 cannot serve on this base" in err[0]
+    assert "--on" not in err[0]

@@ -542,6 +542,12 @@ def base_check(arm_env: dict[str, dict[str, str]], environ: Mapping[str, str],
                 if note.startswith("WARNING"):
                     _log(f"arm {arm}: {note}")
             continue
+        ver = (facts.get("vllm_version") or {}).get("value") or "?"
+        plain = refused({})[0]  # the servers' own settings, whatever the arm switches
+        if plain is not None:
+            raise UsageError(f"every arm (the servers' own settings, not the fusion switches) "
+                             f"cannot be served by this base (vLLM {ver}; facts from {where}): "
+                             f"{plain}; no server was started", 2)
         if refused(arm_envs()["A"])[0] is not None:  # the off arm itself: no --on helps
             offer = "no --on choice helps: this base refuses the fusions-off arm"
         else:
@@ -550,7 +556,6 @@ def base_check(arm_env: dict[str, dict[str, str]], environ: Mapping[str, str],
                 ok = [",".join(ok)]
             offer = ("this base can switch: " + " or ".join(f"--on {n}" for n in ok)) if ok \
                 else "this base can switch none of the fusions (" + ", ".join(NAMES) + ")"
-        ver = (facts.get("vllm_version") or {}).get("value") or "?"
         raise UsageError(f"arm {arm} ({env_str(arm_env[arm])}) cannot be served by this base "
                          f"(vLLM {ver}; facts from {where}): {why}; {offer}; no server was "
                          "started", 2)
