@@ -124,7 +124,7 @@ def test_arm_server_is_compose_yaml_with_the_arm_env(tmp_path):
                             calibrate_delay_ms=7.0, aa=False, aa_fusions="on",
                             image="k3rocm/server:cpu-0.32.0", models_dir=str(tmp_path),
                             cache_dir=None, dry_run=False, pin_engine_core=False,
-                            stop_running=False)
+                            stop_running=False, on="all")
     arms = arms_from_args(ns)
     srv = ComposeServer(project="k3ab-test-01b", cpu=True, env=arms.compose_env("B"),
                         container_env={**arms.server_env, **arms.arm_container_env["B"]},
@@ -591,3 +591,192 @@ def test_bench_ab_client_uses_what_the_arm_servers_serve(tmp_path):
     runs = [ln for ln in p.stdout.splitlines() if ln.startswith("aiperf profile")]
     assert runs and all(f"--tokenizer {models / 'b'} " in r and "--api-key sekrit " in r
                         for r in runs)
+
+
+# ------------------------------------------------- the arms against the serving image's base
+# The base facts are measured by basefacts.measure from the real vLLM sources (conftest's
+# upstream trees), never written here: the seed nightly's (0.27.1: no upstream fusion, decode
+# always on Gluon, so no fp8 KV and so no decode Q-prep) and a current release's (0.34.0: both
+# fusions upstream). Only the manifest read (a container run) is replaced by those facts.
+
+SEED, UPSTREAM = "0.27.1", "0.34.0"
+
+
+def _facts(version: str) -> dict:
+    from conftest import upstream_tree
+
+    from k3rocm.serving import basefacts
+
+    return basefacts.measure(upstream_tree(version))
+
+
+@pytest.fixture
+def on_base(tmp_path, monkeypatch):
+    """Serve ``version``'s facts as the serving image's manifest; record every Docker client,
+    compose server and port probe the A/B makes (none may happen before the base check)."""
+    from k3rocm.checks.ab import arms as armlib
+    from k3rocm.deploy import config_cmd
+
+    calls: list[str] = []
+    seen_images: list[str] = []
+
+    def use(version: str) -> list[str]:
+        facts = _facts(version)
+
+        def image_base_facts(image):
+            seen_images.append(image)
+            return facts, f"{image} (sha256:0123456789ab) manifest"
+
+        monkeypatch.setattr(config_cmd, "image_base_facts", image_base_facts)
+        return calls
+
+    class NoServer:
+        def __init__(self, *a, **kw):
+            calls.append("ComposeServer")
+
+    def no_docker(*a, **kw):
+        calls.append("docker_client")
+        raise AssertionError("Docker before the base check")
+
+    def no_port(arms):
+        calls.append("check_port")
+        raise AssertionError("the port check (--stop-running stops a server) before the base "
+                             "check")
+
+    monkeypatch.setattr(armlib, "ComposeServer", NoServer)
+    monkeypatch.setattr(armlib, "docker_client", no_docker)
+    monkeypatch.setattr(armlib, "check_port", no_port)
+    for k in ("K3_UPSTREAM_SRC", "COMPOSE_FILE", "K3_PROFILE", "K3_IMAGE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.chdir(tmp_path)
+    use.images = seen_images
+    return use
+
+
+def _measure_args(tmp_path: Path, measure: str) -> list[str]:
+    """Inputs each measure checks before its start(), all present (the A/B on the node)."""
+    import shutil
+
+    models = tmp_path / "models"
+    (models / "Kimi-K3").mkdir(parents=True, exist_ok=True)
+    shutil.copy(REPO / "tests/data/census/models/tiny-deepseek-v3/config.json",
+                models / "Kimi-K3")
+    (models / "Kimi-K3" / "tokenizer.json").write_text("{}")
+    common = ["--gpu", "--models-dir", str(models), "--results", str(tmp_path / "results"),
+              "--image", "k3rocm/server:seed"]
+    if measure == "bench":
+        return ["bench-ab", "--workload", "ci-tiny", "--tokenizer", str(models / "Kimi-K3"),
+                *common]
+    if measure == "census":
+        return ["census-ab", "--model-dir", str(models / "Kimi-K3"), *common]
+    data = tmp_path / "gsm8k"
+    data.mkdir(exist_ok=True)
+    item = json.dumps({"question": "1+1?", "answer": "2\n#### 2"})
+    for name in ("train.jsonl", "test.jsonl"):
+        (data / name).write_text((item + "\n") * 5)
+    return ["ab", "--measure", "gsm8k", "--data-dir", str(data), *common]
+
+
+@pytest.mark.parametrize("measure", ["bench", "census", "gsm8k"])
+def test_an_ab_on_the_seed_base_is_refused_before_any_server(on_base, tmp_path, capsys,
+                                                              measure):
+    """The seed nightly (vLLM 0.27.1) cannot serve arm B: its decode always takes AITER's
+    Gluon kernel, so no fp8 KV cache, so no decode Q-prep. Every measure refuses that arm in
+    one line, exit 2, before the port check, Docker or any server: naming the arm, the
+    setting, the base's reason and what it can serve (--on qk_norm). Old code: arm A's cold
+    start and workload ran first, then arm B's server refused to start."""
+    from k3rocm.cli import main
+
+    calls = on_base(SEED)
+    code = main(_measure_args(tmp_path, measure))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2, err
+    assert calls == [] and on_base.images == ["k3rocm/server:seed"]
+    assert len(err) == 1, err
+    line = err[0]
+    assert line.startswith("k3rocm: error: arm B (K3_FUSE_DECODE_QPREP=1 K3_FUSE_QK_NORM=1) "
+                           "cannot be served by this base (vLLM 0.27.1; facts from "
+                           "k3rocm/server:seed"), line
+    assert "K3_FUSE_DECODE_QPREP=1 needs an fp8 KV cache" in line
+    assert "this base can switch: --on qk_norm;" in line and "no server was started" in line
+    assert not (tmp_path / "results").exists()  # no run directory either
+
+
+def test_on_the_seed_base_the_offered_arms_pass(on_base, tmp_path):
+    """What the refusal offers is what the base serves: with --on qk_norm both arms pass the
+    same check (and the seed's own changes are stated: bf16 KV, graphs PIECEWISE)."""
+    from k3rocm.checks.ab import arms as armlib
+    from k3rocm.checks.ab import cli as abcli
+
+    on_base(SEED)
+    p = argparse.ArgumentParser()
+    abcli.add_arguments(p, measure="bench")
+    args = p.parse_args(_measure_args(tmp_path, "bench")[1:] + ["--on", "qk_norm"])
+    abcli.fill_repeats(args)
+    arms = armlib.arms_from_args(args)
+    assert arms.arm_env["B"] == {"K3_FUSE_QK_NORM": "1", "K3_FUSE_DECODE_QPREP": "0"}
+    got = armlib.check_base(arms)
+    assert sorted(got["arms"]) == ["A", "B"] and got["arms"]["B"]["vllm_version"] == SEED
+    notes = " ".join(got["arms"]["B"]["notes"])
+    assert "K3_KV_CACHE_DTYPE=auto" in notes and "PIECEWISE" in notes
+
+
+@pytest.mark.xfail(strict=True, reason="assumes the upstream hook (issue 28 item 1, another "
+                   "branch): basefacts.check still refuses K3_FUSE_*=0 on a base whose "
+                   "amd/mla.py ships the fusions; remove this mark when it lands")
+def test_on_an_upstream_base_both_arms_pass(on_base, tmp_path):
+    """vLLM 0.34.0 ships both fusions in its own amd/mla.py; with upstream's fusions
+    switchable, both arms (every switch 0, every switch 1) pass the base check."""
+    from k3rocm.checks.ab import arms as armlib
+    from k3rocm.checks.ab import cli as abcli
+
+    on_base(UPSTREAM)
+    p = argparse.ArgumentParser()
+    abcli.add_arguments(p, measure="census")
+    args = p.parse_args(_measure_args(tmp_path, "census")[1:])
+    abcli.fill_repeats(args)
+    got = armlib.check_base(armlib.arms_from_args(args, single=("census-ab", "test")))
+    assert sorted(got["arms"]) == ["A", "B"]
+    assert {a: b["vllm_version"] for a, b in got["arms"].items()} == {"A": UPSTREAM,
+                                                                      "B": UPSTREAM}
+
+
+def test_on_an_upstream_base_the_fusions_on_arm_passes(on_base, tmp_path):
+    """The half of the upstream-base claim today's base check already makes true: arm B (the
+    fusions upstream ships, on) is served by 0.34.0, fp8 KV kept (dtype-aware routing)."""
+    from k3rocm.checks.ab import arms as armlib
+    from k3rocm.checks.ab import cli as abcli
+
+    on_base(UPSTREAM)
+    p = argparse.ArgumentParser()
+    abcli.add_arguments(p, measure="bench")
+    args = p.parse_args(_measure_args(tmp_path, "bench")[1:] + ["--aa"])
+    abcli.fill_repeats(args)
+    got = armlib.check_base(armlib.arms_from_args(args))
+    assert sorted(got["arms"]) == ["A", "B"]
+    assert not any(n.startswith("K3_KV_CACHE_DTYPE") for n in got["arms"]["B"]["notes"])
+
+
+@pytest.mark.parametrize("cmd", ["bench-ab", "census-ab"])
+def test_every_measure_has_on(cmd):
+    """--on is one shared declaration: every measure (and `k3rocm ab`) takes it."""
+    assert "--on" in _options(cmd)
+    p = run_cli(cmd, "--on", "nope", "--dry-run", "--workload", "ci-tiny", "--no-gpu")
+    assert p.returncode == 2 and "--on 'nope' must name fusions from qk_norm, decode_qprep" \
+        in p.stderr, p.stderr
+
+
+def test_a_server_setting_the_base_refuses_is_named_for_every_arm(on_base, tmp_path, capsys):
+    """A refusal that is not about the fusion switches (here fp8 KV, asked explicitly, on the
+    seed nightly whose decode takes the bf16-only Gluon kernel) names the setting for every
+    arm and offers no --on (none would help)."""
+    from k3rocm.cli import main
+
+    calls = on_base(SEED)
+    code = main([*_measure_args(tmp_path, "bench"), "--server-env", "K3_KV_CACHE_DTYPE=fp8"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and calls == [], err
+    assert err[0].startswith("k3rocm: error: every arm (the servers' own settings, not the "
+                             "fusion switches) cannot be served by this base (vLLM 0.27.1")
+    assert "K3_KV_CACHE_DTYPE=fp8 cannot serve on this base" in err[0]
+    assert "--on" not in err[0]

@@ -140,8 +140,8 @@ def test_selftest_server_and_its_deployment_agree(clean, monkeypatch):
 
     (clean / "models" / "x").mkdir(parents=True)
     args = argparse.Namespace(timeout=10, bench_args="", census_args="", env_file=".env",
-                              model="/models/x", port=None, project="k3selftest-t")
-    dep, srv = selftest._plan(args, check_model=False)
+                              model="/models/x", port=None, project="k3selftest-t", on="all")
+    dep, srv, _ = selftest._plan(args, check_model=False)
     assert _files(srv.argv("ps")) == set(dep.compose_files) and srv.cpu == dep.cpu
 
 
@@ -158,8 +158,8 @@ def test_selftest_on_the_standin_keeps_a_fusion_switch_the_user_set(clean, monke
     else:
         (clean / ".env").write_text("K3_FUSE_QK_NORM=1\n")
     args = argparse.Namespace(timeout=10, bench_args="", census_args="", env_file=".env",
-                              model="/models/x", port=None, project="k3selftest-t")
-    _, srv = selftest._plan(args, check_model=False)
+                              model="/models/x", port=None, project="k3selftest-t", on="all")
+    _, srv, _ = selftest._plan(args, check_model=False)
     assert srv.cpu and srv.env["K3_FUSE_QK_NORM"] == "1"
     assert srv.env["K3_FUSE_DECODE_QPREP"] == "0"
 

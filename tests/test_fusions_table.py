@@ -3,6 +3,7 @@ and it agrees with the names the overlay reads and writes by itself."""
 
 from __future__ import annotations
 
+import argparse
 import ast
 import json
 import re
@@ -74,7 +75,10 @@ def test_k3rocm_lists_derive_from_the_table():
     assert claim.ENV == ENV and claim.FUSIONS == NAMES
     assert {f.name: f.states for f in FUSIONS} == decisions.STATES
     assert {f.name: f.roles for f in FUSIONS} == spec.GROUPS
-    assert arms.FUSIONS_OFF == selftest.OFF == {f.env: "0" for f in FUSIONS}
+    off = {f.env: "0" for f in FUSIONS}
+    gpu = argparse.Namespace(cpu=False)
+    assert arms.FUSIONS_OFF == arms.arm_envs()["A"] == selftest.arms("all", gpu)["A"] == off
+    assert selftest.arms("all", gpu)["B"] == arms.arm_envs()["B"] == arms.FUSIONS_ON
     assert {f.env: "1" for f in FUSIONS} == arms.FUSIONS_ON
     assert {f.env: f.name for f in FUSIONS} == arms.FUSION_OF
     # the census's kernel table puts every role in the group of the fusion that owns it
@@ -97,6 +101,7 @@ def test_render_and_the_claim_follow_the_table():
 
 
 THIRD = r"""
+import argparse
 import json
 from k3rocm.serving import fusions
 extra = fusions.Fusion(name="kv_thing", env="K3_FUSE_KV_THING", default=False,
@@ -118,8 +123,10 @@ r = render({"K3_PROFILE": "cpu-smoke", "K3_FUSE_KV_THING": "1"}, dotenv=None,
 print(json.dumps({
     "field": FIELDS["fuse_kv_thing"].json_schema_extra, "env": r.env["K3_FUSE_KV_THING"],
     "source": r.sources["K3_FUSE_KV_THING"], "states": decisions.STATES["kv_thing"],
-    "arms_off": arms.FUSIONS_OFF.get("K3_FUSE_KV_THING"), "selftest_off":
-    selftest.OFF.get("K3_FUSE_KV_THING"), "claim": claim.from_env({}, "x").asked,
+    "arms_off": arms.arm_envs()["A"].get("K3_FUSE_KV_THING"), "selftest_off":
+    selftest.arms("all", argparse.Namespace(cpu=False))["A"].get("K3_FUSE_KV_THING"),
+    "arms_on": arms.arm_envs("all")["B"].get("K3_FUSE_KV_THING"),
+    "claim": claim.from_env({}, "x").asked,
     "roles": list(spec.GROUPS["kv_thing"])}))
 """
 
@@ -135,5 +142,6 @@ def test_a_third_row_reaches_every_derived_list():
     assert got == {
         "field": {"env": "K3_FUSE_KV_THING", "group": "overlay"}, "env": "1",
         "source": "env", "states": ["on", "off"], "arms_off": "0", "selftest_off": "0",
+        "arms_on": "1",
         "claim": {"qk_norm": True, "decode_qprep": True, "kv_thing": False},
         "roles": ["fused_kv_thing"]}

@@ -56,6 +56,76 @@ def test_bad_input_is_one_line_exit_2(tmp_path, args, fragment):
     assert not (tmp_path / "r").exists()  # nothing started, no run directory
 
 
+# ------------------------------------------- the A/B's arms against the image's base facts
+
+
+@pytest.fixture
+def seed_node(tmp_path, monkeypatch):
+    """A node (compose.yaml alone, AITER on) whose serving image's manifest holds the seed
+    nightly's base facts, measured from the real vLLM 0.27.1 sources; every compose call
+    recorded (none may happen before the base check)."""
+    import shutil
+
+    from conftest import upstream_tree
+
+    from k3rocm.deploy import config_cmd
+    from k3rocm.deploy.lifecycle import ComposeServer
+    from k3rocm.serving import basefacts
+
+    facts = basefacts.measure(upstream_tree("0.27.1"))
+    monkeypatch.setattr(config_cmd, "image_base_facts",
+                        lambda image: (facts, f"{image} (sha256:0123456789ab) manifest"))
+    calls: list[tuple] = []
+    monkeypatch.setattr(ComposeServer, "compose", lambda self, *a, **kw: calls.append(a))
+    monkeypatch.setattr(ComposeServer, "up", lambda self, *a, **kw: calls.append(("up",)))
+    for k in [k for k in os.environ if k.startswith("K3_")]:
+        monkeypatch.delenv(k)
+    models = tmp_path / "models"
+    (models / "Kimi-K3-selftest").mkdir(parents=True)
+    shutil.copy(REPO / "tests/data/census/models/tiny-deepseek-v3/config.json",
+                models / "Kimi-K3-selftest")
+    monkeypatch.setenv("COMPOSE_FILE", "compose.yaml")
+    monkeypatch.setenv("K3_MODELS_DIR", str(models))
+    monkeypatch.setenv("K3_RESULTS_DIR", str(tmp_path / "results"))
+    monkeypatch.chdir(tmp_path)
+    return calls
+
+
+def test_selftest_on_the_seed_base_is_refused_before_the_build(seed_node, tmp_path, capsys):
+    """`make selftest` serves the A/B's two arms; on the seed nightly arm B (decode Q-prep on)
+    cannot be served: the same one line as the A/B, exit 2, before the build, any server or
+    the run directory. Old code: built, served the defaults (the base quietly turned Q-prep
+    off) and stayed green."""
+    from k3rocm.cli import main
+
+    code = main(["selftest", "run"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2, err
+    assert len(err) == 1 and err[0].startswith(
+        "k3rocm: error: arm B (K3_FUSE_DECODE_QPREP=1 K3_FUSE_QK_NORM=1) cannot be served by "
+        "this base (vLLM 0.27.1"), err
+    assert "needs an fp8 KV cache" in err[0] and "--on qk_norm" in err[0]
+    assert seed_node == [] and not (tmp_path / "results").exists()
+
+
+def test_selftest_serves_the_abs_arms(seed_node):
+    """The selftest's servers are the A/B's arms (one builder): fusions-on = arm B of --on,
+    fusions-off = arm A; with the --on the seed base offers, both pass its check."""
+    import argparse
+
+    from k3rocm.checks import selftest
+    from k3rocm.checks.ab.arms import arm_envs
+
+    args = argparse.Namespace(timeout=10, bench_args="", census_args="", env_file=".env",
+                              model=None, port=None, project="k3selftest-t", on="qk_norm")
+    dep, srv, arms = selftest._plan(args)
+    assert not dep.cpu and arms == arm_envs("qk_norm")
+    assert srv.env["K3_FUSE_QK_NORM"] == "1" and srv.env["K3_FUSE_DECODE_QPREP"] == "0"
+    base = selftest.base_check(dep, srv, arms, ".env")
+    assert sorted(base["arms"]) == ["A", "B"] and base["vllm_version"] == "0.27.1"
+    assert seed_node == []
+
+
 # ------------------------------------------------------------------- the real serving path
 
 

@@ -10,14 +10,23 @@ checkpoint that this base, this overlay and these settings serve, fuse and agree
 
     build    the serving image (as make up), then the base facts recorded in it are applied to
              the settings: a setting the base cannot run stops here (exit 2), before any load
-    up       serve with the fusions as asked; wait until ready; provenance (overlay decisions)
+    up       serve arm B (the fusions --on names on); wait until ready; provenance (overlay
+             decisions)
     census   decode kernel census from the server's profiler (expectations from the small
              model's own MLA layer count)
     greedy   a few fixed prompts, greedy, with logprobs
     bench    one short aiperf point
     down     server log kept
     off      the same server with every K3_FUSE_* switch 0: greedy again, down
-    compare  greedy tokens identical, or the first position that differs with both logprobs
+    compare  greedy tokens fusions on vs off: identical, or the first position that differs
+             with both logprobs
+
+  The two servers are the A/B's two arms (:func:`k3rocm.checks.ab.arms.arm_envs`): "off" is
+  arm A (every K3_FUSE_* switch 0), the first server is arm B (the fusions ``--on`` names, default
+  all, switched on, the rest off). Both are rendered against the serving image's base facts
+  before the build (the image as it is) and again after it, as the A/B does before its first
+  cold start: an arm the base cannot serve is refused (exit 2) before any server starts, naming
+  the ``--on`` choices the base can serve.
 
   One summary (stdout, ``summary.md``, ``summary.json``) in ``<results>/<UTC>-selftest/``,
   each step's log under ``logs/``, both server logs kept. Every server it started is stopped at
@@ -25,7 +34,8 @@ checkpoint that this base, this overlay and these settings serve, fuse and agree
 
 On the CPU stand-in (``CPU=1``) the same steps run with the tiny DeepSeek-shaped smoke model
 (Kimi-K3's KDA layers need GPU kernels); the fusions need ROCm + AITER, so there both servers
-run the stock path and the census checks the stock counts.
+are arm A (the stock path; a K3_FUSE_* switch set in the shell or .env is kept for the first)
+and the census checks the stock counts.
 
 Exit codes: 0 every step ok; 1 a check failed (census, greedy tokens differ, bench point);
 2 bad input or a setting the base cannot run (nothing loaded); 3 a server did not come up;
@@ -46,6 +56,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from k3rocm.checks.ab import arms as armlib
 from k3rocm.checks.steps import (
     Interrupted,
     StepResult,
@@ -59,13 +70,11 @@ from k3rocm.checks.steps import (
 )
 from k3rocm.deploy import selftest_model
 from k3rocm.errors import UsageError
-from k3rocm.serving.fusions import switches
 
 PROJECT = "k3rocm-selftest"
 PROMPTS = ("The capital of France is", "def fibonacci(n):", "1, 2, 3, 5, 8,",
            "Kimi-K3 runs on eight MI355X GPUs and")
 GREEDY_TOKENS = 16
-OFF = switches(False)
 STEPS = ("build", "up", "census", "greedy", "bench", "down", "off", "compare")
 
 
@@ -106,6 +115,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="more `k3rocm bench` arguments (default: concurrency 1, 4 requests)")
     r.add_argument("--census-args", default="",
                    help="more `k3rocm census` arguments")
+    armlib.add_on_argument(r)
     r.add_argument("--verbose", action="store_true", help="stream each step's output too")
     r.add_argument("--env-file", default=".env", help="settings file (default .env)")
 
@@ -122,16 +132,28 @@ def deployment_view(args: argparse.Namespace) -> dict:
 
     if args.what != "run":
         return load_deployment(env_file=args.env_file).to_json()
-    dep, srv = _plan(args, check_model=False)
-    return {**dep.to_json(), "project": srv.project}
+    dep, srv, switches = _plan(args, check_model=False)
+    return {**dep.to_json(), "project": srv.project, "arm_env": switches}
 
 
 # ------------------------------------------------------------------------------------ plan
 
 
+def arms(on: str, base) -> dict[str, dict[str, str]]:
+    """The two servers' switches: the A/B's arms (:func:`k3rocm.checks.ab.arms.arm_envs`), B
+    first ("on"), then A ("off"). On the CPU stand-in (``base``: the deployment) the fusions
+    cannot run (no ROCm, no AITER): B is arm A too, except a switch the user set (shell or
+    .env)."""
+    envs = armlib.arm_envs(on)
+    if base.cpu:
+        envs["B"] = {k: base.rendered.env[k] if base.sources.get(k) in ("env", ".env") else v
+                     for k, v in envs["A"].items()}
+    return envs
+
+
 def _plan(args: argparse.Namespace, check_model: bool = True, extra: dict | None = None):
-    """The selftest server: (deployment, ComposeServer). Bad input raises UsageError (exit 2)
-    before anything starts."""
+    """The selftest server (fusions on: arm B): (deployment, ComposeServer, the arms' switches).
+    Bad input raises UsageError (exit 2) before anything starts."""
     from k3rocm.deploy.deployment import load_deployment
     from k3rocm.deploy.lifecycle import ComposeServer
 
@@ -157,10 +179,8 @@ def _plan(args: argparse.Namespace, check_model: bool = True, extra: dict | None
     if port == base.port:
         raise UsageError(f"--port {port} is the deployment's own port: the selftest server "
                          "needs its own")
-    env = {"K3_MODEL": model, "K3_PORT": str(port), **(extra or {})}
-    if cpu:  # the fusions need ROCm + AITER: on the stand-in both servers are stock
-        for k, v in OFF.items():
-            env.setdefault(k, base.rendered.env[k] if base.sources.get(k) in ("env", ".env") else v)
+    switches = arms(args.on, base)
+    env = {"K3_MODEL": model, "K3_PORT": str(port), **(extra or {}), **switches["B"]}
     # the same settings as `make up` (shell > .env > profile > default), these changed
     dep = load_deployment({**os.environ, **env}, env_file=args.env_file,
                           check_model=check_model, gpu=not cpu)
@@ -170,24 +190,20 @@ def _plan(args: argparse.Namespace, check_model: bool = True, extra: dict | None
     srv = ComposeServer(project=args.project, cpu=cpu, env=env, url=dep.url,
                         model=dep.served_model_name, api_key=dep.api_key,
                         container_env={"TORCHDYNAMO_DISABLE": "1"} if cpu else {})
-    return dep, srv
+    return dep, srv, switches
 
 
-def base_check(dep, srv, env_file: str) -> dict[str, Any]:
-    """The base facts recorded in the built image, applied to the selftest's settings as the
-    entrypoint will apply them: a refusal is exit 2 before any load."""
-    from k3rocm.deploy.config_cmd import image_base_facts
-    from k3rocm.serving.config import render
-
-    facts, where = image_base_facts(dep.image)
-    if facts is None:
-        return {"facts_from": where, "notes": ["base facts unknown: checked at start"]}
-    try:
-        r = render({**os.environ, **srv.env}, env_file, host_paths=True, check_model=False,
-                   base=facts)
-    except UsageError as exc:
-        raise UsageError(f"{exc} [base facts from {where}]") from None
-    return {**(r.base or {}), "facts_from": where}
+def base_check(dep, srv, switches: dict[str, dict[str, str]], env_file: str) -> dict[str, Any]:
+    """Both servers (the A/B's arms) rendered against the base facts recorded in the image, by
+    the A/B's own check (:func:`k3rocm.checks.ab.arms.base_check`): a refusal is exit 2 before
+    any server starts. The fusions-on server's base decision, with where the facts came from
+    and both arms' decisions."""
+    checked = armlib.base_check(switches, {**os.environ, **srv.env}, env_file, dep.image,
+                                dep.settings.profile)
+    if not checked["arms"]:
+        return {"facts_from": checked["facts_from"],
+                "notes": ["base facts unknown: checked at start"]}
+    return {**checked["arms"]["B"], "facts_from": checked["facts_from"], "arms": checked["arms"]}
 
 
 # --------------------------------------------------------------------------------- greedy
@@ -245,11 +261,14 @@ def selftest(args: argparse.Namespace) -> int:  # noqa: C901 - one linear pipeli
     from k3rocm.rundir import create_run_dir, write_json_atomic, write_text_atomic
 
     t0 = time.time()
-    dep, srv = _plan(args)  # exit 2 before anything starts
+    dep, srv, switches = _plan(args)  # exit 2 before anything starts
+    if not args.no_build:  # the image as it is now; checked again once built
+        base_check(dep, srv, switches, args.env_file)
     run_dir = create_run_dir(dep.results_root, "selftest")
     trace_dir = f"/results/{run_dir.name}/traces"
-    dep, srv = _plan(args, extra={"K3_PROFILER_DIR": trace_dir})
-    off_srv = dataclasses.replace(srv, env={**srv.env, **OFF})  # the same server, fusions off
+    dep, srv, switches = _plan(args, extra={"K3_PROFILER_DIR": trace_dir})
+    # the same server as arm A: every fusion off
+    off_srv = dataclasses.replace(srv, env={**srv.env, **switches["A"]})
     runrecord.write(run_dir, runrecord.build(deployment=dep, url=dep.url, selftest={
         "project": srv.project, "model": dep.model}))
     host_model = dep.model_host_dir
@@ -324,7 +343,7 @@ def selftest(args: argparse.Namespace) -> int:  # noqa: C901 - one linear pipeli
             p = srv.compose("build", "server", timeout=None, capture=False)
             if p.returncode != 0:
                 raise UsageError(f"building the serving image failed (exit {p.returncode})")
-        summary["base"] = base_check(dep, srv, args.env_file)
+        summary["base"] = base_check(dep, srv, switches, args.env_file)
         res.numbers = summary["base"]
         res.note = "; ".join(summary["base"].get("notes") or []) or "base facts: no change"
 
@@ -335,7 +354,7 @@ def selftest(args: argparse.Namespace) -> int:  # noqa: C901 - one linear pipeli
 
     def greedy_on(res: StepResult):
         greedy_runs["on"] = greedy(dep.url, srv.model, dep.api_key)
-        res.note = f"{len(PROMPTS)} prompts x {GREEDY_TOKENS} tokens, fusions as asked"
+        res.note = f"{len(PROMPTS)} prompts x {GREEDY_TOKENS} tokens, fusions on (arm B)"
 
     def down(res: StepResult):
         stop(srv, "server-on.log")
@@ -397,7 +416,7 @@ def selftest(args: argparse.Namespace) -> int:  # noqa: C901 - one linear pipeli
     lines += [f"  {head}", *(f"    {n}" for n in notes)]
     decisions = summary.get("overlay_decisions")
     if decisions is not None:
-        lines.append("  overlay decisions (fusions as asked): " + summarize_decisions(
+        lines.append("  overlay decisions (fusions on, arm B): " + summarize_decisions(
             {(d.get("pid"), d.get("layer_kind")): d for d in decisions}))
     lines.append("")
     lines += step_rows(results)

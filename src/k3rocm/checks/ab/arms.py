@@ -17,7 +17,7 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,7 +36,7 @@ from k3rocm.errors import UsageError, tagged_log
 from k3rocm.rundir import create_run_dir, write_bytes_atomic
 from k3rocm.serving import decisions
 from k3rocm.serving.fusions import NAME_OF_ENV as FUSION_OF  # K3_FUSE_* -> decision name
-from k3rocm.serving.fusions import switches
+from k3rocm.serving.fusions import NAMES, switches
 
 FUSIONS_OFF = switches(False)
 FUSIONS_ON = switches(True)
@@ -55,9 +55,33 @@ def sequence(repeats: int) -> list[str]:
     return [arm for i in range(repeats) for arm in ("AB" if i % 2 == 0 else "BA")]
 
 
+def add_on_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--on``: the fusions arm B (the fusions-on server) asks for; the one declaration the A/B
+    (every measure) and ``k3rocm selftest run`` share."""
+    parser.add_argument("--on", default="all", metavar="FUSIONS",
+                        help="fusions asked ON in arm B, the fusions-on server (comma-separated: "
+                        f"{', '.join(NAMES)}, or all; default all); the rest stay off in both "
+                        "arms. A base that cannot serve an arm is refused before any server "
+                        "starts, naming the fusions it can switch")
+
+
+def arm_envs(on: str = "all") -> dict[str, dict[str, str]]:
+    """The ONE builder of arm environments (every A/B measure and the selftest): arm A every
+    K3_FUSE_* switch 0, arm B the fusions named by ``on`` (``--on``: comma-separated, or all)
+    1 and the rest 0. Bad names: one line, exit 2."""
+    names = [x.strip() for x in on.split(",") if x.strip()]
+    if names == ["all"]:
+        names = list(NAMES)
+    bad = [x for x in names if x not in NAMES]
+    if bad or not names:
+        raise UsageError(f"--on {on!r} must name fusions from {', '.join(NAMES)} (or all)", 2)
+    return {"A": switches(False), "B": switches(dict.fromkeys(names, True))}
+
+
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     """The arm-server flags, the same for every measure."""
-    g = parser.add_argument_group("arm servers (the same for --measure bench and census)")
+    g = parser.add_argument_group("arm servers (the same for every --measure)")
+    add_on_argument(g)
     g.add_argument("--aa", action="store_true",
                    help="A/A mode: both arms identical (measures the noise floor)")
     g.add_argument("--aa-fusions", choices=("on", "off"), default="on",
@@ -134,6 +158,7 @@ class Arms:
     delay_ms: float | None = None
     scale: Any = None  # k3rocm.deploy.scale.settings.ScaleSettings when K3_SCALE_MODE=replicas
     env_file: str | None = ".env"
+    base: dict[str, Any] | None = None  # check_base's answer, once checked
 
     @property
     def replica_ports(self) -> list[int]:
@@ -175,9 +200,7 @@ class Arms:
                 if k not in FUSIONS_ON and k != "K3_PORT"}
 
 
-def arms_from_args(args: argparse.Namespace, on_env: dict[str, str] | None = None,
-                   off_env: dict[str, str] | None = None,
-                   single: tuple[str, str] | None = None) -> Arms:
+def arms_from_args(args: argparse.Namespace, single: tuple[str, str] | None = None) -> Arms:
     """The arm settings from the shared flags (bad input: one line, exit 2). ``single``:
     (command, why) of a measure that runs one server per arm in the order A B."""
     if single and (args.aa or args.calibrate_delay_ms is not None):
@@ -197,8 +220,8 @@ def arms_from_args(args: argparse.Namespace, on_env: dict[str, str] | None = Non
         raise UsageError(f"--port {args.port}: must be 1..65535", 2)
     if args.server_timeout <= 0:
         raise UsageError(f"--server-timeout {args.server_timeout:g}: must be > 0", 2)
-    on = dict(on_env or FUSIONS_ON)
-    off = dict(off_env or FUSIONS_OFF)
+    envs = arm_envs(args.on)
+    on, off = envs["B"], envs["A"]
     container_env: dict[str, dict[str, str]] = {"A": {}, "B": {}}
     delay = args.calibrate_delay_ms
     if delay is not None:
@@ -446,8 +469,11 @@ def start(arms: Arms, results: Path, label: str, runs_per_slot: int = 1,
           client_image: str | None = None, dep=None) -> Run:
     """The shared start of every measure: the port is free (or freed), the server image (and
     the measure's client image) is there, the cold starts and their estimate are announced;
-    then the run directory. ``dep``: the arm deployment, when the measure loaded it already
+    then the run directory. First of all, both arms are rendered against the image's base
+    facts (:func:`check_base`): an arm the base cannot serve stops here, before anything
+    starts. ``dep``: the arm deployment, when the measure loaded it already
     (:func:`arm_deployment`); else it is loaded here, once."""
+    base = check_base(arms)
     check_port(arms)
     client = docker_client()
     dep = dep or arm_deployment(arms)
@@ -461,6 +487,9 @@ def start(arms: Arms, results: Path, label: str, runs_per_slot: int = 1,
     _log(f"{arms.mode.upper()}: {slots * per} cold server start(s) in the order "
          f"{' '.join(arms.slots())}{where}, {slots * runs_per_slot} run(s); estimated "
          f"{secs / 60:.1f} min ({how})")
+    _log(f"base facts from {base['facts_from']}: " + (
+        f"arm(s) {', '.join(base['arms'])} can be served" if base["arms"] else
+        "each arm server checks them at start"))
     return Run(arms, client, ref, iid, dep.served_model_name, dep.api_key,
                create_run_dir(results, label))
 
@@ -472,6 +501,76 @@ def arm_deployment(arms: Arms, arm: str = "B"):
     share (image, model, API key) is the same in both."""
     return resolve_settings(arms.env_file, {**os.environ, **arms.compose_env(arm)},
                             gpu=not arms.cpu)
+
+
+def base_check(arm_env: dict[str, dict[str, str]], environ: Mapping[str, str],
+               env_file: str | None, image: str, profile: str) -> dict[str, Any]:
+    """Every arm rendered against the base facts recorded in the serving image ``image``
+    (:func:`k3rocm.deploy.config_cmd.image_base_facts`: the manifest `make config`, `make
+    preflight` and ``k3rocm serve`` apply through ``render(base=...)``, i.e.
+    ``basefacts.check``), before anything starts. ``environ``: the servers' settings
+    (shell, ``--server-env``, ...; any K3_FUSE_* in it is the arm's to set); ``profile``: the
+    servers' profile as their deployment decided it (compose.cpu.yaml's with the stand-in);
+    ``arm_env``: each arm's switches (:func:`arm_envs`). An arm the base cannot serve: one
+    line, exit 2, naming the arm, its switches, the base's reason and the ``--on`` choices
+    this base can serve (each found by the same rendering). Facts unknown (no image yet, no
+    manifest, no Docker): each server checks at start. Returns {"facts_from", "arms": {arm:
+    the render's base decision}}.
+    """
+    from k3rocm.deploy.config_cmd import image_base_facts
+    from k3rocm.serving.config import render
+
+    facts, where = image_base_facts(image)
+    if facts is None:
+        return {"facts_from": where, "arms": {}}
+    common = {**{k: v for k, v in environ.items() if k not in FUSIONS_ON},
+              "K3_PROFILE": profile}
+
+    def refused(switch_env: dict[str, str]) -> tuple[str | None, dict | None]:
+        try:
+            r = render({**common, **switch_env}, env_file, check_model=False, base=facts)
+        except UsageError as exc:
+            return str(exc), None
+        return None, r.base
+
+    out: dict[str, Any] = {"facts_from": where, "arms": {}}
+    for arm in sorted(arm_env):
+        why, base = refused(arm_env[arm])
+        if why is None:
+            out["arms"][arm] = base
+            for note in (base or {}).get("notes") or []:
+                if note.startswith("WARNING"):
+                    _log(f"arm {arm}: {note}")
+            continue
+        ver = (facts.get("vllm_version") or {}).get("value") or "?"
+        plain = refused({})[0]  # the servers' own settings, whatever the arm switches
+        if plain is not None:
+            raise UsageError(f"every arm (the servers' own settings, not the fusion switches) "
+                             f"cannot be served by this base (vLLM {ver}; facts from {where}): "
+                             f"{plain}; no server was started", 2)
+        if refused(arm_envs()["A"])[0] is not None:  # the off arm itself: no --on helps
+            offer = "no --on choice helps: this base refuses the fusions-off arm"
+        else:
+            ok = [n for n in NAMES if refused(switches({n: True}))[0] is None]
+            if len(ok) > 1 and refused(switches(dict.fromkeys(ok, True)))[0] is None:
+                ok = [",".join(ok)]
+            offer = ("this base can switch: " + " or ".join(f"--on {n}" for n in ok)) if ok \
+                else "this base can switch none of the fusions (" + ", ".join(NAMES) + ")"
+        raise UsageError(f"arm {arm} ({env_str(arm_env[arm])}) cannot be served by this base "
+                         f"(vLLM {ver}; facts from {where}): {why}; {offer}; no server was "
+                         "started", 2)
+    return out
+
+
+def check_base(arms: Arms) -> dict[str, Any]:
+    """:func:`base_check` for the A/B's arm servers (each arm's deployment as compose and the
+    entrypoint see it: :func:`arm_deployment`), once per A/B (kept on ``arms.base``)."""
+    if arms.base is None:
+        dep = arm_deployment(arms, "A")
+        arms.base = base_check({a: arms.arm_env[a] for a in sorted(set(arms.slots()))},
+                               {**os.environ, **arms.compose_env("A")}, arms.env_file,
+                               dep.image, dep.settings.profile)
+    return arms.base
 
 
 # Allowed to differ between slots: the fusion switches (A/B), and in a calibration the

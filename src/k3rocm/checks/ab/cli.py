@@ -20,7 +20,12 @@ pass --stop-running, which stops the compose server and keeps its log).
   per item right/wrong in each arm, McNemar's exact test on the discordant items, and the gate
   as non-inferiority (B at most --margin below A) with its power at n = 1319.
 --measure census: one profile per arm (--repeats 1: order A B), the decode kernel census of
-  each arm and the A/B launch checks (--on, --concurrency, --max-tokens, --steps).
+  each arm and the A/B launch checks (--concurrency, --max-tokens, --steps).
+Every measure: arm A has every K3_FUSE_* switch 0, arm B the fusions --on names 1 (default
+  all). Before anything starts (the port check, the first cold start), both arms are
+  rendered against the base facts recorded in the serving image (as `make config` and the
+  server's own start do): an arm that base cannot serve is refused in one line (exit 2) naming
+  the arm, the setting, the base's reason and the --on choices it can serve.
 Calibration (CPU stand-in): --calibrate-delay-ms MS runs an A/A whose arm B sleeps MS per
   engine step (a test double mounted only into the stand-in); the report says injected vs
   detected.
@@ -33,7 +38,8 @@ CPU stand-in (CI):
   k3rocm ab --measure bench --workload ci-tiny --image k3rocm/server:cpu-0.32.0 --no-gpu \\
       --server-env K3_PROFILE=cpu-smoke --models-dir /tmp/k3rocm-cache/models \\
       --tokenizer /tmp/k3rocm-cache/models/k3-smoke --pin-engine-core --repeats 2
-Exit codes: 0 ok; 1 a run or check failed (kept and reported); 2 bad input; 3 server or
+Exit codes: 0 ok; 1 a run or check failed (kept and reported); 2 bad input (also an arm
+the serving image's base cannot serve); 3 server or
 engine problem; 130 interrupted (finished runs kept and compared).
 """
 
@@ -49,13 +55,12 @@ from k3rocm.checks.ab import arms as armlib
 from k3rocm.deploy.lifecycle import resolve_settings
 from k3rocm.errors import UsageError
 from k3rocm.serving.config import REDACTED
-from k3rocm.serving.fusions import NAMES
 
 MEASURES = ("bench", "census", "gsm8k")
 BENCH_REPEATS = 4
 # The flags only one measure reads (given with another measure: exit 2).
 ONLY = {"bench": ("runs_per_server", "noise_floor", "primary"),
-        "census": ("trace_dirs", "on", "concurrency", "max_tokens", "prompt_words", "steps",
+        "census": ("trace_dirs", "concurrency", "max_tokens", "prompt_words", "steps",
                    "trace_timeout"),
         "gsm8k": ("margin", "limit", "max_gen_tokens", "gsm8k_mode", "data_dir", "hf_home")}
 
@@ -92,8 +97,6 @@ def add_arguments(parser: argparse.ArgumentParser, measure: str | None = None) -
     c = parser.add_argument_group("--measure census")
     c.add_argument("--trace-dirs", metavar="OFF_DIR,ON_DIR",
                    help="compare two existing trace sets instead of starting servers")
-    c.add_argument("--on", default="all", help="fusions asked ON in arm B (comma-separated: "
-                   f"{', '.join(NAMES)}, or all); the rest stay off in both arms")
     c.add_argument("--concurrency", type=int, default=8, help="concurrent streams")
     c.add_argument("--max-tokens", type=int, default=1024, help="output tokens per request")
     c.add_argument("--prompt-words", type=int, default=64, help="prompt length (words)")

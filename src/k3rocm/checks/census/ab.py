@@ -25,7 +25,7 @@ from typing import Any
 from k3rocm.checks.census.analyze import Census, na
 from k3rocm.checks.census.common import analysis_from, profiling_from, results_root
 from k3rocm.checks.census.expect import Check, columns, render_table
-from k3rocm.checks.census.fusions import FUSIONS, from_env
+from k3rocm.checks.census.fusions import from_env
 from k3rocm.checks.census.pipeline import (
     Analysis,
     analyse,
@@ -39,7 +39,6 @@ from k3rocm.deploy import runrecord
 from k3rocm.errors import EXIT_INCOMPLETE, UsageError, tagged_log
 from k3rocm.rundir import create_run_dir, write_json_atomic, write_text_atomic
 from k3rocm.serving.config import redact_env
-from k3rocm.serving.fusions import switches
 
 CONTAINER_TRACE_DIR = "/tmp/k3rocm-census-traces"
 
@@ -48,14 +47,12 @@ _log = tagged_log("census-ab")
 
 
 def arms_env(on: str) -> dict[str, dict[str, str]]:
-    """The toggles each arm's server is started with (``on``: fusions asked on in arm on)."""
-    names = [x.strip() for x in on.split(",") if x.strip()]
-    if names == ["all"]:
-        names = list(FUSIONS)
-    bad = [x for x in names if x not in FUSIONS]
-    if bad or not names:
-        raise UsageError(f"--on {on!r} must name fusions from {', '.join(FUSIONS)} (or all)")
-    return {"off": switches(False), "on": switches(dict.fromkeys(names, True))}
+    """The toggles each arm's server is started with, named as the census names its arms
+    (the A/B's one builder: :func:`k3rocm.checks.ab.arms.arm_envs`)."""
+    from k3rocm.checks.ab.arms import arm_envs
+
+    envs = arm_envs(on)
+    return {"off": envs["A"], "on": envs["B"]}
 
 
 def compare(arms: dict[str, Census]) -> dict[str, Any]:
@@ -205,8 +202,7 @@ def run_census_ab(args: argparse.Namespace) -> int:
     if args.trace_dirs:
         return run_offline(args, analysis_from(args), arm_env)
     load = profiling_from(args)  # traces copied out of each arm's container
-    arms = armlib.arms_from_args(args, on_env=arm_env["on"], off_env=arm_env["off"],
-                                 single=("census-ab", "a census counts launches exactly"))
+    arms = armlib.arms_from_args(args, single=("census-ab", "a census counts launches exactly"))
     dep = armlib.arm_deployment(arms)  # the checkpoint the arm servers load (--server-env)
     opts = analysis_from(args, dep)
     # Both arms profile into a directory inside the container (copied out afterwards).
