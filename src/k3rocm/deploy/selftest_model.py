@@ -105,6 +105,12 @@ class Tensor:
 
 def read_header(path: Path) -> dict[str, Tensor]:
     """The tensors a safetensors file declares, from its header only (reads 8 + N bytes)."""
+    return read_layout(path)[0]
+
+
+def read_layout(path: Path) -> tuple[dict[str, Tensor], int]:
+    """The tensors a safetensors file declares and where its data starts (8 + N): from its
+    header only. Bad headers raise UsageError naming the file."""
     try:
         with open(path, "rb") as fh:
             raw = fh.read(8)
@@ -139,7 +145,7 @@ def read_header(path: Path) -> dict[str, Tensor]:
             raise UsageError(f"{path}: tensor {name!r} spans {end - begin} bytes, its shape "
                              f"{list(shape)} x {dtype} needs {t.nbytes}")
         out[name] = t
-    return out
+    return out, 8 + n
 
 
 # --- the config: which layers are what ---------------------------------------------------------
