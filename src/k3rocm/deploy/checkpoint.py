@@ -44,9 +44,10 @@ REPO_ID = "moonshotai/Kimi-K3"
 # The Kimi-K3 checkpoint revision we pin (the Hub cannot be reached from where this was
 # written, so it is taken from public records, not read from the Hub): several independent
 # projects pin moonshotai/Kimi-K3 at this commit, one of them noting "lastModified 2026-09-02",
-# 96 safetensors shards and an index total_size of 1,560,860,324,864 bytes. The earlier
-# revision 9f62e4e9fffbd0a83ddd60e1c209d828994b3569 (Aug 2026) has the same weight bytes
-# (1,560,936,091,448 B of files) per the same kind of records. `--revision` picks another.
+# 96 safetensors shards and the index total_size k3rocm.serving.modelfacts
+# .KIMI_K3_CHECKPOINT_BYTES. The earlier revision modelfacts.CONFIG_REVISION (Aug 2026, the one
+# the published dimensions cite) has the same weight bytes (1,560,936,091,448 B of files) per
+# the same kind of records. `--revision` picks another.
 REVISION = "f831ab66814297da540d832a5235f8e904f29d06"
 DEFAULT_DIR_NAME = "Kimi-K3"
 RECORD = ".k3rocm-checkpoint.json"
