@@ -264,9 +264,11 @@ def test_verify_checks_each_shards_bytes_against_its_header_and_the_index(tmp_pa
                    "there (e.g. model.norm.weight)"]
     (d / SHARDS[1]).write_bytes(b"\xff" * 64)
     got = verify(d)
-    assert any(x.startswith(f"shard {SHARDS[1]}: ") and "not a safetensors file" in x
-               for x in got), got
+    assert f"shard {SHARDS[1]}: not a safetensors file (header length 18446744073709551615)" in got
     assert any("declare 40000 bytes" in x for x in got), got
+    (d / SHARDS[1]).write_bytes(files[SHARDS[1]][:50])  # cut inside its header
+    assert (f"shard {SHARDS[1]}: truncated safetensors header (50 bytes, the header alone "
+            "needs ") in verify(d)[1]
 
 
 @pytest.fixture(scope="module")

@@ -201,7 +201,7 @@ def _check_shards(d: Path, shards: list[str], wmap: dict[str, str], sizes: dict[
         try:
             tensors, start = read_layout(p)
         except UsageError as exc:
-            problems.append(f"shard {shard}: {exc}")
+            problems.append(f"shard {shard}: {str(exc).removeprefix(f'{p}: ')}")
             continue
         read += 1
         end = max((t.start + t.nbytes for t in tensors.values()), default=start)

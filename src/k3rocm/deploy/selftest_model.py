@@ -122,12 +122,15 @@ def read_layout(path: Path) -> tuple[dict[str, Tensor], int]:
             text = fh.read(n)
     except OSError as exc:
         raise UsageError(f"cannot read shard {path}: {exc.strerror or exc}") from None
+    if len(text) != n:
+        raise UsageError(f"{path}: truncated safetensors header ({8 + len(text)} bytes, the "
+                         f"header alone needs {8 + n})")
     try:
         header = json.loads(text)
     except ValueError:
         raise UsageError(f"{path}: safetensors header is not valid JSON") from None
-    if len(text) != n or not isinstance(header, dict):
-        raise UsageError(f"{path}: truncated safetensors header")
+    if not isinstance(header, dict):
+        raise UsageError(f"{path}: safetensors header is not a JSON object")
     out = {}
     for name, info in header.items():
         if name == "__metadata__":
