@@ -23,7 +23,11 @@ numbers in that release):
   ``g_a_proj``, ``g_b_proj``, ``o_norm``, ``o_proj``.
 - MoE (``amd/linear.py:205-229``): ``block_sparse_moe.gate.weight`` ``[experts, hidden]``,
   ``block_sparse_moe.gate.e_score_correction_bias`` (fp32), ``shared_experts.{gate,up,down}_
-  proj``; routed experts ``experts.{e}.w1/w2/w3`` (``:865-871``) stored MXFP4 in the
+  proj`` (``moe_intermediate_size x num_shared_experts`` wide); latent experts
+  (``routed_expert_hidden_size``, ``:175-181``, ``:232-258``): ``routed_expert_down_proj``
+  ``[latent, hidden]`` and ``routed_expert_up_proj`` ``[hidden, latent]`` (bf16, unquantized),
+  the routed experts working at the latent width; routed experts ``experts.{e}.w1/w2/w3``
+  (``:865-871``) stored MXFP4 in the
   compressed-tensors layout: ``.weight_packed`` uint8 ``[out, in / 2]`` (two e2m1 values per
   byte) and ``.weight_scale`` uint8 ``[out, in / 32]`` (E8M0), as vLLM's
   ``CompressedTensorsW4A4Mxfp4MoEMethod.create_weights`` allocates them
@@ -34,24 +38,50 @@ numbers in that release):
   ``hnorm``, ``eh_proj`` (``[hidden, 2 * hidden]``), ``shared_head.norm``, ``shared_head.head``
   and a decoder block (MLA, MoE).
 
-The real Kimi-K3 dimensions (hidden 7168, 96 heads, 93 layers) are cut down here; the layer
-pattern (three KDA layers then one MLA layer), quantization layout and names are the real ones.
-The quantization config is an assumption modelled on compressed-tensors' MXFP4 format.
+Two configs: :func:`real_config`, Kimi-K3's published dimensions (the one table,
+``k3rocm.serving.modelfacts.KIMI_K3``; written header-only it is a full-size layout in a few
+hundred MB), and :func:`small_config`, the same structure cut down for tests (MLA layers every
+4th and the last, one dense layer first, latent routed experts, two shared experts, MXFP4
+groups of 32). Keys not in the published table are assumptions: the KDA conv kernel (4), router
+groups (1), the activation betas, one MTP layer (the census test data's config.json has it),
+``latent_moe_use_norm`` off (no ``routed_expert_norm``), unquantized shared experts, dense MLP
+and latent projections (the quantization ``ignore`` list), and a 4 x hidden projector standing
+in for the vision side.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
 
+from k3rocm.serving.modelfacts import KIMI_K3, KIMI_K3_GROUP_SIZE, KIMI_K3_QUANT_FORMAT
+
 PREFIX = "language_model.model."
 
 
+def mla_layers(num_layers: int) -> list[int]:
+    """1-based MLA layers of a Kimi-K3-patterned model: every 4th, and the last."""
+    return sorted({*range(4, num_layers + 1, 4), num_layers})
+
+
+def real_config() -> dict:
+    """Kimi-K3's config at its published dimensions (modelfacts.KIMI_K3)."""
+    cfg = small_config(KIMI_K3["num_hidden_layers"][0], KIMI_K3["num_experts"][0])
+    tc = cfg["text_config"]
+    tc.update({k: v for k, (v, _) in KIMI_K3.items()})
+    tc.update(num_key_value_heads=tc["num_attention_heads"], max_position_embeddings=1048576)
+    tc["linear_attn_config"].update(head_dim=128, num_heads=tc["num_attention_heads"])
+    cfg["media_placeholder_token_id"] = 163605
+    return cfg
+
+
 def small_config(num_layers: int = 8, num_experts: int = 16) -> dict:
-    kda = [i for i in range(1, num_layers + 1) if i % 4]  # 1-based, as Kimi-K3's config
+    mla = mla_layers(num_layers)
+    kda = [i for i in range(1, num_layers + 1) if i not in mla]  # 1-based, as Kimi-K3's config
     return {
         "architectures": ["KimiK3ForConditionalGeneration"],
         "model_type": "kimi_k3",
@@ -80,7 +110,8 @@ def small_config(num_layers: int = 8, num_experts: int = 16) -> dict:
             "mla_use_output_gate": True,
             "num_experts": num_experts,
             "num_experts_per_token": 2,
-            "num_shared_experts": 1,
+            "num_shared_experts": 2,
+            "routed_expert_hidden_size": 128,
             "first_k_dense_replace": 1,
             "moe_layer_freq": 1,
             "moe_router_activation_func": "sigmoid",
@@ -94,22 +125,24 @@ def small_config(num_layers: int = 8, num_experts: int = 16) -> dict:
             "tie_word_embeddings": False,
             "linear_attn_config": {
                 "kda_layers": kda,
-                "full_attn_layers": [i for i in range(1, num_layers + 1) if i not in kda],
+                "full_attn_layers": mla,
                 "head_dim": 64,
                 "num_heads": 8,
                 "short_conv_kernel_size": 4,
             },
             "quantization_config": {
                 "quant_method": "compressed-tensors",
-                "format": "mxfp4-pack-quantized",
+                "format": KIMI_K3_QUANT_FORMAT,
                 "quantization_status": "compressed",
                 "config_groups": {"group_0": {
                     "targets": ["Linear"],
                     "weights": {"num_bits": 4, "type": "float", "strategy": "group",
-                                "group_size": 32, "symmetric": True, "dynamic": False},
+                                "group_size": KIMI_K3_GROUP_SIZE, "symmetric": True,
+                                "dynamic": False},
                     "input_activations": None,
-                    "format": "mxfp4-pack-quantized"}},
+                    "format": KIMI_K3_QUANT_FORMAT}},
                 "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
+                           "re:.*routed_expert_(down|up)_proj$",
                            "re:.*mlp\\..*", "re:.*gate$", "re:.*_res_proj$",
                            "re:.*eh_proj$", "re:.*shared_head.*"]
                 + [f"{PREFIX}layers.{i}.mlp.gate_proj" for i in range(num_layers)],
@@ -187,11 +220,16 @@ def tensors(cfg: dict) -> dict[str, tuple[str, tuple[int, ...]]]:
             bf16(m + "shared_experts.gate_proj.weight", si, h)
             bf16(m + "shared_experts.up_proj.weight", si, h)
             bf16(m + "shared_experts.down_proj.weight", h, si)
+            eh = tc.get("routed_expert_hidden_size") or h  # latent experts' width
+            if eh != h:
+                bf16(m + "routed_expert_down_proj.weight", eh, h)
+                bf16(m + "routed_expert_up_proj.weight", h, eh)
+            g = KIMI_K3_GROUP_SIZE
             for j in range(e):
-                for w, (rows, cols) in (("w1", (inter, h)), ("w3", (inter, h)),
-                                        ("w2", (h, inter))):
+                for w, (rows, cols) in (("w1", (inter, eh)), ("w3", (inter, eh)),
+                                        ("w2", (eh, inter))):
                     out[m + f"experts.{j}.{w}.weight_packed"] = ("U8", (rows, cols // 2))
-                    out[m + f"experts.{j}.{w}.weight_scale"] = ("U8", (rows, cols // 32))
+                    out[m + f"experts.{j}.{w}.weight_scale"] = ("U8", (rows, cols // g))
         else:
             inter = tc["intermediate_size"]
             bf16(p + "mlp.gate_proj.weight", inter, h)
@@ -203,16 +241,37 @@ def tensors(cfg: dict) -> dict[str, tuple[str, tuple[int, ...]]]:
 ITEM = {"BF16": 2, "F32": 4, "U8": 1}
 
 
+def fuse_experts(specs: dict[str, tuple[str, tuple[int, ...]]]) -> dict:
+    """``specs`` with each MoE layer's per-expert tensors replaced by fused ``[E, ...]`` ones named
+    as vLLM's FusedMoE parameters (``experts.w13_weight_packed`` ...): a layout without
+    per-expert names."""
+    out, fused = {}, {}
+    for name, (dt, shape) in specs.items():
+        m = re.match(r"^(.*\.experts\.)(\d+)\.(w[123])\.(weight_\w+)$", name)
+        if m is None:
+            out[name] = (dt, shape)
+            continue
+        w = "w2" if m.group(3) == "w2" else "w13"
+        key = f"{m.group(1)}{w}_{m.group(4)}"
+        rows = shape[0] * (2 if w == "w13" else 1)
+        e = max(int(m.group(2)) + 1, fused.get(key, (0,))[0])
+        fused[key] = (e, rows, *shape[1:])
+    out.update({k: ("U8", v) for k, v in fused.items()})
+    return out
+
+
 def write_checkpoint(d: Path, cfg: dict | None = None, shards: int = 4,
-                     fill: int | None = None, data: bool = True) -> dict:
+                     fill: int | None = None, data: bool = True,
+                     specs: dict | None = None) -> dict:
     """Write a checkpoint (config, index with weight_map, ``shards`` shards, tokenizer files).
 
     Data bytes are ``fill`` repeated (default: a byte pattern); the tests truncate or poison
     them to prove the slicer never reads them; ``data=False`` writes the headers only (a
-    full-size layout in a few MB). Returns the config."""
+    full-size layout in a few MB); ``specs`` replaces the tensors ``cfg`` implies. Returns the
+    config."""
     cfg = cfg or small_config()
     d.mkdir(parents=True, exist_ok=True)
-    specs = tensors(cfg)
+    specs = specs or tensors(cfg)
     names = list(specs)
     per = math.ceil(len(names) / shards)
     wmap = {}

@@ -14,12 +14,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import free_port, run_cli
+from kimi_k3_layout import real_config, write_checkpoint
+from safetensors.numpy import save
 
 from k3rocm.deploy import checkpoint
 from k3rocm.deploy.checkpoint import REVISION, identity, verify
@@ -29,12 +34,15 @@ SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
 
 
 def _tiny_repo() -> dict[str, bytes]:
-    """A tiny checkpoint laid out like Kimi-K3's: config, tokenizer config, index, 2 shards."""
-    shard = [bytes((i * 7 + n) % 251 for i in range(40_000 + n * 1000)) for n in range(2)]
-    index = {"metadata": {"total_size": sum(len(s) for s in shard)},
-             "weight_map": {"model.embed_tokens.weight": SHARDS[0],
-                            "model.layers.0.self_attn.kv_a_layernorm.weight": SHARDS[1],
-                            "lm_head.weight": SHARDS[1]}}
+    """A tiny checkpoint laid out like Kimi-K3's: config, tokenizer config, index, 2 shards
+    (written by the safetensors library)."""
+    rng = np.random.default_rng(0)
+    tensors = [{"model.embed_tokens.weight": rng.standard_normal((100, 100), np.float32)},
+               {"model.layers.0.self_attn.kv_a_layernorm.weight": np.ones(512, np.float32),
+                "lm_head.weight": rng.integers(0, 255, (100, 100), np.uint8)}]
+    shard = [save(t) for t in tensors]
+    index = {"metadata": {"total_size": sum(a.nbytes for t in tensors for a in t.values())},
+             "weight_map": {name: SHARDS[k] for k, t in enumerate(tensors) for name in t}}
     return {
         ".gitattributes": b"*.safetensors filter=lfs diff=lfs merge=lfs -text\n",
         "config.json": json.dumps({"architectures": ["KimiK3ForConditionalGeneration"],
@@ -159,7 +167,7 @@ def test_identity_of_a_copy_hashes_config_and_index_only(tmp_path):
         "path": str(d.resolve()), "repo_id": None, "revision": None, "revision_source": None,
         "config_sha256": hashlib.sha256(files["config.json"]).hexdigest(),
         "index_sha256": hashlib.sha256(files["model.safetensors.index.json"]).hexdigest(),
-        "index_total_size": len(files[SHARDS[0]]) + len(files[SHARDS[1]]),
+        "index_total_size": 100 * 100 * 4 + 512 * 4 + 100 * 100,
         "files": len(files), "total_bytes": sum(len(v) for v in files.values())}
     json.dumps(ident)
     assert identity(tmp_path / "nothing-here") is None
@@ -179,7 +187,9 @@ def test_verify_names_what_is_missing_or_wrong(tmp_path):
     d = _copy(tmp_path, _tiny_repo())
     assert verify(d) == []
     (d / SHARDS[1]).unlink()
-    assert verify(d) == [f"shard {SHARDS[1]} (listed in model.safetensors.index.json) is missing"]
+    assert verify(d) == [f"shard {SHARDS[1]} (listed in model.safetensors.index.json) is missing",
+                         "the 1 readable shard(s) of 2 declare 40000 bytes (0.0 MB) of tensors; "
+                         "model.safetensors.index.json total_size is 52048 (0.1 MB)"]
     (d / "config.json").unlink()
     assert "config.json is missing" in verify(d)
     # sizes are checked when the record lists them
@@ -194,9 +204,11 @@ def test_verify_names_what_is_missing_or_wrong(tmp_path):
     assert verify(d2, REVISION) == []
     (d2 / SHARDS[0]).write_bytes(files[SHARDS[0]][:-10])
     (d2 / "tokenizer_config.json").unlink()
+    n0 = len(files[SHARDS[0]])
     assert verify(d2, REVISION) == [
-        f"shard {SHARDS[0]} has {len(files[SHARDS[0]]) - 10} bytes, the Hub lists "
-        f"{len(files[SHARDS[0]])}", "tokenizer_config.json (revision listing) is missing"]
+        f"shard {SHARDS[0]} has {n0 - 10} bytes, the Hub lists {n0}",
+        f"shard {SHARDS[0]} is short: {n0 - 10} bytes, its header's data offsets end at {n0} "
+        "(0.0 MB missing)", "tokenizer_config.json (revision listing) is missing"]
     assert verify(d2, "0" * 40)[-1] == f"this copy is revision {REVISION}, not {'0' * 40}"
 
 
@@ -213,6 +225,107 @@ def test_verify_cli_exit_codes(tmp_path):
     assert len(none.stderr.strip().splitlines()) == 1
     moving = run_cli("model", "--verify", "--dir", str(d), "--revision", "main")
     assert moving.returncode == 2 and "not a 40-hex commit" in moving.stderr
+
+
+def test_verify_checks_each_shards_bytes_against_its_header_and_the_index(tmp_path):
+    """A copy whose files are all there but whose bytes are not: the old verify said complete
+    for each of these (it compared sizes only with a Hub listing, and no total)."""
+    files = _tiny_repo()
+    n0, n1 = len(files[SHARDS[0]]), len(files[SHARDS[1]])
+    d = _copy(tmp_path, files)
+    (d / SHARDS[1]).write_bytes(files[SHARDS[1]][:-100])  # a partial rsync
+    (d / "model-00003-of-00003.safetensors").write_bytes(files[SHARDS[0]])  # another revision's
+    got = verify(d)
+    assert got == [
+        f"shard {SHARDS[1]} is short: {n1 - 100} bytes, its header's data offsets end at {n1} "
+        "(0.0 MB missing)",
+        f"extra shard model-00003-of-00003.safetensors ({n0} bytes): neither the index nor the "
+        "revision listing names it"]
+
+    # an index that declares far more than its shards hold (57 MB of shards, 913.7 GB indexed)
+    (tmp_path / "big").mkdir()
+    d = _copy(tmp_path / "big", files)
+    idx = json.loads(files["model.safetensors.index.json"])
+    idx["metadata"]["total_size"] = 913_700_000_000
+    (d / "model.safetensors.index.json").write_text(json.dumps(idx))
+    assert verify(d) == ["the 2 readable shard(s) of 2 declare 52048 bytes (0.1 MB) of tensors; "
+                         "model.safetensors.index.json total_size is 913700000000 (913.7 GB)"]
+
+    # trailing bytes, a tensor the index puts in a shard that lacks it, a header that is not one
+    (tmp_path / "odd").mkdir()
+    d = _copy(tmp_path / "odd", files)
+    (d / SHARDS[0]).write_bytes(files[SHARDS[0]] + b"\0" * 8)
+    idx = json.loads(files["model.safetensors.index.json"])
+    idx["weight_map"]["model.norm.weight"] = SHARDS[1]
+    (d / "model.safetensors.index.json").write_text(json.dumps(idx))
+    got = verify(d)
+    assert got == [f"shard {SHARDS[0]} has 8 bytes past its header's last tensor",
+                   f"shard {SHARDS[1]} lacks 1 tensor(s) model.safetensors.index.json puts "
+                   "there (e.g. model.norm.weight)"]
+    (d / SHARDS[1]).write_bytes(b"\xff" * 64)
+    got = verify(d)
+    assert f"shard {SHARDS[1]}: not a safetensors file (header length 18446744073709551615)" in got
+    assert any("declare 40000 bytes" in x for x in got), got
+    (d / SHARDS[1]).write_bytes(files[SHARDS[1]][:50])  # cut inside its header
+    assert (f"shard {SHARDS[1]}: truncated safetensors header (50 bytes, the header alone "
+            "needs ") in verify(d)[1]
+
+
+@pytest.fixture(scope="module")
+def full_size_copy(tmp_path_factory) -> Path:
+    """Kimi-K3's layout at its published dimensions in 96 shards: headers written, each shard
+    then extended to its full size as a sparse file (1.57 TB apparent, a few MB on disk)."""
+    d = tmp_path_factory.mktemp("full") / "Kimi-K3"
+    write_checkpoint(d, real_config(), shards=96, data=False)
+    for f in d.glob("*.safetensors"):
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(n))
+        end = max(v["data_offsets"][1] for k, v in header.items() if k != "__metadata__")
+        os.truncate(f, 8 + n + end)
+    return d
+
+
+def test_verify_reads_headers_only_at_full_size(full_size_copy, tmp_path):
+    """1.57 TB (sparse) verify in seconds: only headers are read. Then a partial copy of it
+    (one shard missing, two cut short, one extra) fails with one line per problem, exit 1."""
+    d = full_size_copy
+    t0 = time.monotonic()
+    ok = run_cli("model", "--verify", "--dir", str(d), timeout=120)
+    assert ok.returncode == 0 and "is complete" in ok.stdout, ok.stdout[-2000:] + ok.stderr
+    assert time.monotonic() - t0 < 60
+    assert "verify: 96/96 shard headers read, 1567.7 GB of tensor data declared" in ok.stderr
+    ident = json.loads(ok.stdout[:ok.stdout.rindex("}") + 1])
+    assert ident["index_total_size"] == 1_567_665_185_408
+
+    part = tmp_path / "partial"
+    part.mkdir()
+    for f in d.iterdir():
+        (part / f.name).symlink_to(f) if not f.name.endswith(".safetensors") else None
+    shards = sorted(d.glob("*.safetensors"))
+    for f in shards[:90]:
+        (part / f.name).symlink_to(f)
+    for f in shards[90:92]:  # copied, then cut: header intact, data short
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            fh.seek(0)
+            (part / f.name).write_bytes(fh.read(8 + n))
+        os.truncate(part / f.name, f.stat().st_size // 2)
+    for f in shards[92:95]:
+        (part / f.name).symlink_to(f)
+    (part / "model-00001-of-00097.safetensors").write_bytes(b"\0" * 16)
+    bad = run_cli("model", "--verify", "--dir", str(part), timeout=120)
+    assert bad.returncode == 1, bad
+    lines = bad.stdout.strip().splitlines()
+    assert len(lines) == 6, bad.stdout
+    assert lines[0].startswith(f"FAIL shard {shards[90].name} is short: ")
+    assert lines[1].startswith(f"FAIL shard {shards[91].name} is short: ")
+    assert lines[2] == (f"FAIL shard {shards[95].name} (listed in "
+                        "model.safetensors.index.json) is missing")
+    assert lines[3].startswith("FAIL the 95 readable shard(s) of 96 declare ")
+    assert "total_size is 1567665185408 (1567.7 GB)" in lines[3]
+    assert lines[4].startswith("FAIL extra shard model-00001-of-00097.safetensors")
+    assert lines[5].endswith("5 problem(s); `make model` fetches what is missing")
 
 
 # --- download through huggingface_hub from the local fake Hub -----------------------------------

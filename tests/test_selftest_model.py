@@ -9,15 +9,26 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
-from kimi_k3_layout import small_config, tensors, truncate_data, write_checkpoint
+from kimi_k3_layout import (
+    fuse_experts,
+    real_config,
+    small_config,
+    tensors,
+    truncate_data,
+    write_checkpoint,
+)
 from safetensors import safe_open
 
 from k3rocm import cli
 from k3rocm.deploy import selftest_model as sm
+from k3rocm.serving import modelfacts as mf
+
+REPO = Path(__file__).resolve().parents[1]
 
 NP = {"BF16": None, "F32": "<f4", "U8": "u1"}
 
@@ -242,6 +253,142 @@ def test_packed_mx_dtypes_round_trip(tmp_path):
     assert got == {t.name: (t.dtype, list(t.shape)) for t in specs}
     assert [t.nbytes for t in specs] == [128, 8, 48]
     assert sm.read_header(path)["w.weight"].nbytes == 128
+
+
+def test_the_table_is_kimi_k3s_published_config():
+    """modelfacts.KIMI_K3 holds the numbers published for Kimi-K3 (written out here from the
+    vLLM recipe / config.json@9f62e4e9 facts, not read from the table), each with a source; the
+    census test data's config.json and the synthetic real-size config agree with it."""
+    published = {
+        "num_hidden_layers": 93, "hidden_size": 7168, "vocab_size": 163840,
+        "num_attention_heads": 96, "q_lora_rank": 1536, "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "num_experts": 896, "num_experts_per_token": 16, "num_shared_experts": 2,
+        "moe_intermediate_size": 3072, "routed_expert_hidden_size": 3584,
+        "intermediate_size": 33792, "first_k_dense_replace": 1, "attn_res_block_size": 12}
+    assert {k: v for k, (v, _) in mf.KIMI_K3.items()} == published
+    for key, (_, source) in mf.KIMI_K3.items():
+        assert "Kimi-K3.yaml" in source and mf.CONFIG_REVISION in source, key
+    assert "dense_intermediate_size" in mf.KIMI_K3["intermediate_size"][1]
+    assert "attention_residual_block_size" in mf.KIMI_K3["attn_res_block_size"][1]
+    mla = [4 * i for i in range(1, 24)] + [93]
+    assert list(mf.KIMI_K3_MLA_LAYERS) == mla and mf.KIMI_K3_MLA_LAYER_COUNT == 24
+    assert list(mf.KIMI_K3_KDA_LAYERS) == [i for i in range(1, 94) if i not in mla]
+    assert len(mf.KIMI_K3_KDA_LAYERS) == 69
+    assert (mf.KIMI_K3_GROUP_SIZE, mf.KIMI_K3_QUANT_FORMAT) == (32, "mxfp4-pack-quantized")
+    census = json.loads((REPO / "tests/data/census/models/kimi-k3/config.json").read_text())
+    for tc in (census["text_config"], real_config()["text_config"]):
+        assert {k: tc[k] for k in published if k in tc} == {k: published[k] for k in published
+                                                          if k in tc}
+        assert tc["linear_attn_config"]["full_attn_layers"] == mla
+        assert tc["linear_attn_config"]["kda_layers"] == list(mf.KIMI_K3_KDA_LAYERS)
+    assert set(published) <= set(real_config()["text_config"])
+
+
+def test_the_synthetic_real_layout_weighs_what_the_checkpoint_does():
+    """At the published dimensions the synthetic layout's tensors sum to within 1% of the
+    published checkpoint's ~1.56 TB (the index's total_size): the layout is the real one, not
+    Kimi-K2's (384 experts of 2048 at full hidden width: ~1 TB)."""
+    specs = tensors(real_config())
+    total = sum(math.prod(s) * {"BF16": 2, "F32": 4, "U8": 1}[dt] for dt, s in specs.values())
+    assert abs(total / mf.KIMI_K3_CHECKPOINT_BYTES - 1) < 0.01, total
+    p = "language_model.model.layers.5.block_sparse_moe."
+    assert specs[p + "experts.895.w1.weight_packed"] == ("U8", (3072, 3584 // 2))
+    assert specs[p + "experts.895.w2.weight_scale"] == ("U8", (3584, 3072 // 32))
+    assert specs[p + "gate.weight"] == ("BF16", (896, 7168))
+    assert specs[p + "routed_expert_down_proj.weight"] == ("BF16", (3584, 7168))
+    assert specs[p + "shared_experts.up_proj.weight"] == ("BF16", (2 * 3072, 7168))
+    assert specs["language_model.model.layers.0.mlp.up_proj.weight"] == ("BF16", (33792, 7168))
+    assert f"{p}experts.896.w1.weight_packed" not in specs
+
+
+def _expert_dims(out: Path) -> dict[str, set]:
+    """Every expert-indexed dimension of the slice in ``out`` as its headers give them."""
+    tc = json.loads((out / "config.json").read_text())["text_config"]
+    got: dict[str, set] = {"router_rows": set(), "bias_rows": set(), "experts": set(),
+                           "leading_dims": set()}
+    per_layer: dict[int, set] = {}
+    for name, (_, shape, _) in _read_all(out).items():
+        m = sm.LAYER_RE.match(name)
+        if not m or "block_sparse_moe." not in name or "shared_experts" in name:
+            continue
+        rest = m.group(3)
+        if rest.endswith("gate.weight"):
+            got["router_rows"].add(shape[0])
+        elif rest.endswith("gate.e_score_correction_bias"):
+            got["bias_rows"].add(shape[0])
+        elif (e := re.search(r"\.experts\.(\d+)\.", name)) is not None:
+            per_layer.setdefault(int(m.group(2)), set()).add(int(e.group(1)))
+        elif "routed_expert_" not in rest:
+            got["leading_dims"].add((rest, shape[0]))
+    got["experts"] = {tuple(sorted(v)) for v in per_layer.values()}
+    got["num_experts"] = tc["num_experts"]
+    return got
+
+
+def test_every_kept_expert_dimension_matches_the_written_config(src, tmp_path):
+    for k in ("4", "5"):
+        out = tmp_path / f"slice{k}"
+        assert _slice(src, out, "--experts", k) == 0
+        got = _expert_dims(out)
+        n = int(k)
+        assert got == {"router_rows": {n}, "bias_rows": {n}, "experts": {tuple(range(n))},
+                       "leading_dims": set(), "num_experts": n}
+
+
+def test_a_fused_expert_layout_is_refused_not_cut_inconsistently(tmp_path, capsys):
+    """Fused [E, ...] expert tensors without per-expert names: the old slicer kept them whole
+    ([16, ...]) and wrote num_experts 4; now one line, exit 2, nothing written. Keeping every
+    expert (--experts 16) is consistent and allowed."""
+    fused = tmp_path / "fused"
+    write_checkpoint(fused, specs=fuse_experts(tensors(small_config())))
+    names = json.loads((fused / sm.INDEX).read_text())["weight_map"]
+    assert "language_model.model.layers.1.block_sparse_moe.experts.w13_weight_packed" in names
+    err = _bad(tmp_path, capsys, [str(fused), str(tmp_path / "o")])
+    assert "experts.w13_weight" in err and "fused" in err and "--experts 16" in err
+    assert not (tmp_path / "o").exists()
+    out = tmp_path / "all"
+    assert _slice(fused, out, "--experts", "16") == 0
+    got = _expert_dims(out)
+    assert got["router_rows"] == got["bias_rows"] == {16} and got["num_experts"] == 16
+    assert {d for _, d in got["leading_dims"]} == {16}
+
+
+def test_inconsistent_expert_sets_are_refused(tmp_path, capsys):
+    specs = tensors(small_config())
+    p = "language_model.model.layers.2.block_sparse_moe."
+    gap = {k: v for k, v in specs.items() if not k.startswith(p + "experts.1.")}
+    write_checkpoint(tmp_path / "gap", specs=gap)
+    err = _bad(tmp_path, capsys, [str(tmp_path / "gap"), str(tmp_path / "o")])
+    assert "source layer 2" in err and "experts 0..3 (3)" in err and "0..3" in err
+    odd = {k: v for k, v in specs.items() if k != p + "experts.2.w3.weight_scale"}
+    write_checkpoint(tmp_path / "odd", specs=odd)
+    err = _bad(tmp_path, capsys, [str(tmp_path / "odd"), str(tmp_path / "o")])
+    assert "do not all have the same tensors" in err
+    extra = {**specs, p + "experts.16.w1.weight_packed": ("U8", (128, 64))}
+    write_checkpoint(tmp_path / "extra", specs=extra)
+    err = _bad(tmp_path, capsys, [str(tmp_path / "extra"), str(tmp_path / "o")])
+    assert "expert 16" in err and "num_experts 16" in err
+    router = {**specs, p + "gate.weight": ("BF16", (15, 256))}
+    write_checkpoint(tmp_path / "router", specs=router)
+    err = _bad(tmp_path, capsys, [str(tmp_path / "router"), str(tmp_path / "o")])
+    assert "router" in err and "[15, 256]" in err
+
+
+def test_the_slice_of_the_real_layout(capsys):
+    """The slicer's plan on Kimi-K3's published layout (names and shapes only, no I/O): the
+    kept tensors are exactly those of a checkpoint with the sliced config, 32 experts of 896."""
+    cfg = real_config()
+    specs = tensors(cfg)
+    p = sm.plan(cfg, sm.parse_layers(None, sm.text_config(cfg)), None, True)
+    kept = [t for n, (dt, shape) in specs.items()
+            if (t := sm.slice_tensor(sm.Tensor(n, dt, shape), p)) is not None]
+    sm.check_experts([t.name for t in kept], p)
+    tc = p.config["text_config"]
+    assert (tc["num_hidden_layers"], tc["num_experts"], tc["num_experts_per_token"]) == (4, 32, 16)
+    assert tc["linear_attn_config"]["full_attn_layers"] == [4]
+    assert {t.name: (t.dtype, t.shape) for t in kept} == tensors(p.config)
+    assert len(kept) < 1000 < len(specs)
 
 
 def test_help():

@@ -55,8 +55,10 @@ def test_vllm_kimi_k3_loads_the_slice(docker_client, tmp_path):
     # the MTP draft loads its layer; its embedding is the target's (vLLM 0.27.1
     # v1/spec_decode/llm_base_proposer.py:1474-1480: an MTP model always shares it)
     assert r["mtp"]["not_loaded"] == ["model.embed_tokens.weight"]
-    # routed experts as the MXFP4 MoE method allocates them: [experts, 2*inter, hidden/2] ...
-    k, h, inter = tc["num_experts"], tc["hidden_size"], tc["moe_intermediate_size"]
+    # routed experts as the MXFP4 MoE method allocates them, at the latent width
+    # (routed_expert_hidden_size): [experts, 2*inter, latent/2] ...
+    k, h, inter = tc["num_experts"], tc["routed_expert_hidden_size"], tc["moe_intermediate_size"]
+    assert h < tc["hidden_size"]
     shapes = r["text"]["shapes"]
     w = "model.layers.3.block_sparse_moe.experts.routed_experts."
     assert shapes[w + "w13_weight"] == [k, 2 * inter, h // 2]

@@ -9,15 +9,20 @@ fetching anything it lists the revision's files (sizes, LFS sha256) from the Hub
 free disk space, and writes that listing with the revision to ``<dir>/.k3rocm-checkpoint.json``
 once the download is complete: verify mode and :func:`identity` read it.
 
-Verify (``--verify``, and after every download): config.json present and valid; every shard
-the safetensors index lists present, with the size the Hub listed when the record has it; every
-recorded file present with its recorded size; the recorded revision is the one asked for.
-Partial files an interrupted download left behind are reported (and removed by the next
-finished download). Nothing is hashed but config.json and the index (cheap; the
-1.5 TB of shards are compared by size).
+Verify (``--verify``, and after every download) checks bytes, reading headers only (a few MB
+for 1.5 TB; progress on stderr): config.json present and valid; every shard the safetensors
+index lists present, its safetensors header readable, its tensors' data offsets covering the
+file exactly (a short shard and the bytes it lacks are named, as are bytes past its last
+tensor), every tensor the index puts in it declared there; the tensor bytes all headers declare
+summed against the index's ``metadata.total_size``; ``*.safetensors`` files neither the index
+nor the Hub listing names reported as extra; every file of the recorded Hub listing present
+with its listed size; the recorded revision is the one asked for. Partial files an interrupted
+download left behind are reported (and removed by the next finished download). Nothing is
+hashed but config.json and the index.
 
-Exit codes: 0 ok, 1 verification failed, 2 bad input (nothing fetched), 3 the Hub could not be
-reached.
+Exit codes: 0 ok, 1 verification failed (the directory is there and readable, its bytes are not
+the checkpoint: a failed check, one line per problem), 2 bad input (a flag, or no such
+directory; nothing fetched), 3 the Hub could not be reached.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import json
 import os
 import re
 import shutil
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -38,9 +44,10 @@ REPO_ID = "moonshotai/Kimi-K3"
 # The Kimi-K3 checkpoint revision we pin (the Hub cannot be reached from where this was
 # written, so it is taken from public records, not read from the Hub): several independent
 # projects pin moonshotai/Kimi-K3 at this commit, one of them noting "lastModified 2026-09-02",
-# 96 safetensors shards and an index total_size of 1,560,860,324,864 bytes. The earlier
-# revision 9f62e4e9fffbd0a83ddd60e1c209d828994b3569 (Aug 2026) has the same weight bytes
-# (1,560,936,091,448 B of files) per the same kind of records. `--revision` picks another.
+# 96 safetensors shards and the index total_size k3rocm.serving.modelfacts
+# .KIMI_K3_CHECKPOINT_BYTES. The earlier revision modelfacts.CONFIG_REVISION (Aug 2026, the one
+# the published dimensions cite) has the same weight bytes (1,560,936,091,448 B of files) per
+# the same kind of records. `--revision` picks another.
 REVISION = "f831ab66814297da540d832a5235f8e904f29d06"
 DEFAULT_DIR_NAME = "Kimi-K3"
 RECORD = ".k3rocm-checkpoint.json"
@@ -117,7 +124,8 @@ def identity(host_model_dir: str | os.PathLike) -> dict[str, Any] | None:
 
 
 def verify(d: Path, revision: str | None = None) -> list[str]:
-    """Problems with the copy in ``d`` (empty: it is complete). ``revision``: the one expected."""
+    """Problems with the copy in ``d`` (empty: it is complete). ``revision``: the one expected.
+    Reads config.json, the index and every shard's header; logs progress."""
     problems: list[str] = []
     try:
         json.loads((d / CONFIG).read_text())
@@ -128,27 +136,34 @@ def verify(d: Path, revision: str | None = None) -> list[str]:
     rec = _read_record(d)
     sizes: dict[str, int] = dict((rec or {}).get("files") or {})
     index = d / INDEX
+    wmap: dict[str, str] = {}
+    total_size = None
     if index.is_file():
         try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            idx = json.loads(index.read_text())
+            wmap = dict(idx["weight_map"])
+            if not all(isinstance(v, str) for v in wmap.values()):
+                raise TypeError("weight_map values are not file names")
+            total_size = (idx.get("metadata") or {}).get("total_size")
         except (OSError, ValueError, KeyError, AttributeError, TypeError) as exc:
             problems.append(f"{INDEX} is not a safetensors index ({exc})")
-            shards = []
-        for shard in shards:
-            p = d / shard
-            if not p.is_file():
-                problems.append(f"shard {shard} (listed in {INDEX}) is missing")
-            elif shard in sizes and p.stat().st_size != sizes[shard]:
-                problems.append(f"shard {shard} has {p.stat().st_size} bytes, the Hub lists "
-                                f"{sizes[shard]}")
-            elif p.stat().st_size == 0:
-                problems.append(f"shard {shard} is empty")
-    elif not (d / "model.safetensors").is_file():
+            wmap = {}
+        shards = sorted(set(wmap.values()))
+    elif (d / "model.safetensors").is_file():
+        shards = ["model.safetensors"]
+    else:
         problems.append(f"neither {INDEX} nor model.safetensors is present")
+        shards = []
+    problems += _check_shards(d, shards, wmap, sizes, total_size if wmap else None)
+    listed = set(shards) | set(sizes)
+    for p in sorted(d.glob("*.safetensors")):
+        if p.name not in listed:
+            problems.append(f"extra shard {p.name} ({p.stat().st_size} bytes): neither the index "
+                            "nor the revision listing names it")
     for name, size in sorted(sizes.items()):
         p = d / name
-        if name.endswith(".safetensors") and index.is_file():
-            continue  # checked above, with the index's view
+        if name in shards:
+            continue  # checked above, with its header
         if not p.is_file():
             problems.append(f"{name} (revision listing) is missing")
         elif p.stat().st_size != size:
@@ -156,6 +171,61 @@ def verify(d: Path, revision: str | None = None) -> list[str]:
     have = (rec or {}).get("revision") or _hf_revision(d)
     if revision and have and have != revision:
         problems.append(f"this copy is revision {have}, not {revision}")
+    return problems
+
+
+def _check_shards(d: Path, shards: list[str], wmap: dict[str, str], sizes: dict[str, int],
+                  total_size: Any) -> list[str]:
+    """Each shard's header against its file size and the index; the declared tensor bytes
+    against the index's total_size. Headers only; progress every ~2 s and at the end."""
+    from k3rocm.deploy.selftest_model import read_layout
+
+    problems: list[str] = []
+    by_shard: dict[str, list[str]] = {}
+    for name, shard in wmap.items():
+        by_shard.setdefault(shard, []).append(name)
+    t0 = last = time.monotonic()
+    declared = read = 0
+    for i, shard in enumerate(shards, 1):
+        p = d / shard
+        if time.monotonic() - last >= 2:
+            last = time.monotonic()
+            _log(f"verify: {i - 1}/{len(shards)} shard headers read, {_gb(declared)} of tensor "
+                 f"data declared ({last - t0:.0f} s)")
+        if not p.is_file():
+            problems.append(f"shard {shard} (listed in {INDEX}) is missing")
+            continue
+        size = p.stat().st_size
+        if shard in sizes and size != sizes[shard]:
+            problems.append(f"shard {shard} has {size} bytes, the Hub lists {sizes[shard]}")
+        try:
+            tensors, start = read_layout(p)
+        except UsageError as exc:
+            problems.append(f"shard {shard}: {str(exc).removeprefix(f'{p}: ')}")
+            continue
+        read += 1
+        end = max((t.start + t.nbytes for t in tensors.values()), default=start)
+        data = sum(t.nbytes for t in tensors.values())
+        declared += data
+        if data != end - start:
+            problems.append(f"shard {shard}: its header's data offsets leave gaps or overlap "
+                            f"({data} tensor bytes in a span of {end - start})")
+        if size < end:
+            problems.append(f"shard {shard} is short: {size} bytes, its header's data offsets "
+                            f"end at {end} ({_gb(end - size)} missing)")
+        elif size > end:
+            problems.append(f"shard {shard} has {size - end} bytes past its header's last tensor")
+        absent = [n for n in by_shard.get(shard, []) if n not in tensors]
+        if absent:
+            problems.append(f"shard {shard} lacks {len(absent)} tensor(s) {INDEX} puts there "
+                            f"(e.g. {sorted(absent)[0]})")
+    if shards:
+        _log(f"verify: {read}/{len(shards)} shard headers read, {_gb(declared)} of tensor data "
+             f"declared ({time.monotonic() - t0:.1f} s)")
+    if isinstance(total_size, int) and declared != total_size:
+        problems.append(f"the {read} readable shard(s) of {len(shards)} declare {declared} bytes "
+                        f"({_gb(declared)}) of tensors; {INDEX} total_size is {total_size} "
+                        f"({_gb(total_size)})")
     return problems
 
 
@@ -167,7 +237,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      "identity (revision, sha256 of config.json and of the safetensors index) "
                      "goes into every result's provenance.")
     p.add_argument("--verify", action="store_true",
-                   help="only verify the copy already there (exit 1 when incomplete)")
+                   help="only verify the copy already there: every shard's header against its "
+                   "bytes and the index (headers only; exit 1 when incomplete)")
     p.add_argument("--dry-run", action="store_true",
                    help="list the revision's files on the Hub and print what would be fetched "
                    "(and how much disk it needs); download nothing")
@@ -275,7 +346,7 @@ def _report(d: Path, revision: str) -> int:
 
 
 def _gb(n: int) -> str:
-    return f"{n / 1e9:.1f} GB"
+    return f"{n / 1e9:.1f} GB" if abs(n) >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
 def _list_files(repo: str, revision: str) -> tuple[dict[str, int], dict[str, str]]:

@@ -16,9 +16,15 @@ What is kept:
   KDA layer, and a MoE layer if the model has experts), renumbered 0..n-1;
 - the MTP layer(s) (``num_nextn_predict_layers``), renumbered to follow the kept layers, unless
   ``--no-mtp``;
-- the first ``--experts`` routed experts of every MoE layer (already contiguous: their names
-  keep their numbers); the router (``...gate.weight``, ``...gate.e_score_correction_bias``) is
-  cut to those rows;
+- the first ``--experts`` routed experts of every MoE layer, named per expert as Kimi-K3 names
+  them (``...block_sparse_moe.experts.<e>.w{1,2,3}.weight_{packed,scale}``: already contiguous,
+  their names keep their numbers); the router (``block_sparse_moe.gate.weight``,
+  ``gate.e_score_correction_bias``) is cut to those rows; shared experts and the latent
+  projections (``routed_expert_down_proj``/``_up_proj``) are kept whole. A layout it would cut
+  inconsistently is refused before anything is written (exit 2): a fused-expert tensor
+  (``experts.w13_weight [E, ...]``, no expert number in its name) or any other MoE tensor with
+  ``num_experts`` rows, a router without them, an expert number >= ``num_experts``, a kept MoE
+  layer whose experts are not exactly ``0..k-1`` with the same tensors each;
 - everything outside the decoder layers unchanged (embeddings, final norm, lm_head, vision
   tower, projector) and every other top-level file (tokenizer, chat template, remote code).
 
@@ -75,7 +81,10 @@ FLOAT_CODES = {"BF16": "<u2", "F16": "<f2", "F64": "<f8"}  # numpy codes; others
 # multimodal checkpoint's ``language_model.model.layers.{i}.``, the ``language_model.layers.``
 # form vLLM's Kimi-K3 WeightsMapper also maps, or a text-only ``model.layers.``).
 LAYER_RE = re.compile(r"^(language_model\.(?:model\.)?|model\.)layers\.(\d+)\.(.+)$")
-EXPERT_RE = re.compile(r"(?:^|\.)experts\.(\d+)\.")
+EXPERT_RE = re.compile(r"(?:^|\.)experts\.(\d+)\.(.+)$")  # not shared_experts.
+ROUTER_RE = re.compile(r"(?:^|\.)gate\.(?:weight|e_score_correction_bias)$")
+SHARED = "shared_experts."
+MOE_BLOCKS = ("block_sparse_moe.", "mlp.")  # a MoE layer's block (Kimi-K3: block_sparse_moe)
 
 
 _log = tagged_log("selftest-model")
@@ -96,6 +105,12 @@ class Tensor:
 
 def read_header(path: Path) -> dict[str, Tensor]:
     """The tensors a safetensors file declares, from its header only (reads 8 + N bytes)."""
+    return read_layout(path)[0]
+
+
+def read_layout(path: Path) -> tuple[dict[str, Tensor], int]:
+    """The tensors a safetensors file declares and where its data starts (8 + N): from its
+    header only. Bad headers raise UsageError naming the file."""
     try:
         with open(path, "rb") as fh:
             raw = fh.read(8)
@@ -107,12 +122,15 @@ def read_header(path: Path) -> dict[str, Tensor]:
             text = fh.read(n)
     except OSError as exc:
         raise UsageError(f"cannot read shard {path}: {exc.strerror or exc}") from None
+    if len(text) != n:
+        raise UsageError(f"{path}: truncated safetensors header ({8 + len(text)} bytes, the "
+                         f"header alone needs {8 + n})")
     try:
         header = json.loads(text)
     except ValueError:
         raise UsageError(f"{path}: safetensors header is not valid JSON") from None
-    if len(text) != n or not isinstance(header, dict):
-        raise UsageError(f"{path}: truncated safetensors header")
+    if not isinstance(header, dict):
+        raise UsageError(f"{path}: safetensors header is not a JSON object")
     out = {}
     for name, info in header.items():
         if name == "__metadata__":
@@ -130,7 +148,7 @@ def read_header(path: Path) -> dict[str, Tensor]:
             raise UsageError(f"{path}: tensor {name!r} spans {end - begin} bytes, its shape "
                              f"{list(shape)} x {dtype} needs {t.nbytes}")
         out[name] = t
-    return out
+    return out, 8 + n
 
 
 # --- the config: which layers are what ---------------------------------------------------------
@@ -183,6 +201,7 @@ class Plan:
     layer_map: dict[int, int]  # old decoder/MTP layer index -> new
     experts: int | None  # routed experts kept per MoE layer (None: no MoE)
     config: dict  # the new config.json; what was cut is its SLICE_KEY
+    source_experts: int | None = None  # the source's num_experts
 
 
 def plan(cfg: dict, layers: list[int], experts: int | None, keep_mtp: bool) -> Plan:
@@ -245,7 +264,7 @@ def plan(cfg: dict, layers: list[int], experts: int | None, keep_mtp: bool) -> P
         if isinstance(q, dict) and isinstance(q.get("ignore"), list):
             q["ignore"] = [m for m in (_rename_module(x, layer_map) for x in q["ignore"])
                            if m is not None]
-    return Plan(layer_map, experts, new_cfg)
+    return Plan(layer_map, experts, new_cfg, None if n_exp is None else int(n_exp))
 
 
 def _rename_module(name: str, layer_map: dict[int, int]) -> str | None:
@@ -257,8 +276,15 @@ def _rename_module(name: str, layer_map: dict[int, int]) -> str | None:
     return None if new is None else name[:m.start(1)] + str(new) + name[m.end(1):]
 
 
-def slice_tensor(t: Tensor, p: Plan) -> Tensor | None:
-    """The slice's tensor for source tensor ``t`` (new name and shape), or None when cut."""
+def _routed(rest: str) -> bool:
+    """A tensor of the routed-expert part of a MoE block (not a shared expert)."""
+    return ("." + SHARED) not in "." + rest
+
+
+def slice_tensor(t: Tensor, p: Plan, known_shape: bool = True) -> Tensor | None:
+    """The slice's tensor for source tensor ``t`` (new name and shape), or None when cut.
+    Refuses (exit 2) a tensor it cannot cut consistently with the config it writes (by name
+    alone when not ``known_shape``: before the headers are read)."""
     m = LAYER_RE.match(t.name)
     if m is None:
         return t
@@ -266,14 +292,56 @@ def slice_tensor(t: Tensor, p: Plan) -> Tensor | None:
     if new_layer is None:
         return None
     rest, shape = m.group(3), t.shape
-    if p.experts is not None:
+    if p.experts is not None and is_moe(text_config(p.config), new_layer) and _routed(rest):
+        k, n = p.experts, p.source_experts
         e = EXPERT_RE.search(rest)
-        if e is not None and ".shared_experts." not in "." + rest:
-            if int(e.group(1)) >= p.experts:
+        if e is not None:
+            if n is not None and int(e.group(1)) >= n:
+                raise UsageError(f"{t.name}: expert {e.group(1)}, but the source config has "
+                                 f"num_experts {n}: the checkpoint and its config disagree")
+            if int(e.group(1)) >= k:
                 return None
-        elif ".gate." in rest and ".shared_experts." not in "." + rest and shape:
-            shape = (p.experts, *shape[1:])  # router rows: one per expert
+        elif ROUTER_RE.search(rest):
+            if known_shape and shape[:1] != (n,):
+                raise UsageError(f"router {t.name} has shape {list(shape)}, not {n} rows "
+                                 f"(num_experts): cannot cut it to {k} experts")
+            shape = (k, *shape[1:])  # router rows: one per expert
+        elif k < (n or 0) and (".experts." in "." + rest or known_shape and shape[:1] == (n,)
+                               and rest.startswith(MOE_BLOCKS)):
+            raise UsageError(
+                f"{t.name} {list(shape) if known_shape else ''} holds the experts fused (no "
+                f"per-expert name experts.<e>.): the slicer cuts experts only by name, and this "
+                f"tensor would keep all {n} while the config says {k}; use --experts {n} to "
+                f"keep them all, or a checkpoint with per-expert tensors")
     return Tensor(f"{m.group(1)}layers.{new_layer}.{rest}", t.dtype, shape, t.shard, t.start)
+
+
+def check_experts(names: list[str], p: Plan) -> None:
+    """Every kept MoE layer has exactly experts 0..k-1 (``k`` = the written num_experts), each
+    with the same tensors; refuses (exit 2) otherwise. ``names``: the slice's tensor names."""
+    if p.experts is None:
+        return
+    ntc = text_config(p.config)
+    experts: dict[int, dict[int, set[str]]] = {}
+    for name in names:
+        m = LAYER_RE.match(name)
+        e = EXPERT_RE.search(m.group(3)) if m and _routed(m.group(3)) else None
+        if e is not None:
+            experts.setdefault(int(m.group(2)), {}).setdefault(int(e.group(1)), set()).add(
+                e.group(2))
+    source = {new: old for old, new in p.layer_map.items()}
+    for new in sorted(source):
+        got = experts.get(new, {})
+        if not is_moe(ntc, new) or (not got and p.experts == p.source_experts):
+            continue  # a dense layer, or a fused layout kept whole
+        if sorted(got) != list(range(p.experts)):
+            have = f"{min(got)}..{max(got)} ({len(got)})" if got else "none"
+            raise UsageError(f"source layer {source[new]}: the slice would have experts {have} "
+                             f"named experts.<e>., the config says 0..{p.experts - 1}")
+        kinds = {frozenset(v) for v in got.values()}
+        if len(kinds) > 1:
+            raise UsageError(f"source layer {source[new]}: its experts do not all have the same "
+                             f"tensors ({' vs '.join(sorted(','.join(sorted(x)) for x in kinds))})")
 
 
 # --- values ----------------------------------------------------------------------------------
@@ -390,7 +458,7 @@ def make_slice(src: Path, out: Path, layers: str | None = None, experts: int | N
         raise UsageError(f"{src / INDEX}: no weight_map")
     p = plan(cfg, parse_layers(layers, tc), experts, keep_mtp)
 
-    kept = [n for n in sorted(wmap) if slice_tensor(Tensor(n, "U8", (1,)), p) is not None]
+    kept = [n for n in sorted(wmap) if slice_tensor(Tensor(n, "U8", ()), p, False) is not None]
     shards = sorted({wmap[n] for n in kept})
     headers: dict[str, Tensor] = {}
     for s in shards:
@@ -401,6 +469,7 @@ def make_slice(src: Path, out: Path, layers: str | None = None, experts: int | N
         if name not in headers:
             raise UsageError(f"{src / wmap[name]}: has no tensor {name!r} (the index says so)")
     pairs = [(slice_tensor(headers[name], p), headers[name]) for name in kept]
+    check_experts([t.name for t, _ in pairs], p)
     have = {int(m.group(2)) for t, _ in pairs if (m := LAYER_RE.match(t.name))}
     for old, new in p.layer_map.items():  # in the order of the new layers
         if new not in have:
