@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, run_cli
+from conftest import REPO, make_exit_code, run_cli
 
 from k3rocm.checks.bench import stats, summary
 from k3rocm.checks.bench.workloads import aiperf_command, load_table, resolve
@@ -57,7 +57,7 @@ def test_dry_run_via_make_contacts_nothing(tmp_path):
                         "--url http://127.0.0.1:9"],
                        cwd=REPO, capture_output=True, text=True, timeout=60,
                        env={**_env(), "PYTHONPATH": str(REPO / "src")})
-    assert p.returncode == 0, p.stderr
+    assert make_exit_code(p) == 0, p.stderr
     argv = shlex.split(p.stdout.strip().splitlines()[-1])
     assert argv[:2] == ["aiperf", "profile"] and "http://127.0.0.1:9" in argv
 
