@@ -445,10 +445,23 @@ def test_bench_ab_aa_floor_and_calibrated_slowdown_detected(
     assert "every engine step sleeps" in b_log
     cal = comp["calibration"][0]
     row = next(r for r in comp["rows"] if r["metric"] == "ITL p50")
-    print(f"calibration wall {cal_wall:.0f} s: injected {delay} ms/step; A {cal['a_itl_ms']:.3f} "
-          f"B {cal['b_itl_ms']:.3f} ms; detected {cal['detected_ms']:+.3f} ms "
-          f"(x{cal['detected_over_injected']}); d={row['d']:+.4f} "
+    print(f"calibration wall {cal_wall:.0f} s: injected {delay} ms/step, applied "
+          f"{cal['applied_ms']} ms/step (B {cal['applied_b_ms']} of {cal['requested_b_ms']} "
+          f"asked, A {cal['applied_a_ms']} of {cal['requested_a_ms']}, {cal['steps_b']}/"
+          f"{cal['steps_a']} steps); A {cal['a_itl_ms']:.3f} B {cal['b_itl_ms']:.3f} ms; "
+          f"detected {cal['detected_ms']:+.3f} ms (x{cal['detected_over_injected']} injected, "
+          f"x{cal['detected_over_applied']} applied); d={row['d']:+.4f} expected "
+          f"{cal['expected_d']:+.4f} (nominal {cal['nominal_d']:+.4f}) "
           f"CI [{row['lo']:+.4f}, {row['hi']:+.4f}] {row['verdict']}", file=sys.stderr)
+    # The double's record of what each arm's server really slept per step in the measured
+    # window (copied out of the server after its run): both arms sleep AB_BASE_MS, B the
+    # injected delay more; a sleep never ends early.
+    assert (cal_dir / "runs" / "01-B-stepdelay.tsv").is_file()
+    assert cal["steps_a"] > 0 and cal["steps_b"] > 0, cal
+    assert cal["requested_a_ms"] == pytest.approx(AB_BASE_MS)
+    assert cal["requested_b_ms"] == pytest.approx(AB_BASE_MS + delay)
+    assert cal["applied_a_ms"] >= cal["requested_a_ms"], cal
+    assert cal["applied_b_ms"] >= cal["requested_b_ms"], cal
     assert comp["protocol_key"] == aa["protocol_key"] and not comp["protocol_differences"]
     assert row["noise_floor"] == itl["aa_component"] and row["df"] == 1
     # The plumbing and one large known effect, not the statistics: the effect (>= 4x the A/A's

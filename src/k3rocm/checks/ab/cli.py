@@ -22,8 +22,9 @@ pass --stop-running, which stops the compose server and keeps its log).
 --measure census: one profile per arm (--repeats 1: order A B), the decode kernel census of
   each arm and the A/B launch checks (--on, --concurrency, --max-tokens, --steps).
 Calibration (CPU stand-in): --calibrate-delay-ms MS runs an A/A whose arm B sleeps MS per
-  engine step (a test double mounted only into the stand-in); the report says injected vs
-  detected.
+  engine step (a test double mounted only into the stand-in, which measures every sleep it
+  really took); the detector is judged against the applied delay (95% CI: a correct detector
+  fails 5% of the time); the report shows injected (nominal) vs applied vs detected.
 
 Examples (MI355X node, image built with `make build`):
   k3rocm ab --measure bench --aa --workload decode-8k1k --tokenizer models/Kimi-K3 --repeats 4
@@ -34,7 +35,8 @@ CPU stand-in (CI):
       --server-env K3_PROFILE=cpu-smoke --models-dir /tmp/k3rocm-cache/models \\
       --tokenizer /tmp/k3rocm-cache/models/k3-smoke --pin-engine-core --repeats 2
 Exit codes: 0 ok; 1 a run or check failed (kept and reported); 2 bad input; 3 server or
-engine problem; 130 interrupted (finished runs kept and compared).
+engine problem; 4 nothing judged (a census trace lost events, a calibration without the record
+of its applied delay); 130 interrupted (finished runs kept and compared).
 """
 
 from __future__ import annotations
