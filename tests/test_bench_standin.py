@@ -6,7 +6,8 @@
 - Ctrl-C keeps the finished point; a server stopped mid-run gives a one-line failure, exit 1,
   the finished point kept and the failed point recorded as failed.
 - bench-ab: an A/A on two freshly started servers gives the variance component; a
-  calibration of the same recorded protocol pools it and its CI covers the injected effect.
+  calibration of the same recorded protocol pools it and its CI covers the effect of the
+  delay the server really applied.
 """
 
 from __future__ import annotations
@@ -385,7 +386,9 @@ def test_bench_ab_aa_floor_and_calibrated_slowdown_detected(
       server's log, and its ITL p50 row gives the noise floor (|d| or the CI half-width);
     - the calibration (one server per arm, arm B with an injected delay per engine step of at
       least A's ITL p50 and at least 4x the floor, so the effect is >= 4x the measured noise) is
-      detected as "B slower", beyond the floor, with detected/injected near 1.
+      detected as "B slower", beyond the floor, with detected/injected near 1; the double's
+      record of the delay each arm server really applied is read back (nominal beside
+      applied).
 
     No verdict on identical arms is asserted live: whether an A/A is "within noise" is a
     statistical claim with an error rate (tested on fixed data in test_bench_unit.py), not a
