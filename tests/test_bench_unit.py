@@ -382,6 +382,8 @@ def test_calibration_is_judged_against_the_applied_delay(tmp_path):
                                  "headline": "h", "calibration": [c]})
     row = next(ln for ln in md.splitlines() if ln.startswith("| 1 | 38.8 | "))
     assert f"| {applied_extra:.4g} | " in row and "| yes |" in row  # nominal beside applied
+    assert c["rest_a_ms"] == pytest.approx(A_ITL - BASE_MS - 0.2, abs=1e-3)
+    assert c["rest_b_ms"] == pytest.approx(c["rest_a_ms"], abs=1e-3)  # the sleep explains B
 
     # A detector that reports the nominal effect when the server applied 1.28x of it fails.
     (c,) = ab.calibration({"rows": [_itl_row(NOMINAL_MS)], "runs": runs}, NOMINAL_MS)
