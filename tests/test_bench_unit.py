@@ -419,6 +419,7 @@ def test_the_step_delay_double_records_the_sleep_it_really_took(tmp_path, monkey
     from k3rocm.checks.bench import ab
 
     assert double.APPLIED_FILE == ab.STEP_DELAY_RECORD
+    assert set(ab._DELAY_VARS) == {double.ENV, double.BASE_ENV, double.DELAY_FILE_ENV}
     import time as _time
 
     real_sleep = _time.sleep

@@ -425,7 +425,8 @@ def _run_points(runs: Sequence[dict]):
 # container (tests/doubles/stepdelay: APPLIED_FILE): one line per engine step that slept,
 # "<wall clock ns> <requested ms> <applied ms>".
 STEP_DELAY_RECORD = "/tmp/k3rocm-test-stepdelay.tsv"
-# what asks the double for a sleep, read from a run's recorded server environment
+# what asks the double for a sleep (its ENV, BASE_ENV, DELAY_FILE_ENV), read from a run's
+# recorded server environment
 _DELAY_VARS = (armlib.STEP_DELAY_ENV, "K3_TEST_BASE_DELAY_MS", "K3_TEST_DELAY_FILE")
 
 
@@ -536,7 +537,7 @@ def calibration(comp: dict, delay_ms: float | None) -> list[dict[str, Any]]:
         detected = b - a
         expected = extra / a if extra is not None and a else None
         covered = stats.covers(r, expected)
-        why = pb.get("why") or pa.get("why") if extra is None else None
+        why = (pb.get("why") or pa.get("why")) if extra is None else None
         if covered is None and why is None:
             why = ("no confidence interval (one server per arm and no A/A of this recorded "
                    "protocol: run `make bench-ab AA=1` with the same settings first)")
