@@ -66,6 +66,24 @@ def run_cli(*args: str, env: dict | None = None, cwd: Path | None = None,
                           cwd=cwd or REPO, capture_output=True, text=True, timeout=timeout)
 
 
+def make_exit_code(p: subprocess.CompletedProcess) -> int:
+    """The exit code of the k3rocm command a ``make <target>`` ran, for tests that assert one.
+
+    GNU make's own exit status is 0, 2 or 1 (-q) only (GNU make manual, "How to Run make"): a
+    recipe's exit 1, 3 or 4 is make's 2, which in our table means "bad input". make names the
+    recipe's code in its error line (``make: *** [mk/bench.mk:40: bench-ab] Error 1``, read
+    with the pattern the step runner uses, ``k3rocm.checks.steps.MAKE_ERROR``). A failure
+    without such a line (no rule, a bad makefile) is make's own and fails the test."""
+    from k3rocm.checks.steps import MAKE_ERROR
+
+    if p.returncode == 0:
+        return 0
+    found = MAKE_ERROR.findall(p.stderr or "")
+    assert found, (f"make exited {p.returncode} without a recipe's exit code (make's own "
+                   f"failure): {(p.stderr or '')[-2000:]}")
+    return int(found[-1])
+
+
 def project_containers(project: str) -> list[str]:
     """Ids of every container (running or not) of one compose project."""
     p = subprocess.run(["docker", "ps", "-a", "-q", "--filter",

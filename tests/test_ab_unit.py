@@ -294,18 +294,27 @@ def test_the_refusal_line_and_the_invalid_report(tmp_path):
             "rows": [], "runs": [], "headline": "x", "protocol_differences": diffs,
             "invalid": "slots ran different server setups (only the fusion switches may "
                        "differ): " + diffs[0]}
-    line = ab.refusal(comp, tmp_path)
+    line, code = ab.refusal(comp, tmp_path)
     print(line)
     assert line == ("k3rocm: error: bench-ab refused: slots ran different server setups (only "
                     "the fusion switches may differ): slot 2 (arm B) differs from slot 0 (arm "
                     f"A): env K3_PREFIX_CACHING=0 vs 1; no verdict (report in {tmp_path})")
+    assert code == 1
     assert "**INVALID: slots ran different" in ab.comparison_markdown(comp)
     cal = {**comp, "invalid": None, "calibration": [
-        {"concurrency": 1, "expected_d": 0.10, "lo": 0.12, "hi": 0.20, "covered": False}]}
-    assert ab.refusal(cal, tmp_path).startswith(
-        "k3rocm: error: bench-ab calibration failed: c=1 expected +10.00% outside the CI "
-        "[+12.00%, +20.00%]")
+        {"concurrency": 1, "expected_d": 0.10, "lo": 0.12, "hi": 0.20, "covered": False,
+         "applied_ms": 4.1, "injected_ms": 4}]}
+    line, code = ab.refusal(cal, tmp_path)
+    assert line.startswith(
+        "k3rocm: error: bench-ab calibration failed: c=1 expected +10.00% (applied 4.1 ms/step, "
+        "injected 4) outside the CI [+12.00%, +20.00%]") and code == 1
     assert ab.refusal({**cal, "calibration": []}, tmp_path) is None
+    # no record of the applied delay (or no CI): nothing judged, exit 4, and why
+    line, code = ab.refusal({**cal, "calibration": [
+        {**cal["calibration"][0], "covered": None, "expected_d": None,
+         "why": "arm B's server s1 asked for a sleep but left no record of it"}]}, tmp_path)
+    assert code == 4 and line.startswith(
+        "k3rocm: error: bench-ab calibration cannot be judged: c=1: arm B's server s1 asked")
 
 
 def test_an_arm_whose_fusion_was_refused_makes_the_ab_invalid():

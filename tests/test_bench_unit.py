@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, run_cli
+from conftest import REPO, make_exit_code, run_cli
 
 from k3rocm.checks.bench import stats, summary
 from k3rocm.checks.bench.workloads import aiperf_command, load_table, resolve
@@ -57,7 +57,7 @@ def test_dry_run_via_make_contacts_nothing(tmp_path):
                         "--url http://127.0.0.1:9"],
                        cwd=REPO, capture_output=True, text=True, timeout=60,
                        env={**_env(), "PYTHONPATH": str(REPO / "src")})
-    assert p.returncode == 0, p.stderr
+    assert make_exit_code(p) == 0, p.stderr
     argv = shlex.split(p.stdout.strip().splitlines()[-1])
     assert argv[:2] == ["aiperf", "profile"] and "http://127.0.0.1:9" in argv
 
@@ -301,6 +301,138 @@ def test_calibration_can_fail(injected):
         biased += stats.covers(stats.compare_servers(a, skewed), injected)
     assert covered / trials >= 0.91, covered / trials
     assert biased / trials < 0.91, biased / trials  # the same check fails
+
+
+# --- calibration against the delay the server really applied (issue 32) ------------------
+
+NOMINAL_MS, BASE_MS, A_ITL = 38.8, 30.0, 37.25  # the issue's loaded run: A's ITL p50 ~37 ms
+T0 = 1_767_000_000_000_000_000  # wall-clock ns of the profiling phase's start
+
+
+def _cal_run_tree(tmp_path, applied_factor: float, records: bool = True) -> list[dict]:
+    """Two slots (A, B) as bench-ab leaves them: each run's summary.json point (its aiperf dir
+    with the profiling window), provenance.json (the server's recorded env) and, per slot,
+    the step-delay double's record. Both arms sleep BASE_MS per step (A's sleeps wake on
+    time), B NOMINAL_MS more; B's sleeps last ``applied_factor`` times what was asked. Steps
+    outside the profiling window (warmup) slept 10x as long: they must not count."""
+    from k3rocm.checks.bench import ab
+
+    runs = []
+    slot_dir = tmp_path / "runs"
+    for slot, arm in enumerate("AB"):
+        run_dir = slot_dir / f"{slot:02d}-{arm}-0"
+        point = run_dir / "aiperf" / "concurrency_1__requests_16"
+        point.mkdir(parents=True)
+        (point / "phase_manifest.json").write_text(json.dumps({"phases": [
+            {"phase_kind": "warmup", "start_ns": T0 - 10**9, "end_ns": T0 - 1},
+            {"phase_kind": "profiling", "start_ns": T0, "end_ns": T0 + 30 * 10**9}]}))
+        (run_dir / "summary.json").write_text(json.dumps({"points": [
+            {"concurrency": 1, "request_count": 16, "status": "ok", "dir": str(point)}]}))
+        env = {"K3_TEST_BASE_DELAY_MS": f"{BASE_MS:g}"}
+        asked, factor = BASE_MS, 1.0
+        if arm == "B":
+            env["K3_TEST_STEP_DELAY_MS"] = f"{NOMINAL_MS:g}"
+            asked, factor = BASE_MS + NOMINAL_MS, applied_factor
+        (run_dir / "provenance.json").write_text(json.dumps(
+            {"server": {"container": {"env": env}}}))
+        lines = [f"{T0 - 5 * 10**8} {asked:.4f} {asked * 10:.4f}"]  # a warmup step
+        # 400 steps in the window, B's applied sleep = base + factor * nominal on average
+        extra = 0.0 if arm == "A" else (factor - 1) * (BASE_MS + NOMINAL_MS)
+        lines += [f"{T0 + (k + 1) * 50_000_000} {asked:.4f} "
+                  f"{asked + extra + (0.2 if k % 2 else -0.2) + 0.2:.4f}" for k in range(400)]
+        if records:
+            ab.applied_record_path(slot_dir, slot, arm).write_text("\n".join(lines) + "\n")
+        runs.append({"slot": slot, "arm": arm, "run": 0, "server": f"k3ab-x-{slot:02d}{arm}",
+                     "run_dir": str(run_dir), "status": "ok"})
+    return runs
+
+
+def _itl_row(effect_ms: float, half_width: float = 0.05) -> dict:
+    d = effect_ms / A_ITL
+    return {"concurrency": 1, "metric": "ITL p50", "primary": True, "a": A_ITL,
+            "b": A_ITL + effect_ms, "d": d, "lo": d - half_width, "hi": d + half_width,
+            "verdict": "B slower"}
+
+
+def test_calibration_is_judged_against_the_applied_delay(tmp_path):
+    """The issue's loaded run: B's server really slept 1.28x the nominal extra, and the
+    detector saw exactly that. Judged against the applied delay (read from the double's
+    record, inside the profiling window only) the CI covers the expected effect; the old
+    calibration (nominal 38.8 ms / A) called this correct detector a failure."""
+    from k3rocm.checks.bench import ab
+
+    factor = 1.28
+    runs = _cal_run_tree(tmp_path, factor)
+    applied_extra = (factor - 1) * (BASE_MS + NOMINAL_MS) + NOMINAL_MS  # B - A, per step
+    comp = {"rows": [_itl_row(applied_extra)], "runs": runs}
+    (c,) = ab.calibration(comp, NOMINAL_MS)
+    assert c["applied_ms"] == pytest.approx(applied_extra, abs=1e-3)
+    assert c["applied_a_ms"] == pytest.approx(BASE_MS + 0.2, abs=1e-3)
+    assert c["requested_b_ms"] == pytest.approx(BASE_MS + NOMINAL_MS)
+    assert c["steps_a"] == c["steps_b"] == 400  # the warmup step is not counted
+    assert c["expected_d"] == pytest.approx(applied_extra / A_ITL, abs=1e-4)
+    assert c["nominal_d"] == pytest.approx(NOMINAL_MS / A_ITL, abs=1e-4)
+    assert c["applied_over_injected"] == pytest.approx(applied_extra / NOMINAL_MS, abs=1e-3)
+    assert c["detected_over_applied"] == pytest.approx(1.0, abs=1e-3)
+    assert c["covered"] is True and c["why"] is None
+    assert stats.covers(comp["rows"][0], c["nominal_d"]) is False  # what the old code judged
+    assert ab.refusal({"calibration": [c]}, tmp_path) is None
+    md = ab.comparison_markdown({"mode": "cal", "workload": "ci-tiny", "protocol": [],
+                                 "protocol_key": "k", "rows": [], "runs": [],
+                                 "headline": "h", "calibration": [c]})
+    row = next(ln for ln in md.splitlines() if ln.startswith("| 1 | 38.8 | "))
+    assert f"| {applied_extra:.4g} | " in row and "| yes |" in row  # nominal beside applied
+    assert c["rest_a_ms"] == pytest.approx(A_ITL - BASE_MS - 0.2, abs=1e-3)
+    assert c["rest_b_ms"] == pytest.approx(c["rest_a_ms"], abs=1e-3)  # the sleep explains B
+
+    # A detector that reports the nominal effect when the server applied 1.28x of it fails.
+    (c,) = ab.calibration({"rows": [_itl_row(NOMINAL_MS)], "runs": runs}, NOMINAL_MS)
+    assert c["covered"] is False
+    line, code = ab.refusal({"calibration": [c]}, tmp_path)
+    assert code == 1 and line.startswith("k3rocm: error: bench-ab calibration failed: c=1 "
+                                         f"expected {c['expected_d'] * 100:+.2f}% (applied "
+                                         f"{applied_extra:.4g} ms/step, injected 38.8)")
+
+
+def test_calibration_without_the_record_of_the_applied_delay_is_not_judged(tmp_path):
+    """Arm B asked for a sleep but its record is missing: no expected effect, exit 4 (and
+    never a pass on the nominal value)."""
+    from k3rocm.checks.bench import ab
+
+    runs = _cal_run_tree(tmp_path, 1.0, records=False)
+    (c,) = ab.calibration({"rows": [_itl_row(NOMINAL_MS)], "runs": runs}, NOMINAL_MS)
+    assert c["covered"] is None and c["expected_d"] is None
+    assert "asked for a sleep but left no record of it in 00-A-stepdelay.tsv" in c["why"] or \
+        "asked for a sleep but left no record of it in 01-B-stepdelay.tsv" in c["why"]
+    line, code = ab.refusal({"calibration": [c]}, tmp_path)
+    assert code == 4 and "calibration cannot be judged: c=1: arm " in line
+
+
+def test_the_step_delay_double_records_the_sleep_it_really_took(tmp_path, monkeypatch):
+    """The double (tests/doubles/stepdelay) writes each sleep's measured duration, not the
+    requested one, in the format and at the path bench-ab reads."""
+    sys.path.insert(0, str(REPO / "tests" / "doubles" / "stepdelay"))
+    try:
+        import k3rocm_test_stepdelay as double
+    finally:
+        sys.path.pop(0)
+    from k3rocm.checks.bench import ab
+
+    assert double.APPLIED_FILE == ab.STEP_DELAY_RECORD
+    assert set(ab._DELAY_VARS) == {double.ENV, double.BASE_ENV, double.DELAY_FILE_ENV}
+    import time as _time
+
+    real_sleep = _time.sleep
+    monkeypatch.setattr(_time, "sleep", lambda s: real_sleep(s * 1.28))  # a late wake-up
+    rec = double._Record(str(tmp_path / "applied.tsv"))
+    before = _time.time_ns()
+    for _ in range(3):
+        rec.sleep(0.02)
+    got = ab._read_applied(tmp_path / "applied.tsv")
+    assert len(got) == 3
+    for t, requested, applied in got:
+        assert before <= t <= _time.time_ns()
+        assert requested == 20.0 and applied >= 25.6, (requested, applied)
 
 
 def test_perf_csv_keeps_failed_points():

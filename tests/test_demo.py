@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, free_port, project_containers, run_cli
+from conftest import REPO, free_port, make_exit_code, project_containers, run_cli
 from server_fixture import MODELS_DIR
 
 from k3rocm.dev.demo import GSM8K_ITEMS, STANDIN_BASE, STEPS
@@ -133,7 +133,7 @@ def test_make_demo_end_to_end(docker_client, tmp_path):
                        capture_output=True, text=True, timeout=1500)
     wall = time.monotonic() - t0
     print(f"make demo: {wall:.0f}s\n{p.stdout}\n{p.stderr[-4000:]}", file=sys.stderr)
-    assert p.returncode == 0, p.stdout + p.stderr[-4000:]
+    assert make_exit_code(p) == 0, p.stdout + p.stderr[-4000:]
     assert "Traceback" not in p.stderr
     assert p.stdout.startswith("k3rocm demo: OK in "), p.stdout
     assert project_containers(project) == []  # make down removed what make up started

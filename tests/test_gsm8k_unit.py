@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, free_port, run_cli
+from conftest import REPO, free_port, make_exit_code, run_cli
 
 from k3rocm.checks.gsm8k import command, data, results
 from k3rocm.checks.gsm8k.lmeval_launch import apply_reasoning_fallback
@@ -275,8 +275,25 @@ def test_make_gsm8k_dry_run(data_dir):
                         "GSM8K_ARGS=--model m --concurrency 3"],
                        cwd=REPO, capture_output=True, text=True, timeout=60,
                        env={**_clean_env(), **env})
-    assert p.returncode == 0, p.stderr
+    assert make_exit_code(p) == 0, p.stderr
     assert "num_concurrent=3" in p.stdout and "--include_path /out/tasks" in p.stdout
+
+
+def test_make_exit_code_is_the_recipes_not_makes(tmp_path):
+    """Through make, k3rocm's 3 (no Docker engine) reaches a test as make's 2, which is our
+    "bad input": conftest.make_exit_code gives the recipe's 3; a make failure that ran no
+    recipe (no such target) is not read as any k3rocm code."""
+    p = subprocess.run(["make", "-s", "-o", sys.executable, "gsm8k-data", f"PY={sys.executable}",
+                        f"GSM8K_ARGS=--hf-home {tmp_path / 'hf'}"],
+                       cwd=REPO, capture_output=True, text=True, timeout=60,
+                       env={**_clean_env(), "PYTHONPATH": str(REPO / "src"),
+                            "DOCKER_HOST": f"unix://{tmp_path}/no.sock"})
+    assert p.returncode == 2 and make_exit_code(p) == 3, p.stderr
+    assert "k3rocm: error: cannot reach the Docker engine" in p.stderr
+    p = subprocess.run(["make", "-s", "no-such-target-k3"], cwd=REPO, capture_output=True,
+                       text=True, timeout=60)
+    with pytest.raises(AssertionError, match="without a recipe's exit code"):
+        make_exit_code(p)
 
 
 def _clean_env() -> dict:
@@ -545,7 +562,7 @@ def test_gsm8k_ab_pairs_the_items_and_gates_on_non_inferiority():
 def test_make_gsm8k_ab_dry_run_and_bad_input():
     p = subprocess.run(["make", "-s", "gsm8k-ab", "DRY_RUN=1", "CPU=1", f"PY={sys.executable}"],
                        cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stderr
+    assert make_exit_code(p) == 0, p.stderr
     lines = p.stdout.splitlines()
     assert [ln.split()[4] for ln in lines if ln.startswith("# slot")] == ["A:", "B:"]
     assert sum("k3rocm_lmeval.py run" in ln for ln in lines) == 2

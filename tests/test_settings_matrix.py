@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, make_exit_code
 
 PORT = 18123
 SETTINGS = {
@@ -102,7 +102,7 @@ def test_every_command_resolves_the_same_deployment(project, command, placement)
     out = project / f"view-{command}-{placement}.jsonl"
     out.unlink(missing_ok=True)
     p = make(project, target, placement, *extra, env={"K3_TEST_PRINT_DEPLOYMENT": str(out)})
-    assert p.returncode == 0, p.stderr
+    assert make_exit_code(p) == 0, p.stderr
     views = [json.loads(x) for x in out.read_text().splitlines()]
     assert views, f"make {target} ran no k3rocm command"
     want = expected(project)
@@ -135,7 +135,7 @@ def test_bench_and_gsm8k_dry_runs_use_the_deployment(project, placement):
     """The exact client command lines carry the same URL, model, key, tokenizer and results."""
     want = expected(project)
     p = make(project, "bench", placement, "WORKLOAD=ci-tiny", "DRY_RUN=1")
-    assert p.returncode == 0, p.stderr
+    assert make_exit_code(p) == 0, p.stderr
     argv = shlex.split(p.stdout.strip().splitlines()[-1])
     opt = {a: argv[i + 1] for i, a in enumerate(argv[:-1]) if a.startswith("--")}
     assert opt["--url"] == want["url"] and opt["--model"] == want["served_model_name"]
@@ -144,7 +144,7 @@ def test_bench_and_gsm8k_dry_runs_use_the_deployment(project, placement):
     assert Path(opt["--artifact-dir"]).parent.parent == Path(want["results_root"])
 
     p = make(project, "gsm8k", placement, "DRY_RUN=1")
-    assert p.returncode == 0, p.stderr
+    assert make_exit_code(p) == 0, p.stderr
     margs = dict(kv.split("=", 1) for kv in
                  shlex.split(p.stdout)[shlex.split(p.stdout).index("--model_args") + 1]
                  .split(","))

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, _image_exists, free_port, need, standin_tag
+from conftest import REPO, _image_exists, free_port, make_exit_code, need, standin_tag
 from server_fixture import MODELS_DIR
 
 pytestmark = [pytest.mark.docker, pytest.mark.server]
@@ -27,7 +27,7 @@ def test_make_smoke_builds_serves_streams_and_tears_down(docker_client, tmp_path
                           text=True, timeout=1200)
     err = proc.stderr
     print(err[-1500:], file=sys.stderr)
-    assert proc.returncode == 0, err[-3000:]
+    assert make_exit_code(proc) == 0, err[-3000:]
     assert "server healthy after" in err
     m = re.search(r"completion_tokens (\d+), TTFT ([\d.]+) ms, ([\d.]+) tokens/s", err)
     assert m, err[-2000:]

@@ -22,6 +22,15 @@ Four switches, all read from the server's environment at plugin load:
 
 Without any of these variables it does nothing.
 
+What it applied (every sleep above, whatever asked for it): the real duration of each sleep
+(``time.perf_counter`` around it; on a loaded machine a sleep wakes late) is appended to
+``APPLIED_FILE`` inside the server's container, one line per engine step that slept:
+``<wall clock ns at its end> <requested ms> <applied ms>``. The line is written before the step
+runs, so before any token of that step exists: a reader that starts after the client got its
+last token sees every sleep behind those tokens (``k3rocm ab --calibrate-delay-ms`` copies the
+file out of each arm server after its runs and judges the detector against the applied delay,
+not the requested one).
+
 How it gets in: this directory is mounted at /opt/k3rocm-test by compose.cpu.yaml only when
 ``K3_TEST_PLUGINS_DIR`` points here, and put on PYTHONPATH; the ``.dist-info`` beside this
 file registers :func:`register` as a vLLM general plugin (entry point group
@@ -45,6 +54,9 @@ ENV = "K3_TEST_STEP_DELAY_MS"
 HOLD_ENV = "K3_TEST_HOLD_FILE"
 DELAY_FILE_ENV = "K3_TEST_DELAY_FILE"
 BASE_ENV = "K3_TEST_BASE_DELAY_MS"
+# The record of the applied sleeps, inside the server's container (k3rocm.checks.bench.ab
+# reads it from there: its STEP_DELAY_RECORD names the same path).
+APPLIED_FILE = "/tmp/k3rocm-test-stepdelay.tsv"
 HOLD_POLL_S = 0.01  # how often a held step looks at the hold file (inside the server)
 
 
@@ -88,6 +100,30 @@ class _DelayFile:
         return self.value
 
 
+class _Record:
+    """Appends one line per applied sleep to APPLIED_FILE (line-buffered: one write per step).
+    If the file cannot be written the server keeps running and says so once; the record is
+    then missing, which a calibration reports as "cannot judge"."""
+
+    def __init__(self, path: str):
+        self.path, self.fh, self.failed = path, None, False
+
+    def sleep(self, seconds: float) -> None:
+        t0 = time.perf_counter()
+        time.sleep(seconds)
+        applied = time.perf_counter() - t0
+        if self.failed:
+            return
+        try:
+            if self.fh is None:
+                self.fh = open(self.path, "a", buffering=1)  # noqa: SIM115 - the process's life
+            self.fh.write(f"{time.time_ns()} {seconds * 1000:.4f} {applied * 1000:.4f}\n")
+        except OSError as exc:
+            self.failed = True
+            print(f"[k3rocm-test] cannot record the applied sleeps in {self.path}: {exc}",
+                  flush=True)
+
+
 def register() -> None:
     raw = os.environ.get(ENV, "").strip()
     base = os.environ.get(BASE_ENV, "").strip()
@@ -99,6 +135,7 @@ def register() -> None:
         return
     from vllm.v1.engine.core import EngineCore
 
+    record = _Record(APPLIED_FILE)
     if getattr(EngineCore, "_k3_step_delay", None) is not None:
         return
     for name in ("step", "step_with_batch_queue"):
@@ -114,7 +151,7 @@ def register() -> None:
                         _held(self, hold)
                     extra = delay_file.seconds() if delay_file is not None else 0.0
                     if delay + extra > 0:
-                        time.sleep(delay + extra)
+                        record.sleep(delay + extra)
                 return orig(self, *args, **kwargs)
             return delayed
 
@@ -122,7 +159,8 @@ def register() -> None:
     EngineCore._k3_step_delay = delay
     if delay > 0:
         print(f"[k3rocm-test] {ENV}={raw or 0} {BASE_ENV}={base or 0}: every engine step "
-              f"sleeps {delay * 1000:g} ms (test double)", flush=True)
+              f"sleeps {delay * 1000:g} ms (test double; each sleep's real duration goes to "
+              f"{APPLIED_FILE})", flush=True)
     if hold:
         print(f"[k3rocm-test] {HOLD_ENV}={hold}: engine steps wait while that file exists "
               "(test double)", flush=True)

@@ -27,8 +27,9 @@ Every measure: arm A has every K3_FUSE_* switch 0, arm B the fusions --on names 
   server's own start do): an arm that base cannot serve is refused in one line (exit 2) naming
   the arm, the setting, the base's reason and the --on choices it can serve.
 Calibration (CPU stand-in): --calibrate-delay-ms MS runs an A/A whose arm B sleeps MS per
-  engine step (a test double mounted only into the stand-in); the report says injected vs
-  detected.
+  engine step (a test double mounted only into the stand-in, which measures every sleep it
+  really took); the detector is judged against the applied delay (95% CI: a correct detector
+  fails 5% of the time); the report shows injected (nominal) vs applied vs detected.
 
 Examples (MI355X node, image built with `make build`):
   k3rocm ab --measure bench --aa --workload decode-8k1k --tokenizer models/Kimi-K3 --repeats 4
@@ -39,8 +40,9 @@ CPU stand-in (CI):
       --server-env K3_PROFILE=cpu-smoke --models-dir /tmp/k3rocm-cache/models \\
       --tokenizer /tmp/k3rocm-cache/models/k3-smoke --pin-engine-core --repeats 2
 Exit codes: 0 ok; 1 a run or check failed (kept and reported); 2 bad input (also an arm
-the serving image's base cannot serve); 3 server or
-engine problem; 130 interrupted (finished runs kept and compared).
+the serving image's base cannot serve); 3 server or engine problem; 4 nothing judged (a census
+trace lost events, a calibration without the record of its applied delay); 130 interrupted
+(finished runs kept and compared).
 """
 
 from __future__ import annotations

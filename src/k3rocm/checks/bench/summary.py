@@ -104,19 +104,26 @@ def request_values(records: Iterable[dict], tag: str) -> list[float]:
     return out
 
 
+def profiling_window(point_dir: Path) -> tuple[int, int] | None:
+    """(start, end) of the point's profiling phase, wall-clock ns (aiperf's time.time_ns), from
+    ``phase_manifest.json``; None without one."""
+    try:
+        phases = json.loads((point_dir / "phase_manifest.json").read_text()).get("phases", [])
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return None
+    return next(((ph["start_ns"], ph["end_ns"]) for ph in phases
+                 if ph.get("phase_kind") == "profiling" and ph.get("end_ns")
+                 and ph.get("start_ns")), None)
+
+
 def recompute_from_records(point_dir: Path) -> dict[str, Any]:
     """Every summary number, recomputed from profile_export.jsonl (+ the phase duration)."""
     ok, bad = profiling_records(read_records(point_dir))
     out: dict[str, Any] = {"requests_ok": len(ok), "requests_failed": len(bad), "metrics": {
         key: {s: stat_of(vals, s) for s in STATS} for key, (tag, _, _) in LATENCY_METRICS.items()
         if (vals := request_values(ok, tag))}}
-    try:  # the profiling phase's duration
-        phases = json.loads((point_dir / "phase_manifest.json").read_text()).get("phases", [])
-    except (OSError, json.JSONDecodeError):
-        phases = []
-    dur = next(((ph["end_ns"] - ph["start_ns"]) / 1e9 for ph in phases
-                if ph.get("phase_kind") == "profiling" and ph.get("end_ns") and ph.get("start_ns")),
-               None)
+    window = profiling_window(point_dir)
+    dur = (window[1] - window[0]) / 1e9 if window else None
     osl = sum(request_values(ok, "output_sequence_length"))
     isl = sum(request_values(ok, "input_sequence_length"))
     out.update(duration_s=dur, output_tps=osl / dur if dur else None,
