@@ -220,6 +220,32 @@ def make_trace(rank: int | None, world: int | None, mla: list[int], layers: int,
     return out
 
 
+def upstream_record(pid: int, tp_rank: int, qk: str, qprep: str, asked: tuple[bool, bool],
+                    qprep_why: str = "", kind: str = "target", vllm: str = "0.32.0") -> dict:
+    """One record of the upstream hook (src/k3rocm/serving/upstream_hook.py, after_init): same
+    format, ``writer: upstream``, one ``construct`` record per process and layer kind, the
+    state read back from upstream's per-layer attribute (``unknown`` when the attribute is not
+    what the hook expects), no ``probe``."""
+    def why(state: str, env: str, attr: str, given: str = "") -> str:
+        if state == "unknown":
+            return given or (f"KimiK3MultiHeadLatentAttentionWrapper has no {attr} (vLLM "
+                             f"{vllm}); upstream untouched")
+        return given or (f"{env}=0 (hook)" if state == "off" and not asked[0 if env.endswith(
+            "NORM") else 1] else f"upstream's gates: {state}")
+
+    return {
+        "schema": "k3rocm.overlay.decision/1", "pid": pid,
+        "process": f"VllmWorker TP{tp_rank}", "tp_rank": tp_rank, "layer_kind": kind,
+        "phase": "construct", "vllm_version": vllm, "writer": "upstream",
+        "fusions": {
+            "qk_norm": {"state": qk, "reason": why(qk, "K3_FUSE_QK_NORM",
+                                                   "_use_eager_qk_rmsnorm_fusion")},
+            "decode_qprep": {"state": qprep, "reason": why(qprep, "K3_FUSE_DECODE_QPREP",
+                                                           "_fused_qk_prep", qprep_why)}},
+        "asked": {"qk_norm": asked[0], "decode_qprep": asked[1]},
+    }
+
+
 def record(pid: int, tp_rank: int, qk: str, qprep: str, asked: tuple[bool, bool],
            phase: str = "load", kind: str = "target", qk_why: str = "",
            qprep_why: str = "") -> dict:
@@ -357,6 +383,18 @@ def main() -> None:
                             qprep_why="backend wants a bf16 query"), separators=(",", ":"))
         for r in range(2) for phase, state in (("construct", "on"), ("load", "off"))) + "\n")
     (d / "server-stock.log").write_text(lines[0] + "\n")  # the overlay never ran
+    # the upstream hook's records (vLLM 0.32.0's own amd/mla.py): both on, both off, and a
+    # base whose Q-prep attribute is not what the hook expects (state unknown; a made-up
+    # future release)
+    for name, qk, qprep, asked, vllm in (
+            ("on", "on", "on", on, "0.32.0"), ("off", "off", "off", off, "0.32.0"),
+            ("qprep-unknown", "on", "unknown", on, "0.35.0.dev7")):
+        (d / f"server-upstream-{name}.log").write_text("\n".join(
+            f"(EngineCore_DP0 pid={4000 + r}) (Worker_TP{r} pid={5000 + r}) INFO 12-05 "
+            f"07:00:0{r} [decisions.py:221] K3ROCM-DECISION "
+            + json.dumps(upstream_record(5000 + r, r, qk, qprep, asked, vllm=vllm),
+                         sort_keys=True)
+            for r in range(2)) + "\n")
     (d / "server-bad-json.log").write_text("INFO K3ROCM-DECISION {\"schema\": \n")
 
 
