@@ -435,11 +435,12 @@ def test_cli_fail_prints_expected_vs_seen_and_per_rank_table(tmp_path):
                                 "deviations", "/", "rule"]
     bad = [ln for ln in lines if " FAIL " in ln and not ln.startswith("census:")]
     # one row per check across ranks: both ranks show the same failing count; the per-step
-    # row names the steps; the fusion's verdict row
-    assert len(bad) == 3 and all(" 2/2 " in ln for ln in bad)
-    assert "stock q/kv RMSNorm launches" in bad[0]
-    assert "step 0: stock q/kv RMSNorm 6/0" in bad[1]
-    assert bad[2].startswith("q/kv RMSNorm fusion (qk_norm asked on): both halves")
+    # row names the steps; the pair beside the fused norm; the fusion's verdict row
+    assert len(bad) == 4 and all(" 2/2 " in ln for ln in bad)
+    assert bad[0].startswith("stock q/kv RMSNorm launches (qk_norm asked on)")
+    assert bad[1].startswith("stock q/kv RMSNorm launches beside the fused q/kv RMSNorm ones")
+    assert "step 0: stock q/kv RMSNorm 6/0" in bad[2]
+    assert bad[3].startswith("q/kv RMSNorm fusion (qk_norm asked on): both halves")
     assert any(ln.split()[:3] == ["fusion", "asked", "ranks"] for ln in lines)
     assert "census: FAIL" in p.stdout
     run_dir = next(tmp_path.iterdir())

@@ -128,7 +128,8 @@ def make_trace(rank: int | None, world: int | None, mla: list[int], layers: int,
                member: str = "per_head", bad_ts: bool = False,
                name_form: str = "demangled", drop=None, graph: bool = False,
                base_ns: int | None = None, t0: float = 10_000.0,
-               rename: dict | None = None, unlinked_queues: int = 0) -> dict:
+               rename: dict | None = None, unlinked_queues: int = 0,
+               stock_steps: tuple[int, ...] = (), step_spans: bool = True) -> dict:
     """``steps``: (context requests, generation requests[, recomputed prompt tokens]) per
     engine step; with MTP k=2 each decode request carries 3 tokens. A third item puts that
     many more tokens on the "generation" side: a preempted request recomputing its prompt,
@@ -146,7 +147,10 @@ def make_trace(rank: int | None, world: int | None, mla: list[int], layers: int,
     ``unlinked_queues`` N > 0: no launch records (no runtime events, kernels without
     correlation), kernels spread round-robin over N device queues (tid 7, 8, ...), and per step
     and queue a ``gpu_user_annotation`` span with the step's name (kineto writes one per queue
-    for each host annotation): the census must map kernels through their own queue's spans."""
+    for each host annotation): the census must map kernels through their own queue's spans;
+    ``step_spans=False`` leaves those spans out (kernels nothing attributes to a step).
+    ``stock_steps``: engine steps that run the stock path (both fusions off) whatever
+    ``norm`` and ``qprep`` say (a step that fell back to the stock path)."""
     pid = tid = 4000 + (rank or 0)
     ev: list[dict] = [
         {"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
@@ -161,8 +165,9 @@ def make_trace(rank: int | None, world: int | None, mla: list[int], layers: int,
         name = f"execute_context_{ctx}({ctx * 128})_generation_{gen}({gen * 3 + sum(more)})"
         q_first: dict[int, float] = {}
         q_last: dict[int, float] = {}
-        ks = [] if ctx == 0 and gen == 0 else _step_kernels(mla, layers, decode, norm, qprep,
-                                                            member)
+        stock = step_no in stock_steps
+        ks = [] if ctx == 0 and gen == 0 else _step_kernels(
+            mla, layers, decode, "off" if stock else norm, "off" if stock else qprep, member)
         start = t
         if replay:
             corr += 1
@@ -199,7 +204,7 @@ def make_trace(rank: int | None, world: int | None, mla: list[int], layers: int,
             t += 7.0
         ev.append({"ph": "X", "cat": "user_annotation", "name": name, "pid": pid, "tid": tid,
                    "ts": round(start - 1.0, 3), "dur": round(t - start + 2.0, 3)})
-        for queue, first in q_first.items():
+        for queue, first in (q_first if step_spans else {}).items():
             ev.append({"ph": "X", "cat": "gpu_user_annotation", "name": name, "pid": 0,
                        "tid": queue, "ts": round(first - 0.1, 3),
                        "dur": round(q_last[queue] - first + 0.2, 3)})

@@ -10,7 +10,7 @@ from typing import Any
 
 from k3rocm.checks.census.fusions import FusionClaim
 from k3rocm.checks.census.modelcfg import ModelFacts
-from k3rocm.checks.census.spec import ROLES, Spec, eval_formula
+from k3rocm.checks.census.spec import ROLES, Beside, Spec, eval_formula
 from k3rocm.checks.census.trace import RankTrace
 from k3rocm.serving.fusions import FUSIONS
 
@@ -153,6 +153,14 @@ def build_checks(rt: RankTrace, spec: Spec, model: ModelFacts, claim: FusionClai
             expected = None if per is None else per * L * k + extra.get(role, 0) * k
             main[role] = check(f"{e.label} launches ({f.name} asked {word})", role,
                                scope_name[e.steps], rule, expected, seen)
+            if e.beside is not None and asked and rt.mode == "gpu":
+                near, why_not = beside(rt, spec, role, e.beside)
+                row = check(f"{e.label} launches beside the {spec.expect[e.beside.fused].label}"
+                            f" ones ({f.name} asked {word})", role, "all steps",
+                            f"0 ({e.beside.why})" if why_not is None else
+                            f"reported only: {why_not}", None if why_not else 0, near)
+                if main[role].expected is None:  # the one judgement of the stock half here
+                    main[role] = row
             if per is not None:
                 want = per * L + extra.get(role, 0)
                 off_path += [(i, f"step {i}: {e.label} {got}/{want}") for i in idx
@@ -193,6 +201,35 @@ def build_checks(rt: RankTrace, spec: Spec, model: ModelFacts, claim: FusionClai
                             "all", f"reported only: match no role: {top}", None,
                             sum(rc.unclassified.values()), None))
     return checks, rc
+
+
+def beside(rt: RankTrace, spec: Spec, role: str, rule: Beside) -> tuple[int, str | None]:
+    """Launches of ``role`` next to ``rule.fused`` launches in each step's device order: the
+    contiguous run right before each fused launch, and every one from it up to the next launch
+    of an ``rule.until`` role. (count, None), or (count, why it cannot be placed) when a fused
+    launch is not followed by an ``until`` launch in its step."""
+    stock, fused = spec.roles[role], spec.roles[rule.fused]
+    until = [spec.roles[r] for r in rule.until]
+    near = 0
+    for si, seq in enumerate(rt.sequence):
+        is_open = False
+        for i, name in enumerate(seq):
+            if fused.hits(name):
+                if is_open:
+                    return near, (f"step {si}: a {rule.fused} launch is not followed by a "
+                                  f"{' / '.join(rule.until)} launch before the next one")
+                j = i - 1
+                while j >= 0 and stock.hits(seq[j]):
+                    near, j = near + 1, j - 1
+                is_open = True
+            elif is_open and stock.hits(name):
+                near += 1
+            elif is_open and any(u.hits(name) for u in until):
+                is_open = False
+        if is_open:
+            return near, (f"step {si}: its last {rule.fused} launch is not followed by a "
+                          f"{' / '.join(rule.until)} launch")
+    return near, None
 
 
 def _judge(rank: int | str, f: Any, asked: bool, main: dict[str, Check],

@@ -82,6 +82,15 @@ class Role(BaseModel):
         return next((m.name for m in self.members if m.match.search(name)), "other")
 
 
+class Beside(BaseModel):
+    """Launches of a stock role next to its fused role: the contiguous run right before each
+    ``fused`` launch and everything from it up to the next launch of an ``until`` role."""
+
+    fused: str
+    until: list[str]
+    why: str = ""
+
+
 class Expect(BaseModel):
     """What a role must show per MLA layer and step (kernels.json ``expect``), by what its
     fusion was asked; None = reported only."""
@@ -92,6 +101,7 @@ class Expect(BaseModel):
     off: int | None
     prefill: int | None = None  # steps with prefill, whatever was asked
     separable: bool = False  # counts other launches too (every RMSNorm): needs other norms
+    beside: Beside | None = None  # asked on, GPU: the stock launches beside the fused ones
     why: dict[str, str] = {}
 
     def per_step(self, asked: bool) -> int | None:
