@@ -152,6 +152,7 @@ class Census:
     def to_json(self) -> dict[str, Any]:
         dec = self.decisions
         return {"ok": self.ok, "verdict": self.verdict, "incomplete": self.incomplete,
+                "cannot_judge": self.undecided_lines(),
                 "model": asdict(self.model), "claim": self.claim.to_json(),
                 "decisions": None if dec is None else dec.to_json(),
                 "world_size": self.world_size, "world_size_source": self.world_source,
@@ -181,7 +182,7 @@ class Census:
                  f"- Asked for ({c.source}): q/kv RMSNorm **{_onoff(c.qk_norm)}** "
                  f"({c.detail.get('qk_norm', '')}), decode Q-prep **{_onoff(c.decode_qprep)}** "
                  f"({c.detail.get('decode_qprep', '')})",
-                 "- Overlay decision records: " + (
+                 "- Decision records (the overlay's or the upstream hook's): " + (
                      "not cross-checked (--skip-records)" if dec is None else
                      f"**not cross-checked**: none found (looked in {dec.source}; pass "
                      "--server-log FILE or --skip-records)" if not dec.found else
