@@ -204,3 +204,17 @@ def test_malformed_event_fields_exit_2_naming_file_and_field(tmp_path, mutate, f
     err = p.stderr.strip().splitlines()
     assert p.returncode == 2 and len(err) == 1 and "Traceback" not in p.stderr
     assert MT["trace_name"](0) in err[0] and field in err[0]
+
+
+def test_k3_rank_with_the_stock_norm_pair_fails_naming_the_rank(tmp_path):
+    """Kimi-K3 (other norms unknown), both fusions asked on: rank 1 ran the stock q/kv pair
+    (Q-prep fused), rank 0 the fused norm. Rank 1 shows no q/kv launch the census can count
+    (its pair hides among the other norms), but rank 0 shows the fused kernel under its known
+    name: FAIL on rank 1, not 'cannot judge'. Before: INCOMPLETE TRACE naming rank 0."""
+    c = census(write(tmp_path, "on", "on", KIMI, graph=True, per_rank={1: {"norm": "off"}}),
+               "all=on", KIMI)
+    assert c.verdict == "FAIL" and not c.incomplete and not c.undecided
+    rows = {k.rank: k for k in c.checks if k.fusion == "qk_norm" and k.scope == "fusion"}
+    assert (rows[0].ok, rows[1].ok) == (True, False)
+    assert "while rank(s) 0 show them" in rows[1].rule
+    assert judged(c, "decode_qprep") == {"ok"}

@@ -291,6 +291,7 @@ def run_census(traces: TraceSet, model: ModelFacts, claim: FusionClaim, spec: Sp
                          "roles": asdict(rc),
                          "per_step": [dict(c.most_common()) for c in rt.per_step_counts()],
                          "kernels": rt.kernel_table()})
+    expect.settle_ranks(checks)
     return Census(traces, model, claim, spec, checks, per_rank, decisions, world_size,
                   world_source, losses(traces, world_size))
 

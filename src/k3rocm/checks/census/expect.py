@@ -97,6 +97,7 @@ def other_norms(spec: Spec, model: ModelFacts) -> int | None:
                                                    "mla_layers": model.mla_layers})
 
 
+NEITHER = "neither the fused nor the stock"
 NOT_SEPARABLE = ("not derivable from one trace: this model's other RMSNorm launches per step "
                  "are unknown on this platform (census-ab judges the off - on difference; or "
                  "pass --other-norms FORMULA)")
@@ -177,9 +178,9 @@ def build_checks(rt: RankTrace, spec: Spec, model: ModelFacts, claim: FusionClai
                     check(f"{e.label} member '{m.name}' launches", role, "anywhere",
                           f"0 ({m.why})", 0, sum(rc.members.get(m.name, {}).values()))
             if prole.members:
-                ran = {k: sum(v.values()) for k, v in rc.members.items()}
+                ran = {mem: sum(v.values()) for mem, v in rc.members.items()}
                 check(f"{e.label} members that ran", role, "anywhere", "reported only: "
-                      + (", ".join(f"{k} x{v}" for k, v in sorted(ran.items())) or "none"),
+                      + (", ".join(f"{mem} x{v}" for mem, v in sorted(ran.items())) or "none"),
                       None, sum(ran.values()))
         bad = [x for _, x in sorted(off_path)]
         check(f"engine steps off the asked {f.label} path ({f.name} asked {word})", "-",
@@ -249,7 +250,7 @@ def _judge(rank: int | str, f: Any, asked: bool, main: dict[str, Check],
     why, ab = "", False
     if failed and not seen_any:
         uncl = ", ".join(list(rc.unclassified)[:4])
-        why = (f"neither the fused nor the stock {f.label} launches were found: they may run "
+        why = (f"{NEITHER} {f.label} launches were found: they may run "
                "under names kernels.json does not know"
                + (f" (unclassified MLA-region launches: {uncl})" if uncl else "")
                + "; check the names (--alias REGEX=NAME, --spec FILE)")
@@ -265,6 +266,25 @@ def _judge(rank: int | str, f: Any, asked: bool, main: dict[str, Check],
     return Check(rank, what, "-", "fusion", rule if not failed else
                  "FAIL: " + "; ".join(sorted({c.what for c in failed}))[:200], None, 0,
                  not failed, f.name)
+
+
+def settle_ranks(checks: list[Check]) -> None:
+    """Across ranks: a fusion none of whose launches a rank shows under a known name while
+    other ranks show them (so the names are known) FAILS on that rank (it ran neither path the
+    table knows, e.g. the stock pair of a model whose other norms are unknown), not "cannot
+    judge"."""
+    for f in FUSIONS:
+        verdicts = [c for c in checks if c.fusion == f.name and c.scope == "fusion"
+                    and c.rank != "all"]
+        seen = sorted({str(c.rank) for c in verdicts if c.ok is not None})
+        if not seen:
+            continue
+        for c in checks:
+            if c.fusion == f.name and c.rank != "all" and c.undecided.startswith(NEITHER):
+                c.ok, c.undecided, c.ab_decides = False, "", False
+                if c.scope == "fusion":
+                    c.rule = (f"FAIL: none of its launches under a known name on this rank, "
+                              f"while rank(s) {', '.join(seen)} show them")
 
 
 def step_checks(rt: RankTrace, min_decode_steps: int) -> list[Check]:
