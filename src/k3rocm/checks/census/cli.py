@@ -81,7 +81,7 @@ def _finish(census: Census, run_dir: Path) -> int:
         for line in census.undecided_lines():
             print(f"census: cannot judge: {line}")
         verdict = (f"CANNOT JUDGE ({len(census.undecided_lines())} reason(s) above; nothing "
-                   "contradicts the claim, nothing proves it)")
+                   "contradicts the claim, the evidence does not prove it)")
     elif census.verdict == "PASS":
         verdict = "PASS"
         if census.decisions is not None and not census.decisions.found:
