@@ -1,6 +1,8 @@
 """Expected vs seen launch counts. Expectations come from what the server was ASKED for (the
-claim), the model config (MLA layer count) and the trace's engine steps; never from the
-overlay's own report (that is cross-checked separately, census/decisions.py)."""
+claim), the model config (MLA layer count), the trace's engine steps and, per role of each
+fusion of the fusion table (serving/fusions.py), its row in kernels.json ``expect``; never from
+the decision records (cross-checked separately, census/decisions.py). Each fusion is judged
+per rank on both halves (PASS / FAIL / cannot judge: :func:`_judge`, :func:`settle_ranks`)."""
 
 from __future__ import annotations
 
