@@ -91,8 +91,9 @@ def test_k3_fused_norm_alone_passes_by_both_halves(tmp_path):
 
 def test_k3_norm_fused_under_an_unknown_name_claimed_off_is_not_pass(tmp_path):
     """Claimed off, the norm runs fused under a name the table does not know, the stock pair
-    is gone: nothing in one Kimi-K3 trace proves the stock half. Before: PASS. After: CANNOT
-    JUDGE (exit 4), saying census-ab (or --other-norms) decides."""
+    is gone (no MLA layer has its q/kv pair right before its KV-cache write). Before: PASS
+    (the stock count was 'reported only' on Kimi-K3). After: CANNOT JUDGE (exit 4): neither
+    the fused nor the stock launches were found."""
     d = write(tmp_path / "t", "on", "off", KIMI, rename={MT["K_FUSED_NORM"]: RENAMED_NORM})
     c = census(d, "all=off", KIMI)
     assert c.verdict == "CANNOT JUDGE" and c.exit_code == 4
@@ -100,8 +101,31 @@ def test_k3_norm_fused_under_an_unknown_name_claimed_off_is_not_pass(tmp_path):
     p = cli(d, "all=off", tmp_path, KIMI)
     assert p.returncode == 4, p.stdout[-2000:] + p.stderr
     why = [ln for ln in p.stdout.splitlines() if ln.startswith("census: cannot judge:")]
-    assert len(why) == 1 and why[0].startswith("census: cannot judge: qk_norm:")
-    assert "census-ab" in why[0] and "--other-norms" in why[0] and "rank(s) 0, 1" in why[0]
+    assert len(why) == 1 and why[0].startswith("census: cannot judge: qk_norm: neither the "
+                                                "fused nor the stock q/kv RMSNorm")
+    assert "rank(s) 0, 1" in why[0]
+
+
+def test_k3_stock_run_claimed_off_passes_by_both_halves(tmp_path):
+    """Kimi-K3 claimed off, the stock path: every MLA layer has its q/kv pair right before its
+    KV-cache write, no fused launch. Before: PASS with the stock half unproven (reported
+    only). After: PASS by the pair row (0 cannot-judge rows)."""
+    c = census(write(tmp_path, "off", "off", KIMI), "all=off", KIMI)
+    assert c.verdict == "PASS" and not c.undecided, c.table()
+    row = next(k for k in c.checks if k.what.startswith("MLA layers with their stock q/kv")
+               and k.rank == 0)
+    assert (row.expected, row.seen, row.ok) == (144, 144, True)
+
+
+def test_k3_single_trace_without_placeable_pairs_leaves_it_to_census_ab(tmp_path):
+    """Claimed off on Kimi-K3 with the Q-prep fused under an unknown name: nothing places the
+    q/kv pairs (no known Q-prep / KV-cache write launch) and the other norms are unknown: the
+    q/kv fusion is CANNOT JUDGE, the reason saying census-ab decides."""
+    c = census(write(tmp_path, "off", "on", KIMI, graph=True,
+                     rename={MT["K_QPREP"]["per_head"]: RENAMED_QPREP}), "all=off", KIMI)
+    assert c.verdict == "CANNOT JUDGE"
+    (why,) = [x for x in c.undecided_lines() if x.startswith("qk_norm")]
+    assert "census-ab" in why and "--other-norms" in why
 
 
 def test_norm_fused_under_an_unknown_name_cannot_judge_not_fail(tmp_path):

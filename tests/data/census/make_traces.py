@@ -90,8 +90,10 @@ def _mla_layer(decode: bool, norm: str, qprep: str, member: str) -> list[tuple]:
     ks: list[tuple] = [(K_GEMM, 20.0, "aten::mm")]  # fused_qkv_a_proj
     if norm in ("on", "both"):
         ks.append((K_FUSED_NORM, 4.0, "vllm::fused_mla_dual_rms_norm"))
-    if norm in ("off", "both"):  # the paired per-MLA q/kv latent norms
-        ks += [(K_NORM, 2.5, OP_NORM), (K_GEMM, 15.0, "aten::mm"), (K_NORM, 2.6, OP_NORM)]
+    if norm in ("off", "both"):  # the paired per-MLA q/kv latent norms, then q_b_proj
+        # (q_a_layernorm and kv_a_layernorm back to back: vllm@0.27.1
+        # model_executor/layers/mla.py:175,190; vllm@0.34.0 models/kimi_k3/amd/mla.py:131)
+        ks += [(K_NORM, 2.5, OP_NORM), (K_NORM, 2.6, OP_NORM), (K_GEMM, 15.0, "aten::mm")]
     else:
         ks.append((K_GEMM, 15.0, "aten::mm"))  # q_b_proj
     if decode and qprep == "on":

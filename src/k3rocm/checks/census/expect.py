@@ -12,7 +12,7 @@ from typing import Any
 
 from k3rocm.checks.census.fusions import FusionClaim
 from k3rocm.checks.census.modelcfg import ModelFacts
-from k3rocm.checks.census.spec import ROLES, Beside, Spec, eval_formula
+from k3rocm.checks.census.spec import ROLES, Beside, Pair, Spec, eval_formula
 from k3rocm.checks.census.trace import RankTrace
 from k3rocm.serving.fusions import FUSIONS
 
@@ -164,6 +164,19 @@ def build_checks(rt: RankTrace, spec: Spec, model: ModelFacts, claim: FusionClai
                             f"reported only: {why_not}", None if why_not else 0, near)
                 if main[role].expected is None:  # the one judgement of the stock half here
                     main[role] = row
+            if e.pair is not None and not asked and rt.mode == "gpu" and e.off:
+                layers, anchors = pairs(rt, spec, role, e.pair, e.off)
+                k_all = len(steps["all"])
+                want = (L + extra.get(role, 0)) * k_all
+                until = " / ".join(spec.expect[u].label for u in e.pair.until)
+                row = check(f"MLA layers with their {e.label} pair right before their {until} "
+                            f"({f.name} asked {word})", role, "all steps",
+                            f"{L} MLA layers x {k_all} steps ({e.pair.why})" if anchors == want
+                            else f"reported only: {anchors} {until} launches place the pairs, "
+                            f"not one per MLA layer and step ({want})",
+                            want if anchors == want else None, layers)
+                if main[role].expected is None:
+                    main[role] = row
             if per is not None:
                 want = per * L + extra.get(role, 0)
                 off_path += [(i, f"step {i}: {e.label} {got}/{want}") for i in idx
@@ -233,6 +246,29 @@ def beside(rt: RankTrace, spec: Spec, role: str, rule: Beside) -> tuple[int, str
             return near, (f"step {si}: its last {rule.fused} launch is not followed by a "
                           f"{' / '.join(rule.until)} launch")
     return near, None
+
+
+def pairs(rt: RankTrace, spec: Spec, role: str, rule: Pair, size: int) -> tuple[int, int]:
+    """Launches of the ``rule.until`` roles whose nearest run of ``role`` launches before them
+    (walking back over other launches, not past an earlier ``until`` launch) has exactly
+    ``size`` launches (the MLA layers whose own stock pair ran), and the ``until`` launches
+    (one per MLA layer and step, or the pairs cannot be placed)."""
+    stock = spec.roles[role]
+    until = [spec.roles[r] for r in rule.until]
+    found = anchors = 0
+    for seq in rt.sequence:
+        run, in_run = 0, False  # the last run of stock launches since the last until launch
+        for name in seq:
+            if stock.hits(name):
+                run = run + 1 if in_run else 1
+                in_run = True
+            elif any(u.hits(name) for u in until):
+                found += run == size
+                anchors += 1
+                run, in_run = 0, False
+            else:
+                in_run = False
+    return found, anchors
 
 
 def _judge(rank: int | str, f: Any, asked: bool, main: dict[str, Check],

@@ -91,6 +91,14 @@ class Beside(BaseModel):
     why: str = ""
 
 
+class Pair(BaseModel):
+    """The stock role's launches as the last run (nothing of the role between them) before
+    each launch of an ``until`` role: one layer's own pair when it has exactly ``off``."""
+
+    until: list[str]
+    why: str = ""
+
+
 class Expect(BaseModel):
     """What a role must show per MLA layer and step (kernels.json ``expect``), by what its
     fusion was asked; None = reported only."""
@@ -102,6 +110,7 @@ class Expect(BaseModel):
     prefill: int | None = None  # steps with prefill, whatever was asked
     separable: bool = False  # counts other launches too (every RMSNorm): needs other norms
     beside: Beside | None = None  # asked on, GPU: the stock launches beside the fused ones
+    pair: Pair | None = None  # asked off, GPU: the layers whose own stock run is there
     why: dict[str, str] = {}
 
     def per_step(self, asked: bool) -> int | None:
