@@ -267,7 +267,8 @@ def run_census(traces: TraceSet, model: ModelFacts, claim: FusionClaim, spec: Sp
     per_rank = []
     for rt in traces.ranks:
         checks += expect.step_checks(rt, min_decode_steps)
-        if rt.mode == "gpu" and not rt.launches and rt.outside:
+        unplaced = rt.mode == "gpu" and not rt.launches and bool(rt.outside)
+        if unplaced:
             why = (f"none of its {rt.unattributed} kernel(s) can be attributed to an engine "
                    "step (no launch record with the same correlation id inside a step, no "
                    "gpu_user_annotation step span on the kernel's queue); re-collect with the "
@@ -275,9 +276,8 @@ def run_census(traces: TraceSet, model: ModelFacts, claim: FusionClaim, spec: Sp
             checks.append(Check(rt.rank, "kernels attributed to engine steps", "-", "trace",
                                 why, None, 0, None, undecided=why))
         cks, rc = expect.build_checks(rt, spec, model, claim, extra_per_step)
-        if rt.mode == "gpu" and not rt.launches and rt.outside:
+        if unplaced:
             cks = [c for c in cks if c.fusion == ""]  # nothing in any step: not judged
-
         if rt.mode == "gpu" and rt.launches and not any(
                 sum(v.values()) for v in rc.launches.values()):
             top = ", ".join(k["name"] for k in rt.kernel_table()[:3])
@@ -311,7 +311,9 @@ def losses(traces: TraceSet, world_size: int) -> list[dict[str, Any]]:
     - launches whose kernel record never arrived (a ``hip*LaunchKernel`` with a correlation id
       no kernel carries);
     - decode-only steps that replay the same graph (same requests and tokens) but show fewer
-      kernels than the same step shape elsewhere, on this rank or another (graph-replayed
+      kernels than a step of the same shape elsewhere, on this rank or another, that ran at
+      least as many launches of every kernel they ran (a step on the other fusion path ran
+      other kernels: the fusion checks judge it, a FAIL, not a loss) (graph-replayed
       dispatches dropped by ROCm 7.2.0's roctracer, ROCm/ROCm#6102; kineto's activity buffer
       cap cutting the later steps: a tail of steps with fewer or no kernels);
     - ranks of the world without a worker trace.
