@@ -219,28 +219,37 @@ def build_checks(rt: RankTrace, spec: Spec, model: ModelFacts, claim: FusionClai
     return checks, rc
 
 
+def _kinds(rt: RankTrace, classes: dict[str, list[Any]]) -> dict[str, str]:
+    """Each distinct kernel name of the rank's step sequences -> the first class (key of
+    ``classes``: a list of roles) one of whose roles it hits, or "" (regexes once per name)."""
+    names = {name for seq in rt.sequence for name in seq}
+    return {name: next((k for k, roles in classes.items()
+                        if any(r.hits(name) for r in roles)), "") for name in names}
+
+
 def beside(rt: RankTrace, spec: Spec, role: str, rule: Beside) -> tuple[int, str | None]:
     """Launches of ``role`` next to ``rule.fused`` launches in each step's device order: the
     contiguous run right before each fused launch, and every one from it up to the next launch
     of an ``rule.until`` role. (count, None), or (count, why it cannot be placed) when a fused
     launch is not followed by an ``until`` launch in its step."""
-    stock, fused = spec.roles[role], spec.roles[rule.fused]
-    until = [spec.roles[r] for r in rule.until]
+    kind = _kinds(rt, {"fused": [spec.roles[rule.fused]], "stock": [spec.roles[role]],
+                       "until": [spec.roles[r] for r in rule.until]})
     near = 0
     for si, seq in enumerate(rt.sequence):
         is_open = False
         for i, name in enumerate(seq):
-            if fused.hits(name):
+            k = kind[name]
+            if k == "fused":
                 if is_open:
                     return near, (f"step {si}: a {rule.fused} launch is not followed by a "
                                   f"{' / '.join(rule.until)} launch before the next one")
                 j = i - 1
-                while j >= 0 and stock.hits(seq[j]):
+                while j >= 0 and kind[seq[j]] == "stock":
                     near, j = near + 1, j - 1
                 is_open = True
-            elif is_open and stock.hits(name):
+            elif is_open and k == "stock":
                 near += 1
-            elif is_open and any(u.hits(name) for u in until):
+            elif is_open and k == "until":
                 is_open = False
         if is_open:
             return near, (f"step {si}: its last {rule.fused} launch is not followed by a "
@@ -253,16 +262,17 @@ def pairs(rt: RankTrace, spec: Spec, role: str, rule: Pair, size: int) -> tuple[
     (walking back over other launches, not past an earlier ``until`` launch) has exactly
     ``size`` launches (the MLA layers whose own stock pair ran), and the ``until`` launches
     (one per MLA layer and step, or the pairs cannot be placed)."""
-    stock = spec.roles[role]
-    until = [spec.roles[r] for r in rule.until]
+    kind = _kinds(rt, {"stock": [spec.roles[role]],
+                       "until": [spec.roles[r] for r in rule.until]})
     found = anchors = 0
     for seq in rt.sequence:
         run, in_run = 0, False  # the last run of stock launches since the last until launch
         for name in seq:
-            if stock.hits(name):
+            k = kind[name]
+            if k == "stock":
                 run = run + 1 if in_run else 1
                 in_run = True
-            elif any(u.hits(name) for u in until):
+            elif k == "until":
                 found += run == size
                 anchors += 1
                 run, in_run = 0, False
