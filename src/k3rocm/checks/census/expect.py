@@ -167,7 +167,7 @@ def build_checks(rt: RankTrace, spec: Spec, model: ModelFacts, claim: FusionClai
             if e.pair is not None and not asked and rt.mode == "gpu" and e.off:
                 layers, anchors = pairs(rt, spec, role, e.pair, e.off)
                 k_all = len(steps["all"])
-                want = (L + extra.get(role, 0)) * k_all
+                want = (L + extra.get(role, 0) // e.off) * k_all  # --extra: launches
                 until = " / ".join(spec.expect[u].label for u in e.pair.until)
                 row = check(f"MLA layers with their {e.label} pair right before their {until} "
                             f"({f.name} asked {word})", role, "all steps",
