@@ -197,9 +197,10 @@ def parse_rank_trace(path: str | os.PathLike, normalize: Normalizer | None = Non
     except UsageError:
         raise
     except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
-        why = " ".join(str(exc).split())[:120]
+        why = " ".join(str(exc).split())[:160]
         raise UsageError(f"trace {path} is malformed ({exc.__class__.__name__}: {why}); "
-                         "every complete event needs a numeric ts/dur and a name; "
+                         "a complete event needs a numeric ts/dur, a string name, integer or "
+                         "string pid/tid, args an object with an integer correlation; "
                          "re-collect the trace") from None
 
 
