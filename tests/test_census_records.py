@@ -253,3 +253,23 @@ def test_cli_upstream_records_pass_and_unknown_exits_4(tmp_path):
     assert len(why) == 1 and "decode_qprep" in why[0] and "has no _fused_qk_prep" in why[0]
     md = (next((tmp_path / "unknown").iterdir()) / "census.md").read_text()
     assert "Verdict: **CANNOT JUDGE**" in md and "## What cannot be judged" in md
+
+
+def test_cli_upstream_decision_files_beside_the_traces(tmp_path):
+    """The hook's decision files beside the traces (``k3rocm-decisions-pid<PID>.json``, the
+    hook's writer: a JSON list, indent 1, sorted keys), as a live census leaves them: judged
+    like the overlay's; 'unknown' -> exit 4. Before: 'unknown' was a FAIL (exit 1)."""
+    import runpy
+
+    mt = runpy.run_path(str(DATA / "make_traces.py"))
+    for name, qprep, code in (("on", "on", 0), ("unknown", "unknown", 4)):
+        d = tmp_path / name
+        shutil.copytree(DATA / "rocm-on", d, ignore=shutil.ignore_patterns("k3rocm-decisions-*"))
+        for r in range(2):
+            rec = mt["upstream_record"](5000 + r, r, "on", qprep, (True, True))
+            (d / f"k3rocm-decisions-pid{5000 + r}.json").write_text(
+                json.dumps([rec], indent=1, sort_keys=True))
+        p = census("--trace-dir", str(d), "--fusions", "all=on", tmp_path=tmp_path / f"r-{name}")
+        assert p.returncode == code, p.stdout[-2000:] + p.stderr
+        assert "every target process (2, written by the upstream hook) reports ON" in p.stdout
+    assert "decode_qprep: 2 of 2 target process(es) report decode_qprep UNKNOWN" in p.stdout
