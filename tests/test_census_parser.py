@@ -522,3 +522,21 @@ def test_crafted_traces_are_reproducible(tmp_path):
     for f in committed:
         rel = f.relative_to(DATA)
         assert (tmp_path / rel).read_bytes() == f.read_bytes(), rel
+
+
+def test_spec_expect_rows_are_checked(tmp_path):
+    """kernels.json ``expect``: a row per role of the fusion table; a --spec whose row names
+    an unknown role, or a bad field, is one line (exit 2), not a KeyError mid-census."""
+    t = kernel_table()
+    from k3rocm.checks.census.spec import ROLES
+
+    assert set(ROLES) <= set(t["expect"])
+    f = tmp_path / "s.json"
+    f.write_text(json.dumps({"expect": {"qk_norm": {**t["expect"]["qk_norm"], "pair": {
+        "until": ["kv_write_v2"]}}}}))
+    with pytest.raises(UsageError, match="expect.qk_norm names unknown role"):
+        load_spec("rocm", "deepseek_v3", str(f))
+    f.write_text(json.dumps({"expect": {"cache_write": {"label": "x", "steps": "some",
+                                                        "on": 0, "off": 1}}}))
+    with pytest.raises(UsageError, match="expect.cache_write.steps"):
+        load_spec("rocm", "deepseek_v3", str(f))

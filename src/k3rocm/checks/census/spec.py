@@ -182,7 +182,12 @@ def load_spec(platform: str, model_type: str | None, spec_file: str | None = Non
     for rname in ROLES:
         if not isinstance(table["expect"].get(rname), dict):
             raise UsageError(f"census spec: no expectation for role {rname!r} (expect)")
-        expect[rname] = _valid(Expect, table["expect"][rname], f"expect.{rname}")
+        expect[rname] = e = _valid(Expect, table["expect"][rname], f"expect.{rname}")
+        named = [*(e.beside.until + [e.beside.fused] if e.beside else []),
+                 *(e.pair.until if e.pair else [])]
+        if unknown := sorted(set(named) - set(ROLES)):
+            raise UsageError(f"census spec expect.{rname} names unknown role(s) "
+                             f"{', '.join(unknown)}; valid: {', '.join(ROLES)}")
     mla = _valid(Region, plat.get("mla_region") or {}, f"{platform}.mla_region")
     family = fam_of.get(model_type or "")
     formula = other_norms if other_norms is not None else \
