@@ -186,6 +186,22 @@ def test_lost_kernels_still_incomplete_beside_a_stock_rank(tmp_path):
     assert c.verdict == "INCOMPLETE TRACE" and [x["rank"] for x in c.incomplete] == [1]
 
 
+def test_random_losses_on_every_rank_and_step_stay_incomplete(tmp_path):
+    """Guard for the rule above: a profiler that drops 5% of the graph-replayed kernel records
+    at random on every rank and step (no complete step anywhere) is still INCOMPLETE TRACE:
+    steps are compared by the launches of each kernel role of the table (a step on the other
+    path runs more of some role), not kernel by kernel (a rule that a first version of this
+    change used and that judged this trace FAIL)."""
+    import random
+
+    def drop(seed):
+        return lambda s, i: random.Random(seed * 1_000_003 + s * 10_007 + i).random() < 0.05
+
+    c = census(write(tmp_path, "on", "on", KIMI, graph=True,
+                     per_rank={0: {"drop": drop(1)}, 1: {"drop": drop(2)}}), "all=on", KIMI)
+    assert c.verdict == "INCOMPLETE TRACE" and {x["rank"] for x in c.incomplete} == {0, 1}
+
+
 # -- 3. kernels that cannot be attributed to steps; malformed fields --------------------------
 
 def test_kernels_not_attributable_to_steps_cannot_judge(tmp_path):

@@ -293,10 +293,10 @@ def run_census(traces: TraceSet, model: ModelFacts, claim: FusionClaim, spec: Sp
                          "kernels": rt.kernel_table()})
     expect.settle_ranks(checks)
     return Census(traces, model, claim, spec, checks, per_rank, decisions, world_size,
-                  world_source, losses(traces, world_size))
+                  world_source, losses(traces, world_size, spec))
 
 
-def losses(traces: TraceSet, world_size: int) -> list[dict[str, Any]]:
+def losses(traces: TraceSet, world_size: int, spec: Spec | None = None) -> list[dict[str, Any]]:
     """Completeness before judgement: what was lost, one entry per finding ({rank, what}).
 
     A fusion check compares launch counts with layers x steps; a trace that lost events gives
@@ -312,8 +312,10 @@ def losses(traces: TraceSet, world_size: int) -> list[dict[str, Any]]:
       no kernel carries);
     - decode-only steps that replay the same graph (same requests and tokens) but show fewer
       kernels than a step of the same shape elsewhere, on this rank or another, that ran at
-      least as many launches of every kernel they ran (a step on the other fusion path ran
-      other kernels: the fusion checks judge it, a FAIL, not a loss) (graph-replayed
+      least as many launches of every kernel role of ``spec`` (without a spec: of every
+      kernel) as they did: a profiler only drops records, so a step on the other fusion path
+      (more launches of a role than the longer step) is judged by the fusion checks, a FAIL
+      naming it, not a loss (graph-replayed
       dispatches dropped by ROCm 7.2.0's roctracer, ROCm/ROCm#6102; kineto's activity buffer
       cap cutting the later steps: a tail of steps with fewer or no kernels);
     - ranks of the world without a worker trace.
@@ -334,8 +336,21 @@ def losses(traces: TraceSet, world_size: int) -> list[dict[str, Any]]:
     # kernels per decode-only step, by step shape (requests, tokens) = the graph it replays
     per_step: dict[int, list[tuple[int, tuple[int, int], Counter[str]]]] = {}
     shapes: dict[tuple[int, int], list[Counter[str]]] = defaultdict(list)
+    role_of: dict[str, str] = {}  # kernel name -> its role (or the name itself: no spec/role)
+
+    def by_role(c: Counter[str]) -> Counter[str]:
+        out: Counter[str] = Counter()
+        for name, n in c.items():
+            if name not in role_of:
+                role_of[name] = name if spec is None else next(
+                    (r for r, role in spec.roles.items() if role.hits(name)), "")
+            out[role_of[name]] += n
+        out["__total__"] = sum(c.values())
+        del out[""]
+        return out
+
     for rt in gpu:
-        counts = rt.per_step_counts()
+        counts = [by_role(c) for c in rt.per_step_counts()]
         rows = [(s.index, (s.gen_reqs, s.gen_tokens), counts[s.index])
                 for s in rt.steps if s.decode_only]
         per_step[rt.rank] = rows
@@ -352,7 +367,7 @@ def losses(traces: TraceSet, world_size: int) -> list[dict[str, Any]]:
         # (a profiler only drops records); a step that ran other kernels (the stock path
         # where the others ran fused) is not a loss: the fusion checks judge it
         short = [(i, k, best) for i, key, c in rows
-                 if (best := _complete(c, shapes[key])) > (k := sum(c.values()))]
+                 if (best := _complete(c, shapes[key])) > (k := c["__total__"])]
         if not short:
             continue
         total = sum(best - k for _, k, best in short)
@@ -362,15 +377,15 @@ def losses(traces: TraceSet, world_size: int) -> list[dict[str, Any]]:
                 f"that replay the same graph as complete ones ({detail}"
                 f"{', ...' if len(short) > 6 else ''})")
         if empty and empty[-1] == rows[-1][0]:
-            tail = sum(1 for _ in takewhile(lambda row: not sum(row[2].values()),
-                                            reversed(rows)))
+            tail = sum(1 for _ in takewhile(lambda row: not row[2]["__total__"], reversed(rows)))
             what += f"; the last {tail} step(s) have no kernels (a cut-off tail)"
         out.append({"rank": rank, "what": what})
     return out
 
 
 def _complete(step: Counter[str], same_shape: list[Counter[str]]) -> int:
-    """Kernels of the largest step of the same shape that ran at least as many launches of
-    every kernel ``step`` ran (``step`` itself counts: nothing larger = nothing lost)."""
-    return max(sum(c.values()) for c in same_shape
-               if all(c[name] >= n for name, n in step.items()))
+    """Kernels (``__total__``) of the largest step of the same shape that ran at least as many
+    launches of every role ``step`` ran (``step`` itself counts: nothing larger = nothing
+    lost)."""
+    return max(c["__total__"] for c in same_shape
+               if all(c[name] >= n for name, n in step.items() if name != "__total__"))
