@@ -226,18 +226,20 @@ def test_asked_on_but_traces_stock_fails_every_count():
 def test_fused_norm_while_stock_pair_still_runs_fails():
     c = census("rocm-fused-and-pair", "all=on")
     assert not c.ok
-    bad = {(k.rank, k.role) for k in c.checks if k.ok is False}
-    assert bad == {(0, "qk_norm"), (1, "qk_norm")}
+    bad = {(k.rank, k.role, k.fusion) for k in c.checks if k.ok is False}
+    assert bad == {(r, role, "qk_norm") for r in (0, 1) for role in ("qk_norm", "-")}
+    assert c.verdict == "FAIL" and c.exit_code == 1
     sep = next(k for k in c.checks if k.role == "qk_norm" and k.rank == 0)
     assert (sep.expected, sep.seen) == (0, 36)  # the pair: 2 x 3 layers x 6 steps
 
 
 def test_general_qprep_member_fails_opt_passes():
     c = census("rocm-general", "all=on")
-    bad = [k for k in c.checks if k.ok is False]
+    bad = [k for k in c.checks if k.ok is False and k.role != "-"]
     assert [(k.rank, k.what, k.seen) for k in bad] == [
         (0, "fused Q-prep member 'general' launches", 18),
         (1, "fused Q-prep member 'general' launches", 18)]
+    assert c.verdict == "FAIL"
     ok = census("rocm-opt", "all=on")
     assert ok.ok, ok.table()
     assert ok.per_layer_step()[0]["decode_qprep"]["fused_members"] == {"opt": 18}
@@ -432,8 +434,13 @@ def test_cli_fail_prints_expected_vs_seen_and_per_rank_table(tmp_path):
     assert lines[0].split() == ["check", "scope", "ranks", "expected", "seen", "status",
                                 "deviations", "/", "rule"]
     bad = [ln for ln in lines if " FAIL " in ln and not ln.startswith("census:")]
-    # one row per check across ranks: both ranks show the same failing count
-    assert len(bad) == 1 and "stock q/kv RMSNorm launches" in bad[0] and " 2/2 " in bad[0]
+    # one row per check across ranks: both ranks show the same failing count; the per-step
+    # row names the steps; the pair beside the fused norm; the fusion's verdict row
+    assert len(bad) == 4 and all(" 2/2 " in ln for ln in bad)
+    assert bad[0].startswith("stock q/kv RMSNorm launches (qk_norm asked on)")
+    assert bad[1].startswith("stock q/kv RMSNorm launches beside the fused q/kv RMSNorm ones")
+    assert "step 0: stock q/kv RMSNorm 6/0" in bad[2]
+    assert bad[3].startswith("q/kv RMSNorm fusion (qk_norm asked on): both halves")
     assert any(ln.split()[:3] == ["fusion", "asked", "ranks"] for ln in lines)
     assert "census: FAIL" in p.stdout
     run_dir = next(tmp_path.iterdir())
@@ -515,3 +522,21 @@ def test_crafted_traces_are_reproducible(tmp_path):
     for f in committed:
         rel = f.relative_to(DATA)
         assert (tmp_path / rel).read_bytes() == f.read_bytes(), rel
+
+
+def test_spec_expect_rows_are_checked(tmp_path):
+    """kernels.json ``expect``: a row per role of the fusion table; a --spec whose row names
+    an unknown role, or a bad field, is one line (exit 2), not a KeyError mid-census."""
+    t = kernel_table()
+    from k3rocm.checks.census.spec import ROLES
+
+    assert set(ROLES) <= set(t["expect"])
+    f = tmp_path / "s.json"
+    f.write_text(json.dumps({"expect": {"qk_norm": {**t["expect"]["qk_norm"], "pair": {
+        "until": ["kv_write_v2"]}}}}))
+    with pytest.raises(UsageError, match="expect.qk_norm names unknown role"):
+        load_spec("rocm", "deepseek_v3", str(f))
+    f.write_text(json.dumps({"expect": {"cache_write": {"label": "x", "steps": "some",
+                                                        "on": 0, "off": 1}}}))
+    with pytest.raises(UsageError, match="expect.cache_write.steps"):
+        load_spec("rocm", "deepseek_v3", str(f))

@@ -203,3 +203,73 @@ def test_empty_log_read_at_collection_still_fails_offline(tmp_path):
                 "all=on", "--results", str(tmp_path / "r"))
     assert p.returncode == 1 and "the overlay did not run" in p.stdout, p.stdout + p.stderr
     assert "the log of container k3-server" in p.stdout
+
+
+# -- records of the upstream hook (writer "upstream"), on a base whose amd/mla.py is upstream's
+
+def test_upstream_hook_records_are_judged_like_the_overlays():
+    """The hook writes the overlay's format with ``writer: upstream`` (one construct record
+    per process). Same rules; each row names who wrote the records. Before: the rows did not
+    say who wrote them."""
+    on = rows(from_cli("all=on"), log("server-upstream-on.log"))
+    assert all(c.ok is True and "written by the upstream hook" in c.rule for c in on.values())
+    off = rows(from_cli("all=off"), log("server-upstream-off.log"))
+    assert all(c.ok is True and "K3_FUSE_QK_NORM=0 (hook)" in off["qk_norm asked OFF"].rule
+               for c in off.values())
+    bad = rows(from_cli("all=off"), log("server-upstream-on.log"))["qk_norm asked OFF"]
+    assert bad.ok is False and "reported ON although asked OFF" in bad.rule
+    assert "written by the upstream hook" in bad.rule
+    none = rows(from_cli("all=on"), log("server-stock.log"))["qk_norm asked ON"]
+    assert "the overlay did not run (nor the upstream hook)" in none.rule
+
+
+def test_upstream_state_unknown_cannot_judge_that_fusion():
+    """A base whose Q-prep attribute is not what the hook expects: records say 'unknown'.
+    Before: FAIL ('reported UNKNOWN'). After: that fusion cannot be judged (with the hook's
+    reason); the other fusion is judged as usual."""
+    r = rows(from_cli("all=on"), log("server-upstream-qprep-unknown.log"))
+    q = r["decode_qprep asked ON"]
+    assert q.ok is None and q.status == "cannot judge" and q.fusion == "decode_qprep"
+    assert "report decode_qprep UNKNOWN" in q.undecided and "has no _fused_qk_prep" in \
+        q.undecided and "the upstream hook" in q.undecided
+    assert r["qk_norm asked ON"].ok is True
+
+
+def test_cli_upstream_records_pass_and_unknown_exits_4(tmp_path):
+    """Through the command line: upstream's records with both fusions on beside fused traces
+    PASS; off beside stock traces PASS; 'unknown' -> CANNOT JUDGE, exit 4, the reason on the
+    verdict lines. Before: exit 1 (FAIL) for 'unknown'."""
+    p = census("--trace-dir", str(DATA / "rocm-on"), "--fusions", "all=on", "--server-log",
+               str(REC / "server-upstream-on.log"), tmp_path=tmp_path / "on")
+    assert p.returncode == 0 and "census: PASS" in p.stdout, p.stdout[-2000:] + p.stderr
+    p = census("--trace-dir", str(DATA / "rocm-off"), "--fusions", "all=off", "--server-log",
+               str(REC / "server-upstream-off.log"), tmp_path=tmp_path / "off")
+    assert p.returncode == 0 and "census: PASS" in p.stdout, p.stdout[-2000:] + p.stderr
+    p = census("--trace-dir", str(DATA / "rocm-on"), "--fusions", "all=on", "--server-log",
+               str(REC / "server-upstream-qprep-unknown.log"), tmp_path=tmp_path / "unknown")
+    assert p.returncode == 4, p.stdout[-2000:] + p.stderr
+    assert "census: CANNOT JUDGE" in p.stdout
+    why = [ln for ln in p.stdout.splitlines() if ln.startswith("census: cannot judge:")]
+    assert len(why) == 1 and "decode_qprep" in why[0] and "has no _fused_qk_prep" in why[0]
+    md = (next((tmp_path / "unknown").iterdir()) / "census.md").read_text()
+    assert "Verdict: **CANNOT JUDGE**" in md and "## What cannot be judged" in md
+
+
+def test_cli_upstream_decision_files_beside_the_traces(tmp_path):
+    """The hook's decision files beside the traces (``k3rocm-decisions-pid<PID>.json``, the
+    hook's writer: a JSON list, indent 1, sorted keys), as a live census leaves them: judged
+    like the overlay's; 'unknown' -> exit 4. Before: 'unknown' was a FAIL (exit 1)."""
+    import runpy
+
+    mt = runpy.run_path(str(DATA / "make_traces.py"))
+    for name, qprep, code in (("on", "on", 0), ("unknown", "unknown", 4)):
+        d = tmp_path / name
+        shutil.copytree(DATA / "rocm-on", d, ignore=shutil.ignore_patterns("k3rocm-decisions-*"))
+        for r in range(2):
+            rec = mt["upstream_record"](5000 + r, r, "on", qprep, (True, True))
+            (d / f"k3rocm-decisions-pid{5000 + r}.json").write_text(
+                json.dumps([rec], indent=1, sort_keys=True))
+        p = census("--trace-dir", str(d), "--fusions", "all=on", tmp_path=tmp_path / f"r-{name}")
+        assert p.returncode == code, p.stdout[-2000:] + p.stderr
+        assert "every target process (2, written by the upstream hook) reports ON" in p.stdout
+    assert "decode_qprep: 2 of 2 target process(es) report decode_qprep UNKNOWN" in p.stdout

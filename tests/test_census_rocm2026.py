@@ -43,7 +43,8 @@ def census(d: Path, fusions: str):
 
 
 def failed(c) -> set[tuple]:
-    return {(k.rank, k.what) for k in c.checks if k.ok is False}
+    """The failed count checks (not the per-step and per-fusion verdict rows)."""
+    return {(k.rank, k.what) for k in c.checks if k.ok is False and k.role != "-"}
 
 
 # -- 1. kernel names in every form kineto writes ------------------------------------------------
@@ -359,13 +360,17 @@ def test_report_one_row_per_check_with_deviating_ranks(tmp_path):
 def test_renamed_fused_kernel_is_listed_under_graph_replay(tmp_path):
     """Graph-replayed decode (no CPU operator around any kernel) whose fused Q-prep kernel has
     a name no role knows. Before: 'fused Q-prep 0/18' and no unclassified launch (the net
-    relied on the operators around the launch). After: still FAIL on the count, and the renamed
-    kernel is listed as unclassified x18 in the report."""
+    relied on the operators around the launch). Then: FAIL on the count. After: the fused
+    Q-prep matches no known name and the stock launches are gone too: CANNOT JUDGE (exit 4),
+    the reason naming the renamed kernel, listed as unclassified x18 in the report."""
     renamed = "void aiter::fused_rope_cat_cache_mla_v2<__hip_bfloat16>(__hip_bfloat16 const*)"
     d = write_ranks(tmp_path, [{}, {}], graph=True,
                     rename={MT["K_QPREP"]["per_head"]: renamed})
     c = census(d, "all=on")
-    assert c.verdict == "FAIL"
+    assert c.verdict == "CANNOT JUDGE" and c.exit_code == 4
+    why = c.undecided_lines()
+    assert len(why) == 1 and why[0].startswith("decode_qprep: neither the fused nor the stock")
+    assert "aiter::fused_rope_cat_cache_mla_v2" in why[0] and "rank(s) 0, 1" in why[0]
     assert all(p["roles"]["unclassified"] == {"aiter::fused_rope_cat_cache_mla_v2": 18}
                for p in c.per_rank)
     row = next(ln for ln in c.table().splitlines() if ln.startswith("unclassified"))

@@ -99,8 +99,12 @@ def test_census_live_stock_server(profiled_server, tmp_path):
     assert q.returncode == 1, q.stdout + q.stderr
     rows = [ln for ln in q.stdout.splitlines() if " FAIL " in ln
             and not ln.startswith("census:")]
-    assert len(rows) == 3, rows
+    # the records row, the fused and stock counts, the steps off the asked path, the verdict
+    assert len(rows) == 5, rows
     assert any("the overlay did not run" in r for r in rows)
+    assert any(r.startswith("engine steps off the asked q/kv RMSNorm path") for r in rows)
+    assert any(r.startswith("q/kv RMSNorm fusion (qk_norm asked on): both halves")
+               for r in rows)
     fused = next(r for r in rows if "fused q/kv RMSNorm launches" in r)
     assert f" {layers * steps} " in fused and " 0 " in fused
     assert any("stock q/kv RMSNorm launches" in r for r in rows)
@@ -149,7 +153,8 @@ def test_census_ab_overlay_on_off(docker_client, forced_image, tmp_path):
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     # the overlay's own records, cross-checked with each arm's claim
     assert "qk_norm asked ON" in p.stdout and "reports ON (fused_mla_dual_rms_norm" in p.stdout
-    assert "every target process (1) reports OFF (K3_FUSE_QK_NORM=0)" in p.stdout
+    assert "every target process (1, written by the overlay) reports OFF (K3_FUSE_QK_NORM=0)" \
+        in p.stdout
     run_dir = next(tmp_path.glob("*-census-ab"))
     ab = json.loads((run_dir / "ab.json").read_text())
     # one run record layout: each arm's says what that arm's servers ran (--image, --no-gpu),

@@ -90,8 +90,10 @@ def _mla_layer(decode: bool, norm: str, qprep: str, member: str) -> list[tuple]:
     ks: list[tuple] = [(K_GEMM, 20.0, "aten::mm")]  # fused_qkv_a_proj
     if norm in ("on", "both"):
         ks.append((K_FUSED_NORM, 4.0, "vllm::fused_mla_dual_rms_norm"))
-    if norm in ("off", "both"):  # the paired per-MLA q/kv latent norms
-        ks += [(K_NORM, 2.5, OP_NORM), (K_GEMM, 15.0, "aten::mm"), (K_NORM, 2.6, OP_NORM)]
+    if norm in ("off", "both"):  # the paired per-MLA q/kv latent norms, then q_b_proj
+        # (q_a_layernorm and kv_a_layernorm back to back: vllm@0.27.1
+        # model_executor/layers/mla.py:175,190; vllm@0.34.0 models/kimi_k3/amd/mla.py:131)
+        ks += [(K_NORM, 2.5, OP_NORM), (K_NORM, 2.6, OP_NORM), (K_GEMM, 15.0, "aten::mm")]
     else:
         ks.append((K_GEMM, 15.0, "aten::mm"))  # q_b_proj
     if decode and qprep == "on":
@@ -128,7 +130,8 @@ def make_trace(rank: int | None, world: int | None, mla: list[int], layers: int,
                member: str = "per_head", bad_ts: bool = False,
                name_form: str = "demangled", drop=None, graph: bool = False,
                base_ns: int | None = None, t0: float = 10_000.0,
-               rename: dict | None = None, unlinked_queues: int = 0) -> dict:
+               rename: dict | None = None, unlinked_queues: int = 0,
+               stock_steps: tuple[int, ...] = (), step_spans: bool = True) -> dict:
     """``steps``: (context requests, generation requests[, recomputed prompt tokens]) per
     engine step; with MTP k=2 each decode request carries 3 tokens. A third item puts that
     many more tokens on the "generation" side: a preempted request recomputing its prompt,
@@ -146,7 +149,10 @@ def make_trace(rank: int | None, world: int | None, mla: list[int], layers: int,
     ``unlinked_queues`` N > 0: no launch records (no runtime events, kernels without
     correlation), kernels spread round-robin over N device queues (tid 7, 8, ...), and per step
     and queue a ``gpu_user_annotation`` span with the step's name (kineto writes one per queue
-    for each host annotation): the census must map kernels through their own queue's spans."""
+    for each host annotation): the census must map kernels through their own queue's spans;
+    ``step_spans=False`` leaves those spans out (kernels nothing attributes to a step).
+    ``stock_steps``: engine steps that run the stock path (both fusions off) whatever
+    ``norm`` and ``qprep`` say (a step that fell back to the stock path)."""
     pid = tid = 4000 + (rank or 0)
     ev: list[dict] = [
         {"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
@@ -161,8 +167,9 @@ def make_trace(rank: int | None, world: int | None, mla: list[int], layers: int,
         name = f"execute_context_{ctx}({ctx * 128})_generation_{gen}({gen * 3 + sum(more)})"
         q_first: dict[int, float] = {}
         q_last: dict[int, float] = {}
-        ks = [] if ctx == 0 and gen == 0 else _step_kernels(mla, layers, decode, norm, qprep,
-                                                            member)
+        stock = step_no in stock_steps
+        ks = [] if ctx == 0 and gen == 0 else _step_kernels(
+            mla, layers, decode, "off" if stock else norm, "off" if stock else qprep, member)
         start = t
         if replay:
             corr += 1
@@ -199,7 +206,7 @@ def make_trace(rank: int | None, world: int | None, mla: list[int], layers: int,
             t += 7.0
         ev.append({"ph": "X", "cat": "user_annotation", "name": name, "pid": pid, "tid": tid,
                    "ts": round(start - 1.0, 3), "dur": round(t - start + 2.0, 3)})
-        for queue, first in q_first.items():
+        for queue, first in (q_first if step_spans else {}).items():
             ev.append({"ph": "X", "cat": "gpu_user_annotation", "name": name, "pid": 0,
                        "tid": queue, "ts": round(first - 0.1, 3),
                        "dur": round(q_last[queue] - first + 0.2, 3)})
@@ -218,6 +225,32 @@ def make_trace(rank: int | None, world: int | None, mla: list[int], layers: int,
     if base_ns is not None:
         out["baseTimeNanoseconds"] = base_ns
     return out
+
+
+def upstream_record(pid: int, tp_rank: int, qk: str, qprep: str, asked: tuple[bool, bool],
+                    qprep_why: str = "", kind: str = "target", vllm: str = "0.32.0") -> dict:
+    """One record of the upstream hook (src/k3rocm/serving/upstream_hook.py, after_init): same
+    format, ``writer: upstream``, one ``construct`` record per process and layer kind, the
+    state read back from upstream's per-layer attribute (``unknown`` when the attribute is not
+    what the hook expects), no ``probe``."""
+    def why(state: str, env: str, attr: str, given: str = "") -> str:
+        if state == "unknown":
+            return given or (f"KimiK3MultiHeadLatentAttentionWrapper has no {attr} (vLLM "
+                             f"{vllm}); upstream untouched")
+        return given or (f"{env}=0 (hook)" if state == "off" and not asked[0 if env.endswith(
+            "NORM") else 1] else f"upstream's gates: {state}")
+
+    return {
+        "schema": "k3rocm.overlay.decision/1", "pid": pid,
+        "process": f"VllmWorker TP{tp_rank}", "tp_rank": tp_rank, "layer_kind": kind,
+        "phase": "construct", "vllm_version": vllm, "writer": "upstream",
+        "fusions": {
+            "qk_norm": {"state": qk, "reason": why(qk, "K3_FUSE_QK_NORM",
+                                                   "_use_eager_qk_rmsnorm_fusion")},
+            "decode_qprep": {"state": qprep, "reason": why(qprep, "K3_FUSE_DECODE_QPREP",
+                                                           "_fused_qk_prep", qprep_why)}},
+        "asked": {"qk_norm": asked[0], "decode_qprep": asked[1]},
+    }
 
 
 def record(pid: int, tp_rank: int, qk: str, qprep: str, asked: tuple[bool, bool],
@@ -357,6 +390,18 @@ def main() -> None:
                             qprep_why="backend wants a bf16 query"), separators=(",", ":"))
         for r in range(2) for phase, state in (("construct", "on"), ("load", "off"))) + "\n")
     (d / "server-stock.log").write_text(lines[0] + "\n")  # the overlay never ran
+    # the upstream hook's records (vLLM 0.32.0's own amd/mla.py): both on, both off, and a
+    # base whose Q-prep attribute is not what the hook expects (state unknown; a made-up
+    # future release)
+    for name, qk, qprep, asked, vllm in (
+            ("on", "on", "on", on, "0.32.0"), ("off", "off", "off", off, "0.32.0"),
+            ("qprep-unknown", "on", "unknown", on, "0.35.0.dev7")):
+        (d / f"server-upstream-{name}.log").write_text("\n".join(
+            f"(EngineCore_DP0 pid={4000 + r}) (Worker_TP{r} pid={5000 + r}) INFO 12-05 "
+            f"07:00:0{r} [decisions.py:221] K3ROCM-DECISION "
+            + json.dumps(upstream_record(5000 + r, r, qk, qprep, asked, vllm=vllm),
+                         sort_keys=True)
+            for r in range(2)) + "\n")
     (d / "server-bad-json.log").write_text("INFO K3ROCM-DECISION {\"schema\": \n")
 
 

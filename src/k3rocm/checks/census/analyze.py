@@ -38,17 +38,39 @@ class Census:
     incomplete: list[dict[str, Any]] = field(default_factory=list)  # losses()
 
     @property
+    def undecided(self) -> list[Check]:
+        """Checks that cannot be judged (each with its reason)."""
+        return [c for c in self.checks if c.undecided]
+
+    @property
     def ok(self) -> bool:
-        return not self.incomplete and all(c.ok is not False for c in self.checks)
+        """Nothing lost, nothing contradicts the claim, and nothing is undecided that the
+        A/B's off - on difference does not decide (census-ab judges the arms by this)."""
+        return not self.incomplete and all(c.ok is not False for c in self.checks) \
+            and all(c.ab_decides for c in self.undecided)
 
     @property
     def verdict(self) -> str:
-        """PASS, FAIL, or INCOMPLETE TRACE (lost events: no verdict on the fusions)."""
-        return "INCOMPLETE TRACE" if self.incomplete else "PASS" if self.ok else "FAIL"
+        """INCOMPLETE TRACE (lost events: nothing judged), FAIL (a check contradicts the
+        claim), CANNOT JUDGE (the evidence cannot prove or refute a fusion) or PASS."""
+        if self.incomplete:
+            return "INCOMPLETE TRACE"
+        if any(c.ok is False for c in self.checks):
+            return "FAIL"
+        return "CANNOT JUDGE" if self.undecided else "PASS"
 
     @property
     def exit_code(self) -> int:
-        return EXIT_INCOMPLETE if self.incomplete else EXIT_OK if self.ok else EXIT_CHECK_FAILED
+        return {"PASS": EXIT_OK, "FAIL": EXIT_CHECK_FAILED}.get(self.verdict, EXIT_INCOMPLETE)
+
+    def undecided_lines(self) -> list[str]:
+        """One line per reason a fusion (or the set) cannot be judged, with the ranks."""
+        by: dict[tuple[str, str], list[str]] = {}
+        for c in self.undecided:
+            if c.scope in ("fusion", "records", "trace"):  # not the rows judged inside them
+                by.setdefault((c.fusion or c.what, c.undecided), []).append(str(c.rank))
+        return [f"{what}: {why} (rank(s) {', '.join(r)})" if r != ["all"] else
+                f"{what}: {why}" for (what, why), r in by.items()]
 
     def incomplete_lines(self) -> list[str]:
         return [f"rank {x['rank']}: {x['what']}" for x in self.incomplete]
@@ -130,6 +152,7 @@ class Census:
     def to_json(self) -> dict[str, Any]:
         dec = self.decisions
         return {"ok": self.ok, "verdict": self.verdict, "incomplete": self.incomplete,
+                "cannot_judge": self.undecided_lines(),
                 "model": asdict(self.model), "claim": self.claim.to_json(),
                 "decisions": None if dec is None else dec.to_json(),
                 "world_size": self.world_size, "world_size_source": self.world_source,
@@ -145,7 +168,11 @@ class Census:
                  f"Verdict: **{self.verdict}** "
                  + ("(the trace lost events: the counts below are not judged)"
                     if self.incomplete else
-                    f"({oks[True]} ok, {oks[False]} failed, {oks[None]} reported only)"), ""]
+                    f"({oks[True]} ok, {oks[False]} failed, {len(self.undecided)} cannot be "
+                    f"judged, {oks[None] - len(self.undecided)} reported only)"), ""]
+        if self.undecided and not self.incomplete:
+            lines += ["## What cannot be judged", "",
+                      *[f"- {x}" for x in self.undecided_lines()], ""]
         if self.incomplete:
             lines += ["## What the trace lost", "", *[f"- {x}" for x in self.incomplete_lines()],
                       "", f"{CAUSES}.", ""]
@@ -155,7 +182,7 @@ class Census:
                  f"- Asked for ({c.source}): q/kv RMSNorm **{_onoff(c.qk_norm)}** "
                  f"({c.detail.get('qk_norm', '')}), decode Q-prep **{_onoff(c.decode_qprep)}** "
                  f"({c.detail.get('decode_qprep', '')})",
-                 "- Overlay decision records: " + (
+                 "- Decision records (the overlay's or the upstream hook's): " + (
                      "not cross-checked (--skip-records)" if dec is None else
                      f"**not cross-checked**: none found (looked in {dec.source}; pass "
                      "--server-log FILE or --skip-records)" if not dec.found else
@@ -240,7 +267,17 @@ def run_census(traces: TraceSet, model: ModelFacts, claim: FusionClaim, spec: Sp
     per_rank = []
     for rt in traces.ranks:
         checks += expect.step_checks(rt, min_decode_steps)
+        unplaced = rt.mode == "gpu" and not rt.launches and bool(rt.outside)
+        if unplaced:
+            why = (f"none of its {rt.unattributed} kernel(s) can be attributed to an engine "
+                   "step (no launch record with the same correlation id inside a step, no "
+                   "gpu_user_annotation step span on the kernel's queue); re-collect with the "
+                   "profiler's runtime (HIP/CUDA API) records")
+            checks.append(Check(rt.rank, "kernels attributed to engine steps", "-", "trace",
+                                why, None, 0, None, undecided=why))
         cks, rc = expect.build_checks(rt, spec, model, claim, extra_per_step)
+        if unplaced:
+            cks = [c for c in cks if c.fusion == ""]  # nothing in any step: not judged
         if rt.mode == "gpu" and rt.launches and not any(
                 sum(v.values()) for v in rc.launches.values()):
             top = ", ".join(k["name"] for k in rt.kernel_table()[:3])
@@ -254,11 +291,12 @@ def run_census(traces: TraceSet, model: ModelFacts, claim: FusionClaim, spec: Sp
                          "roles": asdict(rc),
                          "per_step": [dict(c.most_common()) for c in rt.per_step_counts()],
                          "kernels": rt.kernel_table()})
+    expect.settle_ranks(checks)
     return Census(traces, model, claim, spec, checks, per_rank, decisions, world_size,
-                  world_source, losses(traces, world_size))
+                  world_source, losses(traces, world_size, spec))
 
 
-def losses(traces: TraceSet, world_size: int) -> list[dict[str, Any]]:
+def losses(traces: TraceSet, world_size: int, spec: Spec | None = None) -> list[dict[str, Any]]:
     """Completeness before judgement: what was lost, one entry per finding ({rank, what}).
 
     A fusion check compares launch counts with layers x steps; a trace that lost events gives
@@ -273,7 +311,11 @@ def losses(traces: TraceSet, world_size: int) -> list[dict[str, Any]]:
     - launches whose kernel record never arrived (a ``hip*LaunchKernel`` with a correlation id
       no kernel carries);
     - decode-only steps that replay the same graph (same requests and tokens) but show fewer
-      kernels than the same step shape elsewhere, on this rank or another (graph-replayed
+      kernels than a step of the same shape elsewhere, on this rank or another, that ran at
+      least as many launches of every kernel role of ``spec`` (without a spec: of every
+      kernel) as they did: a profiler only drops records, so a step on the other fusion path
+      (more launches of a role than the longer step) is judged by the fusion checks, a FAIL
+      naming it, not a loss (graph-replayed
       dispatches dropped by ROCm 7.2.0's roctracer, ROCm/ROCm#6102; kineto's activity buffer
       cap cutting the later steps: a tail of steps with fewer or no kernels);
     - ranks of the world without a worker trace.
@@ -292,15 +334,28 @@ def losses(traces: TraceSet, world_size: int) -> list[dict[str, Any]]:
             out.append({"rank": rt.rank, "what": "no GPU records at all while rank(s) "
                         f"{', '.join(str(g.rank) for g in gpu[:4])} have kernels"})
     # kernels per decode-only step, by step shape (requests, tokens) = the graph it replays
-    per_step: dict[int, list[tuple[int, tuple[int, int], int]]] = {}
-    best: dict[tuple[int, int], int] = defaultdict(int)
+    per_step: dict[int, list[tuple[int, tuple[int, int], Counter[str]]]] = {}
+    shapes: dict[tuple[int, int], list[Counter[str]]] = defaultdict(list)
+    role_of: dict[str, str] = {}  # kernel name -> its role (or the name itself: no spec/role)
+
+    def by_role(c: Counter[str]) -> Counter[str]:
+        out: Counter[str] = Counter()
+        for name, n in c.items():
+            if name not in role_of:
+                role_of[name] = name if spec is None else next(
+                    (r for r, role in spec.roles.items() if role.hits(name)), "")
+            out[role_of[name]] += n
+        out["__total__"] = sum(c.values())
+        del out[""]
+        return out
+
     for rt in gpu:
-        n = [sum(c.values()) for c in rt.per_step_counts()]
-        rows = [(s.index, (s.gen_reqs, s.gen_tokens), n[s.index])
+        counts = [by_role(c) for c in rt.per_step_counts()]
+        rows = [(s.index, (s.gen_reqs, s.gen_tokens), counts[s.index])
                 for s in rt.steps if s.decode_only]
         per_step[rt.rank] = rows
-        for _, key, k in rows:
-            best[key] = max(best[key], k)
+        for _, key, c in rows:
+            shapes[key].append(c)
         lost = sum(rt.lost_launches.values())
         if lost:
             steps = sorted(rt.lost_launches)
@@ -308,17 +363,29 @@ def losses(traces: TraceSet, world_size: int) -> list[dict[str, Any]]:
                         f"kernel record (in engine step(s) {', '.join(map(str, steps[:8]))}"
                         f"{', ...' if len(steps) > 8 else ''})"})
     for rank, rows in per_step.items():
-        short = [(i, key, k) for i, key, k in rows if k < best[key]]
+        # a step lost kernels when a step of the same shape ran every kernel it ran and more
+        # (a profiler only drops records); a step that ran other kernels (the stock path
+        # where the others ran fused) is not a loss: the fusion checks judge it
+        short = [(i, k, best) for i, key, c in rows
+                 if (best := _complete(c, shapes[key])) > (k := c["__total__"])]
         if not short:
             continue
-        total = sum(best[key] - k for _, key, k in short)
-        empty = [i for i, _, k in short if k == 0]
-        detail = ", ".join(f"step {i}: {k}/{best[key]}" for i, key, k in short[:6])
+        total = sum(best - k for _, k, best in short)
+        empty = [i for i, k, _ in short if k == 0]
+        detail = ", ".join(f"step {i}: {k}/{best}" for i, k, best in short[:6])
         what = (f"{total} kernel(s) missing in {len(short)} of {len(rows)} decode-only steps "
                 f"that replay the same graph as complete ones ({detail}"
                 f"{', ...' if len(short) > 6 else ''})")
         if empty and empty[-1] == rows[-1][0]:
-            tail = sum(1 for _ in takewhile(lambda row: not row[2], reversed(rows)))
+            tail = sum(1 for _ in takewhile(lambda row: not row[2]["__total__"], reversed(rows)))
             what += f"; the last {tail} step(s) have no kernels (a cut-off tail)"
         out.append({"rank": rank, "what": what})
     return out
+
+
+def _complete(step: Counter[str], same_shape: list[Counter[str]]) -> int:
+    """Kernels (``__total__``) of the largest step of the same shape that ran at least as many
+    launches of every role ``step`` ran (``step`` itself counts: nothing larger = nothing
+    lost)."""
+    return max(c["__total__"] for c in same_shape
+               if all(c[name] >= n for name, n in step.items() if name != "__total__"))

@@ -10,9 +10,10 @@ Offline: ``--trace-dir DIR`` analyses existing traces (no server).
 The server URL, API key, served model name, checkpoint (K3_MODEL under K3_MODELS_DIR) and
 results root come from the deployment settings (shell > .env > profile); flags override them.
 
-Exit codes: 0 all checks pass, 1 a check failed, 2 bad input, 3 server/trace problems or no
-Docker engine, 4 incomplete trace (lost kernel events or ranks: nothing judged), 130
-interrupted.
+Exit codes: 0 PASS, 1 FAIL (a check contradicts the claim), 2 bad input (one line), 3
+server/trace problems or no Docker engine, 4 incomplete trace (lost kernel events or ranks:
+nothing judged) or cannot judge (a fusion the evidence can neither prove nor refute, with the
+reason), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -76,7 +77,12 @@ def _finish(census: Census, run_dir: Path) -> int:
             print(f"census: lost: {line}")
         verdict = (f"INCOMPLETE TRACE ({len(census.incomplete)} loss(es); the fusions were not "
                    f"judged; {CAUSES})")
-    elif census.ok:
+    elif census.verdict == "CANNOT JUDGE":
+        for line in census.undecided_lines():
+            print(f"census: cannot judge: {line}")
+        verdict = (f"CANNOT JUDGE ({len(census.undecided_lines())} reason(s) above; nothing "
+                   "contradicts the claim, the evidence does not prove it)")
+    elif census.verdict == "PASS":
         verdict = "PASS"
         if census.decisions is not None and not census.decisions.found:
             verdict += (" (the overlay's decision records were not cross-checked: none found; "

@@ -1,12 +1,16 @@
-"""The overlay's decision records (read by :mod:`k3rocm.serving.decisions`) cross-checked
-against what the server was asked for (:mod:`k3rocm.checks.census.fusions`).
+"""The decision records (read by :mod:`k3rocm.serving.decisions`) cross-checked against what
+the server was asked for (:mod:`k3rocm.checks.census.fusions`). Records written by the overlay
+file and by the upstream hook (``"writer": "upstream"``, on a base whose own amd/mla.py carries
+the fusions) are judged alike; each row names who wrote them.
 
 Rules (target layers judged, draft layers reported):
-- asked ON, final state not "on"  -> FAIL, with the overlay's reason
+- a target process whose state is "unknown" (the upstream hook found upstream's attributes
+  not as it expected) -> cannot judge that fusion (exit 4, with the writer's reason)
+- asked ON, final state not "on"  -> FAIL, with the writer's reason
 - asked OFF, final state "on"      -> FAIL
 - the process read a different toggle than the claim says (record ``asked``) -> FAIL
 - no record at all in a source that was found (a server log, decision files) while a fusion
-  is asked ON -> FAIL ("the overlay did not run")
+  is asked ON -> FAIL ("the overlay did not run", nor the upstream hook)
 - no source found at all (offline, nothing beside the traces, no --server-log) -> "not
   cross-checked", reported, never a FAIL: absence of a file is not evidence against the overlay
 """
@@ -37,6 +41,11 @@ def _on(b: bool) -> str:
     return "ON" if b else "OFF"
 
 
+def _writers(records: list[Record]) -> str:
+    names = {"overlay": "the overlay", "upstream": "the upstream hook"}
+    return " and ".join(names[w] for w in sorted({r.writer for r in records}))
+
+
 def cross_check(claim: FusionClaim, dec: Decisions | None) -> list[Check]:
     """One row per fusion (target layers), plus draft rows reported only.
     ``dec`` None = the cross-check was skipped on request (--skip-records)."""
@@ -56,14 +65,15 @@ def cross_check(claim: FusionClaim, dec: Decisions | None) -> list[Check]:
         what = f"{k} asked {_on(asked)} ({claim.detail.get(k, claim.source)})"
 
         def row(rule: str, expected: int | None, seen: int, ok: bool | None,
-                what: str = what) -> None:
-            rows.append(Check("all", what, "records", "records", rule, expected, seen, ok))
+                what: str = what, k: str = k) -> None:
+            rows.append(Check("all", what, "records", "records", rule, expected, seen, ok, k))
 
-        wrong = [r for r in target if (r.states[k] == "on") != asked]
+        unknown = [r for r in target if r.states[k] == "unknown"]
+        wrong = [r for r in target if r.states[k] != "unknown" and (r.states[k] == "on") != asked]
         misread = [r for r in target if r.asked[k] is not None and r.asked[k] != asked]
         if not target:
-            row(f"the overlay did not run: no decision record for target layers in "
-                f"{dec.source} while {k} was asked ON" if asked else
+            row(f"the overlay did not run (nor the upstream hook): no decision record for "
+                f"target layers in {dec.source} while {k} was asked ON" if asked else
                 f"no decision record in {dec.source}; the fusion was asked OFF, the stock "
                 "path is what was asked for", int(asked), 0, not asked)
             continue
@@ -71,15 +81,22 @@ def cross_check(claim: FusionClaim, dec: Decisions | None) -> list[Check]:
             r = wrong[0]
             verb = "reported" if asked else "reported ON although asked OFF:"
             row(f"{len(wrong)} of {n} target process(es) {verb} {r.states[k].upper()} "
-                f"({r.label()}, {r.phase}: {r.reasons[k]!r}) [{r.where}]", n, n - len(wrong),
-                False)
+                f"({r.label()}, written by {_writers([r])}, {r.phase}: {r.reasons[k]!r}) "
+                f"[{r.where}]", n, n - len(wrong), False)
+        elif unknown:
+            r = unknown[0]
+            why = (f"{len(unknown)} of {n} target process(es) report {k} UNKNOWN "
+                   f"({r.label()}, written by {_writers([r])}, {r.phase}: {r.reasons[k]!r}) "
+                   f"[{r.where}]: whether the fusion ran is not known")
+            rows.append(Check("all", what, "records", "records", why, n, n - len(unknown),
+                              None, k, why))
         elif misread:
             r = misread[0]
             row(f"{r.label()} read the toggle as {_on(bool(r.asked[k]))}, not what the claim "
                 f"says [{r.where}]", n, n - len(misread), False)
         else:
-            row(f"every target process ({n}) reports {_on(asked)} ({target[0].reasons[k]})",
-                n, n, True)
+            row(f"every target process ({n}, written by {_writers(target)}) reports "
+                f"{_on(asked)} ({target[0].reasons[k]})", n, n, True)
         rows.extend(Check("all", f"{k} in draft layers", "records", "records",
                           f"reported only: {r.label()} {r.states[k].upper()} ({r.reasons[k]})",
                           None, int(r.states[k] == "on"), None) for r in draft)

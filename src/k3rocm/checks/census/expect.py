@@ -1,6 +1,8 @@
 """Expected vs seen launch counts. Expectations come from what the server was ASKED for (the
-claim), the model config (MLA layer count) and the trace's engine steps; never from the
-overlay's own report (that is cross-checked separately, census/decisions.py)."""
+claim), the model config (MLA layer count), the trace's engine steps and, per role of each
+fusion of the fusion table (serving/fusions.py), its row in kernels.json ``expect``; never from
+the decision records (cross-checked separately, census/decisions.py). Each fusion is judged
+per rank on both halves (PASS / FAIL / cannot judge: :func:`_judge`, :func:`settle_ranks`)."""
 
 from __future__ import annotations
 
@@ -10,8 +12,9 @@ from typing import Any
 
 from k3rocm.checks.census.fusions import FusionClaim
 from k3rocm.checks.census.modelcfg import ModelFacts
-from k3rocm.checks.census.spec import ROLES, Spec, eval_formula
+from k3rocm.checks.census.spec import ROLES, Beside, Pair, Spec, eval_formula
 from k3rocm.checks.census.trace import RankTrace
+from k3rocm.serving.fusions import FUSIONS
 
 SCOPES = ("decode", "other", "outside")
 
@@ -19,24 +22,25 @@ SCOPES = ("decode", "other", "outside")
 @dataclass
 class RoleCounts:
     """Launches and time (us) per role, split by decode-only steps, the other steps and
-    launches outside every step; which names matched; fused Q-prep members; the launches in
-    the MLA attention region that match no role."""
+    launches outside every step; per step; which names matched; fused Q-prep members; the
+    launches in the MLA attention region that match no role."""
 
     launches: dict[str, dict[str, int]]
     time_us: dict[str, dict[str, float]]
     names: dict[str, list[str]]
     members: dict[str, dict[str, int]]  # member -> scope -> launches (fused_qprep)
     unclassified: dict[str, int]  # name -> MLA-region (or unknown graph-replayed) launches
+    per_step: dict[str, list[int]]  # role -> launches in each engine step
 
 
 def role_counts(rt: RankTrace, spec: Spec) -> RoleCounts:
     launches = {r: dict.fromkeys(SCOPES, 0) for r in ROLES}
     time_us = {r: dict.fromkeys(SCOPES, 0.0) for r in ROLES}
     names: dict[str, set[str]] = {r: set() for r in ROLES}
+    per_step = {r: [0] * len(rt.steps) for r in ROLES}
     members: dict[str, dict[str, int]] = {}
     unclassified: Counter[str] = Counter()
     decode = [s.decode_only for s in rt.steps]
-    qprep = spec.roles["fused_qprep"]
     for ln in [*rt.launches, *rt.outside]:
         where = "outside" if ln.step < 0 else ("decode" if decode[ln.step] else "other")
         matched = False
@@ -46,8 +50,10 @@ def role_counts(rt: RankTrace, spec: Spec) -> RoleCounts:
                 launches[rname][where] += ln.count
                 time_us[rname][where] += ln.dur
                 names[rname].add(ln.name)
-                if rname == "fused_qprep" and qprep.members:
-                    m = members.setdefault(qprep.member_of(ln.name), dict.fromkeys(SCOPES, 0))
+                if ln.step >= 0:
+                    per_step[rname][ln.step] += ln.count
+                if role.members:
+                    m = members.setdefault(role.member_of(ln.name), dict.fromkeys(SCOPES, 0))
                     m[where] += ln.count
         if not matched and rt.mode == "gpu" and (
                 any(x.search(p) for p in ln.parents for x in spec.region.parents)
@@ -59,7 +65,7 @@ def role_counts(rt: RankTrace, spec: Spec) -> RoleCounts:
     return RoleCounts(launches, {r: {k: round(v, 3) for k, v in d.items()}
                                  for r, d in time_us.items()},
                       {r: sorted(v) for r, v in names.items()}, members,
-                      dict(unclassified.most_common()))
+                      dict(unclassified.most_common()), per_step)
 
 
 @dataclass
@@ -71,10 +77,15 @@ class Check:
     rule: str  # the formula in words
     expected: int | None
     seen: int
-    ok: bool | None  # None = reported, not checked
+    ok: bool | None  # None = reported, not checked (or cannot be judged: ``undecided``)
+    fusion: str = ""  # the fusion the check belongs to (serving/fusions.py), "" = none
+    undecided: str = ""  # why this cannot be judged (verdict "cannot judge", exit 4)
+    ab_decides: bool = False  # undecided in one trace, decided by census-ab's off - on check
 
     @property
     def status(self) -> str:
+        if self.undecided:
+            return "cannot judge"
         return {True: "ok", False: "FAIL", None: "not checked"}[self.ok]
 
     def to_json(self) -> dict[str, Any]:
@@ -88,81 +99,240 @@ def other_norms(spec: Spec, model: ModelFacts) -> int | None:
                                                    "mla_layers": model.mla_layers})
 
 
+NEITHER = "neither the fused nor the stock"
+NOT_SEPARABLE = ("not derivable from one trace: this model's other RMSNorm launches per step "
+                 "are unknown on this platform (census-ab judges the off - on difference; or "
+                 "pass --other-norms FORMULA)")
+
+
 def build_checks(rt: RankTrace, spec: Spec, model: ModelFacts, claim: FusionClaim,
                  extra_per_step: dict[str, int] | None = None) -> tuple[list[Check], RoleCounts]:
+    """Per fusion of the fusion table, from each of its roles' expectation (kernels.json
+    ``expect``): the launch counts, the steps off the asked path, and the fusion's judgement
+    (both halves: the fused launches AND the absence of the stock ones it replaces, or the
+    reverse when asked off)."""
     extra = extra_per_step or {}
     rc = role_counts(rt, spec)
-    L, S = model.mla_layers, len(rt.steps)
-    D = sum(1 for s in rt.steps if s.decode_only)
-    P = S - D
-    norm_on, qprep_on = claim.qk_norm, claim.decode_qprep
-    n = rc.launches
-    checks: list[Check] = []
-
-    def tot(role: str) -> int:
-        return n[role]["decode"] + n[role]["other"]
-
-    def add(role: str, scope_steps: int) -> int:
-        return extra.get(role, 0) * scope_steps
-
-    def check(what: str, role: str, scope: str, rule: str, expected: int | None,
-              seen: int) -> None:  # judged when something is expected, else reported only
-        checks.append(Check(rt.rank, what, role, scope, rule, expected, seen,
-                            None if expected is None else seen == expected))
-
-    asked = f"(qk_norm asked {'on' if norm_on else 'off'})"
-    check(f"fused q/kv RMSNorm launches {asked}", "fused_qk_norm", "all steps",
-          f"{L} MLA layers x {S} steps" if norm_on else "0 (fusion asked off)",
-          (L * S if norm_on else 0) + add("fused_qk_norm", S), tot("fused_qk_norm"))
+    L, n = model.mla_layers, rc.launches
+    steps = {"all": [s.index for s in rt.steps],
+             "decode": [s.index for s in rt.steps if s.decode_only]}
+    prefill = [s.index for s in rt.steps if not s.decode_only]
+    scope_name = {"all": "all steps", "decode": "decode-only steps"}
     other = other_norms(spec, model)
-    check(f"stock q/kv RMSNorm launches {asked}", "qk_norm", "all steps",
-          "not derivable from one trace: this model's other RMSNorm launches per step are "
-          "unknown on this platform (census-ab judges the off - on difference; or pass "
-          "--other-norms)" if other is None else
-          ("0 (the pair is gone)" if norm_on else f"2 x {L} MLA layers x {S} steps")
-          + f"; seen = all {tot('qk_norm')} RMSNorm launches - "
-          f"({spec.other_norms_formula} = {other}) other norms x {S} steps",
-          None if other is None else (0 if norm_on else 2 * L * S) + add("qk_norm", S),
-          tot("qk_norm") - (other or 0) * S)
-    q_asked = f"(decode_qprep asked {'on' if qprep_on else 'off'})"
-    check(f"fused Q-prep launches {q_asked}", "fused_qprep", "decode-only steps",
-          f"{L} MLA layers x {D} decode steps" if qprep_on else "0 (fusion asked off)",
-          (L * D if qprep_on else 0) + add("fused_qprep", D), n["fused_qprep"]["decode"])
-    check(f"stock KV-cache write launches {q_asked}", "cache_write",
-          "decode-only steps", "0 (the fused launch writes the cache)" if qprep_on
-          else f"{L} MLA layers x {D} decode steps",
-          (0 if qprep_on else L * D) + add("cache_write", D), n["cache_write"]["decode"])
-    check(f"stock q concat + fp8 quant launches {q_asked}", "q_concat_quant",
-          "decode-only steps", "0 (the fused launch writes the fp8 query)" if qprep_on else
-          "reported only: one per MLA layer and decode step with an fp8 KV cache; none with a "
-          "bf16 query", add("q_concat_quant", D) if qprep_on else None,
-          n["q_concat_quant"]["decode"])
-    qrole = spec.roles["fused_qprep"]
-    for m in qrole.members:
-        if m.forbidden:
-            check(f"fused Q-prep member '{m.name}' launches", "fused_qprep", "anywhere",
-                  f"0 ({m.why})", 0, sum(rc.members.get(m.name, {}).values()))
-    if qrole.members:
-        ran = {k: sum(v.values()) for k, v in rc.members.items()}
-        check("fused Q-prep members that ran", "fused_qprep", "anywhere", "reported only: "
-              + (", ".join(f"{k} x{v}" for k, v in sorted(ran.items())) or "none"), None,
-              sum(ran.values()))
-    if P:
-        check("fused Q-prep launches in steps with prefill", "fused_qprep", "other steps",
-              "0 (never taken outside decode-only batches)", 0, n["fused_qprep"]["other"])
-        check("KV-cache write launches in steps with prefill", "cache_write", "other steps",
-              f"{L} MLA layers x {P} steps", L * P + add("cache_write", P),
-              n["cache_write"]["other"])
+    checks: list[Check] = []
+    for f in FUSIONS:
+        asked = claim.asked[f.name]
+        word = "on" if asked else "off"
+        rows: list[Check] = []
+
+        def check(what: str, role: str, scope: str, rule: str, expected: int | None,
+                  seen: int, f=f, rows=rows) -> Check:
+            c = Check(rt.rank, what, role, scope, rule, expected, seen,
+                      None if expected is None else seen == expected, f.name)
+            rows.append(c)
+            return c
+
+        main: dict[str, Check] = {}  # role -> its count over the fusion's steps
+        off_path: list[tuple[int, str]] = []  # (step, role got/want) off the per-step count
+        kinds = {role: spec.roles[role].kind for role in f.roles}
+        for role in f.roles:
+            e = spec.expect[role]
+            idx = steps[e.steps]
+            k = len(idx)
+            per = e.per_step(asked)
+            seen = n[role]["decode"] + (n[role]["other"] if e.steps == "all" else 0)
+            why = e.why.get(word, "")
+            rule = (f"reported only: {why}" if per is None else
+                    f"{per} x {L} MLA layers x {k} steps ({why})" if per else f"0 ({why})")
+            sub = 0
+            if e.separable:
+                if other is None:
+                    per, rule = None, NOT_SEPARABLE
+                else:
+                    sub = other
+                    rule += (f"; seen = all {seen} launches - ({spec.other_norms_formula} = "
+                             f"{other}) other norms x {k} steps")
+                    seen -= other * k
+            expected = None if per is None else per * L * k + extra.get(role, 0) * k
+            main[role] = check(f"{e.label} launches ({f.name} asked {word})", role,
+                               scope_name[e.steps], rule, expected, seen)
+            if e.beside is not None and asked and rt.mode == "gpu":
+                near, why_not = beside(rt, spec, role, e.beside)
+                row = check(f"{e.label} launches beside the {spec.expect[e.beside.fused].label}"
+                            f" ones ({f.name} asked {word})", role, "all steps",
+                            f"0 ({e.beside.why})" if why_not is None else
+                            f"reported only: {why_not}", None if why_not else 0, near)
+                if main[role].expected is None:  # the one judgement of the stock half here
+                    main[role] = row
+            if e.pair is not None and not asked and rt.mode == "gpu" and e.off:
+                layers, anchors = pairs(rt, spec, role, e.pair, e.off)
+                k_all = len(steps["all"])
+                want = (L + extra.get(role, 0) // e.off) * k_all  # --extra: launches
+                until = " / ".join(spec.expect[u].label for u in e.pair.until)
+                row = check(f"MLA layers with their {e.label} pair right before their {until} "
+                            f"({f.name} asked {word})", role, "all steps",
+                            f"{L} MLA layers x {k_all} steps ({e.pair.why})" if anchors == want
+                            else f"reported only: {anchors} {until} launches place the pairs, "
+                            f"not one per MLA layer and step ({want})",
+                            want if anchors == want else None, layers)
+                if main[role].expected is None:
+                    main[role] = row
+            if per is not None:
+                want = per * L + extra.get(role, 0)
+                off_path += [(i, f"step {i}: {e.label} {got}/{want}") for i in idx
+                             if (got := rc.per_step[role][i] - sub) != want]
+            if e.prefill is not None and prefill:
+                check(f"{e.label} launches in steps with prefill", role, "other steps",
+                      f"{e.prefill} x {L} MLA layers x {len(prefill)} steps "
+                      f"({e.why.get('prefill', '')})",
+                      e.prefill * L * len(prefill) + extra.get(role, 0) * len(prefill),
+                      n[role]["other"])
+            prole = spec.roles[role]
+            for m in prole.members:
+                if m.forbidden:
+                    check(f"{e.label} member '{m.name}' launches", role, "anywhere",
+                          f"0 ({m.why})", 0, sum(rc.members.get(m.name, {}).values()))
+            if prole.members:
+                ran = {mem: sum(v.values()) for mem, v in rc.members.items()}
+                check(f"{e.label} members that ran", role, "anywhere", "reported only: "
+                      + (", ".join(f"{mem} x{v}" for mem, v in sorted(ran.items())) or "none"),
+                      None, sum(ran.values()))
+        bad = [x for _, x in sorted(off_path)]
+        check(f"engine steps off the asked {f.label} path ({f.name} asked {word})", "-",
+              "each step", "0 steps; " + ("; ".join(bad[:6]) + (", ..." if len(bad) > 6 else "")
+                                          if bad else "every step shows the asked path"),
+              0, len({i for i, _ in off_path}))
+        rows.append(_judge(rt.rank, f, asked, main, kinds, rows, rc))
+        checks += rows
     for role in ROLES:
         if n[role]["outside"]:
-            check(f"{role} launches outside engine steps", role, "no step", "reported only: "
-                  "launched outside any execute_* annotation (e.g. a draft model's proposal "
-                  "pass or the sampler); see docs/census.md", None, n[role]["outside"])
+            checks.append(Check(
+                rt.rank, f"{role} launches outside engine steps", role, "no step",
+                "reported only: launched outside any execute_* annotation (e.g. a draft model's "
+                "proposal pass or the sampler); see docs/census.md", None, n[role]["outside"],
+                None))
     if rc.unclassified:
         top = ", ".join(f"{k} x{v}" for k, v in list(rc.unclassified.items())[:6])
-        check("unclassified launches in the MLA attention region", "-", "all",
-              f"reported only: match no role: {top}", None, sum(rc.unclassified.values()))
+        checks.append(Check(rt.rank, "unclassified launches in the MLA attention region", "-",
+                            "all", f"reported only: match no role: {top}", None,
+                            sum(rc.unclassified.values()), None))
     return checks, rc
+
+
+def _kinds(rt: RankTrace, classes: dict[str, list[Any]]) -> dict[str, str]:
+    """Each distinct kernel name of the rank's step sequences -> the first class (key of
+    ``classes``: a list of roles) one of whose roles it hits, or "" (regexes once per name)."""
+    names = {name for seq in rt.sequence for name in seq}
+    return {name: next((k for k, roles in classes.items()
+                        if any(r.hits(name) for r in roles)), "") for name in names}
+
+
+def beside(rt: RankTrace, spec: Spec, role: str, rule: Beside) -> tuple[int, str | None]:
+    """Launches of ``role`` next to ``rule.fused`` launches in each step's device order: the
+    contiguous run right before each fused launch, and every one from it up to the next launch
+    of an ``rule.until`` role. (count, None), or (count, why it cannot be placed) when a fused
+    launch is not followed by an ``until`` launch in its step."""
+    kind = _kinds(rt, {"fused": [spec.roles[rule.fused]], "stock": [spec.roles[role]],
+                       "until": [spec.roles[r] for r in rule.until]})
+    near = 0
+    for si, seq in enumerate(rt.sequence):
+        is_open = False
+        for i, name in enumerate(seq):
+            k = kind[name]
+            if k == "fused":
+                if is_open:
+                    return near, (f"step {si}: a {rule.fused} launch is not followed by a "
+                                  f"{' / '.join(rule.until)} launch before the next one")
+                j = i - 1
+                while j >= 0 and kind[seq[j]] == "stock":
+                    near, j = near + 1, j - 1
+                is_open = True
+            elif is_open and k == "stock":
+                near += 1
+            elif is_open and k == "until":
+                is_open = False
+        if is_open:
+            return near, (f"step {si}: its last {rule.fused} launch is not followed by a "
+                          f"{' / '.join(rule.until)} launch")
+    return near, None
+
+
+def pairs(rt: RankTrace, spec: Spec, role: str, rule: Pair, size: int) -> tuple[int, int]:
+    """Launches of the ``rule.until`` roles whose nearest run of ``role`` launches before them
+    (walking back over other launches, not past an earlier ``until`` launch) has exactly
+    ``size`` launches (the MLA layers whose own stock pair ran), and the ``until`` launches
+    (one per MLA layer and step, or the pairs cannot be placed)."""
+    kind = _kinds(rt, {"stock": [spec.roles[role]],
+                       "until": [spec.roles[r] for r in rule.until]})
+    found = anchors = 0
+    for seq in rt.sequence:
+        run, in_run = 0, False  # the last run of stock launches since the last until launch
+        for name in seq:
+            k = kind[name]
+            if k == "stock":
+                run = run + 1 if in_run else 1
+                in_run = True
+            elif k == "until":
+                found += run == size
+                anchors += 1
+                run, in_run = 0, False
+            else:
+                in_run = False
+    return found, anchors
+
+
+def _judge(rank: int | str, f: Any, asked: bool, main: dict[str, Check],
+           kinds: dict[str, str], rows: list[Check], rc: RoleCounts) -> Check:
+    """The fusion's verdict on this rank: PASS when both halves hold; FAIL when a launch
+    contradicts what was asked; cannot judge when neither the fused nor the stock launches
+    were found (kernels under names the table does not know) or the stock half is not
+    derivable from one trace. The rows of a fusion that cannot be judged are marked so."""
+    fused = [c for r, c in main.items() if kinds[r] == "fused"]
+    stock = [c for r, c in main.items() if kinds[r] == "stock"]
+    judged_stock = [c for c in stock if c.expected is not None]
+    failed = [c for c in rows if c.ok is False]
+    seen_any = sum(c.seen for c in fused) + sum(c.seen for c in judged_stock)
+    what = f"{f.label} fusion ({f.name} asked {'on' if asked else 'off'}): both halves"
+    rule = ("fused launches " + ("there" if asked else "absent") + " AND the stock launches "
+            "it replaces " + ("gone" if asked else "there"))
+    why, ab = "", False
+    if failed and not seen_any:
+        uncl = ", ".join(list(rc.unclassified)[:4])
+        why = (f"{NEITHER} {f.label} launches were found: they may run "
+               "under names kernels.json does not know"
+               + (f" (unclassified MLA-region launches: {uncl})" if uncl else "")
+               + "; check the names (--alias REGEX=NAME, --spec FILE)")
+        if not judged_stock:
+            why += f"; the stock half: {NOT_SEPARABLE}"
+    elif not failed and not judged_stock:
+        why, ab = f"the stock half is {NOT_SEPARABLE}", True
+    if why:
+        for c in rows:
+            if c.ok is False:
+                c.ok, c.undecided = None, why
+        return Check(rank, what, "-", "fusion", why, None, 0, None, f.name, why, ab)
+    return Check(rank, what, "-", "fusion", rule if not failed else
+                 "FAIL: " + "; ".join(sorted({c.what for c in failed}))[:200], None, 0,
+                 not failed, f.name)
+
+
+def settle_ranks(checks: list[Check]) -> None:
+    """Across ranks: a fusion none of whose launches a rank shows under a known name while
+    other ranks show them (so the names are known) FAILS on that rank (it ran neither path the
+    table knows, e.g. the stock pair of a model whose other norms are unknown), not "cannot
+    judge"."""
+    for f in FUSIONS:
+        verdicts = [c for c in checks if c.fusion == f.name and c.scope == "fusion"
+                    and c.rank != "all"]
+        seen = sorted({str(c.rank) for c in verdicts if c.ok is not None})
+        if not seen:
+            continue
+        for c in checks:
+            if c.fusion == f.name and c.rank != "all" and c.undecided.startswith(NEITHER):
+                c.ok, c.undecided, c.ab_decides = False, "", False
+                if c.scope == "fusion":
+                    c.rule = (f"FAIL: none of its launches under a known name on this rank, "
+                              f"while rank(s) {', '.join(seen)} show them")
 
 
 def step_checks(rt: RankTrace, min_decode_steps: int) -> list[Check]:
@@ -219,7 +389,8 @@ def summarize(checks: list[Check]) -> list[dict[str, Any]]:
         rows.append({
             "check": what, "scope": scope, "expected": common[0], "seen": common[1],
             "ranks": f"{len(major)}/{len(cs)}" if cs[0].rank != "all" else "set",
-            "status": "FAIL" if False in oks else "ok" if True in oks else "not checked",
+            "status": "FAIL" if False in oks else "cannot judge" if any(
+                c.undecided for c in cs) else "ok" if True in oks else "not checked",
             "rule": major[0].rule,
             "deviations": [f"rank {c.rank}: expected {_dash(c.expected)}, seen {c.seen} "
                            f"({c.status})" for c in devs]})

@@ -82,6 +82,41 @@ class Role(BaseModel):
         return next((m.name for m in self.members if m.match.search(name)), "other")
 
 
+class Beside(BaseModel):
+    """Launches of a stock role next to its fused role: the contiguous run right before each
+    ``fused`` launch and everything from it up to the next launch of an ``until`` role."""
+
+    fused: str
+    until: list[str]
+    why: str = ""
+
+
+class Pair(BaseModel):
+    """The stock role's launches as the last run (nothing of the role between them) before
+    each launch of an ``until`` role: one layer's own pair when it has exactly ``off``."""
+
+    until: list[str]
+    why: str = ""
+
+
+class Expect(BaseModel):
+    """What a role must show per MLA layer and step (kernels.json ``expect``), by what its
+    fusion was asked; None = reported only."""
+
+    label: str
+    steps: str = Field(pattern="^(all|decode)$")
+    on: int | None
+    off: int | None
+    prefill: int | None = None  # steps with prefill, whatever was asked
+    separable: bool = False  # counts other launches too (every RMSNorm): needs other norms
+    beside: Beside | None = None  # asked on, GPU: the stock launches beside the fused ones
+    pair: Pair | None = None  # asked off, GPU: the layers whose own stock run is there
+    why: dict[str, str] = {}
+
+    def per_step(self, asked: bool) -> int | None:
+        return self.on if asked else self.off
+
+
 class Region(BaseModel):
     parents: Patterns = []  # host operators whose launches form the MLA attention region
     known_kernels: Patterns = []
@@ -94,6 +129,7 @@ class Spec:
     other_norms_formula: str | None
     source: dict[str, Any]
     region: Region
+    expect: dict[str, Expect]  # role -> what it must show (kernels.json ``expect``)
 
 
 def _valid(model: type[M], data: Any, where: str) -> M:
@@ -129,6 +165,7 @@ def load_spec(platform: str, model_type: str | None, spec_file: str | None = Non
             dest["roles"].update(body.get("roles") or {})
             if "mla_region" in body:
                 dest["mla_region"] = body["mla_region"]
+        table["expect"].update(user.get("expect") or {})
         families.update(user.get("model_families") or {})
         fam_of.update(user.get("family_of_model_type") or {})
     if platform not in platforms:
@@ -141,6 +178,16 @@ def load_spec(platform: str, model_type: str | None, spec_file: str | None = Non
         if not isinstance(r, dict):
             raise UsageError(f"census spec: platform {platform!r} has no role {rname!r}")
         roles[rname] = _valid(Role, {**r, "name": rname}, f"{platform}.{rname}")
+    expect = {}
+    for rname in ROLES:
+        if not isinstance(table["expect"].get(rname), dict):
+            raise UsageError(f"census spec: no expectation for role {rname!r} (expect)")
+        expect[rname] = e = _valid(Expect, table["expect"][rname], f"expect.{rname}")
+        named = [*(e.beside.until + [e.beside.fused] if e.beside else []),
+                 *(e.pair.until if e.pair else [])]
+        if unknown := sorted(set(named) - set(ROLES)):
+            raise UsageError(f"census spec expect.{rname} names unknown role(s) "
+                             f"{', '.join(unknown)}; valid: {', '.join(ROLES)}")
     mla = _valid(Region, plat.get("mla_region") or {}, f"{platform}.mla_region")
     family = fam_of.get(model_type or "")
     formula = other_norms if other_norms is not None else \
@@ -148,7 +195,7 @@ def load_spec(platform: str, model_type: str | None, spec_file: str | None = Non
     return Spec(platform, roles, formula,
                 {"platform": platform, "roles": plat["roles"], "family": family,
                  "other_norms_per_step": formula, "spec_file": spec_file,
-                 "table": "k3rocm/checks/census/kernels.json"}, mla)
+                 "table": "k3rocm/checks/census/kernels.json"}, mla, expect)
 
 
 _FORMULA_OK = re.compile(r"^[\s\d+\-*()a-z_]*$")

@@ -106,6 +106,9 @@ class RankTrace:
     lost_launches: dict[int, int] = field(default_factory=dict)  # step -> launches w/o kernel
     started: float | None = None  # absolute start (s since the epoch) of the first step
     started_source: str = ""  # baseTimeNanoseconds + ts | file name | file mtime
+    # GPU traces: per engine step, the normalized kernel names in device start order (what
+    # ran beside what: e.g. a stock norm launched next to the fused one)
+    sequence: list[list[str]] = field(default_factory=list)
 
     # -- aggregates ----------------------------------------------------------------------
     @property
@@ -194,9 +197,10 @@ def parse_rank_trace(path: str | os.PathLike, normalize: Normalizer | None = Non
     except UsageError:
         raise
     except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
-        why = " ".join(str(exc).split())[:120]
+        why = " ".join(str(exc).split())[:160]
         raise UsageError(f"trace {path} is malformed ({exc.__class__.__name__}: {why}); "
-                         "every complete event needs a numeric ts/dur and a name; "
+                         "a complete event needs a numeric ts/dur, a string name, integer or "
+                         "string pid/tid, args an object with an integer correlation; "
                          "re-collect the trace") from None
 
 
@@ -214,7 +218,25 @@ def _num(e: dict[str, Any], key: str, default: float | None = None) -> float:
 
 def _corr(e: dict[str, Any]) -> int:
     c = (e.get("args") or {}).get("correlation")
-    return c if c.__class__ is int else -1
+    if c is None:
+        return -1
+    if c.__class__ is not int:
+        raise ValueError(f"event {str(e.get('name'))[:60]!r} has a non-integer "
+                         f"args.correlation {c!r}")
+    return c
+
+
+_SCALAR = (int, str, type(None))
+
+
+def _where(e: dict[str, Any]) -> tuple[Any, Any]:
+    """The event's (pid, tid): a process/thread or device/queue id (integer or string)."""
+    pid, tid = e.get("pid"), e.get("tid")
+    for key, v in (("pid", pid), ("tid", tid)):
+        if v.__class__ not in _SCALAR:
+            raise ValueError(f"event {str(e.get('name'))[:60]!r} has a {key} {v!r} that is "
+                             "not an integer or string")
+    return pid, tid
 
 
 class _Collector:
@@ -252,20 +274,21 @@ class _Collector:
         cat = e.get("cat")
         name = e["name"]
         if name.__class__ is not str:
-            name = str(name)
+            raise ValueError(f"event with ts {ts} has a name {str(name)[:60]!r} that is not "
+                             "a string")
         if cat == "kernel":
             self.k_name.append(self._name(name))
             self.k_ts.append(ts)
             self.k_dur.append(dur)
             self.k_corr.append(_corr(e))
-            self.k_queue.append(self._thread((e.get("pid"), e.get("tid"))))
+            self.k_queue.append(self._thread(_where(e)))
         elif cat == "cpu_op":
-            self.cpu_thr.append(self._thread((e.get("pid"), e.get("tid"))))
+            self.cpu_thr.append(self._thread(_where(e)))
             self.cpu_ts.append(ts)
             self.cpu_end.append(ts + dur)
             self.cpu_name.append(self._name(name))
         elif cat in RUNTIME_CATS:
-            self.rt_thr.append(self._thread((e.get("pid"), e.get("tid"))))
+            self.rt_thr.append(self._thread(_where(e)))
             self.rt_ts.append(ts)
             self.rt_corr.append(_corr(e))
             self.rt_launch.append(1 if LAUNCH_CALL.search(name) else 0)
@@ -276,7 +299,7 @@ class _Collector:
             if cat == "user_annotation":
                 self.steps.append((ts, dur, name, parsed))
             else:
-                self.gsteps.append((e.get("pid"), e.get("tid"), ts, dur, name))
+                self.gsteps.append((*_where(e), ts, dur, name))
 
     # -- after the pass ----------------------------------------------------------------------
     def _parents(self) -> tuple[array, array, list[tuple[int, ...]]]:
@@ -365,6 +388,7 @@ class _Collector:
             rt_of = dict(zip(self.rt_corr[::-1], range(last, -1, -1), strict=True))
             step_of = _device_spans(self.gsteps, steps)
             queue_of = {v: k for k, v in self.threads.items()}
+            k_step = array("l", bytes(8 * len(self.k_ts)))
             for k in range(len(self.k_ts)):
                 c = self.k_corr[k]
                 r = rt_of.get(c, -1) if c >= 0 else -1
@@ -372,6 +396,7 @@ class _Collector:
                     si, par = step_at(self.rt_ts[r]), rt_par[r]
                 else:
                     si, par = step_of(queue_of[self.k_queue[k]], self.k_ts[k]), 0
+                k_step[k] = si
                 a = agg[(self.k_name[k], si, par)]
                 a[0] += 1
                 a[1] += self.k_dur[k]
@@ -379,6 +404,13 @@ class _Collector:
         outside: list[Launch] = []
         norm_par: dict[int, tuple[str, ...]] = {}
         name_list = list(self.names)
+        sequence: list[list[str]] = [[] for _ in steps]
+        if mode == "gpu":
+            kts, knm = self.k_ts, self.k_name
+            for k in sorted(range(len(kts)), key=kts.__getitem__):
+                if k_step[k] >= 0:
+                    sequence[k_step[k]].append(normalize(name_list[knm[k]]))
+            del k_step
         for (nid, si, pid), (n, us) in agg.items():
             par = norm_par.get(pid)
             if par is None:
@@ -397,7 +429,7 @@ class _Collector:
         started, started_source = start_time(path, header, steps)
         return RankTrace(path, -1 if rank is None else rank, mode, steps, launches,
                          sum(ln.count for ln in outside), meta, outside, world_size_of(header),
-                         rank_source, empty, evidence, lost, started, started_source)
+                         rank_source, empty, evidence, lost, started, started_source, sequence)
 
 
 TIME_IN_NAME = re.compile(r"(?<!\d)(\d{10}|\d{13}|\d{16}|\d{19})(?!\d)")
