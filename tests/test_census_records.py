@@ -273,3 +273,24 @@ def test_cli_upstream_decision_files_beside_the_traces(tmp_path):
         assert p.returncode == code, p.stdout[-2000:] + p.stderr
         assert "every target process (2, written by the upstream hook) reports ON" in p.stdout
     assert "decode_qprep: 2 of 2 target process(es) report decode_qprep UNKNOWN" in p.stdout
+
+
+def test_census_ab_with_an_arm_that_cannot_be_judged_exits_4(tmp_path):
+    """census-ab: an arm whose hook records say 'unknown' for a fusion (and nothing
+    contradicts the claim) is CANNOT JUDGE, exit 4, with the reason; not FAIL (exit 1)."""
+    import runpy
+
+    mt = runpy.run_path(str(DATA / "make_traces.py"))
+    arms = {}
+    for arm, traces, state, qprep in (("off", "rocm-off", "off", "off"),
+                                      ("on", "rocm-on", "on", "unknown")):
+        d = arms[arm] = tmp_path / arm
+        shutil.copytree(DATA / traces, d, ignore=shutil.ignore_patterns("k3rocm-decisions-*"))
+        for r in range(2):
+            rec = mt["upstream_record"](5000 + r, r, state, qprep, (arm == "on",) * 2)
+            (d / f"k3rocm-decisions-pid{5000 + r}.json").write_text(json.dumps([rec]))
+    p = run_cli("census-ab", "--trace-dirs", f"{arms['off']},{arms['on']}", "--model-dir",
+                str(TINY), "--results", str(tmp_path / "r"))
+    assert p.returncode == 4, p.stdout[-2000:] + p.stderr
+    last = p.stdout.strip().splitlines()[-1]
+    assert last.startswith("census-ab: CANNOT JUDGE") and "decode_qprep" in last, last

@@ -8,8 +8,9 @@ Every ``k3rocm`` command (and the make targets that run them) exits with one of 
 2     bad input: a setting, a flag, a missing file or image; nothing expensive was started
 3     server or engine problem: the server is unreachable/unhealthy/serves another model, or
       there is no Docker engine
-4     incomplete evidence: the input is well formed but lost data (a profiler trace that lost
-      kernel events or ranks), so nothing was judged; re-collect it
+4     incomplete evidence: the input is well formed but cannot be judged: it lost data (a
+      profiler trace that lost kernel events or ranks: re-collect it) or cannot prove or refute
+      the claim (census CANNOT JUDGE, with the reason)
 130   interrupted (Ctrl-C): finished work is kept in the run directory
 ====  ==========================================================================================
 """
@@ -31,7 +32,7 @@ EXIT_CODES = {
     EXIT_CHECK_FAILED: "a check failed (results kept, marked failed)",
     EXIT_USAGE: "bad input (a setting, flag, file or image; nothing expensive was started)",
     EXIT_SERVER: "server or engine problem (server unreachable/unhealthy, no Docker engine)",
-    EXIT_INCOMPLETE: "incomplete evidence (a trace lost events or ranks; nothing judged)",
+    EXIT_INCOMPLETE: "incomplete evidence (a trace lost events, or cannot judge; nothing judged)",
     EXIT_INTERRUPTED: "interrupted (finished work kept)",
 }
 

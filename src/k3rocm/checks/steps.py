@@ -173,10 +173,12 @@ def census_numbers(run: Path) -> tuple[str, dict[str, Any]]:
     n_bad = sum(1 for ch in checks if ch.get("ok") is False)
     rank0 = next(iter(c.get("ranks") or []), {}) or {}
     layers = (c.get("model") or {}).get("mla_layers")
-    parts = [f"{'PASS' if c.get('ok') else 'FAIL'}: {n_ok} checks ok, {n_bad} failed",
+    verdict = c.get("verdict") or ("PASS" if c.get("ok") else "FAIL")  # census.json says
+    parts = [f"{verdict}: {n_ok} checks ok, {n_bad} failed",
              f"{rank0.get('steps', '?')} engine steps ({rank0.get('decode_steps', '?')} "
              f"decode-only), {layers} MLA layers"]
-    numbers: dict[str, Any] = {"ok": c.get("ok"), "checks_ok": n_ok, "checks_failed": n_bad,
+    numbers: dict[str, Any] = {"ok": c.get("ok"), "verdict": verdict, "checks_ok": n_ok,
+                               "checks_failed": n_bad,
                                "steps": rank0.get("steps"),
                                "decode_steps": rank0.get("decode_steps"), "mla_layers": layers}
     for role, label in (("qk_norm", "stock q/kv RMSNorm"), ("cache_write", "stock KV-cache write"),

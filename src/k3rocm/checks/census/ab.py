@@ -158,16 +158,26 @@ def finish_ab(run_dir: Any, results: dict[str, Census], meta: dict[str, Any],
     md = "\n".join(lines)
     write_text_atomic(run_dir / "ab.md", md)
     print(md)
-    failed = [f"arm {k}" for k, v in results.items() if not v.ok] + \
-        [f"rank {c.rank}: {c.what}" for c in cmp["checks"] if c.ok is False]
+    failed = [f"arm {k}" for k, v in results.items() if any(c.ok is False for c in v.checks)] \
+        + [f"rank {c.rank}: {c.what}" for c in cmp["checks"] if c.ok is False]
     incomplete = [k for k, v in results.items() if v.incomplete]
     if incomplete:
         print(f"census-ab: INCOMPLETE TRACE (arm(s) {', '.join(incomplete)} lost events; "
               f"nothing judged; see the arms' census.md); report in {run_dir}/ab.md")
         return EXIT_INCOMPLETE
-    print(f"census-ab: {'PASS' if ok else 'FAIL (' + '; '.join(failed) + ')'}; report in "
-          f"{run_dir}/ab.md")
-    return 0 if ok else 1
+    if failed:
+        print(f"census-ab: FAIL ({'; '.join(failed)}); report in {run_dir}/ab.md")
+        return 1
+    # Undecided checks the off - on difference does not settle (a fused kernel under an
+    # unknown name, an 'unknown' decision record): nothing contradicts the claim, nothing
+    # proves it either.
+    undecided = [f"arm {k}: {line}" for k, v in results.items() if not v.ok
+                 for line in v.undecided_lines()]
+    if undecided:
+        print(f"census-ab: CANNOT JUDGE ({'; '.join(undecided)}); report in {run_dir}/ab.md")
+        return EXIT_INCOMPLETE
+    print(f"census-ab: PASS; report in {run_dir}/ab.md")
+    return 0
 
 
 def run_offline(args: argparse.Namespace, opts: Analysis,
