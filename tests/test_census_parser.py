@@ -144,6 +144,18 @@ def test_model_config_errors(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UsageError, match="disagrees"):
         read_model_facts(tmp_path)
+    # A kimi_k3 checkpoint whose MLA layers are not the published ones (a different revision):
+    # refused, since per-layer counts would be judged against the wrong layer count.
+    cfg = json.loads((KIMI / "config.json").read_text())
+    lac = cfg["text_config"]["linear_attn_config"]
+    lac["kda_layers"] = [i for i in lac["kda_layers"] if i != 1]
+    lac["full_attn_layers"] = sorted([1, *lac["full_attn_layers"]])
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UsageError, match="25 MLA layers of 93.*published config has 24"):
+        read_model_facts(tmp_path)
+    cfg["k3rocm_slice"] = {"layers": []}  # a selftest slice has its own layer list
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert read_model_facts(tmp_path).mla_layers == 25
 
 
 # -- traces ----------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from k3rocm.errors import UsageError
+from k3rocm.serving.modelfacts import KIMI_K3, KIMI_K3_MLA_LAYERS
 
 
 @dataclass
@@ -60,6 +61,14 @@ def read_model_facts(model: str | os.PathLike) -> ModelFacts:
                 f"({len(mla)}); cannot tell which layers are MLA")
     else:
         mla = list(range(n))
+    if top_type == "kimi_k3" and "k3rocm_slice" not in top:  # the full checkpoint
+        want = [i - 1 for i in KIMI_K3_MLA_LAYERS]
+        if (n, mla) != (KIMI_K3["num_hidden_layers"][0], want):
+            raise UsageError(
+                f"model config {cfg_path}: {len(mla)} MLA layers of {n}, but Kimi-K3's "
+                f"published config has {len(want)} of {KIMI_K3['num_hidden_layers'][0]} "
+                "(k3rocm.serving.modelfacts); a different model or revision: the census "
+                "would count launches per layer against the wrong layer count")
     heads = text.get("num_attention_heads")
     return ModelFacts(str(cfg_path), mtype or top_type, top_type, n, len(mla), mla,
                       heads if isinstance(heads, int) else None, text.get("kv_lora_rank"),
