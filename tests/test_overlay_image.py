@@ -97,7 +97,7 @@ def test_image_on_nightly_era_base_applies_and_wires(docker_client):
     ok, log = build(docker_client, base, "k3rocm/server:cpu-0.27.1", "auto")
     assert ok, log[-3000:]
     rep = json.loads(run_py(docker_client, "k3rocm/server:cpu-0.27.1", READ_REPORT))
-    said(log, rep, "overlay: applied 1 files")
+    said(log, rep, "overlay: applied 1 files (vLLM has no amd/mla.py)")
     assert rep["decision"] == "applied" and rep["vllm_version"] == "0.27.1"
     assert rep["vllm_path"] == f"{SITE}/vllm"
     import hashlib
@@ -139,8 +139,14 @@ def test_image_on_upstream_base_skips_unless_forced(docker_client):
     ok, log = build(docker_client, base, "k3rocm/server:cpu-0.32.0", "auto")
     assert ok, log[-3000:]
     rep = json.loads(run_py(docker_client, "k3rocm/server:cpu-0.32.0", READ_REPORT))
-    said(log, rep, "overlay: skipped, upstream has amd/mla.py")
+    said(log, rep, "overlay: skipped, upstream amd/mla.py ships qk_norm and decode_qprep; "
+                   "switchable through the plugin's upstream hook")
     assert rep["decision"] == "skipped-upstream" and rep["vllm_version"] == "0.32.0"
+    assert rep["upstream_fusions"] == ["qk_norm", "decode_qprep"]
+    st = json.loads(run_py(docker_client, "k3rocm/server:cpu-0.32.0",
+                           "from k3rocm.serving.overlay import status; import json; "
+                           "print(json.dumps(status()))").strip().splitlines()[-1])
+    assert st["healthy"] is True and st["overlay"].startswith("skipped: upstream amd/mla.py")
     ok, log = build(docker_client, base, "k3rocm/overlay-test:cpu-0.32.0-force", "force")
     assert ok, log[-3000:]
     rep = json.loads(run_py(docker_client, "k3rocm/overlay-test:cpu-0.32.0-force",

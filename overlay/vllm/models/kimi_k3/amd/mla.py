@@ -198,6 +198,12 @@ class KimiK3MultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
                 self._identity_cos.shape[0], self._identity_cos.shape[1], dtype)
         self._record("load")
 
+    def get_input_quant_key(self):
+        """k3rocm: vLLM 0.32's amd/linear.py asks the wrapper which quantized activation its
+        input projections take (upstream's twin answers from the projections); the 0.27 API
+        has no quantized activations, so the overlay takes plain ones: None."""
+        return None
+
     def _normalize_q_kv(
         self,
         q_c: torch.Tensor,
