@@ -431,9 +431,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         description="Run the overlay's own probe (amd/mla.py from vLLM's "
                         "tree when applied, else from /opt/k3rocm/overlay or this checkout's "
                         "overlay/) in this environment (inside the image, or on the node "
-                        "before serving): the AITER Q-prep op's registered schema (position "
-                        "clamp), the vllm::fused_mla_dual_rms_norm op, ROCm/AITER switches, "
-                        "and the K3_FUSE_* toggles. Gates that need the loaded model read "
+                        "before serving): the AITER Q-prep op and its registered schema, the "
+                        "vllm::fused_mla_dual_rms_norm op, ROCm/AITER switches, and the "
+                        "K3_FUSE_* toggles. Gates that need the loaded model read "
                         "'needs-model'. Exit 0 whatever it finds; 3 if the overlay file does "
                         "not import against this vLLM.")
     pr.add_argument("--json", action="store_true", help="print JSON (default: a summary)")
@@ -475,8 +475,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             q, n = rep["qprep_kernel"], rep["dual_norm_op"]
             print(f"platform: {rep['platform']}")
-            print(f"qprep kernel: found={q['found']} clamps_positions={q['clamps_positions']}"
-                  f" ({q['source']})")
+            print(f"qprep kernel: found={q['found']} ({q['source']})")
             print(f"dual norm op: found={n['found']} ({n['source']})")
             for k, v in rep["fusions"].items():
                 print(f"{k}: {v['state']} ({v['reason']})")
@@ -513,7 +512,7 @@ def probe(site: Path | None = None, overlay_dir: Path | None = None) -> dict[str
                "file to load")
         return {"platform": {"is_rocm": False, "aiter_enabled": False,
                              "aiter_mla_enabled": False},
-                "qprep_kernel": {"found": False, "clamps_positions": False, "source": why},
+                "qprep_kernel": {"found": False, "source": why},
                 "dual_norm_op": {"found": False, "source": why},
                 "fusions": {k: {"state": "off", "reason": why} for k in decisions.STATES},
                 "python": sys.version.split()[0]}
