@@ -53,7 +53,7 @@ class KimiK3MultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
         # k3rocm: the backend's padded head count (AITER asm decode runs 16 heads at < 16 heads
         # per rank). q_out is allocated for it and the real heads are a view, so a backend
         # whose padding recognises that view (vLLM 0.33 get_mla_padded_q) copies nothing.
-        self._q_out_heads = self.num_heads
+        self._fused_q_heads = self.num_heads
         # Positions fed to the fused kernel's identity RoPE; see _fused_decode. One zeroed
         # buffer per layer, allocated here and sliced per call, so every captured CUDA graph
         # reads the same memory and no graph captures a fill.
@@ -164,7 +164,7 @@ class KimiK3MultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
                                1 + _num_spec_tokens())
             if bad:
                 return False, bad
-            self._q_out_heads = int(helper.get_actual_mla_num_heads(self.num_heads))
+            self._fused_q_heads = int(helper.get_actual_mla_num_heads(self.num_heads))
         return True, self._fused_qk_prep_why
 
     def _record(self, phase: str) -> None:
@@ -278,7 +278,7 @@ class KimiK3MultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
         head_size = attn.kv_lora_rank + self.qk_rope_head_dim
         num_tokens, num_heads = ql_nope.shape[:2]
         q_out = torch.empty(
-            (num_tokens, self._q_out_heads, head_size), dtype=fp8_dtype,
+            (num_tokens, self._fused_q_heads, head_size), dtype=fp8_dtype,
             device=ql_nope.device,
         )[:, :num_heads]
         # cos = 1, sin = 0: the kernel's RoPE is the identity, which is what a NoPE model
