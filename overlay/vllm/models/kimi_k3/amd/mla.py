@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # k3rocm overlay: AMD-local MLA wrapper for Kimi-K3, written for the vLLM 0.27.x API
-# (the pinned nightly). Reads section by section like upstream vLLM 0.33's
+# (the pinned nightly). Reads section by section like upstream vLLM 0.34's
 # vllm/models/kimi_k3/amd/mla.py (same method names where the behaviour is the same);
 # the differences are marked "k3rocm:". Like upstream, it imports nothing outside vLLM,
 # torch and the standard library, so this one file can be mounted into an image by itself.
@@ -53,30 +53,24 @@ class KimiK3MultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
         # k3rocm: the backend's padded head count (AITER asm decode runs 16 heads at < 16 heads
         # per rank). q_out is allocated for it and the real heads are a view, so a backend
         # whose padding recognises that view (vLLM 0.33 get_mla_padded_q) copies nothing.
-        self._q_out_heads = self.num_heads
+        self._fused_q_heads = self.num_heads
+        # Positions fed to the fused kernel's identity RoPE; see _fused_decode. One zeroed
+        # buffer per layer, allocated here and sliced per call, so every captured CUDA graph
+        # reads the same memory and no graph captures a fill.
+        zero_positions = None
         if self._fused_qk_prep:
             try:
-                rows = self._identity_rows()
-            except Exception as exc:  # noqa: BLE001 - k3rocm: serve stock
-                rows = 0
-                self._fused_qk_prep = self._load_gates_pending = False
-                self._fused_qk_prep_why = f"identity cos/sin table: {exc}"
-            if rows:
+                zero_positions = torch.zeros(_max_batch_tokens(), dtype=torch.int64)
+                # k3rocm: the identity cos/sin rows too (upstream builds them at the first
+                # decode), never allocated inside forward.
                 self._identity_cos, self._identity_sin = _identity_rope(
-                    rows, self.qk_rope_head_dim // 2, torch.get_default_dtype())
+                    self.qk_rope_head_dim // 2, torch.get_default_dtype())
+            except Exception as exc:  # noqa: BLE001 - k3rocm: serve stock
+                self._fused_qk_prep = self._load_gates_pending = False
+                self._fused_qk_prep_why = f"zero positions / identity cos-sin: {exc}"
+                zero_positions = None
+        self.register_buffer("_zero_positions", zero_positions, persistent=False)
         self._record("construct")
-
-    def _identity_rows(self) -> int:
-        """cos = 1, sin = 0 makes the kernel's RoPE the identity, which is what a NoPE model
-        needs. One row suffices when AITER clamps ``pos`` into [0, rows) (ROCm/aiter #4342).
-        k3rocm: an AITER without the clamp (v0.1.19) reads ``cos_cache + pos * 32`` in its
-        per-head kernel and ``pos * pe_dim / 2`` in its ``_opt`` kernel, each only after
-        returning for ``slot < 0`` (csrc/kernels/cache_kernels.cu at v0.1.19): a table with a
-        row for every position a real token can have is safe there (max_model_len plus the
-        speculative tokens; ~33 MB at 262144 in bf16, shared by all MLA layers)."""
-        if _probe()["qprep_kernel"]["clamps_positions"]:
-            return 1
-        return _max_model_len() + _num_spec_tokens() + 1
 
     def _qk_rmsnorm_fusion_supported(self) -> tuple[bool, str]:
         try:
@@ -116,7 +110,8 @@ class KimiK3MultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
         if self.qk_rope_head_dim != _OPT_ROT_DIM:
             return False, f"rope dim {self.qk_rope_head_dim} != {_OPT_ROT_DIM}"
         if self.kv_lora_rank * self.num_heads < _OPT_MIN_SIZE:
-            # AITER's general kernel (picked below this size) does not clamp positions.
+            # As upstream: only where AITER picks its _opt / per-head kernels, not the
+            # general one it takes below this size.
             return False, (f"kv_lora_rank x heads per rank = {self.kv_lora_rank}x"
                            f"{self.num_heads} < {_OPT_MIN_SIZE}")
         # The fused kernel writes q_out only for slot >= 0, so padded rows would
@@ -169,7 +164,7 @@ class KimiK3MultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
                                1 + _num_spec_tokens())
             if bad:
                 return False, bad
-            self._q_out_heads = int(helper.get_actual_mla_num_heads(self.num_heads))
+            self._fused_q_heads = int(helper.get_actual_mla_num_heads(self.num_heads))
         return True, self._fused_qk_prep_why
 
     def _record(self, phase: str) -> None:
@@ -195,8 +190,14 @@ class KimiK3MultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
             self._fused_qk_prep_why = f"gate error ({type(exc).__name__}: {exc})"
         if self._fused_qk_prep and self._identity_cos.dtype != dtype:
             self._identity_cos, self._identity_sin = _identity_rope(
-                self._identity_cos.shape[0], self._identity_cos.shape[1], dtype)
+                self._identity_cos.shape[1], dtype)
         self._record("load")
+
+    def get_input_quant_key(self):
+        """k3rocm: vLLM 0.32's amd/linear.py asks the wrapper which quantized activation its
+        input projections take (upstream's twin answers from the projections); the 0.27 API
+        has no quantized activations, so the overlay takes plain ones: None."""
+        return None
 
     def _normalize_q_kv(
         self,
@@ -223,7 +224,6 @@ class KimiK3MultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
         q: torch.Tensor,
         kv_c_normed: torch.Tensor,
         k_pe: torch.Tensor,
-        positions: torch.Tensor,
         output_shape: tuple[int, int],
         attn_metadata,
         layer,
@@ -278,9 +278,15 @@ class KimiK3MultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
         head_size = attn.kv_lora_rank + self.qk_rope_head_dim
         num_tokens, num_heads = ql_nope.shape[:2]
         q_out = torch.empty(
-            (num_tokens, self._q_out_heads, head_size), dtype=fp8_dtype,
+            (num_tokens, self._fused_q_heads, head_size), dtype=fp8_dtype,
             device=ql_nope.device,
         )[:, :num_heads]
+        # cos = 1, sin = 0: the kernel's RoPE is the identity, which is what a NoPE model
+        # needs, and then position 0 is exact for every token. The kernel is given zeros, not
+        # the real positions: the cos/sin cache has one row (a full-length one would cost
+        # ~268 MB at K3's 1M positions), and not every AITER variant clamps a position into
+        # it (the general kernel does not; upstream names v0.1.26's head-grouped kernel,
+        # which reads cos = sin = 0 past the row, zeroing q_pe and the cached k_pe).
         fused_qk_rope_concat_and_cache_mla(
             ql_nope.contiguous(),
             q_pe,
@@ -291,7 +297,7 @@ class KimiK3MultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
             slot_mapping[:n].flatten(),
             layer._k_scale,
             layer._q_scale,
-            positions[:n],
+            self._zero_positions[:n],
             self._identity_cos,
             self._identity_sin,
             is_neox=True,
@@ -390,6 +396,8 @@ class KimiK3MultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
                 and kv_cache.numel() > 0
                 and attn_metadata.num_actual_tokens > 0
                 and attn_metadata.num_actual_tokens == attn_metadata.num_decode_tokens
+                # k3rocm: never longer than the zero positions (max_num_batched_tokens)
+                and attn_metadata.num_actual_tokens <= self._zero_positions.shape[0]
             )
 
         if fuse:
@@ -397,7 +405,6 @@ class KimiK3MultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
                 q,
                 kv_c_normed,
                 k_pe,
-                positions,
                 output_shape,
                 attn_metadata,
                 layer,
@@ -422,11 +429,12 @@ class KimiK3MultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
 _IDENTITY: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _identity_rope(rows: int, half: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """k3rocm: one identity cos/sin table per shape, dtype and device, shared by every layer."""
-    key = (rows, half, dtype, str(torch.empty(0).device))
+def _identity_rope(half: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """k3rocm: the one-row identity cos/sin (cos = 1, sin = 0) per width, dtype and device,
+    shared by every layer."""
+    key = (half, dtype, str(torch.empty(0).device))
     if key not in _IDENTITY:
-        _IDENTITY[key] = (torch.ones(rows, half, dtype=dtype), torch.zeros(rows, half, dtype=dtype))
+        _IDENTITY[key] = (torch.ones(1, half, dtype=dtype), torch.zeros(1, half, dtype=dtype))
     return _IDENTITY[key]
 
 
@@ -439,12 +447,16 @@ def _vllm_config():
         return None
 
 
-def _max_model_len() -> int:
+def _max_batch_tokens() -> int:
+    """The most tokens one forward can carry: the scheduler's token budget, or the largest
+    CUDA graph capture size when that is larger (graphs are captured at their sizes)."""
     cfg = _vllm_config()
-    mc = getattr(cfg, "model_config", None)
-    if mc is None:
-        raise RuntimeError("max_model_len unknown (no model config) for a pre-clamp AITER")
-    return int(mc.max_model_len)
+    sched = getattr(cfg, "scheduler_config", None)
+    if sched is None or not getattr(sched, "max_num_batched_tokens", None):
+        raise RuntimeError("max_num_batched_tokens unknown (no scheduler config)")
+    comp = getattr(cfg, "compilation_config", None)
+    return max(int(sched.max_num_batched_tokens),
+               int(getattr(comp, "max_cudagraph_capture_size", 0) or 0))
 
 
 def _num_spec_tokens() -> int:
@@ -516,8 +528,10 @@ def _plain_rmsnorm(module) -> bool:
 #   ``torch.ops.aiter.fused_qk_rope_concat_and_cache_mla`` (ROCm/aiter ``aiter/jit/core.py``
 #   ``compile_ops`` -> ``aiter/jit/utils/torch_guard.py`` ``torch_compile_guard``). The
 #   function AITER exports is a bare ``wrapper_custom(*args, **kwargs)``, so its
-#   ``inspect.signature`` says nothing; the registered *schema* does. The position clamp
-#   (ROCm/aiter PR #4342) arrived together with the ``compute_all_q_rope`` argument.
+#   ``inspect.signature`` says nothing; the registered *schema* does, and the probe reports
+#   it (``compute_all_q_rope`` came with ROCm/aiter PR #4342). Nothing is decided from it:
+#   the fused path gives the kernel all-zero positions, which every AITER variant reads
+#   inside its one-row cos/sin cache, clamp or not.
 # - the fused q/kv RMSNorm op ``vllm::fused_mla_dual_rms_norm``, registered by
 #   ``vllm/_aiter_ops.py`` on ROCm with AITER.
 # - the platform: ``current_platform.is_rocm()``, ``rocm_aiter_ops.is_enabled()`` and
@@ -532,7 +546,7 @@ DECISION_SCHEMA = "k3rocm.overlay.decision/1"
 DECISION_FILE = "k3rocm-decisions-pid{pid}.json"
 FUSION_ENV = {"qk_norm": "K3_FUSE_QK_NORM", "decode_qprep": "K3_FUSE_DECODE_QPREP"}
 _QPREP_OP = "fused_qk_rope_concat_and_cache_mla"
-_QPREP_CLAMP_ARG = "compute_all_q_rope"
+_QPREP_NEWER_ARG = "compute_all_q_rope"
 _DUAL_NORM_OP = "fused_mla_dual_rms_norm"
 
 
@@ -552,21 +566,21 @@ def _asked(name: str) -> bool:
 
 
 def _probe_qprep_kernel() -> dict[str, Any]:
-    """k3rocm: is AITER's fused Q-prep op registered, and does it clamp positions?"""
+    """k3rocm: is AITER's fused Q-prep op registered (and with which schema)?"""
     try:
         import aiter.ops.cache  # noqa: F401 - importing registers torch.ops.aiter.*
     except Exception as exc:  # noqa: BLE001 - no AITER, or one that needs a GPU
-        return {"found": False, "clamps_positions": False,
+        return {"found": False,
                 "source": f"aiter.ops.cache not importable ({type(exc).__name__}: {exc})"}
     try:
         schema = getattr(torch.ops.aiter, _QPREP_OP).default._schema
     except (AttributeError, RuntimeError):
-        return {"found": False, "clamps_positions": False,
+        return {"found": False,
                 "source": f"torch.ops.aiter.{_QPREP_OP} not registered by aiter.ops.cache"}
-    args = [a.name for a in schema.arguments]
-    return {"found": True, "clamps_positions": _QPREP_CLAMP_ARG in args,
+    has = _QPREP_NEWER_ARG in [a.name for a in schema.arguments]
+    return {"found": True,
             "source": f"torch.ops.aiter.{_QPREP_OP} schema "
-                      f"({'has' if _QPREP_CLAMP_ARG in args else 'no'} {_QPREP_CLAMP_ARG})",
+                      f"({'has' if has else 'no'} {_QPREP_NEWER_ARG})",
             "schema": str(schema)}
 
 
@@ -621,12 +635,7 @@ def _qprep_platform_gate(p: dict[str, Any]) -> tuple[bool, str]:
         return False, "AITER MLA not enabled"
     if not p["qprep_kernel"]["found"]:
         return False, f"aiter {_QPREP_OP} not found ({p['qprep_kernel']['source']})"
-    if not p["qprep_kernel"]["clamps_positions"]:
-        # AITER v0.1.19's per-head and _opt kernels return for slot < 0 before reading the
-        # table (csrc/kernels/cache_kernels.cu): a row per position is safe without the clamp.
-        return True, (f"{_QPREP_OP} (identity rope; AITER predates the position clamp, no "
-                      f"{_QPREP_CLAMP_ARG} in its schema: cos/sin of max_model_len rows)")
-    return True, f"{_QPREP_OP} (identity rope, 1-row cos/sin)"
+    return True, f"{_QPREP_OP} (identity rope: 1-row cos/sin, all-zero positions)"
 
 
 def probe_report() -> dict[str, Any]:
@@ -701,8 +710,7 @@ def _record_decision(layer_kind: str, phase: str, fusions: dict[str, dict[str, s
            "process": _process_name(), "tp_rank": _tp_rank(), "layer_kind": layer_kind,
            "phase": phase, "vllm_version": _vllm_version(), "fusions": fusions,
            "asked": asked,
-           "probe": {"qprep_kernel": {k: p["qprep_kernel"][k] for k in
-                                      ("found", "clamps_positions", "source")},
+           "probe": {"qprep_kernel": {k: p["qprep_kernel"][k] for k in ("found", "source")},
                      "dual_norm_op": p["dual_norm_op"]}}
     _RECORDS.append(rec)
     logger.info(DECISION_MARKER + json.dumps(rec, sort_keys=True))
