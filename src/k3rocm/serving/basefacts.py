@@ -451,8 +451,10 @@ MANIFEST = Path("/opt/k3rocm/manifest.json")
 CC_FLAGS = ("--compilation-config", "-cc", "-O")
 # The serving image's default base (Dockerfile, compose.yaml; a test keeps them equal): the
 # newest vLLM release, 0.34.0. Its tag and digest must be confirmed on the node
-# (`docker manifest inspect`); docs/overlay.md.
+# (`docker manifest inspect`); docs/profiles.md. The seed nightly (vLLM 0.26.1rc1.dev306, the
+# 0.27.1 code state) stays available as an explicit base: K3_PROFILE=seed-nightly.
 DEFAULT_BASE_IMAGE = "vllm/vllm-openai-rocm:v0.34.0"
+SEED_BASE_IMAGE = "vllm/vllm-openai-rocm:nightly-cb8104839c141609d99f1254459ef3a4f1bd4263"
 
 
 def load(manifest: Path = MANIFEST) -> tuple[dict[str, Any] | None, str]:
