@@ -647,6 +647,7 @@ def run(args: argparse.Namespace) -> int:
             if isinstance(f, dict):
                 print(f"{key}: {f['value']!r}  ({f['how']})")
         for k, r in routes.items():
+            sync = f" host sync={r['host_sync']}" if "host_sync" in r else ""
             print(f"route {args.heads} heads {k}: {r['route']} fp8 query ok={r['fp8_query_ok']}"
-                  f" ({r['why']})")
+                  f"{sync} ({r['why']})")
     return 0
