@@ -127,6 +127,10 @@ def test_the_verify_reading_is_behaviour_not_a_name(tmp_path):
     assert "does not know" in got["verify_route_fp8"]["how"]
     assert basefacts.route({"verify_route_fp8": got["verify_route_fp8"]}, 12, "fp8",
                            3)["fp8_query_ok"] is None
+    f.update(got)  # a base whose verify path is unknown: no refusal, no graph-mode change
+    r = _render(f)
+    assert "--compilation-config" not in r.argv and r.settings.kv_cache_dtype == "fp8"
+    assert any("syncs the host is unknown" in n for n in r.base["notes"]), r.base["notes"]
 
 
 def _render(facts, **env):

@@ -525,6 +525,9 @@ def check(s: Any, sources: dict[str, str], facts: dict[str, Any] | None,
                 f"{heads}-head MTP verify path syncs the host ({_how(facts, kv)})"
                 ", which full-graph capture of a uniform verify batch cannot do; set "
                 "--compilation-config in K3_EXTRA_ARGS to override")
+        elif r.get("host_sync") is None and not user_cc:
+            notes.append(f"WARNING: whether vLLM {ver}'s {heads}-head MTP verify path syncs the "
+                         "host is unknown; vLLM's default graph mode kept")
     return updates, argv, notes
 
 
