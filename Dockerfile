@@ -1,16 +1,21 @@
-# The Kimi-K3 serving image: the pinned vLLM ROCm nightly + our package + the AMD MLA overlay.
-# Build:  docker compose build   (or: docker build --build-arg BASE_IMAGE=<image> -t k3rocm/server .)
+# The Kimi-K3 serving image: a vLLM ROCm release (default v0.34.0, the newest; docs/profiles.md)
+# + our package + the AMD MLA overlay where upstream lacks a fusion.
+# Build:  make build  (or: docker compose build; docker build --build-arg BASE_IMAGE=<image> .)
+# BASE_DIGEST: the base's registry digest, known only on the host once pulled (`make build` passes
+# `docker image inspect --format '{{index .RepoDigests 0}}' $BASE_IMAGE`); recorded in the manifest.
 # Layers are ordered so that an edit to overlay/ or src/ rebuilds in seconds.
-ARG BASE_IMAGE=vllm/vllm-openai-rocm:nightly-cb8104839c141609d99f1254459ef3a4f1bd4263
+ARG BASE_IMAGE=vllm/vllm-openai-rocm:v0.34.0
 FROM ${BASE_IMAGE}
 
 ARG BASE_IMAGE
+ARG BASE_DIGEST=
 ARG K3_OVERLAY=auto
 ARG GIT_REV=unknown
 
 LABEL org.opencontainers.image.title="k3rocm-server" \
       org.opencontainers.image.description="Kimi-K3 on vLLM ROCm with the AMD MLA fusion overlay" \
       org.opencontainers.image.base.name="${BASE_IMAGE}" \
+      org.opencontainers.image.base.digest="${BASE_DIGEST}" \
       org.opencontainers.image.revision="${GIT_REV}"
 
 COPY entrypoint.sh /opt/k3rocm/entrypoint.sh
@@ -30,7 +35,8 @@ COPY overlay/ /opt/k3rocm/overlay/
 RUN python3 -m k3rocm overlay apply --overlay-dir /opt/k3rocm/overlay --mode "${K3_OVERLAY}" \
         --report /opt/k3rocm/overlay.json \
     && python3 -m k3rocm overlay verify-import \
-    && python3 -m k3rocm manifest write --base-image "${BASE_IMAGE}" --git-rev "${GIT_REV}" \
+    && python3 -m k3rocm manifest write --base-image "${BASE_IMAGE}" --base-digest "${BASE_DIGEST}" \
+        --git-rev "${GIT_REV}" \
         --overlay-dir /opt/k3rocm/overlay --overlay-report /opt/k3rocm/overlay.json \
         --out /opt/k3rocm/manifest.json
 

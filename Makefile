@@ -16,6 +16,12 @@ export K3_VIDEO_GID K3_RENDER_GID
 VENDOR_ENV := .k3rocm/vendor.env
 GIT_REV ?= $(shell git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)
 export GIT_REV
+# The base image a build uses (BASE_IMAGE, else the compose files' default) and its registry
+# digest, known once it was pulled (a locally built or retagged image has none): the build
+# records it in the image's manifest and label, `make preflight` prints it (docs/profiles.md).
+BASE_REF = $(or $(BASE_IMAGE),$(shell sed -n 's/.*BASE_IMAGE: $${BASE_IMAGE:-\([^}]*\)}.*/\1/p' $(subst :, ,$(COMPOSE_FILE)) | tail -1))
+BASE_DIGEST ?= $(shell docker image inspect --format '{{index .RepoDigests 0}}' '$(BASE_REF)' 2>/dev/null)
+export BASE_DIGEST
 CONFIG_ENV := $(if $(filter 1,$(CPU)),K3_PROFILE=$${K3_PROFILE:-cpu-smoke})
 
 .PHONY: help venv config build up wait down logs test lint smoke ci-images
@@ -33,7 +39,7 @@ $(PY): pyproject.toml
 config: $(PY) ## print the resolved settings, where each came from, env and argv
 	@$(CONFIG_ENV) $(PY) -m k3rocm config --host-paths --base-facts --vendor-env-file $(VENDOR_ENV)
 
-build: $(PY) ## build the serving image (BASE_IMAGE=... to override the pinned nightly)
+build: $(PY) ## build the serving image (BASE_IMAGE=... to override the default vLLM v0.34.0 base)
 	@$(CONFIG_ENV) $(PY) -m k3rocm config --host-paths --vendor-env-file $(VENDOR_ENV) >/dev/null
 	$(COMPOSE) build server
 

@@ -65,6 +65,7 @@ def test_manifest_names_base_image_and_vllm(docker_client, server_image):
     out = _run(docker_client, server_image, ["manifest", "show"], entrypoint=["k3rocm"])
     m = json.loads(out)
     assert m["base_image"] == standin_tag()
+    assert m["base_digest"] == "unknown (built from a local tag)"  # a local build has none
     assert m["vllm_version"] and m["k3rocm_version"]
     assert m["k3rocm_git_rev"] == "test"
     assert "vllm/models/kimi_k3/amd/mla.py" in m["overlay"]["source_files"]

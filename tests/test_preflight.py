@@ -109,3 +109,53 @@ def test_table_one_line_per_check():
     lines = preflight.format_table(checks).splitlines()
     assert len(lines) == 2 + 2 + 1 and lines[3].split() == ["b", "fail", "y", "do", "z"]
     assert lines[-1] == "1 ok, 0 warn, 1 fail"
+
+
+def test_the_base_image_and_its_digest(monkeypatch):
+    """The base line names the base and its registry digest (a pulled image) or says it is
+    unknown (a locally built or retagged one); the serving-image line says what it was built
+    FROM and the digest as the build recorded it. Fake engine objects shaped like docker-py's."""
+    import docker
+    from k3rocm.serving.basefacts import DEFAULT_BASE_IMAGE
+    from k3rocm.serving.config import load_settings
+
+    digest = "vllm/vllm-openai-rocm@sha256:" + "ab" * 32
+
+    class Img:
+        def __init__(self, digests=(), labels=None):
+            self.id, self.attrs, self.labels = "sha256:" + "1" * 64, {"RepoDigests":
+                                                                       list(digests)}, labels
+
+    class Images:
+        def __init__(self, known):
+            self.known = known
+
+        def get(self, ref):
+            if ref not in self.known:
+                raise docker.errors.ImageNotFound(ref)
+            return self.known[ref]
+
+    class Client:
+        def __init__(self, known):
+            self.images = Images(known)
+
+        def version(self):
+            return {"Version": "27"}
+
+    monkeypatch.delenv("BASE_IMAGE", raising=False)
+    s, _ = load_settings({}, dotenv=None, check_model=False)
+    pulled = Client({DEFAULT_BASE_IMAGE: Img([digest]), s.image: Img(labels={
+        "org.opencontainers.image.base.name": DEFAULT_BASE_IMAGE,
+        "org.opencontainers.image.base.digest": digest})})
+    base, srv = preflight.check_docker(pulled, s)[1:3]
+    assert base.status == "ok" and f"{DEFAULT_BASE_IMAGE}: present" in base.have
+    assert f"digest {digest}" in base.have
+    assert f"built FROM {DEFAULT_BASE_IMAGE} (digest {digest})" in srv.have
+    local = Client({DEFAULT_BASE_IMAGE: Img(), s.image: Img(labels={
+        "org.opencontainers.image.base.name": DEFAULT_BASE_IMAGE,
+        "org.opencontainers.image.base.digest": ""})})
+    base, srv = preflight.check_docker(local, s)[1:3]
+    assert "digest unknown (built from a local tag)" in base.have
+    assert "(digest unknown (built from a local tag))" in srv.have
+    missing = preflight.check_docker(Client({}), s)[1]
+    assert missing.status == "fail" and "BASE_IMAGE=<repo>@sha256:" in missing.fix

@@ -36,10 +36,10 @@ def test_golden_renders_are_byte_identical():
 def test_profile_names_are_the_files_present():
     files = sorted(p.stem for p in SHIPPED.glob("*.yaml"))
     assert profiles.names() == files
-    assert {"mi355x-tp8", "cpu-smoke", "fusion-evidence"} <= set(files)
+    assert {"mi355x-tp8", "cpu-smoke", "fusion-evidence", "seed-nightly"} <= set(files)
     assert Settings.model_fields["profile"].default == "mi355x-tp8"
     with pytest.raises(UsageError, match=r"K3_PROFILE='mi300x' is not a profile: use one of "
-                       r"cpu-smoke, fusion-evidence, mi355x-tp8"):
+                       r"cpu-smoke, fusion-evidence, mi355x-tp8, seed-nightly"):
         load_settings({"K3_PROFILE": "mi300x"}, dotenv=None, check_model=False)
 
 
@@ -130,7 +130,7 @@ def test_broken_yaml_and_the_cli_exit_code(tmp_path):
     assert len(lines) == 1 and str(tmp_path / "p.yaml") in lines[0], r.stderr
     assert "Traceback" not in r.stderr
     ok = run_cli("profiles", "--check")
-    assert ok.returncode == 0 and "3 profiles valid" in ok.stdout, ok
+    assert ok.returncode == 0 and "4 profiles valid" in ok.stdout, ok
 
 
 # --- fusion-evidence: the seed's Q-prep setup --------------------------------------------------

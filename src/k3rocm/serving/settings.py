@@ -69,16 +69,16 @@ class Settings(BaseModel):
                               default=262144, ge=128, le=1048576)
     gpu_memory_utilization: float | None = _env(
         "GPU_MEMORY_UTILIZATION", "Fraction of GPU memory vLLM may use (0 < x <= 1).",
-        default=0.9, gt=0, le=1)
+        default=0.95, gt=0, le=1)
     max_num_seqs: int = _env("MAX_NUM_SEQS", "Maximum concurrent sequences.",
-                             default=64, ge=1, le=4096)
+                             default=128, ge=1, le=4096)
     max_num_batched_tokens: int | None = _env(
         "MAX_NUM_BATCHED_TOKENS", "Token budget per engine step.", default=4096, ge=16,
         le=1048576)
     prefix_caching: bool = _env("PREFIX_CACHING", "Automatic prefix caching (1/0).", default=True)
     enforce_eager: bool = _env("ENFORCE_EAGER", "Disable CUDA/HIP graphs (1/0).", default=False)
-    load_format: str = _env("LOAD_FORMAT", "Weight loader (fastsafetensors, safetensors, auto).",
-                            default="fastsafetensors")
+    load_format: str = _env("LOAD_FORMAT", "Weight loader (auto, safetensors, fastsafetensors).",
+                            default="auto")
     trust_remote_code: bool = _env("TRUST_REMOTE_CODE", "Pass --trust-remote-code (1/0).",
                                    default=True)
     language_model_only: bool = _env(
