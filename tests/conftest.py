@@ -44,6 +44,27 @@ def upstream_tree(version: str) -> Path:
     return tree
 
 
+_IMAGE_FACTS: dict[str, dict] = {}
+
+
+def image_base_facts(version: str) -> dict:
+    """The base facts a serving image built FROM vLLM ``version`` records: the real release's
+    sources (:func:`upstream_tree`) copied, the overlay applied as the Dockerfile applies it
+    (``overlay apply --mode auto``), then ``basefacts.measure`` on that tree. Cached."""
+    if version not in _IMAGE_FACTS:
+        import shutil
+        import tempfile
+
+        from k3rocm.serving import basefacts, overlay
+
+        site = Path(tempfile.mkdtemp(prefix=f"k3-image-{version}-"))
+        shutil.copytree(upstream_tree(version) / "vllm", site / "vllm")
+        overlay.apply(REPO / "overlay", "auto", site=site)
+        _IMAGE_FACTS[version] = basefacts.measure(site)
+        shutil.rmtree(site, ignore_errors=True)
+    return _IMAGE_FACTS[version]
+
+
 @pytest.fixture(scope="session")
 def docker_client():
     try:

@@ -612,11 +612,9 @@ SEED, UPSTREAM = "0.27.1", "0.34.0"
 
 
 def _facts(version: str) -> dict:
-    from conftest import upstream_tree
+    from conftest import image_base_facts
 
-    from k3rocm.serving import basefacts
-
-    return basefacts.measure(upstream_tree(version))
+    return image_base_facts(version)  # the real release with the overlay applied by `auto`
 
 
 @pytest.fixture
@@ -730,9 +728,6 @@ def test_on_the_seed_base_the_offered_arms_pass(on_base, tmp_path):
     assert "K3_KV_CACHE_DTYPE=auto" in notes and "PIECEWISE" in notes
 
 
-@pytest.mark.xfail(strict=True, reason="assumes the upstream hook (issue 28 item 1, another "
-                   "branch): basefacts.check still refuses K3_FUSE_*=0 on a base whose "
-                   "amd/mla.py ships the fusions; remove this mark when it lands")
 def test_on_an_upstream_base_both_arms_pass(on_base, tmp_path):
     """vLLM 0.34.0 ships both fusions in its own amd/mla.py; with upstream's fusions
     switchable, both arms (every switch 0, every switch 1) pass the base check."""

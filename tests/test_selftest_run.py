@@ -74,13 +74,12 @@ def seed_node(tmp_path, monkeypatch):
     recorded (none may happen before the base check)."""
     import shutil
 
-    from conftest import upstream_tree
+    from conftest import image_base_facts
 
     from k3rocm.deploy import config_cmd
     from k3rocm.deploy.lifecycle import ComposeServer
-    from k3rocm.serving import basefacts
 
-    facts = basefacts.measure(upstream_tree("0.27.1"))
+    facts = image_base_facts("0.27.1")  # the real release with the overlay applied
     monkeypatch.setattr(config_cmd, "image_base_facts",
                         lambda image: (facts, f"{image} (sha256:0123456789ab) manifest"))
     calls: list[tuple] = []
