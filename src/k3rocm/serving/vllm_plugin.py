@@ -166,5 +166,5 @@ def register() -> None:
         _state["upstream_hook"] = True
         _hook({OVERLAY_MODULE: upstream_hook.install, **dict.fromkeys(test_bind, bind)})
     except Exception as exc:  # noqa: BLE001 - a plugin must not kill the server
-        log.warning("k3rocm overlay: wiring failed (%s: %s); stock MLA wrapper",
-                    type(exc).__name__, exc)
+        log.warning("k3rocm overlay: wiring failed (%s: %s); vLLM's MLA wrapper as shipped "
+                    "(no overlay, no upstream hook)", type(exc).__name__, exc)
