@@ -71,14 +71,15 @@ cd /tmp/k3
 
 
 def run_in_standin(client, image: str, script: str, env: dict | None = None,
-                   timeout: int = 900) -> tuple[int, str]:
-    """Run SETUP_SH + script in a fresh container; return (exit code, combined log)."""
+                   timeout: int = 900, volumes: dict | None = None) -> tuple[int, str]:
+    """Run SETUP_SH + script in a fresh container; return (exit code, combined log).
+    ``volumes``: more bind mounts (docker SDK form)."""
     wheels = pytest_wheels()
     c = client.containers.run(
         image, entrypoint=["bash", "-c", SETUP_SH + script], detach=True, labels=LABEL,
         environment={"VLLM_TARGET_DEVICE": "cpu", **(env or {})},
         volumes={str(REPO): {"bind": "/repo", "mode": "ro"},
-                 str(wheels): {"bind": "/wheels", "mode": "ro"}},
+                 str(wheels): {"bind": "/wheels", "mode": "ro"}, **(volumes or {})},
         shm_size="1g",
     )
     try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -72,3 +73,104 @@ def test_decision_format_constants_agree_with_the_overlay():
     assert consts["DECISION_FILE"] == decisions.FILE
     assert decisions._FILE_RE.match(consts["DECISION_FILE"].format(pid=123))
     assert set(consts["FUSION_ENV"]) == set(decisions.STATES)
+
+
+# ------------------------------------- two writers of one format: the overlay's and k3rocm's
+
+_OVERLAY_WRITER = ("DECISION_MARKER", "DECISION_SCHEMA", "DECISION_FILE", "_RECORDS", "_SEEN",
+                   "_tp_rank", "_vllm_version", "_process_name", "_record_decision",
+                   "_write_beside_traces", "FUSION_ENV", "_SwitchError", "_asked", "_layer_kind",
+                   "_LAYER_INDEX")
+
+
+class _Logger:
+    def __init__(self):
+        self.lines = []
+
+    def info(self, msg, *args):
+        self.lines.append(msg % args if args else msg)
+
+    warning = info
+
+
+def _overlay_writer(probe: dict, vllm_config=None) -> dict:
+    """The overlay file's own writer (its real top-level code, taken from the file: it cannot
+    be imported here, it imports vLLM and torch), with a logger and the probe result given."""
+    import re
+    import tempfile
+
+    keep = []
+    for node in _overlay_tree().body:
+        name = (node.name if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else
+                node.targets[0].id if isinstance(node, ast.Assign) and isinstance(
+                    node.targets[0], ast.Name) else
+                node.target.id if isinstance(node, ast.AnnAssign) else None)
+        if name in _OVERLAY_WRITER:
+            keep.append(node)
+    ns = {"json": json, "os": os, "re": re, "sys": sys, "tempfile": tempfile, "Any": object,
+          "logger": _Logger(), "_probe": lambda: probe, "_vllm_config": lambda: vllm_config}
+    exec(compile(ast.Module(body=keep, type_ignores=[]), str(OVERLAY_FILE), "exec"), ns)
+    return ns
+
+
+def test_k3rocm_writer_writes_what_the_overlay_writes(tmp_path, monkeypatch, caplog):
+    """Same inputs, same log line and same file, byte for byte (the upstream hook writes with
+    k3rocm's writer; its only addition is ``writer: upstream``)."""
+    import logging
+
+    probe = {"qprep_kernel": {"found": True, "clamps_positions": True, "source": "s"},
+             "dual_norm_op": {"found": True, "source": "d"}}
+    overlay = _overlay_writer(probe)
+    ours = decisions.Writer()
+    calls = [("target", "construct", {"qk_norm": {"state": "on", "reason": "a"},
+                                      "decode_qprep": {"state": "needs-model", "reason": "b"}},
+              {"qk_norm": True, "decode_qprep": True}),
+             ("target", "construct", {"qk_norm": {"state": "on", "reason": "a"},  # same again
+                                      "decode_qprep": {"state": "needs-model", "reason": "b"}},
+              {"qk_norm": True, "decode_qprep": True}),
+             ("draft", "load", {"qk_norm": {"state": "off", "reason": "K3_FUSE_QK_NORM=0"},
+                                "decode_qprep": {"state": "unknown", "reason": "c"}},
+              {"qk_norm": False, "decode_qprep": None})]
+    for d in ("overlay", "k3rocm"):
+        monkeypatch.setenv("K3_PROFILER_DIR", str(tmp_path / d))
+        with caplog.at_level(logging.INFO, logger="vllm.k3rocm"):
+            for c in calls:
+                if d == "overlay":
+                    overlay["_record_decision"](*c)
+                else:
+                    ours.record(*c, probe=probe)
+    assert len(overlay["logger"].lines) == 2 and overlay["logger"].lines == caplog.messages
+    name = decisions.FILE.format(pid=os.getpid())
+    assert [p.name for p in (tmp_path / "overlay").iterdir()] == [name]
+    assert [p.name for p in (tmp_path / "k3rocm").iterdir()] == [name]
+    assert (tmp_path / "overlay" / name).read_bytes() == (tmp_path / "k3rocm" / name).read_bytes()
+    for rec in json.loads((tmp_path / "k3rocm" / name).read_text()):
+        decisions.parse_record(rec, "file")
+
+
+def test_the_hook_reads_switches_and_layer_kinds_as_the_overlay_does(monkeypatch):
+    from types import SimpleNamespace
+
+    from k3rocm.serving import upstream_hook
+
+    cfg = SimpleNamespace(model_config=SimpleNamespace(
+        hf_text_config=SimpleNamespace(num_hidden_layers=4)))
+    overlay = _overlay_writer({}, cfg)
+    for raw in ("", "1", "0", " On ", "TRUE", "no", "off", "false", "yes", "maybe", "2", "o n"):
+        monkeypatch.setenv("K3_FUSE_QK_NORM", raw)
+        want, bad = upstream_hook.asked("K3_FUSE_QK_NORM")
+        try:
+            theirs = overlay["_asked"]("qk_norm")
+        except ValueError as exc:
+            assert want is None and bad == str(exc), raw
+        else:
+            assert want is theirs and bad == "", raw
+    import types
+
+    fake = types.ModuleType("vllm.config")
+    fake.get_current_vllm_config = lambda: cfg
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    monkeypatch.setitem(sys.modules, "vllm.config", fake)
+    for name in ("model.layers.3.self_attn.attn", "model.layers.4.self_attn.attn",
+                 "model.mtp.0.attn", "attn", "language_model.model.layers.12.self_attn.mla_attn"):
+        assert upstream_hook._layer_kind(name) == overlay["_layer_kind"](name), name

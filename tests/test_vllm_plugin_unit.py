@@ -17,10 +17,9 @@ def test_finder_binds_the_named_module_after_it_runs(tmp_path, monkeypatch):
     (pkg / "linear.py").write_text("MultiHeadLatentAttentionWrapper = 'base'\n")
     (pkg / "other.py").write_text("X = 1\n")
     seen = []
-    monkeypatch.setattr(vllm_plugin, "bind", lambda m: seen.append(
-        (m.__name__, m.MultiHeadLatentAttentionWrapper)))
     monkeypatch.syspath_prepend(str(tmp_path))
-    finder = vllm_plugin._Finder({"k3fakepkg.linear"})
+    finder = vllm_plugin._Finder({"k3fakepkg.linear": lambda m: seen.append(
+        (m.__name__, m.MultiHeadLatentAttentionWrapper))})
     monkeypatch.setattr(sys, "meta_path", [finder, *sys.meta_path])
     try:
         importlib.import_module("k3fakepkg.other")
@@ -28,7 +27,71 @@ def test_finder_binds_the_named_module_after_it_runs(tmp_path, monkeypatch):
         importlib.import_module("k3fakepkg.linear")
         importlib.import_module("k3fakepkg.linear")  # cached: not executed, not bound again
         assert seen == [("k3fakepkg.linear", "base")]
-        assert finder.names == {"k3fakepkg.linear"}
+        assert set(finder.hooks) == {"k3fakepkg.linear"} and not finder._busy
     finally:
         for name in ("k3fakepkg", "k3fakepkg.linear", "k3fakepkg.other"):
             sys.modules.pop(name, None)
+
+
+def _fake_vllm(tmp_path, monkeypatch, mla_text):
+    """A ``vllm`` package whose amd/mla.py is ``mla_text`` (None: no such file)."""
+    amd = tmp_path / "vllm" / "models" / "kimi_k3" / "amd"
+    amd.mkdir(parents=True)
+    for d in (amd, *amd.parents):
+        if d == tmp_path:
+            break
+        (d / "__init__.py").write_text("")
+    if mla_text is not None:
+        (amd / "mla.py").write_text(mla_text)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    monkeypatch.setattr(vllm_plugin, "_state", {"registered": False, "bound": [],
+                                                "upstream_hook": False})
+    for k in ("K3_OVERLAY", vllm_plugin.TEST_BIND_ENV):
+        monkeypatch.delenv(k, raising=False)
+    return amd
+
+
+UPSTREAM_LIKE = """
+class KimiK3MultiHeadLatentAttentionWrapper:
+    def __init__(self):
+        self._use_eager_qk_rmsnorm_fusion = True
+        self.mla_attn = None
+"""
+
+
+def _drop(prefix):
+    for name in [m for m in sys.modules if m == prefix or m.startswith(prefix + ".")]:
+        sys.modules.pop(name, None)
+
+
+def test_upstream_amd_mla_gets_the_hook(tmp_path, monkeypatch):
+    """On a base whose amd/mla.py is upstream's, register() hooks that module (and only on
+    import: nothing of Kimi-K3 is imported by the plugin itself)."""
+    _fake_vllm(tmp_path, monkeypatch, UPSTREAM_LIKE)
+    monkeypatch.setenv("K3_FUSE_QK_NORM", "0")
+    try:
+        vllm_plugin.register()
+        assert vllm_plugin._state["upstream_hook"] is True
+        assert "vllm.models.kimi_k3.amd.mla" not in sys.modules
+        mod = importlib.import_module("vllm.models.kimi_k3.amd.mla")
+        layer = mod.KimiK3MultiHeadLatentAttentionWrapper()
+        assert layer._use_eager_qk_rmsnorm_fusion is False
+    finally:
+        _drop("vllm")
+
+
+def test_no_hook_on_the_overlay_without_amd_mla_or_with_k3_overlay_off(tmp_path, monkeypatch):
+    for i, (text, env) in enumerate(((vllm_plugin.MARKER + "\n", None), (None, None),
+                                     (UPSTREAM_LIKE, "off"))):
+        root = tmp_path / str(i)
+        root.mkdir()
+        _fake_vllm(root, monkeypatch, text)
+        if env:
+            monkeypatch.setenv("K3_OVERLAY", env)
+        try:
+            vllm_plugin.register()
+            assert vllm_plugin._state["upstream_hook"] is False, (text, env)
+        finally:
+            _drop("vllm")
+            monkeypatch.undo()

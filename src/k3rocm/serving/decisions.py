@@ -1,5 +1,7 @@
 """The overlay's decision records (format ``k3rocm.overlay.decision/1``, docs/census.md): the
-reader of what the overlay file (``overlay/vllm/models/kimi_k3/amd/mla.py``) writes.
+reader of what the overlay file (``overlay/vllm/models/kimi_k3/amd/mla.py``) writes, and k3rocm's
+writer of the same format (:class:`Writer`, used by the upstream hook, ``upstream_hook.py``, on
+a base whose own amd/mla.py carries the fusions).
 
 Sources: ``k3rocm-decisions-pid<PID>.json`` files (a JSON list per process, written beside the
 profiler traces when K3_PROFILER_DIR is set), else ``K3ROCM-DECISION {json}`` lines in the
@@ -12,12 +14,15 @@ census, which cross-checks them against what the server was asked for
 from __future__ import annotations
 
 import json
+import logging
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from k3rocm.errors import UsageError
+from k3rocm.rundir import write_text_atomic
 from k3rocm.serving.fusions import FUSIONS
 
 # The format the overlay writes (its DECISION_SCHEMA, DECISION_MARKER, DECISION_FILE and
@@ -157,3 +162,77 @@ def final_decisions(records: list[Record]) -> dict[tuple[int, str], Record]:
     for r in sorted(records, key=lambda r: (_PHASE[r.phase], r.order)):
         final[(r.pid, r.layer_kind)] = r
     return final
+
+
+# ------------------------------------------------------------------------------ the writer
+# The overlay file writes records by itself (``_record_decision`` at its bottom; it imports
+# nothing of k3rocm). This is k3rocm's writer of the same format, for the upstream hook: the
+# same log line, the same file beside the traces, byte for byte (tests/test_decisions_unit.py
+# runs the overlay's own writer beside this one). Runs inside vLLM's processes: stdlib only
+# at import time, vLLM imported lazily for the facts of the process.
+
+_log = logging.getLogger("vllm.k3rocm")  # a child of vLLM's logger: its handler and format
+
+
+def _tp_rank() -> int | None:
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:  # noqa: BLE001 - not initialized (unit construction), or no vLLM
+        return None
+
+
+def _vllm_version() -> str:
+    try:
+        import vllm
+
+        return str(vllm.__version__)
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def _process_name() -> str:
+    try:
+        import multiprocessing
+
+        return multiprocessing.current_process().name
+    except Exception:  # noqa: BLE001
+        return "main"
+
+
+class Writer:
+    """One process's decision records: each distinct decision of a layer kind is written once,
+    as a ``K3ROCM-DECISION {json}`` line (logger ``vllm.k3rocm``) and, when K3_PROFILER_DIR is
+    set, into ``<K3_PROFILER_DIR>/k3rocm-decisions-pid<PID>.json`` (every record so far,
+    replaced atomically)."""
+
+    def __init__(self) -> None:
+        self.records: list[dict[str, Any]] = []
+        self._seen: set[str] = set()
+
+    def record(self, layer_kind: str, phase: str, fusions: dict[str, dict[str, str]],
+               asked: dict[str, bool | None], **extra: Any) -> dict[str, Any] | None:
+        """Write one record (None when this process already wrote the same decision);
+        ``extra`` adds fields (``writer="upstream"``)."""
+        key = json.dumps([layer_kind, phase, fusions], sort_keys=True)
+        if key in self._seen:
+            return None
+        self._seen.add(key)
+        rec = {"schema": SCHEMA, "pid": os.getpid(), "process": _process_name(),
+               "tp_rank": _tp_rank(), "layer_kind": layer_kind, "phase": phase,
+               "vllm_version": _vllm_version(), "fusions": fusions, "asked": asked, **extra}
+        self.records.append(rec)
+        _log.info(MARKER + json.dumps(rec, sort_keys=True))
+        self._write_beside_traces()
+        return rec
+
+    def _write_beside_traces(self) -> None:
+        out = os.environ.get("K3_PROFILER_DIR", "").strip()
+        if not out:
+            return
+        try:
+            write_text_atomic(Path(out) / FILE.format(pid=os.getpid()),
+                              json.dumps(self.records, indent=1, sort_keys=True))
+        except OSError as exc:  # the log line still carries the record
+            _log.warning("k3rocm: cannot write decisions into %s (%s)", out, exc)

@@ -27,8 +27,9 @@ class Fusion:
     roles: tuple[str, ...]  # census kernel roles it owns (checks/census/kernels.json)
     op: str  # the op whose call in an upstream amd/mla.py means upstream ships the fusion
     # Upstream's own amd/mla.py (vLLM >= 0.30): the per-layer attribute its gates set (True =
-    # fused) and attributes that must follow it off (built only for the fusion). The upstream
-    # hook (serving/upstream_hook.py) reads and switches these; the names are checked against
+    # fused) and attributes that must follow it off (built only for the fusion: a bool is set
+    # False, a registered buffer freed; absent ones are skipped). The upstream hook
+    # (serving/upstream_hook.py) reads and switches these; the names are checked against
     # the real files of vLLM 0.30 ... 0.34 by tests/test_upstream_hook.py.
     attr: str = ""
     follows: tuple[str, ...] = ()
@@ -49,7 +50,7 @@ FUSIONS = (
            states=("on", "off", "needs-model", "unknown"),
            roles=("fused_qprep", "cache_write", "q_concat_quant"),
            op="fused_qk_rope_concat_and_cache_mla", attr="_fused_qk_prep",
-           follows=("_fold_qb_uk",)),
+           follows=("_fold_qb_uk", "_zero_positions")),
 )
 NAMES = tuple(f.name for f in FUSIONS)
 BY_NAME = {f.name: f for f in FUSIONS}

@@ -15,9 +15,15 @@ else: no vLLM file is edited, DeepSeek and every other MLA model keep the stock 
 The rebinding happens when ``amd/linear.py`` is imported (a post-import hook), so a
 process that never loads Kimi-K3 pays nothing but this function call.
 
+On a base whose ``amd/mla.py`` is upstream's (vLLM >= 0.30), upstream wires its own class; the
+plugin then hooks that module instead (the upstream hook, ``serving/upstream_hook.py``): right
+after it is imported, the class's ``__init__`` is wrapped so ``K3_FUSE_*=0`` turns upstream's
+fusions off per layer and every process writes decision records.
+
 It does nothing when
-- ``K3_OVERLAY=off`` is set at run time (A/B the whole overlay without a rebuild),
-- vLLM's ``amd/mla.py`` is not the k3rocm overlay (upstream code wires itself),
+- ``K3_OVERLAY=off`` is set at run time (A/B the whole overlay without a rebuild; upstream's
+  own fusions are then left as upstream decides, unrecorded),
+- vLLM has no ``amd/mla.py`` (no overlay applied on a base older than 0.30),
 - ``amd/linear.py`` no longer holds the base wrapper name (logged as a warning).
 
 Stdlib only at import time: this runs inside the serving image.
@@ -30,6 +36,7 @@ import importlib.util
 import logging
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 # A child of vLLM's "vllm" logger, as vLLM's own plugin loader logs: its handler and level.
@@ -41,14 +48,15 @@ WRAPPER_NAME = "MultiHeadLatentAttentionWrapper"
 OUR_CLASS = "KimiK3MultiHeadLatentAttentionWrapper"
 MARKER = "K3ROCM_OVERLAY = 1"
 # TEST ONLY: extra modules whose MLA wrapper name is rebound too (comma separated), e.g.
-# vllm.model_executor.models.deepseek_v2 for the CPU end-to-end test with a tiny model.
+# vllm.model_executor.models.deepseek_v2 for the CPU end-to-end test with a tiny model (to the
+# overlay's class, or on an upstream base to upstream's, hooked).
 TEST_BIND_ENV = "K3_TEST_BIND_MODULES"
 
-_state: dict[str, Any] = {"registered": False, "bound": []}
+_state: dict[str, Any] = {"registered": False, "bound": [], "upstream_hook": False}
 
 
-def overlay_is_ours() -> bool:
-    """True when vLLM's amd/mla.py is the k3rocm overlay file.
+def amd_mla_text() -> str | None:
+    """vLLM's amd/mla.py as text, None when there is none.
 
     Read from disk next to the ``vllm`` package: nothing of ``vllm.models.kimi_k3`` is
     imported (its ``__init__`` pulls in the whole model and FLA utilities that touch the HIP
@@ -57,13 +65,18 @@ def overlay_is_ours() -> bool:
     try:
         spec = importlib.util.find_spec("vllm")  # top level: already imported, or not at all
     except (ImportError, ValueError):
-        return False
+        return None
     for root in (spec.submodule_search_locations or []) if spec else []:
         path = os.path.join(root, *OVERLAY_MODULE.split(".")[1:]) + ".py"
         if os.path.isfile(path):
             with open(path, encoding="utf-8") as fh:
-                return MARKER in fh.read()
-    return False
+                return fh.read()
+    return None
+
+
+def overlay_is_ours() -> bool:
+    """True when vLLM's amd/mla.py is the k3rocm overlay file."""
+    return MARKER in (amd_mla_text() or "")
 
 
 def bind(module: Any) -> bool:
@@ -92,29 +105,42 @@ def bind(module: Any) -> bool:
 
 
 class _Finder(importlib.abc.MetaPathFinder):
-    """Runs :func:`bind` right after one of ``names`` is imported."""
+    """Runs ``hooks[name](module)`` right after module ``name`` is imported (executed)."""
 
-    def __init__(self, names: set[str]):
-        self.names = names
+    def __init__(self, hooks: dict[str, Callable[[Any], Any]]):
+        self.hooks = hooks
+        self._busy: set[str] = set()
 
     def find_spec(self, fullname, path=None, target=None):  # noqa: D102
-        if fullname not in self.names:
+        if fullname not in self.hooks or fullname in self._busy:
             return None
-        self.names.discard(fullname)  # avoid recursion: let the normal finders find it
+        self._busy.add(fullname)  # avoid recursion: let the normal finders find it
         try:
             spec = importlib.util.find_spec(fullname)
         finally:
-            self.names.add(fullname)
+            self._busy.discard(fullname)
         if spec is None or spec.loader is None:
             return None
-        exec_module = spec.loader.exec_module
+        exec_module, hook = spec.loader.exec_module, self.hooks[fullname]
 
-        def exec_and_bind(module: Any) -> None:
+        def exec_and_hook(module: Any) -> None:
             exec_module(module)
-            bind(module)
+            hook(module)
 
-        spec.loader.exec_module = exec_and_bind  # this spec's own loader instance
+        spec.loader.exec_module = exec_and_hook  # this spec's own loader instance
         return spec
+
+
+def _hook(hooks: dict[str, Callable[[Any], Any]]) -> None:
+    """Run each hook now for a module already imported, else right after its import."""
+    pending = {}
+    for name, hook in hooks.items():
+        if name in sys.modules:
+            hook(sys.modules[name])
+        else:
+            pending[name] = hook
+    if pending:
+        sys.meta_path.insert(0, _Finder(pending))
 
 
 def register() -> None:
@@ -126,17 +152,19 @@ def register() -> None:
         if os.environ.get("K3_OVERLAY", "").strip().lower() == "off":
             log.info("k3rocm overlay: K3_OVERLAY=off, stock MLA wrapper")
             return
-        if not overlay_is_ours():
-            return  # no overlay applied, or upstream amd/mla.py (wired upstream)
-        pending = set()
-        names = f"{TARGET_MODULE},{os.environ.get(TEST_BIND_ENV, '')}".split(",")
-        for name in filter(None, map(str.strip, names)):
-            if name in sys.modules:
-                bind(sys.modules[name])
-            else:
-                pending.add(name)
-        if pending:
-            sys.meta_path.insert(0, _Finder(pending))
+        text = amd_mla_text()
+        if text is None:
+            return  # no amd/mla.py: no overlay applied on a base older than 0.30
+        test_bind = [n for n in map(str.strip, os.environ.get(TEST_BIND_ENV, "").split(","))
+                     if n]
+        if MARKER in text:
+            _hook(dict.fromkeys([TARGET_MODULE, *test_bind], bind))
+            return
+        # upstream's amd/mla.py: it wires its own class; the hook makes its fusions switchable
+        from k3rocm.serving import upstream_hook
+
+        _state["upstream_hook"] = True
+        _hook({OVERLAY_MODULE: upstream_hook.install, **dict.fromkeys(test_bind, bind)})
     except Exception as exc:  # noqa: BLE001 - a plugin must not kill the server
-        log.warning("k3rocm overlay: wiring failed (%s: %s); stock MLA wrapper",
-                    type(exc).__name__, exc)
+        log.warning("k3rocm overlay: wiring failed (%s: %s); vLLM's MLA wrapper as shipped "
+                    "(no overlay, no upstream hook)", type(exc).__name__, exc)
