@@ -118,7 +118,7 @@ def test_k3rocm_writer_writes_what_the_overlay_writes(tmp_path, monkeypatch, cap
     k3rocm's writer; its only addition is ``writer: upstream``)."""
     import logging
 
-    probe = {"qprep_kernel": {"found": True, "clamps_positions": True, "source": "s"},
+    probe = {"qprep_kernel": {"found": True, "source": "s"},
              "dual_norm_op": {"found": True, "source": "d"}}
     overlay = _overlay_writer(probe)
     ours = decisions.Writer()
