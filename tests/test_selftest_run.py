@@ -6,6 +6,7 @@ any server starts."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -24,7 +25,7 @@ from conftest import (
 )
 from server_fixture import MODELS_DIR, ensure_smoke_model
 
-from k3rocm.checks.selftest import GREEDY_TOKENS, compare
+from k3rocm.checks.selftest import GREEDY_TOKENS, LOGPROB_TOL, compare, compare_note
 
 PROJECT = "k3rocm-selftest-test"
 
@@ -33,20 +34,58 @@ PROJECT = "k3rocm-selftest-test"
 # ------------------------------------------------------------------------ no Docker needed
 
 
-def test_compare_names_the_first_difference():
-    on = [{"prompt": "a", "tokens": ["x", "y", "z"], "logprobs": [-0.1, -0.2, -0.3]},
-          {"prompt": "b", "tokens": ["p", "q"], "logprobs": [-1.0, -2.0]}]
+def _run(prompt, tokens, logprobs, top):
+    return {"prompt": prompt, "tokens": tokens, "logprobs": logprobs, "top_logprobs": top}
+
+
+def test_compare_judges_the_logprob_gap_against_the_tolerance():
+    """Identical tokens are not enough: the chosen token's logprob on vs off must agree within
+    the stated tolerance (old code: OK whenever the tokens were identical)."""
+    on = [_run("a", ["x", "y"], [-0.1, -0.2], [{"x": -0.1, "q": -3.0}, {"y": -0.2, "q": -2.0}])]
     same = compare(on, json.loads(json.dumps(on)))
-    assert same["identical"] and same["max_logprob_gap"] == 0.0
-    off = [{"prompt": "a", "tokens": ["x", "w", "z"], "logprobs": [-0.1, -0.9, -0.3]},
-           on[1]]
+    assert same["identical"] and same["ok"] and same["max_logprob_gap"] == 0.0
+    assert same["tolerance"] == LOGPROB_TOL == 0.125
+    near = [_run("a", ["x", "y"], [-0.1, -0.3], [{"x": -0.1, "q": -3.0}, {"y": -0.3, "q": -2.1}])]
+    c = compare(on, near)
+    assert c["identical"] and c["ok"] and c["max_logprob_gap"] == pytest.approx(0.1)
+    far = [_run("a", ["x", "y"], [-0.1, -0.5], [{"x": -0.1, "q": -3.0}, {"y": -0.5, "q": -2.0}])]
+    c = compare(on, far)
+    assert c["identical"] and not c["ok"] and c["max_logprob_gap"] == pytest.approx(0.3)
+    assert c["max_gap_at"]["position"] == 1
+    note = compare_note(c)
+    assert "max logprob gap 0.3 > tolerance 0.125 at 'a' position 1" in note
+    assert "identical" in note and "top-20 spread median" in note
+
+
+def test_compare_a_near_tie_flip_is_within_tolerance_and_later_positions_are_not_compared():
+    """Tokens that differ where both arms rank them next to each other (a near-tie: flat logits
+    on random weights) pass when both tokens' logprobs agree within the tolerance; after the
+    first difference the arms continue different texts, so nothing after it is compared."""
+    on = [_run("a", ["x", "y", "z"], [-0.1, -0.69, -0.01],
+               [{"x": -0.1}, {"y": -0.69, "w": -0.70}, {"z": -0.01}])]
+    off = [_run("a", ["x", "w", "k"], [-0.1, -0.68, -9.0],
+                [{"x": -0.1}, {"w": -0.68, "y": -0.71}, {"k": -9.0}])]
     c = compare(on, off)
-    assert not c["identical"]
+    assert not c["identical"] and c["ok"], c
     assert c["first_differences"] == [{"prompt": "a", "position": 1, "on": ["y"], "off": ["w"],
-                                       "logprob_on": -0.2, "logprob_off": -0.9}]
-    assert c["max_logprob_gap"] == pytest.approx(0.7)
-    assert compare(on, [on[0], {**on[1], "tokens": ["p"]}])["first_differences"][0][
-        "position"] == 1  # a shorter answer differs where it ends
+                                       "logprob_on": -0.69, "logprob_off": -0.68}]
+    assert c["max_logprob_gap"] == pytest.approx(0.02)  # w: -0.70 vs -0.68; y: -0.69 vs -0.71
+    assert "tokens differ: 'a' at 1" in compare_note(c)
+
+
+def test_compare_a_token_outside_the_other_arms_top_n_fails():
+    on = [_run("a", ["x", "y"], [-0.1, -0.05], [{"x": -0.1}, {"y": -0.05, "w": -0.3}])]
+    off = [_run("a", ["x", "w"], [-0.1, -0.2], [{"x": -0.1}, {"w": -0.2, "v": -2.5}])]
+    c = compare(on, off)
+    # y is not in off's top-N: its logprob there is at most -2.5, so the gap is at least 2.45
+    assert not c["ok"] and c["max_logprob_gap"] == pytest.approx(2.45)
+    assert not c["max_gap_at"]["in_both_top_n"]
+    nothing = [_run("a", ["x", "w"], [-0.1, -0.01], [{"x": -0.1}, {"w": -0.01}])]
+    c = compare(on, nothing)  # no bound at all: unbounded
+    assert not c["ok"] and c["max_logprob_gap"] is None
+    assert "unbounded" in compare_note(c)
+    short = [_run("a", ["x"], [-0.1], [{"x": -0.1}])]
+    assert not compare(on, short)["ok"]  # an answer that ended cannot be compared
 
 
 @pytest.mark.parametrize("args,fragment", [
@@ -67,6 +106,44 @@ def test_bad_input_is_one_line_exit_2(tmp_path, args, fragment):
 # ------------------------------------------- the A/B's arms against the image's base facts
 
 
+class ImageNotFound(Exception):  # docker-py's name: engine.image_id tells it by name
+    pass
+
+
+class FakeDocker:
+    """docker-py's client as far as the selftest's early checks ask: images.get and the
+    running containers."""
+
+    def __init__(self):
+        from k3rocm.deploy.engine import CLIENT_IMAGE
+
+        self.images_present = {CLIENT_IMAGE}
+        self.running: list = []
+        self.images = self
+        self.containers = self
+
+    def get(self, ref):
+        if ref not in self.images_present:
+            raise ImageNotFound(ref)
+        return type("Image", (), {"id": "sha256:" + "0" * 64})()
+
+    def list(self):
+        return self.running
+
+
+def gpu_server(name="k3rocm-server-1", project="k3rocm", port="8000"):
+    """A running `make up` server as the engine shows it: /dev/kfd mapped, K3_* env."""
+    return type("Container", (), {
+        "name": name, "labels": {"com.docker.compose.project": project},
+        "attrs": {"HostConfig": {"Devices": [{"PathOnHost": "/dev/kfd"},
+                                             {"PathOnHost": "/dev/dri"}]},
+                  "Config": {"Env": ["K3_PROFILE=mi355x-tp8", f"K3_PORT={port}"]}}})()
+
+
+class Calls(list):
+    docker: FakeDocker
+
+
 @pytest.fixture
 def seed_node(tmp_path, monkeypatch):
     """A node (compose.yaml alone, AITER on) whose serving image's manifest holds the seed
@@ -83,9 +160,21 @@ def seed_node(tmp_path, monkeypatch):
     facts = basefacts.measure(upstream_tree("0.27.1"))
     monkeypatch.setattr(config_cmd, "image_base_facts",
                         lambda image: (facts, f"{image} (sha256:0123456789ab) manifest"))
-    calls: list[tuple] = []
-    monkeypatch.setattr(ComposeServer, "compose", lambda self, *a, **kw: calls.append(a))
+    calls: Calls = Calls()
+    def compose(self, *a, **kw):  # recorded; as if it failed (the old code then stops)
+        calls.append(a)
+        return subprocess.CompletedProcess(a, 1, "", "")
+
+    monkeypatch.setattr(ComposeServer, "compose", compose)
     monkeypatch.setattr(ComposeServer, "up", lambda self, *a, **kw: calls.append(("up",)))
+    # the Docker engine (client image present, no container) and idle GPUs: tests change them
+    from k3rocm.checks import selftest
+    from k3rocm.deploy import engine
+
+    docker = FakeDocker()
+    monkeypatch.setattr(engine, "docker_client", lambda *a, **kw: docker)
+    monkeypatch.setattr(selftest, "gpu_memory_used",
+                        lambda: ([(f"GPU {i}", 0.003) for i in range(8)], "amd-smi"))
     for k in [k for k in os.environ if k.startswith("K3_")]:
         monkeypatch.delenv(k)
     models = tmp_path / "models"
@@ -96,6 +185,7 @@ def seed_node(tmp_path, monkeypatch):
     monkeypatch.setenv("K3_MODELS_DIR", str(models))
     monkeypatch.setenv("K3_RESULTS_DIR", str(tmp_path / "results"))
     monkeypatch.chdir(tmp_path)
+    calls.docker = docker  # type: ignore[attr-defined]
     return calls
 
 
@@ -109,10 +199,12 @@ def test_selftest_on_the_seed_base_is_refused_before_the_build(seed_node, tmp_pa
     code = main(["selftest", "run"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2, err
-    assert len(err) == 1 and err[0].startswith(
+    errors = [ln for ln in err if ln.startswith("k3rocm: error:")]
+    assert len(errors) == 1 and errors[0].startswith(
         "k3rocm: error: arm B (K3_FUSE_DECODE_QPREP=1 K3_FUSE_QK_NORM=1) cannot be served by "
         "this base (vLLM 0.27.1"), err
-    assert "needs an fp8 KV cache" in err[0] and "--on qk_norm" in err[0]
+    assert "needs an fp8 KV cache" in errors[0] and "--on qk_norm" in errors[0]
+    assert "nothing expensive was started" in err[-1]
     assert seed_node == [] and not (tmp_path / "results").exists()
 
 
@@ -131,6 +223,145 @@ def test_selftest_serves_the_abs_arms(seed_node):
     assert srv.env["K3_FUSE_QK_NORM"] == "1" and srv.env["K3_FUSE_DECODE_QPREP"] == "0"
     base = selftest.base_check(dep, srv, arms, ".env")
     assert sorted(base["arms"]) == ["A", "B"] and base["vllm_version"] == "0.27.1"
+    assert seed_node == []
+
+
+# ------------------------------------------------- refused before any build or server (fakes)
+
+
+@contextlib.contextmanager
+def busy_port():
+    """A port something listens on (as the engine's proxy does for a published port)."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        yield held.getsockname()[1]
+
+
+def _refused(capsys, *argv: str) -> tuple[int, list[str], list[str]]:
+    from k3rocm.cli import main
+
+    code = main(["selftest", "run", "--on", "qk_norm", *argv])  # an arm the seed base serves
+    err = capsys.readouterr().err.strip().splitlines()
+    return code, [ln for ln in err if ln.startswith("k3rocm: error: ")], err
+
+
+def test_a_missing_client_image_is_refused_before_any_build(seed_node, tmp_path, capsys):
+    """The bench step runs aiperf in the client image: missing, it is one line and exit 2
+    before the build (old code: built, served, ran census and greedy, then failed at bench)."""
+    from k3rocm.deploy.engine import CLIENT_IMAGE
+
+    seed_node.docker.images_present.clear()
+    code, errors, err = _refused(capsys)
+    assert code == 2, err
+    assert len(errors) == 1 and f"client image {CLIENT_IMAGE!r} not found" in errors[0], err
+    assert "make clients-image" in errors[0]
+    assert err[-1].startswith("k3rocm selftest: nothing expensive was started"), err
+    assert seed_node == [] and not (tmp_path / "results").exists()
+
+
+def test_the_client_image_the_bench_step_will_use_is_the_one_checked(seed_node, capsys):
+    seed_node.docker.images_present.clear()
+    seed_node.docker.images_present.add("my/clients:1")
+    with busy_port() as port:  # refused for its port, so nothing runs
+        code, errors, err = _refused(capsys, "--bench-args=--client-image my/clients:1",
+                                     "--port", str(port))
+    assert code == 2 and len(errors) == 1 and "is in use" in errors[0], err
+    code, errors, err = _refused(capsys, "--bench-args=--no-such-flag")
+    assert code == 2 and len(errors) == 1 and "--bench-args: unrecognized arguments" in \
+        errors[0], err
+    assert seed_node == []
+
+
+def test_gpus_held_by_a_running_server_are_refused_before_any_build(seed_node, tmp_path,
+                                                                   capsys):
+    """A `make up` server (TP=8 at 0.9 of each GPU's memory) holds the GPUs the selftest
+    server needs: old code built the image and waited for a server that could not load."""
+    seed_node.docker.running.append(gpu_server())
+    code, errors, err = _refused(capsys)
+    assert code == 2 and len(errors) == 1, err
+    assert "the GPUs are held by running container(s) k3rocm-server-1 (a k3rocm server, " \
+        "compose project k3rocm, port 8000)" in errors[0] and "make down" in errors[0]
+    assert seed_node == [] and not (tmp_path / "results").exists()
+
+
+def test_gpu_memory_in_use_is_refused_before_any_build(seed_node, monkeypatch, tmp_path,
+                                                      capsys):
+    from k3rocm.checks import selftest
+
+    monkeypatch.setattr(selftest, "gpu_memory_used",
+                        lambda: ([("GPU 0", 0.004), ("GPU 3", 0.62)], "rocm-smi"))
+    code, errors, err = _refused(capsys)
+    assert code == 2 and len(errors) == 1, err
+    assert "GPU memory in use (rocm-smi): GPU 3 62%" in errors[0], err
+    assert "asks vLLM for 0.9 of each GPU" in errors[0] and "GPU 0" not in errors[0]
+    assert seed_node == [] and not (tmp_path / "results").exists()
+
+
+def test_a_busy_port_is_refused_before_any_build(seed_node, tmp_path, capsys):
+    with busy_port() as port:
+        code, errors, err = _refused(capsys, "--port", str(port))
+    assert code == 2 and len(errors) == 1, err
+    assert f"port {port} on 127.0.0.1 is in use" in errors[0] and "--port N" in errors[0]
+    assert seed_node == [] and not (tmp_path / "results").exists()
+
+
+def test_every_problem_is_one_line_and_all_are_named_at_once(seed_node, monkeypatch, capsys):
+    """The operator fixes everything in one go: each problem its own line, base check too."""
+    seed_node.docker.images_present.clear()
+    seed_node.docker.running.append(gpu_server())
+    from k3rocm.cli import main
+
+    with busy_port() as port:  # and arm B, which the seed base cannot serve
+        code = main(["selftest", "run", "--port", str(port)])
+    err = capsys.readouterr().err.strip().splitlines()
+    errors = [ln for ln in err if ln.startswith("k3rocm: error: ")]
+    assert code == 2 and len(errors) == 4, err
+    for fragment, line in zip(("client image", f"port {port} on 127.0.0.1 is in use",
+                               "GPUs are held", "cannot be served by this base"), errors,
+                              strict=True):
+        assert fragment in line, err
+    assert seed_node == []
+
+
+def test_the_gpu_check_is_skipped_on_the_cpu_standin_and_says_so(seed_node, monkeypatch):
+    import argparse
+
+    from k3rocm.checks import selftest
+
+    monkeypatch.setenv("COMPOSE_FILE", "compose.yaml:compose.cpu.yaml")
+    seed_node.docker.running.append(gpu_server())
+    args = argparse.Namespace(timeout=10, bench_args="", census_args="", env_file=".env",
+                              model=None, port=None, project="k3selftest-t", on="all",
+                              workload=None)
+    dep, _, _ = selftest._plan(args, check_model=False)
+    problems, notes = selftest.early_checks(dep, selftest._bench_argv(args, dep))
+    assert dep.cpu and problems == [], problems
+    assert "GPU check skipped: CPU stand-in" in notes
+
+
+def test_the_servers_get_this_shells_vendor_variables(seed_node, monkeypatch, tmp_path):
+    """`make up` passes the vendor variables of the shell it runs in (its `k3rocm config
+    --vendor-env-file`); so does the selftest, into its own file, never the shared
+    .k3rocm/vendor.env an earlier shell wrote (old code: that stale file, or on the CPU
+    stand-in a copy of it)."""
+    import argparse
+
+    from k3rocm.checks import selftest
+
+    monkeypatch.setenv("VLLM_ROCM_USE_AITER_MHA", "0")
+    args = argparse.Namespace(timeout=10, bench_args="", census_args="", env_file=".env",
+                              model=None, port=None, project="k3selftest-t", on="qk_norm")
+    for compose_file, extra in (("compose.yaml", []),
+                                ("compose.yaml:compose.cpu.yaml", ["TORCHDYNAMO_DISABLE=1"])):
+        monkeypatch.setenv("COMPOSE_FILE", compose_file)
+        vendor = tmp_path / f"vendor-{len(extra)}.env"
+        _, srv, _ = selftest._plan(args, check_model=False, vendor_file=vendor)
+        assert srv.compose_env()["K3_VENDOR_ENV_FILE"] == str(vendor)
+        lines = [ln for ln in vendor.read_text().splitlines() if not ln.startswith("#")]
+        assert lines == ["VLLM_ROCM_USE_AITER_MHA=0", *extra], lines
     assert seed_node == []
 
 
