@@ -365,6 +365,42 @@ def test_the_servers_get_this_shells_vendor_variables(seed_node, monkeypatch, tm
     assert seed_node == []
 
 
+def test_an_exit_2_after_a_server_started_is_exit_4_not_bad_input(seed_node, monkeypatch,
+                                                                  tmp_path, capsys):
+    """Exit 2 promises that nothing expensive was started. A step that refuses its input once
+    the servers have run (here the bench step) makes the selftest exit 4, cannot judge, and its
+    row says why (old code: exit 2 after building, serving and two steps)."""
+    from k3rocm.checks import selftest
+    from k3rocm.cli import main
+    from k3rocm.deploy import runrecord
+    from k3rocm.deploy.lifecycle import ComposeServer
+
+    monkeypatch.setattr(ComposeServer, "compose",  # the build succeeds
+                        lambda self, *a, **kw: subprocess.CompletedProcess(a, 0, "", ""))
+    monkeypatch.setattr(ComposeServer, "wait", lambda self, timeout, **kw: 1.0)
+    monkeypatch.setattr(ComposeServer, "provenance", lambda self: {})
+    monkeypatch.setattr(ComposeServer, "down", lambda self, **kw: None)
+    monkeypatch.setattr(runrecord, "build", lambda **kw: {})
+    answer = [{"prompt": p, "tokens": ["token_id:7"] * GREEDY_TOKENS,
+               "logprobs": [-0.5] * GREEDY_TOKENS,
+               "top_logprobs": [{"token_id:7": -0.5, "token_id:9": -1.5}] * GREEDY_TOKENS}
+              for p in selftest.PROMPTS]
+    monkeypatch.setattr(selftest, "greedy", lambda *a, **kw: json.loads(json.dumps(answer)))
+    monkeypatch.setattr(selftest, "run_step",
+                        lambda name, *a, **kw: (2 if name == "bench" else 0, 0.1, ""))
+    code = main(["selftest", "run", "--on", "qk_norm"])
+    out, err = capsys.readouterr()
+    assert code == 4, out + err
+    assert "nothing expensive was started" not in err
+    (run,) = (tmp_path / "results").iterdir()
+    s = json.loads((run / "summary.json").read_text())
+    bench = next(st for st in s["steps"] if st["name"] == "bench")
+    assert bench["exit_code"] == 2 and "found after a server had started" in bench["note"]
+    assert s["exit_code"] == 4 and "k3rocm selftest: FAILED (exit 4)" in out
+    compare_row = next(st for st in s["steps"] if st["name"] == "compare")
+    assert compare_row["ok"] and "max logprob gap 0 <= tolerance 0.125" in compare_row["note"]
+
+
 # ------------------------------------------------------------------- the real serving path
 
 
@@ -398,6 +434,16 @@ def test_make_selftest_on_the_standin(docker_client, tmp_path):
     assert census["numbers"]["ok"] is True and census["numbers"]["mla_layers"] == 2
     assert s["greedy"]["identical"] and s["greedy"]["prompts"] == 4
     assert all(len(g["tokens"]) == GREEDY_TOKENS for g in s["greedy"]["on"])
+    # both servers are stock on the stand-in: the logprobs agree within the tolerance
+    g = s["greedy"]
+    assert g["ok"] and g["max_logprob_gap"] is not None and g["max_logprob_gap"] <= LOGPROB_TOL
+    assert all(len(top) >= 2 for top in g["on"][0]["top_logprobs"])  # top-N came back
+    compare_row = next(st for st in s["steps"] if st["name"] == "compare")
+    assert f"<= tolerance {LOGPROB_TOL:g}" in compare_row["note"]
+    # checked before the build; the servers got this shell's vendor variables, from the run
+    assert "GPU check skipped: CPU stand-in" in s["checked_first"]
+    assert any(c.startswith("client image ") for c in s["checked_first"])
+    assert "TORCHDYNAMO_DISABLE=1" in (run / "vendor.env").read_text()
     bench = next(st for st in s["steps"] if st["name"] == "bench")
     assert bench["numbers"]["points"][0]["status"] == "ok"
     for log in ("server-on.log", "server-off.log"):
