@@ -401,6 +401,28 @@ def test_an_exit_2_after_a_server_started_is_exit_4_not_bad_input(seed_node, mon
     assert compare_row["ok"] and "max logprob gap 0 <= tolerance 0.125" in compare_row["note"]
 
 
+@pytest.mark.parametrize("data", [
+    # amd-smi metric --mem-usage --json (a list, or {"gpu_data": [...]} in newer releases)
+    [{"gpu": 0, "mem_usage": {"total_vram": {"value": 294896, "unit": "MB"},
+                              "used_vram": {"value": 283, "unit": "MB"}}},
+     {"gpu": 1, "mem_usage": {"total_vram": {"value": 294896, "unit": "MB"},
+                              "used_vram": {"value": 265406, "unit": "MB"}}}],
+    {"gpu_data": [{"gpu": 0, "mem_usage": {"total_vram": {"value": 100, "unit": "MB"},
+                                           "used_vram": {"value": 0.1, "unit": "MB"}}},
+                  {"gpu": 1, "mem_usage": {"total_vram": {"value": 100, "unit": "MB"},
+                                           "used_vram": {"value": 90, "unit": "MB"}}}]},
+    # rocm-smi --showmemuse --json
+    {"card0": {"GPU Memory Allocated (VRAM%)": "0", "GPU Memory Read/Write Activity (%)": "0"},
+     "card1": {"GPU Memory Allocated (VRAM%)": "90", "Memory Activity": "N/A"}},
+])
+def test_gpu_memory_in_use_is_read_from_amd_smi_or_rocm_smi(data):
+    from k3rocm.checks.selftest import parse_gpu_memory
+
+    used = parse_gpu_memory(data)
+    assert [round(f, 2) for _, f in used] == [0.0, 0.9], used
+    assert used[1][0] in ("GPU 1", "card1")
+
+
 # ------------------------------------------------------------------- the real serving path
 
 

@@ -6,7 +6,12 @@ checkpoint that this base, this overlay and these settings serve, fuse and agree
 - ``k3rocm selftest run``: the deployment ``make up`` would serve (same profile, settings,
   image, compose service, entrypoint), with only ``K3_MODEL`` (the small checkpoint),
   ``K3_PORT`` (+1) and ``K3_PROFILER_DIR`` (inside the run directory) changed, in its own
-  compose project. Steps:
+  compose project. First, before any build or server (one line each, exit 2; nothing is
+  started): the bench step's client image, the selftest port free, the GPUs free (a running
+  server holding them, or their memory in use: not on the CPU stand-in) and both arms against
+  the image's base facts. The servers get this shell's vendor variables, computed as `make up`
+  computes them, in the run directory's vendor.env (never the shared .k3rocm/vendor.env).
+  Steps:
 
     build    the serving image (as make up), then the base facts recorded in it are applied to
              the settings: a setting the base cannot run stops here (exit 2), before any load
@@ -14,12 +19,13 @@ checkpoint that this base, this overlay and these settings serve, fuse and agree
              decisions)
     census   decode kernel census from the server's profiler (expectations from the small
              model's own MLA layer count)
-    greedy   a few fixed prompts, greedy, with logprobs
+    greedy   a few fixed prompts, greedy, with the top-20 logprobs per position
     bench    one short aiperf point
     down     server log kept
     off      the same server with every K3_FUSE_* switch 0: greedy again, down
-    compare  greedy tokens fusions on vs off: identical, or the first position that differs
-             with both logprobs
+    compare  fusions on vs off: the largest logprob gap (up to each prompt's first differing
+             token, both arms' tokens there) within LOGPROB_TOL; identical tokens or where
+             they first differ
 
   The two servers are the A/B's two arms (:func:`k3rocm.checks.ab.arms.arm_envs`): "off" is
   arm A (every K3_FUSE_* switch 0), the first server is arm B (the fusions ``--on`` names, default
@@ -37,9 +43,10 @@ On the CPU stand-in (``CPU=1``) the same steps run with the tiny DeepSeek-shaped
 are arm A (the stock path; a K3_FUSE_* switch set in the shell or .env is kept for the first)
 and the census checks the stock counts.
 
-Exit codes: 0 every step ok; 1 a check failed (census, greedy tokens differ, bench point);
-2 bad input or a setting the base cannot run (nothing loaded); 3 a server did not come up;
-130 interrupted.
+Exit codes: 0 every step ok; 1 a check failed (census, the logprob gap, bench point); 2 bad
+input or a setting the base cannot run (nothing loaded); 3 a server did not come up or no
+Docker engine; 4 a step refused its input after a server had started (cannot judge); 130
+interrupted.
 """
 
 from __future__ import annotations
