@@ -275,6 +275,31 @@ def test_the_client_image_the_bench_step_will_use_is_the_one_checked(seed_node, 
     assert seed_node == []
 
 
+def test_no_build_without_a_serving_image_is_refused_first(seed_node, capsys):
+    code, errors, err = _refused(capsys, "--no-build")
+    assert code == 2 and len(errors) == 1, err
+    assert "serving image 'k3rocm/server:latest' not found" in errors[0], err
+    assert "drop --no-build" in errors[0] and seed_node == []
+
+
+def test_the_summary_says_when_the_shared_vendor_env_differs(seed_node, monkeypatch,
+                                                             tmp_path):
+    import argparse
+
+    from k3rocm.checks import selftest
+
+    monkeypatch.setenv("VLLM_ROCM_USE_AITER_MHA", "0")
+    (tmp_path / "repo" / ".k3rocm").mkdir(parents=True)
+    (tmp_path / "repo" / ".k3rocm" / "vendor.env").write_text(
+        "VLLM_ROCM_USE_AITER_MHA=1\nAITER_OLD_SHELL=1\n")
+    args = argparse.Namespace(timeout=10, bench_args="", census_args="", env_file=".env",
+                              model=None, port=None, project="k3selftest-t", on="qk_norm")
+    dep, _, _ = selftest._plan(args, check_model=False)
+    note = selftest.vendor_note(dep, tmp_path / "repo")
+    assert note.startswith("vendor variables from this shell: VLLM_ROCM_USE_AITER_MHA ("), note
+    assert "differs in AITER_OLD_SHELL, VLLM_ROCM_USE_AITER_MHA: not used" in note
+
+
 def test_gpus_held_by_a_running_server_are_refused_before_any_build(seed_node, tmp_path,
                                                                    capsys):
     """A `make up` server (TP=8 at 0.9 of each GPU's memory) holds the GPUs the selftest

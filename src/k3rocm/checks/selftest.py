@@ -319,10 +319,12 @@ def _gpu_containers(client) -> list[str]:
     return found
 
 
-def early_checks(dep, bench_argv: list[str]) -> tuple[list[UsageError], list[str]]:
+def early_checks(dep, bench_argv: list[str],
+                 no_build: bool = False) -> tuple[list[UsageError], list[str]]:
     """What the selftest needs that a build or a load would find late, checked first: the
-    bench step's client image, the selftest port free, the GPUs free (not on the CPU
-    stand-in). (problems, notes): each problem one line; nothing is started here."""
+    bench step's client image (and with ``no_build`` the serving image), the selftest port
+    free, the GPUs free (not on the CPU stand-in). (problems, notes): each problem one line;
+    nothing is started here."""
     from k3rocm.deploy.engine import docker_client, image_id
     from k3rocm.deploy.preflight import port_free
 
@@ -345,6 +347,12 @@ def early_checks(dep, bench_argv: list[str]) -> tuple[list[UsageError], list[str
             notes.append(f"client image {image} present")
         except UsageError as exc:
             problems.append(exc)
+        if no_build:
+            try:
+                image_id(client, dep.image, what="serving image", hint="build it (`make "
+                         "build`, or `make build CPU=1` for the stand-in) or drop --no-build")
+            except UsageError as exc:
+                problems.append(exc)
     host = {"": "0.0.0.0"}.get(dep.settings.bind_address, dep.settings.bind_address)
     if port_free(host, dep.port):
         notes.append(f"port {dep.port} free")
@@ -540,7 +548,7 @@ def selftest(args: argparse.Namespace) -> int:  # noqa: C901 - one linear pipeli
     t0 = time.time()
     dep, srv, switches = _plan(args)  # exit 2 before anything starts
     bench_args = _bench_argv(args, dep)
-    problems, checked = early_checks(dep, bench_args)
+    problems, checked = early_checks(dep, bench_args, args.no_build)
     checked.append(vendor_note(dep, REPO))
     if not args.no_build:  # the image as it is now; checked again once built
         try:
