@@ -511,6 +511,9 @@ def test_a_setting_the_base_cannot_run_stops_before_any_server(docker_client, tm
     # k3rocm's 2 (bad input), not make's 2 (any failed recipe)
     assert make_exit_code(p) == 2, p.stdout[-2000:] + p.stderr[-2000:]
     assert "K3_FUSE_QK_NORM=0 has no effect on this base: vLLM 0.32.0" in p.stderr
+    # refused with the other early checks: before any server and any run directory
+    assert "k3rocm selftest: nothing expensive was started" in p.stderr
+    assert not (tmp_path / "results").exists()
     assert project_containers(PROJECT) == []
 
 

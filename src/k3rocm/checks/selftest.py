@@ -550,11 +550,10 @@ def selftest(args: argparse.Namespace) -> int:  # noqa: C901 - one linear pipeli
     bench_args = _bench_argv(args, dep)
     problems, checked = early_checks(dep, bench_args, args.no_build)
     checked.append(vendor_note(dep, REPO))
-    if not args.no_build:  # the image as it is now; checked again once built
-        try:
-            base_check(dep, srv, switches, args.env_file)
-        except UsageError as exc:
-            problems.append(exc)
+    try:  # the image as it is now (with --no-build, the one served); checked again once built
+        base_check(dep, srv, switches, args.env_file)
+    except UsageError as exc:
+        problems.append(exc)
     if problems:  # one line each; nothing was built, served or written
         for exc in problems:
             print(f"k3rocm: error: {exc}", file=sys.stderr)
