@@ -73,19 +73,22 @@ def test_compare_a_near_tie_flip_is_within_tolerance_and_later_positions_are_not
     assert "tokens differ: 'a' at 1" in compare_note(c)
 
 
-def test_compare_a_token_outside_the_other_arms_top_n_fails():
-    on = [_run("a", ["x", "y"], [-0.1, -0.05], [{"x": -0.1}, {"y": -0.05, "w": -0.3}])]
+def test_compare_a_token_outside_the_other_arms_top_n_fails_or_cannot_be_judged():
+    on = [_run("a", ["x", "y"], [-0.1, -0.69], [{"x": -0.1}, {"y": -0.69, "w": -0.71}])]
     off = [_run("a", ["x", "w"], [-0.1, -0.2], [{"x": -0.1}, {"w": -0.2, "v": -2.5}])]
     c = compare(on, off)
-    # y is not in off's top-N: its logprob there is at most -2.5, so the gap is at least 2.45
-    assert not c["ok"] and c["max_logprob_gap"] == pytest.approx(2.45)
+    # y is not in off's top-N: its logprob there is at most -2.5, so the gap is at least 1.81
+    assert c["verdict"] == "fail" and c["max_logprob_gap"] == pytest.approx(1.81), c
     assert not c["max_gap_at"]["in_both_top_n"]
-    nothing = [_run("a", ["x", "w"], [-0.1, -0.01], [{"x": -0.1}, {"w": -0.01}])]
-    c = compare(on, nothing)  # no bound at all: unbounded
-    assert not c["ok"] and c["max_logprob_gap"] is None
-    assert "unbounded" in compare_note(c)
+    near = [_run("a", ["x", "w"], [-0.1, -0.68], [{"x": -0.1}, {"w": -0.68}])]
+    c = compare(on, near)  # y is at most -0.68 there: its gap has no bound
+    assert c["verdict"] == "cannot judge" and not c["ok"], c
+    assert c["unbounded"] == [{"prompt": "a", "position": 1, "token": "y"}]
+    assert c["max_logprob_gap"] == pytest.approx(0.03)  # w: -0.71 vs -0.68
+    assert "cannot judge 'a' position 1: a token outside the other arm's top-20" in \
+        compare_note(c)
     short = [_run("a", ["x"], [-0.1], [{"x": -0.1}])]
-    assert not compare(on, short)["ok"]  # an answer that ended cannot be compared
+    assert compare(on, short)["verdict"] == "cannot judge"  # an answer that ended early
 
 
 @pytest.mark.parametrize("args,fragment", [
@@ -390,13 +393,11 @@ def test_the_servers_get_this_shells_vendor_variables(seed_node, monkeypatch, tm
     assert seed_node == []
 
 
-def test_an_exit_2_after_a_server_started_is_exit_4_not_bad_input(seed_node, monkeypatch,
-                                                                  tmp_path, capsys):
-    """Exit 2 promises that nothing expensive was started. A step that refuses its input once
-    the servers have run (here the bench step) makes the selftest exit 4, cannot judge, and its
-    row says why (old code: exit 2 after building, serving and two steps)."""
+@pytest.fixture
+def fake_pipeline(seed_node, monkeypatch):
+    """The whole selftest on the seed node with the servers, the census and bench subprocesses
+    and the greedy requests faked: ``answers`` (on, off) and ``codes`` (step -> exit code)."""
     from k3rocm.checks import selftest
-    from k3rocm.cli import main
     from k3rocm.deploy import runrecord
     from k3rocm.deploy.lifecycle import ComposeServer
 
@@ -410,20 +411,53 @@ def test_an_exit_2_after_a_server_started_is_exit_4_not_bad_input(seed_node, mon
                "logprobs": [-0.5] * GREEDY_TOKENS,
                "top_logprobs": [{"token_id:7": -0.5, "token_id:9": -1.5}] * GREEDY_TOKENS}
               for p in selftest.PROMPTS]
-    monkeypatch.setattr(selftest, "greedy", lambda *a, **kw: json.loads(json.dumps(answer)))
+    fake = {"answers": [answer, answer], "codes": {}}
+    monkeypatch.setattr(selftest, "greedy",
+                        lambda *a, **kw: json.loads(json.dumps(fake["answers"].pop(0))))
     monkeypatch.setattr(selftest, "run_step",
-                        lambda name, *a, **kw: (2 if name == "bench" else 0, 0.1, ""))
+                        lambda name, *a, **kw: (fake["codes"].get(name, 0), 0.1, ""))
+    return fake
+
+
+def _summary(tmp_path) -> dict:
+    (run,) = (tmp_path / "results").iterdir()
+    return json.loads((run / "summary.json").read_text())
+
+
+def test_an_exit_2_after_a_server_started_is_exit_4_not_bad_input(fake_pipeline, tmp_path,
+                                                                  capsys):
+    """Exit 2 promises that nothing expensive was started. A step that refuses its input once
+    the servers have run (here the bench step) makes the selftest exit 4, cannot judge, and its
+    row says why (old code: exit 2 after building, serving and two steps)."""
+    from k3rocm.cli import main
+
+    fake_pipeline["codes"]["bench"] = 2
     code = main(["selftest", "run", "--on", "qk_norm"])
     out, err = capsys.readouterr()
     assert code == 4, out + err
     assert "nothing expensive was started" not in err
-    (run,) = (tmp_path / "results").iterdir()
-    s = json.loads((run / "summary.json").read_text())
+    s = _summary(tmp_path)
     bench = next(st for st in s["steps"] if st["name"] == "bench")
     assert bench["exit_code"] == 2 and "found after a server had started" in bench["note"]
     assert s["exit_code"] == 4 and "k3rocm selftest: FAILED (exit 4)" in out
     compare_row = next(st for st in s["steps"] if st["name"] == "compare")
     assert compare_row["ok"] and "max logprob gap 0 <= tolerance 0.125" in compare_row["note"]
+
+
+@pytest.mark.parametrize("off_logprob,code,verdict", [(-0.55, 0, "ok"), (-0.8, 1, "fail")])
+def test_the_compare_step_judges_the_gap_not_token_identity(fake_pipeline, tmp_path, capsys,
+                                                            off_logprob, code, verdict):
+    """Identical tokens whose logprobs moved by 0.3 nats fail (old code: OK on identity)."""
+    from k3rocm.cli import main
+
+    off = json.loads(json.dumps(fake_pipeline["answers"][1]))
+    off[2]["logprobs"][5] = off_logprob
+    off[2]["top_logprobs"][5] = {"token_id:7": off_logprob, "token_id:9": -1.5}
+    fake_pipeline["answers"][1] = off
+    assert main(["selftest", "run", "--on", "qk_norm"]) == code, capsys.readouterr()
+    row = next(st for st in _summary(tmp_path)["steps"] if st["name"] == "compare")
+    assert row["numbers"]["verdict"] == verdict and row["numbers"]["identical"]
+    assert f"tolerance 0.125 at {off[2]['prompt']!r} position 5" in row["note"]
 
 
 @pytest.mark.parametrize("data", [
@@ -446,6 +480,9 @@ def test_gpu_memory_in_use_is_read_from_amd_smi_or_rocm_smi(data):
     used = parse_gpu_memory(data)
     assert [round(f, 2) for _, f in used] == [0.0, 0.9], used
     assert used[1][0] in ("GPU 1", "card1")
+
+
+# ------------------------------------------------------------------- the real serving path
 
 
 # ------------------------------------------------------------------- the real serving path

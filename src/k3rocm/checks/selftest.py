@@ -45,8 +45,8 @@ and the census checks the stock counts.
 
 Exit codes: 0 every step ok; 1 a check failed (census, the logprob gap, bench point); 2 bad
 input or a setting the base cannot run (nothing loaded); 3 a server did not come up or no
-Docker engine; 4 a step refused its input after a server had started (cannot judge); 130
-interrupted.
+Docker engine; 4 cannot judge (a logprob gap with no bound, or a step refused its input after
+a server had started); 130 interrupted.
 """
 
 from __future__ import annotations
@@ -461,10 +461,11 @@ def _cross(run: dict, pos: int, token: str) -> tuple[float | None, float | None]
 def compare(on: list[dict], off: list[dict], tol: float = LOGPROB_TOL) -> dict[str, Any]:
     """Fusions on vs off, per prompt up to the first position whose tokens differ (after it
     the two continue different texts): the gap |on - off| of the chosen token's logprob, and at
-    a difference of both arms' tokens (each looked up in the other's top-N). OK when every gap
-    is within ``tol``; a token outside the other arm's top-N counts with the least gap it must
-    have (its logprob minus the other's N-th best), and as unbounded when that says nothing."""
-    diffs, gaps, spreads = [], [], []
+    a difference of both arms' tokens (each looked up in the other's top-N). A token outside
+    the other arm's top-N counts with the least gap it must have (its logprob minus the other's
+    N-th best). Verdict: "fail" when a gap exceeds ``tol``; else "cannot judge" when a gap
+    has no bound (or one answer ended early); else "ok"."""
+    diffs, gaps, unbounded, spreads = [], [], [], []
     for a, b in zip(on, off, strict=True):
         n = min(len(a["tokens"]), len(b["tokens"]))
         for pos in range(n):
@@ -477,11 +478,13 @@ def compare(on: list[dict], off: list[dict], tol: float = LOGPROB_TOL) -> dict[s
                 (x, x_min), (y, y_min) = _cross(a, pos, tok), _cross(b, pos, tok)
                 if x is not None and y is not None:
                     gaps.append((abs(x - y), a["prompt"], pos, tok, True))
-                else:  # outside one arm's top-N: at least this far apart
-                    known, floor = (x, y_min) if y is None else (y, x_min)
-                    low = known - floor if known is not None and floor is not None else None
-                    gaps.append((low if low is not None and low > 0 else float("inf"),
-                                 a["prompt"], pos, tok, False))
+                    continue
+                known, floor = (x, y_min) if y is None else (y, x_min)  # outside one top-N
+                low = known - floor if known is not None and floor is not None else None
+                if low is not None and low > 0:
+                    gaps.append((low, a["prompt"], pos, tok, False))
+                else:
+                    unbounded.append({"prompt": a["prompt"], "position": pos, "token": tok})
             if len(toks) == 2:
                 diffs.append({"prompt": a["prompt"], "position": pos,
                               "on": [a["tokens"][pos]], "off": [b["tokens"][pos]],
@@ -494,17 +497,19 @@ def compare(on: list[dict], off: list[dict], tol: float = LOGPROB_TOL) -> dict[s
                               "on": a["tokens"][n:n + 1], "off": b["tokens"][n:n + 1],
                               "logprob_on": (a["logprobs"][n:n + 1] or [None])[0],
                               "logprob_off": (b["logprobs"][n:n + 1] or [None])[0]})
-                gaps.append((float("inf"), a["prompt"], n, None, False))
+                unbounded.append({"prompt": a["prompt"], "position": n, "token": None})
     worst = max(gaps, key=lambda g: g[0], default=None)
-    gap = None if worst is None else (None if worst[0] == float("inf") else round(worst[0], 6))
+    verdict = ("fail" if worst is not None and worst[0] > tol else
+               "cannot judge" if unbounded or worst is None else "ok")
     spreads.sort()
     return {"identical": not diffs, "prompts": len(on), "tokens_per_prompt": GREEDY_TOKENS,
-            "first_differences": diffs, "max_logprob_gap": gap,
+            "first_differences": diffs,
+            "max_logprob_gap": None if worst is None else round(worst[0], 6),
             "max_gap_at": None if worst is None else {
                 "prompt": worst[1], "position": worst[2], "token": worst[3],
-                "bounded": worst[0] != float("inf"), "in_both_top_n": worst[4]},
-            "tolerance": tol, "top_n": LOGPROB_TOP, "compared": len(gaps),
-            "ok": worst is not None and worst[0] <= tol,
+                "in_both_top_n": worst[4]},
+            "unbounded": unbounded, "tolerance": tol, "top_n": LOGPROB_TOP,
+            "compared": len(gaps), "verdict": verdict, "ok": verdict == "ok",
             "top_n_spread_median": round(spreads[len(spreads) // 2], 6) if spreads else None}
 
 
@@ -512,20 +517,26 @@ def compare_note(c: dict[str, Any]) -> str:
     """The compare step's one line: the gap against the tolerance, then what differs."""
     at = c.get("max_gap_at") or {}
     gap = c["max_logprob_gap"]
-    where = f" at {at.get('prompt')!r} position {at.get('position')}" if at else ""
-    head = (f"max logprob gap {gap:.4g} {'<=' if c['ok'] else '>'} tolerance "
-            f"{c['tolerance']:g}{where}" if gap is not None else
-            f"logprob gap unbounded{where} (a token outside the other arm's top-{c['top_n']}) "
-            f"> tolerance {c['tolerance']:g}")
+    parts = []
+    if gap is not None:
+        where = f" at {at.get('prompt')!r} position {at.get('position')}" if gap else ""
+        parts.append(f"max logprob gap {gap:.4g} {'>' if gap > c['tolerance'] else '<='} "
+                     f"tolerance {c['tolerance']:g}{where}")
+    if c["unbounded"]:
+        parts.append("cannot judge " + ", ".join(
+            f"{u['prompt']!r} position {u['position']}" for u in c["unbounded"])
+            + f": a token outside the other arm's top-{c['top_n']} with no bound on its gap, "
+            "or an answer that ended")
     spread = c.get("top_n_spread_median")
-    flat = (f"; top-{c['top_n']} spread median {spread:.3g} nats" if spread is not None
-            else "")
+    if spread is not None:
+        parts.append(f"top-{c['top_n']} spread median {spread:.3g} nats")
     if c["identical"]:
-        return (f"{c['prompts']} prompts x {c['tokens_per_prompt']} tokens identical; "
-                + head + flat)
-    return (head + flat + "; tokens differ: " + "; ".join(
-        f"{d['prompt']!r} at {d['position']}: {d['on']} ({d['logprob_on']}) vs {d['off']} "
-        f"({d['logprob_off']})" for d in c["first_differences"]))
+        parts.insert(0, f"{c['prompts']} prompts x {c['tokens_per_prompt']} tokens identical")
+    else:
+        parts.append("tokens differ: " + "; ".join(
+            f"{d['prompt']!r} at {d['position']}: {d['on']} ({d['logprob_on']}) vs "
+            f"{d['off']} ({d['logprob_off']})" for d in c["first_differences"]))
+    return "; ".join(parts)
 
 
 # ------------------------------------------------------------------------------------- run
@@ -665,9 +676,10 @@ def selftest(args: argparse.Namespace) -> int:  # noqa: C901 - one linear pipeli
         c = compare(greedy_runs["on"], greedy_runs["off"])
         summary["greedy"] = {**c, **greedy_runs}
         res.ok = c["ok"]
-        res.code = 0 if res.ok else 1
-        res.numbers = {k: c[k] for k in ("identical", "max_logprob_gap", "max_gap_at",
-                                         "tolerance", "top_n", "top_n_spread_median")}
+        res.code = {"ok": 0, "fail": 1}.get(c["verdict"], 4)  # 4: cannot judge
+        res.numbers = {k: c[k] for k in ("verdict", "identical", "max_logprob_gap",
+                                         "max_gap_at", "unbounded", "tolerance", "top_n",
+                                         "top_n_spread_median")}
         res.note = compare_note(c)
 
     plan = {"build": build, "up": up, "census": sub, "greedy": greedy_on, "bench": sub,
