@@ -2,8 +2,10 @@
 # (same image, compose service, entrypoint, profile, settings, overlay). See docs/selftest.md.
 #   make selftest-model                  cut <K3_MODELS_DIR>/Kimi-K3-selftest from K3_MODEL's
 #                                        checkpoint (headers only; SELFTEST_MODEL_ARGS=)
-#   make selftest                        build, base check, serve it on K3_PORT+1, census,
-#                                        greedy tokens fusions on vs off, a bench point, summary
+#   make selftest                        check first (client image, port, GPUs free, base),
+#                                        build, serve it on K3_PORT+1, census, greedy logprobs
+#                                        fusions on vs off, a bench point, summary; the servers
+#                                        get this shell's vendor variables (not .k3rocm/vendor.env)
 #   make selftest CPU=1                  the same steps on the CPU stand-in (tiny smoke model)
 PY ?= .venv/bin/python
 SELFTEST_ARGS ?=

@@ -6,6 +6,7 @@ any server starts."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -24,7 +25,7 @@ from conftest import (
 )
 from server_fixture import MODELS_DIR, ensure_smoke_model
 
-from k3rocm.checks.selftest import GREEDY_TOKENS, compare
+from k3rocm.checks.selftest import GREEDY_TOKENS, LOGPROB_TOL, compare, compare_note
 
 PROJECT = "k3rocm-selftest-test"
 
@@ -33,20 +34,61 @@ PROJECT = "k3rocm-selftest-test"
 # ------------------------------------------------------------------------ no Docker needed
 
 
-def test_compare_names_the_first_difference():
-    on = [{"prompt": "a", "tokens": ["x", "y", "z"], "logprobs": [-0.1, -0.2, -0.3]},
-          {"prompt": "b", "tokens": ["p", "q"], "logprobs": [-1.0, -2.0]}]
+def _run(prompt, tokens, logprobs, top):
+    return {"prompt": prompt, "tokens": tokens, "logprobs": logprobs, "top_logprobs": top}
+
+
+def test_compare_judges_the_logprob_gap_against_the_tolerance():
+    """Identical tokens are not enough: the chosen token's logprob on vs off must agree within
+    the stated tolerance (old code: OK whenever the tokens were identical)."""
+    on = [_run("a", ["x", "y"], [-0.1, -0.2], [{"x": -0.1, "q": -3.0}, {"y": -0.2, "q": -2.0}])]
     same = compare(on, json.loads(json.dumps(on)))
-    assert same["identical"] and same["max_logprob_gap"] == 0.0
-    off = [{"prompt": "a", "tokens": ["x", "w", "z"], "logprobs": [-0.1, -0.9, -0.3]},
-           on[1]]
+    assert same["identical"] and same["ok"] and same["max_logprob_gap"] == 0.0
+    assert same["tolerance"] == LOGPROB_TOL == 0.125
+    near = [_run("a", ["x", "y"], [-0.1, -0.3], [{"x": -0.1, "q": -3.0}, {"y": -0.3, "q": -2.1}])]
+    c = compare(on, near)
+    assert c["identical"] and c["ok"] and c["max_logprob_gap"] == pytest.approx(0.1)
+    far = [_run("a", ["x", "y"], [-0.1, -0.5], [{"x": -0.1, "q": -3.0}, {"y": -0.5, "q": -2.0}])]
+    c = compare(on, far)
+    assert c["identical"] and not c["ok"] and c["max_logprob_gap"] == pytest.approx(0.3)
+    assert c["max_gap_at"]["position"] == 1
+    note = compare_note(c)
+    assert "max logprob gap 0.3 > tolerance 0.125 at 'a' position 1" in note
+    assert "identical" in note and "top-20 spread median" in note
+
+
+def test_compare_a_near_tie_flip_is_within_tolerance_and_later_positions_are_not_compared():
+    """Tokens that differ where both arms rank them next to each other (a near-tie: flat logits
+    on random weights) pass when both tokens' logprobs agree within the tolerance; after the
+    first difference the arms continue different texts, so nothing after it is compared."""
+    on = [_run("a", ["x", "y", "z"], [-0.1, -0.69, -0.01],
+               [{"x": -0.1}, {"y": -0.69, "w": -0.70}, {"z": -0.01}])]
+    off = [_run("a", ["x", "w", "k"], [-0.1, -0.68, -9.0],
+                [{"x": -0.1}, {"w": -0.68, "y": -0.71}, {"k": -9.0}])]
     c = compare(on, off)
-    assert not c["identical"]
+    assert not c["identical"] and c["ok"], c
     assert c["first_differences"] == [{"prompt": "a", "position": 1, "on": ["y"], "off": ["w"],
-                                       "logprob_on": -0.2, "logprob_off": -0.9}]
-    assert c["max_logprob_gap"] == pytest.approx(0.7)
-    assert compare(on, [on[0], {**on[1], "tokens": ["p"]}])["first_differences"][0][
-        "position"] == 1  # a shorter answer differs where it ends
+                                       "logprob_on": -0.69, "logprob_off": -0.68}]
+    assert c["max_logprob_gap"] == pytest.approx(0.02)  # w: -0.70 vs -0.68; y: -0.69 vs -0.71
+    assert "tokens differ: 'a' at 1" in compare_note(c)
+
+
+def test_compare_a_token_outside_the_other_arms_top_n_fails_or_cannot_be_judged():
+    on = [_run("a", ["x", "y"], [-0.1, -0.69], [{"x": -0.1}, {"y": -0.69, "w": -0.71}])]
+    off = [_run("a", ["x", "w"], [-0.1, -0.2], [{"x": -0.1}, {"w": -0.2, "v": -2.5}])]
+    c = compare(on, off)
+    # y is not in off's top-N: its logprob there is at most -2.5, so the gap is at least 1.81
+    assert c["verdict"] == "fail" and c["max_logprob_gap"] == pytest.approx(1.81), c
+    assert not c["max_gap_at"]["in_both_top_n"]
+    near = [_run("a", ["x", "w"], [-0.1, -0.68], [{"x": -0.1}, {"w": -0.68}])]
+    c = compare(on, near)  # y is at most -0.68 there: its gap has no bound
+    assert c["verdict"] == "cannot judge" and not c["ok"], c
+    assert c["unbounded"] == [{"prompt": "a", "position": 1, "token": "y"}]
+    assert c["max_logprob_gap"] == pytest.approx(0.03)  # w: -0.71 vs -0.68
+    assert "cannot judge 'a' position 1: a token outside the other arm's top-20" in \
+        compare_note(c)
+    short = [_run("a", ["x"], [-0.1], [{"x": -0.1}])]
+    assert compare(on, short)["verdict"] == "cannot judge"  # an answer that ended early
 
 
 @pytest.mark.parametrize("args,fragment", [
@@ -67,6 +109,44 @@ def test_bad_input_is_one_line_exit_2(tmp_path, args, fragment):
 # ------------------------------------------- the A/B's arms against the image's base facts
 
 
+class ImageNotFound(Exception):  # docker-py's name: engine.image_id tells it by name
+    pass
+
+
+class FakeDocker:
+    """docker-py's client as far as the selftest's early checks ask: images.get and the
+    running containers."""
+
+    def __init__(self):
+        from k3rocm.deploy.engine import CLIENT_IMAGE
+
+        self.images_present = {CLIENT_IMAGE}
+        self.running: list = []
+        self.images = self
+        self.containers = self
+
+    def get(self, ref):
+        if ref not in self.images_present:
+            raise ImageNotFound(ref)
+        return type("Image", (), {"id": "sha256:" + "0" * 64})()
+
+    def list(self):
+        return self.running
+
+
+def gpu_server(name="k3rocm-server-1", project="k3rocm", port="8000"):
+    """A running `make up` server as the engine shows it: /dev/kfd mapped, K3_* env."""
+    return type("Container", (), {
+        "name": name, "labels": {"com.docker.compose.project": project},
+        "attrs": {"HostConfig": {"Devices": [{"PathOnHost": "/dev/kfd"},
+                                             {"PathOnHost": "/dev/dri"}]},
+                  "Config": {"Env": ["K3_PROFILE=mi355x-tp8", f"K3_PORT={port}"]}}})()
+
+
+class Calls(list):
+    docker: FakeDocker
+
+
 @pytest.fixture
 def seed_node(tmp_path, monkeypatch):
     """A node (compose.yaml alone, AITER on) whose serving image's manifest holds the seed
@@ -82,9 +162,21 @@ def seed_node(tmp_path, monkeypatch):
     facts = image_base_facts("0.27.1")  # the real release with the overlay applied
     monkeypatch.setattr(config_cmd, "image_base_facts",
                         lambda image: (facts, f"{image} (sha256:0123456789ab) manifest"))
-    calls: list[tuple] = []
-    monkeypatch.setattr(ComposeServer, "compose", lambda self, *a, **kw: calls.append(a))
+    calls: Calls = Calls()
+    def compose(self, *a, **kw):  # recorded; as if it failed (the old code then stops)
+        calls.append(a)
+        return subprocess.CompletedProcess(a, 1, "", "")
+
+    monkeypatch.setattr(ComposeServer, "compose", compose)
     monkeypatch.setattr(ComposeServer, "up", lambda self, *a, **kw: calls.append(("up",)))
+    # the Docker engine (client image present, no container) and idle GPUs: tests change them
+    from k3rocm.checks import selftest
+    from k3rocm.deploy import engine
+
+    docker = FakeDocker()
+    monkeypatch.setattr(engine, "docker_client", lambda *a, **kw: docker)
+    monkeypatch.setattr(selftest, "gpu_memory_used",
+                        lambda: ([(f"GPU {i}", 0.003) for i in range(8)], "amd-smi"))
     for k in [k for k in os.environ if k.startswith("K3_")]:
         monkeypatch.delenv(k)
     models = tmp_path / "models"
@@ -95,6 +187,7 @@ def seed_node(tmp_path, monkeypatch):
     monkeypatch.setenv("K3_MODELS_DIR", str(models))
     monkeypatch.setenv("K3_RESULTS_DIR", str(tmp_path / "results"))
     monkeypatch.chdir(tmp_path)
+    calls.docker = docker  # type: ignore[attr-defined]
     return calls
 
 
@@ -108,10 +201,12 @@ def test_selftest_on_the_seed_base_is_refused_before_the_build(seed_node, tmp_pa
     code = main(["selftest", "run"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2, err
-    assert len(err) == 1 and err[0].startswith(
+    errors = [ln for ln in err if ln.startswith("k3rocm: error:")]
+    assert len(errors) == 1 and errors[0].startswith(
         "k3rocm: error: arm B (K3_FUSE_DECODE_QPREP=1 K3_FUSE_QK_NORM=1) cannot be served by "
         "this base (vLLM 0.27.1"), err
-    assert "needs an fp8 KV cache" in err[0] and "--on qk_norm" in err[0]
+    assert "needs an fp8 KV cache" in errors[0] and "--on qk_norm" in errors[0]
+    assert "nothing expensive was started" in err[-1]
     assert seed_node == [] and not (tmp_path / "results").exists()
 
 
@@ -131,6 +226,262 @@ def test_selftest_serves_the_abs_arms(seed_node):
     base = selftest.base_check(dep, srv, arms, ".env")
     assert sorted(base["arms"]) == ["A", "B"] and base["vllm_version"] == "0.27.1"
     assert seed_node == []
+
+
+# ------------------------------------------------- refused before any build or server (fakes)
+
+
+@contextlib.contextmanager
+def busy_port():
+    """A port something listens on (as the engine's proxy does for a published port)."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        yield held.getsockname()[1]
+
+
+def _refused(capsys, *argv: str) -> tuple[int, list[str], list[str]]:
+    from k3rocm.cli import main
+
+    code = main(["selftest", "run", "--on", "qk_norm", *argv])  # an arm the seed base serves
+    err = capsys.readouterr().err.strip().splitlines()
+    return code, [ln for ln in err if ln.startswith("k3rocm: error: ")], err
+
+
+def test_a_missing_client_image_is_refused_before_any_build(seed_node, tmp_path, capsys):
+    """The bench step runs aiperf in the client image: missing, it is one line and exit 2
+    before the build (old code: built, served, ran census and greedy, then failed at bench)."""
+    from k3rocm.deploy.engine import CLIENT_IMAGE
+
+    seed_node.docker.images_present.clear()
+    code, errors, err = _refused(capsys)
+    assert code == 2, err
+    assert len(errors) == 1 and f"client image {CLIENT_IMAGE!r} not found" in errors[0], err
+    assert "make clients-image" in errors[0]
+    assert err[-1].startswith("k3rocm selftest: nothing expensive was started"), err
+    assert seed_node == [] and not (tmp_path / "results").exists()
+
+
+def test_the_client_image_the_bench_step_will_use_is_the_one_checked(seed_node, capsys):
+    seed_node.docker.images_present.clear()
+    seed_node.docker.images_present.add("my/clients:1")
+    with busy_port() as port:  # refused for its port, so nothing runs
+        code, errors, err = _refused(capsys, "--bench-args=--client-image my/clients:1",
+                                     "--port", str(port))
+    assert code == 2 and len(errors) == 1 and "is in use" in errors[0], err
+    code, errors, err = _refused(capsys, "--bench-args=--no-such-flag")
+    assert code == 2 and len(errors) == 1 and "--bench-args: unrecognized arguments" in \
+        errors[0], err
+    assert seed_node == []
+
+
+def test_no_build_without_a_serving_image_is_refused_first(seed_node, capsys):
+    code, errors, err = _refused(capsys, "--no-build")
+    assert code == 2 and len(errors) == 1, err
+    assert "serving image 'k3rocm/server:latest' not found" in errors[0], err
+    assert "drop --no-build" in errors[0] and seed_node == []
+
+
+def test_the_summary_says_when_the_shared_vendor_env_differs(seed_node, monkeypatch,
+                                                             tmp_path):
+    import argparse
+
+    from k3rocm.checks import selftest
+
+    monkeypatch.setenv("VLLM_ROCM_USE_AITER_MHA", "0")
+    (tmp_path / "repo" / ".k3rocm").mkdir(parents=True)
+    (tmp_path / "repo" / ".k3rocm" / "vendor.env").write_text(
+        "VLLM_ROCM_USE_AITER_MHA=1\nAITER_OLD_SHELL=1\n")
+    args = argparse.Namespace(timeout=10, bench_args="", census_args="", env_file=".env",
+                              model=None, port=None, project="k3selftest-t", on="qk_norm")
+    dep, _, _ = selftest._plan(args, check_model=False)
+    note = selftest.vendor_note(dep, tmp_path / "repo")
+    assert note.startswith("vendor variables from this shell: VLLM_ROCM_USE_AITER_MHA ("), note
+    assert "differs in AITER_OLD_SHELL, VLLM_ROCM_USE_AITER_MHA: not used" in note
+
+
+def test_gpus_held_by_a_running_server_are_refused_before_any_build(seed_node, tmp_path,
+                                                                   capsys):
+    """A `make up` server (TP=8 at 0.9 of each GPU's memory) holds the GPUs the selftest
+    server needs: old code built the image and waited for a server that could not load."""
+    seed_node.docker.running.append(gpu_server())
+    code, errors, err = _refused(capsys)
+    assert code == 2 and len(errors) == 1, err
+    assert "the GPUs are held by running container(s) k3rocm-server-1 (a k3rocm server, " \
+        "compose project k3rocm, port 8000)" in errors[0] and "make down" in errors[0]
+    assert seed_node == [] and not (tmp_path / "results").exists()
+
+
+def test_gpu_memory_in_use_is_refused_before_any_build(seed_node, monkeypatch, tmp_path,
+                                                      capsys):
+    from k3rocm.checks import selftest
+
+    monkeypatch.setattr(selftest, "gpu_memory_used",
+                        lambda: ([("GPU 0", 0.004), ("GPU 3", 0.62)], "rocm-smi"))
+    code, errors, err = _refused(capsys)
+    assert code == 2 and len(errors) == 1, err
+    assert "GPU memory in use (rocm-smi): GPU 3 62%" in errors[0], err
+    assert "asks vLLM for 0.95 of each GPU" in errors[0] and "GPU 0" not in errors[0]
+    assert seed_node == [] and not (tmp_path / "results").exists()
+
+
+def test_a_busy_port_is_refused_before_any_build(seed_node, tmp_path, capsys):
+    with busy_port() as port:
+        code, errors, err = _refused(capsys, "--port", str(port))
+    assert code == 2 and len(errors) == 1, err
+    assert f"port {port} on 127.0.0.1 is in use" in errors[0] and "--port N" in errors[0]
+    assert seed_node == [] and not (tmp_path / "results").exists()
+
+
+def test_every_problem_is_one_line_and_all_are_named_at_once(seed_node, monkeypatch, capsys):
+    """The operator fixes everything in one go: each problem its own line, base check too."""
+    seed_node.docker.images_present.clear()
+    seed_node.docker.running.append(gpu_server())
+    from k3rocm.cli import main
+
+    with busy_port() as port:  # and arm B, which the seed base cannot serve
+        code = main(["selftest", "run", "--port", str(port)])
+    err = capsys.readouterr().err.strip().splitlines()
+    errors = [ln for ln in err if ln.startswith("k3rocm: error: ")]
+    assert code == 2 and len(errors) == 4, err
+    for fragment, line in zip(("client image", f"port {port} on 127.0.0.1 is in use",
+                               "GPUs are held", "cannot be served by this base"), errors,
+                              strict=True):
+        assert fragment in line, err
+    assert seed_node == []
+
+
+def test_the_gpu_check_is_skipped_on_the_cpu_standin_and_says_so(seed_node, monkeypatch):
+    import argparse
+
+    from k3rocm.checks import selftest
+
+    monkeypatch.setenv("COMPOSE_FILE", "compose.yaml:compose.cpu.yaml")
+    seed_node.docker.running.append(gpu_server())
+    args = argparse.Namespace(timeout=10, bench_args="", census_args="", env_file=".env",
+                              model=None, port=None, project="k3selftest-t", on="all",
+                              workload=None)
+    dep, _, _ = selftest._plan(args, check_model=False)
+    problems, notes = selftest.early_checks(dep, selftest._bench_argv(args, dep))
+    assert dep.cpu and problems == [], problems
+    assert "GPU check skipped: CPU stand-in" in notes
+
+
+def test_the_servers_get_this_shells_vendor_variables(seed_node, monkeypatch, tmp_path):
+    """`make up` passes the vendor variables of the shell it runs in (its `k3rocm config
+    --vendor-env-file`); so does the selftest, into its own file, never the shared
+    .k3rocm/vendor.env an earlier shell wrote (old code: that stale file, or on the CPU
+    stand-in a copy of it)."""
+    import argparse
+
+    from k3rocm.checks import selftest
+
+    monkeypatch.setenv("VLLM_ROCM_USE_AITER_MHA", "0")
+    args = argparse.Namespace(timeout=10, bench_args="", census_args="", env_file=".env",
+                              model=None, port=None, project="k3selftest-t", on="qk_norm")
+    for compose_file, extra in (("compose.yaml", []),
+                                ("compose.yaml:compose.cpu.yaml", ["TORCHDYNAMO_DISABLE=1"])):
+        monkeypatch.setenv("COMPOSE_FILE", compose_file)
+        vendor = tmp_path / f"vendor-{len(extra)}.env"
+        _, srv, _ = selftest._plan(args, check_model=False, vendor_file=vendor)
+        assert srv.compose_env()["K3_VENDOR_ENV_FILE"] == str(vendor)
+        lines = [ln for ln in vendor.read_text().splitlines() if not ln.startswith("#")]
+        assert lines == ["VLLM_ROCM_USE_AITER_MHA=0", *extra], lines
+    assert seed_node == []
+
+
+@pytest.fixture
+def fake_pipeline(seed_node, monkeypatch):
+    """The whole selftest on the seed node with the servers, the census and bench subprocesses
+    and the greedy requests faked: ``answers`` (on, off) and ``codes`` (step -> exit code)."""
+    from k3rocm.checks import selftest
+    from k3rocm.deploy import runrecord
+    from k3rocm.deploy.lifecycle import ComposeServer
+
+    monkeypatch.setattr(ComposeServer, "compose",  # the build succeeds
+                        lambda self, *a, **kw: subprocess.CompletedProcess(a, 0, "", ""))
+    monkeypatch.setattr(ComposeServer, "wait", lambda self, timeout, **kw: 1.0)
+    monkeypatch.setattr(ComposeServer, "provenance", lambda self: {})
+    monkeypatch.setattr(ComposeServer, "down", lambda self, **kw: None)
+    monkeypatch.setattr(runrecord, "build", lambda **kw: {})
+    answer = [{"prompt": p, "tokens": ["token_id:7"] * GREEDY_TOKENS,
+               "logprobs": [-0.5] * GREEDY_TOKENS,
+               "top_logprobs": [{"token_id:7": -0.5, "token_id:9": -1.5}] * GREEDY_TOKENS}
+              for p in selftest.PROMPTS]
+    fake = {"answers": [answer, answer], "codes": {}}
+    monkeypatch.setattr(selftest, "greedy",
+                        lambda *a, **kw: json.loads(json.dumps(fake["answers"].pop(0))))
+    monkeypatch.setattr(selftest, "run_step",
+                        lambda name, *a, **kw: (fake["codes"].get(name, 0), 0.1, ""))
+    return fake
+
+
+def _summary(tmp_path) -> dict:
+    (run,) = (tmp_path / "results").iterdir()
+    return json.loads((run / "summary.json").read_text())
+
+
+def test_an_exit_2_after_a_server_started_is_exit_4_not_bad_input(fake_pipeline, tmp_path,
+                                                                  capsys):
+    """Exit 2 promises that nothing expensive was started. A step that refuses its input once
+    the servers have run (here the bench step) makes the selftest exit 4, cannot judge, and its
+    row says why (old code: exit 2 after building, serving and two steps)."""
+    from k3rocm.cli import main
+
+    fake_pipeline["codes"]["bench"] = 2
+    code = main(["selftest", "run", "--on", "qk_norm"])
+    out, err = capsys.readouterr()
+    assert code == 4, out + err
+    assert "nothing expensive was started" not in err
+    s = _summary(tmp_path)
+    bench = next(st for st in s["steps"] if st["name"] == "bench")
+    assert bench["exit_code"] == 2 and "found after a server had started" in bench["note"]
+    assert s["exit_code"] == 4 and "k3rocm selftest: FAILED (exit 4)" in out
+    compare_row = next(st for st in s["steps"] if st["name"] == "compare")
+    assert compare_row["ok"] and "max logprob gap 0 <= tolerance 0.125" in compare_row["note"]
+
+
+@pytest.mark.parametrize("off_logprob,code,verdict", [(-0.55, 0, "ok"), (-0.8, 1, "fail")])
+def test_the_compare_step_judges_the_gap_not_token_identity(fake_pipeline, tmp_path, capsys,
+                                                            off_logprob, code, verdict):
+    """Identical tokens whose logprobs moved by 0.3 nats fail (old code: OK on identity)."""
+    from k3rocm.cli import main
+
+    off = json.loads(json.dumps(fake_pipeline["answers"][1]))
+    off[2]["logprobs"][5] = off_logprob
+    off[2]["top_logprobs"][5] = {"token_id:7": off_logprob, "token_id:9": -1.5}
+    fake_pipeline["answers"][1] = off
+    assert main(["selftest", "run", "--on", "qk_norm"]) == code, capsys.readouterr()
+    row = next(st for st in _summary(tmp_path)["steps"] if st["name"] == "compare")
+    assert row["numbers"]["verdict"] == verdict and row["numbers"]["identical"]
+    assert f"tolerance 0.125 at {off[2]['prompt']!r} position 5" in row["note"]
+
+
+@pytest.mark.parametrize("data", [
+    # amd-smi metric --mem-usage --json (a list, or {"gpu_data": [...]} in newer releases)
+    [{"gpu": 0, "mem_usage": {"total_vram": {"value": 294896, "unit": "MB"},
+                              "used_vram": {"value": 283, "unit": "MB"}}},
+     {"gpu": 1, "mem_usage": {"total_vram": {"value": 294896, "unit": "MB"},
+                              "used_vram": {"value": 265406, "unit": "MB"}}}],
+    {"gpu_data": [{"gpu": 0, "mem_usage": {"total_vram": {"value": 100, "unit": "MB"},
+                                           "used_vram": {"value": 0.1, "unit": "MB"}}},
+                  {"gpu": 1, "mem_usage": {"total_vram": {"value": 100, "unit": "MB"},
+                                           "used_vram": {"value": 90, "unit": "MB"}}}]},
+    # rocm-smi --showmemuse --json
+    {"card0": {"GPU Memory Allocated (VRAM%)": "0", "GPU Memory Read/Write Activity (%)": "0"},
+     "card1": {"GPU Memory Allocated (VRAM%)": "90", "Memory Activity": "N/A"}},
+])
+def test_gpu_memory_in_use_is_read_from_amd_smi_or_rocm_smi(data):
+    from k3rocm.checks.selftest import parse_gpu_memory
+
+    used = parse_gpu_memory(data)
+    assert [round(f, 2) for _, f in used] == [0.0, 0.9], used
+    assert used[1][0] in ("GPU 1", "card1")
+
+
+# ------------------------------------------------------------------- the real serving path
 
 
 # ------------------------------------------------------------------- the real serving path
@@ -166,6 +517,16 @@ def test_make_selftest_on_the_standin(docker_client, tmp_path):
     assert census["numbers"]["ok"] is True and census["numbers"]["mla_layers"] == 2
     assert s["greedy"]["identical"] and s["greedy"]["prompts"] == 4
     assert all(len(g["tokens"]) == GREEDY_TOKENS for g in s["greedy"]["on"])
+    # both servers are stock on the stand-in: the logprobs agree within the tolerance
+    g = s["greedy"]
+    assert g["ok"] and g["max_logprob_gap"] is not None and g["max_logprob_gap"] <= LOGPROB_TOL
+    assert all(len(top) >= 2 for top in g["on"][0]["top_logprobs"])  # top-N came back
+    compare_row = next(st for st in s["steps"] if st["name"] == "compare")
+    assert f"<= tolerance {LOGPROB_TOL:g}" in compare_row["note"]
+    # checked before the build; the servers got this shell's vendor variables, from the run
+    assert "GPU check skipped: CPU stand-in" in s["checked_first"]
+    assert any(c.startswith("client image ") for c in s["checked_first"])
+    assert "TORCHDYNAMO_DISABLE=1" in (run / "vendor.env").read_text()
     bench = next(st for st in s["steps"] if st["name"] == "bench")
     assert bench["numbers"]["points"][0]["status"] == "ok"
     for log in ("server-on.log", "server-off.log"):
@@ -188,6 +549,9 @@ def test_a_setting_the_base_cannot_run_stops_before_any_server(docker_client, tm
     assert make_exit_code(p) == 2, p.stdout[-2000:] + p.stderr[-2000:]
     assert "K3_FUSE_QK_NORM=0 cannot take effect on this base" in p.stderr
     assert "unset K3_OVERLAY" in p.stderr
+    # refused with the other early checks: before any server and any run directory
+    assert "k3rocm selftest: nothing expensive was started" in p.stderr
+    assert not (tmp_path / "results").exists()
     assert project_containers(PROJECT) == []
 
 

@@ -6,7 +6,12 @@ checkpoint that this base, this overlay and these settings serve, fuse and agree
 - ``k3rocm selftest run``: the deployment ``make up`` would serve (same profile, settings,
   image, compose service, entrypoint), with only ``K3_MODEL`` (the small checkpoint),
   ``K3_PORT`` (+1) and ``K3_PROFILER_DIR`` (inside the run directory) changed, in its own
-  compose project. Steps:
+  compose project. First, before any build or server (one line each, exit 2; nothing is
+  started): the bench step's client image, the selftest port free, the GPUs free (a running
+  server holding them, or their memory in use: not on the CPU stand-in) and both arms against
+  the image's base facts. The servers get this shell's vendor variables, computed as `make up`
+  computes them, in the run directory's vendor.env (never the shared .k3rocm/vendor.env).
+  Steps:
 
     build    the serving image (as make up), then the base facts recorded in it are applied to
              the settings: a setting the base cannot run stops here (exit 2), before any load
@@ -14,12 +19,13 @@ checkpoint that this base, this overlay and these settings serve, fuse and agree
              decisions)
     census   decode kernel census from the server's profiler (expectations from the small
              model's own MLA layer count)
-    greedy   a few fixed prompts, greedy, with logprobs
+    greedy   a few fixed prompts, greedy, with the top-20 logprobs per position
     bench    one short aiperf point
     down     server log kept
     off      the same server with every K3_FUSE_* switch 0: greedy again, down
-    compare  greedy tokens fusions on vs off: identical, or the first position that differs
-             with both logprobs
+    compare  fusions on vs off: the largest logprob gap (up to each prompt's first differing
+             token, both arms' tokens there) within LOGPROB_TOL; identical tokens or where
+             they first differ
 
   The two servers are the A/B's two arms (:func:`k3rocm.checks.ab.arms.arm_envs`): "off" is
   arm A (every K3_FUSE_* switch 0), the first server is arm B (the fusions ``--on`` names, default
@@ -37,9 +43,10 @@ On the CPU stand-in (``CPU=1``) the same steps run with the tiny DeepSeek-shaped
 are arm A (the stock path; a K3_FUSE_* switch set in the shell or .env is kept for the first)
 and the census checks the stock counts.
 
-Exit codes: 0 every step ok; 1 a check failed (census, greedy tokens differ, bench point);
-2 bad input or a setting the base cannot run (nothing loaded); 3 a server did not come up;
-130 interrupted.
+Exit codes: 0 every step ok; 1 a check failed (census, the logprob gap, bench point); 2 bad
+input or a setting the base cannot run (nothing loaded); 3 a server did not come up or no
+Docker engine; 4 cannot judge (a logprob gap with no bound, or a step refused its input after
+a server had started); 130 interrupted.
 """
 
 from __future__ import annotations
@@ -58,6 +65,7 @@ from typing import Any
 
 from k3rocm.checks.ab import arms as armlib
 from k3rocm.checks.steps import (
+    REPO,
     Interrupted,
     StepResult,
     bench_numbers,
@@ -151,9 +159,12 @@ def arms(on: str, base) -> dict[str, dict[str, str]]:
     return envs
 
 
-def _plan(args: argparse.Namespace, check_model: bool = True, extra: dict | None = None):
+def _plan(args: argparse.Namespace, check_model: bool = True, extra: dict | None = None,
+          vendor_file: Path | None = None):
     """The selftest server (fusions on: arm B): (deployment, ComposeServer, the arms' switches).
-    Bad input raises UsageError (exit 2) before anything starts."""
+    Bad input raises UsageError (exit 2) before anything starts. ``vendor_file``: write this
+    shell's vendor variables there and give the servers that file (K3_VENDOR_ENV_FILE)."""
+    from k3rocm.deploy.config_cmd import write_vendor_env
     from k3rocm.deploy.deployment import load_deployment
     from k3rocm.deploy.lifecycle import ComposeServer
 
@@ -184,12 +195,20 @@ def _plan(args: argparse.Namespace, check_model: bool = True, extra: dict | None
     # the same settings as `make up` (shell > .env > profile > default), these changed
     dep = load_deployment({**os.environ, **env}, env_file=args.env_file,
                           check_model=check_model, gpu=not cpu)
-    # CPU stand-in: vLLM's logprob ranking (sampler.batched_count_greater_than) is a
-    # torch.compile'd function, and the stand-in image has no C++ compiler for Inductor's CPU
-    # backend: a logprobs request would kill the engine (InvalidCxxCompiler). Eager there.
+    if vendor_file is not None:
+        # This shell's vendor variables, computed now as `make up` computes them (its `k3rocm
+        # config --vendor-env-file`), into the selftest's own file: never the shared
+        # .k3rocm/vendor.env, which holds whatever shell last ran `make config`/`make up`.
+        # CPU stand-in: vLLM's logprob ranking (sampler.batched_count_greater_than) is a
+        # torch.compile'd function, and the stand-in image has no C++ compiler for Inductor's
+        # CPU backend: a logprobs request would kill the engine (InvalidCxxCompiler). Eager.
+        write_vendor_env(vendor_file, dep.rendered)
+        if cpu:
+            with open(vendor_file, "a", encoding="utf-8") as fh:
+                fh.write("TORCHDYNAMO_DISABLE=1\n")
+        env["K3_VENDOR_ENV_FILE"] = str(vendor_file)
     srv = ComposeServer(project=args.project, cpu=cpu, env=env, url=dep.url,
-                        model=dep.served_model_name, api_key=dep.api_key,
-                        container_env={"TORCHDYNAMO_DISABLE": "1"} if cpu else {})
+                        model=dep.served_model_name, api_key=dep.api_key)
     return dep, srv, switches
 
 
@@ -206,11 +225,202 @@ def base_check(dep, srv, switches: dict[str, dict[str, str]], env_file: str) -> 
     return {**checked["arms"]["B"], "facts_from": checked["facts_from"], "arms": checked["arms"]}
 
 
+# ------------------------------------------------------------- before any build or server
+
+
+class _BenchArgs(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse would print its usage and exit
+        raise UsageError(f"--bench-args: {message}")
+
+
+def bench_client_image(argv: list[str]) -> str:
+    """The client image the bench step will run (its own parser: ``--client-image``,
+    ``BENCH_CLIENT_IMAGE``, else :data:`k3rocm.deploy.engine.CLIENT_IMAGE`); a bad
+    ``--bench-args`` is refused here."""
+    from k3rocm.checks.bench.cli import add_arguments as bench_arguments
+
+    parser = _BenchArgs(prog="k3rocm bench", add_help=False)
+    bench_arguments(parser)
+    return parser.parse_args(argv).client_image
+
+
+def gpu_memory_used() -> tuple[list[tuple[str, float]] | None, str]:
+    """Per GPU, the fraction of its memory in use, from ``amd-smi metric --mem-usage`` (else
+    ``rocm-smi --showmemuse``), and the tool asked; None when neither answers."""
+    import json
+    import shutil
+    import subprocess
+
+    for tool, argv in (("amd-smi", ["amd-smi", "metric", "--mem-usage", "--json"]),
+                       ("rocm-smi", ["rocm-smi", "--showmemuse", "--json"])):
+        if shutil.which(tool) is None:
+            continue
+        try:
+            p = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+            data = json.loads(p.stdout) if p.returncode == 0 else None
+        except (OSError, subprocess.TimeoutExpired, ValueError):
+            data = None
+        used = parse_gpu_memory(data) if data is not None else []
+        if used:
+            return used, tool
+    return None, "no amd-smi or rocm-smi answered"
+
+
+def parse_gpu_memory(data: Any) -> list[tuple[str, float]]:
+    """(GPU, fraction in use) from amd-smi's JSON (``mem_usage``: ``used_vram``/``total_vram``,
+    under ``gpu``) or rocm-smi's (``cardN``: ``GPU Memory Allocated (VRAM%)``)."""
+    out: list[tuple[str, float]] = []
+
+    def val(x):
+        x = x.get("value") if isinstance(x, dict) else x
+        try:
+            return float(x)
+        except (TypeError, ValueError):
+            return None
+
+    def walk(node, name="?"):
+        if isinstance(node, list):
+            for item in node:
+                walk(item, name)
+        elif isinstance(node, dict):
+            name = f"GPU {node['gpu']}" if "gpu" in node else name
+            mem = node.get("mem_usage")
+            if isinstance(mem, dict):
+                used, total = val(mem.get("used_vram")), val(mem.get("total_vram"))
+                if used is not None and total:
+                    out.append((name, used / total))
+                return
+            pct = next((val(v) for k, v in node.items() if "VRAM%" in k), None)
+            if pct is not None:
+                out.append((name, pct / 100))
+                return
+            for k, v in node.items():
+                walk(v, k if str(k).startswith("card") else name)
+
+    walk(data)
+    return out
+
+
+def _gpu_containers(client) -> list[str]:
+    """Running containers with the AMD GPUs mapped in (/dev/kfd): this project's serving
+    containers (they carry K3_PROFILE) named by compose project and port."""
+    from k3rocm.deploy.provenance import container_env
+
+    found = []
+    for c in client.containers.list():
+        devices = (c.attrs.get("HostConfig") or {}).get("Devices") or []
+        if not any(d.get("PathOnHost") == "/dev/kfd" for d in devices):
+            continue
+        env = container_env(c)
+        project = (c.labels or {}).get("com.docker.compose.project")
+        found.append(f"{c.name} (" + (f"a k3rocm server, compose project {project}, port "
+                                      f"{env.get('K3_PORT', '8000')}" if "K3_PROFILE" in env
+                                      else "not a k3rocm server") + ")")
+    return found
+
+
+def early_checks(dep, bench_argv: list[str],
+                 no_build: bool = False) -> tuple[list[UsageError], list[str]]:
+    """What the selftest needs that a build or a load would find late, checked first: the
+    bench step's client image (and with ``no_build`` the serving image), the selftest port
+    free, the GPUs free (not on the CPU stand-in). (problems, notes): each problem one line;
+    nothing is started here."""
+    from k3rocm.deploy.engine import docker_client, image_id
+    from k3rocm.deploy.preflight import port_free
+
+    problems: list[UsageError] = []
+    notes: list[str] = []
+    try:
+        image = bench_client_image(bench_argv)
+    except UsageError as exc:
+        problems.append(exc)
+        image = None
+    client = docker_client(timeout=60, required=False)
+    if client is None:
+        problems.append(UsageError("no Docker engine answers (DOCKER_HOST or the default "
+                                   "socket): start Docker; the selftest builds and serves "
+                                   "through it", 3))
+    elif image:
+        try:
+            image_id(client, image, hint="the bench step runs aiperf in it: build it with "
+                     "`make clients-image` (or --bench-args '--client-image IMAGE')")
+            notes.append(f"client image {image} present")
+        except UsageError as exc:
+            problems.append(exc)
+        if no_build:
+            try:
+                image_id(client, dep.image, what="serving image", hint="build it (`make "
+                         "build`, or `make build CPU=1` for the stand-in) or drop --no-build")
+            except UsageError as exc:
+                problems.append(exc)
+    host = {"": "0.0.0.0"}.get(dep.settings.bind_address, dep.settings.bind_address)
+    if port_free(host, dep.port):
+        notes.append(f"port {dep.port} free")
+    else:
+        problems.append(UsageError(
+            f"port {dep.port} on {host} is in use: the selftest server publishes it; stop "
+            "what listens there or pick a free one with --port N"))
+    if dep.cpu:
+        notes.append("GPU check skipped: CPU stand-in")
+        return problems, notes
+    holders = _gpu_containers(client) if client is not None else []
+    if holders:
+        problems.append(UsageError(
+            f"the GPUs are held by running container(s) {', '.join(holders)}: a server at "
+            "K3_GPU_MEMORY_UTILIZATION keeps that share of every GPU it uses until it stops; "
+            "`make down` (or `docker compose -p PROJECT down`) first"))
+    need = dep.settings.gpu_memory_utilization or 0.9
+    used, tool = gpu_memory_used()
+    if used is None:
+        notes.append(f"GPU memory not read ({tool})")
+    else:
+        busy = [(g, f) for g, f in used if f > 1 - need]
+        if busy and not holders:
+            problems.append(UsageError(
+                f"GPU memory in use ({tool}): " + ", ".join(f"{g} {f:.0%}" for g, f in busy)
+                + f"; the selftest server asks vLLM for {need:g} of each GPU "
+                "(K3_GPU_MEMORY_UTILIZATION), so at most "
+                f"{1 - need:.0%} may be in use: stop what holds them first"))
+        elif not busy:
+            notes.append(f"{len(used)} GPUs free ({tool}: at most "
+                         f"{max(f for _, f in used):.0%} in use)")
+    return problems, notes
+
+
+def vendor_note(dep, repo: Path) -> str:
+    """Which vendor variables the servers get: this shell's (as `make up` computes them), and
+    whether .k3rocm/vendor.env (an earlier shell's) says otherwise (it is not used)."""
+    from k3rocm.serving.config import is_secret, read_dotenv
+
+    mine = {k: v for k, v in dep.rendered.env.items()  # what write_vendor_env writes
+            if dep.rendered.sources.get(k) == "env" and not k.startswith("K3_")
+            and not is_secret(k)}
+    stale_path = repo / ".k3rocm" / "vendor.env"
+    try:
+        stale = read_dotenv(stale_path)
+    except UsageError:
+        stale = {}
+    differ = sorted(k for k in set(mine) | set(stale) if mine.get(k) != stale.get(k))
+    return (f"vendor variables from this shell: {', '.join(sorted(mine)) or 'none'}"
+            + (f" ({stale_path} differs in {', '.join(differ)}: not used)" if differ else ""))
+
+
 # --------------------------------------------------------------------------------- greedy
 
 
+# Tokens compared by id (``token_id:N``): on random weights many tokens decode to the same text.
+LOGPROB_TOP = 20  # top_logprobs per position: vLLM's default --max-logprobs
+# The largest |logprob gap| fusions on vs off may show and still be rounding (docs/selftest.md,
+# "The logprob tolerance"): fused and stock RMSNorm both accumulate in fp32 and differ only in
+# where they round to bf16, at most one bf16 step per element (8 significant bits); the logits
+# are bf16 too, and a logprob z_t - logsumexp(z) moves by at most twice the largest logit
+# move. Allowed: one bf16 step of the logits at |z| < 16 (2^-4), twice: 0.125 nats.
+LOGPROB_TOL = 2 * 2.0 ** -4
+
+
 def greedy(url: str, model: str, api_key: str | None, timeout: float = 300) -> list[dict]:
-    """Greedy completions of the fixed prompts with the chosen token's logprob."""
+    """Greedy completions of the fixed prompts: per position the chosen token, its logprob
+    and the top :data:`LOGPROB_TOP` tokens' logprobs."""
     import requests
 
     from k3rocm.deploy.server_api import ServerAPI
@@ -221,39 +431,125 @@ def greedy(url: str, model: str, api_key: str | None, timeout: float = 300) -> l
         try:
             r = api.post("/v1/completions", json={
                 "model": model, "prompt": prompt, "max_tokens": GREEDY_TOKENS,
-                "temperature": 0, "logprobs": 1, "ignore_eos": True, "seed": 0})
+                "temperature": 0, "logprobs": LOGPROB_TOP, "return_tokens_as_token_ids": True,
+                "ignore_eos": True, "seed": 0})
             r.raise_for_status()
             lp = r.json()["choices"][0]["logprobs"]
-        except (requests.RequestException, KeyError, IndexError, ValueError) as exc:
+            top = [{t: round(float(v), 6) for t, v in (d or {}).items()}
+                   for d in lp["top_logprobs"]]
+        except (requests.RequestException, KeyError, IndexError, TypeError,
+                ValueError) as exc:
             raise UsageError(f"greedy request to {url} failed ({exc.__class__.__name__}: "
                              f"{str(exc)[:200]})", 3) from None
         out.append({"prompt": prompt, "tokens": lp["tokens"],
                     "logprobs": [round(float(x), 6) if x is not None else None
-                                 for x in lp["token_logprobs"]]})
+                                 for x in lp["token_logprobs"]],
+                    "top_logprobs": top})
     return out
 
 
-def compare(on: list[dict], off: list[dict]) -> dict[str, Any]:
-    """Identical token sequences, or per prompt the first position that differs."""
-    diffs = []
+def _cross(run: dict, pos: int, token: str) -> tuple[float | None, float | None]:
+    """(this arm's logprob of ``token`` at ``pos``, or None when outside its top-N; the
+    lowest logprob of its top-N there: ``token``'s logprob is at most that)."""
+    top = (run.get("top_logprobs") or [])[pos:pos + 1]
+    top = top[0] if top else {}
+    if run["tokens"][pos] == token and run["logprobs"][pos] is not None:
+        return run["logprobs"][pos], min(top.values(), default=None)
+    return top.get(token), min(top.values(), default=None)
+
+
+def compare(on: list[dict], off: list[dict], tol: float = LOGPROB_TOL) -> dict[str, Any]:
+    """Fusions on vs off, per prompt up to the first position whose tokens differ (after it
+    the two continue different texts): the gap |on - off| of the chosen token's logprob, and at
+    a difference of both arms' tokens (each looked up in the other's top-N). A token outside
+    the other arm's top-N counts with the least gap it must have (its logprob minus the other's
+    N-th best). Verdict: "fail" when a gap exceeds ``tol``; else "cannot judge" when a gap
+    has no bound (or one answer ended early); else "ok"."""
+    diffs, gaps, unbounded, spreads = [], [], [], []
     for a, b in zip(on, off, strict=True):
-        pairs = enumerate(zip(a["tokens"], b["tokens"], strict=False))
-        pos = next((i for i, (x, y) in pairs if x != y),
-                   None if len(a["tokens"]) == len(b["tokens"]) else
-                   min(len(a["tokens"]), len(b["tokens"])))
-        if pos is not None:
-            diffs.append({"prompt": a["prompt"], "position": pos,
-                          "on": a["tokens"][pos:pos + 1], "off": b["tokens"][pos:pos + 1],
-                          "logprob_on": (a["logprobs"][pos:pos + 1] or [None])[0],
-                          "logprob_off": (b["logprobs"][pos:pos + 1] or [None])[0]})
-    gap = max((abs(x - y) for a, b in zip(on, off, strict=True)
-               for x, y in zip(a["logprobs"], b["logprobs"], strict=False)
-               if x is not None and y is not None), default=None)
+        n = min(len(a["tokens"]), len(b["tokens"]))
+        for pos in range(n):
+            top = (a.get("top_logprobs") or [])[pos:pos + 1]
+            if top and len(top[0]) >= 2:
+                spreads.append(max(top[0].values()) - min(top[0].values()))
+            toks = [a["tokens"][pos]] if a["tokens"][pos] == b["tokens"][pos] else \
+                [a["tokens"][pos], b["tokens"][pos]]
+            for tok in toks:
+                (x, x_min), (y, y_min) = _cross(a, pos, tok), _cross(b, pos, tok)
+                if x is not None and y is not None:
+                    gaps.append((abs(x - y), a["prompt"], pos, tok, True))
+                    continue
+                known, floor = (x, y_min) if y is None else (y, x_min)  # outside one top-N
+                low = known - floor if known is not None and floor is not None else None
+                if low is not None and low > 0:
+                    gaps.append((low, a["prompt"], pos, tok, False))
+                else:
+                    unbounded.append({"prompt": a["prompt"], "position": pos, "token": tok})
+            if len(toks) == 2:
+                diffs.append({"prompt": a["prompt"], "position": pos,
+                              "on": [a["tokens"][pos]], "off": [b["tokens"][pos]],
+                              "logprob_on": a["logprobs"][pos],
+                              "logprob_off": b["logprobs"][pos]})
+                break
+        else:
+            if len(a["tokens"]) != len(b["tokens"]):  # one answer ended: nothing to compare
+                diffs.append({"prompt": a["prompt"], "position": n,
+                              "on": a["tokens"][n:n + 1], "off": b["tokens"][n:n + 1],
+                              "logprob_on": (a["logprobs"][n:n + 1] or [None])[0],
+                              "logprob_off": (b["logprobs"][n:n + 1] or [None])[0]})
+                unbounded.append({"prompt": a["prompt"], "position": n, "token": None})
+    worst = max(gaps, key=lambda g: g[0], default=None)
+    verdict = ("fail" if worst is not None and worst[0] > tol else
+               "cannot judge" if unbounded or worst is None else "ok")
+    spreads.sort()
     return {"identical": not diffs, "prompts": len(on), "tokens_per_prompt": GREEDY_TOKENS,
-            "first_differences": diffs, "max_logprob_gap": gap}
+            "first_differences": diffs,
+            "max_logprob_gap": None if worst is None else round(worst[0], 6),
+            "max_gap_at": None if worst is None else {
+                "prompt": worst[1], "position": worst[2], "token": worst[3],
+                "in_both_top_n": worst[4]},
+            "unbounded": unbounded, "tolerance": tol, "top_n": LOGPROB_TOP,
+            "compared": len(gaps), "verdict": verdict, "ok": verdict == "ok",
+            "top_n_spread_median": round(spreads[len(spreads) // 2], 6) if spreads else None}
+
+
+def compare_note(c: dict[str, Any]) -> str:
+    """The compare step's one line: the gap against the tolerance, then what differs."""
+    at = c.get("max_gap_at") or {}
+    gap = c["max_logprob_gap"]
+    parts = []
+    if gap is not None:
+        where = f" at {at.get('prompt')!r} position {at.get('position')}" if gap else ""
+        parts.append(f"max logprob gap {gap:.4g} {'>' if gap > c['tolerance'] else '<='} "
+                     f"tolerance {c['tolerance']:g}{where}")
+    if c["unbounded"]:
+        parts.append("cannot judge " + ", ".join(
+            f"{u['prompt']!r} position {u['position']}" for u in c["unbounded"])
+            + f": a token outside the other arm's top-{c['top_n']} with no bound on its gap, "
+            "or an answer that ended")
+    spread = c.get("top_n_spread_median")
+    if spread is not None:
+        parts.append(f"top-{c['top_n']} spread median {spread:.3g} nats")
+    if c["identical"]:
+        parts.insert(0, f"{c['prompts']} prompts x {c['tokens_per_prompt']} tokens identical")
+    else:
+        parts.append("tokens differ: " + "; ".join(
+            f"{d['prompt']!r} at {d['position']}: {d['on']} ({d['logprob_on']}) vs "
+            f"{d['off']} ({d['logprob_off']})" for d in c["first_differences"]))
+    return "; ".join(parts)
 
 
 # ------------------------------------------------------------------------------------- run
+
+
+def _bench_argv(args: argparse.Namespace, dep) -> list[str]:
+    """The bench step's ``k3rocm bench`` arguments: one short point."""
+    workload = args.workload or ("ci-tiny" if dep.cpu else "decode-8k1k")
+    host_model = dep.model_host_dir
+    return ["--workload", workload, "--url", dep.url, "--results", str(dep.results_root),
+            "--label", "selftest-bench", *(["--tokenizer", str(host_model)] if host_model
+                                           else []),
+            "--set", "concurrency=1", "--set", "request_count=4", *shlex.split(args.bench_args)]
 
 
 def selftest(args: argparse.Namespace) -> int:  # noqa: C901 - one linear pipeline
@@ -262,34 +558,43 @@ def selftest(args: argparse.Namespace) -> int:  # noqa: C901 - one linear pipeli
 
     t0 = time.time()
     dep, srv, switches = _plan(args)  # exit 2 before anything starts
-    if not args.no_build:  # the image as it is now; checked again once built
+    bench_args = _bench_argv(args, dep)
+    problems, checked = early_checks(dep, bench_args, args.no_build)
+    checked.append(vendor_note(dep, REPO))
+    try:  # the image as it is now (with --no-build, the one served); checked again once built
         base_check(dep, srv, switches, args.env_file)
+    except UsageError as exc:
+        problems.append(exc)
+    if problems:  # one line each; nothing was built, served or written
+        for exc in problems:
+            print(f"k3rocm: error: {exc}", file=sys.stderr)
+        print("k3rocm selftest: nothing expensive was started (no build, no server, no run "
+              "directory)", file=sys.stderr)
+        return max(exc.exit_code for exc in problems)
+    _say(t0, "checked before any build or server: " + "; ".join(checked))
     run_dir = create_run_dir(dep.results_root, "selftest")
     trace_dir = f"/results/{run_dir.name}/traces"
-    dep, srv, switches = _plan(args, extra={"K3_PROFILER_DIR": trace_dir})
+    dep, srv, switches = _plan(args, extra={"K3_PROFILER_DIR": trace_dir},
+                               vendor_file=run_dir / "vendor.env")
     # the same server as arm A: every fusion off
     off_srv = dataclasses.replace(srv, env={**srv.env, **switches["A"]})
     runrecord.write(run_dir, runrecord.build(deployment=dep, url=dep.url, selftest={
         "project": srv.project, "model": dep.model}))
     host_model = dep.model_host_dir
-    workload = args.workload or ("ci-tiny" if srv.cpu else "decode-8k1k")
     py = sys.executable
     env = {**os.environ, **srv.env, "COMPOSE_PROJECT_NAME": srv.project}
     commands = {
         "census": [py, "-m", "k3rocm", "census", "--url", dep.url, "--results",
                    str(dep.results_root), *(["--model-dir", str(host_model)] if host_model
                                             else []), *shlex.split(args.census_args)],
-        "bench": [py, "-m", "k3rocm", "bench", "--workload", workload, "--url", dep.url,
-                  "--results", str(dep.results_root), "--label", "selftest-bench",
-                  *(["--tokenizer", str(host_model)] if host_model else []),
-                  "--set", "concurrency=1", "--set", "request_count=4",
-                  *shlex.split(args.bench_args)],
+        "bench": [py, "-m", "k3rocm", "bench", *_bench_argv(args, dep)],
     }
     results: list[StepResult] = []
     summary: dict[str, Any] = {"run_dir": str(run_dir), "project": srv.project, "url": dep.url,
                                "model": dep.model, "profile": dep.profile, "image": dep.image,
-                               "cpu_standin": srv.cpu}
+                               "cpu_standin": srv.cpu, "checked_first": checked}
     running = []
+    served: list = []  # a server was started: from here a failure is no longer "bad input"
     greedy_runs: dict[str, list[dict]] = {}
     total = len(STEPS)
 
@@ -327,6 +632,7 @@ def selftest(args: argparse.Namespace) -> int:  # noqa: C901 - one linear pipeli
     def serve(server, res: StepResult):
         running.append(server)
         server.up()
+        served.append(server)
         res.numbers["ready_s"] = round(server.wait(args.timeout), 1)
         prov = server.provenance()
         res.numbers["fusion_decisions"] = prov.get("fusion_decisions")
@@ -369,14 +675,12 @@ def selftest(args: argparse.Namespace) -> int:  # noqa: C901 - one linear pipeli
     def cmp(res: StepResult):
         c = compare(greedy_runs["on"], greedy_runs["off"])
         summary["greedy"] = {**c, **greedy_runs}
-        res.ok = c["identical"]
-        res.code = 0 if res.ok else 1
-        res.note = (f"{c['prompts']} prompts x {GREEDY_TOKENS} tokens identical "
-                    f"(max logprob gap {c['max_logprob_gap']})" if res.ok else
-                    "differ: " + "; ".join(f"{d['prompt']!r} at {d['position']}: "
-                                           f"{d['on']} ({d['logprob_on']}) vs {d['off']} "
-                                           f"({d['logprob_off']})"
-                                           for d in c["first_differences"]))
+        res.ok = c["ok"]
+        res.code = {"ok": 0, "fail": 1}.get(c["verdict"], 4)  # 4: cannot judge
+        res.numbers = {k: c[k] for k in ("verdict", "identical", "max_logprob_gap",
+                                         "max_gap_at", "unbounded", "tolerance", "top_n",
+                                         "top_n_spread_median")}
+        res.note = compare_note(c)
 
     plan = {"build": build, "up": up, "census": sub, "greedy": greedy_on, "bench": sub,
             "down": down, "off": off, "compare": cmp}
@@ -404,6 +708,12 @@ def selftest(args: argparse.Namespace) -> int:  # noqa: C901 - one linear pipeli
                     stop(server, "server-on.log" if server is srv else "server-off.log")
         finally:
             signal.signal(signal.SIGINT, old_int)
+    if code == 2 and served:  # exit 2 promises nothing expensive was started: not so here
+        code = 4
+        bad = next((r for r in results if r.code == 2), None)
+        if bad is not None:
+            bad.note += (" [exit 2 (bad input) found after a server had started: the selftest "
+                         "exits 4, cannot judge; fix the input and run it again]")
     seconds = time.time() - t0
     lines = [f"k3rocm selftest: {verdict(code)} in {seconds:.0f}s: {dep.model} on {dep.url} "
              f"(profile {dep.profile}, image {dep.image}"
@@ -420,6 +730,7 @@ def selftest(args: argparse.Namespace) -> int:  # noqa: C901 - one linear pipeli
             {(d.get("pid"), d.get("layer_kind")): d for d in decisions}))
     lines.append("")
     lines += step_rows(results)
+    lines += ["", "  checked first: " + "; ".join(checked)]
     lines += ["", f"  run directory: {run_dir} (summary.json, summary.md, logs/, "
               "server-on.log, server-off.log, traces/)"]
     text = "\n".join(lines)
