@@ -32,8 +32,6 @@ from conftest import REPO, _image_exists, free_port, project_containers, run_cli
 from k3rocm.deploy.lifecycle import ComposeServer
 from k3rocm.deploy.runrecord import FILENAME
 
-pytestmark = pytest.mark.docker
-
 IMAGE = os.environ.get("K3_SERVER_IMAGE") or "k3rocm/server:cpu-0.32.0"  # server_fixture's
 
 
@@ -57,6 +55,7 @@ def _remove(project: str) -> None:
     ComposeServer(project=project, cpu=True, inherit_env=False).down(timeout=0)
 
 
+@pytest.mark.docker
 def test_make_up_stops_a_server_that_fails_to_start_and_keeps_its_log(image, tmp_path):
     project = f"k3failstart-{os.getpid()}"
     env = _env(tmp_path, image)
@@ -89,6 +88,7 @@ def test_make_up_stops_a_server_that_fails_to_start_and_keeps_its_log(image, tmp
     assert took < 300, f"{took:.0f} s"
 
 
+@pytest.mark.docker
 def test_plain_docker_compose_up_gives_up_after_two_restarts(image, tmp_path):
     project = f"k3restarts-{os.getpid()}"
     srv = ComposeServer(project=project, cpu=True, env=_env(tmp_path, image), inherit_env=False)
@@ -104,6 +104,7 @@ def test_plain_docker_compose_up_gives_up_after_two_restarts(image, tmp_path):
     assert out.count("/models/no-such-model") == 3, out[-3000:]  # 3 attempts, each logged once
 
 
+@pytest.mark.docker
 def test_compose_files_give_the_server_a_bounded_restart_policy():
     """What `docker compose config` makes of compose.yaml (GPU) and with compose.cpu.yaml."""
     import json
@@ -115,3 +116,46 @@ def test_compose_files_give_the_server_a_bounded_restart_policy():
                            env={k: v for k, v in os.environ.items() if not k.startswith("K3_")})
         assert p.returncode == 0, p.stderr
         assert json.loads(p.stdout)["services"]["server"]["restart"] == "on-failure:2", files
+
+
+NEVER = "0001-01-01T00:00:00Z"
+UP = {"Status": "running", "ExitCode": 0, "FinishedAt": NEVER, "OOMKilled": False}
+
+
+@pytest.mark.parametrize("state, restarts, says", [
+    (UP, 0, None),
+    ({**UP, "Health": {"Status": "starting", "FailingStreak": 40}}, 0, None),
+    ({**UP, "Status": "restarting", "ExitCode": 1}, 1,
+     "exited with code 1 and is restarting (restart 1 of compose.yaml's restart policy)"),
+    ({**UP, "Status": "exited", "ExitCode": 137, "OOMKilled": True}, 0,
+     "exited with code 137 (OOM-killed)"),
+    ({**UP, "Status": "exited", "ExitCode": 1}, 2, "exited with code 1 after 2 restart(s)"),
+    # a poll that sees only the next attempt running: the exit is in FinishedAt
+    ({**UP, "FinishedAt": "2026-12-05T08:00:00.1Z"}, 1, "exited and was restarted (restart 1"),
+    ({**UP, "Health": {"Status": "unhealthy", "FailingStreak": 3, "Log": [
+        {"Output": "urllib.error.URLError: <urlopen error [Errno 111]>\n"}]}}, 0,
+     "is unhealthy: /health failed 3 checks in a row after the healthcheck's start period "
+     "(urllib.error.URLError: <urlopen error [Errno 111]>)"),
+])
+def test_failure_reads_the_engines_state(state, restarts, says):
+    """ComposeServer.failure on Docker's inspect State (Engine API ContainerState: Status,
+    ExitCode, OOMKilled, FinishedAt, Health.Status/FailingStreak/Log[].Output; RestartCount)."""
+    from types import SimpleNamespace
+
+    c = SimpleNamespace(id="c1", reload=lambda: None,
+                        attrs={"State": state, "RestartCount": restarts})
+    srv = ComposeServer(project="p", inherit_env=False)
+    srv.__dict__.update(_container=c, _exits={"c1": NEVER})
+    got = srv.failure()
+    assert got == says if says is None else (got or "").startswith(says), got
+
+
+def test_failure_counts_only_exits_after_the_wait_began():
+    """`make wait` on a server that crashed and was restarted before: that exit is history."""
+    from types import SimpleNamespace
+
+    c = SimpleNamespace(id="c1", reload=lambda: None, attrs={
+        "State": {**UP, "FinishedAt": "2026-12-01T00:00:00Z"}, "RestartCount": 1})
+    srv = ComposeServer(project="p", inherit_env=False)
+    srv.__dict__.update(_container=c, _exits={"c1": "2026-12-01T00:00:00Z"})
+    assert srv.failure() is None

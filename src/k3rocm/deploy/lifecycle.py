@@ -246,8 +246,8 @@ class ComposeServer:
         A container that fails meanwhile (:meth:`failure`, asked every second) is stopped and
         removed, its whole log saved to ``log_path`` (a callable: asked only then, e.g. for a
         new run directory) like :meth:`down` does; UsageError (exit 3) names the log. On a
-        timeout or a wrong model the server is left as it is (exit 3). Either way the last log
-        lines are printed first."""
+        timeout or a wrong model the server is left to the caller (exit 3). Either way the last
+        log lines are printed first."""
         from k3rocm.deploy.readiness import StartFailed, wait_ready
 
         if timeout <= 0:
@@ -277,9 +277,7 @@ class ComposeServer:
         except UsageError as exc:
             print(f"k3rocm: last server log lines ({self.project}):\n{self.tail(25)}",
                   file=sys.stderr)
-            raise UsageError(f"{exc} (compose project {self.project} is left as it is: "
-                             "`make wait` waits again, `make down` stops it)",
-                             exc.exit_code) from None
+            raise UsageError(str(exc), exc.exit_code) from None
         if self.cpu:
             # The CPU stand-in streams per token only with its EngineCore off the API
             # server's core (pin_engine_core); a stand-in that cannot be pinned still serves.
