@@ -266,12 +266,20 @@ class ComposeServer:
         except StartFailed as exc:
             print(f"k3rocm: last server log lines ({self.project}):\n{self.tail(25)}",
                   file=sys.stderr)
-            _log(f"{exc}: stopping compose project {self.project}")
-            self.compose("stop", SERVICE, timeout=STOP_TIMEOUT + 120)  # no restart from here
-            path = log_path() if callable(log_path) else log_path
-            self.down(log_path=path)
+            _log(f"{exc}: stopping compose project {self.project}, saving its log")
+            path, why = None, "no log path given"
+            try:
+                with contextlib.suppress(UsageError):  # no restart from here on
+                    self.compose("stop", SERVICE, timeout=STOP_TIMEOUT + 120)
+                path = log_path() if callable(log_path) else log_path
+            except OSError as err:  # the results directory: the server is removed anyway
+                why = f"{err.strerror or err}: {err.filename}"
+            finally:
+                self.down(log_path=path)
+            if path is not None:
+                why = "compose had no log for it"
             where = (f"its log: {path}" if path is not None and path.is_file() else
-                     "its log could not be saved (the last lines are above)")
+                     f"its log could not be saved ({why}; the last lines are above)")
             raise UsageError(f"{exc}; stopped and removed (compose project {self.project}), so "
                              f"it is not restarted; {where}", 3) from None
         except UsageError as exc:
