@@ -286,10 +286,12 @@ def start_server(
             hold_file=results / HOLD_NAME if hold else None,
         )
         try:
-            srv.wait(timeout, quiet=True)
+            srv.wait(timeout, quiet=True, log_path=server.log_path)
         except UsageError as exc:
+            saved = server.log_path.read_text() if server.log_path.is_file() else None
+            tail = "\n".join(saved.splitlines()[-40:]) if saved else server.logs(40)
             raise ServerStartError(f"compose project {project}: {exc}; log tail:\n"
-                                   f"{server.logs(40)}") from None
+                                   f"{tail}") from None
         server.ready_seconds = time.monotonic() - t0
         _progress(f"[standin_server] {srv.url} ready after {server.ready_seconds:.0f} s "
                   f"(compose project {project})")

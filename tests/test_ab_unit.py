@@ -455,8 +455,8 @@ def test_arm_server_with_replicas_saves_every_log_and_removes_the_router(tmp_pat
         def up(self):
             seen["up"].append((self.project, self.env["K3_PORT"]))
 
-        def wait(self, timeout, every=10):
-            pass
+        def wait(self, timeout, every=10, log_path=None):
+            seen.setdefault("wait", []).append((self.project, log_path.name))
 
         def down(self, log_path=None):
             seen["down"].append((self.project, log_path.name))
@@ -491,6 +491,7 @@ def test_arm_server_with_replicas_saves_every_log_and_removes_the_router(tmp_pat
     assert seen["up"] == [("k3ab-s-00a-r0", "18601"), ("k3ab-s-00a-r1", "18602")]
     assert seen["down"] == [("k3ab-s-00a-r0", "00-A-server-r0.log"),
                             ("k3ab-s-00a-r1", "00-A-server-r1.log")]
+    assert seen["wait"] == seen["down"]  # a replica that fails to start: its log, same place
     assert (tmp_path / "00-A-server-router.log").read_bytes() == b"router says hi\n"
     assert seen["router"] == ["stop", "remove"]
 

@@ -17,7 +17,7 @@ import pytest
 from conftest import free_port, run_cli
 
 from k3rocm.deploy.server_api import ServerAPI, Unreachable, auth_headers
-from k3rocm.errors import EXIT_SERVER, ServerError
+from k3rocm.errors import EXIT_SERVER, ServerError, UsageError
 
 MODELS = {"object": "list", "data": [{"id": "k3-smoke", "object": "model"}]}
 
@@ -147,9 +147,81 @@ def test_no_server_is_unreachable_with_its_reason():
     with pytest.raises(Unreachable) as ei:
         ServerAPI(url).health()
     e = ei.value
-    assert (e.reason, e.timed_out, e.exit_code) == ("ConnectionError", False, EXIT_SERVER)
-    assert str(e) == (f"server not reachable at {url} (ConnectionError); start it (`make up`) "
-                      "or pass --url")
+    assert (e.reason, e.timed_out, e.refused, e.exit_code) == ("ConnectionError", False, True,
+                                                              EXIT_SERVER)
+    assert str(e).startswith(f"nothing listening at {url} (connection refused): start the "
+                             "server (`make up`")
+
+
+def test_an_answer_that_never_comes_is_not_refused(vllm):
+    url, _ = vllm
+    with pytest.raises(Unreachable) as ei:
+        ServerAPI(url, timeout=0.3).get("/hang")
+    assert not ei.value.refused and "nothing listening" not in str(ei.value)
+
+
+# --- connection refused: commands that expect a running server stop at once ----------------------
+
+def test_wait_ready_for_a_running_server_fails_at_once_when_nothing_listens():
+    """census/bench/the A/B router ask wait_ready about a server that should be running: a
+    refused connection is the answer, not a reason to wait. Before: 60 s of polling, then
+    "not healthy within 60s (ConnectionError)"."""
+    import time
+
+    from k3rocm.deploy.readiness import wait_ready
+
+    url = f"http://127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    with pytest.raises(Unreachable, match="nothing listening at") as ei:
+        wait_ready(url, "m", timeout=60, quiet=True)
+    assert time.monotonic() - t0 < 5 and ei.value.exit_code == EXIT_SERVER
+
+
+def test_wait_ready_keeps_waiting_while_a_starting_container_lives_then_names_its_failure():
+    """A container that is starting (``failed`` given) may not listen yet: refused means wait,
+    until the container's own state says it failed (or the timeout passes)."""
+    from k3rocm.deploy.readiness import StartFailed, wait_ready
+
+    url = f"http://127.0.0.1:{free_port()}"
+    asked = []
+
+    def alive():
+        asked.append(1)
+        return None
+
+    with pytest.raises(UsageError, match=r"not healthy within 2s \(connection refused\)") as ei:
+        wait_ready(url, "m", timeout=1.5, failed=alive, quiet=True)
+    assert ei.value.exit_code == EXIT_SERVER
+    assert len(asked) >= 2  # polled, not given up at the first refusal
+    states = iter([None, "exited with code 2"])
+    with pytest.raises(StartFailed) as ei:
+        wait_ready(url, "m", timeout=60, failed=lambda: next(states), quiet=True)
+    assert ei.value.reason == "exited with code 2" and ei.value.exit_code == EXIT_SERVER
+    assert str(ei.value) == "the server container exited with code 2 before it became ready"
+
+
+def test_census_with_nothing_listening_says_so_at_once():
+    """`make census` with no server: exit 3 in about a second, naming the URL. Before: it
+    waited its --server-timeout (60 s) first."""
+    import time
+
+    from conftest import REPO
+
+    url = f"http://127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    r = run_cli("census", "--url", url, "--model-dir",
+                str(REPO / "tests/data/census/models/tiny-deepseek-v3"), timeout=120)
+    took = time.monotonic() - t0
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert f"nothing listening at {url}" in r.stderr.strip().splitlines()[-1]
+    assert took < 20, f"{took:.0f} s"
+
+
+def test_preflight_calls_a_closed_api_port_on_a_node_a_warning():
+    from k3rocm.deploy.preflight import check_node
+
+    c = check_node(f"127.0.0.1:{free_port()}", timeout=2)
+    assert (c.status, c.have) == ("warn", "host up, API port closed")
 
 
 def test_a_server_that_never_answers_times_out(vllm):

@@ -633,14 +633,18 @@ def selftest(args: argparse.Namespace) -> int:  # noqa: C901 - one linear pipeli
         running.append(server)
         server.up()
         served.append(server)
-        res.numbers["ready_s"] = round(server.wait(args.timeout), 1)
+        res.numbers["ready_s"] = round(server.wait(args.timeout, log_path=run_dir / log_name(
+            server)), 1)
         prov = server.provenance()
         res.numbers["fusion_decisions"] = prov.get("fusion_decisions")
         res.note = f"ready after {res.numbers['ready_s']} s on {server.url}"
         return prov
 
-    def stop(server, log_name: str):
-        server.down(log_path=run_dir / log_name)
+    def log_name(server) -> str:
+        return "server-on.log" if server is srv else "server-off.log"
+
+    def stop(server):
+        server.down(log_path=run_dir / log_name(server))
         if server in running:
             running.remove(server)
 
@@ -663,13 +667,13 @@ def selftest(args: argparse.Namespace) -> int:  # noqa: C901 - one linear pipeli
         res.note = f"{len(PROMPTS)} prompts x {GREEDY_TOKENS} tokens, fusions on (arm B)"
 
     def down(res: StepResult):
-        stop(srv, "server-on.log")
+        stop(srv)
         res.note = f"server log kept: {run_dir / 'server-on.log'}"
 
     def off(res: StepResult):
         serve(off_srv, res)
         greedy_runs["off"] = greedy(dep.url, off_srv.model, dep.api_key)
-        stop(off_srv, "server-off.log")
+        stop(off_srv)
         res.note = "fusions off: " + res.note
 
     def cmp(res: StepResult):
@@ -705,7 +709,7 @@ def selftest(args: argparse.Namespace) -> int:  # noqa: C901 - one linear pipeli
             for server in list(running):
                 _say(t0, f"stopping {server.project}")
                 with contextlib.suppress(Exception):
-                    stop(server, "server-on.log" if server is srv else "server-off.log")
+                    stop(server)
         finally:
             signal.signal(signal.SIGINT, old_int)
     if code == 2 and served:  # exit 2 promises nothing expensive was started: not so here

@@ -15,7 +15,11 @@ Command line (``k3rocm server ...``; the Makefile's up/wait/down call these):
 - ``up``: start the server (``--build`` first builds the image), then wait as below.
 - ``wait``: until ``/health`` answers and ``/v1/models`` serves the model, printing elapsed
   time, the stated timeout and the server's last log line; fails (exit 3) with the reason
-  and the last log lines when the container stops or the timeout passes.
+  and the last log lines when the timeout passes. A server whose container fails meanwhile
+  (exited, restarting, unhealthy, gone: :meth:`ComposeServer.failure`) is stopped and removed,
+  its log saved into a run directory (as ``down`` does), exit 3 naming the log: no start is
+  retried behind the user's back (compose.yaml's ``restart: on-failure:2`` is for a crash of a
+  server that was serving, and for plain ``docker compose up``).
 - ``logs``: the server's log (``--tail N``).
 - ``save-log``: the server's whole log into a new run directory under the results root.
 - ``provenance``: what is serving (image, vLLM version, env redacted, argv, overlay
@@ -34,7 +38,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,6 +52,8 @@ DEFAULT_PROJECT = "k3rocm"
 SERVICE = "server"
 # compose.yaml's stop_grace_period (what down() waits for when the container does not say).
 STOP_TIMEOUT = 60
+# State.FinishedAt of a container that never exited (Go's zero time).
+NEVER_EXITED = "0001-01-01T00:00:00Z"
 
 
 _log = tagged_log("server")
@@ -162,6 +168,48 @@ class ComposeServer:
         self.__dict__["_container"] = c
         return c
 
+    def failure(self) -> str | None:
+        """Why the server container has failed, from the engine's own record (``docker
+        inspect`` State); None while it starts or serves. Failed: exited or dead, restarting,
+        restarted by its restart policy since :meth:`up` (or since the wait began: its
+        ``FinishedAt`` changed, whichever state a poll happens to see), unhealthy (the
+        healthcheck failed after its start period), or gone."""
+        c = self.__dict__.get("_container")
+        if c is not None:
+            try:
+                c.reload()
+            except Exception:  # noqa: BLE001 - removed: ask compose
+                c = None
+        if c is None:
+            try:
+                c = self.container()
+            except UsageError:  # no engine API for docker-py: what compose says
+                state = self.state()
+                return None if state in ("running", "created") else f"is {state or 'gone'}"
+            if c is None:
+                return "is gone (removed: `make down` or `docker compose down`?)"
+        st = c.attrs.get("State") or {}
+        status, code = st.get("Status"), st.get("ExitCode")
+        oom = " (OOM-killed)" if st.get("OOMKilled") else ""
+        restarts = c.attrs.get("RestartCount") or 0
+        again = f"restart {restarts} of compose.yaml's restart policy"
+        if status == "restarting":
+            return f"exited with code {code}{oom} and is restarting ({again})"
+        if status in ("exited", "dead"):
+            return f"{status} with code {code}{oom}" + (f" after {restarts} restart(s)"
+                                                         if restarts else "")
+        if status == "removing":
+            return "is being removed"
+        base = self.__dict__.setdefault("_exits", {}).get(c.id, NEVER_EXITED)
+        if st.get("FinishedAt", NEVER_EXITED) != base:
+            return f"exited{oom} and was restarted ({again})"
+        health = st.get("Health") or {}
+        if health.get("Status") == "unhealthy":
+            out = " ".join(str((health.get("Log") or [{}])[-1].get("Output", "")).split())
+            return (f"is unhealthy: /health failed {health.get('FailingStreak')} checks in a row "
+                    f"after the healthcheck's start period ({out[:120] or 'no output'})")
+        return None
+
     def tail(self, n: int = 25) -> str:
         p = self.compose("logs", "--no-color", "--no-log-prefix", "--tail", str(n), SERVICE,
                          timeout=60)
@@ -177,6 +225,12 @@ class ComposeServer:
         """Start the server detached (``build``: build the image first; otherwise the image
         must exist: it is never pulled)."""
         args = ["up", "-d", "--build" if build else "--no-build", SERVICE]
+        # the exits seen before: a container compose keeps (same config) counts only new ones
+        old = None
+        with contextlib.suppress(UsageError):
+            old = self.container()
+        self.__dict__["_exits"] = {old.id: (old.attrs.get("State") or {}).get(
+            "FinishedAt", NEVER_EXITED)} if old is not None else {}
         self.__dict__.pop("_container", None)
         p = self.compose(*args, timeout=None if build else 300, capture=not build)
         if p.returncode != 0:
@@ -187,10 +241,16 @@ class ComposeServer:
             raise UsageError(f"starting the server (compose project {self.project}) failed: "
                              f"{err[-1]}", code)
 
-    def wait(self, timeout: float, every: float = 10, quiet: bool = False) -> float:
+    def wait(self, timeout: float, every: float = 10, quiet: bool = False,
+             log_path: Path | Callable[[], Path] | None = None) -> float:
         """Wait until ready (readiness.wait_ready), the server's last log line as status.
-        On failure the last log lines are printed and UsageError (exit 3) is raised."""
-        from k3rocm.deploy.readiness import wait_ready
+
+        A container that fails meanwhile (:meth:`failure`, asked every second) is stopped and
+        removed, its whole log saved to ``log_path`` (a callable: asked only then, e.g. for a
+        new run directory) like :meth:`down` does; UsageError (exit 3) names the log. On a
+        timeout or a wrong model the server is left to the caller (exit 3). Either way the last
+        log lines are printed first."""
+        from k3rocm.deploy.readiness import StartFailed, wait_ready
 
         if timeout <= 0:
             raise UsageError(f"--timeout {timeout:g} must be > 0", 2)
@@ -198,10 +258,32 @@ class ComposeServer:
             _log(f"waiting up to {timeout:.0f}s for {self.url} (compose project "
                  f"{self.project}, model {self.model})")
         with contextlib.suppress(UsageError):
-            self.container()  # state() then asks the engine directly
+            c = self.container()  # failure() and state() then ask the engine directly
+            if c is not None and "_exits" not in self.__dict__:  # not started by up(): the
+                self.__dict__["_exits"] = {  # exits from now on count
+                    c.id: (c.attrs.get("State") or {}).get("FinishedAt", NEVER_EXITED)}
         try:
-            waited = wait_ready(self.url, self.model, timeout, self.api_key, is_alive=self.state,
+            waited = wait_ready(self.url, self.model, timeout, self.api_key, failed=self.failure,
                                 status=self.last_line, every=every, quiet=quiet)
+        except StartFailed as exc:
+            print(f"k3rocm: last server log lines ({self.project}):\n{self.tail(25)}",
+                  file=sys.stderr)
+            _log(f"{exc}: stopping compose project {self.project}, saving its log")
+            path, why = None, "no log path given"
+            try:
+                with contextlib.suppress(UsageError):  # no restart from here on
+                    self.compose("stop", SERVICE, timeout=STOP_TIMEOUT + 120)
+                path = log_path() if callable(log_path) else log_path
+            except OSError as err:  # the results directory: the server is removed anyway
+                why = f"{err.strerror or err}: {err.filename}"
+            finally:
+                self.down(log_path=path)
+            if path is not None:
+                why = "compose had no log for it"
+            where = (f"its log: {path}" if path is not None and path.is_file() else
+                     f"its log could not be saved ({why}; the last lines are above)")
+            raise UsageError(f"{exc}; stopped and removed (compose project {self.project}), so "
+                             f"it is not restarted; {where}", 3) from None
         except UsageError as exc:
             print(f"k3rocm: last server log lines ({self.project}):\n{self.tail(25)}",
                   file=sys.stderr)
@@ -252,12 +334,13 @@ class ComposeServer:
         own ``stop_grace_period``, fixed when it was created (compose.yaml's 60 s; a scale
         node's override gives its drain + 30 s), as ``docker compose down`` without ``-t``
         applies it. An explicit ``--timeout`` would cut a longer drain short."""
-        grace = timeout
-        if grace is None:
-            with contextlib.suppress(Exception):
-                c = self.container()
-                grace = c.attrs["Config"].get("StopTimeout") if c is not None else None
-        if log_path is not None:
+        grace, gone = timeout, False
+        with contextlib.suppress(Exception):
+            c = self.container()
+            gone = c is None
+            if grace is None and c is not None:
+                grace = c.attrs["Config"].get("StopTimeout")
+        if log_path is not None and not gone:  # gone: never overwrite a log saved before
             with contextlib.suppress(Exception):
                 self.save_log(log_path)
         self.__dict__.pop("_container", None)
@@ -360,6 +443,18 @@ def deployment_view(args: argparse.Namespace) -> dict:
     return {**dep.to_json(), "url": srv.url, "project": srv.project}
 
 
+def log_run_dir(srv: ComposeServer, dep, label: str = "server-log") -> Path:
+    """Where a saved server log goes (``down``, ``save-log``, a failed start): a new run
+    directory under the results root with the run record of what was serving; returns its
+    ``server.log`` path (written by :meth:`ComposeServer.save_log` / ``down``)."""
+    from k3rocm.deploy import runrecord
+    from k3rocm.rundir import create_run_dir
+
+    out = create_run_dir(dep.results_root, label)
+    runrecord.write(out, runrecord.build(deployment=dep, url=dep.url, server=srv.provenance()))
+    return out / "server.log"
+
+
 def run(args: argparse.Namespace) -> int:
     if not getattr(args, "what", None):
         raise UsageError("server needs a subcommand: up, wait, logs, save-log, provenance or "
@@ -374,7 +469,7 @@ def run(args: argparse.Namespace) -> int:
         elif srv.state() is None:
             raise UsageError("no server container: start it with `make up` "
                              "(or `k3rocm server up`)", 3)
-        srv.wait(t)
+        srv.wait(t, log_path=lambda: log_run_dir(srv, dep))
         return 0
     if args.what == "logs":
         print(srv.tail(args.tail))
@@ -382,16 +477,10 @@ def run(args: argparse.Namespace) -> int:
     if args.what == "provenance":
         print(json.dumps(srv.provenance(), indent=2, default=str))
         return 0
-    from k3rocm.deploy import runrecord  # save-log and down (argparse allows no other)
-    from k3rocm.rundir import create_run_dir
-
-    if srv.state() is None:
+    if srv.state() is None:  # save-log and down (argparse allows no other)
         print("k3rocm: no server log to save (no server container)", file=sys.stderr)
     else:
-        out = create_run_dir(dep.results_root, args.label)
-        runrecord.write(out, runrecord.build(deployment=dep, url=dep.url,
-                                             server=srv.provenance()))
-        saved = srv.save_log(out / "server.log")
+        saved = srv.save_log(log_run_dir(srv, dep, args.label))
         print(f"k3rocm: server log saved to {saved or '(empty log)'}", file=sys.stderr)
     if args.what == "down":
         t0 = time.time()

@@ -242,8 +242,8 @@ def check_node(address: str, timeout: float = 5.0) -> Check:
     """The node's API server: /health 200 ok; refused or another answer: warn; no route: fail."""
     try:
         code = ServerAPI(f"http://{address}", timeout=timeout).health()
-    except Unreachable as exc:  # its __context__: the requests error
-        if "refused" in str(exc.__context__):
+    except Unreachable as exc:
+        if exc.refused:
             return Check(f"node {address}", "warn", "host up, API port closed",
                          "start the server on that node (`make up` there)")
         return Check(f"node {address}", "fail", f"unreachable ({exc.reason})",

@@ -11,9 +11,17 @@ from collections.abc import Callable
 from urllib.parse import urlparse
 
 from k3rocm.deploy.server_api import ServerAPI, Unreachable
-from k3rocm.errors import UsageError, tagged_log
+from k3rocm.errors import ServerError, UsageError, tagged_log
 
 _log = tagged_log("bench")
+
+
+class StartFailed(ServerError):
+    """The server's container failed before it became ready (``failed`` said why)."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+        super().__init__(f"the server container {reason} before it became ready")
 
 
 def url_port(url: str) -> int:
@@ -22,16 +30,21 @@ def url_port(url: str) -> int:
 
 
 def wait_ready(url: str, model: str, timeout: float, api_key: str | None = None,
-               is_alive: Callable[[], str | None] | None = None, quiet: bool = False,
+               failed: Callable[[], str | None] | None = None, quiet: bool = False,
                status: Callable[[], str] | None = None, every: float = 15) -> float:
     """Wait until ``/health`` answers 200 and ``/v1/models`` lists ``model``.
+
+    ``failed``: for a server that is starting, why its container has failed (exited,
+    restarting, unhealthy, gone) or None while it lives; asked every second, it ends the wait
+    with :class:`StartFailed` (exit 3). While it lives a refused connection is "not listening
+    yet". Without it the server is expected to be running already: a refused connection ends
+    the wait at once (exit 3, "nothing listening at URL"), since nothing will start there.
 
     ``status`` (optional) adds a word on what the server is doing to each progress line (e.g.
     its last log line), printed every ``every`` seconds.
 
     Raises UsageError (exit 3) when the server is unreachable/unhealthy after ``timeout``
-    seconds, when it serves a different model, or when ``is_alive`` reports a dead container.
-    Returns the seconds it took.
+    seconds or when it serves a different model. Returns the seconds it took.
     """
     api = ServerAPI(url, api_key)
     t0 = time.time()
@@ -52,12 +65,13 @@ def wait_ready(url: str, model: str, timeout: float, api_key: str | None = None,
                 return elapsed
             last_err = f"/health answered HTTP {code}"
         except Unreachable as exc:
-            last_err = exc.reason
-        if is_alive is not None:
-            state = is_alive()
-            if state is not None and state != "running":
-                raise UsageError(f"server container exited ({state}) before becoming healthy; "
-                                 f"its log is kept in the run directory", 3)
+            if exc.refused and failed is None:
+                raise
+            last_err = "connection refused" if exc.refused else exc.reason
+        if failed is not None:
+            why = failed()
+            if why is not None:
+                raise StartFailed(why)
         if elapsed >= timeout:
             raise UsageError(f"server at {url} not healthy within {timeout:.0f}s ({last_err}): "
                              f"start it (make up) or raise --server-timeout", 3)

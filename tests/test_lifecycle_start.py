@@ -1,0 +1,161 @@
+"""A server that fails to start, on the real Docker engine with the real compose files
+(compose.yaml + compose.cpu.yaml) and our serving image on the CPU stand-in.
+
+The failure is the entrypoint's own: ``K3_MODEL=/models/no-such-model`` passes the host side of
+``k3rocm server up`` (only ``make up``'s config step checks the checkpoint on the host) and the
+container then exits 2 within seconds with one ``k3rocm: error:`` line
+(test_standin.py::test_missing_model_fails_fast_with_one_line), every time it is started.
+
+- ``k3rocm server up`` (what ``make up`` runs; the A/B arms, selftest, smoke and the tests'
+  server fixture wait through the same ``ComposeServer.wait``): exit 3, the container stopped
+  and removed (nothing left restarting), its log saved in a run directory under the results
+  root, and the error line names that log. Old code: exit 3, "its log is kept in the run
+  directory" with no log saved anywhere, and the container left behind (restarting forever
+  under compose.yaml's ``unless-stopped``).
+- Plain foreground ``docker compose up`` (no lifecycle): compose.yaml's bounded policy
+  (``on-failure:2``) starts it 3 times in all, then compose returns and the container stays
+  Exited with RestartCount 2. Old code: ``unless-stopped`` never returns (compose.cpu.yaml
+  masked it with ``restart: "no"``: one attempt).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, _image_exists, free_port, project_containers, run_cli
+
+from k3rocm.deploy.lifecycle import ComposeServer
+from k3rocm.deploy.runrecord import FILENAME
+
+IMAGE = os.environ.get("K3_SERVER_IMAGE") or "k3rocm/server:cpu-0.32.0"  # server_fixture's
+
+
+@pytest.fixture
+def image(request, docker_client) -> str:
+    """The stand-in serving image as it is (the failure is the entrypoint's, in any build);
+    built only when missing."""
+    return IMAGE if _image_exists(docker_client, IMAGE) else request.getfixturevalue(
+        "server_image")
+
+
+def _env(tmp_path, image: str) -> dict[str, str]:
+    for d in ("models", "cache", "results"):
+        (tmp_path / d).mkdir(exist_ok=True)
+    return {"K3_IMAGE": image, "K3_PROFILE": "cpu-smoke", "K3_MODEL": "/models/no-such-model",
+            "K3_PORT": str(free_port()), "K3_MODELS_DIR": str(tmp_path / "models"),
+            "K3_CACHE_DIR": str(tmp_path / "cache"), "K3_RESULTS_DIR": str(tmp_path / "results")}
+
+
+def _remove(project: str) -> None:
+    ComposeServer(project=project, cpu=True, inherit_env=False).down(timeout=0)
+
+
+@pytest.mark.docker
+def test_make_up_stops_a_server_that_fails_to_start_and_keeps_its_log(image, tmp_path):
+    project = f"k3failstart-{os.getpid()}"
+    env = _env(tmp_path, image)
+    t0 = time.monotonic()
+    try:
+        r = run_cli("server", "up", "--project", project, "--env-file", str(tmp_path / ".env"),
+                    "--timeout", "600", env=env, timeout=900)
+        took = time.monotonic() - t0
+        left = project_containers(project)
+    finally:
+        _remove(project)
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert not left, f"containers left in {project}: {left}"
+    last = err[-1]
+    assert last.startswith("k3rocm: error: the server container ") and "exited" in last, last
+    assert "before it became ready; stopped and removed" in last, last
+    assert "not healthy within" not in last  # seen from the container's state, not a timeout
+    m = re.search(r"its log: (\S+)$", last)
+    assert m, last
+    log = Path(m.group(1))
+    assert log.is_file() and log.parent.parent == tmp_path / "results", log
+    # the run directory `make down` writes: the run record of what was serving, then the log
+    assert log.parent.name.endswith("-server-log") and (log.parent / FILENAME).is_file(), \
+        sorted(p.name for p in log.parent.iterdir())
+    text = log.read_text()
+    assert "k3rocm: error:" in text and "/models/no-such-model" in text, text[-2000:]
+    # the last log lines are on the terminal too, before the error line
+    assert any("/models/no-such-model" in ln for ln in err[:-1]), r.stderr[-2000:]
+    assert took < 300, f"{took:.0f} s"
+
+
+@pytest.mark.docker
+def test_plain_docker_compose_up_gives_up_after_two_restarts(image, tmp_path):
+    project = f"k3restarts-{os.getpid()}"
+    srv = ComposeServer(project=project, cpu=True, env=_env(tmp_path, image), inherit_env=False)
+    try:
+        p = srv.compose("up", "--no-build", "server", timeout=600)  # foreground, as a user
+        c = srv.container()
+        assert c is not None
+        state, restarts = c.attrs["State"], c.attrs["RestartCount"]
+    finally:
+        srv.down(timeout=0)
+    out = p.stdout + p.stderr  # compose's own exit code: 0 or 1 (seen both); it returned
+    assert (state["Status"], state["ExitCode"], restarts) == ("exited", 2, 2), (state, out)
+    assert out.count("/models/no-such-model") == 3, out[-3000:]  # 3 attempts, each logged once
+
+
+@pytest.mark.docker
+def test_compose_files_give_the_server_a_bounded_restart_policy():
+    """What `docker compose config` makes of compose.yaml (GPU) and with compose.cpu.yaml."""
+    import json
+
+    for files in (["compose.yaml"], ["compose.yaml", "compose.cpu.yaml"]):
+        args = [a for f in files for a in ("-f", str(REPO / f))]
+        p = subprocess.run(["docker", "compose", *args, "config", "--format", "json"],
+                           capture_output=True, text=True, timeout=120, cwd=REPO,
+                           env={k: v for k, v in os.environ.items() if not k.startswith("K3_")})
+        assert p.returncode == 0, p.stderr
+        assert json.loads(p.stdout)["services"]["server"]["restart"] == "on-failure:2", files
+
+
+NEVER = "0001-01-01T00:00:00Z"
+UP = {"Status": "running", "ExitCode": 0, "FinishedAt": NEVER, "OOMKilled": False}
+
+
+@pytest.mark.parametrize("state, restarts, says", [
+    (UP, 0, None),
+    ({**UP, "Health": {"Status": "starting", "FailingStreak": 40}}, 0, None),
+    ({**UP, "Status": "restarting", "ExitCode": 1}, 1,
+     "exited with code 1 and is restarting (restart 1 of compose.yaml's restart policy)"),
+    ({**UP, "Status": "exited", "ExitCode": 137, "OOMKilled": True}, 0,
+     "exited with code 137 (OOM-killed)"),
+    ({**UP, "Status": "exited", "ExitCode": 1}, 2, "exited with code 1 after 2 restart(s)"),
+    # a poll that sees only the next attempt running: the exit is in FinishedAt
+    ({**UP, "FinishedAt": "2026-12-05T08:00:00.1Z"}, 1, "exited and was restarted (restart 1"),
+    ({**UP, "Health": {"Status": "unhealthy", "FailingStreak": 3, "Log": [
+        {"Output": "urllib.error.URLError: <urlopen error [Errno 111]>\n"}]}}, 0,
+     "is unhealthy: /health failed 3 checks in a row after the healthcheck's start period "
+     "(urllib.error.URLError: <urlopen error [Errno 111]>)"),
+])
+def test_failure_reads_the_engines_state(state, restarts, says):
+    """ComposeServer.failure on Docker's inspect State (Engine API ContainerState: Status,
+    ExitCode, OOMKilled, FinishedAt, Health.Status/FailingStreak/Log[].Output; RestartCount)."""
+    from types import SimpleNamespace
+
+    c = SimpleNamespace(id="c1", reload=lambda: None,
+                        attrs={"State": state, "RestartCount": restarts})
+    srv = ComposeServer(project="p", inherit_env=False)
+    srv.__dict__.update(_container=c, _exits={"c1": NEVER})
+    got = srv.failure()
+    assert got == says if says is None else (got or "").startswith(says), got
+
+
+def test_failure_counts_only_exits_after_the_wait_began():
+    """`make wait` on a server that crashed and was restarted before: that exit is history."""
+    from types import SimpleNamespace
+
+    c = SimpleNamespace(id="c1", reload=lambda: None, attrs={
+        "State": {**UP, "FinishedAt": "2026-12-01T00:00:00Z"}, "RestartCount": 1})
+    srv = ComposeServer(project="p", inherit_env=False)
+    srv.__dict__.update(_container=c, _exits={"c1": "2026-12-01T00:00:00Z"})
+    assert srv.failure() is None
