@@ -259,6 +259,7 @@ def binom_cdf(k: int, n: int, p: float = 0.5) -> float:
     return max(0.0, 1.0 - upper)
 
 
+@functools.lru_cache(maxsize=4096)
 def binom_upper(k: int, n: int, alpha: float = ALPHA) -> float:
     """One-sided exact (Clopper-Pearson) upper (1 - alpha) bound on a rate seen k times in n."""
     if k >= n:
@@ -275,11 +276,22 @@ def mcnemar_exact(b_only: int, a_only: int) -> float:
     return min(1.0, 2 * binom_cdf(min(b_only, a_only), n))
 
 
+def noninferiority_lower(n: int, b_only: int, a_only: int, alpha: float = ALPHA) -> float:
+    """One-sided (1 - alpha) lower bound of the paired difference B - A from the discordant
+    counts: Wald with the paired variance, never above what the exact (Clopper-Pearson) upper
+    bound on the rate of items only A got right allows (Wald's bound collapses to the point
+    estimate when few items differ: 0 discordant is a zero-width interval at any n)."""
+    diff = (b_only - a_only) / n
+    var = ((b_only + a_only) / n - diff ** 2) / n
+    wald = diff - _z(1 - alpha) * math.sqrt(max(var, 0.0))
+    return min(wald, b_only / n - binom_upper(a_only, n, alpha))
+
+
 def paired_accuracy(a: Sequence[bool], b: Sequence[bool], margin: float,
                     alpha: float = ALPHA) -> dict[str, Any]:
     """Fusion off (a) vs on (b) on the same items: accuracies, McNemar's exact test on the
     discordant items, and non-inferiority of B (B - A > -margin) from the one-sided
-    (1 - alpha) lower bound of the paired difference (Wald, paired variance)."""
+    (1 - alpha) lower bound of the paired difference (:func:`noninferiority_lower`)."""
     if len(a) != len(b) or not a:
         raise ValueError("paired accuracy needs the same non-empty item list in both arms")
     n = len(a)
@@ -287,12 +299,7 @@ def paired_accuracy(a: Sequence[bool], b: Sequence[bool], margin: float,
     a_only = sum(1 for x, y in zip(a, b, strict=True) if x and not y)
     acc_a, acc_b = sum(a) / n, sum(b) / n
     diff = acc_b - acc_a
-    var = ((b_only + a_only) / n - diff ** 2) / n  # paired: discordant proportions
-    z = _z(1 - alpha)
-    # Wald's bound collapses to the point estimate when few items differ (0 discordant: a
-    # zero-width interval at any n); never claim more than the exact (Clopper-Pearson) upper
-    # bound on the rate of items only A got right allows.
-    lower = min(diff - z * math.sqrt(max(var, 0.0)), b_only / n - binom_upper(a_only, n, alpha))
+    lower = noninferiority_lower(n, b_only, a_only, alpha)
     p = mcnemar_exact(b_only, a_only)
     diff_word = ("no difference detected" if p >= alpha
                  else "B more accurate" if diff > 0 else "B less accurate")
@@ -301,10 +308,29 @@ def paired_accuracy(a: Sequence[bool], b: Sequence[bool], margin: float,
             "margin": margin, "lower_bound": lower, "non_inferior": lower > -margin}
 
 
-def noninferiority_power(n: int, margin: float, discordant: float, alpha: float = ALPHA) -> float:
-    """Power to show non-inferiority (one-sided ``alpha``) with ``n`` paired items when the arms
-    are truly equally accurate and a fraction ``discordant`` of items differ between them."""
-    sd = math.sqrt(discordant / n)
-    if sd == 0:
-        return 1.0
-    return _NORMAL.cdf(margin / sd - _z(1 - alpha))
+def noninferiority_pass_rate(n: int, margin: float, discordant: float, drop: float = 0.0,
+                             alpha: float = ALPHA) -> float:
+    """How often :func:`paired_accuracy` reads "non-inferior" with ``n`` paired items when a
+    fraction ``discordant`` of items differ between the arms and B is truly ``drop`` less
+    accurate (items only A gets right: (discordant + drop) / 2, only B: (discordant - drop) / 2).
+    Exact: the sum over every (b_only, a_only) the multinomial can give (probabilities below
+    1e-15 left out) of the very bound the verdict uses, no normal approximation. ``drop`` 0 is
+    the power on equally accurate arms (1 - the false-fail rate); ``drop`` = margin or more
+    is a false-pass rate."""
+    if not 0 <= drop <= discordant <= 1:
+        raise ValueError("need 0 <= drop <= discordant <= 1")
+    if discordant == 0:
+        return 1.0 if noninferiority_lower(n, 0, 0, alpha) > -margin else 0.0
+    q = (discordant + drop) / (2 * discordant)  # of a discordant item: right only in A
+    total, cut = 0.0, math.log(1e-15)
+    sd = math.sqrt(n * discordant * (1 - discordant))
+    lo, hi = max(0, int(n * discordant - 12 * sd) - 1), min(n, int(n * discordant + 12 * sd) + 1)
+    for d in range(lo, hi + 1):
+        ld = binom_logpmf(d, n, discordant)
+        if ld < cut:
+            continue
+        for a_only in range(d + 1):
+            lp = ld + binom_logpmf(a_only, d, q)
+            if lp >= cut and noninferiority_lower(n, d - a_only, a_only, alpha) > -margin:
+                total += math.exp(lp)
+    return min(1.0, total)
