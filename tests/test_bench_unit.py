@@ -240,8 +240,8 @@ def test_three_way_wording():
     assert stats.verdict(up, lower_is_better=False) == "B faster"
     flat = stats.compare_servers([10.0, 10.3, 9.8, 10.1], [10.1, 9.9, 10.2, 10.0])
     v = stats.verdict(flat, True)
-    assert v.startswith("inconclusive: effects smaller than ") and \
-        v.endswith("% cannot be seen with 4 server(s) per arm"), v
+    assert v.startswith("inconclusive: the CI [-2.93%, +3.04%] includes 0; effects smaller "
+                        "than ") and v.endswith("% cannot be seen with 4 server(s) per arm"), v
     assert stats.pct_text(flat['mde']) in v and stats.pct_text(2.117) == "212%"
     assert stats.verdict(stats.compare_servers([], [1.0]), True) == "no data"
 
@@ -249,6 +249,46 @@ def test_three_way_wording():
 def test_holm_adjusts_the_secondary_rows():
     assert stats.holm([0.01, 0.04, 0.03, None]) == pytest.approx([0.03, 0.06, 0.06, None])
     assert stats.holm([]) == []
+
+
+def test_holm_levels_match_the_holm_verdicts():
+    """The level each row's printed CI uses: alpha/(m - step) while rejected, the stopping
+    level after; a CI at it excludes 0 exactly when the Holm-adjusted p < 5%."""
+    ps = [0.004, 0.03, 0.012, 0.2, None]  # sorted: .004 (x4 .016 rej), .012 (x3 .036 rej),
+    levels = stats.holm_levels(ps)          # .03 (x2 .06: stop), .2
+    assert levels == pytest.approx([0.05 / 4, 0.05 / 2, 0.05 / 3, 0.05 / 2, None])
+    for p, p_adj, lv in zip(ps, stats.holm(ps), levels, strict=True):
+        if p is not None:
+            assert (p < lv) == (p_adj < 0.05)
+
+
+def test_secondary_rows_print_the_ci_their_holm_verdict_used():
+    """Identical arms, 4 servers per arm, 9 secondary rows: the old report printed each row's
+    unadjusted 95% CI beside its Holm verdict, so a CI excluding 0 read "inconclusive" in about
+    a quarter of the reports; the CI printed now is the one the verdict used: on 400 simulated
+    reports no row shows a CI that excludes 0 beside "inconclusive", nor one that includes 0
+    beside "B faster/slower"."""
+    np = pytest.importorskip("numpy")
+    from k3rocm.checks.bench import ab
+
+    rng = np.random.default_rng(29)
+    labels = [label for _, _, label, _ in stats.AB_METRICS]
+    mismatched = old_style = 0
+    for _ in range(400):
+        values = {(c, label): dict(zip("AB", _arms(rng, 4), strict=True))
+                  for c in (1, 4) for label in labels}
+        rows = ab.judge(values, ("ITL p50", 1))
+        for r in rows:
+            excludes = r["ci_lo"] > 0 or r["ci_hi"] < 0
+            mismatched += excludes == r["verdict"].startswith("inconclusive")
+            old_style += (r["lo"] > 0 or r["hi"] < 0) and r["verdict"].startswith("inconclusive")
+        sec = next(r for r in rows if not r["primary"])
+        assert sec["ci_level"] > 0.95 and sec["ci_lo"] <= sec["lo"]
+    assert mismatched == 0 and old_style > 0
+    md = ab.comparison_markdown({"mode": "ab", "workload": "w", "protocol": [],
+                                 "protocol_key": "k", "runs": [], "rows": rows,
+                                 "headline": "h"})
+    assert "CI of the verdict (level)" in md and "Holm) |" in md and "(95%) |" in md
 
 
 def test_primary_row_is_judged_alone_and_the_others_with_holm():

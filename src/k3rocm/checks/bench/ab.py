@@ -341,9 +341,13 @@ def judge(values: dict[tuple[int, str], dict[str, list[float]]], primary: tuple[
                      "aa_component": stats.variance_component(
                          arms_.get("A", []) + arms_.get("B", []))})
     secondary = [r for r in rows if not r["primary"]]
-    for r, p_adj in zip(secondary, stats.holm([r["p"] for r in secondary]), strict=True):
+    ps = [r["p"] for r in secondary]
+    for r, p_adj, level in zip(secondary, stats.holm(ps), stats.holm_levels(ps), strict=True):
         r["p_holm"] = p_adj
-    for r in rows:
+        r["ci_level"] = 1 - (level or stats.ALPHA)
+    for r in rows:  # the CI each verdict used (lo/hi stay the 95% CI: the calibration's)
+        r.setdefault("ci_level", 1 - stats.ALPHA)
+        r["ci_lo"], r["ci_hi"] = stats.interval(r, 1 - r["ci_level"])
         r["verdict"] = stats.verdict(r, r["lower_is_better"],
                                      r["p"] if r["primary"] else r["p_holm"])
     return rows
@@ -687,8 +691,8 @@ def comparison_markdown(comp: dict) -> str:
               f"{comp.get('multiplicity')}.", "",
               f"- before the run: {comp.get('design_before') or 'n/a'}",
               f"- after the run: {comp.get('design_after') or 'n/a'}", "",
-              "| c | metric | A servers | B servers | d = (B-A)/A | 95% CI | p | MDE 80% | "
-              "servers/arm for 1% | verdict |",
+              "| c | metric | A servers | B servers | d = (B-A)/A | CI of the verdict (level) | "
+              "p | MDE 80% | servers/arm for 1% | verdict |",
               "|---:|---|---|---|---:|---|---:|---:|---:|---|"]
     for r in comp["rows"]:
         p = r.get("p") if r.get("primary") else r.get("p_holm")
@@ -697,7 +701,7 @@ def comparison_markdown(comp: dict) -> str:
         lines.append(
             f"| {r['concurrency']} | {name} | {_vals(r.get('server_values_a'))} | "
             f"{_vals(r.get('server_values_b'))} | {_pct(r.get('d'))} | "
-            f"[{_pct(r.get('lo'))}, {_pct(r.get('hi'))}] | {p_txt} | "
+            f"[{_pct(r.get('ci_lo'))}, {_pct(r.get('ci_hi'))}] ({_level(r)}) | {p_txt} | "
             f"{summary.fmt(r.get('mde'), '.2f', 100, '%')} | "
             f"{r.get('servers_for_1pct') or 'n/a'} | {r['verdict']} |")
     lines += ["", f"Headline: {comp['headline']}", "",
@@ -705,11 +709,19 @@ def comparison_markdown(comp: dict) -> str:
               "value is one number per freshly started server (the mean over its runs); the "
               "test compares log server values (Student t, df = servers - 2, plus the A/A's "
               "df when an A/A of the same recorded protocol exists). 'inconclusive' means "
-              "what it says: effects below the MDE are not excluded."]
+              "what it says: the CI includes 0, and effects below the MDE are not excluded. "
+              "Each CI is the one its verdict used: 95% for the primary row, for a secondary "
+              "row the level Holm's step-down judged it at (1 - 5%/(rows left at its step)), "
+              "so it excludes 0 exactly when the verdict is 'B faster'/'B slower'."]
     return "\n".join(lines) + "\n"
 
 
 COVERED = {True: "yes", False: "**NO**", None: "n/a"}
+
+
+def _level(r: dict) -> str:
+    level = r.get("ci_level") or 1 - stats.ALPHA
+    return f"{level * 100:.4g}%" + ("" if r.get("primary") else " Holm")
 
 
 def _vals(xs: Sequence[float] | None) -> str:

@@ -20,9 +20,12 @@ One primary row (default ITL p50 at the workload's first concurrency) is judged 
 other row is judged with Holm's step-down correction over the secondary rows (family ALPHA).
 
 Verdict, three-way: "B faster" / "B slower" when p < ALPHA (direction per metric: lower latency,
-higher throughput is faster), otherwise "inconclusive: effects smaller than X% cannot be seen
-with N servers per arm", X the minimum detectable effect at 80% power (two-sided ALPHA, t
-approximation (t_{1-ALPHA/2,df} + t_{POWER,df}) * s * sqrt(1/n_A + 1/n_B)).
+higher throughput is faster), otherwise "inconclusive: the CI [a, b] includes 0; effects smaller
+than X% cannot be seen with N servers per arm", X the minimum detectable effect at 80% power
+(two-sided ALPHA, t approximation (t_{1-ALPHA/2,df} + t_{POWER,df}) * s * sqrt(1/n_A + 1/n_B)).
+Each row prints the CI its verdict used: 95% for the primary, for a secondary row the level
+Holm's step judged it at (:func:`holm_levels`), so a CI that excludes 0 never sits beside
+"inconclusive".
 
 No scipy: Student's t distribution for integer df from Abramowitz & Stegun 26.7.3/26.7.4; the
 binomial tails (McNemar, Clopper-Pearson) summed exactly in log space (``math.lgamma``), so a
@@ -164,11 +167,36 @@ def compare_servers(a: Sequence[float], b: Sequence[float],
     se = math.sqrt(var * (1 / len(la) + 1 / len(lb)))
     q = t_quantile(1 - ALPHA / 2, df)
     diff = mb - ma
-    out.update(var_log=var, server_cv=math.sqrt(var),
+    out.update(var_log=var, server_cv=math.sqrt(var), log_d=diff, se=se,
                p=(t_two_sided_p(diff / se, df) if se > 0 else (0.0 if diff else 1.0)),
                lo=math.exp(diff - q * se) - 1, hi=math.exp(diff + q * se) - 1,
                mde=mde(var, df, len(la), len(lb), alpha),
                servers_for_1pct=servers_needed(var, 0.01, extra_df, alpha))
+    return out
+
+
+def interval(res: dict, alpha: float = ALPHA) -> tuple[float | None, float | None]:
+    """The two-sided (1 - alpha) CI of the row's effect d (None, None without one). Dual to
+    the t test: it excludes 0 exactly when p < alpha."""
+    if res.get("se") is None or not res.get("df"):
+        return None, None
+    q = t_quantile(1 - alpha / 2, res["df"])
+    return (math.exp(res["log_d"] - q * res["se"]) - 1,
+            math.exp(res["log_d"] + q * res["se"]) - 1)
+
+
+def holm_levels(ps: Sequence[float | None], alpha: float = ALPHA) -> list[float | None]:
+    """The level Holm's step-down judged each p at: alpha / (m - j) for the j-th smallest while
+    every smaller one was rejected, and the level of the first step that was not for all from
+    there on. Its (1 - level) CI excludes 0 exactly when the Holm-adjusted p < alpha (a row
+    rejected at step j has p < alpha / (m - j); one after the stop has p >= the stopping p >=
+    the stopping level), so the CI printed beside the verdict says what the verdict says."""
+    idx = sorted((i for i, p in enumerate(ps) if p is not None), key=lambda i: ps[i])
+    m, out, stop = len(idx), [None] * len(ps), None
+    for rank, i in enumerate(idx):
+        if stop is None and ps[i] * (m - rank) >= alpha:
+            stop = rank
+        out[i] = alpha / (m - (rank if stop is None else stop))
     return out
 
 
@@ -184,7 +212,9 @@ def holm(ps: Sequence[float | None]) -> list[float | None]:
 
 def verdict(res: dict, lower_is_better: bool, p: float | None = None,
             alpha: float = ALPHA) -> str:
-    """Three-way wording. ``p``: the (adjusted) p-value to judge, default the row's own."""
+    """Three-way wording. ``p``: the (adjusted) p-value to judge, default the row's own; the
+    CI an inconclusive verdict names is the row's ``ci_lo``/``ci_hi`` (the one at the level
+    the verdict used), else its 95% CI."""
     p = res.get("p") if p is None else p
     n = min(res.get("servers_a") or 0, res.get("servers_b") or 0)
     if res.get("d") is None:
@@ -194,8 +224,11 @@ def verdict(res: dict, lower_is_better: bool, p: float | None = None,
                 "arm and no A/A of this protocol")
     if p < alpha:
         return "B faster" if (res["d"] < 0) == lower_is_better else "B slower"
-    return (f"inconclusive: effects smaller than {pct_text(res['mde'])} cannot be seen with "
-            f"{n} server(s) per arm")
+    lo, hi = (res["ci_lo"], res["ci_hi"]) if res.get("ci_lo") is not None else \
+        (res.get("lo"), res.get("hi"))
+    ci = f"the CI [{lo * 100:+.2f}%, {hi * 100:+.2f}%] includes 0; " if lo is not None else ""
+    return (f"inconclusive: {ci}effects smaller than {pct_text(res['mde'])} cannot be seen "
+            f"with {n} server(s) per arm")
 
 
 def pct_text(x: float) -> str:

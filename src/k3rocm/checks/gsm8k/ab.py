@@ -42,7 +42,8 @@ def add_arguments(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--margin", type=float, default=DEFAULT_MARGIN,
                    help="non-inferiority margin: B may be at most this much less accurate "
                    f"than A (default {DEFAULT_MARGIN}: identical arms pass >= "
-                   f"{DESIGN_POWER:.0%} at {DESIGN_AGREEMENT:.0%} agreement on 1319 items)")
+                   f"{DESIGN_POWER * 100:.0f}%% at {DESIGN_AGREEMENT * 100:.0f}%% agreement on "
+                   "1319 items)")
     g.add_argument("--limit", type=int, default=None,
                    help="only the first N test items in both arms (fewer items, less power)")
     g.add_argument("--max-gen-tokens", type=int, default=4096,
