@@ -641,3 +641,62 @@ def test_decode_8k1k_needs_prefix_caching_off_and_the_seed_command_is_unchanged(
         is False
     assert server_prefix_caching({"server_argv": ["vllm", "serve"]}) is True  # vLLM default on
     assert server_prefix_caching({}) is None
+
+
+# --- the pooled A/A: its variance and age checked -----------------------------------------------
+
+def test_f_distribution_matches_the_tables():
+    # F quantiles (NIST/SEMATECH e-Handbook 1.3.6.7.3): F_.95(6, 7) 3.866, F_.99(10, 20) 3.368
+    assert stats.f_cdf(3.866, 6, 7) == pytest.approx(0.95, abs=1e-4)
+    assert stats.f_cdf(3.368, 10, 20) == pytest.approx(0.99, abs=1e-4)
+    assert stats.f_cdf(161.4, 1, 1) == pytest.approx(0.95, abs=1e-4)
+
+
+def test_a_quieter_aa_is_not_pooled_and_the_report_says_why():
+    """The old code pooled any A/A of the same protocol: one from a quieter day (here a
+    quarter of the run's variance, df 7) shrank the variance and the CI. Now the row is judged
+    on its own servers and says why; an A/A that matches is pooled."""
+    a, b = [10.0, 10.2, 9.8, 10.1], [10.15, 9.9, 10.3, 10.0]
+    own = stats.compare_servers(a, b)
+    quiet = {"var_log": own["var_log"] / 25, "df": 7}
+    res = stats.compare_servers(a, b, floor=quiet)
+    assert not res["floor_used"] and res["df"] == 6 and res["lo"] == own["lo"]
+    assert res["floor_check"]["note"].startswith("A/A not pooled: this run is noisier than the "
+                                                 "A/A (server CV ")
+    same = stats.compare_servers(a, b, floor={"var_log": own["var_log"], "df": 7})
+    assert same["floor_used"] and same["df"] == 13
+    one = stats.compare_servers([10.0], [10.1], floor=quiet)  # nothing to check it with
+    assert one["floor_used"] and "unchecked" in one["floor_check"]["note"]
+    assert stats.compare_servers(a, b, floor=quiet, check_floor=False)["floor_used"]
+
+
+def test_the_variance_check_lowers_the_false_rate_of_a_quieter_aa():
+    """Identical arms, 4 servers per arm, A/A of 8 servers per arm at half the run's
+    server-to-server CV: pooled unchecked (the old code) the false rate is ~17%; checked ~9%
+    (tests/bench_pooled_aa.py has the whole table). 1500 trials each, seeded."""
+    np = pytest.importorskip("numpy")
+    rng = np.random.default_rng(2029)
+    rates = {}
+    for check in (False, True):
+        called = 0
+        for _ in range(1500):
+            aa = stats.variance_component(sum(_arms(rng, 4, cv=0.005), []))
+            res = stats.compare_servers(*_arms(rng, 4), floor=aa, check_floor=check)
+            called += stats.verdict(res, True) in ("B faster", "B slower")
+        rates[check] = called / 1500
+    assert rates[False] > 0.13 and rates[True] < 0.11, rates
+
+
+def test_an_old_aa_is_flagged_beside_the_verdict():
+    from k3rocm.checks.bench import ab
+
+    row = {"primary": True, "floor_check": {"pooled": True, "note": "A/A pooled"}}
+    doc = {"same_protocol": True, "dir": "results/20261201T080000Z-ci-tiny-aa"}
+    assert ab.aa_age_hours(doc, "20261203T080000Z") == pytest.approx(48.0)
+    notes = ab.aa_notes([row], doc, "20261203T080000Z")
+    assert notes and "the pooled A/A is 48 h older than this run" in notes[0]
+    assert ab.aa_notes([row], {**doc, "finished_utc": "20261203T070000Z"},
+                       "20261203T080000Z") == []
+    refused = {"primary": True, "floor_check": {"pooled": False, "note": "A/A not pooled: x"}}
+    assert ab.aa_notes([refused], {**doc, "finished_utc": "20261203T070000Z"},
+                       "20261203T080000Z") == ["A/A not pooled: x"]

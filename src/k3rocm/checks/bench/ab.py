@@ -375,6 +375,9 @@ def compare(w: Workload, runs: Sequence[dict], mode: str, key: str, floor_doc: d
                        "mtp_acceptance_rate": sm.get("mtp_acceptance_rate")})
         if stream.get("bunched"):
             bunched.append({**where, "note": stream.get("note")})
+    aa_flags = aa_notes(rows, floor_doc)
+    if aa_flags:
+        head += "; " + "; ".join(aa_flags)
     flagged = [i for i in inputs if i["flags"]]
     if flagged:
         head += (f"; inputs off in {len(flagged)} run point(s) (first: slot {flagged[0]['slot']}"
@@ -393,7 +396,49 @@ def compare(w: Workload, runs: Sequence[dict], mode: str, key: str, floor_doc: d
             "runs": list(runs), "rows": rows, "headline": head,
             "design_after": _design_after(rows, mode),
             "bunched": bunched, "inputs": inputs,
-            "noise_floor_from": floor_doc.get("dir") if floor_doc else None}
+            "noise_floor_from": floor_doc.get("dir") if floor_doc else None,
+            "noise_floor_flags": aa_flags, "finished_utc": utc_stamp()}
+
+
+# An A/A older than this is flagged beside the verdict (another day: other load, other clocks);
+# its variance is checked in every row (stats.floor_check) whatever its age.
+MAX_AA_AGE_HOURS = 24.0
+
+
+def aa_age_hours(floor_doc: dict | None, now: str | None = None) -> float | None:
+    """Hours between the A/A (its ``finished_utc``, else its run directory's UTC stamp) and
+    ``now`` (a utc_stamp, default this moment); None when unknown."""
+    from datetime import datetime, timezone
+
+    def parse(stamp: str | None) -> datetime | None:
+        try:
+            return datetime.strptime((stamp or "")[:16], "%Y%m%dT%H%M%SZ").replace(
+                tzinfo=timezone.utc)
+        except ValueError:
+            return None
+
+    if not floor_doc:
+        return None
+    then = parse(floor_doc.get("finished_utc")) or parse(Path(floor_doc.get("dir") or "").name)
+    ref = parse(now) if now else datetime.now(timezone.utc)
+    return None if then is None or ref is None else (ref - then).total_seconds() / 3600
+
+
+def aa_notes(rows: Sequence[dict], floor_doc: dict | None, now: str | None = None) -> list[str]:
+    """What the verdict must say about the pooled A/A: the primary row's variance check when it
+    refused the A/A, and an A/A older than MAX_AA_AGE_HOURS."""
+    if not (floor_doc or {}).get("same_protocol"):
+        return []
+    out = []
+    prim = next((r for r in rows if r.get("primary")), None) or {}
+    chk = prim.get("floor_check") or {}
+    if chk and not chk.get("pooled"):
+        out.append(chk["note"])
+    age = aa_age_hours(floor_doc, now)
+    if age is not None and age > MAX_AA_AGE_HOURS:
+        out.append(f"FLAGGED: the pooled A/A is {age:.0f} h older than this run (more than "
+                   f"{MAX_AA_AGE_HOURS:g} h: another day's noise; rerun the A/A with --aa)")
+    return out
 
 
 def _design_after(rows: list[dict], mode: str) -> str | None:
@@ -631,10 +676,14 @@ def comparison_markdown(comp: dict) -> str:
                   "ITL and TTFT of that run describe chunks, not tokens.", ""]
     if comp["mode"] in ("ab", "cal"):
         src = comp.get("noise_floor_from")
-        lines += [f"A/A variance component (same recorded protocol, pooled): {src}" if src else
+        checks = [f"{r['metric']} c={r['concurrency']}: {r['floor_check']['note']}"
+                  for r in comp["rows"] if r.get("floor_check")]
+        lines += [f"A/A variance component (same recorded protocol): {src}" if src else
                   "A/A variance component: **no A/A run with this recorded protocol** - run "
                   "`make bench-ab AA=1` with the same settings; the test below uses this run's "
                   "servers alone.", ""]
+        lines += [x for f in comp.get("noise_floor_flags") or [] for x in (f"**{f}**", "")]
+        lines += [f"- {c}" for c in checks] + ([""] if checks else [])
     if comp.get("calibration"):
         lines += ["## Calibration: injected vs detected", "",
                   "| c | injected ms/step (nominal) | applied ms/step (B - A) | applied A / B "

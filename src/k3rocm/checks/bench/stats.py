@@ -110,6 +110,44 @@ def t_quantile(p: float, df: int) -> float:
     return sum(_bisect(below, 0.0, hi, 100)) / 2
 
 
+# --- F distribution (variance ratios): the regularized incomplete beta function ------------------
+
+def _betacf(a: float, b: float, x: float) -> float:
+    """The continued fraction of I_x(a, b) (modified Lentz), for x < (a + 1) / (a + b + 2)."""
+    tiny, c, d = 1e-300, 1.0, 1.0 - (a + b) * x / (a + 1)
+    d = 1 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 400):
+        for num in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+                    -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
+            d = 1 + num * d
+            d = 1 / (d if abs(d) > tiny else tiny)
+            c = 1 + num / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1) < 1e-14:
+            break
+    return h
+
+
+def betainc(a: float, b: float, x: float) -> float:
+    """Regularized incomplete beta I_x(a, b)."""
+    if x <= 0:
+        return 0.0
+    if x >= 1:
+        return 1.0
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b)
+                     + a * math.log(x) + b * math.log1p(-x))
+    if x < (a + 1) / (a + b + 2):
+        return front * _betacf(a, b, x) / a
+    return 1 - front * _betacf(b, a, 1 - x) / b
+
+
+def f_cdf(f: float, d1: int, d2: int) -> float:
+    """P(F <= f), F ~ F(d1, d2)."""
+    return betainc(d1 / 2, d2 / 2, d1 * f / (d1 * f + d2)) if f > 0 else 0.0
+
+
 # --- variance components, MDE, servers needed ---------------------------------------------------
 
 def variance_component(values: Sequence[float]) -> dict[str, Any] | None:
@@ -140,27 +178,70 @@ def servers_needed(var_log: float, effect: float = 0.01, extra_df: int = 0,
 
 # --- the test ----------------------------------------------------------------------------------
 
+# The pooled A/A must describe this run's noise: refused when this run's own between-server
+# variance is larger than the A/A's (one-sided F test at this level). A quieter A/A (another day,
+# another load) makes the pooled variance too small and the test too eager: simulated with these
+# functions (tests/bench_pooled_aa.py) an A/A at half the run's server-to-server CV lifts the
+# false rate on identical arms from 5% to 12% (4 servers per arm, A/A of 4 per arm); the check
+# brings it back to ~8% (F tests on 6 df cannot see every difference). An A/A noisier than the
+# run only makes the test conservative: pooled, and noted.
+FLOOR_CHECK_ALPHA = 0.05
+
+
+def floor_check(own_var: float, own_df: int, floor: dict[str, Any],
+                level: float = FLOOR_CHECK_ALPHA) -> dict[str, Any]:
+    """Does the A/A's variance component describe this run? {"pooled", "note", ...}."""
+    out: dict[str, Any] = {"own_var_log": own_var, "own_df": own_df,
+                           "aa_var_log": floor["var_log"], "aa_df": floor["df"]}
+    if own_df < 1:
+        return {**out, "pooled": True, "checked": False,
+                "note": "A/A pooled unchecked: one server per arm has no variance of its own to "
+                        "compare it with"}
+    ratio = own_var / floor["var_log"] if floor["var_log"] > 0 else math.inf
+    p_noisier = 1 - f_cdf(ratio, own_df, floor["df"]) if math.isfinite(ratio) else 0.0
+    p_quieter = f_cdf(ratio, own_df, floor["df"]) if math.isfinite(ratio) else 1.0
+    cv = (f"server CV {math.sqrt(own_var) * 100:.2f}% here vs "
+          f"{math.sqrt(floor['var_log']) * 100:.2f}% in the A/A")
+    out.update(checked=True, ratio=ratio, p_run_noisier=p_noisier)
+    if p_noisier < level:
+        return {**out, "pooled": False,
+                "note": f"A/A not pooled: this run is noisier than the A/A ({cv}; F test "
+                        f"p={p_noisier:.2g} < {level:g}): judged on its own servers"}
+    if p_quieter < level:
+        return {**out, "pooled": True,
+                "note": f"A/A pooled, noisier than this run ({cv}; F test p={p_quieter:.2g}): "
+                        "the test is conservative"}
+    return {**out, "pooled": True, "note": f"A/A pooled ({cv}; F test p={p_noisier:.2g})"}
+
+
 def compare_servers(a: Sequence[float], b: Sequence[float],
-                    floor: dict[str, Any] | None = None, alpha: float = ALPHA) -> dict[str, Any]:
+                    floor: dict[str, Any] | None = None, alpha: float = ALPHA,
+                    check_floor: bool = True) -> dict[str, Any]:
     """Effect of B vs A on per-server values, with the t test and its design numbers.
 
-    ``floor``: an A/A variance component of the same protocol ({"var_log", "df"}), pooled.
-    ``alpha``: the level the row is judged at (its MDE and servers needed use it; the CI is
-    always 95%)."""
+    ``floor``: an A/A variance component of the same protocol ({"var_log", "df"}), pooled
+    unless :func:`floor_check` refuses it (``check_floor`` False: pooled as given, the old
+    behaviour, for the simulation that measures the check). ``alpha``: the level the row is
+    judged at (its MDE and servers needed use it; ``lo``/``hi`` are always 95%)."""
     la, lb = _logs(a), _logs(b)
     out: dict[str, Any] = {"servers_a": len(la), "servers_b": len(lb),
                            "server_values_a": list(a), "server_values_b": list(b),
                            "d": None, "lo": None, "hi": None, "p": None, "df": 0,
                            "var_log": None, "mde": None, "servers_for_1pct": None,
-                           "floor_used": bool(floor)}
+                           "floor_used": bool(floor), "floor_check": None}
     if not la or not lb:
         return out
     ma, mb = sum(la) / len(la), sum(lb) / len(lb)
     out.update(a=math.exp(ma), b=math.exp(mb), d=math.exp(mb - ma) - 1)
     ss = sum((x - ma) ** 2 for x in la) + sum((x - mb) ** 2 for x in lb)
+    own_df = len(la) + len(lb) - 2
+    if floor and check_floor:
+        chk = out["floor_check"] = floor_check(ss / own_df if own_df else 0.0, own_df, floor)
+        floor = floor if chk["pooled"] else None
+        out["floor_used"] = bool(floor)
     extra_df = floor["df"] if floor else 0
     ss += floor["var_log"] * extra_df if floor else 0.0
-    df = out["df"] = len(la) + len(lb) - 2 + extra_df
+    df = out["df"] = own_df + extra_df
     if df < 1:
         return out
     var = ss / df
