@@ -131,9 +131,37 @@ def test_bench_ab_dry_run_plan():
     assert "K3_FUSE_DECODE_QPREP=0 K3_FUSE_QK_NORM=0" in slots[0]
     assert "K3_FUSE_DECODE_QPREP=1 K3_FUSE_QK_NORM=1" in slots[1]
     assert sum(ln.startswith("aiperf profile") for ln in p.stdout.splitlines()) == 4
+    # the cost and what the design can see, before anything starts (the old dry run: neither)
+    out = p.stdout
+    assert "# cost: 4 cold server start(s) (2 server(s) per arm), 4 run(s); estimated " in out
+    assert "# MDE (ITL p50): unknown - no A/A of this protocol" in out
+    assert "the seed's effect (vLLM PRs #52494, #57640: C=1 decode ITL moved ~0.5%)" in out
     p = run_cli("bench-ab", "--aa", "--dry-run", "--no-gpu", "--server-env",
                 "K3_FUSE_QK_NORM=0")
     assert p.returncode == 2 and "set per arm" in p.stderr
+
+
+def test_bench_ab_dry_run_prints_hours_and_whether_the_seed_effect_can_be_seen(tmp_path):
+    """The default GPU A/B: 8 cold starts at the bundle's own 1800 s guess = 4.0 h; without an
+    A/A the MDE is 2.37 x the server CV (0.5% needs a CV <= 0.21%); with an A/A of this
+    workload under the results root (1% CV) the MDE is printed and 0.5% is out of reach."""
+    p = run_cli("bench-ab", "--workload", "decode-8k1k", "--tokenizer", str(tmp_path),
+                "--dry-run", "--gpu", "--results", str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    assert ("# cost: 8 cold server start(s) (4 server(s) per arm), 8 run(s); estimated 4.0 h "
+            "(assumed 1800s per start (GPU)") in p.stdout
+    assert ("with 4 server(s) per arm and no A/A the MDE is 2.37 x the server-to-server CV: it "
+            "sees 0.5% only if that CV is <= 0.21%") in p.stdout
+    aa = tmp_path / "20261201T000000Z-decode-8k1k-aa"
+    aa.mkdir()
+    (aa / "comparison.json").write_text(json.dumps({"mode": "aa", "protocol_key": "k", "rows": [
+        {"concurrency": 1, "metric": "ITL p50", "aa_component": {"var_log": 1e-4, "df": 7}}]}))
+    p = run_cli("bench-ab", "--workload", "decode-8k1k", "--tokenizer", str(tmp_path),
+                "--dry-run", "--gpu", "--results", str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    assert "# MDE (ITL p50, 80% power, two-sided 5%): 2." in p.stdout
+    assert f"(from the A/A {aa}; its protocol is checked when the run starts)" in p.stdout
+    assert "0.5% ITL p50: the MDE 2." in p.stdout and "CANNOT see it with 4 server(s)" in p.stdout
 
 
 def test_abba_order():

@@ -105,9 +105,35 @@ def _run_name(slot: int, arm: str, k: int) -> str:
     return f"{slot:02d}-{arm}-{k}"
 
 
+def cost_lines(plan: ABPlan) -> list[str]:
+    """What the A/B will cost and what it can see, before anything starts: cold starts and
+    estimated hours (:func:`k3rocm.checks.ab.arms.estimate`), the MDE of the planned design
+    (from the newest A/A of this workload under the results root; its protocol is checked when
+    the run starts), and whether that design can see the seed's ITL effect."""
+    from k3rocm.deploy.seedref import LATENCY_AB_EFFECT
+
+    arms, k = plan.arms, plan.runs_per_server
+    secs, how = armlib.estimate(arms, plan.results, k)
+    starts = len(arms.slots()) * len(arms.replica_ports)
+    aa = find_noise_floor(plan, None)
+    comp = _floor_for({**(aa or {}), "same_protocol": True}, plan.primary[1],
+                      plan.primary[0]) or {}
+    design = stats.design_line(comp.get("var_log"), comp.get("df", 0), arms.repeats,
+                               plan.primary[0])
+    if aa:
+        design += f" (from the A/A {aa['dir']}; its protocol is checked when the run starts)"
+    seen = stats.effect_line(LATENCY_AB_EFFECT, arms.repeats, comp.get("var_log"),
+                             comp.get("df", 0), plan.primary[0])
+    return [f"cost: {starts} cold server start(s) ({arms.repeats} server(s) per arm), "
+            f"{len(arms.slots()) * k} run(s); estimated {secs / 3600:.1f} h ({how})",
+            design,
+            f"the seed's effect (vLLM PRs #52494, #57640: C=1 decode ITL moved ~"
+            f"{LATENCY_AB_EFFECT:.1%}): {seen}"]
+
+
 def dry_run_lines(plan: ABPlan) -> list[str]:
     arms = plan.arms
-    lines = [f"# {x}" for x in plan.describe()]
+    lines = [f"# {x}" for x in [*plan.describe(), *cost_lines(plan)]]
     run_dir = plan.results.resolve() / f"{utc_stamp()}-{plan.workload.name}-{plan.mode}"
     for i, arm in enumerate(arms.slots()):
         lines.append(armlib.slot_line(arms, i, arm))
@@ -629,10 +655,11 @@ def _floor_for(floor_doc: dict | None, c: int, label: str) -> dict[str, Any] | N
                  if (r["concurrency"], r["metric"]) == (c, label)), None)
 
 
-def find_noise_floor(plan: ABPlan, key: str, field: str = "protocol_key") -> dict | None:
+def find_noise_floor(plan: ABPlan, key: str | None, field: str = "protocol_key") -> dict | None:
     """The A/A comparison to report beside this A/B: --noise-floor DIR, else the newest A/A
     under the results root with the same key (``field``: the recorded protocol key after the
-    run, the planned key before it). Its variance is pooled only when the recorded keys are
+    run, the planned key before it; ``key`` None: the newest A/A of the workload, for the dry
+    run, which knows no image id). Its variance is pooled only when the recorded keys are
     equal (``same_protocol``)."""
     cands = [plan.noise_floor_dir] if plan.noise_floor_dir else [p.parent for p in sorted(
         plan.results.glob(f"*-{plan.workload.name}-aa*/comparison.json"), reverse=True)]
@@ -646,7 +673,7 @@ def find_noise_floor(plan: ABPlan, key: str, field: str = "protocol_key") -> dic
                 why = ": no readable comparison.json there" if doc is None else " is not an A/A run"
                 raise UsageError(f"--noise-floor {d}{why}", 2)
             continue
-        if plan.noise_floor_dir or doc.get(field) == key:
+        if plan.noise_floor_dir or key is None or doc.get(field) == key:
             doc["dir"] = str(d)
             doc["same_protocol"] = bool(key) and doc.get(field) == key
             return doc

@@ -339,6 +339,27 @@ def design_line(var_log: float | None, var_df: int, n: int, metric: str = "ITL p
             f"{need if need else '> 10000'}")
 
 
+def effect_line(effect: float, n: int, var_log: float | None = None, var_df: int = 0,
+                metric: str = "ITL p50") -> str:
+    """Can ``n`` servers per arm see ``effect`` (80% power, two-sided 5%)? With a measured
+    variance: its MDE against the effect and the servers needed; without: the MDE as a multiple
+    of the unknown server-to-server CV, and the CV at which it would see the effect."""
+    df = 2 * n - 2 + var_df
+    if df < 1:
+        return (f"{effect:.1%} {metric}: one server per arm and no A/A: no estimate of "
+                "server-to-server noise, no test")
+    if var_log is not None:
+        m = mde(var_log, df, n, n)
+        need = servers_needed(var_log, effect, var_df)
+        return (f"{effect:.1%} {metric}: the MDE {m:.2%} " + ("can" if m <= effect else "CANNOT")
+                + f" see it with {n} server(s) per arm; servers per arm needed: "
+                f"{need if need else '> 10000'}")
+    k = (t_quantile(1 - ALPHA / 2, df) + t_quantile(POWER, df)) * math.sqrt(2 / n)
+    return (f"{effect:.1%} {metric}: with {n} server(s) per arm and no A/A the MDE is {k:.2f} x "
+            f"the server-to-server CV: it sees {effect:.1%} only if that CV is <= "
+            f"{math.log1p(effect) / k:.2%} (run the A/A first: --aa)")
+
+
 # --- paired accuracy (GSM8K A/B on the same items) ------------------------------------------------
 
 def binom_logpmf(i: int, n: int, p: float) -> float:
