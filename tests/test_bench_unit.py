@@ -131,9 +131,37 @@ def test_bench_ab_dry_run_plan():
     assert "K3_FUSE_DECODE_QPREP=0 K3_FUSE_QK_NORM=0" in slots[0]
     assert "K3_FUSE_DECODE_QPREP=1 K3_FUSE_QK_NORM=1" in slots[1]
     assert sum(ln.startswith("aiperf profile") for ln in p.stdout.splitlines()) == 4
+    # the cost and what the design can see, before anything starts (the old dry run: neither)
+    out = p.stdout
+    assert "# cost: 4 cold server start(s) (2 server(s) per arm), 4 run(s); estimated " in out
+    assert "# MDE (ITL p50): unknown - no A/A of this protocol" in out
+    assert "the seed's effect (vLLM PRs #52494, #57640: C=1 decode ITL moved ~0.5%)" in out
     p = run_cli("bench-ab", "--aa", "--dry-run", "--no-gpu", "--server-env",
                 "K3_FUSE_QK_NORM=0")
     assert p.returncode == 2 and "set per arm" in p.stderr
+
+
+def test_bench_ab_dry_run_prints_hours_and_whether_the_seed_effect_can_be_seen(tmp_path):
+    """The default GPU A/B: 8 cold starts at the bundle's own 1800 s guess = 4.0 h; without an
+    A/A the MDE is 2.37 x the server CV (0.5% needs a CV <= 0.21%); with an A/A of this
+    workload under the results root (1% CV) the MDE is printed and 0.5% is out of reach."""
+    p = run_cli("bench-ab", "--workload", "decode-8k1k", "--tokenizer", str(tmp_path),
+                "--dry-run", "--gpu", "--results", str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    assert ("# cost: 8 cold server start(s) (4 server(s) per arm), 8 run(s); estimated 4.0 h "
+            "(assumed 1800s per start (GPU)") in p.stdout
+    assert ("with 4 server(s) per arm and no A/A the MDE is 2.37 x the server-to-server CV: it "
+            "sees 0.5% only if that CV is <= 0.21%") in p.stdout
+    aa = tmp_path / "20261201T000000Z-decode-8k1k-aa"
+    aa.mkdir()
+    (aa / "comparison.json").write_text(json.dumps({"mode": "aa", "protocol_key": "k", "rows": [
+        {"concurrency": 1, "metric": "ITL p50", "aa_component": {"var_log": 1e-4, "df": 7}}]}))
+    p = run_cli("bench-ab", "--workload", "decode-8k1k", "--tokenizer", str(tmp_path),
+                "--dry-run", "--gpu", "--results", str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    assert "# MDE (ITL p50, 80% power, two-sided 5%): 2." in p.stdout
+    assert f"(from the A/A {aa}; its protocol is checked when the run starts)" in p.stdout
+    assert "0.5% ITL p50: the MDE 2." in p.stdout and "CANNOT see it with 4 server(s)" in p.stdout
 
 
 def test_abba_order():
@@ -240,8 +268,8 @@ def test_three_way_wording():
     assert stats.verdict(up, lower_is_better=False) == "B faster"
     flat = stats.compare_servers([10.0, 10.3, 9.8, 10.1], [10.1, 9.9, 10.2, 10.0])
     v = stats.verdict(flat, True)
-    assert v.startswith("inconclusive: effects smaller than ") and \
-        v.endswith("% cannot be seen with 4 server(s) per arm"), v
+    assert v.startswith("inconclusive: the CI [-2.93%, +3.04%] includes 0; effects smaller "
+                        "than ") and v.endswith("% cannot be seen with 4 server(s) per arm"), v
     assert stats.pct_text(flat['mde']) in v and stats.pct_text(2.117) == "212%"
     assert stats.verdict(stats.compare_servers([], [1.0]), True) == "no data"
 
@@ -249,6 +277,46 @@ def test_three_way_wording():
 def test_holm_adjusts_the_secondary_rows():
     assert stats.holm([0.01, 0.04, 0.03, None]) == pytest.approx([0.03, 0.06, 0.06, None])
     assert stats.holm([]) == []
+
+
+def test_holm_levels_match_the_holm_verdicts():
+    """The level each row's printed CI uses: alpha/(m - step) while rejected, the stopping
+    level after; a CI at it excludes 0 exactly when the Holm-adjusted p < 5%."""
+    ps = [0.004, 0.03, 0.012, 0.2, None]  # sorted: .004 (x4 .016 rej), .012 (x3 .036 rej),
+    levels = stats.holm_levels(ps)          # .03 (x2 .06: stop), .2
+    assert levels == pytest.approx([0.05 / 4, 0.05 / 2, 0.05 / 3, 0.05 / 2, None])
+    for p, p_adj, lv in zip(ps, stats.holm(ps), levels, strict=True):
+        if p is not None:
+            assert (p < lv) == (p_adj < 0.05)
+
+
+def test_secondary_rows_print_the_ci_their_holm_verdict_used():
+    """Identical arms, 4 servers per arm, 9 secondary rows: the old report printed each row's
+    unadjusted 95% CI beside its Holm verdict, so a CI excluding 0 read "inconclusive" in about
+    a quarter of the reports; the CI printed now is the one the verdict used: on 400 simulated
+    reports no row shows a CI that excludes 0 beside "inconclusive", nor one that includes 0
+    beside "B faster/slower"."""
+    np = pytest.importorskip("numpy")
+    from k3rocm.checks.bench import ab
+
+    rng = np.random.default_rng(29)
+    labels = [label for _, _, label, _ in stats.AB_METRICS]
+    mismatched = old_style = 0
+    for _ in range(400):
+        values = {(c, label): dict(zip("AB", _arms(rng, 4), strict=True))
+                  for c in (1, 4) for label in labels}
+        rows = ab.judge(values, ("ITL p50", 1))
+        for r in rows:
+            excludes = r["ci_lo"] > 0 or r["ci_hi"] < 0
+            mismatched += excludes == r["verdict"].startswith("inconclusive")
+            old_style += (r["lo"] > 0 or r["hi"] < 0) and r["verdict"].startswith("inconclusive")
+        sec = next(r for r in rows if not r["primary"])
+        assert sec["ci_level"] > 0.95 and sec["ci_lo"] <= sec["lo"]
+    assert mismatched == 0 and old_style > 0
+    md = ab.comparison_markdown({"mode": "ab", "workload": "w", "protocol": [],
+                                 "protocol_key": "k", "runs": [], "rows": rows,
+                                 "headline": "h"})
+    assert "CI of the verdict (level)" in md and "Holm) |" in md and "(95%) |" in md
 
 
 def test_primary_row_is_judged_alone_and_the_others_with_holm():
@@ -601,3 +669,62 @@ def test_decode_8k1k_needs_prefix_caching_off_and_the_seed_command_is_unchanged(
         is False
     assert server_prefix_caching({"server_argv": ["vllm", "serve"]}) is True  # vLLM default on
     assert server_prefix_caching({}) is None
+
+
+# --- the pooled A/A: its variance and age checked -----------------------------------------------
+
+def test_f_distribution_matches_the_tables():
+    # F quantiles (NIST/SEMATECH e-Handbook 1.3.6.7.3): F_.95(6, 7) 3.866, F_.99(10, 20) 3.368
+    assert stats.f_cdf(3.866, 6, 7) == pytest.approx(0.95, abs=1e-4)
+    assert stats.f_cdf(3.368, 10, 20) == pytest.approx(0.99, abs=1e-4)
+    assert stats.f_cdf(161.4, 1, 1) == pytest.approx(0.95, abs=1e-4)
+
+
+def test_a_quieter_aa_is_not_pooled_and_the_report_says_why():
+    """The old code pooled any A/A of the same protocol: one from a quieter day (here a
+    quarter of the run's variance, df 7) shrank the variance and the CI. Now the row is judged
+    on its own servers and says why; an A/A that matches is pooled."""
+    a, b = [10.0, 10.2, 9.8, 10.1], [10.15, 9.9, 10.3, 10.0]
+    own = stats.compare_servers(a, b)
+    quiet = {"var_log": own["var_log"] / 25, "df": 7}
+    res = stats.compare_servers(a, b, floor=quiet)
+    assert not res["floor_used"] and res["df"] == 6 and res["lo"] == own["lo"]
+    assert res["floor_check"]["note"].startswith("A/A not pooled: this run is noisier than the "
+                                                 "A/A (server CV ")
+    same = stats.compare_servers(a, b, floor={"var_log": own["var_log"], "df": 7})
+    assert same["floor_used"] and same["df"] == 13
+    one = stats.compare_servers([10.0], [10.1], floor=quiet)  # nothing to check it with
+    assert one["floor_used"] and "unchecked" in one["floor_check"]["note"]
+    assert stats.compare_servers(a, b, floor=quiet, check_floor=False)["floor_used"]
+
+
+def test_the_variance_check_lowers_the_false_rate_of_a_quieter_aa():
+    """Identical arms, 4 servers per arm, A/A of 8 servers per arm at half the run's
+    server-to-server CV: pooled unchecked (the old code) the false rate is ~17%; checked ~9%
+    (tests/bench_pooled_aa.py has the whole table). 1500 trials each, seeded."""
+    np = pytest.importorskip("numpy")
+    rng = np.random.default_rng(2029)
+    rates = {}
+    for check in (False, True):
+        called = 0
+        for _ in range(1500):
+            aa = stats.variance_component(sum(_arms(rng, 4, cv=0.005), []))
+            res = stats.compare_servers(*_arms(rng, 4), floor=aa, check_floor=check)
+            called += stats.verdict(res, True) in ("B faster", "B slower")
+        rates[check] = called / 1500
+    assert rates[False] > 0.13 and rates[True] < 0.11, rates
+
+
+def test_an_old_aa_is_flagged_beside_the_verdict():
+    from k3rocm.checks.bench import ab
+
+    row = {"primary": True, "floor_check": {"pooled": True, "note": "A/A pooled"}}
+    doc = {"same_protocol": True, "dir": "results/20261201T080000Z-ci-tiny-aa"}
+    assert ab.aa_age_hours(doc, "20261203T080000Z") == pytest.approx(48.0)
+    notes = ab.aa_notes([row], doc, "20261203T080000Z")
+    assert notes and "the pooled A/A is 48 h older than this run" in notes[0]
+    assert ab.aa_notes([row], {**doc, "finished_utc": "20261203T070000Z"},
+                       "20261203T080000Z") == []
+    refused = {"primary": True, "floor_check": {"pooled": False, "note": "A/A not pooled: x"}}
+    assert ab.aa_notes([refused], {**doc, "finished_utc": "20261203T070000Z"},
+                       "20261203T080000Z") == ["A/A not pooled: x"]

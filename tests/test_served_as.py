@@ -218,3 +218,49 @@ def test_seed_comparison_judges_the_rendered_env():
     assert seed_comparison("census", server=server)["text"].endswith("stock side")
     server["rendered"] = None  # an older image: the container's env, rendered again
     assert seed_comparison("census", server=server)["text"].endswith("fused side")
+
+
+# --- what the server itself reported (its log, its /metrics), not what its argv asked -------------
+
+# Lines shaped as vLLM 0.32.0 logs them (vllm/v1/engine/core.py:133 with VllmConfig.__str__,
+# vllm/config/vllm.py:2703; vllm/platforms/cpu.py:521); the live test reads the real ones.
+ENGINE_LINE = ("(EngineCore pid=37) INFO 12-05 08:23:45 [core.py:133] Initializing a V1 LLM engine "
+               "(v0.32.0) with config: model='/models/m', speculative_config={spec}, "
+               "enforce_eager=False, enable_prefix_caching=True, enable_chunked_prefill=True, "
+               "compilation_config={{'mode': <CompilationMode.VLLM_COMPILE: 3>, "
+               "'cudagraph_mode': <CUDAGraphMode.PIECEWISE: 1>}}, kernel_config=None")
+MTP2 = "SpeculativeConfig(method='mtp', model='/models/m', num_spec_tokens=2)"
+
+
+def test_prefix_caching_speculation_and_graphs_come_from_the_servers_own_report():
+    """The old bench recorded prefix caching from the argv: a server asked
+    --enable-prefix-caching that turned it off (and logged so) was recorded "on"."""
+    from k3rocm.deploy.provenance import served_config
+
+    log = ENGINE_LINE.format(spec=MTP2) + "\nGraph capturing finished in 41 secs, took 1.2 GiB\n"
+    sc = served_config(log)
+    assert sc["prefix_caching"] == {"value": True, "from": "the engine's config line"}
+    assert sc["speculative"] == {"method": "mtp", "num_spec_tokens": 2}
+    assert sc["graphs"] == {"enforce_eager": False, "cudagraph_mode": "PIECEWISE",
+                            "captured": True, "capture_seconds": 41}
+    off = log + ("(EngineCore pid=37) INFO [core.py:288] Disabling prefix caching: model has "
+                 "non-causal attention layers.\n")
+    assert served_config(off)["prefix_caching"]["value"] is False
+    assert "non-causal" in served_config(off)["prefix_caching"]["from"]
+    metrics = 'vllm:cache_config_info{block_size="16",enable_prefix_caching="False",engine="0"} 1\n'
+    assert served_config("", metrics)["prefix_caching"] == {
+        "value": False, "from": "/metrics vllm:cache_config_info"}
+    assert served_config("")["prefix_caching"]["value"] is None
+    # the bench takes the server's word over the argv, and says where it read it
+    prov = {**server_prov(None), "served_config": served_config(off)}
+    assert "--no-enable-prefix-caching" not in served_as(prov).argv
+    assert server_prefix_caching(prov) is False
+    assert tokens_per_step(prov) == (3, "the server's log: speculative mtp num_spec_tokens=2")
+    plain = {**server_prov(None), "served_config": served_config(ENGINE_LINE.format(spec="None"))}
+    assert tokens_per_step(plain) == (1, "the server's log: speculative_config=None")
+    from k3rocm.checks.bench.run import graphs_line, served_prefix_caching
+
+    assert served_prefix_caching(prov)[1].startswith("the server's own report (")
+    assert served_prefix_caching(server_prov(None))[1].startswith("asked in the argv only")
+    assert graphs_line(prov) == ("cudagraph_mode PIECEWISE, enforce_eager False, captured in "
+                                 "41 s (the server's log)")

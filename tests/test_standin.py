@@ -230,6 +230,30 @@ def test_streaming_chat_returns_exactly_the_requested_tokens(standin_server):  #
 
 @pytest.mark.docker
 @pytest.mark.server
+def test_prefix_caching_and_graphs_are_recorded_from_what_the_server_reported(
+        standin_server):  # noqa: F811
+    """The stand-in is asked --enable-prefix-caching (K3_PREFIX_CACHING=1), but vLLM 0.32.0
+    on CPU turns it off for an MLA model and logs so (vllm/platforms/cpu.py:521): the run
+    record says off, from that line (the old record read the argv: "on"); graphs and
+    speculation from the engine's config line (vllm/v1/engine/core.py:133)."""
+    from k3rocm.checks.bench.run import graphs_line, served_prefix_caching
+    from k3rocm.checks.bench.summary import tokens_per_step
+    from k3rocm.deploy.provenance import collect_provenance, served_as
+
+    prov = collect_provenance(standin_server.base_url, None, container=standin_server.container)
+    assert "--enable-prefix-caching" in served_as(prov).argv
+    sc = prov["served_config"]
+    assert sc["vllm_version"] == "0.32.0" and sc["engine_config_logged"]
+    caching, src = served_prefix_caching(prov)
+    assert caching is False and "MLA is enabled on a non-GPU platform" in src
+    assert sc["speculative"] == {"method": None, "num_spec_tokens": 0}
+    assert tokens_per_step(prov) == (1, "the server's log: speculative_config=None")
+    assert sc["graphs"]["enforce_eager"] is True and sc["graphs"]["cudagraph_mode"] == "NONE"
+    assert graphs_line(prov).startswith("cudagraph_mode NONE, enforce_eager True, none captured")
+    metrics = requests.get(f"{standin_server.base_url}/metrics", timeout=10).text
+    assert 'enable_prefix_caching="False"' in metrics  # the API server's view agrees
+
+
 def test_metrics_answer(standin_server):  # noqa: F811
     stream_chat(standin_server.base_url, standin_server.model, 8)
     r = requests.get(f"{standin_server.base_url}/metrics", timeout=10)

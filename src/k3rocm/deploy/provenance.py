@@ -184,6 +184,74 @@ def served_as(prov: dict | None = None, container=None) -> ServedAs:
                     else "unknown (no server container found)")
 
 
+# What the server itself says it runs with, from its own log (the argv only says what was asked:
+# vLLM turns prefix caching off on its own and logs it; the CPU stand-in serving the MLA smoke
+# model is asked --enable-prefix-caching and logs platforms/cpu.py:521). vLLM 0.32.0 (read in the
+# stand-in image; 0.34.0 keeps the config fields, vllm@0.34.0:vllm/config/vllm.py:2893-2923,
+# the compilation repr, config/compilation.py:974-1001, and the disabling lines at
+# config/vllm.py:1472 and model_executor/layers/attention/mla_attention.py:580; its
+# v1/engine/core.py is not in the local tree):
+# - vllm/v1/engine/core.py:133-137 logs "Initializing a V1 LLM engine (v%s) with config: %s" with
+#   the resolved VllmConfig (after the platform's check_and_update_config); its __str__
+#   (vllm/config/vllm.py:2703-2738) prints speculative_config=SpeculativeConfig(method=..,
+#   model=.., num_spec_tokens=N) (config/speculative.py:1990-2004), enforce_eager=..,
+#   enable_prefix_caching=.. and compilation_config={.. 'cudagraph_mode':
+#   <CUDAGraphMode.X: ..> ..} (config/compilation.py:824-849);
+# - later turns prefix caching off with a line of its own: "Disabling prefix caching: model has
+#   non-causal attention layers." (v1/engine/core.py:287-289, after the line above),
+#   "Disabling prefix caching for TRITON_MLA / FLASHINFER with batch invariance"
+#   (model_executor/layers/attention/mla_attention.py:559), "MLA is enabled on a non-GPU
+#   platform; forcing chunked prefill and prefix caching to be disabled." (platforms/cpu.py:521,
+#   before it), "..prefix caching; disabling both." (config/scheduler.py:300);
+# - "Graph capturing finished in %.0f secs" when graphs were captured
+#   (v1/worker/gpu_model_runner.py:6582);
+# - /metrics: vllm:cache_config_info{enable_prefix_caching="True",..} (v1/metrics/loggers.py:
+#   1114-1137, labels from CacheConfig.metrics_info, config/cache.py:322), the API server's view.
+_ENGINE_CONFIG = re.compile(r"Initializing a V1 LLM engine \(v([^)]*)\) with config: (.*)$", re.M)
+_PREFIX_OFF = re.compile(r"^.*(?:[Dd]isabling prefix caching|prefix caching to be disabled|"
+                         r"prefix caching; disabling both).*$", re.M)
+_GRAPHS_DONE = re.compile(r"Graph capturing finished in (\d+) secs")
+_CACHE_INFO = re.compile(r'^vllm:cache_config_info\{[^}]*enable_prefix_caching="(True|False)"',
+                         re.M)
+
+
+def _flag(text: str, name: str) -> bool | None:
+    m = re.search(rf"\b{name}=(True|False)\b", text)
+    return None if m is None else m.group(1) == "True"
+
+
+def served_config(log_text: str | None, metrics_text: str | None = None) -> dict[str, Any]:
+    """Prefix caching, speculative decoding and graph mode as the server reports them (its log,
+    else its /metrics), each with the line it came from; None where the server said nothing."""
+    log = log_text or ""
+    engine = _ENGINE_CONFIG.findall(log)
+    cfg = engine[-1][1] if engine else ""
+    out: dict[str, Any] = {"vllm_version": engine[-1][0] if engine else None,
+                           "engine_config_logged": bool(engine)}
+    caching, src = _flag(cfg, "enable_prefix_caching"), "the engine's config line"
+    off = _PREFIX_OFF.findall(log)
+    if off:
+        caching, src = False, off[-1].strip()[-200:]
+    elif caching is None and metrics_text:
+        m = _CACHE_INFO.search(metrics_text)
+        if m:
+            caching, src = m.group(1) == "True", "/metrics vllm:cache_config_info"
+    out["prefix_caching"] = {"value": caching, "from": src if caching is not None else
+                             "the server's log and metrics say nothing about it"}
+    spec = re.search(r"speculative_config=(None|SpeculativeConfig\(method='?([^,']*)'?, .*?"
+                     r"num_spec_tokens=(\d+)\))", cfg)
+    out["speculative"] = (None if spec is None else
+                          {"method": None, "num_spec_tokens": 0} if spec.group(1) == "None" else
+                          {"method": spec.group(2), "num_spec_tokens": int(spec.group(3))})
+    mode = re.search(r"'cudagraph_mode': <CUDAGraphMode\.(\w+)", cfg)
+    captured = _GRAPHS_DONE.findall(log)
+    out["graphs"] = {"enforce_eager": _flag(cfg, "enforce_eager"),
+                     "cudagraph_mode": mode.group(1) if mode else None,
+                     "captured": bool(captured),
+                     "capture_seconds": int(captured[-1]) if captured else None}
+    return out
+
+
 def collect_provenance(url: str, api_key: str | None, client=None, container=None) -> dict:
     """What served the measurement: image id, vLLM version, overlay manifest and fusion states,
     the server's env and argv. Best effort per item; what could not be read is said so."""
@@ -248,10 +316,17 @@ def collect_provenance(url: str, api_key: str | None, client=None, container=Non
     prov["fusion_toggles"] = {
         f.env: renv.get(f.env) or env.get(f.env, f"unset (default {'on' if f.default else 'off'})")
         for f in FUSIONS}
+    logs = ""
+    with contextlib.suppress(Exception):
+        logs = container.logs().decode(errors="replace")
+    metrics = None
+    with contextlib.suppress(Exception):
+        metrics = api.metrics_text()
+    prov["served_config"] = served_config(logs, metrics)
     try:
         from k3rocm.serving.decisions import final_in_log
 
-        final = final_in_log(container.logs().decode(errors="replace"), "server log")
+        final = final_in_log(logs, "server log")
         prov["fusion_decisions"] = [
             {k: r.get(k) for k in ("pid", "tp_rank", "layer_kind", "phase", "fusions")}
             for r in final.values()]

@@ -105,9 +105,35 @@ def _run_name(slot: int, arm: str, k: int) -> str:
     return f"{slot:02d}-{arm}-{k}"
 
 
+def cost_lines(plan: ABPlan) -> list[str]:
+    """What the A/B will cost and what it can see, before anything starts: cold starts and
+    estimated hours (:func:`k3rocm.checks.ab.arms.estimate`), the MDE of the planned design
+    (from the newest A/A of this workload under the results root; its protocol is checked when
+    the run starts), and whether that design can see the seed's ITL effect."""
+    from k3rocm.deploy.seedref import LATENCY_AB_EFFECT
+
+    arms, k = plan.arms, plan.runs_per_server
+    secs, how = armlib.estimate(arms, plan.results, k)
+    starts = len(arms.slots()) * len(arms.replica_ports)
+    aa = find_noise_floor(plan, None)
+    comp = _floor_for({**(aa or {}), "same_protocol": True}, plan.primary[1],
+                      plan.primary[0]) or {}
+    design = stats.design_line(comp.get("var_log"), comp.get("df", 0), arms.repeats,
+                               plan.primary[0])
+    if aa:
+        design += f" (from the A/A {aa['dir']}; its protocol is checked when the run starts)"
+    seen = stats.effect_line(LATENCY_AB_EFFECT, arms.repeats, comp.get("var_log"),
+                             comp.get("df", 0), plan.primary[0])
+    return [f"cost: {starts} cold server start(s) ({arms.repeats} server(s) per arm), "
+            f"{len(arms.slots()) * k} run(s); estimated {secs / 3600:.1f} h ({how})",
+            design,
+            f"the seed's effect (vLLM PRs #52494, #57640: C=1 decode ITL moved ~"
+            f"{LATENCY_AB_EFFECT:.1%}): {seen}"]
+
+
 def dry_run_lines(plan: ABPlan) -> list[str]:
     arms = plan.arms
-    lines = [f"# {x}" for x in plan.describe()]
+    lines = [f"# {x}" for x in [*plan.describe(), *cost_lines(plan)]]
     run_dir = plan.results.resolve() / f"{utc_stamp()}-{plan.workload.name}-{plan.mode}"
     for i, arm in enumerate(arms.slots()):
         lines.append(armlib.slot_line(arms, i, arm))
@@ -341,9 +367,13 @@ def judge(values: dict[tuple[int, str], dict[str, list[float]]], primary: tuple[
                      "aa_component": stats.variance_component(
                          arms_.get("A", []) + arms_.get("B", []))})
     secondary = [r for r in rows if not r["primary"]]
-    for r, p_adj in zip(secondary, stats.holm([r["p"] for r in secondary]), strict=True):
+    ps = [r["p"] for r in secondary]
+    for r, p_adj, level in zip(secondary, stats.holm(ps), stats.holm_levels(ps), strict=True):
         r["p_holm"] = p_adj
-    for r in rows:
+        r["ci_level"] = 1 - (level or stats.ALPHA)
+    for r in rows:  # the CI each verdict used (lo/hi stay the 95% CI: the calibration's)
+        r.setdefault("ci_level", 1 - stats.ALPHA)
+        r["ci_lo"], r["ci_hi"] = stats.interval(r, 1 - r["ci_level"])
         r["verdict"] = stats.verdict(r, r["lower_is_better"],
                                      r["p"] if r["primary"] else r["p_holm"])
     return rows
@@ -371,6 +401,9 @@ def compare(w: Workload, runs: Sequence[dict], mode: str, key: str, floor_doc: d
                        "mtp_acceptance_rate": sm.get("mtp_acceptance_rate")})
         if stream.get("bunched"):
             bunched.append({**where, "note": stream.get("note")})
+    aa_flags = aa_notes(rows, floor_doc)
+    if aa_flags:
+        head += "; " + "; ".join(aa_flags)
     flagged = [i for i in inputs if i["flags"]]
     if flagged:
         head += (f"; inputs off in {len(flagged)} run point(s) (first: slot {flagged[0]['slot']}"
@@ -389,7 +422,49 @@ def compare(w: Workload, runs: Sequence[dict], mode: str, key: str, floor_doc: d
             "runs": list(runs), "rows": rows, "headline": head,
             "design_after": _design_after(rows, mode),
             "bunched": bunched, "inputs": inputs,
-            "noise_floor_from": floor_doc.get("dir") if floor_doc else None}
+            "noise_floor_from": floor_doc.get("dir") if floor_doc else None,
+            "noise_floor_flags": aa_flags, "finished_utc": utc_stamp()}
+
+
+# An A/A older than this is flagged beside the verdict (another day: other load, other clocks);
+# its variance is checked in every row (stats.floor_check) whatever its age.
+MAX_AA_AGE_HOURS = 24.0
+
+
+def aa_age_hours(floor_doc: dict | None, now: str | None = None) -> float | None:
+    """Hours between the A/A (its ``finished_utc``, else its run directory's UTC stamp) and
+    ``now`` (a utc_stamp, default this moment); None when unknown."""
+    from datetime import datetime, timezone
+
+    def parse(stamp: str | None) -> datetime | None:
+        try:
+            return datetime.strptime((stamp or "")[:16], "%Y%m%dT%H%M%SZ").replace(
+                tzinfo=timezone.utc)
+        except ValueError:
+            return None
+
+    if not floor_doc:
+        return None
+    then = parse(floor_doc.get("finished_utc")) or parse(Path(floor_doc.get("dir") or "").name)
+    ref = parse(now) if now else datetime.now(timezone.utc)
+    return None if then is None or ref is None else (ref - then).total_seconds() / 3600
+
+
+def aa_notes(rows: Sequence[dict], floor_doc: dict | None, now: str | None = None) -> list[str]:
+    """What the verdict must say about the pooled A/A: the primary row's variance check when it
+    refused the A/A, and an A/A older than MAX_AA_AGE_HOURS."""
+    if not (floor_doc or {}).get("same_protocol"):
+        return []
+    out = []
+    prim = next((r for r in rows if r.get("primary")), None) or {}
+    chk = prim.get("floor_check") or {}
+    if chk and not chk.get("pooled"):
+        out.append(chk["note"])
+    age = aa_age_hours(floor_doc, now)
+    if age is not None and age > MAX_AA_AGE_HOURS:
+        out.append(f"FLAGGED: the pooled A/A is {age:.0f} h older than this run (more than "
+                   f"{MAX_AA_AGE_HOURS:g} h: another day's noise; rerun the A/A with --aa)")
+    return out
 
 
 def _design_after(rows: list[dict], mode: str) -> str | None:
@@ -580,10 +655,11 @@ def _floor_for(floor_doc: dict | None, c: int, label: str) -> dict[str, Any] | N
                  if (r["concurrency"], r["metric"]) == (c, label)), None)
 
 
-def find_noise_floor(plan: ABPlan, key: str, field: str = "protocol_key") -> dict | None:
+def find_noise_floor(plan: ABPlan, key: str | None, field: str = "protocol_key") -> dict | None:
     """The A/A comparison to report beside this A/B: --noise-floor DIR, else the newest A/A
     under the results root with the same key (``field``: the recorded protocol key after the
-    run, the planned key before it). Its variance is pooled only when the recorded keys are
+    run, the planned key before it; ``key`` None: the newest A/A of the workload, for the dry
+    run, which knows no image id). Its variance is pooled only when the recorded keys are
     equal (``same_protocol``)."""
     cands = [plan.noise_floor_dir] if plan.noise_floor_dir else [p.parent for p in sorted(
         plan.results.glob(f"*-{plan.workload.name}-aa*/comparison.json"), reverse=True)]
@@ -597,7 +673,7 @@ def find_noise_floor(plan: ABPlan, key: str, field: str = "protocol_key") -> dic
                 why = ": no readable comparison.json there" if doc is None else " is not an A/A run"
                 raise UsageError(f"--noise-floor {d}{why}", 2)
             continue
-        if plan.noise_floor_dir or doc.get(field) == key:
+        if plan.noise_floor_dir or key is None or doc.get(field) == key:
             doc["dir"] = str(d)
             doc["same_protocol"] = bool(key) and doc.get(field) == key
             return doc
@@ -627,10 +703,14 @@ def comparison_markdown(comp: dict) -> str:
                   "ITL and TTFT of that run describe chunks, not tokens.", ""]
     if comp["mode"] in ("ab", "cal"):
         src = comp.get("noise_floor_from")
-        lines += [f"A/A variance component (same recorded protocol, pooled): {src}" if src else
+        checks = [f"{r['metric']} c={r['concurrency']}: {r['floor_check']['note']}"
+                  for r in comp["rows"] if r.get("floor_check")]
+        lines += [f"A/A variance component (same recorded protocol): {src}" if src else
                   "A/A variance component: **no A/A run with this recorded protocol** - run "
                   "`make bench-ab AA=1` with the same settings; the test below uses this run's "
                   "servers alone.", ""]
+        lines += [x for f in comp.get("noise_floor_flags") or [] for x in (f"**{f}**", "")]
+        lines += [f"- {c}" for c in checks] + ([""] if checks else [])
     if comp.get("calibration"):
         lines += ["## Calibration: injected vs detected", "",
                   "| c | injected ms/step (nominal) | applied ms/step (B - A) | applied A / B "
@@ -687,8 +767,8 @@ def comparison_markdown(comp: dict) -> str:
               f"{comp.get('multiplicity')}.", "",
               f"- before the run: {comp.get('design_before') or 'n/a'}",
               f"- after the run: {comp.get('design_after') or 'n/a'}", "",
-              "| c | metric | A servers | B servers | d = (B-A)/A | 95% CI | p | MDE 80% | "
-              "servers/arm for 1% | verdict |",
+              "| c | metric | A servers | B servers | d = (B-A)/A | CI of the verdict (level) | "
+              "p | MDE 80% | servers/arm for 1% | verdict |",
               "|---:|---|---|---|---:|---|---:|---:|---:|---|"]
     for r in comp["rows"]:
         p = r.get("p") if r.get("primary") else r.get("p_holm")
@@ -697,7 +777,7 @@ def comparison_markdown(comp: dict) -> str:
         lines.append(
             f"| {r['concurrency']} | {name} | {_vals(r.get('server_values_a'))} | "
             f"{_vals(r.get('server_values_b'))} | {_pct(r.get('d'))} | "
-            f"[{_pct(r.get('lo'))}, {_pct(r.get('hi'))}] | {p_txt} | "
+            f"[{_pct(r.get('ci_lo'))}, {_pct(r.get('ci_hi'))}] ({_level(r)}) | {p_txt} | "
             f"{summary.fmt(r.get('mde'), '.2f', 100, '%')} | "
             f"{r.get('servers_for_1pct') or 'n/a'} | {r['verdict']} |")
     lines += ["", f"Headline: {comp['headline']}", "",
@@ -705,11 +785,19 @@ def comparison_markdown(comp: dict) -> str:
               "value is one number per freshly started server (the mean over its runs); the "
               "test compares log server values (Student t, df = servers - 2, plus the A/A's "
               "df when an A/A of the same recorded protocol exists). 'inconclusive' means "
-              "what it says: effects below the MDE are not excluded."]
+              "what it says: the CI includes 0, and effects below the MDE are not excluded. "
+              "Each CI is the one its verdict used: 95% for the primary row, for a secondary "
+              "row the level Holm's step-down judged it at (1 - 5%/(rows left at its step)), "
+              "so it excludes 0 exactly when the verdict is 'B faster'/'B slower'."]
     return "\n".join(lines) + "\n"
 
 
 COVERED = {True: "yes", False: "**NO**", None: "n/a"}
+
+
+def _level(r: dict) -> str:
+    level = r.get("ci_level") or 1 - stats.ALPHA
+    return f"{level * 100:.4g}%" + ("" if r.get("primary") else " Holm")
 
 
 def _vals(xs: Sequence[float] | None) -> str:

@@ -133,7 +133,7 @@ def run_bench(w: Workload, *, results: Path, client_image: str, server_timeout: 
     points = summary.summarize(run_dir / "aiperf", w.points(), *summary.tokens_per_step(server),
                                expect={"isl": w.isl, "osl": w.osl,
                                        "prefix_caching": w.prefix_caching})
-    caching = server_prefix_caching(server)
+    caching, caching_from = served_prefix_caching(server)
     caching_note = None
     if w.prefix_caching is not None and caching != w.prefix_caching:
         caching_note = (f"the workload needs prefix caching {_onoff(w.prefix_caching)}, the "
@@ -159,7 +159,8 @@ def run_bench(w: Workload, *, results: Path, client_image: str, server_timeout: 
         "wall_seconds": round(time.time() - t0, 1), "server_reachable_after": server_alive,
         "protocol": w.protocol(), "command": cmd_line, "points": points,
         "prefix_caching": {"workload": w.prefix_caching, "server": caching,
-                           "note": caching_note},
+                           "server_from": caching_from, "note": caching_note},
+        "served_config": (server or {}).get("served_config"),
         "server_settings_from": served.source,
     }
     write_json_atomic(run_dir / "summary.json", doc)
@@ -176,8 +177,9 @@ def run_bench(w: Workload, *, results: Path, client_image: str, server_timeout: 
         f"seed {w.random_seed}; endpoint {w.endpoint_type}, streaming {w.streaming}, server "
         f"token counts {w.use_server_token_count}",
         f"command: `{cmd_line}`", f"server: {_server_line(server)}",
-        f"prefix caching: workload {want}, server {_onoff(caching)}"
+        f"prefix caching: workload {want}, server {_onoff(caching)} ({caching_from})"
         + (f" - **{caching_note}**" if caching_note else ""),
+        f"graphs: {graphs_line(server)}",
         f"upstream figures: {prov['seed_comparison']['text']}"])
     write_text_atomic(run_dir / "report.md", report)
     if not plots.write_plots(points, run_dir, w.name):
@@ -204,12 +206,33 @@ def run_bench(w: Workload, *, results: Path, client_image: str, server_timeout: 
     return BenchResult(status, code, " ".join(msg.split()))
 
 
-def server_prefix_caching(prov: dict | None) -> bool | None:
-    """Prefix caching of the server as its argv says, rendered (vLLM's default is on)."""
+def served_prefix_caching(prov: dict | None) -> tuple[bool | None, str]:
+    """(prefix caching, where it was read): what the server itself reported (its log's engine
+    config and "Disabling prefix caching" lines, else its /metrics: provenance.served_config;
+    vLLM turns it off on its own, e.g. for MLA on a non-GPU platform), else only what its argv
+    asked (vLLM's default is on), and the source says so."""
+    said = (((prov or {}).get("served_config") or {}).get("prefix_caching") or {})
+    if said.get("value") is not None:
+        return said["value"], f"the server's own report ({said.get('from')})"
     argv = served_as(prov).argv
     if not argv:
-        return None
-    return "--no-enable-prefix-caching" not in argv
+        return None, "unknown"
+    return ("--no-enable-prefix-caching" not in argv,
+            "asked in the argv only (the server's log and metrics said nothing)")
+
+
+def server_prefix_caching(prov: dict | None) -> bool | None:
+    return served_prefix_caching(prov)[0]
+
+
+def graphs_line(prov: dict | None) -> str:
+    """Graph mode as the server's log reported it (provenance.served_config)."""
+    g = (((prov or {}).get("served_config") or {}).get("graphs") or {})
+    if g.get("enforce_eager") is None and g.get("cudagraph_mode") is None:
+        return "unknown (no engine config line in the server's log)"
+    cap = (f"captured in {g['capture_seconds']} s" if g.get("captured") else "none captured")
+    return (f"cudagraph_mode {g.get('cudagraph_mode')}, enforce_eager {g.get('enforce_eager')}, "
+            f"{cap} (the server's log)")
 
 
 def _onoff(v: bool | None) -> str:

@@ -20,11 +20,16 @@ One primary row (default ITL p50 at the workload's first concurrency) is judged 
 other row is judged with Holm's step-down correction over the secondary rows (family ALPHA).
 
 Verdict, three-way: "B faster" / "B slower" when p < ALPHA (direction per metric: lower latency,
-higher throughput is faster), otherwise "inconclusive: effects smaller than X% cannot be seen
-with N servers per arm", X the minimum detectable effect at 80% power (two-sided ALPHA, t
-approximation (t_{1-ALPHA/2,df} + t_{POWER,df}) * s * sqrt(1/n_A + 1/n_B)).
+higher throughput is faster), otherwise "inconclusive: the CI [a, b] includes 0; effects smaller
+than X% cannot be seen with N servers per arm", X the minimum detectable effect at 80% power
+(two-sided ALPHA, t approximation (t_{1-ALPHA/2,df} + t_{POWER,df}) * s * sqrt(1/n_A + 1/n_B)).
+Each row prints the CI its verdict used: 95% for the primary, for a secondary row the level
+Holm's step judged it at (:func:`holm_levels`), so a CI that excludes 0 never sits beside
+"inconclusive".
 
-No scipy: Student's t distribution for integer df from Abramowitz & Stegun 26.7.3/26.7.4.
+No scipy: Student's t distribution for integer df from Abramowitz & Stegun 26.7.3/26.7.4; the
+binomial tails (McNemar, Clopper-Pearson) summed exactly in log space (``math.lgamma``), so a
+GSM8K A/B that loses hundreds of items (n = 1319, or 10,000) still gets its p-value.
 """
 
 from __future__ import annotations
@@ -105,6 +110,44 @@ def t_quantile(p: float, df: int) -> float:
     return sum(_bisect(below, 0.0, hi, 100)) / 2
 
 
+# --- F distribution (variance ratios): the regularized incomplete beta function ------------------
+
+def _betacf(a: float, b: float, x: float) -> float:
+    """The continued fraction of I_x(a, b) (modified Lentz), for x < (a + 1) / (a + b + 2)."""
+    tiny, c, d = 1e-300, 1.0, 1.0 - (a + b) * x / (a + 1)
+    d = 1 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 400):
+        for num in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+                    -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
+            d = 1 + num * d
+            d = 1 / (d if abs(d) > tiny else tiny)
+            c = 1 + num / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1) < 1e-14:
+            break
+    return h
+
+
+def betainc(a: float, b: float, x: float) -> float:
+    """Regularized incomplete beta I_x(a, b)."""
+    if x <= 0:
+        return 0.0
+    if x >= 1:
+        return 1.0
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b)
+                     + a * math.log(x) + b * math.log1p(-x))
+    if x < (a + 1) / (a + b + 2):
+        return front * _betacf(a, b, x) / a
+    return 1 - front * _betacf(b, a, 1 - x) / b
+
+
+def f_cdf(f: float, d1: int, d2: int) -> float:
+    """P(F <= f), F ~ F(d1, d2)."""
+    return betainc(d1 / 2, d2 / 2, d1 * f / (d1 * f + d2)) if f > 0 else 0.0
+
+
 # --- variance components, MDE, servers needed ---------------------------------------------------
 
 def variance_component(values: Sequence[float]) -> dict[str, Any] | None:
@@ -135,38 +178,106 @@ def servers_needed(var_log: float, effect: float = 0.01, extra_df: int = 0,
 
 # --- the test ----------------------------------------------------------------------------------
 
+# The pooled A/A must describe this run's noise: refused when this run's own between-server
+# variance is larger than the A/A's (one-sided F test at this level). A quieter A/A (another day,
+# another load) makes the pooled variance too small and the test too eager: simulated with these
+# functions (tests/bench_pooled_aa.py) an A/A at half the run's server-to-server CV lifts the
+# false rate on identical arms from 5% to 12% (4 servers per arm, A/A of 4 per arm); the check
+# brings it back to ~8% (F tests on 6 df cannot see every difference). An A/A noisier than the
+# run only makes the test conservative: pooled, and noted.
+FLOOR_CHECK_ALPHA = 0.05
+
+
+def floor_check(own_var: float, own_df: int, floor: dict[str, Any],
+                level: float = FLOOR_CHECK_ALPHA) -> dict[str, Any]:
+    """Does the A/A's variance component describe this run? {"pooled", "note", ...}."""
+    out: dict[str, Any] = {"own_var_log": own_var, "own_df": own_df,
+                           "aa_var_log": floor["var_log"], "aa_df": floor["df"]}
+    if own_df < 1:
+        return {**out, "pooled": True, "checked": False,
+                "note": "A/A pooled unchecked: one server per arm has no variance of its own to "
+                        "compare it with"}
+    ratio = own_var / floor["var_log"] if floor["var_log"] > 0 else math.inf
+    p_noisier = 1 - f_cdf(ratio, own_df, floor["df"]) if math.isfinite(ratio) else 0.0
+    p_quieter = f_cdf(ratio, own_df, floor["df"]) if math.isfinite(ratio) else 1.0
+    cv = (f"server CV {math.sqrt(own_var) * 100:.2f}% here vs "
+          f"{math.sqrt(floor['var_log']) * 100:.2f}% in the A/A")
+    out.update(checked=True, ratio=ratio, p_run_noisier=p_noisier)
+    if p_noisier < level:
+        return {**out, "pooled": False,
+                "note": f"A/A not pooled: this run is noisier than the A/A ({cv}; F test "
+                        f"p={p_noisier:.2g} < {level:g}): judged on its own servers"}
+    if p_quieter < level:
+        return {**out, "pooled": True,
+                "note": f"A/A pooled, noisier than this run ({cv}; F test p={p_quieter:.2g}): "
+                        "the test is conservative"}
+    return {**out, "pooled": True, "note": f"A/A pooled ({cv}; F test p={p_noisier:.2g})"}
+
+
 def compare_servers(a: Sequence[float], b: Sequence[float],
-                    floor: dict[str, Any] | None = None, alpha: float = ALPHA) -> dict[str, Any]:
+                    floor: dict[str, Any] | None = None, alpha: float = ALPHA,
+                    check_floor: bool = True) -> dict[str, Any]:
     """Effect of B vs A on per-server values, with the t test and its design numbers.
 
-    ``floor``: an A/A variance component of the same protocol ({"var_log", "df"}), pooled.
-    ``alpha``: the level the row is judged at (its MDE and servers needed use it; the CI is
-    always 95%)."""
+    ``floor``: an A/A variance component of the same protocol ({"var_log", "df"}), pooled
+    unless :func:`floor_check` refuses it (``check_floor`` False: pooled as given, the old
+    behaviour, for the simulation that measures the check). ``alpha``: the level the row is
+    judged at (its MDE and servers needed use it; ``lo``/``hi`` are always 95%)."""
     la, lb = _logs(a), _logs(b)
     out: dict[str, Any] = {"servers_a": len(la), "servers_b": len(lb),
                            "server_values_a": list(a), "server_values_b": list(b),
                            "d": None, "lo": None, "hi": None, "p": None, "df": 0,
                            "var_log": None, "mde": None, "servers_for_1pct": None,
-                           "floor_used": bool(floor)}
+                           "floor_used": bool(floor), "floor_check": None}
     if not la or not lb:
         return out
     ma, mb = sum(la) / len(la), sum(lb) / len(lb)
     out.update(a=math.exp(ma), b=math.exp(mb), d=math.exp(mb - ma) - 1)
     ss = sum((x - ma) ** 2 for x in la) + sum((x - mb) ** 2 for x in lb)
+    own_df = len(la) + len(lb) - 2
+    if floor and check_floor:
+        chk = out["floor_check"] = floor_check(ss / own_df if own_df else 0.0, own_df, floor)
+        floor = floor if chk["pooled"] else None
+        out["floor_used"] = bool(floor)
     extra_df = floor["df"] if floor else 0
     ss += floor["var_log"] * extra_df if floor else 0.0
-    df = out["df"] = len(la) + len(lb) - 2 + extra_df
+    df = out["df"] = own_df + extra_df
     if df < 1:
         return out
     var = ss / df
     se = math.sqrt(var * (1 / len(la) + 1 / len(lb)))
     q = t_quantile(1 - ALPHA / 2, df)
     diff = mb - ma
-    out.update(var_log=var, server_cv=math.sqrt(var),
+    out.update(var_log=var, server_cv=math.sqrt(var), log_d=diff, se=se,
                p=(t_two_sided_p(diff / se, df) if se > 0 else (0.0 if diff else 1.0)),
                lo=math.exp(diff - q * se) - 1, hi=math.exp(diff + q * se) - 1,
                mde=mde(var, df, len(la), len(lb), alpha),
                servers_for_1pct=servers_needed(var, 0.01, extra_df, alpha))
+    return out
+
+
+def interval(res: dict, alpha: float = ALPHA) -> tuple[float | None, float | None]:
+    """The two-sided (1 - alpha) CI of the row's effect d (None, None without one). Dual to
+    the t test: it excludes 0 exactly when p < alpha."""
+    if res.get("se") is None or not res.get("df"):
+        return None, None
+    q = t_quantile(1 - alpha / 2, res["df"])
+    return (math.exp(res["log_d"] - q * res["se"]) - 1,
+            math.exp(res["log_d"] + q * res["se"]) - 1)
+
+
+def holm_levels(ps: Sequence[float | None], alpha: float = ALPHA) -> list[float | None]:
+    """The level Holm's step-down judged each p at: alpha / (m - j) for the j-th smallest while
+    every smaller one was rejected, and the level of the first step that was not for all from
+    there on. Its (1 - level) CI excludes 0 exactly when the Holm-adjusted p < alpha (a row
+    rejected at step j has p < alpha / (m - j); one after the stop has p >= the stopping p >=
+    the stopping level), so the CI printed beside the verdict says what the verdict says."""
+    idx = sorted((i for i, p in enumerate(ps) if p is not None), key=lambda i: ps[i])
+    m, out, stop = len(idx), [None] * len(ps), None
+    for rank, i in enumerate(idx):
+        if stop is None and ps[i] * (m - rank) >= alpha:
+            stop = rank
+        out[i] = alpha / (m - (rank if stop is None else stop))
     return out
 
 
@@ -182,7 +293,9 @@ def holm(ps: Sequence[float | None]) -> list[float | None]:
 
 def verdict(res: dict, lower_is_better: bool, p: float | None = None,
             alpha: float = ALPHA) -> str:
-    """Three-way wording. ``p``: the (adjusted) p-value to judge, default the row's own."""
+    """Three-way wording. ``p``: the (adjusted) p-value to judge, default the row's own; the
+    CI an inconclusive verdict names is the row's ``ci_lo``/``ci_hi`` (the one at the level
+    the verdict used), else its 95% CI."""
     p = res.get("p") if p is None else p
     n = min(res.get("servers_a") or 0, res.get("servers_b") or 0)
     if res.get("d") is None:
@@ -192,8 +305,11 @@ def verdict(res: dict, lower_is_better: bool, p: float | None = None,
                 "arm and no A/A of this protocol")
     if p < alpha:
         return "B faster" if (res["d"] < 0) == lower_is_better else "B slower"
-    return (f"inconclusive: effects smaller than {pct_text(res['mde'])} cannot be seen with "
-            f"{n} server(s) per arm")
+    lo, hi = (res["ci_lo"], res["ci_hi"]) if res.get("ci_lo") is not None else \
+        (res.get("lo"), res.get("hi"))
+    ci = f"the CI [{lo * 100:+.2f}%, {hi * 100:+.2f}%] includes 0; " if lo is not None else ""
+    return (f"inconclusive: {ci}effects smaller than {pct_text(res['mde'])} cannot be seen "
+            f"with {n} server(s) per arm")
 
 
 def pct_text(x: float) -> str:
@@ -223,16 +339,62 @@ def design_line(var_log: float | None, var_df: int, n: int, metric: str = "ITL p
             f"{need if need else '> 10000'}")
 
 
+def effect_line(effect: float, n: int, var_log: float | None = None, var_df: int = 0,
+                metric: str = "ITL p50") -> str:
+    """Can ``n`` servers per arm see ``effect`` (80% power, two-sided 5%)? With a measured
+    variance: its MDE against the effect and the servers needed; without: the MDE as a multiple
+    of the unknown server-to-server CV, and the CV at which it would see the effect."""
+    df = 2 * n - 2 + var_df
+    if df < 1:
+        return (f"{effect:.1%} {metric}: one server per arm and no A/A: no estimate of "
+                "server-to-server noise, no test")
+    if var_log is not None:
+        m = mde(var_log, df, n, n)
+        need = servers_needed(var_log, effect, var_df)
+        return (f"{effect:.1%} {metric}: the MDE {m:.2%} " + ("can" if m <= effect else "CANNOT")
+                + f" see it with {n} server(s) per arm; servers per arm needed: "
+                f"{need if need else '> 10000'}")
+    k = (t_quantile(1 - ALPHA / 2, df) + t_quantile(POWER, df)) * math.sqrt(2 / n)
+    return (f"{effect:.1%} {metric}: with {n} server(s) per arm and no A/A the MDE is {k:.2f} x "
+            f"the server-to-server CV: it sees {effect:.1%} only if that CV is <= "
+            f"{math.log1p(effect) / k:.2%} (run the A/A first: --aa)")
+
+
 # --- paired accuracy (GSM8K A/B on the same items) ------------------------------------------------
 
+def binom_logpmf(i: int, n: int, p: float) -> float:
+    """log P(X = i), X ~ Binomial(n, p), from log-gamma: finite at any n (the binomial
+    coefficient itself overflows a float from n ~ 1030)."""
+    if not 0 <= i <= n:
+        return -math.inf
+    if p <= 0.0 or p >= 1.0:
+        return 0.0 if i == (n if p >= 1.0 else 0) else -math.inf
+    return (math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1)
+            + i * math.log(p) + (n - i) * math.log1p(-p))
+
+
+def _logsumexp(xs: Sequence[float]) -> float:
+    top = max(xs, default=-math.inf)
+    if top == -math.inf:
+        return top
+    return top + math.log(math.fsum(math.exp(x - top) for x in xs))
+
+
 def binom_cdf(k: int, n: int, p: float = 0.5) -> float:
-    """P(X <= k), X ~ Binomial(n, p), exact (math.comb)."""
+    """P(X <= k), X ~ Binomial(n, p), exact tail summed in log space (no overflow at any n;
+    relative error ~1e-12 from lgamma). The shorter side is summed: P(X <= k) = 1 - P(X > k)
+    when k is past the mode, so a tail of 1e-300 is not lost beside 1."""
     if k < 0:
         return 0.0
-    return min(1.0, sum(math.comb(n, i) * p ** i * (1 - p) ** (n - i)
-                        for i in range(min(k, n) + 1)))
+    if k >= n:
+        return 1.0
+    if k < n * p:
+        return min(1.0, math.exp(_logsumexp([binom_logpmf(i, n, p) for i in range(k + 1)])))
+    upper = math.exp(_logsumexp([binom_logpmf(i, n, p) for i in range(k + 1, n + 1)]))
+    return max(0.0, 1.0 - upper)
 
 
+@functools.lru_cache(maxsize=4096)
 def binom_upper(k: int, n: int, alpha: float = ALPHA) -> float:
     """One-sided exact (Clopper-Pearson) upper (1 - alpha) bound on a rate seen k times in n."""
     if k >= n:
@@ -249,11 +411,22 @@ def mcnemar_exact(b_only: int, a_only: int) -> float:
     return min(1.0, 2 * binom_cdf(min(b_only, a_only), n))
 
 
+def noninferiority_lower(n: int, b_only: int, a_only: int, alpha: float = ALPHA) -> float:
+    """One-sided (1 - alpha) lower bound of the paired difference B - A from the discordant
+    counts: Wald with the paired variance, never above what the exact (Clopper-Pearson) upper
+    bound on the rate of items only A got right allows (Wald's bound collapses to the point
+    estimate when few items differ: 0 discordant is a zero-width interval at any n)."""
+    diff = (b_only - a_only) / n
+    var = ((b_only + a_only) / n - diff ** 2) / n
+    wald = diff - _z(1 - alpha) * math.sqrt(max(var, 0.0))
+    return min(wald, b_only / n - binom_upper(a_only, n, alpha))
+
+
 def paired_accuracy(a: Sequence[bool], b: Sequence[bool], margin: float,
                     alpha: float = ALPHA) -> dict[str, Any]:
     """Fusion off (a) vs on (b) on the same items: accuracies, McNemar's exact test on the
     discordant items, and non-inferiority of B (B - A > -margin) from the one-sided
-    (1 - alpha) lower bound of the paired difference (Wald, paired variance)."""
+    (1 - alpha) lower bound of the paired difference (:func:`noninferiority_lower`)."""
     if len(a) != len(b) or not a:
         raise ValueError("paired accuracy needs the same non-empty item list in both arms")
     n = len(a)
@@ -261,12 +434,7 @@ def paired_accuracy(a: Sequence[bool], b: Sequence[bool], margin: float,
     a_only = sum(1 for x, y in zip(a, b, strict=True) if x and not y)
     acc_a, acc_b = sum(a) / n, sum(b) / n
     diff = acc_b - acc_a
-    var = ((b_only + a_only) / n - diff ** 2) / n  # paired: discordant proportions
-    z = _z(1 - alpha)
-    # Wald's bound collapses to the point estimate when few items differ (0 discordant: a
-    # zero-width interval at any n); never claim more than the exact (Clopper-Pearson) upper
-    # bound on the rate of items only A got right allows.
-    lower = min(diff - z * math.sqrt(max(var, 0.0)), b_only / n - binom_upper(a_only, n, alpha))
+    lower = noninferiority_lower(n, b_only, a_only, alpha)
     p = mcnemar_exact(b_only, a_only)
     diff_word = ("no difference detected" if p >= alpha
                  else "B more accurate" if diff > 0 else "B less accurate")
@@ -275,10 +443,29 @@ def paired_accuracy(a: Sequence[bool], b: Sequence[bool], margin: float,
             "margin": margin, "lower_bound": lower, "non_inferior": lower > -margin}
 
 
-def noninferiority_power(n: int, margin: float, discordant: float, alpha: float = ALPHA) -> float:
-    """Power to show non-inferiority (one-sided ``alpha``) with ``n`` paired items when the arms
-    are truly equally accurate and a fraction ``discordant`` of items differ between them."""
-    sd = math.sqrt(discordant / n)
-    if sd == 0:
-        return 1.0
-    return _NORMAL.cdf(margin / sd - _z(1 - alpha))
+def noninferiority_pass_rate(n: int, margin: float, discordant: float, drop: float = 0.0,
+                             alpha: float = ALPHA) -> float:
+    """How often :func:`paired_accuracy` reads "non-inferior" with ``n`` paired items when a
+    fraction ``discordant`` of items differ between the arms and B is truly ``drop`` less
+    accurate (items only A gets right: (discordant + drop) / 2, only B: (discordant - drop) / 2).
+    Exact: the sum over every (b_only, a_only) the multinomial can give (probabilities below
+    1e-15 left out) of the very bound the verdict uses, no normal approximation. ``drop`` 0 is
+    the power on equally accurate arms (1 - the false-fail rate); ``drop`` = margin or more
+    is a false-pass rate."""
+    if not 0 <= drop <= discordant <= 1:
+        raise ValueError("need 0 <= drop <= discordant <= 1")
+    if discordant == 0:
+        return 1.0 if noninferiority_lower(n, 0, 0, alpha) > -margin else 0.0
+    q = (discordant + drop) / (2 * discordant)  # of a discordant item: right only in A
+    total, cut = 0.0, math.log(1e-15)
+    sd = math.sqrt(n * discordant * (1 - discordant))
+    lo, hi = max(0, int(n * discordant - 12 * sd) - 1), min(n, int(n * discordant + 12 * sd) + 1)
+    for d in range(lo, hi + 1):
+        ld = binom_logpmf(d, n, discordant)
+        if ld < cut:
+            continue
+        for a_only in range(d + 1):
+            lp = ld + binom_logpmf(a_only, d, q)
+            if lp >= cut and noninferiority_lower(n, d - a_only, a_only, alpha) > -margin:
+                total += math.exp(lp)
+    return min(1.0, total)

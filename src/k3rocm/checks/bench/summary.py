@@ -216,10 +216,16 @@ BUNCHED_NOTE = "stream bunched: ITL/TTFT not per token"
 
 
 def tokens_per_step(server: dict | None) -> tuple[int, str]:
-    """How many tokens one engine step can stream per request, from the server's argv
-    (``--speculative-config``) or its ``K3_MTP_K``, as rendered; 1 when neither says."""
+    """How many tokens one engine step can stream per request: from the speculative config the
+    server logged (provenance.served_config), else its argv (``--speculative-config``) or its
+    ``K3_MTP_K``, as rendered; 1 when none says."""
     from k3rocm.deploy.provenance import served_as
 
+    spec = ((server or {}).get("served_config") or {}).get("speculative")
+    if spec is not None:
+        k = spec["num_spec_tokens"]
+        return 1 + k, (f"the server's log: speculative {spec['method']} num_spec_tokens={k}"
+                       if k else "the server's log: speculative_config=None")
     k, how = served_as(server).speculative
     return 1 + k, how
 
