@@ -144,3 +144,22 @@ def test_compose_passes_every_container_setting():
     for name, f in FIELDS.items():
         listed = f"      - {ENV_NAME[name]}\n" in text
         assert listed == (f.json_schema_extra["group"] != "deployment"), ENV_NAME[name]
+
+
+def test_config_says_what_the_base_decides_only_while_its_facts_are_unknown(tmp_path):
+    """`k3rocm config` before the facts are applied marks the values the base check decides
+    (basefacts.DECIDES) and the graph mode; not once they are applied, nor with AITER off."""
+    from conftest import image_base_facts
+
+    from k3rocm.deploy.config_cmd import base_pending
+
+    env = {**MODEL, "K3_FUSE_QK_NORM": "1"}
+    before = base_pending(render(environ=env, dotenv=None), "facts unknown until `make build`")
+    assert before["K3_KV_CACHE_DTYPE"] == ("the base decides at start: facts unknown until "
+                                          "`make build`")
+    assert before["K3_FUSE_QK_NORM"].startswith("the base checks it at start")  # explicit
+    assert "PIECEWISE" in before["argv"] and "K3_MAX_MODEL_LEN" not in before
+    applied = render(environ=env, dotenv=None, base=image_base_facts("0.34.0"))
+    assert base_pending(applied, "x") == {}
+    off = render(environ={**env, "VLLM_ROCM_USE_AITER": "0"}, dotenv=None)
+    assert base_pending(off, "x") == {}

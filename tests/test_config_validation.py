@@ -112,8 +112,9 @@ def test_load_formats_are_the_union_of_vllms():
     import typing
 
     from conftest import need, upstream_tree
-    from k3rocm.serving.settings import FIELDS
     from upstream_src import RELEASES
+
+    from k3rocm.serving.settings import FIELDS
 
     union: set[str] = set()
     for v in RELEASES:

@@ -472,6 +472,17 @@ def load(manifest: Path = MANIFEST) -> tuple[dict[str, Any] | None, str]:
     return None, "unknown (no vLLM here: run inside the image)"
 
 
+# The settings :func:`check` may change (a default the base cannot run) or refuse (an explicit
+# value): what `make config` says the base decides when its facts are not known yet. Besides
+# these, check() may add --compilation-config (graph mode under MTP).
+DECIDES = ("kv_cache_dtype", *(f.field for f in FUSIONS))
+
+
+def sets_graph_mode(s: Any) -> bool:
+    """K3_EXTRA_ARGS gives vLLM a compilation config (the user's graph mode wins)."""
+    return any(a.split("=")[0] in CC_FLAGS for a in s.extra_args.split())
+
+
 class BaseRefusal(ValueError):
     """A setting this base cannot run (one line)."""
 
@@ -517,7 +528,7 @@ def check(s: Any, sources: dict[str, str], facts: dict[str, Any] | None,
     notes += _fusion_checks(s, sources, facts, kv, ver, heads, updates)
     if s.mtp_k > 0 and not s.enforce_eager:
         r = route(facts, heads, kv, 1 + s.mtp_k)
-        user_cc = any(a.split("=")[0] in CC_FLAGS for a in s.extra_args.split())
+        user_cc = sets_graph_mode(s)
         if r.get("host_sync") and not user_cc:
             argv += ["--compilation-config", '{"cudagraph_mode":"PIECEWISE"}']
             notes.append(
