@@ -144,6 +144,9 @@ def run(args: argparse.Namespace) -> int:
             except UsageError as exc:
                 raise UsageError(f"{exc} [base facts from {where}]") from None
             rendered.base["facts_from"] = where
+            from k3rocm.serving.serve_cmd import warn
+
+            warn(rendered)
     if args.vendor_env_file:
         write_vendor_env(Path(args.vendor_env_file), rendered)
     if args.make_dirs:

@@ -379,6 +379,31 @@ def _env_default(root: Path, name: str) -> dict[str, Any]:
                 f"{ENVS}:{line} {name} defaults to {m.group(1)!r}")
 
 
+_AITER_NAME = re.compile(r"""["'](AITER_[A-Z0-9_]+)["']""")
+
+
+def _known_env(root: Path, aiter_root: Path | None) -> dict[str, Any]:
+    """The VLLM_* / AITER_* names this image's vLLM and AITER read: the keys of vLLM's
+    ``environment_variables`` (the list vLLM's own ``validate_environ`` checks, late, when the
+    engine starts) and the ``AITER_*`` string literals of AITER's Python sources (AITER keeps
+    no list; a name it builds at run time is not seen). None for a part not installed."""
+    tree = ast.parse(_text(root / ENVS) or "pass")
+    node = next((n for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign)) and
+                 ast.unparse(getattr(n, "target", None) or n.targets[0]) ==
+                 "environment_variables" and isinstance(n.value, ast.Dict)), None)
+    vllm = sorted(k.value for k in node.value.keys if isinstance(k, ast.Constant)) \
+        if node is not None else None
+    aiter_pkg = aiter_root / "aiter" if aiter_root else None
+    aiter = sorted({m for p in aiter_pkg.rglob("*.py") for m in _AITER_NAME.findall(_text(p))}) \
+        if aiter_pkg and aiter_pkg.is_dir() else None
+    how = (f"{ENVS}:{node.lineno} environment_variables ({len(vllm)} names)" if vllm else
+           f"{ENVS}: no environment_variables") + "; " + (
+        f"AITER_* literals in {len(list(aiter_pkg.rglob('*.py')))} files of aiter/ "
+        f"({len(aiter)} names)" if aiter is not None else "no AITER installed: AITER_* names "
+        "not checked")
+    return fact({"vllm": vllm, "aiter": aiter}, how)
+
+
 def measure(site: Path | None = None, aiter_site: Path | None = None) -> dict[str, Any]:
     """Facts about the vLLM under ``site`` (default: the importable one) and the AITER under
     ``aiter_site`` (default: the importable one)."""
@@ -398,8 +423,33 @@ def measure(site: Path | None = None, aiter_site: Path | None = None) -> dict[st
         facts["default_cudagraph_mode"] = _default_graph_mode(cfg)
     facts["fp8_bmm_default"] = _env_default(root, "VLLM_ROCM_USE_AITER_FP8BMM")
     facts["fp4_bmm_default"] = _env_default(root, "VLLM_ROCM_USE_AITER_FP4BMM")
+    facts["known_env"] = _known_env(root, aiter_site or package_root("aiter"))
     facts.update(_aiter_facts(aiter_site))
     return facts
+
+
+def unknown_env(facts: dict[str, Any], names: dict[str, str]) -> list[str]:
+    """One warning line per name in ``names`` (name -> where it was set) that starts with
+    VLLM_ or AITER_ and is not one the base's vLLM or AITER reads (``known_env``), with the
+    closest known name. Nothing for a part whose list is unknown."""
+    import difflib
+
+    known = value(facts, "known_env") or {}
+    ver = value(facts, "vllm_version") or "?"
+    out = []
+    for name, where in sorted(names.items()):
+        part = "vllm" if name.startswith("VLLM_") else "aiter" if name.startswith("AITER_") \
+            else None
+        pool = known.get(part) if part else None
+        if not pool or name in pool:
+            continue
+        close = difflib.get_close_matches(name, pool, n=1, cutoff=0.8)
+        what = (f"is not in vLLM {ver}'s environment_variables (vllm/envs.py)" if part == "vllm"
+                else "is named nowhere in this image's AITER sources")
+        out.append(f"{name} (from {where}) {what}: "
+                   + (f"did you mean {close[0]}? " if close else "check the spelling; ")
+                   + "passed as set")
+    return out
 
 
 def value(facts: dict[str, Any], key: str) -> Any:

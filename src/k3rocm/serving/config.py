@@ -84,12 +84,17 @@ class Rendered:
     # What the base facts decided (``render(base=True)`` with facts known): facts source,
     # heads per rank, notes for the startup log.
     base: dict[str, Any] | None = None
+    # One line each, for stderr: a VLLM_*/AITER_* name the user set that the base's vLLM or
+    # AITER does not know (basefacts.unknown_env); passed anyway.
+    warnings: list[str] = field(default_factory=list)
 
     def to_json(self, redact: bool = True) -> dict[str, Any]:
         env = redact_env(self.env) if redact else dict(self.env)
         out = {"env": env, "argv": list(self.argv), "sources": dict(self.sources)}
         if self.base is not None:
             out["base"] = self.base
+        if self.warnings:
+            out["warnings"] = list(self.warnings)
         return out
 
 
@@ -448,15 +453,17 @@ def build_env(s: Settings, environ: Mapping[str, str], file_vals: Mapping[str, s
 
 
 def _apply_base(settings: Settings, sources: dict[str, str], base: bool | dict[str, Any],
-                aiter_on: bool) -> tuple[Settings, list[str], dict[str, Any] | None]:
+                aiter_on: bool, user_env: dict[str, str] | None = None
+                ) -> tuple[Settings, list[str], dict[str, Any] | None, list[str]]:
     """The base facts (``base``: a dict, or True for the manifest's / measured here) applied
     to ``settings``: (settings with the defaults the base cannot run changed, extra argv, what
-    was decided). None for the last when the facts are unknown."""
+    was decided, warnings about ``user_env``'s names: name -> where set). None for the third
+    when the facts are unknown."""
     from k3rocm.serving import basefacts
 
     facts, where = (base, "given") if isinstance(base, dict) else basefacts.load()
     if facts is None:
-        return settings, [], None
+        return settings, [], None, []
     try:
         updates, extra, notes = basefacts.check(settings, sources, facts, aiter_on)
     except basefacts.BaseRefusal as exc:
@@ -470,7 +477,7 @@ def _apply_base(settings: Settings, sources: dict[str, str], base: bool | dict[s
                              "vllm_version": basefacts.value(facts, "vllm_version"),
                              "decode_route": basefacts.route(facts, heads,
                                                              settings.kv_cache_dtype),
-                             "notes": notes}
+                             "notes": notes}, basefacts.unknown_env(facts, user_env or {})
 
 
 def render(environ: Mapping[str, str] | None = None, dotenv: str | os.PathLike | None = ".env",
@@ -484,14 +491,17 @@ def render(environ: Mapping[str, str] | None = None, dotenv: str | os.PathLike |
     settings, sources = load_settings(environ, dotenv, host_paths, check_model)
     check_repeats(list(passthrough or []), "an argument after the entrypoint")
     env = build_env(settings, environ, file_vals, sources, host=host_paths)
-    base_info, extra = None, []
+    base_info, extra, warnings = None, [], []
     if base is not False:
-        settings, extra, base_info = _apply_base(settings, sources, base,
-                                                 env.get("VLLM_ROCM_USE_AITER") == "1")
+        user = {k: sources[k] for k in env if k.startswith(("VLLM_", "AITER_"))
+                and sources.get(k) in ("env", ".env")}
+        settings, extra, base_info, warnings = _apply_base(
+            settings, sources, base, env.get("VLLM_ROCM_USE_AITER") == "1", user)
         env = build_env(settings, environ, file_vals, sources, host=host_paths)  # as changed
     argv = build_argv(settings, passthrough, extra)
     if extra:
         sources["argv:base"] = " ".join(extra)
     if passthrough:
         sources["argv:passthrough"] = " ".join(passthrough)
-    return Rendered(settings=settings, env=env, argv=argv, sources=sources, base=base_info)
+    return Rendered(settings=settings, env=env, argv=argv, sources=sources, base=base_info,
+                    warnings=warnings)
