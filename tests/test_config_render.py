@@ -230,3 +230,21 @@ def test_the_base_changes_only_what_config_says_it_decides(version):
     changed = {f for f in FIELDS if getattr(plain, f) != getattr(based, f)}
     assert changed <= set(DECIDES), changed - set(DECIDES)
     assert bool(changed) == (version == "0.27.1"), changed
+
+
+def test_load_format_checked_against_the_bases_own_list():
+    """Beyond the union over releases, the base facts' LoadFormats decide: bitsandbytes left
+    vLLM after 0.27.1, ipc_cache came in 0.30.0 (the real sources)."""
+    from conftest import image_base_facts, need
+
+    from k3rocm.errors import UsageError
+
+    new, old = image_base_facts("0.34.0"), image_base_facts("0.27.1")
+    need(new["load_formats"]["value"] is not None, "model_loader not unpacked (make upstream-src)")
+    with pytest.raises(UsageError, match=r"K3_LOAD_FORMAT=bitsandbytes is not a load format of "
+                       r"this base's vLLM 0\.34\.0 .*use one of auto, dummy"):
+        render(environ={**MODEL, "K3_LOAD_FORMAT": "bitsandbytes"}, dotenv=None, base=new)
+    with pytest.raises(UsageError, match="K3_LOAD_FORMAT=ipc_cache .* vLLM 0.27.1"):
+        render(environ={**MODEL, "K3_LOAD_FORMAT": "ipc_cache"}, dotenv=None, base=old)
+    for facts in (new, old):
+        render(environ={**MODEL, "K3_LOAD_FORMAT": "fastsafetensors"}, dotenv=None, base=facts)

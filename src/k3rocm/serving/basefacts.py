@@ -379,6 +379,21 @@ def _env_default(root: Path, name: str) -> dict[str, Any]:
                 f"{ENVS}:{line} {name} defaults to {m.group(1)!r}")
 
 
+LOADERS = "vllm/model_executor/model_loader/__init__.py"
+
+
+def _load_formats(root: Path) -> dict[str, Any]:
+    """vLLM's ``LoadFormats`` (the ``--load-format`` values its loader registry serves)."""
+    tree = ast.parse(_text(root / LOADERS) or "pass")
+    node = next((n for n in tree.body if isinstance(n, ast.Assign)
+                 and ast.unparse(n.targets[0]) == "LoadFormats"), None)
+    elts = getattr(getattr(node, "value", None), "slice", None)
+    vals = [e.value for e in getattr(elts, "elts", ()) if isinstance(e, ast.Constant)]
+    if not vals:
+        return unknown(f"{LOADERS}: no LoadFormats literal")
+    return fact(sorted(vals), f"{LOADERS}:{node.lineno} LoadFormats ({len(vals)} values)")
+
+
 _AITER_NAME = re.compile(r"""["'](AITER_[A-Z0-9_]+)["']""")
 
 
@@ -423,6 +438,7 @@ def measure(site: Path | None = None, aiter_site: Path | None = None) -> dict[st
         facts["default_cudagraph_mode"] = _default_graph_mode(cfg)
     facts["fp8_bmm_default"] = _env_default(root, "VLLM_ROCM_USE_AITER_FP8BMM")
     facts["fp4_bmm_default"] = _env_default(root, "VLLM_ROCM_USE_AITER_FP4BMM")
+    facts["load_formats"] = _load_formats(root)
     facts["known_env"] = _known_env(root, aiter_site or package_root("aiter"))
     facts.update(_aiter_facts(aiter_site))
     return facts
@@ -551,6 +567,12 @@ def check(s: Any, sources: dict[str, str], facts: dict[str, Any] | None,
     updates: dict[str, Any] = {}
     argv: list[str] = []
     notes: list[str] = []
+    formats = value(facts or {}, "load_formats")
+    if formats and s.load_format not in formats:
+        raise BaseRefusal(
+            f"K3_LOAD_FORMAT={s.load_format} is not a load format of this base's vLLM "
+            f"{value(facts, 'vllm_version') or '?'} ({facts['load_formats']['how']}): use one "
+            f"of {', '.join(formats)}; K3_BASE_CHECK=warn overrides")
     if facts is None or not aiter_on:
         why = "AITER is off (VLLM_ROCM_USE_AITER != 1)" if facts else "facts unknown"
         return updates, argv, [f"base checks skipped: {why}"]

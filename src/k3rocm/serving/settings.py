@@ -101,7 +101,9 @@ class Settings(BaseModel):
     api_key: str | None = _env("API_KEY", "API key clients must send (given to vLLM as "
                                "VLLM_API_KEY, never in argv; redacted in printouts).")
     extra_args: str = _env("EXTRA_ARGS", "Extra `vllm serve` arguments, shell-quoted, appended "
-                           "last (after argv from the entrypoint).", default="")
+                           "last (after argv from the entrypoint); a flag a K3_* setting "
+                           "renders (e.g. --max-model-len, -tp) is refused: set the setting.",
+                           default="")
     # One switch per row of the fusion table (fuse_qk_norm, fuse_decode_qprep), in its order.
     for _f in FUSIONS:
         __annotations__[_f.field] = "bool"
