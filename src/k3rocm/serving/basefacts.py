@@ -26,7 +26,10 @@ docs/overlay.md tabulates them for every vLLM release 0.27.1 ... 0.34.0.
 - graphs: the AITER MLA builder's declared cudagraph support (``UNIFORM_BATCH``: FULL decode
   graphs), vLLM's default ``cudagraph_mode``, and whether vLLM turns breakable CUDA graphs on by
   itself for Kimi-K3, per platform (ROCm: up to 0.29.0);
-- the FP8/FP4 BMM defaults in ``vllm/envs.py``.
+- the FP8/FP4 BMM defaults in ``vllm/envs.py``;
+- vLLM's load formats (``LoadFormats``: ``K3_LOAD_FORMAT`` is checked against them) and the
+  environment names vLLM and AITER read (``known_env``: a VLLM_*/AITER_* name set by the user
+  that is not among them gets a warning).
 
 :func:`route` turns those facts into the decode route for a heads-per-rank and KV dtype, and
 :func:`check` into the decisions and refusals ``k3rocm serve`` applies before vLLM starts.
@@ -730,8 +733,9 @@ def run(args: argparse.Namespace) -> int:
                          sort_keys=True))
     else:
         for key, f in facts.items():
-            if isinstance(f, dict):
-                print(f"{key}: {f['value']!r}  ({f['how']})")
+            if isinstance(f, dict):  # known_env's name lists: --json
+                shown = "(lists: --json)" if key == "known_env" else repr(f["value"])
+                print(f"{key}: {shown}  ({f['how']})")
         for k, r in routes.items():
             sync = f" host sync={r['host_sync']}" if "host_sync" in r else ""
             print(f"route {args.heads} heads {k}: {r['route']} fp8 query ok={r['fp8_query_ok']}"
