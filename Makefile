@@ -36,8 +36,10 @@ $(PY): pyproject.toml
 	.venv/bin/pip install --quiet -e '.[host,dev]'
 	@touch $(PY)
 
-config: $(PY) ## print the resolved settings, where each came from, env and argv
-	@$(CONFIG_ENV) $(PY) -m k3rocm config --host-paths --base-facts --vendor-env-file $(VENDOR_ENV)
+# `make config` only prints: the commands that start something (build, up) write $(VENDOR_ENV)
+# from their own shell, so a print never changes what the next start passes.
+config: $(PY) ## print the resolved settings, where each came from, env and argv (writes nothing)
+	@$(CONFIG_ENV) $(PY) -m k3rocm config --host-paths --base-facts
 
 build: $(PY) ## build the serving image (BASE_IMAGE=... to override the default vLLM v0.34.0 base)
 	@$(CONFIG_ENV) $(PY) -m k3rocm config --host-paths --vendor-env-file $(VENDOR_ENV) >/dev/null

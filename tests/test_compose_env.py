@@ -55,3 +55,23 @@ def test_config_printout_is_what_the_container_gets(docker_client, server_image,
     assert printed["HF_HOME"] == "/cache/hf-from-dotenv"  # .env wins; the shell's host path not
     diff = {k: (v, got.get(k)) for k, v in printed.items() if got.get(k) != v}
     assert diff == {}, diff
+
+
+def test_the_image_checks_what_its_own_vllm_knows(docker_client, server_image):
+    """The build records the installed vLLM's load formats and env names (base facts); the
+    entrypoint then warns on a typo of a VLLM_* name (one stderr line, rc 0, closest name)
+    and refuses a load format that release lacks (0.32.0: bitsandbytes) before vLLM starts."""
+    def run(**env):
+        env = {"K3_PROFILE": "cpu-smoke", "K3_MODEL": "/tmp", **env}
+        return subprocess.run(["docker", "run", "--rm", *(a for k, v in env.items()
+                                                          for a in ("-e", f"{k}={v}")),
+                               server_image, "--print"], capture_output=True, text=True,
+                              timeout=120)
+
+    typo = run(VLLM_ROCM_USE_AITR="1", VLLM_LOGGING_LEVEL="DEBUG")
+    assert typo.returncode == 0, typo.stderr
+    warned = [ln for ln in typo.stderr.splitlines() if "warning" in ln]
+    assert len(warned) == 1 and "did you mean VLLM_ROCM_USE_AITER?" in warned[0], typo.stderr
+    assert json.loads(typo.stdout)["env"]["VLLM_ROCM_USE_AITR"] == "1"
+    bnb = run(K3_LOAD_FORMAT="bitsandbytes")
+    assert bnb.returncode == 2 and "is not a load format of this base's vLLM" in bnb.stderr

@@ -144,3 +144,107 @@ def test_compose_passes_every_container_setting():
     for name, f in FIELDS.items():
         listed = f"      - {ENV_NAME[name]}\n" in text
         assert listed == (f.json_schema_extra["group"] != "deployment"), ENV_NAME[name]
+
+
+def test_config_says_what_the_base_decides_only_while_its_facts_are_unknown(tmp_path):
+    """`k3rocm config` before the facts are applied marks the values the base check decides
+    (basefacts.DECIDES) and the graph mode; not once they are applied, nor with AITER off."""
+    from conftest import image_base_facts
+
+    from k3rocm.deploy.config_cmd import base_pending
+
+    env = {**MODEL, "K3_FUSE_QK_NORM": "1"}
+    before = base_pending(render(environ=env, dotenv=None), "facts unknown until `make build`")
+    assert before["K3_KV_CACHE_DTYPE"] == ("the base decides at start: facts unknown until "
+                                          "`make build`")
+    assert before["K3_FUSE_QK_NORM"].startswith("the base checks it at start")  # explicit
+    assert "PIECEWISE" in before["argv"] and "K3_MAX_MODEL_LEN" not in before
+    applied = render(environ=env, dotenv=None, base=image_base_facts("0.34.0"))
+    assert base_pending(applied, "x") == {}
+    off = render(environ={**env, "VLLM_ROCM_USE_AITER": "0"}, dotenv=None)
+    assert base_pending(off, "x") == {}
+
+
+@pytest.mark.parametrize("version", ["0.27.1", "0.34.0"])
+def test_unknown_vendor_names_are_warned_against_the_base(version):
+    """A typo of a vLLM variable (from the shell or .env) gets one warning line naming the
+    closest name the base's vLLM reads (its vllm/envs.py environment_variables, the real
+    release's); a real name, and the profile's own names, get none; it is still passed."""
+    from conftest import image_base_facts
+
+    facts = image_base_facts(version)
+    env = {**MODEL, "VLLM_ROCM_USE_AITR": "1", "VLLM_LOGGING_LEVEL": "DEBUG",
+           "AITER_LOG_MORE": "1"}
+    r = render(environ=env, dotenv=None, base=facts)
+    assert len(r.warnings) == 1, r.warnings
+    w = r.warnings[0]
+    assert w.startswith("VLLM_ROCM_USE_AITR (from env) is not in vLLM ")
+    assert "did you mean VLLM_ROCM_USE_AITER?" in w and "passed as set" in w
+    assert r.env["VLLM_ROCM_USE_AITR"] == "1"  # a warning, not a refusal
+    known = facts["known_env"]["value"]
+    assert "VLLM_ROCM_USE_AITER" in known["vllm"] and "VLLM_ROCM_USE_AITR" not in known["vllm"]
+    # no AITER here: AITER_* names are not checked, and the fact says so
+    assert known["aiter"] is None and "AITER_* names not checked" in facts["known_env"]["how"]
+    assert render(environ=MODEL, dotenv=None, base=facts).warnings == []  # profile names
+
+
+def test_unknown_vendor_warning_reaches_stderr(capsys):
+    from conftest import image_base_facts
+
+    from k3rocm.serving.serve_cmd import warn
+
+    warn(render(environ={**MODEL, "VLLM_ROCM_USE_AITR": "1"}, dotenv=None,
+                base=image_base_facts("0.34.0")))
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("k3rocm: warning: VLLM_ROCM_USE_AITR"), err
+
+
+def test_aiter_names_are_read_from_aiters_sources(tmp_path):
+    """AITER keeps no list: its names are the AITER_* literals of its Python files (the
+    scanner on a small package; no AITER is installed here)."""
+    from conftest import upstream_tree
+
+    from k3rocm.serving import basefacts
+
+    pkg = tmp_path / "aiter" / "ops"
+    pkg.mkdir(parents=True)
+    (pkg / "x.py").write_text('import os\nos.getenv("AITER_LOG_MORE", "0")\n'
+                              "os.environ.get('AITER_JIT_DIR')\n")
+    fact = basefacts._known_env(upstream_tree("0.34.0"), tmp_path)
+    assert fact["value"]["aiter"] == ["AITER_JIT_DIR", "AITER_LOG_MORE"]
+    out = basefacts.unknown_env({"known_env": fact}, {"AITER_LOG_MOR": ".env",
+                                                       "AITER_LOG_MORE": "env"})
+    assert len(out) == 1 and "did you mean AITER_LOG_MORE?" in out[0]
+
+
+@pytest.mark.parametrize("version", ["0.27.1", "0.28.0", "0.34.0"])
+def test_the_base_changes_only_what_config_says_it_decides(version):
+    """basefacts.DECIDES (what `make config` marks before a build) holds every setting the
+    base check changed on the real releases' facts; on the seed's 0.27.1 it does change one."""
+    from conftest import image_base_facts
+
+    from k3rocm.serving.basefacts import DECIDES
+
+    plain = render(environ=MODEL, dotenv=None).settings
+    based = render(environ=MODEL, dotenv=None, base=image_base_facts(version)).settings
+    changed = {f for f in FIELDS if getattr(plain, f) != getattr(based, f)}
+    assert changed <= set(DECIDES), changed - set(DECIDES)
+    assert bool(changed) == (version == "0.27.1"), changed
+
+
+def test_load_format_checked_against_the_bases_own_list():
+    """Beyond the union over releases, the base facts' LoadFormats decide: bitsandbytes left
+    vLLM after 0.27.1, ipc_cache came in 0.30.0 (the real sources)."""
+    from conftest import image_base_facts, need
+
+    from k3rocm.errors import UsageError
+
+    new, old = image_base_facts("0.34.0"), image_base_facts("0.27.1")
+    need(new["load_formats"]["value"] is not None, "model_loader not unpacked (make upstream-src)")
+    with pytest.raises(UsageError, match=r"K3_LOAD_FORMAT=bitsandbytes is not a load format of "
+                       r"this base's vLLM 0\.34\.0 .*use one of auto, dummy"):
+        render(environ={**MODEL, "K3_LOAD_FORMAT": "bitsandbytes"}, dotenv=None, base=new)
+    with pytest.raises(UsageError, match="K3_LOAD_FORMAT=ipc_cache .* vLLM 0.27.1"):
+        render(environ={**MODEL, "K3_LOAD_FORMAT": "ipc_cache"}, dotenv=None, base=old)
+    for facts in (new, old):
+        render(environ={**MODEL, "K3_LOAD_FORMAT": "fastsafetensors"}, dotenv=None, base=facts)

@@ -176,3 +176,24 @@ def test_derivations_without_make(tmp_path):
     assert (own.profile, own.image) == ("mi355x-tp8", "x:1")
     hub = load_deployment({"K3_MODEL": "moonshotai/Kimi-K3"}, None)
     assert hub.model_host_dir is None and hub.tokenizer is None
+
+
+def test_make_config_writes_nothing_and_says_what_the_base_decides(project):
+    """`make config` only prints: a vendor variable in its shell is shown but no
+    .k3rocm/vendor.env is written (the next `make up` writes its own). Before a build (no
+    image K3_IMAGE names), it says the base decides the fp8 KV cache and the fusions at start
+    instead of showing the defaults as settled; `make build`/`make up` still write the file."""
+    vendor = project / ".k3rocm" / "vendor.env"
+    vendor.unlink(missing_ok=True)
+    p = make(project, "config", "shell", env={"VLLM_LOGGING_LEVEL": "DEBUG"})
+    assert make_exit_code(p) == 0, p.stderr
+    assert "VLLM_LOGGING_LEVEL" in p.stdout  # printed, with its source
+    assert not vendor.exists(), vendor.read_text()
+    line = {ln.split()[0]: ln for ln in p.stdout.splitlines() if ln.startswith("  K3_")}
+    for key in ("K3_KV_CACHE_DTYPE", "K3_FUSE_DECODE_QPREP", "K3_FUSE_QK_NORM"):
+        assert "(the base decides at start: facts unknown" in line[key], line[key]
+    assert "the base decides" not in line["K3_MAX_MODEL_LEN"]
+    for target in ("build", "up"):
+        dry = subprocess.run(["make", "-n", target, f"PY={sys.executable}"], cwd=project,
+                             env=_env(), capture_output=True, text=True, timeout=60)
+        assert "--vendor-env-file .k3rocm/vendor.env" in dry.stdout, (target, dry.stdout)

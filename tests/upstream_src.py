@@ -35,6 +35,7 @@ FILES = (
     "vllm/v1/worker/gpu_model_runner.py",
     "vllm/model_executor/layers/mla.py",
     "vllm/model_executor/layers/attention/mla_attention.py",
+    "vllm/model_executor/model_loader/__init__.py",
     "vllm/models/kimi_k3/",
 )
 REPO = Path(__file__).resolve().parent.parent

@@ -29,7 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vendor-env-file", metavar="PATH", default=None,
                         help="write the vendor variables set in this shell (VLLM_*, AITER_*, "
                         "NCCL_*, ...) to PATH for compose's env_file, so the server container "
-                        "gets what this command prints (`make up` does this)")
+                        "gets what this command prints (`make up` and `make build` do this; "
+                        "`make config` writes nothing)")
     parser.add_argument("--make-dirs", action="store_true",
                         help="create K3_CACHE_DIR and K3_RESULTS_DIR as the invoking user (else "
                         "Docker creates the mount sources as root)")
@@ -81,6 +82,26 @@ def image_base_facts(image: str) -> tuple[dict | None, str]:
     return facts, f"{image} ({img.id[:19]}) manifest"
 
 
+def base_pending(rendered, why: str) -> dict[str, str]:
+    """Before the base facts are applied (none known, or not asked): what the server's base
+    check will decide at start, per K3_* name (``basefacts.DECIDES``: a default it may change,
+    an explicit value it may refuse), and the graph mode under MTP. {} when the facts were
+    applied, or when AITER is off (the server checks nothing then)."""
+    from k3rocm.serving.basefacts import DECIDES, sets_graph_mode
+
+    s = rendered.settings
+    if rendered.base is not None or rendered.env.get("VLLM_ROCM_USE_AITER") != "1":
+        return {}
+    out = {ENV_NAME[f]: ("the base decides at start" if rendered.sources.get(ENV_NAME[f],
+                                                                           "default") == "default"
+                         else "the base checks it at start") + f": {why}" for f in DECIDES}
+    if s.mtp_k > 0 and not s.enforce_eager and not sets_graph_mode(s):
+        out["argv"] = (f"graph mode: vLLM's default unless the base's MTP verify path syncs the "
+                       f"host (then --compilation-config PIECEWISE); the base decides at start: "
+                       f"{why}")
+    return out
+
+
 def settings_table() -> str:
     rows = [f"| Setting | Default | Profile `{CPU_PROFILE}` | Description |",
             "|---|---|---|---|"]
@@ -109,37 +130,48 @@ def run(args: argparse.Namespace) -> int:
         for prefix in KNOWN_PREFIXES:
             print(f"{prefix + '*':<30} reserved (tests and the client container)")
         return 0
-    base_line = None
+    base_line, why = None, "run with --base-facts to apply the image's"
     rendered = render(dotenv=args.env_file, host_paths=args.host_paths)
     if args.base_facts:
         facts, where = image_base_facts(rendered.settings.image)
         if facts is None:
             base_line = f"base facts: {where}; the server checks them at start"
+            why = ("facts unknown until `make build`" if "make build" in where else
+                   f"facts {where}")
         else:
             try:
                 rendered = render(dotenv=args.env_file, host_paths=args.host_paths, base=facts)
             except UsageError as exc:
                 raise UsageError(f"{exc} [base facts from {where}]") from None
             rendered.base["facts_from"] = where
+            from k3rocm.serving.serve_cmd import warn
+
+            warn(rendered)
     if args.vendor_env_file:
         write_vendor_env(Path(args.vendor_env_file), rendered)
     if args.make_dirs:
         for d in (rendered.settings.cache_dir, rendered.settings.results_dir):
             Path(d).expanduser().mkdir(parents=True, exist_ok=True)
     s = rendered.settings.model_dump()
+    pending = base_pending(rendered, why)
     if args.json:
-        json.dump({"settings": s, "sources": rendered.sources, **rendered.to_json()},
+        json.dump({"settings": s, "sources": rendered.sources, **rendered.to_json(),
+                   **({"base_decides": pending} if pending else {})},
                   sys.stdout, indent=2, default=str)
         sys.stdout.write("\n")
         return 0
     print(f"profile: {rendered.settings.profile}")
     for key, value in redact_env({ENV_NAME[name]: v for name, v in s.items()}).items():
+        value = f"{value} ({pending[key]})" if key in pending else value
         print(f"  {key:<30} {value!s:<40} [{rendered.sources.get(key, 'default')}]")
     print("vLLM environment:")
     for key, value in redact_env(rendered.env).items():
+        value = f"{value} ({pending[key]})" if key in pending else value
         print(f"  {key:<30} {value!s:<40} [{rendered.sources.get(key, '')}]")
     print("argv:")
     print("  " + " \\\n    ".join(rendered.argv))
+    if "argv" in pending:
+        print(f"  ({pending['argv']})")
     if base_line:
         print(base_line)
     elif rendered.base is not None:

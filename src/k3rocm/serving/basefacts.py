@@ -26,7 +26,10 @@ docs/overlay.md tabulates them for every vLLM release 0.27.1 ... 0.34.0.
 - graphs: the AITER MLA builder's declared cudagraph support (``UNIFORM_BATCH``: FULL decode
   graphs), vLLM's default ``cudagraph_mode``, and whether vLLM turns breakable CUDA graphs on by
   itself for Kimi-K3, per platform (ROCm: up to 0.29.0);
-- the FP8/FP4 BMM defaults in ``vllm/envs.py``.
+- the FP8/FP4 BMM defaults in ``vllm/envs.py``;
+- vLLM's load formats (``LoadFormats``: ``K3_LOAD_FORMAT`` is checked against them) and the
+  environment names vLLM and AITER read (``known_env``: a VLLM_*/AITER_* name set by the user
+  that is not among them gets a warning).
 
 :func:`route` turns those facts into the decode route for a heads-per-rank and KV dtype, and
 :func:`check` into the decisions and refusals ``k3rocm serve`` applies before vLLM starts.
@@ -379,6 +382,46 @@ def _env_default(root: Path, name: str) -> dict[str, Any]:
                 f"{ENVS}:{line} {name} defaults to {m.group(1)!r}")
 
 
+LOADERS = "vllm/model_executor/model_loader/__init__.py"
+
+
+def _load_formats(root: Path) -> dict[str, Any]:
+    """vLLM's ``LoadFormats`` (the ``--load-format`` values its loader registry serves)."""
+    tree = ast.parse(_text(root / LOADERS) or "pass")
+    node = next((n for n in tree.body if isinstance(n, ast.Assign)
+                 and ast.unparse(n.targets[0]) == "LoadFormats"), None)
+    elts = getattr(getattr(node, "value", None), "slice", None)
+    vals = [e.value for e in getattr(elts, "elts", ()) if isinstance(e, ast.Constant)]
+    if not vals:
+        return unknown(f"{LOADERS}: no LoadFormats literal")
+    return fact(sorted(vals), f"{LOADERS}:{node.lineno} LoadFormats ({len(vals)} values)")
+
+
+_AITER_NAME = re.compile(r"""["'](AITER_[A-Z0-9_]+)["']""")
+
+
+def _known_env(root: Path, aiter_root: Path | None) -> dict[str, Any]:
+    """The VLLM_* / AITER_* names this image's vLLM and AITER read: the keys of vLLM's
+    ``environment_variables`` (the list vLLM's own ``validate_environ`` checks, late, when the
+    engine starts) and the ``AITER_*`` string literals of AITER's Python sources (AITER keeps
+    no list; a name it builds at run time is not seen). None for a part not installed."""
+    tree = ast.parse(_text(root / ENVS) or "pass")
+    node = next((n for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign)) and
+                 ast.unparse(getattr(n, "target", None) or n.targets[0]) ==
+                 "environment_variables" and isinstance(n.value, ast.Dict)), None)
+    vllm = sorted(k.value for k in node.value.keys if isinstance(k, ast.Constant)) \
+        if node is not None else None
+    aiter_pkg = aiter_root / "aiter" if aiter_root else None
+    aiter = sorted({m for p in aiter_pkg.rglob("*.py") for m in _AITER_NAME.findall(_text(p))}) \
+        if aiter_pkg and aiter_pkg.is_dir() else None
+    how = (f"{ENVS}:{node.lineno} environment_variables ({len(vllm)} names)" if vllm else
+           f"{ENVS}: no environment_variables") + "; " + (
+        f"AITER_* literals in {len(list(aiter_pkg.rglob('*.py')))} files of aiter/ "
+        f"({len(aiter)} names)" if aiter is not None else "no AITER installed: AITER_* names "
+        "not checked")
+    return fact({"vllm": vllm, "aiter": aiter}, how)
+
+
 def measure(site: Path | None = None, aiter_site: Path | None = None) -> dict[str, Any]:
     """Facts about the vLLM under ``site`` (default: the importable one) and the AITER under
     ``aiter_site`` (default: the importable one)."""
@@ -398,8 +441,34 @@ def measure(site: Path | None = None, aiter_site: Path | None = None) -> dict[st
         facts["default_cudagraph_mode"] = _default_graph_mode(cfg)
     facts["fp8_bmm_default"] = _env_default(root, "VLLM_ROCM_USE_AITER_FP8BMM")
     facts["fp4_bmm_default"] = _env_default(root, "VLLM_ROCM_USE_AITER_FP4BMM")
+    facts["load_formats"] = _load_formats(root)
+    facts["known_env"] = _known_env(root, aiter_site or package_root("aiter"))
     facts.update(_aiter_facts(aiter_site))
     return facts
+
+
+def unknown_env(facts: dict[str, Any], names: dict[str, str]) -> list[str]:
+    """One warning line per name in ``names`` (name -> where it was set) that starts with
+    VLLM_ or AITER_ and is not one the base's vLLM or AITER reads (``known_env``), with the
+    closest known name. Nothing for a part whose list is unknown."""
+    import difflib
+
+    known = value(facts, "known_env") or {}
+    ver = value(facts, "vllm_version") or "?"
+    out = []
+    for name, where in sorted(names.items()):
+        part = "vllm" if name.startswith("VLLM_") else "aiter" if name.startswith("AITER_") \
+            else None
+        pool = known.get(part) if part else None
+        if not pool or name in pool:
+            continue
+        close = difflib.get_close_matches(name, pool, n=1, cutoff=0.8)
+        what = (f"is not in vLLM {ver}'s environment_variables (vllm/envs.py)" if part == "vllm"
+                else "is named nowhere in this image's AITER sources")
+        out.append(f"{name} (from {where}) {what}: "
+                   + (f"did you mean {close[0]}? " if close else "check the spelling; ")
+                   + "passed as set")
+    return out
 
 
 def value(facts: dict[str, Any], key: str) -> Any:
@@ -472,6 +541,17 @@ def load(manifest: Path = MANIFEST) -> tuple[dict[str, Any] | None, str]:
     return None, "unknown (no vLLM here: run inside the image)"
 
 
+# The settings :func:`check` may change (a default the base cannot run) or refuse (an explicit
+# value): what `make config` says the base decides when its facts are not known yet. Besides
+# these, check() may add --compilation-config (graph mode under MTP).
+DECIDES = ("kv_cache_dtype", *(f.field for f in FUSIONS))
+
+
+def sets_graph_mode(s: Any) -> bool:
+    """K3_EXTRA_ARGS gives vLLM a compilation config (the user's graph mode wins)."""
+    return any(a.split("=")[0] in CC_FLAGS for a in s.extra_args.split())
+
+
 class BaseRefusal(ValueError):
     """A setting this base cannot run (one line)."""
 
@@ -490,6 +570,12 @@ def check(s: Any, sources: dict[str, str], facts: dict[str, Any] | None,
     updates: dict[str, Any] = {}
     argv: list[str] = []
     notes: list[str] = []
+    formats = value(facts or {}, "load_formats")
+    if formats and s.load_format not in formats:
+        raise BaseRefusal(
+            f"K3_LOAD_FORMAT={s.load_format} is not a load format of this base's vLLM "
+            f"{value(facts, 'vllm_version') or '?'} ({facts['load_formats']['how']}): use one "
+            f"of {', '.join(formats)}; K3_BASE_CHECK=warn overrides")
     if facts is None or not aiter_on:
         why = "AITER is off (VLLM_ROCM_USE_AITER != 1)" if facts else "facts unknown"
         return updates, argv, [f"base checks skipped: {why}"]
@@ -517,7 +603,7 @@ def check(s: Any, sources: dict[str, str], facts: dict[str, Any] | None,
     notes += _fusion_checks(s, sources, facts, kv, ver, heads, updates)
     if s.mtp_k > 0 and not s.enforce_eager:
         r = route(facts, heads, kv, 1 + s.mtp_k)
-        user_cc = any(a.split("=")[0] in CC_FLAGS for a in s.extra_args.split())
+        user_cc = sets_graph_mode(s)
         if r.get("host_sync") and not user_cc:
             argv += ["--compilation-config", '{"cudagraph_mode":"PIECEWISE"}']
             notes.append(
@@ -647,8 +733,9 @@ def run(args: argparse.Namespace) -> int:
                          sort_keys=True))
     else:
         for key, f in facts.items():
-            if isinstance(f, dict):
-                print(f"{key}: {f['value']!r}  ({f['how']})")
+            if isinstance(f, dict):  # known_env's name lists: --json
+                shown = "(lists: --json)" if key == "known_env" else repr(f["value"])
+                print(f"{key}: {shown}  ({f['how']})")
         for k, r in routes.items():
             sync = f" host sync={r['host_sync']}" if "host_sync" in r else ""
             print(f"route {args.heads} heads {k}: {r['route']} fp8 query ok={r['fp8_query_ok']}"

@@ -18,7 +18,7 @@ import json
 import os
 import re
 import shlex
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -84,12 +84,17 @@ class Rendered:
     # What the base facts decided (``render(base=True)`` with facts known): facts source,
     # heads per rank, notes for the startup log.
     base: dict[str, Any] | None = None
+    # One line each, for stderr: a VLLM_*/AITER_* name the user set that the base's vLLM or
+    # AITER does not know (basefacts.unknown_env); passed anyway.
+    warnings: list[str] = field(default_factory=list)
 
     def to_json(self, redact: bool = True) -> dict[str, Any]:
         env = redact_env(self.env) if redact else dict(self.env)
         out = {"env": env, "argv": list(self.argv), "sources": dict(self.sources)}
         if self.base is not None:
             out["base"] = self.base
+        if self.warnings:
+            out["warnings"] = list(self.warnings)
         return out
 
 
@@ -251,6 +256,7 @@ def load_settings(environ: Mapping[str, str] | None = None,
     except ValidationError as exc:
         raise UsageError(invalid(exc, values)) from None
     _check_consistency(settings, host_paths, check_model)
+    check_repeats(shlex.split(settings.extra_args), "K3_EXTRA_ARGS")
     return settings, sources
 
 
@@ -289,43 +295,131 @@ def _check_consistency(s: Settings, host_paths: bool = False, check_model: bool 
                              "(compose mounts K3_MODELS_DIR at /models)")
 
 
+@dataclass(frozen=True)
+class Arg:
+    """One row of the renderer's table: a ``vllm serve`` flag (then vLLM's own aliases for it),
+    the settings it is rendered from, and how. ``boolean``: vLLM also takes ``--no-<flag>``
+    (its bool options are ``BooleanOptionalAction``)."""
+
+    flags: tuple[str, ...]
+    fields: tuple[str, ...]
+    render: Callable[[Settings], list[str]]
+    boolean: bool = False
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every spelling vLLM accepts for this row (``--no-`` forms of a boolean)."""
+        return self.flags + tuple("--no-" + f[2:] for f in self.flags if self.boolean)
+
+
+def _value(flag: str, name: str, *aliases: str) -> Arg:
+    def render(s: Settings) -> list[str]:
+        v = getattr(s, name)
+        return [] if v is None or v == "" else [flag, str(v)]
+    return Arg((flag, *aliases), (name,), render)
+
+
+def _switch(flag: str, name: str, off: str | None = None) -> Arg:
+    return Arg((flag,), (name,), lambda s: [flag] if getattr(s, name) else [off] if off else [],
+               boolean=True)
+
+
+def _speculative(s: Settings) -> list[str]:
+    if s.mtp_k <= 0:
+        return []
+    spec: dict[str, Any] = {"method": s.mtp_method, "num_speculative_tokens": s.mtp_k}
+    if s.mtp_model:
+        spec["model"] = s.mtp_model
+    if s.mtp_attention_backend:
+        spec["attention_backend"] = s.mtp_attention_backend
+    return ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
+
+
+def _profiler(s: Settings) -> list[str]:
+    if not (s.profiler_dir and s.profiler_style == "config"):
+        return []
+    prof = {"profiler": "torch", "torch_profiler_dir": s.profiler_dir,
+            "torch_profiler_use_gzip": True, "ignore_frontend": True,
+            "delay_iterations": s.profiler_delay_iterations,
+            "max_iterations": s.profiler_max_iterations, "torch_profiler_with_stack": False,
+            "torch_profiler_dump_cuda_time_total": False}
+    return ["--profiler-config", json.dumps(prof, separators=(",", ":"))]
+
+
+# The renderer's table, in argv order: every flag k3rocm renders from a K3_* setting. The argv
+# is these rows' output (build_argv) and the flags K3_EXTRA_ARGS / passthrough may not repeat
+# are these rows' names (managed_flags). Aliases are vLLM's own (vllm@0.34.0:vllm/engine/
+# arg_utils.py:1224 -tp, :1897 -sc; vllm@0.27.1: :1043, :1578); --model is vLLM's flag for the
+# positional model (vllm@0.34.0:vllm/engine/arg_utils.py:976).
+ARGS: tuple[Arg, ...] = (
+    Arg(("--model",), ("model",), lambda s: [s.model]),  # positional after `vllm serve`
+    _value("--served-model-name", "served_model_name"),
+    _value("--host", "host"),
+    _value("--port", "port"),
+    _value("--tensor-parallel-size", "tp", "-tp"),
+    _value("--kv-cache-dtype", "kv_cache_dtype"),
+    _value("--max-model-len", "max_model_len"),
+    _value("--max-num-seqs", "max_num_seqs"),
+    _value("--max-num-batched-tokens", "max_num_batched_tokens"),
+    _value("--gpu-memory-utilization", "gpu_memory_utilization"),
+    _value("--load-format", "load_format"),
+    _value("--moe-backend", "moe_backend"),
+    _switch("--enable-prefix-caching", "prefix_caching", off="--no-enable-prefix-caching"),
+    _switch("--trust-remote-code", "trust_remote_code"),
+    _switch("--language-model-only", "language_model_only"),
+    _switch("--enforce-eager", "enforce_eager"),
+    _value("--reasoning-parser", "reasoning_parser"),
+    Arg(("--tool-call-parser", "--enable-auto-tool-choice"), ("tool_call_parser",),
+        lambda s: ["--enable-auto-tool-choice", "--tool-call-parser", s.tool_call_parser]
+        if s.tool_call_parser else []),
+    Arg(("--speculative-config", "-sc"), ("mtp_k", "mtp_method", "mtp_model",
+                                          "mtp_attention_backend"), _speculative),
+    Arg(("--profiler-config",), ("profiler_dir", "profiler_max_iterations",
+                                 "profiler_delay_iterations", "profiler_style"), _profiler),
+)
+
+
+def managed_flags() -> dict[str, Arg]:
+    """Every spelling of a flag the renderer sets -> its row of :data:`ARGS`."""
+    return {name: row for row in ARGS for name in row.names}
+
+
+def _flag_name(arg: str) -> str:
+    """How vLLM's parser reads an option's name: ``--a_b=1`` and ``--a-b.key`` are ``--a-b``
+    (vllm@0.34.0:vllm/utils/argparse_utils.py:378-393: underscores -> dashes, ``.`` sets a
+    key of a JSON option)."""
+    name = arg.split("=", 1)[0].split(".", 1)[0]
+    return "--" + name[2:].replace("_", "-") if name.startswith("--") else name
+
+
+def check_repeats(args: list[str], where: str) -> None:
+    """Refuse (one line) ``args`` that repeat a flag the renderer sets from a K3_* setting:
+    the argv would carry both, and which one vLLM takes is not what `make config` shows."""
+    managed = managed_flags()
+    for i, arg in enumerate(args):
+        if not arg.startswith("-") or _flag_name(arg) not in managed:
+            continue
+        flag = _flag_name(arg)
+        row = managed[flag]
+        names = ", ".join(ENV_NAME[f] for f in row.fields)
+        shown = flag if flag == row.flags[0] else f"{flag} ({row.flags[0]})"
+        if row.boolean:
+            use = f"{names}={0 if flag.startswith('--no-') else 1}"
+        elif len(row.fields) == 1 and (flag == row.flags[0] or not flag.startswith("--")):
+            value = arg.split("=", 1)[1] if "=" in arg else \
+                args[i + 1] if i + 1 < len(args) and not args[i + 1].startswith("-") else None
+            use = names + (f"={shlex.quote(value)}" if value is not None else "")
+        else:
+            use = "those" if len(row.fields) > 1 else names
+        raise UsageError(f"{where} repeats {shown}, a flag k3rocm renders from {names}: "
+                         f"set {use} instead")
+
+
 def build_argv(s: Settings, passthrough: list[str] | None = None,
                extra: list[str] = ()) -> list[str]:
-    """``vllm serve`` argv: the settings', then ``extra`` (the base facts'), ``passthrough``
-    and K3_EXTRA_ARGS last."""
-    argv = ["vllm", "serve", s.model, "--served-model-name", s.served_model_name,
-            "--host", s.host, "--port", str(s.port),
-            "--tensor-parallel-size", str(s.tp),
-            "--kv-cache-dtype", s.kv_cache_dtype,
-            "--max-model-len", str(s.max_model_len),
-            "--max-num-seqs", str(s.max_num_seqs)]
-    for flag, value in (("--max-num-batched-tokens", s.max_num_batched_tokens),
-                        ("--gpu-memory-utilization", s.gpu_memory_utilization),
-                        ("--load-format", s.load_format), ("--moe-backend", s.moe_backend)):
-        if value is not None and value != "":
-            argv += [flag, str(value)]
-    argv.append("--enable-prefix-caching" if s.prefix_caching else "--no-enable-prefix-caching")
-    argv += [flag for on, flag in ((s.trust_remote_code, "--trust-remote-code"),
-                                   (s.language_model_only, "--language-model-only"),
-                                   (s.enforce_eager, "--enforce-eager")) if on]
-    if s.reasoning_parser:
-        argv += ["--reasoning-parser", s.reasoning_parser]
-    if s.tool_call_parser:
-        argv += ["--enable-auto-tool-choice", "--tool-call-parser", s.tool_call_parser]
-    if s.mtp_k > 0:
-        spec: dict[str, Any] = {"method": s.mtp_method, "num_speculative_tokens": s.mtp_k}
-        if s.mtp_model:
-            spec["model"] = s.mtp_model
-        if s.mtp_attention_backend:
-            spec["attention_backend"] = s.mtp_attention_backend
-        argv += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
-    if s.profiler_dir and s.profiler_style == "config":
-        prof = {"profiler": "torch", "torch_profiler_dir": s.profiler_dir,
-                "torch_profiler_use_gzip": True, "ignore_frontend": True,
-                "delay_iterations": s.profiler_delay_iterations,
-                "max_iterations": s.profiler_max_iterations, "torch_profiler_with_stack": False,
-                "torch_profiler_dump_cuda_time_total": False}
-        argv += ["--profiler-config", json.dumps(prof, separators=(",", ":"))]
+    """``vllm serve`` argv: the settings' (:data:`ARGS`), then ``extra`` (the base facts'),
+    ``passthrough`` and K3_EXTRA_ARGS last."""
+    argv = ["vllm", "serve"] + [a for row in ARGS for a in row.render(s)]
     return argv + list(extra) + list(passthrough or []) + shlex.split(s.extra_args)
 
 
@@ -359,15 +453,17 @@ def build_env(s: Settings, environ: Mapping[str, str], file_vals: Mapping[str, s
 
 
 def _apply_base(settings: Settings, sources: dict[str, str], base: bool | dict[str, Any],
-                aiter_on: bool) -> tuple[Settings, list[str], dict[str, Any] | None]:
+                aiter_on: bool, user_env: dict[str, str] | None = None
+                ) -> tuple[Settings, list[str], dict[str, Any] | None, list[str]]:
     """The base facts (``base``: a dict, or True for the manifest's / measured here) applied
     to ``settings``: (settings with the defaults the base cannot run changed, extra argv, what
-    was decided). None for the last when the facts are unknown."""
+    was decided, warnings about ``user_env``'s names: name -> where set). None for the third
+    when the facts are unknown."""
     from k3rocm.serving import basefacts
 
     facts, where = (base, "given") if isinstance(base, dict) else basefacts.load()
     if facts is None:
-        return settings, [], None
+        return settings, [], None, []
     try:
         updates, extra, notes = basefacts.check(settings, sources, facts, aiter_on)
     except basefacts.BaseRefusal as exc:
@@ -381,7 +477,7 @@ def _apply_base(settings: Settings, sources: dict[str, str], base: bool | dict[s
                              "vllm_version": basefacts.value(facts, "vllm_version"),
                              "decode_route": basefacts.route(facts, heads,
                                                              settings.kv_cache_dtype),
-                             "notes": notes}
+                             "notes": notes}, basefacts.unknown_env(facts, user_env or {})
 
 
 def render(environ: Mapping[str, str] | None = None, dotenv: str | os.PathLike | None = ".env",
@@ -393,15 +489,19 @@ def render(environ: Mapping[str, str] | None = None, dotenv: str | os.PathLike |
     environ = dict(os.environ if environ is None else environ)
     file_vals = read_dotenv(dotenv) if dotenv else {}
     settings, sources = load_settings(environ, dotenv, host_paths, check_model)
+    check_repeats(list(passthrough or []), "an argument after the entrypoint")
     env = build_env(settings, environ, file_vals, sources, host=host_paths)
-    base_info, extra = None, []
+    base_info, extra, warnings = None, [], []
     if base is not False:
-        settings, extra, base_info = _apply_base(settings, sources, base,
-                                                 env.get("VLLM_ROCM_USE_AITER") == "1")
+        user = {k: sources[k] for k in env if k.startswith(("VLLM_", "AITER_"))
+                and sources.get(k) in ("env", ".env")}
+        settings, extra, base_info, warnings = _apply_base(
+            settings, sources, base, env.get("VLLM_ROCM_USE_AITER") == "1", user)
         env = build_env(settings, environ, file_vals, sources, host=host_paths)  # as changed
     argv = build_argv(settings, passthrough, extra)
     if extra:
         sources["argv:base"] = " ".join(extra)
     if passthrough:
         sources["argv:passthrough"] = " ".join(passthrough)
-    return Rendered(settings=settings, env=env, argv=argv, sources=sources, base=base_info)
+    return Rendered(settings=settings, env=env, argv=argv, sources=sources, base=base_info,
+                    warnings=warnings)

@@ -42,8 +42,16 @@ def _render(args: argparse.Namespace):
                   base=True)
 
 
+def warn(rendered) -> None:
+    """The rendering's warnings, one line each on stderr."""
+    for line in rendered.warnings:
+        print(f"k3rocm: warning: {line}", file=sys.stderr)
+
+
 def run_render(args: argparse.Namespace) -> int:
-    print(json.dumps(_render(args).to_json(redact=not args.no_redact), indent=2))
+    rendered = _render(args)
+    warn(rendered)
+    print(json.dumps(rendered.to_json(redact=not args.no_redact), indent=2))
     return 0
 
 
@@ -62,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
                          "(or install vLLM)")
     shown = redact_env({**os.environ, **rendered.env})  # K3_* from the shell: not in env
     print(f"k3rocm: profile {rendered.settings.profile}", file=sys.stderr)
+    warn(rendered)
     b = rendered.base
     if b is None:
         print("k3rocm: base facts unknown (no manifest, no vLLM found): nothing checked",

@@ -20,6 +20,16 @@ from k3rocm.serving.modelfacts import KIMI_K3_HEADS
 
 PREFIX = "K3_"
 
+# vLLM's load formats (``--load-format``), the union over the releases the bundle serves: vLLM
+# types the flag ``str | LoadFormats`` (vllm@0.34.0:vllm/config/load.py:29, lowercased at :136),
+# so argparse takes any string and a wrong one fails only when the loader is picked, after the
+# engine started. ``LoadFormats`` (vllm@0.27.1:vllm/model_executor/model_loader/__init__.py:33,
+# vllm@0.34.0:...:33) differ: 0.27.1 has bitsandbytes (gone in 0.28.0), 0.30.0+ add ipc_cache.
+# tests/test_config_validation.py keeps this equal to the union of the real sources.
+LoadFormat = Literal["auto", "bitsandbytes", "dummy", "fastsafetensors", "hf", "instanttensor",
+                     "ipc_cache", "mistral", "modelexpress", "npcache", "pt", "runai_streamer",
+                     "runai_streamer_sharded", "safetensors", "sharded_state", "tensorizer"]
+
 # Vendor variables (vLLM, AITER, ROCm, RCCL, ...) a user may set in the shell or .env: they reach
 # the server container (compose: env_file .env and the file `k3rocm config --vendor-env-file`
 # writes from the shell) and `make config` prints them with their source.
@@ -77,8 +87,9 @@ class Settings(BaseModel):
         le=1048576)
     prefix_caching: bool = _env("PREFIX_CACHING", "Automatic prefix caching (1/0).", default=True)
     enforce_eager: bool = _env("ENFORCE_EAGER", "Disable CUDA/HIP graphs (1/0).", default=False)
-    load_format: str = _env("LOAD_FORMAT", "Weight loader (auto, safetensors, fastsafetensors).",
-                            default="auto")
+    load_format: LoadFormat = _env(
+        "LOAD_FORMAT", "Weight loader: one of vLLM's load formats (0.27.1 ... 0.34.0; case "
+        "ignored, as vLLM does), e.g. auto, safetensors, fastsafetensors.", default="auto")
     trust_remote_code: bool = _env("TRUST_REMOTE_CODE", "Pass --trust-remote-code (1/0).",
                                    default=True)
     language_model_only: bool = _env(
@@ -90,7 +101,9 @@ class Settings(BaseModel):
     api_key: str | None = _env("API_KEY", "API key clients must send (given to vLLM as "
                                "VLLM_API_KEY, never in argv; redacted in printouts).")
     extra_args: str = _env("EXTRA_ARGS", "Extra `vllm serve` arguments, shell-quoted, appended "
-                           "last (after argv from the entrypoint).", default="")
+                           "last (after argv from the entrypoint); a flag a K3_* setting "
+                           "renders (e.g. --max-model-len, -tp) is refused: set the setting.",
+                           default="")
     # One switch per row of the fusion table (fuse_qk_norm, fuse_decode_qprep), in its order.
     for _f in FUSIONS:
         __annotations__[_f.field] = "bool"
@@ -135,6 +148,11 @@ class Settings(BaseModel):
             raise ValueError(f"must be a positive divisor of {KIMI_K3_HEADS} heads: "
                              f"one of {', '.join(map(str, divisors))}")
         return v
+
+    @field_validator("load_format", mode="before")
+    @classmethod
+    def _load_format_lower(cls, v: Any) -> Any:
+        return v.lower() if isinstance(v, str) else v
 
     @field_validator("extra_args")
     @classmethod
