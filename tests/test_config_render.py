@@ -53,6 +53,7 @@ def test_default_profile_sets_the_aiter_environment():
                        "VLLM_ROCM_USE_AITER_MOE": "1", "VLLM_USE_BREAKABLE_CUDAGRAPH": "0",
                        "SAFETENSORS_FAST_GPU": "1", "AITER_SITUV2_A8W4": "1",
                        "VLLM_ROCM_USE_AITER_MOE_SITUV2_A8W4": "1",
+                       "VLLM_ROCM_USE_AITER_MOE_SITUV2": "a8w4",
                        "AITER_BF16_FP8_MOE_BOUND": "0", "HSA_NO_SCRATCH_RECLAIM": "1"}.items():
         assert env[key] == value, key
     assert env["HF_HOME"].startswith("/cache/") and env["TRITON_CACHE_DIR"].startswith("/cache/")
@@ -248,3 +249,25 @@ def test_load_format_checked_against_the_bases_own_list():
         render(environ={**MODEL, "K3_LOAD_FORMAT": "ipc_cache"}, dotenv=None, base=old)
     for facts in (new, old):
         render(environ={**MODEL, "K3_LOAD_FORMAT": "fastsafetensors"}, dotenv=None, base=facts)
+
+
+@pytest.mark.parametrize("version", ["0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0",
+                                     "0.32.0", "0.33.0", "0.34.0"])
+def test_default_profile_asks_every_release_for_the_a8w4_moe(version):
+    """The recipe's A8W4 MoE (AITER_SITUV2_A8W4=1) reaches every release: the switch that
+    release's own envs.py defines (read from the real source, not from the profile) is set to
+    a value that selects a8w4. Before: 0.31+ (VLLM_ROCM_USE_AITER_MOE_SITUV2, default auto =
+    a4w4, which rewrites AITER_SITUV2_A8W4) got nothing and served a4w4."""
+    import re
+
+    from conftest import upstream_tree
+
+    envs = (upstream_tree(version) / "vllm" / "envs.py").read_text()
+    names = set(re.findall(r'^\s+"((?:VLLM|AITER)_\w*SITUV2\w*)":', envs, re.M))
+    assert names, f"vLLM {version} defines no SiTUv2 switch"
+    env = render(environ={**MODEL}, dotenv=None).env
+    selects = {"AITER_SITUV2_A8W4": "1", "VLLM_ROCM_USE_AITER_MOE_SITUV2_A8W4": "1",
+               "VLLM_ROCM_USE_AITER_MOE_SITUV2": "a8w4"}
+    for name in names & set(selects) or names:
+        assert env.get(name) == selects.get(name, "<a name this test does not know>"), \
+            (version, name)
