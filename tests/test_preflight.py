@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 from pathlib import Path
 
@@ -282,13 +283,16 @@ def _cards(sys_root: Path, used: list[int]) -> None:
 class _Ctr:
     """A running container as docker-py shows it (the attributes provenance reads)."""
 
-    def __init__(self, name, port, service="server"):
+    def __init__(self, name, port, service="server", ours=True):
         self.name, self.id = name, "c" * 64
-        self.image = type("I", (), {"tags": ["k3rocm/server:latest"], "id": "sha256:" + "2" * 64})
+        self.image = type("I", (), {"tags": ["k3rocm/server:latest" if ours else "rocm/pytorch"],
+                                    "id": "sha256:" + "2" * 64})
         self.labels = {"com.docker.compose.service": service}
-        self.attrs = {"Config": {"Env": ["K3_PROFILE=mi355x-tp8", f"K3_PORT={port}"]},
+        self.attrs = {"Config": {"Env": ["K3_PROFILE=mi355x-tp8", f"K3_PORT={port}"]
+                                 if ours else ["PATH=/usr/bin"]},
                       "NetworkSettings": {"Ports": {f"{port}/tcp": [{"HostPort": str(port)}]}},
-                      "HostConfig": {}}
+                      "HostConfig": {"Devices": [{"PathOnHost": "/dev/kfd",
+                                                  "PathInContainer": "/dev/kfd"}]}}
 
 
 class _Engine:
@@ -320,6 +324,8 @@ def test_free_hbm(tmp_path):
     other = preflight.check_hbm(s, _Engine(_Ctr("k3-selftest-server-1", 8123)), sys_root, dev)
     assert other.status == "fail" and "k3-selftest-server-1 (k3rocm/server:latest)" in other.fix
     assert "`make down`" in other.fix
+    theirs = preflight.check_hbm(s, _Engine(_Ctr("torch", 9000, ours=False)), sys_root, dev)
+    assert theirs.status == "fail" and "torch (rocm/pytorch, not a k3rocm server)" in theirs.fix
     ours = preflight.check_hbm(s, _Engine(_Ctr("k3rocm-server-1", 8000)), sys_root, dev)
     assert ours.status == "warn" and "compose server k3rocm-server-1" in ours.fix
     assert "`make up` keeps or recreates it" in ours.fix
@@ -330,3 +336,38 @@ def test_free_hbm(tmp_path):
     lower = load_settings({"K3_GPU_MEMORY_UTILIZATION": "0.9"}, dotenv=None,
                           check_model=False)[0]
     assert preflight.check_hbm(lower, None, sys_root, dev).status == "ok"  # 259.2 GiB needed
+
+
+def test_gpu_holders_read_from_real_containers(docker_client, tmp_path):
+    """The holders the free-HBM line names, read through the real engine: a container of this
+    bundle (K3_PROFILE in its env) that is the compose server on K3_PORT is the one `make up`
+    keeps (a warn); any other one is named in a fail."""
+    from k3rocm.serving.config import load_settings
+
+    sys_root, dev = _kfd(tmp_path)
+    _cards(sys_root, [280 * GIB] * 8)
+    port, other = free_port(), free_port()
+    s = load_settings({"K3_PORT": str(port)}, dotenv=None, check_model=False)[0]
+    tag = f"k3pf-{os.getpid()}"
+    started = []
+    try:
+        def start(name, p, service):
+            started.append(docker_client.containers.run(
+                "k3rocm/debian:bookworm", ["sleep", "600"], name=f"{tag}-{name}", detach=True,
+                environment={"K3_PROFILE": "mi355x-tp8", "K3_PORT": str(p)},
+                ports={f"{p}/tcp": ("127.0.0.1", p)},
+                labels={"com.docker.compose.service": service}))
+        start("server", port, "server")
+        names, only = preflight.gpu_containers(docker_client, port)
+        assert f"{tag}-server (k3rocm/debian:bookworm)" in names
+        assert only == (len(names) == 1)  # other project servers on this engine: not only ours
+        if only:
+            c = preflight.check_hbm(s, docker_client, sys_root, dev)
+            assert c.status == "warn" and f"compose server {tag}-server" in c.fix
+        start("selftest", other, "selftest")
+        c = preflight.check_hbm(s, docker_client, sys_root, dev)
+        assert c.status == "fail" and f"{tag}-selftest (k3rocm/debian:bookworm)" in c.fix
+        assert f"{tag}-server (k3rocm/debian:bookworm)" in c.fix and "`make down`" in c.fix
+    finally:
+        for ctr in started:
+            ctr.remove(force=True)

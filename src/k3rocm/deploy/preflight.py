@@ -167,20 +167,28 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
-def project_servers(client, port: int) -> tuple[list[str], bool]:
-    """The running containers of this bundle's servers (our entrypoint's K3_PROFILE in their
-    environment, as provenance finds them), and whether the only one is the compose server
-    on ``port`` that `make up` keeps or recreates."""
+def gpu_containers(client, port: int) -> tuple[list[str], bool]:
+    """The running containers that may hold GPU memory: this bundle's servers (our entrypoint's
+    K3_PROFILE in their environment, as provenance finds them) and any other with /dev/kfd
+    mapped in; and whether the only one is the compose server on ``port`` that `make up`
+    keeps or recreates."""
     from k3rocm.deploy.provenance import container_env
 
     if client is None:
         return [], False
     try:
-        ours = [c for c in client.containers.list() if "K3_PROFILE" in container_env(c)]
+        running = client.containers.list()
     except Exception:  # noqa: BLE001 - engine gone mid-run: holders unknown
         return [], False
-    names = [f"{c.name} ({(c.image.tags or [c.image.id[:19]])[0]})" for c in ours]
-    return names, len(ours) == 1 and _our_server_on(client, port)
+    names = []
+    for c in running:
+        ours = "K3_PROFILE" in container_env(c)
+        kfd = any(d.get("PathOnHost") == "/dev/kfd"
+                  for d in (c.attrs.get("HostConfig") or {}).get("Devices") or [])
+        if ours or kfd:
+            image = (c.image.tags or [c.image.id[:19]])[0]
+            names.append(f"{c.name} ({image}{'' if ours else ', not a k3rocm server'})")
+    return names, len(names) == 1 and _our_server_on(client, port)
 
 
 def check_hbm(settings, client, sys_root: Path = Path("/sys"),
@@ -204,12 +212,12 @@ def check_hbm(settings, client, sys_root: Path = Path("/sys"),
                      f"used; {what}")
     found = (f"{len(short)} of {len(gpus)} GPU(s) short ({what}): "
              + ", ".join(f"{g} {_gib(used)} used" for g, used, _ in short))
-    holders, only_make_up = project_servers(client, settings.port)
+    holders, only_make_up = gpu_containers(client, settings.port)
     if holders and only_make_up:
         return Check(name, "warn", found, f"held by the running compose server {holders[0]}: "
                      "`make up` keeps or recreates it; `make down` frees them for the selftest "
                      "or another server")
-    running = f"this bundle's server container(s) {', '.join(holders)} run here"
+    running = f"container(s) {', '.join(holders)} run here"
     free = len(gpus) - len(short)
     if free >= settings.tp:
         return Check(name, "warn", found, f"{free} GPU(s) are free and K3_TP is {settings.tp}: "
