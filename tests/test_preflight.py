@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import socket
 from pathlib import Path
 
+import pytest
 from conftest import free_port, run_cli
 
 from k3rocm.deploy import preflight
@@ -23,9 +25,12 @@ def test_runs_on_this_machine_and_reports_rocm_truthfully():
     assert "Traceback" not in r.stderr
     for name in ("ROCm /dev/dri render nodes", "group video", "group render",
                  "kernel.numa_balancing", "free disk: cache", "free disk: results",
-                 "checkpoint", "Docker engine", "Docker Compose", "API port"):
+                 "checkpoint", "Docker engine", "client image", "Docker Compose", "API port"):
         assert any(ln.startswith(name) for ln in lines), name
-    assert lines[-1].endswith(" fail")
+    for name in ("GPU arch (gfx950)", "free HBM"):  # no GPU here: said so, no crash
+        line = next(ln for ln in lines if ln.startswith(name))
+        assert has_gpu or line[len(name):].split() == ["skip", "skipped:", "no", "/dev/kfd"], line
+    assert " fail" in lines[-1] and (has_gpu or lines[-1].endswith(" skipped"))
 
 
 def test_bad_setting_exit_2_before_checks():
@@ -66,9 +71,30 @@ def test_checkpoint(tmp_path):
     (tmp_path / "k3").mkdir()
     s = load_settings(env, dotenv=None, host_paths=True)[0]
     assert preflight.check_checkpoint(s).status == "fail"
-    (tmp_path / "k3" / "config.json").write_text("{}")
-    c = preflight.check_checkpoint(s)
-    assert c.status == "warn" and "config.json" in c.have  # 2 bytes is not 1.5 TB
+
+
+def test_checkpoint_bytes_are_verified(tmp_path):
+    """The checkpoint line reports checkpoint.verify's verdict on the bytes (headers only, timed):
+    a copy whose shards were cut after their headers fails (the old check counted file sizes
+    and said only 'looks incomplete' as a warn); a complete small copy is ok on the CPU profile
+    and a warn (not Kimi-K3's size) on the MI355X one."""
+    from kimi_k3_layout import small_config, truncate_data, write_checkpoint
+
+    from k3rocm.serving.config import load_settings
+
+    write_checkpoint(tmp_path / "k3", small_config(), shards=4)
+    env = {"K3_MODELS_DIR": str(tmp_path), "K3_MODEL": "/models/k3"}
+    node = load_settings(env, dotenv=None, host_paths=True)[0]
+    cpu = load_settings({**env, "K3_PROFILE": "cpu-smoke"}, dotenv=None, host_paths=True)[0]
+    ok = preflight.check_checkpoint(cpu)
+    assert ok.status == "ok" and ": complete, " in ok.have and "verified in " in ok.have, ok
+    small = preflight.check_checkpoint(node)
+    assert small.status == "warn" and "~1.56 TB" in small.fix, small
+    (tmp_path / "k3" / "config.json").write_text("{}")  # verify checks the bytes, not this
+    truncate_data(tmp_path / "k3")
+    cut = preflight.check_checkpoint(cpu)
+    assert cut.status == "fail" and "is short" in cut.have and "more)" in cut.have, cut
+    assert "headers only" in cut.have and "`make model`" in cut.fix
 
 
 def test_port_in_use_fails():
@@ -109,6 +135,8 @@ def test_table_one_line_per_check():
     lines = preflight.format_table(checks).splitlines()
     assert len(lines) == 2 + 2 + 1 and lines[3].split() == ["b", "fail", "y", "do", "z"]
     assert lines[-1] == "1 ok, 0 warn, 1 fail"
+    skipped = preflight.format_table([*checks, preflight.Check("c", "skip", "skipped: why")])
+    assert skipped.splitlines()[-1] == "1 ok, 0 warn, 1 fail, 1 skipped"
 
 
 def test_the_base_image_and_its_digest(monkeypatch):
@@ -116,6 +144,7 @@ def test_the_base_image_and_its_digest(monkeypatch):
     unknown (a locally built or retagged one); the serving-image line says what it was built
     FROM and the digest as the build recorded it. Fake engine objects shaped like docker-py's."""
     import docker
+    from k3rocm.deploy.engine import CLIENT_IMAGE
     from k3rocm.serving.basefacts import DEFAULT_BASE_IMAGE
     from k3rocm.serving.config import load_settings
 
@@ -159,3 +188,186 @@ def test_the_base_image_and_its_digest(monkeypatch):
     assert "(digest unknown (built from a local tag))" in srv.have
     missing = preflight.check_docker(Client({}), s)[1]
     assert missing.status == "fail" and "BASE_IMAGE=<repo>@sha256:" in missing.fix
+    # not built: how to build it and FROM what; the client image: present, or how (a warn)
+    got = {c.name: c for c in preflight.check_docker(Client({CLIENT_IMAGE: Img()}), s)}
+    assert got["serving image"].status == "warn" and "not built" in got["serving image"].have
+    assert f"`make build` (it builds FROM {DEFAULT_BASE_IMAGE}" in got["serving image"].fix
+    assert got["client image"].status == "ok" and "present sha256:1111" in got["client image"].have
+    got = {c.name: c for c in preflight.check_docker(Client({}), s)}
+    assert got["client image"].status == "warn"
+    assert got["client image"].fix.startswith("run `make clients-image` (only the bench")
+
+
+# --- GPU arch and free HBM on a fake sysfs tree (a tmp dir standing in for /sys and /dev) -----
+
+def _node(sys_root: Path, n: int, gfx: int, simd: int = 1216) -> None:
+    d = sys_root / "class/kfd/kfd/topology/nodes" / str(n)
+    d.mkdir(parents=True)
+    # the lines the kernel writes (kfd_topology.c node_show), a subset
+    (d / "properties").write_text(f"cpu_cores_count {0 if simd else 64}\nsimd_count {simd}\n"
+                                  f"gfx_target_version {gfx}\nvendor_id 4098\n"
+                                  f"drm_render_minor {128 + n}\n")
+
+
+def _kfd(tmp_path: Path) -> tuple[Path, Path]:
+    sys_root, dev = tmp_path / "sys", tmp_path / "dev"
+    dev.mkdir()
+    (dev / "kfd").touch()
+    return sys_root, dev
+
+
+def test_gfx_name_decodes_kfd_gfx_target_version():
+    assert [preflight.gfx_name(v) for v in (90500, 90402, 90010, 110001)] == [
+        "gfx950", "gfx942", "gfx90a", "gfx1101"]
+
+
+def test_gpu_arch(tmp_path):
+    """Every GPU must be gfx950: read from the KFD topology (CPU node 0 left out), else
+    rocminfo; a wrong arch fails with the fix; no /dev/kfd is a skip line. There was no arch
+    check before (the old module has no check_gpu_arch)."""
+    none = preflight.check_gpu_arch(tmp_path / "sys", tmp_path / "nodev")
+    assert (none.status, none.have) == ("skip", "skipped: no /dev/kfd")
+    sys_root, dev = _kfd(tmp_path)
+    _node(sys_root, 0, 0, simd=0)  # the CPU
+    for n in range(1, 9):
+        _node(sys_root, n, 90500)
+    ok = preflight.check_gpu_arch(sys_root, dev, tool=lambda argv: pytest.fail("sysfs answers"))
+    assert ok.status == "ok" and ok.have == "8 GPU(s), all gfx950 (KFD topology)", ok
+    (sys_root / "class/kfd/kfd/topology/nodes/3/properties").write_text(
+        "simd_count 1216\ngfx_target_version 90402\n")
+    mixed = preflight.check_gpu_arch(sys_root, dev)
+    assert mixed.status == "fail" and mixed.have.startswith("gfx942 on 1 of 8 GPU(s): node 3")
+    assert "MXFP4 MoE needs gfx950" in mixed.fix and "HIP_VISIBLE_DEVICES" in mixed.fix
+    for n in range(1, 9):
+        (sys_root / f"class/kfd/kfd/topology/nodes/{n}/properties").write_text(
+            "simd_count 1216\ngfx_target_version 90402\n")
+    mi300 = preflight.check_gpu_arch(sys_root, dev)
+    assert mi300.status == "fail" and "gfx942 on 8 of 8" in mi300.have
+    assert "run on an MI355X node" in mi300.fix and "HIP_VISIBLE_DEVICES" not in mi300.fix
+
+
+def test_gpu_arch_from_rocminfo_when_sysfs_has_no_topology(tmp_path):
+    sys_root, dev = _kfd(tmp_path)
+    agents = "".join(f"*******\nAgent {i + 2}\n*******\n  Name:                    gfx950\n"
+                     "  Marketing Name:          AMD Instinct MI355X\n  ISA Info:\n    ISA 1\n"
+                     "      Name:                    amdgcn-amd-amdhsa--gfx950:sramecc+:xnack-\n"
+                     for i in range(8))
+    text = "*******\nAgent 1\n*******\n  Name:                    AMD EPYC 9575F\n" + agents
+    calls = []
+    c = preflight.check_gpu_arch(sys_root, dev, tool=lambda argv: calls.append(argv) or text)
+    assert calls == [["rocminfo"]] and c.status == "ok" and c.have == "8 GPU(s), all gfx950 " \
+        "(rocminfo)"
+    c = preflight.check_gpu_arch(sys_root, dev, tool=lambda argv: text.replace("gfx950\n",
+                                                                              "gfx942\n", 1))
+    assert c.status == "fail" and "gfx942 on 1 of 8 GPU(s): agent 0 (rocminfo)" in c.have
+    unknown = preflight.check_gpu_arch(sys_root, dev, tool=lambda argv: "")
+    assert unknown.status == "warn" and unknown.have.startswith("unknown: no GPU node")
+    assert "rocminfo | grep gfx" in unknown.fix
+
+
+GIB = 2**30
+MI355X_HBM = 288 * GIB
+
+
+def _cards(sys_root: Path, used: list[int]) -> None:
+    drm = sys_root / "class/drm"
+    for i, u in enumerate(used):
+        d = drm / f"card{i + 1}" / "device"  # card0: the BMC's display, no VRAM counters
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "mem_info_vram_total").write_text(f"{MI355X_HBM}\n")
+        (d / "mem_info_vram_used").write_text(f"{u}\n")
+    (drm / "card0" / "device").mkdir(parents=True, exist_ok=True)
+    (drm / "card1-DP-1").mkdir(exist_ok=True)  # a connector, not a device
+
+
+class _Ctr:
+    """A running container as docker-py shows it (the attributes provenance reads)."""
+
+    def __init__(self, name, port, service="server", ours=True):
+        self.name, self.id = name, "c" * 64
+        self.image = type("I", (), {"tags": ["k3rocm/server:latest" if ours else "rocm/pytorch"],
+                                    "id": "sha256:" + "2" * 64})
+        self.labels = {"com.docker.compose.service": service}
+        self.attrs = {"Config": {"Env": ["K3_PROFILE=mi355x-tp8", f"K3_PORT={port}"]
+                                 if ours else ["PATH=/usr/bin"]},
+                      "NetworkSettings": {"Ports": {f"{port}/tcp": [{"HostPort": str(port)}]}},
+                      "HostConfig": {"Devices": [{"PathOnHost": "/dev/kfd",
+                                                  "PathInContainer": "/dev/kfd"}]}}
+
+
+class _Engine:
+    def __init__(self, *ctrs):
+        self.containers = type("L", (), {"list": lambda _self: list(ctrs)})()
+
+
+def test_free_hbm(tmp_path):
+    """K3_GPU_MEMORY_UTILIZATION of every GPU's HBM must be free (vLLM refuses to start
+    otherwise); short GPUs are named, and what holds them: a server container of this bundle,
+    the compose server `make up` keeps (a warn), or processes outside (the fix says how to
+    find them). There was no memory check before (the old module has no check_hbm)."""
+    from k3rocm.serving.config import load_settings
+
+    s = load_settings({"K3_PORT": "8000"}, dotenv=None, check_model=False)[0]  # 0.95, TP 8
+    assert preflight.check_hbm(s, None, tmp_path / "sys", tmp_path / "nodev").status == "skip"
+    sys_root, dev = _kfd(tmp_path)
+    nothing = preflight.check_hbm(s, None, sys_root, dev)
+    assert nothing.status == "warn" and nothing.have.startswith("unknown: no mem_info_vram_total")
+    _cards(sys_root, [GIB // 2] * 8)
+    ok = preflight.check_hbm(s, None, sys_root, dev)
+    assert ok.status == "ok" and ok.have.startswith("8 GPU(s), at most 0.5 GiB used"), ok
+    assert "K3_GPU_MEMORY_UTILIZATION 0.95 needs 273.6 GiB free on each" in ok.have
+    _cards(sys_root, [GIB // 2] * 2 + [15 * GIB] * 6)  # 15 GiB used: 273 GiB free < 273.6
+    short = preflight.check_hbm(s, None, sys_root, dev)
+    assert short.status == "fail" and "6 of 8 GPU(s) short" in short.have
+    assert "card3 15.0 GiB used" in short.have and "card1 " not in short.have
+    assert "outside this bundle's containers: `amd-smi process`" in short.fix
+    other = preflight.check_hbm(s, _Engine(_Ctr("k3-selftest-server-1", 8123)), sys_root, dev)
+    assert other.status == "fail" and "k3-selftest-server-1 (k3rocm/server:latest)" in other.fix
+    assert "`make down`" in other.fix
+    theirs = preflight.check_hbm(s, _Engine(_Ctr("torch", 9000, ours=False)), sys_root, dev)
+    assert theirs.status == "fail" and "torch (rocm/pytorch, not a k3rocm server)" in theirs.fix
+    ours = preflight.check_hbm(s, _Engine(_Ctr("k3rocm-server-1", 8000)), sys_root, dev)
+    assert ours.status == "warn" and "compose server k3rocm-server-1" in ours.fix
+    assert "`make up` keeps or recreates it" in ours.fix
+    tp2 = load_settings({"K3_TP": "2"}, dotenv=None, check_model=False)[0]
+    few = preflight.check_hbm(tp2, None, sys_root, dev)
+    assert few.status == "warn" and "2 GPU(s) are free and K3_TP is 2" in few.fix
+    assert "HIP_VISIBLE_DEVICES" in few.fix
+    lower = load_settings({"K3_GPU_MEMORY_UTILIZATION": "0.9"}, dotenv=None,
+                          check_model=False)[0]
+    assert preflight.check_hbm(lower, None, sys_root, dev).status == "ok"  # 259.2 GiB needed
+
+
+def test_gpu_holders_read_from_real_containers(docker_client, tmp_path):
+    """The holders the free-HBM line names, read through the real engine: a container of this
+    bundle (K3_PROFILE in its env) that is the compose server on K3_PORT is the one `make up`
+    keeps (a warn); any other one is named in a fail."""
+    from k3rocm.serving.config import load_settings
+
+    sys_root, dev = _kfd(tmp_path)
+    _cards(sys_root, [280 * GIB] * 8)
+    port, other = free_port(), free_port()
+    s = load_settings({"K3_PORT": str(port)}, dotenv=None, check_model=False)[0]
+    tag = f"k3pf-{os.getpid()}"
+    started = []
+    try:
+        def start(name, p, service):
+            started.append(docker_client.containers.run(
+                "k3rocm/debian:bookworm", ["sleep", "600"], name=f"{tag}-{name}", detach=True,
+                environment={"K3_PROFILE": "mi355x-tp8", "K3_PORT": str(p)},
+                ports={f"{p}/tcp": ("127.0.0.1", p)},
+                labels={"com.docker.compose.service": service}))
+        start("server", port, "server")
+        names, only = preflight.gpu_containers(docker_client, port)
+        assert f"{tag}-server (k3rocm/debian:bookworm)" in names
+        assert only == (len(names) == 1)  # other project servers on this engine: not only ours
+        if only:
+            c = preflight.check_hbm(s, docker_client, sys_root, dev)
+            assert c.status == "warn" and f"compose server {tag}-server" in c.fix
+        start("selftest", other, "selftest")
+        c = preflight.check_hbm(s, docker_client, sys_root, dev)
+        assert c.status == "fail" and f"{tag}-selftest (k3rocm/debian:bookworm)" in c.fix
+        assert f"{tag}-server (k3rocm/debian:bookworm)" in c.fix and "`make down`" in c.fix
+    finally:
+        for ctr in started:
+            ctr.remove(force=True)

@@ -1,11 +1,16 @@
 """``k3rocm preflight`` (``make preflight``): what this node has and what serving Kimi-K3 needs.
 
-One table, one line per check: ``ok``, ``warn`` or ``fail``, what was found, and the fix.
-Exit 1 when any line fails, 0 otherwise (2: bad settings, reported before any check runs).
+One table, one line per check: ``ok``, ``warn`` or ``fail``, what was found, and the fix;
+``skip`` when a check cannot apply here (no /dev/kfd: no GPU to ask). Exit 1 when any line
+fails, 0 otherwise (2: bad settings, reported before any check runs).
 
-Single node: ROCm devices (/dev/kfd, /dev/dri render nodes), the video/render groups,
-kernel.numa_balancing, free disk for the cache and results directories, the checkpoint
-(config.json and size), the base and serving images, the API port, Docker and Compose versions.
+Single node: ROCm devices (/dev/kfd, /dev/dri render nodes), every GPU's arch (gfx950, read
+from the KFD topology in sysfs, else rocminfo), free HBM on each GPU against
+K3_GPU_MEMORY_UTILIZATION (amdgpu's sysfs VRAM counters; a project server holding them is
+named), the video/render groups, kernel.numa_balancing, free disk for the cache and results
+directories, the checkpoint's bytes (``k3rocm.deploy.checkpoint.verify``: every shard header
+against its file and the index; headers only, timed), the base, serving and client images,
+the serving image's base facts, the API port, Docker and Compose versions.
 Scale-out (K3_SCALE_MODE != single) adds: every node reachable, /dev/infiniband and the named
 interface where the mode needs them (dp-ep), the same serving image on every node, the
 router port free.
@@ -17,15 +22,17 @@ import argparse
 import contextlib
 import grp
 import json
+import math
 import os
 import re
 import shutil
 import socket
 import subprocess
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from k3rocm.deploy.engine import docker_client
+from k3rocm.deploy.engine import CLIENT_IMAGE, docker_client
 from k3rocm.deploy.lifecycle import REPO
 from k3rocm.deploy.scale.settings import GPUS_PER_NODE
 from k3rocm.deploy.server_api import ServerAPI, Unreachable
@@ -38,11 +45,22 @@ RESULTS_MIN_GB = 5
 CHECKPOINT_MIN_GB = 1000  # Kimi-K3 weights are ~1.5 TB; less is a partial download
 MIN_COMPOSE = (2, 24)  # `!reset` in compose.cpu.yaml and the scale overrides
 
+# Kimi-K3's MXFP4 MoE needs gfx950 (MI350X/MI355X, CDNA4). The kernel's KFD topology gives each
+# GPU node's ISA as gfx_target_version = major*10000 + minor*100 + stepping (linux
+# drivers/gpu/drm/amd/amdkfd/kfd_device.c kgd2kfd_probe: GC IP 9.5.0 -> 90500; written to
+# /sys/class/kfd/kfd/topology/nodes/N/properties by kfd_topology.c; ROCR and rocprofiler decode
+# it as v/10000, v/100%100, v%100). A node with simd_count 0 is a CPU node.
+REQUIRED_ARCH = "gfx950"
+KFD_NODES = "class/kfd/kfd/topology/nodes"  # under the sysfs root
+DRM = "class/drm"  # cardN/device/mem_info_vram_{total,used}: amdgpu_vram_mgr.c (bytes)
+# vLLM's own default when K3_GPU_MEMORY_UTILIZATION is unset (vllm@0.32.0:vllm/config/cache.py:102)
+VLLM_DEFAULT_GPU_MEMORY_UTILIZATION = 0.92
+
 
 @dataclass
 class Check:
     name: str
-    status: str  # ok | warn | fail
+    status: str  # ok | warn | fail | skip (cannot apply here: no GPU to ask)
     have: str
     fix: str = ""
 
@@ -65,6 +83,151 @@ def check_rocm_devices(dev: Path = Path("/dev")) -> list[Check]:
                      "" if status == "ok" else f"an MI355X node exposes {GPUS_PER_NODE}: check "
                      "the amdgpu driver (`rocm-smi`) and the devices passed to this host"))
     return out
+
+
+def gfx_name(version: int) -> str:
+    """KFD's gfx_target_version as the ISA name: 90500 -> gfx950, 90402 -> gfx942, 90010 ->
+    gfx90a (minor and stepping are hex digits of the name)."""
+    return f"gfx{version // 10000}{version // 100 % 100:x}{version % 100:x}"
+
+
+def kfd_gpu_archs(sys_root: Path = Path("/sys")) -> dict[str, str]:
+    """GPU node -> ISA name from the KFD topology (CPU nodes, simd_count 0, are left out)."""
+    out = {}
+    nodes = sys_root / KFD_NODES
+    for node in sorted(nodes.iterdir() if nodes.is_dir() else [],
+                       key=lambda p: int(p.name) if p.name.isdigit() else -1):
+        try:
+            props = dict(re.findall(r"^(\w+)\s+(\d+)\s*$", (node / "properties").read_text(),
+                                    re.M))
+        except OSError:
+            continue
+        if int(props.get("simd_count", 0)):
+            out[f"node {node.name}"] = gfx_name(int(props.get("gfx_target_version", 0)))
+    return out
+
+
+def _tool_output(argv: list[str]) -> str:
+    """stdout of a ROCm tool on the host, "" when it is absent or fails."""
+    if not shutil.which(argv[0]):
+        return ""
+    try:
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return r.stdout if r.returncode == 0 else ""
+
+
+def check_gpu_arch(sys_root: Path = Path("/sys"), dev: Path = Path("/dev"),
+                   tool=_tool_output) -> Check:
+    """Every GPU is gfx950: the KFD topology in sysfs, else rocminfo's agent names."""
+    name = f"GPU arch ({REQUIRED_ARCH})"
+    if not (dev / "kfd").exists():
+        return Check(name, "skip", "skipped: no /dev/kfd")
+    archs, source = kfd_gpu_archs(sys_root), "KFD topology"
+    if not archs:  # an agent's "Name: gfx950" line; its ISA lines read "amdgcn-amd-amdhsa--..."
+        names = re.findall(r"^\s*Name:\s+(gfx[0-9a-f]+)\s*$", tool(["rocminfo"]), re.M)
+        archs, source = {f"agent {i}": a for i, a in enumerate(names)}, "rocminfo"
+    if not archs:
+        return Check(name, "warn", f"unknown: no GPU node in {sys_root / KFD_NODES} and no "
+                     "rocminfo", "check the amdgpu driver and ROCm (`rocminfo | grep gfx`)")
+    wrong = {k: a for k, a in archs.items() if a != REQUIRED_ARCH}
+    if not wrong:
+        return Check(name, "ok", f"{len(archs)} GPU(s), all {REQUIRED_ARCH} ({source})")
+    found = ", ".join(sorted(set(wrong.values())))
+    return Check(name, "fail", f"{found} on {len(wrong)} of {len(archs)} GPU(s): "
+                 f"{', '.join(wrong)} ({source})",
+                 f"Kimi-K3's MXFP4 MoE needs {REQUIRED_ARCH} (MI355X/MI350X): run on an MI355X "
+                 f"node" + (f", or set HIP_VISIBLE_DEVICES to its {REQUIRED_ARCH} GPUs"
+                            if len(wrong) < len(archs) else ""))
+
+
+def gpu_memory(sys_root: Path = Path("/sys")) -> list[tuple[str, int, int]]:
+    """(GPU, used bytes, total bytes) for each amdgpu device: its DRM card's
+    device/mem_info_vram_used and mem_info_vram_total (other cards, e.g. a BMC display, have
+    none and are left out). The GPU is named by card and PCI address."""
+    out = []
+    drm = sys_root / DRM
+    cards = [c for c in (drm.iterdir() if drm.is_dir() else []) if re.fullmatch(r"card\d+",
+                                                                               c.name)]
+    for card in sorted(cards, key=lambda c: int(c.name[4:])):
+        d = card / "device"
+        try:
+            total = int((d / "mem_info_vram_total").read_text())
+            used = int((d / "mem_info_vram_used").read_text())
+        except (OSError, ValueError):
+            continue
+        pci = d.resolve().name
+        out.append((f"{card.name} ({pci})" if re.fullmatch(r"[0-9a-f]{4}:.*", pci) else card.name,
+                    used, total))
+    return out
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def gpu_containers(client, port: int) -> tuple[list[str], bool]:
+    """The running containers that may hold GPU memory: this bundle's servers (our entrypoint's
+    K3_PROFILE in their environment, as provenance finds them) and any other with /dev/kfd
+    mapped in; and whether the only one is the compose server on ``port`` that `make up`
+    keeps or recreates."""
+    from k3rocm.deploy.provenance import container_env
+
+    if client is None:
+        return [], False
+    try:
+        running = client.containers.list()
+    except Exception:  # noqa: BLE001 - engine gone mid-run: holders unknown
+        return [], False
+    names = []
+    for c in running:
+        ours = "K3_PROFILE" in container_env(c)
+        kfd = any(d.get("PathOnHost") == "/dev/kfd"
+                  for d in (c.attrs.get("HostConfig") or {}).get("Devices") or [])
+        if ours or kfd:
+            image = (c.image.tags or [c.image.id[:19]])[0]
+            names.append(f"{c.name} ({image}{'' if ours else ', not a k3rocm server'})")
+    return names, len(names) == 1 and _our_server_on(client, port)
+
+
+def check_hbm(settings, client, sys_root: Path = Path("/sys"),
+              dev: Path = Path("/dev")) -> Check:
+    """Each GPU has K3_GPU_MEMORY_UTILIZATION of its HBM free: vLLM refuses to start when a
+    device's free memory is below total * gpu_memory_utilization
+    (vllm@0.32.0:vllm/v1/worker/utils.py:761, request_memory)."""
+    name = "free HBM"
+    if not (dev / "kfd").exists():
+        return Check(name, "skip", "skipped: no /dev/kfd")
+    gpus = gpu_memory(sys_root)
+    if not gpus:
+        return Check(name, "warn", f"unknown: no mem_info_vram_total under {sys_root / DRM}",
+                     "check the amdgpu driver (`amd-smi static` / `rocm-smi --showmeminfo vram`)")
+    util = settings.gpu_memory_utilization or VLLM_DEFAULT_GPU_MEMORY_UTILIZATION
+    short = [(g, used, total) for g, used, total in gpus if total - used < math.ceil(total * util)]
+    need = max(math.ceil(total * util) for _, _, total in gpus)
+    what = f"K3_GPU_MEMORY_UTILIZATION {util} needs {_gib(need)} free on each"
+    if not short:
+        return Check(name, "ok", f"{len(gpus)} GPU(s), at most {_gib(max(u for _, u, _ in gpus))} "
+                     f"used; {what}")
+    found = (f"{len(short)} of {len(gpus)} GPU(s) short ({what}): "
+             + ", ".join(f"{g} {_gib(used)} used" for g, used, _ in short))
+    holders, only_make_up = gpu_containers(client, settings.port)
+    if holders and only_make_up:
+        return Check(name, "warn", found, f"held by the running compose server {holders[0]}: "
+                     "`make up` keeps or recreates it; `make down` frees them for the selftest "
+                     "or another server")
+    running = f"container(s) {', '.join(holders)} run here"
+    free = len(gpus) - len(short)
+    if free >= settings.tp:
+        return Check(name, "warn", found, f"{free} GPU(s) are free and K3_TP is {settings.tp}: "
+                     "set HIP_VISIBLE_DEVICES to free ones (vLLM takes the first visible ones)"
+                     + (f"; {running}" if holders else ""))
+    if holders:
+        return Check(name, "fail", found, f"{running}: `make down` (or `docker stop <name>`) "
+                     "frees them")
+    return Check(name, "fail", found, "held by processes outside this bundle's containers: "
+                 "`amd-smi process` names them; stop them or lower K3_GPU_MEMORY_UTILIZATION")
 
 
 def check_groups() -> list[Check]:
@@ -104,6 +267,9 @@ def check_disk(label: str, path: Path, min_gb: float) -> Check:
 
 
 def check_checkpoint(settings) -> Check:
+    """The checkpoint K3_MODEL names: a Hub id (a download at start), or a host directory whose
+    bytes :func:`k3rocm.deploy.checkpoint.verify` checks (headers only: seconds for 1.5 TB)."""
+    from k3rocm.deploy.checkpoint import verify
     from k3rocm.serving.config import _host_path, _is_pathlike
 
     model = settings.model
@@ -118,15 +284,24 @@ def check_checkpoint(settings) -> Check:
     host = _host_path(settings, model)
     if not (host / "config.json").is_file():
         return Check("checkpoint", "fail", f"{host}: no config.json",
-                     "put the checkpoint there (K3_MODELS_DIR is mounted at /models) or fix "
-                     "K3_MODEL")
-    size = sum(p.stat().st_size for p in host.rglob("*") if p.is_file())
+                     "`make model` downloads it there (K3_MODELS_DIR is mounted at /models), "
+                     "or fix K3_MODEL")
+    t0 = time.monotonic()
+    problems = verify(host)
+    took = f"verified in {time.monotonic() - t0:.1f} s, headers only"
+    if problems:
+        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+        return Check("checkpoint", "fail", f"{host}: {problems[0]}{more} ({took})",
+                     "`make model` fetches what is missing; `make model VERIFY=1` lists every "
+                     "problem")
+    size = sum(p.stat().st_size for p in host.glob("*.safetensors"))
     from k3rocm.serving import profiles
 
     expect_full = profiles.get(settings.profile)["meta"]["hardware"] == "amd"  # not the stand-in
     status = "ok" if size >= CHECKPOINT_MIN_GB * 1e9 or not expect_full else "warn"
-    return Check("checkpoint", status, f"{host}: config.json, {_gb(size)}",
-                 "" if status == "ok" else "Kimi-K3 is ~1.5 TB: the download looks incomplete")
+    return Check("checkpoint", status, f"{host}: complete, {_gb(size)} of shards ({took})",
+                 "" if status == "ok" else "Kimi-K3 is ~1.56 TB: this complete copy is another "
+                 "(smaller) checkpoint")
 
 
 def _compose_base_image() -> str:
@@ -185,7 +360,14 @@ def check_docker(client, settings) -> list[Check]:
         out.append(Check("serving image", "ok" if sid else "warn",
                          f"{settings.image}: " + (f"present {sid[:19]}, built FROM {built} "
                                                   f"(digest {digest})" if sid else "not built"),
-                         "" if sid else "`make build`"))
+                         "" if sid else f"run `make build` (it builds FROM {base}; `make up` "
+                         "builds it too)"))
+        cimg = _image(client, CLIENT_IMAGE)
+        out.append(Check("client image", "ok" if cimg is not None else "warn",
+                         f"{CLIENT_IMAGE}: " + (f"present {cimg.id[:19]}" if cimg is not None
+                                                else "missing"),
+                         "" if cimg is not None else "run `make clients-image` (only the bench "
+                         "and gsm8k checks, their A/Bs and the selftest's bench step need it)"))
     try:
         r = subprocess.run(["docker", "compose", "version", "--short"], capture_output=True,
                            text=True, timeout=20)
@@ -309,13 +491,17 @@ def run_checks(environ=None, dotenv: str = ".env") -> list[Check]:
     # bad input: exit 2 before any check runs; the checkpoint itself is a line of the table
     settings, _ = load_settings(environ, dotenv, host_paths=True, check_model=False)
     s = load_scale(environ, dotenv, tp=settings.tp)
-    checks = [*check_rocm_devices(), *check_groups(), check_numa(),
+    client = docker_client(timeout=30, required=False)
+    checks = [*check_rocm_devices(), check_gpu_arch(), check_hbm(settings, client),
+              *check_groups(), check_numa(),
               check_disk("cache", Path(settings.cache_dir).expanduser(), CACHE_MIN_GB),
               check_disk("results", Path(settings.results_dir).expanduser(), RESULTS_MIN_GB),
               check_checkpoint(settings)]
-    client = docker_client(timeout=30, required=False)
     checks += check_docker(client, settings)
-    checks.append(check_base(settings, environ, dotenv))
+    built = any(c.name == "serving image" and c.status == "ok" for c in checks)
+    checks.append(check_base(settings, environ, dotenv) if built or client is None else
+                  Check("base facts", "skip", f"skipped: {settings.image} not built (the "
+                        "serving image line says how)"))
     if s.mode == "single":
         port = check_port("API port", settings.bind_address, settings.port,
                           "stop what listens there (`make down`) or change K3_PORT")
@@ -343,8 +529,9 @@ def format_table(checks: list[Check]) -> str:
              f"{'-' * w1}  ----  {'-' * w3}  ---"]
     for c in checks:
         lines.append(f"{c.name:<{w1}}  {c.status:<4}  {c.have:<{w3}}  {c.fix}".rstrip())
-    n = {k: sum(c.status == k for c in checks) for k in ("ok", "warn", "fail")}
-    lines.append(f"{n['ok']} ok, {n['warn']} warn, {n['fail']} fail")
+    n = {k: sum(c.status == k for c in checks) for k in ("ok", "warn", "fail", "skip")}
+    lines.append(f"{n['ok']} ok, {n['warn']} warn, {n['fail']} fail"
+                 + (f", {n['skip']} skipped" if n["skip"] else ""))
     return "\n".join(lines)
 
 
