@@ -17,6 +17,12 @@
    separate pair; the A/B difference of all RMSNorm launches is 2 per MLA layer and decode
    step. The overlay's decision records (beside the traces) are cross-checked with each arm's
    claim.
+3. The same census-ab on the serving image as the real Dockerfile builds it FROM the 0.32.0
+   stand-in (`K3_OVERLAY=auto`: the overlay is SKIPPED, upstream's own amd/mla.py serves),
+   upstream's KimiK3MultiHeadLatentAttentionWrapper bound into the tiny DeepSeek-V3 model and
+   switched by the plugin's upstream hook: the records the census cross-checks are the
+   hook's (`"writer": "upstream"`), asked on -> on (upstream's gates), asked off -> off (the
+   hook), and both halves of the norm fusion counted in each arm.
 """
 
 from __future__ import annotations
@@ -199,3 +205,104 @@ def test_census_ab_overlay_on_off(docker_client, forced_image, tmp_path):
         assert (run_dir / arm / "server.log").stat().st_size > 0
         assert list((run_dir / arm / "traces").glob("*.pt.trace.json.gz"))
     assert "Decode kernel census A/B" in (run_dir / "ab.md").read_text()
+
+
+HOOK_TAG = "k3rocm/census-test:cpu-0.32.0-hook-doubles"
+
+
+@pytest.fixture(scope="module")
+def hook_image(docker_client, server_image, tmp_path_factory) -> str:
+    """The session's serving image (the real Dockerfile FROM the 0.32.0 stand-in, overlay
+    auto = skipped: upstream's own amd/mla.py) plus the test doubles, as ``forced_image``."""
+    import shutil
+
+    ctx = tmp_path_factory.mktemp("hook-doubles-image")
+    shutil.copytree(REPO / "tests" / "doubles", ctx / "doubles",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    (ctx / "Dockerfile").write_text(DOUBLES_DOCKERFILE.format(base=server_image))
+    docker_client.images.build(path=str(ctx), tag=HOOK_TAG, rm=True,
+                               labels={"org.k3rocm.test": "census"})
+    return HOOK_TAG
+
+
+def _records(server_log: Path) -> list:
+    from k3rocm.serving.decisions import parse_record
+
+    out = []
+    for ln in server_log.read_text(errors="replace").splitlines():
+        if "K3ROCM-DECISION " in ln:
+            out.append(parse_record(json.loads(ln.split("K3ROCM-DECISION ", 1)[1]), "log"))
+    return out
+
+
+def test_census_ab_through_the_upstream_hook(docker_client, hook_image, tmp_path):
+    """Upstream's fusions asked off and on through the hook (no overlay in the image): the
+    census reads the hook's records and judges each arm on the real traces."""
+    from server_fixture import ensure_smoke_model
+
+    ensure_smoke_model(docker_client, hook_image)
+    env = dict(_census_env())
+    env.update({"K3_PROFILE": "cpu-smoke", "K3_MODEL": f"/models/{SMOKE_MODEL}",
+                "K3_SERVED_MODEL_NAME": SMOKE_MODEL, "K3_MODELS_DIR": str(MODELS_DIR),
+                "K3_PROFILER_MAX_ITERATIONS": "6"})
+    p = subprocess.run(
+        [sys.executable, "-m", "k3rocm", "census-ab", "--image", hook_image,
+         "--on", "qk_norm",
+         "--port", str(free_port()), "--server-env", "K3_TEST_DOUBLE_ROCM=1",
+         "--server-env", f"K3_TEST_BIND_MODULES={BIND}", "--no-gpu",
+         "--model-dir", str(MODELS_DIR / SMOKE_MODEL), "--concurrency", "4",
+         "--max-tokens", "256", "--server-timeout", "420", "--results", str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=1200)
+    print(p.stdout, p.stderr[-4000:])
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    assert "census-ab: PASS" in p.stdout
+    run_dir = next(tmp_path.glob("*-census-ab"))
+    # what served: upstream's file, not the overlay (the image's build skipped it)
+    for arm in ("off", "on"):
+        log = (run_dir / arm / "server.log").read_text(errors="replace")
+        assert "k3rocm upstream hook: vllm.models.kimi_k3.amd.mla." in log, log[-3000:]
+    # the records each arm's server wrote: the hook's, read from upstream's attribute
+    recs = {arm: _records(run_dir / arm / "server.log") for arm in ("off", "on")}
+    for arm, state, reason in (("on", "on", "upstream's gates: on"),
+                               ("off", "off", "K3_FUSE_QK_NORM=0 (hook)")):
+        target = [r for r in recs[arm] if r.layer_kind == "target"]
+        assert target, recs[arm]
+        for r in target:
+            assert r.writer == "upstream" and r.phase == "construct"
+            assert r.states["qk_norm"] == state and r.reasons["qk_norm"] == reason
+            assert r.asked["qk_norm"] is (arm == "on")
+            # decode Q-prep needs an fp8 KV cache: upstream's own gate says off on CPU
+            assert r.states["decode_qprep"] == "off"
+    # the census's cross-check of those records with each arm's claim: PASS, naming the hook
+    assert ("every target process (1, written by the upstream hook) reports ON "
+            "(upstream's gates: on)") in p.stdout
+    assert ("every target process (1, written by the upstream hook) reports OFF "
+            "(K3_FUSE_QK_NORM=0 (hook))") in p.stdout
+    ab = json.loads((run_dir / "ab.json").read_text())
+    off, on = ab["arms"]["off"], ab["arms"]["on"]
+    assert (off["claim"]["qk_norm"], on["claim"]["qk_norm"]) == (False, True)
+    for arm in (off, on):  # one records row per fusion, each a PASS
+        rows = [c for c in arm["checks"] if c["role"] == "records" and c["fusion"]]
+        assert sorted(c["fusion"] for c in rows) == ["decode_qprep", "qk_norm"], rows
+        assert all(c["status"] == "ok" for c in rows), rows
+    layers = _smoke_layers()
+
+    def check(arm, role):
+        return next(c for c in arm["checks"] if c["role"] == role and c["rank"] == 0)
+
+    census = {a: json.loads((run_dir / a / "census.json").read_text()) for a in ("off", "on")}
+    # each arm's own verdict, and the q/kv norm fusion's both-halves row in it
+    assert census["off"]["verdict"] == census["on"]["verdict"] == "PASS"
+    for arm in (off, on):
+        [halves] = [c for c in arm["checks"] if c["scope"] == "fusion"
+                    and c["fusion"] == "qk_norm" and c["rank"] == 0]
+        assert halves["status"] == "ok", halves
+    steps = {a: census[a]["ranks"][0]["steps"] for a in ("off", "on")}
+    # both halves of the norm fusion, in upstream's own class: asked on, one fused launch per
+    # MLA layer and step and no stock pair; asked off, the pair and no fused launch
+    f_on, f_off = check(on, "fused_qk_norm"), check(off, "fused_qk_norm")
+    assert (f_on["expected"], f_on["seen"]) == (layers * steps["on"],) * 2
+    assert f_off["seen"] == 0
+    s_on, s_off = check(on, "qk_norm"), check(off, "qk_norm")
+    assert s_on["seen"] == 0 and s_off["seen"] == 2 * layers * steps["off"]
+    assert "2 cold server start(s) in the order A B" in p.stderr
