@@ -348,6 +348,15 @@ class ComposeServer:
         with contextlib.suppress(UsageError):
             self.compose("down", *flag, "--remove-orphans",
                          timeout=(grace or STOP_TIMEOUT) + 120)
+        # compose down can leave a container its restart policy was restarting at that moment
+        # (the engine refuses to remove a restarting container; seen on a loaded machine after
+        # a failed start): what is still there is force-removed, so nothing restarts later.
+        with contextlib.suppress(Exception):
+            client = docker_client()
+            for c in client.containers.list(all=True, filters={
+                    "label": f"com.docker.compose.project={self.project}"}):
+                _log(f"compose down left {c.name} ({c.status}): removing it")
+                c.remove(force=True)
         if self.container_env:
             with contextlib.suppress(OSError):
                 self._env_file().unlink()

@@ -95,7 +95,8 @@ def summarize_decisions(records: dict[tuple[Any, Any], dict[str, Any]]) -> str:
     """e.g. ``target: qk_norm=on decode_qprep=off`` (one state per fusion and layer kind;
     ``mixed`` when processes disagree)."""
     if not records:
-        return "no K3ROCM-DECISION records (neither the overlay nor the upstream hook wrote any in this server)"
+        return ("no K3ROCM-DECISION records (neither the overlay nor the upstream hook wrote "
+                "any in this server)")
     per: dict[str, dict[str, set[str]]] = {}
     for (_pid, kind), rec in sorted(records.items(), key=lambda kv: str(kv[0])):
         for fusion, d in (rec.get("fusions") or {}).items():
