@@ -159,3 +159,30 @@ def test_failure_counts_only_exits_after_the_wait_began():
     srv = ComposeServer(project="p", inherit_env=False)
     srv.__dict__.update(_container=c, _exits={"c1": "2026-12-01T00:00:00Z"})
     assert srv.failure() is None
+
+
+@pytest.mark.parametrize("status, raises", [("restarting", False), ("exited", False),
+                                            ("created", True), (None, True)])
+def test_a_compose_up_error_with_a_started_container_is_left_to_its_state(
+        monkeypatch, status, raises):
+    """`compose up -d` can report a container that exited at once as its own failure (seen in
+    CI on a loaded machine: `server up` exited 3 and left the container to its restart
+    policy). A container that started is judged by its state in wait() (stopped, log saved,
+    removed); one never started (created), or none, is still the one-line error."""
+    from types import SimpleNamespace
+
+    from k3rocm.errors import UsageError
+
+    c = None if status is None else SimpleNamespace(id="c1", attrs={"State": {**UP,
+                                                                              "Status": status}})
+    srv = ComposeServer(project="p", inherit_env=False)
+    monkeypatch.setattr(ComposeServer, "container", lambda self, client=None: c)
+    monkeypatch.setattr(ComposeServer, "compose", lambda self, *a, **kw: subprocess.
+                        CompletedProcess(a, 1, "", "Error response from daemon: container "
+                                         "c1 is restarting"))
+    if raises:
+        with pytest.raises(UsageError, match="starting the server .* failed") as ei:
+            srv.up()
+        assert ei.value.exit_code == 3
+    else:
+        srv.up()  # no error: wait() decides from the state

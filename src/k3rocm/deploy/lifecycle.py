@@ -238,6 +238,16 @@ class ComposeServer:
             code = 2 if any(s in err[-1] for s in ("No such image", "not found", "invalid",
                                                    "port is already allocated",
                                                    "address already in use")) else 3
+            # A container that compose created and that then exited or is restarting (compose
+            # can report that as its own failure on a loaded machine): its state is the
+            # evidence, and wait() stops it, saves its log and says so, as for any failed
+            # start. Raising here would leave it to its restart policy.
+            if code == 3:
+                with contextlib.suppress(UsageError):
+                    c = self.container()
+                    if c is not None and (c.attrs.get("State") or {}).get("Status") != "created":
+                        _log(f"compose up reported: {err[-1]}; the container's state decides")
+                        return
             raise UsageError(f"starting the server (compose project {self.project}) failed: "
                              f"{err[-1]}", code)
 
