@@ -69,7 +69,7 @@ def test_make_up_stops_a_server_that_fails_to_start_and_keeps_its_log(image, tmp
         _remove(project)
     err = r.stderr.strip().splitlines()
     assert r.returncode == 3, r.stdout + r.stderr
-    assert not left, f"containers left in {project}: {left}"
+    assert not left, f"containers left in {project}: {left}; stderr: {r.stderr[-1500:]}"
     last = err[-1]
     assert last.startswith("k3rocm: error: the server container ") and "exited" in last, last
     assert "before it became ready; stopped and removed" in last, last

@@ -281,7 +281,8 @@ class ComposeServer:
             _log(f"{exc}: stopping compose project {self.project}, saving its log")
             path, why = None, "no log path given"
             try:
-                with contextlib.suppress(UsageError):  # no restart from here on
+                self._remove_left(None)  # no restart from here on
+                with contextlib.suppress(UsageError):
                     self.compose("stop", SERVICE, timeout=STOP_TIMEOUT + 120)
                 path = log_path() if callable(log_path) else log_path
             except OSError as err:  # the results directory: the server is removed anyway
@@ -313,6 +314,25 @@ class ComposeServer:
                 if not quiet:
                     _log(f"CPU stand-in: {self.pinned}")
         return waited
+
+    def _remove_left(self, why: str | None = None) -> None:
+        """Every container of this project: its restart policy set to "no" first (the engine
+        refuses to remove a container its policy is restarting, Docker 20.10), killed, waited
+        for, removed. ``why`` None: only the restart policy is set (a failed start, before it
+        is stopped: no further restart from here on)."""
+        with contextlib.suppress(Exception):
+            client = docker_client()
+            for c in client.containers.list(all=True, filters={
+                    "label": f"com.docker.compose.project={self.project}"}):
+                with contextlib.suppress(Exception):
+                    c.update(restart_policy={"Name": "no"})
+                if why is None:
+                    continue
+                _log(f"{why} {c.name} ({c.status}): removing it")
+                for step in (c.kill, lambda c=c: c.wait(condition="not-running", timeout=60),
+                             lambda c=c: c.remove(force=True)):
+                    with contextlib.suppress(Exception):
+                        step()
 
     def save_log(self, path: Path) -> Path | None:
         """The server's whole log into ``path`` (atomically); None when there is no log."""
@@ -361,12 +381,7 @@ class ComposeServer:
         # compose down can leave a container its restart policy was restarting at that moment
         # (the engine refuses to remove a restarting container; seen on a loaded machine after
         # a failed start): what is still there is force-removed, so nothing restarts later.
-        with contextlib.suppress(Exception):
-            client = docker_client()
-            for c in client.containers.list(all=True, filters={
-                    "label": f"com.docker.compose.project={self.project}"}):
-                _log(f"compose down left {c.name} ({c.status}): removing it")
-                c.remove(force=True)
+        self._remove_left("compose down left")
         if self.container_env:
             with contextlib.suppress(OSError):
                 self._env_file().unlink()
