@@ -17,6 +17,12 @@ PRIVATE_SOCKET = "/run/k3d/docker.sock"  # .ci/dockerd.sh
 if "DOCKER_HOST" not in os.environ and Path(PRIVATE_SOCKET).exists():
     os.environ["DOCKER_HOST"] = f"unix://{PRIVATE_SOCKET}"
 
+# `make test` exports the Makefile's COMPOSE_FILE (compose.yaml unless CPU=1), which outranks a
+# test's K3_PROFILE=cpu-smoke in deployment.decide_cpu: tests set the files they mean
+# themselves, so the suite decides the same under make as under pytest.
+for _k in ("COMPOSE_FILE", "COMPOSE_PATH_SEPARATOR"):
+    os.environ.pop(_k, None)
+
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 # Shared by every test process (and pytest-xdist worker): smoke model, server logs, locks.
 TEST_CACHE = Path(os.environ.get("K3_TEST_CACHE", "/tmp/k3rocm-cache"))

@@ -161,28 +161,38 @@ def test_failure_counts_only_exits_after_the_wait_began():
     assert srv.failure() is None
 
 
-@pytest.mark.parametrize("status, raises", [("restarting", False), ("exited", False),
-                                            ("created", True), (None, True)])
-def test_a_compose_up_error_with_a_started_container_is_left_to_its_state(
-        monkeypatch, status, raises):
-    """`compose up -d` can report a container that exited at once as its own failure (seen in
-    CI on a loaded machine: `server up` exited 3 and left the container to its restart
-    policy). A container that started is judged by its state in wait() (stopped, log saved,
-    removed); one never started (created), or none, is still the one-line error."""
-    from types import SimpleNamespace
-
+def test_gpu_compose_files_on_a_host_without_kfd_are_refused_before_compose(monkeypatch):
+    """The GPU files map /dev/kfd: on a host without it compose would create the container and
+    fail to start it. Refused first (exit 2, what to do), compose never runs."""
+    import k3rocm.deploy.lifecycle as lc
     from k3rocm.errors import UsageError
 
-    c = None if status is None else SimpleNamespace(id="c1", attrs={"State": {**UP,
-                                                                              "Status": status}})
-    srv = ComposeServer(project="p", inherit_env=False)
-    monkeypatch.setattr(ComposeServer, "container", lambda self, client=None: c)
-    monkeypatch.setattr(ComposeServer, "compose", lambda self, *a, **kw: subprocess.
-                        CompletedProcess(a, 1, "", "Error response from daemon: container "
-                                         "c1 is restarting"))
-    if raises:
-        with pytest.raises(UsageError, match="starting the server .* failed") as ei:
-            srv.up()
-        assert ei.value.exit_code == 3
-    else:
-        srv.up()  # no error: wait() decides from the state
+    monkeypatch.setattr(lc, "KFD", Path("/nonexistent/kfd"))
+    monkeypatch.setattr(ComposeServer, "compose", lambda *a, **kw: pytest.fail("compose ran"))
+    with pytest.raises(UsageError, match=r"/nonexistent/kfd.*CPU=1") as ei:
+        ComposeServer(project="p", inherit_env=False).up()
+    assert ei.value.exit_code == 2
+
+
+@pytest.mark.docker
+def test_a_container_compose_could_not_start_is_removed(image, tmp_path):
+    """Real engine: the port is taken, so compose creates the server container and fails to
+    start it. `server up` exits 2 naming the port, and nothing of the project is left (old
+    code: the Created container stayed)."""
+    import socket
+
+    project = f"k3portbusy-{os.getpid()}"
+    env = _env(tmp_path, image)
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", 0))
+        s.listen()
+        env["K3_PORT"] = str(s.getsockname()[1])
+        try:
+            r = run_cli("server", "up", "--project", project, "--env-file",
+                        str(tmp_path / ".env"), "--timeout", "60", env=env, timeout=600)
+            left = project_containers(project)
+        finally:
+            _remove(project)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "starting the server" in r.stderr and ("already" in r.stderr), r.stderr[-1500:]
+    assert not left, f"containers left in {project}: {left}"

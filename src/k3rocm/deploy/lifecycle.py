@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from k3rocm.deploy.deployment import compose_files, load_deployment
+from k3rocm.deploy.deployment import KFD, compose_files, load_deployment
 from k3rocm.deploy.engine import docker_client
 from k3rocm.errors import UsageError, tagged_log
 
@@ -224,6 +224,10 @@ class ComposeServer:
     def up(self, build: bool = False) -> None:
         """Start the server detached (``build``: build the image first; otherwise the image
         must exist: it is never pulled)."""
+        if not self.cpu and not KFD.exists():
+            raise UsageError(f"the GPU compose files map {KFD}, which this host does not have: "
+                             "run on the AMD GPU node, or start the CPU stand-in (make CPU=1, "
+                             "or --no-gpu)", 2)
         args = ["up", "-d", "--build" if build else "--no-build", SERVICE]
         # the exits seen before: a container compose keeps (same config) counts only new ones
         old = None
@@ -238,16 +242,9 @@ class ComposeServer:
             code = 2 if any(s in err[-1] for s in ("No such image", "not found", "invalid",
                                                    "port is already allocated",
                                                    "address already in use")) else 3
-            # A container that compose created and that then exited or is restarting (compose
-            # can report that as its own failure on a loaded machine): its state is the
-            # evidence, and wait() stops it, saves its log and says so, as for any failed
-            # start. Raising here would leave it to its restart policy.
-            if code == 3:
-                with contextlib.suppress(UsageError):
-                    c = self.container()
-                    if c is not None and (c.attrs.get("State") or {}).get("Status") != "created":
-                        _log(f"compose up reported: {err[-1]}; the container's state decides")
-                        return
+            # what compose created before the error (a container it could not start) goes too
+            with contextlib.suppress(UsageError):
+                self.compose("down", "--timeout", "0", "--remove-orphans", timeout=300)
             raise UsageError(f"starting the server (compose project {self.project}) failed: "
                              f"{err[-1]}", code)
 
@@ -281,8 +278,7 @@ class ComposeServer:
             _log(f"{exc}: stopping compose project {self.project}, saving its log")
             path, why = None, "no log path given"
             try:
-                self._remove_left(None)  # no restart from here on
-                with contextlib.suppress(UsageError):
+                with contextlib.suppress(UsageError):  # no restart from here on
                     self.compose("stop", SERVICE, timeout=STOP_TIMEOUT + 120)
                 path = log_path() if callable(log_path) else log_path
             except OSError as err:  # the results directory: the server is removed anyway
@@ -314,25 +310,6 @@ class ComposeServer:
                 if not quiet:
                     _log(f"CPU stand-in: {self.pinned}")
         return waited
-
-    def _remove_left(self, why: str | None = None) -> None:
-        """Every container of this project: its restart policy set to "no" first (the engine
-        refuses to remove a container its policy is restarting, Docker 20.10), killed, waited
-        for, removed. ``why`` None: only the restart policy is set (a failed start, before it
-        is stopped: no further restart from here on)."""
-        with contextlib.suppress(Exception):
-            client = docker_client()
-            for c in client.containers.list(all=True, filters={
-                    "label": f"com.docker.compose.project={self.project}"}):
-                with contextlib.suppress(Exception):
-                    c.update(restart_policy={"Name": "no"})
-                if why is None:
-                    continue
-                _log(f"{why} {c.name} ({c.status}): removing it")
-                for step in (c.kill, lambda c=c: c.wait(condition="not-running", timeout=60),
-                             lambda c=c: c.remove(force=True)):
-                    with contextlib.suppress(Exception):
-                        step()
 
     def save_log(self, path: Path) -> Path | None:
         """The server's whole log into ``path`` (atomically); None when there is no log."""
@@ -378,10 +355,6 @@ class ComposeServer:
         with contextlib.suppress(UsageError):
             self.compose("down", *flag, "--remove-orphans",
                          timeout=(grace or STOP_TIMEOUT) + 120)
-        # compose down can leave a container its restart policy was restarting at that moment
-        # (the engine refuses to remove a restarting container; seen on a loaded machine after
-        # a failed start): what is still there is force-removed, so nothing restarts later.
-        self._remove_left("compose down left")
         if self.container_env:
             with contextlib.suppress(OSError):
                 self._env_file().unlink()
