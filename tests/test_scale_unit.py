@@ -26,6 +26,7 @@ IMAGES = {"K3_IMAGE": "registry.example.com/k3rocm/server:0.1" + DIGEST,
 TWO_K8S = {**TWO, **IMAGES}
 DPEP = {"K3_SCALE_MODE": "dp-ep", "K3_SCALE_NODES": "10.0.0.1:8000,10.0.0.2:8000",
         "K3_SCALE_IFNAME": "eth0"}
+DPEP_K8S = {**DPEP, **IMAGES, "K3_SCALE_EXPERIMENTAL": "1"}  # the sketch needs the opt-in
 
 
 def test_defaults_single():
@@ -46,6 +47,7 @@ def test_the_docs_table_is_every_scale_setting_with_its_default():
     assert [r[0] for r in rows] == list(SCALE_ENV.values())
     default = ScaleSettings()
     for env, doc in rows:
+        doc = doc.replace("\\|", "|")  # a | in a Markdown table cell is written \|
         value = getattr(default, SCALE_FIELD_BY_ENV[env])
         assert doc == (f"`{value}`" if value not in (None, "", ()) else "—"), env
 
@@ -271,19 +273,23 @@ def test_k8s_router_admin_endpoints_not_exposed():
     # The Service reaches only the proxy's port; the router's port is no container port.
     svc = _obj(objs, "Service", k8s.ROUTER)
     target = svc["spec"]["ports"][0]["targetPort"]
-    assert [p["containerPort"] for p in proxy["ports"]] == [target]
+    # The proxy's ports: the data port (the Service's) and the metrics-only port.
+    assert [p["containerPort"] for p in proxy["ports"]] == [target, 29000]
     assert int(a[a.index("--port") + 1]) != target
     assert all(p["containerPort"] != int(a[a.index("--port") + 1])
                for c in pod["containers"] for p in c.get("ports", []))
     conf = _obj(objs, "ConfigMap")["data"]["nginx.conf"]
-    assert conf == k8s.proxy_conf(str(target), int(a[a.index("--port") + 1]))
+    assert conf == k8s.proxy_conf(str(target), int(a[a.index("--port") + 1]),
+                                  metrics_listen="29000",
+                                  metrics_port=int(a[a.index("--prometheus-port") + 1]))
 
 
 def test_k8s_router_probes_readiness_liveness():
     # /health is 200 with no worker and 503 when one of N is down (vllm-router 0.1.17).
     proxy = next(c for c in _router_pod(_render(TWO_K8S))["containers"] if c["name"] == "proxy")
     assert proxy["readinessProbe"]["httpGet"]["path"] == "/readiness"
-    assert proxy["livenessProbe"]["httpGet"]["path"] == "/liveness"
+    # nginx's liveness is nginx's own (the router has its own probe: test_k8s_router_ha...)
+    assert proxy["livenessProbe"]["tcpSocket"]["port"] == 8080
     assert "location = /readiness" in k8s.proxy_conf("8080", 30000)
 
 
@@ -326,7 +332,12 @@ def test_k8s_storage_per_pod_and_checkpoint_read_only():
 def test_k8s_scheduling_node_selector_and_requests():
     objs = _render({**TWO_K8S, "K3_SCALE_NODE_SELECTOR": "amd.com/gpu.product-name=X,pool=a"})
     pod = _server_pod(objs)
-    assert pod["nodeSelector"] == {"amd.com/gpu.product-name": "X", "pool": "a"}
+    # A user value replaces the default: one term, both requirements.
+    assert pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"] == {
+        "nodeSelectorTerms": [{"matchExpressions": [
+            {"key": "amd.com/gpu.product-name", "operator": "In", "values": ["X"]},
+            {"key": "pool", "operator": "In", "values": ["a"]}]}]}
+    assert "nodeSelector" not in pod
     req = pod["containers"][0]["resources"]["requests"]
     assert {"cpu", "memory", "amd.com/gpu"} <= set(req)
     for c in _router_pod(objs)["containers"]:
@@ -352,19 +363,22 @@ def test_k8s_policy_and_metrics_scrape():
     objs = _render(TWO_K8S)
     a = _router_pod(objs)["containers"][0]["args"]
     assert a[a.index("--policy") + 1] == "cache_aware"
-    assert a[a.index("--prometheus-host") + 1] == "0.0.0.0"
+    # The router's metrics stay on its pod's loopback; the proxy serves them on 29000.
+    assert a[a.index("--prometheus-host") + 1] == "127.0.0.1"
     router_ann = _obj(objs, "Deployment", k8s.ROUTER)["spec"]["template"]["metadata"][
         "annotations"]
     assert router_ann["prometheus.io/scrape"] == "true"
-    assert router_ann["prometheus.io/port"] == a[a.index("--prometheus-port") + 1]
+    assert router_ann["prometheus.io/port"] == "29000"
+    conf = _obj(objs, "ConfigMap")["data"]["nginx.conf"]
+    assert (f"listen 29000; location = /metrics {{ proxy_pass http://127.0.0.1:"
+            f"{a[a.index('--prometheus-port') + 1]}/metrics; }}") in conf
     server_ann = _obj(objs, "Deployment", k8s.APP)["spec"]["template"]["metadata"][
         "annotations"]
     assert server_ann["prometheus.io/port"] == "8000"
 
 
 def test_k8s_dp_ep_leaderworkerset():
-    env = {**DPEP, **IMAGES}
-    objs = _render(env)
+    objs = _render(DPEP_K8S)
     assert all(ln.startswith("ok") for ln in k8s.validate(objs))
     lws = objs[0]
     assert lws["kind"] == "LeaderWorkerSet" and "not validated on MI355X" in \
@@ -384,7 +398,7 @@ def test_k8s_dp_ep_leaderworkerset():
 
 def test_cli_render_k8s_writes_banner(tmp_path):
     out = tmp_path / "k8s.yaml"
-    r = run_cli("scale", "render-k8s", "--out", str(out), env={**DPEP, **IMAGES}, timeout=120)
+    r = run_cli("scale", "render-k8s", "--out", str(out), env=DPEP_K8S, timeout=120)
     assert r.returncode == 0, r.stderr
     assert out.read_text().startswith("# EXPERIMENTAL (dp-ep)")
     assert "NOT validated on MI355X" in out.read_text().splitlines()[0]
@@ -451,10 +465,12 @@ def test_proxy_forwards_only_data_paths_with_real_nginx(tmp_path):
 
     upstream = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Upstream)
     threading.Thread(target=upstream.serve_forever, daemon=True).start()
-    port = free_port()
+    port, mport = free_port(), free_port()
     conf = tmp_path / "nginx.conf"
+    # The upstream stands in for both router ports (data and metrics).
     conf.write_text(k8s.proxy_conf(f"127.0.0.1:{port}", upstream.server_address[1],
-                                   tmp=str(tmp_path)))
+                                   tmp=str(tmp_path), metrics_listen=f"127.0.0.1:{mport}",
+                                   metrics_port=upstream.server_address[1]))
     assert subprocess.run([nginx, "-t", "-q", "-c", str(conf)], capture_output=True,
                           text=True).returncode == 0
     proc = subprocess.Popen([nginx, "-g", "daemon off;", "-c", str(conf)],
@@ -480,12 +496,18 @@ def test_proxy_forwards_only_data_paths_with_real_nginx(tmp_path):
             ("POST", "/flush_cache"), ("GET", "/get_loads"), ("GET", "/metrics"),
             ("POST", "/v1/../add_worker?url=http://evil:1"),
             ("POST", "/v1/%2e%2e/add_worker?url=http://evil:1")]}
+        murl = f"http://127.0.0.1:{mport}"
+        metrics = {p: requests.request(m, f"{murl}{p}", timeout=5).status_code for m, p in [
+            ("GET", "/metrics"), ("GET", "/v1/models"), ("POST", "/add_worker?url=http://e:1"),
+            ("GET", "/liveness")]}
     finally:
         proc.terminate()
         proc.wait(timeout=30)
         upstream.shutdown()
     assert [p for p, c in codes.items() if c == 200] == [
         "/v1/chat/completions", "/v1/models", "/readiness", "/health"], codes
+    # The metrics port serves /metrics and nothing else.
+    assert [p for p, c in metrics.items() if c == 200] == ["/metrics"], metrics
     assert not any("worker" in p or "flush" in p for p in seen), seen
 
 

@@ -47,21 +47,43 @@ NODE_CACHE_DIR = "/var/lib/k3rocm/cache"
 SERVER_REQUESTS = {"cpu": "32", "memory": "256Gi"}
 ROUTER_REQUESTS = {"cpu": "2", "memory": "2Gi"}
 PROXY_REQUESTS = {"cpu": "500m", "memory": "128Mi"}
-# Before SIGTERM: time for the router to stop picking a terminating pod (discovery/health).
+# Before SIGTERM: time for the router to stop picking a terminating server pod
+# (discovery/health), and for the Service to drop a terminating router pod from its endpoints.
 PRESTOP_S = 15
 ROUTER_INTERNAL_PORT = 30000  # vllm-router's own default port, on 127.0.0.1 in its pod
-ROUTER_REQUEST_TIMEOUT_S = 1800  # vllm-router --request-timeout-secs default; proxy matches it
+ROUTER_INTERNAL_METRICS_PORT = 30001  # its --prometheus-port, on 127.0.0.1 (proxy exposes it)
+# vllm-router --request-timeout-secs default: the longest a request through the router lasts.
+# One value for the router flag, the proxy's timeouts and the router pods' grace period.
+ROUTER_REQUEST_TIMEOUT_S = 1800
+# The router's SIGTERM (vllm-router 0.1.17 src/server.rs "Received terminate signal, starting
+# graceful shutdown"): it closes its listener at once and exits when its in-flight requests
+# have finished. So it gets its SIGTERM after the proxy has stopped accepting (`nginx -s quit`
+# at PRESTOP_S); nginx's own SIGTERM would be a fast shutdown that cuts every stream.
+ROUTER_PRESTOP_S = PRESTOP_S + 5
+ROUTER_PYTHON = "/opt/router/bin/python3"  # docker/router/Dockerfile: the venv of vllm-router
+ROUTER_UID = 65534  # docker/router/Dockerfile: USER 65534:65534
+PROXY_UID = 101  # nginx-unprivileged's nginx user (K3_SCALE_PROXY_IMAGE)
+PROXY_CONF_DIR = "/etc/k3rocm"
+# Policies that keep no per-router state: N routers behave like one (docs/scale.md).
+STATELESS_POLICIES = ("random", "round_robin")
+# A new server pod's image pull (tens of GB) before its startup probe starts counting.
+PULL_ALLOWANCE_S = 900
+CACHE_SIZE = "200Gi"  # baseline/restricted: the HF/vLLM/Triton caches' emptyDir
 
 
 def proxy_conf(listen: str, upstream_port: int,
-               timeout_s: int = ROUTER_REQUEST_TIMEOUT_S, tmp: str = "/tmp") -> str:
+               timeout_s: int = ROUTER_REQUEST_TIMEOUT_S, tmp: str = "/tmp",
+               metrics_listen: str | None = None, metrics_port: int | None = None) -> str:
     """nginx configuration that exposes only the router's data paths.
 
     ``/v1/*`` (completions, chat, models, responses) and the health paths reach the router;
     everything else (``/add_worker``, ``/remove_worker``, ``/list_workers``, ``/flush_cache``,
     ...) is 404. The path is forwarded normalized (``$uri``), so ``/v1/../add_worker`` is
     ``/add_worker`` to nginx too and never reaches the router. Streaming is not buffered.
-    Runs unprivileged (temp files and pid in ``tmp``).
+    With ``metrics_listen``, a second server forwards only ``/metrics`` to the router's
+    Prometheus port (``metrics_port`` on 127.0.0.1): a port of its own, so a NetworkPolicy
+    can admit the scraper there and nobody else. Runs unprivileged (temp files and pid in
+    ``tmp``).
     """
     up = f"http://127.0.0.1:{upstream_port}$uri$is_args$args"
     fwd = (f"proxy_pass {up}; proxy_http_version 1.1; proxy_set_header Connection \"\"; "
@@ -83,12 +105,54 @@ def proxy_conf(listen: str, upstream_port: int,
         *(f"    location = {p} {{ {fwd} }}" for p in ("/health", "/readiness", "/liveness")),
         "    location / { return 404; }",
         "  }",
+        *([f"  server {{ listen {metrics_listen}; location = /metrics {{ proxy_pass "
+           f"http://127.0.0.1:{metrics_port}/metrics; }} location / {{ return 404; }} }}"]
+          if metrics_listen else []),
         "}", ""])
 
 
 def _probe(path: str, port: int, period: int, timeout: int, failures: int) -> dict[str, Any]:
     return {"httpGet": {"path": path, "port": port}, "periodSeconds": period,
             "timeoutSeconds": timeout, "failureThreshold": failures}
+
+
+def _restricted(uid: int) -> dict[str, Any]:
+    """A container securityContext that passes Pod Security "restricted"."""
+    return {"runAsNonRoot": True, "runAsUser": uid, "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def _pod_security(level: str, s: Any, c: dict[str, Any], spec: dict[str, Any],
+                  vols: list[dict[str, Any]]) -> None:
+    """The server container's privileges and storage for K3_SCALE_POD_SECURITY (docs/scale.md).
+
+    privileged: the compose settings. hostPath checkpoint and caches (node-local, staged once
+    per node); IPC_LOCK (pinned host memory, RDMA registration: the only capability llm-d's AMD
+    decode manifest gives vLLM); SYS_PTRACE (compose has it; cross-process checks of debuggers
+    and profilers, and of IPC that asks for ptrace access between sibling workers: nothing
+    here can show ROCm runs without it); seccomp Unconfined (ROCm's Docker guide: memory
+    policy / NUMA mapping syscalls). baseline: none of these; the checkpoint from a
+    read-only PersistentVolumeClaim, the caches in an emptyDir. restricted: baseline as a
+    non-root user with every capability dropped, in the GPU device groups.
+    """
+    if level == "privileged":
+        c["securityContext"] = {"capabilities": {"add": ["SYS_PTRACE", "IPC_LOCK"]},
+                                "seccompProfile": {"type": "Unconfined"}}
+        vols += [{"name": "models", "hostPath": {"path": NODE_MODELS_DIR, "type": "Directory"}},
+                 {"name": "cache", "hostPath": {"path": NODE_CACHE_DIR,
+                                                "type": "DirectoryOrCreate"}}]
+        return
+    vols += [{"name": "models", "persistentVolumeClaim": {"claimName": s.models_claim,
+                                                          "readOnly": True}},
+             {"name": "cache", "emptyDir": {"sizeLimit": CACHE_SIZE}}]
+    if level == "baseline":
+        c["securityContext"] = {"seccompProfile": {"type": "RuntimeDefault"}}
+        return
+    c["securityContext"] = _restricted(s.run_as_user)
+    c["env"].append({"name": "HOME", "value": "/cache"})  # the image's HOME is root's
+    spec["securityContext"] = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"},
+                               **({"supplementalGroups": list(s.gpu_groups)}
+                                  if s.gpu_groups else {})}
 
 
 def _settings_env(settings: Settings, port: int) -> list[dict[str, Any]]:
@@ -131,8 +195,6 @@ def _server_pod(node: NodePlan, plan: Plan, settings: Settings, image: str, star
         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"},
                          {"name": "models", "mountPath": "/models", "readOnly": True},
                          {"name": "cache", "mountPath": "/cache"}],
-        "securityContext": {"capabilities": {"add": ["SYS_PTRACE", "IPC_LOCK"]},
-                            "seccompProfile": {"type": "Unconfined"}},
         # A 1.5 TB load and kernel compilation: give /health up to startup_s to answer.
         "startupProbe": _probe("/health", port, 10, 5, max(1, -(-startup_s // 10))),
         "readinessProbe": _probe("/health", port, 10, 5, 3),
@@ -145,21 +207,27 @@ def _server_pod(node: NodePlan, plan: Plan, settings: Settings, image: str, star
     c["args"] = list(args if args is not None else node.command)
     if node.host_network:
         c["volumeMounts"].append({"name": "infiniband", "mountPath": "/dev/infiniband"})
-        c["securityContext"]["privileged"] = True  # RDMA devices (memlock: IPC_LOCK)
     vols: list[dict[str, Any]] = [
-        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": SHM_SIZE}},
-        {"name": "models", "hostPath": {"path": NODE_MODELS_DIR, "type": "Directory"}},
-        {"name": "cache", "hostPath": {"path": NODE_CACHE_DIR, "type": "DirectoryOrCreate"}},
-    ]
-    if node.host_network:
-        vols.append({"name": "infiniband", "hostPath": {"path": "/dev/infiniband"}})
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": SHM_SIZE}}]
     spec: dict[str, Any] = {
         "containers": [c], "volumes": vols,
-        "nodeSelector": plan.scale.node_selector_map,
-        "terminationGracePeriodSeconds": PRESTOP_S + drain_timeout(node) + STOP_MARGIN_S}
+        # The servers call no Kubernetes API: no token in the pod.
+        "automountServiceAccountToken": False,
+        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": plan.scale.node_affinity_terms}}},
+        "terminationGracePeriodSeconds": server_grace(node)}
+    _pod_security(plan.scale.pod_security, plan.scale, c, spec, vols)
     if node.host_network:
+        vols.append({"name": "infiniband", "hostPath": {"path": "/dev/infiniband"}})
+    if node.host_network:
+        c["securityContext"]["privileged"] = True  # RDMA devices (memlock: IPC_LOCK)
         spec.update(hostNetwork=True, dnsPolicy="ClusterFirstWithHostNet")
     return spec
+
+
+def server_grace(node: NodePlan) -> int:
+    """A server pod's terminationGracePeriodSeconds: preStop, the whole drain, teardown."""
+    return PRESTOP_S + drain_timeout(node) + STOP_MARGIN_S
 
 
 def _meta(name: str, labels: dict[str, str], annotations: dict[str, str] | None = None
@@ -179,23 +247,49 @@ def _scrape(port: int) -> dict[str, str]:
 
 
 def _deployment(name: str, labels: dict[str, str], replicas: int, pod: dict[str, Any],
-                annotations: dict[str, str], pod_annotations: dict[str, str]) -> dict[str, Any]:
+                annotations: dict[str, str], pod_annotations: dict[str, str],
+                surge: int, **spec: Any) -> dict[str, Any]:
     return {"apiVersion": "apps/v1", "kind": "Deployment",
             "metadata": _meta(name, labels, annotations),
             "spec": {"replicas": replicas, "selector": {"matchLabels": labels},
-                     # Replace one pod at a time in place: no spare 8-GPU node needed.
-                     "strategy": {"type": "RollingUpdate",
-                                  "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
+                     "strategy": {"type": "RollingUpdate", "rollingUpdate": {
+                         "maxSurge": surge, "maxUnavailable": 1 - surge}},
+                     **spec,
                      "template": {"metadata": {"labels": labels,
                                                "annotations": pod_annotations},
                                   "spec": pod}}}
 
 
-def _service(name: str, selector: dict[str, str], port: int) -> dict[str, Any]:
+def _pdb(name: str, labels: dict[str, str], **budget: int) -> dict[str, Any]:
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+            "metadata": _meta(name, labels),
+            "spec": {**budget, "selector": {"matchLabels": labels}}}
+
+
+def _service(name: str, selector: dict[str, str], port: int, **spec: Any) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "Service",
             "metadata": _meta(name, {LABEL_KEY: name}),
             "spec": {"selector": selector, "ports": [{"name": "http", "port": port,
-                                                      "targetPort": port}]}}
+                                                      "targetPort": port}], **spec}}
+
+
+def _scraper(s: Any) -> list[dict[str, Any]]:
+    """The NetworkPolicy peer of the metrics scraper: its namespace (none: no scraper)."""
+    return [{"namespaceSelector": {"matchLabels": {
+        "kubernetes.io/metadata.name": s.metrics_namespace}}}] if s.metrics_namespace else []
+
+
+def _network_policy(name: str, pods: dict[str, str], ingress: list[dict[str, Any]]
+                    ) -> dict[str, Any]:
+    """Ingress to ``pods`` only by these rules (egress is not restricted)."""
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": _meta(name, pods),
+            "spec": {"podSelector": {"matchLabels": pods}, "policyTypes": ["Ingress"],
+                     "ingress": [r for r in ingress if r.get("from", True)]}}
+
+
+def _tcp(port: int) -> list[dict[str, Any]]:
+    return [{"protocol": "TCP", "port": port}]
 
 
 def _router(plan: Plan, server_port: int) -> list[dict[str, Any]]:
@@ -205,7 +299,9 @@ def _router(plan: Plan, server_port: int) -> list[dict[str, Any]]:
     labels = {LABEL_KEY: ROUTER}
     args = ["--host", "127.0.0.1", "--port", str(ROUTER_INTERNAL_PORT), *s.routing_flags,
             "--request-timeout-secs", str(ROUTER_REQUEST_TIMEOUT_S),
-            "--prometheus-host", "0.0.0.0", "--prometheus-port", str(s.router_metrics_port),
+            # Metrics on loopback too: the proxy serves them on a port of their own.
+            "--prometheus-host", "127.0.0.1",
+            "--prometheus-port", str(ROUTER_INTERNAL_METRICS_PORT),
             "--service-discovery", "--selector", f"{LABEL_KEY}={APP}",
             "--service-discovery-port", str(server_port),
             # The Role below covers this namespace only: watch exactly it.
@@ -214,21 +310,52 @@ def _router(plan: Plan, server_port: int) -> list[dict[str, Any]]:
               "args": args,
               "env": [{"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {
                   "fieldPath": "metadata.namespace"}}}],
-              "ports": [{"name": "metrics", "containerPort": s.router_metrics_port}],
-              "resources": {"requests": ROUTER_REQUESTS}}
+              "resources": {"requests": ROUTER_REQUESTS},
+              "securityContext": _restricted(ROUTER_UID),
+              # The router itself answers /liveness (a hung router is restarted, not nginx):
+              # it listens on 127.0.0.1 only, so the probe runs inside its container.
+              "livenessProbe": {"exec": {"command": [
+                  ROUTER_PYTHON, "-c", "import urllib.request; urllib.request.urlopen("
+                  f"'http://127.0.0.1:{ROUTER_INTERNAL_PORT}/liveness', timeout=4)"]},
+                  "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 3},
+              "lifecycle": {"preStop": {"exec": {"command": ["sleep",
+                                                             str(ROUTER_PRESTOP_S)]}}}}
+    conf = f"{PROXY_CONF_DIR}/nginx.conf"
     proxy = {"name": "proxy", "image": proxy_image, "imagePullPolicy": "IfNotPresent",
-             "args": ["nginx", "-g", "daemon off;", "-c", "/etc/k3rocm/nginx.conf"],
-             "ports": [{"name": "http", "containerPort": s.router_port}],
-             "volumeMounts": [{"name": "proxy-conf", "mountPath": "/etc/k3rocm",
+             "args": ["nginx", "-g", "daemon off;", "-c", conf],
+             "ports": [{"name": "http", "containerPort": s.router_port},
+                       {"name": "metrics", "containerPort": s.router_metrics_port}],
+             "volumeMounts": [{"name": "proxy-conf", "mountPath": PROXY_CONF_DIR,
                                "readOnly": True}],
              "resources": {"requests": PROXY_REQUESTS},
+             "securityContext": _restricted(PROXY_UID),
              # Ready = the router has a healthy worker (503 otherwise, 200 while one of N
-             # restarts); live = the router process answers.
+             # restarts); live = nginx accepts (the router has its own probe).
              "readinessProbe": _probe("/readiness", s.router_port, 10, 5, 3),
-             "livenessProbe": _probe("/liveness", s.router_port, 10, 5, 3)}
+             "livenessProbe": {"tcpSocket": {"port": s.router_port}, "periodSeconds": 10,
+                               "timeoutSeconds": 5, "failureThreshold": 3},
+             # Out of the Service's endpoints first (PRESTOP_S), then a graceful quit that
+             # lets every proxied stream finish; the hook ends when nginx has exited.
+             "lifecycle": {"preStop": {"exec": {"command": ["/bin/sh", "-c",
+                 f"sleep {PRESTOP_S}; nginx -c {conf} -s quit; "
+                 "while [ -e /tmp/nginx.pid ]; do sleep 1; done"]}}}}
     pod = {"containers": [router, proxy], "serviceAccountName": ROUTER,
+           # The router's discovery reads pods through the API: it keeps its token.
+           "automountServiceAccountToken": True,
+           "securityContext": {"runAsNonRoot": True,
+                               "seccompProfile": {"type": "RuntimeDefault"}},
+           # Streams may last the router's request timeout: SIGKILL only after that.
+           "terminationGracePeriodSeconds": router_grace(),
+           # Replicas on different nodes where possible (one node drain, one router).
+           "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+               {"weight": 100, "podAffinityTerm": {"labelSelector": {"matchLabels": labels},
+                                                   "topologyKey": "kubernetes.io/hostname"}}]}},
            "volumes": [{"name": "proxy-conf", "configMap": {"name": f"{ROUTER}-proxy"}}]}
+    n = s.router_replicas
     return [
+        _network_policy(ROUTER, labels, [
+            {"ports": _tcp(s.router_port)},  # the data paths: from anywhere
+            {"from": _scraper(s), "ports": _tcp(s.router_metrics_port)}]),
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(ROUTER, labels)},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
          "metadata": _meta(ROUTER, labels),
@@ -239,17 +366,39 @@ def _router(plan: Plan, server_port: int) -> list[dict[str, Any]]:
          "subjects": [{"kind": "ServiceAccount", "name": ROUTER}],
          "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": ROUTER}},
         {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(f"{ROUTER}-proxy", labels),
-         "data": {"nginx.conf": proxy_conf(str(s.router_port), ROUTER_INTERNAL_PORT)}},
-        _deployment(ROUTER, labels, 1, pod,
+         "data": {"nginx.conf": proxy_conf(
+             str(s.router_port), ROUTER_INTERNAL_PORT, metrics_listen=str(s.router_metrics_port),
+             metrics_port=ROUTER_INTERNAL_METRICS_PORT)}},
+        # Router pods are cheap: a new one is ready before an old one stops.
+        _deployment(ROUTER, labels, n, pod,
                     {"k3rocm.org/note": "router for the rendered servers; only the proxy's "
-                     "data paths are reachable"}, _scrape(s.router_metrics_port)),
-        _service(ROUTER, labels, s.router_port),
+                     "data paths are reachable"}, _scrape(s.router_metrics_port), surge=1),
+        # One router always up through drains and evictions (with one replica a budget of
+        # one would block every node drain: none then).
+        *([_pdb(ROUTER, labels, minAvailable=1)] if n >= 2 else []),
+        # A stateful policy keeps its state per router: keep a client on one router.
+        _service(ROUTER, labels, s.router_port,
+                 **({} if s.router_policy in STATELESS_POLICIES or n == 1 else
+                    {"sessionAffinity": "ClientIP"})),
     ]
+
+
+def router_grace() -> int:
+    """A router pod's terminationGracePeriodSeconds: preStop, the longest request, margin."""
+    return ROUTER_PRESTOP_S + ROUTER_REQUEST_TIMEOUT_S + STOP_MARGIN_S
 
 
 def render_k8s(plan: Plan, settings: Settings) -> list[dict[str, Any]]:
     """Kubernetes objects for ``plan`` (a list of dicts, in apply order)."""
     s = plan.scale
+    if s.mode == "dp-ep" and not s.experimental:
+        raise UsageError("K3_SCALE_MODE=dp-ep: the Kubernetes rendering is a sketch (no worker "
+                         "liveness, every rollout an outage, RDMA by privileged hostPath; "
+                         "docs/scale.md); set K3_SCALE_EXPERIMENTAL=1 to render it anyway")
+    if s.mode == "dp-ep" and s.pod_security != "privileged":
+        raise UsageError(f"K3_SCALE_POD_SECURITY={s.pod_security}: dp-ep pods need "
+                         "privileged (host network, /dev/infiniband from the host); set "
+                         "K3_SCALE_POD_SECURITY=privileged")
     image = check_image_ref("K3_IMAGE", settings.image)
     startup = max(s.router_startup_timeout, 600)
     port = int(plan.nodes[0].env_overrides["K3_PORT"])
@@ -257,10 +406,17 @@ def render_k8s(plan: Plan, settings: Settings) -> list[dict[str, Any]]:
     if s.mode == "replicas":
         node = plan.nodes[0]
         pod = _server_pod(node, plan, settings, image, startup)
-        return [_deployment(APP, labels, len(plan.nodes), pod, _annotations(node), _scrape(port)),
-                {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
-                 "metadata": _meta(APP, labels),
-                 "spec": {"maxUnavailable": 1, "selector": {"matchLabels": labels}}},
+        # maxSurge 0: one pod at a time in place, no spare 8-GPU node. A new pod exists only
+        # after the old one's grace period, then pulls and starts: `kubectl rollout status`
+        # must wait that long before it calls the rollout failed.
+        deadline = server_grace(node) + PULL_ALLOWANCE_S + startup
+        return [_network_policy(APP, labels, [
+                    {"from": [{"podSelector": {"matchLabels": {LABEL_KEY: ROUTER}}},
+                              *_scraper(s)], "ports": _tcp(port)}]),
+                _deployment(APP, labels, len(plan.nodes), pod,
+                            {**_annotations(node), "k3rocm.org/pod-security": s.pod_security},
+                            _scrape(port), surge=0, progressDeadlineSeconds=deadline),
+                _pdb(APP, labels, maxUnavailable=1),
                 *_router(plan, port)]
     if s.mode == "dp-ep":
         head, worker = plan.nodes[0], plan.nodes[1]

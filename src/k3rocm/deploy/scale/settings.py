@@ -42,6 +42,17 @@ GPUS_PER_NODE = 8  # one MI355X node
 # repository path, optional tag, and a sha256 digest.
 IMAGE_REF = re.compile(r"^(?:[a-z0-9-]+(?:\.[a-z0-9-]+)+(?::\d+)?|[a-z0-9-]+:\d+|localhost)"
                        r"/[a-z0-9._/-]+(?::[\w.-]+)?@sha256:[0-9a-f]{64}$")
+# Kubernetes label key (optional DNS-subdomain prefix + "/" + name) and label value.
+_LABEL_NAME = r"[A-Za-z0-9](?:[-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
+_LABEL_KEY = re.compile(rf"^(?:[a-z0-9](?:[-a-z0-9.]{{0,251}}[a-z0-9])?/)?{_LABEL_NAME}$")
+_LABEL_VALUE = re.compile(rf"^(?:{_LABEL_NAME})?$")
+_DNS_LABEL = re.compile(r"^[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?$")
+# The MI355X nodes as AMD's node labeller (ROCm/k8s-device-plugin, cmd/k8s-node-labeller) labels
+# them: the PCI device id without "0x" (`-device-id`, on in both its DaemonSet and Helm chart),
+# or the sysfs product name with spaces as "_" (`-product-name`, not in the Helm chart's args).
+MI355X_NODES = ("amd.com/gpu.device-id=75a3;"
+                "amd.com/gpu.product-name=AMD_Instinct_MI355X|AMD_Instinct_MI355X_OAM")
+POD_SECURITY = ("privileged", "baseline", "restricted")
 _HOSTPORT = re.compile(r"^(?:\[[0-9A-Fa-f:]+\]|[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?)"
                        r":(\d{1,5})$")
 
@@ -64,8 +75,15 @@ class ScaleSettings(BaseModel):
     health_threshold: int = Field(3, ge=1, le=100)  # --health-failure-threshold
     router_image: str = "k3rocm/router:0.1.17"  # Kubernetes: registry/repo@sha256:<digest>
     proxy_image: str = ""  # Kubernetes: the nginx image of the router's data-port proxy
-    # Kubernetes: key=value[,key=value] labels of the MI355X nodes (AMD node labeller)
-    node_selector: str = "amd.com/gpu.product-name=AMD_Instinct_MI355X"
+    router_replicas: int = Field(2, ge=1, le=32)  # Kubernetes: router pods (2+: no SPOF)
+    # Kubernetes: the MI355X nodes, key=v1|v2,key=v ; another term (see node_affinity_terms)
+    node_selector: str = MI355X_NODES
+    pod_security: Literal[POD_SECURITY] = "privileged"  # type: ignore[valid-type]
+    models_claim: str = "k3rocm-models"  # Kubernetes baseline/restricted: checkpoint PVC
+    gpu_groups: tuple[int, ...] = ()  # Kubernetes restricted: GIDs owning /dev/kfd, /dev/dri
+    run_as_user: int = Field(1000, ge=1, le=2147483647)  # Kubernetes restricted: server UID
+    metrics_namespace: str = "monitoring"  # Kubernetes: the scraper's namespace (NetworkPolicy)
+    experimental: bool = False  # Kubernetes: render the dp-ep sketch anyway
     drain_timeout: int = Field(300, ge=0, le=86400)  # vLLM --shutdown-timeout (0 aborts)
     dp_local: int = Field(1, ge=1, le=8)  # dp-ep: DP ranks per node (x K3_TP <= 8 GPUs)
     dp_rpc_port: int = Field(13345, ge=1, le=65535)  # dp-ep: --data-parallel-rpc-port
@@ -89,14 +107,43 @@ class ScaleSettings(BaseModel):
     @field_validator("node_selector")
     @classmethod
     def _selector(cls, v: str) -> str:
-        for part in v.split(","):
-            if not re.match(r"^[A-Za-z0-9./_-]+=[A-Za-z0-9._-]*$", part.strip()):
-                raise ValueError(f"{part!r} is not key=value")
+        for term in v.split(";"):
+            for part in term.split(","):
+                key, eq, values = part.strip().partition("=")
+                if not eq or not _LABEL_KEY.match(key) or not all(
+                        _LABEL_VALUE.match(x) for x in values.split("|")):
+                    raise ValueError(f"{part.strip()!r} is not key=value[|value] with a "
+                                     "Kubernetes label key and values (e.g. "
+                                     "amd.com/gpu.device-id=75a3)")
         return v
 
     @property
-    def node_selector_map(self) -> dict[str, str]:
-        return dict(p.strip().split("=", 1) for p in self.node_selector.split(","))
+    def node_affinity_terms(self) -> list[dict[str, Any]]:
+        """``nodeSelectorTerms`` of a required node affinity: ``;`` separates terms (a node
+        matching any one is chosen), ``,`` the requirements of a term (all must hold), ``|``
+        the values a label may have."""
+        return [{"matchExpressions": [
+            {"key": k.strip(), "operator": "In", "values": v.split("|")}
+            for k, v in (p.split("=", 1) for p in term.split(","))]}
+            for term in self.node_selector.split(";")]
+
+    @field_validator("gpu_groups", mode="before")
+    @classmethod
+    def _groups(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            v = [p.strip() for p in v.split(",") if p.strip()]
+        if not all(str(g).isdigit() for g in v):
+            raise ValueError("give numeric group ids, e.g. 44,110 (`getent group video "
+                             "render` on a GPU node)")
+        return v
+
+    @field_validator("models_claim", "metrics_namespace")
+    @classmethod
+    def _dns_label(cls, v: str) -> str:
+        if v and not _DNS_LABEL.match(v):
+            raise ValueError("use a Kubernetes name: lower-case letters, digits and '-', "
+                             "at most 63")
+        return v
 
     @field_validator("router_host")
     @classmethod
