@@ -274,9 +274,9 @@ def _service(name: str, selector: dict[str, str], port: int, **spec: Any) -> dic
 
 
 def _scraper(s: Any) -> list[dict[str, Any]]:
-    """The NetworkPolicy peer of the metrics scraper: its namespace (none: no scraper)."""
+    """The NetworkPolicy peer of the metrics scraper: every pod of its namespace."""
     return [{"namespaceSelector": {"matchLabels": {
-        "kubernetes.io/metadata.name": s.metrics_namespace}}}] if s.metrics_namespace else []
+        "kubernetes.io/metadata.name": s.metrics_namespace}}}]
 
 
 def _network_policy(name: str, pods: dict[str, str], ingress: list[dict[str, Any]]
@@ -285,7 +285,7 @@ def _network_policy(name: str, pods: dict[str, str], ingress: list[dict[str, Any
     return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
             "metadata": _meta(name, pods),
             "spec": {"podSelector": {"matchLabels": pods}, "policyTypes": ["Ingress"],
-                     "ingress": [r for r in ingress if r.get("from", True)]}}
+                     "ingress": ingress}}
 
 
 def _tcp(port: int) -> list[dict[str, Any]]:

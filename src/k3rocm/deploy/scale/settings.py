@@ -140,7 +140,7 @@ class ScaleSettings(BaseModel):
     @field_validator("models_claim", "metrics_namespace")
     @classmethod
     def _dns_label(cls, v: str) -> str:
-        if v and not _DNS_LABEL.match(v):
+        if not _DNS_LABEL.match(v):
             raise ValueError("use a Kubernetes name: lower-case letters, digits and '-', "
                              "at most 63")
         return v

@@ -1,0 +1,235 @@
+"""Kubernetes rendering (``make render-k8s``): router HA, scheduling on AMD's node labels,
+NetworkPolicies, Pod Security variants, rollout deadlines, the dp-ep fence (no cluster)."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import run_cli
+from test_scale_unit import DPEP, DPEP_K8S, IMAGES, TWO_K8S, _obj, _render, _router_pod, _server_pod
+
+from k3rocm.deploy.scale import k8s
+from k3rocm.errors import UsageError
+
+FOUR_K8S = {**TWO_K8S, "K3_SCALE_NODES": ",".join(f"10.0.0.{i}:8000" for i in range(1, 5))}
+VARIANTS = ("privileged", "baseline", "restricted")
+
+
+def _c(pod, name):
+    return next(c for c in pod["containers"] if c["name"] == name)
+
+
+@pytest.mark.parametrize("env", [
+    TWO_K8S, FOUR_K8S, DPEP_K8S,
+    *({**TWO_K8S, "K3_SCALE_POD_SECURITY": v, "K3_SCALE_GPU_GROUPS": "44,110"}
+      for v in VARIANTS[1:]),
+    {**TWO_K8S, "K3_SCALE_ROUTER_REPLICAS": "1", "K3_SCALE_METRICS_NAMESPACE": "prom"}])
+def test_every_rendering_passes_the_strict_schema(env):
+    objs = _render(env)
+    assert all(line.startswith("ok") for line in k8s.validate(objs))
+
+
+def test_router_replicas_rollout_budget_and_spread():
+    objs = _render(TWO_K8S)
+    dep = _obj(objs, "Deployment", k8s.ROUTER)
+    assert dep["spec"]["replicas"] == 2  # K3_SCALE_ROUTER_REPLICAS default
+    # A new router pod is up before an old one goes: never zero endpoints in a rollout.
+    assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    pdb = _obj(objs, "PodDisruptionBudget", k8s.ROUTER)
+    assert pdb["spec"] == {"minAvailable": 1, "selector": dep["spec"]["selector"]}
+    anti = _router_pod(objs)["affinity"]["podAntiAffinity"][
+        "preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]
+    assert anti["topologyKey"] == "kubernetes.io/hostname"
+    assert anti["labelSelector"]["matchLabels"] == dep["spec"]["template"]["metadata"]["labels"]
+    assert _obj(_render({**TWO_K8S, "K3_SCALE_ROUTER_REPLICAS": "4"}), "Deployment",
+                k8s.ROUTER)["spec"]["replicas"] == 4
+
+
+def test_one_router_replica_gets_no_budget_that_would_block_drains():
+    objs = _render({**TWO_K8S, "K3_SCALE_ROUTER_REPLICAS": "1"})
+    assert [o["metadata"]["name"] for o in objs if o["kind"] == "PodDisruptionBudget"] == [
+        k8s.APP]
+
+
+@pytest.mark.parametrize("value", ["0", "two"])
+def test_router_replicas_bad_value_one_line(value):
+    with pytest.raises(UsageError) as exc:
+        _render({**TWO_K8S, "K3_SCALE_ROUTER_REPLICAS": value})
+    assert f"K3_SCALE_ROUTER_REPLICAS={value!r} is not valid" in str(exc.value)
+    assert "\n" not in str(exc.value)
+
+
+def test_router_stops_without_cutting_streams():
+    pod = _router_pod(_render(TWO_K8S))
+    router, proxy = _c(pod, "router"), _c(pod, "proxy")
+    a = router["args"]
+    timeout = int(a[a.index("--request-timeout-secs") + 1])
+    proxy_hook = proxy["lifecycle"]["preStop"]["exec"]["command"][-1]
+    router_sleep = int(router["lifecycle"]["preStop"]["exec"]["command"][-1])
+    proxy_sleep = int(proxy_hook.split(";")[0].split()[-1])
+    # nginx quits gracefully (its SIGTERM is a fast shutdown) and the hook waits for it.
+    assert "-s quit" in proxy_hook and "nginx.pid" in proxy_hook
+    # The router (listener closed at SIGTERM) goes after nginx stopped accepting.
+    assert router_sleep > proxy_sleep > 0
+    # SIGKILL only after the longest request the router allows.
+    assert pod["terminationGracePeriodSeconds"] >= router_sleep + timeout
+    assert f"proxy_read_timeout {timeout}s" in _obj(_render(TWO_K8S), "ConfigMap")["data"][
+        "nginx.conf"]
+
+
+def test_router_liveness_reaches_the_router_itself():
+    pod = _router_pod(_render(TWO_K8S))
+    router = _c(pod, "router")
+    a = router["args"]
+    cmd = router["livenessProbe"]["exec"]["command"]
+    # The router listens on the pod's loopback: an httpGet from the kubelet cannot reach it.
+    assert a[a.index("--host") + 1] == "127.0.0.1"
+    assert cmd[0] == "/opt/router/bin/python3"  # the router image's venv (docker/router)
+    assert f"http://127.0.0.1:{a[a.index('--port') + 1]}/liveness" in cmd[-1]
+    assert "httpGet" not in router["livenessProbe"]
+
+
+def test_default_node_affinity_matches_amd_labeller_labels():
+    pod = _server_pod(_render(TWO_K8S))
+    terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"]
+    # Any term may match: the device id (the labeller writes it without 0x) or a product name.
+    assert terms == [
+        {"matchExpressions": [{"key": "amd.com/gpu.device-id", "operator": "In",
+                               "values": ["75a3"]}]},
+        {"matchExpressions": [{"key": "amd.com/gpu.product-name", "operator": "In",
+                               "values": ["AMD_Instinct_MI355X", "AMD_Instinct_MI355X_OAM"]}]}]
+    assert "nodeSelector" not in pod
+
+
+def test_node_selector_alternatives_and_bad_values():
+    pod = _server_pod(_render({**TWO_K8S, "K3_SCALE_NODE_SELECTOR":
+                               "amd.com/gpu.device-id=75a3|75b3,pool=llm;gpu=mi355x"}))
+    terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"]
+    assert [[(e["key"], e["values"]) for e in t["matchExpressions"]] for t in terms] == [
+        [("amd.com/gpu.device-id", ["75a3", "75b3"]), ("pool", ["llm"])],
+        [("gpu", ["mi355x"])]]
+    for bad in ("amd.com/gpu.product-name=AMD Instinct MI355X", "=x", "a/b/c=1"):
+        with pytest.raises(UsageError, match="is not key=value"):
+            _render({**TWO_K8S, "K3_SCALE_NODE_SELECTOR": bad})
+
+
+def test_network_policies_admit_the_router_and_the_scraper_only():
+    objs = _render(TWO_K8S)
+    server_labels = _obj(objs, "Deployment", k8s.APP)["spec"]["template"]["metadata"]["labels"]
+    router_labels = _obj(objs, "Deployment", k8s.ROUTER)["spec"]["template"]["metadata"][
+        "labels"]
+    scraper = {"namespaceSelector": {"matchLabels": {
+        "kubernetes.io/metadata.name": "monitoring"}}}
+    srv = _obj(objs, "NetworkPolicy", k8s.APP)["spec"]
+    assert srv["podSelector"]["matchLabels"] == server_labels
+    assert srv["policyTypes"] == ["Ingress"]
+    assert srv["ingress"] == [{"from": [{"podSelector": {"matchLabels": router_labels}},
+                                        scraper],
+                               "ports": [{"protocol": "TCP", "port": 8000}]}]
+    rtr = _obj(objs, "NetworkPolicy", k8s.ROUTER)["spec"]
+    assert rtr["podSelector"]["matchLabels"] == router_labels
+    # The data port from anywhere (clients), the metrics port from the scraper only.
+    assert rtr["ingress"] == [{"ports": [{"protocol": "TCP", "port": 8080}]},
+                              {"from": [scraper], "ports": [{"protocol": "TCP", "port": 29000}]}]
+    # Applied before the pods they protect.
+    kinds = [o["kind"] for o in objs]
+    assert kinds.index("NetworkPolicy") < kinds.index("Deployment")
+
+
+def test_scraper_namespace_and_metrics_port_follow_the_settings():
+    objs = _render({**TWO_K8S, "K3_SCALE_METRICS_NAMESPACE": "prom",
+                    "K3_SCALE_ROUTER_METRICS_PORT": "29100"})
+    scraper = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "prom"}}}]
+    assert _obj(objs, "NetworkPolicy", k8s.ROUTER)["spec"]["ingress"][1] == {
+        "from": scraper, "ports": [{"protocol": "TCP", "port": 29100}]}
+    assert _obj(objs, "NetworkPolicy", k8s.APP)["spec"]["ingress"][0]["from"][1:] == scraper
+    with pytest.raises(UsageError, match="K3_SCALE_METRICS_NAMESPACE='Monitoring' is not valid"):
+        _render({**TWO_K8S, "K3_SCALE_METRICS_NAMESPACE": "Monitoring"})
+
+
+def test_service_account_token_only_where_the_api_is_called():
+    objs = _render(TWO_K8S)
+    assert _server_pod(objs)["automountServiceAccountToken"] is False
+    router = _router_pod(objs)
+    assert router["automountServiceAccountToken"] is True  # service discovery lists pods
+    lws = _render(DPEP_K8S)[0]["spec"]["leaderWorkerTemplate"]
+    assert all(lws[t]["spec"]["automountServiceAccountToken"] is False
+               for t in ("leaderTemplate", "workerTemplate"))
+
+
+def _server(variant, **extra):
+    env = {**TWO_K8S, "K3_SCALE_POD_SECURITY": variant, **extra}
+    objs = _render(env)
+    pod = _server_pod(objs)
+    return pod, pod["containers"][0], {v["name"]: v for v in pod["volumes"]}, objs
+
+
+def test_pod_security_privileged_is_the_compose_settings():
+    pod, c, vols, objs = _server("privileged")
+    assert c["securityContext"] == {"capabilities": {"add": ["SYS_PTRACE", "IPC_LOCK"]},
+                                    "seccompProfile": {"type": "Unconfined"}}
+    assert vols["models"]["hostPath"]["path"] == k8s.NODE_MODELS_DIR
+    assert vols["cache"]["hostPath"]["path"] == k8s.NODE_CACHE_DIR
+    assert _obj(objs, "Deployment", k8s.APP)["metadata"]["annotations"][
+        "k3rocm.org/pod-security"] == "privileged"
+
+
+def test_pod_security_baseline_no_host_paths_no_added_capabilities():
+    pod, c, vols, _ = _server("baseline", K3_SCALE_MODELS_CLAIM="kimi-k3")
+    assert not any("hostPath" in v for v in vols.values())
+    assert c["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}}
+    assert vols["models"]["persistentVolumeClaim"] == {"claimName": "kimi-k3", "readOnly": True}
+    assert next(m for m in c["volumeMounts"] if m["name"] == "models")["readOnly"] is True
+    assert "emptyDir" in vols["cache"]
+    assert "securityContext" not in pod and not pod.get("hostNetwork")
+
+
+def test_pod_security_restricted_non_root_in_the_gpu_groups():
+    pod, c, vols, _ = _server("restricted", K3_SCALE_GPU_GROUPS="44,110",
+                              K3_SCALE_RUN_AS_USER="2000")
+    assert c["securityContext"] == {
+        "runAsNonRoot": True, "runAsUser": 2000, "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
+    assert pod["securityContext"]["supplementalGroups"] == [44, 110]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert not any("hostPath" in v for v in vols.values())
+    assert "supplementalGroups" not in _server("restricted")[0]["securityContext"]
+    with pytest.raises(UsageError, match="K3_SCALE_GPU_GROUPS='video' is not valid: give "
+                       "numeric group ids"):
+        _server("restricted", K3_SCALE_GPU_GROUPS="video")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_router_and_proxy_are_restricted_in_every_variant(variant):
+    pod = _router_pod(_server(variant)[3])
+    assert pod["securityContext"] == {"runAsNonRoot": True,
+                                      "seccompProfile": {"type": "RuntimeDefault"}}
+    for c in pod["containers"]:
+        sc = c["securityContext"]
+        assert sc["allowPrivilegeEscalation"] is False and sc["runAsNonRoot"] is True
+        assert sc["capabilities"] == {"drop": ["ALL"]} and sc["runAsUser"] > 0
+    assert {k for v in pod["volumes"] for k in v} == {"name", "configMap"}
+
+
+def test_rollout_deadline_covers_grace_pull_and_startup():
+    objs = _render({**TWO_K8S, "K3_SCALE_DRAIN_TIMEOUT": "900"})
+    dep = _obj(objs, "Deployment", k8s.APP)
+    pod = dep["spec"]["template"]["spec"]
+    probe = pod["containers"][0]["startupProbe"]
+    startup = probe["periodSeconds"] * probe["failureThreshold"]
+    assert startup >= 7200
+    # Kubernetes' default 600 s made `kubectl rollout status` fail on a healthy rollout.
+    assert dep["spec"]["progressDeadlineSeconds"] > startup + pod[
+        "terminationGracePeriodSeconds"]
+
+
+def test_dp_ep_is_fenced_behind_the_experimental_setting():
+    with pytest.raises(UsageError) as exc:
+        _render({**DPEP, **IMAGES})
+    assert "K3_SCALE_EXPERIMENTAL=1" in str(exc.value) and "\n" not in str(exc.value)
+    with pytest.raises(UsageError, match="dp-ep pods need privileged"):
+        _render({**DPEP_K8S, "K3_SCALE_POD_SECURITY": "baseline"})
+    r = run_cli("scale", "render-k8s", env={**DPEP, **IMAGES}, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "K3_SCALE_EXPERIMENTAL=1" in r.stderr
