@@ -233,3 +233,85 @@ def test_dp_ep_is_fenced_behind_the_experimental_setting():
     r = run_cli("scale", "render-k8s", env={**DPEP, **IMAGES}, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "K3_SCALE_EXPERIMENTAL=1" in r.stderr
+
+
+def test_proxy_stop_hook_lets_a_stream_finish_with_real_nginx(tmp_path):
+    """The rendered proxy preStop, run against a real nginx with the rendered config: nginx
+    stops accepting, the held stream still completes, the hook returns once nginx has exited."""
+    import http.server
+    import shutil
+    import socket
+    import subprocess
+    import threading
+    import time
+
+    import requests
+    from conftest import free_port, need
+
+    nginx = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin")
+    need(nginx is not None, "nginx is not installed (apt-get install nginx-light)")
+    release, held = threading.Event(), threading.Event()
+
+    class Upstream(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Content-Length", "32")
+            self.end_headers()
+            self.wfile.write(b"data: first\n\n")  # 13 bytes
+            self.wfile.flush()
+            held.set()
+            release.wait(60)
+            self.wfile.write(b"data: [DONE]\n\n\n\n\n\n\n")  # 19 bytes
+
+        def log_message(self, *a):
+            pass
+
+    upstream = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Upstream)
+    upstream.daemon_threads = True
+    threading.Thread(target=upstream.serve_forever, daemon=True).start()
+    port = free_port()
+    conf = tmp_path / "nginx.conf"
+    conf.write_text(k8s.proxy_conf(f"127.0.0.1:{port}", upstream.server_address[1],
+                                   tmp=str(tmp_path)))
+    hook = k8s.proxy_stop_command(str(conf), sleep_s=0, tmp=str(tmp_path))
+    proc = subprocess.Popen([nginx, "-g", "daemon off;", "-c", str(conf)],
+                            stderr=subprocess.PIPE, text=True)
+    stop = None
+    try:
+        t0 = time.monotonic()
+        while not (tmp_path / "nginx.pid").exists():  # readiness poll
+            assert proc.poll() is None and time.monotonic() - t0 < 30, "nginx did not start"
+            time.sleep(0.05)
+        resp = requests.post(f"http://127.0.0.1:{port}/v1/completions", json={}, stream=True,
+                             timeout=60)
+        body = resp.raw.read(13)
+        assert body == b"data: first\n\n" and held.is_set()
+        stop = subprocess.Popen([hook[0], hook[1], hook[2].replace("nginx ", f"{nginx} ", 1)])
+
+        def refused():
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=2).close()
+                return False
+            except OSError:
+                return True
+
+        while not refused():  # nginx has begun its graceful quit (an observable event)
+            assert time.monotonic() - t0 < 30, "nginx kept accepting after the hook's quit"
+            time.sleep(0.05)
+        assert stop.poll() is None  # the hook waits: the stream is still in flight
+        release.set()
+        body += resp.raw.read()
+        assert stop.wait(timeout=30) == 0 and proc.wait(timeout=30) == 0
+    finally:
+        release.set()
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=30)
+        if stop is not None and stop.poll() is None:
+            stop.kill()
+        upstream.shutdown()
+    assert body.startswith(b"data: first\n\ndata: [DONE]")

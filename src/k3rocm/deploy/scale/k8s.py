@@ -111,6 +111,15 @@ def proxy_conf(listen: str, upstream_port: int,
         "}", ""])
 
 
+def proxy_stop_command(conf: str, sleep_s: int = PRESTOP_S, tmp: str = "/tmp") -> list[str]:
+    """The proxy's preStop: wait while the Service drops the pod, then quit gracefully (every
+    proxied stream finishes; nginx's SIGTERM would be a fast shutdown that cuts them) and
+    return only when nginx has exited (its pid file, in ``tmp`` per :func:`proxy_conf`, is
+    gone)."""
+    return ["/bin/sh", "-c", f"sleep {sleep_s}; nginx -c {conf} -s quit; "
+            f"while [ -e {tmp}/nginx.pid ]; do sleep 1; done"]
+
+
 def _probe(path: str, port: int, period: int, timeout: int, failures: int) -> dict[str, Any]:
     return {"httpGet": {"path": path, "port": port}, "periodSeconds": period,
             "timeoutSeconds": timeout, "failureThreshold": failures}
@@ -334,11 +343,7 @@ def _router(plan: Plan, server_port: int) -> list[dict[str, Any]]:
              "readinessProbe": _probe("/readiness", s.router_port, 10, 5, 3),
              "livenessProbe": {"tcpSocket": {"port": s.router_port}, "periodSeconds": 10,
                                "timeoutSeconds": 5, "failureThreshold": 3},
-             # Out of the Service's endpoints first (PRESTOP_S), then a graceful quit that
-             # lets every proxied stream finish; the hook ends when nginx has exited.
-             "lifecycle": {"preStop": {"exec": {"command": ["/bin/sh", "-c",
-                 f"sleep {PRESTOP_S}; nginx -c {conf} -s quit; "
-                 "while [ -e /tmp/nginx.pid ]; do sleep 1; done"]}}}}
+             "lifecycle": {"preStop": {"exec": {"command": proxy_stop_command(conf)}}}}
     pod = {"containers": [router, proxy], "serviceAccountName": ROUTER,
            # The router's discovery reads pods through the API: it keeps its token.
            "automountServiceAccountToken": True,
