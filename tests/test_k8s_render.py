@@ -315,3 +315,27 @@ def test_proxy_stop_hook_lets_a_stream_finish_with_real_nginx(tmp_path):
             stop.kill()
         upstream.shutdown()
     assert body.startswith(b"data: first\n\ndata: [DONE]")
+
+
+def test_dp_ep_host_ip_comes_from_the_interface_setting():
+    """VLLM_HOST_IP follows K3_SCALE_IFNAME (as GLOO/NCCL do), not the pod IP: the rendered
+    start line run by a real shell and python3 on this host's loopback interface."""
+    import re
+    import subprocess
+    import sys
+
+    tpl = _render({**DPEP_K8S, "K3_SCALE_IFNAME": "lo"})[0]["spec"]["leaderWorkerTemplate"]
+    for t in ("leaderTemplate", "workerTemplate"):
+        c = tpl[t]["spec"]["containers"][0]
+        assert not any(e["name"] == "VLLM_HOST_IP" for e in c["env"])  # no status.podIP
+        assert c["command"] == ["/bin/sh", "-c"]
+        line = c["args"][0]
+        assert "exec /opt/k3rocm/entrypoint.sh" in line and "$(python3" not in line
+    # Everything before the entrypoint's exec, with python3 as this interpreter.
+    prefix = line.split("; exec ")[0].replace("`python3 ", f"`{sys.executable} ")
+    r = subprocess.run(["/bin/sh", "-c", prefix + '; echo "$VLLM_HOST_IP"'],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0 and r.stdout.strip() == "127.0.0.1", r.stderr
+    bad = subprocess.run(["/bin/sh", "-c", re.sub(r"'lo'|\blo`", "'nosuchif0'`", prefix)
+                          + "; echo reached"], capture_output=True, text=True, timeout=30)
+    assert bad.returncode != 0 and "reached" not in bad.stdout  # no address: no start

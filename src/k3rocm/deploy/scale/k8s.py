@@ -7,14 +7,19 @@
   The router listens on 127.0.0.1 inside its pod: its admin endpoints (``/add_worker``,
   ``/remove_worker``, ...) share the data port, so an nginx sidecar (:func:`proxy_conf`) is the
   only thing the Service reaches, and it forwards only ``/v1/*`` and the health paths.
-* ``dp-ep``: a LeaderWorkerSet (leaderworkerset.x-k8s.io/v1; a CRD that must be installed): the
-  leader is the DP head, each worker runs ``--headless`` with its start rank from
-  ``LWS_WORKER_INDEX``; the API Service is not named like the LWS (the controller creates a
-  headless Service with the LWS's own name for the group's DNS).
+  Two or more router pods (surge 1, a PodDisruptionBudget, spread over nodes) that stop
+  without cutting a stream; NetworkPolicies admit the servers' port only from the router and
+  the metrics scraper. Server pods are placed by AMD's node labels (required node affinity).
+* ``dp-ep``: a sketch, rendered only with K3_SCALE_EXPERIMENTAL=1. A LeaderWorkerSet
+  (leaderworkerset.x-k8s.io/v1; a CRD that must be installed): the leader is the DP head, each
+  worker runs ``--headless`` with its start rank from ``LWS_WORKER_INDEX``; the API Service is
+  not named like the LWS (the controller creates a headless Service with the LWS's own name for
+  the group's DNS).
 
 Every image must be a pullable, pinned reference (registry/repo@sha256:...): a node cannot see a
-local tag. The checkpoint and the caches are node-local (hostPath): the checkpoint read-only,
-the caches per node (one 8-GPU pod per node), so no replica waits for another's volume.
+local tag. K3_SCALE_POD_SECURITY picks the server pods' privileges and storage: ``privileged``
+(node-local hostPath checkpoint, read-only, and caches, one 8-GPU pod per node, so no replica
+waits for another's volume), ``baseline`` or ``restricted`` (a read-only claim and an emptyDir).
 The server containers run the same image and entrypoint as compose, with the resolved K3_*
 settings as environment (the entrypoint renders the same argv as on a compose node: see the
 ``k3rocm.org/argv`` annotation) and the scale additions as arguments.
@@ -69,6 +74,12 @@ STATELESS_POLICIES = ("random", "round_robin")
 # A new server pod's image pull (tens of GB) before its startup probe starts counting.
 PULL_ALLOWANCE_S = 900
 CACHE_SIZE = "200Gi"  # baseline/restricted: the HF/vLLM/Triton caches' emptyDir
+# dp-ep: the IPv4 address of the interface named by argv[1] (SIOCGIFADDR), run by the image's
+# python3 at container start: VLLM_HOST_IP on K3_SCALE_IFNAME, like GLOO/NCCL_SOCKET_IFNAME
+# (on the host network the pod IP is the node's primary address, maybe another interface).
+IFADDR_PY = ("import fcntl, socket, struct, sys; s = socket.socket(socket.AF_INET, "
+             "socket.SOCK_DGRAM); print(socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, "
+             "struct.pack('256s', sys.argv[1].encode()[:15]))[20:24]))")
 
 
 def proxy_conf(listen: str, upstream_port: int,
@@ -192,9 +203,6 @@ def _server_pod(node: NodePlan, plan: Plan, settings: Settings, image: str, star
     env = _settings_env(settings, port)
     env += [{"name": k, "value": v} for k, v in node.env_overrides.items()
             if not k.startswith("K3_") and k != "VLLM_HOST_IP"]
-    if node.host_network:
-        env.append({"name": "VLLM_HOST_IP", "valueFrom": {"fieldRef": {
-            "fieldPath": "status.podIP"}}})
     c: dict[str, Any] = {
         "name": "server", "image": image, "imagePullPolicy": "IfNotPresent",
         "env": env,
@@ -432,11 +440,18 @@ def render_k8s(plan: Plan, settings: Settings) -> list[dict[str, Any]]:
         worker_args = _swap(worker_args, "--data-parallel-start-rank",
                             f"$((LWS_WORKER_INDEX * {s.dp_local}))")
         shell = ["/bin/sh", "-c"]
-        worker_cmd = "exec /opt/k3rocm/entrypoint.sh " + " ".join(
-            a if a.startswith("$") else shlex.quote(a) for a in worker_args)
-        leader = _server_pod(head, plan, settings, image, startup, args=head_args)
+
+        def start(args: list[str]) -> list[str]:
+            # Backquotes, not $(...): the kubelet expands $(NAME) in args.
+            ip = f"`python3 -c {shlex.quote(IFADDR_PY)} {shlex.quote(str(s.ifname))}`"
+            return [f"VLLM_HOST_IP={ip} || exit 1; export VLLM_HOST_IP; "
+                    "exec /opt/k3rocm/entrypoint.sh " + " ".join(
+                        a if a.startswith("$") else shlex.quote(a) for a in args)]
+
+        leader = _server_pod(head, plan, settings, image, startup, command=shell,
+                             args=start(head_args))
         workerpod = _server_pod(worker, plan, settings, image, startup, command=shell,
-                                args=[worker_cmd])
+                                args=start(worker_args))
         # Headless workers serve no API: no HTTP probes on them.
         for key in ("startupProbe", "readinessProbe", "livenessProbe", "ports"):
             workerpod["containers"][0].pop(key)
