@@ -390,8 +390,10 @@ def test_dp_ep_rendering_launches_dense_dp2(docker_client, standin_server):  # n
 def test_router_image_accepts_the_rendered_kubernetes_args(docker_client):
     """The router container of the Kubernetes rendering, started from the router image with
     its exact args (the namespace the pod would get substituted): vllm-router accepts every
-    flag, listens on 127.0.0.1 only, answers /liveness and serves metrics. Service discovery
-    itself needs an API server (it logs that it continues without)."""
+    flag, listens on 127.0.0.1 only, answers /liveness and serves metrics on loopback, the
+    rendered exec liveness probe passes in the image, and SIGTERM is a graceful shutdown (exit
+    0: what the router pod's preStop and grace period rely on). Service discovery itself needs
+    an API server (it logs that it continues without)."""
     from k3rocm.deploy.scale import k8s
     from k3rocm.serving import config
 
@@ -418,7 +420,7 @@ def test_router_image_accepts_the_rendered_kubernetes_args(docker_client):
             assert c.status == "running", c.logs(tail=30).decode(errors="replace")
             r = c.exec_run(["python3", "-c", probe,
                             f"{k8s.ROUTER_INTERNAL_PORT}/liveness",
-                            "29000/metrics"])
+                            f"{k8s.ROUTER_INTERNAL_METRICS_PORT}/metrics"])
             return r.exit_code == 0
 
         _wait(answers, 60, "router from the Kubernetes args answering", step=0.5)
@@ -427,7 +429,16 @@ def test_router_image_accepts_the_rendered_kubernetes_args(docker_client):
         assert "usage:" not in log and "unrecognized" not in log, log
         # Outside a cluster the only complaint is the missing Kubernetes API (expected).
         assert "Failed to start service discovery" in log, log
+        # The kubelet's probe exactly as rendered, in the router's own container.
+        live = c.exec_run(router["livenessProbe"]["exec"]["command"])
+        assert live.exit_code == 0, live.output
+        c.stop(timeout=30)  # SIGTERM, then SIGKILL only after 30 s
+        c.reload()
+        log = c.logs().decode(errors="replace")
+        assert c.attrs["State"]["ExitCode"] == 0, log[-2000:]
+        assert "starting graceful shutdown" in log, log[-2000:]
         _say("router image started with the rendered Kubernetes args: listening on "
-             f"127.0.0.1:{k8s.ROUTER_INTERNAL_PORT}, /liveness and metrics answer")
+             f"127.0.0.1:{k8s.ROUTER_INTERNAL_PORT}, /liveness and metrics answer, the "
+             "rendered liveness exec passes, SIGTERM: graceful shutdown, exit 0")
     finally:
         c.remove(force=True)
