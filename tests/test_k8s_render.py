@@ -339,3 +339,12 @@ def test_dp_ep_host_ip_comes_from_the_interface_setting():
     bad = subprocess.run(["/bin/sh", "-c", re.sub(r"'lo'|\blo`", "'nosuchif0'`", prefix)
                           + "; echo reached"], capture_output=True, text=True, timeout=30)
     assert bad.returncode != 0 and "reached" not in bad.stdout  # no address: no start
+
+
+def test_scale_config_prints_the_new_settings():
+    r = run_cli("scale", "config", env={**TWO_K8S, "K3_SCALE_GPU_GROUPS": "44,110",
+                                        "K3_SCALE_POD_SECURITY": "restricted"})
+    assert r.returncode == 0, r.stderr
+    assert "K3_SCALE_GPU_GROUPS=44,110" in r.stdout.splitlines()
+    assert "K3_SCALE_POD_SECURITY=restricted" in r.stdout.splitlines()
+    assert "K3_SCALE_ROUTER_REPLICAS=2" in r.stdout.splitlines()

@@ -94,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
     if cmd == "config":
         for name, env in SCALE_ENV.items():
             v = getattr(s, name)
-            print(f"{env}={','.join(v) if isinstance(v, tuple) else ('' if v is None else v)}")
+            text = ",".join(map(str, v)) if isinstance(v, tuple) else ("" if v is None else v)
+            print(f"{env}={text}")
         return 0
     if cmd == "url":
         print(s.router_url)
