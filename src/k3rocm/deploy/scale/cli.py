@@ -122,9 +122,14 @@ def run(args: argparse.Namespace) -> int:
         from k3rocm.deploy.engine import docker_client
 
         # status works without an engine (HTTP only)
+        from k3rocm.deploy.scale.k8scheck import cluster_nodes
+
         replicas, router = scale_status(s, docker_client(required=False))
-        print(json.dumps(status_json(replicas, router), indent=2) if args.json
-              else "\n".join(format_status(replicas, router)))
+        nodes = cluster_nodes(s, args.env_file)
+        lines = format_status(replicas, router)  # the router's summary stays the last line
+        lines.insert(-1, f"k8s nodes {nodes[0]}: {nodes[1]}")
+        print(json.dumps({**status_json(replicas, router), "kubernetes_nodes": {
+            "status": nodes[0], "found": nodes[1]}}, indent=2) if args.json else "\n".join(lines))
         return 0 if router.summary.startswith("ok") else EXIT_SERVER
     if cmd == "overhead":
         from k3rocm.deploy.deployment import load_deployment

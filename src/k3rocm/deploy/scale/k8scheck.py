@@ -592,3 +592,22 @@ def k8s_check(objs: list[dict[str, Any]], manifests: str, enforce: str | None = 
         failed |= bad
     out("k8s-check: " + ("FAILED" if failed else "ok"))
     return 1 if failed else 0
+
+
+def cluster_nodes(scale, dotenv: str | os.PathLike | None = ".env",
+                  environ: Mapping[str, str] | None = None) -> tuple[str, str]:
+    """:func:`node_selection` for the current settings (``make preflight``, ``make status``):
+    skipped without a kubeconfig or when the manifests cannot be rendered."""
+    kc, why = kubeconfig(environ)
+    if kc is None:
+        return "skip", f"skipped: {why}"
+    from k3rocm.deploy.scale.k8s import render_k8s
+    from k3rocm.deploy.scale.render import plan
+    from k3rocm.serving.config import load_settings
+
+    try:
+        settings, _ = load_settings(environ, dotenv, check_model=False)
+        objs = render_k8s(plan(environ, dotenv, scale=scale), settings)
+    except UsageError as exc:
+        return "skip", f"skipped: the manifests do not render ({exc})"
+    return node_selection(objs, environ)
