@@ -398,3 +398,7 @@ def test_preflight_and_status_say_skipped_without_a_kubeconfig(tmp_path):
                           "K3_SCALE_ROUTER_PORT": str(free_port())})
     r = run_cli("scale", "--env-file", "/dev/null", "status", env=env, timeout=120)
     assert "k8s nodes skip: skipped: no kubeconfig" in r.stdout, r.stdout + r.stderr
+    r = run_cli("preflight", "--env-file", "/dev/null", "--json", timeout=120,
+                env={**env, "DOCKER_HOST": f"unix://{tmp_path}/no-engine.sock"})
+    line = next(c for c in json.loads(r.stdout) if c["name"] == "kubernetes nodes")
+    assert line["status"] == "skip" and "no kubeconfig" in line["have"]
