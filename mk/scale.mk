@@ -7,6 +7,9 @@
 #   make router-proxy-conf         nginx config exposing only the router's data paths
 #   make scale-render [OUT=dir]    per-node env/argv (+ compose overrides nodeN.yaml in OUT)
 #   make render-k8s [OUT=file]     Kubernetes manifests, checked against the K8s schemas
+#   make k8s-check [POD_SECURITY=baseline]  the manifests checked as a cluster would: kubectl
+#                                  apply --dry-run=server with a kubeconfig; offline always (strict
+#                                  schemas 1.29-1.37, LWS CRD + webhook rules, Pod Security)
 #   make bench-router / gsm8k-router   `make bench`/`make gsm8k` against the router (same
 #                                  WORKLOAD/BENCH_ARGS/GSM8K_ARGS; provenance gets a topology block)
 # Settings: K3_SCALE_* in the shell or .env, like every K3_* setting (`k3rocm scale config`).
@@ -18,8 +21,9 @@ ROUTER_WHEELS ?= build/wheels/router
 ROUTER_LOCK := docker/router/requirements.lock
 PREFLIGHT_ARGS ?=
 OUT ?=
+POD_SECURITY ?=
 
-.PHONY: router-overhead router-proxy-conf bench-router gsm8k-router preflight router-wheels router-image router-up router-down status scale-render render-k8s scale-test
+.PHONY: router-overhead router-proxy-conf bench-router gsm8k-router preflight router-wheels router-image router-up router-down status scale-render render-k8s k8s-check scale-test
 
 preflight: $(PY) ## node preflight: ROCm devices, groups, NUMA, disk, checkpoint, image, ports, Docker (+ scale-out checks)
 	$(PY) -m k3rocm preflight $(PREFLIGHT_ARGS)
@@ -64,6 +68,9 @@ scale-render: $(PY) ## per-node env/argv for K3_SCALE_MODE (OUT=dir: compose ove
 render-k8s: $(PY) ## Kubernetes manifests for K3_SCALE_MODE, checked against the K8s schemas (OUT=file)
 	$(PY) -m k3rocm scale render-k8s $(if $(OUT),--out $(OUT))
 
+k8s-check: $(PY) ## the manifests checked as a cluster would (kubectl dry-run with a kubeconfig; offline schemas, LWS CRD, Pod Security)
+	$(PY) -m k3rocm scale k8s-check $(if $(POD_SECURITY),--pod-security $(POD_SECURITY))
+
 bench-router: $(PY) ## make bench through the router of K3_SCALE_* (WORKLOAD=, BENCH_ARGS=)
 	@url=$$($(PY) -m k3rocm scale url) || exit 2; \
 	  set -x; $(PY) -m k3rocm bench --workload $(or $(WORKLOAD),decode-8k1k) --url $$url $(BENCH_ARGS)
@@ -73,4 +80,4 @@ gsm8k-router: $(PY) ## make gsm8k through the router of K3_SCALE_* (GSM8K_ARGS=)
 	  set -x; $(PY) -m k3rocm gsm8k --url $$url $(GSM8K_ARGS)
 
 scale-test: $(PY) ## scale/preflight tests (the live ones start 2 stand-in servers + the router)
-	$(PY) -m pytest -ra tests/test_scale_unit.py tests/test_preflight.py tests/test_scale_standin.py $(PYTEST_ARGS)
+	$(PY) -m pytest -ra tests/test_scale_unit.py tests/test_k8s_check.py tests/test_preflight.py tests/test_scale_standin.py $(PYTEST_ARGS)

@@ -13,7 +13,8 @@ against its file and the index; headers only, timed), the base, serving and clie
 the serving image's base facts, the API port, Docker and Compose versions.
 Scale-out (K3_SCALE_MODE != single) adds: every node reachable, /dev/infiniband and the named
 interface where the mode needs them (dp-ep), the same serving image on every node, the
-router port free.
+router port free, and with a kubeconfig the cluster nodes the rendered server pod's node
+selection matches, with their amd.com/gpu labels (``k3rocm.deploy.scale.k8scheck``).
 """
 
 from __future__ import annotations
@@ -510,7 +511,13 @@ def run_checks(environ=None, dotenv: str = ".env") -> list[Check]:
                          "the running compose server (`make up` keeps it)", "")
         checks.append(port)
     else:
+        from k3rocm.deploy.scale.k8scheck import cluster_nodes
+
         checks += check_scale(s, settings, client)
+        status, have = cluster_nodes(s, dotenv, environ)
+        checks.append(Check("kubernetes nodes", status, have, "" if status != "fail" else
+                            "label the MI355X nodes (AMD node labeller) or set "
+                            "K3_SCALE_NODE_SELECTOR to labels they have"))
     return checks
 
 

@@ -3,14 +3,15 @@
   k3rocm scale config               the resolved K3_SCALE_* settings
   k3rocm scale render [--out DIR]   per-node env/argv (+ compose overrides written to DIR)
   k3rocm scale render-k8s [--out F] Kubernetes manifests, checked against the K8s schemas
+  k3rocm scale k8s-check [--pod-security LEVEL]  the manifests checked as a cluster would
   k3rocm scale proxy-conf [--listen A:P]  nginx config exposing only the router's data paths
   k3rocm scale router-up|router-down
   k3rocm scale url                  the router URL (bench/gsm8k --url)
   k3rocm scale status [--json]      one line per replica and the router's view
   k3rocm scale overhead [-n N]      the router's added latency vs direct requests (ratio)
 
-Exit codes: 0 ok, 2 bad settings, 3 status degraded/down or a router failure (the table in
-k3rocm.errors).
+Exit codes: 0 ok, 1 a k8s-check failed, 2 bad settings, 3 status degraded/down, a router
+failure or a kubeconfig's cluster that does not answer (the table in k3rocm.errors).
 """
 
 from __future__ import annotations
@@ -43,6 +44,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        description="Kubernetes manifests for the scale mode, checked against "
                        "the Kubernetes schemas with kubernetes-validate (offline)")
     p.add_argument("--out", type=Path, help="write the manifests (multi-document YAML) here")
+    p = sub.add_parser("k8s-check", help="the Kubernetes manifests checked as a cluster would",
+                       description="render the manifests for the K3_SCALE_* settings, then: "
+                       "with a kubeconfig (KUBECONFIG or ~/.kube/config) and kubectl, `kubectl "
+                       "apply --dry-run=server` against that cluster; always the offline checks: "
+                       "strict Kubernetes 1.29-1.37 schemas, the LeaderWorkerSet CRD (lws "
+                       "v0.10.0) and webhook rules, a Pod Security Standards evaluation of every "
+                       "pod template (baseline, restricted). Exit 0 ok, 1 a check failed, 2 bad "
+                       "settings, 3 the cluster does not answer")
+    p.add_argument("--pod-security", choices=("privileged", "baseline", "restricted"),
+                   help="the Pod Security level your namespace enforces: a pod failing it is a "
+                   "failed check (default: K3_SCALE_POD_SECURITY where set, else the verdicts "
+                   "are informational)")
     p = sub.add_parser("proxy-conf", help="nginx config that exposes only the router's data "
                        "paths (/v1/*, health)", description="print an nginx configuration "
                        "that forwards only /v1/* and the health paths to the router "
@@ -110,9 +123,14 @@ def run(args: argparse.Namespace) -> int:
         from k3rocm.deploy.engine import docker_client
 
         # status works without an engine (HTTP only)
+        from k3rocm.deploy.scale.k8scheck import cluster_nodes
+
         replicas, router = scale_status(s, docker_client(required=False))
-        print(json.dumps(status_json(replicas, router), indent=2) if args.json
-              else "\n".join(format_status(replicas, router)))
+        nodes = cluster_nodes(s, args.env_file)
+        lines = format_status(replicas, router)  # the router's summary stays the last line
+        lines.insert(-1, f"k8s nodes {nodes[0]}: {nodes[1]}")
+        print(json.dumps({**status_json(replicas, router), "kubernetes_nodes": {
+            "status": nodes[0], "found": nodes[1]}}, indent=2) if args.json else "\n".join(lines))
         return 0 if router.summary.startswith("ok") else EXIT_SERVER
     if cmd == "overhead":
         from k3rocm.deploy.deployment import load_deployment
@@ -174,6 +192,14 @@ def run(args: argparse.Namespace) -> int:
                 print(f"wrote {path}", file=sys.stderr)
         print(json.dumps(p.to_json(), indent=2))
         return 0
+    if cmd == "k8s-check":
+        from k3rocm.deploy.scale.k8s import render_k8s
+        from k3rocm.deploy.scale.k8scheck import k8s_check
+
+        objs = render_k8s(p, settings)
+        enforce = args.pod_security or getattr(s, "pod_security", None)
+        return k8s_check(objs, "---\n".join(_yaml_dump(o) for o in objs),
+                         None if enforce == "privileged" else enforce)
     if cmd == "render-k8s":  # the last subcommand (argparse allows no other)
         from k3rocm.deploy.scale.k8s import render_k8s, validate
 

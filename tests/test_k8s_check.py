@@ -1,0 +1,404 @@
+"""make k8s-check: Pod Security evaluation, the LWS CRD and webhook rules, strict schemas,
+kubectl dry-run against a kubeconfig, and the node selection read by preflight/status.
+
+No Kubernetes API server can run here: the kubectl tests use a tiny stand-in HTTP server only
+to prove the command line we run, that it reaches the kubeconfig's server, and the
+unreachable/refused handling; the admission verdicts of a real cluster are not simulated.
+"""
+
+from __future__ import annotations
+
+import copy
+import http.server
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+
+import pytest
+from conftest import REPO, free_port, make_exit_code, need, run_cli
+
+from k3rocm.deploy.scale import k8s
+from k3rocm.deploy.scale import k8scheck as kc
+from k3rocm.deploy.scale.render import plan
+from k3rocm.serving import config
+
+DIGEST = "@sha256:" + "ab" * 32
+IMAGES = {"K3_IMAGE": "registry.example.com/k3rocm/server:0.1" + DIGEST,
+          "K3_SCALE_ROUTER_IMAGE": "registry.example.com/k3rocm/router:0.1.17" + DIGEST,
+          "K3_SCALE_PROXY_IMAGE": "registry.example.com/nginx-unprivileged:1.27" + DIGEST}
+REPLICAS = {"K3_SCALE_MODE": "replicas", "K3_SCALE_NODES": "10.0.0.1:8000,10.0.0.2:8000",
+            **IMAGES}
+DPEP = {"K3_SCALE_MODE": "dp-ep", "K3_SCALE_NODES": "10.0.0.1:8000,10.0.0.2:8000",
+        "K3_SCALE_IFNAME": "eth0", **IMAGES}
+
+
+def _render(env):
+    settings = config.load_settings(env, dotenv=None, check_model=False)[0]
+    return k8s.render_k8s(plan(env, dotenv=None), settings)
+
+
+def _pods(objs):
+    return {what: (meta, spec) for what, meta, spec in kc.pod_templates(objs)}
+
+
+def _failed(spec, level, meta=None):
+    return {c.id: paths for c, paths in kc.evaluate(meta or {}, spec, level)}
+
+
+# A pod that meets "restricted" (the published standard's example shape).
+COMPLIANT = {
+    "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
+    "containers": [{"name": "app", "image": "x", "ports": [{"containerPort": 8000}],
+                    "securityContext": {"allowPrivilegeEscalation": False,
+                                        "capabilities": {"drop": ["ALL"]}}}],
+    "volumes": [{"name": "tmp", "emptyDir": {}}, {"name": "cfg", "configMap": {"name": "c"}}],
+}
+
+
+def _with(path_value):
+    spec = copy.deepcopy(COMPLIANT)
+    path, value = path_value
+    *head, last = path.split(".")
+    node = spec
+    for key in head:
+        node = node[int(key)] if key.isdigit() else node.setdefault(key, {})
+    if isinstance(node, list):
+        node.append(value)
+    else:
+        node[last] = value
+    return spec
+
+
+def test_compliant_pod_passes_both_levels():
+    assert _failed(COMPLIANT, "baseline") == {} and _failed(COMPLIANT, "restricted") == {}
+
+
+BASELINE_VIOLATIONS = [
+    ("hostPathVolumes", "volumes.x", {"name": "models", "hostPath": {"path": "/m"}}),
+    ("privileged", "containers.0.securityContext.privileged", True),
+    ("hostNamespaces", "hostNetwork", True),
+    ("hostNamespaces", "hostPID", True),
+    ("capabilities_baseline", "containers.0.securityContext.capabilities.add", ["SYS_PTRACE"]),
+    ("capabilities_baseline", "containers.0.securityContext.capabilities.add", ["IPC_LOCK"]),
+    ("seccompProfile_baseline", "containers.0.securityContext.seccompProfile",
+     {"type": "Unconfined"}),
+    ("hostPorts", "containers.0.ports.x", {"containerPort": 80, "hostPort": 80}),
+    ("procMount", "containers.0.securityContext.procMount", "Unmasked"),
+    ("seLinuxOptions", "securityContext.seLinuxOptions", {"type": "spc_t"}),
+    ("sysctls", "securityContext.sysctls", [{"name": "kernel.msgmax", "value": "1"}]),
+    ("appArmorProfile", "containers.0.securityContext.appArmorProfile", {"type": "Unconfined"}),
+    ("windowsHostProcess", "containers.0.securityContext.windowsOptions", {"hostProcess": True}),
+    ("hostProbesAndHostLifecycle", "containers.0.livenessProbe",
+     {"httpGet": {"path": "/", "port": 80, "host": "10.0.0.9"}}),
+]
+
+
+@pytest.mark.parametrize("check,path,value", BASELINE_VIOLATIONS,
+                         ids=[f"{c}-{p.rsplit('.', 1)[-1]}" for c, p, _ in BASELINE_VIOLATIONS])
+def test_each_baseline_violation_is_flagged(check, path, value):
+    spec = _with((path, value))
+    ids = set(_failed(spec, "baseline"))
+    assert ids == {check}, ids
+    # restricted includes baseline (or the restricted check that overrides it)
+    assert set(_failed(spec, "restricted")) & {check, *(c.id for c in kc.PSS_CHECKS
+                                                       if c.overrides == check)}
+
+
+def test_baseline_capabilities_allow_the_default_set():
+    spec = _with(("containers.0.securityContext.capabilities.add", ["CHOWN", "NET_BIND_SERVICE"]))
+    assert "capabilities_baseline" not in _failed(spec, "baseline")
+    assert "capabilities_restricted" in _failed(spec, "restricted")  # only NET_BIND_SERVICE
+
+
+def _without(path):
+    spec = copy.deepcopy(COMPLIANT)
+    *head, last = path.split(".")
+    node = spec
+    for key in head:
+        node = node[int(key)] if key.isdigit() else node[key]
+    del node[last]
+    return spec
+
+
+RESTRICTED_VIOLATIONS = [
+    ("runAsNonRoot", _without("securityContext.runAsNonRoot")),
+    ("runAsNonRoot", _with(("containers.0.securityContext.runAsNonRoot", False))),
+    ("allowPrivilegeEscalation", _without("containers.0.securityContext.allowPrivilegeEscalation")),
+    ("allowPrivilegeEscalation", _with(("containers.0.securityContext.allowPrivilegeEscalation",
+                                        True))),
+    ("capabilities_restricted", _without("containers.0.securityContext.capabilities")),
+    ("seccompProfile_restricted", _without("securityContext.seccompProfile")),
+    ("restrictedVolumes", _with(("volumes.x", {"name": "n", "nfs": {"server": "s", "path": "/"}}))),
+    ("runAsUser", _with(("containers.0.securityContext.runAsUser", 0))),
+]
+
+
+@pytest.mark.parametrize("check,spec", RESTRICTED_VIOLATIONS,
+                         ids=[f"{c}-{i}" for i, (c, _) in enumerate(RESTRICTED_VIOLATIONS)])
+def test_each_restricted_violation_is_flagged(check, spec):
+    assert _failed(spec, "baseline") == {}
+    assert set(_failed(spec, "restricted")) == {check}
+
+
+def test_user_namespace_relaxes_run_as_non_root_but_not_restricted_proc_mount():
+    spec = _with(("hostUsers", False))
+    del spec["securityContext"]["runAsNonRoot"]
+    spec["containers"][0]["securityContext"]["procMount"] = "Unmasked"
+    assert _failed(spec, "baseline") == {}  # 1.35+: procMount baseline relaxed
+    assert set(_failed(spec, "restricted")) == {"procMount_restricted"}
+
+
+def test_every_row_cites_its_source_and_the_levels_partition():
+    assert all(c.source.startswith("check_") and ".go" in c.source for c in kc.PSS_CHECKS)
+    base, restr = kc.pss_checks("baseline"), kc.pss_checks("restricted")
+    assert len(base) == 12 and {"hostPathVolumes", "capabilities_baseline"}.isdisjoint(
+        c.id for c in restr)
+
+
+# --- today's rendering ----------------------------------------------------------------------
+
+def test_rendered_replicas_pod_security_verdicts():
+    objs = _render(REPLICAS)
+    pods = _pods(objs)
+    meta, server = pods[f"Deployment/{k8s.APP}"]
+    base = _failed(server, "baseline", meta)
+    assert set(base) == {"hostPathVolumes", "capabilities_baseline", "seccompProfile_baseline"}
+    assert base["hostPathVolumes"] == ["volumes[models].hostPath", "volumes[cache].hostPath"]
+    assert "SYS_PTRACE" in base["capabilities_baseline"][0]
+    assert "Unconfined" in base["seccompProfile_baseline"][0]
+    assert {"runAsNonRoot", "allowPrivilegeEscalation", "restrictedVolumes",
+            "capabilities_restricted", "seccompProfile_restricted"} <= set(
+                _failed(server, "restricted", meta))
+    meta, router = pods[f"Deployment/{k8s.ROUTER}"]
+    assert _failed(router, "baseline", meta) == {}
+    assert set(_failed(router, "restricted", meta)) == {
+        "runAsNonRoot", "allowPrivilegeEscalation", "capabilities_restricted",
+        "seccompProfile_restricted"}
+    lines, failed = kc.pss_lines(objs)
+    assert not failed  # informational without an enforced level
+    assert lines[0].startswith(f"Deployment/{k8s.APP}: baseline FAIL hostPath volumes "
+                               "(volumes[models].hostPath")
+    assert kc.pss_lines(objs, "baseline")[1] and not kc.pss_lines(
+        [o for o in objs if o["metadata"]["name"] != k8s.APP or o["kind"] != "Deployment"],
+        "baseline")[1]
+
+
+# --- LeaderWorkerSet: the real CRD and the webhook rules ------------------------------------
+
+def _lws():
+    return copy.deepcopy(next(o for o in _render(DPEP) if o["kind"] == "LeaderWorkerSet"))
+
+
+def test_lws_crd_accepts_todays_dp_ep_rendering():
+    lines, failed = kc.lws_lines([_lws()])
+    assert not failed, lines
+    assert lines[0].startswith(f"ok   LeaderWorkerSet/{k8s.APP} (lws v0.10.0 CRD")
+
+
+def test_lws_crd_rejects_an_unknown_field_and_a_wrong_type():
+    lws = _lws()
+    lws["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]["bogus"] = 1
+    lines, failed = kc.lws_lines([lws])
+    assert failed and "Additional properties are not allowed ('bogus'" in lines[0]
+    assert "containers.0" in lines[0]
+    lws = _lws()
+    lws["spec"]["leaderWorkerTemplate"]["size"] = "2"
+    lines, failed = kc.lws_lines([lws])
+    assert failed and "spec.leaderWorkerTemplate.size: '2' is not of type 'integer'" in lines[0]
+    lws = _lws()
+    lws["spec"]["leaderWorkerTemplate"]["restartPolicy"] = "Always"
+    assert kc.lws_lines([lws])[1]  # not in the CRD's enum
+
+
+def test_lws_webhook_rules_can_fail():
+    lws = _lws()
+    lws["spec"]["rolloutStrategy"]["rollingUpdateConfiguration"].update(maxUnavailable=0,
+                                                                          maxSurge=0)
+    errs = kc.lws_webhook(lws)
+    assert len(errs) == 1 and "must not be 0 when maxSurge is 0" in errs[0]
+    assert "leaderworkerset_webhook.go:176" in errs[0]
+    lws = _lws()
+    lws["metadata"]["name"] = "K3rocm.server"
+    assert "DNS-1035" in kc.lws_webhook(lws)[0]
+    lws = _lws()
+    lws["spec"]["rolloutStrategy"]["rollingUpdateConfiguration"]["maxSurge"] = "150%"
+    assert "percent <= 100%" in kc.lws_webhook(lws)[0]
+    assert kc.lws_webhook(_lws()) == []
+
+
+# --- strict schemas -------------------------------------------------------------------------
+
+def test_schema_check_covers_1_29_to_1_37_and_can_fail():
+    objs = _render(REPLICAS)
+    lines, failed = kc.schema_lines(objs)
+    assert not failed and "1.29, 1.30" in lines[0] and lines[0].endswith("1.37")
+    objs[0]["spec"]["template"]["spec"]["containers"][0]["bogus"] = True
+    lines, failed = kc.schema_lines(objs)
+    assert failed and sum(ln.startswith("FAIL Deployment/k3rocm-server") for ln in lines) == 9
+
+
+# --- end to end: make k8s-check, kubectl --------------------------------------------------
+
+def _env(tmp_path, extra=None, kubeconfig=None):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("K3_", "KUBECONFIG"))}
+    env.update(HOME=str(tmp_path), PYTHONPATH=str(REPO / "src"), **(extra or {}))
+    if kubeconfig:
+        env["KUBECONFIG"] = str(kubeconfig)
+    return env
+
+
+def test_make_k8s_check_offline_prints_the_verdicts(tmp_path):
+    p = subprocess.run(["make", "-s", "-o", sys.executable, "k8s-check", f"PY={sys.executable}"],
+                       cwd=REPO, capture_output=True, text=True, timeout=180,
+                       env=_env(tmp_path, REPLICAS))
+    assert make_exit_code(p) == 0, p.stdout + p.stderr
+    out = p.stdout
+    assert "cluster: no kubeconfig (KUBECONFIG unset" in out and "offline checks only" in out
+    assert "against the strict schemas of Kubernetes 1.29" in out
+    assert f"Deployment/{k8s.APP}: baseline FAIL hostPath volumes" in out
+    assert f"Deployment/{k8s.ROUTER}: baseline ok; restricted FAIL" in out
+    assert out.strip().splitlines()[-1] == "k8s-check: ok"
+    # the level a namespace enforces makes the verdict count
+    p = subprocess.run(["make", "-s", "-o", sys.executable, "k8s-check", f"PY={sys.executable}",
+                        "POD_SECURITY=baseline"], cwd=REPO, capture_output=True, text=True,
+                       timeout=180, env=_env(tmp_path, REPLICAS))
+    assert make_exit_code(p) == 1 and "k8s-check: FAILED" in p.stdout
+
+
+def test_k8s_check_help_and_bad_settings_exit_2(tmp_path):
+    r = run_cli("scale", "k8s-check", "--help")
+    assert r.returncode == 0 and "--pod-security" in r.stdout and "dry-run=server" in r.stdout
+    r = run_cli("scale", "--env-file", "/dev/null", "k8s-check",
+                env={**REPLICAS, "K3_IMAGE": "k3rocm/server:latest"})
+    assert r.returncode == 2 and "not an image a cluster can pull" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def _kubeconfig(tmp_path, port):
+    path = tmp_path / "kubeconfig"
+    path.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{port}"}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+        "users": [{"name": "u", "user": {"token": "t"}}]}))
+    return path
+
+
+NODES = {"kind": "NodeList", "apiVersion": "v1", "items": [
+    {"metadata": {"name": "mi355x-a", "labels": {
+        "amd.com/gpu.product-name": "AMD_Instinct_MI355X", "amd.com/gpu.device-id": "75a3"}}},
+    {"metadata": {"name": "mi355x-b", "labels": {
+        "amd.com/gpu.product-name": "AMD_Instinct_MI355X_OAM", "amd.com/gpu.device-id": "75a3"}}},
+    {"metadata": {"name": "cpu-1", "labels": {"kubernetes.io/os": "linux"}}}]}
+DISCOVERY = {
+    "/api": {"kind": "APIVersions", "versions": ["v1"], "serverAddressByClientCIDRs": []},
+    "/apis": {"kind": "APIGroupList", "apiVersion": "v1", "groups": []},
+    "/api/v1": {"kind": "APIResourceList", "groupVersion": "v1", "resources": [
+        {"name": "nodes", "singularName": "node", "namespaced": False, "kind": "Node",
+         "verbs": ["get", "list"]}]},
+    "/api/v1/nodes": NODES,
+    "/version": {"major": "1", "minor": "33", "gitVersion": "v1.33.0"},
+}
+
+
+@pytest.fixture
+def standin_apiserver():
+    """Answers /version, discovery and a NodeList; 403 Status for everything else; records
+    every request (method, path, user agent)."""
+    seen = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def _answer(self):
+            seen.append((self.command, self.path, self.headers.get("User-Agent", "")))
+            body = DISCOVERY.get(self.path.split("?")[0])
+            code = 200 if body is not None else 403
+            body = body or {"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                            "reason": "Forbidden", "code": 403,
+                            "message": "stand-in API server: not a real cluster"}
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        do_GET = do_POST = do_PATCH = do_PUT = _answer
+
+        def log_message(self, *a):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server.server_address[1], seen
+    server.shutdown()
+    server.server_close()
+
+
+def test_kubectl_dry_run_against_the_kubeconfigs_server(tmp_path, standin_apiserver):
+    need(shutil.which("kubectl") is not None, "kubectl is not on PATH")
+    port, seen = standin_apiserver
+    r = run_cli("scale", "--env-file", "/dev/null", "k8s-check", timeout=180,
+                env=_env(tmp_path, REPLICAS, _kubeconfig(tmp_path, port)))
+    # the stand-in refuses what a real server would check: a failed check, not a crash
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert ("kubectl apply --dry-run=server --validate=strict --request-timeout=60s -f -"
+            in r.stdout)
+    assert "  FAIL " in r.stdout.split("cluster (KUBECONFIG=")[1]
+    assert any(p.startswith("/version") for _, p, _ in seen)
+    assert any(p.startswith("/openapi/") and "kubectl" in ua for _, p, ua in seen), seen
+    # the offline checks still ran and said their verdicts
+    assert f"Deployment/{k8s.APP}: baseline FAIL" in r.stdout
+
+
+def test_unreachable_cluster_is_one_line_exit_3(tmp_path):
+    need(shutil.which("kubectl") is not None, "kubectl is not on PATH")
+    r = run_cli("scale", "--env-file", "/dev/null", "k8s-check", timeout=120,
+                env=_env(tmp_path, REPLICAS, _kubeconfig(tmp_path, free_port())))
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert r.stdout == "" and len(r.stderr.strip().splitlines()) == 1
+    assert "does not answer" in r.stderr and "refused" in r.stderr
+
+
+# --- node selection: make preflight / make status -------------------------------------------
+
+def test_node_matching_reads_the_rendered_selector_and_affinity():
+    server = kc.server_pod(_render(REPLICAS))
+    a, b, cpu = NODES["items"]
+    assert kc.node_matches(server, a) and not kc.node_matches(server, b)
+    assert not kc.node_matches(server, cpu)
+    spec = {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchExpressions": [
+            {"key": "amd.com/gpu.product-name", "operator": "In",
+             "values": ["AMD_Instinct_MI355X", "AMD_Instinct_MI355X_OAM"]}]},
+            {"matchExpressions": [{"key": "amd.com/gpu.device-id", "operator": "Exists"}]}]}}}}
+    assert kc.node_matches(spec, a) and kc.node_matches(spec, b)
+    assert not kc.node_matches(spec, cpu)
+
+
+def test_cluster_nodes_lists_matches_and_gpu_labels(tmp_path, standin_apiserver):
+    need(shutil.which("kubectl") is not None, "kubectl is not on PATH")
+    port, _ = standin_apiserver
+    env = _env(tmp_path, REPLICAS, _kubeconfig(tmp_path, port))
+    s = plan(env, dotenv=None).scale
+    status, found = kc.cluster_nodes(s, None, env)
+    assert status == "ok", found
+    assert found.startswith("1 of 3 nodes match")
+    assert 'mi355x-a matches {"amd.com/gpu.device-id": "75a3"' in found
+    assert "mi355x-b no" in found and "AMD_Instinct_MI355X_OAM" in found
+    status, found = kc.cluster_nodes(s, None, _env(tmp_path, REPLICAS))
+    assert status == "skip" and "no kubeconfig" in found
+
+
+def test_preflight_and_status_say_skipped_without_a_kubeconfig(tmp_path):
+    env = _env(tmp_path, {**REPLICAS, "K3_SCALE_NODES": f"127.0.0.1:{free_port()},"
+                          f"127.0.0.1:{free_port()}",
+                          "K3_SCALE_ROUTER_PORT": str(free_port())})
+    r = run_cli("scale", "--env-file", "/dev/null", "status", env=env, timeout=120)
+    assert "k8s nodes skip: skipped: no kubeconfig" in r.stdout, r.stdout + r.stderr
+    r = run_cli("preflight", "--env-file", "/dev/null", "--json", timeout=120,
+                env={**env, "DOCKER_HOST": f"unix://{tmp_path}/no-engine.sock"})
+    line = next(c for c in json.loads(r.stdout) if c["name"] == "kubernetes nodes")
+    assert line["status"] == "skip" and "no kubeconfig" in line["have"]
