@@ -9,7 +9,10 @@ replica killed while streams are held in its engine: per-request outcome counts 
 hung), no stream hangs, only streams on the killed replica fail; the status function behind
 ``make status`` says "degraded, 1 of 2"; the replica restarted rejoins (timed); a graceful stop
 (SIGTERM, the rendered ``--shutdown-timeout``) while a stream is held in its engine: the stream
-completes. Last, a DP=2 deployment (head + --headless worker) starts from the rendered dp-ep argv.
+completes; two routers (instances 1 and 2) with streams in flight through router 1 when
+``stop_router`` (``make router-down``) stops it: it drains them (streams lost: N of M) while
+router 2 serves. Last, a DP=2 deployment (head + --headless worker) starts from the rendered
+dp-ep argv.
 Measured figures are printed as ``[scale] ...`` lines.
 """
 
