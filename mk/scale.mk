@@ -1,7 +1,8 @@
 # Scale-out beyond one node (docs/scale.md) and the node preflight (docs/preflight.md).
 #   make preflight                 one table: what this node has and needs (exit 1 on a fail)
 #   make router-image              k3rocm/router:0.1.17 offline from the hashed wheel lock
-#   make router-up / router-down   vllm-router in front of K3_SCALE_NODES (K3_SCALE_MODE=replicas)
+#   make router-up / router-down   vllm-router in front of K3_SCALE_NODES (K3_SCALE_MODE=replicas);
+#                                  ROUTER=2: a second router (port +1); router-down drains
 #   make status                    one line per replica + the router's view ("degraded, 1 of 2")
 #   make router-overhead           the router's added latency vs direct requests, one run (ratio)
 #   make router-proxy-conf         nginx config exposing only the router's data paths
@@ -47,11 +48,11 @@ router-image: $(ROUTER_WHEELS)/.complete ## build the vllm-router image offline 
 	docker build -f docker/router/Dockerfile --build-arg ROUTER_BASE=$(ROUTER_BASE) \
 	  --build-arg VLLM_ROUTER_VERSION=$(ROUTER_VERSION) -t $(ROUTER_IMAGE) $(ROUTER_WHEELS)
 
-router-up: $(PY) ## start vllm-router in front of K3_SCALE_NODES (validates the settings first)
-	$(PY) -m k3rocm scale router-up
+router-up: $(PY) ## start vllm-router in front of K3_SCALE_NODES (ROUTER=N: instance N, port +N-1)
+	$(PY) -m k3rocm scale router-up $(if $(ROUTER),--instance $(ROUTER))
 
-router-down: $(PY) ## stop and remove the router
-	$(PY) -m k3rocm scale router-down
+router-down: $(PY) ## drain (in-flight requests finish), stop and remove the router (ROUTER=N, ROUTER_TIMEOUT=s)
+	$(PY) -m k3rocm scale router-down $(if $(ROUTER),--instance $(ROUTER)) $(if $(ROUTER_TIMEOUT),--timeout $(ROUTER_TIMEOUT))
 
 status: $(PY) ## one line per replica (health, model, fusions, image) and the router's view
 	$(PY) -m k3rocm scale status

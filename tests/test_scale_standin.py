@@ -9,7 +9,10 @@ replica killed while streams are held in its engine: per-request outcome counts 
 hung), no stream hangs, only streams on the killed replica fail; the status function behind
 ``make status`` says "degraded, 1 of 2"; the replica restarted rejoins (timed); a graceful stop
 (SIGTERM, the rendered ``--shutdown-timeout``) while a stream is held in its engine: the stream
-completes. Last, a DP=2 deployment (head + --headless worker) starts from the rendered dp-ep argv.
+completes; two routers (instances 1 and 2) with streams in flight through router 1 when
+``stop_router`` (``make router-down``) stops it: it drains them (streams lost: N of M) while
+router 2 serves. Last, a DP=2 deployment (head + --headless worker) starts from the rendered
+dp-ep argv.
 Measured figures are printed as ``[scale] ...`` lines.
 """
 
@@ -18,7 +21,9 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import socket
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -33,7 +38,7 @@ from server_fixture import (
 
 from k3rocm.deploy.scale.overhead import format_figures, measure
 from k3rocm.deploy.scale.render import compose_override, plan
-from k3rocm.deploy.scale.router import start_router, stop_router
+from k3rocm.deploy.scale.router import instance, start_router, stop_router
 from k3rocm.deploy.scale.settings import load_scale
 from k3rocm.deploy.scale.status import format_status, scale_status
 from k3rocm.errors import UsageError
@@ -71,10 +76,12 @@ def _completion(url: str, max_tokens: int = 4, timeout: float = REQUEST_TIMEOUT)
     return outcome, time.monotonic() - t0
 
 
-def _stream(url: str, max_tokens: int = 64) -> str:
-    """One streamed completion: 'ok' (all max_tokens generated: finish_reason "length", then
-    [DONE]), 'failed' (an HTTP error, a broken or truncated stream, or a request the server
-    aborted: finish_reason "abort"; the client knows) or 'hung' (no byte for READ_TIMEOUT)."""
+def _stream(url: str, max_tokens: int = 64, first=None) -> str:
+    """One streamed completion: 'ok' (all max_tokens generated: finish_reason "length", the
+    usage chunk's completion_tokens == max_tokens, then [DONE]), 'failed' (an HTTP error, a
+    broken or truncated stream, or a request the server aborted: finish_reason "abort"; the
+    client knows) or 'hung' (no byte for READ_TIMEOUT). ``first`` (a threading.Event) is set
+    when the first generated text arrives."""
     import json
 
     import requests
@@ -82,19 +89,24 @@ def _stream(url: str, max_tokens: int = 64) -> str:
     try:
         with requests.post(f"{url}/v1/completions", stream=True, timeout=(10, READ_TIMEOUT),
                            json={"model": SMOKE_MODEL, "prompt": PROMPT, "stream": True,
+                                 "stream_options": {"include_usage": True},
                                  "max_tokens": max_tokens, "ignore_eos": True,
                                  "temperature": 0}) as r:
             if r.status_code != 200:
                 return "failed"
-            finish, done = None, False
+            finish, done, tokens = None, False, None
             for line in r.iter_lines():
                 line = line.strip()
                 if line == b"data: [DONE]":
                     done = True
                 elif line.startswith(b"data: "):
-                    for choice in json.loads(line[6:]).get("choices") or []:
+                    chunk = json.loads(line[6:])
+                    tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
+                    for choice in chunk.get("choices") or []:
                         finish = choice.get("finish_reason") or finish
-            return "ok" if done and finish == "length" else "failed"
+                        if first is not None and choice.get("text"):
+                            first.set()
+            return "ok" if done and finish == "length" and tokens == max_tokens else "failed"
     except requests.RequestException as exc:
         return "hung" if "timed out" in repr(exc).lower() else "failed"
 
@@ -306,6 +318,95 @@ def test_graceful_stop_drains_in_flight_stream(cluster):
     assert result == "ok"
     assert routed_counts["hung"] == 0, routed_counts
     assert victim.container.status == "exited"
+
+
+def _free_ports(n: int) -> int:
+    """The first of ``n`` consecutive free ports on 127.0.0.1 (router instance N: port + N-1)."""
+    for _ in range(200):
+        base = free_port()
+        if base + n > 65536:
+            continue
+        socks = []
+        try:
+            for p in range(base, base + n):
+                sk = socket.socket()
+                socks.append(sk)
+                sk.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sk in socks:
+                sk.close()
+    raise AssertionError(f"no {n} consecutive free ports")
+
+
+def _refuses(url: str) -> bool:
+    """The router's port takes no new connection (it closed its listener)."""
+    host, port = url.rsplit("//", 1)[1].rsplit(":", 1)
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=2).close()
+        return False
+    except OSError:
+        return True
+
+
+HA_STREAMS = 6  # streams in flight through router 1 when it is stopped
+HA_TOKENS = 48  # per stream: at HA_STEP_MS per engine step, ~12 s after the first token
+HA_STEP_MS = 250
+
+
+def test_router_down_drains_streams_while_router_2_serves(cluster, docker_client):
+    """Two routers (instances 1 and 2 of the same settings) in front of the two replicas.
+    HA_STREAMS streams through router 1; once each has its first tokens, router 1 is stopped
+    with stop_router's defaults (what `make router-down` runs): it refuses new connections,
+    every stream in flight completes with all its tokens, and requests through router 2
+    succeed during the drain and after."""
+    replicas = cluster["replicas"]
+    env = {**cluster["env"], "K3_SCALE_ROUTER_PORT": str(_free_ports(2)),
+           "K3_SCALE_ROUTER_METRICS_PORT": str(_free_ports(2))}
+    (n1, s1), (n2, s2) = (instance(load_scale(env, dotenv=None), i) for i in (1, 2))
+    name1, name2 = (f"{n}-test-{os.getpid()}" for n in (n1, n2))
+    labels = {"org.k3rocm.test": "router-ha"}
+    try:
+        r1 = start_router(docker_client, s1, name=name1, labels=labels)
+        start_router(docker_client, s2, name=name2, labels=labels)
+        for si in (s1, s2):
+            _wait(lambda si=si: scale_status(si, docker_client)[1].summary == "ok, 2 of 2", 60,
+                  f"router at {si.router_url} ok, 2 of 2")
+        firsts = [threading.Event() for _ in range(HA_STREAMS)]
+        with replicas[0].slowed(HA_STEP_MS), replicas[1].slowed(HA_STEP_MS), \
+                ThreadPoolExecutor(HA_STREAMS + 5) as pool:
+            streams = [pool.submit(_stream, s1.router_url, HA_TOKENS, ev) for ev in firsts]
+            _wait(lambda: all(ev.is_set() for ev in firsts) or any(f.done() for f in streams),
+                  180, f"first tokens of all {HA_STREAMS} streams", step=0.1)
+            assert not any(f.done() for f in streams), [f.result() for f in streams]
+            t0 = time.monotonic()
+            stopper = pool.submit(stop_router, docker_client, name1)  # router-down's defaults
+            _wait(lambda: _refuses(s1.router_url), 60, "router 1 refusing new connections",
+                  step=0.1)
+            refused_after = time.monotonic() - t0
+            during = [f.result()[0] for f in
+                      [pool.submit(_completion, s2.router_url, 4) for _ in range(4)]]
+            draining = not stopper.done()
+            outcomes = [f.result(timeout=READ_TIMEOUT + 120) for f in streams]
+            assert stopper.result(timeout=120) is True
+            drained = time.monotonic() - t0
+        after = [_completion(s2.router_url, 4)[0] for _ in range(4)]
+        lost = HA_STREAMS - outcomes.count("ok")
+        _say(f"streams lost: {lost} of {HA_STREAMS} (router 1 stopped by stop_router with "
+             f"{HA_STREAMS} {HA_TOKENS}-token streams in flight, each past its first token; "
+             f"refusing new connections {refused_after:.1f} s after the stop, gone after "
+             f"{drained:.1f} s; outcomes {_counts(outcomes)}); router 2 during the drain: "
+             f"{during} (router 1 still draining: {draining}), after: {after}")
+        assert lost == 0, outcomes
+        assert during == ["ok"] * 4 and draining, (during, draining)
+        assert after == ["ok"] * 4, after
+        with pytest.raises(Exception):  # noqa: B017 - removed: docker-py's NotFound
+            r1.reload()
+    finally:
+        for name in (name1, name2):
+            stop_router(docker_client, name, timeout=5)
 
 
 def test_dp_ep_rendering_launches_dense_dp2(docker_client, standin_server):  # noqa: F811

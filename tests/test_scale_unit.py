@@ -125,7 +125,7 @@ def test_router_argv():
     assert router_argv(s) == [
         "vllm-router", "--host", "127.0.0.1", "--port", "9000", "--policy", "cache_aware",
         "--worker-startup-timeout-secs", "7200", "--health-check-interval-secs", "2",
-        "--health-failure-threshold", "2",
+        "--health-failure-threshold", "2", "--request-timeout-secs", "1800",
         "--prometheus-host", "127.0.0.1", "--prometheus-port", "29000",
         "--worker-urls", "http://10.0.0.1:8000", "http://10.0.0.2:8000"]
 

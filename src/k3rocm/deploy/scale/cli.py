@@ -5,7 +5,7 @@
   k3rocm scale render-k8s [--out F] Kubernetes manifests, checked against the K8s schemas
   k3rocm scale k8s-check [--pod-security LEVEL]  the manifests checked as a cluster would
   k3rocm scale proxy-conf [--listen A:P]  nginx config exposing only the router's data paths
-  k3rocm scale router-up|router-down
+  k3rocm scale router-up|router-down [--instance N]   (router-down: drains; --timeout S)
   k3rocm scale url                  the router URL (bench/gsm8k --url)
   k3rocm scale status [--json]      one line per replica and the router's view
   k3rocm scale overhead [-n N]      the router's added latency vs direct requests (ratio)
@@ -21,7 +21,7 @@ import json
 import sys
 from pathlib import Path
 
-from k3rocm.deploy.scale.router import DEFAULT_NAME as ROUTER_NAME
+from k3rocm.deploy.scale.router import STOP_TIMEOUT_S as ROUTER_STOP_TIMEOUT_S
 from k3rocm.errors import EXIT_SERVER, ServerError, UsageError
 from k3rocm.rundir import write_text_atomic
 
@@ -64,9 +64,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="address:port nginx listens on for clients (default 0.0.0.0:8443)")
     for name, what in (("router-up", "start vllm-router in front of K3_SCALE_NODES (host "
                                      "network)"),
-                       ("router-down", "stop and remove the router container")):
-        sub.add_parser(name, help=what, description=what).add_argument(
-            "--name", default=ROUTER_NAME, help="container name")
+                       ("router-down", "drain (SIGTERM: in-flight requests finish, new "
+                                       "connections are refused), stop and remove the "
+                                       "router container")):
+        p = sub.add_parser(name, help=what, description=what)
+        p.add_argument("--instance", default="1", metavar="N",
+                       help="router instance N on this host: container k3rocm-router-N on "
+                       "K3_SCALE_ROUTER_PORT+N-1, metrics on K3_SCALE_ROUTER_METRICS_PORT+N-1 "
+                       "(default 1: k3rocm-router on K3_SCALE_ROUTER_PORT)")
+        p.add_argument("--name", help="container name (default: from --instance)")
+        if name == "router-down":
+            p.add_argument("--timeout", default=str(ROUTER_STOP_TIMEOUT_S), metavar="SECONDS",
+                           help="seconds the requests in flight may take before SIGKILL "
+                           f"(default {ROUTER_STOP_TIMEOUT_S}: the router's request timeout "
+                           "plus a margin)")
     p = sub.add_parser("status", help="one line per replica and the router's view",
                        description="health, model, fusion decisions and image per replica; "
                        "the router's view (ok / degraded, k of N / down)")
@@ -80,6 +91,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="requests per path (default 24)")
     p.add_argument("--max-tokens", type=int, default=8, help="tokens per request (default 8)")
     p.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _whole(what: str, raw: str, least: int) -> int:
+    """A whole number >= ``least`` from the command line, or the one-line error (exit 2)."""
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    if value is None or value < least:
+        raise UsageError(f"{what}={raw!r} is not valid: give a whole number >= {least}")
+    return value
 
 
 def _yaml_dump(obj) -> str:
@@ -161,19 +183,24 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if cmd in ("router-up", "router-down"):
         from k3rocm.deploy.engine import docker_client
-        from k3rocm.deploy.scale.router import start_router, stop_router
+        from k3rocm.deploy.scale.router import instance, start_router, stop_router
 
-        client = docker_client()  # no engine: exit 3, like every command
+        name, si = instance(s, _whole("--instance (make ROUTER=)", args.instance, 1))
+        name = args.name or name
         if cmd == "router-down":
-            print("router removed" if stop_router(client, args.name) else
-                  f"no container named {args.name}")
+            timeout = _whole("--timeout (make ROUTER_TIMEOUT=)", args.timeout, 0)
+            client = docker_client()  # no engine: exit 3, like every command
+            metrics = f"http://127.0.0.1:{si.router_metrics_port}/metrics"
+            print("router removed" if stop_router(client, name, timeout, metrics) else
+                  f"no container named {name}")
             return 0
         from k3rocm.deploy.scale.render import plan
 
         plan(dotenv=args.env_file, scale=s)  # validate the whole setup before starting
-        c = start_router(client, s, name=args.name)
-        print(f"router {c.name} at {s.router_url} -> {', '.join(s.worker_urls)} "
-              f"(policy {s.router_policy}); `make status` shows the replicas")
+        client = docker_client()
+        c = start_router(client, si, name=name)
+        print(f"router {c.name} at {si.router_url} -> {', '.join(si.worker_urls)} "
+              f"(policy {si.router_policy}); `make status` shows the replicas")
         return 0
     from k3rocm.deploy.scale.render import compose_override, plan
 

@@ -3,22 +3,63 @@
 The router runs on the host network (it reaches the nodes' API addresses as given in
 K3_SCALE_NODES and listens on K3_SCALE_ROUTER_HOST:K3_SCALE_ROUTER_PORT); its argv is
 :func:`k3rocm.deploy.scale.render.router_argv` of the same settings.
+
+More than one router on a host: instance N (:func:`instance`, ``make router-up ROUTER=N``) is
+the container ``k3rocm-router-N`` on K3_SCALE_ROUTER_PORT + N - 1 with its metrics on
+K3_SCALE_ROUTER_METRICS_PORT + N - 1; instance 1 is today's ``k3rocm-router``. The routers
+share nothing: with a stateless policy (round_robin, random, power_of_two) any of them serves
+any request.
+
+Stopping drains: vllm-router 0.1.17 runs its HTTP server with axum's graceful shutdown on
+SIGTERM (``src/server.rs`` of the 0.1.17 sdist, ``serve(..).with_graceful_shutdown(
+shutdown_signal())``): it stops accepting connections and returns once every open connection
+has finished, with no time limit of its own; a request is bounded by the router's
+``--request-timeout-secs``. So :func:`stop_router` is ``docker stop`` (SIGTERM, SIGKILL after
+the timeout) with that request timeout (plus a margin) as the default, printing progress.
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
+import threading
 import time
 
-from k3rocm.deploy.scale.render import router_argv
+from k3rocm.deploy.scale.render import STOP_MARGIN_S, router_argv, router_request_timeout
 from k3rocm.deploy.scale.settings import ScaleSettings
 from k3rocm.errors import ServerError, UsageError, tagged_log
 
 DEFAULT_NAME = "k3rocm-router"
 LABEL = "org.k3rocm.router"
+MAX_INSTANCES = 16
+# `make router-down` waits this long for the streams in flight before SIGKILL: the router's
+# request timeout (no request lives longer) plus the margin a stopped server gets too.
+STOP_TIMEOUT_S = router_request_timeout() + STOP_MARGIN_S
+PROGRESS_EVERY_S = 10.0
 
 
 _log = tagged_log("router")
+
+
+def instance(s: ScaleSettings, n: int) -> tuple[str, ScaleSettings]:
+    """Router instance ``n`` (1-based) on this host: its container name and its settings (data
+    port K3_SCALE_ROUTER_PORT + n - 1, metrics port K3_SCALE_ROUTER_METRICS_PORT + n - 1)."""
+    if not 1 <= n <= MAX_INSTANCES:
+        raise UsageError(f"router instance {n} is out of range: use 1..{MAX_INSTANCES} "
+                         "(e.g. `make router-up ROUTER=2`)")
+    if n == 1:
+        return DEFAULT_NAME, s
+    port, metrics = s.router_port + n - 1, s.router_metrics_port + n - 1
+    if max(port, metrics) > 65535:
+        raise UsageError(f"router instance {n} would listen on port {max(port, metrics)} "
+                         "(> 65535): lower K3_SCALE_ROUTER_PORT / K3_SCALE_ROUTER_METRICS_PORT")
+    if abs(s.router_port - s.router_metrics_port) < n:
+        raise UsageError(f"router instances 1..{n} need ports K3_SCALE_ROUTER_PORT.."
+                         f"+{n - 1} ({s.router_port}..{port}) and K3_SCALE_ROUTER_METRICS_PORT"
+                         f"..+{n - 1} ({s.router_metrics_port}..{metrics}); they overlap: set "
+                         "the two ports further apart")
+    return (f"{DEFAULT_NAME}-{n}",
+            s.model_copy(update={"router_port": port, "router_metrics_port": metrics}))
 
 
 def start_router(client, s: ScaleSettings, name: str = DEFAULT_NAME,
@@ -62,14 +103,68 @@ def start_router(client, s: ScaleSettings, name: str = DEFAULT_NAME,
         time.sleep(0.2)
 
 
-def stop_router(client, name: str = DEFAULT_NAME) -> bool:
+def running_requests(metrics_url: str | None) -> int | None:
+    """Requests the router counts in flight (``vllm_router_running_requests``, summed over
+    workers), or None: no metrics answer, or a policy that does not track load (round_robin,
+    random)."""
+    if not metrics_url:
+        return None
+    import requests
+
+    try:
+        text = requests.get(metrics_url, timeout=2).text
+    except requests.RequestException:
+        return None
+    found = re.findall(r"^vllm_router_running_requests\{[^}]*\}\s+([0-9.eE+-]+)$", text, re.M)
+    return int(sum(float(v) for v in found)) if found else None
+
+
+def stop_router(client, name: str = DEFAULT_NAME, timeout: float = STOP_TIMEOUT_S,
+                metrics_url: str | None = None, every: float = PROGRESS_EVERY_S) -> bool:
+    """Drain and remove the router container; False when there is none.
+
+    ``docker stop`` with ``timeout``: SIGTERM, on which vllm-router stops accepting
+    connections and finishes the requests in flight (see the module docstring), then SIGKILL
+    if any is still open after ``timeout`` seconds. Progress (seconds, the router's count of
+    requests in flight when ``metrics_url`` serves it) every ``every`` seconds."""
     import docker
 
     try:
         c = client.containers.get(name)
     except docker.errors.NotFound:
         return False
-    with contextlib.suppress(Exception):
-        c.stop(timeout=5)
+    if c.status == "running":
+        errors: list[Exception] = []
+
+        def stop() -> None:
+            try:
+                c.stop(timeout=int(timeout))
+            except Exception as exc:  # noqa: BLE001 - reported below, the removal still runs
+                errors.append(exc)
+
+        t0 = time.monotonic()
+        _log(f"{name}: SIGTERM; draining the requests in flight (at most {timeout:.0f} s, "
+             "then SIGKILL)")
+        stopper = threading.Thread(target=stop, name=f"stop-{name}", daemon=True)
+        stopper.start()
+        while True:
+            stopper.join(every)
+            if not stopper.is_alive():
+                break
+            n = running_requests(metrics_url)
+            _log(f"{name}: draining for {time.monotonic() - t0:.0f} s"
+                 + ("" if n is None else f", {n} request(s) in flight"))
+        with contextlib.suppress(Exception):
+            c.reload()
+        code = c.attrs.get("State", {}).get("ExitCode")
+        took = time.monotonic() - t0
+        if errors:
+            _log(f"{name}: docker stop failed ({errors[0].__class__.__name__}: {errors[0]}); "
+                 "removing it")
+        elif code == 137:
+            _log(f"{name}: still open after {timeout:.0f} s: SIGKILLed, the streams still in "
+                 "flight were cut")
+        else:
+            _log(f"{name}: drained in {took:.1f} s (exit code {code})")
     c.remove(force=True)
     return True
