@@ -43,7 +43,7 @@ def test_instance_refusals(env, n, fragment):
 
 
 def test_drain_timeout_is_the_router_request_timeout():
-    from k3rocm.deploy.scale.k8s import ROUTER_REQUEST_TIMEOUT_S
+    from k3rocm.deploy.scale.render import ROUTER_REQUEST_TIMEOUT_S
 
     s = load_scale(TWO, dotenv=None)
     assert _arg(router_argv(s), "--request-timeout-secs") == str(ROUTER_REQUEST_TIMEOUT_S)

@@ -33,7 +33,14 @@ import json
 import shlex
 from typing import Any
 
-from k3rocm.deploy.scale.render import NOT_VALIDATED, STOP_MARGIN_S, NodePlan, Plan, drain_timeout
+from k3rocm.deploy.scale.render import (
+    NOT_VALIDATED,
+    ROUTER_REQUEST_TIMEOUT_S,
+    STOP_MARGIN_S,
+    NodePlan,
+    Plan,
+    drain_timeout,
+)
 from k3rocm.deploy.scale.settings import check_image_ref
 from k3rocm.errors import UsageError
 from k3rocm.serving.config import SECRET_KEYS
@@ -57,9 +64,6 @@ PROXY_REQUESTS = {"cpu": "500m", "memory": "128Mi"}
 PRESTOP_S = 15
 ROUTER_INTERNAL_PORT = 30000  # vllm-router's own default port, on 127.0.0.1 in its pod
 ROUTER_INTERNAL_METRICS_PORT = 30001  # its --prometheus-port, on 127.0.0.1 (proxy exposes it)
-# vllm-router --request-timeout-secs default: the longest a request through the router lasts.
-# One value for the router flag, the proxy's timeouts and the router pods' grace period.
-ROUTER_REQUEST_TIMEOUT_S = 1800
 # The router's SIGTERM (vllm-router 0.1.17 src/server.rs "Received terminate signal, starting
 # graceful shutdown"): it closes its listener at once and exits when its in-flight requests
 # have finished. So it gets its SIGTERM after the proxy has stopped accepting (`nginx -s quit`

@@ -26,6 +26,10 @@ NOT_VALIDATED = ("EXPERIMENTAL: rendered by k3rocm, not validated on MI355X; rev
 # A stopped server gets this long beyond its drain (--shutdown-timeout) before SIGKILL:
 # engine and worker teardown after the last request.
 STOP_MARGIN_S = 30
+# vllm-router --request-timeout-secs (its default too): the longest a request through the router
+# lasts. One value for the router flag, the Kubernetes proxy's timeouts, the router pods' grace
+# period and compose router-down's drain.
+ROUTER_REQUEST_TIMEOUT_S = 1800
 
 
 @dataclass
@@ -62,20 +66,12 @@ class Plan:
                            "image": self.scale.router_image}}
 
 
-def router_request_timeout() -> int:
-    """vllm-router's --request-timeout-secs, the one value Kubernetes and compose use (the
-    constant lives with the Kubernetes rendering, which imports this module: read lazily)."""
-    from k3rocm.deploy.scale.k8s import ROUTER_REQUEST_TIMEOUT_S
-
-    return ROUTER_REQUEST_TIMEOUT_S
-
-
 def router_argv(s: ScaleSettings) -> list[str]:
     """vllm-router 0.1.17 arguments from the scale settings."""
     argv = ["vllm-router", "--host", s.router_host, "--port", str(s.router_port),
             *s.routing_flags,
             # Explicit (vllm-router's default too): router-down waits this long to drain.
-            "--request-timeout-secs", str(router_request_timeout()),
+            "--request-timeout-secs", str(ROUTER_REQUEST_TIMEOUT_S),
             # Explicit: two routers on one host network must not share the default 29000.
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(s.router_metrics_port)]
     # dp-ep: only the head serves the API

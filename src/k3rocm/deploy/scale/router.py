@@ -25,7 +25,7 @@ import re
 import threading
 import time
 
-from k3rocm.deploy.scale.render import STOP_MARGIN_S, router_argv, router_request_timeout
+from k3rocm.deploy.scale.render import ROUTER_REQUEST_TIMEOUT_S, STOP_MARGIN_S, router_argv
 from k3rocm.deploy.scale.settings import ScaleSettings
 from k3rocm.errors import ServerError, UsageError, tagged_log
 
@@ -34,7 +34,7 @@ LABEL = "org.k3rocm.router"
 MAX_INSTANCES = 16
 # `make router-down` waits this long for the streams in flight before SIGKILL: the router's
 # request timeout (no request lives longer) plus the margin a stopped server gets too.
-STOP_TIMEOUT_S = router_request_timeout() + STOP_MARGIN_S
+STOP_TIMEOUT_S = ROUTER_REQUEST_TIMEOUT_S + STOP_MARGIN_S
 PROGRESS_EVERY_S = 10.0
 
 
