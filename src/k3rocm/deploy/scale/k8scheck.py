@@ -33,6 +33,7 @@ nodeSelector / required nodeAffinity, with their ``amd.com/gpu*`` labels.
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import os
@@ -47,7 +48,9 @@ from typing import Any, NamedTuple
 from k3rocm.errors import ServerError, UsageError
 
 K8S_MINORS = range(29, 38)  # kubernetes-validate 1.37.0 bundles 1.25 .. 1.37
-LWS_CRD = Path(__file__).parent / "data" / "leaderworkerset.x-k8s.io_leaderworkersets.v0.10.0.yaml"
+# gzip of the vendored file; its header names the source (repo, tag, commit, path, licence)
+LWS_CRD = (Path(__file__).parent / "data"
+           / "leaderworkerset.x-k8s.io_leaderworkersets.v0.10.0.yaml.gz")
 LWS_SRC = "lws@v0.10.0:pkg/webhooks/leaderworkerset_webhook.go"
 PSA_SRC = "pod-security-admission@v0.36.2:policy/"
 LEVELS = ("baseline", "restricted")
@@ -355,7 +358,7 @@ def lws_validator():
     import yaml
 
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-    crd = yaml.load(LWS_CRD.read_text(), Loader=loader)  # noqa: S506 - a safe loader
+    crd = yaml.load(gzip.decompress(LWS_CRD.read_bytes()), Loader=loader)  # noqa: S506 - a safe loader
     schema = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")["schema"]
     return jsonschema.Draft7Validator(_strict(schema["openAPIV3Schema"]))
 
