@@ -463,6 +463,11 @@ def test_arm_server_with_replicas_saves_every_log_and_removes_the_router(tmp_pat
 
     class FakeRouter:
         name = "k3ab-s-00a-router"
+        status = "running"
+        attrs = {"State": {"ExitCode": 0}}
+
+        def reload(self):
+            pass
 
         def logs(self):
             return b"router says hi\n"

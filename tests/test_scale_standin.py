@@ -363,8 +363,13 @@ def test_router_down_drains_streams_while_router_2_serves(cluster, docker_client
     every stream in flight completes with all its tokens, and requests through router 2
     succeed during the drain and after."""
     replicas = cluster["replicas"]
-    env = {**cluster["env"], "K3_SCALE_ROUTER_PORT": str(_free_ports(2)),
-           "K3_SCALE_ROUTER_METRICS_PORT": str(_free_ports(2))}
+    for r in replicas:  # test_graceful_stop_drains_in_flight_stream leaves its replica stopped
+        r.container.reload()
+        if r.container.status != "running":
+            r.container.start()
+    base = _free_ports(4)  # router ports base, base+1; metrics base+2, base+3: no overlap
+    env = {**cluster["env"], "K3_SCALE_ROUTER_PORT": str(base),
+           "K3_SCALE_ROUTER_METRICS_PORT": str(base + 2)}
     (n1, s1), (n2, s2) = (instance(load_scale(env, dotenv=None), i) for i in (1, 2))
     name1, name2 = (f"{n}-test-{os.getpid()}" for n in (n1, n2))
     labels = {"org.k3rocm.test": "router-ha"}
@@ -372,8 +377,8 @@ def test_router_down_drains_streams_while_router_2_serves(cluster, docker_client
         r1 = start_router(docker_client, s1, name=name1, labels=labels)
         start_router(docker_client, s2, name=name2, labels=labels)
         for si in (s1, s2):
-            _wait(lambda si=si: scale_status(si, docker_client)[1].summary == "ok, 2 of 2", 60,
-                  f"router at {si.router_url} ok, 2 of 2")
+            _wait(lambda si=si: scale_status(si, docker_client)[1].summary == "ok, 2 of 2", 420,
+                  f"router at {si.router_url} ok, 2 of 2 (a restarted replica included)")
         firsts = [threading.Event() for _ in range(HA_STREAMS)]
         with replicas[0].slowed(HA_STEP_MS), replicas[1].slowed(HA_STEP_MS), \
                 ThreadPoolExecutor(HA_STREAMS + 5) as pool:
