@@ -81,7 +81,8 @@ def _stream(url: str, max_tokens: int = 64, first=None) -> str:
     usage chunk's completion_tokens == max_tokens, then [DONE]), 'failed' (an HTTP error, a
     broken or truncated stream, or a request the server aborted: finish_reason "abort"; the
     client knows) or 'hung' (no byte for READ_TIMEOUT). ``first`` (a threading.Event) is set
-    when the first generated text arrives."""
+    when the first generated token arrives (vLLM sends no chunk before it: completion/serving.py
+    "don't return empty chunks"; the tiny model's first tokens can decode to "")."""
     import json
 
     import requests
@@ -104,7 +105,7 @@ def _stream(url: str, max_tokens: int = 64, first=None) -> str:
                     tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
                     for choice in chunk.get("choices") or []:
                         finish = choice.get("finish_reason") or finish
-                        if first is not None and choice.get("text"):
+                        if first is not None:  # a chunk carries a token, its text may be ""
                             first.set()
             return "ok" if done and finish == "length" and tokens == max_tokens else "failed"
     except requests.RequestException as exc:
@@ -352,13 +353,13 @@ def _refuses(url: str) -> bool:
 
 
 HA_STREAMS = 6  # streams in flight through router 1 when it is stopped
-HA_TOKENS = 48  # per stream: at HA_STEP_MS per engine step, ~12 s after the first token
+HA_TOKENS = 64  # per stream: at HA_STEP_MS per engine step, ~16 s after the first token
 HA_STEP_MS = 250
 
 
 def test_router_down_drains_streams_while_router_2_serves(cluster, docker_client):
     """Two routers (instances 1 and 2 of the same settings) in front of the two replicas.
-    HA_STREAMS streams through router 1; once each has its first tokens, router 1 is stopped
+    HA_STREAMS streams through router 1; once two have their first token, router 1 is stopped
     with stop_router's defaults (what `make router-down` runs): it refuses new connections,
     every stream in flight completes with all its tokens, and requests through router 2
     succeed during the drain and after."""
@@ -382,10 +383,19 @@ def test_router_down_drains_streams_while_router_2_serves(cluster, docker_client
         firsts = [threading.Event() for _ in range(HA_STREAMS)]
         with replicas[0].slowed(HA_STEP_MS), replicas[1].slowed(HA_STEP_MS), \
                 ThreadPoolExecutor(HA_STREAMS + 5) as pool:
+            # Both engines warm at this concurrency first (a replica restarted by an earlier
+            # test runs its first batch here, not while the streams wait for their first token).
+            warm = [pool.submit(_completion, s1.router_url, 8) for _ in range(HA_STREAMS)]
+            assert [f.result()[0] for f in warm] == ["ok"] * HA_STREAMS
             streams = [pool.submit(_stream, s1.router_url, HA_TOKENS, ev) for ev in firsts]
-            _wait(lambda: all(ev.is_set() for ev in firsts) or any(f.done() for f in streams),
-                  180, f"first tokens of all {HA_STREAMS} streams", step=0.1)
+            # Stopped once two streams are past their first token: a stand-in engine can keep
+            # some of the six waiting until others finish (seen: three ran, three waited), and
+            # those are accepted, open requests of router 1 too.
+            _wait(lambda: sum(ev.is_set() for ev in firsts) >= 2
+                  or any(f.done() for f in streams), 180, "first tokens of two streams",
+                  step=0.1)
             assert not any(f.done() for f in streams), [f.result() for f in streams]
+            started = sum(ev.is_set() for ev in firsts)
             t0 = time.monotonic()
             stopper = pool.submit(stop_router, docker_client, name1)  # router-down's defaults
             _wait(lambda: _refuses(s1.router_url), 60, "router 1 refusing new connections",
@@ -400,7 +410,7 @@ def test_router_down_drains_streams_while_router_2_serves(cluster, docker_client
         after = [_completion(s2.router_url, 4)[0] for _ in range(4)]
         lost = HA_STREAMS - outcomes.count("ok")
         _say(f"streams lost: {lost} of {HA_STREAMS} (router 1 stopped by stop_router with "
-             f"{HA_STREAMS} {HA_TOKENS}-token streams in flight, each past its first token; "
+             f"{HA_STREAMS} {HA_TOKENS}-token streams open, {started} past their first token; "
              f"refusing new connections {refused_after:.1f} s after the stop, gone after "
              f"{drained:.1f} s; outcomes {_counts(outcomes)}); router 2 during the drain: "
              f"{during} (router 1 still draining: {draining}), after: {after}")
