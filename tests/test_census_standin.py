@@ -139,24 +139,29 @@ def forced_image(docker_client, server_image, tmp_path_factory) -> str:
     return DOUBLES_TAG
 
 
-def test_census_ab_overlay_on_off(docker_client, forced_image, tmp_path):
+def _census_ab_qk_norm(docker_client, image: str, results) -> subprocess.CompletedProcess:
+    """`k3rocm census-ab --on qk_norm` on ``image`` (smoke model, ROCm double, DeepSeek bind),
+    asserted to exit 0; the arms' records and traces are the caller's to check."""
     from server_fixture import ensure_smoke_model
 
-    ensure_smoke_model(docker_client, forced_image)
-    env = {k: v for k, v in _census_env().items()}
-    env.update({"K3_PROFILE": "cpu-smoke", "K3_MODEL": f"/models/{SMOKE_MODEL}",
-                "K3_SERVED_MODEL_NAME": SMOKE_MODEL, "K3_MODELS_DIR": str(MODELS_DIR),
-                "K3_PROFILER_MAX_ITERATIONS": "6"})
+    ensure_smoke_model(docker_client, image)
+    env = {**_census_env(), "K3_PROFILE": "cpu-smoke", "K3_MODEL": f"/models/{SMOKE_MODEL}",
+           "K3_SERVED_MODEL_NAME": SMOKE_MODEL, "K3_MODELS_DIR": str(MODELS_DIR),
+           "K3_PROFILER_MAX_ITERATIONS": "6"}
     p = subprocess.run(
-        [sys.executable, "-m", "k3rocm", "census-ab", "--image", forced_image,
-         "--on", "qk_norm",
+        [sys.executable, "-m", "k3rocm", "census-ab", "--image", image, "--on", "qk_norm",
          "--port", str(free_port()), "--server-env", "K3_TEST_DOUBLE_ROCM=1",
          "--server-env", f"K3_TEST_BIND_MODULES={BIND}", "--no-gpu",
          "--model-dir", str(MODELS_DIR / SMOKE_MODEL), "--concurrency", "4",
-         "--max-tokens", "256", "--server-timeout", "420", "--results", str(tmp_path)],
+         "--max-tokens", "256", "--server-timeout", "420", "--results", str(results)],
         env=env, capture_output=True, text=True, timeout=1200)
     print(p.stdout[-6000:], p.stderr[-4000:])
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    return p
+
+
+def test_census_ab_overlay_on_off(docker_client, forced_image, tmp_path):
+    p = _census_ab_qk_norm(docker_client, forced_image, tmp_path)
     # the overlay's own records, cross-checked with each arm's claim
     assert "qk_norm asked ON" in p.stdout and "reports ON (fused_mla_dual_rms_norm" in p.stdout
     assert "every target process (1, written by the overlay) reports OFF (K3_FUSE_QK_NORM=0)" \
@@ -238,23 +243,7 @@ def _records(server_log: Path) -> list:
 def test_census_ab_through_the_upstream_hook(docker_client, hook_image, tmp_path):
     """Upstream's fusions asked off and on through the hook (no overlay in the image): the
     census reads the hook's records and judges each arm on the real traces."""
-    from server_fixture import ensure_smoke_model
-
-    ensure_smoke_model(docker_client, hook_image)
-    env = dict(_census_env())
-    env.update({"K3_PROFILE": "cpu-smoke", "K3_MODEL": f"/models/{SMOKE_MODEL}",
-                "K3_SERVED_MODEL_NAME": SMOKE_MODEL, "K3_MODELS_DIR": str(MODELS_DIR),
-                "K3_PROFILER_MAX_ITERATIONS": "6"})
-    p = subprocess.run(
-        [sys.executable, "-m", "k3rocm", "census-ab", "--image", hook_image,
-         "--on", "qk_norm",
-         "--port", str(free_port()), "--server-env", "K3_TEST_DOUBLE_ROCM=1",
-         "--server-env", f"K3_TEST_BIND_MODULES={BIND}", "--no-gpu",
-         "--model-dir", str(MODELS_DIR / SMOKE_MODEL), "--concurrency", "4",
-         "--max-tokens", "256", "--server-timeout", "420", "--results", str(tmp_path)],
-        env=env, capture_output=True, text=True, timeout=1200)
-    print(p.stdout, p.stderr[-4000:])
-    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    p = _census_ab_qk_norm(docker_client, hook_image, tmp_path)
     assert "census-ab: PASS" in p.stdout
     run_dir = next(tmp_path.glob("*-census-ab"))
     # what served: upstream's file, not the overlay (the image's build skipped it)

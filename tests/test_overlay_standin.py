@@ -18,7 +18,7 @@ import re
 
 import pytest
 from conftest import REPO
-from overlay_docker import LABEL, SITE, require_standin, run_in_standin
+from overlay_docker import E2E_TINY_SH, LABEL, SITE, require_standin, run_in_standin
 
 pytestmark = pytest.mark.docker
 OVERLAY_MLA = REPO / "overlay/vllm/models/kimi_k3/amd/mla.py"
@@ -49,12 +49,7 @@ def test_wrapper_in_real_vllm(docker_client, version, expect_line, wiring):
 
 E2E = """
 python3 -m k3rocm overlay apply --overlay-dir /tmp/k3/overlay --mode force
-python3 tests/overlay_invllm/e2e_tiny.py make-model /tmp/tiny
-run() { n=$1; shift; env "$@" python3 tests/overlay_invllm/e2e_tiny.py generate /tmp/tiny \
-        /tmp/$n.json > /tmp/$n.log 2>&1 || { tail -40 /tmp/$n.log; exit 1; }; }
-B="K3_TEST_BIND_MODULES=vllm.model_executor.models.deepseek_v2"
-D="PYTHONPATH=/tmp/k3/tests/doubles K3_TEST_DOUBLE_ROCM=1"
-run stock $D
+""" + E2E_TINY_SH + """run stock $D
 run fused $D $B
 run fusedoff $D K3_FUSE_QK_NORM=0 $B
 grep -h "K3ROCM-DECISION" /tmp/fused.log | sort -u | head -5

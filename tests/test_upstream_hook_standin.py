@@ -15,7 +15,7 @@ import re
 
 import pytest
 from conftest import upstream_tree
-from overlay_docker import SITE, require_standin, run_in_standin
+from overlay_docker import E2E_TINY_SH, SITE, require_standin, run_in_standin
 
 pytestmark = pytest.mark.docker
 
@@ -129,13 +129,7 @@ def test_records_beside_the_traces_equal_the_log(cases):
         assert s["file_equals_log"] is True, version
 
 
-E2E = """
-python3 tests/overlay_invllm/e2e_tiny.py make-model /tmp/tiny
-run() { n=$1; shift; env "$@" python3 tests/overlay_invllm/e2e_tiny.py generate /tmp/tiny \
-        /tmp/$n.json > /tmp/$n.log 2>&1 || { tail -40 /tmp/$n.log; exit 1; }; }
-B="K3_TEST_BIND_MODULES=vllm.model_executor.models.deepseek_v2"
-D="PYTHONPATH=/tmp/k3/tests/doubles K3_TEST_DOUBLE_ROCM=1"
-run stock $D
+E2E = E2E_TINY_SH + """run stock $D
 run on $D $B K3_FUSE_QK_NORM=1
 run off $D $B K3_FUSE_QK_NORM=0
 for r in stock on off; do
