@@ -242,9 +242,7 @@ class ComposeServer:
             code = 2 if any(s in err[-1] for s in ("No such image", "not found", "invalid",
                                                    "port is already allocated",
                                                    "address already in use")) else 3
-            # what compose created before the error (a container it could not start) goes too
-            with contextlib.suppress(UsageError):
-                self.compose("down", "--timeout", "0", "--remove-orphans", timeout=300)
+            self.down(timeout=0)  # what compose created (a container it could not start) goes too
             raise UsageError(f"starting the server (compose project {self.project}) failed: "
                              f"{err[-1]}", code)
 
