@@ -302,29 +302,6 @@ def test_serve_writes_what_it_rendered_for_the_checks(tmp_path):
     assert rec["argv"][:2] == ["vllm", "serve"]
 
 
-def test_census_claim_reads_the_rendering():
-    from k3rocm.checks.census.pipeline import claim_from_container
-
-    class Container:  # docker-py's Container: attrs (docker inspect) and exec_run
-        name = "srv"
-        attrs = {"Config": {"Env": ["K3_PROFILE=mi355x-tp8", "PATH=/usr/bin"]}}
-
-        def __init__(self, rendered):
-            self.rendered = rendered
-
-        def exec_run(self, cmd, demux=False):
-            if self.rendered is None:
-                return 1, b"cat: /tmp/k3rocm-rendered.json: No such file or directory"
-            return 0, json.dumps(self.rendered).encode()
-
-    resolved = {"env": {"K3_FUSE_QK_NORM": "1", "K3_FUSE_DECODE_QPREP": "0"}}
-    claim = claim_from_container(Container(resolved))
-    assert (claim.qk_norm, claim.decode_qprep) == (True, False), claim
-    assert "rendered settings" in claim.source
-    legacy = claim_from_container(Container(None))  # unset = on
-    assert (legacy.qk_norm, legacy.decode_qprep) == (True, True)
-
-
 @pytest.mark.parametrize("tag,clamps", [("v0.1.19", False), ("v0.1.19.post1", True)])
 def test_aiter_clamp_fact_from_the_stub(tag, clamps):
     """The static reading of AITER's Q-prep stub, against its signature at the two tags (the

@@ -13,6 +13,7 @@ import gzip
 import json
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import REPO, run_cli
@@ -119,23 +120,32 @@ def test_the_census_waits_for_the_profiler_only_when_it_stops_itself(argv, n):
 
 
 class Container:
-    """docker-py's Container as the readers use it: attrs (docker inspect), exec_run (cat of
-    the record; the /proc scan, answered as `sh -c` prints it), name."""
+    """docker-py's Container as the readers use it: attrs (docker inspect), name, and the
+    engine's exec calls (client.api): cat of the record, the /proc scan answered as `sh -c`
+    prints it."""
 
-    name = "srv"
+    name = id = "srv"
 
     def __init__(self, rendered: dict | None):
         self.rendered = rendered
         self.attrs = {"Config": {"Env": [f"{k}={v}" for k, v in CONTAINER_ENV.items()]}}
+        self.client = SimpleNamespace(api=self)
         self.scans = 0
 
-    def exec_run(self, cmd, demux=False):
+    def exec_create(self, container_id, cmd):
+        return {"Id": cmd}
+
+    def exec_start(self, cmd, demux):
         if cmd == ["cat", RENDERED_FILE]:
             if self.rendered is None:
-                return 1, (None, f"cat: {RENDERED_FILE}: No such file or directory".encode())
-            return 0, (json.dumps(self.rendered).encode(), None)
+                return None, f"cat: {RENDERED_FILE}: No such file or directory".encode()
+            return json.dumps(self.rendered).encode(), None
         self.scans += 1
-        return 0, (" ".join(PROC_ARGV).encode() + b"\n", None)
+        return " ".join(PROC_ARGV).encode() + b"\n", None
+
+    def exec_inspect(self, cmd):
+        missing = cmd == ["cat", RENDERED_FILE] and self.rendered is None
+        return {"Running": False, "ExitCode": 1 if missing else 0}
 
 
 def test_container_reader_prefers_the_record_and_scans_proc_only_without_it():
@@ -147,7 +157,9 @@ def test_container_reader_prefers_the_record_and_scans_proc_only_without_it():
     old = Container(None)
     s = served_as(container=old)
     assert not s.rendered and s.tp == 8 and old.scans == 1
-    assert pipeline.claim_from_container(old).qk_norm is True  # K3_FUSE_QK_NORM=1 in its env
+    legacy = pipeline.claim_from_container(old)
+    assert legacy.qk_norm is True  # K3_FUSE_QK_NORM=1 in its env
+    assert legacy.decode_qprep is True  # unset: on
 
 
 def test_offline_claim_reads_the_recorded_rendering(tmp_path):
@@ -264,3 +276,32 @@ def test_prefix_caching_speculation_and_graphs_come_from_the_servers_own_report(
     assert served_prefix_caching(server_prov(None))[1].startswith("asked in the argv only")
     assert graphs_line(prov) == ("cudagraph_mode PIECEWISE, enforce_eager False, captured in "
                                  "41 s (the server's log)")
+
+
+def test_exec_text_waits_for_the_engine_to_record_the_exit():
+    """The output stream can end before the engine has processed the exec's exit: inspected
+    then, it is still Running with no ExitCode (moby/moby#19607; docker-py's exec_run returned
+    exit code None and a CI run failed on it)."""
+    from k3rocm.deploy.provenance import exec_text
+
+    class Api:
+        def __init__(self, *states):
+            self.states = list(states)
+
+        def exec_create(self, container_id, cmd):
+            return {"Id": "e1"}
+
+        def exec_start(self, exec_id, demux):
+            return b"out\n", b"noise on stderr\n"
+
+        def exec_inspect(self, exec_id):
+            return self.states.pop(0) if len(self.states) > 1 else self.states[0]
+
+    def run(*states, timeout=30.0):
+        container = SimpleNamespace(id="c", client=SimpleNamespace(api=Api(*states)))
+        return exec_text(container, ["x"], timeout=timeout)
+
+    running, done = {"Running": True, "ExitCode": None}, {"Running": False, "ExitCode": 0}
+    assert run(running, running, done) == "out\n"
+    assert run(running, {"Running": False, "ExitCode": 3}) is None
+    assert run(running, timeout=0.1) is None  # never recorded: not a success

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,20 +43,26 @@ def find_server_container(client, url: str):
     return hits[0][1] if hits else None
 
 
-def exec_text(container, cmd: list[str]) -> str | None:
+def exec_text(container, cmd: list[str], *, timeout: float = 30.0) -> str | None:
     """stdout of ``cmd`` run in the container, or None if it failed. stderr is kept apart
     (demux): a message on stderr must never read as data (a process that exits while a
-    /proc scan reads it makes sh print "cannot open /proc/N/cmdline")."""
+    /proc scan reads it makes sh print "cannot open /proc/N/cmdline"). The exit code is
+    read once the engine has recorded it: the output stream can end before the engine has
+    processed the exit, and an exec inspected then is still Running with no ExitCode
+    (moby/moby#19607); docker-py's ``exec_run`` reports that as exit code None, which failed
+    a CI run. Waits up to ``timeout`` seconds for that record."""
+    api = container.client.api
     try:
-        rc, out = container.exec_run(cmd, demux=True)
+        exec_id = api.exec_create(container.id, cmd)["Id"]
+        stdout, _ = api.exec_start(exec_id, demux=True)
+        deadline = time.monotonic() + timeout
+        while (state := api.exec_inspect(exec_id))["Running"] and time.monotonic() < deadline:
+            time.sleep(0.02)  # polling the engine's record of this exec, not a guess
     except Exception:  # noqa: BLE001
         return None
-    if rc != 0:
+    if state["Running"] or state["ExitCode"] != 0:
         return None
-    stdout = out[0] if isinstance(out, tuple) else out
-    if stdout is None:
-        return ""
-    return stdout.decode(errors="replace") if isinstance(stdout, bytes) else str(stdout)
+    return (stdout or b"").decode(errors="replace")
 
 
 # The server's argv from /proc (this shell's own cmdline holds the pattern too: skip $$).

@@ -29,9 +29,10 @@ from k3rocm.checks.bench.cli import resolve_from_args
 from k3rocm.checks.bench.plots import _pyplot, _save
 from k3rocm.checks.bench.run import check_tokenizer, planned_command, run_bench
 from k3rocm.checks.bench.workloads import Workload, shell_line
+from k3rocm.deploy.provenance import exec_text
 from k3rocm.errors import EXIT_CHECK_FAILED as EXIT_FAILED
 from k3rocm.errors import EXIT_INCOMPLETE, EXIT_INTERRUPTED, EXIT_OK, UsageError, tagged_log
-from k3rocm.rundir import utc_stamp, write_bytes_atomic, write_json_atomic, write_text_atomic
+from k3rocm.rundir import utc_stamp, write_json_atomic, write_text_atomic
 
 _log = tagged_log("bench-ab")
 
@@ -515,13 +516,9 @@ def save_applied_delays(container, path: Path) -> None:
     exists; every token the client received has its sleep in the file by now. No file (no
     sleep asked, or the double not loaded): nothing is written, and the calibration says
     what is missing."""
-    try:
-        res = container.exec_run(["cat", STEP_DELAY_RECORD], stderr=False)
-    except Exception as exc:  # noqa: BLE001 - reported as a missing record, judged later
-        _log(f"could not read the step-delay record of {path.stem}: {exc}")
-        return
-    if res.exit_code == 0:
-        write_bytes_atomic(path, res.output or b"")
+    text = exec_text(container, ["cat", STEP_DELAY_RECORD])
+    if text is not None:  # else a missing record, judged by the calibration
+        write_text_atomic(path, text)
 
 
 def _read_applied(path: Path) -> list[tuple[int, float, float]]:
