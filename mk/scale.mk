@@ -10,7 +10,7 @@
 #   make render-k8s [OUT=file]     Kubernetes manifests, checked against the K8s schemas
 #   make k8s-check [POD_SECURITY=baseline]  the manifests checked as a cluster would: kubectl
 #                                  apply --dry-run=server with a kubeconfig; offline always (strict
-#                                  schemas 1.29-1.37, LWS CRD + webhook rules, Pod Security)
+#                                  schemas 1.29-1.37, Pod Security)
 #   make bench-router / gsm8k-router   `make bench`/`make gsm8k` against the router (same
 #                                  WORKLOAD/BENCH_ARGS/GSM8K_ARGS; provenance gets a topology block)
 # Settings: K3_SCALE_* in the shell or .env, like every K3_* setting (`k3rocm scale config`).
@@ -69,7 +69,7 @@ scale-render: $(PY) ## per-node env/argv for K3_SCALE_MODE (OUT=dir: compose ove
 render-k8s: $(PY) ## Kubernetes manifests for K3_SCALE_MODE, checked against the K8s schemas (OUT=file)
 	$(PY) -m k3rocm scale render-k8s $(if $(OUT),--out $(OUT))
 
-k8s-check: $(PY) ## the manifests checked as a cluster would (kubectl dry-run with a kubeconfig; offline schemas, LWS CRD, Pod Security)
+k8s-check: $(PY) ## the manifests checked as a cluster would (kubectl dry-run with a kubeconfig; offline schemas, Pod Security)
 	$(PY) -m k3rocm scale k8s-check $(if $(POD_SECURITY),--pod-security $(POD_SECURITY))
 
 bench-router: $(PY) ## make bench through the router of K3_SCALE_* (WORKLOAD=, BENCH_ARGS=)

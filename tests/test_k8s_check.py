@@ -1,5 +1,5 @@
-"""make k8s-check: Pod Security evaluation, the LWS CRD and webhook rules, strict schemas,
-kubectl dry-run against a kubeconfig, and the node selection read by preflight/status.
+"""make k8s-check: Pod Security evaluation, strict schemas, kubectl dry-run against a
+kubeconfig, and the node selection read by preflight/status.
 
 No Kubernetes API server can run here: the kubectl tests use a tiny stand-in HTTP server only
 to prove the command line we run, that it reaches the kubeconfig's server, and the
@@ -31,8 +31,6 @@ IMAGES = {"K3_IMAGE": "registry.example.com/k3rocm/server:0.1" + DIGEST,
           "K3_SCALE_PROXY_IMAGE": "registry.example.com/nginx-unprivileged:1.27" + DIGEST}
 REPLICAS = {"K3_SCALE_MODE": "replicas", "K3_SCALE_NODES": "10.0.0.1:8000,10.0.0.2:8000",
             **IMAGES}
-DPEP = {"K3_SCALE_MODE": "dp-ep", "K3_SCALE_NODES": "10.0.0.1:8000,10.0.0.2:8000",
-        "K3_SCALE_IFNAME": "eth0", "K3_SCALE_EXPERIMENTAL": "1", **IMAGES}
 
 
 def _render(env):
@@ -188,49 +186,6 @@ def test_rendered_replicas_pod_security_verdicts_per_variant():
         assert _failed(server, variant, meta) == {}, variant
         assert not kc.pss_lines(objs, variant)[1], variant
     assert set(_failed(server, "restricted", meta)) == set()  # restricted implies baseline
-
-
-# --- LeaderWorkerSet: the real CRD and the webhook rules ------------------------------------
-
-def _lws():
-    return copy.deepcopy(next(o for o in _render(DPEP) if o["kind"] == "LeaderWorkerSet"))
-
-
-def test_lws_crd_accepts_todays_dp_ep_rendering():
-    lines, failed = kc.lws_lines([_lws()])
-    assert not failed, lines
-    assert lines[0].startswith(f"ok   LeaderWorkerSet/{k8s.APP} (lws v0.10.0 CRD")
-
-
-def test_lws_crd_rejects_an_unknown_field_and_a_wrong_type():
-    lws = _lws()
-    lws["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]["bogus"] = 1
-    lines, failed = kc.lws_lines([lws])
-    assert failed and "Additional properties are not allowed ('bogus'" in lines[0]
-    assert "containers.0" in lines[0]
-    lws = _lws()
-    lws["spec"]["leaderWorkerTemplate"]["size"] = "2"
-    lines, failed = kc.lws_lines([lws])
-    assert failed and "spec.leaderWorkerTemplate.size: '2' is not of type 'integer'" in lines[0]
-    lws = _lws()
-    lws["spec"]["leaderWorkerTemplate"]["restartPolicy"] = "Always"
-    assert kc.lws_lines([lws])[1]  # not in the CRD's enum
-
-
-def test_lws_webhook_rules_can_fail():
-    lws = _lws()
-    lws["spec"]["rolloutStrategy"]["rollingUpdateConfiguration"].update(maxUnavailable=0,
-                                                                          maxSurge=0)
-    errs = kc.lws_webhook(lws)
-    assert len(errs) == 1 and "must not be 0 when maxSurge is 0" in errs[0]
-    assert "leaderworkerset_webhook.go:176" in errs[0]
-    lws = _lws()
-    lws["metadata"]["name"] = "K3rocm.server"
-    assert "DNS-1035" in kc.lws_webhook(lws)[0]
-    lws = _lws()
-    lws["spec"]["rolloutStrategy"]["rollingUpdateConfiguration"]["maxSurge"] = "150%"
-    assert "percent <= 100%" in kc.lws_webhook(lws)[0]
-    assert kc.lws_webhook(_lws()) == []
 
 
 # --- strict schemas -------------------------------------------------------------------------

@@ -1,11 +1,11 @@
 """Kubernetes rendering (``make render-k8s``): router HA, scheduling on AMD's node labels,
-NetworkPolicies, Pod Security variants, rollout deadlines, the dp-ep fence (no cluster)."""
+NetworkPolicies, Pod Security variants, rollout deadlines (no cluster)."""
 
 from __future__ import annotations
 
 import pytest
 from conftest import run_cli
-from test_scale_unit import DPEP, DPEP_K8S, IMAGES, TWO_K8S, _obj, _render, _router_pod, _server_pod
+from test_scale_unit import TWO_K8S, _obj, _render, _router_pod, _server_pod
 
 from k3rocm.deploy.scale import k8s
 from k3rocm.errors import UsageError
@@ -19,7 +19,7 @@ def _c(pod, name):
 
 
 @pytest.mark.parametrize("env", [
-    TWO_K8S, FOUR_K8S, DPEP_K8S,
+    TWO_K8S, FOUR_K8S,
     *({**TWO_K8S, "K3_SCALE_POD_SECURITY": v, "K3_SCALE_GPU_GROUPS": "44,110"}
       for v in VARIANTS[1:]),
     {**TWO_K8S, "K3_SCALE_ROUTER_REPLICAS": "1", "K3_SCALE_METRICS_NAMESPACE": "prom"}])
@@ -153,9 +153,6 @@ def test_service_account_token_only_where_the_api_is_called():
     assert _server_pod(objs)["automountServiceAccountToken"] is False
     router = _router_pod(objs)
     assert router["automountServiceAccountToken"] is True  # service discovery lists pods
-    lws = _render(DPEP_K8S)[0]["spec"]["leaderWorkerTemplate"]
-    assert all(lws[t]["spec"]["automountServiceAccountToken"] is False
-               for t in ("leaderTemplate", "workerTemplate"))
 
 
 def _server(variant, **extra):
@@ -224,15 +221,14 @@ def test_rollout_deadline_covers_grace_pull_and_startup():
         "terminationGracePeriodSeconds"]
 
 
-def test_dp_ep_is_fenced_behind_the_experimental_setting():
-    with pytest.raises(UsageError) as exc:
-        _render({**DPEP, **IMAGES})
-    assert "K3_SCALE_EXPERIMENTAL=1" in str(exc.value) and "\n" not in str(exc.value)
-    with pytest.raises(UsageError, match="dp-ep pods need privileged"):
-        _render({**DPEP_K8S, "K3_SCALE_POD_SECURITY": "baseline"})
-    r = run_cli("scale", "render-k8s", env={**DPEP, **IMAGES}, timeout=120)
+@pytest.mark.parametrize("extra, needle", [
+    ({"K3_SCALE_MODE": "dp-ep"}, "K3_SCALE_MODE=dp-ep (from env) is not offered"),
+    ({"K3_SCALE_EXPERIMENTAL": "1"}, "K3_SCALE_EXPERIMENTAL is not a known setting"),
+    ({"K3_SCALE_IFNAME": "eth0"}, "K3_SCALE_IFNAME is not a known setting")])
+def test_the_removed_dp_ep_settings_are_refused_in_one_line(extra, needle):
+    r = run_cli("scale", "render-k8s", env={**TWO_K8S, **extra}, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1 and "K3_SCALE_EXPERIMENTAL=1" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and needle in r.stderr, r.stderr
 
 
 def test_proxy_stop_hook_lets_a_stream_finish_with_real_nginx(tmp_path):
@@ -315,30 +311,6 @@ def test_proxy_stop_hook_lets_a_stream_finish_with_real_nginx(tmp_path):
             stop.kill()
         upstream.shutdown()
     assert body.startswith(b"data: first\n\ndata: [DONE]")
-
-
-def test_dp_ep_host_ip_comes_from_the_interface_setting():
-    """VLLM_HOST_IP follows K3_SCALE_IFNAME (as GLOO/NCCL do), not the pod IP: the rendered
-    start line run by a real shell and python3 on this host's loopback interface."""
-    import re
-    import subprocess
-    import sys
-
-    tpl = _render({**DPEP_K8S, "K3_SCALE_IFNAME": "lo"})[0]["spec"]["leaderWorkerTemplate"]
-    for t in ("leaderTemplate", "workerTemplate"):
-        c = tpl[t]["spec"]["containers"][0]
-        assert not any(e["name"] == "VLLM_HOST_IP" for e in c["env"])  # no status.podIP
-        assert c["command"] == ["/bin/sh", "-c"]
-        line = c["args"][0]
-        assert "exec /opt/k3rocm/entrypoint.sh" in line and "$(python3" not in line
-    # Everything before the entrypoint's exec, with python3 as this interpreter.
-    prefix = line.split("; exec ")[0].replace("`python3 ", f"`{sys.executable} ")
-    r = subprocess.run(["/bin/sh", "-c", prefix + '; echo "$VLLM_HOST_IP"'],
-                       capture_output=True, text=True, timeout=30)
-    assert r.returncode == 0 and r.stdout.strip() == "127.0.0.1", r.stderr
-    bad = subprocess.run(["/bin/sh", "-c", re.sub(r"'lo'|\blo`", "'nosuchif0'`", prefix)
-                          + "; echo reached"], capture_output=True, text=True, timeout=30)
-    assert bad.returncode != 0 and "reached" not in bad.stdout  # no address: no start
 
 
 def test_scale_config_prints_the_new_settings():

@@ -11,8 +11,7 @@ hung), no stream hangs, only streams on the killed replica fail; the status func
 (SIGTERM, the rendered ``--shutdown-timeout``) while a stream is held in its engine: the stream
 completes; two routers (instances 1 and 2) with streams in flight through router 1 when
 ``stop_router`` (``make router-down``) stops it: it drains them (streams lost: N of M) while
-router 2 serves. Last, a DP=2 deployment (head + --headless worker) starts from the rendered
-dp-ep argv.
+router 2 serves.
 Measured figures are printed as ``[scale] ...`` lines.
 """
 
@@ -42,7 +41,6 @@ from k3rocm.deploy.scale.render import compose_override, plan
 from k3rocm.deploy.scale.router import instance, start_router, stop_router
 from k3rocm.deploy.scale.settings import load_scale
 from k3rocm.deploy.scale.status import format_status, scale_status
-from k3rocm.errors import UsageError
 
 pytestmark = pytest.mark.docker
 
@@ -423,85 +421,6 @@ def test_router_down_drains_streams_while_router_2_serves(cluster, docker_client
     finally:
         for name in (name1, name2):
             stop_router(docker_client, name, timeout=5)
-
-
-def test_dp_ep_rendering_launches_dense_dp2(docker_client, standin_server):  # noqa: F811
-    """Head + --headless worker from the rendered dp-ep env/argv (tiny model, no MoE layer)."""
-    models = standin_server.tokenizer_path.parent.resolve()
-    environ = {"K3_PROFILE": "cpu-smoke", "K3_MODEL": f"/models/{SMOKE_MODEL}",
-               "K3_SERVED_MODEL_NAME": SMOKE_MODEL, "K3_MODELS_DIR": str(models),
-               "K3_SCALE_MODE": "dp-ep", "K3_SCALE_NODES": "127.0.0.1:8000,127.0.0.1:8001",
-               "K3_SCALE_IFNAME": "lo", "K3_SCALE_ALL2ALL": "allgather_reducescatter",
-               "K3_SCALE_DP_RPC_PORT": "13345"}
-    # The head runs one API server process instead of one per DP rank (2 CPU cores here):
-    # K3_EXTRA_ARGS is appended last by the same renderer; headless workers refuse the flag.
-    head_extra = {"K3_EXTRA_ARGS": "--api-server-count 1"}
-    try:
-        p = plan(environ, dotenv=None)
-    except UsageError as exc:  # pragma: no cover - a rendering bug
-        pytest.fail(str(exc))
-    head, worker = p.nodes
-    assert head.env_overrides["GLOO_SOCKET_IFNAME"] == "lo"
-    assert head.env_overrides["VLLM_HOST_IP"] == "127.0.0.1"
-    assert "--headless" in worker.command and "--headless" not in head.command
-    base_env = {k: v for k, v in environ.items() if not k.startswith("K3_SCALE_")}
-    vols = {str(models): {"bind": "/models", "mode": "ro"}}
-    tag = f"{os.getpid()}-{int(time.time()) % 10**6}"
-    labels = {"org.k3rocm.test": "dp-ep"}
-    t0 = time.monotonic()
-    hc = docker_client.containers.run(
-        standin_server.image, detach=True, name=f"k3rocm-test-dphead-{tag}",
-        environment={**base_env, **head.env_overrides, **head_extra}, command=head.command,
-        volumes=vols,
-        ports={"8000/tcp": ("127.0.0.1", None)}, shm_size="2g", labels=labels)
-    wc = None
-    try:
-        wc = docker_client.containers.run(
-            standin_server.image, detach=True, name=f"k3rocm-test-dpworker-{tag}",
-            environment={**base_env, **worker.env_overrides}, command=worker.command,
-            volumes=vols, network_mode=f"container:{hc.id}", shm_size="2g", labels=labels)
-        hc.reload()
-        url = f"http://127.0.0.1:{hc.attrs['NetworkSettings']['Ports']['8000/tcp'][0]['HostPort']}"
-
-        def healthy():
-            import requests
-
-            for c in (hc, wc):
-                c.reload()
-                if c.status in ("exited", "dead"):
-                    raise AssertionError(f"{c.name} exited:\n{c.logs(tail=30).decode()}")
-            try:
-                return requests.get(f"{url}/health", timeout=2).status_code == 200
-            except requests.RequestException:
-                return False
-
-        _wait(healthy, 420, "DP=2 head healthy", step=1.0)
-        ready = time.monotonic() - t0
-        with ThreadPoolExecutor(3) as pool:
-            outcomes = list(pool.map(lambda _: _completion(url, 8)[0], range(6)))
-        assert outcomes == ["ok"] * 6, outcomes
-        import requests
-
-        metrics = requests.get(f"{url}/metrics", timeout=10).text
-        per_engine: dict[str, float] = {}  # summed over finished_reason labels
-        for m in re.finditer(
-                r'^vllm:request_success_total\{[^}]*engine="(\d+)"[^}]*\}\s+([0-9.eE+]+)$',
-                metrics, re.M):
-            per_engine[m.group(1)] = per_engine.get(m.group(1), 0.0) + float(m.group(2))
-        # Both DP ranks (the head's engine 0, the headless worker's engine 1) report, and the
-        # 6 requests are all counted between them.
-        assert {"0", "1"} <= set(per_engine) and sum(per_engine.values()) == 6, per_engine
-        for c, argv in ((hc, head.argv + ["--api-server-count", "1"]), (wc, worker.argv)):
-            log = c.logs().decode(errors="replace")
-            line = next(ln for ln in log.splitlines() if ln.startswith("k3rocm: exec "))
-            assert shlex.split(line.removeprefix("k3rocm: exec ")) == argv, line
-        _say(f"dp-ep rendering: DP=2 (head + headless worker) healthy after {ready:.0f} s; "
-             f"6 requests ok (per DP rank: {per_engine}); both containers exec'd exactly the "
-             "rendered argv (the head + --api-server-count 1)")
-    finally:
-        for c in (wc, hc):
-            if c is not None:
-                c.remove(force=True)
 
 
 def test_router_image_accepts_the_rendered_kubernetes_args(docker_client):

@@ -24,9 +24,6 @@ IMAGES = {"K3_IMAGE": "registry.example.com/k3rocm/server:0.1" + DIGEST,
           "K3_SCALE_ROUTER_IMAGE": "registry.example.com/k3rocm/router:0.1.17" + DIGEST,
           "K3_SCALE_PROXY_IMAGE": "registry.example.com/nginx-unprivileged:1.27" + DIGEST}
 TWO_K8S = {**TWO, **IMAGES}
-DPEP = {"K3_SCALE_MODE": "dp-ep", "K3_SCALE_NODES": "10.0.0.1:8000,10.0.0.2:8000",
-        "K3_SCALE_IFNAME": "eth0"}
-DPEP_K8S = {**DPEP, **IMAGES, "K3_SCALE_EXPERIMENTAL": "1"}  # the sketch needs the opt-in
 
 
 def test_defaults_single():
@@ -72,18 +69,20 @@ def test_every_scale_variable_is_registered_in_config():
      "VLLM_ENGINE_READY_TIMEOUT_S=600"),
     ({**TWO, "VLLM_ENGINE_READY_TIMEOUT_S": "9000"}, "K3_SCALE_ROUTER_STARTUP_TIMEOUT=7200 is "
      "shorter than VLLM_ENGINE_READY_TIMEOUT_S=9000"),
-    ({**DPEP, "K3_SCALE_IFNAME": ""}, "needs K3_SCALE_IFNAME"),
     ({"K3_SCALE_NODS": "a:1"}, "K3_SCALE_NODS is not a known setting"),
     ({**TWO, "K3_SCALE_ROUTER_HOST": "0.0.0.0"}, "K3_SCALE_ROUTER_HOST='0.0.0.0' is not valid: "
      "the router's /add_worker and /remove_worker answer anyone"),
     ({**TWO, "K3_SCALE_ROUTER_HOST": "10.0.0.9"}, "expose only the data paths through the proxy"),
     ({**TWO, "K3_SCALE_MODE": "pd"}, "K3_SCALE_MODE=pd (from env) is not offered"),
+    ({**TWO, "K3_SCALE_MODE": "dp-ep"}, "K3_SCALE_MODE=dp-ep (from env) is not offered: the "
+     "data-parallel + expert-parallel rendering was removed"),
+    ({**TWO, "K3_SCALE_EXPERIMENTAL": "1"}, "K3_SCALE_EXPERIMENTAL is not a known setting"),
     ({**TWO, "K3_SCALE_NODE_SELECTOR": "gpu"}, "'gpu' is not key=value"),
     ({**TWO, "K3_SCALE_DRAIN_TIMEOUT": "-1"}, "K3_SCALE_DRAIN_TIMEOUT='-1' is not valid"),
 ])
 def test_bad_scale_settings_one_line(env, needle):
     with pytest.raises(UsageError) as exc:
-        load_scale(env, dotenv=None, tp=8)
+        load_scale(env, dotenv=None)
     assert needle in str(exc.value) and "\n" not in str(exc.value)
 
 
@@ -106,7 +105,7 @@ def test_replicas_nodes_run_the_unchanged_server_and_drain():
     single = config.render(TWO, dotenv=None, check_model=False)
     for node in p.nodes:
         # vLLM's --shutdown-timeout defaults to 0: SIGTERM aborts every in-flight request.
-        assert node.role == "replica" and node.command == ["--shutdown-timeout", "300"]
+        assert node.command == ["--shutdown-timeout", "300"]
         # Same renderer, same settings: the argv of a single-node server (TP 8, MTP k=2).
         assert node.argv == single.argv + node.command and node.env == single.env
     assert node.argv[node.argv.index("--tensor-parallel-size") + 1] == "8"
@@ -130,32 +129,6 @@ def test_router_argv():
         "--worker-urls", "http://10.0.0.1:8000", "http://10.0.0.2:8000"]
 
 
-def test_dp_ep_head_and_headless_workers():
-    env = {**DPEP, "K3_TP": "4", "K3_SCALE_DP_LOCAL": "2", "K3_SCALE_IB_HCA": "rdma0,rdma1",
-           "K3_SCALE_NODES": "10.0.0.1:8000,10.0.0.2:8000,10.0.0.3:8000"}
-    head, w1, w2 = plan(env, dotenv=None).nodes
-    for n, rank in ((w1, "2"), (w2, "4")):
-        a = n.argv
-        assert a[a.index("--data-parallel-start-rank") + 1] == rank and "--headless" in a
-    a = head.argv
-    assert "--headless" not in a and "--data-parallel-start-rank" not in a
-    assert a[a.index("--data-parallel-size") + 1] == "6"
-    assert a[a.index("--data-parallel-size-local") + 1] == "2"
-    assert a[a.index("--data-parallel-address") + 1] == "10.0.0.1"
-    assert a[a.index("--data-parallel-rpc-port") + 1] == "13345"
-    assert a[a.index("--all2all-backend") + 1] == "mori_low_latency"
-    assert "--enable-expert-parallel" in a
-    assert a[a.index("--tensor-parallel-size") + 1] == "4"
-    # The serving renderer's argv first, the scale additions after it.
-    assert a[:len(a) - len(head.command)] == config.render({**env, "K3_PORT": "8000"},
-                                                           dotenv=None, check_model=False).argv
-    assert w2.env["GLOO_SOCKET_IFNAME"] == w2.env["NCCL_SOCKET_IFNAME"] == "eth0"
-    assert w2.env["NCCL_IB_HCA"] == "rdma0,rdma1" and w2.env["VLLM_HOST_IP"] == "10.0.0.3"
-    assert w2.host_network and w2.devices == ["/dev/infiniband"] and w2.experimental
-    with pytest.raises(UsageError, match="needs 16 GPUs per node"):
-        plan({**env, "K3_SCALE_DP_LOCAL": "4"}, dotenv=None)
-
-
 def test_pd_is_not_offered(tmp_path):
     # vllm-router 0.1.17 exits 1 on the old P/D argv (MoRI-IO needs --vllm-discovery-address);
     # the mode is gone, from .env as from the shell, and the shell can override a stale .env.
@@ -175,23 +148,20 @@ def test_compose_override_validates_with_docker_compose(tmp_path):
     need(shutil.which("docker") is not None, "no docker CLI")
     r = subprocess.run(["docker", "compose", "version"], capture_output=True, text=True)
     need(r.returncode == 0, "docker compose v2 is not installed (.ci/install-compose.sh)")
-    from k3rocm.deploy.scale.cli import _compose_yaml
+    from k3rocm.deploy.scale.cli import _yaml_dump
 
-    node = plan(DPEP, dotenv=None).nodes[1]
+    node = plan({**TWO, "K3_SCALE_NODES": "10.0.0.1:8000,10.0.0.2:8001"}, dotenv=None).nodes[1]
     f = tmp_path / "node1.yaml"
-    f.write_text(_compose_yaml(compose_override(node)))
+    f.write_text(_yaml_dump(compose_override(node)))
     r = subprocess.run(["docker", "compose", "-f", str(REPO / "compose.yaml"), "-f", str(f),
                         "config", "--format", "json"], capture_output=True, text=True,
                        cwd=REPO, env={"PATH": "/usr/bin:/bin:/usr/local/bin"})
     assert r.returncode == 0, r.stderr
     svc = json.loads(r.stdout)["services"]["server"]
-    assert svc["network_mode"] == "host" and not svc.get("ports")
     assert svc["command"] == node.command and "--shutdown-timeout" in svc["command"]
     # compose stop/down waits longer than vLLM drains (compose's own default is 10 s).
     assert svc["stop_grace_period"] in ("5m30s", "330s"), svc["stop_grace_period"]
-    assert any(d["source"] == "/dev/infiniband" if isinstance(d, dict) else
-               d.startswith("/dev/infiniband") for d in svc["devices"])
-    assert svc["environment"]["GLOO_SOCKET_IFNAME"] == "eth0"
+    assert svc["environment"]["K3_PORT"] == "8001"
 
 
 def _settings(env):
@@ -377,33 +347,6 @@ def test_k8s_policy_and_metrics_scrape():
     assert server_ann["prometheus.io/port"] == "8000"
 
 
-def test_k8s_dp_ep_leaderworkerset():
-    objs = _render(DPEP_K8S)
-    assert all(ln.startswith("ok") for ln in k8s.validate(objs))
-    lws = objs[0]
-    assert lws["kind"] == "LeaderWorkerSet" and "not validated on MI355X" in \
-        lws["metadata"]["annotations"]["k3rocm.org/note"]
-    tpl = lws["spec"]["leaderWorkerTemplate"]
-    assert tpl["size"] == 2
-    worker = tpl["workerTemplate"]["spec"]["containers"][0]
-    assert "--headless" in worker["args"][0] and "$(LWS_LEADER_ADDRESS)" in worker["args"][0]
-    assert "$((LWS_WORKER_INDEX * 1))" in worker["args"][0]
-    assert "--shutdown-timeout 300" in worker["args"][0]
-    assert tpl["leaderTemplate"]["spec"]["hostNetwork"] is True
-    # The LWS controller creates a headless Service named like the LWS (the group's DNS):
-    # ours must not take that name.
-    svc = _obj(objs, "Service")
-    assert svc["metadata"]["name"] != lws["metadata"]["name"]
-
-
-def test_cli_render_k8s_writes_banner(tmp_path):
-    out = tmp_path / "k8s.yaml"
-    r = run_cli("scale", "render-k8s", "--out", str(out), env=DPEP_K8S, timeout=120)
-    assert r.returncode == 0, r.stderr
-    assert out.read_text().startswith("# EXPERIMENTAL (dp-ep)")
-    assert "NOT validated on MI355X" in out.read_text().splitlines()[0]
-
-
 # Record shape from the overlay's decision interface (docs/overlay.md, DECISIONS.md):
 # a vLLM log prefix, the marker, one JSON object; the last record per (pid, layer_kind) wins.
 DECISION_LOG = "\n".join([
@@ -535,13 +478,11 @@ def test_prefix_cache_hit_rate_from_metrics():
 
 @pytest.fixture
 def fake_vllm():
-    """A stub of the vLLM endpoints `make status` reads; a dead DP rank never answers (its
-    request waits on an event the test sets at the end: no sleep, no race)."""
+    """A stub of the vLLM endpoints `make status` reads (two servers and a router)."""
     import http.server
     import threading
 
-    state = {"dead_ranks": set(), "router": 200}
-    release = threading.Event()
+    state = {"router": 200}
 
     class H(http.server.BaseHTTPRequestHandler):
         def _send(self, code, body):
@@ -561,14 +502,6 @@ def fake_vllm():
                 return self._send(200, METRICS)
             self._send(404, "")
 
-        def do_POST(self):
-            self.rfile.read(int(self.headers.get("Content-Length", 0)))
-            rank = int(self.headers.get("X-data-parallel-rank", "-1"))
-            if rank in state["dead_ranks"]:
-                release.wait(60)
-                return
-            self._send(200, json.dumps({"choices": [{"text": "x"}]}))
-
         def log_message(self, *a):
             pass
 
@@ -580,30 +513,20 @@ def fake_vllm():
         threading.Thread(target=srv.serve_forever, daemon=True).start()
         servers.append(srv)
     yield state, [f"127.0.0.1:{s.server_address[1]}" for s in servers]
-    release.set()
     for srv in servers:
         srv.shutdown()
 
 
-def test_status_dp_ep_probes_every_rank(fake_vllm, monkeypatch):
+def test_status_ok_reads_every_replica(fake_vllm):
     from k3rocm.deploy.scale import status
 
-    state, (head, other, router) = fake_vllm
-    env = {**DPEP, "K3_SCALE_NODES": f"{head},{other}", "K3_SCALE_DP_LOCAL": "2",
-           "K3_SCALE_ROUTER_PORT": router.split(":")[1]}
-    s = load_scale(env, dotenv=None, tp=1)
+    _, (one, two, router) = fake_vllm
+    s = load_scale({**TWO, "K3_SCALE_NODES": f"{one},{two}",
+                    "K3_SCALE_ROUTER_PORT": router.split(":")[1]}, dotenv=None)
     replicas, r = status.scale_status(s, api_key="")
-    assert r.summary == "ok, 1 of 1" and replicas[0].ranks == {0: "ok", 1: "ok", 2: "ok", 3: "ok"}
-    assert replicas[0].prefix_cache_hit_rate == pytest.approx(0.25)
-    # A dead headless worker: the head's /health stays 200, its ranks 2 and 3 never answer.
-    state["dead_ranks"] = {2, 3}
-    monkeypatch.setattr(status, "RANK_TIMEOUT", 0.5)
-    replicas, r = status.scale_status(s, api_key="")
-    assert r.health == "ok" and r.summary == "down, 0 of 1"
-    lines = status.format_status(replicas, r)
-    assert "prefix-cache hits 25.0%" in lines[0]
-    assert lines[1] == ("  DP ranks: 2 of 4 answer; rank 2: no answer in 0.5 s; "
-        "rank 3: no answer in 0.5 s")
+    assert r.summary == "ok, 2 of 2"
+    assert [x.prefix_cache_hit_rate for x in replicas] == [pytest.approx(0.25)] * 2
+    assert "prefix-cache hits 25.0%" in status.format_status(replicas, r)[0]
 
 
 def test_status_degraded_even_when_router_says_ok(fake_vllm):

@@ -11,9 +11,8 @@ named), the video/render groups, kernel.numa_balancing, free disk for the cache 
 directories, the checkpoint's bytes (``k3rocm.deploy.checkpoint.verify``: every shard header
 against its file and the index; headers only, timed), the base, serving and client images,
 the serving image's base facts, the API port, Docker and Compose versions.
-Scale-out (K3_SCALE_MODE != single) adds: every node reachable, /dev/infiniband and the named
-interface where the mode needs them (dp-ep), the same serving image on every node, the
-router port free, and with a kubeconfig the cluster nodes the rendered server pod's node
+Scale-out (K3_SCALE_MODE=replicas) adds: every node reachable, the same serving image on every
+node, the router port free, and with a kubeconfig the cluster nodes the rendered server pod's node
 selection matches, with their amd.com/gpu labels (``k3rocm.deploy.scale.k8scheck``).
 """
 
@@ -35,7 +34,6 @@ from pathlib import Path
 
 from k3rocm.deploy.engine import CLIENT_IMAGE, docker_client
 from k3rocm.deploy.lifecycle import REPO
-from k3rocm.deploy.scale.settings import GPUS_PER_NODE
 from k3rocm.deploy.server_api import ServerAPI, Unreachable
 from k3rocm.errors import UsageError
 from k3rocm.serving.basefacts import DEFAULT_BASE_IMAGE
@@ -44,7 +42,8 @@ from k3rocm.serving.manifest import UNKNOWN_DIGEST, base_digest
 CACHE_MIN_GB = 200  # HF/vLLM/Triton caches for a 1.5 TB model's compile artefacts and more
 RESULTS_MIN_GB = 5
 CHECKPOINT_MIN_GB = 1000  # Kimi-K3 weights are ~1.5 TB; less is a partial download
-MIN_COMPOSE = (2, 24)  # `!reset` in compose.cpu.yaml and the scale overrides
+MIN_COMPOSE = (2, 24)  # `!reset` in compose.cpu.yaml
+GPUS_PER_NODE = 8  # one MI355X node
 
 # Kimi-K3's MXFP4 MoE needs gfx950 (MI350X/MI355X, CDNA4). The kernel's KFD topology gives each
 # GPU node's ISA as gfx_target_version = major*10000 + minor*100 + stepping (linux
@@ -447,18 +446,11 @@ def remote_image_id(host: str, image: str, timeout: float = 15.0) -> str | None:
     return r.stdout.strip() or None if r.returncode == 0 else None
 
 
-def check_scale(s, settings, client, net: Path = Path("/sys/class/net"),
-                dev: Path = Path("/dev")) -> list[Check]:
+def check_scale(s, settings, client) -> list[Check]:
     out = [check_node(node) for node in s.nodes]
     local = {"127.0.0.1", "localhost", "::1", socket.gethostname()}
     with contextlib.suppress(OSError):
         local.update(i[4][0] for i in socket.getaddrinfo(socket.gethostname(), None))
-    if s.mode == "dp-ep":
-        out.append(_present("/dev/infiniband", (dev / "infiniband").is_dir(),
-                            f"{s.mode} moves KV/activations over RDMA: install the RDMA driver "
-                            "(rdma-core) or use K3_SCALE_MODE=replicas"))
-        out.append(_present(f"interface {s.ifname}", (net / s.ifname).exists(),
-                            "set K3_SCALE_IFNAME to an interface of `ip -br link`"))
     here = image_id(client, settings.image) if client else None
     ids = {}
     for i, node in enumerate(s.nodes):
@@ -491,7 +483,7 @@ def run_checks(environ=None, dotenv: str = ".env") -> list[Check]:
     environ = dict(os.environ if environ is None else environ)
     # bad input: exit 2 before any check runs; the checkpoint itself is a line of the table
     settings, _ = load_settings(environ, dotenv, host_paths=True, check_model=False)
-    s = load_scale(environ, dotenv, tp=settings.tp)
+    s = load_scale(environ, dotenv)
     client = docker_client(timeout=30, required=False)
     checks = [*check_rocm_devices(), check_gpu_arch(), check_hbm(settings, client),
               *check_groups(), check_numa(),

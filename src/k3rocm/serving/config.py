@@ -65,9 +65,7 @@ SCALE_SETTINGS = ("K3_SCALE_MODE", "K3_SCALE_NODES", "K3_SCALE_ROUTER_HOST", "K3
                   "K3_SCALE_HEALTH_THRESHOLD", "K3_SCALE_ROUTER_IMAGE", "K3_SCALE_PROXY_IMAGE",
                   "K3_SCALE_ROUTER_REPLICAS", "K3_SCALE_NODE_SELECTOR", "K3_SCALE_POD_SECURITY",
                   "K3_SCALE_MODELS_CLAIM", "K3_SCALE_GPU_GROUPS", "K3_SCALE_RUN_AS_USER",
-                  "K3_SCALE_METRICS_NAMESPACE", "K3_SCALE_EXPERIMENTAL", "K3_SCALE_DRAIN_TIMEOUT",
-                  "K3_SCALE_DP_LOCAL",
-                  "K3_SCALE_DP_RPC_PORT", "K3_SCALE_ALL2ALL", "K3_SCALE_IFNAME", "K3_SCALE_IB_HCA")
+                  "K3_SCALE_METRICS_NAMESPACE", "K3_SCALE_DRAIN_TIMEOUT")
 KNOWN_OTHER.update({k: "scale-out setting (k3rocm scale config)" for k in SCALE_SETTINGS})
 # Families of K3_* variables owned by tests (K3_TEST_*) and the client container (K3_GSM8K_*).
 KNOWN_PREFIXES = ("K3_TEST_", "K3_GSM8K_")

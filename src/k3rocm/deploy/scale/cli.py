@@ -25,9 +25,6 @@ from k3rocm.deploy.scale.router import STOP_TIMEOUT_S as ROUTER_STOP_TIMEOUT_S
 from k3rocm.errors import EXIT_SERVER, ServerError, UsageError
 from k3rocm.rundir import write_text_atomic
 
-EXPERIMENTAL_BANNER = ("# EXPERIMENTAL ({mode}): rendered by k3rocm, NOT validated on MI355X. "
-                       "Review before use.")
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--env-file", default=".env", help="optional KEY=VALUE file")
@@ -48,10 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        description="render the manifests for the K3_SCALE_* settings, then: "
                        "with a kubeconfig (KUBECONFIG or ~/.kube/config) and kubectl, `kubectl "
                        "apply --dry-run=server` against that cluster; always the offline checks: "
-                       "strict Kubernetes 1.29-1.37 schemas, the LeaderWorkerSet CRD (lws "
-                       "v0.10.0) and webhook rules, a Pod Security Standards evaluation of every "
-                       "pod template (baseline, restricted). Exit 0 ok, 1 a check failed, 2 bad "
-                       "settings, 3 the cluster does not answer")
+                       "strict Kubernetes 1.29-1.37 schemas, a Pod Security Standards evaluation "
+                       "of every pod template (baseline, restricted). Exit 0 ok, 1 a check "
+                       "failed, 2 bad settings, 3 the cluster does not answer")
     p.add_argument("--pod-security", choices=("privileged", "baseline", "restricted"),
                    help="the Pod Security level your namespace enforces: a pod failing it is a "
                    "failed check (default: K3_SCALE_POD_SECURITY where set, else the verdicts "
@@ -110,19 +106,12 @@ def _yaml_dump(obj) -> str:
     return yaml.safe_dump(obj, sort_keys=False, width=100)
 
 
-def _compose_yaml(override: dict) -> str:
-    # Compose merges `ports` lists; `!reset []` drops the base file's published port
-    # (the host network has no port mapping).
-    text = _yaml_dump(override)
-    return text.replace("ports: []", "ports: !reset []")
-
-
 def run(args: argparse.Namespace) -> int:
     from k3rocm.deploy.scale.settings import SCALE_ENV, load_scale
     from k3rocm.serving.config import load_settings
 
     settings, _ = load_settings(dotenv=args.env_file, check_model=False)
-    s = load_scale(dotenv=args.env_file, tp=settings.tp)
+    s = load_scale(dotenv=args.env_file)
     cmd = args.scale_cmd
     if cmd in ("url", "proxy-conf") and s.mode == "single":
         raise UsageError("K3_SCALE_MODE=single has no router: set K3_SCALE_MODE=replicas")
@@ -205,17 +194,14 @@ def run(args: argparse.Namespace) -> int:
     from k3rocm.deploy.scale.render import compose_override, plan
 
     p = plan(dotenv=args.env_file, scale=s)
-    banner = EXPERIMENTAL_BANNER.format(mode=s.mode) if s.mode == "dp-ep" else None
     if cmd == "render":
-        if banner:
-            print(banner, file=sys.stderr)
         if args.out:
             for node in p.nodes:
-                head = banner or "# replicas: the unchanged single-node server on this node"
                 path = args.out / f"node{node.index}.yaml"
-                write_text_atomic(path, f"{head}\n# {node.role} {node.address}: docker "
-                                  f"compose -f compose.yaml -f {path} up -d\n"
-                                  + _compose_yaml(compose_override(node)))
+                write_text_atomic(path, "# replicas: the unchanged single-node server on this "
+                                  f"node\n# replica {node.address}: docker compose -f "
+                                  f"compose.yaml -f {path} up -d\n"
+                                  + _yaml_dump(compose_override(node)))
                 print(f"wrote {path}", file=sys.stderr)
         print(json.dumps(p.to_json(), indent=2))
         return 0
@@ -224,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
         from k3rocm.deploy.scale.k8scheck import k8s_check
 
         objs = render_k8s(p, settings)
-        enforce = args.pod_security or getattr(s, "pod_security", None)
+        enforce = args.pod_security or s.pod_security
         return k8s_check(objs, "---\n".join(_yaml_dump(o) for o in objs),
                          None if enforce == "privileged" else enforce)
     if cmd == "render-k8s":  # the last subcommand (argparse allows no other)
@@ -233,8 +219,8 @@ def run(args: argparse.Namespace) -> int:
         objs = render_k8s(p, settings)
         for line in validate(objs):
             print(line, file=sys.stderr)
-        text = (banner or "# replicas: rendered by k3rocm; manifests NOT validated on an MI355X "
-                "cluster") + "\n" + "---\n".join(_yaml_dump(o) for o in objs)
+        text = ("# replicas: rendered by k3rocm; manifests NOT validated on an MI355X cluster\n"
+                + "---\n".join(_yaml_dump(o) for o in objs))
         if args.out:
             write_text_atomic(args.out, text)
             print(f"wrote {args.out}", file=sys.stderr)

@@ -1,6 +1,6 @@
-"""Kubernetes rendering of the scale-out modes (``make render-k8s``): NOT validated on MI355X.
+"""Kubernetes rendering of ``replicas`` (``make render-k8s``): NOT validated on MI355X.
 
-* ``replicas``: a Deployment of N unchanged servers (``amd.com/gpu: 8`` each, one per MI355X
+A Deployment of N unchanged servers (``amd.com/gpu: 8`` each, one per MI355X
   node), a PodDisruptionBudget, and the router (vllm-router) as a Deployment + Service that finds
   the servers by label in its own namespace (``--service-discovery`` with
   ``--service-discovery-namespace`` = the pod's namespace, which is what the rendered Role allows).
@@ -10,11 +10,6 @@
   Two or more router pods (surge 1, a PodDisruptionBudget, spread over nodes) that stop
   without cutting a stream; NetworkPolicies admit the servers' port only from the router and
   the metrics scraper. Server pods are placed by AMD's node labels (required node affinity).
-* ``dp-ep``: a sketch, rendered only with K3_SCALE_EXPERIMENTAL=1. A LeaderWorkerSet
-  (leaderworkerset.x-k8s.io/v1; a CRD that must be installed): the leader is the DP head, each
-  worker runs ``--headless`` with its start rank from ``LWS_WORKER_INDEX``; the API Service is
-  not named like the LWS (the controller creates a headless Service with the LWS's own name for
-  the group's DNS).
 
 Every image must be a pullable, pinned reference (registry/repo@sha256:...): a node cannot see a
 local tag. K3_SCALE_POD_SECURITY picks the server pods' privileges and storage: ``privileged``
@@ -22,19 +17,17 @@ local tag. K3_SCALE_POD_SECURITY picks the server pods' privileges and storage: 
 waits for another's volume), ``baseline`` or ``restricted`` (a read-only claim and an emptyDir).
 The server containers run the same image and entrypoint as compose, with the resolved K3_*
 settings as environment (the entrypoint renders the same argv as on a compose node: see the
-``k3rocm.org/argv`` annotation) and the scale additions as arguments.
+``k3rocm.org/argv`` annotation) and the drain flag as arguments.
 Every object is checked against the Kubernetes JSON schemas with ``kubernetes-validate``
-(bundled schemas, offline); the LeaderWorkerSet is a CRD, so only its pod templates are checked.
+(bundled schemas, offline).
 """
 
 from __future__ import annotations
 
 import json
-import shlex
 from typing import Any
 
 from k3rocm.deploy.scale.render import (
-    NOT_VALIDATED,
     ROUTER_REQUEST_TIMEOUT_S,
     STOP_MARGIN_S,
     NodePlan,
@@ -48,7 +41,6 @@ from k3rocm.serving.settings import ENV_NAME, Settings
 
 K8S_VERSION = "1.33.0"  # schema version the renderings are checked against
 APP = "k3rocm-server"
-API_SERVICE = f"{APP}-api"  # not APP: the LWS controller owns a headless Service named APP
 ROUTER = "k3rocm-router"
 LABEL_KEY = "app.kubernetes.io/name"
 SHM_SIZE = "64Gi"
@@ -78,12 +70,6 @@ STATELESS_POLICIES = ("random", "round_robin")
 # A new server pod's image pull (tens of GB) before its startup probe starts counting.
 PULL_ALLOWANCE_S = 900
 CACHE_SIZE = "200Gi"  # baseline/restricted: the HF/vLLM/Triton caches' emptyDir
-# dp-ep: the IPv4 address of the interface named by argv[1] (SIOCGIFADDR), run by the image's
-# python3 at container start: VLLM_HOST_IP on K3_SCALE_IFNAME, like GLOO/NCCL_SOCKET_IFNAME
-# (on the host network the pod IP is the node's primary address, maybe another interface).
-IFADDR_PY = ("import fcntl, socket, struct, sys; s = socket.socket(socket.AF_INET, "
-             "socket.SOCK_DGRAM); print(socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, "
-             "struct.pack('256s', sys.argv[1].encode()[:15]))[20:24]))")
 
 
 def proxy_conf(listen: str, upstream_port: int,
@@ -199,17 +185,13 @@ def _settings_env(settings: Settings, port: int) -> list[dict[str, Any]]:
     return out
 
 
-def _server_pod(node: NodePlan, plan: Plan, settings: Settings, image: str, startup_s: int,
-                args: list[str] | None = None, command: list[str] | None = None
+def _server_pod(node: NodePlan, plan: Plan, settings: Settings, image: str, startup_s: int
                 ) -> dict[str, Any]:
     """The pod spec of one server: its container and volumes, on an MI355X node."""
     port = int(node.env_overrides.get("K3_PORT", settings.port))
-    env = _settings_env(settings, port)
-    env += [{"name": k, "value": v} for k, v in node.env_overrides.items()
-            if not k.startswith("K3_") and k != "VLLM_HOST_IP"]
     c: dict[str, Any] = {
         "name": "server", "image": image, "imagePullPolicy": "IfNotPresent",
-        "env": env,
+        "env": _settings_env(settings, port),
         "ports": [{"name": "http", "containerPort": port}],
         "resources": {"limits": {"amd.com/gpu": 8},
                       "requests": {"amd.com/gpu": 8, **SERVER_REQUESTS}},
@@ -223,11 +205,7 @@ def _server_pod(node: NodePlan, plan: Plan, settings: Settings, image: str, star
         # Out of the router's rotation before SIGTERM; then vLLM drains (--shutdown-timeout).
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_S)]}}},
     }
-    if command is not None:
-        c["command"] = command
-    c["args"] = list(args if args is not None else node.command)
-    if node.host_network:
-        c["volumeMounts"].append({"name": "infiniband", "mountPath": "/dev/infiniband"})
+    c["args"] = list(node.command)
     vols: list[dict[str, Any]] = [
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": SHM_SIZE}}]
     spec: dict[str, Any] = {
@@ -238,11 +216,6 @@ def _server_pod(node: NodePlan, plan: Plan, settings: Settings, image: str, star
             "nodeSelectorTerms": plan.scale.node_affinity_terms}}},
         "terminationGracePeriodSeconds": server_grace(node)}
     _pod_security(plan.scale.pod_security, plan.scale, c, spec, vols)
-    if node.host_network:
-        vols.append({"name": "infiniband", "hostPath": {"path": "/dev/infiniband"}})
-    if node.host_network:
-        c["securityContext"]["privileged"] = True  # RDMA devices (memlock: IPC_LOCK)
-        spec.update(hostNetwork=True, dnsPolicy="ClusterFirstWithHostNet")
     return spec
 
 
@@ -257,7 +230,7 @@ def _meta(name: str, labels: dict[str, str], annotations: dict[str, str] | None 
 
 
 def _annotations(node: NodePlan) -> dict[str, str]:
-    return {"k3rocm.org/note": NOT_VALIDATED if node.experimental else
+    return {"k3rocm.org/note":
             "replicas: the unchanged single-node server; manifests not validated on MI355X",
             "k3rocm.org/argv": json.dumps(node.argv)}
 
@@ -408,82 +381,24 @@ def router_grace() -> int:
 def render_k8s(plan: Plan, settings: Settings) -> list[dict[str, Any]]:
     """Kubernetes objects for ``plan`` (a list of dicts, in apply order)."""
     s = plan.scale
-    if s.mode == "dp-ep" and not s.experimental:
-        raise UsageError("K3_SCALE_MODE=dp-ep: the Kubernetes rendering is a sketch (no worker "
-                         "liveness, every rollout an outage, RDMA by privileged hostPath; "
-                         "docs/scale.md); set K3_SCALE_EXPERIMENTAL=1 to render it anyway")
-    if s.mode == "dp-ep" and s.pod_security != "privileged":
-        raise UsageError(f"K3_SCALE_POD_SECURITY={s.pod_security}: dp-ep pods need "
-                         "privileged (host network, /dev/infiniband from the host); set "
-                         "K3_SCALE_POD_SECURITY=privileged")
     image = check_image_ref("K3_IMAGE", settings.image)
     startup = max(s.router_startup_timeout, 600)
-    port = int(plan.nodes[0].env_overrides["K3_PORT"])
+    node = plan.nodes[0]
+    port = int(node.env_overrides["K3_PORT"])
     labels = {LABEL_KEY: APP}
-    if s.mode == "replicas":
-        node = plan.nodes[0]
-        pod = _server_pod(node, plan, settings, image, startup)
-        # maxSurge 0: one pod at a time in place, no spare 8-GPU node. A new pod exists only
-        # after the old one's grace period, then pulls and starts: `kubectl rollout status`
-        # must wait that long before it calls the rollout failed.
-        deadline = server_grace(node) + PULL_ALLOWANCE_S + startup
-        return [_network_policy(APP, labels, [
-                    {"from": [{"podSelector": {"matchLabels": {LABEL_KEY: ROUTER}}},
-                              *_scraper(s)], "ports": _tcp(port)}]),
-                _deployment(APP, labels, len(plan.nodes), pod,
-                            {**_annotations(node), "k3rocm.org/pod-security": s.pod_security},
-                            _scrape(port), surge=0, progressDeadlineSeconds=deadline),
-                _pdb(APP, labels, maxUnavailable=1),
-                *_router(plan, port)]
-    if s.mode == "dp-ep":
-        head, worker = plan.nodes[0], plan.nodes[1]
-        # The head address and each worker's start rank are only known at run time in
-        # Kubernetes: substitute them in the rendered flags (same flags, same order).
-        head_args = _swap(head.command, "--data-parallel-address", "$(LWS_LEADER_ADDRESS)")
-        worker_args = _swap(worker.command, "--data-parallel-address", "$(LWS_LEADER_ADDRESS)")
-        worker_args = _swap(worker_args, "--data-parallel-start-rank",
-                            f"$((LWS_WORKER_INDEX * {s.dp_local}))")
-        shell = ["/bin/sh", "-c"]
-
-        def start(args: list[str]) -> list[str]:
-            # Backquotes, not $(...): the kubelet expands $(NAME) in args.
-            ip = f"`python3 -c {shlex.quote(IFADDR_PY)} {shlex.quote(str(s.ifname))}`"
-            return [f"VLLM_HOST_IP={ip} || exit 1; export VLLM_HOST_IP; "
-                    "exec /opt/k3rocm/entrypoint.sh " + " ".join(
-                        a if a.startswith("$") else shlex.quote(a) for a in args)]
-
-        leader = _server_pod(head, plan, settings, image, startup, command=shell,
-                             args=start(head_args))
-        workerpod = _server_pod(worker, plan, settings, image, startup, command=shell,
-                                args=start(worker_args))
-        # Headless workers serve no API: no HTTP probes on them.
-        for key in ("startupProbe", "readinessProbe", "livenessProbe", "ports"):
-            workerpod["containers"][0].pop(key)
-        lws = {"apiVersion": "leaderworkerset.x-k8s.io/v1", "kind": "LeaderWorkerSet",
-               "metadata": _meta(APP, labels, _annotations(head)),
-               "spec": {"replicas": 1,
-                        "rolloutStrategy": {"type": "RollingUpdate",
-                                            "rollingUpdateConfiguration": {
-                                                "maxUnavailable": 1, "maxSurge": 0}},
-                        "leaderWorkerTemplate": {
-                            "size": len(plan.nodes),
-                            "restartPolicy": "RecreateGroupOnPodRestart",
-                            "leaderTemplate": {
-                                "metadata": {"labels": {**labels, "role": "leader"},
-                                             "annotations": _scrape(port)},
-                                "spec": leader},
-                            "workerTemplate": {"metadata": {"labels": {**labels,
-                                                                       "role": "worker"}},
-                                               "spec": workerpod}}}}
-        svc = _service(API_SERVICE, {**labels, "role": "leader"}, port)
-        return [lws, svc]
-    raise UsageError(f"K3_SCALE_MODE={s.mode}: nothing to render for Kubernetes")
-
-
-def _swap(args: list[str], flag: str, value: str) -> list[str]:
-    out = list(args)
-    out[out.index(flag) + 1] = value
-    return out
+    pod = _server_pod(node, plan, settings, image, startup)
+    # maxSurge 0: one pod at a time in place, no spare 8-GPU node. A new pod exists only
+    # after the old one's grace period, then pulls and starts: `kubectl rollout status`
+    # must wait that long before it calls the rollout failed.
+    deadline = server_grace(node) + PULL_ALLOWANCE_S + startup
+    return [_network_policy(APP, labels, [
+                {"from": [{"podSelector": {"matchLabels": {LABEL_KEY: ROUTER}}},
+                          *_scraper(s)], "ports": _tcp(port)}]),
+            _deployment(APP, labels, len(plan.nodes), pod,
+                        {**_annotations(node), "k3rocm.org/pod-security": s.pod_security},
+                        _scrape(port), surge=0, progressDeadlineSeconds=deadline),
+            _pdb(APP, labels, maxUnavailable=1),
+            *_router(plan, port)]
 
 
 def validate(objs: list[dict[str, Any]], version: str = K8S_VERSION) -> list[str]:
@@ -495,18 +410,9 @@ def validate(objs: list[dict[str, Any]], version: str = K8S_VERSION) -> list[str
                          ) from None
     lines = []
     for obj in objs:
-        targets = [obj]
         what = f"{obj['kind']}/{obj['metadata']['name']}"
-        if obj["kind"] == "LeaderWorkerSet":  # a CRD: check its pod templates as Pods
-            tpl = obj["spec"]["leaderWorkerTemplate"]
-            targets = [{"apiVersion": "v1", "kind": "Pod",
-                        "metadata": {**tpl[k]["metadata"], "name": f"{obj['metadata']['name']}"
-                                     f"-{k.removesuffix('Template')}"},
-                        "spec": tpl[k]["spec"]} for k in ("leaderTemplate", "workerTemplate")]
-            what += " (CRD: pod templates checked as Pods)"
         try:
-            for t in targets:
-                kubernetes_validate.validate(t, version, strict=True)
+            kubernetes_validate.validate(obj, version, strict=True)
         except kubernetes_validate.ValidationError as exc:
             raise UsageError(f"{what} fails the Kubernetes {version} schema: "
                              f"{exc.message} at {'/'.join(map(str, exc.path))}") from None

@@ -9,10 +9,6 @@ are the strongest we can do:
 * strict schemas: every object against the strict Kubernetes schemas of 1.29 .. 1.37 that
   kubernetes-validate bundles (:func:`k3rocm.deploy.scale.k8s.validate`, the one mechanism of
   ``make render-k8s``);
-* the LeaderWorkerSet against the real CRD of lws v0.10.0 (vendored in ``data/``, its header
-  names the source), with unknown fields rejected (the API server's strict field validation),
-  CRD defaults applied, then the webhook rules of lws v0.10.0 that apply to our rendering
-  (:data:`LWS_WEBHOOK_RULES`, each citing pkg/webhooks/leaderworkerset_webhook.go:line);
 * a Pod Security Standards evaluation of every pod template against ``baseline`` and
   ``restricted``: :data:`PSS_CHECKS`, one row per check of k8s.io/pod-security-admission
   v0.36.2 (commit 39b45cd167e1bd665aaeefc6e1acc1cc753259f2, policy version "latest" as of
@@ -33,25 +29,17 @@ nodeSelector / required nodeAffinity, with their ``amd.com/gpu*`` labels.
 
 from __future__ import annotations
 
-import gzip
 import json
-import math
 import os
-import re
 import shutil
 import subprocess
 from collections.abc import Callable, Iterator, Mapping
-from functools import cache
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from k3rocm.errors import ServerError, UsageError
 
 K8S_MINORS = range(29, 38)  # kubernetes-validate 1.37.0 bundles 1.25 .. 1.37
-# gzip of the vendored file; its header names the source (repo, tag, commit, path, licence)
-LWS_CRD = (Path(__file__).parent / "data"
-           / "leaderworkerset.x-k8s.io_leaderworkersets.v0.10.0.yaml.gz")
-LWS_SRC = "lws@v0.10.0:pkg/webhooks/leaderworkerset_webhook.go"
 PSA_SRC = "pod-security-admission@v0.36.2:policy/"
 LEVELS = ("baseline", "restricted")
 KUBECTL_TIMEOUT_S = 60
@@ -307,7 +295,7 @@ def evaluate(meta: dict[str, Any], spec: dict[str, Any], level: str
 
 
 def pod_templates(objs: list[dict[str, Any]]) -> Iterator[tuple[str, dict, dict]]:
-    """(``Kind/name[ role]``, pod metadata, pod spec) of every pod an object creates."""
+    """(``Kind/name``, pod metadata, pod spec) of every pod an object creates."""
     for o in objs:
         what, spec = f"{o['kind']}/{o['metadata']['name']}", o.get("spec") or {}
         if o["kind"] == "Pod":
@@ -315,11 +303,6 @@ def pod_templates(objs: list[dict[str, Any]]) -> Iterator[tuple[str, dict, dict]
         elif o["kind"] == "CronJob":
             t = spec["jobTemplate"]["spec"]["template"]
             yield what, t.get("metadata") or {}, t["spec"]
-        elif o["kind"] == "LeaderWorkerSet":
-            lwt = spec["leaderWorkerTemplate"]
-            for role in ("leader", "worker"):
-                t = lwt.get(f"{role}Template") or lwt["workerTemplate"]
-                yield f"{what} {role}", t.get("metadata") or {}, t["spec"]
         elif "template" in spec:
             yield what, spec["template"].get("metadata") or {}, spec["template"]["spec"]
 
@@ -335,98 +318,6 @@ def pss_lines(objs: list[dict[str, Any]], enforce: str | None = None) -> tuple[l
                 f"{c.reason} ({', '.join(paths)})" for c, paths in bad))
             failed |= bool(bad) and level == enforce
         lines.append(f"{what}: " + "; ".join(parts))
-    return lines, failed
-
-
-# --- LeaderWorkerSet: the real CRD and the webhook rules -----------------------------------
-
-def _strict(schema: Any) -> Any:
-    """The CRD schema with unknown fields rejected (strict field validation; no schema of the
-    CRD preserves unknown fields)."""
-    if isinstance(schema, dict):
-        out = {k: _strict(v) for k, v in schema.items()}
-        if "properties" in out and "additionalProperties" not in out and \
-                not out.get("x-kubernetes-preserve-unknown-fields"):
-            out["additionalProperties"] = False
-        return out
-    return [_strict(v) for v in schema] if isinstance(schema, list) else schema
-
-
-@cache
-def lws_validator():
-    import jsonschema
-    import yaml
-
-    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-    crd = yaml.load(gzip.decompress(LWS_CRD.read_bytes()), Loader=loader)  # noqa: S506 - a safe loader
-    schema = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")["schema"]
-    return jsonschema.Draft7Validator(_strict(schema["openAPIV3Schema"]))
-
-
-_DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
-_PERCENT = re.compile(r"^[0-9]+%$")
-
-
-def _int_or_percent(v: Any, total: int, round_up: bool) -> int | None:
-    if isinstance(v, int):
-        return v
-    if isinstance(v, str) and _PERCENT.match(v):
-        x = total * int(v[:-1]) / 100
-        return math.ceil(x) if round_up else math.floor(x)
-    return None
-
-
-def lws_webhook(lws: dict[str, Any]) -> list[str]:
-    """lws v0.10.0's validating webhook (generalValidate) on the defaulted object: the rules
-    our rendering can reach, each with its line; [] = admitted."""
-    spec, errs = lws.get("spec") or {}, []
-    name = lws["metadata"].get("name", "")
-    if not (_DNS1035.match(name) and len(name) <= 63):
-        errs.append(f"metadata.name {name!r} is not a DNS-1035 label ({LWS_SRC}:128)")
-    replicas = spec.get("replicas", 1)  # CRD default 1
-    size = spec["leaderWorkerTemplate"].get("size", 1)  # CRD default 1
-    if not 0 <= replicas <= 1000000:
-        errs.append(f"spec.replicas {replicas} outside 0..1000000 ({LWS_SRC}:131-137)")
-    if size < 1:
-        errs.append(f"spec.leaderWorkerTemplate.size {size} < 1 ({LWS_SRC}:139)")
-    if replicas * size > 2**31 - 1:
-        errs.append(f"spec.replicas x size > MaxInt32 ({LWS_SRC}:142)")
-    # Default(): no rollingUpdateConfiguration = maxUnavailable 1, maxSurge 0, partition 0.
-    ruc = (spec.get("rolloutStrategy") or {}).get("rollingUpdateConfiguration") or {}
-    path = "spec.rolloutStrategy.rollingUpdateConfiguration"
-    mu, ms = ruc.get("maxUnavailable", 1), ruc.get("maxSurge", 0)
-    for key, v, line in (("maxUnavailable", mu, 149), ("maxSurge", ms, 157)):
-        if (isinstance(v, int) and v < 0) or (isinstance(v, str) and not _PERCENT.match(v)) or (
-                isinstance(v, str) and int(v[:-1]) > 100):
-            errs.append(f"{path}.{key} {v!r}: a non-negative int or percent <= 100% "
-                        f"({LWS_SRC}:{line}-{line + 2})")
-    if ruc.get("partition", 0) < 0:
-        errs.append(f"{path}.partition < 0 ({LWS_SRC}:165)")
-    if _int_or_percent(mu, replicas, False) == 0 and _int_or_percent(ms, replicas, True) == 0 \
-            and replicas != 0:
-        errs.append(f"{path}.maxUnavailable must not be 0 when maxSurge is 0 ({LWS_SRC}:176)")
-    if "subGroupPolicy" not in spec["leaderWorkerTemplate"] and \
-            "leaderworkerset.sigs.k8s.io/subgroup-exclusive-topology" in \
-            (lws["metadata"].get("annotations") or {}):
-        errs.append(f"subgroup-exclusive-topology annotation without subGroupSize "
-                    f"({LWS_SRC}:184)")
-    return errs
-
-
-def lws_lines(objs: list[dict[str, Any]]) -> tuple[list[str], bool]:
-    lines, failed = [], False
-    for o in objs:
-        if o["kind"] != "LeaderWorkerSet":
-            continue
-        what = f"LeaderWorkerSet/{o['metadata']['name']}"
-        errors = sorted(lws_validator().iter_errors(o), key=lambda e: list(e.absolute_path))
-        bad = [f"{'.'.join(map(str, e.absolute_path)) or '(root)'}: {e.message[:200]}"
-               for e in errors]
-        bad = bad or lws_webhook(o)  # webhooks see only what the schema admitted
-        failed |= bool(bad)
-        lines.append(f"FAIL {what}: " + "; ".join(bad) if bad else
-                     f"ok   {what} (lws v0.10.0 CRD schema, unknown fields rejected; "
-                     "webhook rules)")
     return lines, failed
 
 
@@ -534,11 +425,10 @@ def node_matches(spec: Mapping[str, Any], node: Mapping[str, Any]) -> bool:
 
 
 def server_pod(objs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The rendered server pod spec (the Deployment's or the LWS leader's)."""
+    """The rendered server pod spec (the server Deployment's)."""
     from k3rocm.deploy.scale.k8s import APP
 
-    return next(spec for what, _, spec in pod_templates(objs)
-                if what.split(" ")[0].split("/", 1)[1] == APP)
+    return next(spec for what, _, spec in pod_templates(objs) if what.split("/", 1)[1] == APP)
 
 
 def node_selection(objs: list[dict[str, Any]], environ: Mapping[str, str] | None = None
@@ -571,15 +461,10 @@ def k8s_check(objs: list[dict[str, Any]], manifests: str, enforce: str | None = 
     kc, why = kubeconfig(environ)
     if kc is not None:
         reachable(kc, environ)  # exit 3 in one line, before anything is printed
-    failed = False
-    for title, (lines, bad) in (("strict schemas (kubernetes-validate, offline)",
-                                 schema_lines(objs)),
-                                ("LeaderWorkerSet CRD + webhook (offline)", lws_lines(objs))):
-        if lines:
-            out(f"{title}:")
-            for ln in lines:
-                out(f"  {ln}")
-        failed |= bad
+    lines, failed = schema_lines(objs)
+    out("strict schemas (kubernetes-validate, offline):")
+    for ln in lines:
+        out(f"  {ln}")
     lines, bad = pss_lines(objs, enforce)
     out("Pod Security Standards (offline reading of pod-security-admission v0.36.2; "
         + (f"enforced level: {enforce})" if enforce else "informational: no enforced level)"))

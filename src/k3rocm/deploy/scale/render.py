@@ -1,14 +1,9 @@
-"""Per-node rendering for the scale-out modes, on top of the one serving renderer.
+"""Per-node rendering of ``replicas``, on top of the one serving renderer.
 
 Every node's vLLM env and argv come from :func:`k3rocm.serving.config.render` (the function the
-image's entrypoint runs), given the node's K3_* environment plus the scale additions as passthrough
-arguments. Nothing here writes a second ``vllm serve`` command line by hand: the scale additions are
-only the drain flag (``--shutdown-timeout``), the data-parallel / expert-parallel flags and the
-network environment.
-
-``replicas`` is the supported mode. ``dp-ep`` is EXPERIMENTAL: rendered and tested as a rendering
-(a dense tiny model at DP=2 starts from the rendered dp-ep argv on the CPU stand-in),
-NOT validated on MI355X.
+image's entrypoint runs), given the node's K3_* environment plus the scale addition as passthrough
+arguments. Nothing here writes a second ``vllm serve`` command line by hand: the only scale
+addition is the drain flag (``--shutdown-timeout``) and the node's port.
 """
 
 from __future__ import annotations
@@ -22,7 +17,6 @@ from k3rocm.deploy.scale.settings import ScaleSettings, load_scale
 from k3rocm.errors import UsageError
 from k3rocm.serving.config import load_settings, redact_env, render
 
-NOT_VALIDATED = ("EXPERIMENTAL: rendered by k3rocm, not validated on MI355X; review before use")
 # A stopped server gets this long beyond its drain (--shutdown-timeout) before SIGKILL:
 # engine and worker teardown after the last request.
 STOP_MARGIN_S = 30
@@ -37,15 +31,11 @@ class NodePlan:
     """What one node runs: the compose inputs (env_overrides + command) and the result."""
 
     index: int
-    role: str  # replica | head | worker
     address: str  # host:port of the node's API server (from K3_SCALE_NODES)
-    env_overrides: dict[str, str]  # K3_* and network variables set on this node
+    env_overrides: dict[str, str]  # K3_* variables set on this node
     command: list[str]  # passthrough args given to the entrypoint (compose `command:`)
     env: dict[str, str] = field(default_factory=dict)  # rendered vLLM env (config.render)
     argv: list[str] = field(default_factory=list)  # rendered vLLM argv (config.render)
-    host_network: bool = False
-    devices: list[str] = field(default_factory=list)
-    experimental: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "env": redact_env(self.env)}
@@ -59,8 +49,7 @@ class Plan:
 
     def to_json(self) -> dict[str, Any]:
         return {"mode": self.scale.mode,
-                "note": NOT_VALIDATED if self.scale.mode == "dp-ep" else
-                "replicas: every node runs the unchanged single-node server",
+                "note": "replicas: every node runs the unchanged single-node server",
                 "nodes": [n.to_json() for n in self.nodes],
                 "router": {"url": self.scale.router_url, "argv": self.router_argv,
                            "image": self.scale.router_image}}
@@ -74,25 +63,7 @@ def router_argv(s: ScaleSettings) -> list[str]:
             "--request-timeout-secs", str(ROUTER_REQUEST_TIMEOUT_S),
             # Explicit: two routers on one host network must not share the default 29000.
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(s.router_metrics_port)]
-    # dp-ep: only the head serves the API
-    return [*argv, "--worker-urls", *(s.worker_urls[:1] if s.mode == "dp-ep" else s.worker_urls)]
-
-
-def _network_env(s: ScaleSettings, host: str) -> dict[str, str]:
-    env = {"GLOO_SOCKET_IFNAME": s.ifname, "NCCL_SOCKET_IFNAME": s.ifname, "VLLM_HOST_IP": host,
-           "NCCL_IB_HCA": s.ib_hca}
-    return {k: v for k, v in env.items() if v}
-
-
-def _dp_args(s: ScaleSettings, index: int) -> list[str]:
-    size = len(s.nodes) * s.dp_local
-    args = ["--data-parallel-size", str(size), "--data-parallel-size-local", str(s.dp_local),
-            "--data-parallel-address", s.node_host(0),
-            "--data-parallel-rpc-port", str(s.dp_rpc_port),
-            "--enable-expert-parallel", "--all2all-backend", s.all2all]
-    if index > 0:
-        args += ["--headless", "--data-parallel-start-rank", str(index * s.dp_local)]
-    return args
+    return [*argv, "--worker-urls", *s.worker_urls]
 
 
 def plan(environ: Mapping[str, str] | None = None, dotenv: str | os.PathLike | None = ".env",
@@ -101,26 +72,19 @@ def plan(environ: Mapping[str, str] | None = None, dotenv: str | os.PathLike | N
     environ = dict(os.environ if environ is None else environ)
     # The checkpoint lives on every node, not necessarily here: `make preflight` checks it.
     settings, _ = load_settings(environ, dotenv, host_paths=True, check_model=False)
-    s = scale or load_scale(environ, dotenv, tp=settings.tp)
+    s = scale or load_scale(environ, dotenv)
     if s.mode == "single":
         raise UsageError("K3_SCALE_MODE=single: there is nothing to scale out; set "
                          "K3_SCALE_MODE=replicas and K3_SCALE_NODES=host:port,host:port")
     nodes: list[NodePlan] = []
     for i, address in enumerate(s.nodes):
-        host, port = s.node_host(i), s.node_port(i)
-        dpep = s.mode == "dp-ep"
-        # dp-ep: the network variables (GLOO/NCCL interface, RDMA devices, host IP).
-        network = _network_env(s, host) if dpep else {}
-        overrides = {"K3_PORT": str(port), **network}
+        overrides = {"K3_PORT": str(s.node_port(i))}
         # Drain on stop: vLLM's default (0) aborts every in-flight request at SIGTERM.
-        command = ["--shutdown-timeout", str(s.drain_timeout), *(_dp_args(s, i) if dpep else [])]
+        command = ["--shutdown-timeout", str(s.drain_timeout)]
         rendered = render({**environ, **overrides}, dotenv, passthrough=command, host_paths=True,
                           check_model=False)
-        nodes.append(NodePlan(index=i, role=("worker" if i else "head") if dpep else "replica",
-                              address=address, env_overrides=overrides, command=command,
-                              env={**rendered.env, **network}, argv=rendered.argv,
-                              host_network=dpep, devices=["/dev/infiniband"] if dpep else [],
-                              experimental=dpep))
+        nodes.append(NodePlan(index=i, address=address, env_overrides=overrides,
+                              command=command, env=rendered.env, argv=rendered.argv))
     return Plan(scale=s, nodes=nodes, router_argv=router_argv(s))
 
 
@@ -135,11 +99,6 @@ def compose_override(node: NodePlan) -> dict[str, Any]:
                            "command": list(node.command),
                            # `docker compose stop/down` waits this long before SIGKILL.
                            "stop_grace_period": f"{drain_timeout(node) + STOP_MARGIN_S}s"}
-    if node.host_network:
-        # host network: the port is the host's own (no published ports)
-        svc.update(network_mode="host", ports=[], devices=["/dev/kfd", "/dev/dri", *node.devices],
-                   ulimits={"memlock": -1, "stack": 67108864})
-    return {"x-k3rocm": {"note": NOT_VALIDATED if node.experimental else
-                         "replica: the unchanged server", "role": node.role,
-                         "address": node.address, "argv": node.argv},
+    return {"x-k3rocm": {"note": "replica: the unchanged server", "address": node.address,
+                         "argv": node.argv},
             "services": {"server": svc}}

@@ -68,8 +68,8 @@ def start_router(client, s: ScaleSettings, name: str = DEFAULT_NAME,
     import docker
     from k3rocm.deploy.readiness import answers
 
-    if s.mode not in ("replicas", "dp-ep"):
-        raise UsageError(f"K3_SCALE_MODE={s.mode}: the router fronts scale-out modes; set "
+    if s.mode != "replicas":
+        raise UsageError(f"K3_SCALE_MODE={s.mode}: the router fronts replicas; set "
                          "K3_SCALE_MODE=replicas and K3_SCALE_NODES")
     try:
         client.images.get(s.router_image)

@@ -8,10 +8,9 @@ Modes:
 * ``single`` (default): one node, today's server; nothing here is used.
 * ``replicas``: N independent copies of today's server (same image, env, TP, MTP), one per
   node, behind vLLM's router (``vllm-router``). ``K3_SCALE_NODES`` lists their API addresses.
-* ``dp-ep`` (experimental, rendered only): one vLLM data-parallel + expert-parallel deployment
-  across nodes; the first node is the head, the others run ``--headless``.
 
-Prefill/decode disaggregation is not offered: docs/scale.md says why.
+Not offered (:data:`REMOVED_MODES`): prefill/decode disaggregation and the data-parallel +
+expert-parallel rendering; docs/scale.md says why.
 """
 
 from __future__ import annotations
@@ -32,12 +31,8 @@ SCALE_PREFIX = "K3_SCALE_"
 # vllm-router 0.1.17 `--policy` choices (from `vllm-router --help` of that wheel).
 ROUTER_POLICIES = ("random", "round_robin", "cache_aware", "kv_aware", "power_of_two",
                    "consistent_hash", "sticky_least_loaded")
-# `--all2all-backend` values this bundle renders for AMD (vLLM's ROCm MoRI kernels, or the
-# backend-agnostic all-gather/reduce-scatter fallback).
-ALL2ALL_BACKENDS = ("mori_low_latency", "allgather_reducescatter")
 ENGINE_READY_ENV = "VLLM_ENGINE_READY_TIMEOUT_S"
 ENGINE_READY_DEFAULT = 600  # vLLM's default (vllm/envs.py)
-GPUS_PER_NODE = 8  # one MI355X node
 # An image a cluster node can pull, pinned: registry host (with a dot or a port, or localhost),
 # repository path, optional tag, and a sha256 digest.
 IMAGE_REF = re.compile(r"^(?:[a-z0-9-]+(?:\.[a-z0-9-]+)+(?::\d+)?|[a-z0-9-]+:\d+|localhost)"
@@ -63,8 +58,8 @@ class ScaleSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    mode: Literal["single", "replicas", "dp-ep"] = "single"
-    nodes: tuple[str, ...] = ()  # host:port of every node's API server (dp-ep: head first)
+    mode: Literal["single", "replicas"] = "single"
+    nodes: tuple[str, ...] = ()  # host:port of every node's API server
     router_host: str = "127.0.0.1"  # loopback only: see _loopback
     router_port: int = Field(8080, ge=1, le=65535)
     router_metrics_port: int = Field(29000, ge=1, le=65535)  # --prometheus-port
@@ -83,13 +78,7 @@ class ScaleSettings(BaseModel):
     gpu_groups: tuple[int, ...] = ()  # Kubernetes restricted: GIDs owning /dev/kfd, /dev/dri
     run_as_user: int = Field(1000, ge=1, le=2147483647)  # Kubernetes restricted: server UID
     metrics_namespace: str = "monitoring"  # Kubernetes: the scraper's namespace (NetworkPolicy)
-    experimental: bool = False  # Kubernetes: render the dp-ep sketch anyway
     drain_timeout: int = Field(300, ge=0, le=86400)  # vLLM --shutdown-timeout (0 aborts)
-    dp_local: int = Field(1, ge=1, le=8)  # dp-ep: DP ranks per node (x K3_TP <= 8 GPUs)
-    dp_rpc_port: int = Field(13345, ge=1, le=65535)  # dp-ep: --data-parallel-rpc-port
-    all2all: Literal[ALL2ALL_BACKENDS] = "mori_low_latency"  # type: ignore[valid-type]
-    ifname: str | None = None  # dp-ep, required: GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME
-    ib_hca: str | None = None  # dp-ep: NCCL_IB_HCA (e.g. rdma0,rdma1)
 
     @field_validator("nodes", mode="before")
     @classmethod
@@ -186,15 +175,19 @@ class ScaleSettings(BaseModel):
 SCALE_FIELDS = ScaleSettings.model_fields
 SCALE_ENV = {n: SCALE_PREFIX + n.upper() for n in SCALE_FIELDS}
 SCALE_FIELD_BY_ENV = {e: n for n, e in SCALE_ENV.items()}
+# K3_SCALE_MODE values once offered, and why they are not (docs/scale.md).
+REMOVED_MODES = {
+    "pd": "prefill/decode disaggregation was never proven to start",
+    "dp-ep": "the data-parallel + expert-parallel rendering was removed (never validated on "
+             "MI355X)",
+}
 
 
 def load_scale(environ: Mapping[str, str] | None = None,
-               dotenv: str | os.PathLike | None = ".env",
-               tp: int | None = None) -> ScaleSettings:
+               dotenv: str | os.PathLike | None = ".env") -> ScaleSettings:
     """Build ScaleSettings from the environment and ``.env`` (the environment wins).
 
-    ``tp`` is the serving K3_TP (from :func:`k3rocm.serving.config.load_settings`), used to
-    check that the dp-ep layout fits a node. Raises UsageError (one line) on any invalid value.
+    Raises UsageError (one line) on any invalid value.
     """
     environ = dict(os.environ if environ is None else environ)
     file_vals = read_dotenv(dotenv) if dotenv else {}
@@ -207,10 +200,10 @@ def load_scale(environ: Mapping[str, str] | None = None,
                                      "settings are " + ", ".join(SCALE_FIELD_BY_ENV))
                 if raw != "":
                     merged[key] = (raw, src)
-    if merged.get(SCALE_PREFIX + "MODE", ("",))[0] == "pd":
-        raise UsageError(f"K3_SCALE_MODE=pd (from {merged[SCALE_PREFIX + 'MODE'][1]}) is not "
-                         "offered: prefill/decode disaggregation was never proven to start "
-                         "(docs/scale.md); use replicas")
+    mode, mode_src = merged.get(SCALE_PREFIX + "MODE", ("", ""))
+    if mode in REMOVED_MODES:
+        raise UsageError(f"K3_SCALE_MODE={mode} (from {mode_src}) is not offered: "
+                         f"{REMOVED_MODES[mode]} (docs/scale.md); use replicas")
     values = {SCALE_FIELD_BY_ENV[k]: raw for k, (raw, _) in merged.items()}
     try:
         s = ScaleSettings(**values)
@@ -223,11 +216,11 @@ def load_scale(environ: Mapping[str, str] | None = None,
     except ValueError:
         raise UsageError(f"{ENGINE_READY_ENV}={raw_ready!r} is not valid: use seconds "
                          "(an integer)") from None
-    _check(s, ready, tp)
+    _check(s, ready)
     return s
 
 
-def _check(s: ScaleSettings, engine_ready: int, tp: int | None) -> None:
+def _check(s: ScaleSettings, engine_ready: int) -> None:
     if s.router_startup_timeout < engine_ready:
         raise UsageError(
             f"K3_SCALE_ROUTER_STARTUP_TIMEOUT={s.router_startup_timeout} is shorter than "
@@ -235,16 +228,10 @@ def _check(s: ScaleSettings, engine_ready: int, tp: int | None) -> None:
             "still loading; raise it to at least that")
     if s.mode == "single":
         return
-    if len(s.nodes) < 2:  # replicas and dp-ep alike
+    if len(s.nodes) < 2:
         raise UsageError(f"K3_SCALE_MODE={s.mode} needs K3_SCALE_NODES with at least 2 "
                          f"host:port entries (got {len(s.nodes)}); e.g. "
                          "K3_SCALE_NODES=node1:8000,node2:8000")
-    if s.mode == "dp-ep" and not s.ifname:
-        raise UsageError(f"K3_SCALE_MODE={s.mode} needs K3_SCALE_IFNAME: the network "
-                         "interface the nodes reach each other on (e.g. K3_SCALE_IFNAME=eth0)")
-    if s.mode == "dp-ep" and tp is not None and s.dp_local * tp > GPUS_PER_NODE:
-        raise UsageError(f"K3_SCALE_DP_LOCAL={s.dp_local} x K3_TP={tp} needs "
-                         f"{s.dp_local * tp} GPUs per node; a node has {GPUS_PER_NODE}")
 
 
 def check_image_ref(setting: str, ref: str) -> str:

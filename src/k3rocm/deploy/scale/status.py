@@ -5,13 +5,10 @@ Per replica: /health, the served model(s), the prefix-cache hit rate since the s
 vllm/v1/metrics/loggers.py of vLLM 0.27-0.32), the overlay's fusion decisions (the
 ``K3ROCM-DECISION {json}`` lines of the server log, see docs/overlay.md) and the image id,
 the last two only where the replica's container is local (found by its published port, the
-same lookup the bench provenance uses). In dp-ep the head's /health stays 200 when a headless
-worker dies (requests sent to that rank hang), so every DP rank gets a 1-token request pinned to
-it with vLLM's ``X-data-parallel-rank`` header (vllm/entrypoints/.../serving.py
-``_get_data_parallel_rank``). The router: its /health answers 200 when every worker is healthy
-and 503 as soon as one is not (while it keeps serving the healthy ones). The summary is
-``ok, N of N`` only when the router and every replica (and rank) are; else ``degraded, k of N``
-or ``down, 0 of N``.
+same lookup the bench provenance uses). The router: its /health answers 200 when every worker
+is healthy and 503 as soon as one is not (while it keeps serving the healthy ones). The summary
+is ``ok, N of N`` only when the router and every replica are; else ``degraded, k of N`` or
+``down, 0 of N``.
 """
 
 from __future__ import annotations
@@ -32,7 +29,6 @@ HTTP_TIMEOUT = 5.0
 # One counter sample per engine (label set) in the Prometheus text format.
 _PREFIX_SAMPLE = re.compile(r"^vllm:prefix_cache_(hits|queries)_total(?:\{[^}]*\})?\s+"
                             r"([0-9.eE+-]+)\s*$", re.M)
-RANK_TIMEOUT = 30.0  # a 1-token request to one DP rank; no answer = the rank is gone
 
 
 @dataclass
@@ -42,14 +38,13 @@ class ReplicaStatus:
     health: str  # ok | http <code> | unreachable (<error>)
     models: list[str] = field(default_factory=list)
     prefix_cache_hit_rate: float | None = None  # hits / queries (tokens) since start
-    ranks: dict[int, str] = field(default_factory=dict)  # dp-ep: DP rank -> ok | <error>
     fusions: str = "unknown (no local container)"
     image_id: str | None = None
     container: str | None = None
 
     @property
     def healthy(self) -> bool:
-        return self.health == "ok" and all(v == "ok" for v in self.ranks.values())
+        return self.health == "ok"
 
 
 @dataclass
@@ -67,19 +62,6 @@ def prefix_cache_hit_rate(metrics_text: str) -> float | None:
     for m in _PREFIX_SAMPLE.finditer(metrics_text):
         sums[m.group(1)] += float(m.group(2))
     return sums["hits"] / sums["queries"] if sums["queries"] > 0 else None
-
-
-def rank_check(url: str, model: str, rank: int, api_key: str | None = None,
-               timeout: float | None = None) -> str:
-    """One 1-token completion pinned to DP ``rank``: ``ok`` or what went wrong."""
-    timeout = RANK_TIMEOUT if timeout is None else timeout
-    try:
-        r = ServerAPI(url, api_key).post(
-            "/v1/completions", timeout, headers={"X-data-parallel-rank": str(rank)},
-            json={"model": model, "prompt": "ping", "max_tokens": 1})
-    except Unreachable as exc:
-        return f"no answer in {timeout:g} s" if exc.timed_out else f"unreachable ({exc.reason})"
-    return "ok" if r.status_code == 200 else f"http {r.status_code}"
 
 
 def _health(api: ServerAPI) -> str:
@@ -106,10 +88,8 @@ def summarize_decisions(records: dict[tuple[Any, Any], dict[str, Any]]) -> str:
                      for kind, fusions in per.items())
 
 
-def replica_status(address: str, client=None, api_key: str | None = None,
-                   dp_ranks: int = 0) -> ReplicaStatus:
-    """One replica; ``api_key``: the deployment's K3_API_KEY (vLLM guards /v1/models);
-    ``dp_ranks`` > 0: also send one pinned request to each of that many DP ranks."""
+def replica_status(address: str, client=None, api_key: str | None = None) -> ReplicaStatus:
+    """One replica; ``api_key``: the deployment's K3_API_KEY (vLLM guards /v1/models)."""
     url = f"http://{address}"
     api = ServerAPI(url, api_key, timeout=HTTP_TIMEOUT)
     st = ReplicaStatus(address=address, url=url, health=_health(api))
@@ -118,9 +98,6 @@ def replica_status(address: str, client=None, api_key: str | None = None,
             st.models = api.models()
         with contextlib.suppress(ServerError):
             st.prefix_cache_hit_rate = prefix_cache_hit_rate(api.metrics_text())
-        if dp_ranks:
-            model = st.models[0] if st.models else ""
-            st.ranks = {k: rank_check(url, model, k, api_key) for k in range(dp_ranks)}
     c = find_server_container(client, url) if client is not None else None
     if c is not None:
         st.container = c.name
@@ -150,11 +127,7 @@ def scale_status(s: ScaleSettings, client=None,
         from k3rocm.deploy.deployment import load_deployment
 
         api_key = load_deployment().api_key
-    if s.mode == "dp-ep":  # only the head serves the API; it reaches every rank
-        replicas = [replica_status(s.nodes[0], client, api_key,
-                                   dp_ranks=len(s.nodes) * s.dp_local)]
-    else:
-        replicas = [replica_status(a, client, api_key) for a in s.nodes]
+    replicas = [replica_status(a, client, api_key) for a in s.nodes]
     return replicas, router_status(s, replicas)
 
 
@@ -167,10 +140,6 @@ def format_status(replicas: list[ReplicaStatus], router: RouterStatus) -> list[s
         hit = "-" if r.prefix_cache_hit_rate is None else f"{100 * r.prefix_cache_hit_rate:.1f}%"
         lines.append(f"replica {i} {r.address:<21} {r.health:<22} model {model}  "
                      f"prefix-cache hits {hit}  image {image}{where}  fusions: {r.fusions}")
-        bad = {k: v for k, v in r.ranks.items() if v != "ok"}
-        if r.ranks:
-            lines.append(f"  DP ranks: {len(r.ranks) - len(bad)} of {len(r.ranks)} answer"
-                         + "".join(f"; rank {k}: {v}" for k, v in sorted(bad.items())))
     lines.append(f"router    {router.url:<21} {router.health:<22} {router.summary}")
     return lines
 
@@ -198,6 +167,4 @@ def topology(url: str, environ=None) -> dict[str, Any]:
                            "image": s.router_image}
         block["target"] = "router" if via_router else (
             "one node" if target in s.nodes else "not in K3_SCALE_NODES")
-        if s.mode == "dp-ep":
-            block["note"] = "experimental mode: not validated on MI355X"
     return block
