@@ -295,16 +295,12 @@ def evaluate(meta: dict[str, Any], spec: dict[str, Any], level: str
 
 
 def pod_templates(objs: list[dict[str, Any]]) -> Iterator[tuple[str, dict, dict]]:
-    """(``Kind/name``, pod metadata, pod spec) of every pod an object creates."""
+    """(``Kind/name``, pod metadata, pod spec) of every pod template (the Deployments')."""
     for o in objs:
-        what, spec = f"{o['kind']}/{o['metadata']['name']}", o.get("spec") or {}
-        if o["kind"] == "Pod":
-            yield what, o.get("metadata") or {}, spec
-        elif o["kind"] == "CronJob":
-            t = spec["jobTemplate"]["spec"]["template"]
-            yield what, t.get("metadata") or {}, t["spec"]
-        elif "template" in spec:
-            yield what, spec["template"].get("metadata") or {}, spec["template"]["spec"]
+        spec = o.get("spec") or {}
+        if "template" in spec:
+            yield (f"{o['kind']}/{o['metadata']['name']}", spec["template"].get("metadata") or {},
+                   spec["template"]["spec"])
 
 
 def pss_lines(objs: list[dict[str, Any]], enforce: str | None = None) -> tuple[list[str], bool]:
