@@ -1,8 +1,12 @@
 """The overlay's fusions: one row each. Everything in k3rocm that names a fusion derives from
 this table: the ``K3_FUSE_*`` settings and their rendering (``serving/config.py``), the compose
 passthrough (``compose.yaml``, checked against the settings by a test), the run record
-(``deploy/provenance.py``), the decision-record reader (``serving/decisions.py``), the census
-claim and roles (``checks/census/``), the A/B arms and the selftest's "off" server.
+(``deploy/provenance.py``), the decision-record reader (``serving/decisions.py``), the upstream
+hook's switches (``serving/upstream_hook.py``), the base check's KV-cache gate
+(``serving/basefacts.py``), the census claim, roles and expectations of both halves
+(``checks/census/``; the kernel names and per-step counts in its ``kernels.json``), the A/B
+arms and comparison rows, and the selftest's "off" server and census numbers.
+tests/test_fusions_table.py adds a third row and sees each of them follow.
 
 The overlay (``overlay/vllm/models/kimi_k3/amd/mla.py``) reads the switches and writes the
 decision records under these same names by itself (it imports nothing from k3rocm); a test

@@ -134,8 +134,9 @@ def install(module: Any) -> bool:
 
 
 def asked(env: str) -> tuple[bool | None, str]:
-    """The switch ``env`` as the overlay reads it (``_asked``: unset = on); (None, why) for a
-    value that is not a switch (the hook then leaves upstream's decision alone)."""
+    """The switch ``env`` as the overlay reads it (``_asked``; unset = the row's default, on);
+    (None, why) for a value that is not a switch (the hook then leaves upstream's decision
+    alone)."""
     on = next(f for f in FUSIONS if f.env == env).asked(os.environ.get(env))
     return on, "" if on is not None else f"{env}={os.environ[env]!r} is not a switch; use 1 or 0"
 
