@@ -57,9 +57,6 @@ class Fusion:
     def roles(self) -> tuple[str, ...]:
         return (*self.fused, *self.stock)
 
-    def kind(self, role: str) -> str:
-        return "fused" if role in self.fused else "stock"
-
     def asked(self, raw: str | None) -> bool | None:
         """The switch's value ``raw`` as the overlay reads it (its ``_asked``): unset or empty =
         the default; None = not a switch."""

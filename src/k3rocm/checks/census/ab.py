@@ -81,14 +81,17 @@ def compare(arms: dict[str, Census]) -> dict[str, Any]:
         for f in FUSIONS:
             x, y = a[f.name], b[f.name]
             sep = arms["on"].separable(f)
-            stock: list[tuple[int | None, int | None]] = []
+            offs: list[Any] = []  # per stock role: launches in arm off, on (None: n/a)
+            ons: list[Any] = []
             for r in f.stock:
                 if r not in sep:
-                    stock.append((x[f"{r}_launches"], y[f"{r}_launches"]))
+                    offs.append(x[f"{r}_launches"])
+                    ons.append(y[f"{r}_launches"])
                     continue
                 removed = None if not (Da and Db) else \
                     round(x[f"{r}_launches"] * Db / Da) - y[f"{r}_launches"]
-                stock.append((removed, None if removed is None else 0))
+                offs.append(removed)
+                ons.append(None if removed is None else 0)
                 if arms["on"].claim.asked[f.name] and not arms["off"].claim.asked[f.name]:
                     seen, want = -1 if removed is None else removed, expect[r].off or 0
                     checks.append(Check(
@@ -97,9 +100,10 @@ def compare(arms: dict[str, Census]) -> dict[str, Any]:
                         want * L * Db, seen, seen == want * L * Db))
             ta, tb = x["us_per_layer_step"], y["us_per_layer_step"]
             members = ", ".join(f"{k} x{v}" for k, v in sorted(y["fused_members"].items()))
+            off_stock, on_stock = (None if None in v else sum(v) for v in (offs, ons))
             rows.append({"rank": rank, "fusion": f.name, "off_decode_steps": Da,
-                         "on_decode_steps": Db, "off_stock": _sum(s[0] for s in stock),
-                         "on_stock": _sum(s[1] for s in stock), "off_fused": x["fused_launches"],
+                         "on_decode_steps": Db, "off_stock": off_stock,
+                         "on_stock": on_stock, "off_fused": x["fused_launches"],
                          "on_fused": y["fused_launches"], "off_us_per_layer_step": ta,
                          "on_us_per_layer_step": tb, "saved_us_per_layer_step":
                          None if ta is None or tb is None else round(ta - tb, 4),
@@ -108,11 +112,6 @@ def compare(arms: dict[str, Census]) -> dict[str, Any]:
     return {"rows": rows, "checks": checks, "notes": notes,
             "decode_steps": {k: {r["rank"]: r["decode_steps"] for r in v.per_layer_step()}
                              for k, v in arms.items()}}
-
-
-def _sum(xs: Any) -> int | None:
-    xs = list(xs)
-    return None if None in xs else sum(xs)
 
 
 def _note(f: Fusion, c: Census) -> str:
