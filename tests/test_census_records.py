@@ -35,15 +35,15 @@ def log(name: str) -> Decisions:
 
 def test_claim_from_env_default_on_and_explicit_off():
     c = from_env({}, "env")
-    assert (c.qk_norm, c.decode_qprep) == (True, True)
+    assert c.asked == {"qk_norm": True, "decode_qprep": True}
     assert "unset" in c.detail["qk_norm"] and "default on" in c.detail["qk_norm"]
     c = from_env({"K3_FUSE_QK_NORM": "0", "K3_FUSE_DECODE_QPREP": " "}, "env")
-    assert (c.qk_norm, c.decode_qprep) == (False, True)
+    assert c.asked == {"qk_norm": False, "decode_qprep": True}
     assert c.detail["qk_norm"] == "K3_FUSE_QK_NORM=0 in env"
     with pytest.raises(UsageError, match="is not a switch"):
         from_env({"K3_FUSE_QK_NORM": "maybe"}, "env")
     c = from_cli("qk_norm=on,decode_qprep=off")
-    assert (c.qk_norm, c.decode_qprep, c.source) == (True, False, "--fusions")
+    assert (c.asked, c.source) == ({"qk_norm": True, "decode_qprep": False}, "--fusions")
 
 
 def test_log_records_with_vllm_prefix_load_supersedes_construct():

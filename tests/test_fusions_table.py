@@ -81,10 +81,9 @@ def test_k3rocm_lists_derive_from_the_table():
     assert selftest.arms("all", gpu)["B"] == arms.arm_envs()["B"] == arms.FUSIONS_ON
     assert {f.env: "1" for f in FUSIONS} == arms.FUSIONS_ON
     assert {f.env: f.name for f in FUSIONS} == arms.FUSION_OF
-    # the census's kernel table puts every role in the group of the fusion that owns it
+    # the census's kernel table names exactly the table's roles, on every platform
     for plat in spec.kernel_table()["platforms"].values():
-        for role, r in plat["roles"].items():
-            assert role in spec.GROUPS[r["group"]], (role, r["group"])
+        assert set(plat["roles"]) == set(spec.ROLES)
 
 
 def test_render_and_the_claim_follow_the_table():
@@ -102,46 +101,137 @@ def test_render_and_the_claim_follow_the_table():
 
 THIRD = r"""
 import argparse
+import contextlib
+import io
 import json
+import sys
+from pathlib import Path
+
 from k3rocm.serving import fusions
+
+tmp, data = Path(sys.argv[1]), Path(sys.argv[2])
+# The third row: the q/kv RMSNorm fusion again under a new name and switch (default off).
 extra = fusions.Fusion(name="kv_thing", env="K3_FUSE_KV_THING", default=False,
                        doc="Overlay: a third fusion (1/0).", label="kv thing",
-                       states=("on", "off"), roles=("fused_kv_thing",), op="fused_kv_thing")
+                       states=("on", "off"), fused=("fused_kv_thing",), stock=("kv_thing",),
+                       op="fused_kv_thing")
 fusions.FUSIONS = (*fusions.FUSIONS, extra)
 fusions.NAMES = tuple(f.name for f in fusions.FUSIONS)
 fusions.BY_NAME = {f.name: f for f in fusions.FUSIONS}
 fusions.ENV = {f.name: f.env for f in fusions.FUSIONS}
 fusions.NAME_OF_ENV = {f.env: f.name for f in fusions.FUSIONS}
+
+# Its kernels.json entries (the q/kv norm's kernel names and counts), in a copy of the table.
+from k3rocm.checks.census import spec
+
+table = spec.kernel_table()
+for plat in table["platforms"].values():
+    plat["roles"]["fused_kv_thing"] = plat["roles"]["fused_qk_norm"]
+    plat["roles"]["kv_thing"] = plat["roles"]["qk_norm"]
+exp = table["expect"]
+exp["fused_kv_thing"] = {**exp["fused_qk_norm"], "label": "fused kv thing"}
+exp["kv_thing"] = {**exp["qk_norm"], "label": "stock kv thing",
+                   "beside": {**exp["qk_norm"]["beside"], "fused": "fused_kv_thing"}}
+(tmp / "kernels.json").write_text(json.dumps(table))
+spec.kernel_table = lambda: json.loads((tmp / "kernels.json").read_text())
+
+# Nothing else changes: every answer below comes from the code as it is.
+from k3rocm.checks import selftest, steps
+from k3rocm.checks.ab import arms
+from k3rocm.checks.census import fusions as claim
+from k3rocm.cli import main
+from k3rocm.deploy.config_cmd import settings_table
+from k3rocm.errors import UsageError
+from k3rocm.serving import decisions, upstream_hook
 from k3rocm.serving.config import render
 from k3rocm.serving.settings import FIELDS
-from k3rocm.serving import decisions
-from k3rocm.checks.ab import arms
-from k3rocm.checks.census import fusions as claim, spec
-from k3rocm.checks import selftest
+
+kimi = str(data / "models" / "kimi-k3")
+
+
+def cli(*argv):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        code = main(list(argv))
+    return code, out.getvalue()
+
+
+def census(fusions, name):
+    code, _ = cli("census", "--trace-dir", str(data / "k3-anchor-on"), "--model-dir", kimi,
+                  "--fusions", fusions, "--skip-records", "--results", str(tmp / name))
+    run = next((tmp / name).glob("*-census"))
+    c = json.loads((run / "census.json").read_text())
+    return code, run, {k["fusion"]: k["status"] for k in c["checks"]
+                       if k["scope"] == "fusion" and k["rank"] == 0}
+
+
 r = render({"K3_PROFILE": "cpu-smoke", "K3_FUSE_KV_THING": "1"}, dotenv=None,
            check_model=False)
-print(json.dumps({
-    "field": FIELDS["fuse_kv_thing"].json_schema_extra, "env": r.env["K3_FUSE_KV_THING"],
-    "source": r.sources["K3_FUSE_KV_THING"], "states": decisions.STATES["kv_thing"],
-    "arms_off": arms.arm_envs()["A"].get("K3_FUSE_KV_THING"), "selftest_off":
-    selftest.arms("all", argparse.Namespace(cpu=False))["A"].get("K3_FUSE_KV_THING"),
-    "arms_on": arms.arm_envs("all")["B"].get("K3_FUSE_KV_THING"),
-    "claim": claim.from_env({}, "x").asked,
-    "roles": list(spec.GROUPS["kv_thing"])}))
+got = {"field": FIELDS["fuse_kv_thing"].json_schema_extra, "env": r.env["K3_FUSE_KV_THING"],
+       "default": render({"K3_PROFILE": "cpu-smoke"}, dotenv=None,
+                         check_model=False).env["K3_FUSE_KV_THING"],
+       "readme": [ln for ln in settings_table().splitlines() if "K3_FUSE_KV_THING" in ln]}
+try:
+    render({"K3_PROFILE": "cpu-smoke", "K3_FUSE_KV_THING": "maybe"}, dotenv=None,
+           check_model=False)
+except UsageError as exc:
+    got["bad"] = str(exc)
+got["states"] = decisions.STATES["kv_thing"]
+got["hook"] = upstream_hook.asked("K3_FUSE_KV_THING")
+got["claim_env"] = claim.from_env({"K3_FUSE_KV_THING": "on"}, "x").asked
+got["claim_unset"] = claim.from_env({}, "x").asked["kv_thing"]
+code, run, got["on"] = census("qk_norm=on,decode_qprep=on,kv_thing=on", "on")
+got["on_code"] = code
+got["selftest_numbers"] = sorted(steps.census_numbers(run)[1])
+got["off_code"], _, got["off"] = census("qk_norm=on,decode_qprep=on,kv_thing=off", "off")
+got["unset"] = cli("census", "--trace-dir", str(data / "k3-anchor-on"), "--model-dir", kimi,
+                   "--fusions", "qk_norm=on,decode_qprep=on", "--skip-records")
+got["ab_code"], _ = cli("census-ab", "--trace-dirs",
+                        f"{data / 'k3-anchor-off'},{data / 'k3-anchor-on'}", "--model-dir",
+                        kimi, "--skip-records", "--results", str(tmp / "ab"))
+ab = json.loads(next((tmp / "ab").glob("*-census-ab/ab.json")).read_text())
+got["ab_rows"] = [[r["fusion"], r["off_stock"], r["on_stock"], r["on_fused"]]
+                  for r in ab["comparison"]["rows"] if r["rank"] == 0]
+got["ab_checks"] = [[c["role"], c["expected"], c["seen"], c["status"]]
+                    for c in ab["comparison"]["checks"] if c["rank"] == 0]
+got["arm_on"] = arms.arm_envs("kv_thing")["B"]
+got["selftest_off"] = selftest.arms("all", argparse.Namespace(cpu=False))["A"]
+print(json.dumps(got))
 """
 
 
-def test_a_third_row_reaches_every_derived_list():
-    """What adding a fusion to the table alone gives (compose.yaml's list aside, which a test
-    checks against the settings): a setting, its rendering, the decision-record reader, the
-    claim, the census roles and the A/B and selftest off switches."""
-    p = subprocess.run([sys.executable, "-c", THIRD], capture_output=True, text=True,
-                       timeout=120)
+def test_a_third_fusion_is_one_row(tmp_path):
+    """A fusion is one row: a third row in the fusion table (here the q/kv RMSNorm fusion again
+    under another name and switch) and its roles in a copy of kernels.json, and nothing else
+    changed, give its setting (accepted, validated, rendered, in the README table), its
+    decision-record states and the hook's reading of its switch, the census claim and
+    ``--fusions`` parser, the census expectation of both halves (PASS asked on, FAIL asked
+    off on the same traces), the census-ab row and off - on check, the A/B and selftest arm
+    switches and the selftest's census numbers. In a fresh interpreter: the table is read at
+    import time."""
+    p = subprocess.run([sys.executable, "-c", THIRD, str(tmp_path), str(REPO / "tests" / "data"
+                                                                         / "census")],
+                       capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr
-    got = json.loads(p.stdout)
-    assert got == {
-        "field": {"env": "K3_FUSE_KV_THING", "group": "overlay"}, "env": "1",
-        "source": "env", "states": ["on", "off"], "arms_off": "0", "selftest_off": "0",
-        "arms_on": "1",
-        "claim": {"qk_norm": True, "decode_qprep": True, "kv_thing": False},
-        "roles": ["fused_kv_thing"]}
+    got = json.loads(p.stdout.splitlines()[-1])
+    assert got["field"] == {"env": "K3_FUSE_KV_THING", "group": "overlay"}
+    assert (got["env"], got["default"]) == ("1", "0")
+    assert got["readme"] and "a third fusion" in got["readme"][0]
+    assert "K3_FUSE_KV_THING='maybe' is not valid: use 1 or 0" in got["bad"]
+    assert got["states"] == ["on", "off"] and got["hook"] == [False, ""]
+    assert got["claim_env"] == {"qk_norm": True, "decode_qprep": True, "kv_thing": True}
+    assert got["claim_unset"] is False  # the row's default
+    assert got["on_code"] == 0
+    assert got["on"] == {"qk_norm": "ok", "decode_qprep": "ok", "kv_thing": "ok"}
+    assert {"fused_kv_thing", "kv_thing"} <= set(got["selftest_numbers"])
+    assert got["off_code"] == 1  # the traces ran it: asked off, its fused half fails
+    assert got["off"] == {"qk_norm": "ok", "decode_qprep": "ok", "kv_thing": "FAIL"}
+    code, out = got["unset"]
+    assert code == 2 and "leaves kv_thing unset" in out
+    assert got["ab_code"] == 0
+    assert got["ab_rows"] == [["qk_norm", 288, 0, 144], ["decode_qprep", 288, 0, 144],
+                              ["kv_thing", 288, 0, 144]]
+    assert got["ab_checks"] == [["qk_norm", 288, 288, "ok"], ["kv_thing", 288, 288, "ok"]]
+    assert got["arm_on"] == {"K3_FUSE_QK_NORM": "0", "K3_FUSE_DECODE_QPREP": "0",
+                             "K3_FUSE_KV_THING": "1"}
+    assert got["selftest_off"]["K3_FUSE_KV_THING"] == "0"

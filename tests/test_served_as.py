@@ -153,13 +153,13 @@ def test_container_reader_prefers_the_record_and_scans_proc_only_without_it():
     s = served_as(container=c)
     assert s.rendered and s.tp == 2 and c.scans == 0
     claim = pipeline.claim_from_container(c)
-    assert claim.qk_norm is False and "rendered settings" in claim.source
+    assert claim.asked["qk_norm"] is False and "rendered settings" in claim.source
     old = Container(None)
     s = served_as(container=old)
     assert not s.rendered and s.tp == 8 and old.scans == 1
     legacy = pipeline.claim_from_container(old)
-    assert legacy.qk_norm is True  # K3_FUSE_QK_NORM=1 in its env
-    assert legacy.decode_qprep is True  # unset: on
+    assert legacy.asked["qk_norm"] is True  # K3_FUSE_QK_NORM=1 in its env
+    assert legacy.asked["decode_qprep"] is True  # unset: on
 
 
 def test_offline_claim_reads_the_recorded_rendering(tmp_path):

@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from k3rocm.checks.census.spec import kernel_table
+from k3rocm.serving.fusions import FUSIONS
+
 REPO = Path(__file__).resolve().parents[3]
 MAKE_ERROR = re.compile(r"^make(?:\[\d+\])?: \*\*\* \[[^\]]*\] Error (\d+)", re.M)
 PROGRESS_EVERY = 15.0
@@ -181,8 +184,9 @@ def census_numbers(run: Path) -> tuple[str, dict[str, Any]]:
                                "checks_failed": n_bad,
                                "steps": rank0.get("steps"),
                                "decode_steps": rank0.get("decode_steps"), "mla_layers": layers}
-    for role, label in (("qk_norm", "stock q/kv RMSNorm"), ("cache_write", "stock KV-cache write"),
-                        ("fused_qk_norm", "fused q/kv RMSNorm")):
+    labels = kernel_table()["expect"]
+    for role in (r for f in FUSIONS for r in f.roles):
+        label = labels[role]["label"]
         ch = next((x for x in checks if x.get("role") == role and x.get("expected") is not None),
                   None)
         if ch:

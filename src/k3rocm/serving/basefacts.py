@@ -658,8 +658,8 @@ def fusion_provider(facts: dict[str, Any], name: str, overlay_mode: str) -> tupl
 
 def _fusion_checks(s: Any, sources: dict[str, str], facts: dict[str, Any], kv: str, ver: str,
                    heads: int, updates: dict[str, Any]) -> list[str]:
-    """Each fusion asked on or off against what implements it here (:func:`fusion_provider`);
-    Q-prep also needs an fp8 KV cache (the overlay's gate and upstream's)."""
+    """Each fusion asked on or off against what implements it here (:func:`fusion_provider`)
+    and the KV cache it needs (its row's ``kv_cache``)."""
     notes: list[str] = []
     for f in FUSIONS:
         on = updates.get(f.field, getattr(s, f.field))
@@ -680,14 +680,14 @@ def _fusion_checks(s: Any, sources: dict[str, str], facts: dict[str, Any], kv: s
                                     if s.overlay == "off" else
                                     ", or use a base whose amd/mla.py has that attribute "
                                     "(vLLM 0.30 ... 0.34)"))
-        if f.name == "decode_qprep" and on and not kv.startswith("fp8"):
+        if f.kv_cache and on and not kv.startswith(f.kv_cache):
             if explicit:
                 raise BaseRefusal(
-                    f"K3_FUSE_DECODE_QPREP=1 needs an fp8 KV cache (K3_KV_CACHE_DTYPE={kv} on "
-                    f"this base, vLLM {ver}, {heads} heads/rank); set K3_FUSE_DECODE_QPREP=0, "
-                    "or K3_KV_CACHE_DTYPE=fp8 on a base that serves it")
+                    f"{f.env}=1 needs an {f.kv_cache} KV cache (K3_KV_CACHE_DTYPE={kv} on "
+                    f"this base, vLLM {ver}, {heads} heads/rank); set {f.env}=0, "
+                    f"or K3_KV_CACHE_DTYPE={f.kv_cache} on a base that serves it")
             updates[f.field] = False
-            notes.append(f"K3_FUSE_DECODE_QPREP=0 (the default 1 needs an fp8 KV cache; "
+            notes.append(f"{f.env}=0 (the default 1 needs an {f.kv_cache} KV cache; "
                          f"K3_KV_CACHE_DTYPE={kv})")
     shipped = value(facts, "upstream_mla_fusions") or []
     if shipped and not value(facts, "overlay_in_tree"):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import shlex
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 from pydantic.fields import FieldInfo
 
 from k3rocm.serving.fusions import FUSIONS
@@ -43,8 +43,8 @@ def _env(name: str, help: str, group: str = "serving", default: Any = None, **kw
                  description=help, **kw)
 
 
-class Settings(BaseModel):
-    """Every K3_* setting. Field order is the order of the README table."""
+class _Serving(BaseModel):
+    """The settings before the fusion switches (the README table's order)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -104,12 +104,41 @@ class Settings(BaseModel):
                            "last (after argv from the entrypoint); a flag a K3_* setting "
                            "renders (e.g. --max-model-len, -tp) is refused: set the setting.",
                            default="")
-    # One switch per row of the fusion table (fuse_qk_norm, fuse_decode_qprep), in its order.
-    for _f in FUSIONS:
-        __annotations__[_f.field] = "bool"
-        locals()[_f.field] = _env(_f.env.removeprefix(PREFIX), _f.doc, "overlay",
-                                  default=_f.default)
-    del _f
+
+    @field_validator("tp")
+    @classmethod
+    def _tp_divides_heads(cls, v: int) -> int:
+        if v < 1 or KIMI_K3_HEADS % v:
+            divisors = [d for d in range(1, KIMI_K3_HEADS + 1) if KIMI_K3_HEADS % d == 0]
+            raise ValueError(f"must be a positive divisor of {KIMI_K3_HEADS} heads: "
+                             f"one of {', '.join(map(str, divisors))}")
+        return v
+
+    @field_validator("load_format", mode="before")
+    @classmethod
+    def _load_format_lower(cls, v: Any) -> Any:
+        return v.lower() if isinstance(v, str) else v
+
+    @field_validator("extra_args")
+    @classmethod
+    def _extra_args_parse(cls, v: str) -> str:
+        try:
+            shlex.split(v)
+        except ValueError as exc:
+            raise ValueError(f"is not valid shell quoting ({exc})") from None
+        return v
+
+
+# One switch per row of the fusion table, in its order, between the serving settings and the
+# rest.
+_Fusions = create_model("_Fusions", __base__=_Serving, **{
+    f.field: (bool, _env(f.env.removeprefix(PREFIX), f.doc, "overlay", default=f.default))
+    for f in FUSIONS})
+
+
+class Settings(_Fusions):
+    """Every K3_* setting. Field order is the order of the README table."""
+
     base_check: Literal["enforce", "warn"] = _env(
         "BASE_CHECK", "What the serving image's base facts (vLLM, AITER, the decode route at "
         "the heads per rank) do to a setting it cannot run: enforce (exit 2 before the load) "
@@ -139,29 +168,6 @@ class Settings(BaseModel):
                              "deployment", default="127.0.0.1")
     image: str = _env("IMAGE", "Tag of the serving image compose builds and runs.", "deployment",
                       default="k3rocm/server:latest")
-
-    @field_validator("tp")
-    @classmethod
-    def _tp_divides_heads(cls, v: int) -> int:
-        if v < 1 or KIMI_K3_HEADS % v:
-            divisors = [d for d in range(1, KIMI_K3_HEADS + 1) if KIMI_K3_HEADS % d == 0]
-            raise ValueError(f"must be a positive divisor of {KIMI_K3_HEADS} heads: "
-                             f"one of {', '.join(map(str, divisors))}")
-        return v
-
-    @field_validator("load_format", mode="before")
-    @classmethod
-    def _load_format_lower(cls, v: Any) -> Any:
-        return v.lower() if isinstance(v, str) else v
-
-    @field_validator("extra_args")
-    @classmethod
-    def _extra_args_parse(cls, v: str) -> str:
-        try:
-            shlex.split(v)
-        except ValueError as exc:
-            raise ValueError(f"is not valid shell quoting ({exc})") from None
-        return v
 
 
 FIELDS = Settings.model_fields

@@ -36,8 +36,6 @@ CLASS = "KimiK3MultiHeadLatentAttentionWrapper"
 MLA_FILE = Path("vllm/models/kimi_k3/amd/mla.py")  # under the directory holding ``vllm``
 OVERLAY_MARKER = "K3ROCM_OVERLAY = 1"  # the overlay file's marker (vllm_plugin.MARKER)
 _WRAPPED = "_k3rocm_upstream_hook"
-_ON = ("", "1", "true", "yes", "on")  # the overlay's _asked: the same spellings
-_OFF = ("0", "false", "no", "off")
 
 WRITER = decisions.Writer()
 _warned: set[str] = set()  # one warning per process and kind
@@ -136,14 +134,11 @@ def install(module: Any) -> bool:
 
 
 def asked(env: str) -> tuple[bool | None, str]:
-    """The switch ``env`` as the overlay reads it (``_asked``: unset = on); (None, why) for a
-    value that is not a switch (the hook then leaves upstream's decision alone)."""
-    raw = os.environ.get(env, "").strip().lower()
-    if raw in _ON:
-        return True, ""
-    if raw in _OFF:
-        return False, ""
-    return None, f"{env}={os.environ[env]!r} is not a switch; use 1 or 0"
+    """The switch ``env`` as the overlay reads it (``_asked``; unset = the row's default, on);
+    (None, why) for a value that is not a switch (the hook then leaves upstream's decision
+    alone)."""
+    on = next(f for f in FUSIONS if f.env == env).asked(os.environ.get(env))
+    return on, "" if on is not None else f"{env}={os.environ[env]!r} is not a switch; use 1 or 0"
 
 
 def _layer_kind(layer_name: str) -> str:

@@ -7,8 +7,9 @@ flags), profiles the same decode load, collects the traces out of the container,
 census (judging what that arm's server was asked for, cross-checked with its overlay's
 decision records), saves the server's log and removes it. The comparison reports stock vs
 fused launches and time per MLA layer per decode step, off vs on, and checks the A/B
-difference: the q/kv RMSNorm fusion must remove exactly 2 RMSNorm launches per MLA layer and
-step (the decoder's other norms cancel). Offline: ``--trace-dirs OFF_DIR,ON_DIR`` compares two
+difference: a fusion whose stock role also counts other launches (the q/kv RMSNorm fusion:
+every RMSNorm) must remove exactly its stock launches per MLA layer and step (the decoder's
+other norms cancel). Offline: ``--trace-dirs OFF_DIR,ON_DIR`` compares two
 existing trace sets (no servers).
 
 Run directory: ``results/<UTC>-census-ab/`` with ``off/`` and ``on/`` (each a full census run
@@ -39,6 +40,7 @@ from k3rocm.deploy import runrecord
 from k3rocm.errors import EXIT_INCOMPLETE, UsageError, tagged_log
 from k3rocm.rundir import create_run_dir, write_json_atomic, write_text_atomic
 from k3rocm.serving.config import redact_env
+from k3rocm.serving.fusions import BY_NAME, FUSIONS, Fusion
 
 CONTAINER_TRACE_DIR = "/tmp/k3rocm-census-traces"
 
@@ -56,16 +58,18 @@ def arms_env(on: str) -> dict[str, dict[str, str]]:
 
 
 def compare(arms: dict[str, Census]) -> dict[str, Any]:
-    """Per rank, off vs on: launches (stock -> fused), us per MLA layer per decode step, and
-    the A/B checks. q/kv norm: the off - on difference of ALL RMSNorm launches (scaled to the
-    on arm's decode steps) is the stock pair the fusion removed; asked on in arm on and off in
-    arm off, it must be 2 x MLA layers x decode steps, and the on arm must launch one fused
-    kernel per MLA layer and decode step (a fused kernel launched while the stock pair still
-    runs fails here even when the model's other norms are unknown)."""
+    """Per rank and fusion of the table, off vs on: launches (stock -> fused), us per MLA layer
+    per decode step, and the A/B checks. A separable stock role (it also counts launches not
+    the fusion's: every RMSNorm): the off - on difference of all its launches (scaled to the
+    on arm's decode steps) is the stock launches the fusion removed; asked on in arm on and
+    off in arm off, it must be the role's 'off' count x MLA layers x decode steps, and the on
+    arm must launch its fused kernels (a fused kernel launched while the stock ones still
+    run fails here even when the model's other launches of the role are unknown)."""
     off, on = ({row["rank"]: row for row in arms[k].per_layer_step()} for k in ("off", "on"))
+    expect = arms["on"].spec.expect
     rows: list[dict[str, Any]] = []
     checks: list[Check] = []
-    qk_asked = arms["on"].claim.qk_norm and not arms["off"].claim.qk_norm
+    notes = {f.name: _note(f, arms["on"]) for f in FUSIONS}
     for rank in sorted(set(off) | set(on)):
         if rank not in off or rank not in on:
             checks.append(Check(rank, "rank present in both arms", "-", "A/B",
@@ -74,35 +78,49 @@ def compare(arms: dict[str, Census]) -> dict[str, Any]:
         a, b = off[rank], on[rank]
         Da, Db = a["decode_steps"], b["decode_steps"]
         L = b["mla_layers"]
-        qa, qb = a["qk_norm"], b["qk_norm"]
-        removed = None
-        if Da and Db:
-            removed = round(qa["all_rmsnorm_launches"] * Db / Da) - qb["all_rmsnorm_launches"]
-        if qk_asked:
-            seen = -1 if removed is None else removed
-            checks.append(Check(
-                rank, "stock q/kv RMSNorm launches removed (off - on)", "qk_norm",
-                "decode-only steps", f"2 x {L} MLA layers x {Db} decode steps",
-                2 * L * Db, seen, seen == 2 * L * Db))
-        pa, pb = a["decode_qprep"], b["decode_qprep"]
-        members = ", ".join(f"{k} x{v}" for k, v in sorted(pb["fused_members"].items()))
-        for fusion, x, y, stock, total, note in (
-                ("qk_norm", qa, qb, (removed, None if removed is None else 0),
-                 "norm_us_per_layer_step",
-                 "stock = off - on difference of all RMSNorm launches; us = all RMSNorms + fused"),
-                ("decode_qprep", pa, pb, (pa["stock_launches"], pb["stock_launches"]),
-                 "us_per_layer_step", "stock = KV-cache write + q concat/fp8 quant; fused "
-                 f"members {members or 'none'}")):
-            ta, tb = x[total], y[total]
-            rows.append({"rank": rank, "fusion": fusion, "off_decode_steps": Da,
-                         "on_decode_steps": Db, "off_stock": stock[0],
-                         "on_stock": stock[1], "off_fused": x["fused_launches"],
+        for f in FUSIONS:
+            x, y = a[f.name], b[f.name]
+            sep = arms["on"].separable(f)
+            offs: list[Any] = []  # per stock role: launches in arm off, on (None: n/a)
+            ons: list[Any] = []
+            for r in f.stock:
+                if r not in sep:
+                    offs.append(x[f"{r}_launches"])
+                    ons.append(y[f"{r}_launches"])
+                    continue
+                removed = None if not (Da and Db) else \
+                    round(x[f"{r}_launches"] * Db / Da) - y[f"{r}_launches"]
+                offs.append(removed)
+                ons.append(None if removed is None else 0)
+                if arms["on"].claim.asked[f.name] and not arms["off"].claim.asked[f.name]:
+                    seen, want = -1 if removed is None else removed, expect[r].off or 0
+                    checks.append(Check(
+                        rank, f"{expect[r].label} launches removed (off - on)", r,
+                        "decode-only steps", f"{want} x {L} MLA layers x {Db} decode steps",
+                        want * L * Db, seen, seen == want * L * Db))
+            ta, tb = x["us_per_layer_step"], y["us_per_layer_step"]
+            members = ", ".join(f"{k} x{v}" for k, v in sorted(y["fused_members"].items()))
+            off_stock, on_stock = (None if None in v else sum(v) for v in (offs, ons))
+            rows.append({"rank": rank, "fusion": f.name, "off_decode_steps": Da,
+                         "on_decode_steps": Db, "off_stock": off_stock,
+                         "on_stock": on_stock, "off_fused": x["fused_launches"],
                          "on_fused": y["fused_launches"], "off_us_per_layer_step": ta,
                          "on_us_per_layer_step": tb, "saved_us_per_layer_step":
-                         None if ta is None or tb is None else round(ta - tb, 4), "note": note})
-    return {"rows": rows, "checks": checks,
+                         None if ta is None or tb is None else round(ta - tb, 4),
+                         "note": notes[f.name] + (f"; fused members {members}" if members
+                                                  else "")})
+    return {"rows": rows, "checks": checks, "notes": notes,
             "decode_steps": {k: {r["rank"]: r["decode_steps"] for r in v.per_layer_step()}
                              for k, v in arms.items()}}
+
+
+def _note(f: Fusion, c: Census) -> str:
+    """What the fusion's stock and time columns hold."""
+    sep = c.separable(f)
+    return " + ".join(f"{c.spec.expect[r].label}" + (
+        f" = the off - on difference of all {r} launches (the other ones cancel)"
+        if r in sep else "") for r in f.stock) + "".join(
+        f"; us includes all {r} launches" for r in sep)
 
 
 def render_ab_table(cmp: dict[str, Any]) -> str:
@@ -115,8 +133,8 @@ def render_ab_table(cmp: dict[str, Any]) -> str:
     for r in cmp["rows"]:
         off_total = None if r["off_stock"] is None else r["off_stock"] + r["off_fused"]
         on_total = None if r["on_stock"] is None else r["on_stock"] + r["on_fused"]
-        rows.append([str(r["rank"]), "q/kv norm" if r["fusion"] == "qk_norm"
-                     else "decode Q-prep", f"{na(off_total)} -> {na(on_total)}",
+        rows.append([str(r["rank"]), BY_NAME[r["fusion"]].label,
+                     f"{na(off_total)} -> {na(on_total)}",
                      f"{na(r['off_decode_steps'])} -> {na(r['on_decode_steps'])}",
                      *(na(r[k]) for k in ("off_stock", "on_stock", "off_fused", "on_fused",
                                           "off_us_per_layer_step", "on_us_per_layer_step",
@@ -148,11 +166,9 @@ def finish_ab(run_dir: Any, results: dict[str, Census], meta: dict[str, Any],
                      f"**{c.verdict}** (see `{name}/census.md`)")
         lines += [f"  - lost: {x}" for x in c.incomplete_lines()]
     lines += ["", "```", render_ab_table(cmp), "```", "",
-              "q/kv norm: stock = the off - on difference of all RMSNorm launches (the "
-              "decoder's other norms cancel), times include all RMSNorms + the fused kernel. "
-              "decode Q-prep: stock = KV-cache write + q concat/fp8 quant. A single profile "
-              "per arm: launch counts are exact, times are one sample (no confidence "
-              "interval).", ""]
+              *(f"{BY_NAME[k].label}: {v}." for k, v in cmp["notes"].items()),
+              "A single profile per arm: launch counts are exact, times are one sample (no "
+              "confidence interval).", ""]
     if cmp["checks"]:
         lines += ["## A/B checks", "", "```", render_table(cmp["checks"]), "```", ""]
     md = "\n".join(lines)

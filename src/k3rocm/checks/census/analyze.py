@@ -16,6 +16,7 @@ from k3rocm.checks.census.modelcfg import ModelFacts
 from k3rocm.checks.census.spec import Spec
 from k3rocm.checks.census.trace import TraceSet, iso_time
 from k3rocm.errors import EXIT_CHECK_FAILED, EXIT_INCOMPLETE, EXIT_OK, UsageError
+from k3rocm.serving.fusions import FUSIONS, Fusion
 
 CAUSES = ("known causes: ROCm 7.2.0's roctracer drops graph-replayed dispatches "
           "(ROCm/ROCm#6102); kineto's activity buffer cap cuts the later steps; traces with "
@@ -79,8 +80,11 @@ class Census:
         return expect.render_summary(self.checks)
 
     def per_layer_step(self) -> list[dict[str, Any]]:
-        """Per rank and fusion: stock vs fused launches and device time in decode-only steps,
-        per MLA layer per decode step (the A/B unit)."""
+        """Per rank and fusion of the table: its stock vs fused launches and device time in
+        decode-only steps, and per MLA layer per decode step (the A/B unit). A separable stock
+        role (it also counts launches that are not the fusion's: every RMSNorm) counts its
+        launches less the model's other ones (None when unknown); its time is not separable
+        (``stock_us`` None), so the total includes all of its launches."""
         out = []
         L = max(self.model.mla_layers, 1)
         other = expect.other_norms(self.spec, self.model)
@@ -92,32 +96,37 @@ class Census:
             def per(x: float | None, D: int = D) -> float | None:
                 return round(x / (L * D), 4) if D and x is not None else None
 
-            def with_per(asked: bool, counted: dict[str, Any], total: str, total_us: float,
-                         **more: Any) -> dict[str, Any]:
-                """``counted`` (launches, us), ``more``, and per MLA layer per decode step:
-                each of ``counted`` and the fusion's total time (``<total>_per_layer_step``)."""
-                return {"asked": asked, **counted, **more, **{
-                    k.removesuffix("_launches") + "_per_layer_step": per(v)
-                    for k, v in counted.items()}, f"{total}_per_layer_step": per(total_us)}
-
-            qk_stock = None if other is None else n["qk_norm"] - other * D
-            q_stock_t = t["cache_write"] + t["q_concat_quant"]
-            out.append({
-                "rank": pr["rank"], "decode_steps": D, "mla_layers": self.model.mla_layers,
-                "qk_norm": with_per(self.claim.qk_norm, {
-                    "stock_launches": qk_stock, "fused_launches": n["fused_qk_norm"],
-                    "all_rmsnorm_us": t["qk_norm"], "fused_us": t["fused_qk_norm"]},
-                    "norm_us", t["qk_norm"] + t["fused_qk_norm"],
-                    all_rmsnorm_launches=n["qk_norm"]),
-                "decode_qprep": with_per(self.claim.decode_qprep, {
-                    "stock_launches": n["cache_write"] + n["q_concat_quant"],
-                    "fused_launches": n["fused_qprep"], "stock_us": q_stock_t,
-                    "fused_us": t["fused_qprep"]}, "us", q_stock_t + t["fused_qprep"],
-                    stock_us=round(q_stock_t, 3), cache_write_launches=n["cache_write"],
-                    q_concat_quant_launches=n["q_concat_quant"], fused_members={
-                        k: v["decode"] for k, v in pr["roles"]["members"].items()
-                        if v["decode"]})})
+            row: dict[str, Any] = {"rank": pr["rank"], "decode_steps": D,
+                                   "mla_layers": self.model.mla_layers}
+            for f in FUSIONS:
+                sep = self.separable(f)
+                stock = [n[r] if r not in sep else None if other is None else n[r] - other * D
+                         for r in f.stock]
+                counted = {
+                    "stock_launches": None if None in stock else sum(stock),
+                    "fused_launches": sum(n[r] for r in f.fused),
+                    "stock_us": None if sep else sum(t[r] for r in f.stock),
+                    "fused_us": sum(t[r] for r in f.fused)}
+                members: dict[str, int] = {}
+                for r in f.fused:
+                    for m, v in pr["roles"]["members"].get(r, {}).items():
+                        if v["decode"]:
+                            members[m] = members.get(m, 0) + v["decode"]
+                row[f.name] = {
+                    "asked": self.claim.asked[f.name], **counted, **{
+                        k: round(counted[k], 3) for k in ("stock_us", "fused_us")
+                        if counted[k] is not None},
+                    **{f"{r}_launches": n[r] for r in f.stock},
+                    **{f"{r}_us": t[r] for r in f.stock}, "fused_members": members,
+                    **{k.removesuffix("_launches") + "_per_layer_step": per(v)
+                       for k, v in counted.items()},
+                    "us_per_layer_step": per(sum(t[r] for r in f.roles))}
+            out.append(row)
         return out
+
+    def separable(self, f: Fusion) -> list[str]:
+        """The fusion's stock roles that also count launches not its own (kernels.json)."""
+        return [r for r in f.stock if self.spec.expect[r].separable]
 
     def report_table(self) -> str:
         """Per fusion, across ranks: stock vs fused launches (the value most ranks show, ranks
@@ -126,27 +135,22 @@ class Census:
                 "fused us/L/step", "total us/L/step", "fused members / note"]
         per = self.per_layer_step()
         rows = []
-        for key, label, total_key in (("qk_norm", "q/kv norm", "norm_us_per_layer_step"),
-                                      ("decode_qprep", "decode Q-prep", "us_per_layer_step")):
-            xs = [(r["rank"], r[key]) for r in per]
-            if not xs:
-                continue
-            note = ""
-            if key == "qk_norm" and xs[0][1]["stock_launches"] is None:
-                note = ("stock q/kv not separable in one trace (all RMSNorms "
-                        f"{_common([(k, x['all_rmsnorm_launches']) for k, x in xs])})")
-            if key == "decode_qprep":
-                note = _common([(k, ", ".join(f"{m} x{v}" for m, v in
-                                              sorted(x["fused_members"].items())))
-                                for k, x in xs])
-            rows.append([label, _onoff(xs[0][1]["asked"]), str(len(xs)),
+        for f in FUSIONS if per else ():
+            xs = [(r["rank"], r[f.name]) for r in per]
+            sep = self.separable(f)
+            note = _common([(k, ", ".join(f"{m} x{v}" for m, v in
+                                          sorted(x["fused_members"].items()))) for k, x in xs])
+            if sep and xs[0][1]["stock_launches"] is None:
+                note = "; ".join(f"stock not separable in one trace (all {r} launches "
+                                 f"{_common([(k, x[f'{r}_launches']) for k, x in xs])})"
+                                 for r in sep)
+            rows.append([f.label, _onoff(xs[0][1]["asked"]), str(len(xs)),
                          _common([(k, x["stock_launches"]) for k, x in xs]),
                          _common([(k, x["fused_launches"]) for k, x in xs]),
-                         "-" if key == "qk_norm" else
                          _spread([x["stock_us_per_layer_step"] for _, x in xs]),
                          _spread([x["fused_us_per_layer_step"] for _, x in xs]),
-                         _spread([x[total_key] for _, x in xs])
-                         + (" (incl. all RMSNorms)" if key == "qk_norm" else ""), note])
+                         _spread([x["us_per_layer_step"] for _, x in xs])
+                         + "".join(f" (incl. all {r} launches)" for r in sep), note])
         return columns(head, rows, rule=False)
 
     def to_json(self) -> dict[str, Any]:
@@ -179,9 +183,9 @@ class Census:
         lines += [
                  f"- Model: `{self.model.path}` ({self.model.model_type}): "
                  f"{self.model.layers} layers, **{self.model.mla_layers} MLA**",
-                 f"- Asked for ({c.source}): q/kv RMSNorm **{_onoff(c.qk_norm)}** "
-                 f"({c.detail.get('qk_norm', '')}), decode Q-prep **{_onoff(c.decode_qprep)}** "
-                 f"({c.detail.get('decode_qprep', '')})",
+                 f"- Asked for ({c.source}): " + ", ".join(
+                     f"{f.label} **{_onoff(c.asked[f.name])}** ({c.detail.get(f.name, '')})"
+                     for f in FUSIONS),
                  "- Decision records (the overlay's or the upstream hook's): " + (
                      "not cross-checked (--skip-records)" if dec is None else
                      f"**not cross-checked**: none found (looked in {dec.source}; pass "

@@ -14,7 +14,7 @@ from k3rocm.checks.census.fusions import FusionClaim
 from k3rocm.checks.census.modelcfg import ModelFacts
 from k3rocm.checks.census.spec import ROLES, Beside, Pair, Spec, eval_formula
 from k3rocm.checks.census.trace import RankTrace
-from k3rocm.serving.fusions import FUSIONS
+from k3rocm.serving.fusions import FUSIONS, Fusion
 
 SCOPES = ("decode", "other", "outside")
 
@@ -28,7 +28,7 @@ class RoleCounts:
     launches: dict[str, dict[str, int]]
     time_us: dict[str, dict[str, float]]
     names: dict[str, list[str]]
-    members: dict[str, dict[str, int]]  # member -> scope -> launches (fused_qprep)
+    members: dict[str, dict[str, dict[str, int]]]  # role -> member -> scope -> launches
     unclassified: dict[str, int]  # name -> MLA-region (or unknown graph-replayed) launches
     per_step: dict[str, list[int]]  # role -> launches in each engine step
 
@@ -38,7 +38,7 @@ def role_counts(rt: RankTrace, spec: Spec) -> RoleCounts:
     time_us = {r: dict.fromkeys(SCOPES, 0.0) for r in ROLES}
     names: dict[str, set[str]] = {r: set() for r in ROLES}
     per_step = {r: [0] * len(rt.steps) for r in ROLES}
-    members: dict[str, dict[str, int]] = {}
+    members: dict[str, dict[str, dict[str, int]]] = {}
     unclassified: Counter[str] = Counter()
     decode = [s.decode_only for s in rt.steps]
     for ln in [*rt.launches, *rt.outside]:
@@ -53,7 +53,8 @@ def role_counts(rt: RankTrace, spec: Spec) -> RoleCounts:
                 if ln.step >= 0:
                     per_step[rname][ln.step] += ln.count
                 if role.members:
-                    m = members.setdefault(role.member_of(ln.name), dict.fromkeys(SCOPES, 0))
+                    m = members.setdefault(rname, {}).setdefault(role.member_of(ln.name),
+                                                                 dict.fromkeys(SCOPES, 0))
                     m[where] += ln.count
         if not matched and rt.mode == "gpu" and (
                 any(x.search(p) for p in ln.parents for x in spec.region.parents)
@@ -134,7 +135,6 @@ def build_checks(rt: RankTrace, spec: Spec, model: ModelFacts, claim: FusionClai
 
         main: dict[str, Check] = {}  # role -> its count over the fusion's steps
         off_path: list[tuple[int, str]] = []  # (step, role got/want) off the per-step count
-        kinds = {role: spec.roles[role].kind for role in f.roles}
         for role in f.roles:
             e = spec.expect[role]
             idx = steps[e.steps]
@@ -191,9 +191,10 @@ def build_checks(rt: RankTrace, spec: Spec, model: ModelFacts, claim: FusionClai
             for m in prole.members:
                 if m.forbidden:
                     check(f"{e.label} member '{m.name}' launches", role, "anywhere",
-                          f"0 ({m.why})", 0, sum(rc.members.get(m.name, {}).values()))
+                          f"0 ({m.why})", 0,
+                          sum(rc.members.get(role, {}).get(m.name, {}).values()))
             if prole.members:
-                ran = {mem: sum(v.values()) for mem, v in rc.members.items()}
+                ran = {mem: sum(v.values()) for mem, v in rc.members.get(role, {}).items()}
                 check(f"{e.label} members that ran", role, "anywhere", "reported only: "
                       + (", ".join(f"{mem} x{v}" for mem, v in sorted(ran.items())) or "none"),
                       None, sum(ran.values()))
@@ -202,7 +203,7 @@ def build_checks(rt: RankTrace, spec: Spec, model: ModelFacts, claim: FusionClai
               "each step", "0 steps; " + ("; ".join(bad[:6]) + (", ..." if len(bad) > 6 else "")
                                           if bad else "every step shows the asked path"),
               0, len({i for i, _ in off_path}))
-        rows.append(_judge(rt.rank, f, asked, main, kinds, rows, rc))
+        rows.append(_judge(rt.rank, f, asked, main, rows, rc))
         checks += rows
     for role in ROLES:
         if n[role]["outside"]:
@@ -281,14 +282,14 @@ def pairs(rt: RankTrace, spec: Spec, role: str, rule: Pair, size: int) -> tuple[
     return found, anchors
 
 
-def _judge(rank: int | str, f: Any, asked: bool, main: dict[str, Check],
-           kinds: dict[str, str], rows: list[Check], rc: RoleCounts) -> Check:
+def _judge(rank: int | str, f: Fusion, asked: bool, main: dict[str, Check],
+           rows: list[Check], rc: RoleCounts) -> Check:
     """The fusion's verdict on this rank: PASS when both halves hold; FAIL when a launch
     contradicts what was asked; cannot judge when neither the fused nor the stock launches
     were found (kernels under names the table does not know) or the stock half is not
     derivable from one trace. The rows of a fusion that cannot be judged are marked so."""
-    fused = [c for r, c in main.items() if kinds[r] == "fused"]
-    stock = [c for r, c in main.items() if kinds[r] == "stock"]
+    fused = [main[r] for r in f.fused]
+    stock = [main[r] for r in f.stock]
     judged_stock = [c for c in stock if c.expected is not None]
     failed = [c for c in rows if c.ok is False]
     seen_any = sum(c.seen for c in fused) + sum(c.seen for c in judged_stock)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from k3rocm.errors import UsageError
-from k3rocm.serving.fusions import BY_NAME, ENV
+from k3rocm.serving.fusions import BY_NAME, ENV, Fusion
 from k3rocm.serving.fusions import NAMES as FUSIONS
 
 
@@ -24,12 +24,6 @@ class FusionClaim:
     source: str
     detail: dict[str, str] = field(default_factory=dict)  # per fusion: where the value came from
 
-    def __getattr__(self, name: str) -> bool:  # claim.qk_norm, claim.decode_qprep, ...
-        asked = self.__dict__.get("asked", {})
-        if name in asked:
-            return asked[name]
-        raise AttributeError(name)
-
     def to_json(self) -> dict[str, Any]:
         return {**{k: self.asked[k] for k in FUSIONS}, "source": self.source,
                 "detail": self.detail}
@@ -38,26 +32,17 @@ class FusionClaim:
 EXAMPLE = ",".join(f"{k}={'on' if i == 0 else 'off'}" for i, k in enumerate(FUSIONS))
 
 
-def parse_switch(value: str, what: str) -> bool:
-    v = value.strip().lower()
-    if v in ("1", "on", "true", "yes"):
-        return True
-    if v in ("0", "off", "false", "no"):
-        return False
-    raise UsageError(f"{what}={value!r} is not a switch; use on or off")
-
-
 def from_cli(spec: str) -> FusionClaim:
-    """``qk_norm=on,decode_qprep=off`` (also ``all=off``)."""
+    """``qk_norm=on,decode_qprep=off`` (also ``all=off``): each fusion of the table, once."""
     vals: dict[str, bool] = {}
     for part in filter(None, (p.strip() for p in spec.split(","))):
         key, sep, val = part.partition("=")
         key = key.strip()
-        if not sep or key not in (*FUSIONS, "all"):
+        if not sep or not val.strip() or key not in (*FUSIONS, "all"):
             raise UsageError(f"--fusions item {part!r} is not NAME=on|off with NAME one of "
                              f"{', '.join((*FUSIONS, 'all'))}")
         for k in (FUSIONS if key == "all" else (key,)):
-            vals[k] = parse_switch(val, f"--fusions {k}")
+            vals[k] = _switch(BY_NAME[k], val, f"--fusions {k}")
     missing = [k for k in FUSIONS if k not in vals]
     if missing:
         raise UsageError(f"--fusions {spec!r} leaves {', '.join(missing)} unset; give each, "
@@ -67,15 +52,20 @@ def from_cli(spec: str) -> FusionClaim:
 
 
 def from_env(env: Mapping[str, str], source: str) -> FusionClaim:
-    """The toggles in a server's environment; unset or empty = the overlay's default (on)."""
+    """The toggles in a server's environment, read as the overlay reads them (unset or empty =
+    the fusion's default)."""
     vals: dict[str, bool] = {}
     detail: dict[str, str] = {}
     for k, var in ENV.items():
         raw = env.get(var)
-        if not (raw or "").strip():
-            vals[k] = BY_NAME[k].default
-            detail[k] = f"{var} unset in {source} (default {'on' if vals[k] else 'off'})"
-        else:
-            vals[k] = parse_switch(raw, f"{var} in {source}")
-            detail[k] = f"{var}={raw} in {source}"
+        vals[k] = _switch(BY_NAME[k], raw, f"{var} in {source}")
+        detail[k] = (f"{var}={raw} in {source}" if (raw or "").strip() else
+                     f"{var} unset in {source} (default {'on' if vals[k] else 'off'})")
     return FusionClaim(vals, source=source, detail=detail)
+
+
+def _switch(f: Fusion, raw: str | None, what: str) -> bool:
+    on = f.asked(raw)
+    if on is None:
+        raise UsageError(f"{what}={raw!r} is not a switch; use on or off")
+    return on

@@ -1,8 +1,8 @@
 """Which launches play which role: the one table in ``kernels.json`` (shipped as package data).
 
-A *role* is a set of kernel/operator names (regular expressions over normalized names), in a
-*group* (``qk_norm`` or ``decode_qprep``: the fusion that owns it) and of a *kind* (``fused``:
-the launch the fusion adds; ``stock``: a launch the fusion removes):
+A *role* is a set of kernel/operator names (regular expressions over normalized names), owned
+by one fusion of the fusion table (``serving/fusions.py``), as one of its ``fused`` roles (the
+launch the fusion adds) or its ``stock`` roles (a launch the fusion removes):
 
 - ``fused_qk_norm`` / ``qk_norm``: AITER ``fused_qk_rmsnorm_kernel`` / every separate RMSNorm
   launch (the MLA q/kv latent norms are two of them per MLA layer when the fusion is off; the
@@ -59,8 +59,6 @@ class Role(BaseModel):
     exclude: Patterns = []
     exclude_parents: Patterns = []
     require_parents: Patterns = []
-    group: str = ""
-    kind: str = ""
     members: list[Member] = []
 
     def hits(self, name: str) -> bool:
