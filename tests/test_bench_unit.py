@@ -171,16 +171,6 @@ def test_abba_order():
     assert sequence(3) == ["A", "B", "B", "A", "A", "B"]
 
 
-def test_percentile_matches_numpy():
-    np = pytest.importorskip("numpy")
-    rng = np.random.default_rng(1)
-    for n in (1, 2, 7, 40):
-        xs = rng.gamma(2.0, 3.0, size=n).tolist()
-        for q in (1, 50, 90, 99):
-            assert summary.percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)),
-                                                              rel=1e-12)
-
-
 # --- A/B statistics: the server is the unit --------------------------------------------------
 
 def test_the_statistics_keep_their_values():
