@@ -171,26 +171,53 @@ def test_abba_order():
     assert sequence(3) == ["A", "B", "B", "A", "A", "B"]
 
 
-def test_percentile_matches_numpy():
-    np = pytest.importorskip("numpy")
-    rng = np.random.default_rng(1)
-    for n in (1, 2, 7, 40):
-        xs = rng.gamma(2.0, 3.0, size=n).tolist()
-        for q in (1, 50, 90, 99):
-            assert summary.percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)),
-                                                              rel=1e-12)
-
-
 # --- A/B statistics: the server is the unit --------------------------------------------------
 
-def test_t_distribution_matches_the_tables():
-    # Student t quantiles (any statistics table, e.g. NIST/SEMATECH e-Handbook 1.3.6.7.2)
-    for df, q975, q80 in ((1, 12.706, 1.376), (2, 4.303, 1.061), (6, 2.447, 0.906),
-                          (14, 2.145, 0.868), (30, 2.042, 0.854)):
-        assert stats.t_quantile(0.975, df) == pytest.approx(q975, abs=1e-3)
-        assert stats.t_quantile(0.80, df) == pytest.approx(q80, abs=1e-3)
-    assert stats.t_two_sided_p(0.0, 5) == pytest.approx(1.0)
-    assert stats.t_two_sided_p(2.228, 10) == pytest.approx(0.05, abs=1e-4)
+def test_the_statistics_keep_their_values():
+    """Pinned outputs of every function that reads a distribution (t, F, beta, binomial),
+    to 1e-9: typed in from the hand-written A&S t / Lentz F / log-space binomial code, so
+    scipy.stats gives the same verdicts, CIs, MDEs and pass rates."""
+    a, b = [10.0, 10.2, 9.8, 10.1], [10.15, 9.9, 10.3, 10.0]
+    want = {(): (0.6279734215557218, -0.02329009270451543, 0.0366444505572594,
+                 0.04164282921978191, 48),
+            ((10.0,), (10.4,), 4e-4, 5): (0.22418869744681902, -0.032931860091889975,
+                                          0.11843204771772564, 0.10375241354092202, 65),
+            ((10.0, 10.3), (10.4, 10.9), 1e-4, 2): (0.08312043447391593, -0.009926974591594417,
+                                                    0.11161752318002383, 0.08060171760579138,
+                                                    70)}
+    for case, (p, lo, hi, m, need) in want.items():
+        res = (stats.compare_servers(case[0], case[1], {"var_log": case[2], "df": case[3]})
+               if case else stats.compare_servers(a, b))
+        assert [res["p"], res["lo"], res["hi"], res["mde"]] == pytest.approx([p, lo, hi, m],
+                                                                             rel=1e-9)
+        assert res["servers_for_1pct"] == need
+    assert res["floor_check"]["p_run_noisier"] == pytest.approx(0.11498610944056475, rel=1e-9)
+    assert stats.interval(res, 0.0125) == pytest.approx((-0.04118048986508005,
+                                                         0.147851616115922), rel=1e-9)
+    quiet = stats.compare_servers(a, b, {"var_log": 1.7e-4 / 25, "df": 7})["floor_check"]
+    assert quiet["p_run_noisier"] == pytest.approx(3.4055972096491693e-05, rel=1e-9)
+    assert [stats.mde(4e-4, df, 3, 3) for df in (1, 2, 4, 9, 30)] == pytest.approx(
+        [0.2585593290040591, 0.09153234808930977, 0.06258545403807436, 0.052708952329408865,
+         0.04842824227261855], rel=1e-9)
+    assert [stats.servers_needed(v, e, x) for v, e, x in ((4e-4, 0.01, 0), (1e-4, 0.01, 7),
+                                                          (2.5e-3, 0.02, 3))] == [65, 17, 102]
+    assert "3.04 x the server-to-server CV: it sees 2.0% only if that CV is <= 0.65%" in \
+        stats.effect_line(0.02, 3)
+    assert "the MDE 2.18% CANNOT see it with 4 server(s) per arm; servers per arm needed: 5" \
+        in stats.effect_line(0.02, 4, 1e-4, 6)
+    assert [stats.binom_upper(k, n) for k, n in ((0, 1319), (5, 1000), (26, 1319), (306, 1319))
+            ] == pytest.approx([0.0022686375071624175, 0.010484076911415278,
+                                0.02724678990797605, 0.2519239533666641], rel=1e-9)
+    assert [stats.mcnemar_exact(x, y) for x, y in ((2, 8), (10, 10), (3, 17), (0, 306), (40, 0))
+            ] == pytest.approx([0.109375, 1.0, 0.0025768280029296836, 1.5340917079055365e-92,
+                                1.8189894035458565e-12], rel=1e-9)
+    assert [stats.noninferiority_lower(1319, x, y) for x, y in ((10, 10), (3, 17), (0, 5))
+            ] == pytest.approx([-0.0055769590946179995, -0.016995456510383745,
+                                -0.007953810832528422], rel=1e-9)
+    assert [stats.noninferiority_pass_rate(1319, 0.01, 0.02),
+            stats.noninferiority_pass_rate(1319, 0.0115, 0.02, 0.01),
+            stats.noninferiority_pass_rate(200, 0.02, 0.05, 0.01)] == pytest.approx(
+        [0.8168710575034547, 0.11403590655063685, 0.15222053331469795], rel=1e-9)
 
 
 def _server(rng, mean: float, cv: float, n_req: int = 40) -> list[float]:
@@ -672,13 +699,6 @@ def test_decode_8k1k_needs_prefix_caching_off_and_the_seed_command_is_unchanged(
 
 
 # --- the pooled A/A: its variance and age checked -----------------------------------------------
-
-def test_f_distribution_matches_the_tables():
-    # F quantiles (NIST/SEMATECH e-Handbook 1.3.6.7.3): F_.95(6, 7) 3.866, F_.99(10, 20) 3.368
-    assert stats.f_cdf(3.866, 6, 7) == pytest.approx(0.95, abs=1e-4)
-    assert stats.f_cdf(3.368, 10, 20) == pytest.approx(0.99, abs=1e-4)
-    assert stats.f_cdf(161.4, 1, 1) == pytest.approx(0.95, abs=1e-4)
-
 
 def test_a_quieter_aa_is_not_pooled_and_the_report_says_why():
     """The old code pooled any A/A of the same protocol: one from a quieter day (here a

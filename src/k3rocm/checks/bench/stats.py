@@ -27,9 +27,7 @@ Each row prints the CI its verdict used: 95% for the primary, for a secondary ro
 Holm's step judged it at (:func:`holm_levels`), so a CI that excludes 0 never sits beside
 "inconclusive".
 
-No scipy: Student's t distribution for integer df from Abramowitz & Stegun 26.7.3/26.7.4; the
-binomial tails (McNemar, Clopper-Pearson) summed exactly in log space (``math.lgamma``), so a
-GSM8K A/B that loses hundreds of items (n = 1319, or 10,000) still gets its p-value.
+The distributions (Student t, F, binomial, beta) are scipy.stats'.
 """
 
 from __future__ import annotations
@@ -52,9 +50,22 @@ AB_METRICS: list[tuple[str, str, str, bool]] = [
 ]
 ALPHA = 0.05
 POWER = 0.80
-_NORMAL = statistics.NormalDist()
-_z = _NORMAL.inv_cdf  # standard normal quantile
+_z = statistics.NormalDist().inv_cdf  # standard normal quantile
 MULTIPLICITY = "Holm (step-down) over the secondary rows, family-wise 5%"
+
+
+def _dist():
+    """scipy.stats, imported when first used: its import takes seconds on a busy host, which
+    every ``k3rocm`` command would pay (the CLI imports this module)."""
+    from scipy import stats
+
+    return stats
+
+
+@functools.lru_cache(maxsize=4096)
+def _tq(p: float, df: int) -> float:
+    """The Student t quantile: P(T <= t) = p (cached: the design search asks the same ones)."""
+    return float(_dist().t.ppf(p, df))
 
 
 def server_value(runs: Sequence[Sequence[float] | float], stat: str) -> float:
@@ -68,86 +79,6 @@ def _logs(values: Sequence[float]) -> list[float]:
     return [math.log(v) for v in values if v and v > 0]
 
 
-def _bisect(below, lo: float, hi: float, steps: int) -> tuple[float, float]:
-    """Narrow [lo, hi] around where the monotone ``below(x)`` turns False."""
-    for _ in range(steps):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if below(mid) else (lo, mid)
-    return lo, hi
-
-
-# --- Student t for integer degrees of freedom ---------------------------------------------------
-
-def t_two_sided_p(t: float, df: int) -> float:
-    """P(|T| >= |t|), T ~ Student t with integer df >= 1 (A&S 26.7.3 / 26.7.4)."""
-    if df < 1:
-        raise ValueError("df must be >= 1")
-    theta = math.atan(abs(t) / math.sqrt(df))
-    c2, s = math.cos(theta) ** 2, math.sin(theta)
-    acc = term = 1.0  # the series in cos^2: k = 2, 4, .., df - 2 (even df) or 3, .., df - 2 (odd)
-    for k in range(2 + df % 2, df - 1, 2):
-        term *= c2 * (k - 1) / k
-        acc += term
-    if df % 2 == 0:
-        a = s * acc
-    else:
-        a = 2 / math.pi * (theta + (s * math.cos(theta) * acc if df > 1 else 0.0))
-    return min(1.0, max(0.0, 1.0 - a))
-
-
-@functools.lru_cache(maxsize=4096)
-def t_quantile(p: float, df: int) -> float:
-    """The t with P(T <= t) = p (0.5 <= p < 1), by bisection on the CDF."""
-    if not 0.5 <= p < 1:
-        raise ValueError("p must be in [0.5, 1)")
-
-    def below(t: float) -> bool:
-        return 1 - t_two_sided_p(t, df) / 2 < p
-
-    hi = 1.0
-    while below(hi):
-        hi *= 2
-    return sum(_bisect(below, 0.0, hi, 100)) / 2
-
-
-# --- F distribution (variance ratios): the regularized incomplete beta function ------------------
-
-def _betacf(a: float, b: float, x: float) -> float:
-    """The continued fraction of I_x(a, b) (modified Lentz), for x < (a + 1) / (a + b + 2)."""
-    tiny, c, d = 1e-300, 1.0, 1.0 - (a + b) * x / (a + 1)
-    d = 1 / (d if abs(d) > tiny else tiny)
-    h = d
-    for m in range(1, 400):
-        for num in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
-                    -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
-            d = 1 + num * d
-            d = 1 / (d if abs(d) > tiny else tiny)
-            c = 1 + num / c
-            c = c if abs(c) > tiny else tiny
-            h *= d * c
-        if abs(d * c - 1) < 1e-14:
-            break
-    return h
-
-
-def betainc(a: float, b: float, x: float) -> float:
-    """Regularized incomplete beta I_x(a, b)."""
-    if x <= 0:
-        return 0.0
-    if x >= 1:
-        return 1.0
-    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b)
-                     + a * math.log(x) + b * math.log1p(-x))
-    if x < (a + 1) / (a + b + 2):
-        return front * _betacf(a, b, x) / a
-    return 1 - front * _betacf(b, a, 1 - x) / b
-
-
-def f_cdf(f: float, d1: int, d2: int) -> float:
-    """P(F <= f), F ~ F(d1, d2)."""
-    return betainc(d1 / 2, d2 / 2, d1 * f / (d1 * f + d2)) if f > 0 else 0.0
-
-
 # --- variance components, MDE, servers needed ---------------------------------------------------
 
 def variance_component(values: Sequence[float]) -> dict[str, Any] | None:
@@ -159,7 +90,7 @@ def variance_component(values: Sequence[float]) -> dict[str, Any] | None:
 def mde(var_log: float, df: int, n_a: int, n_b: int, alpha: float = ALPHA,
         power: float = POWER) -> float:
     """Smallest relative effect found with ``power`` (two-sided ``alpha``)."""
-    k = t_quantile(1 - alpha / 2, df) + t_quantile(power, df)
+    k = _tq(1 - alpha / 2, df) + _tq(power, df)
     return math.exp(k * math.sqrt(var_log * (1 / n_a + 1 / n_b))) - 1
 
 
@@ -198,8 +129,8 @@ def floor_check(own_var: float, own_df: int, floor: dict[str, Any],
                 "note": "A/A pooled unchecked: one server per arm has no variance of its own to "
                         "compare it with"}
     ratio = own_var / floor["var_log"] if floor["var_log"] > 0 else math.inf
-    p_noisier = 1 - f_cdf(ratio, own_df, floor["df"]) if math.isfinite(ratio) else 0.0
-    p_quieter = f_cdf(ratio, own_df, floor["df"]) if math.isfinite(ratio) else 1.0
+    p_noisier = float(_dist().f.sf(ratio, own_df, floor["df"])) if math.isfinite(ratio) else 0.0
+    p_quieter = float(_dist().f.cdf(ratio, own_df, floor["df"])) if math.isfinite(ratio) else 1.0
     cv = (f"server CV {math.sqrt(own_var) * 100:.2f}% here vs "
           f"{math.sqrt(floor['var_log']) * 100:.2f}% in the A/A")
     out.update(checked=True, ratio=ratio, p_run_noisier=p_noisier)
@@ -246,10 +177,10 @@ def compare_servers(a: Sequence[float], b: Sequence[float],
         return out
     var = ss / df
     se = math.sqrt(var * (1 / len(la) + 1 / len(lb)))
-    q = t_quantile(1 - ALPHA / 2, df)
+    q = _tq(1 - ALPHA / 2, df)
     diff = mb - ma
     out.update(var_log=var, server_cv=math.sqrt(var), log_d=diff, se=se,
-               p=(t_two_sided_p(diff / se, df) if se > 0 else (0.0 if diff else 1.0)),
+               p=float(2 * _dist().t.sf(abs(diff) / se, df)) if se > 0 else float(not diff),
                lo=math.exp(diff - q * se) - 1, hi=math.exp(diff + q * se) - 1,
                mde=mde(var, df, len(la), len(lb), alpha),
                servers_for_1pct=servers_needed(var, 0.01, extra_df, alpha))
@@ -261,7 +192,7 @@ def interval(res: dict, alpha: float = ALPHA) -> tuple[float | None, float | Non
     the t test: it excludes 0 exactly when p < alpha."""
     if res.get("se") is None or not res.get("df"):
         return None, None
-    q = t_quantile(1 - alpha / 2, res["df"])
+    q = _tq(1 - alpha / 2, res["df"])
     return (math.exp(res["log_d"] - q * res["se"]) - 1,
             math.exp(res["log_d"] + q * res["se"]) - 1)
 
@@ -354,7 +285,7 @@ def effect_line(effect: float, n: int, var_log: float | None = None, var_df: int
         return (f"{effect:.1%} {metric}: the MDE {m:.2%} " + ("can" if m <= effect else "CANNOT")
                 + f" see it with {n} server(s) per arm; servers per arm needed: "
                 f"{need if need else '> 10000'}")
-    k = (t_quantile(1 - ALPHA / 2, df) + t_quantile(POWER, df)) * math.sqrt(2 / n)
+    k = (_tq(1 - ALPHA / 2, df) + _tq(POWER, df)) * math.sqrt(2 / n)
     return (f"{effect:.1%} {metric}: with {n} server(s) per arm and no A/A the MDE is {k:.2f} x "
             f"the server-to-server CV: it sees {effect:.1%} only if that CV is <= "
             f"{math.log1p(effect) / k:.2%} (run the A/A first: --aa)")
@@ -362,53 +293,17 @@ def effect_line(effect: float, n: int, var_log: float | None = None, var_df: int
 
 # --- paired accuracy (GSM8K A/B on the same items) ------------------------------------------------
 
-def binom_logpmf(i: int, n: int, p: float) -> float:
-    """log P(X = i), X ~ Binomial(n, p), from log-gamma: finite at any n (the binomial
-    coefficient itself overflows a float from n ~ 1030)."""
-    if not 0 <= i <= n:
-        return -math.inf
-    if p <= 0.0 or p >= 1.0:
-        return 0.0 if i == (n if p >= 1.0 else 0) else -math.inf
-    return (math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1)
-            + i * math.log(p) + (n - i) * math.log1p(-p))
-
-
-def _logsumexp(xs: Sequence[float]) -> float:
-    top = max(xs, default=-math.inf)
-    if top == -math.inf:
-        return top
-    return top + math.log(math.fsum(math.exp(x - top) for x in xs))
-
-
-def binom_cdf(k: int, n: int, p: float = 0.5) -> float:
-    """P(X <= k), X ~ Binomial(n, p), exact tail summed in log space (no overflow at any n;
-    relative error ~1e-12 from lgamma). The shorter side is summed: P(X <= k) = 1 - P(X > k)
-    when k is past the mode, so a tail of 1e-300 is not lost beside 1."""
-    if k < 0:
-        return 0.0
-    if k >= n:
-        return 1.0
-    if k < n * p:
-        return min(1.0, math.exp(_logsumexp([binom_logpmf(i, n, p) for i in range(k + 1)])))
-    upper = math.exp(_logsumexp([binom_logpmf(i, n, p) for i in range(k + 1, n + 1)]))
-    return max(0.0, 1.0 - upper)
-
-
 @functools.lru_cache(maxsize=4096)
 def binom_upper(k: int, n: int, alpha: float = ALPHA) -> float:
     """One-sided exact (Clopper-Pearson) upper (1 - alpha) bound on a rate seen k times in n."""
-    if k >= n:
-        return 1.0
-    return _bisect(lambda p: binom_cdf(k, n, p) > alpha, k / n, 1.0, 60)[1]
+    return 1.0 if k >= n else float(_dist().beta.ppf(1 - alpha, k + 1, n - k))
 
 
 def mcnemar_exact(b_only: int, a_only: int) -> float:
     """Two-sided exact McNemar p: of the discordant items (right in one arm only), how
     surprising the split is if both arms are equally accurate (Binomial(n, 1/2))."""
     n = b_only + a_only
-    if n == 0:
-        return 1.0
-    return min(1.0, 2 * binom_cdf(min(b_only, a_only), n))
+    return min(1.0, 2 * float(_dist().binom.cdf(min(b_only, a_only), n, 0.5))) if n else 1.0
 
 
 def noninferiority_lower(n: int, b_only: int, a_only: int, alpha: float = ALPHA) -> float:
@@ -456,16 +351,13 @@ def noninferiority_pass_rate(n: int, margin: float, discordant: float, drop: flo
         raise ValueError("need 0 <= drop <= discordant <= 1")
     if discordant == 0:
         return 1.0 if noninferiority_lower(n, 0, 0, alpha) > -margin else 0.0
+    import numpy as np
+
+    binom = _dist().binom
     q = (discordant + drop) / (2 * discordant)  # of a discordant item: right only in A
-    total, cut = 0.0, math.log(1e-15)
-    sd = math.sqrt(n * discordant * (1 - discordant))
-    lo, hi = max(0, int(n * discordant - 12 * sd) - 1), min(n, int(n * discordant + 12 * sd) + 1)
-    for d in range(lo, hi + 1):
-        ld = binom_logpmf(d, n, discordant)
-        if ld < cut:
-            continue
-        for a_only in range(d + 1):
-            lp = ld + binom_logpmf(a_only, d, q)
-            if lp >= cut and noninferiority_lower(n, d - a_only, a_only, alpha) > -margin:
-                total += math.exp(lp)
+    p_d, total = binom.pmf(np.arange(n + 1), n, discordant), 0.0
+    for d in np.flatnonzero(p_d >= 1e-15):
+        p = p_d[d] * binom.pmf(np.arange(d + 1), d, q)
+        total += sum(float(p[a]) for a in np.flatnonzero(p >= 1e-15)
+                     if noninferiority_lower(n, int(d - a), int(a), alpha) > -margin)
     return min(1.0, total)

@@ -39,23 +39,15 @@ MAD_COLUMNS = ["model", "benchmark", "tp", "inp", "out", "num_prompts", "max_con
 _POINT_RE = re.compile(r"^concurrency_(\d+)__requests_(\d+)$")
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default, aiperf's method)."""
-    xs = sorted(values)
-    if not xs:
-        return math.nan
-    idx = q / 100.0 * (len(xs) - 1)
-    lo = int(idx)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (idx - lo) * (xs[hi] - xs[lo])
-
-
 def stat_of(values: Sequence[float], stat: str) -> float:
+    """avg, or pXX by linear interpolation (numpy's default, aiperf's method); nan for none."""
     if not values:
         return math.nan
     if stat == "avg":
         return sum(values) / len(values)
-    return percentile(values, float(stat.removeprefix("p")))  # p50 -> 50
+    import numpy as np  # on first use: the CLI imports this module
+
+    return float(np.percentile(values, float(stat.removeprefix("p"))))  # p50 -> 50
 
 
 # --- per-request records

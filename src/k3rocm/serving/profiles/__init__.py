@@ -17,7 +17,8 @@ Every feature listed is on in that profile.
 
 :func:`get` returns ``{"settings": {field: value}, "env": {NAME: value}, "meta": {...}}``;
 :func:`names` lists the profiles present (``K3_PROFILE`` accepts exactly these).
-Any problem in a file is a :class:`~k3rocm.errors.UsageError` naming the file and the key.
+A file's shape is the pydantic model :class:`Profile`; any problem in a file is a
+:class:`~k3rocm.errors.UsageError` naming the file and the key.
 ``k3rocm profiles`` (:func:`add_arguments`, :func:`run`) lists them, shows one, checks files.
 """
 
@@ -26,27 +27,103 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from pydantic import ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError
 
 from k3rocm.errors import UsageError
 from k3rocm.serving.settings import FIELD_BY_ENV, PREFIX, VENDOR_PREFIXES, Settings, invalid
 
 SUFFIX = ".yaml"
-HARDWARE = ("amd", "cpu")
-_NAME = re.compile(r"^[a-z0-9][a-z0-9-]*$")
 _ENV_NAME = re.compile(r"^[A-Z_][A-Z0-9_]*$")
 
-# Allowed keys, per section (anything else is an error naming the key).
-TOP_KEYS = ("meta", "model", "features", "hardware_overrides")
-META_KEYS = ("name", "description", "hardware", "extends", "source")
-MODEL_KEYS = ("base_args", "base_env")
-FEATURE_KEYS = ("description", "args", "env", "source")
-OVERRIDE_KEYS = ("extra_args", "extra_env", "source")
 
+# --- the file's shape: a pydantic model; a rule's text follows the key it names ---------------
+
+def _must(ok: Callable[[Any], Any], problem: str) -> AfterValidator:
+    def check(value: Any) -> Any:
+        if not ok(value):
+            raise ValueError(problem.format(value=value))
+        return value
+    return AfterValidator(check)
+
+
+Args = dict[Annotated[str, _must(lambda k: FIELD_BY_ENV.get(k) not in (None, "profile"),
+                                 "is not a setting a profile can set; valid names are listed "
+                                 "by `k3rocm config --list`")],
+            Annotated[Any, _must(lambda v: not isinstance(v, (dict, list)),
+                                 "must be a single value")]]
+Env = dict[Annotated[str, _must(_ENV_NAME.match, "is not an environment variable name"),
+                     _must(lambda k: not k.startswith(PREFIX),
+                           "is a K3_* setting: put it under args/extra_args"),
+                     _must(lambda k: k.startswith(VENDOR_PREFIXES),
+                           "is not a vendor variable the renderer passes (prefixes: "
+                           f"{', '.join(VENDOR_PREFIXES)})")],
+           Annotated[Any, _must(lambda v: isinstance(v, str),
+                                "must be a quoted string (got {value!r})")]]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Meta(_Section):
+    name: str
+    description: Annotated[str, _must(str.strip, "is empty: give it text")]
+    hardware: Literal["amd", "cpu"]
+    extends: str | None = None
+    source: Any = None
+
+
+class ModelBlock(_Section):
+    base_args: Args | None = None
+    base_env: Env | None = None
+
+
+class Feature(_Section):
+    description: str
+    args: Args | None = None
+    env: Env | None = None
+    source: Any = None
+
+
+class Override(_Section):
+    extra_args: Args | None = None
+    extra_env: Env | None = None
+    source: Any = None
+
+
+class Profile(_Section):
+    meta: Meta
+    model: ModelBlock | None = None
+    features: dict[str, Feature] | None = None
+    hardware_overrides: dict[str, Override] | None = None
+
+
+_SECTION = {"meta": Meta, "model": ModelBlock, "features": Feature, "hardware_overrides": Override}
+
+
+def _problem(exc: ValidationError) -> str:
+    """The first error as ``key what is wrong: what to do``."""
+    err = exc.errors()[0]
+    loc = [str(p) for p in err["loc"] if p != "[key]"]
+    key, kind, ctx = ".".join(loc) or "the file", err["type"], err.get("ctx", {})
+    section = loc[:-1] if kind == "extra_forbidden" else loc  # the block that has the key
+    known = list((_SECTION[section[0]] if section else Profile).model_fields)
+    what = {"extra_forbidden": "is not a known key: use "
+                               + ", ".join("".join(f"{p}." for p in section) + k for k in known),
+            "model_type": f"must be a mapping with {', '.join(known)}",
+            "literal_error": f"{err['input']!r} is not known: use {ctx.get('expected')}",
+            "missing": "is missing", "string_type": "must be text",
+            "dict_type": "must be a mapping",
+            "value_error": err["msg"].removeprefix("Value error, ")}.get(kind)
+    return f"{key} {what}" if what else f"{key}: {err['msg']}"
+
+
+# --- reading and resolving ---------------------------------------------------------------------
 
 def profile_dir() -> Path:
     """Where the shipped profiles are (inside the installed package)."""
@@ -71,26 +148,17 @@ def get(name: str, directory: Path | None = None) -> dict[str, Any]:
 
 
 def _resolve(d: Path, name: str, chain: tuple[str, ...]) -> dict[str, Any]:
-    path = d / f"{name}{SUFFIX}"
-    doc = _read(path)
-    where = str(path)
-    _block(doc, where, "", TOP_KEYS)
-    meta = _block(doc.get("meta"), where, "meta", META_KEYS, required=True)
-    for key in ("name", "description", "hardware"):
-        if not isinstance(meta.get(key), str) or not meta[key].strip():
-            raise UsageError(f"{where}: meta.{key} is missing or not text")
-    if meta["name"] != name:
-        raise UsageError(f"{where}: meta.name {meta['name']!r} must equal the file name "
-                         f"({name!r})")
-    hw = meta["hardware"]
-    if hw not in HARDWARE:
-        raise UsageError(f"{where}: meta.hardware {hw!r} is not known: use one of "
-                         f"{', '.join(HARDWARE)}")
-    settings: dict[str, Any] = {}
-    env: dict[str, str] = {}
-    parent = meta.get("extends")
+    where = str(d / f"{name}{SUFFIX}")
+    try:
+        prof = Profile.model_validate(_read(d / f"{name}{SUFFIX}"))
+    except ValidationError as exc:
+        raise UsageError(f"{where}: {_problem(exc)}") from None
+    meta, hw, parent = prof.meta, prof.meta.hardware, prof.meta.extends
+    if meta.name != name:
+        raise UsageError(f"{where}: meta.name {meta.name!r} must equal the file name ({name!r})")
+    settings, env = {}, {}
     if parent is not None:
-        if not isinstance(parent, str) or parent not in names(d):
+        if parent not in names(d):
             raise UsageError(f"{where}: meta.extends {parent!r} is not a profile: use one of "
                              f"{', '.join(names(d))}")
         if parent in chain or parent == name:
@@ -102,40 +170,33 @@ def _resolve(d: Path, name: str, chain: tuple[str, ...]) -> dict[str, Any]:
                              f"profile {parent!r} ({base['meta']['hardware']!r})")
         settings.update(base["settings"])
         env.update(base["env"])
-    # (where in the file, the block, its settings key, its env key), in the order they apply
-    blocks = [("model", _block(doc.get("model"), where, "model", MODEL_KEYS), "base_args",
-               "base_env")]
-    for fname, feat in _block(doc.get("features"), where, "features").items():
-        key = f"features.{fname}"
-        feat = _block(feat, where, key, FEATURE_KEYS, required=True)
-        if not isinstance(feat.get("description"), str):
-            raise UsageError(f"{where}: {key}.description is missing or not text")
-        blocks.append((key, feat, "args", "env"))
-    for hname, block in _block(doc.get("hardware_overrides"), where,
-                               "hardware_overrides").items():
-        key = f"hardware_overrides.{hname}"
+    for hname in prof.hardware_overrides or {}:
         if hname != hw:
-            raise UsageError(f"{where}: {key} does not apply to this profile (meta.hardware "
-                             f"is {hw!r}): one profile per hardware, rename the block to {hw}")
-        blocks.append((key, _block(block, where, key, OVERRIDE_KEYS, required=True),
-                       "extra_args", "extra_env"))
-    for key, block, args, env_key in blocks:
-        settings.update(_args(block.get(args), where, f"{key}.{args}"))
-        env.update(_env(block.get(env_key), where, f"{key}.{env_key}"))
+            raise UsageError(f"{where}: hardware_overrides.{hname} does not apply to this "
+                             f"profile (meta.hardware is {hw!r}): one profile per hardware, "
+                             f"rename the block to {hw}")
+    model = prof.model or ModelBlock()
+    # in the order they apply: the model, each feature in file order, the hardware override
+    for args, block_env in [(model.base_args, model.base_env),
+                            *((f.args, f.env) for f in (prof.features or {}).values()),
+                            *((o.extra_args, o.extra_env)
+                              for o in (prof.hardware_overrides or {}).values())]:
+        settings.update({FIELD_BY_ENV[k]: v for k, v in (args or {}).items()})
+        env.update(block_env or {})
     try:  # each value as the Settings model would take it (other fields at their defaults)
         Settings(**settings)
     except ValidationError as exc:
         raise UsageError(f"{where}: {invalid(exc, settings)}") from None
     return {"settings": settings, "env": env,
-            "meta": {"name": name, "description": meta["description"], "hardware": hw,
+            "meta": {"name": name, "description": meta.description, "hardware": hw,
                      "extends": parent, "path": where}}
 
 
-def _read(path: Path) -> dict[str, Any]:
+def _read(path: Path) -> Any:
     import yaml
 
     try:
-        doc = yaml.safe_load(path.read_text())
+        return yaml.safe_load(path.read_text())
     except OSError as exc:
         raise UsageError(f"{path}: cannot read ({exc.strerror})") from None
     except yaml.YAMLError as exc:
@@ -143,54 +204,6 @@ def _read(path: Path) -> dict[str, Any]:
         line = f" line {mark.line + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or "not valid YAML"
         raise UsageError(f"{path}:{line}: {problem}") from None
-    if not isinstance(doc, dict):
-        raise UsageError(f"{path}: expected a mapping with {', '.join(TOP_KEYS)}")
-    return doc
-
-
-def _block(value: Any, where: str, key: str, allowed: tuple[str, ...] | None = None,
-           required: bool = False) -> dict[str, Any]:
-    """The mapping at ``key`` ({} when absent), holding only ``allowed`` keys (if given)."""
-    if value is None and not required:
-        return {}
-    if not isinstance(value, dict):
-        what = f" with {'/'.join(allowed)}" if allowed else ""
-        raise UsageError(f"{where}: {key} is missing" if value is None else
-                         f"{where}: {key} must be a mapping{what}")
-    prefix = key + "." if key else ""
-    for k in value if allowed else ():
-        if k not in allowed:
-            raise UsageError(f"{where}: {prefix}{k} is not a known key: use "
-                             f"{', '.join(prefix + a for a in allowed)}")
-    return value
-
-
-def _args(block: Any, where: str, key: str) -> dict[str, Any]:
-    """``K3_NAME: value`` -> ``{field: value}``; unknown settings are errors."""
-    out: dict[str, Any] = {}
-    for env_name, value in _block(block, where, key).items():
-        field = FIELD_BY_ENV.get(env_name)
-        if field is None or field == "profile":
-            raise UsageError(f"{where}: {key}.{env_name} is not a setting a profile can set; "
-                             "valid names are listed by `k3rocm config --list`")
-        if isinstance(value, (dict, list)):
-            raise UsageError(f"{where}: {key}.{env_name} must be a single value")
-        out[field] = value
-    return out
-
-
-def _env(block: Any, where: str, key: str) -> dict[str, str]:
-    for name, value in _block(block, where, key).items():
-        if not isinstance(name, str) or not _ENV_NAME.match(name):
-            raise UsageError(f"{where}: {key}.{name} is not an environment variable name")
-        if name.startswith(PREFIX):
-            raise UsageError(f"{where}: {key}.{name}: K3_* settings go under args/extra_args")
-        if not name.startswith(VENDOR_PREFIXES):
-            raise UsageError(f"{where}: {key}.{name} is not a vendor variable the renderer "
-                             f"passes (prefixes: {', '.join(VENDOR_PREFIXES)})")
-        if not isinstance(value, str):
-            raise UsageError(f"{where}: {key}.{name} must be a quoted string (got {value!r})")
-    return dict(block or {})
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
