@@ -16,11 +16,10 @@ import re
 import shlex
 import sys
 import tempfile
-from dataclasses import asdict, fields
 from pathlib import Path
 
 from k3rocm.checks.gsm8k import command, data, results
-from k3rocm.checks.gsm8k.command import Gsm8kSettings
+from k3rocm.checks.gsm8k.command import Gsm8kRun, Gsm8kSettings
 from k3rocm.deploy import runrecord
 from k3rocm.deploy.engine import docker_client, image_id, run_client
 from k3rocm.errors import EXIT_INTERRUPTED, ServerError, UsageError
@@ -28,7 +27,6 @@ from k3rocm.rundir import create_run_dir, write_bytes_atomic, write_json_atomic,
 from k3rocm.serving.config import redact_env
 
 LAUNCHER_SRC = Path(__file__).with_name("lmeval_launch.py")
-DEFAULTS = Gsm8kSettings()  # the flags' defaults
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -38,54 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                 "(src/k3rocm/checks/gsm8k/gsm8k.yaml). Data: --data-dir, else the HF cache "
                 "(openai/gsm8k; --fetch-data / `make gsm8k-data` puts it there). "
                 "See docs/gsm8k.md.")
-    g = p.add_argument_group("server")
-    g.add_argument("--url", help="server root URL (default: from K3_BIND_ADDRESS and K3_PORT)")
-    g.add_argument("--model", help="served model name (default $K3_SERVED_MODEL_NAME, or the "
-                   "only model the server lists)")
-    g.add_argument("--server-container", metavar="NAME",
-                   help="local server container for provenance (default: the one on the URL's "
-                   "port)")
-    g = p.add_argument_group("evaluation")
-    g.add_argument("--mode", choices=("chat", "completions"), default=DEFAULTS.mode,
-                   help="chat: /v1/chat/completions with the chat template, few-shot as turns; "
-                   "completions: /v1/completions with the raw 5-shot prompt")
-    g.add_argument("--reasoning-fallback", action="store_true",
-                   help="score the reasoning text when an answer's content is empty (NOT the "
-                   "reference protocol: counted and reported as a deviation; default off)")
-    g.add_argument("--concurrency", type=int, default=DEFAULTS.concurrency,
-                   help="requests in flight (default %(default)s)")
-    g.add_argument("--max-gen-tokens", type=int, default=DEFAULTS.max_gen_tokens,
-                   help="max generated tokens per answer; reasoning models need many "
-                   "(default %(default)s)")
-    g.add_argument("--timeout", type=int, default=DEFAULTS.timeout,
-                   help="per-request timeout, seconds (default %(default)s)")
-    g.add_argument("--max-retries", type=int, default=DEFAULTS.max_retries,
-                   help="per-request retries (default %(default)s)")
-    g.add_argument("--limit", type=int, help="evaluate only the first N test items (marks the "
-                   "run not comparable)")
-    g.add_argument("--threshold", type=float, default=DEFAULTS.threshold,
-                   help="gate on exact_match of both strict-match and flexible-extract "
-                   "(default %(default)s)")
-    g.add_argument("--allow-limit", action="store_true",
-                   help="let a --limit run (or a test set other than GSM8K's 1319 items) pass")
-    g = p.add_argument_group("data and output")
-    g.add_argument("--data-dir", help="directory with train.jsonl and test.jsonl "
-                   "(question, answer ending '#### N')")
-    g.add_argument("--hf-home", help="HF cache holding openai/gsm8k (default $HF_HOME, "
-                   "$K3_CACHE_DIR/huggingface, ~/.cache/huggingface)")
-    g.add_argument("--results-dir",
-                   help="run directories go here (default K3_RESULTS_DIR, which compose mounts "
-                   "at /results)")
-    g.add_argument("--client-image", default=DEFAULTS.client_image,
-                   help="image with lm-eval in /opt/clients (default %(default)s)")
-    g.add_argument("--dry-run", action="store_true",
-                   help="print the exact lm_eval command line and exit 0 (no server contact; "
-                   "also before the data set is there)")
-    g.add_argument("--fetch-data", action="store_true",
-                   help="download openai/gsm8k once into the HF cache (--hf-home) with the client "
-                   "image's huggingface_hub, then exit (needs HF hub access; `make gsm8k-data`)")
-    g.add_argument("--rescore", metavar="RUN_DIR",
-                   help="re-apply the gate to a stored run directory and print the verdict")
+    groups: dict = {}
+    Gsm8kSettings.add_arguments(p, groups)
+    Gsm8kRun.add_arguments(p, groups)
 
 
 def _deployment():
@@ -108,15 +61,6 @@ def deployment_view(args: argparse.Namespace) -> dict:
     return {**dep.to_json(), "url": url, "served_model_name": model,
             "api_key": "***" if api_key else None,
             "results_root": str(Path(args.results_dir).absolute())}
-
-
-def _settings(args: argparse.Namespace, model: str, url: str) -> Gsm8kSettings:
-    # every setting but url, model (resolved) and seed (fixed) is the flag of the same name
-    s = Gsm8kSettings(url=url, model=model, **{f.name: getattr(args, f.name)
-                                               for f in fields(Gsm8kSettings)
-                                               if f.name not in ("url", "model", "seed")})
-    command.validate(s)
-    return s
 
 
 def _progress(msg: str) -> None:
@@ -142,7 +86,7 @@ def _check_server(url: str, model: str, explicit: bool, api_key: str | None) -> 
 
 def run(args: argparse.Namespace) -> int:
     if args.rescore:
-        _settings(args, "x", "http://x")  # the flags' checks
+        Gsm8kSettings.from_args(args)  # the flags' checks
         run_dir = Path(args.rescore)
         if not run_dir.is_dir():
             raise UsageError(f"--rescore {run_dir} is not a directory")
@@ -157,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     dep = _deployment()
     url, model_name, api_key = _resolve(args, dep)
     # Everything checkable without a server, before anything expensive.
-    s = _settings(args, model_name, url)
+    s = Gsm8kSettings.from_args(args, url=url, model=model_name)
     argv = command.lm_eval_argv(s)
     if args.dry_run:
         try:
@@ -171,8 +115,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     src = data.resolve(args.data_dir, args.hf_home, dep.cache_dir)
 
-    s = _settings(args, _check_server(url, s.model, explicit=args.model is not None,
-                                      api_key=api_key), url)
+    s = Gsm8kSettings.from_args(args, url=url, model=_check_server(
+        url, s.model, explicit=args.model is not None, api_key=api_key))
     argv = command.lm_eval_argv(s)
     client = docker_client()
     image_id(client, s.client_image)
@@ -264,7 +208,7 @@ def _execute(client, s: Gsm8kSettings, src: data.DataSource, argv: list[str],
                                    # not be GSM8K's own: unknown
                                    "seed_task_config": True if src.kind != "local-jsonl"
                                    else None},
-        settings=asdict(s), data=src.provenance(),
+        settings=s.model_dump(), data=src.provenance(),
         task_file={"shipped": str(data.TASK_FILE),
                    "shipped_sha256": hashlib.sha256(data.shipped_task().encode()).hexdigest(),
                    "run_copy": "tasks/gsm8k.yaml",
