@@ -13,6 +13,7 @@ import argparse
 import copy
 import types
 import typing
+from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -24,22 +25,24 @@ T = TypeVar("T", bound="Options")
 
 
 def option(default: Any = None, help: str = "", *, flag: str | None = None,
-           group: str | None = None, metavar: str | None = None, unit: str = "",
-           **constraints: Any) -> Any:
-    """A field that is also a flag (``--field-name`` unless ``flag``); ``constraints`` are
-    pydantic's (``ge``, ``le``, ...). ``help`` may use ``%(default)s``; ``unit`` follows the
-    range in the out-of-range message."""
-    extra = {"option": True, "flag": flag, "group": group, "metavar": metavar, "unit": unit}
-    return Field(default, description=help,
+           aliases: tuple[str, ...] = (), group: str | None = None, metavar: str | None = None,
+           unit: str = "", **constraints: Any) -> Any:
+    """A field that is also a flag (``--field-name`` unless ``flag``; ``aliases`` such as
+    ``-w``); ``constraints`` are pydantic's (``ge``, ``le``, ``default_factory``, ...). ``help``
+    may use ``%(default)s``; ``unit`` follows the range in the out-of-range message."""
+    extra = {"option": True, "flag": flag, "aliases": aliases, "group": group,
+             "metavar": metavar, "unit": unit}
+    if "default_factory" not in constraints:
+        constraints["default"] = default
+    return Field(description=help,
                  json_schema_extra={k: v for k, v in extra.items() if v}, **constraints)
 
 
-def like(model: type[BaseModel], name: str, help: str | None = None,
-         flag: str | None = None) -> Any:
-    """``model``'s field ``name`` (its type's default and range) for another command, with its
-    own help or flag."""
+def like(model: type[BaseModel], name: str, help: str | None = None, **extra: str) -> Any:
+    """``model``'s field ``name`` (its default and range) for another command, with its own
+    help or ``extra`` (``flag``, ``group``, ``metavar``)."""
     f = copy.copy(model.model_fields[name])
-    f.json_schema_extra = {**_extra(f), **({"flag": flag} if flag else {})}
+    f.json_schema_extra = {**_extra(f), **extra}
     f.description = help or f.description
     return f
 
@@ -66,7 +69,7 @@ class Options(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    def __init__(self, **values: Any) -> None:
+    def __init__(self, /, **values: Any) -> None:
         try:
             super().__init__(**values)
         except ValidationError as exc:
@@ -83,7 +86,8 @@ class Options(BaseModel):
             if title and groups is not None:
                 target = groups.get(title) or groups.setdefault(
                     title, parser.add_argument_group(title))
-            target.add_argument(_flag(name, f), dest=name, **_argparse_kw(f))
+            target.add_argument(_flag(name, f), *_extra(f).get("aliases", ()), dest=name,
+                                **_argparse_kw(f))
 
     @classmethod
     def from_args(cls: type[T], args: argparse.Namespace, **values: Any) -> T:
@@ -99,17 +103,19 @@ class Options(BaseModel):
 
 def _argparse_kw(f: FieldInfo) -> dict[str, Any]:
     ann = _base_type(f.annotation)
-    kw: dict[str, Any] = {"default": f.default, "help": f.description or ""}
-    if _extra(f).get("metavar"):
-        kw["metavar"] = _extra(f)["metavar"]
+    default = f.get_default(call_default_factory=True)  # a factory: read when the parser is made
+    kw: dict[str, Any] = {"default": default, "help": f.description or ""}
+    kw.update({k: _extra(f)[k] for k in ("metavar",) if k in _extra(f)})
     if ann is bool:
-        kw["action"] = "store_true" if not f.default else argparse.BooleanOptionalAction
+        kw["action"] = "store_true" if not default else argparse.BooleanOptionalAction
         return kw
+    if typing.get_origin(ann) is list:  # repeatable
+        return {**kw, "action": "append", "type": typing.get_args(ann)[0]}
     if typing.get_origin(ann) is Literal:
         kw["choices"] = typing.get_args(ann)
-    elif ann in (int, float):
+    elif ann in (int, float, Path):
         kw["type"] = ann
-    if f.default is not None and "%(default)" not in kw["help"]:
+    if default is not None and "%(default)" not in kw["help"]:
         kw["help"] += " (default %(default)s)"
     return kw
 
@@ -144,3 +150,18 @@ def _message(cls: type[BaseModel], exc: ValidationError) -> str:
     if kind == "value_error":
         return f"{shown} {msg}"
     return f"{shown} is not valid: {msg}"
+
+
+class ServerFlags(Options):
+    """The flags every command that measures a running server shares; a command takes them with
+    :func:`like` (its own help or flag spelling)."""
+
+    url: str | None = option(None, "server root URL (default: from K3_BIND_ADDRESS and K3_PORT)")
+    model: str | None = option(None, "served model name (default K3_SERVED_MODEL_NAME)")
+    server_container: str | None = option(
+        None, "server container for provenance (default: the one publishing the URL's port)",
+        metavar="NAME")
+    results: Path | None = option(None, "results root; each run gets its own directory under it "
+                                  "(default K3_RESULTS_DIR, which compose mounts at /results)")
+    dry_run: bool = option(False, "print the exact client command line and exit 0; contacts "
+                           "nothing")

@@ -6,6 +6,7 @@ returns, and the real run executes exactly that argv in the client container.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 from urllib.parse import urlparse
 
@@ -14,7 +15,7 @@ from pydantic import field_validator, model_validator
 from k3rocm.checks.gsm8k.data import HF_MOUNT, DataSource
 from k3rocm.deploy.engine import CLIENT_IMAGE
 from k3rocm.errors import UsageError
-from k3rocm.options import Options, option
+from k3rocm.options import Options, ServerFlags, like, option
 
 REFERENCE = {"exact_match": 0.9644, "stderr": 0.0051,
              "source": "vLLM PR #52494 (Kimi-K3, MI355X TP=8), lm-eval gsm8k 5-shot, "
@@ -35,10 +36,10 @@ class Gsm8kSettings(Options):
     """What lm-eval is run with; each field is also the ``k3rocm gsm8k`` flag of its name
     (``url`` and ``model``: None until resolved from the deployment)."""
 
-    url: str | None = option(None, "server root URL (default: from K3_BIND_ADDRESS and K3_PORT)",
+    url: str | None = like(ServerFlags, "url", group="server")
+    model: str | None = like(ServerFlags, "model", "served model name (default "
+                             "$K3_SERVED_MODEL_NAME, or the only model the server lists)",
                              group="server")
-    model: str | None = option(None, "served model name (default $K3_SERVED_MODEL_NAME, or the "
-                               "only model the server lists)", group="server")
     mode: Literal["chat", "completions"] = option(
         "chat", "chat: /v1/chat/completions with the chat template, few-shot as turns; "
         "completions: /v1/completions with the raw 5-shot prompt", group=EVALUATION)
@@ -92,18 +93,17 @@ class Gsm8kSettings(Options):
 class Gsm8kRun(Options):
     """The flags of ``k3rocm gsm8k`` beyond what lm-eval is run with: server, data, output."""
 
-    server_container: str | None = option(
-        None, "local server container for provenance (default: the one on the URL's port)",
-        group="server", metavar="NAME")
+    server_container: str | None = like(ServerFlags, "server_container", group="server")
     data_dir: str | None = option(None, "directory with train.jsonl and test.jsonl (question, "
                                   "answer ending '#### N')", group=DATA_AND_OUTPUT)
     hf_home: str | None = option(None, "HF cache holding openai/gsm8k (default $HF_HOME, "
                                  "$K3_CACHE_DIR/huggingface, ~/.cache/huggingface)",
                                  group=DATA_AND_OUTPUT)
-    results_dir: str | None = option(None, "run directories go here (default K3_RESULTS_DIR, "
-                                     "which compose mounts at /results)", group=DATA_AND_OUTPUT)
-    dry_run: bool = option(False, "print the exact lm_eval command line and exit 0 (no server "
-                           "contact; also before the data set is there)", group=DATA_AND_OUTPUT)
+    results_dir: Path | None = like(ServerFlags, "results", flag="--results-dir",
+                                    group=DATA_AND_OUTPUT)
+    dry_run: bool = like(ServerFlags, "dry_run", "print the exact lm_eval command line and exit "
+                         "0 (no server contact; also before the data set is there)",
+                         group=DATA_AND_OUTPUT)
     fetch_data: bool = option(False, "download openai/gsm8k once into the HF cache (--hf-home) "
                               "with the client image's huggingface_hub, then exit (needs HF hub "
                               "access; `make gsm8k-data`)", group=DATA_AND_OUTPUT)
