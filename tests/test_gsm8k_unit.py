@@ -681,7 +681,7 @@ def _gsm8k_ab_live(tmp_path, monkeypatch, server_logs: dict[str, str]):
     from k3rocm.checks.ab import arms as armlib
     from k3rocm.checks.ab import cli as abcli
     from k3rocm.checks.gsm8k import ab
-    from k3rocm.checks.gsm8k import cli as gcli
+    from k3rocm.checks.gsm8k import run as gsm8k_run
 
     monkeypatch.delenv("COMPOSE_FILE", raising=False)
     started, executed = [], []
@@ -699,15 +699,15 @@ def _gsm8k_ab_live(tmp_path, monkeypatch, server_logs: dict[str, str]):
                 "deployment": armlib.arm_deployment(self.arms, arm)})
         log_path.write_text(server_logs[arm])
 
-    def fake_execute(client, s, src, argv, api_key, ns, dep):
+    def fake_execute(client, s, src, argv, api_key, results_dir, server_container, dep):
         # the run record's deployment is the arm's (its switches), not this shell's
-        executed.append((Path(ns.results_dir).name, dep.rendered.env["K3_FUSE_QK_NORM"]))
-        stored_run(Path(ns.results_dir), 0.95, 0.95)
+        executed.append((Path(results_dir).name, dep.rendered.env["K3_FUSE_QK_NORM"]))
+        stored_run(Path(results_dir), 0.95, 0.95)
         return 0
 
     monkeypatch.setattr(armlib, "start", fake_start)
     monkeypatch.setattr(armlib.Run, "server", fake_server)
-    monkeypatch.setattr(gcli, "_execute", fake_execute)
+    monkeypatch.setattr(gsm8k_run, "execute", fake_execute)
     monkeypatch.setattr(ab.data, "resolve", lambda *a: SimpleNamespace())
     p = argparse.ArgumentParser()
     abcli.add_arguments(p, measure="gsm8k")

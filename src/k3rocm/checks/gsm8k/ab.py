@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import shlex
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Literal
 
 from k3rocm.checks.bench import stats
@@ -135,7 +134,7 @@ def markdown(comp: dict) -> str:
 
 def run_gsm8k_ab(args: argparse.Namespace) -> int:
     from k3rocm.checks.ab import arms as armlib
-    from k3rocm.checks.gsm8k import cli as gcli
+    from k3rocm.checks.gsm8k import run as gsm8k_run
 
     opts = Gsm8kAbOptions.from_args(args)
     arms = armlib.arms_from_args(args, single=("gsm8k-ab", "greedy decoding repeats itself"))
@@ -157,9 +156,8 @@ def run_gsm8k_ab(args: argparse.Namespace) -> int:
 
     def measure(i: int, arm: str, srv, info: dict) -> None:
         slot_dir = run.dir / f"{i:02d}-{arm}"
-        ns = SimpleNamespace(results_dir=str(slot_dir),
-                             server_container=srv.container(run.client).name)
-        code = gcli._execute(run.client, s, src, argv, run.api_key, ns, info["deployment"])
+        code = gsm8k_run.execute(run.client, s, src, argv, run.api_key, slot_dir,
+                                 srv.container(run.client).name, info["deployment"])
         run_dir = next(p for p in slot_dir.iterdir() if p.is_dir() and p.name.endswith("gsm8k"))
         summary = results.read_summary(run_dir)
         arm_runs.setdefault(arm, {"run_dir": str(run_dir), "exit_code": code,
