@@ -8,6 +8,7 @@ verdicts are checked through the real CLI (`k3rocm gsm8k --rescore RUN_DIR`).
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -107,7 +108,7 @@ def test_datasets_arrow_cache_uses_the_shipped_task_as_is(tmp_path, monkeypatch)
     src = data.resolve(None, str(tmp_path / "hf"))
     assert src.kind == "hf-datasets-cache" and src.builder is None
     assert data.task_yaml(src) == data.TASK_FILE.read_text()
-    s = command.Gsm8kSettings()
+    s = command.Gsm8kSettings(**SERVED)
     argv = command.lm_eval_argv(s)
     assert argv[argv.index("--include_path") + 1] == "/out/tasks"
     assert command.container_env(s, src)["HF_HOME"] == "/hf"
@@ -167,6 +168,7 @@ def test_run_task_file_changes_only_the_data_source(data_dir):
 
 
 # ------------------------------------------------------------------------------- command
+SERVED = {"url": "http://127.0.0.1:8000", "model": "m"}  # what the deployment resolves
 
 
 def test_chat_command_line():
@@ -191,7 +193,7 @@ def test_chat_command_line():
 
 
 def test_completions_command_line():
-    s = command.Gsm8kSettings(mode="completions")
+    s = command.Gsm8kSettings(**SERVED, mode="completions")
     argv = command.lm_eval_argv(s)
     assert argv[argv.index("--model") + 1] == "local-completions"
     margs = argv[argv.index("--model_args") + 1]
@@ -205,13 +207,15 @@ def test_completions_command_line():
     ({"url": "http://h:8000/v1"}, "has a path"),
     ({"concurrency": 0}, "--concurrency 0"),
     ({"max_gen_tokens": 0}, "--max-gen-tokens 0"),
-    ({"threshold": 1.5}, "--threshold 1.5"),
+    ({"timeout": 86401}, "--timeout 86401 is out of range; use 1..86400 seconds"),
+    ({"threshold": 1.5}, "--threshold 1.5 is out of range; use 0 < x <= 1"),
     ({"limit": 0}, "--limit 0"),
+    ({"model": " "}, "--model ' ' is empty"),
     ({"mode": "completions", "reasoning_fallback": True}, "--reasoning-fallback needs --mode chat"),
 ])
 def test_settings_validation(kw, fragment):
-    with pytest.raises(UsageError, match=fragment):
-        command.validate(command.Gsm8kSettings(**kw))
+    with pytest.raises(UsageError, match=re.escape(fragment)):
+        command.Gsm8kSettings(**kw)
 
 
 def test_dry_run_prints_the_command_and_contacts_nothing(data_dir):
@@ -239,9 +243,9 @@ def test_dry_run_without_data_prints_the_same_command(data_dir, tmp_path):
 
 
 def test_reasoning_fallback_is_off_unless_asked():
-    argv = command.lm_eval_argv(command.Gsm8kSettings())
+    argv = command.lm_eval_argv(command.Gsm8kSettings(**SERVED))
     assert argv[argv.index("--model") + 1] == "local-chat-completions"
-    argv = command.lm_eval_argv(command.Gsm8kSettings(reasoning_fallback=True))
+    argv = command.lm_eval_argv(command.Gsm8kSettings(**SERVED, reasoning_fallback=True))
     assert argv[argv.index("--model") + 1] == "k3-chat-completions"
     p = run_cli("gsm8k", "--dry-run", "--mode", "completions", "--reasoning-fallback")
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and "needs --mode chat" in p.stderr
@@ -670,7 +674,7 @@ def _gsm8k_ab_live(tmp_path, monkeypatch, server_logs: dict[str, str]):
     from k3rocm.checks.ab import arms as armlib
     from k3rocm.checks.ab import cli as abcli
     from k3rocm.checks.gsm8k import ab
-    from k3rocm.checks.gsm8k import cli as gcli
+    from k3rocm.checks.gsm8k import run as gsm8k_run
 
     monkeypatch.delenv("COMPOSE_FILE", raising=False)
     started, executed = [], []
@@ -688,15 +692,15 @@ def _gsm8k_ab_live(tmp_path, monkeypatch, server_logs: dict[str, str]):
                 "deployment": armlib.arm_deployment(self.arms, arm)})
         log_path.write_text(server_logs[arm])
 
-    def fake_execute(client, s, src, argv, api_key, ns, dep):
+    def fake_execute(client, s, src, argv, api_key, results_dir, server_container, dep):
         # the run record's deployment is the arm's (its switches), not this shell's
-        executed.append((Path(ns.results_dir).name, dep.rendered.env["K3_FUSE_QK_NORM"]))
-        stored_run(Path(ns.results_dir), 0.95, 0.95)
+        executed.append((Path(results_dir).name, dep.rendered.env["K3_FUSE_QK_NORM"]))
+        stored_run(Path(results_dir), 0.95, 0.95)
         return 0
 
     monkeypatch.setattr(armlib, "start", fake_start)
     monkeypatch.setattr(armlib.Run, "server", fake_server)
-    monkeypatch.setattr(gcli, "_execute", fake_execute)
+    monkeypatch.setattr(gsm8k_run, "execute", fake_execute)
     monkeypatch.setattr(ab.data, "resolve", lambda *a: SimpleNamespace())
     p = argparse.ArgumentParser()
     abcli.add_arguments(p, measure="gsm8k")

@@ -34,52 +34,57 @@ from k3rocm.checks.bench.workloads import (
 from k3rocm.deploy.deployment import load_deployment
 from k3rocm.deploy.engine import CLIENT_IMAGE
 from k3rocm.errors import UsageError
+from k3rocm.options import Options, ServerFlags, like, option
 from k3rocm.rundir import utc_stamp
 from k3rocm.serving.config import REDACTED
 
 
-def add_common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workload", "-w", default=os.environ.get("BENCH_WORKLOAD") or None,
-                        help="workload name from workloads.toml (env BENCH_WORKLOAD; default "
-                        "decode-8k1k)")
-    parser.add_argument("--workloads-file", type=Path, default=None,
-                        help=f"workloads file (default {WORKLOADS_FILE})")
-    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a workload field (repeatable; lists comma separated). "
-                        f"Fields: {', '.join(FIELD_NAMES)}. Env {ENV_PREFIX}<FIELD> also works.")
-    parser.add_argument("--url", help="server base URL (same as --set url=...; default from "
-                        "K3_BIND_ADDRESS and K3_PORT)")
-    parser.add_argument("--model", help="served model name (same as --set model=...; default "
-                        "K3_SERVED_MODEL_NAME)")
-    parser.add_argument("--tokenizer", help="local tokenizer directory (same as --set "
-                        "tokenizer=...; default: the checkpoint, K3_MODEL under K3_MODELS_DIR)")
-    parser.add_argument("--results", type=Path, default=None,
-                        help="results root; each run gets <root>/<UTC stamp>-<label>/ "
-                        "(default K3_RESULTS_DIR, which compose mounts at /results)")
-    parser.add_argument("--client-image", default=os.environ.get("BENCH_CLIENT_IMAGE")
-                        or CLIENT_IMAGE,
-                        help=f"client image with aiperf (default {CLIENT_IMAGE}; env "
-                        "BENCH_CLIENT_IMAGE)")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="print the exact aiperf command line(s) and exit 0; contacts "
-                        "nothing")
-    parser.add_argument("--quiet", action="store_true", help="do not echo aiperf's output")
+class BenchFlags(Options):
+    """The bench flags that ``ab --measure bench`` shares."""
+
+    workload: str | None = option(
+        default_factory=lambda: os.environ.get("BENCH_WORKLOAD") or None, aliases=("-w",),
+        help="workload name from workloads.toml (env BENCH_WORKLOAD; default decode-8k1k)")
+    workloads_file: Path | None = option(None, f"workloads file (default {WORKLOADS_FILE})")
+    sets: list[str] = option(
+        default_factory=list, flag="--set", metavar="KEY=VALUE",
+        help="override a workload field (repeatable; lists comma separated). Fields: "
+        f"{', '.join(FIELD_NAMES)}. Env {ENV_PREFIX}<FIELD> also works.")
+    url: str | None = like(ServerFlags, "url", "server base URL (same as --set url=...; default "
+                           "from K3_BIND_ADDRESS and K3_PORT)")
+    model: str | None = like(ServerFlags, "model", "served model name (same as --set model=...; "
+                             "default K3_SERVED_MODEL_NAME)")
+    tokenizer: str | None = option(None, "local tokenizer directory (same as --set "
+                                   "tokenizer=...; default: the checkpoint, K3_MODEL under "
+                                   "K3_MODELS_DIR)")
+    results: Path | None = like(ServerFlags, "results")
+    client_image: str = option(
+        default_factory=lambda: os.environ.get("BENCH_CLIENT_IMAGE") or CLIENT_IMAGE,
+        help="client image with aiperf (env BENCH_CLIENT_IMAGE)")
+    dry_run: bool = like(ServerFlags, "dry_run", "print the exact aiperf command line(s) and "
+                         "exit 0; contacts nothing")
+    quiet: bool = option(False, "do not echo aiperf's output")
+
+
+class BenchRun(Options):
+    """``k3rocm bench``'s own flags."""
+
+    list: bool = option(False, "list the workloads and exit")
+    server_timeout: float = option(60.0, "seconds to wait for the server's /health before "
+                                   "failing")
+    server_container: str | None = like(ServerFlags, "server_container")
+    tp: str | None = option(None, "tp column of perf.csv (default: the server's K3_TP)")
+    label: str | None = option(None, "run directory label (default: workload)")
+
+
+add_common = BenchFlags.add_arguments
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = __doc__.split("\n", 1)[1]
     add_common(parser)
-    parser.add_argument("--list", action="store_true", help="list the workloads and exit")
-    parser.add_argument("--server-timeout", type=float, default=60.0,
-                        help="seconds to wait for the server's /health before failing "
-                        "(default 60)")
-    parser.add_argument("--server-container", default=None,
-                        help="name/id of the server container for provenance (default: the "
-                        "container publishing the URL's port)")
-    parser.add_argument("--tp", default=None, help="tp column of perf.csv (default: the "
-                        "server's K3_TP)")
-    parser.add_argument("--label", default=None, help="run directory label (default: workload)")
+    BenchRun.add_arguments(parser)
 
 
 def resolve_from_args(args: argparse.Namespace, dep=None):

@@ -14,13 +14,14 @@ from __future__ import annotations
 import argparse
 import shlex
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
+from typing import Any, Literal
 
 from k3rocm.checks.bench import stats
 from k3rocm.checks.gsm8k import command, data, results
+from k3rocm.checks.gsm8k.command import Gsm8kRun, Gsm8kSettings
 from k3rocm.checks.gsm8k.data import GSM8K_TEST_ITEMS
 from k3rocm.errors import EXIT_CHECK_FAILED, EXIT_OK, UsageError, tagged_log
+from k3rocm.options import Options, like, option
 from k3rocm.rundir import write_json_atomic, write_text_atomic
 
 # The default margin is chosen from a stated power on identical arms: the smallest margin (on a
@@ -38,21 +39,23 @@ DROP = 0.01  # the accuracy loss whose false-pass rate every report prints
 _log = tagged_log("gsm8k-ab")
 
 
-def add_arguments(g: argparse._ArgumentGroup) -> None:
-    g.add_argument("--margin", type=float, default=DEFAULT_MARGIN,
-                   help="non-inferiority margin: B may be at most this much less accurate "
-                   f"than A (default {DEFAULT_MARGIN}: identical arms pass >= "
-                   f"{DESIGN_POWER * 100:.0f}%% at {DESIGN_AGREEMENT * 100:.0f}%% agreement on "
-                   "1319 items)")
-    g.add_argument("--limit", type=int, default=None,
-                   help="only the first N test items in both arms (fewer items, less power)")
-    g.add_argument("--max-gen-tokens", type=int, default=4096,
-                   help="max generated tokens per answer (default 4096)")
-    g.add_argument("--gsm8k-mode", choices=("chat", "completions"), default="chat",
-                   help="endpoint of both arms (k3rocm gsm8k --mode; default chat)")
-    g.add_argument("--data-dir", default=None,
-                   help="directory with train.jsonl and test.jsonl (k3rocm gsm8k --data-dir)")
-    g.add_argument("--hf-home", default=None, help="HF cache holding openai/gsm8k")
+class Gsm8kAbOptions(Options):
+    """``ab --measure gsm8k``'s own flags (the rest are the A/B driver's)."""
+
+    margin: float = option(
+        DEFAULT_MARGIN, "non-inferiority margin: B may be at most this much less accurate than "
+        f"A (default %(default)s: identical arms pass >= {DESIGN_POWER * 100:.0f}%% at "
+        f"{DESIGN_AGREEMENT * 100:.0f}%% agreement on 1319 items)", gt=0, lt=1)
+    limit: int | None = like(Gsm8kSettings, "limit", "only the first N test items in both arms "
+                             "(fewer items, less power)")
+    max_gen_tokens: int = like(Gsm8kSettings, "max_gen_tokens")
+    gsm8k_mode: Literal["chat", "completions"] = like(
+        Gsm8kSettings, "mode", "endpoint of both arms (k3rocm gsm8k --mode)")
+    data_dir: str | None = like(Gsm8kRun, "data_dir")
+    hf_home: str | None = like(Gsm8kRun, "hf_home")
+
+
+add_arguments = Gsm8kAbOptions.add_arguments
 
 
 def compare(a_samples: list[dict], b_samples: list[dict], margin: float) -> dict[str, Any]:
@@ -131,23 +134,21 @@ def markdown(comp: dict) -> str:
 
 def run_gsm8k_ab(args: argparse.Namespace) -> int:
     from k3rocm.checks.ab import arms as armlib
-    from k3rocm.checks.gsm8k import cli as gcli
+    from k3rocm.checks.gsm8k import run as gsm8k_run
 
-    if not 0 < args.margin < 1:
-        raise UsageError(f"--margin {args.margin:g}: must be in (0, 1)", 2)
+    opts = Gsm8kAbOptions.from_args(args)
     arms = armlib.arms_from_args(args, single=("gsm8k-ab", "greedy decoding repeats itself"))
     dep = armlib.arm_deployment(arms)  # what the arm servers serve
-    s = command.Gsm8kSettings(url=arms.url, model=dep.served_model_name, mode=args.gsm8k_mode,
-                              max_gen_tokens=args.max_gen_tokens, limit=args.limit,
-                              allow_limit=True, client_image=args.client_image)
-    command.validate(s)
+    s = Gsm8kSettings(url=arms.url, model=dep.served_model_name, mode=opts.gsm8k_mode,
+                      max_gen_tokens=opts.max_gen_tokens, limit=opts.limit, allow_limit=True,
+                      client_image=args.client_image)
     argv = command.lm_eval_argv(s)
     if args.dry_run:
         for i, arm in enumerate(arms.slots()):
             print(armlib.slot_line(arms, i, arm))
             print(shlex.join(argv))
         return 0
-    src = data.resolve(args.data_dir, args.hf_home, Path(arms.cache_dir))
+    src = data.resolve(opts.data_dir, opts.hf_home, Path(arms.cache_dir))
     run = armlib.start(arms, Path(args.results), args.label or "gsm8k-ab",
                        client_image=s.client_image, dep=dep)
     _log(f"run directory {run.dir}")
@@ -155,9 +156,8 @@ def run_gsm8k_ab(args: argparse.Namespace) -> int:
 
     def measure(i: int, arm: str, srv, info: dict) -> None:
         slot_dir = run.dir / f"{i:02d}-{arm}"
-        ns = SimpleNamespace(results_dir=str(slot_dir),
-                             server_container=srv.container(run.client).name)
-        code = gcli._execute(run.client, s, src, argv, run.api_key, ns, info["deployment"])
+        code = gsm8k_run.execute(run.client, s, src, argv, run.api_key, slot_dir,
+                                 srv.container(run.client).name, info["deployment"])
         run_dir = next(p for p in slot_dir.iterdir() if p.is_dir() and p.name.endswith("gsm8k"))
         summary = results.read_summary(run_dir)
         arm_runs.setdefault(arm, {"run_dir": str(run_dir), "exit_code": code,
@@ -168,7 +168,7 @@ def run_gsm8k_ab(args: argparse.Namespace) -> int:
 
     slots = run.each_slot(lambda i, arm: run.dir / f"{i:02d}-{arm}" / "server.log", measure)
     samples = {arm: results.load_run(Path(d["run_dir"]))[1] for arm, d in arm_runs.items()}
-    comp = compare(samples["A"], samples["B"], args.margin)
+    comp = compare(samples["A"], samples["B"], opts.margin)
     problems = armlib.fusion_check(slots, arms.arm_env)
     comp.update(arms=arm_runs, arm_env=arms.arm_env, slots=arms.slots(), slot_records=slots,
                 fusion_problems=problems)

@@ -9,26 +9,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import json
 import os
-import re
 import shlex
 import sys
 import tempfile
-from dataclasses import asdict, fields
 from pathlib import Path
 
 from k3rocm.checks.gsm8k import command, data, results
-from k3rocm.checks.gsm8k.command import Gsm8kSettings
-from k3rocm.deploy import runrecord
+from k3rocm.checks.gsm8k.command import Gsm8kRun, Gsm8kSettings
+from k3rocm.checks.gsm8k.run import LAUNCHER_SRC, execute, progress
 from k3rocm.deploy.engine import docker_client, image_id, run_client
-from k3rocm.errors import EXIT_INTERRUPTED, ServerError, UsageError
-from k3rocm.rundir import create_run_dir, write_bytes_atomic, write_json_atomic, write_text_atomic
-from k3rocm.serving.config import redact_env
-
-LAUNCHER_SRC = Path(__file__).with_name("lmeval_launch.py")
-DEFAULTS = Gsm8kSettings()  # the flags' defaults
+from k3rocm.errors import ServerError, UsageError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -38,54 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                 "(src/k3rocm/checks/gsm8k/gsm8k.yaml). Data: --data-dir, else the HF cache "
                 "(openai/gsm8k; --fetch-data / `make gsm8k-data` puts it there). "
                 "See docs/gsm8k.md.")
-    g = p.add_argument_group("server")
-    g.add_argument("--url", help="server root URL (default: from K3_BIND_ADDRESS and K3_PORT)")
-    g.add_argument("--model", help="served model name (default $K3_SERVED_MODEL_NAME, or the "
-                   "only model the server lists)")
-    g.add_argument("--server-container", metavar="NAME",
-                   help="local server container for provenance (default: the one on the URL's "
-                   "port)")
-    g = p.add_argument_group("evaluation")
-    g.add_argument("--mode", choices=("chat", "completions"), default=DEFAULTS.mode,
-                   help="chat: /v1/chat/completions with the chat template, few-shot as turns; "
-                   "completions: /v1/completions with the raw 5-shot prompt")
-    g.add_argument("--reasoning-fallback", action="store_true",
-                   help="score the reasoning text when an answer's content is empty (NOT the "
-                   "reference protocol: counted and reported as a deviation; default off)")
-    g.add_argument("--concurrency", type=int, default=DEFAULTS.concurrency,
-                   help="requests in flight (default %(default)s)")
-    g.add_argument("--max-gen-tokens", type=int, default=DEFAULTS.max_gen_tokens,
-                   help="max generated tokens per answer; reasoning models need many "
-                   "(default %(default)s)")
-    g.add_argument("--timeout", type=int, default=DEFAULTS.timeout,
-                   help="per-request timeout, seconds (default %(default)s)")
-    g.add_argument("--max-retries", type=int, default=DEFAULTS.max_retries,
-                   help="per-request retries (default %(default)s)")
-    g.add_argument("--limit", type=int, help="evaluate only the first N test items (marks the "
-                   "run not comparable)")
-    g.add_argument("--threshold", type=float, default=DEFAULTS.threshold,
-                   help="gate on exact_match of both strict-match and flexible-extract "
-                   "(default %(default)s)")
-    g.add_argument("--allow-limit", action="store_true",
-                   help="let a --limit run (or a test set other than GSM8K's 1319 items) pass")
-    g = p.add_argument_group("data and output")
-    g.add_argument("--data-dir", help="directory with train.jsonl and test.jsonl "
-                   "(question, answer ending '#### N')")
-    g.add_argument("--hf-home", help="HF cache holding openai/gsm8k (default $HF_HOME, "
-                   "$K3_CACHE_DIR/huggingface, ~/.cache/huggingface)")
-    g.add_argument("--results-dir",
-                   help="run directories go here (default K3_RESULTS_DIR, which compose mounts "
-                   "at /results)")
-    g.add_argument("--client-image", default=DEFAULTS.client_image,
-                   help="image with lm-eval in /opt/clients (default %(default)s)")
-    g.add_argument("--dry-run", action="store_true",
-                   help="print the exact lm_eval command line and exit 0 (no server contact; "
-                   "also before the data set is there)")
-    g.add_argument("--fetch-data", action="store_true",
-                   help="download openai/gsm8k once into the HF cache (--hf-home) with the client "
-                   "image's huggingface_hub, then exit (needs HF hub access; `make gsm8k-data`)")
-    g.add_argument("--rescore", metavar="RUN_DIR",
-                   help="re-apply the gate to a stored run directory and print the verdict")
+    groups: dict = {}
+    Gsm8kSettings.add_arguments(p, groups)
+    Gsm8kRun.add_arguments(p, groups)
 
 
 def _deployment():
@@ -110,19 +57,6 @@ def deployment_view(args: argparse.Namespace) -> dict:
             "results_root": str(Path(args.results_dir).absolute())}
 
 
-def _settings(args: argparse.Namespace, model: str, url: str) -> Gsm8kSettings:
-    # every setting but url, model (resolved) and seed (fixed) is the flag of the same name
-    s = Gsm8kSettings(url=url, model=model, **{f.name: getattr(args, f.name)
-                                               for f in fields(Gsm8kSettings)
-                                               if f.name not in ("url", "model", "seed")})
-    command.validate(s)
-    return s
-
-
-def _progress(msg: str) -> None:
-    print(f"gsm8k: {msg}", file=sys.stderr, flush=True)
-
-
 def _check_server(url: str, model: str, explicit: bool, api_key: str | None) -> str:
     """The server answers /v1/models and serves ``model``; returns the model name to use.
 
@@ -134,7 +68,7 @@ def _check_server(url: str, model: str, explicit: bool, api_key: str | None) -> 
     if model in served:
         return model
     if not explicit and len(served) == 1:
-        _progress(f"the server serves only {served[0]!r}; using it (--model to insist on a name)")
+        progress(f"the server serves only {served[0]!r}; using it (--model to insist on a name)")
         return served[0]
     raise ServerError(f"model {model!r} is not served at {url} (served: "
                       f"{', '.join(served) or 'none'}); pass --model")
@@ -142,7 +76,7 @@ def _check_server(url: str, model: str, explicit: bool, api_key: str | None) -> 
 
 def run(args: argparse.Namespace) -> int:
     if args.rescore:
-        _settings(args, "x", "http://x")  # the flags' checks
+        Gsm8kSettings.from_args(args)  # the flags' checks
         run_dir = Path(args.rescore)
         if not run_dir.is_dir():
             raise UsageError(f"--rescore {run_dir} is not a directory")
@@ -157,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     dep = _deployment()
     url, model_name, api_key = _resolve(args, dep)
     # Everything checkable without a server, before anything expensive.
-    s = _settings(args, model_name, url)
+    s = Gsm8kSettings.from_args(args, url=url, model=model_name)
     argv = command.lm_eval_argv(s)
     if args.dry_run:
         try:
@@ -171,12 +105,12 @@ def run(args: argparse.Namespace) -> int:
         return 0
     src = data.resolve(args.data_dir, args.hf_home, dep.cache_dir)
 
-    s = _settings(args, _check_server(url, s.model, explicit=args.model is not None,
-                                      api_key=api_key), url)
+    s = Gsm8kSettings.from_args(args, url=url, model=_check_server(
+        url, s.model, explicit=args.model is not None, api_key=api_key))
     argv = command.lm_eval_argv(s)
     client = docker_client()
     image_id(client, s.client_image)
-    return _execute(client, s, src, argv, api_key, args, dep)
+    return execute(client, s, src, argv, api_key, args.results_dir, args.server_container, dep)
 
 
 HOST_CA = Path("/etc/ssl/certs/ca-certificates.crt")
@@ -203,7 +137,7 @@ def _fetch_data(args: argparse.Namespace) -> int:
         mounts[str(HOST_CA)] = ("/tmp/host-ca.crt", "ro")
         env.update(SSL_CERT_FILE="/tmp/host-ca.crt", REQUESTS_CA_BUNDLE="/tmp/host-ca.crt")
     endpoint = env.get("HF_ENDPOINT", "https://huggingface.co")
-    _progress(f"downloading openai/gsm8k (main) from {endpoint} into {home} with "
+    progress(f"downloading openai/gsm8k (main) from {endpoint} into {home} with "
               f"{args.client_image}")
     with tempfile.TemporaryDirectory(prefix="k3rocm-gsm8k-data-") as tmp:
         log = Path(tmp) / "fetch.log"
@@ -229,125 +163,3 @@ def _fetch_data(args: argparse.Namespace) -> int:
     print(f"gsm8k-data: openai/gsm8k revision {info.get('revision')} in {src.describe()}",
           file=sys.stderr)
     return 0
-
-
-def _execute(client, s: Gsm8kSettings, src: data.DataSource, argv: list[str],
-             api_key: str | None, args: argparse.Namespace, dep=None) -> int:
-    run_dir = create_run_dir(args.results_dir, "gsm8k")
-    _progress(f"run directory {run_dir}")
-    write_bytes_atomic(run_dir / "lmeval_plugin" / command.LAUNCHER_NAME,
-                       LAUNCHER_SRC.read_bytes())
-    task_text = data.task_yaml(src)
-    write_text_atomic(run_dir / "tasks" / "gsm8k.yaml", task_text)
-    (run_dir / "lm_eval").mkdir()
-    line = shlex.join(argv)
-    write_text_atomic(run_dir / "command.txt", line + "\n")
-    env = command.container_env(s, src)
-    if api_key:
-        env["OPENAI_API_KEY"] = api_key
-    mounts = {str(run_dir.resolve()): (command.OUT_MOUNT, "rw"),
-              str(src.host_dir): (src.mount, "rw" if src.kind == "hf-datasets-cache" else "ro")}
-    img = client.images.get(s.client_image)
-    image = {"ref": s.client_image, "id": img.id, "tags": img.tags,
-             "labels": (img.attrs.get("Config") or {}).get("Labels") or {},
-             "created": img.attrs.get("Created")}
-    prov = runrecord.build(
-        deployment=dep, url=s.url,
-        server=runrecord.server(client, s.url, api_key, container_name=args.server_container),
-        tools={"lm_eval": None, "client_image": s.client_image, "client_image_id": image["id"]},
-        client={"image": s.client_image, "image_id": image["id"], "image_info": image,
-                "command": argv, "command_line": line, "network_mode": "host",
-                "user": f"{os.getuid()}:{os.getgid()}",
-                "mounts": {h: list(m) for h, m in mounts.items()}, "env": redact_env(env)},
-        measure="gsm8k", workload={"num_fewshot": command.NUM_FEWSHOT, "limit": s.limit,
-                                   # the shipped task (vLLM PR #52494's) ran; local items may
-                                   # not be GSM8K's own: unknown
-                                   "seed_task_config": True if src.kind != "local-jsonl"
-                                   else None},
-        settings=asdict(s), data=src.provenance(),
-        task_file={"shipped": str(data.TASK_FILE),
-                   "shipped_sha256": hashlib.sha256(data.shipped_task().encode()).hexdigest(),
-                   "run_copy": "tasks/gsm8k.yaml",
-                   "run_copy_sha256": hashlib.sha256(task_text.encode()).hexdigest()})
-    runrecord.write(run_dir, prov)
-    _progress(f"server {s.url} model {s.model} (vLLM {prov['server'].get('vllm_version')}); "
-              f"data {src.describe()}; lm-eval in {s.client_image}")
-    _progress(line)
-
-    name = f"k3rocm-gsm8k-{run_dir.name}".replace(":", "")[:120]
-    try:
-        res = run_client(client, s.client_image, argv, mounts, run_dir / "lm_eval.log", name,
-                         env=env, labels={"k3rocm.role": "gsm8k-client",
-                                          "k3rocm.run_dir": str(run_dir)},
-                         tool="lm-eval", tag="gsm8k")
-    except Exception as exc:  # noqa: BLE001 - docker.errors.APIError and friends
-        detail = f"could not start the client container: {exc.__class__.__name__}: {exc}"[:300]
-        _finish(run_dir, s, src, prov, 0.0, status="error", detail=detail)
-        raise UsageError(detail) from None
-    if res.interrupted:
-        summary = _finish(run_dir, s, src, prov, res.seconds, status="interrupted",
-                          detail=f"Ctrl-C; lm-eval stopped, its log kept in {run_dir}")
-        print(f"k3rocm: {summary['message']}", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    if res.exit_code != 0:
-        last = _last_error_line(run_dir / "lm_eval.log")
-        _finish(run_dir, s, src, prov, res.seconds, status="error", detail=last,
-                exit_status=res.exit_code)
-        raise UsageError(f"lm-eval failed (exit {res.exit_code}): {last}; log: "
-                         f"{run_dir / 'lm_eval.log'}")
-    summary = _finish(run_dir, s, src, prov, res.seconds)
-    print(summary["message"] + f"; run dir {run_dir}", file=sys.stderr)
-    return summary["exit_code"]
-
-
-def _finish(run_dir: Path, s: Gsm8kSettings, src: data.DataSource, prov: dict, wall: float,
-            status: str | None = None, detail: str | None = None,
-            exit_status: int | None = None) -> dict:
-    client_info = run_dir / "client_info.json"
-    if client_info.is_file():
-        with contextlib.suppress(ValueError, AttributeError):
-            info = json.loads(client_info.read_text())
-            prov["client"].update(info)
-            prov["tools"]["lm_eval"] = (info.get("versions") or {}).get("lm_eval")
-            runrecord.write(run_dir, prov)
-    run = {"server_url": s.url, "model": s.model, "mode": s.mode,
-           "reasoning_fallback": s.reasoning_fallback, "concurrency": s.concurrency,
-           "max_gen_tokens": s.max_gen_tokens, "data": src.describe(),
-           "client_image": s.client_image, "wall_seconds": round(wall, 1),
-           "command": prov["client"]["command_line"], "run_dir": str(run_dir)}
-    if status is None:
-        try:
-            summary = results.judge(run_dir, threshold=s.threshold, allow_limit=s.allow_limit,
-                                    max_gen_tokens=s.max_gen_tokens)
-            summary["seed_comparison"] = prov.get("seed_comparison")
-        except UsageError as exc:
-            status, detail = "error", str(exc)
-    if status is not None:
-        summary = {"status": status, "passed": False,
-                   "exit_code": 2 if status == "error" else EXIT_INTERRUPTED,
-                   "message": f"gsm8k: {status.upper()}: {detail or 'no result'}",
-                   "lm_eval_exit_status": exit_status}
-    summary["run"] = run
-    write_json_atomic(run_dir / "summary.json", summary)
-    write_text_atomic(run_dir / "summary.md", results.markdown(summary) if "metrics" in summary
-                      else f"# GSM8K accuracy gate\n\n**{status.upper()}** - "
-                      f"{summary['message']}\n\n```\n{prov['client']['command_line']}\n```\n")
-    return summary
-
-
-def _last_error_line(log: Path) -> str:
-    """The first error lm-eval logged (the cause; later ones are usually its fallout), else the
-    last error-looking line."""
-    try:
-        text = log.read_text(errors="replace")
-    except OSError:
-        return "no log"
-    m = re.search(r"\bERROR[ \t]+\[[^\]\n]*\][ \t]*(.*)", text)  # within one line
-    if m:
-        return m.group(1).strip()[:300]
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    return next((ln for ln in reversed(lines) if any(
-        k in ln for k in ("Error", "error", "Exception", "refused", "Traceback"))),
-        lines[-1] if lines else "no output")[:300]
-
-

@@ -6,12 +6,16 @@ returns, and the real run executes exactly that argv in the client container.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
 from urllib.parse import urlparse
+
+from pydantic import field_validator, model_validator
 
 from k3rocm.checks.gsm8k.data import HF_MOUNT, DataSource
 from k3rocm.deploy.engine import CLIENT_IMAGE
 from k3rocm.errors import UsageError
+from k3rocm.options import Options, ServerFlags, like, option
 
 REFERENCE = {"exact_match": 0.9644, "stderr": 0.0051,
              "source": "vLLM PR #52494 (Kimi-K3, MI355X TP=8), lm-eval gsm8k 5-shot, "
@@ -25,49 +29,86 @@ CHAT_MODEL = "local-chat-completions"  # lm-eval's own, as vLLM PR #52494 ran
 FALLBACK_CHAT_MODEL = "k3-chat-completions"  # + reasoning fallback, registered by lmeval_launch.py
 COMPLETIONS_MODEL = "local-completions"
 TASKS_MOUNT = f"{OUT_MOUNT}/tasks"  # <run>/tasks/gsm8k.yaml, the reference task config
+EVALUATION, DATA_AND_OUTPUT = "evaluation", "data and output"  # --help groups
 
 
-@dataclass(frozen=True)
-class Gsm8kSettings:
-    url: str = "http://127.0.0.1:8000"
-    model: str = "moonshotai/Kimi-K3"
-    mode: str = "chat"  # chat | completions
-    concurrency: int = 32
-    max_gen_tokens: int = 4096
-    timeout: int = 1800
-    max_retries: int = 3
-    threshold: float = DEFAULT_THRESHOLD
-    limit: int | None = None
-    allow_limit: bool = False
-    client_image: str = CLIENT_IMAGE
-    seed: int = 1234
-    reasoning_fallback: bool = False  # a deviation from the reference protocol: off unless asked
+class Gsm8kSettings(Options):
+    """What lm-eval is run with; each field is also the ``k3rocm gsm8k`` flag of its name
+    (``url`` and ``model``: None until resolved from the deployment)."""
+
+    url: str | None = like(ServerFlags, "url", group="server")
+    model: str | None = like(ServerFlags, "model", "served model name (default "
+                             "$K3_SERVED_MODEL_NAME, or the only model the server lists)",
+                             group="server")
+    mode: Literal["chat", "completions"] = option(
+        "chat", "chat: /v1/chat/completions with the chat template, few-shot as turns; "
+        "completions: /v1/completions with the raw 5-shot prompt", group=EVALUATION)
+    reasoning_fallback: bool = option(
+        False, "score the reasoning text when an answer's content is empty (NOT the reference "
+        "protocol: counted and reported as a deviation; default off)", group=EVALUATION)
+    concurrency: int = option(32, "requests in flight", group=EVALUATION, ge=1, le=1024)
+    max_gen_tokens: int = option(4096, "max generated tokens per answer; reasoning models need "
+                                 "many", group=EVALUATION, ge=1, le=262144)
+    timeout: int = option(1800, "per-request timeout, seconds", group=EVALUATION, ge=1,
+                          le=86400, unit=" seconds")
+    max_retries: int = option(3, "per-request retries", group=EVALUATION, ge=0, le=100)
+    limit: int | None = option(None, "evaluate only the first N test items (marks the run not "
+                               "comparable)", group=EVALUATION, ge=1)
+    threshold: float = option(DEFAULT_THRESHOLD, "gate on exact_match of both strict-match and "
+                              "flexible-extract", group=EVALUATION, gt=0, le=1)
+    allow_limit: bool = option(False, "let a --limit run (or a test set other than GSM8K's 1319 "
+                               "items) pass", group=EVALUATION)
+    client_image: str = option(CLIENT_IMAGE, "image with lm-eval in /opt/clients",
+                               group=DATA_AND_OUTPUT)
+    seed: int = 1234  # fixed: not a flag
+
+    @field_validator("url")
+    @classmethod
+    def _root_url(cls, v: str | None) -> str | None:
+        u = urlparse(v or "")
+        if v is None:
+            return v
+        if u.scheme not in ("http", "https") or not u.hostname:
+            raise ValueError("is not an http(s) URL; e.g. http://127.0.0.1:8000")
+        if u.path not in ("", "/"):
+            raise ValueError("has a path; give the server root (e.g. http://127.0.0.1:8000), "
+                             "/v1/... is added")
+        return v
+
+    @field_validator("model")
+    @classmethod
+    def _named(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError("is empty; give the served model name (K3_SERVED_MODEL_NAME)")
+        return v
+
+    @model_validator(mode="after")
+    def _fallback_needs_chat(self) -> Gsm8kSettings:
+        if self.reasoning_fallback and self.mode != "chat":
+            raise ValueError("--reasoning-fallback needs --mode chat (completions have no "
+                             "reasoning field)")
+        return self
 
 
-def validate(s: Gsm8kSettings) -> None:
-    u = urlparse(s.url)
-    if u.scheme not in ("http", "https") or not u.hostname:
-        raise UsageError(f"--url {s.url!r} is not an http(s) URL; e.g. http://127.0.0.1:8000")
-    if u.path not in ("", "/"):
-        raise UsageError(f"--url {s.url!r} has a path; give the server root "
-                         "(e.g. http://127.0.0.1:8000), /v1/... is added")
-    if s.mode not in ("chat", "completions"):
-        raise UsageError(f"--mode {s.mode!r} is not valid; use chat or completions")
-    if s.reasoning_fallback and s.mode != "chat":
-        raise UsageError("--reasoning-fallback needs --mode chat (completions have no reasoning "
-                         "field)")
-    for flag, value, lo, hi, unit in (("--concurrency", s.concurrency, 1, 1024, ""),
-                                      ("--max-gen-tokens", s.max_gen_tokens, 1, 262144, ""),
-                                      ("--timeout", s.timeout, 1, 86400, " seconds"),
-                                      ("--max-retries", s.max_retries, 0, 100, "")):
-        if not lo <= value <= hi:
-            raise UsageError(f"{flag} {value} is out of range; use {lo}..{hi}{unit}")
-    if not 0.0 < s.threshold <= 1.0:
-        raise UsageError(f"--threshold {s.threshold} is out of range; use 0 < x <= 1")
-    if s.limit is not None and s.limit < 1:
-        raise UsageError(f"--limit {s.limit} is not valid; use a positive item count")
-    if not s.model.strip():
-        raise UsageError("--model is empty; give the served model name (K3_SERVED_MODEL_NAME)")
+class Gsm8kRun(Options):
+    """The flags of ``k3rocm gsm8k`` beyond what lm-eval is run with: server, data, output."""
+
+    server_container: str | None = like(ServerFlags, "server_container", group="server")
+    data_dir: str | None = option(None, "directory with train.jsonl and test.jsonl (question, "
+                                  "answer ending '#### N')", group=DATA_AND_OUTPUT)
+    hf_home: str | None = option(None, "HF cache holding openai/gsm8k (default $HF_HOME, "
+                                 "$K3_CACHE_DIR/huggingface, ~/.cache/huggingface)",
+                                 group=DATA_AND_OUTPUT)
+    results_dir: Path | None = like(ServerFlags, "results", flag="--results-dir",
+                                    group=DATA_AND_OUTPUT)
+    dry_run: bool = like(ServerFlags, "dry_run", "print the exact lm_eval command line and exit "
+                         "0 (no server contact; also before the data set is there)",
+                         group=DATA_AND_OUTPUT)
+    fetch_data: bool = option(False, "download openai/gsm8k once into the HF cache (--hf-home) "
+                              "with the client image's huggingface_hub, then exit (needs HF hub "
+                              "access; `make gsm8k-data`)", group=DATA_AND_OUTPUT)
+    rescore: str | None = option(None, "re-apply the gate to a stored run directory and print "
+                                 "the verdict", group=DATA_AND_OUTPUT, metavar="RUN_DIR")
 
 
 def model_args(s: Gsm8kSettings) -> str:

@@ -1,0 +1,150 @@
+"""One ``k3rocm gsm8k`` run on a ready server: the run directory, its run record, lm-eval in the
+client container, the verdict (``k3rocm gsm8k`` and ``ab --measure gsm8k`` run it)."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shlex
+import sys
+from pathlib import Path
+
+from k3rocm.checks.gsm8k import command, data, results
+from k3rocm.checks.gsm8k.command import Gsm8kSettings
+from k3rocm.deploy import runrecord
+from k3rocm.deploy.engine import run_client
+from k3rocm.errors import EXIT_INTERRUPTED, UsageError
+from k3rocm.rundir import create_run_dir, write_bytes_atomic, write_json_atomic, write_text_atomic
+from k3rocm.serving.config import redact_env
+
+LAUNCHER_SRC = Path(__file__).with_name("lmeval_launch.py")
+
+
+def progress(msg: str) -> None:
+    print(f"gsm8k: {msg}", file=sys.stderr, flush=True)
+
+
+def execute(client, s: Gsm8kSettings, src: data.DataSource, argv: list[str],
+            api_key: str | None, results_dir: str | Path, server_container: str | None = None,
+            dep=None) -> int:
+    """One gsm8k run against a ready server: the run directory under ``results_dir``, its run
+    record, lm-eval in the client container, the verdict; returns the exit code."""
+    run_dir = create_run_dir(results_dir, "gsm8k")
+    progress(f"run directory {run_dir}")
+    write_bytes_atomic(run_dir / "lmeval_plugin" / command.LAUNCHER_NAME,
+                       LAUNCHER_SRC.read_bytes())
+    task_text = data.task_yaml(src)
+    write_text_atomic(run_dir / "tasks" / "gsm8k.yaml", task_text)
+    (run_dir / "lm_eval").mkdir()
+    line = shlex.join(argv)
+    write_text_atomic(run_dir / "command.txt", line + "\n")
+    env = command.container_env(s, src)
+    if api_key:
+        env["OPENAI_API_KEY"] = api_key
+    mounts = {str(run_dir.resolve()): (command.OUT_MOUNT, "rw"),
+              str(src.host_dir): (src.mount, "rw" if src.kind == "hf-datasets-cache" else "ro")}
+    img = client.images.get(s.client_image)
+    image = {"ref": s.client_image, "id": img.id, "tags": img.tags,
+             "labels": (img.attrs.get("Config") or {}).get("Labels") or {},
+             "created": img.attrs.get("Created")}
+    prov = runrecord.build(
+        deployment=dep, url=s.url,
+        server=runrecord.server(client, s.url, api_key, container_name=server_container),
+        tools={"lm_eval": None, "client_image": s.client_image, "client_image_id": image["id"]},
+        client={"image": s.client_image, "image_id": image["id"], "image_info": image,
+                "command": argv, "command_line": line, "network_mode": "host",
+                "user": f"{os.getuid()}:{os.getgid()}",
+                "mounts": {h: list(m) for h, m in mounts.items()}, "env": redact_env(env)},
+        measure="gsm8k", workload={"num_fewshot": command.NUM_FEWSHOT, "limit": s.limit,
+                                   # the shipped task (vLLM PR #52494's) ran; local items may
+                                   # not be GSM8K's own: unknown
+                                   "seed_task_config": True if src.kind != "local-jsonl"
+                                   else None},
+        settings=s.model_dump(), data=src.provenance(),
+        task_file={"shipped": str(data.TASK_FILE),
+                   "shipped_sha256": hashlib.sha256(data.shipped_task().encode()).hexdigest(),
+                   "run_copy": "tasks/gsm8k.yaml",
+                   "run_copy_sha256": hashlib.sha256(task_text.encode()).hexdigest()})
+    runrecord.write(run_dir, prov)
+    progress(f"server {s.url} model {s.model} (vLLM {prov['server'].get('vllm_version')}); "
+              f"data {src.describe()}; lm-eval in {s.client_image}")
+    progress(line)
+
+    name = f"k3rocm-gsm8k-{run_dir.name}".replace(":", "")[:120]
+    try:
+        res = run_client(client, s.client_image, argv, mounts, run_dir / "lm_eval.log", name,
+                         env=env, labels={"k3rocm.role": "gsm8k-client",
+                                          "k3rocm.run_dir": str(run_dir)},
+                         tool="lm-eval", tag="gsm8k")
+    except Exception as exc:  # noqa: BLE001 - docker.errors.APIError and friends
+        detail = f"could not start the client container: {exc.__class__.__name__}: {exc}"[:300]
+        _finish(run_dir, s, src, prov, 0.0, status="error", detail=detail)
+        raise UsageError(detail) from None
+    if res.interrupted:
+        summary = _finish(run_dir, s, src, prov, res.seconds, status="interrupted",
+                          detail=f"Ctrl-C; lm-eval stopped, its log kept in {run_dir}")
+        print(f"k3rocm: {summary['message']}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    if res.exit_code != 0:
+        last = _last_error_line(run_dir / "lm_eval.log")
+        _finish(run_dir, s, src, prov, res.seconds, status="error", detail=last,
+                exit_status=res.exit_code)
+        raise UsageError(f"lm-eval failed (exit {res.exit_code}): {last}; log: "
+                         f"{run_dir / 'lm_eval.log'}")
+    summary = _finish(run_dir, s, src, prov, res.seconds)
+    print(summary["message"] + f"; run dir {run_dir}", file=sys.stderr)
+    return summary["exit_code"]
+
+
+def _finish(run_dir: Path, s: Gsm8kSettings, src: data.DataSource, prov: dict, wall: float,
+            status: str | None = None, detail: str | None = None,
+            exit_status: int | None = None) -> dict:
+    client_info = run_dir / "client_info.json"
+    if client_info.is_file():
+        with contextlib.suppress(ValueError, AttributeError):
+            info = json.loads(client_info.read_text())
+            prov["client"].update(info)
+            prov["tools"]["lm_eval"] = (info.get("versions") or {}).get("lm_eval")
+            runrecord.write(run_dir, prov)
+    run = {"server_url": s.url, "model": s.model, "mode": s.mode,
+           "reasoning_fallback": s.reasoning_fallback, "concurrency": s.concurrency,
+           "max_gen_tokens": s.max_gen_tokens, "data": src.describe(),
+           "client_image": s.client_image, "wall_seconds": round(wall, 1),
+           "command": prov["client"]["command_line"], "run_dir": str(run_dir)}
+    if status is None:
+        try:
+            summary = results.judge(run_dir, threshold=s.threshold, allow_limit=s.allow_limit,
+                                    max_gen_tokens=s.max_gen_tokens)
+            summary["seed_comparison"] = prov.get("seed_comparison")
+        except UsageError as exc:
+            status, detail = "error", str(exc)
+    if status is not None:
+        summary = {"status": status, "passed": False,
+                   "exit_code": 2 if status == "error" else EXIT_INTERRUPTED,
+                   "message": f"gsm8k: {status.upper()}: {detail or 'no result'}",
+                   "lm_eval_exit_status": exit_status}
+    summary["run"] = run
+    write_json_atomic(run_dir / "summary.json", summary)
+    write_text_atomic(run_dir / "summary.md", results.markdown(summary) if "metrics" in summary
+                      else f"# GSM8K accuracy gate\n\n**{status.upper()}** - "
+                      f"{summary['message']}\n\n```\n{prov['client']['command_line']}\n```\n")
+    return summary
+
+
+def _last_error_line(log: Path) -> str:
+    """The first error lm-eval logged (the cause; later ones are usually its fallout), else the
+    last error-looking line."""
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return "no log"
+    m = re.search(r"\bERROR[ \t]+\[[^\]\n]*\][ \t]*(.*)", text)  # within one line
+    if m:
+        return m.group(1).strip()[:300]
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return next((ln for ln in reversed(lines) if any(
+        k in ln for k in ("Error", "error", "Exception", "refused", "Traceback"))),
+        lines[-1] if lines else "no output")[:300]
