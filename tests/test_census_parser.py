@@ -274,6 +274,15 @@ def test_rankless_worker_traces_are_bad_input():
         load_trace_dir(DATA / "rocm-rankless")
 
 
+@pytest.mark.parametrize("flag", [["--platform", "cpu"], ["--mode", "gpu"]])
+def test_removed_options_are_refused(flag, tmp_path):
+    """The kernel table's platform and the trace mode follow the trace: no override flag."""
+    p = run_cli("census", "--trace-dir", str(DATA / "rocm-on"), "--model-dir", str(TINY),
+                "--fusions", "all=on", *flag, "--results", str(tmp_path))
+    err = p.stderr.strip().splitlines()[-1]
+    assert p.returncode == 2 and "error:" in err and flag[0] in err, p.stderr
+
+
 @pytest.mark.parametrize("d,msg", [
     ("rocm-corrupt-gzip", "cannot be read as chrome-trace JSON"),
     ("rocm-bad-ts", "non-numeric ts"),

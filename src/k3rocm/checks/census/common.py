@@ -18,11 +18,6 @@ def add_analysis_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model-dir", help="checkpoint directory (or its config.json) as seen from "
                    "this host: the MLA layer count comes from it (default: K3_MODEL mapped "
                    "through K3_MODELS_DIR when it lies under /models)")
-    g.add_argument("--platform", choices=("auto", "rocm", "cpu"), default="auto",
-                   help="name rules: rocm (GPU kernels) or cpu (CPU operators of the stand-in);"
-                   " auto = rocm when the trace has GPU kernels")
-    g.add_argument("--mode", choices=("auto", "gpu", "cpu"), default="auto",
-                   help="count GPU kernels or CPU operators (auto: kernels when present)")
     g.add_argument("--alias", action="append", default=[], metavar="REGEX=NAME",
                    help="rename normalized kernel names matching REGEX (repeatable)")
     g.add_argument("--no-strip-templates", action="store_true",
@@ -95,8 +90,7 @@ def analysis_from(args: argparse.Namespace, dep=None) -> Analysis:
             raise UsageError(f"--extra {item!r} is not ROLE=N with ROLE one of "
                              f"{', '.join(ROLES)} and N an integer")
         extra[role] = int(n)
-    load_spec("rocm" if args.platform == "auto" else args.platform, None, args.spec,
-              args.other_norms)
+    load_spec("rocm", None, args.spec, args.other_norms)
     if getattr(args, "fusions", None):
         from_cli(args.fusions)
     server_log = getattr(args, "server_log", None)
@@ -104,9 +98,9 @@ def analysis_from(args: argparse.Namespace, dep=None) -> Analysis:
         raise UsageError(f"--server-log {server_log} does not exist")
     if args.world_size is not None:
         positive("--world-size", args.world_size)
-    return Analysis(model_dir, normalizer, extra, args.platform, args.mode, args.spec,
-                    args.other_norms, args.min_decode_steps, args.world_size,
-                    args.skip_records, server_log, args.top)
+    return Analysis(model_dir, normalizer, extra, args.spec, args.other_norms,
+                    args.min_decode_steps, args.world_size, args.skip_records, server_log,
+                    args.top)
 
 
 def profiling_from(args: argparse.Namespace) -> Profiling:

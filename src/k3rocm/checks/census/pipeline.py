@@ -42,8 +42,6 @@ class Analysis:
     model_dir: str
     normalizer: Normalizer
     extra: dict[str, int]
-    platform: str = "auto"
-    mode: str = "auto"
     spec: str | None = None
     other_norms: str | None = None
     min_decode_steps: int = 1
@@ -122,11 +120,10 @@ def resolve_world_size(trace_ws: int | None, given: int | None,
 def analyse(trace_dir: Path, opts: Analysis, claim: FusionClaim, decisions: Decisions | None,
             files: list[Path] | None = None, served: ServedAs | None = None) -> Census:
     model = read_model_facts(opts.model_dir)
-    traces = load_trace_dir(trace_dir, opts.normalizer, opts.mode, files)
+    traces = load_trace_dir(trace_dir, opts.normalizer, files)
     world, world_src = resolve_world_size(traces.world_size, opts.world_size, served)
-    plat = opts.platform
-    if plat == "auto":
-        plat = "rocm" if any(r.mode == "gpu" for r in traces.ranks) else "cpu"
+    # the kernel table's rules: rocm when a rank traced GPU kernels, else the CPU stand-in's
+    plat = "rocm" if any(r.mode == "gpu" for r in traces.ranks) else "cpu"
     spec = load_spec(plat, model.model_type, opts.spec, opts.other_norms)
     return run_census(traces, model, claim, spec, decisions, world, world_src,
                       opts.min_decode_steps, opts.extra)
