@@ -7,7 +7,6 @@ from pathlib import Path
 
 from k3rocm.checks.census.fusions import from_cli
 from k3rocm.checks.census.modelcfg import read_model_facts
-from k3rocm.checks.census.names import Normalizer
 from k3rocm.checks.census.pipeline import Analysis, Profiling
 from k3rocm.checks.census.spec import ROLES, load_spec
 from k3rocm.errors import UsageError
@@ -18,10 +17,6 @@ def add_analysis_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model-dir", help="checkpoint directory (or its config.json) as seen from "
                    "this host: the MLA layer count comes from it (default: K3_MODEL mapped "
                    "through K3_MODELS_DIR when it lies under /models)")
-    g.add_argument("--alias", action="append", default=[], metavar="REGEX=NAME",
-                   help="rename normalized kernel names matching REGEX (repeatable)")
-    g.add_argument("--no-strip-templates", action="store_true",
-                   help="keep kernel names verbatim (no template/argument stripping)")
     g.add_argument("--spec", metavar="FILE", help="JSON overriding the role name rules "
                    "(see docs/census.md)")
     g.add_argument("--other-norms", metavar="FORMULA",
@@ -82,7 +77,6 @@ def analysis_from(args: argparse.Namespace, dep=None) -> Analysis:
     positive("--min-decode-steps", args.min_decode_steps, 0)
     model_dir = model_dir_from(args, dep)
     read_model_facts(model_dir)
-    normalizer = Normalizer.from_specs(args.alias, strip_templates=not args.no_strip_templates)
     extra: dict[str, int] = {}
     for item in args.extra:
         role, sep, n = item.partition("=")
@@ -98,7 +92,7 @@ def analysis_from(args: argparse.Namespace, dep=None) -> Analysis:
         raise UsageError(f"--server-log {server_log} does not exist")
     if args.world_size is not None:
         positive("--world-size", args.world_size)
-    return Analysis(model_dir, normalizer, extra, args.spec, args.other_norms,
+    return Analysis(model_dir, extra, args.spec, args.other_norms,
                     args.min_decode_steps, args.world_size, args.skip_records, server_log,
                     args.top)
 

@@ -17,7 +17,6 @@ from k3rocm.checks.census.analyze import Census, run_census
 from k3rocm.checks.census.decisions import Decisions
 from k3rocm.checks.census.fusions import FusionClaim, from_cli, from_env
 from k3rocm.checks.census.modelcfg import read_model_facts
-from k3rocm.checks.census.names import Normalizer
 from k3rocm.checks.census.spec import load_spec
 from k3rocm.checks.census.trace import load_trace_dir
 from k3rocm.deploy import runrecord
@@ -40,7 +39,6 @@ class Analysis:
     """How the traces are read and judged (the analysis flags, checked)."""
 
     model_dir: str
-    normalizer: Normalizer
     extra: dict[str, int]
     spec: str | None = None
     other_norms: str | None = None
@@ -120,7 +118,7 @@ def resolve_world_size(trace_ws: int | None, given: int | None,
 def analyse(trace_dir: Path, opts: Analysis, claim: FusionClaim, decisions: Decisions | None,
             files: list[Path] | None = None, served: ServedAs | None = None) -> Census:
     model = read_model_facts(opts.model_dir)
-    traces = load_trace_dir(trace_dir, opts.normalizer, files)
+    traces = load_trace_dir(trace_dir, files)
     world, world_src = resolve_world_size(traces.world_size, opts.world_size, served)
     # the kernel table's rules: rocm when a rank traced GPU kernels, else the CPU stand-in's
     plat = "rocm" if any(r.mode == "gpu" for r in traces.ranks) else "cpu"
