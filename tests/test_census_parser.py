@@ -34,8 +34,7 @@ def census(d: str, fusions: str, model: Path = TINY, platform: str = "rocm", **k
     files = decision_files(DATA / d)
     dec = Decisions(records_from_files(files), d) if kw.pop("records", True) else None
     return run_census(ts, m, from_cli(fusions),
-                      load_spec(platform, m.model_type, kw.pop("spec", None),
-                                kw.pop("other", None)),
+                      load_spec(platform, m.model_type, kw.pop("other", None)),
                       dec, ts.world_size or 1, "test", **kw)
 
 
@@ -263,10 +262,11 @@ def test_rankless_worker_traces_are_bad_input():
 
 
 @pytest.mark.parametrize("flag", [["--platform", "cpu"], ["--mode", "gpu"],
-                                  ["--alias", "x=y"], ["--no-strip-templates"]])
+                                  ["--alias", "x=y"], ["--no-strip-templates"],
+                                  ["--spec", "s.json"]])
 def test_removed_options_are_refused(flag, tmp_path):
-    """The kernel table's platform and the trace mode follow the trace, and kernel names have
-    one normal form: no flag overrides them."""
+    """The kernel table's platform and the trace mode follow the trace, kernel names have one
+    normal form and kernels.json is the one table: no flag overrides them."""
     p = run_cli("census", "--trace-dir", str(DATA / "rocm-on"), "--model-dir", str(TINY),
                 "--fusions", "all=on", *flag, "--results", str(tmp_path))
     err = p.stderr.strip().splitlines()[-1]
@@ -384,14 +384,6 @@ def test_extra_and_formula_overrides():
         eval_formula("2*heads", {"layers": 3, "mla_layers": 3})
     with pytest.raises(UsageError, match="may only use"):
         eval_formula("__import__('os')", {"layers": 3})
-
-
-def test_spec_file_overrides_role(tmp_path):
-    spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps({"platforms": {"rocm": {"roles": {"fused_qk_norm": {
-        "match": ["no_such_kernel"], "names": []}}}}}))
-    c = census("rocm-on", "all=on", spec=str(spec))
-    assert next(k for k in c.checks if k.role == "fused_qk_norm").seen == 0
 
 
 def test_cpu_op_trace_is_counted_by_operator(tmp_path):
@@ -534,19 +526,18 @@ def test_crafted_traces_are_reproducible(tmp_path):
         assert (tmp_path / rel).read_bytes() == f.read_bytes(), rel
 
 
-def test_spec_expect_rows_are_checked(tmp_path):
-    """kernels.json ``expect``: a row per role of the fusion table; a --spec whose row names
-    an unknown role, or a bad field, is one line (exit 2), not a KeyError mid-census."""
-    t = kernel_table()
+def test_kernel_table_has_every_role_of_the_fusion_table():
+    """kernels.json: on each platform a rule and an expectation for every role the fusion table
+    names, and the expectations name only those roles."""
     from k3rocm.checks.census.spec import ROLES
 
-    assert set(ROLES) <= set(t["expect"])
-    f = tmp_path / "s.json"
-    f.write_text(json.dumps({"expect": {"qk_norm": {**t["expect"]["qk_norm"], "pair": {
-        "until": ["kv_write_v2"]}}}}))
-    with pytest.raises(UsageError, match="expect.qk_norm names unknown role"):
-        load_spec("rocm", "deepseek_v3", str(f))
-    f.write_text(json.dumps({"expect": {"cache_write": {"label": "x", "steps": "some",
-                                                        "on": 0, "off": 1}}}))
-    with pytest.raises(UsageError, match="expect.cache_write.steps"):
-        load_spec("rocm", "deepseek_v3", str(f))
+    t = kernel_table()
+    assert set(t["platforms"]) == {"rocm", "cpu"}
+    for plat in t["platforms"]:
+        assert set(ROLES) <= set(t["platforms"][plat]["roles"]), plat
+        spec = load_spec(plat, "deepseek_v3")
+        assert set(spec.roles) == set(spec.expect) == set(ROLES)
+        for e in spec.expect.values():
+            named = [*(e.beside.until + [e.beside.fused] if e.beside else []),
+                     *(e.pair.until if e.pair else [])]
+            assert set(named) <= set(ROLES), named

@@ -284,8 +284,8 @@ def run_census(traces: TraceSet, model: ModelFacts, claim: FusionClaim, spec: Sp
             raise UsageError(
                 f"rank {rt.rank} trace {rt.path.name}: none of its {rt.n_launches} GPU "
                 f"kernel launches matches any kernel role of the {spec.platform} table "
-                f"(top kernels: {top}); the names are in a form the table does not know: pass "
-                "--spec FILE (docs/census.md)")
+                f"(top kernels: {top}); the names are in a form the table does not know: add "
+                f"them to {spec.source['table']} (docs/census.md)")
         checks += cks
         per_rank.append({**rt.summary(), "steps_detail": [s.to_json() for s in rt.steps],
                          "roles": asdict(rc),

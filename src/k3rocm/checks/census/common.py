@@ -8,7 +8,7 @@ from pathlib import Path
 from k3rocm.checks.census.fusions import from_cli
 from k3rocm.checks.census.modelcfg import read_model_facts
 from k3rocm.checks.census.pipeline import Analysis, Profiling
-from k3rocm.checks.census.spec import ROLES, load_spec
+from k3rocm.checks.census.spec import ROLES
 from k3rocm.errors import UsageError
 
 
@@ -17,8 +17,6 @@ def add_analysis_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model-dir", help="checkpoint directory (or its config.json) as seen from "
                    "this host: the MLA layer count comes from it (default: K3_MODEL mapped "
                    "through K3_MODELS_DIR when it lies under /models)")
-    g.add_argument("--spec", metavar="FILE", help="JSON overriding the role name rules "
-                   "(see docs/census.md)")
     g.add_argument("--other-norms", metavar="FORMULA",
                    help="separate RMSNorm launches per step that are not MLA q/kv norms, "
                    "e.g. '2*layers + 1' (overrides the model family's rule)")
@@ -84,7 +82,6 @@ def analysis_from(args: argparse.Namespace, dep=None) -> Analysis:
             raise UsageError(f"--extra {item!r} is not ROLE=N with ROLE one of "
                              f"{', '.join(ROLES)} and N an integer")
         extra[role] = int(n)
-    load_spec("rocm", None, args.spec, args.other_norms)
     if getattr(args, "fusions", None):
         from_cli(args.fusions)
     server_log = getattr(args, "server_log", None)
@@ -92,9 +89,8 @@ def analysis_from(args: argparse.Namespace, dep=None) -> Analysis:
         raise UsageError(f"--server-log {server_log} does not exist")
     if args.world_size is not None:
         positive("--world-size", args.world_size)
-    return Analysis(model_dir, extra, args.spec, args.other_norms,
-                    args.min_decode_steps, args.world_size, args.skip_records, server_log,
-                    args.top)
+    return Analysis(model_dir, extra, args.other_norms, args.min_decode_steps, args.world_size,
+                    args.skip_records, server_log, args.top)
 
 
 def profiling_from(args: argparse.Namespace) -> Profiling:

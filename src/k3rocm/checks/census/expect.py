@@ -301,7 +301,7 @@ def _judge(rank: int | str, f: Any, asked: bool, main: dict[str, Check],
         why = (f"{NEITHER} {f.label} launches were found: they may run "
                "under names kernels.json does not know"
                + (f" (unclassified MLA-region launches: {uncl})" if uncl else "")
-               + "; check the names (--spec FILE)")
+               + ": add them there")
         if not judged_stock:
             why += f"; the stock half: {NOT_SEPARABLE}"
     elif not failed and not judged_stock:

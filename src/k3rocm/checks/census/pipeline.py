@@ -40,7 +40,6 @@ class Analysis:
 
     model_dir: str
     extra: dict[str, int]
-    spec: str | None = None
     other_norms: str | None = None
     min_decode_steps: int = 1
     world_size: int | None = None
@@ -122,7 +121,7 @@ def analyse(trace_dir: Path, opts: Analysis, claim: FusionClaim, decisions: Deci
     world, world_src = resolve_world_size(traces.world_size, opts.world_size, served)
     # the kernel table's rules: rocm when a rank traced GPU kernels, else the CPU stand-in's
     plat = "rocm" if any(r.mode == "gpu" for r in traces.ranks) else "cpu"
-    spec = load_spec(plat, model.model_type, opts.spec, opts.other_norms)
+    spec = load_spec(plat, model.model_type, opts.other_norms)
     return run_census(traces, model, claim, spec, decisions, world, world_src,
                       opts.min_decode_steps, opts.extra)
 
