@@ -379,11 +379,16 @@ def test_extra_and_formula_overrides():
     assert sep.seen == 6 and sep.ok is False  # the final norm is now unexplained
     fused = next(k for k in c.checks if k.role == "fused_qk_norm" and k.rank == 0)
     assert fused.expected == 18 + 6
-    assert eval_formula("2*layers + 1", {"layers": 3, "mla_layers": 3}) == 7
-    with pytest.raises(UsageError, match="unknown name"):
-        eval_formula("2*heads", {"layers": 3, "mla_layers": 3})
-    with pytest.raises(UsageError, match="may only use"):
-        eval_formula("__import__('os')", {"layers": 3})
+    names = {"layers": 3, "mla_layers": 2}
+    assert eval_formula("2*layers + 1", names) == 7
+    assert eval_formula(" (layers - mla_layers) * 4 ", names) == 4
+    with pytest.raises(UsageError, match="unknown name 'heads'"):
+        eval_formula("2*heads", names)
+    # read, never run as Python: no power, call, attribute, comparison or float
+    for bad in ("2**layers", "9**9**9**9", "__import__('os')", "layers.real", "(1).bit_length()",
+                "layers < 2", "1.5*layers", "True", "", "1 +", "+".join("1" * 5000)):
+        with pytest.raises(UsageError, match="may only use"):
+            eval_formula(bad, names)
 
 
 def test_cpu_op_trace_is_counted_by_operator(tmp_path):
@@ -480,6 +485,7 @@ def test_cli_census_ab_offline(tmp_path):
     (["--fusions", "all=on", "--model-dir", "/nonexistent"], "not found"),
     (["--fusions", "all=on", "--extra", "foo=1"], "--extra"),
     (["--fusions", "all=on", "--world-size", "4"], "disagrees with the traces"),
+    (["--fusions", "all=on", "--other-norms", "2**layers"], "may only use"),
     ([], "what the server was asked for is unknown"),
 ])
 def test_cli_usage_errors_exit_2_one_line(args, msg, tmp_path):

@@ -83,7 +83,7 @@ class Census:
         per MLA layer per decode step (the A/B unit)."""
         out = []
         L = max(self.model.mla_layers, 1)
-        other = expect.other_norms(self.spec, self.model)
+        other = expect.other_norms(self.spec.other_norms_formula, self.model)
         for pr in self.per_rank:
             D = pr["decode_steps"]
             n = {r: v["decode"] for r, v in pr["roles"]["launches"].items()}  # decode-only

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from k3rocm.checks.census.expect import other_norms
 from k3rocm.checks.census.fusions import from_cli
 from k3rocm.checks.census.modelcfg import read_model_facts
 from k3rocm.checks.census.pipeline import Analysis, Profiling
@@ -74,7 +75,7 @@ def analysis_from(args: argparse.Namespace, dep=None) -> Analysis:
     the command's deployment (where the checkpoint is without --model-dir)."""
     positive("--min-decode-steps", args.min_decode_steps, 0)
     model_dir = model_dir_from(args, dep)
-    read_model_facts(model_dir)
+    other_norms(args.other_norms, read_model_facts(model_dir))  # a bad formula: exit 2 now
     extra: dict[str, int] = {}
     for item in args.extra:
         role, sep, n = item.partition("=")

@@ -18,7 +18,9 @@ role (CPU operators nest), and not when a parent matches ``exclude_parents``.
 
 from __future__ import annotations
 
+import ast
 import json
+import operator
 import re
 from dataclasses import dataclass
 from importlib import resources
@@ -146,20 +148,28 @@ def load_spec(platform: str, model_type: str | None, other_norms: str | None = N
                 Region.model_validate(plat.get("mla_region") or {}), expect)
 
 
-_FORMULA_OK = re.compile(r"^[\s\d+\-*()a-z_]*$")
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 
 
 def eval_formula(formula: str, variables: dict[str, int]) -> int:
-    """Evaluate a tiny integer formula such as ``2*layers + 1`` (names, digits, + - * ())."""
-    if not _FORMULA_OK.match(formula):
-        raise UsageError(f"formula {formula!r} may only use integers, + - * ( ) and "
-                         f"{', '.join(sorted(variables))}")
-    unknown = set(re.findall(r"[a-z_]+", formula)) - set(variables)
-    if unknown:
-        raise UsageError(f"formula {formula!r} uses unknown name(s) {sorted(unknown)}; "
-                         f"valid: {', '.join(sorted(variables))}")
+    """A tiny integer formula such as ``2*layers + 1``: integers, the names in ``variables``,
+    + - * and parentheses, read with :mod:`ast` (never run as Python)."""
+    names = ", ".join(sorted(variables))
+
+    def value(node: ast.expr) -> int:
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](value(node.left), value(node.right))
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.Name):
+            if node.id not in variables:
+                raise UsageError(f"formula {formula!r} uses unknown name {node.id!r}; "
+                                 f"valid: {names}")
+            return variables[node.id]
+        raise SyntaxError
+
     try:
-        value = eval(formula, {"__builtins__": {}}, dict(variables))  # noqa: S307 - checked
-    except Exception as exc:  # noqa: BLE001
-        raise UsageError(f"formula {formula!r} cannot be evaluated ({exc})") from None
-    return int(value)
+        return value(ast.parse(formula.strip(), mode="eval").body)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        raise UsageError(f"formula {formula!r} may only use integers, + - * ( ) and "
+                         f"{names}") from None
