@@ -28,13 +28,13 @@ TINY = DATA / "models" / "tiny-deepseek-v3"  # 3 layers, all MLA
 KIMI = DATA / "models" / "kimi-k3"  # 93 layers: 69 KDA + 24 MLA
 
 
-def census(d: str, fusions: str, model: Path = TINY, platform: str = "rocm", **kw):
+def census(d: str, fusions: str, model: Path = TINY, **kw):
     m = read_model_facts(model)
     ts = load_trace_dir(DATA / d)
     files = decision_files(DATA / d)
     dec = Decisions(records_from_files(files), d) if kw.pop("records", True) else None
     return run_census(ts, m, from_cli(fusions),
-                      load_spec(platform, m.model_type, kw.pop("other", None)),
+                      load_spec("rocm", m.model_type, kw.pop("other", None)),
                       dec, ts.world_size or 1, "test", **kw)
 
 
