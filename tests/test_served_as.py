@@ -22,7 +22,6 @@ from k3rocm.checks.bench.run import _server_line, server_prefix_caching
 from k3rocm.checks.bench.summary import tokens_per_step
 from k3rocm.checks.census import pipeline
 from k3rocm.checks.census.fusions import from_cli
-from k3rocm.checks.census.names import Normalizer
 from k3rocm.deploy.provenance import served_as
 from k3rocm.serving.serve_cmd import RENDERED_FILE
 
@@ -196,8 +195,7 @@ def _without_world_size(src: Path, dest: Path) -> Path:
 
 
 def opts(**kw) -> pipeline.Analysis:
-    return pipeline.Analysis(model_dir=str(TINY), normalizer=Normalizer.from_specs(),
-                             extra={}, skip_records=True, **kw)
+    return pipeline.Analysis(model_dir=str(TINY), extra={}, skip_records=True, **kw)
 
 
 @pytest.mark.parametrize("rendered,world,where", [

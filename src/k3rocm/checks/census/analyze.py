@@ -87,7 +87,7 @@ class Census:
         (``stock_us`` None), so the total includes all of its launches."""
         out = []
         L = max(self.model.mla_layers, 1)
-        other = expect.other_norms(self.spec, self.model)
+        other = expect.other_norms(self.spec.other_norms_formula, self.model)
         for pr in self.per_rank:
             D = pr["decode_steps"]
             n = {r: v["decode"] for r, v in pr["roles"]["launches"].items()}  # decode-only
@@ -288,8 +288,8 @@ def run_census(traces: TraceSet, model: ModelFacts, claim: FusionClaim, spec: Sp
             raise UsageError(
                 f"rank {rt.rank} trace {rt.path.name}: none of its {rt.n_launches} GPU "
                 f"kernel launches matches any kernel role of the {spec.platform} table "
-                f"(top kernels: {top}); the names are in a form the table does not know: pass "
-                "--alias REGEX=NAME or --spec FILE (docs/census.md)")
+                f"(top kernels: {top}); the names are in a form the table does not know: add "
+                f"them to {spec.source['table']} (docs/census.md)")
         checks += cks
         per_rank.append({**rt.summary(), "steps_detail": [s.to_json() for s in rt.steps],
                          "roles": asdict(rc),

@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from k3rocm.checks.census.expect import other_norms
 from k3rocm.checks.census.fusions import from_cli
 from k3rocm.checks.census.modelcfg import read_model_facts
-from k3rocm.checks.census.names import Normalizer
 from k3rocm.checks.census.pipeline import Analysis, Profiling
-from k3rocm.checks.census.spec import ROLES, load_spec
+from k3rocm.checks.census.spec import ROLES
 from k3rocm.errors import UsageError
 
 
@@ -18,17 +18,6 @@ def add_analysis_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model-dir", help="checkpoint directory (or its config.json) as seen from "
                    "this host: the MLA layer count comes from it (default: K3_MODEL mapped "
                    "through K3_MODELS_DIR when it lies under /models)")
-    g.add_argument("--platform", choices=("auto", "rocm", "cpu"), default="auto",
-                   help="name rules: rocm (GPU kernels) or cpu (CPU operators of the stand-in);"
-                   " auto = rocm when the trace has GPU kernels")
-    g.add_argument("--mode", choices=("auto", "gpu", "cpu"), default="auto",
-                   help="count GPU kernels or CPU operators (auto: kernels when present)")
-    g.add_argument("--alias", action="append", default=[], metavar="REGEX=NAME",
-                   help="rename normalized kernel names matching REGEX (repeatable)")
-    g.add_argument("--no-strip-templates", action="store_true",
-                   help="keep kernel names verbatim (no template/argument stripping)")
-    g.add_argument("--spec", metavar="FILE", help="JSON overriding the role name rules "
-                   "(see docs/census.md)")
     g.add_argument("--other-norms", metavar="FORMULA",
                    help="separate RMSNorm launches per step that are not MLA q/kv norms, "
                    "e.g. '2*layers + 1' (overrides the model family's rule)")
@@ -86,8 +75,7 @@ def analysis_from(args: argparse.Namespace, dep=None) -> Analysis:
     the command's deployment (where the checkpoint is without --model-dir)."""
     positive("--min-decode-steps", args.min_decode_steps, 0)
     model_dir = model_dir_from(args, dep)
-    read_model_facts(model_dir)
-    normalizer = Normalizer.from_specs(args.alias, strip_templates=not args.no_strip_templates)
+    other_norms(args.other_norms, read_model_facts(model_dir))  # a bad formula: exit 2 now
     extra: dict[str, int] = {}
     for item in args.extra:
         role, sep, n = item.partition("=")
@@ -95,8 +83,6 @@ def analysis_from(args: argparse.Namespace, dep=None) -> Analysis:
             raise UsageError(f"--extra {item!r} is not ROLE=N with ROLE one of "
                              f"{', '.join(ROLES)} and N an integer")
         extra[role] = int(n)
-    load_spec("rocm" if args.platform == "auto" else args.platform, None, args.spec,
-              args.other_norms)
     if getattr(args, "fusions", None):
         from_cli(args.fusions)
     server_log = getattr(args, "server_log", None)
@@ -104,8 +90,7 @@ def analysis_from(args: argparse.Namespace, dep=None) -> Analysis:
         raise UsageError(f"--server-log {server_log} does not exist")
     if args.world_size is not None:
         positive("--world-size", args.world_size)
-    return Analysis(model_dir, normalizer, extra, args.platform, args.mode, args.spec,
-                    args.other_norms, args.min_decode_steps, args.world_size,
+    return Analysis(model_dir, extra, args.other_norms, args.min_decode_steps, args.world_size,
                     args.skip_records, server_log, args.top)
 
 

@@ -93,11 +93,12 @@ class Check:
         return {**asdict(self), "status": self.status}
 
 
-def other_norms(spec: Spec, model: ModelFacts) -> int | None:
-    if spec.other_norms_formula is None:
+def other_norms(formula: str | None, model: ModelFacts) -> int | None:
+    """The model's other RMSNorm launches per step (``formula``: kernels.json model_families
+    or --other-norms), None when unknown."""
+    if formula is None:
         return None
-    return eval_formula(spec.other_norms_formula, {"layers": model.layers,
-                                                   "mla_layers": model.mla_layers})
+    return eval_formula(formula, {"layers": model.layers, "mla_layers": model.mla_layers})
 
 
 NEITHER = "neither the fused nor the stock"
@@ -119,7 +120,7 @@ def build_checks(rt: RankTrace, spec: Spec, model: ModelFacts, claim: FusionClai
              "decode": [s.index for s in rt.steps if s.decode_only]}
     prefill = [s.index for s in rt.steps if not s.decode_only]
     scope_name = {"all": "all steps", "decode": "decode-only steps"}
-    other = other_norms(spec, model)
+    other = other_norms(spec.other_norms_formula, model)
     checks: list[Check] = []
     for f in FUSIONS:
         asked = claim.asked[f.name]
@@ -302,7 +303,7 @@ def _judge(rank: int | str, f: Fusion, asked: bool, main: dict[str, Check],
         why = (f"{NEITHER} {f.label} launches were found: they may run "
                "under names kernels.json does not know"
                + (f" (unclassified MLA-region launches: {uncl})" if uncl else "")
-               + "; check the names (--alias REGEX=NAME, --spec FILE)")
+               + ": add them there")
         if not judged_stock:
             why += f"; the stock half: {NOT_SEPARABLE}"
     elif not failed and not judged_stock:

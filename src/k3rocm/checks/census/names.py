@@ -18,19 +18,16 @@ top-level ``(`` (the argument list; a ``(`` inside template arguments such as
 drops the return type and the template arguments. Generic launcher names (CK-tile's
 ``ck_tile::kentry<...>``) would all collapse into one bucket, so for those the first
 kernel-like type inside the template arguments is kept: ``ck_tile::kentry<Rmsnorm2dFwd>``.
-After that, user aliases (``regex -> name``, first match wins) rename whatever is left.
+A name form this does not reduce to what kernels.json matches is a row (or a rule here) to add.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
-from dataclasses import dataclass, field
-
-from k3rocm.errors import UsageError
+from functools import lru_cache
 
 # Launcher names whose template arguments are the only thing that tells kernels apart.
-DEFAULT_GENERIC = (r"^ck_tile::kentry$", r"^ck::kernel_\w+$", r"^kernel$", r"^kernel_func$")
+_GENERIC = re.compile(r"^(?:ck_tile::kentry|ck::kernel_\w+|kernel|kernel_func)$")
 _KERNELISH = re.compile(r"[A-Za-z_][\w:]*(?:Kernel|Fwd|Bwd|Pipeline|kernel)\w*")
 
 
@@ -98,49 +95,13 @@ def _strip_args(name: str) -> str:
     return name
 
 
-@dataclass
-class Normalizer:
-    """Configurable kernel-name normalizer (``strip_templates`` off keeps names verbatim)."""
-
-    strip_templates: bool = True
-    aliases: list[tuple[re.Pattern[str], str]] = field(default_factory=list)
-    generic: list[re.Pattern[str]] = field(
-        default_factory=lambda: [re.compile(p) for p in DEFAULT_GENERIC])
-    _cache: dict[str, str] = field(default_factory=dict, repr=False)
-
-    @classmethod
-    def from_specs(cls, aliases: Iterable[str] = (), strip_templates: bool = True) -> Normalizer:
-        """``aliases``: ``REGEX=NAME`` strings (applied to the normalized name, first wins)."""
-        pairs: list[tuple[re.Pattern[str], str]] = []
-        for spec in aliases:
-            if "=" not in spec:
-                raise UsageError(f"kernel alias {spec!r} is not REGEX=NAME "
-                                 "(e.g. 'rms_norm_kernel$=rms_norm')")
-            pat, _, new = spec.rpartition("=")
-            try:
-                pairs.append((re.compile(pat), new))
-            except re.error as exc:
-                raise UsageError(f"kernel alias {pat!r} is not a valid regular expression "
-                                 f"({exc})") from None
-        return cls(strip_templates=strip_templates, aliases=pairs)
-
-    def __call__(self, raw: str) -> str:
-        hit = self._cache.get(raw)
-        if hit is not None:
-            return hit
-        name = _SUFFIXES.sub("", " ".join(raw.split()))
-        if self.strip_templates:
-            name = _strip_args(_demangle_qualified(name)).removeprefix("void ")
-            base, tmpl = _split_outer(name)
-            base = base.strip()
-            if tmpl and any(g.search(base) for g in self.generic):
-                m = _KERNELISH.search(tmpl)
-                if m:
-                    base = f"{base}<{m.group(0)}>"
-            name = base or name
-        for pat, new in self.aliases:
-            if pat.search(name):
-                name = new
-                break
-        self._cache[raw] = name
-        return name
+@lru_cache(maxsize=1 << 16)
+def normalize(raw: str) -> str:
+    """The one name of a kernel/operator, whatever form the trace wrote it in."""
+    name = _SUFFIXES.sub("", " ".join(raw.split()))
+    name = _strip_args(_demangle_qualified(name)).removeprefix("void ")
+    base, tmpl = _split_outer(name)
+    base = base.strip()
+    if tmpl and _GENERIC.search(base) and (m := _KERNELISH.search(tmpl)):
+        base = f"{base}<{m.group(0)}>"
+    return base or name

@@ -17,7 +17,6 @@ from k3rocm.checks.census.analyze import Census, run_census
 from k3rocm.checks.census.decisions import Decisions
 from k3rocm.checks.census.fusions import FusionClaim, from_cli, from_env
 from k3rocm.checks.census.modelcfg import read_model_facts
-from k3rocm.checks.census.names import Normalizer
 from k3rocm.checks.census.spec import load_spec
 from k3rocm.checks.census.trace import load_trace_dir
 from k3rocm.deploy import runrecord
@@ -40,11 +39,7 @@ class Analysis:
     """How the traces are read and judged (the analysis flags, checked)."""
 
     model_dir: str
-    normalizer: Normalizer
     extra: dict[str, int]
-    platform: str = "auto"
-    mode: str = "auto"
-    spec: str | None = None
     other_norms: str | None = None
     min_decode_steps: int = 1
     world_size: int | None = None
@@ -122,12 +117,11 @@ def resolve_world_size(trace_ws: int | None, given: int | None,
 def analyse(trace_dir: Path, opts: Analysis, claim: FusionClaim, decisions: Decisions | None,
             files: list[Path] | None = None, served: ServedAs | None = None) -> Census:
     model = read_model_facts(opts.model_dir)
-    traces = load_trace_dir(trace_dir, opts.normalizer, opts.mode, files)
+    traces = load_trace_dir(trace_dir, files)
     world, world_src = resolve_world_size(traces.world_size, opts.world_size, served)
-    plat = opts.platform
-    if plat == "auto":
-        plat = "rocm" if any(r.mode == "gpu" for r in traces.ranks) else "cpu"
-    spec = load_spec(plat, model.model_type, opts.spec, opts.other_norms)
+    # the kernel table's rules: rocm when a rank traced GPU kernels, else the CPU stand-in's
+    plat = "rocm" if any(r.mode == "gpu" for r in traces.ranks) else "cpu"
+    spec = load_spec(plat, model.model_type, opts.other_norms)
     return run_census(traces, model, claim, spec, decisions, world, world_src,
                       opts.min_decode_steps, opts.extra)
 

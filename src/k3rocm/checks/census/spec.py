@@ -14,26 +14,25 @@ launch the fusion adds) or its ``stock`` roles (a launch the fusion removes):
 
 A launch counts for a role only when none of the operators it is nested in also matches that
 role (CPU operators nest), and not when a parent matches ``exclude_parents``.
-``--spec FILE`` (JSON, same shape as kernels.json) overrides roles per platform.
 """
 
 from __future__ import annotations
 
+import ast
 import json
+import operator
 import re
 from dataclasses import dataclass
 from importlib import resources
-from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field
 
 from k3rocm.errors import UsageError
 from k3rocm.serving.fusions import FUSIONS
 
 GROUPS = {f.name: f.roles for f in FUSIONS}  # fusion -> the roles it owns
 ROLES = tuple(r for roles in GROUPS.values() for r in roles)
-M = TypeVar("M", bound=BaseModel)
 
 
 def kernel_table() -> dict[str, Any]:
@@ -130,86 +129,45 @@ class Spec:
     expect: dict[str, Expect]  # role -> what it must show (kernels.json ``expect``)
 
 
-def _valid(model: type[M], data: Any, where: str) -> M:
-    """``data`` as ``model``; the first problem as a one-line UsageError."""
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        loc = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in err["loc"])
-        raise UsageError(f"census spec {where}{loc}: {err['msg']} "
-                         f"(got {str(err['input'])[:80]!r})") from None
-
-
-def load_spec(platform: str, model_type: str | None, spec_file: str | None = None,
-              other_norms: str | None = None) -> Spec:
-    """Build the role matchers for ``platform`` (rocm|cpu) from kernels.json, optionally
-    overridden by a JSON file of the same shape (roles replaced one by one)."""
-    table = kernel_table()  # parsed afresh: updated in place below
-    platforms = table["platforms"]
-    families = table["model_families"]
-    fam_of = table["family_of_model_type"]
-    if spec_file:
-        try:
-            user = json.loads(Path(spec_file).read_text())
-        except (OSError, ValueError) as exc:
-            raise UsageError(f"--spec {spec_file} cannot be read as JSON ({exc})") from None
-        if not isinstance(user, dict):
-            raise UsageError(f"--spec {spec_file} must hold a JSON object")
-        for plat, body in (user.get("platforms") or {}).items():
-            if not isinstance(body, dict):
-                raise UsageError(f"--spec {spec_file}: platforms.{plat} must be an object")
-            dest = platforms.setdefault(plat, {"roles": {}, "mla_region": {"parents": []}})
-            dest["roles"].update(body.get("roles") or {})
-            if "mla_region" in body:
-                dest["mla_region"] = body["mla_region"]
-        table["expect"].update(user.get("expect") or {})
-        families.update(user.get("model_families") or {})
-        fam_of.update(user.get("family_of_model_type") or {})
-    if platform not in platforms:
-        raise UsageError(f"platform {platform!r} is not known; valid: "
-                         f"{', '.join(sorted(platforms))}")
-    roles = {}
-    plat = platforms[platform]
-    for rname in ROLES:
-        r = plat["roles"].get(rname)
-        if not isinstance(r, dict):
-            raise UsageError(f"census spec: platform {platform!r} has no role {rname!r}")
-        roles[rname] = _valid(Role, {**r, "name": rname}, f"{platform}.{rname}")
-    expect = {}
-    for rname in ROLES:
-        if not isinstance(table["expect"].get(rname), dict):
-            raise UsageError(f"census spec: no expectation for role {rname!r} (expect)")
-        expect[rname] = e = _valid(Expect, table["expect"][rname], f"expect.{rname}")
-        named = [*(e.beside.until + [e.beside.fused] if e.beside else []),
-                 *(e.pair.until if e.pair else [])]
-        if unknown := sorted(set(named) - set(ROLES)):
-            raise UsageError(f"census spec expect.{rname} names unknown role(s) "
-                             f"{', '.join(unknown)}; valid: {', '.join(ROLES)}")
-    mla = _valid(Region, plat.get("mla_region") or {}, f"{platform}.mla_region")
-    family = fam_of.get(model_type or "")
+def load_spec(platform: str, model_type: str | None, other_norms: str | None = None) -> Spec:
+    """The role matchers and expectations for ``platform`` (rocm|cpu) from kernels.json;
+    ``other_norms`` (--other-norms) replaces the model family's formula."""
+    table = kernel_table()
+    plat = table["platforms"][platform]
+    roles = {r: Role.model_validate({**plat["roles"][r], "name": r}) for r in ROLES}
+    expect = {r: Expect.model_validate(table["expect"][r]) for r in ROLES}
+    family = table["family_of_model_type"].get(model_type or "")
     formula = other_norms if other_norms is not None else \
-        (families.get(family) or {}).get(platform) if family else None
+        (table["model_families"].get(family) or {}).get(platform) if family else None
     return Spec(platform, roles, formula,
                 {"platform": platform, "roles": plat["roles"], "family": family,
-                 "other_norms_per_step": formula, "spec_file": spec_file,
-                 "table": "k3rocm/checks/census/kernels.json"}, mla, expect)
+                 "other_norms_per_step": formula,
+                 "table": "k3rocm/checks/census/kernels.json"},
+                Region.model_validate(plat.get("mla_region") or {}), expect)
 
 
-_FORMULA_OK = re.compile(r"^[\s\d+\-*()a-z_]*$")
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 
 
 def eval_formula(formula: str, variables: dict[str, int]) -> int:
-    """Evaluate a tiny integer formula such as ``2*layers + 1`` (names, digits, + - * ())."""
-    if not _FORMULA_OK.match(formula):
-        raise UsageError(f"formula {formula!r} may only use integers, + - * ( ) and "
-                         f"{', '.join(sorted(variables))}")
-    unknown = set(re.findall(r"[a-z_]+", formula)) - set(variables)
-    if unknown:
-        raise UsageError(f"formula {formula!r} uses unknown name(s) {sorted(unknown)}; "
-                         f"valid: {', '.join(sorted(variables))}")
+    """A tiny integer formula such as ``2*layers + 1``: integers, the names in ``variables``,
+    + - * and parentheses, read with :mod:`ast` (never run as Python)."""
+    names = ", ".join(sorted(variables))
+
+    def value(node: ast.expr) -> int:
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](value(node.left), value(node.right))
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.Name):
+            if node.id not in variables:
+                raise UsageError(f"formula {formula!r} uses unknown name {node.id!r}; "
+                                 f"valid: {names}")
+            return variables[node.id]
+        raise SyntaxError
+
     try:
-        value = eval(formula, {"__builtins__": {}}, dict(variables))  # noqa: S307 - checked
-    except Exception as exc:  # noqa: BLE001
-        raise UsageError(f"formula {formula!r} cannot be evaluated ({exc})") from None
-    return int(value)
+        return value(ast.parse(formula.strip(), mode="eval").body)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        raise UsageError(f"formula {formula!r} may only use integers, + - * ( ) and "
+                         f"{names}") from None

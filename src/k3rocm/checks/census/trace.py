@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from k3rocm.checks.census.names import Normalizer
+from k3rocm.checks.census.names import normalize
 from k3rocm.checks.census.stream import events
 from k3rocm.errors import UsageError, tagged_log
 
@@ -180,8 +180,7 @@ def world_size_of(obj: dict[str, Any]) -> int | None:
     return ws if isinstance(ws, int) and not isinstance(ws, bool) and ws > 0 else None
 
 
-def parse_rank_trace(path: str | os.PathLike, normalize: Normalizer | None = None,
-                     mode: str = "auto", progress: Any = None) -> RankTrace:
+def parse_rank_trace(path: str | os.PathLike, progress: Any = None) -> RankTrace:
     """Stream-parse one worker trace (events are not all held: see :class:`_Collector`); any
     malformed event is a one-line UsageError naming the file. ``progress(n)`` is called every
     million events."""
@@ -193,7 +192,7 @@ def parse_rank_trace(path: str | os.PathLike, normalize: Normalizer | None = Non
             col.add(e)
             if progress is not None and n % 1_000_000 == 0:
                 progress(n)
-        return col.finish(path, normalize or Normalizer(), mode, header)
+        return col.finish(path, header)
     except UsageError:
         raise
     except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
@@ -349,8 +348,7 @@ class _Collector:
             j += 1
         return cpu_par, rt_par, tuple_list
 
-    def finish(self, path: Path, normalize: Normalizer, mode: str,
-               header: dict[str, Any]) -> RankTrace:
+    def finish(self, path: Path, header: dict[str, Any]) -> RankTrace:
         rank, rank_source = rank_and_source(path, header)
         self.steps.sort(key=lambda t: t[0])
         empty = sum(1 for *_, p in self.steps if p[0] == 0 and p[2] == 0)
@@ -362,10 +360,7 @@ class _Collector:
         for st in steps:
             st.tokens_per_request = per_req
         step_at = _span_at([(st.ts, st.ts + st.dur, st.index) for st in steps])
-        if mode == "auto":
-            mode = "gpu" if self.k_ts else "cpu"
-        if mode not in ("gpu", "cpu"):
-            raise UsageError(f"trace mode {mode!r} is not valid; use auto, gpu or cpu")
+        mode = "gpu" if self.k_ts else "cpu"  # GPU kernels when traced, else CPU operators
         cpu_par, rt_par, par_tuples = self._parents()
         # (name, step, parents) -> [n, us]
         agg: defaultdict[tuple[int, int, int], list[float]] = defaultdict(lambda: [0, 0.0])
@@ -549,8 +544,7 @@ def group_runs(traces: list[RankTrace]) -> list[list[RankTrace]]:
     return runs
 
 
-def load_trace_dir(directory: str | os.PathLike, normalize: Normalizer | None = None,
-                   mode: str = "auto", files: list[Path] | None = None) -> TraceSet:
+def load_trace_dir(directory: str | os.PathLike, files: list[Path] | None = None) -> TraceSet:
     """Parse the worker traces in ``directory``, group them into runs and keep the newest run
     (older runs are listed in ``skipped_runs``; a rank missing from the newest run is never
     taken from an older one)."""
@@ -566,7 +560,7 @@ def load_trace_dir(directory: str | os.PathLike, normalize: Normalizer | None = 
         big = f.stat().st_size > PROGRESS_BYTES
         if big:
             _progress(f"parsing {f.name} ({f.stat().st_size / 1e6:.0f} MB)")
-        rt = parse_rank_trace(f, normalize, mode, progress=(lambda n, f=f: _progress(
+        rt = parse_rank_trace(f, progress=(lambda n, f=f: _progress(
             f"{f.name}: {n / 1e6:.0f} M events")) if big else None)
         has_rank = bool(rt.rank_source)
         if not rt.steps:
