@@ -210,13 +210,16 @@ def test_server_command_help_and_bad_input():
 
 # --- protocol identity from what each slot's server recorded ----------------------------------
 
-def _slot(tmp_path, slot: int, arm: str, env: dict, argv: list[str], image="sha256:aa") -> dict:
+def _slot(tmp_path, slot: int, arm: str, env: dict, argv: list[str] | None,
+          image="sha256:aa") -> dict:
     """A run as the driver records it, with the run record's server part (the layout
-    deploy.provenance.collect_provenance writes: container env redacted, argv from /proc)."""
+    deploy.provenance.collect_provenance writes: container env redacted, the rendered record
+    with the argv; ``argv`` None: a server without that record)."""
     d = tmp_path / f"{slot:02d}-{arm}-0"
     d.mkdir()
     (d / "provenance.json").write_text(json.dumps({"server": {
-        "container": {"image_id": image, "env": env}, "server_argv": argv}}))
+        "container": {"image_id": image, "env": env},
+        "rendered": None if argv is None else {"argv": argv, "env": {}}}}))
     return {"slot": slot, "arm": arm, "run": 0, "run_dir": str(d), "status": "ok"}
 
 
@@ -249,28 +252,25 @@ def test_slots_differing_in_a_server_setting_are_refused(tmp_path):
     assert ab.recorded_protocol(w, [runs[0]], "ab", 2)[0] != key
 
 
-def test_slot_identity_reads_the_rendered_record_not_proc(tmp_path):
-    """A slot's server identity is what `k3rocm serve` rendered (the record in the server
-    container), not a /proc scan: a scan once came back with a shell error in the argv and an
-    A/B of identical setups was refused."""
+def test_slots_without_the_rendered_record_are_not_shown_equal(tmp_path):
+    """The argv of a server without the rendered record is unknown: equal unknowns prove no
+    identical setup (the A/B marks it invalid, an A/A is not pooled); the rendered env lies
+    over the container's."""
     from k3rocm.checks.ab import arms as armlib
     from k3rocm.checks.bench import ab
     from k3rocm.checks.bench.workloads import resolve
 
     w = resolve("ci-tiny", {})
     env = {"K3_PROFILE": "cpu-smoke", "K3_FUSE_QK_NORM": "1"}
-    runs = []
-    for slot, arm, proc_argv in ((0, "A", ARGV), (1, "B", ["sh: 1: cannot open /proc/131/cmdline",
-                                                          *ARGV])):
-        run = _slot(tmp_path, slot, arm, env, proc_argv)
-        prov = json.loads((Path(run["run_dir"]) / "provenance.json").read_text())
-        prov["server"]["rendered"] = {"argv": ARGV, "env": {"K3_MAX_NUM_SEQS": "8"}}
-        (Path(run["run_dir"]) / "provenance.json").write_text(json.dumps(prov))
-        runs.append(run)
-    key, diffs = ab.recorded_protocol(w, runs, "ab", 1)
-    assert diffs == []
-    ident = armlib.slot_identity(Path(runs[0]["run_dir"]), "ab")
-    assert ident["env"]["K3_MAX_NUM_SEQS"] == "8"  # the rendered env lies over the container's
+    runs = [_slot(tmp_path, 0, "A", env, None), _slot(tmp_path, 1, "B", env, None)]
+    _, diffs = ab.recorded_protocol(w, runs, "ab", 1)
+    assert len(diffs) == 1 and "argv unknown (no rendered record" in diffs[0]
+    run = _slot(tmp_path, 2, "A", env, ARGV)
+    prov = json.loads((Path(run["run_dir"]) / "provenance.json").read_text())
+    prov["server"]["rendered"]["env"] = {"K3_MAX_NUM_SEQS": "8"}
+    (Path(run["run_dir"]) / "provenance.json").write_text(json.dumps(prov))
+    ident = armlib.slot_identity(Path(run["run_dir"]), "ab")
+    assert ident["env"]["K3_MAX_NUM_SEQS"] == "8" and ident["argv"] == ARGV[:3] + ARGV[5:]
 
 
 def test_the_aa_variance_is_pooled_only_with_the_same_recorded_key(tmp_path):

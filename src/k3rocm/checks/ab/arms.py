@@ -30,7 +30,7 @@ from k3rocm.deploy.lifecycle import (
     docker_client,
     resolve_settings,
 )
-from k3rocm.deploy.provenance import served_as
+from k3rocm.deploy.provenance import NO_RECORD, served_as
 from k3rocm.deploy.readiness import answers, wait_ready
 from k3rocm.errors import UsageError, tagged_log
 from k3rocm.rundir import create_run_dir, write_bytes_atomic
@@ -583,8 +583,8 @@ WHERE_ENV = frozenset({"K3_PORT", "HOSTNAME"})  # where a slot listens, not what
 
 def slot_identity(run_dir: Path, mode: str) -> dict[str, Any] | None:
     """What one slot's server really ran, from its run record (the image id, and the argv and
-    env as the server rendered them: :func:`k3rocm.deploy.provenance.served_as`), minus what
-    may differ between arms."""
+    env as the server rendered them: :func:`k3rocm.deploy.provenance.served_as`; argv None
+    without that record), minus what may differ between arms."""
     try:
         server = json.loads((run_dir / "provenance.json").read_text()).get("server") or {}
     except (OSError, json.JSONDecodeError):
@@ -608,8 +608,10 @@ def identity_diff(a: dict, b: dict) -> list[str]:
         va, vb = a["env"].get(k, "(unset)"), b["env"].get(k, "(unset)")
         if va != vb:
             out.append(f"env {k}={va} vs {vb}")
-    if a["argv"] != b["argv"]:
-        ea, eb = a["argv"] or [], b["argv"] or []
+    if a["argv"] is None or b["argv"] is None:  # no rendered record: cannot be shown equal
+        out.append(f"argv unknown ({NO_RECORD})")
+    elif a["argv"] != b["argv"]:
+        ea, eb = a["argv"], b["argv"]
         out.append(f"argv {' '.join(x for x in ea if x not in eb) or '-'} vs "
                    f"{' '.join(x for x in eb if x not in ea) or '-'}")
     return out
