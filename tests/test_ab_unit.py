@@ -39,17 +39,23 @@ def test_flags_of_the_other_measure_are_refused_in_one_line(tmp_path):
     assert p.returncode == 2 and "--steps is not used by --measure bench" in p.stderr
 
 
+STEP_DOUBLE = {"K3_TEST_PLUGINS_DIR": str(REPO / "tests" / "doubles" / "stepdelay")}
+
+
 def test_calibration_plan_dry_run():
-    p = run_cli("ab", "--measure", "bench", "--workload", "ci-tiny", "--repeats", "1",
-                "--dry-run", "--no-gpu", "--calibrate-delay-ms", "12.5",
-                "--server-env", "K3_PROFILE=cpu-smoke")
+    args = ("ab", "--measure", "bench", "--workload", "ci-tiny", "--repeats", "1",
+            "--dry-run", "--no-gpu", "--calibrate-delay-ms", "12.5",
+            "--server-env", "K3_PROFILE=cpu-smoke")
+    p = run_cli(*args, env=STEP_DOUBLE)  # the caller gives the double's directory
     assert p.returncode == 0, p.stderr
     slots = [ln for ln in p.stdout.splitlines() if ln.startswith("# slot")]
     assert len(slots) == 2
     assert "K3_TEST_STEP_DELAY_MS" not in slots[0]
     assert "K3_TEST_STEP_DELAY_MS=12.5" in slots[1] and "PYTHONPATH=/opt/k3rocm-test" in slots[1]
-    assert "K3_TEST_PLUGINS_DIR=" in slots[0]  # both arms mount it: only B switches it on
     assert "calibration: both arms" in p.stdout
+    # the product does not know where the tests keep it: without it, bad input
+    p = run_cli(*args)
+    assert p.returncode == 2 and "set K3_TEST_PLUGINS_DIR to its directory" in p.stderr, p.stderr
 
 
 @pytest.mark.parametrize("args,msg", [
@@ -112,13 +118,14 @@ def test_estimate_uses_earlier_starts_else_states_the_assumption(tmp_path):
     assert secs == 4 * 50 + 4 * 20 and "median of 2 earlier starts" in how
 
 
-def test_arm_server_is_compose_yaml_with_the_arm_env(tmp_path):
+def test_arm_server_is_compose_yaml_with_the_arm_env(tmp_path, monkeypatch):
     """The arm server rendered by real `docker compose config`: the image, port, mounts and
     the arm's toggles come from compose.yaml + compose.cpu.yaml and the arm's environment;
     the per-server env file carries what compose.yaml does not list."""
     from k3rocm.checks.ab.arms import arms_from_args
     from k3rocm.deploy.lifecycle import ComposeServer
 
+    monkeypatch.setenv(*next(iter(STEP_DOUBLE.items())))  # the caller's environment
     ns = argparse.Namespace(repeats=1, port=18555, server_timeout=60, gpu=False,
                             server_env=["K3_PROFILE=cpu-smoke", "VLLM_RPC_TIMEOUT=99"],
                             calibrate_delay_ms=7.0, aa=False, aa_fusions="on",
@@ -142,7 +149,7 @@ def test_arm_server_is_compose_yaml_with_the_arm_env(tmp_path):
     assert env["PYTHONPATH"] == "/opt/k3rocm-test"
     mounts = {v["target"]: v["source"] for v in svc["volumes"]}
     assert mounts["/models"] == str(tmp_path)
-    assert mounts["/opt/k3rocm-test"] == str(REPO / "tests" / "doubles" / "stepdelay")
+    assert mounts["/opt/k3rocm-test"] == STEP_DOUBLE["K3_TEST_PLUGINS_DIR"]
     assert "devices" not in svc or not svc["devices"]
     # arm A: no delay switch in its environment
     a = ComposeServer(project="k3ab-test-00a", cpu=True, env=arms.compose_env("A"),
