@@ -70,8 +70,9 @@ cd /tmp/k3
 """
 
 # For a script after SETUP_SH: makes the tiny MLA checkpoint and defines `run NAME ENV...`
-# (overlay_invllm/e2e_tiny.py generate, its log kept in /tmp/NAME.log), B (the DeepSeek bind)
-# and D (the ROCm double).
+# (overlay_invllm/e2e_tiny.py generate, its log kept in /tmp/NAME.log), B (the DeepSeek bind: the
+# test plugin tests/doubles/k3rocm_test_bind.py, loaded from D's PYTHONPATH) and D (the ROCm
+# double).
 E2E_TINY_SH = """python3 tests/overlay_invllm/e2e_tiny.py make-model /tmp/tiny
 run() { n=$1; shift; env "$@" python3 tests/overlay_invllm/e2e_tiny.py generate /tmp/tiny \\
         /tmp/$n.json > /tmp/$n.log 2>&1 || { tail -40 /tmp/$n.log; exit 1; }; }

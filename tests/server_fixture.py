@@ -40,10 +40,11 @@ DEFAULT_SERVER_IMAGE = "k3rocm/server:cpu-0.32.0"
 CONTAINER_PORT = 8000
 LABEL = "org.k3rocm.test"
 LABEL_PROJECT = "com.docker.compose.project"
-# The engine-hold / step-delay test double (a vLLM general plugin), mounted by compose.cpu.yaml:
-# where it lives and where it is mounted, as the A/B driver's calibration knows them.
-from k3rocm.checks.ab.arms import STEP_DELAY_DIR as STEP_DOUBLE_DIR  # noqa: E402
+# The engine-hold / step-delay test double (a vLLM general plugin): compose.cpu.yaml mounts
+# K3_TEST_PLUGINS_DIR where the A/B driver's calibration puts it on PYTHONPATH.
 from k3rocm.checks.ab.arms import STEP_DELAY_MOUNT as STEP_DOUBLE_MOUNT  # noqa: E402
+
+STEP_DOUBLE_DIR = Path(__file__).resolve().parent / "doubles" / "stepdelay"
 
 HOLD_NAME = ".k3test-hold"
 DELAY_NAME = ".k3test-delay-ms"

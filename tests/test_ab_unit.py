@@ -39,17 +39,23 @@ def test_flags_of_the_other_measure_are_refused_in_one_line(tmp_path):
     assert p.returncode == 2 and "--steps is not used by --measure bench" in p.stderr
 
 
+STEP_DOUBLE = {"K3_TEST_PLUGINS_DIR": str(REPO / "tests" / "doubles" / "stepdelay")}
+
+
 def test_calibration_plan_dry_run():
-    p = run_cli("ab", "--measure", "bench", "--workload", "ci-tiny", "--repeats", "1",
-                "--dry-run", "--no-gpu", "--calibrate-delay-ms", "12.5",
-                "--server-env", "K3_PROFILE=cpu-smoke")
+    args = ("ab", "--measure", "bench", "--workload", "ci-tiny", "--repeats", "1",
+            "--dry-run", "--no-gpu", "--calibrate-delay-ms", "12.5",
+            "--server-env", "K3_PROFILE=cpu-smoke")
+    p = run_cli(*args, env=STEP_DOUBLE)  # the caller gives the double's directory
     assert p.returncode == 0, p.stderr
     slots = [ln for ln in p.stdout.splitlines() if ln.startswith("# slot")]
     assert len(slots) == 2
     assert "K3_TEST_STEP_DELAY_MS" not in slots[0]
     assert "K3_TEST_STEP_DELAY_MS=12.5" in slots[1] and "PYTHONPATH=/opt/k3rocm-test" in slots[1]
-    assert "K3_TEST_PLUGINS_DIR=" in slots[0]  # both arms mount it: only B switches it on
     assert "calibration: both arms" in p.stdout
+    # the product does not know where the tests keep it: without it, bad input
+    p = run_cli(*args)
+    assert p.returncode == 2 and "set K3_TEST_PLUGINS_DIR to its directory" in p.stderr, p.stderr
 
 
 @pytest.mark.parametrize("args,msg", [
@@ -112,13 +118,14 @@ def test_estimate_uses_earlier_starts_else_states_the_assumption(tmp_path):
     assert secs == 4 * 50 + 4 * 20 and "median of 2 earlier starts" in how
 
 
-def test_arm_server_is_compose_yaml_with_the_arm_env(tmp_path):
+def test_arm_server_is_compose_yaml_with_the_arm_env(tmp_path, monkeypatch):
     """The arm server rendered by real `docker compose config`: the image, port, mounts and
     the arm's toggles come from compose.yaml + compose.cpu.yaml and the arm's environment;
     the per-server env file carries what compose.yaml does not list."""
     from k3rocm.checks.ab.arms import arms_from_args
     from k3rocm.deploy.lifecycle import ComposeServer
 
+    monkeypatch.setenv(*next(iter(STEP_DOUBLE.items())))  # the caller's environment
     ns = argparse.Namespace(repeats=1, port=18555, server_timeout=60, gpu=False,
                             server_env=["K3_PROFILE=cpu-smoke", "VLLM_RPC_TIMEOUT=99"],
                             calibrate_delay_ms=7.0, aa=False, aa_fusions="on",
@@ -142,7 +149,7 @@ def test_arm_server_is_compose_yaml_with_the_arm_env(tmp_path):
     assert env["PYTHONPATH"] == "/opt/k3rocm-test"
     mounts = {v["target"]: v["source"] for v in svc["volumes"]}
     assert mounts["/models"] == str(tmp_path)
-    assert mounts["/opt/k3rocm-test"] == str(REPO / "tests" / "doubles" / "stepdelay")
+    assert mounts["/opt/k3rocm-test"] == STEP_DOUBLE["K3_TEST_PLUGINS_DIR"]
     assert "devices" not in svc or not svc["devices"]
     # arm A: no delay switch in its environment
     a = ComposeServer(project="k3ab-test-00a", cpu=True, env=arms.compose_env("A"),
@@ -210,13 +217,16 @@ def test_server_command_help_and_bad_input():
 
 # --- protocol identity from what each slot's server recorded ----------------------------------
 
-def _slot(tmp_path, slot: int, arm: str, env: dict, argv: list[str], image="sha256:aa") -> dict:
+def _slot(tmp_path, slot: int, arm: str, env: dict, argv: list[str] | None,
+          image="sha256:aa") -> dict:
     """A run as the driver records it, with the run record's server part (the layout
-    deploy.provenance.collect_provenance writes: container env redacted, argv from /proc)."""
+    deploy.provenance.collect_provenance writes: container env redacted, the rendered record
+    with the argv; ``argv`` None: a server without that record)."""
     d = tmp_path / f"{slot:02d}-{arm}-0"
     d.mkdir()
     (d / "provenance.json").write_text(json.dumps({"server": {
-        "container": {"image_id": image, "env": env}, "server_argv": argv}}))
+        "container": {"image_id": image, "env": env},
+        "rendered": None if argv is None else {"argv": argv, "env": {}}}}))
     return {"slot": slot, "arm": arm, "run": 0, "run_dir": str(d), "status": "ok"}
 
 
@@ -249,28 +259,25 @@ def test_slots_differing_in_a_server_setting_are_refused(tmp_path):
     assert ab.recorded_protocol(w, [runs[0]], "ab", 2)[0] != key
 
 
-def test_slot_identity_reads_the_rendered_record_not_proc(tmp_path):
-    """A slot's server identity is what `k3rocm serve` rendered (the record in the server
-    container), not a /proc scan: a scan once came back with a shell error in the argv and an
-    A/B of identical setups was refused."""
+def test_slots_without_the_rendered_record_are_not_shown_equal(tmp_path):
+    """The argv of a server without the rendered record is unknown: equal unknowns prove no
+    identical setup (the A/B marks it invalid, an A/A is not pooled); the rendered env lies
+    over the container's."""
     from k3rocm.checks.ab import arms as armlib
     from k3rocm.checks.bench import ab
     from k3rocm.checks.bench.workloads import resolve
 
     w = resolve("ci-tiny", {})
     env = {"K3_PROFILE": "cpu-smoke", "K3_FUSE_QK_NORM": "1"}
-    runs = []
-    for slot, arm, proc_argv in ((0, "A", ARGV), (1, "B", ["sh: 1: cannot open /proc/131/cmdline",
-                                                          *ARGV])):
-        run = _slot(tmp_path, slot, arm, env, proc_argv)
-        prov = json.loads((Path(run["run_dir"]) / "provenance.json").read_text())
-        prov["server"]["rendered"] = {"argv": ARGV, "env": {"K3_MAX_NUM_SEQS": "8"}}
-        (Path(run["run_dir"]) / "provenance.json").write_text(json.dumps(prov))
-        runs.append(run)
-    key, diffs = ab.recorded_protocol(w, runs, "ab", 1)
-    assert diffs == []
-    ident = armlib.slot_identity(Path(runs[0]["run_dir"]), "ab")
-    assert ident["env"]["K3_MAX_NUM_SEQS"] == "8"  # the rendered env lies over the container's
+    runs = [_slot(tmp_path, 0, "A", env, None), _slot(tmp_path, 1, "B", env, None)]
+    _, diffs = ab.recorded_protocol(w, runs, "ab", 1)
+    assert len(diffs) == 1 and "argv unknown (no rendered record" in diffs[0]
+    run = _slot(tmp_path, 2, "A", env, ARGV)
+    prov = json.loads((Path(run["run_dir"]) / "provenance.json").read_text())
+    prov["server"]["rendered"]["env"] = {"K3_MAX_NUM_SEQS": "8"}
+    (Path(run["run_dir"]) / "provenance.json").write_text(json.dumps(prov))
+    ident = armlib.slot_identity(Path(run["run_dir"]), "ab")
+    assert ident["env"]["K3_MAX_NUM_SEQS"] == "8" and ident["argv"] == ARGV[:3] + ARGV[5:]
 
 
 def test_the_aa_variance_is_pooled_only_with_the_same_recorded_key(tmp_path):

@@ -618,8 +618,8 @@ def test_one_burst_with_itl_zero_is_bunched(tmp_path):
 def test_speculative_decoding_allows_a_step_worth_of_tokens_per_chunk(tmp_path):
     # MTP k=2: up to 3 tokens per step; 2.5 tokens per chunk is per step, not bunched.
     d = _write_stream_point(tmp_path / "p", [(30, [6.0] * 11, 20.0, 86.0)] * 2)
-    server = {"server_argv": ["vllm", "serve", "/m", "--speculative-config",
-                              '{"method":"mtp","num_speculative_tokens":2}']}
+    server = {"rendered": {"argv": ["vllm", "serve", "/m", "--speculative-config",
+                                    '{"method":"mtp","num_speculative_tokens":2}']}}
     per_step, src = summary.tokens_per_step(server)
     assert (per_step, src) == (3, "--speculative-config num_speculative_tokens=2")
     assert summary.judge_stream(summary.stream_shape(d), per_step, src)["bunched"] is False
@@ -692,9 +692,9 @@ def test_decode_8k1k_needs_prefix_caching_off_and_the_seed_command_is_unchanged(
 
     assert resolve("decode-8k1k", {}).prefix_caching is False
     assert resolve("agentic-68k", {}).prefix_caching is True
-    assert server_prefix_caching({"server_argv": ["vllm", "serve", "--no-enable-prefix-caching"]}) \
-        is False
-    assert server_prefix_caching({"server_argv": ["vllm", "serve"]}) is True  # vLLM default on
+    assert server_prefix_caching({"rendered": {
+        "argv": ["vllm", "serve", "--no-enable-prefix-caching"]}}) is False
+    assert server_prefix_caching({"rendered": {"argv": ["vllm", "serve"]}}) is True  # default on
     assert server_prefix_caching({}) is None
 
 

@@ -8,7 +8,8 @@
    records, which is right for a claim of off). The same traces, claimed as q/kv-norm-on, fail:
    the counts, and "the overlay did not run" (no decision record while asked on).
 2. `k3rocm census-ab --on qk_norm` with our overlay FORCED over the upstream file and bound into
-   the tiny DeepSeek-V3 model (K3_TEST_BIND_MODULES), in a test image that adds the ROCm-vLLM
+   the tiny DeepSeek-V3 model (K3_TEST_BIND_MODULES, read by the test plugin
+   tests/doubles/k3rocm_test_bind.py), in a test image that adds the ROCm-vLLM
    and AITER doubles (tests/doubles; K3_TEST_DOUBLE_ROCM=1: vLLM answers like ROCm + AITER and
    registers vllm::fused_mla_dual_rms_norm as vllm/_aiter_ops.py does): arm off (K3_FUSE_*=0)
    counts 2 separate q/kv norms per MLA layer and step and no fused op; arm on

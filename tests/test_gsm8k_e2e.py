@@ -156,7 +156,7 @@ def test_make_gsm8k_against_the_standin(standin_server, client_image, items,  # 
     server_c = prov["server"]["container"]
     assert server_c["image_id"].startswith("sha256:") and server_c["name"]
     assert isinstance(prov["server"]["overlay_manifest"], dict)
-    assert prov["server"]["server_argv"]
+    assert prov["server"]["rendered"]["argv"][:2] == ["vllm", "serve"]
     assert prov["client"]["image_id"].startswith("sha256:")
     assert prov["client"]["versions"]["lm_eval"] == "0.4.13" == prov["tools"]["lm_eval"]
     assert prov["data"]["files"]["test"]["sha256"] == data.sha256_file(items / "test.jsonl")

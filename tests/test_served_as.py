@@ -1,6 +1,7 @@
 """Readers of a running server read what ``k3rocm serve`` rendered (its record in the server
 container, ``serving.serve_cmd.RENDERED_FILE``), not the argv/env reverse-engineered from the
-process; only a server without the record falls back to its /proc argv, and the result says so.
+process; a server without the record is read from its container's env only (its argv is
+unknown), and the result says so.
 
 The record's shape is what ``serving.config.Rendered.to_json`` writes (``{"env", "argv",
 "sources"[, "base"]}``; tests/test_basefacts.py runs the real ``k3rocm serve`` to write one); a
@@ -23,6 +24,7 @@ from k3rocm.checks.bench.summary import tokens_per_step
 from k3rocm.checks.census import pipeline
 from k3rocm.checks.census.fusions import from_cli
 from k3rocm.deploy.provenance import served_as
+from k3rocm.errors import UsageError
 from k3rocm.serving.serve_cmd import RENDERED_FILE
 
 DATA = REPO / "tests" / "data" / "census"
@@ -33,20 +35,18 @@ RENDERED = {"env": {"K3_FUSE_QK_NORM": "0", "VLLM_ROCM_USE_AITER": "1"},
             "argv": ["vllm", "serve", "/models/Kimi-K3", "--tensor-parallel-size", "2",
                      "--no-enable-prefix-caching"],
             "sources": {}}
-PROC_ARGV = ["/usr/bin/python3", "/usr/local/bin/vllm", "serve", "/models/Kimi-K3", "-tp", "8",
-             "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}']
 CONTAINER_ENV = {"K3_TP": "4", "K3_FUSE_QK_NORM": "1", "K3_MTP_K": "2", "PATH": "/usr/bin"}
 
 
 def server_prov(rendered: dict | None) -> dict:
     """collect_provenance's output, trimmed to what the readers take."""
-    return {"vllm_version": "0.27.1", "server_argv": PROC_ARGV, "rendered": rendered,
+    return {"vllm_version": "0.27.1", "rendered": rendered,
             "container": {"image_ref": "k3rocm/server:latest", "image_id": "sha256:1",
                           "env": CONTAINER_ENV},
             "fusion_toggles": {}}
 
 
-def test_rendered_record_wins_over_proc_argv_and_container_env():
+def test_rendered_record_wins_over_the_container_env():
     prov = server_prov(RENDERED)
     s = served_as(prov)
     assert s.rendered and RENDERED_FILE in s.source
@@ -62,17 +62,16 @@ def test_rendered_record_wins_over_proc_argv_and_container_env():
     assert world == 2 and RENDERED_FILE in src
 
 
-def test_without_a_record_the_proc_argv_is_read_and_the_result_says_so():
+def test_without_a_record_the_argv_is_unknown_and_the_result_says_so():
     prov = server_prov(None)
     s = served_as(prov)
-    assert not s.rendered and "/proc argv" in s.source and "no rendered record" in s.source
-    assert s.argv == PROC_ARGV and s.tp == 8
-    assert served_as(prov).tp == 8
-    assert server_prefix_caching(prov) is True  # vLLM's default: on
-    assert tokens_per_step(prov)[0] == 3
+    assert not s.rendered and "argv unknown" in s.source and "no rendered record" in s.source
+    assert s.argv is None and s.tp is None
+    assert server_prefix_caching(prov) is None
+    assert tokens_per_step(prov)[0] == 3  # the container's K3_MTP_K=2
     assert "no rendered record" in _server_line(prov)
-    world, src = pipeline.resolve_world_size(None, None, s)
-    assert world == 8 and "no rendered record" in src
+    with pytest.raises(UsageError, match="pass --world-size N"):
+        pipeline.resolve_world_size(None, None, s)
     # nothing known at all
     assert served_as({}).tp is None and served_as(None).source.startswith("unknown")
 
@@ -83,11 +82,11 @@ SPEC2 = ["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}
 @pytest.mark.parametrize("rendered, argv, env, k", [
     (True, ["vllm", "serve", "m", *SPEC2], {}, 2),
     (True, ["vllm", "serve", "m"], {"K3_MTP_K": "2"}, 0),  # the record's argv says it all
-    (False, ["vllm", "serve", "m"], {"K3_MTP_K": " 2"}, 2),
-    (False, ["vllm", "serve", "m"], {"K3_MTP_K": "0"}, 0),
+    (False, None, {"K3_MTP_K": " 2"}, 2),  # no record: the container's K3_MTP_K
+    (False, None, {"K3_MTP_K": "0"}, 0),
     # Before, the census noted "speculative" on any --speculative-config while the bench
     # counted 1 token per step for these two: one answer now.
-    (False, ["vllm", "serve", "m", "--speculative-config", "{not json"], {}, 0),
+    (True, ["vllm", "serve", "m", "--speculative-config", "{not json"], {}, 0),
     (True, ["vllm", "serve", "m", "--speculative-config", '{"num_speculative_tokens": 0}'],
      {}, 0),
 ])
@@ -95,7 +94,7 @@ def test_one_answer_to_does_this_server_decode_speculatively(rendered, argv, env
     """``ServedAs.speculative`` is asked by the bench (tokens per engine step: 1 + k) and by the
     census (its speculative-decoding note when k > 0)."""
     prov = {"rendered": {"argv": argv, "env": env} if rendered else None,
-            "server_argv": None if rendered else argv, "container": {"env": env}}
+            "container": {"env": env}}
     assert served_as(prov).speculative[0] == k
     assert tokens_per_step(prov)[0] == 1 + k
     assert (pipeline.speculative_note(served_as(prov)) is not None) == (k > 0)
@@ -120,8 +119,7 @@ def test_the_census_waits_for_the_profiler_only_when_it_stops_itself(argv, n):
 
 class Container:
     """docker-py's Container as the readers use it: attrs (docker inspect), name, and the
-    engine's exec calls (client.api): cat of the record, the /proc scan answered as `sh -c`
-    prints it."""
+    engine's exec calls (client.api), recorded: only the cat of the record is answered."""
 
     name = id = "srv"
 
@@ -129,33 +127,32 @@ class Container:
         self.rendered = rendered
         self.attrs = {"Config": {"Env": [f"{k}={v}" for k, v in CONTAINER_ENV.items()]}}
         self.client = SimpleNamespace(api=self)
-        self.scans = 0
+        self.execs: list[list[str]] = []
 
     def exec_create(self, container_id, cmd):
+        self.execs.append(cmd)
         return {"Id": cmd}
 
     def exec_start(self, cmd, demux):
-        if cmd == ["cat", RENDERED_FILE]:
-            if self.rendered is None:
-                return None, f"cat: {RENDERED_FILE}: No such file or directory".encode()
+        if cmd == ["cat", RENDERED_FILE] and self.rendered is not None:
             return json.dumps(self.rendered).encode(), None
-        self.scans += 1
-        return " ".join(PROC_ARGV).encode() + b"\n", None
+        return None, f"{cmd[0]}: No such file or directory".encode()
 
     def exec_inspect(self, cmd):
-        missing = cmd == ["cat", RENDERED_FILE] and self.rendered is None
-        return {"Running": False, "ExitCode": 1 if missing else 0}
+        found = cmd == ["cat", RENDERED_FILE] and self.rendered is not None
+        return {"Running": False, "ExitCode": 0 if found else 1}
 
 
-def test_container_reader_prefers_the_record_and_scans_proc_only_without_it():
+def test_container_reader_reads_the_record_and_without_it_only_the_env():
     c = Container(RENDERED)
     s = served_as(container=c)
-    assert s.rendered and s.tp == 2 and c.scans == 0
+    assert s.rendered and s.tp == 2 and c.execs == [["cat", RENDERED_FILE]]
     claim = pipeline.claim_from_container(c)
     assert claim.asked["qk_norm"] is False and "rendered settings" in claim.source
     old = Container(None)
     s = served_as(container=old)
-    assert not s.rendered and s.tp == 8 and old.scans == 1
+    assert not s.rendered and s.argv is None and s.tp is None
+    assert old.execs == [["cat", RENDERED_FILE]]  # nothing else is read from the process
     legacy = pipeline.claim_from_container(old)
     assert legacy.asked["qk_norm"] is True  # K3_FUSE_QK_NORM=1 in its env
     assert legacy.asked["decode_qprep"] is True  # unset: on
@@ -198,19 +195,20 @@ def opts(**kw) -> pipeline.Analysis:
     return pipeline.Analysis(model_dir=str(TINY), extra={}, skip_records=True, **kw)
 
 
-@pytest.mark.parametrize("rendered,world,where", [
-    (RENDERED, 2, RENDERED_FILE), (None, 8, "/proc argv and container env (no rendered record")])
-def test_census_world_size_from_the_rendering(tmp_path, rendered, world, where):
-    """2 ranks traced, no distributedInfo: the rendered TP 2 makes the rank check pass; the
-    /proc argv (-tp 8) of a server without the record expects 8 ranks (here: a mismatch,
-    since the record is absent only in this double), and the check says where it came from."""
+def test_census_world_size_from_the_rendering(tmp_path):
+    """2 ranks traced, no distributedInfo: the rendered TP 2 makes the rank check pass, and the
+    check says where it came from; a server without the record leaves it unknown (bad input:
+    pass --world-size)."""
     d = _without_world_size(DATA / "rocm-on", tmp_path / "t")
     c = pipeline.analyse(d, opts(), from_cli("all=on"), None,
-                         served=served_as(server_prov(rendered)))
+                         served=served_as(server_prov(RENDERED)))
     assert c.traces.world_size is None
     ranks = next(x for x in c.checks if x.what == "worker traces, one per rank")
-    assert (ranks.expected, ranks.ok) == (world, world == 2), ranks
-    assert where in ranks.rule, ranks.rule
+    assert (ranks.expected, ranks.ok) == (2, True), ranks
+    assert RENDERED_FILE in ranks.rule, ranks.rule
+    with pytest.raises(UsageError, match="--world-size"):
+        pipeline.analyse(d, opts(), from_cli("all=on"), None,
+                         served=served_as(server_prov(None)))
 
 
 def test_seed_comparison_judges_the_rendered_env():
@@ -263,7 +261,7 @@ def test_prefix_caching_speculation_and_graphs_come_from_the_servers_own_report(
     assert served_config("")["prefix_caching"]["value"] is None
     # the bench takes the server's word over the argv, and says where it read it
     prov = {**server_prov(None), "served_config": served_config(off)}
-    assert "--no-enable-prefix-caching" not in served_as(prov).argv
+    assert served_as(prov).argv is None
     assert server_prefix_caching(prov) is False
     assert tokens_per_step(prov) == (3, "the server's log: speculative mtp num_spec_tokens=2")
     plain = {**server_prov(None), "served_config": served_config(ENGINE_LINE.format(spec="None"))}
@@ -271,7 +269,9 @@ def test_prefix_caching_speculation_and_graphs_come_from_the_servers_own_report(
     from k3rocm.checks.bench.run import graphs_line, served_prefix_caching
 
     assert served_prefix_caching(prov)[1].startswith("the server's own report (")
-    assert served_prefix_caching(server_prov(None))[1].startswith("asked in the argv only")
+    assert served_prefix_caching(server_prov(RENDERED)) == (
+        False, "asked in the argv only (the server's log and metrics said nothing)")
+    assert served_prefix_caching(server_prov(None)) == (None, "unknown")
     assert graphs_line(prov) == ("cudagraph_mode PIECEWISE, enforce_eager False, captured in "
                                  "41 s (the server's log)")
 

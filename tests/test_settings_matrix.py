@@ -3,11 +3,11 @@ the make line} resolves the same server URL, model, API key, model dir, results 
 
 Through the real make targets (`make <target> K3_X=...`), in a scratch project directory that
 links the repository's Makefile, mk/ and compose files (so its `.env` is the one read). What a
-command resolved is observed with the central `--print-deployment` mechanism
-(`K3_TEST_PRINT_DEPLOYMENT=FILE`: each k3rocm call a make target runs appends the view its
-command resolved, through the command's own `deployment_view` hook, and exits 0): no server,
-no Docker. The bench and gsm8k dry runs then show the same values in the exact client command
-lines they would run. The expected values are written here from the settings given, not taken
+command resolved is observed with the user-facing `--print-deployment` flag, added to every
+k3rocm call a make target runs by a `PY=` wrapper (the view its command resolved, through the
+command's own `deployment_view` hook, appended to a file; exit 0): no server, no Docker. The
+bench and gsm8k dry runs then show the same values in the exact client command lines they
+would run. The expected values are written here from the settings given, not taken
 from k3rocm.deploy.deployment.
 """
 
@@ -75,9 +75,10 @@ def _env(extra: dict | None = None) -> dict:
     return env
 
 
-def make(project: Path, target: str, placement: str, *extra: str,
-         env: dict | None = None) -> subprocess.CompletedProcess:
-    """`make <target>` with SETTINGS placed in the shell, in .env or on the make line."""
+def make(project: Path, target: str, placement: str, *extra: str, env: dict | None = None,
+         py: str = sys.executable) -> subprocess.CompletedProcess:
+    """`make <target>` with SETTINGS placed in the shell, in .env or on the make line; ``py``:
+    the make targets' Python (``PY=``)."""
     dotenv = project / ".env"
     dotenv.unlink(missing_ok=True)
     line = [f"{k}={v}" for k, v in SETTINGS.items()]
@@ -86,7 +87,7 @@ def make(project: Path, target: str, placement: str, *extra: str,
         shell = dict(SETTINGS)
     elif placement == "dotenv":
         dotenv.write_text("# written by test_settings_matrix\n" + "\n".join(line) + "\n")
-    cmd = ["make", "-s", "-o", sys.executable, target, f"PY={sys.executable}", *extra,
+    cmd = ["make", "-s", "-o", py, target, f"PY={py}", *extra,
            *(line if placement == "inline" else [])]
     try:
         return subprocess.run(cmd, cwd=project, env=_env({**shell, **(env or {})}),
@@ -101,7 +102,10 @@ def test_every_command_resolves_the_same_deployment(project, command, placement)
     target, extra, runs = COMMANDS[command]
     out = project / f"view-{command}-{placement}.jsonl"
     out.unlink(missing_ok=True)
-    p = make(project, target, placement, *extra, env={"K3_TEST_PRINT_DEPLOYMENT": str(out)})
+    py = project / f"py-{command}-{placement}"  # every `$(PY) -m k3rocm ...` the target runs
+    py.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@" --print-deployment >> "{out}"\n')
+    py.chmod(0o755)
+    p = make(project, target, placement, *extra, py=str(py))
     assert make_exit_code(p) == 0, p.stderr
     views = [json.loads(x) for x in out.read_text().splitlines()]
     assert views, f"make {target} ran no k3rocm command"

@@ -7,6 +7,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from conftest import REPO
+
 from k3rocm.serving import vllm_plugin
 
 
@@ -47,8 +49,7 @@ def _fake_vllm(tmp_path, monkeypatch, mla_text):
     monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
     monkeypatch.setattr(vllm_plugin, "_state", {"registered": False, "bound": [],
                                                 "upstream_hook": False})
-    for k in ("K3_OVERLAY", vllm_plugin.TEST_BIND_ENV):
-        monkeypatch.delenv(k, raising=False)
+    monkeypatch.delenv("K3_OVERLAY", raising=False)
     return amd
 
 
@@ -95,3 +96,35 @@ def test_no_hook_on_the_overlay_without_amd_mla_or_with_k3_overlay_off(tmp_path,
         finally:
             _drop("vllm")
             monkeypatch.undo()
+
+
+def test_the_bind_double_rebinds_a_named_model_and_the_product_does_not(tmp_path, monkeypatch):
+    """K3_TEST_BIND_MODULES is read by the test-only plugin tests/doubles/k3rocm_test_bind.py
+    (the CPU end-to-end tests' tiny DeepSeek model), not by k3rocm's own plugin."""
+    _fake_vllm(tmp_path, monkeypatch, UPSTREAM_LIKE)
+    layers = tmp_path / "vllm" / "model_executor" / "layers"
+    models = tmp_path / "vllm" / "model_executor" / "models"
+    for d in (layers, models):
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "__init__.py").write_text("")
+    (tmp_path / "vllm" / "model_executor" / "__init__.py").write_text("")
+    (layers / "mla.py").write_text("class MultiHeadLatentAttentionWrapper:\n    pass\n")
+    (models / "deepseek_v2.py").write_text(
+        "from vllm.model_executor.layers.mla import MultiHeadLatentAttentionWrapper\n")
+    name = "vllm.model_executor.models.deepseek_v2"
+    monkeypatch.setenv("K3_TEST_BIND_MODULES", name)
+    monkeypatch.syspath_prepend(str(REPO / "tests" / "doubles"))
+    import k3rocm_test_bind
+
+    try:
+        vllm_plugin.register()  # the product: the upstream hook only
+        assert importlib.import_module(name).MultiHeadLatentAttentionWrapper.__name__ == \
+            "MultiHeadLatentAttentionWrapper"
+        _drop(name)
+        k3rocm_test_bind.register()
+        assert importlib.import_module(name).MultiHeadLatentAttentionWrapper.__name__ == \
+            "KimiK3MultiHeadLatentAttentionWrapper"
+        assert vllm_plugin._state["bound"] == [name]
+    finally:
+        _drop("vllm")
+        sys.modules.pop("k3rocm_test_bind", None)

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 import json
-import os
 import sys
 from typing import Any
 
@@ -57,10 +55,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 # `k3rocm <command> --print-deployment` (anywhere on the line) prints what the command resolved
 # from the settings (URL, model, API key, model dir, tokenizer, results root, image) as JSON
-# and exits 0 without doing anything; with K3_TEST_PRINT_DEPLOYMENT=FILE (tests, through make
-# targets) every k3rocm call appends that JSON as one line to FILE and exits 0.
+# and exits 0 without doing anything.
 PRINT_FLAG = "--print-deployment"
-PRINT_ENV = "K3_TEST_PRINT_DEPLOYMENT"
 EPILOG = (f"Every command takes {PRINT_FLAG}: print what it resolved from the K3_* settings "
           "(server URL, model, API key, model dir, tokenizer, results root, image) and exit. "
           "Exit codes: " + "; ".join(f"{code} {what}" for code, what in EXIT_CODES.items())
@@ -121,8 +117,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    print_to = os.environ.get(PRINT_ENV) or None
-    print_dep = PRINT_FLAG in argv or print_to is not None
+    print_dep = PRINT_FLAG in argv
     argv = [a for a in argv if a != PRINT_FLAG]
     # Import only the command being run (the serving entrypoint must start fast).
     only = next((a for a in argv if not a.startswith("-")), None)
@@ -133,9 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.print_help()
             return 0 if not argv else 2
         if print_dep:
-            with (open(print_to, "a", encoding="utf-8") if print_to
-                  else contextlib.nullcontext(sys.stdout)) as out:
-                print(json.dumps(deployment_view(args), sort_keys=True), file=out)
+            print(json.dumps(deployment_view(args), sort_keys=True))
             return 0
         return int(args._run(args) or 0)
     except UsageError as exc:

@@ -5,7 +5,8 @@
 
 ``generate`` runs vLLM's offline engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
 so the AITER double's launch counts are readable here. What it binds is decided by the
-environment, exactly as in a server: the k3rocm plugin (installed entry point) with
+environment, exactly as in a server: the k3rocm plugin (installed entry point) and, with
+tests/doubles on PYTHONPATH, the test plugin tests/doubles/k3rocm_test_bind.py, whose
 ``K3_TEST_BIND_MODULES=vllm.model_executor.models.deepseek_v2`` puts our wrapper into the
 DeepSeek attention; tests/doubles on PYTHONPATH with ``K3_TEST_DOUBLE_ROCM=1`` makes this vLLM
 answer like ROCm + AITER (the AITER double counts its kernel launches in ``aiter.calls``);

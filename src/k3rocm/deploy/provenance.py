@@ -45,8 +45,7 @@ def find_server_container(client, url: str):
 
 def exec_text(container, cmd: list[str], *, timeout: float = 30.0) -> str | None:
     """stdout of ``cmd`` run in the container, or None if it failed. stderr is kept apart
-    (demux): a message on stderr must never read as data (a process that exits while a
-    /proc scan reads it makes sh print "cannot open /proc/N/cmdline"). The exit code is
+    (demux): a message on stderr must never read as data. The exit code is
     read once the engine has recorded it: the output stream can end before the engine has
     processed the exit, and an exec inspected then is still Running with no ExitCode
     (moby/moby#19607); docker-py's ``exec_run`` reports that as exit code None, which failed
@@ -63,23 +62,6 @@ def exec_text(container, cmd: list[str], *, timeout: float = 30.0) -> str | None
     if state["Running"] or state["ExitCode"] != 0:
         return None
     return (stdout or b"").decode(errors="replace")
-
-
-# The server's argv from /proc (this shell's own cmdline holds the pattern too: skip $$).
-# Processes come and go during the scan: errors are silenced for the whole loop.
-_SERVER_ARGV_SCRIPT = (
-    "{ for p in /proc/[0-9]*; do "
-    "[ \"${p#/proc/}\" = \"$$\" ] && continue; "
-    "c=$(tr '\\0' ' ' < $p/cmdline); "
-    "case \"$c\" in *vllm*serve*|*api_server*) echo \"$c\"; break;; esac; "
-    "done; } 2>/dev/null")
-
-
-def server_argv(container) -> list[str] | None:
-    """The argv vLLM really runs with in ``container`` (the entrypoint execs ``vllm serve``),
-    redacted; None if no such process was found."""
-    text = exec_text(container, ["sh", "-c", _SERVER_ARGV_SCRIPT])
-    return redact_argv(text.strip().split(" ")) if text and text.strip() else None
 
 
 def rendered_record(container) -> dict | None:
@@ -108,9 +90,9 @@ NO_RECORD = ("no rendered record in the server container: an image older than it
 
 @dataclass(frozen=True)
 class ServedAs:
-    """The server's argv and env as ``k3rocm serve`` rendered them (``rendered``), else as
-    read from the running server: its ``vllm serve`` process in /proc and its container's env.
-    ``source`` says which, for the result that uses them."""
+    """The server's argv and env as ``k3rocm serve`` rendered them (``rendered``), else only
+    its container's env (argv unknown: None). ``source`` says which, for the result that uses
+    them."""
 
     argv: list[str] | None
     env: dict[str, str]
@@ -170,13 +152,13 @@ def served_as(prov: dict | None = None, container=None) -> ServedAs:
     """The server's argv and env as rendered: from ``prov`` (what :func:`collect_provenance`
     returned, e.g. a run record's ``server``) or read from ``container``. The rendered record
     (``k3rocm serve`` writes it before exec'ing vLLM) wins; its env lies on top of the
-    container's. Without it, the /proc argv and the container's env, and ``source`` says so."""
+    container's. Without it, only the container's env (the argv is unknown), and ``source``
+    says so."""
     from k3rocm.serving.serve_cmd import RENDERED_FILE
 
     if container is not None:
         rec = rendered_record(container)
-        prov = {"rendered": rec, "container": {"env": container_env(container)},
-                "server_argv": None if rec else server_argv(container)}
+        prov = {"rendered": rec, "container": {"env": container_env(container)}}
     prov = prov or {}
     env = dict((prov.get("container") or {}).get("env") or {})
     rec = prov.get("rendered")
@@ -185,9 +167,8 @@ def served_as(prov: dict | None = None, container=None) -> ServedAs:
         return ServedAs(list(argv) if isinstance(argv, list) else None,
                         {**env, **(rec.get("env") or {})}, True,
                         f"the server's rendered settings ({RENDERED_FILE})")
-    argv = prov.get("server_argv")
-    return ServedAs(list(argv) if argv else None, env, False,
-                    f"the server's /proc argv and container env ({NO_RECORD})" if env or argv
+    return ServedAs(None, env, False,
+                    f"the server container's env, argv unknown ({NO_RECORD})" if env
                     else "unknown (no server container found)")
 
 
@@ -302,14 +283,13 @@ def collect_provenance(url: str, api_key: str | None, client=None, container=Non
                      digests=list(img.attrs.get("RepoDigests") or []))
     except Exception as exc:  # noqa: BLE001 - best effort
         image["note"] = f"image not inspectable ({exc.__class__.__name__})"
-    # The argv vLLM really runs with (the entrypoint execs `vllm serve ...`).
+    # the engine's process list (docker top), for the reader; the argv is the rendered record's
     procs = []
     with contextlib.suppress(Exception):
         top = container.top()
         idx = top["Titles"].index("CMD") if "CMD" in top["Titles"] else -1
         procs = [p[idx] for p in top.get("Processes") or []]
     prov["server_processes"] = [" ".join(redact_argv(p.split(" "))) for p in procs[:20]]
-    prov["server_argv"] = server_argv(container)
     manifest = exec_text(container, ["cat", MANIFEST_PATH])
     try:
         prov["overlay_manifest"] = json.loads(manifest) if manifest else None

@@ -47,10 +47,6 @@ OVERLAY_MODULE = "vllm.models.kimi_k3.amd.mla"
 WRAPPER_NAME = "MultiHeadLatentAttentionWrapper"
 OUR_CLASS = "KimiK3MultiHeadLatentAttentionWrapper"
 MARKER = "K3ROCM_OVERLAY = 1"
-# TEST ONLY: extra modules whose MLA wrapper name is rebound too (comma separated), e.g.
-# vllm.model_executor.models.deepseek_v2 for the CPU end-to-end test with a tiny model (to the
-# overlay's class, or on an upstream base to upstream's, hooked).
-TEST_BIND_ENV = "K3_TEST_BIND_MODULES"
 
 _state: dict[str, Any] = {"registered": False, "bound": [], "upstream_hook": False}
 
@@ -131,7 +127,7 @@ class _Finder(importlib.abc.MetaPathFinder):
         return spec
 
 
-def _hook(hooks: dict[str, Callable[[Any], Any]]) -> None:
+def after_import(hooks: dict[str, Callable[[Any], Any]]) -> None:
     """Run each hook now for a module already imported, else right after its import."""
     pending = {}
     for name, hook in hooks.items():
@@ -155,16 +151,14 @@ def register() -> None:
         text = amd_mla_text()
         if text is None:
             return  # no amd/mla.py: no overlay applied on a base older than 0.30
-        test_bind = [n for n in map(str.strip, os.environ.get(TEST_BIND_ENV, "").split(","))
-                     if n]
         if MARKER in text:
-            _hook(dict.fromkeys([TARGET_MODULE, *test_bind], bind))
+            after_import({TARGET_MODULE: bind})
             return
         # upstream's amd/mla.py: it wires its own class; the hook makes its fusions switchable
         from k3rocm.serving import upstream_hook
 
         _state["upstream_hook"] = True
-        _hook({OVERLAY_MODULE: upstream_hook.install, **dict.fromkeys(test_bind, bind)})
+        after_import({OVERLAY_MODULE: upstream_hook.install})
     except Exception as exc:  # noqa: BLE001 - a plugin must not kill the server
         log.warning("k3rocm overlay: wiring failed (%s: %s); vLLM's MLA wrapper as shipped "
                     "(no overlay, no upstream hook)", type(exc).__name__, exc)

@@ -24,13 +24,12 @@ from typing import Any
 
 from k3rocm.deploy.engine import image_id as engine_image_id
 from k3rocm.deploy.lifecycle import (
-    REPO,
     ComposeServer,
     deployment_server,
     docker_client,
     resolve_settings,
 )
-from k3rocm.deploy.provenance import served_as
+from k3rocm.deploy.provenance import NO_RECORD, served_as
 from k3rocm.deploy.readiness import answers, wait_ready
 from k3rocm.errors import UsageError, tagged_log
 from k3rocm.rundir import create_run_dir, write_bytes_atomic
@@ -41,7 +40,7 @@ from k3rocm.serving.fusions import NAMES, switches
 FUSIONS_OFF = switches(False)
 FUSIONS_ON = switches(True)
 STEP_DELAY_ENV = "K3_TEST_STEP_DELAY_MS"
-STEP_DELAY_DIR = REPO / "tests" / "doubles" / "stepdelay"
+PLUGINS_DIR_ENV = "K3_TEST_PLUGINS_DIR"  # the test double's host directory, given by the caller
 STEP_DELAY_MOUNT = "/opt/k3rocm-test"  # compose.cpu.yaml mounts K3_TEST_PLUGINS_DIR here
 # Assumed time to a ready server when no earlier A/B under the results root measured one.
 START_GUESS_S = {True: 90.0, False: 1800.0}  # cpu stand-in / MI355X with Kimi-K3
@@ -89,7 +88,8 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--calibrate-delay-ms", type=float, default=None, metavar="MS",
                    help="CPU stand-in calibration: both arms as in A/A, arm B with a known "
                    f"injected delay of MS per engine step ({STEP_DELAY_ENV}, a test double "
-                   "mounted only into the stand-in); the report states injected vs detected")
+                   f"that compose.cpu.yaml mounts from {PLUGINS_DIR_ENV}); the report states "
+                   "injected vs detected")
     env_repeats = os.environ.get("BENCH_AB_REPEATS")
     g.add_argument("--repeats", type=int, default=int(env_repeats) if env_repeats else None,
                    help="servers per arm, interleaved A B B A ... (env BENCH_AB_REPEATS; "
@@ -190,8 +190,6 @@ class Arms:
             env["K3_IMAGE"] = self.image
         dirs = {"K3_MODELS_DIR": self.models_dir, "K3_CACHE_DIR": self.cache_dir}
         env.update({k: str(Path(v).resolve()) for k, v in dirs.items() if v})
-        if self.delay_ms is not None:
-            env["K3_TEST_PLUGINS_DIR"] = str(STEP_DELAY_DIR)
         return env
 
     def describe_env(self) -> dict[str, str]:
@@ -233,6 +231,11 @@ def arms_from_args(args: argparse.Namespace, single: tuple[str, str] | None = No
                              "(--no-gpu): the delay switch is never in the serving image", 2)
         if not 0 < delay <= 10000:
             raise UsageError(f"--calibrate-delay-ms {delay:g}: must be in (0, 10000]", 2)
+        plugins = {**os.environ, **env}.get(PLUGINS_DIR_ENV, "")
+        if not Path(plugins or "/nonexistent").is_dir():
+            raise UsageError(f"--calibrate-delay-ms needs the step-delay test double: set "
+                             f"{PLUGINS_DIR_ENV} to its directory (now "
+                             f"{plugins or 'unset'}; compose.cpu.yaml mounts it)", 2)
         container_env["B"] = {STEP_DELAY_ENV: f"{delay:g}", "PYTHONPATH": STEP_DELAY_MOUNT}
     if delay is not None or args.aa:  # calibration: an A/A with the delay in arm B
         same = on if args.aa_fusions == "on" else off
@@ -583,8 +586,8 @@ WHERE_ENV = frozenset({"K3_PORT", "HOSTNAME"})  # where a slot listens, not what
 
 def slot_identity(run_dir: Path, mode: str) -> dict[str, Any] | None:
     """What one slot's server really ran, from its run record (the image id, and the argv and
-    env as the server rendered them: :func:`k3rocm.deploy.provenance.served_as`), minus what
-    may differ between arms."""
+    env as the server rendered them: :func:`k3rocm.deploy.provenance.served_as`; argv None
+    without that record), minus what may differ between arms."""
     try:
         server = json.loads((run_dir / "provenance.json").read_text()).get("server") or {}
     except (OSError, json.JSONDecodeError):
@@ -608,8 +611,10 @@ def identity_diff(a: dict, b: dict) -> list[str]:
         va, vb = a["env"].get(k, "(unset)"), b["env"].get(k, "(unset)")
         if va != vb:
             out.append(f"env {k}={va} vs {vb}")
-    if a["argv"] != b["argv"]:
-        ea, eb = a["argv"] or [], b["argv"] or []
+    if a["argv"] is None or b["argv"] is None:  # no rendered record: cannot be shown equal
+        out.append(f"argv unknown ({NO_RECORD})")
+    elif a["argv"] != b["argv"]:
+        ea, eb = a["argv"], b["argv"]
         out.append(f"argv {' '.join(x for x in ea if x not in eb) or '-'} vs "
                    f"{' '.join(x for x in eb if x not in ea) or '-'}")
     return out

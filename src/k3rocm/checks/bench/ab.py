@@ -55,10 +55,8 @@ class ABPlan:
     def protocol_key(self, image_id: str | None) -> str:
         """Same key <=> same protocol: workload protocol, server image, server env minus the
         fusion toggles, repeats and order."""
-        base_env = {k: v for k, v in self.arms.describe_env().items()
-                    if k != "K3_TEST_PLUGINS_DIR"}
         blob = json.dumps({"workload": self.workload.protocol(), "image_id": image_id,
-                           "server_env": base_env, "gpu": not self.arms.cpu,
+                           "server_env": self.arms.describe_env(), "gpu": not self.arms.cpu,
                            "pin_engine_core": self.arms.pin_engine_core,
                            "runs_per_server": self.runs_per_server}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
