@@ -15,6 +15,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import signal
 import struct
 import subprocess
@@ -141,8 +142,11 @@ def test_make_bench_scaled_down_against_the_standin(standin_server, client_image
     assert make_exit_code(p) == 0, p.stderr[-4000:]
     assert "Traceback" not in p.stderr
     run = only_run_dir(tmp_path)
-    assert p.stdout.strip().splitlines()[-1] == (
-        f"bench ci-tiny: 2 of 2 points ok; results in {run}")
+    # a machine loaded past the step double's margin bunches a stream: the summary says so
+    # (a point stays ok; its ITL/TTFT are then per chunk), which is the product reporting it
+    last = p.stdout.strip().splitlines()[-1]
+    assert re.fullmatch(r"bench ci-tiny: 2 of 2 points ok( \(stream bunched: [^)]*\))?; "
+                        rf"results in {re.escape(str(run))}", last), last
 
     for rel in ("summary.json", "perf.csv", "report.md", "provenance.json", "command.txt",
                 "workload.json", "aiperf.log", "latency_vs_concurrency.png",
