@@ -450,7 +450,7 @@ def test_arm_server_with_replicas_saves_every_log_and_removes_the_router(tmp_pat
     from types import SimpleNamespace
 
     from k3rocm.checks.ab import arms as armlib
-    from k3rocm.deploy import readiness
+    from k3rocm.deploy import server_api
     from k3rocm.deploy.scale import router as routermod
 
     seen: dict[str, list] = {"up": [], "down": [], "router": []}
@@ -489,7 +489,7 @@ def test_arm_server_with_replicas_saves_every_log_and_removes_the_router(tmp_pat
     client = SimpleNamespace(containers=SimpleNamespace(get=lambda name: router))
     monkeypatch.setattr(armlib, "ComposeServer", FakeServer)
     monkeypatch.setattr(routermod, "start_router", lambda c, s, name, labels: router)
-    monkeypatch.setattr(readiness, "wait_ready", lambda *a, **kw: 0.0)
+    monkeypatch.setattr(server_api, "wait_ready", lambda *a, **kw: 0.0)
     monkeypatch.setattr(armlib, "wait_ready", lambda *a, **kw: 0.0, raising=False)
     scale = SimpleNamespace(nodes=["127.0.0.1:18601", "127.0.0.1:18602"],
                             node_port=lambda i: 18601 + i, router_url="http://127.0.0.1:18680",

@@ -168,7 +168,7 @@ def test_wait_ready_for_a_running_server_fails_at_once_when_nothing_listens():
     "not healthy within 60s (ConnectionError)"."""
     import time
 
-    from k3rocm.deploy.readiness import wait_ready
+    from k3rocm.deploy.server_api import wait_ready
 
     url = f"http://127.0.0.1:{free_port()}"
     t0 = time.monotonic()
@@ -180,7 +180,7 @@ def test_wait_ready_for_a_running_server_fails_at_once_when_nothing_listens():
 def test_wait_ready_keeps_waiting_while_a_starting_container_lives_then_names_its_failure():
     """A container that is starting (``failed`` given) may not listen yet: refused means wait,
     until the container's own state says it failed (or the timeout passes)."""
-    from k3rocm.deploy.readiness import StartFailed, wait_ready
+    from k3rocm.deploy.server_api import StartFailed, wait_ready
 
     url = f"http://127.0.0.1:{free_port()}"
     asked = []
@@ -241,7 +241,7 @@ def test_smoke_chat_on_no_server_is_a_server_error_not_a_traceback():
 
 
 def test_wait_ready_reports_a_refused_key(vllm):
-    from k3rocm.deploy.readiness import wait_ready
+    from k3rocm.deploy.server_api import wait_ready
 
     url, state = vllm
     state["key"] = "s3cret"

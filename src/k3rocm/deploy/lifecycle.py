@@ -248,14 +248,14 @@ class ComposeServer:
 
     def wait(self, timeout: float, every: float = 10, quiet: bool = False,
              log_path: Path | Callable[[], Path] | None = None) -> float:
-        """Wait until ready (readiness.wait_ready), the server's last log line as status.
+        """Wait until ready (server_api.wait_ready), the server's last log line as status.
 
         A container that fails meanwhile (:meth:`failure`, asked every second) is stopped and
         removed, its whole log saved to ``log_path`` (a callable: asked only then, e.g. for a
         new run directory) like :meth:`down` does; UsageError (exit 3) names the log. On a
         timeout or a wrong model the server is left to the caller (exit 3). Either way the last
         log lines are printed first."""
-        from k3rocm.deploy.readiness import StartFailed, wait_ready
+        from k3rocm.deploy.server_api import StartFailed, wait_ready
 
         if timeout <= 0:
             raise UsageError(f"--timeout {timeout:g} must be > 0", 2)

@@ -13,8 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from k3rocm.deploy.readiness import url_port
-from k3rocm.deploy.server_api import ServerAPI
+from k3rocm.deploy.server_api import ServerAPI, url_port
 from k3rocm.serving.config import redact_argv, redact_env
 from k3rocm.serving.fusions import FUSIONS
 from k3rocm.serving.manifest import DEFAULT_PATH as MANIFEST_PATH  # what the image build writes

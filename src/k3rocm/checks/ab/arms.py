@@ -30,7 +30,7 @@ from k3rocm.deploy.lifecycle import (
     resolve_settings,
 )
 from k3rocm.deploy.provenance import NO_RECORD, served_as
-from k3rocm.deploy.readiness import answers, wait_ready
+from k3rocm.deploy.server_api import answers, wait_ready
 from k3rocm.errors import UsageError, tagged_log
 from k3rocm.rundir import create_run_dir, write_bytes_atomic
 from k3rocm.serving import decisions

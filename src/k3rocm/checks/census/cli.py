@@ -140,8 +140,7 @@ def run(args: argparse.Namespace) -> int:
 def run_live(args: argparse.Namespace, dep, opts) -> int:
     from k3rocm.deploy.engine import docker_client
     from k3rocm.deploy.provenance import find_server_container
-    from k3rocm.deploy.readiness import wait_ready
-    from k3rocm.deploy.server_api import ServerAPI
+    from k3rocm.deploy.server_api import ServerAPI, wait_ready
 
     load = common.profiling_from(args)
     api_key = dep.api_key

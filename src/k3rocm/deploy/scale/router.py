@@ -66,7 +66,7 @@ def start_router(client, s: ScaleSettings, name: str = DEFAULT_NAME,
                  labels: dict[str, str] | None = None, wait: float = 60.0):
     """Start the router container and wait until it answers HTTP; return the container."""
     import docker
-    from k3rocm.deploy.readiness import answers
+    from k3rocm.deploy.server_api import answers
 
     if s.mode != "replicas":
         raise UsageError(f"K3_SCALE_MODE={s.mode}: the router fronts replicas; set "
