@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from conftest import free_port, run_cli
 
 from k3rocm.deploy import preflight
+from k3rocm.deploy.scale import preflight as scale_preflight
 from k3rocm.deploy.scale.settings import load_scale
 
 
@@ -114,12 +118,32 @@ def test_scale_checks():
     s = load_scale({"K3_SCALE_MODE": "replicas",
                     "K3_SCALE_NODES": f"127.0.0.1:{p1},127.0.0.1:{p2}",
                     "K3_SCALE_ROUTER_PORT": str(free_port())}, dotenv=None)
-    checks = {c.name: c for c in preflight.check_scale(s, settings, None)}
+    checks = {c.name: c for c in scale_preflight.check_scale(s, settings, None)}
     assert set(checks) == {f"node 127.0.0.1:{p1}", f"node 127.0.0.1:{p2}",
                            "same serving image on every node", "router port"}
     assert checks[f"node 127.0.0.1:{p1}"].status == "warn"  # nothing listens: not started
     assert checks["same serving image on every node"].status == "warn"  # no engine: unknown
     assert checks["router port"].status == "ok"
+
+
+def test_single_node_preflight_ends_with_the_callers_tail(tmp_path):
+    """Single-node preflight runs every check of this node and ends with the tail its caller
+    gives (default: the API port), importing nothing of scale-out; the scale-out tail is the
+    caller's (``k3rocm preflight`` with K3_SCALE_MODE=replicas, tests/test_k8s_check.py)."""
+    code = (
+        "import json, sys\n"
+        "from k3rocm.deploy import preflight as p\n"
+        "mine = p.run_checks(ENV, None, tail=lambda s, c: [p.Check('mine', 'ok', 'x')])\n"
+        "plain = p.run_checks(ENV, None)\n"
+        "scale = sorted(m for m in sys.modules if m.startswith('k3rocm.deploy.scale'))\n"
+        "print(json.dumps([[c.name for c in mine][-2:], plain[-1].name, scale]))\n")
+    env = {"K3_PORT": str(free_port()), "DOCKER_HOST": f"unix://{tmp_path}/no-engine.sock"}
+    r = subprocess.run([sys.executable, "-c", code.replace("ENV", repr(env))], env={
+        **{k: v for k, v in os.environ.items() if not k.startswith("K3_")},
+        "PYTHONPATH": str(Path(preflight.__file__).parents[2])}, capture_output=True,
+        text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == [["base facts", "mine"], "API port", []], r.stdout
 
 
 def test_table_one_line_per_check():

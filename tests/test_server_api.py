@@ -218,7 +218,7 @@ def test_census_with_nothing_listening_says_so_at_once():
 
 
 def test_preflight_calls_a_closed_api_port_on_a_node_a_warning():
-    from k3rocm.deploy.preflight import check_node
+    from k3rocm.deploy.scale.preflight import check_node
 
     c = check_node(f"127.0.0.1:{free_port()}", timeout=2)
     assert (c.status, c.have) == ("warn", "host up, API port closed")

@@ -26,7 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "base": ("k3rocm.serving.basefacts", "what the image's vLLM and AITER can run (base facts)"),
     # deploy: the host's view of one deployment
     "config": ("k3rocm.deploy.config_cmd", "resolved settings and their sources"),
-    "preflight": ("k3rocm.deploy.preflight",
+    "preflight": ("k3rocm.deploy.scale.preflight",
                   "what this node has and needs, one table (exit 1: a fail)"),
     "model": ("k3rocm.deploy.checkpoint",
               "download Kimi-K3 at a pinned revision, or verify a copy"),

@@ -10,16 +10,14 @@ K3_GPU_MEMORY_UTILIZATION (amdgpu's sysfs VRAM counters; a project server holdin
 named), the video/render groups, kernel.numa_balancing, free disk for the cache and results
 directories, the checkpoint's bytes (``k3rocm.deploy.checkpoint.verify``: every shard header
 against its file and the index; headers only, timed), the base, serving and client images,
-the serving image's base facts, the API port, Docker and Compose versions.
-Scale-out (K3_SCALE_MODE=replicas) adds: every node reachable, the same serving image on every
-node, the router port free, and with a kubeconfig the cluster nodes the rendered server pod's node
-selection matches, with their amd.com/gpu labels (``k3rocm.deploy.scale.k8scheck``).
+the serving image's base facts, Docker and Compose versions, then the mode's own last checks
+(the ``tail`` of :func:`run_checks`): the API port on a single node; scale-out gives its own
+(``k3rocm.deploy.scale.preflight``, the ``k3rocm preflight`` command, which picks the tail).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import grp
 import json
 import math
@@ -29,12 +27,12 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from k3rocm.deploy.engine import CLIENT_IMAGE, docker_client
 from k3rocm.deploy.lifecycle import REPO
-from k3rocm.deploy.server_api import ServerAPI, Unreachable
 from k3rocm.errors import UsageError
 from k3rocm.serving.basefacts import DEFAULT_BASE_IMAGE
 from k3rocm.serving.manifest import UNKNOWN_DIGEST, base_digest
@@ -420,70 +418,25 @@ def check_port(label: str, host: str, port: int, fix: str) -> Check:
                  f"{host}:{port} {'free' if free else 'in use'}", "" if free else fix)
 
 
-def check_node(address: str, timeout: float = 5.0) -> Check:
-    """The node's API server: /health 200 ok; refused or another answer: warn; no route: fail."""
-    try:
-        code = ServerAPI(f"http://{address}", timeout=timeout).health()
-    except Unreachable as exc:
-        if exc.refused:
-            return Check(f"node {address}", "warn", "host up, API port closed",
-                         "start the server on that node (`make up` there)")
-        return Check(f"node {address}", "fail", f"unreachable ({exc.reason})",
-                     "check the address in K3_SCALE_NODES, routing and firewalls")
-    if code == 200:
-        return Check(f"node {address}", "ok", "/health 200")
-    return Check(f"node {address}", "warn", f"/health answered HTTP {code}",
-                 "the server there is starting or unhealthy: `make logs` on that node")
+def api_port(settings, client) -> list[Check]:
+    """The single-node tail: the API port free, or held by this bundle's compose server."""
+    port = check_port("API port", settings.bind_address, settings.port,
+                      "stop what listens there (`make down`) or change K3_PORT")
+    if port.status == "fail" and _our_server_on(client, settings.port):
+        port = Check("API port", "ok", f"{settings.bind_address}:{settings.port} served by "
+                     "the running compose server (`make up` keeps it)", "")
+    return [port]
 
 
-def remote_image_id(host: str, image: str, timeout: float = 15.0) -> str | None:
-    """The image id on a remote node through the docker CLI's ssh transport (None: unknown)."""
-    try:
-        r = subprocess.run(["docker", "-H", f"ssh://{host}", "image", "inspect", "--format",
-                            "{{.Id}}", image], capture_output=True, text=True, timeout=timeout)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return r.stdout.strip() or None if r.returncode == 0 else None
-
-
-def check_scale(s, settings, client) -> list[Check]:
-    out = [check_node(node) for node in s.nodes]
-    local = {"127.0.0.1", "localhost", "::1", socket.gethostname()}
-    with contextlib.suppress(OSError):
-        local.update(i[4][0] for i in socket.getaddrinfo(socket.gethostname(), None))
-    here = image_id(client, settings.image) if client else None
-    ids = {}
-    for i, node in enumerate(s.nodes):
-        host = s.node_host(i)
-        ids[node] = here if host in local else remote_image_id(host, settings.image)
-    known = {k: v for k, v in ids.items() if v}
-    unknown = [k for k, v in ids.items() if not v]
-    if len(set(known.values())) > 1:
-        out.append(Check("same serving image on every node", "fail",
-                         "; ".join(f"{k} {v[:19]}" for k, v in known.items()),
-                         f"build or load the same {settings.image} on every node"))
-    elif unknown:
-        out.append(Check("same serving image on every node", "warn",
-                         f"unknown on {', '.join(unknown)}",
-                         "ssh access for `docker -H ssh://NODE image inspect`, or compare "
-                         f"`docker image inspect {settings.image}` ids by hand"))
-    else:
-        out.append(Check("same serving image on every node", "ok",
-                         f"{next(iter(known.values()))[:19]} on {len(known)} nodes"))
-    out.append(check_port("router port", s.router_host, s.router_port,
-                          "stop what listens there (`make router-down`) or change "
-                          "K3_SCALE_ROUTER_PORT"))
-    return out
-
-
-def run_checks(environ=None, dotenv: str = ".env") -> list[Check]:
-    from k3rocm.deploy.scale.settings import load_scale
+def run_checks(environ=None, dotenv: str = ".env",
+               tail: Callable[..., list[Check]] | None = None) -> list[Check]:
+    """Every check of this node, then ``tail(settings, client)``: the mode's own last checks
+    (default :func:`api_port`, a single node)."""
     from k3rocm.serving.config import load_settings
 
     environ = dict(os.environ if environ is None else environ)
     # bad input: exit 2 before any check runs; the checkpoint itself is a line of the table
     settings, _ = load_settings(environ, dotenv, host_paths=True, check_model=False)
-    s = load_scale(environ, dotenv)
     client = docker_client(timeout=30, required=False)
     checks = [*check_rocm_devices(), check_gpu_arch(), check_hbm(settings, client),
               *check_groups(), check_numa(),
@@ -495,21 +448,7 @@ def run_checks(environ=None, dotenv: str = ".env") -> list[Check]:
     checks.append(check_base(settings, environ, dotenv) if built or client is None else
                   Check("base facts", "skip", f"skipped: {settings.image} not built (the "
                         "serving image line says how)"))
-    if s.mode == "single":
-        port = check_port("API port", settings.bind_address, settings.port,
-                          "stop what listens there (`make down`) or change K3_PORT")
-        if port.status == "fail" and _our_server_on(client, settings.port):
-            port = Check("API port", "ok", f"{settings.bind_address}:{settings.port} served by "
-                         "the running compose server (`make up` keeps it)", "")
-        checks.append(port)
-    else:
-        from k3rocm.deploy.scale.k8scheck import cluster_nodes
-
-        checks += check_scale(s, settings, client)
-        status, have = cluster_nodes(s, dotenv, environ)
-        checks.append(Check("kubernetes nodes", status, have, "" if status != "fail" else
-                            "label the MI355X nodes (AMD node labeller) or set "
-                            "K3_SCALE_NODE_SELECTOR to labels they have"))
+    checks += (tail or api_port)(settings, client)
     return checks
 
 
@@ -539,11 +478,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the checks as JSON")
 
 
-def run(args: argparse.Namespace) -> int:
-    checks = run_checks(dotenv=args.env_file)
+def report(checks: list[Check], as_json: bool) -> int:
+    """Print the table (or JSON); exit 1 when any line fails."""
     if not checks:
         raise UsageError("no checks ran")
-    if args.json:
+    if as_json:
         print(json.dumps([asdict(c) for c in checks], indent=2))
     else:
         print(format_table(checks))
