@@ -194,6 +194,18 @@ def server_image(docker_client) -> str:
     return build_server_image(docker_client, standin_tag(), f"k3rocm/server:cpu-{STANDIN_VERSION}")
 
 
+@pytest.fixture
+def fake_vllm():
+    """``fake_vllm(**settings)`` starts a fake vLLM server (tests/fake_vllm.py); every one
+    started is stopped, its threads joined, when the test ends."""
+    from fake_vllm import FakeVLLM
+
+    started: list[FakeVLLM] = []
+    yield lambda **settings: started.append(FakeVLLM(**settings)) or started[-1]
+    for fake in started:
+        fake.stop()
+
+
 @pytest.fixture(scope="session")
 def standin_server(request, docker_client, tmp_path_factory):
     """The CPU stand-in server shared by the whole session (tests/server_fixture.py)."""

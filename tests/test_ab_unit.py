@@ -5,11 +5,9 @@ an arm server (compose.yaml is the only container definition)."""
 from __future__ import annotations
 
 import argparse
-import http.server
 import json
 import re
 import subprocess
-import threading
 from pathlib import Path
 
 import pytest
@@ -74,33 +72,20 @@ def test_bad_input_is_one_line_exit_2(args, msg):
     assert len(lines) == 1 and msg in lines[0], lines
 
 
-class _Quiet(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):  # noqa: N802 - http.server's name
-        self.send_response(200)
-        self.end_headers()
-
-    def log_message(self, *a):
-        pass
-
-
-def test_a_server_on_the_port_asks_for_make_down_or_stop_running(tmp_path):
-    srv = http.server.HTTPServer(("127.0.0.1", 0), _Quiet)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    try:
-        tok = tmp_path / "tok"
-        tok.mkdir()
-        (tok / "tokenizer.json").write_text("{}")
-        p = run_cli("bench-ab", "--workload", "ci-tiny", "--no-gpu", "--tokenizer", str(tok),
-                    "--models-dir", str(tmp_path), "--port", str(srv.server_port),
-                    "--results", str(tmp_path / "r"))
-        assert p.returncode == 2, p.stderr
-        assert p.stderr.strip().splitlines() == [
-            f"k3rocm: error: a server already runs on port {srv.server_port} "
-            f"(http://127.0.0.1:{srv.server_port}): the A/B starts its own fresh servers "
-            "there; stop it with `make down` or pass --stop-running (or use another --port)"]
-        assert not (tmp_path / "r").exists()
-    finally:
-        srv.shutdown()
+def test_a_server_on_the_port_asks_for_make_down_or_stop_running(tmp_path, fake_vllm):
+    port = fake_vllm().port
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text("{}")
+    p = run_cli("bench-ab", "--workload", "ci-tiny", "--no-gpu", "--tokenizer", str(tok),
+                "--models-dir", str(tmp_path), "--port", str(port),
+                "--results", str(tmp_path / "r"))
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip().splitlines() == [
+        f"k3rocm: error: a server already runs on port {port} "
+        f"(http://127.0.0.1:{port}): the A/B starts its own fresh servers "
+        "there; stop it with `make down` or pass --stop-running (or use another --port)"]
+    assert not (tmp_path / "r").exists()
 
 
 def test_estimate_uses_earlier_starts_else_states_the_assumption(tmp_path):

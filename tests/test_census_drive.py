@@ -3,18 +3,14 @@
 What cannot be provoked on demand on the real stand-in is a stream whose first tokens come
 late while the other streams race on (a loaded 2-core machine did it once in CI: one arm's
 streams had used 236 of 256 tokens when the last stream started, so the profile window caught
-no engine step). The fake below speaks the parts of vLLM's OpenAI server the driver uses
-(vllm 0.32.0 ``vllm/entrypoints/openai/chat_completion/serving.py``: ``data: {json}`` chunks,
-``usage`` on every chunk with ``stream_options.continuous_usage_stats``, ``data: [DONE]``;
-``POST /start_profile`` / ``/stop_profile``) and is driven by events (a round begins, the
-profiler starts), never by sleeps.
+no engine step). The fake vLLM server (tests/fake_vllm.py) streams by a script driven by
+events (a round begins, the profiler starts), never by sleeps.
 """
 
 from __future__ import annotations
 
 import collections
-import http.server
-import json
+import itertools
 import re
 import threading
 
@@ -28,110 +24,62 @@ LOAD = Profiling(concurrency=3, max_tokens=40, prompt_words=4, steps=2)
 
 
 @pytest.fixture
-def fake():
-    """``state["late"](round, i)`` says whether stream i of that round is late: its first
+def fake(fake_vllm):
+    """``fake.late(round, i)`` says whether stream i of that round is late: its first
     tokens come only once the others have used 3/4 of their tokens (a busy client or server,
     or a request queued behind ``--max-num-seqs``). Once the profiler is on, every stream sends
     all but its last 2 tokens, and those once the profiler is off (or the next round has begun:
     the client hung up)."""
-    state = {"late": lambda rnd, i: False, "bodies": [], "posts": []}
-    lock = threading.Lock()
+    lock, count = threading.Lock(), itertools.count()
     began: dict[int, threading.Event] = collections.defaultdict(threading.Event)
     raced: dict[int, threading.Semaphore] = collections.defaultdict(
         lambda: threading.Semaphore(0))
-    profiling, profiled, teardown = threading.Event(), threading.Event(), threading.Event()
 
-    def until(*events: threading.Event) -> None:
-        while not any(e.is_set() for e in (*events, teardown)):
-            teardown.wait(0.02)
+    def chat(req, send):
+        with lock:
+            rnd = next(count) // LOAD.concurrency + 1
+            began[rnd].set()
+            nxt = began[rnd + 1]
+        i = int(re.match(r"Request (\d+):", req["messages"][0]["content"]).group(1))
+        late = [j for j in range(LOAD.concurrency) if srv.late(rnd, j)]
+        if i in late:
+            for _ in range(LOAD.concurrency - len(late)):
+                while not (raced[rnd].acquire(timeout=0.02) or nxt.is_set()
+                           or srv.closing.is_set()):
+                    pass
+        if (req.get("stream_options") or {}).get("continuous_usage_stats"):
+            send("ab", 2)  # two tokens in one chunk: vLLM merges them when the client lags
+        else:
+            send("a", 1), send("b", 2)
+        n = 2
+        if late and i not in late:
+            while n < LOAD.max_tokens * 3 // 4:
+                n += 1
+                send("c", n)
+            raced[rnd].release()
+        srv.wait(srv.hit["/start_profile"], nxt)
+        while n < req["max_tokens"]:
+            if n == req["max_tokens"] - 2:
+                srv.wait(srv.hit["/stop_profile"], nxt)
+            n += 1
+            send("c", n)
 
-    class H(http.server.BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, *a):
-            pass
-
-        def _send(self, text: str, tokens: int, usage: bool) -> None:
-            chunk = {"choices": [{"index": 0, "delta": {"content": text}}]}
-            if usage:
-                chunk["usage"] = {"prompt_tokens": 9, "completion_tokens": tokens,
-                                  "total_tokens": 9 + tokens}
-            self._write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-
-        def _write(self, data: bytes) -> None:  # one HTTP/1.1 chunk, as uvicorn streams
-            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
-            self.wfile.flush()
-
-        def do_POST(self):
-            body = self.rfile.read(int(self.headers["Content-Length"] or 0))
-            if self.path in ("/start_profile", "/stop_profile"):
-                state["posts"].append(self.path)
-                (profiling if self.path == "/start_profile" else profiled).set()
-                self.send_response(200)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-                return
-            req = json.loads(body)
-            with lock:
-                state["bodies"].append(req)
-                rnd = (len(state["bodies"]) - 1) // LOAD.concurrency + 1
-                began[rnd].set()
-                nxt = began[rnd + 1]
-            i = int(re.match(r"Request (\d+):", req["messages"][0]["content"]).group(1))
-            late = [j for j in range(LOAD.concurrency) if state["late"](rnd, j)]
-            usage = bool((req.get("stream_options") or {}).get("continuous_usage_stats"))
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Transfer-Encoding", "chunked")
-            self.end_headers()
-            try:
-                if i in late:
-                    for _ in range(LOAD.concurrency - len(late)):
-                        while not (raced[rnd].acquire(timeout=0.02) or nxt.is_set()
-                                   or teardown.is_set()):
-                            pass
-                if usage:  # two tokens in one chunk: vLLM merges them when the client lags
-                    self._send("ab", 2, usage)
-                else:
-                    self._send("a", 1, usage), self._send("b", 2, usage)
-                n = 2
-                if late and i not in late:
-                    while n < LOAD.max_tokens * 3 // 4:
-                        n += 1
-                        self._send("c", n, usage)
-                    raced[rnd].release()
-                until(profiling, nxt)
-                while n < req["max_tokens"]:
-                    if n == req["max_tokens"] - 2:
-                        until(profiled, nxt)
-                    n += 1
-                    self._send("c", n, usage)
-                self._write(b"data: [DONE]\n\n")
-                self._write(b"")
-            except OSError:
-                pass  # the client hung up
-
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
-    srv.daemon_threads = True
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    state["url"] = f"http://127.0.0.1:{srv.server_address[1]}"
-    yield state
-    teardown.set()
-    srv.shutdown()
-    srv.server_close()
+    srv = fake_vllm(chat=chat)
+    srv.late = lambda rnd, i: False
+    return srv
 
 
 def test_a_round_with_a_late_stream_is_hung_up_and_a_fresh_one_profiled(fake, capsys):
-    fake["late"] = lambda rnd, i: rnd == 1 and i == 0
-    info = profile_under_load(fake["url"], "k3-smoke", None, LOAD)
-    assert len(fake["bodies"]) == 2 * LOAD.concurrency  # round 1 aborted, round 2 profiled
-    assert fake["posts"] == ["/start_profile", "/stop_profile"]
+    fake.late = lambda rnd, i: rnd == 1 and i == 0
+    info = profile_under_load(fake.url, "k3-smoke", None, LOAD)
+    assert len(fake.bodies) == 2 * LOAD.concurrency  # round 1 aborted, round 2 profiled
+    assert fake.posts == ["/start_profile", "/stop_profile"]
     want = LOAD.steps + 4
     assert min(info["profiled_tokens_per_stream"]) >= want, info
     # every request asks for vLLM's per-chunk usage; the merged "ab" chunk counted as 2 tokens
     assert all(b["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
                and b["ignore_eos"] and b["min_tokens"] == b["max_tokens"] == LOAD.max_tokens
-               for b in fake["bodies"])
+               for b in fake.bodies)
     err = capsys.readouterr().err
     assert f"load round 1/{LOAD_ATTEMPTS}: a stream was still in prefill after another had " \
         f"used half of its {LOAD.max_tokens} tokens" in err and "starting a fresh round" in err
@@ -139,14 +87,14 @@ def test_a_round_with_a_late_stream_is_hung_up_and_a_fresh_one_profiled(fake, ca
 
 
 def test_a_stream_late_in_every_round_is_a_clear_error_not_an_empty_profile(fake):
-    fake["late"] = lambda rnd, i: i == 2  # e.g. --concurrency above the server's max-num-seqs
+    fake.late = lambda rnd, i: i == 2  # e.g. --concurrency above the server's max-num-seqs
     with pytest.raises(UsageError, match=r"in 3 rounds, some of the 3 streams only started "
                        r"decoding after others had used half of their 40 tokens: raise "
                        r"--max-tokens, or lower --concurrency") as e:
-        profile_under_load(fake["url"], "k3-smoke", None, LOAD)
+        profile_under_load(fake.url, "k3-smoke", None, LOAD)
     assert e.value.exit_code == 3
-    assert len(fake["bodies"]) == LOAD_ATTEMPTS * LOAD.concurrency
-    assert fake["posts"] == []  # the profiler was never started
+    assert len(fake.bodies) == LOAD_ATTEMPTS * LOAD.concurrency
+    assert fake.posts == []  # the profiler was never started
 
 
 def test_tokens_are_counted_from_chunks_when_the_server_sends_no_usage(fake, monkeypatch):
@@ -161,8 +109,8 @@ def test_tokens_are_counted_from_chunks_when_the_server_sends_no_usage(fake, mon
         real(url, api_key, body, st)
 
     monkeypatch.setattr(drive, "_run_stream", no_usage)
-    info = profile_under_load(fake["url"], "k3-smoke", None, LOAD)
-    assert fake["posts"] == ["/start_profile", "/stop_profile"]
+    info = profile_under_load(fake.url, "k3-smoke", None, LOAD)
+    assert fake.posts == ["/start_profile", "/stop_profile"]
     assert min(info["profiled_tokens_per_stream"]) >= LOAD.steps + 4
 
 
@@ -174,10 +122,10 @@ def test_a_server_whose_profiler_stops_itself_is_waited_for_not_the_tokens(fake)
     calls = []
 
     def stopped() -> bool:
-        calls.append(fake["posts"][:])
+        calls.append(fake.posts[:])
         return len(calls) == 3
 
-    info = profile_under_load(fake["url"], "k3-smoke", None, LOAD, stopped=stopped)
+    info = profile_under_load(fake.url, "k3-smoke", None, LOAD, stopped=stopped)
     assert calls == [["/start_profile"]] * 3  # polled while the profiler ran, until it ended
-    assert fake["posts"] == ["/start_profile", "/stop_profile"]
+    assert fake.posts == ["/start_profile", "/stop_profile"]
     assert info["stopped_by_server"] is True

