@@ -486,6 +486,8 @@ def test_cli_census_ab_offline(tmp_path):
     (["--fusions", "all=on", "--extra", "foo=1"], "--extra"),
     (["--fusions", "all=on", "--world-size", "4"], "disagrees with the traces"),
     (["--fusions", "all=on", "--other-norms", "2**layers"], "may only use"),
+    (["--fusions", "all=on", "--world-size", "0"], "--world-size 0 is out of range; use x >= 1"),
+    (["--fusions", "all=on", "--min-decode-steps", "-1"], "--min-decode-steps -1 is out of range"),
     ([], "what the server was asked for is unknown"),
 ])
 def test_cli_usage_errors_exit_2_one_line(args, msg, tmp_path):
@@ -496,6 +498,22 @@ def test_cli_usage_errors_exit_2_one_line(args, msg, tmp_path):
     assert p.returncode == 2, p.stdout + p.stderr
     err = p.stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("k3rocm: error:") and msg in err[0]
+
+
+@pytest.mark.parametrize("cmd", ["census", "census-ab"])
+@pytest.mark.parametrize("args,msg", [
+    (["--steps", "0"], "--steps 0 is out of range; use x >= 1"),
+    (["--concurrency", "0"], "--concurrency 0 is out of range"),
+    (["--max-tokens", "10"], "--max-tokens 10 is too few for --steps 6; use at least 18"),
+])
+def test_cli_load_out_of_range_exit_2_before_any_server(cmd, args, msg, tmp_path):
+    """The live load's ranges (one declaration for census and census-ab) refuse before a
+    server is contacted or started."""
+    where = ["--url", "http://127.0.0.1:9"] if cmd == "census" else ["--no-gpu"]
+    p = run_cli(cmd, *where, "--model-dir", str(TINY), *args, "--results", str(tmp_path))
+    assert p.returncode == 2, p.stdout + p.stderr
+    err = p.stderr.strip().splitlines()
+    assert len(err) == 1 and msg in err[0], err
 
 
 @pytest.mark.parametrize("d,msg", [

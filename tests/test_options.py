@@ -64,3 +64,10 @@ def test_like_reuses_type_default_and_range_under_another_flag():
     assert Other.from_args(p.parse_args([])).n == 4
     with pytest.raises(UsageError, match=r"^--toy-count 9 is out of range; use 1\.\.8$"):
         Other.from_args(p.parse_args(["--toy-count", "9"]))
+
+
+def test_skip_leaves_a_flag_to_another_declaration():
+    p = argparse.ArgumentParser()
+    Toy.add_arguments(p, skip=("count",))
+    p.add_argument("--count", default="theirs")  # no conflict: declared once
+    assert p.parse_args([]).count == "theirs" and p.parse_args([]).ratio == 0.5

@@ -77,10 +77,14 @@ class Options(BaseModel):
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser | argparse._ArgumentGroup,
-                      groups: dict[str, argparse._ArgumentGroup] | None = None) -> None:
-        """Add every field's flag to ``parser``; with ``groups``, a field with a ``group`` goes
-        into that argument group, created once per title in ``groups``."""
+                      groups: dict[str, argparse._ArgumentGroup] | None = None,
+                      skip: tuple[str, ...] = ()) -> None:
+        """Add every field's flag but ``skip``'s (field names: another declaration's flag) to
+        ``parser``; with ``groups``, a field with a ``group`` goes into that argument group,
+        created once per title in ``groups``."""
         for name, f in cls.flags().items():
+            if name in skip:
+                continue
             title = _extra(f).get("group")
             target = parser
             if title and groups is not None:

@@ -69,7 +69,9 @@ ONLY = {"bench": ("runs_per_server", "noise_floor", "primary"),
 
 def add_arguments(parser: argparse.ArgumentParser, measure: str | None = None) -> None:
     from k3rocm.checks.bench.cli import add_common
+    from k3rocm.checks.census.ab import CensusAbFlags
     from k3rocm.checks.census.common import add_analysis_arguments
+    from k3rocm.checks.census.pipeline import Profiling
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = __doc__.split("\n", 1)[1]
@@ -80,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser, measure: str | None = None) -
                                                            else ""))
     armlib.add_server_arguments(parser)
     b = parser.add_argument_group("--measure bench")
-    add_common(b)
+    add_common(b, skip=("results",))
     b.add_argument("--runs-per-server", type=int, default=1,
                    help="complete workload runs on each fresh server (default 1; more saves "
                    "server starts, identical for both arms)")
@@ -97,18 +99,9 @@ def add_arguments(parser: argparse.ArgumentParser, measure: str | None = None) -
 
     add_gsm8k(parser.add_argument_group("--measure gsm8k"))
     c = parser.add_argument_group("--measure census")
-    c.add_argument("--trace-dirs", metavar="OFF_DIR,ON_DIR",
-                   help="compare two existing trace sets instead of starting servers")
-    c.add_argument("--concurrency", type=int, default=8, help="concurrent streams")
-    c.add_argument("--max-tokens", type=int, default=1024, help="output tokens per request")
-    c.add_argument("--prompt-words", type=int, default=64, help="prompt length (words)")
-    c.add_argument("--steps", type=int, default=6, help="decode steps to profile")
-    c.add_argument("--trace-timeout", type=float, default=900.0,
-                   help="seconds to wait for the traces")
-    # one --results for both measures (the census's: default K3_RESULTS_DIR or ./results)
-    parser.conflict_handler = "resolve"
-    add_analysis_arguments(parser)
-    parser.conflict_handler = "error"
+    CensusAbFlags.add_arguments(c)
+    Profiling.add_arguments(c)
+    add_analysis_arguments(parser)  # its --results is every measure's
     parser.set_defaults(_only_defaults={k: parser.get_default(k) for m in MEASURES
                                         for k in ONLY[m]})
 

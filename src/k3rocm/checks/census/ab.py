@@ -38,11 +38,20 @@ from k3rocm.checks.census.pipeline import (
 )
 from k3rocm.deploy import runrecord
 from k3rocm.errors import EXIT_INCOMPLETE, UsageError, tagged_log
+from k3rocm.options import Options, option
 from k3rocm.rundir import create_run_dir, write_json_atomic, write_text_atomic
 from k3rocm.serving.config import redact_env
 from k3rocm.serving.fusions import BY_NAME, FUSIONS, Fusion
 
 CONTAINER_TRACE_DIR = "/tmp/k3rocm-census-traces"
+
+
+class CensusAbFlags(Options):
+    """``ab --measure census``'s own flag (the load: :class:`Profiling`, the analysis:
+    :class:`k3rocm.checks.census.common.AnalysisFlags`)."""
+
+    trace_dirs: str | None = option(None, "compare two existing trace sets instead of starting "
+                                    "servers", metavar="OFF_DIR,ON_DIR")
 
 
 _log = tagged_log("census-ab")

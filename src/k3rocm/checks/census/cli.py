@@ -27,42 +27,47 @@ from k3rocm.checks.census.analyze import CAUSES, Census
 from k3rocm.checks.census.fusions import from_cli
 from k3rocm.deploy import runrecord
 from k3rocm.errors import UsageError
+from k3rocm.options import Options, ServerFlags, like, option
 from k3rocm.rundir import create_run_dir
 from k3rocm.serving.fusions import FUSIONS
 
+LIVE = "live server"  # --help group
+
+
+class CensusFlags(Options):
+    """``k3rocm census``'s own flags (the load: :class:`pl.Profiling`, the analysis:
+    :class:`common.AnalysisFlags`)."""
+
+    trace_dir: str | None = option(None, "analyse the traces in this directory instead of "
+                                   "driving a server")
+    fusions: str | None = option(
+        None, "what the server was asked for (default: "
+        f"{' / '.join(f.env for f in FUSIONS)} in the server container's env, unset = on; "
+        "offline: the run's provenance.json beside the trace directory)",
+        metavar=pl.FUSIONS_METAVAR)
+    server_log: str | None = option(
+        None, "server log holding the overlay's 'K3ROCM-DECISION {...}' records (default: "
+        "k3rocm-decisions-pid*.json beside the traces, or the server container's log)",
+        metavar="FILE")
+    url: str | None = like(ServerFlags, "url", group=LIVE)
+    model: str | None = like(ServerFlags, "model", "served model name (default: the first in "
+                             "/v1/models, else K3_SERVED_MODEL_NAME)", group=LIVE)
+    container: str | None = like(
+        ServerFlags, "server_container", "server container name/id (default: the container "
+        "publishing the URL's port); used for the log, provenance and traces", group=LIVE)
+    server_trace_dir: str | None = option(
+        None, "host path of the server's K3_PROFILER_DIR (default: the server container's mount "
+        "of it; without a container, mapped through K3_RESULTS_DIR when it lies under "
+        "/results; else the traces are copied out of the container)", group=LIVE)
+    server_timeout: float = option(60.0, "seconds to wait for /health", group=LIVE, gt=0,
+                                   unit=" seconds")
+    label: str = option("census", "run directory label", group=LIVE)
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
-    p.add_argument("--trace-dir", help="analyse the traces in this directory instead of "
-                   "driving a server")
-    p.add_argument("--fusions", metavar=pl.FUSIONS_METAVAR,
-                   help="what the server was asked for (default: "
-                   f"{' / '.join(f.env for f in FUSIONS)} in the server container's env, "
-                   "unset = on; offline: the run's provenance.json beside the trace directory)")
-    p.add_argument("--server-log", metavar="FILE", help="server log holding the overlay's "
-                   "'K3ROCM-DECISION {...}' records (default: k3rocm-decisions-pid*.json "
-                   "beside the traces, or the server container's log)")
-    s = p.add_argument_group("live server")
-    s.add_argument("--url", default=None, help="server base URL (default: from "
-                   "K3_BIND_ADDRESS and K3_PORT)")
-    s.add_argument("--model", help="served model name (default: the first in /v1/models, "
-                   "else K3_SERVED_MODEL_NAME)")
-    s.add_argument("--container", help="server container name/id (default: the container "
-                   "publishing the URL's port); used for the log, provenance and traces")
-    s.add_argument("--server-trace-dir", help="host path of the server's K3_PROFILER_DIR "
-                   "(default: the server container's mount of it; without a container, "
-                   "mapped through K3_RESULTS_DIR when it lies under /results; "
-                   "else the traces are copied out of the container)")
-    s.add_argument("--concurrency", type=int, default=8, help="concurrent streams")
-    s.add_argument("--max-tokens", type=int, default=1024, help="output tokens per request")
-    s.add_argument("--prompt-words", type=int, default=64, help="prompt length (words)")
-    s.add_argument("--steps", type=int, default=6, help="decode steps to profile (the server's"
-                   " max_iterations may stop it earlier)")
-    s.add_argument("--server-timeout", type=float, default=60.0,
-                   help="seconds to wait for /health")
-    s.add_argument("--trace-timeout", type=float, default=900.0,
-                   help="seconds to wait for the trace files after /stop_profile")
-    s.add_argument("--label", default="census", help="run directory label")
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    CensusFlags.add_arguments(p, groups)
+    pl.Profiling.add_arguments(groups[LIVE])
     common.add_analysis_arguments(p)
 
 
@@ -119,6 +124,7 @@ def deployment_view(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    CensusFlags.from_args(args)  # out of range: exit 2
     dep = _deployment_args(args)
     opts = common.analysis_from(args, dep)
     if args.trace_dir:

@@ -11,32 +11,38 @@ from k3rocm.checks.census.modelcfg import read_model_facts
 from k3rocm.checks.census.pipeline import Analysis, Profiling
 from k3rocm.checks.census.spec import ROLES
 from k3rocm.errors import UsageError
+from k3rocm.options import Options, ServerFlags, like, option
+
+
+class AnalysisFlags(Options):
+    """How the traces are read and judged: the flags ``census`` and ``ab --measure census``
+    share (checked into a :class:`pipeline.Analysis` by :func:`analysis_from`)."""
+
+    model_dir: str | None = option(
+        None, "checkpoint directory (or its config.json) as seen from this host: the MLA layer "
+        "count comes from it (default: K3_MODEL mapped through K3_MODELS_DIR when it lies under "
+        "/models)")
+    other_norms: str | None = option(
+        None, "separate RMSNorm launches per step that are not MLA q/kv norms, e.g. "
+        "'2*layers + 1' (overrides the model family's rule)", metavar="FORMULA")
+    extra: list[str] = option(
+        default_factory=list, metavar="ROLE=N", help=f"add N expected launches per step to "
+        f"ROLE ({', '.join(ROLES)}), e.g. for draft-model layers")
+    min_decode_steps: int = option(1, "fail unless at least this many decode-only steps were "
+                                   "traced", ge=0)
+    world_size: int | None = option(
+        None, "ranks that must each have a worker trace, when the traces do not record it "
+        "(distributedInfo.world_size); live runs fall back to the server's tensor-parallel "
+        "size", ge=1)
+    skip_records: bool = option(False, "do not cross-check the overlay's decision records (for "
+                                "a server whose overlay predates them); the report says so")
+    top: int = option(25, "kernels in the markdown's top table (across ranks)", ge=1)
+    results: Path | None = like(ServerFlags, "results", "results root (default: K3_RESULTS_DIR "
+                                "or ./results)")
 
 
 def add_analysis_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("analysis")
-    g.add_argument("--model-dir", help="checkpoint directory (or its config.json) as seen from "
-                   "this host: the MLA layer count comes from it (default: K3_MODEL mapped "
-                   "through K3_MODELS_DIR when it lies under /models)")
-    g.add_argument("--other-norms", metavar="FORMULA",
-                   help="separate RMSNorm launches per step that are not MLA q/kv norms, "
-                   "e.g. '2*layers + 1' (overrides the model family's rule)")
-    g.add_argument("--extra", action="append", default=[], metavar="ROLE=N",
-                   help=f"add N expected launches per step to ROLE ({', '.join(ROLES)}), e.g. "
-                   "for draft-model layers")
-    g.add_argument("--min-decode-steps", type=int, default=1,
-                   help="fail unless at least this many decode-only steps were traced")
-    g.add_argument("--world-size", type=int, default=None,
-                   help="ranks that must each have a worker trace, when the traces do not "
-                   "record it (distributedInfo.world_size); live runs fall back to the "
-                   "server's tensor-parallel size")
-    g.add_argument("--skip-records", action="store_true",
-                   help="do not cross-check the overlay's decision records (for a server "
-                   "whose overlay predates them); the report says so")
-    g.add_argument("--top", type=int, default=25,
-                   help="kernels in the markdown's top table (across ranks)")
-    g.add_argument("--results", default=None,
-                   help="results root (default: K3_RESULTS_DIR or ./results)")
+    AnalysisFlags.add_arguments(p.add_argument_group("analysis"))
 
 
 def _deployment(dep):
@@ -65,19 +71,14 @@ def results_root(args: argparse.Namespace, dep=None) -> str:
     return args.results or str(_deployment(dep).results_root)
 
 
-def positive(name: str, value: int, minimum: int = 1) -> None:
-    if value < minimum:
-        raise UsageError(f"{name} {value} must be >= {minimum}")
-
-
 def analysis_from(args: argparse.Namespace, dep=None) -> Analysis:
     """The analysis flags, checked before any expensive work (bad input: exit 2); ``dep``:
     the command's deployment (where the checkpoint is without --model-dir)."""
-    positive("--min-decode-steps", args.min_decode_steps, 0)
+    f = AnalysisFlags.from_args(args)  # out of range: exit 2
     model_dir = model_dir_from(args, dep)
-    other_norms(args.other_norms, read_model_facts(model_dir))  # a bad formula: exit 2 now
+    other_norms(f.other_norms, read_model_facts(model_dir))  # a bad formula: exit 2 now
     extra: dict[str, int] = {}
-    for item in args.extra:
+    for item in f.extra:
         role, sep, n = item.partition("=")
         if not sep or role not in ROLES or not n.strip().lstrip("-").isdigit():
             raise UsageError(f"--extra {item!r} is not ROLE=N with ROLE one of "
@@ -88,16 +89,10 @@ def analysis_from(args: argparse.Namespace, dep=None) -> Analysis:
     server_log = getattr(args, "server_log", None)
     if server_log and not Path(server_log).is_file():
         raise UsageError(f"--server-log {server_log} does not exist")
-    if args.world_size is not None:
-        positive("--world-size", args.world_size)
-    return Analysis(model_dir, extra, args.other_norms, args.min_decode_steps, args.world_size,
-                    args.skip_records, server_log, args.top)
+    return Analysis(model_dir, extra, f.other_norms, f.min_decode_steps, f.world_size,
+                    f.skip_records, server_log, f.top)
 
 
 def profiling_from(args: argparse.Namespace) -> Profiling:
     """The live load flags, checked (bad input: exit 2)."""
-    for name in ("--concurrency", "--steps"):
-        positive(name, getattr(args, name[2:].replace("-", "_")))
-    positive("--max-tokens", args.max_tokens, args.steps + 12)
-    return Profiling(args.concurrency, args.max_tokens, args.prompt_words, args.steps,
-                     args.trace_timeout, getattr(args, "server_trace_dir", None))
+    return Profiling.from_args(args, server_trace_dir=getattr(args, "server_trace_dir", None))

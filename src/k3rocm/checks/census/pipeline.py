@@ -13,6 +13,8 @@ from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
+from pydantic import model_validator
+
 from k3rocm.checks.census.analyze import Census, run_census
 from k3rocm.checks.census.decisions import Decisions
 from k3rocm.checks.census.fusions import FusionClaim, from_cli, from_env
@@ -23,6 +25,7 @@ from k3rocm.deploy import runrecord
 from k3rocm.deploy.provenance import ServedAs, served_as
 from k3rocm.errors import UsageError, tagged_log
 from k3rocm.hashing import sha256_file as sha256
+from k3rocm.options import Options, option
 from k3rocm.rundir import write_json_atomic, write_text_atomic
 from k3rocm.serving.decisions import decision_files, records_from_files, records_from_log
 from k3rocm.serving.fusions import FUSIONS
@@ -48,16 +51,25 @@ class Analysis:
     top: int = 25
 
 
-@dataclass(frozen=True)
-class Profiling:
-    """The decode load a live census drives and the profile window it takes."""
+class Profiling(Options):
+    """The decode load a live census drives and the profile window it takes: the flags
+    ``census`` and ``ab --measure census`` share."""
 
-    concurrency: int = 8
-    max_tokens: int = 1024
-    prompt_words: int = 64
-    steps: int = 6
-    trace_timeout: float = 900.0
+    concurrency: int = option(8, "concurrent streams", ge=1)
+    max_tokens: int = option(1024, "output tokens per request (at least --steps + 12)", ge=1)
+    prompt_words: int = option(64, "prompt length (words)", ge=1)
+    steps: int = option(6, "decode steps to profile (the server's max_iterations may stop it "
+                        "earlier)", ge=1)
+    trace_timeout: float = option(900.0, "seconds to wait for the trace files after "
+                                  "/stop_profile", gt=0, unit=" seconds")
     server_trace_dir: str | None = None  # host path of the server's K3_PROFILER_DIR
+
+    @model_validator(mode="after")
+    def _room_to_profile(self) -> Profiling:
+        if self.max_tokens < self.steps + 12:
+            raise ValueError(f"--max-tokens {self.max_tokens} is too few for --steps "
+                             f"{self.steps}; use at least {self.steps + 12}")
+        return self
 
 
 # -- claim ------------------------------------------------------------------------------------
