@@ -135,13 +135,13 @@ def test_bench_ab_dry_run_plan():
     out = p.stdout
     assert "# cost: 4 cold server start(s) (2 server(s) per arm), 4 run(s); estimated " in out
     assert "# MDE (ITL p50): unknown - no A/A of this protocol" in out
-    assert "the seed's effect (vLLM PRs #52494, #57640: C=1 decode ITL moved ~0.5%)" in out
+    assert "the upstream PRs' effect (vLLM PRs #52494, #57640: C=1 decode ITL moved ~0.5%)" in out
     p = run_cli("bench-ab", "--aa", "--dry-run", "--no-gpu", "--server-env",
                 "K3_FUSE_QK_NORM=0")
     assert p.returncode == 2 and "set per arm" in p.stderr
 
 
-def test_bench_ab_dry_run_prints_hours_and_whether_the_seed_effect_can_be_seen(tmp_path):
+def test_bench_ab_dry_run_prints_hours_and_whether_the_upstream_effect_can_be_seen(tmp_path):
     """The default GPU A/B: 8 cold starts at the bundle's own 1800 s guess = 4.0 h; without an
     A/A the MDE is 2.37 x the server CV (0.5% needs a CV <= 0.21%); with an A/A of this
     workload under the results root (1% CV) the MDE is printed and 0.5% is out of reach."""

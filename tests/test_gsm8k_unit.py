@@ -454,16 +454,16 @@ def test_reasoning_fallback_is_counted(tmp_path):
                                        "responses_logged": 3, "doc_ids": [3, 17, 1200]}
     assert msg.endswith("DEVIATION from the reference protocol: 3 answer(s) scored from the "
                         "reasoning text (content empty, --reasoning-fallback)")
-    assert v["comparable"] and not v["like_seed"] and len(v["deviations_from_seed"]) == 1
+    assert v["comparable"] and not v["like_reference"] and len(v["deviations_from_reference"]) == 1
     md = results.markdown(v)
     assert "| strict-match | 0.9629 | ± 0.0052 | 0.9644 ± 0.0051 | >= 0.94 | reaches gate |" in md
     assert ("Reasoning fallback: on (a deviation from the reference protocol); answers scored from "
             "reasoning_content (content was empty): 3 of 1319") in md
 
 
-def test_seed_protocol_run_is_like_seed(tmp_path):
+def test_reference_protocol_run_is_like_reference(tmp_path):
     code, v, msg = rescore(stored_run(tmp_path, 0.9629, 0.9651))
-    assert code == 0 and v["like_seed"] and v["deviations_from_seed"] == []
+    assert code == 0 and v["like_reference"] and v["deviations_from_reference"] == []
     assert v["reasoning_fallback"]["enabled"] is False and "DEVIATION" not in msg
 
 
