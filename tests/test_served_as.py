@@ -241,8 +241,8 @@ MTP2 = "SpeculativeConfig(method='mtp', model='/models/m', num_spec_tokens=2)"
 
 
 def test_prefix_caching_speculation_and_graphs_come_from_the_servers_own_report():
-    """The old bench recorded prefix caching from the argv: a server asked
-    --enable-prefix-caching that turned it off (and logged so) was recorded "on"."""
+    """Prefix caching as the server reports it, not from the argv: a server asked
+    --enable-prefix-caching that turned it off (and logged so) is recorded off."""
     from k3rocm.deploy.provenance import served_config
 
     log = ENGINE_LINE.format(spec=MTP2) + "\nGraph capturing finished in 41 secs, took 1.2 GiB\n"
