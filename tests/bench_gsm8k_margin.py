@@ -4,7 +4,7 @@ project's own function, ``stats.paired_accuracy``, >= 2000 A/Bs per cell, beside
 
 Cells: n = 1319 items; agreement 99/98/97/96% (the fraction of items scored the same in both
 arms); B equally accurate (drop 0: a fail is a false fail) or one point less accurate (a pass is
-a false pass); the default margin and the old 1-point one.
+a false pass); the default margin and a 1-point one.
 
     PYTHONPATH=src python tests/bench_gsm8k_margin.py [--trials 2000] [--seed 29]
 """

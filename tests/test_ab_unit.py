@@ -537,8 +537,8 @@ def test_every_measure_runs_in_the_one_slot_loop(tmp_path, monkeypatch):
 
 def test_a_first_slot_that_never_ran_is_compared_not_a_traceback():
     """bench-ab whose first server fails to start keeps one run entry without a run directory;
-    the comparison (and its one-line error) must still be written. Old code: a TypeError
-    traceback from reading that entry's command.txt."""
+    the comparison (and its one-line error) must still be written, never a traceback from
+    reading that entry's command.txt."""
     from k3rocm.checks.bench import ab
     from k3rocm.checks.bench.workloads import resolve
 
@@ -551,8 +551,8 @@ def test_a_first_slot_that_never_ran_is_compared_not_a_traceback():
 
 def test_census_ab_reads_the_checkpoint_the_arm_servers_load(tmp_path, monkeypatch):
     """census-ab without --model-dir judges the model the arm servers load: ``--server-env
-    K3_MODEL`` over this shell's K3_MODEL (one arm deployment, also what start() records).
-    Old code read this shell's deployment: /models/a does not exist, exit 2 before start."""
+    K3_MODEL`` over this shell's K3_MODEL (one arm deployment, also what start() records),
+    never this shell's /models/a, which does not exist."""
     import argparse
     import shutil
 
@@ -585,8 +585,8 @@ def test_census_ab_reads_the_checkpoint_the_arm_servers_load(tmp_path, monkeypat
 
 def test_bench_ab_client_uses_what_the_arm_servers_serve(tmp_path):
     """bench-ab's aiperf tokenizes with the checkpoint the arm servers load and sends the key
-    they require (``--server-env`` over this shell's settings), as census-ab's analysis does.
-    Old code: the shell's K3_MODEL (/models/a) as tokenizer and ``--api-key EMPTY`` (401s)."""
+    they require (``--server-env`` over this shell's settings), as census-ab's analysis does:
+    not the shell's K3_MODEL (/models/a) as tokenizer nor ``--api-key EMPTY`` (401s)."""
     models = tmp_path / "models"
     for m in ("a", "b"):
         (models / m).mkdir(parents=True)
@@ -688,8 +688,8 @@ def test_an_ab_on_the_seed_base_is_refused_before_any_server(on_base, tmp_path, 
     """The seed nightly (vLLM 0.27.1) cannot serve arm B: its decode always takes AITER's
     Gluon kernel, so no fp8 KV cache, so no decode Q-prep. Every measure refuses that arm in
     one line, exit 2, before the port check, Docker or any server: naming the arm, the
-    setting, the base's reason and what it can serve (--on qk_norm). Old code: arm A's cold
-    start and workload ran first, then arm B's server refused to start."""
+    setting, the base's reason and what it can serve (--on qk_norm); arm A's cold start and
+    workload never run first."""
     from k3rocm.cli import main
 
     calls = on_base(SEED)

@@ -238,7 +238,7 @@ def test_make_bench_scaled_down_against_the_standin(standin_server, client_image
     assert "## concurrency 1 (8 requests): ok" in md and "| ITL (TPOT) (ms) |" in md
     assert "all equal" in md
     # prefix caching as the server reported it: asked on (cpu-smoke), turned off by vLLM on CPU
-    # for the MLA smoke model (vllm/platforms/cpu.py:521); the old summary said "on" (argv)
+    # for the MLA smoke model (vllm/platforms/cpu.py:521); not "on" from the argv
     assert "--enable-prefix-caching" in srv["rendered"]["argv"]
     assert doc["prefix_caching"]["server"] is False
     assert "MLA is enabled on a non-GPU platform" in doc["prefix_caching"]["server_from"]

@@ -16,7 +16,7 @@ from k3rocm.checks.bench import stats, summary
 from k3rocm.checks.bench.workloads import aiperf_command, load_table, resolve
 from k3rocm.errors import UsageError
 
-# The seed's command, verbatim from the brief (section 3), with <local Kimi-K3 dir> filled in.
+# The upstream PRs' aiperf command (vLLM #52494, #57640), with <local Kimi-K3 dir> filled in.
 SEED = """aiperf profile --model moonshotai/Kimi-K3 --tokenizer /models/Kimi-K3
   --tokenizer-trust-remote-code --url http://127.0.0.1:8000 --api-key EMPTY
   --endpoint-type chat --streaming --use-server-token-count
@@ -131,17 +131,17 @@ def test_bench_ab_dry_run_plan():
     assert "K3_FUSE_DECODE_QPREP=0 K3_FUSE_QK_NORM=0" in slots[0]
     assert "K3_FUSE_DECODE_QPREP=1 K3_FUSE_QK_NORM=1" in slots[1]
     assert sum(ln.startswith("aiperf profile") for ln in p.stdout.splitlines()) == 4
-    # the cost and what the design can see, before anything starts (the old dry run: neither)
+    # the cost and what the design can see, before anything starts
     out = p.stdout
     assert "# cost: 4 cold server start(s) (2 server(s) per arm), 4 run(s); estimated " in out
     assert "# MDE (ITL p50): unknown - no A/A of this protocol" in out
-    assert "the seed's effect (vLLM PRs #52494, #57640: C=1 decode ITL moved ~0.5%)" in out
+    assert "the upstream PRs' effect (vLLM PRs #52494, #57640: C=1 decode ITL moved ~0.5%)" in out
     p = run_cli("bench-ab", "--aa", "--dry-run", "--no-gpu", "--server-env",
                 "K3_FUSE_QK_NORM=0")
     assert p.returncode == 2 and "set per arm" in p.stderr
 
 
-def test_bench_ab_dry_run_prints_hours_and_whether_the_seed_effect_can_be_seen(tmp_path):
+def test_bench_ab_dry_run_prints_hours_and_whether_the_upstream_effect_can_be_seen(tmp_path):
     """The default GPU A/B: 8 cold starts at the bundle's own 1800 s guess = 4.0 h; without an
     A/A the MDE is 2.37 x the server CV (0.5% needs a CV <= 0.21%); with an A/A of this
     workload under the results root (1% CV) the MDE is printed and 0.5% is out of reach."""
@@ -252,7 +252,7 @@ def test_identical_arms_are_called_different_at_the_stated_rate(servers):
 def test_one_server_per_arm_is_testable_only_with_the_aa_variance_component():
     """1 server per arm: no variance inside the A/B, 'inconclusive' whatever the numbers;
     pooled with an A/A of the same protocol (1 server per arm too: df 1) the rate is 5% again
-    (the old verdict with an A/A floor: 40%)."""
+    (not 40%, as with the A/A as a floor)."""
     np = pytest.importorskip("numpy")
     rng = np.random.default_rng(7)
     res = stats.compare_servers([10.0], [8.5])  # 15% apart, as seen on the 2-core stand-in
@@ -280,7 +280,7 @@ def test_power_at_the_printed_mde_is_80_percent():
 
 
 def test_servers_needed_for_one_percent_at_one_percent_server_noise():
-    # 2 (t_.975 + t_.80)^2 (CV / 1%)^2 ~ 16 with z; t at df 32 makes it 17 (the old estimate: 6)
+    # 2 (t_.975 + t_.80)^2 (CV / 1%)^2 ~ 16 with z; t at df 32 makes it 17
     assert stats.servers_needed(0.01 ** 2, 0.01) == 17
     assert stats.servers_needed(0.005 ** 2, 0.01) == 6
     # a larger known effect needs fewer; a pooled A/A adds degrees of freedom
@@ -318,9 +318,9 @@ def test_holm_levels_match_the_holm_verdicts():
 
 
 def test_secondary_rows_print_the_ci_their_holm_verdict_used():
-    """Identical arms, 4 servers per arm, 9 secondary rows: the old report printed each row's
-    unadjusted 95% CI beside its Holm verdict, so a CI excluding 0 read "inconclusive" in about
-    a quarter of the reports; the CI printed now is the one the verdict used: on 400 simulated
+    """Identical arms, 4 servers per arm, 9 secondary rows: each row's unadjusted 95% CI beside
+    its Holm verdict would read "inconclusive" with a CI excluding 0 in about a quarter of the
+    reports; the CI printed is the one the verdict used: on 400 simulated
     reports no row shows a CI that excludes 0 beside "inconclusive", nor one that includes 0
     beside "B faster/slower"."""
     np = pytest.importorskip("numpy")
@@ -398,7 +398,7 @@ def test_calibration_can_fail(injected):
     assert biased / trials < 0.91, biased / trials  # the same check fails
 
 
-# --- calibration against the delay the server really applied (issue 32) ------------------
+# --- calibration against the delay the server really applied ---------------------------
 
 NOMINAL_MS, BASE_MS, A_ITL = 38.8, 30.0, 37.25  # the issue's loaded run: A's ITL p50 ~37 ms
 T0 = 1_767_000_000_000_000_000  # wall-clock ns of the profiling phase's start
@@ -470,7 +470,7 @@ def test_calibration_is_judged_against_the_applied_delay(tmp_path):
     assert c["applied_over_injected"] == pytest.approx(applied_extra / NOMINAL_MS, abs=1e-3)
     assert c["detected_over_applied"] == pytest.approx(1.0, abs=1e-3)
     assert c["covered"] is True and c["why"] is None
-    assert stats.covers(comp["rows"][0], c["nominal_d"]) is False  # what the old code judged
+    assert stats.covers(comp["rows"][0], c["nominal_d"]) is False  # nominal: a miss
     assert ab.refusal({"calibration": [c]}, tmp_path) is None
     md = ab.comparison_markdown({"mode": "cal", "workload": "ci-tiny", "protocol": [],
                                  "protocol_key": "k", "rows": [], "runs": [],
@@ -701,9 +701,9 @@ def test_decode_8k1k_needs_prefix_caching_off_and_the_seed_command_is_unchanged(
 # --- the pooled A/A: its variance and age checked -----------------------------------------------
 
 def test_a_quieter_aa_is_not_pooled_and_the_report_says_why():
-    """The old code pooled any A/A of the same protocol: one from a quieter day (here a
-    quarter of the run's variance, df 7) shrank the variance and the CI. Now the row is judged
-    on its own servers and says why; an A/A that matches is pooled."""
+    """An A/A of the same protocol from a quieter day (here a quarter of the run's variance,
+    df 7) would shrink the variance and the CI: it is not pooled, the row is judged on its own
+    servers and says why; an A/A that matches is pooled."""
     a, b = [10.0, 10.2, 9.8, 10.1], [10.15, 9.9, 10.3, 10.0]
     own = stats.compare_servers(a, b)
     quiet = {"var_log": own["var_log"] / 25, "df": 7}
@@ -720,7 +720,7 @@ def test_a_quieter_aa_is_not_pooled_and_the_report_says_why():
 
 def test_the_variance_check_lowers_the_false_rate_of_a_quieter_aa():
     """Identical arms, 4 servers per arm, A/A of 8 servers per arm at half the run's
-    server-to-server CV: pooled unchecked (the old code) the false rate is ~17%; checked ~9%
+    server-to-server CV: pooled unchecked the false rate is ~17%; checked ~9%
     (tests/bench_pooled_aa.py has the whole table). 1500 trials each, seeded."""
     np = pytest.importorskip("numpy")
     rng = np.random.default_rng(2029)

@@ -1,4 +1,4 @@
-"""Both halves of each fusion on AITER-named traces (issue 28, item 4): the fused launch is
+"""Both halves of each fusion on AITER-named traces: the fused launch is
 there AND the stock launches it replaces are gone (asked on); the stock launches are there AND
 the fused ones absent (asked off). A rank or a step on the other path is a FAIL naming it (not
 lost events); what the trace cannot prove either way is CANNOT JUDGE (exit 4, with the

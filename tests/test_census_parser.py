@@ -71,7 +71,7 @@ def test_normalize_strips_templates_and_arguments(raw, norm):
 
 def test_kernel_table_real_names_with_sources():
     """One table; every role says where its names come from; the real ROCm names land in the
-    right role (the old rules matched 'fused_qk_rope...' and excluded add_rmsnorm_quant)."""
+    right role ('fused_qk_rope...' and add_rmsnorm_quant included)."""
     t = kernel_table()
     for plat in t["platforms"].values():
         for role in plat["roles"].values():

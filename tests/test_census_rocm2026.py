@@ -51,7 +51,7 @@ def failed(c) -> set[tuple]:
 
 @pytest.mark.parametrize("raw,norm", [
     # rocprofiler-sdk (kineto's ROCm backend in 2026): demangled code-object symbol + " [clone .kd]"
-    # (brief section 6; issue text's "void aiter::fused_qk_rmsnorm_kernel<...>(...) [clone .kd]")
+    # ("void aiter::fused_qk_rmsnorm_kernel<...>(...) [clone .kd]")
     ("void aiter::fused_qk_rmsnorm_kernel<__hip_bfloat16, 256, 8, true, 1>(__hip_bfloat16*, "
      "float, int) [clone .kd]", "aiter::fused_qk_rmsnorm_kernel"),
     ("void vllm::concat_and_cache_mla_kernel<__hip_bfloat16, unsigned char, "
@@ -390,9 +390,9 @@ def test_renamed_fused_kernel_is_listed_under_graph_replay(tmp_path):
 
 def test_recomputed_prompt_step_is_not_decode_only(tmp_path):
     """A preempted request recomputing its 200-token prompt: vLLM names the step
-    'generation_8(224)' (8 requests, 224 tokens > 8 x 3). Its (correct) stock path used to be
-    judged as decode-only. Before: FAIL (fused Q-prep 18/21, KV-cache write 3/0). After: PASS,
-    the step counted with the prefill steps."""
+    'generation_8(224)' (8 requests, 224 tokens > 8 x 3). That step is not decode-only: its
+    (correct) stock path must not count against the fusion (else fused Q-prep 18/21, KV-cache
+    write 3/0, a false FAIL); it is counted with the prefill steps and the census passes."""
     d = tmp_path / "t"
     d.mkdir()
     steps = SIX[:3] + [(0, 8, 200)] + SIX[3:]

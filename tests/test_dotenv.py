@@ -63,8 +63,8 @@ def test_every_tricky_line_reads_as_compose_reads_it(tmp_path):
 
 
 def test_a_quoted_model_path_with_a_comment(tmp_path):
-    """Drift: the old parser kept the quotes of `K3_MODEL="/x"  # comment` (then a Hugging
-    Face id error) while Compose reads /x."""
+    """`K3_MODEL="/x"  # comment` is /x, as Compose reads it (kept quotes would then be a
+    Hugging Face id error)."""
     env = tmp_path / ".env"
     env.write_text('K3_MODEL="/tmp"  # the checkpoint\nK3_TP=\'4\' # four\n')
     s, src = load_settings({}, env)

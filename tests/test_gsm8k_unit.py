@@ -117,7 +117,7 @@ def test_datasets_arrow_cache_uses_the_shipped_task_as_is(tmp_path, monkeypatch)
 
 # ------------------------------------------------------------------- the seed's task config
 
-# Typed from the task config the seed printed (vLLM PR #52494: lm-eval task `gsm8k`, metadata
+# Typed from the task config the upstream PR printed (vLLM PR #52494: lm-eval task `gsm8k`, metadata
 # version 3.0), not read from our YAML.
 SEED_DOC_TO_TEXT = ("Question: {{question}}\nEnd your response with the answer on the last line, "
                     "formatted as: #### [number]\nAnswer:")
@@ -454,16 +454,16 @@ def test_reasoning_fallback_is_counted(tmp_path):
                                        "responses_logged": 3, "doc_ids": [3, 17, 1200]}
     assert msg.endswith("DEVIATION from the reference protocol: 3 answer(s) scored from the "
                         "reasoning text (content empty, --reasoning-fallback)")
-    assert v["comparable"] and not v["like_seed"] and len(v["deviations_from_seed"]) == 1
+    assert v["comparable"] and not v["like_reference"] and len(v["deviations_from_reference"]) == 1
     md = results.markdown(v)
     assert "| strict-match | 0.9629 | ± 0.0052 | 0.9644 ± 0.0051 | >= 0.94 | reaches gate |" in md
     assert ("Reasoning fallback: on (a deviation from the reference protocol); answers scored from "
             "reasoning_content (content was empty): 3 of 1319") in md
 
 
-def test_seed_protocol_run_is_like_seed(tmp_path):
+def test_reference_protocol_run_is_like_reference(tmp_path):
     code, v, msg = rescore(stored_run(tmp_path, 0.9629, 0.9651))
-    assert code == 0 and v["like_seed"] and v["deviations_from_seed"] == []
+    assert code == 0 and v["like_reference"] and v["deviations_from_reference"] == []
     assert v["reasoning_fallback"]["enabled"] is False and "DEVIATION" not in msg
 
 
@@ -578,7 +578,7 @@ def test_the_pass_rate_is_exact_for_the_verdicts_own_bound():
 
 def test_the_default_margin_comes_from_its_stated_power():
     """The default margin is the smallest on a 0.05-point grid with which identical arms pass
-    >= 90% at 98% agreement on 1319 items (the old 1 point: 81.7%, i.e. 18% false fails, and
+    >= 90% at 98% agreement on 1319 items (a 1-point margin: 81.7%, i.e. 18% false fails, and
     57% at 96%); the price, a false pass for a 1-point drop, is stated: 13.9%."""
     from k3rocm.checks.bench import stats
     from k3rocm.checks.gsm8k import ab

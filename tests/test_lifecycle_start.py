@@ -9,13 +9,10 @@ container then exits 2 within seconds with one ``k3rocm: error:`` line
 - ``k3rocm server up`` (what ``make up`` runs; the A/B arms, selftest, smoke and the tests'
   server fixture wait through the same ``ComposeServer.wait``): exit 3, the container stopped
   and removed (nothing left restarting), its log saved in a run directory under the results
-  root, and the error line names that log. Old code: exit 3, "its log is kept in the run
-  directory" with no log saved anywhere, and the container left behind (restarting forever
-  under compose.yaml's ``unless-stopped``).
+  root, and the error line names that log; never a container left restarting forever.
 - Plain foreground ``docker compose up`` (no lifecycle): compose.yaml's bounded policy
   (``on-failure:2``) starts it 3 times in all, then compose returns and the container stays
-  Exited with RestartCount 2. Old code: ``unless-stopped`` never returns (compose.cpu.yaml
-  masked it with ``restart: "no"``: one attempt).
+  Exited with RestartCount 2 (``unless-stopped`` would never return).
 """
 
 from __future__ import annotations

@@ -228,8 +228,8 @@ def test_verify_cli_exit_codes(tmp_path):
 
 
 def test_verify_checks_each_shards_bytes_against_its_header_and_the_index(tmp_path):
-    """A copy whose files are all there but whose bytes are not: the old verify said complete
-    for each of these (it compared sizes only with a Hub listing, and no total)."""
+    """A copy whose files are all there but whose bytes are not is incomplete for each of these
+    (sizes alone, compared with a Hub listing, would call it complete)."""
     files = _tiny_repo()
     n0, n1 = len(files[SHARDS[0]]), len(files[SHARDS[1]])
     d = _copy(tmp_path, files)

@@ -255,7 +255,7 @@ RELEASES = [  # version, auto line, upstream fusions
 def test_auto_applies_where_upstream_lacks_a_fusion(version, line, fusions, tmp_path):
     """`auto` replaces upstream's amd/mla.py where it lacks Q-prep (0.30/0.31 ship the q/kv
     RMSNorm fusion only), keeps it as the backup, says so in one line; skips where it ships
-    both (0.32+). On the old rule 0.30/0.31 were skipped."""
+    both (0.32+)."""
     site = _release(version, tmp_path)
     upstream = (site / MLA).read_bytes() if fusions else None
     p = run_cli("overlay", "apply", "--overlay-dir", str(OVERLAY), "--site", str(site),

@@ -79,8 +79,8 @@ def test_checkpoint(tmp_path):
 
 def test_checkpoint_bytes_are_verified(tmp_path):
     """The checkpoint line reports checkpoint.verify's verdict on the bytes (headers only, timed):
-    a copy whose shards were cut after their headers fails (the old check counted file sizes
-    and said only 'looks incomplete' as a warn); a complete small copy is ok on the CPU profile
+    a copy whose shards were cut after their headers fails (not a mere 'looks incomplete'
+    warn); a complete small copy is ok on the CPU profile
     and a warn (not Kimi-K3's size) on the MI355X one."""
     from kimi_k3_layout import small_config, truncate_data, write_checkpoint
 
@@ -239,8 +239,7 @@ def test_gfx_name_decodes_kfd_gfx_target_version():
 
 def test_gpu_arch(tmp_path):
     """Every GPU must be gfx950: read from the KFD topology (CPU node 0 left out), else
-    rocminfo; a wrong arch fails with the fix; no /dev/kfd is a skip line. There was no arch
-    check before (the old module has no check_gpu_arch)."""
+    rocminfo; a wrong arch fails with the fix; no /dev/kfd is a skip line."""
     none = preflight.check_gpu_arch(tmp_path / "sys", tmp_path / "nodev")
     assert (none.status, none.have) == ("skip", "skipped: no /dev/kfd")
     sys_root, dev = _kfd(tmp_path)
@@ -320,7 +319,7 @@ def test_free_hbm(tmp_path):
     """K3_GPU_MEMORY_UTILIZATION of every GPU's HBM must be free (vLLM refuses to start
     otherwise); short GPUs are named, and what holds them: a server container of this bundle,
     the compose server `make up` keeps (a warn), or processes outside (the fix says how to
-    find them). There was no memory check before (the old module has no check_hbm)."""
+    find them)."""
     from k3rocm.serving.config import load_settings
 
     s = load_settings({"K3_PORT": "8000"}, dotenv=None, check_model=False)[0]  # 0.95, TP 8

@@ -11,7 +11,7 @@ import pytest
 import yaml
 from conftest import REPO, run_cli
 
-from k3rocm.deploy.seedref import FIGURES, MEASURES, comparable_with
+from k3rocm.deploy.upstream_ref import FIGURES, MEASURES, comparable_with
 from k3rocm.errors import UsageError
 from k3rocm.serving import profiles
 from k3rocm.serving.config import load_settings, render
@@ -162,7 +162,7 @@ def test_every_fusion_evidence_feature_cites_its_source():
         assert feat.get("source", "").startswith("["), name
 
 
-# --- seedref ---------------------------------------------------------------------------------
+# --- upstream_ref ------------------------------------------------------------------------------
 
 def test_fusion_evidence_census_is_comparable_with_the_qprep_launch_counts():
     fe = _render("fusion-evidence")
@@ -202,7 +202,7 @@ def test_the_default_profile_compares_with_the_mtp_figures_not_the_qprep_one():
     census = comparable_with("census", d.settings, d.env)
     assert census["figure"] == "qknorm-launches"  # the seed's fusion-1 trace ran MTP k=2
     assert "no speculative decoding" in census["not_comparable"]["qprep-launches"]
-    task = {"num_fewshot": 5, "limit": None, "seed_task_config": True}
+    task = {"num_fewshot": 5, "limit": None, "reference_task_config": True}
     assert comparable_with("gsm8k", d.settings, d.env, task)["figure"] == "gsm8k"
     sub = comparable_with("gsm8k", d.settings, d.env, {**task, "limit": 100})
     assert not sub["comparable"] and "subset of 100" in sub["text"]

@@ -83,21 +83,23 @@ def test_checkpoint_identity_is_recorded(tmp_path):
     assert runrecord.checkpoint(hub) is None
 
 
-def test_the_record_says_which_seed_figure_from_the_servers_own_env():
+def test_the_record_says_which_upstream_figure_from_the_servers_own_env():
     """Judged on what the server container was started with, not on this shell's settings."""
     client_side = load_deployment({"K3_PROFILE": "fusion-evidence"}, None)
     server_env = {"K3_PROFILE": "mi355x-tp8", "K3_MTP_K": "2"}  # the container's env
     rec = runrecord.build(deployment=client_side, measure="census",
                           server={"container": {"env": server_env}}, workload={"steps": 6})
-    assert rec["seed_comparison"]["figure"] != "qprep-launches"
-    assert "no speculative decoding" in rec["seed_comparison"]["not_comparable"]["qprep-launches"]
+    got = rec["upstream_comparison"]
+    assert got["figure"] != "qprep-launches"
+    assert "no speculative decoding" in got["not_comparable"]["qprep-launches"]
     server_env = {"K3_PROFILE": "fusion-evidence"}
     rec = runrecord.build(deployment=None, measure="census",
                           server={"container": {"env": server_env}}, workload={"steps": 6})
-    assert rec["seed_comparison"]["figure"] == "qprep-launches", rec["seed_comparison"]["text"]
+    got = rec["upstream_comparison"]
+    assert got["figure"] == "qprep-launches", got["text"]
     # no server and no deployment: unknown, never comparable
-    assert not runrecord.build(measure="bench")["seed_comparison"]["comparable"]
-    assert "seed_comparison" not in runrecord.build()
+    assert not runrecord.build(measure="bench")["upstream_comparison"]["comparable"]
+    assert "upstream_comparison" not in runrecord.build()
     json.dumps(rec)
 
 

@@ -78,7 +78,7 @@ class _Client:
 
 
 def test_stop_router_waits_for_the_request_timeout_by_default():
-    """The old stop gave the streams in flight 5 s (docker stop timeout=5)."""
+    """The streams in flight get the request timeout, not 5 s (docker stop timeout=5)."""
     c = _Container()
     assert stop_router(_Client(c), "r") is True
     assert c.calls == [("stop", STOP_TIMEOUT_S), ("remove", True)]

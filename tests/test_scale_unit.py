@@ -130,8 +130,9 @@ def test_router_argv():
 
 
 def test_pd_is_not_offered(tmp_path):
-    # vllm-router 0.1.17 exits 1 on the old P/D argv (MoRI-IO needs --vllm-discovery-address);
-    # the mode is gone, from .env as from the shell, and the shell can override a stale .env.
+    # vllm-router 0.1.17 exits 1 on a P/D argv without --vllm-discovery-address (MoRI-IO needs
+    # it); the mode is not offered, from .env as from the shell, and the shell can override a
+    # stale .env.
     dotenv = tmp_path / ".env"
     dotenv.write_text("K3_SCALE_MODE=pd\nK3_SCALE_NODES=a:1,b:2\n")
     with pytest.raises(UsageError, match=r"K3_SCALE_MODE=pd \(from .env\) is not offered"):

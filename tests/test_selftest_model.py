@@ -337,8 +337,8 @@ def test_every_kept_expert_dimension_matches_the_written_config(src, tmp_path):
 
 
 def test_a_fused_expert_layout_is_refused_not_cut_inconsistently(tmp_path, capsys):
-    """Fused [E, ...] expert tensors without per-expert names: the old slicer kept them whole
-    ([16, ...]) and wrote num_experts 4; now one line, exit 2, nothing written. Keeping every
+    """Fused [E, ...] expert tensors without per-expert names: not kept whole ([16, ...])
+    beside num_experts 4, but one line, exit 2, nothing written. Keeping every
     expert (--experts 16) is consistent and allowed."""
     fused = tmp_path / "fused"
     write_checkpoint(fused, specs=fuse_experts(tensors(small_config())))

@@ -40,7 +40,7 @@ def _run(prompt, tokens, logprobs, top):
 
 def test_compare_judges_the_logprob_gap_against_the_tolerance():
     """Identical tokens are not enough: the chosen token's logprob on vs off must agree within
-    the stated tolerance (old code: OK whenever the tokens were identical)."""
+    the stated tolerance."""
     on = [_run("a", ["x", "y"], [-0.1, -0.2], [{"x": -0.1, "q": -3.0}, {"y": -0.2, "q": -2.0}])]
     same = compare(on, json.loads(json.dumps(on)))
     assert same["identical"] and same["ok"] and same["max_logprob_gap"] == 0.0
@@ -163,7 +163,7 @@ def seed_node(tmp_path, monkeypatch):
     monkeypatch.setattr(config_cmd, "image_base_facts",
                         lambda image: (facts, f"{image} (sha256:0123456789ab) manifest"))
     calls: Calls = Calls()
-    def compose(self, *a, **kw):  # recorded; as if it failed (the old code then stops)
+    def compose(self, *a, **kw):  # recorded; as if it failed
         calls.append(a)
         return subprocess.CompletedProcess(a, 1, "", "")
 
@@ -194,8 +194,7 @@ def seed_node(tmp_path, monkeypatch):
 def test_selftest_on_the_seed_base_is_refused_before_the_build(seed_node, tmp_path, capsys):
     """`make selftest` serves the A/B's two arms; on the seed nightly arm B (decode Q-prep on)
     cannot be served: the same one line as the A/B, exit 2, before the build, any server or
-    the run directory. Old code: built, served the defaults (the base quietly turned Q-prep
-    off) and stayed green."""
+    the run directory; never a green run on defaults the base quietly turned Q-prep off in."""
     from k3rocm.cli import main
 
     code = main(["selftest", "run"])
@@ -252,7 +251,7 @@ def _refused(capsys, *argv: str) -> tuple[int, list[str], list[str]]:
 
 def test_a_missing_client_image_is_refused_before_any_build(seed_node, tmp_path, capsys):
     """The bench step runs aiperf in the client image: missing, it is one line and exit 2
-    before the build (old code: built, served, ran census and greedy, then failed at bench)."""
+    before the build, not after building, serving and running census and greedy."""
     from k3rocm.deploy.engine import CLIENT_IMAGE
 
     seed_node.docker.images_present.clear()
@@ -305,7 +304,7 @@ def test_the_summary_says_when_the_shared_vendor_env_differs(seed_node, monkeypa
 def test_gpus_held_by_a_running_server_are_refused_before_any_build(seed_node, tmp_path,
                                                                    capsys):
     """A `make up` server (TP=8 at 0.9 of each GPU's memory) holds the GPUs the selftest
-    server needs: old code built the image and waited for a server that could not load."""
+    server needs: refused before building the image and waiting for a server that cannot load."""
     seed_node.docker.running.append(gpu_server())
     code, errors, err = _refused(capsys)
     assert code == 2 and len(errors) == 1, err
@@ -372,8 +371,7 @@ def test_the_gpu_check_is_skipped_on_the_cpu_standin_and_says_so(seed_node, monk
 def test_the_servers_get_this_shells_vendor_variables(seed_node, monkeypatch, tmp_path):
     """`make up` passes the vendor variables of the shell it runs in (its `k3rocm config
     --vendor-env-file`); so does the selftest, into its own file, never the shared
-    .k3rocm/vendor.env an earlier shell wrote (old code: that stale file, or on the CPU
-    stand-in a copy of it)."""
+    .k3rocm/vendor.env an earlier shell wrote (nor, on the CPU stand-in, a copy of it)."""
     import argparse
 
     from k3rocm.checks import selftest
@@ -427,7 +425,7 @@ def test_an_exit_2_after_a_server_started_is_exit_4_not_bad_input(fake_pipeline,
                                                                   capsys):
     """Exit 2 promises that nothing expensive was started. A step that refuses its input once
     the servers have run (here the bench step) makes the selftest exit 4, cannot judge, and its
-    row says why (old code: exit 2 after building, serving and two steps)."""
+    row says why."""
     from k3rocm.cli import main
 
     fake_pipeline["codes"]["bench"] = 2
@@ -446,7 +444,7 @@ def test_an_exit_2_after_a_server_started_is_exit_4_not_bad_input(fake_pipeline,
 @pytest.mark.parametrize("off_logprob,code,verdict", [(-0.55, 0, "ok"), (-0.8, 1, "fail")])
 def test_the_compare_step_judges_the_gap_not_token_identity(fake_pipeline, tmp_path, capsys,
                                                             off_logprob, code, verdict):
-    """Identical tokens whose logprobs moved by 0.3 nats fail (old code: OK on identity)."""
+    """Identical tokens whose logprobs moved by 0.3 nats fail."""
     from k3rocm.cli import main
 
     off = json.loads(json.dumps(fake_pipeline["answers"][1]))

@@ -211,21 +211,21 @@ def test_census_world_size_from_the_rendering(tmp_path):
                          served=served_as(server_prov(None)))
 
 
-def test_seed_comparison_judges_the_rendered_env():
+def test_upstream_comparison_judges_the_rendered_env():
     """The base facts switched decode Q-prep off when the server started (K3_FUSE_DECODE_QPREP=0
     in its rendering) while its container asked for the default (on): the census compares with
     the stock side of vLLM PR #57640's launch counts, not the fused side a second rendering of
     the container's env would claim."""
-    from k3rocm.deploy.runrecord import seed_comparison
+    from k3rocm.deploy.runrecord import upstream_comparison
     from k3rocm.serving.config import render
 
     container = {"K3_PROFILE": "fusion-evidence", "K3_MODEL": "/tmp"}
     rendered = render(environ=container, dotenv=None).to_json()
     rendered["env"]["K3_FUSE_DECODE_QPREP"] = "0"
     server = {"container": {"env": container}, "rendered": rendered}
-    assert seed_comparison("census", server=server)["text"].endswith("stock side")
+    assert upstream_comparison("census", server=server)["text"].endswith("stock side")
     server["rendered"] = None  # an older image: the container's env, rendered again
-    assert seed_comparison("census", server=server)["text"].endswith("fused side")
+    assert upstream_comparison("census", server=server)["text"].endswith("fused side")
 
 
 # --- what the server itself reported (its log, its /metrics), not what its argv asked -------------
@@ -241,8 +241,8 @@ MTP2 = "SpeculativeConfig(method='mtp', model='/models/m', num_spec_tokens=2)"
 
 
 def test_prefix_caching_speculation_and_graphs_come_from_the_servers_own_report():
-    """The old bench recorded prefix caching from the argv: a server asked
-    --enable-prefix-caching that turned it off (and logged so) was recorded "on"."""
+    """Prefix caching as the server reports it, not from the argv: a server asked
+    --enable-prefix-caching that turned it off (and logged so) is recorded off."""
     from k3rocm.deploy.provenance import served_config
 
     log = ENGINE_LINE.format(spec=MTP2) + "\nGraph capturing finished in 41 secs, took 1.2 GiB\n"

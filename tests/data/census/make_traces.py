@@ -10,14 +10,14 @@ must use the correlation, not time). ``distributedInfo`` {rank, world_size} as t
 profiler writes it.
 
 Kernel names are the REAL ROCm names (k3rocm/checks/census/kernels.json says where each comes from):
-- fused q/kv norm: ``aiter::fused_qk_rmsnorm_kernel<bf16,256,8,true,1>`` (seed PR text; ROCm/aiter
+- fused q/kv norm: ``aiter::fused_qk_rmsnorm_kernel<bf16,256,8,true,1>`` (PR text; ROCm/aiter
   csrc/kernels/fused_qk_norm.cu launches <256, 8, 1> for max(q_lora 1536, kv_lora 512) <= 2048)
 - every stock RMSNorm (input/post-attention/final AND the paired per-MLA q/kv latent norms):
-  ``aiter::add_rmsnorm_quant_kernel<...>`` (seed PR text: "paired per-MLA add_rmsnorm launches";
+  ``aiter::add_rmsnorm_quant_kernel<...>`` (upstream PR text: "paired per-MLA add_rmsnorm launches";
   ROCm/aiter csrc/kernels/rmsnorm_quant_kernels.cu)
 - stock fp8 KV-cache write: ``vllm::concat_and_cache_mla_kernel<...>`` (vLLM csrc/cache_kernels.cu)
 - stock q concat + static fp8 quant, one Inductor kernel:
-  ``triton_poi_fused__to_copy_cat_clamp_mul_reciprocal_view_0`` (seed PR text)
+  ``triton_poi_fused__to_copy_cat_clamp_mul_reciprocal_view_0`` (upstream PR text)
 - fused Q-prep device kernels, spelled "fuse_" (ROCm/aiter csrc/kernels/cache_kernels.cu):
   ``fuse_qk_rope_concat_and_cache_mla_per_head_kernel`` (decode, < 256 tokens, block size 1),
   ``..._kernel`` (the _opt path), ``..._kernel_general`` (no position clamp: must never run)
@@ -28,9 +28,9 @@ Name forms (``name_form``): "demangled" is what kineto writes for CUPTI and roct
 activities (``libkineto/src/output_json.cpp`` prints the activity name; CUPTI/roctracer hand it a
 demangled ``void ns::kernel<...>(args)``); "rocprof-sdk" is kineto's 2026 ROCm backend
 (rocprofiler-sdk): the kernel's code-object symbol, so demangled C++ kernels end in
-`` [clone .kd]`` and symbols that do not demangle (Triton, assembly) in ``.kd`` (brief section
-6; ROCm/rocprofiler-sdk kernel symbol records carry the ``.kd`` descriptor symbol).
-Upstream anchor (seed PR text, MI355X TP=8 rank 0, 6 decode steps, 24 MLA layers): q/kv norm
+`` [clone .kd]`` and symbols that do not demangle (Triton, assembly) in ``.kd``
+(ROCm/rocprofiler-sdk kernel symbol records carry the ``.kd`` descriptor symbol).
+Upstream anchor (upstream PR text, MI355X TP=8 rank 0, 6 decode steps, 24 MLA layers): q/kv norm
 288 -> 144 launches; Q-prep 288 -> 144 launches, 1351.8 -> 682.8 us = 9.39 -> 4.74 us per MLA
 layer per decode step: the k3-anchor-* sets carry those counts and durations.
 """

@@ -23,7 +23,7 @@ def _count(kernel: str) -> None:
 
 def _qprep_member(q_nope: torch.Tensor, kv_cache: torch.Tensor) -> str:
     """Which device kernel the host API ``fused_qk_rope_concat_and_cache_mla`` launches
-    (ROCm/aiter csrc/kernels/cache_kernels.cu, as summarized in the project brief): the
+    (ROCm/aiter csrc/kernels/cache_kernels.cu): the
     per-head kernel for fewer than 256 tokens with block size 1 (AITER-MLA decode), the
     ``_opt`` kernel for kv_lora_rank 512, rope 64 and rank x heads >= 2048, else the general
     kernel, which does not clamp positions."""

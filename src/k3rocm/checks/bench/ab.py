@@ -108,8 +108,8 @@ def cost_lines(plan: ABPlan) -> list[str]:
     """What the A/B will cost and what it can see, before anything starts: cold starts and
     estimated hours (:func:`k3rocm.checks.ab.arms.estimate`), the MDE of the planned design
     (from the newest A/A of this workload under the results root; its protocol is checked when
-    the run starts), and whether that design can see the seed's ITL effect."""
-    from k3rocm.deploy.seedref import LATENCY_AB_EFFECT
+    the run starts), and whether that design can see the upstream PRs' ITL effect."""
+    from k3rocm.deploy.upstream_ref import LATENCY_AB_EFFECT
 
     arms, k = plan.arms, plan.runs_per_server
     secs, how = armlib.estimate(arms, plan.results, k)
@@ -126,7 +126,7 @@ def cost_lines(plan: ABPlan) -> list[str]:
     return [f"cost: {starts} cold server start(s) ({arms.repeats} server(s) per arm), "
             f"{len(arms.slots()) * k} run(s); estimated {secs / 3600:.1f} h ({how})",
             design,
-            f"the seed's effect (vLLM PRs #52494, #57640: C=1 decode ITL moved ~"
+            f"the upstream PRs' effect (vLLM PRs #52494, #57640: C=1 decode ITL moved ~"
             f"{LATENCY_AB_EFFECT:.1%}): {seen}"]
 
 

@@ -180,7 +180,7 @@ def run_bench(w: Workload, *, results: Path, client_image: str, server_timeout: 
         f"prefix caching: workload {want}, server {_onoff(caching)} ({caching_from})"
         + (f" - **{caching_note}**" if caching_note else ""),
         f"graphs: {graphs_line(server)}",
-        f"upstream figures: {prov['seed_comparison']['text']}"])
+        f"upstream figures: {prov['upstream_comparison']['text']}"])
     write_text_atomic(run_dir / "report.md", report)
     if not plots.write_plots(points, run_dir, w.name):
         _log("matplotlib is not installed: no PNG plots (pip install 'k3rocm[host]')")

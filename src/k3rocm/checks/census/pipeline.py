@@ -178,9 +178,9 @@ def trace_files(files: list[Path]) -> list[dict[str, Any]]:
 def write_report(run_dir: Path, census: Census, provenance: dict[str, Any],
                  title: str = "Decode kernel census", top: int = 25) -> None:
     write_json_atomic(run_dir / "census.json", {**census.to_json(), "provenance": provenance})
-    seed = (provenance.get("seed_comparison") or {}).get("text")
+    upstream = (provenance.get("upstream_comparison") or {}).get("text")
     write_text_atomic(run_dir / "census.md", census.markdown(title, top)
-                      + (f"\n## Upstream figures\n\n{seed}\n" if seed else "")
+                      + (f"\n## Upstream figures\n\n{upstream}\n" if upstream else "")
                       + "\n## Provenance\n\n```json\n"
                       + json.dumps(provenance, indent=2, default=str)[:20000]
                       + "\n```\n")

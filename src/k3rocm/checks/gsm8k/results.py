@@ -166,7 +166,7 @@ def evaluate(results: dict, samples: list[dict], fallbacks: list[dict], *, thres
         "reference": REFERENCE, "metrics": metrics,
         "items": {"evaluated": effective, "test_set": original, "num_fewshot": n_shot},
         "limit": limit, "comparable": comparable, "not_comparable_reasons": reasons,
-        "deviations_from_seed": deviations, "like_seed": comparable and not deviations,
+        "deviations_from_reference": deviations, "like_reference": comparable and not deviations,
         "allow_limit": allow_limit,
         "reasoning_fallback": {"enabled": fallback_on, "count": len(doc_ids), "of": n_docs,
                                "responses_logged": len(fallbacks),
@@ -215,7 +215,7 @@ def markdown(summary: dict) -> str:
         f"- Empty responses: {summary['empty_responses']}",
         "- Cut off at the generation limit: " + _trunc_line(summary.get("truncated") or {}),
         "- Server setup comparable with the reference run's (vLLM PR #52494): "
-        + ((summary.get("seed_comparison") or {}).get("text") or "not judged"),
+        + ((summary.get("upstream_comparison") or {}).get("text") or "not judged"),
         f"- Reference: {ref['source']}",
     ]
     tc = summary.get("task_config") or {}

@@ -61,8 +61,8 @@ def execute(client, s: Gsm8kSettings, src: data.DataSource, argv: list[str],
         measure="gsm8k", workload={"num_fewshot": command.NUM_FEWSHOT, "limit": s.limit,
                                    # the shipped task (vLLM PR #52494's) ran; local items may
                                    # not be GSM8K's own: unknown
-                                   "seed_task_config": True if src.kind != "local-jsonl"
-                                   else None},
+                                   "reference_task_config":
+                                       True if src.kind != "local-jsonl" else None},
         settings=s.model_dump(), data=src.provenance(),
         task_file={"shipped": str(data.TASK_FILE),
                    "shipped_sha256": hashlib.sha256(data.shipped_task().encode()).hexdigest(),
@@ -118,7 +118,7 @@ def _finish(run_dir: Path, s: Gsm8kSettings, src: data.DataSource, prov: dict, w
         try:
             summary = results.judge(run_dir, threshold=s.threshold, allow_limit=s.allow_limit,
                                     max_gen_tokens=s.max_gen_tokens)
-            summary["seed_comparison"] = prov.get("seed_comparison")
+            summary["upstream_comparison"] = prov.get("upstream_comparison")
         except UsageError as exc:
             status, detail = "error", str(exc)
     if status is not None:

@@ -4,8 +4,7 @@ The two upstream fusion PRs (vLLM #52494, the q/kv RMSNorm fusion, and #57640, t
 fusion) published a handful of figures, each measured with one setup. A bench, census or GSM8K
 result can be read against a figure only when it ran with that setup. :func:`comparable_with`
 checks the resolved settings and the server's environment a result ran with (and the workload)
-against every figure and returns a JSON-able verdict, for the reports to print. (The module name
-keeps the project's word for those PRs, "the seed".)
+against every figure and returns a JSON-able verdict, for the reports to print.
 
 Every figure and every setup value below says where it comes from:
 
@@ -171,14 +170,14 @@ def _gsm8k_task(f: _Facts) -> tuple[bool | None, str]:
     if not isinstance(f.workload, Mapping):
         return None, "GSM8K task settings unknown"
     shots, limit = f.wl("num_fewshot"), f.wl("limit")
-    seed_task = f.wl("seed_task_config")
+    ref_task = f.wl("reference_task_config")
     if shots != GSM8K_FEWSHOT:
         return False, f"{_show(shots)}-shot"
     if limit:
         return False, (f"a subset of {limit} items (the reference's +-0.0051 is for the full "
                        "test set)")
-    if seed_task is not True:
-        return (None if seed_task is None else False), "not the reference task config"
+    if ref_task is not True:
+        return (None if ref_task is None else False), "not the reference task config"
     return True, "the reference task config, 5-shot, full test set"
 
 
@@ -281,10 +280,10 @@ def comparable_with(measure: str, settings: Any, env: Mapping[str, str] | None =
     None with a container environment as ``settings``: that one.
     ``workload``: bench: the workload name (``decode-8k1k``); census: a mapping with ``isl``,
     ``osl``, ``concurrency``, ``steps`` (what is known); gsm8k: a mapping with
-    ``num_fewshot``, ``limit``, ``seed_task_config`` (True when our shipped task file, vLLM PR
+    ``num_fewshot``, ``limit``, ``reference_task_config`` (True when our shipped task file, vLLM PR
     #52494's config, ran).
 
-    Returns ``{"comparable": bool, "figure": key|None, "text": one line, "seed": {...}|None,
+    Returns ``{"comparable": bool, "figure": key|None, "text": one line, "reference": {...}|None,
     "checked": [...], "not_comparable": {key: reason}}``; every value is JSON-able.
     """
     if measure not in MEASURES:
@@ -298,7 +297,7 @@ def comparable_with(measure: str, settings: Any, env: Mapping[str, str] | None =
         checked, reasons = [], []
         for want, check in fig.conditions:
             ok, have = check(facts)
-            checked.append({"seed": want, "result": have, "ok": ok})
+            checked.append({"reference": want, "result": have, "ok": ok})
             if ok is not True:
                 reasons.append(f"{have} ({'unknown' if ok is None else 'differs'}; "
                                f"upstream: {want})")
@@ -312,10 +311,10 @@ def comparable_with(measure: str, settings: Any, env: Mapping[str, str] | None =
         also = [f.key for f, _ in matches[1:]]
         text = (f"comparable with the upstream {fig.value} ({fig.setup}){side}"
                 + (f"; also {', '.join(also)}" if also else ""))
-        seed = {"value": fig.value, "setup": fig.setup, "source": fig.source,
+        ref = {"value": fig.value, "setup": fig.setup, "source": fig.source,
                 "notes": list(fig.notes)}
         return {"comparable": True, "figure": fig.key, "also": also, "text": text,
-                "seed": seed, "checked": checked, "not_comparable": why_not}
+                "reference": ref, "checked": checked, "not_comparable": why_not}
     if not why_not:
         text = ("not comparable with any upstream figure: the upstream PRs publish no "
                 + {"bench": "absolute latency or throughput (its latency figure is a fusion "
@@ -323,7 +322,7 @@ def comparable_with(measure: str, settings: Any, env: Mapping[str, str] | None =
     else:
         key, reason = next(iter(why_not.items()))
         text = f"not comparable with any upstream figure: {reason} [{key}]"
-    return {"comparable": False, "figure": None, "also": [], "text": text, "seed": None,
+    return {"comparable": False, "figure": None, "also": [], "text": text, "reference": None,
             "checked": [], "not_comparable": why_not}
 
 
