@@ -477,6 +477,21 @@ def test_prefix_cache_hit_rate_from_metrics():
     assert prefix_cache_hit_rate("") is None
 
 
+def test_metric_sum_adds_a_metrics_samples_and_nothing_else():
+    from k3rocm.deploy.server_api import metric_sum
+
+    router = ('vllm_router_running_requests{worker="http://a:8000"} 3\n'
+              'vllm_router_running_requests{worker="http://b:8000"} 2 1700000000000\n'
+              "vllm_router_running_requests_total 40\n")
+    assert metric_sum(router, "vllm_router_running_requests") == 5
+    assert metric_sum("vllm:e2e_request_latency_seconds_sum 1.5\n",
+                      "vllm:e2e_request_latency_seconds_sum") == 1.5
+    assert metric_sum(METRICS, "vllm:prefix_cache_hits_total") == 100
+    assert metric_sum(METRICS, "vllm:prefix_cache_hits") is None  # not the _created sample
+    assert metric_sum("# TYPE vllm_router_running_requests gauge\n",
+                      "vllm_router_running_requests") is None
+
+
 @pytest.fixture
 def servers(fake_vllm):
     """Two fake vLLM servers and a router, as `make status` reads them."""

@@ -20,6 +20,7 @@ with progress lines; :func:`answers` says whether anything answers HTTP at a URL
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -158,6 +159,15 @@ class ServerAPI:
             raise ServerError(f"POST {self.url}{path} answered HTTP {r.status_code}: "
                               f"{r.text[:200]}")
 
+
+
+def metric_sum(metrics_text: str, name: str) -> float | None:
+    """The sum of metric ``name``'s samples over all its label sets (engines, workers) in
+    Prometheus text, or None when it has none. ``name`` is the sample's full name
+    (``vllm:prefix_cache_hits_total``, ``..._sum``); a trailing timestamp is allowed."""
+    found = re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})?[ \t]+(\S+)(?:[ \t]+-?\d+)?[ \t]*$",
+                       metrics_text, re.M)
+    return sum(float(v) for v in found) if found else None
 
 
 class StartFailed(ServerError):

@@ -13,19 +13,15 @@ different speed, which the server-time subtraction takes out.)
 
 from __future__ import annotations
 
-import re
 import statistics
 import time
 from typing import Any
 
-from k3rocm.deploy.server_api import ServerAPI
-
-E2E_SUM = re.compile(r"^vllm:e2e_request_latency_seconds_sum(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$",
-                     re.M)
+from k3rocm.deploy.server_api import ServerAPI, metric_sum
 
 
 def _e2e_sum(api: ServerAPI) -> float:
-    return sum(float(m.group(1)) for m in E2E_SUM.finditer(api.metrics_text(timeout=10)))
+    return metric_sum(api.metrics_text(timeout=10), "vllm:e2e_request_latency_seconds_sum") or 0.0
 
 
 def measure(router_url: str, node_urls: list[str], model: str, n: int = 24,

@@ -21,7 +21,6 @@ the timeout) with that request timeout (plus a margin) as the default, printing 
 from __future__ import annotations
 
 import contextlib
-import re
 import threading
 import time
 
@@ -111,12 +110,13 @@ def running_requests(metrics_url: str | None) -> int | None:
         return None
     import requests
 
+    from k3rocm.deploy.server_api import metric_sum
+
     try:
-        text = requests.get(metrics_url, timeout=2).text
+        n = metric_sum(requests.get(metrics_url, timeout=2).text, "vllm_router_running_requests")
     except requests.RequestException:
         return None
-    found = re.findall(r"^vllm_router_running_requests\{[^}]*\}\s+([0-9.eE+-]+)$", text, re.M)
-    return int(sum(float(v) for v in found)) if found else None
+    return None if n is None else int(n)
 
 
 def stop_router(client, name: str = DEFAULT_NAME, timeout: float = STOP_TIMEOUT_S,

@@ -14,21 +14,17 @@ is ``ok, N of N`` only when the router and every replica are; else ``degraded, k
 from __future__ import annotations
 
 import contextlib
-import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 from urllib.parse import urlparse
 
 from k3rocm.deploy.provenance import find_server_container
 from k3rocm.deploy.scale.settings import ScaleSettings, load_scale
-from k3rocm.deploy.server_api import ServerAPI, Unreachable
+from k3rocm.deploy.server_api import ServerAPI, Unreachable, metric_sum
 from k3rocm.errors import ServerError, UsageError
 from k3rocm.serving.decisions import final_in_log as parse_decisions  # last record per process
 
 HTTP_TIMEOUT = 5.0
-# One counter sample per engine (label set) in the Prometheus text format.
-_PREFIX_SAMPLE = re.compile(r"^vllm:prefix_cache_(hits|queries)_total(?:\{[^}]*\})?\s+"
-                            r"([0-9.eE+-]+)\s*$", re.M)
 
 
 @dataclass
@@ -58,10 +54,9 @@ class RouterStatus:
 
 def prefix_cache_hit_rate(metrics_text: str) -> float | None:
     """Hits / queries over every engine of one server, from its Prometheus text."""
-    sums = {"hits": 0.0, "queries": 0.0}
-    for m in _PREFIX_SAMPLE.finditer(metrics_text):
-        sums[m.group(1)] += float(m.group(2))
-    return sums["hits"] / sums["queries"] if sums["queries"] > 0 else None
+    queries = metric_sum(metrics_text, "vllm:prefix_cache_queries_total")
+    hits = metric_sum(metrics_text, "vllm:prefix_cache_hits_total") or 0.0
+    return hits / queries if queries else None
 
 
 def _health(api: ServerAPI) -> str:
