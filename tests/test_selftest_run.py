@@ -170,13 +170,12 @@ def seed_node(tmp_path, monkeypatch):
     monkeypatch.setattr(ComposeServer, "compose", compose)
     monkeypatch.setattr(ComposeServer, "up", lambda self, *a, **kw: calls.append(("up",)))
     # the Docker engine (client image present, no container) and idle GPUs: tests change them
-    from k3rocm.checks import selftest
-    from k3rocm.deploy import engine
+    from k3rocm.deploy import engine, preflight
 
     docker = FakeDocker()
     monkeypatch.setattr(engine, "docker_client", lambda *a, **kw: docker)
-    monkeypatch.setattr(selftest, "gpu_memory_used",
-                        lambda: ([(f"GPU {i}", 0.003) for i in range(8)], "amd-smi"))
+    monkeypatch.setattr(preflight, "gpu_memory",
+                        lambda: [(f"card{i}", 3, 1000) for i in range(8)])
     for k in [k for k in os.environ if k.startswith("K3_")]:
         monkeypatch.delenv(k)
     models = tmp_path / "models"
@@ -315,14 +314,14 @@ def test_gpus_held_by_a_running_server_are_refused_before_any_build(seed_node, t
 
 def test_gpu_memory_in_use_is_refused_before_any_build(seed_node, monkeypatch, tmp_path,
                                                       capsys):
-    from k3rocm.checks import selftest
+    from k3rocm.deploy import preflight
 
-    monkeypatch.setattr(selftest, "gpu_memory_used",
-                        lambda: ([("GPU 0", 0.004), ("GPU 3", 0.62)], "rocm-smi"))
+    monkeypatch.setattr(preflight, "gpu_memory",
+                        lambda: [("card0 (0000:05:00.0)", 4, 1000), ("card3", 620, 1000)])
     code, errors, err = _refused(capsys)
     assert code == 2 and len(errors) == 1, err
-    assert "GPU memory in use (rocm-smi): GPU 3 62%" in errors[0], err
-    assert "asks vLLM for 0.95 of each GPU" in errors[0] and "GPU 0" not in errors[0]
+    assert "GPU memory in use: card3 62%" in errors[0], err
+    assert "asks vLLM for 0.95 of each GPU" in errors[0] and "card0" not in errors[0]
     assert seed_node == [] and not (tmp_path / "results").exists()
 
 
@@ -455,31 +454,6 @@ def test_the_compare_step_judges_the_gap_not_token_identity(fake_pipeline, tmp_p
     row = next(st for st in _summary(tmp_path)["steps"] if st["name"] == "compare")
     assert row["numbers"]["verdict"] == verdict and row["numbers"]["identical"]
     assert f"tolerance 0.125 at {off[2]['prompt']!r} position 5" in row["note"]
-
-
-@pytest.mark.parametrize("data", [
-    # amd-smi metric --mem-usage --json (a list, or {"gpu_data": [...]} in newer releases)
-    [{"gpu": 0, "mem_usage": {"total_vram": {"value": 294896, "unit": "MB"},
-                              "used_vram": {"value": 283, "unit": "MB"}}},
-     {"gpu": 1, "mem_usage": {"total_vram": {"value": 294896, "unit": "MB"},
-                              "used_vram": {"value": 265406, "unit": "MB"}}}],
-    {"gpu_data": [{"gpu": 0, "mem_usage": {"total_vram": {"value": 100, "unit": "MB"},
-                                           "used_vram": {"value": 0.1, "unit": "MB"}}},
-                  {"gpu": 1, "mem_usage": {"total_vram": {"value": 100, "unit": "MB"},
-                                           "used_vram": {"value": 90, "unit": "MB"}}}]},
-    # rocm-smi --showmemuse --json
-    {"card0": {"GPU Memory Allocated (VRAM%)": "0", "GPU Memory Read/Write Activity (%)": "0"},
-     "card1": {"GPU Memory Allocated (VRAM%)": "90", "Memory Activity": "N/A"}},
-])
-def test_gpu_memory_in_use_is_read_from_amd_smi_or_rocm_smi(data):
-    from k3rocm.checks.selftest import parse_gpu_memory
-
-    used = parse_gpu_memory(data)
-    assert [round(f, 2) for _, f in used] == [0.0, 0.9], used
-    assert used[1][0] in ("GPU 1", "card1")
-
-
-# ------------------------------------------------------------------- the real serving path
 
 
 # ------------------------------------------------------------------- the real serving path

@@ -244,63 +244,6 @@ def bench_client_image(argv: list[str]) -> str:
     return parser.parse_args(argv).client_image
 
 
-def gpu_memory_used() -> tuple[list[tuple[str, float]] | None, str]:
-    """Per GPU, the fraction of its memory in use, from ``amd-smi metric --mem-usage`` (else
-    ``rocm-smi --showmemuse``), and the tool asked; None when neither answers."""
-    import json
-    import shutil
-    import subprocess
-
-    for tool, argv in (("amd-smi", ["amd-smi", "metric", "--mem-usage", "--json"]),
-                       ("rocm-smi", ["rocm-smi", "--showmemuse", "--json"])):
-        if shutil.which(tool) is None:
-            continue
-        try:
-            p = subprocess.run(argv, capture_output=True, text=True, timeout=60)
-            data = json.loads(p.stdout) if p.returncode == 0 else None
-        except (OSError, subprocess.TimeoutExpired, ValueError):
-            data = None
-        used = parse_gpu_memory(data) if data is not None else []
-        if used:
-            return used, tool
-    return None, "no amd-smi or rocm-smi answered"
-
-
-def parse_gpu_memory(data: Any) -> list[tuple[str, float]]:
-    """(GPU, fraction in use) from amd-smi's JSON (``mem_usage``: ``used_vram``/``total_vram``,
-    under ``gpu``) or rocm-smi's (``cardN``: ``GPU Memory Allocated (VRAM%)``)."""
-    out: list[tuple[str, float]] = []
-
-    def val(x):
-        x = x.get("value") if isinstance(x, dict) else x
-        try:
-            return float(x)
-        except (TypeError, ValueError):
-            return None
-
-    def walk(node, name="?"):
-        if isinstance(node, list):
-            for item in node:
-                walk(item, name)
-        elif isinstance(node, dict):
-            name = f"GPU {node['gpu']}" if "gpu" in node else name
-            mem = node.get("mem_usage")
-            if isinstance(mem, dict):
-                used, total = val(mem.get("used_vram")), val(mem.get("total_vram"))
-                if used is not None and total:
-                    out.append((name, used / total))
-                return
-            pct = next((val(v) for k, v in node.items() if "VRAM%" in k), None)
-            if pct is not None:
-                out.append((name, pct / 100))
-                return
-            for k, v in node.items():
-                walk(v, k if str(k).startswith("card") else name)
-
-    walk(data)
-    return out
-
-
 def _gpu_containers(client) -> list[str]:
     """Running containers with the AMD GPUs mapped in (/dev/kfd): this project's serving
     containers (they carry K3_PROFILE) named by compose project and port."""
@@ -326,7 +269,7 @@ def early_checks(dep, bench_argv: list[str],
     free, the GPUs free (not on the CPU stand-in). (problems, notes): each problem one line;
     nothing is started here."""
     from k3rocm.deploy.engine import docker_client, image_id
-    from k3rocm.deploy.preflight import port_free
+    from k3rocm.deploy.preflight import DRM, gpu_memory, port_free
 
     problems: list[UsageError] = []
     notes: list[str] = []
@@ -370,19 +313,19 @@ def early_checks(dep, bench_argv: list[str],
             "K3_GPU_MEMORY_UTILIZATION keeps that share of every GPU it uses until it stops; "
             "`make down` (or `docker compose -p PROJECT down`) first"))
     need = dep.settings.gpu_memory_utilization or 0.9
-    used, tool = gpu_memory_used()
-    if used is None:
-        notes.append(f"GPU memory not read ({tool})")
+    used = [(g, u / total) for g, u, total in gpu_memory()]
+    if not used:
+        notes.append(f"GPU memory not read (no mem_info_vram_total under /sys/{DRM})")
     else:
         busy = [(g, f) for g, f in used if f > 1 - need]
         if busy and not holders:
             problems.append(UsageError(
-                f"GPU memory in use ({tool}): " + ", ".join(f"{g} {f:.0%}" for g, f in busy)
+                "GPU memory in use: " + ", ".join(f"{g} {f:.0%}" for g, f in busy)
                 + f"; the selftest server asks vLLM for {need:g} of each GPU "
                 "(K3_GPU_MEMORY_UTILIZATION), so at most "
                 f"{1 - need:.0%} may be in use: stop what holds them first"))
         elif not busy:
-            notes.append(f"{len(used)} GPUs free ({tool}: at most "
+            notes.append(f"{len(used)} GPUs free (at most "
                          f"{max(f for _, f in used):.0%} in use)")
     return problems, notes
 
