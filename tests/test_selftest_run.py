@@ -302,7 +302,7 @@ def test_the_summary_says_when_the_shared_vendor_env_differs(seed_node, monkeypa
 
 def test_gpus_held_by_a_running_server_are_refused_before_any_build(seed_node, tmp_path,
                                                                    capsys):
-    """A `make up` server (TP=8 at 0.9 of each GPU's memory) holds the GPUs the selftest
+    """A `make up` server (TP=8 at its share of each GPU's memory) holds the GPUs the selftest
     server needs: refused before building the image and waiting for a server that cannot load."""
     seed_node.docker.running.append(gpu_server())
     code, errors, err = _refused(capsys)

@@ -269,7 +269,12 @@ def early_checks(dep, bench_argv: list[str],
     free, the GPUs free (not on the CPU stand-in). (problems, notes): each problem one line;
     nothing is started here."""
     from k3rocm.deploy.engine import docker_client, image_id
-    from k3rocm.deploy.preflight import DRM, gpu_memory, port_free
+    from k3rocm.deploy.preflight import (
+        DRM,
+        VLLM_DEFAULT_GPU_MEMORY_UTILIZATION,
+        gpu_memory,
+        port_free,
+    )
 
     problems: list[UsageError] = []
     notes: list[str] = []
@@ -312,7 +317,7 @@ def early_checks(dep, bench_argv: list[str],
             f"the GPUs are held by running container(s) {', '.join(holders)}: a server at "
             "K3_GPU_MEMORY_UTILIZATION keeps that share of every GPU it uses until it stops; "
             "`make down` (or `docker compose -p PROJECT down`) first"))
-    need = dep.settings.gpu_memory_utilization or 0.9
+    need = dep.settings.gpu_memory_utilization or VLLM_DEFAULT_GPU_MEMORY_UTILIZATION
     used = [(g, u / total) for g, u, total in gpu_memory()]
     if not used:
         notes.append(f"GPU memory not read (no mem_info_vram_total under /sys/{DRM})")
