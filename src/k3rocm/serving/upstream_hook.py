@@ -56,23 +56,18 @@ def _warn_once(kind: str, msg: str, *args: Any) -> None:
 
 @dataclass(frozen=True)
 class UpstreamMla:
-    """What an upstream ``amd/mla.py`` holds, read with ``ast`` (nothing imported): the one
-    reader of that file for the overlay (which fusions it ships), the base facts (which it
-    calls, which it sets, at which line) and :func:`applies` (what the hook switches)."""
+    """What an upstream ``amd/mla.py`` holds (:func:`read_mla`)."""
 
     calls: dict[str, int]  # every function called (last part of its dotted name) -> first line
     # ``self.<name>`` set in the class's ``__init__`` (``register_buffer`` too) -> first line;
     # None: no such class/method (or not Python)
     init: dict[str, int] | None
 
-    def sets(self, name: str) -> bool:
-        return bool(name) and name in (self.init or {})
-
     @property
     def shipped(self) -> list[str]:
         """The fusions it ships: it calls the fusion's ``op`` and its ``__init__`` sets the
         per-layer ``attr`` (vLLM 0.30/0.31: qk_norm only; 0.32+: both)."""
-        return [f.name for f in FUSIONS if f.op in self.calls and self.sets(f.attr)]
+        return [f.name for f in FUSIONS if f.op in self.calls and f.attr in (self.init or {})]
 
 
 def read_mla(text: str) -> UpstreamMla:
