@@ -347,14 +347,3 @@ def test_auto_refuses_an_upstream_file_whose_class_linear_py_does_not_import(tmp
     assert p.returncode == 3 and len(lines) == 1, p.stderr
     assert "overlay: cannot apply" in lines[0] and "would not switch the class" in lines[0]
     assert not (site / (MLA + ".k3rocm-upstream")).exists() and not overlay._ours(site / MLA)
-
-
-def test_shipped_fusions_need_the_op_call_and_the_attribute():
-    """The fusion table decides (op and attr), not a version number."""
-    both = (upstream_tree("0.34.0") / MLA).read_text()
-    assert overlay.shipped_fusions(both) == ["qk_norm", "decode_qprep"]
-    assert overlay.shipped_fusions(both.replace("self._fused_qk_prep", "self._qprep")) == [
-        "qk_norm"]
-    assert overlay.shipped_fusions(both.replace("fused_qk_rope_concat_and_cache_mla(",
-                                                "other_kernel(")) == ["qk_norm"]
-    assert overlay.shipped_fusions((upstream_tree("0.30.0") / MLA).read_text()) == ["qk_norm"]

@@ -156,6 +156,59 @@ def test_applies_not_on_the_overlay(tmp_path):
                                                       "K3_FUSE_* itself")
 
 
+# release -> (op calls, attributes its __init__ sets: name -> first line), read from the files;
+# None: no amd/mla.py
+READ = {
+    "0.27.1": None, "0.28.0": None, "0.29.0": None,
+    "0.30.0": ({"fused_mla_dual_rms_norm": 30}, {"_use_eager_qk_rmsnorm_fusion": 19}),
+    "0.31.0": ({"fused_mla_dual_rms_norm": 30}, {"_use_eager_qk_rmsnorm_fusion": 19}),
+    "0.32.0": ({"fused_mla_dual_rms_norm": 81, "fused_qk_rope_concat_and_cache_mla": 168},
+               {"_use_eager_qk_rmsnorm_fusion": 31, "_fused_qk_prep": 32}),
+    "0.33.0": ({"fused_mla_dual_rms_norm": 93, "fused_qk_rope_concat_and_cache_mla": 181},
+               {"_use_eager_qk_rmsnorm_fusion": 32, "_fused_qk_prep": 33}),
+    "0.34.0": ({"fused_mla_dual_rms_norm": 122, "fused_qk_rope_concat_and_cache_mla": 283},
+               {"_use_eager_qk_rmsnorm_fusion": 38, "_fused_qk_prep": 39, "_zero_positions": 62,
+                "_fold_qb_uk": 65}),
+}
+OPS = ("fused_mla_dual_rms_norm", "fused_qk_rope_concat_and_cache_mla")
+
+
+@pytest.mark.parametrize("version", READ)
+def test_read_mla_on_every_release(version):
+    """The one reader of upstream's amd/mla.py (overlay, base facts and hook ask it)."""
+    path = upstream_tree(version) / MLA
+    if READ[version] is None:
+        assert not path.is_file()
+        return
+    calls, sets = READ[version]
+    mla = upstream_hook.read_mla(path.read_text())
+    assert {k: v for k, v in mla.calls.items() if k in OPS} == calls
+    assert {k: v for k, v in mla.init.items() if k in ALL} == sets
+    assert mla.shipped == (["qk_norm"] if len(calls) == 1 else ["qk_norm", "decode_qprep"])
+
+
+def test_shipped_needs_the_op_call_and_the_attribute_in_init():
+    """The fusion table decides (op called, attr set in ``__init__``), not a version number,
+    nor a mention in a docstring or a setting outside ``__init__``."""
+    both = (upstream_tree("0.34.0") / MLA).read_text()
+
+    def shipped(text):
+        return upstream_hook.read_mla(text).shipped
+
+    assert shipped(both) == ["qk_norm", "decode_qprep"]
+    assert shipped(both.replace("self._fused_qk_prep", "self._qprep")) == ["qk_norm"]
+    assert shipped(both.replace("fused_qk_rope_concat_and_cache_mla(", "other_kernel(")) == [
+        "qk_norm"]
+    init = "        self._fused_qk_prep = self._fused_qk_prep_supported()\n"
+    moved = both.replace(init, init.replace("_fused_qk_prep =", "_qprep ="))
+    assert moved != both
+    assert shipped(moved + "\n\ndef later(self):\n    self._fused_qk_prep = True\n") == [
+        "qk_norm"]
+    assert shipped('"""fused_mla_dual_rms_norm(x) and self._use_eager_qk_rmsnorm_fusion"""') \
+        == []
+    assert shipped("not python (") == []
+
+
 # ------------------------------------------- the hook's own logic on a layer-shaped object
 # (the real class: check_upstream_hook.py in the stand-in)
 

@@ -50,6 +50,7 @@ from k3rocm.errors import UsageError
 from k3rocm.serving.fusions import BY_NAME, FUSIONS  # stdlib only too
 from k3rocm.serving.modelfacts import KIMI_K3_HEADS  # stdlib only too
 from k3rocm.serving.overlay import BACKUP_SUFFIX, _ours, _text, _vllm_version, package_root
+from k3rocm.serving.upstream_hook import read_mla  # stdlib only too
 
 GLUON_MAX_HEADS = 15  # AiterMLAHelper._AITER_MIN_MLA_HEADS = 16 (0.27.1 .. 0.34)
 ROUTER = "vllm/v1/attention/backends/mla/rocm_aiter_mla.py"
@@ -231,8 +232,8 @@ def _router_facts(path: Path) -> dict[str, dict[str, Any]]:
 
 def _upstream_mla(root: Path) -> dict[str, dict[str, Any]]:
     """Which fusions upstream's own ``amd/mla.py`` ships (it calls the fusion's op), and for
-    which of them it sets the per-layer attribute the k3rocm upstream hook switches
-    (``fusions.py`` ``attr``: a plain ``self.<attr> = ...`` in the file)."""
+    which of them its ``__init__`` sets the per-layer attribute the k3rocm upstream hook
+    switches (``fusions.py`` ``attr``); read by ``upstream_hook.read_mla``."""
     path = root / AMD_MLA
     if _ours(path):  # upstream's file, if any, is the backup `overlay apply --mode force` kept
         path = path.with_name(path.name + BACKUP_SUFFIX)
@@ -240,18 +241,16 @@ def _upstream_mla(root: Path) -> dict[str, dict[str, Any]]:
     if not text:
         none = f"{AMD_MLA}: no upstream file (none, or only the k3rocm overlay)"
         return {"upstream_mla_fusions": fact([], none), "upstream_mla_switchable": fact([], none)}
-    fus = [f.name for f in FUSIONS if f.op in text]
-    lines = {f.name: _line_of(text, rf"^\s*self\.{re.escape(f.attr)}\s*[:=]") for f in FUSIONS
-             if f.name in fus and f.attr}
-    attrs = [n for n, ln in lines.items() if ln]
-    calls = {f.name: _line_of(text, re.escape(f.op) + r"\(") for f in FUSIONS if f.name in fus}
+    mla = read_mla(text)
+    calls = {f.name: mla.calls[f.op] for f in FUSIONS if f.op in mla.calls}
+    lines = {n: (mla.init or {}).get(BY_NAME[n].attr) for n in calls if BY_NAME[n].attr}
     return {
-        "upstream_mla_fusions": fact(fus, f"{how}: upstream code calling " + (
+        "upstream_mla_fusions": fact(list(calls), f"{how}: upstream code calling " + (
             ", ".join(f"{BY_NAME[n].op} ({n}) at line {ln}" for n, ln in calls.items())
             or "neither op")),
-        "upstream_mla_switchable": fact(attrs, f"{how}: " + (", ".join(
-            f"self.{BY_NAME[n].attr} set at line {ln}" if ln else
-            f"no self.{BY_NAME[n].attr} for {n}" for n, ln in lines.items()) or
+        "upstream_mla_switchable": fact([n for n, ln in lines.items() if ln], f"{how}: " + (
+            ", ".join(f"self.{BY_NAME[n].attr} set at line {ln}" if ln else
+                      f"no self.{BY_NAME[n].attr} for {n}" for n, ln in lines.items()) or
             "no upstream fusion to switch"))}
 
 

@@ -9,12 +9,13 @@ Build-time step of the serving image (see docs/overlay.md):
   ``MultiHeadLatentAttentionWrapper`` from ``vllm.model_executor.layers.mla`` and calls
   it. Missing -> exit 3 with one line (fails the image build).
 - Only adds files (``amd/mla.py``); never edits a vLLM file. Where vLLM ships its own
-  ``amd/mla.py``, what it holds decides (read from its text with the fusion table,
-  ``serving/fusions.py``: a fusion is shipped when the file calls its ``op`` and sets its
-  ``attr``): ``auto`` replaces a file that lacks a fusion (vLLM 0.30/0.31: the q/kv RMSNorm
-  fusion only) and leaves one with every fusion alone (0.32+: switchable through the plugin's
-  upstream hook); ``force`` replaces it either way (refused where upstream's API is newer than
-  the overlay's, 0.33+). A replaced upstream file is kept as ``mla.py.k3rocm-upstream``.
+  ``amd/mla.py``, what it holds decides (``upstream_hook.read_mla`` reads it with the fusion
+  table, ``serving/fusions.py``: a fusion is shipped when the file calls its ``op`` and its
+  ``__init__`` sets its ``attr``): ``auto`` replaces a file that lacks a fusion (vLLM
+  0.30/0.31: the q/kv RMSNorm fusion only) and leaves one with every fusion alone (0.32+:
+  switchable through the plugin's upstream hook); ``force`` replaces it either way (refused
+  where upstream's API is newer than the overlay's, 0.33+). A replaced upstream file is kept
+  as ``mla.py.k3rocm-upstream``.
 - Idempotent: a manifest of sha256 hashes (``amd/.k3rocm-overlay.json``) makes a second
   apply a no-op; a target changed since it was applied, or an older overlay still in
   place, fails loudly.
@@ -43,6 +44,7 @@ from k3rocm.hashing import sha256_file
 from k3rocm.rundir import write_bytes_atomic, write_text_atomic
 from k3rocm.serving import decisions
 from k3rocm.serving.fusions import FUSIONS
+from k3rocm.serving.upstream_hook import read_mla
 
 MODES = ("auto", "force", "off")
 MANIFEST_NAME = ".k3rocm-overlay.json"
@@ -169,15 +171,6 @@ def _ours(path: Path) -> bool:
     return MARKER in _text(path)
 
 
-def shipped_fusions(text: str) -> list[str]:
-    """The fusions an upstream ``amd/mla.py`` (its ``text``) ships, by the fusion table: the
-    file calls the fusion's ``op`` and sets the per-layer ``attr`` upstream's gates decide.
-    vLLM 0.30/0.31: qk_norm only; 0.32+: both."""
-    return [f.name for f in FUSIONS
-            if re.search(rf"(?<![\w]){re.escape(f.op)}\s*\(", text)
-            and re.search(rf"\bself\.{re.escape(f.attr)}\b", text)]
-
-
 SKIPPED_WHY = (f"upstream amd/mla.py ships {' and '.join(f.name for f in FUSIONS)}; switchable "
                "through the plugin's upstream hook")
 
@@ -259,7 +252,7 @@ def apply(overlay_dir: Path, mode: str = "auto", site: Path | None = None,
     upstream = (vllm.root / MLA).is_file() and not _ours(vllm.root / MLA)
     backup = (vllm.root / MLA).with_name(MLA.name + BACKUP_SUFFIX)
     up_file = vllm.root / MLA if upstream else backup  # upstream's file, if vLLM has one
-    shipped = shipped_fusions(_text(up_file)) if up_file.is_file() else None
+    shipped = read_mla(_text(up_file)).shipped if up_file.is_file() else None
     lacks = [f.name for f in FUSIONS if shipped is not None and f.name not in shipped]
     if shipped is not None:
         rep["upstream_fusions"] = shipped
@@ -353,7 +346,7 @@ def status(site: Path | None = None) -> dict[str, Any]:
     if mla.is_file():
         st["amd_mla"] = "k3rocm overlay" if ours else "upstream"
     if up_file.is_file():
-        st["upstream_fusions"] = shipped_fusions(_text(up_file))
+        st["upstream_fusions"] = read_mla(_text(up_file)).shipped
     manifest = _read_manifest(vllm)
     if manifest is not None:
         st["manifest"] = str(_manifest_path(vllm))

@@ -13,6 +13,9 @@ A base whose attributes are not what the hook expects (missing, not a bool): one
 process, upstream's behaviour untouched, state ``unknown``. Any error in the hook: one line,
 upstream's behaviour untouched. The hook never stops the server.
 
+:func:`read_mla` is the one reader of upstream's file (``ast``, nothing imported): the overlay
+(which fusions it ships), the base facts and :func:`applies` ask it.
+
 Stdlib only at import time (this runs inside the serving image, in every vLLM process).
 """
 
@@ -23,6 +26,7 @@ import contextlib
 import functools
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,31 +51,54 @@ def _warn_once(kind: str, msg: str, *args: Any) -> None:
         log.warning(msg, *args)
 
 
-# ------------------------------------------------------------------ does it apply (no import)
+# ------------------------------------------------ upstream's file, read (nothing imported)
 
 
-def _init_assigns(text: str) -> set[str] | None:
-    """``self.<name>`` assigned in the class's ``__init__`` (None: no such class/method)."""
+@dataclass(frozen=True)
+class UpstreamMla:
+    """What an upstream ``amd/mla.py`` holds (:func:`read_mla`)."""
+
+    calls: dict[str, int]  # every function called (last part of its dotted name) -> first line
+    # ``self.<name>`` set in the class's ``__init__`` (``register_buffer`` too) -> first line;
+    # None: no such class/method (or not Python)
+    init: dict[str, int] | None
+
+    @property
+    def shipped(self) -> list[str]:
+        """The fusions it ships: it calls the fusion's ``op`` and its ``__init__`` sets the
+        per-layer ``attr`` (vLLM 0.30/0.31: qk_norm only; 0.32+: both)."""
+        return [f.name for f in FUSIONS if f.op in self.calls and f.attr in (self.init or {})]
+
+
+def read_mla(text: str) -> UpstreamMla:
+    """Read an upstream ``amd/mla.py`` (its ``text``)."""
     try:
         tree = ast.parse(text)
     except SyntaxError:
-        return None
-    for cls in tree.body:
-        if isinstance(cls, ast.ClassDef) and cls.name == CLASS:
-            for fn in cls.body:
-                if isinstance(fn, ast.FunctionDef) and fn.name == "__init__":
-                    out = set()
-                    for node in ast.walk(fn):
-                        targets = (node.targets if isinstance(node, ast.Assign) else
-                                   [node.target] if isinstance(node, ast.AnnAssign) else [])
-                        out |= {t.attr for t in targets if isinstance(t, ast.Attribute)
-                                and isinstance(t.value, ast.Name) and t.value.id == "self"}
-                        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                                and node.func.attr == "register_buffer" and node.args
-                                and isinstance(node.args[0], ast.Constant)):
-                            out.add(str(node.args[0].value))
-                    return out
-    return None
+        return UpstreamMla({}, None)
+    calls: dict[str, int] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            name = ast.unparse(node.func).rsplit(".", 1)[-1]
+            calls[name] = min(node.lineno, calls.get(name, node.lineno))
+    init = next((fn for cls in tree.body if isinstance(cls, ast.ClassDef) and cls.name == CLASS
+                 for fn in cls.body
+                 if isinstance(fn, ast.FunctionDef) and fn.name == "__init__"), None)
+    if init is None:
+        return UpstreamMla(calls, None)
+    sets: dict[str, int] = {}
+    for node in ast.walk(init):
+        targets = (node.targets if isinstance(node, ast.Assign) else
+                   [node.target] if isinstance(node, ast.AnnAssign) else [])
+        names = [t.attr for t in targets if isinstance(t, ast.Attribute)
+                 and isinstance(t.value, ast.Name) and t.value.id == "self"]
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "register_buffer" and node.args
+                and isinstance(node.args[0], ast.Constant)):
+            names.append(str(node.args[0].value))
+        for n in names:
+            sets[n] = min(node.lineno, sets.get(n, node.lineno))
+    return UpstreamMla(calls, sets)
 
 
 def applies(vllm_root: str | os.PathLike) -> tuple[bool, str]:
@@ -86,7 +113,7 @@ def applies(vllm_root: str | os.PathLike) -> tuple[bool, str]:
     text = path.read_text(encoding="utf-8", errors="replace")
     if OVERLAY_MARKER in text:
         return False, f"{MLA_FILE} is the k3rocm overlay: it reads K3_FUSE_* itself"
-    assigned = _init_assigns(text)
+    assigned = read_mla(text).init
     if assigned is None:
         return True, (f"upstream {MLA_FILE} has no {CLASS}.__init__: the hook finds nothing "
                       "to switch; every fusion 'unknown'")
