@@ -26,7 +26,7 @@ OVERLAY_MLA = REPO / "overlay/vllm/models/kimi_k3/amd/mla.py"
 INVLLM = """
 python3 -m k3rocm overlay apply --overlay-dir /tmp/k3/overlay --mode auto \
     --report /tmp/overlay.json
-python3 -m pytest -q -p no:cacheprovider -o python_files='check_*.py' -rA \
+python3 -m pytest -q -p no:cacheprovider -o python_files='check_*.py' -rA --durations=12 \
     tests/overlay_invllm
 """
 

@@ -132,30 +132,6 @@ def test_fusion_attributes_are_decided_in_init_and_read_where_the_path_is_chosen
         assert users == {"_fused_decode"}
 
 
-@pytest.mark.parametrize("version,applies,says", [
-    ("0.27.1", False, "no vllm/models/kimi_k3/amd/mla.py"),
-    ("0.29.0", False, "no vllm/models/kimi_k3/amd/mla.py"),
-    ("0.30.0", True, "qk_norm via _use_eager_qk_rmsnorm_fusion; decode_qprep: no _fused_qk_prep"),
-    ("0.31.0", True, "qk_norm via _use_eager_qk_rmsnorm_fusion; decode_qprep: no _fused_qk_prep"),
-    ("0.32.0", True, "qk_norm via _use_eager_qk_rmsnorm_fusion; decode_qprep via _fused_qk_prep"),
-    ("0.33.0", True, "decode_qprep via _fused_qk_prep; ") ,
-    ("0.34.0", True, "decode_qprep via _fused_qk_prep (+_fold_qb_uk, _zero_positions)"),
-])
-def test_applies_reads_the_release(version, applies, says):
-    ok, why = upstream_hook.applies(upstream_tree(version))
-    assert ok is applies and says in why + "; ", why
-
-
-def test_applies_not_on_the_overlay(tmp_path):
-    from conftest import REPO
-
-    target = tmp_path / MLA
-    target.parent.mkdir(parents=True)
-    target.write_text((REPO / "overlay" / MLA).read_text())
-    assert upstream_hook.applies(tmp_path) == (False, f"{MLA} is the k3rocm overlay: it reads "
-                                                      "K3_FUSE_* itself")
-
-
 # release -> (op calls, attributes its __init__ sets: name -> first line), read from the files;
 # None: no amd/mla.py
 READ = {

@@ -49,8 +49,8 @@ from typing import Any
 from k3rocm.errors import UsageError
 from k3rocm.serving.fusions import BY_NAME, FUSIONS  # stdlib only too
 from k3rocm.serving.modelfacts import KIMI_K3_HEADS  # stdlib only too
-from k3rocm.serving.overlay import BACKUP_SUFFIX, _ours, _text, _vllm_version, package_root
-from k3rocm.serving.upstream_hook import read_mla  # stdlib only too
+from k3rocm.serving.overlay import _ours, _text, _vllm_version, package_root
+from k3rocm.serving.upstream_hook import read_mla, upstream_file  # stdlib only too
 
 GLUON_MAX_HEADS = 15  # AiterMLAHelper._AITER_MIN_MLA_HEADS = 16 (0.27.1 .. 0.34)
 ROUTER = "vllm/v1/attention/backends/mla/rocm_aiter_mla.py"
@@ -234,10 +234,8 @@ def _upstream_mla(root: Path) -> dict[str, dict[str, Any]]:
     """Which fusions upstream's own ``amd/mla.py`` ships (it calls the fusion's op), and for
     which of them its ``__init__`` sets the per-layer attribute the k3rocm upstream hook
     switches (``fusions.py`` ``attr``); read by ``upstream_hook.read_mla``."""
-    path = root / AMD_MLA
-    if _ours(path):  # upstream's file, if any, is the backup `overlay apply --mode force` kept
-        path = path.with_name(path.name + BACKUP_SUFFIX)
-    text, how = _text(path), str(path.relative_to(root))
+    path = upstream_file(root)
+    text, how = (_text(path), str(path.relative_to(root))) if path else ("", "")
     if not text:
         none = f"{AMD_MLA}: no upstream file (none, or only the k3rocm overlay)"
         return {"upstream_mla_fusions": fact([], none), "upstream_mla_switchable": fact([], none)}

@@ -1,28 +1,8 @@
-"""``k3rocm overlay apply|status``: put overlay/ into vLLM's tree, safely and once.
-
-Build-time step of the serving image (see docs/overlay.md):
-
-    python3 -m k3rocm overlay apply --overlay-dir /opt/k3rocm/overlay \
-        --mode auto|force|off --report /opt/k3rocm/overlay.json
-
-- Verifies the anchor the wiring hooks: ``vllm/models/kimi_k3/amd/linear.py`` imports
-  ``MultiHeadLatentAttentionWrapper`` from ``vllm.model_executor.layers.mla`` and calls
-  it. Missing -> exit 3 with one line (fails the image build).
-- Only adds files (``amd/mla.py``); never edits a vLLM file. Where vLLM ships its own
-  ``amd/mla.py``, what it holds decides (``upstream_hook.read_mla`` reads it with the fusion
-  table, ``serving/fusions.py``: a fusion is shipped when the file calls its ``op`` and its
-  ``__init__`` sets its ``attr``): ``auto`` replaces a file that lacks a fusion (vLLM
-  0.30/0.31: the q/kv RMSNorm fusion only) and leaves one with every fusion alone (0.32+:
-  switchable through the plugin's upstream hook); ``force`` replaces it either way (refused
-  where upstream's API is newer than the overlay's, 0.33+). A replaced upstream file is kept
-  as ``mla.py.k3rocm-upstream``.
-- Idempotent: a manifest of sha256 hashes (``amd/.k3rocm-overlay.json``) makes a second
-  apply a no-op; a target changed since it was applied, or an older overlay still in
-  place, fails loudly.
-- Writes a JSON report (decision, files with sha256, vLLM version and path) for the
-  provenance manifest.
-
-Stdlib only: runs inside the serving image before anything else is there.
+"""``k3rocm overlay apply|status|probe|verify-import``: put overlay/ into vLLM's tree at image build
+(docs/overlay.md). Only adds files (``amd/mla.py``; a replaced upstream file is kept as
+``mla.py.k3rocm-upstream``); ``auto`` skips where upstream's file ships every fusion of the
+fusion table, ``force`` replaces it (refused on an API newer than the overlay's, 0.33+).
+Idempotent through a sha256 manifest. Stdlib only: runs in the image before anything else.
 """
 
 from __future__ import annotations
@@ -44,7 +24,7 @@ from k3rocm.hashing import sha256_file
 from k3rocm.rundir import write_bytes_atomic, write_text_atomic
 from k3rocm.serving import decisions
 from k3rocm.serving.fusions import FUSIONS
-from k3rocm.serving.upstream_hook import read_mla
+from k3rocm.serving.upstream_hook import BACKUP_SUFFIX, MARKER, read_mla, upstream_file
 
 MODES = ("auto", "force", "off")
 MANIFEST_NAME = ".k3rocm-overlay.json"
@@ -52,8 +32,6 @@ AMD_DIR = Path("vllm/models/kimi_k3/amd")
 LINEAR = AMD_DIR / "linear.py"
 MLA = AMD_DIR / "mla.py"
 SHARED_MLA = Path("vllm/model_executor/layers/mla.py")
-MARKER = "K3ROCM_OVERLAY = 1"
-BACKUP_SUFFIX = ".k3rocm-upstream"
 PLUGIN = "vllm.general_plugins: k3rocm_overlay = k3rocm.serving.vllm_plugin:register"
 IMAGE_OVERLAY_DIR = Path("/opt/k3rocm/overlay")  # where the Dockerfile copies overlay/
 _CHECKOUT_OVERLAY_DIR = Path(__file__).resolve().parents[3] / "overlay"  # a source checkout
@@ -251,8 +229,8 @@ def apply(overlay_dir: Path, mode: str = "auto", site: Path | None = None,
 
     upstream = (vllm.root / MLA).is_file() and not _ours(vllm.root / MLA)
     backup = (vllm.root / MLA).with_name(MLA.name + BACKUP_SUFFIX)
-    up_file = vllm.root / MLA if upstream else backup  # upstream's file, if vLLM has one
-    shipped = read_mla(_text(up_file)).shipped if up_file.is_file() else None
+    up_file = upstream_file(vllm.root)
+    shipped = read_mla(_text(up_file)).shipped if up_file else None
     lacks = [f.name for f in FUSIONS if shipped is not None and f.name not in shipped]
     if shipped is not None:
         rep["upstream_fusions"] = shipped
@@ -342,10 +320,10 @@ def status(site: Path | None = None) -> dict[str, Any]:
     st: dict[str, Any] = {"vllm_version": vllm.version, "vllm_path": str(vllm.root / "vllm"),
                           "amd_mla": "absent", "manifest": None, "verified": None,
                           "upstream_fusions": None}
-    up_file = backup if ours else mla
+    up_file = upstream_file(vllm.root)
     if mla.is_file():
         st["amd_mla"] = "k3rocm overlay" if ours else "upstream"
-    if up_file.is_file():
+    if up_file:
         st["upstream_fusions"] = read_mla(_text(up_file)).shipped
     manifest = _read_manifest(vllm)
     if manifest is not None:

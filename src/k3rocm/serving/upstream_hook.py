@@ -1,22 +1,8 @@
-"""The upstream hook: upstream's own Kimi-K3 fusions, switchable and observable.
-
-vLLM >= 0.30 ships ``vllm/models/kimi_k3/amd/mla.py`` (class
-``KimiK3MultiHeadLatentAttentionWrapper``), which decides each fusion per layer in ``__init__``
-with a plain attribute and no switch (the names: the fusion table's ``attr`` and ``follows``,
-``serving/fusions.py``). On such a base the vLLM plugin (``vllm_plugin.register``) runs
-:func:`install` right after that module is imported. It wraps the class's ``__init__``: after
-upstream's own ``__init__`` (its gates) ran, a fusion whose ``K3_FUSE_*`` switch is 0 is turned
-off (its attribute and those that follow it), and one decision record per process and layer
-kind is written (``writer: "upstream"``) with the state read back from the attribute.
-
-A base whose attributes are not what the hook expects (missing, not a bool): one warning per
-process, upstream's behaviour untouched, state ``unknown``. Any error in the hook: one line,
-upstream's behaviour untouched. The hook never stops the server.
-
-:func:`read_mla` is the one reader of upstream's file (``ast``, nothing imported): the overlay
-(which fusions it ships), the base facts and :func:`applies` ask it.
-
-Stdlib only at import time (this runs inside the serving image, in every vLLM process).
+"""The upstream hook: upstream's own Kimi-K3 fusions (vLLM >= 0.30 amd/mla.py), switchable and
+recorded. :func:`install` wraps the class's ``__init__``: a fusion whose ``K3_FUSE_*`` is 0 is
+turned off (its ``attr`` and ``follows``, serving/fusions.py) and one decision record per process
+and layer kind is written. Never stops the server. :func:`read_mla` is the one reader of
+upstream's file; :func:`upstream_file` the one place that says which file that is.
 """
 
 from __future__ import annotations
@@ -38,7 +24,8 @@ log = logging.getLogger("vllm.k3rocm")
 MODULE = "vllm.models.kimi_k3.amd.mla"
 CLASS = "KimiK3MultiHeadLatentAttentionWrapper"
 MLA_FILE = Path("vllm/models/kimi_k3/amd/mla.py")  # under the directory holding ``vllm``
-OVERLAY_MARKER = "K3ROCM_OVERLAY = 1"  # the overlay file's marker (vllm_plugin.MARKER)
+MARKER = "K3ROCM_OVERLAY = 1"  # in the overlay's amd/mla.py, never in upstream's
+BACKUP_SUFFIX = ".k3rocm-upstream"  # upstream's amd/mla.py, kept when the overlay replaced it
 _WRAPPED = "_k3rocm_upstream_hook"
 
 WRITER = decisions.Writer()
@@ -101,30 +88,17 @@ def read_mla(text: str) -> UpstreamMla:
     return UpstreamMla(calls, sets)
 
 
-def applies(vllm_root: str | os.PathLike) -> tuple[bool, str]:
-    """Does the hook run on the vLLM under ``vllm_root`` (the directory holding the ``vllm``
-    package), and what does it switch there? Read from the file, nothing imported. True when
-    that vLLM's amd/mla.py is upstream's (not the overlay) and its class exists; the reason
-    names, per fusion, the attribute the hook switches, or why that fusion's records will say
-    ``unknown``. (At run time ``K3_OVERLAY=off`` leaves upstream alone: no hook.)"""
-    path = Path(vllm_root) / MLA_FILE
-    if not path.is_file():
-        return False, f"no {MLA_FILE} (vLLM < 0.30): the overlay carries the fusions"
-    text = path.read_text(encoding="utf-8", errors="replace")
-    if OVERLAY_MARKER in text:
-        return False, f"{MLA_FILE} is the k3rocm overlay: it reads K3_FUSE_* itself"
-    assigned = read_mla(text).init
-    if assigned is None:
-        return True, (f"upstream {MLA_FILE} has no {CLASS}.__init__: the hook finds nothing "
-                      "to switch; every fusion 'unknown'")
-    parts = []
-    for f in FUSIONS:
-        if f.attr and f.attr in assigned:
-            follow = [a for a in f.follows if a in assigned]
-            parts.append(f"{f.name} via {f.attr}" + (f" (+{', '.join(follow)})" if follow else ""))
-        else:
-            parts.append(f"{f.name}: no {f.attr or 'attribute'} on this release ('unknown')")
-    return True, f"upstream {MLA_FILE}: the hook switches " + "; ".join(parts)
+def _text(path: Path) -> str:
+    return path.read_text(encoding="utf-8", errors="replace") if path.is_file() else ""
+
+
+def upstream_file(root: Path) -> Path | None:
+    """Upstream's amd/mla.py under ``root`` (the directory holding ``vllm``): the file, or the
+    backup ``overlay apply`` kept when it put the overlay there; None when vLLM ships none."""
+    path = Path(root) / MLA_FILE
+    if MARKER in _text(path):
+        path = path.with_name(path.name + BACKUP_SUFFIX)
+    return path if path.is_file() else None
 
 
 # --------------------------------------------------------------------------- the run-time hook

@@ -1,32 +1,10 @@
-"""vLLM general plugin (entry point ``vllm.general_plugins: k3rocm_overlay``).
+"""vLLM general plugin (``vllm.general_plugins: k3rocm_overlay``), run in every vLLM process.
 
-vLLM calls :func:`register` in every process it starts (API server, engine core, each
-worker) before it builds a model. We use that to make the AMD Kimi-K3 model build our
-``KimiK3MultiHeadLatentAttentionWrapper`` instead of the base wrapper:
-
-``vllm/models/kimi_k3/amd/linear.py`` (nightly era) does
-``from vllm.model_executor.layers.mla import MLAModules, MultiHeadLatentAttentionWrapper``
-and calls ``MultiHeadLatentAttentionWrapper(...)`` inside ``KimiMLAAttention.__init__``;
-the name is looked up in that module's globals at construction time. Rebinding that one
-global (in that one module) to our subclass switches the Kimi-K3 AMD model and nothing
-else: no vLLM file is edited, DeepSeek and every other MLA model keep the stock wrapper
-(unlike ``PluggableLayer.register_oot``, which would swap the wrapper for all models).
-
-The rebinding happens when ``amd/linear.py`` is imported (a post-import hook), so a
-process that never loads Kimi-K3 pays nothing but this function call.
-
-On a base whose ``amd/mla.py`` is upstream's (vLLM >= 0.30), upstream wires its own class; the
-plugin then hooks that module instead (the upstream hook, ``serving/upstream_hook.py``): right
-after it is imported, the class's ``__init__`` is wrapped so ``K3_FUSE_*=0`` turns upstream's
-fusions off per layer and every process writes decision records.
-
-It does nothing when
-- ``K3_OVERLAY=off`` is set at run time (A/B the whole overlay without a rebuild; upstream's
-  own fusions are then left as upstream decides, unrecorded),
-- vLLM has no ``amd/mla.py`` (no overlay applied on a base older than 0.30),
-- ``amd/linear.py`` no longer holds the base wrapper name (logged as a warning).
-
-Stdlib only at import time: this runs inside the serving image.
+With the overlay at ``amd/mla.py``: right after ``vllm.models.kimi_k3.amd.linear`` is imported,
+its global ``MultiHeadLatentAttentionWrapper`` is rebound to the overlay's class (Kimi-K3 AMD
+only; no vLLM file edited; other MLA models keep the stock wrapper). With upstream's amd/mla.py
+(vLLM >= 0.30): the upstream hook (upstream_hook.install) wraps its class. Nothing with
+``K3_OVERLAY=off`` at run time. Stdlib only at import time.
 """
 
 from __future__ import annotations
@@ -39,6 +17,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from k3rocm.serving.upstream_hook import MARKER
+
 # A child of vLLM's "vllm" logger, as vLLM's own plugin loader logs: its handler and level.
 log = logging.getLogger("vllm.k3rocm")
 
@@ -46,7 +26,6 @@ TARGET_MODULE = "vllm.models.kimi_k3.amd.linear"
 OVERLAY_MODULE = "vllm.models.kimi_k3.amd.mla"
 WRAPPER_NAME = "MultiHeadLatentAttentionWrapper"
 OUR_CLASS = "KimiK3MultiHeadLatentAttentionWrapper"
-MARKER = "K3ROCM_OVERLAY = 1"
 
 _state: dict[str, Any] = {"registered": False, "bound": [], "upstream_hook": False}
 
