@@ -1,39 +1,8 @@
-"""What the base image can run, measured from the vLLM and AITER installed in it.
-
-``k3rocm base facts [--json]`` (and the image build, which records them in the manifest) reads
-the installed sources without importing them (no GPU, no 20 s vLLM import, works during
-``docker build``) and reports each fact with how it was decided (file:line), or ``unknown``.
-docs/overlay.md tabulates them for every vLLM release 0.27.1 ... 0.34.0.
-
-- vLLM version; which fusions vLLM's own ``vllm/models/kimi_k3/amd/mla.py`` ships (the q/kv
-  RMSNorm fusion since 0.30.0, decode Q-prep since 0.32.0) and for which it sets the per-layer
-  attribute the k3rocm upstream hook switches (``fusions.py`` ``attr``); whether the file is
-  the k3rocm overlay;
-- AITER version; whether its ``fused_qk_rope_concat_and_cache_mla`` stub has the
-  ``compute_all_q_rope`` argument that came with the position clamp (ROCm/aiter #4342, first in
-  v0.1.19.post1); the op's schema is defined from that stub (``compile_ops`` ->
-  ``torch_compile_guard``), so the stub answers what the registered schema will say;
-- the AITER MLA decode route: ``AiterMLAHelper.use_gluon_decode`` with or without a
-  ``kv_cache_dtype`` argument (0.27.1: every < 16-head single-token decode goes to Gluon;
-  0.28.0+: fp8 KV never does), whether ``AiterMLAImpl`` keeps vLLM's default
-  ``supports_quant_query_input = True`` (then an fp8 KV cache gives the backend an fp8 query),
-  whether the backend's query padding is a view (0.33: ``as_strided``);
-- the < 16-head MTP verify path, per KV dtype, by behaviour: the branch of the impl's forward
-  that a 1 + k token verify takes on gfx950 and whether that path copies a device value to the
-  host (``.item()``, ``.tolist()``, ``int(t.min())``, ...), which full-graph capture cannot
-  do (0.27.1: Gluon flatten with host syncs for every dtype; 0.28.0: the same for bf16, fp8
-  takes the padded asm decode; 0.29.0+: no host sync);
-- graphs: the AITER MLA builder's declared cudagraph support (``UNIFORM_BATCH``: FULL decode
-  graphs), vLLM's default ``cudagraph_mode``, and whether vLLM turns breakable CUDA graphs on by
-  itself for Kimi-K3, per platform (ROCm: up to 0.29.0);
-- the FP8/FP4 BMM defaults in ``vllm/envs.py``;
-- vLLM's load formats (``LoadFormats``: ``K3_LOAD_FORMAT`` is checked against them) and the
-  environment names vLLM and AITER read (``known_env``: a VLLM_*/AITER_* name set by the user
-  that is not among them gets a warning).
-
-:func:`route` turns those facts into the decode route for a heads-per-rank and KV dtype, and
-:func:`check` into the decisions and refusals ``k3rocm serve`` applies before vLLM starts.
-Stdlib only: runs in the image before anything else is there.
+"""What the base image can run, read from its installed vLLM and AITER sources (no import, no GPU;
+works during ``docker build``): each fact with how it was decided (``path:line``) or ``unknown``
+(docs/overlay.md tabulates them per release). :func:`route` gives the decode route for a
+heads-per-rank and KV dtype; :func:`check` the decisions and refusals ``k3rocm serve`` applies
+before vLLM starts. Stdlib only.
 """
 
 from __future__ import annotations
@@ -85,11 +54,9 @@ def _def(node: ast.AST | None, name: str, kind: type = ast.FunctionDef) -> Any:
                 None)
 
 
-# What the small-head multi-token verify path does, read from ``AiterMLAImpl.forward_mqa``
-# (0.33+: the ``_forward_mqa`` it delegates to) the way it runs for one MI355X rank: gfx950
-# (AITER's Gluon MLA decode supported), ``VLLM_ROCM_AITER_MLA_ASM_PADDING`` unset, no decode
-# context parallelism, causal verify of 1 + k <= 4 query tokens. Each early-returning branch's
-# test is classified; an unknown one makes the route unknown (never guessed).
+# The < 16-head verify path through ``AiterMLAImpl.(_)forward_mqa`` on one MI355X rank (gfx950,
+# no ASM padding env, no DCP, 1 + k <= 4 tokens): each early-return branch's test is classified;
+# an unknown one makes the route unknown (never guessed).
 _HOST_SYNC_METHODS = ("item", "tolist", "cpu", "numpy", "synchronize")
 _NOT_TAKEN = (  # (text in the branch test, why the verify does not take it)
     ("use_gluon_decode", "single-token decode only"),
@@ -101,8 +68,7 @@ _NOT_TAKEN = (  # (text in the branch test, why the verify does not take it)
 
 def _host_syncs(nodes: list[ast.AST]) -> list[int]:
     """Lines in ``nodes`` that copy a device value to the host: ``.item()``, ``.tolist()``,
-    ``.cpu()``, ... and ``int()``/``float()``/``bool()`` of a method call's result (e.g.
-    ``int(row_len.min())``; ``int(decode.max_qo_len)`` reads a host int and is not one)."""
+    ``.cpu()``, ... and ``int()``/``float()``/``bool()`` of a method call's result."""
     out = set()
     for top in nodes:
         for n in ast.walk(top):
@@ -399,9 +365,9 @@ _AITER_NAME = re.compile(r"""["'](AITER_[A-Z0-9_]+)["']""")
 
 def _known_env(root: Path, aiter_root: Path | None) -> dict[str, Any]:
     """The VLLM_* / AITER_* names this image's vLLM and AITER read: the keys of vLLM's
-    ``environment_variables`` (the list vLLM's own ``validate_environ`` checks, late, when the
-    engine starts) and the ``AITER_*`` string literals of AITER's Python sources (AITER keeps
-    no list; a name it builds at run time is not seen). None for a part not installed."""
+    ``environment_variables`` (the list vLLM's own ``validate_environ`` checks, late, when
+    the engine starts) and the ``AITER_*`` string literals of AITER's Python sources (AITER
+    keeps no list; a name it builds at run time is not seen)."""
     tree = ast.parse(_text(root / ENVS) or "pass")
     node = next((n for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign)) and
                  ast.unparse(getattr(n, "target", None) or n.targets[0]) ==
@@ -445,9 +411,9 @@ def measure(site: Path | None = None, aiter_site: Path | None = None) -> dict[st
 
 
 def unknown_env(facts: dict[str, Any], names: dict[str, str]) -> list[str]:
-    """One warning line per name in ``names`` (name -> where it was set) that starts with
-    VLLM_ or AITER_ and is not one the base's vLLM or AITER reads (``known_env``), with the
-    closest known name. Nothing for a part whose list is unknown."""
+    """One warning line per name in ``names`` (name -> where it was set) that starts with VLLM_
+    or AITER_ and is not one the base's vLLM or AITER reads (``known_env``), with the closest
+    known name."""
     import difflib
 
     known = value(facts, "known_env") or {}
@@ -474,10 +440,7 @@ def value(facts: dict[str, Any], key: str) -> Any:
 
 
 def route(facts: dict[str, Any], heads: int, kv_dtype: str, qlen: int = 1) -> dict[str, Any]:
-    """The AITER MLA decode route vLLM takes for ``heads`` per rank, and the query it accepts.
-
-    ``fp8_query_ok``: the route serves the fp8 query the stock layer (and the fused Q-prep)
-    hands it with an fp8 KV cache; None when a fact it needs is unknown."""
+    """The AITER MLA decode route vLLM takes for ``heads`` per rank, and the query it accepts."""
     fp8 = kv_dtype.startswith("fp8")
     if heads > GLUON_MAX_HEADS:
         return {"route": "asm", "fp8_query_ok": True, "why": f"{heads} heads: asm decode"}
@@ -485,9 +448,6 @@ def route(facts: dict[str, Any], heads: int, kv_dtype: str, qlen: int = 1) -> di
     if qlen > 1:
         key = "verify_route_fp8" if fp8 else "verify_route_bf16"
         vr = value(facts, key)
-        if vr is None and str(value(facts, "verify_route")).startswith("gluon-flatten"):
-            # a manifest written before the per-dtype reading: one flatten path for every dtype
-            vr = {"route": "gluon", "host_sync": value(facts, "verify_route").endswith("sync")}
         if not isinstance(vr, dict):
             return {"route": "unknown", "fp8_query_ok": None, "host_sync": None,
                     "why": f"{heads}-head verify route unknown ({key})"}
@@ -515,10 +475,8 @@ def route(facts: dict[str, Any], heads: int, kv_dtype: str, qlen: int = 1) -> di
 
 MANIFEST = Path("/opt/k3rocm/manifest.json")
 CC_FLAGS = ("--compilation-config", "-cc", "-O")
-# The serving image's default base (Dockerfile, compose.yaml; a test keeps them equal): the
-# newest vLLM release, 0.34.0. Its tag and digest must be confirmed on the node
-# (`docker manifest inspect`); docs/profiles.md. The seed nightly (vLLM 0.26.1rc1.dev306, the
-# 0.27.1 code state) stays available as an explicit base: K3_PROFILE=seed-nightly.
+# The serving image's default base (Dockerfile, compose.yaml; a test keeps them equal); the
+# seed nightly (the 0.27.1 code state) is K3_PROFILE=seed-nightly.
 DEFAULT_BASE_IMAGE = "vllm/vllm-openai-rocm:v0.34.0"
 SEED_BASE_IMAGE = "vllm/vllm-openai-rocm:nightly-cb8104839c141609d99f1254459ef3a4f1bd4263"
 
@@ -538,9 +496,7 @@ def load(manifest: Path = MANIFEST) -> tuple[dict[str, Any] | None, str]:
     return None, "unknown (no vLLM here: run inside the image)"
 
 
-# The settings :func:`check` may change (a default the base cannot run) or refuse (an explicit
-# value): what `make config` says the base decides when its facts are not known yet. Besides
-# these, check() may add --compilation-config (graph mode under MTP).
+# The settings :func:`check` may change or refuse (besides adding --compilation-config).
 DECIDES = ("kv_cache_dtype", *(f.field for f in FUSIONS))
 
 
@@ -559,11 +515,7 @@ def _explicit(sources: dict[str, str], env_name: str) -> bool:
 
 def check(s: Any, sources: dict[str, str], facts: dict[str, Any] | None,
           aiter_on: bool) -> tuple[dict[str, Any], list[str], list[str]]:
-    """Decide what the base allows for settings ``s`` before anything loads.
-
-    Returns (setting updates, extra argv, notes for the startup log). A default that the base
-    cannot run is changed (and noted); a value set explicitly (shell, .env or a profile) that
-    it cannot run raises BaseRefusal. Unknown facts give a note, never a refusal."""
+    """Decide what the base allows for settings ``s`` before anything loads."""
     updates: dict[str, Any] = {}
     argv: list[str] = []
     notes: list[str] = []
@@ -615,21 +567,14 @@ def check(s: Any, sources: dict[str, str], facts: dict[str, Any] | None,
 
 
 def _how(facts: dict[str, Any], kv: str) -> str:
-    f = facts.get("verify_route_fp8" if kv.startswith("fp8") else "verify_route_bf16") or \
-        facts.get("verify_route") or {}
+    f = facts.get("verify_route_fp8" if kv.startswith("fp8") else "verify_route_bf16") or {}
     return f.get("how", "?")
 
 
 def fusion_provider(facts: dict[str, Any], name: str, overlay_mode: str) -> tuple[str | None, str]:
-    """What implements fusion ``name`` in a server on this base, and why:
-
-    - ``overlay``: the k3rocm overlay file is vLLM's amd/mla.py and the plugin wires it
-      (run-time ``K3_OVERLAY`` is not ``off``); its switches work both ways;
-    - ``upstream-hook``: upstream's amd/mla.py ships it and sets the per-layer attribute the
-      k3rocm plugin's upstream hook switches (``fusions.py`` ``attr``); switchable;
-    - ``upstream``: upstream ships it, but nothing can switch it off here (run-time
-      ``K3_OVERLAY=off`` disables the plugin, or upstream's file lacks the attribute);
-    - None: nothing here implements it."""
+    """What implements fusion ``name`` here, and why: ``overlay`` (ours, wired unless
+    K3_OVERLAY=off), ``upstream-hook`` (upstream ships it with the attribute the hook switches),
+    ``upstream`` (shipped, not switchable here) or None."""
     f = BY_NAME[name]
     plugin_on = overlay_mode != "off"
     if value(facts, "overlay_in_tree"):
@@ -640,10 +585,7 @@ def fusion_provider(facts: dict[str, Any], name: str, overlay_mode: str) -> tupl
     if name not in (value(facts, "upstream_mla_fusions") or []):
         return None, (f"vLLM {ver}'s own amd/mla.py does not ship it and the overlay is not "
                       "in this image")
-    switchable = value(facts, "upstream_mla_switchable")
-    if switchable is None:  # a manifest written before that fact: the hook decides at start
-        switchable = [name]
-    if name not in switchable:
+    if name not in (value(facts, "upstream_mla_switchable") or []):
         return "upstream", (f"vLLM {ver}'s amd/mla.py ships it without the per-layer "
                             f"attribute {f.attr} the k3rocm hook switches")
     if not plugin_on:

@@ -1,15 +1,7 @@
 """The one serving configuration: K3_* settings -> the environment and argv of ``vllm serve``.
 
-Precedence for every value, highest first:
-
-1. the process environment (``K3_TP=4``, or a vendor variable such as ``VLLM_ROCM_USE_AITER=0``);
-2. an optional ``.env`` file (``KEY=VALUE`` lines; the process environment wins over it);
-3. the profile (``K3_PROFILE``: ``mi355x-tp8`` by default, ``cpu-smoke`` for the CPU stand-in;
-   one YAML file each under ``k3rocm/serving/profiles/``, see :mod:`k3rocm.serving.profiles`);
-4. the field default.
-
-An empty value counts as unset (compose passes unset variables as empty strings).
-:func:`render` returns the environment, the argv and, for every value, where it came from.
+Precedence, highest first: the process environment, ``.env``, the profile (``K3_PROFILE``), the
+field default; an empty value counts as unset (compose passes unset variables as "").
 """
 
 from __future__ import annotations
@@ -157,8 +149,7 @@ def read_dotenv(path: str | os.PathLike) -> dict[str, str]:
     """Read a ``.env`` file the way Docker Compose reads it (compose-go's dotenv): ``#``
     comments, ``export``, single quotes literal, double quotes with ``\\n``-style escapes and
     multi-line values, a comment after a closing quote, unquoted values cut at `` #`` and
-    trimmed, ``${VAR}`` interpolation outside single quotes. ``tests/test_dotenv.py`` compares
-    every rule with ``docker compose config``. Missing file: {}."""
+    trimmed, ``${VAR}`` interpolation outside single quotes."""
     p = Path(path)
     if not p.is_file():
         return {}
@@ -213,14 +204,7 @@ def load_settings(environ: Mapping[str, str] | None = None,
                   dotenv: str | os.PathLike | None = ".env",
                   host_paths: bool = False,
                   check_model: bool = True) -> tuple[Settings, dict[str, str]]:
-    """Build Settings from the environment, an optional .env and the profile.
-
-    ``check_model=False``: for commands that talk to a running server (clients, wait) and
-    never load the checkpoint: the model path and the Hub opt-in are not checked.
-
-    Returns the settings and, per setting env name, its source.
-    Raises UsageError (one line) on an unknown K3_* variable or an invalid value.
-    """
+    """Build Settings from the environment, an optional .env and the profile."""
     environ = dict(os.environ if environ is None else environ)
     file_vals = read_dotenv(dotenv) if dotenv else {}
     layered: dict[str, tuple[str, str]] = {}  # env name -> (raw value, source)
@@ -299,8 +283,7 @@ def _check_consistency(s: Settings, host_paths: bool = False, check_model: bool 
 @dataclass(frozen=True)
 class Arg:
     """One row of the renderer's table: a ``vllm serve`` flag (then vLLM's own aliases for it),
-    the settings it is rendered from, and how. ``boolean``: vLLM also takes ``--no-<flag>``
-    (its bool options are ``BooleanOptionalAction``)."""
+    the settings it is rendered from, and how."""
 
     flags: tuple[str, ...]
     fields: tuple[str, ...]
@@ -456,10 +439,9 @@ def build_env(s: Settings, environ: Mapping[str, str], file_vals: Mapping[str, s
 def _apply_base(settings: Settings, sources: dict[str, str], base: bool | dict[str, Any],
                 aiter_on: bool, user_env: dict[str, str] | None = None
                 ) -> tuple[Settings, list[str], dict[str, Any] | None, list[str]]:
-    """The base facts (``base``: a dict, or True for the manifest's / measured here) applied
-    to ``settings``: (settings with the defaults the base cannot run changed, extra argv, what
-    was decided, warnings about ``user_env``'s names: name -> where set). None for the third
-    when the facts are unknown."""
+    """The base facts (``base``: a dict, or True for the manifest's / measured here) applied to
+    ``settings``: (settings with the defaults the base cannot run changed, extra argv, what
+    was decided, warnings about ``user_env``'s names: name -> where set)."""
     from k3rocm.serving import basefacts
 
     facts, where = (base, "given") if isinstance(base, dict) else basefacts.load()
@@ -484,9 +466,7 @@ def _apply_base(settings: Settings, sources: dict[str, str], base: bool | dict[s
 def render(environ: Mapping[str, str] | None = None, dotenv: str | os.PathLike | None = ".env",
            passthrough: list[str] | None = None, host_paths: bool = False,
            check_model: bool = True, base: bool | dict[str, Any] = False) -> Rendered:
-    """Settings -> vLLM env and argv. ``base=True``: apply the base image's facts
-    (``serving.basefacts``: the manifest's, or measured here) before anything loads; a dict:
-    those facts. A setting the base cannot run raises UsageError (K3_BASE_CHECK=enforce)."""
+    """Settings -> vLLM env and argv."""
     environ = dict(os.environ if environ is None else environ)
     file_vals = read_dotenv(dotenv) if dotenv else {}
     settings, sources = load_settings(environ, dotenv, host_paths, check_model)

@@ -1,14 +1,7 @@
-"""The overlay's decision records (format ``k3rocm.overlay.decision/1``, docs/census.md): the
-reader of what the overlay file (``overlay/vllm/models/kimi_k3/amd/mla.py``) writes, and k3rocm's
-writer of the same format (:class:`Writer`, used by the upstream hook, ``upstream_hook.py``, on
-a base whose own amd/mla.py carries the fusions).
-
-Sources: ``k3rocm-decisions-pid<PID>.json`` files (a JSON list per process, written beside the
-profiler traces when K3_PROFILER_DIR is set), else ``K3ROCM-DECISION {json}`` lines in the
-server log. The final decision of a (pid, layer_kind) is its last record, a ``load`` record
-superseding a ``construct`` one. Read by ``k3rocm overlay status --decisions`` and by the
-census, which cross-checks them against what the server was asked for
-(:mod:`k3rocm.checks.census.decisions`).
+"""The fusion decision records (``k3rocm.overlay.decision/1``, docs/census.md): the reader of what
+the overlay file and the upstream hook write (``k3rocm-decisions-pid<PID>.json`` beside the
+traces, else ``K3ROCM-DECISION {json}`` log lines; per (pid, layer_kind) the last record wins,
+``load`` over ``construct``), and :class:`Writer`, the upstream hook's writer of that format.
 """
 
 from __future__ import annotations
@@ -25,17 +18,14 @@ from k3rocm.errors import UsageError
 from k3rocm.rundir import write_text_atomic
 from k3rocm.serving.fusions import FUSIONS
 
-# The format the overlay writes (its DECISION_SCHEMA, DECISION_MARKER, DECISION_FILE and
-# FUSION_ENV keys); the overlay imports nothing of ours, so these are copies, held equal to
-# the overlay's by tests/test_decisions_unit.py (and the fusion names by test_fusions_table).
+# Copies of the overlay's DECISION_* constants, held equal by tests/test_decisions_unit.py.
 SCHEMA = "k3rocm.overlay.decision/1"
 MARKER = "K3ROCM-DECISION "
 FILE = "k3rocm-decisions-pid{pid}.json"
 FILE_GLOB = FILE.format(pid="*")
 STATES = {f.name: f.states for f in FUSIONS}
 _PHASE = {"construct": 0, "load": 1}
-# Who wrote a record: the overlay file, or the upstream hook (serving/upstream_hook.py) on a
-# base whose own amd/mla.py carries the fusions. Same format; absent = "overlay".
+# Who wrote a record (absent = "overlay").
 WRITERS = ("overlay", "upstream")
 _FILE_RE = re.compile(r"^k3rocm-decisions-pid\d+\.json$")
 
@@ -164,12 +154,8 @@ def final_decisions(records: list[Record]) -> dict[tuple[int, str], Record]:
     return final
 
 
-# ------------------------------------------------------------------------------ the writer
-# The overlay file writes records by itself (``_record_decision`` at its bottom; it imports
-# nothing of k3rocm). This is k3rocm's writer of the same format, for the upstream hook: the
-# same log line, the same file beside the traces, byte for byte (tests/test_decisions_unit.py
-# runs the overlay's own writer beside this one). Runs inside vLLM's processes: stdlib only
-# at import time, vLLM imported lazily for the facts of the process.
+# The writer (the upstream hook's; the overlay has its own, byte-equal by a test). Runs in vLLM
+# processes: vLLM imported lazily.
 
 _log = logging.getLogger("vllm.k3rocm")  # a child of vLLM's logger: its handler and format
 
@@ -203,8 +189,8 @@ def _process_name() -> str:
 
 class Writer:
     """One process's decision records: each distinct decision of a layer kind is written once,
-    as a ``K3ROCM-DECISION {json}`` line (logger ``vllm.k3rocm``) and, when K3_PROFILER_DIR is
-    set, into ``<K3_PROFILER_DIR>/k3rocm-decisions-pid<PID>.json`` (every record so far,
+    as a ``K3ROCM-DECISION {json}`` line (logger ``vllm.k3rocm``) and, when K3_PROFILER_DIR
+    is set, into ``<K3_PROFILER_DIR>/k3rocm-decisions-pid<PID>.json`` (every record so far,
     replaced atomically)."""
 
     def __init__(self) -> None:

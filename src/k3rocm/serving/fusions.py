@@ -1,16 +1,7 @@
-"""The overlay's fusions: one row each. Everything in k3rocm that names a fusion derives from
-this table: the ``K3_FUSE_*`` settings and their rendering (``serving/config.py``), the compose
-passthrough (``compose.yaml``, checked against the settings by a test), the run record
-(``deploy/provenance.py``), the decision-record reader (``serving/decisions.py``), the upstream
-hook's switches (``serving/upstream_hook.py``), the base check's KV-cache gate
-(``serving/basefacts.py``), the census claim, roles and expectations of both halves
-(``checks/census/``; the kernel names and per-step counts in its ``kernels.json``), the A/B
-arms and comparison rows, and the selftest's "off" server and census numbers.
-tests/test_fusions_table.py adds a third row and sees each of them follow.
-
-The overlay (``overlay/vllm/models/kimi_k3/amd/mla.py``) reads the switches and writes the
-decision records under these same names by itself (it imports nothing from k3rocm); a test
-keeps the two in agreement.
+"""The fusion table: one row per fusion. Everything in k3rocm that names a fusion derives from it
+(settings, rendering, decision records, the upstream hook, base checks, census, A/B);
+tests/test_fusions_table.py adds a third row and sees each follow. The overlay file imports
+nothing of k3rocm; a test keeps its names equal to these.
 """
 
 from __future__ import annotations
@@ -29,23 +20,16 @@ class Fusion:
     default: bool
     doc: str  # the setting's description (README settings table, ``make config``)
     label: str  # in reports
-    # the states a decision record may give it ("unknown": the upstream hook found upstream's
-    # attribute missing or not a bool; the census cannot judge such a process)
     states: tuple[str, ...]
-    # The census kernel roles it owns (checks/census/kernels.json: names, per-step counts):
-    # the launches it adds and the stock launches it replaces. The census proves both halves.
+    # census kernel roles (checks/census/kernels.json): the launches it adds / replaces
     fused: tuple[str, ...]
     stock: tuple[str, ...]
     op: str  # the op whose call in an upstream amd/mla.py means upstream ships the fusion
-    # Upstream's own amd/mla.py (vLLM >= 0.30): the per-layer attribute its gates set (True =
-    # fused) and attributes that must follow it off (built only for the fusion: a bool is set
-    # False, a registered buffer freed; absent ones are skipped). The upstream hook
-    # (serving/upstream_hook.py) reads and switches these; the names are checked against
-    # the real files of vLLM 0.30 ... 0.34 by tests/test_upstream_hook.py.
+    # upstream amd/mla.py (vLLM >= 0.30): the per-layer attribute its gates set (True = fused)
+    # and those that follow it off (bool -> False, buffer freed); the upstream hook switches them
     attr: str = ""
     follows: tuple[str, ...] = ()
-    # The KV cache dtype (prefix) it needs: the overlay's gate and upstream's; the base check
-    # (serving/basefacts.py) turns the default off, or refuses an explicit 1, without it.
+    # the KV cache dtype (prefix) it needs (the base check turns it off or refuses without it)
     kv_cache: str = ""
 
     @property
@@ -58,8 +42,7 @@ class Fusion:
         return (*self.fused, *self.stock)
 
     def asked(self, raw: str | None) -> bool | None:
-        """The switch's value ``raw`` as the overlay reads it (its ``_asked``): unset or empty =
-        the default; None = not a switch."""
+        """``raw`` as the overlay's ``_asked`` reads it: unset = default, None = not a switch."""
         v = (raw or "").strip().lower()
         return self.default if not v else True if v in ON else False if v in OFF else None
 

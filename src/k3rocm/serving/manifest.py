@@ -1,6 +1,5 @@
-"""Provenance manifest of the serving image: base image, vLLM version, our version, overlay.
-
-Written at build time to ``/opt/k3rocm/manifest.json``; every result copies it.
+"""Provenance manifest of the serving image (``/opt/k3rocm/manifest.json``, written at build time;
+every result copies it).
 """
 
 from __future__ import annotations
@@ -23,10 +22,10 @@ UNKNOWN_DIGEST = "unknown (built from a local tag)"
 
 
 def base_digest(base_image: str, digest: str | None) -> str:
-    """The base's registry digest as the build knows it: the reference itself when it pins
-    one (``repo@sha256:...``), else ``digest`` (the host's ``RepoDigests`` entry, given by
-    ``make build``) when it is of the same repository, else unknown: only a pulled image has
-    a digest, and a locally built or retagged one (the CPU stand-ins) has none."""
+    """The base's registry digest as the build knows it: the reference itself when it pins one
+    (``repo@sha256:...``), else ``digest`` (the host's ``RepoDigests`` entry, given by ``make
+    build``) when it is of the same repository, else unknown: only a pulled image has a
+    digest, and a locally built or retagged one (the CPU stand-ins) has none."""
     if "@sha256:" in base_image:
         return base_image
     repo = base_image.rsplit(":", 1)[0] if ":" in base_image.split("/")[-1] else base_image

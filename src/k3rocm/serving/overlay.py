@@ -163,10 +163,7 @@ def upstream_anchor(vllm: VllmInstall) -> dict[str, Any] | None:
             "hook": f"upstream import of {OUR_CLASS} from vllm.models.kimi_k3.amd.mla"}
 
 
-# vLLM >= 0.33: upstream amd/mla.py carries both fusions plus an API this overlay (written for
-# 0.27) does not implement: K3's output gate fused into the QKV projection
-# (KimiK3MergedQKVGateLinear, 3648 wide) and forward(..., skip_o_proj=True) from the
-# specialized decode. Forcing the overlay there crashes at the first forward.
+# vLLM >= 0.33 upstream amd/mla.py API the overlay lacks (forcing it crashes at first forward).
 _NEWER_API = ("skip_o_proj", "KimiK3MergedQKVGateLinear")
 
 
@@ -456,10 +453,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def overlay_source(site: Path | None = None, overlay_dir: Path | None = None) -> Path | None:
-    """The overlay file whose probe ``overlay probe`` runs: vLLM's ``amd/mla.py`` when it is
-    the overlay, else the one in ``overlay_dir``, else the image's copy
-    (``/opt/k3rocm/overlay``, e.g. on an upstream base where ``auto`` skipped it), else this
-    checkout's ``overlay/``. None without vLLM."""
+    """The overlay file whose probe ``overlay probe`` runs: vLLM's ``amd/mla.py`` when it is the
+    overlay, else the one in ``overlay_dir``, else the image's copy (``/opt/k3rocm/overlay``,
+    e.g. on an upstream base where ``auto`` skipped it), else this checkout's ``overlay/``."""
     if overlay_dir is not None and not (Path(overlay_dir) / MLA).is_file():
         raise UsageError(f"--overlay-dir {overlay_dir} holds no {MLA}")
     try:
@@ -475,8 +471,7 @@ def overlay_source(site: Path | None = None, overlay_dir: Path | None = None) ->
 
 def probe(site: Path | None = None, overlay_dir: Path | None = None) -> dict[str, Any]:
     """``overlay probe``: the overlay's own ``probe_report()`` (what a server process finds),
-    loaded from its file under a private module name, so nothing of Kimi-K3 is imported.
-    Without vLLM there is nothing to probe: every fusion is off."""
+    loaded from its file under a private module name, so nothing of Kimi-K3 is imported."""
     src = overlay_source(site, overlay_dir)
     if src is None:
         why = (f"nothing to probe: no vLLM in this Python ({sys.executable}), or no overlay "

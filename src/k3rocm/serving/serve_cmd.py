@@ -1,11 +1,5 @@
-"""The entrypoint's two commands.
-
-``k3rocm serve``: validate, render, print where every value came from, exec ``vllm serve``.
-``exec`` replaces this process, so vLLM becomes the container's main process (under tini) and
-receives SIGTERM directly.
-
-``k3rocm render`` (:data:`render_command`): print ``{"env": ..., "argv": ..., "sources": ...}``
-and exit (no server).
+"""The entrypoint's commands: ``k3rocm serve`` (validate, render, log each value's source, exec
+``vllm serve`` so vLLM is the container's main process) and ``k3rocm render`` (print it).
 """
 
 from __future__ import annotations

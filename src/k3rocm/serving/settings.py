@@ -1,10 +1,5 @@
-"""The ``K3_*`` settings schema: the pydantic model, each field's environment name, and the
-vendor variable prefixes the renderer passes to vLLM.
-
-A leaf of ``serving/``: it imports neither the profiles nor the renderer. The profiles
-(:mod:`k3rocm.serving.profiles`) validate their values against it; the renderer
-(:mod:`k3rocm.serving.config`) builds :class:`Settings` from the shell, ``.env`` and the profile
-(and checks there that ``K3_PROFILE`` names a profile).
+"""The ``K3_*`` settings schema (pydantic; a field carries its env name, help, default and range)
+and the vendor variable prefixes the renderer passes to vLLM. A leaf of ``serving/``.
 """
 
 from __future__ import annotations
@@ -20,19 +15,14 @@ from k3rocm.serving.modelfacts import KIMI_K3_HEADS
 
 PREFIX = "K3_"
 
-# vLLM's load formats (``--load-format``), the union over the releases the bundle serves: vLLM
-# types the flag ``str | LoadFormats`` (vllm@0.34.0:vllm/config/load.py:29, lowercased at :136),
-# so argparse takes any string and a wrong one fails only when the loader is picked, after the
-# engine started. ``LoadFormats`` (vllm@0.27.1:vllm/model_executor/model_loader/__init__.py:33,
-# vllm@0.34.0:...:33) differ: 0.27.1 has bitsandbytes (gone in 0.28.0), 0.30.0+ add ipc_cache.
-# tests/test_config_validation.py keeps this equal to the union of the real sources.
+# The union of vLLM's ``LoadFormats`` over the served releases
+# (vllm@0.27.1:vllm/model_executor/model_loader/__init__.py:33 .. vllm@0.34.0:...:33; a test keeps
+# it equal): vLLM takes any string (vllm@0.34.0:vllm/config/load.py:29) and fails only at load.
 LoadFormat = Literal["auto", "bitsandbytes", "dummy", "fastsafetensors", "hf", "instanttensor",
                      "ipc_cache", "mistral", "modelexpress", "npcache", "pt", "runai_streamer",
                      "runai_streamer_sharded", "safetensors", "sharded_state", "tensorizer"]
 
-# Vendor variables (vLLM, AITER, ROCm, RCCL, ...) a user may set in the shell or .env: they reach
-# the server container (compose: env_file .env and the file `k3rocm config --vendor-env-file`
-# writes from the shell) and `make config` prints them with their source.
+# Vendor variables a user may set in the shell or .env: passed to the server, shown by make config.
 VENDOR_PREFIXES = ("VLLM_", "AITER_", "NCCL_", "RCCL_", "HSA_", "HIP_", "ROCM_", "ROCR_",
                    "TRITON_", "TORCH_", "PYTORCH_", "MIOPEN_", "HF_", "HUGGING_FACE_",
                    "SAFETENSORS_", "TOKENIZERS_", "GLOO_", "MORI_", "UCX_", "OMP_")
@@ -129,8 +119,7 @@ class _Serving(BaseModel):
         return v
 
 
-# One switch per row of the fusion table, in its order, between the serving settings and the
-# rest.
+# One switch per fusion table row, between the serving settings and the rest.
 _Fusions = create_model("_Fusions", __base__=_Serving, **{
     f.field: (bool, _env(f.env.removeprefix(PREFIX), f.doc, "overlay", default=f.default))
     for f in FUSIONS})
@@ -178,8 +167,7 @@ FIELD_BY_ENV = {env: name for name, env in ENV_NAME.items()}
 def invalid(exc: ValidationError, values: dict[str, Any], model: type[BaseModel] | None = None,
             env: dict[str, str] | None = None) -> str:
     """The first error of validating ``values`` as one line: ``K3_X=value is not valid: ...``
-    (for a type or range error, what to use). ``model``/``env``: another settings model and its
-    field -> variable names (the scale settings); default the K3_* serving settings."""
+    (for a type or range error, what to use)."""
     err = exc.errors()[0]
     name = str(err["loc"][0]) if err["loc"] else "?"
     msg = err["msg"].removeprefix("Value error, ")

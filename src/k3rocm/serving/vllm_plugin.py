@@ -31,12 +31,7 @@ _state: dict[str, Any] = {"registered": False, "bound": [], "upstream_hook": Fal
 
 
 def amd_mla_text() -> str | None:
-    """vLLM's amd/mla.py as text, None when there is none.
-
-    Read from disk next to the ``vllm`` package: nothing of ``vllm.models.kimi_k3`` is
-    imported (its ``__init__`` pulls in the whole model and FLA utilities that touch the HIP
-    driver), so a process that never builds Kimi-K3 (the API server parsing its CLI, say)
-    pays one ``stat`` and one small read."""
+    """vLLM's amd/mla.py as text, None when there is none."""
     try:
         spec = importlib.util.find_spec("vllm")  # top level: already imported, or not at all
     except (ImportError, ValueError):
@@ -55,9 +50,7 @@ def overlay_is_ours() -> bool:
 
 
 def bind(module: Any) -> bool:
-    """Rebind ``module.MultiHeadLatentAttentionWrapper`` to our subclass (idempotent).
-    Contained: an overlay that fails to import or bind (an API mismatch with this vLLM, say)
-    logs one line and the model is built with the stock wrapper."""
+    """Rebind ``module.MultiHeadLatentAttentionWrapper`` to our subclass (idempotent)."""
     try:
         from vllm.model_executor.layers.mla import MultiHeadLatentAttentionWrapper as base
 

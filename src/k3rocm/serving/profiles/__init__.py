@@ -1,25 +1,8 @@
-"""Serving profiles as data: one YAML file per profile in this directory (package data).
-
-A profile gives defaults for ``K3_*`` settings and the vendor environment rendered for vLLM.
-The file shape follows the vLLM recipes' model YAML (vllm-project/recipes,
-``models/moonshotai/Kimi-K3.yaml`` at commit 2c22f3fe14583810bfc6c3ccd281cdeff64e508e, whose
-schema is documented in that repository's ``.claude/skills/add-recipe/SKILL.md``): ``meta``,
-``model.base_args`` / ``model.base_env``, ``features`` (each with ``args``), and
-``hardware_overrides.<hardware>.extra_args`` / ``extra_env``. One deliberate difference: where a
-recipe lists raw ``vllm serve`` flags, a profile lists our settings (``K3_TP: 8``), because
-:mod:`k3rocm.serving.config` is the one function that turns settings into flags (validated, with
-sources). docs/profiles.md compares our MI355X profile with the recipe's AMD block.
-
-Resolution order (later wins for a key; an env key keeps its first position):
-``meta.extends`` (the parent profile, resolved the same way), ``model.base_args``/``base_env``,
-every entry of ``features`` in file order, then ``hardware_overrides[meta.hardware]``.
-Every feature listed is on in that profile.
-
-:func:`get` returns ``{"settings": {field: value}, "env": {NAME: value}, "meta": {...}}``;
-:func:`names` lists the profiles present (``K3_PROFILE`` accepts exactly these).
-A file's shape is the pydantic model :class:`Profile`; any problem in a file is a
-:class:`~k3rocm.errors.UsageError` naming the file and the key.
-``k3rocm profiles`` (:func:`add_arguments`, :func:`run`) lists them, shows one, checks files.
+"""Serving profiles: one YAML file each in this directory, shaped like a vllm-project/recipes model
+YAML (``meta``, ``model.base_args``/``base_env``, ``features``, ``hardware_overrides``) but
+listing K3_* settings instead of raw flags (docs/profiles.md). Resolution, later wins:
+``meta.extends``, the model block, each feature in file order, the hardware override. A file's
+shape is the pydantic model :class:`Profile`; a problem is a one-line UsageError.
 """
 
 from __future__ import annotations
