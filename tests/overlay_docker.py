@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import io
 import subprocess
 import sys
-import tarfile
 from pathlib import Path
 
 from conftest import REPO, _image_exists, need, standin_tag
 
 SITE = "/usr/local/lib/python3.11/dist-packages"
-# Files of a real vLLM tree that the overlay tool reads (anchor, upstream check, version).
-TREE_PARTS = ["vllm/__init__.py", "vllm/_version.py", "vllm/models/kimi_k3",
-              "vllm/model_executor/layers/mla.py"]
 WHEEL_CACHE = Path.home() / ".cache" / "k3rocm" / "wheels-pytest"
 LABEL = {"k3rocm.test": "overlay"}
 
@@ -23,22 +18,6 @@ def require_standin(client, version: str) -> str:
     need(_image_exists(client, tag), f"stand-in image {tag} is missing: build it first "
          "(k3rocm standin / make standin)")
     return tag
-
-
-def extract_tree(client, image: str, dest: Path) -> Path:
-    """Copy the parts of the image's real vLLM tree the overlay tool touches into dest."""
-    c = client.containers.create(image, command=["true"], labels=LABEL)
-    try:
-        for part in TREE_PARTS:
-            stream, _ = c.get_archive(f"{SITE}/{part}")
-            buf = io.BytesIO(b"".join(stream))
-            target = (dest / part).parent
-            target.mkdir(parents=True, exist_ok=True)
-            with tarfile.open(fileobj=buf) as tf:
-                tf.extractall(target, filter="data")
-    finally:
-        c.remove(force=True)
-    return dest
 
 
 def pytest_wheels() -> Path:
