@@ -48,16 +48,6 @@ python3 -m pip install -q --no-deps --no-build-isolation /tmp/k3 >/dev/null
 cd /tmp/k3
 """
 
-# For a script after SETUP_SH: makes the tiny MLA checkpoint and defines `run NAME ENV...`
-# (overlay_invllm/e2e_tiny.py generate, its log kept in /tmp/NAME.log), B (the DeepSeek bind: the
-# test plugin tests/doubles/k3rocm_test_bind.py, loaded from D's PYTHONPATH) and D (the ROCm
-# double).
-E2E_TINY_SH = """python3 tests/overlay_invllm/e2e_tiny.py make-model /tmp/tiny
-run() { n=$1; shift; env "$@" python3 tests/overlay_invllm/e2e_tiny.py generate /tmp/tiny \\
-        /tmp/$n.json > /tmp/$n.log 2>&1 || { tail -40 /tmp/$n.log; exit 1; }; }
-B="K3_TEST_BIND_MODULES=vllm.model_executor.models.deepseek_v2"
-D="PYTHONPATH=/tmp/k3/tests/doubles K3_TEST_DOUBLE_ROCM=1"
-"""
 
 def run_in_standin(client, image: str, script: str, env: dict | None = None,
                    timeout: int = 900, volumes: dict | None = None) -> tuple[int, str]:

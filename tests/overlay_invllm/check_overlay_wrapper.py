@@ -109,13 +109,14 @@ def test_probe_cli_on_cpu_without_aiter():
     assert rep["fusions"]["decode_qprep"]["reason"] == "platform is not ROCm"
 
 
-@pytest.mark.parametrize("variant,newer_schema", [("clamp", True), ("preclamp", False),
-                                                ("grouped", True)])
-def test_probe_cli_reads_the_registered_schema(variant, newer_schema):
-    """The production probe, unmodified, against every AITER variant: it reports the
-    registered schema; no variant changes what Q-prep does (zero positions read row 0)."""
+@pytest.mark.parametrize("variant,newer_schema,qk_off", [
+    ("clamp", True, False), ("preclamp", False, False), ("grouped", True, True)])
+def test_probe_cli_reads_the_registered_schema(variant, newer_schema, qk_off):
+    """The production probe against every AITER variant reports the registered schema (one
+    fresh process each: the probe runs once per process); K3_FUSE_QK_NORM=0 is read."""
     rep = _probe_cli({"PYTHONPATH": str(DOUBLES), "K3_TEST_DOUBLE_ROCM": "platform",
-                      "K3_TEST_AITER_VARIANT": variant})
+                      "K3_TEST_AITER_VARIANT": variant, **({"K3_FUSE_QK_NORM": "0"} if qk_off
+                                                           else {})})
     print(f"PROBE {variant} " + json.dumps(rep, sort_keys=True))
     q = rep["qprep_kernel"]
     assert q["found"] is True and "clamps_positions" not in q
@@ -123,12 +124,11 @@ def test_probe_cli_reads_the_registered_schema(variant, newer_schema):
                            f"({'has' if newer_schema else 'no'} compute_all_q_rope)")
     assert ("compute_all_q_rope" in q["schema"]) is newer_schema
     assert rep["dual_norm_op"]["found"] is True
-    assert rep["fusions"]["qk_norm"]["state"] == "needs-model"
+    assert rep["fusions"]["qk_norm"] == ({"state": "off", "reason": "K3_FUSE_QK_NORM=0"}
+                                         if qk_off else rep["fusions"]["qk_norm"])
+    assert qk_off or rep["fusions"]["qk_norm"]["state"] == "needs-model"
     assert rep["fusions"]["decode_qprep"]["state"] == "needs-model"
     assert "1-row cos/sin, all-zero positions" in rep["fusions"]["decode_qprep"]["reason"]
-    toggled = _probe_cli({"PYTHONPATH": str(DOUBLES), "K3_TEST_DOUBLE_ROCM": "platform",
-                          "K3_TEST_AITER_VARIANT": variant, "K3_FUSE_QK_NORM": "0"})
-    assert toggled["fusions"]["qk_norm"] == {"state": "off", "reason": "K3_FUSE_QK_NORM=0"}
 
 
 def test_python_signature_of_an_aiter_op_says_nothing():
