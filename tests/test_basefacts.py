@@ -201,9 +201,9 @@ def test_fusions_off_are_served_where_something_switches_them(tree):
 
 
 def test_a_bare_tree_without_the_fusion_says_so():
-    """0.30.0 ships the q/kv norm fusion only: a tree without the overlay (K3_OVERLAY=off
-    build) cannot do Q-prep, so the default is turned off with the reason, and asking for it
-    is refused with the fix (an auto build applies the overlay there)."""
+    """0.30.0 ships the q/kv norm fusion only: a tree without the overlay (K3_OVERLAY=off build)
+    cannot do Q-prep, so the default is turned off with the reason, and asking for it is
+    refused with the fix (an auto build applies the overlay there)."""
     f = basefacts.measure(upstream_tree("0.30.0"))
     r = _render(f)
     assert r.settings.fuse_qk_norm is True and r.settings.fuse_decode_qprep is False
@@ -280,7 +280,7 @@ def test_manifest_records_facts(tmp_path, monkeypatch):
 def test_serve_writes_what_it_rendered_for_the_checks(tmp_path):
     """`k3rocm serve` records its rendering (after the base facts) before exec'ing vLLM; the
     census's claim and provenance read that file, not the container's raw env, so a default
-    the base switched off is not "asked ON". A fake `vllm` on PATH prints the file."""
+    the base switched off is not "asked ON"."""
     import os
     import stat
 
@@ -342,8 +342,8 @@ def test_manifest_records_the_base_digest(tmp_path, ref, given, want):
 
 def test_the_default_profile_on_0_34_and_the_seed_profile_on_the_seed_base():
     """The rendered default on the 0.34.0 facts is the target configuration with the recipe's
-    values; seed-nightly on the seed's facts keeps the seed's values and re-defaults what that
-    base cannot serve."""
+    values; seed-nightly on the seed's facts keeps the seed's values and re-defaults what
+    that base cannot serve."""
     new = _render(basefacts.measure(upstream_tree("0.34.0")))
     a = new.argv
     assert a[a.index("--kv-cache-dtype") + 1] == "fp8" and "--compilation-config" not in a

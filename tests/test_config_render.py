@@ -256,8 +256,7 @@ def test_load_format_checked_against_the_bases_own_list():
 def test_default_profile_asks_every_release_for_the_a8w4_moe(version):
     """The recipe's A8W4 MoE (AITER_SITUV2_A8W4=1) reaches every release: the switch that
     release's own envs.py defines (read from the real source, not from the profile) is set to
-    a value that selects a8w4. Before: 0.31+ (VLLM_ROCM_USE_AITER_MOE_SITUV2, default auto =
-    a4w4, which rewrites AITER_SITUV2_A8W4) got nothing and served a4w4."""
+    a value that selects a8w4."""
     import re
 
     from conftest import upstream_tree

@@ -207,8 +207,7 @@ def test_a_third_fusion_is_one_row(tmp_path):
     decision-record states and the hook's reading of its switch, the census claim and
     ``--fusions`` parser, the census expectation of both halves (PASS asked on, FAIL asked
     off on the same traces), the census-ab row and off - on check, the A/B and selftest arm
-    switches and the selftest's census numbers. In a fresh interpreter: the table is read at
-    import time."""
+    switches and the selftest's census numbers."""
     p = subprocess.run([sys.executable, "-c", THIRD, str(tmp_path), str(REPO / "tests" / "data"
                                                                          / "census")],
                        capture_output=True, text=True, timeout=600)

@@ -75,10 +75,10 @@ print("RESULT " + json.dumps({
 
 
 def test_overlay_file_alone_in_the_standin(docker_client):
-    """The one file, mounted under vllm/models/kimi_k3/amd/ of the nightly-era stand-in
-    without k3rocm: it imports, builds the wrapper from real vLLM layers, runs a forward (the
-    stock branches on CPU: same output as vLLM's own wrapper) and writes its decision records
-    to the log and beside the traces, in the format k3rocm's reader takes."""
+    """The one file, mounted under vllm/models/kimi_k3/amd/ of the nightly-era stand-in without
+    k3rocm: it imports, builds the wrapper from real vLLM layers, runs a forward (the stock
+    branches on CPU: same output as vLLM's own wrapper) and writes its decision records to
+    the log and beside the traces, in the format k3rocm's reader takes."""
     from k3rocm.serving import decisions
 
     image = require_standin(docker_client, "0.27.1")

@@ -184,9 +184,7 @@ def test_derivations_without_make(tmp_path):
 
 def test_make_config_writes_nothing_and_says_what_the_base_decides(project):
     """`make config` only prints: a vendor variable in its shell is shown but no
-    .k3rocm/vendor.env is written (the next `make up` writes its own). Before a build (no
-    image K3_IMAGE names), it says the base decides the fp8 KV cache and the fusions at start
-    instead of showing the defaults as settled; `make build`/`make up` still write the file."""
+    .k3rocm/vendor.env is written (the next `make up` writes its own)."""
     vendor = project / ".k3rocm" / "vendor.env"
     vendor.unlink(missing_ok=True)
     p = make(project, "config", "shell", env={"VLLM_LOGGING_LEVEL": "DEBUG"})

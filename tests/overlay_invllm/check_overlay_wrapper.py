@@ -68,9 +68,8 @@ def mla(vctx):
 
 @pytest.fixture
 def rocm(mla):
-    """The overlay's probe (run once per process, as in a server) asks a vLLM that answers
-    like ROCm + AITER. The platform switch is taken back before any layer is built: this
-    vLLM must keep building CPU layers (its ROCm code paths crash on CPU)."""
+    """The overlay's probe (run once per process, as in a server) asks a vLLM that answers like
+    ROCm + AITER."""
     undo = rocm_vllm.activate(platform=True)
     try:
         mla._probe(refresh=True)
@@ -390,9 +389,9 @@ def test_zero_positions_make_qprep_safe_on_every_aiter_variant(variant, heads_pe
                                                                monkeypatch, vctx):
     """Real positions far past the one-row identity cos/sin cache, under a schema that has
     compute_all_q_rope (which does not mean the kernel clamps): a kernel that does not clamp
-    (v0.1.26's head-grouped one: cos = sin = 0 past the row, zeroing q_pe and the cached k_pe;
-    or a fault) must still give the stock path's query and cache, because the overlay hands
-    the kernel all-zero positions. Fails on the overlay that passed the real positions."""
+    (v0.1.26's head-grouped one: cos = sin = 0 past the row, zeroing q_pe and the cached
+    k_pe; or a fault) must still give the stock path's query and cache, because the overlay
+    hands the kernel all-zero positions."""
     from vllm.model_executor.layers.mla import MultiHeadLatentAttentionWrapper as Stock
 
     assert "compute_all_q_rope" in str(
@@ -604,10 +603,7 @@ def test_reference_kernel_past_a_one_row_cache(variant, monkeypatch):
 
 
 def test_plugin_wiring_in_a_fresh_process(tmp_path):
-    """vLLM's own plugin loader -> k3rocm_overlay -> amd.linear builds our wrapper.
-
-    Needs k3rocm installed (entry point) and the overlay applied into this vLLM (the
-    stand-in driver does both); on an upstream amd/mla.py vLLM it must stay out."""
+    """vLLM's own plugin loader -> k3rocm_overlay -> amd.linear builds our wrapper."""
     code = textwrap.dedent("""
         import json, os, sys
         os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -662,10 +658,8 @@ def _decode12(cls, routes, q_len=1, profile=False):
 
 
 def test_gluon_route_refuses_qprep_at_12_heads_on_the_nightly_era_backend(rocm, vctx):
-    """vLLM 0.27.1 sends a 12-head decode to AITER's Gluon kernel, which takes a bf16 query:
-    the fused path (fp8 q_out) must not run there. The stock path fails there too with an
-    fp8 KV cache (it quantizes the query): the base check refuses that setting before the
-    load (serving.basefacts)."""
+    """vLLM 0.27.1 sends a 12-head decode to AITER's Gluon kernel, which takes a bf16 query: the
+    fused path (fp8 q_out) must not run there."""
     cls = rocm.KimiK3MultiHeadLatentAttentionWrapper
     before = qprep_calls()
     with pytest.raises(AssertionError, match="must be bf16"):
@@ -680,10 +674,7 @@ def test_gluon_route_refuses_qprep_at_12_heads_on_the_nightly_era_backend(rocm, 
 
 @pytest.mark.parametrize("q_len", [1, 3], ids=["1-token", "3-tokens-mtp2"])
 def test_launches_at_12_heads_on_the_padded_asm_route(q_len, rocm, monkeypatch, vctx):
-    """vLLM 0.33's fp8 route at 12 heads: padded asm decode (16 heads). The stock layer hands
-    it a dense 12-head query, which the backend pads with a copy (repeat + contiguous); the
-    overlay allocates q_out for 16 heads and hands over the 12-head view, which the backend
-    views (as_strided): no copy. Ops per MLA layer per decode step, stock vs fused."""
+    """vLLM 0.33's fp8 route at 12 heads: padded asm decode (16 heads)."""
     from vllm.model_executor.layers.mla import MultiHeadLatentAttentionWrapper as Stock
 
     monkeypatch.setenv("K3_FUSE_QK_NORM", "0")

@@ -107,11 +107,7 @@ def build_wrapper(
     seed: int = 0,
     load_weights: bool = True,
 ) -> Any:
-    """Construct ``cls`` (a MultiHeadLatentAttentionWrapper) from real vLLM layers.
-
-    Must be called inside :func:`vllm_cpu_context`. With ``load_weights`` the linear
-    and norm weights get random values and ``process_weights_after_loading`` runs, as
-    after a real checkpoint load (this creates ``W_UK_T``/``W_UV``)."""
+    """Construct ``cls`` (a MultiHeadLatentAttentionWrapper) from real vLLM layers."""
     from vllm.config import CacheConfig
     from vllm.model_executor.layers.layernorm import RMSNorm
     from vllm.model_executor.layers.linear import (
@@ -193,9 +189,8 @@ def build_wrapper(
 
 def decode_metadata(num_tokens: int, num_actual: int, slot_mapping: torch.Tensor,
                     prefills: int = 0, q_len: int = 1) -> Any:
-    """Real vLLM MLACommonMetadata for a batch of ``num_actual`` tokens, of which
-    ``prefills`` are one-token prefill requests at the end (0 = decode-only). ``q_len``
-    tokens per decode request (3 with MTP k=2: the backend's uniform decode length)."""
+    """Real vLLM MLACommonMetadata for a batch of ``num_actual`` tokens, of which ``prefills``
+    are one-token prefill requests at the end (0 = decode-only)."""
     from vllm.model_executor.layers.attention.mla_attention import (
         MLACommonDecodeMetadata,
         MLACommonMetadata,
@@ -237,10 +232,7 @@ def forward_context(wrapper: Any, attn_metadata: Any, slot_mapping: torch.Tensor
 
 
 def load_overlay_module(path: str | os.PathLike | None = None) -> Any:
-    """Import the overlay's ``amd/mla.py`` as ``vllm.models.kimi_k3.amd.mla``.
-
-    Uses the installed module when the overlay was applied into vLLM's tree (and
-    ``path`` is None); otherwise loads the file from the repository checkout."""
+    """Import the overlay's ``amd/mla.py`` as ``vllm.models.kimi_k3.amd.mla``."""
     import importlib
     import importlib.util
     import sys
