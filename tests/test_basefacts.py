@@ -1,13 +1,6 @@
-"""Base facts read from the real vLLM sources of every release 0.27.1 ... 0.34.0 (unpacked from
-PyPI's wheels by `make upstream-src`; ``conftest.upstream_tree``), and what they do to a render
-before anything loads.
-
-The expected values below are written from reading each release's
-``v1/attention/backends/mla/rocm_aiter_mla.py``, ``config/vllm.py``, ``envs.py`` and
-``models/kimi_k3/amd/mla.py`` by hand (file:line in docs/overlay.md), not from basefacts'
-output. vLLM 0.27.1 is the seed nightly's nearest release: its AITER MLA backend sends every
-< 16-head decode to the bf16-query Gluon kernel (rocm_aiter_mla.py:829), so fp8 KV cannot serve
-at TP=8 (12 heads/rank), and its verify path flattens onto Gluon with host syncs (1164, 1185).
+"""Base facts read from the real vLLM sources of every release 0.27.1 ... 0.34.0
+(``conftest.upstream_tree``), and what they do to a render before anything loads. Expected values
+are read from each release's files by hand (file:line in docs/overlay.md), never from basefacts.
 """
 
 from __future__ import annotations
@@ -249,19 +242,17 @@ def test_unknown_facts_never_refuse():
     assert "base" not in host.to_json()
 
 
-def test_cli_prints_the_route(tree):
-    version, root = tree
-    p = subprocess.run([sys.executable, "-m", "k3rocm", "base", "facts", "--json", "--site",
-                        str(root)], capture_output=True, text=True, timeout=60,
-                       env={"PYTHONPATH": str(REPO / "src"), "PATH": "/usr/bin:/bin"})
+def test_cli_prints_the_route():
+    env = {"PYTHONPATH": str(REPO / "src"), "PATH": "/usr/bin:/bin"}
+    cmd = [sys.executable, "-m", "k3rocm", "base", "facts"]
+    p = subprocess.run([*cmd, "--json", "--site", str(upstream_tree("0.27.1"))],
+                       capture_output=True, text=True, timeout=60, env=env)
     assert p.returncode == 0, p.stderr
     rep = json.loads(p.stdout)
-    assert rep["heads"] == 12
-    assert rep["routes"]["fp8 q1"]["route"] == ("gluon" if version == "0.27.1" else "asm-padded")
-    assert rep["routes"]["auto q3"]["host_sync"] is (version in ("0.27.1", "0.28.0"))
-    bad = subprocess.run([sys.executable, "-m", "k3rocm", "base", "facts", "--heads", "0"],
-                         capture_output=True, text=True, timeout=60,
-                         env={"PYTHONPATH": str(REPO / "src"), "PATH": "/usr/bin:/bin"})
+    assert rep["heads"] == 12 and rep["routes"]["fp8 q1"]["route"] == "gluon"
+    assert rep["routes"]["auto q3"]["host_sync"] is True
+    bad = subprocess.run([*cmd, "--heads", "0"], capture_output=True, text=True, timeout=60,
+                         env=env)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
 
 

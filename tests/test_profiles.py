@@ -17,20 +17,7 @@ from k3rocm.serving import profiles
 from k3rocm.serving.config import load_settings, render
 from k3rocm.serving.settings import FIELDS, Settings
 
-GOLDEN = Path(__file__).parent / "golden"
 SHIPPED = REPO / "src" / "k3rocm" / "serving" / "profiles"
-
-
-# --- the move from a dict to files changed nothing -------------------------------------------
-
-def test_golden_renders_are_byte_identical():
-    """The same cases as test_config_render's golden test, compared as bytes (key order too)."""
-    from test_config_render import CASES
-
-    assert {p.name for p in GOLDEN.glob("render-*.json")} == {f"render-{c}.json" for c in CASES}
-    for case, environ in CASES.items():
-        got = json.dumps(render(environ=environ, dotenv=None).to_json(), indent=2) + "\n"
-        assert got == (GOLDEN / f"render-{case}.json").read_text(), case
 
 
 def test_profile_names_are_the_files_present():

@@ -1,12 +1,7 @@
-"""The upstream hook against the REAL upstream files (vLLM 0.30.0 ... 0.34.0 amd/mla.py, unpacked
-from PyPI's wheels): the attribute names of the fusion table are the ones upstream's
-``KimiK3MultiHeadLatentAttentionWrapper`` decides in ``__init__`` (and nowhere else) and reads
-where it chooses the fused path, per release; ``upstream_hook.applies`` says so from the same
-files. The hook inside real vLLM: tests/overlay_invllm/check_upstream_hook.py (Docker, vLLM
-0.32.0 stand-in; the real 0.33/0.34 ``__init__`` is run there too).
-
-What each release has is written here by hand from reading the files (cited in
-docs/overlay.md, "Upstream's fusions: the hook"), never derived from the fusion table."""
+"""The upstream hook against the real vLLM 0.30.0 ... 0.34.0 amd/mla.py: the fusion table's
+attributes are decided in upstream's ``__init__`` only and read where the fused path is chosen
+(per release, written by hand from the files), and the hook's logic on a layer-shaped object.
+The hook inside real vLLM: test_upstream_hook_standin.py."""
 
 from __future__ import annotations
 
