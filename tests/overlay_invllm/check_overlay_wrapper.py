@@ -1,21 +1,9 @@
-"""Overlay wrapper inside REAL vLLM (run by tests/test_overlay_standin.py in the stand-in
-images, or directly in a venv with vLLM: ``pytest -o python_files='check_*.py'
-tests/overlay_invllm``). Needs vLLM importable; CPU only.
-
-The overlay is production code and runs unmodified. What the CPU machine lacks is supplied
-by test doubles built from the real things (tests/doubles): an ``aiter`` package shaped like
-ROCm/aiter (ops registered through compile_ops -> torch_compile_guard, bare
-``wrapper_custom(*args, **kwargs)``, schema from the stub; kernels are torch references),
-and ``rocm_vllm.activate()``, which makes this vLLM answer like vLLM on ROCm with AITER
-(``rocm_aiter_ops.is_enabled()``, ``vllm::fused_mla_dual_rms_norm`` registered the way
-``vllm/_aiter_ops.py`` does). The overlay's probe asks its questions of those.
-
-(a) probe (every AITER variant, in fresh processes: `k3rocm overlay probe --json`) and
-    every load-time gate on the real wrapper;
-(b) numerics of both fused paths against the stock path, on every AITER variant's position
-    handling (zero positions are what makes the one-row cos/sin cache safe);
-(c) ops per MLA layer per decode step, stock vs fused, at 1 and 3 tokens per request;
-wiring: vLLM's own plugin loader makes the AMD Kimi-K3 attention build our wrapper.
+"""The overlay wrapper inside REAL vLLM on CPU (run by test_overlay_standin.py in the stand-ins;
+or ``pytest -o python_files='check_*.py' tests/overlay_invllm`` where vLLM imports). The overlay
+runs unmodified; tests/doubles supply an ``aiter`` shaped like ROCm/aiter (torch reference
+kernels) and ``rocm_vllm.activate()`` (this vLLM answers like ROCm + AITER).
+(a) probe and load-time gates, (b) numerics of the fused paths against stock, (c) launches per
+MLA layer and decode step, and the plugin wiring through vLLM's own loader.
 """
 
 from __future__ import annotations
