@@ -18,12 +18,12 @@ from typing import Any
 from k3rocm.errors import UsageError
 from k3rocm.serving.fusions import BY_NAME, FUSIONS  # stdlib only too
 from k3rocm.serving.modelfacts import KIMI_K3_HEADS  # stdlib only too
-from k3rocm.serving.overlay import _ours, _text, _vllm_version, package_root
-from k3rocm.serving.upstream_hook import read_mla, upstream_file  # stdlib only too
+from k3rocm.serving.overlay import _ours, _vllm_version, package_root
+from k3rocm.serving.upstream_hook import MLA_FILE, _text, read_mla, upstream_file
 
 GLUON_MAX_HEADS = 15  # AiterMLAHelper._AITER_MIN_MLA_HEADS = 16 (0.27.1 .. 0.34)
 ROUTER = "vllm/v1/attention/backends/mla/rocm_aiter_mla.py"
-AMD_MLA = "vllm/models/kimi_k3/amd/mla.py"
+AMD_MLA = str(MLA_FILE)
 ENVS = "vllm/envs.py"
 VLLM_CONFIG = "vllm/config/vllm.py"
 AITER_STUB = "aiter/ops/cache.py"

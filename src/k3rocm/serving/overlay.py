@@ -24,13 +24,14 @@ from k3rocm.hashing import sha256_file
 from k3rocm.rundir import write_bytes_atomic, write_text_atomic
 from k3rocm.serving import decisions
 from k3rocm.serving.fusions import FUSIONS
-from k3rocm.serving.upstream_hook import BACKUP_SUFFIX, MARKER, read_mla, upstream_file
+from k3rocm.serving.upstream_hook import BACKUP_SUFFIX, MARKER, _text, read_mla, upstream_file
+from k3rocm.serving.upstream_hook import CLASS as OUR_CLASS
+from k3rocm.serving.upstream_hook import MLA_FILE as MLA
 
 MODES = ("auto", "force", "off")
 MANIFEST_NAME = ".k3rocm-overlay.json"
-AMD_DIR = Path("vllm/models/kimi_k3/amd")
+AMD_DIR = MLA.parent
 LINEAR = AMD_DIR / "linear.py"
-MLA = AMD_DIR / "mla.py"
 SHARED_MLA = Path("vllm/model_executor/layers/mla.py")
 PLUGIN = "vllm.general_plugins: k3rocm_overlay = k3rocm.serving.vllm_plugin:register"
 IMAGE_OVERLAY_DIR = Path("/opt/k3rocm/overlay")  # where the Dockerfile copies overlay/
@@ -42,7 +43,6 @@ _IMPORT_RE = re.compile(
     re.S,
 )
 _CALL_RE = re.compile(r"(?<![\w.])MultiHeadLatentAttentionWrapper\s*\(")
-OUR_CLASS = "KimiK3MultiHeadLatentAttentionWrapper"
 # vLLM >= 0.30: amd/linear.py imports the class by name from amd/mla.py and builds it, so the
 # file that sits at amd/mla.py decides which class the AMD model builds.
 _UPSTREAM_IMPORT_RE = re.compile(
@@ -53,11 +53,6 @@ _UPSTREAM_CALL_RE = re.compile(r"(?<![\w.])" + OUR_CLASS + r"\s*\(")
 
 class OverlayError(ServerError):
     """The overlay cannot be applied here (exit 3: fails the image build)."""
-
-
-def _text(path: Path) -> str:
-    """A file's text ("" when it is not there)."""
-    return path.read_text(encoding="utf-8", errors="replace") if path.is_file() else ""
 
 
 @dataclass

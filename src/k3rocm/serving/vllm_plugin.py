@@ -17,6 +17,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from k3rocm.serving.upstream_hook import CLASS as OUR_CLASS
 from k3rocm.serving.upstream_hook import MARKER
 
 # A child of vLLM's "vllm" logger, as vLLM's own plugin loader logs: its handler and level.
@@ -25,7 +26,6 @@ log = logging.getLogger("vllm.k3rocm")
 TARGET_MODULE = "vllm.models.kimi_k3.amd.linear"
 OVERLAY_MODULE = "vllm.models.kimi_k3.amd.mla"
 WRAPPER_NAME = "MultiHeadLatentAttentionWrapper"
-OUR_CLASS = "KimiK3MultiHeadLatentAttentionWrapper"
 
 _state: dict[str, Any] = {"registered": False, "bound": [], "upstream_hook": False}
 
