@@ -45,7 +45,6 @@ KNOWN_OTHER = {
                         "(default /tmp/k3rocm-rendered.json)",
     "K3_SERVER_IMAGE": "tests: the serving image the stand-in fixture runs",
     "K3_TORCH_WHEELS": "stand-in build: directory with the torch 2.13.0+cpu wheel",
-    "K3_EXPECT_WIRING": "tests: which wrapper the in-image wiring check expects",
     "K3_VIDEO_GID": "deployment: the host's video group id for the server container",
     "K3_RENDER_GID": "deployment: the host's render group id for the server container",
     "K3_VENDOR_ENV_FILE": "deployment: env file with the shell's vendor variables for compose",
