@@ -21,7 +21,6 @@ from k3rocm.serving.fusions import ENV, FUSIONS
 
 log = logging.getLogger("vllm.k3rocm")
 
-MODULE = "vllm.models.kimi_k3.amd.mla"
 CLASS = "KimiK3MultiHeadLatentAttentionWrapper"
 MLA_FILE = Path("vllm/models/kimi_k3/amd/mla.py")  # under the directory holding ``vllm``
 MARKER = "K3ROCM_OVERLAY = 1"  # in the overlay's amd/mla.py, never in upstream's

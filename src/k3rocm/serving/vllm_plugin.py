@@ -44,11 +44,6 @@ def amd_mla_text() -> str | None:
     return None
 
 
-def overlay_is_ours() -> bool:
-    """True when vLLM's amd/mla.py is the k3rocm overlay file."""
-    return MARKER in (amd_mla_text() or "")
-
-
 def bind(module: Any) -> bool:
     """Rebind ``module.MultiHeadLatentAttentionWrapper`` to our subclass (idempotent)."""
     try:
