@@ -1,14 +1,6 @@
-"""The settings-placement matrix: every command x {exported in the shell, in `.env`, inline on
-the make line} resolves the same server URL, model, API key, model dir, results root and image.
-
-Through the real make targets (`make <target> K3_X=...`), in a scratch project directory that
-links the repository's Makefile, mk/ and compose files (so its `.env` is the one read). What a
-command resolved is observed with the user-facing `--print-deployment` flag, added to every
-k3rocm call a make target runs by a `PY=` wrapper (the view its command resolved, through the
-command's own `deployment_view` hook, appended to a file; exit 0): no server, no Docker. The
-bench and gsm8k dry runs then show the same values in the exact client command lines they
-would run. The expected values are written here from the settings given, not taken
-from k3rocm.deploy.deployment.
+"""Every command x {shell, `.env`, inline on the make line} resolves the same server URL, model, API
+key, model dir, results root and image, through the real make targets in a scratch project,
+observed with `--print-deployment` (no server, no Docker); expected values are written here.
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
-"""The upstream hook inside REAL vLLM (run by tests/test_upstream_hook_standin.py in the vLLM
-0.32.0 CPU stand-in, k3rocm installed: its entry point is what vLLM's plugin loader finds).
-
-    python3 hook_cases.py VERSION    # prints one "CASE {json}" line per case
-
-VERSION is the release whose real ``amd/mla.py`` is vLLM's amd/mla.py in this container: the
-stand-in's own (0.32.0), or 0.33.0 / 0.34.0 bind-mounted over it by the driver (no CPU wheel
-exists for those; their one vLLM name 0.32 lacks, ``vllm.model_executor.utils.refill_derived``,
-and the AITER MLA helper module that cannot import on CPU are supplied by a recording test
-double below). Nothing of upstream's file is copied or edited.
-
-The switches are read by the hook at each construction, so one process runs every case by
-changing its environment between layers. ``K3_TEST_DOUBLE_ROCM=1`` with tests/doubles on
-PYTHONPATH makes this vLLM answer like ROCm + AITER (upstream's q/kv norm gate says on; its
-``fused_mla_dual_rms_norm`` op is the double's, counted in ``aiter.calls``).
+"""The upstream hook inside REAL vLLM (driven by test_upstream_hook_standin.py in the 0.32.0 CPU
+stand-in, k3rocm installed): ``python3 hook_cases.py VERSION`` prints one ``CASE {json}`` line
+per case. VERSION's real amd/mla.py is vLLM's (0.33.0/0.34.0 mounted over the stand-in's; the
+names 0.32 lacks come from a recording double below). ``K3_TEST_DOUBLE_ROCM=1`` with
+tests/doubles on PYTHONPATH makes this vLLM answer like ROCm + AITER.
 """
 
 from __future__ import annotations

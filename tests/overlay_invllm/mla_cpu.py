@@ -1,11 +1,7 @@
-"""TEST HELPER: build real vLLM MLA layers on a CPU-only machine.
-
-vLLM's CPU platform refuses MLA in 0.27.x (``get_attn_backend_cls`` raises) and the
-auto-selected MLA prefill backend imports CUDA-only code. For construction and
-numerics tests we therefore (a) let the CPU platform hand out vLLM's real
-``TritonMLABackend`` when it would refuse MLA, (b) give MLAAttention a prefill backend
-that is never exercised (these tests run decode batches or the wrapper's own code).
-Everything else is the installed vLLM's own code.
+"""TEST HELPER: real vLLM MLA layers on a CPU-only machine. The CPU platform refuses MLA in 0.27.x
+and the auto prefill backend imports CUDA code, so (a) the CPU platform hands out vLLM's real
+``TritonMLABackend`` where it would refuse, (b) MLAAttention gets a never-exercised prefill
+backend. Everything else is the installed vLLM's own code.
 """
 
 from __future__ import annotations
