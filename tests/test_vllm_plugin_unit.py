@@ -1,6 +1,4 @@
-"""The plugin's post-import hook without vLLM: a module named in the finder is bound right after
-it executes (its globals exist by then), once, and other imports pass through untouched. The
-real wiring inside vLLM is tests/overlay_invllm/check_overlay_wrapper.py (Docker)."""
+"""The plugin's post-import hook without vLLM (the real wiring: test_overlay_image.py)."""
 
 from __future__ import annotations
 
