@@ -181,7 +181,7 @@ def test_shipped_needs_the_op_call_and_the_attribute_in_init():
 
 
 # ------------------------------------------- the hook's own logic on a layer-shaped object
-# (the real class: check_upstream_hook.py in the stand-in)
+# (the real class: hook_cases.py in the stand-in)
 
 
 class _Layer:
