@@ -31,8 +31,7 @@ from k3rocm.serving.settings import (
     invalid,
 )
 
-# The one redaction rule (printouts, run records, server env): these names, and any name ending
-# in one of SECRET_SUFFIXES.
+# The one redaction rule: these names, and any name ending in one of SECRET_SUFFIXES.
 SECRET_KEYS = ("K3_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "VLLM_API_KEY",
                "OPENAI_API_KEY", "TOKEN", "API_KEY")
 SECRET_SUFFIXES = ("_TOKEN", "_API_KEY", "_SECRET", "_PASSWORD")
@@ -49,7 +48,7 @@ KNOWN_OTHER = {
     "K3_RENDER_GID": "deployment: the host's render group id for the server container",
     "K3_VENDOR_ENV_FILE": "deployment: env file with the shell's vendor variables for compose",
 }
-# The scale-out settings (validated by k3rocm.deploy.scale.settings; tests check this list matches).
+# The scale-out settings (k3rocm.deploy.scale.settings; a test keeps this list equal).
 SCALE_SETTINGS = ("K3_SCALE_MODE", "K3_SCALE_NODES", "K3_SCALE_ROUTER_HOST", "K3_SCALE_ROUTER_PORT",
                   "K3_SCALE_ROUTER_METRICS_PORT", "K3_SCALE_ROUTER_POLICY",
                   "K3_SCALE_ROUTER_STARTUP_TIMEOUT", "K3_SCALE_HEALTH_INTERVAL",
@@ -61,8 +60,7 @@ KNOWN_OTHER.update({k: "scale-out setting (k3rocm scale config)" for k in SCALE_
 # Families of K3_* variables owned by tests (K3_TEST_*) and the client container (K3_GSM8K_*).
 KNOWN_PREFIXES = ("K3_TEST_", "K3_GSM8K_")
 
-# Container paths the profile sets: a host shell's value (e.g. HF_HOME=~/.cache/hf) is a host
-# path and is not carried into the container; set them in .env to change them.
+# Container paths the profile sets: a host shell's value is not carried in (.env's is).
 CONTAINER_PATH_KEYS = ("HF_HOME", "HF_HUB_CACHE", "HF_DATASETS_CACHE", "TRITON_CACHE_DIR",
                        "VLLM_CACHE_ROOT", "TORCH_HOME", "AITER_JIT_DIR")
 
@@ -73,11 +71,8 @@ class Rendered:
     env: dict[str, str]
     argv: list[str]
     sources: dict[str, str] = field(default_factory=dict)
-    # What the base facts decided (``render(base=True)`` with facts known): facts source,
-    # heads per rank, notes for the startup log.
-    base: dict[str, Any] | None = None
-    # One line each, for stderr: a VLLM_*/AITER_* name the user set that the base's vLLM or
-    # AITER does not know (basefacts.unknown_env); passed anyway.
+    base: dict[str, Any] | None = None  # what the base facts decided (render(base=...))
+    # a VLLM_*/AITER_* name the user set that the base does not know (passed anyway)
     warnings: list[str] = field(default_factory=list)
 
     def to_json(self, redact: bool = True) -> dict[str, Any]:
@@ -219,8 +214,7 @@ def load_settings(environ: Mapping[str, str] | None = None,
             if key in FIELD_BY_ENV and raw != "":
                 layered[key] = (raw, src_name)
 
-    # The profile comes first: it decides the defaults of everything else. An unknown name is
-    # profiles.get's one-line error ("K3_PROFILE='x' is not a profile: use one of ...").
+    # The profile first: it decides the other defaults (an unknown name: profiles.get's error).
     profile = layered.get("K3_PROFILE", (FIELDS["profile"].default, "default"))[0]
     profile_settings = profiles.get(profile)["settings"]
     values: dict[str, Any] = {}
@@ -329,11 +323,9 @@ def _profiler(s: Settings) -> list[str]:
     return ["--profiler-config", json.dumps(prof, separators=(",", ":"))]
 
 
-# The renderer's table, in argv order: every flag k3rocm renders from a K3_* setting. The argv
-# is these rows' output (build_argv) and the flags K3_EXTRA_ARGS / passthrough may not repeat
-# are these rows' names (managed_flags). Aliases are vLLM's own (vllm@0.34.0:vllm/engine/
-# arg_utils.py:1224 -tp, :1897 -sc; vllm@0.27.1: :1043, :1578); --model is vLLM's flag for the
-# positional model (vllm@0.34.0:vllm/engine/arg_utils.py:976).
+# The renderer's table, in argv order: the argv (build_argv) and the flags K3_EXTRA_ARGS may not
+# repeat (managed_flags). Aliases are vLLM's (vllm@0.34.0:vllm/engine/arg_utils.py:1224 -tp,
+# :1897 -sc; vllm@0.27.1: :1043, :1578); --model: vllm@0.34.0:vllm/engine/arg_utils.py:976.
 ARGS: tuple[Arg, ...] = (
     Arg(("--model",), ("model",), lambda s: [s.model]),  # positional after `vllm serve`
     _value("--served-model-name", "served_model_name"),
