@@ -218,12 +218,6 @@ def _upstream_mla(root: Path) -> dict[str, dict[str, Any]]:
             "no upstream fusion to switch"))}
 
 
-def _line_of(text: str, pattern: str) -> int | None:
-    """The 1-based line of the first match of ``pattern`` (multiline) in ``text``."""
-    m = re.search(pattern, text, re.M)
-    return text.count("\n", 0, m.start()) + 1 if m else None
-
-
 K3_ARCH = "KimiK3ForConditionalGeneration"
 
 
@@ -308,7 +302,7 @@ def _default_graph_mode(text: str) -> dict[str, Any]:
     if not mode:
         return unknown(f"{VLLM_CONFIG}: no default optimization level's cudagraph_mode")
     return fact(mode.group(1), (
-        f"{VLLM_CONFIG}:{_line_of(text, re.escape(lvl.group(0)))} default optimization level "
+        f"{VLLM_CONFIG}:{text.count(chr(10), 0, lvl.start()) + 1} default optimization level "
         f"{lvl.group(1)} -> {table.group(1)}, cudagraph_mode {mode.group(1)} at line "
         f"{text.count(chr(10), 0, mode.start()) + 1}"))
 
@@ -553,22 +547,19 @@ def check(s: Any, sources: dict[str, str], facts: dict[str, Any] | None,
     if s.mtp_k > 0 and not s.enforce_eager:
         r = route(facts, heads, kv, 1 + s.mtp_k)
         user_cc = sets_graph_mode(s)
+        how = (facts.get("verify_route_fp8" if kv.startswith("fp8") else "verify_route_bf16")
+               or {}).get("how", "?")
         if r.get("host_sync") and not user_cc:
             argv += ["--compilation-config", '{"cudagraph_mode":"PIECEWISE"}']
             notes.append(
                 f"graphs: cudagraph_mode PIECEWISE (no full-graph capture): vLLM {ver}'s "
-                f"{heads}-head MTP verify path syncs the host ({_how(facts, kv)})"
+                f"{heads}-head MTP verify path syncs the host ({how})"
                 ", which full-graph capture of a uniform verify batch cannot do; set "
                 "--compilation-config in K3_EXTRA_ARGS to override")
         elif r.get("host_sync") is None and not user_cc:
             notes.append(f"WARNING: whether vLLM {ver}'s {heads}-head MTP verify path syncs the "
                          "host is unknown; vLLM's default graph mode kept")
     return updates, argv, notes
-
-
-def _how(facts: dict[str, Any], kv: str) -> str:
-    f = facts.get("verify_route_fp8" if kv.startswith("fp8") else "verify_route_bf16") or {}
-    return f.get("how", "?")
 
 
 def fusion_provider(facts: dict[str, Any], name: str, overlay_mode: str) -> tuple[str | None, str]:
