@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import (
@@ -390,12 +391,13 @@ def test_the_servers_get_this_shells_vendor_variables(seed_node, monkeypatch, tm
 
 
 @pytest.fixture
-def fake_pipeline(seed_node, monkeypatch):
+def fake_pipeline(seed_node, monkeypatch, tmp_path):
     """The whole selftest on the seed node with the servers, the census and bench subprocesses
     and the greedy requests faked: ``answers`` (on, off) and ``codes`` (step -> exit code)."""
     from k3rocm.checks import selftest
     from k3rocm.deploy import runrecord
     from k3rocm.deploy.lifecycle import ComposeServer
+    from k3rocm.errors import UsageError
 
     monkeypatch.setattr(ComposeServer, "compose",  # the build succeeds
                         lambda self, *a, **kw: subprocess.CompletedProcess(a, 0, "", ""))
@@ -410,8 +412,15 @@ def fake_pipeline(seed_node, monkeypatch):
     fake = {"answers": [answer, answer], "codes": {}}
     monkeypatch.setattr(selftest, "greedy",
                         lambda *a, **kw: json.loads(json.dumps(fake["answers"].pop(0))))
-    monkeypatch.setattr(selftest, "run_step",
-                        lambda name, *a, **kw: (fake["codes"].get(name, 0), 0.1, ""))
+    def measure(name):
+        def fn(args, dep):
+            if fake["codes"].get(name) == 2:
+                raise UsageError(f"{name}: refused", 2)
+            return fake["codes"].get(name, 0), {}, tmp_path / name
+        return fn
+
+    for name in ("census", "bench"):
+        monkeypatch.setattr(selftest, f"{name}_step", measure(name))
     return fake
 
 
@@ -435,6 +444,7 @@ def test_an_exit_2_after_a_server_started_is_exit_4_not_bad_input(fake_pipeline,
     s = _summary(tmp_path)
     bench = next(st for st in s["steps"] if st["name"] == "bench")
     assert bench["exit_code"] == 2 and "found after a server had started" in bench["note"]
+    assert "k3rocm: error: bench: refused" in Path(bench["log"]).read_text()  # its output, its log
     assert s["exit_code"] == 4 and "k3rocm selftest: FAILED (exit 4)" in out
     compare_row = next(st for st in s["steps"] if st["name"] == "compare")
     assert compare_row["ok"] and "max logprob gap 0 <= tolerance 0.125" in compare_row["note"]

@@ -1,52 +1,31 @@
 """``k3rocm selftest`` (``make selftest``): before the 1.5 TB load, prove on a small Kimi-K3-shaped
 checkpoint that this base, this overlay and these settings serve, fuse and agree.
 
-- ``k3rocm selftest model [SRC] [OUT]``: cut the small checkpoint from the operator's own one
-  (:mod:`k3rocm.deploy.selftest_model`; default OUT ``<K3_MODELS_DIR>/Kimi-K3-selftest``).
-- ``k3rocm selftest run``: the deployment ``make up`` would serve (same profile, settings,
-  image, compose service, entrypoint), with only ``K3_MODEL`` (the small checkpoint),
-  ``K3_PORT`` (+1) and ``K3_PROFILER_DIR`` (inside the run directory) changed, in its own
-  compose project. First, before any build or server (one line each, exit 2; nothing is
-  started): the bench step's client image, the selftest port free, the GPUs free (a running
-  server holding them, or their memory in use: not on the CPU stand-in) and both arms against
-  the image's base facts. The servers get this shell's vendor variables, computed as `make up`
-  computes them, in the run directory's vendor.env (never the shared .k3rocm/vendor.env).
-  Steps:
+``selftest model [SRC] [OUT]`` cuts the small checkpoint (default OUT
+``<K3_MODELS_DIR>/Kimi-K3-selftest``). ``selftest run`` serves it as ``make up`` would (same
+profile, settings, image, compose service), only K3_MODEL, K3_PORT (+1) and K3_PROFILER_DIR
+changed, in its own compose project, with this shell's vendor variables (run dir's vendor.env).
+Checked first (one line each, exit 2, nothing started): the bench client image, the port, the
+GPUs free, both arms against the image's base facts. Steps:
 
-    build    the serving image (as make up), then the base facts recorded in it are applied to
-             the settings: a setting the base cannot run stops here (exit 2), before any load
-    up       serve arm B (the fusions --on names on); wait until ready; provenance (overlay
-             decisions)
-    census   decode kernel census from the server's profiler (expectations from the small
-             model's own MLA layer count)
-    greedy   a few fixed prompts, greedy, with the top-20 logprobs per position
+    build    the serving image; its base facts applied to the settings (refusal: exit 2)
+    up       serve arm B (the --on fusions on); wait until ready; overlay decisions
+    census   decode kernel census (expectations from the small model's MLA layer count)
+    greedy   fixed prompts, greedy, top-20 logprobs per position
     bench    one short aiperf point
     down     server log kept
-    off      the same server with every K3_FUSE_* switch 0: greedy again, down
-    compare  fusions on vs off: the largest logprob gap (up to each prompt's first differing
-             token, both arms' tokens there) within LOGPROB_TOL; identical tokens or where
-             they first differ
+    off      the same server as arm A (every K3_FUSE_* 0): greedy again, down
+    compare  on vs off: the largest logprob gap (up to each prompt's first differing token)
+             within LOGPROB_TOL
 
-  The two servers are the A/B's two arms (:func:`k3rocm.checks.ab.arms.arm_envs`): "off" is
-  arm A (every K3_FUSE_* switch 0), the first server is arm B (the fusions ``--on`` names, default
-  all, switched on, the rest off). Both are rendered against the serving image's base facts
-  before the build (the image as it is) and again after it, as the A/B does before its first
-  cold start: an arm the base cannot serve is refused (exit 2) before any server starts, naming
-  the ``--on`` choices the base can serve.
+On the CPU stand-in (CPU=1) the tiny DeepSeek-shaped model serves and both servers are arm A
+(the fusions need ROCm + AITER; a K3_FUSE_* switch set in the shell or .env is kept for the
+first). Results: ``<results>/<UTC>-selftest/`` (summary.json, summary.md, logs/, both server
+logs); every server it started is stopped, also on failure and Ctrl-C / SIGTERM.
 
-  One summary (stdout, ``summary.md``, ``summary.json``) in ``<results>/<UTC>-selftest/``,
-  each step's log under ``logs/``, both server logs kept. Every server it started is stopped at
-  the end, on failure and on Ctrl-C / SIGTERM.
-
-On the CPU stand-in (``CPU=1``) the same steps run with the tiny DeepSeek-shaped smoke model
-(Kimi-K3's KDA layers need GPU kernels); the fusions need ROCm + AITER, so there both servers
-are arm A (the stock path; a K3_FUSE_* switch set in the shell or .env is kept for the first)
-and the census checks the stock counts.
-
-Exit codes: 0 every step ok; 1 a check failed (census, the logprob gap, bench point); 2 bad
-input or a setting the base cannot run (nothing loaded); 3 a server did not come up or no
-Docker engine; 4 cannot judge (a logprob gap with no bound, or a step refused its input after
-a server had started); 130 interrupted.
+Exit codes: 0 every step ok; 1 a check failed; 2 bad input (nothing loaded); 3 a server did not
+come up or no Docker engine; 4 cannot judge (a logprob gap with no bound, or a step refused its
+input after a server had started); 130 interrupted.
 """
 
 from __future__ import annotations
@@ -55,23 +34,24 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import io
 import os
+import re
 import shlex
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from k3rocm.checks.ab import arms as armlib
 from k3rocm.checks.steps import (
+    PROGRESS_EVERY,
     REPO,
-    Interrupted,
     StepResult,
     bench_numbers,
     census_numbers,
-    new_dirs,
-    run_step,
     say,
     step_rows,
     verdict,
@@ -228,20 +208,22 @@ def base_check(dep, srv, switches: dict[str, dict[str, str]], env_file: str) -> 
 # ------------------------------------------------------------- before any build or server
 
 
-class _BenchArgs(argparse.ArgumentParser):
+class _Args(argparse.ArgumentParser):
+    """A measure's own parser for ``--bench-args`` / ``--census-args``: an error is one line."""
+
+    def __init__(self, opt: str, add_arguments, **kw):
+        super().__init__(prog=opt, add_help=False, **kw)
+        add_arguments(self)
+
     def error(self, message: str):  # argparse would print its usage and exit
-        raise UsageError(f"--bench-args: {message}")
+        raise UsageError(f"{self.prog}: {message}")
 
 
 def bench_client_image(argv: list[str]) -> str:
-    """The client image the bench step will run (its own parser: ``--client-image``,
-    ``BENCH_CLIENT_IMAGE``, else :data:`k3rocm.deploy.engine.CLIENT_IMAGE`); a bad
-    ``--bench-args`` is refused here."""
-    from k3rocm.checks.bench.cli import add_arguments as bench_arguments
+    """The client image the bench step will run; a bad ``--bench-args`` is refused here."""
+    from k3rocm.checks.bench.cli import add_arguments
 
-    parser = _BenchArgs(prog="k3rocm bench", add_help=False)
-    bench_arguments(parser)
-    return parser.parse_args(argv).client_image
+    return _Args("--bench-args", add_arguments).parse_args(argv).client_image
 
 
 def _gpu_containers(client) -> list[str]:
@@ -500,6 +482,73 @@ def _bench_argv(args: argparse.Namespace, dep) -> list[str]:
             "--set", "concurrency=1", "--set", "request_count=4", *shlex.split(args.bench_args)]
 
 
+def census_step(args: argparse.Namespace, dep) -> tuple[int, dict[str, Any], Path]:
+    """``k3rocm census`` on the selftest server, in-process: (exit code, census.json, run dir)."""
+    from k3rocm.checks.census import cli, common
+
+    host_model = dep.model_host_dir
+    cargs = _Args("--census-args", cli.add_arguments).parse_args(
+        ["--url", dep.url, "--results", str(dep.results_root),
+         *(["--model-dir", str(host_model)] if host_model else []),
+         *shlex.split(args.census_args)])
+    cli.CensusFlags.from_args(cargs)
+    census, run_dir = cli.run_live(cargs, dep, common.analysis_from(cargs, dep))
+    return cli.finish(census, run_dir), census.to_json(), run_dir
+
+
+def bench_step(args: argparse.Namespace, dep) -> tuple[int, dict[str, Any], Path]:
+    """One ``k3rocm bench`` point on the selftest server, in-process: (exit code,
+    summary.json, run dir)."""
+    from k3rocm.checks.bench import cli, run
+
+    bargs = _Args("--bench-args", cli.add_arguments).parse_args(_bench_argv(args, dep))
+    w, _ = cli.resolve_from_args(bargs, dep)
+    res = run.run_bench(w, results=bargs.results, client_image=bargs.client_image,
+                        server_timeout=bargs.server_timeout, label=bargs.label,
+                        progress=not bargs.quiet, tp=bargs.tp, deployment=dep)
+    print(res.message)
+    return res.exit_code, res.summary, Path(res.summary.get("run_dir") or "")
+
+
+class _StepLog(io.TextIOBase):
+    """A step's output: into its log (and stderr with --verbose); the last line kept."""
+
+    def __init__(self, fh, echo):
+        self.fh, self.echo, self.last = fh, echo, ""
+
+    def write(self, text: str) -> int:
+        self.fh.write(text)
+        if self.echo is not None:
+            self.echo.write(text)
+        lines = [ln.strip() for ln in re.split(r"[\r\n]+", text) if ln.strip()]
+        self.last = lines[-1][:140] if lines else self.last
+        return len(text)
+
+    def flush(self) -> None:
+        self.fh.flush()
+
+
+@contextlib.contextmanager
+def _logged(log: Path, verbose: bool, progress):
+    """Redirect this step's stdout and stderr to ``log``; ``progress(last line)`` every 15 s."""
+    err = sys.stderr
+    log.parent.mkdir(parents=True, exist_ok=True)
+    done = threading.Event()
+    with open(log, "w", encoding="utf-8", buffering=1) as fh:
+        out = _StepLog(fh, err if verbose else None)
+
+        def tick():
+            while not done.wait(PROGRESS_EVERY):
+                progress(out.last, err)
+
+        threading.Thread(target=tick, daemon=True).start()
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+                yield
+        finally:
+            done.set()
+
+
 def selftest(args: argparse.Namespace) -> int:  # noqa: C901 - one linear pipeline
     from k3rocm.deploy import runrecord
     from k3rocm.rundir import create_run_dir, write_json_atomic, write_text_atomic
@@ -528,15 +577,6 @@ def selftest(args: argparse.Namespace) -> int:  # noqa: C901 - one linear pipeli
     off_srv = dataclasses.replace(srv, env={**srv.env, **switches["A"]})
     runrecord.write(run_dir, runrecord.build(deployment=dep, url=dep.url, selftest={
         "project": srv.project, "model": dep.model}))
-    host_model = dep.model_host_dir
-    py = sys.executable
-    env = {**os.environ, **srv.env, "COMPOSE_PROJECT_NAME": srv.project}
-    commands = {
-        "census": [py, "-m", "k3rocm", "census", "--url", dep.url, "--results",
-                   str(dep.results_root), *(["--model-dir", str(host_model)] if host_model
-                                            else []), *shlex.split(args.census_args)],
-        "bench": [py, "-m", "k3rocm", "bench", *_bench_argv(args, dep)],
-    }
     results: list[StepResult] = []
     summary: dict[str, Any] = {"run_dir": str(run_dir), "project": srv.project, "url": dep.url,
                                "model": dep.model, "profile": dep.profile, "image": dep.image,
@@ -556,26 +596,38 @@ def selftest(args: argparse.Namespace) -> int:  # noqa: C901 - one linear pipeli
         except UsageError as exc:
             res.code, res.note = exc.exit_code, str(exc)
             raise
+        except KeyboardInterrupt:
+            res.code = 130
+            raise
         finally:
             res.seconds = time.time() - start
             results.append(res)
             _say(t0, f"{index}/{total} {name}: {'ok' if res.ok else 'FAILED'} in "
                  f"{res.seconds:.0f}s{': ' + res.note if res.note else ''}")
+        if res.code == 130:  # the measure stopped on Ctrl-C and kept what it finished
+            raise KeyboardInterrupt
 
-    def sub(res: StepResult):  # census or bench: the user's own command, its run directory
+    def measure(res: StepResult):  # census or bench, in-process; its output in its log
         name, log = res.name, run_dir / "logs" / f"{res.name}.log"
-        before = {p.name for p in dep.results_root.iterdir()} \
-            if dep.results_root.is_dir() else set()
-        code, _, _ = run_step(name, commands[name], env, log, t0, STEPS.index(name) + 1,
-                              args.verbose, total, "selftest")
-        res.code, res.ok, res.log = code, code == 0, str(log)
-        res.command = shlex.join(commands[name])
-        found = new_dirs(dep.results_root, before, "-census" if name == "census"
-                         else "-selftest-bench")
-        if found:
-            res.run_dir = str(found[-1])
-            res.note, res.numbers = (census_numbers if name == "census" else
-                                     bench_numbers)(found[-1])
+        index = STEPS.index(name) + 1
+        res.log = str(log)
+
+        def progress(last: str, err) -> None:
+            print(f"[selftest +{time.time() - t0:.0f}s] {index}/{total} {name}: "
+                  f"{time.time() - start:.0f}s ... {last}", file=err, flush=True)
+
+        _say(t0, f"{index}/{total} {name}: k3rocm {name} on {dep.url}, log {log}")
+        start = time.time()
+        with _logged(log, args.verbose, progress):
+            try:
+                res.code, doc, found = (census_step if name == "census" else bench_step)(
+                    args, dep)
+            except UsageError as exc:  # the row says why; the selftest goes on
+                print(f"k3rocm: error: {exc}", file=sys.stderr)
+                res.code, res.note = exc.exit_code, str(exc)
+                return
+        res.run_dir = str(found)
+        res.note, res.numbers = (census_numbers if name == "census" else bench_numbers)(doc)
 
     def serve(server, res: StepResult):
         running.append(server)
@@ -634,7 +686,7 @@ def selftest(args: argparse.Namespace) -> int:  # noqa: C901 - one linear pipeli
                                          "top_n_spread_median")}
         res.note = compare_note(c)
 
-    plan = {"build": build, "up": up, "census": sub, "greedy": greedy_on, "bench": sub,
+    plan = {"build": build, "up": up, "census": measure, "greedy": greedy_on, "bench": measure,
             "down": down, "off": off, "compare": cmp}
 
     def _term(*_):
@@ -645,7 +697,7 @@ def selftest(args: argparse.Namespace) -> int:  # noqa: C901 - one linear pipeli
         for index, name in enumerate(STEPS, 1):
             step(name, plan[name], index)
         code = next((r.code or 1 for r in results if not r.ok), 0)
-    except (KeyboardInterrupt, Interrupted):
+    except KeyboardInterrupt:
         code = 130
     except UsageError as exc:
         code = exc.exit_code

@@ -135,8 +135,8 @@ def _num(value: Any, fmt: str = "{:.3g}") -> str:
     return fmt.format(value) if isinstance(value, (int, float)) else "?"
 
 
-def bench_numbers(run: Path) -> tuple[str, dict[str, Any]]:
-    s = read_json(run / "summary.json")
+def bench_numbers(s: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """A bench run's summary.json as the step's note and numbers (census, gsm8k: likewise)."""
     parts, points = [], []
     for p in s.get("points") or []:
         m = p.get("metrics") or {}
@@ -154,8 +154,7 @@ def bench_numbers(run: Path) -> tuple[str, dict[str, Any]]:
     return "; ".join(parts) or f"status {s.get('status', '?')}", {"points": points}
 
 
-def gsm8k_numbers(run: Path) -> tuple[str, dict[str, Any]]:
-    s = read_json(run / "summary.json")
+def gsm8k_numbers(s: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     vals = {name: ((s.get("metrics") or {}).get(name) or {}).get("exact_match")
             for name in ("strict-match", "flexible-extract")}
     items = (s.get("items") or {}).get("evaluated")
@@ -169,8 +168,7 @@ def gsm8k_numbers(run: Path) -> tuple[str, dict[str, Any]]:
                   "exact_match": vals, "comparable": s.get("comparable")}
 
 
-def census_numbers(run: Path) -> tuple[str, dict[str, Any]]:
-    c = read_json(run / "census.json")
+def census_numbers(c: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     checks = [ch for ch in c.get("checks") or [] if isinstance(ch, dict)]
     n_ok = sum(1 for ch in checks if ch.get("ok") is True)
     n_bad = sum(1 for ch in checks if ch.get("ok") is False)
