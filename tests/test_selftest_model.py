@@ -252,7 +252,7 @@ def test_packed_mx_dtypes_round_trip(tmp_path):
         got = {k: (f.get_slice(k).get_dtype(), f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
     assert got == {t.name: (t.dtype, list(t.shape)) for t in specs}
     assert [t.nbytes for t in specs] == [128, 8, 48]
-    assert sm.read_header(path)["w.weight"].nbytes == 128
+    assert sm.read_layout(path)[0]["w.weight"].nbytes == 128
 
 
 def test_the_table_is_kimi_k3s_published_config():

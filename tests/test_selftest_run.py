@@ -249,16 +249,38 @@ def _refused(capsys, *argv: str) -> tuple[int, list[str], list[str]]:
     return code, [ln for ln in err if ln.startswith("k3rocm: error: ")], err
 
 
-def test_a_missing_client_image_is_refused_before_any_build(seed_node, tmp_path, capsys):
-    """The bench step runs aiperf in the client image: missing, it is one line and exit 2
-    before the build, not after building, serving and running census and greedy."""
-    from k3rocm.deploy.engine import CLIENT_IMAGE
+def _gpu_memory_in_use(node, monkeypatch, stack):
+    from k3rocm.deploy import preflight
 
-    seed_node.docker.images_present.clear()
-    code, errors, err = _refused(capsys)
-    assert code == 2, err
-    assert len(errors) == 1 and f"client image {CLIENT_IMAGE!r} not found" in errors[0], err
-    assert "make clients-image" in errors[0]
+    monkeypatch.setattr(preflight, "gpu_memory",
+                        lambda: [("card0 (0000:05:00.0)", 4, 1000), ("card3", 620, 1000)])
+    return []
+
+
+def _port_in_use(node, monkeypatch, stack):
+    port = stack.enter_context(busy_port())
+    return ["--port", str(port)]
+
+
+@pytest.mark.parametrize("setup,fragments", [
+    (lambda node, mp, stack: node.docker.images_present.clear() or [],
+     ["client image 'k3rocm/clients:", "not found", "make clients-image"]),
+    (lambda node, mp, stack: ["--no-build"],
+     ["serving image 'k3rocm/server:latest' not found", "drop --no-build"]),
+    (lambda node, mp, stack: node.docker.running.append(gpu_server()) or [],
+     ["the GPUs are held by running container(s) k3rocm-server-1 (a k3rocm server, compose "
+      "project k3rocm, port 8000)", "make down"]),
+    (_gpu_memory_in_use, ["GPU memory in use: card3 62%", "asks vLLM for 0.95 of each GPU"]),
+    (_port_in_use, [" on 127.0.0.1 is in use", "--port N"]),
+], ids=["client-image", "no-build", "gpus-held", "gpu-memory", "port"])
+def test_refused_before_any_build(seed_node, monkeypatch, tmp_path, capsys, setup, fragments):
+    """What a build or a load would find late: one line, exit 2, nothing built, served or
+    written."""
+    with contextlib.ExitStack() as stack:
+        code, errors, err = _refused(capsys, *setup(seed_node, monkeypatch, stack))
+    assert code == 2 and len(errors) == 1, err
+    assert all(f in errors[0] for f in fragments), errors[0]
+    assert "card0" not in errors[0]
     assert err[-1].startswith("k3rocm selftest: nothing expensive was started"), err
     assert seed_node == [] and not (tmp_path / "results").exists()
 
@@ -274,13 +296,6 @@ def test_the_client_image_the_bench_step_will_use_is_the_one_checked(seed_node, 
     assert code == 2 and len(errors) == 1 and "--bench-args: unrecognized arguments" in \
         errors[0], err
     assert seed_node == []
-
-
-def test_no_build_without_a_serving_image_is_refused_first(seed_node, capsys):
-    code, errors, err = _refused(capsys, "--no-build")
-    assert code == 2 and len(errors) == 1, err
-    assert "serving image 'k3rocm/server:latest' not found" in errors[0], err
-    assert "drop --no-build" in errors[0] and seed_node == []
 
 
 def test_the_summary_says_when_the_shared_vendor_env_differs(seed_node, monkeypatch,
@@ -299,39 +314,6 @@ def test_the_summary_says_when_the_shared_vendor_env_differs(seed_node, monkeypa
     note = selftest.vendor_note(dep, tmp_path / "repo")
     assert note.startswith("vendor variables from this shell: VLLM_ROCM_USE_AITER_MHA ("), note
     assert "differs in AITER_OLD_SHELL, VLLM_ROCM_USE_AITER_MHA: not used" in note
-
-
-def test_gpus_held_by_a_running_server_are_refused_before_any_build(seed_node, tmp_path,
-                                                                   capsys):
-    """A `make up` server (TP=8 at its share of each GPU's memory) holds the GPUs the selftest
-    server needs: refused before building the image and waiting for a server that cannot load."""
-    seed_node.docker.running.append(gpu_server())
-    code, errors, err = _refused(capsys)
-    assert code == 2 and len(errors) == 1, err
-    assert "the GPUs are held by running container(s) k3rocm-server-1 (a k3rocm server, " \
-        "compose project k3rocm, port 8000)" in errors[0] and "make down" in errors[0]
-    assert seed_node == [] and not (tmp_path / "results").exists()
-
-
-def test_gpu_memory_in_use_is_refused_before_any_build(seed_node, monkeypatch, tmp_path,
-                                                      capsys):
-    from k3rocm.deploy import preflight
-
-    monkeypatch.setattr(preflight, "gpu_memory",
-                        lambda: [("card0 (0000:05:00.0)", 4, 1000), ("card3", 620, 1000)])
-    code, errors, err = _refused(capsys)
-    assert code == 2 and len(errors) == 1, err
-    assert "GPU memory in use: card3 62%" in errors[0], err
-    assert "asks vLLM for 0.95 of each GPU" in errors[0] and "card0" not in errors[0]
-    assert seed_node == [] and not (tmp_path / "results").exists()
-
-
-def test_a_busy_port_is_refused_before_any_build(seed_node, tmp_path, capsys):
-    with busy_port() as port:
-        code, errors, err = _refused(capsys, "--port", str(port))
-    assert code == 2 and len(errors) == 1, err
-    assert f"port {port} on 127.0.0.1 is in use" in errors[0] and "--port N" in errors[0]
-    assert seed_node == [] and not (tmp_path / "results").exists()
 
 
 def test_every_problem_is_one_line_and_all_are_named_at_once(seed_node, monkeypatch, capsys):
