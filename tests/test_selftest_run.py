@@ -1,8 +1,6 @@
-"""`make selftest`: the real serving path (our Dockerfile FROM the stand-in base, compose.yaml +
-compose.cpu.yaml, entrypoint.sh) on the tiny model, in its own compose project and port:
-build + base check, serve, census, greedy tokens, a bench point, a second server with the
-fusions off, greedy again, compare. Bad input and a setting the base cannot run stop before
-any server starts."""
+"""`k3rocm selftest run` / `make selftest`: the logprob comparison, what is refused before any
+build or server, the steps' exit codes (faked servers), and the real serving path on the
+CPU stand-in."""
 
 from __future__ import annotations
 
@@ -21,7 +19,6 @@ from conftest import (
     free_port,
     make_exit_code,
     project_containers,
-    run_cli,
     standin_tag,
 )
 from server_fixture import MODELS_DIR, ensure_smoke_model
@@ -29,7 +26,6 @@ from server_fixture import MODELS_DIR, ensure_smoke_model
 from k3rocm.checks.selftest import GREEDY_TOKENS, LOGPROB_TOL, compare, compare_note
 
 PROJECT = "k3rocm-selftest-test"
-
 
 
 # ------------------------------------------------------------------------ no Docker needed
@@ -40,8 +36,6 @@ def _run(prompt, tokens, logprobs, top):
 
 
 def test_compare_judges_the_logprob_gap_against_the_tolerance():
-    """Identical tokens are not enough: the chosen token's logprob on vs off must agree within
-    the stated tolerance."""
     on = [_run("a", ["x", "y"], [-0.1, -0.2], [{"x": -0.1, "q": -3.0}, {"y": -0.2, "q": -2.0}])]
     same = compare(on, json.loads(json.dumps(on)))
     assert same["identical"] and same["ok"] and same["max_logprob_gap"] == 0.0
@@ -59,9 +53,6 @@ def test_compare_judges_the_logprob_gap_against_the_tolerance():
 
 
 def test_compare_a_near_tie_flip_is_within_tolerance_and_later_positions_are_not_compared():
-    """Tokens that differ where both arms rank them next to each other (a near-tie: flat logits
-    on random weights) pass when both tokens' logprobs agree within the tolerance; after the
-    first difference the arms continue different texts, so nothing after it is compared."""
     on = [_run("a", ["x", "y", "z"], [-0.1, -0.69, -0.01],
                [{"x": -0.1}, {"y": -0.69, "w": -0.70}, {"z": -0.01}])]
     off = [_run("a", ["x", "w", "k"], [-0.1, -0.68, -9.0],
@@ -98,13 +89,10 @@ def test_compare_a_token_outside_the_other_arms_top_n_fails_or_cannot_be_judged(
     (["--model", "/elsewhere/ckpt"], "not under K3_MODELS_DIR"),
     (["--bench-args", "'unclosed"], "--bench-args"),
 ])
-def test_bad_input_is_one_line_exit_2(tmp_path, args, fragment):
-    p = run_cli("selftest", "run", *args, env={"K3_RESULTS_DIR": str(tmp_path / "r"),
-                                               "COMPOSE_FILE": "compose.yaml:compose.cpu.yaml",
-                                               "K3_PROFILE": "cpu-smoke"})
-    assert p.returncode == 2, p.stdout + p.stderr
-    assert fragment in p.stderr and "Traceback" not in p.stderr, p.stderr
-    assert not (tmp_path / "r").exists()  # nothing started, no run directory
+def test_bad_input_is_one_line_exit_2(seed_node, tmp_path, capsys, args, fragment):
+    code, errors, err = _refused(capsys, *args)
+    assert code == 2 and len(errors) == 1 and fragment in errors[0], err
+    assert seed_node == [] and not (tmp_path / "results").exists()
 
 
 # ------------------------------------------- the A/B's arms against the image's base facts
@@ -115,8 +103,7 @@ class ImageNotFound(Exception):  # docker-py's name: engine.image_id tells it by
 
 
 class FakeDocker:
-    """docker-py's client as far as the selftest's early checks ask: images.get and the
-    running containers."""
+    """docker-py's client as far as the early checks ask: images.get, running containers."""
 
     def __init__(self):
         from k3rocm.deploy.engine import CLIENT_IMAGE
@@ -150,9 +137,8 @@ class Calls(list):
 
 @pytest.fixture
 def seed_node(tmp_path, monkeypatch):
-    """A node (compose.yaml alone, AITER on) whose serving image's manifest holds the seed
-    nightly's base facts, measured from the real vLLM 0.27.1 sources; every compose call
-    recorded (none may happen before the base check)."""
+    """A node (compose.yaml, AITER on) whose serving image holds the base facts of the real
+    vLLM 0.27.1 sources; every compose call recorded (none may happen before the checks)."""
     import shutil
 
     from conftest import image_base_facts
@@ -192,16 +178,10 @@ def seed_node(tmp_path, monkeypatch):
 
 
 def test_selftest_on_the_seed_base_is_refused_before_the_build(seed_node, tmp_path, capsys):
-    """`make selftest` serves the A/B's two arms; on the seed nightly arm B (decode Q-prep on)
-    cannot be served: the same one line as the A/B, exit 2, before the build, any server or
-    the run directory; never a green run on defaults the base quietly turned Q-prep off in."""
-    from k3rocm.cli import main
-
-    code = main(["selftest", "run"])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2, err
-    errors = [ln for ln in err if ln.startswith("k3rocm: error:")]
-    assert len(errors) == 1 and errors[0].startswith(
+    """Arm B (decode Q-prep on) cannot be served by the seed base: the A/B's one line, exit 2,
+    before the build; never a green run on defaults the base quietly turned Q-prep off in."""
+    code, errors, err = _refused(capsys, "--on", "all")
+    assert code == 2 and len(errors) == 1 and errors[0].startswith(
         "k3rocm: error: arm B (K3_FUSE_DECODE_QPREP=1 K3_FUSE_QK_NORM=1) cannot be served by "
         "this base (vLLM 0.27.1"), err
     assert "needs an fp8 KV cache" in errors[0] and "--on qk_norm" in errors[0]
@@ -209,17 +189,21 @@ def test_selftest_on_the_seed_base_is_refused_before_the_build(seed_node, tmp_pa
     assert seed_node == [] and not (tmp_path / "results").exists()
 
 
-def test_selftest_serves_the_abs_arms(seed_node):
-    """The selftest's servers are the A/B's arms (one builder): fusions-on = arm B of --on,
-    fusions-off = arm A; with the --on the seed base offers, both pass its check."""
+def _args(**kw):
     import argparse
 
+    return argparse.Namespace(**{"timeout": 10, "bench_args": "", "census_args": "",
+                                 "env_file": ".env", "model": None, "port": None,
+                                 "project": "k3selftest-t", "on": "qk_norm", "workload": None,
+                                 **kw})
+
+
+def test_selftest_serves_the_abs_arms(seed_node):
+    """Fusions-on = the A/B's arm B of --on, fusions-off = arm A; both pass the base check."""
     from k3rocm.checks import selftest
     from k3rocm.checks.ab.arms import arm_envs
 
-    args = argparse.Namespace(timeout=10, bench_args="", census_args="", env_file=".env",
-                              model=None, port=None, project="k3selftest-t", on="qk_norm")
-    dep, srv, arms = selftest._plan(args)
+    dep, srv, arms = selftest._plan(_args())
     assert not dep.cpu and arms == arm_envs("qk_norm")
     assert srv.env["K3_FUSE_QK_NORM"] == "1" and srv.env["K3_FUSE_DECODE_QPREP"] == "0"
     base = selftest.base_check(dep, srv, arms, ".env")
@@ -298,24 +282,6 @@ def test_the_client_image_the_bench_step_will_use_is_the_one_checked(seed_node, 
     assert seed_node == []
 
 
-def test_the_summary_says_when_the_shared_vendor_env_differs(seed_node, monkeypatch,
-                                                             tmp_path):
-    import argparse
-
-    from k3rocm.checks import selftest
-
-    monkeypatch.setenv("VLLM_ROCM_USE_AITER_MHA", "0")
-    (tmp_path / "repo" / ".k3rocm").mkdir(parents=True)
-    (tmp_path / "repo" / ".k3rocm" / "vendor.env").write_text(
-        "VLLM_ROCM_USE_AITER_MHA=1\nAITER_OLD_SHELL=1\n")
-    args = argparse.Namespace(timeout=10, bench_args="", census_args="", env_file=".env",
-                              model=None, port=None, project="k3selftest-t", on="qk_norm")
-    dep, _, _ = selftest._plan(args, check_model=False)
-    note = selftest.vendor_note(dep, tmp_path / "repo")
-    assert note.startswith("vendor variables from this shell: VLLM_ROCM_USE_AITER_MHA ("), note
-    assert "differs in AITER_OLD_SHELL, VLLM_ROCM_USE_AITER_MHA: not used" in note
-
-
 def test_every_problem_is_one_line_and_all_are_named_at_once(seed_node, monkeypatch, capsys):
     """The operator fixes everything in one go: each problem its own line, base check too."""
     seed_node.docker.images_present.clear()
@@ -335,15 +301,11 @@ def test_every_problem_is_one_line_and_all_are_named_at_once(seed_node, monkeypa
 
 
 def test_the_gpu_check_is_skipped_on_the_cpu_standin_and_says_so(seed_node, monkeypatch):
-    import argparse
-
     from k3rocm.checks import selftest
 
     monkeypatch.setenv("COMPOSE_FILE", "compose.yaml:compose.cpu.yaml")
     seed_node.docker.running.append(gpu_server())
-    args = argparse.Namespace(timeout=10, bench_args="", census_args="", env_file=".env",
-                              model=None, port=None, project="k3selftest-t", on="all",
-                              workload=None)
+    args = _args(on="all")
     dep, _, _ = selftest._plan(args, check_model=False)
     problems, notes = selftest.early_checks(dep, selftest._bench_argv(args, dep))
     assert dep.cpu and problems == [], problems
@@ -351,24 +313,25 @@ def test_the_gpu_check_is_skipped_on_the_cpu_standin_and_says_so(seed_node, monk
 
 
 def test_the_servers_get_this_shells_vendor_variables(seed_node, monkeypatch, tmp_path):
-    """`make up` passes the vendor variables of the shell it runs in (its `k3rocm config
-    --vendor-env-file`); so does the selftest, into its own file, never the shared
-    .k3rocm/vendor.env an earlier shell wrote (nor, on the CPU stand-in, a copy of it)."""
-    import argparse
-
+    """As `make up`: this shell's vendor variables, into the run's own file, never the shared
+    .k3rocm/vendor.env an earlier shell wrote (the summary says where that one differs)."""
     from k3rocm.checks import selftest
 
     monkeypatch.setenv("VLLM_ROCM_USE_AITER_MHA", "0")
-    args = argparse.Namespace(timeout=10, bench_args="", census_args="", env_file=".env",
-                              model=None, port=None, project="k3selftest-t", on="qk_norm")
     for compose_file, extra in (("compose.yaml", []),
                                 ("compose.yaml:compose.cpu.yaml", ["TORCHDYNAMO_DISABLE=1"])):
         monkeypatch.setenv("COMPOSE_FILE", compose_file)
         vendor = tmp_path / f"vendor-{len(extra)}.env"
-        _, srv, _ = selftest._plan(args, check_model=False, vendor_file=vendor)
+        dep, srv, _ = selftest._plan(_args(), check_model=False, vendor_file=vendor)
         assert srv.compose_env()["K3_VENDOR_ENV_FILE"] == str(vendor)
         lines = [ln for ln in vendor.read_text().splitlines() if not ln.startswith("#")]
         assert lines == ["VLLM_ROCM_USE_AITER_MHA=0", *extra], lines
+    (tmp_path / "repo" / ".k3rocm").mkdir(parents=True)
+    (tmp_path / "repo" / ".k3rocm" / "vendor.env").write_text(
+        "VLLM_ROCM_USE_AITER_MHA=1\nAITER_OLD_SHELL=1\n")
+    note = selftest.vendor_note(dep, tmp_path / "repo")
+    assert note.startswith("vendor variables from this shell: VLLM_ROCM_USE_AITER_MHA ("), note
+    assert "differs in AITER_OLD_SHELL, VLLM_ROCM_USE_AITER_MHA: not used" in note
     assert seed_node == []
 
 
