@@ -414,24 +414,28 @@ def test_the_compare_step_judges_the_gap_not_token_identity(fake_pipeline, tmp_p
 # ------------------------------------------------------------------- the real serving path
 
 
-def _selftest(client, tmp_path, port: int, *extra: str, env: dict | None = None,
-              timeout: float = 900) -> subprocess.CompletedProcess:
+def _make(client, tmp_path, *args: str, env: dict | None = None) -> dict:
+    """`make selftest CPU=1` (argv and env for subprocess) on a free port."""
     ensure_smoke_model(client, standin_tag())
-    args = " ".join(["--port", str(port), "--project", PROJECT, *extra])
-    return subprocess.run(
-        ["make", "-s", "--no-print-directory", "-o", sys.executable, "selftest",
-         f"PY={sys.executable}", "CPU=1", f"SELFTEST_ARGS={args}"],
-        cwd=REPO, capture_output=True, text=True, timeout=timeout,
-        env={**{k: v for k, v in os.environ.items() if not k.startswith("K3_")},
-             "PYTHONPATH": str(REPO / "src"), "K3_MODELS_DIR": str(MODELS_DIR),
-             "K3_RESULTS_DIR": str(tmp_path / "results"), **(env or {})})
+    args = " ".join(["--port", str(free_port()), *args])
+    return {"args": ["make", "-s", "--no-print-directory", "-o", sys.executable, "selftest",
+                     f"PY={sys.executable}", "CPU=1", f"SELFTEST_ARGS={args}"],
+            "cwd": REPO, "text": True,
+            "env": {**{k: v for k, v in os.environ.items() if not k.startswith("K3_")},
+                    "PYTHONPATH": str(REPO / "src"), "K3_MODELS_DIR": str(MODELS_DIR),
+                    "K3_RESULTS_DIR": str(tmp_path / "results"), **(env or {})}}
+
+
+def _selftest(client, tmp_path, *args: str, env: dict | None = None,
+              timeout: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run(**_make(client, tmp_path, "--project", PROJECT, *args, env=env),
+                          capture_output=True, timeout=timeout)
 
 
 @pytest.mark.docker
 @pytest.mark.server
 def test_make_selftest_on_the_standin(docker_client, tmp_path):
-    port = free_port()
-    p = _selftest(docker_client, tmp_path, port)
+    p = _selftest(docker_client, tmp_path)
     print(p.stdout[-4000:], p.stderr[-3000:])
     assert make_exit_code(p) == 0, p.stdout[-3000:] + p.stderr[-3000:]
     (run,) = [d for d in (tmp_path / "results").iterdir() if d.name.endswith("-selftest")]
@@ -442,6 +446,8 @@ def test_make_selftest_on_the_standin(docker_client, tmp_path):
     assert all(st["ok"] for st in s["steps"]), s["steps"]
     census = next(st for st in s["steps"] if st["name"] == "census")
     assert census["numbers"]["ok"] is True and census["numbers"]["mla_layers"] == 2
+    assert (Path(census["run_dir"]) / "census.json").is_file()  # the census's own run
+    assert "census: PASS" in Path(census["log"]).read_text()
     assert s["greedy"]["identical"] and s["greedy"]["prompts"] == 4
     assert all(len(g["tokens"]) == GREEDY_TOKENS for g in s["greedy"]["on"])
     # both servers are stock on the stand-in: the logprobs agree within the tolerance
@@ -470,7 +476,7 @@ def test_a_setting_the_base_cannot_run_stops_before_any_server(docker_client, tm
     ships them, with K3_OVERLAY=off at run time: that disables the k3rocm plugin whose hook
     switches upstream's fusions, so the switch would do nothing and the base check refuses it
     after the build and before any server starts (without K3_OVERLAY=off the hook serves it)."""
-    p = _selftest(docker_client, tmp_path, free_port(), "--no-build",
+    p = _selftest(docker_client, tmp_path, "--no-build",
                   env={"VLLM_ROCM_USE_AITER": "1", "K3_OVERLAY": "off"}, timeout=300)
     # k3rocm's 2 (bad input), not make's 2 (any failed recipe)
     assert make_exit_code(p) == 2, p.stdout[-2000:] + p.stderr[-2000:]
@@ -489,21 +495,14 @@ def test_ctrl_c_during_the_census_stops_everything_and_keeps_what_finished(docke
     """Ctrl-C as a terminal sends it (SIGINT to the whole foreground process group: make and
     k3rocm) while the census step runs against the first server: exit 130 recorded, the
     finished steps and the server log kept, the server and its project gone."""
-    ensure_smoke_model(docker_client, standin_tag())
     project = PROJECT + "-int"
-    args = " ".join(["--port", str(free_port()), "--project", project, "--no-build"])
-    proc = subprocess.Popen(
-        ["make", "-s", "--no-print-directory", "-o", sys.executable, "selftest",
-         f"PY={sys.executable}", "CPU=1", f"SELFTEST_ARGS={args}"],
-        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        start_new_session=True, preexec_fn=default_sigint,
-        env={**{k: v for k, v in os.environ.items() if not k.startswith("K3_")},
-             "PYTHONPATH": str(REPO / "src"), "K3_MODELS_DIR": str(MODELS_DIR),
-             "K3_RESULTS_DIR": str(tmp_path / "results")})
+    proc = subprocess.Popen(**_make(docker_client, tmp_path, "--project", project, "--no-build"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True, preexec_fn=default_sigint)
     seen = []
     try:
         assert proc.stderr is not None
-        for line in proc.stderr:  # the step runner announces each step as it starts
+        for line in proc.stderr:  # the selftest announces each step as it starts
             seen.append(line)
             if "3/8 census:" in line:
                 break
