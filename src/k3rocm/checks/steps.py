@@ -1,8 +1,6 @@
-"""Run a sequence of user-facing commands as steps: one process group each, a log file each,
-progress every 15 s, Ctrl-C stops the step's whole group; and read what each check's run
-directory reports. Used by ``k3rocm demo`` (the CPU stand-in) and ``k3rocm selftest`` (the
-node): one step runner for both.
-"""
+"""Steps of ``k3rocm demo`` and ``k3rocm selftest``: their rows, and each check's result as
+a step note. ``run_step`` runs a command (demo: make targets) in its own process group, a log
+file each, progress every 15 s; Ctrl-C stops the whole group."""
 
 from __future__ import annotations
 
@@ -59,8 +57,7 @@ def _last_line(path: Path) -> str:
 
 
 def _stop_group(proc: subprocess.Popen) -> None:
-    """Ctrl-C the step's whole process group (make and everything under it), as a terminal
-    would; escalate if it does not finish."""
+    """Ctrl-C the step's process group as a terminal would; escalate if it does not end."""
     for sig, wait in ((signal.SIGINT, 60), (signal.SIGTERM, 15), (signal.SIGKILL, 10)):
         try:
             os.killpg(proc.pid, sig)
@@ -126,9 +123,6 @@ def read_json(path: Path) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
-
-
-# --------------------------------------------------------------------- what each run reports
 
 
 def _num(value: Any, fmt: str = "{:.3g}") -> str:
