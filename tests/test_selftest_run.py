@@ -1,8 +1,6 @@
-"""`make selftest`: the real serving path (our Dockerfile FROM the stand-in base, compose.yaml +
-compose.cpu.yaml, entrypoint.sh) on the tiny model, in its own compose project and port:
-build + base check, serve, census, greedy tokens, a bench point, a second server with the
-fusions off, greedy again, compare. Bad input and a setting the base cannot run stop before
-any server starts."""
+"""`k3rocm selftest run` / `make selftest`: the logprob comparison, what is refused before any
+build or server, the steps' exit codes (faked servers), and the real serving path on the
+CPU stand-in."""
 
 from __future__ import annotations
 
@@ -12,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import (
@@ -20,7 +19,6 @@ from conftest import (
     free_port,
     make_exit_code,
     project_containers,
-    run_cli,
     standin_tag,
 )
 from server_fixture import MODELS_DIR, ensure_smoke_model
@@ -28,7 +26,6 @@ from server_fixture import MODELS_DIR, ensure_smoke_model
 from k3rocm.checks.selftest import GREEDY_TOKENS, LOGPROB_TOL, compare, compare_note
 
 PROJECT = "k3rocm-selftest-test"
-
 
 
 # ------------------------------------------------------------------------ no Docker needed
@@ -39,8 +36,6 @@ def _run(prompt, tokens, logprobs, top):
 
 
 def test_compare_judges_the_logprob_gap_against_the_tolerance():
-    """Identical tokens are not enough: the chosen token's logprob on vs off must agree within
-    the stated tolerance."""
     on = [_run("a", ["x", "y"], [-0.1, -0.2], [{"x": -0.1, "q": -3.0}, {"y": -0.2, "q": -2.0}])]
     same = compare(on, json.loads(json.dumps(on)))
     assert same["identical"] and same["ok"] and same["max_logprob_gap"] == 0.0
@@ -58,9 +53,6 @@ def test_compare_judges_the_logprob_gap_against_the_tolerance():
 
 
 def test_compare_a_near_tie_flip_is_within_tolerance_and_later_positions_are_not_compared():
-    """Tokens that differ where both arms rank them next to each other (a near-tie: flat logits
-    on random weights) pass when both tokens' logprobs agree within the tolerance; after the
-    first difference the arms continue different texts, so nothing after it is compared."""
     on = [_run("a", ["x", "y", "z"], [-0.1, -0.69, -0.01],
                [{"x": -0.1}, {"y": -0.69, "w": -0.70}, {"z": -0.01}])]
     off = [_run("a", ["x", "w", "k"], [-0.1, -0.68, -9.0],
@@ -97,13 +89,10 @@ def test_compare_a_token_outside_the_other_arms_top_n_fails_or_cannot_be_judged(
     (["--model", "/elsewhere/ckpt"], "not under K3_MODELS_DIR"),
     (["--bench-args", "'unclosed"], "--bench-args"),
 ])
-def test_bad_input_is_one_line_exit_2(tmp_path, args, fragment):
-    p = run_cli("selftest", "run", *args, env={"K3_RESULTS_DIR": str(tmp_path / "r"),
-                                               "COMPOSE_FILE": "compose.yaml:compose.cpu.yaml",
-                                               "K3_PROFILE": "cpu-smoke"})
-    assert p.returncode == 2, p.stdout + p.stderr
-    assert fragment in p.stderr and "Traceback" not in p.stderr, p.stderr
-    assert not (tmp_path / "r").exists()  # nothing started, no run directory
+def test_bad_input_is_one_line_exit_2(seed_node, tmp_path, capsys, args, fragment):
+    code, errors, err = _refused(capsys, *args)
+    assert code == 2 and len(errors) == 1 and fragment in errors[0], err
+    assert seed_node == [] and not (tmp_path / "results").exists()
 
 
 # ------------------------------------------- the A/B's arms against the image's base facts
@@ -114,8 +103,7 @@ class ImageNotFound(Exception):  # docker-py's name: engine.image_id tells it by
 
 
 class FakeDocker:
-    """docker-py's client as far as the selftest's early checks ask: images.get and the
-    running containers."""
+    """docker-py's client as far as the early checks ask: images.get, running containers."""
 
     def __init__(self):
         from k3rocm.deploy.engine import CLIENT_IMAGE
@@ -149,9 +137,8 @@ class Calls(list):
 
 @pytest.fixture
 def seed_node(tmp_path, monkeypatch):
-    """A node (compose.yaml alone, AITER on) whose serving image's manifest holds the seed
-    nightly's base facts, measured from the real vLLM 0.27.1 sources; every compose call
-    recorded (none may happen before the base check)."""
+    """A node (compose.yaml, AITER on) whose serving image holds the base facts of the real
+    vLLM 0.27.1 sources; every compose call recorded (none may happen before the checks)."""
     import shutil
 
     from conftest import image_base_facts
@@ -191,16 +178,10 @@ def seed_node(tmp_path, monkeypatch):
 
 
 def test_selftest_on_the_seed_base_is_refused_before_the_build(seed_node, tmp_path, capsys):
-    """`make selftest` serves the A/B's two arms; on the seed nightly arm B (decode Q-prep on)
-    cannot be served: the same one line as the A/B, exit 2, before the build, any server or
-    the run directory; never a green run on defaults the base quietly turned Q-prep off in."""
-    from k3rocm.cli import main
-
-    code = main(["selftest", "run"])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2, err
-    errors = [ln for ln in err if ln.startswith("k3rocm: error:")]
-    assert len(errors) == 1 and errors[0].startswith(
+    """Arm B (decode Q-prep on) cannot be served by the seed base: the A/B's one line, exit 2,
+    before the build; never a green run on defaults the base quietly turned Q-prep off in."""
+    code, errors, err = _refused(capsys, "--on", "all")
+    assert code == 2 and len(errors) == 1 and errors[0].startswith(
         "k3rocm: error: arm B (K3_FUSE_DECODE_QPREP=1 K3_FUSE_QK_NORM=1) cannot be served by "
         "this base (vLLM 0.27.1"), err
     assert "needs an fp8 KV cache" in errors[0] and "--on qk_norm" in errors[0]
@@ -208,17 +189,21 @@ def test_selftest_on_the_seed_base_is_refused_before_the_build(seed_node, tmp_pa
     assert seed_node == [] and not (tmp_path / "results").exists()
 
 
-def test_selftest_serves_the_abs_arms(seed_node):
-    """The selftest's servers are the A/B's arms (one builder): fusions-on = arm B of --on,
-    fusions-off = arm A; with the --on the seed base offers, both pass its check."""
+def _args(**kw):
     import argparse
 
+    return argparse.Namespace(**{"timeout": 10, "bench_args": "", "census_args": "",
+                                 "env_file": ".env", "model": None, "port": None,
+                                 "project": "k3selftest-t", "on": "qk_norm", "workload": None,
+                                 **kw})
+
+
+def test_selftest_serves_the_abs_arms(seed_node):
+    """Fusions-on = the A/B's arm B of --on, fusions-off = arm A; both pass the base check."""
     from k3rocm.checks import selftest
     from k3rocm.checks.ab.arms import arm_envs
 
-    args = argparse.Namespace(timeout=10, bench_args="", census_args="", env_file=".env",
-                              model=None, port=None, project="k3selftest-t", on="qk_norm")
-    dep, srv, arms = selftest._plan(args)
+    dep, srv, arms = selftest._plan(_args())
     assert not dep.cpu and arms == arm_envs("qk_norm")
     assert srv.env["K3_FUSE_QK_NORM"] == "1" and srv.env["K3_FUSE_DECODE_QPREP"] == "0"
     base = selftest.base_check(dep, srv, arms, ".env")
@@ -248,16 +233,38 @@ def _refused(capsys, *argv: str) -> tuple[int, list[str], list[str]]:
     return code, [ln for ln in err if ln.startswith("k3rocm: error: ")], err
 
 
-def test_a_missing_client_image_is_refused_before_any_build(seed_node, tmp_path, capsys):
-    """The bench step runs aiperf in the client image: missing, it is one line and exit 2
-    before the build, not after building, serving and running census and greedy."""
-    from k3rocm.deploy.engine import CLIENT_IMAGE
+def _gpu_memory_in_use(node, monkeypatch, stack):
+    from k3rocm.deploy import preflight
 
-    seed_node.docker.images_present.clear()
-    code, errors, err = _refused(capsys)
-    assert code == 2, err
-    assert len(errors) == 1 and f"client image {CLIENT_IMAGE!r} not found" in errors[0], err
-    assert "make clients-image" in errors[0]
+    monkeypatch.setattr(preflight, "gpu_memory",
+                        lambda: [("card0 (0000:05:00.0)", 4, 1000), ("card3", 620, 1000)])
+    return []
+
+
+def _port_in_use(node, monkeypatch, stack):
+    port = stack.enter_context(busy_port())
+    return ["--port", str(port)]
+
+
+@pytest.mark.parametrize("setup,fragments", [
+    (lambda node, mp, stack: node.docker.images_present.clear() or [],
+     ["client image 'k3rocm/clients:", "not found", "make clients-image"]),
+    (lambda node, mp, stack: ["--no-build"],
+     ["serving image 'k3rocm/server:latest' not found", "drop --no-build"]),
+    (lambda node, mp, stack: node.docker.running.append(gpu_server()) or [],
+     ["the GPUs are held by running container(s) k3rocm-server-1 (a k3rocm server, compose "
+      "project k3rocm, port 8000)", "make down"]),
+    (_gpu_memory_in_use, ["GPU memory in use: card3 62%", "asks vLLM for 0.95 of each GPU"]),
+    (_port_in_use, [" on 127.0.0.1 is in use", "--port N"]),
+], ids=["client-image", "no-build", "gpus-held", "gpu-memory", "port"])
+def test_refused_before_any_build(seed_node, monkeypatch, tmp_path, capsys, setup, fragments):
+    """What a build or a load would find late: one line, exit 2, nothing built, served or
+    written."""
+    with contextlib.ExitStack() as stack:
+        code, errors, err = _refused(capsys, *setup(seed_node, monkeypatch, stack))
+    assert code == 2 and len(errors) == 1, err
+    assert all(f in errors[0] for f in fragments), errors[0]
+    assert "card0" not in errors[0]
     assert err[-1].startswith("k3rocm selftest: nothing expensive was started"), err
     assert seed_node == [] and not (tmp_path / "results").exists()
 
@@ -273,64 +280,6 @@ def test_the_client_image_the_bench_step_will_use_is_the_one_checked(seed_node, 
     assert code == 2 and len(errors) == 1 and "--bench-args: unrecognized arguments" in \
         errors[0], err
     assert seed_node == []
-
-
-def test_no_build_without_a_serving_image_is_refused_first(seed_node, capsys):
-    code, errors, err = _refused(capsys, "--no-build")
-    assert code == 2 and len(errors) == 1, err
-    assert "serving image 'k3rocm/server:latest' not found" in errors[0], err
-    assert "drop --no-build" in errors[0] and seed_node == []
-
-
-def test_the_summary_says_when_the_shared_vendor_env_differs(seed_node, monkeypatch,
-                                                             tmp_path):
-    import argparse
-
-    from k3rocm.checks import selftest
-
-    monkeypatch.setenv("VLLM_ROCM_USE_AITER_MHA", "0")
-    (tmp_path / "repo" / ".k3rocm").mkdir(parents=True)
-    (tmp_path / "repo" / ".k3rocm" / "vendor.env").write_text(
-        "VLLM_ROCM_USE_AITER_MHA=1\nAITER_OLD_SHELL=1\n")
-    args = argparse.Namespace(timeout=10, bench_args="", census_args="", env_file=".env",
-                              model=None, port=None, project="k3selftest-t", on="qk_norm")
-    dep, _, _ = selftest._plan(args, check_model=False)
-    note = selftest.vendor_note(dep, tmp_path / "repo")
-    assert note.startswith("vendor variables from this shell: VLLM_ROCM_USE_AITER_MHA ("), note
-    assert "differs in AITER_OLD_SHELL, VLLM_ROCM_USE_AITER_MHA: not used" in note
-
-
-def test_gpus_held_by_a_running_server_are_refused_before_any_build(seed_node, tmp_path,
-                                                                   capsys):
-    """A `make up` server (TP=8 at its share of each GPU's memory) holds the GPUs the selftest
-    server needs: refused before building the image and waiting for a server that cannot load."""
-    seed_node.docker.running.append(gpu_server())
-    code, errors, err = _refused(capsys)
-    assert code == 2 and len(errors) == 1, err
-    assert "the GPUs are held by running container(s) k3rocm-server-1 (a k3rocm server, " \
-        "compose project k3rocm, port 8000)" in errors[0] and "make down" in errors[0]
-    assert seed_node == [] and not (tmp_path / "results").exists()
-
-
-def test_gpu_memory_in_use_is_refused_before_any_build(seed_node, monkeypatch, tmp_path,
-                                                      capsys):
-    from k3rocm.deploy import preflight
-
-    monkeypatch.setattr(preflight, "gpu_memory",
-                        lambda: [("card0 (0000:05:00.0)", 4, 1000), ("card3", 620, 1000)])
-    code, errors, err = _refused(capsys)
-    assert code == 2 and len(errors) == 1, err
-    assert "GPU memory in use: card3 62%" in errors[0], err
-    assert "asks vLLM for 0.95 of each GPU" in errors[0] and "card0" not in errors[0]
-    assert seed_node == [] and not (tmp_path / "results").exists()
-
-
-def test_a_busy_port_is_refused_before_any_build(seed_node, tmp_path, capsys):
-    with busy_port() as port:
-        code, errors, err = _refused(capsys, "--port", str(port))
-    assert code == 2 and len(errors) == 1, err
-    assert f"port {port} on 127.0.0.1 is in use" in errors[0] and "--port N" in errors[0]
-    assert seed_node == [] and not (tmp_path / "results").exists()
 
 
 def test_every_problem_is_one_line_and_all_are_named_at_once(seed_node, monkeypatch, capsys):
@@ -352,15 +301,11 @@ def test_every_problem_is_one_line_and_all_are_named_at_once(seed_node, monkeypa
 
 
 def test_the_gpu_check_is_skipped_on_the_cpu_standin_and_says_so(seed_node, monkeypatch):
-    import argparse
-
     from k3rocm.checks import selftest
 
     monkeypatch.setenv("COMPOSE_FILE", "compose.yaml:compose.cpu.yaml")
     seed_node.docker.running.append(gpu_server())
-    args = argparse.Namespace(timeout=10, bench_args="", census_args="", env_file=".env",
-                              model=None, port=None, project="k3selftest-t", on="all",
-                              workload=None)
+    args = _args(on="all")
     dep, _, _ = selftest._plan(args, check_model=False)
     problems, notes = selftest.early_checks(dep, selftest._bench_argv(args, dep))
     assert dep.cpu and problems == [], problems
@@ -368,34 +313,36 @@ def test_the_gpu_check_is_skipped_on_the_cpu_standin_and_says_so(seed_node, monk
 
 
 def test_the_servers_get_this_shells_vendor_variables(seed_node, monkeypatch, tmp_path):
-    """`make up` passes the vendor variables of the shell it runs in (its `k3rocm config
-    --vendor-env-file`); so does the selftest, into its own file, never the shared
-    .k3rocm/vendor.env an earlier shell wrote (nor, on the CPU stand-in, a copy of it)."""
-    import argparse
-
+    """As `make up`: this shell's vendor variables, into the run's own file, never the shared
+    .k3rocm/vendor.env an earlier shell wrote (the summary says where that one differs)."""
     from k3rocm.checks import selftest
 
     monkeypatch.setenv("VLLM_ROCM_USE_AITER_MHA", "0")
-    args = argparse.Namespace(timeout=10, bench_args="", census_args="", env_file=".env",
-                              model=None, port=None, project="k3selftest-t", on="qk_norm")
     for compose_file, extra in (("compose.yaml", []),
                                 ("compose.yaml:compose.cpu.yaml", ["TORCHDYNAMO_DISABLE=1"])):
         monkeypatch.setenv("COMPOSE_FILE", compose_file)
         vendor = tmp_path / f"vendor-{len(extra)}.env"
-        _, srv, _ = selftest._plan(args, check_model=False, vendor_file=vendor)
+        dep, srv, _ = selftest._plan(_args(), check_model=False, vendor_file=vendor)
         assert srv.compose_env()["K3_VENDOR_ENV_FILE"] == str(vendor)
         lines = [ln for ln in vendor.read_text().splitlines() if not ln.startswith("#")]
         assert lines == ["VLLM_ROCM_USE_AITER_MHA=0", *extra], lines
+    (tmp_path / "repo" / ".k3rocm").mkdir(parents=True)
+    (tmp_path / "repo" / ".k3rocm" / "vendor.env").write_text(
+        "VLLM_ROCM_USE_AITER_MHA=1\nAITER_OLD_SHELL=1\n")
+    note = selftest.vendor_note(dep, tmp_path / "repo")
+    assert note.startswith("vendor variables from this shell: VLLM_ROCM_USE_AITER_MHA ("), note
+    assert "differs in AITER_OLD_SHELL, VLLM_ROCM_USE_AITER_MHA: not used" in note
     assert seed_node == []
 
 
 @pytest.fixture
-def fake_pipeline(seed_node, monkeypatch):
+def fake_pipeline(seed_node, monkeypatch, tmp_path):
     """The whole selftest on the seed node with the servers, the census and bench subprocesses
     and the greedy requests faked: ``answers`` (on, off) and ``codes`` (step -> exit code)."""
     from k3rocm.checks import selftest
     from k3rocm.deploy import runrecord
     from k3rocm.deploy.lifecycle import ComposeServer
+    from k3rocm.errors import UsageError
 
     monkeypatch.setattr(ComposeServer, "compose",  # the build succeeds
                         lambda self, *a, **kw: subprocess.CompletedProcess(a, 0, "", ""))
@@ -410,8 +357,15 @@ def fake_pipeline(seed_node, monkeypatch):
     fake = {"answers": [answer, answer], "codes": {}}
     monkeypatch.setattr(selftest, "greedy",
                         lambda *a, **kw: json.loads(json.dumps(fake["answers"].pop(0))))
-    monkeypatch.setattr(selftest, "run_step",
-                        lambda name, *a, **kw: (fake["codes"].get(name, 0), 0.1, ""))
+    def measure(name):
+        def fn(args, dep):
+            if fake["codes"].get(name) == 2:
+                raise UsageError(f"{name}: refused", 2)
+            return fake["codes"].get(name, 0), {}, tmp_path / name
+        return fn
+
+    for name in ("census", "bench"):
+        monkeypatch.setattr(selftest, f"{name}_step", measure(name))
     return fake
 
 
@@ -435,6 +389,7 @@ def test_an_exit_2_after_a_server_started_is_exit_4_not_bad_input(fake_pipeline,
     s = _summary(tmp_path)
     bench = next(st for st in s["steps"] if st["name"] == "bench")
     assert bench["exit_code"] == 2 and "found after a server had started" in bench["note"]
+    assert "k3rocm: error: bench: refused" in Path(bench["log"]).read_text()  # its output, its log
     assert s["exit_code"] == 4 and "k3rocm selftest: FAILED (exit 4)" in out
     compare_row = next(st for st in s["steps"] if st["name"] == "compare")
     assert compare_row["ok"] and "max logprob gap 0 <= tolerance 0.125" in compare_row["note"]
@@ -459,24 +414,28 @@ def test_the_compare_step_judges_the_gap_not_token_identity(fake_pipeline, tmp_p
 # ------------------------------------------------------------------- the real serving path
 
 
-def _selftest(client, tmp_path, port: int, *extra: str, env: dict | None = None,
-              timeout: float = 900) -> subprocess.CompletedProcess:
+def _make(client, tmp_path, *args: str, env: dict | None = None) -> dict:
+    """`make selftest CPU=1` (argv and env for subprocess) on a free port."""
     ensure_smoke_model(client, standin_tag())
-    args = " ".join(["--port", str(port), "--project", PROJECT, *extra])
-    return subprocess.run(
-        ["make", "-s", "--no-print-directory", "-o", sys.executable, "selftest",
-         f"PY={sys.executable}", "CPU=1", f"SELFTEST_ARGS={args}"],
-        cwd=REPO, capture_output=True, text=True, timeout=timeout,
-        env={**{k: v for k, v in os.environ.items() if not k.startswith("K3_")},
-             "PYTHONPATH": str(REPO / "src"), "K3_MODELS_DIR": str(MODELS_DIR),
-             "K3_RESULTS_DIR": str(tmp_path / "results"), **(env or {})})
+    args = " ".join(["--port", str(free_port()), *args])
+    return {"args": ["make", "-s", "--no-print-directory", "-o", sys.executable, "selftest",
+                     f"PY={sys.executable}", "CPU=1", f"SELFTEST_ARGS={args}"],
+            "cwd": REPO, "text": True,
+            "env": {**{k: v for k, v in os.environ.items() if not k.startswith("K3_")},
+                    "PYTHONPATH": str(REPO / "src"), "K3_MODELS_DIR": str(MODELS_DIR),
+                    "K3_RESULTS_DIR": str(tmp_path / "results"), **(env or {})}}
+
+
+def _selftest(client, tmp_path, *args: str, env: dict | None = None,
+              timeout: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run(**_make(client, tmp_path, "--project", PROJECT, *args, env=env),
+                          capture_output=True, timeout=timeout)
 
 
 @pytest.mark.docker
 @pytest.mark.server
 def test_make_selftest_on_the_standin(docker_client, tmp_path):
-    port = free_port()
-    p = _selftest(docker_client, tmp_path, port)
+    p = _selftest(docker_client, tmp_path)
     print(p.stdout[-4000:], p.stderr[-3000:])
     assert make_exit_code(p) == 0, p.stdout[-3000:] + p.stderr[-3000:]
     (run,) = [d for d in (tmp_path / "results").iterdir() if d.name.endswith("-selftest")]
@@ -487,6 +446,8 @@ def test_make_selftest_on_the_standin(docker_client, tmp_path):
     assert all(st["ok"] for st in s["steps"]), s["steps"]
     census = next(st for st in s["steps"] if st["name"] == "census")
     assert census["numbers"]["ok"] is True and census["numbers"]["mla_layers"] == 2
+    assert (Path(census["run_dir"]) / "census.json").is_file()  # the census's own run
+    assert "census: PASS" in Path(census["log"]).read_text()
     assert s["greedy"]["identical"] and s["greedy"]["prompts"] == 4
     assert all(len(g["tokens"]) == GREEDY_TOKENS for g in s["greedy"]["on"])
     # both servers are stock on the stand-in: the logprobs agree within the tolerance
@@ -515,7 +476,7 @@ def test_a_setting_the_base_cannot_run_stops_before_any_server(docker_client, tm
     ships them, with K3_OVERLAY=off at run time: that disables the k3rocm plugin whose hook
     switches upstream's fusions, so the switch would do nothing and the base check refuses it
     after the build and before any server starts (without K3_OVERLAY=off the hook serves it)."""
-    p = _selftest(docker_client, tmp_path, free_port(), "--no-build",
+    p = _selftest(docker_client, tmp_path, "--no-build",
                   env={"VLLM_ROCM_USE_AITER": "1", "K3_OVERLAY": "off"}, timeout=300)
     # k3rocm's 2 (bad input), not make's 2 (any failed recipe)
     assert make_exit_code(p) == 2, p.stdout[-2000:] + p.stderr[-2000:]
@@ -534,21 +495,14 @@ def test_ctrl_c_during_the_census_stops_everything_and_keeps_what_finished(docke
     """Ctrl-C as a terminal sends it (SIGINT to the whole foreground process group: make and
     k3rocm) while the census step runs against the first server: exit 130 recorded, the
     finished steps and the server log kept, the server and its project gone."""
-    ensure_smoke_model(docker_client, standin_tag())
     project = PROJECT + "-int"
-    args = " ".join(["--port", str(free_port()), "--project", project, "--no-build"])
-    proc = subprocess.Popen(
-        ["make", "-s", "--no-print-directory", "-o", sys.executable, "selftest",
-         f"PY={sys.executable}", "CPU=1", f"SELFTEST_ARGS={args}"],
-        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        start_new_session=True, preexec_fn=default_sigint,
-        env={**{k: v for k, v in os.environ.items() if not k.startswith("K3_")},
-             "PYTHONPATH": str(REPO / "src"), "K3_MODELS_DIR": str(MODELS_DIR),
-             "K3_RESULTS_DIR": str(tmp_path / "results")})
+    proc = subprocess.Popen(**_make(docker_client, tmp_path, "--project", project, "--no-build"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True, preexec_fn=default_sigint)
     seen = []
     try:
         assert proc.stderr is not None
-        for line in proc.stderr:  # the step runner announces each step as it starts
+        for line in proc.stderr:  # the selftest announces each step as it starts
             seen.append(line)
             if "3/8 census:" in line:
                 break

@@ -1,52 +1,31 @@
 """``k3rocm selftest`` (``make selftest``): before the 1.5 TB load, prove on a small Kimi-K3-shaped
 checkpoint that this base, this overlay and these settings serve, fuse and agree.
 
-- ``k3rocm selftest model [SRC] [OUT]``: cut the small checkpoint from the operator's own one
-  (:mod:`k3rocm.deploy.selftest_model`; default OUT ``<K3_MODELS_DIR>/Kimi-K3-selftest``).
-- ``k3rocm selftest run``: the deployment ``make up`` would serve (same profile, settings,
-  image, compose service, entrypoint), with only ``K3_MODEL`` (the small checkpoint),
-  ``K3_PORT`` (+1) and ``K3_PROFILER_DIR`` (inside the run directory) changed, in its own
-  compose project. First, before any build or server (one line each, exit 2; nothing is
-  started): the bench step's client image, the selftest port free, the GPUs free (a running
-  server holding them, or their memory in use: not on the CPU stand-in) and both arms against
-  the image's base facts. The servers get this shell's vendor variables, computed as `make up`
-  computes them, in the run directory's vendor.env (never the shared .k3rocm/vendor.env).
-  Steps:
+``selftest model [SRC] [OUT]`` cuts the small checkpoint (default OUT
+``<K3_MODELS_DIR>/Kimi-K3-selftest``). ``selftest run`` serves it as ``make up`` would (same
+profile, settings, image, compose service), only K3_MODEL, K3_PORT (+1) and K3_PROFILER_DIR
+changed, in its own compose project, with this shell's vendor variables (run dir's vendor.env).
+Checked first (one line each, exit 2, nothing started): the bench client image, the port, the
+GPUs free, both arms against the image's base facts. Steps:
 
-    build    the serving image (as make up), then the base facts recorded in it are applied to
-             the settings: a setting the base cannot run stops here (exit 2), before any load
-    up       serve arm B (the fusions --on names on); wait until ready; provenance (overlay
-             decisions)
-    census   decode kernel census from the server's profiler (expectations from the small
-             model's own MLA layer count)
-    greedy   a few fixed prompts, greedy, with the top-20 logprobs per position
+    build    the serving image; its base facts applied to the settings (refusal: exit 2)
+    up       serve arm B (the --on fusions on); wait until ready; overlay decisions
+    census   decode kernel census (expectations from the small model's MLA layer count)
+    greedy   fixed prompts, greedy, top-20 logprobs per position
     bench    one short aiperf point
     down     server log kept
-    off      the same server with every K3_FUSE_* switch 0: greedy again, down
-    compare  fusions on vs off: the largest logprob gap (up to each prompt's first differing
-             token, both arms' tokens there) within LOGPROB_TOL; identical tokens or where
-             they first differ
+    off      the same server as arm A (every K3_FUSE_* 0): greedy again, down
+    compare  on vs off: the largest logprob gap (up to each prompt's first differing token)
+             within LOGPROB_TOL
 
-  The two servers are the A/B's two arms (:func:`k3rocm.checks.ab.arms.arm_envs`): "off" is
-  arm A (every K3_FUSE_* switch 0), the first server is arm B (the fusions ``--on`` names, default
-  all, switched on, the rest off). Both are rendered against the serving image's base facts
-  before the build (the image as it is) and again after it, as the A/B does before its first
-  cold start: an arm the base cannot serve is refused (exit 2) before any server starts, naming
-  the ``--on`` choices the base can serve.
+On the CPU stand-in (CPU=1) the tiny DeepSeek-shaped model serves and both servers are arm A
+(the fusions need ROCm + AITER; a K3_FUSE_* switch set in the shell or .env is kept for the
+first). Results: ``<results>/<UTC>-selftest/`` (summary.json, summary.md, logs/, both server
+logs); every server it started is stopped, also on failure and Ctrl-C / SIGTERM.
 
-  One summary (stdout, ``summary.md``, ``summary.json``) in ``<results>/<UTC>-selftest/``,
-  each step's log under ``logs/``, both server logs kept. Every server it started is stopped at
-  the end, on failure and on Ctrl-C / SIGTERM.
-
-On the CPU stand-in (``CPU=1``) the same steps run with the tiny DeepSeek-shaped smoke model
-(Kimi-K3's KDA layers need GPU kernels); the fusions need ROCm + AITER, so there both servers
-are arm A (the stock path; a K3_FUSE_* switch set in the shell or .env is kept for the first)
-and the census checks the stock counts.
-
-Exit codes: 0 every step ok; 1 a check failed (census, the logprob gap, bench point); 2 bad
-input or a setting the base cannot run (nothing loaded); 3 a server did not come up or no
-Docker engine; 4 cannot judge (a logprob gap with no bound, or a step refused its input after
-a server had started); 130 interrupted.
+Exit codes: 0 every step ok; 1 a check failed; 2 bad input (nothing loaded); 3 a server did not
+come up or no Docker engine; 4 cannot judge (a logprob gap with no bound, or a step refused its
+input after a server had started); 130 interrupted.
 """
 
 from __future__ import annotations
@@ -55,23 +34,25 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import io
 import os
+import re
 import shlex
 import signal
+import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from k3rocm.checks.ab import arms as armlib
 from k3rocm.checks.steps import (
+    PROGRESS_EVERY,
     REPO,
-    Interrupted,
     StepResult,
     bench_numbers,
     census_numbers,
-    new_dirs,
-    run_step,
     say,
     step_rows,
     verdict,
@@ -95,11 +76,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="what", metavar="{model,run}", required=True)
     m = sub.add_parser(
         "model", help="write a small Kimi-K3-shaped checkpoint (few layers and experts)",
-        description="Cut a small checkpoint with the real tensor names, dtypes, shapes and "
-        "quantization layout from a Kimi-K3 checkpoint, reading only config.json, the "
-        "safetensors index and the shard headers (values are random). Keeps layers in the real "
-        "order (at least one MLA and one KDA layer), the MTP layer, and the first experts; "
-        "writes OUT atomically.")
+        description=selftest_model.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     selftest_model.add_arguments(m)
     r = sub.add_parser(
         "run", help="serve the small checkpoint as `make up` would; census, greedy off/on, bench",
@@ -109,33 +86,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    f"K3_MODELS_DIR (default: /models/{selftest_model.DEFAULT_OUT}; on the CPU "
                    "stand-in the deployment's own K3_MODEL)")
     r.add_argument("--port", type=int, default=None,
-                   help="host port of the selftest server (default: the deployment's K3_PORT "
-                   "+ 1)")
+                   help="host port of the selftest server (default: K3_PORT + 1)")
     r.add_argument("--project", default=PROJECT, help=f"compose project (default {PROJECT})")
     r.add_argument("--timeout", type=float, default=1800,
                    help="seconds to wait for each server (default 1800)")
     r.add_argument("--no-build", action="store_true",
                    help="do not build the serving image first (it must exist)")
     r.add_argument("--workload", default=None,
-                   help="bench workload for the short point (default: ci-tiny on the CPU "
-                   "stand-in, decode-8k1k on the node), one point: --bench-args to change it")
+                   help="bench workload (default: ci-tiny on the CPU stand-in, decode-8k1k)")
     r.add_argument("--bench-args", default="",
                    help="more `k3rocm bench` arguments (default: concurrency 1, 4 requests)")
-    r.add_argument("--census-args", default="",
-                   help="more `k3rocm census` arguments")
+    r.add_argument("--census-args", default="", help="more `k3rocm census` arguments")
     armlib.add_on_argument(r)
     r.add_argument("--verbose", action="store_true", help="stream each step's output too")
     r.add_argument("--env-file", default=".env", help="settings file (default .env)")
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.what == "model":
-        return selftest_model.run(args)
-    return selftest(args)
+    return selftest_model.run(args) if args.what == "model" else selftest(args)
 
 
 def deployment_view(args: argparse.Namespace) -> dict:
-    """What ``--print-deployment`` shows: the selftest server's deployment for ``run``."""
+    """``--print-deployment``: for ``run``, the selftest server's deployment."""
     from k3rocm.deploy.deployment import load_deployment
 
     if args.what != "run":
@@ -148,10 +120,8 @@ def deployment_view(args: argparse.Namespace) -> dict:
 
 
 def arms(on: str, base) -> dict[str, dict[str, str]]:
-    """The two servers' switches: the A/B's arms (:func:`k3rocm.checks.ab.arms.arm_envs`), B
-    first ("on"), then A ("off"). On the CPU stand-in (``base``: the deployment) the fusions
-    cannot run (no ROCm, no AITER): B is arm A too, except a switch the user set (shell or
-    .env)."""
+    """The servers' switches: the A/B's arms, B ("on") and A ("off"). On the CPU stand-in the
+    fusions cannot run: B is arm A too, except a switch the user set (shell or .env)."""
     envs = armlib.arm_envs(on)
     if base.cpu:
         envs["B"] = {k: base.rendered.env[k] if base.sources.get(k) in ("env", ".env") else v
@@ -161,9 +131,8 @@ def arms(on: str, base) -> dict[str, dict[str, str]]:
 
 def _plan(args: argparse.Namespace, check_model: bool = True, extra: dict | None = None,
           vendor_file: Path | None = None):
-    """The selftest server (fusions on: arm B): (deployment, ComposeServer, the arms' switches).
-    Bad input raises UsageError (exit 2) before anything starts. ``vendor_file``: write this
-    shell's vendor variables there and give the servers that file (K3_VENDOR_ENV_FILE)."""
+    """(deployment, the fusions-on ComposeServer, the arms' switches); bad input: UsageError.
+    ``vendor_file``: this shell's vendor variables, written there for the servers."""
     from k3rocm.deploy.config_cmd import write_vendor_env
     from k3rocm.deploy.deployment import load_deployment
     from k3rocm.deploy.lifecycle import ComposeServer
@@ -195,15 +164,9 @@ def _plan(args: argparse.Namespace, check_model: bool = True, extra: dict | None
     # the same settings as `make up` (shell > .env > profile > default), these changed
     dep = load_deployment({**os.environ, **env}, env_file=args.env_file,
                           check_model=check_model, gpu=not cpu)
-    if vendor_file is not None:
-        # This shell's vendor variables, computed now as `make up` computes them (its `k3rocm
-        # config --vendor-env-file`), into the selftest's own file: never the shared
-        # .k3rocm/vendor.env, which holds whatever shell last ran `make config`/`make up`.
-        # CPU stand-in: vLLM's logprob ranking (sampler.batched_count_greater_than) is a
-        # torch.compile'd function, and the stand-in image has no C++ compiler for Inductor's
-        # CPU backend: a logprobs request would kill the engine (InvalidCxxCompiler). Eager.
+    if vendor_file is not None:  # never the shared .k3rocm/vendor.env (an earlier shell's)
         write_vendor_env(vendor_file, dep.rendered)
-        if cpu:
+        if cpu:  # logprobs need torch.compile, and the stand-in has no C++ compiler: eager
             with open(vendor_file, "a", encoding="utf-8") as fh:
                 fh.write("TORCHDYNAMO_DISABLE=1\n")
         env["K3_VENDOR_ENV_FILE"] = str(vendor_file)
@@ -213,10 +176,8 @@ def _plan(args: argparse.Namespace, check_model: bool = True, extra: dict | None
 
 
 def base_check(dep, srv, switches: dict[str, dict[str, str]], env_file: str) -> dict[str, Any]:
-    """Both servers (the A/B's arms) rendered against the base facts recorded in the image, by
-    the A/B's own check (:func:`k3rocm.checks.ab.arms.base_check`): a refusal is exit 2 before
-    any server starts. The fusions-on server's base decision, with where the facts came from
-    and both arms' decisions."""
+    """Both arms against the image's base facts (the A/B's own check; a refusal is exit 2):
+    the fusions-on arm's decision, where the facts came from, both arms'."""
     checked = armlib.base_check(switches, {**os.environ, **srv.env}, env_file, dep.image,
                                 dep.settings.profile)
     if not checked["arms"]:
@@ -228,25 +189,19 @@ def base_check(dep, srv, switches: dict[str, dict[str, str]], env_file: str) -> 
 # ------------------------------------------------------------- before any build or server
 
 
-class _BenchArgs(argparse.ArgumentParser):
+class _Args(argparse.ArgumentParser):
+    """A measure's own parser for ``--bench-args`` / ``--census-args``: an error is one line."""
+
+    def __init__(self, opt: str, add_arguments):
+        super().__init__(prog=opt, add_help=False)
+        add_arguments(self)
+
     def error(self, message: str):  # argparse would print its usage and exit
-        raise UsageError(f"--bench-args: {message}")
-
-
-def bench_client_image(argv: list[str]) -> str:
-    """The client image the bench step will run (its own parser: ``--client-image``,
-    ``BENCH_CLIENT_IMAGE``, else :data:`k3rocm.deploy.engine.CLIENT_IMAGE`); a bad
-    ``--bench-args`` is refused here."""
-    from k3rocm.checks.bench.cli import add_arguments as bench_arguments
-
-    parser = _BenchArgs(prog="k3rocm bench", add_help=False)
-    bench_arguments(parser)
-    return parser.parse_args(argv).client_image
+        raise UsageError(f"{self.prog}: {message}")
 
 
 def _gpu_containers(client) -> list[str]:
-    """Running containers with the AMD GPUs mapped in (/dev/kfd): this project's serving
-    containers (they carry K3_PROFILE) named by compose project and port."""
+    """Running containers with the GPUs mapped in (/dev/kfd), k3rocm servers named."""
     from k3rocm.deploy.provenance import container_env
 
     found = []
@@ -264,10 +219,9 @@ def _gpu_containers(client) -> list[str]:
 
 def early_checks(dep, bench_argv: list[str],
                  no_build: bool = False) -> tuple[list[UsageError], list[str]]:
-    """What the selftest needs that a build or a load would find late, checked first: the
-    bench step's client image (and with ``no_build`` the serving image), the selftest port
-    free, the GPUs free (not on the CPU stand-in). (problems, notes): each problem one line;
-    nothing is started here."""
+    """(problems, notes): the bench client image (with ``no_build`` the serving image), the
+    port free, the GPUs free (not on the CPU stand-in). Nothing is started."""
+    from k3rocm.checks.bench.cli import add_arguments as bench_arguments
     from k3rocm.deploy.engine import docker_client, image_id
     from k3rocm.deploy.preflight import (
         DRM,
@@ -279,7 +233,7 @@ def early_checks(dep, bench_argv: list[str],
     problems: list[UsageError] = []
     notes: list[str] = []
     try:
-        image = bench_client_image(bench_argv)
+        image = _Args("--bench-args", bench_arguments).parse_args(bench_argv).client_image
     except UsageError as exc:
         problems.append(exc)
         image = None
@@ -319,25 +273,23 @@ def early_checks(dep, bench_argv: list[str],
             "`make down` (or `docker compose -p PROJECT down`) first"))
     need = dep.settings.gpu_memory_utilization or VLLM_DEFAULT_GPU_MEMORY_UTILIZATION
     used = [(g, u / total) for g, u, total in gpu_memory()]
+    busy = [(g, f) for g, f in used if f > 1 - need]
     if not used:
         notes.append(f"GPU memory not read (no mem_info_vram_total under /sys/{DRM})")
-    else:
-        busy = [(g, f) for g, f in used if f > 1 - need]
-        if busy and not holders:
-            problems.append(UsageError(
-                "GPU memory in use: " + ", ".join(f"{g} {f:.0%}" for g, f in busy)
-                + f"; the selftest server asks vLLM for {need:g} of each GPU "
-                "(K3_GPU_MEMORY_UTILIZATION), so at most "
-                f"{1 - need:.0%} may be in use: stop what holds them first"))
-        elif not busy:
-            notes.append(f"{len(used)} GPUs free (at most "
-                         f"{max(f for _, f in used):.0%} in use)")
+    elif busy and not holders:
+        problems.append(UsageError(
+            "GPU memory in use: " + ", ".join(f"{g} {f:.0%}" for g, f in busy)
+            + f"; the selftest server asks vLLM for {need:g} of each GPU "
+            f"(K3_GPU_MEMORY_UTILIZATION), so at most {1 - need:.0%} may be in use: stop "
+            "what holds them first"))
+    elif not busy:
+        notes.append(f"{len(used)} GPUs free (at most {max(f for _, f in used):.0%} in use)")
     return problems, notes
 
 
 def vendor_note(dep, repo: Path) -> str:
-    """Which vendor variables the servers get: this shell's (as `make up` computes them), and
-    whether .k3rocm/vendor.env (an earlier shell's) says otherwise (it is not used)."""
+    """The vendor variables the servers get (this shell's), and where the shared
+    .k3rocm/vendor.env (an earlier shell's, not used) differs."""
     from k3rocm.serving.config import is_secret, read_dotenv
 
     mine = {k: v for k, v in dep.rendered.env.items()  # what write_vendor_env writes
@@ -356,19 +308,15 @@ def vendor_note(dep, repo: Path) -> str:
 # --------------------------------------------------------------------------------- greedy
 
 
-# Tokens compared by id (``token_id:N``): on random weights many tokens decode to the same text.
 LOGPROB_TOP = 20  # top_logprobs per position: vLLM's default --max-logprobs
-# The largest |logprob gap| fusions on vs off may show and still be rounding (docs/selftest.md,
-# "The logprob tolerance"): fused and stock RMSNorm both accumulate in fp32 and differ only in
-# where they round to bf16, at most one bf16 step per element (8 significant bits); the logits
-# are bf16 too, and a logprob z_t - logsumexp(z) moves by at most twice the largest logit
-# move. Allowed: one bf16 step of the logits at |z| < 16 (2^-4), twice: 0.125 nats.
+# The largest logprob gap on vs off that is still rounding (docs/selftest.md, "The logprob
+# tolerance"): one bf16 step of the logits at |z| < 16 (2^-4), twice through the logsumexp.
 LOGPROB_TOL = 2 * 2.0 ** -4
 
 
 def greedy(url: str, model: str, api_key: str | None, timeout: float = 300) -> list[dict]:
-    """Greedy completions of the fixed prompts: per position the chosen token, its logprob
-    and the top :data:`LOGPROB_TOP` tokens' logprobs."""
+    """Greedy completions of PROMPTS: per position the token (by id: random weights decode
+    many ids to one text), its logprob and the top LOGPROB_TOP logprobs."""
     import requests
 
     from k3rocm.deploy.server_api import ServerAPI
@@ -397,8 +345,8 @@ def greedy(url: str, model: str, api_key: str | None, timeout: float = 300) -> l
 
 
 def _cross(run: dict, pos: int, token: str) -> tuple[float | None, float | None]:
-    """(this arm's logprob of ``token`` at ``pos``, or None when outside its top-N; the
-    lowest logprob of its top-N there: ``token``'s logprob is at most that)."""
+    """(this arm's logprob of ``token`` at ``pos``, None outside its top-N; the lowest of its
+    top-N there, which bounds it)."""
     top = (run.get("top_logprobs") or [])[pos:pos + 1]
     top = top[0] if top else {}
     if run["tokens"][pos] == token and run["logprobs"][pos] is not None:
@@ -407,12 +355,10 @@ def _cross(run: dict, pos: int, token: str) -> tuple[float | None, float | None]
 
 
 def compare(on: list[dict], off: list[dict], tol: float = LOGPROB_TOL) -> dict[str, Any]:
-    """Fusions on vs off, per prompt up to the first position whose tokens differ (after it
-    the two continue different texts): the gap |on - off| of the chosen token's logprob, and at
-    a difference of both arms' tokens (each looked up in the other's top-N). A token outside
-    the other arm's top-N counts with the least gap it must have (its logprob minus the other's
-    N-th best). Verdict: "fail" when a gap exceeds ``tol``; else "cannot judge" when a gap
-    has no bound (or one answer ended early); else "ok"."""
+    """Fusions on vs off, per prompt up to its first differing token: the logprob gap of each
+    chosen token (at a difference, both arms' tokens). A token outside the other arm's top-N
+    counts with its least possible gap. "fail" when a gap exceeds ``tol``, else "cannot judge"
+    when a gap has no bound (or an answer ended early), else "ok"."""
     diffs, gaps, unbounded, spreads = [], [], [], []
     for a, b in zip(on, off, strict=True):
         n = min(len(a["tokens"]), len(b["tokens"]))
@@ -449,7 +395,6 @@ def compare(on: list[dict], off: list[dict], tol: float = LOGPROB_TOL) -> dict[s
     worst = max(gaps, key=lambda g: g[0], default=None)
     verdict = ("fail" if worst is not None and worst[0] > tol else
                "cannot judge" if unbounded or worst is None else "ok")
-    spreads.sort()
     return {"identical": not diffs, "prompts": len(on), "tokens_per_prompt": GREEDY_TOKENS,
             "first_differences": diffs,
             "max_logprob_gap": None if worst is None else round(worst[0], 6),
@@ -458,7 +403,7 @@ def compare(on: list[dict], off: list[dict], tol: float = LOGPROB_TOL) -> dict[s
                 "in_both_top_n": worst[4]},
             "unbounded": unbounded, "tolerance": tol, "top_n": LOGPROB_TOP,
             "compared": len(gaps), "verdict": verdict, "ok": verdict == "ok",
-            "top_n_spread_median": round(spreads[len(spreads) // 2], 6) if spreads else None}
+            "top_n_spread_median": round(statistics.median_high(spreads), 6) if spreads else None}
 
 
 def compare_note(c: dict[str, Any]) -> str:
@@ -492,28 +437,70 @@ def compare_note(c: dict[str, Any]) -> str:
 
 def _bench_argv(args: argparse.Namespace, dep) -> list[str]:
     """The bench step's ``k3rocm bench`` arguments: one short point."""
-    workload = args.workload or ("ci-tiny" if dep.cpu else "decode-8k1k")
     host_model = dep.model_host_dir
-    return ["--workload", workload, "--url", dep.url, "--results", str(dep.results_root),
-            "--label", "selftest-bench", *(["--tokenizer", str(host_model)] if host_model
-                                           else []),
+    return ["--workload", args.workload or ("ci-tiny" if dep.cpu else "decode-8k1k"),
+            "--url", dep.url, "--results", str(dep.results_root), "--label", "selftest-bench",
+            *(["--tokenizer", str(host_model)] if host_model else []),
             "--set", "concurrency=1", "--set", "request_count=4", *shlex.split(args.bench_args)]
+
+
+def census_step(args: argparse.Namespace, dep) -> tuple[int, dict[str, Any], Path]:
+    """``k3rocm census`` on the selftest server: (exit code, census.json, run directory)."""
+    from k3rocm.checks.census import cli, common
+
+    host_model = dep.model_host_dir
+    cargs = _Args("--census-args", cli.add_arguments).parse_args(
+        ["--url", dep.url, "--results", str(dep.results_root),
+         *(["--model-dir", str(host_model)] if host_model else []),
+         *shlex.split(args.census_args)])
+    cli.CensusFlags.from_args(cargs)
+    census, run_dir = cli.run_live(cargs, dep, common.analysis_from(cargs, dep))
+    return cli.finish(census, run_dir), census.to_json(), run_dir
+
+
+def bench_step(args: argparse.Namespace, dep) -> tuple[int, dict[str, Any], Path]:
+    """One ``k3rocm bench`` point: (exit code, summary.json, run directory)."""
+    from k3rocm.checks.bench import cli, run
+
+    bargs = _Args("--bench-args", cli.add_arguments).parse_args(_bench_argv(args, dep))
+    w, _ = cli.resolve_from_args(bargs, dep)
+    res = run.run_bench(w, results=bargs.results, client_image=bargs.client_image,
+                        server_timeout=bargs.server_timeout, label=bargs.label,
+                        progress=not bargs.quiet, tp=bargs.tp, deployment=dep)
+    print(res.message)
+    return res.exit_code, res.summary, Path(res.summary.get("run_dir") or "")
+
+
+class _StepLog(io.TextIOBase):
+    """A step's stdout and stderr: into its log (and stderr with --verbose); last line kept."""
+
+    def __init__(self, fh, echo):
+        self.fh, self.echo, self.last = fh, echo, ""
+
+    def write(self, text: str) -> int:
+        self.fh.write(text)
+        if self.echo is not None:
+            self.echo.write(text)
+        lines = [ln.strip() for ln in re.split(r"[\r\n]+", text) if ln.strip()]
+        self.last = lines[-1][:140] if lines else self.last
+        return len(text)
 
 
 def selftest(args: argparse.Namespace) -> int:  # noqa: C901 - one linear pipeline
     from k3rocm.deploy import runrecord
+    from k3rocm.deploy.scale.status import summarize_decisions
     from k3rocm.rundir import create_run_dir, write_json_atomic, write_text_atomic
+    from k3rocm.serving.basefacts import describe
 
     t0 = time.time()
     dep, srv, switches = _plan(args)  # exit 2 before anything starts
-    bench_args = _bench_argv(args, dep)
-    problems, checked = early_checks(dep, bench_args, args.no_build)
+    problems, checked = early_checks(dep, _bench_argv(args, dep), args.no_build)
     checked.append(vendor_note(dep, REPO))
     try:  # the image as it is now (with --no-build, the one served); checked again once built
         base_check(dep, srv, switches, args.env_file)
     except UsageError as exc:
         problems.append(exc)
-    if problems:  # one line each; nothing was built, served or written
+    if problems:
         for exc in problems:
             print(f"k3rocm: error: {exc}", file=sys.stderr)
         print("k3rocm selftest: nothing expensive was started (no build, no server, no run "
@@ -521,78 +508,83 @@ def selftest(args: argparse.Namespace) -> int:  # noqa: C901 - one linear pipeli
         return max(exc.exit_code for exc in problems)
     _say(t0, "checked before any build or server: " + "; ".join(checked))
     run_dir = create_run_dir(dep.results_root, "selftest")
-    trace_dir = f"/results/{run_dir.name}/traces"
-    dep, srv, switches = _plan(args, extra={"K3_PROFILER_DIR": trace_dir},
+    dep, srv, switches = _plan(args, extra={"K3_PROFILER_DIR": f"/results/{run_dir.name}/traces"},
                                vendor_file=run_dir / "vendor.env")
-    # the same server as arm A: every fusion off
-    off_srv = dataclasses.replace(srv, env={**srv.env, **switches["A"]})
+    off_srv = dataclasses.replace(srv, env={**srv.env, **switches["A"]})  # arm A
+    def log_of(server) -> Path:
+        return run_dir / ("server-on.log" if server is srv else "server-off.log")
+
     runrecord.write(run_dir, runrecord.build(deployment=dep, url=dep.url, selftest={
         "project": srv.project, "model": dep.model}))
-    host_model = dep.model_host_dir
-    py = sys.executable
-    env = {**os.environ, **srv.env, "COMPOSE_PROJECT_NAME": srv.project}
-    commands = {
-        "census": [py, "-m", "k3rocm", "census", "--url", dep.url, "--results",
-                   str(dep.results_root), *(["--model-dir", str(host_model)] if host_model
-                                            else []), *shlex.split(args.census_args)],
-        "bench": [py, "-m", "k3rocm", "bench", *_bench_argv(args, dep)],
-    }
     results: list[StepResult] = []
     summary: dict[str, Any] = {"run_dir": str(run_dir), "project": srv.project, "url": dep.url,
                                "model": dep.model, "profile": dep.profile, "image": dep.image,
                                "cpu_standin": srv.cpu, "checked_first": checked}
-    running = []
+    running: list = []
     served: list = []  # a server was started: from here a failure is no longer "bad input"
     greedy_runs: dict[str, list[dict]] = {}
-    total = len(STEPS)
 
-    def step(name: str, fn, index: int) -> None:
-        _say(t0, f"{index}/{total} {name}")
+    def step(index: int, name: str) -> None:
+        _say(t0, f"{index}/{len(STEPS)} {name}")
         start = time.time()
         res = StepResult(name, name)
         try:
-            fn(res)
+            plan[name](res)
             res.ok = res.ok or res.code == 0
         except UsageError as exc:
             res.code, res.note = exc.exit_code, str(exc)
             raise
+        except KeyboardInterrupt:
+            res.code = 130
+            raise
         finally:
             res.seconds = time.time() - start
             results.append(res)
-            _say(t0, f"{index}/{total} {name}: {'ok' if res.ok else 'FAILED'} in "
+            _say(t0, f"{index}/{len(STEPS)} {name}: {'ok' if res.ok else 'FAILED'} in "
                  f"{res.seconds:.0f}s{': ' + res.note if res.note else ''}")
+        if res.code == 130:  # the measure stopped on Ctrl-C and kept what it finished
+            raise KeyboardInterrupt
 
-    def sub(res: StepResult):  # census or bench: the user's own command, its run directory
-        name, log = res.name, run_dir / "logs" / f"{res.name}.log"
-        before = {p.name for p in dep.results_root.iterdir()} \
-            if dep.results_root.is_dir() else set()
-        code, _, _ = run_step(name, commands[name], env, log, t0, STEPS.index(name) + 1,
-                              args.verbose, total, "selftest")
-        res.code, res.ok, res.log = code, code == 0, str(log)
-        res.command = shlex.join(commands[name])
-        found = new_dirs(dep.results_root, before, "-census" if name == "census"
-                         else "-selftest-bench")
-        if found:
-            res.run_dir = str(found[-1])
-            res.note, res.numbers = (census_numbers if name == "census" else
-                                     bench_numbers)(found[-1])
+    def measure(res: StepResult):  # in-process; its output in logs/<step>.log
+        name, log, err = res.name, run_dir / "logs" / f"{res.name}.log", sys.stderr
+        head, res.log = f"{STEPS.index(name) + 1}/{len(STEPS)} {name}", str(log)
+        _say(t0, f"{head}: k3rocm {name} on {dep.url}, log {log}")
+        log.parent.mkdir(parents=True, exist_ok=True)
+        start, done = time.time(), threading.Event()
+        with open(log, "w", encoding="utf-8", buffering=1) as fh:
+            out = _StepLog(fh, err if args.verbose else None)
 
-    def serve(server, res: StepResult):
+            def progress():
+                while not done.wait(PROGRESS_EVERY):
+                    print(f"[selftest +{time.time() - t0:.0f}s] {head}: "
+                          f"{time.time() - start:.0f}s ... {out.last}", file=err, flush=True)
+
+            threading.Thread(target=progress, daemon=True).start()
+            try:
+                with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+                    res.code, doc, found = (census_step if name == "census" else bench_step)(
+                        args, dep)
+            except UsageError as exc:  # the row says why; the selftest goes on
+                print(f"k3rocm: error: {exc}", file=fh)
+                res.code, res.note = exc.exit_code, str(exc)
+                return
+            finally:
+                done.set()
+        res.run_dir = str(found)
+        res.note, res.numbers = (census_numbers if name == "census" else bench_numbers)(doc)
+
+    def serve(server, res: StepResult) -> dict:
         running.append(server)
         server.up()
         served.append(server)
-        res.numbers["ready_s"] = round(server.wait(args.timeout, log_path=run_dir / log_name(
-            server)), 1)
+        res.numbers["ready_s"] = round(server.wait(args.timeout, log_path=log_of(server)), 1)
         prov = server.provenance()
         res.numbers["fusion_decisions"] = prov.get("fusion_decisions")
         res.note = f"ready after {res.numbers['ready_s']} s on {server.url}"
         return prov
 
-    def log_name(server) -> str:
-        return "server-on.log" if server is srv else "server-off.log"
-
     def stop(server):
-        server.down(log_path=run_dir / log_name(server))
+        server.down(log_path=log_of(server))
         if server in running:
             running.remove(server)
 
@@ -601,8 +593,7 @@ def selftest(args: argparse.Namespace) -> int:  # noqa: C901 - one linear pipeli
             p = srv.compose("build", "server", timeout=None, capture=False)
             if p.returncode != 0:
                 raise UsageError(f"building the serving image failed (exit {p.returncode})")
-        summary["base"] = base_check(dep, srv, switches, args.env_file)
-        res.numbers = summary["base"]
+        res.numbers = summary["base"] = base_check(dep, srv, switches, args.env_file)
         res.note = "; ".join(summary["base"].get("notes") or []) or "base facts: no change"
 
     def up(res: StepResult):
@@ -616,7 +607,7 @@ def selftest(args: argparse.Namespace) -> int:  # noqa: C901 - one linear pipeli
 
     def down(res: StepResult):
         stop(srv)
-        res.note = f"server log kept: {run_dir / 'server-on.log'}"
+        res.note = f"server log kept: {log_of(srv)}"
 
     def off(res: StepResult):
         serve(off_srv, res)
@@ -627,15 +618,14 @@ def selftest(args: argparse.Namespace) -> int:  # noqa: C901 - one linear pipeli
     def cmp(res: StepResult):
         c = compare(greedy_runs["on"], greedy_runs["off"])
         summary["greedy"] = {**c, **greedy_runs}
-        res.ok = c["ok"]
-        res.code = {"ok": 0, "fail": 1}.get(c["verdict"], 4)  # 4: cannot judge
+        res.ok, res.code = c["ok"], {"ok": 0, "fail": 1}.get(c["verdict"], 4)  # 4: no bound
         res.numbers = {k: c[k] for k in ("verdict", "identical", "max_logprob_gap",
                                          "max_gap_at", "unbounded", "tolerance", "top_n",
                                          "top_n_spread_median")}
         res.note = compare_note(c)
 
-    plan = {"build": build, "up": up, "census": sub, "greedy": greedy_on, "bench": sub,
-            "down": down, "off": off, "compare": cmp}
+    plan = {"build": build, "up": up, "census": measure, "greedy": greedy_on,
+            "bench": measure, "down": down, "off": off, "compare": cmp}
 
     def _term(*_):
         raise KeyboardInterrupt
@@ -643,9 +633,9 @@ def selftest(args: argparse.Namespace) -> int:  # noqa: C901 - one linear pipeli
     old_term = signal.signal(signal.SIGTERM, _term)
     try:
         for index, name in enumerate(STEPS, 1):
-            step(name, plan[name], index)
+            step(index, name)
         code = next((r.code or 1 for r in results if not r.ok), 0)
-    except (KeyboardInterrupt, Interrupted):
+    except KeyboardInterrupt:
         code = 130
     except UsageError as exc:
         code = exc.exit_code
@@ -667,24 +657,18 @@ def selftest(args: argparse.Namespace) -> int:  # noqa: C901 - one linear pipeli
             bad.note += (" [exit 2 (bad input) found after a server had started: the selftest "
                          "exits 4, cannot judge; fix the input and run it again]")
     seconds = time.time() - t0
+    head, *notes = describe(summary.get("base") or {})
     lines = [f"k3rocm selftest: {verdict(code)} in {seconds:.0f}s: {dep.model} on {dep.url} "
              f"(profile {dep.profile}, image {dep.image}"
              + (", CPU stand-in: fusions cannot run, both servers stock" if srv.cpu else "")
-             + ")", ""]
-    from k3rocm.deploy.scale.status import summarize_decisions
-    from k3rocm.serving.basefacts import describe
-
-    head, *notes = describe(summary.get("base") or {})
-    lines += [f"  {head}", *(f"    {n}" for n in notes)]
+             + ")", "", f"  {head}", *(f"    {n}" for n in notes)]
     decisions = summary.get("overlay_decisions")
     if decisions is not None:
         lines.append("  overlay decisions (fusions on, arm B): " + summarize_decisions(
             {(d.get("pid"), d.get("layer_kind")): d for d in decisions}))
-    lines.append("")
-    lines += step_rows(results)
-    lines += ["", "  checked first: " + "; ".join(checked)]
-    lines += ["", f"  run directory: {run_dir} (summary.json, summary.md, logs/, "
-              "server-on.log, server-off.log, traces/)"]
+    lines += ["", *step_rows(results), "", "  checked first: " + "; ".join(checked), "",
+              f"  run directory: {run_dir} (summary.json, summary.md, logs/, server-on.log, "
+              "server-off.log, traces/)"]
     text = "\n".join(lines)
     summary.update({"status": "ok" if code == 0 else ("interrupted" if code == 130 else
                                                       "failed"),

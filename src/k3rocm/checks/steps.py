@@ -1,8 +1,6 @@
-"""Run a sequence of user-facing commands as steps: one process group each, a log file each,
-progress every 15 s, Ctrl-C stops the step's whole group; and read what each check's run
-directory reports. Used by ``k3rocm demo`` (the CPU stand-in) and ``k3rocm selftest`` (the
-node): one step runner for both.
-"""
+"""Steps of ``k3rocm demo`` and ``k3rocm selftest``: their rows, and each check's result as
+a step note. ``run_step`` runs a command (demo: make targets) in its own process group, a log
+file each, progress every 15 s; Ctrl-C stops the whole group."""
 
 from __future__ import annotations
 
@@ -59,8 +57,7 @@ def _last_line(path: Path) -> str:
 
 
 def _stop_group(proc: subprocess.Popen) -> None:
-    """Ctrl-C the step's whole process group (make and everything under it), as a terminal
-    would; escalate if it does not finish."""
+    """Ctrl-C the step's process group as a terminal would; escalate if it does not end."""
     for sig, wait in ((signal.SIGINT, 60), (signal.SIGTERM, 15), (signal.SIGKILL, 10)):
         try:
             os.killpg(proc.pid, sig)
@@ -128,15 +125,12 @@ def read_json(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-# --------------------------------------------------------------------- what each run reports
-
-
 def _num(value: Any, fmt: str = "{:.3g}") -> str:
     return fmt.format(value) if isinstance(value, (int, float)) else "?"
 
 
-def bench_numbers(run: Path) -> tuple[str, dict[str, Any]]:
-    s = read_json(run / "summary.json")
+def bench_numbers(s: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """A bench run's summary.json as the step's note and numbers (census, gsm8k: likewise)."""
     parts, points = [], []
     for p in s.get("points") or []:
         m = p.get("metrics") or {}
@@ -154,8 +148,7 @@ def bench_numbers(run: Path) -> tuple[str, dict[str, Any]]:
     return "; ".join(parts) or f"status {s.get('status', '?')}", {"points": points}
 
 
-def gsm8k_numbers(run: Path) -> tuple[str, dict[str, Any]]:
-    s = read_json(run / "summary.json")
+def gsm8k_numbers(s: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     vals = {name: ((s.get("metrics") or {}).get(name) or {}).get("exact_match")
             for name in ("strict-match", "flexible-extract")}
     items = (s.get("items") or {}).get("evaluated")
@@ -169,8 +162,7 @@ def gsm8k_numbers(run: Path) -> tuple[str, dict[str, Any]]:
                   "exact_match": vals, "comparable": s.get("comparable")}
 
 
-def census_numbers(run: Path) -> tuple[str, dict[str, Any]]:
-    c = read_json(run / "census.json")
+def census_numbers(c: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     checks = [ch for ch in c.get("checks") or [] if isinstance(ch, dict)]
     n_ok = sum(1 for ch in checks if ch.get("ok") is True)
     n_bad = sum(1 for ch in checks if ch.get("ok") is False)

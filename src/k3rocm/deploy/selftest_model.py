@@ -1,44 +1,15 @@
-"""``k3rocm selftest model``: a Kimi-K3-shaped small checkpoint cut from the operator's own one.
+"""``k3rocm selftest model``: a small Kimi-K3-shaped checkpoint cut from the operator's own one.
 
-Reads the source checkpoint's ``config.json``, ``model.safetensors.index.json`` (its
-``weight_map``) and the *headers* of the shards that hold the kept tensors (a safetensors file
-starts with an 8-byte little-endian header length and a JSON header: names, dtypes, shapes,
-offsets). The ~1.5 TB of tensor data is never read: the slice gets fresh random values in the
-source's dtypes, shapes and quantization layout (MXFP4 packed ``uint8`` or ``F4`` weights
-keep random nibbles, all of which are finite e2m1 values; their E8M0 ``*scale`` bytes are
-finite powers of two; fp8 bytes never hit a NaN/inf code; norm weights are 1). Integer
-tensors, which can carry shapes or indices, are the one exception: up to 1 MB they are copied
-(read at their offsets); larger ones are written as zeros.
-
-What is kept:
-
-- decoder layers in the real order (default: the shortest prefix with at least one MLA and one
-  KDA layer, and a MoE layer if the model has experts), renumbered 0..n-1;
-- the MTP layer(s) (``num_nextn_predict_layers``), renumbered to follow the kept layers, unless
-  ``--no-mtp``;
-- the first ``--experts`` routed experts of every MoE layer, named per expert as Kimi-K3 names
-  them (``...block_sparse_moe.experts.<e>.w{1,2,3}.weight_{packed,scale}``: already contiguous,
-  their names keep their numbers); the router (``block_sparse_moe.gate.weight``,
-  ``gate.e_score_correction_bias``) is cut to those rows; shared experts and the latent
-  projections (``routed_expert_down_proj``/``_up_proj``) are kept whole. A layout it would cut
-  inconsistently is refused before anything is written (exit 2): a fused-expert tensor
-  (``experts.w13_weight [E, ...]``, no expert number in its name) or any other MoE tensor with
-  ``num_experts`` rows, a router without them, an expert number >= ``num_experts``, a kept MoE
-  layer whose experts are not exactly ``0..k-1`` with the same tensors each;
-- everything outside the decoder layers unchanged (embeddings, final norm, lm_head, vision
-  tower, projector) and every other top-level file (tokenizer, chat template, remote code).
-
-The new ``config.json`` has the matching layer, KDA/MLA, dense/MoE, MTP and expert counts and a
-``k3rocm_slice`` key that records what was cut and from what. Layer kinds follow vLLM 0.27.1:
-``KimiLinearConfig.is_kda_layer`` (``vllm/transformers_utils/configs/kimi_linear.py``: layer
-``i`` is KDA when ``i + 1`` is in ``linear_attn_config.kda_layers``), MoE when ``i >=
-first_k_dense_replace and i % moe_layer_freq == 0`` (``vllm/models/kimi_k3/amd/linear.py``,
-``KimiDecoderLayer``), MTP layers numbered from ``num_hidden_layers``
-(``vllm/model_executor/models/utils.py`` ``get_spec_layer_idx_from_weight_name``).
-
-Output is atomic: written to a hidden temporary directory beside ``OUT`` and renamed at the end;
-an existing ``OUT`` is never touched. Exit codes: 0 written, 2 bad input (nothing written),
-130 interrupted (nothing written).
+Reads only config.json, the safetensors index and the headers of the shards it keeps tensors
+from; writes the real names, dtypes, shapes and quantization layout with random values valid
+for each dtype (integer tensors up to 1 MB copied). Keeps the decoder layers in order (default:
+the shortest prefix with an MLA, a KDA and a MoE layer), the MTP layer(s) unless --no-mtp, the
+first --experts routed experts (router rows cut to match; a fused-expert layout it cannot cut
+consistently is refused), everything outside the layers and every other top-level file. The new
+config.json records the cut under ``k3rocm_slice``. Layer kinds as vLLM 0.27.1 reads them
+(vllm@0.27.1:vllm/transformers_utils/configs/kimi_linear.py ``is_kda_layer``; MoE when
+i >= first_k_dense_replace and i % moe_layer_freq == 0). OUT is written atomically and never
+overwritten. Exit codes: 0 written, 2 bad input (nothing written), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -66,8 +37,7 @@ MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit for the JSON header
 COPY_LIMIT = 1024 * 1024  # integer tensors up to this size are copied, not invented
 CHUNK = 1 << 24  # elements generated per step (bounded memory for 2 GB embeddings)
 
-# safetensors dtype -> bits per element (safetensors' `Dtype`, safetensors/src/tensor.rs; F4 and
-# F6 are packed: the header's shape counts elements)
+# bits per element (safetensors/src/tensor.rs `Dtype`; F4/F6 packed, shapes count elements)
 DTYPES = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E4M3": 8, "F8_E5M2": 8, "F8_E8M0": 8,
           "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
           "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32,
@@ -77,15 +47,12 @@ PACKED = {"F4", "F6_E2M3", "F6_E3M2"}
 INTEGER = {"BOOL", "I8", "I16", "U16", "I32", "U32", "I64", "U64"}
 FLOAT_CODES = {"BF16": "<u2", "F16": "<f2", "F64": "<f8"}  # numpy codes; others: F32
 
-# A decoder layer's tensor: <prefix>layers.<i>.<rest> with the text model's prefix (the
-# multimodal checkpoint's ``language_model.model.layers.{i}.``, the ``language_model.layers.``
-# form vLLM's Kimi-K3 WeightsMapper also maps, or a text-only ``model.layers.``).
+# <prefix>layers.<i>.<rest>: multimodal (language_model.[model.]) or text-only (model.) prefix
 LAYER_RE = re.compile(r"^(language_model\.(?:model\.)?|model\.)layers\.(\d+)\.(.+)$")
 EXPERT_RE = re.compile(r"(?:^|\.)experts\.(\d+)\.(.+)$")  # not shared_experts.
 ROUTER_RE = re.compile(r"(?:^|\.)gate\.(?:weight|e_score_correction_bias)$")
 SHARED = "shared_experts."
 MOE_BLOCKS = ("block_sparse_moe.", "mlp.")  # a MoE layer's block (Kimi-K3: block_sparse_moe)
-
 
 _log = tagged_log("selftest-model")
 
@@ -101,11 +68,6 @@ class Tensor:
     @property
     def nbytes(self) -> int:
         return (math.prod(self.shape) * DTYPES[self.dtype] + 7) // 8
-
-
-def read_header(path: Path) -> dict[str, Tensor]:
-    """The tensors a safetensors file declares, from its header only (reads 8 + N bytes)."""
-    return read_layout(path)[0]
 
 
 def read_layout(path: Path) -> tuple[dict[str, Tensor], int]:
@@ -464,7 +426,7 @@ def make_slice(src: Path, out: Path, layers: str | None = None, experts: int | N
     for s in shards:
         if not isinstance(s, str) or "/" in s or not (src / s).is_file():
             raise UsageError(f"{src / INDEX}: weight_map names shard {s!r}, which is not there")
-        headers.update({k: v for k, v in read_header(src / s).items() if wmap.get(k) == s})
+        headers.update({k: v for k, v in read_layout(src / s)[0].items() if wmap.get(k) == s})
     for name in kept:
         if name not in headers:
             raise UsageError(f"{src / wmap[name]}: has no tensor {name!r} (the index says so)")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +86,7 @@ class BenchResult:
     status: str  # ok | failed | interrupted
     exit_code: int
     message: str
+    summary: dict = field(default_factory=dict)  # summary.json
 
 
 def run_bench(w: Workload, *, results: Path, client_image: str, server_timeout: float,
@@ -203,7 +204,7 @@ def run_bench(w: Workload, *, results: Path, client_image: str, server_timeout: 
         msg = (f"bench {w.name}: {len(failed)} of {n} points failed ({why}){down}; raw logs and "
                f"finished points kept in {run_dir}")
         code = EXIT_FAILED
-    return BenchResult(status, code, " ".join(msg.split()))
+    return BenchResult(status, code, " ".join(msg.split()), doc)
 
 
 def served_prefix_caching(prov: dict | None) -> tuple[bool | None, str]:

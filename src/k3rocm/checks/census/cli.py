@@ -71,7 +71,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     common.add_analysis_arguments(p)
 
 
-def _finish(census: Census, run_dir: Path) -> int:
+def finish(census: Census, run_dir: Path) -> int:
     for x in census.traces.skipped_runs:
         print(f"census: skipped {x['why']}: started {x['started']}, ranks "
               f"{', '.join(map(str, x['ranks']))} ({len(x['files'])} file(s))")
@@ -139,11 +139,11 @@ def run(args: argparse.Namespace) -> int:
         pl.write_report(run_dir, census, runrecord.build(
             deployment=dep, source="trace-dir", trace_dir=str(args.trace_dir),
             claim=claim.to_json(), trace_files=files), top=args.top)
-        return _finish(census, run_dir)
-    return run_live(args, dep, opts)
+        return finish(census, run_dir)
+    return finish(*run_live(args, dep, opts))
 
 
-def run_live(args: argparse.Namespace, dep, opts) -> int:
+def run_live(args: argparse.Namespace, dep, opts) -> tuple[Census, Path]:
     from k3rocm.deploy.engine import docker_client
     from k3rocm.deploy.provenance import find_server_container
     from k3rocm.deploy.server_api import ServerAPI, wait_ready
@@ -184,4 +184,4 @@ def run_live(args: argparse.Namespace, dep, opts) -> int:
     pl.log(f"run directory {run_dir}")
     census = pl.live_census(url, model, api_key, client, container, claim, run_dir, opts, load,
                          dep=dep)
-    return _finish(census, run_dir)
+    return census, run_dir
