@@ -358,47 +358,6 @@ def test_truncated_answers_are_reported_apart_from_wrong_ones(tmp_path):
     assert results.truncation(samples, all_cut, 32)["accuracy_without_truncated"] is None
 
 
-def test_mcnemar_exact_and_the_noninferiority_margin_with_its_power():
-    from k3rocm.checks.bench import stats
-
-    # exact two-sided McNemar: 2 P(X <= 2 | 10, 1/2) = 2 * 56 / 1024
-    assert stats.mcnemar_exact(2, 8) == pytest.approx(2 * 56 / 1024)
-    assert stats.mcnemar_exact(0, 0) == 1.0
-    a = [True] * 1272 + [False] * 47       # 0.9644 of 1319
-    b = list(a)
-    for i in range(10):                    # 10 items flip each way: same accuracy
-        b[i], b[1272 + i] = False, True
-    r = stats.paired_accuracy(a, b, margin=0.01)
-    assert r["diff"] == 0 and r["b_only"] == r["a_only"] == 10
-    assert r["mcnemar"] == "no difference detected" and r["non_inferior"]
-    bad = [x and i >= 40 for i, x in enumerate(a)]  # 40 items lost: -3 points
-    r = stats.paired_accuracy(a, bad, margin=0.01)
-    assert r["mcnemar"] == "B less accurate" and r["mcnemar_p"] < 1e-9
-    assert not r["non_inferior"]
-    # the rate the verdict itself passes at n = 1319 with 2% discordant items (exact for its
-    # bound): a 1-point margin 81.7% (the normal approximation said 82.2%), half a point 37%
-    assert stats.noninferiority_pass_rate(1319, 0.01, 0.02) == pytest.approx(0.8169, abs=2e-4)
-    assert stats.noninferiority_pass_rate(1319, 0.005, 0.02) == pytest.approx(0.3705, abs=2e-4)
-
-
-def test_binomial_tails_keep_their_values_and_do_not_overflow():
-    from fractions import Fraction
-    from math import comb
-
-    from k3rocm.checks.bench import stats
-
-    for k in (0, 17, 29):  # exact rational values at n = 60
-        want = 2 * sum(comb(60, i) * Fraction(1, 2) ** 60 for i in range(k + 1))
-        assert stats.mcnemar_exact(k, 60 - k) == pytest.approx(min(1.0, float(want)), rel=1e-10)
-    assert stats.binom_upper(5, 1000) == pytest.approx(0.010484076911415278, rel=1e-8)
-    # n = 1319: finite, in [0, 1]
-    assert stats.binom_upper(306, 1319) == pytest.approx(0.2519 - 0.2320 + 306 / 1319, abs=1e-3)
-    assert 0 < stats.mcnemar_exact(0, 306) < 1e-90
-    a = [True] * 1272 + [False] * 47
-    r = stats.paired_accuracy(a, [x and i >= 306 for i, x in enumerate(a)], 0.012)
-    assert r["a_only"] == 306 and r["mcnemar"] == "B less accurate" and not r["non_inferior"]
-
-
 def test_the_pass_rate_is_exact_for_the_verdicts_own_bound():
     """Against brute force at n = 40: every outcome, weighted exactly, judged by
     paired_accuracy itself."""
