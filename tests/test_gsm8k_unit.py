@@ -1,13 +1,10 @@
-"""gsm8k without a server: data checks, the lm-eval command line, and the gate on stored results.
-
-The stored results below have the shape lm-eval 0.4.13 writes (captured from a real run against
-the CPU stand-in: results_<ts>.json + samples_gsm8k_<ts>.jsonl under lm_eval/<model>/); the
-verdicts are checked through the real CLI (`k3rocm gsm8k --rescore RUN_DIR`).
-"""
+"""gsm8k without a server: data checks, the lm-eval command line, and the gate on stored results
+(lm-eval 0.4.13's file shapes, judged through `k3rocm gsm8k --rescore`)."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -18,7 +15,7 @@ import yaml
 from conftest import REPO, free_port, make_exit_code, run_cli
 
 from k3rocm.checks.gsm8k import command, data, results
-from k3rocm.checks.gsm8k.lmeval_launch import apply_reasoning_fallback
+from k3rocm.checks.gsm8k.lmeval_launch import apply_reasoning_fallback, log_finish_reasons
 from k3rocm.errors import UsageError
 
 
@@ -41,90 +38,68 @@ def data_dir(tmp_path) -> Path:
     return d
 
 
-# ---------------------------------------------------------------------------------- data
-
-
-def test_local_data_dir_is_checked_and_described(data_dir):
+def test_local_data_dir_and_the_run_task_file(data_dir):
     src = data.resolve(str(data_dir), None)
-    assert src.kind == "local-jsonl" and src.builder == "json" and src.test_items == 4
-    assert src.files == {"train": "/data/gsm8k/train.jsonl", "test": "/data/gsm8k/test.jsonl"}
-    prov = src.provenance()
-    assert prov["files"]["test"]["sha256"] == data.sha256_file(data_dir / "test.jsonl")
+    assert src.kind == "local-jsonl" and src.test_items == 4
+    assert src.provenance()["files"]["test"]["sha256"] == data.sha256_file(data_dir / "test.jsonl")
+    shipped = yaml.safe_load(data.TASK_FILE.read_text())
+    run = yaml.safe_load(data.task_yaml(src))  # only the data source differs
+    assert run.pop("dataset_path") == "json" and "dataset_name" not in run
+    assert run.pop("dataset_kwargs") == {"data_files": {"train": "/data/gsm8k/train.jsonl",
+                                                        "test": "/data/gsm8k/test.jsonl"}}
+    assert run == {k: v for k, v in shipped.items() if not k.startswith("dataset_")}
 
 
 @pytest.mark.parametrize("line, fragment", [
-    ("not json", "is not JSON"),
-    (json.dumps({"question": "q"}), "needs string fields question and answer"),
-    (json.dumps({"question": "q", "answer": "no marker 4"}), "does not end in '#### <number>'"),
+    ("not json", "test.jsonl:5 is not JSON"),
+    (json.dumps({"question": "q"}), "test.jsonl:5 needs string fields question and answer"),
+    (json.dumps({"question": "q", "answer": "4"}), "test.jsonl:5 answer does not end in '####"),
+    (None, "5-shot needs at least 5"),
 ])
-def test_bad_item_names_file_and_line(data_dir, line, fragment):
-    with open(data_dir / "test.jsonl", "a") as fh:
-        fh.write(line + "\n")
-    with pytest.raises(UsageError, match=fragment) as exc:
-        data.resolve(str(data_dir), None)
-    assert "test.jsonl:5" in str(exc.value)
-
-
-def test_too_few_fewshot_items(data_dir):
-    write_items(data_dir / "train.jsonl", 3)
-    with pytest.raises(UsageError, match="5-shot needs at least 5"):
+def test_bad_items(data_dir, line, fragment):
+    if line is None:
+        write_items(data_dir / "train.jsonl", 3)
+    else:
+        with open(data_dir / "test.jsonl", "a") as fh:
+            fh.write(line + "\n")
+    with pytest.raises(UsageError, match=re.escape(fragment)):
         data.resolve(str(data_dir), None)
 
 
-def test_no_data_anywhere_says_how_to_provide_it(tmp_path, monkeypatch):
+def test_hf_hub_snapshot_then_arrow_cache(tmp_path, monkeypatch):
     monkeypatch.delenv("HF_DATASETS_CACHE", raising=False)
-    with pytest.raises(UsageError) as exc:
-        data.resolve(None, str(tmp_path / "empty-hf"))
-    msg = str(exc.value)
-    assert "\n" not in msg and "--data-dir" in msg and "huggingface-cli download openai/gsm8k" \
-        in msg
-
-
-def test_hf_hub_snapshot_is_used_offline(tmp_path):
+    with pytest.raises(UsageError, match="no GSM8K data found.*huggingface-cli download openai/"):
+        data.resolve(None, str(tmp_path / "hf"))
     repo = tmp_path / "hf" / "hub" / data.HF_REPO_DIR
     rev = "e53f048856ff4f594e959d75785d2c2d37b678ee"
     (repo / "refs").mkdir(parents=True)
     (repo / "refs" / "main").write_text(rev)
     snap = repo / "snapshots" / rev / "main"
     snap.mkdir(parents=True)
-    blobs = repo / "blobs"
-    blobs.mkdir()
+    (repo / "blobs").mkdir()
     for split in ("train", "test"):  # the hub cache layout: snapshot links into blobs/
-        (blobs / split).write_bytes(b"PAR1")
+        (repo / "blobs" / split).write_bytes(b"PAR1")
         (snap / f"{split}-00000-of-00001.parquet").symlink_to(f"../../../blobs/{split}")
     src = data.resolve(None, str(tmp_path / "hf"))
-    assert src.kind == "hf-hub-parquet" and src.builder == "parquet"
-    assert src.host_dir == repo.resolve()
+    assert src.kind == "hf-hub-parquet" and src.host_dir == repo.resolve()
     assert src.files["test"] == f"/hf/hub/{data.HF_REPO_DIR}/snapshots/{rev}/main/" \
         "test-00000-of-00001.parquet"
     assert "dataset_path: parquet" in data.task_yaml(src)
+    arrow = tmp_path / "hf2" / "datasets" / data.ARROW_DIR / "main" / "0.0.0" / "abc"
+    arrow.mkdir(parents=True)
+    (arrow / "gsm8k-test.arrow").write_bytes(b"x")
+    src = data.resolve(None, str(tmp_path / "hf2"))
+    assert src.kind == "hf-datasets-cache" and data.task_yaml(src) == data.TASK_FILE.read_text()
 
 
-def test_datasets_arrow_cache_uses_the_shipped_task_as_is(tmp_path, monkeypatch):
-    monkeypatch.delenv("HF_DATASETS_CACHE", raising=False)
-    d = tmp_path / "hf" / "datasets" / data.ARROW_DIR / "main" / "0.0.0" / "abc"
-    d.mkdir(parents=True)
-    (d / "gsm8k-test.arrow").write_bytes(b"x")
-    src = data.resolve(None, str(tmp_path / "hf"))
-    assert src.kind == "hf-datasets-cache" and src.builder is None
-    assert data.task_yaml(src) == data.TASK_FILE.read_text()
-    s = command.Gsm8kSettings(**SERVED)
-    argv = command.lm_eval_argv(s)
-    assert argv[argv.index("--include_path") + 1] == "/out/tasks"
-    assert command.container_env(s, src)["HF_HOME"] == "/hf"
-    assert command.container_env(s, src)["HF_DATASETS_OFFLINE"] == "1"
-
-
-# ------------------------------------------------------------------- the seed's task config
-
-# Typed from the task config the upstream PR printed (vLLM PR #52494: lm-eval task `gsm8k`, metadata
-# version 3.0), not read from our YAML.
-SEED_DOC_TO_TEXT = ("Question: {{question}}\nEnd your response with the answer on the last line, "
-                    "formatted as: #### [number]\nAnswer:")
-SEED_METRIC = {"metric": "exact_match", "aggregation": "mean", "higher_is_better": True,
-               "ignore_case": True, "ignore_punctuation": False,
-               "regexes_to_ignore": [",", "\\$", "(?s).*#### ", "\\.$"]}
-SEED_FILTERS = [
+# The task config vLLM PR #52494 printed (lm-eval task `gsm8k`, metadata version 3.0), typed from
+# the PR, not read from our YAML.
+REFERENCE_DOC_TO_TEXT = ("Question: {{question}}\nEnd your response with the answer on the last "
+                         "line, formatted as: #### [number]\nAnswer:")
+REFERENCE_METRIC = {"metric": "exact_match", "aggregation": "mean", "higher_is_better": True,
+                    "ignore_case": True, "ignore_punctuation": False,
+                    "regexes_to_ignore": [",", "\\$", "(?s).*#### ", "\\.$"]}
+REFERENCE_FILTERS = [
     {"name": "strict-match", "filter": [
         {"function": "regex", "regex_pattern": r"#### (\-?[0-9\.\,]+)"},
         {"function": "take_first"}]},
@@ -134,71 +109,43 @@ SEED_FILTERS = [
 ]
 
 
-def test_shipped_task_is_the_seeds_field_by_field():
-    t = yaml.safe_load(data.TASK_FILE.read_text())
-    assert t["task"] == "gsm8k"  # results keyed results.gsm8k, as the gate reads them
-    assert t["doc_to_text"] == SEED_DOC_TO_TEXT
-    assert t["doc_to_target"] == "{{answer}}"
-    assert t["output_type"] == "generate_until"
-    assert t["generation_kwargs"] == {"until": ["</s>", "<|im_end|>"], "do_sample": False,
-                                      "temperature": 0.0}
-    assert "Question:" not in t["generation_kwargs"]["until"]  # lm-eval 0.4.13's built-in adds it
-    assert t["num_fewshot"] == 5
-    assert t["fewshot_split"] == "train" and t["training_split"] == "train"
-    assert t["test_split"] == "test"
-    assert t["metric_list"] == [SEED_METRIC]
-    assert t["filter_list"] == SEED_FILTERS
-    assert t["metadata"] == {"version": 3.0}
-    assert (t["dataset_path"], t["dataset_name"]) == ("openai/gsm8k", "main")
-    assert t["repeats"] == 1
-    known = {"task", "doc_to_text", "doc_to_target", "output_type", "generation_kwargs",
-             "num_fewshot", "fewshot_split", "training_split", "test_split", "metric_list",
-             "filter_list", "metadata", "dataset_path", "dataset_name", "repeats"}
-    assert set(t) == known, set(t) ^ known  # nothing else slipped in (a tag, a fewshot_config)
+def test_shipped_task_is_the_references():
+    assert yaml.safe_load(data.TASK_FILE.read_text()) == {
+        "task": "gsm8k", "doc_to_text": REFERENCE_DOC_TO_TEXT, "doc_to_target": "{{answer}}",
+        "output_type": "generate_until", "num_fewshot": 5, "repeats": 1,
+        "generation_kwargs": {"until": ["</s>", "<|im_end|>"], "do_sample": False,
+                              "temperature": 0.0},
+        "fewshot_split": "train", "training_split": "train", "test_split": "test",
+        "metric_list": [REFERENCE_METRIC], "filter_list": REFERENCE_FILTERS,
+        "metadata": {"version": 3.0}, "dataset_path": "openai/gsm8k", "dataset_name": "main"}
 
 
-def test_run_task_file_changes_only_the_data_source(data_dir):
-    shipped = yaml.safe_load(data.TASK_FILE.read_text())
-    run = yaml.safe_load(data.task_yaml(data.resolve(str(data_dir), None)))
-    assert run["dataset_path"] == "json" and "dataset_name" not in run
-    assert run["dataset_kwargs"] == {"data_files": {"train": "/data/gsm8k/train.jsonl",
-                                                    "test": "/data/gsm8k/test.jsonl"}}
-    keep = {k: v for k, v in shipped.items() if not k.startswith("dataset_")}
-    assert {k: v for k, v in run.items() if not k.startswith("dataset_")} == keep
-
-
-# ------------------------------------------------------------------------------- command
 SERVED = {"url": "http://127.0.0.1:8000", "model": "m"}  # what the deployment resolves
 
 
-def test_chat_command_line():
-    s = command.Gsm8kSettings(url="http://10.0.0.5:8000", model="moonshotai/Kimi-K3",
-                              concurrency=32, max_gen_tokens=8192, limit=50)
-    argv = command.lm_eval_argv(s)
+def _opt(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def test_command_lines():
+    argv = command.lm_eval_argv(command.Gsm8kSettings(
+        url="http://10.0.0.5:8000", model="moonshotai/Kimi-K3", max_gen_tokens=8192, limit=50))
     assert argv[:3] == ["/opt/clients/bin/python", "/out/lmeval_plugin/k3rocm_lmeval.py", "run"]
-    opts = dict(zip(argv[3::2], argv[4::2], strict=False))
-    assert argv[argv.index("--model") + 1] == "local-chat-completions"  # lm-eval's own
-    margs = dict(kv.split("=", 1) for kv in argv[argv.index("--model_args") + 1].split(","))
-    assert margs == {"model": "moonshotai/Kimi-K3",
-                     "base_url": "http://10.0.0.5:8000/v1/chat/completions",
-                     "num_concurrent": "32", "max_retries": "3", "timeout": "1800",
-                     "max_gen_toks": "8192", "tokenized_requests": "False"}
-    assert opts["--tasks"] == "gsm8k" and opts["--num_fewshot"] == "5"
-    # Sampling comes from the task file only, so lm-eval prints the seed's generation_kwargs.
-    assert "--gen_kwargs" not in argv
-    assert "--apply_chat_template" in argv
-    assert argv[argv.index("--include_path") + 1] == "/out/tasks"
-    assert argv[argv.index("--limit") + 1] == "50"
-    assert "--log_samples" in argv
-
-
-def test_completions_command_line():
-    s = command.Gsm8kSettings(**SERVED, mode="completions")
-    argv = command.lm_eval_argv(s)
-    assert argv[argv.index("--model") + 1] == "local-completions"
-    margs = argv[argv.index("--model_args") + 1]
-    assert "base_url=http://127.0.0.1:8000/v1/completions" in margs
-    assert "tokenizer_backend=None" in margs and "tokenized_requests=False" in margs
+    assert _opt(argv, "--model") == "local-chat-completions"  # lm-eval's own
+    assert dict(kv.split("=", 1) for kv in _opt(argv, "--model_args").split(",")) == {
+        "model": "moonshotai/Kimi-K3", "base_url": "http://10.0.0.5:8000/v1/chat/completions",
+        "num_concurrent": "32", "max_retries": "3", "timeout": "1800", "max_gen_toks": "8192",
+        "tokenized_requests": "False"}
+    assert (_opt(argv, "--tasks"), _opt(argv, "--num_fewshot"), _opt(argv, "--include_path"),
+            _opt(argv, "--limit")) == ("gsm8k", "5", "/out/tasks", "50")
+    # sampling only from the task file: lm-eval prints the reference's generation_kwargs
+    assert "--gen_kwargs" not in argv and {"--apply_chat_template", "--log_samples"} <= set(argv)
+    argv = command.lm_eval_argv(command.Gsm8kSettings(**SERVED, reasoning_fallback=True))
+    assert _opt(argv, "--model") == "k3-chat-completions"
+    argv = command.lm_eval_argv(command.Gsm8kSettings(**SERVED, mode="completions"))
+    assert _opt(argv, "--model") == "local-completions"
+    assert "base_url=http://127.0.0.1:8000/v1/completions" in _opt(argv, "--model_args")
+    assert "tokenizer_backend=None" in _opt(argv, "--model_args")
     assert "--apply_chat_template" not in argv and "--limit" not in argv
 
 
@@ -218,121 +165,70 @@ def test_settings_validation(kw, fragment):
         command.Gsm8kSettings(**kw)
 
 
-def test_dry_run_prints_the_command_and_contacts_nothing(data_dir):
+def test_dry_run_prints_the_command_with_or_without_data(data_dir, tmp_path):
     port = free_port()  # nothing listens here: a contact attempt would fail the run
-    p = run_cli("gsm8k", "--dry-run", "--url", f"http://127.0.0.1:{port}", "--model", "m",
-                "--data-dir", str(data_dir), "--limit", "3")
-    assert p.returncode == 0, p.stderr
-    lines = p.stdout.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("/opt/clients/bin/python ")
-    assert f"base_url=http://127.0.0.1:{port}/v1/chat/completions" in lines[0]
-    assert "--limit 3" in lines[0]
-
-
-def test_dry_run_without_data_prints_the_same_command(data_dir, tmp_path):
-    """Before `make gsm8k-data` the command is already known: it does not name the data."""
-    common = ("gsm8k", "--dry-run", "--url", "http://127.0.0.1:8000", "--model", "m")
+    common = ("gsm8k", "--dry-run", "--url", f"http://127.0.0.1:{port}", "--model", "m")
     without = run_cli(*common, "--hf-home", str(tmp_path / "empty"),
                       env={"HF_DATASETS_CACHE": str(tmp_path / "empty")})
     assert without.returncode == 0, without.stderr
     assert "data: none yet (no GSM8K data found" in without.stderr
-    assert "make gsm8k-data" in without.stderr
     with_data = run_cli(*common, "--data-dir", str(data_dir))
     assert with_data.returncode == 0 and without.stdout == with_data.stdout
-    assert "--include_path /out/tasks --tasks gsm8k" in without.stdout
+    lines = with_data.stdout.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("/opt/clients/bin/python ")
+    assert f"base_url=http://127.0.0.1:{port}/v1/chat/completions" in lines[0]
 
 
-def test_reasoning_fallback_is_off_unless_asked():
-    argv = command.lm_eval_argv(command.Gsm8kSettings(**SERVED))
-    assert argv[argv.index("--model") + 1] == "local-chat-completions"
-    argv = command.lm_eval_argv(command.Gsm8kSettings(**SERVED, reasoning_fallback=True))
-    assert argv[argv.index("--model") + 1] == "k3-chat-completions"
-    p = run_cli("gsm8k", "--dry-run", "--mode", "completions", "--reasoning-fallback")
-    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "needs --mode chat" in p.stderr
+@pytest.mark.parametrize("argv, code, fragment", [
+    (["--concurrency", "0", "--dry-run"], 2, "--concurrency 0"),
+    (["--mode", "completions", "--reasoning-fallback", "--dry-run"], 2, "needs --mode chat"),
+    (["--hf-home", "{tmp}/nothing"], 2, "k3rocm: error: no GSM8K data found"),
+    (["--data-dir", "{data}"], 3, "nothing listening at http://127.0.0.1:"),
+])
+def test_bad_input_and_no_server_exit_with_one_line(data_dir, tmp_path, argv, code, fragment):
+    argv = [a.format(tmp=tmp_path, data=data_dir) for a in argv]
+    p = run_cli("gsm8k", "--url", f"http://127.0.0.1:{free_port()}", *argv,
+                env={"HF_DATASETS_CACHE": str(tmp_path / "nothing")})
+    assert p.returncode == code and p.stderr.count("\n") == 1, p.stderr
+    assert fragment in p.stderr
 
 
-def test_fetch_data_when_already_cached_needs_nothing(tmp_path):
-    hf = tmp_path / "hf"
-    snap = hf / "hub" / data.HF_REPO_DIR / "snapshots" / "abc" / "main"
-    snap.mkdir(parents=True)
-    for split in ("train", "test"):
-        (snap / f"{split}-00000-of-00001.parquet").write_bytes(b"PAR1")
-    # No Docker engine at that address: the cached data set must not need one.
-    p = run_cli("gsm8k", "--fetch-data", "--hf-home", str(hf),
-                env={"DOCKER_HOST": f"unix://{tmp_path}/no.sock"})
-    assert p.returncode == 0, p.stderr
-    assert p.stderr.startswith("gsm8k-data: already there: hf-hub-parquet at ")
+def _clean_env() -> dict:
+    return {k: v for k, v in os.environ.items() if not k.startswith("K3_")}
 
 
-def test_fetch_data_without_docker_exits_3_with_one_line(tmp_path):
-    p = run_cli("gsm8k", "--fetch-data", "--hf-home", str(tmp_path / "hf"),
-                env={"DOCKER_HOST": f"unix://{tmp_path}/no.sock"})
-    # The exit-code table (k3rocm.errors): no Docker engine is an engine problem, 3.
-    assert p.returncode == 3 and p.stderr.count("\n") == 1, p.stderr
-    assert p.stderr.startswith("k3rocm: error: cannot reach the Docker engine")
+def _make(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["make", "-s", "-o", sys.executable, *args, f"PY={sys.executable}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**_clean_env(), "PYTHONPATH": str(REPO / "src"), **env})
 
 
 def test_make_gsm8k_dry_run(data_dir):
-    env = {"PYTHONPATH": str(REPO / "src")}
-    p = subprocess.run(["make", "-s", "-o", sys.executable, "gsm8k", "DRY_RUN=1",
-                        f"PY={sys.executable}", f"GSM8K_DATA={data_dir}",
-                        "GSM8K_ARGS=--model m --concurrency 3"],
-                       cwd=REPO, capture_output=True, text=True, timeout=60,
-                       env={**_clean_env(), **env})
+    p = _make("gsm8k", "DRY_RUN=1", f"GSM8K_DATA={data_dir}",
+              "GSM8K_ARGS=--model m --concurrency 3")
     assert make_exit_code(p) == 0, p.stderr
     assert "num_concurrent=3" in p.stdout and "--include_path /out/tasks" in p.stdout
 
 
-def test_make_exit_code_is_the_recipes_not_makes(tmp_path):
-    """Through make, k3rocm's 3 (no Docker engine) reaches a test as make's 2, which is our
-    "bad input": conftest.make_exit_code gives the recipe's 3; a make failure that ran no
-    recipe (no such target) is not read as any k3rocm code."""
-    p = subprocess.run(["make", "-s", "-o", sys.executable, "gsm8k-data", f"PY={sys.executable}",
-                        f"GSM8K_ARGS=--hf-home {tmp_path / 'hf'}"],
-                       cwd=REPO, capture_output=True, text=True, timeout=60,
-                       env={**_clean_env(), "PYTHONPATH": str(REPO / "src"),
-                            "DOCKER_HOST": f"unix://{tmp_path}/no.sock"})
+def test_make_gsm8k_data_cached_or_without_docker(tmp_path):
+    """Cached: nothing to do, no Docker engine needed. Not cached, no engine: exit 3 (make's 2;
+    conftest.make_exit_code reads the recipe's), and a make failure without a recipe is not
+    read as any k3rocm code."""
+    hf, nosock = tmp_path / "hf", f"unix://{tmp_path}/no.sock"
+    p = _make("gsm8k-data", f"GSM8K_ARGS=--hf-home {hf}", DOCKER_HOST=nosock)
     assert p.returncode == 2 and make_exit_code(p) == 3, p.stderr
     assert "k3rocm: error: cannot reach the Docker engine" in p.stderr
-    p = subprocess.run(["make", "-s", "no-such-target-k3"], cwd=REPO, capture_output=True,
-                       text=True, timeout=60)
+    snap = hf / "hub" / data.HF_REPO_DIR / "snapshots" / "abc" / "main"
+    snap.mkdir(parents=True)
+    for split in ("train", "test"):
+        (snap / f"{split}-00000-of-00001.parquet").write_bytes(b"PAR1")
+    p = run_cli("gsm8k", "--fetch-data", "--hf-home", str(hf), env={"DOCKER_HOST": nosock})
+    assert p.returncode == 0 and "gsm8k-data: already there: hf-hub-parquet at " in p.stderr
     with pytest.raises(AssertionError, match="without a recipe's exit code"):
-        make_exit_code(p)
+        make_exit_code(_make("no-such-target-k3"))
 
 
-def _clean_env() -> dict:
-    import os
-
-    return {k: v for k, v in os.environ.items() if not k.startswith("K3_")}
-
-
-def test_missing_data_exits_2_with_one_line(tmp_path):
-    p = run_cli("gsm8k", "--hf-home", str(tmp_path / "nothing"), "--url", "http://127.0.0.1:9",
-                env={"HF_DATASETS_CACHE": str(tmp_path / "nothing")})
-    assert p.returncode == 2
-    err = p.stderr.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("k3rocm: error: no GSM8K data found"), p.stderr
-    assert "Traceback" not in p.stderr
-
-
-def test_unreachable_server_exits_3_with_one_line(data_dir):
-    port = free_port()
-    p = run_cli("gsm8k", "--url", f"http://127.0.0.1:{port}", "--data-dir", str(data_dir))
-    assert p.returncode == 3
-    err = p.stderr.strip().splitlines()
-    assert len(err) == 1 and f"nothing listening at http://127.0.0.1:{port}" in err[0], p.stderr
-    assert "`make up`" in err[0] and "--url" in err[0], p.stderr
-
-
-def test_bad_setting_exits_2_before_anything(data_dir):
-    p = run_cli("gsm8k", "--concurrency", "0", "--data-dir", str(data_dir), "--dry-run")
-    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "--concurrency 0" in p.stderr
-
-
-# ------------------------------------------------------------------- reasoning fallback
-
-
-def test_reasoning_fallback_rewrites_only_empty_contents(tmp_path):
+def test_reasoning_fallback_and_finish_reasons_logs(tmp_path):
     log = tmp_path / "fb.jsonl"
     resp = {"id": "c1", "choices": [
         {"index": 0, "message": {"content": None, "reasoning": "so 3+4=7\n#### 7"},
@@ -342,15 +238,19 @@ def test_reasoning_fallback_rewrites_only_empty_contents(tmp_path):
         {"index": 3, "message": {"content": None}},
     ]}
     fixed = apply_reasoning_fallback([resp], str(log))
-    contents = [c["message"]["content"] for c in fixed[0]["choices"]]
-    assert contents == ["so 3+4=7\n#### 7", "#### 8", "#### 9", None]
+    assert [c["message"]["content"] for c in fixed[0]["choices"]] == [
+        "so 3+4=7\n#### 7", "#### 8", "#### 9", None]
     assert resp["choices"][0]["message"]["content"] is None  # the input is not mutated
-    logged = [json.loads(x) for x in log.read_text().splitlines()]
-    assert [(x["index"], x["field"]) for x in logged] == [(0, "reasoning"),
-                                                          (1, "reasoning_content")]
-
-
-# ----------------------------------------------------------- gate on stored results files
+    assert [(x["index"], x["field"]) for x in map(json.loads, log.read_text().splitlines())] \
+        == [(0, "reasoning"), (1, "reasoning_content")]
+    log = tmp_path / "finish.jsonl"  # chat choices carry message.content, completions text
+    log_finish_reasons([{"choices": [{"message": {"content": "#### 7"}, "finish_reason": "stop"}]},
+                        {"choices": [{"message": {"content": "Let me"},
+                                      "finish_reason": "length"}]}], str(log))
+    log_finish_reasons({"choices": [{"text": " 12\n", "finish_reason": "length"}]}, str(log))
+    assert [json.loads(x) for x in log.read_text().splitlines()] == [
+        {"finish_reason": "stop", "text": "#### 7"}, {"finish_reason": "length", "text": "Let me"},
+        {"finish_reason": "length", "text": " 12\n"}]
 
 
 def stored_run(root: Path, strict: float, flex: float, *, original: int = 1319,
@@ -369,19 +269,14 @@ def stored_run(root: Path, strict: float, flex: float, *, original: int = 1319,
 
     res = {
         "results": {"gsm8k": {
-            "alias": "gsm8k", "name": "gsm8k", "sample_len": effective,
-            "exact_match,strict-match": strict, "exact_match_stderr,strict-match": se(strict),
-            "exact_match,flexible-extract": flex,
+            "alias": "gsm8k", "exact_match,strict-match": strict,
+            "exact_match_stderr,strict-match": se(strict), "exact_match,flexible-extract": flex,
             "exact_match_stderr,flexible-extract": se(flex)}},
-        "group_subtasks": {"gsm8k": []}, "n-shot": {"gsm8k": 5},
-        "versions": {"gsm8k": 3.0}, "higher_is_better": {"gsm8k": {"exact_match": True}},
+        "n-shot": {"gsm8k": 5}, "versions": {"gsm8k": 3.0},
         "n-samples": {"gsm8k": {"original": original, "effective": effective}},
-        "config": {"model": model,
-                   "model_args": {"model": "moonshotai/Kimi-K3", "num_concurrent": 16},
-                   "batch_size": 1, "limit": limit,
-                   "gen_kwargs": {"temperature": 0, "do_sample": False, "max_gen_toks": 4096}},
+        "config": {"model": model, "model_args": {"model": "moonshotai/Kimi-K3"},
+                   "batch_size": 1, "limit": limit},
         "lm_eval_version": "0.4.13", "date": 1796231968.0,
-        "total_evaluation_time_seconds": "812.4",
     }
     (out / f"results_{stamp}.json").write_text(json.dumps(res))
     fb_lines = []
@@ -395,9 +290,7 @@ def stored_run(root: Path, strict: float, flex: float, *, original: int = 1319,
             for filt in ("strict-match", "flexible-extract"):
                 fh.write(json.dumps({"doc_id": doc, "filter": filt, "resps": [[text]],
                                      "filtered_resps": [str(doc)], "exact_match": 1.0}) + "\n")
-    with open(run / "reasoning_fallback.jsonl", "w") as fh:
-        for line in fb_lines:
-            fh.write(json.dumps(line) + "\n")
+    (run / "reasoning_fallback.jsonl").write_text("".join(json.dumps(x) + "\n" for x in fb_lines))
     return run
 
 
@@ -407,45 +300,27 @@ def rescore(run: Path, *extra: str) -> tuple[int, dict, str]:
     return p.returncode, json.loads(p.stdout), p.stderr.strip()
 
 
-def test_gate_pass(tmp_path):
-    code, v, msg = rescore(stored_run(tmp_path, 0.9629, 0.9651))
-    assert code == 0 and v["status"] == "pass" and v["comparable"]
-    assert msg.startswith("gsm8k: PASS: strict-match 0.9629 +- 0.0052, flexible-extract 0.9651")
-    assert "reference 0.9644 +- 0.0051" in msg
-    assert v["metrics"]["strict-match"]["stderr"] == pytest.approx(0.0052, abs=1e-4)
-
-
-def test_gate_fail_when_either_filter_is_below(tmp_path):
-    code, v, msg = rescore(stored_run(tmp_path, 0.9310, 0.9651))
-    assert code == 1 and v["status"] == "below_gate" and not v["passed"]
-    assert msg.startswith("gsm8k: FAIL: below the gate 0.94 (strict-match)")
+@pytest.mark.parametrize("strict, flex, kw, extra, code, status, fragment", [
+    (0.9629, 0.9651, {}, (), 0, "pass", "gsm8k: PASS: strict-match 0.9629 +- 0.0052, "
+     "flexible-extract 0.9651 +- 0.0051 >= gate 0.94; reference 0.9644 +- 0.0051"),
+    (0.9310, 0.9651, {}, (), 1, "below_gate", "gsm8k: FAIL: below the gate 0.94 (strict-match)"),
+    (0.9310, 0.9351, {}, ("--threshold", "0.92"), 0, "pass", ">= gate 0.92"),
+    (1.0, 1.0, {"original": 5}, (), 1, "not_comparable",
+     "the test set has 5 items, GSM8K's test split has 1319"),
+    (0.98, 0.98, {"effective": 100, "limit": 100}, (), 1, "not_comparable",
+     "gsm8k: NOT A PASS: "),
+    (0.98, 0.98, {"effective": 100, "limit": 100}, ("--allow-limit",), 0, "pass",
+     "not comparable: --limit 100: 100 of 1319 test items"),
+])
+def test_gate(tmp_path, strict, flex, kw, extra, code, status, fragment):
+    c, v, msg = rescore(stored_run(tmp_path, strict, flex, **kw), *extra)
+    assert (c, v["status"], v["passed"]) == (code, status, code == 0), msg
+    assert fragment in msg
+    assert v["comparable"] == (not kw) and v["like_reference"] == (not kw)
     assert v["metrics"]["flexible-extract"]["reaches_gate"]
-    assert not v["metrics"]["strict-match"]["reaches_gate"]
 
 
-def test_threshold_is_configurable(tmp_path):
-    code, v, _ = rescore(stored_run(tmp_path, 0.9310, 0.9351), "--threshold", "0.92")
-    assert code == 0 and v["threshold"] == 0.92
-
-
-def test_limit_run_is_not_comparable_and_does_not_pass(tmp_path):
-    run = stored_run(tmp_path, 0.98, 0.98, effective=100, limit=100)
-    code, v, msg = rescore(run)
-    assert code == 1 and v["status"] == "not_comparable" and not v["comparable"]
-    assert "--limit 100: 100 of 1319 test items" in v["not_comparable_reasons"]
-    assert msg.startswith("gsm8k: NOT A PASS:") and "--allow-limit" in msg
-    code, v, msg = rescore(run, "--allow-limit")
-    assert code == 0 and v["status"] == "pass" and not v["comparable"]
-    assert "not comparable: --limit 100" in msg
-
-
-def test_small_test_set_is_not_comparable(tmp_path):
-    code, v, _ = rescore(stored_run(tmp_path, 1.0, 1.0, original=5))
-    assert code == 1 and v["status"] == "not_comparable"
-    assert v["not_comparable_reasons"] == ["the test set has 5 items, GSM8K's test split has 1319"]
-
-
-def test_reasoning_fallback_is_counted(tmp_path):
+def test_reasoning_fallback_is_counted_as_a_deviation(tmp_path):
     run = stored_run(tmp_path, 0.9629, 0.9651, fallback_docs=(3, 17, 1200),
                      model="k3-chat-completions")
     code, v, msg = rescore(run)
@@ -457,14 +332,7 @@ def test_reasoning_fallback_is_counted(tmp_path):
     assert v["comparable"] and not v["like_reference"] and len(v["deviations_from_reference"]) == 1
     md = results.markdown(v)
     assert "| strict-match | 0.9629 | ± 0.0052 | 0.9644 ± 0.0051 | >= 0.94 | reaches gate |" in md
-    assert ("Reasoning fallback: on (a deviation from the reference protocol); answers scored from "
-            "reasoning_content (content was empty): 3 of 1319") in md
-
-
-def test_reference_protocol_run_is_like_reference(tmp_path):
-    code, v, msg = rescore(stored_run(tmp_path, 0.9629, 0.9651))
-    assert code == 0 and v["like_reference"] and v["deviations_from_reference"] == []
-    assert v["reasoning_fallback"]["enabled"] is False and "DEVIATION" not in msg
+    assert "Reasoning fallback: on (a deviation from the reference protocol)" in md
 
 
 def test_rescore_without_results_exits_2(tmp_path):
@@ -473,93 +341,26 @@ def test_rescore_without_results_exits_2(tmp_path):
     assert p.returncode == 2 and p.stderr.startswith("k3rocm: error: no lm-eval results file")
 
 
-# ----------------------------------------------------------- truncated answers, paired A/B
-
-
-def test_finish_reasons_are_logged_for_chat_and_completions(tmp_path):
-    from k3rocm.checks.gsm8k.lmeval_launch import log_finish_reasons
-
-    log = tmp_path / "finish.jsonl"
-    # OpenAI shapes: chat choices carry message.content, completions choices carry text
-    log_finish_reasons([{"choices": [{"index": 0, "message": {"content": "#### 7"},
-                                      "finish_reason": "stop"}]},
-                        {"choices": [{"index": 0, "message": {"content": "Let me think"},
-                                      "finish_reason": "length"}]}], str(log))
-    log_finish_reasons({"choices": [{"index": 0, "text": " 12\n\n", "finish_reason": "length"}]},
-                       str(log))
-    assert [json.loads(x) for x in log.read_text().splitlines()] == [
-        {"finish_reason": "stop", "text": "#### 7"},
-        {"finish_reason": "length", "text": "Let me think"},
-        {"finish_reason": "length", "text": " 12\n\n"}]
-
-
 def test_truncated_answers_are_reported_apart_from_wrong_ones(tmp_path):
     run = stored_run(tmp_path, 0.9629, 0.9651, original=20)
+    assert rescore(run)[1]["truncated"]["recorded"] is False  # no finish log
     samples = results.load_run(run)[1]
-    cut = [results._first_response(s) for s in samples if s["doc_id"] in (3, 7)]
-    finishes = [{"finish_reason": "length" if results._first_response(s) in cut else "stop",
-                 "text": results._first_response(s)} for s in samples
-                if s["filter"] == "strict-match"]
-    with open(run / "finish_reasons.jsonl", "w") as fh:
-        fh.writelines(json.dumps(f) + "\n" for f in finishes)
+    texts = {s["doc_id"]: results._first_response(s) for s in samples}
+    (run / "finish_reasons.jsonl").write_text("".join(
+        json.dumps({"finish_reason": "length" if d in (3, 7) else "stop", "text": t}) + "\n"
+        for d, t in texts.items()))
     code, v, msg = rescore(run, "--allow-limit")
     t = v["truncated"]
     assert t["count"] == 2 and t["of"] == 20 and t["rate"] == pytest.approx(0.1)
     assert t["doc_ids"] == [3, 7] and t["accuracy_without_truncated"] == 1.0
-    assert results.truncation(samples, [{"finish_reason": "length", "text": x} for x in
-                                        {results._first_response(s) for s in samples}],
-                              32)["accuracy_without_truncated"] is None  # all cut off
     assert "2 of 20 answer(s) cut off at the generation limit" in msg
-    old = stored_run(tmp_path / "old", 0.9629, 0.9651)
-    assert rescore(old)[1]["truncated"]["recorded"] is False
-
-
-def test_mcnemar_exact_and_the_noninferiority_margin_with_its_power():
-    from k3rocm.checks.bench import stats
-
-    # exact two-sided McNemar: 2 P(X <= 2 | 10, 1/2) = 2 * 56 / 1024
-    assert stats.mcnemar_exact(2, 8) == pytest.approx(2 * 56 / 1024)
-    assert stats.mcnemar_exact(0, 0) == 1.0
-    a = [True] * 1272 + [False] * 47       # 0.9644 of 1319
-    b = list(a)
-    for i in range(10):                    # 10 items flip each way: same accuracy
-        b[i], b[1272 + i] = False, True
-    r = stats.paired_accuracy(a, b, margin=0.01)
-    assert r["diff"] == 0 and r["b_only"] == r["a_only"] == 10
-    assert r["mcnemar"] == "no difference detected" and r["non_inferior"]
-    bad = [x and i >= 40 for i, x in enumerate(a)]  # 40 items lost: -3 points
-    r = stats.paired_accuracy(a, bad, margin=0.01)
-    assert r["mcnemar"] == "B less accurate" and r["mcnemar_p"] < 1e-9
-    assert not r["non_inferior"]
-    # the rate the verdict itself passes at n = 1319 with 2% discordant items (exact for its
-    # bound): a 1-point margin 81.7% (the normal approximation said 82.2%), half a point 37%
-    assert stats.noninferiority_pass_rate(1319, 0.01, 0.02) == pytest.approx(0.8169, abs=2e-4)
-    assert stats.noninferiority_pass_rate(1319, 0.005, 0.02) == pytest.approx(0.3705, abs=2e-4)
-
-
-def test_binomial_tails_keep_their_values_and_do_not_overflow():
-    """math.comb * p**i overflows a float from ~1030 items on: gsm8k-ab must still compare
-    once B loses >= 306 of A's 1319 right answers."""
-    from fractions import Fraction
-    from math import comb
-
-    from k3rocm.checks.bench import stats
-
-    for k in (0, 17, 29):  # exact rational values at n = 60
-        want = 2 * sum(comb(60, i) * Fraction(1, 2) ** 60 for i in range(k + 1))
-        assert stats.mcnemar_exact(k, 60 - k) == pytest.approx(min(1.0, float(want)), rel=1e-10)
-    assert stats.binom_upper(5, 1000) == pytest.approx(0.010484076911415278, rel=1e-8)
-    # n = 1319: finite, in [0, 1]
-    assert stats.binom_upper(306, 1319) == pytest.approx(0.2519 - 0.2320 + 306 / 1319, abs=1e-3)
-    assert 0 < stats.mcnemar_exact(0, 306) < 1e-90
-    a = [True] * 1272 + [False] * 47
-    r = stats.paired_accuracy(a, [x and i >= 306 for i, x in enumerate(a)], 0.012)
-    assert r["a_only"] == 306 and r["mcnemar"] == "B less accurate" and not r["non_inferior"]
+    all_cut = [{"finish_reason": "length", "text": x} for x in texts.values()]
+    assert results.truncation(samples, all_cut, 32)["accuracy_without_truncated"] is None
 
 
 def test_the_pass_rate_is_exact_for_the_verdicts_own_bound():
-    """noninferiority_pass_rate against brute force at n = 40: every (a_only, b_only, same)
-    outcome of the multinomial, weighted exactly, judged by paired_accuracy itself."""
+    """Against brute force at n = 40: every outcome, weighted exactly, judged by
+    paired_accuracy itself."""
     from math import comb
 
     from k3rocm.checks.bench import stats
@@ -577,9 +378,8 @@ def test_the_pass_rate_is_exact_for_the_verdicts_own_bound():
 
 
 def test_the_default_margin_comes_from_its_stated_power():
-    """The default margin is the smallest on a 0.05-point grid with which identical arms pass
-    >= 90% at 98% agreement on 1319 items (a 1-point margin: 81.7%, i.e. 18% false fails, and
-    57% at 96%); the price, a false pass for a 1-point drop, is stated: 13.9%."""
+    """The smallest margin on a 0.05-point grid with which identical arms pass >= 90% at 98%
+    agreement on 1319 items; its false-pass price for a 1-point drop: 13.9%."""
     from k3rocm.checks.bench import stats
     from k3rocm.checks.gsm8k import ab
 
@@ -594,7 +394,6 @@ def test_the_default_margin_comes_from_its_stated_power():
 
 
 def _samples(right: list[bool]) -> list[dict]:
-    """lm-eval 0.4.13 samples lines: one per (doc, filter) with exact_match."""
     return [{"doc_id": d, "filter": f, "resps": [[f"#### {d}"]], "exact_match": float(ok)}
             for d, ok in enumerate(right) for f in results.FILTERS]
 
@@ -629,8 +428,7 @@ def test_gsm8k_ab_pairs_the_items_and_gates_on_non_inferiority():
 
 
 def test_make_gsm8k_ab_dry_run_and_bad_input():
-    p = subprocess.run(["make", "-s", "gsm8k-ab", "DRY_RUN=1", "CPU=1", f"PY={sys.executable}"],
-                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    p = _make("gsm8k-ab", "DRY_RUN=1", "CPU=1")
     assert make_exit_code(p) == 0, p.stderr
     lines = p.stdout.splitlines()
     assert [ln.split()[4] for ln in lines if ln.startswith("# slot")] == ["A:", "B:"]
@@ -650,9 +448,7 @@ def test_gsm8k_ab_without_discordant_items_does_not_claim_power():
 
 
 def test_no_discordant_items_is_no_proof_on_a_handful_of_items():
-    """Zero items differing between arms gives the Wald interval zero width at any n: five
-    identical answers must not read "non-inferior" within 1 point; 1319 identical answers
-    may (the exact upper bound on the rate of items only A gets right is ~3/n)."""
+    """Five identical answers are no proof within 1 point; 1319 may be."""
     from k3rocm.checks.bench.stats import binom_upper, paired_accuracy
 
     five = paired_accuracy([True, False] * 2 + [False], [True, False] * 2 + [False], 0.01)
@@ -663,10 +459,8 @@ def test_no_discordant_items_is_no_proof_on_a_handful_of_items():
 
 
 def _gsm8k_ab_live(tmp_path, monkeypatch, server_logs: dict[str, str]):
-    """gsm8k-ab's live path without Docker: the shared start and the one slot loop of
-    checks/ab (fakes for the engine and the arm servers; `k3rocm gsm8k`'s own run is replaced by
-    the run directory it leaves, lm-eval 0.4.13 shapes; each arm's server log is the text
-    ``server_logs[arm]``). Returns (exit code, run directory, label/image of the start)."""
+    """gsm8k-ab's live path without Docker: the one slot loop of checks/ab with fake arm servers
+    (server log ``server_logs[arm]``) and `k3rocm gsm8k`'s run replaced by a stored run."""
     import argparse
     import contextlib
     from types import SimpleNamespace
@@ -716,9 +510,8 @@ RECORDS = Path(__file__).parent / "data" / "census" / "records"
 
 
 def test_gsm8k_ab_runs_each_arm_in_the_one_loop(tmp_path, monkeypatch):
-    """Each arm's run lands in ``<run>/NN-<arm>/``, the server log beside it, the report pairs
-    the items, and the fusions arm B's overlay decided (decision records as the overlay writes
-    them) are what it asked; arm A's stock log has no records, which the report notes."""
+    """Each arm's run in ``<run>/NN-<arm>/`` beside its server log; arm B's decision records say
+    what it asked; arm A's stock log has none, which the report notes."""
     logs = {"A": (RECORDS / "server-stock.log").read_text(),
             "B": (RECORDS / "server-on.log").read_text()}
     code, run = _gsm8k_ab_live(tmp_path, monkeypatch, logs)
@@ -734,9 +527,7 @@ def test_gsm8k_ab_runs_each_arm_in_the_one_loop(tmp_path, monkeypatch):
 
 
 def test_gsm8k_ab_whose_on_arm_ran_without_a_fusion_is_invalid(tmp_path, monkeypatch):
-    """Arm B asked both fusions on, but its server turned the decode Q-prep fusion off at load:
-    equal accuracy then compares stock with stock, so no verdict (exit 1), and the report says
-    why. (Before, gsm8k-ab did not read the decision records and said NON-INFERIOR.)"""
+    """Arm B's server turned decode Q-prep off at load: no verdict (exit 1), and why."""
     logs = {"A": (RECORDS / "server-stock.log").read_text(),
             "B": (RECORDS / "server-qprep-off-after-load.log").read_text()}
     code, run = _gsm8k_ab_live(tmp_path, monkeypatch, logs)

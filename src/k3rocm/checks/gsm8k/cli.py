@@ -1,9 +1,5 @@
-"""``k3rocm gsm8k``: GSM8K 5-shot accuracy gate, lm-eval in the client container.
-
-Exit codes (the table of k3rocm.errors): 0 pass, 1 below the gate (or a partial run that is
-not allowed to pass), 2 bad input (settings, data, client image) or lm-eval error, 3 server
-unreachable or no Docker engine, 130 interrupted. One line each.
-"""
+"""``k3rocm gsm8k``: the flags, what they resolve to, and the dispatch (rescore, fetch-data,
+dry run, a run: :func:`k3rocm.checks.gsm8k.run.execute`); docs/gsm8k.md."""
 
 from __future__ import annotations
 
@@ -22,6 +18,8 @@ from k3rocm.checks.gsm8k.run import LAUNCHER_SRC, execute, progress
 from k3rocm.deploy.engine import docker_client, image_id, run_client
 from k3rocm.errors import ServerError, UsageError
 
+HOST_CA = Path("/etc/ssl/certs/ca-certificates.crt")
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = ("Exit codes: 0 pass, 1 below the gate (or a --limit/partial run without "
@@ -35,43 +33,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     Gsm8kRun.add_arguments(p, groups)
 
 
-def _deployment():
+def _resolve(args: argparse.Namespace):
+    """The deployment (a client: its checkpoint is not checked) and the settings from the flags
+    and it; fills ``args.results_dir``."""
     from k3rocm.deploy.deployment import load_deployment
 
-    return load_deployment()  # a client: the checkpoint is the server's, not checked
-
-
-def _resolve(args: argparse.Namespace, dep) -> tuple[str, str, str | None]:
-    """URL, model name and API key: the flags, else the deployment; fills args.results_dir."""
-    if args.results_dir is None:
-        args.results_dir = str(dep.results_root)
-    return args.url or dep.url, args.model or dep.served_model_name, dep.api_key
+    dep = load_deployment()
+    args.results_dir = args.results_dir or str(dep.results_root)
+    return dep, Gsm8kSettings.from_args(args, url=args.url or dep.url,
+                                        model=args.model or dep.served_model_name)
 
 
 def deployment_view(args: argparse.Namespace) -> dict:
     """What this command resolved (``--print-deployment``)."""
-    dep = _deployment()
-    url, model, api_key = _resolve(args, dep)
-    return {**dep.to_json(), "url": url, "served_model_name": model,
-            "api_key": "***" if api_key else None,
+    dep, s = _resolve(args)
+    return {**dep.to_json(), "url": s.url, "served_model_name": s.model,
+            "api_key": "***" if dep.api_key else None,
             "results_root": str(Path(args.results_dir).absolute())}
-
-
-def _check_server(url: str, model: str, explicit: bool, api_key: str | None) -> str:
-    """The server answers /v1/models and serves ``model``; returns the model name to use.
-
-    A default (not explicit) name that the server does not serve is replaced by the server's
-    only model."""
-    from k3rocm.deploy.server_api import ServerAPI
-
-    served = ServerAPI(url, api_key).models()
-    if model in served:
-        return model
-    if not explicit and len(served) == 1:
-        progress(f"the server serves only {served[0]!r}; using it (--model to insist on a name)")
-        return served[0]
-    raise ServerError(f"model {model!r} is not served at {url} (served: "
-                      f"{', '.join(served) or 'none'}); pass --model")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -88,12 +66,9 @@ def run(args: argparse.Namespace) -> int:
         return verdict["exit_code"]
     if args.fetch_data:
         return _fetch_data(args)
-    dep = _deployment()
-    url, model_name, api_key = _resolve(args, dep)
-    # Everything checkable without a server, before anything expensive.
-    s = Gsm8kSettings.from_args(args, url=url, model=model_name)
-    argv = command.lm_eval_argv(s)
+    dep, s = _resolve(args)  # everything checkable without a server, before anything else
     if args.dry_run:
+        argv = command.lm_eval_argv(s)
         try:
             where = data.resolve(args.data_dir, args.hf_home, dep.cache_dir).describe()
         except data.NoDataError as exc:  # the command does not depend on the data source
@@ -103,23 +78,29 @@ def run(args: argparse.Namespace) -> int:
               f"task {data.TASK_FILE} as {command.TASKS_MOUNT}/gsm8k.yaml, data: {where}",
               file=sys.stderr)
         return 0
+    command.lm_eval_argv(s)  # its checks, before the data
     src = data.resolve(args.data_dir, args.hf_home, dep.cache_dir)
+    from k3rocm.deploy.server_api import ServerAPI
 
-    s = Gsm8kSettings.from_args(args, url=url, model=_check_server(
-        url, s.model, explicit=args.model is not None, api_key=api_key))
-    argv = command.lm_eval_argv(s)
+    served = ServerAPI(s.url, dep.api_key).models()
+    if s.model not in served:  # a default name the server does not serve: its only model
+        if args.model is not None or len(served) != 1:
+            raise ServerError(f"model {s.model!r} is not served at {s.url} (served: "
+                              f"{', '.join(served) or 'none'}); pass --model")
+        progress(f"the server serves only {served[0]!r}; using it (--model to insist on a name)")
+        s = Gsm8kSettings.from_args(args, url=s.url, model=served[0])
     client = docker_client()
     image_id(client, s.client_image)
-    return execute(client, s, src, argv, api_key, args.results_dir, args.server_container, dep)
-
-
-HOST_CA = Path("/etc/ssl/certs/ca-certificates.crt")
+    return execute(client, s, src, command.lm_eval_argv(s), dep.api_key, args.results_dir,
+                   args.server_container, dep)
 
 
 def _fetch_data(args: argparse.Namespace) -> int:
-    """``make gsm8k-data``: openai/gsm8k into the HF hub cache, once, with huggingface_hub in the
-    client image (the parquet snapshot that :func:`data.resolve` then finds offline)."""
-    home = Path(args.hf_home or data.hf_home_candidates(None, _deployment().cache_dir)[0]
+    """``make gsm8k-data``: openai/gsm8k into the HF hub cache, once, with the client image's
+    huggingface_hub (the parquet snapshot :func:`data.resolve` then finds offline)."""
+    from k3rocm.deploy.deployment import load_deployment
+
+    home = Path(args.hf_home or data.hf_home_candidates(None, load_deployment().cache_dir)[0]
                 ).expanduser().resolve()
     with contextlib.suppress(data.NoDataError):
         src = data.resolve(None, str(home))
@@ -128,17 +109,15 @@ def _fetch_data(args: argparse.Namespace) -> int:
     client = docker_client()
     image_id(client, args.client_image)
     home.mkdir(parents=True, exist_ok=True)
-    env = {"HF_HOME": "/hf", "HF_HUB_DISABLE_TELEMETRY": "1"}  # run_client sets HOME=/tmp
-    # a mirror or a token, as on the host
-    env.update({k: os.environ[k] for k in ("HF_ENDPOINT", "HF_TOKEN") if os.environ.get(k)})
-    mounts = {str(home): ("/hf", "rw"),
-              str(LAUNCHER_SRC): (f"/k3/{command.LAUNCHER_NAME}", "ro")}
+    env = {"HF_HOME": "/hf", "HF_HUB_DISABLE_TELEMETRY": "1",
+           **{k: os.environ[k] for k in ("HF_ENDPOINT", "HF_TOKEN") if os.environ.get(k)}}
+    mounts = {str(home): ("/hf", "rw"), str(LAUNCHER_SRC): (f"/k3/{command.LAUNCHER_NAME}", "ro")}
     if HOST_CA.is_file():  # a TLS-intercepting proxy's CA is often only on the host
         mounts[str(HOST_CA)] = ("/tmp/host-ca.crt", "ro")
         env.update(SSL_CERT_FILE="/tmp/host-ca.crt", REQUESTS_CA_BUNDLE="/tmp/host-ca.crt")
     endpoint = env.get("HF_ENDPOINT", "https://huggingface.co")
     progress(f"downloading openai/gsm8k (main) from {endpoint} into {home} with "
-              f"{args.client_image}")
+             f"{args.client_image}")
     with tempfile.TemporaryDirectory(prefix="k3rocm-gsm8k-data-") as tmp:
         log = Path(tmp) / "fetch.log"
         res = run_client(client, args.client_image,

@@ -1,20 +1,6 @@
-"""Where the GSM8K items come from, checked before anything expensive starts.
-
-lm-eval always runs our task file (``src/k3rocm/checks/gsm8k/gsm8k.yaml``: vLLM PR #52494's gsm8k
-task config, ``task: gsm8k``), copied into the run directory as ``tasks/gsm8k.yaml`` and passed
-with ``--include_path``. Three sources for its items, tried in this order:
-
-1. ``--data-dir DIR``: a local directory with ``train.jsonl`` and ``test.jsonl`` (one JSON object
-   a line with ``question`` and ``answer``; the answer ends in ``#### <number>``), for air-gapped
-   nodes: the run's task file reads ``dataset_path: json`` with ``dataset_kwargs.data_files``.
-2. The Hugging Face hub cache (``<HF_HOME>/hub/datasets--openai--gsm8k/snapshots/<rev>/main/``,
-   what ``make gsm8k-data``, ``huggingface-cli download openai/gsm8k --repo-type dataset`` or an
-   online ``load_dataset`` leaves behind): ``dataset_path: parquet`` on those files, no network.
-3. The ``datasets`` arrow cache (``<HF_HOME>/datasets/openai___gsm8k/main``): the task file as
-   shipped (``openai/gsm8k``, ``main``), with ``HF_DATASETS_OFFLINE=1`` and ``HF_HUB_OFFLINE=1``.
-
-None of them -> :class:`NoDataError` (a UsageError: exit 2) with one line saying how to get it.
-"""
+"""Where the GSM8K items come from, checked before anything expensive: ``--data-dir`` (jsonl),
+else the HF hub cache's parquet snapshot, else the ``datasets`` arrow cache (offline); the run's
+task file is the shipped one (vLLM PR #52494's) with only its dataset lines adapted."""
 
 from __future__ import annotations
 
@@ -31,17 +17,13 @@ GSM8K_TEST_ITEMS = 1319
 HF_REPO_DIR = "datasets--openai--gsm8k"
 ARROW_DIR = "openai___gsm8k"
 ANSWER_RE = re.compile(r"####\s*(-?[0-9][0-9,.]*)\s*$")
-
 HOW_TO = ("run `make gsm8k-data` once on a node with HF hub access (or `huggingface-cli download "
           "openai/gsm8k --repo-type dataset`; --hf-home, default $HF_HOME, "
           "K3_CACHE_DIR/huggingface, ~/.cache/huggingface), or pass --data-dir DIR with "
           "train.jsonl and test.jsonl (fields question, answer ending in '#### N')")
-TASK_FILE = Path(__file__).with_name("gsm8k.yaml")  # vLLM PR #52494's task config, shipped
-SEED_DATASET = ("dataset_path: openai/gsm8k", "dataset_name: main")
-
-# Mount points inside the client container.
-DATA_MOUNT = "/data/gsm8k"
-HF_MOUNT = "/hf"
+TASK_FILE = Path(__file__).with_name("gsm8k.yaml")
+SHIPPED_DATASET = ("dataset_path: openai/gsm8k", "dataset_name: main")
+DATA_MOUNT, HF_MOUNT = "/data/gsm8k", "/hf"  # in the client container
 
 
 class NoDataError(UsageError):
@@ -51,15 +33,15 @@ class NoDataError(UsageError):
 @dataclass
 class DataSource:
     kind: str  # "local-jsonl" | "hf-hub-parquet" | "hf-datasets-cache"
-    host_dir: Path  # mounted into the container
+    host_dir: Path  # mounted at ``mount`` in the container
     mount: str
     host_files: dict[str, Path] = field(default_factory=dict)  # split -> file under host_dir
     test_items: int | None = None
-    builder: str | None = None  # "json" | "parquet" | None (built-in task)
+    builder: str | None = None  # "json" | "parquet" | None (the shipped task as is)
 
     @property
     def files(self) -> dict[str, str]:
-        """split -> its path inside the container"""
+        """split -> its path in the container"""
         return {s: f"{self.mount}/{p.relative_to(self.host_dir)}"
                 for s, p in self.host_files.items()}
 
@@ -67,24 +49,16 @@ class DataSource:
         return f"{self.kind} at {self.host_dir}"
 
     def provenance(self) -> dict:
-        return {
-            "kind": self.kind,
-            "host_dir": str(self.host_dir),
-            "container_dir": self.mount,
-            "files": {split: {"host": str(p), "container": self.files.get(split),
-                              "sha256": sha256_file(p), "bytes": p.stat().st_size}
-                      for split, p in self.host_files.items()},
-            "test_items": self.test_items,
-            "builder": self.builder or "openai/gsm8k main from the datasets arrow cache",
-        }
-
+        return {"kind": self.kind, "host_dir": str(self.host_dir), "container_dir": self.mount,
+                "files": {split: {"host": str(p), "container": self.files.get(split),
+                                  "sha256": sha256_file(p), "bytes": p.stat().st_size}
+                          for split, p in self.host_files.items()},
+                "test_items": self.test_items,
+                "builder": self.builder or "openai/gsm8k main from the datasets arrow cache"}
 
 
 def check_jsonl(path: Path) -> int:
-    """Every line is an object with a non-empty question and an answer ending in ``#### N``.
-
-    Returns the item count; raises UsageError naming the file and line of the first bad item.
-    """
+    """The item count; UsageError naming the file and line of the first bad item."""
     if not path.is_file():
         raise UsageError(f"GSM8K data: {path} is missing; {HOW_TO}")
     count = 0
@@ -92,18 +66,18 @@ def check_jsonl(path: Path) -> int:
         for lineno, line in enumerate(fh, 1):
             if not line.strip():
                 continue
+            where = f"GSM8K data: {path}:{lineno}"
             try:
                 item = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise UsageError(f"GSM8K data: {path}:{lineno} is not JSON ({exc.msg}); "
-                                 "each line must be an object with question and answer") from None
+                raise UsageError(f"{where} is not JSON ({exc.msg}); each line must be an object "
+                                 "with question and answer") from None
             if not isinstance(item, dict) or not isinstance(item.get("question"), str) \
                     or not item["question"].strip() or not isinstance(item.get("answer"), str):
-                raise UsageError(f"GSM8K data: {path}:{lineno} needs string fields question and "
-                                 "answer")
+                raise UsageError(f"{where} needs string fields question and answer")
             if not ANSWER_RE.search(item["answer"]):
-                raise UsageError(f"GSM8K data: {path}:{lineno} answer does not end in "
-                                 f"'#### <number>': {item['answer'][-40:]!r}")
+                raise UsageError(f"{where} answer does not end in '#### <number>': "
+                                 f"{item['answer'][-40:]!r}")
             count += 1
     if count == 0:
         raise UsageError(f"GSM8K data: {path} has no items; {HOW_TO}")
@@ -115,12 +89,10 @@ def local_source(data_dir: Path) -> DataSource:
     if not data_dir.is_dir():
         raise UsageError(f"GSM8K data: --data-dir {data_dir} is not a directory; {HOW_TO}")
     train, test = data_dir / "train.jsonl", data_dir / "test.jsonl"
-    n_train = check_jsonl(train)
-    if n_train < 5:
+    if (n_train := check_jsonl(train)) < 5:
         raise UsageError(f"GSM8K data: {train} has {n_train} items; 5-shot needs at least 5")
-    n_test = check_jsonl(test)
     return DataSource(kind="local-jsonl", host_dir=data_dir, mount=DATA_MOUNT, builder="json",
-                      host_files={"train": train, "test": test}, test_items=n_test)
+                      host_files={"train": train, "test": test}, test_items=check_jsonl(test))
 
 
 def _hub_snapshot(hf_home: Path) -> DataSource | None:
@@ -131,29 +103,25 @@ def _hub_snapshot(hf_home: Path) -> DataSource | None:
     ref = repo / "refs" / "main"
     revs = [ref.read_text().strip()] if ref.is_file() else []
     for rev in revs + sorted(p.name for p in snaps.iterdir() if p.is_dir()):
-        split_files = {split: sorted((snaps / rev / "main").glob(f"{split}-*.parquet"))
-                       for split in ("train", "test")}
-        if any(len(v) != 1 for v in split_files.values()):
-            continue  # a split missing; or sharded: leave it to the datasets cache path
-        host_files = {s: v[0] for s, v in split_files.items()}
-        if not all(p.exists() for p in host_files.values()):  # dangling blob links
-            continue
-        return DataSource(kind="hf-hub-parquet", host_dir=repo, builder="parquet",
-                          mount=f"{HF_MOUNT}/hub/{HF_REPO_DIR}", host_files=host_files)
+        found = {split: sorted((snaps / rev / "main").glob(f"{split}-*.parquet"))
+                 for split in ("train", "test")}
+        # one file per split (sharded: left to the datasets cache), no dangling blob links
+        if all(len(v) == 1 and v[0].exists() for v in found.values()):
+            return DataSource(kind="hf-hub-parquet", host_dir=repo, builder="parquet",
+                              mount=f"{HF_MOUNT}/hub/{HF_REPO_DIR}",
+                              host_files={s: v[0] for s, v in found.items()})
     return None
 
 
 def _arrow_cache(hf_home: Path) -> DataSource | None:
-    base = Path(os.environ.get("HF_DATASETS_CACHE") or hf_home / "datasets")
-    main = base / ARROW_DIR / "main"
+    main = Path(os.environ.get("HF_DATASETS_CACHE") or hf_home / "datasets") / ARROW_DIR / "main"
     if main.is_dir() and any(main.rglob("*test*.arrow")):
         return DataSource(kind="hf-datasets-cache", host_dir=hf_home, mount=HF_MOUNT)
     return None
 
 
 def hf_home_candidates(explicit: str | None, cache_dir: Path | None = None) -> list[Path]:
-    """--hf-home, else $HF_HOME, ``<cache_dir>/huggingface`` (the deployment's K3_CACHE_DIR),
-    ~/.cache/huggingface."""
+    """--hf-home, else $HF_HOME, <K3_CACHE_DIR>/huggingface, ~/.cache/huggingface."""
     homes = (explicit,) if explicit else (
         os.environ.get("HF_HOME"), cache_dir and Path(cache_dir) / "huggingface",
         "~/.cache/huggingface")
@@ -162,43 +130,33 @@ def hf_home_candidates(explicit: str | None, cache_dir: Path | None = None) -> l
 
 def resolve(data_dir: str | None, hf_home: str | None,
             cache_dir: Path | None = None) -> DataSource:
-    """Pick the data source (see the module doc) or fail with one line. ``cache_dir``: the
-    deployment's K3_CACHE_DIR."""
+    """The first data source found (module doc), else one line saying how to provide it."""
     if data_dir:
         return local_source(Path(data_dir))
     candidates = hf_home_candidates(hf_home, cache_dir)
     for home in candidates:
-        home = home.resolve()
-        src = _hub_snapshot(home) or _arrow_cache(home)
-        if src:
+        if src := _hub_snapshot(home.resolve()) or _arrow_cache(home.resolve()):
             return src
     looked = ", ".join(str(p) for p in candidates)
     raise NoDataError(f"no GSM8K data found (looked in {looked}): {HOW_TO}")
 
 
-def shipped_task() -> str:
-    return TASK_FILE.read_text(encoding="utf-8")
-
-
 def task_yaml(src: DataSource | None) -> str:
-    """The run's task file: the shipped one, with only its two dataset lines replaced when the
-    items come from a local directory or the hub cache's parquet files."""
-    text = shipped_task()
+    """The run's task file: the shipped one, its two dataset lines replaced for local or parquet
+    items."""
+    text = TASK_FILE.read_text(encoding="utf-8")
     if src is None or src.builder is None:
         return text
     lines = text.splitlines()
-    if [ln for ln in lines if ln.startswith("dataset_")] != list(SEED_DATASET):
-        raise ValueError(f"{TASK_FILE} must name the data set with exactly {SEED_DATASET}")
-    data_lines = [f"# data: {src.describe()}",
-                  f"dataset_path: {src.builder}",
-                  "dataset_kwargs:",
-                  "  data_files:",
-                  f"    train: {json.dumps(src.files['train'])}",
+    if [ln for ln in lines if ln.startswith("dataset_")] != list(SHIPPED_DATASET):
+        raise ValueError(f"{TASK_FILE} must name the data set with exactly {SHIPPED_DATASET}")
+    data_lines = [f"# data: {src.describe()}", f"dataset_path: {src.builder}", "dataset_kwargs:",
+                  "  data_files:", f"    train: {json.dumps(src.files['train'])}",
                   f"    test: {json.dumps(src.files['test'])}"]
     out = []
     for ln in lines:
-        if ln == SEED_DATASET[0]:
+        if ln == SHIPPED_DATASET[0]:
             out += data_lines
-        elif ln != SEED_DATASET[1]:
+        elif ln != SHIPPED_DATASET[1]:
             out.append(ln)
     return "\n".join(out) + "\n"

@@ -1,23 +1,8 @@
-"""Runs *inside the client container*: lm-eval's own CLI plus one model class.
-
-(``python k3rocm_lmeval.py fetch-gsm8k`` instead downloads openai/gsm8k into ``$HF_HOME``'s hub
-cache with huggingface_hub: ``make gsm8k-data``.)
-
-``python k3rocm_lmeval.py run --model ... ...`` is ``lm-eval run ...`` with one extra registered
-model, ``k3-chat-completions`` (used only with ``k3rocm gsm8k --reasoning-fallback``, a deviation
-from the reference protocol of vLLM PR #52494): lm-eval's ``local-chat-completions`` unchanged,
-except that a response whose ``message.content`` is empty while the reasoning field
-(``reasoning_content``, or ``reasoning`` in newer vLLM) holds text is scored on that text.
-Every such fallback is appended as one JSON line to ``$K3_GSM8K_FALLBACK_LOG`` so the summary
-can say how many answers needed it. For every model (the reference's ``local-chat-completions`` and
-``local-completions`` too) each response's ``finish_reason`` is appended to
-``$K3_GSM8K_FINISH_LOG`` (scoring unchanged), so answers cut off at the generation limit
-(``length``) are reported apart from wrong ones. Before evaluating, the versions of lm-eval and
-its data stack are written to ``$K3_GSM8K_CLIENT_INFO``.
-
-Only the standard library and lm-eval are imported here: this file is copied into each run
-directory (so the exact code that produced a result is kept with it) and run by the client
-image's Python.
+"""Runs in the client container, copied into each run directory: ``run ...`` is ``lm-eval run``
+plus the model ``k3-chat-completions`` (``--reasoning-fallback``: an empty content is scored on
+the reasoning text, each such answer logged to $K3_GSM8K_FALLBACK_LOG); every response's
+finish_reason goes to $K3_GSM8K_FINISH_LOG, the client versions to $K3_GSM8K_CLIENT_INFO.
+``fetch-gsm8k`` downloads openai/gsm8k into $HF_HOME's hub cache. Standard library + lm-eval only.
 """
 
 from __future__ import annotations
@@ -45,16 +30,13 @@ def _append_jsonl(path: str | None, record: dict) -> None:
 
 
 def _choices(outputs):
-    """Every choice of one response or a list of them (the OpenAI response shape)."""
     for out in outputs if isinstance(outputs, list) else [outputs]:
         yield from (out.get("choices") or []) if isinstance(out, dict) else []
 
 
 def apply_reasoning_fallback(outputs, log_path: str | None = None):
-    """Return ``outputs`` with empty contents replaced by the reasoning text (a deep copy).
-
-    Pure function over the OpenAI chat-completions response shape; logs one line per fallback.
-    """
+    """A copy of ``outputs`` with empty contents replaced by the reasoning text; one log line
+    per replacement."""
     fixed = copy.deepcopy(outputs)
     for out in fixed if isinstance(fixed, list) else [fixed]:
         for choice in _choices(out):
@@ -74,7 +56,6 @@ def apply_reasoning_fallback(outputs, log_path: str | None = None):
 
 
 def log_finish_reasons(outputs, log_path: str | None) -> None:
-    """One JSON line per choice: its finish_reason and its text (content, or completion text)."""
     for choice in _choices(outputs):
         text = (choice.get("message") or {}).get("content") if "message" in choice \
             else choice.get("text")
@@ -114,8 +95,6 @@ def register() -> None:
     LocalChatCompletion.parse_generations = chat_logged
 
     class ChatCompletionsWithReasoningFallback(LocalChatCompletion):
-        """``local-chat-completions`` + scoring the reasoning text when the content is empty."""
-
         def parse_generations(self, outputs, **kwargs):
             fixed = apply_reasoning_fallback(outputs, os.environ.get("K3_GSM8K_FALLBACK_LOG"))
             return super().parse_generations(fixed, **kwargs)
@@ -124,8 +103,7 @@ def register() -> None:
 
 
 def fetch_gsm8k() -> int:
-    """openai/gsm8k (config ``main``: its parquet files) into the hub cache under ``$HF_HOME``.
-    Prints one JSON line: ``{"revision", "path", "files"}`` or ``{"error"}``; exit 0 or 2."""
+    """openai/gsm8k ``main`` into the hub cache; one JSON line: revision, path, files or error."""
     try:
         from huggingface_hub import snapshot_download
 
@@ -134,8 +112,7 @@ def fetch_gsm8k() -> int:
         first = (str(exc).strip().splitlines() or [""])[0][:240]
         print(json.dumps({"error": f"{exc.__class__.__name__}: {first}"}))
         return 2
-    files = sorted(str(p.relative_to(path)) for p in Path(path).rglob("*")
-                   if p.is_file())
+    files = sorted(str(p.relative_to(path)) for p in Path(path).rglob("*") if p.is_file())
     print(json.dumps({"revision": os.path.basename(path), "path": path, "files": files}))
     return 0
 

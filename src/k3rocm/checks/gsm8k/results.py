@@ -1,8 +1,5 @@
-"""Read lm-eval's gsm8k output, apply the gate, write the summary (JSON + markdown).
-
-Works on any stored run directory (``k3rocm gsm8k --rescore DIR``): everything the verdict needs
-is in lm-eval's results file, its samples file and the reasoning-fallback log.
-"""
+"""The gate on lm-eval's gsm8k output (results file, samples, fallback and finish logs) of a run
+directory, and the summary (JSON + markdown); ``k3rocm gsm8k --rescore DIR`` reruns it."""
 
 from __future__ import annotations
 
@@ -19,37 +16,11 @@ FILTERS = ("strict-match", "flexible-extract")
 TASK = "gsm8k"
 
 
-def find_results_file(lm_eval_dir: Path) -> Path:
-    found = sorted(lm_eval_dir.rglob("results_*.json"), key=lambda p: p.stat().st_mtime)
-    if not found:
-        raise UsageError(f"no lm-eval results file (results_*.json) under {lm_eval_dir}")
-    return found[-1]
-
-
-def find_samples_file(results_file: Path) -> Path | None:
-    """The samples file of the same timestamp, else the last one by name."""
-    stamp = results_file.stem[len("results_"):]
-    return max(results_file.parent.glob(f"samples_{TASK}_*.jsonl"), default=None,
-               key=lambda p: (p.stem == f"samples_{TASK}_{stamp}", p.name))
-
-
 def read_jsonl(path: Path | None) -> list[dict]:
     if path is None or not path.is_file():
         return []
     # split on newlines only: answers may hold U+2028 and friends (written ensure_ascii=False)
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n")
-            if line.strip()]
-
-
-def _metric(res: dict, filt: str, threshold: float) -> dict:
-    value = res.get(f"exact_match,{filt}")
-    err = res.get(f"exact_match_stderr,{filt}")
-    if not isinstance(value, (int, float)):
-        raise UsageError(f"lm-eval results have no exact_match for filter {filt!r} "
-                         f"(keys: {', '.join(sorted(res))})")
-    return {"exact_match": float(value),
-            "stderr": float(err) if isinstance(err, (int, float)) else None,
-            "reaches_gate": float(value) >= threshold}
+    return [json.loads(ln) for ln in path.read_text(encoding="utf-8").split("\n") if ln.strip()]
 
 
 def _err(m: dict) -> str:
@@ -71,14 +42,11 @@ def item_correct(samples: list[dict], filt: str = "strict-match") -> dict[Any, b
 
 def truncation(samples: list[dict], finishes: list[dict] | None,
                max_gen_tokens: int | None) -> dict[str, Any]:
-    """Answers cut off at the generation limit (finish_reason "length"), apart from wrong ones:
-    count and rate, and how they scored (strict-match)."""
+    """Answers cut off at the generation limit (finish_reason "length"), apart from wrong ones."""
     if finishes is None:
-        return {"recorded": False, "note": "finish reasons not recorded (a run from before they "
-                "were logged)"}
+        return {"recorded": False, "note": "finish reasons not recorded"}
     cut = [f.get("text") for f in finishes if f.get("finish_reason") == "length"]
-    cut_texts = set(cut)
-    docs = {s.get("doc_id") for s in samples if _first_response(s) in cut_texts}
+    docs = {s.get("doc_id") for s in samples if _first_response(s) in set(cut)}
     right = item_correct(samples)
     rest = [ok for d, ok in right.items() if d not in docs]
     n = len(finishes)
@@ -96,7 +64,15 @@ def evaluate(results: dict, samples: list[dict], fallbacks: list[dict], *, thres
     if not isinstance(res, dict):
         raise UsageError(f"lm-eval results have no '{TASK}' entry "
                          f"(tasks: {', '.join(results.get('results') or {}) or 'none'})")
-    metrics = {filt: _metric(res, filt, threshold) for filt in FILTERS}
+    metrics = {}
+    for filt in FILTERS:
+        value, err = res.get(f"exact_match,{filt}"), res.get(f"exact_match_stderr,{filt}")
+        if not isinstance(value, (int, float)):
+            raise UsageError(f"lm-eval results have no exact_match for filter {filt!r} "
+                             f"(keys: {', '.join(sorted(res))})")
+        metrics[filt] = {"exact_match": float(value),
+                         "stderr": float(err) if isinstance(err, (int, float)) else None,
+                         "reaches_gate": float(value) >= threshold}
     n = (results.get("n-samples") or {}).get(TASK) or {}
     original, effective = n.get("original"), n.get("effective")
     config = results.get("config") or {}
@@ -119,24 +95,18 @@ def evaluate(results: dict, samples: list[dict], fallbacks: list[dict], *, thres
     gate_met = all(m["reaches_gate"] for m in metrics.values())
     passed = gate_met and (comparable or allow_limit)
 
-    # Reasoning fallback: the log has one line per response scored on its reasoning text.
+    # the fallback log has one line per response scored on its reasoning text
     fb_texts = {f.get("text") for f in fallbacks if isinstance(f.get("text"), str)}
     doc_ids = {s.get("doc_id") for s in samples if _first_response(s) in fb_texts}
     empty = {s.get("doc_id") for s in samples if not (_first_response(s) or "").strip()}
-    n_docs = len({s.get("doc_id") for s in samples}) or effective
-
     fallback_on = config.get("model") == FALLBACK_CHAT_MODEL
-    deviations = [f"{len(doc_ids)} answer(s) scored from the reasoning text because the content "
-                  "was empty (--reasoning-fallback; the reference protocol scores the content "
-                  "only)"] if doc_ids else []
     scores = ", ".join(f"{f} {metrics[f]['exact_match']:.4f} +- {_err(metrics[f])}"
                        for f in FILTERS)
     ref = f"reference {REFERENCE['exact_match']:.4f} +- {REFERENCE['stderr']:.4f}"
     if not gate_met:
-        low = [f for f in FILTERS if not metrics[f]["reaches_gate"]]
+        low = " and ".join(f for f in FILTERS if not metrics[f]["reaches_gate"])
         status, code = "below_gate", 1
-        message = (f"gsm8k: FAIL: below the gate {threshold:g} ({' and '.join(low)}): {scores}; "
-                   f"{ref}")
+        message = f"gsm8k: FAIL: below the gate {threshold:g} ({low}): {scores}; {ref}"
     elif not passed:
         status, code = "not_comparable", 1
         message = (f"gsm8k: NOT A PASS: {scores} reach the gate {threshold:g} but the run is not "
@@ -153,12 +123,14 @@ def evaluate(results: dict, samples: list[dict], fallbacks: list[dict], *, thres
     elif empty and not fallback_on and config.get("model") != "local-completions":
         message += (f"; {len(empty)} empty answer(s) scored as wrong (a reasoning model's answer "
                     "may be in reasoning_content: see --reasoning-fallback in docs/gsm8k.md)")
-
     trunc = truncation(samples, finishes, max_gen_tokens)
     if trunc.get("count"):
         message += (f"; {trunc['count']} of {trunc['of']} answer(s) cut off at the generation "
                     f"limit ({max_gen_tokens or '?'} tokens; scored wrong unless the answer came "
                     "first: see summary 'truncated')")
+    deviations = [f"{len(doc_ids)} answer(s) scored from the reasoning text because the content "
+                  "was empty (--reasoning-fallback; the reference protocol scores the content "
+                  "only)"] if doc_ids else []
     return {
         "truncated": trunc, "status": status, "passed": passed, "exit_code": code,
         "message": message, "threshold": threshold,
@@ -168,42 +140,39 @@ def evaluate(results: dict, samples: list[dict], fallbacks: list[dict], *, thres
         "limit": limit, "comparable": comparable, "not_comparable_reasons": reasons,
         "deviations_from_reference": deviations, "like_reference": comparable and not deviations,
         "allow_limit": allow_limit,
-        "reasoning_fallback": {"enabled": fallback_on, "count": len(doc_ids), "of": n_docs,
+        "reasoning_fallback": {"enabled": fallback_on, "count": len(doc_ids),
+                               "of": len({s.get("doc_id") for s in samples}) or effective,
                                "responses_logged": len(fallbacks),
                                "doc_ids": sorted(d for d in doc_ids if d is not None)},
         "empty_responses": len(empty),
-        "lm_eval": {"version": results.get("lm_eval_version"),
-                    "model": config.get("model"), "model_args": config.get("model_args"),
+        "lm_eval": {"version": results.get("lm_eval_version"), "model": config.get("model"),
+                    "model_args": config.get("model_args"),
                     "gen_kwargs": config.get("gen_kwargs"), "date": results.get("date"),
                     "total_evaluation_time_seconds":
                         results.get("total_evaluation_time_seconds")},
-        # The task config lm-eval resolved and ran (its results JSON, "configs").
-        "task_config": (results.get("configs") or {}).get(TASK),
+        "task_config": (results.get("configs") or {}).get(TASK),  # as lm-eval resolved it
     }
 
 
 def markdown(summary: dict) -> str:
-    ref = summary["reference"]
+    ref, items, fb = summary["reference"], summary["items"], summary["reasoning_fallback"]
+    t = summary.get("truncated") or {}
+    acc = t.get("accuracy_without_truncated")
+    trunc = (f"{t['count']} of {t['of']} answers ({(t['rate'] or 0):.1%}) at max_gen_tokens "
+             f"{t.get('max_gen_tokens')}; {t['scored_right']} of the matched ones scored right; "
+             f"strict-match accuracy without them {'n/a' if acc is None else f'{acc:.4f}'}"
+             if t.get("recorded") else t.get("note") or "not recorded")
     lines = [
-        "# GSM8K accuracy gate",
-        "",
-        f"**{summary['status'].upper().replace('_', ' ')}** - {summary['message']}",
-        "",
-        f"lm-eval gsm8k, {summary['items'].get('num_fewshot')}-shot, greedy; gate: "
-        f"{summary['gate']} ({summary['threshold']:g}).",
-        "",
+        "# GSM8K accuracy gate", "",
+        f"**{summary['status'].upper().replace('_', ' ')}** - {summary['message']}", "",
+        f"lm-eval gsm8k, {items.get('num_fewshot')}-shot, greedy; gate: "
+        f"{summary['gate']} ({summary['threshold']:g}).", "",
         "| filter | exact_match | stderr | reference | gate | result |",
         "|---|---|---|---|---|---|",
-    ]
-    for filt, m in summary["metrics"].items():
-        lines.append(f"| {filt} | {m['exact_match']:.4f} | ± {_err(m)} | "
-                     f"{ref['exact_match']:.4f} ± {ref['stderr']:.4f} | "
-                     f">= {summary['threshold']:g} | "
-                     f"{'reaches gate' if m['reaches_gate'] else 'below gate'} |")
-    items = summary["items"]
-    fb = summary["reasoning_fallback"]
-    lines += [
-        "",
+        *(f"| {filt} | {m['exact_match']:.4f} | ± {_err(m)} | {ref['exact_match']:.4f} ± "
+          f"{ref['stderr']:.4f} | >= {summary['threshold']:g} | "
+          f"{'reaches gate' if m['reaches_gate'] else 'below gate'} |"
+          for filt, m in summary["metrics"].items()), "",
         f"- Items evaluated: {items.get('evaluated')} of {items.get('test_set')}"
         f" (limit: {summary['limit']})",
         f"- Comparable with the reference: {'yes' if summary['comparable'] else 'no'}"
@@ -213,38 +182,25 @@ def markdown(summary: dict) -> str:
         + f"; answers scored from reasoning_content (content was empty): {fb['count']} of "
         f"{fb['of']}",
         f"- Empty responses: {summary['empty_responses']}",
-        "- Cut off at the generation limit: " + _trunc_line(summary.get("truncated") or {}),
+        f"- Cut off at the generation limit: {trunc}",
         "- Server setup comparable with the reference run's (vLLM PR #52494): "
         + ((summary.get("upstream_comparison") or {}).get("text") or "not judged"),
         f"- Reference: {ref['source']}",
     ]
-    tc = summary.get("task_config") or {}
-    if tc:
-        gk = tc.get("generation_kwargs") or {}
+    if tc := summary.get("task_config") or {}:
         lines += ["", "Task config as lm-eval ran it (summary.json `task_config`): "
                   f"`doc_to_text` {json.dumps(tc.get('doc_to_text'))}, `until` "
-                  f"{json.dumps(gk.get('until'))}, `num_fewshot` {tc.get('num_fewshot')}, "
-                  f"`fewshot_split` {tc.get('fewshot_split')}, version "
-                  f"{(tc.get('metadata') or {}).get('version')}"]
-    run = summary.get("run") or {}
-    if run:
-        lines += ["", "## Run", ""]
-        for key in ("server_url", "model", "mode", "concurrency", "max_gen_tokens", "data",
-                    "client_image", "wall_seconds"):
-            if key in run:
-                lines.append(f"- {key}: `{run[key]}`")
+                  f"{json.dumps((tc.get('generation_kwargs') or {}).get('until'))}, "
+                  f"`num_fewshot` {tc.get('num_fewshot')}, `fewshot_split` "
+                  f"{tc.get('fewshot_split')}, version {(tc.get('metadata') or {}).get('version')}"]
+    if run := summary.get("run") or {}:
+        lines += ["", "## Run", ""] + [
+            f"- {k}: `{run[k]}`" for k in ("server_url", "model", "mode", "concurrency",
+                                           "max_gen_tokens", "data", "client_image",
+                                           "wall_seconds") if k in run]
         if run.get("command"):
             lines += ["", "```", run["command"], "```"]
     return "\n".join(lines) + "\n"
-
-
-def _trunc_line(t: dict) -> str:
-    if not t.get("recorded"):
-        return t.get("note") or "not recorded"
-    acc = t.get("accuracy_without_truncated")
-    return (f"{t['count']} of {t['of']} answers ({(t['rate'] or 0):.1%}) at max_gen_tokens "
-            f"{t.get('max_gen_tokens')}; {t['scored_right']} of the matched ones scored right; "
-            f"strict-match accuracy without them {'n/a' if acc is None else f'{acc:.4f}'}")
 
 
 def read_summary(run_dir: Path) -> dict:
@@ -252,17 +208,22 @@ def read_summary(run_dir: Path) -> dict:
 
 
 def load_run(run_dir: Path) -> tuple[dict, list[dict], list[dict], Path, Path | None]:
-    results_file = find_results_file(run_dir / "lm_eval")
-    samples_file = find_samples_file(results_file)
-    results = json.loads(results_file.read_text())
-    return (results, read_jsonl(samples_file), read_jsonl(run_dir / "reasoning_fallback.jsonl"),
-            results_file, samples_file)
+    """lm-eval's results, its samples (the file of the same timestamp, else the last by name) and
+    the fallback log; the two files' paths."""
+    found = sorted((run_dir / "lm_eval").rglob("results_*.json"), key=lambda p: p.stat().st_mtime)
+    if not found:
+        raise UsageError(f"no lm-eval results file (results_*.json) under {run_dir / 'lm_eval'}")
+    rfile = found[-1]
+    stamp = rfile.stem[len("results_"):]
+    sfile = max(rfile.parent.glob(f"samples_{TASK}_*.jsonl"), default=None,
+                key=lambda p: (p.stem == f"samples_{TASK}_{stamp}", p.name))
+    return (json.loads(rfile.read_text()), read_jsonl(sfile),
+            read_jsonl(run_dir / "reasoning_fallback.jsonl"), rfile, sfile)
 
 
 def judge(run_dir: Path, *, threshold: float, allow_limit: bool,
           max_gen_tokens: int | None) -> dict[str, Any]:
-    """The verdict on a stored run directory (``--rescore`` and the end of a run), with the
-    lm-eval files it read."""
+    """The verdict on a stored run directory, with the lm-eval files it read."""
     res, samples, fallbacks, rfile, sfile = load_run(run_dir)
     finishes = run_dir / "finish_reasons.jsonl"
     summary = evaluate(res, samples, fallbacks, threshold=threshold, allow_limit=allow_limit,
