@@ -1,7 +1,5 @@
-"""Census parser, expectations and report on crafted traces (REAL ROCm kernel names, multi-rank,
-gzip). The traces in tests/data/census/ are written by tests/data/census/make_traces.py; the
-kernel names and where each comes from are listed there and in k3rocm/checks/census/kernels.json.
-"""
+"""Census parser, expectations and report on the crafted traces in tests/data/census/ (real ROCm
+kernel names, multi-rank, gzip; written by make_traces.py)."""
 
 from __future__ import annotations
 
@@ -70,8 +68,6 @@ def test_normalize_strips_templates_and_arguments(raw, norm):
 # -- the kernel table ------------------------------------------------------------------------
 
 def test_kernel_table_real_names_with_sources():
-    """One table; every role says where its names come from; the real ROCm names land in the
-    right role ('fused_qk_rope...' and add_rmsnorm_quant included)."""
     t = kernel_table()
     for plat in t["platforms"].values():
         for role in plat["roles"].values():
@@ -168,8 +164,6 @@ def test_multi_rank_gzip_and_frontend_ignored():
 
 
 def test_plain_json_mixed_step_and_empty_step_ignored():
-    """A step without a forward (execute_context_0(0)_generation_0(0)) is neither decode nor
-    prefill: it is not counted at all."""
     ts = load_trace_dir(DATA / "rocm-mixed-plain")
     r = ts.ranks[0]
     assert r.path.suffix == ".json" and r.rank == 0
@@ -213,8 +207,6 @@ def test_fusions_off_reverse_counts_pass():
 
 
 def test_asked_on_but_traces_stock_fails_every_count():
-    """Claimed on against stock traces: the fused counts and every stock kernel the fusion
-    should have removed fail (records aside: the off-state records fail too)."""
     c = census("rocm-off", "all=on")
     bad = {(k.rank, k.role) for k in c.checks if k.ok is False}
     assert {(r, role) for r in (0, 1) for role in
@@ -265,8 +257,6 @@ def test_rankless_worker_traces_are_bad_input():
                                   ["--alias", "x=y"], ["--no-strip-templates"],
                                   ["--spec", "s.json"]])
 def test_removed_options_are_refused(flag, tmp_path):
-    """The kernel table's platform and the trace mode follow the trace, kernel names have one
-    normal form and kernels.json is the one table: no flag overrides them."""
     p = run_cli("census", "--trace-dir", str(DATA / "rocm-on"), "--model-dir", str(TINY),
                 "--fusions", "all=on", *flag, "--results", str(tmp_path))
     err = p.stderr.strip().splitlines()[-1]
@@ -309,9 +299,6 @@ def test_empty_dir_and_bad_fusions(tmp_path):
 
 
 def test_kimi_k3_anchor_single_arm():
-    """Rank 0 and 1 over 6 decode steps of the 24-MLA-layer model: 144 fused RMSNorm and 144
-    fused Q-prep launches; the stock q/kv norms are not separable from K3's other norms in one
-    trace (reported), unless the other-norm count is given."""
     on = census("k3-anchor-on", "all=on", model=KIMI)
     assert on.ok, on.table()
     fused = next(k for k in on.checks if k.role == "fused_qk_norm" and k.rank == 0)
@@ -331,10 +318,6 @@ def test_kimi_k3_anchor_single_arm():
 
 
 def test_anchor_ab_288_to_144():
-    """The upstream evidence on crafted traces (per rank, 6 decode steps, 24 MLA layers):
-    q/kv norm 288 separate -> 144 fused; Q-prep 288 (cache write + triton concat/quant) -> 144
-    fused; 9.39 -> 4.74 us per MLA layer per decode step. The q/kv pair is the off - on
-    difference of all RMSNorm launches (K3's other norms unknown): checked = 2 x 24 x 6."""
     from k3rocm.checks.census.ab import compare, render_ab_table
 
     off = census("k3-anchor-off", "all=off", model=KIMI)
@@ -356,8 +339,6 @@ def test_anchor_ab_288_to_144():
 
 
 def test_ab_fused_while_pair_still_runs_fails_without_other_norm_count():
-    """With the model's other norms unknown, the A/B difference still catches a fused kernel
-    launched next to the stock pair: nothing was removed."""
     from k3rocm.checks.census.ab import compare
 
     off = census("rocm-off", "all=off", other="0")
@@ -392,8 +373,6 @@ def test_extra_and_formula_overrides():
 
 
 def test_cpu_op_trace_is_counted_by_operator(tmp_path):
-    """A trace with no kernel events: CPU operators; nested rsqrt inside the fused op or inside
-    _C::rms_norm is not a separate norm."""
     ev = []
     t = 100.0
     for _step in range(2):
@@ -507,8 +486,6 @@ def test_cli_usage_errors_exit_2_one_line(args, msg, tmp_path):
     (["--max-tokens", "10"], "--max-tokens 10 is too few for --steps 6; use at least 18"),
 ])
 def test_cli_load_out_of_range_exit_2_before_any_server(cmd, args, msg, tmp_path):
-    """The live load's ranges (one declaration for census and census-ab) refuse before a
-    server is contacted or started."""
     where = ["--url", "http://127.0.0.1:9"] if cmd == "census" else ["--no-gpu"]
     p = run_cli(cmd, *where, "--model-dir", str(TINY), *args, "--results", str(tmp_path))
     assert p.returncode == 2, p.stdout + p.stderr
@@ -536,7 +513,6 @@ def test_cli_no_traces_exit_2(tmp_path):
 
 
 def test_crafted_traces_are_reproducible(tmp_path):
-    """The committed traces and records are what make_traces.py writes (byte-identical)."""
     shutil.copy(DATA / "make_traces.py", tmp_path / "make_traces.py")
     shutil.copytree(DATA / "models", tmp_path / "models")
     import runpy
@@ -551,8 +527,6 @@ def test_crafted_traces_are_reproducible(tmp_path):
 
 
 def test_kernel_table_has_every_role_of_the_fusion_table():
-    """kernels.json: on each platform a rule and an expectation for every role the fusion table
-    names, and the expectations name only those roles."""
     from k3rocm.checks.census.spec import ROLES
 
     t = kernel_table()

