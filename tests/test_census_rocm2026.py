@@ -74,6 +74,10 @@ def failed(c) -> set[tuple]:
      "at::native::Functor) [clone .kd]", "at::native::elementwise_kernel"),
     ("void ck_tile::kentry<256, 1, ck_tile::Rmsnorm2dFwd<ck_tile::Problem<float>>>(int) "
      "[clone .kd]", "ck_tile::kentry<ck_tile::Rmsnorm2dFwd>"),
+    ("void aiter::add_rmsnorm_quant_kernel<__hip_bfloat16, __hip_bfloat16, 256, 8, false>"
+     "(__hip_bfloat16*, double, int)", "aiter::add_rmsnorm_quant_kernel"),
+    ("Cijk_Alik_Bljk_BBS_BH_MT128x128x64_SN", "Cijk_Alik_Bljk_BBS_BH_MT128x128x64_SN"),
+    ("aten::rsqrt", "aten::rsqrt"),
 ])
 def test_every_kineto_name_form_normalizes(raw, norm):
     assert normalize(raw) == norm
