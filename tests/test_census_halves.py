@@ -4,10 +4,9 @@ step on the other path FAILs naming it; what the trace cannot prove is CANNOT JU
 from __future__ import annotations
 
 import json
-import runpy
 from pathlib import Path
 
-from conftest import REPO, run_cli
+from census_helpers import KIMI, MT, TINY, run_cli
 
 from k3rocm.checks.census.analyze import run_census
 from k3rocm.checks.census.fusions import from_cli
@@ -15,10 +14,6 @@ from k3rocm.checks.census.modelcfg import read_model_facts
 from k3rocm.checks.census.spec import load_spec
 from k3rocm.checks.census.trace import load_trace_dir
 
-DATA = REPO / "tests" / "data" / "census"
-TINY = DATA / "models" / "tiny-deepseek-v3"  # 3 layers, all MLA: other norms known
-KIMI = DATA / "models" / "kimi-k3"  # 93 layers, 24 MLA: other norms per step unknown
-MT = runpy.run_path(str(DATA / "make_traces.py"))
 SIX = [(0, 8)] * 6
 RENAMED_NORM = "void aiter::qk_dual_norm_v9<__hip_bfloat16>(__hip_bfloat16*)"
 RENAMED_QPREP = "void aiter::rope_cat_cache_v9<__hip_bfloat16>(__hip_bfloat16 const*)"

@@ -10,7 +10,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_cli
+from census_helpers import DATA, KIMI, MT, TINY, run_cli
+from conftest import REPO
 
 from k3rocm.checks.census.analyze import run_census
 from k3rocm.checks.census.decisions import Decisions
@@ -20,11 +21,6 @@ from k3rocm.checks.census.spec import ROLES, eval_formula, kernel_table, load_sp
 from k3rocm.checks.census.trace import load_trace_dir, parse_rank_trace
 from k3rocm.errors import UsageError
 from k3rocm.serving.decisions import decision_files, records_from_files
-
-DATA = REPO / "tests" / "data" / "census"
-MT = runpy.run_path(str(DATA / "make_traces.py"))
-TINY = DATA / "models" / "tiny-deepseek-v3"  # 3 layers, all MLA
-KIMI = DATA / "models" / "kimi-k3"  # 93 layers: 69 KDA + 24 MLA
 
 
 def census(d: str, fusions: str, model: Path = TINY, **kw):

@@ -6,7 +6,7 @@ import json
 import shutil
 
 import pytest
-from conftest import REPO, run_cli
+from census_helpers import DATA, TINY, run_cli
 
 from k3rocm.checks.census.decisions import Decisions, cross_check
 from k3rocm.checks.census.fusions import from_cli, from_env
@@ -18,9 +18,7 @@ from k3rocm.serving.decisions import (
     records_from_log,
 )
 
-DATA = REPO / "tests" / "data" / "census"
 REC = DATA / "records"
-TINY = DATA / "models" / "tiny-deepseek-v3"
 
 
 def rows(claim, dec):

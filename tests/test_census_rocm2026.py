@@ -3,11 +3,10 @@ tests/data/census/make_traces.py): rocprofiler-sdk names, lost events, several r
 
 from __future__ import annotations
 
-import runpy
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_cli
+from census_helpers import DATA, MT, TINY, run_cli
 
 from k3rocm.checks.census.analyze import run_census
 from k3rocm.checks.census.fusions import from_cli
@@ -16,9 +15,6 @@ from k3rocm.checks.census.names import normalize
 from k3rocm.checks.census.spec import load_spec
 from k3rocm.checks.census.trace import load_trace_dir
 
-DATA = REPO / "tests" / "data" / "census"
-TINY = DATA / "models" / "tiny-deepseek-v3"  # 3 layers, all MLA
-MT = runpy.run_path(str(DATA / "make_traces.py"))  # the crafted-trace builder (not __main__)
 SIX = [(0, 8)] * 6  # six decode-only steps of 8 requests
 
 
