@@ -3,44 +3,12 @@ step on the other path FAILs naming it; what the trace cannot prove is CANNOT JU
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from census_helpers import KIMI, MT, TINY, run_cli
+from census_helpers import KIMI, MT, TINY, census, run_cli, write
 
-from k3rocm.checks.census.analyze import run_census
-from k3rocm.checks.census.fusions import from_cli
-from k3rocm.checks.census.modelcfg import read_model_facts
-from k3rocm.checks.census.spec import load_spec
-from k3rocm.checks.census.trace import load_trace_dir
-
-SIX = [(0, 8)] * 6
 RENAMED_NORM = "void aiter::qk_dual_norm_v9<__hip_bfloat16>(__hip_bfloat16*)"
 RENAMED_QPREP = "void aiter::rope_cat_cache_v9<__hip_bfloat16>(__hip_bfloat16 const*)"
-
-
-def k3_mla() -> list[int]:
-    cfg = json.loads((KIMI / "config.json").read_text())
-    kda = set(cfg["text_config"]["linear_attn_config"]["kda_layers"])
-    return [i for i in range(93) if (i + 1) not in kda]
-
-
-def write(d: Path, norm: str, qprep: str, model: Path = TINY, world: int = 2,
-          per_rank: dict[int, dict] | None = None, **kw) -> Path:
-    d.mkdir(parents=True, exist_ok=True)
-    mla, layers = (k3_mla(), 93) if model == KIMI else ([0, 1, 2], 3)
-    for r in range(world):
-        args = {"norm": norm, "qprep": qprep, **kw, **(per_rank or {}).get(r, {})}
-        MT["write"](d / MT["trace_name"](r),
-                    MT["make_trace"](r, world, mla, layers, SIX, **args), gz=True)
-    return d
-
-
-def census(d: Path, fusions: str, model: Path = TINY):
-    m = read_model_facts(model)
-    ts = load_trace_dir(d)
-    return run_census(ts, m, from_cli(fusions), load_spec("rocm", m.model_type), None,
-                      ts.world_size or 1, "test")
 
 
 def cli(d: Path, fusions: str, tmp_path: Path, model: Path = TINY):

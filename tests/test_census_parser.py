@@ -7,30 +7,16 @@ import gzip
 import json
 import runpy
 import shutil
-from pathlib import Path
 
 import pytest
-from census_helpers import DATA, KIMI, MT, TINY, run_cli
+from census_helpers import DATA, KIMI, MT, TINY, census, run_cli
 from conftest import REPO
 
-from k3rocm.checks.census.analyze import run_census
-from k3rocm.checks.census.decisions import Decisions
 from k3rocm.checks.census.fusions import from_cli
 from k3rocm.checks.census.modelcfg import read_model_facts
 from k3rocm.checks.census.spec import ROLES, eval_formula, kernel_table, load_spec
 from k3rocm.checks.census.trace import load_trace_dir, parse_rank_trace
 from k3rocm.errors import UsageError
-from k3rocm.serving.decisions import decision_files, records_from_files
-
-
-def census(d: str, fusions: str, model: Path = TINY, **kw):
-    m = read_model_facts(model)
-    ts = load_trace_dir(DATA / d)
-    files = decision_files(DATA / d)
-    dec = Decisions(records_from_files(files), d) if kw.pop("records", True) else None
-    return run_census(ts, m, from_cli(fusions),
-                      load_spec("rocm", m.model_type, kw.pop("other", None)),
-                      dec, ts.world_size or 1, "test", **kw)
 
 
 def failed(c) -> set[tuple]:
@@ -128,7 +114,7 @@ def test_plain_json_mixed_step_and_empty_step_ignored():
     assert r.empty_steps == 1
     assert [s.decode_only for s in r.steps] == [False, True, True, True, True]
     assert (r.steps[0].ctx_reqs, r.steps[0].gen_reqs) == (1, 7)
-    c = census("rocm-mixed-plain", "all=on", records=False)
+    c = census("rocm-mixed-plain", "all=on")
     assert c.ok, c.table()
     other = [k for k in c.checks if k.scope == "other steps"]
     assert {(k.role, k.expected, k.seen) for k in other} == {("fused_qprep", 0, 0),
@@ -165,7 +151,7 @@ def test_fusions_off_reverse_counts_pass():
 
 
 def test_asked_on_but_traces_stock_fails_every_count():
-    c = census("rocm-off", "all=on")
+    c = census("rocm-off", "all=on", records=True)
     bad = {(k.rank, k.role) for k in c.checks if k.ok is False}
     assert {(r, role) for r in (0, 1) for role in
             ("fused_qk_norm", "qk_norm", "fused_qprep", "cache_write", "q_concat_quant")} <= bad
@@ -291,7 +277,7 @@ def test_ab_fused_while_pair_still_runs_fails_without_other_norm_count():
 
 
 def test_too_few_decode_steps_fails():
-    c = census("rocm-mixed-plain", "all=on", records=False, min_decode_steps=5)
+    c = census("rocm-mixed-plain", "all=on", min_decode_steps=5)
     assert not c.ok
     assert next(k for k in c.checks if k.what == "decode-only engine steps captured").seen == 4
 

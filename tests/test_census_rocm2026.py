@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from census_helpers import DATA, MT, TINY, run_cli
+from census_helpers import DATA, MT, SIX, TINY, census, run_cli
 
 from k3rocm.checks.census.analyze import run_census
 from k3rocm.checks.census.fusions import from_cli
@@ -14,8 +14,6 @@ from k3rocm.checks.census.modelcfg import read_model_facts
 from k3rocm.checks.census.names import normalize
 from k3rocm.checks.census.spec import load_spec
 from k3rocm.checks.census.trace import load_trace_dir
-
-SIX = [(0, 8)] * 6  # six decode-only steps of 8 requests
 
 
 def write_run(d: Path, world: int = 2, fusions: str = "on", member: str = "per_head",
@@ -27,13 +25,6 @@ def write_run(d: Path, world: int = 2, fusions: str = "on", member: str = "per_h
                     MT["make_trace"](r, world, [0, 1, 2], 3, SIX, fusions, fusions, member,
                                      **kw), gz=True)
     return d
-
-
-def census(d: Path, fusions: str):
-    m = read_model_facts(TINY)
-    ts = load_trace_dir(d)
-    return run_census(ts, m, from_cli(fusions), load_spec("rocm", m.model_type), None,
-                      ts.world_size or 1, "test")
 
 
 def failed(c) -> set[tuple]:
