@@ -40,10 +40,14 @@ class _Stream:
     def hang_up(self) -> None:
         """Close the connection now (the server aborts the request)."""
         self.stop.set()
-        conn = getattr(getattr(self.response, "raw", None), "connection", None)
-        if getattr(conn, "sock", None) is not None:
+        raw = getattr(self.response, "raw", None)
+        sock = getattr(getattr(raw, "connection", None), "sock", None)
+        if sock is None:  # `Connection: close`: http.client handed the socket to the response
+            sock = getattr(getattr(getattr(getattr(raw, "_fp", None), "fp", None), "raw", None),
+                           "_sock", None)
+        if sock is not None:
             with contextlib.suppress(OSError):
-                conn.sock.shutdown(socket.SHUT_RDWR)
+                sock.shutdown(socket.SHUT_RDWR)
 
 
 def _run_stream(url: str, api_key: str | None, body: dict[str, Any], st: _Stream) -> None:
