@@ -128,11 +128,6 @@ class RankTrace:
                 "started_source": self.started_source, "meta": self.meta}
 
 
-def parse_step_name(name: str) -> tuple[int, int, int, int] | None:
-    m = STEP_SIMPLE.match(name) or STEP_DETAILED.match(name)
-    return tuple(map(int, m.groups())) if m else None  # type: ignore[return-value]
-
-
 def decode_tokens_per_request(steps: list[Step]) -> int | None:
     """Tokens per decode request (1 + speculative): the most common ceil(tokens / requests)
     over steps without context requests."""
@@ -149,12 +144,6 @@ def rank_and_source(path: Path, obj: dict[str, Any]) -> tuple[int | None, str]:
         return int(info["rank"]), "distributedInfo"
     m = RANK_IN_NAME.search(path.name)
     return (int(m.group(1)), "file name") if m else (None, "")
-
-
-def world_size_of(obj: dict[str, Any]) -> int | None:
-    info = obj.get("distributedInfo")
-    ws = info.get("world_size") if isinstance(info, dict) else None
-    return ws if isinstance(ws, int) and not isinstance(ws, bool) and ws > 0 else None
 
 
 def parse_rank_trace(path: str | os.PathLike, progress: Any = None) -> RankTrace:
@@ -265,9 +254,10 @@ class _Collector:
             self.rt_corr.append(_corr(e))
             self.rt_launch.append(1 if LAUNCH_CALL.search(name) else 0)
         elif cat in ("user_annotation", "gpu_user_annotation"):
-            parsed = parse_step_name(name)
-            if parsed is None:
+            m = STEP_SIMPLE.match(name) or STEP_DETAILED.match(name)
+            if m is None:
                 return
+            parsed = tuple(map(int, m.groups()))
             if cat == "user_annotation":
                 self.steps.append((ts, dur, name, parsed))
             else:
@@ -391,8 +381,11 @@ class _Collector:
                                         for d in meta["deviceProperties"]
                                         if isinstance(d, dict)]
         started, started_source = start_time(path, header, steps)
+        info = header.get("distributedInfo")
+        ws = info.get("world_size") if isinstance(info, dict) else None
         return RankTrace(path, -1 if rank is None else rank, mode, steps, launches,
-                         sum(ln.count for ln in outside), meta, outside, world_size_of(header),
+                         sum(ln.count for ln in outside), meta, outside,
+                         ws if type(ws) is int and ws > 0 else None,
                          rank_source, empty, evidence, lost, started, started_source, sequence)
 
 
