@@ -137,6 +137,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Transfer-Encoding", "chunked")
+        self.send_header("Connection", "close")  # as a proxy may: the client's socket moves
         self.end_headers()
         self.close_connection = True  # after this stream (vLLM's keep-alive is not faked)
         try:

@@ -1,11 +1,5 @@
-"""census.drive: the decode load a live census profiles, against a scripted local HTTP server.
-
-What cannot be provoked on demand on the real stand-in is a stream whose first tokens come
-late while the other streams race on (a loaded 2-core machine did it once in CI: one arm's
-streams had used 236 of 256 tokens when the last stream started, so the profile window caught
-no engine step). The fake vLLM server (tests/fake_vllm.py) streams by a script driven by
-events (a round begins, the profiler starts), never by sleeps.
-"""
+"""census.drive's decode load against the fake vLLM server (tests/fake_vllm.py): a stream whose
+first tokens come late, provoked by events, never sleeps."""
 
 from __future__ import annotations
 
@@ -25,11 +19,6 @@ LOAD = Profiling(concurrency=3, max_tokens=40, prompt_words=4, steps=2)
 
 @pytest.fixture
 def fake(fake_vllm):
-    """``fake.late(round, i)`` says whether stream i of that round is late: its first
-    tokens come only once the others have used 3/4 of their tokens (a busy client or server,
-    or a request queued behind ``--max-num-seqs``). Once the profiler is on, every stream sends
-    all but its last 2 tokens, and those once the profiler is off (or the next round has begun:
-    the client hung up)."""
     lock, count = threading.Lock(), itertools.count()
     began: dict[int, threading.Event] = collections.defaultdict(threading.Event)
     raced: dict[int, threading.Semaphore] = collections.defaultdict(
@@ -98,8 +87,6 @@ def test_a_stream_late_in_every_round_is_a_clear_error_not_an_empty_profile(fake
 
 
 def test_tokens_are_counted_from_chunks_when_the_server_sends_no_usage(fake, monkeypatch):
-    """An OpenAI-compatible server without continuous usage stats: one token per content
-    chunk, as before."""
     import k3rocm.checks.census.drive as drive
 
     real = drive._run_stream
@@ -115,10 +102,6 @@ def test_tokens_are_counted_from_chunks_when_the_server_sends_no_usage(fake, mon
 
 
 def test_a_server_whose_profiler_stops_itself_is_waited_for_not_the_tokens(fake):
-    """With ``stopped`` (the server's max_iterations: its trace file appears), the load runs
-    until the server says the profile is over, however many tokens the client has read: the
-    tokens a busy client reads late were made before the profiler started (CI: a window of
-    12 tokens per stream caught 3 engine steps)."""
     calls = []
 
     def stopped() -> bool:
@@ -129,3 +112,19 @@ def test_a_server_whose_profiler_stops_itself_is_waited_for_not_the_tokens(fake)
     assert calls == [["/start_profile"]] * 3  # polled while the profiler ran, until it ended
     assert fake.posts == ["/start_profile", "/stop_profile"]
     assert info["stopped_by_server"] is True
+
+
+def test_hang_up_cuts_a_stream_on_a_connection_close_response(fake_vllm):
+    from k3rocm.checks.census import drive
+
+    srv = fake_vllm(chat=lambda req, send: (send("a", 1), srv.closing.wait(60)))
+    st = drive._Stream()
+    body = {"model": "m", "stream": True, "max_tokens": 8,
+            "messages": [{"role": "user", "content": "Request 0: x"}]}
+    t = threading.Thread(target=drive._run_stream, args=(srv.url, None, body, st), daemon=True)
+    t.start()
+    while st.tokens < 1 and t.is_alive():  # the first chunk arrived: the stream is open
+        t.join(0.01)
+    st.hang_up()
+    t.join(10)
+    assert not t.is_alive() and st.done and st.error is None

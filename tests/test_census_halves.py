@@ -1,59 +1,14 @@
-"""Both halves of each fusion on AITER-named traces: the fused launch is
-there AND the stock launches it replaces are gone (asked on); the stock launches are there AND
-the fused ones absent (asked off). A rank or a step on the other path is a FAIL naming it (not
-lost events); what the trace cannot prove either way is CANNOT JUDGE (exit 4, with the
-reason); malformed event fields are exit 2. Traces are built per test with
-tests/data/census/make_traces.py (the real ROCm kernel names, sources in its docstring).
-Every test here gave a wrong verdict on the code before these rules (said in each)."""
+"""Both halves of each fusion on AITER-named traces built per test with make_traces.py: a rank or
+step on the other path FAILs naming it; what the trace cannot prove is CANNOT JUDGE (exit 4)."""
 
 from __future__ import annotations
 
-import gzip
-import json
-import runpy
 from pathlib import Path
 
-import pytest
-from conftest import REPO, run_cli
+from census_helpers import KIMI, MT, TINY, census, run_cli, write
 
-from k3rocm.checks.census.analyze import run_census
-from k3rocm.checks.census.fusions import from_cli
-from k3rocm.checks.census.modelcfg import read_model_facts
-from k3rocm.checks.census.spec import load_spec
-from k3rocm.checks.census.trace import load_trace_dir
-from k3rocm.errors import UsageError
-
-DATA = REPO / "tests" / "data" / "census"
-TINY = DATA / "models" / "tiny-deepseek-v3"  # 3 layers, all MLA: other norms known
-KIMI = DATA / "models" / "kimi-k3"  # 93 layers, 24 MLA: other norms per step unknown
-MT = runpy.run_path(str(DATA / "make_traces.py"))
-SIX = [(0, 8)] * 6
 RENAMED_NORM = "void aiter::qk_dual_norm_v9<__hip_bfloat16>(__hip_bfloat16*)"
 RENAMED_QPREP = "void aiter::rope_cat_cache_v9<__hip_bfloat16>(__hip_bfloat16 const*)"
-
-
-def k3_mla() -> list[int]:
-    cfg = json.loads((KIMI / "config.json").read_text())
-    kda = set(cfg["text_config"]["linear_attn_config"]["kda_layers"])
-    return [i for i in range(93) if (i + 1) not in kda]
-
-
-def write(d: Path, norm: str, qprep: str, model: Path = TINY, world: int = 2,
-          per_rank: dict[int, dict] | None = None, **kw) -> Path:
-    d.mkdir(parents=True, exist_ok=True)
-    mla, layers = (k3_mla(), 93) if model == KIMI else ([0, 1, 2], 3)
-    for r in range(world):
-        args = {"norm": norm, "qprep": qprep, **kw, **(per_rank or {}).get(r, {})}
-        MT["write"](d / MT["trace_name"](r),
-                    MT["make_trace"](r, world, mla, layers, SIX, **args), gz=True)
-    return d
-
-
-def census(d: Path, fusions: str, model: Path = TINY):
-    m = read_model_facts(model)
-    ts = load_trace_dir(d)
-    return run_census(ts, m, from_cli(fusions), load_spec("rocm", m.model_type), None,
-                      ts.world_size or 1, "test")
 
 
 def cli(d: Path, fusions: str, tmp_path: Path, model: Path = TINY):
@@ -69,9 +24,6 @@ def judged(c, fusion: str) -> set[str]:
 # -- 1. the q/kv norm: both halves, also where the model's other norms are unknown ------------
 
 def test_k3_fused_norm_while_the_stock_pair_still_runs_fails(tmp_path):
-    """Kimi-K3 (other RMSNorms per step unknown): the fused norm runs in every MLA layer AND
-    the stock q/kv pair still runs beside it. Before: PASS (the stock count was 'reported
-    only'). After: FAIL: 2 x 24 x 6 stock norms beside the fused ones, per rank."""
     c = census(write(tmp_path, "both", "on", KIMI), "all=on", KIMI)
     assert c.verdict == "FAIL" and c.exit_code == 1
     near = [k for k in c.checks if "beside the fused q/kv RMSNorm" in k.what]
@@ -81,8 +33,6 @@ def test_k3_fused_norm_while_the_stock_pair_still_runs_fails(tmp_path):
 
 
 def test_k3_fused_norm_alone_passes_by_both_halves(tmp_path):
-    """Control: the stock half is proven without the other-norm count (nothing beside the
-    fused launches up to the layer's Q-prep). Before: PASS with the stock half unproven."""
     c = census(write(tmp_path, "on", "on", KIMI), "all=on", KIMI)
     assert c.verdict == "PASS", c.table()
     near = next(k for k in c.checks if "beside" in k.what and k.rank == 0)
@@ -90,10 +40,6 @@ def test_k3_fused_norm_alone_passes_by_both_halves(tmp_path):
 
 
 def test_k3_norm_fused_under_an_unknown_name_claimed_off_is_not_pass(tmp_path):
-    """Claimed off, the norm runs fused under a name the table does not know, the stock pair
-    is gone (no MLA layer has its q/kv pair right before its KV-cache write). Before: PASS
-    (the stock count was 'reported only' on Kimi-K3). After: CANNOT JUDGE (exit 4): neither
-    the fused nor the stock launches were found."""
     d = write(tmp_path / "t", "on", "off", KIMI, rename={MT["K_FUSED_NORM"]: RENAMED_NORM})
     c = census(d, "all=off", KIMI)
     assert c.verdict == "CANNOT JUDGE" and c.exit_code == 4
@@ -107,9 +53,6 @@ def test_k3_norm_fused_under_an_unknown_name_claimed_off_is_not_pass(tmp_path):
 
 
 def test_k3_stock_run_claimed_off_passes_by_both_halves(tmp_path):
-    """Kimi-K3 claimed off, the stock path: every MLA layer has its q/kv pair right before its
-    KV-cache write, no fused launch. Before: PASS with the stock half unproven (reported
-    only). After: PASS by the pair row (0 cannot-judge rows)."""
     c = census(write(tmp_path, "off", "off", KIMI), "all=off", KIMI)
     assert c.verdict == "PASS" and not c.undecided, c.table()
     row = next(k for k in c.checks if k.what.startswith("MLA layers with their stock q/kv")
@@ -118,9 +61,6 @@ def test_k3_stock_run_claimed_off_passes_by_both_halves(tmp_path):
 
 
 def test_k3_single_trace_without_placeable_pairs_leaves_it_to_census_ab(tmp_path):
-    """Claimed off on Kimi-K3 with the Q-prep fused under an unknown name: nothing places the
-    q/kv pairs (no known Q-prep / KV-cache write launch) and the other norms are unknown: the
-    q/kv fusion is CANNOT JUDGE, the reason saying census-ab decides."""
     c = census(write(tmp_path, "off", "on", KIMI, graph=True,
                      rename={MT["K_QPREP"]["per_head"]: RENAMED_QPREP}), "all=off", KIMI)
     assert c.verdict == "CANNOT JUDGE"
@@ -129,9 +69,6 @@ def test_k3_single_trace_without_placeable_pairs_leaves_it_to_census_ab(tmp_path
 
 
 def test_norm_fused_under_an_unknown_name_cannot_judge_not_fail(tmp_path):
-    """DeepSeek (other norms known), claimed off: the stock pair is gone and no known fused
-    kernel ran (the fused one runs under an unknown name). Before: FAIL (exit 1, 'stock 0/36').
-    After: CANNOT JUDGE naming both absent halves."""
     c = census(write(tmp_path, "on", "off", rename={MT["K_FUSED_NORM"]: RENAMED_NORM}),
                "all=off")
     assert c.verdict == "CANNOT JUDGE" and judged(c, "qk_norm") == {"cannot judge"}
@@ -140,9 +77,6 @@ def test_norm_fused_under_an_unknown_name_cannot_judge_not_fail(tmp_path):
 
 
 def test_qprep_fused_under_an_unknown_name_claimed_off_cannot_judge(tmp_path):
-    """Claimed off, Q-prep fused under an unknown name, the stock cache write gone. Before:
-    FAIL (stock KV-cache write 0/18). After: CANNOT JUDGE, the renamed kernel (graph-replayed:
-    no known family) named as an unclassified launch in the reason."""
     c = census(write(tmp_path, "off", "on", graph=True,
                      rename={MT["K_QPREP"]["per_head"]: RENAMED_QPREP}), "all=off")
     assert c.verdict == "CANNOT JUDGE", c.table()
@@ -153,9 +87,6 @@ def test_qprep_fused_under_an_unknown_name_claimed_off_cannot_judge(tmp_path):
 # -- 2. a rank or a step on the other path: FAIL naming it, not lost events ----------------------
 
 def test_rank_on_the_stock_path_fails_naming_the_rank(tmp_path):
-    """Graph-replayed decode, rank 1 ran the stock path while rank 0 ran fused. Before:
-    INCOMPLETE TRACE (exit 4, 're-collect'), naming rank 0 as having lost kernels. After:
-    FAIL, every fusion row naming rank 1."""
     c = census(write(tmp_path, "on", "on", graph=True,
                      per_rank={1: {"norm": "off", "qprep": "off"}}), "all=on")
     assert not c.incomplete and c.verdict == "FAIL" and c.exit_code == 1
@@ -165,9 +96,6 @@ def test_rank_on_the_stock_path_fails_naming_the_rank(tmp_path):
 
 
 def test_step_on_the_stock_path_fails_naming_the_step(tmp_path):
-    """Engine step 3 ran the stock path (both fusions), the other steps fused, on both ranks.
-    Before: INCOMPLETE TRACE (the fused steps looked short of kernels next to step 3). After:
-    FAIL; the per-step rows name step 3."""
     c = census(write(tmp_path, "on", "on", graph=True, stock_steps=(3,)), "all=on")
     assert not c.incomplete and c.verdict == "FAIL"
     rows = [k for k in c.checks if k.what.startswith("engine steps off the asked")]
@@ -179,19 +107,12 @@ def test_step_on_the_stock_path_fails_naming_the_step(tmp_path):
 
 
 def test_lost_kernels_still_incomplete_beside_a_stock_rank(tmp_path):
-    """The loss rule still holds: a rank that only lost kernel records (a subset of what a
-    step of the same shape ran) is INCOMPLETE, not judged."""
     c = census(write(tmp_path, "on", "on", graph=True,
                      per_rank={1: {"drop": lambda s, i: s > 0 and i % 8 != 0}}), "all=on")
     assert c.verdict == "INCOMPLETE TRACE" and [x["rank"] for x in c.incomplete] == [1]
 
 
 def test_random_losses_on_every_rank_and_step_stay_incomplete(tmp_path):
-    """Guard for the rule above: a profiler that drops 5% of the graph-replayed kernel records
-    at random on every rank and step (no complete step anywhere) is still INCOMPLETE TRACE:
-    steps are compared by the launches of each kernel role of the table (a step on the other
-    path runs more of some role), not kernel by kernel (a rule that a first version of this
-    change used and that judged this trace FAIL)."""
     import random
 
     def drop(seed):
@@ -205,8 +126,6 @@ def test_random_losses_on_every_rank_and_step_stay_incomplete(tmp_path):
 # -- 3. kernels that cannot be attributed to steps; malformed fields --------------------------
 
 def test_kernels_not_attributable_to_steps_cannot_judge(tmp_path):
-    """No launch records and no gpu_user_annotation spans: no kernel can be placed in an
-    engine step. Before: FAIL (every count 0). After: CANNOT JUDGE, the reason per rank."""
     d = write(tmp_path / "t", "on", "on", unlinked_queues=2, step_spans=False)
     c = census(d, "all=on")
     assert c.verdict == "CANNOT JUDGE" and c.exit_code == 4
@@ -217,40 +136,7 @@ def test_kernels_not_attributable_to_steps_cannot_judge(tmp_path):
     assert p.returncode == 4 and "census: CANNOT JUDGE" in p.stdout, p.stdout[-1500:]
 
 
-def _one_trace(tmp_path: Path, mutate) -> Path:
-    obj = MT["make_trace"](0, 1, [0, 1, 2], 3, SIX, "on", "on")
-    mutate(next(e for e in obj["traceEvents"] if e.get("cat") == "kernel"))
-    d = tmp_path / "t"
-    d.mkdir()
-    (d / MT["trace_name"](0)).write_bytes(gzip.compress(json.dumps(obj).encode(), mtime=0))
-    return d
-
-
-@pytest.mark.parametrize("mutate,field", [
-    (lambda e: e["args"].update(correlation="1001"), "args.correlation"),
-    (lambda e: e.update(pid=[0]), "pid"),
-    (lambda e: e.update(tid={"q": 7}), "tid"),
-    (lambda e: e.update(name=17), "name"),
-])
-def test_malformed_event_fields_exit_2_naming_file_and_field(tmp_path, mutate, field):
-    """Before: a string correlation id was silently dropped (INCOMPLETE TRACE: 'launches
-    without their kernel record'), a list pid died as 'unhashable type' (no field named), a
-    numeric name was taken as text (FAIL). After: exit 2, one line naming the file and the
-    field."""
-    d = _one_trace(tmp_path, mutate)
-    with pytest.raises(UsageError, match=field.replace(".", r"\.")):
-        load_trace_dir(d)
-    p = cli(d, "all=on", tmp_path)
-    err = p.stderr.strip().splitlines()
-    assert p.returncode == 2 and len(err) == 1 and "Traceback" not in p.stderr
-    assert MT["trace_name"](0) in err[0] and field in err[0]
-
-
 def test_k3_rank_with_the_stock_norm_pair_fails_naming_the_rank(tmp_path):
-    """Kimi-K3 (other norms unknown), both fusions asked on: rank 1 ran the stock q/kv pair
-    (Q-prep fused), rank 0 the fused norm. Rank 1 shows no q/kv launch the census can count
-    (its pair hides among the other norms), but rank 0 shows the fused kernel under its known
-    name: FAIL on rank 1, not 'cannot judge'. Before: INCOMPLETE TRACE naming rank 0."""
     c = census(write(tmp_path, "on", "on", KIMI, graph=True, per_rank={1: {"norm": "off"}}),
                "all=on", KIMI)
     assert c.verdict == "FAIL" and not c.incomplete and not c.undecided

@@ -1,109 +1,49 @@
-"""Census parser, expectations and report on crafted traces (REAL ROCm kernel names, multi-rank,
-gzip). The traces in tests/data/census/ are written by tests/data/census/make_traces.py; the
-kernel names and where each comes from are listed there and in k3rocm/checks/census/kernels.json.
-"""
+"""Census parser, expectations and report on the crafted traces in tests/data/census/ (real ROCm
+kernel names, multi-rank, gzip; written by make_traces.py)."""
 
 from __future__ import annotations
 
 import gzip
 import json
+import runpy
 import shutil
-from pathlib import Path
 
 import pytest
-from conftest import REPO, run_cli
+from census_helpers import DATA, KIMI, MT, TINY, census, run_cli
+from conftest import REPO
 
-from k3rocm.checks.census.analyze import run_census
-from k3rocm.checks.census.decisions import Decisions
 from k3rocm.checks.census.fusions import from_cli
 from k3rocm.checks.census.modelcfg import read_model_facts
-from k3rocm.checks.census.names import normalize
-from k3rocm.checks.census.spec import eval_formula, kernel_table, load_spec
+from k3rocm.checks.census.spec import ROLES, eval_formula, kernel_table, load_spec
 from k3rocm.checks.census.trace import load_trace_dir, parse_rank_trace
 from k3rocm.errors import UsageError
-from k3rocm.serving.decisions import decision_files, records_from_files
-
-DATA = REPO / "tests" / "data" / "census"
-TINY = DATA / "models" / "tiny-deepseek-v3"  # 3 layers, all MLA
-KIMI = DATA / "models" / "kimi-k3"  # 93 layers: 69 KDA + 24 MLA
-
-
-def census(d: str, fusions: str, model: Path = TINY, **kw):
-    m = read_model_facts(model)
-    ts = load_trace_dir(DATA / d)
-    files = decision_files(DATA / d)
-    dec = Decisions(records_from_files(files), d) if kw.pop("records", True) else None
-    return run_census(ts, m, from_cli(fusions),
-                      load_spec("rocm", m.model_type, kw.pop("other", None)),
-                      dec, ts.world_size or 1, "test", **kw)
 
 
 def failed(c) -> set[tuple]:
     return {(k.rank, k.what) for k in c.checks if k.ok is False}
 
 
-# -- names ---------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("raw,norm", [
-    ("void aiter::add_rmsnorm_quant_kernel<__hip_bfloat16, __hip_bfloat16, 256, 8, false>"
-     "(__hip_bfloat16*, double, int)", "aiter::add_rmsnorm_quant_kernel"),
-    ("void aiter::fused_qk_rmsnorm_kernel<std::bfloat16_t, 256, 8, true, 1>(std::bfloat16_t*)",
-     "aiter::fused_qk_rmsnorm_kernel"),
-    ("void vllm::concat_and_cache_mla_kernel<__hip_bfloat16, unsigned char, "
-     "(vllm::Fp8KVCacheDataType)1>(__hip_bfloat16 const*, long const*, int)",
-     "vllm::concat_and_cache_mla_kernel"),
-    ("void aiter::fuse_qk_rope_concat_and_cache_mla_per_head_kernel<__hip_bfloat16, "
-     "(vllm::Fp8KVCacheDataType)1, false, true>(__hip_bfloat16 const*, ...)",
-     "aiter::fuse_qk_rope_concat_and_cache_mla_per_head_kernel"),
-    # rocprof-style symbol with the code-object suffix (public MI355X decode trace)
-    ("triton_poi_fused__to_copy_cat_clamp_mul_reciprocal_view_0.kd",
-     "triton_poi_fused__to_copy_cat_clamp_mul_reciprocal_view_0"),
-    ("void ck_tile::kentry<256, 1, ck_tile::Rmsnorm2dFwd<ck_tile::Problem<float>>>(int)",
-     "ck_tile::kentry<ck_tile::Rmsnorm2dFwd>"),
-    ("Cijk_Alik_Bljk_BBS_BH_MT128x128x64_SN", "Cijk_Alik_Bljk_BBS_BH_MT128x128x64_SN"),
-    ("aten::rsqrt", "aten::rsqrt"),
-])
-def test_normalize_strips_templates_and_arguments(raw, norm):
-    assert normalize(raw) == norm
-
-
-# -- the kernel table ------------------------------------------------------------------------
-
-def test_kernel_table_real_names_with_sources():
-    """One table; every role says where its names come from; the real ROCm names land in the
-    right role ('fused_qk_rope...' and add_rmsnorm_quant included)."""
+def test_kernel_table_sources_roles_and_package_data():
+    assert '"k3rocm.checks.census" = ["*.json"]' in (REPO / "pyproject.toml").read_text()
     t = kernel_table()
-    for plat in t["platforms"].values():
-        for role in plat["roles"].values():
+    assert set(t["platforms"]) == {"rocm", "cpu"}
+    for plat, table in t["platforms"].items():
+        for role in table["roles"].values():
             assert role["names"] and all(n["source"] for n in role["names"])
-            for m in role.get("members", []):
-                assert m["source"]
+            assert all(m["source"] for m in role.get("members", []))
+        spec = load_spec(plat, "deepseek_v3")
+        assert set(spec.roles) == set(spec.expect) == set(ROLES)
+        for e in spec.expect.values():
+            named = [*(e.beside.until + [e.beside.fused] if e.beside else []),
+                     *(e.pair.until if e.pair else [])]
+            assert set(named) <= set(ROLES), named
     spec = load_spec("rocm", "deepseek_v3")
-    n = normalize
-    role_of = {
-        "aiter::fused_qk_rmsnorm_kernel<bf16,256,8,true,1>": "fused_qk_norm",
-        "void aiter::add_rmsnorm_quant_kernel<bf16, bf16, 256, 8, false>(bf16*)": "qk_norm",
-        "void vllm::concat_and_cache_mla_kernel<bf16, uint8_t, 1>(bf16 const*)": "cache_write",
-        "triton_poi_fused__to_copy_cat_clamp_mul_reciprocal_view": "q_concat_quant",
-        "triton_poi_fused__to_copy_cat_clamp_mul_reciprocal_view_1": "q_concat_quant",
-        "aiter::fuse_qk_rope_concat_and_cache_mla_per_head_kernel<bf16>": "fused_qprep",
-        "aiter::fuse_qk_rope_concat_and_cache_mla_kernel<bf16>": "fused_qprep",
-        "aiter::fuse_qk_rope_concat_and_cache_mla_kernel_general<bf16>": "fused_qprep",
-    }
-    for raw, want in role_of.items():
-        hits = [r for r, role in spec.roles.items() if role.hits(n(raw))]
-        assert hits == [want], (raw, hits)
     q = spec.roles["fused_qprep"]
-    assert [q.member_of(n(r)) for r in list(role_of)[5:]] == ["per_head", "opt", "general"]
     assert [m.name for m in q.members if m.forbidden] == ["general"]
-    # the host API name is not a device kernel, and the fused norm is not a stock norm
+    assert spec.roles["q_concat_quant"].hits(
+        "triton_poi_fused__to_copy_cat_clamp_mul_reciprocal_view")
+    # the host API name is not a device kernel
     assert not q.hits("aiter::fused_qk_rope_concat_and_cache_mla_kernel")
-    assert not spec.roles["qk_norm"].hits("aiter::fused_qk_rmsnorm_kernel")
-
-
-def test_kernel_table_is_package_data():
-    pyproject = (REPO / "pyproject.toml").read_text()
-    assert '"k3rocm.checks.census" = ["*.json"]' in pyproject
 
 
 # -- model config ----------------------------------------------------------------------------
@@ -168,15 +108,13 @@ def test_multi_rank_gzip_and_frontend_ignored():
 
 
 def test_plain_json_mixed_step_and_empty_step_ignored():
-    """A step without a forward (execute_context_0(0)_generation_0(0)) is neither decode nor
-    prefill: it is not counted at all."""
     ts = load_trace_dir(DATA / "rocm-mixed-plain")
     r = ts.ranks[0]
     assert r.path.suffix == ".json" and r.rank == 0
     assert r.empty_steps == 1
     assert [s.decode_only for s in r.steps] == [False, True, True, True, True]
     assert (r.steps[0].ctx_reqs, r.steps[0].gen_reqs) == (1, 7)
-    c = census("rocm-mixed-plain", "all=on", records=False)
+    c = census("rocm-mixed-plain", "all=on")
     assert c.ok, c.table()
     other = [k for k in c.checks if k.scope == "other steps"]
     assert {(k.role, k.expected, k.seen) for k in other} == {("fused_qprep", 0, 0),
@@ -213,9 +151,7 @@ def test_fusions_off_reverse_counts_pass():
 
 
 def test_asked_on_but_traces_stock_fails_every_count():
-    """Claimed on against stock traces: the fused counts and every stock kernel the fusion
-    should have removed fail (records aside: the off-state records fail too)."""
-    c = census("rocm-off", "all=on")
+    c = census("rocm-off", "all=on", records=True)
     bad = {(k.rank, k.role) for k in c.checks if k.ok is False}
     assert {(r, role) for r in (0, 1) for role in
             ("fused_qk_norm", "qk_norm", "fused_qprep", "cache_write", "q_concat_quant")} <= bad
@@ -256,30 +192,10 @@ def test_seven_of_eight_ranks_fails_naming_the_missing_rank():
     assert c.incomplete == [{"rank": 7, "what": "no worker trace for this rank"}]
 
 
-def test_rankless_worker_traces_are_bad_input():
-    with pytest.raises(UsageError, match="cannot tell the rank of 2 worker trace"):
-        load_trace_dir(DATA / "rocm-rankless")
-
-
-@pytest.mark.parametrize("flag", [["--platform", "cpu"], ["--mode", "gpu"],
-                                  ["--alias", "x=y"], ["--no-strip-templates"],
-                                  ["--spec", "s.json"]])
-def test_removed_options_are_refused(flag, tmp_path):
-    """The kernel table's platform and the trace mode follow the trace, kernel names have one
-    normal form and kernels.json is the one table: no flag overrides them."""
-    p = run_cli("census", "--trace-dir", str(DATA / "rocm-on"), "--model-dir", str(TINY),
-                "--fusions", "all=on", *flag, "--results", str(tmp_path))
-    err = p.stderr.strip().splitlines()[-1]
-    assert p.returncode == 2 and "error:" in err and flag[0] in err, p.stderr
-
-
-@pytest.mark.parametrize("d,msg", [
-    ("rocm-corrupt-gzip", "cannot be read as chrome-trace JSON"),
-    ("rocm-bad-ts", "non-numeric ts"),
-])
-def test_malformed_traces_are_one_line_errors(d, msg):
-    with pytest.raises(UsageError, match=msg):
-        load_trace_dir(DATA / d)
+def _one_kernel(mutate) -> bytes:
+    obj = MT["make_trace"](0, 1, [0, 1, 2], 3, [(0, 8)] * 6, "on", "on")
+    mutate(next(e for e in obj["traceEvents"] if e.get("cat") == "kernel"))
+    return json.dumps(obj).encode()
 
 
 @pytest.mark.parametrize("content,msg", [
@@ -292,16 +208,18 @@ def test_malformed_traces_are_one_line_errors(d, msg):
     (json.dumps({"traceEvents": [
         {"ph": "X", "cat": "kernel", "name": "k", "ts": 1, "dur": 1, "args": [1]}]}).encode(),
      "args that are not an object"),
+    (lambda: _one_kernel(lambda e: e["args"].update(correlation="1001")), "args.correlation"),
+    (lambda: _one_kernel(lambda e: e.update(pid=[0])), "pid"),
+    (lambda: _one_kernel(lambda e: e.update(tid={"q": 7})), "tid"),
+    (lambda: _one_kernel(lambda e: e.update(name=17)), "name"),
 ])
-def test_bad_inputs_are_usage_errors(tmp_path, content, msg):
-    (tmp_path / "x-rank-0.pt.trace.json").write_bytes(content)
-    with pytest.raises(UsageError, match=msg):
+def test_bad_inputs_are_usage_errors_naming_file_and_field(tmp_path, content, msg):
+    (tmp_path / "x-rank-0.pt.trace.json").write_bytes(content() if callable(content) else content)
+    with pytest.raises(UsageError, match=r"x-rank-0\.pt\.trace\.json.*" + msg):
         load_trace_dir(tmp_path)
 
 
-def test_empty_dir_and_bad_fusions(tmp_path):
-    with pytest.raises(UsageError, match="no trace files"):
-        load_trace_dir(tmp_path)
+def test_bad_fusions(tmp_path):
     with pytest.raises(UsageError, match="not NAME=on"):
         from_cli("qk=on")
     with pytest.raises(UsageError, match="leaves decode_qprep unset"):
@@ -309,9 +227,6 @@ def test_empty_dir_and_bad_fusions(tmp_path):
 
 
 def test_kimi_k3_anchor_single_arm():
-    """Rank 0 and 1 over 6 decode steps of the 24-MLA-layer model: 144 fused RMSNorm and 144
-    fused Q-prep launches; the stock q/kv norms are not separable from K3's other norms in one
-    trace (reported), unless the other-norm count is given."""
     on = census("k3-anchor-on", "all=on", model=KIMI)
     assert on.ok, on.table()
     fused = next(k for k in on.checks if k.role == "fused_qk_norm" and k.rank == 0)
@@ -331,10 +246,6 @@ def test_kimi_k3_anchor_single_arm():
 
 
 def test_anchor_ab_288_to_144():
-    """The upstream evidence on crafted traces (per rank, 6 decode steps, 24 MLA layers):
-    q/kv norm 288 separate -> 144 fused; Q-prep 288 (cache write + triton concat/quant) -> 144
-    fused; 9.39 -> 4.74 us per MLA layer per decode step. The q/kv pair is the off - on
-    difference of all RMSNorm launches (K3's other norms unknown): checked = 2 x 24 x 6."""
     from k3rocm.checks.census.ab import compare, render_ab_table
 
     off = census("k3-anchor-off", "all=off", model=KIMI)
@@ -356,8 +267,6 @@ def test_anchor_ab_288_to_144():
 
 
 def test_ab_fused_while_pair_still_runs_fails_without_other_norm_count():
-    """With the model's other norms unknown, the A/B difference still catches a fused kernel
-    launched next to the stock pair: nothing was removed."""
     from k3rocm.checks.census.ab import compare
 
     off = census("rocm-off", "all=off", other="0")
@@ -368,7 +277,7 @@ def test_ab_fused_while_pair_still_runs_fails_without_other_norm_count():
 
 
 def test_too_few_decode_steps_fails():
-    c = census("rocm-mixed-plain", "all=on", records=False, min_decode_steps=5)
+    c = census("rocm-mixed-plain", "all=on", min_decode_steps=5)
     assert not c.ok
     assert next(k for k in c.checks if k.what == "decode-only engine steps captured").seen == 4
 
@@ -392,8 +301,6 @@ def test_extra_and_formula_overrides():
 
 
 def test_cpu_op_trace_is_counted_by_operator(tmp_path):
-    """A trace with no kernel events: CPU operators; nested rsqrt inside the fused op or inside
-    _C::rms_norm is not a separate norm."""
     ev = []
     t = 100.0
     for _step in range(2):
@@ -507,8 +414,6 @@ def test_cli_usage_errors_exit_2_one_line(args, msg, tmp_path):
     (["--max-tokens", "10"], "--max-tokens 10 is too few for --steps 6; use at least 18"),
 ])
 def test_cli_load_out_of_range_exit_2_before_any_server(cmd, args, msg, tmp_path):
-    """The live load's ranges (one declaration for census and census-ab) refuse before a
-    server is contacted or started."""
     where = ["--url", "http://127.0.0.1:9"] if cmd == "census" else ["--no-gpu"]
     p = run_cli(cmd, *where, "--model-dir", str(TINY), *args, "--results", str(tmp_path))
     assert p.returncode == 2, p.stdout + p.stderr
@@ -519,28 +424,21 @@ def test_cli_load_out_of_range_exit_2_before_any_server(cmd, args, msg, tmp_path
 @pytest.mark.parametrize("d,msg", [
     ("rocm-corrupt-gzip", "cannot be read as chrome-trace JSON"),
     ("rocm-bad-ts", "non-numeric ts"),
-    ("rocm-rankless", "cannot tell the rank"),
+    ("rocm-rankless", "cannot tell the rank of 2 worker trace"),
+    ("", "no trace files"),
 ])
 def test_cli_malformed_traces_exit_2_no_traceback(d, msg, tmp_path):
-    p = run_cli("census", "--trace-dir", str(DATA / d), "--model-dir", str(TINY),
-                "--fusions", "all=on", "--world-size", "1", "--results", str(tmp_path))
+    p = run_cli("census", "--trace-dir", str(DATA / d if d else tmp_path), "--model-dir",
+                str(TINY), "--fusions", "all=on", "--world-size", "1", "--results",
+                str(tmp_path / "r"))
     assert p.returncode == 2, p.stdout + p.stderr
     err = p.stderr.strip().splitlines()
     assert len(err) == 1 and msg in err[0] and "Traceback" not in p.stderr
 
 
-def test_cli_no_traces_exit_2(tmp_path):
-    p = run_cli("census", "--trace-dir", str(tmp_path), "--model-dir", str(TINY),
-                "--fusions", "all=on", "--results", str(tmp_path / "r"))
-    assert p.returncode == 2 and "no trace files" in p.stderr
-
-
 def test_crafted_traces_are_reproducible(tmp_path):
-    """The committed traces and records are what make_traces.py writes (byte-identical)."""
     shutil.copy(DATA / "make_traces.py", tmp_path / "make_traces.py")
     shutil.copytree(DATA / "models", tmp_path / "models")
-    import runpy
-
     runpy.run_path(str(tmp_path / "make_traces.py"), run_name="__main__")
     committed = [f for f in DATA.rglob("*") if f.is_file() and f.parent != DATA
                  and "models" not in f.relative_to(DATA).parts]
@@ -548,20 +446,3 @@ def test_crafted_traces_are_reproducible(tmp_path):
     for f in committed:
         rel = f.relative_to(DATA)
         assert (tmp_path / rel).read_bytes() == f.read_bytes(), rel
-
-
-def test_kernel_table_has_every_role_of_the_fusion_table():
-    """kernels.json: on each platform a rule and an expectation for every role the fusion table
-    names, and the expectations name only those roles."""
-    from k3rocm.checks.census.spec import ROLES
-
-    t = kernel_table()
-    assert set(t["platforms"]) == {"rocm", "cpu"}
-    for plat in t["platforms"]:
-        assert set(ROLES) <= set(t["platforms"][plat]["roles"]), plat
-        spec = load_spec(plat, "deepseek_v3")
-        assert set(spec.roles) == set(spec.expect) == set(ROLES)
-        for e in spec.expect.values():
-            named = [*(e.beside.until + [e.beside.fused] if e.beside else []),
-                     *(e.pair.until if e.pair else [])]
-            assert set(named) <= set(ROLES), named

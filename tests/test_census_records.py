@@ -1,6 +1,4 @@
-"""The claim (what the server was asked for) and its cross-check against the overlay's decision
-records (format: docs/census.md, 'Overlay decision records'). Crafted record files and server
-logs are written by tests/data/census/make_traces.py (records/ and beside the trace sets)."""
+"""The claim and its cross-check against the decision records (docs/census.md)."""
 
 from __future__ import annotations
 
@@ -8,7 +6,7 @@ import json
 import shutil
 
 import pytest
-from conftest import REPO, run_cli
+from census_helpers import DATA, TINY, run_cli
 
 from k3rocm.checks.census.decisions import Decisions, cross_check
 from k3rocm.checks.census.fusions import from_cli, from_env
@@ -20,9 +18,7 @@ from k3rocm.serving.decisions import (
     records_from_log,
 )
 
-DATA = REPO / "tests" / "data" / "census"
 REC = DATA / "records"
-TINY = DATA / "models" / "tiny-deepseek-v3"
 
 
 def rows(claim, dec):
@@ -90,8 +86,6 @@ def test_missing_records_fail_only_when_asked_on():
 
 
 def test_process_that_read_another_toggle_fails(tmp_path):
-    """The records say the process read K3_FUSE_QK_NORM as on, yet states off: a claim of off
-    (e.g. --fusions) disagrees with what the server really read."""
     recs = json.loads((DATA / "rocm-off" / "k3rocm-decisions-pid5000.json").read_text())
     for rec in recs:
         rec["asked"]["qk_norm"] = True
@@ -143,8 +137,6 @@ def census(*args: str, tmp_path):
 
 
 def test_cli_asked_on_reported_off_exit_1_prints_reason(tmp_path):
-    """rocm-on-reported-off: the server was asked for both fusions (default on), the overlay
-    reported decode Q-prep OFF after load and the traces run the stock path."""
     p = census("--trace-dir", str(DATA / "rocm-on-reported-off"), "--fusions", "all=on",
                tmp_path=tmp_path)
     assert p.returncode == 1, p.stdout + p.stderr
@@ -156,8 +148,6 @@ def test_cli_asked_on_reported_off_exit_1_prints_reason(tmp_path):
 
 
 def test_cli_claim_from_provenance_and_records_from_server_log(tmp_path):
-    """Offline: the claim is the server env recorded in the run's provenance.json (unset =
-    on); the records come from --server-log when given."""
     run = tmp_path / "run"
     shutil.copytree(DATA / "rocm-on", run / "traces",
                     ignore=shutil.ignore_patterns("k3rocm-decisions-*"))
@@ -192,9 +182,6 @@ def test_cli_bad_record_log_exit_2(tmp_path):
 
 
 def test_empty_log_read_at_collection_still_fails_offline(tmp_path):
-    """A live census that read the server's log and found no record leaves a marker beside
-    the traces; an offline re-analysis then says 'the overlay did not run' (a found, empty
-    source), not 'not cross-checked'."""
     d = tmp_path / "traces"
     shutil.copytree(DATA / "rocm-on", d, ignore=shutil.ignore_patterns("k3rocm-decisions-*"))
     (d / "k3rocm-decisions-none.json").write_text(json.dumps(
@@ -208,9 +195,6 @@ def test_empty_log_read_at_collection_still_fails_offline(tmp_path):
 # -- records of the upstream hook (writer "upstream"), on a base whose amd/mla.py is upstream's
 
 def test_upstream_hook_records_are_judged_like_the_overlays():
-    """The hook writes the overlay's format with ``writer: upstream`` (one construct record
-    per process). Same rules; each row names who wrote the records. Before: the rows did not
-    say who wrote them."""
     on = rows(from_cli("all=on"), log("server-upstream-on.log"))
     assert all(c.ok is True and "written by the upstream hook" in c.rule for c in on.values())
     off = rows(from_cli("all=off"), log("server-upstream-off.log"))
@@ -224,9 +208,6 @@ def test_upstream_hook_records_are_judged_like_the_overlays():
 
 
 def test_upstream_state_unknown_cannot_judge_that_fusion():
-    """A base whose Q-prep attribute is not what the hook expects: records say 'unknown'.
-    Before: FAIL ('reported UNKNOWN'). After: that fusion cannot be judged (with the hook's
-    reason); the other fusion is judged as usual."""
     r = rows(from_cli("all=on"), log("server-upstream-qprep-unknown.log"))
     q = r["decode_qprep asked ON"]
     assert q.ok is None and q.status == "cannot judge" and q.fusion == "decode_qprep"
@@ -236,9 +217,6 @@ def test_upstream_state_unknown_cannot_judge_that_fusion():
 
 
 def test_cli_upstream_records_pass_and_unknown_exits_4(tmp_path):
-    """Through the command line: upstream's records with both fusions on beside fused traces
-    PASS; off beside stock traces PASS; 'unknown' -> CANNOT JUDGE, exit 4, the reason on the
-    verdict lines. Before: exit 1 (FAIL) for 'unknown'."""
     p = census("--trace-dir", str(DATA / "rocm-on"), "--fusions", "all=on", "--server-log",
                str(REC / "server-upstream-on.log"), tmp_path=tmp_path / "on")
     assert p.returncode == 0 and "census: PASS" in p.stdout, p.stdout[-2000:] + p.stderr
@@ -256,9 +234,6 @@ def test_cli_upstream_records_pass_and_unknown_exits_4(tmp_path):
 
 
 def test_cli_upstream_decision_files_beside_the_traces(tmp_path):
-    """The hook's decision files beside the traces (``k3rocm-decisions-pid<PID>.json``, the
-    hook's writer: a JSON list, indent 1, sorted keys), as a live census leaves them: judged
-    like the overlay's; 'unknown' -> exit 4. Before: 'unknown' was a FAIL (exit 1)."""
     import runpy
 
     mt = runpy.run_path(str(DATA / "make_traces.py"))
@@ -276,8 +251,6 @@ def test_cli_upstream_decision_files_beside_the_traces(tmp_path):
 
 
 def test_census_ab_with_an_arm_that_cannot_be_judged_exits_4(tmp_path):
-    """census-ab: an arm whose hook records say 'unknown' for a fusion (and nothing
-    contradicts the claim) is CANNOT JUDGE, exit 4, with the reason; not FAIL (exit 1)."""
     import runpy
 
     mt = runpy.run_path(str(DATA / "make_traces.py"))

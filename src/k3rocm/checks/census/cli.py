@@ -1,19 +1,7 @@
 """``k3rocm census``: prove from the server's profiler trace which fused kernels run, how often.
 
-Live: against a running server started with the profiler (K3_PROFILER_DIR), drive a
-decode-heavy streaming load, profile a few decode steps, collect every rank's trace into
-``results/<UTC>-census/``, count launches per step and judge them against what the server was
-ASKED for (K3_FUSE_* in the server container's env, default on; or ``--fusions``), the model
-config and the trace. The overlay's decision records are cross-checked against the same claim.
-Offline: ``--trace-dir DIR`` analyses existing traces (no server).
-
-The server URL, API key, served model name, checkpoint (K3_MODEL under K3_MODELS_DIR) and
-results root come from the deployment settings (shell > .env > profile); flags override them.
-
-Exit codes: 0 PASS, 1 FAIL (a check contradicts the claim), 2 bad input (one line), 3
-server/trace problems or no Docker engine, 4 incomplete trace (lost kernel events or ranks:
-nothing judged) or cannot judge (a fusion the evidence can neither prove nor refute, with the
-reason), 130 interrupted.
+Live (a server with K3_PROFILER_DIR) or offline (``--trace-dir``); docs/census.md. Exit codes:
+0 PASS, 1 FAIL, 2 bad input, 3 server problem, 4 incomplete trace / cannot judge.
 """
 
 from __future__ import annotations
@@ -35,8 +23,7 @@ LIVE = "live server"  # --help group
 
 
 class CensusFlags(Options):
-    """``k3rocm census``'s own flags (the load: :class:`pl.Profiling`, the analysis:
-    :class:`common.AnalysisFlags`)."""
+    """``k3rocm census``'s own flags (plus :class:`pl.Profiling`, :class:`common.AnalysisFlags`)."""
 
     trace_dir: str | None = option(None, "analyse the traces in this directory instead of "
                                    "driving a server")
@@ -100,8 +87,7 @@ def finish(census: Census, run_dir: Path) -> int:
 
 
 def _deployment_args(args: argparse.Namespace):
-    """The deployment; the server URL defaults to its URL (results root and checkpoint dir:
-    :func:`common.results_root`, :func:`common.model_dir_from`)."""
+    """The deployment; --url defaults to its URL."""
     from k3rocm.deploy.deployment import load_deployment
 
     dep = load_deployment()

@@ -15,8 +15,7 @@ from k3rocm.options import Options, ServerFlags, like, option
 
 
 class AnalysisFlags(Options):
-    """How the traces are read and judged: the flags ``census`` and ``ab --measure census``
-    share (checked into a :class:`pipeline.Analysis` by :func:`analysis_from`)."""
+    """The analysis flags ``census`` and ``ab --measure census`` share."""
 
     model_dir: str | None = option(
         None, "checkpoint directory (or its config.json) as seen from this host: the MLA layer "
@@ -46,7 +45,6 @@ def add_analysis_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _deployment(dep):
-    """The command's deployment, loaded here only by a command that has none (offline)."""
     if dep is not None:
         return dep
     from k3rocm.deploy.deployment import load_deployment
@@ -55,8 +53,7 @@ def _deployment(dep):
 
 
 def model_dir_from(args: argparse.Namespace, dep=None) -> str:
-    """--model-dir, else the deployment's checkpoint on this host (K3_MODEL under
-    K3_MODELS_DIR, wherever they are set; census-ab: the arm servers')."""
+    """--model-dir, else the deployment's checkpoint on this host."""
     if args.model_dir:
         return args.model_dir
     dep = _deployment(dep)
@@ -67,13 +64,11 @@ def model_dir_from(args: argparse.Namespace, dep=None) -> str:
 
 
 def results_root(args: argparse.Namespace, dep=None) -> str:
-    """--results, else the deployment's results root (K3_RESULTS_DIR, mounted at /results)."""
     return args.results or str(_deployment(dep).results_root)
 
 
 def analysis_from(args: argparse.Namespace, dep=None) -> Analysis:
-    """The analysis flags, checked before any expensive work (bad input: exit 2); ``dep``:
-    the command's deployment (where the checkpoint is without --model-dir)."""
+    """The analysis flags, checked before any expensive work (exit 2)."""
     f = AnalysisFlags.from_args(args)  # out of range: exit 2
     model_dir = model_dir_from(args, dep)
     other_norms(f.other_norms, read_model_facts(model_dir))  # a bad formula: exit 2 now
@@ -94,5 +89,4 @@ def analysis_from(args: argparse.Namespace, dep=None) -> Analysis:
 
 
 def profiling_from(args: argparse.Namespace) -> Profiling:
-    """The live load flags, checked (bad input: exit 2)."""
     return Profiling.from_args(args, server_trace_dir=getattr(args, "server_trace_dir", None))

@@ -1,18 +1,7 @@
-"""The decision records (read by :mod:`k3rocm.serving.decisions`) cross-checked against what
-the server was asked for (:mod:`k3rocm.checks.census.fusions`). Records written by the overlay
-file and by the upstream hook (``"writer": "upstream"``, on a base whose own amd/mla.py carries
-the fusions) are judged alike; each row names who wrote them.
-
-Rules (target layers judged, draft layers reported):
-- a target process whose state is "unknown" (the upstream hook found upstream's attributes
-  not as it expected) -> cannot judge that fusion (exit 4, with the writer's reason)
-- asked ON, final state not "on"  -> FAIL, with the writer's reason
-- asked OFF, final state "on"      -> FAIL
-- the process read a different toggle than the claim says (record ``asked``) -> FAIL
-- no record at all in a source that was found (a server log, decision files) while a fusion
-  is asked ON -> FAIL ("the overlay did not run", nor the upstream hook)
-- no source found at all (offline, nothing beside the traces, no --server-log) -> "not
-  cross-checked", reported, never a FAIL: absence of a file is not evidence against the overlay
+"""The decision records (overlay's or upstream hook's) cross-checked against the claim (target
+layers judged, draft reported): asked on but not on, asked off but on, or a record that read
+another toggle: FAIL; state unknown: cannot judge; no record in a found source while asked on:
+FAIL; no source at all: not cross-checked, never a FAIL.
 """
 
 from __future__ import annotations
@@ -28,8 +17,8 @@ from k3rocm.serving.decisions import Record, final_decisions
 @dataclass
 class Decisions:
     records: list[Record]
-    source: str  # where they were read from (found=False: where they were looked for)
-    found: bool = True  # False: no source of records was found at all
+    source: str  # where read (found=False: where looked for)
+    found: bool = True
 
     def to_json(self) -> dict[str, Any]:
         return {"source": self.source, "found": self.found, "count": len(self.records),
@@ -47,8 +36,8 @@ def _writers(records: list[Record]) -> str:
 
 
 def cross_check(claim: FusionClaim, dec: Decisions | None) -> list[Check]:
-    """One row per fusion (target layers), plus draft rows reported only.
-    ``dec`` None = the cross-check was skipped on request (--skip-records)."""
+    """One row per fusion (target layers), draft rows reported only; ``dec`` None:
+    --skip-records."""
     if dec is None or not dec.found:
         why = ("SKIPPED on request (--skip-records): the overlay's own decisions were not "
                "cross-checked" if dec is None else f"NOT CROSS-CHECKED: no records found "

@@ -1,12 +1,8 @@
 """Drive a running server for a census: decode-heavy streaming load, profiler on, profiler off.
 
-Plain HTTP (requests + threads). The load is N concurrent streaming chat completions with
-``ignore_eos`` and long outputs. Profiling starts once every stream has produced its first
-tokens (prefill is over, every running request is decoding) while each still has at least
-half of its tokens to go (else that round is hung up and a fresh one started). It ends when the
-server's profiler stops itself (its ``max_iterations``: the trace file appears), else once every
-stream has produced ``steps + margin`` more tokens. The streams are then hung up (aborting the
-requests) so nothing keeps running. A fresh round's prompts differ from the last one's.
+N concurrent streaming chat completions (``ignore_eos``); profiling starts once every stream
+decodes with at least half its tokens to go, and ends when the server's profiler stops itself
+or after ``steps`` more tokens; then the streams are hung up (aborting the requests).
 """
 
 from __future__ import annotations
@@ -42,13 +38,16 @@ class _Stream:
     response: Any = None
 
     def hang_up(self) -> None:
-        """Stop reading and close the connection now (the server aborts the request), even
-        while the reading thread waits for a first byte."""
+        """Close the connection now (the server aborts the request)."""
         self.stop.set()
-        conn = getattr(getattr(self.response, "raw", None), "connection", None)
-        if getattr(conn, "sock", None) is not None:
+        raw = getattr(self.response, "raw", None)
+        sock = getattr(getattr(raw, "connection", None), "sock", None)
+        if sock is None:  # `Connection: close`: http.client handed the socket to the response
+            sock = getattr(getattr(getattr(getattr(raw, "_fp", None), "fp", None), "raw", None),
+                           "_sock", None)
+        if sock is not None:
             with contextlib.suppress(OSError):
-                conn.sock.shutdown(socket.SHUT_RDWR)
+                sock.shutdown(socket.SHUT_RDWR)
 
 
 def _run_stream(url: str, api_key: str | None, body: dict[str, Any], st: _Stream) -> None:
@@ -77,8 +76,7 @@ def _run_stream(url: str, api_key: str | None, body: dict[str, Any], st: _Stream
                     chunk = json.loads(payload)
                 except ValueError:
                     continue
-                # vLLM's continuous usage stats count tokens exactly (a chunk can carry several
-                # when the server's output loop is behind); without them, count content chunks
+                # continuous usage stats count exactly; without them, count content chunks
                 usage = chunk.get("usage") or {}
                 if usage.get("completion_tokens") is not None:
                     st.tokens = usage["completion_tokens"]
@@ -132,11 +130,8 @@ LOAD_ATTEMPTS = 3
 
 def _decoding_load(url: str, model: str, api_key: str | None, load: Any, t0: float,
                    prefill_timeout: float) -> _Load:
-    """A load whose every stream is decoding (2+ tokens) with at least half its tokens left.
-
-    A stream whose first tokens come late (a busy client or server) while the others race on
-    would leave too little load for the profile window: that round is aborted and a fresh one
-    started, up to LOAD_ATTEMPTS rounds."""
+    """A load whose every stream is decoding with at least half its tokens left (a round
+    where one stream lags is aborted and a fresh one started, up to LOAD_ATTEMPTS)."""
     half = load.max_tokens // 2
     for attempt in range(1, LOAD_ATTEMPTS + 1):
         run, next_note = _Load(url, model, api_key, load, salt=attempt - 1), 0.0
@@ -170,15 +165,9 @@ def _decoding_load(url: str, model: str, api_key: str | None, load: Any, t0: flo
 def profile_under_load(url: str, model: str, api_key: str | None, load: Any, margin: int = 4,
                        prefill_timeout: float = 600.0,
                        stopped: Callable[[], bool] | None = None) -> dict[str, Any]:
-    """Run the load (a :class:`pipeline.Profiling`: concurrency, max_tokens, prompt_words,
-    steps), profile, stop; returns timings.
-
-    ``stopped``: whether the server's profiler has stopped by itself (its ``max_iterations``:
-    vLLM's ``WorkerProfiler.step`` stops after that many worker steps and writes the trace;
-    0.27.1 and 0.32.0 alike). Given, the load runs until then: an event of the server's own
-    steps. Without it, the load runs until every stream has ``steps`` + ``margin`` more tokens
-    after the profiler started (tokens the client reads late were made earlier, so this
-    can catch fewer steps on a busy host)."""
+    """Run the ``load`` (:class:`pipeline.Profiling`), profile, stop; returns timings.
+    ``stopped``: the server's profiler stopped itself (``max_iterations``: vLLM's
+    ``WorkerProfiler.step``); without it, until every stream has ``steps + margin`` more tokens."""
     t0 = time.time()
     info: dict[str, Any] = {"concurrency": load.concurrency, "max_tokens": load.max_tokens}
     run = _decoding_load(url, model, api_key, load, t0, prefill_timeout)
@@ -224,12 +213,9 @@ def profile_under_load(url: str, model: str, api_key: str | None, load: Any, mar
     return info
 
 
-# -- trace collection ---------------------------------------------------------------------------
-
 @dataclass
 class TraceDir:
-    """Where the server writes its traces: ``host`` (a directory on this host), else ``path``
-    inside ``container`` (copied out with the Docker API)."""
+    """The server's traces: ``host`` directory, else ``path`` inside ``container``."""
 
     host: Path | None
     container: Any = None
@@ -240,19 +226,16 @@ class TraceDir:
             f"{self.path} inside container {self.container.name}"
 
     def snapshot(self) -> dict[str, Any]:
-        """Relative file name -> (size, mtime) on the host, size in the container."""
         if self.host is not None:
             d = self.host
             return {str(p.relative_to(d)): (p.stat().st_size, p.stat().st_mtime)
                     for p in d.rglob("*") if p.is_file()} if d.is_dir() else {}
-        # exit 0: a file that vanishes mid-scan makes find fail; what it did list still counts
         out = exec_text(self.container, ["sh", "-c", f"cd '{self.path}' 2>/dev/null && "
                                          "find . -type f -exec stat -c '%s %n' {} +; exit 0"])
         lines = (line.partition(" ") for line in (out or "").splitlines())
         return {name.removeprefix("./"): int(size) for size, _, name in lines if size.isdigit()}
 
     def new_files(self, before: dict[str, Any]) -> dict[str, Any]:
-        """The trace files (.json, .json.gz, .txt; not hidden) not in ``before``."""
         return {k: v for k, v in self.snapshot().items()
                 if k not in before and k.endswith((".json", ".json.gz", ".txt"))
                 and not Path(k).name.startswith(".")}
@@ -267,9 +250,7 @@ class TraceDir:
 
     def collect(self, before: dict[str, Any], dest: Path, timeout: float = 600.0,
                 settle: float = 3.0) -> list[Path]:
-        """Copy the trace files not in ``before`` into ``dest`` once they exist and have not
-        changed for ``settle`` seconds. After ``timeout`` take what is there, or fail when
-        nothing appeared."""
+        """Copy the new trace files into ``dest`` once unchanged for ``settle`` seconds."""
         t0 = time.time()
         last: dict = {}
         stable_since = None

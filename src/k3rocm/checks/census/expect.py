@@ -1,8 +1,6 @@
-"""Expected vs seen launch counts. Expectations come from what the server was ASKED for (the
-claim), the model config (MLA layer count), the trace's engine steps and, per role of each
-fusion of the fusion table (serving/fusions.py), its row in kernels.json ``expect``; never from
-the decision records (cross-checked separately, census/decisions.py). Each fusion is judged
-per rank on both halves (PASS / FAIL / cannot judge: :func:`_judge`, :func:`settle_ranks`)."""
+"""Expected vs seen launch counts, from the claim, the model's MLA layers, the trace's steps and
+each role's kernels.json ``expect`` row (never from the decision records); each fusion judged
+per rank on both halves."""
 
 from __future__ import annotations
 
@@ -21,9 +19,8 @@ SCOPES = ("decode", "other", "outside")
 
 @dataclass
 class RoleCounts:
-    """Launches and time (us) per role, split by decode-only steps, the other steps and
-    launches outside every step; per step; which names matched; fused Q-prep members; the
-    launches in the MLA attention region that match no role."""
+    """Launches and time (us) per role and scope (decode / other steps / outside), per step,
+    matched names, members, and MLA-region launches that match no role."""
 
     launches: dict[str, dict[str, int]]
     time_us: dict[str, dict[str, float]]
@@ -60,8 +57,6 @@ def role_counts(rt: RankTrace, spec: Spec) -> RoleCounts:
                 any(x.search(p) for p in ln.parents for x in spec.region.parents)
                 or (not ln.parents and where == "decode"
                     and not any(x.search(ln.name) for x in spec.region.known_kernels))):
-            # around a host operator of the MLA region; or, graph-replayed (no operator
-            # around the launch) in a decode step, of no known family (GEMMs, MoE, ...)
             unclassified[ln.name] += ln.count
     return RoleCounts(launches, {r: {k: round(v, 3) for k, v in d.items()}
                                  for r, d in time_us.items()},
@@ -71,17 +66,17 @@ def role_counts(rt: RankTrace, spec: Spec) -> RoleCounts:
 
 @dataclass
 class Check:
-    rank: int | str  # "all" for checks over the whole set (ranks present, records)
+    rank: int | str  # "all": over the whole set
     what: str
     role: str
-    scope: str  # "all steps" | "decode-only steps" | "other steps" | "no step" | ...
-    rule: str  # the formula in words
+    scope: str
+    rule: str
     expected: int | None
     seen: int
-    ok: bool | None  # None = reported, not checked (or cannot be judged: ``undecided``)
-    fusion: str = ""  # the fusion the check belongs to (serving/fusions.py), "" = none
-    undecided: str = ""  # why this cannot be judged (verdict "cannot judge", exit 4)
-    ab_decides: bool = False  # undecided in one trace, decided by census-ab's off - on check
+    ok: bool | None  # None = reported only (or ``undecided``)
+    fusion: str = ""
+    undecided: str = ""  # why this cannot be judged
+    ab_decides: bool = False  # census-ab's off - on check decides it
 
     @property
     def status(self) -> str:
@@ -94,8 +89,7 @@ class Check:
 
 
 def other_norms(formula: str | None, model: ModelFacts) -> int | None:
-    """The model's other RMSNorm launches per step (``formula``: kernels.json model_families
-    or --other-norms), None when unknown."""
+    """The model's other RMSNorm launches per step, None when unknown."""
     if formula is None:
         return None
     return eval_formula(formula, {"layers": model.layers, "mla_layers": model.mla_layers})
@@ -109,10 +103,8 @@ NOT_SEPARABLE = ("not derivable from one trace: this model's other RMSNorm launc
 
 def build_checks(rt: RankTrace, spec: Spec, model: ModelFacts, claim: FusionClaim,
                  extra_per_step: dict[str, int] | None = None) -> tuple[list[Check], RoleCounts]:
-    """Per fusion of the fusion table, from each of its roles' expectation (kernels.json
-    ``expect``): the launch counts, the steps off the asked path, and the fusion's judgement
-    (both halves: the fused launches AND the absence of the stock ones it replaces, or the
-    reverse when asked off)."""
+    """Per fusion of the table, from its roles' kernels.json ``expect``: the counts, the steps
+    off the asked path, and the both-halves judgement."""
     extra = extra_per_step or {}
     rc = role_counts(rt, spec)
     L, n = model.mla_layers, rc.launches
@@ -222,18 +214,15 @@ def build_checks(rt: RankTrace, spec: Spec, model: ModelFacts, claim: FusionClai
 
 
 def _kinds(rt: RankTrace, classes: dict[str, list[Any]]) -> dict[str, str]:
-    """Each distinct kernel name of the rank's step sequences -> the first class (key of
-    ``classes``: a list of roles) one of whose roles it hits, or "" (regexes once per name)."""
+    """Each kernel name in the step sequences -> the first class one of whose roles it hits."""
     names = {name for seq in rt.sequence for name in seq}
     return {name: next((k for k, roles in classes.items()
                         if any(r.hits(name) for r in roles)), "") for name in names}
 
 
 def beside(rt: RankTrace, spec: Spec, role: str, rule: Beside) -> tuple[int, str | None]:
-    """Launches of ``role`` next to ``rule.fused`` launches in each step's device order: the
-    contiguous run right before each fused launch, and every one from it up to the next launch
-    of an ``rule.until`` role. (count, None), or (count, why it cannot be placed) when a fused
-    launch is not followed by an ``until`` launch in its step."""
+    """``role`` launches right before each ``rule.fused`` launch and up to the next ``until``
+    launch: (count, None), or (count, why) when a fused launch has no ``until`` after it."""
     kind = _kinds(rt, {"fused": [spec.roles[rule.fused]], "stock": [spec.roles[role]],
                        "until": [spec.roles[r] for r in rule.until]})
     near = 0
@@ -260,10 +249,8 @@ def beside(rt: RankTrace, spec: Spec, role: str, rule: Beside) -> tuple[int, str
 
 
 def pairs(rt: RankTrace, spec: Spec, role: str, rule: Pair, size: int) -> tuple[int, int]:
-    """Launches of the ``rule.until`` roles whose nearest run of ``role`` launches before them
-    (walking back over other launches, not past an earlier ``until`` launch) has exactly
-    ``size`` launches (the MLA layers whose own stock pair ran), and the ``until`` launches
-    (one per MLA layer and step, or the pairs cannot be placed)."""
+    """(``until`` launches whose last run of ``role`` launches before them has ``size``,
+    all ``until`` launches)."""
     kind = _kinds(rt, {"stock": [spec.roles[role]],
                        "until": [spec.roles[r] for r in rule.until]})
     found = anchors = 0
@@ -285,10 +272,8 @@ def pairs(rt: RankTrace, spec: Spec, role: str, rule: Pair, size: int) -> tuple[
 
 def _judge(rank: int | str, f: Fusion, asked: bool, main: dict[str, Check],
            rows: list[Check], rc: RoleCounts) -> Check:
-    """The fusion's verdict on this rank: PASS when both halves hold; FAIL when a launch
-    contradicts what was asked; cannot judge when neither the fused nor the stock launches
-    were found (kernels under names the table does not know) or the stock half is not
-    derivable from one trace. The rows of a fusion that cannot be judged are marked so."""
+    """The fusion's verdict on this rank: ok (both halves), FAIL, or cannot judge (nothing
+    of it under a known name, or the stock half not derivable from one trace)."""
     fused = [main[r] for r in f.fused]
     stock = [main[r] for r in f.stock]
     judged_stock = [c for c in stock if c.expected is not None]
@@ -319,9 +304,7 @@ def _judge(rank: int | str, f: Fusion, asked: bool, main: dict[str, Check],
 
 
 def settle_ranks(checks: list[Check]) -> None:
-    """Across ranks: a fusion none of whose launches a rank shows under a known name while
-    other ranks show them (so the names are known) FAILS on that rank (it ran neither path the
-    table knows, e.g. the stock pair of a model whose other norms are unknown), not "cannot
+    """A rank showing none of a fusion's launches while other ranks do FAILS, not "cannot
     judge"."""
     for f in FUSIONS:
         verdicts = [c for c in checks if c.fusion == f.name and c.scope == "fusion"
@@ -359,8 +342,7 @@ def rank_checks(ranks: list[int], world_size: int, source: str) -> list[Check]:
 
 
 def columns(head: list[str], rows: list[list[str]], rule: bool = True) -> str:
-    """Plain-text columns two spaces apart. ``rule``: a dashed line under the head and the last
-    column (free text) left unpadded; else every column padded and each line right-stripped."""
+    """Plain-text columns; ``rule``: a dashed line under the head, last column unpadded."""
     padded = len(head) - 1 if rule else len(head)
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(padded)]
     body = [head, ["-" * w for w in widths] + ["-" * 4], *rows] if rule else [head, *rows]
@@ -370,15 +352,13 @@ def columns(head: list[str], rows: list[list[str]], rule: bool = True) -> str:
 
 
 def render_table(checks: list[Check]) -> str:
-    """A plain-text table: one row per check, expected next to seen."""
     return columns(["rank", "check", "scope", "expected", "seen", "status", "rule"],
                    [[str(c.rank), c.what, c.scope, _dash(c.expected), str(c.seen), c.status,
                      c.rule] for c in checks])
 
 
 def summarize(checks: list[Check]) -> list[dict[str, Any]]:
-    """One row per check across ranks: the value most ranks show, how many show it, and every
-    rank that deviates (the per-rank rows stay in census.json)."""
+    """One row per check across ranks: the majority value and every deviating rank."""
     groups: dict[tuple[str, str, str], list[Check]] = {}
     for c in checks:
         groups.setdefault((c.what, c.scope, c.role), []).append(c)
@@ -400,7 +380,6 @@ def summarize(checks: list[Check]) -> list[dict[str, Any]]:
 
 
 def render_summary(checks: list[Check]) -> str:
-    """Plain text: one row per check across ranks, deviations on the row."""
     return columns(["check", "scope", "ranks", "expected", "seen", "status", "deviations / rule"],
                    [[r["check"], r["scope"], r["ranks"], _dash(r["expected"]), str(r["seen"]),
                      r["status"], "; ".join(r["deviations"]) or r["rule"]]

@@ -1,11 +1,5 @@
-"""What the server was ASKED for: the claim the census judges.
-
-The claim is the fusion toggles the server was started with: the ``K3_FUSE_*`` switches of
-:mod:`k3rocm.serving.fusions` in the server container's environment (docker inspect, or the
-run's provenance), default on when unset, exactly as the overlay reads them; or stated with
-``--fusions qk_norm=on,decode_qprep=off``. The overlay's own decision records
-(``census/decisions.py``) are cross-checked against this claim; they never set it.
-"""
+"""What the server was ASKED for (the claim the census judges): the ``K3_FUSE_*`` switches in
+the server's rendered env (unset = on), or ``--fusions``. Decision records never set it."""
 
 from __future__ import annotations
 
@@ -22,7 +16,7 @@ from k3rocm.serving.fusions import NAMES as FUSIONS
 class FusionClaim:
     asked: dict[str, bool]  # per fusion name (serving/fusions.py): asked on
     source: str
-    detail: dict[str, str] = field(default_factory=dict)  # per fusion: where the value came from
+    detail: dict[str, str] = field(default_factory=dict)  # per fusion: where it came from
 
     def to_json(self) -> dict[str, Any]:
         return {**{k: self.asked[k] for k in FUSIONS}, "source": self.source,
@@ -33,7 +27,7 @@ EXAMPLE = ",".join(f"{k}={'on' if i == 0 else 'off'}" for i, k in enumerate(FUSI
 
 
 def from_cli(spec: str) -> FusionClaim:
-    """``qk_norm=on,decode_qprep=off`` (also ``all=off``): each fusion of the table, once."""
+    """``qk_norm=on,decode_qprep=off`` (or ``all=off``): every fusion of the table."""
     vals: dict[str, bool] = {}
     for part in filter(None, (p.strip() for p in spec.split(","))):
         key, sep, val = part.partition("=")
@@ -52,8 +46,7 @@ def from_cli(spec: str) -> FusionClaim:
 
 
 def from_env(env: Mapping[str, str], source: str) -> FusionClaim:
-    """The toggles in a server's environment, read as the overlay reads them (unset or empty =
-    the fusion's default)."""
+    """The toggles in a server's environment, as the overlay reads them (unset = default)."""
     vals: dict[str, bool] = {}
     detail: dict[str, str] = {}
     for k, var in ENV.items():

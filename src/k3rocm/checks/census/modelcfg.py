@@ -26,7 +26,6 @@ class ModelFacts:
 
 
 def read_model_facts(model: str | os.PathLike) -> ModelFacts:
-    """``model`` is a model directory (with config.json) or a config.json file."""
     p = Path(model)
     cfg_path = p / "config.json" if p.is_dir() else p
     if not cfg_path.is_file():

@@ -1,24 +1,8 @@
-"""Kernel / operator name normalization.
+"""Kernel / operator name normalization: every form kineto writes for one kernel gives one name.
 
-A census counts launches per *kernel*, not per instantiation or per name form, so every form a
-chrome trace carries for one kernel normalizes to one name:
-
-- CUDA (kineto CUPTI, ``libkineto/src/output_json.cpp`` writes the demangled name):
-  ``void vllm::rms_norm_kernel<c10::BFloat16, 8>(c10::BFloat16*, ...)``;
-- ROCm roctracer (kineto ``RoctracerActivity``; the demangled HIP kernel name, same shape):
-  ``void aiter::fused_qk_rmsnorm_kernel<__hip_bfloat16, 256, 8, true, 1>(...)``;
-- ROCm rocprofiler-sdk (kineto's ROCm backend in 2026, ``RocprofActivity``): the code-object
-  kernel *symbol*, demangled: ``void aiter::fused_qk_rmsnorm_kernel<...>(...) [clone .kd]``;
-  symbols that do not demangle (Triton, assembly kernels) end in ``.kd``:
-  ``triton_poi_fused__to_copy_cat_clamp_mul_reciprocal_view_0.kd``.
-
-The normalizer drops a `` [clone ...]`` suffix and a trailing ``.kd``, cuts at the first
-top-level ``(`` (the argument list; a ``(`` inside template arguments such as
-``(vllm::Fp8KVCacheDataType)1`` is not top level, ``(anonymous namespace)::`` is removed first),
-drops the return type and the template arguments. Generic launcher names (CK-tile's
-``ck_tile::kentry<...>``) would all collapse into one bucket, so for those the first
-kernel-like type inside the template arguments is kept: ``ck_tile::kentry<Rmsnorm2dFwd>``.
-A name form this does not reduce to what kernels.json matches is a row (or a rule here) to add.
+CUDA/roctracer demangled ``void ns::k<T, 8>(T*, ...)``, rocprofiler-sdk ``... [clone .kd]`` or
+``triton_..._0.kd``, and mangled ``_ZN...`` symbols: suffixes, ``void``, arguments and template
+arguments are dropped; generic launchers (``ck_tile::kentry<...>``) keep their kernel type.
 """
 
 from __future__ import annotations
@@ -26,13 +10,12 @@ from __future__ import annotations
 import re
 from functools import lru_cache
 
-# Launcher names whose template arguments are the only thing that tells kernels apart.
 _GENERIC = re.compile(r"^(?:ck_tile::kentry|ck::kernel_\w+|kernel|kernel_func)$")
 _KERNELISH = re.compile(r"[A-Za-z_][\w:]*(?:Kernel|Fwd|Bwd|Pipeline|kernel)\w*")
 
 
 def _split_outer(name: str) -> tuple[str, str]:
-    """Return (name without template args, text of the first top-level template arg list)."""
+    """(name without template args, the first top-level template argument list)."""
     out: list[str] = []
     first: list[str] = []  # nested "<" kept, every ">" left out
     depth, seen = 0, False  # seen: the first template list has closed
@@ -51,8 +34,6 @@ def _split_outer(name: str) -> tuple[str, str]:
     return "".join(out), "".join(first)
 
 
-# the code-object suffixes rocprofiler-sdk names carry: `` [clone .kd]`` (any ``[clone ...]``,
-# possibly repeated) and a trailing ``.kd``
 _SUFFIXES = re.compile(r"(?:\s*\[clone [^\]]*\]|\.kd)+$")
 
 
@@ -60,9 +41,7 @@ _LENGTH = re.compile(r"\d+")
 
 
 def _demangle_qualified(name: str) -> str:
-    """``_ZN5aiter23fused_qk_rmsnorm_kernelI...`` -> ``aiter::fused_qk_rmsnorm_kernel``: the
-    qualified name of an Itanium-mangled symbol (what rocprofiler-sdk's kernel symbol holds
-    before kineto demangles it; kept when demangling fails). Templates/arguments are dropped."""
+    """``_ZN5aiter23fused_qk_rmsnorm_kernelI...`` -> ``aiter::fused_qk_rmsnorm_kernel``."""
     if not name.startswith("_Z"):
         return name
     nested = name.startswith("_ZN")
@@ -77,8 +56,7 @@ def _demangle_qualified(name: str) -> str:
 
 
 def _strip_args(name: str) -> str:
-    """Cut at the first top-level ``(`` (outside ``<...>``): the argument list and anything
-    after it. ``(anonymous namespace)::`` is removed first; ``operator()`` keeps its name."""
+    """Cut at the first ``(`` outside ``<...>``; ``operator()`` keeps its name."""
     name = name.replace("(anonymous namespace)::", "")
     depth = 0
     for i, ch in enumerate(name):

@@ -1,7 +1,5 @@
-"""The census pipeline, apart from any command line: claim (what the server was asked for),
-collect (profile a running server under load and copy its traces), analyse (count and judge)
-and report (``census.json``, ``census.md``, ``provenance.json``). ``k3rocm census`` and each arm
-of ``census-ab`` call it with plain values.
+"""The census pipeline apart from any command line: claim, collect (live), analyse, report
+(``census.json``, ``census.md``, ``provenance.json``); used by ``census`` and census-ab arms.
 """
 
 from __future__ import annotations
@@ -39,7 +37,6 @@ log = tagged_log("census")
 
 @dataclass(frozen=True)
 class Analysis:
-    """How the traces are read and judged (the analysis flags, checked)."""
 
     model_dir: str
     extra: dict[str, int]
@@ -52,8 +49,7 @@ class Analysis:
 
 
 class Profiling(Options):
-    """The decode load a live census drives and the profile window it takes: the flags
-    ``census`` and ``ab --measure census`` share."""
+    """The live load and profile window (``census`` and ``ab --measure census``)."""
 
     concurrency: int = option(8, "concurrent streams", ge=1)
     max_tokens: int = option(1024, "output tokens per request (at least --steps + 12)", ge=1)
@@ -72,12 +68,8 @@ class Profiling(Options):
         return self
 
 
-# -- claim ------------------------------------------------------------------------------------
-
 def claim_from_container(container: Any) -> FusionClaim:
-    """What the server was asked for: the K3_FUSE_* values ``k3rocm serve`` rendered in it
-    (after the base facts: a default the base cannot run is switched off there), else the
-    container's env (docker inspect; unset = on)."""
+    """The K3_FUSE_* values ``k3rocm serve`` rendered in the container, else its env."""
     from k3rocm.serving.serve_cmd import RENDERED_FILE
 
     served = served_as(container=container)
@@ -86,8 +78,7 @@ def claim_from_container(container: Any) -> FusionClaim:
 
 
 def claim_offline(trace_dir: Path, fusions: str | None = None) -> FusionClaim:
-    """``fusions`` (``name=on|off,...``), else the server's settings recorded in the run's
-    provenance.json (written by a live census beside its traces/ directory)."""
+    """``fusions``, else the server settings in the run's provenance.json."""
     if fusions:
         return from_cli(fusions)
     for cand in filter(Path.is_file, (trace_dir / "provenance.json",
@@ -107,12 +98,9 @@ def claim_offline(trace_dir: Path, fusions: str | None = None) -> FusionClaim:
                      f"env beside {trace_dir})")
 
 
-# -- analyse ----------------------------------------------------------------------------------
-
 def resolve_world_size(trace_ws: int | None, given: int | None,
                        served: ServedAs | None = None) -> tuple[int, str]:
-    """Which ranks must be present: the traces' metadata, else ``given`` (--world-size), else
-    the live server's tensor-parallel size as rendered; unknown is bad input (exit 2)."""
+    """The traces' world size, else --world-size, else the server's TP; else exit 2."""
     if trace_ws is not None:
         if given is not None and given != trace_ws:
             raise UsageError(f"--world-size {given} disagrees with the traces' "
@@ -131,7 +119,6 @@ def analyse(trace_dir: Path, opts: Analysis, claim: FusionClaim, decisions: Deci
     model = read_model_facts(opts.model_dir)
     traces = load_trace_dir(trace_dir, files)
     world, world_src = resolve_world_size(traces.world_size, opts.world_size, served)
-    # the kernel table's rules: rocm when a rank traced GPU kernels, else the CPU stand-in's
     plat = "rocm" if any(r.mode == "gpu" for r in traces.ranks) else "cpu"
     spec = load_spec(plat, model.model_type, opts.other_norms)
     return run_census(traces, model, claim, spec, decisions, world, world_src,
@@ -140,8 +127,7 @@ def analyse(trace_dir: Path, opts: Analysis, claim: FusionClaim, decisions: Deci
 
 def read_decisions(opts: Analysis, trace_dir: Path | None = None,
                    container: Any = None) -> Decisions | None:
-    """The overlay's records: ``opts.server_log``, else the JSON files beside the traces, else
-    the server container's log. None when ``opts.skip_records``."""
+    """Records from --server-log, else the files beside the traces, else the container log."""
     if opts.skip_records:
         return None
     if opts.server_log:
@@ -168,10 +154,7 @@ def read_decisions(opts: Analysis, trace_dir: Path | None = None,
                      "container", found=False)
 
 
-# -- report -----------------------------------------------------------------------------------
-
 def trace_files(files: list[Path]) -> list[dict[str, Any]]:
-    """The run record's ``trace_files``: path, size and sha256 of each trace analysed."""
     return [{"path": str(f), "bytes": f.stat().st_size, "sha256": sha256(f)} for f in files]
 
 
@@ -187,13 +170,10 @@ def write_report(run_dir: Path, census: Census, provenance: dict[str, Any],
     write_json_atomic(run_dir / "provenance.json", provenance)
 
 
-# -- collect (live) ---------------------------------------------------------------------------
-
 def server_trace_host_dir(given: str | None, container: Any, env: dict[str, str],
                           dep: Any = None) -> Path | None:
-    """Host directory where the server's K3_PROFILER_DIR lands, or None (copy out of the
-    container). ``given`` (--server-trace-dir) wins; then the container's own bind mounts;
-    without a container, /results/... is mapped through the deployment's K3_RESULTS_DIR."""
+    """Host directory of the server's K3_PROFILER_DIR (--server-trace-dir, the container's
+    bind mount, else mapped through K3_RESULTS_DIR), or None: copy out of the container."""
     if given:
         d = Path(given)
         if not d.is_dir():
@@ -221,7 +201,6 @@ def server_trace_host_dir(given: str | None, container: Any, env: dict[str, str]
 
 
 def speculative_note(served: ServedAs) -> str | None:
-    """What a live census tells the user about a server that decodes speculatively."""
     if not served.speculative[0]:
         return None
     return ("note: the server runs speculative decoding. vLLM 0.27.x (the pinned nightly's era) "
@@ -234,13 +213,10 @@ def speculative_note(served: ServedAs) -> str | None:
 def live_census(url: str, model: str, api_key: str | None, client: Any, container: Any,
                 claim: FusionClaim, run_dir: Path, opts: Analysis, load: Profiling, *,
                 dep: Any, title: str = "Decode kernel census") -> Census:
-    """Profile the running server under load, collect its traces into ``run_dir/traces``,
-    analyse and write the report. Used by ``census`` and by each arm of ``census-ab``;
-    ``dep``: the command's deployment (census-ab: the arm's)."""
+    """Profile the server under load, collect its traces into ``run_dir/traces``, analyse,
+    report (``census`` and each census-ab arm; ``dep``: that server's deployment)."""
     from k3rocm.checks.census import drive
 
-    # One read of the server (its rendered record, env, argv) serves the trace location, the
-    # speculative-decoding note, the world size and the run record.
     server_prov = runrecord.server(client, url, api_key, container=container)
     served = served_as(server_prov)
     cenv = served.env if container is not None else {}
@@ -260,7 +236,6 @@ def live_census(url: str, model: str, api_key: str | None, client: Any, containe
     runrecord.write(run_dir, record)  # early: kept if we fail
     traces = drive.TraceDir(host_dir, container, prof_dir)
     before = traces.snapshot()
-    # a server whose profiler stops itself: the load runs until its trace file appears
     stopped = (lambda: bool(traces.new_files(before))) \
         if served.profiler_max_iterations > 0 else None
     info = drive.profile_under_load(url, model, api_key, load, stopped=stopped)

@@ -1,19 +1,8 @@
-"""Which launches play which role: the one table in ``kernels.json`` (shipped as package data).
+"""Which launches play which role: the one table in ``kernels.json`` (package data).
 
-A *role* is a set of kernel/operator names (regular expressions over normalized names), owned
-by one fusion of the fusion table (``serving/fusions.py``), as one of its ``fused`` roles (the
-launch the fusion adds) or its ``stock`` roles (a launch the fusion removes):
-
-- ``fused_qk_norm`` / ``qk_norm``: AITER ``fused_qk_rmsnorm_kernel`` / every separate RMSNorm
-  launch (the MLA q/kv latent norms are two of them per MLA layer when the fusion is off; the
-  model's other norms per step come from ``model_families`` so the q/kv share can be isolated).
-- ``fused_qprep``: AITER's ``fuse_qk_rope_concat_and_cache_mla_*`` device kernels (the family;
-  each launch is also assigned a *member*; a ``forbidden`` member must never run).
-- ``cache_write`` / ``q_concat_quant``: the stock fp8 KV-cache write and the Inductor kernel that
-  concatenates ``[ql_nope | q_pe]`` and quantizes it.
-
-A launch counts for a role only when none of the operators it is nested in also matches that
-role (CPU operators nest), and not when a parent matches ``exclude_parents``.
+A role (regexes over normalized names) is a ``fused`` or ``stock`` role of one fusion of
+``serving/fusions.py``. A launch counts only when no enclosing operator also matches the role
+(CPU operators nest) and no parent matches ``exclude_parents``.
 """
 
 from __future__ import annotations
@@ -36,7 +25,6 @@ ROLES = tuple(r for roles in GROUPS.values() for r in roles)
 
 
 def kernel_table() -> dict[str, Any]:
-    """The packaged kernels.json."""
     text = resources.files("k3rocm.checks.census").joinpath("kernels.json").read_text()
     return json.loads(text)
 
@@ -65,8 +53,7 @@ class Role(BaseModel):
             p.search(name) for p in self.exclude)
 
     def counts(self, name: str, parents: tuple[str, ...], outermost: bool = True) -> bool:
-        """``outermost``: CPU operators nest (``_C::rms_norm`` > ``aten::rsqrt``), so only the
-        outermost match counts; GPU kernels have operators as parents, not other kernels."""
+        """``outermost``: CPU operators nest, so only the outermost match counts."""
         if not self.hits(name):
             return False
         if self.require_parents and not any(
@@ -80,8 +67,7 @@ class Role(BaseModel):
 
 
 class Beside(BaseModel):
-    """Launches of a stock role next to its fused role: the contiguous run right before each
-    ``fused`` launch and everything from it up to the next launch of an ``until`` role."""
+    """Stock launches right before each ``fused`` launch and up to the next ``until`` one."""
 
     fused: str
     until: list[str]
@@ -89,16 +75,15 @@ class Beside(BaseModel):
 
 
 class Pair(BaseModel):
-    """The stock role's launches as the last run (nothing of the role between them) before
-    each launch of an ``until`` role: one layer's own pair when it has exactly ``off``."""
+    """The last run of stock launches before each ``until`` launch: the layer's own pair."""
 
     until: list[str]
     why: str = ""
 
 
 class Expect(BaseModel):
-    """What a role must show per MLA layer and step (kernels.json ``expect``), by what its
-    fusion was asked; None = reported only."""
+    """Launches per MLA layer and step (kernels.json ``expect``) by what was asked; None =
+    reported only."""
 
     label: str
     steps: str = Field(pattern="^(all|decode)$")
@@ -130,8 +115,8 @@ class Spec:
 
 
 def load_spec(platform: str, model_type: str | None, other_norms: str | None = None) -> Spec:
-    """The role matchers and expectations for ``platform`` (rocm|cpu) from kernels.json;
-    ``other_norms`` (--other-norms) replaces the model family's formula."""
+    """Roles and expectations for ``platform`` (rocm|cpu); ``other_norms`` overrides the
+    model family's formula."""
     table = kernel_table()
     plat = table["platforms"][platform]
     roles = {r: Role.model_validate({**plat["roles"][r], "name": r}) for r in ROLES}
@@ -150,8 +135,7 @@ _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 
 
 def eval_formula(formula: str, variables: dict[str, int]) -> int:
-    """A tiny integer formula such as ``2*layers + 1``: integers, the names in ``variables``,
-    + - * and parentheses, read with :mod:`ast` (never run as Python)."""
+    """An integer formula such as ``2*layers + 1`` (+ - * ( ), read with :mod:`ast`)."""
     names = ", ".join(sorted(variables))
 
     def value(node: ast.expr) -> int:

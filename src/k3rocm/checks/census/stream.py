@@ -1,11 +1,6 @@
-"""Read a chrome trace as a stream: the top-level keys (small) and the events one at a time.
-
-A 128k-context profile is a few hundred MB of JSON per rank; loading it whole costs minutes and
-about 1 KB of Python objects per event. ``ijson`` (yajl2 C backend) yields ``traceEvents`` one
-by one; the other top-level keys are read from the bytes before the event list (torch writes
-``schemaVersion``, ``deviceProperties``, ``distributedInfo``, ... there:
-torch/profiler/_chrome_trace_export.py) and after it (kineto's C++ writer closes with
-``traceName``, ``displayTimeUnit``, ``baseTimeNanoseconds``: libkineto/src/output_json.cpp).
+"""Read a chrome trace as a stream (``ijson``): the events one at a time, and the top-level keys
+torch writes before ``traceEvents`` (torch/profiler/_chrome_trace_export.py) and kineto after it
+(``baseTimeNanoseconds``: libkineto/src/output_json.cpp).
 """
 
 from __future__ import annotations
@@ -52,8 +47,7 @@ def _unreadable(path: Path, exc: BaseException) -> UsageError:
 
 
 def _header(head: bytes, tail: bytes) -> dict[str, Any]:
-    """The top-level keys other than traceEvents, from the bytes before the event list and
-    after it (a file larger than HEAD_MAX)."""
+    """The top-level keys other than traceEvents, from the bytes around the event list."""
     out: dict[str, Any] = {}
     text = head.decode("utf-8", "replace")
     i = text.find('"traceEvents"')
@@ -78,8 +72,7 @@ def _header(head: bytes, tail: bytes) -> dict[str, Any]:
 
 
 def events(path: Path, header: dict[str, Any]) -> Iterator[Any]:
-    """The trace's events one at a time; once they are exhausted, ``header`` holds its other
-    top-level keys. Unreadable input: one-line UsageError naming the file."""
+    """The trace's events one at a time; afterwards ``header`` holds the other keys."""
     try:
         raw = open(path, "rb")  # noqa: SIM115 - closed when the generator ends
     except OSError as exc:

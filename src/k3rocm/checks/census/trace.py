@@ -1,20 +1,9 @@
 """Read vLLM worker profiler traces (chrome-trace JSON, plain or gzip) and count launches per step.
 
-One worker trace per rank. Engine steps are ``user_annotation`` events named
-``execute_context_<n>(<ctx tokens>)_generation_<m>(<gen tokens>)`` (or the detailed form
-``execute_<T>_context_<n>(sq<ctx tokens>...)_generation_<m>(sq<gen tokens>...)``); a step with no
-context requests is decode-only.
-
-What is counted per step:
-- GPU build (the trace has ``kernel`` events): every device kernel, attributed to the step whose
-  time range contains the host-side launch it is linked to by its correlation id (the kernel
-  itself may run after the annotation closed); kernels without a launch record fall back to a
-  ``gpu_user_annotation`` step range on the device timeline. Time = device duration.
-- CPU build (no ``kernel`` events, e.g. the CPU stand-in): every ``cpu_op`` inside the step's
-  range. Time = host duration of the operator (inclusive of its children).
-Each counted launch keeps the names of the operators it is nested in (for a launch: the
-operators around its host-side launch call), so a rule can say "an rsqrt that is not inside the
-fused op".
+Steps are the ``execute_context_<n>(<tok>)_generation_<m>(<tok>)`` annotations. GPU trace: every
+kernel counts in the step holding its host launch (same correlation id), else its queue's
+``gpu_user_annotation`` span; time = device time. CPU trace: every ``cpu_op``; time = host time.
+Each launch keeps the names of the operators it is nested in.
 """
 
 from __future__ import annotations
@@ -39,10 +28,8 @@ STEP_DETAILED = re.compile(r"^execute_\d+_context_(\d+)\(sq(\d+)\D.*?_generation
 RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)(?:\D|$)")
 TRACE_SUFFIXES = (".json", ".json.gz")
 RUNTIME_CATS = {"cuda_runtime", "cuda_driver", "hip_runtime", "hip_driver", "runtime"}
-# host calls that launch exactly one kernel (graph launches replay many: not counted)
+# host calls that launch exactly one kernel (not graph launches)
 LAUNCH_CALL = re.compile(r"^(hip|cuda)(Ext)?(Module)?LaunchKernel|^(hip|cu)LaunchKernel")
-# JSON files that live beside the traces but are not traces (overlay decision records,
-# run provenance)
 NOT_TRACES = ("k3rocm-decisions-", "provenance.json", "census.json")
 
 
@@ -60,15 +47,13 @@ class Step:
 
     @property
     def recompute(self) -> bool:
-        """A "generation" step with more tokens than its requests can decode: a preempted
-        request recomputing its prompt (vLLM labels it generation), i.e. a prefill."""
+        """A "generation" step with more tokens than its requests decode: a recomputed
+        prompt (prefill)."""
         return self.tokens_per_request is not None and \
             self.gen_tokens > self.gen_reqs * self.tokens_per_request
 
     @property
     def decode_only(self) -> bool:
-        """No request with context tokens, and no more tokens than requests x (1 +
-        speculative tokens)."""
         return self.ctx_reqs == 0 and self.gen_reqs > 0 and not self.recompute
 
     def to_json(self) -> dict[str, Any]:
@@ -102,15 +87,12 @@ class RankTrace:
     world_size: int | None = None  # from distributedInfo
     rank_source: str = ""
     empty_steps: int = 0  # engine steps without a forward, ignored
-    gpu_evidence: list[str] = field(default_factory=list)  # what says a GPU ran (see below)
+    gpu_evidence: list[str] = field(default_factory=list)  # what says a GPU ran
     lost_launches: dict[int, int] = field(default_factory=dict)  # step -> launches w/o kernel
     started: float | None = None  # absolute start (s since the epoch) of the first step
     started_source: str = ""  # baseTimeNanoseconds + ts | file name | file mtime
-    # GPU traces: per engine step, the normalized kernel names in device start order (what
-    # ran beside what: e.g. a stock norm launched next to the fused one)
-    sequence: list[list[str]] = field(default_factory=list)
+    sequence: list[list[str]] = field(default_factory=list)  # GPU: per step, device order
 
-    # -- aggregates ----------------------------------------------------------------------
     @property
     def n_launches(self) -> int:
         return sum(ln.count for ln in self.launches)
@@ -122,7 +104,6 @@ class RankTrace:
         return out
 
     def kernel_table(self) -> list[dict[str, Any]]:
-        """Per normalized name: launches, launches per step, total and mean time (us)."""
         agg: dict[str, list[Any]] = {}  # name -> [launches, us, steps]
         for ln in self.launches:
             a = agg.setdefault(ln.name, [0, 0.0, set()])
@@ -147,25 +128,16 @@ class RankTrace:
                 "started_source": self.started_source, "meta": self.meta}
 
 
-# -- loading ----------------------------------------------------------------------------------
-
-def parse_step_name(name: str) -> tuple[int, int, int, int] | None:
-    m = STEP_SIMPLE.match(name) or STEP_DETAILED.match(name)
-    return tuple(map(int, m.groups())) if m else None  # type: ignore[return-value]
-
-
 def decode_tokens_per_request(steps: list[Step]) -> int | None:
-    """Tokens a decode request carries in this trace (1, or 1 + k with k speculative tokens):
-    the most common ceil(tokens / requests) over the steps without context requests (ties:
-    the larger). None without such steps."""
+    """Tokens per decode request (1 + speculative): the most common ceil(tokens / requests)
+    over steps without context requests."""
     per = Counter(-(-s.gen_tokens // s.gen_reqs) for s in steps
                   if s.ctx_reqs == 0 and s.gen_reqs > 0)
     return max(per.items(), key=lambda kv: (kv[1], kv[0]), default=(None,))[0]
 
 
 def rank_and_source(path: Path, obj: dict[str, Any]) -> tuple[int | None, str]:
-    """The trace's rank: ``distributedInfo.rank`` (torch profiler metadata), else the file
-    name (``rank-<r>`` / ``..._rank<r>.``); (None, "") when neither tells."""
+    """``distributedInfo.rank``, else the file name (``rank-<r>``); (None, "")."""
     info = obj.get("distributedInfo")
     if isinstance(info, dict) and isinstance(info.get("rank"), int) \
             and not isinstance(info.get("rank"), bool):
@@ -174,16 +146,9 @@ def rank_and_source(path: Path, obj: dict[str, Any]) -> tuple[int | None, str]:
     return (int(m.group(1)), "file name") if m else (None, "")
 
 
-def world_size_of(obj: dict[str, Any]) -> int | None:
-    info = obj.get("distributedInfo")
-    ws = info.get("world_size") if isinstance(info, dict) else None
-    return ws if isinstance(ws, int) and not isinstance(ws, bool) and ws > 0 else None
-
-
 def parse_rank_trace(path: str | os.PathLike, progress: Any = None) -> RankTrace:
-    """Stream-parse one worker trace (events are not all held: see :class:`_Collector`); any
-    malformed event is a one-line UsageError naming the file. ``progress(n)`` is called every
-    million events."""
+    """Stream-parse one worker trace; a malformed event is a one-line UsageError naming the
+    file. ``progress(n)`` every million events."""
     path = Path(path)
     header: dict[str, Any] = {}
     col = _Collector()
@@ -229,7 +194,6 @@ _SCALAR = (int, str, type(None))
 
 
 def _where(e: dict[str, Any]) -> tuple[Any, Any]:
-    """The event's (pid, tid): a process/thread or device/queue id (integer or string)."""
     pid, tid = e.get("pid"), e.get("tid")
     for key, v in (("pid", pid), ("tid", tid)):
         if v.__class__ not in _SCALAR:
@@ -239,10 +203,8 @@ def _where(e: dict[str, Any]) -> tuple[Any, Any]:
 
 
 class _Collector:
-    """What one pass over the events keeps, in flat arrays (a few tens of bytes per event):
-    step annotations, CPU operators (thread, start, end, name), runtime calls (thread, start,
-    correlation, one-kernel launch or not) and kernels (name, start, duration, correlation,
-    queue). Names are interned."""
+    """What one pass over the events keeps, in flat arrays of interned names: step
+    annotations, CPU operators, runtime calls and kernels."""
 
     def __init__(self) -> None:
         self.names: dict[str, int] = {}  # name -> id (ids in insertion order)
@@ -292,19 +254,18 @@ class _Collector:
             self.rt_corr.append(_corr(e))
             self.rt_launch.append(1 if LAUNCH_CALL.search(name) else 0)
         elif cat in ("user_annotation", "gpu_user_annotation"):
-            parsed = parse_step_name(name)
-            if parsed is None:
+            m = STEP_SIMPLE.match(name) or STEP_DETAILED.match(name)
+            if m is None:
                 return
+            parsed = tuple(map(int, m.groups()))
             if cat == "user_annotation":
                 self.steps.append((ts, dur, name, parsed))
             else:
                 self.gsteps.append((*_where(e), ts, dur, name))
 
-    # -- after the pass ----------------------------------------------------------------------
     def _parents(self) -> tuple[array, array, list[tuple[int, ...]]]:
-        """Per CPU operator and per runtime call: the id of the tuple of enclosing operator
-        names (outermost first), by a sweep over each thread in time order (operators and
-        calls merged; an operator that ended is popped before the next item)."""
+        """Per CPU operator and runtime call: the id of its tuple of enclosing operator names
+        (outermost first), by one sweep per thread in time order."""
         ids: dict[tuple[int, int], int] = {}  # (parent id, name) -> id
         tuple_list: list[tuple[int, ...]] = [()]
         cpu_par = array("l", bytes(8 * len(self.cpu_ts)))
@@ -317,7 +278,6 @@ class _Collector:
         j = 0
         stack: list[tuple[float, int]] = []  # (end, id of the tuple up to this operator)
         thread = -1
-        # the pops are written out in each loop (no helper call): this runs once per event
         for i in cpu:
             th, ts = cthr[i], cts[i]
             if th != thread:
@@ -352,8 +312,7 @@ class _Collector:
         rank, rank_source = rank_and_source(path, header)
         self.steps.sort(key=lambda t: t[0])
         empty = sum(1 for *_, p in self.steps if p[0] == 0 and p[2] == 0)
-        # engine steps without a forward (no requests) are ignored, neither decode nor
-        # prefill; their device-side ranges are dropped the same way
+        # engine steps without a forward (no requests) are ignored
         kept = [t for t in self.steps if not (t[3][0] == 0 and t[3][2] == 0)]
         steps = [Step(i, name, ts, dur, *p) for i, (ts, dur, name, p) in enumerate(kept)]
         per_req = decode_tokens_per_request(steps)
@@ -422,8 +381,11 @@ class _Collector:
                                         for d in meta["deviceProperties"]
                                         if isinstance(d, dict)]
         started, started_source = start_time(path, header, steps)
+        info = header.get("distributedInfo")
+        ws = info.get("world_size") if isinstance(info, dict) else None
         return RankTrace(path, -1 if rank is None else rank, mode, steps, launches,
-                         sum(ln.count for ln in outside), meta, outside, world_size_of(header),
+                         sum(ln.count for ln in outside), meta, outside,
+                         ws if type(ws) is int and ws > 0 else None,
                          rank_source, empty, evidence, lost, started, started_source, sequence)
 
 
@@ -431,14 +393,9 @@ TIME_IN_NAME = re.compile(r"(?<!\d)(\d{10}|\d{13}|\d{16}|\d{19})(?!\d)")
 
 
 def start_time(path: Path, obj: dict[str, Any], steps: list[Step]) -> tuple[float | None, str]:
-    """When the trace's first engine step started, in seconds since the epoch.
-
-    kineto and torch write event ``ts`` in microseconds relative to ``baseTimeNanoseconds``
-    (torch/profiler/_chrome_trace_export.py; kineto output_json.cpp), and that base moves in
-    jumps, so only ``base + ts`` orders traces from different server starts. Without it: the
-    export time torch puts in the file name (``tensorboard_trace_handler``:
-    ``<worker_name>.<time.time_ns()>.pt.trace.json[.gz]``; digits read as s/ms/us/ns by their
-    count); else None (the caller falls back to the file's mtime)."""
+    """When the first engine step started (s since the epoch): ``baseTimeNanoseconds`` + ts
+    (the base jumps between server starts), else the export time in the file name
+    (``tensorboard_trace_handler``: ``<worker>.<time_ns>.pt.trace.json``), else None."""
     base = obj.get("baseTimeNanoseconds")
     first = steps[0].ts if steps else 0.0
     if isinstance(base, int) and not isinstance(base, bool) and base > 0:
@@ -452,10 +409,8 @@ def start_time(path: Path, obj: dict[str, Any], steps: list[Step]) -> tuple[floa
 
 def _device_spans(gsteps: list[tuple[Any, Any, float, float, str]],
                   steps: list[Step]) -> Callable[[tuple[Any, Any], float], int]:
-    """``step_of(queue, ts)`` by the device-side step ranges (``gpu_user_annotation``: kineto
-    writes one per device queue for each host annotation, with the same name), per (pid, tid) =
-    (device, queue). The n-th span named N on a queue is the n-th host step named N; a kernel
-    without a launch record belongs to the span of its own queue that contains it (else -1)."""
+    """``step_of(queue, ts)`` by the ``gpu_user_annotation`` ranges per device queue: the
+    n-th span named N on a queue is the n-th host step named N (else -1)."""
     host_by_name: dict[str, list[int]] = defaultdict(list)
     for st in steps:
         host_by_name[st.name].append(st.index)
@@ -471,8 +426,7 @@ def _device_spans(gsteps: list[tuple[Any, Any, float, float, str]],
 
 
 def _span_at(spans: list[tuple[float, float, int]]) -> Callable[[float], int]:
-    """``at(ts)``: the value of the span (start, end, value; sorted by start) holding ``ts``
-    (1 ns slack), else -1."""
+    """``at(ts)``: the value of the (start, end, value) span holding ``ts``, else -1."""
     starts = [s[0] for s in spans]
 
     def at(ts: float) -> int:
@@ -483,8 +437,7 @@ def _span_at(spans: list[tuple[float, float, int]]) -> Callable[[float], int]:
 
 
 def _evidence(header: dict[str, Any], runtime: int, device_annotations: int) -> list[str]:
-    """What in a trace says a GPU ran, kernels aside: devices in ``deviceProperties`` (torch
-    writes the CUDA/HIP devices there), HIP/CUDA runtime events, device-side annotations."""
+    """What says a GPU ran, kernels aside: devices, runtime events, device annotations."""
     out = []
     props = header.get("deviceProperties")
     if isinstance(props, list) and props:
@@ -512,10 +465,10 @@ RUN_GAP_S = 120.0  # rank traces of one run start within this (one collective /s
 @dataclass
 class TraceSet:
     ranks: list[RankTrace]
-    ignored: list[dict[str, str]]  # files that are not worker traces (front-end, empty, dupes)
-    world_size: int | None = None  # from the traces' distributedInfo (None: not recorded)
-    skipped_runs: list[dict[str, Any]] = field(default_factory=list)  # older runs, not judged
-    run_started: float | None = None  # the judged run's start (s since the epoch)
+    ignored: list[dict[str, str]]  # files that are not worker traces
+    world_size: int | None = None  # from distributedInfo
+    skipped_runs: list[dict[str, Any]] = field(default_factory=list)  # older runs
+    run_started: float | None = None
 
 
 _progress = tagged_log("census")
@@ -529,9 +482,8 @@ def iso_time(t: float | None) -> str:
 
 
 def group_runs(traces: list[RankTrace]) -> list[list[RankTrace]]:
-    """Split worker traces into runs, oldest first: sorted by absolute start time, a trace opens
-    a new run when its rank is already in the current run, its world size differs, or it
-    started more than RUN_GAP_S after the run's first trace."""
+    """Worker traces in runs, oldest first: a trace opens a new run when its rank is already
+    in the run, its world size differs, or it started RUN_GAP_S after the run's first."""
     runs: list[list[RankTrace]] = []
     for t in sorted(traces, key=lambda t: (t.started or 0.0, t.rank)):
         cur = runs[-1] if runs else None
@@ -545,9 +497,7 @@ def group_runs(traces: list[RankTrace]) -> list[list[RankTrace]]:
 
 
 def load_trace_dir(directory: str | os.PathLike, files: list[Path] | None = None) -> TraceSet:
-    """Parse the worker traces in ``directory``, group them into runs and keep the newest run
-    (older runs are listed in ``skipped_runs``; a rank missing from the newest run is never
-    taken from an older one)."""
+    """The newest run of worker traces in ``directory`` (older ones in ``skipped_runs``)."""
     files = files if files is not None else find_trace_files(directory)
     if not files:
         raise UsageError(f"no trace files (*.json or *.json.gz) in {directory}; did the server "
