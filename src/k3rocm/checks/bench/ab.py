@@ -25,7 +25,7 @@ from typing import Any
 
 from k3rocm.checks.ab import arms as armlib
 from k3rocm.checks.bench import stats, summary
-from k3rocm.checks.bench.cli import resolve_from_args
+from k3rocm.checks.bench.cli import add_common, resolve_from_args
 from k3rocm.checks.bench.plots import _pyplot, _save
 from k3rocm.checks.bench.run import check_tokenizer, planned_command, run_bench
 from k3rocm.checks.bench.workloads import Workload, shell_line
@@ -821,7 +821,26 @@ def _plot(comp: dict, runs: Sequence[dict], out: Path) -> None:
     plt.close(fig)
 
 
-# --- the command (k3rocm ab --measure bench, bench-ab): args -> plan -> run ---
+# --- the measure's side of the A/B driver (k3rocm.checks.ab.cli) ---
+
+REPEATS = 4  # the fewest servers per arm with which a 5% test on server values has room
+OWN = ("runs_per_server", "noise_floor", "primary")
+
+
+def add_arguments(g: argparse._ArgumentGroup) -> None:
+    add_common(g, skip=("results",))
+    g.add_argument("--runs-per-server", type=int, default=1,
+                   help="complete workload runs on each fresh server (default 1; more saves "
+                   "server starts, identical for both arms)")
+    g.add_argument("--noise-floor", type=Path, default=None,
+                   help="A/A run directory to report beside this A/B (default: the newest A/A "
+                   "under --results with the same protocol)")
+    g.add_argument("--primary", default=None, metavar="METRIC@C",
+                   help="the one metric judged at 5%%, declared before the run: itl:p50, "
+                   "itl:p90, ttft:p50, e2el:p50 or output_tps:avg at a concurrency of the "
+                   "workload (default itl:p50 at its first concurrency); every other row is "
+                   "judged with Holm's correction")
+
 
 def build_plan(args: argparse.Namespace) -> ABPlan:
     if args.runs_per_server < 1:
@@ -853,7 +872,7 @@ def build_plan(args: argparse.Namespace) -> ABPlan:
                   progress=not args.quiet)
 
 
-def run_bench_ab(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     plan = build_plan(args)
     if args.dry_run:
         print("\n".join(dry_run_lines(plan)))

@@ -24,11 +24,17 @@ from pathlib import Path
 from typing import Any
 
 from k3rocm.checks.census.analyze import Census, na
-from k3rocm.checks.census.common import analysis_from, profiling_from, results_root
+from k3rocm.checks.census.common import (
+    AnalysisFlags,
+    analysis_from,
+    profiling_from,
+    results_root,
+)
 from k3rocm.checks.census.expect import Check, columns, render_table
 from k3rocm.checks.census.fusions import from_env
 from k3rocm.checks.census.pipeline import (
     Analysis,
+    Profiling,
     analyse,
     claim_from_container,
     live_census,
@@ -47,11 +53,18 @@ CONTAINER_TRACE_DIR = "/tmp/k3rocm-census-traces"
 
 
 class CensusAbFlags(Options):
-    """``ab --measure census``'s own flag (the load: :class:`Profiling`, the analysis:
-    :class:`k3rocm.checks.census.common.AnalysisFlags`)."""
-
     trace_dirs: str | None = option(None, "compare two existing trace sets instead of starting "
                                     "servers", metavar="OFF_DIR,ON_DIR")
+
+
+REPEATS = 1
+OWN = ("trace_dirs", *Profiling.flags())
+
+
+def add_arguments(g: argparse._ArgumentGroup) -> None:
+    CensusAbFlags.add_arguments(g)
+    Profiling.add_arguments(g)
+    AnalysisFlags.add_arguments(g, skip=("results",))
 
 
 _log = tagged_log("census-ab")
@@ -229,7 +242,7 @@ def run_offline(args: argparse.Namespace, opts: Analysis,
     return finish_ab(run_dir, results, meta, arm_env, {"trace_dirs": dirs, "arms": arm_env})
 
 
-def run_census_ab(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     from k3rocm.checks.ab import arms as armlib
 
     args.label = args.label or "census-ab"

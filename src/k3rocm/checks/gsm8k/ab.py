@@ -56,6 +56,8 @@ class Gsm8kAbOptions(Options):
 
 
 add_arguments = Gsm8kAbOptions.add_arguments
+REPEATS = 1
+OWN = tuple(Gsm8kAbOptions.flags())
 
 
 def compare(a_samples: list[dict], b_samples: list[dict], margin: float) -> dict[str, Any]:
@@ -132,7 +134,7 @@ def markdown(comp: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_gsm8k_ab(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     from k3rocm.checks.ab import arms as armlib
     from k3rocm.checks.gsm8k import run as gsm8k_run
 
