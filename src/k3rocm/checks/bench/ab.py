@@ -1,14 +1,7 @@
-"""Fusion off (A) vs on (B) under one protocol, or A/A for the noise floor.
+"""The bench measure of the A/B driver: fusions off (A) vs on (B), A/A, or calibration.
 
-Protocol (the same for every slot, stated in every report): the slots run in the interleaved
-order A B B A A B B A ...; each slot starts a fresh server (its own compose project, through
-:mod:`k3rocm.checks.ab.arms`) with the arm's fusion toggles, waits until it is ready, then runs
-the whole workload (its own warmups, the same seed and request counts) in the client
-container, then saves the server's log and removes it. Nothing is shared between slots, so no
-arm gets a warmer server or a different position in a longer sweep.
-
-Calibration (``mode == "cal"``, CPU stand-in only): both arms as in A/A, arm B with a known
-injected delay per engine step; the report states injected vs detected ITL change.
+Every slot (order A B B A ...) runs the whole workload on a fresh server; the server is the unit
+of the statistics. Calibration (CPU stand-in): arm B sleeps a known delay per engine step.
 """
 
 from __future__ import annotations
@@ -53,8 +46,7 @@ class ABPlan:
         return self.arms.mode
 
     def protocol_key(self, image_id: str | None) -> str:
-        """Same key <=> same protocol: workload protocol, server image, server env minus the
-        fusion toggles, repeats and order."""
+        """Same key <=> same protocol (workload, image, server env minus the fusions, ...)."""
         blob = json.dumps({"workload": self.workload.protocol(), "image_id": image_id,
                            "server_env": self.arms.describe_env(), "gpu": not self.arms.cpu,
                            "pin_engine_core": self.arms.pin_engine_core,
@@ -105,10 +97,8 @@ def _run_name(slot: int, arm: str, k: int) -> str:
 
 
 def cost_lines(plan: ABPlan) -> list[str]:
-    """What the A/B will cost and what it can see, before anything starts: cold starts and
-    estimated hours (:func:`k3rocm.checks.ab.arms.estimate`), the MDE of the planned design
-    (from the newest A/A of this workload under the results root; its protocol is checked when
-    the run starts), and whether that design can see the upstream PRs' ITL effect."""
+    """Cold starts, estimated hours and the MDE of the planned design (from the newest A/A of
+    this workload), before anything starts."""
     from k3rocm.deploy.upstream_ref import LATENCY_AB_EFFECT
 
     arms, k = plan.arms, plan.runs_per_server
@@ -219,10 +209,9 @@ def run_ab(plan: ABPlan) -> int:
     rkey, diffs = recorded_protocol(w, runs, plan.mode, plan.runs_per_server)
     floor_doc = None if plan.mode == "aa" else find_noise_floor(plan, rkey or "")
     comp = compare(w, runs, plan.mode, rkey or "", floor_doc, plan.primary, plan.describe())
-    fusion_problems = armlib.fusion_check(slots_info, arms.arm_env)
+    fusion_problems, refused = armlib.fusion_check(slots_info, arms.arm_env)
     comp.update(planned_key=key, design_before=design_before, protocol_differences=diffs,
                 fusion_problems=fusion_problems, slots=slots_info, interrupted=interrupted)
-    refused = armlib.refusals(fusion_problems)
     if diffs and plan.mode != "aa":
         comp["invalid"] = ("slots ran different server setups (only the fusion switches may "
                            "differ): " + " | ".join(diffs))
@@ -266,9 +255,8 @@ def run_ab(plan: ABPlan) -> int:
 
 
 def refusal(comp: dict, ab_dir: Path) -> tuple[str, int] | None:
-    """(the one-line error, exit code) when the comparison may not be read: slots that ran
-    different server setups (A/B, calibration; 1), a calibration whose CI misses the effect
-    of the delay its server applied (1), or a calibration without a record of that delay (4)."""
+    """(error line, exit code) when the comparison may not be read: invalid slots (1), a
+    calibration whose CI misses the applied delay's effect (1) or has no record of it (4)."""
     if comp.get("invalid"):
         return (f"k3rocm: error: bench-ab refused: {comp['invalid']}; no verdict (report in "
                 f"{ab_dir})", EXIT_FAILED)
@@ -291,8 +279,8 @@ def refusal(comp: dict, ab_dir: Path) -> tuple[str, int] | None:
 
 def recorded_protocol(w: Workload, runs: Sequence[dict], mode: str, runs_per_server: int
                       ) -> tuple[str | None, list[str]]:
-    """(key, differences): the key from the first slot's recorded server identity, the
-    workload protocol and the runs per server; one line per slot whose identity differs."""
+    """(key, differences): the key from the first slot's recorded server identity; one line per
+    slot whose identity differs."""
     first_runs = {r["slot"]: r for r in reversed(runs) if r.get("run_dir")}  # each slot's first
     ids = [(r, ident) for r in sorted(first_runs.values(), key=lambda r: r["slot"])
            if (ident := armlib.slot_identity(Path(r["run_dir"]), mode)) is not None]
@@ -314,8 +302,7 @@ def recorded_protocol(w: Workload, runs: Sequence[dict], mode: str, runs_per_ser
 
 
 def parse_primary(spec: str | None, w: Workload) -> tuple[str, int]:
-    """``KEY:STAT@C`` (e.g. itl:p50@1) -> (row label, concurrency); default ITL p50 at the
-    workload's first concurrency (decode-8k1k: C=1). Declared before the run, in the plan."""
+    """``KEY:STAT@C`` -> (row label, concurrency); default ITL p50 at the first concurrency."""
     points = [c for c, _ in w.points()]
     if not spec:
         return "ITL p50", points[0]
@@ -329,8 +316,7 @@ def parse_primary(spec: str | None, w: Workload) -> tuple[str, int]:
 
 
 def server_values(runs: Sequence[dict], c: int, n: int) -> dict[str, dict[str, list[float]]]:
-    """{metric label: {arm: [one value per server]}} for point (c, n) of the ok runs: per run,
-    the per-request arrays of its point (and the run-level output tokens/s)."""
+    """{metric: {arm: [one value per server]}} for point (c, n) of the ok runs."""
     per_arm: dict[str, dict[str, list[dict]]] = {"A": {}, "B": {}}  # arm -> server -> runs
     for r, p in _run_points([r for r in runs if r["status"] == "ok"]):
         if (p["concurrency"], p["request_count"]) == (c, n) and p["status"] == "ok" \
@@ -350,9 +336,8 @@ def server_values(runs: Sequence[dict], c: int, n: int) -> dict[str, dict[str, l
 
 def judge(values: dict[tuple[int, str], dict[str, list[float]]], primary: tuple[str, int],
           floor_doc: dict | None = None) -> list[dict[str, Any]]:
-    """One row per (concurrency, metric): the server-level test (stats.compare_servers) with
-    the A/A variance component of the same protocol pooled in; the primary row judged at 5%,
-    the others with Holm's correction over the secondary rows."""
+    """One row per (concurrency, metric): the server-level test with the A/A variance component
+    pooled in; the primary row at 5%, the others with Holm's correction."""
     rows = []
     n_secondary = max(1, sum(1 for k in values if k != (primary[1], primary[0])))
     for (c, label), arms_ in values.items():
@@ -431,8 +416,7 @@ MAX_AA_AGE_HOURS = 24.0
 
 
 def aa_age_hours(floor_doc: dict | None, now: str | None = None) -> float | None:
-    """Hours between the A/A (its ``finished_utc``, else its run directory's UTC stamp) and
-    ``now`` (a utc_stamp, default this moment); None when unknown."""
+    """Hours between the A/A (``finished_utc``, else its directory's stamp) and ``now``."""
     from datetime import datetime, timezone
 
     def parse(stamp: str | None) -> datetime | None:
@@ -450,8 +434,7 @@ def aa_age_hours(floor_doc: dict | None, now: str | None = None) -> float | None
 
 
 def aa_notes(rows: Sequence[dict], floor_doc: dict | None, now: str | None = None) -> list[str]:
-    """What the verdict must say about the pooled A/A: the primary row's variance check when it
-    refused the A/A, and an A/A older than MAX_AA_AGE_HOURS."""
+    """The pooled A/A's caveats for the verdict: a refused variance check, an A/A too old."""
     if not (floor_doc or {}).get("same_protocol"):
         return []
     out = []
@@ -467,8 +450,7 @@ def aa_notes(rows: Sequence[dict], floor_doc: dict | None, now: str | None = Non
 
 
 def _design_after(rows: list[dict], mode: str) -> str | None:
-    """The MDE line after the run: an A/A from its own variance (all its servers are
-    identical), an A/B from the variance its test used."""
+    """The MDE line after the run (an A/A: from its own variance)."""
     prim = next((r for r in rows if r["primary"]), None)
     if not prim:
         return None
@@ -485,7 +467,7 @@ def _design_after(rows: list[dict], mode: str) -> str | None:
 
 
 def _run_points(runs: Sequence[dict]):
-    """Every (run, point of its summary.json); runs without a readable summary are skipped."""
+    """Every (run, point of its summary.json); unreadable summaries are skipped."""
     for r in runs:
         try:
             doc = json.loads((Path(r["run_dir"]) / "summary.json").read_text())
@@ -509,11 +491,8 @@ def applied_record_path(slot_dir: Path, slot: int, arm: str) -> Path:
 
 
 def save_applied_delays(container, path: Path) -> None:
-    """Copy the double's record out of the running arm server, after the slot's runs. Race
-    free: the double writes a step's line before that step runs, so before any of its tokens
-    exists; every token the client received has its sleep in the file by now. No file (no
-    sleep asked, or the double not loaded): nothing is written, and the calibration says
-    what is missing."""
+    """Copy the double's record out of the arm server after its runs (race free: a step's line
+    is written before the step runs). No file: the calibration says what is missing."""
     text = exec_text(container, ["cat", STEP_DELAY_RECORD])
     if text is not None:  # else a missing record, judged by the calibration
         write_text_atomic(path, text)
@@ -547,10 +526,7 @@ def _asks_for_delay(run_dir: Path) -> bool | None:
 
 def applied_delays(runs: Sequence[dict], c: int) -> dict[str, dict[str, Any]]:
     """Per arm, the sleep its servers really applied per engine step while point ``c`` was
-    measured (the double's records inside each run's profiling phase): requested and applied
-    ms (mean over the steps, then over the arm's servers) and the step count. An arm whose
-    servers asked for no sleep applied 0; one that asked but left no record in a window has
-    ``applied_ms`` None and says why."""
+    measured (requested/applied ms, steps); asked but unrecorded: ``applied_ms`` None and why."""
     per_server: dict[str, dict[str, list]] = {"A": {}, "B": {}}
     why: dict[str, str] = {}
     for r, p in _run_points([r for r in runs if r["status"] == "ok"]):
@@ -589,12 +565,8 @@ def applied_delays(runs: Sequence[dict], c: int) -> dict[str, dict[str, Any]]:
 
 
 def calibration(comp: dict, delay_ms: float | None) -> list[dict[str, Any]]:
-    """Injected vs detected, per concurrency: every engine step of arm B sleeps ``delay_ms``
-    (nominal) more than arm A's and emits one token per running request, so B's ITL should be
-    A's plus the extra sleep B's server really applied (the double measures each sleep; on a
-    loaded machine they wake late): the expected effect is (applied B - applied A) / A's ITL,
-    and the check passes when the 95% CI covers it (a correct detector fails it 5% of the
-    time). The nominal effect (``delay_ms`` / A) is reported beside it, not judged."""
+    """Injected vs detected per concurrency: B's ITL should be A's plus the extra sleep B's server
+    really applied; passes when the 95% CI covers that effect. The nominal effect is shown only."""
     out = []
     for r in comp["rows"]:
         if r["metric"] != "ITL p50" or r.get("a") is None or r.get("b") is None:
@@ -642,8 +614,7 @@ def _round(v: float | None, nd: int = 3) -> float | None:
 
 
 def _floor_for(floor_doc: dict | None, c: int, label: str) -> dict[str, Any] | None:
-    """The A/A's measured variance component of this row, only when it ran the same
-    protocol (same recorded key)."""
+    """The A/A's variance component of this row, only for the same recorded protocol."""
     if not (floor_doc or {}).get("same_protocol"):
         return None
     return next((r.get("aa_component") for r in floor_doc.get("rows", [])
@@ -651,11 +622,8 @@ def _floor_for(floor_doc: dict | None, c: int, label: str) -> dict[str, Any] | N
 
 
 def find_noise_floor(plan: ABPlan, key: str | None, field: str = "protocol_key") -> dict | None:
-    """The A/A comparison to report beside this A/B: --noise-floor DIR, else the newest A/A
-    under the results root with the same key (``field``: the recorded protocol key after the
-    run, the planned key before it; ``key`` None: the newest A/A of the workload, for the dry
-    run, which knows no image id). Its variance is pooled only when the recorded keys are
-    equal (``same_protocol``)."""
+    """The A/A to pool: --noise-floor DIR, else the newest A/A under the results root with the
+    same key (``field``: recorded or planned key; ``key`` None: the newest of the workload)."""
     cands = [plan.noise_floor_dir] if plan.noise_floor_dir else [p.parent for p in sorted(
         plan.results.glob(f"*-{plan.workload.name}-aa*/comparison.json"), reverse=True)]
     for d in cands:
@@ -800,7 +768,7 @@ def _vals(xs: Sequence[float] | None) -> str:
 
 
 def _plot(comp: dict, runs: Sequence[dict], out: Path) -> None:
-    """ab_itl.png: per-run ITL p50 in slot order, per concurrency, colored by arm."""
+    """ab_itl.png: per-run ITL p50 in slot order, colored by arm."""
     plt = _pyplot()
     if plt is None:
         return

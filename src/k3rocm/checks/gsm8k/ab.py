@@ -171,10 +171,9 @@ def run(args: argparse.Namespace) -> int:
     slots = run.each_slot(lambda i, arm: run.dir / f"{i:02d}-{arm}" / "server.log", measure)
     samples = {arm: results.load_run(Path(d["run_dir"]))[1] for arm, d in arm_runs.items()}
     comp = compare(samples["A"], samples["B"], opts.margin)
-    problems = armlib.fusion_check(slots, arms.arm_env)
+    problems, refused = armlib.fusion_check(slots, arms.arm_env)
     comp.update(arms=arm_runs, arm_env=arms.arm_env, slots=arms.slots(), slot_records=slots,
                 fusion_problems=problems)
-    refused = armlib.refusals(problems)
     if refused:  # arm B ran without the fusion (or A with it): the pairing says nothing
         comp.update(verdict="INVALID", headline="an arm's fusions are not what it asked (the "
                     "overlay's decision records): " + " | ".join(refused))
