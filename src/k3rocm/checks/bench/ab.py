@@ -96,6 +96,20 @@ def _run_name(slot: int, arm: str, k: int) -> str:
     return f"{slot:02d}-{arm}-{k}"
 
 
+def design_before(plan: ABPlan, key: str | None) -> tuple[str, dict]:
+    """(MDE line, A/A variance component) of the planned design from the newest A/A (``key``
+    None: of the workload, for the dry run; else of this planned protocol)."""
+    aa = find_noise_floor(plan, key, field="planned_key")
+    comp = _floor_for({**(aa or {}), "same_protocol": True}, plan.primary[1],
+                      plan.primary[0]) or {}
+    line = stats.design_line(comp.get("var_log"), comp.get("df", 0), plan.arms.repeats,
+                             plan.primary[0])
+    if aa:
+        line += f" (from the A/A {aa['dir']}" + (
+            "; its protocol is checked when the run starts)" if key is None else ")")
+    return line, comp
+
+
 def cost_lines(plan: ABPlan) -> list[str]:
     """Cold starts, estimated hours and the MDE of the planned design (from the newest A/A of
     this workload), before anything starts."""
@@ -104,13 +118,7 @@ def cost_lines(plan: ABPlan) -> list[str]:
     arms, k = plan.arms, plan.runs_per_server
     secs, how = armlib.estimate(arms, plan.results, k)
     starts = len(arms.slots()) * len(arms.replica_ports)
-    aa = find_noise_floor(plan, None)
-    comp = _floor_for({**(aa or {}), "same_protocol": True}, plan.primary[1],
-                      plan.primary[0]) or {}
-    design = stats.design_line(comp.get("var_log"), comp.get("df", 0), arms.repeats,
-                               plan.primary[0])
-    if aa:
-        design += f" (from the A/A {aa['dir']}; its protocol is checked when the run starts)"
+    design, comp = design_before(plan, None)
     seen = stats.effect_line(LATENCY_AB_EFFECT, arms.repeats, comp.get("var_log"),
                              comp.get("df", 0), plan.primary[0])
     return [f"cost: {starts} cold server start(s) ({arms.repeats} server(s) per arm), "
@@ -145,19 +153,13 @@ def run_ab(plan: ABPlan) -> int:
     ab_dir, client = run.dir, run.client
     run.model, run.api_key = w.model, w.api_key  # what the workload asks the servers for
     key = plan.protocol_key(run.image_id)
-    before = find_noise_floor(plan, key, field="planned_key")
-    comp_b = _floor_for({**(before or {}), "same_protocol": True}, plan.primary[1],
-                        plan.primary[0]) or {}
-    design_before = stats.design_line(comp_b.get("var_log"), comp_b.get("df", 0), arms.repeats,
-                                      plan.primary[0])
-    if before:
-        design_before += f" (from the A/A {before['dir']})"
-    _log(f"before the run: {design_before}")
+    before_line = design_before(plan, key)[0]
+    _log(f"before the run: {before_line}")
     _log(f"{plan.mode.upper()} run directory {ab_dir} (planned protocol {key})")
     write_json_atomic(ab_dir / "plan.json", {
         "mode": plan.mode, "planned_key": key, "protocol": plan.describe(),
         "primary": {"metric": plan.primary[0], "concurrency": plan.primary[1]},
-        "design_before": design_before, "workload": w.model_dump(mode="json"),
+        "design_before": before_line, "workload": w.model_dump(mode="json"),
         "slots": arms.slots(), "arm_env": arms.arm_env,
         "arm_container_env": arms.arm_container_env, "server_image": run.image,
         "server_image_id": run.image_id, "server_env": arms.describe_env(),
@@ -210,7 +212,7 @@ def run_ab(plan: ABPlan) -> int:
     floor_doc = None if plan.mode == "aa" else find_noise_floor(plan, rkey or "")
     comp = compare(w, runs, plan.mode, rkey or "", floor_doc, plan.primary, plan.describe())
     fusion_problems, refused = armlib.fusion_check(slots_info, arms.arm_env)
-    comp.update(planned_key=key, design_before=design_before, protocol_differences=diffs,
+    comp.update(planned_key=key, design_before=before_line, protocol_differences=diffs,
                 fusion_problems=fusion_problems, slots=slots_info, interrupted=interrupted)
     if diffs and plan.mode != "aa":
         comp["invalid"] = ("slots ran different server setups (only the fusion switches may "
@@ -693,15 +695,9 @@ def comparison_markdown(comp: dict) -> str:
                 f"{COVERED[c['covered']]} | {c['verdict']} |")
         lines += [f"\n**c={c['concurrency']}: cannot be judged: {c['why']}.**"
                   for c in comp["calibration"] if c.get("why")]
-        lines += ["", "Arm B's server sleeps the injected time more than arm A's in every engine "
-                  "step (one token per running request); the step-delay double measures every "
-                  "sleep it really took (a loaded machine wakes it late), so B's ITL should be "
-                  "A's plus the applied difference: the calibration passes when the 95% CI "
-                  "covers the expected effect from the applied delay (a correct detector "
-                  "misses it 5% of the time: the test's false-positive rate). The nominal "
-                  "effect is shown, not judged. Rest of step = ITL p50 - applied sleep: a "
-                  "difference there is server-to-server (and machine load) noise, which the "
-                  "A/A's variance has to cover.", ""]
+        lines += ["", "B's ITL should be A's plus the sleep B's server really applied more per "
+                  "step (recorded by the step-delay double); the calibration passes when the 95% "
+                  "CI covers that expected effect. Rest of step = ITL p50 - applied sleep.", ""]
     lines += ["## Runs", "", "| slot | arm | run | status | server ready s | run s |",
               "|---:|---|---:|---|---:|---:|"]
     for r in comp["runs"]:
@@ -744,14 +740,10 @@ def comparison_markdown(comp: dict) -> str:
             f"{summary.fmt(r.get('mde'), '.2f', 100, '%')} | "
             f"{r.get('servers_for_1pct') or 'n/a'} | {r['verdict']} |")
     lines += ["", f"Headline: {comp['headline']}", "",
-              "Latency in ms (lower is faster), output tokens/s (higher is faster). Each arm "
-              "value is one number per freshly started server (the mean over its runs); the "
-              "test compares log server values (Student t, df = servers - 2, plus the A/A's "
-              "df when an A/A of the same recorded protocol exists). 'inconclusive' means "
-              "what it says: the CI includes 0, and effects below the MDE are not excluded. "
-              "Each CI is the one its verdict used: 95% for the primary row, for a secondary "
-              "row the level Holm's step-down judged it at (1 - 5%/(rows left at its step)), "
-              "so it excludes 0 exactly when the verdict is 'B faster'/'B slower'."]
+              "Latency in ms (lower is faster), output tokens/s (higher is faster); one value "
+              "per fresh server. 'inconclusive': the CI includes 0, effects below the MDE are "
+              "not excluded. Each CI is the one its verdict used (95% primary, Holm's level "
+              "for secondary rows); method: docs/bench.md."]
     return "\n".join(lines) + "\n"
 
 
