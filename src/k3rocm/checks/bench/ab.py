@@ -65,30 +65,21 @@ class ABPlan:
             arms = (f"A = fusions off ({armlib.env_str(a.arm_env['A'])}), B = fusions on "
                     f"({armlib.env_str(a.arm_env['B'])})")
         k = self.runs_per_server
-        runs = ("the complete workload" if k == 1 else
-                f"the complete workload {k} times back to back (run 1 on the fresh server, "
-                f"run 2.. on the same server: identical for both arms)")
         return [
             f"mode {self.mode.upper()}: {arms}",
             f"order {' '.join(a.slots())} ({a.repeats} server(s) per arm, interleaved; "
             f"{a.repeats * k} run(s) per arm)",
-            "every slot: a freshly started server (its own compose project, image "
-            f"{a.image or 'compose default'}), wait until ready, {runs} `{w.name}` with its own "
-            f"{w.warmup_request_count} warmup requests per point, then the server is stopped",
+            f"every slot: a fresh server (image {a.image or 'compose default'}), {k} complete "
+            f"run(s) of `{w.name}` ({w.warmup_request_count} warmup requests per point), stop",
             f"topology: {armlib.env_str(a.topology())}",
-            "statistic: the server is the unit: one value per server (mean over its runs of the "
-            "run's value from its per-request records); effect d = (B - A) / A on the geometric "
-            "means; two-sided t test on log server values, 5% false-positive rate at any number "
-            "of servers, an A/A of the same recorded protocol pooled in as the server-to-server "
-            "variance component",
+            "statistic: one value per server; d = (B - A) / A on geometric means; two-sided t "
+            "test on log server values, pooled with an A/A of the same recorded protocol",
             f"primary metric (declared before the run): {self.primary[0]} at c="
             f"{self.primary[1]}, judged at 5%; other rows: {stats.MULTIPLICITY}",
             "drift: A B B A order" + (" balances linear drift" if a.repeats % 2 == 0 else
-                                       f"; with odd repeats ({a.repeats}) the drift of "
-                                       f"1/{a.repeats} slot stays in the effect"),
+                                       f"; odd repeats ({a.repeats}) leave some drift"),
             f"server env (both arms): {armlib.env_str(a.describe_env())}"
-            + ("; EngineCore pinned to the worker's cores (CPU stand-in)"
-               if a.pin_engine_core else ""),
+            + ("; EngineCore pinned (CPU stand-in)" if a.pin_engine_core else ""),
         ]
 
 
