@@ -1,8 +1,5 @@
-"""Benchmark (not a unit test; ~1 min): what a pooled A/A from a quieter day does to bench-ab's
-false verdicts on identical arms, and what the variance check (``stats.floor_check``, inside
-``stats.compare_servers``) gives back. The project's own functions: per-request ITLs per server
-as tests/test_bench_unit.py draws them, ``stats.server_value``, ``stats.variance_component``
-(the A/A), ``stats.compare_servers`` with and without the check, ``stats.verdict``.
+"""Benchmark (~1 min, not a unit test): bench-ab's false verdicts on identical arms with a pooled
+A/A from a quieter day, with and without ``stats.floor_check``.
 
     PYTHONPATH=src python tests/bench_pooled_aa.py [--trials 4000] [--seed 29]
 """

@@ -1,13 +1,11 @@
-"""`k3rocm ab` without servers: one flag set for both measures, the plan (cold starts,
-estimate, calibration arms), refusals before any server starts, and the compose rendering of
-an arm server (compose.yaml is the only container definition)."""
+"""`k3rocm ab` without servers: one flag set, the plan, refusals before any server starts, and
+the compose rendering of an arm server."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -104,9 +102,7 @@ def test_estimate_uses_earlier_starts_else_states_the_assumption(tmp_path):
 
 
 def test_arm_server_is_compose_yaml_with_the_arm_env(tmp_path, monkeypatch):
-    """The arm server rendered by real `docker compose config`: the image, port, mounts and
-    the arm's toggles come from compose.yaml + compose.cpu.yaml and the arm's environment;
-    the per-server env file carries what compose.yaml does not list."""
+    """The arm server as real `docker compose config` renders it."""
     from k3rocm.checks.ab.arms import arms_from_args
     from k3rocm.deploy.lifecycle import ComposeServer
 
@@ -152,17 +148,6 @@ def test_serving_image_never_carries_the_test_double():
     assert "K3_TEST_PLUGINS_DIR" in (REPO / "compose.cpu.yaml").read_text()
 
 
-def test_compose_server_argv_names_project_and_files():
-    from k3rocm.deploy.lifecycle import ComposeServer
-
-    argv = ComposeServer(project="p1", cpu=True).argv("ps")
-    assert argv[:4] == ["docker", "compose", "-p", "p1"]
-    assert argv[4:8] == ["-f", str(REPO / "compose.yaml"), "-f", str(REPO / "compose.cpu.yaml")]
-    assert ComposeServer(project="p2", cpu=False).argv("ps")[4:] == [
-        "-f", str(REPO / "compose.yaml"), "ps"]
-    assert subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0
-
-
 def test_replicas_plan_goes_through_the_router():
     env = {"K3_SCALE_MODE": "replicas", "K3_SCALE_NODES": "127.0.0.1:18601,127.0.0.1:18602",
            "K3_SCALE_ROUTER_PORT": "18680"}
@@ -204,9 +189,7 @@ def test_server_command_help_and_bad_input():
 
 def _slot(tmp_path, slot: int, arm: str, env: dict, argv: list[str] | None,
           image="sha256:aa") -> dict:
-    """A run as the driver records it, with the run record's server part (the layout
-    deploy.provenance.collect_provenance writes: container env redacted, the rendered record
-    with the argv; ``argv`` None: a server without that record)."""
+    """A run as the driver records it, with the run record's server part."""
     d = tmp_path / f"{slot:02d}-{arm}-0"
     d.mkdir()
     (d / "provenance.json").write_text(json.dumps({"server": {
@@ -245,9 +228,7 @@ def test_slots_differing_in_a_server_setting_are_refused(tmp_path):
 
 
 def test_slots_without_the_rendered_record_are_not_shown_equal(tmp_path):
-    """The argv of a server without the rendered record is unknown: equal unknowns prove no
-    identical setup (the A/B marks it invalid, an A/A is not pooled); the rendered env lies
-    over the container's."""
+    """Equal unknown argvs prove no identical setup."""
     from k3rocm.checks.ab import arms as armlib
     from k3rocm.checks.bench import ab
     from k3rocm.checks.bench.workloads import resolve
@@ -310,8 +291,6 @@ def test_the_refusal_line_and_the_invalid_report(tmp_path):
 
 
 def test_an_arm_whose_fusion_was_refused_makes_the_ab_invalid():
-    """Decision records as the overlay writes them (tests/data/census/records: arm B asked both
-    fusions on; in one server the decode Q-prep fusion was turned off at load)."""
     from k3rocm.checks.ab import arms as ab
 
     rec = REPO / "tests" / "data" / "census" / "records"
@@ -323,18 +302,15 @@ def test_an_arm_whose_fusion_was_refused_makes_the_ab_invalid():
                "B": {"K3_FUSE_QK_NORM": "1", "K3_FUSE_DECODE_QPREP": "1"}}
     stock = {"qk_norm": ["off"], "decode_qprep": ["off"]}
     assert ab.fusion_check([{"slot": 0, "arm": "A", "fusions": stock},
-                            {"slot": 1, "arm": "B", "fusions": on}], arm_env) == []
-    problems = ab.fusion_check([{"slot": 0, "arm": "A", "fusions": stock},
-                                {"slot": 1, "arm": "B", "fusions": off_at_load},
-                                {"slot": 2, "arm": "B", "fusions": None},
-                                {"slot": 3, "arm": "A", "fusions": on}], arm_env)
-    assert problems == [
-        "slot 1 (arm B): decode_qprep asked on, the overlay decided "
-        + "/".join(off_at_load["decode_qprep"]),
-        "slot 2 (arm B): no overlay decision records in its server log (fusion state "
-        "unverified)",
-        "slot 3 (arm A): qk_norm asked off, the overlay decided on",
-        "slot 3 (arm A): decode_qprep asked off, the overlay decided on"]
+                            {"slot": 1, "arm": "B", "fusions": on}], arm_env) == ([], [])
+    problems, refused = ab.fusion_check([{"slot": 0, "arm": "A", "fusions": stock},
+                                         {"slot": 1, "arm": "B", "fusions": off_at_load},
+                                         {"slot": 2, "arm": "B", "fusions": None},
+                                         {"slot": 3, "arm": "A", "fusions": on}], arm_env)
+    assert [p[:14] for p in problems] == ["slot 1 (arm B)", "slot 2 (arm B)", "slot 3 (arm A)",
+                                          "slot 3 (arm A)"]
+    assert "unverified" in problems[1] and refused == [problems[0], *problems[2:]]
+    assert "decode_qprep asked on, the overlay decided" in problems[0]
 
 
 def test_the_workload_sets_prefix_caching_on_the_arm_servers():
@@ -359,9 +335,7 @@ def test_default_repeats_are_four_for_bench_and_one_for_census():
 
 
 def test_an_aa_and_a_calibration_of_the_same_setup_share_the_key(tmp_path):
-    """The calibration's arm B carries the step-delay double's variables (and both arms of this
-    setup may carry PYTHONPATH for the double's base delay): the key comes from slot 0 (arm A)
-    as recorded, the same in every mode (seen live: the A/A's floor was not found)."""
+    """Arm B's step-delay variables do not change the recorded key."""
     from k3rocm.checks.bench import ab
     from k3rocm.checks.bench.workloads import resolve
 
@@ -412,8 +386,7 @@ class _Images:
     (True, "K3_IMAGE=my/server:from-dotenv\n", "my/server:flag", "my/server:flag"),
 ])
 def test_the_arm_image_is_the_deployments(tmp_path, monkeypatch, cpu, dotenv, image, want):
-    """bench-ab/census-ab check and record the image compose will run: --image, else K3_IMAGE
-    from the shell or .env, else compose's default (compose.cpu.yaml's without AMD GPUs)."""
+    """--image, else K3_IMAGE from the shell or .env, else compose's default."""
     from k3rocm.checks.ab.arms import Arms, arm_deployment, image_id
 
     monkeypatch.delenv("K3_IMAGE", raising=False)
@@ -428,10 +401,7 @@ def test_the_arm_image_is_the_deployments(tmp_path, monkeypatch, cpu, dotenv, im
 
 
 def test_arm_server_with_replicas_saves_every_log_and_removes_the_router(tmp_path, monkeypatch):
-    """K3_SCALE_MODE=replicas: one compose project per node (``-rN``), then the router; on the
-    way out the router's log is saved and its container stopped and removed, and every replica
-    is taken down with its own log. (Fakes for compose and Docker: the real ones need an
-    engine; the docker-py calls are the ones the router module makes.)"""
+    """Replicas: one compose project per node, then the router; every log saved, all removed."""
     from types import SimpleNamespace
 
     from k3rocm.checks.ab import arms as armlib
@@ -494,10 +464,6 @@ def test_arm_server_with_replicas_saves_every_log_and_removes_the_router(tmp_pat
 
 
 def test_every_measure_runs_in_the_one_slot_loop(tmp_path, monkeypatch):
-    """`Run.each_slot` is the A/B loop of bench-ab, gsm8k-ab and census-ab: the slots in the
-    order A B B A on their own servers, one record per slot (its server, time to ready, the
-    fusions its overlay decided from the saved log, what ended it). A failure ends the loop:
-    raised again, or (keep_going, bench-ab) recorded so that what finished is judged."""
     import contextlib
     from types import SimpleNamespace
 
@@ -536,9 +502,6 @@ def test_every_measure_runs_in_the_one_slot_loop(tmp_path, monkeypatch):
 
 
 def test_a_first_slot_that_never_ran_is_compared_not_a_traceback():
-    """bench-ab whose first server fails to start keeps one run entry without a run directory;
-    the comparison (and its one-line error) must still be written, never a traceback from
-    reading that entry's command.txt."""
     from k3rocm.checks.bench import ab
     from k3rocm.checks.bench.workloads import resolve
 
@@ -550,9 +513,6 @@ def test_a_first_slot_that_never_ran_is_compared_not_a_traceback():
 
 
 def test_census_ab_reads_the_checkpoint_the_arm_servers_load(tmp_path, monkeypatch):
-    """census-ab without --model-dir judges the model the arm servers load: ``--server-env
-    K3_MODEL`` over this shell's K3_MODEL (one arm deployment, also what start() records),
-    never this shell's /models/a, which does not exist."""
     import argparse
     import shutil
 
@@ -584,9 +544,6 @@ def test_census_ab_reads_the_checkpoint_the_arm_servers_load(tmp_path, monkeypat
 
 
 def test_bench_ab_client_uses_what_the_arm_servers_serve(tmp_path):
-    """bench-ab's aiperf tokenizes with the checkpoint the arm servers load and sends the key
-    they require (``--server-env`` over this shell's settings), as census-ab's analysis does:
-    not the shell's K3_MODEL (/models/a) as tokenizer nor ``--api-key EMPTY`` (401s)."""
     models = tmp_path / "models"
     for m in ("a", "b"):
         (models / m).mkdir(parents=True)
@@ -600,11 +557,7 @@ def test_bench_ab_client_uses_what_the_arm_servers_serve(tmp_path):
                         for r in runs)
 
 
-# ------------------------------------------------- the arms against the serving image's base
-# The base facts are measured by basefacts.measure from the real vLLM sources (conftest's
-# upstream trees), never written here: the seed nightly's (0.27.1: no upstream fusion, decode
-# always on Gluon, so no fp8 KV and so no decode Q-prep) and a current release's (0.34.0: both
-# fusions upstream). Only the manifest read (a container run) is replaced by those facts.
+# --- the arms against the serving image's base facts (measured from the real vLLM sources)
 
 SEED, UPSTREAM = "0.27.1", "0.34.0"
 
@@ -612,13 +565,12 @@ SEED, UPSTREAM = "0.27.1", "0.34.0"
 def _facts(version: str) -> dict:
     from conftest import image_base_facts
 
-    return image_base_facts(version)  # the real release with the overlay applied by `auto`
+    return image_base_facts(version)
 
 
 @pytest.fixture
 def on_base(tmp_path, monkeypatch):
-    """Serve ``version``'s facts as the serving image's manifest; record every Docker client,
-    compose server and port probe the A/B makes (none may happen before the base check)."""
+    """Serve ``version``'s facts as the image manifest; record every Docker/compose/port call."""
     from k3rocm.checks.ab import arms as armlib
     from k3rocm.deploy import config_cmd
 
@@ -685,11 +637,8 @@ def _measure_args(tmp_path: Path, measure: str) -> list[str]:
 @pytest.mark.parametrize("measure", ["bench", "census", "gsm8k"])
 def test_an_ab_on_the_seed_base_is_refused_before_any_server(on_base, tmp_path, capsys,
                                                               measure):
-    """The seed nightly (vLLM 0.27.1) cannot serve arm B: its decode always takes AITER's
-    Gluon kernel, so no fp8 KV cache, so no decode Q-prep. Every measure refuses that arm in
-    one line, exit 2, before the port check, Docker or any server: naming the arm, the
-    setting, the base's reason and what it can serve (--on qk_norm); arm A's cold start and
-    workload never run first."""
+    """vLLM 0.27.1 cannot serve arm B (no fp8 KV, so no decode Q-prep): refused before
+    any server, in every measure, naming what it can switch."""
     from k3rocm.cli import main
 
     calls = on_base(SEED)
@@ -707,71 +656,42 @@ def test_an_ab_on_the_seed_base_is_refused_before_any_server(on_base, tmp_path, 
     assert not (tmp_path / "results").exists()  # no run directory either
 
 
-def test_on_the_seed_base_the_offered_arms_pass(on_base, tmp_path):
-    """What the refusal offers is what the base serves: with --on qk_norm both arms pass the
-    same check (and the seed's own changes are stated: bf16 KV, graphs PIECEWISE)."""
+def _check_base(tmp_path: Path, measure: str, *extra: str) -> dict:
     from k3rocm.checks.ab import arms as armlib
     from k3rocm.checks.ab import cli as abcli
 
-    on_base(SEED)
     p = argparse.ArgumentParser()
-    abcli.add_arguments(p, measure="bench")
-    args = p.parse_args(_measure_args(tmp_path, "bench")[1:] + ["--on", "qk_norm"])
+    abcli.add_arguments(p, measure=measure)
+    args = p.parse_args(_measure_args(tmp_path, measure)[1:] + list(extra))
     abcli.fill_repeats(args)
-    arms = armlib.arms_from_args(args)
-    assert arms.arm_env["B"] == {"K3_FUSE_QK_NORM": "1", "K3_FUSE_DECODE_QPREP": "0"}
-    got = armlib.check_base(arms)
+    single = ("census-ab", "test") if measure == "census" else None
+    return armlib.check_base(armlib.arms_from_args(args, single=single))
+
+
+def test_on_the_seed_base_the_offered_arms_pass(on_base, tmp_path):
+    on_base(SEED)
+    got = _check_base(tmp_path, "bench", "--on", "qk_norm")
     assert sorted(got["arms"]) == ["A", "B"] and got["arms"]["B"]["vllm_version"] == SEED
     notes = " ".join(got["arms"]["B"]["notes"])
     assert "K3_KV_CACHE_DTYPE=auto" in notes and "PIECEWISE" in notes
 
 
-def test_on_an_upstream_base_both_arms_pass(on_base, tmp_path):
-    """vLLM 0.34.0 ships both fusions in its own amd/mla.py; with upstream's fusions
-    switchable, both arms (every switch 0, every switch 1) pass the base check."""
-    from k3rocm.checks.ab import arms as armlib
-    from k3rocm.checks.ab import cli as abcli
-
+@pytest.mark.parametrize("measure,extra", [("census", ()), ("bench", ("--aa",))])
+def test_on_an_upstream_base_both_arms_pass(on_base, tmp_path, measure, extra):
     on_base(UPSTREAM)
-    p = argparse.ArgumentParser()
-    abcli.add_arguments(p, measure="census")
-    args = p.parse_args(_measure_args(tmp_path, "census")[1:])
-    abcli.fill_repeats(args)
-    got = armlib.check_base(armlib.arms_from_args(args, single=("census-ab", "test")))
-    assert sorted(got["arms"]) == ["A", "B"]
+    got = _check_base(tmp_path, measure, *extra)
     assert {a: b["vllm_version"] for a, b in got["arms"].items()} == {"A": UPSTREAM,
                                                                       "B": UPSTREAM}
-
-
-def test_on_an_upstream_base_the_fusions_on_arm_passes(on_base, tmp_path):
-    """The half of the upstream-base claim today's base check already makes true: arm B (the
-    fusions upstream ships, on) is served by 0.34.0, fp8 KV kept (dtype-aware routing)."""
-    from k3rocm.checks.ab import arms as armlib
-    from k3rocm.checks.ab import cli as abcli
-
-    on_base(UPSTREAM)
-    p = argparse.ArgumentParser()
-    abcli.add_arguments(p, measure="bench")
-    args = p.parse_args(_measure_args(tmp_path, "bench")[1:] + ["--aa"])
-    abcli.fill_repeats(args)
-    got = armlib.check_base(armlib.arms_from_args(args))
-    assert sorted(got["arms"]) == ["A", "B"]
     assert not any(n.startswith("K3_KV_CACHE_DTYPE") for n in got["arms"]["B"]["notes"])
 
 
-@pytest.mark.parametrize("cmd", ["bench-ab", "census-ab"])
-def test_every_measure_has_on(cmd):
-    """--on is one shared declaration: every measure (and `k3rocm ab`) takes it."""
-    assert "--on" in _options(cmd)
-    p = run_cli(cmd, "--on", "nope", "--dry-run", "--workload", "ci-tiny", "--no-gpu")
+def test_a_bad_on_is_one_line_exit_2():
+    p = run_cli("bench-ab", "--on", "nope", "--dry-run", "--workload", "ci-tiny", "--no-gpu")
     assert p.returncode == 2 and "--on 'nope' must name fusions from qk_norm, decode_qprep" \
         in p.stderr, p.stderr
 
 
 def test_a_server_setting_the_base_refuses_is_named_for_every_arm(on_base, tmp_path, capsys):
-    """A refusal that is not about the fusion switches (here fp8 KV, asked explicitly, on the
-    seed nightly whose decode takes the bf16-only Gluon kernel) names the setting for every
-    arm and offers no --on (none would help)."""
     from k3rocm.cli import main
 
     calls = on_base(SEED)

@@ -1,48 +1,19 @@
 """TEST DOUBLE (CPU stand-in only): a known delay in every vLLM engine step, and an engine hold.
 
-Four switches, all read from the server's environment at plugin load:
+Switches (the server's environment at plugin load; none set: it does nothing):
+- ``K3_TEST_STEP_DELAY_MS`` (arm B of ``--calibrate-delay-ms``) and ``K3_TEST_BASE_DELAY_MS``
+  (both arms: a deterministic sleep dominates the step): every engine step with requests sleeps
+  their sum first, so ITL grows by it.
+- ``K3_TEST_HOLD_FILE=<path>``: while it exists, a step with requests does not run; the hold is
+  announced by writing ``<path>.held`` (unfinished requests), removed when it ends.
+- ``K3_TEST_DELAY_FILE=<path>``: while it exists, every step sleeps the ms written in it.
+Each sleep's real duration goes to ``APPLIED_FILE`` (``<ns> <requested ms> <applied ms>``),
+written before the step runs; bench-ab copies it out and judges against the applied delay.
 
-- ``K3_TEST_STEP_DELAY_MS=<ms>`` (calibration switch for ``k3rocm ab --calibrate``): every
-  engine step that has requests sleeps that long before it runs, so each decode step (one
-  output token per running request) takes ``ms`` longer: the inter-token latency grows by ``ms``.
-- ``K3_TEST_BASE_DELAY_MS=<ms>``: the same sleep, added to the one above; a test gives it to
-  both arms of an A/B so a deterministic sleep dominates their step time (a loaded machine then
-  moves the two servers' ITL much less) and the calibration's ``K3_TEST_STEP_DELAY_MS`` in arm B
-  is the only difference.
-- ``K3_TEST_HOLD_FILE=<path>`` (tests that must interrupt a client *while* a request is in
-  flight): while that file exists, an engine step that has requests does not run. When the hold
-  starts, the double writes ``<path>.held`` (its content: the number of unfinished requests) and
-  prints one line, so a test waits for an observable event (the file), never for a sleep; it
-  removes ``<path>.held`` when the hold ends. The HTTP server stays up (health, metrics) and
-  the held requests are aborted or finished normally once the file is gone.
-- ``K3_TEST_DELAY_FILE=<path>``: while that file exists, every engine step with requests
-  sleeps the milliseconds written in it (read again whenever the file changes), so a test can
-  slow a running server for a while (the session server of the tests: per-token streaming on
-  a loaded 2-core machine, where the API server must never fall a whole step behind).
-
-Without any of these variables it does nothing.
-
-What it applied (every sleep above, whatever asked for it): the real duration of each sleep
-(``time.perf_counter`` around it; on a loaded machine a sleep wakes late) is appended to
-``APPLIED_FILE`` inside the server's container, one line per engine step that slept:
-``<wall clock ns at its end> <requested ms> <applied ms>``. The line is written before the step
-runs, so before any token of that step exists: a reader that starts after the client got its
-last token sees every sleep behind those tokens (``k3rocm ab --calibrate-delay-ms`` copies the
-file out of each arm server after its runs and judges the detector against the applied delay,
-not the requested one).
-
-How it gets in: this directory is mounted at /opt/k3rocm-test by compose.cpu.yaml only when
-``K3_TEST_PLUGINS_DIR`` points here, and put on PYTHONPATH; the ``.dist-info`` beside this
-file registers :func:`register` as a vLLM general plugin (entry point group
-``vllm.general_plugins``, see vllm/plugins/__init__.py ``load_general_plugins``). Never in
-the serving image (the Dockerfile copies nothing from tests/).
-
-Where the facts come from (vLLM 0.32.0 CPU stand-in, vllm/v1/engine/core.py):
-``EngineCore.__init__`` calls ``load_general_plugins()`` before it picks
-``self.step_fn = self.step if self.batch_queue is None else self.step_with_batch_queue``,
-and ``run_busy_loop`` calls ``self.step_fn()`` once per engine step; the busy loop handles
-incoming requests (and aborts) between steps, so a held step still sees an abort once the
-hold ends.
+Mounted at /opt/k3rocm-test by compose.cpu.yaml from ``K3_TEST_PLUGINS_DIR``, put on PYTHONPATH;
+the ``.dist-info`` registers :func:`register` as a vLLM general plugin. vLLM 0.32.0
+(vllm/v1/engine/core.py): ``EngineCore.__init__`` loads general plugins before it picks
+``step_fn`` (``step`` or ``step_with_batch_queue``), which ``run_busy_loop`` calls once per step.
 """
 
 import contextlib
@@ -54,8 +25,7 @@ ENV = "K3_TEST_STEP_DELAY_MS"
 HOLD_ENV = "K3_TEST_HOLD_FILE"
 DELAY_FILE_ENV = "K3_TEST_DELAY_FILE"
 BASE_ENV = "K3_TEST_BASE_DELAY_MS"
-# The record of the applied sleeps, inside the server's container (k3rocm.checks.bench.ab
-# reads it from there: its STEP_DELAY_RECORD names the same path).
+# inside the server's container; k3rocm.checks.bench.ab.STEP_DELAY_RECORD names the same path
 APPLIED_FILE = "/tmp/k3rocm-test-stepdelay.tsv"
 HOLD_POLL_S = 0.01  # how often a held step looks at the hold file (inside the server)
 
@@ -101,9 +71,7 @@ class _DelayFile:
 
 
 class _Record:
-    """Appends one line per applied sleep to APPLIED_FILE (line-buffered: one write per step).
-    If the file cannot be written the server keeps running and says so once; the record is
-    then missing, which a calibration reports as "cannot judge"."""
+    """One line per applied sleep in APPLIED_FILE; unwritable: said once, the server runs on."""
 
     def __init__(self, path: str):
         self.path, self.fh, self.failed = path, None, False

@@ -1,12 +1,8 @@
-"""Fresh arm servers for ``k3rocm ab`` (bench-ab and census-ab): one flag set, one arm order.
+"""Fresh arm servers for ``k3rocm ab``: one flag set, one arm order (A B B A ...).
 
-Every slot of the order A B B A A B ... gets a freshly started server: its own compose
-project (``k3ab-<stamp>-<slot><arm>``) from compose.yaml (+ compose.cpu.yaml for the CPU
-stand-in), the arm's environment on top of the deployment's settings: the Deployment is loaded
-once (shell > ``.env`` > profile > default, the CPU/GPU decision with ``--gpu/--no-gpu``), and its
-image, models and cache directories are handed to compose. The server's log is saved into the
-run directory before it is removed. What each slot's server really ran (its recorded identity,
-the fusions its overlay decided) is judged here too.
+Each slot gets its own compose project (``k3ab-<stamp>-<slot><arm>``) with the arm's environment
+over the deployment's settings; its log is saved into the run directory before it is removed.
+What each slot's server really ran (recorded identity, overlay decisions) is judged here too.
 """
 
 from __future__ import annotations
@@ -55,8 +51,7 @@ def sequence(repeats: int) -> list[str]:
 
 
 def add_on_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """``--on``: the fusions arm B (the fusions-on server) asks for; the one declaration the A/B
-    (every measure) and ``k3rocm selftest run`` share."""
+    """``--on``: the fusions arm B asks for (shared with ``k3rocm selftest run``)."""
     parser.add_argument("--on", default="all", metavar="FUSIONS",
                         help="fusions asked ON in arm B, the fusions-on server (comma-separated: "
                         f"{', '.join(NAMES)}, or all; default all); the rest stay off in both "
@@ -65,9 +60,7 @@ def add_on_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -
 
 
 def arm_envs(on: str = "all") -> dict[str, dict[str, str]]:
-    """The ONE builder of arm environments (every A/B measure and the selftest): arm A every
-    K3_FUSE_* switch 0, arm B the fusions named by ``on`` (``--on``: comma-separated, or all)
-    1 and the rest 0. Bad names: one line, exit 2."""
+    """The one builder of arm environments: A every K3_FUSE_* 0, B the fusions ``on`` names 1."""
     names = [x.strip() for x in on.split(",") if x.strip()]
     if names == ["all"]:
         names = list(NAMES)
@@ -78,7 +71,6 @@ def arm_envs(on: str = "all") -> dict[str, dict[str, str]]:
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
-    """The arm-server flags, the same for every measure."""
     g = parser.add_argument_group("arm servers (the same for every --measure)")
     add_on_argument(g)
     g.add_argument("--aa", action="store_true",
@@ -140,7 +132,6 @@ def parse_env(items: list[str], flag: str = "--server-env") -> dict[str, str]:
 
 @dataclass
 class Arms:
-    """Where and how the arm servers run (validated before any server starts)."""
 
     mode: str  # ab | aa | cal
     repeats: int
@@ -162,14 +153,13 @@ class Arms:
 
     @property
     def replica_ports(self) -> list[int]:
-        """replicas: one server per K3_SCALE_NODES entry (on this host); else --port."""
         if self.scale is None:
             return [self.port]
         return [self.scale.node_port(i) for i in range(len(self.scale.nodes))]
 
     @property
     def url(self) -> str:
-        """Where the measurement goes: the router (replicas) or the one server."""
+        """The router (replicas) or the one server."""
         return self.scale.router_url if self.scale is not None else \
             f"http://127.0.0.1:{self.port}"
 
@@ -199,8 +189,8 @@ class Arms:
 
 
 def arms_from_args(args: argparse.Namespace, single: tuple[str, str] | None = None) -> Arms:
-    """The arm settings from the shared flags (bad input: one line, exit 2). ``single``:
-    (command, why) of a measure that runs one server per arm in the order A B."""
+    """The arm settings from the shared flags (bad input: exit 2). ``single``: (command, why)
+    of a measure with one server per arm, order A B."""
     if single and (args.aa or args.calibrate_delay_ms is not None):
         raise UsageError(f"--aa and --calibrate-delay-ms are for --measure bench ({single[1]})")
     if single and args.repeats != 1:
@@ -266,9 +256,7 @@ LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 def _replicas(env_file: str):
-    """The scale settings when K3_SCALE_MODE=replicas (every arm slot then starts one server
-    per K3_SCALE_NODES entry and measures through the router), else None. The A/B starts the
-    replicas itself, so the nodes must be on this host."""
+    """The scale settings when K3_SCALE_MODE=replicas (nodes on this host), else None."""
     from k3rocm.deploy.scale.settings import load_scale
 
     s = load_scale(dotenv=env_file)
@@ -288,18 +276,15 @@ def _replicas(env_file: str):
 
 
 def image_id(arms: Arms, client=None, dep=None) -> tuple[str, str]:
-    """(image reference, image id) of the arm servers (the arm deployment's image: --image,
-    else K3_IMAGE from the shell or .env, else compose's default); exit 2 when it is missing.
-    ``dep``: the arm deployment when the caller has it already."""
+    """(image reference, image id) of the arm servers; exit 2 when it is missing."""
     ref = (dep or arm_deployment(arms)).image
     return ref, engine_image_id(client or docker_client(), ref, "server image",
                                 "build it (make build) or pass --image")
 
 
 def estimate(arms: Arms, results: Path, runs_per_slot: int = 1) -> tuple[float, str]:
-    """(seconds, how it was estimated) for the whole A/B: cold starts x time to ready (the
-    median measured by earlier A/B runs under ``results``, else a stated assumption) plus
-    the runs (their earlier median, when known)."""
+    """(seconds, how): cold starts x time to ready plus the runs, from earlier A/B runs under
+    ``results`` (else a stated assumption)."""
     ready: list[float] = []
     run_s: list[float] = []
     for path in sorted(results.glob("*/comparison.json"))[-10:]:
@@ -323,8 +308,8 @@ def estimate(arms: Arms, results: Path, runs_per_slot: int = 1) -> tuple[float, 
 
 
 def check_port(arms: Arms) -> None:
-    """Refuse (exit 2) when something serves --port, unless --stop-running: then the
-    deployment's compose server is stopped through the lifecycle (log saved first)."""
+    """Refuse (exit 2) when something serves --port, unless --stop-running stops the compose
+    server (log saved first)."""
     busy = [p for p in arms.replica_ports if answers(f"http://127.0.0.1:{p}")]
     if arms.scale is not None and answers(arms.scale.router_url):
         raise UsageError(f"a router already answers at {arms.scale.router_url}: the A/B "
@@ -357,7 +342,6 @@ def check_port(arms: Arms) -> None:
 
 
 def slot_line(arms: Arms, slot: int, arm: str) -> str:
-    """The dry run's line for one slot: the arm server's environment."""
     env = {**arms.compose_env(arm), **arms.arm_container_env.get(arm, {})}
     return f"# slot {slot} arm {arm}: compose up (server) with {env_str(env)}"
 
@@ -368,8 +352,7 @@ def env_str(env: dict) -> str:
 
 @dataclass
 class Run:
-    """One A/B run past the checks every measure shares: the Docker client, the arm servers'
-    image, served model and API key, and the run directory (created last)."""
+    """One A/B run past the shared checks: Docker client, image, model, API key, run directory."""
 
     arms: Arms
     client: Any
@@ -382,12 +365,8 @@ class Run:
     @contextlib.contextmanager
     def server(self, slot: int, arm: str, log_path: Path
                ) -> Iterator[tuple[ComposeServer, dict]]:
-        """Fresh server(s) for one slot (compose projects named after the run directory):
-        compose up (one project per replica), wait until ready (progress, stated timeout),
-        pin the EngineCore (stand-in), start the router (replicas), yield (first server,
-        info: compose project, time to ready, pin, topology, the arm's deployment); always
-        save every log (``log_path``, ``-rN`` per replica, ``-router``) and remove what was
-        started. The measurement goes to ``arms.url``."""
+        """Fresh server(s) for one slot (one compose project per replica, the router for replicas):
+        yield (first server, info); always save every log and remove what was started."""
         arms, model, api_key, client = self.arms, self.model, self.api_key, self.client
         base = f"k3ab-{self.dir.name.split('-')[0].lower()}-{slot:02d}{arm.lower()}"
         one = len(arms.replica_ports) == 1
@@ -440,12 +419,9 @@ class Run:
     def each_slot(self, log_path: Callable[[int, str], Path],
                   measure: Callable[[int, str, ComposeServer, dict], bool | None],
                   keep_going: bool = False) -> list[dict[str, Any]]:
-        """The one A/B loop: every slot of the order A B B A ... on its own fresh server,
-        ``measure(slot, arm, server, info)`` on it (False: stop after this slot), the server's
-        log saved at ``log_path(slot, arm)``. One record per slot: its compose project, time to
-        ready and seconds, the fusions its overlay decided, and what ended it early. A failure
-        or Ctrl-C is raised again, unless ``keep_going``: then it ends the loop and the measure
-        judges what finished."""
+        """The one A/B loop: ``measure(slot, arm, server, info)`` on a fresh server per slot (False:
+        stop), one record per slot. A failure or Ctrl-C is raised again, unless ``keep_going``: then
+        the loop ends and the measure judges what finished."""
         out: list[dict[str, Any]] = []
         for i, arm in enumerate(self.arms.slots()):
             env = {**self.arms.arm_env[arm], **self.arms.arm_container_env.get(arm, {})}
@@ -471,12 +447,8 @@ class Run:
 
 def start(arms: Arms, results: Path, label: str, runs_per_slot: int = 1,
           client_image: str | None = None, dep=None) -> Run:
-    """The shared start of every measure: the port is free (or freed), the server image (and
-    the measure's client image) is there, the cold starts and their estimate are announced;
-    then the run directory. First of all, both arms are rendered against the image's base
-    facts (:func:`check_base`): an arm the base cannot serve stops here, before anything
-    starts. ``dep``: the arm deployment, when the measure loaded it already
-    (:func:`arm_deployment`); else it is loaded here, once."""
+    """The shared start of every measure: both arms checked against the image's base facts, the
+    port free, the images present, the cold starts announced; then the run directory."""
     base = check_base(arms)
     check_port(arms)
     client = docker_client()
@@ -499,28 +471,16 @@ def start(arms: Arms, results: Path, label: str, runs_per_slot: int = 1,
 
 
 def arm_deployment(arms: Arms, arm: str = "B"):
-    """The deployment arm ``arm``'s servers run (:func:`k3rocm.deploy.deployment.load_deployment`):
-    the arm's environment on top of the settings (shell > .env > profile > default), with
-    the arm servers' CPU/GPU decision, as compose and the entrypoint see it. What the arms
-    share (image, model, API key) is the same in both."""
+    """The deployment arm ``arm``'s servers run, as compose and the entrypoint see it."""
     return resolve_settings(arms.env_file, {**os.environ, **arms.compose_env(arm)},
                             gpu=not arms.cpu)
 
 
 def base_check(arm_env: dict[str, dict[str, str]], environ: Mapping[str, str],
                env_file: str | None, image: str, profile: str) -> dict[str, Any]:
-    """Every arm rendered against the base facts recorded in the serving image ``image``
-    (:func:`k3rocm.deploy.config_cmd.image_base_facts`: the manifest `make config`, `make
-    preflight` and ``k3rocm serve`` apply through ``render(base=...)``, i.e.
-    ``basefacts.check``), before anything starts. ``environ``: the servers' settings
-    (shell, ``--server-env``, ...; any K3_FUSE_* in it is the arm's to set); ``profile``: the
-    servers' profile as their deployment decided it (compose.cpu.yaml's with the stand-in);
-    ``arm_env``: each arm's switches (:func:`arm_envs`). An arm the base cannot serve: one
-    line, exit 2, naming the arm, its switches, the base's reason and the ``--on`` choices
-    this base can serve (each found by the same rendering). Facts unknown (no image yet, no
-    manifest, no Docker): each server checks at start. Returns {"facts_from", "arms": {arm:
-    the render's base decision}}.
-    """
+    """Every arm rendered against the base facts recorded in ``image`` (as `make config` does),
+    before anything starts. A refused arm: one line, exit 2, with the ``--on`` choices this base
+    can serve. Facts unknown: each server checks at start. Returns {"facts_from", "arms"}."""
     from k3rocm.deploy.config_cmd import image_base_facts
     from k3rocm.serving.config import render
 
@@ -567,8 +527,7 @@ def base_check(arm_env: dict[str, dict[str, str]], environ: Mapping[str, str],
 
 
 def check_base(arms: Arms) -> dict[str, Any]:
-    """:func:`base_check` for the A/B's arm servers (each arm's deployment as compose and the
-    entrypoint see it: :func:`arm_deployment`), once per A/B (kept on ``arms.base``)."""
+    """:func:`base_check` for the arm servers, once per A/B (kept on ``arms.base``)."""
     if arms.base is None:
         dep = arm_deployment(arms, "A")
         arms.base = base_check({a: arms.arm_env[a] for a in sorted(set(arms.slots()))},
@@ -585,9 +544,8 @@ WHERE_ENV = frozenset({"K3_PORT", "HOSTNAME"})  # where a slot listens, not what
 
 
 def slot_identity(run_dir: Path, mode: str) -> dict[str, Any] | None:
-    """What one slot's server really ran, from its run record (the image id, and the argv and
-    env as the server rendered them: :func:`k3rocm.deploy.provenance.served_as`; argv None
-    without that record), minus what may differ between arms."""
+    """What one slot's server really ran (image id, rendered argv and env from its run record),
+    minus what may differ between arms."""
     try:
         server = json.loads((run_dir / "provenance.json").read_text()).get("server") or {}
     except (OSError, json.JSONDecodeError):
@@ -621,9 +579,8 @@ def identity_diff(a: dict, b: dict) -> list[str]:
 
 
 def fusion_states(log_path: Path) -> dict[str, list[str]] | None:
-    """Each fusion's final states over the server's processes (target layers: the model's MLA
-    layers; draft/MTP layers keep the stock path by design and are not judged, as in the
-    census), from the overlay's decision records in the saved server log (None: none)."""
+    """Each fusion's final states over the target (MLA) layers, from the overlay's decision
+    records in the saved server log (None: none)."""
     try:
         recs = decisions.records_from_log(log_path.read_text(errors="replace"), log_path.name)
     except (OSError, UsageError):
@@ -634,9 +591,10 @@ def fusion_states(log_path: Path) -> dict[str, list[str]] | None:
     return {f: sorted({r.states[f] for r in final}) for f in decisions.STATES}
 
 
-def fusion_check(slots: Sequence[dict], arm_env: dict[str, dict[str, str]]) -> list[str]:
-    """One line per slot whose fusions are not what its arm asked (a switch on -> every final
-    decision "on"; off -> none "on"); a slot without decision records says so."""
+def fusion_check(slots: Sequence[dict], arm_env: dict[str, dict[str, str]]
+                 ) -> tuple[list[str], list[str]]:
+    """(problems, refusals): one line per slot whose fusions are not what its arm asked; the
+    refusals are those where the overlay decided otherwise (no records is only unverified)."""
     out = []
     for s in slots:
         states = s.get("fusions")
@@ -651,10 +609,4 @@ def fusion_check(slots: Sequence[dict], arm_env: dict[str, dict[str, str]]) -> l
                 out.append(f"slot {s['slot']} (arm {s['arm']}): {fusion} asked "
                            f"{'on' if asked else 'off'}, the overlay decided "
                            f"{'/'.join(got) or 'nothing'}")
-    return out
-
-
-def refusals(problems: Sequence[str]) -> list[str]:
-    """The lines of :func:`fusion_check` that make an A/B invalid: an overlay decided other than
-    its arm asked (a log without decision records is only "unverified")."""
-    return [p for p in problems if "the overlay decided" in p]
+    return out, [p for p in out if "the overlay decided" in p]

@@ -1,14 +1,7 @@
-"""Fusion off (A) vs on (B) under one protocol, or A/A for the noise floor.
+"""The bench measure of the A/B driver: fusions off (A) vs on (B), A/A, or calibration.
 
-Protocol (the same for every slot, stated in every report): the slots run in the interleaved
-order A B B A A B B A ...; each slot starts a fresh server (its own compose project, through
-:mod:`k3rocm.checks.ab.arms`) with the arm's fusion toggles, waits until it is ready, then runs
-the whole workload (its own warmups, the same seed and request counts) in the client
-container, then saves the server's log and removes it. Nothing is shared between slots, so no
-arm gets a warmer server or a different position in a longer sweep.
-
-Calibration (``mode == "cal"``, CPU stand-in only): both arms as in A/A, arm B with a known
-injected delay per engine step; the report states injected vs detected ITL change.
+Every slot (order A B B A ...) runs the whole workload on a fresh server; the server is the unit
+of the statistics. Calibration (CPU stand-in): arm B sleeps a known delay per engine step.
 """
 
 from __future__ import annotations
@@ -25,7 +18,7 @@ from typing import Any
 
 from k3rocm.checks.ab import arms as armlib
 from k3rocm.checks.bench import stats, summary
-from k3rocm.checks.bench.cli import resolve_from_args
+from k3rocm.checks.bench.cli import add_common, resolve_from_args
 from k3rocm.checks.bench.plots import _pyplot, _save
 from k3rocm.checks.bench.run import check_tokenizer, planned_command, run_bench
 from k3rocm.checks.bench.workloads import Workload, shell_line
@@ -53,8 +46,7 @@ class ABPlan:
         return self.arms.mode
 
     def protocol_key(self, image_id: str | None) -> str:
-        """Same key <=> same protocol: workload protocol, server image, server env minus the
-        fusion toggles, repeats and order."""
+        """Same key <=> same protocol (workload, image, server env minus the fusions, ...)."""
         blob = json.dumps({"workload": self.workload.protocol(), "image_id": image_id,
                            "server_env": self.arms.describe_env(), "gpu": not self.arms.cpu,
                            "pin_engine_core": self.arms.pin_engine_core,
@@ -73,30 +65,21 @@ class ABPlan:
             arms = (f"A = fusions off ({armlib.env_str(a.arm_env['A'])}), B = fusions on "
                     f"({armlib.env_str(a.arm_env['B'])})")
         k = self.runs_per_server
-        runs = ("the complete workload" if k == 1 else
-                f"the complete workload {k} times back to back (run 1 on the fresh server, "
-                f"run 2.. on the same server: identical for both arms)")
         return [
             f"mode {self.mode.upper()}: {arms}",
             f"order {' '.join(a.slots())} ({a.repeats} server(s) per arm, interleaved; "
             f"{a.repeats * k} run(s) per arm)",
-            "every slot: a freshly started server (its own compose project, image "
-            f"{a.image or 'compose default'}), wait until ready, {runs} `{w.name}` with its own "
-            f"{w.warmup_request_count} warmup requests per point, then the server is stopped",
+            f"every slot: a fresh server (image {a.image or 'compose default'}), {k} complete "
+            f"run(s) of `{w.name}` ({w.warmup_request_count} warmup requests per point), stop",
             f"topology: {armlib.env_str(a.topology())}",
-            "statistic: the server is the unit: one value per server (mean over its runs of the "
-            "run's value from its per-request records); effect d = (B - A) / A on the geometric "
-            "means; two-sided t test on log server values, 5% false-positive rate at any number "
-            "of servers, an A/A of the same recorded protocol pooled in as the server-to-server "
-            "variance component",
+            "statistic: one value per server; d = (B - A) / A on geometric means; two-sided t "
+            "test on log server values, pooled with an A/A of the same recorded protocol",
             f"primary metric (declared before the run): {self.primary[0]} at c="
             f"{self.primary[1]}, judged at 5%; other rows: {stats.MULTIPLICITY}",
             "drift: A B B A order" + (" balances linear drift" if a.repeats % 2 == 0 else
-                                       f"; with odd repeats ({a.repeats}) the drift of "
-                                       f"1/{a.repeats} slot stays in the effect"),
+                                       f"; odd repeats ({a.repeats}) leave some drift"),
             f"server env (both arms): {armlib.env_str(a.describe_env())}"
-            + ("; EngineCore pinned to the worker's cores (CPU stand-in)"
-               if a.pin_engine_core else ""),
+            + ("; EngineCore pinned (CPU stand-in)" if a.pin_engine_core else ""),
         ]
 
 
@@ -104,23 +87,29 @@ def _run_name(slot: int, arm: str, k: int) -> str:
     return f"{slot:02d}-{arm}-{k}"
 
 
+def design_before(plan: ABPlan, key: str | None) -> tuple[str, dict]:
+    """(MDE line, A/A variance component) of the planned design from the newest A/A (``key``
+    None: of the workload, for the dry run; else of this planned protocol)."""
+    aa = find_noise_floor(plan, key, field="planned_key")
+    comp = _floor_for({**(aa or {}), "same_protocol": True}, plan.primary[1],
+                      plan.primary[0]) or {}
+    line = stats.design_line(comp.get("var_log"), comp.get("df", 0), plan.arms.repeats,
+                             plan.primary[0])
+    if aa:
+        line += f" (from the A/A {aa['dir']}" + (
+            "; its protocol is checked when the run starts)" if key is None else ")")
+    return line, comp
+
+
 def cost_lines(plan: ABPlan) -> list[str]:
-    """What the A/B will cost and what it can see, before anything starts: cold starts and
-    estimated hours (:func:`k3rocm.checks.ab.arms.estimate`), the MDE of the planned design
-    (from the newest A/A of this workload under the results root; its protocol is checked when
-    the run starts), and whether that design can see the upstream PRs' ITL effect."""
+    """Cold starts, estimated hours and the MDE of the planned design (from the newest A/A of
+    this workload), before anything starts."""
     from k3rocm.deploy.upstream_ref import LATENCY_AB_EFFECT
 
     arms, k = plan.arms, plan.runs_per_server
     secs, how = armlib.estimate(arms, plan.results, k)
     starts = len(arms.slots()) * len(arms.replica_ports)
-    aa = find_noise_floor(plan, None)
-    comp = _floor_for({**(aa or {}), "same_protocol": True}, plan.primary[1],
-                      plan.primary[0]) or {}
-    design = stats.design_line(comp.get("var_log"), comp.get("df", 0), arms.repeats,
-                               plan.primary[0])
-    if aa:
-        design += f" (from the A/A {aa['dir']}; its protocol is checked when the run starts)"
+    design, comp = design_before(plan, None)
     seen = stats.effect_line(LATENCY_AB_EFFECT, arms.repeats, comp.get("var_log"),
                              comp.get("df", 0), plan.primary[0])
     return [f"cost: {starts} cold server start(s) ({arms.repeats} server(s) per arm), "
@@ -155,19 +144,13 @@ def run_ab(plan: ABPlan) -> int:
     ab_dir, client = run.dir, run.client
     run.model, run.api_key = w.model, w.api_key  # what the workload asks the servers for
     key = plan.protocol_key(run.image_id)
-    before = find_noise_floor(plan, key, field="planned_key")
-    comp_b = _floor_for({**(before or {}), "same_protocol": True}, plan.primary[1],
-                        plan.primary[0]) or {}
-    design_before = stats.design_line(comp_b.get("var_log"), comp_b.get("df", 0), arms.repeats,
-                                      plan.primary[0])
-    if before:
-        design_before += f" (from the A/A {before['dir']})"
-    _log(f"before the run: {design_before}")
+    before_line = design_before(plan, key)[0]
+    _log(f"before the run: {before_line}")
     _log(f"{plan.mode.upper()} run directory {ab_dir} (planned protocol {key})")
     write_json_atomic(ab_dir / "plan.json", {
         "mode": plan.mode, "planned_key": key, "protocol": plan.describe(),
         "primary": {"metric": plan.primary[0], "concurrency": plan.primary[1]},
-        "design_before": design_before, "workload": w.model_dump(mode="json"),
+        "design_before": before_line, "workload": w.model_dump(mode="json"),
         "slots": arms.slots(), "arm_env": arms.arm_env,
         "arm_container_env": arms.arm_container_env, "server_image": run.image,
         "server_image_id": run.image_id, "server_env": arms.describe_env(),
@@ -219,10 +202,9 @@ def run_ab(plan: ABPlan) -> int:
     rkey, diffs = recorded_protocol(w, runs, plan.mode, plan.runs_per_server)
     floor_doc = None if plan.mode == "aa" else find_noise_floor(plan, rkey or "")
     comp = compare(w, runs, plan.mode, rkey or "", floor_doc, plan.primary, plan.describe())
-    fusion_problems = armlib.fusion_check(slots_info, arms.arm_env)
-    comp.update(planned_key=key, design_before=design_before, protocol_differences=diffs,
+    fusion_problems, refused = armlib.fusion_check(slots_info, arms.arm_env)
+    comp.update(planned_key=key, design_before=before_line, protocol_differences=diffs,
                 fusion_problems=fusion_problems, slots=slots_info, interrupted=interrupted)
-    refused = armlib.refusals(fusion_problems)
     if diffs and plan.mode != "aa":
         comp["invalid"] = ("slots ran different server setups (only the fusion switches may "
                            "differ): " + " | ".join(diffs))
@@ -266,9 +248,8 @@ def run_ab(plan: ABPlan) -> int:
 
 
 def refusal(comp: dict, ab_dir: Path) -> tuple[str, int] | None:
-    """(the one-line error, exit code) when the comparison may not be read: slots that ran
-    different server setups (A/B, calibration; 1), a calibration whose CI misses the effect
-    of the delay its server applied (1), or a calibration without a record of that delay (4)."""
+    """(error line, exit code) when the comparison may not be read: invalid slots (1), a
+    calibration whose CI misses the applied delay's effect (1) or has no record of it (4)."""
     if comp.get("invalid"):
         return (f"k3rocm: error: bench-ab refused: {comp['invalid']}; no verdict (report in "
                 f"{ab_dir})", EXIT_FAILED)
@@ -291,8 +272,8 @@ def refusal(comp: dict, ab_dir: Path) -> tuple[str, int] | None:
 
 def recorded_protocol(w: Workload, runs: Sequence[dict], mode: str, runs_per_server: int
                       ) -> tuple[str | None, list[str]]:
-    """(key, differences): the key from the first slot's recorded server identity, the
-    workload protocol and the runs per server; one line per slot whose identity differs."""
+    """(key, differences): the key from the first slot's recorded server identity; one line per
+    slot whose identity differs."""
     first_runs = {r["slot"]: r for r in reversed(runs) if r.get("run_dir")}  # each slot's first
     ids = [(r, ident) for r in sorted(first_runs.values(), key=lambda r: r["slot"])
            if (ident := armlib.slot_identity(Path(r["run_dir"]), mode)) is not None]
@@ -314,8 +295,7 @@ def recorded_protocol(w: Workload, runs: Sequence[dict], mode: str, runs_per_ser
 
 
 def parse_primary(spec: str | None, w: Workload) -> tuple[str, int]:
-    """``KEY:STAT@C`` (e.g. itl:p50@1) -> (row label, concurrency); default ITL p50 at the
-    workload's first concurrency (decode-8k1k: C=1). Declared before the run, in the plan."""
+    """``KEY:STAT@C`` -> (row label, concurrency); default ITL p50 at the first concurrency."""
     points = [c for c, _ in w.points()]
     if not spec:
         return "ITL p50", points[0]
@@ -329,8 +309,7 @@ def parse_primary(spec: str | None, w: Workload) -> tuple[str, int]:
 
 
 def server_values(runs: Sequence[dict], c: int, n: int) -> dict[str, dict[str, list[float]]]:
-    """{metric label: {arm: [one value per server]}} for point (c, n) of the ok runs: per run,
-    the per-request arrays of its point (and the run-level output tokens/s)."""
+    """{metric: {arm: [one value per server]}} for point (c, n) of the ok runs."""
     per_arm: dict[str, dict[str, list[dict]]] = {"A": {}, "B": {}}  # arm -> server -> runs
     for r, p in _run_points([r for r in runs if r["status"] == "ok"]):
         if (p["concurrency"], p["request_count"]) == (c, n) and p["status"] == "ok" \
@@ -350,9 +329,8 @@ def server_values(runs: Sequence[dict], c: int, n: int) -> dict[str, dict[str, l
 
 def judge(values: dict[tuple[int, str], dict[str, list[float]]], primary: tuple[str, int],
           floor_doc: dict | None = None) -> list[dict[str, Any]]:
-    """One row per (concurrency, metric): the server-level test (stats.compare_servers) with
-    the A/A variance component of the same protocol pooled in; the primary row judged at 5%,
-    the others with Holm's correction over the secondary rows."""
+    """One row per (concurrency, metric): the server-level test with the A/A variance component
+    pooled in; the primary row at 5%, the others with Holm's correction."""
     rows = []
     n_secondary = max(1, sum(1 for k in values if k != (primary[1], primary[0])))
     for (c, label), arms_ in values.items():
@@ -431,8 +409,7 @@ MAX_AA_AGE_HOURS = 24.0
 
 
 def aa_age_hours(floor_doc: dict | None, now: str | None = None) -> float | None:
-    """Hours between the A/A (its ``finished_utc``, else its run directory's UTC stamp) and
-    ``now`` (a utc_stamp, default this moment); None when unknown."""
+    """Hours between the A/A (``finished_utc``, else its directory's stamp) and ``now``."""
     from datetime import datetime, timezone
 
     def parse(stamp: str | None) -> datetime | None:
@@ -450,8 +427,7 @@ def aa_age_hours(floor_doc: dict | None, now: str | None = None) -> float | None
 
 
 def aa_notes(rows: Sequence[dict], floor_doc: dict | None, now: str | None = None) -> list[str]:
-    """What the verdict must say about the pooled A/A: the primary row's variance check when it
-    refused the A/A, and an A/A older than MAX_AA_AGE_HOURS."""
+    """The pooled A/A's caveats for the verdict: a refused variance check, an A/A too old."""
     if not (floor_doc or {}).get("same_protocol"):
         return []
     out = []
@@ -467,8 +443,7 @@ def aa_notes(rows: Sequence[dict], floor_doc: dict | None, now: str | None = Non
 
 
 def _design_after(rows: list[dict], mode: str) -> str | None:
-    """The MDE line after the run: an A/A from its own variance (all its servers are
-    identical), an A/B from the variance its test used."""
+    """The MDE line after the run (an A/A: from its own variance)."""
     prim = next((r for r in rows if r["primary"]), None)
     if not prim:
         return None
@@ -485,7 +460,7 @@ def _design_after(rows: list[dict], mode: str) -> str | None:
 
 
 def _run_points(runs: Sequence[dict]):
-    """Every (run, point of its summary.json); runs without a readable summary are skipped."""
+    """Every (run, point of its summary.json); unreadable summaries are skipped."""
     for r in runs:
         try:
             doc = json.loads((Path(r["run_dir"]) / "summary.json").read_text())
@@ -509,11 +484,8 @@ def applied_record_path(slot_dir: Path, slot: int, arm: str) -> Path:
 
 
 def save_applied_delays(container, path: Path) -> None:
-    """Copy the double's record out of the running arm server, after the slot's runs. Race
-    free: the double writes a step's line before that step runs, so before any of its tokens
-    exists; every token the client received has its sleep in the file by now. No file (no
-    sleep asked, or the double not loaded): nothing is written, and the calibration says
-    what is missing."""
+    """Copy the double's record out of the arm server after its runs (race free: a step's line
+    is written before the step runs). No file: the calibration says what is missing."""
     text = exec_text(container, ["cat", STEP_DELAY_RECORD])
     if text is not None:  # else a missing record, judged by the calibration
         write_text_atomic(path, text)
@@ -547,10 +519,7 @@ def _asks_for_delay(run_dir: Path) -> bool | None:
 
 def applied_delays(runs: Sequence[dict], c: int) -> dict[str, dict[str, Any]]:
     """Per arm, the sleep its servers really applied per engine step while point ``c`` was
-    measured (the double's records inside each run's profiling phase): requested and applied
-    ms (mean over the steps, then over the arm's servers) and the step count. An arm whose
-    servers asked for no sleep applied 0; one that asked but left no record in a window has
-    ``applied_ms`` None and says why."""
+    measured (requested/applied ms, steps); asked but unrecorded: ``applied_ms`` None and why."""
     per_server: dict[str, dict[str, list]] = {"A": {}, "B": {}}
     why: dict[str, str] = {}
     for r, p in _run_points([r for r in runs if r["status"] == "ok"]):
@@ -589,12 +558,8 @@ def applied_delays(runs: Sequence[dict], c: int) -> dict[str, dict[str, Any]]:
 
 
 def calibration(comp: dict, delay_ms: float | None) -> list[dict[str, Any]]:
-    """Injected vs detected, per concurrency: every engine step of arm B sleeps ``delay_ms``
-    (nominal) more than arm A's and emits one token per running request, so B's ITL should be
-    A's plus the extra sleep B's server really applied (the double measures each sleep; on a
-    loaded machine they wake late): the expected effect is (applied B - applied A) / A's ITL,
-    and the check passes when the 95% CI covers it (a correct detector fails it 5% of the
-    time). The nominal effect (``delay_ms`` / A) is reported beside it, not judged."""
+    """Injected vs detected per concurrency: B's ITL should be A's plus the extra sleep B's server
+    really applied; passes when the 95% CI covers that effect. The nominal effect is shown only."""
     out = []
     for r in comp["rows"]:
         if r["metric"] != "ITL p50" or r.get("a") is None or r.get("b") is None:
@@ -642,8 +607,7 @@ def _round(v: float | None, nd: int = 3) -> float | None:
 
 
 def _floor_for(floor_doc: dict | None, c: int, label: str) -> dict[str, Any] | None:
-    """The A/A's measured variance component of this row, only when it ran the same
-    protocol (same recorded key)."""
+    """The A/A's variance component of this row, only for the same recorded protocol."""
     if not (floor_doc or {}).get("same_protocol"):
         return None
     return next((r.get("aa_component") for r in floor_doc.get("rows", [])
@@ -651,11 +615,8 @@ def _floor_for(floor_doc: dict | None, c: int, label: str) -> dict[str, Any] | N
 
 
 def find_noise_floor(plan: ABPlan, key: str | None, field: str = "protocol_key") -> dict | None:
-    """The A/A comparison to report beside this A/B: --noise-floor DIR, else the newest A/A
-    under the results root with the same key (``field``: the recorded protocol key after the
-    run, the planned key before it; ``key`` None: the newest A/A of the workload, for the dry
-    run, which knows no image id). Its variance is pooled only when the recorded keys are
-    equal (``same_protocol``)."""
+    """The A/A to pool: --noise-floor DIR, else the newest A/A under the results root with the
+    same key (``field``: recorded or planned key; ``key`` None: the newest of the workload)."""
     cands = [plan.noise_floor_dir] if plan.noise_floor_dir else [p.parent for p in sorted(
         plan.results.glob(f"*-{plan.workload.name}-aa*/comparison.json"), reverse=True)]
     for d in cands:
@@ -725,15 +686,9 @@ def comparison_markdown(comp: dict) -> str:
                 f"{COVERED[c['covered']]} | {c['verdict']} |")
         lines += [f"\n**c={c['concurrency']}: cannot be judged: {c['why']}.**"
                   for c in comp["calibration"] if c.get("why")]
-        lines += ["", "Arm B's server sleeps the injected time more than arm A's in every engine "
-                  "step (one token per running request); the step-delay double measures every "
-                  "sleep it really took (a loaded machine wakes it late), so B's ITL should be "
-                  "A's plus the applied difference: the calibration passes when the 95% CI "
-                  "covers the expected effect from the applied delay (a correct detector "
-                  "misses it 5% of the time: the test's false-positive rate). The nominal "
-                  "effect is shown, not judged. Rest of step = ITL p50 - applied sleep: a "
-                  "difference there is server-to-server (and machine load) noise, which the "
-                  "A/A's variance has to cover.", ""]
+        lines += ["", "B's ITL should be A's plus the sleep B's server really applied more per "
+                  "step (recorded by the step-delay double); the calibration passes when the 95% "
+                  "CI covers that expected effect. Rest of step = ITL p50 - applied sleep.", ""]
     lines += ["## Runs", "", "| slot | arm | run | status | server ready s | run s |",
               "|---:|---|---:|---|---:|---:|"]
     for r in comp["runs"]:
@@ -776,14 +731,10 @@ def comparison_markdown(comp: dict) -> str:
             f"{summary.fmt(r.get('mde'), '.2f', 100, '%')} | "
             f"{r.get('servers_for_1pct') or 'n/a'} | {r['verdict']} |")
     lines += ["", f"Headline: {comp['headline']}", "",
-              "Latency in ms (lower is faster), output tokens/s (higher is faster). Each arm "
-              "value is one number per freshly started server (the mean over its runs); the "
-              "test compares log server values (Student t, df = servers - 2, plus the A/A's "
-              "df when an A/A of the same recorded protocol exists). 'inconclusive' means "
-              "what it says: the CI includes 0, and effects below the MDE are not excluded. "
-              "Each CI is the one its verdict used: 95% for the primary row, for a secondary "
-              "row the level Holm's step-down judged it at (1 - 5%/(rows left at its step)), "
-              "so it excludes 0 exactly when the verdict is 'B faster'/'B slower'."]
+              "Latency in ms (lower is faster), output tokens/s (higher is faster); one value "
+              "per fresh server. 'inconclusive': the CI includes 0, effects below the MDE are "
+              "not excluded. Each CI is the one its verdict used (95% primary, Holm's level "
+              "for secondary rows); method: docs/bench.md."]
     return "\n".join(lines) + "\n"
 
 
@@ -800,7 +751,7 @@ def _vals(xs: Sequence[float] | None) -> str:
 
 
 def _plot(comp: dict, runs: Sequence[dict], out: Path) -> None:
-    """ab_itl.png: per-run ITL p50 in slot order, per concurrency, colored by arm."""
+    """ab_itl.png: per-run ITL p50 in slot order, colored by arm."""
     plt = _pyplot()
     if plt is None:
         return
@@ -821,7 +772,26 @@ def _plot(comp: dict, runs: Sequence[dict], out: Path) -> None:
     plt.close(fig)
 
 
-# --- the command (k3rocm ab --measure bench, bench-ab): args -> plan -> run ---
+# --- the measure's side of the A/B driver (k3rocm.checks.ab.cli) ---
+
+REPEATS = 4  # the fewest servers per arm with which a 5% test on server values has room
+OWN = ("runs_per_server", "noise_floor", "primary")
+
+
+def add_arguments(g: argparse._ArgumentGroup) -> None:
+    add_common(g, skip=("results",))
+    g.add_argument("--runs-per-server", type=int, default=1,
+                   help="complete workload runs on each fresh server (default 1; more saves "
+                   "server starts, identical for both arms)")
+    g.add_argument("--noise-floor", type=Path, default=None,
+                   help="A/A run directory to report beside this A/B (default: the newest A/A "
+                   "under --results with the same protocol)")
+    g.add_argument("--primary", default=None, metavar="METRIC@C",
+                   help="the one metric judged at 5%%, declared before the run: itl:p50, "
+                   "itl:p90, ttft:p50, e2el:p50 or output_tps:avg at a concurrency of the "
+                   "workload (default itl:p50 at its first concurrency); every other row is "
+                   "judged with Holm's correction")
+
 
 def build_plan(args: argparse.Namespace) -> ABPlan:
     if args.runs_per_server < 1:
@@ -853,7 +823,7 @@ def build_plan(args: argparse.Namespace) -> ABPlan:
                   progress=not args.quiet)
 
 
-def run_bench_ab(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     plan = build_plan(args)
     if args.dry_run:
         print("\n".join(dry_run_lines(plan)))

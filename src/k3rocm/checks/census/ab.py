@@ -1,20 +1,9 @@
-"""The census measure of the one A/B driver (``k3rocm ab --measure census``, ``census-ab``;
-flags: ``k3rocm ab --help``, :mod:`k3rocm.checks.ab.cli`).
+"""The census measure of the A/B driver (``census-ab``): each arm's decode kernel census and the
+off - on launch checks; ``--trace-dirs OFF,ON`` compares two existing trace sets offline.
 
-Arm A runs with every K3_FUSE_* switch 0, arm B with the fusions named by ``--on`` set to 1
-(default all); each arm gets a fresh compose server (the shared arm-server
-flags), profiles the same decode load, collects the traces out of the container, runs the
-census (judging what that arm's server was asked for, cross-checked with its overlay's
-decision records), saves the server's log and removes it. The comparison reports stock vs
-fused launches and time per MLA layer per decode step, off vs on, and checks the A/B
-difference: a fusion whose stock role also counts other launches (the q/kv RMSNorm fusion:
-every RMSNorm) must remove exactly its stock launches per MLA layer and step (the decoder's
-other norms cancel). Offline: ``--trace-dirs OFF_DIR,ON_DIR`` compares two
-existing trace sets (no servers).
-
-Run directory: ``results/<UTC>-census-ab/`` with ``off/`` and ``on/`` (each a full census run
-directory + server.log), ``ab.json``, ``ab.md`` and ``provenance.json``.
-Exit 0 when both arms pass their census, 1 when one does not, 2 bad input, 3 server problems.
+Run directory ``<UTC>-census-ab/``: ``off/`` and ``on/`` (full census runs + server.log),
+``ab.json``, ``ab.md``, ``provenance.json``. Exit 0 both arms pass, 1 one does not, 2 bad
+input, 3 server, 4 incomplete trace or undecided.
 """
 
 from __future__ import annotations
@@ -24,11 +13,17 @@ from pathlib import Path
 from typing import Any
 
 from k3rocm.checks.census.analyze import Census, na
-from k3rocm.checks.census.common import analysis_from, profiling_from, results_root
+from k3rocm.checks.census.common import (
+    AnalysisFlags,
+    analysis_from,
+    profiling_from,
+    results_root,
+)
 from k3rocm.checks.census.expect import Check, columns, render_table
 from k3rocm.checks.census.fusions import from_env
 from k3rocm.checks.census.pipeline import (
     Analysis,
+    Profiling,
     analyse,
     claim_from_container,
     live_census,
@@ -47,19 +42,24 @@ CONTAINER_TRACE_DIR = "/tmp/k3rocm-census-traces"
 
 
 class CensusAbFlags(Options):
-    """``ab --measure census``'s own flag (the load: :class:`Profiling`, the analysis:
-    :class:`k3rocm.checks.census.common.AnalysisFlags`)."""
-
     trace_dirs: str | None = option(None, "compare two existing trace sets instead of starting "
                                     "servers", metavar="OFF_DIR,ON_DIR")
+
+
+REPEATS = 1
+OWN = ("trace_dirs", *Profiling.flags())
+
+
+def add_arguments(g: argparse._ArgumentGroup) -> None:
+    CensusAbFlags.add_arguments(g)
+    Profiling.add_arguments(g)
+    AnalysisFlags.add_arguments(g, skip=("results",))
 
 
 _log = tagged_log("census-ab")
 
 
 def arms_env(on: str) -> dict[str, dict[str, str]]:
-    """The toggles each arm's server is started with, named as the census names its arms
-    (the A/B's one builder: :func:`k3rocm.checks.ab.arms.arm_envs`)."""
     from k3rocm.checks.ab.arms import arm_envs
 
     envs = arm_envs(on)
@@ -67,13 +67,9 @@ def arms_env(on: str) -> dict[str, dict[str, str]]:
 
 
 def compare(arms: dict[str, Census]) -> dict[str, Any]:
-    """Per rank and fusion of the table, off vs on: launches (stock -> fused), us per MLA layer
-    per decode step, and the A/B checks. A separable stock role (it also counts launches not
-    the fusion's: every RMSNorm): the off - on difference of all its launches (scaled to the
-    on arm's decode steps) is the stock launches the fusion removed; asked on in arm on and
-    off in arm off, it must be the role's 'off' count x MLA layers x decode steps, and the on
-    arm must launch its fused kernels (a fused kernel launched while the stock ones still
-    run fails here even when the model's other launches of the role are unknown)."""
+    """Per rank and fusion, off vs on: launches (stock -> fused), us per MLA layer per decode
+    step, and the A/B checks: a separable stock role (every RMSNorm) must lose exactly its 'off'
+    count x MLA layers x decode steps (the other launches cancel)."""
     off, on = ({row["rank"]: row for row in arms[k].per_layer_step()} for k in ("off", "on"))
     expect = arms["on"].spec.expect
     rows: list[dict[str, Any]] = []
@@ -133,8 +129,6 @@ def _note(f: Fusion, c: Census) -> str:
 
 
 def render_ab_table(cmp: dict[str, Any]) -> str:
-    # Launch counts are over each arm's own profiled decode steps (a loaded machine may catch
-    # 5 in one arm and 6 in the other): the steps column says so; us/L/step is per step.
     head = ["rank", "fusion", "launches off -> on", "decode steps", "stock off", "stock on",
             "fused off",
             "fused on", "us/L/step off", "on", "saved"]
@@ -153,8 +147,7 @@ def render_ab_table(cmp: dict[str, Any]) -> str:
 
 def finish_ab(run_dir: Any, results: dict[str, Census], meta: dict[str, Any],
               arm_env: dict[str, dict[str, str]], provenance: dict[str, Any]) -> int:
-    """Write provenance.json (the run record: ``provenance`` + the arms' trace files), ab.json
-    and ab.md (the arms' verdicts, the off -> on table and the A/B checks)."""
+    """Write provenance.json, ab.json and ab.md; print the verdict; return the exit code."""
     runrecord.write(run_dir, runrecord.build(
         trace_files=trace_files([r.path for c in results.values() for r in c.traces.ranks]),
         **provenance))
@@ -193,9 +186,7 @@ def finish_ab(run_dir: Any, results: dict[str, Census], meta: dict[str, Any],
     if failed:
         print(f"census-ab: FAIL ({'; '.join(failed)}); report in {run_dir}/ab.md")
         return 1
-    # Undecided checks the off - on difference does not settle (a fused kernel under an
-    # unknown name, an 'unknown' decision record): nothing contradicts the claim, nothing
-    # proves it either.
+    # undecided: nothing contradicts the claim, nothing proves it either
     undecided = [f"arm {k}: {line}" for k, v in results.items() if not v.ok
                  for line in v.undecided_lines()]
     if undecided:
@@ -229,7 +220,7 @@ def run_offline(args: argparse.Namespace, opts: Analysis,
     return finish_ab(run_dir, results, meta, arm_env, {"trace_dirs": dirs, "arms": arm_env})
 
 
-def run_census_ab(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     from k3rocm.checks.ab import arms as armlib
 
     args.label = args.label or "census-ab"

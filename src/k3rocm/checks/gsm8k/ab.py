@@ -1,12 +1,7 @@
-"""``k3rocm ab --measure gsm8k`` (``make gsm8k-ab``): the same GSM8K items, fusions off (A) vs
-on (B), each arm on a freshly started server of the one A/B driver (:mod:`k3rocm.checks.ab`).
-
-Each arm runs the whole GSM8K gate (`k3rocm gsm8k`'s own run: the reference task, greedy) against
-its server. The items are paired: per test item, right or wrong in each arm (strict-match, the
-reference's primary filter; flexible-extract reported too). McNemar's exact test on the discordant
-items says whether the arms differ; the gate is non-inferiority: B may be at most ``--margin``
-below A (one-sided 95% lower bound of the paired difference), with the power of that check at
-the number of items used and at the full 1319 items, from the discordance observed.
+"""The gsm8k measure of the A/B driver (``make gsm8k-ab``): the same GSM8K items, fusions off (A)
+vs on (B), each arm the whole `k3rocm gsm8k` gate on a fresh server. Per item right/wrong in each
+arm; McNemar's exact test on the discordant items; the gate is non-inferiority (B at most
+``--margin`` below A, one-sided 95% bound) with its power here and at 1319 items.
 """
 
 from __future__ import annotations
@@ -24,13 +19,8 @@ from k3rocm.errors import EXIT_CHECK_FAILED, EXIT_OK, UsageError, tagged_log
 from k3rocm.options import Options, like, option
 from k3rocm.rundir import write_json_atomic, write_text_atomic
 
-# The default margin is chosen from a stated power on identical arms: the smallest margin (on a
-# 0.05-point grid) with which equally accurate arms read "non-inferior" at least DESIGN_POWER of
-# the time when DESIGN_AGREEMENT of the 1319 items get the same score in both arms
-# (stats.noninferiority_pass_rate, exact for the bound the verdict uses: 91.7%; 1.15 points:
-# 89.9%). The price, printed in every report: a B truly one point less accurate passes 13.9% of
-# the time at that agreement. The old 1-point margin failed identical arms 18% (98% agreement)
-# to 43% (96%) of the time. tests/bench_gsm8k_margin.py checks it by simulation.
+# The default margin: the smallest (0.05-point grid) with which equally accurate arms pass >=
+# DESIGN_POWER of the time at DESIGN_AGREEMENT of 1319 items agreeing (tests/bench_gsm8k_margin.py).
 DESIGN_POWER, DESIGN_AGREEMENT = 0.90, 0.98
 DEFAULT_MARGIN = 0.012
 DROP = 0.01  # the accuracy loss whose false-pass rate every report prints
@@ -40,7 +30,6 @@ _log = tagged_log("gsm8k-ab")
 
 
 class Gsm8kAbOptions(Options):
-    """``ab --measure gsm8k``'s own flags (the rest are the A/B driver's)."""
 
     margin: float = option(
         DEFAULT_MARGIN, "non-inferiority margin: B may be at most this much less accurate than "
@@ -56,6 +45,8 @@ class Gsm8kAbOptions(Options):
 
 
 add_arguments = Gsm8kAbOptions.add_arguments
+REPEATS = 1
+OWN = tuple(Gsm8kAbOptions.flags())
 
 
 def compare(a_samples: list[dict], b_samples: list[dict], margin: float) -> dict[str, Any]:
@@ -93,7 +84,6 @@ def compare(a_samples: list[dict], b_samples: list[dict], margin: float) -> dict
 
 
 def margin_note(margin: float) -> str:
-    """Where the margin comes from (the default's design) or that it was set by hand."""
     if margin == DEFAULT_MARGIN:
         return (f"The margin {margin * 100:g} points is the default, chosen so that identical "
                 f"arms pass >= {DESIGN_POWER:.0%} of the time at {DESIGN_AGREEMENT:.0%} "
@@ -132,7 +122,7 @@ def markdown(comp: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_gsm8k_ab(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     from k3rocm.checks.ab import arms as armlib
     from k3rocm.checks.gsm8k import run as gsm8k_run
 
@@ -169,10 +159,9 @@ def run_gsm8k_ab(args: argparse.Namespace) -> int:
     slots = run.each_slot(lambda i, arm: run.dir / f"{i:02d}-{arm}" / "server.log", measure)
     samples = {arm: results.load_run(Path(d["run_dir"]))[1] for arm, d in arm_runs.items()}
     comp = compare(samples["A"], samples["B"], opts.margin)
-    problems = armlib.fusion_check(slots, arms.arm_env)
+    problems, refused = armlib.fusion_check(slots, arms.arm_env)
     comp.update(arms=arm_runs, arm_env=arms.arm_env, slots=arms.slots(), slot_records=slots,
                 fusion_problems=problems)
-    refused = armlib.refusals(problems)
     if refused:  # arm B ran without the fusion (or A with it): the pairing says nothing
         comp.update(verdict="INVALID", headline="an arm's fusions are not what it asked (the "
                     "overlay's decision records): " + " | ".join(refused))
