@@ -3,7 +3,7 @@
   k3rocm scale config               the resolved K3_SCALE_* settings
   k3rocm scale render [--out DIR]   per-node env/argv (+ compose overrides written to DIR)
   k3rocm scale render-k8s [--out F] Kubernetes manifests, checked against the K8s schemas
-  k3rocm scale k8s-check [--pod-security LEVEL]  the manifests checked as a cluster would
+  k3rocm scale k8s-check            the manifests checked as a cluster would
   k3rocm scale proxy-conf [--listen A:P]  nginx config exposing only the router's data paths
   k3rocm scale router-up|router-down [--instance N]   (router-down: drains; --timeout S)
   k3rocm scale url                  the router URL (bench/gsm8k --url)
@@ -41,17 +41,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        description="Kubernetes manifests for the scale mode, checked against "
                        "the Kubernetes schemas with kubernetes-validate (offline)")
     p.add_argument("--out", type=Path, help="write the manifests (multi-document YAML) here")
-    p = sub.add_parser("k8s-check", help="the Kubernetes manifests checked as a cluster would",
-                       description="render the manifests for the K3_SCALE_* settings, then: "
-                       "with a kubeconfig (KUBECONFIG or ~/.kube/config) and kubectl, `kubectl "
-                       "apply --dry-run=server` against that cluster; always the offline checks: "
-                       "strict Kubernetes 1.29-1.37 schemas, a Pod Security Standards evaluation "
-                       "of every pod template (baseline, restricted). Exit 0 ok, 1 a check "
-                       "failed, 2 bad settings, 3 the cluster does not answer")
-    p.add_argument("--pod-security", choices=("privileged", "baseline", "restricted"),
-                   help="the Pod Security level your namespace enforces: a pod failing it is a "
-                   "failed check (default: K3_SCALE_POD_SECURITY where set, else the verdicts "
-                   "are informational)")
+    sub.add_parser("k8s-check", help="the Kubernetes manifests checked as a cluster would",
+                   description="render the manifests, check them against the strict "
+                   "Kubernetes 1.29-1.37 schemas (offline) and, with a kubeconfig "
+                   "(KUBECONFIG or ~/.kube/config) and kubectl, `kubectl apply "
+                   "--dry-run=server` against that cluster. Exit 0 ok, 1 a check failed, "
+                   "2 bad settings, 3 the cluster does not answer")
     p = sub.add_parser("proxy-conf", help="nginx config that exposes only the router's data "
                        "paths (/v1/*, health)", description="print an nginx configuration "
                        "that forwards only /v1/* and the health paths to the router "
@@ -210,9 +205,7 @@ def run(args: argparse.Namespace) -> int:
         from k3rocm.deploy.scale.k8scheck import k8s_check
 
         objs = render_k8s(p, settings)
-        enforce = args.pod_security or s.pod_security
-        return k8s_check(objs, "---\n".join(_yaml_dump(o) for o in objs),
-                         None if enforce == "privileged" else enforce)
+        return k8s_check(objs, "---\n".join(_yaml_dump(o) for o in objs))
     if cmd == "render-k8s":  # the last subcommand (argparse allows no other)
         from k3rocm.deploy.scale.k8s import render_k8s, validate
 
