@@ -1,18 +1,5 @@
-"""``k3rocm scale``: scale-out settings, per-node rendering, the router, and status.
-
-  k3rocm scale config               the resolved K3_SCALE_* settings
-  k3rocm scale render [--out DIR]   per-node env/argv (+ compose overrides written to DIR)
-  k3rocm scale render-k8s [--out F] Kubernetes manifests, checked against the K8s schemas
-  k3rocm scale k8s-check            the manifests checked as a cluster would
-  k3rocm scale proxy-conf [--listen A:P]  nginx config exposing only the router's data paths
-  k3rocm scale router-up|router-down [--instance N]   (router-down: drains; --timeout S)
-  k3rocm scale url                  the router URL (bench/gsm8k --url)
-  k3rocm scale status [--json]      one line per replica and the router's view
-  k3rocm scale overhead [-n N]      the router's added latency vs direct requests (ratio)
-
-Exit codes: 0 ok, 1 a k8s-check failed, 2 bad settings, 3 status degraded/down, a router
-failure or a kubeconfig's cluster that does not answer (the table in k3rocm.errors).
-"""
+"""``k3rocm scale``: settings, per-node rendering, Kubernetes manifests, the router, status.
+Exit codes: 0 ok, 1 a k8s-check failed, 2 bad settings, 3 degraded/down or no answer."""
 
 from __future__ import annotations
 
@@ -85,7 +72,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _whole(what: str, raw: str, least: int) -> int:
-    """A whole number >= ``least`` from the command line, or the one-line error (exit 2)."""
     try:
         value = int(raw)
     except ValueError:
@@ -127,8 +113,6 @@ def run(args: argparse.Namespace) -> int:
                              "set K3_SCALE_MODE=replicas and K3_SCALE_NODES (single node: "
                              "docker compose ps)")
         from k3rocm.deploy.engine import docker_client
-
-        # status works without an engine (HTTP only)
         from k3rocm.deploy.scale.k8scheck import cluster_nodes
 
         replicas, router = scale_status(s, docker_client(required=False))
@@ -173,14 +157,14 @@ def run(args: argparse.Namespace) -> int:
         name = args.name or name
         if cmd == "router-down":
             timeout = _whole("--timeout (make ROUTER_TIMEOUT=)", args.timeout, 0)
-            client = docker_client()  # no engine: exit 3, like every command
+            client = docker_client()
             metrics = f"http://127.0.0.1:{si.router_metrics_port}/metrics"
             print("router removed" if stop_router(client, name, timeout, metrics) else
                   f"no container named {name}")
             return 0
         from k3rocm.deploy.scale.render import plan
 
-        plan(dotenv=args.env_file, scale=s)  # validate the whole setup before starting
+        plan(dotenv=args.env_file, scale=s)  # validate before starting
         client = docker_client()
         c = start_router(client, si, name=name)
         print(f"router {c.name} at {si.router_url} -> {', '.join(si.worker_urls)} "
@@ -206,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
 
         objs = render_k8s(p, settings)
         return k8s_check(objs, "---\n".join(_yaml_dump(o) for o in objs))
-    if cmd == "render-k8s":  # the last subcommand (argparse allows no other)
+    if cmd == "render-k8s":
         from k3rocm.deploy.scale.k8s import render_k8s, validate
 
         objs = render_k8s(p, settings)
