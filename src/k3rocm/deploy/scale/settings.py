@@ -153,8 +153,7 @@ class ScaleSettings(BaseModel):
         return int(self.nodes[i].rsplit(":", 1)[1])
 
 
-SCALE_FIELDS = ScaleSettings.model_fields
-SCALE_ENV = {n: SCALE_PREFIX + n.upper() for n in SCALE_FIELDS}
+SCALE_ENV = {n: SCALE_PREFIX + n.upper() for n in ScaleSettings.model_fields}
 SCALE_FIELD_BY_ENV = {e: n for n, e in SCALE_ENV.items()}
 REMOVED_MODES = {
     "pd": "prefill/decode disaggregation was never proven to start",
@@ -193,22 +192,16 @@ def load_scale(environ: Mapping[str, str] | None = None,
     except ValueError:
         raise UsageError(f"{ENGINE_READY_ENV}={raw_ready!r} is not valid: use seconds "
                          "(an integer)") from None
-    _check(s, ready)
-    return s
-
-
-def _check(s: ScaleSettings, engine_ready: int) -> None:
-    if s.router_startup_timeout < engine_ready:
+    if s.router_startup_timeout < ready:
         raise UsageError(
             f"K3_SCALE_ROUTER_STARTUP_TIMEOUT={s.router_startup_timeout} is shorter than "
-            f"{ENGINE_READY_ENV}={engine_ready}: the router would give up on a node that is "
+            f"{ENGINE_READY_ENV}={ready}: the router would give up on a node that is "
             "still loading; raise it to at least that")
-    if s.mode == "single":
-        return
-    if len(s.nodes) < 2:
+    if s.mode != "single" and len(s.nodes) < 2:
         raise UsageError(f"K3_SCALE_MODE={s.mode} needs K3_SCALE_NODES with at least 2 "
                          f"host:port entries (got {len(s.nodes)}); e.g. "
                          "K3_SCALE_NODES=node1:8000,node2:8000")
+    return s
 
 
 def check_image_ref(setting: str, ref: str) -> str:
