@@ -198,16 +198,11 @@ def test_router_added_latency(cluster):  # printed, not asserted: a shared machi
 def test_failover_degraded_and_rejoin(cluster, docker_client):
     s = cluster["scale"]
     victim = cluster["replicas"][1]
-    # As many streams as client workers, all in flight at once, and no more: what happens to a
-    # stream *started* between the kill and the router noticing it (health interval 1 s,
-    # threshold 2) depends on that race (vllm-router may or may not retry it elsewhere), so
-    # new traffic is sent only after the router reports the replica down (below).
+    # no stream starts between the kill and the router noticing it (that outcome is a race)
     n = workers = 4
     t0 = time.monotonic()
     with ThreadPoolExecutor(workers) as pool, victim.hold() as wait_held:
-        # Streams through the router while the victim's engine is frozen: round robin sends
-        # half of them to it, where they are in flight (no token yet) when it is killed; the
-        # other half finish on the healthy replica.
+        # round robin: half are held in the frozen victim's engine when it is killed
         futures = [pool.submit(_stream, s.router_url) for _ in range(n)]
         held = wait_held()
         _kill(victim.container)  # SIGKILL: no draining, in-flight streams are cut
@@ -220,17 +215,13 @@ def test_failover_degraded_and_rejoin(cluster, docker_client):
          f"wall {wall:.1f} s")
     assert sum(counts.values()) == n, outcomes  # every outcome is one of the three
     assert counts["hung"] == 0, outcomes  # a cut stream ends with an error, never a hang
-    # Only streams in flight on the killed replica may fail (round robin sent it exactly half
-    # of these); the others finish.
     assert counts["failed"] <= n // 2 and counts["ok"] >= n - n // 2, counts
 
-    # The status function behind `make status` reports the router's view.
     t_deg = _wait(lambda: scale_status(s, docker_client)[1].summary == "degraded, 1 of 2",
                   30, "status 'degraded, 1 of 2'")
     replicas, router = scale_status(s, docker_client)
     _say("status while one replica is down:\n  " + "\n  ".join(format_status(replicas, router)))
     assert replicas[0].healthy and not replicas[1].healthy
-    # The same through the command line `make status` runs.
     r = run_cli("scale", "status", env={k: str(v) for k, v in cluster["env"].items()})
     assert r.returncode == 3 and r.stdout.splitlines()[-1].endswith("degraded, 1 of 2"), \
         r.stdout + r.stderr
@@ -238,13 +229,12 @@ def test_failover_degraded_and_rejoin(cluster, docker_client):
     _say(f"after the failure was noticed ({t_deg:.1f} s): 6 requests -> {after}")
     assert after == ["ok"] * 6
 
-    # Restart the same container (same published port): it rejoins the router by itself.
+    # restarted (same port): it rejoins by itself
     t1 = time.monotonic()
     victim.container.start()
     rejoin = _wait(lambda: scale_status(s, docker_client)[1].summary == "ok, 2 of 2", 420,
                    "replica rejoined (ok, 2 of 2)", step=1.0)
-    # Healthy again is not yet routed to again (the router's circuit breaker may still hold
-    # it out after the failures): send requests until the restarted replica serves one.
+    # healthy is not yet routed to (circuit breaker): send until it serves one
     before = _served(victim.base_url)
     sent: list[str] = []
 
@@ -315,14 +305,11 @@ def test_router_down_drains_streams_while_router_2_serves(cluster, docker_client
         firsts = [threading.Event() for _ in range(HA_STREAMS)]
         with replicas[0].slowed(HA_STEP_MS), replicas[1].slowed(HA_STEP_MS), \
                 ThreadPoolExecutor(HA_STREAMS + 5) as pool:
-            # Both engines warm at this concurrency first (a replica restarted by an earlier
-            # test runs its first batch here, not while the streams wait for their first token).
+            # warm both engines at this concurrency first
             warm = [pool.submit(_completion, s1.router_url, 8) for _ in range(HA_STREAMS)]
             assert [f.result()[0] for f in warm] == ["ok"] * HA_STREAMS
             streams = [pool.submit(_stream, s1.router_url, HA_TOKENS, ev) for ev in firsts]
-            # Stopped once two streams are past their first token: a stand-in engine can keep
-            # some of the six waiting until others finish (seen: three ran, three waited), and
-            # those are accepted, open requests of router 1 too.
+            # stop once two streams have a token (others may wait in the engine: still open)
             _wait(lambda: sum(ev.is_set() for ev in firsts) >= 2
                   or any(f.done() for f in streams), 180, "first tokens of two streams",
                   step=0.1)
@@ -432,9 +419,7 @@ def test_router_image_accepts_the_rendered_kubernetes_args(docker_client):
         log = c.logs().decode(errors="replace")
         assert f"Starting server on 127.0.0.1:{k8s.ROUTER_INTERNAL_PORT}" in log, log
         assert "usage:" not in log and "unrecognized" not in log, log
-        # Outside a cluster the only complaint is the missing Kubernetes API (expected).
         assert "Failed to start service discovery" in log, log
-        # The kubelet's probe exactly as rendered, in the router's own container.
         assert exec_text(c, router["livenessProbe"]["exec"]["command"]) is not None
         c.stop(timeout=30)  # SIGTERM, then SIGKILL only after 30 s
         c.reload()
