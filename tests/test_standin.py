@@ -35,14 +35,8 @@ def _require_image(client, tag: str) -> None:
 
 
 def _run(client, image: str, script: str, timeout: int = 300, **kw) -> tuple[int, str]:
-    c = client.containers.run(
-        image,
-        entrypoint=["sh", "-c", script],
-        command=[],
-        detach=True,
-        labels={"org.k3rocm.test": "standin-layout"},
-        **kw,
-    )
+    c = client.containers.run(image, entrypoint=["sh", "-c", script], command=[], detach=True,
+                              labels={"org.k3rocm.test": "standin-layout"}, **kw)
     try:
         rc = c.wait(timeout=timeout)["StatusCode"]
         return rc, c.logs().decode(errors="replace")
@@ -74,12 +68,8 @@ def test_standin_bad_version_is_one_line_exit_2():
 
 def test_tinymodel_definition_has_the_mla_shapes():
     cfg = tinymodel.DEFINITION["config"]
-    assert (
-        cfg["kv_lora_rank"],
-        cfg["qk_rope_head_dim"],
-        cfg["qk_nope_head_dim"],
-        cfg["v_head_dim"],
-    ) == (512, 64, 128, 128)
+    assert (cfg["kv_lora_rank"], cfg["qk_rope_head_dim"], cfg["qk_nope_head_dim"],
+            cfg["v_head_dim"]) == (512, 64, 128, 128)
     assert (cfg["num_attention_heads"], cfg["hidden_size"], cfg["num_hidden_layers"]) == (4, 256, 2)
     assert cfg["first_k_dense_replace"] >= cfg["num_hidden_layers"]  # all dense, no MoE layer
     assert cfg["q_lora_rank"] < cfg["hidden_size"]
@@ -116,11 +106,9 @@ def test_standin_image_layout_like_rocm(docker_client, version):
     assert cfg["Entrypoint"] == ["vllm", "serve"]
     assert cfg["WorkingDir"] == "/app"
     assert "VLLM_TARGET_DEVICE=cpu" in cfg["Env"]
-    script = (
-        "set -e; pwd; cat /app/versions.txt; vllm --version; "
-        'python3 -c \'import vllm, os; print("VLLMDIR", os.path.dirname(vllm.__file__)); '
-        'import vllm.models.kimi_k3.amd.linear; print("KIMI_LINEAR_OK")\''
-    )
+    script = ("set -e; pwd; cat /app/versions.txt; vllm --version; "
+              'python3 -c \'import vllm, os; print("VLLMDIR", os.path.dirname(vllm.__file__)); '
+              'import vllm.models.kimi_k3.amd.linear; print("KIMI_LINEAR_OK")\'')
     rc, out = _run(docker_client, tag, script)
     assert rc == 0, out[-3000:]
     lines = out.splitlines()
@@ -171,17 +159,10 @@ def test_server_healthy_and_lists_served_name(standin_server):  # noqa: F811
 
 
 def stream_chat(base_url: str, model: str, max_tokens: int, prompt: str = "What is 2+2?"):
-    body = {
-        "model": model,
-        "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": max_tokens,
-        "ignore_eos": True,
-        "temperature": 0.0,
-        # the random model's special tokens as text too: each token then adds a delta
-        "skip_special_tokens": False,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0, "stream": True,
+            "skip_special_tokens": False,  # special tokens as text: one delta per token
+            "stream_options": {"include_usage": True}}
     t0 = time.monotonic()
     ttft, text, usage, deltas = None, "", None, 0
     with requests.post(f"{base_url}/v1/chat/completions", json=body, stream=True, timeout=120) as r:
@@ -216,10 +197,8 @@ def test_streaming_chat_returns_exactly_the_requested_tokens(standin_server):  #
     assert usage["total_tokens"] == usage["prompt_tokens"] + n
     # Each token is one delta (a rare merge of two steps under load allowed).
     assert 0.9 * n <= deltas <= n and text
-    sys.__stderr__.write(
-        f"\n[smoke request] {n} tokens: TTFT {ttft * 1000:.0f} ms, "
-        f"{(n - 1) / (total - ttft):.0f} tokens/s decode\n"
-    )
+    sys.__stderr__.write(f"\n[smoke request] {n} tokens: TTFT {ttft * 1000:.0f} ms, "
+                         f"{(n - 1) / (total - ttft):.0f} tokens/s decode\n")
 
 
 @pytest.mark.docker
@@ -262,12 +241,9 @@ def test_missing_model_fails_fast_with_one_line(docker_client, server_image):
     """cpu-smoke with a model path that does not exist: exit 2, one line, no vLLM load."""
     t0 = time.monotonic()
     c = docker_client.containers.run(
-        server_image,
-        detach=True,
+        server_image, detach=True, labels={"org.k3rocm.test": "standin-broken"},
         environment={"K3_PROFILE": "cpu-smoke", "K3_MODEL": "/models/no-such-model"},
-        volumes={str(MODELS_DIR): {"bind": "/models", "mode": "ro"}} if MODELS_DIR.is_dir() else {},
-        labels={"org.k3rocm.test": "standin-broken"},
-    )
+        volumes={str(MODELS_DIR): {"bind": "/models", "mode": "ro"}} if MODELS_DIR.is_dir() else {})
     try:
         rc = c.wait(timeout=120)["StatusCode"]
         took = time.monotonic() - t0
@@ -282,18 +258,10 @@ def test_missing_model_fails_fast_with_one_line(docker_client, server_image):
 
 def test_fetch_only_with_cached_wheels_needs_no_index():
     """--fetch-only with everything cached does no network and no build (idempotent)."""
-    need(
-        (REPO / "build" / "wheels" / "standin" / "common").is_dir(),
-        "no wheel cache: run `make standin` first",
-    )
-    env = {**os.environ, "PIP_NO_INDEX": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "k3rocm", "standin", "--all", "--fetch-only"],
-        env={**env, "PYTHONPATH": str(REPO / "src")},
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
-    )
+    need((REPO / "build" / "wheels" / "standin" / "common").is_dir(),
+         "no wheel cache: run `make standin` first")
+    proc = subprocess.run([sys.executable, "-m", "k3rocm", "standin", "--all", "--fetch-only"],
+                          env={**os.environ, "PIP_NO_INDEX": "1", "PYTHONPATH": str(REPO / "src")},
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stderr.count("nothing to download") == 3
