@@ -172,20 +172,13 @@ def _server_pod(node: NodePlan, plan: Plan, settings: Settings, image: str, star
     return spec
 
 
-def server_grace(node: NodePlan) -> int:
-    """A server pod's terminationGracePeriodSeconds: preStop, the whole drain, teardown."""
+def server_grace(node: NodePlan) -> int:  # preStop, the whole drain, teardown
     return PRESTOP_S + drain_timeout(node) + STOP_MARGIN_S
 
 
 def _meta(name: str, labels: dict[str, str], annotations: dict[str, str] | None = None
           ) -> dict[str, Any]:
     return {"name": name, "labels": labels, **({"annotations": annotations} if annotations else {})}
-
-
-def _annotations(node: NodePlan) -> dict[str, str]:
-    return {"k3rocm.org/note":
-            "replicas: the unchanged single-node server; manifests not validated on MI355X",
-            "k3rocm.org/argv": json.dumps(node.argv)}
 
 
 def _scrape(port: int) -> dict[str, str]:
@@ -280,7 +273,9 @@ def _router(plan: Plan, server_port: int) -> list[dict[str, Any]]:
            "automountServiceAccountToken": True,
            "securityContext": {"runAsNonRoot": True,
                                "seccompProfile": {"type": "RuntimeDefault"}},
-           "terminationGracePeriodSeconds": router_grace(),
+           # preStop, the longest request, margin
+           "terminationGracePeriodSeconds": (ROUTER_PRESTOP_S + ROUTER_REQUEST_TIMEOUT_S
+                                             + STOP_MARGIN_S),
            "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
                {"weight": 100, "podAffinityTerm": {"labelSelector": {"matchLabels": labels},
                                                    "topologyKey": "kubernetes.io/hostname"}}]}},
@@ -314,11 +309,6 @@ def _router(plan: Plan, server_port: int) -> list[dict[str, Any]]:
     ]
 
 
-def router_grace() -> int:
-    """A router pod's terminationGracePeriodSeconds: preStop, the longest request, margin."""
-    return ROUTER_PRESTOP_S + ROUTER_REQUEST_TIMEOUT_S + STOP_MARGIN_S
-
-
 def render_k8s(plan: Plan, settings: Settings) -> list[dict[str, Any]]:
     """Kubernetes objects for ``plan`` (a list of dicts, in apply order)."""
     s = plan.scale
@@ -334,7 +324,9 @@ def render_k8s(plan: Plan, settings: Settings) -> list[dict[str, Any]]:
                 {"from": [{"podSelector": {"matchLabels": {LABEL_KEY: ROUTER}}},
                           *_scraper(s)], "ports": _tcp(port)}]),
             _deployment(APP, labels, len(plan.nodes), pod,
-                        {**_annotations(node), "k3rocm.org/pod-security": s.pod_security},
+                        {"k3rocm.org/note": "replicas: the unchanged single-node server; "
+                         "manifests not validated on MI355X", "k3rocm.org/argv":
+                         json.dumps(node.argv), "k3rocm.org/pod-security": s.pod_security},
                         _scrape(port), surge=0, progressDeadlineSeconds=deadline),
             _pdb(APP, labels, maxUnavailable=1),
             *_router(plan, port)]
