@@ -8,9 +8,8 @@
 #   make router-proxy-conf         nginx config exposing only the router's data paths
 #   make scale-render [OUT=dir]    per-node env/argv (+ compose overrides nodeN.yaml in OUT)
 #   make render-k8s [OUT=file]     Kubernetes manifests, checked against the K8s schemas
-#   make k8s-check [POD_SECURITY=baseline]  the manifests checked as a cluster would: kubectl
-#                                  apply --dry-run=server with a kubeconfig; offline always (strict
-#                                  schemas 1.29-1.37, Pod Security)
+#   make k8s-check                 strict schemas 1.29-1.37 offline; with a kubeconfig also
+#                                  kubectl apply --dry-run=server
 #   make bench-router / gsm8k-router   `make bench`/`make gsm8k` against the router (same
 #                                  WORKLOAD/BENCH_ARGS/GSM8K_ARGS; provenance gets a topology block)
 # Settings: K3_SCALE_* in the shell or .env, like every K3_* setting (`k3rocm scale config`).
@@ -22,7 +21,6 @@ ROUTER_WHEELS ?= build/wheels/router
 ROUTER_LOCK := docker/router/requirements.lock
 PREFLIGHT_ARGS ?=
 OUT ?=
-POD_SECURITY ?=
 
 .PHONY: router-overhead router-proxy-conf bench-router gsm8k-router preflight router-wheels router-image router-up router-down status scale-render render-k8s k8s-check scale-test
 
@@ -69,8 +67,8 @@ scale-render: $(PY) ## per-node env/argv for K3_SCALE_MODE (OUT=dir: compose ove
 render-k8s: $(PY) ## Kubernetes manifests for K3_SCALE_MODE, checked against the K8s schemas (OUT=file)
 	$(PY) -m k3rocm scale render-k8s $(if $(OUT),--out $(OUT))
 
-k8s-check: $(PY) ## the manifests checked as a cluster would (kubectl dry-run with a kubeconfig; offline schemas, Pod Security)
-	$(PY) -m k3rocm scale k8s-check $(if $(POD_SECURITY),--pod-security $(POD_SECURITY))
+k8s-check: $(PY) ## the manifests checked as a cluster would (offline schemas; kubectl dry-run with a kubeconfig)
+	$(PY) -m k3rocm scale k8s-check
 
 bench-router: $(PY) ## make bench through the router of K3_SCALE_* (WORKLOAD=, BENCH_ARGS=)
 	@url=$$($(PY) -m k3rocm scale url) || exit 2; \

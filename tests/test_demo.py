@@ -1,15 +1,5 @@
-"""`make demo` (the README's first command after set-up): the whole bundle on the CPU stand-in.
-
-- End to end, for real, no skip in CI: `make demo` builds our image FROM the stand-in base,
-  serves the tiny model through entrypoint.sh + compose (+ compose.cpu.yaml), runs `make bench`
-  (ci-tiny), `make gsm8k` (the 5 bundled items), `make census`, `make down`, and prints one
-  summary that links every run directory; nothing of the demo's compose project is left.
-- SIGTERM while the server starts: the demo stops the step, runs `make down` (the server log is
-  saved) and exits 130.
-- Bad input and a busy port: one line, exit 2, nothing started.
-- The bundled GSM8K items are GSM8K's own first items (answers typed here from
-  openai/grade-school-math `grade_school_math/data/test.jsonl`).
-"""
+"""`make demo` (the README's first command after set-up): end to end on the CPU stand-in,
+SIGTERM while serving (make down, exit 130), and bad input / a busy port (one line, exit 2)."""
 
 from __future__ import annotations
 

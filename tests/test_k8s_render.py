@@ -40,22 +40,10 @@ def test_router_replicas_rollout_budget_and_spread():
         "preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]
     assert anti["topologyKey"] == "kubernetes.io/hostname"
     assert anti["labelSelector"]["matchLabels"] == dep["spec"]["template"]["metadata"]["labels"]
-    assert _obj(_render({**TWO_K8S, "K3_SCALE_ROUTER_REPLICAS": "4"}), "Deployment",
-                k8s.ROUTER)["spec"]["replicas"] == 4
-
-
-def test_one_router_replica_gets_no_budget_that_would_block_drains():
+    # one router replica: no budget (it would block every node drain)
     objs = _render({**TWO_K8S, "K3_SCALE_ROUTER_REPLICAS": "1"})
     assert [o["metadata"]["name"] for o in objs if o["kind"] == "PodDisruptionBudget"] == [
         k8s.APP]
-
-
-@pytest.mark.parametrize("value", ["0", "two"])
-def test_router_replicas_bad_value_one_line(value):
-    with pytest.raises(UsageError) as exc:
-        _render({**TWO_K8S, "K3_SCALE_ROUTER_REPLICAS": value})
-    assert f"K3_SCALE_ROUTER_REPLICAS={value!r} is not valid" in str(exc.value)
-    assert "\n" not in str(exc.value)
 
 
 def test_router_stops_without_cutting_streams():
@@ -86,6 +74,8 @@ def test_router_liveness_reaches_the_router_itself():
     assert cmd[0] == "/opt/router/bin/python3"  # the router image's venv (docker/router)
     assert f"http://127.0.0.1:{a[a.index('--port') + 1]}/liveness" in cmd[-1]
     assert "httpGet" not in router["livenessProbe"]
+    # /health is 503 as soon as one of N workers is down: readiness asks /readiness
+    assert _c(pod, "proxy")["readinessProbe"]["httpGet"]["path"] == "/readiness"
 
 
 def test_default_node_affinity_matches_amd_labeller_labels():
@@ -146,13 +136,9 @@ def test_scraper_namespace_and_metrics_port_follow_the_settings():
     assert _obj(objs, "NetworkPolicy", k8s.APP)["spec"]["ingress"][0]["from"][1:] == scraper
     with pytest.raises(UsageError, match="K3_SCALE_METRICS_NAMESPACE='Monitoring' is not valid"):
         _render({**TWO_K8S, "K3_SCALE_METRICS_NAMESPACE": "Monitoring"})
-
-
-def test_service_account_token_only_where_the_api_is_called():
-    objs = _render(TWO_K8S)
+    # a token only where the API is called (the router's service discovery)
     assert _server_pod(objs)["automountServiceAccountToken"] is False
-    router = _router_pod(objs)
-    assert router["automountServiceAccountToken"] is True  # service discovery lists pods
+    assert _router_pod(objs)["automountServiceAccountToken"] is True
 
 
 def _server(variant, **extra):
@@ -221,19 +207,19 @@ def test_rollout_deadline_covers_grace_pull_and_startup():
         "terminationGracePeriodSeconds"]
 
 
-@pytest.mark.parametrize("extra, needle", [
-    ({"K3_SCALE_MODE": "dp-ep"}, "K3_SCALE_MODE=dp-ep (from env) is not offered"),
-    ({"K3_SCALE_EXPERIMENTAL": "1"}, "K3_SCALE_EXPERIMENTAL is not a known setting"),
-    ({"K3_SCALE_IFNAME": "eth0"}, "K3_SCALE_IFNAME is not a known setting")])
-def test_the_removed_dp_ep_settings_are_refused_in_one_line(extra, needle):
-    r = run_cli("scale", "render-k8s", env={**TWO_K8S, **extra}, timeout=120)
-    assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1 and needle in r.stderr, r.stderr
+def test_scale_config_prints_the_new_settings():
+    r = run_cli("scale", "config", env={**TWO_K8S, "K3_SCALE_GPU_GROUPS": "44,110",
+                                        "K3_SCALE_POD_SECURITY": "restricted"})
+    assert r.returncode == 0, r.stderr
+    assert "K3_SCALE_GPU_GROUPS=44,110" in r.stdout.splitlines()
+    assert "K3_SCALE_POD_SECURITY=restricted" in r.stdout.splitlines()
+    assert "K3_SCALE_ROUTER_REPLICAS=2" in r.stdout.splitlines()
 
 
-def test_proxy_stop_hook_lets_a_stream_finish_with_real_nginx(tmp_path):
-    """The rendered proxy preStop, run against a real nginx with the rendered config: nginx
-    stops accepting, the held stream still completes, the hook returns once nginx has exited."""
+def test_proxy_with_real_nginx_forwards_only_data_paths_and_stops_gracefully(tmp_path):
+    """The rendered proxy config in a real nginx before a stub upstream: only /v1/* and the
+    health paths pass (metrics port: /metrics only); the rendered preStop stops accepting,
+    lets a held stream finish and returns once nginx has exited."""
     import http.server
     import shutil
     import socket
@@ -246,13 +232,20 @@ def test_proxy_stop_hook_lets_a_stream_finish_with_real_nginx(tmp_path):
 
     nginx = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin")
     need(nginx is not None, "nginx is not installed (apt-get install nginx-light)")
-    release, held = threading.Event(), threading.Event()
+    release, held, seen = threading.Event(), threading.Event(), []
 
     class Upstream(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
-        def do_POST(self):
+        def do_GET(self):
+            seen.append(self.path)
             self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            if self.path != "/v1/completions":
+                self.send_response(200)
+                self.send_header("Content-Length", "2")
+                self.end_headers()
+                self.wfile.write(b"ok")
+                return
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Content-Length", "32")
@@ -263,29 +256,45 @@ def test_proxy_stop_hook_lets_a_stream_finish_with_real_nginx(tmp_path):
             release.wait(60)
             self.wfile.write(b"data: [DONE]\n\n\n\n\n\n\n")  # 19 bytes
 
+        do_POST = do_GET
+
         def log_message(self, *a):
             pass
 
     upstream = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Upstream)
     upstream.daemon_threads = True
     threading.Thread(target=upstream.serve_forever, daemon=True).start()
-    port = free_port()
+    up = upstream.server_address[1]
+    port, mport = free_port(), free_port()
     conf = tmp_path / "nginx.conf"
-    conf.write_text(k8s.proxy_conf(f"127.0.0.1:{port}", upstream.server_address[1],
-                                   tmp=str(tmp_path)))
+    conf.write_text(k8s.proxy_conf(f"127.0.0.1:{port}", up, tmp=str(tmp_path),
+                                   metrics_listen=f"127.0.0.1:{mport}", metrics_port=up))
     hook = k8s.proxy_stop_command(str(conf), sleep_s=0, tmp=str(tmp_path))
     proc = subprocess.Popen([nginx, "-g", "daemon off;", "-c", str(conf)],
                             stderr=subprocess.PIPE, text=True)
-    stop = None
+    url, stop = f"http://127.0.0.1:{port}", None
     try:
         t0 = time.monotonic()
         while not (tmp_path / "nginx.pid").exists():  # readiness poll
             assert proc.poll() is None and time.monotonic() - t0 < 30, "nginx did not start"
             time.sleep(0.05)
-        resp = requests.post(f"http://127.0.0.1:{port}/v1/completions", json={}, stream=True,
-                             timeout=60)
+        codes = {p: requests.request(m, f"{url}{p}", timeout=5).status_code for m, p in [
+            ("POST", "/v1/chat/completions"), ("GET", "/v1/models"), ("GET", "/readiness"),
+            ("GET", "/health"), ("POST", "/add_worker?url=http://evil:1"),
+            ("POST", "/remove_worker?url=http://10.0.0.1:8000"), ("GET", "/list_workers"),
+            ("POST", "/flush_cache"), ("GET", "/get_loads"), ("GET", "/metrics"),
+            ("POST", "/v1/../add_worker?url=http://evil:1"),
+            ("POST", "/v1/%2e%2e/add_worker?url=http://evil:1")]}
+        assert [p for p, c in codes.items() if c == 200] == [
+            "/v1/chat/completions", "/v1/models", "/readiness", "/health"], codes
+        metrics = {p: requests.request(m, f"http://127.0.0.1:{mport}{p}", timeout=5).status_code
+                   for m, p in [("GET", "/metrics"), ("GET", "/v1/models"),
+                                ("POST", "/add_worker?url=http://e:1"), ("GET", "/liveness")]}
+        assert [p for p, c in metrics.items() if c == 200] == ["/metrics"], metrics
+        assert not any("worker" in p or "flush" in p for p in seen), seen
+
+        resp = requests.post(f"{url}/v1/completions", json={}, stream=True, timeout=60)
         body = resp.raw.read(13)
-        # the upstream sets `held` just after its flush: the chunk can arrive first
         assert body == b"data: first\n\n" and held.wait(30)
         stop = subprocess.Popen([hook[0], hook[1], hook[2].replace("nginx ", f"{nginx} ", 1)])
 
@@ -296,8 +305,8 @@ def test_proxy_stop_hook_lets_a_stream_finish_with_real_nginx(tmp_path):
             except OSError:
                 return True
 
-        while not refused():  # nginx has begun its graceful quit (an observable event)
-            assert time.monotonic() - t0 < 30, "nginx kept accepting after the hook's quit"
+        while not refused():  # nginx has begun its graceful quit
+            assert time.monotonic() - t0 < 60, "nginx kept accepting after the hook's quit"
             time.sleep(0.05)
         assert stop.poll() is None  # the hook waits: the stream is still in flight
         release.set()
@@ -312,12 +321,3 @@ def test_proxy_stop_hook_lets_a_stream_finish_with_real_nginx(tmp_path):
             stop.kill()
         upstream.shutdown()
     assert body.startswith(b"data: first\n\ndata: [DONE]")
-
-
-def test_scale_config_prints_the_new_settings():
-    r = run_cli("scale", "config", env={**TWO_K8S, "K3_SCALE_GPU_GROUPS": "44,110",
-                                        "K3_SCALE_POD_SECURITY": "restricted"})
-    assert r.returncode == 0, r.stderr
-    assert "K3_SCALE_GPU_GROUPS=44,110" in r.stdout.splitlines()
-    assert "K3_SCALE_POD_SECURITY=restricted" in r.stdout.splitlines()
-    assert "K3_SCALE_ROUTER_REPLICAS=2" in r.stdout.splitlines()

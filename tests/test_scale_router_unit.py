@@ -1,6 +1,5 @@
-"""Compose routers (no Docker): router instances on one host, the router-down drain timeout
-and their one-line refusals. The live drain (streams in flight, a second router serving) is
-tests/test_scale_standin.py::test_router_down_drains_streams_while_router_2_serves."""
+"""Router instances on one host, the router-down drain timeout, one-line refusals (no Docker;
+the live drain: test_scale_standin.py)."""
 
 from __future__ import annotations
 
@@ -42,14 +41,6 @@ def test_instance_refusals(env, n, fragment):
         instance(s, n)
 
 
-def test_drain_timeout_is_the_router_request_timeout():
-    from k3rocm.deploy.scale.render import ROUTER_REQUEST_TIMEOUT_S
-
-    s = load_scale(TWO, dotenv=None)
-    assert _arg(router_argv(s), "--request-timeout-secs") == str(ROUTER_REQUEST_TIMEOUT_S)
-    assert STOP_TIMEOUT_S > ROUTER_REQUEST_TIMEOUT_S
-
-
 class _Container:
     def __init__(self):
         self.status, self.attrs, self.calls = "running", {"State": {"ExitCode": 0}}, []
@@ -78,7 +69,9 @@ class _Client:
 
 
 def test_stop_router_waits_for_the_request_timeout_by_default():
-    """The streams in flight get the request timeout, not 5 s (docker stop timeout=5)."""
+    from k3rocm.deploy.scale.render import ROUTER_REQUEST_TIMEOUT_S
+
+    assert STOP_TIMEOUT_S > ROUTER_REQUEST_TIMEOUT_S
     c = _Container()
     assert stop_router(_Client(c), "r") is True
     assert c.calls == [("stop", STOP_TIMEOUT_S), ("remove", True)]
@@ -90,10 +83,8 @@ def test_stop_router_waits_for_the_request_timeout_by_default():
 
 @pytest.mark.parametrize(("args", "fragment"), [
     (["router-down", "--instance", "two"], "--instance (make ROUTER=)='two' is not valid"),
-    (["router-down", "--instance", "0"], "--instance (make ROUTER=)='0' is not valid"),
     (["router-up", "--instance", "17"], "router instance 17 is out of range"),
-    (["router-down", "--timeout", "-1"], "--timeout (make ROUTER_TIMEOUT=)='-1' is not valid"),
-    (["router-down", "--timeout", "1h"], "give a whole number >= 0"),
+    (["router-down", "--timeout", "1h"], "--timeout (make ROUTER_TIMEOUT=)='1h' is not valid"),
 ])
 def test_cli_refuses_bad_instance_and_timeout(args, fragment):
     r = run_cli("scale", *args, env={**TWO, "DOCKER_HOST": "unix:///nonexistent.sock"})

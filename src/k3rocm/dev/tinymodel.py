@@ -1,19 +1,7 @@
-"""`k3rocm tinymodel --out DIR`: generate the tiny random-weight MLA smoke model, offline.
-
-The model is defined here (``DEFINITION``): DeepSeek-V3 architecture with the Kimi-K3/DeepSeek
-MLA shapes (kv_lora_rank 512, qk_rope 64, qk_nope 128, v_head 128), a small q_lora_rank, 4 heads,
-hidden 256, 2 dense layers (no MoE layer: first_k_dense_replace >= num layers) and a small
-byte-level BPE tokenizer trained in code on a fixed embedded corpus. Weights are random from a
-fixed seed, saved as safetensors. Nothing is downloaded.
-
-The output directory loads with vLLM (``vllm serve DIR``), transformers ``AutoTokenizer`` (aiperf)
-and lm-eval. A ``k3rocm-tinymodel.json`` file records the definition hash; when it matches, the
-directory is left as it is (no regeneration).
-
-Needs torch + transformers + tokenizers + safetensors: run it inside the serving image, e.g.
-``docker run --rm -v HOSTDIR:/models --entrypoint python3 IMAGE -m k3rocm tinymodel
---out /models/k3-smoke``.
-"""
+"""`k3rocm tinymodel --out DIR`: the tiny random-weight MLA smoke model, offline: DeepSeek-V3
+architecture with Kimi-K3's MLA shapes, 2 dense layers, a byte-level BPE tokenizer trained on
+``CORPUS``; fixed seed. A stamp file with the definition hash makes reruns no-ops. Needs torch +
+transformers: run it inside the serving image (``make tinymodel``)."""
 
 from __future__ import annotations
 
@@ -35,7 +23,6 @@ DEFAULT_NAME = "k3-smoke"
 
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|im_start|>", "<|im_end|>"]
 
-# A ChatML-style template; string content or OpenAI content-part lists both render.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
@@ -95,8 +82,6 @@ DEFINITION: dict = {
     },
 }
 
-# Fixed training text for the tokenizer (ASCII; mixes prose, chat-like text, numbers and
-# arithmetic so prompts of the bench/gsm8k tests tokenize into plausible pieces).
 CORPUS = """\
 The quick brown fox jumps over the lazy dog. A tiny model answers questions about numbers.
 Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.
@@ -144,12 +129,8 @@ def build_tokenizer(tdef: dict):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    # The alphabet: the byte-level (GPT-2 byte-to-unicode) symbols of printable ASCII, tab and
-    # newline. Only these bytes are in the vocabulary, so every token decodes to complete text
-    # and a streamed completion gets one delta per token (random weights never emit half a UTF-8
-    # character). Input bytes outside this set are dropped by the tokenizer. GPT-2's
-    # bytes_to_unicode keeps the printable bytes (here 33..126) as they are and maps the others,
-    # in order from byte 0, to chr(256 + n): tab, newline and space are 256 + byte.
+    # Only printable ASCII, tab, newline in GPT-2 byte-to-unicode symbols (tab, newline, space
+    # are chr(256 + byte)): every token decodes to whole text, one stream delta per token.
     ascii_alphabet = [chr(256 + b) for b in (9, 10, 32)] + [chr(b) for b in range(33, 127)]
     trainer = trainers.BpeTrainer(
         vocab_size=tdef["vocab_size"], min_frequency=tdef["min_frequency"],
@@ -161,7 +142,6 @@ def build_tokenizer(tdef: dict):
 
 
 def generate(out: Path, force: bool = False) -> Path:
-    """Write the smoke model into ``out`` (atomically: a temp dir renamed into place)."""
     out = out.resolve()
     if not force and is_current(out):
         _log(f"{out} already holds definition {definition_hash()[:12]}; nothing to do")
@@ -186,10 +166,7 @@ def generate(out: Path, force: bool = False) -> Path:
         tok = build_tokenizer(tdef)
         vocab_size = tok.get_vocab_size()
         ids = {t: tok.token_to_id(t) for t in tdef["special_tokens"]}
-        # Tokenizer files written directly (not via save_pretrained) so that transformers 4.x
-        # and 5.x both load them with AutoTokenizer: tokenizer_class PreTrainedTokenizerFast,
-        # additional_special_tokens as a list, chat template in tokenizer_config.json and in
-        # chat_template.jinja.
+        # Written by hand so transformers 4.x and 5.x both load them with AutoTokenizer.
         tok.save(str(tmp / "tokenizer.json"))
         specials = {k: tdef[k] for k in ("bos_token", "eos_token", "pad_token")}
         extra = [t for t in tdef["special_tokens"] if t not in specials.values()]
@@ -206,7 +183,6 @@ def generate(out: Path, force: bool = False) -> Path:
         write_json_atomic(tmp / "special_tokens_map.json",
                     {**specials, "additional_special_tokens": extra})
         (tmp / "chat_template.jinja").write_text(tdef["chat_template"])
-        # Check that transformers reads back what was written (and the template renders).
         fast = PreTrainedTokenizerFast.from_pretrained(str(tmp))
         if (fast.eos_token_id != ids[tdef["eos_token"]]
                 or fast.bos_token_id != ids[tdef["bos_token"]]):

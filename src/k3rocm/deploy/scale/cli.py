@@ -1,18 +1,5 @@
-"""``k3rocm scale``: scale-out settings, per-node rendering, the router, and status.
-
-  k3rocm scale config               the resolved K3_SCALE_* settings
-  k3rocm scale render [--out DIR]   per-node env/argv (+ compose overrides written to DIR)
-  k3rocm scale render-k8s [--out F] Kubernetes manifests, checked against the K8s schemas
-  k3rocm scale k8s-check [--pod-security LEVEL]  the manifests checked as a cluster would
-  k3rocm scale proxy-conf [--listen A:P]  nginx config exposing only the router's data paths
-  k3rocm scale router-up|router-down [--instance N]   (router-down: drains; --timeout S)
-  k3rocm scale url                  the router URL (bench/gsm8k --url)
-  k3rocm scale status [--json]      one line per replica and the router's view
-  k3rocm scale overhead [-n N]      the router's added latency vs direct requests (ratio)
-
-Exit codes: 0 ok, 1 a k8s-check failed, 2 bad settings, 3 status degraded/down, a router
-failure or a kubeconfig's cluster that does not answer (the table in k3rocm.errors).
-"""
+"""``k3rocm scale``: settings, per-node rendering, Kubernetes manifests, the router, status.
+Exit codes: 0 ok, 1 a k8s-check failed, 2 bad settings, 3 degraded/down or no answer."""
 
 from __future__ import annotations
 
@@ -29,68 +16,46 @@ from k3rocm.rundir import write_text_atomic
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--env-file", default=".env", help="optional KEY=VALUE file")
     sub = parser.add_subparsers(dest="scale_cmd", metavar="SUBCOMMAND", required=True)
-    sub.add_parser("config", help="print the resolved K3_SCALE_* settings",
-                   description="print the resolved K3_SCALE_* settings")
-    sub.add_parser("url", help="print the router URL (for bench/gsm8k --url)",
-                   description="print the router URL clients use (make bench-router)")
-    p = sub.add_parser("render", help="per-node env and argv (from the serving renderer)",
-                       description="per-node env and argv; with --out, one compose override "
-                       "per node (docker compose -f compose.yaml -f DIR/nodeN.yaml up -d)")
-    p.add_argument("--out", type=Path, help="directory for nodeN.yaml compose overrides")
-    p = sub.add_parser("render-k8s", help="Kubernetes manifests (schema-checked)",
-                       description="Kubernetes manifests for the scale mode, checked against "
-                       "the Kubernetes schemas with kubernetes-validate (offline)")
-    p.add_argument("--out", type=Path, help="write the manifests (multi-document YAML) here")
-    p = sub.add_parser("k8s-check", help="the Kubernetes manifests checked as a cluster would",
-                       description="render the manifests for the K3_SCALE_* settings, then: "
-                       "with a kubeconfig (KUBECONFIG or ~/.kube/config) and kubectl, `kubectl "
-                       "apply --dry-run=server` against that cluster; always the offline checks: "
-                       "strict Kubernetes 1.29-1.37 schemas, a Pod Security Standards evaluation "
-                       "of every pod template (baseline, restricted). Exit 0 ok, 1 a check "
-                       "failed, 2 bad settings, 3 the cluster does not answer")
-    p.add_argument("--pod-security", choices=("privileged", "baseline", "restricted"),
-                   help="the Pod Security level your namespace enforces: a pod failing it is a "
-                   "failed check (default: K3_SCALE_POD_SECURITY where set, else the verdicts "
-                   "are informational)")
-    p = sub.add_parser("proxy-conf", help="nginx config that exposes only the router's data "
-                       "paths (/v1/*, health)", description="print an nginx configuration "
-                       "that forwards only /v1/* and the health paths to the router "
-                       "(K3_SCALE_ROUTER_HOST:PORT); its admin endpoints stay unreachable")
-    p.add_argument("--listen", default="0.0.0.0:8443",
-                   help="address:port nginx listens on for clients (default 0.0.0.0:8443)")
+
+    def add(name: str, what: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=what, description=what)
+
+    add("config", "print the resolved K3_SCALE_* settings")
+    add("url", "print the router URL (for bench/gsm8k --url)")
+    add("render", "per-node env and argv; with --out, one compose override per node (docker "
+        "compose -f compose.yaml -f DIR/nodeN.yaml up -d)").add_argument(
+        "--out", type=Path, help="directory for nodeN.yaml compose overrides")
+    add("render-k8s", "Kubernetes manifests, checked against the Kubernetes schemas "
+        "(kubernetes-validate, offline)").add_argument(
+        "--out", type=Path, help="write the manifests (multi-document YAML) here")
+    add("k8s-check", "the manifests against the strict Kubernetes 1.29-1.37 schemas and, with "
+        "a kubeconfig and kubectl, `kubectl apply --dry-run=server` against that cluster. "
+        "Exit 0 ok, 1 a check failed, 2 bad settings, 3 the cluster does not answer")
+    add("proxy-conf", "print an nginx configuration that forwards only /v1/* and the health "
+        "paths to the router").add_argument(
+        "--listen", default="0.0.0.0:8443", help="address:port for clients (default %(default)s)")
     for name, what in (("router-up", "start vllm-router in front of K3_SCALE_NODES (host "
-                                     "network)"),
+                        "network)"),
                        ("router-down", "drain (SIGTERM: in-flight requests finish, new "
-                                       "connections are refused), stop and remove the "
-                                       "router container")):
-        p = sub.add_parser(name, help=what, description=what)
+                        "connections are refused), stop and remove the router container")):
+        p = add(name, what)
         p.add_argument("--instance", default="1", metavar="N",
-                       help="router instance N on this host: container k3rocm-router-N on "
-                       "K3_SCALE_ROUTER_PORT+N-1, metrics on K3_SCALE_ROUTER_METRICS_PORT+N-1 "
-                       "(default 1: k3rocm-router on K3_SCALE_ROUTER_PORT)")
-        p.add_argument("--name", help="container name (default: from --instance)")
+                       help="router instance N: container k3rocm-router-N on "
+                       "K3_SCALE_ROUTER_PORT+N-1, metrics on K3_SCALE_ROUTER_METRICS_PORT+N-1")
         if name == "router-down":
             p.add_argument("--timeout", default=str(ROUTER_STOP_TIMEOUT_S), metavar="SECONDS",
-                           help="seconds the requests in flight may take before SIGKILL "
-                           f"(default {ROUTER_STOP_TIMEOUT_S}: the router's request timeout "
-                           "plus a margin)")
-    p = sub.add_parser("status", help="one line per replica and the router's view",
-                       description="health, model, fusion decisions and image per replica; "
-                       "the router's view (ok / degraded, k of N / down)")
-    p.add_argument("--json", action="store_true", help="print JSON")
-    p = sub.add_parser("overhead", help="router added latency vs direct requests (ratio)",
-                       description="interleaved requests straight to the nodes and through "
-                       "the router, in one run; prints the client-time ratio and the "
-                       "router's added milliseconds (server time from vLLM's /metrics "
-                       "subtracted)")
-    p.add_argument("-n", "--requests", type=int, default=24,
-                   help="requests per path (default 24)")
-    p.add_argument("--max-tokens", type=int, default=8, help="tokens per request (default 8)")
-    p.add_argument("--json", action="store_true", help="print JSON")
+                           help="seconds in-flight requests may take before SIGKILL "
+                           "(default %(default)s)")
+    add("status", "health, model, fusions and image per replica; the router's view (ok / "
+        "degraded, k of N / down)").add_argument("--json", action="store_true")
+    p = add("overhead", "interleaved requests straight to the nodes and through the router: "
+            "the router's added milliseconds (vLLM's server time subtracted)")
+    p.add_argument("-n", "--requests", type=int, default=24, help="per path (default 24)")
+    p.add_argument("--max-tokens", type=int, default=8, help="per request (default 8)")
+    p.add_argument("--json", action="store_true")
 
 
 def _whole(what: str, raw: str, least: int) -> int:
-    """A whole number >= ``least`` from the command line, or the one-line error (exit 2)."""
     try:
         value = int(raw)
     except ValueError:
@@ -132,8 +97,6 @@ def run(args: argparse.Namespace) -> int:
                              "set K3_SCALE_MODE=replicas and K3_SCALE_NODES (single node: "
                              "docker compose ps)")
         from k3rocm.deploy.engine import docker_client
-
-        # status works without an engine (HTTP only)
         from k3rocm.deploy.scale.k8scheck import cluster_nodes
 
         replicas, router = scale_status(s, docker_client(required=False))
@@ -175,17 +138,16 @@ def run(args: argparse.Namespace) -> int:
         from k3rocm.deploy.scale.router import instance, start_router, stop_router
 
         name, si = instance(s, _whole("--instance (make ROUTER=)", args.instance, 1))
-        name = args.name or name
         if cmd == "router-down":
             timeout = _whole("--timeout (make ROUTER_TIMEOUT=)", args.timeout, 0)
-            client = docker_client()  # no engine: exit 3, like every command
+            client = docker_client()
             metrics = f"http://127.0.0.1:{si.router_metrics_port}/metrics"
             print("router removed" if stop_router(client, name, timeout, metrics) else
                   f"no container named {name}")
             return 0
         from k3rocm.deploy.scale.render import plan
 
-        plan(dotenv=args.env_file, scale=s)  # validate the whole setup before starting
+        plan(dotenv=args.env_file, scale=s)  # validate before starting
         client = docker_client()
         c = start_router(client, si, name=name)
         print(f"router {c.name} at {si.router_url} -> {', '.join(si.worker_urls)} "
@@ -210,10 +172,8 @@ def run(args: argparse.Namespace) -> int:
         from k3rocm.deploy.scale.k8scheck import k8s_check
 
         objs = render_k8s(p, settings)
-        enforce = args.pod_security or s.pod_security
-        return k8s_check(objs, "---\n".join(_yaml_dump(o) for o in objs),
-                         None if enforce == "privileged" else enforce)
-    if cmd == "render-k8s":  # the last subcommand (argparse allows no other)
+        return k8s_check(objs, "---\n".join(_yaml_dump(o) for o in objs))
+    if cmd == "render-k8s":
         from k3rocm.deploy.scale.k8s import render_k8s, validate
 
         objs = render_k8s(p, settings)

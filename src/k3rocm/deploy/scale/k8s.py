@@ -1,25 +1,7 @@
-"""Kubernetes rendering of ``replicas`` (``make render-k8s``): NOT validated on MI355X.
-
-A Deployment of N unchanged servers (``amd.com/gpu: 8`` each, one per MI355X
-  node), a PodDisruptionBudget, and the router (vllm-router) as a Deployment + Service that finds
-  the servers by label in its own namespace (``--service-discovery`` with
-  ``--service-discovery-namespace`` = the pod's namespace, which is what the rendered Role allows).
-  The router listens on 127.0.0.1 inside its pod: its admin endpoints (``/add_worker``,
-  ``/remove_worker``, ...) share the data port, so an nginx sidecar (:func:`proxy_conf`) is the
-  only thing the Service reaches, and it forwards only ``/v1/*`` and the health paths.
-  Two or more router pods (surge 1, a PodDisruptionBudget, spread over nodes) that stop
-  without cutting a stream; NetworkPolicies admit the servers' port only from the router and
-  the metrics scraper. Server pods are placed by AMD's node labels (required node affinity).
-
-Every image must be a pullable, pinned reference (registry/repo@sha256:...): a node cannot see a
-local tag. K3_SCALE_POD_SECURITY picks the server pods' privileges and storage: ``privileged``
-(node-local hostPath checkpoint, read-only, and caches, one 8-GPU pod per node, so no replica
-waits for another's volume), ``baseline`` or ``restricted`` (a read-only claim and an emptyDir).
-The server containers run the same image and entrypoint as compose, with the resolved K3_*
-settings as environment (the entrypoint renders the same argv as on a compose node: see the
-``k3rocm.org/argv`` annotation) and the drain flag as arguments.
-Every object is checked against the Kubernetes JSON schemas with ``kubernetes-validate``
-(bundled schemas, offline).
+"""Kubernetes rendering of ``replicas`` (``make render-k8s``; not validated on MI355X):
+a server Deployment (one 8-GPU pod per MI355X node), router pods (vllm-router on loopback behind
+an nginx data-path proxy, service discovery by label), budgets and NetworkPolicies; images are
+pinned pullable references. docs/scale.md describes every object.
 """
 
 from __future__ import annotations
@@ -44,48 +26,32 @@ APP = "k3rocm-server"
 ROUTER = "k3rocm-router"
 LABEL_KEY = "app.kubernetes.io/name"
 SHM_SIZE = "64Gi"
-# Node-local storage on every MI355X node: the checkpoint staged once per node (read-only here),
-# the HF/vLLM/Triton caches of the one server pod on that node.
 NODE_MODELS_DIR = "/var/lib/k3rocm/models"
 NODE_CACHE_DIR = "/var/lib/k3rocm/cache"
 SERVER_REQUESTS = {"cpu": "32", "memory": "256Gi"}
 ROUTER_REQUESTS = {"cpu": "2", "memory": "2Gi"}
 PROXY_REQUESTS = {"cpu": "500m", "memory": "128Mi"}
-# Before SIGTERM: time for the router to stop picking a terminating server pod
-# (discovery/health), and for the Service to drop a terminating router pod from its endpoints.
-PRESTOP_S = 15
+PRESTOP_S = 15  # before SIGTERM: a terminating pod leaves discovery / the Service endpoints
 ROUTER_INTERNAL_PORT = 30000  # vllm-router's own default port, on 127.0.0.1 in its pod
 ROUTER_INTERNAL_METRICS_PORT = 30001  # its --prometheus-port, on 127.0.0.1 (proxy exposes it)
-# The router's SIGTERM (vllm-router 0.1.17 src/server.rs "Received terminate signal, starting
-# graceful shutdown"): it closes its listener at once and exits when its in-flight requests
-# have finished. So it gets its SIGTERM after the proxy has stopped accepting (`nginx -s quit`
-# at PRESTOP_S); nginx's own SIGTERM would be a fast shutdown that cuts every stream.
+# vllm-router 0.1.17 drains on SIGTERM (src/server.rs graceful shutdown): it gets it after
+# the proxy has stopped accepting (`nginx -s quit` at PRESTOP_S).
 ROUTER_PRESTOP_S = PRESTOP_S + 5
 ROUTER_PYTHON = "/opt/router/bin/python3"  # docker/router/Dockerfile: the venv of vllm-router
 ROUTER_UID = 65534  # docker/router/Dockerfile: USER 65534:65534
 PROXY_UID = 101  # nginx-unprivileged's nginx user (K3_SCALE_PROXY_IMAGE)
 PROXY_CONF_DIR = "/etc/k3rocm"
-# Policies that keep no per-router state: N routers behave like one (docs/scale.md).
 STATELESS_POLICIES = ("random", "round_robin")
-# A new server pod's image pull (tens of GB) before its startup probe starts counting.
-PULL_ALLOWANCE_S = 900
+PULL_ALLOWANCE_S = 900  # a new server pod's image pull (tens of GB)
 CACHE_SIZE = "200Gi"  # baseline/restricted: the HF/vLLM/Triton caches' emptyDir
 
 
 def proxy_conf(listen: str, upstream_port: int,
                timeout_s: int = ROUTER_REQUEST_TIMEOUT_S, tmp: str = "/tmp",
                metrics_listen: str | None = None, metrics_port: int | None = None) -> str:
-    """nginx configuration that exposes only the router's data paths.
-
-    ``/v1/*`` (completions, chat, models, responses) and the health paths reach the router;
-    everything else (``/add_worker``, ``/remove_worker``, ``/list_workers``, ``/flush_cache``,
-    ...) is 404. The path is forwarded normalized (``$uri``), so ``/v1/../add_worker`` is
-    ``/add_worker`` to nginx too and never reaches the router. Streaming is not buffered.
-    With ``metrics_listen``, a second server forwards only ``/metrics`` to the router's
-    Prometheus port (``metrics_port`` on 127.0.0.1): a port of its own, so a NetworkPolicy
-    can admit the scraper there and nobody else. Runs unprivileged (temp files and pid in
-    ``tmp``).
-    """
+    """nginx config forwarding only ``/v1/*`` and the health paths (normalized ``$uri``:
+    ``/v1/../add_worker`` is a 404), unbuffered; ``metrics_listen``: ``/metrics`` alone on a
+    port of its own. Runs unprivileged (temp files and pid in ``tmp``)."""
     up = f"http://127.0.0.1:{upstream_port}$uri$is_args$args"
     fwd = (f"proxy_pass {up}; proxy_http_version 1.1; proxy_set_header Connection \"\"; "
            "proxy_buffering off; proxy_request_buffering off; "
@@ -113,10 +79,8 @@ def proxy_conf(listen: str, upstream_port: int,
 
 
 def proxy_stop_command(conf: str, sleep_s: int = PRESTOP_S, tmp: str = "/tmp") -> list[str]:
-    """The proxy's preStop: wait while the Service drops the pod, then quit gracefully (every
-    proxied stream finishes; nginx's SIGTERM would be a fast shutdown that cuts them) and
-    return only when nginx has exited (its pid file, in ``tmp`` per :func:`proxy_conf`, is
-    gone)."""
+    """The proxy's preStop: wait, ``nginx -s quit`` (graceful; SIGTERM would cut streams),
+    return when nginx has exited (its pid file is gone)."""
     return ["/bin/sh", "-c", f"sleep {sleep_s}; nginx -c {conf} -s quit; "
             f"while [ -e {tmp}/nginx.pid ]; do sleep 1; done"]
 
@@ -134,17 +98,9 @@ def _restricted(uid: int) -> dict[str, Any]:
 
 def _pod_security(level: str, s: Any, c: dict[str, Any], spec: dict[str, Any],
                   vols: list[dict[str, Any]]) -> None:
-    """The server container's privileges and storage for K3_SCALE_POD_SECURITY (docs/scale.md).
-
-    privileged: the compose settings. hostPath checkpoint and caches (node-local, staged once
-    per node); IPC_LOCK (pinned host memory, RDMA registration: the only capability llm-d's AMD
-    decode manifest gives vLLM); SYS_PTRACE (compose has it; cross-process checks of debuggers
-    and profilers, and of IPC that asks for ptrace access between sibling workers: nothing
-    here can show ROCm runs without it); seccomp Unconfined (ROCm's Docker guide: memory
-    policy / NUMA mapping syscalls). baseline: none of these; the checkpoint from a
-    read-only PersistentVolumeClaim, the caches in an emptyDir. restricted: baseline as a
-    non-root user with every capability dropped, in the GPU device groups.
-    """
+    """The server container's privileges and storage for K3_SCALE_POD_SECURITY: privileged =
+    compose's (hostPaths, IPC_LOCK, SYS_PTRACE, seccomp Unconfined per ROCm's Docker guide);
+    baseline: a read-only claim + emptyDir caches; restricted: baseline, non-root."""
     if level == "privileged":
         c["securityContext"] = {"capabilities": {"add": ["SYS_PTRACE", "IPC_LOCK"]},
                                 "seccompProfile": {"type": "Unconfined"}}
@@ -198,11 +154,9 @@ def _server_pod(node: NodePlan, plan: Plan, settings: Settings, image: str, star
         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"},
                          {"name": "models", "mountPath": "/models", "readOnly": True},
                          {"name": "cache", "mountPath": "/cache"}],
-        # A 1.5 TB load and kernel compilation: give /health up to startup_s to answer.
         "startupProbe": _probe("/health", port, 10, 5, max(1, -(-startup_s // 10))),
         "readinessProbe": _probe("/health", port, 10, 5, 3),
         "livenessProbe": _probe("/health", port, 30, 10, 5),
-        # Out of the router's rotation before SIGTERM; then vLLM drains (--shutdown-timeout).
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_S)]}}},
     }
     c["args"] = list(node.command)
@@ -210,7 +164,6 @@ def _server_pod(node: NodePlan, plan: Plan, settings: Settings, image: str, star
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": SHM_SIZE}}]
     spec: dict[str, Any] = {
         "containers": [c], "volumes": vols,
-        # The servers call no Kubernetes API: no token in the pod.
         "automountServiceAccountToken": False,
         "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
             "nodeSelectorTerms": plan.scale.node_affinity_terms}}},
@@ -219,20 +172,13 @@ def _server_pod(node: NodePlan, plan: Plan, settings: Settings, image: str, star
     return spec
 
 
-def server_grace(node: NodePlan) -> int:
-    """A server pod's terminationGracePeriodSeconds: preStop, the whole drain, teardown."""
+def server_grace(node: NodePlan) -> int:  # preStop, the whole drain, teardown
     return PRESTOP_S + drain_timeout(node) + STOP_MARGIN_S
 
 
 def _meta(name: str, labels: dict[str, str], annotations: dict[str, str] | None = None
           ) -> dict[str, Any]:
     return {"name": name, "labels": labels, **({"annotations": annotations} if annotations else {})}
-
-
-def _annotations(node: NodePlan) -> dict[str, str]:
-    return {"k3rocm.org/note":
-            "replicas: the unchanged single-node server; manifests not validated on MI355X",
-            "k3rocm.org/argv": json.dumps(node.argv)}
 
 
 def _scrape(port: int) -> dict[str, str]:
@@ -275,7 +221,6 @@ def _scraper(s: Any) -> list[dict[str, Any]]:
 
 def _network_policy(name: str, pods: dict[str, str], ingress: list[dict[str, Any]]
                     ) -> dict[str, Any]:
-    """Ingress to ``pods`` only by these rules (egress is not restricted)."""
     return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
             "metadata": _meta(name, pods),
             "spec": {"podSelector": {"matchLabels": pods}, "policyTypes": ["Ingress"],
@@ -293,12 +238,10 @@ def _router(plan: Plan, server_port: int) -> list[dict[str, Any]]:
     labels = {LABEL_KEY: ROUTER}
     args = ["--host", "127.0.0.1", "--port", str(ROUTER_INTERNAL_PORT), *s.routing_flags,
             "--request-timeout-secs", str(ROUTER_REQUEST_TIMEOUT_S),
-            # Metrics on loopback too: the proxy serves them on a port of their own.
             "--prometheus-host", "127.0.0.1",
             "--prometheus-port", str(ROUTER_INTERNAL_METRICS_PORT),
             "--service-discovery", "--selector", f"{LABEL_KEY}={APP}",
             "--service-discovery-port", str(server_port),
-            # The Role below covers this namespace only: watch exactly it.
             "--service-discovery-namespace", "$(POD_NAMESPACE)"]
     router = {"name": "router", "image": router_image, "imagePullPolicy": "IfNotPresent",
               "args": args,
@@ -306,8 +249,7 @@ def _router(plan: Plan, server_port: int) -> list[dict[str, Any]]:
                   "fieldPath": "metadata.namespace"}}}],
               "resources": {"requests": ROUTER_REQUESTS},
               "securityContext": _restricted(ROUTER_UID),
-              # The router itself answers /liveness (a hung router is restarted, not nginx):
-              # it listens on 127.0.0.1 only, so the probe runs inside its container.
+              # /liveness of the router itself, from inside its container (loopback only)
               "livenessProbe": {"exec": {"command": [
                   ROUTER_PYTHON, "-c", "import urllib.request; urllib.request.urlopen("
                   f"'http://127.0.0.1:{ROUTER_INTERNAL_PORT}/liveness', timeout=4)"]},
@@ -323,20 +265,17 @@ def _router(plan: Plan, server_port: int) -> list[dict[str, Any]]:
                                "readOnly": True}],
              "resources": {"requests": PROXY_REQUESTS},
              "securityContext": _restricted(PROXY_UID),
-             # Ready = the router has a healthy worker (503 otherwise, 200 while one of N
-             # restarts); live = nginx accepts (the router has its own probe).
              "readinessProbe": _probe("/readiness", s.router_port, 10, 5, 3),
              "livenessProbe": {"tcpSocket": {"port": s.router_port}, "periodSeconds": 10,
                                "timeoutSeconds": 5, "failureThreshold": 3},
              "lifecycle": {"preStop": {"exec": {"command": proxy_stop_command(conf)}}}}
     pod = {"containers": [router, proxy], "serviceAccountName": ROUTER,
-           # The router's discovery reads pods through the API: it keeps its token.
            "automountServiceAccountToken": True,
            "securityContext": {"runAsNonRoot": True,
                                "seccompProfile": {"type": "RuntimeDefault"}},
-           # Streams may last the router's request timeout: SIGKILL only after that.
-           "terminationGracePeriodSeconds": router_grace(),
-           # Replicas on different nodes where possible (one node drain, one router).
+           # preStop, the longest request, margin
+           "terminationGracePeriodSeconds": (ROUTER_PRESTOP_S + ROUTER_REQUEST_TIMEOUT_S
+                                             + STOP_MARGIN_S),
            "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
                {"weight": 100, "podAffinityTerm": {"labelSelector": {"matchLabels": labels},
                                                    "topologyKey": "kubernetes.io/hostname"}}]}},
@@ -359,23 +298,15 @@ def _router(plan: Plan, server_port: int) -> list[dict[str, Any]]:
          "data": {"nginx.conf": proxy_conf(
              str(s.router_port), ROUTER_INTERNAL_PORT, metrics_listen=str(s.router_metrics_port),
              metrics_port=ROUTER_INTERNAL_METRICS_PORT)}},
-        # Router pods are cheap: a new one is ready before an old one stops.
         _deployment(ROUTER, labels, n, pod,
                     {"k3rocm.org/note": "router for the rendered servers; only the proxy's "
                      "data paths are reachable"}, _scrape(s.router_metrics_port), surge=1),
-        # One router always up through drains and evictions (with one replica a budget of
-        # one would block every node drain: none then).
+        # with one replica a budget would block every node drain
         *([_pdb(ROUTER, labels, minAvailable=1)] if n >= 2 else []),
-        # A stateful policy keeps its state per router: keep a client on one router.
         _service(ROUTER, labels, s.router_port,
                  **({} if s.router_policy in STATELESS_POLICIES or n == 1 else
                     {"sessionAffinity": "ClientIP"})),
     ]
-
-
-def router_grace() -> int:
-    """A router pod's terminationGracePeriodSeconds: preStop, the longest request, margin."""
-    return ROUTER_PRESTOP_S + ROUTER_REQUEST_TIMEOUT_S + STOP_MARGIN_S
 
 
 def render_k8s(plan: Plan, settings: Settings) -> list[dict[str, Any]]:
@@ -387,15 +318,15 @@ def render_k8s(plan: Plan, settings: Settings) -> list[dict[str, Any]]:
     port = int(node.env_overrides["K3_PORT"])
     labels = {LABEL_KEY: APP}
     pod = _server_pod(node, plan, settings, image, startup)
-    # maxSurge 0: one pod at a time in place, no spare 8-GPU node. A new pod exists only
-    # after the old one's grace period, then pulls and starts: `kubectl rollout status`
-    # must wait that long before it calls the rollout failed.
+    # maxSurge 0 (no spare 8-GPU node): a new pod waits for the old one's grace, pulls, starts
     deadline = server_grace(node) + PULL_ALLOWANCE_S + startup
     return [_network_policy(APP, labels, [
                 {"from": [{"podSelector": {"matchLabels": {LABEL_KEY: ROUTER}}},
                           *_scraper(s)], "ports": _tcp(port)}]),
             _deployment(APP, labels, len(plan.nodes), pod,
-                        {**_annotations(node), "k3rocm.org/pod-security": s.pod_security},
+                        {"k3rocm.org/note": "replicas: the unchanged single-node server; "
+                         "manifests not validated on MI355X", "k3rocm.org/argv":
+                         json.dumps(node.argv), "k3rocm.org/pod-security": s.pod_security},
                         _scrape(port), surge=0, progressDeadlineSeconds=deadline),
             _pdb(APP, labels, maxUnavailable=1),
             *_router(plan, port)]

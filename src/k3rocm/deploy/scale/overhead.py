@@ -1,15 +1,7 @@
-"""``make router-overhead``: what the router adds to a request, as a ratio to direct requests.
-
-One run, interleaved: request i goes straight to node ``i mod N``, then the same request goes
-through the router; repeated ``n`` times (after one warm-up per path). Per request, the client's
-wall time and the server's own end-to-end time (the delta of vLLM's
-``vllm:e2e_request_latency_seconds`` histogram sum over every node, read before and after the
-request, outside the timed window). Client minus server time is what the path adds (HTTP,
-proxying); the figures printed are per-path means, the router's added milliseconds, that as a
-fraction of a direct request's client time, and the ratio of the two paths' overheads. (The
-plain routed / direct client-time ratio is not a figure: the two paths may land on replicas of
-different speed, which the server-time subtraction takes out.)
-"""
+"""``make router-overhead``: request i goes straight to node ``i mod N``, then through the
+router, ``n`` times after a warm-up. Client time minus the server's own time (the delta of
+``vllm:e2e_request_latency_seconds_sum`` over every node) is what a path adds; reported: per-path
+means, the router's added ms and its fraction of a direct request."""
 
 from __future__ import annotations
 
@@ -26,7 +18,6 @@ def _e2e_sum(api: ServerAPI) -> float:
 
 def measure(router_url: str, node_urls: list[str], model: str, n: int = 24,
             max_tokens: int = 8, api_key: str | None = None) -> dict[str, Any]:
-    """Interleaved direct / routed requests; returns the figures (seconds and ratios)."""
     nodes = [ServerAPI(u, api_key, timeout=120) for u in node_urls]
     router = ServerAPI(router_url, api_key, timeout=120)
     body = {"model": model, "prompt": "The capital of France is", "max_tokens": max_tokens,
@@ -40,7 +31,7 @@ def measure(router_url: str, node_urls: list[str], model: str, n: int = 24,
             client = time.perf_counter() - t0
             r.raise_for_status()
             server = sum(_e2e_sum(node) for node in nodes) - before
-            if i > 0:  # the first round warms connections and caches
+            if i > 0:  # warm-up
                 samples[path].append((client, server))
     out: dict[str, Any] = {"requests_per_path": n, "max_tokens": max_tokens}
     for path, rows in samples.items():

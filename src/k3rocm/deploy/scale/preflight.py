@@ -1,11 +1,6 @@
-"""``k3rocm preflight`` (``make preflight``): the single-node table of
-:mod:`k3rocm.deploy.preflight`, ending with the checks of the mode K3_SCALE_MODE names.
-
-Single node: the API port. Scale-out (K3_SCALE_MODE=replicas): every node reachable, the same
-serving image on every node, the router port free, and with a kubeconfig the cluster nodes the
-rendered server pod's node selection matches, with their amd.com/gpu labels
-(:func:`k3rocm.deploy.scale.k8scheck.cluster_nodes`).
-"""
+"""``k3rocm preflight``: the single-node checks of :mod:`k3rocm.deploy.preflight`, ending with
+the API port (single) or, for replicas, every node reachable, one serving image, the router port
+free and the cluster nodes the server pod may use."""
 
 from __future__ import annotations
 
@@ -88,8 +83,6 @@ def kubernetes_nodes(s, environ, dotenv) -> Check:
 
 
 def run_checks(environ=None, dotenv: str = ".env") -> list[Check]:
-    """The single-node checks; their tail is the API port on a single node, the scale-out
-    checks on replicas."""
     environ = dict(os.environ if environ is None else environ)
     s = load_scale(environ, dotenv)  # bad input: exit 2 before any check runs
     if s.mode == "single":

@@ -1,10 +1,6 @@
-"""Per-node rendering of ``replicas``, on top of the one serving renderer.
-
-Every node's vLLM env and argv come from :func:`k3rocm.serving.config.render` (the function the
-image's entrypoint runs), given the node's K3_* environment plus the scale addition as passthrough
-arguments. Nothing here writes a second ``vllm serve`` command line by hand: the only scale
-addition is the drain flag (``--shutdown-timeout``) and the node's port.
-"""
+"""Per-node rendering of ``replicas``: every node's env and argv come from the one serving
+renderer (:func:`k3rocm.serving.config.render`); the only additions are the node's port and the
+drain flag (``--shutdown-timeout``)."""
 
 from __future__ import annotations
 
@@ -17,19 +13,13 @@ from k3rocm.deploy.scale.settings import ScaleSettings, load_scale
 from k3rocm.errors import UsageError
 from k3rocm.serving.config import load_settings, redact_env, render
 
-# A stopped server gets this long beyond its drain (--shutdown-timeout) before SIGKILL:
-# engine and worker teardown after the last request.
-STOP_MARGIN_S = 30
-# vllm-router --request-timeout-secs (its default too): the longest a request through the router
-# lasts. One value for the router flag, the Kubernetes proxy's timeouts, the router pods' grace
-# period and compose router-down's drain.
+STOP_MARGIN_S = 30  # teardown after the drain, before SIGKILL
+# vllm-router --request-timeout-secs (its default): router flag, proxy timeouts, router grace
 ROUTER_REQUEST_TIMEOUT_S = 1800
 
 
 @dataclass
 class NodePlan:
-    """What one node runs: the compose inputs (env_overrides + command) and the result."""
-
     index: int
     address: str  # host:port of the node's API server (from K3_SCALE_NODES)
     env_overrides: dict[str, str]  # K3_* variables set on this node
@@ -59,9 +49,7 @@ def router_argv(s: ScaleSettings) -> list[str]:
     """vllm-router 0.1.17 arguments from the scale settings."""
     argv = ["vllm-router", "--host", s.router_host, "--port", str(s.router_port),
             *s.routing_flags,
-            # Explicit (vllm-router's default too): router-down waits this long to drain.
             "--request-timeout-secs", str(ROUTER_REQUEST_TIMEOUT_S),
-            # Explicit: two routers on one host network must not share the default 29000.
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(s.router_metrics_port)]
     return [*argv, "--worker-urls", *s.worker_urls]
 
@@ -70,7 +58,6 @@ def plan(environ: Mapping[str, str] | None = None, dotenv: str | os.PathLike | N
          scale: ScaleSettings | None = None) -> Plan:
     """Validate the serving and scale settings and render every node (no Docker, no network)."""
     environ = dict(os.environ if environ is None else environ)
-    # The checkpoint lives on every node, not necessarily here: `make preflight` checks it.
     settings, _ = load_settings(environ, dotenv, host_paths=True, check_model=False)
     s = scale or load_scale(environ, dotenv)
     if s.mode == "single":
@@ -79,7 +66,6 @@ def plan(environ: Mapping[str, str] | None = None, dotenv: str | os.PathLike | N
     nodes: list[NodePlan] = []
     for i, address in enumerate(s.nodes):
         overrides = {"K3_PORT": str(s.node_port(i))}
-        # Drain on stop: vLLM's default (0) aborts every in-flight request at SIGTERM.
         command = ["--shutdown-timeout", str(s.drain_timeout)]
         rendered = render({**environ, **overrides}, dotenv, passthrough=command, host_paths=True,
                           check_model=False)
@@ -89,7 +75,7 @@ def plan(environ: Mapping[str, str] | None = None, dotenv: str | os.PathLike | N
 
 
 def drain_timeout(node: NodePlan) -> int:
-    """The node's --shutdown-timeout (seconds in-flight requests may finish after SIGTERM)."""
+    """The node's --shutdown-timeout."""
     return int(node.command[node.command.index("--shutdown-timeout") + 1])
 
 
@@ -97,7 +83,6 @@ def compose_override(node: NodePlan) -> dict[str, Any]:
     """A compose override for one node: `docker compose -f compose.yaml -f <this> up -d`."""
     svc: dict[str, Any] = {"environment": [f"{k}={v}" for k, v in node.env_overrides.items()],
                            "command": list(node.command),
-                           # `docker compose stop/down` waits this long before SIGKILL.
                            "stop_grace_period": f"{drain_timeout(node) + STOP_MARGIN_S}s"}
     return {"x-k3rocm": {"note": "replica: the unchanged server", "address": node.address,
                          "argv": node.argv},

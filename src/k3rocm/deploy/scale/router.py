@@ -1,22 +1,7 @@
-"""Start and stop vLLM's router (vllm-router 0.1.17, image from docker/router) with docker-py.
-
-The router runs on the host network (it reaches the nodes' API addresses as given in
-K3_SCALE_NODES and listens on K3_SCALE_ROUTER_HOST:K3_SCALE_ROUTER_PORT); its argv is
-:func:`k3rocm.deploy.scale.render.router_argv` of the same settings.
-
-More than one router on a host: instance N (:func:`instance`, ``make router-up ROUTER=N``) is
-the container ``k3rocm-router-N`` on K3_SCALE_ROUTER_PORT + N - 1 with its metrics on
-K3_SCALE_ROUTER_METRICS_PORT + N - 1; instance 1 is today's ``k3rocm-router``. The routers
-share nothing: with a stateless policy (round_robin, random, power_of_two) any of them serves
-any request.
-
-Stopping drains: vllm-router 0.1.17 runs its HTTP server with axum's graceful shutdown on
-SIGTERM (``src/server.rs`` of the 0.1.17 sdist, ``serve(..).with_graceful_shutdown(
-shutdown_signal())``): it stops accepting connections and returns once every open connection
-has finished, with no time limit of its own; a request is bounded by the router's
-``--request-timeout-secs``. So :func:`stop_router` is ``docker stop`` (SIGTERM, SIGKILL after
-the timeout) with that request timeout (plus a margin) as the default, printing progress.
-"""
+"""Start and stop vllm-router 0.1.17 (docker/router) on the host network with docker-py; its
+argv is :func:`k3rocm.deploy.scale.render.router_argv`. Instance N is ``k3rocm-router-N`` on
+port + N - 1. Stopping drains: on SIGTERM vllm-router stops accepting and returns when its open
+requests finish (axum graceful shutdown, src/server.rs of the 0.1.17 sdist)."""
 
 from __future__ import annotations
 
@@ -31,8 +16,6 @@ from k3rocm.errors import ServerError, UsageError, tagged_log
 DEFAULT_NAME = "k3rocm-router"
 LABEL = "org.k3rocm.router"
 MAX_INSTANCES = 16
-# `make router-down` waits this long for the streams in flight before SIGKILL: the router's
-# request timeout (no request lives longer) plus the margin a stopped server gets too.
 STOP_TIMEOUT_S = ROUTER_REQUEST_TIMEOUT_S + STOP_MARGIN_S
 PROGRESS_EVERY_S = 10.0
 
@@ -41,8 +24,7 @@ _log = tagged_log("router")
 
 
 def instance(s: ScaleSettings, n: int) -> tuple[str, ScaleSettings]:
-    """Router instance ``n`` (1-based) on this host: its container name and its settings (data
-    port K3_SCALE_ROUTER_PORT + n - 1, metrics port K3_SCALE_ROUTER_METRICS_PORT + n - 1)."""
+    """Router instance ``n`` (1-based): its container name and settings (ports + n - 1)."""
     if not 1 <= n <= MAX_INSTANCES:
         raise UsageError(f"router instance {n} is out of range: use 1..{MAX_INSTANCES} "
                          "(e.g. `make router-up ROUTER=2`)")
@@ -103,9 +85,7 @@ def start_router(client, s: ScaleSettings, name: str = DEFAULT_NAME,
 
 
 def running_requests(metrics_url: str | None) -> int | None:
-    """Requests the router counts in flight (``vllm_router_running_requests``, summed over
-    workers), or None: no metrics answer, or a policy that does not track load (round_robin,
-    random)."""
+    """``vllm_router_running_requests`` summed, or None (no answer; round_robin/random)."""
     if not metrics_url:
         return None
     import requests
@@ -121,12 +101,8 @@ def running_requests(metrics_url: str | None) -> int | None:
 
 def stop_router(client, name: str = DEFAULT_NAME, timeout: float = STOP_TIMEOUT_S,
                 metrics_url: str | None = None, every: float = PROGRESS_EVERY_S) -> bool:
-    """Drain and remove the router container; False when there is none.
-
-    ``docker stop`` with ``timeout``: SIGTERM, on which vllm-router stops accepting
-    connections and finishes the requests in flight (see the module docstring), then SIGKILL
-    if any is still open after ``timeout`` seconds. Progress (seconds, the router's count of
-    requests in flight when ``metrics_url`` serves it) every ``every`` seconds."""
+    """Drain (``docker stop``: SIGTERM, SIGKILL after ``timeout``) and remove the router
+    container, logging progress every ``every`` s; False when there is none."""
     import docker
 
     try:

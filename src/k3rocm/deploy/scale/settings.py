@@ -1,17 +1,5 @@
-"""The ``scale`` settings section: K3_SCALE_* variables, read like every other setting.
-
-Same sources and precedence as :mod:`k3rocm.serving.config` (process environment over ``.env``, one
-``.env`` parser: :func:`k3rocm.serving.config.read_dotenv`), same one-line errors (exit 2).
-
-Modes:
-
-* ``single`` (default): one node, today's server; nothing here is used.
-* ``replicas``: N independent copies of today's server (same image, env, TP, MTP), one per
-  node, behind vLLM's router (``vllm-router``). ``K3_SCALE_NODES`` lists their API addresses.
-
-Not offered (:data:`REMOVED_MODES`): prefill/decode disaggregation and the data-parallel +
-expert-parallel rendering; docs/scale.md says why.
-"""
+"""The K3_SCALE_* settings (``single`` or ``replicas``), read like every setting: environment
+over ``.env`` (:func:`k3rocm.serving.config.read_dotenv`), one-line errors (exit 2)."""
 
 from __future__ import annotations
 
@@ -33,8 +21,7 @@ ROUTER_POLICIES = ("random", "round_robin", "cache_aware", "kv_aware", "power_of
                    "consistent_hash", "sticky_least_loaded")
 ENGINE_READY_ENV = "VLLM_ENGINE_READY_TIMEOUT_S"
 ENGINE_READY_DEFAULT = 600  # vLLM's default (vllm/envs.py)
-# An image a cluster node can pull, pinned: registry host (with a dot or a port, or localhost),
-# repository path, optional tag, and a sha256 digest.
+# registry host (a dot or a port, or localhost)/repo[:tag]@sha256:<digest>
 IMAGE_REF = re.compile(r"^(?:[a-z0-9-]+(?:\.[a-z0-9-]+)+(?::\d+)?|[a-z0-9-]+:\d+|localhost)"
                        r"/[a-z0-9._/-]+(?::[\w.-]+)?@sha256:[0-9a-f]{64}$")
 # Kubernetes label key (optional DNS-subdomain prefix + "/" + name) and label value.
@@ -42,9 +29,7 @@ _LABEL_NAME = r"[A-Za-z0-9](?:[-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
 _LABEL_KEY = re.compile(rf"^(?:[a-z0-9](?:[-a-z0-9.]{{0,251}}[a-z0-9])?/)?{_LABEL_NAME}$")
 _LABEL_VALUE = re.compile(rf"^(?:{_LABEL_NAME})?$")
 _DNS_LABEL = re.compile(r"^[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?$")
-# The MI355X nodes as AMD's node labeller (ROCm/k8s-device-plugin, cmd/k8s-node-labeller) labels
-# them: the PCI device id without "0x" (`-device-id`, on in both its DaemonSet and Helm chart),
-# or the sysfs product name with spaces as "_" (`-product-name`, not in the Helm chart's args).
+# AMD's node labeller (ROCm/k8s-device-plugin cmd/k8s-node-labeller): -device-id, -product-name
 MI355X_NODES = ("amd.com/gpu.device-id=75a3;"
                 "amd.com/gpu.product-name=AMD_Instinct_MI355X|AMD_Instinct_MI355X_OAM")
 POD_SECURITY = ("privileged", "baseline", "restricted")
@@ -53,8 +38,7 @@ _HOSTPORT = re.compile(r"^(?:\[[0-9A-Fa-f:]+\]|[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za
 
 
 class ScaleSettings(BaseModel):
-    """Every K3_SCALE_* setting: K3_SCALE_ + the field name in capitals. What each one means is
-    the table in docs/scale.md (same order)."""
+    """K3_SCALE_ + the field name in capitals; docs/scale.md's table (same order)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -108,9 +92,8 @@ class ScaleSettings(BaseModel):
 
     @property
     def node_affinity_terms(self) -> list[dict[str, Any]]:
-        """``nodeSelectorTerms`` of a required node affinity: ``;`` separates terms (a node
-        matching any one is chosen), ``,`` the requirements of a term (all must hold), ``|``
-        the values a label may have."""
+        """``nodeSelectorTerms``: ``;`` between terms (any), ``,`` within one (all), ``|``
+        between values."""
         return [{"matchExpressions": [
             {"key": k.strip(), "operator": "In", "values": v.split("|")}
             for k, v in (p.split("=", 1) for p in term.split(","))]}
@@ -147,7 +130,6 @@ class ScaleSettings(BaseModel):
                              "paths through the proxy (docs/scale.md)")
         return v
 
-    # Derived views -----------------------------------------------------------------------
     @property
     def worker_urls(self) -> list[str]:
         return [f"http://{n}" for n in self.nodes]
@@ -159,7 +141,6 @@ class ScaleSettings(BaseModel):
 
     @property
     def routing_flags(self) -> list[str]:
-        """vllm-router 0.1.17's policy and worker-health flags (host and Kubernetes)."""
         return ["--policy", self.router_policy,
                 "--worker-startup-timeout-secs", str(self.router_startup_timeout),
                 "--health-check-interval-secs", str(self.health_interval),
@@ -172,10 +153,8 @@ class ScaleSettings(BaseModel):
         return int(self.nodes[i].rsplit(":", 1)[1])
 
 
-SCALE_FIELDS = ScaleSettings.model_fields
-SCALE_ENV = {n: SCALE_PREFIX + n.upper() for n in SCALE_FIELDS}
+SCALE_ENV = {n: SCALE_PREFIX + n.upper() for n in ScaleSettings.model_fields}
 SCALE_FIELD_BY_ENV = {e: n for n, e in SCALE_ENV.items()}
-# K3_SCALE_MODE values once offered, and why they are not (docs/scale.md).
 REMOVED_MODES = {
     "pd": "prefill/decode disaggregation was never proven to start",
     "dp-ep": "the data-parallel + expert-parallel rendering was removed (never validated on "
@@ -185,10 +164,7 @@ REMOVED_MODES = {
 
 def load_scale(environ: Mapping[str, str] | None = None,
                dotenv: str | os.PathLike | None = ".env") -> ScaleSettings:
-    """Build ScaleSettings from the environment and ``.env`` (the environment wins).
-
-    Raises UsageError (one line) on any invalid value.
-    """
+    """ScaleSettings from the environment over ``.env``; UsageError (one line) if invalid."""
     environ = dict(os.environ if environ is None else environ)
     file_vals = read_dotenv(dotenv) if dotenv else {}
     merged: dict[str, tuple[str, str]] = {}
@@ -216,26 +192,19 @@ def load_scale(environ: Mapping[str, str] | None = None,
     except ValueError:
         raise UsageError(f"{ENGINE_READY_ENV}={raw_ready!r} is not valid: use seconds "
                          "(an integer)") from None
-    _check(s, ready)
-    return s
-
-
-def _check(s: ScaleSettings, engine_ready: int) -> None:
-    if s.router_startup_timeout < engine_ready:
+    if s.router_startup_timeout < ready:
         raise UsageError(
             f"K3_SCALE_ROUTER_STARTUP_TIMEOUT={s.router_startup_timeout} is shorter than "
-            f"{ENGINE_READY_ENV}={engine_ready}: the router would give up on a node that is "
+            f"{ENGINE_READY_ENV}={ready}: the router would give up on a node that is "
             "still loading; raise it to at least that")
-    if s.mode == "single":
-        return
-    if len(s.nodes) < 2:
+    if s.mode != "single" and len(s.nodes) < 2:
         raise UsageError(f"K3_SCALE_MODE={s.mode} needs K3_SCALE_NODES with at least 2 "
                          f"host:port entries (got {len(s.nodes)}); e.g. "
                          "K3_SCALE_NODES=node1:8000,node2:8000")
+    return s
 
 
 def check_image_ref(setting: str, ref: str) -> str:
-    """A pullable, pinned image reference (Kubernetes nodes cannot see a local tag)."""
     if not IMAGE_REF.match(ref or ""):
         raise UsageError(f"{setting}={ref!r} is not an image a cluster can pull: give "
                          "registry/repo@sha256:<digest> (push it first, e.g. `docker push "

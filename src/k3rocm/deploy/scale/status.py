@@ -1,15 +1,7 @@
-"""``make status``: one line per replica and the router's view of them.
-
-Per replica: /health, the served model(s), the prefix-cache hit rate since the server started
-(vLLM's ``vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total`` counters, in tokens;
-vllm/v1/metrics/loggers.py of vLLM 0.27-0.32), the overlay's fusion decisions (the
-``K3ROCM-DECISION {json}`` lines of the server log, see docs/overlay.md) and the image id,
-the last two only where the replica's container is local (found by its published port, the
-same lookup the bench provenance uses). The router: its /health answers 200 when every worker
-is healthy and 503 as soon as one is not (while it keeps serving the healthy ones). The summary
-is ``ok, N of N`` only when the router and every replica are; else ``degraded, k of N`` or
-``down, 0 of N``.
-"""
+"""``make status``: per replica /health, served model, prefix-cache hit rate
+(``vllm:prefix_cache_hits_total / _queries_total``), and for a local container its image and
+K3ROCM-DECISION fusions; the router's /health (503 as soon as one worker is down). Summary
+``ok, N of N``, ``degraded, k of N`` or ``down, 0 of N``."""
 
 from __future__ import annotations
 
@@ -53,14 +45,12 @@ class RouterStatus:
 
 
 def prefix_cache_hit_rate(metrics_text: str) -> float | None:
-    """Hits / queries over every engine of one server, from its Prometheus text."""
     queries = metric_sum(metrics_text, "vllm:prefix_cache_queries_total")
     hits = metric_sum(metrics_text, "vllm:prefix_cache_hits_total") or 0.0
     return hits / queries if queries else None
 
 
 def _health(api: ServerAPI) -> str:
-    """ok | http <code> | unreachable (<error>)"""
     try:
         code = api.health()
     except Unreachable as exc:
@@ -69,8 +59,7 @@ def _health(api: ServerAPI) -> str:
 
 
 def summarize_decisions(records: dict[tuple[Any, Any], dict[str, Any]]) -> str:
-    """e.g. ``target: qk_norm=on decode_qprep=off`` (one state per fusion and layer kind;
-    ``mixed`` when processes disagree)."""
+    """e.g. ``target: qk_norm=on decode_qprep=off`` (``mixed`` when processes disagree)."""
     if not records:
         return ("no K3ROCM-DECISION records (neither the overlay nor the upstream hook wrote "
                 "any in this server)")
@@ -84,7 +73,6 @@ def summarize_decisions(records: dict[tuple[Any, Any], dict[str, Any]]) -> str:
 
 
 def replica_status(address: str, client=None, api_key: str | None = None) -> ReplicaStatus:
-    """One replica; ``api_key``: the deployment's K3_API_KEY (vLLM guards /v1/models)."""
     url = f"http://{address}"
     api = ServerAPI(url, api_key, timeout=HTTP_TIMEOUT)
     st = ReplicaStatus(address=address, url=url, health=_health(api))
@@ -117,7 +105,6 @@ def router_status(s: ScaleSettings, replicas: list[ReplicaStatus]) -> RouterStat
 
 def scale_status(s: ScaleSettings, client=None,
                  api_key: str | None = None) -> tuple[list[ReplicaStatus], RouterStatus]:
-    """Every replica and the router; ``api_key`` default: the deployment's K3_API_KEY."""
     if api_key is None:
         from k3rocm.deploy.deployment import load_deployment
 
