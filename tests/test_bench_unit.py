@@ -97,12 +97,12 @@ def test_overrides_cli_beats_env_beats_file():
 
 @pytest.mark.parametrize("args,env,needle", [
     (["--workload", "nope"], {}, "unknown workload 'nope'"),
-    (["--set", "isl=0"], {}, "isl='0': must be >= 1"),
+    (["--set", "isl=0"], {}, "isl='0': Input should be greater than or equal to 1"),
     (["--set", "concurrency=1,2"], {}, "one request_count per concurrency"),
     (["--set", "bogus=1"], {}, "--set 'bogus=1'"),
     (["--set", "url=localhost"], {}, "url='localhost'"),
     ([], {"BENCH_TYPO": "1"}, "unknown environment variable BENCH_TYPO"),
-    ([], {"BENCH_STREAMING": "maybe"}, "streaming='maybe' is not a boolean"),
+    ([], {"BENCH_STREAMING": "maybe"}, "streaming='maybe': Input should be a valid boolean"),
 ])
 def test_bad_input_is_one_line_exit_2(args, env, needle):
     p = _bench(*args, "--dry-run", env=env)
