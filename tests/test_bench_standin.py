@@ -196,13 +196,14 @@ def test_bunched_stream_interrupt_and_stopped_server(docker_client, client_image
     """One server with `--stream-interval 8`, two runs of two points: the first point is marked
     "stream bunched"; Ctrl-C during the second point exits 130 and keeps the first; the server
     stopped during the second point gives one line, exit 1. "During": once the first point's
-    summary exists the engine is held, and the signal comes once a request of point 2 is held."""
+    summary exists the engine is held, and the signal comes once a request of point 2 is held.
+    Point 2 has 100 requests: it cannot finish before the hold is set."""
     srv = start_server(docker_client, name=f"k3bench-test-fail-{os.getpid()}", hold=True,
                        env={"K3_EXTRA_ARGS": "--stream-interval 8"})
     base = [sys.executable, "-m", "k3rocm", "bench", "--workload", "ci-tiny", "--quiet",
             "--url", srv.base_url, "--model", srv.model, "--tokenizer", str(srv.tokenizer_path),
             "--set", "concurrency=1,2", "--set", "request_count=2,100",
-            "--set", "warmup_request_count=0"]
+            "--set", "warmup_request_count=1"]  # without a warmup aiperf writes no phase manifest
 
     def start(results: Path) -> tuple[subprocess.Popen, Path]:
         # SIG_DFL in the child: pytest started in the background inherits SIGINT ignored
@@ -218,10 +219,10 @@ def test_bunched_stream_interrupt_and_stopped_server(docker_client, client_image
     try:
         # 1) Ctrl-C during the second point: exit 130, the first point kept, ok and bunched.
         proc, run1 = start(tmp_path / "interrupt")
-        with srv.hold() as wait_held:
+        with srv.hold() as wait_held:  # held until aiperf is gone: it finishes a point on SIGINT
             wait_held(proc)  # a request of point 2 is in the engine and cannot finish
             proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=180)
+            out, err = proc.communicate(timeout=180)
         assert proc.returncode == 130, err[-3000:]
         assert "Traceback" not in err
         assert err.strip().splitlines()[-1].startswith(
