@@ -40,7 +40,7 @@ from k3rocm.serving.config import REDACTED
 
 
 class BenchFlags(Options):
-    """The bench flags that ``ab --measure bench`` shares."""
+    """The flags ``ab --measure bench`` shares."""
 
     workload: str | None = option(
         default_factory=lambda: os.environ.get("BENCH_WORKLOAD") or None, aliases=("-w",),
@@ -88,9 +88,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def resolve_from_args(args: argparse.Namespace, dep=None):
-    """(workload, deployment): the workload from the flags and the deployment (``dep``:
-    bench-ab's arm deployment; else this command's, loaded here); fills ``args.results``
-    (default: the deployment's results root)."""
+    """(workload, deployment) from the flags (``dep``: an A/B arm's deployment, else this
+    command's); fills ``args.results`` (default: the deployment's results root)."""
     dep = dep or load_deployment()
     sets = parse_sets(args.sets)
     sets.update({k: getattr(args, k) for k in ("url", "model", "tokenizer")
@@ -125,8 +124,7 @@ def run(args: argparse.Namespace) -> int:
                   file=sys.stderr)
         return 0
     bench_run.check_tokenizer(w.tokenizer)  # bad input first, before touching Docker
-    container = None
-    client = bench_run.docker_client()
+    container, client = None, bench_run.docker_client()
     if args.server_container:
         try:
             container = client.containers.get(args.server_container)
@@ -137,6 +135,6 @@ def run(args: argparse.Namespace) -> int:
                               server_timeout=args.server_timeout, label=args.label,
                               progress=not args.quiet, tp=args.tp, server_container=container,
                               docker=client, deployment=dep)
-    stream = sys.stdout if res.exit_code == 0 else sys.stderr
-    print(("" if res.exit_code == 0 else "k3rocm: error: ") + res.message, file=stream)
+    ok = res.exit_code == 0
+    print(("" if ok else "k3rocm: error: ") + res.message, file=sys.stdout if ok else sys.stderr)
     return res.exit_code

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -21,8 +22,6 @@ def _pyplot():
 
 
 def _save(fig, path: Path) -> Path:
-    import io
-
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
     write_bytes_atomic(path, buf.getvalue())
@@ -30,41 +29,36 @@ def _save(fig, path: Path) -> Path:
 
 
 def write_plots(points: Sequence[dict], out_dir: Path, title: str) -> list[Path]:
-    """latency_vs_concurrency.png and throughput_vs_interactivity.png; failed points are marked.
-    Returns the files written ([] when matplotlib is missing)."""
-    plt = _pyplot()
-    if plt is None:
+    """latency_vs_concurrency.png and throughput_vs_interactivity.png (failed points marked);
+    [] when matplotlib is missing."""
+    if (plt := _pyplot()) is None:
         return []
-    written = []
     ok = [p for p in points if p["status"] == "ok" and p.get("metrics")]
     failed = [p for p in points if p["status"] != "ok"]
-
     all_c = sorted({p["concurrency"] for p in points})
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     for ax, key in zip(axes, ("ttft", "itl", "e2el"), strict=True):
         _, label, unit = LATENCY_METRICS[key]
         xs = [p["concurrency"] for p in ok if key in p["metrics"]]
         for stat, style in (("p50", "o-"), ("p90", "s--"), ("p99", "^:")):
-            ys = [p["metrics"][key][stat] for p in ok if key in p["metrics"]]
-            ax.plot(xs, ys, style, label=stat)
+            ax.plot(xs, [p["metrics"][key][stat] for p in ok if key in p["metrics"]], style,
+                    label=stat)
         for p in failed:
             ax.axvline(p["concurrency"], color="red", alpha=0.4, linestyle="--")
-        ax.set_xlabel("concurrency")
-        ax.set_ylabel(f"{label} ({unit})")
-        ax.set_title(label)
+        ax.set(xlabel="concurrency", ylabel=f"{label} ({unit})", title=label)
         if xs and max(xs) / max(min(xs), 1) >= 8:
             ax.set_xscale("log", base=2)
         ax.set_xticks(all_c, [str(c) for c in all_c])
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(f"{title}: latency vs concurrency" + (" (red: failed points)" if failed else ""))
-    written.append(_save(fig, out_dir / "latency_vs_concurrency.png"))
+    written = [_save(fig, out_dir / "latency_vs_concurrency.png")]
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6, 4.2))
-    pts = [(p["metrics"].get("tps_user", {}).get("p50"), p.get("output_tps"), p["concurrency"])
-           for p in ok]
-    pts = [t for t in pts if t[0] is not None and t[1] is not None]
+    pts = [(x, y, p["concurrency"]) for p in ok
+           if (x := p["metrics"].get("tps_user", {}).get("p50")) is not None
+           and (y := p.get("output_tps")) is not None]
     if pts:
         ax.plot([t[0] for t in pts], [t[1] for t in pts], "o-")
         for x, y, c in pts:
@@ -72,9 +66,9 @@ def write_plots(points: Sequence[dict], out_dir: Path, title: str) -> list[Path]
     else:
         ax.text(0.5, 0.5, "no successful point", ha="center", va="center",
                 transform=ax.transAxes)
-    ax.set_xlabel("interactivity: output tokens/s per user (p50)")
-    ax.set_ylabel("throughput: output tokens/s (all users)")
-    ax.set_title(f"{title}: throughput vs interactivity")
+    ax.set(xlabel="interactivity: output tokens/s per user (p50)",
+           ylabel="throughput: output tokens/s (all users)",
+           title=f"{title}: throughput vs interactivity")
     ax.grid(alpha=0.3)
     written.append(_save(fig, out_dir / "throughput_vs_interactivity.png"))
     plt.close(fig)

@@ -1,13 +1,7 @@
-"""One bench run: validate, check the server, run aiperf in the client container, write the run
-directory (raw artifacts, summary.json, perf.csv, report.md, PNG plots, provenance.json).
-
-aiperf runs in the client container through :func:`k3rocm.deploy.engine.run_client` (the one
-client-container runner). The container uses the host network (so ``http://127.0.0.1:<port>``
-reaches the server), mounts the run directory and the tokenizer directory at their host paths
-(so the printed command is the one that ran), and runs as the calling user so results are not
-root-owned. HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE are deliberately NOT set: aiperf 0.13.0 fails
-to load a local tokenizer directory when either is set to anything (HFValidationError, even
-with 0).
+"""One bench run: check the server, run aiperf in the client container (host network, run dir
+and tokenizer mounted at their host paths, as the calling user), write the run directory
+(artifacts, summary.json, perf.csv, report.md, PNG plots, provenance.json). HF_HUB_OFFLINE /
+TRANSFORMERS_OFFLINE stay unset: aiperf 0.13.0 cannot load a local tokenizer with either set.
 """
 
 from __future__ import annotations
@@ -25,22 +19,18 @@ from k3rocm.deploy import runrecord
 from k3rocm.deploy.engine import docker_client, image_id, run_client
 from k3rocm.deploy.provenance import served_as
 from k3rocm.deploy.server_api import wait_ready
-from k3rocm.errors import EXIT_CHECK_FAILED as EXIT_FAILED
-from k3rocm.errors import EXIT_INTERRUPTED, EXIT_OK, UsageError, tagged_log
+from k3rocm.errors import EXIT_CHECK_FAILED, EXIT_INTERRUPTED, EXIT_OK, UsageError, tagged_log
 from k3rocm.rundir import create_run_dir, write_json_atomic, write_text_atomic
 from k3rocm.serving.config import redact_argv
 
 AIPERF_VERSION = "0.13.0"
 LABEL = "k3rocm.bench"
-# Mounting below these would shadow what the client image needs; elsewhere (also below /tmp,
-# /root, /var, /run) a host path is mounted at the same path.
+# A host path is mounted at the same path in the client unless it would shadow these.
 _SYSTEM_PREFIXES = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/opt/clients",
                     "/proc", "/sbin", "/sys", "/usr")
 _SYSTEM_DIRS = ("/", "/tmp", "/root", "/run", "/var", "/opt", "/home", "/mnt")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tiktoken.model",
                     "tokenizer.model", "vocab.json")
-
-
 _log = tagged_log("bench")
 
 
@@ -59,8 +49,7 @@ def check_tokenizer(path: str) -> Path:
 
 
 def container_path(host: str | os.PathLike) -> str:
-    """Where a host path is mounted in the client: the same path, unless it would shadow a
-    system directory of the image."""
+    """Where a host path is mounted in the client."""
     p = str(Path(host).resolve())
     if p in _SYSTEM_DIRS or any(p == s or p.startswith(s + "/") for s in _SYSTEM_PREFIXES):
         return "/mnt/k3bench" + p
@@ -93,22 +82,18 @@ def run_bench(w: Workload, *, results: Path, client_image: str, server_timeout: 
               label: str | None = None, progress: bool = True, tp: Any = None,
               server_container=None, docker=None, extra_provenance: dict | None = None,
               run_dir: Path | None = None, deployment: Any = None) -> BenchResult:
-    """Run one workload against an already running server; always writes a complete run dir.
-    ``deployment``: what the command resolved (bench-ab: the arm's), for the run record."""
+    """Run one workload against a running server; always writes a complete run dir."""
     tok = check_tokenizer(w.tokenizer)
     client = docker or docker_client()
     client_id = image_id(client, client_image)
     wait_ready(w.url, w.model, server_timeout, api_key=w.api_key)
-    if run_dir is None:
-        run_dir = create_run_dir(results, label or w.name)
+    run_dir = run_dir or create_run_dir(results, label or w.name)
     _log(f"run directory {run_dir}")
     argv = planned_command(w, run_dir)
-    # What the run record keeps: the exact command, the API key redacted (one rule).
     shown = redact_argv(argv, [w.api_key])
     cmd_line = shell_line(shown)
     write_text_atomic(run_dir / "command.txt", cmd_line + "\n")
     write_json_atomic(run_dir / "workload.json", w.model_dump(mode="json"))
-
     aiperf_version = client_aiperf_version(client, client_image)
     prov = runrecord.build(
         deployment=deployment, url=w.url, measure="bench", workload=w.name,
@@ -116,20 +101,19 @@ def run_bench(w: Workload, *, results: Path, client_image: str, server_timeout: 
         tools={"aiperf": aiperf_version, "client_image": client_image,
                "client_image_id": client_id},
         client={"image": client_image, "image_id": client_id, "aiperf_version": aiperf_version,
-                "aiperf_pinned": AIPERF_VERSION, "command": shown,
-                "command_line": cmd_line,
+                "aiperf_pinned": AIPERF_VERSION, "command": shown, "command_line": cmd_line,
                 "env_note": "HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE deliberately unset"},
         **(extra_provenance or {}))
     runrecord.write(run_dir, prov)
 
-    mounts = {str(run_dir): (container_path(run_dir), "rw"),
-              str(tok): (container_path(tok), "ro")}
-    name = f"k3bench-aiperf-{run_dir.name}".replace(":", "")[:120]
     _log(f"aiperf: {cmd_line}")
     t0 = time.time()
-    res = run_client(client, client_image, argv, mounts, run_dir / "aiperf.log", name,
-                     progress=progress, labels={LABEL: "client"}, tool="aiperf",
-                     tag="bench")
+    res = run_client(client, client_image, argv,
+                     {str(run_dir): (container_path(run_dir), "rw"),
+                      str(tok): (container_path(tok), "ro")},
+                     run_dir / "aiperf.log",
+                     f"k3bench-aiperf-{run_dir.name}".replace(":", "")[:120],
+                     progress=progress, labels={LABEL: "client"}, tool="aiperf", tag="bench")
     server, served = prov["server"], served_as(prov["server"])
     points = summary.summarize(run_dir / "aiperf", w.points(), *summary.tokens_per_step(server),
                                expect={"isl": w.isl, "osl": w.osl,
@@ -162,27 +146,27 @@ def run_bench(w: Workload, *, results: Path, client_image: str, server_timeout: 
         "prefix_caching": {"workload": w.prefix_caching, "server": caching,
                            "server_from": caching_from, "note": caching_note},
         "served_config": (server or {}).get("served_config"),
-        "server_settings_from": served.source,
-    }
+        "server_settings_from": served.source}
     write_json_atomic(run_dir / "summary.json", doc)
     write_text_atomic(run_dir / "perf.csv", summary.perf_csv(
         points, model=w.model, benchmark=w.name, tp=served.tp if tp is None else tp, inp=w.isl,
         out=w.osl, cmd=cmd_line))
     want = "any" if w.prefix_caching is None else _onoff(w.prefix_caching)
-    report = summary.markdown_report(points, f"{w.name} ({status})", [
-        f"workload `{w.name}`: {w.description}",
-        f"ISL {w.isl} (stddev {w.isl_stddev}), OSL {w.osl} (stddev {w.osl_stddev}), shared prefix "
-        f"{w.shared_prefix_tokens} tokens, extra inputs {', '.join(w.extra_inputs) or 'none'}",
-        f"{w.warmup_request_count} warmup requests per point; sweep {w.sweep_type} over "
-        f"concurrency {list(w.concurrency)} with request counts {list(w.request_count)}; "
-        f"seed {w.random_seed}; endpoint {w.endpoint_type}, streaming {w.streaming}, server "
-        f"token counts {w.use_server_token_count}",
-        f"command: `{cmd_line}`", f"server: {_server_line(server)}",
-        f"prefix caching: workload {want}, server {_onoff(caching)} ({caching_from})"
-        + (f" - **{caching_note}**" if caching_note else ""),
-        f"graphs: {graphs_line(server)}",
-        f"upstream figures: {prov['upstream_comparison']['text']}"])
-    write_text_atomic(run_dir / "report.md", report)
+    write_text_atomic(run_dir / "report.md", summary.markdown_report(
+        points, f"{w.name} ({status})", [
+            f"workload `{w.name}`: {w.description}",
+            f"ISL {w.isl} (stddev {w.isl_stddev}), OSL {w.osl} (stddev {w.osl_stddev}), shared "
+            f"prefix {w.shared_prefix_tokens} tokens, extra inputs "
+            f"{', '.join(w.extra_inputs) or 'none'}",
+            f"{w.warmup_request_count} warmup requests per point; sweep {w.sweep_type} over "
+            f"concurrency {list(w.concurrency)} with request counts {list(w.request_count)}; "
+            f"seed {w.random_seed}; endpoint {w.endpoint_type}, streaming {w.streaming}, server "
+            f"token counts {w.use_server_token_count}",
+            f"command: `{cmd_line}`", f"server: {_server_line(server)}",
+            f"prefix caching: workload {want}, server {_onoff(caching)} ({caching_from})"
+            + (f" - **{caching_note}**" if caching_note else ""),
+            f"graphs: {graphs_line(server)}",
+            f"upstream figures: {prov['upstream_comparison']['text']}"]))
     if not plots.write_plots(points, run_dir, w.name):
         _log("matplotlib is not installed: no PNG plots (pip install 'k3rocm[host]')")
 
@@ -203,16 +187,14 @@ def run_bench(w: Workload, *, results: Path, client_image: str, server_timeout: 
         down = "" if server_alive else "; the server is no longer reachable"
         msg = (f"bench {w.name}: {len(failed)} of {n} points failed ({why}){down}; raw logs and "
                f"finished points kept in {run_dir}")
-        code = EXIT_FAILED
+        code = EXIT_CHECK_FAILED
     return BenchResult(status, code, " ".join(msg.split()), doc)
 
 
 def served_prefix_caching(prov: dict | None) -> tuple[bool | None, str]:
-    """(prefix caching, where it was read): what the server itself reported (its log's engine
-    config and "Disabling prefix caching" lines, else its /metrics: provenance.served_config;
-    vLLM turns it off on its own, e.g. for MLA on a non-GPU platform), else only what its argv
-    asked (vLLM's default is on), and the source says so."""
-    said = (((prov or {}).get("served_config") or {}).get("prefix_caching") or {})
+    """(prefix caching, where it was read): the server's own report (log or /metrics; vLLM
+    turns it off itself, e.g. MLA on a non-GPU platform), else the argv (vLLM default on)."""
+    said = ((prov or {}).get("served_config") or {}).get("prefix_caching") or {}
     if said.get("value") is not None:
         return said["value"], f"the server's own report ({said.get('from')})"
     argv = served_as(prov).argv
@@ -228,10 +210,10 @@ def server_prefix_caching(prov: dict | None) -> bool | None:
 
 def graphs_line(prov: dict | None) -> str:
     """Graph mode as the server's log reported it (provenance.served_config)."""
-    g = (((prov or {}).get("served_config") or {}).get("graphs") or {})
+    g = ((prov or {}).get("served_config") or {}).get("graphs") or {}
     if g.get("enforce_eager") is None and g.get("cudagraph_mode") is None:
         return "unknown (no engine config line in the server's log)"
-    cap = (f"captured in {g['capture_seconds']} s" if g.get("captured") else "none captured")
+    cap = f"captured in {g['capture_seconds']} s" if g.get("captured") else "none captured"
     return (f"cudagraph_mode {g.get('cudagraph_mode')}, enforce_eager {g.get('enforce_eager')}, "
             f"{cap} (the server's log)")
 
@@ -243,15 +225,13 @@ def _onoff(v: bool | None) -> str:
 def _last_error(log: Path) -> str:
     """The most telling line of aiperf's output (an error line, else the last line)."""
     try:
-        lines = [ln.strip().strip("│╭╮╰╯─ ").strip()
-                 for ln in log.read_text(errors="replace").splitlines()]
-        lines = [ln for ln in lines if ln]
+        lines = [s for ln in log.read_text(errors="replace").splitlines()
+                 if (s := ln.strip().strip("│╭╮╰╯─ ").strip())]
     except OSError:
         return "no log"
-    for ln in reversed(lines):
-        if any(w in ln for w in ("Error", "error:", "ERROR", "Invalid", "invalid", "Unknown")):
-            return ln[:240]
-    return lines[-1][:240] if lines else "no output"
+    errs = [ln for ln in lines if any(w in ln for w in ("Error", "error:", "ERROR", "Invalid",
+                                                         "invalid", "Unknown"))]
+    return (errs or lines or ["no output"])[-1][:240]
 
 
 def _server_line(prov: dict) -> str:

@@ -1,33 +1,9 @@
-"""A/B statistics with the server as the unit of replication.
+"""A/B statistics with the server as the unit of replication (scipy.stats distributions).
 
-Model: each slot of the order A B B A ... is a freshly started server; its value for a
-(metric, stat) is one number: the mean over its runs (``--runs-per-server``) of the run's
-statistic, computed from the run's successful profiling-phase requests exactly as in the summary
-(e.g. ITL p50 over requests). Request noise is inside that number; what varies between numbers
-of one arm is server-to-server (plus request) noise: the variance component that decides what an
-A/B can see.
-
-Test: on log server values, the difference of arm means (effect d = exp(mean log B - mean log
-A) - 1) against the pooled between-server variance, Student t with df = servers_A + servers_B - 2.
-Under identical arms with normal log server values its false-positive rate is exactly ALPHA at
-any number of servers (checked by simulation in tests/test_bench_unit.py). The A/A floor of the
-same protocol is a measured variance component: its between-server variance (df = its servers
-- 1) is pooled with the A/B's, which adds its degrees of freedom (one server per arm is then
-testable). The order A B B A ... balances linear drift between the arms when the repeats are
-even.
-
-One primary row (default ITL p50 at the workload's first concurrency) is judged at ALPHA; every
-other row is judged with Holm's step-down correction over the secondary rows (family ALPHA).
-
-Verdict, three-way: "B faster" / "B slower" when p < ALPHA (direction per metric: lower latency,
-higher throughput is faster), otherwise "inconclusive: the CI [a, b] includes 0; effects smaller
-than X% cannot be seen with N servers per arm", X the minimum detectable effect at 80% power
-(two-sided ALPHA, t approximation (t_{1-ALPHA/2,df} + t_{POWER,df}) * s * sqrt(1/n_A + 1/n_B)).
-Each row prints the CI its verdict used: 95% for the primary, for a secondary row the level
-Holm's step judged it at (:func:`holm_levels`), so a CI that excludes 0 never sits beside
-"inconclusive".
-
-The distributions (Student t, F, binomial, beta) are scipy.stats'.
+Each freshly started server gives one value per (metric, stat): the mean over its runs of the
+run statistic. Effect d = exp(mean log B - mean log A) - 1, Student t on the pooled
+between-server variance of log values (df = n_A + n_B - 2, plus an A/A's df when its variance
+component is pooled). The primary row is judged at ALPHA, the others with Holm's step-down.
 """
 
 from __future__ import annotations
@@ -50,13 +26,15 @@ AB_METRICS: list[tuple[str, str, str, bool]] = [
 ]
 ALPHA = 0.05
 POWER = 0.80
-_z = statistics.NormalDist().inv_cdf  # standard normal quantile
+_z = statistics.NormalDist().inv_cdf
 MULTIPLICITY = "Holm (step-down) over the secondary rows, family-wise 5%"
+# A pooled A/A is refused when this run is noisier than it (one-sided F test at this level):
+# a quieter A/A would make the test too eager (tests/bench_pooled_aa.py measures it).
+FLOOR_CHECK_ALPHA = 0.05
 
 
 def _dist():
-    """scipy.stats, imported when first used: its import takes seconds on a busy host, which
-    every ``k3rocm`` command would pay (the CLI imports this module)."""
+    """scipy.stats, imported on first use (slow to import; the CLI imports this module)."""
     from scipy import stats
 
     return stats
@@ -64,13 +42,11 @@ def _dist():
 
 @functools.lru_cache(maxsize=4096)
 def _tq(p: float, df: int) -> float:
-    """The Student t quantile: P(T <= t) = p (cached: the design search asks the same ones)."""
     return float(_dist().t.ppf(p, df))
 
 
 def server_value(runs: Sequence[Sequence[float] | float], stat: str) -> float:
-    """One number per server: the mean over its runs of the run statistic (a run-level float
-    as is, else avg/pXX over its requests, as the summary computes it)."""
+    """Mean over a server's runs of the run statistic (a float as is, else avg/pXX)."""
     vals = [float(r) if isinstance(r, (int, float)) else summary.stat_of(r, stat) for r in runs]
     return sum(vals) / len(vals)
 
@@ -79,10 +55,8 @@ def _logs(values: Sequence[float]) -> list[float]:
     return [math.log(v) for v in values if v and v > 0]
 
 
-# --- variance components, MDE, servers needed ---------------------------------------------------
-
 def variance_component(values: Sequence[float]) -> dict[str, Any] | None:
-    """Between-server variance of log values of identical servers (an A/A: all its servers)."""
+    """Between-server variance of log values of identical servers (an A/A's servers)."""
     logs = _logs(values)
     return {"var_log": statistics.variance(logs), "df": len(logs) - 1} if len(logs) > 1 else None
 
@@ -97,26 +71,12 @@ def mde(var_log: float, df: int, n_a: int, n_b: int, alpha: float = ALPHA,
 def servers_needed(var_log: float, effect: float = 0.01, extra_df: int = 0,
                    alpha: float = ALPHA, power: float = POWER, cap: int = 10000) -> int | None:
     """Servers per arm so that ``effect`` is the MDE (df = 2n - 2 + extra_df)."""
-    # the normal approximation is a lower bound (t quantiles exceed z): start there
-    z, zb = _z(1 - alpha / 2), _z(power)
-    start = max(1, math.floor(2 * (z + zb) ** 2 * var_log / math.log1p(effect) ** 2))
-    for n in range(start, cap + 1):
+    z = _z(1 - alpha / 2) + _z(power)  # the normal approximation is a lower bound
+    for n in range(max(1, math.floor(2 * z ** 2 * var_log / math.log1p(effect) ** 2)), cap + 1):
         df = 2 * n - 2 + extra_df
         if df >= 1 and mde(var_log, df, n, n, alpha, power) <= effect:
             return n
     return None
-
-
-# --- the test ----------------------------------------------------------------------------------
-
-# The pooled A/A must describe this run's noise: refused when this run's own between-server
-# variance is larger than the A/A's (one-sided F test at this level). A quieter A/A (another day,
-# another load) makes the pooled variance too small and the test too eager: simulated with these
-# functions (tests/bench_pooled_aa.py) an A/A at half the run's server-to-server CV lifts the
-# false rate on identical arms from 5% to 12% (4 servers per arm, A/A of 4 per arm); the check
-# brings it back to ~8% (F tests on 6 df cannot see every difference). An A/A noisier than the
-# run only makes the test conservative: pooled, and noted.
-FLOOR_CHECK_ALPHA = 0.05
 
 
 def floor_check(own_var: float, own_df: int, floor: dict[str, Any],
@@ -129,8 +89,9 @@ def floor_check(own_var: float, own_df: int, floor: dict[str, Any],
                 "note": "A/A pooled unchecked: one server per arm has no variance of its own to "
                         "compare it with"}
     ratio = own_var / floor["var_log"] if floor["var_log"] > 0 else math.inf
-    p_noisier = float(_dist().f.sf(ratio, own_df, floor["df"])) if math.isfinite(ratio) else 0.0
-    p_quieter = float(_dist().f.cdf(ratio, own_df, floor["df"])) if math.isfinite(ratio) else 1.0
+    f = _dist().f
+    p_noisier = float(f.sf(ratio, own_df, floor["df"])) if math.isfinite(ratio) else 0.0
+    p_quieter = float(f.cdf(ratio, own_df, floor["df"])) if math.isfinite(ratio) else 1.0
     cv = (f"server CV {math.sqrt(own_var) * 100:.2f}% here vs "
           f"{math.sqrt(floor['var_log']) * 100:.2f}% in the A/A")
     out.update(checked=True, ratio=ratio, p_run_noisier=p_noisier)
@@ -148,12 +109,9 @@ def floor_check(own_var: float, own_df: int, floor: dict[str, Any],
 def compare_servers(a: Sequence[float], b: Sequence[float],
                     floor: dict[str, Any] | None = None, alpha: float = ALPHA,
                     check_floor: bool = True) -> dict[str, Any]:
-    """Effect of B vs A on per-server values, with the t test and its design numbers.
-
-    ``floor``: an A/A variance component of the same protocol ({"var_log", "df"}), pooled
-    unless :func:`floor_check` refuses it (``check_floor`` False: pooled as given, the old
-    behaviour, for the simulation that measures the check). ``alpha``: the level the row is
-    judged at (its MDE and servers needed use it; ``lo``/``hi`` are always 95%)."""
+    """Effect of B vs A on per-server values: t test, 95% CI (lo, hi), MDE at ``alpha``.
+    ``floor``: an A/A variance component ({"var_log", "df"}), pooled unless
+    :func:`floor_check` refuses it (``check_floor`` False: pooled unchecked)."""
     la, lb = _logs(a), _logs(b)
     out: dict[str, Any] = {"servers_a": len(la), "servers_b": len(lb),
                            "server_values_a": list(a), "server_values_b": list(b),
@@ -162,7 +120,7 @@ def compare_servers(a: Sequence[float], b: Sequence[float],
                            "floor_used": bool(floor), "floor_check": None}
     if not la or not lb:
         return out
-    ma, mb = sum(la) / len(la), sum(lb) / len(lb)
+    ma, mb = statistics.fmean(la), statistics.fmean(lb)
     out.update(a=math.exp(ma), b=math.exp(mb), d=math.exp(mb - ma) - 1)
     ss = sum((x - ma) ** 2 for x in la) + sum((x - mb) ** 2 for x in lb)
     own_df = len(la) + len(lb) - 2
@@ -177,19 +135,17 @@ def compare_servers(a: Sequence[float], b: Sequence[float],
         return out
     var = ss / df
     se = math.sqrt(var * (1 / len(la) + 1 / len(lb)))
-    q = _tq(1 - ALPHA / 2, df)
     diff = mb - ma
     out.update(var_log=var, server_cv=math.sqrt(var), log_d=diff, se=se,
                p=float(2 * _dist().t.sf(abs(diff) / se, df)) if se > 0 else float(not diff),
-               lo=math.exp(diff - q * se) - 1, hi=math.exp(diff + q * se) - 1,
                mde=mde(var, df, len(la), len(lb), alpha),
                servers_for_1pct=servers_needed(var, 0.01, extra_df, alpha))
+    out["lo"], out["hi"] = interval(out)
     return out
 
 
 def interval(res: dict, alpha: float = ALPHA) -> tuple[float | None, float | None]:
-    """The two-sided (1 - alpha) CI of the row's effect d (None, None without one). Dual to
-    the t test: it excludes 0 exactly when p < alpha."""
+    """Two-sided (1 - alpha) CI of d; excludes 0 exactly when p < alpha."""
     if res.get("se") is None or not res.get("df"):
         return None, None
     q = _tq(1 - alpha / 2, res["df"])
@@ -197,13 +153,14 @@ def interval(res: dict, alpha: float = ALPHA) -> tuple[float | None, float | Non
             math.exp(res["log_d"] + q * res["se"]) - 1)
 
 
+def _by_p(ps: Sequence[float | None]) -> list[int]:
+    return sorted((i for i, p in enumerate(ps) if p is not None), key=lambda i: ps[i])
+
+
 def holm_levels(ps: Sequence[float | None], alpha: float = ALPHA) -> list[float | None]:
-    """The level Holm's step-down judged each p at: alpha / (m - j) for the j-th smallest while
-    every smaller one was rejected, and the level of the first step that was not for all from
-    there on. Its (1 - level) CI excludes 0 exactly when the Holm-adjusted p < alpha (a row
-    rejected at step j has p < alpha / (m - j); one after the stop has p >= the stopping p >=
-    the stopping level), so the CI printed beside the verdict says what the verdict says."""
-    idx = sorted((i for i, p in enumerate(ps) if p is not None), key=lambda i: ps[i])
+    """The level Holm's step-down judged each p at (alpha / (m - step), frozen at the first
+    step not rejected): a CI at it excludes 0 exactly when the Holm-adjusted p < alpha."""
+    idx = _by_p(ps)
     m, out, stop = len(idx), [None] * len(ps), None
     for rank, i in enumerate(idx):
         if stop is None and ps[i] * (m - rank) >= alpha:
@@ -214,7 +171,7 @@ def holm_levels(ps: Sequence[float | None], alpha: float = ALPHA) -> list[float 
 
 def holm(ps: Sequence[float | None]) -> list[float | None]:
     """Holm step-down adjusted p-values (None stays None)."""
-    idx = sorted((i for i, p in enumerate(ps) if p is not None), key=lambda i: ps[i])
+    idx = _by_p(ps)
     m, out, run = len(idx), [None] * len(ps), 0.0
     for rank, i in enumerate(idx):
         run = max(run, min(1.0, (m - rank) * ps[i]))
@@ -224,9 +181,8 @@ def holm(ps: Sequence[float | None]) -> list[float | None]:
 
 def verdict(res: dict, lower_is_better: bool, p: float | None = None,
             alpha: float = ALPHA) -> str:
-    """Three-way wording. ``p``: the (adjusted) p-value to judge, default the row's own; the
-    CI an inconclusive verdict names is the row's ``ci_lo``/``ci_hi`` (the one at the level
-    the verdict used), else its 95% CI."""
+    """"B faster" / "B slower" / "inconclusive: ..." at ``p`` (default the row's own); the CI
+    named is the row's ``ci_lo``/``ci_hi`` when set, else its 95% CI."""
     p = res.get("p") if p is None else p
     n = min(res.get("servers_a") or 0, res.get("servers_b") or 0)
     if res.get("d") is None:
@@ -250,14 +206,14 @@ def pct_text(x: float) -> str:
 
 
 def covers(res: dict, effect: float | None) -> bool | None:
-    """Calibration: does the row's 95% CI cover a known injected effect? (None: no CI)"""
+    """Does the row's 95% CI cover a known injected effect? (None: no CI)"""
     if effect is None or res.get("lo") is None or res.get("hi") is None:
         return None
     return res["lo"] <= effect <= res["hi"]
 
 
 def design_line(var_log: float | None, var_df: int, n: int, metric: str = "ITL p50") -> str:
-    """The plan's MDE line: what ``n`` servers per arm can see given a measured variance."""
+    """What ``n`` servers per arm can see given a measured A/A variance."""
     if var_log is None:
         return (f"MDE ({metric}): unknown - no A/A of this protocol to measure server-to-server "
                 "noise (run the A/A first: --aa)")
@@ -272,9 +228,8 @@ def design_line(var_log: float | None, var_df: int, n: int, metric: str = "ITL p
 
 def effect_line(effect: float, n: int, var_log: float | None = None, var_df: int = 0,
                 metric: str = "ITL p50") -> str:
-    """Can ``n`` servers per arm see ``effect`` (80% power, two-sided 5%)? With a measured
-    variance: its MDE against the effect and the servers needed; without: the MDE as a multiple
-    of the unknown server-to-server CV, and the CV at which it would see the effect."""
+    """Can ``n`` servers per arm see ``effect``? Without a measured variance: the MDE as a
+    multiple of the unknown server-to-server CV."""
     df = 2 * n - 2 + var_df
     if df < 1:
         return (f"{effect:.1%} {metric}: one server per arm and no A/A: no estimate of "
@@ -291,7 +246,7 @@ def effect_line(effect: float, n: int, var_log: float | None = None, var_df: int
             f"{math.log1p(effect) / k:.2%} (run the A/A first: --aa)")
 
 
-# --- paired accuracy (GSM8K A/B on the same items) ------------------------------------------------
+# --- paired accuracy (GSM8K A/B on the same items)
 
 @functools.lru_cache(maxsize=4096)
 def binom_upper(k: int, n: int, alpha: float = ALPHA) -> float:
@@ -300,17 +255,14 @@ def binom_upper(k: int, n: int, alpha: float = ALPHA) -> float:
 
 
 def mcnemar_exact(b_only: int, a_only: int) -> float:
-    """Two-sided exact McNemar p: of the discordant items (right in one arm only), how
-    surprising the split is if both arms are equally accurate (Binomial(n, 1/2))."""
+    """Two-sided exact McNemar p on the discordant counts (Binomial(n, 1/2))."""
     n = b_only + a_only
     return min(1.0, 2 * float(_dist().binom.cdf(min(b_only, a_only), n, 0.5))) if n else 1.0
 
 
 def noninferiority_lower(n: int, b_only: int, a_only: int, alpha: float = ALPHA) -> float:
-    """One-sided (1 - alpha) lower bound of the paired difference B - A from the discordant
-    counts: Wald with the paired variance, never above what the exact (Clopper-Pearson) upper
-    bound on the rate of items only A got right allows (Wald's bound collapses to the point
-    estimate when few items differ: 0 discordant is a zero-width interval at any n)."""
+    """One-sided (1 - alpha) lower bound of B - A: paired Wald, capped by the Clopper-Pearson
+    upper bound on the A-only rate (Wald collapses when few items differ)."""
     diff = (b_only - a_only) / n
     var = ((b_only + a_only) / n - diff ** 2) / n
     wald = diff - _z(1 - alpha) * math.sqrt(max(var, 0.0))
@@ -319,9 +271,7 @@ def noninferiority_lower(n: int, b_only: int, a_only: int, alpha: float = ALPHA)
 
 def paired_accuracy(a: Sequence[bool], b: Sequence[bool], margin: float,
                     alpha: float = ALPHA) -> dict[str, Any]:
-    """Fusion off (a) vs on (b) on the same items: accuracies, McNemar's exact test on the
-    discordant items, and non-inferiority of B (B - A > -margin) from the one-sided
-    (1 - alpha) lower bound of the paired difference (:func:`noninferiority_lower`)."""
+    """Arm A vs B on the same items: accuracies, McNemar, non-inferiority (B - A > -margin)."""
     if len(a) != len(b) or not a:
         raise ValueError("paired accuracy needs the same non-empty item list in both arms")
     n = len(a)
@@ -340,13 +290,9 @@ def paired_accuracy(a: Sequence[bool], b: Sequence[bool], margin: float,
 
 def noninferiority_pass_rate(n: int, margin: float, discordant: float, drop: float = 0.0,
                              alpha: float = ALPHA) -> float:
-    """How often :func:`paired_accuracy` reads "non-inferior" with ``n`` paired items when a
-    fraction ``discordant`` of items differ between the arms and B is truly ``drop`` less
-    accurate (items only A gets right: (discordant + drop) / 2, only B: (discordant - drop) / 2).
-    Exact: the sum over every (b_only, a_only) the multinomial can give (probabilities below
-    1e-15 left out) of the very bound the verdict uses, no normal approximation. ``drop`` 0 is
-    the power on equally accurate arms (1 - the false-fail rate); ``drop`` = margin or more
-    is a false-pass rate."""
+    """Exact rate at which :func:`paired_accuracy` reads "non-inferior" with ``n`` items, a
+    ``discordant`` fraction differing and B truly ``drop`` less accurate (multinomial terms
+    below 1e-15 left out). ``drop`` 0: power; ``drop`` >= margin: the false-pass rate."""
     if not 0 <= drop <= discordant <= 1:
         raise ValueError("need 0 <= drop <= discordant <= 1")
     if discordant == 0:

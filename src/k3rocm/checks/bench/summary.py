@@ -1,17 +1,10 @@
-"""Read aiperf's artifacts into one summary per sweep point, check it against the per-request
-records, and render perf.csv (ROCm/MAD columns) and markdown tables.
+"""aiperf 0.13.0 artifacts -> one summary per sweep point, checked against the per-request
+records; perf.csv (ROCm/MAD columns) and report.md.
 
-Where the numbers come from (aiperf 0.13.0, one directory per sweep point
-``concurrency_<c>__requests_<n>/``, or the artifact dir itself for a single point):
-
-* latency statistics: ``profile_export_aiperf.json`` (aiperf's own aggregate), cross-checked
-  against a recomputation from ``profile_export.jsonl`` (profiling-phase records without error;
-  percentiles by linear interpolation, as aiperf and numpy compute them);
-* throughput: total output tokens / the profiling phase's duration from ``phase_manifest.json``.
-
-Metric meanings: ``itl`` is aiperf's ``inter_token_latency`` = per request
-(latency - TTFT) / (output tokens - 1), i.e. vLLM bench's TPOT; ``icl`` is aiperf's
-``inter_chunk_latency`` (every gap between streamed chunks pooled), i.e. vLLM bench's ITL.
+Latency statistics come from ``profile_export_aiperf.json`` and are recomputed from
+``profile_export.jsonl`` (profiling phase, numpy percentiles); throughput is tokens / the
+profiling phase of ``phase_manifest.json``. ``itl`` is aiperf's inter_token_latency (vLLM
+bench's TPOT), ``icl`` its inter_chunk_latency (vLLM bench's ITL).
 """
 
 from __future__ import annotations
@@ -37,6 +30,7 @@ STATS = ("avg", "p50", "p90", "p99")
 MAD_COLUMNS = ["model", "benchmark", "tp", "inp", "out", "num_prompts", "max_concurrency", "cmd",
                "performance", "metric", "unit"]
 _POINT_RE = re.compile(r"^concurrency_(\d+)__requests_(\d+)$")
+_NUM = (int, float)
 
 
 def stat_of(values: Sequence[float], stat: str) -> float:
@@ -47,18 +41,17 @@ def stat_of(values: Sequence[float], stat: str) -> float:
         return sum(values) / len(values)
     import numpy as np  # on first use: the CLI imports this module
 
-    return float(np.percentile(values, float(stat.removeprefix("p"))))  # p50 -> 50
+    return float(np.percentile(values, float(stat.removeprefix("p"))))
 
 
 # --- per-request records
 
-
 def read_records(point_dir: Path) -> list[dict]:
-    out = []
     try:
         lines = (point_dir / "profile_export.jsonl").read_text().splitlines()
     except OSError:
         return []
+    out = []
     for line in filter(str.strip, lines):
         try:
             out.append(json.loads(line))
@@ -72,14 +65,12 @@ def profiling_records(records: Iterable[dict]) -> tuple[list[dict], list[dict]]:
     ok, bad = [], []
     for r in records:
         md = r.get("metadata") or {}
-        if md.get("benchmark_phase", md.get("phase_kind")) != "profiling":
-            continue
-        (bad if r.get("error") else ok).append(r)
+        if md.get("benchmark_phase", md.get("phase_kind")) == "profiling":
+            (bad if r.get("error") else ok).append(r)
     return ok, bad
 
 
 def _value(record: dict, tag: str) -> Any:
-    """One record's value of a metric (None when it has none)."""
     m = (record.get("metrics") or {}).get(tag)
     return m.get("value") if isinstance(m, dict) else None
 
@@ -91,14 +82,13 @@ def request_values(records: Iterable[dict], tag: str) -> list[float]:
         v = _value(r, tag)
         if isinstance(v, list):
             out.extend(float(x) for x in v)
-        elif isinstance(v, (int, float)):
+        elif isinstance(v, _NUM):
             out.append(float(v))
     return out
 
 
 def profiling_window(point_dir: Path) -> tuple[int, int] | None:
-    """(start, end) of the point's profiling phase, wall-clock ns (aiperf's time.time_ns), from
-    ``phase_manifest.json``; None without one."""
+    """(start, end) wall-clock ns of the profiling phase (phase_manifest.json)."""
     try:
         phases = json.loads((point_dir / "phase_manifest.json").read_text()).get("phases", [])
     except (OSError, json.JSONDecodeError, AttributeError):
@@ -111,25 +101,23 @@ def profiling_window(point_dir: Path) -> tuple[int, int] | None:
 def recompute_from_records(point_dir: Path) -> dict[str, Any]:
     """Every summary number, recomputed from profile_export.jsonl (+ the phase duration)."""
     ok, bad = profiling_records(read_records(point_dir))
-    out: dict[str, Any] = {"requests_ok": len(ok), "requests_failed": len(bad), "metrics": {
-        key: {s: stat_of(vals, s) for s in STATS} for key, (tag, _, _) in LATENCY_METRICS.items()
-        if (vals := request_values(ok, tag))}}
     window = profiling_window(point_dir)
     dur = (window[1] - window[0]) / 1e9 if window else None
     osl = sum(request_values(ok, "output_sequence_length"))
     isl = sum(request_values(ok, "input_sequence_length"))
-    out.update(duration_s=dur, output_tps=osl / dur if dur else None,
-               total_tps=(osl + isl) / dur if dur else None,
-               request_tps=len(ok) / dur if dur else None)
-    return out
+    return {"requests_ok": len(ok), "requests_failed": len(bad), "metrics": {
+        key: {s: stat_of(vals, s) for s in STATS} for key, (tag, _, _) in LATENCY_METRICS.items()
+        if (vals := request_values(ok, tag))},
+        "duration_s": dur, "output_tps": osl / dur if dur else None,
+        "total_tps": (osl + isl) / dur if dur else None,
+        "request_tps": len(ok) / dur if dur else None}
 
 
 # --- sweep points
 
-
 def _agg(d: dict, tag: str, stat: str) -> float | None:
     v = (d.get(tag) or {}).get(stat)
-    return float(v) if isinstance(v, (int, float)) else None
+    return float(v) if isinstance(v, _NUM) else None
 
 
 # summary key -> aiperf tag whose average it is
@@ -164,10 +152,9 @@ def summarize_point(point_dir: Path | None, concurrency: int, request_count: int
     point["metrics"] = {key: {s: _agg(agg, tag, s) for s in STATS}
                         for key, (tag, _, _) in LATENCY_METRICS.items() if tag in agg}
     point.update({key: _agg(agg, tag, "avg") for key, tag in _POINT_AVGS.items()})
-    errors = agg.get("error_summary") or []
+    errors = point["errors"] = agg.get("error_summary") or []
     n_err = sum(int(e.get("count", 1)) for e in errors if isinstance(e, dict)) or len(errors)
     completed = _agg(agg, "request_count", "avg") or 0
-    point["errors"] = errors
     point["jsonl_check"] = check_against_records(point, rec, rel_tol)
     if agg.get("was_cancelled"):
         point["reason"] = "cancelled (interrupted or aborted by aiperf)"
@@ -201,16 +188,14 @@ def check_against_records(point: dict, rec: dict, rel_tol: float) -> dict[str, A
 
 # --- is the stream per token?
 
-# A streamed chunk may carry at most this many tokens times the tokens one engine step can deliver
-# (1, or 1 + num_speculative_tokens with speculative decoding) before the point is "bunched".
+# Tokens per chunk above (tokens one engine step streams) x this: the point is "bunched".
 BUNCHED_TOLERANCE = 1.1
 BUNCHED_NOTE = "stream bunched: ITL/TTFT not per token"
 
 
 def tokens_per_step(server: dict | None) -> tuple[int, str]:
-    """How many tokens one engine step can stream per request: from the speculative config the
-    server logged (provenance.served_config), else its argv (``--speculative-config``) or its
-    ``K3_MTP_K``, as rendered; 1 when none says."""
+    """(tokens one engine step can stream per request, where that was read): the speculative
+    config in the server's log, else its rendered argv / K3_MTP_K; 1 when none says."""
     from k3rocm.deploy.provenance import served_as
 
     spec = ((server or {}).get("served_config") or {}).get("speculative")
@@ -223,36 +208,33 @@ def tokens_per_step(server: dict | None) -> tuple[int, str]:
 
 
 def stream_shape(point_dir: Path | None) -> dict[str, Any] | None:
-    """Chunks and tokens per streamed request, from profile_export.jsonl (profiling phase):
-    a chunk is one streamed response (aiperf's inter_chunk_latency has one gap per pair)."""
+    """Chunks and tokens per streamed request (profiling phase; a chunk is one streamed
+    response: inter_chunk_latency has one gap per pair)."""
     if point_dir is None:
         return None
-    num = (int, float)
     ok = [r for r in profiling_records(read_records(point_dir))[0]
-          if isinstance(_value(r, "output_sequence_length"), num)]
+          if isinstance(_value(r, "output_sequence_length"), _NUM)]
     if not ok:
         return None
     chunks = [len(g) + 1 if isinstance(g := _value(r, "inter_chunk_latency"), list) else 1
               for r in ok]
     tokens = request_values(ok, "output_sequence_length")
     gen_ms = [float(lat) - float(ttft) for r in ok
-              if isinstance(lat := _value(r, "request_latency"), num)
-              and isinstance(ttft := _value(r, "time_to_first_token"), num)]
-    itl = [float(v) for r in ok if isinstance(v := _value(r, "inter_token_latency"), num)]
-    osl_avg = sum(tokens) / len(tokens)
+              if isinstance(lat := _value(r, "request_latency"), _NUM)
+              and isinstance(ttft := _value(r, "time_to_first_token"), _NUM)]
+    itl = request_values(ok, "inter_token_latency")
     return {"requests": len(chunks), "chunks_per_request": sum(chunks) / len(chunks),
             "chunks_p50": stat_of(chunks, "p50"),
-            "osl_avg": osl_avg, "tokens_per_chunk": sum(tokens) / sum(chunks),
+            "osl_avg": sum(tokens) / len(tokens), "tokens_per_chunk": sum(tokens) / sum(chunks),
             "gen_ms_p50": stat_of(gen_ms, "p50") if gen_ms else None,
             "itl_p50": stat_of(itl, "p50") if itl else None}
 
 
 def judge_stream(shape: dict[str, Any] | None, per_step: int = 1,
                  per_step_source: str = "") -> dict[str, Any] | None:
-    """``shape`` plus ``bunched`` (and a one-line ``note`` saying why) when chunks carry more
-    tokens than an engine step delivers, or ITL is ~0 while more than one token came back:
-    real servers do it too (``--stream-interval`` > 1, detokenizer hold-back, a proxy that
-    buffers), and then ITL and TTFT describe chunks, not tokens."""
+    """``shape`` plus ``bunched`` (and a ``note`` saying why): chunks carry more tokens than an
+    engine step delivers, or ITL ~0 with more than one token (``--stream-interval`` > 1, a
+    buffering proxy): ITL and TTFT then describe chunks, not tokens."""
     if not shape:
         return None
     why = []
@@ -267,16 +249,13 @@ def judge_stream(shape: dict[str, Any] | None, per_step: int = 1,
             "bunched": bool(why), "note": f"{BUNCHED_NOTE}: " + "; ".join(why) if why else None}
 
 
-# Server counters aiperf 0.13.0 scrapes from the server's /metrics during the profiling phase
-# (server_metrics_export.json, "hybrid" format: metrics[name]["series"][i]["stats"]["total"],
-# the counter's increase; aiperf strips prometheus' "_total"). Names: vLLM 0.32.0
-# v1/metrics/loggers.py (prefix cache) and v1/spec_decode/metrics.py (MTP / speculative).
+# Counters aiperf scrapes from /metrics (server_metrics_export.json: metrics[name]["series"]
+# [i]["stats"]["total"]; vLLM 0.32.0 v1/metrics/loggers.py, v1/spec_decode/metrics.py).
 SERVER_COUNTERS = {"prefix_cache_hits": "vllm:prefix_cache_hits",
                    "prefix_cache_queries": "vllm:prefix_cache_queries",
                    "spec_draft_tokens": "vllm:spec_decode_num_draft_tokens",
                    "spec_accepted_tokens": "vllm:spec_decode_num_accepted_tokens"}
-# Server-counted prompt tokens hold the chat template on top of the synthetic ISL (measured on
-# the stand-in: ISL 64 -> 79 with the smoke model's template): a few dozen tokens, never fewer.
+# The chat template on top of the synthetic ISL (stand-in: 64 -> 79 tokens): never fewer.
 ISL_TEMPLATE_TOKENS = 64
 
 
@@ -302,8 +281,7 @@ def server_counters(point_dir: Path | None) -> dict[str, Any] | None:
 def input_flags(point: dict, isl: int, osl: int, prefix_caching: bool | None) -> list[str]:
     """What makes a point's inputs other than the workload asked for (empty: clean)."""
     flags = []
-    n = point.get("osl_mismatch_count")
-    if n:
+    if n := point.get("osl_mismatch_count"):
         flags.append(f"OSL: {n:.0f} request(s) off the requested {osl} tokens (aiperf "
                      "osl_mismatch_count)")
     if point.get("osl_avg") is not None and abs(point["osl_avg"] - osl) > 0.5:
@@ -325,10 +303,8 @@ def input_flags(point: dict, isl: int, osl: int, prefix_caching: bool | None) ->
 def summarize(artifact_dir: Path, points: Sequence[tuple[int, int]], per_step: int = 1,
               per_step_source: str = "", expect: dict[str, Any] | None = None
               ) -> list[dict[str, Any]]:
-    """Every expected point, in order; a missing or broken one is recorded as failed. Each
-    point's ``stream`` says whether the stream was per token (``per_step``: tokens one engine
-    step streams, see :func:`tokens_per_step`); with ``expect`` ({isl, osl, prefix_caching})
-    its ``flags`` say where the inputs were not what the workload asked for."""
+    """Every expected point, in order (missing or broken: failed), with its ``stream`` shape
+    and, given ``expect`` ({isl, osl, prefix_caching}), its input ``flags``."""
     children = artifact_dir.iterdir() if artifact_dir.is_dir() else ()
     dirs = {(int(m[1]), int(m[2])): c for c in children
             if (m := _POINT_RE.match(c.name)) and c.is_dir()}
@@ -350,14 +326,11 @@ def summarize(artifact_dir: Path, points: Sequence[tuple[int, int]], per_step: i
 
 # --- perf.csv (ROCm/MAD columns) and markdown
 
-MAD_METRICS = [  # (MAD metric, how to get it from a point, unit)
-    ("throughput_tot", lambda p: p.get("total_tps"), "tokens/s"),
-    ("throughput_gen", lambda p: p.get("output_tps"), "tokens/s"),
-    ("median_ttft", lambda p: _m(p, "ttft", "p50"), "ms"),
-    ("median_tpot", lambda p: _m(p, "itl", "p50"), "ms"),
-    ("median_itl", lambda p: _m(p, "icl", "p50"), "ms"),
-    ("median_e2el", lambda p: _m(p, "e2el", "p50"), "ms"),
-]
+# (MAD metric, our key, stat, unit); throughput from the point itself
+MAD_METRICS = [("throughput_tot", "total_tps", None, "tokens/s"),
+               ("throughput_gen", "output_tps", None, "tokens/s"),
+               ("median_ttft", "ttft", "p50", "ms"), ("median_tpot", "itl", "p50", "ms"),
+               ("median_itl", "icl", "p50", "ms"), ("median_e2el", "e2el", "p50", "ms")]
 
 
 def _m(point: dict, key: str, stat: str) -> float | None:
@@ -366,16 +339,16 @@ def _m(point: dict, key: str, stat: str) -> float | None:
 
 def perf_csv(points: Sequence[dict], *, model: str, benchmark: str, tp: Any, inp: int, out: int,
              cmd: str) -> str:
-    """MAD's columns plus a trailing ``status``; a failed point keeps its rows with an empty
-    performance and status ``failed: <reason>`` (never dropped)."""
+    """MAD's columns plus ``status``; a failed point keeps its rows with an empty performance
+    and status ``failed: <reason>``."""
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     w.writerow([*MAD_COLUMNS, "status"])
     for p in points:
         ok = p["status"] == "ok"
-        for metric, get, unit in MAD_METRICS:
-            v = get(p) if ok else None
-            w.writerow([model, benchmark, tp if tp is not None else "", inp, out,
+        for metric, key, stat, unit in MAD_METRICS:
+            v = (p.get(key) if stat is None else _m(p, key, stat)) if ok else None
+            w.writerow([model, benchmark, "" if tp is None else tp, inp, out,
                         p["request_count"], p["concurrency"], cmd,
                         "" if v is None else f"{v:.6g}", metric, unit,
                         "ok" if ok else f"failed: {p.get('reason')}"])
@@ -389,45 +362,41 @@ def fmt(v: float | None, spec: str = ".2f", scale: float = 1, suffix: str = "") 
     return f"{v * scale:{spec}}{suffix}"
 
 
-def _fmt(v: float | None, digits: int = 2) -> str:
-    return fmt(v, f".{digits}f")
-
-
 def rate(v: float | None) -> str:
     return fmt(v, ".1%")
 
 
 def markdown_report(points: Sequence[dict], title: str, protocol_lines: Sequence[str]) -> str:
-    lines = [f"# {title}", ""]
-    lines += [f"- {x}" for x in protocol_lines]
-    lines += ["", "| concurrency | requests | status | TTFT p50 ms | ITL p50 ms | E2E p50 ms | "
-              "output tok/s | tok/s/user p50 |", "|---:|---:|---|---:|---:|---:|---:|---:|"]
+    def f(v, digits=2):
+        return fmt(v, f".{digits}f")
+
+    lines = [f"# {title}", "", *[f"- {x}" for x in protocol_lines], "",
+             "| concurrency | requests | status | TTFT p50 ms | ITL p50 ms | E2E p50 ms | "
+             "output tok/s | tok/s/user p50 |", "|---:|---:|---|---:|---:|---:|---:|---:|"]
     bunched = [p for p in points if (p.get("stream") or {}).get("bunched")]
     for p in points:
         status = p["status"] + (" (stream bunched)" if p in bunched else "")
         lines.append(f"| {p['concurrency']} | {p['request_count']} | {status} | "
-                     f"{_fmt(_m(p, 'ttft', 'p50'))} | {_fmt(_m(p, 'itl', 'p50'), 3)} | "
-                     f"{_fmt(_m(p, 'e2el', 'p50'))} | {_fmt(p.get('output_tps'))} | "
-                     f"{_fmt(_m(p, 'tps_user', 'p50'))} |")
+                     f"{f(_m(p, 'ttft', 'p50'))} | {f(_m(p, 'itl', 'p50'), 3)} | "
+                     f"{f(_m(p, 'e2el', 'p50'))} | {f(p.get('output_tps'))} | "
+                     f"{f(_m(p, 'tps_user', 'p50'))} |")
     for p in bunched:
         lines += ["", f"**c={p['concurrency']}: {p['stream']['note']}.** The latency figures of "
                       "this point describe chunks, not tokens."]
-    for p in points:
-        for f in p.get("flags") or []:
-            lines += ["", f"**c={p['concurrency']} inputs: {f}.**"]
+    lines += [x for p in points for fl in p.get("flags") or []
+              for x in ("", f"**c={p['concurrency']} inputs: {fl}.**")]
     lines += ["", "| concurrency | ISL avg (server) | OSL avg (server) | OSL mismatches | "
               "prefix-cache hit rate | MTP acceptance |", "|---:|---:|---:|---:|---:|---:|"]
     for p in points:
         sm = p.get("server_metrics") or {}
-        lines.append(f"| {p['concurrency']} | {_fmt(p.get('isl_avg'), 1)} | "
-                     f"{_fmt(p.get('osl_avg'), 1)} | {_fmt(p.get('osl_mismatch_count'), 0)} | "
+        lines.append(f"| {p['concurrency']} | {f(p.get('isl_avg'), 1)} | "
+                     f"{f(p.get('osl_avg'), 1)} | {f(p.get('osl_mismatch_count'), 0)} | "
                      f"{rate(sm.get('prefix_cache_hit_rate'))} | "
                      f"{rate(sm.get('mtp_acceptance_rate'))} |")
     for p in points:
         lines += ["", f"## concurrency {p['concurrency']} ({p['request_count']} requests): "
                       f"{p['status']}", ""]
-        st = p.get("stream")
-        if st:
+        if st := p.get("stream"):
             lines += [f"Stream: {st['chunks_per_request']:.1f} chunks per request for "
                       f"{st['osl_avg']:.1f} output tokens ({st['tokens_per_chunk']:.2f} tokens "
                       f"per chunk; an engine step streams at most {st['tokens_per_step']}: "
@@ -440,11 +409,10 @@ def markdown_report(points: Sequence[dict], title: str, protocol_lines: Sequence
         lines += ["| metric | p50 | p90 | p99 | avg |", "|---|---:|---:|---:|---:|"]
         for key, digits in (("ttft", 3), ("itl", 3), ("e2el", 3), ("tps_user", 2)):
             _, label, unit = LATENCY_METRICS[key]
-            cells = " | ".join(_fmt(_m(p, key, s), digits) for s in ("p50", "p90", "p99", "avg"))
+            cells = " | ".join(f(_m(p, key, s), digits) for s in ("p50", "p90", "p99", "avg"))
             lines.append(f"| {label if key == 'tps_user' else f'{label} ({unit})'} | {cells} |")
-        lines.append(f"| output tokens/s (all users) | | | | {_fmt(p.get('output_tps'))} |")
-        chk = p.get("jsonl_check") or {}
-        if chk:
+        lines.append(f"| output tokens/s (all users) | | | | {f(p.get('output_tps'))} |")
+        if chk := p.get("jsonl_check"):
             verdict = ("all equal" if chk.get("ok")
                        else "MISMATCH: " + "; ".join(chk["mismatches"][:3]))
             lines += ["", f"Checked against profile_export.jsonl: {chk.get('compared')} "

@@ -1,7 +1,7 @@
-"""Named aiperf workloads (workloads.toml) and the exact aiperf command line built from one.
+"""Named aiperf workloads (workloads.toml) and the aiperf command line built from one.
 
-Precedence for every field: ``--set key=value`` > ``BENCH_<KEY>`` environment > the workload's
-table > ``[defaults]``. Everything is validated before any container or server is touched.
+Precedence: ``--set key=value`` > ``BENCH_<KEY>`` > the deployment's settings that were set >
+the workload's table > ``[defaults]`` > the deployment's defaults. Validated before anything runs.
 """
 
 from __future__ import annotations
@@ -11,14 +11,16 @@ import re
 import shlex
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from k3rocm.errors import UsageError
 
 WORKLOADS_FILE = Path(__file__).with_name("workloads.toml")
 ENV_PREFIX = "BENCH_"
+Pos = Annotated[int, Field(ge=1)]
+NonNeg = Annotated[int, Field(ge=0)]
 
 
 class Workload(BaseModel):
@@ -36,37 +38,21 @@ class Workload(BaseModel):
     endpoint_type: Literal["chat", "completions"] = "chat"
     streaming: bool = True
     use_server_token_count: bool = True
-    isl: int
-    isl_stddev: int = 0
-    osl: int
-    osl_stddev: int = 0
-    shared_prefix_tokens: int = 0
+    isl: Pos
+    isl_stddev: NonNeg = 0
+    osl: Pos
+    osl_stddev: NonNeg = 0
+    shared_prefix_tokens: NonNeg = 0
     extra_inputs: tuple[str, ...] = ()
-    warmup_request_count: int = 0
+    warmup_request_count: NonNeg = 0
     sweep_type: Literal["zip", "grid"] = "zip"
-    concurrency: tuple[int, ...]
-    request_count: tuple[int, ...]
+    concurrency: Annotated[tuple[Pos, ...], Field(min_length=1)]
+    request_count: Annotated[tuple[Pos, ...], Field(min_length=1)]
     random_seed: int = 42
     ui: Literal["simple", "none", "dashboard"] = "simple"
     extra_args: tuple[str, ...] = ()
     request_timeout_s: float = 0
     prefix_caching: bool | None = None
-
-    @field_validator("isl", "osl", "isl_stddev", "osl_stddev", "shared_prefix_tokens",
-                     "warmup_request_count")
-    @classmethod
-    def _at_least(cls, v: int, info) -> int:  # info: pydantic's ValidationInfo
-        low = 1 if info.field_name in ("isl", "osl") else 0
-        if v < low:
-            raise ValueError(f"must be >= {low}")
-        return v
-
-    @field_validator("concurrency", "request_count")
-    @classmethod
-    def _positive_list(cls, v: tuple[int, ...]) -> tuple[int, ...]:
-        if not v or any(x < 1 for x in v):
-            raise ValueError("must be a non-empty list of integers >= 1")
-        return v
 
     @field_validator("url")
     @classmethod
@@ -99,59 +85,52 @@ class Workload(BaseModel):
         return [(c, n) for c in self.concurrency for n in self.request_count]
 
     def protocol(self) -> dict[str, Any]:
-        """The fields that define the measurement protocol (everything but where it points)."""
+        """The fields that define the measurement (everything but where it points)."""
         return self.model_dump(mode="json", exclude={"name", "description", "url", "tokenizer",
                                                      "api_key", "ui"})
 
 
 FIELD_NAMES = [f for f in Workload.model_fields if f != "name"]
-_LIST_FIELDS = {"extra_inputs", "concurrency", "request_count", "extra_args"}
+_LIST_FIELDS = {"extra_inputs", "concurrency", "request_count"}
+# BENCH_* variables that are not workload fields (read elsewhere; the last two by mk/bench.mk).
+_NOT_FIELDS = {"BENCH_WORKLOAD", "BENCH_CLIENT_IMAGE", "BENCH_AB_REPEATS", "BENCH_ARGS",
+               "BENCH_IMAGE"}
+# Workload field -> the settings it is derived from.
+_FROM_SETTINGS = {"url": ("K3_PORT", "K3_BIND_ADDRESS"), "model": ("K3_SERVED_MODEL_NAME",),
+                  "api_key": ("K3_API_KEY",), "tokenizer": ("K3_MODEL", "K3_MODELS_DIR")}
 
 
-def _load_toml(path: Path) -> dict[str, Any]:
+def load_table(path: Path | None = None) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """([defaults], {name: table}) of a workloads file."""
     try:
         import tomllib
     except ModuleNotFoundError:  # Python 3.10
-        try:
-            import tomli as tomllib  # type: ignore[no-redef]
-        except ModuleNotFoundError:
-            raise UsageError("reading workloads needs Python >= 3.11 (tomllib) or tomli") from None
+        import tomli as tomllib  # type: ignore[no-redef]
+    path = path or WORKLOADS_FILE
     try:
         with path.open("rb") as fh:
-            return tomllib.load(fh)
+            data = tomllib.load(fh)
     except FileNotFoundError:
         raise UsageError(f"workloads file {path} does not exist") from None
     except tomllib.TOMLDecodeError as exc:
         raise UsageError(f"workloads file {path} is not valid TOML: {exc}") from None
-
-
-def load_table(path: Path | None = None) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
-    data = _load_toml(path or WORKLOADS_FILE)
-    defaults = data.get("defaults", {})
-    workloads = data.get("workloads", {})
+    defaults, workloads = data.get("defaults", {}), data.get("workloads", {})
     for name, table in [("defaults", defaults), *workloads.items()]:
-        unknown = sorted(set(table) - set(FIELD_NAMES))
-        if unknown:
+        if unknown := sorted(set(table) - set(FIELD_NAMES)):
             raise UsageError(f"workload {name!r}: unknown field(s) {', '.join(unknown)}; "
                              f"valid: {', '.join(FIELD_NAMES)}")
     return defaults, workloads
 
 
 def _parse_value(field: str, raw: str) -> Any:
-    """A CLI/env string -> the field's type (lists are comma separated; extra_args shell-split)."""
+    """A CLI/env string -> lists split on commas, extra_args shell-split; pydantic does the rest."""
     raw = raw.strip()
     if field == "extra_args":
         try:
             return shlex.split(raw)
         except ValueError as exc:
             raise UsageError(f"extra_args={raw!r} is not valid shell quoting ({exc})") from None
-    if field in _LIST_FIELDS:
-        return [x.strip() for x in raw.split(",") if x.strip()]
-    if Workload.model_fields[field].annotation is bool:
-        if raw.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-            raise UsageError(f"{field}={raw!r} is not a boolean; use true/false or 1/0")
-        return raw.lower() in ("1", "true", "yes", "on")
-    return raw
+    return [x.strip() for x in raw.split(",") if x.strip()] if field in _LIST_FIELDS else raw
 
 
 def parse_sets(items: Sequence[str]) -> dict[str, Any]:
@@ -169,37 +148,20 @@ def parse_sets(items: Sequence[str]) -> dict[str, Any]:
 def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in env.items():
-        if key in _RENAMED and value:
-            raise UsageError(f"{key} is no longer read: use {_RENAMED[key]}")
-        if not key.startswith(ENV_PREFIX) or key in _NOT_FIELDS or key in _RENAMED:
+        if not key.startswith(ENV_PREFIX) or key in _NOT_FIELDS:
             continue
         field = key[len(ENV_PREFIX):].lower()
         if field not in FIELD_NAMES:
             raise UsageError(f"unknown environment variable {key}; BENCH_* fields are "
                              f"{', '.join('BENCH_' + f.upper() for f in FIELD_NAMES)}")
-        if value == "":
-            continue
-        out[field] = _parse_value(field, value)
+        if value != "":
+            out[field] = _parse_value(field, value)
     return out
 
 
-# BENCH_* variables that are not workload fields (read elsewhere).
-_NOT_FIELDS = {"BENCH_WORKLOAD", "BENCH_CLIENT_IMAGE", "BENCH_AB_REPEATS",
-               "BENCH_ARGS", "BENCH_IMAGE"}  # the last two: make variables (mk/bench.mk)
-# Gone: the results root has one name for every command.
-_RENAMED = {"BENCH_RESULTS": "K3_RESULTS_DIR (or --results)"}
-
-
-# Workload field -> the settings it is derived from.
-_FROM_SETTINGS = {"url": ("K3_PORT", "K3_BIND_ADDRESS"), "model": ("K3_SERVED_MODEL_NAME",),
-                  "api_key": ("K3_API_KEY",), "tokenizer": ("K3_MODEL", "K3_MODELS_DIR")}
-
-
 def deployment_fields(deployment) -> tuple[dict[str, Any], dict[str, Any]]:
-    """What a workload takes from the deployment: the server URL, the served model name, the
-    API key and the tokenizer (the checkpoint dir). Returns (set, default): the fields whose
-    settings were set (shell, .env, make line, a chosen profile), which win over a workload's
-    table, and the ones from built-in defaults, which a workload's table overrides."""
+    """(set, default): URL, served model, API key and tokenizer from the deployment; the ones
+    whose settings were set win over a workload's table, the others are overridden by it."""
     values = {"url": deployment.url, "model": deployment.served_model_name,
               "api_key": deployment.api_key or "EMPTY",
               "tokenizer": str(deployment.tokenizer) if deployment.tokenizer else ""}
@@ -212,10 +174,8 @@ def deployment_fields(deployment) -> tuple[dict[str, Any], dict[str, Any]]:
 def resolve(name: str, sets: Mapping[str, Any] | None = None,
             env: Mapping[str, str] | None = None, path: Path | None = None,
             deployment=None) -> Workload:
-    """Resolve workload ``name`` with overrides: ``sets`` > ``BENCH_*`` in ``env`` > the
-    deployment's settings that were set > the workload > [defaults] > the deployment's
-    defaults (the deployment is read from ``env`` and .env unless given).
-    Raises UsageError (one line) on bad input."""
+    """Workload ``name`` with its overrides (the deployment is read from ``env`` and .env
+    unless given); UsageError (one line) on bad input."""
     defaults, workloads = load_table(path)
     if name not in workloads:
         raise UsageError(f"unknown workload {name!r}; valid: {', '.join(workloads)}")
@@ -224,10 +184,9 @@ def resolve(name: str, sets: Mapping[str, Any] | None = None,
 
         deployment = load_deployment(env)
     chosen, fallback = deployment_fields(deployment)
-    merged: dict[str, Any] = {**fallback, **defaults, **workloads[name], **chosen}
-    merged.update(env_overrides(os.environ if env is None else env))
-    merged.update(sets or {})
-    merged["name"] = name
+    merged: dict[str, Any] = {**fallback, **defaults, **workloads[name], **chosen,
+                              **env_overrides(os.environ if env is None else env),
+                              **(sets or {}), "name": name}
     try:
         return Workload(**merged)
     except ValidationError as exc:
@@ -236,47 +195,32 @@ def resolve(name: str, sets: Mapping[str, Any] | None = None,
         if not err["loc"]:
             raise UsageError(f"workload {name!r}: {msg}") from None
         loc = ".".join(str(x) for x in err["loc"])
-        bad = merged.get(err["loc"][0])
-        raise UsageError(f"workload {name!r}: {loc}={bad!r}: {msg}") from None
-
-
-# --- the aiperf command line
+        raise UsageError(f"workload {name!r}: {loc}={merged.get(err['loc'][0])!r}: {msg}"
+                         ) from None
 
 
 def aiperf_command(w: Workload, artifact_dir: str, tokenizer: str | None = None) -> list[str]:
-    """The aiperf argv. For decode-8k1k this is exactly the upstream PRs' command plus
-    --artifact-dir.
-
-    ``tokenizer`` is the tokenizer path as the client sees it (default: the workload's path).
-    """
-    cmd = ["aiperf", "profile", "--model", w.model, "--tokenizer", tokenizer or w.tokenizer]
-    if w.tokenizer_trust_remote_code:
-        cmd.append("--tokenizer-trust-remote-code")
-    cmd += ["--url", w.url, "--api-key", w.api_key, "--endpoint-type", w.endpoint_type]
-    if w.streaming:
-        cmd.append("--streaming")
-    if w.use_server_token_count:
-        cmd.append("--use-server-token-count")
-    if w.shared_prefix_tokens:
-        cmd += ["--shared-system-prompt-length", str(w.shared_prefix_tokens)]
-    cmd += ["--synthetic-input-tokens-mean", str(w.isl),
+    """The aiperf argv (decode-8k1k: the upstream PRs' command plus --artifact-dir);
+    ``tokenizer``: its path as the client sees it (default: the workload's)."""
+    flag = lambda on, *args: list(args) if on else []  # noqa: E731
+    return ["aiperf", "profile", "--model", w.model, "--tokenizer", tokenizer or w.tokenizer,
+            *flag(w.tokenizer_trust_remote_code, "--tokenizer-trust-remote-code"),
+            "--url", w.url, "--api-key", w.api_key, "--endpoint-type", w.endpoint_type,
+            *flag(w.streaming, "--streaming"),
+            *flag(w.use_server_token_count, "--use-server-token-count"),
+            *flag(w.shared_prefix_tokens, "--shared-system-prompt-length",
+                  str(w.shared_prefix_tokens)),
+            "--synthetic-input-tokens-mean", str(w.isl),
             "--synthetic-input-tokens-stddev", str(w.isl_stddev),
-            "--output-tokens-mean", str(w.osl),
-            "--output-tokens-stddev", str(w.osl_stddev)]
-    for item in w.extra_inputs:
-        cmd += ["--extra-inputs", item]
-    if w.warmup_request_count:
-        cmd += ["--warmup-request-count", str(w.warmup_request_count)]
-    if len(w.points()) > 1:
-        cmd += ["--sweep-type", w.sweep_type]
-    cmd += ["--concurrency", ",".join(map(str, w.concurrency)),
+            "--output-tokens-mean", str(w.osl), "--output-tokens-stddev", str(w.osl_stddev),
+            *[a for item in w.extra_inputs for a in ("--extra-inputs", item)],
+            *flag(w.warmup_request_count, "--warmup-request-count", str(w.warmup_request_count)),
+            *flag(len(w.points()) > 1, "--sweep-type", w.sweep_type),
+            "--concurrency", ",".join(map(str, w.concurrency)),
             "--request-count", ",".join(map(str, w.request_count)),
-            "--random-seed", str(w.random_seed), "--ui", w.ui]
-    if w.request_timeout_s:
-        cmd += ["--request-timeout-seconds", f"{w.request_timeout_s:g}"]
-    cmd += list(w.extra_args)
-    cmd += ["--artifact-dir", artifact_dir]
-    return cmd
+            "--random-seed", str(w.random_seed), "--ui", w.ui,
+            *flag(w.request_timeout_s, "--request-timeout-seconds", f"{w.request_timeout_s:g}"),
+            *w.extra_args, "--artifact-dir", artifact_dir]
 
 
 def shell_line(argv: Sequence[str]) -> str:
