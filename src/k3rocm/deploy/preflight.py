@@ -165,28 +165,27 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
-def gpu_containers(client, port: int) -> tuple[list[str], bool]:
-    """The running containers that may hold GPU memory: this bundle's servers (our entrypoint's
-    K3_PROFILE in their environment, as provenance finds them) and any other with /dev/kfd
-    mapped in; and whether the only one is the compose server on ``port`` that `make up`
-    keeps or recreates."""
+def gpu_holders(client) -> list[str]:
+    """The running containers that may hold GPU memory, named: this bundle's servers (our
+    entrypoint's K3_PROFILE in their env; with compose project and port) and any other with
+    /dev/kfd mapped in. [] when no engine answers."""
     from k3rocm.deploy.provenance import container_env
 
-    if client is None:
-        return [], False
     try:
-        running = client.containers.list()
+        running = client.containers.list() if client is not None else []
     except Exception:  # noqa: BLE001 - engine gone mid-run: holders unknown
-        return [], False
-    names = []
+        return []
+    out = []
     for c in running:
-        ours = "K3_PROFILE" in container_env(c)
-        kfd = any(d.get("PathOnHost") == "/dev/kfd"
-                  for d in (c.attrs.get("HostConfig") or {}).get("Devices") or [])
-        if ours or kfd:
+        env = container_env(c)
+        ours = "K3_PROFILE" in env
+        if ours or any(d.get("PathOnHost") == "/dev/kfd"
+                       for d in (c.attrs.get("HostConfig") or {}).get("Devices") or []):
             image = (c.image.tags or [c.image.id[:19]])[0]
-            names.append(f"{c.name} ({image}{'' if ours else ', not a k3rocm server'})")
-    return names, len(names) == 1 and _our_server_on(client, port)
+            project = (c.labels or {}).get("com.docker.compose.project")
+            out.append(f"{c.name} ({image}, " + (f"compose project {project}, port "
+                       f"{env.get('K3_PORT', '8000')}" if ours else "not a k3rocm server") + ")")
+    return out
 
 
 def check_hbm(settings, client, sys_root: Path = Path("/sys"),
@@ -210,8 +209,8 @@ def check_hbm(settings, client, sys_root: Path = Path("/sys"),
                      f"used; {what}")
     found = (f"{len(short)} of {len(gpus)} GPU(s) short ({what}): "
              + ", ".join(f"{g} {_gib(used)} used" for g, used, _ in short))
-    holders, only_make_up = gpu_containers(client, settings.port)
-    if holders and only_make_up:
+    holders = gpu_holders(client)
+    if len(holders) == 1 and _our_server_on(client, settings.port):
         return Check(name, "warn", found, f"held by the running compose server {holders[0]}: "
                      "`make up` keeps or recreates it; `make down` frees them for the selftest "
                      "or another server")
