@@ -1,4 +1,4 @@
-"""provenance.exec_text on a real engine: stdout only (stderr never reads as data), None on failure."""
+"""provenance.exec_text on a real engine: stdout only (stderr is never data), None on failure."""
 
 from __future__ import annotations
 
