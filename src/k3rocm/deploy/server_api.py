@@ -31,7 +31,6 @@ class Unreachable(ServerError):
 
     def __init__(self, url: str, exc: Exception):
         self.reason = exc.__class__.__name__
-        self.timed_out = isinstance(exc, _requests().Timeout)
         self.refused = refused(exc)
         super().__init__(f"nothing listening at {url} (connection refused): start the server "
                          "(`make up`; one still starting: `make wait`) or pass --url"
@@ -76,10 +75,7 @@ class ServerAPI:
         self.api_key = api_key
         self.timeout = timeout
         self.session = _requests().Session()
-        self.session.headers.update(self.headers())
-
-    def headers(self) -> dict[str, str]:
-        return auth_headers(self.api_key)
+        self.session.headers.update(auth_headers(api_key))
 
     def request(self, method: str, path: str, timeout: float | None = None, **kwargs: Any):
         try:
