@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -97,7 +97,6 @@ class Deployment:
     cpu: bool  # the CPU stand-in (compose.cpu.yaml), else the AMD GPUs
     cpu_from: str  # which rule of decide_cpu decided
     env_file: str | None = None
-    notes: list[str] = field(default_factory=list)
 
     @property
     def profile(self) -> str:
@@ -137,7 +136,7 @@ class Deployment:
     def to_json(self) -> dict[str, Any]:
         """The resolved view, secrets redacted (what ``--print-deployment`` prints)."""
         out = {k: str(v) if isinstance(v, Path) else v for k, v in vars(self).items()
-               if k not in ("settings", "rendered", "notes", "sources")}
+               if k not in ("settings", "rendered", "sources")}
         return {**out, "compose_files": list(self.compose_files), "profile": self.profile,
                 "api_key": redact_env({"K3_API_KEY": self.api_key or ""})["K3_API_KEY"] or None,
                 "sources": {k: self.sources.get(k, "default") for k in VIEW_SETTINGS}}
@@ -149,7 +148,6 @@ def load_deployment(environ: Mapping[str, str] | None = None, env_file: str | No
     (commands that start a server). UsageError (exit 2) on bad settings.
     """
     environ = dict(os.environ if environ is None else environ)
-    notes: list[str] = []
     dotenv_vals = read_dotenv(env_file) if env_file else {}
     profile = environ.get("K3_PROFILE") or dotenv_vals.get("K3_PROFILE") or None
     cpu, cpu_from = decide_cpu(environ, profile, gpu)
@@ -168,10 +166,8 @@ def load_deployment(environ: Mapping[str, str] | None = None, env_file: str | No
     if rel is not None:
         model_container_dir = s.model
         host_dir = models_dir / rel if rel else models_dir
-    elif s.model.startswith(("/", "./", "../", "~")):
+    elif s.model.startswith(("/", "./", "../", "~")):  # seen by the server only if mounted
         host_dir = _abs(s.model)
-        notes.append(f"K3_MODEL={s.model} is not under {MODELS_MOUNT}: the server container "
-                     "sees it only if it is mounted there")
 
     image = CPU_IMAGE if cpu and sources.get("K3_IMAGE", "default") == "default" else s.image
     return Deployment(
@@ -180,5 +176,4 @@ def load_deployment(environ: Mapping[str, str] | None = None, env_file: str | No
         served_model_name=s.served_model_name, api_key=s.api_key or None, model=s.model,
         models_dir=models_dir, model_container_dir=model_container_dir, model_host_dir=host_dir,
         tokenizer=host_dir, results_root=_abs(s.results_dir), cache_dir=_abs(s.cache_dir),
-        image=image, cpu=cpu, cpu_from=cpu_from, env_file=str(env_file) if env_file else None,
-        notes=notes)
+        image=image, cpu=cpu, cpu_from=cpu_from, env_file=str(env_file) if env_file else None)
