@@ -60,7 +60,6 @@ class ClientResult:
     interrupted: bool
     seconds: float
     log_path: Path
-    container_name: str
 
 
 def run_client(client, image: str, argv: list[str], mounts: dict[str, tuple[str, str]],
@@ -107,7 +106,7 @@ def run_client(client, image: str, argv: list[str], mounts: dict[str, tuple[str,
     finally:
         with contextlib.suppress(Exception):
             container.remove(force=True)
-    return ClientResult(exit_code, interrupted, time.time() - t0, log_path, name)
+    return ClientResult(exit_code, interrupted, time.time() - t0, log_path)
 
 
 def _pump(container, log, progress: bool) -> None:
