@@ -328,7 +328,8 @@ def test_free_hbm(tmp_path):
     assert "card3 15.0 GiB used" in short.have and "card1 " not in short.have
     assert "outside this bundle's containers: `amd-smi process`" in short.fix
     other = preflight.check_hbm(s, _Engine(_Ctr("k3-selftest-server-1", 8123)), sys_root, dev)
-    assert other.status == "fail" and "k3-selftest-server-1 (k3rocm/server:latest, " in other.fix
+    assert other.status == "fail" and "k3-selftest-server-1 (k3rocm/server:latest, port 8123)" \
+        in other.fix
     assert "`make down`" in other.fix
     theirs = preflight.check_hbm(s, _Engine(_Ctr("torch", 9000, ours=False)), sys_root, dev)
     assert theirs.status == "fail" and "torch (rocm/pytorch, not a k3rocm server)" in theirs.fix
@@ -364,7 +365,7 @@ def test_gpu_holders_read_from_real_containers(docker_client, tmp_path):
                 labels={"com.docker.compose.service": service}))
         start("server", port, "server")
         names = preflight.gpu_holders(docker_client)
-        assert f"{tag}-server (k3rocm/debian:bookworm, compose project None, port {port})" in names
+        assert f"{tag}-server (k3rocm/debian:bookworm, port {port})" in names
         only = len(names) == 1  # other project servers on this engine: not only ours
         if only:
             c = preflight.check_hbm(s, docker_client, sys_root, dev)

@@ -167,8 +167,9 @@ def gpu_holders(client) -> list[str]:
                        for d in (c.attrs.get("HostConfig") or {}).get("Devices") or []):
             image = (c.image.tags or [c.image.id[:19]])[0]
             project = (c.labels or {}).get("com.docker.compose.project")
-            out.append(f"{c.name} ({image}, " + (f"compose project {project}, port "
-                       f"{env.get('K3_PORT', '8000')}" if ours else "not a k3rocm server") + ")")
+            what = (f"compose project {project}, " if project else "") + \
+                f"port {env.get('K3_PORT', '8000')}" if ours else "not a k3rocm server"
+            out.append(f"{c.name} ({image}, {what})")
     return out
 
 
