@@ -1,23 +1,9 @@
-"""The CPU stand-in vLLM server for tests: one real server container per test session.
+"""The CPU stand-in vLLM server for tests, started through deploy.lifecycle (compose.yaml +
+compose.cpu.yaml, one project ``k3test-<pid>-<n>`` per server).
 
-``standin_server`` (session fixture) yields a :class:`StandinServer` with ``base_url``, ``model``
-(served name), ``tokenizer_path`` (host path of the smoke model directory: a tokenizer that
-transformers/aiperf/lm-eval load) and ``container`` (docker-py object). It runs our serving
-image (``$K3_SERVER_IMAGE``; by default the ``server_image`` fixture builds
-``k3rocm/server:cpu-0.32.0`` from this tree) through its real entrypoint with
-``K3_PROFILE=cpu-smoke``, the smoke model mounted at /models, a free port published on
-127.0.0.1, and the torch profiler armed (idle until ``/start_profile``) writing to
-``/results/traces`` on the session's results directory (``results_dir``), so the live census
-profiles the same session server instead of starting its own.
-
-Every server is started by :mod:`k3rocm.deploy.lifecycle` through compose (compose.yaml +
-compose.cpu.yaml, one compose project per server: ``k3test-<pid>-<n>``), never by a container
-definition of its own. :func:`start_server` starts another one with extra env (failure tests,
-replicas); call ``.stop()`` on the result (or use it as a context manager): it saves the
-server's log under ``$K3_TEST_CACHE/servers/<project>/`` and removes the project.
-
-The smoke model is generated once into ``$K3_TEST_CACHE/models/k3-smoke`` (default
-/tmp/k3rocm-cache) by ``k3rocm tinymodel`` inside the image, from this tree's definition.
+conftest's ``standin_server`` is one session server (:func:`session_server`: cpu-smoke, the smoke
+model, profiler armed on its results directory). :func:`start_server` starts another (extra env,
+hold double); ``.stop()`` saves its log under ``$K3_TEST_CACHE/servers/<project>/``.
 """
 
 from __future__ import annotations
@@ -40,8 +26,7 @@ DEFAULT_SERVER_IMAGE = "k3rocm/server:cpu-0.32.0"
 CONTAINER_PORT = 8000
 LABEL = "org.k3rocm.test"
 LABEL_PROJECT = "com.docker.compose.project"
-# The engine-hold / step-delay test double (a vLLM general plugin): compose.cpu.yaml mounts
-# K3_TEST_PLUGINS_DIR where the A/B driver's calibration puts it on PYTHONPATH.
+# The step double (a vLLM general plugin) that compose.cpu.yaml mounts from K3_TEST_PLUGINS_DIR.
 from k3rocm.checks.ab.arms import STEP_DELAY_MOUNT as STEP_DOUBLE_MOUNT  # noqa: E402
 
 STEP_DOUBLE_DIR = Path(__file__).resolve().parent / "doubles" / "stepdelay"
@@ -50,23 +35,13 @@ HOLD_NAME = ".k3test-hold"
 DELAY_NAME = ".k3test-delay-ms"
 HEALTH_TIMEOUT = float(os.environ.get("K3_TEST_SERVER_TIMEOUT", "420"))
 
-__all__ = [
-    "StandinServer",
-    "ServerStartError",
-    "ensure_smoke_model",
-    "start_server",
-    "standin_server",
-    "SMOKE_MODEL",
-    "MODELS_DIR",
-]
-
 
 class ServerStartError(RuntimeError):
     """The server container exited or did not become healthy; the message has the log tail."""
 
 
 def _progress(msg: str, end: str = "\n") -> None:
-    # Straight to the terminal: pytest captures sys.stderr during fixtures.
+    # pytest captures sys.stderr during fixtures
     stream = sys.__stderr__ or sys.stderr
     stream.write(msg + end)
     stream.flush()
@@ -94,16 +69,13 @@ class StandinServer:
             return f"<no logs: {exc}>"
 
     def stop(self, timeout: int = 10) -> None:
-        """Save the server log beside the project's files, then compose down."""
         self.compose.down(log_path=self.log_path, timeout=timeout)
 
     @contextlib.contextmanager
     def hold(self, timeout: float = 300):
-        """Freeze this server's engine (the test double's ``K3_TEST_HOLD_FILE``, see
-        tests/doubles/stepdelay): while the block runs, an engine step with requests does not
-        run. Yields a function ``wait_held()`` that returns once a request is held in the
-        engine (the double writes ``<hold>.held``): an observable event, never a sleep. The
-        hold is released when the block ends, also on failure."""
+        """Freeze the engine (the step double's hold file) while the block runs. Yields
+        ``wait_held()``, which returns once a request is held (the double writes ``<hold>.held``).
+        """
         if not self.hold_file:
             raise RuntimeError("this server was started without the hold double "
                                "(start_server(..., hold=True))")
@@ -130,10 +102,7 @@ class StandinServer:
 
     @contextlib.contextmanager
     def slowed(self, ms: float):
-        """Every engine step of this server sleeps ``ms`` more while the block runs (the test
-        double's ``K3_TEST_DELAY_FILE``): tokens come at least ``ms`` apart, so an API server
-        that a loaded machine deschedules for less than that still sends one chunk per
-        token. The server log says when the switch is loaded; the block ends it."""
+        """Every engine step sleeps ``ms`` more while the block runs (the double's delay file)."""
         if not self.hold_file:
             raise RuntimeError("this server was started without the step double "
                                "(start_server(..., hold=True))")
@@ -152,17 +121,13 @@ class StandinServer:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    # Mapping-style access for tests that take (base_url, model) generically.
     def __getitem__(self, key: str):
         return getattr(self, key)
 
 
 def ensure_smoke_model(client, image: str, models_dir: Path = MODELS_DIR) -> Path:
-    """Generate the smoke model into ``models_dir/k3-smoke`` unless it is already current.
-
-    Runs ``k3rocm tinymodel`` from this tree's src/ inside ``image`` (torch + transformers are
-    there); the generator itself skips the work when the definition hash matches. A file lock
-    keeps concurrent sessions from generating it twice.
+    """The smoke model in ``models_dir/k3-smoke``, generated by ``k3rocm tinymodel``
+    from this tree inside ``image`` (skipped when current; a file lock serializes sessions).
     """
     models_dir.mkdir(parents=True, exist_ok=True)
     out = models_dir / SMOKE_MODEL
@@ -196,7 +161,7 @@ def ensure_smoke_model(client, image: str, models_dir: Path = MODELS_DIR) -> Pat
 
 
 def _remove_stale(client) -> None:
-    """Remove test compose projects (``k3test-<pid>-<n>``) whose pytest process is gone."""
+    """Remove test compose projects whose pytest process is gone."""
     from k3rocm.deploy.lifecycle import ComposeServer
 
     stale = set()
@@ -226,14 +191,9 @@ def start_server(
     container_env: dict | None = None,
     hold: bool = False,
 ) -> StandinServer:
-    """Start our server image through compose (compose.yaml + compose.cpu.yaml, its own
-    project) with the cpu-smoke profile (plus ``env``) and wait until it serves the model.
-
-    ``env`` goes to compose (K3_* settings compose.yaml lists), ``container_env`` into the
-    container only (test switches). Raises :class:`ServerStartError` (with the log tail) if
-    the container exits or is not ready within ``timeout`` seconds; it is removed then.
-    ``host_port`` fixes the port (default: a free one), ``name`` the compose project.
-    ``hold=True`` loads the engine-hold test double (:meth:`StandinServer.hold`).
+    """Start our server image with the cpu-smoke profile (plus ``env`` for compose,
+    ``container_env`` for the container only) and wait until it serves; ServerStartError with the
+    log tail otherwise (the project is removed). ``hold``: load the step double.
     """
     global _count
     from k3rocm.deploy.lifecycle import ComposeServer
@@ -303,10 +263,7 @@ def start_server(
 
 
 def session_server(request, docker_client, tmp_path_factory):
-    """One stand-in server for the whole session (cpu-smoke profile, smoke model, profiler
-    armed on the results directory). The fixture ``standin_server`` in conftest.py yields
-    from this: a fixture defined in (or imported into) a test module is one instance per
-    module, which started one server per module."""
+    """One stand-in server for the whole session (conftest's ``standin_server``)."""
     image = os.environ.get("K3_SERVER_IMAGE")
     if image:
         need(_image_exists(docker_client, image), f"K3_SERVER_IMAGE={image} does not exist")
@@ -325,6 +282,5 @@ def session_server(request, docker_client, tmp_path_factory):
         server.stop()
 
 
-# Test modules still `from server_fixture import standin_server`: a plain name (not a fixture),
-# so their tests get conftest.py's one session fixture.
+# a plain name, so importing modules get conftest.py's session fixture
 standin_server = None

@@ -1,12 +1,5 @@
-"""The client image's packages: a committed, hashed lock, fetched the same way by any host Python.
-
-- The lock pins every package with a sha256 and names the two tools at their versions (typed here).
-- ``clientlock.py lock`` refuses a pip report that was not resolved by Python 3.11 on x86_64 (the
-  image's interpreter), so a host-side resolution by another Python cannot slip in.
-- The fetch step run by Python 3.10, 3.11 and 3.12 (the hosts of Ubuntu 22.04, Debian 12,
-  Ubuntu 24.04; whichever are installed) runs the same pip command and really fetches the same
-  CPython 3.11 files for a slice of the lock (a cp311 wheel, a pure wheel, an sdist).
-- The built image holds exactly the locked set (``docker``; the image from ``make clients-image``).
+"""The client image's packages: a committed, hashed lock (resolved by the image's Python 3.11 on
+x86_64), fetched the same by any host Python 3.10-3.12; the built image holds exactly that set.
 """
 
 from __future__ import annotations

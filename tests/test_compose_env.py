@@ -1,10 +1,5 @@
-"""What `make config` prints is what the server container gets (real compose, stand-in image).
-
-The host renders with the shell and a project `.env`; the container renders inside, with only
-what compose hands it (its `environment:` list, `env_file: .env` and the vendor file that
-`k3rocm config --vendor-env-file` writes from the shell). Both renderings must agree on every
-variable: vendor values set in the shell or `.env` reach the container, and nothing that the
-host printed is missing or different there.
+"""What `make config` prints is what the server container gets (real compose, stand-in image):
+shell and `.env` vendor values reach the container, nothing printed is missing or different.
 """
 
 from __future__ import annotations
@@ -58,9 +53,8 @@ def test_config_printout_is_what_the_container_gets(docker_client, server_image,
 
 
 def test_the_image_checks_what_its_own_vllm_knows(docker_client, server_image):
-    """The build records the installed vLLM's load formats and env names (base facts); the
-    entrypoint then warns on a typo of a VLLM_* name (one stderr line, rc 0, closest name)
-    and refuses a load format that release lacks (0.32.0: bitsandbytes) before vLLM starts."""
+    """The entrypoint warns on a VLLM_* typo (closest name) and refuses a load format the
+    image's vLLM lacks (0.32.0: bitsandbytes), from the base facts the build recorded."""
     def run(**env):
         env = {"K3_PROFILE": "cpu-smoke", "K3_MODEL": "/tmp", **env}
         return subprocess.run(["docker", "run", "--rm", *(a for k, v in env.items()

@@ -1,7 +1,6 @@
-"""One Deployment value: the CPU-stand-in-or-GPU decision is made once
-(:func:`k3rocm.deploy.deployment.decide_cpu`), and every command takes its K3_* values from the
-Deployment (shell > .env > profile > default), never from ``os.environ`` alone. Each test below
-is a place where two modules, or the shell and ``.env``, must agree."""
+"""One Deployment value: the CPU-or-GPU decision is made once (deployment.decide_cpu) and every
+command takes its K3_* values from it (shell > .env > profile > default).
+"""
 
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ CPU_FILE = "compose.cpu.yaml"
 
 @pytest.fixture
 def clean(monkeypatch, tmp_path):
-    """No K3_* and no COMPOSE_FILE from the caller's shell; the working directory has no .env."""
+    """No K3_* or COMPOSE_FILE from the caller's shell; no .env in the working directory."""
     import os
 
     for k in list(os.environ):
@@ -30,7 +29,6 @@ def clean(monkeypatch, tmp_path):
 
 
 def _kfd(monkeypatch, tmp_path, present: bool) -> None:
-    """The AMD GPU probe, made deterministic (this machine has no /dev/kfd)."""
     kfd = tmp_path / "kfd"
     if present:
         kfd.touch()
@@ -43,9 +41,7 @@ def _files(argv: list[str]) -> set[str]:
 
 @pytest.mark.parametrize("gpu_node", [True, False])
 def test_server_and_deployment_make_the_same_decision(clean, monkeypatch, gpu_node):
-    """`k3rocm server up` (lifecycle) and every client (the Deployment) run the same compose
-    files, also on a host without /dev/kfd and no COMPOSE_FILE (compose.cpu.yaml for both the
-    server and the Deployment's URL, served name and image)."""
+    """`k3rocm server up` and every client run the same compose files."""
     _kfd(monkeypatch, clean, gpu_node)
     srv, dep = lifecycle.deployment_server(env_file=None)
     assert _files(srv.argv("ps")) == set(dep.compose_files)
@@ -92,8 +88,7 @@ def _ab_args(*argv: str) -> argparse.Namespace:
 
 @pytest.mark.parametrize("compose_file", ["compose.yaml", f"compose.yaml:{CPU_FILE}"])
 def test_ab_arms_follow_make_like_make_up(clean, monkeypatch, compose_file):
-    """`make bench-ab` (COMPOSE_FILE exported, no --no-gpu) starts arm servers with the files
-    `make up` uses: COMPOSE_FILE wins over probing /dev/kfd."""
+    """`make bench-ab` arm servers use the files `make up` uses."""
     from k3rocm.checks.ab.arms import arms_from_args
 
     monkeypatch.setenv("COMPOSE_FILE", compose_file)
@@ -104,9 +99,9 @@ def test_ab_arms_follow_make_like_make_up(clean, monkeypatch, compose_file):
 
 @pytest.mark.parametrize("where", ["shell", ".env"])
 def test_ab_arm_servers_get_the_deployments_paths_and_image(clean, monkeypatch, where):
-    """K3_IMAGE, K3_MODELS_DIR and K3_CACHE_DIR reach the arm servers (and the recorded server
-    settings) the same whether set in the shell or in .env (--env-file): not left to compose,
-    which reads the repository's .env, and never missing from the record."""
+    """K3_IMAGE, K3_MODELS_DIR, K3_CACHE_DIR reach the arm servers and their record alike
+    from the shell or .env.
+    """
     from k3rocm.checks.ab.arms import arms_from_args
 
     models, cache = clean / "m", clean / "c"
@@ -133,8 +128,6 @@ def test_ab_models_dir_from_dotenv_is_checked_before_any_server(clean):
 
 
 def test_selftest_server_and_its_deployment_agree(clean, monkeypatch):
-    """The selftest's server and its deployment (served name, image, run record) take the one
-    CPU-or-GPU decision (no /dev/kfd, no COMPOSE_FILE)."""
     from k3rocm.checks import selftest
 
     (clean / "models" / "x").mkdir(parents=True)
@@ -146,8 +139,7 @@ def test_selftest_server_and_its_deployment_agree(clean, monkeypatch):
 
 @pytest.mark.parametrize("where", ["shell", ".env"])
 def test_selftest_on_the_standin_keeps_a_fusion_switch_the_user_set(clean, monkeypatch, where):
-    """On the stand-in the selftest turns the fusions off unless the user set a switch: from the
-    shell or from .env alike."""
+    """On the stand-in the selftest turns the fusions off unless the user set a switch."""
     from k3rocm.checks import selftest
 
     _kfd(monkeypatch, clean, False)
@@ -164,8 +156,7 @@ def test_selftest_on_the_standin_keeps_a_fusion_switch_the_user_set(clean, monke
 
 
 def test_gsm8k_looks_in_the_deployments_cache_dir(clean, monkeypatch):
-    """K3_CACHE_DIR from .env: the GSM8K items under <cache>/huggingface are found (not under
-    ./cache/huggingface)."""
+    """K3_CACHE_DIR from .env: GSM8K items are found under <cache>/huggingface."""
     from k3rocm.checks.gsm8k import data
 
     monkeypatch.delenv("HF_HOME", raising=False)
@@ -181,7 +172,6 @@ def test_gsm8k_looks_in_the_deployments_cache_dir(clean, monkeypatch):
 
 
 def test_smoke_writes_into_the_deployments_results_root(clean, monkeypatch):
-    """K3_RESULTS_DIR from .env is where smoke saves the server log."""
     from k3rocm.dev import smoke
 
     seen = {}
@@ -206,8 +196,7 @@ def test_smoke_writes_into_the_deployments_results_root(clean, monkeypatch):
 
 
 def test_demo_port_is_the_deployments(clean, tmp_path):
-    """K3_PORT from .env is the demo's port (a bad one is a one-line exit 2 before anything
-    starts, not 8000 and on to the engine check)."""
+    """K3_PORT from .env is the demo's port: a bad one is a one-line exit 2 first."""
     (clean / ".env").write_text("K3_PORT=70000\n")
     p = run_cli("demo", "--results", str(tmp_path / "r"), cwd=clean,
                 env={"DOCKER_HOST": f"unix://{tmp_path}/no-engine.sock"})
@@ -216,8 +205,6 @@ def test_demo_port_is_the_deployments(clean, tmp_path):
 
 
 def test_demo_names_the_image_make_up_runs(clean, monkeypatch):
-    """The demo's summary names the deployment's image (K3_IMAGE from .env too), never its
-    own copy of compose.cpu.yaml's default."""
     import time
 
     from k3rocm.dev import demo
@@ -234,8 +221,6 @@ def test_demo_names_the_image_make_up_runs(clean, monkeypatch):
 
 
 def test_image_defaults_are_compose_files_own():
-    """The Deployment's image defaults are the ones compose interpolates: compose.yaml's is
-    K3_IMAGE's default, compose.cpu.yaml's is deployment.CPU_IMAGE."""
     import re
 
     from conftest import REPO

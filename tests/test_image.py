@@ -111,15 +111,6 @@ def test_docker_stop_reaches_the_server_process(docker_client, server_image, tmp
         c.remove(force=True)
 
 
-def test_compose_config_is_valid():
-    import subprocess
-
-    for files in (["-f", "compose.yaml"], ["-f", "compose.yaml", "-f", "compose.cpu.yaml"]):
-        proc = subprocess.run(["docker", "compose", *files, "config", "-q"], cwd=REPO,
-                              capture_output=True, text=True, timeout=60)
-        assert proc.returncode == 0, proc.stderr
-
-
 def test_linters_are_clean():
     import subprocess
 

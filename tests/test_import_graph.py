@@ -59,3 +59,10 @@ def test_the_head_count_is_the_checkpoint_configs():
 
     cfg = json.loads((REPO / "tests/data/census/models/kimi-k3/config.json").read_text())
     assert cfg["text_config"]["num_attention_heads"] == KIMI_K3_HEADS
+
+
+def test_single_node_deploy_imports_nothing_of_scale_out():
+    graph = import_graph(SRC)
+    single = {m for m in graph if m.startswith("k3rocm.deploy.")
+              and not m.startswith("k3rocm.deploy.scale")}
+    assert {m: d for m in single if (d := {x for x in graph[m] if ".deploy.scale" in x})} == {}

@@ -1,14 +1,6 @@
-"""`make down` (deploy.lifecycle.ComposeServer.down) on a real Docker engine and Compose.
-
-A scale node is started with its rendered override (`docker compose -f compose.yaml -f
-nodeN.yaml up -d`), whose `stop_grace_period` is the drain plus 30 s, while `make down` loads
-compose.yaml alone. Compose applies the grace period the container was created with when `down`
-gets no `--timeout` (checked here: the override's value, not compose.yaml's); an explicit
-`--timeout 60`, as `down` passed before, cut a 300 s drain at 60 s.
-
-The grace period used is read from the engine's own events (the time between its SIGTERM and
-its SIGKILL to a container that ignores SIGTERM): 3 s here, against compose.yaml's 40 s and the
-old fixed 60 s, so the check has a wide margin on a loaded machine.
+"""`make down` keeps the grace period the container was created with (a scale node's override:
+drain + 30 s), read from the engine's own SIGTERM -> SIGKILL events: 3 s here against
+compose.yaml's 40 s.
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
-"""A server that fails to start, on the real Docker engine with the real compose files
-(compose.yaml + compose.cpu.yaml) and our serving image on the CPU stand-in.
+"""A server that fails to start (``K3_MODEL=/models/no-such-model``: the entrypoint exits 2 in
+seconds), on the real engine with the real compose files and the CPU stand-in image.
 
-The failure is the entrypoint's own: ``K3_MODEL=/models/no-such-model`` passes the host side of
-``k3rocm server up`` (only ``make up``'s config step checks the checkpoint on the host) and the
-container then exits 2 within seconds with one ``k3rocm: error:`` line
-(test_standin.py::test_missing_model_fails_fast_with_one_line), every time it is started.
-
-- ``k3rocm server up`` (what ``make up`` runs; the A/B arms, selftest, smoke and the tests'
-  server fixture wait through the same ``ComposeServer.wait``): exit 3, the container stopped
-  and removed (nothing left restarting), its log saved in a run directory under the results
-  root, and the error line names that log; never a container left restarting forever.
-- Plain foreground ``docker compose up`` (no lifecycle): compose.yaml's bounded policy
-  (``on-failure:2``) starts it 3 times in all, then compose returns and the container stays
-  Exited with RestartCount 2 (``unless-stopped`` would never return).
+``k3rocm server up`` exits 3, the container stopped and removed, its log saved in a run
+directory the error names; plain ``docker compose up`` gives up after compose.yaml's
+``on-failure:2``.
 """
 
 from __future__ import annotations
@@ -34,8 +25,7 @@ IMAGE = os.environ.get("K3_SERVER_IMAGE") or "k3rocm/server:cpu-0.32.0"  # serve
 
 @pytest.fixture
 def image(request, docker_client) -> str:
-    """The stand-in serving image as it is (the failure is the entrypoint's, in any build);
-    built only when missing."""
+    """The stand-in serving image, built only when missing."""
     return IMAGE if _image_exists(docker_client, IMAGE) else request.getfixturevalue(
         "server_image")
 
@@ -103,7 +93,8 @@ def test_plain_docker_compose_up_gives_up_after_two_restarts(image, tmp_path):
 
 @pytest.mark.docker
 def test_compose_files_give_the_server_a_bounded_restart_policy():
-    """What `docker compose config` makes of compose.yaml (GPU) and with compose.cpu.yaml."""
+    """`docker compose config` accepts compose.yaml (GPU) and with compose.cpu.yaml, each with
+    a bounded restart policy."""
     import json
 
     for files in (["compose.yaml"], ["compose.yaml", "compose.cpu.yaml"]):
@@ -135,8 +126,7 @@ UP = {"Status": "running", "ExitCode": 0, "FinishedAt": NEVER, "OOMKilled": Fals
      "(urllib.error.URLError: <urlopen error [Errno 111]>)"),
 ])
 def test_failure_reads_the_engines_state(state, restarts, says):
-    """ComposeServer.failure on Docker's inspect State (Engine API ContainerState: Status,
-    ExitCode, OOMKilled, FinishedAt, Health.Status/FailingStreak/Log[].Output; RestartCount)."""
+    """ComposeServer.failure on the Engine API's ContainerState and RestartCount."""
     from types import SimpleNamespace
 
     c = SimpleNamespace(id="c1", reload=lambda: None,
@@ -159,8 +149,6 @@ def test_failure_counts_only_exits_after_the_wait_began():
 
 
 def test_gpu_compose_files_on_a_host_without_kfd_are_refused_before_compose(monkeypatch):
-    """The GPU files map /dev/kfd: on a host without it compose would create the container and
-    fail to start it. Refused first (exit 2, what to do), compose never runs."""
     import k3rocm.deploy.lifecycle as lc
     from k3rocm.errors import UsageError
 
@@ -173,9 +161,8 @@ def test_gpu_compose_files_on_a_host_without_kfd_are_refused_before_compose(monk
 
 @pytest.mark.docker
 def test_a_container_compose_could_not_start_is_removed(image, tmp_path):
-    """Real engine: the port is taken, so compose creates the server container and fails to
-    start it. `server up` exits 2 naming the port, and nothing of the project is left (old
-    code: the Created container stayed)."""
+    """The port is taken: compose creates the container and cannot start it; exit 2, and
+    nothing of the project is left."""
     import socket
 
     project = f"k3portbusy-{os.getpid()}"

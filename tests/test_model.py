@@ -1,13 +1,9 @@
-"""`k3rocm model` (make model): download at a pinned revision, verify, and checkpoint identity.
+"""`k3rocm model`: download at a pinned revision, verify, and checkpoint identity.
 
-The download path runs the real huggingface_hub against a local HTTP server that answers the
-Hub's endpoints for a tiny repository (HF_ENDPOINT): no internet, nothing from the real Hub.
-The endpoints and headers are the ones huggingface_hub 2.x reads (installed sources):
-``GET /api/models/<repo>/tree/<rev>?recursive=...`` (hf_api.HfApi._iter_repo_tree_pages; entries
-``{"type", "path", "size", "oid", "lfs": {"oid", "size", "pointerSize"}}``, hf_api.RepoFile),
-``HEAD``/``GET /<repo>/resolve/<rev>/<file>`` with ``X-Repo-Commit``, ``ETag`` or
-``X-Linked-Etag``/``X-Linked-Size`` (file_download.get_hf_file_metadata), and 404 with
-``X-Error-Code: RevisionNotFound`` for an unknown revision (utils/_http.hf_raise_for_status).
+The download runs the real huggingface_hub against a local HTTP server answering the Hub
+endpoints it reads (HF_ENDPOINT): tree listing, resolve with X-Repo-Commit / ETag /
+X-Linked-Etag, and 404 X-Error-Code RevisionNotFound (huggingface_hub 2.x hf_api,
+file_download, utils/_http).
 """
 
 from __future__ import annotations
@@ -157,8 +153,6 @@ def _copy(tmp_path: Path, files: dict[str, bytes]) -> Path:
     return d
 
 
-# --- verify and identity on a copy made by hand -------------------------------------------------
-
 def test_identity_of_a_copy_hashes_config_and_index_only(tmp_path):
     files = _tiny_repo()
     d = _copy(tmp_path, files)
@@ -228,8 +222,6 @@ def test_verify_cli_exit_codes(tmp_path):
 
 
 def test_verify_checks_each_shards_bytes_against_its_header_and_the_index(tmp_path):
-    """A copy whose files are all there but whose bytes are not is incomplete for each of these
-    (sizes alone, compared with a Hub listing, would call it complete)."""
     files = _tiny_repo()
     n0, n1 = len(files[SHARDS[0]]), len(files[SHARDS[1]])
     d = _copy(tmp_path, files)
@@ -273,8 +265,7 @@ def test_verify_checks_each_shards_bytes_against_its_header_and_the_index(tmp_pa
 
 @pytest.fixture(scope="module")
 def full_size_copy(tmp_path_factory) -> Path:
-    """Kimi-K3's layout at its published dimensions in 96 shards: headers written, each shard
-    then extended to its full size as a sparse file (1.57 TB apparent, a few MB on disk)."""
+    """Kimi-K3's 96 shards at full size as sparse files (1.57 TB apparent, a few MB on disk)."""
     d = tmp_path_factory.mktemp("full") / "Kimi-K3"
     write_checkpoint(d, real_config(), shards=96, data=False)
     for f in d.glob("*.safetensors"):
@@ -287,8 +278,7 @@ def full_size_copy(tmp_path_factory) -> Path:
 
 
 def test_verify_reads_headers_only_at_full_size(full_size_copy, tmp_path):
-    """1.57 TB (sparse) verify in seconds: only headers are read. Then a partial copy of it
-    (one shard missing, two cut short, one extra) fails with one line per problem, exit 1."""
+    """1.57 TB verifies in seconds (headers only); a partial copy fails, one line per problem."""
     d = full_size_copy
     t0 = time.monotonic()
     ok = run_cli("model", "--verify", "--dir", str(d), timeout=120)
@@ -328,8 +318,6 @@ def test_verify_reads_headers_only_at_full_size(full_size_copy, tmp_path):
     assert lines[5].endswith("5 problem(s); `make model` fetches what is missing")
 
 
-# --- download through huggingface_hub from the local fake Hub -----------------------------------
-
 def test_download_resume_and_dry_run_against_a_local_hub(hub, tmp_path):
     env = _env(hub, tmp_path)
     target = tmp_path / "models" / "Kimi-K3"  # K3_MODELS_DIR + the default K3_MODEL
@@ -351,10 +339,8 @@ def test_download_resume_and_dry_run_against_a_local_hub(hub, tmp_path):
     assert ident["index_sha256"] == hashlib.sha256(
         hub.files["model.safetensors.index.json"]).hexdigest()
 
-    # resumable: after an interruption (a shard missing, huggingface_hub's partial file of it
-    # left behind, named as huggingface_hub names it: _local_folder.LocalDownloadFilePaths.
-    # incomplete_path + file_download._download_to_tmp_and_move's uuid), only that shard is
-    # fetched again, and the partial file goes
+    # resumable: only the missing shard is fetched again; its partial file (named as
+    # huggingface_hub's _local_folder names it) goes
     from huggingface_hub._local_folder import _short_hash
 
     hub.log.clear()
@@ -386,5 +372,3 @@ def test_download_refuses_bad_input_before_fetching(hub, tmp_path):
     for r in (unknown, offline, clash):
         assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
     assert hub.fetched() == []
-    # (an unreachable Hub exits 3 "cannot reach the Hub ...", after huggingface_hub's own ~24 s
-    # of retries: not run here to keep CI lean)

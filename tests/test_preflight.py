@@ -69,19 +69,17 @@ def test_checkpoint(tmp_path):
     assert preflight.check_checkpoint(s).status == "fail"  # no opt-in: a 1.5 TB download
     s = load_settings({**hub, "K3_ALLOW_HUB_DOWNLOAD": "1"}, dotenv=None)[0]
     assert preflight.check_checkpoint(s).status == "warn"
-    r = run_cli("preflight", env={**env, "K3_PORT": str(free_port())}, timeout=120)
-    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("checkpoint"))
-    assert line.split()[1] == "fail" and "no config.json" in line and r.returncode == 1
+    none = preflight.check_checkpoint(load_settings(env, dotenv=None, host_paths=True,
+                                                    check_model=False)[0])
+    assert none.status == "fail" and "no config.json" in none.have and "`make model`" in none.fix
     (tmp_path / "k3").mkdir()
     s = load_settings(env, dotenv=None, host_paths=True)[0]
     assert preflight.check_checkpoint(s).status == "fail"
 
 
 def test_checkpoint_bytes_are_verified(tmp_path):
-    """The checkpoint line reports checkpoint.verify's verdict on the bytes (headers only, timed):
-    a copy whose shards were cut after their headers fails (not a mere 'looks incomplete'
-    warn); a complete small copy is ok on the CPU profile
-    and a warn (not Kimi-K3's size) on the MI355X one."""
+    """checkpoint.verify's verdict on the bytes: cut shards fail; a complete small copy is ok on
+    the CPU profile, a warn (not Kimi-K3's size) on the MI355X one."""
     from kimi_k3_layout import small_config, truncate_data, write_checkpoint
 
     from k3rocm.serving.config import load_settings
@@ -127,9 +125,8 @@ def test_scale_checks():
 
 
 def test_single_node_preflight_ends_with_the_callers_tail(tmp_path):
-    """Single-node preflight runs every check of this node and ends with the tail its caller
-    gives (default: the API port), importing nothing of scale-out; the scale-out tail is the
-    caller's (``k3rocm preflight`` with K3_SCALE_MODE=replicas, tests/test_k8s_check.py)."""
+    """Single-node preflight ends with its caller's tail (default: the API port) and loads
+    nothing of scale-out."""
     code = (
         "import json, sys\n"
         "from k3rocm.deploy import preflight as p\n"
@@ -156,9 +153,8 @@ def test_table_one_line_per_check():
 
 
 def test_the_base_image_and_its_digest(monkeypatch):
-    """The base line names the base and its registry digest (a pulled image) or says it is
-    unknown (a locally built or retagged one); the serving-image line says what it was built
-    FROM and the digest as the build recorded it. Fake engine objects shaped like docker-py's."""
+    """The base line names its registry digest (pulled) or says unknown (local); the serving
+    image line says what it was built FROM. Fake engine objects shaped like docker-py's."""
     import docker
     from k3rocm.deploy.engine import CLIENT_IMAGE
     from k3rocm.serving.basefacts import DEFAULT_BASE_IMAGE
@@ -214,12 +210,10 @@ def test_the_base_image_and_its_digest(monkeypatch):
     assert got["client image"].fix.startswith("run `make clients-image` (only the bench")
 
 
-# --- GPU arch and free HBM on a fake sysfs tree (a tmp dir standing in for /sys and /dev) -----
-
 def _node(sys_root: Path, n: int, gfx: int, simd: int = 1216) -> None:
     d = sys_root / "class/kfd/kfd/topology/nodes" / str(n)
     d.mkdir(parents=True)
-    # the lines the kernel writes (kfd_topology.c node_show), a subset
+    # a subset of kfd_topology.c node_show's lines
     (d / "properties").write_text(f"cpu_cores_count {0 if simd else 64}\nsimd_count {simd}\n"
                                   f"gfx_target_version {gfx}\nvendor_id 4098\n"
                                   f"drm_render_minor {128 + n}\n")
@@ -316,10 +310,7 @@ class _Engine:
 
 
 def test_free_hbm(tmp_path):
-    """K3_GPU_MEMORY_UTILIZATION of every GPU's HBM must be free (vLLM refuses to start
-    otherwise); short GPUs are named, and what holds them: a server container of this bundle,
-    the compose server `make up` keeps (a warn), or processes outside (the fix says how to
-    find them)."""
+    """Every GPU needs K3_GPU_MEMORY_UTILIZATION of its HBM free; the fix names the holder."""
     from k3rocm.serving.config import load_settings
 
     s = load_settings({"K3_PORT": "8000"}, dotenv=None, check_model=False)[0]  # 0.95, TP 8
@@ -337,7 +328,8 @@ def test_free_hbm(tmp_path):
     assert "card3 15.0 GiB used" in short.have and "card1 " not in short.have
     assert "outside this bundle's containers: `amd-smi process`" in short.fix
     other = preflight.check_hbm(s, _Engine(_Ctr("k3-selftest-server-1", 8123)), sys_root, dev)
-    assert other.status == "fail" and "k3-selftest-server-1 (k3rocm/server:latest)" in other.fix
+    assert other.status == "fail" and "k3-selftest-server-1 (k3rocm/server:latest, port 8123)" \
+        in other.fix
     assert "`make down`" in other.fix
     theirs = preflight.check_hbm(s, _Engine(_Ctr("torch", 9000, ours=False)), sys_root, dev)
     assert theirs.status == "fail" and "torch (rocm/pytorch, not a k3rocm server)" in theirs.fix
@@ -354,9 +346,8 @@ def test_free_hbm(tmp_path):
 
 
 def test_gpu_holders_read_from_real_containers(docker_client, tmp_path):
-    """The holders the free-HBM line names, read through the real engine: a container of this
-    bundle (K3_PROFILE in its env) that is the compose server on K3_PORT is the one `make up`
-    keeps (a warn); any other one is named in a fail."""
+    """Holders read through the real engine: our compose server on K3_PORT alone is a warn
+    (`make up` keeps it); any other is named in a fail."""
     from k3rocm.serving.config import load_settings
 
     sys_root, dev = _kfd(tmp_path)
@@ -373,16 +364,16 @@ def test_gpu_holders_read_from_real_containers(docker_client, tmp_path):
                 ports={f"{p}/tcp": ("127.0.0.1", p)},
                 labels={"com.docker.compose.service": service}))
         start("server", port, "server")
-        names, only = preflight.gpu_containers(docker_client, port)
-        assert f"{tag}-server (k3rocm/debian:bookworm)" in names
-        assert only == (len(names) == 1)  # other project servers on this engine: not only ours
+        names = preflight.gpu_holders(docker_client)
+        assert f"{tag}-server (k3rocm/debian:bookworm, port {port})" in names
+        only = len(names) == 1  # other project servers on this engine: not only ours
         if only:
             c = preflight.check_hbm(s, docker_client, sys_root, dev)
             assert c.status == "warn" and f"compose server {tag}-server" in c.fix
         start("selftest", other, "selftest")
         c = preflight.check_hbm(s, docker_client, sys_root, dev)
-        assert c.status == "fail" and f"{tag}-selftest (k3rocm/debian:bookworm)" in c.fix
-        assert f"{tag}-server (k3rocm/debian:bookworm)" in c.fix and "`make down`" in c.fix
+        assert c.status == "fail" and f"{tag}-selftest (k3rocm/debian:bookworm, " in c.fix
+        assert f"{tag}-server (k3rocm/debian:bookworm, " in c.fix and "`make down`" in c.fix
     finally:
         for ctr in started:
             ctr.remove(force=True)

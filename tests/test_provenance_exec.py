@@ -1,6 +1,4 @@
-"""Reading a running container (deploy/provenance.py ``exec_text``) on a real Docker engine:
-the rendered record, the census drive and the bench A/B's copies read its stdout, so a message
-on stderr must never read as data, and a failed command is None."""
+"""provenance.exec_text on a real engine: stdout only (stderr is never data), None on failure."""
 
 from __future__ import annotations
 

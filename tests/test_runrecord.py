@@ -1,9 +1,5 @@
-"""The one run record (k3rocm.deploy.runrecord), the one redaction rule and the one exit-code table.
-
-The record written by a real command: an offline census over crafted traces, with the model
-dir, the results root and an API key given only as deployment settings. The records of live
-runs (bench, gsm8k) are checked against real servers in tests/test_bench_standin.py and
-tests/test_gsm8k_e2e.py.
+"""The one run record (deploy.runrecord), the one redaction rule and the one exit-code table.
+Live runs' records are checked against real servers in test_bench_standin and test_gsm8k_e2e.
 """
 
 from __future__ import annotations
@@ -22,8 +18,7 @@ DATA = REPO / "tests" / "data" / "census"
 SECRET = "rr-secret-1234"
 
 
-def test_one_redaction_rule_covers_both_old_lists():
-    # The names of the former config.SECRET_KEYS and provenance.SECRET_KEYS/_is_secret.
+def test_one_redaction_rule():
     secret = ["K3_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "VLLM_API_KEY",
               "OPENAI_API_KEY", "TOKEN", "API_KEY", "GITHUB_TOKEN", "AWS_SECRET",
               "DB_PASSWORD", "my_api_key"]
@@ -147,3 +142,11 @@ def test_host_state_records_governor_numa_and_the_gpu_tool_or_says_it_is_missing
     bare = runrecord.host_state(which=lambda t: None, run=run, root=str(tmp_path / "none"))
     assert bare["gpu"].startswith("no amd-smi or rocm-smi on this host")
     assert runrecord.build()["host"]["gpu"]  # in every run record
+
+
+def test_topology_is_the_callers_else_one_node():
+    got = runrecord.build(url="http://127.0.0.1:8123")["topology"]
+    assert got == {"mode": "single", "url": "http://127.0.0.1:8123", "via_router": False,
+                   "nodes": ["127.0.0.1:8123"]}
+    routed = {"mode": "replicas", "via_router": True}
+    assert runrecord.build(url="http://127.0.0.1:8123", topology=routed)["topology"] == routed

@@ -1,11 +1,6 @@
 """Readers of a running server read what ``k3rocm serve`` rendered (its record in the server
-container, ``serving.serve_cmd.RENDERED_FILE``), not the argv/env reverse-engineered from the
-process; a server without the record is read from its container's env only (its argv is
-unknown), and the result says so.
-
-The record's shape is what ``serving.config.Rendered.to_json`` writes (``{"env", "argv",
-"sources"[, "base"]}``; tests/test_basefacts.py runs the real ``k3rocm serve`` to write one); a
-run record's ``server`` is what ``deploy.provenance.collect_provenance`` returns.
+container), not a reverse-engineered argv/env; without the record, the container's env only
+(argv unknown), and the result says so.
 """
 
 from __future__ import annotations
@@ -39,7 +34,6 @@ CONTAINER_ENV = {"K3_TP": "4", "K3_FUSE_QK_NORM": "1", "K3_MTP_K": "2", "PATH": 
 
 
 def server_prov(rendered: dict | None) -> dict:
-    """collect_provenance's output, trimmed to what the readers take."""
     return {"vllm_version": "0.27.1", "rendered": rendered,
             "container": {"image_ref": "k3rocm/server:latest", "image_id": "sha256:1",
                           "env": CONTAINER_ENV},
@@ -84,15 +78,12 @@ SPEC2 = ["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}
     (True, ["vllm", "serve", "m"], {"K3_MTP_K": "2"}, 0),  # the record's argv says it all
     (False, None, {"K3_MTP_K": " 2"}, 2),  # no record: the container's K3_MTP_K
     (False, None, {"K3_MTP_K": "0"}, 0),
-    # Before, the census noted "speculative" on any --speculative-config while the bench
-    # counted 1 token per step for these two: one answer now.
     (True, ["vllm", "serve", "m", "--speculative-config", "{not json"], {}, 0),
     (True, ["vllm", "serve", "m", "--speculative-config", '{"num_speculative_tokens": 0}'],
      {}, 0),
 ])
 def test_one_answer_to_does_this_server_decode_speculatively(rendered, argv, env, k):
-    """``ServedAs.speculative`` is asked by the bench (tokens per engine step: 1 + k) and by the
-    census (its speculative-decoding note when k > 0)."""
+    """``ServedAs.speculative``: the bench's tokens per step and the census's note agree."""
     prov = {"rendered": {"argv": argv, "env": env} if rendered else None,
             "container": {"env": env}}
     assert served_as(prov).speculative[0] == k
@@ -110,16 +101,12 @@ def test_one_answer_to_does_this_server_decode_speculatively(rendered, argv, env
     ([], 0),  # env-style profiler (older vLLM) or none
 ])
 def test_the_census_waits_for_the_profiler_only_when_it_stops_itself(argv, n):
-    """``ServedAs.profiler_max_iterations``: > 0 makes the census's load run until the
-    server's trace file appears (vLLM's profiler stops itself then); 0 falls back to counting
-    tokens."""
     prov = {"rendered": {"argv": ["vllm", "serve", "m", *argv], "env": {}}}
     assert served_as(prov).profiler_max_iterations == n
 
 
 class Container:
-    """docker-py's Container as the readers use it: attrs (docker inspect), name, and the
-    engine's exec calls (client.api), recorded: only the cat of the record is answered."""
+    """docker-py's Container as the readers use it; only the cat of the record answers."""
 
     name = id = "srv"
 
@@ -159,8 +146,7 @@ def test_container_reader_reads_the_record_and_without_it_only_the_env():
 
 
 def test_offline_claim_reads_the_recorded_rendering(tmp_path):
-    """A run record holding the rendered settings: the claim is the rendered K3_FUSE_* (here
-    the base facts switched qk_norm off), not the container's env (which asked it on)."""
+    """An offline census claims the recorded rendering's K3_FUSE_*, not the container env's."""
     run = tmp_path / "run"
     shutil.copytree(DATA / "rocm-on", run / "traces")
     (run / "provenance.json").write_text(json.dumps({"server": server_prov(RENDERED)}))
@@ -174,7 +160,7 @@ def test_offline_claim_reads_the_recorded_rendering(tmp_path):
     # the traces ran the fused q/kv norm: asked off, the census fails on it
     assert p.returncode == 1 and "(qk_norm asked off)" in p.stdout, p.stdout + p.stderr
     assert claim["source"].startswith("the server's rendered settings recorded in"), claim
-    # without the record: the container's env (qk_norm asked on), as before
+    # without the record: the container's env (qk_norm asked on)
     (run / "provenance.json").write_text(json.dumps({"server": server_prov(None)}))
     q, claim = census(tmp_path / "r2")
     assert q.returncode == 0, q.stdout + q.stderr
@@ -182,7 +168,6 @@ def test_offline_claim_reads_the_recorded_rendering(tmp_path):
 
 
 def _without_world_size(src: Path, dest: Path) -> Path:
-    """The traces of ``src`` as a build whose traces lack distributedInfo."""
     dest.mkdir()
     for f in src.glob("*.pt.trace.json.gz"):
         doc = json.loads(gzip.decompress(f.read_bytes()))
@@ -196,9 +181,9 @@ def opts(**kw) -> pipeline.Analysis:
 
 
 def test_census_world_size_from_the_rendering(tmp_path):
-    """2 ranks traced, no distributedInfo: the rendered TP 2 makes the rank check pass, and the
-    check says where it came from; a server without the record leaves it unknown (bad input:
-    pass --world-size)."""
+    """No distributedInfo in the traces: the rendered TP is the world size; without the
+    record it is unknown (pass --world-size).
+    """
     d = _without_world_size(DATA / "rocm-on", tmp_path / "t")
     c = pipeline.analyse(d, opts(), from_cli("all=on"), None,
                          served=served_as(server_prov(RENDERED)))
@@ -212,10 +197,9 @@ def test_census_world_size_from_the_rendering(tmp_path):
 
 
 def test_upstream_comparison_judges_the_rendered_env():
-    """The base facts switched decode Q-prep off when the server started (K3_FUSE_DECODE_QPREP=0
-    in its rendering) while its container asked for the default (on): the census compares with
-    the stock side of vLLM PR #57640's launch counts, not the fused side a second rendering of
-    the container's env would claim."""
+    """The base facts switched decode Q-prep off at start: the census is the stock side
+    of vLLM PR #57640's counts, not the fused side a second rendering would claim.
+    """
     from k3rocm.deploy.runrecord import upstream_comparison
     from k3rocm.serving.config import render
 
@@ -228,10 +212,7 @@ def test_upstream_comparison_judges_the_rendered_env():
     assert upstream_comparison("census", server=server)["text"].endswith("fused side")
 
 
-# --- what the server itself reported (its log, its /metrics), not what its argv asked -------------
-
-# Lines shaped as vLLM 0.32.0 logs them (vllm/v1/engine/core.py:133 with VllmConfig.__str__,
-# vllm/config/vllm.py:2703; vllm/platforms/cpu.py:521); the live test reads the real ones.
+# shaped as vLLM logs it (vllm@0.32.0:vllm/v1/engine/core.py:133); a live test reads real ones
 ENGINE_LINE = ("(EngineCore pid=37) INFO 12-05 08:23:45 [core.py:133] Initializing a V1 LLM engine "
                "(v0.32.0) with config: model='/models/m', speculative_config={spec}, "
                "enforce_eager=False, enable_prefix_caching=True, enable_chunked_prefill=True, "
@@ -241,8 +222,7 @@ MTP2 = "SpeculativeConfig(method='mtp', model='/models/m', num_spec_tokens=2)"
 
 
 def test_prefix_caching_speculation_and_graphs_come_from_the_servers_own_report():
-    """Prefix caching as the server reports it, not from the argv: a server asked
-    --enable-prefix-caching that turned it off (and logged so) is recorded off."""
+    """Prefix caching as the server reports it: asked on, logged off, recorded off."""
     from k3rocm.deploy.provenance import served_config
 
     log = ENGINE_LINE.format(spec=MTP2) + "\nGraph capturing finished in 41 secs, took 1.2 GiB\n"
@@ -277,9 +257,9 @@ def test_prefix_caching_speculation_and_graphs_come_from_the_servers_own_report(
 
 
 def test_exec_text_waits_for_the_engine_to_record_the_exit():
-    """The output stream can end before the engine has processed the exec's exit: inspected
-    then, it is still Running with no ExitCode (moby/moby#19607; docker-py's exec_run returned
-    exit code None and a CI run failed on it)."""
+    """An exec inspected as its stream ends can be Running with no ExitCode
+    (moby/moby#19607): exec_text waits for the engine's record.
+    """
     from k3rocm.deploy.provenance import exec_text
 
     class Api:

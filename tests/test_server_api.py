@@ -17,23 +17,26 @@ def vllm(fake_vllm):
 @pytest.mark.parametrize("key", [None, "", "EMPTY"])
 def test_no_key_sends_no_header(vllm, key):
     api = ServerAPI(vllm.url, key)
-    assert auth_headers(key) == {} and api.headers() == {}
-    assert api.health() == 200 and api.models() == ["k3-smoke"]
+    assert auth_headers(key) == {} and api.health() == 200 and api.models() == ["k3-smoke"]
     api.start_profile()
     assert [a for _, _, a in vllm.seen] == [None, None, None]
 
 
-def test_a_key_goes_on_every_request_and_opens_v1(vllm):
+def test_a_key_goes_on_every_request_and_the_profiler_endpoints(vllm):
     vllm.key = "s3cret"
     api = ServerAPI(vllm.url + "/", "s3cret")  # a trailing slash is no second path
-    assert api.headers() == {"Authorization": "Bearer s3cret"}
     assert api.health() == 200 and api.models() == ["k3-smoke"]
-    assert api.model_list() == [{"id": "k3-smoke", "object": "model"}]
     assert api.metrics_text().startswith("vllm:num_requests_running")
+    api.start_profile()
     api.stop_profile()
     assert vllm.seen == [(m, p, "Bearer s3cret") for m, p in [
-        ("GET", "/health"), ("GET", "/v1/models"), ("GET", "/v1/models"), ("GET", "/metrics"),
-        ("POST", "/stop_profile")]]
+        ("GET", "/health"), ("GET", "/v1/models"), ("GET", "/metrics"),
+        ("POST", "/start_profile"), ("POST", "/stop_profile")]]
+    vllm.profiler = False
+    with pytest.raises(ServerError, match="answered 404: the server was started without a "
+                       "profiler; set K3_PROFILER_DIR") as ei:
+        api.start_profile()
+    assert ei.value.exit_code == EXIT_SERVER
 
 
 @pytest.mark.parametrize("key", [None, "EMPTY", "wrong"])
@@ -43,8 +46,7 @@ def test_401_on_models_is_one_line_exit_3(vllm, key):
     with pytest.raises(ServerError) as ei:
         ServerAPI(url, key).models()
     assert ei.value.exit_code == EXIT_SERVER
-    assert str(ei.value) == (f"server at {url} refused /v1/models (HTTP 401); set K3_API_KEY "
-                             "to the server's key")
+    assert f"server at {url} refused /v1/models (HTTP 401); set K3_API_KEY" in str(ei.value)
 
 
 @pytest.mark.parametrize("answer, says", [
@@ -61,42 +63,26 @@ def test_other_model_list_answers_are_server_errors(vllm, answer, says):
     assert ei.value.exit_code == EXIT_SERVER and "\n" not in str(ei.value)
 
 
-def test_profiler_posts_and_a_server_without_profiler(vllm):
-    api = ServerAPI(vllm.url, "k")
-    api.start_profile()
-    api.stop_profile()
-    assert vllm.seen == [("POST", "/start_profile", "Bearer k"),
-                             ("POST", "/stop_profile", "Bearer k")]
-    vllm.profiler = False
-    with pytest.raises(ServerError, match="answered 404: the server was started without a "
-                       "profiler; set K3_PROFILER_DIR") as ei:
-        api.start_profile()
-    assert ei.value.exit_code == EXIT_SERVER
-
-
 def test_no_server_is_unreachable_with_its_reason():
     url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(Unreachable) as ei:
         ServerAPI(url).health()
     e = ei.value
-    assert (e.reason, e.timed_out, e.refused, e.exit_code) == ("ConnectionError", False, True,
-                                                              EXIT_SERVER)
+    assert (e.reason, e.refused, e.exit_code) == ("ConnectionError", True, EXIT_SERVER)
     assert str(e).startswith(f"nothing listening at {url} (connection refused): start the "
                              "server (`make up`")
 
 
-def test_an_answer_that_never_comes_is_not_refused(vllm):
+def test_a_server_that_never_answers_times_out_and_is_not_refused(vllm):
     with pytest.raises(Unreachable) as ei:
         ServerAPI(vllm.url, timeout=0.3).get("/hang")
-    assert not ei.value.refused and "nothing listening" not in str(ei.value)
+    assert ei.value.reason == "ReadTimeout" and not ei.value.refused
+    assert "nothing listening" not in str(ei.value)
 
 
 # --- connection refused: commands that expect a running server stop at once ----------------------
 
 def test_wait_ready_for_a_running_server_fails_at_once_when_nothing_listens():
-    """census/bench/the A/B router ask wait_ready about a server that should be running: a
-    refused connection is the answer, not a reason to wait. Before: 60 s of polling, then
-    "not healthy within 60s (ConnectionError)"."""
     import time
 
     from k3rocm.deploy.server_api import wait_ready
@@ -109,8 +95,8 @@ def test_wait_ready_for_a_running_server_fails_at_once_when_nothing_listens():
 
 
 def test_wait_ready_keeps_waiting_while_a_starting_container_lives_then_names_its_failure():
-    """A container that is starting (``failed`` given) may not listen yet: refused means wait,
-    until the container's own state says it failed (or the timeout passes)."""
+    """A starting container (``failed`` given): refused means wait, until its state says it
+    failed or the timeout passes."""
     from k3rocm.deploy.server_api import StartFailed, wait_ready
 
     url = f"http://127.0.0.1:{free_port()}"
@@ -128,12 +114,11 @@ def test_wait_ready_keeps_waiting_while_a_starting_container_lives_then_names_it
     with pytest.raises(StartFailed) as ei:
         wait_ready(url, "m", timeout=60, failed=lambda: next(states), quiet=True)
     assert ei.value.reason == "exited with code 2" and ei.value.exit_code == EXIT_SERVER
-    assert str(ei.value) == "the server container exited with code 2 before it became ready"
+    assert "exited with code 2 before it became ready" in str(ei.value)
 
 
 def test_census_with_nothing_listening_says_so_at_once():
-    """`make census` with no server: exit 3 in about a second, naming the URL. Before: it
-    waited its --server-timeout (60 s) first."""
+    """`make census` with no server: exit 3 at once, naming the URL."""
     import time
 
     from conftest import REPO
@@ -153,12 +138,6 @@ def test_preflight_calls_a_closed_api_port_on_a_node_a_warning():
 
     c = check_node(f"127.0.0.1:{free_port()}", timeout=2)
     assert (c.status, c.have) == ("warn", "host up, API port closed")
-
-
-def test_a_server_that_never_answers_times_out(vllm):
-    with pytest.raises(Unreachable) as ei:
-        ServerAPI(vllm.url, timeout=0.3).get("/hang")
-    assert ei.value.timed_out and ei.value.reason == "ReadTimeout"
 
 
 # --- callers: one rule and one error text through the client ------------------------------------
@@ -188,9 +167,8 @@ def test_scale_overhead_with_a_wrong_key_says_so_in_one_line(vllm):
         "K3_SCALE_ROUTER_HOST": "127.0.0.1", "K3_SCALE_ROUTER_PORT": str(free_port()),
         "K3_API_KEY": "wrong"})
     assert r.returncode == 3, r.stdout + r.stderr
-    assert r.stderr.strip().splitlines() == [
-        f"k3rocm: error: server at http://127.0.0.1:{port} refused /v1/models (HTTP 401); set "
-        "K3_API_KEY to the server's key"]
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1 and "refused /v1/models (HTTP 401); set K3_API_KEY" in err[0], err
 
 
 def test_scale_status_sends_no_header_for_empty(vllm):

@@ -11,9 +11,8 @@ from typing import Any
 from k3rocm import __version__
 from k3rocm.errors import EXIT_CODES, UsageError
 
-# command -> (module or module:alias, one-line help); each has add_arguments(parser) and
-# run(args) -> int.
-# Modules are imported only when their command runs, so `serve` stays fast and light.
+# command -> (module or module:alias, help); each has add_arguments(parser) and run(args) -> int;
+# imported only when its command runs (the serving entrypoint must start fast).
 COMMANDS: dict[str, tuple[str, str]] = {
     # serving: what runs in the image
     "render": ("k3rocm.serving.serve_cmd:render_command",
@@ -53,9 +52,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-# `k3rocm <command> --print-deployment` (anywhere on the line) prints what the command resolved
-# from the settings (URL, model, API key, model dir, tokenizer, results root, image) as JSON
-# and exits 0 without doing anything.
 PRINT_FLAG = "--print-deployment"
 EPILOG = (f"Every command takes {PRINT_FLAG}: print what it resolved from the K3_* settings "
           "(server URL, model, API key, model dir, tokenizer, results root, image) and exit. "
@@ -119,7 +115,6 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     print_dep = PRINT_FLAG in argv
     argv = [a for a in argv if a != PRINT_FLAG]
-    # Import only the command being run (the serving entrypoint must start fast).
     only = next((a for a in argv if not a.startswith("-")), None)
     try:
         parser = build_parser(only if only in COMMANDS else None)

@@ -1,18 +1,5 @@
-"""One kind of user-facing error, one exit-code table for every command, and one progress log.
-
-Every ``k3rocm`` command (and the make targets that run them) exits with one of these codes:
-
-====  ==========================================================================================
-0     ok: every check passed / the work is done
-1     a check failed (a gate, a census check, a bench point): results are kept, marked failed
-2     bad input: a setting, a flag, a missing file or image; nothing expensive was started
-3     server or engine problem: the server is unreachable/unhealthy/serves another model, or
-      there is no Docker engine
-4     incomplete evidence: the input is well formed but cannot be judged: it lost data (a
-      profiler trace that lost kernel events or ranks: re-collect it) or cannot prove or refute
-      the claim (census CANNOT JUDGE, with the reason)
-130   interrupted (Ctrl-C): finished work is kept in the run directory
-====  ==========================================================================================
+"""One kind of user-facing error, one exit-code table (:data:`EXIT_CODES`, printed by
+``k3rocm --help``) for every command, and one progress log.
 """
 
 from __future__ import annotations
@@ -38,10 +25,8 @@ EXIT_CODES = {
 
 
 class UsageError(Exception):
-    """A setting or input is wrong. The message says what is wrong and what would be valid.
-
-    The CLI prints ``k3rocm: error: <message>`` on one line and exits with ``exit_code``
-    (one of :data:`EXIT_CODES`; 2 unless said otherwise).
+    """A setting or input is wrong; the message says what and what would be valid. The CLI
+    prints it on one line and exits with ``exit_code`` (2 unless said otherwise).
     """
 
     def __init__(self, message: str, exit_code: int = EXIT_USAGE):
@@ -57,8 +42,7 @@ class ServerError(UsageError):
 
 
 def tagged_log(tag: str) -> Callable[[str], None]:
-    """The progress log of one part: ``[tag] message`` lines on stderr (stdout carries results),
-    flushed at once so they interleave in order with the subprocesses' own output."""
+    """``[tag] message`` progress lines on stderr (stdout carries results), flushed at once."""
     def log(msg: str) -> None:
         print(f"[{tag}] {msg}", file=sys.stderr, flush=True)
     return log

@@ -1,10 +1,6 @@
 """A command's options, each declared once: a typed pydantic field carries its flag, default,
-range (``ge``/``gt``/``le``/``lt``), choices (a ``Literal``) and help.
-
-:meth:`Options.add_arguments` writes the argparse options from the fields;
-:meth:`Options.from_args` builds the model from the parsed flags. A value that does not fit is
-one :class:`~k3rocm.errors.UsageError` line naming the flag, the value and what to use (exit 2),
-e.g. ``--concurrency 0 is out of range; use 1..1024``, however the model was built.
+range, choices (a ``Literal``) and help; a value that does not fit is one UsageError line naming
+the flag, the value and what to use (exit 2), e.g. ``--concurrency 0 is out of range; use 1..1024``.
 """
 
 from __future__ import annotations

@@ -1,28 +1,12 @@
 """``k3rocm model``: download Kimi-K3 at a pinned revision into K3_MODELS_DIR, or verify a copy;
-and :func:`identity`, the checkpoint's identity for every result's provenance.
+and :func:`identity`, the checkpoint's identity in every run record.
 
-Download: huggingface_hub's ``snapshot_download`` into ``<K3_MODELS_DIR>/Kimi-K3`` (the
-directory K3_MODEL names, mounted at /models in the server). Interrupting it loses at most the
-shards in flight: finished files are kept and skipped on the next run (huggingface_hub records
-each one under ``<dir>/.cache/huggingface/download/``). Progress: huggingface_hub's bars. Before
-fetching anything it lists the revision's files (sizes, LFS sha256) from the Hub API, checks
-free disk space, and writes that listing with the revision to ``<dir>/.k3rocm-checkpoint.json``
-once the download is complete: verify mode and :func:`identity` read it.
-
-Verify (``--verify``, and after every download) checks bytes, reading headers only (a few MB
-for 1.5 TB; progress on stderr): config.json present and valid; every shard the safetensors
-index lists present, its safetensors header readable, its tensors' data offsets covering the
-file exactly (a short shard and the bytes it lacks are named, as are bytes past its last
-tensor), every tensor the index puts in it declared there; the tensor bytes all headers declare
-summed against the index's ``metadata.total_size``; ``*.safetensors`` files neither the index
-nor the Hub listing names reported as extra; every file of the recorded Hub listing present
-with its listed size; the recorded revision is the one asked for. Partial files an interrupted
-download left behind are reported (and removed by the next finished download). Nothing is
-hashed but config.json and the index.
-
-Exit codes: 0 ok, 1 verification failed (the directory is there and readable, its bytes are not
-the checkpoint: a failed check, one line per problem), 2 bad input (a flag, or no such
-directory; nothing fetched), 3 the Hub could not be reached.
+Download: huggingface_hub's ``snapshot_download`` (resumable: finished files are kept), after
+listing the revision's files and checking free disk; the listing is recorded in
+``<dir>/.k3rocm-checkpoint.json``. Verify reads headers only: every shard's safetensors header
+against its file size and the index, total bytes against ``metadata.total_size``, extra and
+missing files, the recorded revision.
+Exit: 0 ok, 1 verification failed, 2 bad input, 3 the Hub could not be reached.
 """
 
 from __future__ import annotations
@@ -41,13 +25,8 @@ from k3rocm.errors import UsageError, tagged_log
 from k3rocm.hashing import sha256_file as _sha256
 
 REPO_ID = "moonshotai/Kimi-K3"
-# The Kimi-K3 checkpoint revision we pin (the Hub cannot be reached from where this was
-# written, so it is taken from public records, not read from the Hub): several independent
-# projects pin moonshotai/Kimi-K3 at this commit, one of them noting "lastModified 2026-09-02",
-# 96 safetensors shards and the index total_size k3rocm.serving.modelfacts
-# .KIMI_K3_CHECKPOINT_BYTES. The earlier revision modelfacts.CONFIG_REVISION (Aug 2026, the one
-# the published dimensions cite) has the same weight bytes (1,560,936,091,448 B of files) per
-# the same kind of records. `--revision` picks another.
+# The pinned revision, from public records (several projects pin it: "lastModified 2026-09-02",
+# 96 shards, index total_size modelfacts.KIMI_K3_CHECKPOINT_BYTES); `--revision` picks another.
 REVISION = "f831ab66814297da540d832a5235f8e904f29d06"
 DEFAULT_DIR_NAME = "Kimi-K3"
 RECORD = ".k3rocm-checkpoint.json"
@@ -70,9 +49,9 @@ def _read_record(d: Path) -> dict[str, Any] | None:
 
 
 def _hf_revision(d: Path) -> str | None:
-    """The commit huggingface_hub recorded for config.json in a ``local_dir`` download: the first
-    line of ``.cache/huggingface/download/config.json.metadata`` (huggingface_hub
-    ``_local_folder.read_download_metadata``: commit hash, etag, timestamp)."""
+    """The commit huggingface_hub recorded for config.json in a ``local_dir`` download
+    (first line of ``.cache/huggingface/download/config.json.metadata``).
+    """
     try:
         first = (d / HF_META_DIR / "download" / f"{CONFIG}.metadata").read_text().splitlines()[0]
     except (OSError, IndexError):
@@ -81,20 +60,13 @@ def _hf_revision(d: Path) -> str | None:
 
 
 def _files(d: Path) -> list[Path]:
-    """The checkpoint's files (not huggingface_hub's bookkeeping, not our record)."""
     return [p for p in d.rglob("*") if p.is_file()
             and p.relative_to(d).parts[0] not in (".cache", RECORD)]
 
 
 def identity(host_model_dir: str | os.PathLike) -> dict[str, Any] | None:
-    """The identity of the checkpoint in ``host_model_dir`` for provenance, or None when the
-    directory holds no checkpoint (no config.json).
-
-    ``{"path", "repo_id", "revision", "revision_source", "config_sha256", "index_sha256",
-    "index_total_size", "files", "total_bytes"}``: ``revision`` as recorded by ``k3rocm model``
-    (else as huggingface_hub recorded it, else None); sha256 of config.json and of the
-    safetensors index (None without one); file count and total size by ``stat`` (no hashing of
-    the shards). JSON-able.
+    """The checkpoint in ``host_model_dir`` for provenance (None without config.json):
+    revision, sha256 of config.json and of the index, file count and bytes (shards not hashed).
     """
     d = Path(host_model_dir).expanduser()
     if not (d / CONFIG).is_file():
@@ -124,8 +96,7 @@ def identity(host_model_dir: str | os.PathLike) -> dict[str, Any] | None:
 
 
 def verify(d: Path, revision: str | None = None) -> list[str]:
-    """Problems with the copy in ``d`` (empty: it is complete). ``revision``: the one expected.
-    Reads config.json, the index and every shard's header; logs progress."""
+    """Problems with the copy in ``d`` (empty: complete); headers only, progress logged."""
     problems: list[str] = []
     try:
         json.loads((d / CONFIG).read_text())
@@ -177,7 +148,8 @@ def verify(d: Path, revision: str | None = None) -> list[str]:
 def _check_shards(d: Path, shards: list[str], wmap: dict[str, str], sizes: dict[str, int],
                   total_size: Any) -> list[str]:
     """Each shard's header against its file size and the index; the declared tensor bytes
-    against the index's total_size. Headers only; progress every ~2 s and at the end."""
+    against the index's total_size.
+    """
     from k3rocm.deploy.selftest_model import read_layout
 
     problems: list[str] = []
@@ -229,8 +201,6 @@ def _check_shards(d: Path, shards: list[str], wmap: dict[str, str], sizes: dict[
     return problems
 
 
-# --- command line --------------------------------------------------------------------------
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = ("Download Kimi-K3 at a pinned revision into K3_MODELS_DIR (resumable: "
                      "finished files are kept), or verify an existing copy. The checkpoint's "
@@ -253,7 +223,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def target_dir(env_file: str | None = ".env") -> Path:
-    """Where the checkpoint lives on this host, from the K3_* settings (shell > .env > profile)."""
+    """Where the checkpoint lives on this host, from the K3_* settings."""
     from k3rocm.serving.config import _host_path, load_settings
 
     s, _ = load_settings(dotenv=env_file, check_model=False)
@@ -320,10 +290,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def partial_files(d: Path) -> list[Path]:
-    """Temporary files of interrupted downloads. huggingface_hub 2.x writes each file to a
-    process-unique ``<name>.<etag>.<uuid>.incomplete`` under ``.cache/huggingface/download``
-    (file_download._download_to_tmp_and_move) and a killed process leaves its file behind;
-    the next run starts that file afresh, so these only take space."""
+    """Files of interrupted downloads (huggingface_hub's ``*.incomplete`` under
+    ``.cache/huggingface/download``): the next run starts afresh, so they only take space.
+    """
     return sorted((d / HF_META_DIR).rglob("*.incomplete"))
 
 
@@ -350,8 +319,7 @@ def _gb(n: int) -> str:
 
 
 def _list_files(repo: str, revision: str) -> tuple[dict[str, int], dict[str, str]]:
-    """Every file of ``repo`` at ``revision`` (the Hub's tree API): path -> size, and
-    path -> LFS sha256 for the LFS files."""
+    """Every file of ``repo`` at ``revision``: path -> size, path -> LFS sha256."""
     try:
         from huggingface_hub import HfApi, errors
         from huggingface_hub.hf_api import RepoFile
@@ -394,7 +362,7 @@ def _download(repo: str, revision: str, d: Path, workers: int) -> None:
 
 
 def _transport(exc: BaseException) -> bool:
-    """A network or Hub error (huggingface_hub 2.x raises its vendored httpx2's errors)."""
+    """A network or Hub error (huggingface_hub 2.x raises its vendored httpx's errors)."""
     top = type(exc).__module__.split(".")[0]
     return top.startswith(("httpx", "httpcore", "huggingface_hub")) or isinstance(
         exc, (ConnectionError, TimeoutError))

@@ -1,19 +1,15 @@
 """The deployment as every command sees it: one view of the K3_* settings, derived once.
 
-:func:`load_deployment` reads the settings the one way (:func:`k3rocm.serving.config.render` with
-host paths: shell > ``.env`` > profile > default, one ``.env`` parser) and derives what the server,
-the clients and the run records need: the server URL, the served model name, the API key, the model
-directory (host and container view), the tokenizer, the results root, the serving image, and
-whether it is the CPU stand-in or the AMD GPUs (:func:`decide_cpu`, the one place that decides)
-with the compose files that follow from it. ``k3rocm <command> --print-deployment`` prints what a
-command resolved.
+:func:`load_deployment` renders the settings (shell > ``.env`` > profile > default) and derives
+the server URL, served model, API key, model directory (host and container), results root,
+image, and CPU stand-in or AMD GPUs (:func:`decide_cpu`, the one place that decides).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,20 +22,16 @@ RESULTS_MOUNT = "/results"
 CACHE_MOUNT = "/cache"
 COMPOSE_BASE = "compose.yaml"
 COMPOSE_CPU = "compose.cpu.yaml"
-# compose.cpu.yaml's image default (compose.yaml's is Settings.image's default; a test keeps
-# both equal to the compose files').
+# compose.cpu.yaml's image default (a test keeps it equal)
 CPU_IMAGE = "k3rocm/server:cpu"
 CPU_PROFILE = "cpu-smoke"
-# The ROCm kernel driver's device: there on an AMD GPU node.
 KFD = Path("/dev/kfd")
-# The settings a deployment view is derived from (their sources are part of the view).
 VIEW_SETTINGS = ("K3_PROFILE", "K3_MODEL", "K3_SERVED_MODEL_NAME", "K3_PORT", "K3_BIND_ADDRESS",
                  "K3_API_KEY", "K3_MODELS_DIR", "K3_RESULTS_DIR", "K3_CACHE_DIR", "K3_IMAGE")
 
 
 def _abs(path: str | os.PathLike) -> Path:
-    """A host path as an absolute path (relative ones are relative to where compose runs: the
-    working directory), without resolving symlinks."""
+    """A host path made absolute against the working directory (symlinks kept)."""
     p = Path(path).expanduser()
     return p if p.is_absolute() else Path.cwd() / p
 
@@ -54,21 +46,14 @@ def _under(path: str, mount: str) -> str | None:
 
 
 def compose_files(cpu: bool) -> tuple[str, ...]:
-    """compose.yaml, plus compose.cpu.yaml for the CPU stand-in."""
     return (COMPOSE_BASE, COMPOSE_CPU) if cpu else (COMPOSE_BASE,)
 
 
 def decide_cpu(environ: Mapping[str, str], profile: str | None,
                gpu: bool | None = None) -> tuple[bool, str]:
-    """CPU stand-in (True) or AMD GPUs, and why: the one decision, first match wins.
-
-    1. ``gpu``: the command's ``--gpu`` / ``--no-gpu``, typed for this one run.
-    2. ``COMPOSE_FILE``: the CPU stand-in when it names compose.cpu.yaml. ``make`` always exports
-       it (``CPU=1`` adds compose.cpu.yaml), and a ``docker compose`` of the user's own reads it:
-       deciding otherwise would have k3rocm and compose run different files.
-    3. ``profile`` (``K3_PROFILE`` from the shell or ``.env``) ``cpu-smoke``: only the stand-in
-       serves it.
-    4. The host: no ``/dev/kfd`` means no AMD GPU, so the stand-in.
+    """CPU stand-in (True) or AMD GPUs, and why; first match wins: 1. ``--gpu``/``--no-gpu``;
+    2. ``COMPOSE_FILE`` naming compose.cpu.yaml (make exports it: k3rocm and compose must agree);
+    3. ``K3_PROFILE=cpu-smoke``; 4. no ``/dev/kfd`` on this host.
     """
     if gpu is not None:
         return not gpu, "--gpu" if gpu else "--no-gpu"
@@ -112,7 +97,6 @@ class Deployment:
     cpu: bool  # the CPU stand-in (compose.cpu.yaml), else the AMD GPUs
     cpu_from: str  # which rule of decide_cpu decided
     env_file: str | None = None
-    notes: list[str] = field(default_factory=list)
 
     @property
     def profile(self) -> str:
@@ -131,8 +115,9 @@ class Deployment:
                 (self.cache_dir, CACHE_MOUNT))
 
     def container_path(self, host: str | os.PathLike) -> str | None:
-        """Where a host path under the results root, models or cache dir is seen in the server
-        container (/results/..., /models/..., /cache/...), else None."""
+        """Where a host path under the results, models or cache dir is seen
+        in the server container, else None.
+        """
         p = _abs(host)
         for root, mount in self._mounts():
             if p.is_relative_to(root):
@@ -141,8 +126,7 @@ class Deployment:
         return None
 
     def host_path(self, container: str) -> Path | None:
-        """Where a server container path under /results, /models or /cache lives on this
-        host, else None."""
+        """Where a container path under /results, /models or /cache lives here."""
         for root, mount in self._mounts():
             rel = _under(container, mount)
             if rel is not None:
@@ -152,7 +136,7 @@ class Deployment:
     def to_json(self) -> dict[str, Any]:
         """The resolved view, secrets redacted (what ``--print-deployment`` prints)."""
         out = {k: str(v) if isinstance(v, Path) else v for k, v in vars(self).items()
-               if k not in ("settings", "rendered", "notes", "sources")}
+               if k not in ("settings", "rendered", "sources")}
         return {**out, "compose_files": list(self.compose_files), "profile": self.profile,
                 "api_key": redact_env({"K3_API_KEY": self.api_key or ""})["K3_API_KEY"] or None,
                 "sources": {k: self.sources.get(k, "default") for k in VIEW_SETTINGS}}
@@ -160,14 +144,10 @@ class Deployment:
 
 def load_deployment(environ: Mapping[str, str] | None = None, env_file: str | None = ".env",
                     check_model: bool = False, gpu: bool | None = None) -> Deployment:
-    """The deployment from the settings (shell > ``env_file`` > profile > default).
-
-    ``gpu``: the command's ``--gpu``/``--no-gpu`` (None: not given; see :func:`decide_cpu`).
-    ``check_model``: also check that the checkpoint exists on this host (commands that start
-    a server); clients leave it off. Raises UsageError (one line, exit 2) on bad settings.
+    """The deployment from the settings. ``check_model``: the checkpoint must exist here
+    (commands that start a server). UsageError (exit 2) on bad settings.
     """
     environ = dict(os.environ if environ is None else environ)
-    notes: list[str] = []
     dotenv_vals = read_dotenv(env_file) if env_file else {}
     profile = environ.get("K3_PROFILE") or dotenv_vals.get("K3_PROFILE") or None
     cpu, cpu_from = decide_cpu(environ, profile, gpu)
@@ -186,10 +166,8 @@ def load_deployment(environ: Mapping[str, str] | None = None, env_file: str | No
     if rel is not None:
         model_container_dir = s.model
         host_dir = models_dir / rel if rel else models_dir
-    elif s.model.startswith(("/", "./", "../", "~")):
+    elif s.model.startswith(("/", "./", "../", "~")):  # seen by the server only if mounted
         host_dir = _abs(s.model)
-        notes.append(f"K3_MODEL={s.model} is not under {MODELS_MOUNT}: the server container "
-                     "sees it only if it is mounted there")
 
     image = CPU_IMAGE if cpu and sources.get("K3_IMAGE", "default") == "default" else s.image
     return Deployment(
@@ -198,5 +176,4 @@ def load_deployment(environ: Mapping[str, str] | None = None, env_file: str | No
         served_model_name=s.served_model_name, api_key=s.api_key or None, model=s.model,
         models_dir=models_dir, model_container_dir=model_container_dir, model_host_dir=host_dir,
         tokenizer=host_dir, results_root=_abs(s.results_dir), cache_dir=_abs(s.cache_dir),
-        image=image, cpu=cpu, cpu_from=cpu_from, env_file=str(env_file) if env_file else None,
-        notes=notes)
+        image=image, cpu=cpu, cpu_from=cpu_from, env_file=str(env_file) if env_file else None)

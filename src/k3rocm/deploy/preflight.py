@@ -1,18 +1,8 @@
 """``k3rocm preflight`` (``make preflight``): what this node has and what serving Kimi-K3 needs.
 
-One table, one line per check: ``ok``, ``warn`` or ``fail``, what was found, and the fix;
-``skip`` when a check cannot apply here (no /dev/kfd: no GPU to ask). Exit 1 when any line
-fails, 0 otherwise (2: bad settings, reported before any check runs).
-
-Single node: ROCm devices (/dev/kfd, /dev/dri render nodes), every GPU's arch (gfx950, read
-from the KFD topology in sysfs, else rocminfo), free HBM on each GPU against
-K3_GPU_MEMORY_UTILIZATION (amdgpu's sysfs VRAM counters; a project server holding them is
-named), the video/render groups, kernel.numa_balancing, free disk for the cache and results
-directories, the checkpoint's bytes (``k3rocm.deploy.checkpoint.verify``: every shard header
-against its file and the index; headers only, timed), the base, serving and client images,
-the serving image's base facts, Docker and Compose versions, then the mode's own last checks
-(the ``tail`` of :func:`run_checks`): the API port on a single node; scale-out gives its own
-(``k3rocm.deploy.scale.preflight``, the ``k3rocm preflight`` command, which picks the tail).
+One table, one line per check (ok, warn, fail; skip when it cannot apply here); exit 1 when a
+line fails, 2 on bad settings before any check. The mode's own last checks are the ``tail`` of
+:func:`run_checks` (single node: the API port; scale-out picks its own).
 """
 
 from __future__ import annotations
@@ -43,11 +33,8 @@ CHECKPOINT_MIN_GB = 1000  # Kimi-K3 weights are ~1.5 TB; less is a partial downl
 MIN_COMPOSE = (2, 24)  # `!reset` in compose.cpu.yaml
 GPUS_PER_NODE = 8  # one MI355X node
 
-# Kimi-K3's MXFP4 MoE needs gfx950 (MI350X/MI355X, CDNA4). The kernel's KFD topology gives each
-# GPU node's ISA as gfx_target_version = major*10000 + minor*100 + stepping (linux
-# drivers/gpu/drm/amd/amdkfd/kfd_device.c kgd2kfd_probe: GC IP 9.5.0 -> 90500; written to
-# /sys/class/kfd/kfd/topology/nodes/N/properties by kfd_topology.c; ROCR and rocprofiler decode
-# it as v/10000, v/100%100, v%100). A node with simd_count 0 is a CPU node.
+# Kimi-K3's MXFP4 MoE needs gfx950 (MI355X). KFD's gfx_target_version = major*10000 +
+# minor*100 + stepping (linux amdkfd/kfd_device.c kgd2kfd_probe; kfd_topology.c writes it).
 REQUIRED_ARCH = "gfx950"
 KFD_NODES = "class/kfd/kfd/topology/nodes"  # under the sysfs root
 DRM = "class/drm"  # cardN/device/mem_info_vram_{total,used}: amdgpu_vram_mgr.c (bytes)
@@ -84,13 +71,12 @@ def check_rocm_devices(dev: Path = Path("/dev")) -> list[Check]:
 
 
 def gfx_name(version: int) -> str:
-    """KFD's gfx_target_version as the ISA name: 90500 -> gfx950, 90402 -> gfx942, 90010 ->
-    gfx90a (minor and stepping are hex digits of the name)."""
+    """KFD's gfx_target_version as the ISA name: 90500 -> gfx950, 90010 -> gfx90a."""
     return f"gfx{version // 10000}{version // 100 % 100:x}{version % 100:x}"
 
 
 def kfd_gpu_archs(sys_root: Path = Path("/sys")) -> dict[str, str]:
-    """GPU node -> ISA name from the KFD topology (CPU nodes, simd_count 0, are left out)."""
+    """GPU node -> ISA name from the KFD topology (CPU nodes, simd_count 0, left out)."""
     out = {}
     nodes = sys_root / KFD_NODES
     for node in sorted(nodes.iterdir() if nodes.is_dir() else [],
@@ -141,9 +127,7 @@ def check_gpu_arch(sys_root: Path = Path("/sys"), dev: Path = Path("/dev"),
 
 
 def gpu_memory(sys_root: Path = Path("/sys")) -> list[tuple[str, int, int]]:
-    """(GPU, used bytes, total bytes) for each amdgpu device: its DRM card's
-    device/mem_info_vram_used and mem_info_vram_total (other cards, e.g. a BMC display, have
-    none and are left out). The GPU is named by card and PCI address."""
+    """(GPU, used, total bytes) per amdgpu DRM card with VRAM counters, named by card and PCI."""
     out = []
     drm = sys_root / DRM
     cards = [c for c in (drm.iterdir() if drm.is_dir() else []) if re.fullmatch(r"card\d+",
@@ -165,35 +149,35 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
-def gpu_containers(client, port: int) -> tuple[list[str], bool]:
-    """The running containers that may hold GPU memory: this bundle's servers (our entrypoint's
-    K3_PROFILE in their environment, as provenance finds them) and any other with /dev/kfd
-    mapped in; and whether the only one is the compose server on ``port`` that `make up`
-    keeps or recreates."""
+def gpu_holders(client) -> list[str]:
+    """The running containers that may hold GPU memory, named: this bundle's servers (our
+    entrypoint's K3_PROFILE in their env; with compose project and port) and any other with
+    /dev/kfd mapped in. [] when no engine answers."""
     from k3rocm.deploy.provenance import container_env
 
-    if client is None:
-        return [], False
     try:
-        running = client.containers.list()
+        running = client.containers.list() if client is not None else []
     except Exception:  # noqa: BLE001 - engine gone mid-run: holders unknown
-        return [], False
-    names = []
+        return []
+    out = []
     for c in running:
-        ours = "K3_PROFILE" in container_env(c)
-        kfd = any(d.get("PathOnHost") == "/dev/kfd"
-                  for d in (c.attrs.get("HostConfig") or {}).get("Devices") or [])
-        if ours or kfd:
+        env = container_env(c)
+        ours = "K3_PROFILE" in env
+        if ours or any(d.get("PathOnHost") == "/dev/kfd"
+                       for d in (c.attrs.get("HostConfig") or {}).get("Devices") or []):
             image = (c.image.tags or [c.image.id[:19]])[0]
-            names.append(f"{c.name} ({image}{'' if ours else ', not a k3rocm server'})")
-    return names, len(names) == 1 and _our_server_on(client, port)
+            project = (c.labels or {}).get("com.docker.compose.project")
+            what = (f"compose project {project}, " if project else "") + \
+                f"port {env.get('K3_PORT', '8000')}" if ours else "not a k3rocm server"
+            out.append(f"{c.name} ({image}, {what})")
+    return out
 
 
 def check_hbm(settings, client, sys_root: Path = Path("/sys"),
               dev: Path = Path("/dev")) -> Check:
-    """Each GPU has K3_GPU_MEMORY_UTILIZATION of its HBM free: vLLM refuses to start when a
-    device's free memory is below total * gpu_memory_utilization
-    (vllm@0.32.0:vllm/v1/worker/utils.py:761, request_memory)."""
+    """Each GPU has K3_GPU_MEMORY_UTILIZATION of its HBM free, else vLLM refuses to start
+    (vllm@0.32.0:vllm/v1/worker/utils.py:761, request_memory).
+    """
     name = "free HBM"
     if not (dev / "kfd").exists():
         return Check(name, "skip", "skipped: no /dev/kfd")
@@ -210,8 +194,8 @@ def check_hbm(settings, client, sys_root: Path = Path("/sys"),
                      f"used; {what}")
     found = (f"{len(short)} of {len(gpus)} GPU(s) short ({what}): "
              + ", ".join(f"{g} {_gib(used)} used" for g, used, _ in short))
-    holders, only_make_up = gpu_containers(client, settings.port)
-    if holders and only_make_up:
+    holders = gpu_holders(client)
+    if len(holders) == 1 and _our_server_on(client, settings.port):
         return Check(name, "warn", found, f"held by the running compose server {holders[0]}: "
                      "`make up` keeps or recreates it; `make down` frees them for the selftest "
                      "or another server")
@@ -265,8 +249,9 @@ def check_disk(label: str, path: Path, min_gb: float) -> Check:
 
 
 def check_checkpoint(settings) -> Check:
-    """The checkpoint K3_MODEL names: a Hub id (a download at start), or a host directory whose
-    bytes :func:`k3rocm.deploy.checkpoint.verify` checks (headers only: seconds for 1.5 TB)."""
+    """K3_MODEL: a Hub id (a download at start), or a host directory whose bytes
+    :func:`k3rocm.deploy.checkpoint.verify` checks (headers only).
+    """
     from k3rocm.deploy.checkpoint import verify
     from k3rocm.serving.config import _host_path, _is_pathlike
 
@@ -326,8 +311,7 @@ def _image(client, ref: str):
 
 
 def repo_digest(img) -> str:
-    """A local image's registry digest (``repo@sha256:...``): known once it was pulled; a
-    locally built or retagged image (the CPU stand-ins) has none."""
+    """A local image's registry digest (none for a locally built or retagged image)."""
     digests = (img.attrs.get("RepoDigests") or []) if img is not None else []
     return digests[0] if digests else UNKNOWN_DIGEST
 
@@ -402,7 +386,7 @@ def check_base(settings, environ, dotenv) -> Check:
 
 
 def port_free(host: str, port: int) -> bool:
-    """Whether this process could listen on host:port now (preflight and the demo ask)."""
+    """Whether this process could listen on host:port now."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -430,8 +414,7 @@ def api_port(settings, client) -> list[Check]:
 
 def run_checks(environ=None, dotenv: str = ".env",
                tail: Callable[..., list[Check]] | None = None) -> list[Check]:
-    """Every check of this node, then ``tail(settings, client)``: the mode's own last checks
-    (default :func:`api_port`, a single node)."""
+    """Every check of this node, then ``tail(settings, client)`` (default :func:`api_port`)."""
     from k3rocm.serving.config import load_settings
 
     environ = dict(os.environ if environ is None else environ)

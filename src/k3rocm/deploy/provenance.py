@@ -1,7 +1,5 @@
-"""What served a measurement: one provenance reader for every command's run record.
-
-Everything here reads the real server: over HTTP (vLLM version, models) and through the
-Docker engine (image id, env redacted, argv, overlay manifest, fusion decision records).
+"""What served a measurement, read from the real server: over HTTP (vLLM version, models) and
+through the Docker engine (image, env redacted, argv, overlay manifest, fusion decisions).
 """
 
 from __future__ import annotations
@@ -20,8 +18,9 @@ from k3rocm.serving.manifest import DEFAULT_PATH as MANIFEST_PATH  # what the im
 
 
 def find_server_container(client, url: str):
-    """The running container that serves ``url``'s port (published port, or host network
-    with K3_PORT), preferring ones built from our image. None when there is none."""
+    """The running container serving ``url``'s port (published, or host network with
+    K3_PORT), ours first; None when there is none.
+    """
     port = url_port(url)
     try:
         containers = client.containers.list()
@@ -43,12 +42,11 @@ def find_server_container(client, url: str):
 
 
 def exec_text(container, cmd: list[str], *, timeout: float = 30.0) -> str | None:
-    """stdout of ``cmd`` run in the container, or None if it failed. stderr is kept apart
-    (demux): a message on stderr must never read as data. The exit code is
-    read once the engine has recorded it: the output stream can end before the engine has
-    processed the exit, and an exec inspected then is still Running with no ExitCode
-    (moby/moby#19607); docker-py's ``exec_run`` reports that as exit code None, which failed
-    a CI run. Waits up to ``timeout`` seconds for that record."""
+    """stdout of ``cmd`` in the container (stderr apart), None if it failed. The exit code
+    is read once the engine has recorded it: an exec inspected as its stream ends can still be
+    Running with no ExitCode (moby/moby#19607; docker-py's exec_run then says None, which failed
+    CI), so poll exec_inspect up to ``timeout``.
+    """
     api = container.client.api
     try:
         exec_id = api.exec_create(container.id, cmd)["Id"]
@@ -64,9 +62,9 @@ def exec_text(container, cmd: list[str], *, timeout: float = 30.0) -> str | None
 
 
 def rendered_record(container) -> dict | None:
-    """What ``k3rocm serve`` rendered in this server container (serving.serve_cmd writes it
-    before exec'ing vLLM): env, argv and the base facts' changes. None when absent (an image
-    older than the file, or not our entrypoint)."""
+    """What ``k3rocm serve`` rendered in this container (env, argv, base-fact changes);
+    None when absent.
+    """
     from k3rocm.serving.serve_cmd import RENDERED_FILE
 
     text = exec_text(container, ["cat", RENDERED_FILE])
@@ -90,8 +88,8 @@ NO_RECORD = ("no rendered record in the server container: an image older than it
 @dataclass(frozen=True)
 class ServedAs:
     """The server's argv and env as ``k3rocm serve`` rendered them (``rendered``), else only
-    its container's env (argv unknown: None). ``source`` says which, for the result that uses
-    them."""
+    its container's env (argv None); ``source`` says which.
+    """
 
     argv: list[str] | None
     env: dict[str, str]
@@ -100,8 +98,7 @@ class ServedAs:
 
     @property
     def tp(self) -> int | None:
-        """vLLM's tensor-parallel size (its default 1 when the argv does not set it); None
-        when the argv is unknown."""
+        """vLLM's tensor-parallel size (1 when the argv does not set it); None: argv unknown."""
         if not self.argv:
             return None
         # "-tp N", "-tp=N" or the long flag, as whole argv items (joined by NULs)
@@ -110,8 +107,7 @@ class ServedAs:
         return int(m.group(1)) if m else 1
 
     def json_flag(self, flag: str) -> dict | None:
-        """The JSON object after ``flag`` in the argv (vLLM's ``--*-config`` flags); None when
-        it is absent or not a JSON object."""
+        """The JSON object after ``flag`` in the argv; None when absent or not an object."""
         argv = self.argv or []
         if flag not in argv[:-1]:
             return None
@@ -123,8 +119,7 @@ class ServedAs:
 
     @property
     def profiler_max_iterations(self) -> int:
-        """The ``max_iterations`` of the server's ``--profiler-config`` (vLLM's profiler stops
-        itself after that many worker steps); 0 when unlimited, absent or unreadable."""
+        """``--profiler-config`` max_iterations; 0 when unlimited or unknown."""
         with contextlib.suppress(ValueError, TypeError):
             return max(0, int((self.json_flag("--profiler-config") or {}).get(
                 "max_iterations") or 0))
@@ -132,10 +127,9 @@ class ServedAs:
 
     @property
     def speculative(self) -> tuple[int, str]:
-        """Speculative tokens per step the server was asked for, and where that was read: the
-        argv's ``--speculative-config`` ``num_speculative_tokens``, else (a server without the
-        rendered record, which puts K3_MTP_K into the argv) its ``K3_MTP_K``; 0 when neither
-        says. The bench's tokens per step and the census's speculative note both ask this."""
+        """Speculative tokens per step and where that was read: ``--speculative-config``,
+        else (no rendered record) ``K3_MTP_K``; 0 when neither says.
+        """
         spec = self.json_flag("--speculative-config")
         with contextlib.suppress(ValueError, TypeError):
             if spec is not None:
@@ -148,11 +142,9 @@ class ServedAs:
 
 
 def served_as(prov: dict | None = None, container=None) -> ServedAs:
-    """The server's argv and env as rendered: from ``prov`` (what :func:`collect_provenance`
-    returned, e.g. a run record's ``server``) or read from ``container``. The rendered record
-    (``k3rocm serve`` writes it before exec'ing vLLM) wins; its env lies on top of the
-    container's. Without it, only the container's env (the argv is unknown), and ``source``
-    says so."""
+    """The server's rendered argv and env, from ``prov`` (collect_provenance's result) or read
+    from ``container``; the rendered record's env lies on top of the container's.
+    """
     from k3rocm.serving.serve_cmd import RENDERED_FILE
 
     if container is not None:
@@ -171,29 +163,14 @@ def served_as(prov: dict | None = None, container=None) -> ServedAs:
                     else "unknown (no server container found)")
 
 
-# What the server itself says it runs with, from its own log (the argv only says what was asked:
-# vLLM turns prefix caching off on its own and logs it; the CPU stand-in serving the MLA smoke
-# model is asked --enable-prefix-caching and logs platforms/cpu.py:521). vLLM 0.32.0 (read in the
-# stand-in image; 0.34.0 keeps the config fields, vllm@0.34.0:vllm/config/vllm.py:2893-2923,
-# the compilation repr, config/compilation.py:974-1001, and the disabling lines at
-# config/vllm.py:1472 and model_executor/layers/attention/mla_attention.py:580; its
-# v1/engine/core.py is not in the local tree):
-# - vllm/v1/engine/core.py:133-137 logs "Initializing a V1 LLM engine (v%s) with config: %s" with
-#   the resolved VllmConfig (after the platform's check_and_update_config); its __str__
-#   (vllm/config/vllm.py:2703-2738) prints speculative_config=SpeculativeConfig(method=..,
-#   model=.., num_spec_tokens=N) (config/speculative.py:1990-2004), enforce_eager=..,
-#   enable_prefix_caching=.. and compilation_config={.. 'cudagraph_mode':
-#   <CUDAGraphMode.X: ..> ..} (config/compilation.py:824-849);
-# - later turns prefix caching off with a line of its own: "Disabling prefix caching: model has
-#   non-causal attention layers." (v1/engine/core.py:287-289, after the line above),
-#   "Disabling prefix caching for TRITON_MLA / FLASHINFER with batch invariance"
-#   (model_executor/layers/attention/mla_attention.py:559), "MLA is enabled on a non-GPU
-#   platform; forcing chunked prefill and prefix caching to be disabled." (platforms/cpu.py:521,
-#   before it), "..prefix caching; disabling both." (config/scheduler.py:300);
-# - "Graph capturing finished in %.0f secs" when graphs were captured
-#   (v1/worker/gpu_model_runner.py:6582);
-# - /metrics: vllm:cache_config_info{enable_prefix_caching="True",..} (v1/metrics/loggers.py:
-#   1114-1137, labels from CacheConfig.metrics_info, config/cache.py:322), the API server's view.
+# What the server says it runs with (the argv only says what was asked), vLLM 0.32.0:
+# v1/engine/core.py:133-137 logs "Initializing a V1 LLM engine (v%s) with config: %s" (VllmConfig
+# __str__, config/vllm.py:2703-2738: speculative_config, enforce_eager, enable_prefix_caching,
+# cudagraph_mode); prefix caching turned off later is a line of its own (v1/engine/core.py:287,
+# platforms/cpu.py:521, config/scheduler.py:300, layers/attention/mla_attention.py:559);
+# "Graph capturing finished in %.0f secs" (v1/worker/gpu_model_runner.py:6582); /metrics
+# vllm:cache_config_info (v1/metrics/loggers.py:1114). 0.34.0 keeps these
+# (vllm@0.34.0:vllm/config/vllm.py:2893-2923, config/compilation.py:974-1001).
 _ENGINE_CONFIG = re.compile(r"Initializing a V1 LLM engine \(v([^)]*)\) with config: (.*)$", re.M)
 _PREFIX_OFF = re.compile(r"^.*(?:[Dd]isabling prefix caching|prefix caching to be disabled|"
                          r"prefix caching; disabling both).*$", re.M)
@@ -208,8 +185,9 @@ def _flag(text: str, name: str) -> bool | None:
 
 
 def served_config(log_text: str | None, metrics_text: str | None = None) -> dict[str, Any]:
-    """Prefix caching, speculative decoding and graph mode as the server reports them (its log,
-    else its /metrics), each with the line it came from; None where the server said nothing."""
+    """Prefix caching, speculative decoding and graph mode as the server reports them
+    (its log, else /metrics), each with its source; None where the server said nothing.
+    """
     log = log_text or ""
     engine = _ENGINE_CONFIG.findall(log)
     cfg = engine[-1][1] if engine else ""
@@ -240,8 +218,7 @@ def served_config(log_text: str | None, metrics_text: str | None = None) -> dict
 
 
 def collect_provenance(url: str, api_key: str | None, client=None, container=None) -> dict:
-    """What served the measurement: image id, vLLM version, overlay manifest and fusion states,
-    the server's env and argv. Best effort per item; what could not be read is said so."""
+    """What served the measurement; best effort per item, what is unknown says so."""
     api = ServerAPI(url, api_key, timeout=5)
     prov: dict[str, Any] = {"url": url}
     try:
@@ -273,7 +250,6 @@ def collect_provenance(url: str, api_key: str | None, client=None, container=Non
         "path": attrs.get("Path"), "args": redact_argv(attrs.get("Args")),
         "env": redact_env(env),
     }
-    # the image's id, tags and registry digests (none for a locally built image)
     image = prov["image"] = {"ref": cfg.get("Image"), "id": attrs.get("Image"), "tags": [],
                              "digests": []}
     try:
@@ -282,7 +258,6 @@ def collect_provenance(url: str, api_key: str | None, client=None, container=Non
                      digests=list(img.attrs.get("RepoDigests") or []))
     except Exception as exc:  # noqa: BLE001 - best effort
         image["note"] = f"image not inspectable ({exc.__class__.__name__})"
-    # the engine's process list (docker top), for the reader; the argv is the rendered record's
     procs = []
     with contextlib.suppress(Exception):
         top = container.top()

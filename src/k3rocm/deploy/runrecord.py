@@ -1,26 +1,8 @@
-"""One run record: the ``provenance.json`` that bench, gsm8k and census write into their run
-directory, in one layout, by one writer.
-
-Layout (every key always present; what could not be read says so in a ``note``/``error``):
-
-- ``schema``: ``k3rocm.runrecord/1``
-- ``command``: the exact command (argv, shell line, cwd), k3rocm/Python versions, host, start
-- ``deployment``: what the settings resolved to (:class:`k3rocm.deploy.deployment.Deployment`,
-  secrets redacted)
-- ``server``: what served it, read from the real server by
-  :func:`k3rocm.deploy.provenance.collect_provenance` (vLLM version, image id/tags/digests, overlay
-  manifest, fusion toggles and decisions, the server's env and argv, redacted by the one rule
-  :func:`k3rocm.serving.config.redact_env`); None for an offline analysis
-- ``checkpoint``: the checkpoint's identity where the model dir is on this host
-- ``tools``: client tool versions (aiperf, lm-eval, ...) and the client image
-- ``topology``: single node, or a router / node of a scale-out
-- ``host``: host and GPU state at the start (CPU governor, NUMA balancing; amd-smi, else
-  rocm-smi: clocks, power, temperature, partition modes); a missing tool says so
-- ``upstream_comparison`` (bench, census, gsm8k): which published upstream figure (vLLM PRs
-  #52494 and #57640), if any, the result is comparable with
-  (:func:`k3rocm.deploy.upstream_ref.comparable_with`, judged on the server container's own
-  settings)
-- then the command's own keys (the bench workload, the gsm8k data set, the census traces, ...)
+"""One run record: the ``provenance.json`` every measure writes into its run directory, by one
+writer. Keys (always present; what could not be read says so): ``schema``, ``command``,
+``deployment`` (redacted), ``server`` (:func:`k3rocm.deploy.provenance.collect_provenance`),
+``checkpoint``, ``tools``, ``topology``, ``host`` (CPU governor, NUMA balancing, amd-smi or
+rocm-smi GPU state), ``upstream_comparison`` (with a ``measure``), then the command's own keys.
 """
 
 from __future__ import annotations
@@ -35,6 +17,7 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from k3rocm import __version__
 from k3rocm.rundir import write_json_atomic
@@ -51,8 +34,8 @@ def command_block() -> dict[str, Any]:
             "started_utc": datetime.now(timezone.utc).isoformat()}
 
 
-# GPU state commands (AMD SMI CLI docs, rocm.docs.amd.com/projects/amdsmi: `metric` power,
-# clock, temperature; `static --partition` compute/memory partition; rocm-smi the older tool).
+# AMD SMI CLI (rocm.docs.amd.com/projects/amdsmi): `metric` power, clock, temperature;
+# `static --partition` partitions; rocm-smi the older tool.
 GPU_TOOLS = {
     "amd-smi": [["amd-smi", "metric", "--power", "--clock", "--temperature", "--json"],
                 ["amd-smi", "static", "--partition", "--json"]],
@@ -69,8 +52,9 @@ def _read(path: str) -> str | None:
 
 
 def host_state(which=shutil.which, run=subprocess.run, root: str = "") -> dict[str, Any]:
-    """CPU governor, NUMA balancing and the GPUs' clocks/power/temperature/partitions, best
-    effort and never raising; what is missing says so."""
+    """CPU governor, NUMA balancing and the GPUs' clocks/power/temperature/partitions;
+    best effort, never raising.
+    """
     govs = sorted({g for g in (_read(p) for p in glob.glob(
         f"{root}/sys/devices/system/cpu/cpu*/cpufreq/scaling_governor")) if g})
     numa = _read(f"{root}/proc/sys/kernel/numa_balancing")
@@ -96,8 +80,7 @@ def host_state(which=shutil.which, run=subprocess.run, root: str = "") -> dict[s
 
 
 def checkpoint(deployment) -> dict[str, Any] | None:
-    """The checkpoint's identity (``k3rocm.deploy.checkpoint.identity``) where the model dir is on
-    this host; None for a Hub id."""
+    """The checkpoint's identity where the model dir is on this host; None for a Hub id."""
     host_dir = getattr(deployment, "model_host_dir", None)
     if host_dir is None:
         return None
@@ -128,9 +111,9 @@ def server(client, url: str, api_key: str | None, container=None,
 
 def upstream_comparison(measure: str, *, server: dict | None = None, deployment=None,
                         workload: Any = None) -> dict[str, Any]:
-    """Which upstream figure the result is comparable with: judged on the server's env as
-    ``k3rocm serve`` rendered it (else its container's env, rendered again here), else on the
-    deployment's settings. Never raises."""
+    """Which upstream figure the result is comparable with, judged on the server's
+    rendered env (else its container's, else the deployment's settings). Never raises.
+    """
     from k3rocm.deploy.provenance import served_as
     from k3rocm.deploy.upstream_ref import comparable_with
 
@@ -150,13 +133,18 @@ def upstream_comparison(measure: str, *, server: dict | None = None, deployment=
             "text": "not comparable with any upstream figure: the server's settings are unknown"}
 
 
+def single_node(url: str) -> dict[str, Any]:
+    """The ``topology`` block of a server on one node (a scale-out's caller passes its own)."""
+    p = urlparse(url)
+    return {"mode": "single", "url": url, "via_router": False, "nodes": [f"{p.hostname}:{p.port}"]}
+
+
 def build(*, deployment=None, server: dict | None = None, url: str | None = None,
           tools: dict[str, Any] | None = None, measure: str | None = None,
-          workload: Any = None, **extra: Any) -> dict[str, Any]:
+          workload: Any = None, topology: dict[str, Any] | None = None,
+          **extra: Any) -> dict[str, Any]:
     """The run record of one run; ``extra`` holds the command's own keys. With ``measure``
     (bench, census, ...) it says which upstream figure the result is comparable with."""
-    from k3rocm.deploy.scale.status import topology
-
     record: dict[str, Any] = {
         "schema": SCHEMA,
         "command": command_block(),
@@ -164,7 +152,7 @@ def build(*, deployment=None, server: dict | None = None, url: str | None = None
         "server": server,
         "checkpoint": checkpoint(deployment),
         "tools": {"k3rocm": __version__, **(tools or {})},
-        "topology": topology(url) if url else None,
+        "topology": topology or (single_node(url) if url else None),
         "host": host_state(),
     }
     if measure is not None:

