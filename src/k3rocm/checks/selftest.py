@@ -200,23 +200,6 @@ class _Args(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message}")
 
 
-def _gpu_containers(client) -> list[str]:
-    """Running containers with the GPUs mapped in (/dev/kfd), k3rocm servers named."""
-    from k3rocm.deploy.provenance import container_env
-
-    found = []
-    for c in client.containers.list():
-        devices = (c.attrs.get("HostConfig") or {}).get("Devices") or []
-        if not any(d.get("PathOnHost") == "/dev/kfd" for d in devices):
-            continue
-        env = container_env(c)
-        project = (c.labels or {}).get("com.docker.compose.project")
-        found.append(f"{c.name} (" + (f"a k3rocm server, compose project {project}, port "
-                                      f"{env.get('K3_PORT', '8000')}" if "K3_PROFILE" in env
-                                      else "not a k3rocm server") + ")")
-    return found
-
-
 def early_checks(dep, bench_argv: list[str],
                  no_build: bool = False) -> tuple[list[UsageError], list[str]]:
     """(problems, notes): the bench client image (with ``no_build`` the serving image), the
@@ -226,6 +209,7 @@ def early_checks(dep, bench_argv: list[str],
     from k3rocm.deploy.preflight import (
         DRM,
         VLLM_DEFAULT_GPU_MEMORY_UTILIZATION,
+        gpu_holders,
         gpu_memory,
         port_free,
     )
@@ -265,7 +249,7 @@ def early_checks(dep, bench_argv: list[str],
     if dep.cpu:
         notes.append("GPU check skipped: CPU stand-in")
         return problems, notes
-    holders = _gpu_containers(client) if client is not None else []
+    holders = gpu_holders(client)
     if holders:
         problems.append(UsageError(
             f"the GPUs are held by running container(s) {', '.join(holders)}: a server at "

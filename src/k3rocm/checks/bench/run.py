@@ -18,6 +18,7 @@ from k3rocm.checks.bench.workloads import Workload, aiperf_command, shell_line
 from k3rocm.deploy import runrecord
 from k3rocm.deploy.engine import docker_client, image_id, run_client
 from k3rocm.deploy.provenance import served_as
+from k3rocm.deploy.scale.status import topology
 from k3rocm.deploy.server_api import wait_ready
 from k3rocm.errors import EXIT_CHECK_FAILED, EXIT_INTERRUPTED, EXIT_OK, UsageError, tagged_log
 from k3rocm.rundir import create_run_dir, write_json_atomic, write_text_atomic
@@ -97,6 +98,7 @@ def run_bench(w: Workload, *, results: Path, client_image: str, server_timeout: 
     aiperf_version = client_aiperf_version(client, client_image)
     prov = runrecord.build(
         deployment=deployment, url=w.url, measure="bench", workload=w.name,
+        topology=topology(w.url),
         server=runrecord.server(client, w.url, w.api_key, container=server_container),
         tools={"aiperf": aiperf_version, "client_image": client_image,
                "client_image_id": client_id},

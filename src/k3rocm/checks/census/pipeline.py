@@ -21,6 +21,7 @@ from k3rocm.checks.census.spec import load_spec
 from k3rocm.checks.census.trace import load_trace_dir
 from k3rocm.deploy import runrecord
 from k3rocm.deploy.provenance import ServedAs, served_as
+from k3rocm.deploy.scale.status import topology
 from k3rocm.errors import UsageError, tagged_log
 from k3rocm.hashing import sha256_file as sha256
 from k3rocm.options import Options, option
@@ -229,6 +230,7 @@ def live_census(url: str, model: str, api_key: str | None, client: Any, containe
     if note := speculative_note(served):
         log(note)
     record = runrecord.build(deployment=dep, server=server_prov, url=url, source="live",
+                             topology=topology(url),
                              model=model, claim=claim.to_json(), measure="census",
                              workload={"osl": load.max_tokens, "concurrency": load.concurrency,
                                        "steps": load.steps},

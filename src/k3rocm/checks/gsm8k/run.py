@@ -15,6 +15,7 @@ from k3rocm.checks.gsm8k import command, data, results
 from k3rocm.checks.gsm8k.command import OUT_MOUNT, Gsm8kSettings
 from k3rocm.deploy import runrecord
 from k3rocm.deploy.engine import run_client
+from k3rocm.deploy.scale.status import topology
 from k3rocm.errors import EXIT_INTERRUPTED, UsageError, tagged_log
 from k3rocm.hashing import sha256_file
 from k3rocm.rundir import create_run_dir, write_bytes_atomic, write_json_atomic, write_text_atomic
@@ -52,7 +53,7 @@ def execute(client, s: Gsm8kSettings, src: data.DataSource, argv: list[str],
              "labels": (img.attrs.get("Config") or {}).get("Labels") or {},
              "created": img.attrs.get("Created")}
     prov = runrecord.build(
-        deployment=dep, url=s.url,
+        deployment=dep, url=s.url, topology=topology(s.url),
         server=runrecord.server(client, s.url, api_key, container_name=server_container),
         tools={"lm_eval": None, "client_image": s.client_image, "client_image_id": img.id},
         client={"image": s.client_image, "image_id": img.id, "image_info": image,
