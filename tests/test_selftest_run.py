@@ -126,6 +126,7 @@ def gpu_server(name="k3rocm-server-1", project="k3rocm", port="8000"):
     """A running `make up` server as the engine shows it: /dev/kfd mapped, K3_* env."""
     return type("Container", (), {
         "name": name, "labels": {"com.docker.compose.project": project},
+        "image": type("Image", (), {"tags": ["k3rocm/server:latest"], "id": "sha256:0"})(),
         "attrs": {"HostConfig": {"Devices": [{"PathOnHost": "/dev/kfd"},
                                              {"PathOnHost": "/dev/dri"}]},
                   "Config": {"Env": ["K3_PROFILE=mi355x-tp8", f"K3_PORT={port}"]}}})()
@@ -252,8 +253,8 @@ def _port_in_use(node, monkeypatch, stack):
     (lambda node, mp, stack: ["--no-build"],
      ["serving image 'k3rocm/server:latest' not found", "drop --no-build"]),
     (lambda node, mp, stack: node.docker.running.append(gpu_server()) or [],
-     ["the GPUs are held by running container(s) k3rocm-server-1 (a k3rocm server, compose "
-      "project k3rocm, port 8000)", "make down"]),
+     ["the GPUs are held by running container(s) k3rocm-server-1 (k3rocm/server:latest, "
+      "compose project k3rocm, port 8000)", "make down"]),
     (_gpu_memory_in_use, ["GPU memory in use: card3 62%", "asks vLLM for 0.95 of each GPU"]),
     (_port_in_use, [" on 127.0.0.1 is in use", "--port N"]),
 ], ids=["client-image", "no-build", "gpus-held", "gpu-memory", "port"])
