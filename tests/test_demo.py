@@ -184,12 +184,15 @@ def test_sigterm_while_serving_stops_the_server(docker_client, tmp_path):
                              str(MODELS_DIR)], cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
-        # Wait until `make up` has a server container, then SIGTERM the demo.
+        # SIGTERM once `make up` has started the server and waits for it (its "waiting up to"
+        # line): a container alone may still be inside `compose up -d`, not yet serving.
         deadline = time.monotonic() + 600
-        while not project_containers(project):
+        while not any("waiting up to" in f.read_text(errors="replace")
+                      for f in results.glob("*-demo/logs/*-up.log")):
             assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "no server container after 600 s"
+            assert time.monotonic() < deadline, "`make up` not waiting after 600 s"
             time.sleep(1)
+        assert project_containers(project)
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=300)
     finally:
