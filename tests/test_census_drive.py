@@ -18,8 +18,21 @@ LOAD = Profiling(concurrency=3, max_tokens=40, prompt_words=4, steps=2)
 
 
 @pytest.fixture
-def fake(fake_vllm):
+def fake(fake_vllm, monkeypatch):
+    from k3rocm.checks.census import drive
+
     lock, count = threading.Lock(), itertools.count()
+    # the drive counts profiled tokens from what it read when /start_profile returned: the
+    # streams go on only once it has (on a loaded machine its response can come after them)
+    based, real_tokens = threading.Event(), drive._Load.tokens
+
+    def tokens(self):
+        out = real_tokens(self)
+        if srv.hit["/start_profile"].is_set():
+            based.set()
+        return out
+
+    monkeypatch.setattr(drive._Load, "tokens", tokens)
     began: dict[int, threading.Event] = collections.defaultdict(threading.Event)
     raced: dict[int, threading.Semaphore] = collections.defaultdict(
         lambda: threading.Semaphore(0))
@@ -46,7 +59,7 @@ def fake(fake_vllm):
                 n += 1
                 send("c", n)
             raced[rnd].release()
-        srv.wait(srv.hit["/start_profile"], nxt)
+        srv.wait(based, nxt)
         while n < req["max_tokens"]:
             if n == req["max_tokens"] - 2:
                 srv.wait(srv.hit["/stop_profile"], nxt)
