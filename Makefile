@@ -61,10 +61,11 @@ logs: ## follow the server log
 	$(COMPOSE) logs -f server
 
 # Two pytest-xdist workers (one per core), whole modules per worker (module fixtures shared);
-# each worker starts its own session stand-in server. TEST_WORKERS=0: one process.
+# each worker starts its own session stand-in server; the longest files are dealt first
+# (tests/conftest.py HEAVY_FIRST). TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 test: $(PY) ## run the test suite (needs the Docker engine: see .ci/run; TEST_WORKERS=0 serial)
-	$(PY) -m pytest -ra --durations=25 $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
+	$(PY) -m pytest -ra --durations=0 --durations-min=5 $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS)
 
 lint: $(PY) ## ruff, hadolint, shellcheck
 	$(PY) -m ruff check .

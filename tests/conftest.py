@@ -50,6 +50,20 @@ def upstream_tree(version: str) -> Path:
     return tree
 
 
+# The longest files first (loaded CI durations), so that with `--dist loadfile
+# --no-loadscope-reorder` (Makefile `test`) no worker is left with a 10-minute file at the end
+# while the other is idle; xdist's default order (most items first) deals them out last.
+HEAVY_FIRST = ("test_bench_standin", "test_census_standin", "test_demo", "test_gsm8k_e2e",
+               "test_selftest_run", "test_overlay_standin", "test_scale_standin", "test_standin",
+               "test_overlay_image", "test_smoke", "test_upstream_hook_standin",
+               "test_selftest_model_vllm")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))
+
+
 _IMAGE_FACTS: dict[str, dict] = {}
 
 
