@@ -180,3 +180,21 @@ def test_a_container_compose_could_not_start_is_removed(image, tmp_path):
     assert r.returncode == 2, r.stdout + r.stderr
     assert "starting the server" in r.stderr and ("already" in r.stderr), r.stderr[-1500:]
     assert not left, f"containers left in {project}: {left}"
+
+
+def test_a_failed_up_saves_the_log_before_removing_what_compose_created(monkeypatch, tmp_path):
+    """`compose up -d` fails after its container ran (e.g. interrupted while waiting for it):
+    the log is saved to the caller's path before ``down`` removes the container."""
+    import k3rocm.deploy.lifecycle as lc
+    from k3rocm.errors import UsageError
+
+    calls = []
+    monkeypatch.setattr(lc, "KFD", tmp_path)  # the GPU files' device check passes
+    monkeypatch.setattr(ComposeServer, "container", lambda self, client=None: None)
+    monkeypatch.setattr(ComposeServer, "compose", lambda self, *a, **kw:
+                        subprocess.CompletedProcess(a, 130, "", "Error: interrupted"))
+    monkeypatch.setattr(ComposeServer, "down",
+                        lambda self, log_path=None, timeout=None: calls.append((log_path, timeout)))
+    with pytest.raises(UsageError, match="starting the server .* failed: .*interrupted") as ei:
+        ComposeServer(project="p", inherit_env=False).up(log_path=lambda: tmp_path / "s.log")
+    assert ei.value.exit_code == 3 and calls == [(tmp_path / "s.log", 0)]

@@ -559,7 +559,7 @@ def selftest(args: argparse.Namespace) -> int:  # noqa: C901 - one linear pipeli
 
     def serve(server, res: StepResult) -> dict:
         running.append(server)
-        server.up()
+        server.up(log_path=log_of(server))
         served.append(server)
         res.numbers["ready_s"] = round(server.wait(args.timeout, log_path=log_of(server)), 1)
         prov = server.provenance()

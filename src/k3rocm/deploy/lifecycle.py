@@ -185,8 +185,11 @@ class ComposeServer:
         lines = [ln for ln in self.tail(5).splitlines() if ln.strip()]
         return f"{self.state() or '?'}: {lines[-1][:160] if lines else '(no log yet)'}"
 
-    def up(self, build: bool = False) -> None:
-        """Start the server detached (``build``: build first; an image is never pulled)."""
+    def up(self, build: bool = False,
+           log_path: Path | Callable[[], Path] | None = None) -> None:
+        """Start the server detached (``build``: build first; an image is never pulled). If
+        compose fails, what it created is removed, its log saved first to ``log_path`` (as
+        :meth:`wait`)."""
         if not self.cpu and not KFD.exists():
             raise UsageError(f"the GPU compose files map {KFD}, which this host does not have: "
                              "run on the AMD GPU node, or start the CPU stand-in (make CPU=1, "
@@ -205,9 +208,13 @@ class ComposeServer:
             code = 2 if any(s in err[-1] for s in ("No such image", "not found", "invalid",
                                                    "port is already allocated",
                                                    "address already in use")) else 3
-            self.down(timeout=0)  # what compose created (a container it could not start) goes too
+            path = None
+            with contextlib.suppress(OSError):  # the results directory: removed anyway
+                path = log_path() if callable(log_path) else log_path
+            self.down(log_path=path, timeout=0)  # what compose created goes too
+            where = f"; its log: {path}" if path is not None and path.is_file() else ""
             raise UsageError(f"starting the server (compose project {self.project}) failed: "
-                             f"{err[-1]}", code)
+                             f"{err[-1]}{where}", code)
 
     def wait(self, timeout: float, every: float = 10, quiet: bool = False,
              log_path: Path | Callable[[], Path] | None = None) -> float:
@@ -407,7 +414,7 @@ def run(args: argparse.Namespace) -> int:
         if t <= 0:
             raise UsageError(f"--timeout {t:g} must be > 0", 2)
         if args.what == "up":
-            srv.up(build=args.build)
+            srv.up(build=args.build, log_path=lambda: log_run_dir(srv, dep))
         elif srv.state() is None:
             raise UsageError("no server container: start it with `make up` "
                              "(or `k3rocm server up`)", 3)

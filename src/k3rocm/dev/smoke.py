@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     interrupted = False
     old = signal.signal(signal.SIGTERM, signal.default_int_handler)  # raises KeyboardInterrupt
     try:
-        srv.up()
+        srv.up(log_path=run_dir / "server.log")
         ready = srv.wait(args.timeout, every=10, quiet=True, log_path=run_dir / "server.log")
         print(f"smoke: server healthy after {ready:.0f}s", file=sys.stderr, flush=True)
         print(f"smoke: streaming {args.max_tokens} tokens from {SMOKE_MODEL}:", file=sys.stderr)

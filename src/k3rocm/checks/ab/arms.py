@@ -386,8 +386,8 @@ class Run:
         router = None
         try:
             t0 = time.time()
-            for srv in servers:  # all start at once; each is then waited for
-                srv.up()
+            for srv, log in zip(servers, logs, strict=True):  # all start, then each is waited for
+                srv.up(log_path=log)
             for srv, log in zip(servers, logs, strict=True):
                 srv.wait(arms.server_timeout, every=15, log_path=log)
             info["server_ready_s"] = round(time.time() - t0, 1)
