@@ -29,4 +29,4 @@ census-test: $(PY) ## census tests: parser on crafted traces, live census and A/
 	$(PY) -m pytest -q tests/test_census_parser.py tests/test_census_records.py tests/test_census_rocm2026.py tests/test_census_halves.py tests/test_census_standin.py
 
 census-bench: $(PY) ## census parser benchmark: s and peak MB per million events (BENCH_SIZES=1,3,10)
-	PYTHONPATH=src $(PY) tests/data/census/bench_parse.py --sizes $(BENCH_SIZES)
+	PYTHONPATH=src $(PY) tools/census_bench.py --sizes $(BENCH_SIZES)
