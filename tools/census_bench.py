@@ -3,8 +3,9 @@
 Writes a gzip worker trace of N million events with the structure
 tests/data/census/make_traces.py uses (per engine step a ``user_annotation``; per kernel launch
 a ``cpu_op``, a ``hipLaunchKernel`` runtime event and a ``kernel`` event linked by correlation
-id; Kimi-K3's 93 layers, 24 MLA, fusions on), then parses it in a fresh process per size and prints seconds and peak memory
-(resident set growth over the process after imports) per million events.
+id; Kimi-K3's 93 layers, 24 MLA, fusions on), then parses it in a fresh process per size and
+prints seconds and peak memory (resident set growth over the process after imports) per million
+events.
 
     python tools/census_bench.py [--sizes 1,3,10] [--dir /tmp/k3rocm-census-bench]
 """
