@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from census_helpers import run_cli as run_in_process
 from conftest import REPO, free_port, make_exit_code, project_containers, run_cli
 from server_fixture import MODELS_DIR, SMOKE_MODEL
 
@@ -51,7 +52,7 @@ def _one(results: Path, suffix: str) -> Path:
 
 
 def test_help_lists_the_steps_and_the_targets():
-    p = run_cli("demo", "--help")
+    p = run_in_process("demo", "--help")
     assert p.returncode == 0, p.stderr
     for target in ("make tinymodel", "make up CPU=1", "make bench WORKLOAD=ci-tiny",
                    "make gsm8k", "make census", "make down CPU=1"):
@@ -65,7 +66,7 @@ def test_help_lists_the_steps_and_the_targets():
     (["--bench-args", "'unclosed"], "--bench-args"),
 ])
 def test_bad_input_is_one_line_exit_2(tmp_path, args, fragment):
-    p = run_cli("demo", "--results", str(tmp_path / "r"), *args)
+    p = run_in_process("demo", "--results", str(tmp_path / "r"), *args)
     assert p.returncode == 2, p.stdout + p.stderr
     assert p.stderr.count("\n") == 1 and "Traceback" not in p.stderr, p.stderr
     assert fragment in p.stderr
@@ -73,7 +74,8 @@ def test_bad_input_is_one_line_exit_2(tmp_path, args, fragment):
 
 
 def test_no_docker_engine_is_exit_3(tmp_path):
-    """The exit-code table: no Docker engine is a server/engine problem (3), not bad input."""
+    """The exit-code table: no Docker engine is a server/engine problem (3), not bad input
+    (through the real entry point; the cases above run in-process)."""
     p = run_cli("demo", "--results", str(tmp_path / "r"),
                 env={"DOCKER_HOST": f"unix://{tmp_path}/no-engine.sock"})
     assert p.returncode == 3, p.stdout + p.stderr
