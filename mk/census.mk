@@ -25,8 +25,8 @@ census: $(PY) ## kernel census of the running server (TRACE_DIR=dir: offline; CE
 census-ab: $(PY) ## kernel census A/B: fusions off vs on on fresh servers (CENSUS_IMAGE, CENSUS_AB_ARGS)
 	$(PY) -m k3rocm ab --measure census $(if $(CENSUS_IMAGE),--image $(CENSUS_IMAGE)) $(if $(filter 1,$(CPU)),--no-gpu) $(if $(filter 1,$(STOP_RUNNING)),--stop-running) $(CENSUS_AB_ARGS)
 
-census-test: $(PY) ## census tests: parser on crafted traces, live census and A/B on the stand-in
+census-test: $(PY) ## census tests: parser on crafted traces, A/B on the stand-in (live census: make demo-test)
 	$(PY) -m pytest -q tests/test_census_parser.py tests/test_census_records.py tests/test_census_rocm2026.py tests/test_census_halves.py tests/test_census_standin.py
 
 census-bench: $(PY) ## census parser benchmark: s and peak MB per million events (BENCH_SIZES=1,3,10)
-	PYTHONPATH=src $(PY) tests/data/census/bench_parse.py --sizes $(BENCH_SIZES)
+	PYTHONPATH=src $(PY) tools/census_bench.py --sizes $(BENCH_SIZES)

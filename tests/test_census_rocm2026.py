@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from census_helpers import DATA, MT, SIX, TINY, census, run_cli
+from census_helpers import DATA, MT, SIX, TINY, census, run_cli, write
 
 from k3rocm.checks.census.analyze import run_census
 from k3rocm.checks.census.fusions import from_cli
@@ -14,17 +14,6 @@ from k3rocm.checks.census.modelcfg import read_model_facts
 from k3rocm.checks.census.names import normalize
 from k3rocm.checks.census.spec import load_spec
 from k3rocm.checks.census.trace import load_trace_dir
-
-
-def write_run(d: Path, world: int = 2, fusions: str = "on", member: str = "per_head",
-              **kw) -> Path:
-    """One run's worker traces (both fusions ``fusions``) into ``d``."""
-    d.mkdir(parents=True, exist_ok=True)
-    for r in range(world):
-        MT["write"](d / MT["trace_name"](r),
-                    MT["make_trace"](r, world, [0, 1, 2], 3, SIX, fusions, fusions, member,
-                                     **kw), gz=True)
-    return d
 
 
 def failed(c) -> set[tuple]:
@@ -87,19 +76,19 @@ def test_roles_match_each_name_form(form):
 
 
 def test_rocprof_sdk_fused_run_passes(tmp_path):
-    c = census(write_run(tmp_path, fusions="on", name_form="rocprof-sdk"), "all=on")
+    c = census(write(tmp_path, "on", "on", name_form="rocprof-sdk"), "all=on")
     assert c.ok, c.table()
     assert {(k.rank, k.seen) for k in c.checks if k.role == "fused_qk_norm"
             and k.scope == "all steps"} == {(0, 18), (1, 18)}
 
 
 def test_rocprof_sdk_stock_run_passes(tmp_path):
-    c = census(write_run(tmp_path, fusions="off", name_form="rocprof-sdk"), "all=off")
+    c = census(write(tmp_path, "off", "off", name_form="rocprof-sdk"), "all=off")
     assert c.ok, c.table()
 
 
 def test_rocprof_sdk_general_member_fails(tmp_path):
-    c = census(write_run(tmp_path, member="general", name_form="rocprof-sdk"), "all=on")
+    c = census(write(tmp_path, "on", "on", member="general", name_form="rocprof-sdk"), "all=on")
     assert failed(c) == {(0, "fused Q-prep member 'general' launches"),
                          (1, "fused Q-prep member 'general' launches")}
 
@@ -108,7 +97,7 @@ def test_gpu_trace_without_any_role_is_bad_input(tmp_path):
     import gzip
     import json
 
-    d = write_run(tmp_path / "t", world=1)
+    d = write(tmp_path / "t", "on", "on", world=1)
     f = d / MT["trace_name"](0)
     obj = json.loads(gzip.decompress(f.read_bytes()))
     for e in obj["traceEvents"]:
@@ -137,39 +126,30 @@ def strip_kernels(d: Path, ranks: tuple[int, ...]) -> None:
         MT["write"](f, obj, gz=True)
 
 
-def write_ranks(d: Path, per_rank: list[dict], **common) -> Path:
-    d.mkdir(parents=True, exist_ok=True)
-    for r, kw in enumerate(per_rank):
-        MT["write"](d / MT["trace_name"](r),
-                    MT["make_trace"](r, len(per_rank), [0, 1, 2], 3, SIX, "on", "on",
-                                     **{**common, **kw}), gz=True)
-    return d
-
-
 def incomplete(c) -> dict[int, str]:
     return {x["rank"]: x["what"] for x in c.incomplete}
 
 
 def test_graph_replay_complete_passes(tmp_path):
-    c = census(write_ranks(tmp_path, [{}, {}], graph=True), "all=on")
+    c = census(write(tmp_path, "on", "on", graph=True), "all=on")
     assert c.verdict == "PASS", c.incomplete or c.table()
 
 
 def test_roctracer_dropped_graph_replays_are_incomplete(tmp_path):
-    c = census(write_ranks(tmp_path, [{"drop": lambda s, i: s > 0 and i % 8 != 0}, {}],
-                           graph=True), "all=on")
+    c = census(write(tmp_path, "on", "on", graph=True,
+                      per_rank={0: {"drop": lambda s, i: s > 0 and i % 8 != 0}}), "all=on")
     assert c.verdict == "INCOMPLETE TRACE" and c.exit_code == 4
     assert list(incomplete(c)) == [0] and "same graph" in incomplete(c)[0]
 
 
 def test_rank_short_in_every_step_is_incomplete(tmp_path):
-    c = census(write_ranks(tmp_path, [{}, {"drop": lambda s, i: i % 4 == 0}], graph=True),
-               "all=on")
+    c = census(write(tmp_path, "on", "on", graph=True,
+                      per_rank={1: {"drop": lambda s, i: i % 4 == 0}}), "all=on")
     assert c.verdict == "INCOMPLETE TRACE" and list(incomplete(c)) == [1]
 
 
 def test_cut_off_tail_is_incomplete(tmp_path):
-    c = census(write_ranks(tmp_path, [{"drop": lambda s, i: s >= 4}] * 2), "all=on")
+    c = census(write(tmp_path, "on", "on", drop=lambda s, i: s >= 4), "all=on")
     assert c.verdict == "INCOMPLETE TRACE" and set(incomplete(c)) == {0, 1}
     assert all("cut-off tail" in w or "without their kernel record" in w
                for w in incomplete(c).values())
@@ -177,7 +157,7 @@ def test_cut_off_tail_is_incomplete(tmp_path):
 
 
 def test_zero_gpu_records_is_incomplete_not_cpu_rules(tmp_path):
-    d = write_run(tmp_path)
+    d = write(tmp_path, "on", "on")
     strip_kernels(d, (0, 1))
     m = read_model_facts(TINY)
     ts = load_trace_dir(d)
@@ -187,14 +167,14 @@ def test_zero_gpu_records_is_incomplete_not_cpu_rules(tmp_path):
 
 
 def test_one_rank_without_gpu_records_is_incomplete(tmp_path):
-    d = write_run(tmp_path)
+    d = write(tmp_path, "on", "on")
     strip_kernels(d, (1,))
     c = census(d, "all=on")
     assert c.verdict == "INCOMPLETE TRACE" and list(incomplete(c)) == [1]
 
 
 def test_cli_incomplete_exit_4_and_report(tmp_path):
-    d = write_ranks(tmp_path / "t", [{"drop": lambda s, i: s >= 4}] * 2)
+    d = write(tmp_path / "t", "on", "on", drop=lambda s, i: s >= 4)
     p = run_cli("census", "--trace-dir", str(d), "--model-dir", str(TINY), "--fusions",
                 "all=on", "--skip-records", "--results", str(tmp_path / "r"))
     assert p.returncode == 4, p.stdout + p.stderr
@@ -277,7 +257,7 @@ def test_cli_prints_skipped_runs(tmp_path):
 # -- 4. no decision records found ----------------------------------------------------------------
 
 def test_no_records_found_is_not_cross_checked_not_fail(tmp_path):
-    d = write_run(tmp_path / "t")
+    d = write(tmp_path / "t", "on", "on")
     p = run_cli("census", "--trace-dir", str(d), "--model-dir", str(TINY), "--fusions",
                 "all=on", "--results", str(tmp_path / "r"))
     assert p.returncode == 0, p.stdout + p.stderr
@@ -288,7 +268,7 @@ def test_no_records_found_is_not_cross_checked_not_fail(tmp_path):
 
 
 def test_records_that_contradict_still_fail(tmp_path):
-    d = write_run(tmp_path / "t")
+    d = write(tmp_path / "t", "on", "on")
     p = run_cli("census", "--trace-dir", str(d), "--model-dir", str(TINY), "--fusions",
                 "all=on", "--server-log", str(DATA / "records" / "server-stock.log"),
                 "--results", str(tmp_path / "r"))
@@ -298,12 +278,7 @@ def test_records_that_contradict_still_fail(tmp_path):
 # -- 8. the report: one row per check across ranks ------------------------------------------------
 
 def test_report_one_row_per_check_with_deviating_ranks(tmp_path):
-    d = tmp_path / "t"
-    d.mkdir()
-    for r in range(8):
-        MT["write"](d / MT["trace_name"](r),
-                    MT["make_trace"](r, 8, [0, 1, 2], 3, SIX, "on", "on",
-                                     "general" if r == 3 else "per_head"), gz=True)
+    d = write(tmp_path / "t", "on", "on", world=8, per_rank={3: {"member": "general"}})
     c = census(d, "all=on")
     table = c.table().splitlines()
     per_rank_checks = {k.what for k in c.checks if k.rank != "all"}
@@ -324,8 +299,8 @@ def test_report_one_row_per_check_with_deviating_ranks(tmp_path):
 
 def test_renamed_fused_kernel_is_listed_under_graph_replay(tmp_path):
     renamed = "void aiter::fused_rope_cat_cache_mla_v2<__hip_bfloat16>(__hip_bfloat16 const*)"
-    d = write_ranks(tmp_path, [{}, {}], graph=True,
-                    rename={MT["K_QPREP"]["per_head"]: renamed})
+    d = write(tmp_path, "on", "on", graph=True,
+              rename={MT["K_QPREP"]["per_head"]: renamed})
     c = census(d, "all=on")
     assert c.verdict == "CANNOT JUDGE" and c.exit_code == 4
     why = c.undecided_lines()
@@ -353,7 +328,7 @@ def test_recomputed_prompt_step_is_not_decode_only(tmp_path):
 
 
 def test_unlinked_kernels_map_through_their_own_queue(tmp_path):
-    d = write_ranks(tmp_path, [{}, {}], unlinked_queues=2)
+    d = write(tmp_path, "on", "on", unlinked_queues=2)
     c = census(d, "all=on")
     assert c.verdict == "PASS", (c.incomplete, c.table())
     assert all(p["unattributed"] == 1 for p in c.per_rank)  # only the sampler after the steps
@@ -395,8 +370,8 @@ def test_top_level_list_trace(tmp_path):
 
 
 def test_census_ab_with_an_incomplete_arm_exits_4(tmp_path):
-    off = write_run(tmp_path / "off", fusions="off")
-    on = write_ranks(tmp_path / "on", [{"drop": lambda s, i: s >= 4}] * 2)
+    off = write(tmp_path / "off", "off", "off")
+    on = write(tmp_path / "on", "on", "on", drop=lambda s, i: s >= 4)
     p = run_cli("census-ab", "--trace-dirs", f"{off},{on}", "--model-dir", str(TINY),
                 "--other-norms", "2*layers + 1", "--skip-records", "--results",
                 str(tmp_path / "r"))

@@ -1,5 +1,6 @@
-"""`make demo` (the README's first command after set-up): end to end on the CPU stand-in,
-SIGTERM while serving (make down, exit 130), and bad input / a busy port (one line, exit 2)."""
+"""`make demo` (the README's first command after set-up): end to end on the CPU stand-in (its
+`make census` is the live census of a stock server: counts per engine step), SIGTERM while
+serving (make down, exit 130), and bad input / a busy port (one line, exit 2)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,17 @@ import time
 from pathlib import Path
 
 import pytest
+from census_helpers import run_cli as run_in_process
 from conftest import REPO, free_port, make_exit_code, project_containers, run_cli
-from server_fixture import MODELS_DIR
+from server_fixture import MODELS_DIR, SMOKE_MODEL
 
 from k3rocm.dev.demo import GSM8K_ITEMS, STANDIN_BASE, STEPS
 
 SERVER_IMAGE = "k3rocm/server:cpu"  # compose.cpu.yaml's K3_IMAGE default
+# lighter than the defaults: one bench point (the 2-point claims: test_bench_standin.py's
+# `make bench`), a census of 2 streams with 24 tokens left when profiling starts (> 6 steps)
+LIGHT = ("--bench-args '--set concurrency=1 --set request_count=3 --set warmup_request_count=1'"
+         " --census-args '--concurrency 2 --max-tokens 48 --steps 6'")
 
 
 def _env() -> dict[str, str]:
@@ -46,7 +52,7 @@ def _one(results: Path, suffix: str) -> Path:
 
 
 def test_help_lists_the_steps_and_the_targets():
-    p = run_cli("demo", "--help")
+    p = run_in_process("demo", "--help")
     assert p.returncode == 0, p.stderr
     for target in ("make tinymodel", "make up CPU=1", "make bench WORKLOAD=ci-tiny",
                    "make gsm8k", "make census", "make down CPU=1"):
@@ -60,7 +66,7 @@ def test_help_lists_the_steps_and_the_targets():
     (["--bench-args", "'unclosed"], "--bench-args"),
 ])
 def test_bad_input_is_one_line_exit_2(tmp_path, args, fragment):
-    p = run_cli("demo", "--results", str(tmp_path / "r"), *args)
+    p = run_in_process("demo", "--results", str(tmp_path / "r"), *args)
     assert p.returncode == 2, p.stdout + p.stderr
     assert p.stderr.count("\n") == 1 and "Traceback" not in p.stderr, p.stderr
     assert fragment in p.stderr
@@ -68,7 +74,8 @@ def test_bad_input_is_one_line_exit_2(tmp_path, args, fragment):
 
 
 def test_no_docker_engine_is_exit_3(tmp_path):
-    """The exit-code table: no Docker engine is a server/engine problem (3), not bad input."""
+    """The exit-code table: no Docker engine is a server/engine problem (3), not bad input
+    (through the real entry point; the cases above run in-process)."""
     p = run_cli("demo", "--results", str(tmp_path / "r"),
                 env={"DOCKER_HOST": f"unix://{tmp_path}/no-engine.sock"})
     assert p.returncode == 3, p.stdout + p.stderr
@@ -119,7 +126,7 @@ def test_busy_port_is_refused_before_anything_starts(docker_client, tmp_path):
 def test_make_demo_end_to_end(docker_client, tmp_path):
     port, project, results = free_port(), "k3rocm-demo-test", tmp_path / "results"
     t0 = time.monotonic()
-    p = subprocess.run(_demo_argv(port, project, results), cwd=REPO, env=_env(),
+    p = subprocess.run(_demo_argv(port, project, results, LIGHT), cwd=REPO, env=_env(),
                        capture_output=True, text=True, timeout=1500)
     wall = time.monotonic() - t0
     print(f"make demo: {wall:.0f}s\n{p.stdout}\n{p.stderr[-4000:]}", file=sys.stderr)
@@ -157,7 +164,7 @@ def test_make_demo_end_to_end(docker_client, tmp_path):
 
     b = json.loads((bench / "summary.json").read_text())
     assert b["status"] == "ok", b.get("status")
-    assert [pt["concurrency"] for pt in b["points"]] == [1, 2]
+    assert [pt["concurrency"] for pt in b["points"]] == [1]
     assert all(pt["status"] == "ok" for pt in b["points"])
     prov = json.loads((bench / "provenance.json").read_text())
     assert SERVER_IMAGE in json.dumps(prov["server"])
@@ -168,10 +175,53 @@ def test_make_demo_end_to_end(docker_client, tmp_path):
     assert g["items"]["evaluated"] == 5 and not g["comparable"]
     assert steps["gsm8k"]["numbers"]["status"] == "below_gate"
 
-    c = json.loads((census / "census.json").read_text())
-    assert c["ok"] is True
-    assert list((census / "traces").iterdir())  # the server's own profiler trace was collected
     assert steps["census"]["numbers"]["ok"] is True
+    _census_of_the_stock_server(census, demo, Path(steps["census"]["log"]), tmp_path)
+
+
+def _census_of_the_stock_server(run_dir: Path, demo: Path, log: Path, tmp_path: Path) -> None:
+    """`make census` on the demo's stock cpu-smoke server: the real trace's counts per engine
+    step, collected from the results volume; the same traces claimed "q/kv norm on" fail."""
+    data = json.loads((run_dir / "census.json").read_text())
+    assert data["ok"] is True and data["verdict"] == "PASS"
+    layers = json.loads((MODELS_DIR / SMOKE_MODEL / "config.json").read_text())[
+        "num_hidden_layers"]
+    assert data["model"]["mla_layers"] == layers
+    rank0 = data["ranks"][0]
+    assert rank0["mode"] == "cpu" and rank0["steps"] == 6 and rank0["decode_steps"] >= 1
+    steps = rank0["steps"]
+    # the stock MLA layer's KV-cache write once per layer and step; the native RMSNorm (one
+    # aten::rsqrt each) 4x per layer (input, post, q_a, kv_a) + the final norm
+    per_step = rank0["per_step"]
+    assert all(s.get("vllm::unified_mla_kv_cache_update") == layers for s in per_step)
+    assert all(s.get("aten::rsqrt") == 4 * layers + 1 for s in per_step)
+    sep = next(c for c in data["checks"] if c["role"] == "qk_norm")
+    assert (sep["expected"], sep["seen"], sep["status"]) == (2 * layers * steps,) * 2 + ("ok",)
+    assert data["provenance"]["server"]["container"]["image_id"]
+    # the server's argv/env as `k3rocm serve` rendered them in the container, not from /proc
+    assert "/tmp/k3rocm-rendered.json" in data["provenance"]["server_settings_from"]
+    assert data["provenance"]["load"]["prefill_s"] >= 0
+    assert list((run_dir / "traces").glob("*.pt.trace.json.gz"))
+    # collected from the results volume on the host (the server container's bind mount)
+    assert list((demo / "traces").glob("*.pt.trace.json.gz"))
+    assert "from " + str(demo / "traces") in log.read_text()
+
+    # The same real traces claimed as "q/kv norm on" fail: the counts and the missing records.
+    q = run_cli("census", "--trace-dir", str(run_dir / "traces"), "--model-dir",
+                str(MODELS_DIR / SMOKE_MODEL), "--fusions", "qk_norm=on,decode_qprep=off",
+                "--world-size", "1", "--results", str(tmp_path / "claimed"))
+    assert q.returncode == 1, q.stdout + q.stderr
+    rows = [ln for ln in q.stdout.splitlines() if " FAIL " in ln
+            and not ln.startswith("census:")]
+    # the records row, the fused and stock counts, the steps off the asked path, the verdict
+    assert len(rows) == 5, rows
+    assert any("the overlay did not run" in r for r in rows)
+    assert any(r.startswith("engine steps off the asked q/kv RMSNorm path") for r in rows)
+    assert any(r.startswith("q/kv RMSNorm fusion (qk_norm asked on): both halves")
+               for r in rows)
+    fused = next(r for r in rows if "fused q/kv RMSNorm launches" in r)
+    assert f" {layers * steps} " in fused and " 0 " in fused
+    assert any("stock q/kv RMSNorm launches" in r for r in rows)
 
 
 @pytest.mark.docker

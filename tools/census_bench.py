@@ -1,12 +1,13 @@
 """Benchmark of the census trace parser (``make census-bench``; not a test).
 
-Writes a gzip worker trace of N million events with the structure make_traces.py uses (per
-engine step a ``user_annotation``; per kernel launch a ``cpu_op``, a ``hipLaunchKernel``
-runtime event and a ``kernel`` event linked by correlation id; Kimi-K3's 93 layers, 24 MLA,
-fusions on), then parses it in a fresh process per size and prints seconds and peak memory
-(resident set growth over the process after imports) per million events.
+Writes a gzip worker trace of N million events with the structure
+tests/data/census/make_traces.py uses (per engine step a ``user_annotation``; per kernel launch
+a ``cpu_op``, a ``hipLaunchKernel`` runtime event and a ``kernel`` event linked by correlation
+id; Kimi-K3's 93 layers, 24 MLA, fusions on), then parses it in a fresh process per size and
+prints seconds and peak memory (resident set growth over the process after imports) per million
+events.
 
-    python tests/data/census/bench_parse.py [--sizes 1,3,10] [--dir /tmp/k3rocm-census-bench]
+    python tools/census_bench.py [--sizes 1,3,10] [--dir /tmp/k3rocm-census-bench]
 """
 
 from __future__ import annotations
@@ -21,15 +22,15 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "census"
 
 
 def write_trace(path: Path, n_events: int) -> int:
     """Stream a trace of about ``n_events`` events to ``path``; returns the exact count."""
     import runpy
 
-    mt = runpy.run_path(str(HERE / "make_traces.py"))
-    cfg = json.loads((HERE / "models" / "kimi-k3" / "config.json").read_text())
+    mt = runpy.run_path(str(DATA / "make_traces.py"))
+    cfg = json.loads((DATA / "models" / "kimi-k3" / "config.json").read_text())
     kda = set(cfg["text_config"]["linear_attn_config"]["kda_layers"])
     mla = [i for i in range(93) if (i + 1) not in kda]
     ks = mt["_step_kernels"](mla, 93, True, "on", "on", "per_head")
