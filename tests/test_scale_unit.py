@@ -1,4 +1,5 @@
-"""Scale-out settings, per-node rendering, router argv, compose/K8s renderings (no servers)."""
+"""Scale-out settings, per-node rendering, router argv, the compose rendering (no servers;
+Kubernetes: test_k8s_render.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import subprocess
 import pytest
 from conftest import REPO, need, run_cli
 
-from k3rocm.deploy.scale import k8s
 from k3rocm.deploy.scale.render import compose_override, plan, router_argv
 from k3rocm.deploy.scale.settings import SCALE_FIELD_BY_ENV, load_scale
 from k3rocm.deploy.scale.status import parse_decisions, summarize_decisions, topology
@@ -17,11 +17,6 @@ from k3rocm.errors import UsageError
 from k3rocm.serving import config
 
 TWO = {"K3_SCALE_MODE": "replicas", "K3_SCALE_NODES": "10.0.0.1:8000,10.0.0.2:8000"}
-DIGEST = "@sha256:" + "ab" * 32
-IMAGES = {"K3_IMAGE": "registry.example.com/k3rocm/server:0.1" + DIGEST,
-          "K3_SCALE_ROUTER_IMAGE": "registry.example.com/k3rocm/router:0.1.17" + DIGEST,
-          "K3_SCALE_PROXY_IMAGE": "registry.example.com/nginx-unprivileged:1.27" + DIGEST}
-TWO_K8S = {**TWO, **IMAGES}
 
 
 def test_the_docs_table_is_every_scale_setting_with_its_default():
@@ -145,117 +140,6 @@ def test_compose_override_validates_with_docker_compose(tmp_path):
     # compose stop/down waits longer than vLLM drains (compose's own default is 10 s).
     assert svc["stop_grace_period"] in ("5m30s", "330s"), svc["stop_grace_period"]
     assert svc["environment"]["K3_PORT"] == "8001"
-
-
-def _settings(env):
-    return config.load_settings(env, dotenv=None, check_model=False)[0]
-
-
-def _render(env):
-    return k8s.render_k8s(plan(env, dotenv=None), _settings(env))
-
-
-def _obj(objs, kind, name=None):
-    return next(o for o in objs if o["kind"] == kind and name in (None, o["metadata"]["name"]))
-
-
-def _router_pod(objs):
-    return _obj(objs, "Deployment", k8s.ROUTER)["spec"]["template"]["spec"]
-
-
-def _server_pod(objs):
-    return _obj(objs, "Deployment", k8s.APP)["spec"]["template"]["spec"]
-
-
-def test_k8s_replicas_schema_valid_and_sized():
-    p = plan(TWO_K8S, dotenv=None)
-    objs = k8s.render_k8s(p, _settings(TWO_K8S))
-    lines = k8s.validate(objs)
-    assert len(lines) == len(objs) and all(ln.startswith("ok") for ln in lines)
-    dep = _obj(objs, "Deployment", k8s.APP)
-    assert dep["spec"]["replicas"] == 2
-    c = dep["spec"]["template"]["spec"]["containers"][0]
-    assert c["resources"]["limits"]["amd.com/gpu"] == 8
-    probe = c["startupProbe"]
-    assert probe["httpGet"]["path"] == "/health"
-    assert probe["periodSeconds"] * probe["failureThreshold"] >= 7200
-    assert c["readinessProbe"]["httpGet"]["path"] == "/health"
-    assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
-    env = {e["name"]: e.get("value") for e in c["env"]}
-    assert env["K3_TP"] == "8" and env["K3_MTP_K"] == "2"
-    assert json.loads(dep["metadata"]["annotations"]["k3rocm.org/argv"]) == p.nodes[0].argv
-
-
-@pytest.mark.parametrize("key, value", [
-    ("K3_IMAGE", "k3rocm/server:latest"),  # the compose tag: no registry, no digest
-    ("K3_IMAGE", "registry.example.com/k3rocm/server:latest"),  # a tag moves: no digest
-    ("K3_SCALE_ROUTER_IMAGE", "k3rocm/router:0.1.17"),
-    ("K3_SCALE_ROUTER_IMAGE", "k3rocm/router" + DIGEST),  # Docker Hub user, not a registry
-    ("K3_SCALE_PROXY_IMAGE", ""),
-])
-def test_k8s_refuses_images_a_node_cannot_pull(key, value):
-    with pytest.raises(UsageError) as exc:
-        _render({**TWO_K8S, key: value})
-    msg = str(exc.value)
-    assert msg.startswith(f"{key}={value!r} is not an image a cluster can pull") and \
-        "\n" not in msg
-
-
-def test_k8s_router_admin_endpoints_not_exposed():
-    objs = _render(TWO_K8S)
-    pod = _router_pod(objs)
-    router = next(c for c in pod["containers"] if c["name"] == "router")
-    proxy = next(c for c in pod["containers"] if c["name"] == "proxy")
-    a = router["args"]
-    assert a[a.index("--host") + 1] == "127.0.0.1"  # not reachable from outside the pod
-    # The Service reaches only the proxy's port; the router's port is no container port.
-    svc = _obj(objs, "Service", k8s.ROUTER)
-    target = svc["spec"]["ports"][0]["targetPort"]
-    # The proxy's ports: the data port (the Service's) and the metrics-only port.
-    assert [p["containerPort"] for p in proxy["ports"]] == [target, 29000]
-    assert int(a[a.index("--port") + 1]) != target
-    assert all(p["containerPort"] != int(a[a.index("--port") + 1])
-               for c in pod["containers"] for p in c.get("ports", []))
-    conf = _obj(objs, "ConfigMap")["data"]["nginx.conf"]
-    assert conf == k8s.proxy_conf(str(target), int(a[a.index("--port") + 1]),
-                                  metrics_listen="29000",
-                                  metrics_port=int(a[a.index("--prometheus-port") + 1]))
-
-
-def test_k8s_router_rbac_and_namespace_agree():
-    objs = _render(TWO_K8S)
-    role = _obj(objs, "Role", k8s.ROUTER)  # namespaced: the pods of its own namespace only
-    assert not any(o["kind"].startswith("Cluster") for o in objs)
-    assert all("namespace" not in o["metadata"] for o in objs)  # one namespace: kubectl -n
-    assert {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]} in \
-        role["rules"]
-    binding = _obj(objs, "RoleBinding", k8s.ROUTER)
-    pod = _router_pod(objs)
-    assert binding["subjects"][0]["name"] == pod["serviceAccountName"]
-    router = pod["containers"][0]
-    a = router["args"]
-    # Without --service-discovery-namespace the router watches ALL namespaces (its --help).
-    assert a[a.index("--service-discovery-namespace") + 1] == "$(POD_NAMESPACE)"
-    assert {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {
-        "fieldPath": "metadata.namespace"}}} in router["env"]
-    assert a[a.index("--selector") + 1] == f"{k8s.LABEL_KEY}={k8s.APP}"
-    assert _obj(objs, "Deployment", k8s.APP)["spec"]["selector"]["matchLabels"] == {
-        k8s.LABEL_KEY: k8s.APP}
-
-
-def test_k8s_drain_prestop_pdb_rollout():
-    objs = _render({**TWO_K8S, "K3_SCALE_DRAIN_TIMEOUT": "600"})
-    dep = _obj(objs, "Deployment", k8s.APP)
-    pod = dep["spec"]["template"]["spec"]
-    c = pod["containers"][0]
-    assert c["args"][c["args"].index("--shutdown-timeout") + 1] == "600"
-    sleep = int(c["lifecycle"]["preStop"]["exec"]["command"][1])
-    # SIGKILL only after preStop + the whole drain.
-    assert pod["terminationGracePeriodSeconds"] >= sleep + 600
-    assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
-    pdb = _obj(objs, "PodDisruptionBudget")
-    assert pdb["spec"]["maxUnavailable"] == 1
-    assert pdb["spec"]["selector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
 
 
 # docs/overlay.md's decision records; the last per (pid, layer_kind) wins
