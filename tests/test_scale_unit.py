@@ -1,9 +1,11 @@
-"""Scale-out settings, per-node rendering, router argv, the compose rendering (no servers;
-Kubernetes: test_k8s_render.py)."""
+"""Scale-out settings, per-node rendering, router argv and instances, the compose rendering,
+status and router failures (no servers; Kubernetes: test_k8s_render.py; live:
+test_scale_standin.py)."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 
@@ -11,12 +13,32 @@ import pytest
 from conftest import REPO, need, run_cli
 
 from k3rocm.deploy.scale.render import compose_override, plan, router_argv
+from k3rocm.deploy.scale.router import STOP_TIMEOUT_S, instance, stop_router
 from k3rocm.deploy.scale.settings import SCALE_FIELD_BY_ENV, load_scale
 from k3rocm.deploy.scale.status import parse_decisions, summarize_decisions, topology
 from k3rocm.errors import UsageError
 from k3rocm.serving import config
 
 TWO = {"K3_SCALE_MODE": "replicas", "K3_SCALE_NODES": "10.0.0.1:8000,10.0.0.2:8000"}
+
+
+@pytest.fixture
+def cli(monkeypatch, capsys):
+    """``cli(*args, env=...)``: k3rocm's main in-process (no interpreter start) with only
+    ``env``'s K3_* settings and no .env; returns (exit code, stdout, stderr).
+    test_cli_bad_value_exit_2_no_traceback keeps the real `python -m k3rocm scale`."""
+    from k3rocm.cli import main
+
+    def run(*args, env):
+        for k in [k for k in os.environ if k.startswith("K3_")]:
+            monkeypatch.delenv(k)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        rc = main([args[0], "--env-file", "/dev/null", *args[1:]])
+        out, err = capsys.readouterr()
+        return rc, out, err
+
+    return run
 
 
 def test_the_docs_table_is_every_scale_setting_with_its_default():
@@ -263,16 +285,16 @@ def _no_router_env(ports):
             "K3_SCALE_ROUTER_HOST": "127.0.0.1", "K3_SCALE_ROUTER_PORT": str(ports[2])}
 
 
-def test_status_with_the_router_down_exits_3(dead_ports):
-    r = run_cli("scale", "status", env=_no_router_env(dead_ports))
-    assert r.returncode == 3, r.stdout + r.stderr
-    assert "router unreachable" in r.stdout.splitlines()[-1] and "Traceback" not in r.stderr
+def test_status_with_the_router_down_exits_3(cli, dead_ports):
+    rc, out, err = cli("scale", "status", env=_no_router_env(dead_ports))
+    assert rc == 3, out + err
+    assert "router unreachable" in out.splitlines()[-1]
 
 
-def test_overhead_without_replicas_exits_3_in_one_line(dead_ports):
-    r = run_cli("scale", "overhead", env=_no_router_env(dead_ports))
-    assert r.returncode == 3, r.stdout + r.stderr
-    lines = r.stderr.strip().splitlines()
+def test_overhead_without_replicas_exits_3_in_one_line(cli, dead_ports):
+    rc, out, err = cli("scale", "overhead", env=_no_router_env(dead_ports))
+    assert rc == 3, out + err
+    lines = err.strip().splitlines()
     assert len(lines) == 1 and "start the replicas first" in lines[0]
 
 
@@ -312,3 +334,82 @@ def test_a_router_that_exits_at_start_is_a_server_problem(dead_ports):
         start_router(_Client(), s)
     assert e.value.exit_code == 3 and "router exited at start" in str(e.value)
     assert "\n" not in str(e.value)
+
+
+def _arg(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def test_instance_two_has_its_own_name_and_ports():
+    s = load_scale(TWO, dotenv=None)
+    assert instance(s, 1) == ("k3rocm-router", s)  # today's router, unchanged
+    name, s2 = instance(s, 2)
+    assert name == "k3rocm-router-2"
+    argv = router_argv(s2)
+    assert (_arg(argv, "--port"), _arg(argv, "--prometheus-port")) == ("8081", "29001")
+    assert s2.router_url == "http://127.0.0.1:8081"
+    assert argv[argv.index("--worker-urls"):] == router_argv(s)[argv.index("--worker-urls"):]
+
+
+@pytest.mark.parametrize(("env", "n", "fragment"), [
+    ({}, 0, "use 1..16"),
+    ({}, 17, "use 1..16"),
+    ({"K3_SCALE_ROUTER_PORT": "65535"}, 2, "> 65535"),
+    ({"K3_SCALE_ROUTER_PORT": "9000", "K3_SCALE_ROUTER_METRICS_PORT": "9001"}, 2, "overlap"),
+])
+def test_instance_refusals(env, n, fragment):
+    s = load_scale({**TWO, **env}, dotenv=None)
+    with pytest.raises(UsageError, match=fragment):
+        instance(s, n)
+
+
+class _Container:
+    def __init__(self):
+        self.status, self.attrs, self.calls = "running", {"State": {"ExitCode": 0}}, []
+
+    def stop(self, timeout):
+        self.calls.append(("stop", timeout))
+
+    def reload(self):
+        pass
+
+    def remove(self, force):
+        self.calls.append(("remove", force))
+
+
+class _Containers:
+    def __init__(self, container):
+        self.containers = self
+        self._c = container
+
+    def get(self, name):
+        import docker
+
+        if self._c is None:
+            raise docker.errors.NotFound(name)
+        return self._c
+
+
+def test_stop_router_waits_for_the_request_timeout_by_default():
+    from k3rocm.deploy.scale.render import ROUTER_REQUEST_TIMEOUT_S
+
+    assert STOP_TIMEOUT_S > ROUTER_REQUEST_TIMEOUT_S
+    c = _Container()
+    assert stop_router(_Containers(c), "r") is True
+    assert c.calls == [("stop", STOP_TIMEOUT_S), ("remove", True)]
+    c = _Container()
+    stop_router(_Containers(c), "r", timeout=60)
+    assert c.calls[0] == ("stop", 60)
+    assert stop_router(_Containers(None), "r") is False
+
+
+@pytest.mark.parametrize(("args", "fragment"), [
+    (["router-down", "--instance", "two"], "--instance (make ROUTER=)='two' is not valid"),
+    (["router-up", "--instance", "17"], "router instance 17 is out of range"),
+    (["router-down", "--timeout", "1h"], "--timeout (make ROUTER_TIMEOUT=)='1h' is not valid"),
+])
+def test_cli_refuses_bad_instance_and_timeout(cli, args, fragment):
+    rc, out, err = cli("scale", *args, env={**TWO, "DOCKER_HOST": "unix:///nonexistent.sock"})
+    assert rc == 2, out + err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and fragment in lines[0], err
