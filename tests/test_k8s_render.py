@@ -126,8 +126,8 @@ FOUR_K8S = {**TWO_K8S, "K3_SCALE_NODES": ",".join(f"10.0.0.{i}:8000" for i in ra
 VARIANTS = ("privileged", "baseline", "restricted")
 
 
-@pytest.mark.parametrize("env", [
-    TWO_K8S, FOUR_K8S,
+@pytest.mark.parametrize("env", [  # TWO_K8S: test_schema_check_covers_1_29_to_1_37_and_can_fail
+    FOUR_K8S,
     *({**TWO_K8S, "K3_SCALE_POD_SECURITY": v, "K3_SCALE_GPU_GROUPS": "44,110"}
       for v in VARIANTS[1:]),
     {**TWO_K8S, "K3_SCALE_ROUTER_REPLICAS": "1", "K3_SCALE_METRICS_NAMESPACE": "prom"}])
@@ -387,7 +387,8 @@ def test_proxy_with_real_nginx_forwards_only_data_paths_and_stops_gracefully(tmp
         assert not any("worker" in p or "flush" in p for _, p, _ in upstream.seen), \
             upstream.seen
 
-        resp = requests.post(f"{url}/v1/completions", json={}, stream=True, timeout=60)
+        resp = requests.post(f"{url}/v1/completions", json={}, stream=True, timeout=60,
+                             headers={"Connection": "close"})
         body = resp.raw.read(13)
         assert body == b"data: first\n\n" and held.wait(30)
         stop = subprocess.Popen([hook[0], hook[1], hook[2].replace("nginx ", f"{nginx} ", 1)])
