@@ -550,13 +550,12 @@ def test_cluster_nodes_lists_matches_and_gpu_labels(tmp_path, standin_apiserver)
     assert status == "skip" and "no kubeconfig" in found
 
 
-def test_preflight_and_status_say_skipped_without_a_kubeconfig(tmp_path):
-    env = _env(tmp_path, {**TWO_K8S, "K3_SCALE_NODES": f"127.0.0.1:{free_port()},"
-                          f"127.0.0.1:{free_port()}",
-                          "K3_SCALE_ROUTER_PORT": str(free_port())})
-    r = run_cli("scale", "--env-file", "/dev/null", "status", env=env, timeout=120)
-    assert "k8s nodes skip: skipped: no kubeconfig" in r.stdout, r.stdout + r.stderr
-    r = run_cli("preflight", "--env-file", "/dev/null", "--json", timeout=120,
-                env={**env, "DOCKER_HOST": f"unix://{tmp_path}/no-engine.sock"})
-    line = next(c for c in json.loads(r.stdout) if c["name"] == "kubernetes nodes")
+def test_preflight_and_status_say_skipped_without_a_kubeconfig(tmp_path, cli):  # noqa: F811
+    env = {**TWO_K8S, "K3_SCALE_NODES": f"127.0.0.1:{free_port()},127.0.0.1:{free_port()}",
+           "K3_SCALE_ROUTER_PORT": str(free_port()), "HOME": str(tmp_path), "KUBECONFIG": None}
+    _, out, err = cli("scale", "status", env=env)
+    assert "k8s nodes skip: skipped: no kubeconfig" in out, out + err
+    _, out, _ = cli("preflight", "--json",
+                    env={**env, "DOCKER_HOST": f"unix://{tmp_path}/no-engine.sock"})
+    line = next(c for c in json.loads(out) if c["name"] == "kubernetes nodes")
     assert line["status"] == "skip" and "no kubeconfig" in line["have"]

@@ -25,15 +25,16 @@ TWO = {"K3_SCALE_MODE": "replicas", "K3_SCALE_NODES": "10.0.0.1:8000,10.0.0.2:80
 @pytest.fixture
 def cli(monkeypatch, capsys):
     """``cli(*args, env=...)``: k3rocm's main in-process (no interpreter start) with only
-    ``env``'s K3_* settings and no .env; returns (exit code, stdout, stderr).
-    test_cli_bad_value_exit_2_no_traceback keeps the real `python -m k3rocm scale`."""
+    ``env``'s K3_* settings, no .env, ``env``'s other variables set (None: unset); returns
+    (exit code, stdout, stderr). test_cli_bad_value_exit_2_no_traceback keeps the real
+    `python -m k3rocm scale`."""
     from k3rocm.cli import main
 
     def run(*args, env):
         for k in [k for k in os.environ if k.startswith("K3_")]:
             monkeypatch.delenv(k)
-        for k, v in env.items():
-            monkeypatch.setenv(k, v)
+        for k, v in env.items():  # None: unset
+            monkeypatch.delenv(k, raising=False) if v is None else monkeypatch.setenv(k, v)
         rc = main([args[0], "--env-file", "/dev/null", *args[1:]])
         out, err = capsys.readouterr()
         return rc, out, err
