@@ -165,26 +165,13 @@ def test_compose_override_validates_with_docker_compose(tmp_path):
     assert svc["environment"]["K3_PORT"] == "8001"
 
 
-# docs/overlay.md's decision records; the last per (pid, layer_kind) wins
-DECISION_LOG = "\n".join([
-    '(EngineCore_DP0 pid=123) INFO 12-03 13:00:00 [mla.py:88] K3ROCM-DECISION '
-    + json.dumps({"schema": "k3rocm.overlay.decision/1", "pid": 123, "layer_kind": "target",
-                  "phase": "construct", "fusions": {
-                      "qk_norm": {"state": "on", "reason": "x"},
-                      "decode_qprep": {"state": "needs-model", "reason": "y"}}}),
-    "unrelated line",
-    '(EngineCore_DP0 pid=123) INFO 12-03 13:00:09 [mla.py:88] K3ROCM-DECISION '
-    + json.dumps({"schema": "k3rocm.overlay.decision/1", "pid": 123, "layer_kind": "target",
-                  "phase": "load", "fusions": {
-                      "qk_norm": {"state": "on", "reason": "x"},
-                      "decode_qprep": {"state": "off", "reason": "kv not fp8"}}}),
-])
-
-
-def test_decision_lines_summarized():
-    recs = parse_decisions(DECISION_LOG)
-    assert len(recs) == 1
-    assert summarize_decisions(recs) == "target: decode_qprep=off qk_norm=on"
+def test_decision_lines_summarized():  # which record is final: test_decisions_unit.py
+    log = ("(EngineCore_DP0 pid=123) INFO 12-03 13:00:09 [mla.py:88] K3ROCM-DECISION "
+           + json.dumps({"schema": "k3rocm.overlay.decision/1", "pid": 123, "phase": "load",
+                         "layer_kind": "target", "fusions": {
+                             "qk_norm": {"state": "on", "reason": "x"},
+                             "decode_qprep": {"state": "off", "reason": "kv not fp8"}}}))
+    assert summarize_decisions(parse_decisions(log)) == "target: decode_qprep=off qk_norm=on"
     assert "no K3ROCM-DECISION" in summarize_decisions(parse_decisions("nothing here"))
 
 
