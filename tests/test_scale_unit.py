@@ -1,27 +1,45 @@
-"""Scale-out settings, per-node rendering, router argv, compose/K8s renderings (no servers)."""
+"""Scale-out settings, per-node rendering, router argv and instances, the compose rendering,
+status and router failures (no servers; Kubernetes: test_k8s_render.py; live:
+test_scale_standin.py)."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 
 import pytest
 from conftest import REPO, need, run_cli
 
-from k3rocm.deploy.scale import k8s
 from k3rocm.deploy.scale.render import compose_override, plan, router_argv
+from k3rocm.deploy.scale.router import STOP_TIMEOUT_S, instance, stop_router
 from k3rocm.deploy.scale.settings import SCALE_FIELD_BY_ENV, load_scale
 from k3rocm.deploy.scale.status import parse_decisions, summarize_decisions, topology
 from k3rocm.errors import UsageError
 from k3rocm.serving import config
 
 TWO = {"K3_SCALE_MODE": "replicas", "K3_SCALE_NODES": "10.0.0.1:8000,10.0.0.2:8000"}
-DIGEST = "@sha256:" + "ab" * 32
-IMAGES = {"K3_IMAGE": "registry.example.com/k3rocm/server:0.1" + DIGEST,
-          "K3_SCALE_ROUTER_IMAGE": "registry.example.com/k3rocm/router:0.1.17" + DIGEST,
-          "K3_SCALE_PROXY_IMAGE": "registry.example.com/nginx-unprivileged:1.27" + DIGEST}
-TWO_K8S = {**TWO, **IMAGES}
+
+
+@pytest.fixture
+def cli(monkeypatch, capsys):
+    """``cli(*args, env=...)``: k3rocm's main in-process (no interpreter start) with only
+    ``env``'s K3_* settings, no .env, ``env``'s other variables set (None: unset); returns
+    (exit code, stdout, stderr). test_cli_bad_value_exit_2_no_traceback keeps the real
+    `python -m k3rocm scale`."""
+    from k3rocm.cli import main
+
+    def run(*args, env):
+        for k in [k for k in os.environ if k.startswith("K3_")]:
+            monkeypatch.delenv(k)
+        for k, v in env.items():  # None: unset
+            monkeypatch.delenv(k, raising=False) if v is None else monkeypatch.setenv(k, v)
+        rc = main([args[0], "--env-file", "/dev/null", *args[1:]])
+        out, err = capsys.readouterr()
+        return rc, out, err
+
+    return run
 
 
 def test_the_docs_table_is_every_scale_setting_with_its_default():
@@ -147,137 +165,13 @@ def test_compose_override_validates_with_docker_compose(tmp_path):
     assert svc["environment"]["K3_PORT"] == "8001"
 
 
-def _settings(env):
-    return config.load_settings(env, dotenv=None, check_model=False)[0]
-
-
-def _render(env):
-    return k8s.render_k8s(plan(env, dotenv=None), _settings(env))
-
-
-def _obj(objs, kind, name=None):
-    return next(o for o in objs if o["kind"] == kind and name in (None, o["metadata"]["name"]))
-
-
-def _router_pod(objs):
-    return _obj(objs, "Deployment", k8s.ROUTER)["spec"]["template"]["spec"]
-
-
-def _server_pod(objs):
-    return _obj(objs, "Deployment", k8s.APP)["spec"]["template"]["spec"]
-
-
-def test_k8s_replicas_schema_valid_and_sized():
-    p = plan(TWO_K8S, dotenv=None)
-    objs = k8s.render_k8s(p, _settings(TWO_K8S))
-    lines = k8s.validate(objs)
-    assert len(lines) == len(objs) and all(ln.startswith("ok") for ln in lines)
-    dep = _obj(objs, "Deployment", k8s.APP)
-    assert dep["spec"]["replicas"] == 2
-    c = dep["spec"]["template"]["spec"]["containers"][0]
-    assert c["resources"]["limits"]["amd.com/gpu"] == 8
-    probe = c["startupProbe"]
-    assert probe["httpGet"]["path"] == "/health"
-    assert probe["periodSeconds"] * probe["failureThreshold"] >= 7200
-    assert c["readinessProbe"]["httpGet"]["path"] == "/health"
-    assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
-    env = {e["name"]: e.get("value") for e in c["env"]}
-    assert env["K3_TP"] == "8" and env["K3_MTP_K"] == "2"
-    assert json.loads(dep["metadata"]["annotations"]["k3rocm.org/argv"]) == p.nodes[0].argv
-
-
-@pytest.mark.parametrize("key, value", [
-    ("K3_IMAGE", "k3rocm/server:latest"),  # the compose tag: no registry, no digest
-    ("K3_IMAGE", "registry.example.com/k3rocm/server:latest"),  # a tag moves: no digest
-    ("K3_SCALE_ROUTER_IMAGE", "k3rocm/router:0.1.17"),
-    ("K3_SCALE_ROUTER_IMAGE", "k3rocm/router" + DIGEST),  # Docker Hub user, not a registry
-    ("K3_SCALE_PROXY_IMAGE", ""),
-])
-def test_k8s_refuses_images_a_node_cannot_pull(key, value):
-    with pytest.raises(UsageError) as exc:
-        _render({**TWO_K8S, key: value})
-    msg = str(exc.value)
-    assert msg.startswith(f"{key}={value!r} is not an image a cluster can pull") and \
-        "\n" not in msg
-
-
-def test_k8s_router_admin_endpoints_not_exposed():
-    objs = _render(TWO_K8S)
-    pod = _router_pod(objs)
-    router = next(c for c in pod["containers"] if c["name"] == "router")
-    proxy = next(c for c in pod["containers"] if c["name"] == "proxy")
-    a = router["args"]
-    assert a[a.index("--host") + 1] == "127.0.0.1"  # not reachable from outside the pod
-    # The Service reaches only the proxy's port; the router's port is no container port.
-    svc = _obj(objs, "Service", k8s.ROUTER)
-    target = svc["spec"]["ports"][0]["targetPort"]
-    # The proxy's ports: the data port (the Service's) and the metrics-only port.
-    assert [p["containerPort"] for p in proxy["ports"]] == [target, 29000]
-    assert int(a[a.index("--port") + 1]) != target
-    assert all(p["containerPort"] != int(a[a.index("--port") + 1])
-               for c in pod["containers"] for p in c.get("ports", []))
-    conf = _obj(objs, "ConfigMap")["data"]["nginx.conf"]
-    assert conf == k8s.proxy_conf(str(target), int(a[a.index("--port") + 1]),
-                                  metrics_listen="29000",
-                                  metrics_port=int(a[a.index("--prometheus-port") + 1]))
-
-
-def test_k8s_router_rbac_and_namespace_agree():
-    objs = _render(TWO_K8S)
-    role = _obj(objs, "Role", k8s.ROUTER)  # namespaced: the pods of its own namespace only
-    assert not any(o["kind"].startswith("Cluster") for o in objs)
-    assert all("namespace" not in o["metadata"] for o in objs)  # one namespace: kubectl -n
-    assert {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]} in \
-        role["rules"]
-    binding = _obj(objs, "RoleBinding", k8s.ROUTER)
-    pod = _router_pod(objs)
-    assert binding["subjects"][0]["name"] == pod["serviceAccountName"]
-    router = pod["containers"][0]
-    a = router["args"]
-    # Without --service-discovery-namespace the router watches ALL namespaces (its --help).
-    assert a[a.index("--service-discovery-namespace") + 1] == "$(POD_NAMESPACE)"
-    assert {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {
-        "fieldPath": "metadata.namespace"}}} in router["env"]
-    assert a[a.index("--selector") + 1] == f"{k8s.LABEL_KEY}={k8s.APP}"
-    assert _obj(objs, "Deployment", k8s.APP)["spec"]["selector"]["matchLabels"] == {
-        k8s.LABEL_KEY: k8s.APP}
-
-
-def test_k8s_drain_prestop_pdb_rollout():
-    objs = _render({**TWO_K8S, "K3_SCALE_DRAIN_TIMEOUT": "600"})
-    dep = _obj(objs, "Deployment", k8s.APP)
-    pod = dep["spec"]["template"]["spec"]
-    c = pod["containers"][0]
-    assert c["args"][c["args"].index("--shutdown-timeout") + 1] == "600"
-    sleep = int(c["lifecycle"]["preStop"]["exec"]["command"][1])
-    # SIGKILL only after preStop + the whole drain.
-    assert pod["terminationGracePeriodSeconds"] >= sleep + 600
-    assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
-    pdb = _obj(objs, "PodDisruptionBudget")
-    assert pdb["spec"]["maxUnavailable"] == 1
-    assert pdb["spec"]["selector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
-
-
-# docs/overlay.md's decision records; the last per (pid, layer_kind) wins
-DECISION_LOG = "\n".join([
-    '(EngineCore_DP0 pid=123) INFO 12-03 13:00:00 [mla.py:88] K3ROCM-DECISION '
-    + json.dumps({"schema": "k3rocm.overlay.decision/1", "pid": 123, "layer_kind": "target",
-                  "phase": "construct", "fusions": {
-                      "qk_norm": {"state": "on", "reason": "x"},
-                      "decode_qprep": {"state": "needs-model", "reason": "y"}}}),
-    "unrelated line",
-    '(EngineCore_DP0 pid=123) INFO 12-03 13:00:09 [mla.py:88] K3ROCM-DECISION '
-    + json.dumps({"schema": "k3rocm.overlay.decision/1", "pid": 123, "layer_kind": "target",
-                  "phase": "load", "fusions": {
-                      "qk_norm": {"state": "on", "reason": "x"},
-                      "decode_qprep": {"state": "off", "reason": "kv not fp8"}}}),
-])
-
-
-def test_decision_lines_summarized():
-    recs = parse_decisions(DECISION_LOG)
-    assert len(recs) == 1
-    assert summarize_decisions(recs) == "target: decode_qprep=off qk_norm=on"
+def test_decision_lines_summarized():  # which record is final: test_decisions_unit.py
+    log = ("(EngineCore_DP0 pid=123) INFO 12-03 13:00:09 [mla.py:88] K3ROCM-DECISION "
+           + json.dumps({"schema": "k3rocm.overlay.decision/1", "pid": 123, "phase": "load",
+                         "layer_kind": "target", "fusions": {
+                             "qk_norm": {"state": "on", "reason": "x"},
+                             "decode_qprep": {"state": "off", "reason": "kv not fp8"}}}))
+    assert summarize_decisions(parse_decisions(log)) == "target: decode_qprep=off qk_norm=on"
     assert "no K3ROCM-DECISION" in summarize_decisions(parse_decisions("nothing here"))
 
 
@@ -379,16 +273,16 @@ def _no_router_env(ports):
             "K3_SCALE_ROUTER_HOST": "127.0.0.1", "K3_SCALE_ROUTER_PORT": str(ports[2])}
 
 
-def test_status_with_the_router_down_exits_3(dead_ports):
-    r = run_cli("scale", "status", env=_no_router_env(dead_ports))
-    assert r.returncode == 3, r.stdout + r.stderr
-    assert "router unreachable" in r.stdout.splitlines()[-1] and "Traceback" not in r.stderr
+def test_status_with_the_router_down_exits_3(cli, dead_ports):
+    rc, out, err = cli("scale", "status", env=_no_router_env(dead_ports))
+    assert rc == 3, out + err
+    assert "router unreachable" in out.splitlines()[-1]
 
 
-def test_overhead_without_replicas_exits_3_in_one_line(dead_ports):
-    r = run_cli("scale", "overhead", env=_no_router_env(dead_ports))
-    assert r.returncode == 3, r.stdout + r.stderr
-    lines = r.stderr.strip().splitlines()
+def test_overhead_without_replicas_exits_3_in_one_line(cli, dead_ports):
+    rc, out, err = cli("scale", "overhead", env=_no_router_env(dead_ports))
+    assert rc == 3, out + err
+    lines = err.strip().splitlines()
     assert len(lines) == 1 and "start the replicas first" in lines[0]
 
 
@@ -428,3 +322,82 @@ def test_a_router_that_exits_at_start_is_a_server_problem(dead_ports):
         start_router(_Client(), s)
     assert e.value.exit_code == 3 and "router exited at start" in str(e.value)
     assert "\n" not in str(e.value)
+
+
+def _arg(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def test_instance_two_has_its_own_name_and_ports():
+    s = load_scale(TWO, dotenv=None)
+    assert instance(s, 1) == ("k3rocm-router", s)  # today's router, unchanged
+    name, s2 = instance(s, 2)
+    assert name == "k3rocm-router-2"
+    argv = router_argv(s2)
+    assert (_arg(argv, "--port"), _arg(argv, "--prometheus-port")) == ("8081", "29001")
+    assert s2.router_url == "http://127.0.0.1:8081"
+    assert argv[argv.index("--worker-urls"):] == router_argv(s)[argv.index("--worker-urls"):]
+
+
+@pytest.mark.parametrize(("env", "n", "fragment"), [
+    ({}, 0, "use 1..16"),
+    ({}, 17, "use 1..16"),
+    ({"K3_SCALE_ROUTER_PORT": "65535"}, 2, "> 65535"),
+    ({"K3_SCALE_ROUTER_PORT": "9000", "K3_SCALE_ROUTER_METRICS_PORT": "9001"}, 2, "overlap"),
+])
+def test_instance_refusals(env, n, fragment):
+    s = load_scale({**TWO, **env}, dotenv=None)
+    with pytest.raises(UsageError, match=fragment):
+        instance(s, n)
+
+
+class _Container:
+    def __init__(self):
+        self.status, self.attrs, self.calls = "running", {"State": {"ExitCode": 0}}, []
+
+    def stop(self, timeout):
+        self.calls.append(("stop", timeout))
+
+    def reload(self):
+        pass
+
+    def remove(self, force):
+        self.calls.append(("remove", force))
+
+
+class _Containers:
+    def __init__(self, container):
+        self.containers = self
+        self._c = container
+
+    def get(self, name):
+        import docker
+
+        if self._c is None:
+            raise docker.errors.NotFound(name)
+        return self._c
+
+
+def test_stop_router_waits_for_the_request_timeout_by_default():
+    from k3rocm.deploy.scale.render import ROUTER_REQUEST_TIMEOUT_S
+
+    assert STOP_TIMEOUT_S > ROUTER_REQUEST_TIMEOUT_S
+    c = _Container()
+    assert stop_router(_Containers(c), "r") is True
+    assert c.calls == [("stop", STOP_TIMEOUT_S), ("remove", True)]
+    c = _Container()
+    stop_router(_Containers(c), "r", timeout=60)
+    assert c.calls[0] == ("stop", 60)
+    assert stop_router(_Containers(None), "r") is False
+
+
+@pytest.mark.parametrize(("args", "fragment"), [
+    (["router-down", "--instance", "two"], "--instance (make ROUTER=)='two' is not valid"),
+    (["router-up", "--instance", "17"], "router instance 17 is out of range"),
+    (["router-down", "--timeout", "1h"], "--timeout (make ROUTER_TIMEOUT=)='1h' is not valid"),
+])
+def test_cli_refuses_bad_instance_and_timeout(cli, args, fragment):
+    rc, out, err = cli("scale", *args, env={**TWO, "DOCKER_HOST": "unix:///nonexistent.sock"})
+    assert rc == 2, out + err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and fragment in lines[0], err
