@@ -9,6 +9,7 @@ import os
 import shlex
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 from conftest import REPO, make_exit_code, run_cli
@@ -28,16 +29,34 @@ SEED = """aiperf profile --model moonshotai/Kimi-K3 --tokenizer /models/Kimi-K3
   --random-seed 42 --ui simple"""
 
 
-def _bench(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return run_cli("bench", *args, env=env)
+@pytest.fixture
+def k3(monkeypatch, capsys):
+    """`k3rocm ARGS` in-process (k3rocm.cli.main, as `python -m k3rocm` runs it, which
+    test_missing_tokenizer_fails_before_docker keeps): .returncode, .stdout, .stderr; no K3_* or
+    BENCH_* variables, in REPO unless ``cwd``."""
+    from k3rocm.cli import main
+
+    for k in [k for k in os.environ if k.startswith(("K3_", "BENCH_"))]:
+        monkeypatch.delenv(k)
+
+    def run(*args: str, env: dict | None = None, cwd=REPO) -> SimpleNamespace:
+        with monkeypatch.context() as m:
+            for k, v in (env or {}).items():
+                m.setenv(k, v)
+            m.chdir(cwd)
+            capsys.readouterr()
+            try:
+                code = main(list(args))
+            except SystemExit as exc:  # argparse: --help, its own errors
+                code = exc.code
+            out, err = capsys.readouterr()
+        return SimpleNamespace(returncode=code, stdout=out, stderr=err)
+
+    return run
 
 
-def _env() -> dict:
-    return {k: v for k, v in os.environ.items() if not k.startswith(("K3_", "BENCH_"))}
-
-
-def test_decode_8k1k_dry_run_is_exactly_the_seed_command(tmp_path):
-    p = _bench("--workload", "decode-8k1k", "--tokenizer", "/models/Kimi-K3", "--dry-run",
+def test_decode_8k1k_dry_run_is_exactly_the_seed_command(tmp_path, k3):
+    p = k3("bench", "--workload", "decode-8k1k", "--tokenizer", "/models/Kimi-K3", "--dry-run",
                "--results", str(tmp_path), env={"COMPOSE_FILE": "compose.yaml"})  # a GPU node
     assert p.returncode == 0, p.stderr
     (line,) = [ln for ln in p.stdout.splitlines() if ln.strip()]
@@ -54,7 +73,9 @@ def test_dry_run_via_make_contacts_nothing(tmp_path):
                         f"BENCH_ARGS=--tokenizer /models/Kimi-K3 --results {tmp_path} "
                         "--url http://127.0.0.1:9"],
                        cwd=REPO, capture_output=True, text=True, timeout=60,
-                       env={**_env(), "PYTHONPATH": str(REPO / "src")})
+                       env={**{k: v for k, v in os.environ.items()
+                               if not k.startswith(("K3_", "BENCH_"))},
+                            "PYTHONPATH": str(REPO / "src")})
     assert make_exit_code(p) == 0, p.stderr
     argv = shlex.split(p.stdout.strip().splitlines()[-1])
     assert argv[:2] == ["aiperf", "profile"] and "http://127.0.0.1:9" in argv
@@ -77,12 +98,12 @@ def test_workloads_and_their_commands():
     assert resolve("agentic-68k", {}).prefix_caching is True
 
 
-def test_overrides_cli_beats_env_beats_file():
+def test_overrides_cli_beats_env_beats_file(k3):
     w = resolve("decode-8k1k", {"osl": "128"}, env={"BENCH_OSL": "256", "BENCH_ISL": "512",
                                                     "BENCH_CONCURRENCY": "1,2",
                                                     "BENCH_REQUEST_COUNT": "4,8"})
     assert (w.isl, w.osl, w.concurrency, w.request_count) == (512, 128, (1, 2), (4, 8))
-    p = _bench("--workload", "decode-8k1k", "--dry-run", "--set", "osl=128", "--set",
+    p = k3("bench", "--workload", "decode-8k1k", "--dry-run", "--set", "osl=128", "--set",
                "extra_args=--no-gpu-telemetry --request-timeout-seconds 60",
                env={"BENCH_OSL": "256"})
     assert p.returncode == 0, p.stderr
@@ -100,15 +121,15 @@ def test_overrides_cli_beats_env_beats_file():
     ([], {"BENCH_TYPO": "1"}, "unknown environment variable BENCH_TYPO"),
     ([], {"BENCH_STREAMING": "maybe"}, "streaming='maybe': Input should be a valid boolean"),
 ])
-def test_bad_input_is_one_line_exit_2(args, env, needle):
-    p = _bench(*args, "--dry-run", env=env)
+def test_bad_input_is_one_line_exit_2(k3, args, env, needle):
+    p = k3("bench", *args, "--dry-run", env=env)
     assert p.returncode == 2, p.stdout + p.stderr
     err = p.stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("k3rocm: error: ") and needle in err[0], err
 
 
 def test_missing_tokenizer_fails_before_docker(tmp_path):
-    p = _bench("--workload", "ci-tiny", "--tokenizer", str(tmp_path / "nope"),
+    p = run_cli("bench", "--workload", "ci-tiny", "--tokenizer", str(tmp_path / "nope"),
                "--results", str(tmp_path), "--url", "http://127.0.0.1:9")
     assert p.returncode == 2
     assert p.stderr.strip().splitlines() == [
@@ -127,8 +148,8 @@ def test_bad_workload_file(tmp_path):
         resolve("x", env={}, path=f)
 
 
-def test_bench_ab_dry_run_plan():
-    p = run_cli("bench-ab", "--workload", "ci-tiny", "--repeats", "2", "--dry-run", "--no-gpu",
+def test_bench_ab_dry_run_plan(k3):
+    p = k3("bench-ab", "--workload", "ci-tiny", "--repeats", "2", "--dry-run", "--no-gpu",
                 "--image", "k3rocm/server:cpu-0.32.0", "--server-env", "K3_PROFILE=cpu-smoke")
     assert p.returncode == 0, p.stderr
     slots = [ln for ln in p.stdout.splitlines() if ln.startswith("# slot")]
@@ -141,16 +162,16 @@ def test_bench_ab_dry_run_plan():
     assert "# cost: 4 cold server start(s) (2 server(s) per arm), 4 run(s); estimated " in out
     assert "# MDE (ITL p50): unknown - no A/A of this protocol" in out
     assert "the upstream PRs' effect (vLLM PRs #52494, #57640: C=1 decode ITL moved ~0.5%)" in out
-    p = run_cli("bench-ab", "--aa", "--dry-run", "--no-gpu", "--server-env",
+    p = k3("bench-ab", "--aa", "--dry-run", "--no-gpu", "--server-env",
                 "K3_FUSE_QK_NORM=0")
     assert p.returncode == 2 and "set per arm" in p.stderr
 
 
-def test_bench_ab_dry_run_prints_hours_and_whether_the_upstream_effect_can_be_seen(tmp_path):
+def test_bench_ab_dry_run_prints_hours_and_whether_the_upstream_effect_can_be_seen(tmp_path, k3):
     """The default GPU A/B: 8 cold starts at the bundle's own 1800 s guess = 4.0 h; without an
     A/A the MDE is 2.37 x the server CV (0.5% needs a CV <= 0.21%); with an A/A of this
     workload under the results root (1% CV) the MDE is printed and 0.5% is out of reach."""
-    p = run_cli("bench-ab", "--workload", "decode-8k1k", "--tokenizer", str(tmp_path),
+    p = k3("bench-ab", "--workload", "decode-8k1k", "--tokenizer", str(tmp_path),
                 "--dry-run", "--gpu", "--results", str(tmp_path))
     assert p.returncode == 0, p.stderr
     assert ("# cost: 8 cold server start(s) (4 server(s) per arm), 8 run(s); estimated 4.0 h "
@@ -161,7 +182,7 @@ def test_bench_ab_dry_run_prints_hours_and_whether_the_upstream_effect_can_be_se
     aa.mkdir()
     (aa / "comparison.json").write_text(json.dumps({"mode": "aa", "protocol_key": "k", "rows": [
         {"concurrency": 1, "metric": "ITL p50", "aa_component": {"var_log": 1e-4, "df": 7}}]}))
-    p = run_cli("bench-ab", "--workload", "decode-8k1k", "--tokenizer", str(tmp_path),
+    p = k3("bench-ab", "--workload", "decode-8k1k", "--tokenizer", str(tmp_path),
                 "--dry-run", "--gpu", "--results", str(tmp_path))
     assert p.returncode == 0, p.stderr
     assert "# MDE (ITL p50, 80% power, two-sided 5%): 2." in p.stdout
@@ -512,6 +533,7 @@ def test_the_step_delay_double_records_the_sleep_it_really_took(tmp_path, monkey
 
 
 # --- summary: perf.csv, missing points, stream shape, inputs
+
 
 def test_perf_csv_keeps_failed_points_and_a_missing_point_is_failed(tmp_path):
     ok = {"concurrency": 1, "request_count": 8, "status": "ok", "total_tps": 10.0,
