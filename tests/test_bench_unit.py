@@ -648,7 +648,7 @@ def test_server_prefix_caching_from_the_argv():
 def test_a_quieter_aa_is_not_pooled_and_lowers_the_false_rate():
     """An A/A a quarter as noisy (df 7) is not pooled and the row says why; one that matches is
     pooled. Identical arms, 4 servers per arm, an A/A of 4 per arm at half the CV: the check
-    lowers the false rate of the pooled test (tests/bench_pooled_aa.py: the table)."""
+    lowers the false rate of the pooled test."""
     a, b = [10.0, 10.2, 9.8, 10.1], [10.15, 9.9, 10.3, 10.0]
     own = stats.compare_servers(a, b)
     quiet = {"var_log": own["var_log"] / 25, "df": 7}
