@@ -5,39 +5,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
+import test_bench_unit
 from conftest import REPO, run_cli
 
-
-@pytest.fixture
-def k3(monkeypatch, capsys):
-    """`k3rocm ARGS` in-process (k3rocm.cli.main): .returncode, .stdout, .stderr; no K3_*
-    variables, in REPO unless ``cwd``. The entry point and "one line, no traceback" stay real
-    subprocesses here: bench-ab (the busy port), census-ab, ab and server (bad input)."""
-    from k3rocm.cli import main
-
-    for k in [k for k in os.environ if k.startswith("K3_")]:
-        monkeypatch.delenv(k)
-
-    def run(*args: str, env: dict | None = None, cwd=REPO) -> SimpleNamespace:
-        with monkeypatch.context() as m:
-            for k, v in (env or {}).items():
-                m.setenv(k, v)
-            m.chdir(cwd)
-            capsys.readouterr()
-            try:
-                code = main(list(args))
-            except SystemExit as exc:  # argparse: --help, its own errors
-                code = exc.code
-            out, err = capsys.readouterr()
-        return SimpleNamespace(returncode=code, stdout=out, stderr=err)
-
-    return run
+k3 = test_bench_unit.k3  # `k3rocm ARGS` in-process; the real entry point stays below
 
 
 def test_bench_ab_census_ab_and_ab_share_one_flag_set(k3):
@@ -352,13 +327,6 @@ def test_the_workload_sets_prefix_caching_on_the_arm_servers(k3):
     assert p.stderr.strip().splitlines()[-1] == (
         "k3rocm: error: --server-env K3_PREFIX_CACHING=1: workload decode-8k1k needs prefix "
         "caching off (K3_PREFIX_CACHING=0), which the A/B sets on its servers")
-
-
-def test_default_repeats_are_four_for_bench_and_one_for_census(k3):
-    p = k3("bench-ab", "--workload", "ci-tiny", "--dry-run", "--no-gpu")
-    assert p.returncode == 0, p.stderr
-    assert "order A B B A A B B A (4 server(s) per arm" in p.stdout
-    assert "primary metric (declared before the run): ITL p50 at c=" in p.stdout
 
 
 def test_an_aa_and_a_calibration_of_the_same_setup_share_the_key(tmp_path):
