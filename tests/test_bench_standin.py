@@ -98,7 +98,7 @@ def test_make_bench_scaled_down_against_the_standin(standin_server, client_image
                                                     tmp_path):
     s = standin_server
     args = (f"--url {s.base_url} --model {s.model} --tokenizer {s.tokenizer_path} "
-            f"--results {tmp_path} --server-timeout 120 --set request_count=4,6 "
+            f"--results {tmp_path} --server-timeout 120 --set request_count=3,4 "
             "--set warmup_request_count=1")
     with s.slowed(STEP_MS):
         p = subprocess.run(["make", "-s", "-o", sys.executable, "bench", f"PY={sys.executable}",
@@ -113,14 +113,14 @@ def test_make_bench_scaled_down_against_the_standin(standin_server, client_image
     for rel in ("summary.json", "perf.csv", "report.md", "provenance.json", "command.txt",
                 "workload.json", "aiperf.log"):
         assert (run / rel).is_file(), rel
-    for point in ("concurrency_1__requests_4", "concurrency_2__requests_6"):
+    for point in ("concurrency_1__requests_3", "concurrency_2__requests_4"):
         for rel in ("profile_export.jsonl", "profile_export_aiperf.json", "phase_manifest.json"):
             assert (run / "aiperf" / point / rel).is_file(), f"{point}/{rel}"
 
     doc = json.loads((run / "summary.json").read_text())
     assert doc["status"] == "ok" and doc["aiperf_exit_code"] == 0
     assert [(q["concurrency"], q["request_count"], q["status"]) for q in doc["points"]] == [
-        (1, 4, "ok"), (2, 6, "ok")]
+        (1, 3, "ok"), (2, 4, "ok")]
     for q in doc["points"]:
         ref = recompute(Path(q["dir"]))
         assert ref["n"] == q["request_count"] == q["requests_ok"]
@@ -174,7 +174,7 @@ def test_make_bench_scaled_down_against_the_standin(standin_server, client_image
     assert prov["client"]["image_id"].startswith("sha256:")
     assert prov["client"]["command_line"] == (run / "command.txt").read_text().strip()
     md = (run / "report.md").read_text()
-    assert "## concurrency 1 (4 requests): ok" in md and "| ITL (TPOT) (ms) |" in md
+    assert "## concurrency 1 (3 requests): ok" in md and "| ITL (TPOT) (ms) |" in md
     assert "all equal" in md
     # prefix caching as the server reported it: asked on (cpu-smoke), turned off by vLLM for
     # MLA on CPU (vllm/platforms/cpu.py:521), not "on" from the argv
@@ -278,7 +278,7 @@ def _bench_ab(tmp_path: Path, repeats: int, *extra: str) -> subprocess.Completed
     ab_args = (f"--server-env K3_PROFILE=cpu-smoke --models-dir {MODELS_DIR} "
                f"--tokenizer {MODELS_DIR / SMOKE_MODEL} --results {tmp_path} --pin-engine-core "
                f"--runs-per-server 1 --port {free_port()} --server-timeout 420 --quiet "
-               f"--set concurrency=1 --set request_count=6 "
+               f"--set concurrency=1 --set request_count=4 --set warmup_request_count=1 "
                # both arms: a deterministic AB_BASE_MS sleep per engine step (the step double)
                f"--server-env K3_TEST_BASE_DELAY_MS={AB_BASE_MS} "
                f"--server-env PYTHONPATH={STEP_DOUBLE_MOUNT} {' '.join(extra)}")
