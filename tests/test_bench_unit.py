@@ -9,6 +9,7 @@ import os
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -527,6 +528,74 @@ def test_the_step_delay_double_records_the_sleep_it_really_took(tmp_path, monkey
 
 
 # --- summary: perf.csv, missing points, stream shape, inputs
+
+
+def test_ctrl_c_keeps_the_finished_point_and_removes_the_client(tmp_path, monkeypatch, k3):
+    """Ctrl-C (a real SIGINT) while point 2 runs, through the real runner (cli, run_bench,
+    engine.run_client; only Docker and the server are fakes): the client container gets SIGINT
+    and is removed, exit 130, one line, point 1 kept in summary.json, perf.csv and report.md.
+    Real aiperf in a real client container stopped by Ctrl-C: test_gsm8k_e2e.py (run_client)."""
+    import signal
+    import threading
+
+    from k3rocm.checks.bench import run as bench_run
+
+    seen: dict[str, list] = {"signals": [], "removed": []}
+
+    class Aiperf:  # the client container (docker-py's Container, what run_client uses)
+        def __init__(self, argv):
+            self.out, self.gone = Path(argv[argv.index("--artifact-dir") + 1]), threading.Event()
+
+        def logs(self, stream, follow):
+            point = _write_stream_point(self.out / "concurrency_1__requests_2",
+                                        [(32, [5.0] * 31, 20.0, 175.0)] * 2)
+            (point / "profile_export_aiperf.json").write_text(json.dumps(
+                {"request_count": {"avg": 2}}))
+            yield b"point c=1 done; point c=2 running\n"
+            os.kill(os.getpid(), signal.SIGINT)  # the user's Ctrl-C, during point 2
+            self.gone.wait(30)
+
+        def kill(self, signal):
+            seen["signals"].append(signal)
+            self.gone.set()
+
+        def wait(self, timeout=None):
+            return {"StatusCode": 130}
+
+        def remove(self, force=False):
+            seen["removed"].append(force)
+
+    docker = SimpleNamespace(images=SimpleNamespace(get=lambda ref: SimpleNamespace(id="sha256:c")),
+                             containers=SimpleNamespace(
+                                 run=lambda image, argv, detach=False, **kw:
+                                 Aiperf(argv) if detach else b"0.13.0\n",
+                                 list=lambda *a, **kw: [], get=lambda name: None))
+    monkeypatch.setattr(bench_run, "docker_client", lambda: docker)
+    monkeypatch.setattr(bench_run, "wait_ready", lambda *a, **kw: 0.0)
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)  # a background pytest ignores it
+    try:
+        tok = tmp_path / "tok"
+        tok.mkdir()
+        (tok / "tokenizer.json").write_text("{}")
+        p = k3("bench", "--workload", "ci-tiny", "--quiet", "--url", "http://127.0.0.1:9",
+               "--tokenizer", str(tok), "--results", str(tmp_path / "r"), "--set",
+               "concurrency=1,2", "--set", "request_count=2,100")
+    finally:
+        signal.signal(signal.SIGINT, old)
+    assert p.returncode == 130, p.stderr
+    (run,) = (tmp_path / "r").iterdir()
+    assert p.stderr.strip().splitlines()[-1] == (
+        f"k3rocm: error: bench ci-tiny: interrupted; 1 of 2 points finished and kept in {run}")
+    assert seen == {"signals": ["SIGINT"], "removed": [True]}
+    doc = json.loads((run / "summary.json").read_text())
+    assert doc["status"] == "interrupted"
+    assert [q["status"] for q in doc["points"]] == ["ok", "failed"]
+    assert doc["points"][1]["reason"].startswith("not run")
+    with (run / "perf.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert {r["status"] for r in rows if r["max_concurrency"] == "1"} == {"ok"}
+    assert "## concurrency 1 (2 requests): ok" in (run / "report.md").read_text()
+    assert (run / "aiperf.log").read_bytes().startswith(b"point c=1 done")
 
 
 def test_perf_csv_keeps_failed_points_and_a_missing_point_is_failed(tmp_path):
