@@ -540,62 +540,58 @@ def test_ctrl_c_keeps_the_finished_point_and_removes_the_client(tmp_path, monkey
 
     from k3rocm.checks.bench import run as bench_run
 
-    seen: dict[str, list] = {"signals": [], "removed": []}
+    seen, gone = [], threading.Event()
 
-    class Aiperf:  # the client container (docker-py's Container, what run_client uses)
-        def __init__(self, argv):
-            self.out, self.gone = Path(argv[argv.index("--artifact-dir") + 1]), threading.Event()
+    def logs(out: Path):  # aiperf: point 1 written, then Ctrl-C while point 2 runs
+        point = _write_stream_point(out / "concurrency_1__requests_2",
+                                    [(32, [5.0] * 31, 20.0, 175.0)] * 2)
+        (point / "profile_export_aiperf.json").write_text('{"request_count": {"avg": 2}}')
+        yield b"point c=1 done; point c=2 running\n"
+        while not waiting():  # the user presses Ctrl-C once run_client waits for aiperf
+            gone.wait(0.01)
+        os.kill(os.getpid(), signal.SIGINT)
+        gone.wait(30)
 
-        def logs(self, stream, follow):
-            point = _write_stream_point(self.out / "concurrency_1__requests_2",
-                                        [(32, [5.0] * 31, 20.0, 175.0)] * 2)
-            (point / "profile_export_aiperf.json").write_text(json.dumps(
-                {"request_count": {"avg": 2}}))
-            yield b"point c=1 done; point c=2 running\n"
-            os.kill(os.getpid(), signal.SIGINT)  # the user's Ctrl-C, during point 2
-            self.gone.wait(30)
+    def waiting() -> bool:  # the main thread is in run_client's pump.join
+        f = sys._current_frames().get(threading.main_thread().ident)
+        while f and f.f_back and not (f.f_code.co_name == "join"
+                                      and f.f_back.f_code.co_name == "run_client"):
+            f = f.f_back
+        return bool(f and f.f_back)
 
-        def kill(self, signal):
-            seen["signals"].append(signal)
-            self.gone.set()
-
-        def wait(self, timeout=None):
-            return {"StatusCode": 130}
-
-        def remove(self, force=False):
-            seen["removed"].append(force)
+    def run(image, argv, detach=False, **kw):  # docker-py's containers.run
+        out = Path(argv[argv.index("--artifact-dir") + 1])
+        return SimpleNamespace(  # the Container methods run_client uses
+            logs=lambda **kw: logs(out), wait=lambda timeout=None: {"StatusCode": 130},
+            kill=lambda signal: seen.append(signal) or gone.set(),
+            remove=lambda force=False: seen.append(f"removed, force={force}")
+        ) if detach else b"0.13.0\n"
 
     docker = SimpleNamespace(images=SimpleNamespace(get=lambda ref: SimpleNamespace(id="sha256:c")),
-                             containers=SimpleNamespace(
-                                 run=lambda image, argv, detach=False, **kw:
-                                 Aiperf(argv) if detach else b"0.13.0\n",
-                                 list=lambda *a, **kw: [], get=lambda name: None))
+                             containers=SimpleNamespace(run=run, list=lambda *a, **kw: []))
     monkeypatch.setattr(bench_run, "docker_client", lambda: docker)
     monkeypatch.setattr(bench_run, "wait_ready", lambda *a, **kw: 0.0)
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text("{}")
     old = signal.signal(signal.SIGINT, signal.default_int_handler)  # a background pytest ignores it
     try:
-        tok = tmp_path / "tok"
-        tok.mkdir()
-        (tok / "tokenizer.json").write_text("{}")
         p = k3("bench", "--workload", "ci-tiny", "--quiet", "--url", "http://127.0.0.1:9",
-               "--tokenizer", str(tok), "--results", str(tmp_path / "r"), "--set",
+               "--tokenizer", str(tmp_path / "tok"), "--results", str(tmp_path / "r"), "--set",
                "concurrency=1,2", "--set", "request_count=2,100")
     finally:
         signal.signal(signal.SIGINT, old)
     assert p.returncode == 130, p.stderr
-    (run,) = (tmp_path / "r").iterdir()
-    assert p.stderr.strip().splitlines()[-1] == (
-        f"k3rocm: error: bench ci-tiny: interrupted; 1 of 2 points finished and kept in {run}")
-    assert seen == {"signals": ["SIGINT"], "removed": [True]}
-    doc = json.loads((run / "summary.json").read_text())
-    assert doc["status"] == "interrupted"
+    (run_dir,) = (tmp_path / "r").iterdir()
+    assert p.stderr.strip().splitlines()[-1] == ("k3rocm: error: bench ci-tiny: interrupted; 1 "
+                                                 f"of 2 points finished and kept in {run_dir}")
+    assert seen == ["SIGINT", "removed, force=True"]
+    doc = json.loads((run_dir / "summary.json").read_text())
+    assert doc["status"] == "interrupted" and doc["points"][1]["reason"].startswith("not run")
     assert [q["status"] for q in doc["points"]] == ["ok", "failed"]
-    assert doc["points"][1]["reason"].startswith("not run")
-    with (run / "perf.csv").open() as fh:
-        rows = list(csv.DictReader(fh))
-    assert {r["status"] for r in rows if r["max_concurrency"] == "1"} == {"ok"}
-    assert "## concurrency 1 (2 requests): ok" in (run / "report.md").read_text()
-    assert (run / "aiperf.log").read_bytes().startswith(b"point c=1 done")
+    with (run_dir / "perf.csv").open() as fh:
+        assert {r["status"] for r in csv.DictReader(fh) if r["max_concurrency"] == "1"} == {"ok"}
+    assert "## concurrency 1 (2 requests): ok" in (run_dir / "report.md").read_text()
+    assert (run_dir / "aiperf.log").read_bytes().startswith(b"point c=1 done")
 
 
 def test_perf_csv_keeps_failed_points_and_a_missing_point_is_failed(tmp_path):
