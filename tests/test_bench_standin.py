@@ -1,5 +1,6 @@
 """Bench end to end: real aiperf (client image) against real vLLM (the CPU stand-in server):
-`make bench`, a bunched stream, Ctrl-C, a stopped server, one-line errors, and bench-ab."""
+`make bench`, a bunched stream, a stopped server, one-line errors, and bench-ab (Ctrl-C:
+test_bench_unit.py)."""
 
 from __future__ import annotations
 
