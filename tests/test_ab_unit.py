@@ -9,16 +9,18 @@ import re
 from pathlib import Path
 
 import pytest
+import test_bench_unit
 from conftest import REPO, run_cli
 
-
-def _options(cmd: str) -> set[str]:
-    p = run_cli(cmd, "--help") if cmd != "ab" else run_cli("ab", "--help")
-    assert p.returncode == 0, p.stderr
-    return set(re.findall(r"(--[a-z][a-z0-9-]+)", p.stdout)) - {"--measure"}
+k3 = test_bench_unit.k3  # `k3rocm ARGS` in-process; the real entry point stays below
 
 
-def test_bench_ab_census_ab_and_ab_share_one_flag_set():
+def test_bench_ab_census_ab_and_ab_share_one_flag_set(k3):
+    def _options(cmd: str) -> set[str]:
+        p = k3(cmd, "--help")
+        assert p.returncode == 0, p.stderr
+        return set(re.findall(r"(--[a-z][a-z0-9-]+)", p.stdout)) - {"--measure"}
+
     ab, bench, census = _options("ab"), _options("bench-ab"), _options("census-ab")
     assert ab == bench == census
     for flag in ("--aa", "--repeats", "--image", "--port", "--server-env", "--no-gpu",
@@ -27,22 +29,22 @@ def test_bench_ab_census_ab_and_ab_share_one_flag_set():
         assert flag in ab, flag
 
 
-def test_flags_of_the_other_measure_are_refused_in_one_line(tmp_path):
+def test_flags_of_the_other_measure_are_refused_in_one_line(tmp_path, k3):
     p = run_cli("census-ab", "--runs-per-server", "2", "--model-dir", str(tmp_path))
     assert p.returncode == 2 and p.stderr.strip().splitlines() == [
         "k3rocm: error: --runs-per-server is not used by --measure census"]
-    p = run_cli("bench-ab", "--steps", "3", "--dry-run")
+    p = k3("bench-ab", "--steps", "3", "--dry-run")
     assert p.returncode == 2 and "--steps is not used by --measure bench" in p.stderr
 
 
 STEP_DOUBLE = {"K3_TEST_PLUGINS_DIR": str(REPO / "tests" / "doubles" / "stepdelay")}
 
 
-def test_calibration_plan_dry_run():
+def test_calibration_plan_dry_run(k3):
     args = ("ab", "--measure", "bench", "--workload", "ci-tiny", "--repeats", "1",
             "--dry-run", "--no-gpu", "--calibrate-delay-ms", "12.5",
             "--server-env", "K3_PROFILE=cpu-smoke")
-    p = run_cli(*args, env=STEP_DOUBLE)  # the caller gives the double's directory
+    p = k3(*args, env=STEP_DOUBLE)  # the caller gives the double's directory
     assert p.returncode == 0, p.stderr
     slots = [ln for ln in p.stdout.splitlines() if ln.startswith("# slot")]
     assert len(slots) == 2
@@ -63,8 +65,8 @@ def test_calibration_plan_dry_run():
     (["--server-env", "K3_FUSE_QK_NORM=0"], "set per arm"),
     (["--server-env", "novalue"], "expected KEY=VALUE"),
 ])
-def test_bad_input_is_one_line_exit_2(args, msg):
-    p = run_cli("bench-ab", "--workload", "ci-tiny", "--dry-run", *args)
+def test_bad_input_is_one_line_exit_2(k3, args, msg):
+    p = k3("bench-ab", "--workload", "ci-tiny", "--dry-run", *args)
     assert p.returncode == 2, p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and msg in lines[0], lines
@@ -148,11 +150,11 @@ def test_serving_image_never_carries_the_test_double():
     assert "K3_TEST_PLUGINS_DIR" in (REPO / "compose.cpu.yaml").read_text()
 
 
-def test_replicas_plan_goes_through_the_router():
+def test_replicas_plan_goes_through_the_router(k3):
     env = {"K3_SCALE_MODE": "replicas", "K3_SCALE_NODES": "127.0.0.1:18601,127.0.0.1:18602",
            "K3_SCALE_ROUTER_PORT": "18680"}
-    p = run_cli("bench-ab", "--workload", "ci-tiny", "--repeats", "1", "--dry-run", "--no-gpu",
-                "--server-env", "K3_PROFILE=cpu-smoke", env=env)
+    p = k3("bench-ab", "--workload", "ci-tiny", "--repeats", "1", "--dry-run", "--no-gpu",
+           "--server-env", "K3_PROFILE=cpu-smoke", env=env)
     assert p.returncode == 0, p.stderr
     assert "# topology: mode=replicas" in p.stdout and "router=http://127.0.0.1:18680" in p.stdout
     reps = [ln for ln in p.stdout.splitlines() if ln.startswith("#   replicas on ports")]
@@ -163,17 +165,17 @@ def test_replicas_plan_goes_through_the_router():
     assert len(runs) == 2 and all("--url http://127.0.0.1:18680 " in r for r in runs)
 
 
-def test_replicas_on_other_hosts_are_refused():
+def test_replicas_on_other_hosts_are_refused(k3):
     env = {"K3_SCALE_MODE": "replicas", "K3_SCALE_NODES": "10.0.0.1:8000,10.0.0.2:8000"}
-    p = run_cli("bench-ab", "--workload", "ci-tiny", "--dry-run", env=env)
+    p = k3("bench-ab", "--workload", "ci-tiny", "--dry-run", env=env)
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1
     assert "starts every replica itself" in p.stderr and "make bench-router" in p.stderr
-    p = run_cli("census-ab", "--model-dir", str(REPO / "tests" / "data"), env=env)
+    p = k3("census-ab", "--model-dir", str(REPO / "tests" / "data"), env=env)
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
 
 
-def test_server_command_help_and_bad_input():
-    p = run_cli("server", "--help")
+def test_server_command_help_and_bad_input(k3):
+    p = k3("server", "--help")
     assert p.returncode == 0
     for sub in ("up", "wait", "logs", "save-log", "provenance", "down"):
         assert sub in p.stdout
@@ -181,7 +183,7 @@ def test_server_command_help_and_bad_input():
     assert p.returncode == 2 and p.stderr.strip().splitlines() == [
         "k3rocm: error: server needs a subcommand: up, wait, logs, save-log, provenance or down "
         "(see k3rocm server --help)"]
-    p = run_cli("server", "wait", "--timeout", "0")
+    p = k3("server", "wait", "--timeout", "0")
     assert p.returncode == 2 and "--timeout 0 must be > 0" in p.stderr
 
 
@@ -313,25 +315,18 @@ def test_an_arm_whose_fusion_was_refused_makes_the_ab_invalid():
     assert "decode_qprep asked on, the overlay decided" in problems[0]
 
 
-def test_the_workload_sets_prefix_caching_on_the_arm_servers():
-    p = run_cli("bench-ab", "--workload", "decode-8k1k", "--tokenizer", str(REPO), "--dry-run",
+def test_the_workload_sets_prefix_caching_on_the_arm_servers(k3):
+    p = k3("bench-ab", "--workload", "decode-8k1k", "--tokenizer", str(REPO), "--dry-run",
                 "--no-gpu", "--image", "k3rocm/server:cpu-0.32.0", "--repeats", "2")
     assert p.returncode == 0, p.stderr
     slots = [ln for ln in p.stdout.splitlines() if ln.startswith("# slot")]
     assert len(slots) == 4 and all("K3_PREFIX_CACHING=0" in ln for ln in slots)
-    p = run_cli("bench-ab", "--workload", "decode-8k1k", "--dry-run", "--no-gpu",
-                "--server-env", "K3_PREFIX_CACHING=1")
+    p = k3("bench-ab", "--workload", "decode-8k1k", "--dry-run", "--no-gpu",
+           "--server-env", "K3_PREFIX_CACHING=1")
     assert p.returncode == 2
     assert p.stderr.strip().splitlines()[-1] == (
         "k3rocm: error: --server-env K3_PREFIX_CACHING=1: workload decode-8k1k needs prefix "
         "caching off (K3_PREFIX_CACHING=0), which the A/B sets on its servers")
-
-
-def test_default_repeats_are_four_for_bench_and_one_for_census():
-    p = run_cli("bench-ab", "--workload", "ci-tiny", "--dry-run", "--no-gpu")
-    assert p.returncode == 0, p.stderr
-    assert "order A B B A A B B A (4 server(s) per arm" in p.stdout
-    assert "primary metric (declared before the run): ITL p50 at c=" in p.stdout
 
 
 def test_an_aa_and_a_calibration_of_the_same_setup_share_the_key(tmp_path):
@@ -543,11 +538,11 @@ def test_census_ab_reads_the_checkpoint_the_arm_servers_load(tmp_path, monkeypat
     assert seen == [models / "b"]
 
 
-def test_bench_ab_client_uses_what_the_arm_servers_serve(tmp_path):
+def test_bench_ab_client_uses_what_the_arm_servers_serve(tmp_path, k3):
     models = tmp_path / "models"
     for m in ("a", "b"):
         (models / m).mkdir(parents=True)
-    p = run_cli("bench-ab", "--workload", "ci-tiny", "--dry-run", "--no-gpu", "--models-dir",
+    p = k3("bench-ab", "--workload", "ci-tiny", "--dry-run", "--no-gpu", "--models-dir",
                 str(models), "--server-env", "K3_MODEL=/models/b", "--server-env",
                 "K3_API_KEY=sekrit", env={"K3_MODEL": "/models/a", "K3_MODELS_DIR": str(models)},
                 cwd=tmp_path)
@@ -685,8 +680,8 @@ def test_on_an_upstream_base_both_arms_pass(on_base, tmp_path, measure, extra):
     assert not any(n.startswith("K3_KV_CACHE_DTYPE") for n in got["arms"]["B"]["notes"])
 
 
-def test_a_bad_on_is_one_line_exit_2():
-    p = run_cli("bench-ab", "--on", "nope", "--dry-run", "--workload", "ci-tiny", "--no-gpu")
+def test_a_bad_on_is_one_line_exit_2(k3):
+    p = k3("bench-ab", "--on", "nope", "--dry-run", "--workload", "ci-tiny", "--no-gpu")
     assert p.returncode == 2 and "--on 'nope' must name fusions from qk_norm, decode_qprep" \
         in p.stderr, p.stderr
 

@@ -1,5 +1,6 @@
 """Bench end to end: real aiperf (client image) against real vLLM (the CPU stand-in server):
-`make bench`, a bunched stream, Ctrl-C, a stopped server, one-line errors, and bench-ab."""
+`make bench`, a bunched stream, a stopped server, one-line errors, and bench-ab (Ctrl-C:
+test_bench_unit.py)."""
 
 from __future__ import annotations
 
@@ -7,14 +8,13 @@ import csv
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, default_sigint, free_port, make_exit_code, need
+from conftest import REPO, free_port, make_exit_code, need
 from server_fixture import (
     MODELS_DIR,
     SMOKE_MODEL,
@@ -98,7 +98,7 @@ def test_make_bench_scaled_down_against_the_standin(standin_server, client_image
                                                     tmp_path):
     s = standin_server
     args = (f"--url {s.base_url} --model {s.model} --tokenizer {s.tokenizer_path} "
-            f"--results {tmp_path} --server-timeout 120 --set request_count=4,6 "
+            f"--results {tmp_path} --server-timeout 120 --set request_count=3,4 "
             "--set warmup_request_count=1")
     with s.slowed(STEP_MS):
         p = subprocess.run(["make", "-s", "-o", sys.executable, "bench", f"PY={sys.executable}",
@@ -113,14 +113,14 @@ def test_make_bench_scaled_down_against_the_standin(standin_server, client_image
     for rel in ("summary.json", "perf.csv", "report.md", "provenance.json", "command.txt",
                 "workload.json", "aiperf.log"):
         assert (run / rel).is_file(), rel
-    for point in ("concurrency_1__requests_4", "concurrency_2__requests_6"):
+    for point in ("concurrency_1__requests_3", "concurrency_2__requests_4"):
         for rel in ("profile_export.jsonl", "profile_export_aiperf.json", "phase_manifest.json"):
             assert (run / "aiperf" / point / rel).is_file(), f"{point}/{rel}"
 
     doc = json.loads((run / "summary.json").read_text())
     assert doc["status"] == "ok" and doc["aiperf_exit_code"] == 0
     assert [(q["concurrency"], q["request_count"], q["status"]) for q in doc["points"]] == [
-        (1, 4, "ok"), (2, 6, "ok")]
+        (1, 3, "ok"), (2, 4, "ok")]
     for q in doc["points"]:
         ref = recompute(Path(q["dir"]))
         assert ref["n"] == q["request_count"] == q["requests_ok"]
@@ -174,7 +174,7 @@ def test_make_bench_scaled_down_against_the_standin(standin_server, client_image
     assert prov["client"]["image_id"].startswith("sha256:")
     assert prov["client"]["command_line"] == (run / "command.txt").read_text().strip()
     md = (run / "report.md").read_text()
-    assert "## concurrency 1 (4 requests): ok" in md and "| ITL (TPOT) (ms) |" in md
+    assert "## concurrency 1 (3 requests): ok" in md and "| ITL (TPOT) (ms) |" in md
     assert "all equal" in md
     # prefix caching as the server reported it: asked on (cpu-smoke), turned off by vLLM for
     # MLA on CPU (vllm/platforms/cpu.py:521), not "on" from the argv
@@ -192,63 +192,31 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float) -> None:
         time.sleep(0.1)
 
 
-def test_bunched_stream_interrupt_and_stopped_server(docker_client, client_image, tmp_path):
-    """One server with `--stream-interval 8`, two runs of two points: the first point is marked
-    "stream bunched"; Ctrl-C during the second point exits 130 and keeps the first; the server
-    stopped during the second point gives one line, exit 1. "During": once the first point's
-    summary exists the engine is held, and the signal comes once a request of point 2 is held.
-    Point 2 has 100 requests: it cannot finish before the hold is set."""
+def test_bunched_stream_and_stopped_server(docker_client, client_image, tmp_path):
+    """One server with `--stream-interval 8`, one run of two points: the first point is marked
+    "stream bunched"; the server stopped during the second point gives one line, exit 1, the
+    first point kept. "During": once the first point's summary exists the engine is held, and
+    the server stops once a request of point 2 is held. Point 2 has 100 requests: it cannot
+    finish before the hold is set. (Ctrl-C keeping the finished points: test_bench_unit.py's
+    interrupted run on the real runner; a real client container stopped by Ctrl-C:
+    test_gsm8k_e2e.py, the same run_client.)"""
     srv = start_server(docker_client, name=f"k3bench-test-fail-{os.getpid()}", hold=True,
                        env={"K3_EXTRA_ARGS": "--stream-interval 8"})
-    base = [sys.executable, "-m", "k3rocm", "bench", "--workload", "ci-tiny", "--quiet",
-            "--url", srv.base_url, "--model", srv.model, "--tokenizer", str(srv.tokenizer_path),
-            "--set", "concurrency=1,2", "--set", "request_count=2,100",
-            "--set", "warmup_request_count=1"]  # without a warmup aiperf writes no phase manifest
-
-    def start(results: Path) -> tuple[subprocess.Popen, Path]:
-        # SIG_DFL in the child: pytest started in the background inherits SIGINT ignored
-        proc = subprocess.Popen([*base, "--results", str(results)], cwd=REPO, env=_env(),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                preexec_fn=default_sigint)
+    results = tmp_path / "stopped"
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "k3rocm", "bench", "--workload", "ci-tiny", "--quiet",
+             "--url", srv.base_url, "--model", srv.model, "--tokenizer", str(srv.tokenizer_path),
+             "--set", "concurrency=1,2", "--set", "request_count=2,100",
+             "--set", "warmup_request_count=1",  # without a warmup aiperf writes no manifest
+             "--results", str(results)], cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True)
         _wait_for(results, proc, 60)
         run = only_run_dir(results)
         _wait_for(run / "aiperf" / "concurrency_1__requests_2" / "profile_export_aiperf.json",
                   proc, 240)
-        return proc, run
-
-    try:
-        # 1) Ctrl-C during the second point: exit 130, the first point kept, ok and bunched.
-        proc, run1 = start(tmp_path / "interrupt")
-        with srv.hold() as wait_held:  # held until aiperf is gone: it finishes a point on SIGINT
-            wait_held(proc)  # a request of point 2 is in the engine and cannot finish
-            proc.send_signal(signal.SIGINT)
-            out, err = proc.communicate(timeout=180)
-        assert proc.returncode == 130, err[-3000:]
-        assert "Traceback" not in err
-        assert err.strip().splitlines()[-1].startswith(
-            "k3rocm: error: bench ci-tiny: interrupted; 1 of 2 points finished and kept in")
-        doc = json.loads((run1 / "summary.json").read_text())
-        assert doc["status"] == "interrupted"
-        p1 = doc["points"][0]
-        assert [q["status"] for q in doc["points"]] == ["ok", "failed"]
-        assert p1["jsonl_check"]["ok"]
-        assert (run1 / "perf.csv").is_file() and (run1 / "aiperf.log").stat().st_size > 0
-        assert not [c.name for c in docker_client.containers.list(
-            all=True, filters={"label": "k3rocm.bench=client"}) if run1.name in c.name]
-        # 0) ... and that first point is marked bunched: 32 tokens, the first alone, then up to
-        # 8 per chunk: 5 chunks (a merge may cut one)
-        st = p1["stream"]
-        assert st["bunched"] is True and 4 <= st["chunks_per_request"] <= 6, st
-        assert st["note"].startswith("stream bunched: ITL/TTFT not per token: "), st
-        assert "WARNING c=1: stream bunched: ITL/TTFT not per token" in err
-        assert "(stream bunched)" in (run1 / "report.md").read_text()
-        assert "--stream-interval 8" in " ".join(json.loads(
-            (run1 / "provenance.json").read_text())["server"]["rendered"]["argv"])
-
-        # 2) The server stops during the second point: exit 1, one line, point 2 failed.
-        proc, run2 = start(tmp_path / "stopped")
         with srv.hold() as wait_held:
-            wait_held(proc)
+            wait_held(proc)  # a request of point 2 is in the engine and cannot finish
             srv.container.stop(timeout=1)
         out, err = proc.communicate(timeout=300)
         assert proc.returncode == 1, err[-3000:]
@@ -257,17 +225,29 @@ def test_bunched_stream_interrupt_and_stopped_server(docker_client, client_image
         assert len(errs) == 1, err[-3000:]
         assert errs[0].startswith("k3rocm: error: bench ci-tiny: 1 of 2 points failed (c=2: ")
         assert "the server is no longer reachable" in errs[0]
-        assert f"raw logs and finished points kept in {run2}" in errs[0]
-        doc = json.loads((run2 / "summary.json").read_text())
+        assert f"raw logs and finished points kept in {run}" in errs[0]
+        doc = json.loads((run / "summary.json").read_text())
         assert doc["status"] == "failed" and doc["server_reachable_after"] is False
         p1, p2 = doc["points"]
         assert p1["status"] == "ok" and p1["jsonl_check"]["ok"]
         assert p2["status"] == "failed" and p2["reason"]
-        with (run2 / "perf.csv").open() as fh:
+        with (run / "perf.csv").open() as fh:
             failed = [r for r in csv.DictReader(fh) if r["max_concurrency"] == "2"]
         assert len(failed) == 6 and all(r["status"].startswith("failed") for r in failed)
         assert all(r["performance"] == "" for r in failed)
-        assert "**FAILED**" in (run2 / "report.md").read_text()
+        report = (run / "report.md").read_text()
+        assert "**FAILED**" in report
+        # the first point is marked bunched: 32 tokens, the first alone, then up to 8 per
+        # chunk: 5 chunks (a merge may cut one)
+        st = p1["stream"]
+        assert st["bunched"] is True and 4 <= st["chunks_per_request"] <= 6, st
+        assert st["note"].startswith("stream bunched: ITL/TTFT not per token: "), st
+        assert "WARNING c=1: stream bunched: ITL/TTFT not per token" in err
+        assert "(stream bunched)" in report
+        assert "--stream-interval 8" in " ".join(json.loads(
+            (run / "provenance.json").read_text())["server"]["rendered"]["argv"])
+        assert not [c.name for c in docker_client.containers.list(
+            all=True, filters={"label": "k3rocm.bench=client"}) if run.name in c.name]
     finally:
         srv.stop()
 
@@ -278,7 +258,7 @@ def _bench_ab(tmp_path: Path, repeats: int, *extra: str) -> subprocess.Completed
     ab_args = (f"--server-env K3_PROFILE=cpu-smoke --models-dir {MODELS_DIR} "
                f"--tokenizer {MODELS_DIR / SMOKE_MODEL} --results {tmp_path} --pin-engine-core "
                f"--runs-per-server 1 --port {free_port()} --server-timeout 420 --quiet "
-               f"--set concurrency=1 --set request_count=6 "
+               f"--set concurrency=1 --set request_count=4 --set warmup_request_count=1 "
                # both arms: a deterministic AB_BASE_MS sleep per engine step (the step double)
                f"--server-env K3_TEST_BASE_DELAY_MS={AB_BASE_MS} "
                f"--server-env PYTHONPATH={STEP_DOUBLE_MOUNT} {' '.join(extra)}")
@@ -392,8 +372,6 @@ def test_bench_ab_aa_floor_and_calibrated_slowdown_detected(
     mine = {s["server"] for d in (aa, comp) for s in d["slots"]}
     assert len(mine) == 4 and not [c for c in _left_projects(docker_client, "k3ab-")
                                    if any(c.startswith(m) for m in mine)]
-
-
 
 
 def _bench_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:

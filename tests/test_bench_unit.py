@@ -9,6 +9,8 @@ import os
 import shlex
 import subprocess
 import sys
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import REPO, make_exit_code, run_cli
@@ -28,16 +30,35 @@ SEED = """aiperf profile --model moonshotai/Kimi-K3 --tokenizer /models/Kimi-K3
   --random-seed 42 --ui simple"""
 
 
-def _bench(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return run_cli("bench", *args, env=env)
+@pytest.fixture
+def k3(monkeypatch, capsys):
+    """`k3rocm ARGS` in-process (k3rocm.cli.main): .returncode, .stdout, .stderr; no K3_* or
+    BENCH_* variables, in REPO unless ``cwd``. Real `python -m k3rocm` (entry point, one line, no
+    traceback) stays once per command: bench here (missing tokenizer), bench-ab, census-ab, ab
+    and server in test_ab_unit.py."""
+    from k3rocm.cli import main
+
+    for k in [k for k in os.environ if k.startswith(("K3_", "BENCH_"))]:
+        monkeypatch.delenv(k)
+
+    def run(*args: str, env: dict | None = None, cwd=REPO) -> SimpleNamespace:
+        with monkeypatch.context() as m:
+            for k, v in (env or {}).items():
+                m.setenv(k, v)
+            m.chdir(cwd)
+            capsys.readouterr()
+            try:
+                code = main(list(args))
+            except SystemExit as exc:  # argparse: --help, its own errors
+                code = exc.code
+            out, err = capsys.readouterr()
+        return SimpleNamespace(returncode=code, stdout=out, stderr=err)
+
+    return run
 
 
-def _env() -> dict:
-    return {k: v for k, v in os.environ.items() if not k.startswith(("K3_", "BENCH_"))}
-
-
-def test_decode_8k1k_dry_run_is_exactly_the_seed_command(tmp_path):
-    p = _bench("--workload", "decode-8k1k", "--tokenizer", "/models/Kimi-K3", "--dry-run",
+def test_decode_8k1k_dry_run_is_exactly_the_seed_command(tmp_path, k3):
+    p = k3("bench", "--workload", "decode-8k1k", "--tokenizer", "/models/Kimi-K3", "--dry-run",
                "--results", str(tmp_path), env={"COMPOSE_FILE": "compose.yaml"})  # a GPU node
     assert p.returncode == 0, p.stderr
     (line,) = [ln for ln in p.stdout.splitlines() if ln.strip()]
@@ -54,7 +75,9 @@ def test_dry_run_via_make_contacts_nothing(tmp_path):
                         f"BENCH_ARGS=--tokenizer /models/Kimi-K3 --results {tmp_path} "
                         "--url http://127.0.0.1:9"],
                        cwd=REPO, capture_output=True, text=True, timeout=60,
-                       env={**_env(), "PYTHONPATH": str(REPO / "src")})
+                       env={**{k: v for k, v in os.environ.items()
+                               if not k.startswith(("K3_", "BENCH_"))},
+                            "PYTHONPATH": str(REPO / "src")})
     assert make_exit_code(p) == 0, p.stderr
     argv = shlex.split(p.stdout.strip().splitlines()[-1])
     assert argv[:2] == ["aiperf", "profile"] and "http://127.0.0.1:9" in argv
@@ -77,12 +100,12 @@ def test_workloads_and_their_commands():
     assert resolve("agentic-68k", {}).prefix_caching is True
 
 
-def test_overrides_cli_beats_env_beats_file():
+def test_overrides_cli_beats_env_beats_file(k3):
     w = resolve("decode-8k1k", {"osl": "128"}, env={"BENCH_OSL": "256", "BENCH_ISL": "512",
                                                     "BENCH_CONCURRENCY": "1,2",
                                                     "BENCH_REQUEST_COUNT": "4,8"})
     assert (w.isl, w.osl, w.concurrency, w.request_count) == (512, 128, (1, 2), (4, 8))
-    p = _bench("--workload", "decode-8k1k", "--dry-run", "--set", "osl=128", "--set",
+    p = k3("bench", "--workload", "decode-8k1k", "--dry-run", "--set", "osl=128", "--set",
                "extra_args=--no-gpu-telemetry --request-timeout-seconds 60",
                env={"BENCH_OSL": "256"})
     assert p.returncode == 0, p.stderr
@@ -100,15 +123,15 @@ def test_overrides_cli_beats_env_beats_file():
     ([], {"BENCH_TYPO": "1"}, "unknown environment variable BENCH_TYPO"),
     ([], {"BENCH_STREAMING": "maybe"}, "streaming='maybe': Input should be a valid boolean"),
 ])
-def test_bad_input_is_one_line_exit_2(args, env, needle):
-    p = _bench(*args, "--dry-run", env=env)
+def test_bad_input_is_one_line_exit_2(k3, args, env, needle):
+    p = k3("bench", *args, "--dry-run", env=env)
     assert p.returncode == 2, p.stdout + p.stderr
     err = p.stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("k3rocm: error: ") and needle in err[0], err
 
 
 def test_missing_tokenizer_fails_before_docker(tmp_path):
-    p = _bench("--workload", "ci-tiny", "--tokenizer", str(tmp_path / "nope"),
+    p = run_cli("bench", "--workload", "ci-tiny", "--tokenizer", str(tmp_path / "nope"),
                "--results", str(tmp_path), "--url", "http://127.0.0.1:9")
     assert p.returncode == 2
     assert p.stderr.strip().splitlines() == [
@@ -127,8 +150,8 @@ def test_bad_workload_file(tmp_path):
         resolve("x", env={}, path=f)
 
 
-def test_bench_ab_dry_run_plan():
-    p = run_cli("bench-ab", "--workload", "ci-tiny", "--repeats", "2", "--dry-run", "--no-gpu",
+def test_bench_ab_dry_run_plan(k3):
+    p = k3("bench-ab", "--workload", "ci-tiny", "--repeats", "2", "--dry-run", "--no-gpu",
                 "--image", "k3rocm/server:cpu-0.32.0", "--server-env", "K3_PROFILE=cpu-smoke")
     assert p.returncode == 0, p.stderr
     slots = [ln for ln in p.stdout.splitlines() if ln.startswith("# slot")]
@@ -141,27 +164,27 @@ def test_bench_ab_dry_run_plan():
     assert "# cost: 4 cold server start(s) (2 server(s) per arm), 4 run(s); estimated " in out
     assert "# MDE (ITL p50): unknown - no A/A of this protocol" in out
     assert "the upstream PRs' effect (vLLM PRs #52494, #57640: C=1 decode ITL moved ~0.5%)" in out
-    p = run_cli("bench-ab", "--aa", "--dry-run", "--no-gpu", "--server-env",
-                "K3_FUSE_QK_NORM=0")
-    assert p.returncode == 2 and "set per arm" in p.stderr
+    assert "primary metric (declared before the run): ITL p50 at c=1, judged at 5%" in out
 
 
-def test_bench_ab_dry_run_prints_hours_and_whether_the_upstream_effect_can_be_seen(tmp_path):
-    """The default GPU A/B: 8 cold starts at the bundle's own 1800 s guess = 4.0 h; without an
-    A/A the MDE is 2.37 x the server CV (0.5% needs a CV <= 0.21%); with an A/A of this
-    workload under the results root (1% CV) the MDE is printed and 0.5% is out of reach."""
-    p = run_cli("bench-ab", "--workload", "decode-8k1k", "--tokenizer", str(tmp_path),
+def test_bench_ab_dry_run_prints_hours_and_whether_the_upstream_effect_can_be_seen(tmp_path, k3):
+    """The default GPU A/B (4 servers per arm, A B B A A B B A): 8 cold starts at the bundle's
+    own 1800 s guess = 4.0 h; without an A/A the MDE is 2.37 x the server CV (0.5% needs a CV
+    <= 0.21%); with an A/A of this workload under the results root (1% CV) the MDE is printed
+    and 0.5% is out of reach."""
+    p = k3("bench-ab", "--workload", "decode-8k1k", "--tokenizer", str(tmp_path),
                 "--dry-run", "--gpu", "--results", str(tmp_path))
     assert p.returncode == 0, p.stderr
     assert ("# cost: 8 cold server start(s) (4 server(s) per arm), 8 run(s); estimated 4.0 h "
             "(assumed 1800s per start (GPU)") in p.stdout
+    assert "order A B B A A B B A (4 server(s) per arm" in p.stdout
     assert ("with 4 server(s) per arm and no A/A the MDE is 2.37 x the server-to-server CV: it "
             "sees 0.5% only if that CV is <= 0.21%") in p.stdout
     aa = tmp_path / "20261201T000000Z-decode-8k1k-aa"
     aa.mkdir()
     (aa / "comparison.json").write_text(json.dumps({"mode": "aa", "protocol_key": "k", "rows": [
         {"concurrency": 1, "metric": "ITL p50", "aa_component": {"var_log": 1e-4, "df": 7}}]}))
-    p = run_cli("bench-ab", "--workload", "decode-8k1k", "--tokenizer", str(tmp_path),
+    p = k3("bench-ab", "--workload", "decode-8k1k", "--tokenizer", str(tmp_path),
                 "--dry-run", "--gpu", "--results", str(tmp_path))
     assert p.returncode == 0, p.stderr
     assert "# MDE (ITL p50, 80% power, two-sided 5%): 2." in p.stdout
@@ -203,8 +226,12 @@ def test_the_statistics_keep_their_values():
     assert [stats.mde(4e-4, df, 3, 3) for df in (1, 2, 4, 9, 30)] == pytest.approx(
         [0.2585593290040591, 0.09153234808930977, 0.06258545403807436, 0.052708952329408865,
          0.04842824227261855], rel=1e-9)
-    assert [stats.servers_needed(v, e, x) for v, e, x in ((4e-4, 0.01, 0), (1e-4, 0.01, 7),
-                                                          (2.5e-3, 0.02, 3))] == [65, 17, 102]
+    assert [stats.servers_needed(v, e, x) for v, e, x in (
+        (4e-4, 0.01, 0), (1e-4, 0.01, 7), (2.5e-3, 0.02, 3), (1e-4, 0.01, 0), (2.5e-5, 0.01, 0),
+        (4e-4, 0.01, 7), (1e-4, 0.02, 0))] == [65, 17, 102, 17, 6, 65, 6]
+    line = stats.design_line(0.01 ** 2, 7, 4)
+    assert line.startswith("MDE (ITL p50, 80% power, two-sided 5%): ")
+    assert "for an A/B with 4 server(s) per arm" in line and "needed for 1%: 17" in line
     assert "3.04 x the server-to-server CV: it sees 2.0% only if that CV is <= 0.65%" in \
         stats.effect_line(0.02, 3)
     assert "the MDE 2.18% CANNOT see it with 4 server(s) per arm; servers per arm needed: 5" \
@@ -272,17 +299,6 @@ def test_power_at_the_printed_mde_is_80_percent():
         found = sum(stats.verdict(stats.compare_servers(*_arms(rng, servers, effect=m)), True)
                     == "B slower" for _ in range(1500))
         assert abs(found / 1500 - 0.80) < 0.04, (servers, m, found / 1500)
-
-
-def test_servers_needed_and_the_design_line():
-    assert stats.servers_needed(0.01 ** 2, 0.01) == 17  # ~16 with z, t at df 32
-    assert stats.servers_needed(0.005 ** 2, 0.01) == 6
-    assert stats.servers_needed(0.01 ** 2, 0.02) < 17
-    assert stats.servers_needed(0.02 ** 2, 0.01, extra_df=7) <= stats.servers_needed(0.02 ** 2)
-    line = stats.design_line(0.01 ** 2, 7, 4)
-    assert line.startswith("MDE (ITL p50, 80% power, two-sided 5%): ")
-    assert "for an A/B with 4 server(s) per arm" in line and "needed for 1%: 17" in line
-    assert "no A/A of this protocol" in stats.design_line(None, 0, 4)
 
 
 def test_three_way_wording():
@@ -513,6 +529,71 @@ def test_the_step_delay_double_records_the_sleep_it_really_took(tmp_path, monkey
 
 # --- summary: perf.csv, missing points, stream shape, inputs
 
+
+def test_ctrl_c_keeps_the_finished_point_and_removes_the_client(tmp_path, monkeypatch, k3):
+    """Ctrl-C (a real SIGINT) while point 2 runs, through the real runner (cli, run_bench,
+    engine.run_client; only Docker and the server are fakes): the client container gets SIGINT
+    and is removed, exit 130, one line, point 1 kept in summary.json, perf.csv and report.md.
+    Real aiperf in a real client container stopped by Ctrl-C: test_gsm8k_e2e.py (run_client)."""
+    import signal
+    import threading
+
+    from k3rocm.checks.bench import run as bench_run
+
+    seen, gone = [], threading.Event()
+
+    def logs(out: Path):  # aiperf: point 1 written, then Ctrl-C while point 2 runs
+        point = _write_stream_point(out / "concurrency_1__requests_2",
+                                    [(32, [5.0] * 31, 20.0, 175.0)] * 2)
+        (point / "profile_export_aiperf.json").write_text('{"request_count": {"avg": 2}}')
+        yield b"point c=1 done; point c=2 running\n"
+        while not waiting():  # the user presses Ctrl-C once run_client waits for aiperf
+            gone.wait(0.01)
+        os.kill(os.getpid(), signal.SIGINT)
+        gone.wait(30)
+
+    def waiting() -> bool:  # the main thread is in run_client's pump.join
+        f = sys._current_frames().get(threading.main_thread().ident)
+        while f and f.f_back and not (f.f_code.co_name == "join"
+                                      and f.f_back.f_code.co_name == "run_client"):
+            f = f.f_back
+        return bool(f and f.f_back)
+
+    def run(image, argv, detach=False, **kw):  # docker-py's containers.run
+        out = Path(argv[argv.index("--artifact-dir") + 1])
+        return SimpleNamespace(  # the Container methods run_client uses
+            logs=lambda **kw: logs(out), wait=lambda timeout=None: {"StatusCode": 130},
+            kill=lambda signal: seen.append(signal) or gone.set(),
+            remove=lambda force=False: seen.append(f"removed, force={force}")
+        ) if detach else b"0.13.0\n"
+
+    docker = SimpleNamespace(images=SimpleNamespace(get=lambda ref: SimpleNamespace(id="sha256:c")),
+                             containers=SimpleNamespace(run=run, list=lambda *a, **kw: []))
+    monkeypatch.setattr(bench_run, "docker_client", lambda: docker)
+    monkeypatch.setattr(bench_run, "wait_ready", lambda *a, **kw: 0.0)
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text("{}")
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)  # a background pytest ignores it
+    try:
+        p = k3("bench", "--workload", "ci-tiny", "--quiet", "--url", "http://127.0.0.1:9",
+               "--tokenizer", str(tmp_path / "tok"), "--results", str(tmp_path / "r"), "--set",
+               "concurrency=1,2", "--set", "request_count=2,100")
+    finally:
+        signal.signal(signal.SIGINT, old)
+    assert p.returncode == 130, p.stderr
+    (run_dir,) = (tmp_path / "r").iterdir()
+    assert p.stderr.strip().splitlines()[-1] == ("k3rocm: error: bench ci-tiny: interrupted; 1 "
+                                                 f"of 2 points finished and kept in {run_dir}")
+    assert seen == ["SIGINT", "removed, force=True"]
+    doc = json.loads((run_dir / "summary.json").read_text())
+    assert doc["status"] == "interrupted" and doc["points"][1]["reason"].startswith("not run")
+    assert [q["status"] for q in doc["points"]] == ["ok", "failed"]
+    with (run_dir / "perf.csv").open() as fh:
+        assert {r["status"] for r in csv.DictReader(fh) if r["max_concurrency"] == "1"} == {"ok"}
+    assert "## concurrency 1 (2 requests): ok" in (run_dir / "report.md").read_text()
+    assert (run_dir / "aiperf.log").read_bytes().startswith(b"point c=1 done")
+
+
 def test_perf_csv_keeps_failed_points_and_a_missing_point_is_failed(tmp_path):
     ok = {"concurrency": 1, "request_count": 8, "status": "ok", "total_tps": 10.0,
           "output_tps": 5.0, "metrics": {k: {"p50": 1.0} for k in ("ttft", "itl", "icl", "e2el")}}
@@ -626,7 +707,7 @@ def test_server_prefix_caching_from_the_argv():
 def test_a_quieter_aa_is_not_pooled_and_lowers_the_false_rate():
     """An A/A a quarter as noisy (df 7) is not pooled and the row says why; one that matches is
     pooled. Identical arms, 4 servers per arm, an A/A of 4 per arm at half the CV: the check
-    lowers the false rate of the pooled test (tests/bench_pooled_aa.py: the table)."""
+    lowers the false rate of the pooled test."""
     a, b = [10.0, 10.2, 9.8, 10.1], [10.15, 9.9, 10.3, 10.0]
     own = stats.compare_servers(a, b)
     quiet = {"var_log": own["var_log"] / 25, "df": 7}

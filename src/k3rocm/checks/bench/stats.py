@@ -29,7 +29,8 @@ POWER = 0.80
 _z = statistics.NormalDist().inv_cdf
 MULTIPLICITY = "Holm (step-down) over the secondary rows, family-wise 5%"
 # A pooled A/A is refused when this run is noisier than it (one-sided F test at this level):
-# a quieter A/A would make the test too eager (tests/bench_pooled_aa.py measures it).
+# a quieter A/A would make the test too eager (measured: tests/test_bench_unit.py,
+# test_a_quieter_aa_is_not_pooled_and_lowers_the_false_rate).
 FLOOR_CHECK_ALPHA = 0.05
 
 
