@@ -255,7 +255,7 @@ def test_reasoning_fallback_and_finish_reasons_logs(tmp_path):
 
 def stored_run(root: Path, strict: float, flex: float, *, original: int = 1319,
                effective: int | None = None, limit: int | None = None,
-               fallback_docs: tuple[int, ...] = (),
+               fallback_docs: tuple[int, ...] = (), empty_docs: tuple[int, ...] = (),
                model: str = "local-chat-completions") -> Path:
     """A run directory as `k3rocm gsm8k` leaves it, with lm-eval 0.4.13's file shapes."""
     effective = original if effective is None else effective
@@ -287,9 +287,11 @@ def stored_run(root: Path, strict: float, flex: float, *, original: int = 1319,
                 text = f"Reasoning about item {doc}... so it is {doc}.\n#### {doc}"
                 fb_lines.append({"id": f"chatcmpl-{doc}", "index": 0, "content": None,
                                  "field": "reasoning", "finish_reason": "stop", "text": text})
+            # lm-eval 0.4.13 logs a null content as "" (filtered "[invalid]", scored 0)
+            text, got, em = ("", "[invalid]", 0.0) if doc in empty_docs else (text, str(doc), 1.0)
             for filt in ("strict-match", "flexible-extract"):
                 fh.write(json.dumps({"doc_id": doc, "filter": filt, "resps": [[text]],
-                                     "filtered_resps": [str(doc)], "exact_match": 1.0}) + "\n")
+                                     "filtered_resps": [got], "exact_match": em}) + "\n")
     (run / "reasoning_fallback.jsonl").write_text("".join(json.dumps(x) + "\n" for x in fb_lines))
     return run
 
@@ -333,6 +335,20 @@ def test_reasoning_fallback_is_counted_as_a_deviation(tmp_path):
     md = results.markdown(v)
     assert "| strict-match | 0.9629 | ± 0.0052 | 0.9644 ± 0.0051 | >= 0.94 | reaches gate |" in md
     assert "Reasoning fallback: on (a deviation from the reference protocol)" in md
+
+
+@pytest.mark.parametrize("model, counted", [("local-chat-completions", True),
+                                            ("local-completions", False)])
+def test_an_empty_content_is_an_empty_answer_counted(tmp_path, model, counted):
+    """The reference protocol (no --reasoning-fallback): a reasoning model's empty content is an
+    empty answer, scored wrong and counted; the message points to --reasoning-fallback. The
+    samples are as lm-eval 0.4.13 logged a null content from vLLM 0.32's reasoning parser."""
+    code, v, msg = rescore(stored_run(tmp_path, 0.9, 0.9, original=20, empty_docs=(4, 9),
+                                      model=model), "--allow-limit")
+    assert v["empty_responses"] == 2 and v["reasoning_fallback"]["count"] == 0
+    assert not v["reasoning_fallback"]["enabled"] and v["lm_eval"]["model"] == model
+    assert ("2 empty answer(s) scored as wrong" in msg) == counted, msg
+    assert ("see --reasoning-fallback" in msg) == counted
 
 
 def test_rescore_without_results_exits_2(tmp_path):
