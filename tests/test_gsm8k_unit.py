@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, free_port, make_exit_code, run_cli
+from conftest import REPO, free_port, make_exit_code
 
 from k3rocm.checks.gsm8k import command, data, results
 from k3rocm.checks.gsm8k.lmeval_launch import apply_reasoning_fallback, log_finish_reasons
@@ -27,6 +27,23 @@ def write_items(path: Path, n: int, offset: int = 0) -> None:
                 "question": f"Tom has {a} apples and buys {b} more. How many apples now?",
                 "answer": f"Tom has {a}+{b}=<<{a}+{b}={a + b}>>{a + b} apples.\n#### {a + b}",
             }) + "\n")
+
+
+@pytest.fixture
+def k3(capsys, monkeypatch):
+    """``k3rocm ARGV`` in-process, K3_* unset, ``env`` set: (exit code, stdout, stderr). The
+    entry point's own subprocess: test_dry_run_prints_the_command_with_or_without_data."""
+    from k3rocm.cli import main
+
+    for k in [k for k in os.environ if k.startswith("K3_")]:
+        monkeypatch.delenv(k)
+
+    def run(*argv: str, env: dict | None = None) -> tuple[int, str, str]:
+        for k, v in (env or {}).items():
+            monkeypatch.setenv(k, v)
+        code = main(list(argv))
+        return (code, *capsys.readouterr())
+    return run
 
 
 @pytest.fixture
@@ -165,18 +182,21 @@ def test_settings_validation(kw, fragment):
         command.Gsm8kSettings(**kw)
 
 
-def test_dry_run_prints_the_command_with_or_without_data(data_dir, tmp_path):
-    port = free_port()  # nothing listens here: a contact attempt would fail the run
-    common = ("gsm8k", "--dry-run", "--url", f"http://127.0.0.1:{port}", "--model", "m")
-    without = run_cli(*common, "--hf-home", str(tmp_path / "empty"),
-                      env={"HF_DATASETS_CACHE": str(tmp_path / "empty")})
-    assert without.returncode == 0, without.stderr
-    assert "data: none yet (no GSM8K data found" in without.stderr
-    with_data = run_cli(*common, "--data-dir", str(data_dir))
-    assert with_data.returncode == 0 and without.stdout == with_data.stdout
-    lines = with_data.stdout.strip().splitlines()
+def test_dry_run_prints_the_command_with_or_without_data(k3, data_dir, tmp_path):
+    """The same command line without data (in-process) and with it (`make gsm8k DRY_RUN=1`:
+    the entry point, a subprocess); nothing contacted (a free port)."""
+    port = free_port()
+    code, out, err = k3("gsm8k", "--dry-run", "--url", f"http://127.0.0.1:{port}", "--model", "m",
+                        "--hf-home", str(tmp_path / "empty"),
+                        env={"HF_DATASETS_CACHE": str(tmp_path / "empty")})
+    assert code == 0 and "data: none yet (no GSM8K data found" in err, err
+    p = _make("gsm8k", "DRY_RUN=1", f"GSM8K_DATA={data_dir}",
+              f"GSM8K_ARGS=--url http://127.0.0.1:{port} --model m")
+    assert make_exit_code(p) == 0 and p.stdout == out and "Traceback" not in p.stderr, p.stderr
+    lines = out.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("/opt/clients/bin/python ")
     assert f"base_url=http://127.0.0.1:{port}/v1/chat/completions" in lines[0]
+    assert "num_concurrent=32" in lines[0] and "--include_path /out/tasks" in lines[0]
 
 
 @pytest.mark.parametrize("argv, code, fragment", [
@@ -185,32 +205,22 @@ def test_dry_run_prints_the_command_with_or_without_data(data_dir, tmp_path):
     (["--hf-home", "{tmp}/nothing"], 2, "k3rocm: error: no GSM8K data found"),
     (["--data-dir", "{data}"], 3, "nothing listening at http://127.0.0.1:"),
 ])
-def test_bad_input_and_no_server_exit_with_one_line(data_dir, tmp_path, argv, code, fragment):
+def test_bad_input_and_no_server_exit_with_one_line(k3, data_dir, tmp_path, argv, code,
+                                                    fragment):
     argv = [a.format(tmp=tmp_path, data=data_dir) for a in argv]
-    p = run_cli("gsm8k", "--url", f"http://127.0.0.1:{free_port()}", *argv,
-                env={"HF_DATASETS_CACHE": str(tmp_path / "nothing")})
-    assert p.returncode == code and p.stderr.count("\n") == 1, p.stderr
-    assert fragment in p.stderr
-
-
-def _clean_env() -> dict:
-    return {k: v for k, v in os.environ.items() if not k.startswith("K3_")}
+    got, _, err = k3("gsm8k", "--url", f"http://127.0.0.1:{free_port()}", *argv,
+                     env={"HF_DATASETS_CACHE": str(tmp_path / "nothing")})
+    assert got == code and err.count("\n") == 1 and fragment in err, err
 
 
 def _make(*args: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(["make", "-s", "-o", sys.executable, *args, f"PY={sys.executable}"],
                           cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env={**_clean_env(), "PYTHONPATH": str(REPO / "src"), **env})
+                          env={**{k: v for k, v in os.environ.items() if not k.startswith("K3_")},
+                               "PYTHONPATH": str(REPO / "src"), **env})
 
 
-def test_make_gsm8k_dry_run(data_dir):
-    p = _make("gsm8k", "DRY_RUN=1", f"GSM8K_DATA={data_dir}",
-              "GSM8K_ARGS=--model m --concurrency 3")
-    assert make_exit_code(p) == 0, p.stderr
-    assert "num_concurrent=3" in p.stdout and "--include_path /out/tasks" in p.stdout
-
-
-def test_make_gsm8k_data_cached_or_without_docker(tmp_path):
+def test_make_gsm8k_data_cached_or_without_docker(k3, tmp_path):
     """Cached: nothing to do, no Docker engine needed. Not cached, no engine: exit 3 (make's 2;
     conftest.make_exit_code reads the recipe's), and a make failure without a recipe is not
     read as any k3rocm code."""
@@ -222,8 +232,8 @@ def test_make_gsm8k_data_cached_or_without_docker(tmp_path):
     snap.mkdir(parents=True)
     for split in ("train", "test"):
         (snap / f"{split}-00000-of-00001.parquet").write_bytes(b"PAR1")
-    p = run_cli("gsm8k", "--fetch-data", "--hf-home", str(hf), env={"DOCKER_HOST": nosock})
-    assert p.returncode == 0 and "gsm8k-data: already there: hf-hub-parquet at " in p.stderr
+    code, _, err = k3("gsm8k", "--fetch-data", "--hf-home", str(hf), env={"DOCKER_HOST": nosock})
+    assert code == 0 and "gsm8k-data: already there: hf-hub-parquet at " in err
     with pytest.raises(AssertionError, match="without a recipe's exit code"):
         make_exit_code(_make("no-such-target-k3"))
 
@@ -255,7 +265,7 @@ def test_reasoning_fallback_and_finish_reasons_logs(tmp_path):
 
 def stored_run(root: Path, strict: float, flex: float, *, original: int = 1319,
                effective: int | None = None, limit: int | None = None,
-               fallback_docs: tuple[int, ...] = (),
+               fallback_docs: tuple[int, ...] = (), empty_docs: tuple[int, ...] = (),
                model: str = "local-chat-completions") -> Path:
     """A run directory as `k3rocm gsm8k` leaves it, with lm-eval 0.4.13's file shapes."""
     effective = original if effective is None else effective
@@ -287,17 +297,18 @@ def stored_run(root: Path, strict: float, flex: float, *, original: int = 1319,
                 text = f"Reasoning about item {doc}... so it is {doc}.\n#### {doc}"
                 fb_lines.append({"id": f"chatcmpl-{doc}", "index": 0, "content": None,
                                  "field": "reasoning", "finish_reason": "stop", "text": text})
+            # lm-eval 0.4.13 logs a null content as "" (filtered "[invalid]", scored 0)
+            text, got, em = ("", "[invalid]", 0.0) if doc in empty_docs else (text, str(doc), 1.0)
             for filt in ("strict-match", "flexible-extract"):
                 fh.write(json.dumps({"doc_id": doc, "filter": filt, "resps": [[text]],
-                                     "filtered_resps": [str(doc)], "exact_match": 1.0}) + "\n")
+                                     "filtered_resps": [got], "exact_match": em}) + "\n")
     (run / "reasoning_fallback.jsonl").write_text("".join(json.dumps(x) + "\n" for x in fb_lines))
     return run
 
 
-def rescore(run: Path, *extra: str) -> tuple[int, dict, str]:
-    p = run_cli("gsm8k", "--rescore", str(run), *extra)
-    assert "Traceback" not in p.stderr
-    return p.returncode, json.loads(p.stdout), p.stderr.strip()
+def rescore(k3, run: Path, *extra: str) -> tuple[int, dict, str]:
+    code, out, err = k3("gsm8k", "--rescore", str(run), *extra)
+    return code, json.loads(out), err.strip()
 
 
 @pytest.mark.parametrize("strict, flex, kw, extra, code, status, fragment", [
@@ -312,18 +323,18 @@ def rescore(run: Path, *extra: str) -> tuple[int, dict, str]:
     (0.98, 0.98, {"effective": 100, "limit": 100}, ("--allow-limit",), 0, "pass",
      "not comparable: --limit 100: 100 of 1319 test items"),
 ])
-def test_gate(tmp_path, strict, flex, kw, extra, code, status, fragment):
-    c, v, msg = rescore(stored_run(tmp_path, strict, flex, **kw), *extra)
+def test_gate(k3, tmp_path, strict, flex, kw, extra, code, status, fragment):
+    c, v, msg = rescore(k3, stored_run(tmp_path, strict, flex, **kw), *extra)
     assert (c, v["status"], v["passed"]) == (code, status, code == 0), msg
     assert fragment in msg
     assert v["comparable"] == (not kw) and v["like_reference"] == (not kw)
     assert v["metrics"]["flexible-extract"]["reaches_gate"]
 
 
-def test_reasoning_fallback_is_counted_as_a_deviation(tmp_path):
+def test_reasoning_fallback_is_counted_as_a_deviation(k3, tmp_path):
     run = stored_run(tmp_path, 0.9629, 0.9651, fallback_docs=(3, 17, 1200),
                      model="k3-chat-completions")
-    code, v, msg = rescore(run)
+    code, v, msg = rescore(k3, run)
     assert code == 0
     assert v["reasoning_fallback"] == {"enabled": True, "count": 3, "of": 1319,
                                        "responses_logged": 3, "doc_ids": [3, 17, 1200]}
@@ -335,21 +346,35 @@ def test_reasoning_fallback_is_counted_as_a_deviation(tmp_path):
     assert "Reasoning fallback: on (a deviation from the reference protocol)" in md
 
 
-def test_rescore_without_results_exits_2(tmp_path):
+@pytest.mark.parametrize("model, counted", [("local-chat-completions", True),
+                                            ("local-completions", False)])
+def test_an_empty_content_is_an_empty_answer_counted(k3, tmp_path, model, counted):
+    """The reference protocol (no --reasoning-fallback): a reasoning model's empty content is an
+    empty answer, scored wrong and counted; the message points to --reasoning-fallback. The
+    samples are as lm-eval 0.4.13 logged a null content from vLLM 0.32's reasoning parser."""
+    code, v, msg = rescore(k3, stored_run(tmp_path, 0.9, 0.9, original=20, empty_docs=(4, 9),
+                                      model=model), "--allow-limit")
+    assert v["empty_responses"] == 2 and v["reasoning_fallback"]["count"] == 0
+    assert not v["reasoning_fallback"]["enabled"] and v["lm_eval"]["model"] == model
+    assert ("2 empty answer(s) scored as wrong" in msg) == counted, msg
+    assert ("see --reasoning-fallback" in msg) == counted
+
+
+def test_rescore_without_results_exits_2(k3, tmp_path):
     (tmp_path / "run" / "lm_eval").mkdir(parents=True)
-    p = run_cli("gsm8k", "--rescore", str(tmp_path / "run"))
-    assert p.returncode == 2 and p.stderr.startswith("k3rocm: error: no lm-eval results file")
+    code, _, err = k3("gsm8k", "--rescore", str(tmp_path / "run"))
+    assert code == 2 and err.startswith("k3rocm: error: no lm-eval results file")
 
 
-def test_truncated_answers_are_reported_apart_from_wrong_ones(tmp_path):
+def test_truncated_answers_are_reported_apart_from_wrong_ones(k3, tmp_path):
     run = stored_run(tmp_path, 0.9629, 0.9651, original=20)
-    assert rescore(run)[1]["truncated"]["recorded"] is False  # no finish log
+    assert rescore(k3, run)[1]["truncated"]["recorded"] is False  # no finish log
     samples = results.load_run(run)[1]
     texts = {s["doc_id"]: results._first_response(s) for s in samples}
     (run / "finish_reasons.jsonl").write_text("".join(
         json.dumps({"finish_reason": "length" if d in (3, 7) else "stop", "text": t}) + "\n"
         for d, t in texts.items()))
-    code, v, msg = rescore(run, "--allow-limit")
+    code, v, msg = rescore(k3, run, "--allow-limit")
     t = v["truncated"]
     assert t["count"] == 2 and t["of"] == 20 and t["rate"] == pytest.approx(0.1)
     assert t["doc_ids"] == [3, 7] and t["accuracy_without_truncated"] == 1.0
@@ -389,7 +414,6 @@ def test_the_default_margin_comes_from_its_stated_power():
     assert rate(1319, ab.DEFAULT_MARGIN, d) >= ab.DESIGN_POWER
     assert rate(1319, ab.DEFAULT_MARGIN - 0.0005, d) < ab.DESIGN_POWER
     assert rate(1319, ab.DEFAULT_MARGIN, d, ab.DROP) == pytest.approx(0.139, abs=0.001)
-    assert 1 - rate(1319, 0.01, d) == pytest.approx(0.183, abs=0.001)
     assert 1 - rate(1319, 0.01, 0.04) == pytest.approx(0.429, abs=0.001)
 
 
@@ -427,35 +451,31 @@ def test_gsm8k_ab_pairs_the_items_and_gates_on_non_inferiority():
         ab.compare(_samples(a), _samples(a[:100]), 0.01)
 
 
-def test_make_gsm8k_ab_dry_run_and_bad_input():
+def test_make_gsm8k_ab_dry_run_and_bad_input(k3):
     p = _make("gsm8k-ab", "DRY_RUN=1", "CPU=1")
     assert make_exit_code(p) == 0, p.stderr
     lines = p.stdout.splitlines()
     assert [ln.split()[4] for ln in lines if ln.startswith("# slot")] == ["A:", "B:"]
     assert sum("k3rocm_lmeval.py run" in ln for ln in lines) == 2
-    p = run_cli("ab", "--measure", "gsm8k", "--dry-run", "--no-gpu", "--repeats", "2")
-    assert p.returncode == 2 and "use --repeats 1" in p.stderr.strip().splitlines()[-1]
-    p = run_cli("ab", "--measure", "bench", "--dry-run", "--no-gpu", "--margin", "0.02")
-    assert p.returncode == 2 and "--margin is not used by --measure bench" in p.stderr
-
-
-def test_gsm8k_ab_without_discordant_items_does_not_claim_power():
-    from k3rocm.checks.gsm8k import ab
-
-    comp = ab.compare(_samples([False] * 5), _samples([False] * 5), 0.01)  # the stand-in
-    assert comp["filters"]["strict-match"]["power_full"] is None
-    assert "power of the margin n/a (no discordant items)" in comp["headline"]
+    code, _, err = k3("ab", "--measure", "gsm8k", "--dry-run", "--no-gpu", "--repeats", "2")
+    assert code == 2 and "use --repeats 1" in err.strip().splitlines()[-1]
+    code, _, err = k3("ab", "--measure", "bench", "--dry-run", "--no-gpu", "--margin", "0.02")
+    assert code == 2 and "--margin is not used by --measure bench" in err
 
 
 def test_no_discordant_items_is_no_proof_on_a_handful_of_items():
-    """Five identical answers are no proof within 1 point; 1319 may be."""
-    from k3rocm.checks.bench.stats import binom_upper, paired_accuracy
+    """Five identical answers (the stand-in) are no proof within 1 point, nor a power; 1319
+    may be."""
+    from k3rocm.checks.bench.stats import paired_accuracy
+    from k3rocm.checks.gsm8k import ab
 
-    five = paired_accuracy([True, False] * 2 + [False], [True, False] * 2 + [False], 0.01)
-    assert five["non_inferior"] is False and five["lower_bound"] < -0.4
+    comp = ab.compare(_samples([False] * 5), _samples([False] * 5), 0.01)
+    assert comp["filters"]["strict-match"]["power_full"] is None
+    assert comp["filters"]["strict-match"]["non_inferior"] is False
+    assert comp["filters"]["strict-match"]["lower_bound"] < -0.4
+    assert "power of the margin n/a (no discordant items)" in comp["headline"]
     full = paired_accuracy([True] * 1200 + [False] * 119, [True] * 1200 + [False] * 119, 0.01)
     assert full["non_inferior"] is True
-    assert binom_upper(0, 1319) == pytest.approx(1 - 0.05 ** (1 / 1319), rel=1e-6)
 
 
 def _gsm8k_ab_live(tmp_path, monkeypatch, server_logs: dict[str, str]):

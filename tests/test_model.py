@@ -206,19 +206,31 @@ def test_verify_names_what_is_missing_or_wrong(tmp_path):
     assert verify(d2, "0" * 40)[-1] == f"this copy is revision {REVISION}, not {'0' * 40}"
 
 
-def test_verify_cli_exit_codes(tmp_path):
+def test_verify_cli_exit_codes(tmp_path, capsys, monkeypatch):
+    """The entry point once (a subprocess), the rest in-process: one FAIL line per problem."""
+    from k3rocm.cli import main
+
     d = _copy(tmp_path, _tiny_repo())
     ok = run_cli("model", "--verify", "--dir", str(d))
     assert ok.returncode == 0 and f"ok: {d} is complete" in ok.stdout, ok
     assert json.loads(ok.stdout[:ok.stdout.rindex("}") + 1])["config_sha256"]
+    assert "Traceback" not in ok.stderr
+    for k in [k for k in os.environ if k.startswith("K3_")]:
+        monkeypatch.delenv(k)
     (d / SHARDS[0]).unlink()
-    bad = run_cli("model", "--verify", "--dir", str(d))
-    assert bad.returncode == 1 and f"FAIL shard {SHARDS[0]}" in bad.stdout, bad
-    none = run_cli("model", "--verify", "--dir", str(tmp_path / "absent"))
-    assert none.returncode == 2 and "does not exist" in none.stderr
-    assert len(none.stderr.strip().splitlines()) == 1
-    moving = run_cli("model", "--verify", "--dir", str(d), "--revision", "main")
-    assert moving.returncode == 2 and "not a 40-hex commit" in moving.stderr
+    (d / "model-00003-of-00003.safetensors").write_bytes(b"\0" * 16)
+    assert main(["model", "--verify", "--dir", str(d)]) == 1
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 4 and lines[0] == (f"FAIL shard {SHARDS[0]} (listed in "
+                                            "model.safetensors.index.json) is missing"), lines
+    assert lines[1].startswith("FAIL the 1 readable shard(s) of 2 declare ")
+    assert lines[2].startswith("FAIL extra shard model-00003-of-00003.safetensors")
+    assert lines[3].endswith("3 problem(s); `make model` fetches what is missing")
+    for argv, fragment in (([str(tmp_path / "absent")], "does not exist"),
+                           ([str(d), "--revision", "main"], "not a 40-hex commit")):
+        assert main(["model", "--verify", "--dir", *argv]) == 2
+        err = capsys.readouterr().err
+        assert fragment in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_verify_checks_each_shards_bytes_against_its_header_and_the_index(tmp_path):
@@ -277,45 +289,16 @@ def full_size_copy(tmp_path_factory) -> Path:
     return d
 
 
-def test_verify_reads_headers_only_at_full_size(full_size_copy, tmp_path):
-    """1.57 TB verifies in seconds (headers only); a partial copy fails, one line per problem."""
-    d = full_size_copy
+def test_verify_reads_headers_only_at_full_size(full_size_copy):
+    """1.57 TB verifies in seconds (headers only); a partial copy: test_verify_cli_exit_codes.
+    A subprocess: in pytest's heap the garbage collector slows the 500k-entry headers."""
     t0 = time.monotonic()
-    ok = run_cli("model", "--verify", "--dir", str(d), timeout=120)
+    ok = run_cli("model", "--verify", "--dir", str(full_size_copy), timeout=120)
     assert ok.returncode == 0 and "is complete" in ok.stdout, ok.stdout[-2000:] + ok.stderr
     assert time.monotonic() - t0 < 60
     assert "verify: 96/96 shard headers read, 1567.7 GB of tensor data declared" in ok.stderr
-    ident = json.loads(ok.stdout[:ok.stdout.rindex("}") + 1])
-    assert ident["index_total_size"] == 1_567_665_185_408
-
-    part = tmp_path / "partial"
-    part.mkdir()
-    for f in d.iterdir():
-        (part / f.name).symlink_to(f) if not f.name.endswith(".safetensors") else None
-    shards = sorted(d.glob("*.safetensors"))
-    for f in shards[:90]:
-        (part / f.name).symlink_to(f)
-    for f in shards[90:92]:  # copied, then cut: header intact, data short
-        with open(f, "rb") as fh:
-            n = int.from_bytes(fh.read(8), "little")
-            fh.seek(0)
-            (part / f.name).write_bytes(fh.read(8 + n))
-        os.truncate(part / f.name, f.stat().st_size // 2)
-    for f in shards[92:95]:
-        (part / f.name).symlink_to(f)
-    (part / "model-00001-of-00097.safetensors").write_bytes(b"\0" * 16)
-    bad = run_cli("model", "--verify", "--dir", str(part), timeout=120)
-    assert bad.returncode == 1, bad
-    lines = bad.stdout.strip().splitlines()
-    assert len(lines) == 6, bad.stdout
-    assert lines[0].startswith(f"FAIL shard {shards[90].name} is short: ")
-    assert lines[1].startswith(f"FAIL shard {shards[91].name} is short: ")
-    assert lines[2] == (f"FAIL shard {shards[95].name} (listed in "
-                        "model.safetensors.index.json) is missing")
-    assert lines[3].startswith("FAIL the 95 readable shard(s) of 96 declare ")
-    assert "total_size is 1567665185408 (1567.7 GB)" in lines[3]
-    assert lines[4].startswith("FAIL extra shard model-00001-of-00097.safetensors")
-    assert lines[5].endswith("5 problem(s); `make model` fetches what is missing")
+    assert json.loads(ok.stdout[:ok.stdout.rindex("}") + 1])["index_total_size"] == \
+        1_567_665_185_408
 
 
 def test_download_resume_and_dry_run_against_a_local_hub(hub, tmp_path):

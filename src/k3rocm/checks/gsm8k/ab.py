@@ -20,7 +20,7 @@ from k3rocm.options import Options, like, option
 from k3rocm.rundir import write_json_atomic, write_text_atomic
 
 # The default margin: the smallest (0.05-point grid) with which equally accurate arms pass >=
-# DESIGN_POWER of the time at DESIGN_AGREEMENT of 1319 items agreeing (tests/bench_gsm8k_margin.py).
+# DESIGN_POWER of the time at DESIGN_AGREEMENT of 1319 items agreeing (tools/bench_gsm8k_margin.py).
 DESIGN_POWER, DESIGN_AGREEMENT = 0.90, 0.98
 DEFAULT_MARGIN = 0.012
 DROP = 0.01  # the accuracy loss whose false-pass rate every report prints

@@ -6,7 +6,7 @@ Cells: n = 1319 items; agreement 99/98/97/96% (the fraction of items scored the 
 arms); B equally accurate (drop 0: a fail is a false fail) or one point less accurate (a pass is
 a false pass); the default margin and a 1-point one.
 
-    PYTHONPATH=src python tests/bench_gsm8k_margin.py [--trials 2000] [--seed 29]
+    PYTHONPATH=src python tools/bench_gsm8k_margin.py [--trials 2000] [--seed 29]
 """
 
 from __future__ import annotations
