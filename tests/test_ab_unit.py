@@ -409,7 +409,7 @@ def test_arm_server_with_replicas_saves_every_log_and_removes_the_router(tmp_pat
         def __init__(self, project, env, url, **kw):
             self.project, self.env, self.url, self.pinned = project, env, url, None
 
-        def up(self):
+        def up(self, log_path=None):
             seen["up"].append((self.project, self.env["K3_PORT"]))
 
         def wait(self, timeout, every=10, log_path=None):
