@@ -34,6 +34,9 @@ help: ## list the targets
 # clone's venv in ~10 s instead of ~45 s (pip asks the index one package at a time). The venv
 # keeps pip (router-wheels uses it).
 UV_VERSION ?= 0.13.9
+# Downloads kept between checkouts (src/k3rocm/dev/standin.py CACHE_ROOT: the same place), each
+# keyed by the sha256 of what it holds or of its lock file, never by a date.
+K3ROCM_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/k3rocm
 venv: $(PY) ## create .venv with the package, host tools and test tools
 $(PY): pyproject.toml
 	python3 -m venv .venv

