@@ -3,12 +3,9 @@
 ``python tests/upstream_src.py [--out build/vllm-src] [--wheels DIR]`` (``make upstream-src``,
 run by ``.ci/setup.sh ci``) downloads each release's wheel from PyPI (``pip download --no-deps
 vllm==X``; a wheel already under ``--wheels`` is used as it is), unpacks only the files below
-and the wheel's RECORD (every file's sha256) into a cache outside the checkout,
-``${XDG_CACHE_HOME:-~/.cache}/k3rocm/vllm-src/<version>/``, and drops the wheel; then it copies
-the tree into ``<out>/<version>/``. A tree is used only when it holds exactly the files below
-and each one matches its sha256 in the wheel's RECORD (checked on every run, for the cache and
-for ``<out>``): a fresh clone copies the cached trees (no download), a stale or edited tree is
-unpacked again.
+and the wheel's RECORD into ``${XDG_CACHE_HOME:-~/.cache}/k3rocm/vllm-src/<version>/`` (outside
+the checkout: a fresh clone downloads nothing) and copies that into ``<out>/<version>/``. A tree
+is used only if it holds exactly these files, each with its sha256 in RECORD (checked every run).
 
 The tests never copy these files into the repository: they read them here (see
 ``tests/conftest.py:upstream_tree``). vLLM >= 0.33 needs torch 2.14 and no CPU build of it
@@ -79,9 +76,10 @@ def problem(tree: Path) -> str | None:
     return f"{bad[0]} does not match its sha256 in RECORD" if bad else None
 
 
-def _replace(tmp: Path, tree: Path) -> None:
+def _replace(tmp: Path, tree: Path) -> Path:
     shutil.rmtree(tree, ignore_errors=True)
     os.replace(tmp, tree)
+    return tree
 
 
 def extract(version: str, cache: Path, wheels: Path | None) -> Path:
@@ -106,17 +104,12 @@ def extract(version: str, cache: Path, wheels: Path | None) -> Path:
             for n in z.namelist():
                 if wanted(n):
                     z.extract(n, new)
-            record = [n for n in z.namelist()
-                      if n.startswith("vllm-") and n.endswith(".dist-info/RECORD")]
-            if len(record) != 1:
-                raise SystemExit(f"upstream_src: {found[0].name} has no single RECORD")
-            (new / RECORD).write_bytes(z.read(record[0]))
+            (new / RECORD).write_bytes(z.read(f"vllm-{version}.dist-info/RECORD"))
         (new / MARKER).write_text(repr(FILES) + "\n" + found[0].name + "\n")
         why = problem(new)
         if why:
             raise SystemExit(f"upstream_src: {found[0].name}: {why}")
-        _replace(new, tree)
-    return tree
+        return _replace(new, tree)
 
 
 def unpack(version: str, out: Path, wheels: Path | None, cache: Path = CACHE) -> Path:
@@ -127,23 +120,19 @@ def unpack(version: str, out: Path, wheels: Path | None, cache: Path = CACHE) ->
     src = extract(version, cache, wheels)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out, prefix=f".{version}-") as tmp:
-        shutil.copytree(src, Path(tmp) / "tree")
-        _replace(Path(tmp) / "tree", tree)
-    return tree
+        return _replace(shutil.copytree(src, Path(tmp) / "tree"), tree)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=REPO / "build" / "vllm-src")
-    ap.add_argument("--cache", type=Path, default=CACHE,
-                    help="where the checked trees are kept between checkouts (default %(default)s)")
     ap.add_argument("--wheels", type=Path, default=None,
                     help="a directory of already downloaded vllm wheels to use first")
     ap.add_argument("--version", action="append", choices=RELEASES,
                     help="only these releases (default: all)")
     args = ap.parse_args(argv)
     for v in args.version or RELEASES:
-        tree = unpack(v, args.out, args.wheels, args.cache)
+        tree = unpack(v, args.out, args.wheels)
         print(f"upstream_src: vllm {v} -> {tree}", flush=True)
     return 0
 
