@@ -72,6 +72,18 @@ def _vllm_version() -> str:
     return vllm.__version__
 
 
+def _overlay_applied() -> bool:
+    from k3rocm.serving.overlay import status
+
+    return status()["amd_mla"] == "k3rocm overlay"
+
+
+# The CLI where vLLM's tree holds the overlay (0.27.1 here). The probe's vLLM-facing half runs
+# in-process on every vLLM: test_constructs_on_this_vllm_and_reports_why_off, test_decision_records.
+where_applied = pytest.mark.skipif(not _overlay_applied(),
+                                   reason="the overlay is not applied in this vLLM")
+
+
 def _probe_cli(env: dict) -> dict:
     base = {k: v for k, v in os.environ.items()
             if not k.startswith(("K3_", "PYTHONPATH"))}
@@ -85,6 +97,7 @@ def _probe_cli(env: dict) -> dict:
 # ------------------------------------------------------------------ (a) probe and gates
 
 
+@where_applied
 def test_probe_cli_on_cpu_without_aiter():
     rep = _probe_cli({})
     print("PROBE none " + json.dumps(rep, sort_keys=True))
@@ -95,6 +108,7 @@ def test_probe_cli_on_cpu_without_aiter():
     assert rep["fusions"]["decode_qprep"]["reason"] == "platform is not ROCm"
 
 
+@where_applied
 @pytest.mark.parametrize("variant,newer_schema,qk_off", [
     ("clamp", True, False), ("preclamp", False, False), ("grouped", True, True)])
 def test_probe_cli_reads_the_registered_schema(variant, newer_schema, qk_off):
