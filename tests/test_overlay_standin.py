@@ -134,6 +134,9 @@ def test_wrapper_in_real_vllm(standin, version, expect_line):
     assert summary and "PYTEST FAILED" not in log, log[-4000:]
     assert "failed" not in summary[-1] and "error" not in summary[-1]
     assert f"vLLM {version}: " in log  # the construction test ran on this vLLM
+    # the CLI probes run where the overlay is applied (check_overlay_wrapper's where_applied)
+    assert len(re.findall(r"^PASSED \S+::test_probe_cli", log, re.M)) == (
+        4 if version == "0.27.1" else 0), log[-4000:]
 
 
 def test_overlay_file_alone_in_the_standin(standin):
