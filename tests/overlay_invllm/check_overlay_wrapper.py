@@ -110,10 +110,11 @@ def test_probe_cli_on_cpu_without_aiter():
 
 @where_applied
 @pytest.mark.parametrize("variant,newer_schema,qk_off", [
-    ("clamp", True, False), ("preclamp", False, False), ("grouped", True, True)])
+    ("clamp", True, True), ("preclamp", False, False)])  # grouped registers clamp's stub
 def test_probe_cli_reads_the_registered_schema(variant, newer_schema, qk_off):
-    """The production probe against every AITER variant reports the registered schema (one
-    fresh process each: the probe runs once per process); K3_FUSE_QK_NORM=0 is read."""
+    """The production probe against both AITER schema generations reports the registered
+    schema (one fresh process each: the probe runs once per process); K3_FUSE_QK_NORM=0 is
+    read."""
     rep = _probe_cli({"PYTHONPATH": str(DOUBLES), "K3_TEST_DOUBLE_ROCM": "platform",
                       "K3_TEST_AITER_VARIANT": variant, **({"K3_FUSE_QK_NORM": "0"} if qk_off
                                                            else {})})
