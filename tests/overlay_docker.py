@@ -1,7 +1,8 @@
-"""Helpers for the overlay's Docker tests (tests/test_overlay_*.py)."""
+"""The overlay's Docker helpers: one container runner, the stand-ins, in-container pytest."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,11 +14,34 @@ WHEEL_CACHE = Path.home() / ".cache" / "k3rocm" / "wheels-pytest"
 LABEL = {"k3rocm.test": "overlay"}
 
 
-def require_standin(client, version: str) -> str:
-    tag = standin_tag(version)
-    need(_image_exists(client, tag), f"stand-in image {tag} is missing: build it first "
+def require_image(client, tag: str) -> str:
+    need(_image_exists(client, tag), f"image {tag} is missing: build it first "
          "(k3rocm standin / make standin)")
     return tag
+
+
+def require_standin(client, version: str) -> str:
+    return require_image(client, standin_tag(version))
+
+
+def run_container(client, image: str, script: str, env: dict | None = None,
+                  volumes: dict | None = None, timeout: int = 900) -> tuple[int, str]:
+    """``bash -c script`` in a fresh labelled container (VLLM_TARGET_DEVICE=cpu); return (exit
+    code, combined log). ``volumes``: bind mounts in docker SDK form."""
+    c = client.containers.run(image, entrypoint=["bash", "-c", script], detach=True,
+                              labels=LABEL, shm_size="1g", volumes=volumes or {},
+                              environment={"VLLM_TARGET_DEVICE": "cpu", **(env or {})})
+    try:
+        rc = c.wait(timeout=timeout)["StatusCode"]
+        return rc, c.logs(stdout=True, stderr=True).decode(errors="replace")
+    finally:
+        c.remove(force=True)
+
+
+def sections(log: str) -> dict[str, str]:
+    """A log split at the script's ``=== NAME`` lines."""
+    parts = re.split(r"^=== (\S+)$", log, flags=re.M)
+    return dict(zip(parts[1::2], parts[2::2], strict=True))
 
 
 def pytest_wheels() -> Path:
@@ -36,8 +60,7 @@ def pytest_wheels() -> Path:
     return WHEEL_CACHE
 
 
-# Shell run in a throwaway stand-in container: copy the repo parts we need, install
-# pytest (offline) and our package (entry point), optionally apply the overlay.
+# Copy the repo parts we need, install pytest (offline) and our package (entry point).
 SETUP_SH = """
 set -eu
 export PIP_BREAK_SYSTEM_PACKAGES=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INDEX=1
@@ -49,21 +72,10 @@ cd /tmp/k3
 """
 
 
-def run_in_standin(client, image: str, script: str, env: dict | None = None,
-                   timeout: int = 900, volumes: dict | None = None) -> tuple[int, str]:
-    """Run SETUP_SH + script in a fresh container; return (exit code, combined log).
-    ``volumes``: more bind mounts (docker SDK form)."""
-    wheels = pytest_wheels()
-    c = client.containers.run(
-        image, entrypoint=["bash", "-c", SETUP_SH + script], detach=True, labels=LABEL,
-        environment={"VLLM_TARGET_DEVICE": "cpu", **(env or {})},
-        volumes={str(REPO): {"bind": "/repo", "mode": "ro"},
-                 str(wheels): {"bind": "/wheels", "mode": "ro"}, **(volumes or {})},
-        shm_size="1g",
-    )
-    try:
-        rc = c.wait(timeout=timeout)["StatusCode"]
-        log = c.logs(stdout=True, stderr=True).decode(errors="replace")
-    finally:
-        c.remove(force=True)
-    return rc, log
+def run_in_standin(client, image: str, script: str, before: str = "",
+                   volumes: dict | None = None, timeout: int = 900) -> tuple[int, str]:
+    """``before`` (the image as built, the repo at /repo), SETUP_SH, then ``script``."""
+    return run_container(client, image, before + SETUP_SH + script, timeout=timeout,
+                         volumes={str(REPO): {"bind": "/repo", "mode": "ro"},
+                                  str(pytest_wheels()): {"bind": "/wheels", "mode": "ro"},
+                                  **(volumes or {})})

@@ -5,15 +5,17 @@ FROM the 0.32.0 stand-in it is skipped (auto: upstream's class is built) or forc
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import textwrap
 
 import pytest
 from conftest import REPO
-from overlay_docker import LABEL, SITE, require_standin
+from overlay_docker import LABEL, SITE, require_standin, run_container, sections
 
 import docker
+from k3rocm.serving.decisions import parse_line
 
 pytestmark = pytest.mark.docker
 
@@ -50,15 +52,27 @@ def said(log: str, rep: dict, line: str) -> None:
 HELPERS = REPO / "tests" / "overlay_invllm"  # mla_cpu (test helper, never in the image)
 
 
-def run_py(client, image: str, code: str, env: dict | None = None) -> str:
-    out = client.containers.run(image, entrypoint=["python3", "-c", code], remove=True,
-                                stdout=True, stderr=True, labels=LABEL,
-                                environment={"VLLM_TARGET_DEVICE": "cpu", **(env or {})},
-                                volumes={str(HELPERS): {"bind": "/k3tests", "mode": "ro"}})
-    return out.decode(errors="replace")
+def run_py(client, image: str, *steps: str | tuple[str, dict]) -> list[str]:
+    """Each step (python code, or (code, env)) in its own python3 process, in order, in one
+    container; return each step's output."""
+    script = "set -e\n"
+    for i, step in enumerate(steps):
+        code, env = step if isinstance(step, tuple) else (step, {})
+        script += (f'echo "=== {i}"\n' + "".join(f"{k}={v} " for k, v in env.items())
+                   + f"python3 - <<'K3PY'\n{code}\nK3PY\n")
+    rc, log = run_container(client, image, script, timeout=600,
+                            volumes={str(HELPERS): {"bind": "/k3tests", "mode": "ro"}})
+    assert rc == 0, log[-3000:]
+    out = sections(log)
+    return [out[str(i)] for i in range(len(steps))]
 
 
-READ_REPORT = "import sys; sys.stdout.write(open('/opt/k3rocm/overlay.json').read())"
+REPORT_STATUS = """
+import json
+from k3rocm.serving.overlay import status
+print("REPORT " + json.dumps(json.load(open("/opt/k3rocm/overlay.json"))))
+print("STATUS " + json.dumps(status()))
+"""
 
 WIRING = textwrap.dedent("""
     import json, sys, torch
@@ -85,8 +99,8 @@ WIRING = textwrap.dedent("""
 """)
 
 
-def _result(out: str) -> dict:
-    m = re.findall(r"^RESULT (\{.*\})$", out, re.M)
+def _result(out: str, key: str = "RESULT") -> dict:
+    m = re.findall(rf"^{key} (\{{.*\}})$", out, re.M)
     assert m, out[-3000:]
     return json.loads(m[-1])
 
@@ -95,61 +109,53 @@ def test_image_on_nightly_era_base_applies_and_wires(docker_client):
     base = require_standin(docker_client, "0.27.1")
     ok, log = build(docker_client, base, "k3rocm/server:cpu-0.27.1", "auto")
     assert ok, log[-3000:]
-    rep = json.loads(run_py(docker_client, "k3rocm/server:cpu-0.27.1", READ_REPORT))
+    # K3_OVERLAY=off at run time (the last step): the plugin stays out, the stock wrapper
+    first, out, off = run_py(docker_client, "k3rocm/server:cpu-0.27.1", REPORT_STATUS, WIRING,
+                             (WIRING, {"K3_OVERLAY": "off"}))
+    rep, st = _result(first, "REPORT"), _result(first, "STATUS")
     said(log, rep, "overlay: applied 1 files (vLLM has no amd/mla.py)")
     assert rep["decision"] == "applied" and rep["vllm_version"] == "0.27.1"
     assert rep["vllm_path"] == f"{SITE}/vllm"
-    import hashlib
-
     assert rep["files"][0]["sha256"] == hashlib.sha256(MLA_FILE.read_bytes()).hexdigest()
-    out = run_py(docker_client, "k3rocm/server:cpu-0.27.1", WIRING)
+    assert st["verified"] is True and st["plugin_registered"] is True
+    assert st["amd_mla"] == "k3rocm overlay"
     res = _result(out)
     assert res["class"] == "KimiK3MultiHeadLatentAttentionWrapper"
     assert res["module"] == "vllm.models.kimi_k3.amd.mla"
     assert res["qprep_why"] == "platform is not ROCm"
     assert res["kimi_before"] == []  # the plugin imports nothing of Kimi-K3 by itself
-    from k3rocm.serving.decisions import parse_line
-
     recs = [r for r in map(parse_line, out.splitlines()) if r]
     assert [(r["layer_kind"], r["phase"]) for r in recs] == [("target", "construct")], out
     assert recs[0]["fusions"]["decode_qprep"] == {"state": "off",
                                                   "reason": "platform is not ROCm"}
-    st = run_py(docker_client, "k3rocm/server:cpu-0.27.1",
-                "from k3rocm.serving.overlay import status; import json; "
-                "print(json.dumps(status()))")
-    st = json.loads(st.strip().splitlines()[-1])
-    assert st["verified"] is True and st["plugin_registered"] is True
-    assert st["amd_mla"] == "k3rocm overlay"
-    # K3_OVERLAY=off at run time: the plugin stays out, the stock wrapper is built
-    out = run_py(docker_client, "k3rocm/server:cpu-0.27.1", WIRING, {"K3_OVERLAY": "off"})
-    assert _result(out)["class"] == "MultiHeadLatentAttentionWrapper"
+    assert _result(off)["class"] == "MultiHeadLatentAttentionWrapper"
 
 
 def test_image_on_upstream_base_skips_unless_forced(docker_client):
     base = require_standin(docker_client, "0.32.0")
     ok, log = build(docker_client, base, "k3rocm/server:cpu-0.32.0", "auto")
     assert ok, log[-3000:]
-    rep = json.loads(run_py(docker_client, "k3rocm/server:cpu-0.32.0", READ_REPORT))
+    first, out = run_py(docker_client, "k3rocm/server:cpu-0.32.0", REPORT_STATUS, WIRING)
+    rep, st = _result(first, "REPORT"), _result(first, "STATUS")
     said(log, rep, "overlay: skipped, upstream amd/mla.py ships qk_norm and decode_qprep; "
                    "switchable through the plugin's upstream hook")
     assert rep["decision"] == "skipped-upstream" and rep["vllm_version"] == "0.32.0"
     assert rep["upstream_fusions"] == ["qk_norm", "decode_qprep"]
-    st = json.loads(run_py(docker_client, "k3rocm/server:cpu-0.32.0",
-                           "from k3rocm.serving.overlay import status; import json; "
-                           "print(json.dumps(status()))").strip().splitlines()[-1])
     assert st["healthy"] is True and st["overlay"].startswith("skipped: upstream amd/mla.py")
+    # upstream's amd/linear.py (0.30+) builds the class from amd/mla.py by name: the skipped
+    # image builds upstream's, the forced one (below) ours, with 0.32's get_input_quant_key
+    # answered
+    res = _result(out)
+    assert res["class"] == "KimiK3MultiHeadLatentAttentionWrapper" and res["ours"] == 0
     ok, log = build(docker_client, base, "k3rocm/overlay-test:cpu-0.32.0-force", "force")
     assert ok, log[-3000:]
-    rep = json.loads(run_py(docker_client, "k3rocm/overlay-test:cpu-0.32.0-force",
-                            READ_REPORT))
+    first, out = run_py(docker_client, "k3rocm/overlay-test:cpu-0.32.0-force", REPORT_STATUS,
+                        WIRING)
+    rep = _result(first, "REPORT")
     said(log, rep, "overlay: applied 1 files (forced over upstream amd/mla.py")
     assert rep["decision"] == "forced" and rep["upstream_backup"]["path"].endswith(
         "mla.py.k3rocm-upstream")
-    # upstream's amd/linear.py (0.30+) builds the class from amd/mla.py by name: the skipped
-    # image builds upstream's, the forced one ours, with 0.32's get_input_quant_key answered
-    res = _result(run_py(docker_client, "k3rocm/server:cpu-0.32.0", WIRING))
-    assert res["class"] == "KimiK3MultiHeadLatentAttentionWrapper" and res["ours"] == 0
-    res = _result(run_py(docker_client, "k3rocm/overlay-test:cpu-0.32.0-force", WIRING))
+    res = _result(out)
     assert res["class"] == "KimiK3MultiHeadLatentAttentionWrapper" and res["ours"] == 1
     assert res["module"] == "vllm.models.kimi_k3.amd.mla" and res["quant_key"] == "None"
     assert res["qprep_why"] == "platform is not ROCm"

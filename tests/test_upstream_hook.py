@@ -1,7 +1,7 @@
 """The upstream hook against the real vLLM 0.30.0 ... 0.34.0 amd/mla.py: the fusion table's
 attributes are decided in upstream's ``__init__`` only and read where the fused path is chosen
 (per release, written by hand from the files), and the hook's logic on a layer-shaped object.
-The hook inside real vLLM: test_upstream_hook_standin.py."""
+The hook inside real vLLM: test_overlay_standin.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The upstream hook inside REAL vLLM (driven by test_upstream_hook_standin.py in the 0.32.0 CPU
+"""The upstream hook inside REAL vLLM (driven by test_overlay_standin.py in the 0.32.0 CPU
 stand-in, k3rocm installed): ``python3 hook_cases.py VERSION`` prints one ``CASE {json}`` line
 per case. VERSION's real amd/mla.py is vLLM's (0.33.0/0.34.0 mounted over the stand-in's; the
 names 0.32 lacks come from a recording double below). ``K3_TEST_DOUBLE_ROCM=1`` with
