@@ -42,16 +42,26 @@ def docker_client(timeout: float = DOCKER_TIMEOUT, required: bool = True):
                           "Docker or set DOCKER_HOST") from None
 
 
-def image_id(client, image: str, what: str = "client image",
-             hint: str = "build it with `make clients-image` (or pass --client-image)") -> str:
-    """The local image's id; a missing image is bad input (exit 2), never pulled."""
+def local_image(client, ref: str, what: str = "client image",
+          hint: str = "build it with `make clients-image` (or pass --client-image)",
+          required: bool = True):
+    """The local image (docker-py's Image), never pulled; a missing one is bad input (exit 2),
+    or None when not ``required``."""
     try:
-        return client.images.get(image).id
+        return client.images.get(ref)
     except Exception as exc:  # noqa: BLE001 - docker.errors.ImageNotFound and friends
         if exc.__class__.__name__ not in ("ImageNotFound", "NotFound"):
-            raise ServerError(f"the Docker engine could not inspect {image!r} "
+            raise ServerError(f"the Docker engine could not inspect {ref!r} "
                               f"({exc.__class__.__name__})") from None
-        raise UsageError(f"{what} {image!r} not found: {hint}") from None
+        if not required:
+            return None
+        raise UsageError(f"{what} {ref!r} not found: {hint}") from None
+
+
+def image_id(client, ref: str, *args, **kwargs) -> str | None:
+    """:func:`local_image`'s id (None: missing and not ``required``)."""
+    img = local_image(client, ref, *args, **kwargs)
+    return None if img is None else img.id
 
 
 @dataclass

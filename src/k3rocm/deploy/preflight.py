@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from k3rocm.deploy.engine import CLIENT_IMAGE, docker_client
+from k3rocm.deploy.engine import CLIENT_IMAGE, docker_client, local_image
 from k3rocm.deploy.lifecycle import REPO
 from k3rocm.errors import UsageError
 from k3rocm.serving.basefacts import DEFAULT_BASE_IMAGE
@@ -296,26 +296,6 @@ def _compose_base_image() -> str:
     return m.group(1) if m else DEFAULT_BASE_IMAGE
 
 
-def image_id(client, ref: str) -> str | None:
-    img = _image(client, ref)
-    return img.id if img is not None else None
-
-
-def _image(client, ref: str):
-    import docker
-
-    try:
-        return client.images.get(ref)
-    except docker.errors.ImageNotFound:
-        return None
-
-
-def repo_digest(img) -> str:
-    """A local image's registry digest (none for a locally built or retagged image)."""
-    digests = (img.attrs.get("RepoDigests") or []) if img is not None else []
-    return digests[0] if digests else UNKNOWN_DIGEST
-
-
 def check_docker(client, settings) -> list[Check]:
     out = []
     if client is None:
@@ -326,14 +306,16 @@ def check_docker(client, settings) -> list[Check]:
         v = client.version().get("Version", "?")
         out.append(Check("Docker engine", "ok", f"version {v}"))
         base = _compose_base_image()
-        bimg = _image(client, base)
+        bimg = local_image(client, base, required=False)
         bid = bimg.id if bimg is not None else None
+        # its registry digest (none for a locally built or retagged image)
+        digest = bid and (bimg.attrs.get("RepoDigests") or [UNKNOWN_DIGEST])[0]
         out.append(Check("base image", "ok" if bid else "fail",
-                         f"{base}: " + (f"present {bid[:19]}, digest {repo_digest(bimg)}"
+                         f"{base}: " + (f"present {bid[:19]}, digest {digest}"
                                         if bid else "missing"),
                          "" if bid else f"`docker pull {base}` (or BASE_IMAGE=... make build); "
                          f"pin it by digest once pulled: BASE_IMAGE=<repo>@sha256:..."))
-        simg = _image(client, settings.image)
+        simg = local_image(client, settings.image, required=False)
         sid = simg.id if simg is not None else None
         labels = (simg.labels or {}) if simg is not None else {}
         built = labels.get("org.opencontainers.image.base.name") or "?"
@@ -344,7 +326,7 @@ def check_docker(client, settings) -> list[Check]:
                                                   f"(digest {digest})" if sid else "not built"),
                          "" if sid else f"run `make build` (it builds FROM {base}; `make up` "
                          "builds it too)"))
-        cimg = _image(client, CLIENT_IMAGE)
+        cimg = local_image(client, CLIENT_IMAGE, required=False)
         out.append(Check("client image", "ok" if cimg is not None else "warn",
                          f"{CLIENT_IMAGE}: " + (f"present {cimg.id[:19]}" if cimg is not None
                                                 else "missing"),

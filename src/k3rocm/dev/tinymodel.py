@@ -12,6 +12,7 @@ import os
 import shutil
 import tempfile
 import time
+from importlib import resources
 from pathlib import Path
 
 from k3rocm.errors import UsageError, tagged_log
@@ -19,89 +20,13 @@ from k3rocm.rundir import write_json_atomic
 
 GENERATOR_VERSION = 3
 STAMP_FILE = "k3rocm-tinymodel.json"
-DEFAULT_NAME = "k3-smoke"
 
-SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|im_start|>", "<|im_end|>"]
-
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}"
-    "<|im_end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-DEFINITION: dict = {
-    "name": DEFAULT_NAME,
-    "seed": 20260,
-    "dtype": "bfloat16",
-    "tokenizer": {
-        "kind": "byte-level-bpe",
-        "vocab_size": 1024,
-        "min_frequency": 2,
-        "special_tokens": SPECIAL_TOKENS,
-        "bos_token": "<|bos|>",
-        "eos_token": "<|eos|>",
-        "pad_token": "<|pad|>",
-        "chat_template": CHAT_TEMPLATE,
-        "model_max_length": 4096,
-    },
-    "config": {
-        "architectures": ["DeepseekV3ForCausalLM"],
-        "model_type": "deepseek_v3",
-        "hidden_size": 256,
-        "intermediate_size": 512,
-        "moe_intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 4,
-        # the Kimi-K3/DeepSeek MLA shapes (a smaller q_lora_rank)
-        "q_lora_rank": 128,
-        "kv_lora_rank": 512,
-        "qk_rope_head_dim": 64,
-        "qk_nope_head_dim": 128,
-        "v_head_dim": 128,
-        # MoE fields are required by the config class but unused: every layer is dense.
-        "first_k_dense_replace": 2,
-        "n_routed_experts": 4,
-        "n_shared_experts": 1,
-        "num_experts_per_tok": 2,
-        "n_group": 1,
-        "topk_group": 1,
-        "num_mtp_layers": 0,
-        "max_position_embeddings": 4096,
-        "rope_theta": 10000.0,
-        "rms_norm_eps": 1e-6,
-        "initializer_range": 0.02,
-        "tie_word_embeddings": False,
-    },
-}
-
-CORPUS = """\
-The quick brown fox jumps over the lazy dog. A tiny model answers questions about numbers.
-Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.
-How many clips did Natalia sell altogether in April and May? The answer is 72.
-Weng earns 12 dollars an hour for babysitting. Yesterday, she just did 50 minutes of babysitting.
-How much did she earn? She earned 10 dollars. Let us think step by step.
-Betty is saving money for a new wallet which costs 100 dollars. Betty has only half of the money.
-The server streams tokens to the client. Each request has a prompt and a completion.
-Time to first token, inter token latency, request throughput and output token throughput.
-You are a helpful assistant. Please answer the question. What is the capital of France?
-The capital of France is Paris. What is two plus two? Two plus two is four.
-In the beginning the engine loads the model, allocates the cache and warms up the kernels.
-Attention uses queries, keys and values; multi-head latent attention compresses the cache.
-1 + 1 = 2. 2 + 3 = 5. 7 * 8 = 56. 144 / 12 = 12. 15 - 9 = 6. 1000 - 1 = 999.
-Shall I compare thee to a summer's day? Thou art more lovely and more temperate.
-To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer.
-All the world's a stage, and all the men and women merely players.
-The weather today is sunny with a light breeze from the west. Tomorrow it may rain.
-Once upon a time there was a little robot who liked to count the stars at night.
-"""
+# The definition, the chat template and the tokenizer's corpus: data (tinymodel.json)
+_DATA = json.loads(resources.files("k3rocm.dev").joinpath("tinymodel.json").read_text())
+DEFINITION: dict = _DATA["definition"]
+DEFINITION["tokenizer"]["chat_template"] = "".join(_DATA["chat_template"])
+CORPUS = "".join(line + "\n" for line in _DATA["corpus"])
+DEFAULT_NAME = DEFINITION["name"]
 
 
 def definition_hash(defn: dict | None = None) -> str:

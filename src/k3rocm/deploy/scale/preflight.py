@@ -11,7 +11,8 @@ import socket
 import subprocess
 
 from k3rocm.deploy import preflight
-from k3rocm.deploy.preflight import Check, check_port, image_id
+from k3rocm.deploy.engine import image_id
+from k3rocm.deploy.preflight import Check, check_port
 from k3rocm.deploy.scale.k8scheck import cluster_nodes
 from k3rocm.deploy.scale.settings import load_scale
 from k3rocm.deploy.server_api import ServerAPI, Unreachable
@@ -50,7 +51,7 @@ def check_scale(s, settings, client) -> list[Check]:
     local = {"127.0.0.1", "localhost", "::1", socket.gethostname()}
     with contextlib.suppress(OSError):
         local.update(i[4][0] for i in socket.getaddrinfo(socket.gethostname(), None))
-    here = image_id(client, settings.image) if client else None
+    here = image_id(client, settings.image, required=False) if client else None
     ids = {}
     for i, node in enumerate(s.nodes):
         host = s.node_host(i)
