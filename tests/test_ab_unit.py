@@ -9,10 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
-import test_bench_unit
 from conftest import REPO, run_cli
-
-k3 = test_bench_unit.k3  # `k3rocm ARGS` in-process; the real entry point stays below
 
 
 def test_bench_ab_census_ab_and_ab_share_one_flag_set(k3):

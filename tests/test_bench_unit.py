@@ -30,31 +30,8 @@ SEED = """aiperf profile --model moonshotai/Kimi-K3 --tokenizer /models/Kimi-K3
   --random-seed 42 --ui simple"""
 
 
-@pytest.fixture
-def k3(monkeypatch, capsys):
-    """`k3rocm ARGS` in-process (k3rocm.cli.main): .returncode, .stdout, .stderr; no K3_* or
-    BENCH_* variables, in REPO unless ``cwd``. Real `python -m k3rocm` (entry point, one line, no
-    traceback) stays once per command: bench here (missing tokenizer), bench-ab, census-ab, ab
-    and server in test_ab_unit.py."""
-    from k3rocm.cli import main
-
-    for k in [k for k in os.environ if k.startswith(("K3_", "BENCH_"))]:
-        monkeypatch.delenv(k)
-
-    def run(*args: str, env: dict | None = None, cwd=REPO) -> SimpleNamespace:
-        with monkeypatch.context() as m:
-            for k, v in (env or {}).items():
-                m.setenv(k, v)
-            m.chdir(cwd)
-            capsys.readouterr()
-            try:
-                code = main(list(args))
-            except SystemExit as exc:  # argparse: --help, its own errors
-                code = exc.code
-            out, err = capsys.readouterr()
-        return SimpleNamespace(returncode=code, stdout=out, stderr=err)
-
-    return run
+# `k3` (conftest): k3rocm in-process. The real `python -m k3rocm` stays once per command: bench
+# here (missing tokenizer), bench-ab, census-ab, ab and server in test_ab_unit.py.
 
 
 def test_decode_8k1k_dry_run_is_exactly_the_seed_command(tmp_path, k3):

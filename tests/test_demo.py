@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
-from census_helpers import run_cli as run_in_process
 from conftest import REPO, free_port, make_exit_code, project_containers, run_cli
+from conftest import k3_in_process as run_in_process
 from server_fixture import MODELS_DIR, SMOKE_MODEL
 
 from k3rocm.dev.demo import GSM8K_ITEMS, STANDIN_BASE, STEPS

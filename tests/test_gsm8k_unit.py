@@ -29,21 +29,8 @@ def write_items(path: Path, n: int, offset: int = 0) -> None:
             }) + "\n")
 
 
-@pytest.fixture
-def k3(capsys, monkeypatch):
-    """``k3rocm ARGV`` in-process, K3_* unset, ``env`` set: (exit code, stdout, stderr). The
-    entry point's own subprocess: test_dry_run_prints_the_command_with_or_without_data."""
-    from k3rocm.cli import main
-
-    for k in [k for k in os.environ if k.startswith("K3_")]:
-        monkeypatch.delenv(k)
-
-    def run(*argv: str, env: dict | None = None) -> tuple[int, str, str]:
-        for k, v in (env or {}).items():
-            monkeypatch.setenv(k, v)
-        code = main(list(argv))
-        return (code, *capsys.readouterr())
-    return run
+# `k3` (conftest): k3rocm in-process. The entry point's own subprocess:
+# test_dry_run_prints_the_command_with_or_without_data.
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ test_scale_standin.py)."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 
@@ -23,23 +22,10 @@ TWO = {"K3_SCALE_MODE": "replicas", "K3_SCALE_NODES": "10.0.0.1:8000,10.0.0.2:80
 
 
 @pytest.fixture
-def cli(monkeypatch, capsys):
-    """``cli(*args, env=...)``: k3rocm's main in-process (no interpreter start) with only
-    ``env``'s K3_* settings, no .env, ``env``'s other variables set (None: unset); returns
-    (exit code, stdout, stderr). test_cli_bad_value_exit_2_no_traceback keeps the real
-    `python -m k3rocm scale`."""
-    from k3rocm.cli import main
-
-    def run(*args, env):
-        for k in [k for k in os.environ if k.startswith("K3_")]:
-            monkeypatch.delenv(k)
-        for k, v in env.items():  # None: unset
-            monkeypatch.delenv(k, raising=False) if v is None else monkeypatch.setenv(k, v)
-        rc = main([args[0], "--env-file", "/dev/null", *args[1:]])
-        out, err = capsys.readouterr()
-        return rc, out, err
-
-    return run
+def cli(k3):
+    """``cli(*args, env=...)``: ``k3`` (conftest) with no .env; the real `python -m k3rocm
+    scale`: test_cli_bad_value_exit_2_no_traceback."""
+    return lambda *args, env: k3(args[0], "--env-file", "/dev/null", *args[1:], env=env)
 
 
 def test_the_docs_table_is_every_scale_setting_with_its_default():
