@@ -360,10 +360,13 @@ def test_bench_ab_aa_floor_and_calibrated_slowdown_detected(
     assert cal["applied_b_ms"] >= cal["requested_b_ms"], cal
     assert comp["protocol_key"] == aa["protocol_key"] and not comp["protocol_differences"]
     assert row["noise_floor"] == itl["aa_component"] and row["df"] == 1
-    # B - A against the delay B's server really applied, not the nominal one: idle 0.98-1.11x;
-    # under load B's rest of the step grew too (rest_b_ms - rest_a_ms: x1.3 seen, one core busy)
+    # B - A against the delay B's server really applied, not the nominal one. detected - applied
+    # is rest_b_ms - rest_a_ms, the two servers' own step-time difference (what the A/A floor
+    # measures): idle x0.98-1.11; one core busy x0.72-1.30 seen (A's rest 23.6 ms vs B's 13.5,
+    # A/A d 0.18). The product's judgement is the CI (5%, above); this band only says the
+    # detector saw the delay at all, never twice over.
     assert row["d"] > floor, row
-    assert 0.8 <= cal["detected_over_applied"] <= 2.0, cal
+    assert 0.5 <= cal["detected_over_applied"] <= 2.0, cal
     assert cal["covered"] is (code == 0), (cal, code)
     md = (cal_dir / "comparison.md").read_text()
     assert "## Calibration: injected vs detected" in md and "A/A variance component (" in md
