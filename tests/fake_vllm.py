@@ -24,6 +24,16 @@ from dataclasses import dataclass, field
 PROFILE = ("/start_profile", "/stop_profile")
 
 
+def _serve(fake, handler) -> None:
+    """Start ``fake``'s HTTP server on a free loopback port in a thread: .server, .port, .url."""
+    fake.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    fake.server.fake = fake
+    fake.port = fake.server.server_address[1]
+    fake.url = f"http://127.0.0.1:{fake.port}"
+    fake._thread = threading.Thread(target=fake.server.serve_forever)
+    fake._thread.start()
+
+
 @dataclass
 class FakeVLLM:
     """Settings (a test may change them while the server runs): ``key`` the server's API key
@@ -50,12 +60,7 @@ class FakeVLLM:
     def __post_init__(self) -> None:
         self.hit = collections.defaultdict(threading.Event)
         self.closing = threading.Event()
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-        self.server.fake = self
-        self.port = self.server.server_address[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._thread = threading.Thread(target=self.server.serve_forever)
-        self._thread.start()
+        _serve(self, _Handler)
 
     @property
     def posts(self) -> list[str]:
@@ -159,12 +164,7 @@ class RouteServer:
     def __init__(self, routes: dict | None = None,
                  default: tuple[int, object] = (404, {"detail": "Not Found"})) -> None:
         self.routes, self.default, self.seen = dict(routes or {}), default, []
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _RouteHandler)
-        self.server.fake = self
-        self.port = self.server.server_address[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._thread = threading.Thread(target=self.server.serve_forever)
-        self._thread.start()
+        _serve(self, _RouteHandler)
 
     def __enter__(self) -> RouteServer:
         return self

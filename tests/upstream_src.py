@@ -26,6 +26,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from k3rocm.dev.standin import CACHE_ROOT
+
 RELEASES = ("0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0")
 # Whole directories (prefix ends with "/") and single files.
 FILES = (
@@ -45,7 +47,7 @@ FILES = (
 )
 REPO = Path(__file__).resolve().parent.parent
 # Outside the checkout, so that a fresh clone reuses it (the same root as the stand-in wheels).
-CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "k3rocm" / "vllm-src"
+CACHE = CACHE_ROOT / "vllm-src"
 MARKER, RECORD = ".complete", ".record"  # RECORD: the wheel's own list of file sha256s
 
 

@@ -194,13 +194,10 @@ def inputs_key(repo: Path, version: str, base_id: str) -> str:
 def current_image(client, tag: str, key: str):
     """The image ``tag`` if its label records ``key``, else None (missing, or built from other
     inputs)."""
-    try:
-        image = client.images.get(tag)
-    except Exception as exc:  # docker.errors.ImageNotFound: build it
-        if exc.__class__.__name__ not in ("ImageNotFound", "NotFound"):
-            raise
-        return None
-    return image if (image.labels or {}).get(INPUTS_LABEL) == key else None
+    from k3rocm.deploy.engine import local_image
+
+    image = local_image(client, tag, required=False)
+    return image if image is not None and (image.labels or {}).get(INPUTS_LABEL) == key else None
 
 
 def build_image(client, repo: Path, wheel_dir: Path, version: str, base_image: str,
