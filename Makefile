@@ -68,10 +68,11 @@ down: $(PY) ## save the server log into results/, then stop and remove the serve
 logs: ## follow the server log
 	$(COMPOSE) logs -f server
 
-# Two pytest-xdist workers (one per core), whole modules per worker (module fixtures shared);
-# each worker starts its own session stand-in server; the longest files are dealt first
-# (tests/conftest.py HEAVY_FIRST). TEST_WORKERS=0: one process.
-TEST_WORKERS ?= 2
+# Three pytest-xdist workers on a 2-core CI machine: a test spends part of its time waiting on
+# Docker (builds, compose up/down, readiness), which a third worker fills. Whole modules per
+# worker (module fixtures shared); each worker starts its own session stand-in server; the
+# longest files are dealt first (tests/conftest.py HEAVY_FIRST). TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 3
 test: $(PY) ## run the test suite (needs the Docker engine: see .ci/run; TEST_WORKERS=0 serial)
 	$(PY) -m pytest -ra --durations=0 --durations-min=5 $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS)
 

@@ -327,7 +327,10 @@ for p in /proc/[0-9]*; do
     VLLM::EngineCor*) e=${p#/proc/} ;;
   esac
 done
-[ -n "$w" ] && [ -n "$e" ] || { echo "no VLLM::Worker/EngineCore process"; exit 1; }
+[ -n "$e" ] || { echo "no VLLM::EngineCore process"; exit 1; }
+# uni executor (no worker process): the worker runs in the EngineCore; the last cpu stays free
+[ -n "$w" ] || w=$(python3 -c "import os; c = sorted(os.sched_getaffinity($e)); \
+print(','.join(map(str, c[:-1] or c)))")
 taskset -a -p -c "$w" "$e" >/dev/null && echo "EngineCore pid $e pinned to cpus $w"
 """
 
