@@ -181,7 +181,7 @@ def test_server_command_help_and_bad_input(k3):
         "k3rocm: error: server needs a subcommand: up, wait, logs, save-log, provenance or down "
         "(see k3rocm server --help)"]
     p = k3("server", "wait", "--timeout", "0")
-    assert p.returncode == 2 and "--timeout 0 must be > 0" in p.stderr
+    assert p.returncode == 2 and "--timeout 0.0 is out of range; use x > 0" in p.stderr
 
 
 # --- protocol identity from what each slot's server recorded ----------------------------------

@@ -127,19 +127,10 @@ def test_ab_models_dir_from_dotenv_is_checked_before_any_server(clean):
         arms_from_args(_ab_args("--no-gpu"))
 
 
-def test_selftest_server_and_its_deployment_agree(clean, monkeypatch):
-    from k3rocm.checks import selftest
-
-    (clean / "models" / "x").mkdir(parents=True)
-    args = argparse.Namespace(timeout=10, bench_args="", census_args="", env_file=".env",
-                              model="/models/x", port=None, project="k3selftest-t", on="all")
-    dep, srv, _ = selftest._plan(args, check_model=False)
-    assert _files(srv.argv("ps")) == set(dep.compose_files) and srv.cpu == dep.cpu
-
-
 @pytest.mark.parametrize("where", ["shell", ".env"])
 def test_selftest_on_the_standin_keeps_a_fusion_switch_the_user_set(clean, monkeypatch, where):
-    """On the stand-in the selftest turns the fusions off unless the user set a switch."""
+    """On the stand-in the selftest turns the fusions off unless the user set a switch; its
+    server runs its deployment's compose files."""
     from k3rocm.checks import selftest
 
     _kfd(monkeypatch, clean, False)
@@ -150,7 +141,8 @@ def test_selftest_on_the_standin_keeps_a_fusion_switch_the_user_set(clean, monke
         (clean / ".env").write_text("K3_FUSE_QK_NORM=1\n")
     args = argparse.Namespace(timeout=10, bench_args="", census_args="", env_file=".env",
                               model="/models/x", port=None, project="k3selftest-t", on="all")
-    _, srv, _ = selftest._plan(args, check_model=False)
+    dep, srv, _ = selftest._plan(args, check_model=False)
+    assert _files(srv.argv("ps")) == set(dep.compose_files) and srv.cpu == dep.cpu
     assert srv.cpu and srv.env["K3_FUSE_QK_NORM"] == "1"
     assert srv.env["K3_FUSE_DECODE_QPREP"] == "0"
 

@@ -179,11 +179,7 @@ def test_identity_of_a_copy_hashes_config_and_index_only(tmp_path):
 
 def test_verify_names_what_is_missing_or_wrong(tmp_path):
     d = _copy(tmp_path, _tiny_repo())
-    assert verify(d) == []
-    (d / SHARDS[1]).unlink()
-    assert verify(d) == [f"shard {SHARDS[1]} (listed in model.safetensors.index.json) is missing",
-                         "the 1 readable shard(s) of 2 declare 40000 bytes (0.0 MB) of tensors; "
-                         "model.safetensors.index.json total_size is 52048 (0.1 MB)"]
+    assert verify(d) == []  # a missing shard: test_verify_cli_exit_codes
     (d / "config.json").unlink()
     assert "config.json is missing" in verify(d)
     # sizes are checked when the record lists them

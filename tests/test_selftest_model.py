@@ -209,10 +209,7 @@ def test_bad_input_is_one_line_exit_2(src, tmp_path, capsys):
     (broken / sm.INDEX).unlink()
     assert "safetensors index" in _bad(tmp_path, capsys, [str(broken), o])
     write_checkpoint(broken)
-    first = sorted(broken.glob("*.safetensors"))[0]
-    first.write_bytes(b"\x10\x00")
-    assert "not a safetensors file" in _bad(tmp_path, capsys, [str(broken), o])
-    first.unlink()
+    sorted(broken.glob("*.safetensors"))[0].unlink()
     assert "not there" in _bad(tmp_path, capsys, [str(broken), o])
 
     # a layer that would change from dense to MoE (moe_layer_freq 2: odd layers are dense)
@@ -372,9 +369,3 @@ def test_the_slice_of_the_real_layout(capsys):
     assert tc["linear_attn_config"]["full_attn_layers"] == [4]
     assert {t.name: (t.dtype, t.shape) for t in kept} == tensors(p.config)
     assert len(kept) < 1000 < len(specs)
-
-
-def test_help(capsys):
-    with pytest.raises(SystemExit) as e:
-        cli.main(["selftest", "model", "--help"])
-    assert e.value.code == 0 and "--no-mtp" in capsys.readouterr().out

@@ -21,6 +21,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from k3rocm.deploy.selftest_model import CONFIG, INDEX, read_layout
 from k3rocm.errors import UsageError, tagged_log
 from k3rocm.hashing import sha256_file as _sha256
 
@@ -30,8 +31,6 @@ REPO_ID = "moonshotai/Kimi-K3"
 REVISION = "f831ab66814297da540d832a5235f8e904f29d06"
 DEFAULT_DIR_NAME = "Kimi-K3"
 RECORD = ".k3rocm-checkpoint.json"
-INDEX = "model.safetensors.index.json"
-CONFIG = "config.json"
 HF_META_DIR = Path(".cache") / "huggingface"  # huggingface_hub's local_dir bookkeeping
 _SHA = re.compile(r"^[0-9a-f]{40}$")
 _REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -150,8 +149,6 @@ def _check_shards(d: Path, shards: list[str], wmap: dict[str, str], sizes: dict[
     """Each shard's header against its file size and the index; the declared tensor bytes
     against the index's total_size.
     """
-    from k3rocm.deploy.selftest_model import read_layout
-
     problems: list[str] = []
     by_shard: dict[str, list[str]] = {}
     for name, shard in wmap.items():

@@ -27,6 +27,7 @@ from typing import Any
 from k3rocm.deploy.deployment import KFD, compose_files, load_deployment
 from k3rocm.deploy.engine import docker_client
 from k3rocm.errors import UsageError, tagged_log
+from k3rocm.options import Options, option
 
 REPO = Path(__file__).resolve().parents[3]
 DEFAULT_PROJECT = "k3rocm"
@@ -223,8 +224,6 @@ class ComposeServer:
         """
         from k3rocm.deploy.server_api import StartFailed, wait_ready
 
-        if timeout <= 0:
-            raise UsageError(f"--timeout {timeout:g} must be > 0", 2)
         if not quiet:
             _log(f"waiting up to {timeout:.0f}s for {self.url} (compose project "
                  f"{self.project}, model {self.model})")
@@ -236,9 +235,11 @@ class ComposeServer:
         try:
             waited = wait_ready(self.url, self.model, timeout, self.api_key, failed=self.failure,
                                 status=self.last_line, every=every, quiet=quiet)
-        except StartFailed as exc:
+        except UsageError as exc:  # a timeout, another model: exit 3, the log lines above
             print(f"k3rocm: last server log lines ({self.project}):\n{self.tail(25)}",
                   file=sys.stderr)
+            if not isinstance(exc, StartFailed):
+                raise UsageError(str(exc), exc.exit_code) from None
             _log(f"{exc}: stopping compose project {self.project}, saving its log")
             path, why = None, "no log path given"
             try:
@@ -255,10 +256,6 @@ class ComposeServer:
                      f"its log could not be saved ({why}; the last lines are above)")
             raise UsageError(f"{exc}; stopped and removed (compose project {self.project}), so "
                              f"it is not restarted; {where}", 3) from None
-        except UsageError as exc:
-            print(f"k3rocm: last server log lines ({self.project}):\n{self.tail(25)}",
-                  file=sys.stderr)
-            raise UsageError(str(exc), exc.exit_code) from None
         if self.cpu:
             try:
                 container = self.container()
@@ -364,32 +361,34 @@ def default_timeout(dep) -> float:
     return float(engine) + 600 if engine else 900.0
 
 
+class ServerOptions(Options):  # every subcommand: --env-file, --project and its own
+    env_file: str = option(".env", "settings file")
+    project: str | None = option(
+        None, f"compose project (default $COMPOSE_PROJECT_NAME or {DEFAULT_PROJECT})")
+    timeout: float | None = option(None, "seconds (default: the engine's "
+                                   "VLLM_ENGINE_READY_TIMEOUT_S + 10 min, or 15 min)", gt=0)
+    build: bool = option(False, "build the image first")
+    tail: int = option(200)
+    label: str = option("server-log")
+
+
+SUBCOMMANDS = {  # name: (help, its own flags)
+    "up": ("start the compose server and wait until it is ready", ("timeout", "build")),
+    "wait": ("wait until the compose server is ready", ("timeout",)),
+    "logs": ("print the compose server's log", ("tail",)),
+    "save-log": ("save the compose server's log into a run directory", ("label",)),
+    "provenance": ("what is serving, as JSON", ()),
+    "down": ("save the log into a run directory, stop, remove", ("label",)),
+}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = __doc__
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    sub = parser.add_subparsers(dest="what",
-                                metavar="{up,wait,logs,save-log,provenance,down}")
-    for what, text in (("up", "start the compose server and wait until it is ready"),
-                       ("wait", "wait until the compose server is ready"),
-                       ("logs", "print the compose server's log"),
-                       ("save-log", "save the compose server's log into a run directory"),
-                       ("provenance", "what is serving, as JSON"),
-                       ("down", "save the log into a run directory, stop, remove")):
-        p = sub.add_parser(what, help=text)
-        p.add_argument("--env-file", default=".env", help="settings file (default .env)")
-        p.add_argument("--project", default=None,
-                       help=f"compose project (default $COMPOSE_PROJECT_NAME or "
-                       f"{DEFAULT_PROJECT})")
-        if what in ("up", "wait"):
-            p.add_argument("--timeout", type=float, default=None,
-                           help="seconds (default: the engine's VLLM_ENGINE_READY_TIMEOUT_S + "
-                           "10 min, or 15 min)")
-        if what == "up":
-            p.add_argument("--build", action="store_true", help="build the image first")
-        if what == "logs":
-            p.add_argument("--tail", type=int, default=200)
-        if what in ("save-log", "down"):
-            p.add_argument("--label", default="server-log")
+    sub = parser.add_subparsers(dest="what", metavar="{" + ",".join(SUBCOMMANDS) + "}")
+    for what, (text, own) in SUBCOMMANDS.items():
+        ServerOptions.add_arguments(sub.add_parser(what, help=text), skip=tuple(
+            n for n in ServerOptions.flags() if n not in ("env_file", "project", *own)))
 
 
 def deployment_view(args: argparse.Namespace) -> dict:
@@ -411,20 +410,18 @@ def run(args: argparse.Namespace) -> int:
     if not getattr(args, "what", None):
         raise UsageError("server needs a subcommand: up, wait, logs, save-log, provenance or "
                          "down (see k3rocm server --help)")
-    srv, dep = deployment_server(args.env_file, args.project)
+    o = ServerOptions.from_args(args)
+    srv, dep = deployment_server(o.env_file, o.project)
     if args.what in ("up", "wait"):
-        t = args.timeout if args.timeout is not None else default_timeout(dep)
-        if t <= 0:
-            raise UsageError(f"--timeout {t:g} must be > 0", 2)
         if args.what == "up":
-            srv.up(build=args.build, log_path=lambda: log_run_dir(srv, dep))
+            srv.up(build=o.build, log_path=lambda: log_run_dir(srv, dep))
         elif srv.state() is None:
             raise UsageError("no server container: start it with `make up` "
                              "(or `k3rocm server up`)", 3)
-        srv.wait(t, log_path=lambda: log_run_dir(srv, dep))
+        srv.wait(o.timeout or default_timeout(dep), log_path=lambda: log_run_dir(srv, dep))
         return 0
     if args.what == "logs":
-        print(srv.tail(args.tail))
+        print(srv.tail(o.tail))
         return 0
     if args.what == "provenance":
         print(json.dumps(srv.provenance(), indent=2, default=str))
@@ -432,7 +429,7 @@ def run(args: argparse.Namespace) -> int:
     if srv.state() is None:  # save-log and down (argparse allows no other)
         print("k3rocm: no server log to save (no server container)", file=sys.stderr)
     else:
-        saved = srv.save_log(log_run_dir(srv, dep, args.label))
+        saved = srv.save_log(log_run_dir(srv, dep, o.label))
         print(f"k3rocm: server log saved to {saved or '(empty log)'}", file=sys.stderr)
     if args.what == "down":
         t0 = time.time()
