@@ -14,7 +14,7 @@ import pytest
 import yaml
 from conftest import REPO, free_port, make_exit_code
 
-from k3rocm.checks.gsm8k import command, data, results
+from k3rocm.checks.gsm8k import cli, data, results
 from k3rocm.checks.gsm8k.lmeval_launch import apply_reasoning_fallback, log_finish_reasons
 from k3rocm.errors import UsageError
 
@@ -132,7 +132,7 @@ def _opt(argv: list[str], flag: str) -> str:
 
 
 def test_command_lines():
-    argv = command.lm_eval_argv(command.Gsm8kSettings(
+    argv = cli.lm_eval_argv(cli.Gsm8kSettings(
         url="http://10.0.0.5:8000", model="moonshotai/Kimi-K3", max_gen_tokens=8192, limit=50))
     assert argv[:3] == ["/opt/clients/bin/python", "/out/lmeval_plugin/k3rocm_lmeval.py", "run"]
     assert _opt(argv, "--model") == "local-chat-completions"  # lm-eval's own
@@ -144,9 +144,9 @@ def test_command_lines():
             _opt(argv, "--limit")) == ("gsm8k", "5", "/out/tasks", "50")
     # sampling only from the task file: lm-eval prints the reference's generation_kwargs
     assert "--gen_kwargs" not in argv and {"--apply_chat_template", "--log_samples"} <= set(argv)
-    argv = command.lm_eval_argv(command.Gsm8kSettings(**SERVED, reasoning_fallback=True))
+    argv = cli.lm_eval_argv(cli.Gsm8kSettings(**SERVED, reasoning_fallback=True))
     assert _opt(argv, "--model") == "k3-chat-completions"
-    argv = command.lm_eval_argv(command.Gsm8kSettings(**SERVED, mode="completions"))
+    argv = cli.lm_eval_argv(cli.Gsm8kSettings(**SERVED, mode="completions"))
     assert _opt(argv, "--model") == "local-completions"
     assert "base_url=http://127.0.0.1:8000/v1/completions" in _opt(argv, "--model_args")
     assert "tokenizer_backend=None" in _opt(argv, "--model_args")
@@ -162,11 +162,12 @@ def test_command_lines():
     ({"threshold": 1.5}, "--threshold 1.5 is out of range; use 0 < x <= 1"),
     ({"limit": 0}, "--limit 0"),
     ({"model": " "}, "--model ' ' is empty"),
+    ({"model": "a,b"}, "--model 'a,b' contains a comma, which lm-eval's --model_args cannot"),
     ({"mode": "completions", "reasoning_fallback": True}, "--reasoning-fallback needs --mode chat"),
 ])
 def test_settings_validation(kw, fragment):
     with pytest.raises(UsageError, match=re.escape(fragment)):
-        command.Gsm8kSettings(**kw)
+        cli.Gsm8kSettings(**kw)
 
 
 def test_dry_run_prints_the_command_with_or_without_data(k3, data_dir, tmp_path):
@@ -474,8 +475,7 @@ def _gsm8k_ab_live(tmp_path, monkeypatch, server_logs: dict[str, str]):
 
     from k3rocm.checks.ab import arms as armlib
     from k3rocm.checks.ab import cli as abcli
-    from k3rocm.checks.gsm8k import ab
-    from k3rocm.checks.gsm8k import run as gsm8k_run
+    from k3rocm.checks.gsm8k import ab, cli
 
     monkeypatch.delenv("COMPOSE_FILE", raising=False)
     started, executed = [], []
@@ -493,7 +493,7 @@ def _gsm8k_ab_live(tmp_path, monkeypatch, server_logs: dict[str, str]):
                 "deployment": armlib.arm_deployment(self.arms, arm)})
         log_path.write_text(server_logs[arm])
 
-    def fake_execute(client, s, src, argv, api_key, results_dir, server_container, dep):
+    def fake_execute(client, s, src, dep, results_dir, server_container):
         # the run record's deployment is the arm's (its switches), not this shell's
         executed.append((Path(results_dir).name, dep.rendered.env["K3_FUSE_QK_NORM"]))
         stored_run(Path(results_dir), 0.95, 0.95)
@@ -501,7 +501,7 @@ def _gsm8k_ab_live(tmp_path, monkeypatch, server_logs: dict[str, str]):
 
     monkeypatch.setattr(armlib, "start", fake_start)
     monkeypatch.setattr(armlib.Run, "server", fake_server)
-    monkeypatch.setattr(gsm8k_run, "execute", fake_execute)
+    monkeypatch.setattr(cli, "execute", fake_execute)
     monkeypatch.setattr(ab.data, "resolve", lambda *a: SimpleNamespace())
     p = argparse.ArgumentParser()
     abcli.add_arguments(p, measure="gsm8k")
