@@ -190,9 +190,9 @@ def test_bad_input_and_no_server_exit_with_one_line(k3, data_dir, tmp_path, argv
     assert got == code and err.count("\n") == 1 and fragment in err, err
 
 
-def _make(*args: str, **env: str) -> subprocess.CompletedProcess:
+def _make(*args: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(["make", "-s", "-o", sys.executable, *args, f"PY={sys.executable}"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120,
+                          cwd=REPO, capture_output=True, text=True, timeout=timeout,
                           env={**{k: v for k, v in os.environ.items() if not k.startswith("K3_")},
                                "PYTHONPATH": str(REPO / "src"), **env})
 
