@@ -14,7 +14,13 @@ from pathlib import Path
 import pytest
 from conftest import REPO, default_sigint, free_port, make_exit_code, need
 from server_fixture import standin_server  # noqa: F401 - the shared session fixture
-from test_gsm8k_unit import REFERENCE_DOC_TO_TEXT, REFERENCE_FILTERS, REFERENCE_METRIC, write_items
+from test_gsm8k_unit import (
+    REFERENCE_DOC_TO_TEXT,
+    REFERENCE_FILTERS,
+    REFERENCE_METRIC,
+    _make,
+    write_items,
+)
 
 from k3rocm.checks.gsm8k import data
 from k3rocm.deploy.engine import CLIENT_IMAGE as DEFAULT_CLIENT_IMAGE
@@ -52,14 +58,12 @@ def items(tmp_path_factory) -> Path:
     return d
 
 
-def gsm8k_via_make(url: str, model: str, data_dir: Path, results_dir: Path,
+def gsm8k_via_make(url: str, model: str, data_dir: Path | str, results_dir: Path,
                    *extra: str) -> subprocess.CompletedProcess:
     args = " ".join(["--url", url, "--model", model, "--concurrency", "4", "--max-gen-tokens",
                      str(MAX_GEN), "--results-dir", str(results_dir), "--client-image",
                      CLIENT_IMAGE, *extra])
-    return subprocess.run(["make", "-s", "-o", sys.executable, "gsm8k", f"PY={sys.executable}",
-                           f"GSM8K_DATA={data_dir}", f"GSM8K_ARGS={args}"],
-                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900)
+    return _make("gsm8k", f"GSM8K_DATA={data_dir}", f"GSM8K_ARGS={args}", timeout=900)
 
 
 def only_run_dir(results_dir: Path) -> Path:
@@ -156,12 +160,8 @@ def test_completions_mode_limit_run_from_hf_cache(standin_server, client_image, 
         volumes={str(hf): {"bind": "/hf", "mode": "rw"},
                  str(items): {"bind": "/items", "mode": "ro"}})
     results_dir = tmp_path / "results"
-    args = " ".join(["--url", url, "--model", model, "--concurrency", "4", "--max-gen-tokens",
-                     str(MAX_GEN), "--results-dir", str(results_dir), "--hf-home", str(hf),
-                     "--mode", "completions", "--limit", "2", "--client-image", CLIENT_IMAGE])
-    p = subprocess.run(["make", "-s", "-o", sys.executable, "gsm8k", f"PY={sys.executable}",
-                        f"GSM8K_ARGS={args}"],
-                       cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900)
+    p = gsm8k_via_make(url, model, "", results_dir, "--hf-home", str(hf), "--mode",
+                       "completions", "--limit", "2")
     assert make_exit_code(p) == 1, p.stderr[-3000:]
     run = only_run_dir(results_dir)
     summary = json.loads((run / "summary.json").read_text())
@@ -251,45 +251,11 @@ def test_ctrl_c_stops_lm_eval_and_keeps_the_run(standin_server, client_image, it
         all=True, filters={"label": "k3rocm.role=gsm8k-client"}) if run.name in c.name]
 
 
-# ------------------------------------------------------------- task file vs lm-eval's own
-
-
-def test_task_file_differs_from_builtin_where_the_reference_does(docker_client, client_image, items,
-                                                            tmp_path):
-    src = data.resolve(str(items), None)
-    (tmp_path / "gsm8k.yaml").write_text(data.task_yaml(src))
-    script = (
-        "import json, yaml, lm_eval, pathlib\n"
-        "b = yaml.safe_load((pathlib.Path(lm_eval.__file__).parent / 'tasks/gsm8k/gsm8k.yaml')"
-        ".read_text())\n"
-        "o = yaml.safe_load(open('/t/gsm8k.yaml'))\n"
-        "print(json.dumps({'builtin': b, 'ours': o}))\n")
-    out = docker_client.containers.run(client_image, ["/opt/clients/bin/python", "-c", script],
-                                       volumes={str(tmp_path): {"bind": "/t", "mode": "ro"}},
-                                       remove=True, network_disabled=True)
-    both = json.loads(out)
-    builtin, ours = both["builtin"], both["ours"]
-    # lm-eval 0.4.13's built-in: the short prompt and a "Question:" stop; the reference: neither
-    ref_keys = {"doc_to_text", "generation_kwargs"}
-    data_keys = {"dataset_path", "dataset_name", "dataset_kwargs", "tag"}
-    assert {k: v for k, v in builtin.items() if k not in ref_keys | data_keys} == \
-        {k: v for k, v in ours.items() if k not in ref_keys | data_keys}
-    assert builtin["doc_to_text"] == "Question: {{question}}\nAnswer:"
-    assert ours["doc_to_text"] == REFERENCE_DOC_TO_TEXT
-    assert builtin["generation_kwargs"]["until"] == ["Question:", "</s>", "<|im_end|>"]
-    assert ours["generation_kwargs"]["until"] == ["</s>", "<|im_end|>"]
-    assert builtin["dataset_path"] == "openai/gsm8k" and ours["dataset_path"] == "json"
-    assert ours["dataset_kwargs"]["data_files"] == {"train": "/data/gsm8k/train.jsonl",
-                                                    "test": "/data/gsm8k/test.jsonl"}
-
-
 def test_gsm8k_data_offline_exits_2_with_one_line(client_image, tmp_path):
     """No hub reachable (an endpoint nobody listens on): one line, exit 2, nothing cached."""
     port = free_port()
-    p = subprocess.run(["make", "-s", "-o", sys.executable, "gsm8k-data", f"PY={sys.executable}",
-                        f"GSM8K_ARGS=--hf-home {tmp_path / 'hf'} --client-image {client_image}"],
-                       cwd=REPO, env={**_env(), "HF_ENDPOINT": f"http://127.0.0.1:{port}"},
-                       capture_output=True, text=True, timeout=300)
+    p = _make("gsm8k-data", f"GSM8K_ARGS=--hf-home {tmp_path / 'hf'} --client-image "
+              f"{client_image}", timeout=300, HF_ENDPOINT=f"http://127.0.0.1:{port}")
     assert "Traceback" not in p.stderr
     err = [ln for ln in p.stderr.splitlines() if ln.startswith("k3rocm: error:")]
     assert len(err) == 1, p.stderr[-2000:]

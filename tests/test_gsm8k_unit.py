@@ -14,7 +14,7 @@ import pytest
 import yaml
 from conftest import REPO, free_port, make_exit_code
 
-from k3rocm.checks.gsm8k import command, data, results
+from k3rocm.checks.gsm8k import cli, data, results
 from k3rocm.checks.gsm8k.lmeval_launch import apply_reasoning_fallback, log_finish_reasons
 from k3rocm.errors import UsageError
 
@@ -27,10 +27,6 @@ def write_items(path: Path, n: int, offset: int = 0) -> None:
                 "question": f"Tom has {a} apples and buys {b} more. How many apples now?",
                 "answer": f"Tom has {a}+{b}=<<{a}+{b}={a + b}>>{a + b} apples.\n#### {a + b}",
             }) + "\n")
-
-
-# `k3` (conftest): k3rocm in-process. The entry point's own subprocess:
-# test_dry_run_prints_the_command_with_or_without_data.
 
 
 @pytest.fixture
@@ -132,7 +128,7 @@ def _opt(argv: list[str], flag: str) -> str:
 
 
 def test_command_lines():
-    argv = command.lm_eval_argv(command.Gsm8kSettings(
+    argv = cli.lm_eval_argv(cli.Gsm8kSettings(
         url="http://10.0.0.5:8000", model="moonshotai/Kimi-K3", max_gen_tokens=8192, limit=50))
     assert argv[:3] == ["/opt/clients/bin/python", "/out/lmeval_plugin/k3rocm_lmeval.py", "run"]
     assert _opt(argv, "--model") == "local-chat-completions"  # lm-eval's own
@@ -144,9 +140,9 @@ def test_command_lines():
             _opt(argv, "--limit")) == ("gsm8k", "5", "/out/tasks", "50")
     # sampling only from the task file: lm-eval prints the reference's generation_kwargs
     assert "--gen_kwargs" not in argv and {"--apply_chat_template", "--log_samples"} <= set(argv)
-    argv = command.lm_eval_argv(command.Gsm8kSettings(**SERVED, reasoning_fallback=True))
+    argv = cli.lm_eval_argv(cli.Gsm8kSettings(**SERVED, reasoning_fallback=True))
     assert _opt(argv, "--model") == "k3-chat-completions"
-    argv = command.lm_eval_argv(command.Gsm8kSettings(**SERVED, mode="completions"))
+    argv = cli.lm_eval_argv(cli.Gsm8kSettings(**SERVED, mode="completions"))
     assert _opt(argv, "--model") == "local-completions"
     assert "base_url=http://127.0.0.1:8000/v1/completions" in _opt(argv, "--model_args")
     assert "tokenizer_backend=None" in _opt(argv, "--model_args")
@@ -156,39 +152,33 @@ def test_command_lines():
 @pytest.mark.parametrize("kw, fragment", [
     ({"url": "127.0.0.1:8000"}, "--url"),
     ({"url": "http://h:8000/v1"}, "has a path"),
-    ({"concurrency": 0}, "--concurrency 0"),
     ({"max_gen_tokens": 0}, "--max-gen-tokens 0"),
     ({"timeout": 86401}, "--timeout 86401 is out of range; use 1..86400 seconds"),
     ({"threshold": 1.5}, "--threshold 1.5 is out of range; use 0 < x <= 1"),
     ({"limit": 0}, "--limit 0"),
     ({"model": " "}, "--model ' ' is empty"),
+    ({"model": "a,b"}, "--model 'a,b' contains a comma, which lm-eval's --model_args cannot"),
     ({"mode": "completions", "reasoning_fallback": True}, "--reasoning-fallback needs --mode chat"),
 ])
 def test_settings_validation(kw, fragment):
     with pytest.raises(UsageError, match=re.escape(fragment)):
-        command.Gsm8kSettings(**kw)
+        cli.Gsm8kSettings(**kw)
 
 
 def test_dry_run_prints_the_command_with_or_without_data(k3, data_dir, tmp_path):
-    """The same command line without data (in-process) and with it (`make gsm8k DRY_RUN=1`:
-    the entry point, a subprocess); nothing contacted (a free port)."""
-    port = free_port()
-    code, out, err = k3("gsm8k", "--dry-run", "--url", f"http://127.0.0.1:{port}", "--model", "m",
-                        "--hf-home", str(tmp_path / "empty"),
+    """The same command line without data and with it; nothing contacted (a free port)."""
+    server = ["--dry-run", "--url", f"http://127.0.0.1:{(port := free_port())}", "--model", "m"]
+    code, out, err = k3("gsm8k", *server, "--hf-home", str(tmp_path / "empty"),
                         env={"HF_DATASETS_CACHE": str(tmp_path / "empty")})
     assert code == 0 and "data: none yet (no GSM8K data found" in err, err
-    p = _make("gsm8k", "DRY_RUN=1", f"GSM8K_DATA={data_dir}",
-              f"GSM8K_ARGS=--url http://127.0.0.1:{port} --model m")
-    assert make_exit_code(p) == 0 and p.stdout == out and "Traceback" not in p.stderr, p.stderr
+    assert k3("gsm8k", *server, "--data-dir", str(data_dir))[:2] == (0, out)
     lines = out.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("/opt/clients/bin/python ")
     assert f"base_url=http://127.0.0.1:{port}/v1/chat/completions" in lines[0]
-    assert "num_concurrent=32" in lines[0] and "--include_path /out/tasks" in lines[0]
 
 
 @pytest.mark.parametrize("argv, code, fragment", [
     (["--concurrency", "0", "--dry-run"], 2, "--concurrency 0"),
-    (["--mode", "completions", "--reasoning-fallback", "--dry-run"], 2, "needs --mode chat"),
     (["--hf-home", "{tmp}/nothing"], 2, "k3rocm: error: no GSM8K data found"),
     (["--data-dir", "{data}"], 3, "nothing listening at http://127.0.0.1:"),
 ])
@@ -200,9 +190,9 @@ def test_bad_input_and_no_server_exit_with_one_line(k3, data_dir, tmp_path, argv
     assert got == code and err.count("\n") == 1 and fragment in err, err
 
 
-def _make(*args: str, **env: str) -> subprocess.CompletedProcess:
+def _make(*args: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(["make", "-s", "-o", sys.executable, *args, f"PY={sys.executable}"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120,
+                          cwd=REPO, capture_output=True, text=True, timeout=timeout,
                           env={**{k: v for k, v in os.environ.items() if not k.startswith("K3_")},
                                "PYTHONPATH": str(REPO / "src"), **env})
 
@@ -446,8 +436,6 @@ def test_make_gsm8k_ab_dry_run_and_bad_input(k3):
     assert sum("k3rocm_lmeval.py run" in ln for ln in lines) == 2
     code, _, err = k3("ab", "--measure", "gsm8k", "--dry-run", "--no-gpu", "--repeats", "2")
     assert code == 2 and "use --repeats 1" in err.strip().splitlines()[-1]
-    code, _, err = k3("ab", "--measure", "bench", "--dry-run", "--no-gpu", "--margin", "0.02")
-    assert code == 2 and "--margin is not used by --measure bench" in err
 
 
 def test_no_discordant_items_is_no_proof_on_a_handful_of_items():
@@ -474,8 +462,7 @@ def _gsm8k_ab_live(tmp_path, monkeypatch, server_logs: dict[str, str]):
 
     from k3rocm.checks.ab import arms as armlib
     from k3rocm.checks.ab import cli as abcli
-    from k3rocm.checks.gsm8k import ab
-    from k3rocm.checks.gsm8k import run as gsm8k_run
+    from k3rocm.checks.gsm8k import ab, cli
 
     monkeypatch.delenv("COMPOSE_FILE", raising=False)
     started, executed = [], []
@@ -493,7 +480,7 @@ def _gsm8k_ab_live(tmp_path, monkeypatch, server_logs: dict[str, str]):
                 "deployment": armlib.arm_deployment(self.arms, arm)})
         log_path.write_text(server_logs[arm])
 
-    def fake_execute(client, s, src, argv, api_key, results_dir, server_container, dep):
+    def fake_execute(client, s, src, dep, results_dir, server_container):
         # the run record's deployment is the arm's (its switches), not this shell's
         executed.append((Path(results_dir).name, dep.rendered.env["K3_FUSE_QK_NORM"]))
         stored_run(Path(results_dir), 0.95, 0.95)
@@ -501,7 +488,7 @@ def _gsm8k_ab_live(tmp_path, monkeypatch, server_logs: dict[str, str]):
 
     monkeypatch.setattr(armlib, "start", fake_start)
     monkeypatch.setattr(armlib.Run, "server", fake_server)
-    monkeypatch.setattr(gsm8k_run, "execute", fake_execute)
+    monkeypatch.setattr(cli, "execute", fake_execute)
     monkeypatch.setattr(ab.data, "resolve", lambda *a: SimpleNamespace())
     p = argparse.ArgumentParser()
     abcli.add_arguments(p, measure="gsm8k")

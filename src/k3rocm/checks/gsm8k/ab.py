@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from k3rocm.checks.bench import stats
-from k3rocm.checks.gsm8k import command, data, results
-from k3rocm.checks.gsm8k.command import Gsm8kRun, Gsm8kSettings
+from k3rocm.checks.gsm8k import cli, data, results
+from k3rocm.checks.gsm8k.cli import Gsm8kRun, Gsm8kSettings
 from k3rocm.checks.gsm8k.data import GSM8K_TEST_ITEMS
 from k3rocm.errors import EXIT_CHECK_FAILED, EXIT_OK, UsageError, tagged_log
 from k3rocm.options import Options, like, option
@@ -124,7 +124,6 @@ def markdown(comp: dict) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from k3rocm.checks.ab import arms as armlib
-    from k3rocm.checks.gsm8k import run as gsm8k_run
 
     opts = Gsm8kAbOptions.from_args(args)
     arms = armlib.arms_from_args(args, single=("gsm8k-ab", "greedy decoding repeats itself"))
@@ -132,11 +131,10 @@ def run(args: argparse.Namespace) -> int:
     s = Gsm8kSettings(url=arms.url, model=dep.served_model_name, mode=opts.gsm8k_mode,
                       max_gen_tokens=opts.max_gen_tokens, limit=opts.limit, allow_limit=True,
                       client_image=args.client_image)
-    argv = command.lm_eval_argv(s)
     if args.dry_run:
         for i, arm in enumerate(arms.slots()):
             print(armlib.slot_line(arms, i, arm))
-            print(shlex.join(argv))
+            print(shlex.join(cli.lm_eval_argv(s)))
         return 0
     src = data.resolve(opts.data_dir, opts.hf_home, Path(arms.cache_dir))
     run = armlib.start(arms, Path(args.results), args.label or "gsm8k-ab",
@@ -146,8 +144,8 @@ def run(args: argparse.Namespace) -> int:
 
     def measure(i: int, arm: str, srv, info: dict) -> None:
         slot_dir = run.dir / f"{i:02d}-{arm}"
-        code = gsm8k_run.execute(run.client, s, src, argv, run.api_key, slot_dir,
-                                 srv.container(run.client).name, info["deployment"])
+        code = cli.execute(run.client, s, src, info["deployment"], slot_dir,
+                           srv.container(run.client).name)
         run_dir = next(p for p in slot_dir.iterdir() if p.is_dir() and p.name.endswith("gsm8k"))
         summary = results.read_summary(run_dir)
         arm_runs.setdefault(arm, {"run_dir": str(run_dir), "exit_code": code,

@@ -7,11 +7,15 @@ import json
 from pathlib import Path
 from typing import Any
 
-from k3rocm.checks.gsm8k.command import FALLBACK_CHAT_MODEL, NUM_FEWSHOT, REFERENCE
 from k3rocm.checks.gsm8k.data import GSM8K_TEST_ITEMS
 from k3rocm.checks.steps import read_json
 from k3rocm.errors import UsageError
 
+REFERENCE = {"exact_match": 0.9644, "stderr": 0.0051,
+             "source": "vLLM PR #52494 (Kimi-K3, MI355X TP=8), lm-eval gsm8k 5-shot, "
+                       "strict-match and flexible-extract"}
+NUM_FEWSHOT = 5
+FALLBACK_CHAT_MODEL = "k3-chat-completions"  # + reasoning fallback (lmeval_launch.py)
 FILTERS = ("strict-match", "flexible-extract")
 TASK = "gsm8k"
 
@@ -155,6 +159,9 @@ def evaluate(results: dict, samples: list[dict], fallbacks: list[dict], *, thres
 
 
 def markdown(summary: dict) -> str:
+    if "metrics" not in summary:  # no verdict: an error or Ctrl-C
+        return (f"# GSM8K accuracy gate\n\n**{summary['status'].upper()}** - "
+                f"{summary['message']}\n\n```\n{summary['run']['command']}\n```\n")
     ref, items, fb = summary["reference"], summary["items"], summary["reasoning_fallback"]
     t = summary.get("truncated") or {}
     acc = t.get("accuracy_without_truncated")
