@@ -33,30 +33,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import functools
-import io
 import os
-import re
 import shlex
-import signal
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from k3rocm.checks.ab import arms as armlib
-from k3rocm.checks.steps import (
-    PROGRESS_EVERY,
-    REPO,
-    StepResult,
-    bench_numbers,
-    census_numbers,
-    say,
-    step_rows,
-    verdict,
-)
+from k3rocm.checks.steps import REPO, Pipeline, StepResult, bench_numbers, census_numbers
 from k3rocm.deploy import selftest_model
 from k3rocm.errors import UsageError
 
@@ -65,9 +51,6 @@ PROMPTS = ("The capital of France is", "def fibonacci(n):", "1, 2, 3, 5, 8,",
            "Kimi-K3 runs on eight MI355X GPUs and")
 GREEDY_TOKENS = 16
 STEPS = ("build", "up", "census", "greedy", "bench", "down", "off", "compare")
-
-
-_say = functools.partial(say, tag="selftest")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -139,11 +122,6 @@ def _plan(args: argparse.Namespace, check_model: bool = True, extra: dict | None
 
     if args.timeout <= 0:
         raise UsageError(f"--timeout {args.timeout:g} must be > 0")
-    for opt in ("bench_args", "census_args"):
-        try:
-            shlex.split(getattr(args, opt, "") or "")
-        except ValueError as exc:
-            raise UsageError(f"--{opt.replace('_', '-')}: {exc}") from None
     base = load_deployment(env_file=args.env_file)
     cpu = base.cpu
     model = args.model or (base.model if cpu else f"/models/{selftest_model.DEFAULT_OUT}")
@@ -192,19 +170,43 @@ def base_check(dep, srv, switches: dict[str, dict[str, str]], env_file: str) -> 
 class _Args(argparse.ArgumentParser):
     """A measure's own parser for ``--bench-args`` / ``--census-args``: an error is one line."""
 
-    def __init__(self, opt: str, add_arguments):
-        super().__init__(prog=opt, add_help=False)
-        add_arguments(self)
-
     def error(self, message: str):  # argparse would print its usage and exit
         raise UsageError(f"{self.prog}: {message}")
 
 
-def early_checks(dep, bench_argv: list[str],
+def measure_args(args: argparse.Namespace, dep) -> dict[str, argparse.Namespace]:
+    """The census and bench steps' flags: the selftest server's, one short bench point, then
+    ``--census-args`` / ``--bench-args`` (which win). Bad input: UsageError."""
+    from k3rocm.checks.bench import cli as bench
+    from k3rocm.checks.census import cli as census
+
+    host = dep.model_host_dir
+    server = ["--url", dep.url, "--results", str(dep.results_root)]
+    ours = {"census": (census.add_arguments,
+                       [*server, *(["--model-dir", str(host)] if host else [])]),
+            "bench": (bench.add_arguments,
+                      ["--workload", args.workload or ("ci-tiny" if dep.cpu else "decode-8k1k"),
+                       *server, "--label", "selftest-bench",
+                       *(["--tokenizer", str(host)] if host else []),
+                       "--set", "concurrency=1", "--set", "request_count=4"])}
+    out = {}
+    for name, (add_arguments, argv) in ours.items():
+        opt = f"--{name}-args"
+        try:
+            extra = shlex.split(getattr(args, f"{name}_args") or "")
+        except ValueError as exc:
+            raise UsageError(f"{opt}: {exc}") from None
+        parser = _Args(prog=opt, add_help=False)
+        add_arguments(parser)
+        out[name] = parser.parse_args([*argv, *extra])
+    census.CensusFlags.from_args(out["census"])  # out of range: exit 2
+    return out
+
+
+def early_checks(dep, client_image: str | None,
                  no_build: bool = False) -> tuple[list[UsageError], list[str]]:
     """(problems, notes): the bench client image (with ``no_build`` the serving image), the
     port free, the GPUs free (not on the CPU stand-in). Nothing is started."""
-    from k3rocm.checks.bench.cli import add_arguments as bench_arguments
     from k3rocm.deploy.engine import docker_client, image_id
     from k3rocm.deploy.preflight import (
         DRM,
@@ -216,21 +218,16 @@ def early_checks(dep, bench_argv: list[str],
 
     problems: list[UsageError] = []
     notes: list[str] = []
-    try:
-        image = _Args("--bench-args", bench_arguments).parse_args(bench_argv).client_image
-    except UsageError as exc:
-        problems.append(exc)
-        image = None
     client = docker_client(timeout=60, required=False)
     if client is None:
         problems.append(UsageError("no Docker engine answers (DOCKER_HOST or the default "
                                    "socket): start Docker; the selftest builds and serves "
                                    "through it", 3))
-    elif image:
+    elif client_image:
         try:
-            image_id(client, image, hint="the bench step runs aiperf in it: build it with "
+            image_id(client, client_image, hint="the bench step runs aiperf in it: build it with "
                      "`make clients-image` (or --bench-args '--client-image IMAGE')")
-            notes.append(f"client image {image} present")
+            notes.append(f"client image {client_image} present")
         except UsageError as exc:
             problems.append(exc)
         if no_build:
@@ -419,34 +416,18 @@ def compare_note(c: dict[str, Any]) -> str:
 # ------------------------------------------------------------------------------------- run
 
 
-def _bench_argv(args: argparse.Namespace, dep) -> list[str]:
-    """The bench step's ``k3rocm bench`` arguments: one short point."""
-    host_model = dep.model_host_dir
-    return ["--workload", args.workload or ("ci-tiny" if dep.cpu else "decode-8k1k"),
-            "--url", dep.url, "--results", str(dep.results_root), "--label", "selftest-bench",
-            *(["--tokenizer", str(host_model)] if host_model else []),
-            "--set", "concurrency=1", "--set", "request_count=4", *shlex.split(args.bench_args)]
-
-
-def census_step(args: argparse.Namespace, dep) -> tuple[int, dict[str, Any], Path]:
+def census_step(cargs: argparse.Namespace, dep) -> tuple[int, dict[str, Any], Path]:
     """``k3rocm census`` on the selftest server: (exit code, census.json, run directory)."""
     from k3rocm.checks.census import cli, common
 
-    host_model = dep.model_host_dir
-    cargs = _Args("--census-args", cli.add_arguments).parse_args(
-        ["--url", dep.url, "--results", str(dep.results_root),
-         *(["--model-dir", str(host_model)] if host_model else []),
-         *shlex.split(args.census_args)])
-    cli.CensusFlags.from_args(cargs)
     census, run_dir = cli.run_live(cargs, dep, common.analysis_from(cargs, dep))
     return cli.finish(census, run_dir), census.to_json(), run_dir
 
 
-def bench_step(args: argparse.Namespace, dep) -> tuple[int, dict[str, Any], Path]:
+def bench_step(bargs: argparse.Namespace, dep) -> tuple[int, dict[str, Any], Path]:
     """One ``k3rocm bench`` point: (exit code, summary.json, run directory)."""
     from k3rocm.checks.bench import cli, run
 
-    bargs = _Args("--bench-args", cli.add_arguments).parse_args(_bench_argv(args, dep))
     w, _ = cli.resolve_from_args(bargs, dep)
     res = run.run_bench(w, results=bargs.results, client_image=bargs.client_image,
                         server_timeout=bargs.server_timeout, label=bargs.label,
@@ -455,30 +436,23 @@ def bench_step(args: argparse.Namespace, dep) -> tuple[int, dict[str, Any], Path
     return res.exit_code, res.summary, Path(res.summary.get("run_dir") or "")
 
 
-class _StepLog(io.TextIOBase):
-    """A step's stdout and stderr: into its log (and stderr with --verbose); last line kept."""
-
-    def __init__(self, fh, echo):
-        self.fh, self.echo, self.last = fh, echo, ""
-
-    def write(self, text: str) -> int:
-        self.fh.write(text)
-        if self.echo is not None:
-            self.echo.write(text)
-        lines = [ln.strip() for ln in re.split(r"[\r\n]+", text) if ln.strip()]
-        self.last = lines[-1][:140] if lines else self.last
-        return len(text)
-
-
 def selftest(args: argparse.Namespace) -> int:  # noqa: C901 - one linear pipeline
     from k3rocm.deploy import runrecord
     from k3rocm.deploy.scale.status import summarize_decisions
-    from k3rocm.rundir import create_run_dir, write_json_atomic, write_text_atomic
+    from k3rocm.rundir import create_run_dir
     from k3rocm.serving.basefacts import describe
 
     t0 = time.time()
     dep, srv, switches = _plan(args)  # exit 2 before anything starts
-    problems, checked = early_checks(dep, _bench_argv(args, dep), args.no_build)
+    problems: list[UsageError] = []
+    try:
+        margs = measure_args(args, dep)
+    except UsageError as exc:
+        problems.append(exc)
+        margs = {}
+    found, checked = early_checks(dep, getattr(margs.get("bench"), "client_image", None),
+                                  args.no_build)
+    problems += found
     checked.append(vendor_note(dep, REPO))
     try:  # the image as it is now (with --no-build, the one served); checked again once built
         base_check(dep, srv, switches, args.env_file)
@@ -490,7 +464,8 @@ def selftest(args: argparse.Namespace) -> int:  # noqa: C901 - one linear pipeli
         print("k3rocm selftest: nothing expensive was started (no build, no server, no run "
               "directory)", file=sys.stderr)
         return max(exc.exit_code for exc in problems)
-    _say(t0, "checked before any build or server: " + "; ".join(checked))
+    pipe = Pipeline("selftest", STEPS, args.verbose, t0)
+    pipe.say("checked before any build or server: " + "; ".join(checked))
     run_dir = create_run_dir(dep.results_root, "selftest")
     dep, srv, switches = _plan(args, extra={"K3_PROFILER_DIR": f"/results/{run_dir.name}/traces"},
                                vendor_file=run_dir / "vendor.env")
@@ -500,7 +475,6 @@ def selftest(args: argparse.Namespace) -> int:  # noqa: C901 - one linear pipeli
 
     runrecord.write(run_dir, runrecord.build(deployment=dep, url=dep.url, selftest={
         "project": srv.project, "model": dep.model}))
-    results: list[StepResult] = []
     summary: dict[str, Any] = {"run_dir": str(run_dir), "project": srv.project, "url": dep.url,
                                "model": dep.model, "profile": dep.profile, "image": dep.image,
                                "cpu_standin": srv.cpu, "checked_first": checked}
@@ -508,54 +482,17 @@ def selftest(args: argparse.Namespace) -> int:  # noqa: C901 - one linear pipeli
     served: list = []  # a server was started: from here a failure is no longer "bad input"
     greedy_runs: dict[str, list[dict]] = {}
 
-    def step(index: int, name: str) -> None:
-        _say(t0, f"{index}/{len(STEPS)} {name}")
-        start = time.time()
-        res = StepResult(name, name)
+    def measure(res: StepResult):  # in-process, as values; its output in logs/<step>.log
+        step, numbers = {"census": (census_step, census_numbers),
+                         "bench": (bench_step, bench_numbers)}[res.name]
         try:
-            plan[name](res)
-            res.ok = res.ok or res.code == 0
-        except UsageError as exc:
+            res.code, doc, found = step(margs[res.name], dep)
+        except UsageError as exc:  # the row says why; the selftest goes on
+            print(f"k3rocm: error: {exc}", file=sys.stderr)
             res.code, res.note = exc.exit_code, str(exc)
-            raise
-        except KeyboardInterrupt:
-            res.code = 130
-            raise
-        finally:
-            res.seconds = time.time() - start
-            results.append(res)
-            _say(t0, f"{index}/{len(STEPS)} {name}: {'ok' if res.ok else 'FAILED'} in "
-                 f"{res.seconds:.0f}s{': ' + res.note if res.note else ''}")
-        if res.code == 130:  # the measure stopped on Ctrl-C and kept what it finished
-            raise KeyboardInterrupt
-
-    def measure(res: StepResult):  # in-process; its output in logs/<step>.log
-        name, log, err = res.name, run_dir / "logs" / f"{res.name}.log", sys.stderr
-        head, res.log = f"{STEPS.index(name) + 1}/{len(STEPS)} {name}", str(log)
-        _say(t0, f"{head}: k3rocm {name} on {dep.url}, log {log}")
-        log.parent.mkdir(parents=True, exist_ok=True)
-        start, done = time.time(), threading.Event()
-        with open(log, "w", encoding="utf-8", buffering=1) as fh:
-            out = _StepLog(fh, err if args.verbose else None)
-
-            def progress():
-                while not done.wait(PROGRESS_EVERY):
-                    print(f"[selftest +{time.time() - t0:.0f}s] {head}: "
-                          f"{time.time() - start:.0f}s ... {out.last}", file=err, flush=True)
-
-            threading.Thread(target=progress, daemon=True).start()
-            try:
-                with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-                    res.code, doc, found = (census_step if name == "census" else bench_step)(
-                        args, dep)
-            except UsageError as exc:  # the row says why; the selftest goes on
-                print(f"k3rocm: error: {exc}", file=fh)
-                res.code, res.note = exc.exit_code, str(exc)
-                return
-            finally:
-                done.set()
+            return
         res.run_dir = str(found)
-        res.note, res.numbers = (census_numbers if name == "census" else bench_numbers)(doc)
+        res.note, res.numbers = numbers(doc)
 
     def serve(server, res: StepResult) -> dict:
         running.append(server)
@@ -611,57 +548,37 @@ def selftest(args: argparse.Namespace) -> int:  # noqa: C901 - one linear pipeli
     plan = {"build": build, "up": up, "census": measure, "greedy": greedy_on,
             "bench": measure, "down": down, "off": off, "compare": cmp}
 
-    def _term(*_):
-        raise KeyboardInterrupt
+    def body():
+        for name, fn in plan.items():
+            if fn is measure:
+                pipe.step(name, fn, log=run_dir / "logs" / f"{name}.log",
+                          what=f"k3rocm {name} on {dep.url}")
+            else:
+                pipe.step(name, fn)
 
-    old_term = signal.signal(signal.SIGTERM, _term)
-    try:
-        for index, name in enumerate(STEPS, 1):
-            step(index, name)
-        code = next((r.code or 1 for r in results if not r.ok), 0)
-    except KeyboardInterrupt:
-        code = 130
-    except UsageError as exc:
-        code = exc.exit_code
-        print(f"k3rocm: error: {exc}", file=sys.stderr)
-    finally:
-        signal.signal(signal.SIGTERM, old_term)
-        old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
-        try:
-            for server in list(running):
-                _say(t0, f"stopping {server.project}")
-                with contextlib.suppress(Exception):
-                    stop(server)
-        finally:
-            signal.signal(signal.SIGINT, old_int)
+    def teardown():
+        for server in list(running):
+            pipe.say(f"stopping {server.project}")
+            with contextlib.suppress(Exception):
+                stop(server)
+
+    code = pipe.run(body, teardown)
     if code == 2 and served:  # exit 2 promises nothing expensive was started: not so here
         code = 4
-        bad = next((r for r in results if r.code == 2), None)
+        bad = next((r for r in pipe.results if r.code == 2), None)
         if bad is not None:
             bad.note += (" [exit 2 (bad input) found after a server had started: the selftest "
                          "exits 4, cannot judge; fix the input and run it again]")
-    seconds = time.time() - t0
     head, *notes = describe(summary.get("base") or {})
-    lines = [f"k3rocm selftest: {verdict(code)} in {seconds:.0f}s: {dep.model} on {dep.url} "
-             f"(profile {dep.profile}, image {dep.image}"
-             + (", CPU stand-in: fusions cannot run, both servers stock" if srv.cpu else "")
-             + ")", "", f"  {head}", *(f"    {n}" for n in notes)]
     decisions = summary.get("overlay_decisions")
-    if decisions is not None:
-        lines.append("  overlay decisions (fusions on, arm B): " + summarize_decisions(
-            {(d.get("pid"), d.get("layer_kind")): d for d in decisions}))
-    lines += ["", *step_rows(results), "", "  checked first: " + "; ".join(checked), "",
-              f"  run directory: {run_dir} (summary.json, summary.md, logs/, server-on.log, "
-              "server-off.log, traces/)"]
-    text = "\n".join(lines)
-    summary.update({"status": "ok" if code == 0 else ("interrupted" if code == 130 else
-                                                      "failed"),
-                    "exit_code": code, "seconds": round(seconds, 1),
-                    "steps": [{"name": r.name, "ok": r.ok, "exit_code": r.code,
-                               "seconds": round(r.seconds, 1), "note": r.note,
-                               "run_dir": r.run_dir, "log": r.log, "numbers": r.numbers}
-                              for r in results]})
-    write_json_atomic(run_dir / "summary.json", summary)
-    write_text_atomic(run_dir / "summary.md", "```\n" + text + "\n```\n")
-    print(text)
+    pipe.finish(code, run_dir, f"{dep.model} on {dep.url} (profile {dep.profile}, image "
+                f"{dep.image}" + (", CPU stand-in: fusions cannot run, both servers stock"
+                                  if srv.cpu else "") + ")", summary,
+                before=[f"  {head}", *(f"    {n}" for n in notes), *(
+                    ["  overlay decisions (fusions on, arm B): " + summarize_decisions(
+                        {(d.get("pid"), d.get("layer_kind")): d for d in decisions})]
+                    if decisions is not None else []), ""],
+                after=["  checked first: " + "; ".join(checked), "",
+                       f"  run directory: {run_dir} (summary.json, summary.md, logs/, "
+                       "server-on.log, server-off.log, traces/)"])
     return code

@@ -1,22 +1,29 @@
-"""Steps of ``k3rocm demo`` and ``k3rocm selftest``: their rows, and each check's result as
-a step note. ``run_step`` runs a command (demo: make targets) in its own process group, a log
-file each, progress every 15 s; Ctrl-C stops the whole group."""
+"""Steps of ``k3rocm demo`` and ``k3rocm selftest``. One :class:`Pipeline` runs them: timing, a
+progress line every 15 s (the step's last output line), each step's output into its log,
+Ctrl-C / SIGTERM -> exit 130 with the teardown shielded from a second one, and the summary
+(stdout, summary.json, summary.md). Below it: each check's result as a step note."""
 
 from __future__ import annotations
 
+import codecs
+import contextlib
+import io
 import json
 import os
 import re
-import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from k3rocm.checks.census.spec import kernel_table
+from k3rocm.errors import UsageError
+from k3rocm.rundir import write_json_atomic, write_text_atomic
 from k3rocm.serving.fusions import FUSIONS
 
 REPO = Path(__file__).resolve().parents[3]
@@ -27,7 +34,7 @@ PROGRESS_EVERY = 15.0
 @dataclass
 class StepResult:
     name: str
-    command: str
+    command: str | None = None  # the demo's make command
     code: int = 0  # the failing recipe's own exit code when make reports one
     seconds: float = 0.0
     ok: bool = False
@@ -36,78 +43,163 @@ class StepResult:
     log: str | None = None
     numbers: dict[str, Any] = field(default_factory=dict)
 
-
-class Interrupted(Exception):
-    pass
-
-
-def say(t0: float, msg: str, tag: str = "demo") -> None:
-    print(f"[{tag} +{time.time() - t0:.0f}s] {msg}", file=sys.stderr, flush=True)
+    @property
+    def state(self) -> str:
+        return "ok" if self.ok else ("interrupted" if self.code == 130 else
+                                     f"FAILED exit {self.code}")
 
 
-def _last_line(path: Path) -> str:
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(max(0, fh.seek(0, 2) - 4096))
-            tail = fh.read().decode(errors="replace")
-    except OSError:
-        return ""
-    lines = [ln.strip() for ln in re.split(r"[\r\n]+", tail) if ln.strip()]
-    return lines[-1][:140] if lines else ""
+class _Tee(io.TextIOBase):
+    """A step's output: into its log (and stderr with --verbose); the last line kept."""
+
+    def __init__(self, fh, echo):
+        self.fh, self.echo, self.last = fh, echo, ""
+
+    def write(self, text: str) -> int:
+        self.fh.write(text)
+        if self.echo is not None:
+            self.echo.write(text)
+        lines = [ln.strip() for ln in re.split(r"[\r\n]+", text) if ln.strip()]
+        self.last = lines[-1][:140] if lines else self.last
+        return len(text)
 
 
-def _stop_group(proc: subprocess.Popen) -> None:
-    """Ctrl-C the step's process group as a terminal would; escalate if it does not end."""
-    for sig, wait in ((signal.SIGINT, 60), (signal.SIGTERM, 15), (signal.SIGKILL, 10)):
+class Pipeline:
+    """The steps ``names`` of one command, run one at a time; ``results`` their rows."""
+
+    def __init__(self, tag: str, names: Sequence[str], verbose: bool = False,
+                 t0: float | None = None):
+        self.tag, self.names, self.verbose = tag, tuple(names), verbose
+        self.t0 = time.time() if t0 is None else t0
+        self.err = sys.stderr  # the terminal's, also while a step's output is captured
+        self.results: list[StepResult] = []
+        self.head = ""  # the running step's "i/n name"
+
+    def say(self, msg: str) -> None:
+        print(f"[{self.tag} +{time.time() - self.t0:.0f}s] {msg}", file=self.err, flush=True)
+
+    def step(self, name: str, fn: Callable[[StepResult], Any], log: Path | None = None,
+             what: str = "") -> StepResult:
+        """``fn(res)`` fills the step's row (code, note, numbers, run dir). With ``log`` its
+        stdout and stderr go there (and to stderr with --verbose), with a progress line every
+        PROGRESS_EVERY s. A UsageError or Ctrl-C ends the step, recorded, and goes on up; so
+        does a step that stopped on Ctrl-C itself and kept what it finished (its 130)."""
+        self.head = head = f"{self.names.index(name) + 1}/{len(self.names)} {name}"
+        self.say(head + (f": {what}" if what else "") + (f", log {log}" if log else ""))
+        res, start = StepResult(name, log=str(log) if log else None), time.time()
         try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
-def run_step(name: str, argv: list[str], env: dict[str, str], log: Path, t0: float,
-             index: int, verbose: bool, total: int, tag: str = "demo") -> tuple[int, float, str]:
-    """Run one command in its own process group; return (exit code, seconds, output)."""
-    say(t0, f"{index}/{total} {name}: {shlex.join(argv)}", tag)
-    start = time.time()
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE if verbose else out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            if verbose:
-                for chunk in proc.stdout:  # type: ignore[union-attr] - stdout is a PIPE here
-                    out.write(chunk)
-                    out.flush()
-                    sys.stderr.write(chunk.decode(errors="replace"))
-                proc.wait()
-            else:
-                next_note = start + PROGRESS_EVERY
-                while proc.poll() is None:
-                    time.sleep(0.5)
-                    if time.time() >= next_note:
-                        say(t0, f"{index}/{total} {name}: {time.time() - start:.0f}s ... "
-                            f"{_last_line(log)}", tag)
-                        next_note += PROGRESS_EVERY
+            with self._captured(log, head, start) if log else contextlib.nullcontext():
+                fn(res)
+            res.ok = res.ok or res.code == 0
+        except UsageError as exc:
+            res.code, res.note = exc.exit_code, str(exc)
+            raise
         except KeyboardInterrupt:
-            say(t0, f"{index}/{total} {name}: interrupted, stopping it", tag)
-            _stop_group(proc)
-            raise Interrupted from None
-    seconds = time.time() - start
-    text = log.read_text(errors="replace")
-    code = proc.returncode
-    if code != 0:
-        found = MAKE_ERROR.findall(text)
-        if found:
+            res.code, res.note = 130, res.note or "interrupted"
+            raise
+        finally:
+            res.seconds = time.time() - start
+            self.results.append(res)
+            self.say(f"{head}: {res.state} in {res.seconds:.0f}s"
+                     + (f": {res.note}" if res.note else ""))
+            if log and not res.ok and res.code != 130:
+                tail = "\n".join(log.read_text(errors="replace").rstrip().splitlines()[-15:])
+                print(f"--- last lines of {log}:\n{tail}\n---", file=self.err, flush=True)
+        if res.code == 130:
+            raise KeyboardInterrupt
+        return res
+
+    @contextlib.contextmanager
+    def _captured(self, log: Path, head: str, start: float):
+        log.parent.mkdir(parents=True, exist_ok=True)
+        done = threading.Event()
+        with open(log, "w", encoding="utf-8", buffering=1) as fh:
+            out = _Tee(fh, self.err if self.verbose else None)
+
+            def progress():
+                while not done.wait(PROGRESS_EVERY):
+                    self.say(f"{head}: {time.time() - start:.0f}s ... {out.last}")
+
+            threading.Thread(target=progress, daemon=True).start()
+            try:
+                with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+                    yield
+            finally:
+                done.set()
+
+    def command(self, argv: list[str], env: dict[str, str]) -> tuple[int, str]:
+        """Run ``argv`` in its own process group, its output into the step's; Ctrl-C stops the
+        group as a terminal would. (exit code, output): a failing make recipe's own code."""
+        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        decode, text = codecs.getincrementaldecoder("utf-8")(errors="replace").decode, []
+        try:
+            for chunk in iter(lambda: proc.stdout.read1(1 << 16), b""):  # type: ignore[union-attr]
+                text.append(decode(chunk))
+                sys.stdout.write(text[-1])
+            code = proc.wait()
+        except KeyboardInterrupt:
+            self.say(f"{self.head}: interrupted, stopping it")
+            for sig, wait in ((signal.SIGINT, 60), (signal.SIGTERM, 15), (signal.SIGKILL, 10)):
+                with contextlib.suppress(ProcessLookupError, subprocess.TimeoutExpired):
+                    os.killpg(proc.pid, sig)
+                    proc.wait(timeout=wait)
+                    break
+            raise
+        out = "".join(text)
+        found = MAKE_ERROR.findall(out)
+        if code != 0 and found:
             code = int(found[-1])  # the recipe's own exit code (make itself exits 2)
-        code = code if code > 0 else 1
-    return code, seconds, text
+        return (code if code >= 0 else 1), out
+
+    def run(self, body: Callable[[], Any], teardown: Callable[[], Any]) -> int:
+        """``body()`` runs the steps; Ctrl-C or SIGTERM there is exit 130, a UsageError its own
+        code (one line); then ``teardown()`` with Ctrl-C ignored: a second one must not leave a
+        server running. Else the exit code is the first failed step's."""
+        code = None
+        old_term = signal.signal(signal.SIGTERM, signal.default_int_handler)
+        try:
+            body()
+        except KeyboardInterrupt:
+            code = 130
+        except UsageError as exc:
+            code = exc.exit_code
+            print(f"k3rocm: error: {exc}", file=sys.stderr)
+        finally:
+            signal.signal(signal.SIGTERM, old_term)
+            old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
+            try:
+                teardown()
+            finally:
+                signal.signal(signal.SIGINT, old_int)
+        return code if code is not None else next(
+            (r.code or 1 for r in self.results if not r.ok), 0)
+
+    def finish(self, code: int, run_dir: Path, title: str, doc: dict[str, Any],
+               before: Sequence[str] = (), after: Sequence[str] = (), show=str) -> str:
+        """The summary: printed, and as the run's summary.md and summary.json (``doc`` plus
+        status, exit code, seconds and the steps)."""
+        seconds = time.time() - self.t0
+        width = max((len(r.name) for r in self.results), default=4)
+        rows = []
+        for r in self.results:
+            rows.append(f"  {r.name:<{width}}  {r.state:<14} {r.seconds:5.0f}s  {r.note}")
+            if r.run_dir:
+                rows.append(f"  {'':<{width}}  {'':<14} {'':>6}  -> {show(r.run_dir)}")
+        verdict, status = {0: ("OK", "ok"), 130: ("INTERRUPTED", "interrupted")}.get(
+            code, (f"FAILED (exit {code})", "failed"))
+        text = "\n".join([f"k3rocm {self.tag}: {verdict} in {seconds:.0f}s: {title}", "",
+                          *before, *rows, "", *after])
+        write_json_atomic(run_dir / "summary.json", {
+            **doc, "status": status, "exit_code": code, "seconds": round(seconds, 1),
+            "steps": [{**{k: v for k, v in asdict(r).items()
+                          if k != "code" and (k != "command" or v is not None)},
+                       "exit_code": r.code, "seconds": round(r.seconds, 1)}
+                      for r in self.results]})
+        write_text_atomic(run_dir / "summary.md", "```\n" + text + "\n```\n")
+        print(text)
+        return text
 
 
 def new_dirs(root: Path, before: set[str], suffix: str) -> list[Path]:
@@ -185,19 +277,3 @@ def census_numbers(c: dict[str, Any]) -> tuple[str, dict[str, Any]]:
             parts.append(f"{label} {ch.get('seen')} (expected {ch.get('expected')})")
             numbers[role] = {"seen": ch.get("seen"), "expected": ch.get("expected")}
     return "; ".join(parts), numbers
-
-
-def verdict(code: int) -> str:
-    return "OK" if code == 0 else ("INTERRUPTED" if code == 130 else f"FAILED (exit {code})")
-
-
-def step_rows(results: list[StepResult], show=str) -> list[str]:
-    """One row per step (state, seconds, note) and its run directory below it."""
-    width = max((len(r.name) for r in results), default=4)
-    lines = []
-    for r in results:
-        state = "ok" if r.ok else ("interrupted" if r.code == 130 else f"FAILED exit {r.code}")
-        lines.append(f"  {r.name:<{width}}  {state:<14} {r.seconds:5.0f}s  {r.note}")
-        if r.run_dir:
-            lines.append(f"  {'':<{width}}  {'':<14} {'':>6}  -> {show(r.run_dir)}")
-    return lines

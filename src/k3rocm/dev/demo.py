@@ -16,15 +16,14 @@ Logs: <results>/<UTC>-demo/logs/. Exit codes: 0 ok; else the first failing step'
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 from k3rocm.checks import steps
@@ -35,7 +34,7 @@ from k3rocm.dev.standin import STANDIN_BASE
 from k3rocm.dev.tinymodel import DEFAULT_NAME as SMOKE_MODEL
 from k3rocm.dev.tinymodel import DEFINITION
 from k3rocm.errors import ServerError, UsageError
-from k3rocm.rundir import create_run_dir, write_json_atomic, write_text_atomic
+from k3rocm.rundir import create_run_dir
 from k3rocm.serving.fusions import switches
 
 GSM8K_ITEMS = Path(__file__).resolve().parents[1] / "data" / "gsm8k-demo"
@@ -150,12 +149,12 @@ def run(args: argparse.Namespace) -> int:
     _validate(args)
     from k3rocm.deploy.engine import CLIENT_IMAGE
 
-    t0 = time.time()
-    steps.say(t0, f"1/{len(STEPS)} check: Docker, Compose, images, port {args.port}")
+    pipe = steps.Pipeline("demo", STEPS, args.verbose)
+    pipe.say(f"1/{len(STEPS)} check: Docker, Compose, images, port {args.port}")
     checked = preflight(args, _env(args, "/results/traces"), CLIENT_IMAGE)
     run_dir = create_run_dir(args.results, "demo")
     env = _env(args, f"/results/{run_dir.name}/traces")
-    steps.say(t0, f"run directory {run_dir}")
+    pipe.say(f"run directory {run_dir}")
     py = sys.executable
     make = ["make", "--no-print-directory", "-o", py, f"PY={py}", "CPU=1"]
     q = shlex.quote
@@ -175,46 +174,45 @@ def run(args: argparse.Namespace) -> int:
                                               q(str(args.results)), args.census_args]).strip()],
         "down": [*make, "down"],
     }
-    results: list[StepResult] = [StepResult("check", "(docker, compose, images, port)", ok=True,
-                                            seconds=time.time() - t0, note=checked)]
-    current = "model"
-    old_term = signal.signal(signal.SIGTERM, signal.default_int_handler)
-    try:
-        for i, name in enumerate(STEPS[1:-1], start=2):
-            current = name
-            res = _do_step(name, commands[name], env, run_dir, t0, i, args)
-            results.append(res)
-            if not res.ok:
+    pipe.results.append(StepResult("check", "(docker, compose, images, port)", ok=True,
+                                   seconds=time.time() - pipe.t0, note=checked))
+    started: list[str] = []
+
+    def step(name: str) -> StepResult:
+        started.append(name)
+        fn = functools.partial(_make_step, pipe, commands[name], env, args)
+        return pipe.step(name, fn, log=run_dir / "logs" / f"{STEPS.index(name) + 1}-{name}.log",
+                         what=shlex.join(commands[name]))
+
+    def body():
+        for name in STEPS[1:-1]:
+            if not step(name).ok:
                 break
-    except (steps.Interrupted, KeyboardInterrupt):
-        results.append(StepResult(current, shlex.join(commands[current]), code=130,
-                                  note="interrupted"))
-    finally:
-        signal.signal(signal.SIGTERM, old_term)
-        if STEPS.index(current) >= STEPS.index("up"):
-            # a second Ctrl-C must not leave the server running
-            old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
-            try:
-                results.append(_do_step("down", commands["down"], env, run_dir, t0,
-                                        len(STEPS), args))
-            finally:
-                signal.signal(signal.SIGINT, old_int)
-    code = next((r.code for r in results if not r.ok), 0)
-    print(_summary(results, run_dir, args, env, time.time() - t0, code))
+
+    code = pipe.run(body, lambda: "up" in started and step("down"))
+    settings = {k: env[k] for k in ("K3_PROFILE", "K3_MODEL", "K3_MAX_MODEL_LEN",
+                                    *switches(False), "K3_PROFILER_DIR")}
+    pipe.finish(code, run_dir, f"the bundle on the CPU stand-in ({STANDIN_BASE}, tiny "
+                f"random-weight MLA model {SMOKE_MODEL})",
+                {"port": args.port, "project": args.project,
+                 "results_root": str(args.results), "settings": settings},
+                after=[f"  demo run directory: {_rel(str(run_dir))} (summary.json, summary.md, "
+                       "logs/, traces/)"], show=_rel)
     return code
 
 
-def _do_step(name: str, argv: list[str], env: dict[str, str], run_dir: Path, t0: float,
-             index: int, args: argparse.Namespace) -> StepResult:
-    root = args.results
+def _make_step(pipe: steps.Pipeline, argv: list[str], env: dict[str, str],
+               args: argparse.Namespace, res: StepResult) -> None:
+    """One make target; its row from the run directory it wrote (a new one in the results
+    root, by its name's suffix) and its output."""
+    root, name = args.results, res.name
     before = {p.name for p in root.iterdir()} if root.is_dir() else set()
-    log = run_dir / "logs" / f"{index}-{name}.log"
-    code, seconds, text = steps.run_step(name, argv, env, log, t0, index, args.verbose, len(STEPS))
-    res = StepResult(name, shlex.join(argv), code=code, seconds=seconds, ok=code == 0,
-                     log=str(log))
+    res.command = shlex.join(argv)
+    res.code, text = pipe.command(argv, env)
+    res.ok = res.code == 0
     if name == "model":
         res.run_dir = str(args.models_dir / SMOKE_MODEL)
-        res.note = "tiny random-weight MLA model (generated once, then cached)" if code == 0 \
+        res.note = "tiny random-weight MLA model (generated once, then cached)" if res.ok \
             else "failed"
     elif name == "up":
         res.note = (f"{args.image} FROM "
@@ -233,7 +231,8 @@ def _do_step(name: str, argv: list[str], env: dict[str, str], run_dir: Path, t0:
             res.run_dir = str(new[-1])
             res.note, res.numbers = numbers(steps.read_json(
                 new[-1] / ("census.json" if name == "census" else "summary.json")))
-        if new and name == "gsm8k" and code == 1 and res.numbers.get("status") == "below_gate":
+        if new and name == "gsm8k" and res.code == 1 and \
+                res.numbers.get("status") == "below_gate":
             res.ok = True  # random weights: below the gate is the expected verdict
             res.note += " (expected: random weights; 5 items are not comparable)"
     elif name == "down":
@@ -241,17 +240,10 @@ def _do_step(name: str, argv: list[str], env: dict[str, str], run_dir: Path, t0:
         if new and (new[-1] / "server.log").is_file():
             res.run_dir = str(new[-1] / "server.log")
             res.note = "server log saved, server stopped and removed"
-        elif code == 0:
+        elif res.ok:
             res.note = "server stopped (no server log found)"
     if not res.ok and not res.note.endswith(")"):
-        res.note = (res.note + "; " if res.note else "") + f"exit {code}, see the log"
-    state = "ok" if res.ok else f"FAILED (exit {code})"
-    steps.say(t0, f"{index}/{len(STEPS)} {name}: {state} in {seconds:.0f}s"
-              + (f": {res.note}" if res.note else ""))
-    if not res.ok:
-        tail = "\n".join(text.rstrip().splitlines()[-15:])
-        print(f"--- last lines of {log}:\n{tail}\n---", file=sys.stderr, flush=True)
-    return res
+        res.note = (res.note + "; " if res.note else "") + f"exit {res.code}, see the log"
 
 
 def _rel(path: str | None) -> str:
@@ -259,23 +251,3 @@ def _rel(path: str | None) -> str:
         return "-"
     rel = os.path.relpath(path)
     return path if rel.startswith("..") else rel
-
-
-def _summary(results: list[StepResult], run_dir: Path, args: argparse.Namespace,
-             env: dict[str, str], seconds: float, code: int) -> str:
-    lines = [f"k3rocm demo: {steps.verdict(code)} in {seconds:.0f}s: the bundle on the CPU "
-             f"stand-in ({STANDIN_BASE}, tiny random-weight MLA model {SMOKE_MODEL})", ""]
-    lines += steps.step_rows(results, _rel)
-    lines += ["", f"  demo run directory: {_rel(str(run_dir))} (summary.json, summary.md, "
-              "logs/, traces/)"]
-    text = "\n".join(lines)
-    write_json_atomic(run_dir / "summary.json", {
-        "status": "ok" if code == 0 else ("interrupted" if code == 130 else "failed"),
-        "exit_code": code, "seconds": round(seconds, 1), "port": args.port,
-        "project": args.project, "results_root": str(args.results),
-        "settings": {k: env[k] for k in ("K3_PROFILE", "K3_MODEL", "K3_MAX_MODEL_LEN",
-                                         *switches(False), "K3_PROFILER_DIR")},
-        "steps": [{**{k: v for k, v in asdict(r).items() if k != "code"}, "exit_code": r.code,
-                   "seconds": round(r.seconds, 1)} for r in results]})
-    write_text_atomic(run_dir / "summary.md", "```\n" + text + "\n```\n")
-    return text
