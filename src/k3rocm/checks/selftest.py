@@ -430,7 +430,7 @@ def _bench_argv(args: argparse.Namespace, dep) -> list[str]:
 
 def census_step(args: argparse.Namespace, dep) -> tuple[int, dict[str, Any], Path]:
     """``k3rocm census`` on the selftest server: (exit code, census.json, run directory)."""
-    from k3rocm.checks.census import cli, common
+    from k3rocm.checks.census import cli
 
     host_model = dep.model_host_dir
     cargs = _Args("--census-args", cli.add_arguments).parse_args(
@@ -438,7 +438,7 @@ def census_step(args: argparse.Namespace, dep) -> tuple[int, dict[str, Any], Pat
          *(["--model-dir", str(host_model)] if host_model else []),
          *shlex.split(args.census_args)])
     cli.CensusFlags.from_args(cargs)
-    census, run_dir = cli.run_live(cargs, dep, common.analysis_from(cargs, dep))
+    census, run_dir = cli.run_live(cargs, dep, cli.analysis_from(cargs, dep))
     return cli.finish(census, run_dir), census.to_json(), run_dir
 
 
