@@ -100,15 +100,14 @@ def test_a_stream_late_in_every_round_is_a_clear_error_not_an_empty_profile(fake
 
 
 def test_tokens_are_counted_from_chunks_when_the_server_sends_no_usage(fake, monkeypatch):
-    import k3rocm.checks.census.drive as drive
+    from k3rocm.deploy.server_api import ServerAPI
 
-    real = drive._run_stream
+    real = ServerAPI.stream_chat
 
-    def no_usage(url, api_key, body, st):
-        body = {k: v for k, v in body.items() if k != "stream_options"}
-        real(url, api_key, body, st)
+    def no_usage(self, body, st):
+        return real(self, {k: v for k, v in body.items() if k != "stream_options"}, st)
 
-    monkeypatch.setattr(drive, "_run_stream", no_usage)
+    monkeypatch.setattr(ServerAPI, "stream_chat", no_usage)
     info = profile_under_load(fake.url, "k3-smoke", None, LOAD)
     assert fake.posts == ["/start_profile", "/stop_profile"]
     assert min(info["profiled_tokens_per_stream"]) >= LOAD.steps + 4
@@ -125,19 +124,3 @@ def test_a_server_whose_profiler_stops_itself_is_waited_for_not_the_tokens(fake)
     assert calls == [["/start_profile"]] * 3  # polled while the profiler ran, until it ended
     assert fake.posts == ["/start_profile", "/stop_profile"]
     assert info["stopped_by_server"] is True
-
-
-def test_hang_up_cuts_a_stream_on_a_connection_close_response(fake_vllm):
-    from k3rocm.checks.census import drive
-
-    srv = fake_vllm(chat=lambda req, send: (send("a", 1), srv.closing.wait(60)))
-    st = drive._Stream()
-    body = {"model": "m", "stream": True, "max_tokens": 8,
-            "messages": [{"role": "user", "content": "Request 0: x"}]}
-    t = threading.Thread(target=drive._run_stream, args=(srv.url, None, body, st), daemon=True)
-    t.start()
-    while st.tokens < 1 and t.is_alive():  # the first chunk arrived: the stream is open
-        t.join(0.01)
-    st.hang_up()
-    t.join(10)
-    assert not t.is_alive() and st.done and st.error is None

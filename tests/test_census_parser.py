@@ -51,7 +51,6 @@ def test_kernel_table_sources_roles_and_package_data():
 def test_mla_layers_from_kimi_k3_config():
     m = read_model_facts(KIMI)
     assert (m.model_type, m.layers, m.mla_layers) == ("kimi_linear", 93, 24)
-    assert m.mla_layer_indices[:2] == [3, 7] and m.mla_layer_indices[-1] == 92
 
 
 def test_mla_layers_deepseek_all_layers():

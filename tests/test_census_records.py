@@ -161,6 +161,8 @@ def test_cli_claim_from_provenance_and_records_from_server_log(tmp_path):
     q = census("--trace-dir", str(run / "traces"), tmp_path=tmp_path / "r2")
     assert q.returncode == 0 and "NOT CROSS-CHECKED: no records found" in q.stdout
     assert "census: PASS (the overlay's decision records were not cross-checked" in q.stdout
+    md = (next((tmp_path / "r2").iterdir()) / "census.md").read_text()
+    assert "**not cross-checked**: none found" in md
     # asked off in the provenance, records say on: fail both ways
     (run / "provenance.json").write_text(json.dumps(
         {"server": {"container": {"env": {"K3_FUSE_QK_NORM": "0",

@@ -142,11 +142,35 @@ def test_preflight_calls_a_closed_api_port_on_a_node_a_warning():
 
 # --- callers: one rule and one error text through the client ------------------------------------
 
-def test_smoke_chat_on_no_server_is_a_server_error_not_a_traceback():
+def test_smoke_chat_failures_are_one_line_errors_with_their_exit_codes(vllm):
     from k3rocm.dev.smoke import stream_chat
 
-    with pytest.raises(ServerError):
-        stream_chat(f"http://127.0.0.1:{free_port()}", "m", "hi", 4, echo=False)
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(UsageError, match=f"chat completion failed: nothing listening at {url}") \
+            as ei:
+        stream_chat(url, "m", "hi", 4, echo=False)
+    assert ei.value.exit_code == EXIT_SERVER
+    with pytest.raises(UsageError, match="chat completion failed: HTTP 404: ") as ei:
+        stream_chat(vllm.url, "m", "hi", 4, echo=False)  # no chat script: the fake answers 404
+    assert ei.value.exit_code == 2
+
+
+def test_hang_up_cuts_a_stream_on_a_connection_close_response(fake_vllm):
+    import threading
+
+    from k3rocm.deploy.server_api import ChatStream
+
+    srv = fake_vllm(chat=lambda req, send: (send("a", 1), srv.closing.wait(60)))
+    st, got = ChatStream(), threading.Event()
+    body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "x"}]}
+    t = threading.Thread(target=ServerAPI(srv.url).stream_chat, daemon=True,
+                         args=(body, st, lambda _text: got.set()))
+    t.start()
+    got.wait(10)  # the first chunk arrived: the stream is open
+    st.hang_up()
+    t.join(10)
+    assert not t.is_alive() and st.done and st.error is None and st.tokens == 1
+    assert srv.bodies[0]["stream"] is True
 
 
 def test_wait_ready_reports_a_refused_key(vllm):

@@ -418,9 +418,9 @@ def compare_note(c: dict[str, Any]) -> str:
 
 def census_step(cargs: argparse.Namespace, dep) -> tuple[int, dict[str, Any], Path]:
     """``k3rocm census`` on the selftest server: (exit code, census.json, run directory)."""
-    from k3rocm.checks.census import cli, common
+    from k3rocm.checks.census import cli
 
-    census, run_dir = cli.run_live(cargs, dep, common.analysis_from(cargs, dep))
+    census, run_dir = cli.run_live(cargs, dep, cli.analysis_from(cargs, dep))
     return cli.finish(census, run_dir), census.to_json(), run_dir
 
 

@@ -1,5 +1,6 @@
 """One HTTP client for the vLLM OpenAI server: the API key rule, /health, /v1/models, /metrics,
-the profiler endpoints, and readiness (:func:`wait_ready`, one loop for every command).
+the profiler endpoints, streaming chat completions (:class:`ChatStream`), and readiness
+(:func:`wait_ready`, one loop for every command).
 
 vLLM checks ``Authorization: Bearer`` only under /v1 (vllm@0.27.1:vllm/entrypoints/serve/utils/
 server_utils.py AuthenticationMiddleware), so the header is sent on every request; the profiler
@@ -11,7 +12,11 @@ vllm@0.32.0:vllm/entrypoints/launchers/launcher.py:378).
 
 from __future__ import annotations
 
+import contextlib
+import json
 import re
+import socket
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -22,6 +27,7 @@ from k3rocm.errors import ServerError, UsageError, tagged_log
 NO_KEY = (None, "", "EMPTY")  # "EMPTY": the OpenAI clients' spelling of "no key"
 PROFILE_START_TIMEOUT = 300.0
 PROFILE_STOP_TIMEOUT = 1800.0  # stop_profile returns once every rank wrote its trace
+STREAM_TIMEOUT = 600.0  # seconds without a byte from a streaming completion
 
 _log = tagged_log("bench")
 
@@ -128,6 +134,34 @@ class ServerAPI:
     def stop_profile(self, timeout: float = PROFILE_STOP_TIMEOUT) -> None:
         self._profile("/stop_profile", timeout)
 
+    def stream_chat(self, body: dict[str, Any], st: ChatStream | None = None,
+                    on_text: Callable[[str], None] | None = None) -> ChatStream:
+        """Stream the chat completion ``body`` into ``st`` (``on_text``: each chunk's content)
+        until the server ends it or ``st.hang_up()``; never raises: a failure is ``st.error``."""
+        st = st or ChatStream()
+        try:
+            with self.post("/v1/chat/completions", (10, STREAM_TIMEOUT),
+                           json={**body, "stream": True}, stream=True) as r:
+                st.response, st.status = r, r.status_code
+                if st.stop.is_set():  # hung up before the response was there to close
+                    return st
+                if r.status_code != 200:
+                    st.error = f"HTTP {r.status_code}: {r.text[:200]}"
+                    return st
+                for line in r.iter_lines():
+                    if st.stop.is_set() or line == b"data: [DONE]":
+                        break  # closing the connection aborts the request server-side
+                    if line.startswith(b"data: "):
+                        with contextlib.suppress(ValueError):
+                            st._read(json.loads(line[6:]), on_text)
+        except Exception as exc:  # noqa: BLE001 - the stream's error, unless it was hung up
+            if not st.stop.is_set():
+                st.error = str(exc) if isinstance(exc, ServerError) else \
+                    f"{exc.__class__.__name__}: {exc}"[:300]
+        finally:
+            st.done = True
+        return st
+
     def _profile(self, path: str, timeout: float) -> None:
         r = self.post(path, timeout)
         if r.status_code == 404:
@@ -137,6 +171,47 @@ class ServerAPI:
         if r.status_code != 200:
             raise ServerError(f"POST {self.url}{path} answered HTTP {r.status_code}: "
                               f"{r.text[:200]}")
+
+
+class ChatStream:
+    """One streaming chat completion (:meth:`ServerAPI.stream_chat`), read by other threads
+    while it runs: ``tokens`` so far (vLLM's continuous usage count, else one per chunk that
+    carries a token), the last ``usage`` sent, ``first``/``last`` (``perf_counter`` of the first
+    and last token), the HTTP ``status``, ``error`` (why it ended early: a one-line reason, never
+    for a hang-up) and ``done``."""
+
+    def __init__(self) -> None:
+        self.tokens, self.usage, self.status, self.error, self.done = 0, None, None, None, False
+        self.first: float | None = None
+        self.last: float | None = None
+        self.stop = threading.Event()
+        self.response: Any = None
+
+    def hang_up(self) -> None:
+        """Close the connection now (the server aborts the request)."""
+        self.stop.set()
+        raw = getattr(self.response, "raw", None)
+        sock = getattr(getattr(raw, "connection", None), "sock", None)
+        if sock is None:  # `Connection: close`: http.client handed the socket to the response
+            sock = getattr(getattr(getattr(getattr(raw, "_fp", None), "fp", None), "raw", None),
+                           "_sock", None)
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def _read(self, chunk: dict[str, Any], on_text: Callable[[str], None] | None) -> None:
+        self.usage = chunk.get("usage") or self.usage
+        deltas = [c.get("delta") or {} for c in chunk.get("choices") or []]
+        n = sum(bool(d.get("content") or d.get("reasoning_content") or d.get("reasoning"))
+                for d in deltas)
+        counted = (chunk.get("usage") or {}).get("completion_tokens")
+        self.tokens = counted if counted is not None else self.tokens + n
+        if n:
+            self.last = time.perf_counter()
+            self.first = self.first or self.last
+            text = "".join(d.get("content") or "" for d in deltas)
+            if text and on_text is not None:
+                on_text(text)
 
 
 def metric_sum(metrics_text: str, name: str) -> float | None:

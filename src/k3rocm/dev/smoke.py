@@ -4,7 +4,6 @@ serve the tiny model through compose, stream one request, tear down."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import subprocess
@@ -57,34 +56,21 @@ def stream_chat(base_url: str, model: str, prompt: str, max_tokens: int,
     from k3rocm.deploy.server_api import ServerAPI
 
     body = {"model": model, "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
+            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
-    first = last = usage = None
-    with ServerAPI(base_url, api_key).post("/v1/chat/completions", json=body, stream=True,
-                                           timeout=300) as resp:
-        if resp.status_code != 200:
-            raise UsageError(f"chat completion failed: HTTP {resp.status_code} "
-                             f"{resp.text[:200]}", 2)
-        for line in resp.iter_lines(decode_unicode=True):
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            usage = chunk.get("usage") or usage
-            text = "".join((c.get("delta") or {}).get("content") or ""
-                           for c in chunk.get("choices", []))
-            if text:
-                last = time.perf_counter()
-                first = first or last
-                if echo:
-                    print(text, end="", flush=True)
+    st = ServerAPI(base_url, api_key).stream_chat(
+        body, on_text=(lambda text: print(text, end="", flush=True)) if echo else None)
     if echo:
         print()
-    completion = (usage or {}).get("completion_tokens")
-    decode_s = (last - first) if first else None
+    if st.error:  # an HTTP error answer is exit 2; no server, or a cut stream, exit 3
+        raise UsageError(f"chat completion failed: {st.error}", 3 if st.status in (None, 200)
+                         else 2)
+    completion = (st.usage or {}).get("completion_tokens")
+    decode_s = (st.last - st.first) if st.first else None
     rate = ((completion - 1) / decode_s) if completion and decode_s else None
-    return {"usage": usage, "ttft_s": (first - t0) if first else None, "decode_s": decode_s,
-            "tokens_per_s": rate}
+    return {"usage": st.usage, "ttft_s": (st.first - t0) if st.first else None,
+            "decode_s": decode_s, "tokens_per_s": rate}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -52,8 +52,6 @@ KIMI_K3_KDA_LAYERS: tuple[int, ...] = tuple(i for i in range(1, _N + 1)
 # values a byte) and a uint8 E8M0 ``weight_scale`` [out, in / 32].
 KIMI_K3_QUANT_FORMAT = "mxfp4-pack-quantized"
 KIMI_K3_GROUP_SIZE = 32
-KIMI_K3_EXPERT_TENSOR = ("language_model.model.layers.{layer}.block_sparse_moe.experts.{expert}."
-                         "{w}.weight_{part}")  # w in w1, w2, w3; part in packed, scale
 
 # ~1.56 TB of weights (source: BOTH); the index's total_size at the pinned revision
 # (k3rocm.deploy.checkpoint.REVISION, from public records) is this many bytes.

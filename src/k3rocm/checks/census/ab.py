@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from k3rocm.checks.census.analyze import Census, na
-from k3rocm.checks.census.common import (
+from k3rocm.checks.census.cli import (
     AnalysisFlags,
     analysis_from,
     profiling_from,

@@ -9,10 +9,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from k3rocm.checks.census import common
 from k3rocm.checks.census import pipeline as pl
 from k3rocm.checks.census.analyze import CAUSES, Census
+from k3rocm.checks.census.expect import other_norms
 from k3rocm.checks.census.fusions import from_cli
+from k3rocm.checks.census.modelcfg import read_model_facts
+from k3rocm.checks.census.spec import ROLES
 from k3rocm.deploy import runrecord
 from k3rocm.errors import UsageError
 from k3rocm.options import Options, ServerFlags, like, option
@@ -22,8 +24,82 @@ from k3rocm.serving.fusions import FUSIONS
 LIVE = "live server"  # --help group
 
 
+class AnalysisFlags(Options):
+    """The analysis flags ``census`` and ``ab --measure census`` share."""
+
+    model_dir: str | None = option(
+        None, "checkpoint directory (or its config.json) as seen from this host: the MLA layer "
+        "count comes from it (default: K3_MODEL mapped through K3_MODELS_DIR when it lies under "
+        "/models)")
+    other_norms: str | None = option(
+        None, "separate RMSNorm launches per step that are not MLA q/kv norms, e.g. "
+        "'2*layers + 1' (overrides the model family's rule)", metavar="FORMULA")
+    extra: list[str] = option(
+        default_factory=list, metavar="ROLE=N", help=f"add N expected launches per step to "
+        f"ROLE ({', '.join(ROLES)}), e.g. for draft-model layers")
+    min_decode_steps: int = option(1, "fail unless at least this many decode-only steps were "
+                                   "traced", ge=0)
+    world_size: int | None = option(
+        None, "ranks that must each have a worker trace, when the traces do not record it "
+        "(distributedInfo.world_size); live runs fall back to the server's tensor-parallel "
+        "size", ge=1)
+    skip_records: bool = option(False, "do not cross-check the overlay's decision records (for "
+                                "a server whose overlay predates them); the report says so")
+    top: int = option(25, "kernels in the markdown's top table (across ranks)", ge=1)
+    results: Path | None = like(ServerFlags, "results", "results root (default: K3_RESULTS_DIR "
+                                "or ./results)")
+
+
+def _deployment(dep):
+    """``dep``, else the deployment (census-ab's offline comparison has none: loaded only when
+    a flag is missing)."""
+    from k3rocm.deploy.deployment import load_deployment
+
+    return dep or load_deployment()
+
+
+def model_dir_from(args: argparse.Namespace, dep=None) -> str:
+    """--model-dir, else the deployment's checkpoint on this host."""
+    if args.model_dir:
+        return args.model_dir
+    dep = _deployment(dep)
+    if dep.model_host_dir is not None and dep.model_host_dir.exists():
+        return str(dep.model_host_dir)
+    raise UsageError("no model config: pass --model-dir <checkpoint dir with config.json> "
+                     f"(K3_MODEL={dep.model} is not a path on this host)")
+
+
+def results_root(args: argparse.Namespace, dep=None) -> str:
+    return args.results or str(_deployment(dep).results_root)
+
+
+def analysis_from(args: argparse.Namespace, dep=None) -> pl.Analysis:
+    """The analysis flags, checked before any expensive work (exit 2)."""
+    f = AnalysisFlags.from_args(args)  # out of range: exit 2
+    model_dir = model_dir_from(args, dep)
+    other_norms(f.other_norms, read_model_facts(model_dir))  # a bad formula: exit 2 now
+    extra: dict[str, int] = {}
+    for item in f.extra:
+        role, sep, n = item.partition("=")
+        if not sep or role not in ROLES or not n.strip().lstrip("-").isdigit():
+            raise UsageError(f"--extra {item!r} is not ROLE=N with ROLE one of "
+                             f"{', '.join(ROLES)} and N an integer")
+        extra[role] = int(n)
+    if getattr(args, "fusions", None):
+        from_cli(args.fusions)
+    server_log = getattr(args, "server_log", None)
+    if server_log and not Path(server_log).is_file():
+        raise UsageError(f"--server-log {server_log} does not exist")
+    return pl.Analysis(model_dir, extra, f.other_norms, f.min_decode_steps, f.world_size,
+                       f.skip_records, server_log, f.top)
+
+
+def profiling_from(args: argparse.Namespace) -> pl.Profiling:
+    return pl.Profiling.from_args(args, server_trace_dir=getattr(args, "server_trace_dir", None))
+
+
 class CensusFlags(Options):
-    """``k3rocm census``'s own flags (plus :class:`pl.Profiling`, :class:`common.AnalysisFlags`)."""
+    """``k3rocm census``'s own flags (plus :class:`pl.Profiling`, :class:`AnalysisFlags`)."""
 
     trace_dir: str | None = option(None, "analyse the traces in this directory instead of "
                                    "driving a server")
@@ -55,7 +131,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     groups: dict[str, argparse._ArgumentGroup] = {}
     CensusFlags.add_arguments(p, groups)
     pl.Profiling.add_arguments(groups[LIVE])
-    common.add_analysis_arguments(p)
+    AnalysisFlags.add_arguments(p.add_argument_group("analysis"))
 
 
 def finish(census: Census, run_dir: Path) -> int:
@@ -100,19 +176,19 @@ def deployment_view(args: argparse.Namespace) -> dict:
     """What this command resolved (``--print-deployment``)."""
     dep = _deployment_args(args)
     try:
-        model_dir: str | None = str(Path(common.model_dir_from(args, dep)).absolute())
+        model_dir: str | None = str(Path(model_dir_from(args, dep)).absolute())
     except UsageError:
         model_dir = None
     return {**dep.to_json(), "url": args.url.rstrip("/"),
             "served_model_name": args.model or dep.served_model_name,
-            "results_root": str(Path(common.results_root(args, dep)).absolute()),
+            "results_root": str(Path(results_root(args, dep)).absolute()),
             "model_host_dir": model_dir}
 
 
 def run(args: argparse.Namespace) -> int:
     CensusFlags.from_args(args)  # out of range: exit 2
     dep = _deployment_args(args)
-    opts = common.analysis_from(args, dep)
+    opts = analysis_from(args, dep)
     if args.trace_dir:
         tdir = Path(args.trace_dir)
         if not tdir.is_dir():
@@ -120,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
         claim = pl.claim_offline(tdir, args.fusions)
         decisions = pl.read_decisions(opts, tdir)
         census = pl.analyse(tdir, opts, claim, decisions)
-        run_dir = create_run_dir(common.results_root(args, dep), args.label)
+        run_dir = create_run_dir(results_root(args, dep), args.label)
         files = pl.trace_files([r.path for r in census.traces.ranks])
         pl.write_report(run_dir, census, runrecord.build(
             deployment=dep, source="trace-dir", trace_dir=str(args.trace_dir),
@@ -134,7 +210,7 @@ def run_live(args: argparse.Namespace, dep, opts) -> tuple[Census, Path]:
     from k3rocm.deploy.provenance import find_server_container
     from k3rocm.deploy.server_api import ServerAPI, wait_ready
 
-    load = common.profiling_from(args)
+    load = profiling_from(args)
     api_key = dep.api_key
     url = args.url.rstrip("/")
     model = args.model
@@ -166,7 +242,7 @@ def run_live(args: argparse.Namespace, dep, opts) -> tuple[Census, Path]:
     if container is None and not args.server_log and not args.skip_records:
         raise UsageError("the overlay's decision records are unreachable without the server "
                          "container: pass --container, --server-log FILE or --skip-records")
-    run_dir = create_run_dir(common.results_root(args, dep), args.label)
+    run_dir = create_run_dir(results_root(args, dep), args.label)
     pl.log(f"run directory {run_dir}")
     census = pl.live_census(url, model, api_key, client, container, claim, run_dir, opts, load,
                          dep=dep)

@@ -7,106 +7,37 @@ or after ``steps`` more tokens; then the streams are hung up (aborting the reque
 
 from __future__ import annotations
 
-import contextlib
 import io
-import socket
 import tarfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from k3rocm.deploy.provenance import exec_text
-from k3rocm.deploy.server_api import ServerAPI, auth_headers
+from k3rocm.deploy.server_api import STREAM_TIMEOUT, ChatStream, ServerAPI
 from k3rocm.errors import UsageError, tagged_log
 from k3rocm.rundir import write_bytes_atomic
 
 _log = tagged_log("census")
 
 
-STREAM_TIMEOUT = 600.0  # seconds without a byte from a load stream
-
-
-@dataclass
-class _Stream:
-    tokens: int = 0
-    error: str | None = None
-    done: bool = False
-    stop: threading.Event = field(default_factory=threading.Event)
-    response: Any = None
-
-    def hang_up(self) -> None:
-        """Close the connection now (the server aborts the request)."""
-        self.stop.set()
-        raw = getattr(self.response, "raw", None)
-        sock = getattr(getattr(raw, "connection", None), "sock", None)
-        if sock is None:  # `Connection: close`: http.client handed the socket to the response
-            sock = getattr(getattr(getattr(getattr(raw, "_fp", None), "fp", None), "raw", None),
-                           "_sock", None)
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-
-
-def _run_stream(url: str, api_key: str | None, body: dict[str, Any], st: _Stream) -> None:
-    import json
-
-    import requests
-
-    try:
-        with requests.post(f"{url}/v1/chat/completions", json=body, stream=True,
-                           headers=auth_headers(api_key), timeout=(10, STREAM_TIMEOUT)) as r:
-            st.response = r
-            if st.stop.is_set():  # hung up before the response was there to close
-                return
-            if r.status_code != 200:
-                st.error = f"HTTP {r.status_code}: {r.text[:200]}"
-                return
-            for line in r.iter_lines():
-                if st.stop.is_set():
-                    break  # closing the connection aborts the request server-side
-                if not line or not line.startswith(b"data: "):
-                    continue
-                payload = line[6:]
-                if payload == b"[DONE]":
-                    break
-                try:
-                    chunk = json.loads(payload)
-                except ValueError:
-                    continue
-                # continuous usage stats count exactly; without them, count content chunks
-                usage = chunk.get("usage") or {}
-                if usage.get("completion_tokens") is not None:
-                    st.tokens = usage["completion_tokens"]
-                    continue
-                for ch in chunk.get("choices") or []:
-                    delta = ch.get("delta") or {}
-                    if delta.get("content") or delta.get("reasoning_content") or \
-                            delta.get("reasoning"):
-                        st.tokens += 1
-    except Exception as exc:  # noqa: BLE001 - reported below
-        if not st.stop.is_set():  # not the hang-up's own doing
-            st.error = f"{exc.__class__.__name__}: {exc}"[:300]
-    finally:
-        st.done = True
-
-
 class _Load:
     """One round of ``concurrency`` streaming requests, each on its own thread."""
 
     def __init__(self, url: str, model: str, api_key: str | None, load: Any, salt: int) -> None:
-        self.streams = [_Stream() for _ in range(load.concurrency)]
+        self.streams = [ChatStream() for _ in range(load.concurrency)]
         self.threads = []
         for i, st in enumerate(self.streams):
             words = " ".join(f"w{(i * 7919 + j + salt) % 997}" for j in range(load.prompt_words))
-            body = {"model": model, "stream": True, "max_tokens": load.max_tokens,
+            body = {"model": model, "max_tokens": load.max_tokens,
                     "min_tokens": load.max_tokens, "ignore_eos": True, "temperature": 0.0,
                     "stream_options": {"include_usage": True, "continuous_usage_stats": True},
                     "messages": [{"role": "user", "content": f"Request {i}: {words}"}]}
-            self.threads.append(threading.Thread(target=_run_stream, daemon=True,
-                                                 args=(url, api_key, body, st)))
+            self.threads.append(threading.Thread(target=ServerAPI(url, api_key).stream_chat,
+                                                 args=(body, st), daemon=True))
         for t in self.threads:
             t.start()
 

@@ -1,4 +1,5 @@
-"""MLA layer count (and a few shape facts) from a model's config.json."""
+"""The layer counts the census judges by, from a model's config.json (a Kimi-K3 checkpoint's
+against its published layout, :mod:`k3rocm.serving.modelfacts`)."""
 
 from __future__ import annotations
 
@@ -15,14 +16,8 @@ from k3rocm.serving.modelfacts import KIMI_K3, KIMI_K3_MLA_LAYERS
 class ModelFacts:
     path: str
     model_type: str  # of the text model (kimi_linear for Kimi-K3)
-    top_model_type: str
     layers: int
     mla_layers: int
-    mla_layer_indices: list[int]  # 0-based
-    heads: int | None
-    kv_lora_rank: int | None
-    qk_rope_head_dim: int | None
-    draft_layers: int  # num_nextn_predict_layers (MTP), not part of the main model's count
 
 
 def read_model_facts(model: str | os.PathLike) -> ModelFacts:
@@ -68,8 +63,4 @@ def read_model_facts(model: str | os.PathLike) -> ModelFacts:
                 f"published config has {len(want)} of {KIMI_K3['num_hidden_layers'][0]} "
                 "(k3rocm.serving.modelfacts); a different model or revision: the census "
                 "would count launches per layer against the wrong layer count")
-    heads = text.get("num_attention_heads")
-    return ModelFacts(str(cfg_path), mtype or top_type, top_type, n, len(mla), mla,
-                      heads if isinstance(heads, int) else None, text.get("kv_lora_rank"),
-                      text.get("qk_rope_head_dim"),
-                      int(text.get("num_nextn_predict_layers") or 0))
+    return ModelFacts(str(cfg_path), mtype or top_type, n, len(mla))
