@@ -144,10 +144,9 @@ def test_host_state_records_governor_numa_and_the_gpu_tool_or_says_it_is_missing
     assert runrecord.build()["host"]["gpu"]  # in every run record
 
 
-def test_the_topology_is_what_the_url_is_in_the_scale_settings(monkeypatch):
-    """Every record with a URL (bench, gsm8k, census, server logs, selftest) says what it is."""
-    for k, v in {"K3_SCALE_MODE": "replicas", "K3_SCALE_NODES": "10.0.0.1:8000,10.0.0.2:8000",
-                 "K3_SCALE_ROUTER_PORT": "9000"}.items():
-        monkeypatch.setenv(k, v)
-    assert runrecord.build(url="http://127.0.0.1:9000")["topology"]["target"] == "router"
-    assert runrecord.build()["topology"] is None
+def test_topology_is_the_callers_else_one_node():
+    got = runrecord.build(url="http://127.0.0.1:8123")["topology"]
+    assert got == {"mode": "single", "url": "http://127.0.0.1:8123", "via_router": False,
+                   "nodes": ["127.0.0.1:8123"]}
+    routed = {"mode": "replicas", "via_router": True}
+    assert runrecord.build(url="http://127.0.0.1:8123", topology=routed)["topology"] == routed

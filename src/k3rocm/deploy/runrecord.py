@@ -17,6 +17,7 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from k3rocm import __version__
 from k3rocm.rundir import write_json_atomic
@@ -132,14 +133,18 @@ def upstream_comparison(measure: str, *, server: dict | None = None, deployment=
             "text": "not comparable with any upstream figure: the server's settings are unknown"}
 
 
+def single_node(url: str) -> dict[str, Any]:
+    """The ``topology`` block of a server on one node (a scale-out's caller passes its own)."""
+    p = urlparse(url)
+    return {"mode": "single", "url": url, "via_router": False, "nodes": [f"{p.hostname}:{p.port}"]}
+
+
 def build(*, deployment=None, server: dict | None = None, url: str | None = None,
           tools: dict[str, Any] | None = None, measure: str | None = None,
-          workload: Any = None, **extra: Any) -> dict[str, Any]:
+          workload: Any = None, topology: dict[str, Any] | None = None,
+          **extra: Any) -> dict[str, Any]:
     """The run record of one run; ``extra`` holds the command's own keys. With ``measure``
-    (bench, census, ...) it says which upstream figure the result is comparable with; with
-    ``url``, what that URL is in the scale settings (``topology``)."""
-    from k3rocm.deploy.scale.status import topology
-
+    (bench, census, ...) it says which upstream figure the result is comparable with."""
     record: dict[str, Any] = {
         "schema": SCHEMA,
         "command": command_block(),
@@ -147,7 +152,7 @@ def build(*, deployment=None, server: dict | None = None, url: str | None = None
         "server": server,
         "checkpoint": checkpoint(deployment),
         "tools": {"k3rocm": __version__, **(tools or {})},
-        "topology": topology(url) if url else None,
+        "topology": topology or (single_node(url) if url else None),
         "host": host_state(),
     }
     if measure is not None:
