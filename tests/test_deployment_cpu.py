@@ -197,8 +197,9 @@ def test_demo_port_is_the_deployments(clean, tmp_path):
 
 
 def test_demo_names_the_image_make_up_runs(clean, monkeypatch):
-    import time
+    import functools
 
+    from k3rocm.checks import steps
     from k3rocm.dev import demo
 
     (clean / ".env").write_text("K3_IMAGE=my/server:dotenv\n")
@@ -206,10 +207,10 @@ def test_demo_names_the_image_make_up_runs(clean, monkeypatch):
     demo.add_arguments(p)
     args = p.parse_args(["--results", str(clean / "r"), "--models-dir", str(clean / "m")])
     demo._validate(args)
-    (clean / "run").mkdir()
-    res = demo._do_step("up", ["true"], {"PATH": "/usr/bin:/bin"}, clean / "run", time.time(), 2,
-                        args)
-    assert res.note.startswith("my/server:dotenv FROM ")
+    pipe = steps.Pipeline("demo", demo.STEPS)
+    res = pipe.step("up", functools.partial(demo._make_step, pipe, ["true"],
+                                            {"PATH": "/usr/bin:/bin"}, args))
+    assert res.ok and res.note.startswith("my/server:dotenv FROM ")
 
 
 def test_image_defaults_are_compose_files_own():
