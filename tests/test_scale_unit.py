@@ -381,9 +381,16 @@ def test_stop_router_waits_for_the_request_timeout_by_default():
     (["router-down", "--instance", "two"], "--instance (make ROUTER=)='two' is not valid"),
     (["router-up", "--instance", "17"], "router instance 17 is out of range"),
     (["router-down", "--timeout", "1h"], "--timeout (make ROUTER_TIMEOUT=)='1h' is not valid"),
+    (["overhead", "-n", "0"], "--requests 0 is out of range; use x >= 1"),
 ])
 def test_cli_refuses_bad_instance_and_timeout(cli, args, fragment):
     rc, out, err = cli("scale", *args, env={**TWO, "DOCKER_HOST": "unix:///nonexistent.sock"})
     assert rc == 2, out + err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and fragment in lines[0], err
+
+
+@pytest.mark.parametrize("sub", ["url", "proxy-conf", "status", "overhead"])
+def test_single_mode_refuses_what_needs_replicas(cli, sub):
+    rc, out, err = cli("scale", sub, env={"K3_SCALE_MODE": "single"})
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "K3_SCALE_MODE=replicas" in err, err
