@@ -89,20 +89,21 @@ def _render(args, s, settings) -> int:
     return 0
 
 
-def _manifests(args, s, settings) -> tuple[list, str]:
-    from k3rocm.deploy.scale.k8s import render_k8s
+# stacked rows register bottom-up: the lower one is listed first
+@subcommand("k8s-check", "the manifests against the strict Kubernetes 1.29-1.37 schemas and, "
+            "with a kubeconfig and kubectl, `kubectl apply --dry-run=server` against that "
+            "cluster. Exit 0 ok, 1 a check failed, 2 bad settings, 3 the cluster does not answer")
+@subcommand("render-k8s", "Kubernetes manifests, checked against the Kubernetes schemas "
+            "(kubernetes-validate, offline)", "out")
+def _k8s(args, s, settings) -> int:
+    from k3rocm.deploy.scale.k8s import render_k8s, validate
+    from k3rocm.deploy.scale.k8scheck import k8s_check
     from k3rocm.deploy.scale.render import plan
 
     objs = render_k8s(plan(dotenv=args.env_file, scale=s), settings)
-    return objs, "---\n".join(_yaml_dump(o) for o in objs)
-
-
-@subcommand("render-k8s", "Kubernetes manifests, checked against the Kubernetes schemas "
-            "(kubernetes-validate, offline)", "out")
-def _render_k8s(args, s, settings) -> int:
-    from k3rocm.deploy.scale.k8s import validate
-
-    objs, text = _manifests(args, s, settings)
+    text = "---\n".join(_yaml_dump(o) for o in objs)
+    if args.scale_cmd == "k8s-check":
+        return k8s_check(objs, text)
     for line in validate(objs):
         print(line, file=sys.stderr)
     text = "# replicas: rendered by k3rocm; manifests NOT validated on an MI355X cluster\n" + text
@@ -114,15 +115,6 @@ def _render_k8s(args, s, settings) -> int:
     return 0
 
 
-@subcommand("k8s-check", "the manifests against the strict Kubernetes 1.29-1.37 schemas and, "
-            "with a kubeconfig and kubectl, `kubectl apply --dry-run=server` against that "
-            "cluster. Exit 0 ok, 1 a check failed, 2 bad settings, 3 the cluster does not answer")
-def _k8s_check(args, s, settings) -> int:
-    from k3rocm.deploy.scale.k8scheck import k8s_check
-
-    return k8s_check(*_manifests(args, s, settings))
-
-
 @subcommand("proxy-conf", "print an nginx configuration that forwards only /v1/* and the "
             "health paths to the router", "listen", single=NO_ROUTER)
 def _proxy_conf(args, s, settings) -> int:
@@ -132,32 +124,26 @@ def _proxy_conf(args, s, settings) -> int:
     return 0
 
 
+@subcommand("router-down", "drain (SIGTERM: in-flight requests finish, new connections are "
+            "refused), stop and remove the router container", "instance", "timeout")
 @subcommand("router-up", "start vllm-router in front of K3_SCALE_NODES (host network)",
             "instance")
-def _router_up(args, s, settings) -> int:
+def _router(args, s, settings) -> int:
     from k3rocm.deploy.engine import docker_client
     from k3rocm.deploy.scale.render import plan
-    from k3rocm.deploy.scale.router import instance, start_router
+    from k3rocm.deploy.scale.router import instance, start_router, stop_router
 
     name, si = instance(s, _whole("--instance (make ROUTER=)", args.instance, 1))
+    if args.scale_cmd == "router-down":
+        timeout = _whole("--timeout (make ROUTER_TIMEOUT=)", args.timeout, 0)
+        metrics = f"http://127.0.0.1:{si.router_metrics_port}/metrics"
+        print("router removed" if stop_router(docker_client(), name, timeout, metrics) else
+              f"no container named {name}")
+        return 0
     plan(dotenv=args.env_file, scale=s)  # validate before starting
     c = start_router(docker_client(), si, name=name)
     print(f"router {c.name} at {si.router_url} -> {', '.join(si.worker_urls)} "
           f"(policy {si.router_policy}); `make status` shows the replicas")
-    return 0
-
-
-@subcommand("router-down", "drain (SIGTERM: in-flight requests finish, new connections are "
-            "refused), stop and remove the router container", "instance", "timeout")
-def _router_down(args, s, settings) -> int:
-    from k3rocm.deploy.engine import docker_client
-    from k3rocm.deploy.scale.router import instance, stop_router
-
-    name, si = instance(s, _whole("--instance (make ROUTER=)", args.instance, 1))
-    timeout = _whole("--timeout (make ROUTER_TIMEOUT=)", args.timeout, 0)
-    metrics = f"http://127.0.0.1:{si.router_metrics_port}/metrics"
-    print("router removed" if stop_router(docker_client(), name, timeout, metrics) else
-          f"no container named {name}")
     return 0
 
 
