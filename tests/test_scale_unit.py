@@ -71,6 +71,9 @@ def test_every_scale_variable_is_registered_in_config():
      "data-parallel + expert-parallel rendering was removed"),
     ({**TWO, "K3_SCALE_EXPERIMENTAL": "1"}, "K3_SCALE_EXPERIMENTAL is not a known setting"),
     ({**TWO, "K3_SCALE_DRAIN_TIMEOUT": "-1"}, "K3_SCALE_DRAIN_TIMEOUT='-1' is not valid"),
+    ({**TWO, "K3_SCALE_METRICS_NAMESPACE": "Monitoring"}, "='Monitoring' is not valid: use a "
+     "Kubernetes name"),
+    ({**TWO, "K3_SCALE_GPU_GROUPS": "video"}, "='video' is not valid: give numeric group ids"),
 ])
 def test_bad_scale_settings_one_line(env, needle):
     with pytest.raises(UsageError) as exc:
