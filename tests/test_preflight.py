@@ -108,7 +108,7 @@ def test_port_in_use_fails():
     assert preflight.check_port("API port", "127.0.0.1", port, "x").status == "ok"
 
 
-def test_scale_checks():
+def test_scale_checks(tmp_path):
     from k3rocm.serving.config import load_settings
 
     settings = load_settings({}, dotenv=None, check_model=False)[0]
@@ -116,9 +116,10 @@ def test_scale_checks():
     s = load_scale({"K3_SCALE_MODE": "replicas",
                     "K3_SCALE_NODES": f"127.0.0.1:{p1},127.0.0.1:{p2}",
                     "K3_SCALE_ROUTER_PORT": str(free_port())}, dotenv=None)
-    checks = {c.name: c for c in scale_preflight.check_scale(s, settings, None)}
+    checks = {c.name: c for c in scale_preflight.check_scale(s, settings, None,
+                                                             {"HOME": str(tmp_path)}, None)}
     assert set(checks) == {f"node 127.0.0.1:{p1}", f"node 127.0.0.1:{p2}",
-                           "same serving image on every node", "router port"}
+                           "same serving image on every node", "router port", "kubernetes nodes"}
     assert checks[f"node 127.0.0.1:{p1}"].status == "warn"  # nothing listens: not started
     assert checks["same serving image on every node"].status == "warn"  # no engine: unknown
     assert checks["router port"].status == "ok"

@@ -1,6 +1,6 @@
-"""``k3rocm preflight``: the single-node checks of :mod:`k3rocm.deploy.preflight`, ending with
-the API port (single) or, for replicas, every node reachable, one serving image, the router port
-free and the cluster nodes the server pod may use."""
+"""``k3rocm preflight``: the one runner and table of :mod:`k3rocm.deploy.preflight`, whose
+single-node checks end with the API port (K3_SCALE_MODE=single) or, for replicas, with
+:func:`check_scale`'s rows. Here, not there: single-node deploy imports nothing of scale-out."""
 
 from __future__ import annotations
 
@@ -46,7 +46,9 @@ def remote_image_id(host: str, image: str, timeout: float = 15.0) -> str | None:
     return r.stdout.strip() or None if r.returncode == 0 else None
 
 
-def check_scale(s, settings, client) -> list[Check]:
+def check_scale(s, settings, client, environ=None, dotenv=".env") -> list[Check]:
+    """Every node reachable, one serving image on all, the router port free, and the cluster
+    nodes the server pod may use."""
     out = [check_node(node) for node in s.nodes]
     local = {"127.0.0.1", "localhost", "::1", socket.gethostname()}
     with contextlib.suppress(OSError):
@@ -73,24 +75,16 @@ def check_scale(s, settings, client) -> list[Check]:
     out.append(check_port("router port", s.router_host, s.router_port,
                           "stop what listens there (`make router-down`) or change "
                           "K3_SCALE_ROUTER_PORT"))
+    status, have = cluster_nodes(s, dotenv, environ)
+    out.append(Check("kubernetes nodes", status, have, "" if status != "fail" else
+                     "label the MI355X nodes (AMD node labeller) or set "
+                     "K3_SCALE_NODE_SELECTOR to labels they have"))
     return out
 
 
-def kubernetes_nodes(s, environ, dotenv) -> Check:
-    status, have = cluster_nodes(s, dotenv, environ)
-    return Check("kubernetes nodes", status, have, "" if status != "fail" else
-                 "label the MI355X nodes (AMD node labeller) or set "
-                 "K3_SCALE_NODE_SELECTOR to labels they have")
-
-
-def run_checks(environ=None, dotenv: str = ".env") -> list[Check]:
-    environ = dict(os.environ if environ is None else environ)
-    s = load_scale(environ, dotenv)  # bad input: exit 2 before any check runs
-    if s.mode == "single":
-        return preflight.run_checks(environ, dotenv)
-    return preflight.run_checks(environ, dotenv, tail=lambda settings, client: [
-        *check_scale(s, settings, client), kubernetes_nodes(s, environ, dotenv)])
-
-
 def run(args: argparse.Namespace) -> int:
-    return preflight.report(run_checks(dotenv=args.env_file), args.json)
+    environ = dict(os.environ)
+    s = load_scale(environ, args.env_file)  # bad input: exit 2 before any check runs
+    tail = None if s.mode == "single" else (
+        lambda settings, client: check_scale(s, settings, client, environ, args.env_file))
+    return preflight.report(preflight.run_checks(environ, args.env_file, tail), args.json)

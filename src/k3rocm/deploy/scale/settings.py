@@ -6,10 +6,10 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
-from collections.abc import Mapping
-from typing import Any, Literal
+from collections.abc import Callable, Mapping
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from k3rocm.errors import UsageError
 from k3rocm.serving.config import read_dotenv
@@ -24,17 +24,64 @@ ENGINE_READY_DEFAULT = 600  # vLLM's default (vllm/envs.py)
 # registry host (a dot or a port, or localhost)/repo[:tag]@sha256:<digest>
 IMAGE_REF = re.compile(r"^(?:[a-z0-9-]+(?:\.[a-z0-9-]+)+(?::\d+)?|[a-z0-9-]+:\d+|localhost)"
                        r"/[a-z0-9._/-]+(?::[\w.-]+)?@sha256:[0-9a-f]{64}$")
-# Kubernetes label key (optional DNS-subdomain prefix + "/" + name) and label value.
-_LABEL_NAME = r"[A-Za-z0-9](?:[-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
-_LABEL_KEY = re.compile(rf"^(?:[a-z0-9](?:[-a-z0-9.]{{0,251}}[a-z0-9])?/)?{_LABEL_NAME}$")
-_LABEL_VALUE = re.compile(rf"^(?:{_LABEL_NAME})?$")
-_DNS_LABEL = re.compile(r"^[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?$")
 # AMD's node labeller (ROCm/k8s-device-plugin cmd/k8s-node-labeller): -device-id, -product-name
 MI355X_NODES = ("amd.com/gpu.device-id=75a3;"
                 "amd.com/gpu.product-name=AMD_Instinct_MI355X|AMD_Instinct_MI355X_OAM")
 POD_SECURITY = ("privileged", "baseline", "restricted")
-_HOSTPORT = re.compile(r"^(?:\[[0-9A-Fa-f:]+\]|[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?)"
-                       r":(\d{1,5})$")
+# Kubernetes label key (optional DNS-subdomain prefix + "/" + name) and label value.
+_LABEL_NAME = r"[A-Za-z0-9](?:[-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
+_LABEL = re.compile(rf"(?:[a-z0-9](?:[-a-z0-9.]{{0,251}}[a-z0-9])?/)?{_LABEL_NAME}="
+                    rf"(?:{_LABEL_NAME})?(?:\|(?:{_LABEL_NAME})?)*")
+_HOSTPORT = re.compile(r"(?:\[[0-9A-Fa-f:]+\]|[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?)"
+                       r":(\d{1,5})")
+
+
+def _rule(ok: Callable[[Any], Any], message: str, before: bool = False) -> Any:
+    """A constraint: ``ok(value)``, else one line, ``message`` (``{v!r}``: the value); ``before``
+    pydantic's own parsing."""
+    def check(v: Any) -> Any:
+        if not ok(v):
+            raise ValueError(message.format(v=v))
+        return v
+    return BeforeValidator(check) if before else AfterValidator(check)
+
+
+def _host_port(v: str) -> bool:
+    m = _HOSTPORT.fullmatch(v)
+    return m is not None and 1 <= int(m[1]) <= 65535
+
+
+def _loopback(v: str) -> bool:
+    try:
+        return v == "localhost" or ipaddress.ip_address(v).is_loopback
+    except ValueError:
+        return False
+
+
+def _selector(v: str) -> str:
+    """``;`` between terms (any), ``,`` within one (all), ``|`` between values."""
+    for part in (p.strip() for term in v.split(";") for p in term.split(",")):
+        if not _LABEL.fullmatch(part):
+            raise ValueError(f"{part!r} is not key=value[|value] with a Kubernetes label key "
+                             "and values (e.g. amd.com/gpu.device-id=75a3)")
+    return v
+
+
+# the constrained types of the settings below; a value that does not fit is one line (exit 2)
+_CSV = BeforeValidator(lambda v: [p.strip() for p in v.split(",") if p.strip()]
+                       if isinstance(v, str) else v)
+Nodes = Annotated[tuple[Annotated[str, _rule(_host_port, "{v!r} is not host:port (e.g. "
+                                              "node1:8000,node2:8000)")], ...],
+                  _CSV, _rule(lambda v: len(set(v)) == len(v), "lists a node twice")]
+GroupIds = Annotated[tuple[int, ...], _rule(  # before: runs after _CSV (pydantic: right first)
+    lambda v: all(str(g).isdigit() for g in v), "give numeric group ids, e.g. 44,110 (`getent "
+    "group video render` on a GPU node)", before=True), _CSV]
+K8sName = Annotated[str, _rule(re.compile(r"[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?").fullmatch,
+                               "use a Kubernetes name: lower-case letters, digits and '-', at "
+                               "most 63")]
+Loopback = Annotated[str, _rule(_loopback, "the router's /add_worker and /remove_worker answer "
+                                "anyone who reaches its port: keep it on 127.0.0.1 and expose "
+                                "only the data paths through the proxy (docs/scale.md)")]
 
 
 class ScaleSettings(BaseModel):
@@ -43,12 +90,12 @@ class ScaleSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     mode: Literal["single", "replicas"] = "single"
-    nodes: tuple[str, ...] = ()  # host:port of every node's API server
-    router_host: str = "127.0.0.1"  # loopback only: see _loopback
+    nodes: Nodes = ()  # host:port of every node's API server
+    router_host: Loopback = "127.0.0.1"
     router_port: int = Field(8080, ge=1, le=65535)
     router_metrics_port: int = Field(29000, ge=1, le=65535)  # --prometheus-port
     router_policy: Literal[ROUTER_POLICIES] = "cache_aware"  # type: ignore[valid-type]
-    # --worker-startup-timeout-secs; >= VLLM_ENGINE_READY_TIMEOUT_S (checked in _check)
+    # --worker-startup-timeout-secs; >= VLLM_ENGINE_READY_TIMEOUT_S (checked in load_scale)
     router_startup_timeout: int = Field(7200, ge=1)
     health_interval: int = Field(10, ge=1, le=3600)  # --health-check-interval-secs
     health_threshold: int = Field(3, ge=1, le=100)  # --health-failure-threshold
@@ -56,39 +103,13 @@ class ScaleSettings(BaseModel):
     proxy_image: str = ""  # Kubernetes: the nginx image of the router's data-port proxy
     router_replicas: int = Field(2, ge=1, le=32)  # Kubernetes: router pods (2+: no SPOF)
     # Kubernetes: the MI355X nodes, key=v1|v2,key=v ; another term (see node_affinity_terms)
-    node_selector: str = MI355X_NODES
+    node_selector: Annotated[str, AfterValidator(_selector)] = MI355X_NODES
     pod_security: Literal[POD_SECURITY] = "privileged"  # type: ignore[valid-type]
-    models_claim: str = "k3rocm-models"  # Kubernetes baseline/restricted: checkpoint PVC
-    gpu_groups: tuple[int, ...] = ()  # Kubernetes restricted: GIDs owning /dev/kfd, /dev/dri
+    models_claim: K8sName = "k3rocm-models"  # Kubernetes baseline/restricted: checkpoint PVC
+    gpu_groups: GroupIds = ()  # Kubernetes restricted: GIDs owning /dev/kfd, /dev/dri
     run_as_user: int = Field(1000, ge=1, le=2147483647)  # Kubernetes restricted: server UID
-    metrics_namespace: str = "monitoring"  # Kubernetes: the scraper's namespace (NetworkPolicy)
+    metrics_namespace: K8sName = "monitoring"  # Kubernetes: the scraper's namespace (NetworkPolicy)
     drain_timeout: int = Field(300, ge=0, le=86400)  # vLLM --shutdown-timeout (0 aborts)
-
-    @field_validator("nodes", mode="before")
-    @classmethod
-    def _nodes(cls, v: Any) -> Any:
-        if isinstance(v, str):
-            v = [p.strip() for p in v.split(",") if p.strip()]
-        for node in v:
-            m = _HOSTPORT.match(str(node))
-            if not m or not 1 <= int(m.group(1)) <= 65535:
-                raise ValueError(f"{node!r} is not host:port (e.g. node1:8000,node2:8000)")
-        if len(set(v)) != len(v):
-            raise ValueError("lists a node twice")
-        return v
-
-    @field_validator("node_selector")
-    @classmethod
-    def _selector(cls, v: str) -> str:
-        for term in v.split(";"):
-            for part in term.split(","):
-                key, eq, values = part.strip().partition("=")
-                if not eq or not _LABEL_KEY.match(key) or not all(
-                        _LABEL_VALUE.match(x) for x in values.split("|")):
-                    raise ValueError(f"{part.strip()!r} is not key=value[|value] with a "
-                                     "Kubernetes label key and values (e.g. "
-                                     "amd.com/gpu.device-id=75a3)")
-        return v
 
     @property
     def node_affinity_terms(self) -> list[dict[str, Any]]:
@@ -98,37 +119,6 @@ class ScaleSettings(BaseModel):
             {"key": k.strip(), "operator": "In", "values": v.split("|")}
             for k, v in (p.split("=", 1) for p in term.split(","))]}
             for term in self.node_selector.split(";")]
-
-    @field_validator("gpu_groups", mode="before")
-    @classmethod
-    def _groups(cls, v: Any) -> Any:
-        if isinstance(v, str):
-            v = [p.strip() for p in v.split(",") if p.strip()]
-        if not all(str(g).isdigit() for g in v):
-            raise ValueError("give numeric group ids, e.g. 44,110 (`getent group video "
-                             "render` on a GPU node)")
-        return v
-
-    @field_validator("models_claim", "metrics_namespace")
-    @classmethod
-    def _dns_label(cls, v: str) -> str:
-        if not _DNS_LABEL.match(v):
-            raise ValueError("use a Kubernetes name: lower-case letters, digits and '-', "
-                             "at most 63")
-        return v
-
-    @field_validator("router_host")
-    @classmethod
-    def _loopback(cls, v: str) -> str:
-        try:
-            loopback = v == "localhost" or ipaddress.ip_address(v).is_loopback
-        except ValueError:
-            loopback = False
-        if not loopback:
-            raise ValueError("the router's /add_worker and /remove_worker answer anyone who "
-                             "reaches its port: keep it on 127.0.0.1 and expose only the data "
-                             "paths through the proxy (docs/scale.md)")
-        return v
 
     @property
     def worker_urls(self) -> list[str]:
