@@ -668,32 +668,28 @@ def comparison_markdown(comp: dict) -> str:
         lines += [x for f in comp.get("noise_floor_flags") or [] for x in (f"**{f}**", "")]
         lines += [f"- {c}" for c in checks] + ([""] if checks else [])
     if comp.get("calibration"):
-        lines += ["## Calibration: injected vs detected", "",
-                  "| c | injected ms/step (nominal) | applied ms/step (B - A) | applied A / B "
-                  "ms/step | A ITL p50 ms | B ITL p50 ms | rest of step A / B ms | detected ms "
-                  "| detected/applied | nominal d | expected d (applied) | detected d [95% CI] | "
-                  "CI covers expected | verdict |",
-                  "|---:|---:|---:|---|---:|---:|---|---:|---:|---:|---:|---|---|---|"]
-        for c in comp["calibration"]:
-            lines.append(
-                f"| {c['concurrency']} | {c['injected_ms']:g} | {_num(c.get('applied_ms'))} | "
-                f"{_num(c.get('applied_a_ms'))} / {_num(c.get('applied_b_ms'))} | "
-                f"{_num(c['a_itl_ms'])} | {_num(c['b_itl_ms'])} | "
-                f"{_num(c.get('rest_a_ms'))} / {_num(c.get('rest_b_ms'))} | "
-                f"{_num(c['detected_ms'])} | "
-                f"{_num(c.get('detected_over_applied'))} | {_pct(c.get('nominal_d'))} | "
-                f"{_pct(c['expected_d'])} | {_pct(c['d'])} [{_pct(c['lo'])}, {_pct(c['hi'])}] | "
-                f"{COVERED[c['covered']]} | {c['verdict']} |")
+        lines += ["## Calibration: injected vs detected", "", *summary.table(
+            ["c", "injected ms/step (nominal)", "applied ms/step (B - A)", "applied A / B ms/step",
+             "A ITL p50 ms", "B ITL p50 ms", "rest of step A / B ms", "detected ms",
+             "detected/applied", "nominal d", "expected d (applied)", "detected d [95% CI]",
+             "CI covers expected", "verdict"], "rrrlrrlrrrrlll",
+            ([c["concurrency"], f"{c['injected_ms']:g}", _num(c.get("applied_ms")),
+              f"{_num(c.get('applied_a_ms'))} / {_num(c.get('applied_b_ms'))}",
+              _num(c["a_itl_ms"]), _num(c["b_itl_ms"]),
+              f"{_num(c.get('rest_a_ms'))} / {_num(c.get('rest_b_ms'))}",
+              _num(c["detected_ms"]), _num(c.get("detected_over_applied")),
+              _pct(c.get("nominal_d")), _pct(c["expected_d"]),
+              f"{_pct(c['d'])} [{_pct(c['lo'])}, {_pct(c['hi'])}]", COVERED[c["covered"]],
+              c["verdict"]] for c in comp["calibration"]))]
         lines += [f"\n**c={c['concurrency']}: cannot be judged: {c['why']}.**"
                   for c in comp["calibration"] if c.get("why")]
         lines += ["", "B's ITL should be A's plus the sleep B's server really applied more per "
                   "step (recorded by the step-delay double); the calibration passes when the 95% "
                   "CI covers that expected effect. Rest of step = ITL p50 - applied sleep.", ""]
-    lines += ["## Runs", "", "| slot | arm | run | status | server ready s | run s |",
-              "|---:|---|---:|---|---:|---:|"]
-    for r in comp["runs"]:
-        lines.append(f"| {r['slot']} | {r['arm']} | {r.get('run', 0)} | {r['status']} | "
-                     f"{r.get('server_ready_s', 'n/a')} | {r.get('seconds', 'n/a')} |")
+    lines += ["## Runs", "", *summary.table(
+        ["slot", "arm", "run", "status", "server ready s", "run s"], "rlrlrr",
+        ([r["slot"], r["arm"], r.get("run", 0), r["status"], r.get("server_ready_s", "n/a"),
+          r.get("seconds", "n/a")] for r in comp["runs"]))]
     if comp.get("invalid"):
         lines += ["", f"**INVALID: {comp['invalid']}.** No verdict.", ""]
     elif comp.get("protocol_differences"):
@@ -702,34 +698,23 @@ def comparison_markdown(comp: dict) -> str:
         lines += ["", f"Fusions: {f}."]
     if comp.get("inputs"):
         lines += ["", "## Inputs per run (aiperf's OSL check, the server's scraped counters)", "",
-                  "| slot | arm | c | OSL mismatches | prefix-cache hit rate | MTP acceptance | "
-                  "input flags |", "|---:|---|---:|---:|---:|---:|---|"]
-        for i in comp["inputs"]:
-            lines.append(f"| {i['slot']} | {i['arm']} | {i['concurrency']} | "
-                         f"{_num(i['osl_mismatch_count'])} | "
-                         f"{summary.rate(i['prefix_cache_hit_rate'])} | "
-                         f"{summary.rate(i['mtp_acceptance_rate'])} | "
-                         f"{'; '.join(i['flags']) or 'none'} |")
+                  *summary.table(["slot", "arm", "c", "OSL mismatches", "prefix-cache hit rate",
+                                  "MTP acceptance", "input flags"], "rlrrrrl",
+                                 ([i["slot"], i["arm"], i["concurrency"],
+                                   _num(i["osl_mismatch_count"]),
+                                   summary.rate(i["prefix_cache_hit_rate"]),
+                                   summary.rate(i["mtp_acceptance_rate"]),
+                                   "; ".join(i["flags"]) or "none"] for i in comp["inputs"]))]
     prim = comp.get("primary") or {}
     lines += ["", "## Comparison (B vs A), one value per server", "",
               f"Primary (declared before the run): {prim.get('metric')} at "
               f"c={prim.get('concurrency')}, two-sided t test at 5%. Other rows: "
               f"{comp.get('multiplicity')}.", "",
               f"- before the run: {comp.get('design_before') or 'n/a'}",
-              f"- after the run: {comp.get('design_after') or 'n/a'}", "",
-              "| c | metric | A servers | B servers | d = (B-A)/A | CI of the verdict (level) | "
-              "p | MDE 80% | servers/arm for 1% | verdict |",
-              "|---:|---|---|---|---:|---|---:|---:|---:|---|"]
-    for r in comp["rows"]:
-        p = r.get("p") if r.get("primary") else r.get("p_holm")
-        name = f"**{r['metric']}** (primary)" if r.get("primary") else r["metric"]
-        p_txt = "n/a" if p is None else f"{p:.3g}" + ("" if r.get("primary") else " (Holm)")
-        lines.append(
-            f"| {r['concurrency']} | {name} | {_vals(r.get('server_values_a'))} | "
-            f"{_vals(r.get('server_values_b'))} | {_pct(r.get('d'))} | "
-            f"[{_pct(r.get('ci_lo'))}, {_pct(r.get('ci_hi'))}] ({_level(r)}) | {p_txt} | "
-            f"{summary.fmt(r.get('mde'), '.2f', 100, '%')} | "
-            f"{r.get('servers_for_1pct') or 'n/a'} | {r['verdict']} |")
+              f"- after the run: {comp.get('design_after') or 'n/a'}", "", *summary.table(
+                  ["c", "metric", "A servers", "B servers", "d = (B-A)/A",
+                   "CI of the verdict (level)", "p", "MDE 80%", "servers/arm for 1%", "verdict"],
+                  "rlllrlrrrl", map(_row_cells, comp["rows"]))]
     lines += ["", f"Headline: {comp['headline']}", "",
               "Latency in ms (lower is faster), output tokens/s (higher is faster); one value "
               "per fresh server. 'inconclusive': the CI includes 0, effects below the MDE are "
@@ -741,9 +726,17 @@ def comparison_markdown(comp: dict) -> str:
 COVERED = {True: "yes", False: "**NO**", None: "n/a"}
 
 
-def _level(r: dict) -> str:
+def _row_cells(r: dict) -> list:
+    """A comparison row's cells: the primary row's own p, the others' Holm-adjusted."""
+    p = r.get("p") if r.get("primary") else r.get("p_holm")
     level = r.get("ci_level") or 1 - stats.ALPHA
-    return f"{level * 100:.4g}%" + ("" if r.get("primary") else " Holm")
+    return [r["concurrency"], f"**{r['metric']}** (primary)" if r.get("primary") else r["metric"],
+            _vals(r.get("server_values_a")), _vals(r.get("server_values_b")), _pct(r.get("d")),
+            f"[{_pct(r.get('ci_lo'))}, {_pct(r.get('ci_hi'))}] ({level * 100:.4g}%"
+            + ("" if r.get("primary") else " Holm") + ")",
+            "n/a" if p is None else f"{p:.3g}" + ("" if r.get("primary") else " (Holm)"),
+            summary.fmt(r.get("mde"), ".2f", 100, "%"), r.get("servers_for_1pct") or "n/a",
+            r["verdict"]]
 
 
 def _vals(xs: Sequence[float] | None) -> str:
