@@ -56,9 +56,10 @@ def test_calibration_plan_dry_run(k3):
 @pytest.mark.parametrize("args,msg", [
     (["--calibrate-delay-ms", "5", "--gpu"], "exists only for the CPU stand-in"),
     (["--calibrate-delay-ms", "5", "--aa", "--no-gpu"], "exclude each other"),
-    (["--calibrate-delay-ms", "0", "--no-gpu"], "must be in (0, 10000]"),
-    (["--repeats", "0"], "--repeats 0: must be >= 1"),
-    (["--port", "70000"], "--port 70000: must be 1..65535"),
+    (["--calibrate-delay-ms", "0", "--no-gpu"], "is out of range; use 0 < x <= 10000"),
+    (["--repeats", "0"], "--repeats 0 is out of range; use x >= 1"),
+    (["--port", "70000"], "--port 70000 is out of range; use 1..65535"),
+    (["--runs-per-server", "0"], "--runs-per-server 0 is out of range; use x >= 1"),
     (["--server-env", "K3_FUSE_QK_NORM=0"], "set per arm"),
     (["--server-env", "novalue"], "expected KEY=VALUE"),
 ])

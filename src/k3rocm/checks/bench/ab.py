@@ -25,6 +25,7 @@ from k3rocm.checks.bench.workloads import Workload, shell_line
 from k3rocm.deploy.provenance import exec_text
 from k3rocm.errors import EXIT_CHECK_FAILED as EXIT_FAILED
 from k3rocm.errors import EXIT_INCOMPLETE, EXIT_INTERRUPTED, EXIT_OK, UsageError, tagged_log
+from k3rocm.options import Options, option
 from k3rocm.rundir import utc_stamp, write_json_atomic, write_text_atomic
 
 _log = tagged_log("bench-ab")
@@ -768,27 +769,33 @@ def _plot(comp: dict, runs: Sequence[dict], out: Path) -> None:
 # --- the measure's side of the A/B driver (k3rocm.checks.ab.cli) ---
 
 REPEATS = 4  # the fewest servers per arm with which a 5% test on server values has room
-OWN = ("runs_per_server", "noise_floor", "primary")
+
+
+class BenchAB(Options):
+    """``--measure bench``'s own flags (the rest: ``bench``'s and the arm servers')."""
+
+    runs_per_server: int = option(1, "complete workload runs on each fresh server (more saves "
+                                  "server starts, identical for both arms)", ge=1)
+    noise_floor: Path | None = option(None, "A/A run directory to report beside this A/B "
+                                      "(default: the newest A/A under --results with the same "
+                                      "protocol)")
+    primary: str | None = option(
+        None, "the one metric judged at 5%%, declared before the run: itl:p50, itl:p90, "
+        "ttft:p50, e2el:p50 or output_tps:avg at a concurrency of the workload (default itl:p50 "
+        "at its first concurrency); every other row is judged with Holm's correction",
+        metavar="METRIC@C")
+
+
+OWN = tuple(BenchAB.flags())
 
 
 def add_arguments(g: argparse._ArgumentGroup) -> None:
     add_common(g, skip=("results",))
-    g.add_argument("--runs-per-server", type=int, default=1,
-                   help="complete workload runs on each fresh server (default 1; more saves "
-                   "server starts, identical for both arms)")
-    g.add_argument("--noise-floor", type=Path, default=None,
-                   help="A/A run directory to report beside this A/B (default: the newest A/A "
-                   "under --results with the same protocol)")
-    g.add_argument("--primary", default=None, metavar="METRIC@C",
-                   help="the one metric judged at 5%%, declared before the run: itl:p50, "
-                   "itl:p90, ttft:p50, e2el:p50 or output_tps:avg at a concurrency of the "
-                   "workload (default itl:p50 at its first concurrency); every other row is "
-                   "judged with Holm's correction")
+    BenchAB.add_arguments(g)
 
 
 def build_plan(args: argparse.Namespace) -> ABPlan:
-    if args.runs_per_server < 1:
-        raise UsageError(f"--runs-per-server {args.runs_per_server}: must be >= 1", 2)
+    own = BenchAB.from_args(args)
     if args.url:
         raise UsageError("--url is not used by bench-ab (it starts its own servers): use --port",
                          2)
@@ -810,10 +817,9 @@ def build_plan(args: argparse.Namespace) -> ABPlan:
                              f"prefix caching {'on' if w.prefix_caching else 'off'} "
                              f"(K3_PREFIX_CACHING={want}), which the A/B sets on its servers", 2)
         arms.server_env["K3_PREFIX_CACHING"] = want
-    return ABPlan(workload=w, arms=arms, results=args.results,
-                  client_image=args.client_image, runs_per_server=args.runs_per_server,
-                  noise_floor_dir=args.noise_floor, primary=parse_primary(args.primary, w),
-                  progress=not args.quiet)
+    return ABPlan(workload=w, arms=arms, results=args.results, client_image=args.client_image,
+                  runs_per_server=own.runs_per_server, noise_floor_dir=own.noise_floor,
+                  primary=parse_primary(own.primary, w), progress=not args.quiet)
 
 
 def run(args: argparse.Namespace) -> int:
