@@ -169,13 +169,6 @@ def test_bench_ab_dry_run_prints_hours_and_whether_the_upstream_effect_can_be_se
     assert "0.5% ITL p50: the MDE 2." in p.stdout and "CANNOT see it with 4 server(s)" in p.stdout
 
 
-def test_abba_order():
-    from k3rocm.checks.ab.arms import sequence
-
-    assert sequence(1) == ["A", "B"]
-    assert sequence(3) == ["A", "B", "B", "A", "A", "B"]
-
-
 # --- A/B statistics: the server is the unit
 
 def test_the_statistics_keep_their_values():
@@ -345,6 +338,10 @@ def test_primary_row_is_judged_alone_and_the_others_with_holm():
         if not r["primary"]:
             assert r["p_holm"] == pytest.approx(min(1.0, 3 * r["p"]))
             assert r["verdict"].startswith("inconclusive")  # 3 x p > 5%
+            # its MDE at Holm's strictest step: 5% / 3 secondary rows
+            assert r["mde"] == pytest.approx(stats.mde(r["var_log"], 6, 4, 4, alpha=0.05 / 3))
+            assert r["mde"] > prim[0]["mde"] == pytest.approx(stats.mde(prim[0]["var_log"], 6,
+                                                                        4, 4))
 
 
 def test_primary_flag_is_validated():
@@ -460,7 +457,8 @@ def test_calibration_is_judged_against_the_applied_delay(tmp_path):
     line, code = ab.refusal({"calibration": [c]}, tmp_path)
     assert code == 1 and line.startswith("k3rocm: error: bench-ab calibration failed: c=1 "
                                          f"expected {c['expected_d'] * 100:+.2f}% (applied "
-                                         f"{applied_extra:.4g} ms/step, injected 38.8)")
+                                         f"{applied_extra:.4g} ms/step, injected 38.8) "
+                                         f"outside the CI [{c['lo'] * 100:+.2f}%, ")
 
 
 def test_calibration_without_the_record_of_the_applied_delay_is_not_judged(tmp_path):
