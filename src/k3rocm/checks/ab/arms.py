@@ -70,7 +70,7 @@ def arm_envs(on: str = "all") -> dict[str, dict[str, str]]:
         names = list(NAMES)
     bad = [x for x in names if x not in NAMES]
     if bad or not names:
-        raise UsageError(f"--on {on!r} must name fusions from {', '.join(NAMES)} (or all)", 2)
+        raise UsageError(f"--on {on!r} must name fusions from {', '.join(NAMES)} (or all)")
     return {"A": switches(False), "B": switches(dict.fromkeys(names, True))}
 
 
@@ -128,10 +128,10 @@ def parse_env(items: list[str], flag: str = "--server-env") -> dict[str, str]:
     for item in items:
         k, sep, v = item.partition("=")
         if not sep or not k:
-            raise UsageError(f"{flag} {item!r}: expected KEY=VALUE", 2)
+            raise UsageError(f"{flag} {item!r}: expected KEY=VALUE")
         if k in FUSIONS_ON:
             raise UsageError(f"{flag} {k}: the fusion toggles are set per arm by the A/B "
-                             "driver (use --aa/--on)", 2)
+                             "driver (use --aa/--on)")
         out[k] = v
     return out
 
@@ -214,15 +214,15 @@ def arms_from_args(args: argparse.Namespace, single: tuple[str, str] | None = No
     if delay is not None:
         if o.aa:
             raise UsageError("--calibrate-delay-ms and --aa exclude each other (calibration "
-                             "is an A/A with a known delay in arm B)", 2)
+                             "is an A/A with a known delay in arm B)")
         if not dep.cpu:
             raise UsageError("--calibrate-delay-ms exists only for the CPU stand-in "
-                             "(--no-gpu): the delay switch is never in the serving image", 2)
+                             "(--no-gpu): the delay switch is never in the serving image")
         plugins = {**os.environ, **env}.get(PLUGINS_DIR_ENV, "")
         if not Path(plugins or "/nonexistent").is_dir():
             raise UsageError(f"--calibrate-delay-ms needs the step-delay test double: set "
                              f"{PLUGINS_DIR_ENV} to its directory (now "
-                             f"{plugins or 'unset'}; compose.cpu.yaml mounts it)", 2)
+                             f"{plugins or 'unset'}; compose.cpu.yaml mounts it)")
         container_env["B"] = {STEP_DELAY_ENV: f"{delay:g}", "PYTHONPATH": STEP_DELAY_MOUNT}
     if delay is not None or o.aa:  # calibration: an A/A with the delay in arm B
         same = on if o.aa_fusions == "on" else off
@@ -236,7 +236,7 @@ def arms_from_args(args: argparse.Namespace, single: tuple[str, str] | None = No
     if (o.models_dir or source != "default") and not args.dry_run and \
             not Path(models_dir).is_dir():
         raise UsageError(f"{given} {models_dir!r} does not exist (it is mounted at /models in "
-                         "the server)", 2)
+                         "the server)")
     scale = _replicas(env_file)
     if single and scale is not None:
         raise UsageError(f"{single[0]} runs one server per arm: unset K3_SCALE_MODE (or set it "
@@ -261,14 +261,14 @@ def _replicas(env_file: str):
         return None
     if s.mode != "replicas":
         raise UsageError(f"K3_SCALE_MODE={s.mode}: the A/B runs on single servers or on "
-                         "replicas behind the router (K3_SCALE_MODE=replicas)", 2)
+                         "replicas behind the router (K3_SCALE_MODE=replicas)")
     remote = [n for i, n in enumerate(s.nodes) if s.node_host(i) not in LOCAL_HOSTS]
     if remote:
         raise UsageError(f"K3_SCALE_NODES has nodes on other hosts ({', '.join(remote)}): "
                          "the A/B starts every replica itself, on this host (127.0.0.1:PORT); "
-                         "on a cluster run `make bench-router` per arm instead", 2)
+                         "on a cluster run `make bench-router` per arm instead")
     if len(set(s.nodes)) != len(s.nodes):
-        raise UsageError("K3_SCALE_NODES lists a node twice", 2)
+        raise UsageError("K3_SCALE_NODES lists a node twice")
     return s
 
 
@@ -310,24 +310,24 @@ def check_port(arms: Arms) -> None:
     busy = [p for p in arms.replica_ports if answers(f"http://127.0.0.1:{p}")]
     if arms.scale is not None and answers(arms.scale.router_url):
         raise UsageError(f"a router already answers at {arms.scale.router_url}: the A/B "
-                         "starts its own; stop it with `make router-down`", 2)
+                         "starts its own; stop it with `make router-down`")
     if not busy:
         return
     if arms.scale is not None and not arms.stop_running:
         raise UsageError(f"a server already runs on port(s) {', '.join(map(str, busy))} of "
                          "K3_SCALE_NODES: the A/B starts its own replicas there; stop them "
-                         "(`make down` on each) or pass --stop-running", 2)
+                         "(`make down` on each) or pass --stop-running")
     url = f"http://127.0.0.1:{busy[0]}"
     if busy[0] != arms.port:
-        raise UsageError(f"a server already runs on {url}: stop it first", 2)
+        raise UsageError(f"a server already runs on {url}: stop it first")
     if not arms.stop_running:
         raise UsageError(f"a server already runs on port {arms.port} ({url}): the A/B starts "
                          "its own fresh servers there; stop it with `make down` or pass "
-                         "--stop-running (or use another --port)", 2)
+                         "--stop-running (or use another --port)")
     srv, dep = deployment_server(arms.env_file, gpu=not arms.cpu)
     if srv.state() is None:
         raise UsageError(f"--stop-running: what answers on {url} is not the compose server "
-                         f"of project {srv.project}; stop it yourself or use another --port", 2)
+                         f"of project {srv.project}; stop it yourself or use another --port")
     out = create_run_dir(dep.results_root, "server-log")
     _log(f"--stop-running: stopping compose project {srv.project} (log in {out})")
     srv.down(log_path=out / "server.log")
@@ -508,7 +508,7 @@ def base_check(arm_env: dict[str, dict[str, str]], environ: Mapping[str, str],
         if plain is not None:
             raise UsageError(f"every arm (the servers' own settings, not the fusion switches) "
                              f"cannot be served by this base (vLLM {ver}; facts from {where}): "
-                             f"{plain}; no server was started", 2)
+                             f"{plain}; no server was started")
         if refused(arm_envs()["A"])[0] is not None:  # the off arm itself: no --on helps
             offer = "no --on choice helps: this base refuses the fusions-off arm"
         else:
@@ -518,8 +518,7 @@ def base_check(arm_env: dict[str, dict[str, str]], environ: Mapping[str, str],
             offer = ("this base can switch: " + " or ".join(f"--on {n}" for n in ok)) if ok \
                 else "this base can switch none of the fusions (" + ", ".join(NAMES) + ")"
         raise UsageError(f"arm {arm} ({env_str(arm_env[arm])}) cannot be served by this base "
-                         f"(vLLM {ver}; facts from {where}): {why}; {offer}; no server was "
-                         "started", 2)
+                         f"(vLLM {ver}; facts from {where}): {why}; {offer}; no server was started")
     return out
 
 

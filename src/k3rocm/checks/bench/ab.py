@@ -242,8 +242,7 @@ def run_ab(plan: ABPlan) -> int:
     head = comp["headline"] + f"; {comp['design_after']}"
     for c in comp.get("calibration") or []:
         head += (f"; calibration c={c['concurrency']}: injected +{c['injected_ms']:g} ms/step "
-                 f"(applied {_num(c['applied_ms'])}), detected {c['detected_ms']:+.2f} ms ITL "
-                 "p50")
+                 f"(applied {_num(c['applied_ms'])}), detected {c['detected_ms']:+.2f} ms ITL p50")
     print(f"bench-ab {plan.mode.upper()} {w.name}: {head}; report {ab_dir / 'comparison.md'}")
     return EXIT_OK
 
@@ -304,8 +303,7 @@ def parse_primary(spec: str | None, w: Workload) -> tuple[str, int]:
     labels = {f"{k}:{s}": label for k, s, label, _ in stats.AB_METRICS}
     if what not in labels or not c.isdigit() or int(c) not in points:
         raise UsageError(f"--primary {spec!r}: expected METRIC@C with METRIC one of "
-                         f"{', '.join(labels)} and C one of the workload's concurrencies "
-                         f"{points}", 2)
+                         f"{', '.join(labels)} and C one of the workload's concurrencies {points}")
     return labels[what], int(c)
 
 
@@ -628,7 +626,7 @@ def find_noise_floor(plan: ABPlan, key: str | None, field: str = "protocol_key")
         if (doc or {}).get("mode") != "aa":
             if plan.noise_floor_dir:
                 why = ": no readable comparison.json there" if doc is None else " is not an A/A run"
-                raise UsageError(f"--noise-floor {d}{why}", 2)
+                raise UsageError(f"--noise-floor {d}{why}")
             continue
         if plan.noise_floor_dir or key is None or doc.get(field) == key:
             doc["dir"] = str(d)
@@ -797,8 +795,7 @@ def add_arguments(g: argparse._ArgumentGroup) -> None:
 def build_plan(args: argparse.Namespace) -> ABPlan:
     own = BenchAB.from_args(args)
     if args.url:
-        raise UsageError("--url is not used by bench-ab (it starts its own servers): use --port",
-                         2)
+        raise UsageError("--url is not used by bench-ab (it starts its own servers): use --port")
     arms = armlib.arms_from_args(args)
     # what the arm servers serve (their K3_MODEL, K3_API_KEY, ...: --server-env over the
     # settings) is what the client asks for, tokenizes with and authenticates to
@@ -815,7 +812,7 @@ def build_plan(args: argparse.Namespace) -> ABPlan:
         if have not in (None, want):
             raise UsageError(f"--server-env K3_PREFIX_CACHING={have}: workload {w.name} needs "
                              f"prefix caching {'on' if w.prefix_caching else 'off'} "
-                             f"(K3_PREFIX_CACHING={want}), which the A/B sets on its servers", 2)
+                             f"(K3_PREFIX_CACHING={want}), which the A/B sets on its servers")
         arms.server_env["K3_PREFIX_CACHING"] = want
     return ABPlan(workload=w, arms=arms, results=args.results, client_image=args.client_image,
                   runs_per_server=own.runs_per_server, noise_floor_dir=own.noise_floor,
