@@ -169,8 +169,6 @@ def test_replicas_on_other_hosts_are_refused(k3):
     p = k3("bench-ab", "--workload", "ci-tiny", "--dry-run", env=env)
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1
     assert "starts every replica itself" in p.stderr and "make bench-router" in p.stderr
-    p = k3("census-ab", "--model-dir", str(REPO / "tests" / "data"), env=env)
-    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
 
 
 def test_server_command_help_and_bad_input(k3):
