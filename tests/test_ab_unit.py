@@ -56,9 +56,11 @@ def test_calibration_plan_dry_run(k3):
 @pytest.mark.parametrize("args,msg", [
     (["--calibrate-delay-ms", "5", "--gpu"], "exists only for the CPU stand-in"),
     (["--calibrate-delay-ms", "5", "--aa", "--no-gpu"], "exclude each other"),
-    (["--calibrate-delay-ms", "0", "--no-gpu"], "must be in (0, 10000]"),
-    (["--repeats", "0"], "--repeats 0: must be >= 1"),
-    (["--port", "70000"], "--port 70000: must be 1..65535"),
+    (["--calibrate-delay-ms", "0", "--no-gpu"], "is out of range; use 0 < x <= 10000"),
+    (["--repeats", "0"], "--repeats 0 is out of range; use x >= 1"),
+    (["--port", "70000"], "--port 70000 is out of range; use 1..65535"),
+    (["--runs-per-server", "0"], "--runs-per-server 0 is out of range; use x >= 1"),
+    (["--on", "nope", "--no-gpu"], "--on 'nope' must name fusions from qk_norm, decode_qprep"),
     (["--server-env", "K3_FUSE_QK_NORM=0"], "set per arm"),
     (["--server-env", "novalue"], "expected KEY=VALUE"),
 ])
@@ -167,8 +169,6 @@ def test_replicas_on_other_hosts_are_refused(k3):
     p = k3("bench-ab", "--workload", "ci-tiny", "--dry-run", env=env)
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1
     assert "starts every replica itself" in p.stderr and "make bench-router" in p.stderr
-    p = k3("census-ab", "--model-dir", str(REPO / "tests" / "data"), env=env)
-    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
 
 
 def test_server_command_help_and_bad_input(k3):
@@ -267,26 +267,11 @@ def test_the_refusal_line_and_the_invalid_report(tmp_path):
             "invalid": "slots ran different server setups (only the fusion switches may "
                        "differ): " + diffs[0]}
     line, code = ab.refusal(comp, tmp_path)
-    print(line)
     assert line == ("k3rocm: error: bench-ab refused: slots ran different server setups (only "
                     "the fusion switches may differ): slot 2 (arm B) differs from slot 0 (arm "
                     f"A): env K3_PREFIX_CACHING=0 vs 1; no verdict (report in {tmp_path})")
     assert code == 1
     assert "**INVALID: slots ran different" in ab.comparison_markdown(comp)
-    cal = {**comp, "invalid": None, "calibration": [
-        {"concurrency": 1, "expected_d": 0.10, "lo": 0.12, "hi": 0.20, "covered": False,
-         "applied_ms": 4.1, "injected_ms": 4}]}
-    line, code = ab.refusal(cal, tmp_path)
-    assert line.startswith(
-        "k3rocm: error: bench-ab calibration failed: c=1 expected +10.00% (applied 4.1 ms/step, "
-        "injected 4) outside the CI [+12.00%, +20.00%]") and code == 1
-    assert ab.refusal({**cal, "calibration": []}, tmp_path) is None
-    # no record of the applied delay (or no CI): nothing judged, exit 4, and why
-    line, code = ab.refusal({**cal, "calibration": [
-        {**cal["calibration"][0], "covered": None, "expected_d": None,
-         "why": "arm B's server s1 asked for a sleep but left no record of it"}]}, tmp_path)
-    assert code == 4 and line.startswith(
-        "k3rocm: error: bench-ab calibration cannot be judged: c=1: arm B's server s1 asked")
 
 
 def test_an_arm_whose_fusion_was_refused_makes_the_ab_invalid():
@@ -344,18 +329,6 @@ def test_an_aa_and_a_calibration_of_the_same_setup_share_the_key(tmp_path):
     # in an A/B the delay variable is a difference like any other
     assert ab.recorded_protocol(w, cal, "ab", 1)[1] == [
         "slot 1 (arm B) differs from slot 0 (arm A): env K3_TEST_STEP_DELAY_MS=(unset) vs 45"]
-
-
-def test_a_secondary_rows_mde_is_at_holms_strictest_level():
-    from k3rocm.checks.bench import ab, stats
-
-    a, b = [10.0, 10.2, 9.9, 10.1], [10.1, 10.0, 10.2, 9.9]
-    values = {(1, "ITL p50"): {"A": a, "B": b}, (1, "ITL p90"): {"A": a, "B": b},
-              (4, "ITL p50"): {"A": a, "B": b}}
-    prim, sec, _ = ab.judge(values, ("ITL p50", 1))
-    assert prim["mde"] == pytest.approx(stats.mde(prim["var_log"], 6, 4, 4))
-    assert sec["mde"] == pytest.approx(stats.mde(sec["var_log"], 6, 4, 4, alpha=0.05 / 2))
-    assert sec["mde"] > prim["mde"]
 
 
 class _Images:
@@ -675,12 +648,6 @@ def test_on_an_upstream_base_both_arms_pass(on_base, tmp_path, measure, extra):
     assert {a: b["vllm_version"] for a, b in got["arms"].items()} == {"A": UPSTREAM,
                                                                       "B": UPSTREAM}
     assert not any(n.startswith("K3_KV_CACHE_DTYPE") for n in got["arms"]["B"]["notes"])
-
-
-def test_a_bad_on_is_one_line_exit_2(k3):
-    p = k3("bench-ab", "--on", "nope", "--dry-run", "--workload", "ci-tiny", "--no-gpu")
-    assert p.returncode == 2 and "--on 'nope' must name fusions from qk_norm, decode_qprep" \
-        in p.stderr, p.stderr
 
 
 def test_a_server_setting_the_base_refuses_is_named_for_every_arm(on_base, tmp_path, capsys):

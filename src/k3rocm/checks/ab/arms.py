@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from k3rocm.deploy.engine import image_id as engine_image_id
 from k3rocm.deploy.lifecycle import (
@@ -28,6 +28,7 @@ from k3rocm.deploy.lifecycle import (
 from k3rocm.deploy.provenance import NO_RECORD, served_as
 from k3rocm.deploy.server_api import answers, wait_ready
 from k3rocm.errors import UsageError, tagged_log
+from k3rocm.options import Options, option
 from k3rocm.rundir import create_run_dir, write_bytes_atomic
 from k3rocm.serving import decisions
 from k3rocm.serving.fusions import NAME_OF_ENV as FUSION_OF  # K3_FUSE_* -> decision name
@@ -50,13 +51,16 @@ def sequence(repeats: int) -> list[str]:
     return [arm for i in range(repeats) for arm in ("AB" if i % 2 == 0 else "BA")]
 
 
-def add_on_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+class OnFlag(Options):
     """``--on``: the fusions arm B asks for (shared with ``k3rocm selftest run``)."""
-    parser.add_argument("--on", default="all", metavar="FUSIONS",
-                        help="fusions asked ON in arm B, the fusions-on server (comma-separated: "
-                        f"{', '.join(NAMES)}, or all; default all); the rest stay off in both "
-                        "arms. A base that cannot serve an arm is refused before any server "
-                        "starts, naming the fusions it can switch")
+
+    on: str = option("all", metavar="FUSIONS", help="fusions asked ON in arm B, the fusions-on "
+                     f"server (comma-separated: {', '.join(NAMES)}, or all; default "
+                     "%(default)s); the rest stay off in both arms. A base that cannot serve an "
+                     "arm is refused before any server starts, naming the fusions it can switch")
+
+
+add_on_argument = OnFlag.add_arguments
 
 
 def arm_envs(on: str = "all") -> dict[str, dict[str, str]]:
@@ -66,55 +70,57 @@ def arm_envs(on: str = "all") -> dict[str, dict[str, str]]:
         names = list(NAMES)
     bad = [x for x in names if x not in NAMES]
     if bad or not names:
-        raise UsageError(f"--on {on!r} must name fusions from {', '.join(NAMES)} (or all)", 2)
+        raise UsageError(f"--on {on!r} must name fusions from {', '.join(NAMES)} (or all)")
     return {"A": switches(False), "B": switches(dict.fromkeys(names, True))}
+
+
+class ArmFlags(OnFlag):
+    """The arm servers' flags, the same for every ``--measure`` (``--gpu``/``--no-gpu``: the
+    deployment's, added beside them)."""
+
+    aa: bool = option(False, "A/A mode: both arms identical (measures the noise floor)")
+    aa_fusions: Literal["on", "off"] = option("on", "fusion state of both arms in A/A mode")
+    calibrate_delay_ms: float | None = option(
+        None, "CPU stand-in calibration: both arms as in A/A, arm B with a known injected delay "
+        f"of MS per engine step ({STEP_DELAY_ENV}, a test double that compose.cpu.yaml mounts "
+        f"from {PLUGINS_DIR_ENV}); the report states injected vs detected", metavar="MS", gt=0,
+        le=10000)
+    repeats: int | None = option(
+        default_factory=lambda: os.environ.get("BENCH_AB_REPEATS") or None, ge=1,
+        help="servers per arm, interleaved A B B A ... (env BENCH_AB_REPEATS; default 4 for "
+        "bench, 1 for census)")
+    image: str | None = option(None, "server image for both arms (default: the deployment's "
+                               "K3_IMAGE, shell > .env, else k3rocm/server:latest, "
+                               "k3rocm/server:cpu for the CPU stand-in); never pulled")
+    port: int | None = option(None, "host port of the arm servers (default: the deployment's "
+                              "K3_PORT, shell > .env > profile)", ge=1, le=65535)
+    models_dir: str | None = option(None, "host directory mounted at /models (default: the "
+                                    "deployment's K3_MODELS_DIR)")
+    cache_dir: str | None = option(None, "host directory mounted at /cache (default: the "
+                                   "deployment's K3_CACHE_DIR)")
+    server_env: list[str] = option(
+        default_factory=list, metavar="KEY=VALUE", help="extra server environment for both arms "
+        "(repeatable), e.g. K3_PROFILE=cpu-smoke; the shell's and .env's K3_* settings apply too")
+    server_timeout: float = option(3600.0, "seconds each fresh server may take to become ready "
+                                   "(default %(default)g: loading Kimi-K3 takes many minutes)",
+                                   gt=0)
+    pin_engine_core: bool = option(
+        False, "CPU stand-in: fail (exit 3) unless vLLM's EngineCore is pinned to the worker's "
+        "cores (every CPU stand-in server is pinned when ready, so the API server streams per "
+        "token; see docs/bench.md)")
+    stop_running: bool = option(False, "a server already on --port: stop it first (its log is "
+                                "saved, like `make down`) instead of refusing")
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("arm servers (the same for every --measure)")
-    add_on_argument(g)
-    g.add_argument("--aa", action="store_true",
-                   help="A/A mode: both arms identical (measures the noise floor)")
-    g.add_argument("--aa-fusions", choices=("on", "off"), default="on",
-                   help="fusion state of both arms in A/A mode (default on)")
-    g.add_argument("--calibrate-delay-ms", type=float, default=None, metavar="MS",
-                   help="CPU stand-in calibration: both arms as in A/A, arm B with a known "
-                   f"injected delay of MS per engine step ({STEP_DELAY_ENV}, a test double "
-                   f"that compose.cpu.yaml mounts from {PLUGINS_DIR_ENV}); the report states "
-                   "injected vs detected")
-    env_repeats = os.environ.get("BENCH_AB_REPEATS")
-    g.add_argument("--repeats", type=int, default=int(env_repeats) if env_repeats else None,
-                   help="servers per arm, interleaved A B B A ... (env BENCH_AB_REPEATS; "
-                   "default 4 for bench, 1 for census)")
-    g.add_argument("--image", default=None,
-                   help="server image for both arms (default: the deployment's K3_IMAGE, shell > "
-                   ".env, else k3rocm/server:latest, k3rocm/server:cpu for the CPU stand-in); "
-                   "never pulled")
-    g.add_argument("--port", type=int, default=None,
-                   help="host port of the arm servers (default: the deployment's K3_PORT, "
-                   "shell > .env > profile)")
-    for name, var in (("models", "K3_MODELS_DIR"), ("cache", "K3_CACHE_DIR")):
-        g.add_argument(f"--{name}-dir", default=None, help=f"host directory mounted at /{name} "
-                       f"(default: the deployment's {var})")
+    ArmFlags.add_arguments(g)
     gpu = g.add_mutually_exclusive_group()
     gpu.add_argument("--gpu", dest="gpu", action="store_true", default=None,
                      help="AMD devices (compose.yaml alone). Default: COMPOSE_FILE (`make ... "
                      "CPU=1`), else K3_PROFILE=cpu-smoke, else /dev/kfd decides")
     gpu.add_argument("--no-gpu", dest="gpu", action="store_false",
                      help="CPU stand-in (adds compose.cpu.yaml)")
-    g.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra server environment for both arms (repeatable), e.g. "
-                   "K3_PROFILE=cpu-smoke; the shell's and .env's K3_* settings apply too")
-    g.add_argument("--server-timeout", type=float, default=3600.0,
-                   help="seconds each fresh server may take to become ready (default 3600: "
-                   "loading Kimi-K3 takes many minutes)")
-    g.add_argument("--pin-engine-core", action="store_true",
-                   help="CPU stand-in: fail (exit 3) unless vLLM's EngineCore is pinned to "
-                   "the worker's cores (every CPU stand-in server is pinned when ready, so "
-                   "the API server streams per token; see docs/bench.md)")
-    g.add_argument("--stop-running", action="store_true",
-                   help="a server already on --port: stop it first (its log is saved, like "
-                   "`make down`) instead of refusing")
 
 
 def parse_env(items: list[str], flag: str = "--server-env") -> dict[str, str]:
@@ -122,10 +128,10 @@ def parse_env(items: list[str], flag: str = "--server-env") -> dict[str, str]:
     for item in items:
         k, sep, v = item.partition("=")
         if not sep or not k:
-            raise UsageError(f"{flag} {item!r}: expected KEY=VALUE", 2)
+            raise UsageError(f"{flag} {item!r}: expected KEY=VALUE")
         if k in FUSIONS_ON:
             raise UsageError(f"{flag} {k}: the fusion toggles are set per arm by the A/B "
-                             "driver (use --aa/--on)", 2)
+                             "driver (use --aa/--on)")
         out[k] = v
     return out
 
@@ -191,65 +197,56 @@ class Arms:
 def arms_from_args(args: argparse.Namespace, single: tuple[str, str] | None = None) -> Arms:
     """The arm settings from the shared flags (bad input: exit 2). ``single``: (command, why)
     of a measure with one server per arm, order A B."""
-    if single and (args.aa or args.calibrate_delay_ms is not None):
+    o = ArmFlags.from_args(args)
+    if single and (o.aa or o.calibrate_delay_ms is not None):
         raise UsageError(f"--aa and --calibrate-delay-ms are for --measure bench ({single[1]})")
-    if single and args.repeats != 1:
-        raise UsageError(f"--repeats {args.repeats}: {single[0]} runs one server per arm (order "
+    if single and o.repeats != 1:
+        raise UsageError(f"--repeats {o.repeats}: {single[0]} runs one server per arm (order "
                          f"A B; {single[1]}): use --repeats 1")
-    if args.repeats < 1:
-        raise UsageError(f"--repeats {args.repeats}: must be >= 1", 2)
-    env = parse_env(args.server_env)
+    env = parse_env(o.server_env)
     env_file = getattr(args, "env_file", ".env")
     # The deployment, once: the shell, .env and --server-env, with --gpu/--no-gpu.
     dep = resolve_settings(env_file, {**os.environ, **env}, gpu=args.gpu)
-    if args.port is None:
-        args.port = dep.port
-    if not 1 <= args.port <= 65535:
-        raise UsageError(f"--port {args.port}: must be 1..65535", 2)
-    if args.server_timeout <= 0:
-        raise UsageError(f"--server-timeout {args.server_timeout:g}: must be > 0", 2)
-    envs = arm_envs(args.on)
+    envs = arm_envs(o.on)
     on, off = envs["B"], envs["A"]
     container_env: dict[str, dict[str, str]] = {"A": {}, "B": {}}
-    delay = args.calibrate_delay_ms
+    delay = o.calibrate_delay_ms
     if delay is not None:
-        if args.aa:
+        if o.aa:
             raise UsageError("--calibrate-delay-ms and --aa exclude each other (calibration "
-                             "is an A/A with a known delay in arm B)", 2)
+                             "is an A/A with a known delay in arm B)")
         if not dep.cpu:
             raise UsageError("--calibrate-delay-ms exists only for the CPU stand-in "
-                             "(--no-gpu): the delay switch is never in the serving image", 2)
-        if not 0 < delay <= 10000:
-            raise UsageError(f"--calibrate-delay-ms {delay:g}: must be in (0, 10000]", 2)
+                             "(--no-gpu): the delay switch is never in the serving image")
         plugins = {**os.environ, **env}.get(PLUGINS_DIR_ENV, "")
         if not Path(plugins or "/nonexistent").is_dir():
             raise UsageError(f"--calibrate-delay-ms needs the step-delay test double: set "
                              f"{PLUGINS_DIR_ENV} to its directory (now "
-                             f"{plugins or 'unset'}; compose.cpu.yaml mounts it)", 2)
+                             f"{plugins or 'unset'}; compose.cpu.yaml mounts it)")
         container_env["B"] = {STEP_DELAY_ENV: f"{delay:g}", "PYTHONPATH": STEP_DELAY_MOUNT}
-    if delay is not None or args.aa:  # calibration: an A/A with the delay in arm B
-        same = on if args.aa_fusions == "on" else off
+    if delay is not None or o.aa:  # calibration: an A/A with the delay in arm B
+        same = on if o.aa_fusions == "on" else off
         arm_env, mode = {"A": dict(same), "B": dict(same)}, "aa" if delay is None else "cal"
     else:
         arm_env, mode = {"A": off, "B": on}, "ab"
-    models_dir = args.models_dir or str(dep.models_dir)
+    models_dir = o.models_dir or str(dep.models_dir)
     source = dep.sources.get("K3_MODELS_DIR", "default")
-    given = "--models-dir" if args.models_dir else \
+    given = "--models-dir" if o.models_dir else \
         f"K3_MODELS_DIR (from {'the shell' if source == 'env' else source})"
-    if (args.models_dir or source != "default") and not args.dry_run and \
+    if (o.models_dir or source != "default") and not args.dry_run and \
             not Path(models_dir).is_dir():
         raise UsageError(f"{given} {models_dir!r} does not exist (it is mounted at /models in "
-                         "the server)", 2)
+                         "the server)")
     scale = _replicas(env_file)
     if single and scale is not None:
         raise UsageError(f"{single[0]} runs one server per arm: unset K3_SCALE_MODE (or set it "
                          "to single)")
-    return Arms(mode=mode, repeats=args.repeats, arm_env=arm_env, port=args.port, cpu=dep.cpu,
-                image=args.image or dep.image, models_dir=models_dir,
-                cache_dir=args.cache_dir or str(dep.cache_dir),
-                server_env=env, arm_container_env=container_env,
-                server_timeout=args.server_timeout, pin_engine_core=args.pin_engine_core,
-                stop_running=args.stop_running, delay_ms=delay, scale=scale, env_file=env_file)
+    return Arms(mode=mode, repeats=o.repeats, arm_env=arm_env, port=o.port or dep.port,
+                cpu=dep.cpu, image=o.image or dep.image, models_dir=models_dir,
+                cache_dir=o.cache_dir or str(dep.cache_dir), server_env=env,
+                arm_container_env=container_env, server_timeout=o.server_timeout,
+                pin_engine_core=o.pin_engine_core, stop_running=o.stop_running, delay_ms=delay,
+                scale=scale, env_file=env_file)
 
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -264,14 +261,14 @@ def _replicas(env_file: str):
         return None
     if s.mode != "replicas":
         raise UsageError(f"K3_SCALE_MODE={s.mode}: the A/B runs on single servers or on "
-                         "replicas behind the router (K3_SCALE_MODE=replicas)", 2)
+                         "replicas behind the router (K3_SCALE_MODE=replicas)")
     remote = [n for i, n in enumerate(s.nodes) if s.node_host(i) not in LOCAL_HOSTS]
     if remote:
         raise UsageError(f"K3_SCALE_NODES has nodes on other hosts ({', '.join(remote)}): "
                          "the A/B starts every replica itself, on this host (127.0.0.1:PORT); "
-                         "on a cluster run `make bench-router` per arm instead", 2)
+                         "on a cluster run `make bench-router` per arm instead")
     if len(set(s.nodes)) != len(s.nodes):
-        raise UsageError("K3_SCALE_NODES lists a node twice", 2)
+        raise UsageError("K3_SCALE_NODES lists a node twice")
     return s
 
 
@@ -313,24 +310,24 @@ def check_port(arms: Arms) -> None:
     busy = [p for p in arms.replica_ports if answers(f"http://127.0.0.1:{p}")]
     if arms.scale is not None and answers(arms.scale.router_url):
         raise UsageError(f"a router already answers at {arms.scale.router_url}: the A/B "
-                         "starts its own; stop it with `make router-down`", 2)
+                         "starts its own; stop it with `make router-down`")
     if not busy:
         return
     if arms.scale is not None and not arms.stop_running:
         raise UsageError(f"a server already runs on port(s) {', '.join(map(str, busy))} of "
                          "K3_SCALE_NODES: the A/B starts its own replicas there; stop them "
-                         "(`make down` on each) or pass --stop-running", 2)
+                         "(`make down` on each) or pass --stop-running")
     url = f"http://127.0.0.1:{busy[0]}"
     if busy[0] != arms.port:
-        raise UsageError(f"a server already runs on {url}: stop it first", 2)
+        raise UsageError(f"a server already runs on {url}: stop it first")
     if not arms.stop_running:
         raise UsageError(f"a server already runs on port {arms.port} ({url}): the A/B starts "
                          "its own fresh servers there; stop it with `make down` or pass "
-                         "--stop-running (or use another --port)", 2)
+                         "--stop-running (or use another --port)")
     srv, dep = deployment_server(arms.env_file, gpu=not arms.cpu)
     if srv.state() is None:
         raise UsageError(f"--stop-running: what answers on {url} is not the compose server "
-                         f"of project {srv.project}; stop it yourself or use another --port", 2)
+                         f"of project {srv.project}; stop it yourself or use another --port")
     out = create_run_dir(dep.results_root, "server-log")
     _log(f"--stop-running: stopping compose project {srv.project} (log in {out})")
     srv.down(log_path=out / "server.log")
@@ -511,7 +508,7 @@ def base_check(arm_env: dict[str, dict[str, str]], environ: Mapping[str, str],
         if plain is not None:
             raise UsageError(f"every arm (the servers' own settings, not the fusion switches) "
                              f"cannot be served by this base (vLLM {ver}; facts from {where}): "
-                             f"{plain}; no server was started", 2)
+                             f"{plain}; no server was started")
         if refused(arm_envs()["A"])[0] is not None:  # the off arm itself: no --on helps
             offer = "no --on choice helps: this base refuses the fusions-off arm"
         else:
@@ -521,8 +518,7 @@ def base_check(arm_env: dict[str, dict[str, str]], environ: Mapping[str, str],
             offer = ("this base can switch: " + " or ".join(f"--on {n}" for n in ok)) if ok \
                 else "this base can switch none of the fusions (" + ", ".join(NAMES) + ")"
         raise UsageError(f"arm {arm} ({env_str(arm_env[arm])}) cannot be served by this base "
-                         f"(vLLM {ver}; facts from {where}): {why}; {offer}; no server was "
-                         "started", 2)
+                         f"(vLLM {ver}; facts from {where}): {why}; {offer}; no server was started")
     return out
 
 

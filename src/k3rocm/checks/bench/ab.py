@@ -25,6 +25,7 @@ from k3rocm.checks.bench.workloads import Workload, shell_line
 from k3rocm.deploy.provenance import exec_text
 from k3rocm.errors import EXIT_CHECK_FAILED as EXIT_FAILED
 from k3rocm.errors import EXIT_INCOMPLETE, EXIT_INTERRUPTED, EXIT_OK, UsageError, tagged_log
+from k3rocm.options import Options, option
 from k3rocm.rundir import utc_stamp, write_json_atomic, write_text_atomic
 
 _log = tagged_log("bench-ab")
@@ -241,8 +242,7 @@ def run_ab(plan: ABPlan) -> int:
     head = comp["headline"] + f"; {comp['design_after']}"
     for c in comp.get("calibration") or []:
         head += (f"; calibration c={c['concurrency']}: injected +{c['injected_ms']:g} ms/step "
-                 f"(applied {_num(c['applied_ms'])}), detected {c['detected_ms']:+.2f} ms ITL "
-                 "p50")
+                 f"(applied {_num(c['applied_ms'])}), detected {c['detected_ms']:+.2f} ms ITL p50")
     print(f"bench-ab {plan.mode.upper()} {w.name}: {head}; report {ab_dir / 'comparison.md'}")
     return EXIT_OK
 
@@ -303,8 +303,7 @@ def parse_primary(spec: str | None, w: Workload) -> tuple[str, int]:
     labels = {f"{k}:{s}": label for k, s, label, _ in stats.AB_METRICS}
     if what not in labels or not c.isdigit() or int(c) not in points:
         raise UsageError(f"--primary {spec!r}: expected METRIC@C with METRIC one of "
-                         f"{', '.join(labels)} and C one of the workload's concurrencies "
-                         f"{points}", 2)
+                         f"{', '.join(labels)} and C one of the workload's concurrencies {points}")
     return labels[what], int(c)
 
 
@@ -627,7 +626,7 @@ def find_noise_floor(plan: ABPlan, key: str | None, field: str = "protocol_key")
         if (doc or {}).get("mode") != "aa":
             if plan.noise_floor_dir:
                 why = ": no readable comparison.json there" if doc is None else " is not an A/A run"
-                raise UsageError(f"--noise-floor {d}{why}", 2)
+                raise UsageError(f"--noise-floor {d}{why}")
             continue
         if plan.noise_floor_dir or key is None or doc.get(field) == key:
             doc["dir"] = str(d)
@@ -668,32 +667,28 @@ def comparison_markdown(comp: dict) -> str:
         lines += [x for f in comp.get("noise_floor_flags") or [] for x in (f"**{f}**", "")]
         lines += [f"- {c}" for c in checks] + ([""] if checks else [])
     if comp.get("calibration"):
-        lines += ["## Calibration: injected vs detected", "",
-                  "| c | injected ms/step (nominal) | applied ms/step (B - A) | applied A / B "
-                  "ms/step | A ITL p50 ms | B ITL p50 ms | rest of step A / B ms | detected ms "
-                  "| detected/applied | nominal d | expected d (applied) | detected d [95% CI] | "
-                  "CI covers expected | verdict |",
-                  "|---:|---:|---:|---|---:|---:|---|---:|---:|---:|---:|---|---|---|"]
-        for c in comp["calibration"]:
-            lines.append(
-                f"| {c['concurrency']} | {c['injected_ms']:g} | {_num(c.get('applied_ms'))} | "
-                f"{_num(c.get('applied_a_ms'))} / {_num(c.get('applied_b_ms'))} | "
-                f"{_num(c['a_itl_ms'])} | {_num(c['b_itl_ms'])} | "
-                f"{_num(c.get('rest_a_ms'))} / {_num(c.get('rest_b_ms'))} | "
-                f"{_num(c['detected_ms'])} | "
-                f"{_num(c.get('detected_over_applied'))} | {_pct(c.get('nominal_d'))} | "
-                f"{_pct(c['expected_d'])} | {_pct(c['d'])} [{_pct(c['lo'])}, {_pct(c['hi'])}] | "
-                f"{COVERED[c['covered']]} | {c['verdict']} |")
+        lines += ["## Calibration: injected vs detected", "", *summary.table(
+            ["c", "injected ms/step (nominal)", "applied ms/step (B - A)", "applied A / B ms/step",
+             "A ITL p50 ms", "B ITL p50 ms", "rest of step A / B ms", "detected ms",
+             "detected/applied", "nominal d", "expected d (applied)", "detected d [95% CI]",
+             "CI covers expected", "verdict"], "rrrlrrlrrrrlll",
+            ([c["concurrency"], f"{c['injected_ms']:g}", _num(c.get("applied_ms")),
+              f"{_num(c.get('applied_a_ms'))} / {_num(c.get('applied_b_ms'))}",
+              _num(c["a_itl_ms"]), _num(c["b_itl_ms"]),
+              f"{_num(c.get('rest_a_ms'))} / {_num(c.get('rest_b_ms'))}",
+              _num(c["detected_ms"]), _num(c.get("detected_over_applied")),
+              _pct(c.get("nominal_d")), _pct(c["expected_d"]),
+              f"{_pct(c['d'])} [{_pct(c['lo'])}, {_pct(c['hi'])}]", COVERED[c["covered"]],
+              c["verdict"]] for c in comp["calibration"]))]
         lines += [f"\n**c={c['concurrency']}: cannot be judged: {c['why']}.**"
                   for c in comp["calibration"] if c.get("why")]
         lines += ["", "B's ITL should be A's plus the sleep B's server really applied more per "
                   "step (recorded by the step-delay double); the calibration passes when the 95% "
                   "CI covers that expected effect. Rest of step = ITL p50 - applied sleep.", ""]
-    lines += ["## Runs", "", "| slot | arm | run | status | server ready s | run s |",
-              "|---:|---|---:|---|---:|---:|"]
-    for r in comp["runs"]:
-        lines.append(f"| {r['slot']} | {r['arm']} | {r.get('run', 0)} | {r['status']} | "
-                     f"{r.get('server_ready_s', 'n/a')} | {r.get('seconds', 'n/a')} |")
+    lines += ["## Runs", "", *summary.table(
+        ["slot", "arm", "run", "status", "server ready s", "run s"], "rlrlrr",
+        ([r["slot"], r["arm"], r.get("run", 0), r["status"], r.get("server_ready_s", "n/a"),
+          r.get("seconds", "n/a")] for r in comp["runs"]))]
     if comp.get("invalid"):
         lines += ["", f"**INVALID: {comp['invalid']}.** No verdict.", ""]
     elif comp.get("protocol_differences"):
@@ -702,34 +697,23 @@ def comparison_markdown(comp: dict) -> str:
         lines += ["", f"Fusions: {f}."]
     if comp.get("inputs"):
         lines += ["", "## Inputs per run (aiperf's OSL check, the server's scraped counters)", "",
-                  "| slot | arm | c | OSL mismatches | prefix-cache hit rate | MTP acceptance | "
-                  "input flags |", "|---:|---|---:|---:|---:|---:|---|"]
-        for i in comp["inputs"]:
-            lines.append(f"| {i['slot']} | {i['arm']} | {i['concurrency']} | "
-                         f"{_num(i['osl_mismatch_count'])} | "
-                         f"{summary.rate(i['prefix_cache_hit_rate'])} | "
-                         f"{summary.rate(i['mtp_acceptance_rate'])} | "
-                         f"{'; '.join(i['flags']) or 'none'} |")
+                  *summary.table(["slot", "arm", "c", "OSL mismatches", "prefix-cache hit rate",
+                                  "MTP acceptance", "input flags"], "rlrrrrl",
+                                 ([i["slot"], i["arm"], i["concurrency"],
+                                   _num(i["osl_mismatch_count"]),
+                                   summary.rate(i["prefix_cache_hit_rate"]),
+                                   summary.rate(i["mtp_acceptance_rate"]),
+                                   "; ".join(i["flags"]) or "none"] for i in comp["inputs"]))]
     prim = comp.get("primary") or {}
     lines += ["", "## Comparison (B vs A), one value per server", "",
               f"Primary (declared before the run): {prim.get('metric')} at "
               f"c={prim.get('concurrency')}, two-sided t test at 5%. Other rows: "
               f"{comp.get('multiplicity')}.", "",
               f"- before the run: {comp.get('design_before') or 'n/a'}",
-              f"- after the run: {comp.get('design_after') or 'n/a'}", "",
-              "| c | metric | A servers | B servers | d = (B-A)/A | CI of the verdict (level) | "
-              "p | MDE 80% | servers/arm for 1% | verdict |",
-              "|---:|---|---|---|---:|---|---:|---:|---:|---|"]
-    for r in comp["rows"]:
-        p = r.get("p") if r.get("primary") else r.get("p_holm")
-        name = f"**{r['metric']}** (primary)" if r.get("primary") else r["metric"]
-        p_txt = "n/a" if p is None else f"{p:.3g}" + ("" if r.get("primary") else " (Holm)")
-        lines.append(
-            f"| {r['concurrency']} | {name} | {_vals(r.get('server_values_a'))} | "
-            f"{_vals(r.get('server_values_b'))} | {_pct(r.get('d'))} | "
-            f"[{_pct(r.get('ci_lo'))}, {_pct(r.get('ci_hi'))}] ({_level(r)}) | {p_txt} | "
-            f"{summary.fmt(r.get('mde'), '.2f', 100, '%')} | "
-            f"{r.get('servers_for_1pct') or 'n/a'} | {r['verdict']} |")
+              f"- after the run: {comp.get('design_after') or 'n/a'}", "", *summary.table(
+                  ["c", "metric", "A servers", "B servers", "d = (B-A)/A",
+                   "CI of the verdict (level)", "p", "MDE 80%", "servers/arm for 1%", "verdict"],
+                  "rlllrlrrrl", map(_row_cells, comp["rows"]))]
     lines += ["", f"Headline: {comp['headline']}", "",
               "Latency in ms (lower is faster), output tokens/s (higher is faster); one value "
               "per fresh server. 'inconclusive': the CI includes 0, effects below the MDE are "
@@ -741,9 +725,17 @@ def comparison_markdown(comp: dict) -> str:
 COVERED = {True: "yes", False: "**NO**", None: "n/a"}
 
 
-def _level(r: dict) -> str:
+def _row_cells(r: dict) -> list:
+    """A comparison row's cells: the primary row's own p, the others' Holm-adjusted."""
+    p = r.get("p") if r.get("primary") else r.get("p_holm")
     level = r.get("ci_level") or 1 - stats.ALPHA
-    return f"{level * 100:.4g}%" + ("" if r.get("primary") else " Holm")
+    return [r["concurrency"], f"**{r['metric']}** (primary)" if r.get("primary") else r["metric"],
+            _vals(r.get("server_values_a")), _vals(r.get("server_values_b")), _pct(r.get("d")),
+            f"[{_pct(r.get('ci_lo'))}, {_pct(r.get('ci_hi'))}] ({level * 100:.4g}%"
+            + ("" if r.get("primary") else " Holm") + ")",
+            "n/a" if p is None else f"{p:.3g}" + ("" if r.get("primary") else " (Holm)"),
+            summary.fmt(r.get("mde"), ".2f", 100, "%"), r.get("servers_for_1pct") or "n/a",
+            r["verdict"]]
 
 
 def _vals(xs: Sequence[float] | None) -> str:
@@ -775,30 +767,35 @@ def _plot(comp: dict, runs: Sequence[dict], out: Path) -> None:
 # --- the measure's side of the A/B driver (k3rocm.checks.ab.cli) ---
 
 REPEATS = 4  # the fewest servers per arm with which a 5% test on server values has room
-OWN = ("runs_per_server", "noise_floor", "primary")
+
+
+class BenchAB(Options):
+    """``--measure bench``'s own flags (the rest: ``bench``'s and the arm servers')."""
+
+    runs_per_server: int = option(1, "complete workload runs on each fresh server (more saves "
+                                  "server starts, identical for both arms)", ge=1)
+    noise_floor: Path | None = option(None, "A/A run directory to report beside this A/B "
+                                      "(default: the newest A/A under --results with the same "
+                                      "protocol)")
+    primary: str | None = option(
+        None, "the one metric judged at 5%%, declared before the run: itl:p50, itl:p90, "
+        "ttft:p50, e2el:p50 or output_tps:avg at a concurrency of the workload (default itl:p50 "
+        "at its first concurrency); every other row is judged with Holm's correction",
+        metavar="METRIC@C")
+
+
+OWN = tuple(BenchAB.flags())
 
 
 def add_arguments(g: argparse._ArgumentGroup) -> None:
     add_common(g, skip=("results",))
-    g.add_argument("--runs-per-server", type=int, default=1,
-                   help="complete workload runs on each fresh server (default 1; more saves "
-                   "server starts, identical for both arms)")
-    g.add_argument("--noise-floor", type=Path, default=None,
-                   help="A/A run directory to report beside this A/B (default: the newest A/A "
-                   "under --results with the same protocol)")
-    g.add_argument("--primary", default=None, metavar="METRIC@C",
-                   help="the one metric judged at 5%%, declared before the run: itl:p50, "
-                   "itl:p90, ttft:p50, e2el:p50 or output_tps:avg at a concurrency of the "
-                   "workload (default itl:p50 at its first concurrency); every other row is "
-                   "judged with Holm's correction")
+    BenchAB.add_arguments(g)
 
 
 def build_plan(args: argparse.Namespace) -> ABPlan:
-    if args.runs_per_server < 1:
-        raise UsageError(f"--runs-per-server {args.runs_per_server}: must be >= 1", 2)
+    own = BenchAB.from_args(args)
     if args.url:
-        raise UsageError("--url is not used by bench-ab (it starts its own servers): use --port",
-                         2)
+        raise UsageError("--url is not used by bench-ab (it starts its own servers): use --port")
     arms = armlib.arms_from_args(args)
     # what the arm servers serve (their K3_MODEL, K3_API_KEY, ...: --server-env over the
     # settings) is what the client asks for, tokenizes with and authenticates to
@@ -815,12 +812,11 @@ def build_plan(args: argparse.Namespace) -> ABPlan:
         if have not in (None, want):
             raise UsageError(f"--server-env K3_PREFIX_CACHING={have}: workload {w.name} needs "
                              f"prefix caching {'on' if w.prefix_caching else 'off'} "
-                             f"(K3_PREFIX_CACHING={want}), which the A/B sets on its servers", 2)
+                             f"(K3_PREFIX_CACHING={want}), which the A/B sets on its servers")
         arms.server_env["K3_PREFIX_CACHING"] = want
-    return ABPlan(workload=w, arms=arms, results=args.results,
-                  client_image=args.client_image, runs_per_server=args.runs_per_server,
-                  noise_floor_dir=args.noise_floor, primary=parse_primary(args.primary, w),
-                  progress=not args.quiet)
+    return ABPlan(workload=w, arms=arms, results=args.results, client_image=args.client_image,
+                  runs_per_server=own.runs_per_server, noise_floor_dir=own.noise_floor,
+                  primary=parse_primary(own.primary, w), progress=not args.quiet)
 
 
 def run(args: argparse.Namespace) -> int:

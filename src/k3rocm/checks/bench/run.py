@@ -42,10 +42,10 @@ def check_tokenizer(path: str) -> Path:
     p = Path(path).expanduser()
     if not p.is_dir():
         raise UsageError(f"tokenizer directory {path!r} does not exist: pass the model's local "
-                         f"directory with --tokenizer DIR (or BENCH_TOKENIZER)", 2)
+                         f"directory with --tokenizer DIR (or BENCH_TOKENIZER)")
     if not any((p / f).exists() for f in _TOKENIZER_FILES):
         raise UsageError(f"{path!r} holds no tokenizer ({', '.join(_TOKENIZER_FILES)}): pass the "
-                         f"model's local directory with --tokenizer DIR", 2)
+                         f"model's local directory with --tokenizer DIR")
     return p.resolve()
 
 

@@ -252,13 +252,13 @@ def effect_line(effect: float, n: int, var_log: float | None = None, var_df: int
 @functools.lru_cache(maxsize=4096)
 def binom_upper(k: int, n: int, alpha: float = ALPHA) -> float:
     """One-sided exact (Clopper-Pearson) upper (1 - alpha) bound on a rate seen k times in n."""
-    return 1.0 if k >= n else float(_dist().beta.ppf(1 - alpha, k + 1, n - k))
+    return float(_dist().binomtest(k, n, alternative="less").proportion_ci(1 - alpha).high)
 
 
 def mcnemar_exact(b_only: int, a_only: int) -> float:
     """Two-sided exact McNemar p on the discordant counts (Binomial(n, 1/2))."""
     n = b_only + a_only
-    return min(1.0, 2 * float(_dist().binom.cdf(min(b_only, a_only), n, 0.5))) if n else 1.0
+    return float(_dist().binomtest(b_only, n).pvalue) if n else 1.0
 
 
 def noninferiority_lower(n: int, b_only: int, a_only: int, alpha: float = ALPHA) -> float:

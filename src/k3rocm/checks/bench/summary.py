@@ -366,33 +366,39 @@ def rate(v: float | None) -> str:
     return fmt(v, ".1%")
 
 
+def table(head: Sequence[str], align: str, rows: Iterable[Sequence[Any]]) -> list[str]:
+    """A markdown table's lines; ``align``: one letter per column, ``r`` right, else left."""
+    def row(cells: Iterable[Any]) -> str:
+        return "| " + " | ".join(map(str, cells)) + " |"
+
+    return [row(head), "|" + "|".join("---:" if a == "r" else "---" for a in align) + "|",
+            *map(row, rows)]
+
+
 def markdown_report(points: Sequence[dict], title: str, protocol_lines: Sequence[str]) -> str:
     def f(v, digits=2):
         return fmt(v, f".{digits}f")
 
-    lines = [f"# {title}", "", *[f"- {x}" for x in protocol_lines], "",
-             "| concurrency | requests | status | TTFT p50 ms | ITL p50 ms | E2E p50 ms | "
-             "output tok/s | tok/s/user p50 |", "|---:|---:|---|---:|---:|---:|---:|---:|"]
     bunched = [p for p in points if (p.get("stream") or {}).get("bunched")]
-    for p in points:
-        status = p["status"] + (" (stream bunched)" if p in bunched else "")
-        lines.append(f"| {p['concurrency']} | {p['request_count']} | {status} | "
-                     f"{f(_m(p, 'ttft', 'p50'))} | {f(_m(p, 'itl', 'p50'), 3)} | "
-                     f"{f(_m(p, 'e2el', 'p50'))} | {f(p.get('output_tps'))} | "
-                     f"{f(_m(p, 'tps_user', 'p50'))} |")
+    lines = [f"# {title}", "", *[f"- {x}" for x in protocol_lines], "", *table(
+        ["concurrency", "requests", "status", "TTFT p50 ms", "ITL p50 ms", "E2E p50 ms",
+         "output tok/s", "tok/s/user p50"], "rrlrrrrr",
+        ([p["concurrency"], p["request_count"],
+          p["status"] + (" (stream bunched)" if p in bunched else ""), f(_m(p, "ttft", "p50")),
+          f(_m(p, "itl", "p50"), 3), f(_m(p, "e2el", "p50")), f(p.get("output_tps")),
+          f(_m(p, "tps_user", "p50"))] for p in points))]
     for p in bunched:
         lines += ["", f"**c={p['concurrency']}: {p['stream']['note']}.** The latency figures of "
                       "this point describe chunks, not tokens."]
     lines += [x for p in points for fl in p.get("flags") or []
               for x in ("", f"**c={p['concurrency']} inputs: {fl}.**")]
-    lines += ["", "| concurrency | ISL avg (server) | OSL avg (server) | OSL mismatches | "
-              "prefix-cache hit rate | MTP acceptance |", "|---:|---:|---:|---:|---:|---:|"]
-    for p in points:
-        sm = p.get("server_metrics") or {}
-        lines.append(f"| {p['concurrency']} | {f(p.get('isl_avg'), 1)} | "
-                     f"{f(p.get('osl_avg'), 1)} | {f(p.get('osl_mismatch_count'), 0)} | "
-                     f"{rate(sm.get('prefix_cache_hit_rate'))} | "
-                     f"{rate(sm.get('mtp_acceptance_rate'))} |")
+    lines += ["", *table(["concurrency", "ISL avg (server)", "OSL avg (server)", "OSL mismatches",
+                          "prefix-cache hit rate", "MTP acceptance"], "rrrrrr",
+                         ([p["concurrency"], f(p.get("isl_avg"), 1), f(p.get("osl_avg"), 1),
+                           f(p.get("osl_mismatch_count"), 0),
+                           rate((p.get("server_metrics") or {}).get("prefix_cache_hit_rate")),
+                           rate((p.get("server_metrics") or {}).get("mtp_acceptance_rate"))]
+                          for p in points))]
     for p in points:
         lines += ["", f"## concurrency {p['concurrency']} ({p['request_count']} requests): "
                       f"{p['status']}", ""]
@@ -406,12 +412,12 @@ def markdown_report(points: Sequence[dict], title: str, protocol_lines: Sequence
             lines += [f"**FAILED**: {p.get('reason')}", ""]
             if not p.get("metrics"):
                 continue
-        lines += ["| metric | p50 | p90 | p99 | avg |", "|---|---:|---:|---:|---:|"]
-        for key, digits in (("ttft", 3), ("itl", 3), ("e2el", 3), ("tps_user", 2)):
-            _, label, unit = LATENCY_METRICS[key]
-            cells = " | ".join(f(_m(p, key, s), digits) for s in ("p50", "p90", "p99", "avg"))
-            lines.append(f"| {label if key == 'tps_user' else f'{label} ({unit})'} | {cells} |")
-        lines.append(f"| output tokens/s (all users) | | | | {f(p.get('output_tps'))} |")
+        lines += table(["metric", "p50", "p90", "p99", "avg"], "lrrrr", [
+            *([label if key == "tps_user" else f"{label} ({unit})",
+               *(f(_m(p, key, s), digits) for s in ("p50", "p90", "p99", "avg"))]
+              for key, digits in (("ttft", 3), ("itl", 3), ("e2el", 3), ("tps_user", 2))
+              for _, label, unit in [LATENCY_METRICS[key]]),
+            ["output tokens/s (all users)", "", "", "", f(p.get("output_tps"))]])
         if chk := p.get("jsonl_check"):
             verdict = ("all equal" if chk.get("ok")
                        else "MISMATCH: " + "; ".join(chk["mismatches"][:3]))

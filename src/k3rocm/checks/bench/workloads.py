@@ -61,6 +61,19 @@ class Workload(BaseModel):
             raise ValueError("must look like http://HOST:PORT (no path)")
         return v.rstrip("/")
 
+    @field_validator("extra_inputs", "concurrency", "request_count", "extra_args", mode="before")
+    @classmethod
+    def _split(cls, v: Any, info: Any) -> Any:  # info: pydantic's ValidationInfo
+        """A ``--set``/``BENCH_*`` string: extra_args shell-split, the lists comma separated."""
+        if not isinstance(v, str):
+            return v
+        if info.field_name != "extra_args":
+            return [x.strip() for x in v.split(",") if x.strip()]
+        try:
+            return shlex.split(v)
+        except ValueError as exc:
+            raise ValueError(f"is not valid shell quoting ({exc})") from None
+
     @field_validator("extra_inputs")
     @classmethod
     def _kv(cls, v: tuple[str, ...]) -> tuple[str, ...]:
@@ -91,7 +104,6 @@ class Workload(BaseModel):
 
 
 FIELD_NAMES = [f for f in Workload.model_fields if f != "name"]
-_LIST_FIELDS = {"extra_inputs", "concurrency", "request_count"}
 # BENCH_* variables that are not workload fields (read elsewhere; the last two by mk/bench.mk).
 _NOT_FIELDS = {"BENCH_WORKLOAD", "BENCH_CLIENT_IMAGE", "BENCH_AB_REPEATS", "BENCH_ARGS",
                "BENCH_IMAGE"}
@@ -122,40 +134,28 @@ def load_table(path: Path | None = None) -> tuple[dict[str, Any], dict[str, dict
     return defaults, workloads
 
 
-def _parse_value(field: str, raw: str) -> Any:
-    """A CLI/env string -> lists split on commas, extra_args shell-split; pydantic does the rest."""
-    raw = raw.strip()
-    if field == "extra_args":
-        try:
-            return shlex.split(raw)
-        except ValueError as exc:
-            raise UsageError(f"extra_args={raw!r} is not valid shell quoting ({exc})") from None
-    return [x.strip() for x in raw.split(",") if x.strip()] if field in _LIST_FIELDS else raw
-
-
-def parse_sets(items: Sequence[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def parse_sets(items: Sequence[str]) -> dict[str, str]:
+    out = {}
     for item in items:
         key, sep, value = item.partition("=")
         key = key.strip().replace("-", "_")
         if not sep or key not in FIELD_NAMES:
             raise UsageError(f"--set {item!r}: expected KEY=VALUE with KEY one of "
                              f"{', '.join(FIELD_NAMES)}")
-        out[key] = _parse_value(key, value)
+        out[key] = value.strip()
     return out
 
 
-def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def env_overrides(env: Mapping[str, str]) -> dict[str, str]:
+    out = {}
     for key, value in env.items():
-        if not key.startswith(ENV_PREFIX) or key in _NOT_FIELDS:
-            continue
-        field = key[len(ENV_PREFIX):].lower()
-        if field not in FIELD_NAMES:
-            raise UsageError(f"unknown environment variable {key}; BENCH_* fields are "
-                             f"{', '.join('BENCH_' + f.upper() for f in FIELD_NAMES)}")
-        if value != "":
-            out[field] = _parse_value(field, value)
+        field = key.removeprefix(ENV_PREFIX).lower()
+        if key.startswith(ENV_PREFIX) and key not in _NOT_FIELDS:
+            if field not in FIELD_NAMES:
+                raise UsageError(f"unknown environment variable {key}; BENCH_* fields are "
+                                 f"{', '.join('BENCH_' + f.upper() for f in FIELD_NAMES)}")
+            if value != "":
+                out[field] = value.strip()
     return out
 
 
@@ -188,7 +188,7 @@ def resolve(name: str, sets: Mapping[str, Any] | None = None,
                               **env_overrides(os.environ if env is None else env),
                               **(sets or {}), "name": name}
     try:
-        return Workload(**merged)
+        return Workload.model_validate(merged)
     except ValidationError as exc:
         err = exc.errors()[0]
         msg = err["msg"].removeprefix("Value error, ")
