@@ -57,9 +57,10 @@ def upstream_tree(version: str) -> Path:
 # The longest files first (loaded CI durations), so that with `--dist loadfile
 # --no-loadscope-reorder` (Makefile `test`) no worker is left with a 10-minute file at the end
 # while the other is idle; xdist's default order (most items first) deals them out last.
-HEAVY_FIRST = ("test_bench_standin", "test_census_standin", "test_demo", "test_gsm8k_e2e",
-               "test_selftest_run", "test_overlay_standin", "test_scale_standin", "test_standin",
-               "test_overlay_image", "test_smoke", "test_selftest_model_vllm")
+HEAVY_FIRST = ("test_bench_ab_standin", "test_overlay_standin", "test_gsm8k_e2e", "test_demo",
+               "test_bench_standin", "test_scale_standin", "test_selftest_run",
+               "test_census_standin", "test_overlay_image", "test_selftest_model_vllm",
+               "test_standin", "test_smoke")
 
 
 def pytest_collection_modifyitems(items):
