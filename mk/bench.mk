@@ -67,4 +67,4 @@ clients-image: $(CLIENT_WHEELS)/.complete ## build the aiperf + lm-eval client i
 	  -t $(CLIENTS_IMAGE) $(CLIENT_WHEELS)
 
 bench-test: $(PY) ## bench tests: workloads/stats units, real aiperf vs the CPU stand-in, A/B
-	$(PY) -m pytest -q tests/test_bench_unit.py tests/test_bench_standin.py
+	$(PY) -m pytest -q tests/test_bench_unit.py tests/test_bench_standin.py tests/test_bench_ab_standin.py
