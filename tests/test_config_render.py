@@ -90,12 +90,6 @@ def test_empty_values_count_as_unset():
     assert r.sources["K3_MAX_NUM_SEQS"] == "default"
 
 
-def test_passthrough_and_extra_args_come_last():
-    r = render(environ={**MODEL, "K3_EXTRA_ARGS": "--seed 7 --disable-log-requests"}, dotenv=None,
-               passthrough=["--max-logprobs", "5"])
-    assert r.argv[-5:] == ["--max-logprobs", "5", "--seed", "7", "--disable-log-requests"]
-
-
 def test_profiler_renders_config_and_rpc_timeout():
     r = render(environ={**MODEL, "K3_PROFILER_DIR": "/results/traces"}, dotenv=None)
     prof = json.loads(r.argv[r.argv.index("--profiler-config") + 1])

@@ -110,22 +110,6 @@ def test_every_command_resolves_the_same_deployment(project, command, placement)
         assert {view["sources"][k] for k in SETTINGS} == {src}
 
 
-def test_the_wired_commands(project):
-    """Which commands derive their values from the deployment themselves (the matrix above);
-    the others print the shared view only."""
-    wired = {}
-    for name in ("config", "bench", "gsm8k", "census", "bench-ab", "census-ab", "smoke",
-                 "ab --measure bench", "server wait"):
-        p = subprocess.run([sys.executable, "-m", "k3rocm", *name.split(), "--print-deployment"],
-                           cwd=project, env=_env(SETTINGS), capture_output=True, text=True,
-                           timeout=60)
-        assert p.returncode == 0, p.stderr
-        wired[name] = json.loads(p.stdout)["wired"]
-    assert {k for k, v in wired.items() if v} >= {
-        "config", "bench", "gsm8k", "census", "bench-ab", "census-ab", "ab --measure bench",
-        "server wait"}
-
-
 @pytest.mark.parametrize("placement", PLACEMENTS)
 def test_bench_and_gsm8k_dry_runs_use_the_deployment(project, placement):
     """The exact client command lines carry the same URL, model, key, tokenizer and results."""

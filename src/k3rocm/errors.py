@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from typing import Any
 
 EXIT_OK = 0
 EXIT_CHECK_FAILED = 1
@@ -39,6 +40,21 @@ class ServerError(UsageError):
 
     def __init__(self, message: str):
         super().__init__(message, EXIT_SERVER)
+
+
+def one_line(exc: Any, subject: Callable[[tuple[str, ...], Any], str],
+             what: Callable[[str, dict[str, Any]], str | None]) -> str:
+    """The first error of pydantic's ValidationError ``exc`` as ``<subject> <what>``, the one
+    formatter of every settings, options and profile error. ``subject(loc, input)`` names the
+    value (a flag, ``K3_X='v'``, a file's key; ``loc`` without dict keys' ``[key]``); ``what(kind,
+    err)`` says what is wrong and what to use for error type ``kind`` (``range`` for any bound;
+    ``err["msg"]`` without ``Value error, ``), or None: ``is not valid: <pydantic's message>``."""
+    err = exc.errors()[0]
+    err["loc"] = tuple(str(p) for p in err["loc"] if p != "[key]")
+    err["msg"] = err["msg"].removeprefix("Value error, ")
+    kind = "range" if err["type"].startswith(("greater", "less")) else err["type"]
+    told = what(kind, err) or f"is not valid: {err['msg']}"
+    return f"{subject(err['loc'], err.get('input'))} {told}".strip()
 
 
 def tagged_log(tag: str) -> Callable[[str], None]:

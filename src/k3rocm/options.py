@@ -15,7 +15,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.fields import FieldInfo
 
-from k3rocm.errors import UsageError
+from k3rocm.errors import UsageError, one_line
 
 T = TypeVar("T", bound="Options")
 
@@ -134,22 +134,20 @@ def _bounds(f: FieldInfo) -> str:
 
 
 def _message(cls: type[BaseModel], exc: ValidationError) -> str:
-    err = exc.errors()[0]
-    msg = err["msg"].removeprefix("Value error, ")
-    if not err["loc"]:  # a check across fields: its own message names the flags
-        return msg
-    name = str(err["loc"][0])
-    f = cls.model_fields[name]
-    value = err["input"]
-    shown = f"{_flag(name, f)} {value if isinstance(value, int | float) else repr(value)}"
-    kind = err["type"]
-    if kind.startswith(("greater", "less")):
-        return f"{shown} is out of range; use {_bounds(f)}{_extra(f).get('unit', '')}"
-    if kind == "literal_error":
-        return f"{shown} is not valid; use {' or '.join(typing.get_args(_base_type(f.annotation)))}"
-    if kind == "value_error":
-        return f"{shown} {msg}"
-    return f"{shown} is not valid: {msg}"
+    def subject(loc: tuple[str, ...], value: Any) -> str:
+        shown = value if isinstance(value, int | float) else repr(value)
+        return f"{_flag(loc[0], cls.model_fields[loc[0]])} {shown}" if loc else ""
+
+    def what(kind: str, err: dict[str, Any]) -> str | None:
+        if not err["loc"]:  # a check across fields: its own message names the flags
+            return err["msg"]
+        f = cls.model_fields[err["loc"][0]]
+        if kind == "range":
+            return f"is out of range; use {_bounds(f)}{_extra(f).get('unit', '')}"
+        if kind == "literal_error":
+            return f"is not valid; use {' or '.join(typing.get_args(_base_type(f.annotation)))}"
+        return err["msg"] if kind == "value_error" else None
+    return one_line(exc, subject, what)
 
 
 class ServerFlags(Options):

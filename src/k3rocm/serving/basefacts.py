@@ -591,9 +591,10 @@ def _fusion_checks(s: Any, sources: dict[str, str], facts: dict[str, Any], kv: s
     """Each fusion asked on or off against what implements it here (:func:`fusion_provider`)
     and the KV cache it needs (its row's ``kv_cache``)."""
     notes: list[str] = []
+    providers = {f.name: fusion_provider(facts, f.name, s.overlay) for f in FUSIONS}
     for f in FUSIONS:
         on = updates.get(f.field, getattr(s, f.field))
-        provider, why = fusion_provider(facts, f.name, s.overlay)
+        provider, why = providers[f.name]
         explicit = _explicit(sources, f.env)
         if on and provider is None:
             if explicit:
@@ -621,8 +622,7 @@ def _fusion_checks(s: Any, sources: dict[str, str], facts: dict[str, Any], kv: s
                          f"K3_KV_CACHE_DTYPE={kv})")
     shipped = value(facts, "upstream_mla_fusions") or []
     if shipped and not value(facts, "overlay_in_tree"):
-        hooked = [n for n in shipped if fusion_provider(facts, n, s.overlay)[0] ==
-                  "upstream-hook"]
+        hooked = [n for n in shipped if providers[n][0] == "upstream-hook"]
         notes.append(f"fusions: vLLM {ver}'s own amd/mla.py ({', '.join(shipped)}); "
                      + (f"the k3rocm hook switches {', '.join(hooked)} (K3_FUSE_*)" if hooked
                         else "nothing switches them here"))

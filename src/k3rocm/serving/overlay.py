@@ -115,30 +115,6 @@ def overlay_files(overlay_dir: Path) -> list[Path]:
     return files
 
 
-def check_anchor(vllm: VllmInstall) -> dict[str, Any]:
-    """The code the wiring hooks. Raises OverlayError with one line when absent."""
-    linear = vllm.root / LINEAR
-    shared = vllm.root / SHARED_MLA
-    if not (vllm.root / AMD_DIR).is_dir():
-        raise OverlayError(
-            f"overlay: cannot apply: vLLM {vllm.version} has no {AMD_DIR}/ (Kimi-K3 AMD "
-            "model code); the overlay needs the nightly-era layout (vLLM >= 0.27)")
-    if not linear.is_file():
-        raise OverlayError(f"overlay: cannot apply: {linear} is missing; nothing to hook")
-    text = _text(linear)
-    if not _IMPORT_RE.search(text) or not _CALL_RE.search(text):
-        raise OverlayError(
-            f"overlay: cannot apply: {LINEAR} no longer imports and builds "
-            "MultiHeadLatentAttentionWrapper from vllm.model_executor.layers.mla; "
-            "the hook point is gone (update the overlay for this vLLM)")
-    if "class MultiHeadLatentAttentionWrapper" not in _text(shared):
-        raise OverlayError(f"overlay: cannot apply: {SHARED_MLA} has no "
-                           "MultiHeadLatentAttentionWrapper class to subclass")
-    return {"file": str(LINEAR), "sha256": sha256_file(linear),
-            "hook": "global name MultiHeadLatentAttentionWrapper (imported from "
-                    "vllm.model_executor.layers.mla, called in KimiMLAAttention)"}
-
-
 def _ours(path: Path) -> bool:
     """``path`` is the k3rocm overlay's amd/mla.py."""
     return MARKER in _text(path)
@@ -146,20 +122,72 @@ def _ours(path: Path) -> bool:
 
 SKIPPED_WHY = (f"upstream amd/mla.py ships {' and '.join(f.name for f in FUSIONS)}; switchable "
                "through the plugin's upstream hook")
-
-
-def upstream_anchor(vllm: VllmInstall) -> dict[str, Any] | None:
-    """vLLM >= 0.30: ``amd/linear.py`` imports ``KimiK3MultiHeadLatentAttentionWrapper`` by
-    name from ``amd/mla.py`` and builds it (None when it does not)."""
-    text = _text(vllm.root / LINEAR)
-    if not (_UPSTREAM_IMPORT_RE.search(text) and _UPSTREAM_CALL_RE.search(text)):
-        return None
-    return {"file": str(LINEAR), "sha256": sha256_file(vllm.root / LINEAR),
-            "hook": f"upstream import of {OUR_CLASS} from vllm.models.kimi_k3.amd.mla"}
-
-
 # vLLM >= 0.33 upstream amd/mla.py API the overlay lacks (forcing it crashes at first forward).
 _NEWER_API = ("skip_o_proj", "KimiK3MergedQKVGateLinear")
+
+
+@dataclass(frozen=True)
+class OverlayState:
+    """Which file sits at vLLM's ``amd/mla.py``, which fusions upstream's ships and what builds
+    the overlay there (:func:`inspect`): read by ``apply``, ``status`` and ``probe``."""
+
+    vllm: VllmInstall
+    ours: bool  # amd/mla.py is the k3rocm overlay
+    upstream: bool  # amd/mla.py is upstream's own file
+    shipped: list[str] | None  # fusions upstream's file (or its backup) ships; None: no file
+    lacks: list[str]  # fusion table rows upstream's file lacks
+    anchor: dict[str, Any] | None  # the hook point that builds the overlay; None: absent
+    anchor_problem: str  # why it is absent, one line
+    newer_api: list[str]  # upstream API the overlay does not implement
+
+    @property
+    def backup(self) -> Path:
+        return self.vllm.root / MLA.with_name(MLA.name + BACKUP_SUFFIX)
+
+
+def inspect(vllm: VllmInstall) -> OverlayState:
+    """Read vLLM's tree once (nothing imported, nothing changed)."""
+    mla, linear = vllm.root / MLA, vllm.root / LINEAR
+    up_file = upstream_file(vllm.root)
+    shipped = read_mla(_text(up_file)).shipped if up_file else None
+    upstream = mla.is_file() and not _ours(mla)
+    anchor, problem = _anchor(vllm, shipped is not None)
+    return OverlayState(
+        vllm, _ours(mla), upstream, shipped,
+        [f.name for f in FUSIONS if shipped is not None and f.name not in shipped],
+        anchor, problem,
+        [n for n in _NEWER_API if upstream and n in _text(mla) + _text(linear)])
+
+
+def _anchor(vllm: VllmInstall, upstream_mla: bool) -> tuple[dict[str, Any] | None, str]:
+    """The code that builds the overlay's class, or why there is none. vLLM >= 0.30 (upstream
+    ships amd/mla.py): ``amd/linear.py`` imports ``KimiK3MultiHeadLatentAttentionWrapper`` by
+    name from it and builds it; older: the global name the plugin rebinds in amd/linear.py."""
+    linear = vllm.root / LINEAR
+    text = _text(linear)
+    if upstream_mla:
+        if _UPSTREAM_IMPORT_RE.search(text) and _UPSTREAM_CALL_RE.search(text):
+            return {"file": str(LINEAR), "sha256": sha256_file(linear),
+                    "hook": f"upstream import of {OUR_CLASS} from vllm.models.kimi_k3.amd.mla"}, ""
+        return None, (f"overlay: cannot apply: vLLM {vllm.version} ships amd/mla.py, but "
+                      f"{LINEAR} does not import and build {OUR_CLASS} from "
+                      "vllm.models.kimi_k3.amd.mla; replacing the file would not switch the "
+                      "class (update the overlay for this vLLM)")
+    if not (vllm.root / AMD_DIR).is_dir():
+        return None, (f"overlay: cannot apply: vLLM {vllm.version} has no {AMD_DIR}/ (Kimi-K3 "
+                      "AMD model code); the overlay needs the nightly-era layout (vLLM >= 0.27)")
+    if not linear.is_file():
+        return None, f"overlay: cannot apply: {linear} is missing; nothing to hook"
+    if not _IMPORT_RE.search(text) or not _CALL_RE.search(text):
+        return None, (f"overlay: cannot apply: {LINEAR} no longer imports and builds "
+                      "MultiHeadLatentAttentionWrapper from vllm.model_executor.layers.mla; "
+                      "the hook point is gone (update the overlay for this vLLM)")
+    if "class MultiHeadLatentAttentionWrapper" not in _text(vllm.root / SHARED_MLA):
+        return None, (f"overlay: cannot apply: {SHARED_MLA} has no "
+                      "MultiHeadLatentAttentionWrapper class to subclass")
+    return {"file": str(LINEAR), "sha256": sha256_file(linear),
+            "hook": "global name MultiHeadLatentAttentionWrapper (imported from "
+                    "vllm.model_executor.layers.mla, called in KimiMLAAttention)"}, ""
 
 
 def _manifest_path(vllm: VllmInstall) -> Path:
@@ -219,41 +247,25 @@ def apply(overlay_dir: Path, mode: str = "auto", site: Path | None = None,
         rep["files"] = rows("none", "source_sha256")
         return done("off", "overlay: off (K3_OVERLAY=off), vLLM left as shipped")
 
-    upstream = (vllm.root / MLA).is_file() and not _ours(vllm.root / MLA)
-    backup = (vllm.root / MLA).with_name(MLA.name + BACKUP_SUFFIX)
-    up_file = upstream_file(vllm.root)
-    shipped = read_mla(_text(up_file)).shipped if up_file else None
-    lacks = [f.name for f in FUSIONS if shipped is not None and f.name not in shipped]
-    if shipped is not None:
-        rep["upstream_fusions"] = shipped
+    st = inspect(vllm)
+    upstream, lacks, backup = st.upstream, st.lacks, st.backup
+    if st.shipped is not None:
+        rep["upstream_fusions"] = st.shipped
     if upstream and mode == "auto" and not lacks:
         rep["files"] = rows("skipped", "source_sha256")
         rep["upstream_mla_sha256"] = sha256_file(vllm.root / MLA)
         return done("skipped-upstream", f"overlay: skipped, {SKIPPED_WHY}")
-    # upstream code with an API the overlay does not implement: refused
-    found = [name for name in _NEWER_API
-             if upstream and name in _text(vllm.root / MLA) + _text(vllm.root / LINEAR)]
-    if found:
+    if st.newer_api:  # upstream code with an API the overlay does not implement: refused
         raise OverlayError(
             (f"overlay: --mode force refused: vLLM {vllm.version} ships amd/mla.py with both "
              "fusions and" if not lacks else f"overlay: cannot apply: vLLM {vllm.version} "
              f"ships amd/mla.py without {', '.join(lacks)} but with")
-            + f" an API the overlay does not implement ({', '.join(found)}); "
+            + f" an API the overlay does not implement ({', '.join(st.newer_api)}); "
             + ("use --mode auto (keeps upstream's fusions)" if not lacks else
                "update the overlay for this vLLM, or use --mode off"))
-
-    if shipped is not None:
-        # upstream's amd/linear.py imports the class by name from amd/mla.py: replacing the
-        # file switches the class the AMD model builds
-        rep["anchor"] = upstream_anchor(vllm)
-        if rep["anchor"] is None:
-            raise OverlayError(
-                f"overlay: cannot apply: vLLM {vllm.version} ships amd/mla.py, but {LINEAR} "
-                f"does not import and build {OUR_CLASS} from vllm.models.kimi_k3.amd.mla; "
-                "replacing the file would not switch the class (update the overlay for "
-                "this vLLM)")
-    else:
-        rep["anchor"] = check_anchor(vllm)
+    if st.anchor is None:
+        raise OverlayError(st.anchor_problem)
+    rep["anchor"] = st.anchor
 
     manifest = _read_manifest(vllm)
     recorded = {f["path"]: f["sha256"] for f in (manifest or {}).get("files", [])}
@@ -306,17 +318,12 @@ def status(site: Path | None = None) -> dict[str, Any]:
     verified against the manifest, its hook present), or upstream's file (which fusions it
     ships; with both, skipping the overlay is right)."""
     vllm = find_vllm(site)
-    mla = vllm.root / MLA
-    backup = mla.with_name(MLA.name + BACKUP_SUFFIX)
-    ours = _ours(mla)
+    o = inspect(vllm)
+    up, lacks, kept = o.shipped, ", ".join(o.lacks), f"kept as {o.backup.name}"
     st: dict[str, Any] = {"vllm_version": vllm.version, "vllm_path": str(vllm.root / "vllm"),
-                          "amd_mla": "absent", "manifest": None, "verified": None,
-                          "upstream_fusions": None}
-    up_file = upstream_file(vllm.root)
-    if mla.is_file():
-        st["amd_mla"] = "k3rocm overlay" if ours else "upstream"
-    if up_file:
-        st["upstream_fusions"] = read_mla(_text(up_file)).shipped
+                          "amd_mla": "k3rocm overlay" if o.ours else
+                          "upstream" if o.upstream else "absent",
+                          "manifest": None, "verified": None, "upstream_fusions": up}
     manifest = _read_manifest(vllm)
     if manifest is not None:
         st["manifest"] = str(_manifest_path(vllm))
@@ -327,35 +334,20 @@ def status(site: Path | None = None) -> dict[str, Any]:
         st["plugin_registered"] = any(ep.name == "k3rocm_overlay" for ep in eps)
     except Exception:  # noqa: BLE001
         st["plugin_registered"] = False
-    hooked = True
-    if st["upstream_fusions"] is not None:  # vLLM >= 0.30: linear.py imports amd/mla.py's class
-        hooked = upstream_anchor(vllm) is not None
-        st["anchor"] = ("present (upstream amd/linear.py builds amd/mla.py's "
-                        f"{OUR_CLASS})" if hooked else
-                        f"{LINEAR} does not import and build {OUR_CLASS} from amd/mla.py")
-    else:
-        try:
-            check_anchor(vllm)
-            st["anchor"] = "present"
-        except OverlayError as exc:
-            hooked = False
-            st["anchor"] = str(exc)
-    up = st["upstream_fusions"]
-    lacks = [f.name for f in FUSIONS if up is not None and f.name not in up]
-    if ours:
+    st["anchor"] = o.anchor_problem or ("present" if up is None else "present (upstream amd/"
+                                        f"linear.py builds amd/mla.py's {OUR_CLASS})")
+    if o.ours:
         st["overlay"] = ("applied (vLLM ships no amd/mla.py)" if up is None else
-                         f"applied: upstream amd/mla.py lacks {', '.join(lacks)} (kept as "
-                         f"{backup.name})" if lacks else
-                         f"forced over upstream amd/mla.py (kept as {backup.name})")
+                         f"applied: upstream amd/mla.py lacks {lacks} ({kept})" if lacks else
+                         f"forced over upstream amd/mla.py ({kept})")
     elif up is None:
         st["overlay"] = "not applied (K3_OVERLAY=off at build, or not built with k3rocm)"
     elif lacks:
-        st["overlay"] = (f"not applied: upstream amd/mla.py lacks {', '.join(lacks)} "
-                         "(K3_OVERLAY=off at build?)")
+        st["overlay"] = f"not applied: upstream amd/mla.py lacks {lacks} (K3_OVERLAY=off at build?)"
     else:
         st["overlay"] = f"skipped: {SKIPPED_WHY}"
     # unhealthy: applied files changed, or the overlay is in place but nothing builds it
-    st["healthy"] = st["verified"] is not False and (hooked or not ours)
+    st["healthy"] = st["verified"] is not False and (o.anchor is not None or not o.ours)
     return st
 
 
@@ -454,11 +446,11 @@ def overlay_source(site: Path | None = None, overlay_dir: Path | None = None) ->
     if overlay_dir is not None and not (Path(overlay_dir) / MLA).is_file():
         raise UsageError(f"--overlay-dir {overlay_dir} holds no {MLA}")
     try:
-        applied = find_vllm(site).root / MLA
+        state = inspect(find_vllm(site))
     except OverlayError:
         return None
-    if _ours(applied):
-        return applied
+    if state.ours:
+        return state.vllm.root / MLA
     dirs = [Path(overlay_dir)] if overlay_dir else []
     return next((d / MLA for d in (*dirs, IMAGE_OVERLAY_DIR, _CHECKOUT_OVERLAY_DIR)
                  if (d / MLA).is_file()), None)

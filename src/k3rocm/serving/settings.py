@@ -10,6 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 from pydantic.fields import FieldInfo
 
+from k3rocm.errors import one_line
 from k3rocm.serving.fusions import FUSIONS
 from k3rocm.serving.modelfacts import KIMI_K3_HEADS
 
@@ -168,13 +169,13 @@ def invalid(exc: ValidationError, values: dict[str, Any], model: type[BaseModel]
             env: dict[str, str] | None = None) -> str:
     """The first error of validating ``values`` as one line: ``K3_X=value is not valid: ...``
     (for a type or range error, what to use)."""
-    err = exc.errors()[0]
-    name = str(err["loc"][0]) if err["loc"] else "?"
-    msg = err["msg"].removeprefix("Value error, ")
-    if err["type"] == "literal_error" or "parsing" in err["type"] or \
-            err["type"].startswith(("greater", "less")):
-        msg = f"use {_describe_valid((model or Settings).model_fields[name])}"
-    return f"{(env or ENV_NAME).get(name, name)}={values.get(name, '?')!r} is not valid: {msg}"
+    def what(kind: str, err: dict[str, Any]) -> str | None:
+        f = (model or Settings).model_fields[err["loc"][0]]
+        return (f"is not valid: use {_describe_valid(f)}"
+                if kind in ("range", "literal_error") or "parsing" in kind else None)
+    named = env or ENV_NAME  # a field's error has a loc (no model validators here)
+    return one_line(exc, lambda loc, _: f"{named.get(loc[0], loc[0])}={values.get(loc[0], '?')!r}",
+                    what)
 
 
 def _describe_valid(f: FieldInfo) -> str:

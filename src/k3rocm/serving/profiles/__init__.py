@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError
 
-from k3rocm.errors import UsageError
+from k3rocm.errors import UsageError, one_line
 from k3rocm.serving.settings import FIELD_BY_ENV, PREFIX, VENDOR_PREFIXES, Settings, invalid
 
 SUFFIX = ".yaml"
@@ -91,19 +91,17 @@ _SECTION = {"meta": Meta, "model": ModelBlock, "features": Feature, "hardware_ov
 
 def _problem(exc: ValidationError) -> str:
     """The first error as ``key what is wrong: what to do``."""
-    err = exc.errors()[0]
-    loc = [str(p) for p in err["loc"] if p != "[key]"]
-    key, kind, ctx = ".".join(loc) or "the file", err["type"], err.get("ctx", {})
-    section = loc[:-1] if kind == "extra_forbidden" else loc  # the block that has the key
-    known = list((_SECTION[section[0]] if section else Profile).model_fields)
-    what = {"extra_forbidden": "is not a known key: use "
-                               + ", ".join("".join(f"{p}." for p in section) + k for k in known),
-            "model_type": f"must be a mapping with {', '.join(known)}",
-            "literal_error": f"{err['input']!r} is not known: use {ctx.get('expected')}",
-            "missing": "is missing", "string_type": "must be text",
-            "dict_type": "must be a mapping",
-            "value_error": err["msg"].removeprefix("Value error, ")}.get(kind)
-    return f"{key} {what}" if what else f"{key}: {err['msg']}"
+    def what(kind: str, err: dict[str, Any]) -> str | None:
+        section = err["loc"][:-1] if kind == "extra_forbidden" else err["loc"]  # holds the key
+        known = list((_SECTION[section[0]] if section else Profile).model_fields)
+        path = "".join(f"{p}." for p in section)
+        return {"extra_forbidden": "is not a known key: use " + ", ".join(path + k for k in known),
+                "model_type": f"must be a mapping with {', '.join(known)}",
+                "literal_error": f"{err['input']!r} is not known: use "
+                                 f"{err.get('ctx', {}).get('expected')}",
+                "missing": "is missing", "string_type": "must be text",
+                "dict_type": "must be a mapping", "value_error": err["msg"]}.get(kind)
+    return one_line(exc, lambda loc, _: ".".join(loc) or "the file", what)
 
 
 # --- reading and resolving ---------------------------------------------------------------------
