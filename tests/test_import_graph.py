@@ -46,8 +46,8 @@ def test_no_import_circle():
 def test_the_settings_schema_is_a_leaf_of_serving():
     graph = import_graph(SRC)
     assert graph["k3rocm.serving.settings"] == {"k3rocm.serving.fusions",
-                                                 "k3rocm.serving.modelfacts"}
-    assert graph["k3rocm.serving.modelfacts"] == set()
+                                                 "k3rocm.serving.modelfacts", "k3rocm.errors"}
+    assert graph["k3rocm.serving.modelfacts"] == graph["k3rocm.errors"] == set()
     assert {"k3rocm.serving.settings", "k3rocm.serving.profiles",
             "k3rocm.serving.modelfacts"} <= graph["k3rocm.serving.config"]
 
