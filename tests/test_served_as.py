@@ -6,8 +6,10 @@ container), not a reverse-engineered argv/env; without the record, the container
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import shutil
+import tarfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -105,40 +107,37 @@ def test_the_census_waits_for_the_profiler_only_when_it_stops_itself(argv, n):
 
 
 class Container:
-    """docker-py's Container as the readers use it; only the cat of the record answers."""
+    """docker-py's Container as the readers use it; only the record's file can be read."""
 
     name = id = "srv"
 
     def __init__(self, rendered: dict | None):
         self.rendered = rendered
         self.attrs = {"Config": {"Env": [f"{k}={v}" for k, v in CONTAINER_ENV.items()]}}
-        self.client = SimpleNamespace(api=self)
-        self.execs: list[list[str]] = []
+        self.reads: list[str] = []
 
-    def exec_create(self, container_id, cmd):
-        self.execs.append(cmd)
-        return {"Id": cmd}
-
-    def exec_start(self, cmd, demux):
-        if cmd == ["cat", RENDERED_FILE] and self.rendered is not None:
-            return json.dumps(self.rendered).encode(), None
-        return None, f"{cmd[0]}: No such file or directory".encode()
-
-    def exec_inspect(self, cmd):
-        found = cmd == ["cat", RENDERED_FILE] and self.rendered is not None
-        return {"Running": False, "ExitCode": 0 if found else 1}
+    def get_archive(self, path):  # the engine's archive API: a tar stream of the file
+        self.reads.append(path)
+        if path != RENDERED_FILE or self.rendered is None:
+            raise FileNotFoundError(path)  # docker.errors.NotFound in docker-py
+        data, buf = json.dumps(self.rendered).encode(), io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            info = tarfile.TarInfo(Path(path).name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        return [buf.getvalue()], {}
 
 
 def test_container_reader_reads_the_record_and_without_it_only_the_env():
     c = Container(RENDERED)
     s = served_as(container=c)
-    assert s.rendered and s.tp == 2 and c.execs == [["cat", RENDERED_FILE]]
+    assert s.rendered and s.tp == 2 and c.reads == [RENDERED_FILE]
     claim = pipeline.claim_from_container(c)
     assert claim.asked["qk_norm"] is False and "rendered settings" in claim.source
     old = Container(None)
     s = served_as(container=old)
     assert not s.rendered and s.argv is None and s.tp is None
-    assert old.execs == [["cat", RENDERED_FILE]]  # nothing else is read from the process
+    assert old.reads == [RENDERED_FILE]  # nothing else is read from the container
     legacy = pipeline.claim_from_container(old)
     assert legacy.asked["qk_norm"] is True  # K3_FUSE_QK_NORM=1 in its env
     assert legacy.asked["decode_qprep"] is True  # unset: on

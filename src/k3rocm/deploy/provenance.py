@@ -5,8 +5,10 @@ through the Docker engine (image, env redacted, argv, overlay manifest, fusion d
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import re
+import tarfile
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +43,20 @@ def find_server_container(client, url: str):
     return hits[0][1] if hits else None
 
 
+def read_text(container, path: str) -> str | None:
+    """The text of file ``path`` in the container, None if it cannot be read. Through the
+    engine's archive API (``docker cp``): no process in the container, no exec state to race
+    (an exec ``cat`` of the rendered record came back empty once in a loaded CI run)."""
+    try:
+        chunks, _ = container.get_archive(path)
+        with tarfile.open(fileobj=io.BytesIO(b"".join(chunks))) as tar:
+            member = tar.next()
+            fh = tar.extractfile(member) if member is not None else None
+            return fh.read().decode(errors="replace") if fh is not None else None
+    except Exception:  # noqa: BLE001 - absent, a directory, or the engine refused
+        return None
+
+
 def exec_text(container, cmd: list[str], *, timeout: float = 30.0) -> str | None:
     """stdout of ``cmd`` in the container (stderr apart), None if it failed. The exit code
     is read once the engine has recorded it: an exec inspected as its stream ends can still be
@@ -67,7 +83,7 @@ def rendered_record(container) -> dict | None:
     """
     from k3rocm.serving.serve_cmd import RENDERED_FILE
 
-    text = exec_text(container, ["cat", RENDERED_FILE])
+    text = read_text(container, RENDERED_FILE)
     try:
         data = json.loads(text) if text else None
     except ValueError:
@@ -264,7 +280,7 @@ def collect_provenance(url: str, api_key: str | None, client=None, container=Non
         idx = top["Titles"].index("CMD") if "CMD" in top["Titles"] else -1
         procs = [p[idx] for p in top.get("Processes") or []]
     prov["server_processes"] = [" ".join(redact_argv(p.split(" "))) for p in procs[:20]]
-    manifest = exec_text(container, ["cat", MANIFEST_PATH])
+    manifest = read_text(container, MANIFEST_PATH)
     try:
         prov["overlay_manifest"] = json.loads(manifest) if manifest else None
     except json.JSONDecodeError:

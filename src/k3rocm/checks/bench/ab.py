@@ -22,7 +22,7 @@ from k3rocm.checks.bench.cli import add_common, resolve_from_args
 from k3rocm.checks.bench.plots import _pyplot, _save
 from k3rocm.checks.bench.run import check_tokenizer, planned_command, run_bench
 from k3rocm.checks.bench.workloads import Workload, shell_line
-from k3rocm.deploy.provenance import exec_text
+from k3rocm.deploy.provenance import read_text
 from k3rocm.errors import EXIT_CHECK_FAILED as EXIT_FAILED
 from k3rocm.errors import EXIT_INCOMPLETE, EXIT_INTERRUPTED, EXIT_OK, UsageError, tagged_log
 from k3rocm.options import Options, option
@@ -485,7 +485,7 @@ def applied_record_path(slot_dir: Path, slot: int, arm: str) -> Path:
 def save_applied_delays(container, path: Path) -> None:
     """Copy the double's record out of the arm server after its runs (race free: a step's line
     is written before the step runs). No file: the calibration says what is missing."""
-    text = exec_text(container, ["cat", STEP_DELAY_RECORD])
+    text = read_text(container, STEP_DELAY_RECORD)
     if text is not None:  # else a missing record, judged by the calibration
         write_text_atomic(path, text)
 
