@@ -229,9 +229,10 @@ def test_bunched_stream_and_stopped_server(docker_client, client_image, tmp_path
         report = (run / "report.md").read_text()
         assert "**FAILED**" in report
         # the first point is marked bunched: 32 tokens, the first alone, then up to 8 per
-        # chunk: 5 chunks (a merge may cut one)
+        # chunk: 5 chunks (6 seen); fewer where the API server merged chunks it was late to send
+        # (3.5 per request in a loaded 3-worker CI run); the claim is the bunched mark
         st = p1["stream"]
-        assert st["bunched"] is True and 4 <= st["chunks_per_request"] <= 6, st
+        assert st["bunched"] is True and 2 <= st["chunks_per_request"] <= 6, st
         assert st["note"].startswith("stream bunched: ITL/TTFT not per token: "), st
         assert "WARNING c=1: stream bunched: ITL/TTFT not per token" in err
         assert "(stream bunched)" in report
