@@ -229,8 +229,8 @@ def test_bunched_stream_and_stopped_server(docker_client, client_image, tmp_path
         report = (run / "report.md").read_text()
         assert "**FAILED**" in report
         # the first point is marked bunched: 32 tokens, the first alone, then up to 8 per
-        # chunk: 5 chunks (6 seen); fewer where the API server merged chunks it was late to send
-        # (3.5 per request in a loaded 3-worker CI run); the claim is the bunched mark
+        # chunk: 5 chunks (the bound allows one more); fewer where the API server merged chunks it
+        # was late to send (3.5 per request in a loaded 3-worker CI run); the claim is the mark
         st = p1["stream"]
         assert st["bunched"] is True and 2 <= st["chunks_per_request"] <= 6, st
         assert st["note"].startswith("stream bunched: ITL/TTFT not per token: "), st
