@@ -68,10 +68,11 @@ down: $(PY) ## save the server log into results/, then stop and remove the serve
 logs: ## follow the server log
 	$(COMPOSE) logs -f server
 
-# Three pytest-xdist workers on a 2-core CI machine: a test spends part of its time waiting on
-# Docker (builds, compose up/down, readiness), which a third worker fills. Whole modules per
-# worker (module fixtures shared); each worker starts its own session stand-in server; the
-# longest files are dealt first (tests/conftest.py HEAVY_FIRST). TEST_WORKERS=0: one process.
+# Three pytest-xdist workers on a 2-core CI machine: the suite is CPU-bound there; a third
+# worker overlaps Docker waits and, on a busy machine, holds a larger share of the CPU (a loaded
+# run: 1,168 s vs 1,192-1,316 s with two). Whole modules per worker (module fixtures shared);
+# each worker starts its own session stand-in server; the longest files are dealt first
+# (tests/conftest.py HEAVY_FIRST). TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 3
 test: $(PY) ## run the test suite (needs the Docker engine: see .ci/run; TEST_WORKERS=0 serial)
 	$(PY) -m pytest -ra --durations=0 --durations-min=5 $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS)
