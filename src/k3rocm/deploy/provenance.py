@@ -43,16 +43,20 @@ def find_server_container(client, url: str):
     return hits[0][1] if hits else None
 
 
+def read_file(container, path: str) -> bytes:
+    """The bytes of file ``path`` in the container, through the engine's archive API (``docker
+    cp``): no process in the container, no exec state to race. Raises when it is absent."""
+    chunks, _ = container.get_archive(path)
+    with tarfile.open(fileobj=io.BytesIO(b"".join(chunks))) as tar:
+        member = next(m for m in tar.getmembers() if m.isfile())
+        return tar.extractfile(member).read()  # type: ignore[union-attr]
+
+
 def read_text(container, path: str) -> str | None:
-    """The text of file ``path`` in the container, None if it cannot be read. Through the
-    engine's archive API (``docker cp``): no process in the container, no exec state to race
-    (an exec ``cat`` of the rendered record came back empty once in a loaded CI run)."""
+    """:func:`read_file` as text, None if it cannot be read (an exec ``cat`` of the rendered
+    record came back empty once in a loaded CI run)."""
     try:
-        chunks, _ = container.get_archive(path)
-        with tarfile.open(fileobj=io.BytesIO(b"".join(chunks))) as tar:
-            member = tar.next()
-            fh = tar.extractfile(member) if member is not None else None
-            return fh.read().decode(errors="replace") if fh is not None else None
+        return read_file(container, path).decode(errors="replace")
     except Exception:  # noqa: BLE001 - absent, a directory, or the engine refused
         return None
 

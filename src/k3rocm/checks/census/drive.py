@@ -7,8 +7,6 @@ or after ``steps`` more tokens; then the streams are hung up (aborting the reque
 
 from __future__ import annotations
 
-import io
-import tarfile
 import threading
 import time
 from collections.abc import Callable
@@ -16,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from k3rocm.deploy.provenance import exec_text
+from k3rocm.deploy.provenance import exec_text, read_file
 from k3rocm.deploy.server_api import STREAM_TIMEOUT, ChatStream, ServerAPI
 from k3rocm.errors import UsageError, tagged_log
 from k3rocm.rundir import write_bytes_atomic
@@ -174,10 +172,7 @@ class TraceDir:
     def read(self, rel: str) -> bytes:
         if self.host is not None:
             return (self.host / rel).read_bytes()
-        stream, _ = self.container.get_archive(f"{self.path.rstrip('/')}/{rel}")
-        with tarfile.open(fileobj=io.BytesIO(b"".join(stream))) as tar:
-            member = next(m for m in tar.getmembers() if m.isfile())
-            return tar.extractfile(member).read()  # type: ignore[union-attr]
+        return read_file(self.container, f"{self.path.rstrip('/')}/{rel}")
 
     def collect(self, before: dict[str, Any], dest: Path, timeout: float = 600.0,
                 settle: float = 3.0) -> list[Path]:
