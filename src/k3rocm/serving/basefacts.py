@@ -92,13 +92,10 @@ def _refuses_quantized(fn: ast.FunctionDef | None) -> bool:
         for s in fn.body)
 
 
-def _verify_path(impl: ast.ClassDef | None, helper: ast.ClassDef | None,
+def _verify_path(fwd: ast.FunctionDef, helper: ast.ClassDef | None,
                  quantized: bool) -> dict[str, Any] | None:
-    """The branch a < 16-head verify takes through the impl's forward, and its host syncs;
-    None when a branch test is not understood."""
-    fwd = _def(impl, "_forward_mqa") or _def(impl, "forward_mqa")
-    if fwd is None:
-        return None
+    """The branch a < 16-head verify takes through the impl's forward ``fwd``, and its host
+    syncs; None when a branch test is not understood."""
     verify_fn = _def(helper, "use_gluon_verify")
     path: list[ast.AST] = []
     skipped: list[str] = []
@@ -162,11 +159,10 @@ def _router_facts(path: Path) -> dict[str, dict[str, Any]]:
         val = ast.unparse(sets[-1]).split("=")[-1].strip()
         out["quantizes_query"] = fact(val == "True", f"{rel}:{sets[-1].lineno} "
                                       f"supports_quant_query_input = {val}")
-    for key, quantized in (("verify_route_bf16", False), ("verify_route_fp8", True)):
-        vp = _verify_path(impl, helper, quantized)
-        fwd = _def(impl, "_forward_mqa") or _def(impl, "forward_mqa")
-        if fwd is None:
-            continue
+    fwd = _def(impl, "_forward_mqa") or _def(impl, "forward_mqa")
+    for key, quantized in ((("verify_route_bf16", False), ("verify_route_fp8", True))
+                           if fwd else ()):
+        vp = _verify_path(fwd, helper, quantized)
         if vp is None:
             out[key] = unknown(f"{rel}:{fwd.lineno} {fwd.name}: a branch this reader does "
                                "not know")
