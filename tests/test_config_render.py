@@ -47,26 +47,6 @@ def test_default_model_is_the_local_checkpoint_and_the_hub_needs_an_opt_in():
     assert r.argv[:3] == ["vllm", "serve", "moonshotai/Kimi-K3"]
 
 
-def test_default_profile_sets_the_aiter_environment():
-    r = render(environ={**MODEL}, dotenv=None)
-    env = r.env
-    for key, value in {"VLLM_ROCM_USE_AITER": "1", "VLLM_ROCM_USE_AITER_MLA": "1",
-                       "VLLM_ROCM_USE_AITER_MOE": "1", "VLLM_USE_BREAKABLE_CUDAGRAPH": "0",
-                       "SAFETENSORS_FAST_GPU": "1", "AITER_SITUV2_A8W4": "1",
-                       "VLLM_ROCM_USE_AITER_MOE_SITUV2_A8W4": "1",
-                       "VLLM_ROCM_USE_AITER_MOE_SITUV2": "a8w4",
-                       "AITER_BF16_FP8_MOE_BOUND": "0", "HSA_NO_SCRATCH_RECLAIM": "1"}.items():
-        assert env[key] == value, key
-    assert env["HF_HOME"].startswith("/cache/") and env["TRITON_CACHE_DIR"].startswith("/cache/")
-    assert "AITER_JIT_DIR" not in env  # AITER keeps using the kernels prebuilt in the image
-    assert int(env["VLLM_ENGINE_READY_TIMEOUT_S"]) >= 3600  # a 1.5 TB load
-    argv = r.argv
-    assert argv[:3] == ["vllm", "serve", "/tmp"]
-    assert argv[argv.index("--tensor-parallel-size") + 1] == "8"
-    spec = json.loads(argv[argv.index("--speculative-config") + 1])
-    assert spec == {"method": "mtp", "num_speculative_tokens": 2}
-
-
 def test_user_value_beats_profile_and_sources_say_so(tmp_path):
     dotenv = tmp_path / ".env"
     dotenv.write_text("K3_TP=4\nK3_MAX_NUM_SEQS=16  # comment\nVLLM_ROCM_USE_AITER_MOE=0\n")

@@ -139,20 +139,8 @@ def test_serve_validates_before_starting_anything():
     _assert_one_line_error(_entrypoint({"K3_TP": "7"}), "K3_TP")
 
 
-def test_bad_dotenv_line(tmp_path):
-    (tmp_path / ".env").write_text("K3_TP=4\nthis is not an assignment\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("K3_")}
-    env["PYTHONPATH"] = str(REPO / "src")
-    proc = subprocess.run([str(REPO / ".venv/bin/python") if (REPO / ".venv/bin/python").exists()
-                           else "python3", "-m", "k3rocm", "render"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=60)
-    _assert_one_line_error(proc, ".env:2")
-
-
-def test_unknown_variable_in_dotenv(tmp_path):
-    (tmp_path / ".env").write_text("K3_MAX_NUM_SEQ=4\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("K3_")}
-    env["PYTHONPATH"] = str(REPO / "src")
-    proc = subprocess.run(["python3", "-m", "k3rocm", "render"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=60)
-    _assert_one_line_error(proc, "K3_MAX_NUM_SEQ", ".env")
+@pytest.mark.parametrize("text,needles", [("K3_TP=4\nthis is not an assignment\n", [".env:2"]),
+                                          ("K3_MAX_NUM_SEQ=4\n", ["K3_MAX_NUM_SEQ", ".env"])])
+def test_a_bad_dotenv_is_one_line(tmp_path, text, needles):
+    (tmp_path / ".env").write_text(text)
+    _assert_one_line_error(_entrypoint({}, "--print", cwd=tmp_path), *needles)
