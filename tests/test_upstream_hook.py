@@ -195,7 +195,9 @@ class _Layer:
 
 
 @pytest.fixture
-def hooked(monkeypatch, tmp_path):
+def hooked(monkeypatch, tmp_path, caplog):
+    """The hook with no switch set, a fresh writer, its records in ``caplog``."""
+    caplog.set_level(logging.INFO, logger="vllm.k3rocm")
     for f in BY_NAME.values():
         monkeypatch.delenv(f.env, raising=False)
     monkeypatch.setenv("K3_PROFILER_DIR", str(tmp_path))
@@ -211,8 +213,7 @@ def _records(caplog):
 def test_asked_off_switches_the_attribute_and_its_followers(hooked, monkeypatch, caplog):
     monkeypatch.setenv("K3_FUSE_DECODE_QPREP", "0")
     layer = _Layer(_fold_qb_uk=True)
-    with caplog.at_level(logging.INFO, logger="vllm.k3rocm"):
-        hooked.after_init(layer)
+    hooked.after_init(layer)
     assert layer._fused_qk_prep is False and layer._fold_qb_uk is False
     assert layer._use_eager_qk_rmsnorm_fusion is True
     [rec] = _records(caplog)
@@ -227,8 +228,7 @@ def test_asked_off_switches_the_attribute_and_its_followers(hooked, monkeypatch,
 def test_state_is_read_from_the_attribute_not_from_what_was_asked(hooked, monkeypatch, caplog):
     """Asked on, upstream's gate off: the record says off (upstream's gates)."""
     layer = _Layer(qk=True, qprep=False)
-    with caplog.at_level(logging.INFO, logger="vllm.k3rocm"):
-        hooked.after_init(layer)
+    hooked.after_init(layer)
     [rec] = _records(caplog)
     assert rec["asked"] == {"qk_norm": True, "decode_qprep": True}
     assert rec["fusions"]["decode_qprep"] == {"state": "off", "reason": "upstream's gates: off"}
@@ -242,8 +242,7 @@ def test_a_switch_that_does_not_take_is_reported_on(hooked, monkeypatch, caplog)
                 object.__setattr__(self, name, value)
 
     monkeypatch.setenv("K3_FUSE_QK_NORM", "0")
-    with caplog.at_level(logging.INFO, logger="vllm.k3rocm"):
-        hooked.after_init(Sticky())
+    hooked.after_init(Sticky())
     [rec] = _records(caplog)
     assert rec["fusions"]["qk_norm"]["state"] == "on"
     assert "did not take" in rec["fusions"]["qk_norm"]["reason"]
@@ -255,9 +254,8 @@ def test_missing_or_non_bool_attributes_are_unknown_with_one_warning(hooked, mon
     monkeypatch.setenv("K3_FUSE_DECODE_QPREP", "0")
     odd = _Layer(qk=1)
     del odd._fused_qk_prep
-    with caplog.at_level(logging.INFO, logger="vllm.k3rocm"):
-        hooked.after_init(odd)
-        hooked.after_init(_Layer(qk=1, qprep=None))
+    hooked.after_init(odd)
+    hooked.after_init(_Layer(qk=1, qprep=None))
     assert odd._use_eager_qk_rmsnorm_fusion == 1  # untouched
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "not switchable" in warnings[0].getMessage()
@@ -272,8 +270,7 @@ def test_missing_or_non_bool_attributes_are_unknown_with_one_warning(hooked, mon
 def test_a_bad_switch_keeps_upstreams_decision(hooked, monkeypatch, caplog):
     monkeypatch.setenv("K3_FUSE_QK_NORM", "maybe")
     layer = _Layer()
-    with caplog.at_level(logging.INFO, logger="vllm.k3rocm"):
-        hooked.after_init(layer)
+    hooked.after_init(layer)
     assert layer._use_eager_qk_rmsnorm_fusion is True
     [rec] = _records(caplog)
     assert rec["asked"]["qk_norm"] is None
@@ -293,8 +290,7 @@ def test_an_error_in_the_hook_leaves_upstream_alone(hooked, monkeypatch, caplog)
             object.__setattr__(self, name, value)
 
     layer = Breaks()
-    with caplog.at_level(logging.INFO, logger="vllm.k3rocm"):
-        hooked.after_init(layer)  # does not raise
+    hooked.after_init(layer)  # does not raise
     assert layer._use_eager_qk_rmsnorm_fusion is True and layer._fused_qk_prep is True
     [rec] = _records(caplog)
     assert {v["state"] for v in rec["fusions"].values()} == {"unknown"}
@@ -310,8 +306,7 @@ def test_install_wraps_init_once(hooked, monkeypatch, caplog):
     mod.KimiK3MultiHeadLatentAttentionWrapper = KimiK3MultiHeadLatentAttentionWrapper
     monkeypatch.setenv("K3_FUSE_QK_NORM", "0")
     assert hooked.install(mod) and hooked.install(mod)
-    with caplog.at_level(logging.INFO, logger="vllm.k3rocm"):
-        layer = KimiK3MultiHeadLatentAttentionWrapper()
+    layer = KimiK3MultiHeadLatentAttentionWrapper()
     assert layer._use_eager_qk_rmsnorm_fusion is False
     assert len(_records(caplog)) == 1
     assert not hooked.install(SimpleNamespace(__name__="x"))  # no class: one warning, False
