@@ -499,10 +499,6 @@ class BaseRefusal(ValueError):
     """A setting this base cannot run (one line)."""
 
 
-def _explicit(sources: dict[str, str], env_name: str) -> bool:
-    return sources.get(env_name, "default") != "default"
-
-
 def check(s: Any, sources: dict[str, str], facts: dict[str, Any] | None,
           aiter_on: bool) -> tuple[dict[str, Any], list[str], list[str]]:
     """Decide what the base allows for settings ``s`` before anything loads."""
@@ -528,7 +524,7 @@ def check(s: Any, sources: dict[str, str], facts: dict[str, Any] | None,
             q, r = bad[0]
             what = (f"vLLM {ver}, {heads} heads/rank, query length {q}: {r['why']}; an fp8 KV "
                     "cache makes the MLA layer quantize the query to fp8")
-            if _explicit(sources, "K3_KV_CACHE_DTYPE"):
+            if sources.get("K3_KV_CACHE_DTYPE", "default") != "default":
                 raise BaseRefusal(
                     f"K3_KV_CACHE_DTYPE={kv} cannot serve on this base ({what}); use "
                     "K3_KV_CACHE_DTYPE=auto, or a base with dtype-aware small-head routing "
@@ -591,7 +587,7 @@ def _fusion_checks(s: Any, sources: dict[str, str], facts: dict[str, Any], kv: s
     for f in FUSIONS:
         on = updates.get(f.field, getattr(s, f.field))
         provider, why = providers[f.name]
-        explicit = _explicit(sources, f.env)
+        explicit = sources.get(f.env, "default") != "default"
         if on and provider is None:
             if explicit:
                 raise BaseRefusal(
