@@ -117,8 +117,6 @@ def test_top_level_help_lists_every_exit_code():
 def test_host_state_records_governor_numa_and_the_gpu_tool_or_says_it_is_missing(tmp_path):
     import subprocess
 
-    from k3rocm.deploy import runrecord
-
     for cpu in (0, 1):
         d = tmp_path / f"sys/devices/system/cpu/cpu{cpu}/cpufreq"
         d.mkdir(parents=True)
