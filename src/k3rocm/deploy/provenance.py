@@ -17,6 +17,7 @@ from k3rocm.deploy.server_api import ServerAPI, url_port
 from k3rocm.serving.config import redact_argv, redact_env
 from k3rocm.serving.fusions import FUSIONS
 from k3rocm.serving.manifest import DEFAULT_PATH as MANIFEST_PATH  # what the image build writes
+from k3rocm.serving.serve_cmd import RENDERED_FILE  # what `k3rocm serve` writes
 
 
 def find_server_container(client, url: str):
@@ -85,8 +86,6 @@ def rendered_record(container) -> dict | None:
     """What ``k3rocm serve`` rendered in this container (env, argv, base-fact changes);
     None when absent.
     """
-    from k3rocm.serving.serve_cmd import RENDERED_FILE
-
     text = read_text(container, RENDERED_FILE)
     try:
         data = json.loads(text) if text else None
@@ -165,8 +164,6 @@ def served_as(prov: dict | None = None, container=None) -> ServedAs:
     """The server's rendered argv and env, from ``prov`` (collect_provenance's result) or read
     from ``container``; the rendered record's env lies on top of the container's.
     """
-    from k3rocm.serving.serve_cmd import RENDERED_FILE
-
     if container is not None:
         rec = rendered_record(container)
         prov = {"rendered": rec, "container": {"env": container_env(container)}}
