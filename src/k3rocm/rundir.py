@@ -1,10 +1,12 @@
-"""Run directories and atomic writes: every run gets its own directory, nothing is overwritten."""
+"""Run directories, atomic writes and report tables: every run gets its own directory, nothing
+is overwritten."""
 
 from __future__ import annotations
 
 import json
 import os
 import tempfile
+from collections.abc import Iterable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -59,3 +61,22 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
 
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> Path:
     return write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
+
+
+def table(head: Sequence[str], align: str, rows: Iterable[Sequence[Any]]) -> list[str]:
+    """A markdown table's lines; ``align``: a letter per column, ``r`` right, else left."""
+    lines = ["| " + " | ".join(map(str, r)) + " |" for r in [head, *rows]]
+    lines.insert(1, "|" + "".join("---:|" if a == "r" else "---|" for a in align.ljust(len(head))))
+    return lines
+
+
+def columns(head: Sequence[str], rows: Iterable[Sequence[Any]], rule: bool = True,
+            cap: int | None = None) -> str:
+    """Plain-text columns, each but the last padded to its widest cell (at most ``cap``);
+    ``rule``: a dashed line under the head."""
+    cells = [[*map(str, r)] for r in rows]
+    widths = [*(min(max(len(r[i]) for r in [head, *cells]), cap or 1 << 16)
+                for i in range(len(head) - 1)), len(head[-1])]
+    body = [head, ["-" * w for w in widths]] if rule else [head]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+                     for r in [*body, *cells])

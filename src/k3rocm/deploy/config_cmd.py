@@ -9,6 +9,7 @@ from pathlib import Path
 
 from k3rocm.deploy.deployment import CPU_PROFILE
 from k3rocm.errors import UsageError
+from k3rocm.rundir import table
 from k3rocm.serving import profiles
 from k3rocm.serving.config import (
     KNOWN_OTHER,
@@ -103,19 +104,16 @@ def base_pending(rendered, why: str) -> dict[str, str]:
 
 
 def settings_table() -> str:
-    rows = [f"| Setting | Default | Profile `{CPU_PROFILE}` | Description |",
-            "|---|---|---|---|"]
     smoke = profiles.get(CPU_PROFILE)["settings"]
-    for name, f in FIELDS.items():
-        default = "" if f.default is None else f.default
-        if isinstance(default, bool):
-            default = int(default)
-        prof = smoke.get(name, "")
-        prof = "(unset)" if name in smoke and prof is None else \
-            (int(prof) if isinstance(prof, bool) else prof)
-        rows.append(f"| `{ENV_NAME[name]}` | `{default}` | {f'`{prof}`' if prof != '' else ''} "
-                    f"| {f.description} |")
-    return "\n".join(rows) + "\n"
+
+    def cell(v) -> str:  # as .env spells it: a bool as 0/1
+        return "" if v is None else str(int(v) if isinstance(v, bool) else v)
+
+    return "\n".join(table(["Setting", "Default", f"Profile `{CPU_PROFILE}`", "Description"], "", (
+        [f"`{ENV_NAME[name]}`", f"`{cell(f.default)}`",
+         "`(unset)`" if name in smoke and smoke[name] is None else
+         f"`{cell(smoke[name])}`" if cell(smoke.get(name)) else "", f.description]
+        for name, f in FIELDS.items()))) + "\n"
 
 
 def run(args: argparse.Namespace) -> int:

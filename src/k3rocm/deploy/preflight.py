@@ -24,6 +24,7 @@ from pathlib import Path
 from k3rocm.deploy.engine import CLIENT_IMAGE, docker_client, local_image
 from k3rocm.deploy.lifecycle import REPO
 from k3rocm.errors import UsageError
+from k3rocm.rundir import columns
 from k3rocm.serving.basefacts import DEFAULT_BASE_IMAGE
 from k3rocm.serving.manifest import UNKNOWN_DIGEST, base_digest
 
@@ -426,16 +427,11 @@ def _our_server_on(client, port: int) -> bool:
 
 
 def format_table(checks: list[Check]) -> str:
-    w1 = max(len(c.name) for c in checks)
-    w3 = min(60, max(len(c.have) for c in checks))
-    lines = [f"{'check':<{w1}}  {'stat':<4}  {'found':<{w3}}  fix",
-             f"{'-' * w1}  ----  {'-' * w3}  ---"]
-    for c in checks:
-        lines.append(f"{c.name:<{w1}}  {c.status:<4}  {c.have:<{w3}}  {c.fix}".rstrip())
     n = {k: sum(c.status == k for c in checks) for k in ("ok", "warn", "fail", "skip")}
-    lines.append(f"{n['ok']} ok, {n['warn']} warn, {n['fail']} fail"
-                 + (f", {n['skip']} skipped" if n["skip"] else ""))
-    return "\n".join(lines)
+    return (columns(["check", "stat", "found", "fix"],
+                    [[c.name, c.status, c.have, c.fix] for c in checks], cap=60)
+            + f"\n{n['ok']} ok, {n['warn']} warn, {n['fail']} fail"
+            + (f", {n['skip']} skipped" if n["skip"] else ""))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -18,6 +18,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from k3rocm.rundir import table
+
 # our name -> (aiperf tag, label, unit)
 LATENCY_METRICS: dict[str, tuple[str, str, str]] = {
     "ttft": ("time_to_first_token", "TTFT", "ms"),
@@ -364,15 +366,6 @@ def fmt(v: float | None, spec: str = ".2f", scale: float = 1, suffix: str = "") 
 
 def rate(v: float | None) -> str:
     return fmt(v, ".1%")
-
-
-def table(head: Sequence[str], align: str, rows: Iterable[Sequence[Any]]) -> list[str]:
-    """A markdown table's lines; ``align``: one letter per column, ``r`` right, else left."""
-    def row(cells: Iterable[Any]) -> str:
-        return "| " + " | ".join(map(str, cells)) + " |"
-
-    return [row(head), "|" + "|".join("---:" if a == "r" else "---" for a in align) + "|",
-            *map(row, rows)]
 
 
 def markdown_report(points: Sequence[dict], title: str, protocol_lines: Sequence[str]) -> str:

@@ -10,12 +10,13 @@ from typing import Any
 
 from k3rocm.checks.census import expect
 from k3rocm.checks.census.decisions import Decisions, cross_check
-from k3rocm.checks.census.expect import Check, columns
+from k3rocm.checks.census.expect import Check
 from k3rocm.checks.census.fusions import FusionClaim
 from k3rocm.checks.census.modelcfg import ModelFacts
 from k3rocm.checks.census.spec import Spec
 from k3rocm.checks.census.trace import TraceSet, iso_time
 from k3rocm.errors import EXIT_CHECK_FAILED, EXIT_INCOMPLETE, EXIT_OK, UsageError
+from k3rocm.rundir import columns, table
 from k3rocm.serving.fusions import FUSIONS, Fusion
 
 CAUSES = ("known causes: ROCm 7.2.0's roctracer drops graph-replayed dispatches "
@@ -203,24 +204,21 @@ class Census:
         uncl = sorted({k for pr in self.per_rank for k in pr["roles"]["unclassified"]})
         if uncl:
             lines += ["", "## Unclassified launches in the MLA attention region (per rank)", "",
-                      "| kernel | launches per rank (ranks that differ) |", "|---|---|"]
-            lines += [f"| `{k}` | " + _common([(pr["rank"], pr["roles"]["unclassified"].get(k, 0))
-                                               for pr in self.per_rank]) + " |" for k in uncl]
-        table = {pr["rank"]: {k["name"]: k for k in pr["kernels"]} for pr in self.per_rank}
-        totals: Counter[str] = Counter()
-        launches: Counter[str] = Counter()
-        for k in (k for kt in table.values() for k in kt.values()):
-            totals[k["name"]] += k["total_us"]
-            launches[k["name"]] += k["launches"]
-        lines += ["", f"## Top {top} kernels by {unit} time, across ranks", "",
-                  "| kernel | launches per rank (ranks that differ) | per step | mean total us "
-                  "per rank | mean us |", "|---|---|---:|---:|---:|"]
-        for name in sorted(totals, key=lambda n: (-totals[n], n))[:top]:
-            per_step = next(kt[name]["per_step"] for kt in table.values() if name in kt)
-            lines.append(f"| `{name}` | " + _common([(r, kt[name]["launches"] if name in kt else 0)
-                                                     for r, kt in table.items()])
-                         + f" | {per_step} | {round(totals[name] / len(table), 3)} | "
-                         f"{round(totals[name] / max(launches[name], 1), 3)} |")
+                      *table(["kernel", "launches per rank (ranks that differ)"], "", (
+                          [f"`{k}`", _common([(pr["rank"], pr["roles"]["unclassified"].get(k, 0))
+                                              for pr in self.per_rank])] for k in uncl))]
+        kernels = {pr["rank"]: {k["name"]: k for k in pr["kernels"]} for pr in self.per_rank}
+        every = {n: [kt[n] for kt in kernels.values() if n in kt]  # per kernel, in rank order
+                 for kt in kernels.values() for n in kt}
+        total = {n: sum(k["total_us"] for k in ks) for n, ks in every.items()}
+        lines += ["", f"## Top {top} kernels by {unit} time, across ranks", "", *table(
+            ["kernel", "launches per rank (ranks that differ)", "per step",
+             "mean total us per rank", "mean us"], "llrrr",
+            ([f"`{n}`", _common([(r, kt[n]["launches"] if n in kt else 0)
+                                 for r, kt in kernels.items()]),
+              every[n][0]["per_step"], round(total[n] / len(kernels), 3),
+              round(total[n] / max(sum(k["launches"] for k in every[n]), 1), 3)]
+             for n in sorted(total, key=lambda n: (-total[n], n))[:top]))]
         return "\n".join(lines) + "\n"
 
 

@@ -12,6 +12,7 @@ from k3rocm.checks.census.fusions import FusionClaim
 from k3rocm.checks.census.modelcfg import ModelFacts
 from k3rocm.checks.census.spec import ROLES, Beside, Pair, Spec, eval_formula
 from k3rocm.checks.census.trace import RankTrace
+from k3rocm.rundir import columns, table
 from k3rocm.serving.fusions import FUSIONS, Fusion
 
 SCOPES = ("decode", "other", "outside")
@@ -341,16 +342,6 @@ def rank_checks(ranks: list[int], world_size: int, source: str) -> list[Check]:
                   len(set(ranks) & set(range(world_size))), not missing and not extra)]
 
 
-def columns(head: list[str], rows: list[list[str]], rule: bool = True) -> str:
-    """Plain-text columns; ``rule``: a dashed line under the head, last column unpadded."""
-    padded = len(head) - 1 if rule else len(head)
-    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(padded)]
-    body = [head, ["-" * w for w in widths] + ["-" * 4], *rows] if rule else [head, *rows]
-    lines = ["  ".join([*(c.ljust(w) for c, w in zip(r[:padded], widths, strict=True)),
-                        *r[padded:]]) for r in body]
-    return "\n".join(lines if rule else [ln.rstrip() for ln in lines])
-
-
 def render_table(checks: list[Check]) -> str:
     return columns(["rank", "check", "scope", "expected", "seen", "status", "rule"],
                    [[str(c.rank), c.what, c.scope, _dash(c.expected), str(c.seen), c.status,
@@ -387,14 +378,12 @@ def render_summary(checks: list[Check]) -> str:
 
 
 def render_summary_markdown(checks: list[Check]) -> str:
-    out = ["| check | scope | ranks | expected | seen | status | rule | deviating ranks |",
-           "|---|---|---|---:|---:|---|---|---|"]
-    for r in summarize(checks):
-        status = f"**{r['status']}**" if r["status"] == "FAIL" else r["status"]
-        out.append(f"| {r['check']} | {r['scope']} | {r['ranks']} | {_dash(r['expected'])} | "
-                   f"{r['seen']} | {status} | {r['rule'].replace('|', '/')} | "
-                   f"{'; '.join(r['deviations']) or '-'} |")
-    return "\n".join(out)
+    return "\n".join(table(
+        ["check", "scope", "ranks", "expected", "seen", "status", "rule", "deviating ranks"],
+        "lllrr", ([r["check"], r["scope"], r["ranks"], _dash(r["expected"]), r["seen"],
+                   f"**{r['status']}**" if r["status"] == "FAIL" else r["status"],
+                   r["rule"].replace("|", "/"), "; ".join(r["deviations"]) or "-"]
+                  for r in summarize(checks))))
 
 
 def _dash(v: int | None) -> str:
