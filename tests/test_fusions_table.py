@@ -72,7 +72,6 @@ def test_k3rocm_lists_derive_from_the_table():
         assert fi.json_schema_extra == {"env": f.env, "group": "overlay"}
         assert fi.default is f.default and fi.description == f.doc and fi.annotation is bool
     assert {f.name: f.states for f in FUSIONS} == decisions.STATES
-    assert {f.name: f.roles for f in FUSIONS} == spec.GROUPS
     off = {f.env: "0" for f in FUSIONS}
     gpu = argparse.Namespace(cpu=False)
     assert arms.FUSIONS_OFF == arms.arm_envs()["A"] == selftest.arms("all", gpu)["A"] == off
