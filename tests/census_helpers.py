@@ -3,11 +3,12 @@ start per case)."""
 
 from __future__ import annotations
 
-import json
 import runpy
 from pathlib import Path
 
 from conftest import REPO, k3_in_process
+
+from k3rocm.serving.modelfacts import KIMI_K3_MLA_LAYERS
 
 DATA = REPO / "tests" / "data" / "census"
 TINY = DATA / "models" / "tiny-deepseek-v3"  # 3 layers, all MLA
@@ -17,17 +18,11 @@ MT = runpy.run_path(str(DATA / "make_traces.py"))  # the crafted-trace builder
 SIX = [(0, 8)] * 6  # six decode-only steps of 8 requests
 
 
-def k3_mla() -> list[int]:
-    cfg = json.loads((KIMI / "config.json").read_text())
-    kda = set(cfg["text_config"]["linear_attn_config"]["kda_layers"])
-    return [i for i in range(93) if (i + 1) not in kda]
-
-
 def write(d: Path, norm: str, qprep: str, model: Path = TINY, world: int = 2,
           per_rank: dict[int, dict] | None = None, **kw) -> Path:
     """One run's worker traces into ``d`` (``per_rank``: make_trace arguments per rank)."""
     d.mkdir(parents=True, exist_ok=True)
-    mla, layers = (k3_mla(), 93) if model == KIMI else ([0, 1, 2], 3)
+    mla, layers = ([i - 1 for i in KIMI_K3_MLA_LAYERS], 93) if model == KIMI else ([0, 1, 2], 3)
     for r in range(world):
         args = {"norm": norm, "qprep": qprep, **kw, **(per_rank or {}).get(r, {})}
         MT["write"](d / MT["trace_name"](r),

@@ -32,13 +32,6 @@ def test_k3_fused_norm_while_the_stock_pair_still_runs_fails(tmp_path):
     assert judged(c, "qk_norm") == {"FAIL"} and judged(c, "decode_qprep") == {"ok"}
 
 
-def test_k3_fused_norm_alone_passes_by_both_halves(tmp_path):
-    c = census(write(tmp_path, "on", "on", KIMI), "all=on", KIMI)
-    assert c.verdict == "PASS", c.table()
-    near = next(k for k in c.checks if "beside" in k.what and k.rank == 0)
-    assert (near.expected, near.seen, near.ok) == (0, 0, True)
-
-
 def test_k3_norm_fused_under_an_unknown_name_claimed_off_is_not_pass(tmp_path):
     d = write(tmp_path / "t", "on", "off", KIMI, rename={MT["K_FUSED_NORM"]: RENAMED_NORM})
     c = census(d, "all=off", KIMI)

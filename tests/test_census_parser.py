@@ -31,8 +31,8 @@ def test_kernel_table_sources_roles_and_package_data():
         for role in table["roles"].values():
             assert role["names"] and all(n["source"] for n in role["names"])
             assert all(m["source"] for m in role.get("members", []))
+        assert set(table["roles"]) == set(t["expect"]) - {"about"} == set(ROLES)  # no others
         spec = load_spec(plat, "deepseek_v3")
-        assert set(spec.roles) == set(spec.expect) == set(ROLES)
         for e in spec.expect.values():
             named = [*(e.beside.until + [e.beside.fused] if e.beside else []),
                      *(e.pair.until if e.pair else [])]
@@ -220,8 +220,8 @@ def test_kimi_k3_anchor_single_arm():
     assert on.ok, on.table()
     fused = next(k for k in on.checks if k.role == "fused_qk_norm" and k.rank == 0)
     assert (fused.expected, fused.seen) == (144, 144)
-    sep = next(k for k in on.checks if k.role == "qk_norm" and k.rank == 0)
-    assert sep.ok is None and sep.expected is None
+    sep = [(k.expected, k.seen, k.ok) for k in on.checks if k.role == "qk_norm" and k.rank == 0]
+    assert sep == [(None, 1122, None), (0, 0, True)]  # all norms not judged; none beside fused
     off = census("k3-anchor-off", "all=off", model=KIMI, other="2*layers + 1")
     assert off.ok, off.table()
     sep = next(k for k in off.checks if k.role == "qk_norm" and k.rank == 0)

@@ -44,8 +44,6 @@ KIMI_K3: dict[str, tuple[int, str]] = {
 # last (source: BOTH); the others are KDA (linear_attn_config.kda_layers).
 _N = KIMI_K3["num_hidden_layers"][0]
 KIMI_K3_MLA_LAYERS: tuple[int, ...] = (*range(4, _N, 4), _N)
-KIMI_K3_KDA_LAYERS: tuple[int, ...] = tuple(i for i in range(1, _N + 1)
-                                            if i not in KIMI_K3_MLA_LAYERS)
 
 # Routed experts are MXFP4 in compressed-tensors' "mxfp4-pack-quantized" format, groups of 32
 # (source: BOTH): per expert and projection a uint8 ``weight_packed`` [out, in / 2] (two e2m1
@@ -58,4 +56,3 @@ KIMI_K3_GROUP_SIZE = 32
 KIMI_K3_CHECKPOINT_BYTES = 1_560_860_324_864
 
 KIMI_K3_HEADS = KIMI_K3["num_attention_heads"][0]
-KIMI_K3_MLA_LAYER_COUNT = len(KIMI_K3_MLA_LAYERS)  # 24

@@ -10,8 +10,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from k3rocm.checks.census.expect import Check
-from k3rocm.checks.census.fusions import FUSIONS, FusionClaim
+from k3rocm.checks.census.fusions import FusionClaim
 from k3rocm.serving.decisions import Record, final_decisions
+from k3rocm.serving.fusions import NAMES
 
 
 @dataclass
@@ -43,13 +44,13 @@ def cross_check(claim: FusionClaim, dec: Decisions | None) -> list[Check]:
                "cross-checked" if dec is None else f"NOT CROSS-CHECKED: no records found "
                f"(looked in {dec.source}); pass --server-log FILE or --skip-records")
         return [Check("all", f"overlay decision records vs asked {k} {_on(claim.asked[k])}",
-                      "records", "records", why, None, 0, None) for k in FUSIONS]
+                      "records", "records", why, None, 0, None) for k in NAMES]
     rows: list[Check] = []
     final = final_decisions(dec.records)
     target = [r for (_, kind), r in final.items() if kind == "target"]
     draft = [r for (_, kind), r in final.items() if kind == "draft"]
     n = len(target)
-    for k in FUSIONS:
+    for k in NAMES:
         asked = claim.asked[k]
         what = f"{k} asked {_on(asked)} ({claim.detail.get(k, claim.source)})"
 

@@ -133,7 +133,7 @@ def build_checks(rt: RankTrace, spec: Spec, model: ModelFacts, claim: FusionClai
             e = spec.expect[role]
             idx = steps[e.steps]
             k = len(idx)
-            per = e.per_step(asked)
+            per = e.on if asked else e.off
             seen = n[role]["decode"] + (n[role]["other"] if e.steps == "all" else 0)
             why = e.why.get(word, "")
             rule = (f"reported only: {why}" if per is None else

@@ -37,30 +37,25 @@ def read_model_facts(model: str | os.PathLike) -> ModelFacts:
     if not isinstance(n, int) or n <= 0:
         raise UsageError(f"model config {cfg_path} has no positive num_hidden_layers "
                          f"(got {n!r})")
-    is_mla = any(text.get(k) is not None for k in
-                 ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim")) or \
-        text.get("mla_use_nope") is True
-    if not is_mla:
+    if text.get("mla_use_nope") is not True and all(
+            text.get(k) is None for k in ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim")):
         raise UsageError(f"model {cfg_path} (model_type {mtype or top_type!r}) has no MLA "
                          "attention (no kv_lora_rank); the census counts MLA kernels")
     lac = text.get("linear_attn_config")
-    if isinstance(lac, dict) and lac.get("kda_layers") is not None:
-        kda = {int(i) for i in lac.get("kda_layers") or []}  # 1-based, as vLLM reads it
-        mla = [i for i in range(n) if (i + 1) not in kda]
-        full = lac.get("full_attn_layers")
-        if full is not None and sorted(int(i) - 1 for i in full) != mla:
-            raise UsageError(
-                f"model config {cfg_path}: linear_attn_config.full_attn_layers "
-                f"({len(full)} layers) disagrees with the layers not in kda_layers "
-                f"({len(mla)}); cannot tell which layers are MLA")
-    else:
-        mla = list(range(n))
-    if top_type == "kimi_k3" and "k3rocm_slice" not in top:  # the full checkpoint
-        want = [i - 1 for i in KIMI_K3_MLA_LAYERS]
-        if (n, mla) != (KIMI_K3["num_hidden_layers"][0], want):
-            raise UsageError(
-                f"model config {cfg_path}: {len(mla)} MLA layers of {n}, but Kimi-K3's "
-                f"published config has {len(want)} of {KIMI_K3['num_hidden_layers'][0]} "
-                "(k3rocm.serving.modelfacts); a different model or revision: the census "
-                "would count launches per layer against the wrong layer count")
+    kda = lac.get("kda_layers") if isinstance(lac, dict) else None  # 1-based, as vLLM reads it
+    kda_set = {int(i) for i in kda or []}
+    mla = [i for i in range(n) if (i + 1) not in kda_set]
+    full = lac.get("full_attn_layers") if kda is not None else None
+    if full is not None and sorted(int(i) - 1 for i in full) != mla:
+        raise UsageError(
+            f"model config {cfg_path}: linear_attn_config.full_attn_layers ({len(full)} layers) "
+            f"disagrees with the layers not in kda_layers ({len(mla)}); cannot tell which "
+            "layers are MLA")
+    published = [i - 1 for i in KIMI_K3_MLA_LAYERS], KIMI_K3["num_hidden_layers"][0]
+    if top_type == "kimi_k3" and "k3rocm_slice" not in top and (mla, n) != published:
+        raise UsageError(  # the full checkpoint
+            f"model config {cfg_path}: {len(mla)} MLA layers of {n}, but Kimi-K3's published "
+            f"config has {len(published[0])} of {published[1]} (k3rocm.serving.modelfacts); a "
+            "different model or revision: the census would count launches per layer against "
+            "the wrong layer count")
     return ModelFacts(str(cfg_path), mtype or top_type, n, len(mla))

@@ -20,8 +20,7 @@ from pydantic import BaseModel, Field
 from k3rocm.errors import UsageError
 from k3rocm.serving.fusions import FUSIONS
 
-GROUPS = {f.name: f.roles for f in FUSIONS}  # fusion -> the roles it owns
-ROLES = tuple(r for roles in GROUPS.values() for r in roles)
+ROLES = tuple(r for f in FUSIONS for r in f.roles)  # every fusion's, in table order
 
 
 def kernel_table() -> dict[str, Any]:
@@ -94,9 +93,6 @@ class Expect(BaseModel):
     beside: Beside | None = None  # asked on, GPU: the stock launches beside the fused ones
     pair: Pair | None = None  # asked off, GPU: the layers whose own stock run is there
     why: dict[str, str] = {}
-
-    def per_step(self, asked: bool) -> int | None:
-        return self.on if asked else self.off
 
 
 class Region(BaseModel):
