@@ -228,7 +228,6 @@ def test_slots_differing_in_a_server_setting_are_refused(tmp_path):
 
 def test_slots_without_the_rendered_record_are_not_shown_equal(tmp_path):
     """Equal unknown argvs prove no identical setup."""
-    from k3rocm.checks.ab import arms as armlib
     from k3rocm.checks.bench import ab
     from k3rocm.checks.bench.workloads import resolve
 
@@ -241,7 +240,7 @@ def test_slots_without_the_rendered_record_are_not_shown_equal(tmp_path):
     prov = json.loads((Path(run["run_dir"]) / "provenance.json").read_text())
     prov["server"]["rendered"]["env"] = {"K3_MAX_NUM_SEQS": "8"}
     (Path(run["run_dir"]) / "provenance.json").write_text(json.dumps(prov))
-    ident = armlib.slot_identity(Path(run["run_dir"]), "ab")
+    ident = ab.slot_identity(Path(run["run_dir"]), "ab")
     assert ident["env"]["K3_MAX_NUM_SEQS"] == "8" and ident["argv"] == ARGV[:3] + ARGV[5:]
 
 

@@ -25,7 +25,6 @@ from k3rocm.deploy.lifecycle import (
     docker_client,
     resolve_settings,
 )
-from k3rocm.deploy.provenance import NO_RECORD, served_as
 from k3rocm.deploy.server_api import answers, wait_ready
 from k3rocm.errors import UsageError, tagged_log
 from k3rocm.options import Options, option
@@ -136,8 +135,15 @@ def parse_env(items: list[str], flag: str = "--server-env") -> dict[str, str]:
     return out
 
 
+def env_str(env: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in sorted(env.items())) or "(none)"
+
+
 @dataclass
 class Arms:
+    """The arm servers of one A/B, as the measures see them (they import nothing from here)."""
+
+    env_str = staticmethod(env_str)
 
     mode: str  # ab | aa | cal
     repeats: int
@@ -343,10 +349,6 @@ def slot_line(arms: Arms, slot: int, arm: str) -> str:
     return f"# slot {slot} arm {arm}: compose up (server) with {env_str(env)}"
 
 
-def env_str(env: dict) -> str:
-    return " ".join(f"{k}={v}" for k, v in sorted(env.items())) or "(none)"
-
-
 @dataclass
 class Run:
     """One A/B run past the shared checks: Docker client, image, model, API key, run directory."""
@@ -530,48 +532,6 @@ def check_base(arms: Arms) -> dict[str, Any]:
                                {**os.environ, **arms.compose_env("A")}, arms.env_file,
                                dep.image, dep.settings.profile)
     return arms.base
-
-
-# Allowed to differ between slots: the fusion switches (A/B), and in a calibration the
-# step-delay double's two variables (arm B only).
-ARM_ENV = frozenset(FUSIONS_ON)
-CAL_ENV = frozenset({STEP_DELAY_ENV, "PYTHONPATH"})
-WHERE_ENV = frozenset({"K3_PORT", "HOSTNAME"})  # where a slot listens, not what it runs
-
-
-def slot_identity(run_dir: Path, mode: str) -> dict[str, Any] | None:
-    """What one slot's server really ran (image id, rendered argv and env from its run record),
-    minus what may differ between arms."""
-    try:
-        server = json.loads((run_dir / "provenance.json").read_text()).get("server") or {}
-    except (OSError, json.JSONDecodeError):
-        return None
-    skip = ARM_ENV | WHERE_ENV | (CAL_ENV if mode == "cal" else frozenset())
-    served = served_as(server)
-    argv = served.argv
-    if argv:  # where it listens is not the protocol
-        argv = [x for i, x in enumerate(argv)
-                if x != "--port" and (i == 0 or argv[i - 1] != "--port")]
-    return {"image_id": (server.get("container") or {}).get("image_id"),
-            "env": {k: v for k, v in sorted(served.env.items()) if k not in skip},
-            "argv": argv}
-
-
-def identity_diff(a: dict, b: dict) -> list[str]:
-    out = []
-    if a["image_id"] != b["image_id"]:
-        out.append(f"image {a['image_id']} vs {b['image_id']}")
-    for k in sorted(set(a["env"]) | set(b["env"])):
-        va, vb = a["env"].get(k, "(unset)"), b["env"].get(k, "(unset)")
-        if va != vb:
-            out.append(f"env {k}={va} vs {vb}")
-    if a["argv"] is None or b["argv"] is None:  # no rendered record: cannot be shown equal
-        out.append(f"argv unknown ({NO_RECORD})")
-    elif a["argv"] != b["argv"]:
-        ea, eb = a["argv"], b["argv"]
-        out.append(f"argv {' '.join(x for x in ea if x not in eb) or '-'} vs "
-                   f"{' '.join(x for x in eb if x not in ea) or '-'}")
-    return out
 
 
 def fusion_states(log_path: Path) -> dict[str, list[str]] | None:

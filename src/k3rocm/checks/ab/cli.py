@@ -45,10 +45,19 @@ from types import ModuleType, SimpleNamespace
 from k3rocm.checks.ab import arms as armlib
 from k3rocm.deploy.lifecycle import resolve_settings
 from k3rocm.errors import UsageError
+from k3rocm.rundir import write_json_atomic, write_text_atomic
 from k3rocm.serving.config import REDACTED
 
-# Each measure's module k3rocm.checks.<measure>.ab: add_arguments(group), OWN (the flags only it
-# reads), REPEATS (default servers per arm) and run(args) -> exit code.
+# The measure protocol. Each module k3rocm.checks.<measure>.ab (it imports nothing from here) has
+# add_arguments(group), OWN (the flags only it reads), REPEATS (default servers per arm), SINGLE
+# ((command, why) when it runs one server per arm, order A B; else None) and
+# plan(args, arms, dep) -> a plan with: label (of the run directory), runs_per_slot,
+# client_image, keep_going (a failed slot ends the loop and what finished is compared),
+# report (<run>/<report>.json and .md), checks_fusions (its arms' fusion states are judged
+# here), lines() -> the dry run's head, slot_lines(slot, arm) -> what a slot runs,
+# begin(run), log_name(slot, arm) (relative to the run directory), measure(slot, arm, server,
+# info) -> False to stop, compare(slot records) -> the report's document, markdown(doc) and
+# verdict(doc, run_dir) -> exit code (prints the headline).
 MEASURES = ("bench", "census", "gsm8k")
 
 
@@ -103,7 +112,39 @@ def run(args: argparse.Namespace) -> int:
     for k in (k for m in MEASURES if m != args.measure for k in measure_module(m).OWN):
         if getattr(args, k) != args._own_defaults[k]:
             raise UsageError(f"--{k.replace('_', '-')} is not used by --measure {args.measure}")
-    return measure_module(args.measure).run(args)
+    mod = measure_module(args.measure)
+    if getattr(args, "trace_dirs", None):  # census-ab offline: two existing trace sets
+        return mod.offline(args, armlib.arm_envs(args.on))
+    arms = armlib.arms_from_args(args, single=mod.SINGLE)
+    dep = armlib.arm_deployment(arms)  # what the arm servers serve (--server-env over settings)
+    m = mod.plan(args, arms, dep)
+    if args.dry_run:
+        secs, how = armlib.estimate(arms, args.results, m.runs_per_slot)
+        print("\n".join([*m.lines(), f"# cost: {len(arms.slots()) * len(arms.replica_ports)} "
+                         f"cold server start(s) ({arms.repeats} server(s) per arm), "
+                         f"{len(arms.slots()) * m.runs_per_slot} run(s); estimated "
+                         f"{secs / 3600:.1f} h ({how})", *(
+                             x for i, arm in enumerate(arms.slots())
+                             for x in (armlib.slot_line(arms, i, arm), *m.slot_lines(i, arm)))]))
+        return 0
+    run = armlib.start(arms, Path(args.results), m.label, m.runs_per_slot,
+                       client_image=m.client_image, dep=dep)
+    m.begin(run)
+    slots = run.each_slot(lambda i, arm: run.dir / m.log_name(i, arm), m.measure, m.keep_going)
+    doc = m.compare(slots)
+    if m.checks_fusions:
+        doc["fusion_problems"], refused = armlib.fusion_check(slots, arms.arm_env)
+        if refused and arms.mode == "ab" and not doc.get("invalid"):
+            # an arm ran without its fusion (or A with it): the pairing says nothing
+            doc["invalid"] = ("an arm's fusions are not what it asked (the overlay's decision "
+                              "records): " + " | ".join(refused))
+    if doc.get("invalid"):
+        doc.update(verdict="INVALID", headline="INVALID: " + doc["invalid"])
+        for r in doc.get("rows") or []:
+            r["verdict"] = "invalid"
+    write_json_atomic(run.dir / f"{m.report}.json", doc)
+    write_text_atomic(run.dir / f"{m.report}.md", m.markdown(doc))
+    return m.verdict(doc, run.dir)
 
 
 # `k3rocm bench-ab` and `k3rocm census-ab`: this command with --measure preset.
