@@ -465,8 +465,10 @@ def start(arms: Arms, results: Path, label: str, runs_per_slot: int = 1,
     _log(f"base facts from {base['facts_from']}: " + (
         f"arm(s) {', '.join(base['arms'])} can be served" if base["arms"] else
         "each arm server checks them at start"))
-    return Run(arms, client, ref, iid, dep.served_model_name, dep.api_key,
-               create_run_dir(results, label))
+    run = Run(arms, client, ref, iid, dep.served_model_name, dep.api_key,
+              create_run_dir(results, label))
+    _log(f"run directory {run.dir}")
+    return run
 
 
 def arm_deployment(arms: Arms, arm: str = "B"):

@@ -13,7 +13,6 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -42,11 +41,12 @@ class ABPlan:
     arms: Any  # k3rocm.checks.ab.arms.Arms
     results: Path
     client_image: str
-    runs_per_server: int = 1
+    runs_per_slot: int = 1  # --runs-per-server
     noise_floor_dir: Path | None = None
     primary: tuple[str, int] = ("ITL p50", 1)
     progress: bool = True
-    run: Any = None  # the driver's Run, from begin()
+    dry_dir: Path = Path()  # where a run would write (the dry run's aiperf lines)
+    run: Any = None  # the driver's Run
     key: str = ""  # the planned protocol key
     before_line: str = ""
     runs: list[dict[str, Any]] = field(default_factory=list)
@@ -62,16 +62,12 @@ class ABPlan:
     def label(self) -> str:
         return f"{self.workload.name}-{self.mode}"
 
-    @property
-    def runs_per_slot(self) -> int:
-        return self.runs_per_server
-
     def protocol_key(self, image_id: str | None) -> str:
         """Same key <=> same protocol (workload, image, server env minus the fusions, ...)."""
         blob = json.dumps({"workload": self.workload.protocol(), "image_id": image_id,
                            "server_env": self.arms.describe_env(), "gpu": not self.arms.cpu,
                            "pin_engine_core": self.arms.pin_engine_core,
-                           "runs_per_server": self.runs_per_server}, sort_keys=True)
+                           "runs_per_server": self.runs_per_slot}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     def describe(self) -> list[str]:
@@ -85,7 +81,7 @@ class ABPlan:
         else:
             arms = (f"A = fusions off ({env_str(a.arm_env['A'])}), B = fusions on "
                     f"({env_str(a.arm_env['B'])})")
-        k = self.runs_per_server
+        k = self.runs_per_slot
         return [
             f"mode {self.mode.upper()}: {arms}",
             f"order {' '.join(a.slots())} ({a.repeats} server(s) per arm, interleaved; "
@@ -118,10 +114,6 @@ class ABPlan:
             *self.describe(), design, "the upstream PRs' effect (vLLM PRs #52494, #57640: C=1 "
             f"decode ITL moved ~{LATENCY_AB_EFFECT:.1%}): {seen}"]]
 
-    @cached_property
-    def _dry_dir(self) -> Path:
-        return self.results.resolve() / f"{utc_stamp()}-{self.label}"
-
     def slot_lines(self, i: int, arm: str) -> list[str]:
         out = []
         if self.arms.scale is not None:
@@ -129,18 +121,18 @@ class ABPlan:
 
             out.append(f"#   replicas on ports {self.arms.replica_ports} (K3_PORT each), "
                        f"then the router: {' '.join(router_argv(self.arms.scale))}")
-        return out + [shell_line(planned_command(self.workload, self._dry_dir / "runs" /
+        return out + [shell_line(planned_command(self.workload, self.dry_dir / "runs" /
                                                  _run_name(i, arm, k)))
-                      for k in range(self.runs_per_server)]
+                      for k in range(self.runs_per_slot)]
 
-    def begin(self, run) -> None:
-        w, arms = self.workload, self.arms
-        self.run, self.t0 = run, time.time()
+    def begin(self) -> None:
+        w, arms, run = self.workload, self.arms, self.run
+        self.t0 = time.time()
         run.model, run.api_key = w.model, w.api_key  # what the workload asks the servers for
         self.key = key = self.protocol_key(run.image_id)
         self.before_line = design_before(self, key)[0]
         _log(f"before the run: {self.before_line}")
-        _log(f"{self.mode.upper()} run directory {run.dir} (planned protocol {key})")
+        _log(f"{self.mode.upper()}: planned protocol {key}")
         write_json_atomic(run.dir / "plan.json", {
             "mode": self.mode, "planned_key": key, "protocol": self.describe(),
             "primary": {"metric": self.primary[0], "concurrency": self.primary[1]},
@@ -156,7 +148,7 @@ class ABPlan:
     def measure(self, i: int, arm: str, srv, info: dict) -> bool:
         arms, client, slot_dir = self.arms, self.run.client, self.run.dir / "runs"
         container = srv.container(client)
-        for k in range(self.runs_per_server):
+        for k in range(self.runs_per_slot):
             run_dir = slot_dir / _run_name(i, arm, k)
             run_dir.mkdir(parents=True)
             entry: dict[str, Any] = {
@@ -192,7 +184,7 @@ class ABPlan:
                          "status": "interrupted" if interrupted else "failed",
                          "message": last["error"], "env": self.arms.arm_env[last["arm"]]})
         write_json_atomic(self.run.dir / "runs.json", runs)
-        rkey, diffs = recorded_protocol(w, runs, self.mode, self.runs_per_server)
+        rkey, diffs = recorded_protocol(w, runs, self.mode, self.runs_per_slot)
         floor_doc = None if self.mode == "aa" else find_noise_floor(self, rkey or "")
         comp = compare(w, runs, self.mode, rkey or "", floor_doc, self.primary, self.describe())
         comp.update(planned_key=self.key, design_before=self.before_line,
@@ -217,7 +209,7 @@ class ABPlan:
         refused in one line."""
         _plot(comp, self.runs, ab_dir)
         n_ok = sum(r["status"] == "ok" for r in self.runs)
-        total = len(self.arms.slots()) * self.runs_per_server
+        total = len(self.arms.slots()) * self.runs_per_slot
         if comp["interrupted"]:
             raise UsageError(f"bench-ab interrupted after {n_ok} of {total} runs; what finished "
                              f"is compared in {ab_dir}", EXIT_INTERRUPTED)
@@ -867,8 +859,9 @@ def plan(args: argparse.Namespace, arms, dep) -> ABPlan:
                              f"(K3_PREFIX_CACHING={want}), which the A/B sets on its servers")
         arms.server_env["K3_PREFIX_CACHING"] = want
     p = ABPlan(workload=w, arms=arms, results=args.results, client_image=args.client_image,
-               runs_per_server=own.runs_per_server, noise_floor_dir=own.noise_floor,
+               runs_per_slot=own.runs_per_server, noise_floor_dir=own.noise_floor,
                primary=parse_primary(own.primary, w), progress=not args.quiet)
+    p.dry_dir = p.results.resolve() / f"{utc_stamp()}-{p.label}"
     if not args.dry_run:
         if p.noise_floor_dir and p.mode != "aa":
             find_noise_floor(p, "")  # validate early

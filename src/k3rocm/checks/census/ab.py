@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from k3rocm.checks.census.analyze import Census, na
@@ -32,9 +33,9 @@ from k3rocm.checks.census.pipeline import (
     write_report,
 )
 from k3rocm.deploy import runrecord
-from k3rocm.errors import EXIT_INCOMPLETE, UsageError, tagged_log
+from k3rocm.errors import EXIT_INCOMPLETE, UsageError
 from k3rocm.options import Options, option
-from k3rocm.rundir import create_run_dir, write_json_atomic, write_text_atomic
+from k3rocm.rundir import create_run_dir
 from k3rocm.serving.config import redact_env
 from k3rocm.serving.fusions import BY_NAME, FUSIONS, Fusion
 
@@ -55,9 +56,6 @@ def add_arguments(g: argparse._ArgumentGroup) -> None:
     CensusAbFlags.add_arguments(g)
     Profiling.add_arguments(g)
     AnalysisFlags.add_arguments(g, skip=("results",))
-
-
-_log = tagged_log("census-ab")
 
 
 LABELS = {"A": "off", "B": "on"}  # the driver's arms as census-ab names them
@@ -145,8 +143,9 @@ def render_ab_table(cmp: dict[str, Any]) -> str:
 @dataclass
 class CensusAb:
     """census-ab's plan and run state (the A/B driver's measure protocol): one profile per arm,
-    the arm's census in ``<run>/off/`` or ``<run>/on/`` beside its server log. Its censuses judge
-    each arm against the overlay's decision records themselves (checks_fusions False)."""
+    the arm's census in ``<run>/off/`` or ``<run>/on/`` beside its server log; or (offline) two
+    trace sets analysed. Its censuses judge each arm against the overlay's decision records
+    themselves (no driver fusion check)."""
 
     arm_env: dict[str, dict[str, str]]
     label: str = "census-ab"
@@ -155,19 +154,10 @@ class CensusAb:
     opts: Any = None  # Analysis
     load: Any = None  # Profiling
     results: dict[str, Census] = field(default_factory=dict)
-    run: Any = None
-    cmp: Any = None
-    runs_per_slot, keep_going, report, checks_fusions, client_image = 1, False, "ab", False, None
-
-    def lines(self) -> list[str]:
-        return []
-
-    def slot_lines(self, _slot: int, _arm: str) -> list[str]:
-        return []
-
-    def begin(self, run) -> None:
-        self.run = run
-        _log(f"run directory {run.dir}")
+    run: Any = None  # the driver's Run (live), else the offline run directory's
+    meta: dict[str, Any] = field(default_factory=dict)
+    provenance: dict[str, Any] = field(default_factory=dict)
+    report, checks_fusions = "ab", False
 
     def log_name(self, _slot: int, arm: str) -> str:
         return f"{LABELS[arm]}/server.log"
@@ -183,32 +173,30 @@ class CensusAb:
         print(f"--- arm {name} ---\n{self.results[name].table()}")
 
     def compare(self, _slots: list[dict]) -> dict[str, Any]:
-        run, args, arms = self.run, self.args, self.arms
-        meta = {"protocol": f"one fresh compose server per arm from image `{run.image}` "
-                f"({run.image_id}), the same load in both arms (concurrency "
-                f"{args.concurrency}, {args.max_tokens} output tokens, profiling {args.steps} "
-                "decode steps after prefill), one profile per arm", "image": run.image,
-                "image_id": run.image_id, "concurrency": args.concurrency,
-                "max_tokens": args.max_tokens, "steps": args.steps}
-        return self.report_doc(run.dir, meta, {
-            "image": run.image, "image_id": run.image_id, "topology": arms.topology(),
-            "server_env": redact_env(arms.describe_env()),
-            "arms": {LABELS[a]: f"{LABELS[a]}/provenance.json" for a in arms.slots()}})
-
-    def report_doc(self, run_dir: Path, meta: dict[str, Any], provenance: dict[str, Any]
-                   ) -> dict[str, Any]:
-        """Write provenance.json; ab.json's document."""
-        results = self.results
-        runrecord.write(run_dir, runrecord.build(
+        """Write provenance.json; ab.json's document (ab.md: :meth:`markdown`)."""
+        run, args, arms, results = self.run, self.args, self.arms, self.results
+        if arms is not None:  # live
+            self.meta = {
+                "protocol": f"one fresh compose server per arm from image `{run.image}` "
+                f"({run.image_id}), the same load in both arms (concurrency {args.concurrency}, "
+                f"{args.max_tokens} output tokens, profiling {args.steps} decode steps after "
+                "prefill), one profile per arm", "image": run.image, "image_id": run.image_id,
+                "concurrency": args.concurrency, "max_tokens": args.max_tokens,
+                "steps": args.steps}
+            self.provenance = {
+                "image": run.image, "image_id": run.image_id, "topology": arms.topology(),
+                "server_env": redact_env(arms.describe_env()),
+                "arms": {LABELS[a]: f"{LABELS[a]}/provenance.json" for a in arms.slots()}}
+        runrecord.write(run.dir, runrecord.build(
             trace_files=trace_files([r.path for c in results.values() for r in c.traces.ranks]),
-            **provenance))
+            **self.provenance))
         self.cmp = cmp = compare(results)
         ok = all(c.ok for c in results.values()) and all(c.ok is not False
                                                          for c in cmp["checks"])
         return {"ok": ok,
                 "incomplete": {k: v.incomplete for k, v in results.items() if v.incomplete},
-                "meta": meta, "comparison": {**cmp, "checks": [c.to_json()
-                                                               for c in cmp["checks"]]},
+                "meta": self.meta,
+                "comparison": {**cmp, "checks": [c.to_json() for c in cmp["checks"]]},
                 "arms": {k: {"ok": v.ok, "claim": v.claim.to_json(),
                              "checks": [c.to_json() for c in v.checks]}
                          for k, v in results.items()}}
@@ -221,10 +209,9 @@ class CensusAb:
                  f"Protocol: {doc['meta']['protocol']}. Times are {unit} times per MLA layer "
                  "per decode step.", ""]
         for key, name in LABELS.items():
-            c = results[name]
             lines.append(f"- arm **{name}** (asked {self.arm_env[key]}): census "
-                         f"**{c.verdict}** (see `{name}/census.md`)")
-            lines += [f"  - lost: {x}" for x in c.incomplete_lines()]
+                         f"**{results[name].verdict}** (see `{name}/census.md`)")
+            lines += [f"  - lost: {x}" for x in results[name].incomplete_lines()]
         lines += ["", "```", render_ab_table(cmp), "```", "",
                   *(f"{BY_NAME[k].label}: {v}." for k, v in cmp["notes"].items()),
                   "A single profile per arm: launch counts are exact, times are one sample (no "
@@ -234,27 +221,27 @@ class CensusAb:
         return "\n".join(lines)
 
     def verdict(self, doc: dict[str, Any], run_dir: Path) -> int:
-        results, cmp = self.results, self.cmp
+        """Print the report and the verdict; the exit code."""
+        results, where = self.results, f"report in {run_dir}/ab.md"
         print(self.markdown(doc))
         failed = [f"arm {k}" for k, v in results.items()
                   if any(c.ok is False for c in v.checks)] \
-            + [f"rank {c.rank}: {c.what}" for c in cmp["checks"] if c.ok is False]
+            + [f"rank {c.rank}: {c.what}" for c in self.cmp["checks"] if c.ok is False]
         incomplete = [k for k, v in results.items() if v.incomplete]
         if incomplete:
             print(f"census-ab: INCOMPLETE TRACE (arm(s) {', '.join(incomplete)} lost events; "
-                  f"nothing judged; see the arms' census.md); report in {run_dir}/ab.md")
+                  f"nothing judged; see the arms' census.md); {where}")
             return EXIT_INCOMPLETE
         if failed:
-            print(f"census-ab: FAIL ({'; '.join(failed)}); report in {run_dir}/ab.md")
+            print(f"census-ab: FAIL ({'; '.join(failed)}); {where}")
             return 1
         # undecided: nothing contradicts the claim, nothing proves it either
         undecided = [f"arm {k}: {line}" for k, v in results.items() if not v.ok
                      for line in v.undecided_lines()]
         if undecided:
-            print(f"census-ab: CANNOT JUDGE ({'; '.join(undecided)}); report in "
-                  f"{run_dir}/ab.md")
+            print(f"census-ab: CANNOT JUDGE ({'; '.join(undecided)}); {where}")
             return EXIT_INCOMPLETE
-        print(f"census-ab: PASS; report in {run_dir}/ab.md")
+        print(f"census-ab: PASS; {where}")
         return 0
 
 
@@ -268,8 +255,8 @@ def plan(args: argparse.Namespace, arms, dep) -> CensusAb:
                     load)
 
 
-def offline(args: argparse.Namespace, arm_env: dict[str, dict[str, str]]) -> int:
-    """``--trace-dirs OFF,ON``: the two trace sets compared as the arms would be; no server."""
+def offline(args: argparse.Namespace, arm_env: dict[str, dict[str, str]]) -> CensusAb:
+    """``--trace-dirs OFF,ON``: the two trace sets analysed as the arms would be; no server."""
     dirs = [x.strip() for x in args.trace_dirs.split(",")]
     if len(dirs) != 2 or not all(dirs):
         raise UsageError(f"--trace-dirs {args.trace_dirs!r} must be OFF_DIR,ON_DIR")
@@ -277,21 +264,18 @@ def offline(args: argparse.Namespace, arm_env: dict[str, dict[str, str]]) -> int
         if not Path(d).is_dir():
             raise UsageError(f"--trace-dirs: {d} is not a directory")
     opts = analysis_from(args)
-    m = CensusAb(arm_env, results={
-        LABELS[a]: analyse(d, opts, from_env(arm_env[a], f"the {LABELS[a]} arm (--on {args.on})"),
-                           read_decisions(opts, d))
-        for a, d in zip(LABELS, map(Path, dirs), strict=True)})
-    run_dir = create_run_dir(results_root(args), args.label or m.label)
-    for (arm, c), trace_dir in zip(m.results.items(), dirs, strict=True):
+    results = {LABELS[a]: analyse(d, opts, from_env(arm_env[a], f"the {LABELS[a]} arm (--on "
+                                                    f"{args.on})"), read_decisions(opts, d))
+               for a, d in zip(LABELS, map(Path, dirs), strict=True)}
+    run_dir = create_run_dir(results_root(args), args.label or "census-ab")
+    for (arm, c), trace_dir in zip(results.items(), dirs, strict=True):
         (run_dir / arm).mkdir()
         write_report(run_dir / arm, c, runrecord.build(
             source="trace-dir", trace_dir=trace_dir,
             claim=c.claim.to_json(), trace_files=trace_files([r.path for r in c.traces.ranks])),
             title=f"Decode kernel census, arm {arm}", top=args.top)
         print(f"--- arm {arm} ---\n{c.table()}")
-    doc = m.report_doc(run_dir, {"protocol": f"offline comparison of {dirs[0]} (off) and "
-                                 f"{dirs[1]} (on)", "trace_dirs": dirs},
-                       {"trace_dirs": dirs, "arms": {LABELS[a]: e for a, e in arm_env.items()}})
-    write_json_atomic(run_dir / "ab.json", doc)
-    write_text_atomic(run_dir / "ab.md", m.markdown(doc))
-    return m.verdict(doc, run_dir)
+    return CensusAb(arm_env, results=results, run=SimpleNamespace(dir=run_dir), meta={
+        "protocol": f"offline comparison of {dirs[0]} (off) and {dirs[1]} (on)",
+        "trace_dirs": dirs}, provenance={"trace_dirs": dirs, "arms": {
+            LABELS[a]: e for a, e in arm_env.items()}})

@@ -15,7 +15,7 @@ from k3rocm.checks.bench import stats
 from k3rocm.checks.gsm8k import cli, data, results
 from k3rocm.checks.gsm8k.cli import Gsm8kRun, Gsm8kSettings
 from k3rocm.checks.gsm8k.data import GSM8K_TEST_ITEMS
-from k3rocm.errors import EXIT_CHECK_FAILED, EXIT_OK, UsageError, tagged_log
+from k3rocm.errors import EXIT_CHECK_FAILED, EXIT_OK, UsageError
 from k3rocm.options import Options, like, option
 
 # The default margin: the smallest (0.05-point grid) with which equally accurate arms pass >=
@@ -23,9 +23,6 @@ from k3rocm.options import Options, like, option
 DESIGN_POWER, DESIGN_AGREEMENT = 0.90, 0.98
 DEFAULT_MARGIN = 0.012
 DROP = 0.01  # the accuracy loss whose false-pass rate every report prints
-
-
-_log = tagged_log("gsm8k-ab")
 
 
 class Gsm8kAbOptions(Options):
@@ -126,12 +123,9 @@ class Gsm8kAb:
     """gsm8k-ab's plan and run state (the A/B driver's measure protocol): each arm the whole
     `k3rocm gsm8k` gate in ``<run>/NN-<arm>/``, beside its server log."""
 
-    runs_per_slot, keep_going, report, checks_fusions = 1, False, "comparison", True
-    label = "gsm8k-ab"
-
     def __init__(self, args: argparse.Namespace, arms, dep) -> None:
         self.opts = opts = Gsm8kAbOptions.from_args(args)
-        self.arms, self.label = arms, args.label or self.label
+        self.arms, self.label = arms, args.label or "gsm8k-ab"
         self.s = Gsm8kSettings(url=arms.url, model=dep.served_model_name, mode=opts.gsm8k_mode,
                                max_gen_tokens=opts.max_gen_tokens, limit=opts.limit,
                                allow_limit=True, client_image=args.client_image)
@@ -140,15 +134,8 @@ class Gsm8kAb:
             data.resolve(opts.data_dir, opts.hf_home, Path(arms.cache_dir))
         self.arm_runs: dict[str, dict[str, Any]] = {}
 
-    def lines(self) -> list[str]:
-        return []
-
     def slot_lines(self, _slot: int, _arm: str) -> list[str]:
         return [shlex.join(cli.lm_eval_argv(self.s))]
-
-    def begin(self, run) -> None:
-        self.run = run
-        _log(f"run directory {run.dir}")
 
     def log_name(self, i: int, arm: str) -> str:
         return f"{i:02d}-{arm}/server.log"
