@@ -48,12 +48,11 @@ def test_calibration_plan_dry_run(k3):
     assert "K3_TEST_STEP_DELAY_MS" not in slots[0]
     assert "K3_TEST_STEP_DELAY_MS=12.5" in slots[1] and "PYTHONPATH=/opt/k3rocm-test" in slots[1]
     assert "calibration: both arms" in p.stdout
-    # the product does not know where the tests keep it: without it, bad input
-    p = run_cli(*args)
-    assert p.returncode == 2 and "set K3_TEST_PLUGINS_DIR to its directory" in p.stderr, p.stderr
 
 
 @pytest.mark.parametrize("args,msg", [
+    # the product does not know where the tests keep the step-delay double: without it
+    (["--calibrate-delay-ms", "5", "--no-gpu"], "set K3_TEST_PLUGINS_DIR to its directory"),
     (["--calibrate-delay-ms", "5", "--gpu"], "exists only for the CPU stand-in"),
     (["--calibrate-delay-ms", "5", "--aa", "--no-gpu"], "exclude each other"),
     (["--calibrate-delay-ms", "0", "--no-gpu"], "is out of range; use 0 < x <= 10000"),
@@ -69,6 +68,19 @@ def test_bad_input_is_one_line_exit_2(k3, args, msg):
     assert p.returncode == 2, p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and msg in lines[0], lines
+
+
+def test_census_ab_dry_run_prints_the_plan_and_starts_nothing(tmp_path, k3):
+    """The driver's dry run, for census-ab too (which used to start its servers on --dry-run):
+    the cost, then each slot's compose line with the census's profiler directory."""
+    p = k3("census-ab", "--dry-run", "--no-gpu", "--results", str(tmp_path / "r"),
+           "--model-dir", str(REPO / "tests/data/census/models/tiny-deepseek-v3"))
+    assert p.returncode == 0, p.stderr
+    slots = [ln for ln in p.stdout.splitlines() if ln.startswith("# slot")]
+    assert [ln.split()[4] for ln in slots] == ["A:", "B:"], p.stdout
+    assert all("K3_PROFILER_DIR=/tmp/k3rocm-census-traces" in ln for ln in slots)
+    assert "# cost: 2 cold server start(s) (1 server(s) per arm), 2 run(s)" in p.stdout
+    assert not (tmp_path / "r").exists()
 
 
 def test_a_server_on_the_port_asks_for_make_down_or_stop_running(tmp_path, fake_vllm):
