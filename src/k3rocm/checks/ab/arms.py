@@ -278,13 +278,6 @@ def _replicas(env_file: str):
     return s
 
 
-def image_id(arms: Arms, client=None, dep=None) -> tuple[str, str]:
-    """(image reference, image id) of the arm servers; exit 2 when it is missing."""
-    ref = (dep or arm_deployment(arms)).image
-    return ref, engine_image_id(client or docker_client(), ref, "server image",
-                                "build it (make build) or pass --image")
-
-
 def estimate(arms: Arms, results: Path, runs_per_slot: int = 1) -> tuple[float, str]:
     """(seconds, how): cold starts x time to ready plus the runs, from earlier A/B runs under
     ``results`` (else a stated assumption)."""
@@ -344,9 +337,16 @@ def check_port(arms: Arms) -> None:
         time.sleep(1)
 
 
-def slot_line(arms: Arms, slot: int, arm: str) -> str:
+def slot_lines(arms: Arms, slot: int, arm: str) -> list[str]:
+    """The dry run's lines of one slot's server(s)."""
     env = {**arms.compose_env(arm), **arms.arm_container_env.get(arm, {})}
-    return f"# slot {slot} arm {arm}: compose up (server) with {env_str(env)}"
+    out = [f"# slot {slot} arm {arm}: compose up (server) with {env_str(env)}"]
+    if arms.scale is not None:
+        from k3rocm.deploy.scale.render import router_argv
+
+        out.append(f"#   replicas on ports {arms.replica_ports} (K3_PORT each), then the "
+                   f"router: {' '.join(router_argv(arms.scale))}")
+    return out
 
 
 @dataclass
@@ -452,7 +452,8 @@ def start(arms: Arms, results: Path, label: str, runs_per_slot: int = 1,
     check_port(arms)
     client = docker_client()
     dep = dep or arm_deployment(arms)
-    ref, iid = image_id(arms, client, dep)
+    ref = dep.image  # the arm servers' image (--image, else K3_IMAGE, else compose's default)
+    iid = engine_image_id(client, ref, "server image", "build it (make build) or pass --image")
     if client_image:
         engine_image_id(client, client_image)
     secs, how = estimate(arms, results, runs_per_slot)

@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
                          f"({arms.repeats} server(s) per arm), {len(arms.slots()) * per_slot} "
                          f"run(s); estimated {secs / 3600:.1f} h ({how})", *(
                              x for i, arm in enumerate(arms.slots())
-                             for x in (armlib.slot_line(arms, i, arm), *lines(i, arm)))]))
+                             for x in (*armlib.slot_lines(arms, i, arm), *lines(i, arm)))]))
         return 0
     m.run = run = armlib.start(arms, Path(args.results), m.label, per_slot,
                                client_image=getattr(m, "client_image", None), dep=dep)

@@ -115,15 +115,9 @@ class ABPlan:
             f"decode ITL moved ~{LATENCY_AB_EFFECT:.1%}): {seen}"]]
 
     def slot_lines(self, i: int, arm: str) -> list[str]:
-        out = []
-        if self.arms.scale is not None:
-            from k3rocm.deploy.scale.render import router_argv
-
-            out.append(f"#   replicas on ports {self.arms.replica_ports} (K3_PORT each), "
-                       f"then the router: {' '.join(router_argv(self.arms.scale))}")
-        return out + [shell_line(planned_command(self.workload, self.dry_dir / "runs" /
-                                                 _run_name(i, arm, k)))
-                      for k in range(self.runs_per_slot)]
+        return [shell_line(planned_command(self.workload, self.dry_dir / "runs" /
+                                           _run_name(i, arm, k)))
+                for k in range(self.runs_per_slot)]
 
     def begin(self) -> None:
         w, arms, run = self.workload, self.arms, self.run

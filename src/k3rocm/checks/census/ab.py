@@ -149,7 +149,6 @@ class CensusAb:
 
     arm_env: dict[str, dict[str, str]]
     label: str = "census-ab"
-    args: Any = None
     arms: Any = None  # k3rocm.checks.ab.arms.Arms
     opts: Any = None  # Analysis
     load: Any = None  # Profiling
@@ -174,15 +173,15 @@ class CensusAb:
 
     def compare(self, _slots: list[dict]) -> dict[str, Any]:
         """Write provenance.json; ab.json's document (ab.md: :meth:`markdown`)."""
-        run, args, arms, results = self.run, self.args, self.arms, self.results
+        run, load, arms, results = self.run, self.load, self.arms, self.results
         if arms is not None:  # live
             self.meta = {
                 "protocol": f"one fresh compose server per arm from image `{run.image}` "
-                f"({run.image_id}), the same load in both arms (concurrency {args.concurrency}, "
-                f"{args.max_tokens} output tokens, profiling {args.steps} decode steps after "
+                f"({run.image_id}), the same load in both arms (concurrency {load.concurrency}, "
+                f"{load.max_tokens} output tokens, profiling {load.steps} decode steps after "
                 "prefill), one profile per arm", "image": run.image, "image_id": run.image_id,
-                "concurrency": args.concurrency, "max_tokens": args.max_tokens,
-                "steps": args.steps}
+                "concurrency": load.concurrency, "max_tokens": load.max_tokens,
+                "steps": load.steps}
             self.provenance = {
                 "image": run.image, "image_id": run.image_id, "topology": arms.topology(),
                 "server_env": redact_env(arms.describe_env()),
@@ -251,8 +250,7 @@ def plan(args: argparse.Namespace, arms, dep) -> CensusAb:
     arms.server_env = {"VLLM_RPC_TIMEOUT": "1800000", **arms.server_env,
                        "K3_PROFILER_DIR": CONTAINER_TRACE_DIR}
     # ``dep``: the checkpoint the arm servers load (--server-env)
-    return CensusAb(arms.arm_env, args.label or "census-ab", args, arms, analysis_from(args, dep),
-                    load)
+    return CensusAb(arms.arm_env, args.label or "census-ab", arms, analysis_from(args, dep), load)
 
 
 def offline(args: argparse.Namespace, arm_env: dict[str, dict[str, str]]) -> CensusAb:
