@@ -119,15 +119,15 @@ def run(args: argparse.Namespace) -> int:
     dep = armlib.arm_deployment(arms)  # what the arm servers serve (--server-env over settings)
     m = mod.plan(args, arms, dep)
     per_slot = getattr(m, "runs_per_slot", 1)
-    if args.dry_run:
+    if args.dry_run:  # the plan, the cost, then what each slot starts and runs
         secs, how = armlib.estimate(arms, args.results, per_slot)
-        lines = getattr(m, "slot_lines", lambda i, arm: [])
-        print("\n".join([*getattr(m, "lines", list)(), f"# cost: "
-                         f"{len(arms.slots()) * len(arms.replica_ports)} cold server start(s) "
-                         f"({arms.repeats} server(s) per arm), {len(arms.slots()) * per_slot} "
-                         f"run(s); estimated {secs / 3600:.1f} h ({how})", *(
-                             x for i, arm in enumerate(arms.slots())
-                             for x in (*armlib.slot_lines(arms, i, arm), *lines(i, arm)))]))
+        slots, lines = arms.slots(), getattr(m, "slot_lines", lambda i, arm: [])
+        print("\n".join([
+            *getattr(m, "lines", list)(), f"# cost: {len(slots) * len(arms.replica_ports)} cold "
+            f"server start(s) ({arms.repeats} server(s) per arm), {len(slots) * per_slot} "
+            f"run(s); estimated {secs / 3600:.1f} h ({how})",
+            *(x for i, arm in enumerate(slots)
+              for x in (*armlib.slot_lines(arms, i, arm), *lines(i, arm)))]))
         return 0
     m.run = run = armlib.start(arms, Path(args.results), m.label, per_slot,
                                client_image=getattr(m, "client_image", None), dep=dep)
