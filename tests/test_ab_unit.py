@@ -48,12 +48,11 @@ def test_calibration_plan_dry_run(k3):
     assert "K3_TEST_STEP_DELAY_MS" not in slots[0]
     assert "K3_TEST_STEP_DELAY_MS=12.5" in slots[1] and "PYTHONPATH=/opt/k3rocm-test" in slots[1]
     assert "calibration: both arms" in p.stdout
-    # the product does not know where the tests keep it: without it, bad input
-    p = run_cli(*args)
-    assert p.returncode == 2 and "set K3_TEST_PLUGINS_DIR to its directory" in p.stderr, p.stderr
 
 
 @pytest.mark.parametrize("args,msg", [
+    # the product does not know where the tests keep the step-delay double: without it
+    (["--calibrate-delay-ms", "5", "--no-gpu"], "set K3_TEST_PLUGINS_DIR to its directory"),
     (["--calibrate-delay-ms", "5", "--gpu"], "exists only for the CPU stand-in"),
     (["--calibrate-delay-ms", "5", "--aa", "--no-gpu"], "exclude each other"),
     (["--calibrate-delay-ms", "0", "--no-gpu"], "is out of range; use 0 < x <= 10000"),
@@ -69,6 +68,19 @@ def test_bad_input_is_one_line_exit_2(k3, args, msg):
     assert p.returncode == 2, p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and msg in lines[0], lines
+
+
+def test_census_ab_dry_run_prints_the_plan_and_starts_nothing(tmp_path, k3):
+    """The driver's dry run, for census-ab too (which used to start its servers on --dry-run):
+    the cost, then each slot's compose line with the census's profiler directory."""
+    p = k3("census-ab", "--dry-run", "--no-gpu", "--results", str(tmp_path / "r"),
+           "--model-dir", str(REPO / "tests/data/census/models/tiny-deepseek-v3"))
+    assert p.returncode == 0, p.stderr
+    slots = [ln for ln in p.stdout.splitlines() if ln.startswith("# slot")]
+    assert [ln.split()[4] for ln in slots] == ["A:", "B:"], p.stdout
+    assert all("K3_PROFILER_DIR=/tmp/k3rocm-census-traces" in ln for ln in slots)
+    assert "# cost: 2 cold server start(s) (1 server(s) per arm), 2 run(s)" in p.stdout
+    assert not (tmp_path / "r").exists()
 
 
 def test_a_server_on_the_port_asks_for_make_down_or_stop_running(tmp_path, fake_vllm):
@@ -228,7 +240,6 @@ def test_slots_differing_in_a_server_setting_are_refused(tmp_path):
 
 def test_slots_without_the_rendered_record_are_not_shown_equal(tmp_path):
     """Equal unknown argvs prove no identical setup."""
-    from k3rocm.checks.ab import arms as armlib
     from k3rocm.checks.bench import ab
     from k3rocm.checks.bench.workloads import resolve
 
@@ -241,7 +252,7 @@ def test_slots_without_the_rendered_record_are_not_shown_equal(tmp_path):
     prov = json.loads((Path(run["run_dir"]) / "provenance.json").read_text())
     prov["server"]["rendered"]["env"] = {"K3_MAX_NUM_SEQS": "8"}
     (Path(run["run_dir"]) / "provenance.json").write_text(json.dumps(prov))
-    ident = armlib.slot_identity(Path(run["run_dir"]), "ab")
+    ident = ab.slot_identity(Path(run["run_dir"]), "ab")
     assert ident["env"]["K3_MAX_NUM_SEQS"] == "8" and ident["argv"] == ARGV[:3] + ARGV[5:]
 
 
@@ -331,18 +342,6 @@ def test_an_aa_and_a_calibration_of_the_same_setup_share_the_key(tmp_path):
         "slot 1 (arm B) differs from slot 0 (arm A): env K3_TEST_STEP_DELAY_MS=(unset) vs 45"]
 
 
-class _Images:
-    """docker-py's ``client.images.get`` (docker 7.x): records the reference asked for."""
-
-    def __init__(self):
-        self.asked = []
-        self.images = self
-
-    def get(self, ref):
-        self.asked.append(ref)
-        return argparse.Namespace(id="sha256:" + "0" * 64)
-
-
 @pytest.mark.parametrize("cpu,dotenv,image,want", [
     (True, "K3_IMAGE=my/server:from-dotenv\n", None, "my/server:from-dotenv"),
     (False, "K3_IMAGE=my/server:from-dotenv\n", None, "my/server:from-dotenv"),
@@ -352,7 +351,7 @@ class _Images:
 ])
 def test_the_arm_image_is_the_deployments(tmp_path, monkeypatch, cpu, dotenv, image, want):
     """--image, else K3_IMAGE from the shell or .env, else compose's default."""
-    from k3rocm.checks.ab.arms import Arms, arm_deployment, image_id
+    from k3rocm.checks.ab.arms import Arms, arm_deployment
 
     monkeypatch.delenv("K3_IMAGE", raising=False)
     monkeypatch.delenv("COMPOSE_FILE", raising=False)
@@ -360,9 +359,7 @@ def test_the_arm_image_is_the_deployments(tmp_path, monkeypatch, cpu, dotenv, im
     env_file.write_text(dotenv)
     arms = Arms(mode="ab", repeats=1, arm_env={"A": {}, "B": {}}, port=8000, cpu=cpu,
                 image=image, env_file=str(env_file))
-    client = _Images()
-    assert image_id(arms, client) == (want, "sha256:" + "0" * 64)
-    assert client.asked == [want] and arm_deployment(arms).image == want
+    assert arm_deployment(arms).image == want  # what start() asks Docker for (never pulled)
 
 
 def test_arm_server_with_replicas_saves_every_log_and_removes_the_router(tmp_path, monkeypatch):
@@ -633,21 +630,19 @@ def _check_base(tmp_path: Path, measure: str, *extra: str) -> dict:
     return armlib.check_base(armlib.arms_from_args(args, single=single))
 
 
-def test_on_the_seed_base_the_offered_arms_pass(on_base, tmp_path):
-    on_base(SEED)
-    got = _check_base(tmp_path, "bench", "--on", "qk_norm")
-    assert sorted(got["arms"]) == ["A", "B"] and got["arms"]["B"]["vllm_version"] == SEED
-    notes = " ".join(got["arms"]["B"]["notes"])
-    assert "K3_KV_CACHE_DTYPE=auto" in notes and "PIECEWISE" in notes
-
-
-@pytest.mark.parametrize("measure,extra", [("census", ()), ("bench", ("--aa",))])
-def test_on_an_upstream_base_both_arms_pass(on_base, tmp_path, measure, extra):
-    on_base(UPSTREAM)
+@pytest.mark.parametrize("version,measure,extra", [
+    (SEED, "bench", ("--on", "qk_norm")), (UPSTREAM, "census", ()), (UPSTREAM, "bench", ("--aa",))])
+def test_the_arms_a_base_can_serve_pass(on_base, tmp_path, version, measure, extra):
+    """The seed base serves the arms it offers (noting its KV cache and graph mode); an upstream
+    base both arms, with no KV cache note."""
+    on_base(version)
     got = _check_base(tmp_path, measure, *extra)
-    assert {a: b["vllm_version"] for a, b in got["arms"].items()} == {"A": UPSTREAM,
-                                                                      "B": UPSTREAM}
-    assert not any(n.startswith("K3_KV_CACHE_DTYPE") for n in got["arms"]["B"]["notes"])
+    assert {a: b["vllm_version"] for a, b in got["arms"].items()} == {"A": version, "B": version}
+    notes = got["arms"]["B"]["notes"]
+    if version == SEED:
+        assert "K3_KV_CACHE_DTYPE=auto" in " ".join(notes) and "PIECEWISE" in " ".join(notes)
+    else:
+        assert not any(n.startswith("K3_KV_CACHE_DTYPE") for n in notes)
 
 
 def test_a_server_setting_the_base_refuses_is_named_for_every_arm(on_base, tmp_path, capsys):

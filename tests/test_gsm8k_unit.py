@@ -493,8 +493,7 @@ def _gsm8k_ab_live(tmp_path, monkeypatch, server_logs: dict[str, str]):
     p = argparse.ArgumentParser()
     abcli.add_arguments(p, measure="gsm8k")
     args = p.parse_args(["--no-gpu", "--results", str(tmp_path), "--models-dir", str(tmp_path)])
-    abcli.fill_repeats(args)
-    code = ab.run(args)
+    code = abcli.run(args)
     assert started == [("gsm8k-ab", args.client_image)]
     assert executed == [("00-A", "0"), ("01-B", "1")]
     return code, tmp_path / "20260101T000000Z-gsm8k-ab"

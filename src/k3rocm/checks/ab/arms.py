@@ -25,7 +25,6 @@ from k3rocm.deploy.lifecycle import (
     docker_client,
     resolve_settings,
 )
-from k3rocm.deploy.provenance import NO_RECORD, served_as
 from k3rocm.deploy.server_api import answers, wait_ready
 from k3rocm.errors import UsageError, tagged_log
 from k3rocm.options import Options, option
@@ -136,8 +135,15 @@ def parse_env(items: list[str], flag: str = "--server-env") -> dict[str, str]:
     return out
 
 
+def env_str(env: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in sorted(env.items())) or "(none)"
+
+
 @dataclass
 class Arms:
+    """The arm servers of one A/B, as the measures see them (they import nothing from here)."""
+
+    env_str = staticmethod(env_str)
 
     mode: str  # ab | aa | cal
     repeats: int
@@ -272,13 +278,6 @@ def _replicas(env_file: str):
     return s
 
 
-def image_id(arms: Arms, client=None, dep=None) -> tuple[str, str]:
-    """(image reference, image id) of the arm servers; exit 2 when it is missing."""
-    ref = (dep or arm_deployment(arms)).image
-    return ref, engine_image_id(client or docker_client(), ref, "server image",
-                                "build it (make build) or pass --image")
-
-
 def estimate(arms: Arms, results: Path, runs_per_slot: int = 1) -> tuple[float, str]:
     """(seconds, how): cold starts x time to ready plus the runs, from earlier A/B runs under
     ``results`` (else a stated assumption)."""
@@ -338,13 +337,16 @@ def check_port(arms: Arms) -> None:
         time.sleep(1)
 
 
-def slot_line(arms: Arms, slot: int, arm: str) -> str:
+def slot_lines(arms: Arms, slot: int, arm: str) -> list[str]:
+    """The dry run's lines of one slot's server(s)."""
     env = {**arms.compose_env(arm), **arms.arm_container_env.get(arm, {})}
-    return f"# slot {slot} arm {arm}: compose up (server) with {env_str(env)}"
+    out = [f"# slot {slot} arm {arm}: compose up (server) with {env_str(env)}"]
+    if arms.scale is not None:
+        from k3rocm.deploy.scale.render import router_argv
 
-
-def env_str(env: dict) -> str:
-    return " ".join(f"{k}={v}" for k, v in sorted(env.items())) or "(none)"
+        out.append(f"#   replicas on ports {arms.replica_ports} (K3_PORT each), then the "
+                   f"router: {' '.join(router_argv(arms.scale))}")
+    return out
 
 
 @dataclass
@@ -450,7 +452,8 @@ def start(arms: Arms, results: Path, label: str, runs_per_slot: int = 1,
     check_port(arms)
     client = docker_client()
     dep = dep or arm_deployment(arms)
-    ref, iid = image_id(arms, client, dep)
+    ref = dep.image  # the arm servers' image (--image, else K3_IMAGE, else compose's default)
+    iid = engine_image_id(client, ref, "server image", "build it (make build) or pass --image")
     if client_image:
         engine_image_id(client, client_image)
     secs, how = estimate(arms, results, runs_per_slot)
@@ -463,8 +466,10 @@ def start(arms: Arms, results: Path, label: str, runs_per_slot: int = 1,
     _log(f"base facts from {base['facts_from']}: " + (
         f"arm(s) {', '.join(base['arms'])} can be served" if base["arms"] else
         "each arm server checks them at start"))
-    return Run(arms, client, ref, iid, dep.served_model_name, dep.api_key,
-               create_run_dir(results, label))
+    run = Run(arms, client, ref, iid, dep.served_model_name, dep.api_key,
+              create_run_dir(results, label))
+    _log(f"run directory {run.dir}")
+    return run
 
 
 def arm_deployment(arms: Arms, arm: str = "B"):
@@ -530,48 +535,6 @@ def check_base(arms: Arms) -> dict[str, Any]:
                                {**os.environ, **arms.compose_env("A")}, arms.env_file,
                                dep.image, dep.settings.profile)
     return arms.base
-
-
-# Allowed to differ between slots: the fusion switches (A/B), and in a calibration the
-# step-delay double's two variables (arm B only).
-ARM_ENV = frozenset(FUSIONS_ON)
-CAL_ENV = frozenset({STEP_DELAY_ENV, "PYTHONPATH"})
-WHERE_ENV = frozenset({"K3_PORT", "HOSTNAME"})  # where a slot listens, not what it runs
-
-
-def slot_identity(run_dir: Path, mode: str) -> dict[str, Any] | None:
-    """What one slot's server really ran (image id, rendered argv and env from its run record),
-    minus what may differ between arms."""
-    try:
-        server = json.loads((run_dir / "provenance.json").read_text()).get("server") or {}
-    except (OSError, json.JSONDecodeError):
-        return None
-    skip = ARM_ENV | WHERE_ENV | (CAL_ENV if mode == "cal" else frozenset())
-    served = served_as(server)
-    argv = served.argv
-    if argv:  # where it listens is not the protocol
-        argv = [x for i, x in enumerate(argv)
-                if x != "--port" and (i == 0 or argv[i - 1] != "--port")]
-    return {"image_id": (server.get("container") or {}).get("image_id"),
-            "env": {k: v for k, v in sorted(served.env.items()) if k not in skip},
-            "argv": argv}
-
-
-def identity_diff(a: dict, b: dict) -> list[str]:
-    out = []
-    if a["image_id"] != b["image_id"]:
-        out.append(f"image {a['image_id']} vs {b['image_id']}")
-    for k in sorted(set(a["env"]) | set(b["env"])):
-        va, vb = a["env"].get(k, "(unset)"), b["env"].get(k, "(unset)")
-        if va != vb:
-            out.append(f"env {k}={va} vs {vb}")
-    if a["argv"] is None or b["argv"] is None:  # no rendered record: cannot be shown equal
-        out.append(f"argv unknown ({NO_RECORD})")
-    elif a["argv"] != b["argv"]:
-        ea, eb = a["argv"], b["argv"]
-        out.append(f"argv {' '.join(x for x in ea if x not in eb) or '-'} vs "
-                   f"{' '.join(x for x in eb if x not in ea) or '-'}")
-    return out
 
 
 def fusion_states(log_path: Path) -> dict[str, list[str]] | None:

@@ -45,10 +45,18 @@ from types import ModuleType, SimpleNamespace
 from k3rocm.checks.ab import arms as armlib
 from k3rocm.deploy.lifecycle import resolve_settings
 from k3rocm.errors import UsageError
+from k3rocm.rundir import write_json_atomic, write_text_atomic
 from k3rocm.serving.config import REDACTED
 
-# Each measure's module k3rocm.checks.<measure>.ab: add_arguments(group), OWN (the flags only it
-# reads), REPEATS (default servers per arm) and run(args) -> exit code.
+# The measure protocol. Each module k3rocm.checks.<measure>.ab (it imports nothing from here) has
+# add_arguments(group), OWN (the flags only it reads), REPEATS (default servers per arm), SINGLE
+# ((command, why) when it runs one server per arm, order A B; else None) and plan(args, arms,
+# dep) -> a plan with label (of the run directory), log_name(slot, arm) (in the run directory),
+# measure(slot, arm, server, info) -> False to stop, compare(slot records) -> the report's
+# document, markdown(doc), verdict(doc, run_dir) -> exit code (prints the headline); optional:
+# lines() and slot_lines(slot, arm) (the dry run's), begin() (its run is in .run), runs_per_slot
+# (1), client_image, keep_going (False: a failed slot is raised; True: what finished is
+# compared), report ("comparison": <run>/<report>.json and .md), checks_fusions (True).
 MEASURES = ("bench", "census", "gsm8k")
 
 
@@ -103,7 +111,49 @@ def run(args: argparse.Namespace) -> int:
     for k in (k for m in MEASURES if m != args.measure for k in measure_module(m).OWN):
         if getattr(args, k) != args._own_defaults[k]:
             raise UsageError(f"--{k.replace('_', '-')} is not used by --measure {args.measure}")
-    return measure_module(args.measure).run(args)
+    mod = measure_module(args.measure)
+    if getattr(args, "trace_dirs", None):  # census-ab offline: two existing trace sets
+        m = mod.offline(args, armlib.arm_envs(args.on))
+        return report(m, m.compare([]), m.run.dir)
+    arms = armlib.arms_from_args(args, single=mod.SINGLE)
+    dep = armlib.arm_deployment(arms)  # what the arm servers serve (--server-env over settings)
+    m = mod.plan(args, arms, dep)
+    per_slot = getattr(m, "runs_per_slot", 1)
+    if args.dry_run:  # the plan, the cost, then what each slot starts and runs
+        secs, how = armlib.estimate(arms, args.results, per_slot)
+        slots, lines = arms.slots(), getattr(m, "slot_lines", lambda i, arm: [])
+        print("\n".join([
+            *getattr(m, "lines", list)(), f"# cost: {len(slots) * len(arms.replica_ports)} cold "
+            f"server start(s) ({arms.repeats} server(s) per arm), {len(slots) * per_slot} "
+            f"run(s); estimated {secs / 3600:.1f} h ({how})",
+            *(x for i, arm in enumerate(slots)
+              for x in (*armlib.slot_lines(arms, i, arm), *lines(i, arm)))]))
+        return 0
+    m.run = run = armlib.start(arms, Path(args.results), m.label, per_slot,
+                               client_image=getattr(m, "client_image", None), dep=dep)
+    getattr(m, "begin", lambda: None)()
+    slots = run.each_slot(lambda i, arm: run.dir / m.log_name(i, arm), m.measure,
+                          getattr(m, "keep_going", False))
+    doc = m.compare(slots)
+    if getattr(m, "checks_fusions", True):
+        doc["fusion_problems"], refused = armlib.fusion_check(slots, arms.arm_env)
+        if refused and arms.mode == "ab" and not doc.get("invalid"):
+            # an arm ran without its fusion (or A with it): the pairing says nothing
+            doc["invalid"] = ("an arm's fusions are not what it asked (the overlay's decision "
+                              "records): " + " | ".join(refused))
+    if doc.get("invalid"):
+        doc.update(verdict="INVALID", headline="INVALID: " + doc["invalid"])
+        for r in doc.get("rows") or []:
+            r["verdict"] = "invalid"
+    return report(m, doc, run.dir)
+
+
+def report(m, doc: dict, run_dir: Path) -> int:
+    """<run>/<report>.json and .md (atomic), then the measure's verdict: the exit code."""
+    stem = run_dir / getattr(m, "report", "comparison")
+    write_json_atomic(stem.with_suffix(".json"), doc)
+    write_text_atomic(stem.with_suffix(".md"), m.markdown(doc))
+    return m.verdict(doc, run_dir)
 
 
 # `k3rocm bench-ab` and `k3rocm census-ab`: this command with --measure preset.

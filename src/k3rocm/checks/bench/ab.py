@@ -12,76 +12,218 @@ import json
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from k3rocm.checks.ab import arms as armlib
 from k3rocm.checks.bench import stats, summary
 from k3rocm.checks.bench.cli import add_common, resolve_from_args
 from k3rocm.checks.bench.plots import _pyplot, _save
 from k3rocm.checks.bench.run import check_tokenizer, planned_command, run_bench
 from k3rocm.checks.bench.workloads import Workload, shell_line
-from k3rocm.deploy.provenance import read_text
+from k3rocm.deploy.provenance import NO_RECORD, read_text, served_as
 from k3rocm.errors import EXIT_CHECK_FAILED as EXIT_FAILED
 from k3rocm.errors import EXIT_INCOMPLETE, EXIT_INTERRUPTED, EXIT_OK, UsageError, tagged_log
 from k3rocm.options import Options, option
 from k3rocm.rundir import utc_stamp, write_json_atomic, write_text_atomic
+from k3rocm.serving.fusions import switches
 
 _log = tagged_log("bench-ab")
+# The step-delay double's switch (a calibration's arm B; k3rocm.checks.ab.arms sets it there)
+STEP_DELAY_ENV = "K3_TEST_STEP_DELAY_MS"
 
 
 @dataclass
 class ABPlan:
+    """The bench measure's plan and run state (the A/B driver's measure protocol)."""
+
     workload: Workload
-    arms: armlib.Arms
+    arms: Any  # k3rocm.checks.ab.arms.Arms
     results: Path
     client_image: str
-    runs_per_server: int = 1
+    runs_per_slot: int = 1  # --runs-per-server
     noise_floor_dir: Path | None = None
     primary: tuple[str, int] = ("ITL p50", 1)
     progress: bool = True
+    dry_dir: Path = Path()  # where a run would write (the dry run's aiperf lines)
+    run: Any = None  # the driver's Run
+    key: str = ""  # the planned protocol key
+    before_line: str = ""
+    runs: list[dict[str, Any]] = field(default_factory=list)
+    t0: float = 0.0
+    report = "comparison"
+    checks_fusions = keep_going = True
 
     @property
     def mode(self) -> str:  # "ab" | "aa" | "cal"
         return self.arms.mode
+
+    @property
+    def label(self) -> str:
+        return f"{self.workload.name}-{self.mode}"
 
     def protocol_key(self, image_id: str | None) -> str:
         """Same key <=> same protocol (workload, image, server env minus the fusions, ...)."""
         blob = json.dumps({"workload": self.workload.protocol(), "image_id": image_id,
                            "server_env": self.arms.describe_env(), "gpu": not self.arms.cpu,
                            "pin_engine_core": self.arms.pin_engine_core,
-                           "runs_per_server": self.runs_per_server}, sort_keys=True)
+                           "runs_per_server": self.runs_per_slot}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     def describe(self) -> list[str]:
-        w, a = self.workload, self.arms
+        w, a, env_str = self.workload, self.arms, self.arms.env_str
         if self.mode == "aa":
-            arms = "A/A: both arms identical (" + armlib.env_str(a.arm_env["A"]) + ")"
+            arms = "A/A: both arms identical (" + env_str(a.arm_env["A"]) + ")"
         elif self.mode == "cal":
-            arms = (f"calibration: both arms {armlib.env_str(a.arm_env['A'])}; arm B with an "
+            arms = (f"calibration: both arms {env_str(a.arm_env['A'])}; arm B with an "
                     f"injected {a.delay_ms:g} ms per engine step "
-                    f"({armlib.STEP_DELAY_ENV}, CPU stand-in test double)")
+                    f"({STEP_DELAY_ENV}, CPU stand-in test double)")
         else:
-            arms = (f"A = fusions off ({armlib.env_str(a.arm_env['A'])}), B = fusions on "
-                    f"({armlib.env_str(a.arm_env['B'])})")
-        k = self.runs_per_server
+            arms = (f"A = fusions off ({env_str(a.arm_env['A'])}), B = fusions on "
+                    f"({env_str(a.arm_env['B'])})")
+        k = self.runs_per_slot
         return [
             f"mode {self.mode.upper()}: {arms}",
             f"order {' '.join(a.slots())} ({a.repeats} server(s) per arm, interleaved; "
             f"{a.repeats * k} run(s) per arm)",
             f"every slot: a fresh server (image {a.image or 'compose default'}), {k} complete "
             f"run(s) of `{w.name}` ({w.warmup_request_count} warmup requests per point), stop",
-            f"topology: {armlib.env_str(a.topology())}",
+            f"topology: {env_str(a.topology())}",
             "statistic: one value per server; d = (B - A) / A on geometric means; two-sided t "
             "test on log server values, pooled with an A/A of the same recorded protocol",
             f"primary metric (declared before the run): {self.primary[0]} at c="
             f"{self.primary[1]}, judged at 5%; other rows: {stats.MULTIPLICITY}",
             "drift: A B B A order" + (" balances linear drift" if a.repeats % 2 == 0 else
                                        f"; odd repeats ({a.repeats}) leave some drift"),
-            f"server env (both arms): {armlib.env_str(a.describe_env())}"
+            f"server env (both arms): {env_str(a.describe_env())}"
             + ("; EngineCore pinned (CPU stand-in)" if a.pin_engine_core else ""),
         ]
+
+
+    # --- the measure protocol (k3rocm.checks.ab.cli) ---
+
+    def lines(self) -> list[str]:
+        """The dry run's head: the protocol, and the MDE of the planned design (from the newest
+        A/A of this workload) beside the upstream PRs' effect, before anything starts."""
+        from k3rocm.deploy.upstream_ref import LATENCY_AB_EFFECT
+
+        design, comp = design_before(self, None)
+        seen = stats.effect_line(LATENCY_AB_EFFECT, self.arms.repeats, comp.get("var_log"),
+                                 comp.get("df", 0), self.primary[0])
+        return [f"# {x}" for x in [
+            *self.describe(), design, "the upstream PRs' effect (vLLM PRs #52494, #57640: C=1 "
+            f"decode ITL moved ~{LATENCY_AB_EFFECT:.1%}): {seen}"]]
+
+    def slot_lines(self, i: int, arm: str) -> list[str]:
+        return [shell_line(planned_command(self.workload, self.dry_dir / "runs" /
+                                           _run_name(i, arm, k)))
+                for k in range(self.runs_per_slot)]
+
+    def begin(self) -> None:
+        w, arms, run = self.workload, self.arms, self.run
+        self.t0 = time.time()
+        run.model, run.api_key = w.model, w.api_key  # what the workload asks the servers for
+        self.key = key = self.protocol_key(run.image_id)
+        self.before_line = design_before(self, key)[0]
+        _log(f"before the run: {self.before_line}")
+        _log(f"{self.mode.upper()}: planned protocol {key}")
+        write_json_atomic(run.dir / "plan.json", {
+            "mode": self.mode, "planned_key": key, "protocol": self.describe(),
+            "primary": {"metric": self.primary[0], "concurrency": self.primary[1]},
+            "design_before": self.before_line, "workload": w.model_dump(mode="json"),
+            "slots": arms.slots(), "arm_env": arms.arm_env,
+            "arm_container_env": arms.arm_container_env, "server_image": run.image,
+            "server_image_id": run.image_id, "server_env": arms.describe_env(),
+            "topology": arms.topology()})
+
+    def log_name(self, i: int, arm: str) -> str:
+        return f"runs/{i:02d}-{arm}-server.log"
+
+    def measure(self, i: int, arm: str, srv, info: dict) -> bool:
+        arms, client, slot_dir = self.arms, self.run.client, self.run.dir / "runs"
+        container = srv.container(client)
+        for k in range(self.runs_per_slot):
+            run_dir = slot_dir / _run_name(i, arm, k)
+            run_dir.mkdir(parents=True)
+            entry: dict[str, Any] = {
+                "slot": i, "arm": arm, "run": k, "server": info["server"],
+                "run_dir": str(run_dir), "status": "failed", "env": arms.arm_env[arm],
+                "container_env": arms.arm_container_env.get(arm, {}),
+                "server_ready_s": info["server_ready_s"], "pin": info["pin"]}
+            self.runs.append(entry)
+            t1 = time.time()
+            res = run_bench(self.workload, results=self.results, client_image=self.client_image,
+                            server_timeout=30, progress=self.progress,
+                            server_container=container, docker=client, run_dir=run_dir,
+                            deployment=info["deployment"], extra_provenance={"ab": {
+                                "mode": self.mode, "slot": i, "arm": arm, "run": k,
+                                "protocol_key": self.key, "compose_project": info["server"],
+                                "topology": info["topology"]}})
+            entry.update(status=res.status, message=res.message,
+                         seconds=round(time.time() - t1, 1))
+            write_json_atomic(self.run.dir / "runs.json", self.runs)
+            if res.status != "ok":
+                return False
+        if self.mode == "cal":
+            save_applied_delays(container, applied_record_path(slot_dir, i, arm))
+        return True
+
+    def compare(self, slots: list[dict]) -> dict[str, Any]:
+        w, runs, last = self.workload, self.runs, slots[-1]
+        interrupted = last["error"] == "interrupted" or any(r["status"] == "interrupted"
+                                                             for r in runs)
+        if last["error"] and not any(r["slot"] == last["slot"] for r in runs):
+            runs.append({"slot": last["slot"], "arm": last["arm"], "run": 0,
+                         "server": last["server"], "run_dir": None,
+                         "status": "interrupted" if interrupted else "failed",
+                         "message": last["error"], "env": self.arms.arm_env[last["arm"]]})
+        write_json_atomic(self.run.dir / "runs.json", runs)
+        rkey, diffs = recorded_protocol(w, runs, self.mode, self.runs_per_slot)
+        floor_doc = None if self.mode == "aa" else find_noise_floor(self, rkey or "")
+        comp = compare(w, runs, self.mode, rkey or "", floor_doc, self.primary, self.describe())
+        comp.update(planned_key=self.key, design_before=self.before_line,
+                    protocol_differences=diffs, slots=slots, interrupted=interrupted)
+        if diffs and self.mode != "aa":
+            comp["invalid"] = ("slots ran different server setups (only the fusion switches "
+                               "may differ): " + " | ".join(diffs))
+        elif diffs:  # an A/A whose slots differ: flagged, never pooled as a variance component
+            comp["protocol_key"] = None
+            comp["headline"] += ("; FLAGGED (not used as a variance component): "
+                                 + " | ".join(diffs))
+        if self.mode == "cal":
+            comp["calibration"] = calibration(comp, self.arms.delay_ms)
+        comp["wall_seconds"] = round(time.time() - self.t0, 1)
+        return comp
+
+    def markdown(self, comp: dict) -> str:
+        return comparison_markdown(comp)
+
+    def verdict(self, comp: dict, ab_dir: Path) -> int:
+        """The headline and the exit code; a run that did not finish or may not be read is
+        refused in one line."""
+        _plot(comp, self.runs, ab_dir)
+        n_ok = sum(r["status"] == "ok" for r in self.runs)
+        total = len(self.arms.slots()) * self.runs_per_slot
+        if comp["interrupted"]:
+            raise UsageError(f"bench-ab interrupted after {n_ok} of {total} runs; what finished "
+                             f"is compared in {ab_dir}", EXIT_INTERRUPTED)
+        if n_ok < total:
+            bad = next((r for r in self.runs if r["status"] != "ok"),
+                       {"slot": len(comp["slots"]), "arm": "?", "message": "not run"})
+            raise UsageError(f"bench-ab: slot {bad['slot']} (arm {bad['arm']}) failed: "
+                             f"{bad.get('message')}; {n_ok} of {total} runs kept in {ab_dir}",
+                             EXIT_FAILED)
+        refused = refusal(comp, ab_dir)
+        if refused:
+            raise UsageError(refused[0].removeprefix("k3rocm: error: "), refused[1])
+        head = comp["headline"] + f"; {comp['design_after']}"
+        for c in comp.get("calibration") or []:
+            head += (f"; calibration c={c['concurrency']}: injected +{c['injected_ms']:g} ms/"
+                     f"step (applied {_num(c['applied_ms'])}), detected "
+                     f"{c['detected_ms']:+.2f} ms ITL p50")
+        print(f"bench-ab {self.mode.upper()} {self.workload.name}: {head}; report "
+              f"{ab_dir / 'comparison.md'}")
+        return EXIT_OK
 
 
 def _run_name(slot: int, arm: str, k: int) -> str:
@@ -100,151 +242,6 @@ def design_before(plan: ABPlan, key: str | None) -> tuple[str, dict]:
         line += f" (from the A/A {aa['dir']}" + (
             "; its protocol is checked when the run starts)" if key is None else ")")
     return line, comp
-
-
-def cost_lines(plan: ABPlan) -> list[str]:
-    """Cold starts, estimated hours and the MDE of the planned design (from the newest A/A of
-    this workload), before anything starts."""
-    from k3rocm.deploy.upstream_ref import LATENCY_AB_EFFECT
-
-    arms, k = plan.arms, plan.runs_per_server
-    secs, how = armlib.estimate(arms, plan.results, k)
-    starts = len(arms.slots()) * len(arms.replica_ports)
-    design, comp = design_before(plan, None)
-    seen = stats.effect_line(LATENCY_AB_EFFECT, arms.repeats, comp.get("var_log"),
-                             comp.get("df", 0), plan.primary[0])
-    return [f"cost: {starts} cold server start(s) ({arms.repeats} server(s) per arm), "
-            f"{len(arms.slots()) * k} run(s); estimated {secs / 3600:.1f} h ({how})",
-            design,
-            f"the upstream PRs' effect (vLLM PRs #52494, #57640: C=1 decode ITL moved ~"
-            f"{LATENCY_AB_EFFECT:.1%}): {seen}"]
-
-
-def dry_run_lines(plan: ABPlan) -> list[str]:
-    arms = plan.arms
-    lines = [f"# {x}" for x in [*plan.describe(), *cost_lines(plan)]]
-    run_dir = plan.results.resolve() / f"{utc_stamp()}-{plan.workload.name}-{plan.mode}"
-    for i, arm in enumerate(arms.slots()):
-        lines.append(armlib.slot_line(arms, i, arm))
-        if arms.scale is not None:
-            from k3rocm.deploy.scale.render import router_argv
-
-            lines.append(f"#   replicas on ports {arms.replica_ports} (K3_PORT each), "
-                         f"then the router: {' '.join(router_argv(arms.scale))}")
-        for k in range(plan.runs_per_server):
-            lines.append(shell_line(planned_command(plan.workload,
-                                                    run_dir / "runs" / _run_name(i, arm, k))))
-    return lines
-
-
-def run_ab(plan: ABPlan) -> int:
-    w, arms = plan.workload, plan.arms
-    check_tokenizer(w.tokenizer)
-    run = armlib.start(arms, plan.results, f"{w.name}-{plan.mode}", plan.runs_per_server,
-                       client_image=plan.client_image)
-    ab_dir, client = run.dir, run.client
-    run.model, run.api_key = w.model, w.api_key  # what the workload asks the servers for
-    key = plan.protocol_key(run.image_id)
-    before_line = design_before(plan, key)[0]
-    _log(f"before the run: {before_line}")
-    _log(f"{plan.mode.upper()} run directory {ab_dir} (planned protocol {key})")
-    write_json_atomic(ab_dir / "plan.json", {
-        "mode": plan.mode, "planned_key": key, "protocol": plan.describe(),
-        "primary": {"metric": plan.primary[0], "concurrency": plan.primary[1]},
-        "design_before": before_line, "workload": w.model_dump(mode="json"),
-        "slots": arms.slots(), "arm_env": arms.arm_env,
-        "arm_container_env": arms.arm_container_env, "server_image": run.image,
-        "server_image_id": run.image_id, "server_env": arms.describe_env(),
-        "topology": arms.topology()})
-
-    runs: list[dict[str, Any]] = []
-    t_all = time.time()
-    slot_dir = ab_dir / "runs"
-
-    def measure(i: int, arm: str, srv, info: dict) -> bool:
-        container = srv.container(client)
-        for k in range(plan.runs_per_server):
-            run_dir = slot_dir / _run_name(i, arm, k)
-            run_dir.mkdir(parents=True)
-            entry: dict[str, Any] = {
-                "slot": i, "arm": arm, "run": k, "server": info["server"],
-                "run_dir": str(run_dir), "status": "failed", "env": arms.arm_env[arm],
-                "container_env": arms.arm_container_env.get(arm, {}),
-                "server_ready_s": info["server_ready_s"], "pin": info["pin"]}
-            runs.append(entry)
-            t1 = time.time()
-            res = run_bench(w, results=plan.results, client_image=plan.client_image,
-                            server_timeout=30, progress=plan.progress, server_container=container,
-                            docker=client, run_dir=run_dir, deployment=info["deployment"],
-                            extra_provenance={"ab": {
-                                "mode": plan.mode, "slot": i, "arm": arm, "run": k,
-                                "protocol_key": key, "compose_project": info["server"],
-                                "topology": info["topology"]}})
-            entry.update(status=res.status, message=res.message,
-                         seconds=round(time.time() - t1, 1))
-            write_json_atomic(ab_dir / "runs.json", runs)
-            if res.status != "ok":
-                return False
-        if plan.mode == "cal":
-            save_applied_delays(container, applied_record_path(slot_dir, i, arm))
-        return True
-
-    slots_info = run.each_slot(lambda i, arm: slot_dir / f"{i:02d}-{arm}-server.log", measure,
-                               keep_going=True)
-    last = slots_info[-1]
-    interrupted = last["error"] == "interrupted" or any(r["status"] == "interrupted"
-                                                         for r in runs)
-    if last["error"] and not any(r["slot"] == last["slot"] for r in runs):
-        runs.append({"slot": last["slot"], "arm": last["arm"], "run": 0, "server": last["server"],
-                     "run_dir": None, "status": "interrupted" if interrupted else "failed",
-                     "message": last["error"], "env": arms.arm_env[last["arm"]]})
-    write_json_atomic(ab_dir / "runs.json", runs)
-
-    rkey, diffs = recorded_protocol(w, runs, plan.mode, plan.runs_per_server)
-    floor_doc = None if plan.mode == "aa" else find_noise_floor(plan, rkey or "")
-    comp = compare(w, runs, plan.mode, rkey or "", floor_doc, plan.primary, plan.describe())
-    fusion_problems, refused = armlib.fusion_check(slots_info, arms.arm_env)
-    comp.update(planned_key=key, design_before=before_line, protocol_differences=diffs,
-                fusion_problems=fusion_problems, slots=slots_info, interrupted=interrupted)
-    if diffs and plan.mode != "aa":
-        comp["invalid"] = ("slots ran different server setups (only the fusion switches may "
-                           "differ): " + " | ".join(diffs))
-    elif refused and plan.mode == "ab":
-        comp["invalid"] = ("an arm's fusions are not what it asked (the overlay's decision "
-                           "records): " + " | ".join(refused))
-    if comp.get("invalid"):
-        for r in comp["rows"]:
-            r["verdict"] = "invalid"
-        comp["headline"] = "INVALID: " + comp["invalid"]
-    elif diffs:  # an A/A whose slots differ: flagged, and never pooled as a variance component
-        comp["protocol_key"] = None
-        comp["headline"] += "; FLAGGED (not used as a variance component): " + " | ".join(diffs)
-    if plan.mode == "cal":
-        comp["calibration"] = calibration(comp, arms.delay_ms)
-    comp["wall_seconds"] = round(time.time() - t_all, 1)
-    write_json_atomic(ab_dir / "comparison.json", comp)
-    write_text_atomic(ab_dir / "comparison.md", comparison_markdown(comp))
-    _plot(comp, runs, ab_dir)
-    n_ok = sum(r["status"] == "ok" for r in runs)
-    total = len(arms.slots()) * plan.runs_per_server
-    if interrupted:
-        raise UsageError(f"bench-ab interrupted after {n_ok} of {total} runs; what finished is "
-                         f"compared in {ab_dir}", EXIT_INTERRUPTED)
-    if n_ok < total:
-        bad = next((r for r in runs if r["status"] != "ok"),
-                   {"slot": len(slots_info), "arm": "?", "message": "not run"})
-        raise UsageError(f"bench-ab: slot {bad['slot']} (arm {bad['arm']}) failed: "
-                         f"{bad.get('message')}; {n_ok} of {total} runs kept in {ab_dir}",
-                         EXIT_FAILED)
-    refused = refusal(comp, ab_dir)
-    if refused:
-        raise UsageError(refused[0].removeprefix("k3rocm: error: "), refused[1])
-    head = comp["headline"] + f"; {comp['design_after']}"
-    for c in comp.get("calibration") or []:
-        head += (f"; calibration c={c['concurrency']}: injected +{c['injected_ms']:g} ms/step "
-                 f"(applied {_num(c['applied_ms'])}), detected {c['detected_ms']:+.2f} ms ITL p50")
-    print(f"bench-ab {plan.mode.upper()} {w.name}: {head}; report {ab_dir / 'comparison.md'}")
-    return EXIT_OK
 
 
 def refusal(comp: dict, ab_dir: Path) -> tuple[str, int] | None:
@@ -270,25 +267,67 @@ def refusal(comp: dict, ab_dir: Path) -> tuple[str, int] | None:
     return None
 
 
+# Allowed to differ between slots: the fusion switches (A/B), and in a calibration the
+# step-delay double's two variables (arm B only).
+ARM_ENV = frozenset(switches(True))
+CAL_ENV = frozenset({STEP_DELAY_ENV, "PYTHONPATH"})
+WHERE_ENV = frozenset({"K3_PORT", "HOSTNAME"})  # where a slot listens, not what it runs
+
+
+def slot_identity(run_dir: Path, mode: str) -> dict[str, Any] | None:
+    """What one slot's server really ran (image id, rendered argv and env from its run record),
+    minus what may differ between arms."""
+    try:
+        server = json.loads((run_dir / "provenance.json").read_text()).get("server") or {}
+    except (OSError, json.JSONDecodeError):
+        return None
+    skip = ARM_ENV | WHERE_ENV | (CAL_ENV if mode == "cal" else frozenset())
+    served = served_as(server)
+    argv = served.argv
+    if argv:  # where it listens is not the protocol
+        argv = [x for i, x in enumerate(argv)
+                if x != "--port" and (i == 0 or argv[i - 1] != "--port")]
+    return {"image_id": (server.get("container") or {}).get("image_id"),
+            "env": {k: v for k, v in sorted(served.env.items()) if k not in skip},
+            "argv": argv}
+
+
+def identity_diff(a: dict, b: dict) -> list[str]:
+    out = []
+    if a["image_id"] != b["image_id"]:
+        out.append(f"image {a['image_id']} vs {b['image_id']}")
+    for k in sorted(set(a["env"]) | set(b["env"])):
+        va, vb = a["env"].get(k, "(unset)"), b["env"].get(k, "(unset)")
+        if va != vb:
+            out.append(f"env {k}={va} vs {vb}")
+    if a["argv"] is None or b["argv"] is None:  # no rendered record: cannot be shown equal
+        out.append(f"argv unknown ({NO_RECORD})")
+    elif a["argv"] != b["argv"]:
+        ea, eb = a["argv"], b["argv"]
+        out.append(f"argv {' '.join(x for x in ea if x not in eb) or '-'} vs "
+                   f"{' '.join(x for x in eb if x not in ea) or '-'}")
+    return out
+
+
 def recorded_protocol(w: Workload, runs: Sequence[dict], mode: str, runs_per_server: int
                       ) -> tuple[str | None, list[str]]:
     """(key, differences): the key from the first slot's recorded server identity; one line per
     slot whose identity differs."""
     first_runs = {r["slot"]: r for r in reversed(runs) if r.get("run_dir")}  # each slot's first
     ids = [(r, ident) for r in sorted(first_runs.values(), key=lambda r: r["slot"])
-           if (ident := armlib.slot_identity(Path(r["run_dir"]), mode)) is not None]
+           if (ident := slot_identity(Path(r["run_dir"]), mode)) is not None]
     if not ids:
         return None, []
     first_run, first = ids[0]
     diffs = []
     for r, ident in ids[1:]:
-        d = armlib.identity_diff(first, ident)
+        d = identity_diff(first, ident)
         if d:
             diffs.append(f"slot {r['slot']} (arm {r['arm']}) differs from slot "
                          f"{first_run['slot']} (arm {first_run['arm']}): {'; '.join(d)}")
     # The key: the first slot (always arm A) as recorded, whatever the mode, so that an A/A and
     # a calibration or A/B of the same setup share it (the calibration's delay is arm B's only).
-    key_ident = armlib.slot_identity(Path(first_run["run_dir"]), "ab")
+    key_ident = slot_identity(Path(first_run["run_dir"]), "ab")
     blob = json.dumps({"workload": w.protocol(), "runs_per_server": runs_per_server,
                        "server": key_ident}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16], diffs
@@ -475,7 +514,7 @@ def _run_points(runs: Sequence[dict]):
 STEP_DELAY_RECORD = "/tmp/k3rocm-test-stepdelay.tsv"
 # what asks the double for a sleep (its ENV, BASE_ENV, DELAY_FILE_ENV), read from a run's
 # recorded server environment
-_DELAY_VARS = (armlib.STEP_DELAY_ENV, "K3_TEST_BASE_DELAY_MS", "K3_TEST_DELAY_FILE")
+_DELAY_VARS = (STEP_DELAY_ENV, "K3_TEST_BASE_DELAY_MS", "K3_TEST_DELAY_FILE")
 
 
 def applied_record_path(slot_dir: Path, slot: int, arm: str) -> Path:
@@ -767,6 +806,7 @@ def _plot(comp: dict, runs: Sequence[dict], out: Path) -> None:
 # --- the measure's side of the A/B driver (k3rocm.checks.ab.cli) ---
 
 REPEATS = 4  # the fewest servers per arm with which a 5% test on server values has room
+SINGLE = None
 
 
 class BenchAB(Options):
@@ -792,14 +832,12 @@ def add_arguments(g: argparse._ArgumentGroup) -> None:
     BenchAB.add_arguments(g)
 
 
-def build_plan(args: argparse.Namespace) -> ABPlan:
+def plan(args: argparse.Namespace, arms, dep) -> ABPlan:
     own = BenchAB.from_args(args)
     if args.url:
         raise UsageError("--url is not used by bench-ab (it starts its own servers): use --port")
-    arms = armlib.arms_from_args(args)
-    # what the arm servers serve (their K3_MODEL, K3_API_KEY, ...: --server-env over the
-    # settings) is what the client asks for, tokenizes with and authenticates to
-    dep = armlib.arm_deployment(arms)
+    # what the arm servers serve (``dep``: their K3_MODEL, K3_API_KEY, ...: --server-env over
+    # the settings) is what the client asks for, tokenizes with and authenticates to
     sets = list(args.sets)
     if not any(s.startswith("model=") for s in sets) and not args.model \
             and not os.environ.get("BENCH_MODEL"):
@@ -814,16 +852,12 @@ def build_plan(args: argparse.Namespace) -> ABPlan:
                              f"prefix caching {'on' if w.prefix_caching else 'off'} "
                              f"(K3_PREFIX_CACHING={want}), which the A/B sets on its servers")
         arms.server_env["K3_PREFIX_CACHING"] = want
-    return ABPlan(workload=w, arms=arms, results=args.results, client_image=args.client_image,
-                  runs_per_server=own.runs_per_server, noise_floor_dir=own.noise_floor,
-                  primary=parse_primary(own.primary, w), progress=not args.quiet)
-
-
-def run(args: argparse.Namespace) -> int:
-    plan = build_plan(args)
-    if args.dry_run:
-        print("\n".join(dry_run_lines(plan)))
-        return 0
-    if plan.noise_floor_dir and plan.mode != "aa":
-        find_noise_floor(plan, "")  # validate early
-    return run_ab(plan)
+    p = ABPlan(workload=w, arms=arms, results=args.results, client_image=args.client_image,
+               runs_per_slot=own.runs_per_server, noise_floor_dir=own.noise_floor,
+               primary=parse_primary(own.primary, w), progress=not args.quiet)
+    p.dry_dir = p.results.resolve() / f"{utc_stamp()}-{p.label}"
+    if not args.dry_run:
+        if p.noise_floor_dir and p.mode != "aa":
+            find_noise_floor(p, "")  # validate early
+        check_tokenizer(w.tokenizer)
+    return p

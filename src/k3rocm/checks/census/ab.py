@@ -9,7 +9,9 @@ input, 3 server, 4 incomplete trace or undecided.
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from k3rocm.checks.census.analyze import Census, na
@@ -22,7 +24,6 @@ from k3rocm.checks.census.cli import (
 from k3rocm.checks.census.expect import Check, columns, render_table
 from k3rocm.checks.census.fusions import from_env
 from k3rocm.checks.census.pipeline import (
-    Analysis,
     Profiling,
     analyse,
     claim_from_container,
@@ -32,9 +33,9 @@ from k3rocm.checks.census.pipeline import (
     write_report,
 )
 from k3rocm.deploy import runrecord
-from k3rocm.errors import EXIT_INCOMPLETE, UsageError, tagged_log
+from k3rocm.errors import EXIT_INCOMPLETE, UsageError
 from k3rocm.options import Options, option
-from k3rocm.rundir import create_run_dir, write_json_atomic, write_text_atomic
+from k3rocm.rundir import create_run_dir
 from k3rocm.serving.config import redact_env
 from k3rocm.serving.fusions import BY_NAME, FUSIONS, Fusion
 
@@ -47,6 +48,7 @@ class CensusAbFlags(Options):
 
 
 REPEATS = 1
+SINGLE = ("census-ab", "a census counts launches exactly")
 OWN = ("trace_dirs", *Profiling.flags())
 
 
@@ -56,14 +58,7 @@ def add_arguments(g: argparse._ArgumentGroup) -> None:
     AnalysisFlags.add_arguments(g, skip=("results",))
 
 
-_log = tagged_log("census-ab")
-
-
-def arms_env(on: str) -> dict[str, dict[str, str]]:
-    from k3rocm.checks.ab.arms import arm_envs
-
-    envs = arm_envs(on)
-    return {"off": envs["A"], "on": envs["B"]}
+LABELS = {"A": "off", "B": "on"}  # the driver's arms as census-ab names them
 
 
 def compare(arms: dict[str, Census]) -> dict[str, Any]:
@@ -145,69 +140,132 @@ def render_ab_table(cmp: dict[str, Any]) -> str:
     return columns(head, rows, rule=False)
 
 
-def finish_ab(run_dir: Any, results: dict[str, Census], meta: dict[str, Any],
-              arm_env: dict[str, dict[str, str]], provenance: dict[str, Any]) -> int:
-    """Write provenance.json, ab.json and ab.md; print the verdict; return the exit code."""
-    runrecord.write(run_dir, runrecord.build(
-        trace_files=trace_files([r.path for c in results.values() for r in c.traces.ranks]),
-        **provenance))
-    cmp = compare(results)
-    ok = all(c.ok for c in results.values()) and all(c.ok is not False for c in cmp["checks"])
-    write_json_atomic(run_dir / "ab.json", {
-        "ok": ok, "incomplete": {k: v.incomplete for k, v in results.items() if v.incomplete},
-        "meta": meta, "comparison": {**cmp, "checks": [c.to_json() for c in cmp["checks"]]},
-        "arms": {k: {"ok": v.ok, "claim": v.claim.to_json(),
-                     "checks": [c.to_json() for c in v.checks]} for k, v in results.items()}})
-    unit = "device" if all(p["mode"] == "gpu" for c in results.values() for p in c.per_rank) \
-        else "host (CPU operator)"
-    lines = ["# Decode kernel census A/B: fusions off vs on", "",
-             f"Protocol: {meta['protocol']}. Times are {unit} times per MLA layer per decode "
-             "step.", ""]
-    for name, c in results.items():
-        lines.append(f"- arm **{name}** (asked {arm_env[name]}): census "
-                     f"**{c.verdict}** (see `{name}/census.md`)")
-        lines += [f"  - lost: {x}" for x in c.incomplete_lines()]
-    lines += ["", "```", render_ab_table(cmp), "```", "",
-              *(f"{BY_NAME[k].label}: {v}." for k, v in cmp["notes"].items()),
-              "A single profile per arm: launch counts are exact, times are one sample (no "
-              "confidence interval).", ""]
-    if cmp["checks"]:
-        lines += ["## A/B checks", "", "```", render_table(cmp["checks"]), "```", ""]
-    md = "\n".join(lines)
-    write_text_atomic(run_dir / "ab.md", md)
-    print(md)
-    failed = [f"arm {k}" for k, v in results.items() if any(c.ok is False for c in v.checks)] \
-        + [f"rank {c.rank}: {c.what}" for c in cmp["checks"] if c.ok is False]
-    incomplete = [k for k, v in results.items() if v.incomplete]
-    if incomplete:
-        print(f"census-ab: INCOMPLETE TRACE (arm(s) {', '.join(incomplete)} lost events; "
-              f"nothing judged; see the arms' census.md); report in {run_dir}/ab.md")
-        return EXIT_INCOMPLETE
-    if failed:
-        print(f"census-ab: FAIL ({'; '.join(failed)}); report in {run_dir}/ab.md")
-        return 1
-    # undecided: nothing contradicts the claim, nothing proves it either
-    undecided = [f"arm {k}: {line}" for k, v in results.items() if not v.ok
-                 for line in v.undecided_lines()]
-    if undecided:
-        print(f"census-ab: CANNOT JUDGE ({'; '.join(undecided)}); report in {run_dir}/ab.md")
-        return EXIT_INCOMPLETE
-    print(f"census-ab: PASS; report in {run_dir}/ab.md")
-    return 0
+@dataclass
+class CensusAb:
+    """census-ab's plan and run state (the A/B driver's measure protocol): one profile per arm,
+    the arm's census in ``<run>/off/`` or ``<run>/on/`` beside its server log; or (offline) two
+    trace sets analysed. Its censuses judge each arm against the overlay's decision records
+    themselves (no driver fusion check)."""
+
+    arm_env: dict[str, dict[str, str]]
+    label: str = "census-ab"
+    arms: Any = None  # k3rocm.checks.ab.arms.Arms
+    opts: Any = None  # Analysis
+    load: Any = None  # Profiling
+    results: dict[str, Census] = field(default_factory=dict)
+    run: Any = None  # the driver's Run (live), else the offline run directory's
+    meta: dict[str, Any] = field(default_factory=dict)
+    provenance: dict[str, Any] = field(default_factory=dict)
+    report, checks_fusions = "ab", False
+
+    def log_name(self, _slot: int, arm: str) -> str:
+        return f"{LABELS[arm]}/server.log"
+
+    def measure(self, _slot: int, arm: str, srv, info: dict) -> None:
+        name, run = LABELS[arm], self.run
+        container = srv.container(run.client)
+        claim = claim_from_container(container)  # what it was asked (its rendering)
+        self.results[name] = live_census(
+            self.arms.url, run.model, run.api_key, run.client, container, claim, run.dir / name,
+            self.opts, self.load, title=f"Decode kernel census, arm {name}",
+            dep=info["deployment"])
+        print(f"--- arm {name} ---\n{self.results[name].table()}")
+
+    def compare(self, _slots: list[dict]) -> dict[str, Any]:
+        """Write provenance.json; ab.json's document (ab.md: :meth:`markdown`)."""
+        run, load, arms, results = self.run, self.load, self.arms, self.results
+        if arms is not None:  # live
+            self.meta = {
+                "protocol": f"one fresh compose server per arm from image `{run.image}` "
+                f"({run.image_id}), the same load in both arms (concurrency {load.concurrency}, "
+                f"{load.max_tokens} output tokens, profiling {load.steps} decode steps after "
+                "prefill), one profile per arm", "image": run.image, "image_id": run.image_id,
+                "concurrency": load.concurrency, "max_tokens": load.max_tokens,
+                "steps": load.steps}
+            self.provenance = {
+                "image": run.image, "image_id": run.image_id, "topology": arms.topology(),
+                "server_env": redact_env(arms.describe_env()),
+                "arms": {LABELS[a]: f"{LABELS[a]}/provenance.json" for a in arms.slots()}}
+        runrecord.write(run.dir, runrecord.build(
+            trace_files=trace_files([r.path for c in results.values() for r in c.traces.ranks]),
+            **self.provenance))
+        self.cmp = cmp = compare(results)
+        ok = all(c.ok for c in results.values()) and all(c.ok is not False
+                                                         for c in cmp["checks"])
+        return {"ok": ok,
+                "incomplete": {k: v.incomplete for k, v in results.items() if v.incomplete},
+                "meta": self.meta,
+                "comparison": {**cmp, "checks": [c.to_json() for c in cmp["checks"]]},
+                "arms": {k: {"ok": v.ok, "claim": v.claim.to_json(),
+                             "checks": [c.to_json() for c in v.checks]}
+                         for k, v in results.items()}}
+
+    def markdown(self, doc: dict[str, Any]) -> str:
+        results, cmp = self.results, self.cmp
+        unit = "device" if all(p["mode"] == "gpu" for c in results.values()
+                               for p in c.per_rank) else "host (CPU operator)"
+        lines = ["# Decode kernel census A/B: fusions off vs on", "",
+                 f"Protocol: {doc['meta']['protocol']}. Times are {unit} times per MLA layer "
+                 "per decode step.", ""]
+        for key, name in LABELS.items():
+            lines.append(f"- arm **{name}** (asked {self.arm_env[key]}): census "
+                         f"**{results[name].verdict}** (see `{name}/census.md`)")
+            lines += [f"  - lost: {x}" for x in results[name].incomplete_lines()]
+        lines += ["", "```", render_ab_table(cmp), "```", "",
+                  *(f"{BY_NAME[k].label}: {v}." for k, v in cmp["notes"].items()),
+                  "A single profile per arm: launch counts are exact, times are one sample (no "
+                  "confidence interval).", ""]
+        if cmp["checks"]:
+            lines += ["## A/B checks", "", "```", render_table(cmp["checks"]), "```", ""]
+        return "\n".join(lines)
+
+    def verdict(self, doc: dict[str, Any], run_dir: Path) -> int:
+        """Print the report and the verdict; the exit code."""
+        results, where = self.results, f"report in {run_dir}/ab.md"
+        print(self.markdown(doc))
+        failed = [f"arm {k}" for k, v in results.items()
+                  if any(c.ok is False for c in v.checks)] \
+            + [f"rank {c.rank}: {c.what}" for c in self.cmp["checks"] if c.ok is False]
+        incomplete = [k for k, v in results.items() if v.incomplete]
+        if incomplete:
+            print(f"census-ab: INCOMPLETE TRACE (arm(s) {', '.join(incomplete)} lost events; "
+                  f"nothing judged; see the arms' census.md); {where}")
+            return EXIT_INCOMPLETE
+        if failed:
+            print(f"census-ab: FAIL ({'; '.join(failed)}); {where}")
+            return 1
+        # undecided: nothing contradicts the claim, nothing proves it either
+        undecided = [f"arm {k}: {line}" for k, v in results.items() if not v.ok
+                     for line in v.undecided_lines()]
+        if undecided:
+            print(f"census-ab: CANNOT JUDGE ({'; '.join(undecided)}); {where}")
+            return EXIT_INCOMPLETE
+        print(f"census-ab: PASS; {where}")
+        return 0
 
 
-def run_offline(args: argparse.Namespace, opts: Analysis,
-                arm_env: dict[str, dict[str, str]]) -> int:
+def plan(args: argparse.Namespace, arms, dep) -> CensusAb:
+    load = profiling_from(args)  # traces copied out of each arm's container
+    # Both arms profile into a directory inside the container (copied out afterwards).
+    arms.server_env = {"VLLM_RPC_TIMEOUT": "1800000", **arms.server_env,
+                       "K3_PROFILER_DIR": CONTAINER_TRACE_DIR}
+    # ``dep``: the checkpoint the arm servers load (--server-env)
+    return CensusAb(arms.arm_env, args.label or "census-ab", arms, analysis_from(args, dep), load)
+
+
+def offline(args: argparse.Namespace, arm_env: dict[str, dict[str, str]]) -> CensusAb:
+    """``--trace-dirs OFF,ON``: the two trace sets analysed as the arms would be; no server."""
     dirs = [x.strip() for x in args.trace_dirs.split(",")]
     if len(dirs) != 2 or not all(dirs):
         raise UsageError(f"--trace-dirs {args.trace_dirs!r} must be OFF_DIR,ON_DIR")
     for d in dirs:
         if not Path(d).is_dir():
             raise UsageError(f"--trace-dirs: {d} is not a directory")
-    results = {arm: analyse(d, opts, from_env(arm_env[arm], f"the {arm} arm (--on {args.on})"),
-                            read_decisions(opts, d))
-               for arm, d in zip(("off", "on"), map(Path, dirs), strict=True)}
-    run_dir = create_run_dir(results_root(args), args.label)
+    opts = analysis_from(args)
+    results = {LABELS[a]: analyse(d, opts, from_env(arm_env[a], f"the {LABELS[a]} arm (--on "
+                                                    f"{args.on})"), read_decisions(opts, d))
+               for a, d in zip(LABELS, map(Path, dirs), strict=True)}
+    run_dir = create_run_dir(results_root(args), args.label or "census-ab")
     for (arm, c), trace_dir in zip(results.items(), dirs, strict=True):
         (run_dir / arm).mkdir()
         write_report(run_dir / arm, c, runrecord.build(
@@ -215,47 +273,7 @@ def run_offline(args: argparse.Namespace, opts: Analysis,
             claim=c.claim.to_json(), trace_files=trace_files([r.path for r in c.traces.ranks])),
             title=f"Decode kernel census, arm {arm}", top=args.top)
         print(f"--- arm {arm} ---\n{c.table()}")
-    meta = {"protocol": f"offline comparison of {dirs[0]} (off) and {dirs[1]} (on)",
-            "trace_dirs": dirs}
-    return finish_ab(run_dir, results, meta, arm_env, {"trace_dirs": dirs, "arms": arm_env})
-
-
-def run(args: argparse.Namespace) -> int:
-    from k3rocm.checks.ab import arms as armlib
-
-    args.label = args.label or "census-ab"
-    arm_env = arms_env(args.on)
-    if args.trace_dirs:
-        return run_offline(args, analysis_from(args), arm_env)
-    load = profiling_from(args)  # traces copied out of each arm's container
-    arms = armlib.arms_from_args(args, single=("census-ab", "a census counts launches exactly"))
-    dep = armlib.arm_deployment(arms)  # the checkpoint the arm servers load (--server-env)
-    opts = analysis_from(args, dep)
-    # Both arms profile into a directory inside the container (copied out afterwards).
-    arms.server_env = {"VLLM_RPC_TIMEOUT": "1800000", **arms.server_env,
-                       "K3_PROFILER_DIR": CONTAINER_TRACE_DIR}
-    run = armlib.start(arms, Path(args.results), args.label, dep=dep)
-    _log(f"run directory {run.dir}")
-    results: dict[str, Census] = {}
-    names = {"A": "off", "B": "on"}
-
-    def measure(_slot: int, arm: str, srv, info: dict) -> None:
-        name = names[arm]
-        container = srv.container(run.client)
-        claim = claim_from_container(container)  # what it was asked (its rendering)
-        results[name] = live_census(arms.url, run.model, run.api_key, run.client, container,
-                                    claim, run.dir / name, opts, load,
-                                    title=f"Decode kernel census, arm {name}",
-                                    dep=info["deployment"])
-        print(f"--- arm {name} ---\n{results[name].table()}")
-
-    run.each_slot(lambda _slot, arm: run.dir / names[arm] / "server.log", measure)
-    meta = {"protocol": f"one fresh compose server per arm from image `{run.image}` "
-            f"({run.image_id}), the same load in both arms (concurrency {args.concurrency}, "
-            f"{args.max_tokens} output tokens, profiling {args.steps} decode steps after "
-            "prefill), one profile per arm", "image": run.image, "image_id": run.image_id,
-            "concurrency": args.concurrency, "max_tokens": args.max_tokens, "steps": args.steps}
-    return finish_ab(run.dir, results, meta, arm_env, {
-        "image": run.image, "image_id": run.image_id, "topology": arms.topology(),
-        "server_env": redact_env(arms.describe_env()),
-        "arms": {names[a]: f"{names[a]}/provenance.json" for a in arms.slots()}})
+    return CensusAb(arm_env, results=results, run=SimpleNamespace(dir=run_dir), meta={
+        "protocol": f"offline comparison of {dirs[0]} (off) and {dirs[1]} (on)",
+        "trace_dirs": dirs}, provenance={"trace_dirs": dirs, "arms": {
+            LABELS[a]: e for a, e in arm_env.items()}})

@@ -15,18 +15,14 @@ from k3rocm.checks.bench import stats
 from k3rocm.checks.gsm8k import cli, data, results
 from k3rocm.checks.gsm8k.cli import Gsm8kRun, Gsm8kSettings
 from k3rocm.checks.gsm8k.data import GSM8K_TEST_ITEMS
-from k3rocm.errors import EXIT_CHECK_FAILED, EXIT_OK, UsageError, tagged_log
+from k3rocm.errors import EXIT_CHECK_FAILED, EXIT_OK, UsageError
 from k3rocm.options import Options, like, option
-from k3rocm.rundir import write_json_atomic, write_text_atomic
 
 # The default margin: the smallest (0.05-point grid) with which equally accurate arms pass >=
 # DESIGN_POWER of the time at DESIGN_AGREEMENT of 1319 items agreeing (tools/bench_gsm8k_margin.py).
 DESIGN_POWER, DESIGN_AGREEMENT = 0.90, 0.98
 DEFAULT_MARGIN = 0.012
 DROP = 0.01  # the accuracy loss whose false-pass rate every report prints
-
-
-_log = tagged_log("gsm8k-ab")
 
 
 class Gsm8kAbOptions(Options):
@@ -46,6 +42,7 @@ class Gsm8kAbOptions(Options):
 
 add_arguments = Gsm8kAbOptions.add_arguments
 REPEATS = 1
+SINGLE = ("gsm8k-ab", "greedy decoding repeats itself")
 OWN = tuple(Gsm8kAbOptions.flags())
 
 
@@ -99,7 +96,7 @@ def _pw(p: float | None) -> str:
 
 def markdown(comp: dict) -> str:
     lines = ["# gsm8k-ab: fusions off (A) vs on (B), the same items", "",
-             f"**{comp['verdict']}** - {comp['headline']}", "",
+             f"**{comp['verdict']}** - {comp.get('invalid') or comp['headline']}", "",
              "| filter | n | acc A | acc B | B - A | 95% lower bound | right only in B | "
              f"right only in A | McNemar exact p | power (here / 1319) | false pass at "
              f"-{DROP * 100:g} point |",
@@ -122,49 +119,53 @@ def markdown(comp: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run(args: argparse.Namespace) -> int:
-    from k3rocm.checks.ab import arms as armlib
+class Gsm8kAb:
+    """gsm8k-ab's plan and run state (the A/B driver's measure protocol): each arm the whole
+    `k3rocm gsm8k` gate in ``<run>/NN-<arm>/``, beside its server log."""
 
-    opts = Gsm8kAbOptions.from_args(args)
-    arms = armlib.arms_from_args(args, single=("gsm8k-ab", "greedy decoding repeats itself"))
-    dep = armlib.arm_deployment(arms)  # what the arm servers serve
-    s = Gsm8kSettings(url=arms.url, model=dep.served_model_name, mode=opts.gsm8k_mode,
-                      max_gen_tokens=opts.max_gen_tokens, limit=opts.limit, allow_limit=True,
-                      client_image=args.client_image)
-    if args.dry_run:
-        for i, arm in enumerate(arms.slots()):
-            print(armlib.slot_line(arms, i, arm))
-            print(shlex.join(cli.lm_eval_argv(s)))
-        return 0
-    src = data.resolve(opts.data_dir, opts.hf_home, Path(arms.cache_dir))
-    run = armlib.start(arms, Path(args.results), args.label or "gsm8k-ab",
-                       client_image=s.client_image, dep=dep)
-    _log(f"run directory {run.dir}")
-    arm_runs: dict[str, dict[str, Any]] = {}
+    def __init__(self, args: argparse.Namespace, arms, dep) -> None:
+        self.opts = opts = Gsm8kAbOptions.from_args(args)
+        self.arms, self.label = arms, args.label or "gsm8k-ab"
+        self.s = Gsm8kSettings(url=arms.url, model=dep.served_model_name, mode=opts.gsm8k_mode,
+                               max_gen_tokens=opts.max_gen_tokens, limit=opts.limit,
+                               allow_limit=True, client_image=args.client_image)
+        self.client_image = self.s.client_image
+        self.src = None if args.dry_run else \
+            data.resolve(opts.data_dir, opts.hf_home, Path(arms.cache_dir))
+        self.arm_runs: dict[str, dict[str, Any]] = {}
 
-    def measure(i: int, arm: str, srv, info: dict) -> None:
-        slot_dir = run.dir / f"{i:02d}-{arm}"
-        code = cli.execute(run.client, s, src, info["deployment"], slot_dir,
+    def slot_lines(self, _slot: int, _arm: str) -> list[str]:
+        return [shlex.join(cli.lm_eval_argv(self.s))]
+
+    def log_name(self, i: int, arm: str) -> str:
+        return f"{i:02d}-{arm}/server.log"
+
+    def measure(self, i: int, arm: str, srv, info: dict) -> None:
+        run, slot_dir = self.run, self.run.dir / f"{i:02d}-{arm}"
+        code = cli.execute(run.client, self.s, self.src, info["deployment"], slot_dir,
                            srv.container(run.client).name)
         run_dir = next(p for p in slot_dir.iterdir() if p.is_dir() and p.name.endswith("gsm8k"))
         summary = results.read_summary(run_dir)
-        arm_runs.setdefault(arm, {"run_dir": str(run_dir), "exit_code": code,
-                                  "message": summary.get("message")})
+        self.arm_runs.setdefault(arm, {"run_dir": str(run_dir), "exit_code": code,
+                                       "message": summary.get("message")})
         if code not in (0, 1):  # 1 = below the absolute gate: still a complete run
             raise UsageError(f"gsm8k-ab: arm {arm} did not finish ({summary.get('message')})",
                              code)
 
-    slots = run.each_slot(lambda i, arm: run.dir / f"{i:02d}-{arm}" / "server.log", measure)
-    samples = {arm: results.load_run(Path(d["run_dir"]))[1] for arm, d in arm_runs.items()}
-    comp = compare(samples["A"], samples["B"], opts.margin)
-    problems, refused = armlib.fusion_check(slots, arms.arm_env)
-    comp.update(arms=arm_runs, arm_env=arms.arm_env, slots=arms.slots(), slot_records=slots,
-                fusion_problems=problems)
-    if refused:  # arm B ran without the fusion (or A with it): the pairing says nothing
-        comp.update(verdict="INVALID", headline="an arm's fusions are not what it asked (the "
-                    "overlay's decision records): " + " | ".join(refused))
-    write_json_atomic(run.dir / "comparison.json", comp)
-    write_text_atomic(run.dir / "comparison.md", markdown(comp))
-    print(f"gsm8k-ab: {comp['headline']}; report {run.dir / 'comparison.md'}")
-    ok = comp["filters"]["strict-match"]["non_inferior"] and not refused
-    return EXIT_OK if ok else EXIT_CHECK_FAILED
+    def compare(self, slots: list[dict]) -> dict[str, Any]:
+        samples = {arm: results.load_run(Path(d["run_dir"]))[1]
+                   for arm, d in self.arm_runs.items()}
+        comp = compare(samples["A"], samples["B"], self.opts.margin)
+        comp.update(arms=self.arm_runs, arm_env=self.arms.arm_env, slots=self.arms.slots(),
+                    slot_records=slots)
+        return comp
+
+    markdown = staticmethod(markdown)
+
+    def verdict(self, comp: dict, run_dir: Path) -> int:
+        print(f"gsm8k-ab: {comp['headline']}; report {run_dir / 'comparison.md'}")
+        ok = comp["filters"]["strict-match"]["non_inferior"] and not comp.get("invalid")
+        return EXIT_OK if ok else EXIT_CHECK_FAILED
+
+
+plan = Gsm8kAb
