@@ -25,7 +25,7 @@ from k3rocm.deploy.provenance import NO_RECORD, read_text, served_as
 from k3rocm.errors import EXIT_CHECK_FAILED as EXIT_FAILED
 from k3rocm.errors import EXIT_INCOMPLETE, EXIT_INTERRUPTED, EXIT_OK, UsageError, tagged_log
 from k3rocm.options import Options, option
-from k3rocm.rundir import utc_stamp, write_json_atomic, write_text_atomic
+from k3rocm.rundir import table, utc_stamp, write_json_atomic, write_text_atomic
 from k3rocm.serving.fusions import switches
 
 _log = tagged_log("bench-ab")
@@ -706,7 +706,7 @@ def comparison_markdown(comp: dict) -> str:
         lines += [x for f in comp.get("noise_floor_flags") or [] for x in (f"**{f}**", "")]
         lines += [f"- {c}" for c in checks] + ([""] if checks else [])
     if comp.get("calibration"):
-        lines += ["## Calibration: injected vs detected", "", *summary.table(
+        lines += ["## Calibration: injected vs detected", "", *table(
             ["c", "injected ms/step (nominal)", "applied ms/step (B - A)", "applied A / B ms/step",
              "A ITL p50 ms", "B ITL p50 ms", "rest of step A / B ms", "detected ms",
              "detected/applied", "nominal d", "expected d (applied)", "detected d [95% CI]",
@@ -724,7 +724,7 @@ def comparison_markdown(comp: dict) -> str:
         lines += ["", "B's ITL should be A's plus the sleep B's server really applied more per "
                   "step (recorded by the step-delay double); the calibration passes when the 95% "
                   "CI covers that expected effect. Rest of step = ITL p50 - applied sleep.", ""]
-    lines += ["## Runs", "", *summary.table(
+    lines += ["## Runs", "", *table(
         ["slot", "arm", "run", "status", "server ready s", "run s"], "rlrlrr",
         ([r["slot"], r["arm"], r.get("run", 0), r["status"], r.get("server_ready_s", "n/a"),
           r.get("seconds", "n/a")] for r in comp["runs"]))]
@@ -736,7 +736,7 @@ def comparison_markdown(comp: dict) -> str:
         lines += ["", f"Fusions: {f}."]
     if comp.get("inputs"):
         lines += ["", "## Inputs per run (aiperf's OSL check, the server's scraped counters)", "",
-                  *summary.table(["slot", "arm", "c", "OSL mismatches", "prefix-cache hit rate",
+                  *table(["slot", "arm", "c", "OSL mismatches", "prefix-cache hit rate",
                                   "MTP acceptance", "input flags"], "rlrrrrl",
                                  ([i["slot"], i["arm"], i["concurrency"],
                                    _num(i["osl_mismatch_count"]),
@@ -749,7 +749,7 @@ def comparison_markdown(comp: dict) -> str:
               f"c={prim.get('concurrency')}, two-sided t test at 5%. Other rows: "
               f"{comp.get('multiplicity')}.", "",
               f"- before the run: {comp.get('design_before') or 'n/a'}",
-              f"- after the run: {comp.get('design_after') or 'n/a'}", "", *summary.table(
+              f"- after the run: {comp.get('design_after') or 'n/a'}", "", *table(
                   ["c", "metric", "A servers", "B servers", "d = (B-A)/A",
                    "CI of the verdict (level)", "p", "MDE 80%", "servers/arm for 1%", "verdict"],
                   "rlllrlrrrl", map(_row_cells, comp["rows"]))]

@@ -21,7 +21,7 @@ from k3rocm.checks.census.cli import (
     profiling_from,
     results_root,
 )
-from k3rocm.checks.census.expect import Check, columns, render_table
+from k3rocm.checks.census.expect import Check, render_table
 from k3rocm.checks.census.fusions import from_env
 from k3rocm.checks.census.pipeline import (
     Profiling,
@@ -35,7 +35,7 @@ from k3rocm.checks.census.pipeline import (
 from k3rocm.deploy import runrecord
 from k3rocm.errors import EXIT_INCOMPLETE, UsageError
 from k3rocm.options import Options, option
-from k3rocm.rundir import create_run_dir
+from k3rocm.rundir import columns, create_run_dir
 from k3rocm.serving.config import redact_env
 from k3rocm.serving.fusions import BY_NAME, FUSIONS, Fusion
 
