@@ -5,11 +5,13 @@ command takes its K3_* values from it (shell > .env > profile > default).
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import pytest
 from conftest import run_cli
 
+from k3rocm.cli import main
 from k3rocm.deploy import deployment, lifecycle
 
 CPU_FILE = "compose.cpu.yaml"
@@ -43,7 +45,8 @@ def _files(argv: list[str]) -> set[str]:
 def test_server_and_deployment_make_the_same_decision(clean, monkeypatch, gpu_node):
     """`k3rocm server up` and every client run the same compose files."""
     _kfd(monkeypatch, clean, gpu_node)
-    srv, dep = lifecycle.deployment_server(env_file=None)
+    dep = deployment.load_deployment(env_file=None)
+    srv = lifecycle.compose_server(dep)
     assert _files(srv.argv("ps")) == set(dep.compose_files)
     assert srv.cpu == (CPU_FILE in dep.compose_files) == dep.cpu == (not gpu_node)
     if not gpu_node:  # compose.cpu.yaml's defaults, as compose applies them
@@ -92,7 +95,7 @@ def test_ab_arms_follow_make_like_make_up(clean, monkeypatch, compose_file):
     from k3rocm.checks.ab.arms import arms_from_args
 
     monkeypatch.setenv("COMPOSE_FILE", compose_file)
-    srv, _ = lifecycle.deployment_server(env_file=None)
+    srv = lifecycle.compose_server(deployment.load_deployment(env_file=None))
     arms = arms_from_args(_ab_args("--dry-run"))
     assert arms.cpu == srv.cpu == (CPU_FILE in compose_file)
 
@@ -140,11 +143,23 @@ def test_selftest_on_the_standin_keeps_a_fusion_switch_the_user_set(clean, monke
     else:
         (clean / ".env").write_text("K3_FUSE_QK_NORM=1\n")
     args = argparse.Namespace(timeout=10, bench_args="", census_args="", env_file=".env",
-                              model="/models/x", port=None, project="k3selftest-t", on="all")
+                              model="/models/x", port=None, project="k3selftest-t", on="all",
+                              deployment=deployment.load_deployment())
     dep, srv, _ = selftest._plan(args, check_model=False)
     assert _files(srv.argv("ps")) == set(dep.compose_files) and srv.cpu == dep.cpu
     assert srv.cpu and srv.env["K3_FUSE_QK_NORM"] == "1"
     assert srv.env["K3_FUSE_DECODE_QPREP"] == "0"
+
+
+def test_the_deployment_is_loaded_once_per_command(clean, monkeypatch, capsys):
+    """k3rocm.cli loads the deployment (shell, .env) once and passes it down: the selftest
+    server's settings are it re-rendered (with_env), not a second load."""
+    real, reads = deployment.read_dotenv, []
+    monkeypatch.setattr(deployment, "read_dotenv", lambda p: reads.append(p) or real(p))
+    (clean / ".env").write_text("K3_PORT=8123\n")
+    assert main(["selftest", "run", "--model", "/models/x", "--print-deployment"]) == 0
+    view = json.loads(capsys.readouterr().out)
+    assert reads == [".env"] and view["url"].endswith(":8124") and view["model"] == "/models/x"
 
 
 def test_gsm8k_looks_in_the_deployments_cache_dir(clean, monkeypatch):
@@ -164,8 +179,6 @@ def test_gsm8k_looks_in_the_deployments_cache_dir(clean, monkeypatch):
 
 
 def test_smoke_writes_into_the_deployments_results_root(clean, monkeypatch):
-    from k3rocm.dev import smoke
-
     seen = {}
 
     class Stop(Exception):
@@ -180,10 +193,8 @@ def test_smoke_writes_into_the_deployments_results_root(clean, monkeypatch):
 
     monkeypatch.setattr(lifecycle, "ComposeServer", Fake)
     (clean / ".env").write_text(f"K3_RESULTS_DIR={clean / 'res'}\n")
-    p = argparse.ArgumentParser()
-    smoke.add_arguments(p)
     with pytest.raises(Stop):
-        smoke.run(p.parse_args([]))
+        main(["smoke"])
     assert seen["env"]["K3_RESULTS_DIR"] == str(clean / "res") and seen["cpu"] is True
 
 
@@ -206,6 +217,7 @@ def test_demo_names_the_image_make_up_runs(clean, monkeypatch):
     p = argparse.ArgumentParser()
     demo.add_arguments(p)
     args = p.parse_args(["--results", str(clean / "r"), "--models-dir", str(clean / "m")])
+    args.deployment = deployment.load_deployment(gpu=args.gpu)
     demo._validate(args)
     pipe = steps.Pipeline("demo", demo.STEPS)
     res = pipe.step("up", functools.partial(demo._make_step, pipe, ["true"],

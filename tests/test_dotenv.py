@@ -13,7 +13,7 @@ import pytest
 from conftest import need
 
 from k3rocm.errors import UsageError
-from k3rocm.serving.config import load_settings, read_dotenv
+from k3rocm.serving.config import read_dotenv
 
 TRICKY = {  # key: the line as written in .env
     "A": 'A="/x"  # a comment after a quoted value',
@@ -60,15 +60,6 @@ def test_every_tricky_line_reads_as_compose_reads_it(tmp_path):
     for k, c, o in rows:
         print(f"{TRICKY[k]!r:50} compose={c!r:28} k3rocm={o!r}")
     assert [r for r in rows if r[1] != r[2]] == []
-
-
-def test_a_quoted_model_path_with_a_comment(tmp_path):
-    """`K3_MODEL="/x"  # comment` is /x, as Compose reads it (kept quotes would then be a
-    Hugging Face id error)."""
-    env = tmp_path / ".env"
-    env.write_text('K3_MODEL="/tmp"  # the checkpoint\nK3_TP=\'4\' # four\n')
-    s, src = load_settings({}, env)
-    assert s.model == "/tmp" and s.tp == 4 and src["K3_MODEL"] == ".env"
 
 
 def test_an_unclosed_quote_is_one_line(tmp_path):

@@ -181,10 +181,12 @@ def seed_node(tmp_path, monkeypatch):
 def _args(**kw):
     import argparse
 
+    from k3rocm.deploy.deployment import load_deployment
+
     return argparse.Namespace(**{"timeout": 10, "bench_args": "", "census_args": "",
                                  "env_file": ".env", "model": None, "port": None,
                                  "project": "k3selftest-t", "on": "qk_norm", "workload": None,
-                                 **kw})
+                                 "deployment": load_deployment(), **kw})
 
 
 def test_selftest_serves_the_abs_arms(seed_node):

@@ -52,6 +52,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+# Commands that run without the host's deployment: in the image (serve must start fast), on
+# settings alone (config --list must work with a broken .env), or on nothing. Every other
+# command gets ``args.deployment``, built once in :func:`main` from its --env-file (and --gpu)
+# before any work: bad settings are exit 2 there.
+NO_DEPLOYMENT = frozenset({"render", "serve", "profiles", "manifest", "overlay", "base",
+                           "config", "preflight", "model", "scale", "standin", "tinymodel"})
 PRINT_FLAG = "--print-deployment"
 EPILOG = (f"Every command takes {PRINT_FLAG}: print what it resolved from the K3_* settings "
           "(server URL, model, API key, model dir, tokenizer, results root, image) and exit. "
@@ -73,23 +79,17 @@ def _load(spec: str) -> Any:
 
 
 def deployment_view(args: argparse.Namespace) -> dict:
-    """What ``args``' command resolved: its module's ``deployment_view(args)`` when it has one
-    (``wired``: the command derives its values from the deployment itself), else the shared
-    view of :func:`k3rocm.deploy.deployment.load_deployment`."""
+    """What ``args``' command resolved: ``args.deployment``'s view, with what its module's
+    ``deployment_view(args)`` adds or overrides (its own flags, e.g. --url)."""
     hook = getattr(args._target, "deployment_view", None)
-    if hook is not None:
-        view = hook(args)
-    else:
-        from k3rocm.deploy.deployment import load_deployment
-
-        view = load_deployment(env_file=getattr(args, "env_file", ".env")).to_json()
     sub = getattr(args, "what", None) or getattr(args, "scale_cmd", None)
     from k3rocm.serving.config import redact_env
 
     flags = redact_env({k: "" if v is None else str(v) for k, v in vars(args).items()
-                        if not k.startswith("_")})
-    return {"command": " ".join(filter(None, (args.command, sub))), "wired": hook is not None,
-            **view, "args": flags}
+                        if not k.startswith("_") and k != "deployment"})
+    return {"command": " ".join(filter(None, (args.command, sub))),
+            "wired": args.command not in NO_DEPLOYMENT, **args.deployment.to_json(),
+            **(hook(args) if hook else {}), "args": flags}
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
@@ -122,6 +122,11 @@ def main(argv: list[str] | None = None) -> int:
         if not getattr(args, "_run", None):
             parser.print_help()
             return 0 if not argv else 2
+        if print_dep or args.command not in NO_DEPLOYMENT:
+            from k3rocm.deploy.deployment import load_deployment
+
+            args.deployment = load_deployment(env_file=getattr(args, "env_file", ".env"),
+                                              gpu=getattr(args, "gpu", None))
         if print_dep:
             print(json.dumps(deployment_view(args), sort_keys=True))
             return 0

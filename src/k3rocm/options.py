@@ -163,3 +163,10 @@ class ServerFlags(Options):
                                   "(default K3_RESULTS_DIR, which compose mounts at /results)")
     dry_run: bool = option(False, "print the exact client command line and exit 0; contacts "
                            "nothing")
+
+
+class DeploymentFlags(Options):
+    """Which deployment a host command runs with (:mod:`k3rocm.cli` builds it once from them;
+    ``--gpu``/``--no-gpu`` where a command has them: ``args.gpu``)."""
+
+    env_file: str = option(".env", "settings file: shell > this file > profile > default")

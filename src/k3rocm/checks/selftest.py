@@ -45,6 +45,7 @@ from k3rocm.checks.ab import arms as armlib
 from k3rocm.checks.steps import REPO, Pipeline, StepResult, bench_numbers, census_numbers
 from k3rocm.deploy import selftest_model
 from k3rocm.errors import UsageError
+from k3rocm.options import DeploymentFlags
 
 PROJECT = "k3rocm-selftest"
 PROMPTS = ("The capital of France is", "def fibonacci(n):", "1, 2, 3, 5, 8,",
@@ -82,7 +83,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--census-args", default="", help="more `k3rocm census` arguments")
     armlib.add_on_argument(r)
     r.add_argument("--verbose", action="store_true", help="stream each step's output too")
-    r.add_argument("--env-file", default=".env", help="settings file (default .env)")
+    DeploymentFlags.add_arguments(r)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -91,10 +92,8 @@ def run(args: argparse.Namespace) -> int:
 
 def deployment_view(args: argparse.Namespace) -> dict:
     """``--print-deployment``: for ``run``, the selftest server's deployment."""
-    from k3rocm.deploy.deployment import load_deployment
-
     if args.what != "run":
-        return load_deployment(env_file=args.env_file).to_json()
+        return {}
     dep, srv, switches = _plan(args, check_model=False)
     return {**dep.to_json(), "project": srv.project, "arm_env": switches}
 
@@ -117,12 +116,11 @@ def _plan(args: argparse.Namespace, check_model: bool = True, extra: dict | None
     """(deployment, the fusions-on ComposeServer, the arms' switches); bad input: UsageError.
     ``vendor_file``: this shell's vendor variables, written there for the servers."""
     from k3rocm.deploy.config_cmd import write_vendor_env
-    from k3rocm.deploy.deployment import load_deployment
     from k3rocm.deploy.lifecycle import ComposeServer
 
     if args.timeout <= 0:
         raise UsageError(f"--timeout {args.timeout:g} must be > 0")
-    base = load_deployment(env_file=args.env_file)
+    base = args.deployment
     cpu = base.cpu
     model = args.model or (base.model if cpu else f"/models/{selftest_model.DEFAULT_OUT}")
     if not model.startswith("/models"):
@@ -139,9 +137,7 @@ def _plan(args: argparse.Namespace, check_model: bool = True, extra: dict | None
                          "needs its own")
     switches = arms(args.on, base)
     env = {"K3_MODEL": model, "K3_PORT": str(port), **(extra or {}), **switches["B"]}
-    # the same settings as `make up` (shell > .env > profile > default), these changed
-    dep = load_deployment({**os.environ, **env}, env_file=args.env_file,
-                          check_model=check_model, gpu=not cpu)
+    dep = base.with_env(check_model, **env)  # the settings of `make up`, these changed
     if vendor_file is not None:  # never the shared .k3rocm/vendor.env (an earlier shell's)
         write_vendor_env(vendor_file, dep.rendered)
         if cpu:  # logprobs need torch.compile, and the stand-in has no C++ compiler: eager

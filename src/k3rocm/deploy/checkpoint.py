@@ -24,6 +24,7 @@ from typing import Any
 from k3rocm.deploy.selftest_model import CONFIG, INDEX, read_layout
 from k3rocm.errors import UsageError, tagged_log
 from k3rocm.hashing import sha256_file as _sha256
+from k3rocm.options import DeploymentFlags
 
 REPO_ID = "moonshotai/Kimi-K3"
 # The pinned revision, from public records (several projects pin it: "lastModified 2026-09-02",
@@ -216,7 +217,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--revision", default=REVISION,
                    help=f"40-hex commit to fetch (default, pinned: {REVISION})")
     p.add_argument("--max-workers", type=int, default=8, help="parallel file downloads")
-    p.add_argument("--env-file", default=".env", help="optional KEY=VALUE file (default .env)")
+    DeploymentFlags.add_arguments(p)
 
 
 def target_dir(env_file: str | None = ".env") -> Path:

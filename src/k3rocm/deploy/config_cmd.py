@@ -9,6 +9,7 @@ from pathlib import Path
 
 from k3rocm.deploy.deployment import CPU_PROFILE
 from k3rocm.errors import UsageError
+from k3rocm.options import DeploymentFlags
 from k3rocm.rundir import table
 from k3rocm.serving import profiles
 from k3rocm.serving.config import (
@@ -22,7 +23,7 @@ from k3rocm.serving.settings import ENV_NAME, FIELDS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--env-file", default=".env", help="optional KEY=VALUE file (default .env)")
+    DeploymentFlags.add_arguments(parser)
     parser.add_argument("--list", action="store_true", help="list every K3_* setting and exit")
     parser.add_argument("--markdown", action="store_true",
                         help="print the settings table in markdown (the README's table)")
@@ -42,13 +43,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host-paths", action="store_true",
                         help="check /models/... paths against K3_MODELS_DIR on this host "
                         "(what `make config` does before compose mounts it)")
-
-
-def deployment_view(args: argparse.Namespace) -> dict:
-    """What this command resolved (``--print-deployment``): it renders the same settings."""
-    from k3rocm.deploy.deployment import load_deployment
-
-    return load_deployment(env_file=args.env_file, check_model=args.host_paths).to_json()
 
 
 def write_vendor_env(path: Path, rendered) -> None:

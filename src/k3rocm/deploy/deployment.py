@@ -97,6 +97,7 @@ class Deployment:
     cpu: bool  # the CPU stand-in (compose.cpu.yaml), else the AMD GPUs
     cpu_from: str  # which rule of decide_cpu decided
     env_file: str | None = None
+    environ: Mapping[str, str] | None = None  # what it was rendered from (with .env): with_env
 
     @property
     def profile(self) -> str:
@@ -136,10 +137,17 @@ class Deployment:
     def to_json(self) -> dict[str, Any]:
         """The resolved view, secrets redacted (what ``--print-deployment`` prints)."""
         out = {k: str(v) if isinstance(v, Path) else v for k, v in vars(self).items()
-               if k not in ("settings", "rendered", "sources")}
+               if k not in ("settings", "rendered", "sources", "environ")}
         return {**out, "compose_files": list(self.compose_files), "profile": self.profile,
                 "api_key": redact_env({"K3_API_KEY": self.api_key or ""})["K3_API_KEY"] or None,
                 "sources": {k: self.sources.get(k, "default") for k in VIEW_SETTINGS}}
+
+    def with_env(self, check_model: bool = False, **overrides: str) -> Deployment:
+        """This deployment re-rendered with ``overrides`` on top of its environment and .env
+        (a selftest or demo server's), the CPU/GPU decision kept."""
+        cpu_profile = self.sources.get("K3_PROFILE") == f"compose:{COMPOSE_CPU}"
+        return _derive({**(self.environ or {}), **overrides}, self.env_file, check_model,
+                       self.cpu, self.cpu_from, cpu_profile and "K3_PROFILE" not in overrides)
 
 
 def load_deployment(environ: Mapping[str, str] | None = None, env_file: str | None = ".env",
@@ -151,15 +159,18 @@ def load_deployment(environ: Mapping[str, str] | None = None, env_file: str | No
     dotenv_vals = read_dotenv(env_file) if env_file else {}
     profile = environ.get("K3_PROFILE") or dotenv_vals.get("K3_PROFILE") or None
     cpu, cpu_from = decide_cpu(environ, profile, gpu)
+    return _derive(environ, env_file, check_model, cpu, cpu_from, cpu and not profile)
+
+
+def _derive(environ: Mapping[str, str], env_file: str | None, check_model: bool, cpu: bool,
+            cpu_from: str, cpu_profile: bool) -> Deployment:
     # compose.cpu.yaml sets K3_PROFILE=cpu-smoke in the server unless it is set: so do we.
-    if cpu and not profile:
-        environ["K3_PROFILE"] = CPU_PROFILE
-    rendered = render(environ, env_file, host_paths=True, check_model=check_model)
+    rendered = render({**environ, **({"K3_PROFILE": CPU_PROFILE} if cpu_profile else {})},
+                      env_file, host_paths=True, check_model=check_model)
     s = rendered.settings
     sources = dict(rendered.sources)
-    if cpu and not profile:
+    if cpu_profile:
         sources["K3_PROFILE"] = f"compose:{COMPOSE_CPU}"
-
     models_dir = _abs(s.models_dir)
     model_container_dir = host_dir = None
     rel = _under(s.model, MODELS_MOUNT)
@@ -176,4 +187,5 @@ def load_deployment(environ: Mapping[str, str] | None = None, env_file: str | No
         served_model_name=s.served_model_name, api_key=s.api_key or None, model=s.model,
         models_dir=models_dir, model_container_dir=model_container_dir, model_host_dir=host_dir,
         tokenizer=host_dir, results_root=_abs(s.results_dir), cache_dir=_abs(s.cache_dir),
-        image=image, cpu=cpu, cpu_from=cpu_from, env_file=str(env_file) if env_file else None)
+        image=image, cpu=cpu, cpu_from=cpu_from, env_file=str(env_file) if env_file else None,
+        environ=environ)

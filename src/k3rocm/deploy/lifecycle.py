@@ -27,7 +27,7 @@ from typing import Any
 from k3rocm.deploy.deployment import KFD, compose_files, load_deployment
 from k3rocm.deploy.engine import docker_client
 from k3rocm.errors import UsageError, tagged_log
-from k3rocm.options import Options, option
+from k3rocm.options import DeploymentFlags, Options, like, option
 
 REPO = Path(__file__).resolve().parents[3]
 DEFAULT_PROJECT = "k3rocm"
@@ -41,7 +41,7 @@ _log = tagged_log("server")
 
 def resolve_settings(env_file: str | os.PathLike | None = ".env",
                      environ: Mapping[str, str] | None = None, gpu: bool | None = None):
-    """The deployment (shell > .env > profile > default): the one settings read here."""
+    """The A/B arms' own deployment reads (until they take the command's ``args.deployment``)."""
     return load_deployment(environ, env_file=str(env_file) if env_file else None, gpu=gpu)
 
 
@@ -345,14 +345,19 @@ def pin_engine_core(container) -> str:
     return out.strip()
 
 
+def compose_server(dep, project: str | None = None) -> ComposeServer:
+    """``make up``'s server of deployment ``dep``."""
+    return ComposeServer(project=project or os.environ.get("COMPOSE_PROJECT_NAME")
+                         or DEFAULT_PROJECT, cpu=dep.cpu,
+                         url=dep.url, model=dep.served_model_name, api_key=dep.api_key)
+
+
 def deployment_server(env_file: str | os.PathLike | None = ".env",
                       project: str | None = None, gpu: bool | None = None
                       ) -> tuple[ComposeServer, Any]:
+    """The A/B arms' (until they take the command's ``args.deployment``)."""
     dep = resolve_settings(env_file, gpu=gpu)
-    srv = ComposeServer(project=project or os.environ.get("COMPOSE_PROJECT_NAME")
-                        or DEFAULT_PROJECT, cpu=dep.cpu,
-                        url=dep.url, model=dep.served_model_name, api_key=dep.api_key)
-    return srv, dep
+    return compose_server(dep, project), dep
 
 
 def default_timeout(dep) -> float:
@@ -362,7 +367,7 @@ def default_timeout(dep) -> float:
 
 
 class ServerOptions(Options):  # every subcommand: --env-file, --project and its own
-    env_file: str = option(".env", "settings file")
+    env_file: str = like(DeploymentFlags, "env_file")
     project: str | None = option(
         None, f"compose project (default $COMPOSE_PROJECT_NAME or {DEFAULT_PROJECT})")
     timeout: float | None = option(None, "seconds (default: the engine's "
@@ -392,8 +397,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def deployment_view(args: argparse.Namespace) -> dict:
-    srv, dep = deployment_server(args.env_file, args.project)
-    return {**dep.to_json(), "url": srv.url, "project": srv.project}
+    return {"project": compose_server(args.deployment, args.project).project}
 
 
 def log_run_dir(srv: ComposeServer, dep, label: str = "server-log") -> Path:
@@ -410,8 +414,8 @@ def run(args: argparse.Namespace) -> int:
     if not getattr(args, "what", None):
         raise UsageError("server needs a subcommand: up, wait, logs, save-log, provenance or "
                          "down (see k3rocm server --help)")
-    o = ServerOptions.from_args(args)
-    srv, dep = deployment_server(o.env_file, o.project)
+    o, dep = ServerOptions.from_args(args), args.deployment
+    srv = compose_server(dep, o.project)
     if args.what in ("up", "wait"):
         if args.what == "up":
             srv.up(build=o.build, log_path=lambda: log_run_dir(srv, dep))

@@ -24,6 +24,7 @@ from pathlib import Path
 from k3rocm.deploy.engine import CLIENT_IMAGE, docker_client, local_image
 from k3rocm.deploy.lifecycle import REPO
 from k3rocm.errors import UsageError
+from k3rocm.options import DeploymentFlags
 from k3rocm.rundir import columns
 from k3rocm.serving.basefacts import DEFAULT_BASE_IMAGE
 from k3rocm.serving.manifest import UNKNOWN_DIGEST, base_digest
@@ -435,7 +436,7 @@ def format_table(checks: list[Check]) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--env-file", default=".env", help="optional KEY=VALUE file")
+    DeploymentFlags.add_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print the checks as JSON")
 
 

@@ -29,6 +29,7 @@ from typing import Any
 from k3rocm import __version__
 from k3rocm.errors import UsageError, tagged_log
 from k3rocm.hashing import sha256_file as _sha256
+from k3rocm.options import DeploymentFlags
 
 INDEX = "model.safetensors.index.json"
 CONFIG = "config.json"
@@ -515,8 +516,7 @@ def add_arguments(m: argparse.ArgumentParser) -> None:
     m.add_argument("--seed", type=int, default=0, help="seed of the random values (default 0)")
     m.add_argument("--shard-gb", type=float, default=5.0,
                    help="largest output shard in GB (default 5)")
-    m.add_argument("--env-file", default=".env",
-                   help="settings file for the defaults (default .env)")
+    DeploymentFlags.add_arguments(m)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -524,9 +524,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--shard-gb must be > 0")
     src, out = args.source, args.out
     if src is None or out is None:
-        from k3rocm.deploy.deployment import load_deployment
-
-        dep = load_deployment(env_file=args.env_file)
+        dep = args.deployment
         if src is None and dep.model_host_dir is None:
             raise UsageError(f"K3_MODEL={dep.model} is not a directory on this host: name the "
                              "checkpoint directory (k3rocm selftest model SRC OUT)")

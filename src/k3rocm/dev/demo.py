@@ -28,7 +28,7 @@ from pathlib import Path
 
 from k3rocm.checks import steps
 from k3rocm.checks.steps import StepResult
-from k3rocm.deploy.deployment import CPU_PROFILE, load_deployment
+from k3rocm.deploy.deployment import CPU_PROFILE
 from k3rocm.deploy.preflight import port_free
 from k3rocm.dev.standin import STANDIN_BASE
 from k3rocm.dev.tinymodel import DEFAULT_NAME as SMOKE_MODEL
@@ -47,6 +47,7 @@ STEPS = ("check", "model", "up", "bench", "gsm8k", "census", "down")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = __doc__.split("\n", 1)[1]
+    parser.set_defaults(gpu=False)  # the deployment k3rocm.cli builds: the CPU stand-in
     parser.add_argument("--results", type=Path, default=None,
                         help="results root (default: the deployment's K3_RESULTS_DIR, shell > "
                         ".env, or ./results)")
@@ -123,7 +124,7 @@ def _env(args: argparse.Namespace, trace_dir: str) -> dict[str, str]:
 
 
 def _validate(args: argparse.Namespace) -> None:
-    dep = load_deployment({**os.environ, "K3_PROFILE": CPU_PROFILE}, gpu=False)
+    dep = args.deployment.with_env(K3_PROFILE=CPU_PROFILE)  # the CPU stand-in's (gpu False)
     args.port = dep.port if args.port is None else args.port
     args.results = (args.results or dep.results_root).resolve()
     args.models_dir = (args.models_dir or dep.models_dir).resolve()

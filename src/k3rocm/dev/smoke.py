@@ -74,7 +74,6 @@ def stream_chat(base_url: str, model: str, prompt: str, max_tokens: int,
 
 
 def run(args: argparse.Namespace) -> int:
-    from k3rocm.deploy.deployment import load_deployment
     from k3rocm.deploy.lifecycle import ComposeServer
     from k3rocm.rundir import create_run_dir
 
@@ -85,15 +84,14 @@ def run(args: argparse.Namespace) -> int:
     if args.timeout <= 0:
         raise UsageError(f"--timeout {args.timeout:g} must be > 0")
     image = f"k3rocm/server:smoke-{args.base_image.replace('/', '_').replace(':', '_')}"[:128]
-    dep = load_deployment(gpu=bool(args.gpu))
-    results = Path(args.results) if args.results else dep.results_root
+    results = Path(args.results) if args.results else args.deployment.results_root
     env = {"BASE_IMAGE": args.base_image, "K3_IMAGE": image, "K3_PORT": str(args.port),
            "K3_MODELS_DIR": str(args.models_dir.resolve()),
            "K3_CACHE_DIR": str((REPO / "cache").resolve()),
            "K3_RESULTS_DIR": str(results.resolve()),
            "K3_PROFILE": args.profile or CPU_PROFILE,
            "K3_MODEL": f"/models/{SMOKE_MODEL}", "K3_SERVED_MODEL_NAME": SMOKE_MODEL}
-    srv = ComposeServer(project=args.project, cpu=dep.cpu, env=env, inherit_env=False,
+    srv = ComposeServer(project=args.project, cpu=args.deployment.cpu, env=env, inherit_env=False,
                         url=f"http://127.0.0.1:{args.port}", model=SMOKE_MODEL)
     t0 = time.time()
     print(f"smoke: building {image} FROM {args.base_image}", file=sys.stderr, flush=True)

@@ -31,7 +31,6 @@ from k3rocm.checks.bench.workloads import (
     resolve,
     shell_line,
 )
-from k3rocm.deploy.deployment import load_deployment
 from k3rocm.deploy.engine import CLIENT_IMAGE
 from k3rocm.errors import UsageError
 from k3rocm.options import Options, ServerFlags, like, option
@@ -87,10 +86,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     BenchRun.add_arguments(parser)
 
 
-def resolve_from_args(args: argparse.Namespace, dep=None):
-    """(workload, deployment) from the flags (``dep``: an A/B arm's deployment, else this
-    command's); fills ``args.results`` (default: the deployment's results root)."""
-    dep = dep or load_deployment()
+def resolve_from_args(args: argparse.Namespace, dep):
+    """(workload, ``dep``) from the flags and deployment ``dep`` (this command's or an A/B
+    arm's); fills ``args.results`` (default: the deployment's results root)."""
     sets = parse_sets(args.sets)
     sets.update({k: getattr(args, k) for k in ("url", "model", "tokenizer")
                  if getattr(args, k, None)})
@@ -102,8 +100,8 @@ def resolve_from_args(args: argparse.Namespace, dep=None):
 
 def deployment_view(args: argparse.Namespace) -> dict:
     """What this command resolved (``--print-deployment``)."""
-    w, dep = resolve_from_args(args)
-    return {**dep.to_json(), "url": w.url, "served_model_name": w.model,
+    w, _ = resolve_from_args(args, args.deployment)
+    return {"url": w.url, "served_model_name": w.model,
             "api_key": None if w.api_key == "EMPTY" else REDACTED,
             "tokenizer": str(Path(w.tokenizer).expanduser().absolute()) if w.tokenizer else None,
             "results_root": str(Path(args.results).absolute())}
@@ -115,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
         for name, table in workloads.items():
             print(f"{name:14s} {({**defaults, **table}).get('description', '')}")
         return 0
-    w, dep = resolve_from_args(args)
+    w, dep = resolve_from_args(args, args.deployment)
     if args.dry_run:  # the exact command a run would execute; nothing is created or contacted
         print(shell_line(bench_run.planned_command(
             w, args.results.resolve() / f"{utc_stamp()}-{w.name}")))

@@ -50,19 +50,12 @@ class AnalysisFlags(Options):
                                 "or ./results)")
 
 
-def _deployment(dep):
-    """``dep``, else the deployment (census-ab's offline comparison has none: loaded only when
-    a flag is missing)."""
-    from k3rocm.deploy.deployment import load_deployment
-
-    return dep or load_deployment()
-
-
 def model_dir_from(args: argparse.Namespace, dep=None) -> str:
-    """--model-dir, else the deployment's checkpoint on this host."""
+    """--model-dir, else the checkpoint on this host of ``dep`` (an A/B arm's) or the
+    command's deployment."""
     if args.model_dir:
         return args.model_dir
-    dep = _deployment(dep)
+    dep = dep or args.deployment
     if dep.model_host_dir is not None and dep.model_host_dir.exists():
         return str(dep.model_host_dir)
     raise UsageError("no model config: pass --model-dir <checkpoint dir with config.json> "
@@ -70,7 +63,7 @@ def model_dir_from(args: argparse.Namespace, dep=None) -> str:
 
 
 def results_root(args: argparse.Namespace, dep=None) -> str:
-    return args.results or str(_deployment(dep).results_root)
+    return args.results or str((dep or args.deployment).results_root)
 
 
 def analysis_from(args: argparse.Namespace, dep=None) -> pl.Analysis:
@@ -162,32 +155,22 @@ def finish(census: Census, run_dir: Path) -> int:
     return census.exit_code
 
 
-def _deployment_args(args: argparse.Namespace):
-    """The deployment; --url defaults to its URL."""
-    from k3rocm.deploy.deployment import load_deployment
-
-    dep = load_deployment()
-    if getattr(args, "url", None) is None:
-        args.url = dep.url
-    return dep
-
-
 def deployment_view(args: argparse.Namespace) -> dict:
     """What this command resolved (``--print-deployment``)."""
-    dep = _deployment_args(args)
     try:
-        model_dir: str | None = str(Path(model_dir_from(args, dep)).absolute())
+        model_dir: str | None = str(Path(model_dir_from(args)).absolute())
     except UsageError:
         model_dir = None
-    return {**dep.to_json(), "url": args.url.rstrip("/"),
-            "served_model_name": args.model or dep.served_model_name,
-            "results_root": str(Path(results_root(args, dep)).absolute()),
+    return {"url": (args.url or args.deployment.url).rstrip("/"),
+            "served_model_name": args.model or args.deployment.served_model_name,
+            "results_root": str(Path(results_root(args)).absolute()),
             "model_host_dir": model_dir}
 
 
 def run(args: argparse.Namespace) -> int:
     CensusFlags.from_args(args)  # out of range: exit 2
-    dep = _deployment_args(args)
+    dep = args.deployment
+    args.url = args.url or dep.url
     opts = analysis_from(args, dep)
     if args.trace_dir:
         tdir = Path(args.trace_dir)

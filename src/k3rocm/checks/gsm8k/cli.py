@@ -153,9 +153,7 @@ def lm_eval_argv(s: Gsm8kSettings) -> list[str]:
 def _resolve(args: argparse.Namespace):
     """The deployment (a client: its checkpoint is not checked) and the settings from the flags
     and it; fills ``args.results_dir``."""
-    from k3rocm.deploy.deployment import load_deployment
-
-    dep = load_deployment()
+    dep = args.deployment
     args.results_dir = args.results_dir or str(dep.results_root)
     return dep, Gsm8kSettings.from_args(args, url=args.url or dep.url,
                                         model=args.model or dep.served_model_name)
@@ -164,7 +162,7 @@ def _resolve(args: argparse.Namespace):
 def deployment_view(args: argparse.Namespace) -> dict:
     """What this command resolved (``--print-deployment``)."""
     dep, s = _resolve(args)
-    return {**dep.to_json(), "url": s.url, "served_model_name": s.model,
+    return {"url": s.url, "served_model_name": s.model,
             "api_key": REDACTED if dep.api_key else None,
             "results_root": str(Path(args.results_dir).absolute())}
 
@@ -330,9 +328,7 @@ def _first_error(log: Path) -> str:
 def _fetch_data(args: argparse.Namespace) -> int:
     """``make gsm8k-data``: openai/gsm8k into the HF hub cache, once, with the client image's
     huggingface_hub (the parquet snapshot :func:`data.resolve` then finds offline)."""
-    from k3rocm.deploy.deployment import load_deployment
-
-    home = Path(args.hf_home or data.hf_home_candidates(None, load_deployment().cache_dir)[0]
+    home = Path(args.hf_home or data.hf_home_candidates(None, args.deployment.cache_dir)[0]
                 ).expanduser().resolve()
     with contextlib.suppress(data.NoDataError):
         src = data.resolve(None, str(home))

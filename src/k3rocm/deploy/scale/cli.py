@@ -12,14 +12,14 @@ from pathlib import Path
 
 from k3rocm.deploy.scale.router import STOP_TIMEOUT_S as ROUTER_STOP_TIMEOUT_S
 from k3rocm.errors import EXIT_SERVER, ServerError, UsageError
-from k3rocm.options import Options, option
+from k3rocm.options import DeploymentFlags, Options, like, option
 from k3rocm.rundir import write_text_atomic
 
 
 class ScaleFlags(Options):
     """Every flag of ``k3rocm scale``, declared once; a subcommand takes those its row names."""
 
-    env_file: str = option(".env", "optional KEY=VALUE file")
+    env_file: str = like(DeploymentFlags, "env_file")
     out: Path | None = option(None, "render: directory for nodeN.yaml compose overrides; "
                               "render-k8s: write the manifests (multi-document YAML) here")
     listen: str = option("0.0.0.0:8443", "address:port for clients (default %(default)s)")
@@ -156,7 +156,7 @@ def _status(args, s, settings) -> int:
     from k3rocm.deploy.scale.k8scheck import cluster_nodes
     from k3rocm.deploy.scale.status import format_status, scale_status, status_json
 
-    replicas, router = scale_status(s, docker_client(required=False))
+    replicas, router = scale_status(s, docker_client(required=False), settings.api_key or "")
     nodes = cluster_nodes(s, args.env_file)
     lines = format_status(replicas, router)  # the router's summary stays the last line
     lines.insert(-1, f"k8s nodes {nodes[0]}: {nodes[1]}")
@@ -170,11 +170,10 @@ def _status(args, s, settings) -> int:
             "max_tokens", json=True, single="K3_SCALE_MODE=replicas is needed: the overhead "
             "compares the router with direct requests to its nodes")
 def _overhead(args, s, settings) -> int:
-    from k3rocm.deploy.deployment import load_deployment
     from k3rocm.deploy.scale.overhead import format_figures, measure
     from k3rocm.deploy.server_api import ServerAPI, Unreachable
 
-    key = load_deployment().api_key
+    key = settings.api_key
     try:
         served = ServerAPI(s.worker_urls[0], key).models()
     except Unreachable as exc:
