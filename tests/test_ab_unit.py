@@ -3,13 +3,15 @@ the compose rendering of an arm server."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 from pathlib import Path
 
 import pytest
 from conftest import REPO, run_cli
+
+from k3rocm.cli import parse
+from k3rocm.deploy.deployment import load_deployment
 
 
 def test_bench_ab_census_ab_and_ab_share_one_flag_set(k3):
@@ -120,13 +122,11 @@ def test_arm_server_is_compose_yaml_with_the_arm_env(tmp_path, monkeypatch):
     from k3rocm.deploy.lifecycle import ComposeServer
 
     monkeypatch.setenv(*next(iter(STEP_DOUBLE.items())))  # the caller's environment
-    ns = argparse.Namespace(repeats=1, port=18555, server_timeout=60, gpu=False,
-                            server_env=["K3_PROFILE=cpu-smoke", "VLLM_RPC_TIMEOUT=99"],
-                            calibrate_delay_ms=7.0, aa=False, aa_fusions="on",
-                            image="k3rocm/server:cpu-0.32.0", models_dir=str(tmp_path),
-                            cache_dir=None, dry_run=False, pin_engine_core=False,
-                            stop_running=False, on="all")
-    arms = arms_from_args(ns)
+    arms = arms_from_args(parse([
+        "bench-ab", "--repeats", "1", "--port", "18555", "--server-timeout", "60", "--no-gpu",
+        "--server-env", "K3_PROFILE=cpu-smoke", "--server-env", "VLLM_RPC_TIMEOUT=99",
+        "--calibrate-delay-ms", "7", "--image", "k3rocm/server:cpu-0.32.0",
+        "--models-dir", str(tmp_path)]))
     srv = ComposeServer(project="k3ab-test-01b", cpu=True, env=arms.compose_env("B"),
                         container_env={**arms.server_env, **arms.arm_container_env["B"]},
                         env_dir=tmp_path)
@@ -357,8 +357,9 @@ def test_the_arm_image_is_the_deployments(tmp_path, monkeypatch, cpu, dotenv, im
     monkeypatch.delenv("COMPOSE_FILE", raising=False)
     env_file = tmp_path / ".env"
     env_file.write_text(dotenv)
+    dep = load_deployment(env_file=str(env_file), gpu=not cpu)
     arms = Arms(mode="ab", repeats=1, arm_env={"A": {}, "B": {}}, port=8000, cpu=cpu,
-                image=image, env_file=str(env_file))
+                image=image, env_file=str(env_file), deployment=dep)
     assert arm_deployment(arms).image == want  # what start() asks Docker for (never pulled)
 
 
@@ -412,7 +413,7 @@ def test_arm_server_with_replicas_saves_every_log_and_removes_the_router(tmp_pat
                             node_port=lambda i: 18601 + i, router_url="http://127.0.0.1:18680",
                             router_image="r:1", router_policy="round_robin")
     arms = armlib.Arms(mode="ab", repeats=1, arm_env={"A": {}, "B": {}}, port=8000, cpu=True,
-                       scale=scale)
+                       scale=scale, deployment=load_deployment(env_file=None, gpu=False))
     run = armlib.Run(arms, client, "img", "sha256:0", "m", None, tmp_path / "S-x")
     with run.server(0, "A", tmp_path / "00-A-server.log") as (srv, info):
         assert srv.project == "k3ab-s-00a-r0" and info["replicas"] == [
@@ -475,7 +476,6 @@ def test_a_first_slot_that_never_ran_is_compared_not_a_traceback():
 
 
 def test_census_ab_reads_the_checkpoint_the_arm_servers_load(tmp_path, monkeypatch):
-    import argparse
     import shutil
 
     from k3rocm.checks.ab import arms as armlib
@@ -496,10 +496,8 @@ def test_census_ab_reads_the_checkpoint_the_arm_servers_load(tmp_path, monkeypat
         raise UsageError("reached start", 3)
 
     monkeypatch.setattr(armlib, "start", fake_start)
-    p = argparse.ArgumentParser()
-    abcli.add_arguments(p, measure="census")
-    args = p.parse_args(["--no-gpu", "--results", str(tmp_path / "results"),
-                         "--server-env", "K3_MODEL=/models/b"])
+    args = parse(["census-ab", "--no-gpu", "--results", str(tmp_path / "results"),
+                  "--server-env", "K3_MODEL=/models/b"])
     with pytest.raises(UsageError, match="reached start"):
         abcli.run(args)
     assert seen == [models / "b"]
@@ -622,9 +620,7 @@ def _check_base(tmp_path: Path, measure: str, *extra: str) -> dict:
     from k3rocm.checks.ab import arms as armlib
     from k3rocm.checks.ab import cli as abcli
 
-    p = argparse.ArgumentParser()
-    abcli.add_arguments(p, measure=measure)
-    args = p.parse_args(_measure_args(tmp_path, measure)[1:] + list(extra))
+    args = parse([*_measure_args(tmp_path, measure), *extra])
     abcli.fill_repeats(args)
     single = ("census-ab", "test") if measure == "census" else None
     return armlib.check_base(armlib.arms_from_args(args, single=single))

@@ -79,14 +79,9 @@ def test_one_precedence(clean, monkeypatch, environ, dotenv, gpu, kfd, want_cpu,
 
 
 def _ab_args(*argv: str) -> argparse.Namespace:
-    from k3rocm.checks.ab.arms import add_server_arguments
+    from k3rocm.cli import parse
 
-    p = argparse.ArgumentParser()
-    add_server_arguments(p)
-    p.add_argument("--env-file", default=".env")
-    p.add_argument("--dry-run", action="store_true")
-    args = p.parse_args(["--repeats", "1", *argv])
-    return args
+    return parse(["bench-ab", "--repeats", "1", *argv])
 
 
 @pytest.mark.parametrize("compose_file", ["compose.yaml", f"compose.yaml:{CPU_FILE}"])

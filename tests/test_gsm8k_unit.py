@@ -16,6 +16,7 @@ from conftest import REPO, free_port, make_exit_code
 
 from k3rocm.checks.gsm8k import cli, data, results
 from k3rocm.checks.gsm8k.lmeval_launch import apply_reasoning_fallback, log_finish_reasons
+from k3rocm.cli import parse
 from k3rocm.errors import UsageError
 
 
@@ -456,7 +457,6 @@ def test_no_discordant_items_is_no_proof_on_a_handful_of_items():
 def _gsm8k_ab_live(tmp_path, monkeypatch, server_logs: dict[str, str]):
     """gsm8k-ab's live path without Docker: the one slot loop of checks/ab with fake arm servers
     (server log ``server_logs[arm]``) and `k3rocm gsm8k`'s run replaced by a stored run."""
-    import argparse
     import contextlib
     from types import SimpleNamespace
 
@@ -490,9 +490,8 @@ def _gsm8k_ab_live(tmp_path, monkeypatch, server_logs: dict[str, str]):
     monkeypatch.setattr(armlib.Run, "server", fake_server)
     monkeypatch.setattr(cli, "execute", fake_execute)
     monkeypatch.setattr(ab.data, "resolve", lambda *a: SimpleNamespace())
-    p = argparse.ArgumentParser()
-    abcli.add_arguments(p, measure="gsm8k")
-    args = p.parse_args(["--no-gpu", "--results", str(tmp_path), "--models-dir", str(tmp_path)])
+    args = parse(["ab", "--measure", "gsm8k", "--no-gpu", "--results", str(tmp_path),
+                  "--models-dir", str(tmp_path)])
     code = abcli.run(args)
     assert started == [("gsm8k-ab", args.client_image)]
     assert executed == [("00-A", "0"), ("01-B", "1")]

@@ -111,22 +111,30 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def parse(argv: list[str], deployment: bool = False) -> argparse.Namespace:
+    """``argv`` parsed, and ``args.deployment`` built once from its --env-file (and --gpu) for
+    a command not in NO_DEPLOYMENT (or when ``deployment``): bad settings are exit 2 here."""
+    only = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(only if only in COMMANDS else None)
+    args = parser.parse_args(argv)
+    args._help = parser.print_help
+    if getattr(args, "_run", None) and (deployment or args.command not in NO_DEPLOYMENT):
+        from k3rocm.deploy.deployment import load_deployment
+
+        args.deployment = load_deployment(env_file=getattr(args, "env_file", ".env"),
+                                          gpu=getattr(args, "gpu", None))
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     print_dep = PRINT_FLAG in argv
     argv = [a for a in argv if a != PRINT_FLAG]
-    only = next((a for a in argv if not a.startswith("-")), None)
     try:
-        parser = build_parser(only if only in COMMANDS else None)
-        args = parser.parse_args(argv)
+        args = parse(argv, deployment=print_dep)
         if not getattr(args, "_run", None):
-            parser.print_help()
+            args._help()
             return 0 if not argv else 2
-        if print_dep or args.command not in NO_DEPLOYMENT:
-            from k3rocm.deploy.deployment import load_deployment
-
-            args.deployment = load_deployment(env_file=getattr(args, "env_file", ".env"),
-                                              gpu=getattr(args, "gpu", None))
         if print_dep:
             print(json.dumps(deployment_view(args), sort_keys=True))
             return 0

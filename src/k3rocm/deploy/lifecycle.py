@@ -19,12 +19,12 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from k3rocm.deploy.deployment import KFD, compose_files, load_deployment
+from k3rocm.deploy.deployment import KFD, compose_files
 from k3rocm.deploy.engine import docker_client
 from k3rocm.errors import UsageError, tagged_log
 from k3rocm.options import DeploymentFlags, Options, like, option
@@ -37,12 +37,6 @@ NEVER_EXITED = "0001-01-01T00:00:00Z"  # State.FinishedAt of a never-exited cont
 
 
 _log = tagged_log("server")
-
-
-def resolve_settings(env_file: str | os.PathLike | None = ".env",
-                     environ: Mapping[str, str] | None = None, gpu: bool | None = None):
-    """The A/B arms' own deployment reads (until they take the command's ``args.deployment``)."""
-    return load_deployment(environ, env_file=str(env_file) if env_file else None, gpu=gpu)
 
 
 @dataclass
@@ -350,14 +344,6 @@ def compose_server(dep, project: str | None = None) -> ComposeServer:
     return ComposeServer(project=project or os.environ.get("COMPOSE_PROJECT_NAME")
                          or DEFAULT_PROJECT, cpu=dep.cpu,
                          url=dep.url, model=dep.served_model_name, api_key=dep.api_key)
-
-
-def deployment_server(env_file: str | os.PathLike | None = ".env",
-                      project: str | None = None, gpu: bool | None = None
-                      ) -> tuple[ComposeServer, Any]:
-    """The A/B arms' (until they take the command's ``args.deployment``)."""
-    dep = resolve_settings(env_file, gpu=gpu)
-    return compose_server(dep, project), dep
 
 
 def default_timeout(dep) -> float:

@@ -21,9 +21,8 @@ from typing import Any, Literal
 from k3rocm.deploy.engine import image_id as engine_image_id
 from k3rocm.deploy.lifecycle import (
     ComposeServer,
-    deployment_server,
+    compose_server,
     docker_client,
-    resolve_settings,
 )
 from k3rocm.deploy.server_api import answers, wait_ready
 from k3rocm.errors import UsageError, tagged_log
@@ -161,6 +160,7 @@ class Arms:
     delay_ms: float | None = None
     scale: Any = None  # k3rocm.deploy.scale.settings.ScaleSettings when K3_SCALE_MODE=replicas
     env_file: str | None = ".env"
+    deployment: Any = None  # the command's Deployment (args.deployment): each arm re-renders it
     base: dict[str, Any] | None = None  # check_base's answer, once checked
 
     @property
@@ -212,7 +212,7 @@ def arms_from_args(args: argparse.Namespace, single: tuple[str, str] | None = No
     env = parse_env(o.server_env)
     env_file = getattr(args, "env_file", ".env")
     # The deployment, once: the shell, .env and --server-env, with --gpu/--no-gpu.
-    dep = resolve_settings(env_file, {**os.environ, **env}, gpu=args.gpu)
+    dep = args.deployment.with_env(**env)
     envs = arm_envs(o.on)
     on, off = envs["B"], envs["A"]
     container_env: dict[str, dict[str, str]] = {"A": {}, "B": {}}
@@ -252,7 +252,7 @@ def arms_from_args(args: argparse.Namespace, single: tuple[str, str] | None = No
                 cache_dir=o.cache_dir or str(dep.cache_dir), server_env=env,
                 arm_container_env=container_env, server_timeout=o.server_timeout,
                 pin_engine_core=o.pin_engine_core, stop_running=o.stop_running, delay_ms=delay,
-                scale=scale, env_file=env_file)
+                scale=scale, env_file=env_file, deployment=args.deployment)
 
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -323,7 +323,8 @@ def check_port(arms: Arms) -> None:
         raise UsageError(f"a server already runs on port {arms.port} ({url}): the A/B starts "
                          "its own fresh servers there; stop it with `make down` or pass "
                          "--stop-running (or use another --port)")
-    srv, dep = deployment_server(arms.env_file, gpu=not arms.cpu)
+    dep = arms.deployment
+    srv = compose_server(dep)
     if srv.state() is None:
         raise UsageError(f"--stop-running: what answers on {url} is not the compose server "
                          f"of project {srv.project}; stop it yourself or use another --port")
@@ -474,8 +475,7 @@ def start(arms: Arms, results: Path, label: str, runs_per_slot: int = 1,
 
 def arm_deployment(arms: Arms, arm: str = "B"):
     """The deployment arm ``arm``'s servers run, as compose and the entrypoint see it."""
-    return resolve_settings(arms.env_file, {**os.environ, **arms.compose_env(arm)},
-                            gpu=not arms.cpu)
+    return arms.deployment.with_env(**arms.compose_env(arm))
 
 
 def base_check(arm_env: dict[str, dict[str, str]], environ: Mapping[str, str],

@@ -43,7 +43,6 @@ from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
 from k3rocm.checks.ab import arms as armlib
-from k3rocm.deploy.lifecycle import resolve_settings
 from k3rocm.errors import UsageError
 from k3rocm.rundir import write_json_atomic, write_text_atomic
 from k3rocm.serving.config import REDACTED
@@ -90,12 +89,12 @@ def results_root(args: argparse.Namespace) -> Path:
     """--results, else the deployment's results root (K3_RESULTS_DIR: shell > .env > default)."""
     if args.results:
         return Path(args.results)
-    return resolve_settings(getattr(args, "env_file", ".env")).results_root
+    return args.deployment.results_root
 
 
 def deployment_view(args: argparse.Namespace) -> dict:
     """What the arm servers and the measurement resolve to (``--print-deployment``)."""
-    dep = resolve_settings(getattr(args, "env_file", ".env"), gpu=args.gpu)
+    dep = args.deployment
     fill_repeats(args)
     arms = armlib.arms_from_args(args)
     arm_dep = armlib.arm_deployment(arms)
