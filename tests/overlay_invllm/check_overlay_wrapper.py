@@ -66,12 +66,6 @@ def rocm(mla):
     mla._probe(refresh=True)
 
 
-def _vllm_version() -> str:
-    import vllm
-
-    return vllm.__version__
-
-
 def _overlay_applied() -> bool:
     from k3rocm.serving.overlay import status
 
@@ -103,8 +97,8 @@ def test_probe_cli_on_cpu_without_aiter():
     print("PROBE none " + json.dumps(rep, sort_keys=True))
     assert rep["qprep_kernel"]["found"] is False
     assert rep["dual_norm_op"]["found"] is False
-    assert rep["fusions"]["qk_norm"] == {"state": "off", "reason": rep["fusions"]["qk_norm"][
-        "reason"]} and "AITER not enabled" in rep["fusions"]["qk_norm"]["reason"]
+    qk = rep["fusions"]["qk_norm"]
+    assert qk["state"] == "off" and "AITER not enabled" in qk["reason"]
     assert rep["fusions"]["decode_qprep"]["reason"] == "platform is not ROCm"
 
 
@@ -125,20 +119,20 @@ def test_probe_cli_reads_the_registered_schema(variant, newer_schema, qk_off):
                            f"({'has' if newer_schema else 'no'} compute_all_q_rope)")
     assert ("compute_all_q_rope" in q["schema"]) is newer_schema
     assert rep["dual_norm_op"]["found"] is True
-    assert rep["fusions"]["qk_norm"] == ({"state": "off", "reason": "K3_FUSE_QK_NORM=0"}
-                                         if qk_off else rep["fusions"]["qk_norm"])
-    assert qk_off or rep["fusions"]["qk_norm"]["state"] == "needs-model"
+    assert rep["fusions"]["qk_norm"]["state"] == ("off" if qk_off else "needs-model")
+    assert ("K3_FUSE_QK_NORM=0" in rep["fusions"]["qk_norm"]["reason"]) is qk_off
     assert rep["fusions"]["decode_qprep"]["state"] == "needs-model"
     assert "1-row cos/sin, all-zero positions" in rep["fusions"]["decode_qprep"]["reason"]
 
 
 def test_constructs_on_this_vllm_and_reports_why_off(mla, vctx):
+    import vllm
     from vllm.model_executor.layers.mla import MultiHeadLatentAttentionWrapper
 
     mla._probe(refresh=True)  # this process without the ROCm double
     w = mla_cpu.build_wrapper(mla.KimiK3MultiHeadLatentAttentionWrapper, heads=4)
     assert isinstance(w, MultiHeadLatentAttentionWrapper)
-    print(f"vLLM {_vllm_version()}: qk_norm {w._use_eager_qk_rmsnorm_fusion} "
+    print(f"vLLM {vllm.__version__}: qk_norm {w._use_eager_qk_rmsnorm_fusion} "
           f"({w._qk_rmsnorm_why}); qprep {w._fused_qk_prep} ({w._fused_qk_prep_why})")
     assert w._use_eager_qk_rmsnorm_fusion is False
     assert "AITER not enabled" in w._qk_rmsnorm_why
@@ -483,13 +477,8 @@ def test_profile_run_without_metadata_falls_through(rocm, vctx):
     cls = rocm.KimiK3MultiHeadLatentAttentionWrapper
     w = mla_cpu.build_wrapper(cls, heads=4)
     _loaded(w)
-    w.mla_attn._chunked_prefill_workspace_size = 16  # profile-run scratch size (CPU)
     before = qprep_calls()
-    from vllm.forward_context import set_forward_context
-
-    with set_forward_context(None, vctx, num_tokens=2,
-                             slot_mapping={w.mla_attn.layer_name: torch.tensor([0, 1])}):
-        out = w(torch.tensor([0, 1]), torch.randn(2, 256).to(torch.bfloat16))
+    out = mla_cpu.profile_forward(w, torch.randn(2, 256).to(torch.bfloat16))
     assert out.shape == (2, 256)
     assert qprep_calls() == before  # the stock path ran
 
@@ -510,13 +499,16 @@ def test_dual_rmsnorm_reference_matches_vllm_rmsnorm(vctx):
     assert torch.equal(y1, n1(q)) and torch.equal(y2, n2(kv))
 
 
+def _qprep_inputs(seed: int, t: int, h: int) -> list[torch.Tensor]:
+    """q_nope, q_pe, kv_c, k_pe (bf16) for ``t`` tokens and ``h`` heads."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*shape, generator=g).to(torch.bfloat16)
+            for shape in ((t, h, 512), (t, h, 64), (t, 512), (t, 64))]
+
+
 def test_reference_kernel_contract():
-    g = torch.Generator().manual_seed(2)
     t, h = 4, 4  # 512 x 4 = 2048: the clamping _opt kernel (2 heads: general)
-    q_nope = torch.randn(t, h, 512, generator=g).to(torch.bfloat16)
-    q_pe = torch.randn(t, h, 64, generator=g).to(torch.bfloat16)
-    kv_c = torch.randn(t, 512, generator=g).to(torch.bfloat16)
-    k_pe = torch.randn(t, 64, generator=g).to(torch.bfloat16)
+    q_nope, q_pe, kv_c, k_pe = _qprep_inputs(2, t, h)
     cache = torch.zeros(2, 4, 576, dtype=torch.uint8)
     q_out = torch.full((t, h, 576), 7, dtype=torch.uint8)
     slots = torch.tensor([1, -1, 6, 2])
@@ -546,12 +538,8 @@ def test_reference_kernel_past_a_one_row_cache(variant, monkeypatch):
     """What the double's variants do with a position past a one-row identity cache, and that
     position 0 is exact on all of them (the overlay's zero positions)."""
     monkeypatch.setattr(aiter, "VARIANT", variant)
-    g = torch.Generator().manual_seed(3)
     t, h = 2, 4
-    q_nope = torch.randn(t, h, 512, generator=g).to(torch.bfloat16)
-    q_pe = torch.randn(t, h, 64, generator=g).to(torch.bfloat16)
-    kv_c = torch.randn(t, 512, generator=g).to(torch.bfloat16)
-    k_pe = torch.randn(t, 64, generator=g).to(torch.bfloat16)
+    q_nope, q_pe, kv_c, k_pe = _qprep_inputs(3, t, h)
     cos, sin = torch.ones(1, 32, dtype=torch.bfloat16), torch.zeros(1, 32, dtype=torch.bfloat16)
     one = torch.tensor(1.0)
 
