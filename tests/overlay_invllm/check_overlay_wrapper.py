@@ -320,20 +320,33 @@ def _fp8_steps(a: torch.Tensor, b: torch.Tensor) -> int:
     return int((ordinal(ai) - ordinal(bi)).abs().max().item())
 
 
-@pytest.mark.parametrize("scales", [(1.0, 1.0), (0.37, 0.61), (2.5, 0.125)])
-def test_decode_fusion_matches_stock(scales, rocm, vctx):
+FUSION_CASES = [((1.0, 1.0), "clamp", 1), ((0.37, 0.61), "clamp", 1), ((2.5, 0.125), "clamp", 1),
+                ((1.0, 1.0), "preclamp", 1), ((1.0, 1.0), "grouped", 1), ((1.0, 1.0), "grouped", 2)]
+
+
+@pytest.mark.parametrize("scales,variant,heads_per_block", FUSION_CASES,
+                         ids=["clamp", "clamp-scales-0.37-0.61", "clamp-scales-2.5-0.125",
+                              "preclamp", "grouped-1-head", "grouped-2-heads"])
+def test_decode_fusion_matches_stock(scales, variant, heads_per_block, rocm, monkeypatch, vctx):
+    """Real positions far past the one-row identity cos/sin cache, under a schema that has
+    compute_all_q_rope (which does not mean the kernel clamps): on every AITER variant, one
+    that does not clamp included (v0.1.26's head-grouped one: cos = sin = 0 past the row,
+    zeroing q_pe and the cached k_pe; or a fault), the fused path gives the stock path's query,
+    cache and output, because the overlay hands the kernel all-zero positions."""
     from vllm.model_executor.layers.mla import MultiHeadLatentAttentionWrapper as Stock
 
-    mla = rocm
-    cls = mla.KimiK3MultiHeadLatentAttentionWrapper
+    assert "compute_all_q_rope" in str(
+        torch.ops.aiter.fused_qk_rope_concat_and_cache_mla.default._schema)
+    monkeypatch.setattr(aiter, "VARIANT", variant)
+    monkeypatch.setattr(aiter, "GROUPED_HEADS_PER_BLOCK", heads_per_block)
     g = torch.Generator().manual_seed(int(scales[0] * 100))
     n, t = 5, 8  # 3 padded rows (slot -1), as with CUDA-graph padding
     slots = torch.cat([torch.randperm(128, generator=g)[:n], torch.full((t - n,), -1)])
     positions = torch.cat([torch.tensor([0, 7, 4095, 2**20 - 1, 2**20 + 5]),
                            torch.zeros(t - n, dtype=torch.long)])
     before = collections.Counter(aiter.calls)
-    fused = _run_layer(cls, seed=3, scales=scales, slots=slots, positions=positions,
-                       n_actual=n)
+    fused = _run_layer(rocm.KimiK3MultiHeadLatentAttentionWrapper, seed=3, scales=scales,
+                       slots=slots, positions=positions, n_actual=n)
     assert qprep_calls() == sum(v for k, v in before.items() if k.startswith(QPREP)) + 1
     assert aiter.calls["aiter::fused_qk_rmsnorm_kernel"] == before[
         "aiter::fused_qk_rmsnorm_kernel"] + 1
@@ -352,41 +365,10 @@ def test_decode_fusion_matches_stock(scales, rocm, vctx):
         assert torch.equal(stock["kv"], fused["kv"])
     written = (fused["kv"].view(-1, 576) != 0).any(-1).nonzero().flatten()
     assert sorted(written.tolist()) == sorted(slots[:n].tolist())
+    k_pe = fused["kv"].view(-1, 576)[slots[:n], 512:]
+    assert bool((k_pe != 0).any(-1).all())  # every written row has its k_pe
     # And the layer output of the real rows is identical.
     assert torch.equal(stock["out"][:n], fused["out"][:n])
-
-
-VARIANTS = [("clamp", 1), ("preclamp", 1), ("grouped", 1), ("grouped", 2)]
-
-
-@pytest.mark.parametrize("variant,heads_per_block", VARIANTS,
-                         ids=["clamp", "preclamp", "grouped-1-head", "grouped-2-heads"])
-def test_zero_positions_make_qprep_safe_on_every_aiter_variant(variant, heads_per_block, rocm,
-                                                               monkeypatch, vctx):
-    """Real positions far past the one-row identity cos/sin cache, under a schema that has
-    compute_all_q_rope (which does not mean the kernel clamps): a kernel that does not clamp
-    (v0.1.26's head-grouped one: cos = sin = 0 past the row, zeroing q_pe and the cached
-    k_pe; or a fault) must still give the stock path's query and cache, because the overlay
-    hands the kernel all-zero positions."""
-    from vllm.model_executor.layers.mla import MultiHeadLatentAttentionWrapper as Stock
-
-    assert "compute_all_q_rope" in str(
-        torch.ops.aiter.fused_qk_rope_concat_and_cache_mla.default._schema)
-    monkeypatch.setattr(aiter, "VARIANT", variant)
-    monkeypatch.setattr(aiter, "GROUPED_HEADS_PER_BLOCK", heads_per_block)
-    slots = torch.tensor([17, 3, 90, 41, -1, -1])
-    positions = torch.tensor([5, 300, 4095, 2**20 + 5, 0, 0])
-    before = qprep_calls()
-    fused = _run_layer(rocm.KimiK3MultiHeadLatentAttentionWrapper, seed=8, scales=(1.0, 1.0),
-                       slots=slots, positions=positions, n_actual=4)
-    assert qprep_calls() == before + 1  # the fused path ran
-    stock = _run_layer(Stock, seed=8, scales=(1.0, 1.0), slots=slots, positions=positions,
-                       n_actual=4)
-    assert torch.equal(stock["mqa_q"].float(), fused["mqa_q"].float())
-    assert torch.equal(stock["kv"], fused["kv"])
-    k_pe = fused["kv"].view(-1, 576)[slots[:4], 512:]
-    assert bool((k_pe != 0).any(-1).all())  # every written row has its k_pe
-    assert torch.equal(stock["out"][:4], fused["out"][:4])
 
 
 # Ops that launch no kernel: views and allocations.
