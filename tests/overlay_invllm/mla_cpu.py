@@ -88,77 +88,43 @@ def vllm_cpu_context():
         yield cfg
 
 
-def build_wrapper(
-    cls: type,
-    *,
-    heads: int = 4,
-    hidden: int = 256,
-    q_lora_rank: int | None = 128,
-    kv_lora_rank: int = 512,
-    nope: int = 128,
-    rope: int = 64,
-    v_dim: int = 128,
-    cache_dtype: str = "fp8",
-    dtype: torch.dtype = torch.bfloat16,
-    seed: int = 0,
-    load_weights: bool = True,
-) -> Any:
-    """Construct ``cls`` (a MultiHeadLatentAttentionWrapper) from real vLLM layers."""
+def build_wrapper(cls: type, *, heads: int = 4, kv_lora_rank: int = 512, rope: int = 64,
+                  cache_dtype: str = "fp8", seed: int = 0, load_weights: bool = True) -> Any:
+    """Construct ``cls`` (a MultiHeadLatentAttentionWrapper) from real vLLM layers, shaped as
+    Kimi-K3's attention (q LoRA, hidden 256 here); random weights from ``seed``."""
     from vllm.config import CacheConfig
     from vllm.model_executor.layers.layernorm import RMSNorm
     from vllm.model_executor.layers.linear import (
         ColumnParallelLinear,
         MergedColumnParallelLinear,
-        ReplicatedLinear,
         RowParallelLinear,
     )
     from vllm.model_executor.layers.mla import MLAModules
 
-    n = next(_counter)
-    prefix = f"model.layers.{n}.self_attn"
+    hidden, q_lora_rank, nope, v_dim, dtype = 256, 128, 128, 128, torch.bfloat16
+    prefix = f"model.layers.{next(_counter)}.self_attn"
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        kw: dict[str, Any] = {
-            "kv_a_layernorm": RMSNorm(kv_lora_rank, eps=1e-6),
-            "kv_b_proj": ColumnParallelLinear(
-                kv_lora_rank, heads * (nope + v_dim), bias=False, prefix=f"{prefix}.kv_b_proj"
-            ),
-            "rotary_emb": None,
-            "o_proj": RowParallelLinear(
-                heads * v_dim, hidden, bias=False, prefix=f"{prefix}.o_proj"
-            ),
-            "indexer": None,
-            "is_sparse": False,
-            "topk_indices_buffer": None,
-        }
-        if q_lora_rank is not None:
-            kw.update(
-                fused_qkv_a_proj=MergedColumnParallelLinear(
-                    hidden, [q_lora_rank, kv_lora_rank + rope], bias=False,
-                    disable_tp=True, prefix=f"{prefix}.fused_qkv_a_proj",
-                ),
-                kv_a_proj_with_mqa=None,
-                q_a_layernorm=RMSNorm(q_lora_rank, eps=1e-6),
-                q_b_proj=ColumnParallelLinear(
-                    q_lora_rank, heads * (nope + rope), bias=False, prefix=f"{prefix}.q_b_proj"
-                ),
-                q_proj=None,
-            )
-        else:
-            kw.update(
-                fused_qkv_a_proj=None,
-                kv_a_proj_with_mqa=ReplicatedLinear(
-                    hidden, kv_lora_rank + rope, bias=False,
-                    prefix=f"{prefix}.kv_a_proj_with_mqa",
-                ),
-                q_a_layernorm=None,
-                q_b_proj=None,
-                q_proj=ColumnParallelLinear(
-                    hidden, heads * (nope + rope), bias=False, prefix=f"{prefix}.q_proj"
-                ),
-            )
-        mods = MLAModules(**kw)
+        mods = MLAModules(
+            kv_a_layernorm=RMSNorm(kv_lora_rank, eps=1e-6),
+            kv_b_proj=ColumnParallelLinear(kv_lora_rank, heads * (nope + v_dim), bias=False,
+                                           prefix=f"{prefix}.kv_b_proj"),
+            rotary_emb=None,
+            o_proj=RowParallelLinear(heads * v_dim, hidden, bias=False,
+                                     prefix=f"{prefix}.o_proj"),
+            fused_qkv_a_proj=MergedColumnParallelLinear(
+                hidden, [q_lora_rank, kv_lora_rank + rope], bias=False, disable_tp=True,
+                prefix=f"{prefix}.fused_qkv_a_proj"),
+            kv_a_proj_with_mqa=None,
+            q_a_layernorm=RMSNorm(q_lora_rank, eps=1e-6),
+            q_b_proj=ColumnParallelLinear(q_lora_rank, heads * (nope + rope), bias=False,
+                                          prefix=f"{prefix}.q_b_proj"),
+            q_proj=None,
+            indexer=None,
+            is_sparse=False,
+            topk_indices_buffer=None,
+        )
         wrapper = cls(
             hidden, heads, (nope + rope) ** -0.5, nope, rope, v_dim, q_lora_rank,
             kv_lora_rank, mods, CacheConfig(cache_dtype=cache_dtype), None, prefix,
@@ -227,7 +193,19 @@ def forward_context(wrapper: Any, attn_metadata: Any, slot_mapping: torch.Tensor
         yield
 
 
-def load_overlay_module(path: str | os.PathLike | None = None) -> Any:
+def profile_forward(wrapper: Any, hidden_states: torch.Tensor) -> torch.Tensor:
+    """One forward without attention metadata, as in vLLM's profile run (prefill scratch sized
+    for the CPU): the stock branches run."""
+    from vllm.forward_context import set_forward_context
+
+    wrapper.mla_attn._chunked_prefill_workspace_size = 16
+    n = hidden_states.shape[0]
+    with set_forward_context(None, _SETUP["config"], num_tokens=n,
+                             slot_mapping={wrapper.mla_attn.layer_name: torch.arange(n)}):
+        return wrapper(torch.arange(n), hidden_states)
+
+
+def load_overlay_module() -> Any:
     """Import the overlay's ``amd/mla.py`` as ``vllm.models.kimi_k3.amd.mla``."""
     import importlib
     import importlib.util
@@ -240,13 +218,11 @@ def load_overlay_module(path: str | os.PathLike | None = None) -> Any:
     repo_file = Path(__file__).resolve().parents[2] / "overlay/vllm/models/kimi_k3/amd/mla.py"
     pkg = importlib.import_module("vllm.models.kimi_k3.amd")
     installed = Path(pkg.__file__).parent / "mla.py"
-    if path is None and installed.is_file() and (
+    if installed.is_file() and (
         not repo_file.is_file() or installed.read_bytes() == repo_file.read_bytes()
     ) and b"K3ROCM_OVERLAY = 1" in installed.read_bytes():
         return importlib.import_module(name)  # the applied overlay (e.g. in our image)
-    if path is None:
-        path = repo_file
-    spec = importlib.util.spec_from_file_location(name, str(path))
+    spec = importlib.util.spec_from_file_location(name, str(repo_file))
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod

@@ -17,10 +17,6 @@ import torch
 import aiter
 
 
-def _count(kernel: str) -> None:
-    aiter.calls[kernel] += 1
-
-
 def _qprep_member(q_nope: torch.Tensor, kv_cache: torch.Tensor) -> str:
     """Which device kernel the host API ``fused_qk_rope_concat_and_cache_mla`` launches
     (ROCm/aiter csrc/kernels/cache_kernels.cu): the
@@ -64,27 +60,11 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return y * weight.to(x.dtype)
 
 
-def fused_mla_dual_rms_norm(
-    x1: torch.Tensor,
-    x1_weight: torch.Tensor,
-    x2: torch.Tensor,
-    x2_weight: torch.Tensor,
-    x1_epsilon: float,
-    x2_epsilon: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return rms_norm_ref(x1, x1_weight, x1_epsilon), rms_norm_ref(x2, x2_weight, x2_epsilon)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool) -> torch.Tensor:
-    """x [..., D] float32; cos/sin [..., D/2] broadcastable."""
-    if is_neox:
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    out = torch.empty_like(x)
-    out[..., 0::2] = x1 * cos - x2 * sin
-    out[..., 1::2] = x2 * cos + x1 * sin
-    return out
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """NeoX-style RoPE (the only style the overlay and vLLM's amd/mla.py ask for): x [..., D]
+    float32; cos/sin [..., D/2] broadcastable."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 def _quant(x32: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -118,24 +98,26 @@ def fused_qk_rope_concat_and_cache_mla(
     entirely (q_out untouched) unless compute_all_q_rope."""
     if kv_cache.dtype == torch.uint8:
         raise TypeError("kv_cache must be fp8-typed, not uint8 (view it as fp8 first)")
+    if not is_neox:
+        raise NotImplementedError("the double implements NeoX-style RoPE only")
     if q_out.dtype != kv_cache.dtype:
         raise TypeError(f"q_out dtype {q_out.dtype} != kv_cache dtype {kv_cache.dtype}")
     t = q_nope.shape[0]
     if not (q_pe.shape[0] == kv_c.shape[0] == k_pe.shape[0] == slot_mapping.shape[0] == t):
         raise ValueError("token counts differ between inputs")
     member = _qprep_member(q_nope, kv_cache)
-    _count(member)
+    aiter.calls[member] += 1
     cos, sin = _rows(positions.to(torch.int64), cos_cache, sin_cache, member)  # [T, R/2]
     slots = slot_mapping.to(torch.int64)
     valid = slots >= 0
     q_rows = torch.ones_like(valid) if compute_all_q_rope else valid
 
-    qpe = _rope(q_pe.to(torch.float32), cos[:, None, :], sin[:, None, :], is_neox)
+    qpe = _rope(q_pe.to(torch.float32), cos[:, None, :], sin[:, None, :])
     qn = q_nope.to(torch.float32)
     q_full = torch.cat((qn, qpe) if is_nope_first else (qpe, qn), dim=-1)
     q_out[q_rows] = _quant(q_full[q_rows], q_scale, q_out.dtype)
 
-    kpe = _rope(k_pe.to(torch.float32), cos, sin, is_neox)
+    kpe = _rope(k_pe.to(torch.float32), cos, sin)
     kv = torch.cat((kv_c.to(torch.float32), kpe), dim=-1)
     block_size = kv_cache.shape[1]
     s = slots[valid]

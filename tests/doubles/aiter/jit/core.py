@@ -13,14 +13,6 @@ from aiter.jit.utils.torch_guard import torch_compile_guard
 def compile_ops(md_name, fc_name=None, fallback=None, gen_fake=None, develop=False):
     def decorator(stub):
         kernel = getattr(_reference, fc_name or stub.__name__)
-
-        def wrapper(*args, **kwargs):
-            return kernel(*args, **kwargs)
-
-        @torch_compile_guard(device="cuda", gen_fake=gen_fake, calling_func_=stub)
-        def custom_wrapper(*args, **kwargs):
-            return wrapper(*args, **kwargs)
-
-        return custom_wrapper
+        return torch_compile_guard(device="cuda", gen_fake=gen_fake, calling_func_=stub)(kernel)
 
     return decorator
