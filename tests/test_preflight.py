@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import free_port, run_cli
@@ -163,26 +164,16 @@ def test_the_base_image_and_its_digest(monkeypatch):
 
     digest = "vllm/vllm-openai-rocm@sha256:" + "ab" * 32
 
-    class Img:
-        def __init__(self, digests=(), labels=None):
-            self.id, self.attrs, self.labels = "sha256:" + "1" * 64, {"RepoDigests":
-                                                                       list(digests)}, labels
+    def Img(digests=(), labels=None):  # noqa: N802 - a docker-py Image
+        return SimpleNamespace(id="sha256:" + "1" * 64, attrs={"RepoDigests": list(digests)},
+                               labels=labels)
 
-    class Images:
-        def __init__(self, known):
-            self.known = known
-
-        def get(self, ref):
-            if ref not in self.known:
+    def Client(known):  # noqa: N802 - a docker-py DockerClient
+        def get(ref):
+            if ref not in known:
                 raise docker.errors.ImageNotFound(ref)
-            return self.known[ref]
-
-    class Client:
-        def __init__(self, known):
-            self.images = Images(known)
-
-        def version(self):
-            return {"Version": "27"}
+            return known[ref]
+        return SimpleNamespace(images=SimpleNamespace(get=get), version=lambda: {"Version": "27"})
 
     monkeypatch.delenv("BASE_IMAGE", raising=False)
     s, _ = load_settings({}, dotenv=None, check_model=False)

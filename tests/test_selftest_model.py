@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from kimi_k3_layout import (
+    ITEM,
     fuse_experts,
     real_config,
     small_config,
@@ -87,7 +88,7 @@ def test_default_slice_has_the_real_layout_of_its_config(src, tmp_path, capsys):
     assert {k: (dt, shape) for k, (dt, shape, _) in got.items()} == expected
     assert rec["tensors"] == len(expected)
     idx = json.loads((out / sm.INDEX).read_text())
-    total = sum(math.prod(s) * {"BF16": 2, "F32": 4, "U8": 1}[dt] for dt, s in expected.values())
+    total = sum(math.prod(s) * ITEM[dt] for dt, s in expected.values())
     assert idx["metadata"]["total_size"] == total
     # tokenizer files pass through; the report names what was written
     assert (out / "tiktoken.model").read_bytes() == (src / "tiktoken.model").read_bytes()
@@ -273,7 +274,7 @@ def test_the_synthetic_real_layout_weighs_what_the_checkpoint_does():
     """At the published dimensions the synthetic layout sums to within 1% of the checkpoint's
     ~1.56 TB (Kimi-K2's layout would be ~1 TB)."""
     specs = tensors(real_config())
-    total = sum(math.prod(s) * {"BF16": 2, "F32": 4, "U8": 1}[dt] for dt, s in specs.values())
+    total = sum(math.prod(s) * ITEM[dt] for dt, s in specs.values())
     assert abs(total / mf.KIMI_K3_CHECKPOINT_BYTES - 1) < 0.01, total
     p = "language_model.model.layers.5.block_sparse_moe."
     assert specs[p + "experts.895.w1.weight_packed"] == ("U8", (3072, 3584 // 2))
@@ -338,22 +339,17 @@ def test_a_fused_expert_layout_is_refused_not_cut_inconsistently(tmp_path, capsy
 def test_inconsistent_expert_sets_are_refused(tmp_path, capsys):
     specs = tensors(small_config())
     p = "language_model.model.layers.2.block_sparse_moe."
-    gap = {k: v for k, v in specs.items() if not k.startswith(p + "experts.1.")}
-    write_checkpoint(tmp_path / "gap", specs=gap)
-    err = _bad(tmp_path, capsys, [str(tmp_path / "gap"), str(tmp_path / "o")])
-    assert "source layer 2" in err and "experts 0..3 (3)" in err and "0..3" in err
-    odd = {k: v for k, v in specs.items() if k != p + "experts.2.w3.weight_scale"}
-    write_checkpoint(tmp_path / "odd", specs=odd)
-    err = _bad(tmp_path, capsys, [str(tmp_path / "odd"), str(tmp_path / "o")])
-    assert "do not all have the same tensors" in err
-    extra = {**specs, p + "experts.16.w1.weight_packed": ("U8", (128, 64))}
-    write_checkpoint(tmp_path / "extra", specs=extra)
-    err = _bad(tmp_path, capsys, [str(tmp_path / "extra"), str(tmp_path / "o")])
-    assert "expert 16" in err and "num_experts 16" in err
-    router = {**specs, p + "gate.weight": ("BF16", (15, 256))}
-    write_checkpoint(tmp_path / "router", specs=router)
-    err = _bad(tmp_path, capsys, [str(tmp_path / "router"), str(tmp_path / "o")])
-    assert "router" in err and "[15, 256]" in err
+    for name, layout, fragments in (
+            ("gap", {k: v for k, v in specs.items() if not k.startswith(p + "experts.1.")},
+             ("source layer 2", "experts 0..3 (3)")),
+            ("odd", {k: v for k, v in specs.items() if k != p + "experts.2.w3.weight_scale"},
+             ("do not all have the same tensors",)),
+            ("extra", {**specs, p + "experts.16.w1.weight_packed": ("U8", (128, 64))},
+             ("expert 16", "num_experts 16")),
+            ("router", {**specs, p + "gate.weight": ("BF16", (15, 256))}, ("router", "[15, 256]"))):
+        write_checkpoint(tmp_path / name, specs=layout)
+        err = _bad(tmp_path, capsys, [str(tmp_path / name), str(tmp_path / "o")])
+        assert all(f in err for f in fragments), (name, err)
 
 
 def test_the_slice_of_the_real_layout(capsys):
