@@ -122,11 +122,6 @@ def test_router_argv():
         "--worker-urls", "http://10.0.0.1:8000", "http://10.0.0.2:8000"]
 
 
-def test_single_mode_has_nothing_to_render():
-    with pytest.raises(UsageError, match="nothing to scale out"):
-        plan({}, dotenv=None)
-
-
 def test_compose_override_validates_with_docker_compose(tmp_path):
     need(shutil.which("docker") is not None, "no docker CLI")
     r = subprocess.run(["docker", "compose", "version"], capture_output=True, text=True)
@@ -351,7 +346,7 @@ def test_cli_refuses_bad_instance_and_timeout(cli, args, fragment):
     assert len(lines) == 1 and fragment in lines[0], err
 
 
-@pytest.mark.parametrize("sub", ["url", "proxy-conf", "status", "overhead"])
+@pytest.mark.parametrize("sub", ["render", "url", "proxy-conf", "status", "overhead"])
 def test_single_mode_refuses_what_needs_replicas(cli, sub):
     rc, out, err = cli("scale", sub, env={"K3_SCALE_MODE": "single"})
     assert rc == 2 and len(err.strip().splitlines()) == 1 and "K3_SCALE_MODE=replicas" in err, err
