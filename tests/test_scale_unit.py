@@ -203,19 +203,19 @@ def servers(fake_vllm):
     return [fake_vllm(metrics=METRICS) for _ in range(3)]
 
 
-def _status(second: str, router):
+def _status(router, *ports: int):
     from k3rocm.deploy.scale import status
 
-    return status.scale_status(load_scale({**TWO, "K3_SCALE_NODES": f"127.0.0.1:{second}",
-                                           "K3_SCALE_ROUTER_PORT": str(router.port)},
-                                          dotenv=None), api_key="")
+    nodes = ",".join(f"127.0.0.1:{p}" for p in ports)
+    return status.scale_status(load_scale({**TWO, "K3_SCALE_NODES": nodes, "K3_SCALE_ROUTER_PORT":
+                                           str(router.port)}, dotenv=None), api_key="")
 
 
 def test_status_ok_reads_every_replica(servers):
     from k3rocm.deploy.scale.status import format_status
 
     one, two, router = servers
-    replicas, r = _status(f"{one.port},127.0.0.1:{two.port}", router)
+    replicas, r = _status(router, one.port, two.port)
     assert r.summary == "ok, 2 of 2"
     assert [x.prefix_cache_hit_rate for x in replicas] == [pytest.approx(0.25)] * 2
     assert "prefix-cache hits 25.0%" in format_status(replicas, r)[0]
@@ -223,9 +223,9 @@ def test_status_ok_reads_every_replica(servers):
 
 def test_status_degraded_even_when_router_says_ok(servers):
     one, _, router = servers
-    assert _status(f"{one.port},127.0.0.1:1", router)[1].summary == "degraded, 1 of 2"
+    assert _status(router, one.port, 1)[1].summary == "degraded, 1 of 2"
     router.health = 503
-    assert _status(f"{one.port},127.0.0.1:1", router)[1].summary == "degraded, 1 of 2"
+    assert _status(router, one.port, 1)[1].summary == "degraded, 1 of 2"
 
 
 # --- router failures are server problems: exit 3 (k3rocm.errors), never 1 (a failed check) ---
@@ -259,18 +259,18 @@ def test_the_router_or_replicas_down_exits_3(cli, dead_ports, sub, fragment):
     assert fragment in last and "\n" not in last, out + err
 
 
-def _containers(container):
-    """The docker-py surface the router functions use: ``containers.get`` finds ``container``
-    (None: NotFound), ``containers.run`` starts it, every image exists."""
+def _engine(found=None, started=None):
+    """The docker-py surface the router functions use: ``containers.get`` finds ``found``
+    (None: NotFound), ``containers.run`` starts ``started``, every image exists."""
     import docker
 
     def get(name):
-        if container is None:
+        if found is None:
             raise docker.errors.NotFound(name)
-        return container
+        return found
 
     return SimpleNamespace(images=SimpleNamespace(get=lambda ref: object()), containers=
-                           SimpleNamespace(get=get, run=lambda *a, **kw: container))
+                           SimpleNamespace(get=get, run=lambda *a, **kw: started))
 
 
 def test_a_router_that_exits_at_start_is_a_server_problem(dead_ports):
@@ -278,10 +278,8 @@ def test_a_router_that_exits_at_start_is_a_server_problem(dead_ports):
 
     exited = SimpleNamespace(status="exited", reload=lambda: None, remove=lambda force: None,
                              logs=lambda tail=None: b"error: unknown flag --bogus\n")
-    client = _containers(None)
-    client.containers.run = lambda *a, **kw: exited
     with pytest.raises(UsageError) as e:
-        start_router(client, load_scale(_no_router_env(dead_ports), dotenv=None))
+        start_router(_engine(started=exited), load_scale(_no_router_env(dead_ports), dotenv=None))
     assert e.value.exit_code == 3 and "router exited at start" in str(e.value)
     assert "\n" not in str(e.value)
 
@@ -325,12 +323,12 @@ def test_stop_router_waits_for_the_request_timeout_by_default():
 
     assert STOP_TIMEOUT_S > ROUTER_REQUEST_TIMEOUT_S
     calls, c = _running()
-    assert stop_router(_containers(c), "r") is True
+    assert stop_router(_engine(c), "r") is True
     assert calls == [("stop", STOP_TIMEOUT_S), ("remove", True)]
     calls, c = _running()
-    stop_router(_containers(c), "r", timeout=60)
+    stop_router(_engine(c), "r", timeout=60)
     assert calls[0] == ("stop", 60)
-    assert stop_router(_containers(None), "r") is False
+    assert stop_router(_engine(), "r") is False
 
 
 @pytest.mark.parametrize(("args", "fragment"), [
