@@ -382,8 +382,6 @@ def _log_has(container, needle: str) -> bool:
 def test_graceful_stop_drains_in_flight_stream(cluster):
     """SIGTERM while a stream is held in the replica's engine: with the rendered
     --shutdown-timeout it completes; streams through the router meanwhile do not hang."""
-    import threading
-
     s = cluster["scale"]
     victim = cluster["replicas"][1]
     node2 = cluster["node2"]

@@ -102,7 +102,7 @@ def test_default_slice_has_the_real_layout_of_its_config(src, tmp_path, capsys):
 
 def test_values_are_valid_quantized_and_finite(src, tmp_path):
     out = tmp_path / "slice"
-    assert _slice(src, out, "--experts", "3") == 0  # an odd count: the layout is its config's
+    assert _slice(src, out, "--experts", "3") == 0  # odd: still exactly its config's layout
     assert _layout(out) == tensors(json.loads((out / "config.json").read_text()))
     got = _read_all(out)
     packed = scales = 0
