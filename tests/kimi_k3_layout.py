@@ -266,9 +266,9 @@ def write_checkpoint(d: Path, cfg: dict | None = None, shards: int = 4,
     """Write a checkpoint (config, index with weight_map, ``shards`` shards, tokenizer files).
 
     Data bytes are ``fill`` repeated (default: a byte pattern); the tests truncate or poison
-    them to prove the slicer never reads them; ``data=False`` writes the headers only (a
-    full-size layout in a few MB); ``specs`` replaces the tensors ``cfg`` implies. Returns the
-    config."""
+    them to prove the slicer never reads them; ``data=False`` leaves the data a hole (sparse
+    shards of full size: a full-size layout in a few MB on disk); ``specs`` replaces the tensors
+    ``cfg`` implies. Returns the config."""
     cfg = cfg or small_config()
     d.mkdir(parents=True, exist_ok=True)
     specs = specs or tensors(cfg)
@@ -292,6 +292,8 @@ def write_checkpoint(d: Path, cfg: dict | None = None, shards: int = 4,
             if data:
                 fh.write((np.full(off, fill, np.uint8) if fill is not None
                           else (np.arange(off) % 251).astype(np.uint8)).tobytes())
+            else:
+                fh.truncate(8 + len(text) + off)
     total = sum(math.prod(s) * ITEM[dt] for dt, s in specs.values())
     (d / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": wmap}))

@@ -21,8 +21,10 @@ LOCK = REPO / "docker" / "clients" / "requirements.lock"
 SCRIPT = REPO / "docker" / "clients" / "clientlock.py"
 
 
-def interpreters() -> dict[str, str]:
-    """{"3.10": path, ...}: this one plus any other CPython 3.10-3.13 on the machine."""
+@pytest.fixture(scope="module")
+def pys() -> dict[str, str]:
+    """{"3.10": path, ...}: this one plus any other CPython 3.10-3.13 on the machine (two at
+    least, or nothing to compare)."""
     found = {f"{sys.version_info[0]}.{sys.version_info[1]}": sys.executable}
     cands = sorted(glob.glob("/usr/bin/python3.1[0-3]")
                    + glob.glob(os.path.expanduser("~/.pyenv/versions/3.1[0-3]*/bin/python3")))
@@ -31,6 +33,7 @@ def interpreters() -> dict[str, str]:
                            capture_output=True, text=True)
         if p.returncode == 0:
             found.setdefault(p.stdout.strip(), path)
+    need(len(found) >= 2, f"only one CPython here ({', '.join(found)}): nothing to compare")
     return found
 
 
@@ -69,9 +72,7 @@ def test_lock_refuses_a_report_from_another_python(tmp_path):
         assert not (tmp_path / "out.lock").exists()
 
 
-def test_fetch_command_does_not_depend_on_the_host_python():
-    pys = interpreters()
-    need(len(pys) >= 2, f"only one CPython here ({', '.join(pys)}): nothing to compare")
+def test_fetch_command_does_not_depend_on_the_host_python(pys):
     argvs = {}
     for ver, path in pys.items():
         p = subprocess.run([path, str(SCRIPT), "download", "--print-argv", "--dest", "/tmp/x"],
@@ -86,10 +87,8 @@ def test_fetch_command_does_not_depend_on_the_host_python():
     assert "--no-deps" in first
 
 
-def test_fetch_gets_the_same_cp311_files_with_any_host_python(tmp_path):
+def test_fetch_gets_the_same_cp311_files_with_any_host_python(tmp_path, pys):
     """Real pip, real index: a slice of the lock fetched by each interpreter."""
-    pys = interpreters()
-    need(len(pys) >= 2, f"only one CPython here ({', '.join(pys)}): nothing to compare")
     keep = ("pyyaml", "six", "sqlitedict")  # a cp311 wheel, a pure wheel, an sdist
     lines = [ln for ln in LOCK.read_text().splitlines()
              if re.match(rf"^({'|'.join(keep)})==", ln)]

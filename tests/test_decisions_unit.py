@@ -121,12 +121,10 @@ def test_k3rocm_writer_writes_what_the_overlay_writes(tmp_path, monkeypatch, cap
              "dual_norm_op": {"found": True, "source": "d"}}
     overlay = _overlay_writer(probe)
     ours = decisions.Writer()
-    calls = [("target", "construct", {"qk_norm": {"state": "on", "reason": "a"},
-                                      "decode_qprep": {"state": "needs-model", "reason": "b"}},
-              {"qk_norm": True, "decode_qprep": True}),
-             ("target", "construct", {"qk_norm": {"state": "on", "reason": "a"},  # same again
-                                      "decode_qprep": {"state": "needs-model", "reason": "b"}},
-              {"qk_norm": True, "decode_qprep": True}),
+    construct = ("target", "construct", {"qk_norm": {"state": "on", "reason": "a"},
+                                         "decode_qprep": {"state": "needs-model", "reason": "b"}},
+                 {"qk_norm": True, "decode_qprep": True})
+    calls = [construct, construct,  # the same again: logged once
              ("draft", "load", {"qk_norm": {"state": "off", "reason": "K3_FUSE_QK_NORM=0"},
                                 "decode_qprep": {"state": "unknown", "reason": "c"}},
               {"qk_norm": False, "decode_qprep": None})]

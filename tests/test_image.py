@@ -13,16 +13,14 @@ from k3rocm.serving.config import render
 
 pytestmark = pytest.mark.docker
 
-# A stand-in `vllm` that serves /health and exits 0 on SIGTERM: put first on PATH, it shows that
-# the signal reaches the process the entrypoint exec'd (no shell or Python wrapper in between).
+# A stand-in `vllm` that waits for SIGTERM and exits 0: put first on PATH, it shows that the
+# signal reaches the process the entrypoint exec'd (no shell or Python wrapper in between).
 FAKE_VLLM = """#!/usr/bin/env python3
-import http.server, signal, sys
+import signal, sys
 signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
 print("handler-installed", flush=True)
-class H(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
-http.server.HTTPServer(("0.0.0.0", 8000), H).serve_forever()
+while True:
+    signal.pause()
 """
 
 

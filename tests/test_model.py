@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import free_port, run_cli
+from conftest import run_cli
 from kimi_k3_layout import real_config, write_checkpoint
 from safetensors.numpy import save
 
@@ -54,6 +53,9 @@ def _blob_id(data: bytes) -> str:  # git's blob id, what the Hub reports as "oid
 
 
 class FakeHub:
+    """The Hub endpoints huggingface_hub reads, for ``files`` at ``revision``; ``log`` records
+    (method, file name or "tree", Range) of every file or listing answered."""
+
     def __init__(self, files: dict[str, bytes], revision: str = REVISION):
         self.files, self.revision, self.log = files, revision, []
         hub = self
@@ -62,68 +64,54 @@ class FakeHub:
             def log_message(self, *a):  # quiet
                 pass
 
-            def _resolve(self, head: bool) -> None:
-                prefix = f"/{REPO}/resolve/"
-                rev, _, name = self.path[len(prefix):].split("?")[0].partition("/")
-                if rev != hub.revision or name not in hub.files:
-                    return self._error(404, "EntryNotFound")
-                data = hub.files[name]
-                hub.log.append(("HEAD" if head else "GET", name, self.headers.get("Range")))
-                start = 0
-                rng = self.headers.get("Range")
-                if rng and not head:
-                    start = int(rng.split("=")[1].split("-")[0])
-                self.send_response(206 if start else 200)
-                self.send_header("X-Repo-Commit", hub.revision)
-                if name.endswith(".safetensors"):
-                    self.send_header("X-Linked-Etag", f'"{hashlib.sha256(data).hexdigest()}"')
-                    self.send_header("X-Linked-Size", str(len(data)))
-                else:
-                    self.send_header("ETag", f'"{_blob_id(data)}"')
-                self.send_header("Content-Length", str(len(data) - start))
-                self.end_headers()
-                if not head:
-                    self.wfile.write(data[start:])
-
-            def _error(self, code: int, kind: str) -> None:
-                body = json.dumps({"error": kind}).encode()
+            def _send(self, code: int, body: bytes, headers: dict) -> None:
                 self.send_response(code)
-                self.send_header("X-Error-Code", kind)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
+                for k, v in {**headers, "Content-Length": str(len(body))}.items():
+                    self.send_header(k, v)
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(body)
 
-            def do_HEAD(self):
-                if self.path.startswith(f"/{REPO}/resolve/"):
-                    return self._resolve(True)
-                self._error(404, "RepoNotFound")
+            def do_GET(self):  # noqa: N802 - http.server's name
+                path = self.path.split("?")[0]
+                resolve, tree = f"/{REPO}/resolve/", f"/api/models/{REPO}/tree/"
+                if path.startswith(resolve):
+                    rev, _, name = path[len(resolve):].partition("/")
+                    if rev == hub.revision and name in hub.files:
+                        return self._file(name)
+                    kind = "EntryNotFound"
+                elif path.startswith(tree) and self.command == "GET":
+                    if path[len(tree):] == hub.revision:
+                        return self._tree()
+                    kind = "RevisionNotFound"
+                else:
+                    kind = "RepoNotFound"
+                self._send(404, json.dumps({"error": kind}).encode(),
+                           {"X-Error-Code": kind, "Content-Type": "application/json"})
 
-            def do_GET(self):
-                tree = f"/api/models/{REPO}/tree/"
-                if self.path.startswith(f"/{REPO}/resolve/"):
-                    return self._resolve(False)
-                if not self.path.startswith(tree):
-                    return self._error(404, "RepoNotFound")
-                if self.path[len(tree):].split("?")[0] != hub.revision:
-                    return self._error(404, "RevisionNotFound")
+            do_HEAD = do_GET
+
+            def _file(self, name: str) -> None:
+                data, rng = hub.files[name], self.headers.get("Range")
+                hub.log.append((self.command, name, rng))
+                start = int(rng.split("=")[1].split("-")[0]) if rng and self.command == "GET" \
+                    else 0
+                tag = ({"X-Linked-Etag": f'"{hashlib.sha256(data).hexdigest()}"',
+                        "X-Linked-Size": str(len(data))} if name.endswith(".safetensors")
+                       else {"ETag": f'"{_blob_id(data)}"'})
+                self._send(206 if start else 200, data[start:],
+                           {"X-Repo-Commit": hub.revision, **tag})
+
+            def _tree(self) -> None:
                 hub.log.append(("GET", "tree", None))
-                entries = []
-                for name, data in hub.files.items():
-                    e = {"type": "file", "path": name, "size": len(data), "oid": _blob_id(data)}
-                    if name.endswith(".safetensors"):
-                        e["lfs"] = {"oid": hashlib.sha256(data).hexdigest(), "size": len(data),
-                                    "pointerSize": 134}
-                    entries.append(e)
-                body = json.dumps(entries).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                entries = [{"type": "file", "path": name, "size": len(data), "oid": _blob_id(data),
+                            **({"lfs": {"oid": hashlib.sha256(data).hexdigest(), "size": len(data),
+                                        "pointerSize": 134}} if name.endswith(".safetensors")
+                               else {})} for name, data in hub.files.items()]
+                self._send(200, json.dumps(entries).encode(),
+                           {"Content-Type": "application/json"})
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
@@ -145,8 +133,8 @@ def _env(hub: FakeHub, tmp_path: Path) -> dict[str, str]:
             "K3_MODELS_DIR": str(tmp_path / "models")}
 
 
-def _copy(tmp_path: Path, files: dict[str, bytes]) -> Path:
-    d = tmp_path / "ckpt"
+def _copy(tmp_path: Path, files: dict[str, bytes], name: str = "ckpt") -> Path:
+    d = tmp_path / name
     d.mkdir()
     for name, data in files.items():
         (d / name).write_bytes(data)
@@ -178,16 +166,13 @@ def test_identity_of_a_copy_hashes_config_and_index_only(tmp_path):
 
 
 def test_verify_names_what_is_missing_or_wrong(tmp_path):
-    d = _copy(tmp_path, _tiny_repo())
+    files = _tiny_repo()
+    d = _copy(tmp_path, files)
     assert verify(d) == []  # a missing shard: test_verify_cli_exit_codes
     (d / "config.json").unlink()
     assert "config.json is missing" in verify(d)
     # sizes are checked when the record lists them
-    d2 = tmp_path / "sized"
-    d2.mkdir()
-    files = _tiny_repo()
-    for name, data in files.items():
-        (d2 / name).write_bytes(data)
+    d2 = _copy(tmp_path, files, "sized")
     (d2 / checkpoint.RECORD).write_text(json.dumps(
         {"repo_id": REPO, "revision": REVISION,
          "files": {n: len(v) for n, v in files.items()}}))
@@ -202,21 +187,18 @@ def test_verify_names_what_is_missing_or_wrong(tmp_path):
     assert verify(d2, "0" * 40)[-1] == f"this copy is revision {REVISION}, not {'0' * 40}"
 
 
-def test_verify_cli_exit_codes(tmp_path, capsys, monkeypatch):
+def test_verify_cli_exit_codes(tmp_path, k3):
     """The entry point once (a subprocess), the rest in-process: one FAIL line per problem."""
-    from k3rocm.cli import main
-
     d = _copy(tmp_path, _tiny_repo())
     ok = run_cli("model", "--verify", "--dir", str(d))
     assert ok.returncode == 0 and f"ok: {d} is complete" in ok.stdout, ok
     assert json.loads(ok.stdout[:ok.stdout.rindex("}") + 1])["config_sha256"]
     assert "Traceback" not in ok.stderr
-    for k in [k for k in os.environ if k.startswith("K3_")]:
-        monkeypatch.delenv(k)
     (d / SHARDS[0]).unlink()
     (d / "model-00003-of-00003.safetensors").write_bytes(b"\0" * 16)
-    assert main(["model", "--verify", "--dir", str(d)]) == 1
-    lines = capsys.readouterr().out.strip().splitlines()
+    r = k3("model", "--verify", "--dir", str(d))
+    assert r.returncode == 1, r
+    lines = r.stdout.strip().splitlines()
     assert len(lines) == 4 and lines[0] == (f"FAIL shard {SHARDS[0]} (listed in "
                                             "model.safetensors.index.json) is missing"), lines
     assert lines[1].startswith("FAIL the 1 readable shard(s) of 2 declare ")
@@ -224,9 +206,9 @@ def test_verify_cli_exit_codes(tmp_path, capsys, monkeypatch):
     assert lines[3].endswith("3 problem(s); `make model` fetches what is missing")
     for argv, fragment in (([str(tmp_path / "absent")], "does not exist"),
                            ([str(d), "--revision", "main"], "not a 40-hex commit")):
-        assert main(["model", "--verify", "--dir", *argv]) == 2
-        err = capsys.readouterr().err
-        assert fragment in err and len(err.strip().splitlines()) == 1, err
+        r = k3("model", "--verify", "--dir", *argv)
+        assert r.returncode == 2 and fragment in r.stderr, r
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
 def test_verify_checks_each_shards_bytes_against_its_header_and_the_index(tmp_path):
@@ -243,8 +225,7 @@ def test_verify_checks_each_shards_bytes_against_its_header_and_the_index(tmp_pa
         "revision listing names it"]
 
     # an index that declares far more than its shards hold (57 MB of shards, 913.7 GB indexed)
-    (tmp_path / "big").mkdir()
-    d = _copy(tmp_path / "big", files)
+    d = _copy(tmp_path, files, "big")
     idx = json.loads(files["model.safetensors.index.json"])
     idx["metadata"]["total_size"] = 913_700_000_000
     (d / "model.safetensors.index.json").write_text(json.dumps(idx))
@@ -252,8 +233,7 @@ def test_verify_checks_each_shards_bytes_against_its_header_and_the_index(tmp_pa
                          "model.safetensors.index.json total_size is 913700000000 (913.7 GB)"]
 
     # trailing bytes, a tensor the index puts in a shard that lacks it, a header that is not one
-    (tmp_path / "odd").mkdir()
-    d = _copy(tmp_path / "odd", files)
+    d = _copy(tmp_path, files, "odd")
     (d / SHARDS[0]).write_bytes(files[SHARDS[0]] + b"\0" * 8)
     idx = json.loads(files["model.safetensors.index.json"])
     idx["weight_map"]["model.norm.weight"] = SHARDS[1]
@@ -276,12 +256,6 @@ def full_size_copy(tmp_path_factory) -> Path:
     """Kimi-K3's 96 shards at full size as sparse files (1.57 TB apparent, a few MB on disk)."""
     d = tmp_path_factory.mktemp("full") / "Kimi-K3"
     write_checkpoint(d, real_config(), shards=96, data=False)
-    for f in d.glob("*.safetensors"):
-        with open(f, "rb") as fh:
-            n = int.from_bytes(fh.read(8), "little")
-            header = json.loads(fh.read(n))
-        end = max(v["data_offsets"][1] for k, v in header.items() if k != "__metadata__")
-        os.truncate(f, 8 + n + end)
     return d
 
 

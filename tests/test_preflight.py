@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import free_port, run_cli
@@ -163,26 +164,16 @@ def test_the_base_image_and_its_digest(monkeypatch):
 
     digest = "vllm/vllm-openai-rocm@sha256:" + "ab" * 32
 
-    class Img:
-        def __init__(self, digests=(), labels=None):
-            self.id, self.attrs, self.labels = "sha256:" + "1" * 64, {"RepoDigests":
-                                                                       list(digests)}, labels
+    def Img(digests=(), labels=None):  # noqa: N802 - a docker-py Image
+        return SimpleNamespace(id="sha256:" + "1" * 64, attrs={"RepoDigests": list(digests)},
+                               labels=labels)
 
-    class Images:
-        def __init__(self, known):
-            self.known = known
-
-        def get(self, ref):
-            if ref not in self.known:
+    def Client(known):  # noqa: N802 - a docker-py DockerClient
+        def get(ref):
+            if ref not in known:
                 raise docker.errors.ImageNotFound(ref)
-            return self.known[ref]
-
-    class Client:
-        def __init__(self, known):
-            self.images = Images(known)
-
-        def version(self):
-            return {"Version": "27"}
+            return known[ref]
+        return SimpleNamespace(images=SimpleNamespace(get=get), version=lambda: {"Version": "27"})
 
     monkeypatch.delenv("BASE_IMAGE", raising=False)
     s, _ = load_settings({}, dotenv=None, check_model=False)
@@ -290,24 +281,18 @@ def _cards(sys_root: Path, used: list[int]) -> None:
     (drm / "card1-DP-1").mkdir(exist_ok=True)  # a connector, not a device
 
 
-class _Ctr:
-    """A running container as docker-py shows it (the attributes provenance reads)."""
-
-    def __init__(self, name, port, service="server", ours=True):
-        self.name, self.id = name, "c" * 64
-        self.image = type("I", (), {"tags": ["k3rocm/server:latest" if ours else "rocm/pytorch"],
-                                    "id": "sha256:" + "2" * 64})
-        self.labels = {"com.docker.compose.service": service}
-        self.attrs = {"Config": {"Env": ["K3_PROFILE=mi355x-tp8", f"K3_PORT={port}"]
-                                 if ours else ["PATH=/usr/bin"]},
-                      "NetworkSettings": {"Ports": {f"{port}/tcp": [{"HostPort": str(port)}]}},
-                      "HostConfig": {"Devices": [{"PathOnHost": "/dev/kfd",
-                                                  "PathInContainer": "/dev/kfd"}]}}
-
-
-class _Engine:
-    def __init__(self, *ctrs):
-        self.containers = type("L", (), {"list": lambda _self: list(ctrs)})()
+def _engine(name: str, port: int, ours: bool = True):
+    """An engine with one running container as docker-py shows it (what provenance reads)."""
+    ctr = SimpleNamespace(
+        name=name, id="c" * 64, labels={"com.docker.compose.service": "server"},
+        image=SimpleNamespace(tags=["k3rocm/server:latest" if ours else "rocm/pytorch"],
+                              id="sha256:" + "2" * 64),
+        attrs={"Config": {"Env": ["K3_PROFILE=mi355x-tp8", f"K3_PORT={port}"]
+                          if ours else ["PATH=/usr/bin"]},
+               "NetworkSettings": {"Ports": {f"{port}/tcp": [{"HostPort": str(port)}]}},
+               "HostConfig": {"Devices": [{"PathOnHost": "/dev/kfd",
+                                           "PathInContainer": "/dev/kfd"}]}})
+    return SimpleNamespace(containers=SimpleNamespace(list=lambda: [ctr]))
 
 
 def test_free_hbm(tmp_path):
@@ -328,13 +313,13 @@ def test_free_hbm(tmp_path):
     assert short.status == "fail" and "6 of 8 GPU(s) short" in short.have
     assert "card3 15.0 GiB used" in short.have and "card1 " not in short.have
     assert "outside this bundle's containers: `amd-smi process`" in short.fix
-    other = preflight.check_hbm(s, _Engine(_Ctr("k3-selftest-server-1", 8123)), sys_root, dev)
+    other = preflight.check_hbm(s, _engine("k3-selftest-server-1", 8123), sys_root, dev)
     assert other.status == "fail" and "k3-selftest-server-1 (k3rocm/server:latest, port 8123)" \
         in other.fix
     assert "`make down`" in other.fix
-    theirs = preflight.check_hbm(s, _Engine(_Ctr("torch", 9000, ours=False)), sys_root, dev)
+    theirs = preflight.check_hbm(s, _engine("torch", 9000, ours=False), sys_root, dev)
     assert theirs.status == "fail" and "torch (rocm/pytorch, not a k3rocm server)" in theirs.fix
-    ours = preflight.check_hbm(s, _Engine(_Ctr("k3rocm-server-1", 8000)), sys_root, dev)
+    ours = preflight.check_hbm(s, _engine("k3rocm-server-1", 8000), sys_root, dev)
     assert ours.status == "warn" and "compose server k3rocm-server-1" in ours.fix
     assert "`make up` keeps or recreates it" in ours.fix
     tp2 = load_settings({"K3_TP": "2"}, dotenv=None, check_model=False)[0]

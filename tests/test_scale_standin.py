@@ -7,7 +7,6 @@ Measured figures are printed as ``[scale] ...`` lines."""
 from __future__ import annotations
 
 import os
-import re
 import shlex
 import socket
 import sys
@@ -23,6 +22,7 @@ from server_fixture import (
     standin_server,  # noqa: F401 - the shared session fixture
     start_server,
 )
+from test_k8s_render import TWO_K8S, _obj, _render, refuses
 
 from k3rocm.deploy.provenance import exec_text
 from k3rocm.deploy.scale.overhead import format_figures, measure
@@ -30,6 +30,7 @@ from k3rocm.deploy.scale.render import compose_override, plan
 from k3rocm.deploy.scale.router import instance, start_router, stop_router
 from k3rocm.deploy.scale.settings import load_scale
 from k3rocm.deploy.scale.status import format_status, scale_status
+from k3rocm.deploy.server_api import metric_sum
 
 pytestmark = pytest.mark.docker
 
@@ -104,13 +105,8 @@ def _served(url: str) -> float:
     """Requests this server finished successfully, from its Prometheus /metrics."""
     import requests
 
-    text = requests.get(f"{url}/metrics", timeout=10).text
-    total = 0.0
-    for line in text.splitlines():
-        m = re.match(r"^vllm:request_success_total\{[^}]*\}\s+([0-9.eE+]+)$", line)
-        if m:
-            total += float(m.group(1))
-    return total
+    return metric_sum(requests.get(f"{url}/metrics", timeout=10).text,
+                      "vllm:request_success_total") or 0.0
 
 
 def _kill(container) -> None:
@@ -235,8 +231,6 @@ def test_failover_degraded_then_restart(cluster, docker_client):
 def test_router_image_accepts_the_rendered_kubernetes_args(docker_client):
     """The router image with the rendered Kubernetes args: every flag accepted, loopback only,
     /liveness and metrics answer, the rendered exec probe passes, SIGTERM exits 0."""
-    from test_k8s_render import TWO_K8S, _obj, _render
-
     from k3rocm.deploy.scale import k8s
 
     need(_image_exists(docker_client, ROUTER_IMAGE),
@@ -319,16 +313,6 @@ def _free_ports(n: int) -> int:
     raise AssertionError(f"no {n} consecutive free ports")
 
 
-def _refuses(url: str) -> bool:
-    """The router's port takes no new connection (it closed its listener)."""
-    host, port = url.rsplit("//", 1)[1].rsplit(":", 1)
-    try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=2).close()
-        return False
-    except OSError:
-        return True
-
-
 HA_STREAMS = 6  # streams in flight through router 1 when it is stopped
 HA_TOKENS = 32  # per stream: at HA_STEP_MS per engine step, ~8 s after the first token
 HA_STEP_MS = 250
@@ -365,7 +349,7 @@ def test_router_down_drains_streams_while_router_2_serves(cluster, docker_client
             started = sum(ev.is_set() for ev in firsts)
             t0 = time.monotonic()
             stopper = pool.submit(stop_router, docker_client, name1)  # router-down's defaults
-            _wait(lambda: _refuses(s1.router_url), 60, "router 1 refusing new connections",
+            _wait(lambda: refuses(s1.router_port), 60, "router 1 refusing new connections",
                   step=0.1)
             refused_after = time.monotonic() - t0
             during = [f.result()[0] for f in
@@ -398,8 +382,6 @@ def _log_has(container, needle: str) -> bool:
 def test_graceful_stop_drains_in_flight_stream(cluster):
     """SIGTERM while a stream is held in the replica's engine: with the rendered
     --shutdown-timeout it completes; streams through the router meanwhile do not hang."""
-    import threading
-
     s = cluster["scale"]
     victim = cluster["replicas"][1]
     node2 = cluster["node2"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+from types import SimpleNamespace
 
 import pytest
 from conftest import REPO, need, run_cli
@@ -83,9 +84,11 @@ def test_bad_scale_settings_one_line(env, needle):
 
 def test_dotenv_is_read_and_environment_wins(tmp_path):
     dotenv = tmp_path / ".env"
-    dotenv.write_text("K3_SCALE_MODE=replicas\nK3_SCALE_NODES=a:1,b:2\nK3_SCALE_ROUTER_PORT=9000\n")
-    s = load_scale({"K3_SCALE_ROUTER_PORT": "9100"}, dotenv=dotenv)
-    assert s.nodes == ("a:1", "b:2") and s.router_port == 9100
+    dotenv.write_text("K3_SCALE_MODE=pd\nK3_SCALE_NODES=a:1,b:2\nK3_SCALE_ROUTER_PORT=9000\n")
+    with pytest.raises(UsageError, match=r"K3_SCALE_MODE=pd \(from .env\) is not offered"):
+        load_scale({}, dotenv=dotenv)
+    s = load_scale({"K3_SCALE_MODE": "replicas", "K3_SCALE_ROUTER_PORT": "9100"}, dotenv=dotenv)
+    assert s.nodes == ("a:1", "b:2") and s.router_port == 9100 and s.mode == "replicas"
 
 
 def test_cli_bad_value_exit_2_no_traceback():
@@ -117,19 +120,6 @@ def test_router_argv():
         "--health-failure-threshold", "2", "--request-timeout-secs", "1800",
         "--prometheus-host", "127.0.0.1", "--prometheus-port", "29000",
         "--worker-urls", "http://10.0.0.1:8000", "http://10.0.0.2:8000"]
-
-
-def test_pd_is_not_offered_from_dotenv_and_the_shell_overrides(tmp_path):
-    dotenv = tmp_path / ".env"
-    dotenv.write_text("K3_SCALE_MODE=pd\nK3_SCALE_NODES=a:1,b:2\n")
-    with pytest.raises(UsageError, match=r"K3_SCALE_MODE=pd \(from .env\) is not offered"):
-        load_scale({}, dotenv=dotenv)
-    assert load_scale({"K3_SCALE_MODE": "replicas"}, dotenv=dotenv).mode == "replicas"
-
-
-def test_single_mode_has_nothing_to_render():
-    with pytest.raises(UsageError, match="nothing to scale out"):
-        plan({}, dotenv=None)
 
 
 def test_compose_override_validates_with_docker_compose(tmp_path):
@@ -213,28 +203,29 @@ def servers(fake_vllm):
     return [fake_vllm(metrics=METRICS) for _ in range(3)]
 
 
-def test_status_ok_reads_every_replica(servers):
+def _status(router, *ports: int):
     from k3rocm.deploy.scale import status
 
+    nodes = ",".join(f"127.0.0.1:{p}" for p in ports)
+    return status.scale_status(load_scale({**TWO, "K3_SCALE_NODES": nodes, "K3_SCALE_ROUTER_PORT":
+                                           str(router.port)}, dotenv=None), api_key="")
+
+
+def test_status_ok_reads_every_replica(servers):
+    from k3rocm.deploy.scale.status import format_status
+
     one, two, router = servers
-    s = load_scale({**TWO, "K3_SCALE_NODES": f"127.0.0.1:{one.port},127.0.0.1:{two.port}",
-                    "K3_SCALE_ROUTER_PORT": str(router.port)}, dotenv=None)
-    replicas, r = status.scale_status(s, api_key="")
+    replicas, r = _status(router, one.port, two.port)
     assert r.summary == "ok, 2 of 2"
     assert [x.prefix_cache_hit_rate for x in replicas] == [pytest.approx(0.25)] * 2
-    assert "prefix-cache hits 25.0%" in status.format_status(replicas, r)[0]
+    assert "prefix-cache hits 25.0%" in format_status(replicas, r)[0]
 
 
 def test_status_degraded_even_when_router_says_ok(servers):
-    from k3rocm.deploy.scale import status
-
     one, _, router = servers
-    s = load_scale({**TWO, "K3_SCALE_NODES": f"127.0.0.1:{one.port},127.0.0.1:1",
-                    "K3_SCALE_ROUTER_PORT": str(router.port)}, dotenv=None)
-    replicas, r = status.scale_status(s, api_key="")
-    assert r.summary == "degraded, 1 of 2"
+    assert _status(router, one.port, 1)[1].summary == "degraded, 1 of 2"
     router.health = 503
-    assert status.scale_status(s, api_key="")[1].summary == "degraded, 1 of 2"
+    assert _status(router, one.port, 1)[1].summary == "degraded, 1 of 2"
 
 
 # --- router failures are server problems: exit 3 (k3rocm.errors), never 1 (a failed check) ---
@@ -258,53 +249,37 @@ def _no_router_env(ports):
             "K3_SCALE_ROUTER_HOST": "127.0.0.1", "K3_SCALE_ROUTER_PORT": str(ports[2])}
 
 
-def test_status_with_the_router_down_exits_3(cli, dead_ports):
-    rc, out, err = cli("scale", "status", env=_no_router_env(dead_ports))
+@pytest.mark.parametrize(("sub", "fragment"), [("status", "router unreachable"),
+                                               ("overhead", "start the replicas first")])
+def test_the_router_or_replicas_down_exits_3(cli, dead_ports, sub, fragment):
+    rc, out, err = cli("scale", sub, env=_no_router_env(dead_ports))
     assert rc == 3, out + err
-    assert "router unreachable" in out.splitlines()[-1]
+    # status: the table's last line says it; overhead: one line on stderr
+    last = out.splitlines()[-1] if sub == "status" else err.strip()
+    assert fragment in last and "\n" not in last, out + err
 
 
-def test_overhead_without_replicas_exits_3_in_one_line(cli, dead_ports):
-    rc, out, err = cli("scale", "overhead", env=_no_router_env(dead_ports))
-    assert rc == 3, out + err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "start the replicas first" in lines[0]
+def _engine(found=None, started=None):
+    """The docker-py surface the router functions use: ``containers.get`` finds ``found``
+    (None: NotFound), ``containers.run`` starts ``started``, every image exists."""
+    import docker
 
-
-class _Exited:  # a docker-py Container that exited right after containers.run
-
-    status = "exited"
-
-    def reload(self):
-        pass
-
-    def logs(self, tail=None):
-        return b"error: unknown flag --bogus\n"
-
-    def remove(self, force=False):
-        pass
-
-
-class _Client:  # the DockerClient surface start_router uses
-
-    def __init__(self):
-        from types import SimpleNamespace
-
-        import docker
-
-        def missing(name):
+    def get(name):
+        if found is None:
             raise docker.errors.NotFound(name)
+        return found
 
-        self.images = SimpleNamespace(get=lambda ref: object())
-        self.containers = SimpleNamespace(get=missing, run=lambda *a, **kw: _Exited())
+    return SimpleNamespace(images=SimpleNamespace(get=lambda ref: object()), containers=
+                           SimpleNamespace(get=get, run=lambda *a, **kw: started))
 
 
 def test_a_router_that_exits_at_start_is_a_server_problem(dead_ports):
     from k3rocm.deploy.scale.router import start_router
 
-    s = load_scale(_no_router_env(dead_ports), dotenv=None)
+    exited = SimpleNamespace(status="exited", reload=lambda: None, remove=lambda force: None,
+                             logs=lambda tail=None: b"error: unknown flag --bogus\n")
     with pytest.raises(UsageError) as e:
-        start_router(_Client(), s)
+        start_router(_engine(started=exited), load_scale(_no_router_env(dead_ports), dotenv=None))
     assert e.value.exit_code == 3 and "router exited at start" in str(e.value)
     assert "\n" not in str(e.value)
 
@@ -335,44 +310,25 @@ def test_instance_refusals(env, n, fragment):
         instance(s, n)
 
 
-class _Container:
-    def __init__(self):
-        self.status, self.attrs, self.calls = "running", {"State": {"ExitCode": 0}}, []
-
-    def stop(self, timeout):
-        self.calls.append(("stop", timeout))
-
-    def reload(self):
-        pass
-
-    def remove(self, force):
-        self.calls.append(("remove", force))
-
-
-class _Containers:
-    def __init__(self, container):
-        self.containers = self
-        self._c = container
-
-    def get(self, name):
-        import docker
-
-        if self._c is None:
-            raise docker.errors.NotFound(name)
-        return self._c
+def _running():
+    calls = []
+    return calls, SimpleNamespace(status="running", attrs={"State": {"ExitCode": 0}},
+                                  reload=lambda: None,
+                                  stop=lambda timeout: calls.append(("stop", timeout)),
+                                  remove=lambda force: calls.append(("remove", force)))
 
 
 def test_stop_router_waits_for_the_request_timeout_by_default():
     from k3rocm.deploy.scale.render import ROUTER_REQUEST_TIMEOUT_S
 
     assert STOP_TIMEOUT_S > ROUTER_REQUEST_TIMEOUT_S
-    c = _Container()
-    assert stop_router(_Containers(c), "r") is True
-    assert c.calls == [("stop", STOP_TIMEOUT_S), ("remove", True)]
-    c = _Container()
-    stop_router(_Containers(c), "r", timeout=60)
-    assert c.calls[0] == ("stop", 60)
-    assert stop_router(_Containers(None), "r") is False
+    calls, c = _running()
+    assert stop_router(_engine(c), "r") is True
+    assert calls == [("stop", STOP_TIMEOUT_S), ("remove", True)]
+    calls, c = _running()
+    stop_router(_engine(c), "r", timeout=60)
+    assert calls[0] == ("stop", 60)
+    assert stop_router(_engine(), "r") is False
 
 
 @pytest.mark.parametrize(("args", "fragment"), [
@@ -388,7 +344,7 @@ def test_cli_refuses_bad_instance_and_timeout(cli, args, fragment):
     assert len(lines) == 1 and fragment in lines[0], err
 
 
-@pytest.mark.parametrize("sub", ["url", "proxy-conf", "status", "overhead"])
+@pytest.mark.parametrize("sub", ["render", "url", "proxy-conf", "status", "overhead"])
 def test_single_mode_refuses_what_needs_replicas(cli, sub):
     rc, out, err = cli("scale", sub, env={"K3_SCALE_MODE": "single"})
     assert rc == 2 and len(err.strip().splitlines()) == 1 and "K3_SCALE_MODE=replicas" in err, err

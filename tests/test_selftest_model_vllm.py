@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from kimi_k3_layout import write_checkpoint
-from overlay_docker import LABEL, require_standin
+from overlay_docker import require_standin, run_container
 
 from k3rocm import cli
 
@@ -20,16 +20,9 @@ HELPERS = Path(__file__).resolve().parent / "overlay_invllm"
 
 
 def _load_in_vllm(client, image: str, slice_dir: Path) -> tuple[int, str]:
-    c = client.containers.run(
-        image, entrypoint=["python3", "/k3tests/slice_load.py", "/slice"], detach=True,
-        labels=LABEL, environment={"VLLM_TARGET_DEVICE": "cpu"},
-        volumes={str(HELPERS): {"bind": "/k3tests", "mode": "ro"},
-                 str(slice_dir): {"bind": "/slice", "mode": "ro"}})
-    try:
-        rc = c.wait(timeout=600)["StatusCode"]
-        return rc, c.logs(stdout=True, stderr=True).decode(errors="replace")
-    finally:
-        c.remove(force=True)
+    return run_container(client, image, "python3 /k3tests/slice_load.py /slice", timeout=600,
+                         volumes={str(HELPERS): {"bind": "/k3tests", "mode": "ro"},
+                                  str(slice_dir): {"bind": "/slice", "mode": "ro"}})
 
 
 def test_vllm_kimi_k3_loads_the_slice(docker_client, tmp_path):
