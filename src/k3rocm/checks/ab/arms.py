@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from k3rocm.checks.bench import STEP_DELAY_ENV
 from k3rocm.deploy.engine import image_id as engine_image_id
 from k3rocm.deploy.lifecycle import (
     ComposeServer,
@@ -34,7 +35,6 @@ from k3rocm.serving.fusions import NAMES, switches
 
 FUSIONS_OFF = switches(False)
 FUSIONS_ON = switches(True)
-STEP_DELAY_ENV = "K3_TEST_STEP_DELAY_MS"
 PLUGINS_DIR_ENV = "K3_TEST_PLUGINS_DIR"  # the test double's host directory, given by the caller
 STEP_DELAY_MOUNT = "/opt/k3rocm-test"  # compose.cpu.yaml mounts K3_TEST_PLUGINS_DIR here
 # Assumed time to a ready server when no earlier A/B under the results root measured one.

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from k3rocm.checks.bench import stats, summary
+from k3rocm.checks.bench import STEP_DELAY_ENV, stats, summary
 from k3rocm.checks.bench.cli import add_common, resolve_from_args
 from k3rocm.checks.bench.plots import _pyplot, _save
 from k3rocm.checks.bench.run import check_tokenizer, planned_command, run_bench
@@ -29,8 +29,6 @@ from k3rocm.rundir import table, utc_stamp, write_json_atomic, write_text_atomic
 from k3rocm.serving.fusions import switches
 
 _log = tagged_log("bench-ab")
-# The step-delay double's switch (a calibration's arm B; k3rocm.checks.ab.arms sets it there)
-STEP_DELAY_ENV = "K3_TEST_STEP_DELAY_MS"
 
 
 @dataclass
