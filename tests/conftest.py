@@ -111,6 +111,21 @@ def run_cli(*args: str, env: dict | None = None, cwd: Path | None = None,
                           cwd=cwd or REPO, capture_output=True, text=True, timeout=timeout)
 
 
+def clean_env(**extra: str) -> dict:
+    """This process's environment without K3_* and BENCH_* (a developer's settings must not steer
+    a test), this tree's src first on PYTHONPATH, then ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("K3_", "BENCH_"))}
+    return {**env, "PYTHONPATH": str(REPO / "src"), **extra}
+
+
+def make(*args: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
+    """``make -s <args>`` in the checkout with this interpreter as PY, in :func:`clean_env` plus
+    ``env``; :func:`make_exit_code` reads the k3rocm exit code behind make's own."""
+    return subprocess.run(["make", "-s", "--no-print-directory", "-o", sys.executable, *args,
+                           f"PY={sys.executable}"], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env=clean_env(**env))
+
+
 class Ran(NamedTuple):
     returncode: int
     stdout: str
