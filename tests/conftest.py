@@ -256,6 +256,16 @@ def server_image(docker_client) -> str:
     return build_server_image(docker_client, standin_tag(), f"k3rocm/server:cpu-{STANDIN_VERSION}")
 
 
+@pytest.fixture(scope="session")
+def client_image(docker_client) -> str:
+    """The client image (aiperf, lm-eval) that bench and gsm8k run by default, or skip/fail."""
+    from k3rocm.deploy.engine import CLIENT_IMAGE
+
+    need(_image_exists(docker_client, CLIENT_IMAGE),
+         f"client image {CLIENT_IMAGE} missing (make clients-image)")
+    return CLIENT_IMAGE
+
+
 @pytest.fixture
 def fake_vllm():
     """``fake_vllm(**settings)`` starts a fake vLLM server (tests/fake_vllm.py); every one

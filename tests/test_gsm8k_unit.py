@@ -4,15 +4,12 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, free_port, make_exit_code
+from conftest import free_port, make, make_exit_code
 
 from k3rocm.checks.gsm8k import cli, data, results
 from k3rocm.checks.gsm8k.lmeval_launch import apply_reasoning_fallback, log_finish_reasons
@@ -190,19 +187,12 @@ def test_bad_input_and_no_server_exit_with_one_line(k3, data_dir, tmp_path, argv
     assert got == code and err.count("\n") == 1 and fragment in err, err
 
 
-def _make(*args: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["make", "-s", "-o", sys.executable, *args, f"PY={sys.executable}"],
-                          cwd=REPO, capture_output=True, text=True, timeout=timeout,
-                          env={**{k: v for k, v in os.environ.items() if not k.startswith("K3_")},
-                               "PYTHONPATH": str(REPO / "src"), **env})
-
-
 def test_make_gsm8k_data_cached_or_without_docker(k3, tmp_path):
     """Cached: nothing to do, no Docker engine needed. Not cached, no engine: exit 3 (make's 2;
     conftest.make_exit_code reads the recipe's), and a make failure without a recipe is not
     read as any k3rocm code."""
     hf, nosock = tmp_path / "hf", f"unix://{tmp_path}/no.sock"
-    p = _make("gsm8k-data", f"GSM8K_ARGS=--hf-home {hf}", DOCKER_HOST=nosock)
+    p = make("gsm8k-data", f"GSM8K_ARGS=--hf-home {hf}", DOCKER_HOST=nosock)
     assert p.returncode == 2 and make_exit_code(p) == 3, p.stderr
     assert "k3rocm: error: cannot reach the Docker engine" in p.stderr
     snap = hf / "hub" / data.HF_REPO_DIR / "snapshots" / "abc" / "main"
@@ -212,7 +202,7 @@ def test_make_gsm8k_data_cached_or_without_docker(k3, tmp_path):
     code, _, err = k3("gsm8k", "--fetch-data", "--hf-home", str(hf), env={"DOCKER_HOST": nosock})
     assert code == 0 and "gsm8k-data: already there: hf-hub-parquet at " in err
     with pytest.raises(AssertionError, match="without a recipe's exit code"):
-        make_exit_code(_make("no-such-target-k3"))
+        make_exit_code(make("no-such-target-k3"))
 
 
 def test_reasoning_fallback_and_finish_reasons_logs(tmp_path):
@@ -429,7 +419,7 @@ def test_gsm8k_ab_pairs_the_items_and_gates_on_non_inferiority():
 
 
 def test_make_gsm8k_ab_dry_run_and_bad_input(k3):
-    p = _make("gsm8k-ab", "DRY_RUN=1", "CPU=1")
+    p = make("gsm8k-ab", "DRY_RUN=1", "CPU=1")
     assert make_exit_code(p) == 0, p.stderr
     lines = p.stdout.splitlines()
     assert [ln.split()[4] for ln in lines if ln.startswith("# slot")] == ["A:", "B:"]
