@@ -8,17 +8,10 @@ import contextlib
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import (
-    REPO,
-    free_port,
-    make_exit_code,
-    project_containers,
-    standin_tag,
-)
+from conftest import REPO, free_port, make, make_exit_code, project_containers, standin_tag
 from server_fixture import MODELS_DIR, ensure_smoke_model
 
 from k3rocm.checks.selftest import GREEDY_TOKENS, LOGPROB_TOL, compare, compare_note
@@ -89,10 +82,10 @@ def test_compare_a_token_outside_the_other_arms_top_n_fails_or_cannot_be_judged(
     (["--bench-args=--no-such-flag"], "--bench-args: unrecognized arguments"),
     (["--census-args=--no-such-flag"], "--census-args: unrecognized arguments"),
 ])
-def test_bad_input_is_one_line_exit_2(seed_node, tmp_path, capsys, args, fragment):
+def test_bad_input_is_one_line_exit_2(node, tmp_path, capsys, args, fragment):
     code, errors, err = _refused(capsys, *args)
     assert code == 2 and len(errors) == 1 and fragment in errors[0], err
-    assert seed_node == [] and not (tmp_path / "results").exists()
+    assert node == [] and not (tmp_path / "results").exists()
 
 
 # ------------------------------------------- the A/B's arms against the image's base facts
@@ -137,7 +130,7 @@ class Calls(list):
 
 
 @pytest.fixture
-def seed_node(tmp_path, monkeypatch):
+def node(tmp_path, monkeypatch):
     """A node (compose.yaml, AITER on) whose serving image holds the base facts of the real
     vLLM 0.27.1 sources; every compose call recorded (none may happen before the checks)."""
     import shutil
@@ -187,7 +180,7 @@ def _args(**kw):
                                  **kw})
 
 
-def test_selftest_serves_the_abs_arms(seed_node):
+def test_selftest_serves_the_abs_arms(node):
     """Fusions-on = the A/B's arm B of --on, fusions-off = arm A; both pass the base check."""
     from k3rocm.checks import selftest
     from k3rocm.checks.ab.arms import arm_envs
@@ -197,7 +190,7 @@ def test_selftest_serves_the_abs_arms(seed_node):
     assert srv.env["K3_FUSE_QK_NORM"] == "1" and srv.env["K3_FUSE_DECODE_QPREP"] == "0"
     base = selftest.base_check(dep, srv, arms, ".env")
     assert sorted(base["arms"]) == ["A", "B"] and base["vllm_version"] == "0.27.1"
-    assert seed_node == []
+    assert node == []
 
 
 # ------------------------------------------------- refused before any build or server (fakes)
@@ -217,7 +210,7 @@ def busy_port():
 def _refused(capsys, *argv: str) -> tuple[int, list[str], list[str]]:
     from k3rocm.cli import main
 
-    code = main(["selftest", "run", "--on", "qk_norm", *argv])  # an arm the seed base serves
+    code = main(["selftest", "run", "--on", "qk_norm", *argv])  # an arm this base serves
     err = capsys.readouterr().err.strip().splitlines()
     return code, [ln for ln in err if ln.startswith("k3rocm: error: ")], err
 
@@ -235,35 +228,35 @@ def _gpu_memory_in_use(node, monkeypatch):
      ["serving image 'k3rocm/server:latest' not found", "drop --no-build"]),
     (_gpu_memory_in_use, ["GPU memory in use: card3 62%", "asks vLLM for 0.95 of each GPU"]),
 ], ids=["no-build", "gpu-memory"])
-def test_refused_before_any_build(seed_node, monkeypatch, tmp_path, capsys, setup, fragments):
+def test_refused_before_any_build(node, monkeypatch, tmp_path, capsys, setup, fragments):
     """What a build or a load would find late: one line, exit 2, nothing built, served or
     written (the client image, the port, the GPUs held: test_every_problem_is_one_line...)."""
-    code, errors, err = _refused(capsys, *setup(seed_node, monkeypatch))
+    code, errors, err = _refused(capsys, *setup(node, monkeypatch))
     assert code == 2 and len(errors) == 1, err
     assert all(f in errors[0] for f in fragments), errors[0]
     assert "card0" not in errors[0]
     assert err[-1].startswith("k3rocm selftest: nothing expensive was started"), err
-    assert seed_node == [] and not (tmp_path / "results").exists()
+    assert node == [] and not (tmp_path / "results").exists()
 
 
-def test_the_client_image_the_bench_step_will_use_is_the_one_checked(seed_node, capsys):
-    seed_node.docker.images_present.clear()
-    seed_node.docker.images_present.add("my/clients:1")
+def test_the_client_image_the_bench_step_will_use_is_the_one_checked(node, capsys):
+    node.docker.images_present.clear()
+    node.docker.images_present.add("my/clients:1")
     with busy_port() as port:  # refused for its port, so nothing runs
         code, errors, err = _refused(capsys, "--bench-args=--client-image my/clients:1",
                                      "--port", str(port))
     assert code == 2 and len(errors) == 1 and "is in use" in errors[0], err
-    assert seed_node == []
+    assert node == []
 
 
-def test_every_problem_is_one_line_and_all_are_named_at_once(seed_node, tmp_path, capsys):
+def test_every_problem_is_one_line_and_all_are_named_at_once(node, tmp_path, capsys):
     """The operator fixes everything in one go: each problem its own line with what to do,
     base check too; exit 2, nothing built, served or written."""
-    seed_node.docker.images_present.clear()
-    seed_node.docker.running.append(gpu_server())
+    node.docker.images_present.clear()
+    node.docker.running.append(gpu_server())
     from k3rocm.cli import main
 
-    with busy_port() as port:  # and arm B (--on all), which the seed base cannot serve
+    with busy_port() as port:  # and arm B (--on all), which this base cannot serve
         code = main(["selftest", "run", "--port", str(port)])
     err = capsys.readouterr().err.strip().splitlines()
     errors = [ln for ln in err if ln.startswith("k3rocm: error: ")]
@@ -276,21 +269,21 @@ def test_every_problem_is_one_line_and_all_are_named_at_once(seed_node, tmp_path
              ("cannot be served by this base",)), errors, strict=True):
         assert all(f in line for f in fragments), line
     assert err[-1].startswith("k3rocm selftest: nothing expensive was started"), err
-    assert seed_node == [] and not (tmp_path / "results").exists()
+    assert node == [] and not (tmp_path / "results").exists()
 
 
-def test_the_gpu_check_is_skipped_on_the_cpu_standin_and_says_so(seed_node, monkeypatch):
+def test_the_gpu_check_is_skipped_on_the_cpu_standin_and_says_so(node, monkeypatch):
     from k3rocm.checks import selftest
 
     monkeypatch.setenv("COMPOSE_FILE", "compose.yaml:compose.cpu.yaml")
-    seed_node.docker.running.append(gpu_server())
+    node.docker.running.append(gpu_server())
     dep, _, _ = selftest._plan(_args(on="all"), check_model=False)
     problems, notes = selftest.early_checks(dep, None)
     assert dep.cpu and problems == [], problems
     assert "GPU check skipped: CPU stand-in" in notes
 
 
-def test_the_servers_get_this_shells_vendor_variables(seed_node, monkeypatch, tmp_path):
+def test_the_servers_get_this_shells_vendor_variables(node, monkeypatch, tmp_path):
     """As `make up`: this shell's vendor variables, into the run's own file, never the shared
     .k3rocm/vendor.env an earlier shell wrote (the summary says where that one differs)."""
     from k3rocm.checks import selftest
@@ -310,12 +303,12 @@ def test_the_servers_get_this_shells_vendor_variables(seed_node, monkeypatch, tm
     note = selftest.vendor_note(dep, tmp_path / "repo")
     assert note.startswith("vendor variables from this shell: VLLM_ROCM_USE_AITER_MHA ("), note
     assert "differs in AITER_OLD_SHELL, VLLM_ROCM_USE_AITER_MHA: not used" in note
-    assert seed_node == []
+    assert node == []
 
 
 @pytest.fixture
-def fake_pipeline(seed_node, monkeypatch, tmp_path):
-    """The whole selftest on the seed node with the servers, the census and bench subprocesses
+def fake_pipeline(node, monkeypatch, tmp_path):
+    """The whole selftest on that node with the servers, the census and bench subprocesses
     and the greedy requests faked: ``answers`` (on, off) and ``codes`` (step -> exit code)."""
     from k3rocm.checks import selftest
     from k3rocm.deploy import runrecord
@@ -416,22 +409,13 @@ def test_ctrl_c_during_the_census_stops_everything_and_keeps_what_finished(fake_
 # ------------------------------------------------------------------- the real serving path
 
 
-def _make(client, tmp_path, *args: str, env: dict | None = None) -> dict:
-    """`make selftest CPU=1` (argv and env for subprocess) on a free port."""
+def _selftest(client, tmp_path, *args: str, timeout: float = 900,
+              **env: str) -> subprocess.CompletedProcess:
+    """`make selftest CPU=1` on a free port."""
     ensure_smoke_model(client, standin_tag())
-    args = " ".join(["--port", str(free_port()), *args])
-    return {"args": ["make", "-s", "--no-print-directory", "-o", sys.executable, "selftest",
-                     f"PY={sys.executable}", "CPU=1", f"SELFTEST_ARGS={args}"],
-            "cwd": REPO, "text": True,
-            "env": {**{k: v for k, v in os.environ.items() if not k.startswith("K3_")},
-                    "PYTHONPATH": str(REPO / "src"), "K3_MODELS_DIR": str(MODELS_DIR),
-                    "K3_RESULTS_DIR": str(tmp_path / "results"), **(env or {})}}
-
-
-def _selftest(client, tmp_path, *args: str, env: dict | None = None,
-              timeout: float = 900) -> subprocess.CompletedProcess:
-    return subprocess.run(**_make(client, tmp_path, "--project", PROJECT, *args, env=env),
-                          capture_output=True, timeout=timeout)
+    args = " ".join(["--port", str(free_port()), "--project", PROJECT, *args])
+    return make("selftest", "CPU=1", f"SELFTEST_ARGS={args}", timeout=timeout,
+                K3_MODELS_DIR=str(MODELS_DIR), K3_RESULTS_DIR=str(tmp_path / "results"), **env)
 
 
 @pytest.mark.docker
@@ -479,8 +463,8 @@ def test_a_setting_the_base_cannot_run_stops_before_any_server(docker_client, tm
     ships them, with K3_OVERLAY=off at run time: that disables the k3rocm plugin whose hook
     switches upstream's fusions, so the switch would do nothing and the base check refuses it
     after the build and before any server starts (without K3_OVERLAY=off the hook serves it)."""
-    p = _selftest(docker_client, tmp_path, "--no-build",
-                  env={"VLLM_ROCM_USE_AITER": "1", "K3_OVERLAY": "off"}, timeout=300)
+    p = _selftest(docker_client, tmp_path, "--no-build", timeout=300,
+                  VLLM_ROCM_USE_AITER="1", K3_OVERLAY="off")
     # k3rocm's 2 (bad input), not make's 2 (any failed recipe)
     assert make_exit_code(p) == 2, p.stdout[-2000:] + p.stderr[-2000:]
     assert "K3_FUSE_QK_NORM=0 cannot take effect on this base" in p.stderr
