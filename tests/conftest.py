@@ -175,6 +175,13 @@ def make_exit_code(p: subprocess.CompletedProcess) -> int:
     return int(found[-1])
 
 
+def only_dir(root: Path, suffix: str = "") -> Path:
+    """The one directory under ``root`` whose name ends with ``suffix`` (a command's run)."""
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.endswith(suffix)]
+    assert len(found) == 1, (suffix, sorted(p.name for p in root.iterdir()))
+    return found[0]
+
+
 def project_containers(project: str) -> list[str]:
     """Ids of every container (running or not) of one compose project."""
     p = subprocess.run(["docker", "ps", "-a", "-q", "--filter",

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, clean_env, free_port, make, make_exit_code
+from conftest import REPO, clean_env, free_port, make, make_exit_code, only_dir
 from server_fixture import start_server
 
 pytestmark = [pytest.mark.docker, pytest.mark.server]
@@ -22,12 +22,6 @@ pytestmark = [pytest.mark.docker, pytest.mark.server]
 # Engine steps at least this far apart on the session server: a loaded 2-core machine must not
 # deschedule the API server for a whole step (two steps would leave in one chunk).
 STEP_MS = 30
-
-
-def only_run_dir(root: Path) -> Path:
-    dirs = [d for d in root.iterdir() if d.is_dir()]
-    assert len(dirs) == 1, dirs
-    return dirs[0]
 
 
 def png_ok(path: Path) -> tuple[int, int]:
@@ -76,7 +70,7 @@ def test_make_bench_scaled_down_against_the_standin(standin_server, client_image
         p = make("bench", "WORKLOAD=ci-tiny", f"BENCH_ARGS={args}", timeout=600)
     assert make_exit_code(p) == 0, p.stderr[-4000:]
     assert "Traceback" not in p.stderr
-    run = only_run_dir(tmp_path)
+    run = only_dir(tmp_path)
     last = p.stdout.strip().splitlines()[-1]
     assert re.fullmatch(r"bench ci-tiny: 2 of 2 points ok( \(stream bunched: [^)]*\))?; "
                         rf"results in {re.escape(str(run))}", last), last
@@ -182,7 +176,7 @@ def test_bunched_stream_and_stopped_server(docker_client, client_image, tmp_path
              "--results", str(results)], cwd=REPO, env=clean_env(), stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True)
         _wait_for(results, proc, 60)
-        run = only_run_dir(results)
+        run = only_dir(results)
         _wait_for(run / "aiperf" / "concurrency_1__requests_2" / "profile_export_aiperf.json",
                   proc, 240)
         with srv.hold() as wait_held:
@@ -259,7 +253,7 @@ def test_aiperf_error_is_one_line_exit_1_and_keeps_the_log(standin_server, clien
     errs = [ln for ln in p.stderr.splitlines() if ln.startswith("k3rocm: error:")]
     assert len(errs) == 1 and "2 of 2 points failed (aiperf exited with" in errs[0], errs
     assert "Unknown option: --no-such-aiperf-flag" in errs[0]
-    run = only_run_dir(tmp_path)
+    run = only_dir(tmp_path)
     assert (run / "aiperf.log").stat().st_size > 0
     doc = json.loads((run / "summary.json").read_text())
     assert doc["status"] == "failed" and doc["aiperf_exit_code"] != 0

@@ -13,7 +13,16 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, clean_env, free_port, make, make_exit_code, project_containers, run_cli
+from conftest import (
+    REPO,
+    clean_env,
+    free_port,
+    make,
+    make_exit_code,
+    only_dir,
+    project_containers,
+    run_cli,
+)
 from server_fixture import MODELS_DIR, SMOKE_MODEL
 
 from k3rocm.dev.demo import GSM8K_ITEMS, STANDIN_BASE, STEPS
@@ -23,12 +32,6 @@ SERVER_IMAGE = "k3rocm/server:cpu"  # compose.cpu.yaml's K3_IMAGE default
 # `make bench`), a census of 2 streams with 24 tokens left when profiling starts (> 6 steps)
 LIGHT = ("--bench-args '--set concurrency=1 --set request_count=3 --set warmup_request_count=1'"
          " --census-args '--concurrency 2 --max-tokens 48 --steps 6'")
-
-
-def _one(results: Path, suffix: str) -> Path:
-    found = [p for p in results.iterdir() if p.is_dir() and p.name.endswith(suffix)]
-    assert len(found) == 1, (suffix, sorted(p.name for p in results.iterdir()))
-    return found[0]
 
 
 # ------------------------------------------------------------------------ fast, no Docker
@@ -118,7 +121,7 @@ def test_make_demo_end_to_end(docker_client, tmp_path):
     assert p.stdout.startswith("k3rocm demo: OK in "), p.stdout
     assert project_containers(project) == []  # make down removed what make up started
 
-    demo = _one(results, "-demo")
+    demo = only_dir(results, "-demo")
     summary = json.loads((demo / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["exit_code"] == 0
     steps = {s["name"]: s for s in summary["steps"]}
@@ -128,8 +131,8 @@ def test_make_demo_end_to_end(docker_client, tmp_path):
         assert Path(steps[name]["log"]).is_file(), name
         assert "make --no-print-directory" in steps[name]["command"], name
     # The summary links every run directory, and the stdout summary prints those links.
-    bench, gsm8k, census = (_one(results, s) for s in ("-ci-tiny", "-gsm8k", "-census"))
-    log = _one(results, "-server-log") / "server.log"
+    bench, gsm8k, census = (only_dir(results, s) for s in ("-ci-tiny", "-gsm8k", "-census"))
+    log = only_dir(results, "-server-log") / "server.log"
     assert steps["bench"]["run_dir"] == str(bench)
     assert steps["gsm8k"]["run_dir"] == str(gsm8k)
     assert steps["census"]["run_dir"] == str(census)
@@ -234,10 +237,10 @@ def test_sigterm_while_serving_stops_the_server(docker_client, tmp_path):
     assert "Traceback" not in err
     assert out.startswith("k3rocm demo: INTERRUPTED"), out
     assert project_containers(project) == []
-    demo = _one(results, "-demo")
+    demo = only_dir(results, "-demo")
     summary = json.loads((demo / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["exit_code"] == 130
     names = [s["name"] for s in summary["steps"]]
     assert names[-1] == "down" and summary["steps"][-1]["ok"], summary["steps"]
     assert "up" in names and not any(n in names for n in ("bench", "gsm8k", "census"))
-    assert (_one(results, "-server-log") / "server.log").is_file()
+    assert (only_dir(results, "-server-log") / "server.log").is_file()

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import clean_env, default_sigint, free_port, make, make_exit_code, need
+from conftest import clean_env, default_sigint, free_port, make, make_exit_code, need, only_dir
 from test_gsm8k_unit import (
     REFERENCE_DOC_TO_TEXT,
     REFERENCE_FILTERS,
@@ -47,12 +47,6 @@ def gsm8k_via_make(url: str, model: str, data_dir: Path | str, results_dir: Path
     return make("gsm8k", f"GSM8K_DATA={data_dir}", f"GSM8K_ARGS={args}", timeout=900)
 
 
-def only_run_dir(results_dir: Path) -> Path:
-    runs = [p for p in results_dir.iterdir() if p.name.endswith("-gsm8k")]
-    assert len(runs) == 1, runs
-    return runs[0]
-
-
 def test_make_gsm8k_against_the_standin(standin_server, client_image, items, tmp_path):
     url, model = standin_server.base_url, standin_server.model
     p = gsm8k_via_make(url, model, items, tmp_path)
@@ -63,7 +57,7 @@ def test_make_gsm8k_against_the_standin(standin_server, client_image, items, tmp
     assert "below the gate 0.94" in verdict[0] and "reference 0.9644 +- 0.0051" in verdict[0]
     assert f"the test set has {N_TEST} items" in verdict[0]
 
-    run = only_run_dir(tmp_path)
+    run = only_dir(tmp_path, "-gsm8k")
     assert (run / "lm_eval.log").is_file() and (run / "lmeval_plugin/k3rocm_lmeval.py").is_file()
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "below_gate" and summary["exit_code"] == 1
@@ -143,7 +137,7 @@ def test_completions_mode_limit_run_from_hf_cache(standin_server, client_image, 
     p = gsm8k_via_make(url, model, "", results_dir, "--hf-home", str(hf), "--mode",
                        "completions", "--limit", "2")
     assert make_exit_code(p) == 1, p.stderr[-3000:]
-    run = only_run_dir(results_dir)
+    run = only_dir(results_dir, "-gsm8k")
     summary = json.loads((run / "summary.json").read_text())
     assert summary["limit"] == 2 and not summary["comparable"]
     assert summary["items"]["evaluated"] == 2 and summary["items"]["test_set"] == N_TEST
@@ -167,7 +161,7 @@ def test_lm_eval_failure_exits_2_and_keeps_the_run(standin_server, client_image,
     assert p.returncode == 2, p.stderr[-2000:]
     last = p.stderr.strip().splitlines()[-1]
     assert last.startswith("k3rocm: error: lm-eval failed (exit 1): ") and "lm_eval.log" in last
-    run = only_run_dir(tmp_path)
+    run = only_dir(tmp_path, "-gsm8k")
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "error" and summary["exit_code"] == 2
     assert (run / "provenance.json").is_file() and (run / "lm_eval.log").stat().st_size > 0
@@ -215,7 +209,7 @@ def test_ctrl_c_stops_lm_eval_and_keeps_the_run(standin_server, client_image, it
     assert proc.returncode == 130, err[-2000:]
     assert "Traceback" not in err
     assert err.strip().splitlines()[-1].startswith("k3rocm: gsm8k: INTERRUPTED")
-    run = only_run_dir(tmp_path)
+    run = only_dir(tmp_path, "-gsm8k")
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["exit_code"] == 130
     assert (run / "provenance.json").is_file() and (run / "lm_eval.log").stat().st_size > 0
@@ -301,7 +295,7 @@ def test_reasoning_fallback_against_real_vllm(reasoning_server, client_image, it
     assert len(verdict) == 1
     assert (f"DEVIATION from the reference protocol: {N_TEST} answer(s) scored from the reasoning "
             "text (content empty, --reasoning-fallback)") in verdict[0]
-    run = only_run_dir(tmp_path)
+    run = only_dir(tmp_path, "-gsm8k")
     summary = json.loads((run / "summary.json").read_text())
     fb = summary["reasoning_fallback"]
     assert fb["count"] == N_TEST and fb["of"] == N_TEST and fb["doc_ids"] == list(range(N_TEST))
