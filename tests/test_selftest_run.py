@@ -7,14 +7,30 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
+import socket
 import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import REPO, free_port, make, make_exit_code, project_containers, standin_tag
+from conftest import (
+    REPO,
+    free_port,
+    image_base_facts,
+    make,
+    make_exit_code,
+    project_containers,
+    standin_tag,
+)
 from server_fixture import MODELS_DIR, ensure_smoke_model
 
+from k3rocm.checks import selftest
+from k3rocm.checks.ab.arms import arm_envs
 from k3rocm.checks.selftest import GREEDY_TOKENS, LOGPROB_TOL, compare, compare_note
+from k3rocm.cli import main
+from k3rocm.deploy import config_cmd, engine, preflight, runrecord
+from k3rocm.deploy.lifecycle import ComposeServer
+from k3rocm.errors import UsageError
 
 PROJECT = "k3rocm-selftest-test"
 
@@ -133,13 +149,6 @@ class Calls(list):
 def node(tmp_path, monkeypatch):
     """A node (compose.yaml, AITER on) whose serving image holds the base facts of the real
     vLLM 0.27.1 sources; every compose call recorded (none may happen before the checks)."""
-    import shutil
-
-    from conftest import image_base_facts
-
-    from k3rocm.deploy import config_cmd
-    from k3rocm.deploy.lifecycle import ComposeServer
-
     facts = image_base_facts("0.27.1")  # the real release with the overlay applied
     monkeypatch.setattr(config_cmd, "image_base_facts",
                         lambda image: (facts, f"{image} (sha256:0123456789ab) manifest"))
@@ -151,8 +160,6 @@ def node(tmp_path, monkeypatch):
     monkeypatch.setattr(ComposeServer, "compose", compose)
     monkeypatch.setattr(ComposeServer, "up", lambda self, *a, **kw: calls.append(("up",)))
     # the Docker engine (client image present, no container) and idle GPUs: tests change them
-    from k3rocm.deploy import engine, preflight
-
     docker = FakeDocker()
     monkeypatch.setattr(engine, "docker_client", lambda *a, **kw: docker)
     monkeypatch.setattr(preflight, "gpu_memory",
@@ -182,9 +189,6 @@ def _args(**kw):
 
 def test_selftest_serves_the_abs_arms(node):
     """Fusions-on = the A/B's arm B of --on, fusions-off = arm A; both pass the base check."""
-    from k3rocm.checks import selftest
-    from k3rocm.checks.ab.arms import arm_envs
-
     dep, srv, arms = selftest._plan(_args())
     assert not dep.cpu and arms == arm_envs("qk_norm")
     assert srv.env["K3_FUSE_QK_NORM"] == "1" and srv.env["K3_FUSE_DECODE_QPREP"] == "0"
@@ -199,8 +203,6 @@ def test_selftest_serves_the_abs_arms(node):
 @contextlib.contextmanager
 def busy_port():
     """A port something listens on (as the engine's proxy does for a published port)."""
-    import socket
-
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
@@ -208,16 +210,12 @@ def busy_port():
 
 
 def _refused(capsys, *argv: str) -> tuple[int, list[str], list[str]]:
-    from k3rocm.cli import main
-
     code = main(["selftest", "run", "--on", "qk_norm", *argv])  # an arm this base serves
     err = capsys.readouterr().err.strip().splitlines()
     return code, [ln for ln in err if ln.startswith("k3rocm: error: ")], err
 
 
 def _gpu_memory_in_use(node, monkeypatch):
-    from k3rocm.deploy import preflight
-
     monkeypatch.setattr(preflight, "gpu_memory",
                         lambda: [("card0 (0000:05:00.0)", 4, 1000), ("card3", 620, 1000)])
     return []
@@ -254,8 +252,6 @@ def test_every_problem_is_one_line_and_all_are_named_at_once(node, tmp_path, cap
     base check too; exit 2, nothing built, served or written."""
     node.docker.images_present.clear()
     node.docker.running.append(gpu_server())
-    from k3rocm.cli import main
-
     with busy_port() as port:  # and arm B (--on all), which this base cannot serve
         code = main(["selftest", "run", "--port", str(port)])
     err = capsys.readouterr().err.strip().splitlines()
@@ -273,8 +269,6 @@ def test_every_problem_is_one_line_and_all_are_named_at_once(node, tmp_path, cap
 
 
 def test_the_gpu_check_is_skipped_on_the_cpu_standin_and_says_so(node, monkeypatch):
-    from k3rocm.checks import selftest
-
     monkeypatch.setenv("COMPOSE_FILE", "compose.yaml:compose.cpu.yaml")
     node.docker.running.append(gpu_server())
     dep, _, _ = selftest._plan(_args(on="all"), check_model=False)
@@ -286,8 +280,6 @@ def test_the_gpu_check_is_skipped_on_the_cpu_standin_and_says_so(node, monkeypat
 def test_the_servers_get_this_shells_vendor_variables(node, monkeypatch, tmp_path):
     """As `make up`: this shell's vendor variables, into the run's own file, never the shared
     .k3rocm/vendor.env an earlier shell wrote (the summary says where that one differs)."""
-    from k3rocm.checks import selftest
-
     monkeypatch.setenv("VLLM_ROCM_USE_AITER_MHA", "0")
     for compose_file, extra in (("compose.yaml", []),
                                 ("compose.yaml:compose.cpu.yaml", ["TORCHDYNAMO_DISABLE=1"])):
@@ -310,11 +302,6 @@ def test_the_servers_get_this_shells_vendor_variables(node, monkeypatch, tmp_pat
 def fake_pipeline(node, monkeypatch, tmp_path):
     """The whole selftest on that node with the servers, the census and bench subprocesses
     and the greedy requests faked: ``answers`` (on, off) and ``codes`` (step -> exit code)."""
-    from k3rocm.checks import selftest
-    from k3rocm.deploy import runrecord
-    from k3rocm.deploy.lifecycle import ComposeServer
-    from k3rocm.errors import UsageError
-
     monkeypatch.setattr(ComposeServer, "compose",  # the build succeeds
                         lambda self, *a, **kw: subprocess.CompletedProcess(a, 0, "", ""))
     monkeypatch.setattr(ComposeServer, "wait", lambda self, timeout, **kw: 1.0)
@@ -354,8 +341,6 @@ def test_an_exit_2_after_a_server_started_is_exit_4_not_bad_input(fake_pipeline,
     """Exit 2 promises that nothing expensive was started. A step that refuses its input once
     the servers have run (here the bench step) makes the selftest exit 4, cannot judge, and its
     row says why."""
-    from k3rocm.cli import main
-
     fake_pipeline["codes"]["bench"] = 2
     code = main(["selftest", "run", "--on", "qk_norm"])
     out, err = capsys.readouterr()
@@ -372,8 +357,6 @@ def test_an_exit_2_after_a_server_started_is_exit_4_not_bad_input(fake_pipeline,
 
 def test_the_compare_step_judges_the_gap_not_token_identity(fake_pipeline, tmp_path, capsys):
     """Identical tokens whose logprobs moved by 0.3 nats fail: exit 1."""
-    from k3rocm.cli import main
-
     off = json.loads(json.dumps(fake_pipeline["answers"][1]))
     off[2]["logprobs"][5] = -0.8
     off[2]["top_logprobs"][5] = {"token_id:7": -0.8, "token_id:9": -1.5}
@@ -392,8 +375,6 @@ def test_ctrl_c_during_the_census_stops_everything_and_keeps_what_finished(fake_
     finished: its 130): exit 130 recorded, the finished steps kept, the running server stopped
     with its log saved. Live, with real containers: test_gsm8k_e2e's and test_demo's signal
     tests (the one client runner, compose down)."""
-    from k3rocm.cli import main
-
     fake_pipeline["codes"]["census"] = census
     assert main(["selftest", "run", "--on", "qk_norm"]) == 130
     out = capsys.readouterr().out
