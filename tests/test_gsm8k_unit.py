@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import json
 import re
+from math import comb
 from pathlib import Path
 
 import pytest
 import yaml
 from conftest import free_port, make, make_exit_code
 
-from k3rocm.checks.gsm8k import cli, data, results
+from k3rocm.checks.bench import stats
+from k3rocm.checks.gsm8k import ab, cli, data, results
 from k3rocm.checks.gsm8k.lmeval_launch import apply_reasoning_fallback, log_finish_reasons
 from k3rocm.errors import UsageError
 
@@ -353,10 +355,6 @@ def test_truncated_answers_are_reported_apart_from_wrong_ones(k3, tmp_path):
 def test_the_pass_rate_is_exact_for_the_verdicts_own_bound():
     """Against brute force at n = 40: every outcome, weighted exactly, judged by
     paired_accuracy itself."""
-    from math import comb
-
-    from k3rocm.checks.bench import stats
-
     n, d, drop, margin = 40, 0.2, 0.05, 0.1
     pa, pb = (d + drop) / 2, (d - drop) / 2
     want = 0.0
@@ -372,9 +370,6 @@ def test_the_pass_rate_is_exact_for_the_verdicts_own_bound():
 def test_the_default_margin_comes_from_its_stated_power():
     """The smallest margin on a 0.05-point grid with which identical arms pass >= 90% at 98%
     agreement on 1319 items; its false-pass price for a 1-point drop: 13.9%."""
-    from k3rocm.checks.bench import stats
-    from k3rocm.checks.gsm8k import ab
-
     rate = stats.noninferiority_pass_rate
     d = 1 - ab.DESIGN_AGREEMENT
     assert ab.DESIGN_POWER == 0.90 and ab.DESIGN_AGREEMENT == 0.98
@@ -390,8 +385,6 @@ def _samples(right: list[bool]) -> list[dict]:
 
 
 def test_gsm8k_ab_pairs_the_items_and_gates_on_non_inferiority():
-    from k3rocm.checks.gsm8k import ab
-
     a = [True] * 1272 + [False] * 47
     same = list(a)
     for i in range(12):
@@ -431,15 +424,12 @@ def test_make_gsm8k_ab_dry_run_and_bad_input(k3):
 def test_no_discordant_items_is_no_proof_on_a_handful_of_items():
     """Five identical answers (the stand-in) are no proof within 1 point, nor a power; 1319
     may be."""
-    from k3rocm.checks.bench.stats import paired_accuracy
-    from k3rocm.checks.gsm8k import ab
-
     comp = ab.compare(_samples([False] * 5), _samples([False] * 5), 0.01)
     assert comp["filters"]["strict-match"]["power_full"] is None
     assert comp["filters"]["strict-match"]["non_inferior"] is False
     assert comp["filters"]["strict-match"]["lower_bound"] < -0.4
     assert "power of the margin n/a (no discordant items)" in comp["headline"]
-    full = paired_accuracy([True] * 1200 + [False] * 119, [True] * 1200 + [False] * 119, 0.01)
+    full = stats.paired_accuracy([True] * 1200 + [False] * 119, [True] * 1200 + [False] * 119, 0.01)
     assert full["non_inferior"] is True
 
 
