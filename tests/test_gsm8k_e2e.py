@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -185,8 +186,6 @@ def test_ctrl_c_stops_lm_eval_and_keeps_the_run(standin_server, client_image, it
     """Ctrl-C (SIGINT to k3rocm) stops lm-eval in its container gracefully (the one client
     runner, k3rocm.deploy.engine.run_client): exit 130, the run directory and its log are kept, the
     summary says interrupted, no client container is left."""
-    import signal
-
     url, model = standin_server.base_url, standin_server.model
     # The engine is held before lm-eval starts (the hold double): its first request stays in
     # the engine, so Ctrl-C always lands while lm-eval is mid-run (k3rocm itself only sends

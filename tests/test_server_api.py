@@ -8,6 +8,8 @@ import time
 import pytest
 from conftest import REPO, free_port
 
+from k3rocm.deploy.scale import status
+from k3rocm.deploy.scale.preflight import check_node
 from k3rocm.deploy.server_api import (
     ChatStream,
     ServerAPI,
@@ -16,6 +18,7 @@ from k3rocm.deploy.server_api import (
     auth_headers,
     wait_ready,
 )
+from k3rocm.dev.smoke import stream_chat
 from k3rocm.errors import EXIT_SERVER, ServerError, UsageError
 
 
@@ -134,8 +137,6 @@ def test_census_with_nothing_listening_says_so_at_once(k3):
 
 
 def test_preflight_calls_a_closed_api_port_on_a_node_a_warning():
-    from k3rocm.deploy.scale.preflight import check_node
-
     c = check_node(f"127.0.0.1:{free_port()}", timeout=2)
     assert (c.status, c.have) == ("warn", "host up, API port closed")
 
@@ -143,8 +144,6 @@ def test_preflight_calls_a_closed_api_port_on_a_node_a_warning():
 # --- callers: one rule and one error text through the client ------------------------------------
 
 def test_smoke_chat_failures_are_one_line_errors_with_their_exit_codes(vllm):
-    from k3rocm.dev.smoke import stream_chat
-
     url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(UsageError, match=f"chat completion failed: nothing listening at {url}") \
             as ei:
@@ -190,8 +189,6 @@ def test_scale_overhead_with_a_wrong_key_says_so_in_one_line(vllm, k3):
 
 
 def test_scale_status_sends_no_header_for_empty(vllm):
-    from k3rocm.deploy.scale import status
-
     st = status.replica_status(vllm.url.removeprefix("http://"), api_key="EMPTY")
     assert (st.health, st.models) == ("ok", ["k3-smoke"])
     assert {(p, a) for _, p, a in vllm.seen} == {

@@ -3,6 +3,7 @@ vLLM; needs `make standin`). SIGTERM ending a server: tests/test_scale_standin.p
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -14,6 +15,9 @@ from conftest import REPO, clean_env, need, run_cli, standin_tag
 from overlay_docker import require_image
 from server_fixture import MODELS_DIR, SMOKE_MODEL, ensure_smoke_model
 
+from k3rocm.checks.bench.run import graphs_line, served_prefix_caching
+from k3rocm.checks.bench.summary import tokens_per_step
+from k3rocm.deploy.provenance import collect_provenance, served_as
 from k3rocm.dev import standin as standin_mod
 from k3rocm.dev import tinymodel
 
@@ -90,8 +94,6 @@ def test_standin_image_config_like_rocm(docker_client, version):
 @pytest.mark.docker
 def test_smoke_model_is_deterministic_and_cached(docker_client, server_image, tmp_path):
     """Generated twice from the repo definition: byte-identical; a third run is a no-op."""
-    import hashlib
-
     a = ensure_smoke_model(docker_client, server_image, tmp_path / "a")
     b = ensure_smoke_model(docker_client, server_image, tmp_path / "b")
 
@@ -128,10 +130,6 @@ def test_prefix_caching_and_graphs_are_recorded_from_what_the_server_reported(st
     """Asked --enable-prefix-caching, vLLM 0.32.0 on CPU turns it off for MLA and logs so
     (vllm@0.32.0:vllm/platforms/cpu.py:521): the record says off; graphs and speculation come
     from the engine's config line (vllm@0.32.0:vllm/v1/engine/core.py:133)."""
-    from k3rocm.checks.bench.run import graphs_line, served_prefix_caching
-    from k3rocm.checks.bench.summary import tokens_per_step
-    from k3rocm.deploy.provenance import collect_provenance, served_as
-
     prov = collect_provenance(standin_server.base_url, None, container=standin_server.container)
     assert "--enable-prefix-caching" in served_as(prov).argv
     sc = prov["served_config"]
