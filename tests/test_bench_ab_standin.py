@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, free_port, make_exit_code
+from conftest import REPO, clean_env, free_port, make_exit_code
 from server_fixture import (
     MODELS_DIR,
     SMOKE_MODEL,
@@ -20,7 +20,7 @@ from server_fixture import (
     STEP_DOUBLE_MOUNT,
     ensure_smoke_model,
 )
-from test_bench_standin import _env, client_image, png_ok  # noqa: F401 - client_image: the fixture
+from test_bench_standin import png_ok
 
 pytestmark = [pytest.mark.docker, pytest.mark.server]
 
@@ -45,7 +45,7 @@ def _bench_ab(tmp_path: Path, repeats: int, *extra: str) -> subprocess.Completed
                            "WORKLOAD=ci-tiny", f"REPEATS={repeats}", f"BENCH_IMAGE={image}",
                            "CPU=1",
                            f"AB_ARGS={ab_args}"], cwd=REPO,
-                          env=_env(K3_TEST_PLUGINS_DIR=str(STEP_DOUBLE_DIR)),
+                          env=clean_env(K3_TEST_PLUGINS_DIR=str(STEP_DOUBLE_DIR)),
                           capture_output=True, text=True, timeout=1500)
 
 

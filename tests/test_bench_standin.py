@@ -14,38 +14,14 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, free_port, make_exit_code, need
-from server_fixture import (
-    standin_server,  # noqa: F401 - the shared session fixture
-    start_server,
-)
+from conftest import REPO, clean_env, free_port, make, make_exit_code, only_dir
+from server_fixture import start_server
 
 pytestmark = [pytest.mark.docker, pytest.mark.server]
 
-CLIENT_IMAGE = os.environ.get("BENCH_CLIENT_IMAGE") or "k3rocm/clients:0.1.0"
 # Engine steps at least this far apart on the session server: a loaded 2-core machine must not
 # deschedule the API server for a whole step (two steps would leave in one chunk).
 STEP_MS = 30
-
-
-def _env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("K3_", "BENCH_"))}
-    return {**env, "PYTHONPATH": str(REPO / "src"), **extra}
-
-
-@pytest.fixture(scope="module")
-def client_image(docker_client):
-    try:
-        docker_client.images.get(CLIENT_IMAGE)
-    except Exception:  # noqa: BLE001
-        need(False, f"client image {CLIENT_IMAGE} missing (make clients-image)")
-    return CLIENT_IMAGE
-
-
-def only_run_dir(root: Path) -> Path:
-    dirs = [d for d in root.iterdir() if d.is_dir()]
-    assert len(dirs) == 1, dirs
-    return dirs[0]
 
 
 def png_ok(path: Path) -> tuple[int, int]:
@@ -85,19 +61,16 @@ def recompute(point_dir: Path) -> dict:
     return out
 
 
-def test_make_bench_scaled_down_against_the_standin(standin_server, client_image,  # noqa: F811
-                                                    tmp_path):
+def test_make_bench_scaled_down_against_the_standin(standin_server, client_image, tmp_path):
     s = standin_server
     args = (f"--url {s.base_url} --model {s.model} --tokenizer {s.tokenizer_path} "
             f"--results {tmp_path} --server-timeout 120 --set request_count=3,4 "
             "--set warmup_request_count=1")
     with s.slowed(STEP_MS):
-        p = subprocess.run(["make", "-s", "-o", sys.executable, "bench", f"PY={sys.executable}",
-                            "WORKLOAD=ci-tiny", f"BENCH_ARGS={args}"], cwd=REPO, env=_env(),
-                           capture_output=True, text=True, timeout=600)
+        p = make("bench", "WORKLOAD=ci-tiny", f"BENCH_ARGS={args}", timeout=600)
     assert make_exit_code(p) == 0, p.stderr[-4000:]
     assert "Traceback" not in p.stderr
-    run = only_run_dir(tmp_path)
+    run = only_dir(tmp_path)
     last = p.stdout.strip().splitlines()[-1]
     assert re.fullmatch(r"bench ci-tiny: 2 of 2 points ok( \(stream bunched: [^)]*\))?; "
                         rf"results in {re.escape(str(run))}", last), last
@@ -200,10 +173,10 @@ def test_bunched_stream_and_stopped_server(docker_client, client_image, tmp_path
              "--url", srv.base_url, "--model", srv.model, "--tokenizer", str(srv.tokenizer_path),
              "--set", "concurrency=1,2", "--set", "request_count=2,100",
              "--set", "warmup_request_count=1",  # without a warmup aiperf writes no manifest
-             "--results", str(results)], cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+             "--results", str(results)], cwd=REPO, env=clean_env(), stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True)
         _wait_for(results, proc, 60)
-        run = only_run_dir(results)
+        run = only_dir(results)
         _wait_for(run / "aiperf" / "concurrency_1__requests_2" / "profile_export_aiperf.json",
                   proc, 240)
         with srv.hold() as wait_held:
@@ -244,16 +217,11 @@ def test_bunched_stream_and_stopped_server(docker_client, client_image, tmp_path
         srv.stop()
 
 
-def _bench_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "k3rocm", "bench", "--quiet", *args], cwd=REPO,
-                          env=_env(), capture_output=True, text=True, timeout=timeout)
-
-
 @pytest.mark.parametrize("case", ["unreachable", "client-image", "model"])
-def test_bad_server_or_image_is_one_line(standin_server, client_image, tmp_path,  # noqa: F811
-                                         case):
+def test_bad_server_or_image_is_one_line(standin_server, client_image, tmp_path, k3, case):
     """Nothing listening (said at once, not after --server-timeout): exit 3; a missing client
-    image: exit 2; a model the server does not serve: exit 3. Nothing is written."""
+    image: exit 2; a model the server does not serve: exit 3. Nothing is written. In-process:
+    the real `python -m k3rocm bench` runs in the tests around it."""
     s = standin_server
     args = ["--workload", "ci-tiny", "--url", s.base_url, "--model", s.model, "--tokenizer",
             str(s.tokenizer_path), "--results", str(tmp_path / "r")]
@@ -266,24 +234,26 @@ def test_bad_server_or_image_is_one_line(standin_server, client_image, tmp_path,
         code, want = 2, "client image 'k3rocm/clients:does-not-exist' not found: build it with "
     else:
         args[5] = "nope"
-    p = _bench_cli(*args)
+    p = k3("bench", "--quiet", *args)
     assert p.returncode == code, p.stderr
     assert p.stderr.strip().splitlines()[-1].startswith("k3rocm: error: " + want), p.stderr
     assert case != "unreachable" or "connection refused" in p.stderr
     assert "Traceback" not in p.stderr and not (tmp_path / "r").exists()
 
 
-def test_aiperf_error_is_one_line_exit_1_and_keeps_the_log(standin_server, client_image,  # noqa: F811
-                                                           tmp_path):
+def test_aiperf_error_is_one_line_exit_1_and_keeps_the_log(standin_server, client_image, tmp_path):
     s = standin_server
-    p = _bench_cli("--workload", "ci-tiny", "--url", s.base_url, "--model", s.model,
-                   "--tokenizer", str(s.tokenizer_path), "--results", str(tmp_path),
-                   "--set", "extra_args=--no-such-aiperf-flag")
+    p = subprocess.run([sys.executable, "-m", "k3rocm", "bench", "--quiet", "--workload",
+                        "ci-tiny", "--url", s.base_url, "--model", s.model, "--tokenizer",
+                        str(s.tokenizer_path), "--results", str(tmp_path), "--set",
+                        "extra_args=--no-such-aiperf-flag"], cwd=REPO, env=clean_env(),
+                       capture_output=True, text=True, timeout=300)
+    assert "Traceback" not in p.stderr
     assert p.returncode == 1, p.stderr[-2000:]
     errs = [ln for ln in p.stderr.splitlines() if ln.startswith("k3rocm: error:")]
     assert len(errs) == 1 and "2 of 2 points failed (aiperf exited with" in errs[0], errs
     assert "Unknown option: --no-such-aiperf-flag" in errs[0]
-    run = only_run_dir(tmp_path)
+    run = only_dir(tmp_path)
     assert (run / "aiperf.log").stat().st_size > 0
     doc = json.loads((run / "summary.json").read_text())
     assert doc["status"] == "failed" and doc["aiperf_exit_code"] != 0

@@ -7,20 +7,24 @@ import io
 import json
 import os
 import shlex
-import subprocess
+import signal
 import sys
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import REPO, make_exit_code, run_cli
+from conftest import REPO, make, make_exit_code, run_cli
 
-from k3rocm.checks.bench import stats, summary
+from k3rocm.checks.bench import ab, stats, summary
+from k3rocm.checks.bench import run as bench_run
+from k3rocm.checks.bench.run import server_prefix_caching
 from k3rocm.checks.bench.workloads import FIELD_NAMES, aiperf_command, load_table, resolve
 from k3rocm.errors import UsageError
 
 # The upstream PRs' aiperf command (vLLM #52494, #57640), with <local Kimi-K3 dir> filled in.
-SEED = """aiperf profile --model moonshotai/Kimi-K3 --tokenizer /models/Kimi-K3
+UPSTREAM_COMMAND = """aiperf profile --model moonshotai/Kimi-K3 --tokenizer /models/Kimi-K3
   --tokenizer-trust-remote-code --url http://127.0.0.1:8000 --api-key EMPTY
   --endpoint-type chat --streaming --use-server-token-count
   --synthetic-input-tokens-mean 8192 --synthetic-input-tokens-stddev 0
@@ -30,31 +34,21 @@ SEED = """aiperf profile --model moonshotai/Kimi-K3 --tokenizer /models/Kimi-K3
   --random-seed 42 --ui simple"""
 
 
-# `k3` (conftest): k3rocm in-process. The real `python -m k3rocm` stays once per command: bench
-# here (missing tokenizer), bench-ab, census-ab, ab and server in test_ab_unit.py.
-
-
-def test_decode_8k1k_dry_run_is_exactly_the_seed_command(tmp_path, k3):
+def test_decode_8k1k_dry_run_is_exactly_the_upstream_command(tmp_path, k3):
     p = k3("bench", "--workload", "decode-8k1k", "--tokenizer", "/models/Kimi-K3", "--dry-run",
                "--results", str(tmp_path), env={"COMPOSE_FILE": "compose.yaml"})  # a GPU node
     assert p.returncode == 0, p.stderr
     (line,) = [ln for ln in p.stdout.splitlines() if ln.strip()]
     argv = shlex.split(line)
-    assert argv[:-2] == shlex.split(SEED) and argv[-2] == "--artifact-dir"
+    assert argv[:-2] == shlex.split(UPSTREAM_COMMAND) and argv[-2] == "--artifact-dir"
     assert argv[-1].startswith(str(tmp_path.resolve()) + "/") and argv[-1].endswith(
         "-decode-8k1k/aiperf")
     assert not list(tmp_path.iterdir()), "a dry run creates nothing"
 
 
 def test_dry_run_via_make_contacts_nothing(tmp_path):
-    p = subprocess.run(["make", "-s", "-o", sys.executable, "bench", f"PY={sys.executable}",
-                        "WORKLOAD=decode-8k1k", "DRY_RUN=1",
-                        f"BENCH_ARGS=--tokenizer /models/Kimi-K3 --results {tmp_path} "
-                        "--url http://127.0.0.1:9"],
-                       cwd=REPO, capture_output=True, text=True, timeout=60,
-                       env={**{k: v for k, v in os.environ.items()
-                               if not k.startswith(("K3_", "BENCH_"))},
-                            "PYTHONPATH": str(REPO / "src")})
+    p = make("bench", "WORKLOAD=decode-8k1k", "DRY_RUN=1", "BENCH_ARGS=--tokenizer "
+             f"/models/Kimi-K3 --results {tmp_path} --url http://127.0.0.1:9", timeout=60)
     assert make_exit_code(p) == 0, p.stderr
     argv = shlex.split(p.stdout.strip().splitlines()[-1])
     assert argv[:2] == ["aiperf", "profile"] and "http://127.0.0.1:9" in argv
@@ -108,13 +102,12 @@ def test_bad_input_is_one_line_exit_2(k3, args, env, needle):
 
 
 def test_missing_tokenizer_fails_before_docker(tmp_path):
+    """The real `python -m k3rocm bench` (the cases above run in-process)."""
     p = run_cli("bench", "--workload", "ci-tiny", "--tokenizer", str(tmp_path / "nope"),
-               "--results", str(tmp_path), "--url", "http://127.0.0.1:9")
-    assert p.returncode == 2
-    assert p.stderr.strip().splitlines() == [
-        f"k3rocm: error: tokenizer directory '{tmp_path / 'nope'}' does not exist: pass the "
-        "model's local directory with --tokenizer DIR (or BENCH_TOKENIZER)"]
-    assert not list(tmp_path.iterdir())
+                "--results", str(tmp_path), "--url", "http://127.0.0.1:9")
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert f"tokenizer directory '{tmp_path / 'nope'}' does not exist" in p.stderr
+    assert "--tokenizer DIR (or BENCH_TOKENIZER)" in p.stderr and not list(tmp_path.iterdir())
 
 
 def test_bad_workload_file(tmp_path):
@@ -171,8 +164,7 @@ def test_bench_ab_dry_run_prints_hours_and_whether_the_upstream_effect_can_be_se
 # --- A/B statistics: the server is the unit
 
 def test_the_statistics_keep_their_values():
-    """Every function that reads a distribution (t, F, beta, binomial), pinned to 1e-9 (the
-    values of the hand-written code scipy.stats replaced)."""
+    """Every function that reads a distribution (t, F, beta, binomial), pinned to 1e-9."""
     a, b = [10.0, 10.2, 9.8, 10.1], [10.15, 9.9, 10.3, 10.0]
     want = {(): (0.6279734215557218, -0.02329009270451543, 0.0366444505572594,
                  0.04164282921978191, 48),
@@ -301,11 +293,9 @@ def test_secondary_rows_print_the_ci_their_holm_verdict_used():
     reports no row shows a CI that excludes 0 beside "inconclusive", nor one that includes 0
     beside "B faster/slower"."""
     np = pytest.importorskip("numpy")
-    from k3rocm.checks.bench import ab
-
     rng = np.random.default_rng(29)
     labels = [label for _, _, label, _ in stats.AB_METRICS]
-    mismatched = old_style = 0
+    mismatched = unadjusted = 0
     for _ in range(400):
         values = {(c, label): dict(zip("AB", _arms(rng, 4), strict=True))
                   for c in (1, 4) for label in labels}
@@ -313,10 +303,10 @@ def test_secondary_rows_print_the_ci_their_holm_verdict_used():
         for r in rows:
             excludes = r["ci_lo"] > 0 or r["ci_hi"] < 0
             mismatched += excludes == r["verdict"].startswith("inconclusive")
-            old_style += (r["lo"] > 0 or r["hi"] < 0) and r["verdict"].startswith("inconclusive")
+            unadjusted += (r["lo"] > 0 or r["hi"] < 0) and r["verdict"].startswith("inconclusive")
         sec = next(r for r in rows if not r["primary"])
         assert sec["ci_level"] > 0.95 and sec["ci_lo"] <= sec["lo"]
-    assert mismatched == 0 and old_style > 0
+    assert mismatched == 0 and unadjusted > 0
     md = ab.comparison_markdown({"mode": "ab", "workload": "w", "protocol": [],
                                  "protocol_key": "k", "runs": [], "rows": rows,
                                  "headline": "h"})
@@ -324,8 +314,6 @@ def test_secondary_rows_print_the_ci_their_holm_verdict_used():
 
 
 def test_primary_row_is_judged_alone_and_the_others_with_holm():
-    from k3rocm.checks.bench import ab
-
     a, b = [10.0, 10.2, 9.9, 10.1], [10.25, 10.45, 10.15, 10.35]  # +2.5%, p ~ 0.01
     values = {(1, "ITL p50"): {"A": a, "B": b}, (1, "ITL p90"): {"A": a, "B": b},
               (4, "ITL p50"): {"A": a, "B": b}, (4, "output tokens/s"): {"A": b, "B": a}}
@@ -344,8 +332,6 @@ def test_primary_row_is_judged_alone_and_the_others_with_holm():
 
 
 def test_primary_flag_is_validated():
-    from k3rocm.checks.bench import ab
-
     w = resolve("decode-8k1k", {})
     assert ab.parse_primary(None, w) == ("ITL p50", 1)
     assert ab.parse_primary("ttft:p50@4", w) == ("TTFT p50", 4)
@@ -370,7 +356,7 @@ def test_calibration_can_fail(injected):
 
 # --- calibration against the delay the server really applied ---------------------------
 
-NOMINAL_MS, BASE_MS, A_ITL = 38.8, 30.0, 37.25  # the issue's loaded run: A's ITL p50 ~37 ms
+NOMINAL_MS, BASE_MS, A_ITL = 38.8, 30.0, 37.25  # a loaded run: A's ITL p50 ~37 ms
 T0 = 1_767_000_000_000_000_000  # wall-clock ns of the profiling phase's start
 
 
@@ -380,8 +366,6 @@ def _cal_run_tree(tmp_path, applied_factor: float, records: bool = True) -> list
     the step-delay double's record. Both arms sleep BASE_MS per step (A's sleeps wake on
     time), B NOMINAL_MS more; B's sleeps last ``applied_factor`` times what was asked. Steps
     outside the profiling window (warmup) slept 10x as long: they must not count."""
-    from k3rocm.checks.bench import ab
-
     runs = []
     slot_dir = tmp_path / "runs"
     for slot, arm in enumerate("AB"):
@@ -420,12 +404,10 @@ def _itl_row(effect_ms: float, half_width: float = 0.05) -> dict:
 
 
 def test_calibration_is_judged_against_the_applied_delay(tmp_path):
-    """The issue's loaded run: B's server really slept 1.28x the nominal extra, and the
-    detector saw exactly that. Judged against the applied delay (read from the double's
-    record, inside the profiling window only) the CI covers the expected effect; the old
-    calibration (nominal 38.8 ms / A) called this correct detector a failure."""
-    from k3rocm.checks.bench import ab
-
+    """B's server really slept 1.28x the nominal extra, and the detector saw exactly that.
+    Judged against the applied delay (read from the double's record, inside the profiling
+    window only) the CI covers the expected effect; judged against the nominal 38.8 ms / A it
+    would miss."""
     factor = 1.28
     runs = _cal_run_tree(tmp_path, factor)
     applied_extra = (factor - 1) * (BASE_MS + NOMINAL_MS) + NOMINAL_MS  # B - A, per step
@@ -463,8 +445,6 @@ def test_calibration_is_judged_against_the_applied_delay(tmp_path):
 def test_calibration_without_the_record_of_the_applied_delay_is_not_judged(tmp_path):
     """Arm B asked for a sleep but its record is missing: no expected effect, exit 4 (and
     never a pass on the nominal value)."""
-    from k3rocm.checks.bench import ab
-
     runs = _cal_run_tree(tmp_path, 1.0, records=False)
     (c,) = ab.calibration({"rows": [_itl_row(NOMINAL_MS)], "runs": runs}, NOMINAL_MS)
     assert c["covered"] is None and c["expected_d"] is None
@@ -482,22 +462,18 @@ def test_the_step_delay_double_records_the_sleep_it_really_took(tmp_path, monkey
         import k3rocm_test_stepdelay as double
     finally:
         sys.path.pop(0)
-    from k3rocm.checks.bench import ab
-
     assert double.APPLIED_FILE == ab.STEP_DELAY_RECORD
     assert set(ab._DELAY_VARS) == {double.ENV, double.BASE_ENV, double.DELAY_FILE_ENV}
-    import time as _time
-
-    real_sleep = _time.sleep
-    monkeypatch.setattr(_time, "sleep", lambda s: real_sleep(s * 1.28))  # a late wake-up
+    real_sleep = time.sleep
+    monkeypatch.setattr(time, "sleep", lambda s: real_sleep(s * 1.28))  # a late wake-up
     rec = double._Record(str(tmp_path / "applied.tsv"))
-    before = _time.time_ns()
+    before = time.time_ns()
     for _ in range(3):
         rec.sleep(0.02)
     got = ab._read_applied(tmp_path / "applied.tsv")
     assert len(got) == 3
     for t, requested, applied in got:
-        assert before <= t <= _time.time_ns()
+        assert before <= t <= time.time_ns()
         assert requested == 20.0 and applied >= 25.6, (requested, applied)
 
 
@@ -509,11 +485,6 @@ def test_ctrl_c_keeps_the_finished_point_and_removes_the_client(tmp_path, monkey
     engine.run_client; only Docker and the server are fakes): the client container gets SIGINT
     and is removed, exit 130, one line, point 1 kept in summary.json, perf.csv and report.md.
     Real aiperf in a real client container stopped by Ctrl-C: test_gsm8k_e2e.py (run_client)."""
-    import signal
-    import threading
-
-    from k3rocm.checks.bench import run as bench_run
-
     seen, gone = [], threading.Event()
 
     def logs(out: Path):  # aiperf: point 1 written, then Ctrl-C while point 2 runs
@@ -668,8 +639,6 @@ def test_server_counters_and_input_flags(tmp_path):
 
 
 def test_server_prefix_caching_from_the_argv():
-    from k3rocm.checks.bench.run import server_prefix_caching
-
     assert server_prefix_caching({"rendered": {
         "argv": ["vllm", "serve", "--no-enable-prefix-caching"]}}) is False
     assert server_prefix_caching({"rendered": {"argv": ["vllm", "serve"]}}) is True  # default on
@@ -708,8 +677,6 @@ def test_a_quieter_aa_is_not_pooled_and_lowers_the_false_rate():
 
 
 def test_an_old_aa_is_flagged_beside_the_verdict():
-    from k3rocm.checks.bench import ab
-
     row = {"primary": True, "floor_check": {"pooled": True, "note": "A/A pooled"}}
     doc = {"same_protocol": True, "dir": "results/20261201T080000Z-ci-tiny-aa"}
     assert ab.aa_age_hours(doc, "20261203T080000Z") == pytest.approx(48.0)

@@ -5,7 +5,6 @@ serving (make down, exit 130), and bad input / a busy port (one line, exit 2).""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -14,8 +13,16 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, free_port, make_exit_code, project_containers, run_cli
-from conftest import k3_in_process as run_in_process
+from conftest import (
+    REPO,
+    clean_env,
+    free_port,
+    make,
+    make_exit_code,
+    only_dir,
+    project_containers,
+    run_cli,
+)
 from server_fixture import MODELS_DIR, SMOKE_MODEL
 
 from k3rocm.dev.demo import GSM8K_ITEMS, STANDIN_BASE, STEPS
@@ -27,32 +34,11 @@ LIGHT = ("--bench-args '--set concurrency=1 --set request_count=3 --set warmup_r
          " --census-args '--concurrency 2 --max-tokens 48 --steps 6'")
 
 
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("K3_")}
-    env["PYTHONPATH"] = str(REPO / "src")
-    env.pop("COMPOSE_PROJECT_NAME", None)
-    return env
-
-
-def _demo_argv(port: int, project: str, results: Path, *extra: str) -> list[str]:
-    args = " ".join(["--port", str(port), "--project", project, "--results", str(results),
-                     "--models-dir", str(MODELS_DIR), *extra])
-    return ["make", "-s", "--no-print-directory", "-o", sys.executable, "demo",
-            f"PY={sys.executable}", f"DEMO_ARGS={args}"]
-
-
-
-def _one(results: Path, suffix: str) -> Path:
-    found = [p for p in results.iterdir() if p.is_dir() and p.name.endswith(suffix)]
-    assert len(found) == 1, (suffix, sorted(p.name for p in results.iterdir()))
-    return found[0]
-
-
 # ------------------------------------------------------------------------ fast, no Docker
 
 
-def test_help_lists_the_steps_and_the_targets():
-    p = run_in_process("demo", "--help")
+def test_help_lists_the_steps_and_the_targets(k3):
+    p = k3("demo", "--help")
     assert p.returncode == 0, p.stderr
     for target in ("make tinymodel", "make up CPU=1", "make bench WORKLOAD=ci-tiny",
                    "make gsm8k", "make census", "make down CPU=1"):
@@ -65,8 +51,8 @@ def test_help_lists_the_steps_and_the_targets():
     (["--gsm8k-data", "/nonexistent-k3"], "has no train.jsonl"),
     (["--bench-args", "'unclosed"], "--bench-args"),
 ])
-def test_bad_input_is_one_line_exit_2(tmp_path, args, fragment):
-    p = run_in_process("demo", "--results", str(tmp_path / "r"), *args)
+def test_bad_input_is_one_line_exit_2(k3, tmp_path, args, fragment):
+    p = k3("demo", "--results", str(tmp_path / "r"), *args)
     assert p.returncode == 2, p.stdout + p.stderr
     assert p.stderr.count("\n") == 1 and "Traceback" not in p.stderr, p.stderr
     assert fragment in p.stderr
@@ -75,7 +61,7 @@ def test_bad_input_is_one_line_exit_2(tmp_path, args, fragment):
 
 def test_no_docker_engine_is_exit_3(tmp_path):
     """The exit-code table: no Docker engine is a server/engine problem (3), not bad input
-    (through the real entry point; the cases above run in-process)."""
+    (through the real entry point; the other cases run in-process)."""
     p = run_cli("demo", "--results", str(tmp_path / "r"),
                 env={"DOCKER_HOST": f"unix://{tmp_path}/no-engine.sock"})
     assert p.returncode == 3, p.stdout + p.stderr
@@ -108,13 +94,13 @@ def test_bundled_items_are_gsm8ks_first_items():
 
 
 @pytest.mark.docker
-def test_busy_port_is_refused_before_anything_starts(docker_client, tmp_path):
+def test_busy_port_is_refused_before_anything_starts(docker_client, tmp_path, k3):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen(1)
         port = busy.getsockname()[1]
-        p = run_cli("demo", "--port", str(port), "--results", str(tmp_path / "r"),
-                    "--project", "k3rocm-demo-busy", timeout=120)
+        p = k3("demo", "--port", str(port), "--results", str(tmp_path / "r"),
+               "--project", "k3rocm-demo-busy")
     assert p.returncode == 2, p.stdout + p.stderr
     assert f"port {port} on 127.0.0.1 is in use" in p.stderr and "Traceback" not in p.stderr
     assert not (tmp_path / "r").exists()
@@ -126,8 +112,8 @@ def test_busy_port_is_refused_before_anything_starts(docker_client, tmp_path):
 def test_make_demo_end_to_end(docker_client, tmp_path):
     port, project, results = free_port(), "k3rocm-demo-test", tmp_path / "results"
     t0 = time.monotonic()
-    p = subprocess.run(_demo_argv(port, project, results, LIGHT), cwd=REPO, env=_env(),
-                       capture_output=True, text=True, timeout=1500)
+    p = make("demo", f"DEMO_ARGS=--port {port} --project {project} --results {results} "
+             f"--models-dir {MODELS_DIR} {LIGHT}", timeout=1500)
     wall = time.monotonic() - t0
     print(f"make demo: {wall:.0f}s\n{p.stdout}\n{p.stderr[-4000:]}", file=sys.stderr)
     assert make_exit_code(p) == 0, p.stdout + p.stderr[-4000:]
@@ -135,7 +121,7 @@ def test_make_demo_end_to_end(docker_client, tmp_path):
     assert p.stdout.startswith("k3rocm demo: OK in "), p.stdout
     assert project_containers(project) == []  # make down removed what make up started
 
-    demo = _one(results, "-demo")
+    demo = only_dir(results, "-demo")
     summary = json.loads((demo / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["exit_code"] == 0
     steps = {s["name"]: s for s in summary["steps"]}
@@ -145,8 +131,8 @@ def test_make_demo_end_to_end(docker_client, tmp_path):
         assert Path(steps[name]["log"]).is_file(), name
         assert "make --no-print-directory" in steps[name]["command"], name
     # The summary links every run directory, and the stdout summary prints those links.
-    bench, gsm8k, census = (_one(results, s) for s in ("-ci-tiny", "-gsm8k", "-census"))
-    log = _one(results, "-server-log") / "server.log"
+    bench, gsm8k, census = (only_dir(results, s) for s in ("-ci-tiny", "-gsm8k", "-census"))
+    log = only_dir(results, "-server-log") / "server.log"
     assert steps["bench"]["run_dir"] == str(bench)
     assert steps["gsm8k"]["run_dir"] == str(gsm8k)
     assert steps["census"]["run_dir"] == str(census)
@@ -228,10 +214,9 @@ def _census_of_the_stock_server(run_dir: Path, demo: Path, log: Path, tmp_path: 
 @pytest.mark.server
 def test_sigterm_while_serving_stops_the_server(docker_client, tmp_path):
     port, project, results = free_port(), "k3rocm-demo-term", tmp_path / "results"
-    env = _env()
     proc = subprocess.Popen([sys.executable, "-m", "k3rocm", "demo", "--port", str(port),
                              "--project", project, "--results", str(results), "--models-dir",
-                             str(MODELS_DIR)], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                             str(MODELS_DIR)], cwd=REPO, env=clean_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
         # SIGTERM once `make up` has started the server and waits for it (its "waiting up to"
@@ -252,10 +237,10 @@ def test_sigterm_while_serving_stops_the_server(docker_client, tmp_path):
     assert "Traceback" not in err
     assert out.startswith("k3rocm demo: INTERRUPTED"), out
     assert project_containers(project) == []
-    demo = _one(results, "-demo")
+    demo = only_dir(results, "-demo")
     summary = json.loads((demo / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["exit_code"] == 130
     names = [s["name"] for s in summary["steps"]]
     assert names[-1] == "down" and summary["steps"][-1]["ok"], summary["steps"]
     assert "up" in names and not any(n in names for n in ("bench", "gsm8k", "census"))
-    assert (_one(results, "-server-log") / "server.log").is_file()
+    assert (only_dir(results, "-server-log") / "server.log").is_file()

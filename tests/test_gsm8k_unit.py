@@ -4,17 +4,16 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
+from math import comb
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, free_port, make_exit_code
+from conftest import free_port, make, make_exit_code
 
-from k3rocm.checks.gsm8k import cli, data, results
+from k3rocm.checks.bench import stats
+from k3rocm.checks.gsm8k import ab, cli, data, results
 from k3rocm.checks.gsm8k.lmeval_launch import apply_reasoning_fallback, log_finish_reasons
 from k3rocm.cli import parse
 from k3rocm.errors import UsageError
@@ -191,19 +190,12 @@ def test_bad_input_and_no_server_exit_with_one_line(k3, data_dir, tmp_path, argv
     assert got == code and err.count("\n") == 1 and fragment in err, err
 
 
-def _make(*args: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["make", "-s", "-o", sys.executable, *args, f"PY={sys.executable}"],
-                          cwd=REPO, capture_output=True, text=True, timeout=timeout,
-                          env={**{k: v for k, v in os.environ.items() if not k.startswith("K3_")},
-                               "PYTHONPATH": str(REPO / "src"), **env})
-
-
 def test_make_gsm8k_data_cached_or_without_docker(k3, tmp_path):
     """Cached: nothing to do, no Docker engine needed. Not cached, no engine: exit 3 (make's 2;
     conftest.make_exit_code reads the recipe's), and a make failure without a recipe is not
     read as any k3rocm code."""
     hf, nosock = tmp_path / "hf", f"unix://{tmp_path}/no.sock"
-    p = _make("gsm8k-data", f"GSM8K_ARGS=--hf-home {hf}", DOCKER_HOST=nosock)
+    p = make("gsm8k-data", f"GSM8K_ARGS=--hf-home {hf}", DOCKER_HOST=nosock)
     assert p.returncode == 2 and make_exit_code(p) == 3, p.stderr
     assert "k3rocm: error: cannot reach the Docker engine" in p.stderr
     snap = hf / "hub" / data.HF_REPO_DIR / "snapshots" / "abc" / "main"
@@ -213,7 +205,7 @@ def test_make_gsm8k_data_cached_or_without_docker(k3, tmp_path):
     code, _, err = k3("gsm8k", "--fetch-data", "--hf-home", str(hf), env={"DOCKER_HOST": nosock})
     assert code == 0 and "gsm8k-data: already there: hf-hub-parquet at " in err
     with pytest.raises(AssertionError, match="without a recipe's exit code"):
-        make_exit_code(_make("no-such-target-k3"))
+        make_exit_code(make("no-such-target-k3"))
 
 
 def test_reasoning_fallback_and_finish_reasons_logs(tmp_path):
@@ -364,10 +356,6 @@ def test_truncated_answers_are_reported_apart_from_wrong_ones(k3, tmp_path):
 def test_the_pass_rate_is_exact_for_the_verdicts_own_bound():
     """Against brute force at n = 40: every outcome, weighted exactly, judged by
     paired_accuracy itself."""
-    from math import comb
-
-    from k3rocm.checks.bench import stats
-
     n, d, drop, margin = 40, 0.2, 0.05, 0.1
     pa, pb = (d + drop) / 2, (d - drop) / 2
     want = 0.0
@@ -383,9 +371,6 @@ def test_the_pass_rate_is_exact_for_the_verdicts_own_bound():
 def test_the_default_margin_comes_from_its_stated_power():
     """The smallest margin on a 0.05-point grid with which identical arms pass >= 90% at 98%
     agreement on 1319 items; its false-pass price for a 1-point drop: 13.9%."""
-    from k3rocm.checks.bench import stats
-    from k3rocm.checks.gsm8k import ab
-
     rate = stats.noninferiority_pass_rate
     d = 1 - ab.DESIGN_AGREEMENT
     assert ab.DESIGN_POWER == 0.90 and ab.DESIGN_AGREEMENT == 0.98
@@ -401,8 +386,6 @@ def _samples(right: list[bool]) -> list[dict]:
 
 
 def test_gsm8k_ab_pairs_the_items_and_gates_on_non_inferiority():
-    from k3rocm.checks.gsm8k import ab
-
     a = [True] * 1272 + [False] * 47
     same = list(a)
     for i in range(12):
@@ -430,7 +413,7 @@ def test_gsm8k_ab_pairs_the_items_and_gates_on_non_inferiority():
 
 
 def test_make_gsm8k_ab_dry_run_and_bad_input(k3):
-    p = _make("gsm8k-ab", "DRY_RUN=1", "CPU=1")
+    p = make("gsm8k-ab", "DRY_RUN=1", "CPU=1")
     assert make_exit_code(p) == 0, p.stderr
     lines = p.stdout.splitlines()
     assert [ln.split()[4] for ln in lines if ln.startswith("# slot")] == ["A:", "B:"]
@@ -442,15 +425,12 @@ def test_make_gsm8k_ab_dry_run_and_bad_input(k3):
 def test_no_discordant_items_is_no_proof_on_a_handful_of_items():
     """Five identical answers (the stand-in) are no proof within 1 point, nor a power; 1319
     may be."""
-    from k3rocm.checks.bench.stats import paired_accuracy
-    from k3rocm.checks.gsm8k import ab
-
     comp = ab.compare(_samples([False] * 5), _samples([False] * 5), 0.01)
     assert comp["filters"]["strict-match"]["power_full"] is None
     assert comp["filters"]["strict-match"]["non_inferior"] is False
     assert comp["filters"]["strict-match"]["lower_bound"] < -0.4
     assert "power of the margin n/a (no discordant items)" in comp["headline"]
-    full = paired_accuracy([True] * 1200 + [False] * 119, [True] * 1200 + [False] * 119, 0.01)
+    full = stats.paired_accuracy([True] * 1200 + [False] * 119, [True] * 1200 + [False] * 119, 0.01)
     assert full["non_inferior"] is True
 
 

@@ -7,21 +7,30 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
+import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from conftest import (
     REPO,
     free_port,
+    image_base_facts,
+    make,
     make_exit_code,
     project_containers,
     standin_tag,
 )
 from server_fixture import MODELS_DIR, ensure_smoke_model
 
+from k3rocm.checks import selftest
+from k3rocm.checks.ab.arms import arm_envs
 from k3rocm.checks.selftest import GREEDY_TOKENS, LOGPROB_TOL, compare, compare_note
+from k3rocm.cli import main
+from k3rocm.deploy import config_cmd, engine, preflight, runrecord
+from k3rocm.deploy.lifecycle import ComposeServer
+from k3rocm.errors import UsageError
 
 PROJECT = "k3rocm-selftest-test"
 
@@ -89,10 +98,10 @@ def test_compare_a_token_outside_the_other_arms_top_n_fails_or_cannot_be_judged(
     (["--bench-args=--no-such-flag"], "--bench-args: unrecognized arguments"),
     (["--census-args=--no-such-flag"], "--census-args: unrecognized arguments"),
 ])
-def test_bad_input_is_one_line_exit_2(seed_node, tmp_path, capsys, args, fragment):
+def test_bad_input_is_one_line_exit_2(node, tmp_path, capsys, args, fragment):
     code, errors, err = _refused(capsys, *args)
     assert code == 2 and len(errors) == 1 and fragment in errors[0], err
-    assert seed_node == [] and not (tmp_path / "results").exists()
+    assert node == [] and not (tmp_path / "results").exists()
 
 
 # ------------------------------------------- the A/B's arms against the image's base facts
@@ -137,16 +146,9 @@ class Calls(list):
 
 
 @pytest.fixture
-def seed_node(tmp_path, monkeypatch):
+def node(tmp_path, monkeypatch):
     """A node (compose.yaml, AITER on) whose serving image holds the base facts of the real
     vLLM 0.27.1 sources; every compose call recorded (none may happen before the checks)."""
-    import shutil
-
-    from conftest import image_base_facts
-
-    from k3rocm.deploy import config_cmd
-    from k3rocm.deploy.lifecycle import ComposeServer
-
     facts = image_base_facts("0.27.1")  # the real release with the overlay applied
     monkeypatch.setattr(config_cmd, "image_base_facts",
                         lambda image: (facts, f"{image} (sha256:0123456789ab) manifest"))
@@ -158,8 +160,6 @@ def seed_node(tmp_path, monkeypatch):
     monkeypatch.setattr(ComposeServer, "compose", compose)
     monkeypatch.setattr(ComposeServer, "up", lambda self, *a, **kw: calls.append(("up",)))
     # the Docker engine (client image present, no container) and idle GPUs: tests change them
-    from k3rocm.deploy import engine, preflight
-
     docker = FakeDocker()
     monkeypatch.setattr(engine, "docker_client", lambda *a, **kw: docker)
     monkeypatch.setattr(preflight, "gpu_memory",
@@ -189,17 +189,14 @@ def _args(**kw):
                                  "deployment": load_deployment(), **kw})
 
 
-def test_selftest_serves_the_abs_arms(seed_node):
+def test_selftest_serves_the_abs_arms(node):
     """Fusions-on = the A/B's arm B of --on, fusions-off = arm A; both pass the base check."""
-    from k3rocm.checks import selftest
-    from k3rocm.checks.ab.arms import arm_envs
-
     dep, srv, arms = selftest._plan(_args())
     assert not dep.cpu and arms == arm_envs("qk_norm")
     assert srv.env["K3_FUSE_QK_NORM"] == "1" and srv.env["K3_FUSE_DECODE_QPREP"] == "0"
     base = selftest.base_check(dep, srv, arms, ".env")
     assert sorted(base["arms"]) == ["A", "B"] and base["vllm_version"] == "0.27.1"
-    assert seed_node == []
+    assert node == []
 
 
 # ------------------------------------------------- refused before any build or server (fakes)
@@ -208,8 +205,6 @@ def test_selftest_serves_the_abs_arms(seed_node):
 @contextlib.contextmanager
 def busy_port():
     """A port something listens on (as the engine's proxy does for a published port)."""
-    import socket
-
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
@@ -217,16 +212,12 @@ def busy_port():
 
 
 def _refused(capsys, *argv: str) -> tuple[int, list[str], list[str]]:
-    from k3rocm.cli import main
-
-    code = main(["selftest", "run", "--on", "qk_norm", *argv])  # an arm the seed base serves
+    code = main(["selftest", "run", "--on", "qk_norm", *argv])  # an arm this base serves
     err = capsys.readouterr().err.strip().splitlines()
     return code, [ln for ln in err if ln.startswith("k3rocm: error: ")], err
 
 
 def _gpu_memory_in_use(node, monkeypatch):
-    from k3rocm.deploy import preflight
-
     monkeypatch.setattr(preflight, "gpu_memory",
                         lambda: [("card0 (0000:05:00.0)", 4, 1000), ("card3", 620, 1000)])
     return []
@@ -237,35 +228,33 @@ def _gpu_memory_in_use(node, monkeypatch):
      ["serving image 'k3rocm/server:latest' not found", "drop --no-build"]),
     (_gpu_memory_in_use, ["GPU memory in use: card3 62%", "asks vLLM for 0.95 of each GPU"]),
 ], ids=["no-build", "gpu-memory"])
-def test_refused_before_any_build(seed_node, monkeypatch, tmp_path, capsys, setup, fragments):
+def test_refused_before_any_build(node, monkeypatch, tmp_path, capsys, setup, fragments):
     """What a build or a load would find late: one line, exit 2, nothing built, served or
     written (the client image, the port, the GPUs held: test_every_problem_is_one_line...)."""
-    code, errors, err = _refused(capsys, *setup(seed_node, monkeypatch))
+    code, errors, err = _refused(capsys, *setup(node, monkeypatch))
     assert code == 2 and len(errors) == 1, err
     assert all(f in errors[0] for f in fragments), errors[0]
     assert "card0" not in errors[0]
     assert err[-1].startswith("k3rocm selftest: nothing expensive was started"), err
-    assert seed_node == [] and not (tmp_path / "results").exists()
+    assert node == [] and not (tmp_path / "results").exists()
 
 
-def test_the_client_image_the_bench_step_will_use_is_the_one_checked(seed_node, capsys):
-    seed_node.docker.images_present.clear()
-    seed_node.docker.images_present.add("my/clients:1")
+def test_the_client_image_the_bench_step_will_use_is_the_one_checked(node, capsys):
+    node.docker.images_present.clear()
+    node.docker.images_present.add("my/clients:1")
     with busy_port() as port:  # refused for its port, so nothing runs
         code, errors, err = _refused(capsys, "--bench-args=--client-image my/clients:1",
                                      "--port", str(port))
     assert code == 2 and len(errors) == 1 and "is in use" in errors[0], err
-    assert seed_node == []
+    assert node == []
 
 
-def test_every_problem_is_one_line_and_all_are_named_at_once(seed_node, tmp_path, capsys):
+def test_every_problem_is_one_line_and_all_are_named_at_once(node, tmp_path, capsys):
     """The operator fixes everything in one go: each problem its own line with what to do,
     base check too; exit 2, nothing built, served or written."""
-    seed_node.docker.images_present.clear()
-    seed_node.docker.running.append(gpu_server())
-    from k3rocm.cli import main
-
-    with busy_port() as port:  # and arm B (--on all), which the seed base cannot serve
+    node.docker.images_present.clear()
+    node.docker.running.append(gpu_server())
+    with busy_port() as port:  # and arm B (--on all), which this base cannot serve
         code = main(["selftest", "run", "--port", str(port)])
     err = capsys.readouterr().err.strip().splitlines()
     errors = [ln for ln in err if ln.startswith("k3rocm: error: ")]
@@ -278,25 +267,21 @@ def test_every_problem_is_one_line_and_all_are_named_at_once(seed_node, tmp_path
              ("cannot be served by this base",)), errors, strict=True):
         assert all(f in line for f in fragments), line
     assert err[-1].startswith("k3rocm selftest: nothing expensive was started"), err
-    assert seed_node == [] and not (tmp_path / "results").exists()
+    assert node == [] and not (tmp_path / "results").exists()
 
 
-def test_the_gpu_check_is_skipped_on_the_cpu_standin_and_says_so(seed_node, monkeypatch):
-    from k3rocm.checks import selftest
-
+def test_the_gpu_check_is_skipped_on_the_cpu_standin_and_says_so(node, monkeypatch):
     monkeypatch.setenv("COMPOSE_FILE", "compose.yaml:compose.cpu.yaml")
-    seed_node.docker.running.append(gpu_server())
+    node.docker.running.append(gpu_server())
     dep, _, _ = selftest._plan(_args(on="all"), check_model=False)
     problems, notes = selftest.early_checks(dep, None)
     assert dep.cpu and problems == [], problems
     assert "GPU check skipped: CPU stand-in" in notes
 
 
-def test_the_servers_get_this_shells_vendor_variables(seed_node, monkeypatch, tmp_path):
+def test_the_servers_get_this_shells_vendor_variables(node, monkeypatch, tmp_path):
     """As `make up`: this shell's vendor variables, into the run's own file, never the shared
     .k3rocm/vendor.env an earlier shell wrote (the summary says where that one differs)."""
-    from k3rocm.checks import selftest
-
     monkeypatch.setenv("VLLM_ROCM_USE_AITER_MHA", "0")
     for compose_file, extra in (("compose.yaml", []),
                                 ("compose.yaml:compose.cpu.yaml", ["TORCHDYNAMO_DISABLE=1"])):
@@ -312,18 +297,13 @@ def test_the_servers_get_this_shells_vendor_variables(seed_node, monkeypatch, tm
     note = selftest.vendor_note(dep, tmp_path / "repo")
     assert note.startswith("vendor variables from this shell: VLLM_ROCM_USE_AITER_MHA ("), note
     assert "differs in AITER_OLD_SHELL, VLLM_ROCM_USE_AITER_MHA: not used" in note
-    assert seed_node == []
+    assert node == []
 
 
 @pytest.fixture
-def fake_pipeline(seed_node, monkeypatch, tmp_path):
-    """The whole selftest on the seed node with the servers, the census and bench subprocesses
+def fake_pipeline(node, monkeypatch, tmp_path):
+    """The whole selftest on that node with the servers, the census and bench subprocesses
     and the greedy requests faked: ``answers`` (on, off) and ``codes`` (step -> exit code)."""
-    from k3rocm.checks import selftest
-    from k3rocm.deploy import runrecord
-    from k3rocm.deploy.lifecycle import ComposeServer
-    from k3rocm.errors import UsageError
-
     monkeypatch.setattr(ComposeServer, "compose",  # the build succeeds
                         lambda self, *a, **kw: subprocess.CompletedProcess(a, 0, "", ""))
     monkeypatch.setattr(ComposeServer, "wait", lambda self, timeout, **kw: 1.0)
@@ -363,8 +343,6 @@ def test_an_exit_2_after_a_server_started_is_exit_4_not_bad_input(fake_pipeline,
     """Exit 2 promises that nothing expensive was started. A step that refuses its input once
     the servers have run (here the bench step) makes the selftest exit 4, cannot judge, and its
     row says why."""
-    from k3rocm.cli import main
-
     fake_pipeline["codes"]["bench"] = 2
     code = main(["selftest", "run", "--on", "qk_norm"])
     out, err = capsys.readouterr()
@@ -381,8 +359,6 @@ def test_an_exit_2_after_a_server_started_is_exit_4_not_bad_input(fake_pipeline,
 
 def test_the_compare_step_judges_the_gap_not_token_identity(fake_pipeline, tmp_path, capsys):
     """Identical tokens whose logprobs moved by 0.3 nats fail: exit 1."""
-    from k3rocm.cli import main
-
     off = json.loads(json.dumps(fake_pipeline["answers"][1]))
     off[2]["logprobs"][5] = -0.8
     off[2]["top_logprobs"][5] = {"token_id:7": -0.8, "token_id:9": -1.5}
@@ -401,8 +377,6 @@ def test_ctrl_c_during_the_census_stops_everything_and_keeps_what_finished(fake_
     finished: its 130): exit 130 recorded, the finished steps kept, the running server stopped
     with its log saved. Live, with real containers: test_gsm8k_e2e's and test_demo's signal
     tests (the one client runner, compose down)."""
-    from k3rocm.cli import main
-
     fake_pipeline["codes"]["census"] = census
     assert main(["selftest", "run", "--on", "qk_norm"]) == 130
     out = capsys.readouterr().out
@@ -418,22 +392,13 @@ def test_ctrl_c_during_the_census_stops_everything_and_keeps_what_finished(fake_
 # ------------------------------------------------------------------- the real serving path
 
 
-def _make(client, tmp_path, *args: str, env: dict | None = None) -> dict:
-    """`make selftest CPU=1` (argv and env for subprocess) on a free port."""
+def _selftest(client, tmp_path, *args: str, timeout: float = 900,
+              **env: str) -> subprocess.CompletedProcess:
+    """`make selftest CPU=1` on a free port."""
     ensure_smoke_model(client, standin_tag())
-    args = " ".join(["--port", str(free_port()), *args])
-    return {"args": ["make", "-s", "--no-print-directory", "-o", sys.executable, "selftest",
-                     f"PY={sys.executable}", "CPU=1", f"SELFTEST_ARGS={args}"],
-            "cwd": REPO, "text": True,
-            "env": {**{k: v for k, v in os.environ.items() if not k.startswith("K3_")},
-                    "PYTHONPATH": str(REPO / "src"), "K3_MODELS_DIR": str(MODELS_DIR),
-                    "K3_RESULTS_DIR": str(tmp_path / "results"), **(env or {})}}
-
-
-def _selftest(client, tmp_path, *args: str, env: dict | None = None,
-              timeout: float = 900) -> subprocess.CompletedProcess:
-    return subprocess.run(**_make(client, tmp_path, "--project", PROJECT, *args, env=env),
-                          capture_output=True, timeout=timeout)
+    args = " ".join(["--port", str(free_port()), "--project", PROJECT, *args])
+    return make("selftest", "CPU=1", f"SELFTEST_ARGS={args}", timeout=timeout,
+                K3_MODELS_DIR=str(MODELS_DIR), K3_RESULTS_DIR=str(tmp_path / "results"), **env)
 
 
 @pytest.mark.docker
@@ -481,8 +446,8 @@ def test_a_setting_the_base_cannot_run_stops_before_any_server(docker_client, tm
     ships them, with K3_OVERLAY=off at run time: that disables the k3rocm plugin whose hook
     switches upstream's fusions, so the switch would do nothing and the base check refuses it
     after the build and before any server starts (without K3_OVERLAY=off the hook serves it)."""
-    p = _selftest(docker_client, tmp_path, "--no-build",
-                  env={"VLLM_ROCM_USE_AITER": "1", "K3_OVERLAY": "off"}, timeout=300)
+    p = _selftest(docker_client, tmp_path, "--no-build", timeout=300,
+                  VLLM_ROCM_USE_AITER="1", K3_OVERLAY="off")
     # k3rocm's 2 (bad input), not make's 2 (any failed recipe)
     assert make_exit_code(p) == 2, p.stdout[-2000:] + p.stderr[-2000:]
     assert "K3_FUSE_QK_NORM=0 cannot take effect on this base" in p.stderr

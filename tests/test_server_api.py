@@ -2,10 +2,23 @@
 
 from __future__ import annotations
 
-import pytest
-from conftest import free_port, run_cli
+import threading
+import time
 
-from k3rocm.deploy.server_api import ServerAPI, Unreachable, auth_headers
+import pytest
+from conftest import REPO, free_port
+
+from k3rocm.deploy.scale import status
+from k3rocm.deploy.scale.preflight import check_node
+from k3rocm.deploy.server_api import (
+    ChatStream,
+    ServerAPI,
+    StartFailed,
+    Unreachable,
+    auth_headers,
+    wait_ready,
+)
+from k3rocm.dev.smoke import stream_chat
 from k3rocm.errors import EXIT_SERVER, ServerError, UsageError
 
 
@@ -83,10 +96,6 @@ def test_a_server_that_never_answers_times_out_and_is_not_refused(vllm):
 # --- connection refused: commands that expect a running server stop at once ----------------------
 
 def test_wait_ready_for_a_running_server_fails_at_once_when_nothing_listens():
-    import time
-
-    from k3rocm.deploy.server_api import wait_ready
-
     url = f"http://127.0.0.1:{free_port()}"
     t0 = time.monotonic()
     with pytest.raises(Unreachable, match="nothing listening at") as ei:
@@ -97,8 +106,6 @@ def test_wait_ready_for_a_running_server_fails_at_once_when_nothing_listens():
 def test_wait_ready_keeps_waiting_while_a_starting_container_lives_then_names_its_failure():
     """A starting container (``failed`` given): refused means wait, until its state says it
     failed or the timeout passes."""
-    from k3rocm.deploy.server_api import StartFailed, wait_ready
-
     url = f"http://127.0.0.1:{free_port()}"
     asked = []
 
@@ -117,16 +124,12 @@ def test_wait_ready_keeps_waiting_while_a_starting_container_lives_then_names_it
     assert "exited with code 2 before it became ready" in str(ei.value)
 
 
-def test_census_with_nothing_listening_says_so_at_once():
-    """`make census` with no server: exit 3 at once, naming the URL."""
-    import time
-
-    from conftest import REPO
-
+def test_census_with_nothing_listening_says_so_at_once(k3):
+    """`k3rocm census` with no server: exit 3 at once, naming the URL."""
     url = f"http://127.0.0.1:{free_port()}"
     t0 = time.monotonic()
-    r = run_cli("census", "--url", url, "--model-dir",
-                str(REPO / "tests/data/census/models/tiny-deepseek-v3"), timeout=120)
+    r = k3("census", "--url", url, "--model-dir",
+           str(REPO / "tests/data/census/models/tiny-deepseek-v3"))
     took = time.monotonic() - t0
     assert r.returncode == 3, r.stdout + r.stderr
     assert f"nothing listening at {url}" in r.stderr.strip().splitlines()[-1]
@@ -134,8 +137,6 @@ def test_census_with_nothing_listening_says_so_at_once():
 
 
 def test_preflight_calls_a_closed_api_port_on_a_node_a_warning():
-    from k3rocm.deploy.scale.preflight import check_node
-
     c = check_node(f"127.0.0.1:{free_port()}", timeout=2)
     assert (c.status, c.have) == ("warn", "host up, API port closed")
 
@@ -143,8 +144,6 @@ def test_preflight_calls_a_closed_api_port_on_a_node_a_warning():
 # --- callers: one rule and one error text through the client ------------------------------------
 
 def test_smoke_chat_failures_are_one_line_errors_with_their_exit_codes(vllm):
-    from k3rocm.dev.smoke import stream_chat
-
     url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(UsageError, match=f"chat completion failed: nothing listening at {url}") \
             as ei:
@@ -156,10 +155,6 @@ def test_smoke_chat_failures_are_one_line_errors_with_their_exit_codes(vllm):
 
 
 def test_hang_up_cuts_a_stream_on_a_connection_close_response(fake_vllm):
-    import threading
-
-    from k3rocm.deploy.server_api import ChatStream
-
     srv = fake_vllm(chat=lambda req, send: (send("a", 1), srv.closing.wait(60)))
     st, got = ChatStream(), threading.Event()
     body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "x"}]}
@@ -174,8 +169,6 @@ def test_hang_up_cuts_a_stream_on_a_connection_close_response(fake_vllm):
 
 
 def test_wait_ready_reports_a_refused_key(vllm):
-    from k3rocm.deploy.server_api import wait_ready
-
     url = vllm.url
     vllm.key = "s3cret"
     with pytest.raises(ServerError, match="refused /v1/models .*set K3_API_KEY"):
@@ -183,10 +176,10 @@ def test_wait_ready_reports_a_refused_key(vllm):
     assert wait_ready(url, "k3-smoke", timeout=5, api_key="s3cret", quiet=True) >= 0
 
 
-def test_scale_overhead_with_a_wrong_key_says_so_in_one_line(vllm):
+def test_scale_overhead_with_a_wrong_key_says_so_in_one_line(vllm, k3):
     vllm.key = "s3cret"
     port = vllm.port
-    r = run_cli("scale", "overhead", env={
+    r = k3("scale", "overhead", env={
         "K3_SCALE_MODE": "replicas", "K3_SCALE_NODES": f"127.0.0.1:{port},127.0.0.1:{free_port()}",
         "K3_SCALE_ROUTER_HOST": "127.0.0.1", "K3_SCALE_ROUTER_PORT": str(free_port()),
         "K3_API_KEY": "wrong"})
@@ -196,8 +189,6 @@ def test_scale_overhead_with_a_wrong_key_says_so_in_one_line(vllm):
 
 
 def test_scale_status_sends_no_header_for_empty(vllm):
-    from k3rocm.deploy.scale import status
-
     st = status.replica_status(vllm.url.removeprefix("http://"), api_key="EMPTY")
     assert (st.health, st.models) == ("ok", ["k3-smoke"])
     assert {(p, a) for _, p, a in vllm.seen} == {

@@ -3,13 +3,11 @@ the tiny model served through our entrypoint, one streamed request, teardown."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 import sys
 
 import pytest
-from conftest import REPO, _image_exists, free_port, make_exit_code, need, standin_tag
+from conftest import _image_exists, free_port, make, make_exit_code, need, standin_tag
 from server_fixture import MODELS_DIR
 
 pytestmark = [pytest.mark.docker, pytest.mark.server]
@@ -19,12 +17,8 @@ PROJECT = "k3rocm-smoke-test"
 def test_make_smoke_builds_serves_streams_and_tears_down(docker_client, tmp_path):
     need(_image_exists(docker_client, standin_tag()), f"{standin_tag()} is missing: make standin")
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("K3_")}
-    args = (f"--port {port} --project {PROJECT} --models-dir {MODELS_DIR} --max-tokens 24 "
-            f"--results {tmp_path}")
-    proc = subprocess.run(["make", "-s", "-o", sys.executable, "smoke", f"PY={sys.executable}",
-                           f"SMOKE_ARGS={args}"], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=1200)
+    proc = make("smoke", f"SMOKE_ARGS=--port {port} --project {PROJECT} --models-dir "
+                f"{MODELS_DIR} --max-tokens 24 --results {tmp_path}", timeout=1200)
     err = proc.stderr
     print(err[-1500:], file=sys.stderr)
     assert make_exit_code(proc) == 0, err[-3000:]

