@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from math import comb
 from pathlib import Path
 
@@ -460,10 +461,11 @@ def _gsm8k_ab_live(tmp_path, monkeypatch, server_logs: dict[str, str]):
                 "deployment": armlib.arm_deployment(self.arms, arm)})
         log_path.write_text(server_logs[arm])
 
-    def fake_execute(client, s, src, dep, results_dir, server_container):
+    def fake_execute(client, s, src, dep, run_dir, server_container):
         # the run record's deployment is the arm's (its switches), not this shell's
-        executed.append((Path(results_dir).name, dep.rendered.env["K3_FUSE_QK_NORM"]))
-        stored_run(Path(results_dir), 0.95, 0.95)
+        executed.append((run_dir.parent.name, dep.rendered.env["K3_FUSE_QK_NORM"]))
+        shutil.copytree(stored_run(tmp_path / f"stored-{len(executed)}", 0.95, 0.95), run_dir,
+                        dirs_exist_ok=True)
         return 0
 
     monkeypatch.setattr(armlib, "start", fake_start)
@@ -494,7 +496,9 @@ def test_gsm8k_ab_runs_each_arm_in_the_one_loop(tmp_path, monkeypatch):
     assert comp["fusion_problems"] == [  # a note, not a refusal (as in bench-ab)
         "slot 0 (arm A): no overlay decision records in its server log (fusion state "
         "unverified)"]
-    assert comp["arms"]["A"]["run_dir"] == str(run / "00-A" / "20261202T171915Z-gsm8k")
+    a_dir = Path(comp["arms"]["A"]["run_dir"])  # the gsm8k run directory the driver created
+    assert a_dir.parent == run / "00-A" and a_dir.name.endswith("-gsm8k"), a_dir
+    assert (a_dir / "lm_eval" / "moonshotai__Kimi-K3").is_dir()  # what lm-eval wrote there
     assert "| strict-match | 1319 |" in (run / "comparison.md").read_text()
 
 

@@ -17,6 +17,7 @@ from k3rocm.checks.gsm8k.cli import Gsm8kRun, Gsm8kSettings
 from k3rocm.checks.gsm8k.data import GSM8K_TEST_ITEMS
 from k3rocm.errors import EXIT_CHECK_FAILED, EXIT_OK, UsageError
 from k3rocm.options import Options, like, option
+from k3rocm.rundir import create_run_dir
 
 # The default margin: the smallest (0.05-point grid) with which equally accurate arms pass >=
 # DESIGN_POWER of the time at DESIGN_AGREEMENT of 1319 items agreeing (tools/bench_gsm8k_margin.py).
@@ -142,9 +143,9 @@ class Gsm8kAb:
 
     def measure(self, i: int, arm: str, srv, info: dict) -> None:
         run, slot_dir = self.run, self.run.dir / f"{i:02d}-{arm}"
-        code = cli.execute(run.client, self.s, self.src, info["deployment"], slot_dir,
+        run_dir = create_run_dir(slot_dir, "gsm8k")
+        code = cli.execute(run.client, self.s, self.src, info["deployment"], run_dir,
                            srv.container(run.client).name)
-        run_dir = next(p for p in slot_dir.iterdir() if p.is_dir() and p.name.endswith("gsm8k"))
         summary = results.read_summary(run_dir)
         self.arm_runs.setdefault(arm, {"run_dir": str(run_dir), "exit_code": code,
                                        "message": summary.get("message")})

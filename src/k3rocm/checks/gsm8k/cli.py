@@ -204,14 +204,14 @@ def run(args: argparse.Namespace) -> int:
         s = Gsm8kSettings.from_args(args, url=s.url, model=served[0])
     client = docker_client()
     image_id(client, s.client_image)
-    return execute(client, s, src, dep, args.results_dir, args.server_container)
+    return execute(client, s, src, dep, create_run_dir(args.results_dir, "gsm8k"),
+                   args.server_container)
 
 
-def execute(client, s: Gsm8kSettings, src: data.DataSource, dep, results_dir: str | Path,
+def execute(client, s: Gsm8kSettings, src: data.DataSource, dep, run_dir: Path,
             server_container: str | None = None) -> int:
-    """Run lm-eval into a new run directory under ``results_dir`` against the server ``dep``
-    describes; returns the exit code."""
-    run_dir = create_run_dir(results_dir, "gsm8k")
+    """Run lm-eval into the new run directory ``run_dir`` (:func:`create_run_dir`'s) against
+    the server ``dep`` describes; returns the exit code."""
     progress(f"run directory {run_dir}")
     write_bytes_atomic(run_dir / "lmeval_plugin" / LAUNCHER_NAME, LAUNCHER_SRC.read_bytes())
     write_text_atomic(run_dir / "tasks" / "gsm8k.yaml", data.task_yaml(src))
