@@ -45,6 +45,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(what `make config` does before compose mounts it)")
 
 
+def deployment_view(args: argparse.Namespace) -> dict:
+    """``--print-deployment``: with --host-paths the checkpoint is checked, as the command's own
+    render checks it."""
+    return args.deployment.with_env(True).to_json() if args.host_paths else {}
+
+
 def write_vendor_env(path: Path, rendered) -> None:
     """The shell's vendor variables, one KEY=VALUE per line (compose env_file), atomically."""
     from k3rocm.rundir import write_text_atomic
